@@ -1,0 +1,111 @@
+"""Shared base for the contract models and the error type every loader raises.
+
+The contract follows serde's behaviour for the Rust crates: unknown keys are ignored,
+an unknown tag value is an error, every documented field is required. Fields we add
+(extensions) carry defaults and are left out of ``dump`` unless the user set them, so
+``dump(load(x)) == x`` holds for documents written against the Rust shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Annotated, Any, ClassVar
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+)
+
+__all__ = [
+    "Contract",
+    "ConfigError",
+    "Count",
+    "PositiveCount",
+    "Fraction",
+    "format_validation_error",
+]
+
+# usize in Rust: a non-negative JSON integer; floats, bools and strings are rejected.
+Count = Annotated[int, Field(ge=0, strict=True)]
+# A count where zero makes no sense (num_replicas, rounds, ...).
+PositiveCount = Annotated[int, Field(ge=1, strict=True)]
+# A fraction in (0, 1].
+Fraction = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+
+
+class ConfigError(ValueError):
+    """Bad user input in a strategy, compression, tensor-parallel or job document.
+
+    ``problems`` holds one ``(field_path, message)`` pair per problem; ``str(err)``
+    prints one line per problem, each starting with its field path.
+    """
+
+    def __init__(self, problems: Iterable[tuple[str, str]]) -> None:
+        self.problems: list[tuple[str, str]] = list(problems)
+        super().__init__("\n".join(f"{p}: {m}" if p else m for p, m in self.problems))
+
+
+def _loc_to_path(loc: tuple[int | str, ...], prefix: str = "") -> str:
+    parts: list[str] = [prefix] if prefix else []
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+            continue
+        # Pydantic puts the union member's tag (or a function name) into the path;
+        # the user never wrote those, so they are dropped from the printed path.
+        if item in _UNION_NOISE or item.startswith("function-"):
+            continue
+        parts.append(("." if parts else "") + item)
+    return "".join(parts).replace(".[", "[") or "<root>"
+
+
+_UNION_NOISE: set[str] = set()
+
+
+def register_tags(tags: Iterable[str]) -> None:
+    """Record tag names so they are not shown as path segments in error messages."""
+    _UNION_NOISE.update(tags)
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> ConfigError:
+    """Turn a pydantic error into a ConfigError naming each field path and value."""
+    problems: list[tuple[str, str]] = []
+    for e in err.errors(include_url=False):
+        path = _loc_to_path(tuple(e["loc"]), prefix)
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            tag = str((e.get("ctx") or {}).get("discriminator", "")).strip("'")
+            path = f"{path}.{tag}" if path != "<root>" else tag
+            if e["type"] == "union_tag_not_found":
+                msg = f"missing tag field {tag!r}"
+        elif e["type"] == "missing":
+            msg = "missing required field"
+        elif "input" in e and e["type"] != "value_error":
+            value = e["input"]
+            if not isinstance(value, dict | list) or len(repr(value)) < 80:
+                msg = f"{msg} (got {value!r})"
+        problems.append((path, msg))
+    return ConfigError(problems)
+
+
+class Contract(BaseModel):
+    """Frozen, serde-like model; extension fields are dumped only when set."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    _extensions: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_extensions(
+        self, handler: SerializerFunctionWrapHandler, info: SerializationInfo
+    ) -> Any:
+        data = handler(self)
+        if isinstance(data, dict):
+            for name in self._extensions:
+                if name not in self.model_fields_set:
+                    data.pop(name, None)
+        return data

@@ -1,0 +1,107 @@
+"""CompressionStrategy: the seven methods, tagged by ``"method"``, nested by ``base_strategy``.
+
+The Rust enum has no serde form; this is ours in the same style as the strategy enums.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, TypeAdapter, ValidationError
+
+from ._base import ConfigError, Contract, Count, format_validation_error, register_tags
+
+__all__ = [
+    "NoCompression", "TopK", "RandomK", "Threshold", "Quantization", "ErrorFeedback",
+    "ClippedCompression", "CompressionStrategy", "load_compression", "dump_compression",
+    "compression_schema",
+]
+
+
+class NoCompression(Contract):
+    method: Literal["None"] = "None"
+
+
+class TopK(Contract):
+    """Keep the ``k`` entries of largest magnitude per tensor (k >= n keeps all)."""
+
+    method: Literal["TopK"] = "TopK"
+    k: Count
+
+
+class RandomK(Contract):
+    """Keep ``k`` positions drawn from a generator seeded by (seed, step, key)."""
+
+    method: Literal["RandomK"] = "RandomK"
+    k: Count
+
+
+class Threshold(Contract):
+    """Keep entries with ``|v| > threshold`` (strict)."""
+
+    method: Literal["Threshold"] = "Threshold"
+    threshold: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+
+
+class Quantization(Contract):
+    """Per-tensor min-max uniform quantization to ``bits`` (1..32), bit-packed."""
+
+    method: Literal["Quantization"] = "Quantization"
+    bits: Annotated[int, Field(ge=1, le=32, strict=True)]
+
+
+class ErrorFeedback(Contract):
+    """Residual per key: p = g + e; c = C(p); e <- p - D(c)."""
+
+    method: Literal["ErrorFeedback"] = "ErrorFeedback"
+    base_strategy: CompressionStrategy
+    error_compensation: bool
+
+
+class ClippedCompression(Contract):
+    """Clamp each value to [-clip_value, clip_value], then apply ``base_strategy``."""
+
+    method: Literal["ClippedCompression"] = "ClippedCompression"
+    base_strategy: CompressionStrategy
+    clip_value: Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+
+
+CompressionStrategy = Annotated[
+    NoCompression | TopK | RandomK | Threshold | Quantization | ErrorFeedback | ClippedCompression,
+    Field(discriminator="method"),
+]
+
+ErrorFeedback.model_rebuild()
+ClippedCompression.model_rebuild()
+
+register_tags(
+    ["None", "TopK", "RandomK", "Threshold", "Quantization", "ErrorFeedback", "ClippedCompression"]
+)
+
+_ADAPTER: TypeAdapter[Any] = TypeAdapter(CompressionStrategy)
+
+
+def load_compression(doc: str | bytes | dict[str, Any] | Contract) -> Any:
+    """Validate a CompressionStrategy from JSON text or a dict; raises ConfigError."""
+    if isinstance(doc, Contract):
+        return doc
+    try:
+        if isinstance(doc, str | bytes):
+            try:
+                doc = json.loads(doc)
+            except json.JSONDecodeError as e:
+                raise ConfigError([("<root>", f"not valid JSON: {e}")]) from None
+        return _ADAPTER.validate_python(doc)
+    except ValidationError as e:
+        raise format_validation_error(e) from None
+
+
+def dump_compression(strategy: Any) -> dict[str, Any]:
+    out: dict[str, Any] = _ADAPTER.dump_python(strategy, mode="json")
+    return out
+
+
+def compression_schema() -> dict[str, Any]:
+    schema: dict[str, Any] = _ADAPTER.json_schema()
+    return schema

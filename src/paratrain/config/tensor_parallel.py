@@ -1,0 +1,79 @@
+"""TensorParallelismConfig with its three enums and the Rust ``Default`` values.
+
+Missing keys take the defaults (the Rust form requires all keys; lenient on purpose).
+The enums serialise as plain strings, e.g. ``"ColumnWise"``.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from typing import Any
+
+from pydantic import ValidationError
+
+from ._base import ConfigError, Contract, PositiveCount, Count, format_validation_error
+
+__all__ = [
+    "TensorPartitioningStrategy", "TensorCommunicationPattern", "TensorMemoryOptimization",
+    "TensorParallelismConfig", "load_tensor_parallel", "dump_tensor_parallel",
+]
+
+
+class TensorPartitioningStrategy(str, Enum):
+    ColumnWise = "ColumnWise"
+    RowWise = "RowWise"
+    BatchWise = "BatchWise"
+    SequenceWise = "SequenceWise"
+    Dynamic = "Dynamic"
+    BlockWise = "BlockWise"
+    Custom = "Custom"
+
+
+class TensorCommunicationPattern(str, Enum):
+    AllReduce = "AllReduce"
+    AllGather = "AllGather"
+    ReduceScatter = "ReduceScatter"
+    PointToPoint = "PointToPoint"
+    Hierarchical = "Hierarchical"
+
+
+class TensorMemoryOptimization(str, Enum):
+    None_ = "None"
+    Low = "Low"
+    Medium = "Medium"
+    High = "High"
+    Extreme = "Extreme"
+
+
+class TensorParallelismConfig(Contract):
+    tensor_parallel_size: PositiveCount = 1
+    partitioning_strategy: TensorPartitioningStrategy = TensorPartitioningStrategy.ColumnWise
+    column_parallel: bool = True
+    row_parallel: bool = True
+    communication_pattern: TensorCommunicationPattern = TensorCommunicationPattern.AllReduce
+    async_communication: bool = True
+    fusion_threshold_bytes: Count = 1048576
+    gradient_accumulation: bool = True
+    memory_optimization: TensorMemoryOptimization = TensorMemoryOptimization.Medium
+    mixed_precision: bool = False
+
+
+def load_tensor_parallel(doc: str | bytes | dict[str, Any] | TensorParallelismConfig) -> TensorParallelismConfig:
+    """Validate a TensorParallelismConfig from JSON text or a dict; raises ConfigError."""
+    if isinstance(doc, TensorParallelismConfig):
+        return doc
+    try:
+        if isinstance(doc, str | bytes):
+            try:
+                doc = json.loads(doc)
+            except json.JSONDecodeError as e:
+                raise ConfigError([("<root>", f"not valid JSON: {e}")]) from None
+        return TensorParallelismConfig.model_validate(doc)
+    except ValidationError as e:
+        raise format_validation_error(e) from None
+
+
+def dump_tensor_parallel(config: TensorParallelismConfig) -> dict[str, Any]:
+    """All ten keys (the Rust form requires every one)."""
+    return config.model_dump(mode="json")
