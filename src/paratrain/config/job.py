@@ -54,6 +54,9 @@ class RunConfig(_Section):
     num_workers: PositiveCount | None = None
     # Checkpoint every N optimizer steps (Local/DataParallel); 0 = once per epoch.
     checkpoint_every: Count = 0
+    # Modules or .py files (relative to the job file) imported before the run, e.g. to
+    # register Custom coordinators or factories.
+    imports: list[str] = []
 
 
 class ModelSpec(_OpenSection):

@@ -8,13 +8,14 @@ on dispatch so a strategy's dependencies load only when it runs.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
 from ..config.job import JobConfig
-from .custom import register_coordinator, registered_coordinators
+from .custom import import_plugins, register_coordinator, registered_coordinators
 
-__all__ = ["execute", "register_coordinator", "registered_coordinators", "EXECUTORS"]
+__all__ = ["execute", "executor_module", "register_coordinator", "registered_coordinators", "EXECUTORS"]
 
 # strategy "type" -> module implementing it
 EXECUTORS: dict[str, str] = {
@@ -27,14 +28,28 @@ EXECUTORS: dict[str, str] = {
 }
 
 
-def execute(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
-    """Run ``job`` under its strategy and return the summary. Never falls back to Local."""
-    kind = getattr(job.strategy, "type", None)
-    module_name = EXECUTORS.get(str(kind))
+def executor_module(job: JobConfig) -> str:
+    """The module that runs ``job``: by strategy type, except that a Local or DataParallel
+    job with ``tensor_parallel_size > 1`` runs on the tensor-parallel executor."""
+    kind = str(getattr(job.strategy, "type", None))
+    tp = job.tensor_parallel
+    if tp is not None and tp.tensor_parallel_size > 1 and kind in ("Local", "DataParallel"):
+        return "paratrain.executors.tensor_parallel"
+    module_name = EXECUTORS.get(kind)
     if module_name is None:
         raise ConfigError(
             [("strategy.type", f"this version cannot run {kind!r}; valid: {', '.join(EXECUTORS)}")]
         )
-    module = importlib.import_module(module_name)
+    return module_name
+
+
+def execute(
+    job: JobConfig, *, resume: bool = False, job_dir: Path | None = None
+) -> dict[str, Any]:
+    """Run ``job`` under its strategy and return the summary. Never falls back to Local.
+
+    ``job_dir`` (the job file's folder) anchors relative ``run.imports`` paths."""
+    import_plugins(job.run.imports, base=job_dir)
+    module = importlib.import_module(executor_module(job))
     summary: dict[str, Any] = module.run(job, resume=resume)
     return summary

@@ -1,0 +1,70 @@
+"""Python API: ``paratrain.fit(...)`` returns the same summary the CLI writes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .config import ConfigError
+from .config.job import JobConfig, load_job
+from .data import DataBundle
+
+__all__ = ["fit"]
+
+
+def _section(value: Any) -> Any:
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json")
+    return value
+
+
+def fit(
+    job: JobConfig | dict[str, Any] | str | None = None,
+    *,
+    model: str | dict[str, Any] | nn.Module | None = None,
+    data: str | dict[str, Any] | DataBundle | None = None,
+    strategy: Any = None,
+    resume: bool = False,
+    **sections: Any,
+) -> dict[str, Any]:
+    """Train and return the run summary.
+
+    ``job`` is a JobConfig, a dict, or a job-file path; keyword sections (``train=``,
+    ``run=``, ``compression=``, ``tensor_parallel=``, ``workers=``, ...) override it.
+    ``model``/``data`` may be zoo names, spec dicts, or (for the Local strategy) an
+    ``nn.Module`` / :class:`DataBundle` instance used as is.
+
+    >>> summary = paratrain.fit(model="mlp", data="digits", train={"epochs": 3})
+    """
+    from .executors import execute
+
+    if isinstance(job, JobConfig):
+        doc: dict[str, Any] = job.model_dump(mode="json", exclude_unset=True)
+    elif isinstance(job, str):
+        doc = load_job(job).model_dump(mode="json", exclude_unset=True)
+    else:
+        doc = dict(job or {})
+    instance_model = model if isinstance(model, nn.Module) else None
+    instance_data = data if isinstance(data, DataBundle) else None
+    if isinstance(model, str):
+        doc["model"] = {"name": model}
+    elif isinstance(model, dict):
+        doc["model"] = model
+    if isinstance(data, str):
+        doc["data"] = {"name": data}
+    elif isinstance(data, dict):
+        doc["data"] = data
+    if strategy is not None:
+        doc["strategy"] = _section(strategy)
+    for key, value in sections.items():
+        doc[key] = _section(value)
+    cfg = load_job(doc)
+    if instance_model is not None or instance_data is not None:
+        if cfg.strategy.type != "Local":
+            raise ConfigError([("model", "model/data instances are supported with the Local strategy; "
+                                "use a factory ('module:function') for multi-process strategies")])
+        from .executors import local
+
+        return local.run(cfg, resume=resume, model=instance_model, data=instance_data)
+    return execute(cfg, resume=resume)

@@ -1,0 +1,141 @@
+"""The ``paratrain`` command: run, validate, schema.
+
+Bad input never produces a traceback: every ConfigError (and any error a job's own
+code raises while loading) prints one ``field.path: message`` line per problem and the
+command exits 2. Failures during training exit 1 with a one-line reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import ConfigError
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def _problems(err: ConfigError, path: str | None = None) -> list[str]:
+    prefix = f"{path}: " if path else ""
+    return [f"{prefix}{p}: {m}" if p else f"{prefix}{m}" for p, m in err.problems]
+
+
+def _print_problems(lines: list[str]) -> None:
+    for line in lines:
+        print(line, file=sys.stderr)
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from .config.job import load_job
+
+    worst = EXIT_OK
+    for path in args.jobs:
+        try:
+            load_job(path)
+        except ConfigError as e:
+            _print_problems(_problems(e, path))
+            worst = EXIT_USAGE
+        else:
+            if not args.quiet:
+                print(f"{path}: ok")
+    return worst
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    from .config import compression_schema, job_schema, strategy_schema
+
+    which = {"job": job_schema, "strategy": strategy_schema, "compression": compression_schema}
+    print(json.dumps(which[args.what](), indent=2))
+    return EXIT_OK
+
+
+def _final_table(summary: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"paratrain — {summary.get('strategy', 'run')}", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in summary.items():
+        if isinstance(value, dict | list):
+            continue
+        text = f"{value:.4f}" if isinstance(value, float) else str(value)
+        table.add_row(key, text)
+    Console().print(table)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .config.job import load_job
+    from .executors import execute
+
+    try:
+        job = load_job(args.job)
+    except ConfigError as e:
+        _print_problems(_problems(e, args.job))
+        return EXIT_USAGE
+    # Multi-node launch options travel to comm.launch through the environment, the
+    # same way torchrun passes its own settings.
+    if args.nnodes is not None:
+        os.environ["PARATRAIN_NNODES"] = str(args.nnodes)
+    if args.node_rank is not None:
+        os.environ["PARATRAIN_NODE_RANK"] = str(args.node_rank)
+    if args.rdzv_endpoint is not None:
+        os.environ["PARATRAIN_RDZV_ENDPOINT"] = args.rdzv_endpoint
+    try:
+        summary = execute(job, resume=args.resume, job_dir=Path(args.job).resolve().parent)
+    except ConfigError as e:
+        _print_problems(_problems(e, args.job))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted; continue with --resume", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one clear line, not a traceback
+        if os.environ.get("PARATRAIN_DEBUG"):
+            raise
+        print(f"error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+        print("(set PARATRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
+        return EXIT_FAIL
+    if not args.quiet:
+        _final_table(summary)
+        print(f"run folder: {summary.get('run_dir', '')}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="paratrain", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a job file (TOML, JSON or YAML)")
+    r.add_argument("job")
+    r.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    r.add_argument("--nnodes", type=int, help="number of machines (multi-node launch)")
+    r.add_argument("--node-rank", type=int, help="this machine's rank among --nnodes")
+    r.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (rank-0 machine)")
+    r.add_argument("-q", "--quiet", action="store_true")
+    r.set_defaults(fn=_cmd_run)
+
+    v = sub.add_parser("validate", help="check job files; exit 2 listing every problem")
+    v.add_argument("jobs", nargs="+")
+    v.add_argument("-q", "--quiet", action="store_true")
+    v.set_defaults(fn=_cmd_validate)
+
+    s = sub.add_parser("schema", help="print the JSON Schema of the job file")
+    s.add_argument("what", nargs="?", choices=["job", "strategy", "compression"], default="job")
+    s.set_defaults(fn=_cmd_schema)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.fn(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Custom: user coordinators registered by name (``@register_coordinator("name")``).
+
+A coordinator is ``fn(job: JobConfig, config: JSON) -> dict`` (the summary). A job whose
+strategy is ``{"type":"Custom","coordinator":name,"config":...}`` runs it; modules listed
+in ``run.imports`` are imported first so their decorators register. An unknown name is
+an error listing the registered ones; there is no fallback to Local.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError
+from ..config.job import JobConfig
+
+__all__ = ["register_coordinator", "registered_coordinators", "import_plugins", "run"]
+
+Coordinator = Callable[[JobConfig, Any], dict[str, Any]]
+_REGISTRY: dict[str, Coordinator] = {}
+
+
+def register_coordinator(name: str) -> Callable[[Coordinator], Coordinator]:
+    """Decorator registering ``fn`` as the coordinator called ``name``."""
+    if not name or not isinstance(name, str):
+        raise ValueError(f"coordinator name must be a non-empty string (got {name!r})")
+
+    def deco(fn: Coordinator) -> Coordinator:
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def registered_coordinators() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def import_plugins(refs: list[str], *, base: Path | None = None) -> None:
+    """Import each ``run.imports`` entry: a module name or a ``.py`` path (relative to
+    ``base``, the job file's folder)."""
+    for i, ref in enumerate(refs):
+        field = f"run.imports[{i}]"
+        if ref.endswith(".py"):
+            path = Path(ref)
+            if not path.is_absolute() and base is not None:
+                path = base / path
+            if not path.is_file():
+                raise ConfigError([(field, f"no such file {str(path)!r}")])
+            name = f"paratrain_plugin_{path.stem}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or spec.loader is None:
+                raise ConfigError([(field, f"cannot import {str(path)!r}")])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        else:
+            try:
+                importlib.import_module(ref)
+            except ImportError as e:
+                raise ConfigError([(field, f"cannot import {ref!r}: {e}")]) from None
+
+
+def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
+    name = getattr(job.strategy, "coordinator", None)
+    if name not in _REGISTRY:
+        known = ", ".join(registered_coordinators()) or "none registered"
+        raise ConfigError(
+            [("strategy.coordinator", f"no coordinator named {name!r}; registered: {known}")]
+        )
+    # A coordinator receives a plain JSON copy: it cannot mutate the frozen job.
+    config = json.loads(json.dumps(getattr(job.strategy, "config", None)))
+    summary = _REGISTRY[name](job, config)
+    if not isinstance(summary, dict):
+        raise TypeError(f"coordinator {name!r} must return a dict summary (got {type(summary).__name__})")
+    return summary

@@ -1,0 +1,125 @@
+"""Small models for 8x8 digits and similar inputs, each an ``nn.Sequential`` of named nodes.
+
+- ``mlp(hidden=[64])``: flatten -> (fc_i, act_i)* -> head
+- ``cnn(channels=[16, 32])``: unflatten to (1, 8, 8) -> conv/act/pool blocks -> head
+- ``transformer(d_model=32, heads=4, layers=2)``: rows of the image as a sequence of
+  tokens -> embed -> encoder blocks -> mean pool -> head
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from ..config.job import ModelSpec
+
+__all__ = ["MODELS", "build_model", "import_object", "MeanPool"]
+
+
+def import_object(ref: str, *, field: str) -> Any:
+    """Import ``"package.module:attribute"``; ConfigError names ``field`` on failure."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError([(field, f"expected 'module:function' (got {ref!r})")])
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError([(field, f"cannot import {module_name!r}: {e}")]) from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ConfigError([(field, f"{module_name!r} has no attribute {attr!r}")]) from None
+
+
+class MeanPool(nn.Module):
+    """Mean over the sequence dimension: (B, T, D) -> (B, D)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=1)
+
+
+def mlp(input_shape: tuple[int, ...], num_classes: int, *, hidden: list[int] | None = None,
+        activation: str = "relu", dropout: float = 0.0) -> nn.Sequential:
+    hidden = [64] if hidden is None else list(hidden)
+    acts: dict[str, Callable[[], nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
+    if activation not in acts:
+        raise ConfigError([("model.activation", f"unknown {activation!r}; valid: {', '.join(acts)}")])
+    layers: OrderedDict[str, nn.Module] = OrderedDict(flatten=nn.Flatten())
+    width = math.prod(input_shape)
+    for i, h in enumerate(hidden):
+        layers[f"fc{i}"] = nn.Linear(width, h)
+        layers[f"act{i}"] = acts[activation]()
+        if dropout > 0:
+            layers[f"drop{i}"] = nn.Dropout(dropout)
+        width = h
+    layers["head"] = nn.Linear(width, num_classes)
+    return nn.Sequential(layers)
+
+
+def cnn(input_shape: tuple[int, ...], num_classes: int, *,
+        channels: list[int] | None = None) -> nn.Sequential:
+    channels = [16, 32] if channels is None else list(channels)
+    side = int(math.isqrt(math.prod(input_shape)))
+    if side * side != math.prod(input_shape):
+        raise ConfigError([("model.name", f"cnn needs square single-channel images (got {input_shape})")])
+    layers: OrderedDict[str, nn.Module] = OrderedDict(unflatten=nn.Unflatten(1, (1, side, side)))
+    c_in = 1
+    for i, c in enumerate(channels):
+        layers[f"conv{i}"] = nn.Conv2d(c_in, c, 3, padding=1)
+        layers[f"act{i}"] = nn.ReLU()
+        if side >= 2:
+            layers[f"pool{i}"] = nn.MaxPool2d(2)
+            side //= 2
+        c_in = c
+    layers["flatten"] = nn.Flatten()
+    layers["head"] = nn.Linear(c_in * side * side, num_classes)
+    return nn.Sequential(layers)
+
+
+def transformer(input_shape: tuple[int, ...], num_classes: int, *, d_model: int = 32,
+                heads: int = 4, layers: int = 2, seq_len: int | None = None) -> nn.Sequential:
+    n = math.prod(input_shape)
+    seq = seq_len or int(math.isqrt(n))
+    if n % seq:
+        raise ConfigError([("model.seq_len", f"{n} features do not split into {seq} tokens")])
+    mods: OrderedDict[str, nn.Module] = OrderedDict(
+        tokens=nn.Unflatten(1, (seq, n // seq)), embed=nn.Linear(n // seq, d_model)
+    )
+    for i in range(layers):
+        mods[f"block{i}"] = nn.TransformerEncoderLayer(
+            d_model, heads, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True
+        )
+    mods["pool"] = MeanPool()
+    mods["head"] = nn.Linear(d_model, num_classes)
+    return nn.Sequential(mods)
+
+
+MODELS: dict[str, Callable[..., nn.Sequential]] = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
+
+
+def build_model(spec: ModelSpec, *, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """Build the model a job names (zoo ``name`` or ``factory``), with the spec's kwargs."""
+    kwargs = spec.kwargs
+    if spec.factory is not None:
+        fn = import_object(spec.factory, field="model.factory")
+        try:
+            model = fn(input_shape=input_shape, num_classes=num_classes, **kwargs)
+        except TypeError as e:
+            raise ConfigError([("model", f"factory {spec.factory!r} rejected its arguments: {e}")]) from None
+    else:
+        if spec.name not in MODELS:
+            raise ConfigError([("model.name", f"unknown model {spec.name!r}; valid: {', '.join(MODELS)}")])
+        try:
+            model = MODELS[spec.name](input_shape, num_classes, **kwargs)
+        except TypeError as e:
+            raise ConfigError([("model", f"{spec.name!r} rejected its arguments: {e}")]) from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError([("model.factory", f"must return an nn.Module (got {type(model).__name__})")])
+    return model

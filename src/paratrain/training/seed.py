@@ -1,0 +1,37 @@
+"""Seeding and RNG state capture, so a resumed run draws the same numbers."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["seed_everything", "rng_state", "set_rng_state"]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch RNG states as tensors/ints only (weights_only-safe)."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python_version": int(py[0]),
+        "python_state": torch.tensor(py[1], dtype=torch.int64),
+        "numpy_keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+        "numpy_pos": int(np_state[2]),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate((state["python_version"], tuple(int(v) for v in state["python_state"]), None))
+    keys = state["numpy_keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, int(state["numpy_pos"]), 0, 0.0))
+    torch.set_rng_state(state["torch"])
