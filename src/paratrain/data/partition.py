@@ -1,0 +1,133 @@
+"""Federated partitioners: split a training set's indices among ``num_clients`` clients.
+
+Every partitioner returns ``num_clients`` sorted int64 index arrays that are disjoint
+and together cover every example exactly once; each is a pure function of
+``(labels, num_clients, parameters, seed)``.
+
+- ``iid``: a seeded permutation cut into ``num_clients`` near-equal parts
+  (sizes differ by at most one).
+- ``shards`` (McMahan et al. 2017, the "pathological non-IID" split): examples sorted
+  by label, cut into ``num_clients·shards_per_client`` near-equal shards, and each
+  client gets ``shards_per_client`` shards drawn at random, so most clients see only
+  a couple of labels.
+- ``dirichlet`` (Hsu et al. 2019): for each class ``k``, proportions
+  ``p_k ~ Dir(α·1_N)`` over the N clients split that class's (shuffled) examples.
+  Small ``α`` = very skewed label mixes. A client left with fewer than ``min_size``
+  examples receives examples moved one at a time (seeded) from the currently
+  largest client until every client has ``min_size``; ``min_size·N > n`` is an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["partition_iid", "partition_shards", "partition_dirichlet", "partition_indices"]
+
+IndexList = list[np.ndarray]
+
+
+def _labels(labels: Any) -> np.ndarray:
+    arr = np.asarray(labels.numpy() if hasattr(labels, "numpy") else labels)
+    if arr.ndim != 1:
+        raise ValueError(f"labels must be one-dimensional (got shape {arr.shape})")
+    return arr
+
+
+def _check(n: int, num_clients: int) -> None:
+    if num_clients < 1:
+        raise ValueError(f"num_clients must be >= 1 (got {num_clients})")
+    if num_clients > n:
+        raise ValueError(f"cannot split {n} examples among {num_clients} clients (more clients than examples)")
+
+
+def _finish(parts: Sequence[np.ndarray]) -> IndexList:
+    return [np.sort(np.asarray(p, dtype=np.int64)) for p in parts]
+
+
+def partition_iid(num_examples: int, num_clients: int, *, seed: int) -> IndexList:
+    """A seeded permutation of ``range(num_examples)`` cut into near-equal parts."""
+    _check(num_examples, num_clients)
+    rng = np.random.default_rng([int(seed), 0x11D])
+    perm = rng.permutation(num_examples)
+    return _finish(np.array_split(perm, num_clients))
+
+
+def partition_shards(
+    labels: Any, num_clients: int, *, shards_per_client: int, seed: int
+) -> IndexList:
+    """Label-sorted shards, ``shards_per_client`` random shards per client."""
+    y = _labels(labels)
+    n = len(y)
+    _check(n, num_clients)
+    if shards_per_client < 1:
+        raise ValueError(f"shards_per_client must be >= 1 (got {shards_per_client})")
+    num_shards = num_clients * shards_per_client
+    if num_shards > n:
+        raise ValueError(
+            f"data.partition.shards_per_client: {num_clients} clients x {shards_per_client} "
+            f"shards = {num_shards} shards > {n} examples"
+        )
+    rng = np.random.default_rng([int(seed), 0x5A4D])
+    # Shuffle first so that ties within a label are broken at random, then sort stably.
+    perm = rng.permutation(n)
+    order = perm[np.argsort(y[perm], kind="stable")]
+    shards = np.array_split(order, num_shards)
+    assign = rng.permutation(num_shards)
+    parts = [
+        np.concatenate([shards[s] for s in assign[c * shards_per_client : (c + 1) * shards_per_client]])
+        for c in range(num_clients)
+    ]
+    return _finish(parts)
+
+
+def partition_dirichlet(
+    labels: Any, num_clients: int, *, alpha: float, min_size: int = 0, seed: int
+) -> IndexList:
+    """Per-class Dirichlet(α) proportions over clients, then a ``min_size`` top-up."""
+    y = _labels(labels)
+    n = len(y)
+    _check(n, num_clients)
+    if not alpha > 0:
+        raise ValueError(f"data.partition.alpha must be > 0 (got {alpha})")
+    if min_size * num_clients > n:
+        raise ValueError(
+            f"data.partition.min_size: {num_clients} clients x min_size {min_size} = "
+            f"{min_size * num_clients} > {n} examples"
+        )
+    rng = np.random.default_rng([int(seed), 0xD1E1])
+    buckets: list[list[int]] = [[] for _ in range(num_clients)]
+    for k in np.unique(y):
+        idx = np.flatnonzero(y == k)
+        idx = idx[rng.permutation(len(idx))]
+        p = rng.dirichlet(np.full(num_clients, float(alpha)))
+        cuts = (np.cumsum(p)[:-1] * len(idx)).astype(np.int64)
+        for c, chunk in enumerate(np.split(idx, cuts)):
+            buckets[c].extend(int(i) for i in chunk)
+    sizes = np.array([len(b) for b in buckets])
+    while sizes.min() < min_size:
+        small = int(np.argmin(sizes))  # lowest index among the smallest
+        big = int(np.argmax(sizes))
+        j = int(rng.integers(len(buckets[big])))
+        buckets[big][j], buckets[big][-1] = buckets[big][-1], buckets[big][j]
+        buckets[small].append(buckets[big].pop())
+        sizes[small] += 1
+        sizes[big] -= 1
+    return _finish([np.array(b, dtype=np.int64) for b in buckets])
+
+
+def partition_indices(labels: Any, num_clients: int, spec: Any, *, seed: int) -> IndexList:
+    """Dispatch on a ``PartitionSpec`` (``method`` = iid | shards | dirichlet)."""
+    y = _labels(labels)
+    method = getattr(spec, "method", "iid")
+    if method == "iid":
+        return partition_iid(len(y), num_clients, seed=seed)
+    if method == "shards":
+        return partition_shards(y, num_clients, shards_per_client=spec.shards_per_client, seed=seed)
+    if method == "dirichlet":
+        return partition_dirichlet(
+            y, num_clients, alpha=spec.alpha, min_size=spec.min_size, seed=seed
+        )
+    raise ValueError(f"unknown data.partition.method {method!r}; valid: iid, shards, dirichlet")

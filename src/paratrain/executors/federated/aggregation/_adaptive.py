@@ -1,0 +1,77 @@
+"""Adaptive server optimizers of Reddi et al. 2021 ("Adaptive Federated Optimization",
+ICLR 2021, Algorithm 2).
+
+With the example-weighted mean client delta ``Δ_t = Σ n_i Δ_i / Σ n_i`` (the negated
+pseudo-gradient):
+
+    m_t = β1·m_{t−1} + (1 − β1)·Δ_t
+    v_t = v_{t−1} + Δ_t²                                   (FedAdagrad)
+    v_t = β2·v_{t−1} + (1 − β2)·Δ_t²                        (FedAdam)
+    v_t = v_{t−1} − (1 − β2)·Δ_t²·sign(v_{t−1} − Δ_t²)      (FedYogi)
+    w_{t+1} = w_t + η·m_t / (√v_t + τ)
+
+``m_0 = 0`` and ``v_0 = τ²`` (the paper's ``v_{−1} ≥ τ²``); no bias correction, as
+in the paper. The moments are the server optimizer state (``state_dict``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._common import Update, apply_step
+from .fedavg import fedavg_step
+
+__all__ = ["AdaptiveServerOptimizer"]
+
+
+class AdaptiveServerOptimizer:
+    """Base class; subclasses define :meth:`second_moment`."""
+
+    name = "Adaptive"
+
+    def __init__(self, *, eta: float, beta1: float, beta2: float, tau: float) -> None:
+        if eta <= 0 or tau <= 0:
+            raise ValueError(f"{self.name}: eta and tau must be > 0 (got eta={eta}, tau={tau})")
+        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+            raise ValueError(f"{self.name}: betas must be in [0, 1) (got {beta1}, {beta2})")
+        self.eta, self.beta1, self.beta2, self.tau = float(eta), float(beta1), float(beta2), float(tau)
+        self.m: dict[str, Tensor] = {}
+        self.v: dict[str, Tensor] = {}
+        self.t = 0
+
+    def second_moment(self, v: Tensor, d2: Tensor) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def aggregate(
+        self,
+        global_state: Mapping[str, Tensor],
+        updates: Sequence[Update],
+        weights: Sequence[float],
+    ) -> dict[str, Tensor]:
+        delta = fedavg_step(updates, weights)
+        step: dict[str, Tensor] = {}
+        for name, d in delta.items():
+            m = self.m.get(name, torch.zeros_like(d))
+            v = self.v.get(name, torch.full_like(d, self.tau**2))
+            m = self.beta1 * m + (1.0 - self.beta1) * d
+            v = self.second_moment(v, d * d)
+            self.m[name], self.v[name] = m, v
+            step[name] = self.eta * m / (v.sqrt() + self.tau)
+        self.t += 1
+        return apply_step(global_state, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "t": self.t,
+            "m": {k: v.clone() for k, v in self.m.items()},
+            "v": {k: v.clone() for k, v in self.v.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.t = int(state.get("t", 0))
+        self.m = {k: v.to(torch.float64).clone() for k, v in dict(state.get("m", {})).items()}
+        self.v = {k: v.to(torch.float64).clone() for k, v in dict(state.get("v", {})).items()}

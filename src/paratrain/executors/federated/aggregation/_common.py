@@ -1,0 +1,121 @@
+"""Shared tensor helpers for the federated aggregators.
+
+An *update* is a mapping ``name -> tensor`` holding a client's model delta
+``Δ_i = w_i − w_global`` (same keys and shapes as the global model). Aggregators
+combine the updates of the clients of one round into the server step ``Δ`` and
+return the new global model ``w_global + step``.
+
+Arithmetic is done in float64 on stacked tensors ``U ∈ R^{n × *shape}`` and cast back
+to the global tensor's dtype, so results do not depend on accumulation order beyond
+the (sorted) client order and 0-d (scalar) tensors work like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Update",
+    "MalformedUpdateError",
+    "validate_updates",
+    "stack_key",
+    "weighted_mean",
+    "apply_step",
+    "check_weights",
+]
+
+Update = Mapping[str, Tensor]
+
+
+class MalformedUpdateError(ValueError):
+    """A client update whose keys or shapes do not match the global model.
+
+    ``client`` is the client's id, ``tensor`` the offending tensor name.
+    """
+
+    def __init__(self, client: str, tensor: str, message: str) -> None:
+        self.client = client
+        self.tensor = tensor
+        super().__init__(f"client {client}: tensor {tensor!r}: {message}")
+
+
+def validate_updates(
+    reference: Mapping[str, Tensor],
+    updates: Sequence[Update],
+    client_ids: Sequence[str] | None = None,
+) -> None:
+    """Reject any update whose key set or shapes differ from ``reference``.
+
+    Runs before any arithmetic. Raises :class:`MalformedUpdateError` naming the client
+    and the tensor (a missing key, an unexpected key, a wrong shape or a non-finite or
+    non-floating value).
+    """
+    ids = list(client_ids) if client_ids is not None else [str(i) for i in range(len(updates))]
+    if len(ids) != len(updates):
+        raise ValueError(f"{len(updates)} updates but {len(ids)} client ids")
+    for cid, upd in zip(ids, updates, strict=True):
+        for name, ref in reference.items():
+            if name not in upd:
+                raise MalformedUpdateError(cid, name, "missing from the update")
+            t = upd[name]
+            if not isinstance(t, Tensor):
+                raise MalformedUpdateError(cid, name, f"not a tensor ({type(t).__name__})")
+            if tuple(t.shape) != tuple(ref.shape):
+                raise MalformedUpdateError(
+                    cid, name, f"shape {tuple(t.shape)} != expected {tuple(ref.shape)}"
+                )
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise MalformedUpdateError(cid, name, "contains NaN or infinity")
+        for name in upd:
+            if name not in reference:
+                raise MalformedUpdateError(cid, name, "unexpected key (not in the global model)")
+
+
+def check_weights(weights: Sequence[float], n: int) -> Tensor:
+    """Weights as a float64 vector; they must be finite, >= 0, with a positive sum."""
+    if len(weights) != n:
+        raise ValueError(f"{n} updates but {len(weights)} weights")
+    w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
+    if n == 0:
+        raise ValueError("aggregating zero client updates")
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise ValueError(f"weights must be finite and >= 0 (got {list(weights)})")
+    if float(w.sum()) <= 0.0:
+        raise ValueError(f"weights sum to zero (got {list(weights)})")
+    return w
+
+
+def stack_key(updates: Sequence[Update], name: str) -> Tensor:
+    """``U[i] = updates[i][name]`` as one float64 tensor of shape ``(n, *shape)``."""
+    return torch.stack([u[name].detach().to(torch.float64) for u in updates])
+
+
+def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float] | None = None) -> Tensor:
+    """``Σ_i w_i x_i / Σ_i w_i`` (uniform weights when ``weights`` is None).
+
+    Works for any shape including 0-d; computed in float64, returned as float64.
+    """
+    n = len(tensors)
+    if n == 0:
+        raise ValueError("weighted mean over zero tensors")
+    w = check_weights(weights if weights is not None else [1.0] * n, n)
+    x = torch.stack([t.detach().to(torch.float64) for t in tensors])
+    w = w.reshape((n,) + (1,) * (x.dim() - 1))
+    return (x * w).sum(0) / w.sum()
+
+
+def apply_step(global_state: Mapping[str, Tensor], step: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``w_new[k] = w_global[k] + step[k]`` cast to each global tensor's dtype.
+
+    Integer buffers (e.g. counters) are rounded to the nearest integer.
+    """
+    out: dict[str, Tensor] = {}
+    for name, g in global_state.items():
+        new = g.detach().to(torch.float64) + step[name]
+        if not g.is_floating_point():
+            new = torch.round(new)
+        out[name] = new.to(g.dtype)
+    return out

@@ -1,0 +1,49 @@
+"""FedAvg (McMahan et al. 2017, "Communication-Efficient Learning of Deep Networks
+from Decentralized Data").
+
+Server step: ``w ← w + Σ_i n_i Δ_i / Σ_i n_i`` with ``n_i`` the client's example
+count, i.e. the example-weighted mean of the client models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import Tensor
+
+from ._common import Update, apply_step, check_weights, stack_key
+
+__all__ = ["fedavg_step", "FedAvgAggregator"]
+
+
+def fedavg_step(updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
+    """The example-weighted mean of the updates, per key, in float64."""
+    n = len(updates)
+    w = check_weights(weights, n)
+    out: dict[str, Tensor] = {}
+    for name in updates[0]:
+        u = stack_key(updates, name)
+        ww = w.reshape((n,) + (1,) * (u.dim() - 1))
+        out[name] = (u * ww).sum(0) / w.sum()
+    return out
+
+
+class FedAvgAggregator:
+    """Stateless FedAvg server."""
+
+    name = "FedAvg"
+
+    def aggregate(
+        self,
+        global_state: Mapping[str, Tensor],
+        updates: Sequence[Update],
+        weights: Sequence[float],
+    ) -> dict[str, Tensor]:
+        return apply_step(global_state, fedavg_step(updates, weights))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        return None

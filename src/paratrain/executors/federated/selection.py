@@ -1,0 +1,69 @@
+"""Client selection per round (DESIGN §4, Federated).
+
+- ``All``: every client, in index order.
+- ``Random{fraction}``: ``k = max(1, ⌈fraction·num_clients⌉)`` distinct clients drawn
+  without replacement from a generator seeded by ``(seed, round)`` alone, so every
+  process (and a resumed run) draws the same set; returned sorted.
+- ``ByCapability{required_tags}``: the clients whose tags include every required tag
+  (a client's tags are its own ``[federated.client_tags]`` plus its hosting worker's);
+  no match is a :class:`ValueError` naming the tags.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["select_clients", "round_generator", "num_random"]
+
+_ROUND_SALT = 0x5EED_F3D
+
+
+def round_generator(seed: int, round_idx: int, salt: int = _ROUND_SALT) -> torch.Generator:
+    """A CPU generator determined by ``(seed, round_idx, salt)`` only."""
+    g = torch.Generator()
+    g.manual_seed((int(seed) * 1_000_003 + int(round_idx) * 7_919 + salt) % (2**63 - 1))
+    return g
+
+
+def num_random(fraction: float, num_clients: int) -> int:
+    """``max(1, ⌈fraction·num_clients⌉)`` clamped to ``num_clients``."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"client_selection.fraction must be in (0, 1] (got {fraction})")
+    # round() guards against 0.1*30 = 3.0000000000000004 -> 4.
+    k = math.ceil(round(fraction * num_clients, 9))
+    return min(num_clients, max(1, k))
+
+
+def select_clients(
+    spec: Any,
+    *,
+    num_clients: int,
+    round_idx: int,
+    seed: int,
+    client_tags: Mapping[int, Sequence[str]] | None = None,
+) -> list[int]:
+    """The sorted client indices taking part in round ``round_idx``."""
+    if num_clients < 1:
+        raise ValueError(f"num_clients must be >= 1 (got {num_clients})")
+    method = getattr(spec, "method", None)
+    if method == "All":
+        return list(range(num_clients))
+    if method == "Random":
+        k = num_random(float(spec.fraction), num_clients)
+        perm = torch.randperm(num_clients, generator=round_generator(seed, round_idx))
+        return sorted(int(i) for i in perm[:k])
+    if method == "ByCapability":
+        required = set(spec.required_tags)
+        tags = client_tags or {}
+        chosen = [c for c in range(num_clients) if required <= set(tags.get(c, ()))]
+        if not chosen:
+            raise ValueError(
+                "client_selection.required_tags: no client carries all of the tags "
+                f"{sorted(required)} (set [federated.client_tags] or [[workers]] tags)"
+            )
+        return chosen
+    raise ValueError(f"unknown client_selection method {method!r}; valid: All, Random, ByCapability")
