@@ -120,6 +120,10 @@ class PopulationOptions(_Section):
     epochs_per_generation: PositiveCount | None = None
     metric: str = "accuracy"
     mode: Literal["max", "min"] = "max"
+    # False = random search: the same population and budget without exploit/explore.
+    evolve: bool = True
+    # Member indices whose training raises (fault injection for tests and demos).
+    fail_members: list[Annotated[int, Field(ge=0, strict=True)]] = []
 
     @model_validator(mode="after")
     def _one_budget(self) -> PopulationOptions:
