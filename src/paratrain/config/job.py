@@ -113,6 +113,14 @@ class FederatedOptions(_Section):
     client_tags: dict[str, list[str]] = {}
     # Client indices whose local training raises (fault injection for tests and demos).
     fail_clients: list[int] = []
+    # Extensions (federated helper). Clients whose update is multiplied by
+    # ``byzantine_scale`` (robust-aggregation studies, e.g. -10 = "sign-flipped x10").
+    byzantine_clients: list[int] = []
+    byzantine_scale: float = -10.0
+    # Clients that send an update with a wrong shape (the server must reject it).
+    corrupt_clients: list[int] = []
+    # Stop once the global model reaches this test accuracy (None = run every round).
+    target_accuracy: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
 
 
 class PopulationOptions(_Section):
