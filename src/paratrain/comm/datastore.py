@@ -1,0 +1,174 @@
+"""A shared-directory tensor store: ModelParallel's ``DataStore`` protocol.
+
+Stages hand activations and gradients to each other through files in a directory that
+every worker can see (a local or network file system), so a consumer need not be
+running when its input is produced: the file waits for it.
+
+- **Atomic writes**: a value is written to a hidden temp file in the same directory and
+  published with ``os.replace``; a reader sees either nothing or the whole file.
+- **Safe serialization**: ``torch.save`` of one tensor, read back with
+  ``torch.load(weights_only=True)`` (no arbitrary pickle) after a size check.
+- **Bounded polling**: :meth:`DataStore.get` polls with exponential back-off (2 ms up to
+  50 ms) and raises ``TimeoutError`` naming the key and path after ``timeout_s``.
+- **Cleanup**: a consumed value is deleted (``take``); every launch works in a fresh
+  session sub-directory agreed through the rendezvous store, and rank 0 removes the
+  sessions of earlier launches, so a stale file from a crashed run is never read.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DataStore", "DataStoreTransport", "open_session"]
+
+_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}$")
+_SESSION_PREFIX = "session-"
+
+
+class DataStore:
+    """Tensors by key under ``root`` (one file per key)."""
+
+    def __init__(self, root: str | Path, *, timeout_s: float = 300.0,
+                 max_bytes: int = 1 << 31) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
+        self.wait_s = 0.0
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    def path(self, key: str) -> Path:
+        if not _KEY.match(key) or ".." in key:
+            raise ValueError(f"invalid datastore key {key!r} (letters, digits, '_', '-', '.')")
+        return self.root / f"{key}.pt"
+
+    def put(self, key: str, tensor: torch.Tensor) -> Path:
+        """Publish ``tensor`` under ``key`` atomically (temp file + ``os.replace``)."""
+        dest = self.path(key)
+        t = tensor.detach().cpu().contiguous().clone()
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=self.root)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(t, f)
+            os.replace(tmp, dest)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        self.bytes_written += t.numel() * t.element_size()
+        return dest
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).exists()
+
+    def get(self, key: str, *, timeout_s: float | None = None, delete: bool = False) -> torch.Tensor:
+        """Wait (bounded) for ``key`` and load it; ``delete=True`` removes it after reading."""
+        p = self.path(key)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        t0 = time.perf_counter()
+        pause = 0.002
+        while not p.exists():
+            waited = time.perf_counter() - t0
+            if waited >= limit:
+                raise TimeoutError(f"datastore: {key!r} did not appear at {p} within {limit:g}s")
+            time.sleep(min(pause, max(limit - waited, 0.0)))
+            pause = min(pause * 2, 0.05)
+        self.wait_s += time.perf_counter() - t0
+        size = p.stat().st_size
+        if size > self.max_bytes:
+            raise RuntimeError(f"datastore: {p} is {size} bytes, over the limit {self.max_bytes}")
+        value = torch.load(p, map_location="cpu", weights_only=True)
+        if not isinstance(value, torch.Tensor):
+            raise RuntimeError(f"datastore: {p} does not hold a tensor ({type(value).__name__})")
+        if delete:
+            p.unlink(missing_ok=True)
+        self.bytes_read += value.numel() * value.element_size()
+        return value
+
+    def take(self, key: str, *, timeout_s: float | None = None) -> torch.Tensor:
+        """``get`` and delete (each value is consumed exactly once)."""
+        return self.get(key, timeout_s=timeout_s, delete=True)
+
+    def delete(self, key: str) -> None:
+        self.path(key).unlink(missing_ok=True)
+
+    def keys(self) -> list[str]:
+        return sorted(p.name[:-3] for p in self.root.glob("*.pt") if not p.name.startswith("."))
+
+    def clear(self) -> None:
+        """Remove every value (and leftover temp file) in this store."""
+        for p in self.root.iterdir():
+            if p.is_file() and (p.name.endswith(".pt") or p.name.startswith(".")):
+                p.unlink(missing_ok=True)
+
+
+def open_session(root: str | Path, *, rank: int, control: Any = None, generation: int = 0,
+                 timeout_s: float = 300.0) -> DataStore:
+    """A DataStore in a fresh per-launch session directory under ``root``.
+
+    Rank 0 names the session and publishes the name on the rendezvous ``control`` store
+    (``None`` = single process); it also deletes the sessions of earlier launches.
+    """
+    base = Path(root)
+    base.mkdir(parents=True, exist_ok=True)
+    key = f"paratrain/datastore/session/{generation}"
+    if rank == 0:
+        name = f"{_SESSION_PREFIX}{uuid.uuid4().hex[:12]}"
+        for old in base.glob(f"{_SESSION_PREFIX}*"):
+            if old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+        (base / name).mkdir()
+        if control is not None:
+            control.set(key, name)
+    else:
+        if control is None:
+            raise ValueError("a multi-process DataStore session needs the rendezvous store")
+        name = bytes(control.get(key)).decode()
+        if not re.fullmatch(rf"{_SESSION_PREFIX}[0-9a-f]{{12}}", name):
+            raise RuntimeError(f"datastore: bad session name {name!r}")
+    return DataStore(base / name, timeout_s=timeout_s)
+
+
+class DataStoreTransport:
+    """The runtime's transport over a :class:`DataStore`: one file per message.
+
+    Key ``s<step>-<kind>-m<micro>-g<segment>-<src>to<dst>``; the receiver deletes it.
+    """
+
+    def __init__(self, store: DataStore, rank: int) -> None:
+        self.store = store
+        self.rank = rank
+
+    @property
+    def wait_s(self) -> float:
+        return self.store.wait_s
+
+    def _key(self, key: tuple[str, int, int], step: int, src: int, dst: int) -> str:
+        kind, micro, segment = key
+        return f"s{step:09d}-{kind}-m{micro}-g{segment}-{src}to{dst}"
+
+    def send(self, tensor: torch.Tensor, *, dst: int, key: tuple[str, int, int], step: int = 0) -> None:
+        self.store.put(self._key(key, step, self.rank, dst), tensor)
+
+    def recv(self, *, src: int, key: tuple[str, int, int], step: int = 0) -> torch.Tensor:
+        return self.store.take(self._key(key, step, src, self.rank))
+
+    def flush(self) -> None:
+        """Writes are synchronous; nothing is pending."""
+
+    def close(self) -> None:
+        """Remove the session directory once it is empty (every value consumed)."""
+        try:
+            self.store.root.rmdir()
+        except OSError:
+            pass

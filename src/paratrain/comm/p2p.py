@@ -1,0 +1,131 @@
+"""Point-to-point tensor transport with shape headers (activations forward, grads back).
+
+A message is two gloo/NCCL point-to-point transfers on the same ``(src, dst)`` pair:
+a fixed 12-element int64 header ``[MAGIC, dtype code, ndim, d_0 .. d_{ndim-1}, 0 ...]``
+on tag ``2t`` and the contiguous payload on tag ``2t + 1``. The receiver needs no prior
+knowledge of the shape (micro-batches may be uneven, activations of any rank), and
+validates the header before allocating: known dtype, ``ndim <= 8``, non-negative dims
+and at most ``max_elements`` elements. Nothing is unpickled.
+
+The logical message key ``(kind, micro, segment)`` maps to a tag
+``t = code(kind) + 4 * (segment + 128 * micro)``; gloo delivers messages with the same
+``(src, tag)`` in order, so keys may be reused step after step.
+
+Sends are asynchronous (``isend``): the transport keeps the send buffers alive until
+:meth:`P2PTransport.flush` waits for them, which is what makes GPipe/1F1B orders
+deadlock-free with blocking receives.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["P2PTransport", "MessageKey", "message_tag", "HEADER_LEN", "DTYPES"]
+
+MessageKey = tuple[str, int, int]  # (kind, micro, segment)
+HEADER_LEN = 12
+_MAGIC = 0x5054_5032  # "PTP2"
+_MAX_NDIM = HEADER_LEN - 3
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.uint8, torch.bool,
+)
+_KINDS = {"act": 0, "grad": 1, "metric": 2, "eval": 3}
+_MAX_SEGMENTS = 128
+_MAX_MICRO = (2**31 - 1) // (2 * len(_KINDS) * _MAX_SEGMENTS)
+
+
+def message_tag(key: MessageKey) -> int:
+    """The base tag of a message key (header on ``2t``, payload on ``2t + 1``)."""
+    kind, micro, segment = key
+    if kind not in _KINDS:
+        raise ValueError(f"unknown message kind {kind!r}; valid: {', '.join(_KINDS)}")
+    if not 0 <= segment < _MAX_SEGMENTS:
+        raise ValueError(f"segment index {segment} out of range [0, {_MAX_SEGMENTS})")
+    if not 0 <= micro < _MAX_MICRO:
+        raise ValueError(f"micro-batch index {micro} out of range [0, {_MAX_MICRO})")
+    return _KINDS[kind] + len(_KINDS) * (segment + _MAX_SEGMENTS * micro)
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype not in DTYPES:
+        raise TypeError(f"cannot send dtype {t.dtype}; supported: {DTYPES}")
+    if t.dim() > _MAX_NDIM:
+        raise ValueError(f"cannot send a {t.dim()}-d tensor (at most {_MAX_NDIM} dims)")
+    h = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    h[0], h[1], h[2] = _MAGIC, DTYPES.index(t.dtype), t.dim()
+    if t.dim():
+        h[3 : 3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h
+
+
+def _parse_header(h: torch.Tensor, max_elements: int) -> tuple[torch.dtype, tuple[int, ...]]:
+    vals = [int(v) for v in h.tolist()]
+    if vals[0] != _MAGIC:
+        raise RuntimeError(f"p2p: bad header magic {vals[0]:#x}")
+    if not 0 <= vals[1] < len(DTYPES):
+        raise RuntimeError(f"p2p: unknown dtype code {vals[1]}")
+    ndim = vals[2]
+    if not 0 <= ndim <= _MAX_NDIM:
+        raise RuntimeError(f"p2p: bad ndim {ndim}")
+    shape = tuple(vals[3 : 3 + ndim])
+    if any(d < 0 for d in shape):
+        raise RuntimeError(f"p2p: negative dimension in shape {shape}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel > max_elements:
+        raise RuntimeError(f"p2p: message of {numel} elements exceeds the limit {max_elements}")
+    return DTYPES[vals[1]], shape
+
+
+class P2PTransport:
+    """Send/receive whole tensors between ranks of ``group`` (global ranks)."""
+
+    def __init__(self, group: Any = None, *, device: torch.device | None = None,
+                 max_elements: int = 1 << 28) -> None:
+        self.group = group
+        self.device = device or torch.device("cpu")
+        self.max_elements = max_elements
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.wait_s = 0.0  # time spent blocked in recv (idle, not compute)
+
+    def send(self, tensor: torch.Tensor, *, dst: int, key: MessageKey, step: int = 0) -> None:
+        """Post an asynchronous send of ``tensor`` to ``dst`` (``step`` is unused: FIFO tags)."""
+        del step
+        tag = message_tag(key)
+        payload = tensor.detach().to(self.device).contiguous()
+        header = _header(payload).to(self.device)
+        for buf, t in ((header, 2 * tag), (payload, 2 * tag + 1)):
+            work = dist.isend(buf, dst, group=self.group, tag=t)
+            self._pending.append((work, buf))
+        self.bytes_sent += payload.numel() * payload.element_size()
+
+    def recv(self, *, src: int, key: MessageKey, step: int = 0) -> torch.Tensor:
+        """Block until the message ``key`` from ``src`` arrives; return it."""
+        del step
+        tag = message_tag(key)
+        t0 = time.perf_counter()
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        dist.recv(header, src, group=self.group, tag=2 * tag)
+        dtype, shape = _parse_header(header.cpu(), self.max_elements)
+        payload = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(payload, src, group=self.group, tag=2 * tag + 1)
+        self.wait_s += time.perf_counter() - t0
+        self.bytes_received += payload.numel() * payload.element_size()
+        return payload
+
+    def flush(self) -> None:
+        """Wait for every posted send to complete and release its buffers."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.flush()
