@@ -44,6 +44,7 @@ def reference(case: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tuple[f
     grads = {}
     for node in nodes(model):
         for k, p in model.get_submodule(node).named_parameters():
+            assert p.grad is not None
             grads[f"{node}/{k}"] = p.grad.detach().clone()
     return float(loss.detach()), grads
 
@@ -90,6 +91,7 @@ def run_cases(ctx: WorkerContext, cases: list[dict[str, Any]]) -> list[dict[str,
         for s, mod in rt.modules.items():
             for node, layer in zip(mod.names, mod.layers, strict=True):
                 for k, p in layer.named_parameters():
+                    assert p.grad is not None
                     grads[f"{node}/{k}"] = p.grad.detach().numpy().copy()
             del s
         store_dir = None

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from _workers_mp import batch, build, reference, run_cases
 
+from _workers_mp import batch, build, reference, run_cases
 from paratrain.comm.testing import run_distributed
 from paratrain.config.job import WorkerSpec
 from paratrain.executors.mp_schedule import micro_batch_sizes
@@ -134,6 +134,7 @@ def test_non_vacuity_wrong_micro_batch_loss_scaling(three: Any) -> None:
         torch.nn.functional.cross_entropy(model(x[start:start + n]), y[start:start + n]).backward()
         start += n
     wrong = model.get_submodule("fc0").weight.grad
+    assert isinstance(wrong, torch.Tensor)
     got = next(torch.from_numpy(r[2]["grads"]["fc0/weight"]) for r in results
                if "fc0/weight" in r[2]["grads"])
     assert not torch.allclose(wrong, got, rtol=RTOL, atol=ATOL)

@@ -92,18 +92,18 @@ def resolve_target(target: Any, workers: Sequence[Any]) -> int:
         return int(comm_resolve(target, workers))
     infos = [_worker_fields(w) for w in workers]
     if isinstance(target, WorkerIdTarget):
-        for rank, wid, _ in infos:
+        for rank, wid, _tags in infos:
             if wid == target.WorkerId:
                 return rank
         what = f"no worker has id {target.WorkerId!r}"
     elif isinstance(target, TagTarget):
-        for rank, _, tags in sorted(infos):
+        for rank, _wid, tags in sorted(infos):
             if target.Tag in tags:
                 return rank
         what = f"no worker carries tag {target.Tag!r}"
     else:  # pragma: no cover - the contract admits only the two variants
         raise TypeError(f"not a RemoteTarget: {target!r}")
-    ids = ", ".join(wid for _, wid, _ in infos) or "(none)"
+    ids = ", ".join(info[1] for info in infos) or "(none)"
     tags = ", ".join(sorted({t for *_, ts in infos for t in ts})) or "(none)"
     raise LookupError(f"{what}; registered ids: {ids}; tags: {tags}")
 
