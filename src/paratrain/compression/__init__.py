@@ -1,0 +1,102 @@
+"""Gradient compression: pure tensor maths, a compact wire format, per-key state.
+
+Methods (one module each; DESIGN §4): ``None`` (:mod:`.none`), ``TopK`` (:mod:`.topk`),
+``RandomK`` (:mod:`.randomk`), ``Threshold`` (:mod:`.threshold`), ``Quantization``
+(:mod:`.quantization`), and the wrappers ``ErrorFeedback`` (:mod:`.error_feedback`) and
+``ClippedCompression`` (:mod:`.clipped`), composable to any depth, e.g.
+``ErrorFeedback(ClippedCompression(TopK))``. Inputs: float32, float16, bfloat16 and
+float64 tensors of any shape (empty included), on any device.
+
+Usage::
+
+    from paratrain.compression import Compressor, CompressedTensor
+
+    comp = Compressor({"method": "ErrorFeedback", "error_compensation": True,
+                       "base_strategy": {"method": "TopK", "k": 100}}, seed=0)
+    for step, batch in enumerate(loader):
+        ...
+        for name, p in model.named_parameters():
+            c = comp.compress(name, p.grad)          # CompressedTensor (leaf method's record)
+            wire = c.to_bytes()                      # versioned, compact bytes
+            c2 = CompressedTensor.from_bytes(wire)   # strict: CompressionError on bad input
+            p.grad.copy_(comp.decompress(c2))        # D(c), same shape and dtype
+            # or simply: p.grad.copy_(comp.roundtrip(name, p.grad))
+        comp.step()                                  # new RandomK positions / rounding noise
+    ckpt["compressor"] = comp.state_dict()           # residuals, step, seed, stats
+    comp.load_state_dict(ckpt["compressor"])         # continue exactly
+    comp.stats.ratio, comp.stats.savings, comp.key_stats["fc0.weight"].compressed_bytes
+
+Semantics in brief (algebra in each module):
+
+* ``compress(key, tensor, step=None)``: ``step`` defaults to the counter that ``step()``
+  advances. RandomK positions and stochastic-rounding noise derive from
+  (seed, step, key) only, so every rank with the same seed draws the same positions and
+  a resumed run repeats the draws of the original.
+* Error feedback: p = g + e; c = C(p); e <- p - D(c), one residual per key.
+* ``CompressedTensor`` fields: ``method, shape, dtype, values, indices`` (+ ``bits,
+  offset, scale`` for Quantization, ``seed, k`` for RandomK); ``nbytes`` is the exact
+  wire size, ``original_nbytes`` the input's size at its dtype.
+* ``CompressedTensor.from_bytes(b, max_numel=..., expect_shape=..., expect_dtype=...)``
+  validates every field and raises :class:`CompressionError` (a ``ValueError``) on any
+  malformed, truncated or hostile payload.
+* ``ddp_hook(strategy, model=..., seed=0)`` returns ``(state, hook)`` for
+  ``DistributedDataParallel.register_comm_hook``; it lives in
+  :mod:`paratrain.comm.ddp_hook` (the only place that calls torch.distributed) and is
+  imported on first use. ``allreduce_compressed`` there averages named tensors across
+  ranks with a Compressor (for executors that manage their own gradients).
+
+This package never calls torch.distributed and does no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import CompressedTensor, CompressionError, EncodeContext, derive_seed
+from .compressor import CompressionStats, Compressor, build_codec, decompress, leaf_method
+from .quantization import pack_codes, packed_nbytes, unpack_codes
+from .randomk import randomk_positions
+from .topk import topk_indices
+from .wire import from_bytes, information_minimum, to_bytes, wire_nbytes
+
+__all__ = [
+    "Compressor",
+    "CompressedTensor",
+    "CompressionError",
+    "CompressionStats",
+    "EncodeContext",
+    "build_codec",
+    "decompress",
+    "derive_seed",
+    "leaf_method",
+    "from_bytes",
+    "to_bytes",
+    "wire_nbytes",
+    "information_minimum",
+    "pack_codes",
+    "unpack_codes",
+    "packed_nbytes",
+    "randomk_positions",
+    "topk_indices",
+    "ddp_hook",
+    "allreduce_compressed",
+]
+
+
+def ddp_hook(strategy: Any, **kwargs: Any) -> Any:
+    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
+
+    See :func:`paratrain.comm.ddp_hook.ddp_hook` (imported lazily so that this package
+    stays free of torch.distributed).
+    """
+    from ..comm.ddp_hook import ddp_hook as _ddp_hook
+
+    return _ddp_hook(strategy, **kwargs)
+
+
+def allreduce_compressed(*args: Any, **kwargs: Any) -> Any:
+    """Average named tensors across ranks through a Compressor; see
+    :func:`paratrain.comm.ddp_hook.allreduce_compressed`."""
+    from ..comm.ddp_hook import allreduce_compressed as _impl
+
+    return _impl(*args, **kwargs)

@@ -1,0 +1,205 @@
+"""The compressed-tensor record, the codec protocol and the helpers every method shares.
+
+A :class:`CompressedTensor` is what one *leaf* method (None, TopK, RandomK, Threshold,
+Quantization) produced for one tensor. Wrappers (ErrorFeedback, ClippedCompression)
+transform the input or keep state but never appear in the record: like the Rust
+``CompressionMetadata.strategy``, the record names the method that encoded the data, so
+any process can decode any record without knowing the wrapper stack.
+
+Layout of the fields per method (``n = prod(shape)``):
+
+======================  ============================================  ===============
+method                  ``values``                                    ``indices``
+======================  ============================================  ===============
+``None``                all ``n`` values at ``dtype``                 ``None``
+``TopK``/``Threshold``  kept values at ``dtype``, ascending index     int64 ascending
+``RandomK``             ``k`` values at ``dtype``, ascending index    int64 ascending,
+                                                                      re-derived from
+                                                                      ``seed`` on decode
+``Quantization``        ``ceil(n*bits/8)`` uint8 bit-packed codes     ``None``
+======================  ============================================  ===============
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "CompressionError",
+    "CompressedTensor",
+    "Codec",
+    "EncodeContext",
+    "SUPPORTED_DTYPES",
+    "derive_seed",
+    "check_input",
+    "scatter_dense",
+]
+
+
+class CompressionError(ValueError):
+    """A compression input, state or wire payload that cannot be processed.
+
+    Raised for malformed, truncated or hostile wire payloads (never a crash, a hang or an
+    unbounded allocation), for unsupported dtypes, and for state that does not match the
+    tensors it is applied to.
+    """
+
+
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+)
+
+
+def derive_seed(seed: int, step: int, key: str, salt: str = "") -> int:
+    """A 63-bit seed from (seed, step, key): identical on every rank and every platform.
+
+    blake2b is used (not Python's ``hash``, which is salted per process) so that ranks
+    which never talk agree on RandomK positions and on stochastic-rounding noise.
+    """
+    h = hashlib.blake2b(f"{salt}|{seed}|{step}|{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def check_input(tensor: Any) -> torch.Tensor:
+    """Validate a tensor for compression and return it flattened (a view when possible)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise CompressionError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise CompressionError(
+            f"unsupported dtype {tensor.dtype}; supported: "
+            + ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        )
+    if tensor.is_sparse:
+        raise CompressionError("sparse tensors are not supported; pass a dense tensor")
+    return tensor.detach().reshape(-1)
+
+
+def scatter_dense(
+    n: int, indices: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """A flat zero tensor of length ``n`` with ``values`` placed at ``indices``."""
+    out = torch.zeros(n, dtype=dtype, device=values.device)
+    if indices.numel():
+        out.index_copy_(0, indices.to(values.device), values.to(dtype))
+    return out
+
+
+@dataclass(frozen=True, eq=False)
+class CompressedTensor:
+    """One tensor after a leaf compression method (see the module docstring for fields).
+
+    ``bits``, ``offset`` (the minimum) and ``scale`` are used by Quantization; ``seed`` and
+    ``k`` by RandomK (the positions are ``randomk_positions(n, k, seed)``);
+    ``stochastic`` records the rounding mode (informational, not needed to decode).
+    """
+
+    method: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    values: torch.Tensor
+    indices: torch.Tensor | None = None
+    bits: int = 0
+    offset: float = 0.0
+    scale: float = 0.0
+    seed: int = 0
+    k: int = 0
+    stochastic: bool = False
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nnz(self) -> int:
+        """Number of values carried (all ``n`` for the dense methods)."""
+        if self.method == "Quantization":
+            return self.numel
+        return int(self.values.numel())
+
+    @property
+    def original_nbytes(self) -> int:
+        """Bytes of the uncompressed tensor at its own dtype."""
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Exact length of :meth:`to_bytes` (computed without serialising)."""
+        from .wire import wire_nbytes
+
+        return wire_nbytes(self)
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def to_bytes(self) -> bytes:
+        """Serialise to the versioned wire format (see :mod:`paratrain.compression.wire`)."""
+        from .wire import to_bytes
+
+        return to_bytes(self)
+
+    @staticmethod
+    def from_bytes(
+        data: bytes | bytearray | memoryview,
+        *,
+        max_numel: int | None = None,
+        expect_shape: tuple[int, ...] | None = None,
+        expect_dtype: torch.dtype | None = None,
+    ) -> CompressedTensor:
+        """Parse and validate a wire payload; raises :class:`CompressionError`."""
+        from .wire import from_bytes
+
+        return from_bytes(
+            data, max_numel=max_numel, expect_shape=expect_shape, expect_dtype=expect_dtype
+        )
+
+    def decompress(self) -> torch.Tensor:
+        """The dense tensor ``D(c)`` of ``shape`` and ``dtype`` on ``values.device``."""
+        from .compressor import decompress
+
+        return decompress(self)
+
+
+class EncodeContext:
+    """What a codec may know about the call: the key, the step and the base seed.
+
+    ``generator(salt)`` returns a CPU generator seeded by (seed, step, key, salt), so
+    every random draw is reproducible from those three values alone (no RNG state needs
+    checkpointing for an exact resume).
+    """
+
+    __slots__ = ("key", "step", "seed")
+
+    def __init__(self, key: str, step: int, seed: int) -> None:
+        self.key = key
+        self.step = step
+        self.seed = seed
+
+    def derived_seed(self, salt: str) -> int:
+        return derive_seed(self.seed, self.step, self.key, salt)
+
+    def generator(self, salt: str, device: torch.device | str = "cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        g.manual_seed(self.derived_seed(salt))
+        return g
+
+
+class Codec(Protocol):
+    """One compression method (a leaf) or a wrapper around another codec.
+
+    ``encode`` returns the record of the *leaf* method that encoded the (possibly
+    transformed) input. Stateful codecs (ErrorFeedback) keep their state per key and
+    expose it through ``state_dict``/``load_state_dict``; stateless ones return ``{}``.
+    """
+
+    def encode(self, flat: torch.Tensor, shape: tuple[int, ...], ctx: EncodeContext) -> CompressedTensor: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -1,0 +1,247 @@
+"""The :class:`Compressor`: a CompressionStrategy turned into codecs plus per-key state.
+
+``Compressor(strategy, seed=0)`` builds the codec tree (wrappers around one leaf) from a
+contract object, a dict or JSON text. ``compress(key, tensor)`` returns the leaf's
+:class:`CompressedTensor`; ``decompress(c)`` rebuilds the dense tensor (any process can
+decode any record); ``roundtrip(key, tensor)`` does both and is what a training loop
+calls when it only needs D(C(g)). Keys name tensors stably (parameter names): residuals
+and RandomK/stochastic-rounding seeds are per key, and RandomK positions depend only on
+(seed, step, key), so every rank draws the same ones.
+
+Statistics follow the Rust ``CompressionStats``: ``ratio`` = compressed / original bytes
+(byte-weighted, 1.0 before anything was recorded), ``savings`` = 100 (1 - ratio)
+percent, best/worst per-call ratios; original bytes count the input at its own dtype,
+compressed bytes are the exact wire size (header included).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ..config.compression import (
+    ClippedCompression,
+    ErrorFeedback,
+    NoCompression,
+    Quantization,
+    RandomK,
+    Threshold,
+    TopK,
+    dump_compression,
+    load_compression,
+)
+from .base import (
+    Codec,
+    CompressedTensor,
+    CompressionError,
+    EncodeContext,
+    check_input,
+    scatter_dense,
+)
+from .clipped import ClippedCodec
+from .error_feedback import ErrorFeedbackCodec
+from .none import NoneCodec
+from .quantization import QuantizationCodec, dequantize, unpack_codes
+from .randomk import RandomKCodec
+from .threshold import ThresholdCodec
+from .topk import TopKCodec
+
+__all__ = ["Compressor", "CompressionStats", "build_codec", "decompress", "leaf_method"]
+
+STATE_VERSION = 1
+
+
+def build_codec(strategy: Any, *, stochastic_rounding: bool = True) -> Codec:
+    """The codec tree for a CompressionStrategy (contract object, dict or JSON)."""
+    s = load_compression(strategy)
+    if isinstance(s, NoCompression):
+        return NoneCodec()
+    if isinstance(s, TopK):
+        return TopKCodec(s.k)
+    if isinstance(s, RandomK):
+        return RandomKCodec(s.k)
+    if isinstance(s, Threshold):
+        return ThresholdCodec(s.threshold)
+    if isinstance(s, Quantization):
+        return QuantizationCodec(s.bits, stochastic=stochastic_rounding)
+    if isinstance(s, ErrorFeedback):
+        base = build_codec(s.base_strategy, stochastic_rounding=stochastic_rounding)
+        return ErrorFeedbackCodec(base, s.error_compensation)
+    if isinstance(s, ClippedCompression):
+        base = build_codec(s.base_strategy, stochastic_rounding=stochastic_rounding)
+        return ClippedCodec(base, s.clip_value)
+    raise CompressionError(f"unknown compression strategy {s!r}")
+
+
+def leaf_method(strategy: Any) -> str:
+    """The method that ends up on the wire (wrappers removed), e.g. ``"TopK"``."""
+    s = load_compression(strategy)
+    while isinstance(s, ErrorFeedback | ClippedCompression):
+        s = s.base_strategy
+    return str(s.method)
+
+
+def decompress(c: CompressedTensor) -> torch.Tensor:
+    """D(c): the dense tensor of ``c.shape`` and ``c.dtype`` (may share memory with ``c``)."""
+    n = c.numel
+    if c.method == "None":
+        if c.values.numel() != n:
+            raise CompressionError(f"None record holds {c.values.numel()} values, expected {n}")
+        return c.values.to(c.dtype).reshape(c.shape)
+    if c.method in ("TopK", "Threshold", "RandomK"):
+        if c.indices is None or c.indices.numel() != c.values.numel():
+            raise CompressionError(f"{c.method} record needs one index per value")
+        return scatter_dense(n, c.indices, c.values, c.dtype).reshape(c.shape)
+    if c.method == "Quantization":
+        codes = unpack_codes(c.values, n, c.bits)
+        return dequantize(codes, c.offset, c.scale, c.bits, c.dtype).reshape(c.shape)
+    raise CompressionError(f"unknown method {c.method!r}")
+
+
+@dataclass
+class CompressionStats:
+    """Byte counts of the compressions recorded so far (see the module docstring)."""
+
+    count: int = 0
+    original_bytes: int = 0
+    compressed_bytes: int = 0
+    best_ratio: float = math.inf
+    worst_ratio: float = 0.0
+
+    def record(self, original: int, compressed: int) -> None:
+        self.count += 1
+        self.original_bytes += original
+        self.compressed_bytes += compressed
+        r = compressed / original if original else 1.0
+        self.best_ratio = min(self.best_ratio, r)
+        self.worst_ratio = max(self.worst_ratio, r)
+
+    @property
+    def ratio(self) -> float:
+        """compressed / original bytes (1.0 when nothing was recorded)."""
+        return self.compressed_bytes / self.original_bytes if self.original_bytes else 1.0
+
+    @property
+    def savings(self) -> float:
+        """Bandwidth saved, in percent: 100 (1 - ratio)."""
+        return 100.0 * (1.0 - self.ratio)
+
+    def as_dict(self) -> dict[str, float | int]:
+        d: dict[str, float | int] = asdict(self)
+        d["ratio"] = self.ratio
+        d["savings"] = self.savings
+        return d
+
+
+class Compressor:
+    """Compress named tensors with one CompressionStrategy, keeping per-key state.
+
+    >>> comp = Compressor({"method": "ErrorFeedback", "error_compensation": True,
+    ...                    "base_strategy": {"method": "TopK", "k": 10}}, seed=0)
+    >>> g_hat = comp.roundtrip("fc0.weight", torch.randn(64, 64))  # D(C(g + e))
+    >>> comp.step()  # advance the step that seeds RandomK / stochastic rounding
+    1
+    """
+
+    def __init__(
+        self, strategy: Any = None, *, seed: int = 0, stochastic_rounding: bool = True
+    ) -> None:
+        self.strategy = load_compression(strategy if strategy is not None else {"method": "None"})
+        self.seed = int(seed)
+        self.stochastic_rounding = stochastic_rounding
+        self.codec: Codec = build_codec(self.strategy, stochastic_rounding=stochastic_rounding)
+        self.method = leaf_method(self.strategy)
+        self._step = 0
+        self.stats = CompressionStats()
+        self.key_stats: dict[str, CompressionStats] = {}
+
+    # -- steps ----------------------------------------------------------------------
+    @property
+    def current_step(self) -> int:
+        return self._step
+
+    def step(self) -> int:
+        """Advance the step counter (once per training step) and return the new value."""
+        self._step += 1
+        return self._step
+
+    # -- compression ----------------------------------------------------------------
+    def compress(self, key: str, tensor: torch.Tensor, *, step: int | None = None) -> CompressedTensor:
+        """C(tensor) for the tensor named ``key`` at ``step`` (default: the counter)."""
+        flat = check_input(tensor)
+        ctx = EncodeContext(str(key), self._step if step is None else int(step), self.seed)
+        c = self.codec.encode(flat, tuple(tensor.shape), ctx)
+        original, compressed = c.original_nbytes, c.nbytes
+        self.stats.record(original, compressed)
+        self.key_stats.setdefault(ctx.key, CompressionStats()).record(original, compressed)
+        return c
+
+    def decompress(self, c: CompressedTensor) -> torch.Tensor:
+        """D(c), shaped like the original tensor."""
+        cached = c._cache.pop("dense", None)
+        return cached if cached is not None else decompress(c)
+
+    def roundtrip(self, key: str, tensor: torch.Tensor, *, step: int | None = None) -> torch.Tensor:
+        """D(C(tensor)): what the receiver reconstructs; updates error-feedback state."""
+        return self.decompress(self.compress(key, tensor, step=step))
+
+    def residual(self, key: str) -> torch.Tensor | None:
+        """The outermost error-feedback residual for ``key`` (flat), if any."""
+        codec: Any = self.codec
+        while codec is not None:
+            if isinstance(codec, ErrorFeedbackCodec):
+                return codec.residual(key)
+            codec = getattr(codec, "base", None)
+        return None
+
+    # -- statistics -----------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self.stats = CompressionStats()
+        self.key_stats = {}
+
+    def stats_dict(self) -> dict[str, Any]:
+        """Totals plus ``per_key`` (JSON-ready, for metrics.jsonl)."""
+        out: dict[str, Any] = self.stats.as_dict()
+        out["per_key"] = {k: v.as_dict() for k, v in self.key_stats.items()}
+        return out
+
+    # -- state ----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: step, seed, residuals, statistics.
+
+        Only tensors, ints, floats, strings and dicts: loadable with
+        ``torch.load(weights_only=True)``.
+        """
+        return {
+            "version": STATE_VERSION,
+            "strategy": dump_compression(self.strategy),
+            "seed": self.seed,
+            "step": self._step,
+            "codec": self.codec.state_dict(),
+            "stats": {
+                "total": asdict(self.stats),
+                "per_key": {k: asdict(v) for k, v in self.key_stats.items()},
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; the strategy must match."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise CompressionError(
+                f"unsupported compressor state (version {state.get('version') if isinstance(state, dict) else None!r})"
+            )
+        theirs = state.get("strategy")
+        if theirs is not None and theirs != dump_compression(self.strategy):
+            raise CompressionError(
+                f"compressor state was saved for strategy {theirs}, this compressor uses "
+                f"{dump_compression(self.strategy)}"
+            )
+        self.seed = int(state.get("seed", self.seed))
+        self._step = int(state.get("step", 0))
+        self.codec.load_state_dict(state.get("codec", {}))
+        stats = state.get("stats", {})
+        self.stats = CompressionStats(**stats.get("total", {}))
+        self.key_stats = {k: CompressionStats(**v) for k, v in stats.get("per_key", {}).items()}

@@ -1,0 +1,72 @@
+"""``{"method":"RandomK","k":k}``: keep ``min(k, n)`` uniformly random positions.
+
+C(x)_i = x_i for i in S, else 0, where S is a uniform random k-subset of {0..n-1} drawn
+from a generator seeded by ``derive_seed(seed, step, key)``. Every rank computes the same
+S for the same (seed, step, key), so only the k values travel (Stich et al., "Sparsified
+SGD with memory", NeurIPS 2018) and ranks can all-reduce them directly. Values are not
+rescaled by n/k (the Rust reference does not rescale either); E[C(x)] = (k/n) x, and
+ErrorFeedback removes that bias over time.
+
+The subset is the set of the first k distinct values of an i.i.d. uniform sequence over
+{0..n-1}, which is a uniform k-subset; for k > n/4 a ``randperm`` prefix is used instead.
+Both are computed on the CPU so every device type draws the same positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .base import CompressedTensor, EncodeContext
+
+__all__ = ["RandomKCodec", "randomk_positions"]
+
+
+def randomk_positions(n: int, k: int, seed: int) -> torch.Tensor:
+    """Ascending int64 positions of the uniform k-subset of range(n) chosen by ``seed``."""
+    k = min(max(k, 0), n)
+    if k == n:
+        return torch.arange(n)
+    if k == 0:
+        return torch.empty(0, dtype=torch.long)
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    if 4 * k > n:
+        return torch.sort(torch.randperm(n, generator=g)[:k]).values
+    draws = torch.empty(0, dtype=torch.long)
+    while True:
+        # Expected duplicates among m draws are about m^2 / 2n <= m / 8 here.
+        m = k - draws.numel() // 2 + k // 8 + 16
+        draws = torch.cat([draws, torch.randint(n, (m,), generator=g)])
+        uniq, inverse = torch.unique(draws, sorted=True, return_inverse=True)
+        if uniq.numel() >= k:
+            break
+    first = torch.full((uniq.numel(),), draws.numel(), dtype=torch.long)
+    first.scatter_reduce_(0, inverse, torch.arange(draws.numel()), reduce="amin")
+    keep = torch.argsort(first)[:k]
+    return torch.sort(uniq[keep]).values
+
+
+class RandomKCodec:
+    """Keep k positions drawn from (seed, step, key); indices never travel."""
+
+    def __init__(self, k: int) -> None:
+        if k < 0:
+            raise ValueError(f"RandomK.k must be >= 0, got {k}")
+        self.k = k
+
+    def encode(
+        self, flat: torch.Tensor, shape: tuple[int, ...], ctx: EncodeContext
+    ) -> CompressedTensor:
+        seed = ctx.derived_seed("RandomK")
+        idx = randomk_positions(flat.numel(), self.k, seed).to(flat.device)
+        return CompressedTensor(
+            "RandomK", shape, flat.dtype, flat[idx], idx, seed=seed, k=int(idx.numel())
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
