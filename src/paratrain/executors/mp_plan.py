@@ -104,8 +104,8 @@ def resolve_target(target: Any, workers: Sequence[Any]) -> int:
     else:  # pragma: no cover - the contract admits only the two variants
         raise TypeError(f"not a RemoteTarget: {target!r}")
     ids = ", ".join(info[1] for info in infos) or "(none)"
-    tags = ", ".join(sorted({t for *_, ts in infos for t in ts})) or "(none)"
-    raise LookupError(f"{what}; registered ids: {ids}; tags: {tags}")
+    all_tags = ", ".join(sorted({t for *_, ts in infos for t in ts})) or "(none)"
+    raise LookupError(f"{what}; registered ids: {ids}; tags: {all_tags}")
 
 
 def build_plan(
