@@ -7,17 +7,20 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from paratrain.config import (
     ConfigError,
+    compression_schema,
     dump_compression,
     dump_strategy,
     dump_tensor_parallel,
+    job_schema,
     load_compression,
     load_strategy,
     load_tensor_parallel,
+    strategy_schema,
 )
-from paratrain.config import compression_schema, job_schema, strategy_schema
 
 # Every JSON document of DESIGN §3 and of the reference's §1.4 (seed shapes).
 STRATEGY_EXAMPLES = [
@@ -190,7 +193,7 @@ def test_unknown_keys_are_ignored_like_serde() -> None:
 
 def test_models_are_frozen() -> None:
     s = load_strategy(DP)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         s.num_replicas = 3  # type: ignore[misc]
 
 

@@ -108,8 +108,8 @@ def test_non_vacuity_different_resume_point_state_matters(tmp_path: Path) -> Non
 
 
 def test_fit_accepts_instances(tmp_path: Path) -> None:
-    from paratrain.data import load_data
     from paratrain.config.job import DataSpec
+    from paratrain.data import load_data
 
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 10))
     data = load_data(DataSpec(), seed=0)

@@ -7,12 +7,12 @@ The enums serialise as plain strings, e.g. ``"ColumnWise"``.
 from __future__ import annotations
 
 import json
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from pydantic import ValidationError
 
-from ._base import ConfigError, Contract, PositiveCount, Count, format_validation_error
+from ._base import ConfigError, Contract, Count, PositiveCount, format_validation_error
 
 __all__ = [
     "TensorPartitioningStrategy", "TensorCommunicationPattern", "TensorMemoryOptimization",
@@ -20,7 +20,7 @@ __all__ = [
 ]
 
 
-class TensorPartitioningStrategy(str, Enum):
+class TensorPartitioningStrategy(StrEnum):
     ColumnWise = "ColumnWise"
     RowWise = "RowWise"
     BatchWise = "BatchWise"
@@ -30,7 +30,7 @@ class TensorPartitioningStrategy(str, Enum):
     Custom = "Custom"
 
 
-class TensorCommunicationPattern(str, Enum):
+class TensorCommunicationPattern(StrEnum):
     AllReduce = "AllReduce"
     AllGather = "AllGather"
     ReduceScatter = "ReduceScatter"
@@ -38,7 +38,7 @@ class TensorCommunicationPattern(str, Enum):
     Hierarchical = "Hierarchical"
 
 
-class TensorMemoryOptimization(str, Enum):
+class TensorMemoryOptimization(StrEnum):
     None_ = "None"
     Low = "Low"
     Medium = "Medium"

@@ -20,7 +20,7 @@ def seed_everything(seed: int) -> None:
 def rng_state() -> dict[str, Any]:
     """Python, NumPy and torch RNG states as tensors/ints only (weights_only-safe)."""
     py = random.getstate()
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     return {
         "python_version": int(py[0]),
         "python_state": torch.tensor(py[1], dtype=torch.int64),
