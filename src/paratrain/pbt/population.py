@@ -66,6 +66,7 @@ class PopulationState:
         evolve_now: bool = True,
         frozen: Iterable[str] = (),
         errors: Sequence[str | None] | None = None,
+        metrics: Sequence[dict[str, Any] | None] | None = None,
     ) -> dict[str, Any]:
         """Record generation ``self.generation`` and prepare the next; returns its record.
 
@@ -86,6 +87,7 @@ class PopulationState:
             "sources": list(self.sources),
             "fitness": [None if s == float("-inf") else f for s, f in zip(scores, fitness, strict=True)],
             "errors": list(errors) if errors is not None else [None] * self.size,
+            "metrics": list(metrics) if metrics is not None else [None] * self.size,
             "copies": [],
         }
         if evolve_now:

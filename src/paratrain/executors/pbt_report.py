@@ -1,0 +1,96 @@
+"""``report.png`` of a PBT run: fitness and hyperparameter schedules per member.
+
+One panel for the fitness of every member slot per generation and one per
+hyperparameter (log axis for ``log_uniform`` dims; ``choice`` values plotted by their
+index in the list). Exploit copies are drawn as dotted segments from the donor's value
+to the recipient's next value; the ancestry of the best final member (the schedule
+that produced its weights) is drawn in black. Matplotlib with the Agg backend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..config.job import ChoiceDim, LogUniformDim
+from ..pbt import ancestry
+from ..pbt.evolve import score
+
+__all__ = ["plot_population"]
+
+
+def _numeric(dim: Any, value: Any) -> float:
+    if isinstance(dim, ChoiceDim):
+        return float(dim.values.index(value)) if value in dim.values else math.nan
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def plot_population(
+    lineage_file: str | Path, out: str | Path, *, space: Mapping[str, Any], title: str | None = None
+) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    doc = json.loads(Path(lineage_file).read_text(encoding="utf-8"))
+    history: list[dict[str, Any]] = doc["generations"]
+    n = int(doc["population_size"])
+    names = sorted(space)
+    panels = 1 + len(names)
+    cols = min(panels, 3)
+    rows = math.ceil(panels / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    flat = [ax for row in axes for ax in row]
+    gens = [r["generation"] for r in history]
+    cmap = plt.get_cmap("tab10" if n <= 10 else "viridis")
+    colour = [cmap(i % 10 if n <= 10 else i / max(n - 1, 1)) for i in range(n)]
+    best = None
+    if history:
+        scores = [score(f, doc.get("mode", "max")) for f in history[-1]["fitness"]]
+        best = max(range(n), key=lambda i: (scores[i], -i))
+    trace = ancestry(history, best) if best is not None else []
+
+    def series(ax: Any, values: list[list[float]], label: str, log: bool = False) -> None:
+        for i in range(n):
+            ax.plot(gens, [v[i] for v in values], color=colour[i], marker=".", lw=1, alpha=0.8,
+                    label=f"member {i}" if n <= 10 else None)
+        for r, nxt in zip(history, history[1:], strict=False):
+            for c in r["copies"]:
+                d, rec = c["donor"], c["recipient"]
+                ys = [values[r["generation"]][d], values[nxt["generation"]][rec]]
+                ax.plot([r["generation"], nxt["generation"]], ys, ls=":", color="grey", lw=0.8)
+        if trace:
+            ax.plot([t["generation"] for t in trace],
+                    [values[t["generation"]][t["member"]] for t in trace],
+                    color="black", lw=2, label="best ancestry")
+        ax.set_xlabel("generation")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(label)
+        if log:
+            ax.set_yscale("log")
+
+    fit = [[math.nan if f is None else float(f) for f in r["fitness"]] for r in history]
+    series(flat[0], fit, f"fitness ({doc.get('metric', 'fitness')})")
+    flat[0].legend(fontsize=7)
+    for ax, name in zip(flat[1:], names, strict=False):
+        dim = space[name]
+        vals = [[_numeric(dim, h[name]) for h in r["hparams"]] for r in history]
+        series(ax, vals, name, log=isinstance(dim, LogUniformDim))
+        if isinstance(dim, ChoiceDim):
+            ax.set_yticks(range(len(dim.values)), [str(v) for v in dim.values])
+    for ax in flat[panels:]:
+        ax.axis("off")
+    fig.suptitle(title or Path(out).parent.name)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

@@ -1,0 +1,235 @@
+"""PopulationBased: population-based training (Jaderberg et al. 2017) over worker processes.
+
+``population_size`` members are spread round-robin over the worker processes (member
+``i`` on rank ``i mod W``). Each generation ``g`` (Algorithm 1 of the paper, with a
+synchronous "ready" point):
+
+1. rank 0 broadcasts the plan — every member's hyperparameters and *source* (the member
+   whose end-of-``g−1`` checkpoint it starts from) — as JSON (:mod:`paratrain.comm.pbt_ops`);
+2. every rank trains its members for the budget (``population.steps_per_generation`` or
+   ``epochs_per_generation``, default one epoch), evaluates the fitness
+   (``population.metric`` on the held-out set, ``mode`` max/min) and writes each member's
+   checkpoint atomically (:mod:`paratrain.executors.pbt_member`); a failing member reports
+   no fitness (worst) and the generation goes on;
+3. results are gathered to rank 0, which records the generation and, unless it was the
+   last, runs exploit/explore (:mod:`paratrain.pbt`), then checkpoints the population
+   state (``checkpoints/population-<g>.pt``) and ``lineage.json``.
+
+A generation where every member fails is an error. ``--resume`` (or an elastic restart)
+continues from the newest population checkpoint and ends with the same result as an
+uninterrupted run: all randomness is a function of the seed, the member and the
+generation, and the population's generator travels in its checkpoint.
+
+Outputs: ``metrics.jsonl`` (one record per member per generation), ``lineage.json``
+(hyperparameters, fitness, sources and copies per generation), ``report.png``
+(hyperparameter schedules and fitness per member) and ``summary.json`` naming the best
+member, its fitness and the hyperparameter schedule that produced its weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..comm.context import WorkerContext, default_workers
+from ..comm.pbt_ops import broadcast_json, gather_json
+from ..config.job import JobConfig
+from ..pbt import PopulationState, ancestry, lineage_json
+from ..training import MetricsWriter, checkpoint, prepare_run_dir, resolve_device, write_summary
+from ..training.rundir import run_dir_of
+from .pbt_member import MemberRunner, validate_job
+from .pbt_report import plot_population
+
+__all__ = ["run", "worker_main", "num_workers", "population_path", "latest_population"]
+
+_POP = re.compile(r"^population-(\d{6})\.pt$")
+
+
+def num_workers(job: JobConfig) -> int:
+    """``run.num_workers`` if set, else one per CPU core; never more than members."""
+    n = job.strategy.population_size  # type: ignore[union-attr]
+    want = job.run.num_workers or (os.cpu_count() or 1)
+    return max(1, min(want, n))
+
+
+def population_path(run_dir: str | Path, generations_done: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"population-{generations_done:06d}.pt"
+
+
+def latest_population(run_dir: str | Path) -> Path | None:
+    d = Path(run_dir) / "checkpoints"
+    if not d.is_dir():
+        return None
+    found = sorted(p for p in d.iterdir() if _POP.match(p.name))
+    return found[-1] if found else None
+
+
+def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
+    """Run the population on :func:`num_workers` processes; return the summary."""
+    validate_job(job)
+    nprocs = num_workers(job)
+    from ..comm.launch import in_torchrun, launch
+
+    if nprocs == 1 and not in_torchrun():
+        ctx = WorkerContext(rank=0, world_size=1, workers=default_workers(1, list(job.workers)))
+        ctx.device = resolve_device(job.run.device)
+        out = worker_main(ctx, job, resume)
+    else:
+        out = launch(job, nprocs=nprocs, resume=resume, check_world_size=False)
+    if out is None:  # under torchrun on a rank other than 0
+        return {}
+    summary: dict[str, Any] = out
+    return summary
+
+
+def _write_json(path: Path, doc: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
+    """One worker process: train this rank's members every generation (module docstring)."""
+    started = time.perf_counter()
+    if ctx.device.type == "cpu":
+        torch.set_num_threads(1)
+    strategy = job.strategy
+    size: int = strategy.population_size  # type: ignore[union-attr]
+    generations: int = strategy.generations  # type: ignore[union-attr]
+    opts = job.population
+    roles = validate_job(job)
+    frozen = sorted(k for k in job.search_space if roles.get(k) == "model")
+    main = ctx.rank == 0
+    run_dir = run_dir_of(job)
+
+    pop: PopulationState | None = None
+    metrics: MetricsWriter | None = None
+    timing = {"evolve_s": 0.0, "persist_s": 0.0, "comm_s": 0.0}
+    if main:
+        prepare_run_dir(job, resume=resume)
+        metrics = MetricsWriter(run_dir)
+        found = latest_population(run_dir) if resume else None
+        if found is not None:
+            pop = PopulationState.from_state_dict(checkpoint.load_checkpoint(found))
+            metrics.truncate_after("generation", pop.generation - 1)
+        else:
+            pop = PopulationState.initial(job.search_space, size=size, seed=job.run.seed)
+            if resume:
+                metrics.truncate_after("generation", -1)
+    runner = MemberRunner(job, run_dir, roles, ctx.device)
+    mine = [i for i in range(size) if i % ctx.world_size == ctx.rank]
+    per_rank: list[dict[str, float]] = []
+
+    while True:
+        plan = None
+        if pop is not None:
+            plan = {"generation": pop.generation, "hparams": pop.hparams, "sources": pop.sources,
+                    "done": pop.generation >= generations}
+        t = time.perf_counter()
+        plan = broadcast_json(plan, group=ctx.group)
+        timing["comm_s"] += time.perf_counter() - t
+        if plan["done"]:
+            break
+        g = int(plan["generation"])
+        results = [runner.run(i, g, plan["hparams"][i], plan["sources"][i]) for i in mine]
+        for r in results:
+            r["rank"] = ctx.rank
+        t = time.perf_counter()
+        gathered = gather_json(results, group=ctx.group)
+        timing["comm_s"] += time.perf_counter() - t
+        if gathered is None:
+            continue
+        assert pop is not None and metrics is not None
+        by_member = {r["member"]: r for rank_results in gathered for r in rank_results}
+        ordered = [by_member[i] for i in range(size)]
+        t = time.perf_counter()
+        record = pop.advance(
+            [r["fitness"] for r in ordered], mode=opts.mode, space=job.search_space,
+            exploit_strategy=strategy.exploit,  # type: ignore[union-attr]
+            explore_strategy=strategy.explore,  # type: ignore[union-attr]
+            evolve_now=opts.evolve and g < generations - 1, frozen=frozen,
+            errors=[r["error"] for r in ordered],
+            metrics=[r["metrics"] for r in ordered],
+        )
+        record["digests"] = [{"start": r["start_digest"], "end": r["end_digest"]} for r in ordered]
+        record["applied"] = [r["applied"] for r in ordered]
+        t_evolve = time.perf_counter()
+        timing["evolve_s"] += t_evolve - t
+        checkpoint.save_checkpoint(population_path(run_dir, pop.generation), pop.state_dict())
+        _write_json(run_dir / "lineage.json", lineage_json(pop, metric=opts.metric, mode=opts.mode))
+        timing["persist_s"] += time.perf_counter() - t_evolve
+        loads = [0.0] * ctx.world_size
+        for r in ordered:
+            loads[r["rank"]] += r["load_s"] + r["save_s"]
+        per_rank.append({"checkpoint_s": max(loads), "train_s": sum(r["train_s"] for r in ordered),
+                         "eval_s": sum(r["eval_s"] for r in ordered)})
+        copied = {c["recipient"]: c["donor"] for c in record["copies"]}
+        for r in ordered:
+            m = r["metrics"] or {}
+            metrics.log({
+                "generation": g, "member": r["member"], "rank": r["rank"], "fitness": r["fitness"],
+                "test_accuracy": m.get("accuracy"), "test_loss": m.get("loss"),
+                "train_loss": m.get("train_loss"), "hparams": record["hparams"][r["member"]],
+                "source": r["source"], "error": r["error"],
+                "copied_from": copied.get(r["member"]),
+                "time_s": round(time.perf_counter() - started, 4),
+            })
+
+    if not main:
+        return None
+    assert pop is not None
+    summary = _summary(job, pop, run_dir, ctx.world_size, started, timing, per_rank)
+    write_summary(run_dir, summary)
+    plot_population(run_dir / "lineage.json", run_dir / "report.png", space=job.search_space,
+                    title=f"{job.run.name} (PopulationBased)")
+    return summary
+
+
+def _summary(
+    job: JobConfig, pop: PopulationState, run_dir: Path, world: int, started: float,
+    timing: dict[str, float], per_rank: list[dict[str, float]],
+) -> dict[str, Any]:
+    opts = job.population
+    last = pop.history[-1]
+    best = pop.best(opts.mode)
+    m = last["metrics"][best] or {}
+    wall = time.perf_counter() - started
+    ckpt = sum(p["checkpoint_s"] for p in per_rank)
+    overhead = ckpt + timing["evolve_s"] + timing["persist_s"]
+    return {
+        "strategy": "PopulationBased",
+        "run_dir": str(run_dir),
+        "population_size": pop.size,
+        "generations": len(pop.history),
+        "num_workers": world,
+        "metric": opts.metric,
+        "mode": opts.mode,
+        "evolve": opts.evolve,
+        "best_member": best,
+        "best_fitness": last["fitness"][best],
+        "best_hparams": last["hparams"][best],
+        "best_schedule": ancestry(pop.history, best),
+        "final_fitness": last["fitness"],
+        "test_accuracy": m.get("accuracy"),
+        "test_loss": m.get("loss"),
+        "parameters_sha256": last["digests"][best]["end"] if "digests" in last else None,
+        "copies": sum(len(r["copies"]) for r in pop.history),
+        "failures": sum(1 for r in pop.history for e in r["errors"] if e),
+        "wall_time_s": round(wall, 3),
+        # This process's share only (a resumed run times the generations it ran).
+        "timing": {
+            "train_s": round(sum(p["train_s"] for p in per_rank), 4),
+            "eval_s": round(sum(p["eval_s"] for p in per_rank), 4),
+            "checkpoint_s": round(ckpt, 4),
+            "evolve_s": round(timing["evolve_s"], 4),
+            "persist_s": round(timing["persist_s"], 4),
+            "comm_s": round(timing["comm_s"], 4),
+            "overhead_fraction": round(overhead / wall, 5) if wall > 0 else None,
+        },
+    }
