@@ -1,0 +1,399 @@
+"""Collectives on torch.distributed: bucketed all-reduce, variable-size all-gather,
+point-to-point byte messages, and fallbacks for ops a backend lacks.
+
+Bucketed all-reduce (the DDP reducer's idea, Li et al. 2020, "PyTorch Distributed:
+Experiences on Accelerating Data Parallel Training", VLDB): the gradients are grouped in
+order into buckets of at most ``bucket_bytes`` (same dtype and device), each bucket is
+flattened into one contiguous buffer, all-reduced once (SUM), scaled by ``1/world``
+and copied back. A tensor larger than the bucket gets a bucket of its own. Fewer, larger
+messages amortise the per-collective latency; the result is the element-wise mean
+
+    g_i  <-  (1/n) * sum_r g_i^(r)        for every tensor i.
+
+Variable-size all-gather: sizes first (one int64 all-gather), then payloads padded to
+the largest size, trimmed on arrival; used for compressed (sparse) gradients whose byte
+length differs between ranks.
+
+Fallbacks: ``reduce_scatter`` = all-reduce of the concatenation, keep own chunk (also
+handles uneven chunks); ``all_gather_into_tensor`` = list all-gather + concatenation.
+They are used when the backend raises for the native op, or when ``fallback=True``.
+
+Every function takes the process group explicitly (``None`` = the default group) and
+records what it moved in an optional :class:`CommCounter`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommCounter",
+    "DEFAULT_BUCKET_MB",
+    "make_buckets",
+    "all_reduce_mean",
+    "all_reduce_buckets",
+    "all_gather_variable",
+    "send_bytes",
+    "recv_bytes",
+    "send_tensor",
+    "recv_tensor",
+    "reduce_scatter",
+    "all_gather_into_tensor",
+    "broadcast_tensors",
+    "world_size",
+    "bucket_bytes_of",
+    "consensus_distance",
+]
+
+DEFAULT_BUCKET_MB = 25.0
+_UNSUPPORTED: set[tuple[str, str]] = set()  # (backend, op) seen to raise "unsupported"
+
+
+@dataclass
+class CommCounter:
+    """Counts of collectives by name and the bytes each rank sent through them."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, op: str, nbytes: int) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+        self.bytes[op] = self.bytes.get(op, 0) + int(nbytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"calls": dict(self.calls), "bytes": dict(self.bytes), "total_bytes": self.total_bytes}
+
+
+def _count(counter: CommCounter | None, op: str, nbytes: int) -> None:
+    if counter is not None:
+        counter.add(op, nbytes)
+
+
+def world_size(group: Any = None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def bucket_bytes_of(bucket_size_mb: float) -> int:
+    """``bucket_size_mb`` in bytes; MB means MiB, as in torch DDP's ``bucket_cap_mb``."""
+    return max(1, int(bucket_size_mb * 1024 * 1024))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def make_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``tensors`` grouped in order into buckets of at most ``bucket_bytes``.
+
+    A bucket holds one dtype and one device; a tensor bigger than ``bucket_bytes`` sits
+    alone in its bucket. Every index appears exactly once, order preserved.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes})")
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    key: tuple[torch.dtype, torch.device] | None = None
+    for i, t in enumerate(tensors):
+        k = (t.dtype, t.device)
+        nb = _nbytes(t)
+        if current and (k != key or size + nb > bucket_bytes):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nb
+        key = k
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    if len(ts) == 1:
+        return ts[0].detach().reshape(-1).clone()
+    return torch.cat([t.detach().reshape(-1) for t in ts])
+
+
+def _unflatten_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in ts:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+
+
+def all_reduce_buckets(
+    tensors: Sequence[torch.Tensor],
+    *,
+    group: Any = None,
+    bucket_bytes: int = int(DEFAULT_BUCKET_MB * 1024 * 1024),
+    average: bool = True,
+    counter: CommCounter | None = None,
+    async_op: bool = True,
+) -> None:
+    """In place: every tensor becomes the sum (``average=False``) or mean over ranks.
+
+    Buckets are launched asynchronously and waited in order, so the flatten of bucket
+    ``b+1`` overlaps the transfer of bucket ``b``.
+    """
+    n = world_size(group)
+    if n == 1 or not tensors:
+        return
+    pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+    for idx in make_buckets(tensors, bucket_bytes):
+        members = [tensors[i] for i in idx]
+        flat = _flatten(members)
+        _count(counter, "all_reduce", _nbytes(flat))
+        work = dist.all_reduce(flat, group=group, async_op=async_op)
+        pending.append((work, flat, members))
+    for work, flat, members in pending:
+        if work is not None:
+            work.wait()
+        if average:
+            flat.div_(n)
+        _unflatten_into(flat, members)
+
+
+def all_reduce_mean(
+    tensors: Iterable[torch.Tensor],
+    *,
+    group: Any = None,
+    bucket_size_mb: float = DEFAULT_BUCKET_MB,
+    counter: CommCounter | None = None,
+) -> None:
+    """Element-wise mean over ranks, in place, through bucketed all-reduce."""
+    all_reduce_buckets(
+        list(tensors), group=group, bucket_bytes=bucket_bytes_of(bucket_size_mb),
+        average=True, counter=counter,
+    )
+
+
+def all_gather_variable(
+    payload: torch.Tensor,
+    *,
+    group: Any = None,
+    counter: CommCounter | None = None,
+    max_numel: int = 1 << 31,
+) -> list[torch.Tensor]:
+    """Gather a 1-D tensor whose length differs by rank; returns one tensor per rank.
+
+    Two collectives: the lengths (int64), then the payloads padded to the longest.
+    A length above ``max_numel`` is rejected before anything is allocated.
+    """
+    if payload.dim() != 1:
+        raise ValueError(f"all_gather_variable needs a 1-D tensor (got shape {tuple(payload.shape)})")
+    n = world_size(group)
+    if n == 1:
+        return [payload.clone()]
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
+    sizes = [torch.empty_like(size) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    bad = [ln for ln in lengths if not 0 <= ln <= max_numel]
+    if bad:
+        raise ValueError(f"all_gather_variable: peer announced {bad[0]} elements (limit {max_numel})")
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=payload.dtype, device=payload.device)
+    padded[: payload.numel()] = payload
+    out = [torch.empty_like(padded) for _ in range(n)]
+    _count(counter, "all_gather", _nbytes(padded) + 8)
+    dist.all_gather(out, padded, group=group)
+    return [o[:ln] for o, ln in zip(out, lengths, strict=True)]
+
+
+def send_tensor(t: torch.Tensor, *, dst: int, group: Any = None, counter: CommCounter | None = None) -> None:
+    """Blocking send of a contiguous tensor whose shape and dtype the receiver knows."""
+    t = t.contiguous()
+    _count(counter, "send", _nbytes(t))
+    dist.send(t, dst=dst, group=group)
+
+
+def recv_tensor(
+    shape: Sequence[int], *, dtype: torch.dtype, src: int, group: Any = None,
+    device: torch.device | str = "cpu", out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Blocking receive into ``out`` (or a new tensor of ``shape``/``dtype``)."""
+    buf = out if out is not None else torch.empty(tuple(shape), dtype=dtype, device=device)
+    dist.recv(buf, src=src, group=group)
+    return buf
+
+
+def send_bytes(data: bytes | torch.Tensor, *, dst: int, group: Any = None,
+               counter: CommCounter | None = None) -> None:
+    """Send a byte string: an int64 length header, then the uint8 payload."""
+    if isinstance(data, bytes | bytearray):
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    else:
+        payload = data.reshape(-1).view(torch.uint8) if data.dtype != torch.uint8 else data.reshape(-1)
+    header = torch.tensor([payload.numel()], dtype=torch.int64)
+    dist.send(header, dst=dst, group=group)
+    if payload.numel():
+        dist.send(payload.contiguous(), dst=dst, group=group)
+    _count(counter, "send", 8 + payload.numel())
+
+
+def recv_bytes(*, src: int, group: Any = None, max_bytes: int = 1 << 32) -> bytes:
+    """Receive what :func:`send_bytes` sent; a length above ``max_bytes`` is an error."""
+    header = torch.empty(1, dtype=torch.int64)
+    dist.recv(header, src=src, group=group)
+    n = int(header.item())
+    if not 0 <= n <= max_bytes:
+        raise ValueError(f"recv_bytes: peer {src} announced {n} bytes (limit {max_bytes})")
+    if n == 0:
+        return b""
+    buf = torch.empty(n, dtype=torch.uint8)
+    dist.recv(buf, src=src, group=group)
+    return bytes(buf.numpy().tobytes())
+
+
+def _backend(group: Any) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def _native_failed(e: Exception) -> bool:
+    text = str(e).lower()
+    return any(s in text for s in ("not supported", "unsupported", "does not support", "not implemented"))
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    inputs: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    group: Any = None,
+    average: bool = False,
+    fallback: bool | None = None,
+    counter: CommCounter | None = None,
+) -> torch.Tensor:
+    """``output`` <- chunk ``rank`` of the sum (or mean) over ranks of ``inputs``.
+
+    ``inputs`` is a flat tensor of ``world * output.numel()`` elements or a list with one
+    chunk per rank (chunks may differ in size; ``output`` matches this rank's chunk).
+    Fallback (gloo before it had the op, or uneven chunks): all-reduce the concatenation
+    and copy out this rank's slice (bytes moved: the whole concatenation).
+    """
+    n = world_size(group)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    chunks = list(inputs) if not isinstance(inputs, torch.Tensor) else list(
+        inputs.reshape(-1).split(output.numel())
+    )
+    if len(chunks) != n:
+        raise ValueError(f"reduce_scatter: {len(chunks)} input chunks for {n} ranks")
+    if chunks[rank].numel() != output.numel():
+        raise ValueError(
+            f"reduce_scatter: output has {output.numel()} elements, this rank's chunk {chunks[rank].numel()}"
+        )
+    if n == 1:
+        output.copy_(chunks[0].view_as(output))
+        return output
+    even = all(c.numel() == output.numel() for c in chunks)
+    use_fallback = fallback if fallback is not None else (
+        not even or (_backend(group), "reduce_scatter") in _UNSUPPORTED
+    )
+    if not use_fallback:
+        try:
+            flat = torch.cat([c.reshape(-1) for c in chunks])
+            out_flat = output.reshape(-1) if output.is_contiguous() else output.contiguous().reshape(-1)
+            _count(counter, "reduce_scatter", _nbytes(flat))
+            dist.reduce_scatter_tensor(out_flat, flat, group=group)
+            if out_flat.data_ptr() != output.data_ptr():
+                output.copy_(out_flat.view_as(output))
+            if average:
+                output.div_(n)
+            return output
+        except (RuntimeError, NotImplementedError) as e:
+            if not _native_failed(e):
+                raise
+            _UNSUPPORTED.add((_backend(group), "reduce_scatter"))
+    flat = torch.cat([c.reshape(-1) for c in chunks])
+    _count(counter, "reduce_scatter_fallback", _nbytes(flat))
+    dist.all_reduce(flat, group=group)
+    start = sum(c.numel() for c in chunks[:rank])
+    output.copy_(flat[start : start + output.numel()].view_as(output))
+    if average:
+        output.div_(n)
+    return output
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    group: Any = None,
+    fallback: bool | None = None,
+    counter: CommCounter | None = None,
+) -> torch.Tensor:
+    """``output`` (``world * input.numel()`` elements) <- the ranks' inputs, concatenated."""
+    n = world_size(group)
+    if output.numel() != n * input.numel():
+        raise ValueError(
+            f"all_gather_into_tensor: output has {output.numel()} elements, need {n} x {input.numel()}"
+        )
+    if n == 1:
+        output.copy_(input.reshape(output.shape))
+        return output
+    use_fallback = fallback if fallback is not None else (_backend(group), "all_gather") in _UNSUPPORTED
+    if not use_fallback:
+        try:
+            out_flat = output.reshape(-1) if output.is_contiguous() else output.contiguous().reshape(-1)
+            _count(counter, "all_gather_into_tensor", _nbytes(input))
+            dist.all_gather_into_tensor(out_flat, input.contiguous().reshape(-1), group=group)
+            if out_flat.data_ptr() != output.data_ptr():
+                output.copy_(out_flat.view_as(output))
+            return output
+        except (RuntimeError, NotImplementedError) as e:
+            if not _native_failed(e):
+                raise
+            _UNSUPPORTED.add((_backend(group), "all_gather"))
+    parts = [torch.empty_like(input.reshape(-1)) for _ in range(n)]
+    _count(counter, "all_gather_fallback", _nbytes(input))
+    dist.all_gather(parts, input.contiguous().reshape(-1), group=group)
+    output.copy_(torch.cat(parts).view_as(output))
+    return output
+
+
+def broadcast_tensors(
+    tensors: Iterable[torch.Tensor], *, src: int = 0, group: Any = None,
+    bucket_bytes: int = int(DEFAULT_BUCKET_MB * 1024 * 1024), counter: CommCounter | None = None,
+) -> None:
+    """In place: every rank's tensors become ``src``'s, bucketed like all-reduce."""
+    ts = list(tensors)
+    if world_size(group) == 1 or not ts:
+        return
+    for idx in make_buckets(ts, bucket_bytes):
+        members = [ts[i] for i in idx]
+        flat = _flatten(members)
+        _count(counter, "broadcast", _nbytes(flat))
+        dist.broadcast(flat, src=src, group=group)
+        _unflatten_into(flat, members)
+
+
+def consensus_distance(flat: torch.Tensor, *, group: Any = None, counter: CommCounter | None = None) -> float:
+    """max_{i,j} ||x_i - x_j||_2 over ranks for this rank's flat parameter vector ``flat``.
+
+    One all-gather of the vectors; every rank returns the same value.
+    """
+    n = world_size(group)
+    if n == 1:
+        return 0.0
+    flat = flat.detach().reshape(-1)
+    parts = [torch.empty_like(flat) for _ in range(n)]
+    _count(counter, "all_gather", _nbytes(flat))
+    dist.all_gather(parts, flat, group=group)
+    stacked = torch.stack(parts).double()
+    return float(torch.cdist(stacked, stacked).max())

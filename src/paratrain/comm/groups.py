@@ -1,0 +1,145 @@
+"""Process groups and gossip topologies.
+
+Topologies for decentralized averaging (D-PSGD, Lian et al. 2017, "Can Decentralized
+Algorithms Outperform Centralized Algorithms?", NeurIPS):
+
+* ``ring``: rank i talks to i-1 and i+1 (mod n);
+* ``torus``: ranks on an r x c grid (r = the largest divisor of n with r <= sqrt(n);
+  a prime n gives 1 x n, i.e. a ring), each talks to its 4 wrap-around neighbours;
+* ``complete``: everyone talks to everyone.
+
+Mixing matrix: Metropolis-Hastings weights ``W_ij = 1 / (1 + max(d_i, d_j))`` for each
+edge, ``W_ii = 1 - sum_j W_ij``: symmetric and doubly stochastic for any graph, so
+gossip ``x_i <- sum_j W_ij x_j`` preserves the average and contracts to consensus on a
+connected graph. On ``complete`` it is exactly the mean (W = 11^T / n).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+from .collectives import CommCounter
+
+__all__ = [
+    "TOPOLOGIES",
+    "grid_shape",
+    "neighbors",
+    "mixing_weights",
+    "gossip_average",
+    "new_group",
+    "subgroups",
+]
+
+TOPOLOGIES = ("ring", "torus", "complete")
+
+
+def grid_shape(n: int) -> tuple[int, int]:
+    """(rows, cols) of the torus for n ranks: rows = largest divisor <= sqrt(n)."""
+    if n < 1:
+        raise ValueError(f"need at least one rank (got {n})")
+    r = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+    return r, n // r
+
+
+def neighbors(topology: str, n: int) -> list[list[int]]:
+    """Sorted neighbour ranks (self excluded) of every rank for ``topology``."""
+    if topology not in TOPOLOGIES:
+        raise ConfigError(
+            [("strategy.aggregation.topology",
+              f"unknown topology {topology!r}; valid: {', '.join(TOPOLOGIES)}")]
+        )
+    out: list[set[int]] = [set() for _ in range(n)]
+    if topology == "complete":
+        for i in range(n):
+            out[i] = set(range(n)) - {i}
+    elif topology == "ring":
+        for i in range(n):
+            out[i] = {(i - 1) % n, (i + 1) % n} - {i}
+    else:
+        rows, cols = grid_shape(n)
+        for i in range(n):
+            r, c = divmod(i, cols)
+            cand = {
+                ((r - 1) % rows) * cols + c, ((r + 1) % rows) * cols + c,
+                r * cols + (c - 1) % cols, r * cols + (c + 1) % cols,
+            }
+            out[i] = cand - {i}
+    return [sorted(s) for s in out]
+
+
+def mixing_weights(topology: str, n: int) -> torch.Tensor:
+    """The n x n Metropolis-Hastings mixing matrix (float64, doubly stochastic)."""
+    nb = neighbors(topology, n)
+    w = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        for j in nb[i]:
+            w[i, j] = 1.0 / (1 + max(len(nb[i]), len(nb[j])))
+        w[i, i] = 1.0 - float(w[i].sum())
+    return w
+
+
+def gossip_average(
+    tensors: Sequence[torch.Tensor],
+    *,
+    topology: str,
+    group: Any = None,
+    counter: CommCounter | None = None,
+) -> None:
+    """One gossip round, in place: ``x_i <- sum_j W_ij x_j`` over the topology.
+
+    The tensors are flattened into one buffer; each rank sends it to every neighbour and
+    receives theirs (``batch_isend_irecv``), so each rank moves ``deg * bytes``.
+    """
+    if not dist.is_initialized() or not tensors:
+        return
+    n = dist.get_world_size(group)
+    if n == 1:
+        return
+    rank = dist.get_rank(group)
+    nb = neighbors(topology, n)[rank]
+    w = mixing_weights(topology, n)[rank]
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    bufs = {j: torch.empty_like(flat) for j in nb}
+    ops = []
+    for j in nb:
+        peer = dist.get_global_rank(group, j) if group is not None else j
+        ops.append(dist.P2POp(dist.isend, flat, peer, group=group))
+        ops.append(dist.P2POp(dist.irecv, bufs[j], peer, group=group))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    if counter is not None:
+        counter.add("gossip_send", flat.numel() * flat.element_size() * len(nb))
+    mixed = flat * float(w[rank])
+    for j in nb:
+        mixed.add_(bufs[j], alpha=float(w[j]))
+    offset = 0
+    for t in tensors:
+        k = t.numel()
+        t.detach().copy_(mixed[offset : offset + k].view_as(t))
+        offset += k
+
+
+def new_group(ranks: Sequence[int], *, backend: str | None = None) -> Any:
+    """A process group over ``ranks`` (every rank of the world must call this)."""
+    return dist.new_group(ranks=list(ranks), backend=backend)
+
+
+def subgroups(size: int, *, backend: str | None = None) -> tuple[Any, list[list[int]]]:
+    """Split the world into consecutive groups of ``size`` ranks; returns (mine, all)."""
+    n = dist.get_world_size()
+    if size < 1 or n % size:
+        raise ValueError(f"world size {n} is not a multiple of group size {size}")
+    layout = [list(range(s, s + size)) for s in range(0, n, size)]
+    mine = None
+    rank = dist.get_rank()
+    for ranks in layout:
+        g = dist.new_group(ranks=ranks, backend=backend)
+        if rank in ranks:
+            mine = g
+    return mine, layout
