@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..comm.workers import resolve_rank
 from ..config import ConfigError
-from ..config.strategy import TagTarget, WorkerIdTarget
 
 __all__ = ["Segment", "Plan", "build_plan", "resolve_target", "DEFAULT_RANK"]
 
@@ -75,37 +75,10 @@ class Plan:
         return len(ranks) == len(set(ranks))
 
 
-def _worker_fields(w: Any) -> tuple[int, str, tuple[str, ...]]:
-    return int(w.rank), str(w.id), tuple(w.tags)
-
-
-def resolve_target(target: Any, workers: Sequence[Any]) -> int:
-    """Rank of the worker ``target`` names; ``LookupError`` listing ids and tags otherwise.
-
-    Uses ``paratrain.comm.workers.resolve_target`` when the comm package provides it.
-    """
-    try:
-        from ..comm.workers import resolve_target as comm_resolve  # type: ignore[attr-defined]
-    except ImportError:
-        comm_resolve = None
-    if comm_resolve is not None:
-        return int(comm_resolve(target, workers))
-    infos = [_worker_fields(w) for w in workers]
-    if isinstance(target, WorkerIdTarget):
-        for rank, wid, _tags in infos:
-            if wid == target.WorkerId:
-                return rank
-        what = f"no worker has id {target.WorkerId!r}"
-    elif isinstance(target, TagTarget):
-        for rank, _wid, tags in sorted(infos):
-            if target.Tag in tags:
-                return rank
-        what = f"no worker carries tag {target.Tag!r}"
-    else:  # pragma: no cover - the contract admits only the two variants
-        raise TypeError(f"not a RemoteTarget: {target!r}")
-    ids = ", ".join(info[1] for info in infos) or "(none)"
-    all_tags = ", ".join(sorted({t for *_, ts in infos for t in ts})) or "(none)"
-    raise LookupError(f"{what}; registered ids: {ids}; tags: {all_tags}")
+def resolve_target(target: Any, workers: Sequence[Any], *, field: str = "target") -> int:
+    """Rank of the worker ``target`` names (``paratrain.comm.workers``); a ConfigError at
+    ``field`` listing the registered ids (or tags) when no worker answers to it."""
+    return resolve_rank(target, workers, field=field)
 
 
 def build_plan(
@@ -136,9 +109,9 @@ def build_plan(
         if not part.node_ids:
             problems.append((f"{where}.node_ids", f"partition {i} is empty: it claims no node"))
         try:
-            rank: int | None = resolve_target(part.target, workers)
-        except LookupError as e:
-            problems.append((f"{where}.target", str(e).strip("'\"")))
+            rank: int | None = resolve_target(part.target, workers, field=f"{where}.target")
+        except ConfigError as e:
+            problems.extend(e.problems)
             rank = None
         for node in part.node_ids:
             if node not in known:

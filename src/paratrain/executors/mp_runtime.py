@@ -117,8 +117,9 @@ class StageRuntime:
     """Runs this rank's part of the model for a train step or a forward pass."""
 
     def __init__(self, plan: Plan, rank: int, modules: dict[int, SegmentModule],
-                 transport: Transport) -> None:
+                 transport: Transport, *, device: torch.device | None = None) -> None:
         self.plan = plan
+        self.device = device or torch.device("cpu")
         self.rank = rank
         self.modules = modules
         self.transport = transport
@@ -168,7 +169,7 @@ class StageRuntime:
                     inp = xs[i]
                 else:
                     inp = self.transport.recv(src=self.plan.segments[s - 1].rank,
-                                              key=("act", i, s), step=step)
+                                              key=("act", i, s), step=step).to(self.device)
                     if inp.is_floating_point():
                         inp.requires_grad_(True)
                 t0 = time.perf_counter()
@@ -198,7 +199,7 @@ class StageRuntime:
                 grad = None
                 if s != self.last:
                     grad = self.transport.recv(src=self.plan.segments[s + 1].rank,
-                                               key=("grad", i, s + 1), step=step)
+                                               key=("grad", i, s + 1), step=step).to(self.device)
                 t0 = time.perf_counter()
                 if out.requires_grad:
                     torch.autograd.backward(out, grad_tensors=grad)
@@ -225,7 +226,7 @@ class StageRuntime:
                 inp = x
             else:
                 inp = self.transport.recv(src=self.plan.segments[s - 1].rank,
-                                          key=("eval", 0, s), step=step)
+                                          key=("eval", 0, s), step=step).to(self.device)
             out = self.modules[s](inp)
             if s == self.last:
                 result = out
@@ -238,9 +239,10 @@ class StageRuntime:
     def parameters(self) -> list[nn.Parameter]:
         return [p for s in sorted(self.modules) for p in self.modules[s].parameters()]
 
-    def send_metric(self, values: torch.Tensor, *, dst: int, step: int) -> None:
-        self.transport.send(values, dst=dst, key=("metric", 0, 0), step=step)
+    def send_metric(self, values: torch.Tensor, *, dst: int, step: int, slot: int = 0) -> None:
+        """Send a small metrics tensor (e.g. the loss) to ``dst``; ``slot`` separates kinds."""
+        self.transport.send(values, dst=dst, key=("metric", slot, 0), step=step)
         self.transport.flush()
 
-    def recv_metric(self, *, src: int, step: int) -> torch.Tensor:
-        return self.transport.recv(src=src, key=("metric", 0, 0), step=step)
+    def recv_metric(self, *, src: int, step: int, slot: int = 0) -> torch.Tensor:
+        return self.transport.recv(src=src, key=("metric", slot, 0), step=step)
