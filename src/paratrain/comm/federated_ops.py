@@ -1,0 +1,107 @@
+"""Transport for the Federated strategy: model broadcast, update upload, control messages.
+
+- ``broadcast_(t, src, group)``: the global model (one flat tensor per dtype) from the
+  server rank to every worker (``dist.broadcast``).
+- ``send_bytes`` / ``recv_bytes``: one worker's concatenated client update payloads
+  (a uint8 tensor) to the server rank over point-to-point ``dist.send``/``dist.recv``;
+  the receiver learns the length from the worker's status message first, so it never
+  allocates on the strength of an unchecked header.
+- Control messages (round plans, client status) are small JSON documents in the
+  rendezvous store (``TCPStore``); :class:`LocalStore` stands in when the job runs as
+  a single process (``group is None``), so the same round loop runs in-process.
+
+With ``group is None`` (one process) the collectives are no-ops.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "LocalStore",
+    "store_set_json",
+    "store_get_json",
+    "store_delete",
+    "broadcast_",
+    "send_bytes",
+    "recv_bytes",
+    "barrier",
+    "MAX_JSON_BYTES",
+]
+
+MAX_JSON_BYTES = 64 * 1024 * 1024
+
+
+class LocalStore:
+    """An in-process key-value store with the TCPStore ``set``/``get`` surface."""
+
+    def __init__(self) -> None:
+        self._d: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._d[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key: str) -> bytes:
+        if key not in self._d:
+            raise KeyError(f"control key {key!r} was never set (single-process store)")
+        return self._d[key]
+
+    def delete_key(self, key: str) -> bool:
+        return self._d.pop(key, None) is not None
+
+
+def store_set_json(store: Any, key: str, obj: Any) -> None:
+    """Publish ``obj`` as JSON under ``key``."""
+    store.set(key, json.dumps(obj, separators=(",", ":")))
+
+
+def store_get_json(store: Any, key: str) -> Any:
+    """Wait for ``key`` (TCPStore ``get`` blocks up to the store timeout) and parse it."""
+    raw = store.get(key)
+    if len(raw) > MAX_JSON_BYTES:
+        raise ValueError(f"control message {key!r} is {len(raw)} bytes (limit {MAX_JSON_BYTES})")
+    return json.loads(bytes(raw).decode("utf-8"))
+
+
+def store_delete(store: Any, key: str) -> None:
+    try:
+        store.delete_key(key)
+    except Exception:  # noqa: BLE001 - a missing key or a store without delete is fine
+        pass
+
+
+def broadcast_(tensor: torch.Tensor, *, src: int = 0, group: Any = None) -> None:
+    """In-place broadcast of ``tensor`` from ``src`` (no-op for a single process)."""
+    if group is None:
+        return
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def send_bytes(payload: torch.Tensor, *, dst: int, group: Any = None) -> None:
+    """Send a uint8 tensor to ``dst`` (blocking); empty payloads are not sent."""
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise TypeError("send_bytes expects a 1-d uint8 tensor")
+    if group is None or payload.numel() == 0:
+        return
+    dist.send(payload.contiguous(), dst=dst, group=group)
+
+
+def recv_bytes(nbytes: int, *, src: int, group: Any = None, limit: int = 1 << 34) -> torch.Tensor:
+    """Receive ``nbytes`` bytes from ``src`` (the length came from a control message)."""
+    if not 0 <= nbytes <= limit:
+        raise ValueError(f"refusing to receive {nbytes} bytes from rank {src} (limit {limit})")
+    buf = torch.empty(nbytes, dtype=torch.uint8)
+    if group is None or nbytes == 0:
+        return buf
+    dist.recv(buf, src=src, group=group)
+    return buf
+
+
+def barrier(group: Any = None) -> None:
+    if group is None:
+        return
+    dist.barrier(group=group)

@@ -1,0 +1,46 @@
+"""Federated strategy (DESIGN §4): a server (rank 0) and ``num_clients`` logical clients
+hosted many-per-worker, with every aggregation, selection, non-IID partitioning,
+compressed updates, faults and resume.
+
+``run(job)`` starts ``job.run.num_workers`` processes (default ``min(2, num_clients)``)
+through the elastic launcher, or runs in this process when that is 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...comm.context import WorkerContext, default_workers
+from ...config.job import JobConfig
+from .runner import worker_main
+
+__all__ = ["run", "run_in_process", "worker_main", "num_workers"]
+
+
+def num_workers(job: JobConfig) -> int:
+    strat: Any = job.strategy
+    return int(job.run.num_workers or min(2, strat.num_clients))
+
+
+def run_in_process(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
+    """The same round loop as one process (no process group; an in-memory store)."""
+    from ...training import resolve_device
+
+    ctx = WorkerContext(
+        rank=0, world_size=1, device=resolve_device(job.run.device),
+        workers=default_workers(1, list(job.workers)),
+    )
+    out = worker_main(ctx, job, resume)
+    assert out is not None
+    return out
+
+
+def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
+    """Run a federated job and return its summary (also in runs/<name>/summary.json)."""
+    n = num_workers(job)
+    if n == 1:
+        return run_in_process(job, resume=resume)
+    from ...comm.launch import launch
+
+    out: dict[str, Any] = launch(job, nprocs=n, resume=resume)
+    return out

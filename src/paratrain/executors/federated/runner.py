@@ -1,0 +1,297 @@
+"""The round loop every worker process runs (rank 0 is also the server).
+
+Per round ``r`` (DESIGN §4, Federated):
+
+1. rank 0 selects clients and publishes the plan ``{"clients": [...], "stop": bool}``
+   in the store (``fed/plan/r``);
+2. the global model is broadcast from rank 0 (one flat float32 tensor, plus one int64
+   tensor for integer buffers);
+3. every rank trains the selected clients it hosts, one after another on its single
+   model, writes its clients' codec state (error-feedback residuals) to its worker
+   checkpoint, publishes its status (``fed/status/r/rank``: per client ok, examples,
+   loss, error, tensor headers, byte counts) and sends the concatenated payloads to
+   rank 0 point-to-point;
+4. rank 0 decodes, validates and aggregates, evaluates on the test set, logs the round
+   and saves the server checkpoint ``ckpt-<r+1>.pt`` (model, server optimizer state).
+
+The server checkpoint of round r is written only after every worker's round-r file, so
+a resume (``--resume`` or an elastic restart after a killed worker) from the newest
+server checkpoint finds matching worker state, and — every random draw being a
+function of (seed, round, client) — ends bit-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...comm.context import WorkerContext
+from ...comm.federated_ops import (
+    LocalStore,
+    barrier,
+    broadcast_,
+    recv_bytes,
+    send_bytes,
+    store_delete,
+    store_get_json,
+    store_set_json,
+)
+from ...config import ConfigError
+from ...config.job import JobConfig
+from ...data import load_data
+from ...data.partition import partition_indices
+from ...models import build_model
+from ...training import (
+    MetricsWriter,
+    checkpoint,
+    parameters_digest,
+    prepare_run_dir,
+    progress_bar,
+    read_metrics,
+    report,
+    seed_everything,
+    write_summary,
+)
+from ...training.rundir import run_dir_of
+from .client import ClientHost, client_name
+from .selection import select_clients
+from .server import FederatedServer
+
+__all__ = ["worker_main", "check_job", "client_tags", "KILL_ENV"]
+
+# Fault injection for tests: "RANK:ROUND" makes that rank exit hard (os._exit) at the
+# start of that round on the first attempt (TORCHELASTIC_RESTART_COUNT == 0).
+KILL_ENV = "PARATRAIN_FED_KILL_RANK_AT_ROUND"
+
+
+def check_job(job: JobConfig, *, world_size: int) -> None:
+    """Reject option values that cannot work, naming the field."""
+    strat: Any = job.strategy
+    k = strat.num_clients
+    problems: list[tuple[str, str]] = []
+    for field in ("fail_clients", "byzantine_clients", "corrupt_clients"):
+        bad = [c for c in getattr(job.federated, field) if not 0 <= c < k]
+        if bad:
+            problems.append((f"federated.{field}", f"client indices {bad} outside [0, {k})"))
+    for name in job.federated.client_tags:
+        c = name.removeprefix("client-")
+        if not name.startswith("client-") or not c.isdigit() or int(c) >= k:
+            problems.append(("federated.client_tags", f"unknown client {name!r} (clients are client-0..client-{k - 1})"))
+    if problems:
+        raise ConfigError(problems)
+
+
+def client_tags(job: JobConfig, ctx: WorkerContext) -> dict[int, list[str]]:
+    """Each client's tags: its ``[federated.client_tags]`` entry plus its worker's tags."""
+    strat: Any = job.strategy
+    out: dict[int, list[str]] = {}
+    for c in range(strat.num_clients):
+        own = list(job.federated.client_tags.get(client_name(c), []))
+        worker = ctx.workers[c % ctx.world_size] if ctx.workers else None
+        out[c] = sorted(set(own) | set(worker.tags if worker else ()))
+    return out
+
+
+def _flatten(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    fl = [t.reshape(-1).to(torch.float32) for t in state.values() if t.is_floating_point()]
+    it = [t.reshape(-1).to(torch.int64) for t in state.values() if not t.is_floating_point()]
+    f = torch.cat(fl) if fl else torch.zeros(0)
+    i = torch.cat(it) if it else torch.zeros(0, dtype=torch.int64)
+    return f.contiguous(), i.contiguous()
+
+
+def _unflatten(template: dict[str, torch.Tensor], f: torch.Tensor, i: torch.Tensor) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    pf = pi = 0
+    for k, t in template.items():
+        n = t.numel()
+        if t.is_floating_point():
+            out[k] = f[pf : pf + n].reshape(t.shape).to(t.dtype).clone()
+            pf += n
+        else:
+            out[k] = i[pi : pi + n].reshape(t.shape).to(t.dtype).clone()
+            pi += n
+    return out
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _worker_ckpt(run_dir: Path, rank: int) -> Path:
+    return run_dir / "checkpoints" / f"worker-{rank}"
+
+
+def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
+    """Run the federated job on this rank; rank 0 returns the summary."""
+    started = time.perf_counter()
+    strat: Any = job.strategy
+    if getattr(strat, "type", None) != "Federated":
+        raise ConfigError([("strategy.type", f"federated executor got {getattr(strat, 'type', None)!r}")])
+    check_job(job, world_size=ctx.world_size)
+    rank, world, group = ctx.rank, ctx.world_size, ctx.group
+    store = ctx.store if ctx.store is not None else LocalStore()
+    is_server = rank == 0
+    seed = job.run.seed
+    device = ctx.device
+
+    seed_everything(seed)
+    bundle = load_data(job.data, seed=seed)
+    model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+    model.to(device)
+    x_train, y_train = bundle.train.tensors
+    try:
+        parts = partition_indices(y_train, strat.num_clients, job.data.partition, seed=seed)
+    except ValueError as e:
+        raise ConfigError([("data.partition", str(e))]) from None
+    host = ClientHost(
+        job, rank=rank, world_size=world, model=model, train_x=x_train, train_y=y_train,
+        partitions=parts, device=device,
+    )
+    template = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    tags = client_tags(job, ctx)
+
+    # Run folder: rank 0 creates (or, resuming, keeps) it before anyone writes.
+    run_dir = run_dir_of(job)
+    server: FederatedServer | None = None
+    metrics: MetricsWriter | None = None
+    if is_server:
+        run_dir = prepare_run_dir(job, resume=resume)
+        server = FederatedServer(strat.aggregation, template)
+        metrics = MetricsWriter(run_dir)
+        start = 0
+        found = checkpoint.latest(run_dir / "checkpoints") if resume else None
+        if found is not None:
+            server.load_state_dict(checkpoint.load_checkpoint(found))
+            start = server.round
+        if resume:
+            metrics.truncate_after("round", start)
+        store_set_json(store, "fed/start", {"round": start})
+    start = int(store_get_json(store, "fed/start")["round"])
+    barrier(group)
+    wdir = _worker_ckpt(run_dir, rank)
+    if start > 0:
+        wfile = checkpoint.checkpoint_path(wdir, start)
+        if wfile.exists():
+            host.load_state_dict(checkpoint.load_checkpoint(wfile))
+        elif job.compression is not None and getattr(job.compression, "method", "None") != "None":
+            raise RuntimeError(f"rank {rank}: worker checkpoint {wfile} is missing; cannot resume")
+
+    kill = os.environ.get(KILL_ENV, "")
+    kill_rank, kill_round = (int(v) for v in kill.split(":")) if kill else (-1, -1)
+    target = job.federated.target_accuracy
+    global_state = dict(template) if server is None else dict(server.global_state)
+    bar_ctx = progress_bar(enabled=None if is_server else False)
+    with bar_ctx as bar:
+        task = bar.add_task("Federated", total=strat.rounds, completed=start, info="")
+        for r in range(start, strat.rounds):
+            if rank == kill_rank and r == kill_round and ctx.restart_count == 0:
+                os._exit(17)  # a hard crash, as a killed process would look
+            t_round = time.perf_counter()
+            if server is not None:
+                plan = {"stop": server.stopped, "clients": []}
+                if not server.stopped:
+                    plan["clients"] = select_clients(
+                        strat.client_selection, num_clients=strat.num_clients, round_idx=r,
+                        seed=seed, client_tags=tags,
+                    )
+                store_set_json(store, f"fed/plan/{r}", plan)
+            plan = store_get_json(store, f"fed/plan/{r}")
+            if plan["stop"]:
+                break
+            # Global model down.
+            if server is not None:
+                fvec, ivec = _flatten(server.global_state)
+            else:
+                fvec, ivec = _flatten(template)
+            broadcast_(fvec, src=0, group=group)
+            if ivec.numel():
+                broadcast_(ivec, src=0, group=group)
+            global_state = server.global_state if server is not None else _unflatten(template, fvec, ivec)
+            dev_state = {k: v.to(device) for k, v in global_state.items()}
+            # Local training of the selected clients this rank hosts.
+            mine = [c for c in plan["clients"] if host.hosts(c)]
+            results = [host.train_one(c, r, dev_state) for c in mine]
+            if host.codec_state:
+                checkpoint.save_checkpoint(checkpoint.checkpoint_path(wdir, r + 1), host.state_dict())
+                checkpoint.prune(wdir, keep=3)
+            statuses = [res.status() for res in results]
+            payload = b"".join(res.payload for res in results)
+            if server is None:
+                store_set_json(store, f"fed/status/{r}/{rank}", {"results": statuses, "nbytes": len(payload)})
+                send_bytes(torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
+                           else torch.zeros(0, dtype=torch.uint8), dst=0, group=group)
+                continue
+            # Server: collect every rank's updates.
+            all_st = list(statuses)
+            all_pl: list[bytes | memoryview] = [res.payload for res in results]
+            for src in range(1, world):
+                key = f"fed/status/{r}/{src}"
+                doc = store_get_json(store, key)
+                store_delete(store, key)
+                buf = recv_bytes(int(doc["nbytes"]), src=src, group=group).numpy().tobytes()
+                pos = 0
+                for st in doc["results"]:
+                    nb = int(st.get("nbytes", 0))
+                    all_st.append(st)
+                    all_pl.append(memoryview(buf)[pos : pos + nb])
+                    pos += nb
+            store_delete(store, f"fed/plan/{r - 1}")
+            rec = server.finish_round(r, all_st, all_pl)
+            ev = server.evaluate(model, bundle.test, device=device)
+            server.note_accuracy(ev["accuracy"], target)
+            rec.update(test_accuracy=ev["accuracy"], test_loss=ev["loss"],
+                       round_time_s=time.perf_counter() - t_round,
+                       time_s=time.perf_counter() - started)
+            assert metrics is not None
+            metrics.log(dict(rec))
+            checkpoint.save_checkpoint(
+                checkpoint.checkpoint_path(run_dir / "checkpoints", r + 1), server.state_dict()
+            )
+            checkpoint.prune(run_dir / "checkpoints")
+            bar.update(task, completed=r + 1, info=f"acc {ev['accuracy']:.3f} ok {rec['clients_ok']}/{rec['clients_selected']}")
+
+    stats = {"rank": rank, "clients_hosted": len(host.hosted), "client_updates": host.trained,
+             "peak_rss_mb": round(_peak_rss_mb(), 1)}
+    if server is None:
+        store_set_json(store, f"fed/final/{rank}", stats)
+        barrier(group)
+        return None
+    workers = [stats] + [store_get_json(store, f"fed/final/{src}") for src in range(1, world)]
+    barrier(group)
+    final = server.evaluate(model, bundle.test, device=device)
+    records = [rec for rec in read_metrics(run_dir) if rec.get("test_accuracy") is not None]
+    wall = time.perf_counter() - started
+    updates = sum(w["client_updates"] for w in workers)
+    summary: dict[str, Any] = {
+        "strategy": "Federated",
+        "run_dir": str(run_dir),
+        "aggregation": strat.aggregation.method,
+        "client_selection": strat.client_selection.method,
+        "num_clients": strat.num_clients,
+        "num_workers": world,
+        "rounds": server.round,
+        "rounds_to_target": server.rounds_to_target,
+        "test_accuracy": final["accuracy"],
+        "test_loss": final["loss"],
+        "best_test_accuracy": max((rec["test_accuracy"] for rec in records), default=final["accuracy"]),
+        "clients_failed_total": server.failures,
+        "bytes_up": server.bytes_up,
+        "bytes_down": server.bytes_down,
+        "client_updates_this_run": updates,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "wall_time_s": round(wall, 3),
+        "workers": workers,
+        "parameters_sha256": parameters_digest(model),
+    }
+    write_summary(run_dir, summary)
+    try:
+        report.plot_curves(run_dir, x_key="round", title=f"{job.run.name} (Federated, {strat.aggregation.method})")
+    except Exception:  # noqa: BLE001 - a plot must never fail a finished run
+        pass
+    return summary

@@ -1,0 +1,144 @@
+"""The server side of a round: decode and validate updates, aggregate, evaluate.
+
+``FederatedServer.finish_round`` takes every selected client's status + payload (in
+client order), rejects malformed updates before any arithmetic (each becomes a
+recorded failure naming the client and tensor), and applies the job's aggregator to
+the successful ones, weighted by example counts. A round with no successful client
+leaves the global model unchanged and records why. The server state — global model,
+aggregator state (server optimizer moments), round counter, early-stop flag — is one
+checkpoint dict.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+
+from ...training import evaluate
+from .aggregation import Aggregator, MalformedUpdateError, build_aggregator, validate_updates
+from .client import client_name
+from .wire import decode_update
+
+__all__ = ["FederatedServer", "RoundOutcome"]
+
+
+class RoundOutcome(dict[str, Any]):
+    """The per-round metrics record (a dict, logged to metrics.jsonl)."""
+
+
+class FederatedServer:
+    def __init__(self, aggregation: Any, global_state: Mapping[str, Tensor]) -> None:
+        self.aggregator: Aggregator = build_aggregator(aggregation)
+        self.global_state: dict[str, Tensor] = {k: v.detach().clone() for k, v in global_state.items()}
+        self.round = 0
+        self.stopped = False
+        self.rounds_to_target: int | None = None
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.failures = 0
+
+    @property
+    def model_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.global_state.values())
+
+    def finish_round(
+        self,
+        round_idx: int,
+        statuses: Sequence[Mapping[str, Any]],
+        payloads: Sequence[bytes | memoryview],
+    ) -> RoundOutcome:
+        """Aggregate one round; ``statuses[i]`` describes ``payloads[i]``."""
+        order = sorted(range(len(statuses)), key=lambda i: int(statuses[i]["client"]))
+        ids: list[str] = []
+        updates: list[dict[str, Tensor]] = []
+        weights: list[float] = []
+        losses: list[tuple[float, float]] = []
+        failed: list[dict[str, Any]] = []
+        up = 0
+        for i in order:
+            st, payload = statuses[i], payloads[i]
+            cid = client_name(int(st["client"]))
+            up += len(payload)
+            if not st.get("ok"):
+                failed.append({"client": cid, "error": str(st.get("error"))})
+                continue
+            try:
+                upd = decode_update(cid, st.get("headers", []), payload, self.global_state)
+                validate_updates(self.global_state, [upd], [cid])
+                n = int(st["n"])
+                if n <= 0:
+                    raise MalformedUpdateError(cid, "<num_examples>", f"example count {n}")
+            except MalformedUpdateError as e:
+                failed.append({"client": cid, "error": f"rejected update: {e}"})
+                continue
+            ids.append(cid)
+            updates.append(upd)
+            weights.append(float(n))
+            if st.get("loss") is not None:
+                losses.append((float(st["loss"]), float(n)))
+        down = self.model_nbytes * len(statuses)
+        self.bytes_up += up
+        self.bytes_down += down
+        self.failures += len(failed)
+        rec = RoundOutcome(
+            round=round_idx + 1,
+            clients_selected=len(statuses),
+            clients_ok=len(updates),
+            clients_failed=len(failed),
+            bytes_up=up,
+            bytes_down=down,
+        )
+        if failed:
+            rec["failures"] = failed
+        if updates:
+            self.global_state = self.aggregator.aggregate(self.global_state, updates, weights)
+            if losses:
+                rec["train_loss"] = sum(v * n for v, n in losses) / sum(n for _, n in losses)
+        else:
+            rec["note"] = (
+                f"round {round_idx + 1}: no successful client out of {len(statuses)} "
+                "selected; global model unchanged"
+            )
+        self.round = round_idx + 1
+        return rec
+
+    def evaluate(self, model: nn.Module, test: TensorDataset, device: torch.device | None = None) -> dict[str, float]:
+        model.load_state_dict(self.global_state)
+        return evaluate(model, test, device=device)
+
+    def note_accuracy(self, acc: float, target: float | None) -> None:
+        if target is not None and acc >= target and self.rounds_to_target is None:
+            self.rounds_to_target = self.round
+            self.stopped = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "model": {k: v.clone() for k, v in self.global_state.items()},
+            "aggregator": self.aggregator.state_dict(),
+            "stopped": self.stopped,
+            "rounds_to_target": -1 if self.rounds_to_target is None else self.rounds_to_target,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "failures": self.failures,
+            "saved_at": time.time(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        model = dict(state["model"])
+        if set(model) != set(self.global_state):
+            raise ValueError("checkpoint model keys do not match the job's model")
+        self.global_state = {k: model[k].to(self.global_state[k].dtype) for k in self.global_state}
+        self.aggregator.load_state_dict(state.get("aggregator", {}))
+        self.round = int(state["round"])
+        self.stopped = bool(state.get("stopped", False))
+        rtt = int(state.get("rounds_to_target", -1))
+        self.rounds_to_target = None if rtt < 0 else rtt
+        self.bytes_up = int(state.get("bytes_up", 0))
+        self.bytes_down = int(state.get("bytes_down", 0))
+        self.failures = int(state.get("failures", 0))

@@ -1,0 +1,133 @@
+"""The wire form of one client's update, and its strict decoding on the server.
+
+A client update ``Δ = w_client − w_global`` travels as a list of tensor headers
+(in the worker's JSON status message) plus one byte payload (over point-to-point):
+
+    header = {"name": str, "shape": [int, ...], "enc": "f32" | "ct", "nbytes": int}
+
+``f32`` is the raw little-endian float32 tensor (``nbytes = 4·numel``); ``ct`` is a
+:class:`paratrain.compression.base.CompressedTensor` wire record (``to_bytes``). The
+server checks every header against the global model — the same key set, the same
+shapes, byte counts that add up to the payload — *before* any arithmetic, and rejects
+a bad update with :class:`MalformedUpdateError` naming the client and the tensor.
+Nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .aggregation import MalformedUpdateError
+
+__all__ = ["encode_update", "decode_update", "dense_nbytes"]
+
+
+def dense_nbytes(state: Mapping[str, Tensor]) -> int:
+    """Bytes of ``state`` sent uncompressed as float32."""
+    return sum(4 * t.numel() for t in state.values())
+
+
+def encode_update(
+    delta: Mapping[str, Tensor], *, compress: Any = None
+) -> tuple[list[dict[str, Any]], bytes]:
+    """Headers and payload for ``delta``.
+
+    ``compress(name, tensor) -> bytes`` (a compressed wire record) is used for
+    floating tensors when given; otherwise every tensor goes as float32.
+    """
+    headers: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    for name, t in delta.items():
+        if compress is not None and t.is_floating_point() and t.numel() > 0:
+            data = compress(name, t.detach())
+            enc = "ct"
+        else:
+            data = t.detach().to(torch.float32).contiguous().cpu().numpy().astype("<f4").tobytes()
+            enc = "f32"
+        headers.append({"name": name, "shape": list(t.shape), "enc": enc, "nbytes": len(data)})
+        chunks.append(data)
+    return headers, b"".join(chunks)
+
+
+def decode_update(
+    client: str,
+    headers: Sequence[Mapping[str, Any]],
+    payload: bytes | memoryview,
+    reference: Mapping[str, Tensor],
+) -> dict[str, Tensor]:
+    """Parse and validate one client's update against the global model ``reference``."""
+    if not isinstance(headers, Sequence):
+        raise MalformedUpdateError(client, "<headers>", "headers must be a list")
+    seen: dict[str, Mapping[str, Any]] = {}
+    for h in headers:
+        name = h.get("name") if isinstance(h, Mapping) else None
+        if not isinstance(name, str):
+            raise MalformedUpdateError(client, "<headers>", f"header without a name: {h!r}")
+        if name in seen:
+            raise MalformedUpdateError(client, name, "sent twice")
+        if name not in reference:
+            raise MalformedUpdateError(client, name, "unexpected key (not in the global model)")
+        seen[name] = h
+    for name in reference:
+        if name not in seen:
+            raise MalformedUpdateError(client, name, "missing from the update")
+    total = 0
+    for name, h in seen.items():
+        shape = h.get("shape")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise MalformedUpdateError(client, name, f"bad shape {shape!r}")
+        expected = tuple(reference[name].shape)
+        if tuple(shape) != expected:
+            raise MalformedUpdateError(client, name, f"shape {tuple(shape)} != expected {expected}")
+        nbytes = h.get("nbytes")
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise MalformedUpdateError(client, name, f"bad byte count {nbytes!r}")
+        enc = h.get("enc")
+        if enc == "f32":
+            if nbytes != 4 * math.prod(shape):
+                raise MalformedUpdateError(
+                    client, name, f"{nbytes} bytes for a float32 tensor of shape {tuple(shape)}"
+                )
+        elif enc != "ct":
+            raise MalformedUpdateError(client, name, f"unknown encoding {enc!r}")
+        total += nbytes
+    if total != len(payload):
+        raise MalformedUpdateError(
+            client, "<payload>", f"headers announce {total} bytes but {len(payload)} arrived"
+        )
+    view = memoryview(payload)
+    out: dict[str, Tensor] = {}
+    pos = 0
+    for h in headers:
+        name, nbytes = str(h["name"]), int(h["nbytes"])
+        chunk = view[pos : pos + nbytes]
+        pos += nbytes
+        shape = tuple(reference[name].shape)
+        if h["enc"] == "f32":
+            arr = np.frombuffer(chunk, dtype="<f4").astype(np.float32)
+            t = torch.from_numpy(arr).reshape(shape)
+        else:
+            t = _decode_compressed(client, name, bytes(chunk), shape)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise MalformedUpdateError(client, name, "contains NaN or infinity")
+        out[name] = t
+    return {name: out[name] for name in reference}
+
+
+def _decode_compressed(client: str, name: str, data: bytes, shape: tuple[int, ...]) -> Tensor:
+    from ...compression.base import CompressedTensor, CompressionError
+
+    try:
+        ct = CompressedTensor.from_bytes(data, max_numel=math.prod(shape), expect_shape=shape)
+        t = ct.decompress()
+    except CompressionError as e:
+        raise MalformedUpdateError(client, name, f"bad compressed payload: {e}") from None
+    if tuple(t.shape) != shape:
+        raise MalformedUpdateError(client, name, f"decoded shape {tuple(t.shape)} != {shape}")
+    return t.to(torch.float32)
