@@ -196,7 +196,7 @@ class MemberRunner:
         out: dict[str, Any] = {
             "member": member, "generation": generation, "source": source, "fitness": None,
             "error": None, "metrics": None, "start_digest": None, "end_digest": None,
-            "applied": None, "setup_s": 0.0, "load_s": 0.0, "train_s": 0.0, "eval_s": 0.0,
+            "applied": None, "data_s": 0.0, "setup_s": 0.0, "load_s": 0.0, "train_s": 0.0, "eval_s": 0.0,
             "save_s": 0.0,
         }
         path = member_path(self.run_dir, generation, member)
@@ -204,6 +204,8 @@ class MemberRunner:
         try:
             parts = self._split(hparams)
             bundle = self._bundle(parts["data"])
+            t_data = time.perf_counter()
+            out["data_s"] = t_data - t0
             spec = self.job.model
             if parts["model"]:
                 spec = ModelSpec.model_validate({**spec.model_dump(), **parts["model"]})
@@ -212,7 +214,7 @@ class MemberRunner:
             model.to(self.device)
             opt = build_optimizer(model.parameters(), self.job.train.optimizer, **parts["optimizer"])
             t_setup = time.perf_counter()
-            out["setup_s"] = t_setup - t0
+            out["setup_s"] = t_setup - t_data
             if source is not None:
                 state = checkpoint.load_checkpoint(member_path(self.run_dir, generation - 1, source))
                 model.load_state_dict(state["model"])
