@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ...comm.context import WorkerContext, default_workers
 from ...config.job import JobConfig
 from .runner import worker_main
@@ -30,7 +32,15 @@ def run_in_process(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
         rank=0, world_size=1, device=resolve_device(job.run.device),
         workers=default_workers(1, list(job.workers)),
     )
-    out = worker_main(ctx, job, resume)
+    # Client models are small: one intra-op thread avoids oversubscription (as in the
+    # worker processes, which the launcher also pins to one thread on CPU).
+    threads = torch.get_num_threads()
+    if ctx.device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        out = worker_main(ctx, job, resume)
+    finally:
+        torch.set_num_threads(threads)
     assert out is not None
     return out
 

@@ -174,7 +174,10 @@ class ClientHost:
             if client in self.corrupt:
                 first = next(iter(delta))
                 delta[first] = delta[first].reshape(-1)[:-1].clone()
-            headers, payload = encode_update(delta, compress=self._compressor(client, round_idx))
+            comp = self._compressor(client, round_idx)
+            headers, payload = encode_update(delta, compress=comp)
+            if comp is not None:
+                comp.commit()
             self.trained += 1
             return ClientResult(client, True, n, loss, None, headers, payload)
         except Exception as e:  # noqa: BLE001 - a failing client is recorded, not fatal
