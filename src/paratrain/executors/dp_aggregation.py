@@ -1,0 +1,358 @@
+"""How DataParallel replicas combine their work after each backward pass.
+
+* :class:`AllReduceAgg` — ``g <- (1/n) sum_r g_r``. Uncompressed: bucketed all-reduce
+  overlapped with backward (:class:`~paratrain.comm.collectives.GradReducer`), so the
+  result equals single-process SGD on the concatenated batch and torch DDP. Compressed:
+  each rank sends ``C(g_r)`` (wire bytes) to everyone through a variable-size
+  all-gather; everyone computes ``(1/n) sum_r D(C(g_r))`` (Seide et al. 2014; Lin et al.
+  2018, "Deep Gradient Compression", with error feedback when configured).
+* :class:`ParameterServerAgg` — rank 0 is the server (Li et al. 2014, "Scaling
+  Distributed Machine Learning with the Parameter Server"): every other rank sends its
+  flat gradient (or ``C(g)``) point-to-point, the server averages with its own and sends
+  the dense mean back. The server moves ``2 (n-1) B`` bytes per step, a worker ``2 B``.
+* :class:`DecentralizedAgg` — no gradient exchange; after the local optimizer step each
+  replica gossips its parameters with its neighbours, ``x_i <- sum_j W_ij x_j``
+  (adapt-then-combine D-PSGD, Lian et al. 2017). With compression it runs CHOCO-gossip
+  (Koloskova et al. 2019): public copies ``x_hat``, ``q_i = C(x_i - x_hat_i)`` travels,
+  ``x_hat_j += D(q_j)``, ``x_i += gamma sum_j W_ij (x_hat_j - x_hat_i)``. The consensus
+  distance ``max_{i,j} ||x_i - x_j||`` is measured every step.
+* :class:`NoSync` — independent replicas (tests use it as the known-wrong variant).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm import collectives as C
+from ..comm.groups import gossip_average, mixing_weights, neighbors
+
+__all__ = [
+    "Aggregator",
+    "AllReduceAgg",
+    "ParameterServerAgg",
+    "DecentralizedAgg",
+    "NoSync",
+    "build_aggregator",
+    "pack_records",
+    "unpack_records",
+]
+
+_LEN = struct.Struct("<Q")
+
+
+def pack_records(records: Sequence[bytes]) -> torch.Tensor:
+    """Length-prefixed concatenation of wire records, as a uint8 tensor."""
+    blob = b"".join(_LEN.pack(len(r)) + r for r in records)
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+
+
+def unpack_records(data: bytes, count: int) -> list[bytes]:
+    """Inverse of :func:`pack_records`; exactly ``count`` records or a ValueError."""
+    out: list[bytes] = []
+    pos = 0
+    for _ in range(count):
+        if pos + _LEN.size > len(data):
+            raise ValueError("truncated compressed payload (length header)")
+        (n,) = _LEN.unpack_from(data, pos)
+        pos += _LEN.size
+        if pos + n > len(data):
+            raise ValueError(f"truncated compressed payload (record of {n} bytes)")
+        out.append(bytes(data[pos : pos + n]))
+        pos += n
+    if pos != len(data):
+        raise ValueError(f"{len(data) - pos} trailing bytes after {count} records")
+    return out
+
+
+class Aggregator:
+    """Hooks around one optimizer step; ``counter`` tallies the bytes this rank sent."""
+
+    name = "base"
+
+    def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter) -> None:
+        self.model = model
+        self.group = group
+        self.counter = counter
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.n = C.world_size(group)
+
+    def sync_gradients(self) -> None:
+        """After backward, before the optimizer step."""
+
+    def after_step(self) -> dict[str, float]:
+        """After the optimizer step; returns per-step metrics."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+    def close(self) -> None:
+        pass
+
+
+def _decode(comp: Any, data: bytes, params: Sequence[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
+    from ..compression import CompressedTensor
+
+    records = unpack_records(data, len(params))
+    out = []
+    for rec, (_, p) in zip(records, params, strict=True):
+        c = CompressedTensor.from_bytes(
+            rec, max_numel=p.numel(), expect_shape=tuple(p.shape), expect_dtype=p.dtype
+        )
+        out.append(comp.decompress(c).to(p.device))
+    return out
+
+
+def _encode(comp: Any, tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, int]:
+    """Compress each named tensor; returns (packed bytes, dense bytes it stands for)."""
+    recs = []
+    dense = 0
+    for name, t in tensors:
+        recs.append(comp.compress(name, t.detach().cpu()).to_bytes())
+        dense += t.numel() * t.element_size()
+    return pack_records(recs), dense
+
+
+class AllReduceAgg(Aggregator):
+    name = "AllReduce"
+
+    def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter,
+                 bucket_bytes: int, compressor: Any = None) -> None:
+        super().__init__(model, group=group, counter=counter)
+        self.compressor = compressor
+        self.reducer: C.GradReducer | None = None
+        if compressor is None and self.n > 1:
+            self.reducer = C.GradReducer(
+                [p for _, p in self.named], group=group, bucket_bytes=bucket_bytes, counter=counter
+            )
+
+    def sync_gradients(self) -> None:
+        if self.n == 1:
+            return
+        if self.reducer is not None:
+            self.reducer.finish()
+            return
+        grads = [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named]
+        payload, _ = _encode(self.compressor, grads)
+        parts = C.all_gather_variable(payload, group=self.group, counter=self.counter)
+        total = [torch.zeros_like(p) for _, p in self.named]
+        for part in parts:
+            for acc, d in zip(total, _decode(self.compressor, part.numpy().tobytes(), self.named), strict=True):
+                acc.add_(d)
+        for (_, p), acc in zip(self.named, total, strict=True):
+            p.grad = acc.div_(self.n)
+        self.compressor.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"compressor": self.compressor.state_dict()} if self.compressor is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.compressor is not None and "compressor" in state:
+            self.compressor.load_state_dict(state["compressor"])
+
+    def close(self) -> None:
+        if self.reducer is not None:
+            self.reducer.remove()
+
+
+class ParameterServerAgg(Aggregator):
+    name = "ParameterServer"
+    server = 0
+
+    def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter,
+                 compressor: Any = None) -> None:
+        super().__init__(model, group=group, counter=counter)
+        self.compressor = compressor
+        self.rank = torch.distributed.get_rank(group) if self.n > 1 else 0
+        self.server_bytes = 0  # bytes through the server (in + out), cumulative
+
+    def _flat_grads(self) -> torch.Tensor:
+        return torch.cat([
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in self.named
+        ])
+
+    def _set_grads(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for _, p in self.named:
+            k = p.numel()
+            p.grad = flat[offset : offset + k].view_as(p).clone()
+            offset += k
+
+    def sync_gradients(self) -> None:
+        import torch.distributed as dist
+
+        if self.n == 1:
+            return
+        flat = self._flat_grads()
+        nbytes = flat.numel() * flat.element_size()
+        if self.rank != self.server:
+            if self.compressor is None:
+                C.send_tensor(flat, dst=self.server, group=self.group, counter=self.counter)
+            else:
+                grads = [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named]
+                payload, _ = _encode(self.compressor, grads)
+                C.send_bytes(payload, dst=self.server, group=self.group, counter=self.counter)
+                self.compressor.step()
+            mean = C.recv_tensor(flat.shape, dtype=flat.dtype, src=self.server, group=self.group,
+                                 device=flat.device)
+            self._set_grads(mean)
+            return
+        total = flat.clone()
+        if self.compressor is None:
+            bufs = [torch.empty_like(flat) for _ in range(self.n - 1)]
+            works = [dist.irecv(b, src=r, group=self.group) for r, b in zip(range(1, self.n), bufs, strict=True)]
+            for w, b in zip(works, bufs, strict=True):
+                w.wait()
+                total.add_(b)
+            self.server_bytes += (self.n - 1) * nbytes
+        else:
+            for r in range(1, self.n):
+                data = C.recv_bytes(src=r, group=self.group, max_bytes=64 * nbytes + 4096)
+                self.server_bytes += len(data) + 8
+                offs = 0
+                for d in _decode(self.compressor, data, self.named):
+                    total[offs : offs + d.numel()].add_(d.reshape(-1))
+                    offs += d.numel()
+            self.compressor.step()
+        total.div_(self.n)
+        works = [dist.isend(total, dst=r, group=self.group) for r in range(1, self.n)]
+        for w in works:
+            w.wait()
+        self.counter.add("send", (self.n - 1) * nbytes)
+        self.server_bytes += (self.n - 1) * nbytes
+        self._set_grads(total)
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"server_bytes": self.server_bytes}
+        if self.compressor is not None:
+            out["compressor"] = self.compressor.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.server_bytes = int(state.get("server_bytes", 0))
+        if self.compressor is not None and "compressor" in state:
+            self.compressor.load_state_dict(state["compressor"])
+
+
+class DecentralizedAgg(Aggregator):
+    name = "Decentralized"
+
+    def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter, topology: str,
+                 compressor: Any = None, gamma: float | None = None) -> None:
+        super().__init__(model, group=group, counter=counter)
+        self.topology = topology
+        neighbors(topology, max(self.n, 1))  # validates the name
+        self.compressor = compressor
+        self.gamma = gamma if gamma is not None else (1.0 if compressor is None else 0.5)
+        self.rank = torch.distributed.get_rank(group) if self.n > 1 else 0
+        self.x_hat: dict[int, list[torch.Tensor]] | None = None
+
+    def _choco(self) -> None:
+        import torch.distributed as dist
+
+        nb = neighbors(self.topology, self.n)[self.rank]
+        w = mixing_weights(self.topology, self.n)[self.rank]
+        params = [p for _, p in self.named]
+        if self.x_hat is None:
+            # Replicas start identical (broadcast from rank 0), so every public copy does too.
+            self.x_hat = {j: [p.detach().clone() for p in params] for j in [self.rank, *nb]}
+        mine = self.x_hat[self.rank]
+        diffs = [(n, p.detach() - h) for (n, p), h in zip(self.named, mine, strict=True)]
+        payload, _ = _encode(self.compressor, diffs)
+        self.compressor.step()
+        # Exchange lengths, then payloads, with every neighbour at once.
+        length = torch.tensor([payload.numel()], dtype=torch.int64)
+        lens = {j: torch.empty(1, dtype=torch.int64) for j in nb}
+        ops = []
+        for j in nb:
+            ops += [dist.P2POp(dist.isend, length, j, group=self.group),
+                    dist.P2POp(dist.irecv, lens[j], j, group=self.group)]
+        for wk in dist.batch_isend_irecv(ops):
+            wk.wait()
+        limit = 64 * sum(p.numel() * p.element_size() for p in params) + 4096
+        bufs = {}
+        for j in nb:
+            k = int(lens[j].item())
+            if not 0 <= k <= limit:
+                raise ValueError(f"gossip: neighbour {j} announced {k} bytes (limit {limit})")
+            bufs[j] = torch.empty(k, dtype=torch.uint8)
+        ops = []
+        for j in nb:
+            if payload.numel():
+                ops.append(dist.P2POp(dist.isend, payload, j, group=self.group))
+            if bufs[j].numel():
+                ops.append(dist.P2POp(dist.irecv, bufs[j], j, group=self.group))
+        if ops:
+            for wk in dist.batch_isend_irecv(ops):
+                wk.wait()
+        self.counter.add("gossip_send", len(nb) * (payload.numel() + 8))
+        own = _decode(self.compressor, payload.numpy().tobytes(), self.named)
+        for h, d in zip(mine, own, strict=True):
+            h.add_(d)
+        for j in nb:
+            for h, d in zip(self.x_hat[j], _decode(self.compressor, bufs[j].numpy().tobytes(), self.named),
+                            strict=True):
+                h.add_(d)
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                delta = torch.zeros_like(p)
+                for j in nb:
+                    delta.add_(self.x_hat[j][i] - mine[i], alpha=float(w[j]))
+                p.add_(delta, alpha=self.gamma)
+
+    def after_step(self) -> dict[str, float]:
+        if self.n == 1:
+            return {"consensus_distance": 0.0}
+        params = [p for _, p in self.named]
+        if self.compressor is None:
+            with torch.no_grad():
+                gossip_average(params, topology=self.topology, group=self.group, counter=self.counter)
+        else:
+            self._choco()
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        return {"consensus_distance": C.consensus_distance(flat, group=self.group)}
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.compressor is not None:
+            out["compressor"] = self.compressor.state_dict()
+            if self.x_hat is not None:
+                out["x_hat"] = {str(j): list(v) for j, v in self.x_hat.items()}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.compressor is not None and "compressor" in state:
+            self.compressor.load_state_dict(state["compressor"])
+        if "x_hat" in state:
+            self.x_hat = {int(j): [t.clone() for t in v] for j, v in state["x_hat"].items()}
+
+
+class NoSync(Aggregator):
+    name = "NoSync"
+
+
+def build_aggregator(
+    aggregation: Any, model: nn.Module, *, group: Any, counter: C.CommCounter,
+    bucket_bytes: int, compressor: Any = None, gamma: float | None = None,
+) -> Aggregator:
+    """The aggregator for a contract ``GradientAggregation`` (or ``"NoSync"``)."""
+    method = aggregation if isinstance(aggregation, str) else aggregation.method
+    if method == "AllReduce":
+        return AllReduceAgg(model, group=group, counter=counter, bucket_bytes=bucket_bytes,
+                            compressor=compressor)
+    if method == "ParameterServer":
+        return ParameterServerAgg(model, group=group, counter=counter, compressor=compressor)
+    if method == "Decentralized":
+        return DecentralizedAgg(model, group=group, counter=counter, topology=aggregation.topology,
+                                compressor=compressor, gamma=gamma)
+    if method == "NoSync":
+        return NoSync(model, group=group, counter=counter)
+    raise ValueError(f"unknown aggregation {method!r}; valid: AllReduce, ParameterServer, Decentralized")
