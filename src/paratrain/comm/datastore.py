@@ -157,10 +157,15 @@ class DataStoreTransport:
         kind, micro, segment = key
         return f"s{step:09d}-{kind}-m{micro}-g{segment}-{src}to{dst}"
 
-    def send(self, tensor: torch.Tensor, *, dst: int, key: tuple[str, int, int], step: int = 0) -> None:
+    def send(self, tensor: torch.Tensor, *, dst: int, key: tuple[str, int, int], step: int = 0,
+             rows: int | None = None) -> None:
+        """Write the value (``rows`` is unused: every file carries its own shape)."""
+        del rows
         self.store.put(self._key(key, step, self.rank, dst), tensor)
 
-    def recv(self, *, src: int, key: tuple[str, int, int], step: int = 0) -> torch.Tensor:
+    def recv(self, *, src: int, key: tuple[str, int, int], step: int = 0,
+             rows: int | None = None) -> torch.Tensor:
+        del rows
         return self.store.take(self._key(key, step, src, self.rank))
 
     def flush(self) -> None:

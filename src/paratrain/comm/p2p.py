@@ -1,10 +1,12 @@
 """Point-to-point tensor transport with shape headers (activations forward, grads back).
 
-A message is two gloo/NCCL point-to-point transfers on the same ``(src, dst)`` pair:
-a fixed 12-element int64 header ``[MAGIC, dtype code, ndim, d_0 .. d_{ndim-1}, 0 ...]``
-on tag ``2t`` and the contiguous payload on tag ``2t + 1``. The receiver needs no prior
-knowledge of the shape (micro-batches may be uneven, activations of any rank), and
-validates the header before allocating: known dtype, ``ndim <= 8``, non-negative dims
+A message is a fixed 12-element int64 header ``[MAGIC, dtype code, ndim, d_0 ..
+d_{ndim-1}, 0 ...]`` on tag ``2t`` and the contiguous payload on tag ``2t + 1``, both
+point-to-point on the ``(src, dst)`` pair. The receiver needs no prior knowledge of the
+shape (micro-batches may be uneven, activations of any rank). When both sides pass the
+micro-batch's row count the header is sent once per ``(peer, kind, segment, rows)``
+channel and cached (one message per transfer afterwards, as torch's pipelining does
+after its shape inference). The receiver validates a header before allocating: known dtype, ``ndim <= 8``, non-negative dims
 and at most ``max_elements`` elements. Nothing is unpickled.
 
 The logical message key ``(kind, micro, segment)`` maps to a tag
@@ -92,29 +94,56 @@ class P2PTransport:
         self.device = device or torch.device("cpu")
         self.max_elements = max_elements
         self._pending: list[tuple[Any, torch.Tensor]] = []
+        # (peer, kind, segment, rows) -> (dtype, shape) agreed by the first header.
+        self._shapes: dict[tuple[int, str, int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
         self.bytes_sent = 0
         self.bytes_received = 0
         self.wait_s = 0.0  # time spent blocked in recv (idle, not compute)
 
-    def send(self, tensor: torch.Tensor, *, dst: int, key: MessageKey, step: int = 0) -> None:
-        """Post an asynchronous send of ``tensor`` to ``dst`` (``step`` is unused: FIFO tags)."""
+    def send(self, tensor: torch.Tensor, *, dst: int, key: MessageKey, step: int = 0,
+             rows: int | None = None) -> None:
+        """Post an asynchronous send of ``tensor`` to ``dst`` (``step`` is unused: FIFO tags).
+
+        With ``rows`` (the micro-batch's row count, known to both sides) the header goes
+        only with the first message of each ``(peer, kind, segment, rows)`` channel; later
+        messages on it must have the same shape and dtype (shape-stable stages, as in
+        ``torch.distributed.pipelining``), and carry the payload alone.
+        """
         del step
         tag = message_tag(key)
         payload = tensor.detach().to(self.device).contiguous()
-        header = _header(payload).to(self.device)
-        for buf, t in ((header, 2 * tag), (payload, 2 * tag + 1)):
+        bufs: list[tuple[torch.Tensor, int]] = []
+        channel = None if rows is None else (dst, key[0], key[2], rows)
+        meta = (payload.dtype, tuple(payload.shape))
+        if channel is None or channel not in self._shapes:
+            bufs.append((_header(payload).to(self.device), 2 * tag))
+            if channel is not None:
+                self._shapes[channel] = meta
+        elif self._shapes[channel] != meta:
+            raise RuntimeError(
+                f"p2p: {key[0]} to rank {dst} for segment {key[2]} with {rows} rows changed from "
+                f"{self._shapes[channel]} to {meta}; stage outputs must have a fixed shape per row count"
+            )
+        bufs.append((payload, 2 * tag + 1))
+        for buf, t in bufs:
             work = dist.isend(buf, dst, group=self.group, tag=t)
             self._pending.append((work, buf))
         self.bytes_sent += payload.numel() * payload.element_size()
 
-    def recv(self, *, src: int, key: MessageKey, step: int = 0) -> torch.Tensor:
+    def recv(self, *, src: int, key: MessageKey, step: int = 0, rows: int | None = None) -> torch.Tensor:
         """Block until the message ``key`` from ``src`` arrives; return it."""
         del step
         tag = message_tag(key)
         t0 = time.perf_counter()
-        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
-        dist.recv(header, src, group=self.group, tag=2 * tag)
-        dtype, shape = _parse_header(header.cpu(), self.max_elements)
+        channel = None if rows is None else (src, key[0], key[2], rows)
+        if channel is not None and channel in self._shapes:
+            dtype, shape = self._shapes[channel]
+        else:
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            dist.recv(header, src, group=self.group, tag=2 * tag)
+            dtype, shape = _parse_header(header.cpu(), self.max_elements)
+            if channel is not None:
+                self._shapes[channel] = (dtype, shape)
         payload = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(payload, src, group=self.group, tag=2 * tag + 1)
         self.wait_s += time.perf_counter() - t0

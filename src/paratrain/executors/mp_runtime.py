@@ -38,8 +38,10 @@ __all__ = ["Transport", "SegmentModule", "segment_modules", "StepStats", "StageR
 
 
 class Transport(Protocol):
-    def send(self, tensor: torch.Tensor, *, dst: int, key: tuple[str, int, int], step: int = 0) -> None: ...
-    def recv(self, *, src: int, key: tuple[str, int, int], step: int = 0) -> torch.Tensor: ...
+    def send(self, tensor: torch.Tensor, *, dst: int, key: tuple[str, int, int], step: int = 0,
+             rows: int | None = None) -> None: ...
+    def recv(self, *, src: int, key: tuple[str, int, int], step: int = 0,
+             rows: int | None = None) -> torch.Tensor: ...
     def flush(self) -> None: ...
 
 
@@ -125,7 +127,8 @@ class StageRuntime:
         self.transport = transport
         self.last = plan.num_segments - 1
         self.stats = StepStats()
-        self._param_ptrs = {p.data_ptr() for m in modules.values() for p in m.parameters()}
+        self._param_ptrs = {p.untyped_storage().data_ptr()
+                            for m in modules.values() for p in m.parameters()}
 
     # ------------------------------------------------------------------ orders
     def actions(self, num_micro: int, schedule_name: str | None) -> list[Action]:
@@ -169,11 +172,13 @@ class StageRuntime:
                     inp = xs[i]
                 else:
                     inp = self.transport.recv(src=self.plan.segments[s - 1].rank,
-                                              key=("act", i, s), step=step).to(self.device)
+                                              key=("act", i, s), step=step,
+                                              rows=sizes[i]).to(self.device)
                     if inp.is_floating_point():
                         inp.requires_grad_(True)
                 t0 = time.perf_counter()
-                meter = _SavedBytes(self._param_ptrs)
+                # Neither parameters nor the batch itself count as activations.
+                meter = _SavedBytes(self._param_ptrs | {x.untyped_storage().data_ptr()})
                 with torch.autograd.graph.saved_tensors_hooks(meter.pack, _unpack):
                     out = self.modules[s](inp)
                     if s == self.last:
@@ -185,7 +190,7 @@ class StageRuntime:
                     loss_total = (loss_total or 0.0) + float(out.detach())
                 else:
                     self.transport.send(out.detach(), dst=self.plan.segments[s + 1].rank,
-                                        key=("act", i, s + 1), step=step)
+                                        key=("act", i, s + 1), step=step, rows=sizes[i])
                 inputs[(i, s)], outputs[(i, s)] = inp, out
                 if s > 0:  # the first stage's input is the batch itself, not an activation
                     meter.pack(inp)
@@ -199,7 +204,8 @@ class StageRuntime:
                 grad = None
                 if s != self.last:
                     grad = self.transport.recv(src=self.plan.segments[s + 1].rank,
-                                               key=("grad", i, s + 1), step=step).to(self.device)
+                                               key=("grad", i, s + 1), step=step,
+                                               rows=sizes[i]).to(self.device)
                 t0 = time.perf_counter()
                 if out.requires_grad:
                     torch.autograd.backward(out, grad_tensors=grad)
@@ -209,7 +215,7 @@ class StageRuntime:
                 if s > 0:
                     g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
                     self.transport.send(g, dst=self.plan.segments[s - 1].rank,
-                                        key=("grad", i, s), step=step)
+                                        key=("grad", i, s), step=step, rows=sizes[i])
                 live -= held.pop((i, s))
         self.transport.flush()
         stats.step_s = time.perf_counter() - t_start
@@ -221,18 +227,20 @@ class StageRuntime:
     def forward(self, x: torch.Tensor, *, step: int) -> torch.Tensor | None:
         """Forward the whole batch through the placed model; the output on the last rank."""
         result: torch.Tensor | None = None
+        rows = int(x.shape[0])
         for s in sorted(self.modules):
             if s == 0:
                 inp = x
             else:
                 inp = self.transport.recv(src=self.plan.segments[s - 1].rank,
-                                          key=("eval", 0, s), step=step).to(self.device)
+                                          key=("eval", 0, s), step=step,
+                                          rows=rows).to(self.device)
             out = self.modules[s](inp)
             if s == self.last:
                 result = out
             else:
                 self.transport.send(out, dst=self.plan.segments[s + 1].rank,
-                                    key=("eval", 0, s + 1), step=step)
+                                    key=("eval", 0, s + 1), step=step, rows=rows)
         self.transport.flush()
         return result
 

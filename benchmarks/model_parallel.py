@@ -1,0 +1,161 @@
+"""ModelParallel pipeline benchmark: paratrain's GPipe/1F1B vs torch.distributed.pipelining.
+
+For p in {2, 4} stages and m = 8 micro-batches, on real gloo ranks (CPU), with the same
+model (equal blocks ``Linear(w, w) + ReLU``, split evenly) and the same batch, in the
+same processes and interleaved step by step:
+
+- ``step_ratio``: median step time of paratrain / of torch's ``ScheduleGPipe`` or
+  ``Schedule1F1B`` (goal <= 1.1);
+- ``bubble``: measured idle fraction ``1 - busy_r / step`` averaged over stages (busy =
+  time in forward/backward compute) vs the theory ``(p - 1) / (m + p - 1)`` (goal ratio
+  <= 1.2);
+- ``peak_activation_bytes``: per stage, bytes held for backward (saved tensors + stage
+  inputs/outputs) under 1F1B and GPipe, and their ratio (theory ``min(p - s, m) / m``).
+
+Steps are separated by a barrier; a step's time is the slowest rank's. Prints one JSON
+object. ``--quick`` runs fewer repeats on a smaller model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from paratrain.comm.p2p import P2PTransport  # noqa: E402
+from paratrain.comm.testing import run_distributed  # noqa: E402
+from paratrain.config.strategy import Partition  # noqa: E402
+from paratrain.executors.mp_plan import build_plan  # noqa: E402
+from paratrain.executors.mp_runtime import StageRuntime, segment_modules  # noqa: E402
+from paratrain.executors.mp_schedule import theoretical_bubble  # noqa: E402
+from paratrain.graph import nodes  # noqa: E402
+
+
+def build(width: int, blocks: int, classes: int = 10) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: OrderedDict[str, nn.Module] = OrderedDict()
+    for i in range(blocks):
+        layers[f"fc{i}"] = nn.Linear(width, width)
+        layers[f"act{i}"] = nn.ReLU()
+    layers["head"] = nn.Linear(width, classes)
+    return nn.Sequential(layers)
+
+
+def split(model: nn.Sequential, p: int) -> list[list[str]]:
+    """Equal numbers of blocks per stage; the head joins the last stage."""
+    names = nodes(model)
+    blocks = (len(names) - 1) // 2
+    per = blocks // p
+    out = []
+    for s in range(p):
+        lo, hi = 2 * s * per, 2 * (s + 1) * per
+        out.append(names[lo:hi] + (["head"] if s == p - 1 else []))
+    return out
+
+
+def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch.set_num_threads(1)
+    p, m, width, rows = ctx.world_size, cfg["m"], cfg["width"], cfg["rows"]
+    model = build(width, cfg["blocks"])
+    stages = split(model, p)
+    parts = [Partition.model_validate({"node_ids": ns, "target": {"WorkerId": f"worker-{s}"}})
+             for s, ns in enumerate(stages) if s > 0]
+    plan = build_plan(nodes(model), parts, ctx.workers, contiguous=True)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, width, generator=g)
+    y = torch.randint(0, 10, (rows,), generator=g)
+
+    ours_rt = StageRuntime(plan, ctx.rank, segment_modules(model, plan, ctx.rank), P2PTransport(ctx.group))
+    ref_model = build(width, cfg["blocks"])
+    sub = nn.Sequential(*[ref_model.get_submodule(n) for n in stages[ctx.rank]])
+    stage = PipelineStage(sub, ctx.rank, p, torch.device("cpu"))
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, target)
+
+    out: dict[str, Any] = {}
+    for sched in ("GPipe", "1F1B"):
+        torch_sched = (ScheduleGPipe if sched == "GPipe" else Schedule1F1B)(stage, m, loss_fn=loss_fn)
+        ours_t, torch_t, busy, peak = [], [], [], 0
+        for rep in range(cfg["warmup"] + cfg["repeats"]):
+            for impl in ("ours", "torch"):
+                for mod in (ours_rt.modules.values() if impl == "ours" else [sub]):
+                    mod.zero_grad(set_to_none=True)
+                dist.barrier()
+                t0 = time.perf_counter()
+                if impl == "ours":
+                    ours_rt.train_step(x, y, step=rep, micro_batch_size=rows // m, schedule_name=sched)
+                elif ctx.rank == 0:
+                    torch_sched.step(x)
+                elif ctx.rank == p - 1:
+                    torch_sched.step(target=y)
+                else:
+                    torch_sched.step()
+                dt = time.perf_counter() - t0
+                if rep >= cfg["warmup"]:
+                    (ours_t if impl == "ours" else torch_t).append(dt)
+                    if impl == "ours":
+                        busy.append(ours_rt.stats.compute_s)
+                        peak = max(peak, ours_rt.stats.peak_activation_bytes)
+        out[sched] = {"ours": ours_t, "torch": torch_t, "busy": busy, "peak": peak}
+    return out
+
+
+def measure(p: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    per_rank = run_distributed(worker, p, dict(cfg, blocks=cfg["blocks_per_stage"] * p), timeout_s=600)
+    res: dict[str, Any] = {"stages": p, "micro_batches": cfg["m"],
+                           "theory_bubble": round(theoretical_bubble(p, cfg["m"]), 4)}
+    for sched in ("GPipe", "1F1B"):
+        n = len(per_rank[0][sched]["ours"])
+        ours = [max(r[sched]["ours"][i] for r in per_rank) for i in range(n)]
+        ref = [max(r[sched]["torch"][i] for r in per_rank) for i in range(n)]
+        bubbles = [statistics.mean(1 - r[sched]["busy"][i] / ours[i] for r in per_rank) for i in range(n)]
+        bubble = statistics.median(bubbles)
+        res[sched] = {
+            "step_s_median": round(statistics.median(ours), 5),
+            "torch_step_s_median": round(statistics.median(ref), 5),
+            "step_ratio_vs_torch": round(statistics.median(ours) / statistics.median(ref), 3),
+            "bubble_measured": round(bubble, 4),
+            "bubble_ratio_vs_theory": round(bubble / res["theory_bubble"], 3),
+            "peak_activation_bytes_per_stage": [r[sched]["peak"] for r in per_rank],
+        }
+    res["peak_activation_ratio_1f1b_over_gpipe"] = [
+        round(a / b, 3) for a, b in zip(res["1F1B"]["peak_activation_bytes_per_stage"],
+                                        res["GPipe"]["peak_activation_bytes_per_stage"], strict=True)]
+    res["peak_activation_ratio_theory"] = [round(min(p - s, cfg["m"]) / cfg["m"], 3) for s in range(p)]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller model")
+    args = ap.parse_args()
+    cfg = {"m": 8, "width": 256 if args.quick else 512, "rows": 128 if args.quick else 256,
+           "blocks_per_stage": 2, "warmup": 1 if args.quick else 2, "repeats": 3 if args.quick else 7}
+    t0 = time.perf_counter()
+    results = [measure(p, cfg) for p in (2, 4)]
+    print(json.dumps({
+        "benchmark": "model_parallel_pipeline",
+        "peer": "torch.distributed.pipelining ScheduleGPipe/Schedule1F1B, same split, same processes",
+        "config": cfg,
+        "backend": "gloo (CPU)",
+        "results": results,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
