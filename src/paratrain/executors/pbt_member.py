@@ -168,6 +168,13 @@ class MemberRunner:
         self.roles = roles
         self.device = device
         self._data: dict[str, DataBundle] = {}
+        # member -> (generation, model kwargs, model, optimizer) at the end of that generation
+        self._live: dict[int, tuple[int, str, nn.Module, torch.optim.Optimizer]] = {}
+
+    def preload(self) -> None:
+        """Load the dataset now when no data keyword is searched (keeps it out of timings)."""
+        if not any(self.roles.get(k) == "data" for k in self.job.search_space):
+            self._bundle({})
 
     def _split(self, hparams: dict[str, Any]) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {"optimizer": {}, "batch": {}, "model": {}, "data": {}}
@@ -206,19 +213,27 @@ class MemberRunner:
             bundle = self._bundle(parts["data"])
             t_data = time.perf_counter()
             out["data_s"] = t_data - t0
-            spec = self.job.model
-            if parts["model"]:
-                spec = ModelSpec.model_validate({**spec.model_dump(), **parts["model"]})
-            torch.manual_seed(seed_of(seed, member, -1))  # member's own initialisation
-            model = build_model(spec, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
-            model.to(self.device)
-            opt = build_optimizer(model.parameters(), self.job.train.optimizer, **parts["optimizer"])
-            t_setup = time.perf_counter()
+            live = self._live.pop(member, None)
+            model_key = json.dumps(parts["model"], sort_keys=True)
+            if live is not None and source == member and live[0] == generation - 1 and live[1] == model_key:
+                # Not replaced: continue from the state in memory, byte-identical to the
+                # file saved at the end of the previous generation (no reload needed).
+                model, opt = live[2], live[3]
+                t_setup = time.perf_counter()
+            else:
+                spec = self.job.model
+                if parts["model"]:
+                    spec = ModelSpec.model_validate({**spec.model_dump(), **parts["model"]})
+                torch.manual_seed(seed_of(seed, member, -1))  # member's own initialisation
+                model = build_model(spec, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+                model.to(self.device)
+                opt = build_optimizer(model.parameters(), self.job.train.optimizer, **parts["optimizer"])
+                t_setup = time.perf_counter()
+                if source is not None:
+                    state = checkpoint.load_checkpoint(member_path(self.run_dir, generation - 1, source))
+                    model.load_state_dict(state["model"])
+                    opt.load_state_dict(state["optimizer"])
             out["setup_s"] = t_setup - t_data
-            if source is not None:
-                state = checkpoint.load_checkpoint(member_path(self.run_dir, generation - 1, source))
-                model.load_state_dict(state["model"])
-                opt.load_state_dict(state["optimizer"])
             for group in opt.param_groups:  # after load_state_dict: the member's own values
                 for k, v in parts["optimizer"].items():
                     group[k] = tuple(v) if isinstance(v, list) else v
@@ -264,6 +279,7 @@ class MemberRunner:
                 "digest": out["end_digest"],
             })
             out["save_s"] = time.perf_counter() - t3
+            self._live[member] = (generation, model_key, model, opt)
             value = float(metrics[self.job.population.metric])
             if math.isfinite(value):
                 out["fitness"] = value

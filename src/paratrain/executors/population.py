@@ -41,7 +41,14 @@ from ..comm.context import WorkerContext, default_workers
 from ..comm.pbt_ops import broadcast_json, gather_json
 from ..config.job import JobConfig
 from ..pbt import PopulationState, ancestry, lineage_json
-from ..training import MetricsWriter, checkpoint, prepare_run_dir, resolve_device, write_summary
+from ..training import (
+    MetricsWriter,
+    checkpoint,
+    prepare_run_dir,
+    progress_bar,
+    resolve_device,
+    write_summary,
+)
 from ..training.rundir import run_dir_of
 from .pbt_member import MemberRunner, validate_job
 from .pbt_report import plot_population
@@ -127,8 +134,13 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 metrics.truncate_after("generation", -1)
     runner = MemberRunner(job, run_dir, roles, ctx.device)
     mine = [i for i in range(size) if i % ctx.world_size == ctx.rank]
+    runner.preload()
     per_rank: list[dict[str, float]] = []
     loop_started = time.perf_counter()
+    bar = progress_bar(enabled=None if main else False)
+    bar.start()
+    task = bar.add_task("PopulationBased", total=generations,
+                        completed=pop.generation if pop is not None else 0, info="")
 
     while True:
         plan = None
@@ -174,6 +186,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             loads[r["rank"]] += r["setup_s"] + r["load_s"] + r["save_s"]
         per_rank.append({"checkpoint_s": max(loads), "train_s": sum(r["train_s"] for r in ordered),
                          "eval_s": sum(r["eval_s"] for r in ordered)})
+        best_i = pop.best(opts.mode)
+        bar.update(task, completed=pop.generation,
+                   info=f"best {opts.metric} {record['fitness'][best_i]} (member {best_i})")
         copied = {c["recipient"]: c["donor"] for c in record["copies"]}
         for r in ordered:
             m = r["metrics"] or {}
@@ -187,6 +202,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             })
 
     timing["loop_s"] = time.perf_counter() - loop_started
+    bar.stop()
     if not main:
         return None
     assert pop is not None
@@ -220,6 +236,7 @@ def _summary(
         "best_member": best,
         "best_fitness": last["fitness"][best],
         "best_hparams": last["hparams"][best],
+        "best_hparams_text": " ".join(f"{k}={_fmt(v)}" for k, v in sorted(last["hparams"][best].items())),
         "best_schedule": ancestry(pop.history, best),
         "final_fitness": last["fitness"],
         "test_accuracy": m.get("accuracy"),
@@ -243,3 +260,7 @@ def _summary(
             "overhead_fraction": round(overhead / timing["loop_s"], 5) if timing["loop_s"] > 0 else None,
         },
     }
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
