@@ -1,0 +1,309 @@
+"""Megatron-style tensor-parallel layers (Shoeybi et al. 2019, §3; Korthikanti et al. 2022).
+
+With ``p`` ranks and a dense ``Linear`` computing ``Y = X A + b`` (``A = weight.T``, shape
+``[in, out]``):
+
+- :class:`ColumnParallelLinear` keeps ``A_i``, the rank's ceil-sized block of output columns
+  (partition ``ColumnWise`` of ``[in, out]``): ``Y_i = f(X) A_i + b_i``. ``f`` is identity
+  forward and a sum of ``dX`` over the ranks backward. With ``gather_output`` the ``Y_i`` are
+  all-gathered into ``Y`` (backward: keep the own slice).
+- :class:`RowParallelLinear` keeps ``A_i``, the block of input rows (``RowWise``):
+  ``Z = g(sum_i X_i A_i) + b``; ``g`` sums forward and is identity backward; the bias is
+  added once, after the reduction. Without ``input_is_parallel`` the full ``X`` is split
+  first (backward: all-gather of ``dX_i``).
+- In sequence-parallel mode ("seq", the ReduceScatter pattern) activations outside the
+  pair are sharded along the sequence dim: ``f`` becomes an all-gather (backward
+  reduce-scatter) and ``g`` a reduce-scatter (backward all-gather).
+- :class:`ParallelSelfAttention` splits heads: q/k/v are column-parallel (each rank owns
+  ``heads/p`` heads), the output projection is row-parallel. When the input is at most
+  ``fusion_threshold_bytes``, q/k/v share one ``f`` (one collective instead of three).
+
+All collectives go through :mod:`paratrain.comm.tp_ops`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from paratrain.comm.tp_ops import (
+    TPComm,
+    column_linear,
+    fused_copy_to_region,
+    fused_seq_gather,
+    gather_from_region,
+    row_linear,
+    scatter_to_region,
+)
+
+from .partition import split_sizes
+
+__all__ = [
+    "RegionState",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "SelfAttention",
+    "ParallelSelfAttention",
+    "ParallelEncoderLayer",
+]
+
+
+@dataclass
+class RegionState:
+    """Shared by the layers of one parallel model: where the sequence dim is and how the
+    full sequence is split (set at the entry of the sequence-parallel region)."""
+
+    seq_dim: int = 0
+    seq_sizes: list[int] = field(default_factory=list)
+    compute_dtype: torch.dtype | None = None
+
+
+def _mark(p: nn.Parameter, dim: int, sizes: list[int]) -> None:
+    """Tag a sharded parameter: split along ``dim`` into ``sizes`` over the TP ranks."""
+    p.tp_shard_dim = dim  # type: ignore[attr-defined]
+    p.tp_sizes = sizes  # type: ignore[attr-defined]
+
+
+def _mode_dims(state: RegionState) -> tuple[int, list[int] | None]:
+    return state.seq_dim, (state.seq_sizes or None)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y_i = f(X) A_i + b_i``; ``mode`` is "copy" (Megatron f) or "seq" (sequence parallel)."""
+
+    def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
+                 bias: bool = True, mode: str = "copy", gather_output: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.comm, self.state, self.mode, self.gather_output = comm, state, mode, gather_output
+        self.out_sizes = split_sizes(out_features, comm.size)
+        local = self.out_sizes[comm.rank]
+        self.weight = nn.Parameter(torch.empty(local, in_features))
+        self.bias = nn.Parameter(torch.zeros(local)) if bias else None
+        _mark(self.weight, 0, self.out_sizes)
+        if self.bias is not None:
+            _mark(self.bias, 0, self.out_sizes)
+
+    @property
+    def shard_offset(self) -> int:
+        return sum(self.out_sizes[: self.comm.rank])
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, *, comm: TPComm, state: RegionState,
+                   mode: str = "copy", gather_output: bool = False) -> ColumnParallelLinear:
+        m = cls(linear.in_features, linear.out_features, comm=comm, state=state,
+                bias=linear.bias is not None, mode=mode, gather_output=gather_output)
+        s, n = m.shard_offset, m.out_sizes[comm.rank]
+        with torch.no_grad():
+            m.weight.copy_(linear.weight[s: s + n])
+            if m.bias is not None and linear.bias is not None:
+                m.bias.copy_(linear.bias[s: s + n])
+        return m.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor, *, input_done: bool = False) -> torch.Tensor:
+        dim, sizes = _mode_dims(self.state)
+        mode = "none" if input_done else self.mode
+        y = column_linear(x, self.weight, self.bias, self.comm, mode=mode, dim=dim, sizes=sizes,
+                          compute_dtype=self.state.compute_dtype)
+        if self.gather_output:
+            y = gather_from_region(y, self.comm, y.dim() - 1, self.out_sizes)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
+                f"mode={self.mode}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """``Z = g(sum_i X_i A_i) + b``; ``mode`` is "reduce" (Megatron g) or "seq"."""
+
+    def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
+                 bias: bool = True, mode: str = "reduce", input_is_parallel: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.comm, self.state, self.mode = comm, state, mode
+        self.input_is_parallel = input_is_parallel
+        self.in_sizes = split_sizes(in_features, comm.size)
+        local = self.in_sizes[comm.rank]
+        self.weight = nn.Parameter(torch.empty(out_features, local))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        _mark(self.weight, 1, self.in_sizes)
+
+    @property
+    def shard_offset(self) -> int:
+        return sum(self.in_sizes[: self.comm.rank])
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, *, comm: TPComm, state: RegionState,
+                   mode: str = "reduce", input_is_parallel: bool = True) -> RowParallelLinear:
+        m = cls(linear.in_features, linear.out_features, comm=comm, state=state,
+                bias=linear.bias is not None, mode=mode, input_is_parallel=input_is_parallel)
+        s, n = m.shard_offset, m.in_sizes[comm.rank]
+        with torch.no_grad():
+            m.weight.copy_(linear.weight[:, s: s + n])
+            if m.bias is not None and linear.bias is not None:
+                m.bias.copy_(linear.bias)
+        return m.to(linear.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_region(x, self.comm, x.dim() - 1, self.in_sizes)
+        dim, sizes = _mode_dims(self.state)
+        return row_linear(x, self.weight, self.bias, self.comm, mode=self.mode, dim=dim,
+                          sizes=sizes, compute_dtype=self.state.compute_dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "
+                f"mode={self.mode}, input_is_parallel={self.input_is_parallel}")
+
+
+class SelfAttention(nn.Module):
+    """Dense multi-head self-attention with separate q/k/v/o projections ([B, S, E] -> same).
+
+    ``parallelize`` recognises any module with ``q``, ``k``, ``v``, ``o`` Linears and a
+    ``num_heads`` attribute and replaces it with :class:`ParallelSelfAttention`.
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, bias: bool = True, causal: bool = False) -> None:
+        super().__init__()
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim {embed_dim} not divisible by num_heads {num_heads}")
+        self.embed_dim, self.num_heads, self.causal = embed_dim, num_heads, causal
+        self.q = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.k = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.v = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.o = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+    @staticmethod
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, causal: bool) -> torch.Tensor:
+        b, s, e = q.shape
+        hd = e // heads if heads else 0
+
+        def split(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(b, s, heads, hd).transpose(1, 2)
+
+        qh, kh, vh = split(q), split(k), split(v)
+        att = (qh @ kh.transpose(-2, -1)) / math.sqrt(max(hd, 1))
+        if causal:
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+            att = att.masked_fill(mask, float("-inf"))
+        out = att.softmax(-1) @ vh
+        return out.transpose(1, 2).reshape(b, s, e)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = self.attend(self.q(x), self.k(x), self.v(x), self.num_heads, self.causal)
+        return self.o(ctx)
+
+    @classmethod
+    def from_mha(cls, mha: nn.MultiheadAttention) -> SelfAttention:
+        """The same function as a batch-first ``nn.MultiheadAttention`` (packed in_proj)."""
+        if not mha.batch_first or mha.in_proj_weight is None:
+            raise ValueError("only batch_first MultiheadAttention with a packed in_proj is supported")
+        e = mha.embed_dim
+        m = cls(e, mha.num_heads, bias=mha.in_proj_bias is not None)
+        with torch.no_grad():
+            for i, lin in enumerate((m.q, m.k, m.v)):
+                lin.weight.copy_(mha.in_proj_weight[i * e: (i + 1) * e])
+                if lin.bias is not None and mha.in_proj_bias is not None:
+                    lin.bias.copy_(mha.in_proj_bias[i * e: (i + 1) * e])
+            m.o.weight.copy_(mha.out_proj.weight)
+            if m.o.bias is not None and mha.out_proj.bias is not None:
+                m.o.bias.copy_(mha.out_proj.bias)
+        return m.to(mha.in_proj_weight.device)
+
+
+class ParallelSelfAttention(nn.Module):
+    """Heads split over the TP ranks: q/k/v column-parallel, o row-parallel.
+
+    pattern "copy": one f per projection, or one fused f when the input fits the fusion
+    threshold; "seq": the sequence-sharded input is all-gathered (fused: once) and the
+    output reduce-scattered; "gather": the per-rank attention outputs are all-gathered
+    (AllGather pattern) and o splits them again.
+    """
+
+    def __init__(self, dense: nn.Module, *, comm: TPComm, state: RegionState, mode: str) -> None:
+        super().__init__()
+        heads = int(dense.num_heads)  # type: ignore[arg-type]
+        if heads % comm.size:
+            raise ValueError(f"attention has {heads} heads, not divisible by "
+                             f"tensor_parallel_size {comm.size}")
+        self.comm, self.state, self.mode = comm, state, mode
+        self.local_heads = heads // comm.size
+        self.causal = bool(getattr(dense, "causal", False))
+        col_mode = "seq" if mode == "seq" else "copy"
+        q, k, v, o = (getattr(dense, n) for n in "qkvo")
+        assert isinstance(q, nn.Linear) and isinstance(k, nn.Linear)
+        assert isinstance(v, nn.Linear) and isinstance(o, nn.Linear)
+        self.q = ColumnParallelLinear.from_dense(q, comm=comm, state=state, mode=col_mode)
+        self.k = ColumnParallelLinear.from_dense(k, comm=comm, state=state, mode=col_mode)
+        self.v = ColumnParallelLinear.from_dense(v, comm=comm, state=state, mode=col_mode)
+        self.o = RowParallelLinear.from_dense(
+            o, comm=comm, state=state, mode="seq" if mode == "seq" else "reduce",
+            input_is_parallel=mode != "gather")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # must be the same decision on every rank: size the FULL input from its shape
+        # (a rank's sequence shard may be empty)
+        if self.mode == "seq":
+            dim, sizes = _mode_dims(self.state)
+            per_token = math.prod(x.shape[:dim] + x.shape[dim + 1:])
+            full_bytes = per_token * sum(sizes or [0]) * x.element_size()
+        else:
+            full_bytes = x.numel() * x.element_size()
+        fuse = self.comm.size > 1 and 0 < full_bytes <= self.comm.fusion_threshold_bytes
+        if fuse and self.mode == "seq":
+            dim, sizes = _mode_dims(self.state)
+            assert sizes is not None
+            xq, xk, xv = fused_seq_gather(x, self.comm, dim, sizes, 3)
+        elif fuse:
+            xq, xk, xv = fused_copy_to_region(x, self.comm, 3)
+        else:
+            xq = xk = xv = x
+        q = self.q(xq, input_done=fuse)
+        k = self.k(xk, input_done=fuse)
+        v = self.v(xv, input_done=fuse)
+        ctx = SelfAttention.attend(q, k, v, self.local_heads, self.causal)
+        if self.mode == "gather":
+            ctx = gather_from_region(ctx, self.comm, ctx.dim() - 1, self.q.out_sizes)
+        return self.o(ctx)
+
+
+class ParallelEncoderLayer(nn.Module):
+    """``nn.TransformerEncoderLayer`` (batch_first) with parallel attention and MLP.
+
+    Same computation as the dense layer: post-norm ``x = LN1(x + SA(x)); x = LN2(x + FF(x))``
+    or pre-norm ``x = x + SA(LN1(x)); x = x + FF(LN2(x))``, ``FF = W2 act(W1 x)``; the
+    layer norms are replicated (and, under sequence parallelism, see only their shard).
+    """
+
+    def __init__(self, dense: nn.TransformerEncoderLayer, *, comm: TPComm, state: RegionState,
+                 mode: str) -> None:
+        super().__init__()
+        self.norm_first = dense.norm_first
+        self.self_attn = ParallelSelfAttention(SelfAttention.from_mha(dense.self_attn), comm=comm,
+                                               state=state, mode=mode)
+        self.linear1 = ColumnParallelLinear.from_dense(
+            dense.linear1, comm=comm, state=state, mode="seq" if mode == "seq" else "copy",
+            gather_output=mode == "gather")
+        self.linear2 = RowParallelLinear.from_dense(
+            dense.linear2, comm=comm, state=state, mode="seq" if mode == "seq" else "reduce",
+            input_is_parallel=mode != "gather")
+        self.norm1, self.norm2 = dense.norm1, dense.norm2
+        self.dropout, self.dropout1, self.dropout2 = dense.dropout, dense.dropout1, dense.dropout2
+        self.activation = dense.activation
+
+    def _ff(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout2(self.linear2(self.dropout(self.activation(self.linear1(x)))))
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor | None = None,
+                src_key_padding_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        if src_mask is not None or src_key_padding_mask is not None or is_causal:
+            raise NotImplementedError("ParallelEncoderLayer supports unmasked self-attention only")
+        if self.norm_first:
+            x = x + self.dropout1(self.self_attn(self.norm1(x)))
+            return x + self._ff(self.norm2(x))
+        x = self.norm1(x + self.dropout1(self.self_attn(x)))
+        return self.norm2(x + self._ff(x))

@@ -1,0 +1,404 @@
+"""``parallelize(model, config, group)``: turn a dense model into a tensor-parallel one.
+
+Rules (DESIGN §4, Megatron-LM §3):
+
+- In every ``nn.Sequential``, a ``Linear`` followed (through element-wise modules only:
+  activations, dropout) by another ``Linear`` is an MLP pair: the first becomes
+  :class:`ColumnParallelLinear`, the second :class:`RowParallelLinear`, so the hidden
+  activation stays sharded and one reduction per direction is needed. Lone Linears stay
+  replicated. With only ``column_parallel``, every Linear becomes column-parallel with
+  gathered output; with only ``row_parallel``, row-parallel with a split input.
+- A module with ``q``, ``k``, ``v``, ``o`` Linears and ``num_heads`` is self-attention:
+  heads are split over the ranks (:class:`ParallelSelfAttention`); a batch-first
+  ``nn.TransformerEncoderLayer`` becomes :class:`ParallelEncoderLayer` (attention heads
+  split, linear1/linear2 as a column/row pair, layer norms replicated).
+- Weights are sliced from the given (full) model, so the result computes the same function.
+
+``communication_pattern`` picks the layout: AllReduce / PointToPoint / Hierarchical = the
+Megatron f/g layout with the reduction done by that pattern; AllGather = column outputs
+all-gathered and re-split by the row layer; ReduceScatter = sequence parallelism: between
+the first and the last parallel child of the root Sequential, activations are sharded
+along the sequence dim (dim 1 of [B, S, E] inputs, dim 0 of [B, F] ones); the replicated
+parameters inside that region see only their shard's tokens, so their gradients are summed
+over the TP group in :meth:`TensorParallelModule.sync_gradients`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from paratrain.comm.tp_ops import (
+    CommStats,
+    TPComm,
+    TPGroups,
+    build_tp_groups,
+    gather_from_region,
+    scatter_to_region,
+)
+from paratrain.config import ConfigError, TensorParallelismConfig
+
+from . import memory
+from .layers import (
+    ColumnParallelLinear,
+    ParallelEncoderLayer,
+    ParallelSelfAttention,
+    RegionState,
+    RowParallelLinear,
+)
+from .partition import TensorParallelism, split_sizes
+
+__all__ = ["ELEMENTWISE", "TensorParallelModule", "parallelize", "is_attention"]
+
+ELEMENTWISE: tuple[type[nn.Module], ...] = (
+    nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Dropout, nn.Identity, nn.LeakyReLU,
+    nn.ELU, nn.Softplus, nn.Mish, nn.Hardtanh, nn.ReLU6, nn.SELU, nn.CELU,
+)
+_PARALLEL = (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention, ParallelEncoderLayer)
+
+
+def is_attention(m: nn.Module) -> bool:
+    return hasattr(m, "num_heads") and all(isinstance(getattr(m, n, None), nn.Linear) for n in "qkvo")
+
+
+def _has_parallel(m: nn.Module) -> bool:
+    return any(isinstance(x, _PARALLEL) for x in m.modules())
+
+
+def _param_bytes(params: Iterator[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+class _Converter:
+    def __init__(self, cfg: TensorParallelismConfig, comm: TPComm, state: RegionState) -> None:
+        self.col, self.row = cfg.column_parallel, cfg.row_parallel
+        pattern = cfg.communication_pattern.value
+        self.mode = {"ReduceScatter": "seq", "AllGather": "gather"}.get(pattern, "copy")
+        self.comm, self.state = comm, state
+        self.units = 0
+
+    def _attention(self, m: nn.Module) -> nn.Module:
+        self.units += 1
+        return ParallelSelfAttention(m, comm=self.comm, state=self.state, mode=self.mode)
+
+    def convert(self, m: nn.Module) -> nn.Module:
+        if is_attention(m):
+            return self._attention(m)
+        if isinstance(m, nn.TransformerEncoderLayer):
+            self.units += 1
+            return ParallelEncoderLayer(m, comm=self.comm, state=self.state, mode=self.mode)
+        if isinstance(m, nn.Sequential):
+            self._sequential(m)
+            return m
+        for name, child in list(m.named_children()):
+            setattr(m, name, self.convert(child))
+        return m
+
+    def _sequential(self, seq: nn.Sequential) -> None:
+        names = list(seq._modules.keys())
+        mods = [seq._modules[n] for n in names]
+        seq_mode = self.mode == "seq"
+        i = 0
+        while i < len(mods):
+            m = mods[i]
+            if isinstance(m, nn.Linear):
+                j = i + 1
+                while j < len(mods) and isinstance(mods[j], ELEMENTWISE):
+                    j += 1
+                nxt = mods[j] if j < len(mods) else None
+                if self.col and self.row and isinstance(nxt, nn.Linear):
+                    seq._modules[names[i]] = ColumnParallelLinear.from_dense(
+                        m, comm=self.comm, state=self.state, mode="seq" if seq_mode else "copy",
+                        gather_output=self.mode == "gather")
+                    seq._modules[names[j]] = RowParallelLinear.from_dense(
+                        nxt, comm=self.comm, state=self.state,
+                        mode="seq" if seq_mode else "reduce",
+                        input_is_parallel=self.mode != "gather")
+                    self.units += 1
+                    i = j + 1
+                    continue
+                if self.col and not self.row:
+                    seq._modules[names[i]] = ColumnParallelLinear.from_dense(
+                        m, comm=self.comm, state=self.state, mode="copy", gather_output=True)
+                    self.units += 1
+                elif self.row and not self.col:
+                    seq._modules[names[i]] = RowParallelLinear.from_dense(
+                        m, comm=self.comm, state=self.state, mode="reduce",
+                        input_is_parallel=False)
+                    self.units += 1
+            elif is_attention(m) or isinstance(m, nn.TransformerEncoderLayer):
+                seq._modules[names[i]] = self.convert(m)
+            elif isinstance(m, nn.Sequential):
+                self._sequential(m)
+            elif next(m.children(), None) is not None:
+                self.convert(m)
+            i += 1
+
+
+class TensorParallelModule(nn.Module):
+    """A dense model turned tensor-parallel, with the behaviour every config field asks for.
+
+    ``forward`` runs the model (with activation checkpointing per ``memory_optimization``,
+    bf16 autocast per ``mixed_precision``, the sequence-parallel region per
+    ``communication_pattern``); ``sync_gradients`` does the gradient reductions the layout
+    needs (sequence-parallel replicated parameters over TP, and DP averaging in 2-D runs),
+    coalesced per ``fusion_threshold_bytes``; ``statistics`` reports real counters.
+    """
+
+    def __init__(self, model: nn.Module, config: TensorParallelismConfig, groups: TPGroups) -> None:
+        super().__init__()
+        self.config, self.groups = config, groups
+        self.comm: TPComm = groups.tp
+        self.stats: CommStats = groups.tp.stats
+        tp = config.tensor_parallel_size
+        if tp != groups.tp_size:
+            raise ConfigError([("tensor_parallel.tensor_parallel_size",
+                                f"{tp} does not match the TP group size {groups.tp_size}")])
+        self.pattern = config.communication_pattern.value
+        self.seq = self.pattern == "ReduceScatter" and tp > 1
+        self.state = RegionState(compute_dtype=torch.bfloat16 if config.mixed_precision else None)
+        dense_params = list(model.parameters())
+        self.dense_param_bytes = _param_bytes(iter(dense_params))
+        self.coordinator = TensorParallelism(config, self.comm.rank, self.comm.size)
+        if tp > 1:
+            if not (config.column_parallel or config.row_parallel):
+                raise ConfigError([("tensor_parallel", "tensor_parallel_size > 1 but column_parallel "
+                                    "and row_parallel are both false: nothing to parallelize")])
+            if self.seq and not (config.column_parallel and config.row_parallel):
+                raise ConfigError([("tensor_parallel.communication_pattern",
+                                    "ReduceScatter (sequence parallel) needs column_parallel and "
+                                    "row_parallel both true")])
+            conv = _Converter(config, self.comm, self.state)
+            model = conv.convert(model)
+            if conv.units == 0:
+                raise ValueError("parallelize: no Linear pair or attention block found to shard")
+        self.module = model
+        self._plan()
+        for name, mod in self.module.named_modules():
+            if isinstance(mod, ColumnParallelLinear):
+                self.coordinator.partition_tensor(name + ".weight", (mod.in_features, mod.out_features),
+                                                  "ColumnWise")
+            elif isinstance(mod, RowParallelLinear):
+                self.coordinator.partition_tensor(name + ".weight", (mod.in_features, mod.out_features),
+                                                  "RowWise")
+        self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
+        self.last_peak_activation_bytes: int | None = None
+        if not self.needs_sync and config.gradient_accumulation is False:
+            warnings.warn("gradient_accumulation has no effect: this layout has no gradient "
+                          "synchronisation (pure tensor parallel, no sequence parallel, 1 replica)",
+                          stacklevel=2)
+
+    # -- structure ------------------------------------------------------------------------
+    def _plan(self) -> None:
+        """Blocks (checkpoint units), segments, and the sequence-parallel region."""
+        m = self.module
+        kids = list(m.children()) if isinstance(m, nn.Sequential) else [m]
+        self._kids = kids
+        starts = [0]
+        for i, c in enumerate(kids):
+            unit = (isinstance(c, ColumnParallelLinear | ParallelSelfAttention | ParallelEncoderLayer)
+                    or (isinstance(c, RowParallelLinear) and not c.input_is_parallel)
+                    or (not isinstance(c, _PARALLEL) and _has_parallel(c)))
+            if unit and i > 0:
+                starts.append(i)
+        self.blocks = [list(range(a, b)) for a, b in zip(starts, starts[1:] + [len(kids)], strict=True)]
+        k = memory.SEGMENT_BLOCKS[self.config.memory_optimization.value]
+        self.segments: list[list[int]] = []
+        if k == 0:
+            self.segments = []
+        else:
+            for s in range(0, len(self.blocks), k):
+                self.segments.append([i for b in self.blocks[s: s + k] for i in b])
+        par = [i for i, c in enumerate(kids) if _has_parallel(c)]
+        self.seq_region = (par[0], par[-1]) if (self.seq and par) else None
+        if self.seq and not isinstance(m, nn.Sequential):
+            raise ConfigError([("tensor_parallel.communication_pattern",
+                                "ReduceScatter (sequence parallel) needs an nn.Sequential model")])
+        self._sp_params: list[nn.Parameter] = []
+        if self.seq_region is not None:
+            a, b = self.seq_region
+            for c in kids[a: b + 1]:
+                self._sp_params += [p for p in c.parameters() if not hasattr(p, "tp_shard_dim")]
+
+    @property
+    def needs_sync(self) -> bool:
+        return bool(self._sp_params) or self.groups.dp is not None
+
+    # -- forward ---------------------------------------------------------------------------
+    def _run(self, idx: list[int], x: torch.Tensor) -> torch.Tensor:
+        for i in idx:
+            if self.seq_region is not None and i == self.seq_region[0]:
+                d = 1 if x.dim() >= 3 else 0
+                self.state.seq_dim = d
+                self.state.seq_sizes = split_sizes(x.shape[d], self.comm.size)
+                x = scatter_to_region(x, self.comm, d, self.state.seq_sizes)
+            x = self._kids[i](x)
+            if self.seq_region is not None and i == self.seq_region[1]:
+                x = gather_from_region(x, self.comm, self.state.seq_dim, self.state.seq_sizes)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mp = self.config.mixed_precision
+        offload = self.config.memory_optimization.value == "Extreme"
+        hooks = (memory.activation_hooks(offload=True, params=self._param_ptrs)
+                 if offload or memory._ACTIVE else nullcontext())
+        amp = torch.autocast(device_type=x.device.type, dtype=torch.bfloat16) if mp else nullcontext()
+        with amp, hooks:
+            if not self.segments or not (self.training and torch.is_grad_enabled()):
+                out = self._run(list(range(len(self._kids))), x)
+            else:
+                # reentrant checkpoint: a dummy input that requires grad keeps the segments'
+                # outputs (and parameter gradients) in the graph even for data inputs.
+                dummy = torch.ones(1, requires_grad=True, device=x.device)
+                out = x
+                for seg in self.segments:
+                    out = checkpoint(self._seg_fn(seg), out, dummy, use_reentrant=True)
+        return out.float() if mp and out.is_floating_point() else out
+
+    def _seg_fn(self, seg: list[int]) -> Any:
+        def fn(x: torch.Tensor, _dummy: torch.Tensor) -> torch.Tensor:
+            return self._run(seg, x)
+        return fn
+
+    @contextmanager
+    def measure_activations(self) -> Iterator[memory.ActivationMeter]:
+        """Meter the activation bytes saved for backward by forward+backward in the block."""
+        offload = self.config.memory_optimization.value == "Extreme"
+        with memory.measure(params=self._param_ptrs, offload=offload) as meter:
+            yield meter
+        self.last_peak_activation_bytes = meter.peak
+
+    # -- gradients -------------------------------------------------------------------------
+    def sync_gradients(self) -> int:
+        """Reduce gradients the layout needs; returns the number of collectives issued."""
+        n = 0
+        if self._sp_params:
+            grads = [_grad(p) for p in self._sp_params]
+            n += self.comm.all_reduce_coalesced_(grads)
+        if self.groups.dp is not None:
+            n += self.groups.dp.all_reduce_coalesced_([_grad(p) for p in self.module.parameters()],
+                                                     average=True)
+        return n
+
+    # -- state -----------------------------------------------------------------------------
+    def _mha_prefixes(self) -> list[str]:
+        return [n + "." if n else "" for n, m in self.module.named_modules()
+                if isinstance(m, ParallelEncoderLayer)]
+
+    def to_dense_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rename full (gathered) tensors to the dense model's keys: an encoder layer's
+        q/k/v/o go back into ``self_attn.in_proj_*`` / ``self_attn.out_proj.*``."""
+        out = dict(tensors)
+        for pre in self._mha_prefixes():
+            a = pre + "self_attn."
+            for kind in ("weight", "bias"):
+                parts = [out.pop(f"{a}{c}.{kind}", None) for c in "qkv"]
+                if all(t is not None for t in parts):
+                    out[f"{a}in_proj_{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
+                o = out.pop(f"{a}o.{kind}", None)
+                if o is not None:
+                    out[f"{a}out_proj.{kind}"] = o
+        return out
+
+    def _from_dense_names(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = dict(state)
+        for pre in self._mha_prefixes():
+            a = pre + "self_attn."
+            for kind in ("weight", "bias"):
+                packed = out.pop(f"{a}in_proj_{kind}", None)
+                if packed is not None:
+                    for c, t in zip("qkv", packed.chunk(3), strict=True):
+                        out[f"{a}{c}.{kind}"] = t
+                o = out.pop(f"{a}out_proj.{kind}", None)
+                if o is not None:
+                    out[f"{a}o.{kind}"] = o
+        return out
+
+    def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Gather per-parameter shards (e.g. gradients, keyed like ``module``'s parameters)
+        into full tensors under the dense model's names (collective over TP)."""
+        params = dict(self.module.named_parameters())
+        out: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            p = params.get(name)
+            if p is not None and hasattr(p, "tp_shard_dim") and self.comm.size > 1:
+                t = self.comm.all_gather(t.contiguous(), p.tp_shard_dim, p.tp_sizes).wait()
+            out[name] = t.detach().clone()
+        return self.to_dense_names(out)
+
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state dict with the dense model's keys (collective)."""
+        tensors = {n: p.detach() for n, p in self.module.named_parameters()}
+        tensors.update({n: b.detach() for n, b in self.module.named_buffers()})
+        return self.gather_full(tensors)
+
+    def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict, keeping this rank's shard of each sharded parameter."""
+        state = self._from_dense_names(state)
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                src = state[name]
+                if hasattr(p, "tp_shard_dim"):
+                    sizes = p.tp_sizes
+                    r = self.comm.rank
+                    src = src.narrow(p.tp_shard_dim, sum(sizes[:r]), sizes[r])
+                p.copy_(src)
+            for name, b in self.module.named_buffers():
+                b.copy_(state[name])
+
+    # -- statistics ------------------------------------------------------------------------
+    def statistics(self) -> dict[str, Any]:
+        snap = self.stats.snapshot()
+        params = list(self.module.parameters())
+        local = _param_bytes(iter(params))
+        sharded = _param_bytes(p for p in params if hasattr(p, "tp_shard_dim"))
+        replicated = local - sharded
+        dense_sharded = self.dense_param_bytes - replicated
+        tp = self.comm.size
+        snap.update({
+            "tensor_parallel_size": tp,
+            "communication_pattern": self.pattern,
+            "param_bytes_local": local,
+            "param_bytes_dense": self.dense_param_bytes,
+            "param_bytes_replicated": replicated,
+            "param_memory_fraction": local / self.dense_param_bytes if self.dense_param_bytes else 1.0,
+            "param_memory_ideal_fraction": ((dense_sharded / tp + replicated) / self.dense_param_bytes
+                                            if self.dense_param_bytes else 1.0),
+            "memory_saving": 1 - local / self.dense_param_bytes if self.dense_param_bytes else 0.0,
+            "total_partitions": self.coordinator.total_partitions,
+            "local_partitions": self.coordinator.local_partitions,
+            "peak_activation_bytes": self.last_peak_activation_bytes,
+        })
+        return snap
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
+def parallelize(model: nn.Module, config: TensorParallelismConfig | dict[str, Any],
+                group: TPGroups | TPComm | None = None) -> TensorParallelModule:
+    """Shard ``model`` (a full, identically initialised copy on every rank) per ``config``.
+
+    ``group``: the :class:`TPGroups` from :func:`paratrain.comm.tp_ops.build_tp_groups`, a
+    bare :class:`TPComm` (pure TP), or ``None`` to build the groups now (collective).
+    """
+    cfg = config if isinstance(config, TensorParallelismConfig) else TensorParallelismConfig.model_validate(config)
+    if group is None:
+        try:
+            group = build_tp_groups(
+                cfg.tensor_parallel_size, pattern=cfg.communication_pattern.value,
+                async_op=cfg.async_communication, fusion_threshold_bytes=cfg.fusion_threshold_bytes)
+        except ValueError as e:
+            raise ConfigError([("tensor_parallel.tensor_parallel_size", str(e))]) from None
+    if isinstance(group, TPComm):
+        group = TPGroups(group, None, group.size, 1, 0)
+    return TensorParallelModule(model, cfg, group)

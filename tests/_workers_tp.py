@@ -1,0 +1,312 @@
+"""Worker functions for the tensor-parallel multi-process tests (run on real gloo ranks).
+
+Each ``suite_*`` runs many checks in one process group (spawning ranks is the slow part)
+and returns plain numbers; the tests assert on them.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.comm.context import WorkerContext
+from paratrain.comm.tp_ops import build_tp_groups
+from paratrain.config import TensorParallelismConfig
+from paratrain.tensor_parallel import SelfAttention, TensorParallelModule, parallelize, train_step
+
+PATTERNS = ["AllReduce", "AllGather", "ReduceScatter", "PointToPoint", "Hierarchical"]
+
+
+def dense_model(kind: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if kind == "mlp":  # uneven hidden (30) so tp=4 shards are 8,8,8,6
+        return nn.Sequential(OrderedDict(fc0=nn.Linear(16, 30), act0=nn.GELU(), fc1=nn.Linear(30, 12)))
+    if kind == "mlp_even":  # DTensor's Colwise output assumes even shards
+        return nn.Sequential(OrderedDict(fc0=nn.Linear(16, 32), act0=nn.GELU(), fc1=nn.Linear(32, 12)))
+    if kind == "attn":
+        return nn.Sequential(OrderedDict(attn=SelfAttention(16, 4), act=nn.Tanh(), out=nn.Linear(16, 5)))
+    if kind == "encoder":
+        return nn.Sequential(OrderedDict(
+            embed=nn.Linear(8, 16),
+            block0=nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True),
+            block1=nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True,
+                                              norm_first=True),
+            head=nn.Linear(16, 3)))
+    if kind == "deep":  # 8 blocks for the checkpointing levels
+        layers: OrderedDict[str, nn.Module] = OrderedDict()
+        for i in range(8):
+            layers[f"fc{2 * i}"] = nn.Linear(32, 128)
+            layers[f"act{2 * i}"] = nn.GELU()
+            layers[f"fc{2 * i + 1}"] = nn.Linear(128, 32)
+        layers["head"] = nn.Linear(32, 4)
+        return nn.Sequential(layers)
+    raise ValueError(kind)
+
+
+def model_input(kind: str, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    shape = {"mlp": (7, 16), "mlp_even": (7, 16), "attn": (3, 6, 16), "encoder": (2, 6, 8), "deep": (64, 32)}[kind]
+    return torch.randn(*shape, generator=g)
+
+
+def _weights(out: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(99)
+    return torch.randn(out.shape, generator=g)
+
+
+def dense_grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (out * _weights(out)).sum().backward()
+    assert x.grad is not None
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, x.grad
+
+
+def tp_grads(tpm: TensorParallelModule, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    x = x.clone().requires_grad_(True)
+    out = tpm(x)
+    (out * _weights(out)).sum().backward()
+    tpm.sync_gradients()
+    grads = tpm.gather_full({n: p.grad if p.grad is not None else torch.zeros_like(p)
+                             for n, p in tpm.module.named_parameters()})
+    assert x.grad is not None
+    return out.detach(), grads, x.grad
+
+
+def _maxdiff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b), (sorted(a), sorted(b))
+    return max(float((a[k] - b[k]).abs().max()) if a[k].numel() else 0.0 for k in a)
+
+
+def parity(kind: str, pattern: str, tp: int, **cfg: Any) -> dict[str, float]:
+    dense = dense_model(kind)
+    x = model_input(kind)
+    d_out, d_grads, d_x = dense_grads(copy.deepcopy(dense), x)
+    conf = TensorParallelismConfig(tensor_parallel_size=tp, communication_pattern=pattern,
+                                   memory_optimization=cfg.pop("memory_optimization", "None"), **cfg)
+    tpm = parallelize(copy.deepcopy(dense), conf)
+    t_out, t_grads, t_x = tp_grads(tpm, x)
+    return {"out": float((d_out - t_out).abs().max()), "grads": _maxdiff(d_grads, t_grads),
+            "xgrad": float((d_x - t_x).abs().max()),
+            "scale": float(d_out.abs().max())}
+
+
+def wrong_variant(tp: int) -> float:
+    """Non-vacuity: a row layer whose reduction is skipped must NOT match the dense model."""
+    from paratrain.tensor_parallel.layers import RowParallelLinear
+
+    dense = dense_model("mlp")
+    x = model_input("mlp")
+    d_out, _, _ = dense_grads(copy.deepcopy(dense), x)
+    tpm = parallelize(copy.deepcopy(dense), TensorParallelismConfig(tensor_parallel_size=tp,
+                                                                    memory_optimization="None"))
+    row = tpm.module.fc1
+    assert isinstance(row, RowParallelLinear)
+    partial = nn.functional.linear(nn.functional.gelu(tpm.module.fc0(x)), row.weight, row.bias)
+    return float((partial.detach() - d_out).abs().max())
+
+
+def dtensor_parity(kind: str, tp: int) -> dict[str, float]:
+    """Ours vs torch.distributed.tensor.parallel ColwiseParallel/RowwiseParallel, same weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    dense = dense_model(kind)
+    x = model_input(kind)
+    mesh = init_device_mesh("cpu", (tp,))
+    ref = copy.deepcopy(dense)
+    if kind.startswith("mlp"):
+        plan: dict[str, Any] = {"fc0": ColwiseParallel(), "fc1": RowwiseParallel()}
+    else:
+        plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                "attn.o": RowwiseParallel()}
+    parallelize_module(ref, mesh, plan)
+    if kind == "attn":
+        ref.attn.num_heads = dense.attn.num_heads // tp  # local heads, as torchtitan does
+    xr = x.clone().requires_grad_(True)
+    r_out = ref(xr)
+    (r_out * _weights(r_out)).sum().backward()
+    r_grads = {}
+    for n, p in ref.named_parameters():
+        g = p.grad
+        assert g is not None
+        r_grads[n] = g.full_tensor() if isinstance(g, DTensor) else g
+    tpm = parallelize(copy.deepcopy(dense), TensorParallelismConfig(tensor_parallel_size=tp,
+                                                                    memory_optimization="None"))
+    t_out, t_grads, t_x = tp_grads(tpm, x)
+    assert xr.grad is not None
+    return {"out": float((r_out.detach() - t_out).abs().max()), "grads": _maxdiff(r_grads, t_grads),
+            "xgrad": float((xr.grad - t_x).abs().max())}
+
+
+def counts(pattern: str, tp: int, **cfg: Any) -> dict[str, Any]:
+    """Collectives issued by one forward and one backward of the MLP block."""
+    dense = dense_model("mlp")
+    x = model_input("mlp").requires_grad_(True)
+    tpm = parallelize(dense, TensorParallelismConfig(
+        tensor_parallel_size=tp, communication_pattern=pattern, memory_optimization="None", **cfg))
+    tpm.stats.reset()
+    out = tpm(x)
+    fwd = tpm.statistics()
+    tpm.stats.reset()
+    out.sum().backward()
+    bwd = tpm.statistics()
+    return {"fwd": fwd["collectives"], "bwd": bwd["collectives"], "fwd_bytes": fwd["bytes_moved"],
+            "bwd_bytes": bwd["bytes_moved"], "out_bytes": out.numel() * 4,
+            "x_bytes": x.numel() * 4}
+
+
+def attn_fusion_counts(tp: int, threshold: int) -> dict[str, Any]:
+    dense = dense_model("attn")
+    x = model_input("attn").requires_grad_(True)
+    tpm = parallelize(dense, TensorParallelismConfig(
+        tensor_parallel_size=tp, fusion_threshold_bytes=threshold, memory_optimization="None"))
+    out = tpm(x)
+    tpm.stats.reset()
+    out.sum().backward()
+    return {"bwd": tpm.statistics()["collectives"], "xgrad": x.grad}
+
+
+def mixed_precision(tp: int) -> dict[str, float]:
+    dense = dense_model("encoder")
+    x = model_input("encoder")
+    res = {}
+    for mp in (False, True):
+        tpm = parallelize(copy.deepcopy(dense), TensorParallelismConfig(
+            tensor_parallel_size=tp, mixed_precision=mp, memory_optimization="None"))
+        out = tpm(x)
+        loss = out.square().mean()
+        loss.backward()
+        res["loss_bf16" if mp else "loss_fp32"] = float(loss)
+        res["master_dtype_bf16" if mp else "master_dtype_fp32"] = str(next(tpm.parameters()).dtype)
+        res["grad_dtype_bf16" if mp else "grad_dtype_fp32"] = str(next(tpm.parameters()).grad.dtype)
+    return res
+
+
+def memory_levels(tp: int) -> dict[str, Any]:
+    dense = dense_model("deep")
+    x = model_input("deep")
+    peaks, outs, grads = {}, {}, {}
+    for level in ["None", "Low", "Medium", "High", "Extreme"]:
+        tpm = parallelize(copy.deepcopy(dense), TensorParallelismConfig(
+            tensor_parallel_size=tp, memory_optimization=level))
+        with tpm.measure_activations() as meter:
+            out = tpm(x)
+            out.square().mean().backward()
+        peaks[level] = meter.peak
+        outs[level] = out.detach()
+        grads[level] = tpm.module.fc0.weight.grad.clone()
+    return {"peaks": peaks,
+            "out_diff": max(float((outs[k] - outs["None"]).abs().max()) for k in outs),
+            "grad_diff": max(float((grads[k] - grads["None"]).abs().max()) for k in grads)}
+
+
+def grad_accum(tp: int, accumulate: bool, pattern: str = "ReduceScatter") -> dict[str, Any]:
+    dense = dense_model("mlp")
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(12, 16, generator=g), torch.randint(0, 12, (12,), generator=g)
+    tpm = parallelize(copy.deepcopy(dense), TensorParallelismConfig(
+        tensor_parallel_size=tp, communication_pattern=pattern, gradient_accumulation=accumulate,
+        memory_optimization="None"))
+    opt = torch.optim.SGD(tpm.parameters(), lr=0.5)
+    tpm.stats.reset()
+    loss = train_step(tpm, x, y, nn.functional.cross_entropy, opt, micro_batches=3)
+    stats = tpm.statistics()
+    # reference: dense full-batch SGD step
+    ref = copy.deepcopy(dense)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    rl = nn.functional.cross_entropy(ref(x), y)
+    rl.backward()
+    ropt.step()
+    full = tpm.dense_state_dict()
+    diff = max(float((full[n] - p.detach()).abs().max()) for n, p in ref.named_parameters())
+    return {"loss": loss, "ref_loss": float(rl), "param_diff": diff, "collectives": stats["collectives"]}
+
+
+def two_d(ctx: WorkerContext, fusion: int) -> dict[str, Any]:
+    """tp=2 x dp=2: each DP replica sees its half of the batch; after the step the model
+    must equal a dense SGD step on the whole batch."""
+    dense = dense_model("mlp")
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(16, 16, generator=g), torch.randint(0, 12, (16,), generator=g)
+    conf = TensorParallelismConfig(tensor_parallel_size=2, fusion_threshold_bytes=fusion,
+                                   memory_optimization="None")
+    groups = build_tp_groups(2, fusion_threshold_bytes=fusion)
+    tpm = parallelize(copy.deepcopy(dense), conf, groups)
+    d = groups.tp_index
+    xs, ys = x[d * 8:(d + 1) * 8], y[d * 8:(d + 1) * 8]
+    opt = torch.optim.SGD(tpm.parameters(), lr=0.5)
+    out = tpm(xs)
+    nn.functional.cross_entropy(out, ys).backward()
+    n = tpm.sync_gradients()
+    opt.step()
+    ref = copy.deepcopy(dense)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    nn.functional.cross_entropy(ref(x), y).backward()
+    ropt.step()
+    full = tpm.dense_state_dict()
+    diff = max(float((full[k] - p.detach()).abs().max()) for k, p in ref.named_parameters())
+    return {"sync_collectives": n, "param_diff": diff, "dp_index": d, "tp_rank": tpm.comm.rank}
+
+
+def hier_structure(ctx: WorkerContext) -> dict[str, Any]:
+    tpm = parallelize(dense_model("mlp"), TensorParallelismConfig(
+        tensor_parallel_size=ctx.world_size, communication_pattern="Hierarchical",
+        memory_optimization="None"))
+    tpm.stats.reset()
+    tpm(model_input("mlp"))
+    return tpm.statistics()["collectives"]
+
+
+def suite_2(ctx: WorkerContext) -> dict[str, Any]:
+    torch.manual_seed(0)
+    tp = ctx.world_size
+    out: dict[str, Any] = {"parity": {}, "dtensor": {}}
+    for kind in ["mlp", "attn", "encoder"]:
+        for pattern in PATTERNS:
+            out["parity"][f"{kind}/{pattern}"] = parity(kind, pattern, tp)
+    out["parity"]["mlp/AllReduce/sync"] = parity("mlp", "AllReduce", tp, async_communication=False)
+    out["parity"]["encoder/AllReduce/nofusion"] = parity("encoder", "AllReduce", tp,
+                                                         fusion_threshold_bytes=0)
+    out["parity"]["encoder/ReduceScatter/nofusion"] = parity("encoder", "ReduceScatter", tp,
+                                                             fusion_threshold_bytes=0)
+    out["parity"]["encoder/AllReduce/High"] = parity("encoder", "AllReduce", tp,
+                                                     memory_optimization="High")
+    for kind in ["mlp", "attn"]:
+        out["dtensor"][kind] = dtensor_parity(kind, tp)
+    out["wrong"] = wrong_variant(tp)
+    out["counts"] = {p: counts(p, tp) for p in PATTERNS}
+    out["counts_sync"] = counts("AllReduce", tp, async_communication=False)
+    out["attn_fused"] = attn_fusion_counts(tp, 1 << 20)
+    out["attn_unfused"] = attn_fusion_counts(tp, 0)
+    out["mp"] = mixed_precision(tp)
+    out["memory"] = memory_levels(tp)
+    out["accum"] = {a: grad_accum(tp, a) for a in (True, False)}
+    tpm = parallelize(dense_model("mlp"), TensorParallelismConfig(tensor_parallel_size=tp))
+    out["stats"] = tpm.statistics()
+    return out
+
+
+def suite_4(ctx: WorkerContext) -> dict[str, Any]:
+    torch.manual_seed(0)
+    tp = ctx.world_size
+    out: dict[str, Any] = {"parity": {}}
+    for kind in ["mlp", "attn", "encoder"]:
+        for pattern in PATTERNS:
+            out["parity"][f"{kind}/{pattern}"] = parity(kind, pattern, tp)
+    out["dtensor"] = {"mlp": dtensor_parity("mlp_even", tp), "attn": dtensor_parity("attn", tp)}
+    out["hier"] = hier_structure(ctx)
+    out["counts"] = counts("AllReduce", tp)
+    out["two_d"] = {f: two_d(ctx, f) for f in (0, 1 << 20)}
+    dist.barrier()
+    return out
