@@ -184,6 +184,8 @@ class _Reader:
     def tensor(self, count: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         itemsize = torch.empty((), dtype=dtype).element_size()
         raw = self.take(count * itemsize, what)
+        if count == 0:
+            return torch.empty(0, dtype=dtype)
         arr = np.frombuffer(raw, dtype=np.uint8).copy()
         return torch.from_numpy(arr).view(dtype)
 
