@@ -90,7 +90,10 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for sched in ("GPipe", "1F1B"):
         torch_sched = (ScheduleGPipe if sched == "GPipe" else Schedule1F1B)(stage, m, loss_fn=loss_fn)
-        ours_t, torch_t, busy, peak = [], [], [], 0
+        ours_t: list[float] = []
+        torch_t: list[float] = []
+        busy: list[float] = []
+        peak = 0
         for rep in range(cfg["warmup"] + cfg["repeats"]):
             for impl in ("ours", "torch"):
                 for mod in (ours_rt.modules.values() if impl == "ours" else [sub]):
