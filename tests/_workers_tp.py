@@ -16,7 +16,7 @@ from torch import nn
 
 from paratrain.comm.context import WorkerContext
 from paratrain.comm.tp_ops import build_tp_groups
-from paratrain.config import TensorParallelismConfig
+from paratrain.config import ConfigError, TensorParallelismConfig
 from paratrain.tensor_parallel import SelfAttention, TensorParallelModule, parallelize, train_step
 
 PATTERNS = ["AllReduce", "AllGather", "ReduceScatter", "PointToPoint", "Hierarchical"]
@@ -308,5 +308,10 @@ def suite_4(ctx: WorkerContext) -> dict[str, Any]:
     out["hier"] = hier_structure(ctx)
     out["counts"] = counts("AllReduce", tp)
     out["two_d"] = {f: two_d(ctx, f) for f in (0, 1 << 20)}
+    try:  # 3 does not divide a world of 4
+        parallelize(dense_model("mlp"), TensorParallelismConfig(tensor_parallel_size=3))
+        out["bad_tp"] = None
+    except ConfigError as e:
+        out["bad_tp"] = str(e)
     dist.barrier()
     return out
