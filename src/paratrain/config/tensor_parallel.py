@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import ValidationError
 
@@ -57,6 +57,11 @@ class TensorParallelismConfig(Contract):
     gradient_accumulation: bool = True
     memory_optimization: TensorMemoryOptimization = TensorMemoryOptimization.Medium
     mixed_precision: bool = False
+    # Extension (dumped only when set): micro-batches per optimizer step, the unit
+    # ``gradient_accumulation`` accumulates over.
+    micro_batches: PositiveCount = 1
+
+    _extensions: ClassVar[frozenset[str]] = frozenset({"micro_batches"})
 
 
 def load_tensor_parallel(doc: str | bytes | dict[str, Any] | TensorParallelismConfig) -> TensorParallelismConfig:
