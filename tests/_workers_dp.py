@@ -117,3 +117,93 @@ def dp_parity(ctx: WorkerContext, tmp: str, variants: list[tuple[str, Any]]) -> 
                                        plot=False)
         out[name] = {"params": _flat(model), "summary": summary}
     return out
+
+
+# ------------------------------------------------------------------ comm collectives
+
+
+def comm_checks(ctx: WorkerContext) -> dict[str, Any]:
+    """Exercise every collective on real ranks; the parent checks the values."""
+    from paratrain.comm import collectives as C
+    from paratrain.comm.control import ControlPlane
+
+    r, n = ctx.rank, ctx.world_size
+    g = torch.Generator().manual_seed(100 + r)
+    out: dict[str, Any] = {}
+    counter = C.CommCounter()
+
+    # Bucketed all-reduce: mixed sizes/dtypes, tiny buckets (many collectives) vs one.
+    ts = [torch.randn(7, generator=g), torch.randn(3, 5, generator=g), torch.randn(300, generator=g),
+          torch.randn(2, generator=g).double(), torch.randn(11, generator=g)]
+    out["inputs"] = [t.tolist() for t in ts]
+    small = [t.clone() for t in ts]
+    C.all_reduce_buckets(small, bucket_bytes=64, counter=counter)
+    big = [t.clone() for t in ts]
+    C.all_reduce_buckets(big, bucket_bytes=1 << 20)
+    out["reduced_small"] = [t.tolist() for t in small]
+    out["reduced_big"] = [t.tolist() for t in big]
+    out["small_calls"] = counter.calls.get("all_reduce", 0)
+
+    # Overlapped reducer on a real backward equals the bucketed mean of gradients.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    reducer = C.GradReducer(list(model.parameters()), bucket_bytes=48)
+    x = torch.randn(4, 6, generator=g)
+    model(x).pow(2).sum().backward()
+    local = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    reducer.finish()
+    reducer.remove()
+    C.all_reduce_buckets(local, bucket_bytes=1 << 20)
+    out["reducer_ok"] = all(torch.allclose(p.grad, lg, rtol=1e-6, atol=1e-7)  # type: ignore[arg-type]
+                            for p, lg in zip(model.parameters(), local, strict=True))
+
+    # Variable-size all-gather (rank r sends r*3+1 bytes).
+    payload = torch.arange(r * 3 + 1, dtype=torch.uint8) + r
+    out["gathered"] = [p.tolist() for p in C.all_gather_variable(payload)]
+
+    # reduce_scatter: native vs fallback, even and uneven chunks.
+    flat = torch.arange(4 * n, dtype=torch.float32) * (r + 1)
+    a, b = torch.empty(4), torch.empty(4)
+    C.reduce_scatter(a, flat, fallback=False)
+    C.reduce_scatter(b, flat, fallback=True)
+    out["rs_native"], out["rs_fallback"] = a.tolist(), b.tolist()
+    sizes = [k + 2 for k in range(n)]
+    chunks = [torch.full((s,), float(r + 1 + i)) for i, s in enumerate(sizes)]
+    c = torch.empty(sizes[r])
+    C.reduce_scatter(c, chunks, average=True)
+    out["rs_uneven"] = c.tolist()
+
+    # all_gather_into_tensor: native vs fallback.
+    inp = torch.tensor([float(r), float(r) + 0.5])
+    o1, o2 = torch.empty(2 * n), torch.empty(2 * n)
+    C.all_gather_into_tensor(o1, inp, fallback=False)
+    C.all_gather_into_tensor(o2, inp, fallback=True)
+    out["ag_native"], out["ag_fallback"] = o1.tolist(), o2.tolist()
+
+    # Point to point: bytes ring and a tensor.
+    dst, src = (r + 1) % n, (r - 1) % n
+    if r % 2 == 0:
+        C.send_bytes(f"hello from {r}".encode(), dst=dst)
+        got = C.recv_bytes(src=src)
+    else:
+        got = C.recv_bytes(src=src)
+        C.send_bytes(f"hello from {r}".encode(), dst=dst)
+    out["p2p"] = got.decode()
+
+    # Broadcast of parameters.
+    bt = [torch.full((3,), float(r)), torch.full((2, 2), float(r) + 1)]
+    C.broadcast_tensors(bt, src=0)
+    out["bcast"] = [t.tolist() for t in bt]
+
+    # Control plane over the rendezvous store.
+    cp = ControlPlane.from_context(ctx, timeout_s=30)
+    out["cp_bcast"] = cp.broadcast("plan", {"round": 3, "clients": [1, 2]} if r == 0 else None)
+    out["cp_gather"] = cp.gather("status", {"rank": r, "ok": True})
+    cp.barrier("b")
+    cp.barrier("b")
+    out["cp_counter"] = cp.counter("c", 1)
+    cp.heartbeat()
+    cp.barrier("hb")
+    out["cp_hb"] = cp.last_heartbeat((r + 1) % n) is not None
+    out["cp_all"] = cp.all_gather("ids", ctx.worker.id)
+    return out

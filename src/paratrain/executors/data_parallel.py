@@ -89,6 +89,18 @@ def validate(job: JobConfig, *, num_train: int | None = None) -> DataParallel:
     return s
 
 
+_DATA_CACHE: dict[str, Any] = {}
+
+
+def _load_data(job: JobConfig) -> Any:
+    """load_data, memoised per process (tests and benchmarks train many jobs per rank)."""
+    key = json.dumps([job.data.model_dump(mode="json"), job.run.seed], sort_keys=True)
+    if key not in _DATA_CACHE:
+        _DATA_CACHE.clear()
+        _DATA_CACHE[key] = load_data(job.data, seed=job.run.seed)
+    return _DATA_CACHE[key]
+
+
 def _compressor(job: JobConfig) -> Any:
     if job.compression is None or job.compression.method == "None":
         return None
@@ -163,7 +175,7 @@ def train_replica(
     seed = job.run.seed
     seed_everything(seed)
     device = ctx.device
-    bundle = load_data(job.data, seed=seed)
+    bundle = _load_data(job)
     x_train, y_train = bundle.train.tensors
     n_rows = len(y_train)
     validate(job, num_train=n_rows)
@@ -340,8 +352,7 @@ def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
     strategy = validate(job)
     if not in_torchrun():
         # Fail before spawning anything when the data cannot feed every replica.
-        bundle = load_data(job.data, seed=job.run.seed)
-        validate(job, num_train=len(bundle.train))
+        validate(job, num_train=len(_load_data(job).train))
     summary = launch(job, nprocs=strategy.num_replicas, resume=resume)
     if summary is None:
         path = run_dir_of(job) / "summary.json"

@@ -210,6 +210,7 @@ class ParameterServerAgg(Aggregator):
             bufs = [torch.empty_like(flat) for _ in range(self.n - 1)]
             works = [dist.irecv(b, src=r, group=self.group) for r, b in zip(range(1, self.n), bufs, strict=True)]
             for w, b in zip(works, bufs, strict=True):
+                assert w is not None
                 w.wait()
                 total.add_(b)
             self.server_bytes += (self.n - 1) * nbytes
@@ -223,9 +224,10 @@ class ParameterServerAgg(Aggregator):
                     offs += d.numel()
             self.compressor.step()
         total.div_(self.n)
-        works = [dist.isend(total, dst=r, group=self.group) for r in range(1, self.n)]
-        for w in works:
-            w.wait()
+        sends = [dist.isend(total, dst=r, group=self.group) for r in range(1, self.n)]
+        for s in sends:
+            assert s is not None
+            s.wait()
         self.counter.add("send", (self.n - 1) * nbytes)
         self.server_bytes += (self.n - 1) * nbytes
         self._set_grads(total)
