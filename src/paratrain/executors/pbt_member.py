@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import io
 import json
 import math
 import os
@@ -159,6 +160,49 @@ def _copy_atomic(src: Path, dst: Path) -> None:
         raise
 
 
+class CheckpointWriter:
+    """Atomic checkpoint files written in a background thread.
+
+    ``save`` serialises the state into memory at once (later training cannot change
+    what is written) and hands the bytes to one writer thread, which writes a temp file
+    in the target folder, fsyncs it and ``os.replace``s it into place — the same
+    guarantees as :func:`paratrain.training.checkpoint.save_checkpoint`, overlapped with
+    the next member's training. ``flush`` waits for every pending file and re-raises a
+    write error; a worker flushes before reporting its generation, so a population
+    checkpoint never refers to a member file that is not on disk.
+    """
+
+    def __init__(self) -> None:
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pbt-ckpt")
+        self._pending: list[Future[None]] = []
+
+    @staticmethod
+    def _write(path: Path, data: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def save(self, path: Path, state: dict[str, Any]) -> None:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        self._pending.append(self._pool.submit(self._write, Path(path), buf.getvalue()))
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+
+
 class MemberRunner:
     """Trains members on one worker; caches datasets by their keyword arguments."""
 
@@ -168,6 +212,7 @@ class MemberRunner:
         self.roles = roles
         self.device = device
         self._data: dict[str, DataBundle] = {}
+        self.writer = CheckpointWriter()
         # member -> (generation, model kwargs, model, optimizer) at the end of that generation
         self._live: dict[int, tuple[int, str, nn.Module, torch.optim.Optimizer]] = {}
 
@@ -273,7 +318,7 @@ class MemberRunner:
             t3 = time.perf_counter()
             out["eval_s"] = t3 - t2
             out["end_digest"] = state_digest(model, opt)
-            checkpoint.save_checkpoint(path, {
+            self.writer.save(path, {
                 "model": model.state_dict(), "optimizer": opt.state_dict(), "member": member,
                 "generation": generation, "hparams": json.dumps(hparams),
                 "digest": out["end_digest"],

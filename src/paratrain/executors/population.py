@@ -157,12 +157,15 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         for r in results:
             r["rank"] = ctx.rank
         t = time.perf_counter()
-        gathered = gather_json(results, group=ctx.group)
+        runner.writer.flush()  # this rank's member files are on disk before it reports
+        flush_s = time.perf_counter() - t
+        t = time.perf_counter()
+        gathered = gather_json({"results": results, "flush_s": flush_s}, group=ctx.group)
         timing["comm_s"] += time.perf_counter() - t
         if gathered is None:
             continue
         assert pop is not None and metrics is not None
-        by_member = {r["member"]: r for rank_results in gathered for r in rank_results}
+        by_member = {r["member"]: r for part in gathered for r in part["results"]}
         ordered = [by_member[i] for i in range(size)]
         t = time.perf_counter()
         record = pop.advance(
@@ -180,7 +183,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         checkpoint.save_checkpoint(population_path(run_dir, pop.generation), pop.state_dict())
         _write_json(run_dir / "lineage.json", lineage_json(pop, metric=opts.metric, mode=opts.mode))
         timing["persist_s"] += time.perf_counter() - t_evolve
-        loads = [0.0] * ctx.world_size
+        loads = [float(part["flush_s"]) for part in gathered]
         for r in ordered:
             # restore (rebuild + load + apply) and save: what a persistent loop would not do
             loads[r["rank"]] += r["setup_s"] + r["load_s"] + r["save_s"]
