@@ -102,9 +102,11 @@ def build_context(job: Any) -> Any:
 
 def _resolve_target(job: Any, target: str | None) -> Any:
     if target is None:
-        from .executors import EXECUTORS
+        from .executors import executor_module
 
-        module = importlib.import_module(EXECUTORS[job.strategy.type])
+        # executor_module, not EXECUTORS[type]: a Local/DataParallel job with
+        # tensor_parallel_size > 1 runs on the tensor-parallel executor.
+        module = importlib.import_module(executor_module(job))
         fn = getattr(module, "worker_main", None)
         if fn is None:
             raise TypeError(f"strategy {job.strategy.type} has no multi-process worker_main")
