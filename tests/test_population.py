@@ -214,3 +214,24 @@ def test_model_kwargs_and_batch_size_as_hyperparameters(tmp_path: Path) -> None:
         for h, m in zip(rec["hparams"], rec["metrics"], strict=True):
             assert m["batch_size"] == h["batch_size"]
     shutil.rmtree(summary["run_dir"])
+
+
+def test_min_mode_and_resume_mismatch(tmp_path: Path) -> None:
+    tiny = {"type": "PopulationBased", "population_size": 3, "generations": 2,
+            "exploit": {"method": "Truncation", "fraction": 0.3},
+            "explore": {"method": "Perturbation", "factor": 0.2}}
+    job = make_job(tmp_path, "mn", strategy=tiny,
+                   population={"steps_per_generation": 3, "metric": "loss", "mode": "min"})
+    s = population.run(job)
+    losses = s["final_fitness"]
+    assert s["best_fitness"] == min(losses) and s["test_loss"] == min(losses)
+    rec = lineage(s)["generations"][0]
+    worst = max(range(3), key=lambda i: rec["fitness"][i])
+    assert [c["recipient"] for c in rec["copies"]] == [worst]  # highest loss replaced
+    bigger = make_job(tmp_path, "mn", strategy={**tiny, "population_size": 4},
+                      population={"steps_per_generation": 3, "metric": "loss", "mode": "min"})
+    with pytest.raises(ConfigError, match="population of 3, not 4"):
+        population.run(bigger, resume=True)
+    with pytest.warns(UserWarning, match="mode='min'"):
+        population.run(make_job(tmp_path, "mx", strategy={**tiny, "generations": 1},
+                                population={"steps_per_generation": 1, "metric": "loss"}))

@@ -20,6 +20,9 @@ continues from the newest population checkpoint and ends with the same result as
 uninterrupted run: all randomness is a function of the seed, the member and the
 generation, and the population's generator travels in its checkpoint.
 
+Across machines (torchrun) ``run.output_dir`` must be a filesystem all workers share,
+since members move between ranks as files; every rank checks this at start.
+
 Outputs: ``metrics.jsonl`` (one record per member per generation), ``lineage.json``
 (hyperparameters, fitness, sources and copies per generation), ``report.png``
 (hyperparameter schedules and fitness per member) and ``summary.json`` naming the best
@@ -32,6 +35,8 @@ import json
 import os
 import re
 import time
+import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +44,7 @@ import torch
 
 from ..comm.context import WorkerContext, default_workers
 from ..comm.pbt_ops import broadcast_json, gather_json
+from ..config import ConfigError
 from ..config.job import JobConfig
 from ..pbt import PopulationState, ancestry, lineage_json
 from ..training import (
@@ -59,6 +65,7 @@ __all__ = ["run", "worker_main", "validate", "num_workers", "population_path", "
 validate = validate_job
 
 _POP = re.compile(r"^population-(\d{6})\.pt$")
+_TOKEN = ".pbt-run-token"
 
 
 def num_workers(job: JobConfig) -> int:
@@ -98,6 +105,19 @@ def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
     return summary
 
 
+def _check_shared(run_dir: Path, token: str, rank: int) -> None:
+    """Members move between ranks through files: every rank must see rank 0's run folder."""
+    try:
+        seen = (run_dir / _TOKEN).read_text(encoding="utf-8")
+    except OSError:
+        seen = ""
+    if seen != token:
+        raise ConfigError([("run.output_dir", (
+            f"rank {rank} cannot see rank 0's run folder {run_dir}; PopulationBased copies "
+            "members through checkpoint files, so output_dir must be on a filesystem shared "
+            "by all workers"))])
+
+
 def _write_json(path: Path, doc: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(doc, indent=1), encoding="utf-8")
@@ -114,11 +134,15 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     generations: int = strategy.generations  # type: ignore[union-attr]
     opts = job.population
     roles = validate_job(job)
+    if ctx.rank == 0 and opts.metric in ("loss", "train_loss") and opts.mode == "max":
+        warnings.warn(f"population.metric={opts.metric!r} with mode='max' selects the highest "
+                      "loss; set mode='min'", stacklevel=2)
     frozen = sorted(k for k in job.search_space if roles.get(k) == "model")
     main = ctx.rank == 0
     run_dir = run_dir_of(job)
 
     pop: PopulationState | None = None
+    token = ""
     metrics: MetricsWriter | None = None
     timing = {"evolve_s": 0.0, "persist_s": 0.0, "comm_s": 0.0}
     if main:
@@ -127,16 +151,23 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         found = latest_population(run_dir) if resume else None
         if found is not None:
             pop = PopulationState.from_state_dict(checkpoint.load_checkpoint(found))
+            if pop.size != size:
+                raise ConfigError([("strategy.population_size", (
+                    f"{run_dir} holds a population of {pop.size}, not {size}; resume with the "
+                    "same job or start a fresh run"))])
             metrics.truncate_after("generation", pop.generation - 1)
         else:
             pop = PopulationState.initial(job.search_space, size=size, seed=job.run.seed)
             if resume:
                 metrics.truncate_after("generation", -1)
+        token = uuid.uuid4().hex
+        (run_dir / _TOKEN).write_text(token, encoding="utf-8")
     runner = MemberRunner(job, run_dir, roles, ctx.device)
     mine = [i for i in range(size) if i % ctx.world_size == ctx.rank]
     runner.preload()
     per_rank: list[dict[str, float]] = []
     loop_started = time.perf_counter()
+    shared_checked = False
     bar = progress_bar(enabled=None if main else False)
     bar.start()
     task = bar.add_task("PopulationBased", total=generations,
@@ -146,10 +177,13 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         plan = None
         if pop is not None:
             plan = {"generation": pop.generation, "hparams": pop.hparams, "sources": pop.sources,
-                    "done": pop.generation >= generations}
+                    "done": pop.generation >= generations, "token": token}
         t = time.perf_counter()
         plan = broadcast_json(plan, group=ctx.group)
         timing["comm_s"] += time.perf_counter() - t
+        if not shared_checked:
+            _check_shared(run_dir, plan["token"], ctx.rank)
+            shared_checked = True
         if plan["done"]:
             break
         g = int(plan["generation"])
