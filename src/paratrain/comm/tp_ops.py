@@ -60,6 +60,9 @@ __all__ = [
     "fused_seq_gather",
     "column_linear",
     "row_linear",
+    "world_barrier",
+    "world_mean",
+    "broadcast_int",
 ]
 
 PATTERNS = ("AllReduce", "AllGather", "ReduceScatter", "PointToPoint", "Hierarchical")
@@ -736,3 +739,30 @@ def row_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, comm: T
                mode: str = "reduce", dim: int = 0, sizes: list[int] | None = None,
                compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     return _RowLinear.apply(x, w, b, comm, mode, dim, sizes, compute_dtype)
+
+
+# -- small world-level helpers for the tensor-parallel executor ----------------------------
+
+
+def world_barrier() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def world_mean(values: Sequence[float], device: torch.device | None = None) -> list[float]:
+    """Mean of ``values`` over all ranks (float64); identity in one process."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def broadcast_int(value: int | None, src: int = 0, device: torch.device | None = None) -> int | None:
+    """Rank ``src``'s integer (``None`` travels as -1) on every rank."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([-1 if value is None else value], dtype=torch.int64, device=device)
+    dist.broadcast(t, src=src)
+    v = int(t.item())
+    return None if v < 0 else v

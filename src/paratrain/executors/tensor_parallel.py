@@ -1,0 +1,262 @@
+"""Tensor parallelism as a job: ``[tensor_parallel] tensor_parallel_size = tp`` with a
+Local strategy (``tp`` processes) or DataParallel (``tp x num_replicas`` processes, 2-D).
+
+Layout: ranks ``[d*tp, (d+1)*tp)`` form tensor-parallel group ``d`` (= data-parallel
+replica ``d``); every rank builds the same seeded full model and keeps its shard
+(:func:`paratrain.tensor_parallel.parallelize`). Each epoch the training rows are permuted
+by (seed, epoch) and replica ``d`` takes the contiguous slice ``d`` of ``N // dp`` rows; the
+ranks of one TP group see the same batches. A step is
+:func:`paratrain.tensor_parallel.train_step` (``micro_batches`` from the config; DP gradients
+averaged once per step with ``gradient_accumulation``, per micro-batch otherwise).
+
+Checkpoints: each rank writes ``checkpoints/tp-rank<r>/ckpt-<step>.pt`` (its shard, its
+optimizer state, RNG, position); after a barrier rank 0 writes ``tp-complete.json``.
+``--resume`` or an elastic restart loads the agreed step everywhere. At the end the full
+model is gathered and rank 0 writes ``model.pt`` (the dense state dict, loadable into the
+unsharded model) and ``summary.json`` with the tensor-parallel statistics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.context import WorkerContext
+from ..comm.launch import in_torchrun, launch
+from ..comm.tp_ops import broadcast_int, build_tp_groups, world_barrier, world_mean
+from ..config import ConfigError
+from ..config.job import JobConfig
+from ..config.strategy import DataParallel, Local
+from ..config.tensor_parallel import TensorParallelismConfig
+from ..data import load_data
+from ..models import build_model
+from ..tensor_parallel import parallelize, train_step
+from ..training import (
+    MetricsWriter,
+    build_optimizer,
+    checkpoint,
+    epoch_permutation,
+    evaluate,
+    prepare_run_dir,
+    read_metrics,
+    report,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+    write_summary,
+)
+from ..training.rundir import run_dir_of
+
+__all__ = ["run", "worker_main", "layout"]
+
+_MARKER = "tp-complete.json"
+
+
+def layout(job: JobConfig) -> tuple[TensorParallelismConfig, int, int]:
+    """(config, tp, dp) of a tensor-parallel job; ConfigError when they cannot run."""
+    cfg = job.tensor_parallel
+    if cfg is None:
+        raise ConfigError([("tensor_parallel", "missing: this executor runs [tensor_parallel] jobs")])
+    s = job.strategy
+    if isinstance(s, Local):
+        dp = 1
+    elif isinstance(s, DataParallel):
+        if s.aggregation.method != "AllReduce":
+            raise ConfigError([("strategy.aggregation.method",
+                                f"tensor parallelism combines with DataParallel AllReduce only "
+                                f"(got {s.aggregation.method!r})")])
+        dp = s.num_replicas
+    else:
+        raise ConfigError([("strategy.type", f"tensor parallelism runs under Local or DataParallel "
+                            f"(got {getattr(s, 'type', s)!r})")])
+    if job.compression is not None and job.compression.method != "None":
+        raise ConfigError([("compression", "compression is not supported together with "
+                            "tensor parallelism")])
+    return cfg, cfg.tensor_parallel_size, dp
+
+
+def _ckpt_dir(run_dir: Path, rank: int) -> Path:
+    return run_dir / "checkpoints" / f"tp-rank{rank}"
+
+
+def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
+    """Entry of every tensor-parallel process (rank 0 returns the summary)."""
+    started = time.perf_counter()
+    cfg, tp, dp = layout(job)
+    if ctx.world_size != tp * dp:
+        raise ConfigError([("tensor_parallel.tensor_parallel_size",
+                            f"tensor_parallel_size {tp} x {dp} replica(s) needs {tp * dp} processes "
+                            f"but the process group has {ctx.world_size}")])
+    seed = job.run.seed
+    seed_everything(seed)
+    device = ctx.device
+    bundle = load_data(job.data, seed=seed)
+    model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+    model.to(device)
+    groups = build_tp_groups(tp, pattern=cfg.communication_pattern.value,
+                             async_op=cfg.async_communication,
+                             fusion_threshold_bytes=cfg.fusion_threshold_bytes)
+    tpm = parallelize(model, cfg, groups)
+    opt = build_optimizer(tpm.parameters(), job.train.optimizer)
+
+    run_dir = run_dir_of(job)
+    if ctx.is_main:
+        prepare_run_dir(job, resume=resume)
+    world_barrier()
+    metrics = MetricsWriter(run_dir) if ctx.is_main else None
+
+    x_train, y_train = bundle.train.tensors
+    n_rows = len(y_train)
+    shard = n_rows // dp
+    if shard == 0:
+        raise ConfigError([("strategy.num_replicas", f"{dp} replicas but only {n_rows} training rows")])
+    bs = job.train.batch_size
+    batches_per_epoch = math.ceil(shard / bs)
+    total_steps = job.train.epochs * batches_per_epoch
+    if job.train.max_steps is not None:
+        total_steps = min(total_steps, job.train.max_steps)
+
+    step, epoch, batch = 0, 0, 0
+    marker = run_dir / "checkpoints" / _MARKER
+    found = None
+    if resume or ctx.restart_count > 0:
+        mine = int(json.loads(marker.read_text())["step"]) if ctx.is_main and marker.exists() else None
+        found = broadcast_int(mine, device=device if ctx.backend == "nccl" else None)
+    if found is not None:
+        state = checkpoint.load_checkpoint(checkpoint.checkpoint_path(_ckpt_dir(run_dir, ctx.rank), found))
+        tpm.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+        step, epoch, batch = int(state["step"]), int(state["epoch"]), int(state["batch"])
+    if metrics is not None and (resume or ctx.restart_count > 0):
+        metrics.truncate_after("step", step)
+
+    last_saved = [found]
+
+    def save() -> None:
+        d = _ckpt_dir(run_dir, ctx.rank)
+        checkpoint.save_checkpoint(checkpoint.checkpoint_path(d, step), {
+            "model": tpm.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(),
+            "step": step, "epoch": epoch, "batch": batch})
+        world_barrier()
+        if ctx.is_main:
+            tmp = marker.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"step": step, "tp": tp, "dp": dp}))
+            os.replace(tmp, marker)
+        world_barrier()
+        checkpoint.prune(d)
+        last_saved[0] = step
+
+    losses: list[float] = []
+    red_dev = device if ctx.backend == "nccl" else None
+
+    def log_eval() -> dict[str, float]:
+        mean_loss = world_mean([sum(losses) / max(len(losses), 1)], red_dev)[0]
+        losses.clear()
+        ev = evaluate(tpm, bundle.test, device=device)  # collective: every rank runs it
+        if metrics is not None:
+            st = tpm.statistics()
+            metrics.log({"step": step, "epoch": epoch, "train_loss": mean_loss,
+                         "test_loss": ev["loss"], "test_accuracy": ev["accuracy"],
+                         "collectives": st["total_collectives"], "comm_bytes": st["bytes_moved"],
+                         "time_s": time.perf_counter() - started})
+        return ev
+
+    tpm.train()
+    ce, every = job.train.eval_every, job.run.checkpoint_every
+    d_index = groups.tp_index
+    loss_fn = nn.functional.cross_entropy
+    while step < total_steps and epoch < job.train.epochs:
+        perm = epoch_permutation(n_rows, seed=seed, epoch=epoch)[d_index * shard:(d_index + 1) * shard]
+        while batch < batches_per_epoch and step < total_steps:
+            idx = perm[batch * bs:(batch + 1) * bs]
+            x, y = x_train[idx].to(device), y_train[idx].to(device)
+            losses.append(train_step(tpm, x, y, loss_fn, opt, micro_batches=cfg.micro_batches))
+            step += 1
+            batch += 1
+            if batch == batches_per_epoch:
+                epoch, batch = epoch + 1, 0
+            end_of_epoch = batch == 0
+            if (ce and step % ce == 0) or (not ce and end_of_epoch):
+                log_eval()
+            if (every and step % every == 0) or (not every and end_of_epoch):
+                save()
+            if end_of_epoch:
+                break
+    if losses:
+        log_eval()
+    if last_saved[0] != step:
+        save()
+
+    stats = tpm.statistics()
+    final = evaluate(tpm, bundle.test, device=device)
+    dense = tpm.dense_state_dict()  # collective over the TP group
+    groups.tp.close()
+    if not ctx.is_main:
+        return None
+    checkpoint.save_checkpoint(run_dir / "model.pt", dense)
+    records = [r for r in read_metrics(run_dir) if r.get("test_accuracy") is not None]
+    steps = max(step, 1)
+    summary: dict[str, Any] = {
+        "strategy": "TensorParallel" if dp == 1 else "TensorParallel x DataParallel",
+        "tensor_parallel_size": tp,
+        "data_parallel_size": dp,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "run_dir": str(run_dir),
+        "steps": step,
+        "epochs": epoch,
+        "num_parameters": sum(t.numel() for t in dense.values()),
+        "test_accuracy": final["accuracy"],
+        "test_loss": final["loss"],
+        "best_test_accuracy": max((r["test_accuracy"] for r in records), default=final["accuracy"]),
+        "communication_pattern": stats["communication_pattern"],
+        "collectives": stats["collectives"],
+        "collectives_per_step": stats["total_collectives"] / steps,
+        "comm_bytes_per_step": stats["bytes_moved"] / steps,
+        "communication_time_s": stats["communication_time_s"],
+        "computation_time_s": stats["computation_time_s"],
+        "param_bytes_local": stats["param_bytes_local"],
+        "param_bytes_dense": stats["param_bytes_dense"],
+        "memory_saving": stats["memory_saving"],
+        "restart_count": ctx.restart_count,
+        "wall_time_s": round(time.perf_counter() - started, 3),
+        "dense_model": str(run_dir / "model.pt"),
+        "parameters_sha256": _digest(dense),
+    }
+    write_summary(run_dir, summary)
+    try:
+        report.plot_curves(run_dir, title=f"{job.run.name} (tensor parallel x{tp}, dp x{dp})")
+    except Exception:  # noqa: BLE001 - a plot must never fail a finished run
+        pass
+    return summary
+
+
+def _digest(state: dict[str, torch.Tensor]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in state.items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
+    """Launch ``tensor_parallel_size x replicas`` processes; return rank 0's summary."""
+    _, tp, dp = layout(job)
+    if not in_torchrun() and tp * dp > (os.cpu_count() or 1) * 8:
+        raise ConfigError([("tensor_parallel.tensor_parallel_size",
+                            f"{tp * dp} processes is more than this machine can host")])
+    summary = launch(job, nprocs=tp * dp, resume=resume)
+    if summary is None:
+        path = run_dir_of(job) / "summary.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+    return dict(summary)
