@@ -214,9 +214,6 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         record["applied"] = [r["applied"] for r in ordered]
         t_evolve = time.perf_counter()
         timing["evolve_s"] += t_evolve - t
-        checkpoint.save_checkpoint(population_path(run_dir, pop.generation), pop.state_dict())
-        _write_json(run_dir / "lineage.json", lineage_json(pop, metric=opts.metric, mode=opts.mode))
-        timing["persist_s"] += time.perf_counter() - t_evolve
         loads = [float(part["flush_s"]) for part in gathered]
         for r in ordered:
             # restore (rebuild + load + apply) and save: what a persistent loop would not do
@@ -237,12 +234,19 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 "copied_from": copied.get(r["member"]),
                 "time_s": round(time.perf_counter() - started, 4),
             })
+        # Records first, the population checkpoint last: a crash in between reruns this
+        # generation on resume (metrics are truncated back to the checkpoint).
+        t = time.perf_counter()
+        _write_json(run_dir / "lineage.json", lineage_json(pop, metric=opts.metric, mode=opts.mode))
+        checkpoint.save_checkpoint(population_path(run_dir, pop.generation), pop.state_dict())
+        timing["persist_s"] += time.perf_counter() - t
 
     timing["loop_s"] = time.perf_counter() - loop_started
     bar.stop()
     if not main:
         return None
     assert pop is not None
+    _write_json(run_dir / "lineage.json", lineage_json(pop, metric=opts.metric, mode=opts.mode))
     summary = _summary(job, pop, run_dir, ctx.world_size, started, timing, per_rank)
     write_summary(run_dir, summary)
     plot_population(run_dir / "lineage.json", run_dir / "report.png", space=job.search_space,
