@@ -48,6 +48,7 @@ __all__ = [
     "world_size",
     "bucket_bytes_of",
     "consensus_distance",
+    "GradReducer",
 ]
 
 DEFAULT_BUCKET_MB = 25.0
@@ -95,11 +96,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def make_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[list[int]]:
+def make_buckets(
+    tensors: Sequence[torch.Tensor], bucket_bytes: int, *, first_bucket_bytes: int | None = None,
+) -> list[list[int]]:
     """Indices of ``tensors`` grouped in order into buckets of at most ``bucket_bytes``.
 
     A bucket holds one dtype and one device; a tensor bigger than ``bucket_bytes`` sits
     alone in its bucket. Every index appears exactly once, order preserved.
+    ``first_bucket_bytes`` caps the first bucket separately (DDP uses 1 MiB so that the
+    gradients ready first start travelling early).
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes})")
@@ -110,7 +115,8 @@ def make_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> list[lis
     for i, t in enumerate(tensors):
         k = (t.dtype, t.device)
         nb = _nbytes(t)
-        if current and (k != key or size + nb > bucket_bytes):
+        cap = first_bucket_bytes if (first_bucket_bytes is not None and not buckets) else bucket_bytes
+        if current and (k != key or size + nb > cap):
             buckets.append(current)
             current, size = [], 0
         current.append(i)
@@ -397,3 +403,98 @@ def consensus_distance(flat: torch.Tensor, *, group: Any = None, counter: CommCo
     dist.all_gather(parts, flat, group=group)
     stacked = torch.stack(parts).double()
     return float(torch.cdist(stacked, stacked).max())
+
+
+class GradReducer:
+    """Bucketed gradient all-reduce that overlaps the backward pass (as torch DDP does).
+
+    Parameters are bucketed in *reverse* registration order (gradients become ready
+    roughly from the last layer back) into buckets of at most ``bucket_bytes`` (the
+    first one capped at ``first_bucket_bytes``, 1 MiB as in DDP). A
+    post-accumulate-grad hook copies each gradient into its bucket's flat buffer; when a
+    bucket is full its all-reduce (SUM) starts asynchronously while autograd keeps
+    computing earlier layers. :meth:`finish` launches any bucket whose parameters got no
+    gradient (zeros), waits, divides by the world size and writes the means back into
+    ``p.grad``. Result: ``p.grad <- (1/n) sum_r p.grad^(r)``, identical to
+    :func:`all_reduce_buckets`.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        *,
+        group: Any = None,
+        bucket_bytes: int = int(DEFAULT_BUCKET_MB * 1024 * 1024),
+        first_bucket_bytes: int | None = 1024 * 1024,
+        counter: CommCounter | None = None,
+    ) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.group = group
+        self.counter = counter
+        self.n = world_size(group)
+        order = list(reversed(self.params))
+        first = None if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
+        self.buckets = [
+            [order[i] for i in idx]
+            for idx in make_buckets(order, bucket_bytes, first_bucket_bytes=first)
+        ]
+        self._where: dict[int, tuple[int, int]] = {}
+        self._flat: list[torch.Tensor] = []
+        for b, members in enumerate(self.buckets):
+            offset = 0
+            for p in members:
+                self._where[id(p)] = (b, offset)
+                offset += p.numel()
+            self._flat.append(torch.zeros(offset, dtype=members[0].dtype, device=members[0].device))
+        self._ready = [0] * len(self.buckets)
+        self._seen: set[int] = set()
+        self._work: list[Any] = [None] * len(self.buckets)
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        self.enabled = True
+
+    def _hook(self, p: torch.Tensor) -> None:
+        if not self.enabled or self.n == 1 or id(p) in self._seen or p.grad is None:
+            return
+        self._seen.add(id(p))
+        b, offset = self._where[id(p)]
+        self._flat[b][offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        self._ready[b] += 1
+        if self._ready[b] == len(self.buckets[b]):
+            self._launch(b)
+
+    def _launch(self, b: int) -> None:
+        _count(self.counter, "all_reduce", _nbytes(self._flat[b]))
+        self._work[b] = dist.all_reduce(self._flat[b], group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        """Complete the reduction of this step; ``p.grad`` holds the mean over ranks."""
+        if self.n == 1:
+            return
+        for b, members in enumerate(self.buckets):
+            if self._work[b] is None:
+                # Some parameters produced no gradient (unused this step): their share is 0.
+                offset = 0
+                for p in members:
+                    if id(p) not in self._seen:
+                        self._flat[b][offset : offset + p.numel()].zero_()
+                    offset += p.numel()
+                self._launch(b)
+        for b, members in enumerate(self.buckets):
+            self._work[b].wait()
+            flat = self._flat[b].div_(self.n)
+            offset = 0
+            for p in members:
+                k = p.numel()
+                if p.grad is None:
+                    p.grad = flat[offset : offset + k].view_as(p).clone()
+                else:
+                    p.grad.copy_(flat[offset : offset + k].view_as(p))
+                offset += k
+        self._ready = [0] * len(self.buckets)
+        self._seen.clear()
+        self._work = [None] * len(self.buckets)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
