@@ -155,6 +155,12 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     )
     template = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     tags = client_tags(job, ctx)
+    if getattr(strat.client_selection, "method", None) == "ByCapability":
+        try:  # fail before any round, naming the tags, when no client can ever match
+            select_clients(strat.client_selection, num_clients=strat.num_clients, round_idx=0,
+                           seed=seed, client_tags=tags)
+        except ValueError as e:
+            raise ConfigError([("strategy.client_selection.required_tags", str(e).split(": ", 1)[-1])]) from None
 
     # Run folder: rank 0 creates (or, resuming, keeps) it before anyone writes.
     run_dir = run_dir_of(job)

@@ -1,0 +1,181 @@
+"""Federated rounds end to end: real worker processes, faults, compression, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from _workers_federated import TOPK_EF, fed_job, rank_main
+from paratrain.comm.testing import run_distributed
+from paratrain.config import ConfigError
+from paratrain.executors.federated import run, run_in_process
+from paratrain.executors.federated.aggregation import MalformedUpdateError
+from paratrain.executors.federated.runner import KILL_ENV
+from paratrain.executors.federated.wire import decode_update, encode_update
+from paratrain.models import build_model
+from paratrain.training import parameters_digest, read_metrics, seed_everything
+
+DENSE_MODEL_BYTES = 4 * (64 * 64 + 64 + 64 * 10 + 10)
+
+
+def _rounds(run_dir: str) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "round" in r]
+
+
+# ------------------------------------------------------------------ wire
+
+
+def test_wire_decoding_rejects_malformed_updates_naming_client_and_tensor() -> None:
+    ref = {"a": torch.zeros(2, 3), "b": torch.zeros(())}
+    delta = {"a": torch.ones(2, 3), "b": torch.tensor(0.5)}
+    headers, payload = encode_update(delta)
+    out = decode_update("client-4", headers, payload, ref)
+    assert torch.equal(out["a"], delta["a"]) and out["b"].item() == 0.5
+    with pytest.raises(MalformedUpdateError, match=r"client client-4: tensor '<payload>'"):
+        decode_update("client-4", headers, payload[:-2], ref)
+    bad = [dict(h) for h in headers]
+    bad[0]["shape"] = [3, 2]
+    with pytest.raises(MalformedUpdateError, match=r"tensor 'a': shape \(3, 2\)"):
+        decode_update("client-4", bad, payload, ref)
+    bad = [dict(h) for h in headers]
+    bad[1]["name"] = "c"
+    with pytest.raises(MalformedUpdateError, match=r"tensor 'c': unexpected"):
+        decode_update("client-4", bad, payload, ref)
+    with pytest.raises(MalformedUpdateError, match=r"tensor 'b': missing"):
+        decode_update("client-4", headers[:1], payload[:24], ref)
+    bad = [dict(h) for h in headers]
+    bad[0]["enc"] = "pickle"
+    with pytest.raises(MalformedUpdateError, match="unknown encoding"):
+        decode_update("client-4", bad, payload, ref)
+    from paratrain.compression import Compressor
+
+    ct = Compressor({"method": "TopK", "k": 2}).compress("a", torch.arange(6.0).reshape(2, 3)).to_bytes()
+    h = [{"name": "a", "shape": [2, 3], "enc": "ct", "nbytes": len(ct) - 3},
+         {"name": "b", "shape": [], "enc": "f32", "nbytes": 4}]
+    with pytest.raises(MalformedUpdateError, match=r"tensor 'a': bad compressed payload"):
+        decode_update("client-9", h, ct[:-3] + payload[-4:], ref)
+    h[0]["nbytes"] = len(ct)
+    ok = decode_update("client-9", h, ct + payload[-4:], ref)
+    assert torch.equal(ok["a"], torch.tensor([[0.0, 0, 0], [0, 4, 5]]))
+
+
+# ------------------------------------------------------------------ in-process rounds
+
+
+def test_round_records_failures_rejections_bytes_and_residuals(tmp_path: Path) -> None:
+    job = fed_job(tmp_path, "faults", K=6, rounds=2, fail_clients=[1], corrupt_clients=[2],
+                  compression=TOPK_EF, local_epochs=1)
+    s = run_in_process(job)
+    recs = _rounds(s["run_dir"])
+    assert [r["round"] for r in recs] == [1, 2]
+    for r in recs:
+        assert (r["clients_selected"], r["clients_ok"], r["clients_failed"]) == (6, 4, 2)
+        errs = {f["client"]: f["error"] for f in r["failures"]}
+        assert "injected failure" in errs["client-1"]
+        assert "rejected update: client client-2: tensor 'fc0.weight': shape (4095,)" in errs["client-2"]
+        assert r["bytes_down"] == 6 * DENSE_MODEL_BYTES
+        assert 0 < r["bytes_up"] < 5 * DENSE_MODEL_BYTES / 3  # top-k: far below dense
+    assert s["clients_failed_total"] == 4
+    ckpt = torch.load(Path(s["run_dir"]) / "checkpoints" / "worker-0" / "ckpt-000000002.pt",
+                      weights_only=True)
+    # client-1 failed before encoding: no residual; client-2 encoded (the server rejected it)
+    assert sorted(ckpt["codec"]) == ["client-0", "client-2", "client-3", "client-4", "client-5"]
+    res = ckpt["codec"]["client-0"]["residuals"]["fc0.weight"]
+    assert res.shape == (4096,) and float(res.abs().sum()) > 0
+
+
+def test_round_with_no_successful_client_keeps_the_model(tmp_path: Path) -> None:
+    job = fed_job(tmp_path, "nobody", K=2, rounds=2, fail_clients=[0, 1],
+                  agg={"method": "FedYogi", "beta1": 0.9, "beta2": 0.99, "tau": 1e-3})
+    s = run_in_process(job)
+    seed_everything(0)
+    init = build_model(job.model, input_shape=(64,), num_classes=10)
+    assert s["parameters_sha256"] == parameters_digest(init)
+    for r in _rounds(s["run_dir"]):
+        assert r["clients_ok"] == 0 and "no successful client out of 2" in r["note"]
+        assert "global model unchanged" in r["note"]
+
+
+def test_resume_continues_a_finished_run_exactly(tmp_path: Path) -> None:
+    yogi = {"method": "FedYogi", "beta1": 0.9, "beta2": 0.99, "tau": 1e-3, "eta": 0.03}
+    kw = dict(K=6, sel={"method": "Random", "fraction": 0.5}, agg=yogi, local_epochs=1)
+    ref = run_in_process(fed_job(tmp_path / "a", "r", rounds=4, **kw))
+    run_in_process(fed_job(tmp_path / "b", "r", rounds=2, **kw))
+    resumed = run_in_process(fed_job(tmp_path / "b", "r", rounds=4, **kw), resume=True)
+    assert resumed["parameters_sha256"] == ref["parameters_sha256"]
+    assert [r["round"] for r in _rounds(resumed["run_dir"])] == [1, 2, 3, 4]
+    # resuming a finished run changes nothing
+    again = run_in_process(fed_job(tmp_path / "b", "r", rounds=4, **kw), resume=True)
+    assert again["parameters_sha256"] == ref["parameters_sha256"]
+    # non-vacuity: the server optimizer state matters (drop it -> different model)
+    ck = Path(resumed["run_dir"]) / "checkpoints"
+    run_in_process(fed_job(tmp_path / "c", "r", rounds=2, **kw))
+    c2 = tmp_path / "c" / "r" / "checkpoints" / "ckpt-000000002.pt"
+    state = torch.load(c2, weights_only=True)
+    state["aggregator"] = {}
+    torch.save(state, c2)
+    other = run_in_process(fed_job(tmp_path / "c", "r", rounds=4, **kw), resume=True)
+    assert other["parameters_sha256"] != ref["parameters_sha256"]
+    assert ck.is_dir()
+
+
+def test_bycapability_selects_tagged_clients_and_errors_name_the_tags(tmp_path: Path) -> None:
+    job = fed_job(tmp_path, "caps", K=4, rounds=1, sel={"method": "ByCapability", "required_tags": ["gpu", "eu"]},
+                  client_tags={"client-0": ["gpu"], "client-3": ["gpu"], "client-2": ["cpu"]},
+                  workers=[{"id": "w0", "tags": ["eu"]}])
+    s = run_in_process(job)
+    assert _rounds(s["run_dir"])[0]["clients_selected"] == 2
+    bad = fed_job(tmp_path, "caps2", K=4, rounds=1, sel={"method": "ByCapability", "required_tags": ["tpu"]})
+    with pytest.raises(ConfigError, match=r"required_tags.*\['tpu'\]"):
+        run_in_process(bad)
+    with pytest.raises(ConfigError, match="fail_clients"):
+        run_in_process(fed_job(tmp_path, "caps3", K=4, fail_clients=[4]))
+
+
+# ------------------------------------------------------------------ real processes
+
+
+def test_two_worker_processes_equal_one_process(tmp_path: Path) -> None:
+    kw = dict(K=8, rounds=3, sel={"method": "Random", "fraction": 0.5}, compression=TOPK_EF,
+              fail_clients=[1], local_epochs=1)
+    solo = run_in_process(fed_job(tmp_path / "solo", "p", **kw))
+    multi = run(fed_job(tmp_path / "multi", "p", num_workers=2, **kw))  # elastic launcher
+    assert multi["num_workers"] == 2 and len(multi["workers"]) == 2
+    assert multi["parameters_sha256"] == solo["parameters_sha256"]
+    assert multi["bytes_up"] == solo["bytes_up"] and multi["bytes_down"] == solo["bytes_down"]
+    a, b = _rounds(solo["run_dir"]), _rounds(multi["run_dir"])
+    assert [r["test_accuracy"] for r in a] == [r["test_accuracy"] for r in b]
+    # both workers trained clients (client c lives on rank c % 2)
+    assert all(w["client_updates"] > 0 for w in multi["workers"])
+    summary = json.loads((Path(multi["run_dir"]) / "summary.json").read_text())
+    assert summary["parameters_sha256"] == multi["parameters_sha256"]
+
+
+def test_killed_worker_restarts_and_ends_equal_to_uninterrupted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kw = dict(K=6, rounds=4, sel={"method": "Random", "fraction": 0.5}, compression=TOPK_EF,
+              local_epochs=1, agg={"method": "FedAvgM", "server_momentum": 0.5})
+    ref = run_in_process(fed_job(tmp_path / "ref", "k", **kw))
+    monkeypatch.setenv(KILL_ENV, "1:2")  # rank 1 dies hard at the start of round 3
+    out = run(fed_job(tmp_path / "kill", "k", num_workers=2, max_restarts=1, **kw))
+    assert out["parameters_sha256"] == ref["parameters_sha256"]
+    assert [r["round"] for r in _rounds(out["run_dir"])] == [1, 2, 3, 4]
+    # the restarted group trained only rounds 3-4, not all four again
+    assert out["client_updates_this_run"] < ref["client_updates_this_run"]
+
+
+def test_memory_does_not_grow_with_num_clients(tmp_path: Path) -> None:
+    peaks = {}
+    for k, frac in ((100, 0.1), (1000, 0.01)):
+        job = fed_job(tmp_path, f"mem{k}", K=k, rounds=2, sel={"method": "Random", "fraction": frac},
+                      local_epochs=1, num_workers=2)
+        res = run_distributed(rank_main, 2, job.to_json_dict(), False, timeout_s=240)
+        s = res[0]
+        assert s["num_clients"] == k and sum(w["clients_hosted"] for w in s["workers"]) == k
+        assert s["client_updates_this_run"] == 20  # 10 clients per round, 2 rounds
+        peaks[k] = max(w["peak_rss_mb"] for w in s["workers"])
+    assert peaks[1000] - peaks[100] < 25.0, peaks
