@@ -1,0 +1,64 @@
+"""The tensor-parallel executor: a 2-D (TP 2 x DP 2) job on 4 real processes through the
+elastic launcher, its gathered dense model, and the layout errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from paratrain.config import ConfigError, load_job
+from paratrain.data import load_data
+from paratrain.executors import execute, executor_module
+from paratrain.executors.tensor_parallel import layout
+from paratrain.models import build_model
+from paratrain.training import evaluate
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _job(name: str, tmp: Path, **train: int) -> object:
+    doc = load_job(EXAMPLES / name).to_json_dict()
+    doc["run"]["output_dir"] = str(tmp)
+    doc["train"].update(train)
+    return load_job(doc)
+
+
+def test_examples_route_to_the_tensor_parallel_executor(tmp_path: Path) -> None:
+    for name, world in [("tensor_parallel_mlp.toml", 2), ("tensor_parallel_2d.toml", 4)]:
+        job = _job(name, tmp_path)
+        assert executor_module(job) == "paratrain.executors.tensor_parallel"
+        _, tp, dp = layout(job)
+        assert tp * dp == world
+
+
+@pytest.mark.parametrize("patch,field", [
+    ({"strategy": {"type": "DataParallel", "num_replicas": 2,
+                   "aggregation": {"method": "ParameterServer"}}}, "strategy.aggregation.method"),
+    ({"compression": {"method": "TopK", "k": 10}}, "compression"),
+])
+def test_layout_errors(tmp_path: Path, patch: dict, field: str) -> None:
+    doc = load_job(EXAMPLES / "tensor_parallel_mlp.toml").to_json_dict()
+    doc.update(patch)
+    with pytest.raises(ConfigError) as e:
+        layout(load_job(doc))
+    assert e.value.problems[0][0] == field
+
+
+@pytest.mark.slow
+def test_two_d_job_trains_and_gathers_the_dense_model(tmp_path: Path) -> None:
+    job = _job("tensor_parallel_2d.toml", tmp_path, epochs=1, max_steps=30)
+    s = execute(job)
+    assert s["world_size"] == 4 and s["tensor_parallel_size"] == 2 and s["data_parallel_size"] == 2
+    assert s["steps"] == 30 and s["test_accuracy"] > 0.3  # chance is 0.1
+    assert 0.45 < s["memory_saving"] < 0.5
+    # the gathered model.pt is the full model: the dense net with it scores the same
+    bundle = load_data(job.data, seed=job.run.seed)
+    net = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+    net.load_state_dict(torch.load(s["dense_model"], weights_only=True))
+    ev = evaluate(net, bundle.test)
+    assert ev["accuracy"] == pytest.approx(s["test_accuracy"], abs=1e-9)
+    assert ev["loss"] == pytest.approx(s["test_loss"], rel=1e-4)
+    assert (tmp_path / "tensor_parallel_2d" / "summary.json").exists()
+    assert (tmp_path / "tensor_parallel_2d" / "checkpoints" / "tp-complete.json").exists()
