@@ -1,0 +1,234 @@
+"""Tensor parallelism benchmark: paratrain's layers vs torch's tensor-parallel styles.
+
+On 2 real gloo ranks, for a 4-layer MLP (hidden 1024) and a transformer block (pre-norm,
+q/k/v/o attention + 4x MLP), built from the same weights:
+
+- step time (forward + backward) of ``paratrain.tensor_parallel.parallelize`` vs
+  ``torch.distributed.tensor.parallel`` ColwiseParallel/RowwiseParallel, interleaved,
+  medians of repeats (goal: ratio <= 1.1);
+- bytes this rank sends per step (ring cost model) vs the Megatron minimum: one all-reduce
+  of the row output forward per column/row pair, one of the column input gradient backward
+  when that input needs a gradient (goal 1.0), for every communication pattern;
+- collectives per step, ours and torch's (CommDebugMode);
+- per-rank parameter memory vs the dense model (goal 1/tp plus the replicated parts).
+
+``python benchmarks/tensor_parallel.py [--quick] [--cuda]`` prints one JSON object.
+``--cuda`` (when CUDA is available) also runs the parity and bf16 checks on the GPU in one
+process (tp=1 layers, real device allocator peaks for the memory levels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.comm.context import WorkerContext
+from paratrain.comm.testing import run_distributed
+from paratrain.config import TensorParallelismConfig
+from paratrain.tensor_parallel import SelfAttention, parallelize
+
+PATTERNS = ["AllReduce", "AllGather", "ReduceScatter", "PointToPoint", "Hierarchical"]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(ln1 x); x + mlp(ln2 x)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = SelfAttention(dim, heads)
+        self.mlp = nn.Sequential(OrderedDict(fc1=nn.Linear(dim, 4 * dim), act=nn.GELU(),
+                                             fc2=nn.Linear(4 * dim, dim)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+def build(kind: str, quick: bool) -> tuple[nn.Module, torch.Tensor, dict[str, Any], int]:
+    """(dense model, input, torch TP plan, Megatron-minimum bytes per step at p=2)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if kind == "mlp":
+        h, b = 1024, (32 if quick else 64)
+        model = nn.Sequential(OrderedDict(
+            fc0=nn.Linear(h, h), act0=nn.GELU(), fc1=nn.Linear(h, h), act1=nn.GELU(),
+            fc2=nn.Linear(h, h), act2=nn.GELU(), fc3=nn.Linear(h, h)))
+        x = torch.randn(b, h, generator=g)
+        plan: dict[str, Any] = {"fc0": ColwiseParallel(), "fc1": RowwiseParallel(),
+                                "fc2": ColwiseParallel(), "fc3": RowwiseParallel()}
+        n = b * h * 4
+        minimum = 3 * n  # fwd 2 all-reduces, bwd 1 (fc0's input is data), x 2(p-1)/p = 1
+        return nn.Sequential(OrderedDict(net=model)), x, {f"net.{k}": v for k, v in plan.items()}, minimum
+    dim, heads, bsz, seq = 256, 8, (4 if quick else 8), 64
+    model = nn.Sequential(OrderedDict(block=Block(dim, heads)))
+    x = torch.randn(bsz, seq, dim, generator=g)
+    plan = {"block.attn.q": ColwiseParallel(), "block.attn.k": ColwiseParallel(),
+            "block.attn.v": ColwiseParallel(), "block.attn.o": RowwiseParallel(),
+            "block.mlp.fc1": ColwiseParallel(), "block.mlp.fc2": RowwiseParallel()}
+    n = bsz * seq * dim * 4
+    return model, x, plan, 4 * n  # fwd: attn + mlp outputs; bwd: attn and mlp input grads
+
+
+def _timeit(fn: Any, reps: int) -> list[float]:
+    import torch.distributed as dist
+
+    out = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def worker(ctx: WorkerContext, quick: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    torch.set_num_threads(1)
+    reps = 5 if quick else 15
+    tp = ctx.world_size
+    mesh = init_device_mesh("cpu", (tp,))
+    res: dict[str, Any] = {}
+    for kind in ["mlp", "transformer"]:
+        dense, x, plan, minimum = build(kind, quick)
+        ours = parallelize(copy.deepcopy(dense), TensorParallelismConfig(
+            tensor_parallel_size=tp, memory_optimization="None"))
+        ref = copy.deepcopy(dense)
+        parallelize_module(ref, mesh, plan)
+        if kind == "transformer":
+            ref.block.attn.num_heads = dense.block.attn.num_heads // tp
+
+        def step(m: nn.Module, x: torch.Tensor = x) -> None:
+            m(x).square().mean().backward()
+            m.zero_grad(set_to_none=True)
+
+        for _ in range(2):  # warm-up
+            step(ours)
+            step(ref)
+        t_ours: list[float] = []
+        t_ref: list[float] = []
+        for r in range(reps):  # interleave, alternating order
+            pair = [(ours, t_ours), (ref, t_ref)]
+            for m, acc in (pair if r % 2 == 0 else pair[::-1]):
+                acc += _timeit(lambda m=m: step(m), 1)
+        ours.stats.reset()
+        step(ours)
+        st = ours.statistics()
+        torch_counts: dict[str, int] = {}
+        try:
+            from torch.distributed.tensor.debug import CommDebugMode
+
+            with CommDebugMode() as cdm:
+                step(ref)
+            torch_counts = {str(k).split(".")[-1]: int(v) for k, v in cdm.get_comm_counts().items()}
+        except Exception as e:  # noqa: BLE001 - reporting only
+            torch_counts = {"error": str(e)[:80]}  # type: ignore[dict-item]
+        dense_t = []
+        if ctx.rank == 0:
+            d = copy.deepcopy(dense)
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                step(d)
+                dense_t.append(time.perf_counter() - t0)
+        dist.barrier()
+        patterns: dict[str, Any] = {}
+        for p in PATTERNS:
+            m = parallelize(copy.deepcopy(dense), TensorParallelismConfig(
+                tensor_parallel_size=tp, communication_pattern=p, memory_optimization="None"))
+            step(m)
+            ts = _timeit(lambda m=m: step(m), max(3, reps // 3))
+            m.stats.reset()
+            step(m)
+            s = m.statistics()
+            patterns[p] = {"step_s": statistics.median(ts), "bytes_per_step": s["bytes_moved"],
+                           "bytes_vs_megatron_min": s["bytes_moved"] / minimum,
+                           "collectives": s["collectives"]}
+            m.comm.close()
+        med_o, med_r = statistics.median(t_ours), statistics.median(t_ref)
+        res[kind] = {
+            "step_s_paratrain": med_o,
+            "step_s_torch_tp": med_r,
+            "step_time_ratio_vs_torch": med_o / med_r,
+            "step_s_dense_1proc": statistics.median(dense_t) if dense_t else None,
+            "bytes_per_step": st["bytes_moved"],
+            "megatron_min_bytes": minimum,
+            "bytes_vs_megatron_min": st["bytes_moved"] / minimum,
+            "collectives_paratrain": st["collectives"],
+            "collectives_torch_tp": torch_counts,
+            "param_memory_fraction": st["param_memory_fraction"],
+            "param_memory_ideal_fraction": st["param_memory_ideal_fraction"],
+            "param_memory_vs_ideal": st["param_memory_fraction"] / st["param_memory_ideal_fraction"],
+            "patterns": patterns,
+        }
+    return res
+
+
+def cuda_checks() -> dict[str, Any]:
+    """One process on CUDA: dense parity of the layers, bf16 vs fp32 loss, device peaks."""
+    from paratrain.comm.tp_ops import build_tp_groups
+
+    dev = torch.device("cuda")
+    model, x, _, _ = build("transformer", True)
+    model, x = model.to(dev), x.to(dev)
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0)}
+    ref = model(x)
+    for mp in (False, True):
+        m = parallelize(copy.deepcopy(model), TensorParallelismConfig(mixed_precision=mp),
+                        build_tp_groups(1))
+        y = m(x)
+        out["bf16_rel_err" if mp else "fp32_max_abs_err"] = (
+            float((y - ref).abs().max() / ref.abs().max()) if mp else float((y - ref).abs().max()))
+    peaks = {}
+    deep = nn.Sequential(*[Block(256, 8) for _ in range(8)]).to(dev)
+    for level in ["None", "Low", "Medium", "High", "Extreme"]:
+        m = parallelize(copy.deepcopy(deep), TensorParallelismConfig(memory_optimization=level),
+                        build_tp_groups(1))
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        m(x).square().mean().backward()
+        torch.cuda.synchronize()
+        peaks[level] = torch.cuda.max_memory_allocated() - base
+    out["cuda_peak_bytes_by_level"] = peaks
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cuda", action="store_true")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    res = run_distributed(worker, 2, args.quick, timeout_s=600)[0]
+    report: dict[str, Any] = {
+        "benchmark": "tensor_parallel",
+        "world_size": 2,
+        "quick": args.quick,
+        "peer": "torch.distributed.tensor.parallel ColwiseParallel/RowwiseParallel, same weights, same run",
+        "goals": {"step_time_ratio_vs_torch": "<= 1.1", "bytes_vs_megatron_min": "1.0",
+                  "param_memory_vs_ideal": "1.0"},
+        "results": res,
+    }
+    if args.cuda:
+        report["cuda"] = cuda_checks() if torch.cuda.is_available() else "CUDA not available"
+    report["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
