@@ -45,12 +45,6 @@ def launch_config_fail(ctx: WorkerContext, job: JobConfig, resume: bool) -> None
     raise ConfigError([("strategy.num_replicas", "too many replicas (got 9)")])
 
 
-def launch_crash_once(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any]:
-    """Rank 1 SIGKILLs itself on the first attempt; the agent restarts the group."""
-    if ctx.rank == 1 and ctx.restart_count == 0:
-        os.kill(os.getpid(), 9)
-    dist.barrier()
-    return {"resume": resume, "restart_count": ctx.restart_count}
 
 
 # ------------------------------------------------------------------ DataParallel parity

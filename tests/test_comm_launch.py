@@ -42,11 +42,6 @@ def test_config_error_in_worker_is_config_error() -> None:
     assert info.value.problems == [("strategy.num_replicas", "too many replicas (got 9)")]
 
 
-def test_sigkill_restarts_group_with_resume() -> None:
-    out = launch(_job(max_restarts=1), nprocs=2, target="_workers_dp:launch_crash_once")
-    assert out == {"resume": True, "restart_count": 1}
-
-
 def test_torchrun_env_runs_in_process_and_checks_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")

@@ -122,6 +122,14 @@ def worker_entry(job_json: dict[str, Any], resume: bool, target: str | None = No
     from .config.job import JobConfig
 
     job = JobConfig.model_validate(job_json)
+    if job.run.imports:
+        # Plugins (models, datasets, coordinators) must be registered in every process.
+        from pathlib import Path
+
+        from .executors.custom import import_plugins
+
+        base = os.environ.get("PARATRAIN_JOB_DIR")
+        import_plugins(list(job.run.imports), base=Path(base) if base else None)
     owns_group = not dist.is_initialized()
     ctx = build_context(job)
     resume = bool(resume) or ctx.restart_count > 0
@@ -146,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         job = load_job(args.job)
-        execute(job, resume=args.resume)
+        job_dir = os.path.dirname(os.path.abspath(args.job))
+        os.environ.setdefault("PARATRAIN_JOB_DIR", job_dir)
+        from pathlib import Path
+
+        execute(job, resume=args.resume, job_dir=Path(job_dir))
     except ConfigError as e:
         for path, msg in e.problems:
             print(f"error: {path}: {msg}" if path else f"error: {msg}", file=sys.stderr)

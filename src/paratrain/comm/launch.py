@@ -79,7 +79,11 @@ def _int_env(name: str, default: int | None) -> int | None:
 
 
 def launch_config(job: JobConfig, *, nprocs: int) -> Any:
-    """The :class:`LaunchConfig` for ``job`` on this node (reads the PARATRAIN_* env vars)."""
+    """The :class:`LaunchConfig` for ``job`` on this node (reads the PARATRAIN_* env vars).
+
+    ``nprocs`` is the whole job's process count; each of the ``PARATRAIN_NNODES`` nodes
+    runs ``nprocs / nnodes`` of them.
+    """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
@@ -94,6 +98,11 @@ def launch_config(job: JobConfig, *, nprocs: int) -> Any:
         raise ConfigError([(ENV_RDZV_ENDPOINT, "required with more than one node (HOST:PORT)")])
     if node_rank is not None and not 0 <= node_rank < nnodes:
         raise ConfigError([(ENV_NODE_RANK, f"must be in [0, {nnodes}) (got {node_rank})")])
+    if nprocs % nnodes:
+        raise ConfigError([(
+            ENV_NNODES,
+            f"the job needs {nprocs} worker processes, which {nnodes} nodes cannot share evenly",
+        )])
 
     rdzv_configs: dict[str, Any] = {"timeout": int(job.comm.timeout_s)}
     local_addr: str | None = None
@@ -116,7 +125,7 @@ def launch_config(job: JobConfig, *, nprocs: int) -> Any:
     return LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
-        nproc_per_node=nprocs,
+        nproc_per_node=nprocs // nnodes,
         run_id=run_id,
         rdzv_backend=backend,
         rdzv_endpoint=endpoint,
@@ -203,7 +212,8 @@ def launch(
     target: str | None = None,
     check_world_size: bool = True,
 ) -> Any:
-    """Run ``job`` on ``nprocs`` worker processes; return global rank 0's result.
+    """Run ``job`` on ``nprocs`` worker processes in all; return global rank 0's result
+    (``None`` on a node that does not host rank 0).
 
     ``target`` ("module:function") overrides the strategy's ``worker_main`` (tests, or an
     executor with several worker roles). Under torchrun the entry runs in this process and

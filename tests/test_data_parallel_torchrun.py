@@ -1,0 +1,104 @@
+"""The same job file under ``torchrun -m paratrain.worker`` and as two "machines"
+(``paratrain run --nnodes 2 --node-rank R --rdzv-endpoint``) on 127.0.0.1: both train
+the same parameters (the replicas, shards and seed do not depend on the launcher)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paratrain.comm.launch import launch_config
+from paratrain.comm.testing import free_port
+from paratrain.config import ConfigError, load_job
+
+pytestmark = pytest.mark.timeout(300)
+
+BIN = Path(sys.executable).parent
+
+JOB = """
+[run]
+name = "{name}"
+seed = 2
+output_dir = "{out}"
+
+[model]
+name = "mlp"
+hidden = [16]
+
+[train]
+epochs = 1
+batch_size = 16
+max_steps = 6
+
+[strategy]
+type = "DataParallel"
+num_replicas = 2
+aggregation = {{ method = "ParameterServer" }}
+"""
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+           and not k.startswith("PARATRAIN_")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _summary(out: Path, name: str) -> dict[str, object]:
+    data: dict[str, object] = json.loads((out / name / "summary.json").read_text())
+    return data
+
+
+def test_torchrun_and_two_node_launch_agree(tmp_path: Path) -> None:
+    out = tmp_path / "runs"
+    (tmp_path / "a.toml").write_text(JOB.format(name="torchrun", out=out))
+    (tmp_path / "b.toml").write_text(JOB.format(name="nodes", out=out))
+    subprocess.run(
+        [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "paratrain.worker",
+         str(tmp_path / "a.toml")],
+        cwd=tmp_path, env=_env(), check=True, timeout=240, capture_output=True,
+    )
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [str(BIN / "paratrain"), "run", str(tmp_path / "b.toml"), "--quiet", "--nnodes", "2",
+             "--node-rank", str(r), "--rdzv-endpoint", f"127.0.0.1:{port}"],
+            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
+    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], logs
+    a, b = _summary(out, "torchrun"), _summary(out, "nodes")
+    assert a["num_replicas"] == b["num_replicas"] == 2 and a["steps"] == b["steps"] == 6
+    assert a["parameters_sha256"] == b["parameters_sha256"]
+    # 2 replicas: the server receives one gradient and sends one mean per step.
+    assert a["server_bytes_per_step"] == 2 * 4 * a["num_parameters"]  # type: ignore[operator]
+
+
+def test_launch_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    job = load_job({"run": {"name": "j", "max_restarts": 3}})
+    cfg = launch_config(job, nprocs=4)
+    assert (cfg.nproc_per_node, cfg.min_nodes, cfg.max_restarts, cfg.rdzv_backend) == (4, 1, 3, "c10d")
+    assert cfg.rdzv_endpoint.startswith("127.0.0.1:") and cfg.start_method == "spawn"
+    monkeypatch.setenv("PARATRAIN_NNODES", "2")
+    monkeypatch.setenv("PARATRAIN_RDZV_ENDPOINT", "10.0.0.1:29500")
+    cfg = launch_config(job, nprocs=4)
+    assert (cfg.nproc_per_node, cfg.max_nodes, cfg.rdzv_backend) == (2, 2, "c10d")
+    monkeypatch.setenv("PARATRAIN_NODE_RANK", "1")
+    cfg = launch_config(job, nprocs=4)
+    assert cfg.rdzv_backend == "static" and cfg.rdzv_configs["rank"] == 1
+    with pytest.raises(ConfigError, match="cannot share evenly"):
+        launch_config(job, nprocs=3)
+    monkeypatch.setenv("PARATRAIN_NODE_RANK", "5")
+    with pytest.raises(ConfigError, match="PARATRAIN_NODE_RANK"):
+        launch_config(job, nprocs=4)
+    monkeypatch.delenv("PARATRAIN_RDZV_ENDPOINT")
+    with pytest.raises(ConfigError, match="PARATRAIN_RDZV_ENDPOINT"):
+        launch_config(job, nprocs=4)
