@@ -103,6 +103,9 @@ class WorkerSpec(_Section):
 class CommConfig(_Section):
     bucket_size_mb: Annotated[float, Field(gt=0.0)] = 25.0
     timeout_s: Annotated[float, Field(gt=0.0)] = 300.0
+    # Decentralized with compression (CHOCO-gossip) consensus step size gamma in (0, 1];
+    # None = 1.0 without compression, 0.5 with it.
+    gossip_step: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
 
 
 class FederatedOptions(_Section):
