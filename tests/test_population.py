@@ -62,15 +62,23 @@ def file_digest(job: JobConfig, path: Path) -> str:
 
 @pytest.mark.slow
 def test_two_workers_exploit_byte_identical_and_failure_tolerated(tmp_path: Path) -> None:
-    """2 worker processes via the elastic launcher; member 2 fails every generation.
+    """2 worker processes via the elastic launcher; member 2 fails every generation and
+    one worker process crashes once (elastic restart + resume).
 
     After every exploit the recipient starts the next generation with the donor's exact
     weights and optimizer state (digest of the in-memory state on the worker that
     restored it == digest of the donor's state when it was saved), and trains with the
     explored hyperparameters, not the donor's. Parity: one process gives the same run.
     """
-    job = make_job(tmp_path, "pbt2", run__num_workers=2, population__fail_members=[2])
+    crash = {"factory": "_workers_pbt:crashing_mlp", "name": None, "hidden": [32],
+             "crash_when": str(tmp_path / "pbt2" / "checkpoints" / "population-000001.pt"),
+             "crash_marker": str(tmp_path / "crashed")}
+    job = make_job(tmp_path, "pbt2", run__num_workers=2, run__max_restarts=1,
+                   population__fail_members=[2], model=crash)
     summary = population.run(job)
+    # A worker died hard during generation 1; the elastic agent restarted the group,
+    # which resumed from the generation-0 population checkpoint.
+    assert (tmp_path / "crashed").exists() and summary["restarts"] == 1
     doc = lineage(summary)
     gens = doc["generations"]
     assert summary["num_workers"] == 2 and len(gens) == 3
@@ -104,8 +112,9 @@ def test_two_workers_exploit_byte_identical_and_failure_tolerated(tmp_path: Path
     assert summary["failures"] == 3 and summary["best_member"] != 2
     assert (Path(summary["run_dir"]) / "report.png").stat().st_size > 10_000
 
-    # Parity: the same job in one process gives the same lineage, digest for digest.
-    single = population.run(make_job(tmp_path, "pbt1", population__fail_members=[2]))
+    # Parity: the same job in one process, uninterrupted, gives the same lineage, digest
+    # for digest (so neither the worker count nor the crash changed anything).
+    single = population.run(make_job(tmp_path, "pbt1", population__fail_members=[2], model=crash))
     for a, b in zip(gens, lineage(single)["generations"], strict=True):
         assert a["hparams"] == b["hparams"] and a["fitness"] == b["fitness"]
         assert a["digests"] == b["digests"] and a["copies"] == b["copies"]

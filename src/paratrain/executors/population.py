@@ -248,6 +248,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     assert pop is not None
     _write_json(run_dir / "lineage.json", lineage_json(pop, metric=opts.metric, mode=opts.mode))
     summary = _summary(job, pop, run_dir, ctx.world_size, started, timing, per_rank)
+    summary["restarts"] = ctx.restart_count
     write_summary(run_dir, summary)
     plot_population(run_dir / "lineage.json", run_dir / "report.png", space=job.search_space,
                     title=f"{job.run.name} (PopulationBased)")
