@@ -26,6 +26,8 @@ def dense_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     if kind == "mlp":  # uneven hidden (30) so tp=4 shards are 8,8,8,6
         return nn.Sequential(OrderedDict(fc0=nn.Linear(16, 30), act0=nn.GELU(), fc1=nn.Linear(30, 12)))
+    if kind == "mlp_down":  # contracting first layer: Dynamic picks row-first
+        return nn.Sequential(OrderedDict(fc0=nn.Linear(16, 8), act0=nn.GELU(), fc1=nn.Linear(8, 12)))
     if kind == "mlp_even":  # DTensor's Colwise output assumes even shards
         return nn.Sequential(OrderedDict(fc0=nn.Linear(16, 32), act0=nn.GELU(), fc1=nn.Linear(32, 12)))
     if kind == "attn":
@@ -50,7 +52,7 @@ def dense_model(kind: str, seed: int = 0) -> nn.Module:
 
 def model_input(kind: str, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    shape = {"mlp": (7, 16), "mlp_even": (7, 16), "attn": (3, 6, 16), "encoder": (2, 6, 8), "deep": (64, 32)}[kind]
+    shape = {"mlp": (7, 16), "mlp_even": (7, 16), "mlp_down": (7, 16), "attn": (3, 6, 16), "encoder": (2, 6, 8), "deep": (64, 32)}[kind]
     return torch.randn(*shape, generator=g)
 
 
@@ -94,6 +96,52 @@ def parity(kind: str, pattern: str, tp: int, **cfg: Any) -> dict[str, float]:
     return {"out": float((d_out - t_out).abs().max()), "grads": _maxdiff(d_grads, t_grads),
             "xgrad": float((d_x - t_x).abs().max()),
             "scale": float(d_out.abs().max())}
+
+
+def proportional_partitioner(name: str, shape: tuple[int, ...], tp: int, world: int) -> list[Any]:
+    """Custom: rank r gets a share of the output features proportional to r + 1."""
+    from paratrain.tensor_parallel import TensorPartition
+
+    n = shape[-1]
+    total = tp * (tp + 1) // 2
+    sizes = [n * (r + 1) // total for r in range(tp)]
+    sizes[-1] += n - sum(sizes)
+    out, at = [], 0
+    for r, w in enumerate(sizes):
+        out.append(TensorPartition(r, r % world, name, (*shape[:-1], w), (0, at), True))
+        at += w
+    return out
+
+
+def strategies(tp: int) -> dict[str, Any]:
+    """partitioning_strategy changes the layout: parity and the collectives of each."""
+    from paratrain.tensor_parallel import register_custom_partitioner
+
+    register_custom_partitioner(proportional_partitioner)
+    out: dict[str, Any] = {}
+    for strat, kind in [("RowWise", "mlp"), ("Dynamic", "mlp_down"), ("Dynamic", "mlp"),
+                        ("BatchWise", "mlp"), ("SequenceWise", "mlp"), ("Custom", "mlp"),
+                        ("BatchWise", "encoder"), ("RowWise", "attn")]:
+        res = parity(kind, "AllReduce", tp, partitioning_strategy=strat)
+        dense = dense_model(kind)
+        x = model_input(kind).requires_grad_(True)
+        tpm = parallelize(dense, TensorParallelismConfig(
+            tensor_parallel_size=tp, partitioning_strategy=strat, memory_optimization="None"))
+        tpm.stats.reset()
+        y = tpm(x)
+        res["fwd"] = tpm.statistics()["collectives"]
+        res["local_shapes"] = {n: list(p.shape) for n, p in tpm.module.named_parameters()
+                               if n.endswith("weight")}
+        res["saving"] = tpm.statistics()["memory_saving"]
+        y.sum().backward()
+        out[f"{strat}/{kind}"] = res
+    try:
+        parallelize(dense_model("mlp"), TensorParallelismConfig(
+            tensor_parallel_size=tp, partitioning_strategy="BlockWise", memory_optimization="None"))
+        out["BlockWise"] = "ok"
+    except ConfigError as e:
+        out["BlockWise"] = str(e)
+    return out
 
 
 def wrong_variant(tp: int) -> float:
@@ -162,6 +210,7 @@ def counts(pattern: str, tp: int, **cfg: Any) -> dict[str, Any]:
     out.sum().backward()
     bwd = tpm.statistics()
     return {"fwd": fwd["collectives"], "bwd": bwd["collectives"], "fwd_bytes": fwd["bytes_moved"],
+            "bwd_async": bwd["async_collectives"],
             "bwd_bytes": bwd["bytes_moved"], "out_bytes": out.numel() * 4,
             "x_bytes": x.numel() * 4}
 
@@ -285,6 +334,9 @@ def suite_2(ctx: WorkerContext) -> dict[str, Any]:
     for kind in ["mlp", "attn"]:
         out["dtensor"][kind] = dtensor_parity(kind, tp)
     out["wrong"] = wrong_variant(tp)
+    out["strategies"] = strategies(tp)
+    out["parity"]["mlp/BlockWise-fallback"] = parity("mlp", "AllReduce", tp,
+                                                     partitioning_strategy="BlockWise")
     out["counts"] = {p: counts(p, tp) for p in PATTERNS}
     out["counts_sync"] = counts("AllReduce", tp, async_communication=False)
     out["attn_fused"] = attn_fusion_counts(tp, 1 << 20)
@@ -306,6 +358,7 @@ def suite_4(ctx: WorkerContext) -> dict[str, Any]:
             out["parity"][f"{kind}/{pattern}"] = parity(kind, pattern, tp)
     out["dtensor"] = {"mlp": dtensor_parity("mlp_even", tp), "attn": dtensor_parity("attn", tp)}
     out["hier"] = hier_structure(ctx)
+    out["strategies"] = strategies(tp)
     out["counts"] = counts("AllReduce", tp)
     out["two_d"] = {f: two_d(ctx, f) for f in (0, 1 << 20)}
     try:  # 3 does not divide a world of 4

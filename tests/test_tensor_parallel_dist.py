@@ -64,6 +64,10 @@ def test_mlp_block_does_one_all_reduce_each_way(r2: list[dict[str, Any]], r4: li
     for c in [r2[0]["counts"]["AllReduce"], r2[0]["counts_sync"], r4[0]["counts"]]:
         assert c["fwd"] == {"all_reduce": 1}
         assert c["bwd"] == {"all_reduce": 1}
+    # async_communication: the input-gradient all-reduce is started without blocking and
+    # overlapped with the weight-gradient matmul; synchronous otherwise
+    assert r2[0]["counts"]["AllReduce"]["bwd_async"] == 1
+    assert r2[0]["counts_sync"]["bwd_async"] == 0
     # bytes: the Megatron minimum, ring cost 2(p-1)/p of the [B, out] and [B, in] tensors
     c2, c4 = r2[0]["counts"]["AllReduce"], r4[0]["counts"]
     assert c2["fwd_bytes"] == c2["out_bytes"] and c2["bwd_bytes"] == c2["x_bytes"]
@@ -133,3 +137,28 @@ def test_statistics_report_memory_saving(r2: list[dict[str, Any]]) -> None:
 
 def test_tp_not_dividing_world_is_a_clear_error(r4: list[dict[str, Any]]) -> None:
     assert "must be >= 1, at most the world size (4) and divide it" in r4[0]["bad_tp"]
+
+
+def test_partitioning_strategy_changes_the_layout(r2: list[dict[str, Any]], r4: list[dict[str, Any]]) -> None:
+    for res in (r2, r4):
+        for key, d in res[0]["strategies"].items():
+            if isinstance(d, dict):
+                assert d["out"] < TOL and d["grads"] < TOL and d["xgrad"] < TOL, (key, d)
+    s2, s4 = r2[0]["strategies"], r4[0]["strategies"]
+    # ColumnWise-first (Dynamic on an up-projection): one all-reduce forward
+    assert s2["Dynamic/mlp"]["fwd"] == {"all_reduce": 1}
+    # row-first pairs (RowWise; Dynamic on a down-projection): reduce then gather
+    assert s2["RowWise/mlp"]["fwd"] == {"all_reduce": 1, "all_gather": 1}
+    assert s2["Dynamic/mlp_down"]["fwd"] == {"all_reduce": 1, "all_gather": 1}
+    assert s2["RowWise/mlp"]["local_shapes"]["fc0.weight"] == [30, 8]  # input features split
+    # SequenceWise: the sequence-parallel layout
+    assert s2["SequenceWise/mlp"]["fwd"] == {"all_gather": 2, "reduce_scatter": 1}
+    # BatchWise: whole weights, batch split, only the output gather forward
+    assert s2["BatchWise/mlp"]["fwd"] == {"all_gather": 1}
+    assert s2["BatchWise/mlp"]["saving"] == 0.0
+    # Custom: the registered partitioner's uneven split (shares proportional to rank + 1)
+    assert [r["strategies"]["Custom/mlp"]["local_shapes"]["fc0.weight"][0] for r in r2] == [10, 20]
+    assert [r["strategies"]["Custom/mlp"]["local_shapes"]["fc0.weight"][0] for r in r4] == [3, 6, 9, 12]
+    # BlockWise: ColumnWise fallback at tp=2 (parity checked above), an error at tp=4 = 2x2
+    assert s2["BlockWise"] == "ok"
+    assert "BlockWise with a perfect-square tensor_parallel_size (4)" in s4["BlockWise"]

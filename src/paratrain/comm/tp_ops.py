@@ -80,12 +80,17 @@ class CommStats:
         self.bytes: Counter[str] = Counter()
         self.comm_time_s = 0.0
         self.compute_time_s = 0.0
+        self.async_launched = 0  # collectives started without blocking (overlappable)
 
     def record(self, kind: str, wire_bytes: float, seconds: float = 0.0) -> None:
         with self._lock:
             self.counts[kind] += 1
             self.bytes[kind] += int(round(wire_bytes))
             self.comm_time_s += seconds
+
+    def launched_async(self) -> None:
+        with self._lock:
+            self.async_launched += 1
 
     def add_comm_time(self, seconds: float) -> None:
         with self._lock:
@@ -112,6 +117,7 @@ class CommStats:
                 "bytes_moved": sum(self.bytes.values()),
                 "communication_time_s": self.comm_time_s,
                 "computation_time_s": self.compute_time_s,
+                "async_collectives": self.async_launched,
             }
 
 
@@ -182,6 +188,7 @@ class TPComm:
         wire = 2 * (p - 1) / p * _nbytes(t)
         if async_op:
             self.stats.record("all_reduce", wire)
+            self.stats.launched_async()
             return dist.all_reduce(t, group=group, async_op=True)
         return self._timed("all_reduce", wire, lambda: dist.all_reduce(t, group=group))
 
@@ -206,6 +213,7 @@ class TPComm:
 
         if async_op:
             self.stats.record("all_gather", wire)
+            self.stats.launched_async()
             work = dist.all_gather_single(out, x, group=self.group, async_op=True)
             return Handle(self.stats, work=work, finish=finish)
         self._timed("all_gather", wire, lambda: dist.all_gather_single(out, x, group=self.group))
@@ -237,6 +245,7 @@ class TPComm:
 
         if async_op:
             self.stats.record("reduce_scatter", wire)
+            self.stats.launched_async()
             work = dist.reduce_scatter_single(out, inp, group=self.group, async_op=True)
             return Handle(self.stats, work=work, finish=finish)
         self._timed("reduce_scatter", wire,
@@ -330,6 +339,7 @@ class TPComm:
             return Handle(self.stats, work=work, result=out)
         if self._pool is None:  # composite patterns run on one helper thread, in order
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp-comm")
+        self.stats.launched_async()
         return Handle(self.stats, future=self._pool.submit(self._all_reduce_now, t))
 
     def all_gather(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None = None,

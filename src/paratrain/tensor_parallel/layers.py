@@ -67,6 +67,16 @@ def _mark(p: nn.Parameter, dim: int, sizes: list[int]) -> None:
     p.tp_sizes = sizes  # type: ignore[attr-defined]
 
 
+def _check_sizes(sizes: list[int] | None, n: int, p: int) -> list[int]:
+    """Per-rank lengths of a split of ``n`` features (default: ceil-sized chunks)."""
+    if sizes is None:
+        return split_sizes(n, p)
+    sizes = [int(s) for s in sizes]
+    if len(sizes) != p or sum(sizes) != n or min(sizes) < 0:
+        raise ValueError(f"shard sizes {sizes} must be {p} non-negative lengths adding up to {n}")
+    return sizes
+
+
 def _mode_dims(state: RegionState) -> tuple[int, list[int] | None]:
     return state.seq_dim, (state.seq_sizes or None)
 
@@ -75,11 +85,12 @@ class ColumnParallelLinear(nn.Module):
     """``Y_i = f(X) A_i + b_i``; ``mode`` is "copy" (Megatron f) or "seq" (sequence parallel)."""
 
     def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
-                 bias: bool = True, mode: str = "copy", gather_output: bool = False) -> None:
+                 bias: bool = True, mode: str = "copy", gather_output: bool = False,
+                 sizes: list[int] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.comm, self.state, self.mode, self.gather_output = comm, state, mode, gather_output
-        self.out_sizes = split_sizes(out_features, comm.size)
+        self.out_sizes = _check_sizes(sizes, out_features, comm.size)
         local = self.out_sizes[comm.rank]
         self.weight = nn.Parameter(torch.empty(local, in_features))
         self.bias = nn.Parameter(torch.zeros(local)) if bias else None
@@ -93,9 +104,10 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, comm: TPComm, state: RegionState,
-                   mode: str = "copy", gather_output: bool = False) -> ColumnParallelLinear:
+                   mode: str = "copy", gather_output: bool = False,
+                   sizes: list[int] | None = None) -> ColumnParallelLinear:
         m = cls(linear.in_features, linear.out_features, comm=comm, state=state,
-                bias=linear.bias is not None, mode=mode, gather_output=gather_output)
+                bias=linear.bias is not None, mode=mode, gather_output=gather_output, sizes=sizes)
         s, n = m.shard_offset, m.out_sizes[comm.rank]
         with torch.no_grad():
             m.weight.copy_(linear.weight[s: s + n])
@@ -121,12 +133,13 @@ class RowParallelLinear(nn.Module):
     """``Z = g(sum_i X_i A_i) + b``; ``mode`` is "reduce" (Megatron g) or "seq"."""
 
     def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
-                 bias: bool = True, mode: str = "reduce", input_is_parallel: bool = True) -> None:
+                 bias: bool = True, mode: str = "reduce", input_is_parallel: bool = True,
+                 sizes: list[int] | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.comm, self.state, self.mode = comm, state, mode
         self.input_is_parallel = input_is_parallel
-        self.in_sizes = split_sizes(in_features, comm.size)
+        self.in_sizes = _check_sizes(sizes, in_features, comm.size)
         local = self.in_sizes[comm.rank]
         self.weight = nn.Parameter(torch.empty(out_features, local))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
@@ -138,9 +151,11 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, comm: TPComm, state: RegionState,
-                   mode: str = "reduce", input_is_parallel: bool = True) -> RowParallelLinear:
+                   mode: str = "reduce", input_is_parallel: bool = True,
+                   sizes: list[int] | None = None) -> RowParallelLinear:
         m = cls(linear.in_features, linear.out_features, comm=comm, state=state,
-                bias=linear.bias is not None, mode=mode, input_is_parallel=input_is_parallel)
+                bias=linear.bias is not None, mode=mode, input_is_parallel=input_is_parallel,
+                sizes=sizes)
         s, n = m.shard_offset, m.in_sizes[comm.rank]
         with torch.no_grad():
             m.weight.copy_(linear.weight[:, s: s + n])

@@ -14,6 +14,19 @@ Rules (DESIGN §4, Megatron-LM §3):
   split, linear1/linear2 as a column/row pair, layer norms replicated).
 - Weights are sliced from the given (full) model, so the result computes the same function.
 
+``partitioning_strategy`` picks how each pair is split: ColumnWise = column-then-row
+(Megatron, one reduction per direction); RowWise = row-then-column (the input is split,
+the row output all-reduced, the column output all-gathered: two collectives per direction);
+Dynamic = per pair by the first weight's [in, out] shape, as ``partition_tensor`` decides
+(column-first when out > in, e.g. an MLP up-projection); SequenceWise = the
+sequence-parallel layout below; BatchWise = no weight sharding: each TP rank runs the
+whole model on its slice of the batch (dim 0), outputs are all-gathered and gradients summed
+over the group; BlockWise = ColumnWise when tp is not a perfect square (as the partition
+arithmetic), an error otherwise (a g x g weight grid is 2-D tensor parallelism, not
+implemented); Custom = column-first pairs whose hidden split comes from the function
+registered with ``register_custom_partitioner`` (e.g. uneven shards for unequal ranks).
+Attention heads are always split evenly.
+
 ``communication_pattern`` picks the layout: AllReduce / PointToPoint / Hierarchical = the
 Megatron f/g layout with the reduction done by that pattern; AllGather = column outputs
 all-gathered and re-split by the row layer; ReduceScatter = sequence parallelism: between
@@ -25,6 +38,7 @@ over the TP group in :meth:`TensorParallelModule.sync_gradients`.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -52,7 +66,7 @@ from .layers import (
     RegionState,
     RowParallelLinear,
 )
-from .partition import TensorParallelism, split_sizes
+from .partition import TensorParallelism, partition_shape, split_sizes
 
 __all__ = ["ELEMENTWISE", "TensorParallelModule", "parallelize", "is_attention"]
 
@@ -76,10 +90,14 @@ def _param_bytes(params: Iterator[nn.Parameter]) -> int:
 
 
 class _Converter:
+    """Walks a model and swaps in the parallel layers (see the module docstring)."""
+
     def __init__(self, cfg: TensorParallelismConfig, comm: TPComm, state: RegionState) -> None:
         self.col, self.row = cfg.column_parallel, cfg.row_parallel
+        self.strategy = cfg.partitioning_strategy.value
         pattern = cfg.communication_pattern.value
-        self.mode = {"ReduceScatter": "seq", "AllGather": "gather"}.get(pattern, "copy")
+        seq = pattern == "ReduceScatter" or self.strategy == "SequenceWise"
+        self.mode = "seq" if seq else ("gather" if pattern == "AllGather" else "copy")
         self.comm, self.state = comm, state
         self.units = 0
 
@@ -87,23 +105,60 @@ class _Converter:
         self.units += 1
         return ParallelSelfAttention(m, comm=self.comm, state=self.state, mode=self.mode)
 
-    def convert(self, m: nn.Module) -> nn.Module:
+    def convert(self, m: nn.Module, prefix: str = "") -> nn.Module:
         if is_attention(m):
             return self._attention(m)
         if isinstance(m, nn.TransformerEncoderLayer):
             self.units += 1
             return ParallelEncoderLayer(m, comm=self.comm, state=self.state, mode=self.mode)
         if isinstance(m, nn.Sequential):
-            self._sequential(m)
+            self._sequential(m, prefix)
             return m
         for name, child in list(m.named_children()):
-            setattr(m, name, self.convert(child))
+            setattr(m, name, self.convert(child, prefix + name + "."))
         return m
 
-    def _sequential(self, seq: nn.Sequential) -> None:
+    def _row_first(self, first: nn.Linear) -> bool:
+        """RowWise pairs start with the row-parallel layer; Dynamic picks per pair by the
+        [in, out] shape of the first weight (ColumnWise when out > in, as partition_tensor)."""
+        if self.strategy == "RowWise":
+            return True
+        if self.strategy == "Dynamic":
+            return not first.out_features > first.in_features
+        return False
+
+    def _custom_sizes(self, name: str, lin: nn.Linear) -> list[int] | None:
+        """With Custom, the registered partitioner's split of the column weight [in, out]
+        (along out) sets the hidden sizes of the pair, e.g. uneven for unequal ranks."""
+        if self.strategy != "Custom":
+            return None
+        p = self.comm.size
+        parts = partition_shape(name, (lin.in_features, lin.out_features), "Custom",
+                                tp=p, world_size=p)
+        sizes = [0] * p
+        spans = sorted((q.offset[1], q.shape[1], q.device_rank) for q in parts)
+        at = 0
+        for q in parts:
+            if len(q.shape) != 2 or q.shape[0] != lin.in_features or q.offset[0] != 0:
+                raise ValueError(f"{name}: a Custom partition of a column weight must keep every "
+                                 f"input row (got shape {q.shape} at {q.offset})")
+        for off, width, rank in spans:
+            if off != at or not 0 <= rank < p or sizes[rank]:
+                raise ValueError(f"{name}: Custom partitions must tile the output features "
+                                 f"contiguously in rank order, one per rank (got {parts})")
+            sizes[rank] = width
+            at += width
+        ranks = [r for _, _, r in spans]
+        if at != lin.out_features or ranks != sorted(ranks):
+            raise ValueError(f"{name}: Custom partitions must cover {lin.out_features} output "
+                             f"features in rank order (got sizes {sizes})")
+        return sizes
+
+    def _sequential(self, seq: nn.Sequential, prefix: str) -> None:
         names = list(seq._modules.keys())
         mods = [seq._modules[n] for n in names]
         seq_mode = self.mode == "seq"
+        kw = {"comm": self.comm, "state": self.state}
         i = 0
         while i < len(mods):
             m = mods[i]
@@ -113,31 +168,41 @@ class _Converter:
                     j += 1
                 nxt = mods[j] if j < len(mods) else None
                 if self.col and self.row and isinstance(nxt, nn.Linear):
-                    seq._modules[names[i]] = ColumnParallelLinear.from_dense(
-                        m, comm=self.comm, state=self.state, mode="seq" if seq_mode else "copy",
-                        gather_output=self.mode == "gather")
-                    seq._modules[names[j]] = RowParallelLinear.from_dense(
-                        nxt, comm=self.comm, state=self.state,
-                        mode="seq" if seq_mode else "reduce",
-                        input_is_parallel=self.mode != "gather")
+                    if self._row_first(m):
+                        if seq_mode:
+                            raise ConfigError([("tensor_parallel.partitioning_strategy",
+                                                f"{prefix}{names[i]}: row-first pairs ({self.strategy}) "
+                                                "do not combine with the sequence-parallel layout")])
+                        # scatter the input, reduce the row output, gather the column output
+                        seq._modules[names[i]] = RowParallelLinear.from_dense(
+                            m, mode="reduce", input_is_parallel=False, **kw)  # type: ignore[arg-type]
+                        seq._modules[names[j]] = ColumnParallelLinear.from_dense(
+                            nxt, mode="copy", gather_output=True, **kw)  # type: ignore[arg-type]
+                    else:
+                        sizes = self._custom_sizes(prefix + names[i] + ".weight", m)
+                        seq._modules[names[i]] = ColumnParallelLinear.from_dense(
+                            m, mode="seq" if seq_mode else "copy",
+                            gather_output=self.mode == "gather", sizes=sizes, **kw)  # type: ignore[arg-type]
+                        seq._modules[names[j]] = RowParallelLinear.from_dense(
+                            nxt, mode="seq" if seq_mode else "reduce",
+                            input_is_parallel=self.mode != "gather", sizes=sizes, **kw)  # type: ignore[arg-type]
                     self.units += 1
                     i = j + 1
                     continue
                 if self.col and not self.row:
                     seq._modules[names[i]] = ColumnParallelLinear.from_dense(
-                        m, comm=self.comm, state=self.state, mode="copy", gather_output=True)
+                        m, mode="copy", gather_output=True, **kw)  # type: ignore[arg-type]
                     self.units += 1
                 elif self.row and not self.col:
                     seq._modules[names[i]] = RowParallelLinear.from_dense(
-                        m, comm=self.comm, state=self.state, mode="reduce",
-                        input_is_parallel=False)
+                        m, mode="reduce", input_is_parallel=False, **kw)  # type: ignore[arg-type]
                     self.units += 1
             elif is_attention(m) or isinstance(m, nn.TransformerEncoderLayer):
-                seq._modules[names[i]] = self.convert(m)
+                seq._modules[names[i]] = self.convert(m, prefix + names[i] + ".")
             elif isinstance(m, nn.Sequential):
-                self._sequential(m)
+                self._sequential(m, prefix + names[i] + ".")
             elif next(m.children(), None) is not None:
-                self.convert(m)
+                self.convert(m, prefix + names[i] + ".")
             i += 1
 
 
@@ -161,12 +226,24 @@ class TensorParallelModule(nn.Module):
             raise ConfigError([("tensor_parallel.tensor_parallel_size",
                                 f"{tp} does not match the TP group size {groups.tp_size}")])
         self.pattern = config.communication_pattern.value
-        self.seq = self.pattern == "ReduceScatter" and tp > 1
+        strategy = config.partitioning_strategy.value
+        self.seq = (self.pattern == "ReduceScatter" or strategy == "SequenceWise") and tp > 1
+        # BatchWise: weights stay whole, the batch is split over the TP ranks (no weight
+        # communication; gradients summed over the group in sync_gradients)
+        self.batch_split = strategy == "BatchWise" and tp > 1
+        if self.batch_split:
+            self.seq = False
+        if strategy == "BlockWise" and tp > 1 and math.isqrt(tp) ** 2 == tp:
+            raise ConfigError([("tensor_parallel.partitioning_strategy",
+                                f"BlockWise with a perfect-square tensor_parallel_size ({tp}) is a "
+                                "g x g grid of every weight (2-D tensor parallelism), which the "
+                                "layers do not implement; use ColumnWise (BlockWise falls back to "
+                                "ColumnWise only when the size is not a perfect square)")])
         self.state = RegionState(compute_dtype=torch.bfloat16 if config.mixed_precision else None)
         dense_params = list(model.parameters())
         self.dense_param_bytes = _param_bytes(iter(dense_params))
         self.coordinator = TensorParallelism(config, self.comm.rank, self.comm.size)
-        if tp > 1:
+        if tp > 1 and not self.batch_split:
             if not (config.column_parallel or config.row_parallel):
                 raise ConfigError([("tensor_parallel", "tensor_parallel_size > 1 but column_parallel "
                                     "and row_parallel are both false: nothing to parallelize")])
@@ -217,6 +294,8 @@ class TensorParallelModule(nn.Module):
                 self.segments.append([i for b in self.blocks[s: s + k] for i in b])
         par = [i for i, c in enumerate(kids) if _has_parallel(c)]
         self.seq_region = (par[0], par[-1]) if (self.seq and par) else None
+        if self.batch_split:
+            self.seq_region = (0, len(kids) - 1)
         if self.seq and not isinstance(m, nn.Sequential):
             raise ConfigError([("tensor_parallel.communication_pattern",
                                 "ReduceScatter (sequence parallel) needs an nn.Sequential model")])
@@ -234,7 +313,7 @@ class TensorParallelModule(nn.Module):
     def _run(self, idx: list[int], x: torch.Tensor) -> torch.Tensor:
         for i in idx:
             if self.seq_region is not None and i == self.seq_region[0]:
-                d = 1 if x.dim() >= 3 else 0
+                d = 1 if x.dim() >= 3 and not self.batch_split else 0
                 self.state.seq_dim = d
                 self.state.seq_sizes = split_sizes(x.shape[d], self.comm.size)
                 x = scatter_to_region(x, self.comm, d, self.state.seq_sizes)
@@ -328,7 +407,7 @@ class TensorParallelModule(nn.Module):
         for name, t in tensors.items():
             p = params.get(name)
             if p is not None and hasattr(p, "tp_shard_dim") and self.comm.size > 1:
-                t = self.comm.all_gather(t.contiguous(), p.tp_shard_dim, p.tp_sizes).wait()
+                t = self.comm.all_gather(t.contiguous(), p.tp_shard_dim, p.tp_sizes).wait()  # type: ignore[attr-defined]
             out[name] = t.detach().clone()
         return self.to_dense_names(out)
 
@@ -345,7 +424,7 @@ class TensorParallelModule(nn.Module):
             for name, p in self.module.named_parameters():
                 src = state[name]
                 if hasattr(p, "tp_shard_dim"):
-                    sizes = p.tp_sizes
+                    sizes = p.tp_sizes  # type: ignore[attr-defined]
                     r = self.comm.rank
                     src = src.narrow(p.tp_shard_dim, sum(sizes[:r]), sizes[r])
                 p.copy_(src)
