@@ -96,17 +96,18 @@ def ddp_reference(ctx: WorkerContext, job: JobConfig) -> list[float]:
     return _flat(model)
 
 
-def dp_parity(ctx: WorkerContext, tmp: str, variants: list[tuple[str, Any]]) -> dict[str, Any]:
+def dp_parity(ctx: WorkerContext, tmp: str, variants: list[tuple[Any, ...]]) -> dict[str, Any]:
     """Train every variant on the same ranks; return each one's flat parameters."""
     from paratrain.executors.data_parallel import train_replica
 
     out: dict[str, Any] = {}
-    for name, agg in variants:
+    for name, agg, *more in variants:
         if name == "DDP":
             out[name] = ddp_reference(ctx, dp_job(tmp, "ddp", ctx.world_size, {"method": "AllReduce"}))
             continue
         spec = agg if isinstance(agg, dict) else {"method": "AllReduce"}
-        job = dp_job(tmp, f"{name}-{ctx.world_size}", ctx.world_size, spec)
+        extra: dict[str, Any] = more[0] if more else {}
+        job = dp_job(tmp, f"{name}-{ctx.world_size}", ctx.world_size, spec, **extra)
         model, summary = train_replica(ctx, job, False, aggregation=None if isinstance(agg, dict) else agg,
                                        plot=False)
         out[name] = {"params": _flat(model), "summary": summary}

@@ -20,6 +20,8 @@ from paratrain.training import build_optimizer, seed_everything
 
 pytestmark = pytest.mark.timeout(300)
 
+LOSSLESS = {"method": "TopK", "k": 1_000_000}  # k >= numel keeps every entry
+
 
 def single_process_reference(job: Any, world: int) -> torch.Tensor:
     """SGD in one process on the concatenation of the replicas' batches."""
@@ -66,19 +68,33 @@ def _check_parity(results: list[dict[str, Any]], world: int, tmp: Path) -> None:
 
 
 def test_two_ranks_parity(tmp_path: Path) -> None:
-    variants: list[tuple[str, Any]] = [
+    variants: list[tuple[Any, ...]] = [
         ("AllReduce", {"method": "AllReduce"}),
         ("DDP", None),
         ("ParameterServer", {"method": "ParameterServer"}),
         ("complete", {"method": "Decentralized", "topology": "complete"}),
         ("NoSync", "NoSync"),
+        # Lossless compression (TopK keeping everything) through the compressed paths.
+        ("AllReduce_c", {"method": "AllReduce"}, {"compression": LOSSLESS}),
+        ("ParameterServer_c", {"method": "ParameterServer"}, {"compression": LOSSLESS}),
+        ("AllReduce_topk", {"method": "AllReduce"}, {"compression": {"method": "TopK", "k": 3}}),
     ]
     results = run_distributed(dp_parity, 2, str(tmp_path), variants, timeout_s=200)
     _check_parity(results, 2, tmp_path)
+    allreduce = _t(results[0]["AllReduce"]["params"])
+    for name in ("AllReduce_c", "ParameterServer_c"):
+        for r in results:
+            torch.testing.assert_close(_t(r[name]["params"]), allreduce, rtol=1e-5, atol=1e-7)
+    # Lossy TopK: replicas still agree with each other, but not with dense AllReduce.
+    topk = [_t(r["AllReduce_topk"]["params"]) for r in results]
+    assert torch.equal(topk[0], topk[1])
+    assert (topk[0] - allreduce).abs().max() > 1e-4
+    stats = results[0]["AllReduce_topk"]["summary"]["compression"]
+    assert stats["ratio"] < 0.5
 
 
 def test_four_ranks_parity_and_gossip(tmp_path: Path) -> None:
-    variants: list[tuple[str, Any]] = [
+    variants: list[tuple[Any, ...]] = [
         ("AllReduce", {"method": "AllReduce"}),
         ("DDP", None),
         ("ParameterServer", {"method": "ParameterServer"}),
@@ -86,6 +102,11 @@ def test_four_ranks_parity_and_gossip(tmp_path: Path) -> None:
         ("ring", {"method": "Decentralized", "topology": "ring"}),
         ("torus", {"method": "Decentralized", "topology": "torus"}),
         ("NoSync", "NoSync"),
+        # CHOCO-gossip with lossless compression and gamma = 1 is plain gossip.
+        ("choco_complete", {"method": "Decentralized", "topology": "complete"},
+         {"compression": LOSSLESS, "comm": {"gossip_step": 1.0}}),
+        ("choco_ring", {"method": "Decentralized", "topology": "ring"},
+         {"compression": {"method": "TopK", "k": 40}}),
     ]
     results = run_distributed(dp_parity, 4, str(tmp_path), variants, timeout_s=250)
     _check_parity(results, 4, tmp_path)
@@ -100,6 +121,12 @@ def test_four_ranks_parity_and_gossip(tmp_path: Path) -> None:
         stacked = torch.stack([_t(r[topo]["params"]) for r in results])
         assert float(torch.cdist(stacked, stacked).max()) == pytest.approx(s["consensus_distance_last"], rel=1e-6)
     assert results[0]["complete"]["summary"]["consensus_distance_last"] < 1e-5
+    allreduce = _t(results[0]["AllReduce"]["params"])
+    for r in results:
+        torch.testing.assert_close(_t(r["choco_complete"]["params"]), allreduce, rtol=1e-5, atol=1e-6)
+    choco = results[0]["choco_ring"]["summary"]
+    assert 0.0 < choco["consensus_distance_last"] < spread_nosync
+    assert choco["compression"]["ratio"] < 0.5
 
 
 def test_shards_disjoint_and_epoch_permutation_differs() -> None:

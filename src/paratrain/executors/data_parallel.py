@@ -190,6 +190,7 @@ def train_replica(
     agg: Aggregator = build_aggregator(
         aggregation if aggregation is not None else strategy.aggregation, model,
         group=ctx.group, counter=counter, bucket_bytes=bucket_bytes, compressor=_compressor(job),
+        gamma=job.comm.gossip_step,
     )
 
     run_dir = run_dir_of(job)

@@ -256,6 +256,11 @@ class DecentralizedAgg(Aggregator):
         self.gamma = gamma if gamma is not None else (1.0 if compressor is None else 0.5)
         self.rank = torch.distributed.get_rank(group) if self.n > 1 else 0
         self.x_hat: dict[int, list[torch.Tensor]] | None = None
+        if compressor is not None and self.n > 1:
+            # Built after the initial broadcast: every replica (and so every public copy)
+            # starts at the same x_0.
+            nb = neighbors(topology, self.n)[self.rank]
+            self.x_hat = {j: [p.detach().clone() for _, p in self.named] for j in [self.rank, *nb]}
 
     def _choco(self) -> None:
         import torch.distributed as dist
@@ -263,9 +268,7 @@ class DecentralizedAgg(Aggregator):
         nb = neighbors(self.topology, self.n)[self.rank]
         w = mixing_weights(self.topology, self.n)[self.rank]
         params = [p for _, p in self.named]
-        if self.x_hat is None:
-            # Replicas start identical (broadcast from rank 0), so every public copy does too.
-            self.x_hat = {j: [p.detach().clone() for p in params] for j in [self.rank, *nb]}
+        assert self.x_hat is not None
         mine = self.x_hat[self.rank]
         diffs = [(n, p.detach() - h) for (n, p), h in zip(self.named, mine, strict=True)]
         payload, _ = _encode(self.compressor, diffs)
