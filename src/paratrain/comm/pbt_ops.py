@@ -47,7 +47,8 @@ def gather_json(obj: Any, *, group: Any, dst: int = 0, max_bytes: int = MAX_BYTE
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     payload = _encode(obj)
-    _check(payload.numel(), max_bytes)
+    # Sizes are exchanged before anyone checks them, so an oversize document fails on
+    # every rank together instead of leaving the others blocked in a collective.
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
     sizes = [int(x) for x in lengths]
