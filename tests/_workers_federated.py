@@ -38,3 +38,8 @@ def fed_job(out: Path | str, name: str, **kw: Any) -> JobConfig:
 def rank_main(ctx: WorkerContext, job_doc: dict[str, Any], resume: bool) -> dict[str, Any] | None:
     """``worker_main`` on a ``run_distributed`` rank (job passed as JSON-able dict)."""
     return worker_main(ctx, load_job(job_doc), resume)
+
+
+def rank_main_sequence(ctx: WorkerContext, job_docs: list[dict[str, Any]]) -> list[Any]:
+    """Run several jobs one after another in the same ranks (rank 0's summaries)."""
+    return [worker_main(ctx, load_job(doc), False) for doc in job_docs]

@@ -119,6 +119,26 @@ def _unflatten(template: dict[str, torch.Tensor], f: torch.Tensor, i: torch.Tens
     return out
 
 
+_INVOCATIONS = 0
+
+
+class _Prefixed:
+    """Key prefixing over a store's ``set``/``get``/``delete_key``."""
+
+    def __init__(self, store: Any, prefix: str) -> None:
+        self.store, self.prefix = store, prefix
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.store.set(self.prefix + key, value)
+
+    def get(self, key: str) -> bytes:
+        out: bytes = self.store.get(self.prefix + key)
+        return out
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.store.delete_key(self.prefix + key))
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
@@ -135,7 +155,13 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         raise ConfigError([("strategy.type", f"federated executor got {getattr(strat, 'type', None)!r}")])
     check_job(job, world_size=ctx.world_size)
     rank, world, group = ctx.rank, ctx.world_size, ctx.group
-    store = ctx.store if ctx.store is not None else LocalStore()
+    # Every rank calls worker_main the same number of times, so this counter agrees
+    # across ranks and keeps a second job in the same processes (and store) from
+    # reading the first job's control keys.
+    global _INVOCATIONS
+    _INVOCATIONS += 1
+    base_store = ctx.store if ctx.store is not None else LocalStore()
+    store = _Prefixed(base_store, f"fed{_INVOCATIONS}/")
     is_server = rank == 0
     seed = job.run.seed
     device = ctx.device
