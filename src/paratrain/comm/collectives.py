@@ -49,6 +49,7 @@ __all__ = [
     "bucket_bytes_of",
     "consensus_distance",
     "GradReducer",
+    "comm_device",
 ]
 
 DEFAULT_BUCKET_MB = 25.0
@@ -81,6 +82,13 @@ class CommCounter:
 def _count(counter: CommCounter | None, op: str, nbytes: int) -> None:
     if counter is not None:
         counter.add(op, nbytes)
+
+
+def comm_device(group: Any = None) -> torch.device:
+    """Where tensors must live to travel through ``group``: the current GPU for NCCL."""
+    if dist.is_initialized() and str(dist.get_backend(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def world_size(group: Any = None) -> int:
@@ -240,11 +248,13 @@ def recv_tensor(
 def send_bytes(data: bytes | torch.Tensor, *, dst: int, group: Any = None,
                counter: CommCounter | None = None) -> None:
     """Send a byte string: an int64 length header, then the uint8 payload."""
+    dev = comm_device(group)
     if isinstance(data, bytes | bytearray):
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     else:
         payload = data.reshape(-1).view(torch.uint8) if data.dtype != torch.uint8 else data.reshape(-1)
-    header = torch.tensor([payload.numel()], dtype=torch.int64)
+    payload = payload.to(dev)
+    header = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
     dist.send(header, dst=dst, group=group)
     if payload.numel():
         dist.send(payload.contiguous(), dst=dst, group=group)
@@ -253,16 +263,17 @@ def send_bytes(data: bytes | torch.Tensor, *, dst: int, group: Any = None,
 
 def recv_bytes(*, src: int, group: Any = None, max_bytes: int = 1 << 32) -> bytes:
     """Receive what :func:`send_bytes` sent; a length above ``max_bytes`` is an error."""
-    header = torch.empty(1, dtype=torch.int64)
+    dev = comm_device(group)
+    header = torch.empty(1, dtype=torch.int64, device=dev)
     dist.recv(header, src=src, group=group)
     n = int(header.item())
     if not 0 <= n <= max_bytes:
         raise ValueError(f"recv_bytes: peer {src} announced {n} bytes (limit {max_bytes})")
     if n == 0:
         return b""
-    buf = torch.empty(n, dtype=torch.uint8)
+    buf = torch.empty(n, dtype=torch.uint8, device=dev)
     dist.recv(buf, src=src, group=group)
-    return bytes(buf.numpy().tobytes())
+    return bytes(buf.cpu().numpy().tobytes())
 
 
 def _backend(group: Any) -> str:

@@ -321,7 +321,7 @@ def train_replica(
     if ctx.world_size > 1 and strategy.aggregation.method == "ParameterServer" and aggregation is None:
         import torch.distributed as dist
 
-        sb = torch.tensor([float(getattr(agg, "server_bytes", 0))], dtype=torch.float64)
+        sb = torch.tensor([float(getattr(agg, "server_bytes", 0))], dtype=torch.float64, device=device)
         dist.broadcast(sb, src=0, group=ctx.group)
         summary["server_bytes_per_step"] = float(sb.item()) / steps_this_run
     if ctx.is_main:

@@ -142,10 +142,12 @@ class AllReduceAgg(Aggregator):
             return
         grads = [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named]
         payload, _ = _encode(self.compressor, grads)
-        parts = C.all_gather_variable(payload, group=self.group, counter=self.counter)
+        parts = C.all_gather_variable(payload.to(C.comm_device(self.group)), group=self.group,
+                                      counter=self.counter)
         total = [torch.zeros_like(p) for _, p in self.named]
         for part in parts:
-            for acc, d in zip(total, _decode(self.compressor, part.numpy().tobytes(), self.named), strict=True):
+            data = part.cpu().numpy().tobytes()
+            for acc, d in zip(total, _decode(self.compressor, data, self.named), strict=True):
                 acc.add_(d)
         for (_, p), acc in zip(self.named, total, strict=True):
             p.grad = acc.div_(self.n)
@@ -274,8 +276,10 @@ class DecentralizedAgg(Aggregator):
         payload, _ = _encode(self.compressor, diffs)
         self.compressor.step()
         # Exchange lengths, then payloads, with every neighbour at once.
-        length = torch.tensor([payload.numel()], dtype=torch.int64)
-        lens = {j: torch.empty(1, dtype=torch.int64) for j in nb}
+        dev = C.comm_device(self.group)
+        wire = payload.to(dev)
+        length = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
+        lens = {j: torch.empty(1, dtype=torch.int64, device=dev) for j in nb}
         ops = []
         for j in nb:
             ops += [dist.P2POp(dist.isend, length, j, group=self.group),
@@ -288,11 +292,11 @@ class DecentralizedAgg(Aggregator):
             k = int(lens[j].item())
             if not 0 <= k <= limit:
                 raise ValueError(f"gossip: neighbour {j} announced {k} bytes (limit {limit})")
-            bufs[j] = torch.empty(k, dtype=torch.uint8)
+            bufs[j] = torch.empty(k, dtype=torch.uint8, device=dev)
         ops = []
         for j in nb:
-            if payload.numel():
-                ops.append(dist.P2POp(dist.isend, payload, j, group=self.group))
+            if wire.numel():
+                ops.append(dist.P2POp(dist.isend, wire, j, group=self.group))
             if bufs[j].numel():
                 ops.append(dist.P2POp(dist.irecv, bufs[j], j, group=self.group))
         if ops:
@@ -303,7 +307,7 @@ class DecentralizedAgg(Aggregator):
         for h, d in zip(mine, own, strict=True):
             h.add_(d)
         for j in nb:
-            for h, d in zip(self.x_hat[j], _decode(self.compressor, bufs[j].numpy().tobytes(), self.named),
+            for h, d in zip(self.x_hat[j], _decode(self.compressor, bufs[j].cpu().numpy().tobytes(), self.named),
                             strict=True):
                 h.add_(d)
         with torch.no_grad():
