@@ -122,12 +122,14 @@ def test_two_workers_exploit_byte_identical_and_failure_tolerated(tmp_path: Path
 
 @pytest.mark.slow
 def test_resume_continues_to_same_result(tmp_path: Path) -> None:
-    job = make_job(tmp_path, "full", strategy={
+    job = make_job(tmp_path, "full", population={"steps_per_generation": 12, "keep_generations": 2},
+                   strategy={
         "type": "PopulationBased", "population_size": 4, "generations": 3,
         "exploit": {"method": "Binary", "threshold": 0.0}, "explore": {"method": "Resample"},
     })
     full = population.run(job)
     run_dir = Path(full["run_dir"])
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("gen-*")) == ["gen-000001", "gen-000002"]
     # Simulate a crash during the last generation: its population checkpoint, lineage
     # entry and summary never got written; one member file did.
     (run_dir / "checkpoints" / "population-000003.pt").unlink()

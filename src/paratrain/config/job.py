@@ -135,6 +135,8 @@ class PopulationOptions(_Section):
     evolve: bool = True
     # Member indices whose training raises (fault injection for tests and demos).
     fail_members: list[Annotated[int, Field(ge=0, strict=True)]] = []
+    # Keep the member checkpoints of only the newest N generations (None = all).
+    keep_generations: PositiveCount | None = None
 
     @model_validator(mode="after")
     def _one_budget(self) -> PopulationOptions:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 import uuid
 import warnings
@@ -116,6 +117,18 @@ def _check_shared(run_dir: Path, token: str, rank: int) -> None:
             f"rank {rank} cannot see rank 0's run folder {run_dir}; PopulationBased copies "
             "members through checkpoint files, so output_dir must be on a filesystem shared "
             "by all workers"))])
+
+
+def _prune_members(run_dir: Path, *, keep_from: int) -> None:
+    """Delete member checkpoints of generations before ``keep_from`` (after the
+    population checkpoint that no longer needs them is on disk)."""
+    for d in (run_dir / "checkpoints").glob("gen-*"):
+        try:
+            g = int(d.name.removeprefix("gen-"))
+        except ValueError:
+            continue
+        if g < keep_from:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _write_json(path: Path, doc: Any) -> None:
@@ -239,6 +252,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         t = time.perf_counter()
         _write_json(run_dir / "lineage.json", lineage_json(pop, metric=opts.metric, mode=opts.mode))
         checkpoint.save_checkpoint(population_path(run_dir, pop.generation), pop.state_dict())
+        if opts.keep_generations is not None:
+            _prune_members(run_dir, keep_from=pop.generation - opts.keep_generations)
         timing["persist_s"] += time.perf_counter() - t
 
     timing["loop_s"] = time.perf_counter() - loop_started
