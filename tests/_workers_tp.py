@@ -368,3 +368,29 @@ def suite_4(ctx: WorkerContext) -> dict[str, Any]:
         out["bad_tp"] = str(e)
     dist.barrier()
     return out
+
+
+def job_resume(ctx: WorkerContext, out_dir: str) -> dict[str, Any]:
+    """An uninterrupted 6-step run vs 3 steps + ``resume`` to 6: same final parameters."""
+    from paratrain.config import load_job
+    from paratrain.executors.tensor_parallel import worker_main
+
+    def job(name: str, steps: int) -> Any:
+        return load_job({
+            "run": {"name": name, "seed": 3, "output_dir": out_dir, "checkpoint_every": 3},
+            "model": {"name": "mlp", "hidden": [32, 32, 32]},
+            "train": {"epochs": 1, "batch_size": 16, "max_steps": steps,
+                      "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}},
+            "tensor_parallel": {"tensor_parallel_size": 2, "micro_batches": 2,
+                                "communication_pattern": "ReduceScatter",
+                                "memory_optimization": "High"},
+        })
+
+    full = worker_main(ctx, job("full", 6), False)
+    worker_main(ctx, job("split", 3), False)
+    resumed = worker_main(ctx, job("split", 6), True)
+    if ctx.rank != 0:
+        return {}
+    assert full is not None and resumed is not None
+    return {"full": full["parameters_sha256"], "resumed": resumed["parameters_sha256"],
+            "steps": (full["steps"], resumed["steps"]), "acc": full["test_accuracy"]}

@@ -62,3 +62,14 @@ def test_two_d_job_trains_and_gathers_the_dense_model(tmp_path: Path) -> None:
     assert ev["loss"] == pytest.approx(s["test_loss"], rel=1e-4)
     assert (tmp_path / "tensor_parallel_2d" / "summary.json").exists()
     assert (tmp_path / "tensor_parallel_2d" / "checkpoints" / "tp-complete.json").exists()
+
+
+@pytest.mark.slow
+def test_resume_from_sharded_checkpoints_matches_uninterrupted(tmp_path: Path) -> None:
+    from _workers_tp import job_resume
+    from paratrain.comm.testing import run_distributed
+
+    r = run_distributed(job_resume, 2, str(tmp_path), timeout_s=240)[0]
+    assert r["steps"] == (6, 6)
+    assert r["full"] == r["resumed"]
+    assert (tmp_path / "split" / "checkpoints" / "tp-rank1").is_dir()

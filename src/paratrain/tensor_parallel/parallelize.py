@@ -337,7 +337,11 @@ class TensorParallelModule(nn.Module):
                 dummy = torch.ones(1, requires_grad=True, device=x.device)
                 out = x
                 for seg in self.segments:
-                    out = checkpoint(self._seg_fn(seg), out, dummy, use_reentrant=True)
+                    trains = any(p.requires_grad for i in seg for p in self._kids[i].parameters())
+                    if not trains and not out.requires_grad:
+                        out = self._run(seg, out)  # nothing to recompute for (e.g. a flatten)
+                    else:
+                        out = checkpoint(self._seg_fn(seg), out, dummy, use_reentrant=True)
         return out.float() if mp and out.is_floating_point() else out
 
     def _seg_fn(self, seg: list[int]) -> Any:
