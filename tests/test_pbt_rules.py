@@ -328,3 +328,37 @@ def test_evolve_copies_donor_then_explores(exploit_s) -> None:
         assert c.hparams["act"] != hp[c.donor]["act"]  # choices always move
     for i in set(range(6)) - copied:
         assert sources[i] == i and new[i] == hp[i]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    fitness=st.lists(
+        st.lists(st.floats(0, 1) | st.none(), min_size=5, max_size=5).filter(
+            lambda f: any(v is not None for v in f)),
+        min_size=1, max_size=4),
+    binary=st.booleans(),
+    resample=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_population_state_resumes_identically(
+    fitness: list[list[float | None]], binary: bool, resample: bool, seed: int
+) -> None:
+    """Any prefix of generations, saved and reloaded, continues exactly like the original;
+    every member's hyperparameters stay in the space."""
+    kw = dict(mode="max", space=SPACE,
+              exploit_strategy=Binary(threshold=0.05) if binary else Truncation(fraction=0.4),
+              explore_strategy=Resample() if resample else Perturbation(factor=0.3))
+    pop = PopulationState.initial(SPACE, size=5, seed=seed)
+    for cut in range(len(fitness)):
+        a = PopulationState.initial(SPACE, size=5, seed=seed)
+        for f in fitness[:cut]:
+            a.advance(f, **kw)  # type: ignore[arg-type]
+        b = PopulationState.from_state_dict(a.state_dict())
+        for f in fitness[cut:]:
+            a.advance(f, **kw)  # type: ignore[arg-type]
+            b.advance(f, **kw)  # type: ignore[arg-type]
+        assert a.history == b.history and a.hparams == b.hparams
+    for f in fitness:
+        pop.advance(f, **kw)  # type: ignore[arg-type]
+        for h in pop.hparams:
+            assert all(in_dim(SPACE[k], h[k]) for k in SPACE)
