@@ -44,7 +44,7 @@ from .base import (
 from .clipped import ClippedCodec
 from .error_feedback import ErrorFeedbackCodec
 from .none import NoneCodec
-from .quantization import QuantizationCodec, dequantize, unpack_codes
+from .quantization import QuantizationCodec, dequantize_packed
 from .randomk import RandomKCodec
 from .threshold import ThresholdCodec
 from .topk import TopKCodec
@@ -96,8 +96,7 @@ def decompress(c: CompressedTensor) -> torch.Tensor:
             raise CompressionError(f"{c.method} record needs one index per value")
         return scatter_dense(n, c.indices, c.values, c.dtype).reshape(c.shape)
     if c.method == "Quantization":
-        codes = unpack_codes(c.values, n, c.bits)
-        return dequantize(codes, c.offset, c.scale, c.bits, c.dtype).reshape(c.shape)
+        return dequantize_packed(c.values, n, c.offset, c.scale, c.bits, c.dtype).reshape(c.shape)
     raise CompressionError(f"unknown method {c.method!r}")
 
 

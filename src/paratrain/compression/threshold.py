@@ -1,8 +1,8 @@
 """``{"method":"Threshold","threshold":t}``: keep the entries with |x_i| > t (strict).
 
 C(x)_i = x_i if |x_i| > t else 0; NaN entries are kept (their magnitude is not <= t).
-One fused pass: ``hardshrink(x, t)`` zeroes exactly the entries with |x| <= t, and
-``nonzero`` lists the survivors in ascending order. The number kept varies per tensor
+One cache-blocked pass (:func:`abs_above_indices`; ``hardshrink`` + ``nonzero`` off the
+CPU) lists the survivors in ascending order. The number kept varies per tensor
 and per rank, so in data parallelism the records travel by all-gather.
 (Strom, "Scalable distributed DNN training using commodity GPU cloud computing", 2015.)
 """
@@ -13,8 +13,8 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from ._kernels import abs_above_indices
 from .base import CompressedTensor, EncodeContext
 
 __all__ = ["ThresholdCodec", "threshold_indices", "representable_floor"]
@@ -44,8 +44,7 @@ def threshold_indices(flat: torch.Tensor, threshold: float) -> torch.Tensor:
     """Ascending int64 indices of the entries with |x| > threshold (and NaN entries)."""
     if flat.numel() == 0:
         return torch.empty(0, dtype=torch.long, device=flat.device)
-    t = representable_floor(threshold, flat.dtype)
-    return torch.nonzero(F.hardshrink(flat, t)).squeeze(1)
+    return abs_above_indices(flat, representable_floor(threshold, flat.dtype))
 
 
 class ThresholdCodec:

@@ -9,7 +9,7 @@ reference's stable sort gives the same set); NaN counts as the largest magnitude
 Selection is exact but avoids a full ``torch.topk`` on large tensors, as in Deep
 Gradient Compression (Lin et al., ICLR 2018, §3 "sampling to reduce top-k selection
 time"): estimate the k-th magnitude from a random sample of |x|, keep every entry above
-the estimate in one fused pass (``hardshrink`` + ``nonzero``), then correct the count by
+the estimate in one cache-blocked pass (:func:`abs_above_indices`), then correct the count by
 an exact selection among those few candidates. The estimate is biased slightly low so
 that it almost always over-selects; if it still under-selects, the exact path runs.
 """
@@ -20,8 +20,8 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from ._kernels import abs_above_indices
 from .base import CompressedTensor, EncodeContext
 
 __all__ = ["TopKCodec", "topk_indices"]
@@ -75,10 +75,9 @@ def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
         r = min(_SAMPLE, math.ceil(expected_rank + 4.0 * math.sqrt(expected_rank) + 2))
         thr = float(torch.kthvalue(sample, _SAMPLE - r + 1).values)
         if math.isfinite(thr) and thr > 0.0:
-            # hardshrink keeps |x| > thr (and NaN) in one pass; nonzero then lists them.
             # The candidates are exactly {|x| > thr}: an upper set of magnitudes, so when
             # it holds >= k entries it contains the top k with the same tie-breaking.
-            cand = torch.nonzero(F.hardshrink(flat, thr)).squeeze(1)
+            cand = abs_above_indices(flat, thr)
             if cand.numel() >= k:
                 return cand[_exact_among(_magnitudes(flat[cand]), k)]
     return _exact_among(_magnitudes(flat), k)

@@ -297,8 +297,10 @@ def from_bytes(
             raise CompressionError(f"unknown quantization flags {flags:#x}")
         if not (math.isfinite(lo) and math.isfinite(scale)) or scale < 0:
             raise CompressionError(f"invalid quantization parameters lo={lo}, scale={scale}")
-        if not math.isfinite(lo + scale * ((1 << bits_) - 1)):
-            raise CompressionError("quantization range overflows")
+        top = lo + scale * ((1 << bits_) - 1)
+        fmax = torch.finfo(dtype).max * (1 + torch.finfo(dtype).eps)
+        if not math.isfinite(top) or max(abs(lo), abs(top)) > fmax:
+            raise CompressionError(f"quantization range [{lo}, {top}] overflows {dtype}")
         nbytes = (n * bits_ + 7) // 8
         packed = r.tensor(nbytes, torch.uint8, "quantized codes")
         spare = nbytes * 8 - n * bits_
