@@ -151,3 +151,17 @@ def test_replica_count_errors(tmp_path: Path) -> None:
         dp_job(str(tmp_path), "x", 0, {"method": "AllReduce"})
     with pytest.raises(ConfigError, match="ring, torus, complete"):
         dp_job(str(tmp_path), "x", 2, {"method": "Decentralized", "topology": "star"})
+
+
+def test_resume_with_other_replica_count_is_an_error(tmp_path: Path) -> None:
+    import json
+
+    from paratrain.comm.context import WorkerContext
+    from paratrain.executors.data_parallel import _agreed_step
+
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "dp-complete.json").write_text(json.dumps({"step": 8, "replicas": 4}))
+    with pytest.raises(ConfigError, match="different number of replicas"):
+        _agreed_step(WorkerContext(rank=0, world_size=1), tmp_path)
+    (tmp_path / "checkpoints" / "dp-complete.json").write_text(json.dumps({"step": 8, "replicas": 1}))
+    assert _agreed_step(WorkerContext(rank=0, world_size=1), tmp_path) == 8

@@ -122,23 +122,33 @@ def _ckpt_dir(run_dir: Path, rank: int) -> Path:
     return run_dir / "checkpoints" / f"dp-rank{rank}"
 
 
-def _complete_step(run_dir: Path) -> int | None:
+def _complete_step(run_dir: Path, world: int | None = None) -> int | None:
+    """The step every rank has checkpointed; -2 when it was saved by another replica count."""
     marker = run_dir / "checkpoints" / _MARKER
     if not marker.exists():
         return None
-    return int(json.loads(marker.read_text())["step"])
+    doc = json.loads(marker.read_text())
+    if world is not None and int(doc.get("replicas", world)) != world:
+        return -2
+    return int(doc["step"])
 
 
 def _agreed_step(ctx: WorkerContext, run_dir: Path) -> int | None:
     """Rank 0's last complete checkpoint step, broadcast (ranks may not share a disk)."""
-    step = _complete_step(run_dir) if ctx.is_main else None
-    if ctx.world_size == 1:
-        return step
-    import torch.distributed as dist
+    step = _complete_step(run_dir, ctx.world_size) if ctx.is_main else None
+    value = -1 if step is None else step
+    if ctx.world_size > 1:
+        import torch.distributed as dist
 
-    t = torch.tensor([-1 if step is None else step], dtype=torch.int64, device=ctx.device)
-    dist.broadcast(t, src=0, group=ctx.group)
-    value = int(t.item())
+        t = torch.tensor([value], dtype=torch.int64, device=ctx.device)
+        dist.broadcast(t, src=0, group=ctx.group)
+        value = int(t.item())
+    if value == -2:
+        raise ConfigError([(
+            "strategy.num_replicas",
+            f"the checkpoints in {run_dir} were written by a different number of replicas; "
+            f"resume with the original num_replicas or start without --resume",
+        )])
     return None if value < 0 else value
 
 
@@ -217,6 +227,9 @@ def train_replica(
         step, epoch, batch = int(state["step"]), int(state["epoch"]), int(state["batch"])
         for k, v in state["comm"].items():
             counter.bytes[k] = int(v)
+        resumed_losses = [float(v) for v in state.get("losses", [])]
+    else:
+        resumed_losses = []
     if metrics is not None and resume:
         metrics.truncate_after("step", step)
 
@@ -227,7 +240,7 @@ def train_replica(
         checkpoint.save_checkpoint(checkpoint.checkpoint_path(d, step), {
             "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(),
             "aggregator": agg.state_dict(), "step": step, "epoch": epoch, "batch": batch,
-            "comm": dict(counter.bytes),
+            "comm": dict(counter.bytes), "losses": list(losses),
         })
         _barrier(ctx)  # every rank has saved `step` before it is declared complete
         if ctx.is_main:
@@ -240,7 +253,7 @@ def train_replica(
         last_saved[0] = step
 
     consensus: list[float] = []
-    losses: list[float] = []
+    losses: list[float] = resumed_losses
 
     def log_eval() -> dict[str, float] | None:
         mean_loss = _all_mean([sum(losses) / max(len(losses), 1)], ctx)[0]
