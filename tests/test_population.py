@@ -197,6 +197,8 @@ def test_validation_errors(tmp_path: Path) -> None:
         population.run(make_job(tmp_path, "v4", population={"metric": "f1"}))
     with pytest.raises(ConfigError, match="integers"):
         population.run(make_job(tmp_path, "v5", search_space={"batch_size": {"type": "uniform", "low": 8, "high": 64}}))
+    with pytest.raises(ConfigError, match="search_space.momentum: momentum=-0.5 is invalid"):
+        population.run(make_job(tmp_path, "v7", search_space={"momentum": {"type": "uniform", "low": -0.5, "high": 0.5}}))
     # Model-factory keywords are hyperparameters too (mlp takes dropout, activation).
     from paratrain.executors.pbt_member import validate_job
 

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from ..config.job import DataSpec, JobConfig, ModelSpec
+from ..config.job import ChoiceDim, DataSpec, JobConfig, ModelSpec
 from ..data import DATASETS, DataBundle, load_data
 from ..models import build_model
 from ..models.zoo import MODELS, import_object
@@ -110,6 +110,17 @@ def validate_job(job: JobConfig) -> dict[str, str]:
     bad = [i for i in job.population.fail_members if i >= n]
     if bad:
         problems.append(("population.fail_members", f"member index {bad[0]} >= population_size {n}"))
+    for name in sorted(job.search_space):  # every extreme value must build an optimizer
+        if roles.get(name) != "optimizer":
+            continue
+        dim = job.search_space[name]
+        values = dim.values if isinstance(dim, ChoiceDim) else [dim.low, dim.high]
+        for v in values:
+            try:
+                build_optimizer([torch.zeros(1, requires_grad=True)], job.train.optimizer, **{name: v})
+            except ConfigError as e:
+                problems.append((f"search_space.{name}", f"{name}={v!r} is invalid: {e.problems[0][1]}"))
+                break
     if problems:
         raise ConfigError(problems)
     for name in job.search_space:  # accepted by a factory's **kwargs
