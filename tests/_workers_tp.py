@@ -331,6 +331,12 @@ def suite_2(ctx: WorkerContext) -> dict[str, Any]:
                                                              fusion_threshold_bytes=0)
     out["parity"]["encoder/AllReduce/High"] = parity("encoder", "AllReduce", tp,
                                                      memory_optimization="High")
+    from paratrain.comm import tp_ops
+
+    saved = dict(tp_ops._NATIVE)  # the fallbacks for backends without flat collectives
+    tp_ops._NATIVE.update(all_gather=False, reduce_scatter=False)
+    out["parity"]["encoder/ReduceScatter/fallback"] = parity("encoder", "ReduceScatter", tp)
+    tp_ops._NATIVE.update(saved)
     for kind in ["mlp", "attn"]:
         out["dtensor"][kind] = dtensor_parity(kind, tp)
     out["wrong"] = wrong_variant(tp)

@@ -144,6 +144,38 @@ class Handle:
         return self._result
 
 
+# Newer torch names these ``*_single``; older ones ``*_tensor``; older gloo builds have
+# neither collective, so the fallbacks below use list all-gather / all-reduce + slice.
+_AG = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+_RS = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+_NATIVE = {"all_gather": _AG is not None, "reduce_scatter": _RS is not None}
+
+
+def _all_gather_flat(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool) -> Any:
+    """``out`` = concatenation of every rank's ``x`` along dim 0."""
+    if _NATIVE["all_gather"]:
+        try:
+            return _AG(out, x, group=group, async_op=async_op)  # type: ignore[misc]
+        except (RuntimeError, NotImplementedError):  # backend without the flat form
+            _NATIVE["all_gather"] = False
+    parts = list(out.chunk(dist.get_world_size(group)))
+    work = dist.all_gather(parts, x, group=group, async_op=async_op)
+    return work
+
+
+def _reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
+    """``out`` = this rank's chunk (dim 0) of the sum of every rank's ``inp``."""
+    if _NATIVE["reduce_scatter"]:
+        try:
+            return _RS(out, inp, group=group, async_op=async_op)  # type: ignore[misc]
+        except (RuntimeError, NotImplementedError):  # e.g. gloo without reduce_scatter
+            _NATIVE["reduce_scatter"] = False
+    full = inp.clone()
+    dist.all_reduce(full, group=group)
+    out.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+    return None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -214,9 +246,9 @@ class TPComm:
         if async_op:
             self.stats.record("all_gather", wire)
             self.stats.launched_async()
-            work = dist.all_gather_single(out, x, group=self.group, async_op=True)
+            work = _all_gather_flat(out, x, self.group, True)
             return Handle(self.stats, work=work, finish=finish)
-        self._timed("all_gather", wire, lambda: dist.all_gather_single(out, x, group=self.group))
+        self._timed("all_gather", wire, lambda: _all_gather_flat(out, x, self.group, False))
         return Handle(self.stats, finish=finish)
 
     def _reduce_scatter_padded(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None,
@@ -246,10 +278,10 @@ class TPComm:
         if async_op:
             self.stats.record("reduce_scatter", wire)
             self.stats.launched_async()
-            work = dist.reduce_scatter_single(out, inp, group=self.group, async_op=True)
+            work = _reduce_scatter_flat(out, inp, self.group, True)
             return Handle(self.stats, work=work, finish=finish)
         self._timed("reduce_scatter", wire,
-                    lambda: dist.reduce_scatter_single(out, inp, group=self.group))
+                    lambda: _reduce_scatter_flat(out, inp, self.group, False))
         return Handle(self.stats, finish=finish)
 
     def _ring_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
