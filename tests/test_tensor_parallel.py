@@ -194,3 +194,26 @@ def test_tp_greater_than_world_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         parallelize(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
                     TensorParallelismConfig(tensor_parallel_size=2))
+
+
+def test_rust_utils() -> None:
+    from paratrain.tensor_parallel import (
+        calculate_memory_savings,
+        calculate_optimal_tensor_config,
+        estimate_communication_overhead,
+    )
+
+    # 10 B params in 8 GiB per device on 8 ranks: Rust says tp = 5 (does not divide 8)
+    assert calculate_optimal_tensor_config(10**10, 8 * 2**30, 8).tensor_parallel_size == 8
+    assert calculate_optimal_tensor_config(1000, 10**9, 8).tensor_parallel_size == 1
+    with pytest.raises(ValueError):
+        calculate_optimal_tensor_config(10, 0, 2)
+    cfg = TensorParallelismConfig(tensor_parallel_size=4)
+    assert estimate_communication_overhead(cfg, 2**20, 3) == 6.0
+    ag = TensorParallelismConfig(tensor_parallel_size=4, communication_pattern="AllGather")
+    assert estimate_communication_overhead(ag, 2**20, 1) == 4.0
+    p2p = TensorParallelismConfig(tensor_parallel_size=4, communication_pattern="PointToPoint")
+    assert estimate_communication_overhead(p2p, 2**20, 1) == 1.0
+    assert calculate_memory_savings(1000, 4) == 0.75
+    assert calculate_memory_savings(10, 3) == pytest.approx(0.7)
+    assert calculate_memory_savings(0, 2) == 0.0 and calculate_memory_savings(100, 1) == 0.0

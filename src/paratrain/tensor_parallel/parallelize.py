@@ -457,6 +457,15 @@ class TensorParallelModule(nn.Module):
             "total_partitions": self.coordinator.total_partitions,
             "local_partitions": self.coordinator.local_partitions,
             "peak_activation_bytes": self.last_peak_activation_bytes,
+            # the Rust TensorParallelismStatistics names, with real values
+            "communication_volume": snap["bytes_moved"],
+            "communication_time": snap["communication_time_s"],
+            "computation_time": snap["computation_time_s"],
+            "efficiency_score": (snap["computation_time_s"]
+                                 / (snap["computation_time_s"] + snap["communication_time_s"])
+                                 if snap["computation_time_s"] + snap["communication_time_s"] > 0
+                                 else 0.0),
+            "memory_usage_per_device": {self.comm.global_rank: local},
         })
         return snap
 

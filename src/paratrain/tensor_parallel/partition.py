@@ -33,6 +33,9 @@ __all__ = [
     "split_sizes",
     "partition_shape",
     "TensorParallelism",
+    "calculate_optimal_tensor_config",
+    "estimate_communication_overhead",
+    "calculate_memory_savings",
 ]
 
 
@@ -227,3 +230,36 @@ class TensorParallelism:
     @property
     def local_partitions(self) -> int:
         return sum(len(p) for p in self._local.values())
+
+
+def calculate_optimal_tensor_config(num_parameters: int, memory_per_device: int,
+                                    world_size: int) -> TensorParallelismConfig:
+    """The smallest tp that fits fp32 weights in ``memory_per_device`` bytes, capped at
+    the world and rounded up to a divisor of it (rust-behaviour §3.10; the Rust version can
+    return a tp that does not divide the world, and divides by zero for 0 bytes)."""
+    if memory_per_device <= 0:
+        raise ValueError(f"memory_per_device must be > 0 (got {memory_per_device})")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1 (got {world_size})")
+    tp = max(1, min(-(-num_parameters * 4 // memory_per_device), world_size))
+    while world_size % tp:
+        tp += 1
+    return TensorParallelismConfig(tensor_parallel_size=tp)
+
+
+def estimate_communication_overhead(config: TensorParallelismConfig, tensor_bytes: int,
+                                    num_operations: int) -> float:
+    """MiB moved by ``num_operations`` collectives of ``tensor_bytes`` (rust-behaviour §3.10):
+    AllReduce 2x, AllGather tp x, the others 1x the tensor."""
+    pattern = config.communication_pattern.value
+    per_op = {"AllReduce": 2 * tensor_bytes,
+              "AllGather": tensor_bytes * config.tensor_parallel_size}.get(pattern, tensor_bytes)
+    return per_op * num_operations / 2**20
+
+
+def calculate_memory_savings(num_parameters: int, tp: int) -> float:
+    """Fraction of parameter memory saved per device, ``1 - (params // tp) / params``
+    (0.0 for tp <= 1 or no parameters, where the Rust version returns NaN)."""
+    if tp <= 1 or num_parameters <= 0:
+        return 0.0
+    return 1.0 - (num_parameters // tp) / num_parameters
