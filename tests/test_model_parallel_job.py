@@ -1,6 +1,7 @@
 """ModelParallel through the full job path (``execute`` -> ``comm.launch`` -> worker_main):
-DataStore training equals Local training; a Pipeline job stopped and resumed with
-``--resume`` ends where an uninterrupted run ends."""
+DataStore training equals Local training; a Pipeline job whose rank is SIGKILLed midway
+is restarted by the elastic agent from the per-rank checkpoints and ends where the
+uninterrupted run ends. (Four worker-process starts in all: the test-time budget.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
 from paratrain.executors import execute
+from paratrain.executors.model_parallel import FAULT_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -33,10 +35,17 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return execute(_job(tmp_path_factory.mktemp("local"), "local", {"type": "Local"}, 8))
 
 
-def test_datastore_job_matches_local(tmp_path: Path, local: dict[str, Any]) -> None:
-    strategy = {"type": "ModelParallel", "communication": {"protocol": "DataStore"},
-                "partitions": [{"node_ids": ["fc0", "act0", "head"], "target": {"WorkerId": "worker-1"}}]}
-    out = execute(_job(tmp_path, "ds", strategy, 8))
+SPLIT = [{"node_ids": ["fc0", "act0", "head"], "target": {"WorkerId": "worker-1"}}]
+
+
+@pytest.fixture(scope="module")
+def datastore(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    strategy = {"type": "ModelParallel", "communication": {"protocol": "DataStore"}, "partitions": SPLIT}
+    return execute(_job(tmp_path_factory.mktemp("ds"), "ds", strategy, 8))
+
+
+def test_datastore_job_matches_local(datastore: dict[str, Any], local: dict[str, Any]) -> None:
+    out = datastore
     assert out["protocol"] == "DataStore" and out["steps"] == 8 and out["workers"] == 2
     assert [(s["rank"], s["nodes"]) for s in out["stages"]] == [
         (0, ["flatten"]), (1, ["fc0", "act0"]), (0, ["fc1", "act1"]), (1, ["head"])]
@@ -49,20 +58,23 @@ def test_datastore_job_matches_local(tmp_path: Path, local: dict[str, Any]) -> N
     assert not list((run / "datastore").rglob("*.pt")), "every exchanged file was consumed"
 
 
-def test_pipeline_job_resume_continues_exactly(tmp_path: Path, local: dict[str, Any]) -> None:
+def test_sigkill_elastic_restart_pipeline(tmp_path: Path, local: dict[str, Any],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pipeline (1F1B, micro-batches 10/10/4): rank 1 dies after step 6; the elastic agent
+    restarts both ranks from the step-4 checkpoints (parameters, momentum buffers, RNG,
+    position) and the run ends where the uninterrupted Local run ends."""
+    monkeypatch.setenv(FAULT_ENV, "1:6")
     strategy = {"type": "ModelParallel",
-                "communication": {"protocol": "Pipeline", "micro_batch_size": 10, "schedule": "GPipe"},
-                "partitions": [{"node_ids": ["fc1", "act1"], "target": {"Tag": "mid"}},
-                               {"node_ids": ["head"], "target": {"WorkerId": "last"}}]}
-    workers = [{"id": "first"}, {"id": "second", "tags": ["mid"]}, {"id": "last"}]
-    first = execute(_job(tmp_path, "pp", strategy, 4, workers=workers))
-    assert first["steps"] == 4
-    resumed = execute(_job(tmp_path, "pp", strategy, 8, workers=workers), resume=True)
-    assert resumed["steps"] == 8 and resumed["schedule"] == "GPipe"
-    # Momentum buffers and positions restored: equals the uninterrupted Local run.
-    assert resumed["test_loss"] == pytest.approx(local["test_loss"], rel=1e-5)
-    run = Path(resumed["run_dir"])
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [4, 8]
+                "communication": {"protocol": "Pipeline", "micro_batch_size": 10},
+                "partitions": [{"node_ids": ["fc1", "act1", "head"], "target": {"Tag": "mid"}}]}
+    job = _job(tmp_path, "killed", strategy, 8, workers=[{"id": "first"}, {"id": "second", "tags": ["mid"]}])
+    job = job.model_copy(update={"run": job.run.model_copy(update={"max_restarts": 1})})
+    out = execute(job)
+    assert out["restart_count"] == 1 and out["resumed_from_step"] == 4 and out["steps"] == 8
+    assert out["schedule"] == "1F1B" and [s["worker"] for s in out["stages"]] == ["first", "second"]
+    assert out["test_loss"] == pytest.approx(local["test_loss"], rel=1e-5)
+    lines = (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [4, 8]
 
 
 def test_job_errors_before_launch(tmp_path: Path) -> None:

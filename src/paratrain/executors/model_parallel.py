@@ -22,13 +22,17 @@ own optimizer over its own parameters (element-wise optimizers, so this equals o
 optimizer over the whole model). Checkpoints are per rank
 (``checkpoints/rank<r>/ckpt-<step>.pt``: its nodes' tensors, optimizer, RNG, position);
 ``--resume`` (or an elastic restart) restarts every rank from the newest step that all
-ranks saved.
+ranks saved. ``PARATRAIN_FAULT_KILL=RANK:STEP`` makes that rank SIGKILL itself after STEP
+on the first attempt (fault-injection for tests and demos, as for DataParallel).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 import re
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -59,9 +63,27 @@ from ..training.rundir import run_dir_of
 from .mp_plan import Plan, build_plan
 from .mp_runtime import StageRuntime, segment_modules
 
-__all__ = ["run", "worker_main", "num_workers", "plan_for"]
+__all__ = ["run", "worker_main", "num_workers", "plan_for", "FAULT_ENV"]
 
 _EVAL_BATCH = 1024
+FAULT_ENV = "PARATRAIN_FAULT_KILL"
+
+
+def _maybe_fault(ctx: WorkerContext, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec or ctx.restart_count > 0:
+        return
+    rank_s, _, step_s = spec.partition(":")
+    if int(rank_s) == ctx.rank and int(step_s) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _digest(state: dict[str, torch.Tensor]) -> bytes:
+    h = hashlib.sha256()
+    for name in state:
+        h.update(name.encode())
+        h.update(state[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.digest()
 
 
 def num_workers(job: JobConfig) -> int:
@@ -262,6 +284,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 losses.append(loss)
             step += 1
             batch += 1
+            _maybe_fault(ctx, step)
             if batch == per_epoch:
                 epoch, batch = epoch + 1, 0
             end_of_epoch = batch == 0
@@ -279,6 +302,16 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 break
     save()
     final = evaluate_test()
+    # parameters_sha256: sha256 over the per-rank digests of each rank's node tensors.
+    own: dict[str, torch.Tensor] = {}
+    for s_idx in sorted(modules):
+        own.update(modules[s_idx].node_state())
+    mine = torch.frombuffer(bytearray(_digest(own)), dtype=torch.uint8)
+    digests = [mine]
+    if ctx.rank != 0:
+        rt.send_metric(mine, dst=0, step=step, slot=2)
+    else:
+        digests += [rt.recv_metric(src=r, step=step, slot=2) for r in range(1, ctx.world_size)]
     transport.flush()
     if hasattr(transport, "close"):
         transport.close()
@@ -310,6 +343,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "test_loss": final["loss"],
         "best_test_accuracy": max((r["test_accuracy"] for r in records), default=final["accuracy"]),
         "median_step_time_s": sorted(step_times)[len(step_times) // 2] if step_times else None,
+        "parameters_sha256": hashlib.sha256(b"".join(d.numpy().tobytes() for d in digests)).hexdigest(),
+        "restart_count": ctx.restart_count,
+        "resumed_from_step": found,
         "wall_time_s": round(time.perf_counter() - started, 3),
     }
     write_summary(run_dir, summary)
