@@ -3,7 +3,7 @@
 One panel for the fitness of every member slot per generation and one per
 hyperparameter (log axis for ``log_uniform`` dims; ``choice`` values plotted by their
 index in the list). Exploit copies are drawn as dotted segments from the donor's value
-to the recipient's next value; the ancestry of the best final member (the schedule
+to the recipient's next value, failed members as crosses on the fitness axis; the ancestry of the best final member (the schedule
 that produced its weights) is drawn in black. Matplotlib with the Agg backend.
 """
 
@@ -79,6 +79,11 @@ def plot_population(
 
     fit = [[math.nan if f is None else float(f) for f in r["fitness"]] for r in history]
     series(flat[0], fit, f"fitness ({doc.get('metric', 'fitness')})")
+    failed = [(r["generation"], i) for r in history for i, f in enumerate(r["fitness"]) if f is None]
+    if failed:  # no fitness to draw: mark failed members along the bottom edge
+        low = flat[0].get_ylim()[0]
+        flat[0].scatter([g for g, _ in failed], [low] * len(failed), marker="x", clip_on=False,
+                        color=[colour[i] for _, i in failed], label="failed", zorder=3)
     flat[0].legend(fontsize=7)
     for ax, name in zip(flat[1:], names, strict=False):
         dim = space[name]
