@@ -51,6 +51,7 @@ from ..training import (
     evaluate,
     parameters_digest,
     prepare_run_dir,
+    progress_bar,
     read_metrics,
     report,
     rng_state,
@@ -274,6 +275,9 @@ def train_replica(
     model.train()
     ce, every = job.train.eval_every, job.run.checkpoint_every
     loss_fn = nn.functional.cross_entropy
+    bar = progress_bar(enabled=None if ctx.is_main else False)
+    task = bar.add_task(f"DataParallel x{ctx.world_size}", total=total_steps, completed=step, info="")
+    bar.start()
     while step < total_steps and epoch < job.train.epochs:
         idx_all = shard_indices(n_rows, world=ctx.world_size, rank=ctx.rank, seed=seed, epoch=epoch)
         while batch < batches_per_epoch and step < total_steps:
@@ -296,12 +300,16 @@ def train_replica(
                 epoch, batch = epoch + 1, 0
             end_of_epoch = batch == 0
             if (ce and step % ce == 0) or (not ce and end_of_epoch):
-                log_eval()
+                ev = log_eval()
+                if ev is not None:
+                    bar.update(task, info=f"acc {ev['accuracy']:.3f}")
+            bar.update(task, completed=step)
             if (every and step % every == 0) or (not every and end_of_epoch):
                 save()
             _maybe_fault(ctx, step)
             if end_of_epoch:
                 break
+    bar.stop()
     if losses:
         log_eval()
     if last_saved[0] != step:
