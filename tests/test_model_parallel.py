@@ -182,14 +182,17 @@ def test_datastore_rejects_bad_keys_pickles_and_oversize(tmp_path: Path) -> None
 
 
 def test_datastore_sessions_and_transport(tmp_path: Path) -> None:
-    (tmp_path / "session-000000000000").mkdir()  # a stale session of an earlier launch
-    ds = open_session(tmp_path, rank=0)
-    assert [p.name for p in tmp_path.iterdir()] == [ds.root.name]
+    (tmp_path / "job.session-000000000000").mkdir()  # a stale session of an earlier launch
+    (tmp_path / "other.session-000000000000").mkdir()  # another job sharing the directory
+    ds = open_session(tmp_path, rank=0, namespace="job")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([ds.root.name, "other.session-000000000000"])
     a, b = DataStoreTransport(ds, 0), DataStoreTransport(ds, 1)
     a.send(torch.arange(4.0), dst=1, key=("act", 2, 1), step=7)
     torch.testing.assert_close(b.recv(src=0, key=("act", 2, 1), step=7), torch.arange(4.0))
     a.close()
     assert not ds.root.exists()
+    with pytest.raises(ValueError, match="namespace"):
+        open_session(tmp_path, rank=0, namespace="../up")
 
 
 # ----------------------------------------------------------------- p2p wire

@@ -113,18 +113,22 @@ class DataStore:
 
 
 def open_session(root: str | Path, *, rank: int, control: Any = None, generation: int = 0,
-                 timeout_s: float = 300.0) -> DataStore:
-    """A DataStore in a fresh per-launch session directory under ``root``.
+                 timeout_s: float = 300.0, namespace: str = "run") -> DataStore:
+    """A DataStore in a fresh per-launch session directory ``<root>/<namespace>.session-<id>``.
 
     Rank 0 names the session and publishes the name on the rendezvous ``control`` store
-    (``None`` = single process); it also deletes the sessions of earlier launches.
+    (``None`` = single process); it also deletes earlier sessions of the same
+    ``namespace`` (a job's name), leaving other jobs sharing ``root`` alone.
     """
+    if not re.fullmatch(r"[A-Za-z0-9_\-]{1,100}", namespace):
+        raise ValueError(f"invalid datastore namespace {namespace!r}")
     base = Path(root)
     base.mkdir(parents=True, exist_ok=True)
     key = f"paratrain/datastore/session/{generation}"
+    prefix = f"{namespace}.{_SESSION_PREFIX}"
     if rank == 0:
-        name = f"{_SESSION_PREFIX}{uuid.uuid4().hex[:12]}"
-        for old in base.glob(f"{_SESSION_PREFIX}*"):
+        name = f"{prefix}{uuid.uuid4().hex[:12]}"
+        for old in base.glob(f"{prefix}*"):
             if old.is_dir():
                 shutil.rmtree(old, ignore_errors=True)
         (base / name).mkdir()
@@ -134,7 +138,7 @@ def open_session(root: str | Path, *, rank: int, control: Any = None, generation
         if control is None:
             raise ValueError("a multi-process DataStore session needs the rendezvous store")
         name = bytes(control.get(key)).decode()
-        if not re.fullmatch(rf"{_SESSION_PREFIX}[0-9a-f]{{12}}", name):
+        if not re.fullmatch(rf"{re.escape(prefix)}[0-9a-f]{{12}}", name):
             raise RuntimeError(f"datastore: bad session name {name!r}")
     return DataStore(base / name, timeout_s=timeout_s)
 
