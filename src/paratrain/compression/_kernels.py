@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "numpy_view", "abs_above_indices"]
+__all__ = ["BLOCK", "numpy_view", "abs_above_indices", "abs_above_numpy"]
 
 BLOCK = 1 << 16
 # Tests switch this off to check that both paths give the same results.
@@ -41,6 +41,11 @@ def abs_above_indices(flat: torch.Tensor, threshold: float) -> torch.Tensor:
     xn = numpy_view(flat)
     if xn is None:
         return torch.nonzero(F.hardshrink(flat, threshold)).squeeze(1)
+    return torch.from_numpy(abs_above_numpy(xn, threshold))
+
+
+def abs_above_numpy(xn: np.ndarray, threshold: float) -> np.ndarray:
+    """:func:`abs_above_indices` on a 1-D numpy array (int64 indices, ascending)."""
     n = xn.size
     t = xn.dtype.type(threshold)
     buf = np.empty(min(n, BLOCK), dtype=xn.dtype)
@@ -56,5 +61,5 @@ def abs_above_indices(flat: torch.Tensor, threshold: float) -> torch.Tensor:
         if hit.size:
             parts.append(hit + start)
     if not parts:
-        return torch.empty(0, dtype=torch.long)
-    return torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+        return np.empty(0, dtype=np.int64)
+    return np.concatenate(parts).astype(np.int64, copy=False)

@@ -28,6 +28,9 @@ from .base import Codec, CompressedTensor, CompressionError, EncodeContext
 __all__ = ["ErrorFeedbackCodec"]
 
 
+_SPARSE = ("TopK", "RandomK", "Threshold")
+
+
 def _residual_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
@@ -61,10 +64,14 @@ class ErrorFeedbackCodec:
         if self.error_compensation and e is not None:
             p.add_(e.to(p.device))
         c = self.base.encode(p if p.dtype == flat.dtype else p.to(flat.dtype), shape, ctx)
-        dense = decompress(c)
-        # Keep the decoded tensor so Compressor.roundtrip need not decode twice.
-        c._cache["dense"] = dense
-        p.sub_(dense.reshape(-1).to(rdt))
+        if c.indices is not None and c.method in _SPARSE:
+            # D(c) is zero except at the (distinct) kept indices: e = p - D(c) in O(k).
+            p.index_add_(0, c.indices.to(p.device), c.values.to(rdt), alpha=-1)
+        else:
+            dense = decompress(c)
+            # Keep the decoded tensor so Compressor.roundtrip need not decode twice.
+            c._cache["dense"] = dense
+            p.sub_(dense.reshape(-1).to(rdt))
         self.residuals[ctx.key] = p
         return c
 

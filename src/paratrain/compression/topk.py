@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
-from ._kernels import abs_above_indices
+from ._kernels import abs_above_indices, abs_above_numpy, numpy_view
 from .base import CompressedTensor, EncodeContext
 
 __all__ = ["TopKCodec", "topk_indices"]
@@ -57,6 +58,41 @@ def _exact_among(mag: torch.Tensor, k: int) -> torch.Tensor:
     return torch.nonzero(sel).squeeze(1)
 
 
+def _np_magnitudes(v: np.ndarray) -> np.ndarray:
+    m = np.abs(v)
+    return np.nan_to_num(m, copy=False, nan=np.inf, posinf=np.inf)
+
+
+def _np_exact_among(mag: np.ndarray, k: int) -> np.ndarray:
+    """numpy twin of :func:`_exact_among` (``np.partition`` is an O(n) introselect)."""
+    n = mag.size
+    if k >= n:
+        return np.arange(n, dtype=np.int64)
+    if k <= 0:
+        return np.empty(0, dtype=np.int64)
+    kth = np.partition(mag, n - k)[n - k]
+    sel = mag > kth
+    need = k - int(np.count_nonzero(sel))
+    if need > 0:
+        sel[np.flatnonzero(mag == kth)[:need]] = True
+    return np.flatnonzero(sel)
+
+
+def _topk_numpy(xn: np.ndarray, k: int) -> np.ndarray:
+    n = xn.size
+    expected_rank = k * _SAMPLE / n
+    if n >= _FAST_MIN_NUMEL and expected_rank >= _MIN_EXPECTED_RANK:
+        pos = np.random.default_rng(n).integers(0, n, _SAMPLE)
+        sample = _np_magnitudes(xn[pos])
+        r = min(_SAMPLE, math.ceil(expected_rank + 4.0 * math.sqrt(expected_rank) + 2))
+        thr = float(np.partition(sample, _SAMPLE - r)[_SAMPLE - r])
+        if math.isfinite(thr) and thr > 0.0:
+            cand = abs_above_numpy(xn, thr)
+            if cand.size >= k:
+                return cand[_np_exact_among(_np_magnitudes(xn[cand]), k)]
+    return _np_exact_among(_np_magnitudes(xn), k)
+
+
 def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     """Flat indices (ascending, int64) of the ``min(k, n)`` largest |flat| entries."""
     n = flat.numel()
@@ -64,6 +100,9 @@ def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
         return torch.arange(n, device=flat.device)
     if k <= 0:
         return torch.empty(0, dtype=torch.long, device=flat.device)
+    xn = numpy_view(flat)
+    if xn is not None:
+        return torch.from_numpy(_topk_numpy(xn, k))
     expected_rank = k * _SAMPLE / n
     if n >= _FAST_MIN_NUMEL and expected_rank >= _MIN_EXPECTED_RANK:
         # A fixed generator: the sample only affects speed, never the result.
