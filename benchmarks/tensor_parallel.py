@@ -14,7 +14,8 @@ q/k/v/o attention + 4x MLP), built from the same weights:
 
 ``python benchmarks/tensor_parallel.py [--quick] [--cuda]`` prints one JSON object.
 ``--cuda`` (when CUDA is available) also runs the parity and bf16 checks on the GPU in one
-process (tp=1 layers, real device allocator peaks for the memory levels).
+process (the parallel layers on a size-1 group, real device allocator peaks for the memory
+levels); ``device_checks("cpu")`` runs the same code on the CPU.
 """
 
 from __future__ import annotations
@@ -177,33 +178,53 @@ def worker(ctx: WorkerContext, quick: bool) -> dict[str, Any]:
     return res
 
 
-def cuda_checks() -> dict[str, Any]:
-    """One process on CUDA: dense parity of the layers, bf16 vs fp32 loss, device peaks."""
-    from paratrain.comm.tp_ops import build_tp_groups
+def device_checks(device: str) -> dict[str, Any]:
+    """One process on ``device``: the parallel layers (size-1 group, same autograd functions)
+    vs the dense block, bf16 vs fp32, and peak memory per memory_optimization level
+    (the device allocator's peak on CUDA, the saved-activation meter elsewhere)."""
+    from paratrain.comm.tp_ops import TPComm, build_tp_groups
+    from paratrain.tensor_parallel.layers import RegionState
+    from paratrain.tensor_parallel.parallelize import _Converter
 
-    dev = torch.device("cuda")
+    dev = torch.device(device)
     model, x, _, _ = build("transformer", True)
     model, x = model.to(dev), x.to(dev)
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0)}
-    ref = model(x)
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else device}
+    xr = x.clone().requires_grad_(True)
+    ref = model(xr)
+    ref.square().mean().backward()
     for mp in (False, True):
-        m = parallelize(copy.deepcopy(model), TensorParallelismConfig(mixed_precision=mp),
-                        build_tp_groups(1))
-        y = m(x)
-        out["bf16_rel_err" if mp else "fp32_max_abs_err"] = (
-            float((y - ref).abs().max() / ref.abs().max()) if mp else float((y - ref).abs().max()))
+        state = RegionState(compute_dtype=torch.bfloat16 if mp else None)
+        conv = _Converter(TensorParallelismConfig(mixed_precision=mp), TPComm(None, [0], rank=0), state)
+        m = conv.convert(copy.deepcopy(model))
+        xt = x.clone().requires_grad_(True)
+        with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=mp):
+            y = m(xt)
+        y = y.float()
+        y.square().mean().backward()
+        y = y.detach()
+        assert xt.grad is not None and xr.grad is not None
+        key = "bf16" if mp else "fp32"
+        out[f"{key}_out_rel_err"] = float((y.float() - ref).abs().max() / ref.abs().max())
+        out[f"{key}_xgrad_rel_err"] = float((xt.grad - xr.grad).abs().max() / xr.grad.abs().max())
+        out[f"{key}_layers_converted"] = conv.units
     peaks = {}
     deep = nn.Sequential(*[Block(256, 8) for _ in range(8)]).to(dev)
     for level in ["None", "Low", "Medium", "High", "Extreme"]:
         m = parallelize(copy.deepcopy(deep), TensorParallelismConfig(memory_optimization=level),
                         build_tp_groups(1))
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        m(x).square().mean().backward()
-        torch.cuda.synchronize()
-        peaks[level] = torch.cuda.max_memory_allocated() - base
-    out["cuda_peak_bytes_by_level"] = peaks
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            m(x).square().mean().backward()
+            torch.cuda.synchronize()
+            peaks[level] = torch.cuda.max_memory_allocated() - base
+        else:
+            with m.measure_activations() as meter:
+                m(x).square().mean().backward()
+            peaks[level] = meter.peak
+    out["peak_bytes_by_level"] = peaks
     return out
 
 
@@ -223,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
                   "param_memory_vs_ideal": "1.0"},
         "results": res,
     }
+    report["device_checks"] = {"cpu": device_checks("cpu")}
     if args.cuda:
-        report["cuda"] = cuda_checks() if torch.cuda.is_available() else "CUDA not available"
+        report["device_checks"]["cuda"] = (device_checks("cuda") if torch.cuda.is_available()
+                                           else "CUDA not available")
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(report, indent=1))
     return 0

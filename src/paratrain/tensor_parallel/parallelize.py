@@ -278,10 +278,13 @@ class TensorParallelModule(nn.Module):
         kids = list(m.children()) if isinstance(m, nn.Sequential) else [m]
         self._kids = kids
         starts = [0]
+        # without parallel units (tp = 1, BatchWise) every child with parameters starts a block
+        dense = not any(_has_parallel(c) for c in kids)
         for i, c in enumerate(kids):
             unit = (isinstance(c, ColumnParallelLinear | ParallelSelfAttention | ParallelEncoderLayer)
                     or (isinstance(c, RowParallelLinear) and not c.input_is_parallel)
-                    or (not isinstance(c, _PARALLEL) and _has_parallel(c)))
+                    or (not isinstance(c, _PARALLEL) and _has_parallel(c))
+                    or (dense and next(c.parameters(), None) is not None))
             if unit and i > 0:
                 starts.append(i)
         self.blocks = [list(range(a, b)) for a, b in zip(starts, starts[1:] + [len(kids)], strict=True)]
