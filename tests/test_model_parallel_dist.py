@@ -49,6 +49,8 @@ def _cases3(tmp: str) -> list[dict[str, Any]]:
              datastore_dir=tmp),
         dict(MLP, seed=7, rows=16, partitions=PIPE3, communication=_pipe(4, "1F1B")),   # order
         dict(MLP, seed=7, rows=16, partitions=PIPE3, communication=_pipe(4, "GPipe")),  # order
+        dict(MLP, seed=8, rows=3, partitions=PIPE3, communication=_pipe(8, "1F1B")),    # m=1
+        dict(MLP, seed=9, rows=7, partitions=PIPE3, communication=_pipe(5, "GPipe")),   # 5,2: m < p
     ]
 
 
@@ -106,7 +108,7 @@ def _check_parity(case: dict[str, Any], per_rank: list[dict[str, Any]]) -> None:
             assert d.parent.is_dir()
 
 
-@pytest.mark.parametrize("i", range(6))
+@pytest.mark.parametrize("i", [0, 1, 2, 3, 4, 5, 8, 9])
 def test_parity_three_ranks(three: Any, i: int) -> None:
     cases, results = three
     _check_parity(cases[i], [results[r][i] for r in range(3)])

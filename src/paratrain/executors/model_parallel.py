@@ -34,6 +34,7 @@ import os
 import re
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -191,6 +192,12 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     params = rt.parameters()
     opt = build_optimizer(params, job.train.optimizer) if params else None
     last = plan.last_rank
+    if pipeline and ctx.rank == 0 and proto.micro_batch_size >= job.train.batch_size:
+        warnings.warn(
+            f"strategy.communication.micro_batch_size ({proto.micro_batch_size}) >= train.batch_size "
+            f"({job.train.batch_size}): one micro-batch per batch, so the stages do not overlap",
+            stacklevel=2,
+        )
 
     ckpt_root = run_dir / "checkpoints"
     my_ckpts = ckpt_root / f"rank{ctx.rank}"
