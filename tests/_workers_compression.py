@@ -88,10 +88,11 @@ def grads_parity(ctx: Any, strategies: list[dict[str, Any] | None]) -> dict[str,
 
 def _train(
     ctx: Any, strategy: dict[str, Any] | None, epochs: int, batch: int, lr: float,
-    momentum: float,
+    momentum: float, info: dict[str, Any],
 ) -> float:
     xtr, ytr, xte, yte = digits()
     model = DDP(make_mlp(7))
+    state = None
     if strategy is not None:
         state, hook = ddp_hook(strategy, model=model, seed=5)
         model.register_comm_hook(state, hook)
@@ -106,6 +107,12 @@ def _train(
             opt.zero_grad(set_to_none=True)
             nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
             opt.step()
+            info["steps"] = info.get("steps", 0) + 1
+    if state is not None:
+        sd = state.state_dict()["compressor"]
+        info["compressor_step"] = sd["step"]
+        info["residual_keys"] = sorted(sd["codec"].get("residuals", {}))
+        info["ratio"] = state.compressor.stats.ratio
     with torch.no_grad():
         acc = (model.module(xte).argmax(1) == yte).float().mean().item()
     return float(acc)
@@ -114,6 +121,12 @@ def _train(
 def train_accuracies(
     ctx: Any, strategies: dict[str, dict[str, Any] | None], epochs: int, batch: int, lr: float,
     momentum: float = 0.0,
-) -> dict[str, float]:
-    """Test accuracy of the digits MLP trained with DDP under each hook strategy."""
-    return {name: _train(ctx, s, epochs, batch, lr, momentum) for name, s in strategies.items()}
+) -> dict[str, Any]:
+    """Test accuracy of the digits MLP trained with DDP under each hook strategy, plus
+    the hook's state after training (``<name>_info``)."""
+    out: dict[str, Any] = {}
+    for name, s in strategies.items():
+        info: dict[str, Any] = {}
+        out[name] = _train(ctx, s, epochs, batch, lr, momentum, info)
+        out[f"{name}_info"] = info
+    return out
