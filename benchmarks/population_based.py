@@ -10,7 +10,8 @@ member per generation (two with the full budget):
   (goal >= 1.7x on 2 idle cores); the end-to-end ratio including process start is
   reported too.
 
-Prints one JSON object; medians over ``--repeats`` runs (``--quick``: 1 repeat, smaller
+Every worker (and the in-process 1-worker peer) uses one torch thread. Prints one JSON
+object; medians over ``--repeats`` runs (``--quick``: 1 repeat, smaller
 budget).
 """
 
@@ -80,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": 1 if args.quick else 2,
         "seed": 0,
     }
+    import torch
+
+    # Worker processes run one torch thread each; the in-process 1-worker peer does too,
+    # so the ratio measures scaling over processes, not intra-op threads.
+    torch.set_num_threads(1)
     runs: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory() as out:
         for r in range(repeats):

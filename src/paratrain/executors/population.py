@@ -41,8 +41,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..comm.context import WorkerContext, default_workers
 from ..comm.pbt_ops import broadcast_json, gather_json
 from ..config import ConfigError
@@ -140,8 +138,6 @@ def _write_json(path: Path, doc: Any) -> None:
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
     """One worker process: train this rank's members every generation (module docstring)."""
     started = time.perf_counter()
-    if ctx.device.type == "cpu":
-        torch.set_num_threads(1)
     strategy = job.strategy
     size: int = strategy.population_size  # type: ignore[union-attr]
     generations: int = strategy.generations  # type: ignore[union-attr]
