@@ -8,7 +8,8 @@ same processes and interleaved step by step:
   ``Schedule1F1B`` (goal <= 1.1);
 - ``bubble``: measured idle fraction ``1 - busy_r / step`` averaged over stages (busy =
   time in forward/backward compute) vs the theory ``(p - 1) / (m + p - 1)`` (goal ratio
-  <= 1.2);
+  <= 1.2), and vs torch's bubble measured the same way (forward/backward hooks on its
+  stage module), which shares the machine's noise;
 - ``peak_activation_bytes``: per stage, bytes held for backward (saved tensors + stage
   inputs/outputs) under 1F1B and GPipe, and their ratio (theory ``min(p - s, m) / m``).
 
@@ -24,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -65,10 +67,29 @@ def split(model: nn.Sequential, p: int) -> list[list[str]]:
     return out
 
 
+class ComputeClock:
+    """Wall time a module spends in forward and backward (hooks), for torch's stages."""
+
+    def __init__(self, mod: nn.Module) -> None:
+        self.total = 0.0
+        self._t0 = 0.0
+        mod.register_forward_pre_hook(self._start)
+        mod.register_forward_hook(self._stop)
+        mod.register_full_backward_pre_hook(self._start)
+        mod.register_full_backward_hook(self._stop)
+
+    def _start(self, *_: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def _stop(self, *_: Any) -> None:
+        self.total += time.perf_counter() - self._t0
+
+
 def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
     p, m, width, rows = ctx.world_size, cfg["m"], cfg["width"], cfg["rows"]
     model = build(width, cfg["blocks"])
     stages = split(model, p)
@@ -82,6 +103,7 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     ours_rt = StageRuntime(plan, ctx.rank, segment_modules(model, plan, ctx.rank), P2PTransport(ctx.group))
     ref_model = build(width, cfg["blocks"])
     sub = nn.Sequential(*[ref_model.get_submodule(n) for n in stages[ctx.rank]])
+    clock = ComputeClock(sub)
     stage = PipelineStage(sub, ctx.rank, p, torch.device("cpu"))
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -93,12 +115,14 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         ours_t: list[float] = []
         torch_t: list[float] = []
         busy: list[float] = []
+        torch_busy: list[float] = []
         peak = 0
         for rep in range(cfg["warmup"] + cfg["repeats"]):
             for impl in ("ours", "torch"):
                 for mod in (ours_rt.modules.values() if impl == "ours" else [sub]):
                     mod.zero_grad(set_to_none=True)
                 dist.barrier()
+                clock.total = 0.0
                 t0 = time.perf_counter()
                 if impl == "ours":
                     ours_rt.train_step(x, y, step=rep, micro_batch_size=rows // m, schedule_name=sched)
@@ -114,7 +138,10 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                     if impl == "ours":
                         busy.append(ours_rt.stats.compute_s)
                         peak = max(peak, ours_rt.stats.peak_activation_bytes)
-        out[sched] = {"ours": ours_t, "torch": torch_t, "busy": busy, "peak": peak}
+                    else:
+                        torch_busy.append(clock.total)
+        out[sched] = {"ours": ours_t, "torch": torch_t, "busy": busy, "torch_busy": torch_busy,
+                      "peak": peak}
     return out
 
 
@@ -128,12 +155,16 @@ def measure(p: int, cfg: dict[str, Any]) -> dict[str, Any]:
         ref = [max(r[sched]["torch"][i] for r in per_rank) for i in range(n)]
         bubbles = [statistics.mean(1 - r[sched]["busy"][i] / ours[i] for r in per_rank) for i in range(n)]
         bubble = statistics.median(bubbles)
+        torch_bubble = statistics.median(
+            statistics.mean(1 - r[sched]["torch_busy"][i] / ref[i] for r in per_rank) for i in range(n))
         res[sched] = {
             "step_s_median": round(statistics.median(ours), 5),
             "torch_step_s_median": round(statistics.median(ref), 5),
             "step_ratio_vs_torch": round(statistics.median(ours) / statistics.median(ref), 3),
             "bubble_measured": round(bubble, 4),
             "bubble_ratio_vs_theory": round(bubble / res["theory_bubble"], 3),
+            "torch_bubble_measured": round(torch_bubble, 4),
+            "bubble_ratio_vs_torch": round(bubble / torch_bubble, 3) if torch_bubble > 0 else None,
             "peak_activation_bytes_per_stage": [r[sched]["peak"] for r in per_rank],
         }
     res["peak_activation_ratio_1f1b_over_gpipe"] = [
