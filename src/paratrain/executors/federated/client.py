@@ -154,7 +154,7 @@ class ClientHost:
                 raise RuntimeError(f"injected failure in {client_name(client)} ([federated] fail_clients)")
             if n == 0:
                 raise RuntimeError(f"{client_name(client)} has no training examples")
-            self.model.load_state_dict(global_state)
+            self._load(global_state)
             opts = self.job.federated
             loss = local_train(
                 self.model, global_state, self.x[idx].to(self.device), self.y[idx].to(self.device),
@@ -166,7 +166,7 @@ class ClientHost:
                 raise FloatingPointError(f"{client_name(client)}: local loss is {loss}")
             local = self.model.state_dict()
             delta = {
-                k: (local[k].detach().to(torch.float64) - g.detach().to(torch.float64)).to(torch.float32).cpu()
+                k: (local[k].detach().float() - g.detach().float()).cpu()
                 for k, g in global_state.items()
             }
             if client in self.byzantine:
@@ -183,6 +183,16 @@ class ClientHost:
         except Exception as e:  # noqa: BLE001 - a failing client is recorded, not fatal
             tb = traceback.format_exception_only(type(e), e)[-1].strip()
             return ClientResult(client, False, n, None, tb)
+
+    @torch.no_grad()
+    def _load(self, global_state: Mapping[str, Tensor]) -> None:
+        """Copy the global weights into the shared model (cheaper than load_state_dict)."""
+        own = self.model.state_dict(keep_vars=True)
+        if own.keys() != global_state.keys():
+            self.model.load_state_dict(global_state)  # raises with the key differences
+            return
+        for k, t in own.items():
+            t.data.copy_(global_state[k])
 
     # --------------------------------------------------------------- compression
 

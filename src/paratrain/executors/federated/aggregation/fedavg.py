@@ -10,22 +10,29 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from ._common import Update, apply_step, check_weights, stack_key
+from ._common import Update, apply_step, check_weights
 
 __all__ = ["fedavg_step", "FedAvgAggregator"]
 
 
 def fedavg_step(updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
-    """The example-weighted mean of the updates, per key, in float64."""
+    """The example-weighted mean of the updates, per key, in float64.
+
+    Accumulated update by update in the given order (one float64 buffer per key, no
+    stacked copy), so memory stays flat in the number of clients.
+    """
     n = len(updates)
     w = check_weights(weights, n)
+    total = float(w.sum())
     out: dict[str, Tensor] = {}
     for name in updates[0]:
-        u = stack_key(updates, name)
-        ww = w.reshape((n,) + (1,) * (u.dim() - 1))
-        out[name] = (u * ww).sum(0) / w.sum()
+        acc = torch.zeros(updates[0][name].shape, dtype=torch.float64)
+        for u, wi in zip(updates, w.tolist(), strict=True):
+            acc.add_(u[name].detach().to(torch.float64), alpha=wi)
+        out[name] = acc / total
     return out
 
 
