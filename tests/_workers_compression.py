@@ -58,9 +58,10 @@ def _np(ts: list[torch.Tensor]) -> list[Any]:
 
 
 def _grads_with(
-    ctx: Any, strategy: dict[str, Any] | None, x: torch.Tensor, y: torch.Tensor
+    ctx: Any, strategy: dict[str, Any] | None, x: torch.Tensor, y: torch.Tensor,
+    **ddp_kwargs: Any,
 ) -> list[Any]:
-    model = DDP(make_mlp(1))
+    model = DDP(make_mlp(1), **ddp_kwargs)
     if strategy is not None:
         state, hook = ddp_hook(strategy, model=model, seed=3)
         model.register_comm_hook(state, hook)
@@ -76,6 +77,10 @@ def grads_parity(ctx: Any, strategies: list[dict[str, Any] | None]) -> dict[str,
     lo = ctx.rank * 40
     x, y = xtr[lo : lo + 40], ytr[lo : lo + 40]
     out: dict[str, Any] = {"strategies": [_grads_with(ctx, s, x, y) for s in strategies]}
+    # Gradients as views of the bucket buffer, and tiny buckets (one parameter each).
+    out["bucket_view"] = _grads_with(
+        ctx, strategies[-1], x, y, gradient_as_bucket_view=True, bucket_cap_mb=0.001
+    )
     local = make_mlp(1)
     nn.functional.cross_entropy(local(x), y).backward()
     out["local"] = _np([p.grad for p in local.parameters() if p.grad is not None])

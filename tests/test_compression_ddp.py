@@ -41,6 +41,7 @@ def parity() -> list[dict[str, Any]]:
             "strategies": [as_t(g) for g in r["strategies"]],
             "local": as_t(r["local"]),
             "allreduce_topk": as_t(r["allreduce_topk"]),
+            "bucket_view": as_t(r["bucket_view"]),
         }
         for r in out
     ]
@@ -94,6 +95,11 @@ def test_sparse_paths_match_local_reference(parity: list[dict[str, Any]], i: int
     _close(got, expected, rtol=1e-5, atol=1e-8)
     # Non-vacuity: sparsification changed the gradients.
     assert not all(torch.allclose(a, b) for a, b in zip(got, parity[0]["strategies"][0], strict=True))
+
+
+def test_bucket_layout_does_not_change_results(parity: list[dict[str, Any]]) -> None:
+    # Same strategy with gradient_as_bucket_view=True and one bucket per parameter.
+    _close(parity[0]["bucket_view"], parity[0]["strategies"][-1], rtol=1e-6, atol=1e-9)
 
 
 def test_allreduce_compressed_topk(parity: list[dict[str, Any]]) -> None:
