@@ -248,3 +248,30 @@ def test_min_mode_and_resume_mismatch(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match="mode='min'"):
         population.run(make_job(tmp_path, "mx", strategy={**tiny, "generations": 1},
                                 population={"steps_per_generation": 1, "metric": "loss"}))
+
+
+def test_member_restore_applies_own_hyperparameters_after_loading(tmp_path: Path) -> None:
+    """The bug class this guards against: ``optimizer.load_state_dict`` restores the
+    donor's param-group values, silently undoing the explored hyperparameters."""
+    from paratrain.executors.pbt_member import MemberRunner, validate_job
+
+    job = make_job(tmp_path, "restore", population={"steps_per_generation": 4})
+    run_dir = tmp_path / "restore"
+    runner = MemberRunner(job, run_dir, validate_job(job), torch.device("cpu"))
+    donor_h = {"lr": 0.5, "momentum": 0.9, "weight_decay": 1e-3}
+    mine_h = {"lr": 0.01, "momentum": 0.1, "weight_decay": 1e-5}
+    donor = runner.run(0, 0, donor_h, None)
+    runner.writer.flush()
+    copy = runner.run(1, 1, mine_h, 0)
+    runner.writer.flush()
+    assert copy["error"] is None and copy["start_digest"] == donor["end_digest"]
+    assert {k: copy["applied"][k] for k in mine_h} == mine_h
+    # Non-vacuity: plain load_state_dict really does bring the donor's values back.
+    state = checkpoint.load_checkpoint(member_path(run_dir, 0, 0))
+    model = build_model(job.model, input_shape=(64,), num_classes=10)
+    opt = build_optimizer(model.parameters(), job.train.optimizer, **mine_h)
+    opt.load_state_dict(state["optimizer"])
+    assert opt.param_groups[0]["lr"] == 0.5 and opt.param_groups[0]["momentum"] == 0.9
+    # A copy whose donor file is missing fails as a member (worst fitness), not the run.
+    lost = runner.run(2, 1, mine_h, 3)
+    assert lost["fitness"] is None and "No such file" in lost["error"]
