@@ -179,3 +179,19 @@ def test_memory_does_not_grow_with_num_clients(tmp_path: Path) -> None:
         assert s["client_updates_this_run"] == 20  # 10 clients per round, 2 rounds
     for w100, w1000 in zip(s100["workers"], s1000["workers"], strict=True):
         assert w1000["peak_rss_mb"] - w100["peak_rss_mb"] < 20.0, (w100, w1000)
+
+
+def test_fedprox_mu_zero_is_fedavg_and_large_mu_holds_clients_near_global(tmp_path: Path) -> None:
+    def moved(agg: dict, name: str) -> tuple[float, str]:
+        s = run_in_process(fed_job(tmp_path, name, K=4, rounds=1, agg=agg, local_epochs=3, lr=0.3))
+        ck = torch.load(Path(s["run_dir"]) / "checkpoints" / "ckpt-000000001.pt", weights_only=True)
+        seed_everything(0)
+        init = build_model(fed_job(tmp_path, "x").model, input_shape=(64,), num_classes=10).state_dict()
+        dist = sum(float((ck["model"][k] - init[k]).pow(2).sum()) for k in init) ** 0.5
+        return dist, s["parameters_sha256"]
+
+    d_avg, h_avg = moved({"method": "FedAvg"}, "avg")
+    d0, h0 = moved({"method": "FedProx", "mu": 0.0}, "prox0")
+    d10, _ = moved({"method": "FedProx", "mu": 10.0}, "prox10")
+    assert h0 == h_avg and d0 == d_avg
+    assert d10 < 0.5 * d_avg, (d10, d_avg)
