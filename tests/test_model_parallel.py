@@ -20,6 +20,7 @@ from paratrain.config.job import JobConfig
 from paratrain.config.strategy import Partition
 from paratrain.executors.model_parallel import num_workers
 from paratrain.executors.mp_plan import build_plan
+from paratrain.executors.mp_runtime import StageRuntime, segment_modules
 from paratrain.executors.mp_schedule import (
     gpipe,
     micro_batch_sizes,
@@ -143,6 +144,34 @@ def test_simulate_detects_deadlock() -> None:
 def test_micro_batch_sizes(batch: int, mbs: int) -> None:
     sizes = micro_batch_sizes(batch, mbs)
     assert sum(sizes) == batch and all(s == mbs for s in sizes[:-1]) and 0 < sizes[-1] <= mbs
+
+
+class _NoTransport:
+    def send(self, *a: object, **k: object) -> None:
+        raise AssertionError("a single-stage plan sends nothing")
+
+    def recv(self, *a: object, **k: object) -> torch.Tensor:
+        raise AssertionError("a single-stage plan receives nothing")
+
+    def flush(self) -> None:
+        pass
+
+
+@given(st.integers(1, 20), st.integers(1, 8), st.sampled_from(["GPipe", "1F1B", None]))
+def test_micro_batched_step_equals_full_batch(rows: int, mbs: int, sched: str | None) -> None:
+    """sum_i sum_r CE / B over micro-batches = the batch mean: same loss and gradients."""
+    torch.manual_seed(rows)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    x, y = torch.randn(rows, 5), torch.randint(0, 3, (rows,))
+    ref = torch.nn.functional.cross_entropy(model(x), y)
+    ref_grads = torch.autograd.grad(ref, list(model.parameters()))
+    plan = build_plan(["0", "1", "2"], _parts((["0"], {"WorkerId": "worker-0"})), WORKERS)
+    rt = StageRuntime(plan, 0, segment_modules(model, plan, 0), _NoTransport())
+    loss = rt.train_step(x, y, step=0, micro_batch_size=mbs if sched else None, schedule_name=sched)
+    assert loss == pytest.approx(float(ref.detach()), rel=1e-5)
+    for p, g in zip(model.parameters(), ref_grads, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
+    assert len(rt.stats.order) == 2 * (len(micro_batch_sizes(rows, mbs)) if sched else 1)
 
 
 # ----------------------------------------------------------------- DataStore

@@ -185,6 +185,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     proto: Any = strategy.communication
     pipeline = proto.protocol == "Pipeline"
     modules = segment_modules(model, plan, ctx.rank)
+    del model  # nodes other ranks own are freed; this rank keeps its segments only
     for m in modules.values():
         m.to(ctx.device)
     transport = _transport(ctx, job, run_dir)
