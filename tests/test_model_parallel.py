@@ -246,3 +246,15 @@ def test_p2p_header_rejects_malformed() -> None:
                 for i in range(5) for s in range(5)}) == 100
     with pytest.raises(ValueError, match="segment index"):
         message_tag(("act", 0, 500))
+
+
+def test_example_job_places_three_stages() -> None:
+    from paratrain.config.job import load_job
+    from paratrain.executors.model_parallel import plan_for
+    from paratrain.models import build_model
+
+    job = load_job(Path(__file__).resolve().parents[1] / "examples" / "model_parallel_pipeline.toml")
+    model = build_model(job.model, input_shape=(64,), num_classes=10)
+    plan = plan_for(job, model, default_workers(num_workers(job), list(job.workers)))
+    assert [(s.rank, s.nodes) for s in plan.segments] == [
+        (0, ("flatten", "fc0", "act0")), (1, ("fc1", "act1")), (2, ("head",))]
