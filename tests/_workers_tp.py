@@ -365,6 +365,7 @@ def suite_4(ctx: WorkerContext) -> dict[str, Any]:
     out["dtensor"] = {"mlp": dtensor_parity("mlp_even", tp), "attn": dtensor_parity("attn", tp)}
     out["hier"] = hier_structure(ctx)
     out["strategies"] = strategies(tp)
+    out["primitives"] = primitives(ctx)
     out["counts"] = counts("AllReduce", tp)
     out["two_d"] = {f: two_d(ctx, f) for f in (0, 1 << 20)}
     try:  # 3 does not divide a world of 4
@@ -400,3 +401,46 @@ def job_resume(ctx: WorkerContext, out_dir: str) -> dict[str, Any]:
     assert full is not None and resumed is not None
     return {"full": full["parameters_sha256"], "resumed": resumed["parameters_sha256"],
             "steps": (full["steps"], resumed["steps"]), "acc": full["test_accuracy"]}
+
+
+def primitives(ctx: WorkerContext) -> dict[str, float]:
+    """Every pattern's all-reduce (sync and async) on awkward sizes, and uneven all-gather /
+    reduce-scatter, against the sums computed locally from every rank's seeded tensor."""
+    p, r = ctx.world_size, ctx.rank
+
+    def tensor_of(rank: int, shape: tuple[int, ...]) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + rank)
+        return torch.randn(*shape, generator=g)
+
+    errs: dict[str, float] = {}
+    for pattern in PATTERNS:
+        comm = build_tp_groups(p, pattern=pattern).tp
+        worst = 0.0
+        for shape in [(0,), (1,), (3,), (7, 5), (2, 3, 4)]:
+            want = sum(tensor_of(k, shape) for k in range(p))
+            mine = tensor_of(r, shape)
+            got = comm.all_reduce(mine)
+            got_async = comm.all_reduce_async(mine).wait()
+            assert torch.equal(mine, tensor_of(r, shape))  # out of place
+            for g_ in (got, got_async):
+                worst = max(worst, float((g_ - want).abs().max()) if want.numel() else 0.0)
+        comm.close()
+        errs[pattern] = worst
+    comm = build_tp_groups(p).tp
+    sizes = ([2, 0, 3, 1] + [1] * p)[:p]
+    mine = tensor_of(r, (2, sizes[r], 3))
+    full = torch.cat([tensor_of(k, (2, sizes[k], 3)) for k in range(p)], dim=1)
+    errs["all_gather_uneven"] = float((comm.all_gather(mine, 1, sizes).wait() - full).abs().max())
+    total = tensor_of(r, (sum(sizes), 4))
+    want = sum(tensor_of(k, (sum(sizes), 4)) for k in range(p))
+    assert isinstance(want, torch.Tensor)
+    part = comm.reduce_scatter(total, 0, sizes, async_op=True).wait()
+    start = sum(sizes[:r])
+    errs["reduce_scatter_uneven"] = float((part - want[start:start + sizes[r]]).abs().max()) if sizes[r] else 0.0
+    grads = [tensor_of(r, (5,)), tensor_of(r, (2, 2)), tensor_of(r, (3,))]
+    comm.fusion_threshold_bytes = 32  # buckets: [20 B], [16 B + 12 B]
+    n = comm.all_reduce_coalesced_(grads, average=True)
+    want_avg = [sum(tensor_of(k, t.shape) for k in range(p)) / p for t in grads]
+    errs["coalesced"] = max(float((a - b).abs().max()) for a, b in zip(grads, want_avg, strict=True))
+    errs["coalesced_collectives"] = n
+    return errs

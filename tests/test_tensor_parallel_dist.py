@@ -162,3 +162,11 @@ def test_partitioning_strategy_changes_the_layout(r2: list[dict[str, Any]], r4: 
     # BlockWise: ColumnWise fallback at tp=2 (parity checked above), an error at tp=4 = 2x2
     assert s2["BlockWise"] == "ok"
     assert "BlockWise with a perfect-square tensor_parallel_size (4)" in s4["BlockWise"]
+
+
+def test_collective_primitives_on_awkward_sizes(r4: list[dict[str, Any]]) -> None:
+    for r in r4:
+        e = r["primitives"]
+        for key in PATTERNS + ["all_gather_uneven", "reduce_scatter_uneven", "coalesced"]:
+            assert e[key] < 1e-5, (key, e)
+        assert e["coalesced_collectives"] == 2
