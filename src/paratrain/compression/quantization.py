@@ -9,8 +9,14 @@ maps to a code q_i in {0..L} and back to D(q)_i = lo + s q_i:
 * deterministic: q_i = floor((x_i - lo)/s + 1/2), |D(q)_i - x_i| <= s/2.
 
 A constant tensor has s = 0 and decodes exactly. Non-finite inputs cannot be quantized
-and raise :class:`CompressionError`. The noise comes from a generator seeded by
-(seed, step, key), so a resumed run draws the same noise.
+and raise :class:`CompressionError`. The noise is a function of derive_seed(seed, step,
+key) only (a counter-based hash of the element index on the CPU, a seeded torch
+generator on other devices), so a resumed run draws the same noise.
+
+On the CPU, quantization runs block by block in cache straight into the packed payload
+(:func:`_quantize_blocked`) and decoding runs block by block from it
+(:func:`dequantize_packed`); both give bit-identical results to the plain torch path
+for deterministic rounding (tested).
 
 Codes are **bit-packed** little-endian, least significant bit first: code i occupies
 bits [i*b, (i+1)*b) of the payload, so n codes take exactly ceil(n*b/8) bytes
