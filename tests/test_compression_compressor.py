@@ -7,8 +7,18 @@ import json
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from paratrain.compression import CompressionError, CompressionStats, Compressor, leaf_method
+from paratrain.compression import (
+    CompressedTensor,
+    CompressionError,
+    CompressionStats,
+    Compressor,
+    allreduce_compressed,
+    decompress,
+    leaf_method,
+)
 from paratrain.config import ConfigError, ErrorFeedback, TopK
 
 STATEFUL = [
@@ -118,3 +128,56 @@ def test_roundtrip_does_not_alias_input() -> None:
         out = Compressor(s).roundtrip("w", x)
         out.add_(1.0)
         assert not torch.equal(out, x)
+
+
+# --------------------------------------------------------------------------- compositions
+
+leaves = st.one_of(
+    st.just({"method": "None"}),
+    st.builds(lambda k: {"method": "TopK", "k": k}, st.integers(0, 30)),
+    st.builds(lambda k: {"method": "RandomK", "k": k}, st.integers(0, 30)),
+    st.builds(lambda t: {"method": "Threshold", "threshold": t}, st.floats(0, 2)),
+    st.builds(lambda b: {"method": "Quantization", "bits": b}, st.integers(1, 32)),
+)
+trees = st.recursive(
+    leaves,
+    lambda inner: st.one_of(
+        st.builds(lambda b, ec: {"method": "ErrorFeedback", "base_strategy": b,
+                                 "error_compensation": ec}, inner, st.booleans()),
+        st.builds(lambda b, c: {"method": "ClippedCompression", "base_strategy": b,
+                                "clip_value": c}, inner, st.floats(0.1, 3)),
+    ),
+    max_leaves=4,
+)
+
+
+@given(trees, st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+@settings(max_examples=120)
+def test_any_composition_round_trips_and_resumes(strategy: dict, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 6, generator=g).to(dtype) for _ in range(4)]
+    a = Compressor(strategy, seed=1)
+    outs = []
+    for i, x in enumerate(xs):
+        c = a.compress("w", x)
+        back = CompressedTensor.from_bytes(c.to_bytes(), expect_shape=(4, 6), expect_dtype=dtype)
+        d = decompress(back)
+        assert torch.equal(d, decompress(c)) and d.dtype == dtype
+        outs.append(d)
+        a.step()
+        if i == 1:
+            saved = a.state_dict()
+    b = Compressor(strategy, seed=1)
+    b.load_state_dict(saved)
+    for x, expected in zip(xs[2:], outs[2:], strict=True):
+        assert torch.equal(b.roundtrip("w", x), expected)
+        b.step()
+
+
+def test_allreduce_compressed_single_process_is_the_roundtrip() -> None:
+    x = torch.randn(30, generator=torch.Generator().manual_seed(0))
+    for s in ({"method": "TopK", "k": 4}, {"method": "RandomK", "k": 4},
+              {"method": "Threshold", "threshold": 1.0}, {"method": "Quantization", "bits": 4},
+              {"method": "None"}):
+        (got,) = allreduce_compressed(Compressor(s, seed=2), [("x", x)])
+        assert torch.equal(got, Compressor(s, seed=2).roundtrip("x", x))
