@@ -10,8 +10,9 @@ method that ends up on the wire (wrappers removed):
 * ``RandomK``: every rank draws the same k positions from (seed, step, name), so only
   the k values per tensor are summed by **all-reduce** (no indices travel).
 * ``TopK``: each rank keeps exactly min(k, n) entries per tensor, at rank-specific
-  positions; values and int32/int64 indices of fixed size travel by **all-gather** and
-  each rank scatter-adds the world's entries (Aji & Heafield 2017; Lin et al. 2018).
+  positions; values and int32/int64 indices of fixed size travel in one **all-gather**
+  (one byte buffer per rank) and each rank scatter-adds the world's entries (Aji &
+  Heafield 2017; Lin et al. 2018).
 * ``Threshold`` / ``Quantization``: rank-specific counts or scales; each rank's records
   are serialised to the wire format, their lengths are all-gathered, then the padded
   byte payloads are **all-gathered** and parsed with strict validation (shapes and dtypes
@@ -23,7 +24,9 @@ keys state by **parameter name** (not bucket index), so residuals survive bucket
 rebuilds and can be checkpointed with ``state.state_dict()``. The step that seeds
 RandomK and stochastic rounding advances automatically when a parameter is seen a
 second time (one step per backward pass, identical on every rank), or explicitly with
-``state.step()``. A plain ``{"method":"None"}`` strategy takes DDP's own path: divide the
+``state.step()``. Compression runs in the hook; the collective is launched
+asynchronously and the returned future writes the means into the bucket when it
+completes, so communication overlaps the rest of the backward pass. A plain ``{"method":"None"}`` strategy takes DDP's own path: divide the
 bucket by the world size and all-reduce it, so gradients equal DDP without a hook.
 Works on gloo and NCCL (collective buffers live on the gradients' device).
 """
@@ -50,19 +53,32 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _dense_allreduce(
-    compressor: Compressor, named: Sequence[tuple[str, torch.Tensor]], group: Any, world: int
-) -> list[torch.Tensor]:
-    dense = [compressor.roundtrip(k, t).reshape(-1) for k, t in named]
-    flat = torch.cat([d.to(_acc_dtype(d.dtype)) for d in dense]) if dense else torch.empty(0)
-    if world > 1:
-        dist.all_reduce(flat, group=group)
-    return _split_mean(flat, named, world)
+Named = Sequence[tuple[str, torch.Tensor]]
+Finish = Callable[[], list[torch.Tensor]]
 
 
-def _split_mean(
-    flat: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]], world: int
-) -> list[torch.Tensor]:
+class _Pending:
+    """A launched exchange: the collective's work handle (None when nothing is in
+    flight) and the function that turns the received buffers into the means."""
+
+    def __init__(self, work: Any, finish: Finish) -> None:
+        self.work = work
+        self.finish = finish
+
+    def wait(self) -> list[torch.Tensor]:
+        if self.work is not None:
+            self.work.wait()
+        return self.finish()
+
+    def future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        if self.work is None:
+            done: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+            done.set_result(self.finish())
+            return done
+        return self.work.get_future().then(lambda _f: self.finish())
+
+
+def _split_mean(flat: torch.Tensor, named: Named, world: int) -> list[torch.Tensor]:
     out, off = [], 0
     for _, t in named:
         n = t.numel()
@@ -71,85 +87,117 @@ def _split_mean(
     return out
 
 
-def _randomk_allreduce(
-    compressor: Compressor, named: Sequence[tuple[str, torch.Tensor]], group: Any, world: int
-) -> list[torch.Tensor]:
+def _launch_dense(compressor: Compressor, named: Named, group: Any, world: int) -> _Pending:
+    dense = [compressor.roundtrip(k, t).reshape(-1) for k, t in named]
+    flat = torch.cat([d.to(_acc_dtype(d.dtype)) for d in dense])
+    work = dist.all_reduce(flat, group=group, async_op=True) if world > 1 else None
+    return _Pending(work, lambda: _split_mean(flat, named, world))
+
+
+def _launch_randomk(compressor: Compressor, named: Named, group: Any, world: int) -> _Pending:
     recs = [compressor.compress(k, t) for k, t in named]
     vals = torch.cat([c.values.to(_acc_dtype(c.dtype)) for c in recs])
-    if world > 1:
-        dist.all_reduce(vals, group=group)
-    out, off = [], 0
-    for (_, t), c in zip(named, recs, strict=True):
-        assert c.indices is not None
-        dense = torch.zeros(t.numel(), dtype=vals.dtype, device=t.device)
-        dense.index_copy_(0, c.indices.to(t.device), vals[off : off + c.k])
-        off += c.k
-        out.append(dense.div_(world).to(t.dtype).reshape(t.shape))
-    return out
+    work = dist.all_reduce(vals, group=group, async_op=True) if world > 1 else None
+
+    def finish() -> list[torch.Tensor]:
+        out, off = [], 0
+        for (_, t), c in zip(named, recs, strict=True):
+            assert c.indices is not None
+            dense = torch.zeros(t.numel(), dtype=vals.dtype, device=t.device)
+            dense.index_copy_(0, c.indices.to(t.device), vals[off : off + c.k])
+            off += c.k
+            out.append(dense.div_(world).to(t.dtype).reshape(t.shape))
+        return out
+
+    return _Pending(work, finish)
 
 
-def _topk_allgather(
-    compressor: Compressor, named: Sequence[tuple[str, torch.Tensor]], group: Any, world: int
-) -> list[torch.Tensor]:
+def _launch_topk(compressor: Compressor, named: Named, group: Any, world: int) -> _Pending:
     recs = [compressor.compress(k, t) for k, t in named]
     device = named[0][1].device
     acc = _acc_dtype(named[0][1].dtype)
     total = sum(t.numel() for _, t in named)
-    # Global positions in the concatenation of all tensors; int32 halves the index bytes.
     offsets, off = [], 0
     for _, t in named:
         offsets.append(off)
         off += t.numel()
+    # Global positions in the concatenation of all tensors; int32 halves the index bytes.
     idx_dtype = torch.int32 if total < (1 << 31) else torch.int64
     idx = torch.cat(
         [c.indices.to(device) + o for c, o in zip(recs, offsets, strict=True) if c.indices is not None]
     ).to(idx_dtype)
     vals = torch.cat([c.values.to(acc) for c in recs])
+    # One all-gather of [values | indices] as bytes (every rank sends the same count).
+    nv = vals.numel() * vals.element_size()
+    payload = torch.cat([vals.view(torch.uint8), idx.view(torch.uint8)])
     if world > 1:
-        all_idx = [torch.empty_like(idx) for _ in range(world)]
-        all_vals = [torch.empty_like(vals) for _ in range(world)]
-        dist.all_gather(all_idx, idx, group=group)
-        dist.all_gather(all_vals, vals, group=group)
+        gathered = [torch.empty_like(payload) for _ in range(world)]
+        work = dist.all_gather(gathered, payload, group=group, async_op=True)
     else:
-        all_idx, all_vals = [idx], [vals]
-    flat = torch.zeros(total, dtype=acc, device=device)
-    for i, v in zip(all_idx, all_vals, strict=True):
-        flat.index_add_(0, i.to(torch.int64), v)
-    return _split_mean(flat, named, world)
+        gathered, work = [payload], None
+
+    def finish() -> list[torch.Tensor]:
+        flat = torch.zeros(total, dtype=acc, device=device)
+        for g in gathered:
+            v = g[:nv].clone().view(acc)
+            i = g[nv:].clone().view(idx_dtype)
+            flat.index_add_(0, i.to(torch.int64), v)
+        return _split_mean(flat, named, world)
+
+    return _Pending(work, finish)
 
 
-def _bytes_allgather(
-    compressor: Compressor, named: Sequence[tuple[str, torch.Tensor]], group: Any, world: int
-) -> list[torch.Tensor]:
+def _launch_bytes(compressor: Compressor, named: Named, group: Any, world: int) -> _Pending:
     device = named[0][1].device
     blobs = [compressor.compress(k, t).to_bytes() for k, t in named]
     lengths = torch.tensor([len(b) for b in blobs], dtype=torch.int64, device=device)
     payload = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).to(device)
+    work = None
     if world > 1:
+        # Record sizes differ per rank (Threshold counts): exchange them first (blocking),
+        # then all-gather the payloads padded to the largest.
         all_lengths = [torch.empty_like(lengths) for _ in range(world)]
         dist.all_gather(all_lengths, lengths, group=group)
         sizes = [int(x.sum()) for x in all_lengths]
         padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
         padded[: payload.numel()] = payload
         gathered = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(gathered, padded, group=group)
+        work = dist.all_gather(gathered, padded, group=group, async_op=True)
     else:
         all_lengths, gathered = [lengths], [payload]
-    sums = [torch.zeros(t.numel(), dtype=_acc_dtype(t.dtype), device=device) for _, t in named]
-    for lens, buf in zip(all_lengths, gathered, strict=True):
-        data = buf.cpu().numpy().tobytes()
-        pos = 0
-        for j, ln in enumerate(lens.tolist()):
-            t = named[j][1]
-            c = CompressedTensor.from_bytes(
-                data[pos : pos + ln], expect_shape=tuple(t.shape), expect_dtype=t.dtype,
-                max_numel=t.numel(),
-            )
-            pos += ln
-            sums[j] += c.decompress().reshape(-1).to(device=device, dtype=sums[j].dtype)
-    return [
-        s.div_(world).to(t.dtype).reshape(t.shape) for s, (_, t) in zip(sums, named, strict=True)
-    ]
+
+    def finish() -> list[torch.Tensor]:
+        sums = [torch.zeros(t.numel(), dtype=_acc_dtype(t.dtype), device=device) for _, t in named]
+        for lens, buf in zip(all_lengths, gathered, strict=True):
+            data = buf.cpu().numpy().tobytes()
+            pos = 0
+            for j, ln in enumerate(lens.tolist()):
+                t = named[j][1]
+                c = CompressedTensor.from_bytes(
+                    data[pos : pos + ln], expect_shape=tuple(t.shape), expect_dtype=t.dtype,
+                    max_numel=t.numel(),
+                )
+                pos += ln
+                sums[j] += c.decompress().reshape(-1).to(device=device, dtype=sums[j].dtype)
+        return [
+            s.div_(world).to(t.dtype).reshape(t.shape) for s, (_, t) in zip(sums, named, strict=True)
+        ]
+
+    return _Pending(work, finish)
+
+
+def _launch(compressor: Compressor, named: Named, group: Any) -> _Pending:
+    if not named:
+        return _Pending(None, list)
+    world = _world(group)
+    method = compressor.method
+    if method == "None":
+        return _launch_dense(compressor, named, group, world)
+    if method == "RandomK":
+        return _launch_randomk(compressor, named, group, world)
+    if method == "TopK":
+        return _launch_topk(compressor, named, group, world)
+    return _launch_bytes(compressor, named, group, world)
 
 
 def allreduce_compressed(
@@ -163,18 +211,10 @@ def allreduce_compressed(
     Every rank must pass the same names, shapes and dtypes in the same order, with
     compressors built from the same strategy and seed at the same step. ``group=None``
     uses the default group (or works alone when torch.distributed is not initialised).
+    Compression runs on the caller's thread; the result is the mean in each tensor's
+    dtype (accumulated in float32 for float16/bfloat16).
     """
-    if not named:
-        return []
-    world = _world(group)
-    method = compressor.method
-    if method == "None":
-        return _dense_allreduce(compressor, named, group, world)
-    if method == "RandomK":
-        return _randomk_allreduce(compressor, named, group, world)
-    if method == "TopK":
-        return _topk_allgather(compressor, named, group, world)
-    return _bytes_allgather(compressor, named, group, world)
+    return _launch(compressor, list(named), group).wait()
 
 
 class CompressionHookState:
@@ -226,6 +266,8 @@ class CompressionHookState:
 
 
 def _hook(state: CompressionHookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    """Compress this bucket's gradients by parameter name and launch the exchange
+    asynchronously; the returned future writes the means into the bucket buffer."""
     group = state.process_group
     world = _world(group)
     buf: torch.Tensor = bucket.buffer()
@@ -240,17 +282,18 @@ def _hook(state: CompressionHookState, bucket: Any) -> torch.futures.Future[torc
     if state._seen.intersection(names):
         state.step()
     state._seen.update(names)
-    averaged = allreduce_compressed(
-        state.compressor, list(zip(names, grads, strict=True)), group=group
-    )
-    off = 0
-    for g, a in zip(grads, averaged, strict=True):
-        n = g.numel()
-        buf[off : off + n].copy_(a.reshape(-1))
-        off += n
-    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    done.set_result(buf)
-    return done
+    pending = _launch(state.compressor, list(zip(names, grads, strict=True)), group)
+
+    def write_back(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        off = 0
+        for g, a in zip(grads, fut.value(), strict=True):
+            n = g.numel()
+            buf[off : off + n].copy_(a.reshape(-1))
+            off += n
+        return buf
+
+    # The collective runs while autograd computes the next buckets' gradients.
+    return pending.future().then(write_back)
 
 
 # DDP inspects the hook's annotations and compares them with the real objects, which
