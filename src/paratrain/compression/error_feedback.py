@@ -44,7 +44,11 @@ class ErrorFeedbackCodec:
         self.residuals: dict[str, torch.Tensor] = {}
 
     def residual(self, key: str) -> torch.Tensor | None:
-        """The flat residual for ``key`` (``None`` before its first compression)."""
+        """The flat residual for ``key`` (``None`` before its first compression).
+
+        This is the live buffer, updated in place by the next compression of ``key``;
+        clone it to keep a snapshot.
+        """
         return self.residuals.get(key)
 
     def encode(
@@ -60,9 +64,13 @@ class ErrorFeedbackCodec:
                 f"{e.dtype}; the tensor has {flat.numel()} of {flat.dtype} (a key must always "
                 "name the same tensor)"
             )
-        p = flat.to(rdt, copy=True)
         if self.error_compensation and e is not None:
-            p.add_(e.to(p.device))
+            # Accumulate in the residual's own buffer (no fresh allocation): it becomes p,
+            # and below e_t = p - D(c). Leaves copy what they keep, never alias p.
+            p = e if e.device == flat.device else e.to(flat.device)
+            p.add_(flat)
+        else:
+            p = flat.to(rdt, copy=True)
         c = self.base.encode(p if p.dtype == flat.dtype else p.to(flat.dtype), shape, ctx)
         if c.indices is not None and c.method in _SPARSE:
             # D(c) is zero except at the (distinct) kept indices: e = p - D(c) in O(k).
