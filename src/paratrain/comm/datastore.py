@@ -176,7 +176,13 @@ class DataStoreTransport:
         """Writes are synchronous; nothing is pending."""
 
     def close(self) -> None:
-        """Remove the session directory once it is empty (every value consumed)."""
+        """Rank 0 removes the session directory once it is empty (every value consumed).
+
+        Only rank 0 does, after its last receive: another rank removing a momentarily
+        empty directory could race a peer's pending write.
+        """
+        if self.rank != 0:
+            return
         try:
             self.store.root.rmdir()
         except OSError:
