@@ -208,6 +208,10 @@ class CheckpointWriter:
         torch.save(state, buf)
         self._pending.append(self._pool.submit(self._write, Path(path), buf.getvalue()))
 
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the writer thread, after every file queued before it."""
+        self._pending.append(self._pool.submit(fn, *args))
+
     def flush(self) -> None:
         pending, self._pending = self._pending, []
         for fut in pending:

@@ -117,6 +117,15 @@ def _check_shared(run_dir: Path, token: str, rank: int) -> None:
             "by all workers"))])
 
 
+def _persist(
+    run_dir: Path, done: int, lineage_text: str, state: dict[str, Any], keep_from: int | None
+) -> None:
+    _write_text(run_dir / "lineage.json", lineage_text)
+    checkpoint.save_checkpoint(population_path(run_dir, done), state)
+    if keep_from is not None:
+        _prune_members(run_dir, keep_from=keep_from)
+
+
 def _prune_members(run_dir: Path, *, keep_from: int) -> None:
     """Delete member checkpoints of generations before ``keep_from`` (after the
     population checkpoint that no longer needs them is on disk)."""
@@ -129,9 +138,9 @@ def _prune_members(run_dir: Path, *, keep_from: int) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _write_json(path: Path, doc: Any) -> None:
+def _write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 
@@ -243,21 +252,28 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 "copied_from": copied.get(r["member"]),
                 "time_s": round(time.perf_counter() - started, 4),
             })
-        # Records first, the population checkpoint last: a crash in between reruns this
-        # generation on resume (metrics are truncated back to the checkpoint).
+        # Snapshot now, write on the writer thread while the next generation trains:
+        # lineage first, the population checkpoint last, so a crash in between reruns
+        # this generation on resume (metrics are truncated back to the checkpoint).
         t = time.perf_counter()
-        _write_json(run_dir / "lineage.json", lineage_json(pop, metric=opts.metric, mode=opts.mode))
-        checkpoint.save_checkpoint(population_path(run_dir, pop.generation), pop.state_dict())
-        if opts.keep_generations is not None:
-            _prune_members(run_dir, keep_from=pop.generation - opts.keep_generations)
+        keep_from = None if opts.keep_generations is None else pop.generation - opts.keep_generations
+        runner.writer.submit(
+            _persist, run_dir, pop.generation,
+            json.dumps(lineage_json(pop, metric=opts.metric, mode=opts.mode), indent=1),
+            pop.state_dict(), keep_from,
+        )
         timing["persist_s"] += time.perf_counter() - t
 
+    t = time.perf_counter()
+    runner.writer.flush()
+    timing["persist_s"] += time.perf_counter() - t
     timing["loop_s"] = time.perf_counter() - loop_started
     bar.stop()
     if not main:
         return None
     assert pop is not None
-    _write_json(run_dir / "lineage.json", lineage_json(pop, metric=opts.metric, mode=opts.mode))
+    _write_text(run_dir / "lineage.json",
+                json.dumps(lineage_json(pop, metric=opts.metric, mode=opts.mode), indent=1))
     summary = _summary(job, pop, run_dir, ctx.world_size, started, timing, per_rank)
     summary["restarts"] = ctx.restart_count
     write_summary(run_dir, summary)
