@@ -90,11 +90,14 @@ def send_bytes(payload: torch.Tensor, *, dst: int, group: Any = None) -> None:
     dist.send(payload.contiguous(), dst=dst, group=group)
 
 
-def recv_bytes(nbytes: int, *, src: int, group: Any = None, limit: int = 1 << 34) -> torch.Tensor:
+def recv_bytes(
+    nbytes: int, *, src: int, group: Any = None, limit: int = 1 << 34,
+    device: torch.device | None = None,
+) -> torch.Tensor:
     """Receive ``nbytes`` bytes from ``src`` (the length came from a control message)."""
     if not 0 <= nbytes <= limit:
         raise ValueError(f"refusing to receive {nbytes} bytes from rank {src} (limit {limit})")
-    buf = torch.empty(nbytes, dtype=torch.uint8)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     if group is None or nbytes == 0:
         return buf
     dist.recv(buf, src=src, group=group)

@@ -165,6 +165,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     is_server = rank == 0
     seed = job.run.seed
     device = ctx.device
+    # NCCL moves only device tensors; gloo takes CPU tensors.
+    comm_dev = device if ctx.backend == "nccl" else torch.device("cpu")
 
     seed_everything(seed)
     bundle = load_data(job.data, seed=seed)
@@ -241,9 +243,12 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 fvec, ivec = _flatten(server.global_state)
             else:
                 fvec, ivec = _flatten(template)
+            if comm_dev.type != "cpu":
+                fvec, ivec = fvec.to(comm_dev), ivec.to(comm_dev)
             broadcast_(fvec, src=0, group=group)
             if ivec.numel():
                 broadcast_(ivec, src=0, group=group)
+            fvec, ivec = fvec.cpu(), ivec.cpu()
             global_state = server.global_state if server is not None else _unflatten(template, fvec, ivec)
             dev_state = {k: v.to(device) for k, v in global_state.items()}
             # Local training of the selected clients this rank hosts.
@@ -256,8 +261,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             payload = b"".join(res.payload for res in results)
             if server is None:
                 store_set_json(store, f"fed/status/{r}/{rank}", {"results": statuses, "nbytes": len(payload)})
-                send_bytes(torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
-                           else torch.zeros(0, dtype=torch.uint8), dst=0, group=group)
+                data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
+                        else torch.zeros(0, dtype=torch.uint8))
+                send_bytes(data.to(comm_dev), dst=0, group=group)
                 continue
             # Server: collect every rank's updates.
             all_st = list(statuses)
@@ -266,7 +272,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 key = f"fed/status/{r}/{src}"
                 doc = store_get_json(store, key)
                 store_delete(store, key)
-                buf = recv_bytes(int(doc["nbytes"]), src=src, group=group).numpy().tobytes()
+                buf = recv_bytes(int(doc["nbytes"]), src=src, group=group,
+                                 device=comm_dev).cpu().numpy().tobytes()
                 pos = 0
                 for st in doc["results"]:
                     nb = int(st.get("nbytes", 0))
