@@ -7,15 +7,17 @@ SGD with memory", NeurIPS 2018) and ranks can all-reduce them directly. Values a
 rescaled by n/k (the Rust reference does not rescale either); E[C(x)] = (k/n) x, and
 ErrorFeedback removes that bias over time.
 
-The subset is the set of the first k distinct values of an i.i.d. uniform sequence over
-{0..n-1}, which is a uniform k-subset; for k > n/4 a ``randperm`` prefix is used instead.
-Both are computed on the CPU so every device type draws the same positions.
+The subset is drawn with numpy's ``Generator.choice(n, k, replace=False)`` on a PCG64
+stream seeded by that value (Floyd's algorithm with a hash set when k << n, a partial
+shuffle otherwise: both uniform k-subsets), on the CPU, so every rank and every device
+type draws the same positions.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from .base import CompressedTensor, EncodeContext
@@ -30,22 +32,10 @@ def randomk_positions(n: int, k: int, seed: int) -> torch.Tensor:
         return torch.arange(n)
     if k == 0:
         return torch.empty(0, dtype=torch.long)
-    g = torch.Generator(device="cpu")
-    g.manual_seed(seed)
-    if 4 * k > n:
-        return torch.sort(torch.randperm(n, generator=g)[:k]).values
-    draws = torch.empty(0, dtype=torch.long)
-    while True:
-        # Expected duplicates among m draws are about m^2 / 2n <= m / 8 here.
-        m = k - draws.numel() // 2 + k // 8 + 16
-        draws = torch.cat([draws, torch.randint(n, (m,), generator=g)])
-        uniq, inverse = torch.unique(draws, sorted=True, return_inverse=True)
-        if uniq.numel() >= k:
-            break
-    first = torch.full((uniq.numel(),), draws.numel(), dtype=torch.long)
-    first.scatter_reduce_(0, inverse, torch.arange(draws.numel()), reduce="amin")
-    keep = torch.argsort(first)[:k]
-    return torch.sort(uniq[keep]).values
+    rng = np.random.Generator(np.random.PCG64(seed))
+    idx = rng.choice(n, size=k, replace=False, shuffle=False).astype(np.int64, copy=False)
+    idx.sort()
+    return torch.from_numpy(idx)
 
 
 class RandomKCodec:
