@@ -63,6 +63,9 @@ def _once(out: str, name: str, workers: int, **kw: Any) -> dict[str, Any]:
         "overhead_s": tm["overhead_s"],
         "steps_per_s": s["member_steps"] / tm["loop_s"],
         "steps_per_s_end_to_end": s["member_steps"] / end_to_end,
+        "checkpoint_s": tm["checkpoint_s"],
+        "evolve_s": tm["evolve_s"],
+        "persist_s": tm["persist_s"],
         "best_fitness": s["best_fitness"],
         "parameters_sha256": s["parameters_sha256"],
     }
@@ -103,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_fraction_1_worker": round(med(1, "overhead_fraction"), 4),
         "overhead_fraction_2_workers": round(med(2, "overhead_fraction"), 4),
         "overhead_goal": "< 0.05",
+        "overhead_breakdown_1_worker_s": {
+            k: round(med(1, k), 4) for k in ("checkpoint_s", "evolve_s", "persist_s", "loop_s")
+        },
         "steps_per_s_1_worker": round(med(1, "steps_per_s"), 1),
         "steps_per_s_2_workers": round(med(2, "steps_per_s"), 1),
         "throughput_ratio_2_vs_1": round(med(2, "steps_per_s") / med(1, "steps_per_s"), 3),
