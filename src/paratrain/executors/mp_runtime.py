@@ -14,7 +14,9 @@ Because ``sum_i L_i = mean_r CE`` over the whole batch and parameter gradients
 accumulate over micro-batches, the loss and every parameter gradient equal those of the
 unpartitioned model on the same batch (up to float summation order).
 
-The transport is duck-typed (``send(t, dst=, key=, step=)``, ``recv(src=, key=, step=)``,
+Orders come from GPipe (Huang et al. 2019) or 1F1B/PipeDream-Flush (Narayanan et al.
+2021) for pipelines, or the sequential order for Direct/DataStore. The transport is
+duck-typed (``send(t, dst=, key=, step=, rows=)``, ``recv(src=, key=, step=, rows=)``,
 ``flush()``): :class:`paratrain.comm.p2p.P2PTransport` (Direct, Pipeline) or
 :class:`paratrain.comm.datastore.DataStoreTransport` (DataStore). The runtime records
 what it ran (``trace``), time computing vs. waiting, and the peak bytes of activations
