@@ -159,6 +159,7 @@ def worker(ctx: WorkerContext, quick: bool) -> dict[str, Any]:
                            "bytes_vs_megatron_min": s["bytes_moved"] / minimum,
                            "collectives": s["collectives"]}
             m.comm.close()
+        ablations = _ablations(dense, x, tp, reps, step) if kind == "transformer" else {}
         med_o, med_r = statistics.median(t_ours), statistics.median(t_ref)
         res[kind] = {
             "step_s_paratrain": med_o,
@@ -175,7 +176,45 @@ def worker(ctx: WorkerContext, quick: bool) -> dict[str, Any]:
             "param_memory_vs_ideal": st["param_memory_fraction"] / st["param_memory_ideal_fraction"],
             "patterns": patterns,
         }
+        if ablations:
+            res[kind]["ablations"] = ablations
     return res
+
+
+def _ablations(dense: nn.Module, x: torch.Tensor, tp: int, reps: int, step: Any) -> dict[str, Any]:
+    """What each switch does on the transformer block, measured in the same run."""
+    base = {"tensor_parallel_size": tp, "memory_optimization": "None"}
+    variants: dict[str, dict[str, Any]] = {
+        "default": {}, "async_off": {"async_communication": False},
+        "fusion_off": {"fusion_threshold_bytes": 0}, "mixed_precision": {"mixed_precision": True},
+    }
+    out: dict[str, Any] = {}
+    for name, extra in variants.items():
+        m = parallelize(copy.deepcopy(dense), TensorParallelismConfig(**{**base, **extra}))
+        step(m)
+        ts = _timeit(lambda m=m: step(m), reps)
+        m.stats.reset()
+        step(m)
+        st = m.statistics()
+        out[name] = {"step_s": statistics.median(ts), "collectives": st["total_collectives"],
+                     "async_collectives": st["async_collectives"], "bytes": st["bytes_moved"]}
+    for name in variants:
+        out[name]["step_time_vs_default"] = out[name]["step_s"] / out["default"]["step_s"]
+    deep = nn.Sequential(*[Block(256, 8) for _ in range(8)])
+    levels: dict[str, Any] = {}
+    for level in ["None", "Low", "Medium", "High", "Extreme"]:
+        m = parallelize(copy.deepcopy(deep), TensorParallelismConfig(
+            tensor_parallel_size=tp, memory_optimization=level))
+        step(m)
+        ts = _timeit(lambda m=m: step(m), max(3, reps // 3))
+        with m.measure_activations() as meter:
+            step(m)
+        levels[level] = {"step_s": statistics.median(ts), "peak_activation_bytes": meter.peak}
+    for v in levels.values():
+        v["peak_vs_none"] = v["peak_activation_bytes"] / levels["None"]["peak_activation_bytes"]
+        v["step_time_vs_none"] = v["step_s"] / levels["None"]["step_s"]
+    out["memory_optimization_8_blocks"] = levels
+    return out
 
 
 def device_checks(device: str) -> dict[str, Any]:

@@ -237,6 +237,7 @@ def mixed_precision(tp: int) -> dict[str, float]:
         loss = out.square().mean()
         loss.backward()
         res["loss_bf16" if mp else "loss_fp32"] = float(loss)
+        res["bytes_bf16" if mp else "bytes_fp32"] = tpm.statistics()["bytes_moved"]
         res["master_dtype_bf16" if mp else "master_dtype_fp32"] = str(next(tpm.parameters()).dtype)
         res["grad_dtype_bf16" if mp else "grad_dtype_fp32"] = str(next(tpm.parameters()).grad.dtype)
     return res

@@ -117,6 +117,7 @@ def test_mixed_precision_close_to_fp32_with_fp32_master_weights(r2: list[dict[st
     assert mp["loss_bf16"] != mp["loss_fp32"]  # bf16 really ran
     assert abs(mp["loss_bf16"] - mp["loss_fp32"]) <= 2e-2 * abs(mp["loss_fp32"])
     assert mp["master_dtype_bf16"] == "torch.float32" == mp["grad_dtype_bf16"]
+    assert mp["bytes_bf16"] == mp["bytes_fp32"] > 0  # every reduction carried fp32
 
 
 def test_memory_levels_reduce_peak_activation_memory(r2: list[dict[str, Any]]) -> None:

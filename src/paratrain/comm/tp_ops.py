@@ -511,6 +511,12 @@ def build_tp_groups(tp_size: int, *, pattern: str = "AllReduce", async_op: bool 
 # -- autograd region operators -------------------------------------------------------------
 
 
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """Reductions run in fp32: half-precision partial sums are upcast before they travel."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+
 class _CopyToRegion(Function):
     """f: identity forward, sum-all-reduce of the gradient backward."""
 
@@ -521,7 +527,7 @@ class _CopyToRegion(Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return ctx.comm.all_reduce(g.contiguous()), None
+        return ctx.comm.all_reduce(_fp32(g.contiguous())), None
 
 
 class _ReduceFromRegion(Function):
@@ -529,7 +535,7 @@ class _ReduceFromRegion(Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: TPComm) -> torch.Tensor:
-        return comm.all_reduce(x.contiguous())
+        return comm.all_reduce(_fp32(x.contiguous()))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
@@ -576,7 +582,7 @@ class _SeqGather(Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return ctx.comm.reduce_scatter(g.contiguous(), ctx.dim, ctx.sizes).wait(), None, None, None
+        return ctx.comm.reduce_scatter(_fp32(g.contiguous()), ctx.dim, ctx.sizes).wait(), None, None, None
 
 
 class _SeqReduceScatter(Function):
@@ -585,7 +591,7 @@ class _SeqReduceScatter(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
         ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
-        return comm.reduce_scatter(x.contiguous(), dim, sizes).wait()
+        return comm.reduce_scatter(_fp32(x.contiguous()), dim, sizes).wait()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
@@ -604,7 +610,7 @@ class _FusedCopy(Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         gs = [g for g in grads if g is not None]
-        total = gs[0].clone()
+        total = _fp32(gs[0]).clone()
         for g in gs[1:]:
             total.add_(g)
         return ctx.comm.all_reduce(total), None, None
@@ -623,7 +629,7 @@ class _FusedSeqGather(Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         gs = [g for g in grads if g is not None]
-        total = gs[0].clone()
+        total = _fp32(gs[0]).clone()
         for g in gs[1:]:
             total.add_(g)
         return ctx.comm.reduce_scatter(total, ctx.dim, ctx.sizes).wait(), None, None, None, None
@@ -670,7 +676,9 @@ def fused_seq_gather(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int],
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype | None) -> torch.Tensor:
-    if cdt is None or a.dtype == cdt:
+    """``a @ b``; with a compute dtype the product runs in it and comes back as fp32, so
+    every reduction and every saved gradient stays fp32 (mixed precision)."""
+    if cdt is None:
         return a @ b
     return (a.to(cdt) @ b.to(cdt)).float()
 
@@ -713,7 +721,7 @@ class _ColumnLinear(Function):
         handle: Handle | None = None
         t0 = time.perf_counter()
         if ctx.needs_input_grad[0]:
-            gx = _mm(gy, w, ctx.cdt)
+            gx = _fp32(_mm(gy, w, ctx.cdt))
             if ctx.mode == "copy":
                 handle = comm.all_reduce_async(gx)
             elif ctx.mode == "seq":
@@ -741,7 +749,7 @@ class _RowLinear(Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, comm: TPComm,
                 mode: str, dim: int, sizes: list[int] | None, cdt: torch.dtype | None) -> torch.Tensor:
         t0 = time.perf_counter()
-        partial = _mm(x, w.t(), cdt)
+        partial = _fp32(_mm(x, w.t(), cdt))
         comm.stats.add_compute_time(time.perf_counter() - t0)
         if mode == "seq":
             z = comm.reduce_scatter(partial, dim, sizes).wait()
