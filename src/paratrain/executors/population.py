@@ -251,6 +251,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 "source": r["source"], "error": r["error"],
                 "copied_from": copied.get(r["member"]),
                 "time_s": round(time.perf_counter() - started, 4),
+                "member_timing_s": {k.removesuffix("_s"): round(r[k], 5) for k in
+                                    ("data_s", "setup_s", "load_s", "train_s", "eval_s", "save_s")},
             })
         # Snapshot now, write on the writer thread while the next generation trains:
         # lineage first, the population checkpoint last, so a crash in between reruns
