@@ -20,6 +20,13 @@ continues from the newest population checkpoint and ends with the same result as
 uninterrupted run: all randomness is a function of the seed, the member and the
 generation, and the population's generator travels in its checkpoint.
 
+Options (``[population]``): the budget, ``metric``/``mode``, ``evolve = false`` (the same
+population and budget as independent runs: random search, the baseline PBT is measured
+against), ``keep_generations`` (prune older member checkpoints), ``fail_members`` (fault
+injection). A member that was not replaced continues from its state in memory, which is
+byte-identical to its file; files are written on a background thread and flushed before
+a rank reports, so a population checkpoint never names a file that is not on disk.
+
 Across machines (torchrun) ``run.output_dir`` must be a filesystem all workers share,
 since members move between ranks as files; every rank checks this at start.
 
