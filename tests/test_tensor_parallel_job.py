@@ -73,3 +73,19 @@ def test_resume_from_sharded_checkpoints_matches_uninterrupted(tmp_path: Path) -
     assert r["steps"] == (6, 6)
     assert r["full"] == r["resumed"]
     assert (tmp_path / "split" / "checkpoints" / "tp-rank1").is_dir()
+
+
+def test_layout_errors_surface_before_launch(tmp_path: Path) -> None:
+    from paratrain.executors.tensor_parallel import dry_run
+
+    doc = load_job(EXAMPLES / "tensor_parallel_mlp.toml").to_json_dict()
+    dry_run(load_job(doc))  # the example itself is fine
+    doc["model"] = {"name": "transformer", "d_model": 30, "heads": 3}
+    with pytest.raises(ConfigError, match="3 heads, not divisible by tensor_parallel_size 2"):
+        execute(load_job(doc))
+    doc["model"] = {"name": "mlp"}
+    doc["strategy"] = {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}}
+    doc["tensor_parallel"]["partitioning_strategy"] = "BlockWise"
+    doc["tensor_parallel"]["tensor_parallel_size"] = 4
+    with pytest.raises(ConfigError, match="perfect-square"):
+        execute(load_job(doc))

@@ -54,7 +54,7 @@ from ..training import (
 )
 from ..training.rundir import run_dir_of
 
-__all__ = ["run", "worker_main", "layout"]
+__all__ = ["run", "worker_main", "layout", "dry_run"]
 
 _MARKER = "tp-complete.json"
 
@@ -249,9 +249,33 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def dry_run(job: JobConfig) -> None:
+    """Shard the job's model as rank 0 would, without processes or collectives, so layout
+    errors (heads not divisible, BlockWise on a square size, nothing to shard...) surface
+    before anything is launched."""
+    from ..comm.tp_ops import TPComm, TPGroups
+    from ..tensor_parallel import TensorParallelModule
+
+    cfg, tp, dp = layout(job)
+    bundle = load_data(job.data, seed=job.run.seed)
+    if len(bundle.train) < dp:
+        raise ConfigError([("strategy.num_replicas",
+                            f"{dp} replicas but only {len(bundle.train)} training rows")])
+    model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+    comm = TPComm(None, list(range(tp)), rank=0, pattern=cfg.communication_pattern.value)
+    try:
+        TensorParallelModule(model, cfg, TPGroups(comm, None, tp, dp, 0))
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError([("tensor_parallel", str(e))]) from None
+
+
 def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
     """Launch ``tensor_parallel_size x replicas`` processes; return rank 0's summary."""
     _, tp, dp = layout(job)
+    if not in_torchrun():
+        dry_run(job)
     if not in_torchrun() and tp * dp > (os.cpu_count() or 1) * 8:
         raise ConfigError([("tensor_parallel.tensor_parallel_size",
                             f"{tp * dp} processes is more than this machine can host")])
