@@ -132,10 +132,10 @@ HOSTILE = {
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_hostile_payloads_raise_compression_error(name: str) -> None:
     blob, match = HOSTILE[name]
-    t0 = time.perf_counter()
+    t0 = time.thread_time()  # CPU time: robust to a busy machine
     with pytest.raises(CompressionError, match=match):
         CompressedTensor.from_bytes(blob)
-    assert time.perf_counter() - t0 < 0.5  # rejected before any work sized by the header
+    assert time.thread_time() - t0 < 0.5  # rejected before any work sized by the header
 
 
 def test_expectations_and_limits() -> None:
