@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from paratrain.comm.context import WorkerContext
-from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
 
 
@@ -41,8 +40,6 @@ def launch_fail(ctx: WorkerContext, job: JobConfig, resume: bool) -> None:
     dist.barrier()
 
 
-def launch_config_fail(ctx: WorkerContext, job: JobConfig, resume: bool) -> None:
-    raise ConfigError([("strategy.num_replicas", "too many replicas (got 9)")])
 
 
 

@@ -22,6 +22,7 @@ from paratrain.executors.dp_aggregation import pack_records, unpack_records
 pytestmark = pytest.mark.timeout(200)
 
 
+@pytest.mark.slow
 def test_collectives_on_two_ranks() -> None:
     res = run_distributed(comm_checks, 2, timeout_s=120,
                           workers=[_Spec("ps", ["server"]), _Spec("w1", [])])

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from paratrain.comm.launch import WorkerError, launch
+from paratrain.comm.launch import WorkerError, _reraise, launch
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 
 def _job(**run: object) -> JobConfig:
@@ -36,10 +38,40 @@ def test_worker_error_surfaces_root_cause() -> None:
     assert info.value.rank == 1
 
 
-def test_config_error_in_worker_is_config_error() -> None:
+def _record(monkeypatch: pytest.MonkeyPatch, path: Path, exc: BaseException) -> None:
+    """Write ``exc`` the way torch's elastic error handler does inside a worker."""
+    from torch.distributed.elastic.multiprocessing.errors.error_handler import ErrorHandler
+
+    path.parent.mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    try:
+        raise exc
+    except BaseException as e:  # noqa: BLE001
+        ErrorHandler().record_exception(e)
+
+
+def test_root_cause_prefers_the_real_error_over_peer_fallout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent reports rank 0 (died of a closed connection); the cause is rank 1's
+    ConfigError, found in the sibling error file and re-raised as a ConfigError."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    attempt = tmp_path / "attempt_0"
+    _record(monkeypatch, attempt / "0" / "error.json",
+            RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234"))
+    _record(monkeypatch, attempt / "1" / "error.json",
+            ConfigError([("strategy.num_replicas", "too many replicas (got 9)")]))
+    err = ChildFailedError("worker_entry", {0: ProcessFailure(0, 1, 1, str(attempt / "0" / "error.json"))})
     with pytest.raises(ConfigError) as info:
-        launch(_job(), nprocs=2, target="_workers_dp:launch_config_fail")
+        _reraise(err)
     assert info.value.problems == [("strategy.num_replicas", "too many replicas (got 9)")]
+    _record(monkeypatch, tmp_path / "b" / "attempt_0" / "0" / "error.json", ValueError("bad shard"))
+    err = ChildFailedError(
+        "worker_entry", {0: ProcessFailure(0, 1, 1, str(tmp_path / "b" / "attempt_0" / "0" / "error.json"))}
+    )
+    with pytest.raises(WorkerError, match="rank 0 failed: ValueError: bad shard"):
+        _reraise(err)
 
 
 def test_torchrun_env_runs_in_process_and_checks_world_size(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -67,6 +67,7 @@ def _check_parity(results: list[dict[str, Any]], world: int, tmp: Path) -> None:
     assert ps["server_bytes_per_step"] == pytest.approx(2 * (world - 1) * nbytes)
 
 
+@pytest.mark.slow
 def test_two_ranks_parity(tmp_path: Path) -> None:
     variants: list[tuple[Any, ...]] = [
         ("AllReduce", {"method": "AllReduce"}),
@@ -93,6 +94,7 @@ def test_two_ranks_parity(tmp_path: Path) -> None:
     assert stats["ratio"] < 0.5
 
 
+@pytest.mark.slow
 def test_four_ranks_parity_and_gossip(tmp_path: Path) -> None:
     variants: list[tuple[Any, ...]] = [
         ("AllReduce", {"method": "AllReduce"}),

@@ -16,7 +16,7 @@ from paratrain.comm.launch import launch_config
 from paratrain.comm.testing import free_port
 from paratrain.config import ConfigError, load_job
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 BIN = Path(sys.executable).parent
 

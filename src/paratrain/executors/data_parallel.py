@@ -2,12 +2,13 @@
 combined after every backward pass (DESIGN §4).
 
 Sharding: every epoch a fresh permutation of the training rows, a pure function of
-(seed, epoch) and so identical on every rank; replica ``r`` takes the contiguous slice
-``perm[r*S : (r+1)*S]`` with ``S = N // n`` (the ``N mod n`` rows left over change each
-epoch). ``train.batch_size`` is per replica; a step of n replicas therefore sees the
-concatenation of n batches, and with ``AllReduce`` the update equals single-process SGD
-on that concatenated batch (equal batch sizes make the mean of means the global mean)
-and torch ``DistributedDataParallel``.
+(seed, epoch) (the one Local uses) and so identical on every rank; replica ``r`` takes
+``perm[:S*n][r::n]`` with ``S = N // n`` (as torch's DistributedSampler; the ``N mod n``
+rows left over change each epoch). ``train.batch_size`` is per replica; a step of n
+replicas therefore sees the concatenation of n batches -- exactly the rows of Local's
+batch of ``n * batch_size`` at the same step -- and with ``AllReduce`` the update equals
+single-process SGD on that concatenated batch (equal batch sizes make the mean of means
+the global mean) and torch ``DistributedDataParallel``.
 
 Aggregations (:mod:`.dp_aggregation`): ``AllReduce`` (bucketed, overlapped with
 backward), ``ParameterServer`` (rank 0 serves), ``Decentralized{ring|torus|complete}``
@@ -69,10 +70,12 @@ _MARKER = "dp-complete.json"
 
 
 def shard_indices(n: int, *, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
-    """Replica ``rank``'s rows for ``epoch``: a contiguous slice of the epoch permutation."""
+    """Replica ``rank``'s rows for ``epoch``: every ``world``-th row of the epoch
+    permutation from ``rank`` on (as torch's DistributedSampler), the last ``n mod world``
+    rows dropped so that shards are equal and disjoint."""
     size = n // world
     perm = epoch_permutation(n, seed=seed, epoch=epoch)
-    return perm[rank * size : (rank + 1) * size]
+    return perm[: size * world][rank::world]
 
 
 def validate(job: JobConfig, *, num_train: int | None = None) -> DataParallel:
