@@ -35,6 +35,7 @@ def test_collectives_on_two_ranks() -> None:
             assert got_s == got_b  # bucket size changes grouping, not the result
         assert r["small_calls"] >= 4  # 64-byte buckets: several collectives (non-vacuity)
         assert r["reducer_ok"]
+        assert r["unused_ok"] and r["used_grad"] == [[1.5] * 3, [1.5] * 3]  # mean of inputs 1 and 2
         assert r["gathered"] == [[0], [1, 2, 3, 4]]
         assert r["rs_native"] == r["rs_fallback"]
         assert r["ag_native"] == r["ag_fallback"] == [0.0, 0.5, 1.0, 1.5]
