@@ -127,7 +127,7 @@ def test_control_plane_single_process() -> None:
         cp.read("missing")
     with pytest.raises(ControlError, match="limit"):
         cp.publish("big", "x" * 100)
-    store.set("bad", b"\xff\xfe")
+    store.set("bad", b"\xff\xfe")  # type: ignore[arg-type]
     with pytest.raises(ControlError, match="not JSON"):
         cp.read("bad")
 
