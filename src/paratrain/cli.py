@@ -31,13 +31,26 @@ def _print_problems(lines: list[str]) -> None:
         print(line, file=sys.stderr)
 
 
+def _deep_validate(job: Any) -> None:
+    """Checks that need the strategy's executor (e.g. search-space names against the
+    optimizer and model): each executor module may expose ``validate(job)``."""
+    import importlib
+
+    from .executors import executor_module
+
+    module = importlib.import_module(executor_module(job))
+    check = getattr(module, "validate", None)
+    if callable(check):
+        check(job)
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     from .config.job import load_job
 
     worst = EXIT_OK
     for path in args.jobs:
         try:
-            load_job(path)
+            _deep_validate(load_job(path))
         except ConfigError as e:
             _print_problems(_problems(e, path))
             worst = EXIT_USAGE

@@ -9,6 +9,7 @@ rank's traceback. ``fn`` must be importable (a module-level function).
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -59,7 +60,11 @@ def _child(
             workers=default_workers(world_size, workers),
         )
         out = fn(ctx, *args)
-        results.put((rank, True, out))
+        # Tensors put on a multiprocessing queue travel as shared-memory handles that
+        # die with this process; serialise the result to bytes instead.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -101,7 +106,8 @@ def run_distributed(
                 errors.append(f"timed out after {timeout_s}s waiting for ranks")
                 break
             if ok:
-                out[rank] = value
+                # Our own child's result (trusted, same machine), hence weights_only=False.
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break
