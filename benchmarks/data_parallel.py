@@ -82,7 +82,7 @@ def bench_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     opt_a = torch.optim.SGD(ours.parameters(), lr=0.01)
 
     def step_ours(x: torch.Tensor, y: torch.Tensor) -> None:
-        opt_a.zero_grad(set_to_none=True)
+        opt_a.zero_grad(set_to_none=agg.zero_grad_set_to_none)
         loss_fn(ours(x), y).backward()
         agg.sync_gradients()
         opt_a.step()

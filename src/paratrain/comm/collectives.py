@@ -427,7 +427,9 @@ class GradReducer:
     computing earlier layers. :meth:`finish` launches any bucket whose parameters got no
     gradient (zeros), waits, divides by the world size and writes the means back into
     ``p.grad``. Result: ``p.grad <- (1/n) sum_r p.grad^(r)``, identical to
-    :func:`all_reduce_buckets`.
+    :func:`all_reduce_buckets`. ``grad_views=True`` leaves each ``p.grad`` as a view of
+    its bucket (DDP's ``gradient_as_bucket_view``): zeroing gradients in place
+    (``zero_grad(set_to_none=False)``) then saves both copies per step.
     """
 
     def __init__(
@@ -438,7 +440,9 @@ class GradReducer:
         bucket_bytes: int = int(DEFAULT_BUCKET_MB * 1024 * 1024),
         first_bucket_bytes: int | None = 1024 * 1024,
         counter: CommCounter | None = None,
+        grad_views: bool = False,
     ) -> None:
+        self.grad_views = grad_views
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.counter = counter
@@ -468,7 +472,9 @@ class GradReducer:
             return
         self._seen.add(id(p))
         b, offset = self._where[id(p)]
-        self._flat[b][offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+        slot = self._flat[b][offset : offset + p.numel()]
+        if p.grad.data_ptr() != slot.data_ptr():  # not (yet) a view of the bucket
+            slot.copy_(p.grad.reshape(-1))
         self._ready[b] += 1
         if self._ready[b] == len(self.buckets[b]):
             self._launch(b)
@@ -496,10 +502,17 @@ class GradReducer:
             offset = 0
             for p in members:
                 k = p.numel()
-                if p.grad is None:
-                    p.grad = flat[offset : offset + k].view_as(p).clone()
+                view = flat[offset : offset + k].view_as(p)
+                if self.grad_views:
+                    # p.grad becomes a view of the bucket: with zero_grad(set_to_none=False)
+                    # autograd accumulates straight into the bucket next step (no copies),
+                    # as DDP's gradient_as_bucket_view.
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+                elif p.grad is None:
+                    p.grad = view.clone()
                 else:
-                    p.grad.copy_(flat[offset : offset + k].view_as(p))
+                    p.grad.copy_(view)
                 offset += k
         self._ready = [0] * len(self.buckets)
         self._seen.clear()

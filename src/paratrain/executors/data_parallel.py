@@ -286,7 +286,7 @@ def train_replica(
         while batch < batches_per_epoch and step < total_steps:
             idx = idx_all[batch * bs : (batch + 1) * bs]
             x, y = x_train[idx].to(device), y_train[idx].to(device)
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=agg.zero_grad_set_to_none)
             loss = loss_fn(model(x), y)
             loss.backward()
             agg.sync_gradients()

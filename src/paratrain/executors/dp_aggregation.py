@@ -73,6 +73,7 @@ class Aggregator:
     """Hooks around one optimizer step; ``counter`` tallies the bytes this rank sent."""
 
     name = "base"
+    zero_grad_set_to_none = True
 
     def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter) -> None:
         self.model = model
@@ -131,8 +132,11 @@ class AllReduceAgg(Aggregator):
         self.reducer: C.GradReducer | None = None
         if compressor is None and self.n > 1:
             self.reducer = C.GradReducer(
-                [p for _, p in self.named], group=group, bucket_bytes=bucket_bytes, counter=counter
+                [p for _, p in self.named], group=group, bucket_bytes=bucket_bytes, counter=counter,
+                grad_views=True,
             )
+        # Gradients zeroed in place keep their bucket views (see GradReducer).
+        self.zero_grad_set_to_none = self.reducer is None
 
     def sync_gradients(self) -> None:
         if self.n == 1:
