@@ -100,7 +100,8 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     x = torch.randn(rows, width, generator=g)
     y = torch.randint(0, 10, (rows,), generator=g)
 
-    ours_rt = StageRuntime(plan, ctx.rank, segment_modules(model, plan, ctx.rank), P2PTransport(ctx.group))
+    transport = P2PTransport(ctx.group)
+    ours_rt = StageRuntime(plan, ctx.rank, segment_modules(model, plan, ctx.rank), transport)
     ref_model = build(width, cfg["blocks"])
     sub = nn.Sequential(*[ref_model.get_submodule(n) for n in stages[ctx.rank]])
     clock = ComputeClock(sub)
@@ -116,6 +117,7 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         torch_t: list[float] = []
         busy: list[float] = []
         torch_busy: list[float] = []
+        waits: list[float] = []
         peak = 0
         for rep in range(cfg["warmup"] + cfg["repeats"]):
             for impl in ("ours", "torch"):
@@ -123,6 +125,7 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                     mod.zero_grad(set_to_none=True)
                 dist.barrier()
                 clock.total = 0.0
+                w0 = transport.wait_s
                 t0 = time.perf_counter()
                 if impl == "ours":
                     ours_rt.train_step(x, y, step=rep, micro_batch_size=rows // m, schedule_name=sched)
@@ -137,11 +140,12 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                     (ours_t if impl == "ours" else torch_t).append(dt)
                     if impl == "ours":
                         busy.append(ours_rt.stats.compute_s)
+                        waits.append(transport.wait_s - w0)
                         peak = max(peak, ours_rt.stats.peak_activation_bytes)
                     else:
                         torch_busy.append(clock.total)
         out[sched] = {"ours": ours_t, "torch": torch_t, "busy": busy, "torch_busy": torch_busy,
-                      "peak": peak}
+                      "wait": waits, "peak": peak}
     return out
 
 
@@ -155,6 +159,8 @@ def measure(p: int, cfg: dict[str, Any]) -> dict[str, Any]:
         ref = [max(r[sched]["torch"][i] for r in per_rank) for i in range(n)]
         bubbles = [statistics.mean(1 - r[sched]["busy"][i] / ours[i] for r in per_rank) for i in range(n)]
         bubble = statistics.median(bubbles)
+        waited = statistics.median(
+            statistics.mean(r[sched]["wait"][i] / ours[i] for r in per_rank) for i in range(n))
         torch_bubble = statistics.median(
             statistics.mean(1 - r[sched]["torch_busy"][i] / ref[i] for r in per_rank) for i in range(n))
         res[sched] = {
@@ -163,6 +169,7 @@ def measure(p: int, cfg: dict[str, Any]) -> dict[str, Any]:
             "step_ratio_vs_torch": round(statistics.median(ours) / statistics.median(ref), 3),
             "bubble_measured": round(bubble, 4),
             "bubble_ratio_vs_theory": round(bubble / res["theory_bubble"], 3),
+            "bubble_part_blocked_in_recv": round(waited, 4),
             "torch_bubble_measured": round(torch_bubble, 4),
             "bubble_ratio_vs_torch": round(bubble / torch_bubble, 3) if torch_bubble > 0 else None,
             "peak_activation_bytes_per_stage": [r[sched]["peak"] for r in per_rank],
