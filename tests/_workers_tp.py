@@ -15,11 +15,28 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.context import WorkerContext
-from paratrain.comm.tp_ops import build_tp_groups
+from paratrain.comm.tp_ops import CommStats, build_tp_groups
 from paratrain.config import ConfigError, TensorParallelismConfig
 from paratrain.tensor_parallel import SelfAttention, TensorParallelModule, parallelize, train_step
 
 PATTERNS = ["AllReduce", "AllGather", "ReduceScatter", "PointToPoint", "Hierarchical"]
+_GROUPS: dict[tuple[int, str], Any] = {}
+
+
+def _par(model: nn.Module, conf: TensorParallelismConfig) -> TensorParallelModule:
+    """parallelize with the TP groups of this world built once per pattern (creating gloo
+    groups is the slow part of these suites), fresh statistics and this config's switches."""
+    tp = conf.tensor_parallel_size
+    if not dist.is_initialized() or tp != dist.get_world_size():
+        return parallelize(model, conf)
+    key = (tp, conf.communication_pattern.value)
+    if key not in _GROUPS:
+        _GROUPS[key] = build_tp_groups(tp, pattern=key[1])
+    groups = _GROUPS[key]
+    groups.tp.stats = CommStats()
+    groups.tp.async_op = conf.async_communication
+    groups.tp.fusion_threshold_bytes = conf.fusion_threshold_bytes
+    return parallelize(model, conf, groups)
 
 
 def dense_model(kind: str, seed: int = 0) -> nn.Module:
@@ -91,7 +108,7 @@ def parity(kind: str, pattern: str, tp: int, **cfg: Any) -> dict[str, float]:
     d_out, d_grads, d_x = dense_grads(copy.deepcopy(dense), x)
     conf = TensorParallelismConfig(tensor_parallel_size=tp, communication_pattern=pattern,
                                    memory_optimization=cfg.pop("memory_optimization", "None"), **cfg)
-    tpm = parallelize(copy.deepcopy(dense), conf)
+    tpm = _par(copy.deepcopy(dense), conf)
     t_out, t_grads, t_x = tp_grads(tpm, x)
     return {"out": float((d_out - t_out).abs().max()), "grads": _maxdiff(d_grads, t_grads),
             "xgrad": float((d_x - t_x).abs().max()),
@@ -125,7 +142,7 @@ def strategies(tp: int) -> dict[str, Any]:
         res = parity(kind, "AllReduce", tp, partitioning_strategy=strat)
         dense = dense_model(kind)
         x = model_input(kind).requires_grad_(True)
-        tpm = parallelize(dense, TensorParallelismConfig(
+        tpm = _par(dense, TensorParallelismConfig(
             tensor_parallel_size=tp, partitioning_strategy=strat, memory_optimization="None"))
         tpm.stats.reset()
         y = tpm(x)
@@ -136,7 +153,7 @@ def strategies(tp: int) -> dict[str, Any]:
         y.sum().backward()
         out[f"{strat}/{kind}"] = res
     try:
-        parallelize(dense_model("mlp"), TensorParallelismConfig(
+        _par(dense_model("mlp"), TensorParallelismConfig(
             tensor_parallel_size=tp, partitioning_strategy="BlockWise", memory_optimization="None"))
         out["BlockWise"] = "ok"
     except ConfigError as e:
@@ -151,7 +168,7 @@ def wrong_variant(tp: int) -> float:
     dense = dense_model("mlp")
     x = model_input("mlp")
     d_out, _, _ = dense_grads(copy.deepcopy(dense), x)
-    tpm = parallelize(copy.deepcopy(dense), TensorParallelismConfig(tensor_parallel_size=tp,
+    tpm = _par(copy.deepcopy(dense), TensorParallelismConfig(tensor_parallel_size=tp,
                                                                     memory_optimization="None"))
     row = tpm.module.fc1
     assert isinstance(row, RowParallelLinear)
@@ -189,7 +206,7 @@ def dtensor_parity(kind: str, tp: int) -> dict[str, float]:
         g = p.grad
         assert g is not None
         r_grads[n] = g.full_tensor() if isinstance(g, DTensor) else g
-    tpm = parallelize(copy.deepcopy(dense), TensorParallelismConfig(tensor_parallel_size=tp,
+    tpm = _par(copy.deepcopy(dense), TensorParallelismConfig(tensor_parallel_size=tp,
                                                                     memory_optimization="None"))
     t_out, t_grads, t_x = tp_grads(tpm, x)
     assert xr.grad is not None
@@ -201,7 +218,7 @@ def counts(pattern: str, tp: int, **cfg: Any) -> dict[str, Any]:
     """Collectives issued by one forward and one backward of the MLP block."""
     dense = dense_model("mlp")
     x = model_input("mlp").requires_grad_(True)
-    tpm = parallelize(dense, TensorParallelismConfig(
+    tpm = _par(dense, TensorParallelismConfig(
         tensor_parallel_size=tp, communication_pattern=pattern, memory_optimization="None", **cfg))
     tpm.stats.reset()
     out = tpm(x)
@@ -218,7 +235,7 @@ def counts(pattern: str, tp: int, **cfg: Any) -> dict[str, Any]:
 def attn_fusion_counts(tp: int, threshold: int) -> dict[str, Any]:
     dense = dense_model("attn")
     x = model_input("attn").requires_grad_(True)
-    tpm = parallelize(dense, TensorParallelismConfig(
+    tpm = _par(dense, TensorParallelismConfig(
         tensor_parallel_size=tp, fusion_threshold_bytes=threshold, memory_optimization="None"))
     out = tpm(x)
     tpm.stats.reset()
@@ -231,7 +248,7 @@ def mixed_precision(tp: int) -> dict[str, float]:
     x = model_input("encoder")
     res = {}
     for mp in (False, True):
-        tpm = parallelize(copy.deepcopy(dense), TensorParallelismConfig(
+        tpm = _par(copy.deepcopy(dense), TensorParallelismConfig(
             tensor_parallel_size=tp, mixed_precision=mp, memory_optimization="None"))
         out = tpm(x)
         loss = out.square().mean()
@@ -248,7 +265,7 @@ def memory_levels(tp: int) -> dict[str, Any]:
     x = model_input("deep")
     peaks, outs, grads = {}, {}, {}
     for level in ["None", "Low", "Medium", "High", "Extreme"]:
-        tpm = parallelize(copy.deepcopy(dense), TensorParallelismConfig(
+        tpm = _par(copy.deepcopy(dense), TensorParallelismConfig(
             tensor_parallel_size=tp, memory_optimization=level))
         with tpm.measure_activations() as meter:
             out = tpm(x)
@@ -265,7 +282,7 @@ def grad_accum(tp: int, accumulate: bool, pattern: str = "ReduceScatter") -> dic
     dense = dense_model("mlp")
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(12, 16, generator=g), torch.randint(0, 12, (12,), generator=g)
-    tpm = parallelize(copy.deepcopy(dense), TensorParallelismConfig(
+    tpm = _par(copy.deepcopy(dense), TensorParallelismConfig(
         tensor_parallel_size=tp, communication_pattern=pattern, gradient_accumulation=accumulate,
         memory_optimization="None"))
     opt = torch.optim.SGD(tpm.parameters(), lr=0.5)
@@ -310,7 +327,7 @@ def two_d(ctx: WorkerContext, fusion: int) -> dict[str, Any]:
 
 
 def hier_structure(ctx: WorkerContext) -> dict[str, Any]:
-    tpm = parallelize(dense_model("mlp"), TensorParallelismConfig(
+    tpm = _par(dense_model("mlp"), TensorParallelismConfig(
         tensor_parallel_size=ctx.world_size, communication_pattern="Hierarchical",
         memory_optimization="None"))
     tpm.stats.reset()
@@ -351,7 +368,7 @@ def suite_2(ctx: WorkerContext) -> dict[str, Any]:
     out["mp"] = mixed_precision(tp)
     out["memory"] = memory_levels(tp)
     out["accum"] = {a: grad_accum(tp, a) for a in (True, False)}
-    tpm = parallelize(dense_model("mlp"), TensorParallelismConfig(tensor_parallel_size=tp))
+    tpm = _par(dense_model("mlp"), TensorParallelismConfig(tensor_parallel_size=tp))
     out["stats"] = tpm.statistics()
     return out
 
