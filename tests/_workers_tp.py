@@ -380,7 +380,7 @@ def suite_4(ctx: WorkerContext) -> dict[str, Any]:
     for kind in ["mlp", "attn", "encoder"]:
         for pattern in PATTERNS:
             out["parity"][f"{kind}/{pattern}"] = parity(kind, pattern, tp)
-    out["dtensor"] = {"mlp": dtensor_parity("mlp_even", tp), "attn": dtensor_parity("attn", tp)}
+    out["dtensor"] = {"mlp": dtensor_parity("mlp_even", tp)}  # attention: at 2 ranks
     out["hier"] = hier_structure(ctx)
     out["strategies"] = strategies(tp)
     out["primitives"] = primitives(ctx)
