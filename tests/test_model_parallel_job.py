@@ -1,7 +1,8 @@
 """ModelParallel through the full job path (``execute`` -> ``comm.launch`` -> worker_main):
 DataStore training equals Local training; a Pipeline job whose rank is SIGKILLed midway
 is restarted by the elastic agent from the per-rank checkpoints and ends where the
-uninterrupted run ends. (Four worker-process starts in all: the test-time budget.)"""
+uninterrupted run ends; ``resume=True`` then continues it further. (Six worker-process
+starts in all: the test-time budget.)"""
 
 from __future__ import annotations
 
@@ -58,7 +59,10 @@ def test_datastore_job_matches_local(datastore: dict[str, Any], local: dict[str,
     assert not list((run / "datastore").rglob("*.pt")), "every exchanged file was consumed"
 
 
-def test_sigkill_elastic_restart_pipeline(tmp_path: Path, local: dict[str, Any],
+WORKERS2 = [{"id": "first"}, {"id": "second", "tags": ["mid"]}]
+
+
+def test_sigkill_elastic_restart_then_resume_pipeline(tmp_path: Path, local: dict[str, Any],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Pipeline (1F1B, micro-batches 10/10/4): rank 1 dies after step 6; the elastic agent
     restarts both ranks from the step-4 checkpoints (parameters, momentum buffers, RNG,
@@ -67,7 +71,7 @@ def test_sigkill_elastic_restart_pipeline(tmp_path: Path, local: dict[str, Any],
     strategy = {"type": "ModelParallel",
                 "communication": {"protocol": "Pipeline", "micro_batch_size": 10},
                 "partitions": [{"node_ids": ["fc1", "act1", "head"], "target": {"Tag": "mid"}}]}
-    job = _job(tmp_path, "killed", strategy, 8, workers=[{"id": "first"}, {"id": "second", "tags": ["mid"]}])
+    job = _job(tmp_path, "killed", strategy, 8, workers=WORKERS2)
     job = job.model_copy(update={"run": job.run.model_copy(update={"max_restarts": 1})})
     out = execute(job)
     assert out["restart_count"] == 1 and out["resumed_from_step"] == 4 and out["steps"] == 8
@@ -75,6 +79,16 @@ def test_sigkill_elastic_restart_pipeline(tmp_path: Path, local: dict[str, Any],
     assert out["test_loss"] == pytest.approx(local["test_loss"], rel=1e-5)
     lines = (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [4, 8]
+
+    # `--resume` continues the finished run from its step-8 checkpoints to step 12.
+    monkeypatch.delenv(FAULT_ENV)
+    job12 = _job(tmp_path, "killed", strategy, 12, workers=WORKERS2)
+    more = execute(job12, resume=True)
+    assert more["resumed_from_step"] == 8 and more["steps"] == 12 and more["restart_count"] == 0
+    local12 = execute(_job(tmp_path, "local12", {"type": "Local"}, 12))
+    assert more["test_loss"] == pytest.approx(local12["test_loss"], rel=1e-5)
+    lines = (Path(more["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [4, 8, 12]
 
 
 def test_job_errors_before_launch(tmp_path: Path) -> None:
