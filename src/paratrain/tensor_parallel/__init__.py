@@ -1,7 +1,24 @@
 """Tensor parallelism: partition arithmetic, column/row parallel layers, ``parallelize``.
 
 See DESIGN §4 and Shoeybi et al. 2019 (Megatron-LM). All collectives live in
-:mod:`paratrain.comm.tp_ops`.
+:mod:`paratrain.comm.tp_ops`. What each TensorParallelismConfig field does:
+
+- ``tensor_parallel_size``: ranks per TP group (must divide the world; the rest is DP).
+- ``partitioning_strategy``: how pairs are split (``partition_tensor`` arithmetic; see
+  :mod:`.parallelize`): column-first, row-first, batch split, sequence split, custom sizes.
+- ``column_parallel`` / ``row_parallel``: which Linear kinds are created (both = pairs).
+- ``communication_pattern``: the collective that carries the TP reductions (and the
+  sequence-parallel layout for ReduceScatter).
+- ``async_communication``: the column layer's input-gradient collective is started
+  asynchronously and overlapped with the weight-gradient matmul; gradient buckets are
+  all in flight at once.
+- ``fusion_threshold_bytes``: q/k/v share one input-gradient collective and small
+  gradient reductions are packed into flat buffers up to this size.
+- ``gradient_accumulation``: sync once per step over ``micro_batches`` (else per
+  micro-batch).
+- ``memory_optimization``: activation checkpointing every 4/2/1 blocks, Extreme also
+  offloads saved tensors to host memory (:mod:`.memory`).
+- ``mixed_precision``: bf16 matmuls, fp32 master weights, gradients and reductions.
 """
 
 from .layers import (
