@@ -1,10 +1,10 @@
 """DataParallel through the real launcher, on examples/data_parallel_digits.toml:
 
 * it reaches Local's test accuracy (within 1 point) on digits with the same rows per step;
-* a rank SIGKILLed mid-training is restarted by the elastic agent, every rank resumes
-  from the last complete checkpoint, and the final parameters equal the uninterrupted
-  run's (SHA-256 over every parameter);
-* a whole-job interruption (no restarts left) followed by ``resume=True`` does too.
+* a whole-job interruption (a rank SIGKILLed, no restarts allowed) followed by
+  ``resume=True``, during which another rank is SIGKILLed and restarted by the elastic
+  agent (every rank resumes from the last complete checkpoint), ends with the
+  uninterrupted run's parameters (SHA-256 over every parameter) and metrics.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "data_parallel_digits.toml"
 KILL_AT = 130  # rank 1 dies after step 130; the last complete checkpoint is step 120
+KILL_AT_RESUMED = 250  # then rank 0 dies after step 250 (checkpoint 240) in the resumed run
 
 
 def _example(tmp: Path, name: str, max_restarts: int) -> JobConfig:
@@ -52,17 +53,15 @@ def test_example_accuracy_sigkill_restart_and_resume(tmp_path: Path, monkeypatch
     assert clean["test_accuracy"] > 0.9
     assert abs(clean["test_accuracy"] - local_summary["test_accuracy"]) <= 0.01
 
+    # Whole-job interruption: rank 1 is SIGKILLed after step 130 and no restart is
+    # allowed, so the job fails with the signal as its root cause...
     monkeypatch.setenv(dp.FAULT_ENV, f"1:{KILL_AT}")
-    restarted = dp.run(_example(tmp_path, "killed", 1))
-    assert restarted["restart_count"] == 1  # the kill really happened
-    assert restarted["parameters_sha256"] == clean["parameters_sha256"]
-    assert _eval_steps(restarted["run_dir"]) == _eval_steps(clean["run_dir"])
-
-    # No restarts allowed: the job fails with the signal as its root cause...
     with pytest.raises(WorkerError, match="Signal 9|SIGKILL"):
-        dp.run(_example(tmp_path, "resumed", 0))
-    # ...and resume finishes it with the uninterrupted run's parameters and metrics.
-    monkeypatch.delenv(dp.FAULT_ENV)
-    resumed = dp.run(_example(tmp_path, "resumed", 0), resume=True)
+        dp.run(_example(tmp_path, "interrupted", 0))
+    # ...then `resume` continues from step 120; on the way rank 0 is SIGKILLed after step
+    # 250, the elastic agent restarts the group, and every rank resumes from step 240.
+    monkeypatch.setenv(dp.FAULT_ENV, f"0:{KILL_AT_RESUMED}")
+    resumed = dp.run(_example(tmp_path, "interrupted", 1), resume=True)
+    assert resumed["restart_count"] == 1  # the second kill really happened
     assert resumed["parameters_sha256"] == clean["parameters_sha256"]
     assert _eval_steps(resumed["run_dir"]) == _eval_steps(clean["run_dir"])
