@@ -59,22 +59,23 @@ def test_torchrun_and_two_node_launch_agree(tmp_path: Path) -> None:
     out = tmp_path / "runs"
     (tmp_path / "a.toml").write_text(JOB.format(name="torchrun", out=out))
     (tmp_path / "b.toml").write_text(JOB.format(name="nodes", out=out))
-    subprocess.run(
+    port = free_port()
+    commands = [
         [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "paratrain.worker",
          str(tmp_path / "a.toml")],
-        cwd=tmp_path, env=_env(), check=True, timeout=240, capture_output=True,
-    )
-    port = free_port()
-    procs = [
-        subprocess.Popen(
+        *(
             [str(BIN / "paratrain"), "run", str(tmp_path / "b.toml"), "--quiet", "--nnodes", "2",
-             "--node-rank", str(r), "--rdzv-endpoint", f"127.0.0.1:{port}"],
-            cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        )
-        for r in range(2)
+             "--node-rank", str(r), "--rdzv-endpoint", f"127.0.0.1:{port}"]
+            for r in range(2)
+        ),
+    ]
+    # All three launches at once: they are independent jobs (different run folders).
+    procs = [
+        subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for cmd in commands
     ]
     logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], logs
+    assert [p.returncode for p in procs] == [0, 0, 0], logs
     a, b = _summary(out, "torchrun"), _summary(out, "nodes")
     assert a["num_replicas"] == b["num_replicas"] == 2 and a["steps"] == b["steps"] == 6
     assert a["parameters_sha256"] == b["parameters_sha256"]
