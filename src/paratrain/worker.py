@@ -58,6 +58,19 @@ def build_context(job: Any) -> Any:
     backend = job.run.backend
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if backend == "nccl" and device.type == "cuda" and local_world > torch.cuda.device_count():
+        from .config import ConfigError
+
+        raise ConfigError([(
+            "run.backend",
+            f"NCCL needs one GPU per process: {local_world} processes on this node but "
+            f"{torch.cuda.device_count()} GPU(s); set run.backend = \"gloo\" or use fewer processes",
+        )])
+    if backend == "nccl" and device.type != "cuda":
+        from .config import ConfigError
+
+        raise ConfigError([("run.backend", "nccl needs CUDA devices; use gloo on CPU")])
     restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     timeout = timedelta(seconds=job.comm.timeout_s)
     if not dist.is_initialized():
