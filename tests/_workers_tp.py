@@ -359,6 +359,7 @@ def suite_2(ctx: WorkerContext) -> dict[str, Any]:
         out["dtensor"][kind] = dtensor_parity(kind, tp)
     out["wrong"] = wrong_variant(tp)
     out["strategies"] = strategies(tp)
+    out["random"] = random_parity(tp, 12)
     out["parity"]["mlp/BlockWise-fallback"] = parity("mlp", "AllReduce", tp,
                                                      partitioning_strategy="BlockWise")
     out["counts"] = {p: counts(p, tp) for p in PATTERNS}
@@ -384,6 +385,7 @@ def suite_4(ctx: WorkerContext) -> dict[str, Any]:
     out["hier"] = hier_structure(ctx)
     out["strategies"] = strategies(tp)
     out["primitives"] = primitives(ctx)
+    out["random"] = random_parity(tp, 12)
     out["counts"] = counts("AllReduce", tp)
     out["two_d"] = {f: two_d(ctx, f) for f in (0, 1 << 20)}
     try:  # 3 does not divide a world of 4
@@ -462,3 +464,35 @@ def primitives(ctx: WorkerContext) -> dict[str, float]:
     errs["coalesced"] = max(float((a - b).abs().max()) for a, b in zip(grads, want_avg, strict=True))
     errs["coalesced_collectives"] = n
     return errs
+
+
+def random_parity(tp: int, cases: int, seed: int = 7) -> list[dict[str, Any]]:
+    """Property: for seeded random MLP shapes (widths below tp included, batch of 1),
+    patterns, strategies and switches, the parallel model equals the dense one."""
+    import random
+
+    rnd = random.Random(seed)
+    out = []
+    for c in range(cases):
+        torch.manual_seed(c)  # identical full model on every rank
+        widths = [rnd.choice([1, 2, 3, 5, 8, 13]) for _ in range(rnd.choice([3, 4, 5]))]
+        layers: OrderedDict[str, nn.Module] = OrderedDict()
+        for i in range(len(widths) - 1):
+            layers[f"fc{i}"] = nn.Linear(widths[i], widths[i + 1], bias=rnd.random() < 0.8)
+            layers[f"act{i}"] = rnd.choice([nn.ReLU, nn.Tanh, nn.GELU])()
+        dense = nn.Sequential(layers)
+        x = torch.randn(rnd.choice([1, 2, 5]), widths[0], generator=torch.Generator().manual_seed(c))
+        pattern = rnd.choice(PATTERNS)
+        strategy = rnd.choice(["ColumnWise", "RowWise", "Dynamic", "BatchWise", "ColumnWise"])
+        if pattern == "ReduceScatter" and strategy in ("RowWise", "Dynamic"):
+            strategy = "ColumnWise"
+        conf = TensorParallelismConfig(
+            tensor_parallel_size=tp, communication_pattern=pattern, partitioning_strategy=strategy,
+            async_communication=rnd.random() < 0.5, memory_optimization=rnd.choice(["None", "High"]),
+            fusion_threshold_bytes=rnd.choice([0, 1 << 20]))
+        d_out, d_grads, d_x = dense_grads(copy.deepcopy(dense), x)
+        t_out, t_grads, t_x = tp_grads(_par(copy.deepcopy(dense), conf), x)
+        out.append({"case": f"{widths} {pattern} {strategy} B={x.shape[0]}",
+                    "err": max(float((d_out - t_out).abs().max()), _maxdiff(d_grads, t_grads),
+                               float((d_x - t_x).abs().max()))})
+    return out

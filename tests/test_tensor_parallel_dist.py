@@ -171,3 +171,12 @@ def test_collective_primitives_on_awkward_sizes(r4: list[dict[str, Any]]) -> Non
         for key in PATTERNS + ["all_gather_uneven", "reduce_scatter_uneven", "coalesced"]:
             assert e[key] < 1e-5, (key, e)
         assert e["coalesced_collectives"] == 2
+
+
+def test_random_shapes_patterns_and_strategies_match_dense(r2: list[dict[str, Any]], r4: list[dict[str, Any]]) -> None:
+    # widths below tp (empty shards), batch of 1, every pattern, row-first and batch splits
+    for res in (r2, r4):
+        for r in res:
+            assert len(r["random"]) == 12
+            for case in r["random"]:
+                assert case["err"] < TOL, case

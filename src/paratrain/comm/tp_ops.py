@@ -63,6 +63,7 @@ __all__ = [
     "world_barrier",
     "world_mean",
     "broadcast_int",
+    "broadcast_module_",
 ]
 
 PATTERNS = ("AllReduce", "AllGather", "ReduceScatter", "PointToPoint", "Hierarchical")
@@ -683,9 +684,13 @@ def _mm(a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype | None) -> torch.Tens
     return (a.to(cdt) @ b.to(cdt)).float()
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., k] -> [N, k], also when k == 0 (a rank whose shard is empty)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
 def _wgrad(g: torch.Tensor, x: torch.Tensor, cdt: torch.dtype | None) -> torch.Tensor:
-    g2 = g.reshape(-1, g.shape[-1])
-    x2 = x.reshape(-1, x.shape[-1])
+    g2, x2 = _rows(g), _rows(x)
     return _mm(g2.t(), x2, cdt)
 
 
@@ -730,7 +735,7 @@ class _ColumnLinear(Function):
                 handle = Handle(comm.stats, result=gx)
         t1 = time.perf_counter()
         gw = _wgrad(gy, x, ctx.cdt) if ctx.needs_input_grad[1] else None
-        gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gb = _rows(gy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         t2 = time.perf_counter()
         gx_out = handle.wait() if handle is not None else None
         comm.stats.add_compute_time((t1 - t0) + (t2 - t1))
@@ -767,7 +772,7 @@ class _RowLinear(Function):
         x, w = ctx.saved_tensors
         comm: TPComm = ctx.comm
         gz = gz.contiguous()
-        gb = gz.reshape(-1, gz.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gb = _rows(gz).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if ctx.mode == "seq":
             gz = comm.all_gather(gz, ctx.dim, ctx.sizes).wait()
         t0 = time.perf_counter()
@@ -816,3 +821,13 @@ def broadcast_int(value: int | None, src: int = 0, device: torch.device | None =
     dist.broadcast(t, src=src)
     v = int(t.item())
     return None if v < 0 else v
+
+
+def broadcast_module_(module: torch.nn.Module, src: int = 0) -> None:
+    """Make every rank's copy of ``module`` equal to rank ``src``'s (in place), so that the
+    shards cut from it fit together whatever randomness a model factory used."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    with torch.no_grad():
+        for t in list(module.state_dict().values()):
+            dist.broadcast(t, src=src)

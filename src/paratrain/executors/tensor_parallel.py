@@ -30,7 +30,13 @@ from torch import nn
 
 from ..comm.context import WorkerContext
 from ..comm.launch import in_torchrun, launch
-from ..comm.tp_ops import broadcast_int, build_tp_groups, world_barrier, world_mean
+from ..comm.tp_ops import (
+    broadcast_int,
+    broadcast_module_,
+    build_tp_groups,
+    world_barrier,
+    world_mean,
+)
 from ..config import ConfigError
 from ..config.job import JobConfig
 from ..config.strategy import DataParallel, Local
@@ -100,6 +106,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     bundle = load_data(job.data, seed=seed)
     model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
     model.to(device)
+    broadcast_module_(model)  # one full model everywhere, then each rank keeps its shard
     groups = build_tp_groups(tp, pattern=cfg.communication_pattern.value,
                              async_op=cfg.async_communication,
                              fusion_threshold_bytes=cfg.fusion_threshold_bytes)
