@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from _workers_dp import dp_job, dp_parity
 from paratrain.comm.testing import run_distributed
@@ -16,7 +18,7 @@ from paratrain.config import ConfigError
 from paratrain.data import load_data
 from paratrain.executors.data_parallel import shard_indices, validate
 from paratrain.models import build_model
-from paratrain.training import build_optimizer, seed_everything
+from paratrain.training import build_optimizer, epoch_permutation, seed_everything
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -131,14 +133,25 @@ def test_four_ranks_parity_and_gossip(tmp_path: Path) -> None:
     assert choco["compression"]["ratio"] < 0.5
 
 
-def test_shards_disjoint_and_epoch_permutation_differs() -> None:
+@given(st.integers(1, 300), st.integers(1, 8), st.integers(0, 2**31), st.integers(0, 50))
+def test_shards_disjoint_equal_and_local_batches(n: int, world: int, seed: int, epoch: int) -> None:
+    if world > n:
+        return
+    parts = [shard_indices(n, world=world, rank=r, seed=seed, epoch=epoch) for r in range(world)]
+    joined = torch.cat(parts)
+    assert all(len(p) == n // world for p in parts)  # equal shards
+    assert len(set(joined.tolist())) == len(joined) == (n // world) * world  # disjoint
+    # A step's rows over all replicas are exactly Local's batch of world * bs rows (of
+    # the permutation without its last n mod world rows).
+    perm = epoch_permutation(n, seed=seed, epoch=epoch)[: (n // world) * world]
+    bs = 3
+    for b in range(0, n // world, bs):
+        step_rows = sorted(torch.cat([p[b : b + bs] for p in parts]).tolist())
+        assert step_rows == sorted(perm[b * world : (b + bs) * world].tolist())
+
+
+def test_epoch_permutation_differs_by_epoch() -> None:
     n, world = 103, 4
-    for epoch in range(3):
-        parts = [shard_indices(n, world=world, rank=r, seed=5, epoch=epoch) for r in range(world)]
-        joined = torch.cat(parts)
-        assert all(len(p) == n // world for p in parts)
-        assert len(set(joined.tolist())) == len(joined)  # disjoint
-        assert int(joined.max()) < n
     e0 = shard_indices(n, world=world, rank=0, seed=5, epoch=0)
     e1 = shard_indices(n, world=world, rank=0, seed=5, epoch=1)
     assert not torch.equal(e0, e1)
