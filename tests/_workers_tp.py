@@ -152,6 +152,22 @@ def strategies(tp: int) -> dict[str, Any]:
         res["saving"] = tpm.statistics()["memory_saving"]
         y.sum().backward()
         out[f"{strat}/{kind}"] = res
+    for col, row in [(True, False), (False, True)]:
+        key = "column_only" if col else "row_only"
+        res = parity("mlp", "AllReduce", tp, column_parallel=col, row_parallel=row)
+        tpm = _par(dense_model("mlp"), TensorParallelismConfig(
+            tensor_parallel_size=tp, column_parallel=col, row_parallel=row, memory_optimization="None"))
+        tpm.stats.reset()
+        tpm(model_input("mlp"))
+        res["fwd"] = tpm.statistics()["collectives"]
+        res["layers"] = [type(m).__name__ for m in tpm.module.children()]
+        out[key] = res
+    try:
+        _par(dense_model("mlp"), TensorParallelismConfig(
+            tensor_parallel_size=tp, column_parallel=False, row_parallel=False))
+        out["neither"] = "ok"
+    except ConfigError as e:
+        out["neither"] = str(e)
     try:
         _par(dense_model("mlp"), TensorParallelismConfig(
             tensor_parallel_size=tp, partitioning_strategy="BlockWise", memory_optimization="None"))

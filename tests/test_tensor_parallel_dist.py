@@ -180,3 +180,16 @@ def test_random_shapes_patterns_and_strategies_match_dense(r2: list[dict[str, An
             assert len(r["random"]) == 12
             for case in r["random"]:
                 assert case["err"] < TOL, case
+
+
+def test_column_and_row_flags(r2: list[dict[str, Any]]) -> None:
+    s = r2[0]["strategies"]
+    for key in ("column_only", "row_only"):
+        d = s[key]
+        assert d["out"] < TOL and d["grads"] < TOL and d["xgrad"] < TOL, (key, d)
+    # every Linear column-parallel with gathered output / row-parallel with split input
+    assert s["column_only"]["layers"] == ["ColumnParallelLinear", "GELU", "ColumnParallelLinear"]
+    assert s["column_only"]["fwd"] == {"all_gather": 2}
+    assert s["row_only"]["layers"] == ["RowParallelLinear", "GELU", "RowParallelLinear"]
+    assert s["row_only"]["fwd"] == {"all_reduce": 2}
+    assert "column_parallel and row_parallel are both false" in s["neither"]
