@@ -276,6 +276,20 @@ def mixed_precision(tp: int) -> dict[str, float]:
     return res
 
 
+def sequence_parallel_memory(tp: int) -> dict[str, int]:
+    """Sequence parallelism keeps only the sequence shard of each column input."""
+    dense = dense_model("deep")
+    x = model_input("deep")
+    peaks = {}
+    for pattern in ("AllReduce", "ReduceScatter"):
+        tpm = _par(copy.deepcopy(dense), TensorParallelismConfig(
+            tensor_parallel_size=tp, communication_pattern=pattern, memory_optimization="None"))
+        with tpm.measure_activations() as meter:
+            tpm(x).square().mean().backward()
+        peaks[pattern] = meter.peak
+    return peaks
+
+
 def memory_levels(tp: int) -> dict[str, Any]:
     dense = dense_model("deep")
     x = model_input("deep")
@@ -384,6 +398,7 @@ def suite_2(ctx: WorkerContext) -> dict[str, Any]:
     out["attn_unfused"] = attn_fusion_counts(tp, 0)
     out["mp"] = mixed_precision(tp)
     out["memory"] = memory_levels(tp)
+    out["sp_memory"] = sequence_parallel_memory(tp)
     out["accum"] = {a: grad_accum(tp, a) for a in (True, False)}
     tpm = _par(dense_model("mlp"), TensorParallelismConfig(tensor_parallel_size=tp))
     out["stats"] = tpm.statistics()

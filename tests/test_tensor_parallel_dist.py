@@ -193,3 +193,8 @@ def test_column_and_row_flags(r2: list[dict[str, Any]]) -> None:
     assert s["row_only"]["layers"] == ["RowParallelLinear", "GELU", "RowParallelLinear"]
     assert s["row_only"]["fwd"] == {"all_reduce": 2}
     assert "column_parallel and row_parallel are both false" in s["neither"]
+
+
+def test_sequence_parallel_keeps_only_shards_for_backward(r2: list[dict[str, Any]]) -> None:
+    p = r2[0]["sp_memory"]
+    assert p["ReduceScatter"] < 0.95 * p["AllReduce"], p

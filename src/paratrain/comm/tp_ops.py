@@ -699,13 +699,16 @@ class _ColumnLinear(Function):
 
     ``mode``: "copy" = Megatron f (input replicated; dX = sum_i dY_i W_i all-reduced in
     backward, started asynchronously and overlapped with dW_i = dY_i^T X when async);
-    "seq" = X sequence-sharded, all-gathered forward and dX reduce-scattered backward;
-    "none" = the input's collective is done outside (fused region).
+    "seq" = X sequence-sharded: all-gathered forward; only the shard is kept for backward
+    (Korthikanti et al. 2022, §4.2.2), re-gathered there while dX_i = dY_i W_i is computed,
+    then dX reduce-scattered while dW_i is computed; "none" = the input's collective is
+    done outside (fused region).
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, comm: TPComm,
                 mode: str, dim: int, sizes: list[int] | None, cdt: torch.dtype | None) -> torch.Tensor:
+        saved = x
         if mode == "seq":
             x = comm.all_gather(x.contiguous(), dim, sizes).wait()
         t0 = time.perf_counter()
@@ -713,7 +716,7 @@ class _ColumnLinear(Function):
         if b is not None:
             y = y + b
         comm.stats.add_compute_time(time.perf_counter() - t0)
-        ctx.save_for_backward(x, w)
+        ctx.save_for_backward(saved, w)
         ctx.comm, ctx.mode, ctx.dim, ctx.sizes, ctx.cdt = comm, mode, dim, sizes, cdt
         ctx.has_bias = b is not None
         return y
@@ -723,22 +726,29 @@ class _ColumnLinear(Function):
         x, w = ctx.saved_tensors
         comm: TPComm = ctx.comm
         gy = gy.contiguous()
+        seq = ctx.mode == "seq"
+        gather: Handle | None = None
+        if seq and ctx.needs_input_grad[1]:
+            gather = comm.all_gather(x.contiguous(), ctx.dim, ctx.sizes, async_op=True)
         handle: Handle | None = None
         t0 = time.perf_counter()
-        if ctx.needs_input_grad[0]:
-            gx = _fp32(_mm(gy, w, ctx.cdt))
+        gx = _fp32(_mm(gy, w, ctx.cdt)) if ctx.needs_input_grad[0] else None
+        t1 = time.perf_counter()
+        if gather is not None:
+            x = gather.wait()
+        if gx is not None:
             if ctx.mode == "copy":
                 handle = comm.all_reduce_async(gx)
-            elif ctx.mode == "seq":
+            elif seq:
                 handle = comm.reduce_scatter(gx, ctx.dim, ctx.sizes, async_op=True)
             else:
                 handle = Handle(comm.stats, result=gx)
-        t1 = time.perf_counter()
+        t2 = time.perf_counter()
         gw = _wgrad(gy, x, ctx.cdt) if ctx.needs_input_grad[1] else None
         gb = _rows(gy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        t2 = time.perf_counter()
+        t3 = time.perf_counter()
         gx_out = handle.wait() if handle is not None else None
-        comm.stats.add_compute_time((t1 - t0) + (t2 - t1))
+        comm.stats.add_compute_time((t1 - t0) + (t3 - t2))
         return gx_out, gw, gb, None, None, None, None, None
 
 
