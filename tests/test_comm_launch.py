@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
 
 from paratrain.comm.launch import WorkerError, _reraise, launch
+from paratrain.comm.testing import free_port
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
 
@@ -22,8 +24,25 @@ def _job(**run: object) -> JobConfig:
     )
 
 
-def test_launch_two_processes_group_store_and_workers() -> None:
-    out = launch(_job(), nprocs=2, target="_workers_dp:launch_probe")
+def test_launch_two_processes_group_store_and_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first "free" port is already taken (another job grabbed it): launch retries.
+    import paratrain.comm.launch as launch_mod
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    calls: list[int] = []
+
+    def first_taken() -> int:
+        calls.append(1)
+        return int(held.getsockname()[1]) if len(calls) == 1 else free_port()
+
+    monkeypatch.setattr(launch_mod, "free_port", first_taken)
+    try:
+        out = launch(_job(), nprocs=2, target="_workers_dp:launch_probe")
+    finally:
+        held.close()
+    assert len(calls) == 2  # the taken port failed the rendezvous, the second one worked
     assert out["rank"] == 0 and out["world_size"] == 2
     assert out["sum"] == 3.0  # 1 + 2 through a real all-reduce
     assert out["peer"] == 10  # rank 1's value through the TCPStore control plane

@@ -238,14 +238,23 @@ def launch(
         return _worker.worker_entry(job_json, resume, target)
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
     from torch.distributed.launcher.api import elastic_launch
 
-    config = launch_config(job, nprocs=nprocs)
-    try:
-        results = elastic_launch(config, _worker.worker_entry)(job_json, resume, target)
-    except ChildFailedError as e:
-        _reraise(e)
-        raise  # unreachable: _reraise always raises
+    own_port = not os.environ.get(ENV_RDZV_ENDPOINT)
+    for attempt in range(3):
+        config = launch_config(job, nprocs=nprocs)
+        try:
+            results = elastic_launch(config, _worker.worker_entry)(job_json, resume, target)
+            break
+        except ChildFailedError as e:
+            _reraise(e)
+            raise  # unreachable: _reraise always raises
+        except RendezvousConnectionError:
+            # The free port we picked was taken before the rendezvous store bound it
+            # (another job on this machine): pick another one. Nothing has started yet.
+            if not own_port or attempt == 2:
+                raise
     if not results:
         return None
     return results.get(0)
