@@ -109,8 +109,10 @@ def test_four_ranks_parity_and_gossip(tmp_path: Path) -> None:
         # CHOCO-gossip with lossless compression and gamma = 1 is plain gossip.
         ("choco_complete", {"method": "Decentralized", "topology": "complete"},
          {"compression": LOSSLESS, "comm": {"gossip_step": 1.0}}),
+        # ErrorFeedback is dropped under CHOCO (double compensation diverges).
         ("choco_ring", {"method": "Decentralized", "topology": "ring"},
-         {"compression": {"method": "TopK", "k": 40}}),
+         {"compression": {"method": "ErrorFeedback", "error_compensation": True,
+                          "base_strategy": {"method": "TopK", "k": 40}}}),
     ]
     results = run_distributed(dp_parity, 4, str(tmp_path), variants, timeout_s=250)
     _check_parity(results, 4, tmp_path)
@@ -180,3 +182,17 @@ def test_resume_with_other_replica_count_is_an_error(tmp_path: Path) -> None:
         _agreed_step(WorkerContext(rank=0, world_size=1), tmp_path)
     (tmp_path / "checkpoints" / "dp-complete.json").write_text(json.dumps({"step": 8, "replicas": 1}))
     assert _agreed_step(WorkerContext(rank=0, world_size=1), tmp_path) == 8
+
+
+def test_error_feedback_is_dropped_under_decentralized(tmp_path: Path) -> None:
+    from paratrain.executors.data_parallel import _compressor
+
+    doc = {"method": "ClippedCompression", "clip_value": 1.0,
+           "base_strategy": {"method": "ErrorFeedback", "error_compensation": True,
+                             "base_strategy": {"method": "TopK", "k": 5}}}
+    job = dp_job(str(tmp_path), "x", 2, {"method": "Decentralized", "topology": "ring"}, compression=doc)
+    with pytest.warns(UserWarning, match="ErrorFeedback has no effect"):
+        comp = _compressor(job, job.strategy.aggregation)
+    assert comp.strategy.method == "ClippedCompression" and comp.strategy.base_strategy.method == "TopK"
+    job = dp_job(str(tmp_path), "x", 2, {"method": "AllReduce"}, compression=doc)
+    assert _compressor(job, job.strategy.aggregation).strategy.base_strategy.method == "ErrorFeedback"

@@ -30,6 +30,7 @@ import math
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -105,12 +106,34 @@ def _load_data(job: JobConfig) -> Any:
     return _DATA_CACHE[key]
 
 
-def _compressor(job: JobConfig) -> Any:
+def _without_error_feedback(strategy: Any) -> Any:
+    from ..config.compression import ClippedCompression, ErrorFeedback
+
+    if isinstance(strategy, ErrorFeedback):
+        return _without_error_feedback(strategy.base_strategy)
+    if isinstance(strategy, ClippedCompression):
+        return strategy.model_copy(update={"base_strategy": _without_error_feedback(strategy.base_strategy)})
+    return strategy
+
+
+def _compressor(job: JobConfig, aggregation: Any = None, *, warn: bool = True) -> Any:
     if job.compression is None or job.compression.method == "None":
         return None
     from ..compression import Compressor
 
-    return Compressor(job.compression, seed=job.run.seed)
+    strategy = job.compression
+    if getattr(aggregation, "method", None) == "Decentralized":
+        stripped = _without_error_feedback(strategy)
+        if stripped != strategy and warn:
+            # CHOCO's public copies already carry the compression error to the next
+            # round; a second residual on top double-counts it and diverges.
+            warnings.warn(
+                "compression: ErrorFeedback has no effect with Decentralized aggregation "
+                "(CHOCO-gossip compensates the compression error itself); using its base strategy",
+                stacklevel=2,
+            )
+        strategy = stripped
+    return Compressor(strategy, seed=job.run.seed)
 
 
 def _maybe_fault(ctx: WorkerContext, step: int) -> None:
@@ -203,7 +226,9 @@ def train_replica(
     opt = build_optimizer(model.parameters(), job.train.optimizer)
     agg: Aggregator = build_aggregator(
         aggregation if aggregation is not None else strategy.aggregation, model,
-        group=ctx.group, counter=counter, bucket_bytes=bucket_bytes, compressor=_compressor(job),
+        group=ctx.group, counter=counter, bucket_bytes=bucket_bytes,
+        compressor=_compressor(job, strategy.aggregation if aggregation is None else aggregation,
+                               warn=ctx.is_main),
         gamma=job.comm.gossip_step,
     )
 
