@@ -103,3 +103,15 @@ def test_launch_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PARATRAIN_RDZV_ENDPOINT")
     with pytest.raises(ConfigError, match="PARATRAIN_RDZV_ENDPOINT"):
         launch_config(job, nprocs=4)
+
+
+def test_worker_module_rejects_a_world_size_that_does_not_match(tmp_path: Path) -> None:
+    """Under torchrun with 1 process, a 2-replica job is a clear error (exit 2), not a hang."""
+    (tmp_path / "a.toml").write_text(JOB.format(name="mismatch", out=tmp_path / "runs"))
+    env = _env() | {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-m", "paratrain.worker", str(tmp_path / "a.toml")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: strategy: this job needs 2 worker processes but torchrun started WORLD_SIZE=1" in proc.stderr
+    assert "Traceback" not in proc.stderr
