@@ -192,7 +192,23 @@ def test_error_feedback_is_dropped_under_decentralized(tmp_path: Path) -> None:
                              "base_strategy": {"method": "TopK", "k": 5}}}
     job = dp_job(str(tmp_path), "x", 2, {"method": "Decentralized", "topology": "ring"}, compression=doc)
     with pytest.warns(UserWarning, match="ErrorFeedback has no effect"):
-        comp = _compressor(job, job.strategy.aggregation)
+        comp = _compressor(job, validate(job).aggregation)
     assert comp.strategy.method == "ClippedCompression" and comp.strategy.base_strategy.method == "TopK"
     job = dp_job(str(tmp_path), "x", 2, {"method": "AllReduce"}, compression=doc)
-    assert _compressor(job, job.strategy.aggregation).strategy.base_strategy.method == "ErrorFeedback"
+    assert _compressor(job, validate(job).aggregation).strategy.base_strategy.method == "ErrorFeedback"
+
+
+def test_ineffective_settings_warn(tmp_path: Path) -> None:
+    import warnings
+
+    from paratrain.executors.data_parallel import _warn_ineffective
+
+    job = dp_job(str(tmp_path), "x", 2, {"method": "ParameterServer"},
+                 comm={"gossip_step": 0.3, "bucket_size_mb": 4})
+    with pytest.warns(UserWarning) as record:
+        _warn_ineffective(job, validate(job))
+    assert {str(w.message).split(" ")[0] for w in record} == {"comm.gossip_step", "comm.bucket_size_mb"}
+    job = dp_job(str(tmp_path), "x", 2, {"method": "AllReduce"}, comm={"bucket_size_mb": 4})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_ineffective(job, validate(job))

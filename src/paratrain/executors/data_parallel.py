@@ -397,9 +397,23 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     return summary if ctx.is_main else None
 
 
+def _warn_ineffective(job: JobConfig, strategy: DataParallel) -> None:
+    """Warn once (in the launching process) about settings this run ignores."""
+    method = strategy.aggregation.method
+    compressed = job.compression is not None and job.compression.method != "None"
+    if job.comm.gossip_step is not None and not (method == "Decentralized" and compressed):
+        warnings.warn("comm.gossip_step has no effect: it applies to Decentralized aggregation "
+                      "with compression (CHOCO-gossip)", stacklevel=3)
+    if "bucket_size_mb" in job.comm.model_fields_set and (method != "AllReduce" or compressed):
+        warnings.warn(f"comm.bucket_size_mb has no effect with {method}"
+                      f"{' and compression' if compressed else ''}", stacklevel=3)
+
+
 def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
     """Launch ``num_replicas`` processes and return rank 0's summary."""
     strategy = validate(job)
+    if not in_torchrun() or os.environ.get("RANK") == "0":
+        _warn_ineffective(job, strategy)
     if not in_torchrun():
         # Fail before spawning anything when the data cannot feed every replica.
         validate(job, num_train=len(_load_data(job).train))
