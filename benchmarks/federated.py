@@ -1,28 +1,50 @@
 """Federated benchmark: client updates per second and peak memory, 100 and 1,000 clients.
 
-Workload: digits, MLP 64-64-10, IID split, every client selected every round
-(``All``), 1 local epoch, B = 10, FedAvg, 2 worker processes (gloo, 127.0.0.1).
+Workload: digits, MLP 64-64-10, IID split (``partition_iid``, seed 0), every client
+selected every round, 1 local epoch, B = 10, SGD lr 0.1, FedAvg weighted by example
+count, 2 worker processes / 2 CPUs.
 
-* ``paratrain``: the real round loop (``executors.federated.worker_main`` on 2 ranks:
-  broadcast, local training, updates over point-to-point, aggregation, evaluation,
-  checkpoint). Throughput = client updates / round wall time (median over rounds).
-* ``naive`` peer, measured in the same run on the same 2 processes: the textbook
-  PyTorch simulation that keeps one ``nn.Module`` + optimizer alive per client, trains
-  them in turn and averages with an all-reduce (no checkpoints, no evaluation).
-* ``flwr``: Flower's simulation of the same workload, only if ``flwr`` is importable
-  (optional ``bench`` extra; not installed here -> reported as skipped).
+* ``paratrain``: the real round loop (``executors.federated.worker_main`` on 2 gloo
+  ranks: broadcast, local training, updates over point-to-point, aggregation,
+  centralised evaluation on the test split, checkpoint).
+* ``naive`` peer: the textbook PyTorch simulation on the same 2 processes that keeps
+  one ``nn.Module`` + optimizer alive per client, trains them in turn and averages with
+  an all-reduce (no checkpoints, no evaluation).
+* ``flwr`` peer, only if ``flwr`` is importable (optional ``bench`` extra,
+  ``pip install -e '.[bench]'``): Flower's Simulation Runtime
+  (``flwr.simulation.run_simulation``, Message API: ``ClientApp`` / ``ServerApp`` with
+  ``flwr.serverapp.strategy.FedAvg``, ``fraction_train=1``, ``fraction_evaluate=0``,
+  centralised evaluation on the test split through ``evaluate_fn`` as paratrain does),
+  Ray backend with ``num_cpus=2`` and ``client_resources={"num_cpus": 1}`` -> 2 actors.
+  Each ClientApp call builds the MLP, loads the global arrays, trains one epoch and
+  returns its arrays with ``num-examples`` (the Flower tutorial idiom); the digits
+  tensors and partition are cached per actor process, so no data loading is timed.
+  Nothing is downloaded (no flower-datasets).
 
-Peak memory = the largest ``ru_maxrss`` of the two processes (each run in fresh
-processes). Prints one JSON object with the ratios paratrain/peer. ``--quick`` runs
-fewer rounds.
+Throughput: client updates / round wall time, the median over rounds, excluding the
+first (warm-up) round for every system. A round is measured from the server sending
+the global model to the end of aggregation + centralised evaluation (paratrain:
+``round_time_s`` of metrics.jsonl; Flower: ``configure_train`` -> end of ``evaluate_fn``;
+naive: broadcast -> averaged model, no evaluation).
+
+Peak memory: every system runs in a fresh child process; the parent samples that
+child's whole process tree (the child, the worker ranks / Ray actors, and for Flower
+Ray's gcs_server, raylet and agents) from /proc every 50 ms. ``peak_tree_pss_mb`` = the
+peak of the summed PSS (proportional set size: shared pages split between the
+processes mapping them, so a sum does not double-count) -- the headline figure;
+``peak_proc_rss_mb`` = the largest RSS of any one process in the tree. Prints one JSON
+object with the ratios paratrain/peer (throughput ratio > 1 and memory ratio < 1 favour
+paratrain). ``--quick``: 100 clients, 2 rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,15 +53,25 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+LR, BATCH, HIDDEN = 0.1, 10, [64]
 
 
 def _job(out: str, k: int, rounds: int) -> dict[str, Any]:
     from _workers_federated import fed_job
 
-    return fed_job(out, f"bench{k}", K=k, rounds=rounds, local_epochs=1, batch_size=10,
+    return fed_job(out, f"bench{k}", K=k, rounds=rounds, local_epochs=1, batch_size=BATCH,
                    sel={"method": "All"}, num_workers=2).to_json_dict()
 
+
+def _steady(values: list[float]) -> float:
+    """Median over rounds, the first (warm-up) round left out when there are others."""
+    return statistics.median(values[1:] if len(values) > 1 else values)
+
+
+# ---------------------------------------------------------------- paratrain / naive
 
 def paratrain_rank(ctx: Any, job_doc: dict[str, Any]) -> dict[str, Any] | None:
     from paratrain.config.job import load_job
@@ -63,11 +95,11 @@ def naive_rank(ctx: Any, k: int, rounds: int) -> dict[str, Any]:
     torch.manual_seed(0)
     x, y = load_data(DataSpec(), seed=0).train.tensors
     parts = partition_iid(len(y), k, seed=0)
-    spec = ModelSpec.model_validate({"name": "mlp", "hidden": [64]})
+    spec = ModelSpec.model_validate({"name": "mlp", "hidden": HIDDEN})
     glob = build_model(spec, input_shape=(64,), num_classes=10)
     mine = [c for c in range(k) if c % ctx.world_size == ctx.rank]
     models = {c: build_model(spec, input_shape=(64,), num_classes=10) for c in mine}
-    opts = {c: torch.optim.SGD(models[c].parameters(), lr=0.1) for c in mine}
+    opts = {c: torch.optim.SGD(models[c].parameters(), lr=LR) for c in mine}
     times = []
     for _ in range(rounds):
         dist.barrier()
@@ -81,8 +113,8 @@ def naive_rank(ctx: Any, k: int, rounds: int) -> dict[str, Any]:
             m.load_state_dict(glob.state_dict())
             idx = torch.from_numpy(parts[c])
             perm = idx[torch.randperm(len(idx))]
-            for i in range(0, len(perm), 10):
-                b = perm[i : i + 10]
+            for i in range(0, len(perm), BATCH):
+                b = perm[i : i + BATCH]
                 opts[c].zero_grad()
                 nn.functional.cross_entropy(m(x[b]), y[b]).backward()
                 opts[c].step()
@@ -100,47 +132,259 @@ def naive_rank(ctx: Any, k: int, rounds: int) -> dict[str, Any]:
     return {"round_times": times, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    rounds = 2 if args.quick else 4
+def _child_paratrain(k: int, rounds: int) -> dict[str, Any]:
     from paratrain.comm.testing import run_distributed
     from paratrain.training import read_metrics
 
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = run_distributed(paratrain_rank, 2, _job(tmp, k, rounds), timeout_s=900)[0]
+        recs = [r for r in read_metrics(summary["run_dir"]) if "round" in r]
+    return {"updates_per_round": [r["clients_ok"] for r in recs],
+            "round_times": [r["round_time_s"] for r in recs],
+            "test_accuracy": recs[-1].get("test_accuracy"),
+            "worker_ru_maxrss_mb": max(w["peak_rss_mb"] for w in summary["workers"])}
+
+
+def _child_naive(k: int, rounds: int) -> dict[str, Any]:
+    from paratrain.comm.testing import run_distributed
+
+    res = run_distributed(naive_rank, 2, k, rounds, timeout_s=900)
+    return {"updates_per_round": [k] * rounds, "round_times": res[0]["round_times"],
+            "worker_ru_maxrss_mb": round(max(r["peak_rss_mb"] for r in res), 1)}
+
+
+# ---------------------------------------------------------------- Flower
+
+_FLWR_CACHE: dict[int, Any] = {}  # per process (Ray actor): k -> (x, y, parts)
+_FLWR_T0: dict[int, float] = {}  # driver: round -> start time
+_FLWR_LOG: dict[str, list[float]] = {"round_times": [], "accuracy": []}
+
+
+def _flwr_data(k: int) -> Any:
+    if k not in _FLWR_CACHE:
+        from paratrain.config.job import DataSpec
+        from paratrain.data import load_data
+        from paratrain.data.partition import partition_iid
+
+        bundle = load_data(DataSpec(), seed=0)
+        x, y = bundle.train.tensors
+        _FLWR_CACHE[k] = (x, y, partition_iid(len(y), k, seed=0), bundle.test)
+    return _FLWR_CACHE[k]
+
+
+def _flwr_model() -> torch.nn.Module:
+    from paratrain.config.job import ModelSpec
+    from paratrain.models import build_model
+
+    return build_model(ModelSpec.model_validate({"name": "mlp", "hidden": HIDDEN}),
+                       input_shape=(64,), num_classes=10)
+
+
+def flwr_train(msg: Any, context: Any) -> Any:
+    """ClientApp ``train``: one local epoch on this node's IID partition."""
+    from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+    from torch import nn
+
+    torch.set_num_threads(1)
+    k = int(context.node_config["num-partitions"])
+    x, y, parts, _ = _flwr_data(k)
+    idx = torch.from_numpy(parts[int(context.node_config["partition-id"])])
+    model = _flwr_model()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    perm = idx[torch.randperm(len(idx))]
+    for i in range(0, len(perm), BATCH):
+        b = perm[i : i + BATCH]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[b]), y[b]).backward()
+        opt.step()
+    content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
+                          "metrics": MetricRecord({"num-examples": len(idx)})})
+    return Message(content=content, reply_to=msg)
+
+
+def _child_flwr(k: int, rounds: int) -> dict[str, Any]:
+    from flwr.app import ArrayRecord, Context, MetricRecord
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.serverapp.strategy import FedAvg
+    from flwr.simulation import run_simulation
+
+    from paratrain.training import evaluate
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+
+    class TimedFedAvg(FedAvg):  # type: ignore[misc]
+        def configure_train(self, server_round: int, arrays: Any, config: Any, grid: Any) -> Any:
+            _FLWR_T0[server_round] = time.perf_counter()
+            return super().configure_train(server_round, arrays, config, grid)
+
+    def evaluate_fn(server_round: int, arrays: Any) -> Any:
+        model = _flwr_model()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        ev = evaluate(model, _flwr_data(k)[3])
+        if server_round >= 1:
+            _FLWR_LOG["round_times"].append(time.perf_counter() - _FLWR_T0[server_round])
+            _FLWR_LOG["accuracy"].append(ev["accuracy"])
+        return MetricRecord({"accuracy": ev["accuracy"], "loss": ev["loss"]})
+
+    client_app = ClientApp()
+    client_app.train()(flwr_train)
+    server_app = ServerApp()
+
+    @server_app.main()
+    def _main(grid: Grid, context: Context) -> None:
+        strategy = TimedFedAvg(fraction_train=1.0, fraction_evaluate=0.0,
+                               min_train_nodes=k, min_available_nodes=k)
+        strategy.start(grid=grid, initial_arrays=ArrayRecord(_flwr_model().state_dict()),
+                       num_rounds=rounds, evaluate_fn=evaluate_fn)
+
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=k,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                   "init_args": {"num_cpus": 2, "num_gpus": 0,
+                                                 "include_dashboard": False}})
+    if len(_FLWR_LOG["round_times"]) != rounds:
+        raise RuntimeError(f"Flower finished {len(_FLWR_LOG['round_times'])}/{rounds} rounds")
+    return {"updates_per_round": [k] * rounds, "round_times": _FLWR_LOG["round_times"],
+            "test_accuracy": _FLWR_LOG["accuracy"][-1]}
+
+
+# ---------------------------------------------------------------- memory sampling
+
+def _proc_tree(root: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def _mem_kb(pid: int) -> tuple[int, int, str]:
+    """(PSS kB, RSS kB, command name) of one process; zeros if it is gone."""
+    pss = rss = 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    pss = int(line.split()[1])
+                elif line.startswith("Rss:"):
+                    rss = int(line.split()[1])
+        with open(f"/proc/{pid}/comm") as f:
+            name = f.read().strip()
+    except OSError:
+        return 0, 0, ""
+    return pss, rss, name
+
+
+def _run_child(system: str, k: int, rounds: int) -> dict[str, Any]:
+    """Run one system in a fresh process tree, sampling its memory every 50 ms."""
+    with tempfile.TemporaryDirectory() as tmp:
+        res_path, log_path = Path(tmp) / "result.json", Path(tmp) / "child.log"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0", FLWR_TELEMETRY_ENABLED="0")
+        code = ("import sys; from benchmarks import federated as f; "
+                f"f.child_main({system!r}, {k}, {rounds}, sys.argv[1])")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-c", code, str(res_path)], cwd=ROOT, env=env,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            peak_pss = peak_rss = 0
+            names: set[str] = set()
+            t0 = time.perf_counter()
+            while proc.poll() is None:
+                pss_sum = 0
+                for pid in _proc_tree(proc.pid):
+                    pss, rss, name = _mem_kb(pid)
+                    pss_sum += pss
+                    peak_rss = max(peak_rss, rss)
+                    if name:
+                        names.add(name)
+                peak_pss = max(peak_pss, pss_sum)
+                if time.perf_counter() - t0 > 1800:
+                    os.killpg(proc.pid, 9)
+                time.sleep(0.05)
+        if proc.returncode != 0 or not res_path.exists():
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{system} child exited {proc.returncode}:\n{tail}")
+        res: dict[str, Any] = json.loads(res_path.read_text())
+    ups = [u / t for u, t in zip(res["updates_per_round"], res["round_times"], strict=True)]
+    out = {"client_updates_per_s": round(_steady(ups), 1),
+           "per_round_updates_per_s": [round(u, 1) for u in ups],
+           "peak_tree_pss_mb": round(peak_pss / 1024, 1),
+           "peak_proc_rss_mb": round(peak_rss / 1024, 1),
+           "processes": sorted(names)}
+    for key in ("test_accuracy", "worker_ru_maxrss_mb"):
+        if res.get(key) is not None:
+            out[key] = round(res[key], 4)
+    return out
+
+
+def child_main(system: str, k: int, rounds: int, out_path: str) -> None:
+    """Entry point of one measured child process; writes its result as JSON."""
+    fn = {"paratrain": _child_paratrain, "naive": _child_naive, "flwr": _child_flwr}[system]
+    Path(out_path).write_text(json.dumps(fn(k, rounds)))
+
+
+def _ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
+    return {"throughput_ratio": round(ours["client_updates_per_s"] / peer["client_updates_per_s"], 3),
+            "peak_memory_ratio": round(ours["peak_tree_pss_mb"] / peer["peak_tree_pss_mb"], 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="100 clients, 2 rounds")
+    args = ap.parse_args()
+    rounds = 2 if args.quick else 5
+    sizes = (100,) if args.quick else (100, 1000)
+    try:
+        import flwr
+
+        flwr_version: str | None = flwr.__version__
+    except ImportError:
+        flwr_version = None
     out: dict[str, Any] = {
-        "workload": "digits MLP 64-64-10, IID, All clients, E=1, B=10, FedAvg, 2 worker processes",
+        "workload": "digits MLP 64-64-10, IID, all clients every round, E=1, B=10, SGD lr 0.1, "
+                    "FedAvg, 2 worker processes / 2 CPUs",
         "rounds": rounds,
-        "peer": "naive per-client-model PyTorch loop on the same 2 processes (all client models alive)",
+        "throughput": "client updates / round wall time, median over rounds excluding round 1",
+        "memory": "peak_tree_pss_mb: peak over 50 ms samples of the summed PSS of the system's "
+                  "whole process tree (fresh child per system); peak_proc_rss_mb: largest single "
+                  "process RSS in that tree",
+        "peers": {"naive": "per-client-model PyTorch loop on the same 2 processes",
+                  "flwr": "Flower run_simulation (Ray backend, 2 CPUs, 1 CPU per client actor)"},
+        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "flwr": flwr_version},
         "results": {},
     }
-    try:
-        import flwr  # noqa: F401
+    if flwr_version is not None:
+        import ray
 
-        out["flwr"] = "importable but not wired in this version"
-    except ImportError:
-        out["flwr"] = "skipped: flwr not importable (optional bench extra)"
-    for k in (100, 1000):
-        with tempfile.TemporaryDirectory() as tmp:
-            summary = run_distributed(paratrain_rank, 2, _job(tmp, k, rounds), timeout_s=900)[0]
-            recs = [r for r in read_metrics(summary["run_dir"]) if "round" in r]
-            ups = [r["clients_ok"] / r["round_time_s"] for r in recs]
-            ours = {
-                "client_updates_per_s": round(statistics.median(ups), 1),
-                "peak_rss_mb": max(w["peak_rss_mb"] for w in summary["workers"]),
-            }
-        naive = run_distributed(naive_rank, 2, k, rounds, timeout_s=900)
-        n_ups = [k / t for t in naive[0]["round_times"]]
-        peer = {
-            "client_updates_per_s": round(statistics.median(n_ups), 1),
-            "peak_rss_mb": round(max(r["peak_rss_mb"] for r in naive), 1),
-        }
-        out["results"][str(k)] = {
-            "paratrain": ours,
-            "naive": peer,
-            "throughput_ratio": round(ours["client_updates_per_s"] / peer["client_updates_per_s"], 3),
-            "peak_memory_ratio": round(ours["peak_rss_mb"] / peer["peak_rss_mb"], 3),
-        }
+        out["versions"]["ray"] = ray.__version__
+    else:
+        out["flwr"] = "skipped: flwr not importable (install the optional bench extra)"
+    for k in sizes:
+        row: dict[str, Any] = {"paratrain": _run_child("paratrain", k, rounds),
+                               "naive": _run_child("naive", k, rounds)}
+        row["vs_naive"] = _ratios(row["paratrain"], row["naive"])
+        if flwr_version is not None:
+            try:
+                row["flwr"] = _run_child("flwr", k, rounds)
+                row["vs_flwr"] = _ratios(row["paratrain"], row["flwr"])
+            except RuntimeError as exc:
+                row["flwr"] = {"error": str(exc)[-1500:]}
+        out["results"][str(k)] = row
     print(json.dumps(out, indent=2))
 
 
