@@ -8,8 +8,9 @@ an unknown tag value is an error, every documented field is required. Fields we 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Annotated, Any, ClassVar
+import json
+from collections.abc import Callable, Iterable
+from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -22,6 +23,7 @@ from pydantic import (
 )
 
 __all__ = [
+    "load_document",
     "Contract",
     "ConfigError",
     "Count",
@@ -109,3 +111,19 @@ class Contract(BaseModel):
                 if name not in self.model_fields_set:
                     data.pop(name, None)
         return data
+
+
+T = TypeVar("T")
+
+
+def load_document(validate: Callable[[Any], T], doc: str | bytes | dict[str, Any]) -> T:
+    """Parse JSON text (or take a dict) and validate it; every failure is a ConfigError."""
+    if isinstance(doc, str | bytes):
+        try:
+            doc = json.loads(doc)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError([("<root>", f"not valid JSON: {e}")]) from None
+    try:
+        return validate(doc)
+    except ValidationError as e:
+        raise format_validation_error(e) from None

@@ -5,12 +5,11 @@ The Rust enum has no serde form; this is ours in the same style as the strategy 
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter
 
-from ._base import ConfigError, Contract, Count, format_validation_error, register_tags
+from ._base import Contract, Count, load_document, register_tags
 
 __all__ = [
     "NoCompression", "TopK", "RandomK", "Threshold", "Quantization", "ErrorFeedback",
@@ -86,15 +85,7 @@ def load_compression(doc: str | bytes | dict[str, Any] | Contract) -> Any:
     """Validate a CompressionStrategy from JSON text or a dict; raises ConfigError."""
     if isinstance(doc, Contract):
         return doc
-    try:
-        if isinstance(doc, str | bytes):
-            try:
-                doc = json.loads(doc)
-            except json.JSONDecodeError as e:
-                raise ConfigError([("<root>", f"not valid JSON: {e}")]) from None
-        return _ADAPTER.validate_python(doc)
-    except ValidationError as e:
-        raise format_validation_error(e) from None
+    return load_document(_ADAPTER.validate_python, doc)
 
 
 def dump_compression(strategy: Any) -> dict[str, Any]:

@@ -8,18 +8,16 @@ tagged (``{"WorkerId": "w0"}`` / ``{"Tag": "gpu"}``).
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, JsonValue, TypeAdapter, ValidationError, model_validator
+from pydantic import Field, JsonValue, TypeAdapter, model_validator
 
 from ._base import (
-    ConfigError,
     Contract,
     Count,
     Fraction,
     PositiveCount,
-    format_validation_error,
+    load_document,
     register_tags,
 )
 
@@ -327,15 +325,7 @@ def load_strategy(doc: str | bytes | dict[str, Any] | Contract) -> Any:
     """Validate a TrainingStrategy from JSON text or a dict; raises ConfigError."""
     if isinstance(doc, Contract):
         return doc
-    try:
-        if isinstance(doc, str | bytes):
-            try:
-                doc = json.loads(doc)
-            except json.JSONDecodeError as e:
-                raise ConfigError([("<root>", f"not valid JSON: {e}")]) from None
-        return _ADAPTER.validate_python(doc)
-    except ValidationError as e:
-        raise format_validation_error(e) from None
+    return load_document(_ADAPTER.validate_python, doc)
 
 
 def dump_strategy(strategy: Any) -> dict[str, Any]:

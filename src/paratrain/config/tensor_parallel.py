@@ -6,13 +6,10 @@ The enums serialise as plain strings, e.g. ``"ColumnWise"``.
 
 from __future__ import annotations
 
-import json
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from pydantic import ValidationError
-
-from ._base import ConfigError, Contract, Count, PositiveCount, format_validation_error
+from ._base import Contract, Count, PositiveCount, load_document
 
 __all__ = [
     "TensorPartitioningStrategy", "TensorCommunicationPattern", "TensorMemoryOptimization",
@@ -68,15 +65,7 @@ def load_tensor_parallel(doc: str | bytes | dict[str, Any] | TensorParallelismCo
     """Validate a TensorParallelismConfig from JSON text or a dict; raises ConfigError."""
     if isinstance(doc, TensorParallelismConfig):
         return doc
-    try:
-        if isinstance(doc, str | bytes):
-            try:
-                doc = json.loads(doc)
-            except json.JSONDecodeError as e:
-                raise ConfigError([("<root>", f"not valid JSON: {e}")]) from None
-        return TensorParallelismConfig.model_validate(doc)
-    except ValidationError as e:
-        raise format_validation_error(e) from None
+    return load_document(TensorParallelismConfig.model_validate, doc)
 
 
 def dump_tensor_parallel(config: TensorParallelismConfig) -> dict[str, Any]:
