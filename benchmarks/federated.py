@@ -19,7 +19,9 @@ count, 2 worker processes / 2 CPUs.
   Each ClientApp call builds the MLP, loads the global arrays, trains one epoch and
   returns its arrays with ``num-examples`` (the Flower tutorial idiom); the digits
   tensors and partition are cached per actor process, so no data loading is timed.
-  Nothing is downloaded (no flower-datasets).
+  Nothing is downloaded (no flower-datasets). Flower's per-update cost grows with
+  the number of clients: in flwr 1.42 the in-memory LinkState's ``get_message_ins``
+  scans every stored message for each node it serves (O(K) per node, O(K^2) a round).
 
 Throughput: client updates / round wall time, the median over rounds, excluding the
 first (warm-up) round for every system. A round is measured from the server sending
@@ -366,6 +368,8 @@ def main() -> None:
         "peers": {"naive": "per-client-model PyTorch loop on the same 2 processes",
                   "flwr": "Flower run_simulation (Ray backend, 2 CPUs, 1 CPU per client actor)"},
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "flwr": flwr_version},
+        "loadavg_at_start": [round(v, 2) for v in os.getloadavg()],
+        "cpus": os.cpu_count(),
         "results": {},
     }
     if flwr_version is not None:
