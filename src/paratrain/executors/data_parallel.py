@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import time
 import warnings
 from pathlib import Path
@@ -61,12 +60,12 @@ from ..training import (
     set_rng_state,
     write_summary,
 )
+from ..training.faults import FAULT_ENV, maybe_kill
 from ..training.rundir import run_dir_of
 from .dp_aggregation import Aggregator, build_aggregator
 
 __all__ = ["run", "worker_main", "train_replica", "shard_indices", "validate", "FAULT_ENV"]
 
-FAULT_ENV = "PARATRAIN_FAULT_KILL"
 _MARKER = "dp-complete.json"
 
 
@@ -134,15 +133,6 @@ def _compressor(job: JobConfig, aggregation: Any = None, *, warn: bool = True) -
             )
         strategy = stripped
     return Compressor(strategy, seed=job.run.seed)
-
-
-def _maybe_fault(ctx: WorkerContext, step: int) -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec or ctx.restart_count > 0:
-        return
-    rank_s, _, step_s = spec.partition(":")
-    if int(rank_s) == ctx.rank and int(step_s) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _ckpt_dir(run_dir: Path, rank: int) -> Path:
@@ -334,7 +324,7 @@ def train_replica(
             bar.update(task, completed=step)
             if (every and step % every == 0) or (not every and end_of_epoch):
                 save()
-            _maybe_fault(ctx, step)
+            maybe_kill(rank=ctx.rank, step=step, restart_count=ctx.restart_count)
             if end_of_epoch:
                 break
     bar.stop()

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import re
-import signal
 import time
 import warnings
 from pathlib import Path
@@ -60,6 +58,7 @@ from ..training import (
     set_rng_state,
     write_summary,
 )
+from ..training.faults import FAULT_ENV, maybe_kill
 from ..training.rundir import run_dir_of
 from .mp_plan import Plan, build_plan
 from .mp_runtime import StageRuntime, segment_modules
@@ -67,16 +66,6 @@ from .mp_runtime import StageRuntime, segment_modules
 __all__ = ["run", "worker_main", "num_workers", "plan_for", "FAULT_ENV"]
 
 _EVAL_BATCH = 1024
-FAULT_ENV = "PARATRAIN_FAULT_KILL"
-
-
-def _maybe_fault(ctx: WorkerContext, step: int) -> None:
-    spec = os.environ.get(FAULT_ENV, "")
-    if not spec or ctx.restart_count > 0:
-        return
-    rank_s, _, step_s = spec.partition(":")
-    if int(rank_s) == ctx.rank and int(step_s) == step:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _digest(state: dict[str, torch.Tensor]) -> bytes:
@@ -293,7 +282,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 losses.append(loss)
             step += 1
             batch += 1
-            _maybe_fault(ctx, step)
+            maybe_kill(rank=ctx.rank, step=step, restart_count=ctx.restart_count)
             if batch == per_epoch:
                 epoch, batch = epoch + 1, 0
             end_of_epoch = batch == 0

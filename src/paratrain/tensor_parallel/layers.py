@@ -316,7 +316,7 @@ class ParallelEncoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, src_mask: torch.Tensor | None = None,
                 src_key_padding_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         if src_mask is not None or src_key_padding_mask is not None or is_causal:
-            raise NotImplementedError("ParallelEncoderLayer supports unmasked self-attention only")
+            raise ValueError("ParallelEncoderLayer supports unmasked self-attention only (got a mask or is_causal=True)")
         if self.norm_first:
             x = x + self.dropout1(self.self_attn(self.norm1(x)))
             return x + self._ff(self.norm2(x))

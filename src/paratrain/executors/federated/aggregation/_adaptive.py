@@ -16,6 +16,7 @@ in the paper. The moments are the server optimizer state (``state_dict``).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ from .fedavg import fedavg_step
 __all__ = ["AdaptiveServerOptimizer"]
 
 
-class AdaptiveServerOptimizer:
+class AdaptiveServerOptimizer(ABC):
     """Base class; subclasses define :meth:`second_moment`."""
 
     name = "Adaptive"
@@ -43,8 +44,9 @@ class AdaptiveServerOptimizer:
         self.v: dict[str, Tensor] = {}
         self.t = 0
 
-    def second_moment(self, v: Tensor, d2: Tensor) -> Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def second_moment(self, v: Tensor, d2: Tensor) -> Tensor:
+        """The method's second-moment update v_t from v_{t-1} and the squared step."""
 
     def aggregate(
         self,
