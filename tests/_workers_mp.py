@@ -81,6 +81,15 @@ def run_cases(ctx: WorkerContext, cases: list[dict[str, Any]]) -> list[dict[str,
         transport = _transport(ctx, case, proto)
         rt = StageRuntime(plan, ctx.rank, segment_modules(model, plan, ctx.rank), transport)
         x, y = x_all[: case["rows"]], y_all[: case["rows"]]
+        for k in range(case.get("steps", 1) - 1):
+            # Earlier steps on other batches: later steps post their receives ahead on
+            # channels whose shapes are known by now, and must still be exact.
+            xk, yk = batch(case["rows"], seed=100 + k)
+            rt.train_step(xk, yk, step=index,
+                          micro_batch_size=proto.micro_batch_size if pipeline else None,
+                          schedule_name=proto.schedule if pipeline else None)
+            for mod in rt.modules.values():
+                mod.zero_grad(set_to_none=True)
         loss = rt.train_step(
             x, y, step=index,
             micro_batch_size=proto.micro_batch_size if pipeline else None,
@@ -103,5 +112,6 @@ def run_cases(ctx: WorkerContext, cases: list[dict[str, Any]]) -> list[dict[str,
             "trace": rt.stats.trace, "peak": rt.stats.peak_activation_bytes,
             "logits": None if out_x is None else out_x.numpy().copy(), "store_dir": store_dir,
             "segments": [s.index for s in plan.segments_of(ctx.rank)],
+            "posted": getattr(transport, "posted_count", 0),
         })
     return results

@@ -51,6 +51,9 @@ def _cases3(tmp: str) -> list[dict[str, Any]]:
         dict(MLP, seed=7, rows=16, partitions=PIPE3, communication=_pipe(4, "GPipe")),  # order
         dict(MLP, seed=8, rows=3, partitions=PIPE3, communication=_pipe(8, "1F1B")),    # m=1
         dict(MLP, seed=9, rows=7, partitions=PIPE3, communication=_pipe(5, "GPipe")),   # 5,2: m < p
+        # 10, 11: third step of a runtime, receives posted ahead (uneven; m < p)
+        dict(MLP, seed=10, rows=10, partitions=PIPE3, communication=_pipe(3, "1F1B"), steps=3),
+        dict(MLP, seed=11, rows=7, partitions=PIPE3, communication=_pipe(5, "GPipe"), steps=3),
     ]
 
 
@@ -68,6 +71,7 @@ def _cases2(tmp: str) -> list[dict[str, Any]]:
         dict(CNN, seed=14, rows=9, partitions=CNN_SPLIT, communication={"protocol": "DataStore"},
              datastore_dir=tmp),
         dict(TFM, seed=15, rows=6, partitions=TFM_SPLIT, communication=_pipe(4, "1F1B")),
+        dict(CNN, seed=16, rows=9, partitions=CNN_SPLIT, communication=_pipe(2, "1F1B"), steps=3),
     ]
 
 
@@ -108,16 +112,25 @@ def _check_parity(case: dict[str, Any], per_rank: list[dict[str, Any]]) -> None:
             assert d.parent.is_dir()
 
 
-@pytest.mark.parametrize("i", [0, 1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("i", [0, 1, 2, 3, 4, 5, 8, 9, 10, 11])
 def test_parity_three_ranks(three: Any, i: int) -> None:
     cases, results = three
     _check_parity(cases[i], [results[r][i] for r in range(3)])
 
 
-@pytest.mark.parametrize("i", range(5))
+@pytest.mark.parametrize("i", range(6))
 def test_parity_two_ranks(two: Any, i: int) -> None:
     cases, results = two
     _check_parity(cases[i], [results[r][i] for r in range(2)])
+
+
+@pytest.mark.parametrize(("world", "i"), [(3, 10), (3, 11), (2, 5)])
+def test_later_steps_post_receives_ahead(three: Any, two: Any, world: int, i: int) -> None:
+    """Non-vacuity for the multi-step parity cases: every stage (each receives
+    activations, gradients or both) posted receives ahead, so the exact gradients
+    above came through pre-posted buffers."""
+    _, results = three if world == 3 else two
+    assert all(results[r][i]["posted"] > 0 for r in range(world))
 
 
 def test_nonadjacent_placement_really_split(three: Any) -> None:

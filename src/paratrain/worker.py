@@ -145,6 +145,9 @@ def worker_entry(job_json: dict[str, Any], resume: bool, target: str | None = No
         import_plugins(list(job.run.imports), base=Path(base) if base else None)
     owns_group = not dist.is_initialized()
     ctx = build_context(job)
+    from .training.gcfreeze import freeze_startup_objects
+
+    freeze_startup_objects()  # no 100 ms full GC pass inside a step (a straggler rank)
     resume = bool(resume) or ctx.restart_count > 0
     try:
         return _resolve_target(job, target)(ctx, job, resume)

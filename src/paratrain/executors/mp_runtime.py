@@ -17,7 +17,8 @@ unpartitioned model on the same batch (up to float summation order).
 Orders come from GPipe (Huang et al. 2019) or 1F1B/PipeDream-Flush (Narayanan et al.
 2021) for pipelines, or the sequential order for Direct/DataStore. The transport is
 duck-typed (``send(t, dst=, key=, step=, rows=)``, ``recv(src=, key=, step=, rows=)``,
-``flush()``): :class:`paratrain.comm.p2p.P2PTransport` (Direct, Pipeline) or
+``flush()``, optionally ``post(src=, key=, step=, rows=)`` to post a receive ahead):
+:class:`paratrain.comm.p2p.P2PTransport` (Direct, Pipeline) or
 :class:`paratrain.comm.datastore.DataStoreTransport` (DataStore). The runtime records
 what it ran (``trace``), time computing vs. waiting, and the peak bytes of activations
 held for backward (saved tensors plus stage inputs/outputs, parameters excluded).
@@ -37,6 +38,10 @@ from .mp_plan import Plan
 from .mp_schedule import Action, micro_batch_sizes, schedule, sequential
 
 __all__ = ["Transport", "SegmentModule", "segment_modules", "StepStats", "StageRuntime"]
+
+
+#: How many actions ahead a stage posts its receives (transports with ``post``).
+RECV_LOOKAHEAD = 2
 
 
 class Transport(Protocol):
@@ -161,6 +166,8 @@ class StageRuntime:
         xs = [x[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
         ys = [y[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
         order = self.actions(len(sizes), schedule_name)
+        needs = [self._recv_spec(kind, i, s, sizes[i]) for kind, i, s in order]
+        post = getattr(self.transport, "post", None)
         stats = StepStats()
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -168,7 +175,12 @@ class StageRuntime:
         live = 0
         loss_total: float | None = None
         t_start = time.perf_counter()
-        for kind, i, s in order:
+        for j, (kind, i, s) in enumerate(order):
+            if post is not None:
+                # Post the next receives now so their payloads arrive while we compute.
+                for spec in needs[j + 1 : j + 1 + RECV_LOOKAHEAD]:
+                    if spec is not None:
+                        post(src=spec[0], key=spec[1], step=step, rows=spec[2])
             if kind == "F":
                 if s == 0:
                     inp = xs[i]
@@ -223,6 +235,14 @@ class StageRuntime:
         stats.step_s = time.perf_counter() - t_start
         self.stats = stats
         return loss_total
+
+    def _recv_spec(self, kind: str, i: int, s: int, rows: int) -> tuple[int, tuple[str, int, int], int] | None:
+        """``(src, key, rows)`` of the message action ``(kind, i, s)`` waits for, if any."""
+        if kind == "F":
+            return None if s == 0 else (self.plan.segments[s - 1].rank, ("act", i, s), rows)
+        if s == self.last:
+            return None
+        return (self.plan.segments[s + 1].rank, ("grad", i, s + 1), rows)
 
     # ------------------------------------------------------------------ inference
     @torch.no_grad()
