@@ -59,7 +59,7 @@ from paratrain.comm.testing import run_distributed  # noqa: E402
 from paratrain.config.strategy import Partition  # noqa: E402
 from paratrain.executors.mp_plan import build_plan  # noqa: E402
 from paratrain.executors.mp_runtime import StageRuntime, segment_modules  # noqa: E402
-from paratrain.executors.mp_schedule import schedule, theoretical_bubble  # noqa: E402
+from paratrain.executors.mp_schedule import schedule, simulate, theoretical_bubble  # noqa: E402
 from paratrain.graph import nodes  # noqa: E402
 from paratrain.training.gcfreeze import freeze_startup_objects  # noqa: E402
 
@@ -113,28 +113,6 @@ class LiveSavedBytes:
         if self.refs[ptr] == 0:
             del self.refs[ptr]
             self.live -= nbytes
-
-
-def replay_bubble(orders: list[list[tuple[str, int, int]]], cost: dict[tuple[str, int, int], float]) -> float:
-    """Mean idle fraction of ``orders`` run with per-action ``cost`` and free communication."""
-    p = len(orders)
-    finish: dict[tuple[str, int, int], float] = {}
-    clock, pos = [0.0] * p, [0] * p
-    while len(finish) < len(cost):
-        for s in range(p):
-            while pos[s] < len(orders[s]):
-                kind, i, _ = orders[s][pos[s]]
-                deps = [("F", i, s - 1)] if kind == "F" and s > 0 else []
-                if kind == "B" and s < p - 1:
-                    deps.append(("B", i, s + 1))
-                if any(d not in finish for d in deps):
-                    break
-                clock[s] = max([clock[s]] + [finish[d] for d in deps]) + cost[orders[s][pos[s]]]
-                finish[orders[s][pos[s]]] = clock[s]
-                pos[s] += 1
-    makespan = max(clock)
-    busy = [sum(cost[a] for a in o) for o in orders]
-    return statistics.mean(1 - b / makespan for b in busy)
 
 
 class ComputeClock:
@@ -251,7 +229,7 @@ def measure(p: int, cfg: dict[str, Any]) -> dict[str, Any]:
         waited = statistics.median(
             statistics.mean(r[sched]["wait"][i] / ours[i] for r in per_rank) for i in range(n))
         orders = [schedule(sched, s, p, cfg["m"]) for s in range(p)]
-        replays = [replay_bubble(orders, {a: c for r in per_rank for a, c in r[sched]["costs"][i].items()})
+        replays = [simulate(orders, costs={a: c for r in per_rank for a, c in r[sched]["costs"][i].items()}).bubble
                    for i in range(n)]
         # Per step: what the runtime (communication, bookkeeping) adds to the replayed schedule.
         overhead = statistics.median(b / r for b, r in zip(mean_idle, replays, strict=True))

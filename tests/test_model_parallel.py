@@ -134,6 +134,22 @@ def test_schedule_simulation(p: int, m: int, name: str) -> None:
     assert res.peak_in_flight == want
 
 
+@given(st.integers(1, 5), st.integers(1, 8), st.sampled_from(["GPipe", "1F1B"]),
+       st.floats(0.5, 3.0), st.floats(0.5, 3.0))
+def test_simulate_with_per_action_costs(p: int, m: int, name: str, f: float, b: float) -> None:
+    """Per-action costs (a replay of measured times) agree with the uniform model when
+    they are uniform; with stage 0 twice as slow its busy time doubles, bounds the
+    makespan from below, and the step takes longer than the uniform one."""
+    orders = [schedule(name, s, p, m) for s in range(p)]
+    uniform = {a: (f if a[0] == "F" else b) for o in orders for a in o}
+    assert simulate(orders, costs=uniform).makespan == pytest.approx(simulate(orders, t_f=f, t_b=b).makespan)
+    slow0 = {a: c * (2 if a[2] == 0 else 1) for a, c in uniform.items()}
+    res = simulate(orders, costs=slow0)
+    assert res.busy[0] == pytest.approx(2 * m * (f + b))
+    assert res.makespan >= res.busy[0]
+    assert res.makespan > simulate(orders, costs=uniform).makespan
+
+
 def test_simulate_detects_deadlock() -> None:
     bad = [[("F", 0, 0), ("B", 0, 0)], [("B", 0, 1), ("F", 0, 1)]]
     with pytest.raises(RuntimeError, match="deadlock"):

@@ -22,7 +22,7 @@ may own several non-adjacent segments: forwards in segment order, backwards reve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -104,12 +104,15 @@ class SimResult:
         return sum(1.0 - b / self.makespan for b in self.busy) / p
 
 
-def simulate(orders: Sequence[Sequence[Action]], *, t_f: float = 1.0, t_b: float = 1.0) -> SimResult:
+def simulate(orders: Sequence[Sequence[Action]], *, t_f: float = 1.0, t_b: float = 1.0,
+             costs: Mapping[Action, float] | None = None) -> SimResult:
     """Run per-stage action orders (stage ``s`` = ``orders[s]``, segments ``0..p-1``).
 
     Each stage executes its list in order; an action starts when the stage is free and
-    its dependencies have finished (communication is free). Raises ``RuntimeError`` on
-    deadlock (no stage can make progress) or on a missing/duplicate step.
+    its dependencies have finished (communication is free). An action takes ``t_f`` or
+    ``t_b``, or its own time from ``costs`` (e.g. measured, to replay a real step).
+    Raises ``RuntimeError`` on deadlock (no stage can make progress) or on a
+    missing/duplicate step.
     """
     p = len(orders)
     want = {(k, i, s) for s, order in enumerate(orders) for (k, i, _) in order}
@@ -140,7 +143,7 @@ def simulate(orders: Sequence[Sequence[Action]], *, t_f: float = 1.0, t_b: float
                         raise RuntimeError(f"stage {s}: {kind}{i} depends on a step no stage runs")
                     break
                 start = max([clock[s]] + [finish[d] for d in deps])
-                cost = t_f if kind == "F" else t_b
+                cost = costs[orders[s][pos[s]]] if costs is not None else (t_f if kind == "F" else t_b)
                 clock[s] = start + cost
                 busy[s] += cost
                 finish[(kind, i, s)] = clock[s]
