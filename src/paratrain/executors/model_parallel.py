@@ -63,7 +63,7 @@ from ..training.rundir import run_dir_of
 from .mp_plan import Plan, build_plan
 from .mp_runtime import StageRuntime, segment_modules
 
-__all__ = ["run", "worker_main", "num_workers", "plan_for", "FAULT_ENV"]
+__all__ = ["run", "validate", "worker_main", "num_workers", "plan_for", "FAULT_ENV"]
 
 _EVAL_BATCH = 1024
 
@@ -106,15 +106,22 @@ def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any]) -> Plan
     return build_plan(names, strategy.partitions, workers, contiguous=pipeline)
 
 
+def validate(job: JobConfig) -> Plan:
+    """The placement of ``job``'s partitions on its workers (``paratrain validate`` and
+    ``run`` call this): builds the model to learn its node ids, then raises a
+    ConfigError naming the culprit for every placement error DESIGN §4 lists."""
+    n = num_workers(job)
+    bundle = load_data(job.data, seed=job.run.seed)
+    model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+    return plan_for(job, model, default_workers(n, list(job.workers)))
+
+
 def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
     """Validate the placement here, then run ``worker_main`` on every worker process."""
     from ..comm.launch import launch
 
-    n = num_workers(job)
-    bundle = load_data(job.data, seed=job.run.seed)
-    model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
-    plan_for(job, model, default_workers(n, list(job.workers)))  # errors before any launch
-    summary = launch(job, nprocs=n, resume=resume)
+    validate(job)  # errors before any launch
+    summary = launch(job, nprocs=num_workers(job), resume=resume)
     if summary is None:  # under torchrun on a rank other than 0
         return {}
     result: dict[str, Any] = summary
