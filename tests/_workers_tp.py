@@ -428,8 +428,9 @@ def suite_4(ctx: WorkerContext) -> dict[str, Any]:
     return out
 
 
-def job_resume(ctx: WorkerContext, out_dir: str) -> dict[str, Any]:
-    """An uninterrupted 6-step run vs 3 steps + ``resume`` to 6: same final parameters."""
+def job_resume(ctx: WorkerContext, out_dir: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An uninterrupted 6-step run vs 3 steps + ``resume`` to 6: same final parameters.
+    ``extra`` adds job sections (a DataParallel strategy, ``[compression]``)."""
     from paratrain.config import load_job
     from paratrain.executors.tensor_parallel import worker_main
 
@@ -442,6 +443,7 @@ def job_resume(ctx: WorkerContext, out_dir: str) -> dict[str, Any]:
             "tensor_parallel": {"tensor_parallel_size": 2, "micro_batches": 2,
                                 "communication_pattern": "ReduceScatter",
                                 "memory_optimization": "High"},
+            **(extra or {}),
         })
 
     full = worker_main(ctx, job("full", 6), False)

@@ -185,17 +185,17 @@ def test_resume_with_other_replica_count_is_an_error(tmp_path: Path) -> None:
 
 
 def test_error_feedback_is_dropped_under_decentralized(tmp_path: Path) -> None:
-    from paratrain.executors.data_parallel import _compressor
+    from paratrain.executors.data_parallel import build_compressor
 
     doc = {"method": "ClippedCompression", "clip_value": 1.0,
            "base_strategy": {"method": "ErrorFeedback", "error_compensation": True,
                              "base_strategy": {"method": "TopK", "k": 5}}}
     job = dp_job(str(tmp_path), "x", 2, {"method": "Decentralized", "topology": "ring"}, compression=doc)
     with pytest.warns(UserWarning, match="ErrorFeedback has no effect"):
-        comp = _compressor(job, validate(job).aggregation)
+        comp = build_compressor(job, validate(job).aggregation)
     assert comp.strategy.method == "ClippedCompression" and comp.strategy.base_strategy.method == "TopK"
     job = dp_job(str(tmp_path), "x", 2, {"method": "AllReduce"}, compression=doc)
-    assert _compressor(job, validate(job).aggregation).strategy.base_strategy.method == "ErrorFeedback"
+    assert build_compressor(job, validate(job).aggregation).strategy.base_strategy.method == "ErrorFeedback"
 
 
 def test_ineffective_settings_warn(tmp_path: Path) -> None:

@@ -36,7 +36,7 @@ def test_examples_route_to_the_tensor_parallel_executor(tmp_path: Path) -> None:
 @pytest.mark.parametrize("patch,field", [
     ({"strategy": {"type": "DataParallel", "num_replicas": 2,
                    "aggregation": {"method": "ParameterServer"}}}, "strategy.aggregation.method"),
-    ({"compression": {"method": "TopK", "k": 10}}, "compression"),
+    ({"compression": {"method": "TopK", "k": 10}}, "compression"),  # one replica: nothing to compress
 ])
 def test_layout_errors(tmp_path: Path, patch: dict, field: str) -> None:
     doc = load_job(EXAMPLES / "tensor_parallel_mlp.toml").to_json_dict()
@@ -65,6 +65,35 @@ def test_two_d_job_trains_and_gathers_the_dense_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_two_d_job_compresses_the_data_parallel_exchange(tmp_path: Path) -> None:
+    """TP 2 x DP 2 with [compression]: TopK keeping every entry equals the dense run (the
+    compressed path is exercised: its bytes are counted); TopK 200 per tensor with error feedback
+    sends under a quarter of the dense bytes (measured 0.08) (values + indices), still learns, and differs from the
+    dense run (non-vacuity)."""
+    def run(name: str, compression: dict | None) -> tuple[dict, dict[str, torch.Tensor]]:
+        doc = load_job(EXAMPLES / "tensor_parallel_2d.toml").to_json_dict()
+        doc["run"].update(output_dir=str(tmp_path), name=name)
+        doc["train"].update(epochs=1, max_steps=60)
+        if compression is not None:
+            doc["compression"] = compression
+        s = execute(load_job(doc))
+        return s, torch.load(s["dense_model"], weights_only=True)
+
+    dense, w_dense = run("dense", None)
+    full, w_full = run("full", {"method": "TopK", "k": 1 << 30})
+    topk, w_topk = run("topk", {"method": "ErrorFeedback", "error_compensation": True,
+                                "base_strategy": {"method": "TopK", "k": 200}})
+    assert "compression" not in dense and full["compression"]["original_bytes"] > 0
+    for k in w_dense:
+        torch.testing.assert_close(w_full[k], w_dense[k], rtol=1e-5, atol=1e-6)
+    ratio = topk["dp_bytes_sent_per_step"] / full["dp_bytes_sent_per_step"]
+    assert ratio < 0.25, ratio
+    # 60 steps of 16 rows per replica: dense 0.53, TopK+EF 0.47 (chance is 0.1)
+    assert topk["test_accuracy"] > max(0.3, dense["test_accuracy"] - 0.15)
+    assert any(not torch.allclose(w_topk[k], w_dense[k], rtol=1e-3, atol=1e-5) for k in w_dense)
+
+
+@pytest.mark.slow
 def test_resume_from_sharded_checkpoints_matches_uninterrupted(tmp_path: Path) -> None:
     from _workers_tp import job_resume
     from paratrain.comm.testing import run_distributed
@@ -73,6 +102,21 @@ def test_resume_from_sharded_checkpoints_matches_uninterrupted(tmp_path: Path) -
     assert r["steps"] == (6, 6)
     assert r["full"] == r["resumed"]
     assert (tmp_path / "split" / "checkpoints" / "tp-rank1").is_dir()
+
+
+@pytest.mark.slow
+def test_resume_with_error_feedback_residuals_matches_uninterrupted(tmp_path: Path) -> None:
+    """TP 2 x DP 2 with TopK + error feedback: the residuals are in each rank's checkpoint,
+    so 3 steps + resume to 6 ends bit-identical to 6 uninterrupted steps."""
+    from _workers_tp import job_resume
+    from paratrain.comm.testing import run_distributed
+
+    extra = {"strategy": {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}},
+             "compression": {"method": "ErrorFeedback", "error_compensation": True,
+                             "base_strategy": {"method": "TopK", "k": 16}}}
+    r = run_distributed(job_resume, 4, str(tmp_path), extra, timeout_s=240)[0]
+    assert r["steps"] == (6, 6)
+    assert r["full"] == r["resumed"]
 
 
 def test_layout_errors_surface_before_launch(tmp_path: Path) -> None:

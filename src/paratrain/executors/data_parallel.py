@@ -115,7 +115,9 @@ def _without_error_feedback(strategy: Any) -> Any:
     return strategy
 
 
-def _compressor(job: JobConfig, aggregation: Any = None, *, warn: bool = True) -> Any:
+def build_compressor(job: JobConfig, aggregation: Any = None, *, warn: bool = True) -> Any:
+    """The job's gradient Compressor (None without ``[compression]``); Decentralized
+    aggregation drops ErrorFeedback (CHOCO-gossip compensates the error itself)."""
     if job.compression is None or job.compression.method == "None":
         return None
     from ..compression import Compressor
@@ -217,7 +219,7 @@ def train_replica(
     agg: Aggregator = build_aggregator(
         aggregation if aggregation is not None else strategy.aggregation, model,
         group=ctx.group, counter=counter, bucket_bytes=bucket_bytes,
-        compressor=_compressor(job, strategy.aggregation if aggregation is None else aggregation,
+        compressor=build_compressor(job, strategy.aggregation if aggregation is None else aggregation,
                                warn=ctx.is_main),
         gamma=job.comm.gossip_step,
     )

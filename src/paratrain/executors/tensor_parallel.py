@@ -82,10 +82,33 @@ def layout(job: JobConfig) -> tuple[TensorParallelismConfig, int, int]:
     else:
         raise ConfigError([("strategy.type", f"tensor parallelism runs under Local or DataParallel "
                             f"(got {getattr(s, 'type', s)!r})")])
-    if job.compression is not None and job.compression.method != "None":
-        raise ConfigError([("compression", "compression is not supported together with "
-                            "tensor parallelism")])
+    if job.compression is not None and job.compression.method != "None" and dp == 1:
+        raise ConfigError([("compression", "compresses the data-parallel gradient exchange, and this "
+                            "job has one replica (tensor-parallel collectives carry activations "
+                            "and are not compressed); add DataParallel replicas or drop it")])
     return cfg, cfg.tensor_parallel_size, dp
+
+
+def _compressed_dp(job: JobConfig, tpm: Any, groups: Any) -> Any:
+    """With ``[compression]``, the data-parallel gradient average runs compressed.
+
+    Each rank compresses its shard's gradients (keyed by parameter name, the same on
+    every replica of a TP index), all-gathers the payloads over its data-parallel group,
+    decodes and averages them: DataParallel's compressed AllReduce, on the DP group.
+    Error-feedback residuals are per rank and go into its checkpoint."""
+    if groups.dp is None:
+        return None
+    from ..comm.collectives import CommCounter
+    from .data_parallel import build_compressor
+    from .dp_aggregation import AllReduceAgg
+
+    comp = build_compressor(job)
+    if comp is None:
+        return None
+    agg = AllReduceAgg(tpm, group=groups.dp.group, counter=CommCounter(), bucket_bytes=0,
+                       compressor=comp)
+    tpm.dp_sync = agg.sync_gradients
+    return agg
 
 
 def _ckpt_dir(run_dir: Path, rank: int) -> Path:
@@ -112,6 +135,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                              fusion_threshold_bytes=cfg.fusion_threshold_bytes)
     tpm = parallelize(model, cfg, groups)
     opt = build_optimizer(tpm.parameters(), job.train.optimizer)
+    agg = _compressed_dp(job, tpm, groups)
 
     run_dir = run_dir_of(job)
     if ctx.is_main:
@@ -140,6 +164,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         state = checkpoint.load_checkpoint(checkpoint.checkpoint_path(_ckpt_dir(run_dir, ctx.rank), found))
         tpm.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
+        if agg is not None:
+            agg.load_state_dict(state.get("aggregator", {}))
         set_rng_state(state["rng"])
         step, epoch, batch = int(state["step"]), int(state["epoch"]), int(state["batch"])
     if metrics is not None and (resume or ctx.restart_count > 0):
@@ -151,7 +177,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         d = _ckpt_dir(run_dir, ctx.rank)
         checkpoint.save_checkpoint(checkpoint.checkpoint_path(d, step), {
             "model": tpm.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(),
-            "step": step, "epoch": epoch, "batch": batch})
+            "step": step, "epoch": epoch, "batch": batch,
+            "aggregator": agg.state_dict() if agg is not None else {}})
         world_barrier()
         if ctx.is_main:
             tmp = marker.with_suffix(".tmp")
@@ -235,6 +262,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "memory_saving": stats["memory_saving"],
         "restart_count": ctx.restart_count,
         "wall_time_s": round(time.perf_counter() - started, 3),
+        **({"compression": agg.compressor.stats.as_dict(),
+            "dp_bytes_sent_per_step": agg.counter.total_bytes / steps} if agg is not None else {}),
         "dense_model": str(run_dir / "model.pt"),
         "parameters_sha256": _digest(dense),
     }

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -266,6 +266,9 @@ class TensorParallelModule(nn.Module):
                                                   "RowWise")
         self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
         self.last_peak_activation_bytes: int | None = None
+        # Replaces the dense data-parallel gradient average when set (e.g. a compressed
+        # exchange: paratrain.executors.dp_aggregation.AllReduceAgg with a Compressor).
+        self.dp_sync: Callable[[], None] | None = None
         if not self.needs_sync and config.gradient_accumulation is False:
             warnings.warn("gradient_accumulation has no effect: this layout has no gradient "
                           "synchronisation (pure tensor parallel, no sequence parallel, 1 replica)",
@@ -367,7 +370,10 @@ class TensorParallelModule(nn.Module):
         if self._sp_params:
             grads = [_grad(p) for p in self._sp_params]
             n += self.comm.all_reduce_coalesced_(grads)
-        if self.groups.dp is not None:
+        if self.groups.dp is not None and self.dp_sync is not None:
+            self.dp_sync()
+            n += 1
+        elif self.groups.dp is not None:
             n += self.groups.dp.all_reduce_coalesced_([_grad(p) for p in self.module.parameters()],
                                                      average=True)
         return n
