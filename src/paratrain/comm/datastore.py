@@ -157,6 +157,10 @@ class DataStoreTransport:
     def wait_s(self) -> float:
         return self.store.wait_s
 
+    @property
+    def bytes_sent(self) -> int:
+        return self.store.bytes_written
+
     def _key(self, key: tuple[str, int, int], step: int, src: int, dst: int) -> str:
         kind, micro, segment = key
         return f"s{step:09d}-{kind}-m{micro}-g{segment}-{src}to{dst}"

@@ -62,6 +62,7 @@ from ..training.faults import FAULT_ENV, maybe_kill
 from ..training.rundir import run_dir_of
 from .mp_plan import Plan, build_plan
 from .mp_runtime import StageRuntime, segment_modules
+from .mp_schedule import theoretical_bubble
 
 __all__ = ["run", "validate", "worker_main", "num_workers", "plan_for", "FAULT_ENV"]
 
@@ -155,6 +156,32 @@ def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Any:
     from ..comm.p2p import P2PTransport
 
     return P2PTransport(ctx.group, device=ctx.device)
+
+
+def pipeline_stats(totals: list[torch.Tensor], plan: Plan, *, micro_batches: int | None) -> dict[str, Any]:
+    """Per-rank time split and the run's bubble fraction from each rank's step totals.
+
+    ``bubble_fraction = 1 - C_max / T``: ``C_max`` the busiest rank's forward/backward
+    compute and ``T`` the longest rank's train-step time, summed over the run (GPipe's and
+    Megatron's bubble, the time the pipeline's bottleneck stage stands idle). For a
+    Pipeline, ``bubble_theory = (p - 1) / (m + p - 1)`` for ``p`` stages and ``m`` micro-
+    batches of a full batch, the ideal with equal stages and free communication.
+    """
+    steps = max(float(totals[0][5]), 1.0)
+    step_s = max(float(t[0]) for t in totals)
+    busiest = max(float(t[1]) for t in totals)
+    out: dict[str, Any] = {
+        "stage_stats": [
+            {"rank": r, "compute_fraction": round(float(t[1]) / max(float(t[0]), 1e-12), 4),
+             "blocked_in_recv_fraction": round(float(t[2]) / max(float(t[0]), 1e-12), 4),
+             "peak_activation_bytes": int(t[3]), "bytes_sent_per_step": round(float(t[4]) / steps, 1)}
+            for r, t in enumerate(totals)
+        ],
+        "bubble_fraction": round(1.0 - busiest / step_s, 4) if step_s > 0 else None,
+    }
+    if micro_batches is not None:
+        out["bubble_theory"] = round(theoretical_bubble(plan.num_segments, micro_batches), 4)
+    return out
 
 
 def _common_step(ckpt_root: Path, world: int) -> int | None:
@@ -263,6 +290,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
 
     losses: list[float] = []
     step_times: list[float] = []
+    # This rank's totals over its train steps: step, compute and blocked-in-recv seconds,
+    # peak activation bytes, bytes sent, steps (gathered on rank 0 for the summary).
+    totals = torch.zeros(6, dtype=torch.float64)
     every = job.run.checkpoint_every
     ce = job.train.eval_every
     while step < total and epoch < job.train.epochs:
@@ -273,11 +303,16 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
+            w0, b0 = transport.wait_s, transport.bytes_sent
             loss = rt.train_step(
                 x, y, step=step,
                 micro_batch_size=proto.micro_batch_size if pipeline else None,
                 schedule_name=proto.schedule if pipeline else None,
             )
+            st = rt.stats
+            totals += torch.tensor([st.step_s, st.compute_s, transport.wait_s - w0, 0.0,
+                                    transport.bytes_sent - b0, 1.0], dtype=torch.float64)
+            totals[3] = max(float(totals[3]), st.peak_activation_bytes)
             if opt is not None:
                 opt.step()
             step_times.append(time.perf_counter() - t0)
@@ -312,11 +347,14 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     for s_idx in sorted(modules):
         own.update(modules[s_idx].node_state())
     mine = torch.frombuffer(bytearray(_digest(own)), dtype=torch.uint8)
-    digests = [mine]
+    digests, stage_totals = [mine], [totals]
     if ctx.rank != 0:
         rt.send_metric(mine, dst=0, step=step, slot=2)
+        rt.send_metric(totals, dst=0, step=step, slot=3)
     else:
-        digests += [rt.recv_metric(src=r, step=step, slot=2) for r in range(1, ctx.world_size)]
+        for r in range(1, ctx.world_size):
+            digests.append(rt.recv_metric(src=r, step=step, slot=2))
+            stage_totals.append(rt.recv_metric(src=r, step=step, slot=3).double())
     transport.flush()
     if hasattr(transport, "close"):
         transport.close()
@@ -348,6 +386,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "test_loss": final["loss"],
         "best_test_accuracy": max((r["test_accuracy"] for r in records), default=final["accuracy"]),
         "median_step_time_s": sorted(step_times)[len(step_times) // 2] if step_times else None,
+        **pipeline_stats(stage_totals, plan, micro_batches=(
+            math.ceil(bs / proto.micro_batch_size) if pipeline else None)),
         "parameters_sha256": hashlib.sha256(b"".join(d.numpy().tobytes() for d in digests)).hexdigest(),
         "restart_count": ctx.restart_count,
         "resumed_from_step": found,
