@@ -188,6 +188,22 @@ def test_quantization_unbiased(bits: int) -> None:
     assert torch.equal(det.roundtrip("w", x, step=0), det.roundtrip("w", x, step=1))
 
 
+def test_quantization_rounding_field_selects_deterministic_rounding() -> None:
+    """The job-file field ``rounding = "deterministic"`` (also inside wrappers) is the same
+    codec as the ``stochastic_rounding=False`` keyword; the default stays stochastic."""
+    x = torch.linspace(-1.0, 1.0, 257)
+    field = {"method": "Quantization", "bits": 3, "rounding": "deterministic"}
+    kw = Compressor({"method": "Quantization", "bits": 3}, stochastic_rounding=False)
+    wrapped = Compressor({"method": "ErrorFeedback", "error_compensation": False, "base_strategy": field})
+    for step in range(3):
+        want = kw.roundtrip("w", x, step=step)
+        assert torch.equal(Compressor(field).roundtrip("w", x, step=step), want)
+        assert torch.equal(wrapped.roundtrip("w", x, step=step), want)
+    assert (want - x).abs().max() <= (2.0 / 7) / 2 + 1e-6  # half a step of 2/(2^3 - 1)
+    stochastic = Compressor({"method": "Quantization", "bits": 3, "rounding": "stochastic"})
+    assert not torch.equal(stochastic.roundtrip("w", x, step=0), want)  # non-vacuity
+
+
 def test_quantization_constant_nonfinite_and_invalid() -> None:
     c = torch.full((7,), 3.25)
     assert torch.equal(Compressor({"method": "Quantization", "bits": 2}).roundtrip("a", c), c)

@@ -69,6 +69,7 @@ COMPRESSION_EXAMPLES = [
     {"method": "RandomK", "k": 1000},
     {"method": "Threshold", "threshold": 0.001},
     {"method": "Quantization", "bits": 8},
+    {"method": "Quantization", "bits": 2, "rounding": "deterministic"},  # extension field
     {"method": "ErrorFeedback", "base_strategy": {"method": "TopK", "k": 10},
      "error_compensation": True},
     {"method": "ClippedCompression", "base_strategy": {"method": "Quantization", "bits": 4},
@@ -166,6 +167,7 @@ def test_strategy_rejections_name_field_and_value(doc: dict, needles: list[str])
         ({"method": "Quantization", "bits": 0}, ["bits", "0"]),
         ({"method": "Quantization", "bits": 33}, ["bits", "33"]),
         ({"method": "Quantization", "bits": 8.0}, ["bits", "8.0"]),
+        ({"method": "Quantization", "bits": 8, "rounding": "nearest"}, ["rounding", "nearest"]),
         ({"method": "TopK", "k": -1}, ["k", "-1"]),
         ({"method": "TopK"}, ["k", "missing"]),
         ({"method": "Top-K", "k": 1}, ["method", "Top-K", "TopK", "RandomK"]),
@@ -257,6 +259,8 @@ def _compression_docs(depth: int) -> st.SearchStrategy[dict]:
         st.integers(0, 10**6).map(lambda k: {"method": "RandomK", "k": k}),
         floats.map(lambda t: {"method": "Threshold", "threshold": t}),
         st.integers(1, 32).map(lambda b: {"method": "Quantization", "bits": b}),
+        st.builds(lambda b, r: {"method": "Quantization", "bits": b, "rounding": r},
+                  st.integers(1, 32), st.sampled_from(["stochastic", "deterministic"])),
     )
     if depth == 0:
         return leaf

@@ -55,7 +55,10 @@ STATE_VERSION = 1
 
 
 def build_codec(strategy: Any, *, stochastic_rounding: bool = True) -> Codec:
-    """The codec tree for a CompressionStrategy (contract object, dict or JSON)."""
+    """The codec tree for a CompressionStrategy (contract object, dict or JSON).
+
+    Quantization rounds stochastically unless its ``rounding`` field says
+    ``"deterministic"`` or ``stochastic_rounding=False`` turns it off for the whole tree."""
     s = load_compression(strategy)
     if isinstance(s, NoCompression):
         return NoneCodec()
@@ -66,7 +69,7 @@ def build_codec(strategy: Any, *, stochastic_rounding: bool = True) -> Codec:
     if isinstance(s, Threshold):
         return ThresholdCodec(s.threshold)
     if isinstance(s, Quantization):
-        return QuantizationCodec(s.bits, stochastic=stochastic_rounding)
+        return QuantizationCodec(s.bits, stochastic=stochastic_rounding and s.rounding == "stochastic")
     if isinstance(s, ErrorFeedback):
         base = build_codec(s.base_strategy, stochastic_rounding=stochastic_rounding)
         return ErrorFeedbackCodec(base, s.error_compensation)

@@ -5,7 +5,7 @@ The Rust enum has no serde form; this is ours in the same style as the strategy 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, TypeAdapter
 
@@ -44,10 +44,16 @@ class Threshold(Contract):
 
 
 class Quantization(Contract):
-    """Per-tensor min-max uniform quantization to ``bits`` (1..32), bit-packed."""
+    """Per-tensor min-max uniform quantization to ``bits`` (1..32), bit-packed.
+
+    Extension ``rounding``: ``"stochastic"`` (the default: unbiased, E[D(C(x))] = x) or
+    ``"deterministic"`` (round to nearest: biased, but error at most half a step).
+    """
 
     method: Literal["Quantization"] = "Quantization"
     bits: Annotated[int, Field(ge=1, le=32, strict=True)]
+    rounding: Literal["stochastic", "deterministic"] = "stochastic"
+    _extensions: ClassVar[frozenset[str]] = frozenset({"rounding"})
 
 
 class ErrorFeedback(Contract):
