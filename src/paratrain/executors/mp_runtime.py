@@ -178,16 +178,17 @@ class StageRuntime:
         for j, (kind, i, s) in enumerate(order):
             if post is not None:
                 # Post the next receives now so their payloads arrive while we compute.
-                for spec in needs[j + 1 : j + 1 + RECV_LOOKAHEAD]:
-                    if spec is not None:
-                        post(src=spec[0], key=spec[1], step=step, rows=spec[2])
+                for ahead in needs[j + 1 : j + 1 + RECV_LOOKAHEAD]:
+                    if ahead is not None:
+                        post(src=ahead[0], key=ahead[1], step=step, rows=ahead[2])
+            spec = needs[j]
+            received = None if spec is None else self.transport.recv(
+                src=spec[0], key=spec[1], step=step, rows=spec[2]).to(self.device)
             if kind == "F":
-                if s == 0:
+                if received is None:  # the first segment reads the batch
                     inp = xs[i]
                 else:
-                    inp = self.transport.recv(src=self.plan.segments[s - 1].rank,
-                                              key=("act", i, s), step=step,
-                                              rows=sizes[i]).to(self.device)
+                    inp = received
                     if inp.is_floating_point():
                         inp.requires_grad_(True)
                 t0 = time.perf_counter()
@@ -215,11 +216,7 @@ class StageRuntime:
             else:
                 out = outputs.pop((i, s))
                 inp = inputs.pop((i, s))
-                grad = None
-                if s != self.last:
-                    grad = self.transport.recv(src=self.plan.segments[s + 1].rank,
-                                               key=("grad", i, s + 1), step=step,
-                                               rows=sizes[i]).to(self.device)
+                grad = received  # dL/d(output), None on the last segment (its output is L_i)
                 t0 = time.perf_counter()
                 if out.requires_grad:
                     torch.autograd.backward(out, grad_tensors=grad)
