@@ -33,6 +33,7 @@ EXPECT = {
     "optimizer.toml": ["train.optimizer.name", "lbfgs"],
     "search_space.toml": ["search_space.lr", "low"],
     "pop_zero.toml": ["strategy.population_size", "0"],
+    "tp_compression.toml": ["compression", "one replica"],
     "mp_placement.toml": ["strategy.partitions[0].node_ids", "fc9", "fc0",
                           "strategy.partitions[0].target.Tag", "gpu"],
 }

@@ -60,7 +60,7 @@ from ..training import (
 )
 from ..training.rundir import run_dir_of
 
-__all__ = ["run", "worker_main", "layout", "dry_run"]
+__all__ = ["run", "validate", "worker_main", "layout", "dry_run"]
 
 _MARKER = "tp-complete.json"
 
@@ -305,6 +305,11 @@ def dry_run(job: JobConfig) -> None:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError([("tensor_parallel", str(e))]) from None
+
+
+def validate(job: JobConfig) -> None:
+    """``paratrain validate``: the layout checks ``run`` does before launching."""
+    dry_run(job)
 
 
 def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
