@@ -41,7 +41,7 @@ def _par(model: nn.Module, conf: TensorParallelismConfig) -> TensorParallelModul
 
 def dense_model(kind: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    if kind == "mlp":  # uneven hidden (30) so tp=4 shards are 8,8,8,6
+    if kind in ("mlp", "mlp1"):  # uneven hidden (30) so tp=4 shards are 8,8,8,6
         return nn.Sequential(OrderedDict(fc0=nn.Linear(16, 30), act0=nn.GELU(), fc1=nn.Linear(30, 12)))
     if kind == "mlp_down":  # contracting first layer: Dynamic picks row-first
         return nn.Sequential(OrderedDict(fc0=nn.Linear(16, 8), act0=nn.GELU(), fc1=nn.Linear(8, 12)))
@@ -69,7 +69,7 @@ def dense_model(kind: str, seed: int = 0) -> nn.Module:
 
 def model_input(kind: str, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    shape = {"mlp": (7, 16), "mlp_even": (7, 16), "mlp_down": (7, 16), "attn": (3, 6, 16), "encoder": (2, 6, 8), "deep": (64, 32)}[kind]
+    shape = {"mlp": (7, 16), "mlp1": (1, 16), "mlp_even": (7, 16), "mlp_down": (7, 16), "attn": (3, 6, 16), "encoder": (2, 6, 8), "deep": (64, 32)}[kind]
     return torch.randn(*shape, generator=g)
 
 
@@ -136,9 +136,14 @@ def strategies(tp: int) -> dict[str, Any]:
 
     register_custom_partitioner(proportional_partitioner)
     out: dict[str, Any] = {}
-    for strat, kind in [("RowWise", "mlp"), ("Dynamic", "mlp_down"), ("Dynamic", "mlp"),
-                        ("BatchWise", "mlp"), ("SequenceWise", "mlp"), ("Custom", "mlp"),
-                        ("BatchWise", "encoder"), ("RowWise", "attn")]:
+    cases = [("RowWise", "mlp"), ("Dynamic", "mlp_down"), ("Dynamic", "mlp"),
+             ("BatchWise", "mlp"), ("SequenceWise", "mlp"), ("Custom", "mlp"),
+             ("BatchWise", "encoder"), ("RowWise", "attn")]
+    if tp == 4:  # BlockWise on a 2 x 2 grid: 7 rows (4 + 3), a 1-row batch (1 + 0), a
+        # transformer (grid embed/head around head-split encoder layers), 8 deep blocks
+        cases += [("BlockWise", "mlp"), ("BlockWise", "mlp1"), ("BlockWise", "encoder"),
+                  ("BlockWise", "deep")]
+    for strat, kind in cases:
         res = parity(kind, "AllReduce", tp, partitioning_strategy=strat)
         dense = dense_model(kind)
         x = model_input(kind).requires_grad_(True)

@@ -160,9 +160,15 @@ def test_partitioning_strategy_changes_the_layout(r2: list[dict[str, Any]], r4: 
     # Custom: the registered partitioner's uneven split (shares proportional to rank + 1)
     assert [r["strategies"]["Custom/mlp"]["local_shapes"]["fc0.weight"][0] for r in r2] == [10, 20]
     assert [r["strategies"]["Custom/mlp"]["local_shapes"]["fc0.weight"][0] for r in r4] == [3, 6, 9, 12]
-    # BlockWise: ColumnWise fallback at tp=2 (parity checked above), an error at tp=4 = 2x2
-    assert s2["BlockWise"] == "ok"
-    assert "BlockWise with a perfect-square tensor_parallel_size (4)" in s4["BlockWise"]
+    # BlockWise: ColumnWise fallback at tp=2 (parity checked above); at tp=4 a 2 x 2 grid:
+    # each rank keeps a [out/2, in/2] block of every weight (parity checked above too)
+    assert s2["BlockWise"] == "ok" and s4["BlockWise"] == "ok"
+    assert [r["strategies"]["BlockWise/mlp"]["local_shapes"]["fc0.weight"] for r in r4] == [[15, 8]] * 4
+    assert [r["strategies"]["BlockWise/mlp"]["local_shapes"]["fc1.weight"] for r in r4] == [[6, 15]] * 4
+    # forward: per layer an all-gather of the input panel and of the weight panel, and the
+    # two all-gathers that leave the region; entering it needs no communication
+    assert s4["BlockWise/mlp"]["fwd"] == {"all_gather": 6}
+    assert 0.70 < s4["BlockWise/mlp"]["saving"] < 0.75  # weights 1/4, biases 1/2
 
 
 def test_collective_primitives_on_awkward_sizes(r4: list[dict[str, Any]]) -> None:

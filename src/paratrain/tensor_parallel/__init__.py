@@ -5,7 +5,8 @@ See DESIGN §4 and Shoeybi et al. 2019 (Megatron-LM). All collectives live in
 
 - ``tensor_parallel_size``: ranks per TP group (must divide the world; the rest is DP).
 - ``partitioning_strategy``: how pairs are split (``partition_tensor`` arithmetic; see
-  :mod:`.parallelize`): column-first, row-first, batch split, sequence split, custom sizes.
+  :mod:`.parallelize`): column-first, row-first, batch split, sequence split, custom sizes,
+  and for BlockWise with ``tp = g^2`` a 2-D grid of every weight (:mod:`.grid`).
 - ``column_parallel`` / ``row_parallel``: which Linear kinds are created (both = pairs).
 - ``communication_pattern``: the collective that carries the TP reductions (and the
   sequence-parallel layout for ReduceScatter).
@@ -21,6 +22,7 @@ See DESIGN §4 and Shoeybi et al. 2019 (Megatron-LM). All collectives live in
 - ``mixed_precision``: bf16 matmuls, fp32 master weights, gradients and reductions.
 """
 
+from .grid import GridLinear
 from .layers import (
     ColumnParallelLinear,
     ParallelSelfAttention,
@@ -46,6 +48,7 @@ from .train import train_step
 __all__ = [
     "ActivationMeter",
     "ColumnParallelLinear",
+    "GridLinear",
     "ParallelSelfAttention",
     "RegionState",
     "RowParallelLinear",

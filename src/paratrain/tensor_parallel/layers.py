@@ -59,6 +59,7 @@ class RegionState:
     seq_dim: int = 0
     seq_sizes: list[int] = field(default_factory=list)
     compute_dtype: torch.dtype | None = None
+    grid_rows: list[int] = field(default_factory=list)  # batch split over grid rows (2-D)
 
 
 def _mark(p: nn.Parameter, dim: int, sizes: list[int]) -> None:

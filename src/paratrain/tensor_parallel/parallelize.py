@@ -21,9 +21,10 @@ Dynamic = per pair by the first weight's [in, out] shape, as ``partition_tensor`
 (column-first when out > in, e.g. an MLP up-projection); SequenceWise = the
 sequence-parallel layout below; BatchWise = no weight sharding: each TP rank runs the
 whole model on its slice of the batch (dim 0), outputs are all-gathered and gradients summed
-over the group; BlockWise = ColumnWise when tp is not a perfect square (as the partition
-arithmetic), an error otherwise (a g x g weight grid is 2-D tensor parallelism, not
-implemented); Custom = column-first pairs whose hidden split comes from the function
+over the group; BlockWise = 2-D tensor parallelism when tp = g^2 (every run of Linears
+becomes :class:`~paratrain.tensor_parallel.grid.GridLinear` on a g x g grid: each rank keeps
+a 1/g^2 block of every weight, activations are blocked by batch rows and features), and
+ColumnWise when tp is not a perfect square (as the partition arithmetic); Custom = column-first pairs whose hidden split comes from the function
 registered with ``register_custom_partitioner`` (e.g. uneven shards for unequal ranks).
 Attention heads are always split evenly.
 
@@ -48,6 +49,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from paratrain.comm.tp_grid import GridComms, build_grid
 from paratrain.comm.tp_ops import (
     CommStats,
     TPComm,
@@ -59,6 +61,7 @@ from paratrain.comm.tp_ops import (
 from paratrain.config import ConfigError, TensorParallelismConfig
 
 from . import memory
+from .grid import GridLinear, grid_steps, narrow_to_shard
 from .layers import (
     ColumnParallelLinear,
     ParallelEncoderLayer,
@@ -74,7 +77,8 @@ ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Dropout, nn.Identity, nn.LeakyReLU,
     nn.ELU, nn.Softplus, nn.Mish, nn.Hardtanh, nn.ReLU6, nn.SELU, nn.CELU,
 )
-_PARALLEL = (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention, ParallelEncoderLayer)
+_PARALLEL = (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention, ParallelEncoderLayer,
+             GridLinear)
 
 
 def is_attention(m: nn.Module) -> bool:
@@ -92,7 +96,9 @@ def _param_bytes(params: Iterator[nn.Parameter]) -> int:
 class _Converter:
     """Walks a model and swaps in the parallel layers (see the module docstring)."""
 
-    def __init__(self, cfg: TensorParallelismConfig, comm: TPComm, state: RegionState) -> None:
+    def __init__(self, cfg: TensorParallelismConfig, comm: TPComm, state: RegionState,
+                 grid: GridComms | None = None) -> None:
+        self.grid = grid
         self.col, self.row = cfg.column_parallel, cfg.row_parallel
         self.strategy = cfg.partitioning_strategy.value
         pattern = cfg.communication_pattern.value
@@ -154,6 +160,23 @@ class _Converter:
                              f"features in rank order (got sizes {sizes})")
         return sizes
 
+    def _grid_run(self, seq: nn.Sequential, names: list[str], i: int) -> int:
+        """Turn the run of Linears (element-wise modules between them) starting at
+        ``names[i]`` into a 2-D region; returns the index after its last Linear."""
+        mods = [seq._modules[n] for n in names]
+        linears, j = [i], i + 1
+        while j < len(mods) and isinstance(mods[j], (nn.Linear, *ELEMENTWISE)):
+            if isinstance(mods[j], nn.Linear):
+                linears.append(j)
+            j += 1
+        assert self.grid is not None
+        for k in linears:
+            seq._modules[names[k]] = GridLinear.from_dense(
+                mods[k], grid=self.grid, state=self.state,  # type: ignore[arg-type]
+                enter=k == linears[0], leave=k == linears[-1])
+        self.units += 1
+        return linears[-1] + 1
+
     def _sequential(self, seq: nn.Sequential, prefix: str) -> None:
         names = list(seq._modules.keys())
         mods = [seq._modules[n] for n in names]
@@ -162,6 +185,9 @@ class _Converter:
         i = 0
         while i < len(mods):
             m = mods[i]
+            if isinstance(m, nn.Linear) and self.grid is not None:
+                i = self._grid_run(seq, names, i)
+                continue
             if isinstance(m, nn.Linear):
                 j = i + 1
                 while j < len(mods) and isinstance(mods[j], ELEMENTWISE):
@@ -233,12 +259,15 @@ class TensorParallelModule(nn.Module):
         self.batch_split = strategy == "BatchWise" and tp > 1
         if self.batch_split:
             self.seq = False
+        self.grid: GridComms | None = None
         if strategy == "BlockWise" and tp > 1 and math.isqrt(tp) ** 2 == tp:
-            raise ConfigError([("tensor_parallel.partitioning_strategy",
-                                f"BlockWise with a perfect-square tensor_parallel_size ({tp}) is a "
-                                "g x g grid of every weight (2-D tensor parallelism), which the "
-                                "layers do not implement; use ColumnWise (BlockWise falls back to "
-                                "ColumnWise only when the size is not a perfect square)")])
+            if self.seq:
+                raise ConfigError([("tensor_parallel.communication_pattern",
+                                    f"BlockWise with tensor_parallel_size {tp} is 2-D tensor "
+                                    "parallelism, whose activations are blocked by batch and "
+                                    "features; it does not combine with ReduceScatter (sequence "
+                                    "parallel)")])
+            self.grid = build_grid(groups.tp)  # collective: every rank builds every sub-group
         self.state = RegionState(compute_dtype=torch.bfloat16 if config.mixed_precision else None)
         dense_params = list(model.parameters())
         self.dense_param_bytes = _param_bytes(iter(dense_params))
@@ -251,7 +280,7 @@ class TensorParallelModule(nn.Module):
                 raise ConfigError([("tensor_parallel.communication_pattern",
                                     "ReduceScatter (sequence parallel) needs column_parallel and "
                                     "row_parallel both true")])
-            conv = _Converter(config, self.comm, self.state)
+            conv = _Converter(config, self.comm, self.state, self.grid)
             model = conv.convert(model)
             if conv.units == 0:
                 raise ValueError("parallelize: no Linear pair or attention block found to shard")
@@ -264,6 +293,9 @@ class TensorParallelModule(nn.Module):
             elif isinstance(mod, RowParallelLinear):
                 self.coordinator.partition_tensor(name + ".weight", (mod.in_features, mod.out_features),
                                                   "RowWise")
+            elif isinstance(mod, GridLinear):
+                self.coordinator.partition_tensor(name + ".weight", (mod.in_features, mod.out_features),
+                                                  "BlockWise")
         self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
         self.last_peak_activation_bytes: int | None = None
         # Replaces the dense data-parallel gradient average when set (e.g. a compressed
@@ -419,7 +451,11 @@ class TensorParallelModule(nn.Module):
         out: dict[str, torch.Tensor] = {}
         for name, t in tensors.items():
             p = params.get(name)
-            if p is not None and hasattr(p, "tp_shard_dim") and self.comm.size > 1:
+            steps = grid_steps(p) if p is not None else None
+            if steps is not None:
+                for comm, dim, sizes in steps:
+                    t = comm.all_gather(t.contiguous(), dim, sizes).wait()
+            elif p is not None and hasattr(p, "tp_shard_dim") and self.comm.size > 1:
                 t = self.comm.all_gather(t.contiguous(), p.tp_shard_dim, p.tp_sizes).wait()  # type: ignore[attr-defined]
             out[name] = t.detach().clone()
         return self.to_dense_names(out)
@@ -436,7 +472,10 @@ class TensorParallelModule(nn.Module):
         with torch.no_grad():
             for name, p in self.module.named_parameters():
                 src = state[name]
-                if hasattr(p, "tp_shard_dim"):
+                steps = grid_steps(p)
+                if steps is not None:
+                    src = narrow_to_shard(src, steps)
+                elif hasattr(p, "tp_shard_dim"):
                     sizes = p.tp_sizes  # type: ignore[attr-defined]
                     r = self.comm.rank
                     src = src.narrow(p.tp_shard_dim, sum(sizes[:r]), sizes[r])
@@ -449,7 +488,7 @@ class TensorParallelModule(nn.Module):
         snap = self.stats.snapshot()
         params = list(self.module.parameters())
         local = _param_bytes(iter(params))
-        sharded = _param_bytes(p for p in params if hasattr(p, "tp_shard_dim"))
+        sharded = _param_bytes(p for p in params if hasattr(p, "tp_shard_dim") or grid_steps(p))
         replicated = local - sharded
         dense_sharded = self.dense_param_bytes - replicated
         tp = self.comm.size
