@@ -88,12 +88,12 @@ def build_grid(tp: TPComm) -> GridComms:
             ranks = [start + r * g + c for c in range(g)]
             grp = dist.new_group(ranks)
             if me in ranks:
-                row = TPComm(grp, ranks, rank=me, async_op=False, stats=tp.stats)
+                row = TPComm(grp, ranks, rank=me, async_op=True, stats=tp.stats)
         for c in range(g):
             ranks = [start + r * g + c for r in range(g)]
             grp = dist.new_group(ranks)
             if me in ranks:
-                col = TPComm(grp, ranks, rank=me, async_op=False, stats=tp.stats)
+                col = TPComm(grp, ranks, rank=me, async_op=True, stats=tp.stats)
     assert row is not None and col is not None
     return GridComms(row, col, g)
 
@@ -104,8 +104,10 @@ class _GridLinear(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 grid: GridComms, in_sizes: list[int], cdt: torch.dtype | None) -> torch.Tensor:
-        xf = grid.row.all_gather(x.contiguous(), -1, in_sizes).wait()   # [..., B_i, in]
-        wf = grid.col.all_gather(w.contiguous(), 1, in_sizes).wait()    # [out_j, in]
+        # Both panels travel at once (different groups, so they overlap).
+        hx = grid.row.all_gather(x.contiguous(), -1, in_sizes, async_op=True)
+        hw = grid.col.all_gather(w.contiguous(), 1, in_sizes, async_op=True)
+        xf, wf = hx.wait(), hw.wait()   # [..., B_i, in], [out_j, in]
         y = _mm(_rows(xf), wf.t(), cdt).reshape(*xf.shape[:-1], wf.shape[0])
         if b is not None:
             y = y + b
@@ -119,10 +121,11 @@ class _GridLinear(Function):
         grid, cdt = ctx.grid, ctx.cdt
         gy = gy.contiguous()
         gx_full = _mm(_rows(gy), wf, cdt).reshape(*gy.shape[:-1], wf.shape[1])
-        gx = grid.row.reduce_scatter(_fp32(gx_full), -1, ctx.in_sizes).wait()
-        gw = grid.col.reduce_scatter(_fp32(_wgrad(gy, xf, cdt)), 1, ctx.in_sizes).wait()
+        # The input-gradient reduce-scatter overlaps the weight-gradient matmul.
+        hx = grid.row.reduce_scatter(_fp32(gx_full), -1, ctx.in_sizes, async_op=True)
+        hw = grid.col.reduce_scatter(_fp32(_wgrad(gy, xf, cdt)), 1, ctx.in_sizes, async_op=True)
         gb = grid.col.all_reduce(_fp32(_rows(gy).sum(0))) if ctx.has_bias else None
-        return gx, gw, gb, None, None, None
+        return hx.wait(), hw.wait(), gb, None, None, None
 
 
 def grid_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, grid: GridComms,
