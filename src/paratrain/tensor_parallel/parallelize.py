@@ -24,8 +24,9 @@ whole model on its slice of the batch (dim 0), outputs are all-gathered and grad
 over the group; BlockWise = 2-D tensor parallelism when tp = g^2 (every run of Linears
 becomes :class:`~paratrain.tensor_parallel.grid.GridLinear` on a g x g grid: each rank keeps
 a 1/g^2 block of every weight, activations are blocked by batch rows and features), and
-ColumnWise when tp is not a perfect square (as the partition arithmetic); Custom = column-first pairs whose hidden split comes from the function
-registered with ``register_custom_partitioner`` (e.g. uneven shards for unequal ranks).
+ColumnWise when tp is not a perfect square (as the partition arithmetic); Custom =
+column-first pairs whose hidden split comes from the function registered with
+``register_custom_partitioner`` (e.g. uneven shards for unequal ranks).
 Attention heads are always split evenly.
 
 ``communication_pattern`` picks the layout: AllReduce / PointToPoint / Hierarchical = the
