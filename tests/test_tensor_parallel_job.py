@@ -73,7 +73,7 @@ def test_two_d_job_compresses_the_data_parallel_exchange(tmp_path: Path) -> None
     def run(name: str, compression: dict | None) -> tuple[dict, dict[str, torch.Tensor]]:
         doc = load_job(EXAMPLES / "tensor_parallel_2d.toml").to_json_dict()
         doc["run"].update(output_dir=str(tmp_path), name=name)
-        doc["train"].update(epochs=1, max_steps=60)
+        doc["train"].update(epochs=1, max_steps=30)
         if compression is not None:
             doc["compression"] = compression
         s = execute(load_job(doc))
@@ -88,7 +88,7 @@ def test_two_d_job_compresses_the_data_parallel_exchange(tmp_path: Path) -> None
         torch.testing.assert_close(w_full[k], w_dense[k], rtol=1e-5, atol=1e-6)
     ratio = topk["dp_bytes_sent_per_step"] / full["dp_bytes_sent_per_step"]
     assert ratio < 0.25, ratio
-    # 60 steps of 16 rows per replica: dense 0.53, TopK+EF 0.47 (chance is 0.1)
+    # 30 steps of 16 rows per replica: dense 0.53, TopK+EF 0.54 (chance is 0.1)
     assert topk["test_accuracy"] > max(0.3, dense["test_accuracy"] - 0.15)
     assert any(not torch.allclose(w_topk[k], w_dense[k], rtol=1e-3, atol=1e-5) for k in w_dense)
 
