@@ -217,3 +217,43 @@ def test_rust_utils() -> None:
     assert calculate_memory_savings(1000, 4) == 0.75
     assert calculate_memory_savings(10, 3) == pytest.approx(0.7)
     assert calculate_memory_savings(0, 2) == 0.0 and calculate_memory_savings(100, 1) == 0.0
+
+
+@given(st.integers(1, 4), st.integers(1, 12), st.integers(1, 12), st.booleans())
+def test_grid_blocks_tile_every_weight_and_match_partition_tensor(g: int, out_f: int, in_f: int,
+                                                                 bias: bool) -> None:
+    """On a g x g grid (built without a process group, as the dry run does), the blocks
+    GridLinear keeps at every position tile the dense weight and bias exactly once, and
+    each weight block is the one ``partition_tensor`` assigns to that rank (BlockWise on
+    the [in, out] shape: in-blocks by grid row, out-blocks by grid column) when no block
+    is empty."""
+    from paratrain.comm.tp_grid import build_grid
+    from paratrain.comm.tp_ops import TPComm
+    from paratrain.tensor_parallel import GridLinear, RegionState
+
+    torch.manual_seed(0)
+    dense = nn.Linear(in_f, out_f, bias=bias)
+    cover = torch.zeros(out_f, in_f, dtype=torch.int64)
+    bias_cover = torch.zeros(out_f, dtype=torch.int64)
+    # partition_tensor drops empty trailing blocks (and renumbers): compare when none is empty
+    no_empty = all(split_sizes(in_f, g)) and all(split_sizes(out_f, g))
+    parts_ = {q.device_rank: q for q in partition_shape("w", (in_f, out_f), "BlockWise",
+                                                       tp=g * g, world_size=g * g)} if g > 1 and no_empty else {}
+    for t in range(g * g):
+        grid = build_grid(TPComm(None, list(range(g * g)), rank=t))
+        assert (grid.i, grid.j) == divmod(t, g)
+        m = GridLinear.from_dense(dense, grid=grid, state=RegionState())
+        o0, i0 = sum(m.out_sizes[:grid.j]), sum(m.in_sizes[:grid.i])
+        h, w = m.weight.shape
+        assert torch.equal(m.weight, dense.weight[o0:o0 + h, i0:i0 + w])
+        cover[o0:o0 + h, i0:i0 + w] += 1
+        if bias:
+            assert m.bias is not None and dense.bias is not None
+            assert torch.equal(m.bias, dense.bias[o0:o0 + h])
+            if grid.i == 0:
+                bias_cover[o0:o0 + h] += 1
+        if t in parts_:  # partition_tensor's BlockWise block of [in, out] for this rank
+            q = parts_[t]
+            assert (q.offset, q.shape) == ((i0, o0), (w, h))
+    assert bool((cover == 1).all())
+    assert not bias or bool((bias_cover == 1).all())
