@@ -18,6 +18,7 @@ from typing import Any
 from ..config.job import ChoiceDim, LogUniformDim
 from ..pbt import ancestry
 from ..pbt.evolve import score
+from ..training.report import never_fails
 
 __all__ = ["plot_population"]
 
@@ -31,6 +32,7 @@ def _numeric(dim: Any, value: Any) -> float:
         return math.nan
 
 
+@never_fails
 def plot_population(
     lineage_file: str | Path, out: str | Path, *, space: Mapping[str, Any], title: str | None = None
 ) -> Path:

@@ -268,10 +268,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "parameters_sha256": _digest(dense),
     }
     write_summary(run_dir, summary)
-    try:
-        report.plot_curves(run_dir, title=f"{job.run.name} (tensor parallel x{tp}, dp x{dp})")
-    except Exception:  # noqa: BLE001 - a plot must never fail a finished run
-        pass
+    report.plot_curves(run_dir, title=f"{job.run.name} (tensor parallel x{tp}, dp x{dp})")
     return summary
 
 

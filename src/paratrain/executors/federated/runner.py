@@ -329,8 +329,5 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "parameters_sha256": parameters_digest(model),
     }
     write_summary(run_dir, summary)
-    try:
-        report.plot_curves(run_dir, x_key="round", title=f"{job.run.name} (Federated, {strat.aggregation.method})")
-    except Exception:  # noqa: BLE001 - a plot must never fail a finished run
-        pass
+    report.plot_curves(run_dir, x_key="round", title=f"{job.run.name} (Federated, {strat.aggregation.method})")
     return summary
