@@ -20,7 +20,9 @@ from paratrain.training import checkpoint, write_summary
 
 
 @register_coordinator("ensemble")
-def ensemble(job: JobConfig, config: Any) -> dict[str, Any]:
+def ensemble(job: JobConfig, config: Any, *, resume: bool = False) -> dict[str, Any]:
+    # ``resume`` (``paratrain run --resume``) continues each member from its checkpoint;
+    # the job arrives whole, so [train], [compression], ... are the coordinator's to use.
     members = int((config or {}).get("members", 3))
     if members < 1:
         raise ValueError(f"strategy.config.members must be >= 1 (got {members})")
@@ -34,7 +36,7 @@ def ensemble(job: JobConfig, config: Any) -> dict[str, Any]:
             "run": job.run.model_copy(update={"name": f"{job.run.name}/member{i}",
                                               "seed": job.run.seed + i}),
         })
-        summary = local.run(member_job, data=data)
+        summary = local.run(member_job, data=data, resume=resume)
         member_acc.append(summary["test_accuracy"])
         model = build_model(job.model, input_shape=data.input_shape, num_classes=data.num_classes)
         state = checkpoint.load_checkpoint(checkpoint.latest(f"{summary['run_dir']}/checkpoints"))

@@ -9,6 +9,7 @@ an unknown tag value is an error, every documented field is required. Fields we 
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any, ClassVar, TypeVar
 
@@ -19,7 +20,9 @@ from pydantic import (
     SerializationInfo,
     SerializerFunctionWrapHandler,
     ValidationError,
+    ValidatorFunctionWrapHandler,
     model_serializer,
+    model_validator,
 )
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "PositiveCount",
     "Fraction",
     "format_validation_error",
+    "unknown_keys",
 ]
 
 # usize in Rust: a non-negative JSON integer; floats, bools and strings are rejected.
@@ -95,11 +99,39 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> ConfigErr
     return ConfigError(problems)
 
 
+# id(instance) -> the keys its input carried that the contract ignores (serde leniency).
+# Kept outside the instance so equality and hashing (field values only) are unchanged;
+# an entry is dropped when its instance is garbage collected.
+_UNKNOWN: dict[int, tuple[str, ...]] = {}
+
+
+def unknown_keys(obj: object) -> tuple[str, ...]:
+    """The keys of the document ``obj`` was validated from that its contract ignored
+    (empty for an instance built in Python or copied)."""
+    return _UNKNOWN.get(id(obj), ())
+
+
 class Contract(BaseModel):
-    """Frozen, serde-like model; extension fields are dumped only when set."""
+    """Frozen, serde-like model; extension fields are dumped only when set.
+
+    Unknown keys are ignored (as serde does) but remembered: :func:`unknown_keys` lists
+    them, so ``paratrain validate`` can report them as ignored.
+    """
 
     model_config = ConfigDict(frozen=True, extra="ignore")
     _extensions: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_unknown_keys(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        obj = handler(data)
+        if isinstance(data, dict) and isinstance(obj, Contract):
+            unknown = tuple(str(k) for k in data if k not in cls.model_fields)
+            if unknown:
+                key = id(obj)
+                _UNKNOWN[key] = unknown
+                weakref.finalize(obj, _UNKNOWN.pop, key, None)
+        return obj
 
     @model_serializer(mode="wrap")
     def _drop_unset_extensions(

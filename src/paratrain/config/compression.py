@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, field_validator
 
 from ._base import Contract, Count, load_document, register_tags
 
@@ -23,10 +23,21 @@ class NoCompression(Contract):
 
 
 class TopK(Contract):
-    """Keep the ``k`` entries of largest magnitude per tensor (k >= n keeps all)."""
+    """Keep the ``k`` entries of largest magnitude per tensor (k >= n keeps all).
+
+    ``k = 0`` is an error: it would keep no entry, so nothing would ever be sent.
+    """
 
     method: Literal["TopK"] = "TopK"
     k: Count
+
+    @field_validator("k")
+    @classmethod
+    def _sends_something(cls, k: int) -> int:
+        if k == 0:
+            raise ValueError("k = 0 keeps no entry, so nothing would be sent; use k >= 1 "
+                             "(or method = \"None\" for no compression)")
+        return k
 
 
 class RandomK(Contract):

@@ -1,6 +1,10 @@
 """Custom: user coordinators registered by name (``@register_coordinator("name")``).
 
-A coordinator is ``fn(job: JobConfig, config: JSON) -> dict`` (the summary). A job whose
+A coordinator is ``fn(job: JobConfig, config: JSON) -> dict`` (the summary). It receives
+the whole job, so every section (``[compression]``, ``[tensor_parallel]``, ``[train]``,
+``[federated]``, ...) is the coordinator's to use. One that declares a ``resume`` keyword
+(``fn(job, config, *, resume=False)``, or ``**kwargs``) is told about ``--resume``; one
+without it is called as before (and ``--resume`` is reported as ignored). A job whose
 strategy is ``{"type":"Custom","coordinator":name,"config":...}`` runs it; modules listed
 in ``run.imports`` are imported first so their decorators register. An unknown name is
 an error listing the registered ones; there is no fallback to Local.
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import sys
 from collections.abc import Callable
@@ -19,9 +24,10 @@ from typing import Any
 from ..config import ConfigError
 from ..config.job import JobConfig
 
-__all__ = ["register_coordinator", "registered_coordinators", "import_plugins", "run"]
+__all__ = ["register_coordinator", "registered_coordinators", "coordinator", "accepts_resume",
+           "import_plugins", "run"]
 
-Coordinator = Callable[[JobConfig, Any], dict[str, Any]]
+Coordinator = Callable[..., dict[str, Any]]
 _REGISTRY: dict[str, Coordinator] = {}
 
 
@@ -39,6 +45,25 @@ def register_coordinator(name: str) -> Callable[[Coordinator], Coordinator]:
 
 def registered_coordinators() -> list[str]:
     return sorted(_REGISTRY)
+
+
+def coordinator(name: str) -> Coordinator | None:
+    """The coordinator registered as ``name`` (None if there is none)."""
+    return _REGISTRY.get(name)
+
+
+def accepts_resume(fn: Coordinator) -> bool:
+    """Whether ``fn`` takes a ``resume`` keyword (by name or through ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == "resume" and p.kind in (inspect.Parameter.KEYWORD_ONLY,
+                                               inspect.Parameter.POSITIONAL_OR_KEYWORD))
+        for p in params
+    )
 
 
 def import_plugins(refs: list[str], *, base: Path | None = None) -> None:
@@ -66,7 +91,11 @@ def import_plugins(refs: list[str], *, base: Path | None = None) -> None:
                 raise ConfigError([(field, f"cannot import {ref!r}: {e}")]) from None
 
 
-def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
+def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Call the job's coordinator while this process holds the job's run folder (a
+    fresh run clears it first, only with ``overwrite`` if it holds a previous run)."""
+    from ..training.rundir import RunFolder
+
     name = getattr(job.strategy, "coordinator", None)
     if name not in _REGISTRY:
         known = ", ".join(registered_coordinators()) or "none registered"
@@ -75,7 +104,10 @@ def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
         )
     # A coordinator receives a plain JSON copy: it cannot mutate the frozen job.
     config = json.loads(json.dumps(getattr(job.strategy, "config", None)))
-    summary = _REGISTRY[name](job, config)
+    fn = _REGISTRY[name]
+    with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
+        folder.prepare()
+        summary = fn(job, config, resume=resume) if accepts_resume(fn) else fn(job, config)
     if not isinstance(summary, dict):
         raise TypeError(f"coordinator {name!r} must return a dict summary (got {type(summary).__name__})")
     return summary

@@ -1,0 +1,353 @@
+"""What a job will actually run with, and what it sets that the run ignores.
+
+:func:`effective_settings` is the one place that knows which sections and fields each
+strategy reads. ``paratrain validate`` prints its ``ignored`` list as warnings and
+``paratrain run`` (:func:`paratrain.executors.execute`) warns once per run, so a setting
+that does nothing is never accepted silently. Only what the user set is reported
+(``model_fields_set``, recursively): defaults never produce a warning.
+
+What is ignored, by strategy (``Custom`` excepted: its coordinator receives the whole
+job, so every section is available to it and none is reported):
+
+- ``[compression]``: compresses a gradient or update exchange, so it is read by
+  DataParallel (its gradient exchange), Federated (client updates) and tensor parallelism
+  with DataParallel replicas; Local, ModelParallel and PopulationBased have nothing to
+  compress.
+- ``[tensor_parallel]``: read by Local/DataParallel with ``tensor_parallel_size > 1``;
+  size 1 runs no tensor parallelism, and ModelParallel/Federated/PopulationBased never do.
+  On a tensor-parallel run: ``BlockWise`` with a non-square size runs ``ColumnWise``;
+  a ``memory_optimization`` level that checkpoints the same segments as another level on
+  this model (and ``Extreme`` without an accelerator, whose offload does nothing) is
+  reported; so is ``fusion_threshold_bytes`` when the model has no attention (no q/k/v
+  fusion) and the layout reduces no gradients over the TP or DP group.
+- ``train.epochs``/``eval_every``/``max_steps``/``batch_size`` and ``run.checkpoint_every``:
+  Federated counts ``strategy.rounds`` of ``[federated]`` local training, evaluates and
+  checkpoints every round; PopulationBased budgets by generation (``[population]``) and
+  evaluates and checkpoints every generation.
+- ``[federated]`` outside Federated; ``[population]``/``[search_space]`` outside
+  PopulationBased.
+- ``--resume`` for a Custom coordinator that takes no ``resume`` keyword.
+- Krum ``num_malicious``/``to_keep`` beyond what the clients per round allow (the
+  aggregator clamps them; the effective values are given).
+- Keys inside ``[strategy]``/``[compression]``/``[tensor_parallel]`` that the contract
+  does not know (parsed leniently, serde style, and otherwise dropped).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from ._base import Contract, unknown_keys
+
+if TYPE_CHECKING:
+    from .job import JobConfig
+
+__all__ = ["Effective", "Ignored", "IgnoredSettingWarning", "effective_settings", "TPProbe", "probe_tp"]
+
+
+class IgnoredSettingWarning(UserWarning):
+    """A job sets something that the run will not use (or uses with another value)."""
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """``field`` (a job path such as ``strategy.aggregation.to_keep``) and why it is ignored."""
+
+    field: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.field} ignored: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Effective:
+    """The settings the run uses (``settings``) and the user's settings it ignores."""
+
+    settings: dict[str, Any]
+    ignored: list[Ignored] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TPProbe:
+    """The structure of a job's model once made tensor parallel (rank 0's view)."""
+
+    blocks: int  # checkpoint units (a block starts at a tensor-parallel unit)
+    attention: bool  # q/k/v projections whose input collective can be fused
+    tp_grad_sync: bool  # replicated parameters whose gradients are summed over TP
+    accelerator: bool  # saved-tensor offload (Extreme) has a device to free
+
+
+_LEVELS = ("None", "Low", "Medium", "High", "Extreme")
+
+
+def _set(model: BaseModel, name: str) -> bool:
+    return name in model.model_fields_set
+
+
+def _set_fields(model: BaseModel) -> list[str]:
+    return sorted(model.model_fields_set)
+
+
+def _unknown(obj: Any, path: str, out: list[Ignored]) -> None:
+    """Unknown keys of every contract model under ``obj`` with their full paths."""
+    if isinstance(obj, Contract):
+        known = ", ".join(type(obj).model_fields)
+        for key in unknown_keys(obj):
+            out.append(Ignored(f"{path}.{key}", f"unknown key, the contract ignores it "
+                                                f"(known keys here: {known})"))
+        for name in type(obj).model_fields:
+            _unknown(getattr(obj, name), f"{path}.{name}", out)
+    elif isinstance(obj, list | tuple):
+        for i, item in enumerate(obj):
+            _unknown(item, f"{path}[{i}]", out)
+
+
+def probe_tp(job: JobConfig) -> TPProbe | None:
+    """Build the job's model and shard it as rank 0 would, without processes (the same
+    construction as the tensor-parallel dry run). ``None`` when it cannot be built: the
+    layout error is reported by validation or the run itself."""
+    try:
+        import torch
+
+        from ..comm.tp_ops import TPComm, TPGroups
+        from ..data import load_data
+        from ..models import build_model
+        from ..tensor_parallel import TensorParallelModule
+        from ..tensor_parallel.layers import ParallelSelfAttention
+
+        cfg = job.tensor_parallel
+        assert cfg is not None
+        tp = cfg.tensor_parallel_size
+        bundle = load_data(job.data, seed=job.run.seed)
+        model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+        comm = TPComm(None, list(range(tp)), rank=0, pattern=cfg.communication_pattern.value)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tpm = TensorParallelModule(model, cfg, TPGroups(comm, None, tp, 1, 0))
+        device = job.run.device
+        accel = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+        return TPProbe(
+            blocks=len(tpm.blocks),
+            attention=any(isinstance(m, ParallelSelfAttention) for m in tpm.modules()),
+            tp_grad_sync=bool(tpm._sp_params),
+            accelerator=accel,
+        )
+    except Exception:  # noqa: BLE001 - any failure here is reported by the real checks
+        return None
+
+
+def _segment_blocks() -> dict[str, int]:
+    from ..tensor_parallel.memory import SEGMENT_BLOCKS
+
+    return dict(SEGMENT_BLOCKS)
+
+
+def _memory_equivalents(level: str, probe: TPProbe) -> tuple[list[str], str]:
+    """The other levels that run exactly as ``level`` on this model, and why."""
+    seg = _segment_blocks()
+
+    def effect(lv: str) -> tuple[int, bool]:
+        k = seg[lv]
+        return (min(k, probe.blocks) if k else 0, lv == "Extreme" and probe.accelerator)
+
+    same = [lv for lv in _LEVELS if lv != level and effect(lv) == effect(level)]
+    k = seg[level]
+    if k == 0:
+        why = "no activation checkpointing"
+    else:
+        n = min(k, probe.blocks)
+        why = (f"the model has {probe.blocks} checkpoint block(s), so {level} checkpoints "
+               f"segments of {n} block(s)")
+        if level == "Extreme" and not probe.accelerator:
+            why += "; its host offload does nothing without an accelerator"
+    return same, why
+
+
+def _clients_per_round(job: JobConfig) -> int | None:
+    s = job.strategy
+    sel = s.client_selection  # type: ignore[union-attr]
+    n = int(s.num_clients)  # type: ignore[union-attr]
+    if sel.method == "All":
+        return n
+    if sel.method == "Random":  # as executors.federated.selection.num_random
+        k = math.ceil(round(float(sel.fraction) * n, 9))
+        return min(n, max(1, k))
+    return None  # ByCapability: depends on tags and worker placement
+
+
+def effective_settings(
+    job: JobConfig, *, resume: bool = False, probe: bool = True
+) -> Effective:
+    """The job's effective settings and the list of set-but-ignored ones.
+
+    ``probe`` allows building the model (tensor-parallel jobs that set
+    ``memory_optimization`` or ``fusion_threshold_bytes`` only) to judge those two fields.
+    """
+    ignored: list[Ignored] = []
+    s = job.strategy
+    kind = str(s.type)
+    tp = job.tensor_parallel
+    tp_size = tp.tensor_parallel_size if tp is not None else 1
+    tp_active = tp is not None and tp_size > 1 and kind in ("Local", "DataParallel")
+    custom = kind == "Custom"
+    dp = int(getattr(s, "num_replicas", 1)) if kind == "DataParallel" else 1
+    settings: dict[str, Any] = {
+        "strategy": kind,
+        "executor": "TensorParallel" if tp_active else kind,
+        "resume": resume,
+    }
+
+    # ------------------------------------------------------------------ [compression]
+    comp = job.compression
+    comp_used = False
+    if comp is not None:
+        if kind in ("DataParallel", "Federated") or custom:
+            comp_used = True
+        elif kind == "Local" and tp_active:
+            # with one replica this is a ConfigError of the tensor-parallel layout
+            comp_used = comp.method != "None"
+        else:
+            why = {
+                "Local": "a Local run exchanges no gradients or updates, so there is nothing "
+                         "to compress",
+                "ModelParallel": "ModelParallel moves activations between stages and has no "
+                                 "gradient exchange to compress",
+                "PopulationBased": "population members train independently; nothing is "
+                                   "exchanged to compress",
+            }[kind]
+            ignored.append(Ignored("compression", why))
+    settings["compression"] = comp.model_dump(mode="json") if comp is not None and comp_used else None
+
+    # -------------------------------------------------------------- [tensor_parallel]
+    tp_settings: dict[str, Any] | None = None
+    if tp is not None and not custom:
+        if kind in ("ModelParallel", "Federated", "PopulationBased"):
+            ignored.append(Ignored("tensor_parallel", f"{kind} runs no tensor parallelism "
+                                   "(it combines with Local or DataParallel only)"))
+        elif tp_size == 1:
+            ignored.append(Ignored("tensor_parallel", "tensor_parallel_size = 1 runs no tensor "
+                                   f"parallelism: the job runs as plain {kind} and no "
+                                   "[tensor_parallel] key has an effect"))
+    if tp is not None and (tp_active or custom):
+        tp_settings = tp.model_dump(mode="json")
+    if tp is not None and tp_active:
+        assert tp_settings is not None
+        strat = tp.partitioning_strategy.value
+        if strat == "BlockWise" and math.isqrt(tp_size) ** 2 != tp_size:
+            tp_settings["partitioning_strategy"] = "ColumnWise"
+            ignored.append(Ignored(
+                "tensor_parallel.partitioning_strategy",
+                f"BlockWise needs a square tensor_parallel_size for its g x g grid and "
+                f"{tp_size} is not one, so it runs ColumnWise"))
+        wants_mem = _set(tp, "memory_optimization")
+        wants_fuse = _set(tp, "fusion_threshold_bytes") and tp.fusion_threshold_bytes > 0
+        info = probe_tp(job) if probe and (wants_mem or wants_fuse) else None
+        if info is not None and wants_mem:
+            level = tp.memory_optimization.value
+            same, why = _memory_equivalents(level, info)
+            if same:
+                ignored.append(Ignored(
+                    "tensor_parallel.memory_optimization",
+                    f"{level} has the same effect as {' / '.join(same)} on this model: {why}"))
+        if info is not None and wants_fuse:
+            dp_coalesced = dp > 1 and not comp_used  # a compressed DP exchange replaces it
+            if not (info.attention or info.tp_grad_sync or dp_coalesced):
+                ignored.append(Ignored(
+                    "tensor_parallel.fusion_threshold_bytes",
+                    "nothing to fuse: the model has no attention q/k/v projections and this "
+                    "layout reduces no gradients over the tensor- or data-parallel group"))
+    settings["tensor_parallel"] = tp_settings
+
+    # --------------------------------------------------- train/run budget and cadence
+    train, run = job.train, job.run
+    if kind in ("Federated", "PopulationBased"):
+        if kind == "Federated":
+            reasons = {
+                "train.epochs": "Federated runs strategy.rounds rounds of "
+                                "federated.local_epochs local epochs",
+                "train.eval_every": "the global model is evaluated after every round",
+                "train.max_steps": "the budget is strategy.rounds rounds",
+                "train.batch_size": "clients train with federated.batch_size",
+                "run.checkpoint_every": "Federated checkpoints after every round",
+            }
+        else:
+            reasons = {
+                "train.epochs": "a generation's budget is population.steps_per_generation or "
+                                "population.epochs_per_generation",
+                "train.eval_every": "members are evaluated at the end of every generation",
+                "train.max_steps": "the budget is strategy.generations generations of "
+                                   "population.steps_per_generation/epochs_per_generation",
+                "run.checkpoint_every": "member checkpoints are written every generation",
+            }
+        for path, why in reasons.items():
+            section, name = path.split(".")
+            if _set(train if section == "train" else run, name):
+                ignored.append(Ignored(path, why))
+        settings["train"] = None
+        settings["checkpoint_every"] = None
+    else:
+        settings["train"] = {"epochs": train.epochs, "eval_every": train.eval_every,
+                             "max_steps": train.max_steps, "batch_size": train.batch_size}
+        settings["checkpoint_every"] = run.checkpoint_every
+
+    # ------------------------------------- strategy-specific sections used elsewhere
+    if not custom:
+        for section, owner in (("federated", "Federated"), ("population", "PopulationBased"),
+                               ("search_space", "PopulationBased")):
+            if _set(job, section) and kind != owner:
+                value = getattr(job, section)
+                keys = sorted(value) if isinstance(value, dict) else _set_fields(value)
+                detail = f" (set: {', '.join(keys)})" if keys else ""
+                ignored.append(Ignored(section, f"only the {owner} strategy reads it{detail}"))
+    for section, owner in (("federated", "Federated"), ("population", "PopulationBased")):
+        settings[section] = (getattr(job, section).model_dump(mode="json")
+                             if kind == owner or custom else None)
+    settings["search_space"] = sorted(job.search_space) if kind == "PopulationBased" or custom else None
+
+    # ------------------------------------------------------------ Custom and resume
+    if custom and resume:
+        from ..executors.custom import accepts_resume, coordinator
+
+        fn = coordinator(str(getattr(s, "coordinator", "")))
+        if fn is not None and not accepts_resume(fn):
+            settings["resume"] = False
+            ignored.append(Ignored("--resume", f"coordinator {s.coordinator!r} takes no "  # type: ignore[union-attr]
+                                   "'resume' keyword, so it cannot resume; add "
+                                   "'*, resume: bool = False' to its signature"))
+
+    # ------------------------------------------------------------------------ Krum
+    if kind == "Federated" and s.aggregation.method == "Krum":  # type: ignore[union-attr]
+        agg = s.aggregation  # type: ignore[union-attr]
+        n = _clients_per_round(job)
+        if n is not None:
+            f, keep = int(agg.num_malicious), int(agg.to_keep)
+            f_eff = min(f, max(n - 3, 0))  # krum_scores: m = max(1, n - f - 2) neighbours
+            keep_eff = 1 if keep == 0 else min(keep, n)
+            settings["krum"] = {"clients_per_round": n, "num_malicious": f_eff,
+                                "to_keep": keep_eff}
+            if f_eff != f:
+                ignored.append(Ignored(
+                    "strategy.aggregation.num_malicious",
+                    f"{f} with {n} client(s) per round: each score sums over "
+                    f"max(1, n - f - 2) = {max(1, n - f_eff - 2) if n > 1 else 0} nearest "
+                    f"neighbour(s), as num_malicious = {f_eff} (effective value)"))
+            if keep_eff != keep and keep != 0:
+                ignored.append(Ignored(
+                    "strategy.aggregation.to_keep",
+                    f"{keep} with {n} client(s) per round keeps all {n} updates (effective "
+                    f"to_keep = {keep_eff}): a weighted average of every update, no Krum "
+                    "filtering"))
+
+    # --------------------------------------------------------------- unknown keys
+    _unknown(job.strategy, "strategy", ignored)
+    if job.compression is not None:
+        _unknown(job.compression, "compression", ignored)
+    if job.tensor_parallel is not None:
+        _unknown(job.tensor_parallel, "tensor_parallel", ignored)
+    return Effective(settings=settings, ignored=ignored)
