@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ._base import ConfigError, Count, PositiveCount, format_validation_error, register_tags
 from .compression import CompressionStrategy
@@ -58,10 +58,49 @@ class RunConfig(_Section):
     # register Custom coordinators or factories.
     imports: list[str] = []
 
+    @field_validator("name")
+    @classmethod
+    def _one_folder_name(cls, v: str) -> str:
+        """The run folder is ``output_dir/name``: ``name`` is one path component, so the
+        folder can never lie outside ``output_dir``."""
+        if not v or v in (".", "..") or "/" in v or "\\" in v or "\0" in v:
+            raise ValueError("must be one folder name inside run.output_dir (no '/', '\\', "
+                             f"'..', not empty; got {v!r})")
+        return v
+
+
+def _name_or_factory(section: str, data: Any) -> Any:
+    """A given ``factory`` means the default ``name`` is not set (TOML has no null)."""
+    if isinstance(data, dict) and data.get("factory") is not None and "name" not in data:
+        return {**data, "name": None}
+    return data
+
+
+def _one_of_name_factory(section: str, name: str | None, factory: str | None) -> None:
+    if name is not None and factory is not None:
+        raise ValueError(f"set exactly one of {section}.name or {section}.factory, not both "
+                         f"(got name = {name!r}, factory = {factory!r})")
+    if name is None and factory is None:
+        raise ValueError(f"set one of {section}.name (a built-in) or {section}.factory "
+                         "('module:function')")
+
 
 class ModelSpec(_OpenSection):
+    """A zoo ``name`` (default ``"mlp"``) or a user ``factory``; a factory replaces the
+    default name."""
+
     name: str | None = "mlp"
     factory: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _factory_drops_default_name(cls, data: Any) -> Any:
+        return _name_or_factory("model", data)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelSpec:
+        _one_of_name_factory("model", self.name, self.factory)
+        return self
 
 
 class PartitionSpec(_Section):
@@ -74,10 +113,23 @@ class PartitionSpec(_Section):
 
 
 class DataSpec(_OpenSection):
+    """A built-in dataset ``name`` (default ``"digits"``) or a user ``factory``; a
+    factory replaces the default name."""
+
     name: str | None = "digits"
     factory: str | None = None
     test_fraction: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.25
     partition: PartitionSpec = PartitionSpec()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _factory_drops_default_name(cls, data: Any) -> Any:
+        return _name_or_factory("data", data)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> DataSpec:
+        _one_of_name_factory("data", self.name, self.factory)
+        return self
 
 
 class OptimizerSpec(_OpenSection):
@@ -114,14 +166,6 @@ class FederatedOptions(_Section):
     batch_size: PositiveCount | None = 10
     # Tags per client id (``"client-3" = ["gpu"]``); clients also inherit their worker's tags.
     client_tags: dict[str, list[str]] = {}
-    # Client indices whose local training raises (fault injection for tests and demos).
-    fail_clients: list[int] = []
-    # Extensions (federated helper). Clients whose update is multiplied by
-    # ``byzantine_scale`` (robust-aggregation studies, e.g. -10 = "sign-flipped x10").
-    byzantine_clients: list[int] = []
-    byzantine_scale: float = -10.0
-    # Clients that send an update with a wrong shape (the server must reject it).
-    corrupt_clients: list[int] = []
     # Stop once the global model reaches this test accuracy (None = run every round).
     target_accuracy: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
 
@@ -133,8 +177,6 @@ class PopulationOptions(_Section):
     mode: Literal["max", "min"] = "max"
     # False = random search: the same population and budget without exploit/explore.
     evolve: bool = True
-    # Member indices whose training raises (fault injection for tests and demos).
-    fail_members: list[Annotated[int, Field(ge=0, strict=True)]] = []
     # Keep the member checkpoints of only the newest N generations (None = all).
     keep_generations: PositiveCount | None = None
 
@@ -210,58 +252,165 @@ class JobConfig(_Section):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
             raise ValueError(f"workers: duplicate worker id(s) {dup}")
-        if (self.model.name is None) == (self.model.factory is None):
-            raise ValueError("model: set exactly one of name or factory")
-        if (self.data.name is None) == (self.data.factory is None):
-            raise ValueError("data: set exactly one of name or factory")
+        # model/data: exactly one of name or factory is checked by ModelSpec/DataSpec
         return self
 
     def to_json_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
 
+# Hostile-input bounds (issue 13 item 6): a job file is small and shallow, so anything
+# bigger or deeper is refused with one line before it can cost time or memory.
+MAX_JOB_BYTES = 1 << 20  # 1 MiB
+MAX_JOB_DEPTH = 64  # tables/arrays inside one another (a real job file needs < 10)
+
+
+class _JobYamlError(yaml.YAMLError):
+    """A YAML construct a job file may not use (aliases, absurd nesting)."""
+
+
+class _JobYamlComposer(yaml.composer.Composer):
+    """A YAML composer that refuses aliases (``*name``: the "billion laughs" bomb
+    expands a few lines into 10^9 references) and nesting deeper than MAX_JOB_DEPTH,
+    both while composing, before any Python object is built."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise _JobYamlError(
+                f"YAML aliases are not allowed in job files (*{event.anchor} at line "
+                f"{event.start_mark.line + 1}); write the value out"
+            )
+        self._depth += 1
+        try:
+            if self._depth > MAX_JOB_DEPTH:
+                mark = self.peek_event().start_mark
+                raise _JobYamlError(f"nested deeper than {MAX_JOB_DEPTH} levels (line {mark.line + 1})")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+try:  # libyaml's event parser: about 5x faster than the pure-Python one on a 1 MiB file
+    from yaml.cyaml import CParser as _CParser
+except ImportError:  # pragma: no cover - PyYAML built without libyaml
+
+    class _JobYamlLoader(_JobYamlComposer, yaml.SafeLoader):
+        """``yaml.SafeLoader`` composed by :class:`_JobYamlComposer`."""
+
+else:
+
+    class _JobYamlLoader(  # type: ignore[no-redef]
+        _JobYamlComposer, _CParser, yaml.constructor.SafeConstructor, yaml.resolver.Resolver
+    ):
+        """``yaml.SafeLoader``'s constructor and resolver over libyaml's events,
+        composed by :class:`_JobYamlComposer`."""
+
+        def __init__(self, stream: str) -> None:
+            _CParser.__init__(self, stream)
+            yaml.composer.Composer.__init__(self)
+            yaml.constructor.SafeConstructor.__init__(self)
+            yaml.resolver.Resolver.__init__(self)
+
+
+def _depth_problem(doc: Any) -> str | None:
+    """A message when ``doc`` nests dicts/lists deeper than MAX_JOB_DEPTH (iterative:
+    TOML dotted keys and Python callers can build deep documents without recursion)."""
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    seen = 0
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JOB_DEPTH:
+            return f"document nested deeper than {MAX_JOB_DEPTH} levels"
+        seen += 1
+        if seen > 1_000_000:
+            return "document has more than 1,000,000 values"
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend((v, depth + 1) for v in node)
+    return None
+
+
 def parse_job_text(text: str, fmt: str) -> dict[str, Any]:
-    """Parse TOML/JSON/YAML text into a dict; raises ConfigError on syntax errors."""
+    """Parse TOML/JSON/YAML text into a dict; raises ConfigError on syntax errors and on
+    documents over MAX_JOB_BYTES, nested deeper than MAX_JOB_DEPTH or using YAML aliases."""
+    if len(text) > MAX_JOB_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_JOB_BYTES:
+        raise ConfigError([("<file>", f"job text is over the {MAX_JOB_BYTES // 1024} KiB limit "
+                                      f"for job files ({len(text)} characters)")])
     try:
         if fmt == "toml":
-            return tomllib.loads(text)
-        if fmt == "json":
+            doc: Any = tomllib.loads(text)
+        elif fmt == "json":
             doc = json.loads(text)
         elif fmt in ("yaml", "yml"):
-            doc = yaml.safe_load(text)
+            doc = yaml.load(text, Loader=_JobYamlLoader)  # noqa: S506 - a SafeLoader subclass
         else:
             raise ConfigError([("<file>", f"unknown job format {fmt!r}; valid: toml, json, yaml")])
+    except yaml.MarkedYAMLError as e:  # "while <context>" / "<problem>" on separate lines
+        what = "; ".join(str(x) for x in (e.context, e.problem) if x)
+        mark = e.problem_mark or e.context_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError([("<file>", _first_line(f"cannot parse {fmt}: {what}{where}"))]) from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError([("<file>", f"cannot parse {fmt}: {e}".splitlines()[0])]) from None
-    except (RecursionError, ValueError) as e:  # e.g. absurd nesting, bad numbers
-        raise ConfigError([("<file>", f"cannot parse {fmt}: {e}".splitlines()[0])]) from None
+        raise ConfigError([("<file>", _first_line(f"cannot parse {fmt}: {e}"))]) from None
+    except RecursionError:
+        raise ConfigError([("<file>", f"cannot parse {fmt}: document nested too deeply")]) from None
+    except (ValueError, TypeError, OverflowError, MemoryError) as e:  # e.g. bad numbers
+        raise ConfigError([("<file>", _first_line(f"cannot parse {fmt}: {e}"))]) from None
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
         raise ConfigError([("<root>", f"a job file must be a table/mapping (got {type(doc).__name__})")])
+    problem = _depth_problem(doc)
+    if problem is not None:
+        raise ConfigError([("<file>", problem)])
     return doc
 
 
+def _first_line(msg: str, limit: int = 300) -> str:
+    line = (msg.splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def load_job(source: str | Path | dict[str, Any]) -> JobConfig:
-    """Load and validate a job from a path (.toml/.json/.yaml/.yml) or a dict."""
+    """Load and validate a job from a path (.toml/.json/.yaml/.yml) or a dict.
+
+    Files over MAX_JOB_BYTES are refused from their size (stat) before being read."""
     if isinstance(source, dict):
         doc = source
+        problem = _depth_problem(doc)
+        if problem is not None:
+            raise ConfigError([("<root>", problem)])
     else:
         path = Path(source)
         fmt = path.suffix.lstrip(".").lower()
         try:
-            text = path.read_text(encoding="utf-8")
+            size = path.stat().st_size
+            if size > MAX_JOB_BYTES:
+                raise ConfigError([("<file>", f"{path} is {size / 2**20:.1f} MiB; job files are "
+                                              f"limited to {MAX_JOB_BYTES // 1024} KiB")])
+            with path.open("rb") as f:  # read at most one byte past the limit (it may grow)
+                raw = f.read(MAX_JOB_BYTES + 1)
+            text = raw.decode("utf-8")
         except FileNotFoundError:
             raise ConfigError([("<file>", f"job file not found: {path}")]) from None
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError([("<file>", f"cannot read {path}: {e}")]) from None
+            raise ConfigError([("<file>", _first_line(f"cannot read {path}: {e}"))]) from None
         doc = parse_job_text(text, fmt)
     try:
         return JobConfig.model_validate(doc)
     except ValidationError as e:
-        raise format_validation_error(e) from None
+        err = e
     except RecursionError:
         raise ConfigError([("<root>", "document nested too deeply")]) from None
+    try:
+        raised = format_validation_error(err)
+    except RecursionError:
+        raise ConfigError([("<root>", "document nested too deeply")]) from None
+    raise raised from None
 
 
 def job_schema() -> dict[str, Any]:
