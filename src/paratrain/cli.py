@@ -45,16 +45,30 @@ def _deep_validate(job: Any) -> None:
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    """Errors exit 2; settings the job sets but its run ignores are printed as
+    ``PATH: warning: FIELD ignored: REASON`` lines (stderr) and keep exit 0."""
+    from .config.effective import effective_settings
     from .config.job import load_job
+    from .executors.custom import import_plugins
 
     worst = EXIT_OK
     for path in args.jobs:
         try:
-            _deep_validate(load_job(path))
+            job = load_job(path)
+            # plugins register coordinators and factories that the checks look at
+            try:
+                import_plugins(job.run.imports, base=Path(path).resolve().parent)
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the job's own code: one line, no traceback
+                raise ConfigError([("run.imports", f"importing failed: {type(e).__name__}: {e}")]) from None
+            warnings = [f"{path}: warning: {item}" for item in effective_settings(job).ignored]
+            _deep_validate(job)
         except ConfigError as e:
             _print_problems(_problems(e, path))
             worst = EXIT_USAGE
         else:
+            _print_problems(warnings)
             if not args.quiet:
                 print(f"{path}: ok")
     return worst

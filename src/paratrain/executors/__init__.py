@@ -8,6 +8,8 @@ on dispatch so a strategy's dependencies load only when it runs.
 from __future__ import annotations
 
 import importlib
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +50,17 @@ def execute(
 ) -> dict[str, Any]:
     """Run ``job`` under its strategy and return the summary. Never falls back to Local.
 
-    ``job_dir`` (the job file's folder) anchors relative ``run.imports`` paths."""
+    ``job_dir`` (the job file's folder) anchors relative ``run.imports`` paths.
+    Settings the run ignores (:func:`paratrain.config.effective.effective_settings`) are
+    warned about once, by the launching process (rank 0 under torchrun)."""
     import_plugins(job.run.imports, base=job_dir)
-    module = importlib.import_module(executor_module(job))
+    module_name = executor_module(job)
+    if os.environ.get("RANK", "0") == "0":
+        from ..config.effective import IgnoredSettingWarning, effective_settings
+
+        for item in effective_settings(job, resume=resume).ignored:
+            warnings.warn(f"{item.field}: ignored: {item.reason}", IgnoredSettingWarning,
+                          stacklevel=2)
+    module = importlib.import_module(module_name)
     summary: dict[str, Any] = module.run(job, resume=resume)
     return summary
