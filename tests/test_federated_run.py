@@ -17,6 +17,7 @@ from paratrain.executors.federated.runner import KILL_ENV
 from paratrain.executors.federated.wire import decode_update, encode_update
 from paratrain.models import build_model
 from paratrain.training import parameters_digest, read_metrics, seed_everything
+from paratrain.training.faults import inject_faults
 
 DENSE_MODEL_BYTES = 4 * (64 * 64 + 64 + 64 * 10 + 10)
 
@@ -66,9 +67,9 @@ def test_wire_decoding_rejects_malformed_updates_naming_client_and_tensor() -> N
 
 
 def test_round_records_failures_rejections_bytes_and_residuals(tmp_path: Path) -> None:
-    job = fed_job(tmp_path, "faults", K=6, rounds=2, fail_clients=[1], corrupt_clients=[2],
-                  compression=TOPK_EF, local_epochs=1)
-    s = run_in_process(job)
+    job = fed_job(tmp_path, "faults", K=6, rounds=2, compression=TOPK_EF, local_epochs=1)
+    with inject_faults(fail_clients=[1], corrupt_clients=[2]):
+        s = run_in_process(job)
     recs = _rounds(s["run_dir"])
     assert [r["round"] for r in recs] == [1, 2]
     for r in recs:
@@ -88,9 +89,10 @@ def test_round_records_failures_rejections_bytes_and_residuals(tmp_path: Path) -
 
 
 def test_round_with_no_successful_client_keeps_the_model(tmp_path: Path) -> None:
-    job = fed_job(tmp_path, "nobody", K=2, rounds=2, fail_clients=[0, 1],
+    job = fed_job(tmp_path, "nobody", K=2, rounds=2,
                   agg={"method": "FedYogi", "beta1": 0.9, "beta2": 0.99, "tau": 1e-3})
-    s = run_in_process(job)
+    with inject_faults(fail_clients=[0, 1]):
+        s = run_in_process(job)
     seed_everything(0)
     init = build_model(job.model, input_shape=(64,), num_classes=10)
     assert s["parameters_sha256"] == parameters_digest(init)
@@ -131,8 +133,8 @@ def test_bycapability_selects_tagged_clients_and_errors_name_the_tags(tmp_path: 
     bad = fed_job(tmp_path, "caps2", K=4, rounds=1, sel={"method": "ByCapability", "required_tags": ["tpu"]})
     with pytest.raises(ConfigError, match=r"required_tags.*\['tpu'\]"):
         run_in_process(bad)
-    with pytest.raises(ConfigError, match="fail_clients"):
-        run_in_process(fed_job(tmp_path, "caps3", K=4, fail_clients=[4]))
+    with inject_faults(fail_clients=[4]), pytest.raises(ConfigError, match="PARATRAIN_FAULTS.fail_clients"):
+        run_in_process(fed_job(tmp_path, "caps3", K=4))
 
 
 # ------------------------------------------------------------------ real processes

@@ -15,6 +15,7 @@ import pytest
 
 from _workers_federated import fed_job
 from paratrain.executors.federated import run_in_process
+from paratrain.training.faults import inject_faults
 
 TARGET = 0.95
 
@@ -49,8 +50,8 @@ def test_two_shards_per_client_needs_more_rounds_than_iid(fedavg_iid_rounds: int
     assert rtt is None or rtt > fedavg_iid_rounds, (fedavg_iid_rounds, rtt)
 
 
-BYZ = dict(K=10, rounds=12, lr=0.3, local_epochs=2, batch_size=10, sel={"method": "All"},
-           byzantine_clients=[3, 7], byzantine_scale=-10.0)
+BYZ = dict(K=10, rounds=12, lr=0.3, local_epochs=2, batch_size=10, sel={"method": "All"})
+ATTACK = dict(byzantine_clients=[3, 7], byzantine_scale=-10.0)
 
 
 @pytest.mark.parametrize(
@@ -63,7 +64,8 @@ BYZ = dict(K=10, rounds=12, lr=0.3, local_epochs=2, batch_size=10, sel={"method"
     ],
 )
 def test_byzantine_clients_break_fedavg_not_robust_aggregators(agg: dict, robust: bool, tmp_path: Path) -> None:
-    s = run_in_process(fed_job(tmp_path, agg["method"], agg=agg, **BYZ))
+    with inject_faults(**ATTACK):
+        s = run_in_process(fed_job(tmp_path, agg["method"], agg=agg, **BYZ))
     if robust:
         assert s["test_accuracy"] > 0.90, s["test_accuracy"]
     else:
@@ -72,6 +74,6 @@ def test_byzantine_clients_break_fedavg_not_robust_aggregators(agg: dict, robust
 
 def test_fedavg_without_attackers_learns(tmp_path: Path) -> None:
     """Non-vacuity for the test above: FedAvg fails because of the attack, not the setup."""
-    kw = {**BYZ, "byzantine_clients": [], "rounds": 6}
+    kw = {**BYZ, "rounds": 6}
     s = run_in_process(fed_job(tmp_path, "clean", **kw))
     assert s["test_accuracy"] > 0.90, s["test_accuracy"]

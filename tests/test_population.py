@@ -16,6 +16,7 @@ from paratrain.executors import population
 from paratrain.executors.pbt_member import member_path, state_digest
 from paratrain.models import build_model
 from paratrain.training import build_optimizer, checkpoint
+from paratrain.training.faults import FAULTS_ENV
 
 
 def make_job(tmp_path: Path, name: str, **over: Any) -> JobConfig:
@@ -61,7 +62,7 @@ def file_digest(job: JobConfig, path: Path) -> str:
 
 
 @pytest.mark.slow
-def test_two_workers_exploit_byte_identical_and_failure_tolerated(tmp_path: Path) -> None:
+def test_two_workers_exploit_byte_identical_and_failure_tolerated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """2 worker processes via the elastic launcher; member 2 fails every generation and
     one worker process crashes once (elastic restart + resume).
 
@@ -73,8 +74,8 @@ def test_two_workers_exploit_byte_identical_and_failure_tolerated(tmp_path: Path
     crash = {"factory": "_workers_pbt:crashing_mlp", "name": None, "hidden": [32],
              "crash_when": str(tmp_path / "pbt2" / "checkpoints" / "population-000001.pt"),
              "crash_marker": str(tmp_path / "crashed")}
-    job = make_job(tmp_path, "pbt2", run__num_workers=2, run__max_restarts=1,
-                   population__fail_members=[2], model=crash)
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"fail_members": [2]}))  # inherited by workers
+    job = make_job(tmp_path, "pbt2", run__num_workers=2, run__max_restarts=1, model=crash)
     summary = population.run(job)
     # A worker died hard during generation 1; the elastic agent restarted the group,
     # which resumed from the generation-0 population checkpoint.
@@ -114,7 +115,7 @@ def test_two_workers_exploit_byte_identical_and_failure_tolerated(tmp_path: Path
 
     # Parity: the same job in one process, uninterrupted, gives the same lineage, digest
     # for digest (so neither the worker count nor the crash changed anything).
-    single = population.run(make_job(tmp_path, "pbt1", population__fail_members=[2], model=crash))
+    single = population.run(make_job(tmp_path, "pbt1", model=crash))
     for a, b in zip(gens, lineage(single)["generations"], strict=True):
         assert a["hparams"] == b["hparams"] and a["fitness"] == b["fitness"]
         assert a["digests"] == b["digests"] and a["copies"] == b["copies"]
@@ -150,8 +151,9 @@ def test_resume_continues_to_same_result(tmp_path: Path) -> None:
     assert lineage(other)["generations"][-1]["fitness"] != after["generations"][-1]["fitness"]
 
 
-def test_every_member_failing_is_an_error(tmp_path: Path) -> None:
-    job = make_job(tmp_path, "allfail", population__fail_members=[0, 1, 2, 3],
+def test_every_member_failing_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAULTS_ENV, json.dumps({"fail_members": [0, 1, 2, 3]}))
+    job = make_job(tmp_path, "allfail",
                    strategy={"type": "PopulationBased", "population_size": 4, "generations": 2,
                              "exploit": {"method": "Truncation", "fraction": 0.25},
                              "explore": {"method": "Resample"}})

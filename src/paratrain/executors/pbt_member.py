@@ -45,6 +45,7 @@ from ..models import build_model
 from ..models.zoo import MODELS, import_object
 from ..pbt.space import validate_space
 from ..training import build_optimizer, checkpoint, evaluate, train_step
+from ..training.faults import FAULTS_ENV, injected_faults
 
 __all__ = [
     "METRICS", "hyperparameter_roles", "validate_job", "member_path", "state_digest",
@@ -107,9 +108,9 @@ def validate_job(job: JobConfig) -> dict[str, str]:
     if job.population.metric not in METRICS:
         problems.append(("population.metric", f"unknown metric {job.population.metric!r}; valid: {', '.join(METRICS)}"))
     n = strategy.population_size  # type: ignore[union-attr]
-    bad = [i for i in job.population.fail_members if i >= n]
+    bad = sorted(i for i in injected_faults().fail_members if i >= n)
     if bad:
-        problems.append(("population.fail_members", f"member index {bad[0]} >= population_size {n}"))
+        problems.append((f"{FAULTS_ENV}.fail_members", f"member index {bad[0]} >= population_size {n}"))
     for name in sorted(job.search_space):  # every extreme value must build an optimizer
         if roles.get(name) != "optimizer":
             continue
@@ -311,13 +312,13 @@ class MemberRunner:
             steps = self.steps_for(n, bs)
             g = torch.Generator().manual_seed(seed_of(seed, member, generation))
             torch.manual_seed(seed_of(seed, member, generation, 1))  # dropout etc.
-            fail_at = steps // 2 if member in self.job.population.fail_members else -1
+            fail_at = steps // 2 if member in injected_faults().fail_members else -1
             losses: list[float] = []
             model.train()
             perm, pos = torch.randperm(n, generator=g), 0
             for step in range(steps):
                 if step == fail_at:
-                    raise RuntimeError(f"injected failure of member {member} (population.fail_members)")
+                    raise RuntimeError(f"injected failure of member {member} (PARATRAIN_FAULTS fail_members)")
                 if pos >= n:
                     perm, pos = torch.randperm(n, generator=g), 0
                 idx = perm[pos : pos + bs]

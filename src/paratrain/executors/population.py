@@ -22,8 +22,8 @@ generation, and the population's generator travels in its checkpoint.
 
 Options (``[population]``): the budget, ``metric``/``mode``, ``evolve = false`` (the same
 population and budget as independent runs: random search, the baseline PBT is measured
-against), ``keep_generations`` (prune older member checkpoints), ``fail_members`` (fault
-injection). A member that was not replaced continues from its state in memory, which is
+against), ``keep_generations`` (prune older member checkpoints). Failing members are injected from
+the environment, never the job (``PARATRAIN_FAULTS``, :mod:`paratrain.training.faults`). A member that was not replaced continues from its state in memory, which is
 byte-identical to its file; files are written on a background thread and flushed before
 a rank reports, so a population checkpoint never names a file that is not on disk.
 

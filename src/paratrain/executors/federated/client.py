@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from ...config.job import JobConfig
 from ...training import build_optimizer
+from ...training.faults import injected_faults
 from .aggregation import proximal_term
 from .wire import encode_update
 
@@ -131,10 +132,11 @@ class ClientHost:
             c: torch.from_numpy(partitions[c].astype(np.int64)) for c in self.hosted
         }
         self.mu = float(getattr(strat.aggregation, "mu", 0.0) or 0.0)
-        opts = job.federated
-        self.fail = set(opts.fail_clients)
-        self.byzantine = set(opts.byzantine_clients)
-        self.corrupt = set(opts.corrupt_clients)
+        faults = injected_faults()  # test/demo hook, never in the job (training.faults)
+        self.fail = set(faults.fail_clients)
+        self.byzantine = set(faults.byzantine_clients)
+        self.byzantine_scale = faults.byzantine_scale
+        self.corrupt = set(faults.corrupt_clients)
         self.codec_state: dict[int, dict[str, Any]] = {}
         self.trained = 0
 
@@ -151,7 +153,7 @@ class ClientHost:
         n = int(idx.numel())
         try:
             if client in self.fail:
-                raise RuntimeError(f"injected failure in {client_name(client)} ([federated] fail_clients)")
+                raise RuntimeError(f"injected failure in {client_name(client)} (PARATRAIN_FAULTS fail_clients)")
             if n == 0:
                 raise RuntimeError(f"{client_name(client)} has no training examples")
             self._load(global_state)
@@ -170,7 +172,7 @@ class ClientHost:
                 for k, g in global_state.items()
             }
             if client in self.byzantine:
-                delta = {k: v * float(opts.byzantine_scale) for k, v in delta.items()}
+                delta = {k: v * self.byzantine_scale for k, v in delta.items()}
             if client in self.corrupt:
                 first = next(iter(delta))
                 delta[first] = delta[first].reshape(-1)[:-1].clone()

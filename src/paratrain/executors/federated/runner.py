@@ -58,6 +58,7 @@ from ...training import (
     write_summary,
 )
 from ...training.rundir import run_dir_of
+from ...training.faults import FAULTS_ENV, injected_faults
 from .client import ClientHost, client_name
 from .selection import select_clients
 from .server import FederatedServer
@@ -75,9 +76,10 @@ def check_job(job: JobConfig, *, world_size: int) -> None:
     k = strat.num_clients
     problems: list[tuple[str, str]] = []
     for field in ("fail_clients", "byzantine_clients", "corrupt_clients"):
-        bad = [c for c in getattr(job.federated, field) if not 0 <= c < k]
+    faults = injected_faults()
+        bad = sorted(c for c in getattr(faults, field) if not 0 <= c < k)
         if bad:
-            problems.append((f"federated.{field}", f"client indices {bad} outside [0, {k})"))
+            problems.append((f"{FAULTS_ENV}.{field}", f"client indices {bad} outside [0, {k})"))
     for name in job.federated.client_tags:
         c = name.removeprefix("client-")
         if not name.startswith("client-") or not c.isdigit() or int(c) >= k:

@@ -1,0 +1,54 @@
+"""Fault injection lives outside the job schema (PARATRAIN_FAULTS), and bad values name the key."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paratrain.config import ConfigError
+from paratrain.config.job import load_job
+from paratrain.training.faults import (
+    FAULTS_ENV,
+    Faults,
+    inject_faults,
+    injected_faults,
+    parse_faults,
+)
+
+
+def test_job_schema_has_no_fault_knobs() -> None:
+    for section, key in [("federated", "fail_clients"), ("federated", "byzantine_clients"),
+                         ("federated", "corrupt_clients"), ("population", "fail_members")]:
+        with pytest.raises(ConfigError, match=f"{section}.{key}"):
+            load_job({section: {key: [0]}})
+
+
+def test_inject_faults_sets_and_restores_the_environment() -> None:
+    assert FAULTS_ENV not in os.environ
+    with inject_faults(fail_clients=[1], byzantine_clients=[2], byzantine_scale=-3):
+        f = injected_faults()
+        assert f.fail_clients == {1} and f.byzantine_clients == {2} and f.byzantine_scale == -3.0
+    assert FAULTS_ENV not in os.environ and injected_faults() == Faults()
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ("[1]", "PARATRAIN_FAULTS"), ("{", "PARATRAIN_FAULTS"), ('{"fail_client": [1]}', "fail_client"),
+    ('{"fail_clients": [-1]}', "fail_clients"), ('{"fail_clients": [true]}', "fail_clients"),
+    ('{"byzantine_scale": "x"}', "byzantine_scale"),
+])
+def test_bad_values_name_the_key(text: str, field: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_faults(text)
+    assert any(field in p for p, _ in e.value.problems)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=60))
+def test_parse_never_raises_anything_but_config_error(text: str) -> None:
+    try:
+        parse_faults(text)
+    except ConfigError:
+        pass
