@@ -11,7 +11,9 @@ of the job file (:mod:`paratrain.config.job`):
 Perturbation follows Jaderberg et al. 2017, "Population Based Training of Neural
 Networks" (arXiv:1711.09846), §4: a numeric value is multiplied by a factor drawn
 uniformly from ``[1 − f, 1 + f]`` and clamped to its range; an integer is rounded back
-to an integer; a categorical value moves to a neighbouring value in its list.
+to an integer, and moves by at least one unit (up or down with the factor's sign) when
+rounding would give the same integer back; a categorical value moves to a neighbouring
+value in its list.
 
 Every random draw comes from the ``torch.Generator`` passed in, so the same generator
 state gives the same values (the population's own generator, see
@@ -80,7 +82,11 @@ def perturb_dim(dim: Dim, value: Any, factor: float, gen: torch.Generator) -> An
     """Jaderberg et al. perturbation of one value.
 
     Numeric: ``clamp(value · (1 + (2u − 1)·factor), low, high)`` with ``u ~ U[0,1)``;
-    ``int`` dims are rounded half-up and stay ``int``. ``choice``: index ``k`` moves to
+    ``int`` dims are rounded half-up and stay ``int``; when ``factor > 0`` and rounding
+    gives back the same integer (small values: ``1 · 1.2`` rounds to 1), the value
+    moves by one unit instead, up when ``u ≥ 0.5`` and down otherwise, then is
+    clamped — so every integer of a range stays reachable. Same single draw as for
+    floats, whose behaviour is unchanged; ``factor = 0`` leaves every value put. ``choice``: index ``k`` moves to
     ``k − 1`` or ``k + 1`` with equal probability (the only neighbour at either end; a
     one-value list stays put). A value not in the choice list is redrawn.
     """
@@ -97,9 +103,15 @@ def perturb_dim(dim: Dim, value: Any, factor: float, gen: torch.Generator) -> An
         if k == n - 1:
             return dim.values[n - 2]
         return dim.values[k - 1 if randint(2, gen) == 0 else k + 1]
-    scale = 1.0 + (2.0 * uniform01(gen) - 1.0) * factor
+    u = uniform01(gen)
+    scale = 1.0 + (2.0 * u - 1.0) * factor
     if isinstance(dim, IntDim):
-        return int(_clamp(math.floor(float(value) * scale + 0.5), dim.low, dim.high))
+        moved = math.floor(float(value) * scale + 0.5)
+        if factor > 0.0 and moved == value:
+            # value·factor < 0.5 (1, 2 with f = 0.2): rounding would undo every
+            # perturbation; step one unit in the direction the factor was drawn.
+            moved = int(value) + (1 if u >= 0.5 else -1)
+        return int(_clamp(moved, dim.low, dim.high))
     return _clamp(float(value) * scale, dim.low, dim.high)
 
 

@@ -20,7 +20,26 @@ from torch import Tensor
 from ._common import Update, apply_step, stack_key
 from .fedavg import fedavg_step
 
-__all__ = ["krum_scores", "krum_select", "KrumAggregator"]
+__all__ = ["pairwise_squared_distances", "krum_scores", "krum_select", "KrumAggregator"]
+
+
+def pairwise_squared_distances(x: Tensor) -> Tensor:
+    """``d2[i, j] = Σ_k (x[i, k] − x[j, k])²`` for the rows of ``x`` (float64).
+
+    Squared distances are summed directly — never a square root squared back
+    (``sqrt(d)² ≠ d`` in floating point, which would break exact ties in either
+    direction) nor the ``‖a‖² + ‖b‖² − 2ab`` matmul shortcut. Only the upper
+    triangle is computed and mirrored, so ``d2`` is exactly symmetric; for
+    integer-valued updates (below 2**53 after squaring) every entry is exact.
+    Memory is one ``(n, d)`` temporary per row, not ``(n, n, d)``.
+    """
+    n = x.shape[0]
+    d2 = torch.zeros(n, n, dtype=x.dtype)
+    for i in range(n - 1):
+        row = (x[i + 1 :] - x[i]).square().sum(dim=1)
+        d2[i, i + 1 :] = row
+        d2[i + 1 :, i] = row
+    return d2
 
 
 def krum_scores(vectors: Tensor, num_malicious: int) -> Tensor:
@@ -29,8 +48,7 @@ def krum_scores(vectors: Tensor, num_malicious: int) -> Tensor:
     if n == 0:
         raise ValueError("Krum over zero updates")
     x = vectors.to(torch.float64)
-    # Exact pairwise distances: cdist's matmul shortcut loses precision and breaks ties.
-    d2 = torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist") ** 2
+    d2 = pairwise_squared_distances(x)
     m = max(1, n - num_malicious - 2)
     m = min(m, n - 1)
     if m == 0:

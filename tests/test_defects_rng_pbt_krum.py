@@ -1,0 +1,120 @@
+"""Regression tests for issue 12, defects 6 (Krum ties), 5 (PBT small integers) and
+2 (compressed DDP hook repeats a random draw after resume)."""
+
+from __future__ import annotations
+
+import torch
+
+from paratrain.config.job import IntDim, UniformDim
+from paratrain.config.strategy import Perturbation
+from paratrain.executors.federated.aggregation import krum_select
+from paratrain.executors.federated.aggregation.krum import (
+    krum_scores,
+    pairwise_squared_distances,
+)
+from paratrain.pbt import explore, perturb_dim
+
+# ------------------------------------------------------------------ defect 6: Krum ties
+
+# Integer updates, n = 5, f = 0 -> m = 3 nearest. Exact scores: [70, 60, 96, 70, 60]:
+# clients 1 and 4 tie at 60, so Krum must pick 1 (lowest index). With distances taken
+# through a square root and squared back, client 4's score rounds below client 1's.
+TIE = torch.tensor(
+    [[3.0, 2.0, -3.0], [1.0, 2.0, 2.0], [3.0, -3.0, 2.0], [1.0, 2.0, -3.0], [3.0, 1.0, 3.0]],
+    dtype=torch.float64,
+)
+
+
+def _sqrt_then_square_select(x: torch.Tensor, f: int) -> int:
+    """The old scoring: cdist (a square root) then ``** 2``."""
+    n = x.shape[0]
+    d2 = torch.cdist(x, x, compute_mode="donot_use_mm_for_euclid_dist") ** 2
+    d2 = d2.masked_fill(torch.eye(n, dtype=torch.bool), float("inf"))
+    m = min(max(1, n - f - 2), n - 1)
+    s = torch.sort(d2, dim=1).values[:, :m].sum(1)
+    return int(torch.sort(s, stable=True).indices[0])
+
+
+def test_the_tie_case_really_breaks_sqrt_then_square() -> None:
+    # the premise of the next test: the old computation picks client 4
+    assert _sqrt_then_square_select(TIE, 0) == 4
+
+
+def test_krum_exact_tie_goes_to_lowest_index() -> None:
+    assert krum_scores(TIE, 0).tolist() == [70.0, 60.0, 96.0, 70.0, 60.0]
+    assert krum_select(TIE, num_malicious=0, to_keep=0) == [1]
+    assert krum_select(TIE, num_malicious=0, to_keep=2) == [1, 4]
+    # float32 input gives the same exact answer
+    assert krum_select(TIE.float(), num_malicious=0, to_keep=0) == [1]
+
+
+def test_pairwise_squared_distances_exact_and_symmetric() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-50, 50, (9, 17), generator=g).to(torch.float64)
+    d2 = pairwise_squared_distances(x)
+    ref = ((x[:, None, :] - x[None, :, :]) ** 2).sum(-1)
+    assert torch.equal(d2, ref)
+    assert torch.equal(d2, d2.T)
+    assert torch.equal(d2.diagonal(), torch.zeros(9, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------ defect 5: PBT ints
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_small_ints_move_by_at_least_one_when_perturbed() -> None:
+    dim = IntDim(low=1, high=4)
+    g = _gen(0)
+    for v in (1, 2, 3, 4):
+        got = {perturb_dim(dim, v, 0.2, g) for _ in range(60)}
+        expected = {max(v - 1, 1), min(v + 1, 4)}
+        assert got == expected, (v, got)
+
+
+def test_every_value_of_a_small_int_range_is_reachable_from_low() -> None:
+    dim = IntDim(low=1, high=4)
+    g = _gen(1)
+    v, seen = 1, {1}
+    for _ in range(200):
+        v = perturb_dim(dim, v, 0.2, g)
+        assert 1 <= v <= 4 and type(v) is int
+        seen.add(v)
+    assert seen == {1, 2, 3, 4}
+
+
+def test_int_reachability_through_explore() -> None:
+    space = {"layers": IntDim(low=1, high=4)}
+    g = _gen(2)
+    h: dict[str, object] = {"layers": 1}
+    seen = {1}
+    for _ in range(200):
+        h = explore(h, space, Perturbation(factor=0.2), g)
+        seen.add(int(h["layers"]))  # type: ignore[call-overload]
+    assert seen == {1, 2, 3, 4}
+
+
+def test_factor_zero_and_floats_unchanged() -> None:
+    g = _gen(3)
+    assert all(perturb_dim(IntDim(low=1, high=4), 2, 0.0, g) == 2 for _ in range(20))
+    # floats: the same single draw and formula as before (value * (1 + (2u - 1) f))
+    dim = UniformDim(low=0.0, high=100.0)
+    g1, g2 = _gen(4), _gen(4)
+    for _ in range(50):
+        u = float(torch.rand((), generator=g2, dtype=torch.float64))
+        assert perturb_dim(dim, 10.0, 0.2, g1) == min(max(10.0 * (1 + (2 * u - 1) * 0.2), 0.0), 100.0)
+    # and an int perturbation consumes exactly one draw, like a float one
+    g1, g2 = _gen(5), _gen(5)
+    perturb_dim(IntDim(low=1, high=4), 1, 0.2, g1)
+    perturb_dim(dim, 1.0, 0.2, g2)
+    assert torch.equal(g1.get_state(), g2.get_state())
+
+
+def test_large_ints_still_scale_multiplicatively() -> None:
+    dim = IntDim(low=1, high=1000)
+    g = _gen(6)
+    vals = [perturb_dim(dim, 100, 0.2, g) for _ in range(300)]
+    assert min(vals) >= 80 and max(vals) <= 120
+    assert min(vals) <= 82 and max(vals) >= 118
