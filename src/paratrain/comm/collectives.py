@@ -10,6 +10,11 @@ messages amortise the per-collective latency; the result is the element-wise mea
 
     g_i  <-  (1/n) * sum_r g_i^(r)        for every tensor i.
 
+Which parameters some rank used (:func:`used_mask`, DDP's ``find_unused_parameters``
+rule): one small MAX all-reduce of one flag per parameter. A parameter no rank produced
+a gradient for keeps ``grad = None`` (the optimizer skips it: no momentum, no weight
+decay); one that some rank used is averaged, ranks that did not use it adding zeros.
+
 Variable-size all-gather: sizes first (one int64 all-gather), then payloads padded to
 the largest size, trimmed on arrival; used for compressed (sparse) gradients whose byte
 length differs between ranks.
@@ -42,6 +47,15 @@ __all__ = [
     "recv_bytes",
     "send_tensor",
     "recv_tensor",
+    "send_to_many",
+    "recv_sum_",
+    "exchange_bytes",
+    "rank_of",
+    "barrier",
+    "broadcast_",
+    "all_reduce_",
+    "used_mask",
+    "start_used_mask",
     "reduce_scatter",
     "all_gather_into_tensor",
     "broadcast_tensors",
@@ -93,6 +107,60 @@ def comm_device(group: Any = None) -> torch.device:
 
 def world_size(group: Any = None) -> int:
     return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def rank_of(group: Any = None) -> int:
+    """This process's rank in ``group`` (0 when torch.distributed is not initialised)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def barrier(group: Any = None) -> None:
+    """Wait for every rank of ``group`` (no-op for one process)."""
+    if world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def broadcast_(tensor: torch.Tensor, *, src: int = 0, group: Any = None,
+               counter: CommCounter | None = None) -> torch.Tensor:
+    """In place: ``tensor`` becomes ``src``'s (no-op for one process); returns it."""
+    if world_size(group) > 1:
+        _count(counter, "broadcast", _nbytes(tensor))
+        dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+def all_reduce_(tensor: torch.Tensor, *, group: Any = None, op: str = "sum",
+                counter: CommCounter | None = None) -> torch.Tensor:
+    """In place: the element-wise ``op`` (``sum`` | ``max`` | ``min``) over the ranks."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in ops:
+        raise ValueError(f"all_reduce_: unknown op {op!r}; valid: {', '.join(ops)}")
+    if world_size(group) > 1:
+        _count(counter, "all_reduce", _nbytes(tensor))
+        dist.all_reduce(tensor, op=ops[op], group=group)
+    return tensor
+
+
+def start_used_mask(
+    local: Sequence[bool], *, group: Any = None, counter: CommCounter | None = None,
+) -> Any:
+    """Launch :func:`used_mask` asynchronously; call the result to get the flags."""
+    flags = torch.tensor([1 if u else 0 for u in local], dtype=torch.uint8, device=comm_device(group))
+    if world_size(group) == 1 or flags.numel() == 0:
+        return lambda: [bool(u) for u in local]
+    _count(counter, "used_mask", _nbytes(flags))
+    work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def wait() -> list[bool]:
+        work.wait()
+        return [bool(v) for v in flags.tolist()]
+
+    return wait
+
+
+def used_mask(local: Sequence[bool], *, group: Any = None, counter: CommCounter | None = None) -> list[bool]:
+    """For each entry, whether any rank of ``group`` passed True (one uint8 MAX all-reduce)."""
+    return list(start_used_mask(local, group=group, counter=counter)())
 
 
 def bucket_bytes_of(bucket_size_mb: float) -> int:
@@ -246,34 +314,115 @@ def recv_tensor(
 
 
 def send_bytes(data: bytes | torch.Tensor, *, dst: int, group: Any = None,
-               counter: CommCounter | None = None) -> None:
-    """Send a byte string: an int64 length header, then the uint8 payload."""
+               counter: CommCounter | None = None, header: bool = True) -> None:
+    """Send a byte string (``bytes`` or a tensor, sent as its raw bytes) to ``dst``.
+
+    ``header=True``: an int64 length header, then the uint8 payload (receive with
+    :func:`recv_bytes`). ``header=False``: the payload alone, for a receiver that learnt
+    the length another way (a control message) and passes ``recv_bytes(nbytes=...)``.
+    An empty payload sends only the header (nothing at all without one).
+    """
     dev = comm_device(group)
     if isinstance(data, bytes | bytearray):
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     else:
         payload = data.reshape(-1).view(torch.uint8) if data.dtype != torch.uint8 else data.reshape(-1)
     payload = payload.to(dev)
-    header = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
-    dist.send(header, dst=dst, group=group)
+    if header:
+        dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=dev), dst=dst, group=group)
     if payload.numel():
         dist.send(payload.contiguous(), dst=dst, group=group)
-    _count(counter, "send", 8 + payload.numel())
+    _count(counter, "send", (8 if header else 0) + payload.numel())
 
 
-def recv_bytes(*, src: int, group: Any = None, max_bytes: int = 1 << 32) -> bytes:
-    """Receive what :func:`send_bytes` sent; a length above ``max_bytes`` is an error."""
+def recv_bytes(*, src: int, group: Any = None, max_bytes: int = 1 << 32, nbytes: int | None = None) -> bytes:
+    """Receive what :func:`send_bytes` sent; a length above ``max_bytes`` is an error.
+
+    ``nbytes`` given: the sender used ``header=False`` and this many bytes follow.
+    """
     dev = comm_device(group)
-    header = torch.empty(1, dtype=torch.int64, device=dev)
-    dist.recv(header, src=src, group=group)
-    n = int(header.item())
-    if not 0 <= n <= max_bytes:
-        raise ValueError(f"recv_bytes: peer {src} announced {n} bytes (limit {max_bytes})")
-    if n == 0:
+    if nbytes is None:
+        head = torch.empty(1, dtype=torch.int64, device=dev)
+        dist.recv(head, src=src, group=group)
+        nbytes = int(head.item())
+    if not 0 <= nbytes <= max_bytes:
+        raise ValueError(f"recv_bytes: peer {src} announced {nbytes} bytes (limit {max_bytes})")
+    if nbytes == 0:
         return b""
-    buf = torch.empty(n, dtype=torch.uint8, device=dev)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dist.recv(buf, src=src, group=group)
     return bytes(buf.cpu().numpy().tobytes())
+
+
+def _peer(group: Any, j: int) -> int:
+    """The global rank of ``group``'s rank ``j`` (point-to-point ops address global ranks)."""
+    return dist.get_global_rank(group, j) if group is not None else j
+
+
+def send_to_many(t: torch.Tensor, *, dsts: Iterable[int], group: Any = None,
+                 counter: CommCounter | None = None) -> None:
+    """Send ``t`` to every rank of ``group`` in ``dsts`` at once (asynchronous sends, then wait)."""
+    t = t.contiguous()
+    works = [(d, dist.isend(t, dst=_peer(group, d), group=group)) for d in dsts]
+    for _, w in works:
+        if w is not None:
+            w.wait()
+    _count(counter, "send", len(works) * _nbytes(t))
+
+
+def recv_sum_(total: torch.Tensor, *, srcs: Iterable[int], group: Any = None) -> int:
+    """``total += t_s`` for a tensor of ``total``'s shape from each rank ``s`` in ``srcs``.
+
+    All receives are posted at once; they are added in the order of ``srcs`` (so the
+    sum is the same whatever order they arrive in). Returns the bytes received.
+    """
+    bufs = [(s, torch.empty_like(total)) for s in srcs]
+    works = [dist.irecv(b, src=_peer(group, s), group=group) for s, b in bufs]
+    for w, (_, b) in zip(works, bufs, strict=True):
+        if w is not None:
+            w.wait()
+        total.add_(b)
+    return len(bufs) * _nbytes(total)
+
+
+def exchange_bytes(payload: torch.Tensor, *, peers: Sequence[int], group: Any = None,
+                   max_bytes: int = 1 << 32) -> dict[int, bytes]:
+    """Send the uint8 ``payload`` to every rank in ``peers`` and receive theirs.
+
+    Every peer must call it with this rank among its ``peers``. Lengths travel first
+    (int64, checked against ``max_bytes`` before anything is allocated), then the
+    payloads, each round as one batch of point-to-point operations.
+    """
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise TypeError("exchange_bytes expects a 1-d uint8 tensor")
+    if not peers:
+        return {}
+    dev = comm_device(group)
+    wire = payload.to(dev)
+    length = torch.tensor([wire.numel()], dtype=torch.int64, device=dev)
+    lens = {j: torch.empty(1, dtype=torch.int64, device=dev) for j in peers}
+    ops = []
+    for j in peers:
+        ops += [dist.P2POp(dist.isend, length, _peer(group, j), group=group),
+                dist.P2POp(dist.irecv, lens[j], _peer(group, j), group=group)]
+    for wk in dist.batch_isend_irecv(ops):
+        wk.wait()
+    bufs = {}
+    for j in peers:
+        k = int(lens[j].item())
+        if not 0 <= k <= max_bytes:
+            raise ValueError(f"exchange_bytes: peer {j} announced {k} bytes (limit {max_bytes})")
+        bufs[j] = torch.empty(k, dtype=torch.uint8, device=dev)
+    ops = []
+    for j in peers:
+        if wire.numel():
+            ops.append(dist.P2POp(dist.isend, wire, _peer(group, j), group=group))
+        if bufs[j].numel():
+            ops.append(dist.P2POp(dist.irecv, bufs[j], _peer(group, j), group=group))
+    if ops:
+        for wk in dist.batch_isend_irecv(ops):
+            wk.wait()
+    return {j: bytes(b.cpu().numpy().tobytes()) for j, b in bufs.items()}
 
 
 def _backend(group: Any) -> str:
@@ -427,7 +576,9 @@ class GradReducer:
     computing earlier layers. :meth:`finish` launches any bucket whose parameters got no
     gradient (zeros), waits, divides by the world size and writes the means back into
     ``p.grad``. Result: ``p.grad <- (1/n) sum_r p.grad^(r)``, identical to
-    :func:`all_reduce_buckets`. ``grad_views=True`` leaves each ``p.grad`` as a view of
+    :func:`all_reduce_buckets`, for every parameter some rank used; a parameter no rank
+    used this step gets ``p.grad = None`` (:func:`used_mask`, as DDP with
+    ``find_unused_parameters=True``). ``grad_views=True`` leaves each ``p.grad`` as a view of
     its bucket (DDP's ``gradient_as_bucket_view``): zeroing gradients in place
     (``zero_grad(set_to_none=False)``) then saves both copies per step.
     """
@@ -487,6 +638,9 @@ class GradReducer:
         """Complete the reduction of this step; ``p.grad`` holds the mean over ranks."""
         if self.n == 1:
             return
+        # Which parameters some rank used, travelling with the last buckets.
+        used_of = start_used_mask([id(p) in self._seen for p in self.params], group=self.group,
+                                  counter=self.counter)
         for b, members in enumerate(self.buckets):
             if self._work[b] is None:
                 # Some parameters produced no gradient (unused this step): their share is 0.
@@ -496,6 +650,7 @@ class GradReducer:
                         self._flat[b][offset : offset + p.numel()].zero_()
                     offset += p.numel()
                 self._launch(b)
+        used = {id(p) for p, u in zip(self.params, used_of(), strict=True) if u}
         for b, members in enumerate(self.buckets):
             self._work[b].wait()
             flat = self._flat[b].div_(self.n)
@@ -503,7 +658,10 @@ class GradReducer:
             for p in members:
                 k = p.numel()
                 view = flat[offset : offset + k].view_as(p)
-                if self.grad_views:
+                if id(p) not in used:
+                    # No rank produced a gradient: none it is (the optimizer skips it).
+                    p.grad = None
+                elif self.grad_views:
                     # p.grad becomes a view of the bucket: with zero_grad(set_to_none=False)
                     # autograd accumulates straight into the bucket next step (no copies),
                     # as DDP's gradient_as_bucket_view.

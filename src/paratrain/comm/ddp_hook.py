@@ -61,9 +61,11 @@ class _Pending:
     """A launched exchange: the collective's work handle (None when nothing is in
     flight) and the function that turns the received buffers into the means."""
 
-    def __init__(self, work: Any, finish: Finish) -> None:
+    def __init__(self, work: Any, finish: Finish, nbytes: int = 0, op: str = "all_reduce") -> None:
         self.work = work
         self.finish = finish
+        self.nbytes = nbytes  # what this rank put on the wire (0 alone)
+        self.op = op
 
     def wait(self) -> list[torch.Tensor]:
         if self.work is not None:
@@ -91,7 +93,7 @@ def _launch_dense(compressor: Compressor, named: Named, group: Any, world: int) 
     dense = [compressor.roundtrip(k, t).reshape(-1) for k, t in named]
     flat = torch.cat([d.to(_acc_dtype(d.dtype)) for d in dense])
     work = dist.all_reduce(flat, group=group, async_op=True) if world > 1 else None
-    return _Pending(work, lambda: _split_mean(flat, named, world))
+    return _Pending(work, lambda: _split_mean(flat, named, world), _wire(world, flat))
 
 
 def _launch_randomk(compressor: Compressor, named: Named, group: Any, world: int) -> _Pending:
@@ -109,7 +111,7 @@ def _launch_randomk(compressor: Compressor, named: Named, group: Any, world: int
             out.append(dense.div_(world).to(t.dtype).reshape(t.shape))
         return out
 
-    return _Pending(work, finish)
+    return _Pending(work, finish, _wire(world, vals))
 
 
 def _launch_topk(compressor: Compressor, named: Named, group: Any, world: int) -> _Pending:
@@ -144,7 +146,7 @@ def _launch_topk(compressor: Compressor, named: Named, group: Any, world: int) -
             flat.index_add_(0, i.to(torch.int64), v)
         return _split_mean(flat, named, world)
 
-    return _Pending(work, finish)
+    return _Pending(work, finish, _wire(world, payload), "all_gather")
 
 
 def _launch_bytes(compressor: Compressor, named: Named, group: Any, world: int) -> _Pending:
@@ -183,7 +185,12 @@ def _launch_bytes(compressor: Compressor, named: Named, group: Any, world: int) 
             s.div_(world).to(t.dtype).reshape(t.shape) for s, (_, t) in zip(sums, named, strict=True)
         ]
 
-    return _Pending(work, finish)
+    wire = _wire(world, lengths) + (_wire(world, padded) if world > 1 else 0)
+    return _Pending(work, finish, wire, "all_gather")
+
+
+def _wire(world: int, t: torch.Tensor) -> int:
+    return t.numel() * t.element_size() if world > 1 else 0
 
 
 def _launch(compressor: Compressor, named: Named, group: Any) -> _Pending:
@@ -205,6 +212,7 @@ def allreduce_compressed(
     named: Sequence[tuple[str, torch.Tensor]],
     *,
     group: Any = None,
+    counter: Any = None,
 ) -> list[torch.Tensor]:
     """Mean over ranks of D(C_r(t_r)) for each ``(name, tensor)``; same order as ``named``.
 
@@ -212,9 +220,13 @@ def allreduce_compressed(
     compressors built from the same strategy and seed at the same step. ``group=None``
     uses the default group (or works alone when torch.distributed is not initialised).
     Compression runs on the caller's thread; the result is the mean in each tensor's
-    dtype (accumulated in float32 for float16/bfloat16).
+    dtype (accumulated in float32 for float16/bfloat16). ``counter`` (a
+    :class:`~paratrain.comm.collectives.CommCounter`) books the bytes this rank sent.
     """
-    return _launch(compressor, list(named), group).wait()
+    pending = _launch(compressor, list(named), group)
+    if counter is not None and pending.nbytes:
+        counter.add(pending.op, pending.nbytes)
+    return pending.wait()
 
 
 class CompressionHookState:

@@ -27,6 +27,18 @@ from .context import WorkerContext, default_workers
 __all__ = ["free_port", "run_distributed"]
 
 
+def _numpy_globals() -> list[Any]:
+    """What ``torch.load(weights_only=True)`` needs besides tensors and plain Python
+    values to rebuild the NumPy arrays and scalars workers may return (no other code)."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    kinds = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+             "float16", "float32", "float64", "complex64", "complex128")
+    return [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype,
+            *(type(np.dtype(k)) for k in kinds)]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -106,8 +118,8 @@ def run_distributed(
                 errors.append(f"timed out after {timeout_s}s waiting for ranks")
                 break
             if ok:
-                # Our own child's result (trusted, same machine), hence weights_only=False.
-                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                with torch.serialization.safe_globals(_numpy_globals()):
+                    out[rank] = torch.load(io.BytesIO(value), weights_only=True)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break

@@ -157,11 +157,8 @@ def _agreed_step(ctx: WorkerContext, run_dir: Path) -> int | None:
     step = _complete_step(run_dir, ctx.world_size) if ctx.is_main else None
     value = -1 if step is None else step
     if ctx.world_size > 1:
-        import torch.distributed as dist
-
         t = torch.tensor([value], dtype=torch.int64, device=ctx.device)
-        dist.broadcast(t, src=0, group=ctx.group)
-        value = int(t.item())
+        value = int(C.broadcast_(t, src=0, group=ctx.group).item())
     if value == -2:
         raise ConfigError([(
             "strategy.num_replicas",
@@ -173,18 +170,14 @@ def _agreed_step(ctx: WorkerContext, run_dir: Path) -> int | None:
 
 def _barrier(ctx: WorkerContext) -> None:
     if ctx.world_size > 1:
-        import torch.distributed as dist
-
-        dist.barrier(group=ctx.group)
+        C.barrier(ctx.group)
 
 
 def _all_mean(values: list[float], ctx: WorkerContext) -> list[float]:
     if ctx.world_size == 1:
         return values
-    import torch.distributed as dist
-
     t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(t, group=ctx.group)
+    C.all_reduce_(t, group=ctx.group)
     return (t / ctx.world_size).tolist()
 
 
@@ -360,10 +353,8 @@ def train_replica(
     if comp is not None:
         summary["compression"] = comp.stats.as_dict()
     if ctx.world_size > 1 and strategy.aggregation.method == "ParameterServer" and aggregation is None:
-        import torch.distributed as dist
-
         sb = torch.tensor([float(getattr(agg, "server_bytes", 0))], dtype=torch.float64, device=device)
-        dist.broadcast(sb, src=0, group=ctx.group)
+        C.broadcast_(sb, src=0, group=ctx.group)
         summary["server_bytes_per_step"] = float(sb.item()) / steps_this_run
     if ctx.is_main:
         final = evaluate(model, bundle.test, device=device)

@@ -3,9 +3,11 @@
 * :class:`AllReduceAgg` — ``g <- (1/n) sum_r g_r``. Uncompressed: bucketed all-reduce
   overlapped with backward (:class:`~paratrain.comm.collectives.GradReducer`), so the
   result equals single-process SGD on the concatenated batch and torch DDP. Compressed:
-  each rank sends ``C(g_r)`` (wire bytes) to everyone through a variable-size
-  all-gather; everyone computes ``(1/n) sum_r D(C(g_r))`` (Seide et al. 2014; Lin et al.
-  2018, "Deep Gradient Compression", with error feedback when configured).
+  everyone computes ``(1/n) sum_r D(C(g_r))`` (Seide et al. 2014; Lin et al. 2018, "Deep
+  Gradient Compression", with error feedback when configured) through
+  :func:`~paratrain.comm.ddp_hook.allreduce_compressed`, the exchange the DDP hook runs,
+  on the gradients' device: RandomK all-reduces the k values, TopK all-gathers values
+  and indices, Threshold and Quantization all-gather wire records.
 * :class:`ParameterServerAgg` — rank 0 is the server (Li et al. 2014, "Scaling
   Distributed Machine Learning with the Parameter Server"): every other rank sends its
   flat gradient (or ``C(g)``) point-to-point, the server averages with its own and sends
@@ -17,6 +19,13 @@
   ``x_hat_j += D(q_j)``, ``x_i += gamma sum_j W_ij (x_hat_j - x_hat_i)``. The consensus
   distance ``max_{i,j} ||x_i - x_j||`` is measured every step.
 * :class:`NoSync` — independent replicas (tests use it as the known-wrong variant).
+
+Unused parameters (DDP's ``find_unused_parameters=True`` rule, in every aggregation): a
+parameter no rank produced a gradient for this step keeps ``grad = None``, so the
+optimizer skips it (no momentum, no weight decay); one that some rank used is averaged
+as usual, the ranks that did not use it contributing zeros. Which is which travels as
+one flag per parameter (:func:`~paratrain.comm.collectives.used_mask`). Decentralized
+exchanges no gradients: each replica's optimizer already skips what it did not use.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
+from ..comm.ddp_hook import allreduce_compressed
 from ..comm.groups import gossip_average, mixing_weights, neighbors
 
 __all__ = [
@@ -144,17 +154,13 @@ class AllReduceAgg(Aggregator):
         if self.reducer is not None:
             self.reducer.finish()
             return
-        grads = [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named]
-        payload, _ = _encode(self.compressor, grads)
-        parts = C.all_gather_variable(payload.to(C.comm_device(self.group)), group=self.group,
-                                      counter=self.counter)
-        total = [torch.zeros_like(p) for _, p in self.named]
-        for part in parts:
-            data = part.cpu().numpy().tobytes()
-            for acc, d in zip(total, _decode(self.compressor, data, self.named), strict=True):
-                acc.add_(d)
-        for (_, p), acc in zip(self.named, total, strict=True):
-            p.grad = acc.div_(self.n)
+        live = _used_params(self.named, self.group, self.counter)
+        means = allreduce_compressed(
+            self.compressor, [(n, _grad_or_zeros(p)) for n, p in live], group=self.group,
+            counter=self.counter,
+        )
+        for (_, p), m in zip(live, means, strict=True):
+            p.grad = m
         self.compressor.step()
 
     def state_dict(self) -> dict[str, Any]:
@@ -169,6 +175,24 @@ class AllReduceAgg(Aggregator):
             self.reducer.remove()
 
 
+def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _used_params(
+    named: Sequence[tuple[str, nn.Parameter]], group: Any, counter: C.CommCounter,
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters some rank produced a gradient for; the others get ``grad = None``."""
+    used = C.used_mask([p.grad is not None for _, p in named], group=group, counter=counter)
+    live = []
+    for (n, p), u in zip(named, used, strict=True):
+        if u:
+            live.append((n, p))
+        else:
+            p.grad = None
+    return live
+
+
 class ParameterServerAgg(Aggregator):
     name = "ParameterServer"
     server = 0
@@ -177,66 +201,45 @@ class ParameterServerAgg(Aggregator):
                  compressor: Any = None) -> None:
         super().__init__(model, group=group, counter=counter)
         self.compressor = compressor
-        self.rank = torch.distributed.get_rank(group) if self.n > 1 else 0
+        self.rank = C.rank_of(group) if self.n > 1 else 0
         self.server_bytes = 0  # bytes through the server (in + out), cumulative
 
-    def _flat_grads(self) -> torch.Tensor:
-        return torch.cat([
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for _, p in self.named
-        ])
-
-    def _set_grads(self, flat: torch.Tensor) -> None:
-        offset = 0
-        for _, p in self.named:
-            k = p.numel()
-            p.grad = flat[offset : offset + k].view_as(p).clone()
-            offset += k
-
     def sync_gradients(self) -> None:
-        import torch.distributed as dist
-
         if self.n == 1:
             return
-        flat = self._flat_grads()
+        live = _used_params(self.named, self.group, self.counter)
+        if not live:
+            return
+        flat = torch.cat([_grad_or_zeros(p).reshape(-1) for _, p in live])
         nbytes = flat.numel() * flat.element_size()
         if self.rank != self.server:
             if self.compressor is None:
                 C.send_tensor(flat, dst=self.server, group=self.group, counter=self.counter)
             else:
-                grads = [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in self.named]
-                payload, _ = _encode(self.compressor, grads)
+                payload, _ = _encode(self.compressor, [(n, _grad_or_zeros(p)) for n, p in live])
                 C.send_bytes(payload, dst=self.server, group=self.group, counter=self.counter)
                 self.compressor.step()
             mean = C.recv_tensor(flat.shape, dtype=flat.dtype, src=self.server, group=self.group,
                                  device=flat.device)
-            self._set_grads(mean)
+            _set_flat_grads(live, mean)
             return
         total = flat.clone()
+        workers = range(1, self.n)
         if self.compressor is None:
-            bufs = [torch.empty_like(flat) for _ in range(self.n - 1)]
-            works = [dist.irecv(b, src=r, group=self.group) for r, b in zip(range(1, self.n), bufs, strict=True)]
-            for w, b in zip(works, bufs, strict=True):
-                assert w is not None
-                w.wait()
-                total.add_(b)
-            self.server_bytes += (self.n - 1) * nbytes
+            self.server_bytes += C.recv_sum_(total, srcs=workers, group=self.group)
         else:
-            for r in range(1, self.n):
+            for r in workers:
                 data = C.recv_bytes(src=r, group=self.group, max_bytes=64 * nbytes + 4096)
                 self.server_bytes += len(data) + 8
                 offs = 0
-                for d in _decode(self.compressor, data, self.named):
+                for d in _decode(self.compressor, data, live):
                     total[offs : offs + d.numel()].add_(d.reshape(-1))
                     offs += d.numel()
             self.compressor.step()
         total.div_(self.n)
-        sends = [dist.isend(total, dst=r, group=self.group) for r in range(1, self.n)]
-        for s in sends:
-            assert s is not None
-            s.wait()
-        self.counter.add("send", (self.n - 1) * nbytes)
+        C.send_to_many(total, dsts=workers, group=self.group, counter=self.counter)
         self.server_bytes += (self.n - 1) * nbytes
-        self._set_grads(total)
+        _set_flat_grads(live, total)
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"server_bytes": self.server_bytes}
@@ -250,6 +253,14 @@ class ParameterServerAgg(Aggregator):
             self.compressor.load_state_dict(state["compressor"])
 
 
+def _set_flat_grads(params: Sequence[tuple[str, nn.Parameter]], flat: torch.Tensor) -> None:
+    offset = 0
+    for _, p in params:
+        k = p.numel()
+        p.grad = flat[offset : offset + k].view_as(p).clone()
+        offset += k
+
+
 class DecentralizedAgg(Aggregator):
     name = "Decentralized"
 
@@ -260,7 +271,7 @@ class DecentralizedAgg(Aggregator):
         neighbors(topology, max(self.n, 1))  # validates the name
         self.compressor = compressor
         self.gamma = gamma if gamma is not None else (1.0 if compressor is None else 0.5)
-        self.rank = torch.distributed.get_rank(group) if self.n > 1 else 0
+        self.rank = C.rank_of(group) if self.n > 1 else 0
         self.x_hat: dict[int, list[torch.Tensor]] | None = None
         if compressor is not None and self.n > 1:
             # Built after the initial broadcast: every replica (and so every public copy)
@@ -269,8 +280,6 @@ class DecentralizedAgg(Aggregator):
             self.x_hat = {j: [p.detach().clone() for _, p in self.named] for j in [self.rank, *nb]}
 
     def _choco(self) -> None:
-        import torch.distributed as dist
-
         nb = neighbors(self.topology, self.n)[self.rank]
         w = mixing_weights(self.topology, self.n)[self.rank]
         params = [p for _, p in self.named]
@@ -279,40 +288,15 @@ class DecentralizedAgg(Aggregator):
         diffs = [(n, p.detach() - h) for (n, p), h in zip(self.named, mine, strict=True)]
         payload, _ = _encode(self.compressor, diffs)
         self.compressor.step()
-        # Exchange lengths, then payloads, with every neighbour at once.
-        dev = C.comm_device(self.group)
-        wire = payload.to(dev)
-        length = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)
-        lens = {j: torch.empty(1, dtype=torch.int64, device=dev) for j in nb}
-        ops = []
-        for j in nb:
-            ops += [dist.P2POp(dist.isend, length, j, group=self.group),
-                    dist.P2POp(dist.irecv, lens[j], j, group=self.group)]
-        for wk in dist.batch_isend_irecv(ops):
-            wk.wait()
+        # Lengths, then payloads, with every neighbour at once.
         limit = 64 * sum(p.numel() * p.element_size() for p in params) + 4096
-        bufs = {}
-        for j in nb:
-            k = int(lens[j].item())
-            if not 0 <= k <= limit:
-                raise ValueError(f"gossip: neighbour {j} announced {k} bytes (limit {limit})")
-            bufs[j] = torch.empty(k, dtype=torch.uint8, device=dev)
-        ops = []
-        for j in nb:
-            if wire.numel():
-                ops.append(dist.P2POp(dist.isend, wire, j, group=self.group))
-            if bufs[j].numel():
-                ops.append(dist.P2POp(dist.irecv, bufs[j], j, group=self.group))
-        if ops:
-            for wk in dist.batch_isend_irecv(ops):
-                wk.wait()
+        received = C.exchange_bytes(payload, peers=nb, group=self.group, max_bytes=limit)
         self.counter.add("gossip_send", len(nb) * (payload.numel() + 8))
         own = _decode(self.compressor, payload.numpy().tobytes(), self.named)
         for h, d in zip(mine, own, strict=True):
             h.add_(d)
         for j in nb:
-            for h, d in zip(self.x_hat[j], _decode(self.compressor, bufs[j].cpu().numpy().tobytes(), self.named),
-                            strict=True):
+            for h, d in zip(self.x_hat[j], _decode(self.compressor, received[j], self.named), strict=True):
                 h.add_(d)
         with torch.no_grad():
             for i, p in enumerate(params):
@@ -331,7 +315,12 @@ class DecentralizedAgg(Aggregator):
         else:
             self._choco()
         flat = torch.cat([p.detach().reshape(-1) for p in params])
-        return {"consensus_distance": C.consensus_distance(flat, group=self.group)}
+        # The consensus probe all-gathers every parameter: its traffic is counted with the
+        # step's, under its own name, so comm_bytes_per_step holds it.
+        probe = C.CommCounter()
+        distance = C.consensus_distance(flat, group=self.group, counter=probe)
+        self.counter.add("consensus_all_gather", probe.total_bytes)
+        return {"consensus_distance": distance}
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
