@@ -3,8 +3,10 @@
 :func:`effective_settings` is the one place that knows which sections and fields each
 strategy reads. ``paratrain validate`` prints its ``ignored`` list as warnings and
 ``paratrain run`` (:func:`paratrain.executors.execute`) warns once per run, so a setting
-that does nothing is never accepted silently. Only what the user set is reported
-(``model_fields_set``, recursively): defaults never produce a warning.
+that does nothing is never accepted silently. Only what the user set is reported: a
+field counts as set when it is in ``model_fields_set`` (given explicitly) and differs from
+its default, so defaults never produce a warning, nor does a job dumped in full (e.g.
+``runs/<name>/job.json``, where every field is explicit).
 
 What is ignored, by strategy (``Custom`` excepted: its coordinator receives the whole
 job, so every section is available to it and none is reported):
@@ -87,11 +89,15 @@ _LEVELS = ("None", "Low", "Medium", "High", "Extreme")
 
 
 def _set(model: BaseModel, name: str) -> bool:
-    return name in model.model_fields_set
+    """``name`` was given explicitly and differs from its default."""
+    if name not in model.model_fields_set:
+        return False
+    info = type(model).model_fields[name]
+    return bool(getattr(model, name) != info.get_default(call_default_factory=True))
 
 
 def _set_fields(model: BaseModel) -> list[str]:
-    return sorted(model.model_fields_set)
+    return sorted(n for n in model.model_fields_set if _set(model, n))
 
 
 def _unknown(obj: Any, path: str, out: list[Ignored]) -> None:

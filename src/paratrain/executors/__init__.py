@@ -59,8 +59,7 @@ def execute(
         from ..config.effective import IgnoredSettingWarning, effective_settings
 
         for item in effective_settings(job, resume=resume).ignored:
-            warnings.warn(f"{item.field}: ignored: {item.reason}", IgnoredSettingWarning,
-                          stacklevel=2)
+            warnings.warn(str(item), IgnoredSettingWarning, stacklevel=2)
     module = importlib.import_module(module_name)
     summary: dict[str, Any] = module.run(job, resume=resume)
     return summary
