@@ -196,6 +196,10 @@ class FedTrimmedAvg(Contract):
 
 
 class Krum(Contract):
+    """Krum (``to_keep = 0``) / Multi-Krum. With ``n`` clients per round the aggregator
+    uses ``min(num_malicious, n - 3)`` and keeps ``min(to_keep, n)``; values outside that
+    range are reported (with the effective ones) by ``paratrain validate``."""
+
     method: Literal["Krum"] = "Krum"
     num_malicious: Count = 0
     to_keep: Count = 0
@@ -298,6 +302,9 @@ class PopulationBased(Contract):
 
 
 class Custom(Contract):
+    """A registered coordinator ``fn(job, config[, *, resume])``: it receives the whole
+    job, so every other section is its to use."""
+
     type: Literal["Custom"] = "Custom"
     coordinator: str
     config: JsonValue
