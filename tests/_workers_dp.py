@@ -117,7 +117,6 @@ def dp_parity(ctx: WorkerContext, tmp: str, variants: list[tuple[Any, ...]]) -> 
 def comm_checks(ctx: WorkerContext) -> dict[str, Any]:
     """Exercise every collective on real ranks; the parent checks the values."""
     from paratrain.comm import collectives as C
-    from paratrain.comm.control import ControlPlane
 
     r, n = ctx.rank, ctx.world_size
     g = torch.Generator().manual_seed(100 + r)
@@ -195,21 +194,25 @@ def comm_checks(ctx: WorkerContext) -> dict[str, Any]:
         got = C.recv_bytes(src=src)
         C.send_bytes(f"hello from {r}".encode(), dst=dst)
     out["p2p"] = got.decode()
+    # ...the same without a length header (the receiver knows it), and a neighbour exchange.
+    msg = f"raw {r}".encode()
+    if r % 2 == 0:
+        C.send_bytes(msg, dst=dst, header=False)
+        raw = C.recv_bytes(src=src, nbytes=len(f"raw {src}"))
+    else:
+        raw = C.recv_bytes(src=src, nbytes=len(f"raw {src}"))
+        C.send_bytes(msg, dst=dst, header=False)
+    out["p2p_raw"] = raw.decode()
+    mine = torch.frombuffer(bytearray(b"x" * (r + 1)), dtype=torch.uint8)
+    out["exchanged"] = {j: v.decode() for j, v in C.exchange_bytes(mine, peers=sorted({dst, src})).items()}
+    # Which entries some rank flagged (one MAX all-reduce).
+    out["used"] = C.used_mask([r == 0, r == 1, False])
 
     # Broadcast of parameters.
     bt = [torch.full((3,), float(r)), torch.full((2, 2), float(r) + 1)]
     C.broadcast_tensors(bt, src=0)
     out["bcast"] = [t.tolist() for t in bt]
 
-    # Control plane over the rendezvous store.
-    cp = ControlPlane.from_context(ctx, timeout_s=30)
-    out["cp_bcast"] = cp.broadcast("plan", {"round": 3, "clients": [1, 2]} if r == 0 else None)
-    out["cp_gather"] = cp.gather("status", {"rank": r, "ok": True})
-    cp.barrier("b")
-    cp.barrier("b")
-    out["cp_counter"] = cp.counter("c", 1)
-    cp.heartbeat()
-    cp.barrier("hb")
-    out["cp_hb"] = cp.last_heartbeat((r + 1) % n) is not None
-    out["cp_all"] = cp.all_gather("ids", ctx.worker.id)
+    # Worker identities from the job's [[workers]] table.
+    out["worker_id"] = ctx.worker.id
     return out
