@@ -24,7 +24,9 @@ keys state by **parameter name** (not bucket index), so residuals survive bucket
 rebuilds and can be checkpointed with ``state.state_dict()``. The step that seeds
 RandomK and stochastic rounding advances automatically when a parameter is seen a
 second time (one step per backward pass, identical on every rank), or explicitly with
-``state.step()``. Compression runs in the hook; the collective is launched
+``state.step()``. ``state.state_dict()`` records which names were already exchanged at
+the current step, so a hook loaded in fresh processes advances before its first
+exchange and a resumed run repeats the uninterrupted run's draws exactly. Compression runs in the hook; the collective is launched
 asynchronously and the returned future writes the means into the bucket when it
 completes, so communication overlaps the rest of the backward pass. A plain ``{"method":"None"}`` strategy takes DDP's own path: divide the
 bucket by the world size and all-reduce it, so gradients equal DDP without a hook.
@@ -270,11 +272,17 @@ class CompressionHookState:
         return self.compressor.step()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"compressor": self.compressor.state_dict()}
+        """The compressor's state plus the parameter names already exchanged at its
+        current step (``seen``, sorted). The step advances lazily, when the next
+        backward pass meets a name again, so after ``k`` backward passes the counter
+        still holds the step the last one used; ``seen`` tells the loaded hook that
+        this step is spent and the next backward pass must advance first."""
+        return {"compressor": self.compressor.state_dict(), "seen": sorted(self._seen)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.compressor.load_state_dict(state["compressor"])
-        self._seen.clear()
+        # A state without "seen" (older checkpoints) resumes at the saved step as is.
+        self._seen = {str(n) for n in state.get("seen", ())}
 
 
 def _hook(state: CompressionHookState, bucket: Any) -> torch.futures.Future[torch.Tensor]:
