@@ -33,8 +33,9 @@ def ensemble(job: JobConfig, config: Any, *, resume: bool = False) -> dict[str, 
     for i in range(members):
         member_job = job.model_copy(update={
             "strategy": Local(),
-            "run": job.run.model_copy(update={"name": f"{job.run.name}/member{i}",
-                                              "seed": job.run.seed + i}),
+            # Each member is a run of its own in <output_dir>/<name>/member<i>/.
+            "run": job.run.model_copy(update={"output_dir": f"{job.run.output_dir}/{job.run.name}",
+                                              "name": f"member{i}", "seed": job.run.seed + i}),
         })
         summary = local.run(member_job, data=data, resume=resume)
         member_acc.append(summary["test_accuracy"])

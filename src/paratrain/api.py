@@ -26,6 +26,7 @@ def fit(
     data: str | dict[str, Any] | DataBundle | None = None,
     strategy: Any = None,
     resume: bool = False,
+    overwrite: bool = False,
     **sections: Any,
 ) -> dict[str, Any]:
     """Train and return the run summary.
@@ -33,7 +34,9 @@ def fit(
     ``job`` is a JobConfig, a dict, or a job-file path; keyword sections (``train=``,
     ``run=``, ``compression=``, ``tensor_parallel=``, ``workers=``, ...) override it.
     ``model``/``data`` may be zoo names, spec dicts, or (for the Local strategy) an
-    ``nn.Module`` / :class:`DataBundle` instance used as is.
+    ``nn.Module`` / :class:`DataBundle` instance used as is. A run folder that already
+    holds a run is never replaced implicitly: pass ``overwrite=True`` to replace it or
+    ``resume=True`` to continue it.
 
     >>> summary = paratrain.fit(model="mlp", data="digits", train={"epochs": 3})
     """
@@ -66,5 +69,6 @@ def fit(
                                 "use a factory ('module:function') for multi-process strategies")])
         from .executors import local
 
-        return local.run(cfg, resume=resume, model=instance_model, data=instance_data)
-    return execute(cfg, resume=resume)
+        return local.run(cfg, resume=resume, overwrite=overwrite, model=instance_model,
+                         data=instance_data)
+    return execute(cfg, resume=resume, overwrite=overwrite)

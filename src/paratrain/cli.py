@@ -31,25 +31,13 @@ def _print_problems(lines: list[str]) -> None:
         print(line, file=sys.stderr)
 
 
-def _deep_validate(job: Any) -> None:
-    """Checks that need the strategy's executor (e.g. search-space names against the
-    optimizer and model): each executor module may expose ``validate(job)``."""
-    import importlib
-
-    from .executors import executor_module
-
-    module = importlib.import_module(executor_module(job))
-    check = getattr(module, "validate", None)
-    if callable(check):
-        check(job)
-
-
 def _cmd_validate(args: argparse.Namespace) -> int:
     """Errors exit 2; settings the job sets but its run ignores are printed as
     ``PATH: warning: FIELD ignored: REASON`` lines (stderr) and keep exit 0."""
     from .config.effective import effective_settings
     from .config.job import load_job
     from .executors.custom import import_plugins
+    from .preflight import preflight
 
     worst = EXIT_OK
     for path in args.jobs:
@@ -63,7 +51,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             except Exception as e:  # noqa: BLE001 - the job's own code: one line, no traceback
                 raise ConfigError([("run.imports", f"importing failed: {type(e).__name__}: {e}")]) from None
             warnings = [f"{path}: warning: {item}" for item in effective_settings(job).ignored]
-            _deep_validate(job)
+            # every check `run` makes before training (paratrain.preflight)
+            notes = preflight(job, job_dir=Path(path).resolve().parent, warn=False)
+            warnings += [f"{path}: warning: {note}" for note in notes]
         except ConfigError as e:
             _print_problems(_problems(e, path))
             worst = EXIT_USAGE
@@ -115,7 +105,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.rdzv_endpoint is not None:
         os.environ["PARATRAIN_RDZV_ENDPOINT"] = args.rdzv_endpoint
     try:
-        summary = execute(job, resume=args.resume, job_dir=Path(args.job).resolve().parent)
+        summary = execute(job, resume=args.resume, overwrite=args.overwrite,
+                          job_dir=Path(args.job).resolve().parent)
     except ConfigError as e:
         _print_problems(_problems(e, args.job))
         return EXIT_USAGE
@@ -140,7 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="run a job file (TOML, JSON or YAML)")
     r.add_argument("job")
-    r.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    once = r.add_mutually_exclusive_group()
+    once.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    once.add_argument("--overwrite", action="store_true",
+                      help="replace the run folder's previous run (otherwise a fresh run refuses)")
     r.add_argument("--nnodes", type=int, help="number of machines (multi-node launch)")
     r.add_argument("--node-rank", type=int, help="this machine's rank among --nnodes")
     r.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (rank-0 machine)")

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import tempfile
 import time
 import uuid
@@ -128,9 +127,11 @@ def open_session(root: str | Path, *, rank: int, control: Any = None, generation
     prefix = f"{namespace}.{_SESSION_PREFIX}"
     if rank == 0:
         name = f"{prefix}{uuid.uuid4().hex[:12]}"
+        from ..training.rundir import safe_rmtree
+
         for old in base.glob(f"{prefix}*"):
             if old.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
+                safe_rmtree(old, base)
         (base / name).mkdir()
         if control is not None:
             control.set(key, name)

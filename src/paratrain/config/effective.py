@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from ._base import Contract, unknown_keys
+from .strategy import Custom, DataParallel, Federated, Krum
 
 if TYPE_CHECKING:
     from .job import JobConfig
@@ -175,10 +176,9 @@ def _memory_equivalents(level: str, probe: TPProbe) -> tuple[list[str], str]:
     return same, why
 
 
-def _clients_per_round(job: JobConfig) -> int | None:
-    s = job.strategy
-    sel = s.client_selection  # type: ignore[union-attr]
-    n = int(s.num_clients)  # type: ignore[union-attr]
+def _clients_per_round(s: Federated) -> int | None:
+    sel = s.client_selection
+    n = int(s.num_clients)
     if sel.method == "All":
         return n
     if sel.method == "Random":  # as executors.federated.selection.num_random
@@ -202,7 +202,7 @@ def effective_settings(
     tp_size = tp.tensor_parallel_size if tp is not None else 1
     tp_active = tp is not None and tp_size > 1 and kind in ("Local", "DataParallel")
     custom = kind == "Custom"
-    dp = int(getattr(s, "num_replicas", 1)) if kind == "DataParallel" else 1
+    dp = int(s.num_replicas) if isinstance(s, DataParallel) else 1
     settings: dict[str, Any] = {
         "strategy": kind,
         "executor": "TensorParallel" if tp_active else kind,
@@ -317,20 +317,20 @@ def effective_settings(
     settings["search_space"] = sorted(job.search_space) if kind == "PopulationBased" or custom else None
 
     # ------------------------------------------------------------ Custom and resume
-    if custom and resume:
+    if isinstance(s, Custom) and resume:
         from ..executors.custom import accepts_resume, coordinator
 
-        fn = coordinator(str(getattr(s, "coordinator", "")))
+        fn = coordinator(s.coordinator)
         if fn is not None and not accepts_resume(fn):
             settings["resume"] = False
-            ignored.append(Ignored("--resume", f"coordinator {s.coordinator!r} takes no "  # type: ignore[union-attr]
+            ignored.append(Ignored("--resume", f"coordinator {s.coordinator!r} takes no "
                                    "'resume' keyword, so it cannot resume; add "
                                    "'*, resume: bool = False' to its signature"))
 
     # ------------------------------------------------------------------------ Krum
-    if kind == "Federated" and s.aggregation.method == "Krum":  # type: ignore[union-attr]
-        agg = s.aggregation  # type: ignore[union-attr]
-        n = _clients_per_round(job)
+    if isinstance(s, Federated) and isinstance(s.aggregation, Krum):
+        agg = s.aggregation
+        n = _clients_per_round(s)
         if n is not None:
             f, keep = int(agg.num_malicious), int(agg.to_keep)
             f_eff = min(f, max(n - 3, 0))  # krum_scores: m = max(1, n - f - 2) neighbours

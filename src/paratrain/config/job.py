@@ -45,7 +45,8 @@ class _OpenSection(BaseModel):
 
 class RunConfig(_Section):
     name: str = "run"
-    seed: Count = 0
+    # NumPy and scikit-learn take 32-bit seeds: a larger one would fail mid-run.
+    seed: Annotated[int, Field(ge=0, lt=2**32, strict=True)] = 0
     output_dir: str = "runs"
     max_restarts: Count = 0
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -57,6 +58,9 @@ class RunConfig(_Section):
     # Modules or .py files (relative to the job file) imported before the run, e.g. to
     # register Custom coordinators or factories.
     imports: list[str] = []
+    # A job may start at most 4 worker processes per CPU core (paratrain.preflight);
+    # true lifts that limit (e.g. processes that mostly wait on I/O or another machine).
+    allow_oversubscribe: bool = False
 
     @field_validator("name")
     @classmethod

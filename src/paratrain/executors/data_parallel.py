@@ -61,7 +61,7 @@ from ..training import (
     write_summary,
 )
 from ..training.faults import FAULT_ENV, maybe_kill
-from ..training.rundir import run_dir_of
+from ..training.rundir import RunFolder, run_dir_of
 from .dp_aggregation import Aggregator, build_aggregator
 
 __all__ = ["run", "worker_main", "train_replica", "shard_indices", "validate", "FAULT_ENV"]
@@ -389,15 +389,21 @@ def _warn_ineffective(job: JobConfig, strategy: DataParallel) -> None:
                       f"{' and compression' if compressed else ''}", stacklevel=3)
 
 
-def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
-    """Launch ``num_replicas`` processes and return rank 0's summary."""
+def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Launch ``num_replicas`` processes and return rank 0's summary. Data and model are
+    built here first; this (launching) process holds the run folder's lock."""
     strategy = validate(job)
     if not in_torchrun() or os.environ.get("RANK") == "0":
         _warn_ineffective(job, strategy)
     if not in_torchrun():
-        # Fail before spawning anything when the data cannot feed every replica.
-        validate(job, num_train=len(_load_data(job).train))
-    summary = launch(job, nprocs=strategy.num_replicas, resume=resume)
+        # Fail before spawning anything (or touching the run folder) when the data
+        # cannot feed every replica or the model cannot be built.
+        bundle = _load_data(job)
+        validate(job, num_train=len(bundle.train))
+        build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+    with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
+        folder.prepare()
+        summary = launch(job, nprocs=strategy.num_replicas, resume=resume)
     if summary is None:
         path = run_dir_of(job) / "summary.json"
         return json.loads(path.read_text()) if path.exists() else {}

@@ -23,7 +23,6 @@ from ..training import (
     epoch_permutation,
     evaluate,
     parameters_digest,
-    prepare_run_dir,
     progress_bar,
     read_metrics,
     report,
@@ -34,18 +33,20 @@ from ..training import (
     train_step,
     write_summary,
 )
+from ..training.rundir import RunFolder
 
 __all__ = ["run"]
 
 
 def run(
-    job: JobConfig, *, resume: bool = False, model: nn.Module | None = None,
-    data: DataBundle | None = None,
+    job: JobConfig, *, resume: bool = False, overwrite: bool = False,
+    model: nn.Module | None = None, data: DataBundle | None = None,
 ) -> dict[str, Any]:
-    """Train ``job`` in this process; ``model``/``data`` instances override the job's specs."""
+    """Train ``job`` in this process; ``model``/``data`` instances override the job's specs.
+
+    Data, model and optimizer are built, and a resumed checkpoint is loaded and checked
+    against them, before anything in the run folder changes (:class:`RunFolder`)."""
     started = time.perf_counter()
-    run_dir = prepare_run_dir(job, resume=resume)
-    ckpt_dir = run_dir / "checkpoints"
     seed = job.run.seed
     seed_everything(seed)
     device = resolve_device(job.run.device)
@@ -55,8 +56,18 @@ def run(
     )
     net.to(device)
     opt = build_optimizer(net.parameters(), job.train.optimizer)
-    metrics = MetricsWriter(run_dir)
+    with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
+        return _train(job, folder, resume=folder.resume, net=net, opt=opt, bundle=bundle,
+                      device=device, started=started)
 
+
+def _train(
+    job: JobConfig, folder: RunFolder, *, resume: bool, net: nn.Module, opt: Any,
+    bundle: DataBundle, device: Any, started: float,
+) -> dict[str, Any]:
+    run_dir = folder.path
+    ckpt_dir = run_dir / "checkpoints"
+    seed = job.run.seed
     x_train, y_train = bundle.train.tensors
     n = len(y_train)
     bs = job.train.batch_size
@@ -66,22 +77,26 @@ def run(
         total_steps = min(total_steps, job.train.max_steps)
 
     step, epoch, batch = 0, 0, 0
-    found = checkpoint.latest(ckpt_dir) if resume else None
+    found = checkpoint.load_latest(ckpt_dir) if resume else None
     if found is not None:
-        state = checkpoint.load_checkpoint(found)
+        path, state = found
+        checkpoint.check_model_state(net, state["model"], source=path)
+        checkpoint.check_optimizer_state(opt, state["optimizer"], source=path,
+                                         saved_type=state.get("optimizer_type"))
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
         step, epoch, batch = int(state["step"]), int(state["epoch"]), int(state["batch"])
+    folder.prepare()  # the first change on disk: everything above has been checked
+    metrics = MetricsWriter(run_dir)
+    if resume:
         metrics.truncate_after("step", step)
-    elif resume:
-        metrics.truncate_after("step", 0)
 
     def save() -> None:
         checkpoint.save_checkpoint(
             checkpoint.checkpoint_path(ckpt_dir, step),
             {"model": net.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(),
-             "step": step, "epoch": epoch, "batch": batch},
+             "step": step, "epoch": epoch, "batch": batch, "optimizer_type": type(opt).__name__},
         )
         checkpoint.prune(ckpt_dir)
 

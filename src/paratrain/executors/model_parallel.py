@@ -59,7 +59,7 @@ from ..training import (
     write_summary,
 )
 from ..training.faults import FAULT_ENV, maybe_kill
-from ..training.rundir import run_dir_of
+from ..training.rundir import RunFolder, run_dir_of
 from .mp_plan import Plan, build_plan
 from .mp_runtime import StageRuntime, segment_modules
 from .mp_schedule import theoretical_bubble
@@ -117,12 +117,15 @@ def validate(job: JobConfig) -> Plan:
     return plan_for(job, model, default_workers(n, list(job.workers)))
 
 
-def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
-    """Validate the placement here, then run ``worker_main`` on every worker process."""
+def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Validate the placement here, then run ``worker_main`` on every worker process
+    (this launching process holds the run folder's lock)."""
     from ..comm.launch import launch
 
-    validate(job)  # errors before any launch
-    summary = launch(job, nprocs=num_workers(job), resume=resume)
+    validate(job)  # errors before any launch (and before the run folder changes)
+    with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
+        folder.prepare()
+        summary = launch(job, nprocs=num_workers(job), resume=resume)
     if summary is None:  # under torchrun on a rank other than 0
         return {}
     result: dict[str, Any] = summary

@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import time
 import uuid
 import warnings
@@ -61,7 +60,7 @@ from ..training import (
     resolve_device,
     write_summary,
 )
-from ..training.rundir import run_dir_of
+from ..training.rundir import RunFolder, run_dir_of, safe_rmtree
 from .pbt_member import MemberRunner, validate_job
 from .pbt_report import plot_population
 
@@ -93,9 +92,16 @@ def latest_population(run_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
-    """Run the population on :func:`num_workers` processes; return the summary."""
+def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Run the population on :func:`num_workers` processes; return the summary (this
+    launching process holds the run folder's lock)."""
     validate_job(job)
+    with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
+        folder.prepare()
+        return _run(job, resume=resume)
+
+
+def _run(job: JobConfig, *, resume: bool) -> dict[str, Any]:
     nprocs = num_workers(job)
     from ..comm.launch import in_torchrun, launch
 
@@ -142,7 +148,7 @@ def _prune_members(run_dir: Path, *, keep_from: int) -> None:
         except ValueError:
             continue
         if g < keep_from:
-            shutil.rmtree(d, ignore_errors=True)
+            safe_rmtree(d, run_dir)
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -58,7 +58,7 @@ from ..training import (
     set_rng_state,
     write_summary,
 )
-from ..training.rundir import run_dir_of
+from ..training.rundir import RunFolder, run_dir_of
 
 __all__ = ["run", "validate", "worker_main", "layout", "dry_run"]
 
@@ -309,15 +309,18 @@ def validate(job: JobConfig) -> None:
     dry_run(job)
 
 
-def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
-    """Launch ``tensor_parallel_size x replicas`` processes; return rank 0's summary."""
+def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Launch ``tensor_parallel_size x replicas`` processes; return rank 0's summary
+    (this launching process holds the run folder's lock)."""
     _, tp, dp = layout(job)
     if not in_torchrun():
         dry_run(job)
     if not in_torchrun() and tp * dp > (os.cpu_count() or 1) * 8:
         raise ConfigError([("tensor_parallel.tensor_parallel_size",
                             f"{tp * dp} processes is more than this machine can host")])
-    summary = launch(job, nprocs=tp * dp, resume=resume)
+    with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
+        folder.prepare()
+        summary = launch(job, nprocs=tp * dp, resume=resume)
     if summary is None:
         path = run_dir_of(job) / "summary.json"
         return json.loads(path.read_text()) if path.exists() else {}

@@ -1,38 +1,309 @@
-"""The run folder ``<output_dir>/<name>/``: job.json, metrics.jsonl, checkpoints/, summary.json."""
+"""The run folder ``<output_dir>/<name>/``: job.json, metrics.jsonl, checkpoints/, summary.json.
+
+Safety rules (nothing here deletes what the user did not ask to delete):
+
+* the run folder is always ``output_dir / name`` with ``name`` one path component, and
+  every deletion goes through :func:`safe_rmtree` / :func:`safe_unlink`, which refuse a
+  path outside the given root;
+* a fresh run into a folder that already holds a run refuses (``overwrite`` replaces
+  it, ``resume`` continues it) — see :class:`RunFolder`;
+* a run holds an OS lock (``fcntl.flock`` on ``<run>/.lock``) for as long as its
+  launching process lives, so a second run of the same name fails at once naming the
+  holder's pid. Worker processes it spawns see the claim through the environment
+  (:data:`HELD_ENV`) and never take the lock themselves;
+* a write that fails (full disk, unwritable ``output_dir``) is a ConfigError naming the path.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import shutil
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
+from ..config import ConfigError
 from ..config.job import JobConfig
 
-__all__ = ["run_dir_of", "prepare_run_dir", "MetricsWriter", "read_metrics", "write_summary"]
+__all__ = [
+    "run_dir_of", "prepare_run_dir", "RunFolder", "holds_run", "safe_rmtree", "safe_unlink",
+    "disk_error", "MetricsWriter", "read_metrics", "write_summary", "LOCK_NAME", "HELD_ENV",
+]
+
+LOCK_NAME = ".lock"
+# os.pathsep-separated resolved run folders claimed by this process or the process that
+# launched it (inherited by spawned workers).
+HELD_ENV = "PARATRAIN_HELD_RUN_DIRS"
+# Entries of a run folder that do not make it "hold a run": the lock, the resolved config
+# (written before training starts) and empty folders.
+_NOT_RESULTS = {LOCK_NAME, "job.json"}
+
+# resolved run folder -> [lock fd, claim count] for the claims this process holds
+_HELD: dict[str, list[int]] = {}
+
+
+def disk_error(path: str | Path, err: OSError, what: str = "write") -> ConfigError:
+    """A ConfigError naming ``path`` for a failed filesystem operation (full disk, no
+    permission, a file where a folder should be)."""
+    reason = err.strerror or type(err).__name__
+    return ConfigError([("run.output_dir", f"cannot {what} {path}: {reason}")])
+
+
+def _name_problem(name: str) -> str | None:
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        return (f"must be one folder name inside run.output_dir (no '/', '\\', '..', "
+                f"not empty; got {name!r})")
+    return None
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """``path`` lies strictly below ``root`` (both resolved, so ``..`` and symlinked
+    parents are followed)."""
+    p, r = path.resolve(), root.resolve()
+    return p != r and r in p.parents
 
 
 def run_dir_of(job: JobConfig) -> Path:
-    return Path(job.run.output_dir) / job.run.name
+    """``output_dir / name``; a ConfigError if that is not a folder inside output_dir."""
+    name = job.run.name
+    problem = _name_problem(name)
+    root = Path(job.run.output_dir)
+    d = root / name
+    if problem is None and not _inside(d, root):
+        problem = f"the run folder {d} is not inside run.output_dir {root}"
+    if problem is not None:
+        raise ConfigError([("run.name", problem)])
+    return d
 
 
-def prepare_run_dir(job: JobConfig, *, resume: bool, clean: bool = True) -> Path:
-    """Create the run folder and write job.json. A fresh (non-resume) run clears
-    an old folder of the same name so stale checkpoints are never picked up."""
-    d = run_dir_of(job)
-    if not resume and clean and d.exists():
-        shutil.rmtree(d)
-    (d / "checkpoints").mkdir(parents=True, exist_ok=True)
+def safe_rmtree(path: str | Path, root: str | Path) -> None:
+    """Delete ``path`` (a folder tree, a file or a symlink itself) only if it lies
+    strictly inside ``root``; anything else is a bug and raises, deleting nothing."""
+    p, r = Path(path), Path(root)
+    if p.name in ("", ".", "..") or not (p.parent.resolve() == r.resolve() or _inside(p.parent, r)):
+        raise RuntimeError(f"refusing to delete {p}: it is not inside {r}")
+    if p.is_symlink() or p.is_file():
+        p.unlink(missing_ok=True)
+    elif p.exists():
+        shutil.rmtree(p)
+
+
+def safe_unlink(path: str | Path, root: str | Path) -> None:
+    """Delete one file only if it lies strictly inside ``root``."""
+    p = Path(path)
+    if p.is_dir() and not p.is_symlink():
+        raise RuntimeError(f"refusing to unlink {p}: it is a folder")
+    safe_rmtree(p, root)
+
+
+def holds_run(d: str | Path) -> bool:
+    """True when folder ``d`` holds anything a run produced: any file other than the
+    lock and job.json at its top (empty folders do not count)."""
+    d = Path(d)
+    if not d.is_dir():
+        return False
+    for dirpath, _dirs, files in os.walk(d):
+        top = Path(dirpath) == d
+        if any(not (top and f in _NOT_RESULTS) for f in files):
+            return True
+    return False
+
+
+def _held_env() -> list[str]:
+    return [p for p in os.environ.get(HELD_ENV, "").split(os.pathsep) if p]
+
+
+def _is_held(d: Path) -> bool:
+    key = str(d.resolve())
+    return key in _HELD or key in _held_env()
+
+
+def _owns_run_folder() -> bool:
+    """Whether this process is the one that claims the run folder: not under torchrun
+    (or torchrun's rank 0), and not a ``--node-rank`` other than 0 (that node's peers'
+    folder belongs to node 0, possibly on a shared filesystem)."""
+    if all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+        return os.environ["RANK"] == "0"
+    return os.environ.get("PARATRAIN_NODE_RANK", "0") in ("", "0")
+
+
+def _restarted() -> bool:
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    except ValueError:
+        return False
+
+
+def _lock_holder(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError:
+        text = ""
+    return text.split()[0] if text else "unknown"
+
+
+def _acquire(d: Path) -> None:
+    key = str(d.resolve())
+    if key in _HELD:  # re-entrant within one process (a coordinator running sub-runs)
+        _HELD[key][1] += 1
+        return
+    lock = d / LOCK_NAME
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise disk_error(lock if d.is_dir() else d, e, "create") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError([("run.name", (
+            f"run folder {d} is in use by another paratrain run (pid {_lock_holder(lock)}); "
+            "wait for it to finish or choose another run.name"))]) from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+    except OSError as e:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        raise disk_error(lock, e) from None
+    _HELD[key] = [fd, 1]
+    os.environ[HELD_ENV] = os.pathsep.join([*_held_env(), key])
+
+
+def _release(d: Path) -> None:
+    key = str(d.resolve())
+    entry = _HELD.get(key)
+    if entry is None:
+        return
+    entry[1] -= 1
+    if entry[1] > 0:
+        return
+    del _HELD[key]
+    os.environ[HELD_ENV] = os.pathsep.join(p for p in _held_env() if p != key)
+    if not os.environ[HELD_ENV]:
+        del os.environ[HELD_ENV]
+    try:
+        fcntl.flock(entry[0], fcntl.LOCK_UN)
+    finally:
+        os.close(entry[0])
+
+
+def _refuse_message(d: Path) -> str:
+    return (f"run folder {d} already holds a run; pass --overwrite (overwrite=True) to "
+            "replace it or --resume (resume=True) to continue it")
+
+
+def _check_resumable(d: Path, job: JobConfig) -> None:
+    """On resume: the folder's job.json must name the same strategy type."""
+    try:
+        old = json.loads((d / "job.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    old_type = (old.get("strategy") or {}).get("type") if isinstance(old, dict) else None
+    new_type = getattr(job.strategy, "type", None)
+    if old_type is not None and old_type != new_type:
+        raise ConfigError([("strategy.type", (
+            f"run folder {d} holds a {old_type} run; this job's strategy is {new_type}: "
+            "resume with the original strategy, or start a fresh run with --overwrite"))])
+
+
+def _clear(d: Path, root: Path) -> None:
+    """Delete everything in run folder ``d`` but its lock (``d`` must lie in ``root``)."""
+    if not d.is_dir():
+        return
+    for child in d.iterdir():
+        if child.name != LOCK_NAME:
+            safe_rmtree(child, root)
+
+
+def _make(d: Path, job: JobConfig) -> None:
+    try:
+        (d / "checkpoints").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise disk_error(d / "checkpoints", e, "create") from None
     _atomic_write(d / "job.json", json.dumps(job.to_json_dict(), indent=2))
+
+
+class RunFolder:
+    """The launching process's claim on ``runs/<name>/`` (a context manager).
+
+    ``__enter__`` takes the folder's lock and checks the rules (a fresh run into a folder
+    that holds a run needs ``overwrite``; ``resume`` needs the same strategy type);
+    nothing is deleted or written yet apart from the lock file, so a caller can still
+    load and check a checkpoint. :meth:`prepare` then clears the folder (fresh runs),
+    creates it and writes job.json. ``__exit__`` releases the lock (so does the death of
+    the process). Under torchrun only rank 0 claims; elsewhere it is a no-op and the
+    workers' :func:`prepare_run_dir` apply the rules.
+    """
+
+    def __init__(self, job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> None:
+        self.job = job
+        self.path = run_dir_of(job)
+        self.resume = bool(resume) or _restarted()
+        self.overwrite = bool(overwrite)
+        self.owner = _owns_run_folder()
+        self._entered = False
+
+    def __enter__(self) -> RunFolder:
+        if not self.owner:
+            return self
+        _acquire(self.path)
+        self._entered = True
+        try:
+            if self.resume:
+                _check_resumable(self.path, self.job)
+            elif not self.overwrite and holds_run(self.path):
+                raise ConfigError([("run.name", _refuse_message(self.path))])
+        except BaseException:
+            self._entered = False
+            _release(self.path)
+            raise
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._entered:
+            self._entered = False
+            _release(self.path)
+
+    def prepare(self) -> Path:
+        """Clear (fresh run), create the folder and write job.json; returns the folder."""
+        if self.owner:
+            if not self.resume:
+                _clear(self.path, Path(self.job.run.output_dir))
+            _make(self.path, self.job)
+        return self.path
+
+
+def prepare_run_dir(job: JobConfig, *, resume: bool, overwrite: bool = False) -> Path:
+    """Create the run folder and write job.json (what a worker or an in-process runner
+    calls). Inside a claimed folder (:class:`RunFolder`, held by this process or the
+    one that launched it) it only creates and writes. Unclaimed (a worker function called
+    directly) it applies the same rule as a claim: a fresh run into a folder that holds
+    a run is refused unless ``overwrite``; leftovers with no results are cleared."""
+    d = run_dir_of(job)
+    if not _is_held(d) and not resume:
+        if holds_run(d) and not overwrite:
+            raise ConfigError([("run.name", _refuse_message(d))])
+        _clear(d, Path(job.run.output_dir))
+    _make(d, job)
     return d
 
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise disk_error(path, e) from None
 
 
 def _clean(v: Any) -> Any:
@@ -52,8 +323,11 @@ class MetricsWriter:
         self.path = Path(run_dir) / "metrics.jsonl"
 
     def log(self, record: dict[str, Any]) -> None:
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        try:
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        except OSError as e:
+            raise disk_error(self.path, e) from None
 
     def truncate_after(self, key: str, value: float) -> None:
         if not self.path.exists():

@@ -20,8 +20,10 @@ __all__ = ["run", "run_in_process", "worker_main", "num_workers"]
 
 
 def num_workers(job: JobConfig) -> int:
+    """``run.num_workers`` (default 2), never more than ``num_clients``: a worker without
+    a client has nothing to do (``paratrain.preflight`` warns when it caps)."""
     strat: Any = job.strategy
-    return int(job.run.num_workers or min(2, strat.num_clients))
+    return int(min(job.run.num_workers or 2, strat.num_clients))
 
 
 def run_in_process(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
@@ -45,12 +47,23 @@ def run_in_process(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
     return out
 
 
-def run(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
-    """Run a federated job and return its summary (also in runs/<name>/summary.json)."""
-    n = num_workers(job)
-    if n == 1:
-        return run_in_process(job, resume=resume)
-    from ...comm.launch import launch
+def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Run a federated job and return its summary (also in runs/<name>/summary.json).
 
-    out: dict[str, Any] = launch(job, nprocs=n, resume=resume)
+    Data and model are built here first; this (launching) process holds the run
+    folder's lock while the workers run."""
+    from ...comm.launch import in_torchrun, launch
+    from ...data import load_data
+    from ...models import build_model
+    from ...training.rundir import RunFolder
+
+    n = num_workers(job)
+    if not in_torchrun():  # fail before the run folder changes
+        bundle = load_data(job.data, seed=job.run.seed)
+        build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+    with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
+        folder.prepare()
+        if n == 1:
+            return run_in_process(job, resume=resume)
+        out: dict[str, Any] = launch(job, nprocs=n, resume=resume)
     return out
