@@ -1,0 +1,423 @@
+"""Everything a run checks before it trains, in one place (issue 13, "safe by default").
+
+:func:`preflight` is called by ``paratrain validate`` and by
+:func:`paratrain.executors.execute` before any executor runs, so ``validate`` accepts
+exactly the jobs ``run`` can start, and a job that cannot run fails before any worker
+process is spawned. It raises one :class:`~paratrain.config.ConfigError` listing every
+problem found, each naming its field:
+
+- ``run.imports`` import (module names or ``.py`` files next to the job file), and a
+  Custom ``strategy.coordinator`` is registered by them;
+- ``run.device``/``run.backend``: CUDA (and NCCL) only where CUDA is available;
+- processes: a job starts at most ``cpu_count() x 4`` worker processes on one machine
+  (:data:`PROCS_PER_CORE`; ``run.allow_oversubscribe = true`` lifts it), counted the way
+  each executor counts them: DataParallel replicas, ``tensor_parallel_size x replicas``,
+  ModelParallel workers, Federated/PopulationBased ``run.num_workers``;
+- ModelParallel without ``[[workers]]`` and ``run.num_workers``: the implicit workers
+  are ``worker-0 .. worker-P`` for ``P`` partitions (one per partition plus rank 0 for
+  unclaimed nodes); a ``WorkerId`` beyond those names no worker (never a larger world);
+- the data and the model build with their kwargs (unknown ones name ``model.<kw>``;
+  negative or zero zoo widths name the field, e.g. ``model.hidden``), the model runs a
+  forward pass on two training rows, and the optimizer builds over its parameters with
+  its kwargs (``train.optimizer.<kw>``);
+- DataParallel (and tensor-parallel) replicas x ``train.batch_size`` fit in the
+  training set; Federated clients: no more than training rows, ``client_tags`` only for
+  clients that exist, client indices in range, a ``ByCapability`` selection some client
+  can satisfy, a partition that works;
+- the strategy executor's own ``validate(job)`` hook (ModelParallel placement, tensor
+  parallel layout dry run, PopulationBased search space...).
+
+Settings that are adjusted rather than refused (Federated ``run.num_workers`` above
+``num_clients`` is capped; PopulationBased likewise at ``population_size``) are returned
+as warning lines and, with ``warn=True``, issued as :class:`PreflightWarning`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import os
+import re
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from .config import ConfigError
+from .config.job import JobConfig
+
+__all__ = ["preflight", "process_count", "process_limit", "PreflightWarning", "PROCS_PER_CORE"]
+
+# Worker processes per CPU core a job may start without run.allow_oversubscribe: the
+# test suite runs 4 ranks on 2 cores; beyond a few per core, gloo ranks only fight for
+# the CPU (and a typo of 1000 would fork-bomb the machine).
+PROCS_PER_CORE = 4
+
+Problems = list[tuple[str, str]]
+
+
+class PreflightWarning(UserWarning):
+    """A setting preflight adjusts instead of refusing (e.g. a capped worker count)."""
+
+
+def process_limit() -> int:
+    """Worker processes one machine may host: ``cpu_count() x PROCS_PER_CORE``."""
+    return (os.cpu_count() or 1) * PROCS_PER_CORE
+
+
+def process_count(job: JobConfig) -> tuple[int, str]:
+    """(worker processes the job starts, the field that sets that number)."""
+    from .executors import executor_module
+
+    s: Any = job.strategy
+    kind = getattr(s, "type", None)
+    module = executor_module(job)
+    if module.endswith(".tensor_parallel"):
+        tp = job.tensor_parallel.tensor_parallel_size if job.tensor_parallel else 1
+        dp = s.num_replicas if kind == "DataParallel" else 1
+        return tp * dp, "tensor_parallel.tensor_parallel_size"
+    if kind == "DataParallel":
+        return int(s.num_replicas), "strategy.num_replicas"
+    if kind == "ModelParallel":
+        from .executors.model_parallel import num_workers
+
+        field = "workers" if job.workers else "run.num_workers" if job.run.num_workers else "strategy.partitions"
+        return num_workers(job), field
+    if kind == "Federated":
+        from .executors.federated import num_workers as fed_workers
+
+        return fed_workers(job), "run.num_workers"
+    if kind == "PopulationBased":
+        from .executors.population import num_workers as pbt_workers
+
+        return pbt_workers(job), "run.num_workers"
+    return 1, "strategy.type"  # Local, Custom (a coordinator runs in this process)
+
+
+def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True) -> list[str]:
+    """Check ``job`` as ``run`` would before training; ConfigError listing every problem.
+
+    ``job_dir`` is the job file's folder (relative ``run.imports``). Returns the warning
+    lines (``field: message``); with ``warn`` each is also issued as a PreflightWarning."""
+    problems: Problems = []
+    notes: list[str] = []
+    imported = _stage(problems, _imports, job, job_dir)
+    _stage(problems, _device, job)
+    # an implicit ModelParallel world is only counted once its WorkerIds are known good
+    strategy_ok = _stage(problems, _model_parallel_ids, job) and _stage(problems, _processes, job, notes)
+    if imported:
+        _stage(problems, _coordinator, job)
+    bundle = _stage(problems, _build, job) if imported else None
+    if bundle is not None:
+        _stage(problems, _replica_rows, job, len(bundle.train))
+        _stage(problems, _federated, job, bundle)
+        if strategy_ok and not problems:
+            _stage(problems, _executor_hook, job)
+    if warn:
+        for note in notes:
+            warnings.warn(note, PreflightWarning, stacklevel=2)
+    if problems:
+        raise ConfigError(_unique(problems))
+    return notes
+
+
+def _unique(problems: Problems) -> Problems:
+    seen: set[tuple[str, str]] = set()
+    out: Problems = []
+    for p in problems:
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+    return out
+
+
+def _stage(problems: Problems, fn: Any, *args: Any) -> Any:
+    """Run one check: its ConfigError problems are collected; returns its result, or
+    True when it returns nothing, or None when it failed."""
+    try:
+        out = fn(*args)
+    except ConfigError as e:
+        problems.extend(e.problems)
+        return None
+    return True if out is None else out
+
+
+# ----------------------------------------------------------------------- checks
+
+
+def _imports(job: JobConfig, job_dir: Path | None) -> None:
+    from .executors.custom import import_plugins
+
+    import_plugins(list(job.run.imports), base=job_dir)
+
+
+def _coordinator(job: JobConfig) -> None:
+    s: Any = job.strategy
+    if getattr(s, "type", None) != "Custom":
+        return
+    from .executors.custom import registered_coordinators
+
+    known = registered_coordinators()
+    if s.coordinator not in known:
+        hint = ", ".join(known) or "none registered (list the module that registers it in run.imports)"
+        raise ConfigError([("strategy.coordinator", f"no coordinator named {s.coordinator!r}; registered: {hint}")])
+
+
+def _cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _device(job: JobConfig) -> None:
+    run = job.run
+    problems: Problems = []
+    if run.device == "cuda" and not _cuda():
+        problems.append(("run.device", "'cuda' requested but CUDA is not available on this machine; "
+                                       "use 'auto' or 'cpu'"))
+    if run.backend == "nccl":
+        if run.device == "cpu":
+            problems.append(("run.backend", "'nccl' moves CUDA tensors only and run.device is 'cpu'; "
+                                            "use 'gloo' or 'auto'"))
+        elif not _cuda():
+            problems.append(("run.backend", "'nccl' needs CUDA, which this machine does not have; "
+                                            "use 'gloo' or 'auto'"))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _processes(job: JobConfig, notes: list[str]) -> None:
+    from .comm.launch import ENV_NNODES, in_torchrun
+
+    s: Any = job.strategy
+    kind = getattr(s, "type", None)
+    if kind == "Federated" and job.run.num_workers is not None and job.run.num_workers > s.num_clients:
+        notes.append(f"run.num_workers: {job.run.num_workers} workers for {s.num_clients} clients; "
+                     f"capped at {s.num_clients} (a worker without a client has nothing to do)")
+    if kind == "PopulationBased" and job.run.num_workers is not None and job.run.num_workers > s.population_size:
+        notes.append(f"run.num_workers: {job.run.num_workers} workers for a population of "
+                     f"{s.population_size}; capped at {s.population_size}")
+    n, field = process_count(job)
+    if in_torchrun() or job.run.allow_oversubscribe:
+        return  # torchrun chose the world; or the user lifted the limit
+    try:
+        nnodes = max(1, int(os.environ.get(ENV_NNODES, "1")))
+    except ValueError:
+        nnodes = 1
+    here = math.ceil(n / nnodes)
+    limit = process_limit()
+    if here > limit:
+        per = f" ({n} over {nnodes} machines)" if nnodes > 1 else ""
+        raise ConfigError([(field, (
+            f"the job would start {here} worker processes on this machine{per}, more than it can "
+            f"take: {os.cpu_count() or 1} CPU cores x {PROCS_PER_CORE} = {limit}; lower it or set "
+            f"run.allow_oversubscribe = true"))])
+
+
+def _model_parallel_ids(job: JobConfig) -> None:
+    from .config.strategy import WorkerIdTarget
+
+    s: Any = job.strategy
+    if getattr(s, "type", None) != "ModelParallel" or job.workers or job.run.num_workers is not None:
+        return
+    parts = list(s.partitions)
+    top = len(parts)  # implicit workers: worker-0 .. worker-<top>
+    problems: Problems = []
+    for i, part in enumerate(parts):
+        if not isinstance(part.target, WorkerIdTarget):
+            continue
+        m = re.fullmatch(r"worker-(\d+)", part.target.WorkerId)
+        if m and int(m.group(1)) > top:
+            problems.append((f"strategy.partitions[{i}].target.WorkerId", (
+                f"no worker {part.target.WorkerId!r}: without [[workers]] or run.num_workers this "
+                f"job's workers are worker-0..worker-{top} (one per partition, plus rank 0 for the "
+                f"nodes no partition claims); declare the workers in [[workers]]")))
+    if problems:
+        raise ConfigError(problems)
+
+
+# Zoo size arguments: (kwarg, smallest value, a list of them?).
+_ZOO_SIZES: dict[str, list[tuple[str, int, bool]]] = {
+    "mlp": [("hidden", 1, True)],
+    "cnn": [("channels", 1, True)],
+    "transformer": [("d_model", 1, False), ("heads", 1, False), ("layers", 0, False), ("seq_len", 1, False)],
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _zoo_sizes(name: str, kwargs: dict[str, Any]) -> Problems:
+    problems: Problems = []
+    for kw, low, many in _ZOO_SIZES.get(name, []):
+        if kw not in kwargs or kwargs[kw] is None:
+            continue
+        v = kwargs[kw]
+        if many:
+            if not isinstance(v, list):
+                problems.append((f"model.{kw}", f"must be a list of layer sizes (got {v!r})"))
+                continue
+            bad = [(i, x) for i, x in enumerate(v) if not _is_int(x) or x < low]
+            if bad:
+                i, x = bad[0]
+                problems.append((f"model.{kw}", f"layer sizes must be integers >= {low} "
+                                                f"(got {x!r} at index {i} of {v!r})"))
+        elif not _is_int(v) or v < low:
+            problems.append((f"model.{kw}", f"must be an integer >= {low} (got {v!r})"))
+    return problems
+
+
+def _unknown_kwargs(fn: Any, kwargs: dict[str, Any], *, section: str, what: str,
+                    skip: tuple[str, ...] = ()) -> Problems:
+    """``section.<kw>`` for each kwarg ``fn`` cannot take (nothing when it has **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return []
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return []
+    valid = [n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                         inspect.Parameter.KEYWORD_ONLY)
+             and n not in skip]
+    return [(f"{section}.{kw}", f"{what} takes no option {kw!r}; valid: {', '.join(valid) or '(none)'}")
+            for kw in kwargs if kw not in valid]
+
+
+def _field_of(message: str, names: list[str], section: str, aliases: dict[str, str] | None = None) -> str:
+    """``section.<kw>`` for the first kwarg the message mentions, else ``section``."""
+    low = message.lower()
+    for phrase, name in (aliases or {}).items():
+        if phrase in low and name in names:
+            return f"{section}.{name}"
+    for name in names:
+        if name.lower() in low:
+            return f"{section}.{name}"
+    return section
+
+
+def _build(job: JobConfig) -> Any:
+    """Load the data, build the model with its kwargs, run it on two rows, build the
+    optimizer with its kwargs; the data bundle."""
+    import torch
+
+    from .data import load_data
+    from .models import build_model
+    from .models.zoo import MODELS, import_object
+    from .training import build_optimizer
+
+    try:
+        bundle = load_data(job.data, seed=job.run.seed)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user factory's own error: one line
+        raise ConfigError([("data", _one_line(f"loading the data failed: {type(e).__name__}: {e}"))]) from None
+    spec = job.model
+    kwargs = spec.kwargs
+    problems: Problems = []
+    if spec.factory is not None:
+        fn = import_object(spec.factory, field="model.factory")
+        problems += _unknown_kwargs(fn, kwargs, section="model", what=f"factory {spec.factory!r}",
+                                    skip=("input_shape", "num_classes"))
+    elif spec.name in MODELS:
+        problems += _unknown_kwargs(MODELS[spec.name], kwargs, section="model", what=f"model {spec.name!r}",
+                                    skip=("input_shape", "num_classes"))
+        problems += _zoo_sizes(str(spec.name), kwargs)
+    if problems:
+        raise ConfigError(problems)
+    try:
+        model = build_model(spec, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        msg = _one_line(f"building the model failed: {type(e).__name__}: {e}")
+        raise ConfigError([(_field_of(msg, list(kwargs), "model"), msg)]) from None
+    x, _ = bundle.train.tensors
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(x[:2])
+    except Exception as e:  # noqa: BLE001
+        msg = _one_line(f"the model fails on two training rows of shape {tuple(x[:2].shape)}: "
+                        f"{type(e).__name__}: {e}")
+        raise ConfigError([(_field_of(msg, list(kwargs), "model"), msg)]) from None
+    opt = job.train.optimizer
+    okw = {"lr": opt.lr, **opt.kwargs}
+    from .training.optim import OPTIMIZERS
+
+    unknown = _unknown_kwargs(OPTIMIZERS[opt.name], opt.kwargs, section="train.optimizer",
+                              what=f"optimizer {opt.name!r}", skip=("params",))
+    if unknown:
+        raise ConfigError(unknown)
+    try:
+        build_optimizer(model.parameters(), opt)
+    except ConfigError as e:
+        msg = e.problems[0][1]
+        raise ConfigError([(_field_of(msg, list(okw), "train.optimizer", _TORCH_OPT_WORDS), msg)]) from None
+    return bundle
+
+
+# How torch's optimizers name their arguments in ValueError messages.
+_TORCH_OPT_WORDS = {"learning rate": "lr", "epsilon": "eps", "beta": "betas", "weight_decay": "weight_decay",
+                    "nesterov": "nesterov"}
+
+
+def _one_line(msg: str, limit: int = 300) -> str:
+    line = (msg.splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _replica_rows(job: JobConfig, rows: int) -> None:
+    from .executors import executor_module
+
+    s: Any = job.strategy
+    kind = getattr(s, "type", None)
+    if kind != "DataParallel" and not executor_module(job).endswith(".tensor_parallel"):
+        return
+    replicas = int(s.num_replicas) if kind == "DataParallel" else 1
+    need = replicas * job.train.batch_size
+    if rows < need:
+        raise ConfigError([("strategy.num_replicas" if replicas > 1 else "train.batch_size", (
+            f"{replicas} replica(s) x train.batch_size {job.train.batch_size} = {need} rows per step, "
+            f"but the training set has {rows} rows; lower num_replicas or batch_size"))])
+
+
+def _federated(job: JobConfig, bundle: Any) -> None:
+    s: Any = job.strategy
+    if getattr(s, "type", None) != "Federated":
+        return
+    from .comm.context import default_workers
+    from .data.partition import partition_indices
+    from .executors.federated import num_workers
+    from .executors.federated.runner import check_job, client_tags
+    from .executors.federated.selection import select_clients
+
+    rows = len(bundle.train)
+    if s.num_clients > rows:
+        raise ConfigError([("strategy.num_clients", f"{s.num_clients} clients but the training set "
+                                                    f"has {rows} rows: every client needs at least one")])
+    world = num_workers(job)
+    check_job(job, world_size=world)
+    _, y = bundle.train.tensors
+    try:
+        partition_indices(y, s.num_clients, job.data.partition, seed=job.run.seed)
+    except ValueError as e:
+        raise ConfigError([("data.partition", _one_line(str(e)))]) from None
+    if getattr(s.client_selection, "method", None) == "ByCapability":
+        ctx = SimpleNamespace(workers=default_workers(world, list(job.workers)), world_size=world)
+        try:
+            select_clients(s.client_selection, num_clients=s.num_clients, round_idx=0,
+                           seed=job.run.seed, client_tags=client_tags(job, ctx))  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ConfigError([("strategy.client_selection.required_tags", str(e).split(": ", 1)[-1])]) from None
+
+
+def _executor_hook(job: JobConfig) -> None:
+    """The strategy executor's own ``validate(job)``, when it has one."""
+    from .executors import executor_module
+
+    module = importlib.import_module(executor_module(job))
+    check = getattr(module, "validate", None)
+    if callable(check):
+        check(job)
