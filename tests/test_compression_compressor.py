@@ -135,7 +135,7 @@ def test_roundtrip_does_not_alias_input() -> None:
 leaves = st.one_of(
     st.just({"method": "None"}),
     st.builds(lambda k: {"method": "TopK", "k": k}, st.integers(1, 30)),  # k = 0 is an error
-    st.builds(lambda k: {"method": "RandomK", "k": k}, st.integers(0, 30)),
+    st.builds(lambda k: {"method": "RandomK", "k": k}, st.integers(1, 30)),
     st.builds(lambda t: {"method": "Threshold", "threshold": t}, st.floats(0, 2)),
     st.builds(lambda b: {"method": "Quantization", "bits": b}, st.integers(1, 32)),
 )

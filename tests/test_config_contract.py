@@ -256,7 +256,7 @@ def test_property_strategy_round_trip(doc: dict) -> None:
 def _compression_docs(depth: int) -> st.SearchStrategy[dict]:
     leaf = st.one_of(
         st.just({"method": "None"}), st.integers(1, 10**6).map(lambda k: {"method": "TopK", "k": k}),
-        st.integers(0, 10**6).map(lambda k: {"method": "RandomK", "k": k}),
+        st.integers(1, 10**6).map(lambda k: {"method": "RandomK", "k": k}),
         floats.map(lambda t: {"method": "Threshold", "threshold": t}),
         st.integers(1, 32).map(lambda b: {"method": "Quantization", "bits": b}),
         st.builds(lambda b, r: {"method": "Quantization", "bits": b, "rounding": r},

@@ -346,6 +346,13 @@ def test_topk_k_zero_is_an_error_naming_the_field(tmp_path: Path, capsys: pytest
     assert load_compression({"method": "TopK", "k": 1}).k == 1
 
 
+def test_randomk_k_zero_is_an_error_naming_the_field() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_compression({"method": "RandomK", "k": 0})
+    assert info.value.problems[0][0] == "k" and "nothing would be sent" in info.value.problems[0][1]
+    assert load_compression({"method": "RandomK", "k": 1}).k == 1
+
+
 # ------------------------------------------------------------ lenient unknown keys
 
 

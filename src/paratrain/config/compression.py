@@ -22,6 +22,13 @@ class NoCompression(Contract):
     method: Literal["None"] = "None"
 
 
+def _k_sends_something(k: int) -> int:
+    if k == 0:
+        raise ValueError("k = 0 keeps no entry, so nothing would be sent; use k >= 1 "
+                         "(or method = \"None\" for no compression)")
+    return k
+
+
 class TopK(Contract):
     """Keep the ``k`` entries of largest magnitude per tensor (k >= n keeps all).
 
@@ -31,20 +38,19 @@ class TopK(Contract):
     method: Literal["TopK"] = "TopK"
     k: Count
 
-    @field_validator("k")
-    @classmethod
-    def _sends_something(cls, k: int) -> int:
-        if k == 0:
-            raise ValueError("k = 0 keeps no entry, so nothing would be sent; use k >= 1 "
-                             "(or method = \"None\" for no compression)")
-        return k
+    _sends_something = field_validator("k")(lambda k: _k_sends_something(k))
 
 
 class RandomK(Contract):
-    """Keep ``k`` positions drawn from a generator seeded by (seed, step, key)."""
+    """Keep ``k`` positions drawn from a generator seeded by (seed, step, key).
+
+    ``k = 0`` is an error, as for TopK: no position would ever be sent.
+    """
 
     method: Literal["RandomK"] = "RandomK"
     k: Count
+
+    _sends_something = field_validator("k")(lambda k: _k_sends_something(k))
 
 
 class Threshold(Contract):
