@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import socket
+import signal
 from pathlib import Path
 
 import pytest
 
 from paratrain.comm.launch import WorkerError, _reraise, launch
-from paratrain.comm.testing import free_port
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
 
@@ -25,24 +24,18 @@ def _job(**run: object) -> JobConfig:
 
 
 def test_launch_two_processes_group_store_and_workers(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The first "free" port is already taken (another job grabbed it): launch retries.
-    import paratrain.comm.launch as launch_mod
+    # launch never picks a port beforehand (bind, close, bind again races with every
+    # other socket on the machine): the rendezvous store binds port 0 itself.
+    import paratrain.comm.testing as testing_mod
 
-    held = socket.socket()
-    held.bind(("127.0.0.1", 0))
-    held.listen(1)
-    calls: list[int] = []
+    def no_picking() -> int:
+        raise AssertionError("launch must not pre-pick a port")
 
-    def first_taken() -> int:
-        calls.append(1)
-        return int(held.getsockname()[1]) if len(calls) == 1 else free_port()
-
-    monkeypatch.setattr(launch_mod, "free_port", first_taken)
-    try:
-        out = launch(_job(), nprocs=2, target="_workers_dp:launch_probe")
-    finally:
-        held.close()
-    assert len(calls) == 2  # the taken port failed the rendezvous, the second one worked
+    monkeypatch.setattr(testing_mod, "free_port", no_picking)
+    before = signal.getsignal(signal.SIGINT)
+    out = launch(_job(), nprocs=2, target="_workers_dp:launch_probe")
+    # The elastic agent's SIGINT handler is gone again: Ctrl-C is a KeyboardInterrupt.
+    assert signal.getsignal(signal.SIGINT) is before
     assert out["rank"] == 0 and out["world_size"] == 2
     assert out["sum"] == 3.0  # 1 + 2 through a real all-reduce
     assert out["peer"] == 10  # rank 1's value through the TCPStore control plane
@@ -51,10 +44,16 @@ def test_launch_two_processes_group_store_and_workers(monkeypatch: pytest.Monkey
     assert out["resume"] is False and out["restart_count"] == 0
 
 
-def test_worker_error_surfaces_root_cause() -> None:
+def test_worker_error_surfaces_root_cause(tmp_path: Path) -> None:
     with pytest.raises(WorkerError, match="boom from rank one: bad shard 42") as info:
-        launch(_job(), nprocs=2, target="_workers_dp:launch_fail")
-    assert info.value.rank == 1
+        launch(_job(output_dir=str(tmp_path)), nprocs=2, target="_workers_dp:launch_fail")
+    assert info.value.rank == 1 and info.value.signal is None
+    # The traceback is in the failed worker's log, and the one-line summary says where.
+    log = tmp_path / "launch-test" / "worker-1.log"
+    assert info.value.log == log
+    text = log.read_text()
+    assert "Traceback" in text and "_workers_dp.py" in text and "bad shard 42" in text
+    assert info.value.summary() == f"ValueError: boom from rank one: bad shard 42 (worker 1; traceback in {log})"
 
 
 def _record(monkeypatch: pytest.MonkeyPatch, path: Path, exc: BaseException) -> None:
@@ -99,3 +98,36 @@ def test_torchrun_env_runs_in_process_and_checks_world_size(monkeypatch: pytest.
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(ConfigError, match="WORLD_SIZE=1"):
         launch(_job(), nprocs=2, target="_workers_dp:launch_probe")
+
+
+def test_a_killed_worker_is_the_cause_not_the_peer_that_lost_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 is SIGKILLed (no error file, exit -9); rank 0 then raises "connection
+    reset" (an error file written first). The kill is the cause."""
+    from paratrain.comm.launch import _attempt_failures, _root
+
+    _record(monkeypatch, tmp_path / "0" / "error.json",
+            RuntimeError("[pair.cc:537] Read error [127.0.0.1]:53955: Connection reset by peer"))
+    failures = _attempt_failures({0: str(tmp_path / "0" / "error.json"), 1: ""}, {0: 0, 1: 1}, {1: -9})
+    root = _root(failures)
+    assert root is not None and (root.rank, root.signal) == (1, "SIGKILL")
+    # The agent's own SIGTERM to a survivor is never the cause.
+    root = _root(_attempt_failures({}, {0: 0, 1: 1}, {0: -15, 1: -11}))
+    assert root is not None and (root.rank, root.signal) == (1, "SIGSEGV")
+
+
+def test_resume_point_is_what_the_executors_resume_from(tmp_path: Path) -> None:
+    from paratrain.comm.launch import _resume_point
+
+    ckpts = tmp_path / "checkpoints"
+    assert _resume_point(tmp_path) is None
+    for d, steps in (("dp-rank0", (4, 6)), ("dp-rank1", (2, 4))):
+        (ckpts / d).mkdir(parents=True)
+        for s in steps:
+            (ckpts / d / f"ckpt-{s:09d}.pt").write_bytes(b"")
+    assert _resume_point(tmp_path) == 4  # the newest step every rank holds
+    (ckpts / "ckpt-000000003.pt").write_bytes(b"")
+    assert _resume_point(tmp_path) == 3  # a top-level (server) checkpoint
+    (ckpts / "dp-complete.json").write_text('{"step": 2, "replicas": 2}')
+    assert _resume_point(tmp_path) == 2  # the completion marker wins

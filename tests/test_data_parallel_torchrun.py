@@ -87,7 +87,8 @@ def test_launch_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     job = load_job({"run": {"name": "j", "max_restarts": 3}})
     cfg = launch_config(job, nprocs=4)
     assert (cfg.nproc_per_node, cfg.min_nodes, cfg.max_restarts, cfg.rdzv_backend) == (4, 1, 3, "c10d")
-    assert cfg.rdzv_endpoint.startswith("127.0.0.1:") and cfg.start_method == "spawn"
+    # Port 0: the store binds a port the kernel picks (nothing can take it first).
+    assert cfg.rdzv_endpoint == "127.0.0.1:0" and cfg.start_method == "spawn"
     monkeypatch.setenv("PARATRAIN_NNODES", "2")
     monkeypatch.setenv("PARATRAIN_RDZV_ENDPOINT", "10.0.0.1:29500")
     cfg = launch_config(job, nprocs=4)
@@ -98,11 +99,13 @@ def test_launch_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="cannot share evenly"):
         launch_config(job, nprocs=3)
     monkeypatch.setenv("PARATRAIN_NODE_RANK", "5")
-    with pytest.raises(ConfigError, match="PARATRAIN_NODE_RANK"):
+    with pytest.raises(ConfigError, match="must be in") as info:
         launch_config(job, nprocs=4)
+    assert info.value.problems[0][0] == "--node-rank"  # the flag, not the variable
     monkeypatch.delenv("PARATRAIN_RDZV_ENDPOINT")
-    with pytest.raises(ConfigError, match="PARATRAIN_RDZV_ENDPOINT"):
+    with pytest.raises(ConfigError, match="required with more than one node") as info:
         launch_config(job, nprocs=4)
+    assert info.value.problems[0][0] == "--rdzv-endpoint"
 
 
 def test_worker_module_rejects_a_world_size_that_does_not_match(tmp_path: Path) -> None:

@@ -97,7 +97,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _print_problems(_problems(e, args.job))
         return EXIT_USAGE
     # Multi-node launch options travel to comm.launch through the environment, the
-    # same way torchrun passes its own settings.
+    # same way torchrun passes its own settings; checked first, so an error names the flag.
+    from .comm.launch import WorkerError, check_nodes
+
+    try:
+        check_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
+    except ConfigError as e:
+        _print_problems([f"error: {line}" for line in _problems(e)])
+        return EXIT_USAGE
+    # Workers import the job's plugins (run.imports) relative to the job file's folder.
+    os.environ.setdefault("PARATRAIN_JOB_DIR", str(Path(args.job).resolve().parent))
     if args.nnodes is not None:
         os.environ["PARATRAIN_NNODES"] = str(args.nnodes)
     if args.node_rank is not None:
@@ -113,6 +122,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted; continue with --resume", file=sys.stderr)
         return 130
+    except WorkerError as e:
+        # One line; the worker's traceback is in runs/<name>/worker-<rank>.log.
+        if os.environ.get("PARATRAIN_DEBUG"):
+            raise
+        print(f"error: {e.summary()}", file=sys.stderr)
+        return EXIT_FAIL
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback
         if os.environ.get("PARATRAIN_DEBUG"):
             raise
@@ -125,8 +140,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _version() -> str:
+    """The installed package's version (its metadata), or "unknown" when not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("paratrain")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paratrain", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"paratrain {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="run a job file (TOML, JSON or YAML)")

@@ -1,0 +1,130 @@
+"""The process-group lifecycle of one worker process (the only place that joins and
+leaves the default group).
+
+:func:`join_process_group` reads the environment a launcher set (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, and torch elastic's
+``TORCHELASTIC_RESTART_COUNT`` / ``TORCHELASTIC_USE_AGENT_STORE``), picks the device and
+backend, joins the default process group through a TCPStore and returns the
+:class:`~paratrain.comm.context.WorkerContext`. :func:`leave_process_group` destroys the
+group; :func:`process_group` does both around a ``with`` block (and leaves only a group it
+joined itself).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import ConfigError
+from .context import WorkerContext, default_workers
+
+__all__ = ["resolve_device", "join_process_group", "leave_process_group", "process_group"]
+
+
+def resolve_device(requested: str, local_rank: int) -> torch.device:
+    """``auto`` = CUDA when available (one GPU per local rank, round robin), else CPU."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError([("run.device", "cuda requested but torch.cuda.is_available() is False")])
+    if requested in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _backend(job: Any, device: torch.device) -> str:
+    backend: str = job.run.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if backend == "nccl" and device.type == "cuda" and local_world > torch.cuda.device_count():
+        raise ConfigError([(
+            "run.backend",
+            f"NCCL needs one GPU per process: {local_world} processes on this node but "
+            f"{torch.cuda.device_count()} GPU(s); set run.backend = \"gloo\" or use fewer processes",
+        )])
+    if backend == "nccl" and device.type != "cuda":
+        raise ConfigError([("run.backend", "nccl needs CUDA devices; use gloo on CPU")])
+    return backend
+
+
+def join_process_group(job: Any) -> WorkerContext:
+    """Join the default process group from the environment; return the WorkerContext.
+
+    When a group already exists (a caller joined it) it is reused, with the control
+    plane under its default store.
+    """
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(job.run.device, local_rank)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    else:
+        torch.cuda.set_device(device)
+    backend = _backend(job, device)
+    restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    timeout = timedelta(seconds=job.comm.timeout_s)
+    store: Any
+    if not dist.is_initialized():
+        # The elastic agent shares one TCPStore across restart attempts, so keys written
+        # by the group of attempt k (gloo's peer addresses) would be read by attempt k+1
+        # and point at dead processes. Every attempt gets its own key prefix.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        base = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size,
+            is_master=(not agent_store and rank == 0),
+            timeout=timeout,
+        )
+        store = dist.PrefixStore(f"paratrain/attempt_{restart_count}/", base)
+        kwargs: dict[str, Any] = {}
+        if device.type == "cuda":
+            kwargs["device_id"] = device
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            **kwargs,
+        )
+    else:
+        store = dist.PrefixStore("paratrain/", dist.distributed_c10d._get_default_store())
+    control = dist.PrefixStore("control/", store)
+    return WorkerContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        device=device,
+        backend=backend,
+        group=dist.group.WORLD,
+        store=control,
+        workers=default_workers(world_size, list(job.workers)),
+        restart_count=restart_count,
+    )
+
+
+def leave_process_group() -> None:
+    """Destroy the default process group (and its subgroups); best effort."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+
+@contextmanager
+def process_group(job: Any) -> Iterator[WorkerContext]:
+    """Join the default group for the block; leave it afterwards if this call joined it."""
+    owns_group = not dist.is_initialized()
+    try:
+        yield join_process_group(job)
+    finally:
+        if owns_group:
+            leave_process_group()
