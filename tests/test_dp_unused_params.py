@@ -243,3 +243,69 @@ def test_weight_decay_would_move_an_unused_layer_with_a_zero_gradient() -> None:
             p.grad = torch.zeros_like(p)
         opt.step()
         assert not torch.equal(layer.weight.detach(), before)
+
+
+# ------------------------------------------------------------------ tensor parallel x DP
+
+
+class TPNet(nn.Module):
+    """``body`` = fc0 -> GELU -> fc1 (sharded column/row), plus ``dead`` (never called)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 30), nn.GELU(), nn.Linear(30, 12))
+        self.dead = nn.Linear(30, 12)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def tp_dp_dead_layer(ctx: WorkerContext) -> dict[bool, dict[str, float]]:
+    """tp = 2 x dp = 2, 3 SGD (momentum + weight decay) steps of 2 micro-batches, with and
+    without gradient accumulation: each must equal dense SGD on the whole batch, with the
+    dead layer untouched."""
+    import copy
+
+    from paratrain.comm.tp_ops import build_tp_groups
+    from paratrain.config import TensorParallelismConfig
+    from paratrain.tensor_parallel import parallelize, train_step
+
+    torch.manual_seed(0)
+    dense = TPNet()
+    init = {k: v.clone() for k, v in dense.state_dict().items()}
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(16, 16, generator=g), torch.randint(0, 12, (16,), generator=g)
+    groups = build_tp_groups(2)
+    d = groups.tp_index
+    opt_args = {k: v for k, v in SGD.items() if k != "name"}
+    ref = copy.deepcopy(dense)
+    ropt = torch.optim.SGD(ref.parameters(), **opt_args)
+    for _ in range(3):
+        ropt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(ref(x), y).backward()
+        ropt.step()
+    out: dict[bool, dict[str, float]] = {}
+    for accumulate in (True, False):
+        conf = TensorParallelismConfig(tensor_parallel_size=2, memory_optimization="None",
+                                       gradient_accumulation=accumulate)
+        tpm = parallelize(copy.deepcopy(dense), conf, groups)
+        opt = torch.optim.SGD(tpm.parameters(), **opt_args)
+        for _ in range(3):
+            train_step(tpm, x[d * 8 : (d + 1) * 8], y[d * 8 : (d + 1) * 8],
+                       nn.functional.cross_entropy, opt, micro_batches=2)
+        full = tpm.dense_state_dict()
+        out[accumulate] = {
+            "live_diff": max(float((full[k] - p.detach()).abs().max())
+                             for k, p in ref.named_parameters() if not k.startswith("dead")),
+            "dead_moved": max(float((full[k] - init[k]).abs().max()) for k in DEAD),
+            "live_moved": float((full["body.0.weight"] - init["body.0.weight"]).abs().max()),
+        }
+    return out
+
+
+def test_tensor_parallel_x_dp_leaves_the_dead_layer() -> None:
+    for r in run_distributed(tp_dp_dead_layer, 4, timeout_s=200):
+        for accumulate, res in r.items():
+            assert res["dead_moved"] == 0.0, f"gradient_accumulation={accumulate}"
+            assert res["live_moved"] > 1e-3
+            assert res["live_diff"] < 1e-5

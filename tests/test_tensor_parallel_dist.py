@@ -88,9 +88,10 @@ def test_fusion_coalesces_collectives(r2: list[dict[str, Any]], r4: list[dict[st
     # q/k/v input gradients: three all-reduces, one when fused
     assert r2[0]["attn_unfused"]["bwd"] == {"all_reduce": 3}
     assert r2[0]["attn_fused"]["bwd"] == {"all_reduce": 1}
-    # 2-D: the four DP gradient reductions of an MLP block go out as one flat buffer
+    # 2-D: the four DP gradient reductions of an MLP block, and the flags saying which
+    # parameters some replica used, go out as one flat buffer (5 collectives unfused)
     for r in r4:
-        assert r["two_d"][0]["sync_collectives"] == 4
+        assert r["two_d"][0]["sync_collectives"] == 5
         assert r["two_d"][1 << 20]["sync_collectives"] == 1
 
 

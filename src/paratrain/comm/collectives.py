@@ -335,10 +335,12 @@ def send_bytes(data: bytes | torch.Tensor, *, dst: int, group: Any = None,
     _count(counter, "send", (8 if header else 0) + payload.numel())
 
 
-def recv_bytes(*, src: int, group: Any = None, max_bytes: int = 1 << 32, nbytes: int | None = None) -> bytes:
+def recv_bytes(*, src: int, group: Any = None, max_bytes: int = 1 << 32, nbytes: int | None = None,
+               counter: CommCounter | None = None) -> bytes:
     """Receive what :func:`send_bytes` sent; a length above ``max_bytes`` is an error.
 
     ``nbytes`` given: the sender used ``header=False`` and this many bytes follow.
+    ``counter`` books them under ``recv``.
     """
     dev = comm_device(group)
     if nbytes is None:
@@ -351,6 +353,7 @@ def recv_bytes(*, src: int, group: Any = None, max_bytes: int = 1 << 32, nbytes:
         return b""
     buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     dist.recv(buf, src=src, group=group)
+    _count(counter, "recv", nbytes)
     return bytes(buf.cpu().numpy().tobytes())
 
 

@@ -406,9 +406,17 @@ class TensorParallelModule(nn.Module):
         if self.groups.dp is not None and self.dp_sync is not None:
             self.dp_sync()
             n += 1
-        elif self.groups.dp is not None:
-            n += self.groups.dp.all_reduce_coalesced_([_grad(p) for p in self.module.parameters()],
-                                                     average=True)
+        elif self.groups.dp is not None and any(True for _ in self.module.parameters()):
+            # DDP's find_unused_parameters rule: a parameter no replica used keeps grad
+            # None. One flag per parameter travels with the gradients (fused into their
+            # buffer); replicas that did not use a parameter add zeros.
+            params = list(self.module.parameters())
+            ref = params[0]
+            flags = torch.tensor([p.grad is not None for p in params], dtype=ref.dtype, device=ref.device)
+            n += self.groups.dp.all_reduce_coalesced_([*(_grad(p) for p in params), flags], average=True)
+            for p, used in zip(params, flags.tolist(), strict=True):
+                if used == 0:
+                    p.grad = None
         return n
 
     # -- state -----------------------------------------------------------------------------

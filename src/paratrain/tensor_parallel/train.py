@@ -36,6 +36,7 @@ def train_step(
     accumulate = model.config.gradient_accumulation
     params = [p for p in model.parameters() if p.requires_grad]
     synced: list[torch.Tensor] | None = None
+    used = [False] * len(params)  # got a gradient in some micro-batch (after the sync)
     total = 0.0
     for xc, yc in zip(torch.tensor_split(x, micro_batches), torch.tensor_split(y, micro_batches),
                       strict=True):
@@ -46,6 +47,7 @@ def train_step(
         total += float(loss.detach())
         if not accumulate and model.needs_sync:
             model.sync_gradients()
+            used = [u or p.grad is not None for u, p in zip(used, params, strict=True)]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             if synced is None:
                 synced = [g.clone() for g in grads]
@@ -56,7 +58,9 @@ def train_step(
     if accumulate or not model.needs_sync:
         model.sync_gradients()
     elif synced is not None:
-        for p, s in zip(params, synced, strict=True):
-            p.grad = s
+        # A parameter no micro-batch (and no replica) produced a gradient for stays None,
+        # so the optimizer skips it.
+        for p, s, u in zip(params, synced, used, strict=True):
+            p.grad = s if u else None
     optimizer.step()
     return total
