@@ -31,7 +31,7 @@ from .layers import (
     SelfAttention,
 )
 from .memory import ActivationMeter
-from .parallelize import TensorParallelModule, is_attention, parallelize
+from .parallelize import AttentionSpec, TensorParallelModule, is_attention, parallelize
 from .partition import (
     TensorParallelism,
     TensorPartition,
@@ -47,6 +47,7 @@ from .train import train_step
 
 __all__ = [
     "ActivationMeter",
+    "AttentionSpec",
     "ColumnParallelLinear",
     "GridLinear",
     "ParallelSelfAttention",

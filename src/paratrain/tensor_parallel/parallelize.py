@@ -8,10 +8,28 @@ Rules (DESIGN §4, Megatron-LM §3):
   activation stays sharded and one reduction per direction is needed. Lone Linears stay
   replicated. With only ``column_parallel``, every Linear becomes column-parallel with
   gathered output; with only ``row_parallel``, row-parallel with a split input.
-- A module with ``q``, ``k``, ``v``, ``o`` Linears and ``num_heads`` is self-attention:
-  heads are split over the ranks (:class:`ParallelSelfAttention`); a batch-first
-  ``nn.TransformerEncoderLayer`` becomes :class:`ParallelEncoderLayer` (attention heads
-  split, linear1/linear2 as a column/row pair, layer norms replicated).
+- Self-attention is split by heads (:class:`ParallelSelfAttention`) only where the
+  conversion provably computes the same function: paratrain's own
+  :class:`~paratrain.tensor_parallel.layers.SelfAttention` (``forward`` not overridden),
+  or a module that **opts in** with a method ``__paratrain_tp_attention__(self)`` returning
+  an :class:`AttentionSpec` ``(q, k, v, o, num_heads, causal)``. Returning a spec promises
+  that ``forward(x)`` for ``x`` of shape ``[B, S, E]`` is
+  ``o(SelfAttention.attend(q(x), k(x), v(x), num_heads, causal))`` and that q/k/v/o hold
+  every parameter and buffer of the module (checked: anything else is a ConfigError, it
+  would be lost). Returning ``None`` keeps the module as it is (replicated). Any other
+  module with ``q``/``k``/``v``/``o`` Linears and ``num_heads`` is **not** replaced: its
+  forward may differ (a causal flag under another name, extra parameters, another
+  scaling), so ``parallelize`` raises a ConfigError naming the module's path and how to
+  opt in. A batch-first ``nn.TransformerEncoderLayer`` (``forward``, ``_sa_block`` and
+  ``_ff_block`` not overridden; a plain ``nn.MultiheadAttention`` with a packed in_proj,
+  no ``bias_k``/``bias_v``/``add_zero_attn`` and attention dropout 0; no extra
+  parameters) becomes :class:`ParallelEncoderLayer` (attention heads split,
+  linear1/linear2 as a column/row pair, layer norms replicated); any other encoder layer
+  is a ConfigError naming its path and the unsupported feature.
+- Only plain ``nn.Linear`` layers (``forward`` not overridden, no parameters besides
+  ``weight`` and ``bias``) are sharded, and only the element-wise modules listed in
+  :data:`ELEMENTWISE` (``forward`` not overridden) may sit inside a pair. A Linear subclass
+  with its own forward or extra parameters stays replicated, with a warning naming it.
 - Weights are sliced from the given (full) model, so the result computes the same function.
 
 ``partitioning_strategy`` picks how each pair is split: ColumnWise = column-then-row
@@ -44,6 +62,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,10 +88,12 @@ from .layers import (
     ParallelSelfAttention,
     RegionState,
     RowParallelLinear,
+    SelfAttention,
 )
 from .partition import TensorParallelism, partition_shape, split_sizes
 
-__all__ = ["ELEMENTWISE", "TensorParallelModule", "parallelize", "is_attention"]
+__all__ = ["ELEMENTWISE", "AttentionSpec", "TP_ATTENTION_PROTOCOL", "TensorParallelModule",
+           "parallelize", "is_attention", "attention_spec"]
 
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Dropout, nn.Identity, nn.LeakyReLU,
@@ -82,8 +103,147 @@ _PARALLEL = (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention, Par
              GridLinear)
 
 
-def is_attention(m: nn.Module) -> bool:
+TP_ATTENTION_PROTOCOL = "__paratrain_tp_attention__"
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a module returns from ``__paratrain_tp_attention__()`` to have its heads split:
+    its four projections, its head count and whether it masks future positions. It
+    promises ``forward(x) == o(SelfAttention.attend(q(x), k(x), v(x), num_heads, causal))``
+    and that q/k/v/o hold all of the module's parameters and buffers."""
+
+    q: nn.Linear
+    k: nn.Linear
+    v: nn.Linear
+    o: nn.Linear
+    num_heads: int
+    causal: bool = False
+
+
+def _looks_like_attention(m: nn.Module) -> bool:
     return hasattr(m, "num_heads") and all(isinstance(getattr(m, n, None), nn.Linear) for n in "qkvo")
+
+
+def _is_own_attention(m: nn.Module) -> bool:
+    t = type(m)
+    return (isinstance(m, SelfAttention) and t.forward is SelfAttention.forward
+            and t.attend is SelfAttention.attend)
+
+
+def _where(path: str, m: nn.Module) -> str:
+    return f"{path.rstrip('.') or '<root>'} ({type(m).__qualname__})"
+
+
+def _opt_in_hint() -> str:
+    return (f"define {TP_ATTENTION_PROTOCOL}(self) on the class returning "
+            "paratrain.tensor_parallel.AttentionSpec(q, k, v, o, num_heads, causal) if its forward "
+            "is o(SelfAttention.attend(q(x), k(x), v(x), num_heads, causal)), use paratrain's "
+            "SelfAttention, or return None from it to keep the module replicated")
+
+
+def _foreign_tensors(m: nn.Module, allowed: list[nn.Module]) -> list[str]:
+    """Names of ``m``'s parameters and buffers that belong to none of ``allowed``."""
+    mine = {id(t) for a in allowed for t in (*a.parameters(), *a.buffers())}
+    return [n for n, t in (*m.named_parameters(), *m.named_buffers()) if id(t) not in mine]
+
+
+def attention_spec(m: nn.Module, path: str = "") -> AttentionSpec | None:
+    """The :class:`AttentionSpec` ``parallelize`` splits ``m`` by, or ``None`` to leave ``m``
+    alone (see the module docstring). A ConfigError naming ``path`` when ``m`` looks like
+    attention but is not provably equivalent, or when an opt-in spec is inconsistent."""
+    field = "model"
+    opt_in = getattr(type(m), TP_ATTENTION_PROTOCOL, None)
+    if opt_in is not None:
+        spec = getattr(m, TP_ATTENTION_PROTOCOL)()
+        if spec is None:
+            return None
+        if not isinstance(spec, AttentionSpec):
+            raise ConfigError([(field, f"{_where(path, m)}: {TP_ATTENTION_PROTOCOL}() must return "
+                                       f"an AttentionSpec or None (got {type(spec).__name__})")])
+        bad = [n for n in "qkvo" if not _plain_linear(getattr(spec, n))]
+        if bad:
+            raise ConfigError([(field, f"{_where(path, m)}: AttentionSpec.{bad[0]} must be a plain "
+                                       "nn.Linear")])
+    elif _is_own_attention(m):
+        spec = AttentionSpec(m.q, m.k, m.v, m.o, int(m.num_heads),  # type: ignore[arg-type]
+                             bool(m.causal))
+    elif _looks_like_attention(m):
+        raise ConfigError([(field, f"{_where(path, m)} looks like self-attention (q/k/v/o Linears "
+                                   "and num_heads) but is not paratrain's SelfAttention, so "
+                                   "parallelize cannot prove that splitting its heads keeps its "
+                                   "forward (a causal flag, extra parameters, another scaling would "
+                                   f"be lost) and does not replace it. To shard it, {_opt_in_hint()}")])
+    else:
+        return None
+    extra = _foreign_tensors(m, [spec.q, spec.k, spec.v, spec.o])
+    if extra:
+        raise ConfigError([(field, f"{_where(path, m)}: {', '.join(extra)} "
+                                   f"{'is' if len(extra) == 1 else 'are'} not part of q/k/v/o and "
+                                   "would be lost by splitting the heads; keep the module replicated "
+                                   f"(return None from {TP_ATTENTION_PROTOCOL}) or move "
+                                   f"{'it' if len(extra) == 1 else 'them'} out of the attention")])
+    return spec
+
+
+def is_attention(m: nn.Module) -> bool:
+    """Whether ``parallelize`` splits ``m``'s heads (paratrain's SelfAttention or an opt-in
+    module); raises the ConfigError of :func:`attention_spec` for look-alikes."""
+    return attention_spec(m) is not None
+
+
+class _AttentionView(nn.Module):
+    """The spec's projections under the names ParallelSelfAttention reads."""
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = spec.q, spec.k, spec.v, spec.o
+        self.num_heads, self.causal = int(spec.num_heads), bool(spec.causal)
+
+
+def _plain_linear(m: nn.Module | None) -> bool:
+    """An ``nn.Linear`` whose function is ``x W^T + b`` (forward not overridden, no other
+    parameters or children): what the parallel Linear layers reproduce."""
+    return (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+            and next(m.children(), None) is None
+            and {n for n, _ in m.named_parameters()} <= {"weight", "bias"})
+
+
+def _elementwise(m: nn.Module | None) -> bool:
+    return any(isinstance(m, base) and type(m).forward is base.forward for base in ELEMENTWISE)
+
+
+_ENCODER_METHODS = ("forward", "_sa_block", "_ff_block")
+
+
+def _encoder_problem(m: nn.TransformerEncoderLayer) -> str | None:
+    """Why ``m`` cannot become a ParallelEncoderLayer computing the same function, if so."""
+    t = type(m)
+    changed = [f for f in _ENCODER_METHODS if getattr(t, f) is not getattr(nn.TransformerEncoderLayer, f)]
+    if changed:
+        return f"{t.__qualname__} overrides {', '.join(changed)}"
+    a = m.self_attn
+    if type(a).forward is not nn.MultiheadAttention.forward:
+        return "its self_attn overrides MultiheadAttention.forward"
+    if not a.batch_first:
+        return "batch_first=False (only batch-first layers are converted)"
+    if not a._qkv_same_embed_dim or a.in_proj_weight is None:
+        return "self_attn has separate kdim/vdim projections (no packed in_proj)"
+    if a.bias_k is not None or a.bias_v is not None or a.add_zero_attn:
+        return "self_attn uses add_bias_kv or add_zero_attn"
+    if a.dropout:
+        return (f"self_attn has attention dropout {a.dropout} (ParallelEncoderLayer has none); "
+                "build the layer with dropout=0.0")
+    for lin in ("linear1", "linear2"):
+        if not _plain_linear(getattr(m, lin)):
+            return f"{lin} is not a plain nn.Linear"
+    kids = [m.self_attn, m.linear1, m.linear2, m.norm1, m.norm2, m.dropout, m.dropout1, m.dropout2]
+    if isinstance(m.activation, nn.Module):
+        kids.append(m.activation)
+    extra = _foreign_tensors(m, kids)
+    if extra:
+        return f"it holds parameters or buffers outside the standard layer: {', '.join(extra)}"
+    return None
 
 
 def _has_parallel(m: nn.Module) -> bool:
@@ -108,19 +268,44 @@ class _Converter:
         self.comm, self.state = comm, state
         self.units = 0
 
-    def _attention(self, m: nn.Module) -> nn.Module:
+    def _attention(self, spec: AttentionSpec) -> nn.Module:
         self.units += 1
-        return ParallelSelfAttention(m, comm=self.comm, state=self.state, mode=self.mode)
+        return ParallelSelfAttention(_AttentionView(spec), comm=self.comm, state=self.state,
+                                     mode=self.mode)
+
+    def _encoder(self, m: nn.TransformerEncoderLayer, prefix: str) -> nn.Module:
+        problem = _encoder_problem(m)
+        if problem is not None:
+            raise ConfigError([("model", f"{_where(prefix, m)}: cannot be split into a "
+                                         f"ParallelEncoderLayer with the same function: {problem}")])
+        self.units += 1
+        return ParallelEncoderLayer(m, comm=self.comm, state=self.state, mode=self.mode)
+
+    def _special(self, m: nn.Module, prefix: str) -> nn.Module | None:
+        """The parallel replacement of an attention block or encoder layer, else None."""
+        spec = attention_spec(m, prefix)
+        if spec is not None:
+            return self._attention(spec)
+        if isinstance(m, nn.TransformerEncoderLayer):
+            return self._encoder(m, prefix)
+        return None
+
+    def _warn_replicated(self, m: nn.Module, prefix: str) -> None:
+        if isinstance(m, nn.Linear) and not _plain_linear(m):
+            warnings.warn(f"parallelize: {_where(prefix, m)} is an nn.Linear subclass with its own "
+                          "forward or extra parameters; it stays replicated (not sharded)",
+                          UserWarning, stacklevel=4)
 
     def convert(self, m: nn.Module, prefix: str = "") -> nn.Module:
-        if is_attention(m):
-            return self._attention(m)
-        if isinstance(m, nn.TransformerEncoderLayer):
-            self.units += 1
-            return ParallelEncoderLayer(m, comm=self.comm, state=self.state, mode=self.mode)
+        new = self._special(m, prefix)
+        if new is not None:
+            return new
         if isinstance(m, nn.Sequential):
             self._sequential(m, prefix)
             return m
+        self._warn_replicated(m, prefix)
+        if getattr(type(m), TP_ATTENTION_PROTOCOL, None) is not None:
+            return m  # opted out: kept whole
         for name, child in list(m.named_children()):
             setattr(m, name, self.convert(child, prefix + name + "."))
         return m
@@ -166,8 +351,8 @@ class _Converter:
         ``names[i]`` into a 2-D region; returns the index after its last Linear."""
         mods = [seq._modules[n] for n in names]
         linears, j = [i], i + 1
-        while j < len(mods) and isinstance(mods[j], (nn.Linear, *ELEMENTWISE)):
-            if isinstance(mods[j], nn.Linear):
+        while j < len(mods) and (_plain_linear(mods[j]) or _elementwise(mods[j])):
+            if _plain_linear(mods[j]):
                 linears.append(j)
             j += 1
         assert self.grid is not None
@@ -186,15 +371,15 @@ class _Converter:
         i = 0
         while i < len(mods):
             m = mods[i]
-            if isinstance(m, nn.Linear) and self.grid is not None:
+            if _plain_linear(m) and self.grid is not None:
                 i = self._grid_run(seq, names, i)
                 continue
-            if isinstance(m, nn.Linear):
+            if _plain_linear(m):
                 j = i + 1
-                while j < len(mods) and isinstance(mods[j], ELEMENTWISE):
+                while j < len(mods) and _elementwise(mods[j]):
                     j += 1
                 nxt = mods[j] if j < len(mods) else None
-                if self.col and self.row and isinstance(nxt, nn.Linear):
+                if self.col and self.row and _plain_linear(nxt):
                     if self._row_first(m):
                         if seq_mode:
                             raise ConfigError([("tensor_parallel.partitioning_strategy",
@@ -224,11 +409,11 @@ class _Converter:
                     seq._modules[names[i]] = RowParallelLinear.from_dense(
                         m, mode="reduce", input_is_parallel=False, **kw)  # type: ignore[arg-type]
                     self.units += 1
-            elif is_attention(m) or isinstance(m, nn.TransformerEncoderLayer):
-                seq._modules[names[i]] = self.convert(m, prefix + names[i] + ".")
+            elif (new := self._special(m, prefix + names[i] + ".")) is not None:
+                seq._modules[names[i]] = new
             elif isinstance(m, nn.Sequential):
                 self._sequential(m, prefix + names[i] + ".")
-            elif next(m.children(), None) is not None:
+            elif next(m.children(), None) is not None or isinstance(m, nn.Linear):
                 self.convert(m, prefix + names[i] + ".")
             i += 1
 
@@ -515,7 +700,7 @@ class TensorParallelModule(nn.Module):
             "local_partitions": self.coordinator.local_partitions,
             "peak_activation_bytes": self.last_peak_activation_bytes,
             # the Rust TensorParallelismStatistics names, with real values
-            "communication_volume": snap["bytes_moved"],
+            "communication_volume": snap["bytes_sent_modelled"],  # ring model, see CommStats
             "communication_time": snap["communication_time_s"],
             "computation_time": snap["computation_time_s"],
             "efficiency_score": (snap["computation_time_s"]
