@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["fit", "__version__"]
+if TYPE_CHECKING:
+    from .task.protocol import Task
+
+__all__ = ["fit", "Task", "__version__"]
 __version__ = "0.1.0"
 
 
@@ -13,3 +16,12 @@ def fit(*args: Any, **kwargs: Any) -> dict[str, Any]:
     from .api import fit as _fit
 
     return _fit(*args, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    """``paratrain.Task`` (the task protocol, :mod:`paratrain.task`), imported on first use."""
+    if name == "Task":
+        from .task.protocol import Task
+
+        return Task
+    raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

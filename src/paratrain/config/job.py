@@ -22,7 +22,7 @@ from .strategy import Local, TrainingStrategy
 from .tensor_parallel import TensorParallelismConfig
 
 __all__ = [
-    "RunConfig", "ModelSpec", "PartitionSpec", "DataSpec", "OptimizerSpec", "TrainConfig",
+    "RunConfig", "ModelSpec", "PartitionSpec", "DataSpec", "TaskSpec", "OptimizerSpec", "TrainConfig",
     "WorkerSpec", "CommConfig", "FederatedOptions", "PopulationOptions", "UniformDim",
     "LogUniformDim", "IntDim", "ChoiceDim", "SearchDim", "JobConfig", "load_job",
     "parse_job_text", "job_schema",
@@ -110,7 +110,9 @@ class ModelSpec(_OpenSection):
 class PartitionSpec(_Section):
     """How federated clients split the training set."""
 
-    method: Literal["iid", "shards", "dirichlet"] = "iid"
+    # speaker: one client per speaking role (language-model corpora with a speaker per
+    # example, e.g. shakespeare; LEAF's natural non-IID split)
+    method: Literal["iid", "shards", "dirichlet", "speaker"] = "iid"
     shards_per_client: PositiveCount = 2
     alpha: Annotated[float, Field(gt=0.0)] = 0.5
     min_size: Count = 10
@@ -133,6 +135,34 @@ class DataSpec(_OpenSection):
     @model_validator(mode="after")
     def _exactly_one(self) -> DataSpec:
         _one_of_name_factory("data", self.name, self.factory)
+        return self
+
+
+class TaskSpec(_OpenSection):
+    """What is trained (``paratrain.task``): a built-in task ``name`` (default
+    ``"classification"``) or a user ``factory`` (``"module:function"`` returning a
+    :class:`paratrain.Task`; the section's extra keys are its kwargs). A factory replaces
+    the default name; built-in tasks take no extra keys."""
+
+    name: Literal["classification", "regression", "language_model"] | None = "classification"
+    factory: str | None = None
+    # language_model: tokens per example (the context length) and the offset between the
+    # starts of consecutive examples (None = block_size: non-overlapping windows)
+    block_size: PositiveCount = 128
+    stride: PositiveCount | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _factory_drops_default_name(cls, data: Any) -> Any:
+        return _name_or_factory("task", data)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> TaskSpec:
+        _one_of_name_factory("task", self.name, self.factory)
+        if self.factory is None and self.model_extra:
+            key = sorted(self.model_extra)[0]
+            raise ValueError(f"unknown key task.{key}: built-in tasks take name, block_size, "
+                             "stride (extra keys are kwargs for a task.factory only)")
         return self
 
 
@@ -241,6 +271,7 @@ class JobConfig(_Section):
     model: ModelSpec = ModelSpec()
     data: DataSpec = DataSpec()
     train: TrainConfig = TrainConfig()
+    task: TaskSpec = TaskSpec()
     strategy: TrainingStrategy = Local()
     compression: CompressionStrategy | None = None
     tensor_parallel: TensorParallelismConfig | None = None

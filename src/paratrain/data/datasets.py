@@ -1,7 +1,10 @@
-"""Datasets: ``digits`` (scikit-learn's bundled 8x8 digits; nothing downloads).
+"""Datasets: ``digits`` (scikit-learn's bundled 8x8 digits) and ``diabetes`` (its bundled
+regression set, 442 patients x 10 features); nothing downloads.
 
 A user factory ``factory="module:function"`` is called with ``seed=`` and the section's
-extra keys and returns a :class:`DataBundle` or ``(X, y)`` arrays, which are split here.
+extra keys and returns a :class:`DataBundle` or ``(X, y)`` arrays, which are split here
+(stratified class labels, or real-valued targets with ``regression=True``).
+The language-model corpus ``shakespeare`` lives in :mod:`paratrain.data.shakespeare`.
 """
 
 from __future__ import annotations
@@ -17,12 +20,16 @@ from torch.utils.data import TensorDataset
 from ..config import ConfigError
 from ..config.job import DataSpec
 
-__all__ = ["DataBundle", "DATASETS", "load_data", "split_arrays"]
+__all__ = ["DataBundle", "DATASETS", "REGRESSION_DATASETS", "load_data", "split_arrays",
+           "split_regression", "CORPORA"]
 
 
 @dataclass(frozen=True)
 class DataBundle:
-    """Train and test sets (float32 features, int64 labels) plus their shapes."""
+    """Train and test sets (float32 features, int64 labels) plus their shapes.
+
+    For a regression set (``diabetes``) the targets are float32 ``[n, k]`` and
+    ``num_classes`` is the number of target columns ``k`` (the model's outputs)."""
 
     train: TensorDataset
     test: TensorDataset
@@ -60,11 +67,53 @@ def digits(*, seed: int, test_fraction: float = 0.25) -> DataBundle:
     return split_arrays(d.data / 16.0, d.target, test_fraction=test_fraction, seed=seed)
 
 
-DATASETS: dict[str, Callable[..., DataBundle]] = {"digits": digits}
+def split_regression(x: Any, y: Any, *, test_fraction: float, seed: int,
+                     standardize: bool = False) -> DataBundle:
+    """Seeded train/test split of real-valued targets (float32, ``[n, k]``); with
+    ``standardize`` features and targets are scaled by the *training* mean and std."""
+    from sklearn.model_selection import train_test_split
+
+    x = np.asarray(x, dtype=np.float64)
+    y = np.asarray(y, dtype=np.float64)
+    y = y.reshape(len(y), -1) if y.ndim != 2 else y
+    if x.ndim < 2 or len(x) != len(y):
+        raise ConfigError([("data", f"features of shape {x.shape} do not match {len(y)} targets")])
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed)
+    if standardize:
+        mx, sx = x_tr.mean(0), x_tr.std(0)
+        my, sy = y_tr.mean(0), y_tr.std(0)
+        sx[sx == 0], sy[sy == 0] = 1.0, 1.0
+        x_tr, x_te = (x_tr - mx) / sx, (x_te - mx) / sx
+        y_tr, y_te = (y_tr - my) / sy, (y_te - my) / sy
+
+    def ds(a: np.ndarray, b: np.ndarray) -> TensorDataset:
+        return TensorDataset(torch.from_numpy(a.astype(np.float32)), torch.from_numpy(b.astype(np.float32)))
+
+    return DataBundle(train=ds(x_tr, y_tr), test=ds(x_te, y_te), num_classes=y.shape[1],
+                      input_shape=tuple(x.shape[1:]))
 
 
-def load_data(spec: DataSpec, *, seed: int) -> DataBundle:
-    """Load the dataset a job names; errors name the ``data`` field."""
+def diabetes(*, seed: int, test_fraction: float = 0.25) -> DataBundle:
+    """scikit-learn's diabetes regression set: 442 patients, 10 features, disease
+    progression after one year; features and target standardised with the training split's
+    mean and std (so predicting the mean scores r2 ~ 0 and mse ~ 1)."""
+    from sklearn.datasets import load_diabetes
+
+    d = load_diabetes()
+    return split_regression(d.data, d.target, test_fraction=test_fraction, seed=seed,
+                            standardize=True)
+
+
+DATASETS: dict[str, Callable[..., DataBundle]] = {"digits": digits, "diabetes": diabetes}
+# built-in datasets whose targets are real values (task.name = "regression")
+REGRESSION_DATASETS = frozenset({"diabetes"})
+# built-in text corpora (task.name = "language_model"; paratrain.data.shakespeare)
+CORPORA = frozenset({"shakespeare"})
+
+
+def load_data(spec: DataSpec, *, seed: int, regression: bool = False) -> DataBundle:
+    """Load the dataset a job names; errors name the ``data`` field. ``regression``: a
+    factory's ``(X, y)`` pair has real-valued targets (split without stratifying)."""
     if spec.factory is not None:
         from ..models.zoo import import_object
 
@@ -76,10 +125,15 @@ def load_data(spec: DataSpec, *, seed: int) -> DataBundle:
         if isinstance(out, DataBundle):
             return out
         if isinstance(out, tuple) and len(out) == 2:
-            return split_arrays(out[0], out[1], test_fraction=spec.test_fraction, seed=seed)
+            split = split_regression if regression else split_arrays
+            return split(out[0], out[1], test_fraction=spec.test_fraction, seed=seed)
         raise ConfigError([("data.factory", "must return a DataBundle or an (X, y) pair")])
+    if spec.name in CORPORA:
+        raise ConfigError([("data.name", f"{spec.name!r} is a text corpus for task.name = "
+                                         "'language_model' (set it in [task])")])
     if spec.name not in DATASETS:
-        raise ConfigError([("data.name", f"unknown dataset {spec.name!r}; valid: {', '.join(DATASETS)}")])
+        raise ConfigError([("data.name", f"unknown dataset {spec.name!r}; valid: "
+                                         f"{', '.join([*DATASETS, *sorted(CORPORA)])}")])
     try:
         return DATASETS[spec.name](seed=seed, test_fraction=spec.test_fraction, **spec.kwargs)
     except TypeError as e:

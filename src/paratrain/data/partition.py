@@ -15,6 +15,11 @@ and together cover every example exactly once; each is a pure function of
   Small ``α`` = very skewed label mixes. A client left with fewer than ``min_size``
   examples receives examples moved one at a time (seeded) from the currently
   largest client until every client has ``min_size``; ``min_size·N > n`` is an error.
+- ``speaker`` (LEAF Shakespeare's natural split): ``labels`` are the examples' speaker
+  ids (``CharBlocks.speakers``); the distinct speakers, in a seeded order, are dealt to the
+  clients round-robin, so with as many clients as speakers each speaking role is its own
+  client, and with fewer a client gets every ``N``-th role. More clients than speakers
+  is an error.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["partition_iid", "partition_shards", "partition_dirichlet", "partition_indices"]
+__all__ = ["partition_iid", "partition_shards", "partition_dirichlet", "partition_speaker",
+           "partition_indices"]
 
 IndexList = list[np.ndarray]
 
@@ -118,8 +124,25 @@ def partition_dirichlet(
     return _finish([np.array(b, dtype=np.int64) for b in buckets])
 
 
+def partition_speaker(speakers: Any, num_clients: int, *, seed: int) -> IndexList:
+    """Whole speaking roles per client: the distinct ``speakers`` in a seeded order, dealt
+    round-robin (role ``j`` of that order -> client ``j mod num_clients``)."""
+    sp = _labels(speakers)
+    _check(len(sp), num_clients)
+    roles, inverse = np.unique(sp, return_inverse=True)
+    if num_clients > len(roles):
+        raise ValueError(f"data.partition.method 'speaker': {num_clients} clients but only "
+                         f"{len(roles)} speakers have examples")
+    rng = np.random.default_rng([int(seed), 0x5BEA])
+    client_of_role = np.empty(len(roles), dtype=np.int64)
+    client_of_role[rng.permutation(len(roles))] = np.arange(len(roles)) % num_clients
+    owner = client_of_role[inverse]
+    return _finish([np.flatnonzero(owner == c) for c in range(num_clients)])
+
+
 def partition_indices(labels: Any, num_clients: int, spec: Any, *, seed: int) -> IndexList:
-    """Dispatch on a ``PartitionSpec`` (``method`` = iid | shards | dirichlet)."""
+    """Dispatch on a ``PartitionSpec`` (``method`` = iid | shards | dirichlet | speaker;
+    for ``speaker``, ``labels`` are the examples' speaker ids)."""
     y = _labels(labels)
     method = getattr(spec, "method", "iid")
     if method == "iid":
@@ -130,4 +153,6 @@ def partition_indices(labels: Any, num_clients: int, spec: Any, *, seed: int) ->
         return partition_dirichlet(
             y, num_clients, alpha=spec.alpha, min_size=spec.min_size, seed=seed
         )
-    raise ValueError(f"unknown data.partition.method {method!r}; valid: iid, shards, dirichlet")
+    if method == "speaker":
+        return partition_speaker(y, num_clients, seed=seed)
+    raise ValueError(f"unknown data.partition.method {method!r}; valid: iid, shards, dirichlet, speaker")

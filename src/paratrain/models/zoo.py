@@ -4,6 +4,9 @@
 - ``cnn(channels=[16, 32])``: unflatten to (1, 8, 8) -> conv/act/pool blocks -> head
 - ``transformer(d_model=32, heads=4, layers=2)``: rows of the image as a sequence of
   tokens -> embed -> encoder blocks -> mean pool -> head
+- ``gpt(n_layer=4, n_head=4, n_embd=128, block_size, dropout=0.0, tie_weights=True)``: a
+  nanoGPT-style decoder-only transformer over token ids -> logits per position
+  (:mod:`paratrain.models.gpt`; embed -> block_i -> ln_f -> head)
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..config.job import ModelSpec
+from .gpt import gpt
 
 __all__ = ["MODELS", "build_model", "import_object", "MeanPool"]
 
@@ -101,7 +105,9 @@ def transformer(input_shape: tuple[int, ...], num_classes: int, *, d_model: int 
     return nn.Sequential(mods)
 
 
-MODELS: dict[str, Callable[..., nn.Sequential]] = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
+MODELS: dict[str, Callable[..., nn.Sequential]] = {
+    "mlp": mlp, "cnn": cnn, "transformer": transformer, "gpt": gpt,
+}
 
 
 def build_model(spec: ModelSpec, *, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:

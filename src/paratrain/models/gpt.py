@@ -1,0 +1,138 @@
+"""``gpt``: a small decoder-only transformer in the nanoGPT style, as named nodes.
+
+``gpt(input_shape=(T,), num_classes=V, n_layer=4, n_head=4, n_embd=128, block_size=T,
+dropout=0.0, tie_weights=True)`` is an ``nn.Sequential`` of
+
+- ``embed``: :class:`TokenPositionEmbedding` (token + learned position embedding, dropout),
+- ``block0`` .. ``block{n_layer-1}``: :class:`Block`, pre-norm
+  ``x = x + drop(attn(ln1(x))); x = x + mlp(ln2(x))`` where ``attn`` is paratrain's causal
+  :class:`~paratrain.tensor_parallel.layers.SelfAttention` (``q``/``k``/``v``/``o`` and
+  ``num_heads``: ``parallelize`` splits its heads) and ``mlp`` an ``nn.Sequential``
+  ``fc -> GELU -> proj -> Dropout`` (a Linear pair: column- then row-parallel),
+- ``ln_f``: the final ``LayerNorm``,
+- ``head``: :class:`LMHead`, logits ``x @ W.T`` over the vocabulary, no bias.
+
+Input: token ids ``[B, T]`` (int64, ``T <= block_size``); output: logits ``[B, T, V]``.
+Weights are initialised as in GPT-2 / nanoGPT: normal(0, 0.02), residual projections
+(``attn.o`` and ``mlp.proj``) with std ``0.02 / sqrt(2 n_layer)``, zero biases.
+
+**Tied head.** With ``tie_weights`` the head's weight *is* the token embedding's Parameter
+(one tensor; ``parameters()`` lists it once, ``state_dict()`` under both names). A tie is
+shared memory, so it holds only inside one process: when ModelParallel places ``embed`` and
+``head`` on different stages, each stage keeps and trains its own copy (equal at
+initialisation, then apart), i.e. the model is untied there. Pipelines that want the exact
+untied model say so with ``tie_weights = false``. Tensor parallelism keeps the head (not an
+``nn.Linear``) and the embedding replicated, so the tie holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from ..tensor_parallel.layers import SelfAttention
+
+__all__ = ["gpt", "TokenPositionEmbedding", "Block", "LMHead"]
+
+
+class TokenPositionEmbedding(nn.Module):
+    """Token ids ``[B, T]`` -> ``tok(ids) + pos(0..T-1)``, then dropout: ``[B, T, E]``."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_embd: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tok = nn.Embedding(vocab_size, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"sequence of {t} tokens is longer than block_size {self.block_size}")
+        pos = torch.arange(t, device=idx.device)
+        return self.drop(self.tok(idx) + self.pos(pos))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and a GELU MLP, each residual."""
+
+    def __init__(self, n_embd: int, n_head: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = SelfAttention(n_embd, n_head, causal=True)
+        self.drop = nn.Dropout(dropout)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = nn.Sequential(OrderedDict(
+            fc=nn.Linear(n_embd, 4 * n_embd), act=nn.GELU(), proj=nn.Linear(4 * n_embd, n_embd),
+            drop=nn.Dropout(dropout),
+        ))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.mlp(self.ln2(x))
+
+
+class LMHead(nn.Module):
+    """Logits over the vocabulary, ``x @ weight.T`` (no bias); ``weight`` may be tied."""
+
+    def __init__(self, n_embd: int, vocab_size: int, weight: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.tied = weight is not None
+        self.weight = weight if weight is not None else nn.Parameter(torch.empty(vocab_size, n_embd))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}"
+
+
+def _init(model: nn.Module, n_layer: int) -> None:
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            std = 0.02 / math.sqrt(2 * n_layer) if name.endswith(("attn.o", "mlp.proj")) else 0.02
+            nn.init.normal_(m.weight, 0.0, std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+        elif isinstance(m, LMHead) and not m.tied:
+            nn.init.normal_(m.weight, 0.0, 0.02)
+
+
+def gpt(input_shape: tuple[int, ...], num_classes: int, *, n_layer: int = 4, n_head: int = 4,
+        n_embd: int = 128, block_size: int | None = None, dropout: float = 0.0,
+        tie_weights: bool = True) -> nn.Sequential:
+    """The decoder-only transformer above; ``input_shape = (T,)`` token ids, ``num_classes``
+    the vocabulary size; ``block_size`` (default ``T``) the longest sequence it takes."""
+    if len(input_shape) != 1:
+        raise ConfigError([("model.name", f"gpt takes token-id sequences of shape (T,) "
+                                          f"(got examples of shape {input_shape})")])
+    seq = int(input_shape[0])
+    block = seq if block_size is None else int(block_size)
+    for field, v, low in (("n_layer", n_layer, 0), ("n_head", n_head, 1), ("n_embd", n_embd, 1),
+                          ("block_size", block, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ConfigError([(f"model.{field}", f"must be an integer >= {low} (got {v!r})")])
+    if n_embd % n_head:
+        raise ConfigError([("model.n_head", f"n_embd {n_embd} is not divisible by n_head {n_head}")])
+    if block < seq:
+        raise ConfigError([("model.block_size", f"{block} is shorter than the data's blocks of "
+                                                f"{seq} tokens (task.block_size)")])
+    if not 0.0 <= float(dropout) < 1.0:
+        raise ConfigError([("model.dropout", f"must be in [0, 1) (got {dropout!r})")])
+    if num_classes < 1:
+        raise ConfigError([("model.name", f"gpt needs a vocabulary (got {num_classes} classes)")])
+    embed = TokenPositionEmbedding(num_classes, block, n_embd, float(dropout))
+    mods: OrderedDict[str, nn.Module] = OrderedDict(embed=embed)
+    for i in range(n_layer):
+        mods[f"block{i}"] = Block(n_embd, n_head, float(dropout))
+    mods["ln_f"] = nn.LayerNorm(n_embd)
+    mods["head"] = LMHead(n_embd, num_classes, embed.tok.weight if tie_weights else None)
+    model = nn.Sequential(mods)
+    _init(model, max(n_layer, 1))
+    return model

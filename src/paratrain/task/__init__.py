@@ -1,0 +1,144 @@
+"""Tasks: what is trained (model, data, loss, metrics), independent of the strategy.
+
+:class:`Task` is the protocol (:mod:`.protocol`); the built-in tasks are named in a
+job's ``[task]`` section (:mod:`.builtin`), a user's comes from ``[task] factory =
+"module:function"`` (called with the section's extra keys) or, in Python, as an object:
+``paratrain.fit(task=my_task)``.
+
+In this version only the Local strategy trains a task other than the default
+classification (:func:`check_supported`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import ConfigError
+from ..config.job import JobConfig
+from .builtin import TASKS, ClassificationTask, LanguageModelTask, RegressionTask, bigram_loss
+from .protocol import Task
+from .steps import evaluate, fetch_batch, train_step
+
+__all__ = [
+    "Task", "TASKS", "ClassificationTask", "RegressionTask", "LanguageModelTask", "bigram_loss",
+    "resolve_task", "check_task", "check_supported", "is_default", "preflight_task", "evaluate",
+    "fetch_batch", "train_step",
+]
+
+_REQUIRED = ("fitness_metric", "fitness_mode", "datasets", "build_model", "loss", "eval_batch",
+             "finalize")
+
+
+def check_task(obj: Any, *, field: str = "task") -> Task:
+    """``obj`` if it has every member of :class:`Task`, else a ConfigError naming ``field``."""
+    missing = [m for m in _REQUIRED if not hasattr(obj, m)]
+    if missing:
+        raise ConfigError([(field, f"{type(obj).__name__} is not a paratrain.Task: it lacks "
+                                   f"{', '.join(missing)}")])
+    if getattr(obj, "fitness_mode", None) not in ("max", "min"):
+        raise ConfigError([(field, f"fitness_mode must be 'max' or 'min' (got "
+                                   f"{getattr(obj, 'fitness_mode', None)!r})")])
+    return obj  # type: ignore[no-any-return]
+
+
+def resolve_task(job: JobConfig) -> Task:
+    """The task ``job`` names: a built-in by ``task.name`` or the ``task.factory``'s."""
+    spec = job.task
+    if spec.factory is not None:
+        from ..models.zoo import import_object
+
+        fn = import_object(spec.factory, field="task.factory")
+        try:
+            obj = fn(**spec.kwargs)
+        except TypeError as e:
+            raise ConfigError([("task", f"factory {spec.factory!r} rejected its arguments: {e}")]) from None
+        return check_task(obj, field="task.factory")
+    task: Task = TASKS[str(spec.name)](job)
+    return task
+
+
+def is_default(job: JobConfig) -> bool:
+    """True for the classification task every strategy trains (no factory, no
+    regression set or text corpus as data)."""
+    from ..data.datasets import CORPORA, REGRESSION_DATASETS
+
+    return (job.task.factory is None and job.task.name == "classification"
+            and job.data.name not in REGRESSION_DATASETS and job.data.name not in CORPORA)
+
+
+def check_supported(job: JobConfig) -> None:
+    """ConfigError unless ``job``'s task runs under its strategy: in this version every
+    strategy except Local (in one process, without tensor parallelism) trains only the
+    default classification task."""
+    if job.data.partition.method == "speaker" and str(getattr(job.strategy, "type", "")) == "Federated":
+        raise ConfigError([("data.partition.method", "'speaker' partitions a corpus by speaking "
+                            "role (data.name = 'shakespeare'); only Local trains language models "
+                            "in this version")])
+    if is_default(job):
+        return
+    from ..executors import executor_module
+
+    module = executor_module(job)
+    if module == "paratrain.executors.local":
+        return
+    kind = str(getattr(job.strategy, "type", "?"))
+    where = "tensor-parallel Local" if module.endswith(".tensor_parallel") and kind == "Local" else kind
+    if job.task.factory is not None:
+        field, what = "task.factory", f"a task factory ({job.task.factory!r})"
+    elif job.task.name != "classification":
+        field, what = "task.name", f"task.name = {job.task.name!r}"
+    else:
+        field, what = "data.name", f"data.name = {job.data.name!r} (not a classification set)"
+    raise ConfigError([(field, f"{what} cannot run under {where}: only Local trains "
+                               "non-classification tasks in this version")])
+
+
+def _one_line(msg: str, limit: int = 300) -> str:
+    line = (msg.splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def preflight_task(job: JobConfig) -> Any:
+    """What ``paratrain validate`` checks for a non-default task before a run: the task
+    resolves, its datasets load, its model builds and runs on two training examples, the
+    loss of that batch is a finite scalar, and the optimizer builds. Returns an object with
+    ``train`` and ``test``."""
+    import math
+    from types import SimpleNamespace
+
+    import torch
+
+    from ..training import build_optimizer
+
+    task = resolve_task(job)
+    field = "task.factory" if job.task.factory is not None else "data"
+    try:
+        train, test = task.datasets(job.run.seed)
+        if len(train) < 1 or len(test) < 1:
+            raise ConfigError([(field, f"the task's datasets are empty (train {len(train)}, "
+                                       f"test {len(test)} examples)")])
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user's task: one line naming the field
+        raise ConfigError([(field, _one_line(f"loading the task's datasets failed: "
+                                             f"{type(e).__name__}: {e}"))]) from None
+    try:
+        model = task.build_model(job.model, train)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError([("model", _one_line(f"building the model failed: "
+                                               f"{type(e).__name__}: {e}"))]) from None
+    batch = fetch_batch(train, torch.arange(min(2, len(train))))
+    try:
+        model.eval()
+        with torch.no_grad():
+            loss = task.loss(model(batch[0]), batch)
+        value = float(loss)
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError([("model", _one_line(f"the model or the task's loss fails on two "
+                                               f"training examples: {type(e).__name__}: {e}"))]) from None
+    if not math.isfinite(value):
+        raise ConfigError([("model", f"the task's loss on two training examples is {value}")])
+    build_optimizer(model.parameters(), job.train.optimizer)
+    return SimpleNamespace(train=train, test=test)
