@@ -2,9 +2,10 @@
 
 Loading uses ``torch.load(weights_only=True)``: a checkpoint can hold tensors,
 containers and plain numbers, never arbitrary pickled objects. A checkpoint that cannot
-be read (empty, truncated, garbage) is a ConfigError naming the file and what is wrong;
-:func:`load_latest` then falls back to the newest readable older one with a warning
-(:func:`prune` always keeps at least two). :func:`check_model_state` and
+be read (empty, truncated, garbage) raises :class:`CheckpointError` naming the file and
+what is wrong; :func:`load_latest` then falls back to the newest readable older one with
+a warning (:func:`prune` always keeps at least two), and when none is readable raises a
+ConfigError naming every file. :func:`check_model_state` and
 :func:`check_optimizer_state` name what differs when a resumed job's model or optimizer
 does not match the checkpoint, before anything is loaded.
 """
@@ -25,11 +26,19 @@ from ..config import ConfigError
 from .rundir import disk_error, safe_unlink
 
 __all__ = [
-    "save_checkpoint", "load_checkpoint", "load_latest", "latest", "checkpoints", "checkpoint_path",
+    "CheckpointError", "save_checkpoint", "load_checkpoint", "load_latest", "latest", "checkpoints", "checkpoint_path",
     "prune", "check_model_state", "check_optimizer_state", "MIN_KEEP",
 ]
 
 MIN_KEEP = 2  # prune never keeps fewer: a corrupt newest checkpoint has an older fallback
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that exists but cannot be loaded; the message names it."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        self.path, self.reason = path, reason
+        super().__init__(f"checkpoint {path} {reason}")
 
 _PATTERN = re.compile(r"^ckpt-(\d{9})\.pt$")
 
@@ -63,23 +72,20 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load one checkpoint; a ConfigError naming the file says what is wrong with it."""
+    """Load one checkpoint. A missing file raises FileNotFoundError; one that cannot be
+    loaded raises :class:`CheckpointError` naming it and saying what is wrong."""
     path = Path(path)
-    try:
-        size = path.stat().st_size
-    except OSError as e:
-        raise ConfigError([("checkpoint", f"cannot read {path}: {e.strerror or e}")]) from None
+    size = path.stat().st_size
     if size == 0:
-        raise ConfigError([("checkpoint", f"{path} is empty (0 bytes)")])
+        raise CheckpointError(path, "is empty (0 bytes)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises many types for a bad file
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError([("checkpoint", (
-            f"{path} ({size} bytes) is not a readable checkpoint, truncated or corrupt: "
-            f"{type(e).__name__}: {reason}"))]) from None
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(path, (f"({size} bytes) is not a readable checkpoint, truncated "
+                                     f"or corrupt: {type(e).__name__}: {reason}")) from None
     if not isinstance(state, dict):
-        raise ConfigError([("checkpoint", f"{path} holds a {type(state).__name__}, not a checkpoint dict")])
+        raise CheckpointError(path, f"holds a {type(state).__name__}, not a checkpoint dict")
     return state
 
 
@@ -102,8 +108,8 @@ def load_latest(
     for p in reversed(found):
         try:
             return p, load_checkpoint(p)
-        except ConfigError as e:
-            msg = e.problems[0][1]
+        except (CheckpointError, OSError) as e:
+            msg = str(e) if isinstance(e, CheckpointError) else f"cannot read {p}: {e.strerror or e}"
             bad.append(msg)
             if len(bad) < len(found):
                 warnings.warn(f"skipping checkpoint: {msg}; falling back to the previous one",
