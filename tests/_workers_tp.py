@@ -411,6 +411,11 @@ def suite_2(ctx: WorkerContext) -> dict[str, Any]:
 
 
 def suite_4(ctx: WorkerContext) -> dict[str, Any]:
+    # Hierarchical groups follow the host topology: pose as two 2-rank torchrun nodes
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    os.environ.pop("GROUP_RANK", None)
     torch.manual_seed(0)
     tp = ctx.world_size
     out: dict[str, Any] = {"parity": {}}

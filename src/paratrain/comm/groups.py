@@ -12,12 +12,26 @@ Mixing matrix: Metropolis-Hastings weights ``W_ij = 1 / (1 + max(d_i, d_j))`` fo
 edge, ``W_ii = 1 - sum_j W_ij``: symmetric and doubly stochastic for any graph, so
 gossip ``x_i <- sum_j W_ij x_j`` preserves the average and contracts to consensus on a
 connected graph. On ``complete`` it is exactly the mean (W = 11^T / n).
+
+Two-level (``Hierarchical``) groups follow the real topology, not a block size: ranks on
+the same host form one local group (:func:`hierarchy_from_hosts` over the labels of
+:func:`host_labels`). A rank's label is its host name (``socket.gethostname()``), gathered
+from every rank; under torchrun (``LOCAL_WORLD_SIZE`` set) it is the host name plus the
+node index (``GROUP_RANK``, or ``rank // LOCAL_WORLD_SIZE`` when that is not set), so one
+launcher's ranks form one group even when several launchers share a host — and a test can
+ask for ``LOCAL_WORLD_SIZE = 2`` nodes on one machine. When every rank shares one host and
+``LOCAL_WORLD_SIZE`` is unset (or equals the world size) the topology is **flat**: there is
+one local group holding every rank, so a Hierarchical reduction is a reduce to that
+group's leader followed by a broadcast, with no leaders' all-reduce
+(:func:`describe_hierarchy` says ``"flat (1 host)"``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import os
+import socket
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +48,10 @@ __all__ = [
     "gossip_average",
     "new_group",
     "subgroups",
+    "hierarchy_from_hosts",
+    "host_label",
+    "host_labels",
+    "describe_hierarchy",
 ]
 
 TOPOLOGIES = ("ring", "torus", "complete")
@@ -143,3 +161,58 @@ def subgroups(size: int, *, backend: str | None = None) -> tuple[Any, list[list[
         if rank in ranks:
             mine = g
     return mine, layout
+
+
+# -- two-level groups from the real topology ---------------------------------------------
+
+
+def hierarchy_from_hosts(hosts: Sequence[str]) -> list[list[int]]:
+    """Local groups of ranks ``0..len(hosts)-1``: the ranks whose labels are equal, ranks
+    ascending inside a group, groups ordered by their lowest rank.
+
+    >>> hierarchy_from_hosts(["a", "a", "b", "b", "a"])
+    [[0, 1, 4], [2, 3]]
+    """
+    groups: dict[str, list[int]] = {}
+    for rank, host in enumerate(hosts):
+        groups.setdefault(str(host), []).append(rank)
+    return list(groups.values())
+
+
+def host_label(rank: int, env: Mapping[str, str] | None = None, hostname: str | None = None) -> str:
+    """This rank's topology label (see the module docstring)."""
+    env = os.environ if env is None else env
+    host = hostname if hostname is not None else socket.gethostname()
+    local = env.get("LOCAL_WORLD_SIZE", "")
+    if not local:
+        return host
+    try:
+        size = int(local)
+    except ValueError:
+        raise ConfigError([("LOCAL_WORLD_SIZE", f"must be a positive integer (got {local!r})")]) from None
+    if size < 1:
+        raise ConfigError([("LOCAL_WORLD_SIZE", f"must be a positive integer (got {local!r})")])
+    node = env.get("GROUP_RANK", "")
+    return f"{host}/node{node if node else rank // size}"
+
+
+def host_labels(group: Any = None) -> list[str]:
+    """Every rank's :func:`host_label`, in rank order (collective over ``group``; the
+    world when ``None``). Without an initialised process group: this process's label."""
+    if not dist.is_initialized():
+        return [host_label(0)]
+    labels: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(labels, host_label(dist.get_rank()), group=group)
+    return [str(x) for x in labels]
+
+
+def describe_hierarchy(nodes: Sequence[Sequence[int]], labels: Sequence[str] | None = None) -> str:
+    """A short account of a two-level layout for summaries, e.g. ``"flat (1 host)"`` or
+    ``"2 local groups of 2 (2 hosts)"``."""
+    hosts = len({lab.split("/node")[0] for lab in labels}) if labels else None
+    on = f" ({hosts} host{'s' if hosts != 1 else ''})" if hosts is not None else ""
+    if len(nodes) <= 1:
+        return f"flat{on or ' (1 group)'}"
+    sizes = sorted({len(n) for n in nodes})
+    each = f"of {sizes[0]}" if len(sizes) == 1 else f"of sizes {', '.join(map(str, sizes))}"
+    return f"{len(nodes)} local groups {each}{on}"

@@ -20,8 +20,11 @@ region is carried out; every pattern gives the same numbers (up to float summati
   sequence-sharded between blocks, see ``tensor_parallel.layers``).
 - ``PointToPoint``: a ring all-reduce made of ``isend``/``irecv`` (reduce-scatter ring then
   all-gather ring, 2(p-1) steps).
-- ``Hierarchical``: ranks form ``ceil(sqrt(p))``-sized nodes; ``reduce`` to the node leader,
-  ``all_reduce`` among leaders, ``broadcast`` back inside the node.
+- ``Hierarchical``: the TP group's ranks on one host form a node (the real topology, see
+  :func:`paratrain.comm.groups.hierarchy_from_hosts`; ``LOCAL_WORLD_SIZE`` under torchrun);
+  ``reduce`` to the node leader, ``all_reduce`` among leaders, ``broadcast`` back inside the
+  node. On one host without ``LOCAL_WORLD_SIZE`` the layout is flat: one node, so a reduce
+  and a broadcast (``TPComm.hierarchy`` says ``"flat (1 host)"``).
 
 Statistics count every torch.distributed call by type, with the bytes this rank sends under
 the ring cost model (all_reduce 2(p-1)/p n, all_gather / reduce_scatter (p-1)/p n of the
@@ -187,6 +190,7 @@ class _Hier:
     intra_ranks: list[int]
     inter: Any | None  # leaders' group (only on leaders, None if a single node)
     leader: int  # global rank of my node's leader
+    layout: str = ""  # e.g. "flat (1 host)", "2 local groups of 2 (2 hosts)"
 
 
 class TPComm:
@@ -208,6 +212,7 @@ class TPComm:
         self.fusion_threshold_bytes = fusion_threshold_bytes
         self.stats = stats if stats is not None else CommStats()
         self._hier = hier
+        self.hierarchy = hier.layout if hier is not None else None
         self._pool: ThreadPoolExecutor | None = None
 
     # -- primitive calls (each records itself) ------------------------------------------
@@ -482,20 +487,30 @@ def build_tp_groups(tp_size: int, *, pattern: str = "AllReduce", async_op: bool 
     dp_size = world // tp_size
     my_tp: tuple[Any, list[int]] | None = None
     my_hier: _Hier | None = None
-    npl = math.ceil(math.sqrt(tp_size))
+    world_nodes: list[list[int]] = []
+    labels: list[str] = []
+    if pattern == "Hierarchical":
+        from .groups import hierarchy_from_hosts, host_labels
+
+        labels = host_labels()  # collective: every rank's host (and torchrun node)
+        world_nodes = hierarchy_from_hosts(labels)
     for g in range(dp_size):
         ranks = list(range(g * tp_size, (g + 1) * tp_size))
         grp = dist.new_group(ranks) if tp_size < world else dist.group.WORLD
         if rank in ranks:
             my_tp = (grp, ranks)
         if pattern == "Hierarchical":
-            nodes = [ranks[i:i + npl] for i in range(0, tp_size, npl)]
+            from .groups import describe_hierarchy
+
+            nodes = [[r for r in n if r in ranks] for n in world_nodes]
+            nodes = [n for n in nodes if n]
+            layout = describe_hierarchy(nodes, [labels[r] for r in ranks])
             leaders = [n[0] for n in nodes]
             node_groups = [dist.new_group(n) if len(n) > 1 else None for n in nodes]
             lead_group = dist.new_group(leaders) if len(leaders) > 1 else None
             for n, ng in zip(nodes, node_groups, strict=True):
                 if rank in n:
-                    my_hier = _Hier(ng, n, lead_group if rank == n[0] else None, n[0])
+                    my_hier = _Hier(ng, n, lead_group if rank == n[0] else None, n[0], layout)
     assert my_tp is not None
     tp = TPComm(my_tp[0], my_tp[1], rank=rank, pattern=pattern, async_op=async_op,
                 fusion_threshold_bytes=fusion_threshold_bytes, stats=stats, hier=my_hier)

@@ -252,6 +252,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "test_loss": final["loss"],
         "best_test_accuracy": max((r["test_accuracy"] for r in records), default=final["accuracy"]),
         "communication_pattern": stats["communication_pattern"],
+        **({"hierarchy": stats["hierarchy"]} if "hierarchy" in stats else {}),
         "collectives": stats["collectives"],
         "collectives_per_step": stats["total_collectives"] / steps,
         "comm_bytes_per_step": stats["bytes_moved"] / steps,

@@ -709,6 +709,9 @@ class TensorParallelModule(nn.Module):
                                  else 0.0),
             "memory_usage_per_device": {self.comm.global_rank: local},
         })
+        if self.pattern == "Hierarchical":
+            # the two-level layout the topology gave, e.g. "flat (1 host)" (comm/groups.py)
+            snap["hierarchy"] = getattr(self.comm, "hierarchy", None) or "flat (1 rank)"
         return snap
 
 
