@@ -22,11 +22,16 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import provenance  # noqa: E402
 
 from paratrain.compression import Compressor, decompress, information_minimum
 
@@ -152,6 +157,9 @@ def main() -> None:
         "largest_time_ratios": {k: v["time_ratio"] for k, v in largest.items()},
         "topk_speedup_vs_torch_topk": largest["TopK_1pct"]["speedup_vs_torch_topk"],
     }
+    # information_minimum is a formula (the bytes the kept values and their positions need)
+    result["provenance"] = provenance(result["sizes"], modelled=("information_minimum",),
+                                      mixed=("wire_ratio",))
     print(json.dumps(result, indent=1))
 
 

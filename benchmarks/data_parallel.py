@@ -19,12 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import provenance  # noqa: E402
 
 HIDDEN = [2048, 896]
 
@@ -250,6 +255,12 @@ def main() -> None:
         "compressed_step_ms": {k: round(v * 1e3, 3) for k, v in r0["compressed_step_s"].items()},
         "wall_s": round(time.perf_counter() - t0, 1),
     }
+    # wire bytes are the exact sizes of the records sent; bus bandwidth converts a measured
+    # all-reduce time with the ring factor 2(n-1)/n (NCCL's convention), so it is modelled
+    out["provenance"] = provenance(
+        {k: v for k, v in out.items() if k not in ("processes", "params", "batch_per_rank", "repeats",
+                                                    "steps_per_repeat", "goal_step_time_ratio", "wall_s")},
+        modelled=("allreduce_busbw_GBps",), mixed=("busbw_ratio_vs_memcpy",))
     print(json.dumps(out))
 
 

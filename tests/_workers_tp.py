@@ -247,9 +247,10 @@ def counts(pattern: str, tp: int, **cfg: Any) -> dict[str, Any]:
     tpm.stats.reset()
     out.sum().backward()
     bwd = tpm.statistics()
-    return {"fwd": fwd["collectives"], "bwd": bwd["collectives"], "fwd_bytes": fwd["bytes_moved"],
+    return {"fwd": fwd["collectives"], "bwd": bwd["collectives"], "fwd_bytes": fwd["bytes_sent_modelled"],
             "bwd_async": bwd["async_collectives"],
-            "bwd_bytes": bwd["bytes_moved"], "out_bytes": out.numel() * 4,
+            "bwd_bytes": bwd["bytes_sent_modelled"], "out_bytes": out.numel() * 4,
+            "fwd_payload": fwd["payload_bytes_measured"], "bwd_payload": bwd["payload_bytes_measured"],
             "x_bytes": x.numel() * 4}
 
 
@@ -275,7 +276,7 @@ def mixed_precision(tp: int) -> dict[str, float]:
         loss = out.square().mean()
         loss.backward()
         res["loss_bf16" if mp else "loss_fp32"] = float(loss)
-        res["bytes_bf16" if mp else "bytes_fp32"] = tpm.statistics()["bytes_moved"]
+        res["bytes_bf16" if mp else "bytes_fp32"] = tpm.statistics()["bytes_sent_modelled"]
         res["master_dtype_bf16" if mp else "master_dtype_fp32"] = str(next(tpm.parameters()).dtype)
         res["grad_dtype_bf16" if mp else "grad_dtype_fp32"] = str(next(tpm.parameters()).grad.dtype)
     return res

@@ -77,8 +77,10 @@ def test_round_records_failures_rejections_bytes_and_residuals(tmp_path: Path) -
         errs = {f["client"]: f["error"] for f in r["failures"]}
         assert "injected failure" in errs["client-1"]
         assert "rejected update: client client-2: tensor 'fc0.weight': shape (4095,)" in errs["client-2"]
-        assert r["bytes_down"] == 6 * DENSE_MODEL_BYTES
-        assert 0 < r["bytes_up"] < 5 * DENSE_MODEL_BYTES / 3  # top-k: far below dense
+        assert r["bytes_down_modelled"] == 6 * DENSE_MODEL_BYTES
+        assert 0 < r["bytes_up_measured"] < 5 * DENSE_MODEL_BYTES / 3  # top-k: far below dense
+        # one process: nothing went through a process group
+        assert r["wire_bytes_down_measured"] == r["wire_bytes_up_measured"] == 0
     assert s["clients_failed_total"] == 4
     ckpt = torch.load(Path(s["run_dir"]) / "checkpoints" / "worker-0" / "ckpt-000000002.pt",
                       weights_only=True)
@@ -154,7 +156,15 @@ def test_killed_worker_restarts_and_ends_equal_to_uninterrupted(
     assert all(w["client_updates"] > 0 for w in out["workers"])  # client c lives on rank c % 2
     # Two processes with a crash in between == one process uninterrupted, bit for bit.
     assert out["parameters_sha256"] == ref["parameters_sha256"]
-    assert (out["bytes_up"], out["bytes_down"]) == (ref["bytes_up"], ref["bytes_down"])
+    assert ((out["bytes_up_measured"], out["bytes_down_modelled"])
+            == (ref["bytes_up_measured"], ref["bytes_down_modelled"]))
+    # two processes: the model broadcast reached rank 1 once per round (4 rounds, counted at
+    # the broadcast), and rank 0 received rank 1's update payloads point-to-point
+    assert ref["wire_bytes_down_measured"] == 0
+    assert out["wire_bytes_down_measured"] == 4 * DENSE_MODEL_BYTES
+    assert 0 < out["wire_bytes_up_measured"] < out["bytes_up_measured"]
+    assert out["provenance"]["bytes_down_modelled"] == "modelled"
+    assert out["provenance"]["num_clients"] == "configured"
     a, b = _rounds(ref["run_dir"]), _rounds(out["run_dir"])
     assert [r["round"] for r in b] == [1, 2, 3, 4]
     assert [r["test_accuracy"] for r in a] == [r["test_accuracy"] for r in b]

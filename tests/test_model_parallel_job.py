@@ -80,15 +80,19 @@ def test_sigkill_elastic_restart_then_resume_pipeline(tmp_path: Path, local: dic
     lines = (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [4, 8]
     # Pipeline statistics: p = 2 stages, m = 3 micro-batches of a full batch.
-    assert out["bubble_theory"] == pytest.approx(1 / 4)
-    assert 0.0 <= out["bubble_fraction"] < 1.0
+    assert out["bubble_theory_modelled"] == pytest.approx(1 / 4)
+    assert 0.0 <= out["bubble_fraction_measured"] < 1.0
+    assert out["provenance"]["bubble_theory_modelled"] == "modelled"
+    assert out["provenance"]["stage_stats"] == "measured"
     stats = out["stage_stats"]
     assert [s["rank"] for s in stats] == [0, 1]
     for s in stats:
-        assert 0 < s["compute_fraction"] and s["compute_fraction"] + s["blocked_in_recv_fraction"] <= 1.0
-        assert s["peak_activation_bytes"] > 0
+        assert 0 < s["compute_fraction_measured"]
+        assert s["compute_fraction_measured"] + s["blocked_in_recv_fraction_measured"] <= 1.0
+        assert s["peak_activation_bytes_measured"] > 0
     # the cut is after act0 (32 wide): rank 0 sends 24 x 32 activations, rank 1 their grads
-    assert stats[0]["bytes_sent_per_step"] == stats[1]["bytes_sent_per_step"] == 24 * 32 * 4
+    assert (stats[0]["bytes_sent_per_step_measured"] == stats[1]["bytes_sent_per_step_measured"]
+            == 24 * 32 * 4)
 
     # `--resume` continues the finished run from its step-8 checkpoints to step 12.
     monkeypatch.delenv(FAULT_ENV)

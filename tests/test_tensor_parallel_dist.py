@@ -72,6 +72,13 @@ def test_mlp_block_does_one_all_reduce_each_way(r2: list[dict[str, Any]], r4: li
     c2, c4 = r2[0]["counts"]["AllReduce"], r4[0]["counts"]
     assert c2["fwd_bytes"] == c2["out_bytes"] and c2["bwd_bytes"] == c2["x_bytes"]
     assert c4["fwd_bytes"] == 1.5 * c4["out_bytes"]
+    # measured at the call: each rank hands the whole [B, out] / [B, in] tensor to the
+    # all-reduce, whatever the ring model says it puts on the wire
+    assert c4["fwd_payload"] == c4["out_bytes"] and c4["bwd_payload"] == c4["x_bytes"]
+    assert c2["fwd_payload"] == c2["out_bytes"] and c2["bwd_payload"] == c2["x_bytes"]
+    # point-to-point sends are counted as sent: measured and modelled agree
+    p2p = r2[0]["counts"]["PointToPoint"]
+    assert p2p["fwd_payload"] == p2p["fwd_bytes"] > 0
 
 
 def test_other_patterns_use_their_own_collectives(r2: list[dict[str, Any]], r4: list[dict[str, Any]]) -> None:

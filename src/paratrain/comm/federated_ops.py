@@ -11,6 +11,12 @@
   a single process (``group is None``), so the same round loop runs in-process.
 
 With ``group is None`` (one process) the collectives are no-ops.
+
+Each transfer takes an optional ``counter`` (:class:`~paratrain.comm.collectives.CommCounter`)
+and books, at the call, the bytes of the tensor it moves: ``broadcast_delivered`` on the
+source (the tensor's bytes times the ranks that receive it), ``broadcast_received`` on a
+receiver, ``send`` / ``recv`` for the point-to-point payloads. These are measured sizes of
+what went through the process group, not a cost model.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .collectives import CommCounter
 
 __all__ = [
     "LocalStore",
@@ -74,25 +82,35 @@ def store_delete(store: Any, key: str) -> None:
         pass
 
 
-def broadcast_(tensor: torch.Tensor, *, src: int = 0, group: Any = None) -> None:
+def broadcast_(tensor: torch.Tensor, *, src: int = 0, group: Any = None,
+               counter: CommCounter | None = None) -> None:
     """In-place broadcast of ``tensor`` from ``src`` (no-op for a single process)."""
     if group is None:
         return
     dist.broadcast(tensor, src=src, group=group)
+    if counter is not None:
+        nb = tensor.numel() * tensor.element_size()
+        if dist.get_rank() == src:
+            counter.add("broadcast_delivered", nb * (dist.get_world_size(group) - 1))
+        else:
+            counter.add("broadcast_received", nb)
 
 
-def send_bytes(payload: torch.Tensor, *, dst: int, group: Any = None) -> None:
+def send_bytes(payload: torch.Tensor, *, dst: int, group: Any = None,
+               counter: CommCounter | None = None) -> None:
     """Send a uint8 tensor to ``dst`` (blocking); empty payloads are not sent."""
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise TypeError("send_bytes expects a 1-d uint8 tensor")
     if group is None or payload.numel() == 0:
         return
     dist.send(payload.contiguous(), dst=dst, group=group)
+    if counter is not None:
+        counter.add("send", payload.numel())
 
 
 def recv_bytes(
     nbytes: int, *, src: int, group: Any = None, limit: int = 1 << 34,
-    device: torch.device | None = None,
+    device: torch.device | None = None, counter: CommCounter | None = None,
 ) -> torch.Tensor:
     """Receive ``nbytes`` bytes from ``src`` (the length came from a control message)."""
     if not 0 <= nbytes <= limit:
@@ -101,6 +119,8 @@ def recv_bytes(
     if group is None or nbytes == 0:
         return buf
     dist.recv(buf, src=src, group=group)
+    if counter is not None:
+        counter.add("recv", nbytes)
     return buf
 
 

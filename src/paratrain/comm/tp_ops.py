@@ -26,9 +26,15 @@ region is carried out; every pattern gives the same numbers (up to float summati
   node. On one host without ``LOCAL_WORLD_SIZE`` the layout is flat: one node, so a reduce
   and a broadcast (``TPComm.hierarchy`` says ``"flat (1 host)"``).
 
-Statistics count every torch.distributed call by type, with the bytes this rank sends under
-the ring cost model (all_reduce 2(p-1)/p n, all_gather / reduce_scatter (p-1)/p n of the
-full tensor, send n) and the time spent waiting on communication.
+Statistics count every torch.distributed call by type, at the call, with two byte figures:
+``payload_bytes_measured``, the sizes of the tensors this rank hands to the calls (the input
+of an all-reduce or reduce, the shard of an all-gather, the full input of a reduce-scatter,
+the chunk of a send, the tensor of a broadcast it is the source of; receive buffers are not
+counted), and ``bytes_sent_modelled``, what this rank puts on the wire under the ring cost
+model (all_reduce 2(p-1)/p n, all_gather / reduce_scatter (p-1)/p n of the full tensor,
+broadcast / reduce (p-1)/p n, send n), since the backend's own algorithm is not visible
+from here. Point-to-point sends are the one case where both are the same measured count.
+Also the time spent waiting on communication.
 """
 
 from __future__ import annotations
@@ -73,7 +79,9 @@ PATTERNS = ("AllReduce", "AllGather", "ReduceScatter", "PointToPoint", "Hierarch
 
 
 class CommStats:
-    """Real counters: collectives by type, bytes sent by this rank, comm and compute time."""
+    """Real counters, kept at each torch.distributed call: calls by type, the payload bytes
+    this rank handed to them (measured), the bytes it sends under the ring model (modelled),
+    comm and compute time."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -81,15 +89,17 @@ class CommStats:
 
     def reset(self) -> None:
         self.counts: Counter[str] = Counter()
-        self.bytes: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()  # ring-model wire bytes (modelled)
+        self.payload: Counter[str] = Counter()  # sizes of the tensors handed over (measured)
         self.comm_time_s = 0.0
         self.compute_time_s = 0.0
         self.async_launched = 0  # collectives started without blocking (overlappable)
 
-    def record(self, kind: str, wire_bytes: float, seconds: float = 0.0) -> None:
+    def record(self, kind: str, wire_bytes: float, seconds: float = 0.0, *, payload_bytes: int = 0) -> None:
         with self._lock:
             self.counts[kind] += 1
             self.bytes[kind] += int(round(wire_bytes))
+            self.payload[kind] += int(payload_bytes)
             self.comm_time_s += seconds
 
     def launched_async(self) -> None:
@@ -110,15 +120,23 @@ class CommStats:
 
     @property
     def total_bytes(self) -> int:
+        """Ring-model bytes sent (modelled)."""
         return sum(self.bytes.values())
+
+    @property
+    def total_payload_bytes(self) -> int:
+        """Bytes of the tensors handed to the calls (measured)."""
+        return sum(self.payload.values())
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
                 "collectives": dict(self.counts),
-                "bytes_by_type": dict(self.bytes),
+                "bytes_sent_by_type_modelled": dict(self.bytes),
+                "payload_bytes_by_type_measured": dict(self.payload),
                 "total_collectives": sum(self.counts.values()),
-                "bytes_moved": sum(self.bytes.values()),
+                "bytes_sent_modelled": sum(self.bytes.values()),
+                "payload_bytes_measured": sum(self.payload.values()),
                 "communication_time_s": self.comm_time_s,
                 "computation_time_s": self.compute_time_s,
                 "async_collectives": self.async_launched,
@@ -216,19 +234,19 @@ class TPComm:
         self._pool: ThreadPoolExecutor | None = None
 
     # -- primitive calls (each records itself) ------------------------------------------
-    def _timed(self, kind: str, wire: float, fn: Callable[[], Any]) -> Any:
+    def _timed(self, kind: str, wire: float, fn: Callable[[], Any], payload: int = 0) -> Any:
         t0 = time.perf_counter()
         out = fn()
-        self.stats.record(kind, wire, time.perf_counter() - t0)
+        self.stats.record(kind, wire, time.perf_counter() - t0, payload_bytes=payload)
         return out
 
     def _native_all_reduce(self, t: torch.Tensor, group: Any, p: int, async_op: bool = False) -> Any:
         wire = 2 * (p - 1) / p * _nbytes(t)
         if async_op:
-            self.stats.record("all_reduce", wire)
+            self.stats.record("all_reduce", wire, payload_bytes=_nbytes(t))
             self.stats.launched_async()
             return dist.all_reduce(t, group=group, async_op=True)
-        return self._timed("all_reduce", wire, lambda: dist.all_reduce(t, group=group))
+        return self._timed("all_reduce", wire, lambda: dist.all_reduce(t, group=group), _nbytes(t))
 
     def _gather_padded(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None,
                        async_op: bool = False) -> Handle:
@@ -250,11 +268,11 @@ class TPComm:
             return torch.cat(parts).movedim(0, dim).contiguous()
 
         if async_op:
-            self.stats.record("all_gather", wire)
+            self.stats.record("all_gather", wire, payload_bytes=_nbytes(x))
             self.stats.launched_async()
             work = _all_gather_flat(out, x, self.group, True)
             return Handle(self.stats, work=work, finish=finish)
-        self._timed("all_gather", wire, lambda: _all_gather_flat(out, x, self.group, False))
+        self._timed("all_gather", wire, lambda: _all_gather_flat(out, x, self.group, False), _nbytes(x))
         return Handle(self.stats, finish=finish)
 
     def _reduce_scatter_padded(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None,
@@ -282,12 +300,12 @@ class TPComm:
             return out[:mine].movedim(0, dim).contiguous()
 
         if async_op:
-            self.stats.record("reduce_scatter", wire)
+            self.stats.record("reduce_scatter", wire, payload_bytes=_nbytes(inp))
             self.stats.launched_async()
             work = _reduce_scatter_flat(out, inp, self.group, True)
             return Handle(self.stats, work=work, finish=finish)
         self._timed("reduce_scatter", wire,
-                    lambda: _reduce_scatter_flat(out, inp, self.group, False))
+                    lambda: _reduce_scatter_flat(out, inp, self.group, False), _nbytes(inp))
         return Handle(self.stats, finish=finish)
 
     def _ring_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -311,7 +329,8 @@ class TPComm:
                     w.wait()
             dt = time.perf_counter() - t0
             if chunk[send_i].numel():
-                self.stats.record("send", _nbytes(chunk[send_i]), dt)
+                self.stats.record("send", _nbytes(chunk[send_i]), dt,
+                                  payload_bytes=_nbytes(chunk[send_i]))
             if buf.numel():
                 self.stats.record("recv", 0)
             if accumulate:
@@ -332,13 +351,14 @@ class TPComm:
         q = len(h.intra_ranks)
         if q > 1:
             self._timed("reduce", (q - 1) / q * _nbytes(out),
-                        lambda: dist.reduce(out, dst=h.leader, group=h.intra))
+                        lambda: dist.reduce(out, dst=h.leader, group=h.intra), _nbytes(out))
         if h.inter is not None:
             n_lead = dist.get_world_size(h.inter)
             self._native_all_reduce(out, h.inter, n_lead)
         if q > 1:
             self._timed("broadcast", (q - 1) / q * _nbytes(out),
-                        lambda: dist.broadcast(out, src=h.leader, group=h.intra))
+                        lambda: dist.broadcast(out, src=h.leader, group=h.intra),
+                        _nbytes(out) if self.global_rank == h.leader else 0)
         return out
 
     def _all_reduce_now(self, t: torch.Tensor) -> torch.Tensor:
@@ -396,7 +416,8 @@ class TPComm:
         """In-place broadcast from the member at group index ``src_index``."""
         if self.size > 1:
             self._timed("broadcast", (self.size - 1) / self.size * _nbytes(t),
-                        lambda: dist.broadcast(t, src=self.ranks[src_index], group=self.group))
+                        lambda: dist.broadcast(t, src=self.ranks[src_index], group=self.group),
+                        _nbytes(t) if self.rank == src_index else 0)
         return t
 
     def all_reduce_coalesced_(self, tensors: Sequence[torch.Tensor], *, average: bool = False) -> int:

@@ -164,10 +164,10 @@ def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Any:
 def pipeline_stats(totals: list[torch.Tensor], plan: Plan, *, micro_batches: int | None) -> dict[str, Any]:
     """Per-rank time split and the run's bubble fraction from each rank's step totals.
 
-    ``bubble_fraction = 1 - C_max / T``: ``C_max`` the busiest rank's forward/backward
+    ``bubble_fraction_measured = 1 - C_max / T``: ``C_max`` the busiest rank's forward/backward
     compute and ``T`` the longest rank's train-step time, summed over the run (GPipe's and
     Megatron's bubble, the time the pipeline's bottleneck stage stands idle). For a
-    Pipeline, ``bubble_theory = (p - 1) / (m + p - 1)`` for ``p`` stages and ``m`` micro-
+    Pipeline, ``bubble_theory_modelled = (p - 1) / (m + p - 1)`` for ``p`` stages and ``m`` micro-
     batches of a full batch, the ideal with equal stages and free communication.
     """
     steps = max(float(totals[0][5]), 1.0)
@@ -175,15 +175,16 @@ def pipeline_stats(totals: list[torch.Tensor], plan: Plan, *, micro_batches: int
     busiest = max(float(t[1]) for t in totals)
     out: dict[str, Any] = {
         "stage_stats": [
-            {"rank": r, "compute_fraction": round(float(t[1]) / max(float(t[0]), 1e-12), 4),
-             "blocked_in_recv_fraction": round(float(t[2]) / max(float(t[0]), 1e-12), 4),
-             "peak_activation_bytes": int(t[3]), "bytes_sent_per_step": round(float(t[4]) / steps, 1)}
+            {"rank": r, "compute_fraction_measured": round(float(t[1]) / max(float(t[0]), 1e-12), 4),
+             "blocked_in_recv_fraction_measured": round(float(t[2]) / max(float(t[0]), 1e-12), 4),
+             "peak_activation_bytes_measured": int(t[3]),
+             "bytes_sent_per_step_measured": round(float(t[4]) / steps, 1)}
             for r, t in enumerate(totals)
         ],
-        "bubble_fraction": round(1.0 - busiest / step_s, 4) if step_s > 0 else None,
+        "bubble_fraction_measured": round(1.0 - busiest / step_s, 4) if step_s > 0 else None,
     }
     if micro_batches is not None:
-        out["bubble_theory"] = round(theoretical_bubble(plan.num_segments, micro_batches), 4)
+        out["bubble_theory_modelled"] = round(theoretical_bubble(plan.num_segments, micro_batches), 4)
     return out
 
 
@@ -388,7 +389,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "test_accuracy": final["accuracy"],
         "test_loss": final["loss"],
         "best_test_accuracy": max((r["test_accuracy"] for r in records), default=final["accuracy"]),
-        "median_step_time_s": sorted(step_times)[len(step_times) // 2] if step_times else None,
+        "median_step_time_s_measured": sorted(step_times)[len(step_times) // 2] if step_times else None,
         **pipeline_stats(stage_totals, plan, micro_batches=(
             math.ceil(bs / proto.micro_batch_size) if pipeline else None)),
         "parameters_sha256": hashlib.sha256(b"".join(d.numpy().tobytes() for d in digests)).hexdigest(),
@@ -396,6 +397,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "resumed_from_step": found,
         "wall_time_s": round(time.perf_counter() - started, 3),
     }
+    summary["provenance"] = report.provenance(summary, configured=("micro_batch_size", "workers"))
     write_summary(run_dir, summary)
     report.plot_curves(run_dir, title=f"{job.run.name} (ModelParallel/{proto.protocol})")
     return summary

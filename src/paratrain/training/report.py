@@ -1,16 +1,17 @@
-"""``report.png``: loss and accuracy curves from metrics.jsonl (matplotlib, Agg)."""
+"""``report.png``: loss and accuracy curves from metrics.jsonl (matplotlib, Agg), and the
+provenance map of a run summary (which figures were measured, which modelled)."""
 
 from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from .rundir import read_metrics
 
-__all__ = ["plot_curves", "never_fails"]
+__all__ = ["plot_curves", "never_fails", "provenance", "MEASURED", "MODELLED", "CONFIGURED"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -65,4 +66,48 @@ def plot_curves(run_dir: str | Path, *, x_key: str = "step", title: str | None =
     out = run_dir / "report.png"
     fig.savefig(out, dpi=100)
     plt.close(fig)
+    return out
+
+
+MEASURED, MODELLED, CONFIGURED = "measured", "modelled", "configured"
+_SUFFIXES = {"_measured": MEASURED, "_modelled": MODELLED}
+
+
+def _is_figure(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int | float):
+        return True
+    if isinstance(v, Mapping):
+        return any(_is_figure(x) for x in v.values())
+    if isinstance(v, list | tuple):
+        return any(_is_figure(x) for x in v)
+    return False
+
+
+def provenance(summary: Mapping[str, Any], *, modelled: Iterable[str] = (),
+               configured: Iterable[str] = ()) -> dict[str, str]:
+    """``{key: "measured" | "modelled" | "configured"}`` for every top-level figure of ``summary``.
+
+    A key ending in ``_measured`` / ``_modelled`` says it itself; keys named in ``modelled``
+    come from a formula (a cost model, a theory bound); keys in ``configured`` echo the job
+    file (sizes it asked for). Every other numeric field (or container of numbers) is
+    something the run counted or timed: measured. Strings, booleans and ``None`` are not
+    figures and get no entry. A key whose suffix contradicts the list it is in is a
+    ValueError."""
+    mod, conf = set(modelled), set(configured)
+    out: dict[str, str] = {}
+    for k, v in summary.items():
+        if k == "provenance":
+            continue
+        suffix = next((lab for suf, lab in _SUFFIXES.items() if k.endswith(suf)), None)
+        if k in mod or k in conf:
+            listed = MODELLED if k in mod else CONFIGURED
+            if suffix is not None and suffix != listed:
+                raise ValueError(f"summary key {k!r} is named {suffix} but listed as {listed}")
+            out[k] = listed
+        elif suffix is not None:
+            out[k] = suffix
+        elif _is_figure(v):
+            out[k] = MEASURED
     return out

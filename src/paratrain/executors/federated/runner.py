@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ...comm.collectives import CommCounter
 from ...comm.context import WorkerContext
 from ...comm.federated_ops import (
     LocalStore,
@@ -57,8 +58,8 @@ from ...training import (
     seed_everything,
     write_summary,
 )
-from ...training.rundir import run_dir_of
 from ...training.faults import FAULTS_ENV, injected_faults
+from ...training.rundir import run_dir_of
 from .client import ClientHost, client_name
 from .selection import select_clients
 from .server import FederatedServer
@@ -75,8 +76,8 @@ def check_job(job: JobConfig, *, world_size: int) -> None:
     strat: Any = job.strategy
     k = strat.num_clients
     problems: list[tuple[str, str]] = []
-    for field in ("fail_clients", "byzantine_clients", "corrupt_clients"):
     faults = injected_faults()
+    for field in ("fail_clients", "byzantine_clients", "corrupt_clients"):
         bad = sorted(c for c in getattr(faults, field) if not 0 <= c < k)
         if bad:
             problems.append((f"{FAULTS_ENV}.{field}", f"client indices {bad} outside [0, {k})"))
@@ -222,6 +223,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     kill_rank, kill_round = (int(v) for v in kill.split(":")) if kill else (-1, -1)
     target = job.federated.target_accuracy
     global_state = dict(template) if server is None else dict(server.global_state)
+    traffic = CommCounter()  # this rank's process-group bytes, booked by the transport
     bar_ctx = progress_bar(enabled=None if is_server else False)
     with bar_ctx as bar:
         task = bar.add_task("Federated", total=strat.rounds, completed=start, info="")
@@ -247,9 +249,11 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 fvec, ivec = _flatten(template)
             if comm_dev.type != "cpu":
                 fvec, ivec = fvec.to(comm_dev), ivec.to(comm_dev)
-            broadcast_(fvec, src=0, group=group)
+            sent_before = traffic.bytes.get("broadcast_delivered", 0)
+            broadcast_(fvec, src=0, group=group, counter=traffic)
             if ivec.numel():
-                broadcast_(ivec, src=0, group=group)
+                broadcast_(ivec, src=0, group=group, counter=traffic)
+            wire_down = traffic.bytes.get("broadcast_delivered", 0) - sent_before
             fvec, ivec = fvec.cpu(), ivec.cpu()
             global_state = server.global_state if server is not None else _unflatten(template, fvec, ivec)
             dev_state = {k: v.to(device) for k, v in global_state.items()}
@@ -265,17 +269,18 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 store_set_json(store, f"fed/status/{r}/{rank}", {"results": statuses, "nbytes": len(payload)})
                 data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
                         else torch.zeros(0, dtype=torch.uint8))
-                send_bytes(data.to(comm_dev), dst=0, group=group)
+                send_bytes(data.to(comm_dev), dst=0, group=group, counter=traffic)
                 continue
             # Server: collect every rank's updates.
             all_st = list(statuses)
             all_pl: list[bytes | memoryview] = [res.payload for res in results]
+            recv_before = traffic.bytes.get("recv", 0)
             for src in range(1, world):
                 key = f"fed/status/{r}/{src}"
                 doc = store_get_json(store, key)
                 store_delete(store, key)
                 buf = recv_bytes(int(doc["nbytes"]), src=src, group=group,
-                                 device=comm_dev).cpu().numpy().tobytes()
+                                 device=comm_dev, counter=traffic).cpu().numpy().tobytes()
                 pos = 0
                 for st in doc["results"]:
                     nb = int(st.get("nbytes", 0))
@@ -283,7 +288,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                     all_pl.append(memoryview(buf)[pos : pos + nb])
                     pos += nb
             store_delete(store, f"fed/plan/{r - 1}")
-            rec = server.finish_round(r, all_st, all_pl)
+            rec = server.finish_round(r, all_st, all_pl, wire_bytes_down=wire_down,
+                                      wire_bytes_up=traffic.bytes.get("recv", 0) - recv_before)
             ev = server.evaluate(model, bundle.test, device=device)
             server.note_accuracy(ev["accuracy"], target)
             rec.update(test_accuracy=ev["accuracy"], test_loss=ev["loss"],
@@ -298,7 +304,11 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             bar.update(task, completed=r + 1, info=f"acc {ev['accuracy']:.3f} ok {rec['clients_ok']}/{rec['clients_selected']}")
 
     stats = {"rank": rank, "clients_hosted": len(host.hosted), "client_updates": host.trained,
-             "peak_rss_mb": round(_peak_rss_mb(), 1)}
+             "peak_rss_mb": round(_peak_rss_mb(), 1),
+             "wire_bytes_sent_measured": traffic.bytes.get("send", 0)
+             + traffic.bytes.get("broadcast_delivered", 0),
+             "wire_bytes_received_measured": traffic.bytes.get("recv", 0)
+             + traffic.bytes.get("broadcast_received", 0)}
     if server is None:
         store_set_json(store, f"fed/final/{rank}", stats)
         barrier(group)
@@ -322,14 +332,17 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "test_loss": final["loss"],
         "best_test_accuracy": max((rec["test_accuracy"] for rec in records), default=final["accuracy"]),
         "clients_failed_total": server.failures,
-        "bytes_up": server.bytes_up,
-        "bytes_down": server.bytes_down,
+        "bytes_up_measured": server.bytes_up,
+        "bytes_down_modelled": server.bytes_down,
+        "wire_bytes_down_measured": server.wire_bytes_down,
+        "wire_bytes_up_measured": server.wire_bytes_up,
         "client_updates_this_run": updates,
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "wall_time_s": round(wall, 3),
         "workers": workers,
         "parameters_sha256": parameters_digest(model),
     }
+    summary["provenance"] = report.provenance(summary, configured=("num_clients", "num_workers"))
     write_summary(run_dir, summary)
     report.plot_curves(run_dir, x_key="round", title=f"{job.run.name} (Federated, {strat.aggregation.method})")
     return summary

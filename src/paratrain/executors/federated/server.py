@@ -4,7 +4,15 @@
 client order), rejects malformed updates before any arithmetic (each becomes a
 recorded failure naming the client and tensor), and applies the job's aggregator to
 the successful ones, weighted by example counts. A round with no successful client
-leaves the global model unchanged and records why. The server state — global model,
+leaves the global model unchanged and records why.
+
+Bytes, per round and in total: ``bytes_up_measured`` is the length of every selected
+client's encoded update (what a client would upload; the same whichever worker hosts it);
+``bytes_down_modelled`` is the model's size times the clients selected (what one device
+per client would download; in this simulation a worker's clients share one copy);
+``wire_bytes_down_measured`` / ``wire_bytes_up_measured`` are what went through the process
+group, counted at the transfer (comm/federated_ops.py): the model broadcast delivered to
+the other worker ranks and the update payloads this rank received. The server state — global model,
 aggregator state (server optimizer moments), round counter, early-stop flag — is one
 checkpoint dict.
 """
@@ -38,8 +46,10 @@ class FederatedServer:
         self.round = 0
         self.stopped = False
         self.rounds_to_target: int | None = None
-        self.bytes_up = 0
-        self.bytes_down = 0
+        self.bytes_up = 0  # measured: encoded update lengths
+        self.bytes_down = 0  # modelled: model bytes x clients selected
+        self.wire_bytes_down = 0  # measured at the broadcast
+        self.wire_bytes_up = 0  # measured at the point-to-point receives
         self.failures = 0
 
     @property
@@ -51,8 +61,12 @@ class FederatedServer:
         round_idx: int,
         statuses: Sequence[Mapping[str, Any]],
         payloads: Sequence[bytes | memoryview],
+        *,
+        wire_bytes_down: int = 0,
+        wire_bytes_up: int = 0,
     ) -> RoundOutcome:
-        """Aggregate one round; ``statuses[i]`` describes ``payloads[i]``."""
+        """Aggregate one round; ``statuses[i]`` describes ``payloads[i]``; ``wire_bytes_*``
+        are the round's process-group traffic as the transport counted it."""
         order = sorted(range(len(statuses)), key=lambda i: int(statuses[i]["client"]))
         ids: list[str] = []
         updates: list[dict[str, Tensor]] = []
@@ -84,14 +98,18 @@ class FederatedServer:
         down = self.model_nbytes * len(statuses)
         self.bytes_up += up
         self.bytes_down += down
+        self.wire_bytes_down += int(wire_bytes_down)
+        self.wire_bytes_up += int(wire_bytes_up)
         self.failures += len(failed)
         rec = RoundOutcome(
             round=round_idx + 1,
             clients_selected=len(statuses),
             clients_ok=len(updates),
             clients_failed=len(failed),
-            bytes_up=up,
-            bytes_down=down,
+            bytes_up_measured=up,
+            bytes_down_modelled=down,
+            wire_bytes_down_measured=int(wire_bytes_down),
+            wire_bytes_up_measured=int(wire_bytes_up),
         )
         if failed:
             rec["failures"] = failed
@@ -125,6 +143,8 @@ class FederatedServer:
             "rounds_to_target": -1 if self.rounds_to_target is None else self.rounds_to_target,
             "bytes_up": self.bytes_up,
             "bytes_down": self.bytes_down,
+            "wire_bytes_down": self.wire_bytes_down,
+            "wire_bytes_up": self.wire_bytes_up,
             "failures": self.failures,
             "saved_at": time.time(),
         }
@@ -141,4 +161,6 @@ class FederatedServer:
         self.rounds_to_target = None if rtt < 0 else rtt
         self.bytes_up = int(state.get("bytes_up", 0))
         self.bytes_down = int(state.get("bytes_down", 0))
+        self.wire_bytes_down = int(state.get("wire_bytes_down", 0))
+        self.wire_bytes_up = int(state.get("wire_bytes_up", 0))
         self.failures = int(state.get("failures", 0))
