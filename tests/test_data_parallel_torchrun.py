@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from paratrain.comm.launch import launch_config
 from paratrain.comm.testing import free_port
 from paratrain.config import ConfigError, load_job
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 BIN = Path(sys.executable).parent
 
@@ -55,11 +56,29 @@ def _summary(out: Path, name: str) -> dict[str, object]:
     return data
 
 
+def _readme_torchrun(job: Path, port: int) -> list[str]:
+    """The README's torchrun line, as written, on one node with 2 processes."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    match = re.search(r"`(torchrun [^`]*-m paratrain\.worker job\.toml)`", text)
+    assert match, "README lost its torchrun line"
+    args = match.group(1).split()
+    assert "--rdzv-backend=c10d" in args  # without it torchrun's static backend needs --node-rank
+    subs = {"--nnodes=2": "--nnodes=1", "--nproc-per-node=4": "--nproc-per-node=2",
+            "--rdzv-endpoint=HOST:PORT": f"--rdzv-endpoint=127.0.0.1:{port}", "job.toml": str(job)}
+    assert set(subs) <= set(args), args
+    return [str(BIN / "torchrun"), *(subs.get(a, a) for a in args[1:])]
+
+
 def test_torchrun_and_two_node_launch_agree(tmp_path: Path) -> None:
     out = tmp_path / "runs"
     (tmp_path / "a.toml").write_text(JOB.format(name="torchrun", out=out))
     (tmp_path / "b.toml").write_text(JOB.format(name="nodes", out=out))
-    port = free_port()
+    (tmp_path / "c.toml").write_text(JOB.format(name="readme", out=out))
+    # Rendezvous ports below the ephemeral range (free_port): a port from bind(0), closed
+    # and bound again seconds later by the node-0 process, could meanwhile go to any
+    # socket of the launches started beside it (see comm.testing.free_port).
+    port, readme_port = free_port(), free_port()
+    assert port != readme_port
     commands = [
         [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "paratrain.worker",
          str(tmp_path / "a.toml")],
@@ -68,19 +87,37 @@ def test_torchrun_and_two_node_launch_agree(tmp_path: Path) -> None:
              "--node-rank", str(r), "--rdzv-endpoint", f"127.0.0.1:{port}"]
             for r in range(2)
         ),
+        _readme_torchrun(tmp_path / "c.toml", readme_port),
     ]
-    # All three launches at once: they are independent jobs (different run folders).
+    # All launches at once: they are independent jobs (different run folders).
     procs = [
         subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for cmd in commands
     ]
-    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], logs
-    a, b = _summary(out, "torchrun"), _summary(out, "nodes")
-    assert a["num_replicas"] == b["num_replicas"] == 2 and a["steps"] == b["steps"] == 6
-    assert a["parameters_sha256"] == b["parameters_sha256"]
+    try:
+        logs = [p.communicate(timeout=420)[0].decode(errors="replace") for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], logs
+    a, b, c = _summary(out, "torchrun"), _summary(out, "nodes"), _summary(out, "readme")
+    assert a["num_replicas"] == b["num_replicas"] == c["num_replicas"] == 2
+    assert a["steps"] == b["steps"] == c["steps"] == 6
+    assert a["parameters_sha256"] == b["parameters_sha256"] == c["parameters_sha256"]
     # 2 replicas: the server receives one gradient and sends one mean per step.
     assert a["server_bytes_per_step"] == 2 * 4 * a["num_parameters"]  # type: ignore[operator]
+
+
+@pytest.mark.skipif(not Path("/proc/sys/net/ipv4/ip_local_port_range").exists(), reason="Linux only")
+def test_free_port_is_never_an_ephemeral_port() -> None:
+    """The kernel hands ephemeral ports to bind(0) and to every outgoing connection; a
+    port picked there and bound later by another process can be taken in between."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(20)]
+    assert all(1024 <= p < low for p in ports), ports
+    assert len(set(ports)) > 1  # OS randomness, not one fixed number
 
 
 def test_launch_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:

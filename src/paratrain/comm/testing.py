@@ -9,6 +9,7 @@ rank's traceback. ``fn`` must be importable (a module-level function).
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import queue
@@ -39,10 +40,56 @@ def _numpy_globals() -> list[Any]:
             *(type(np.dtype(k)) for k in kinds)]
 
 
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux: ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152  # the IANA dynamic range (macOS, BSD)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port that is free now, for a server another process will bind later.
+
+    The port is picked *below* the ephemeral range: the kernel never hands those out by
+    itself (``bind(("", 0))``, or the local end of any outgoing connection), so between
+    this call and the caller's bind no unrelated socket can take it. (A port from
+    ``bind(0)`` is an ephemeral one: released, it is the kernel's to give to the next
+    ``connect()`` or ``bind(0)`` anywhere on the machine, e.g. a gloo pair of another job,
+    and the server later fails to bind, or peers reach the wrong process.) Chosen with the
+    OS's randomness, not ``random`` (seeded runs would all pick the same port).
+    """
+    import secrets
+
+    high = _ephemeral_low()
+    low = max(1024, min(20000, high - 1000))
+    for _ in range(200):
+        port = low + secrets.randbelow(high - low)
+        if _bindable(port):
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # range full: any port
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _bindable(port: int) -> bool:
+    """True when nothing holds ``port`` on any IPv4 or IPv6 address of this machine."""
+    families = [(socket.AF_INET, "0.0.0.0")]
+    if socket.has_ipv6:
+        families.append((socket.AF_INET6, "::"))
+    for family, host in families:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.bind((host, port))
+        except OSError as e:
+            if family == socket.AF_INET6 and e.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
+                # no IPv6 on this machine
+                continue
+            return False
+    return True
 
 
 def _child(
