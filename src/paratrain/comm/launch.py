@@ -435,7 +435,7 @@ class _Capture(logging.Handler):
             and len(args) >= 2
         ):
             try:
-                self.exits[int(args[1])] = int(args[0])
+                self.exits[int(str(args[1]))] = int(str(args[0]))
             except (TypeError, ValueError):
                 pass
 
