@@ -111,6 +111,15 @@ def unknown_keys(obj: object) -> tuple[str, ...]:
     return _UNKNOWN.get(id(obj), ())
 
 
+def describe_tags(schema: dict[str, Any], cls: type) -> None:
+    """JSON Schema hook: a discriminator tag (a property with a single ``const`` value,
+    e.g. ``method = "TopK"``) is described as the variant it selects. Every other field
+    is described by its attribute docstring (``use_attribute_docstrings``)."""
+    for name, prop in (schema.get("properties") or {}).items():
+        if isinstance(prop, dict) and "const" in prop and not prop.get("description"):
+            prop["description"] = f"{name} = {prop['const']!r} selects {cls.__name__}."
+
+
 class Contract(BaseModel):
     """Frozen, serde-like model; extension fields are dumped only when set.
 
@@ -118,7 +127,9 @@ class Contract(BaseModel):
     them, so ``paratrain validate`` can report them as ignored.
     """
 
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    model_config = ConfigDict(
+        frozen=True, extra="ignore", use_attribute_docstrings=True, json_schema_extra=describe_tags
+    )
     _extensions: ClassVar[frozenset[str]] = frozenset()
 
     @model_validator(mode="wrap")

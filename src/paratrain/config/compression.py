@@ -37,6 +37,7 @@ class TopK(Contract):
 
     method: Literal["TopK"] = "TopK"
     k: Count
+    """Entries kept per tensor (>= 1; k >= the tensor's size keeps all)."""
 
     _sends_something = field_validator("k")(lambda k: _k_sends_something(k))
 
@@ -49,6 +50,7 @@ class RandomK(Contract):
 
     method: Literal["RandomK"] = "RandomK"
     k: Count
+    """Positions kept per tensor (>= 1), drawn from a generator seeded by (seed, step, key)."""
 
     _sends_something = field_validator("k")(lambda k: _k_sends_something(k))
 
@@ -58,6 +60,7 @@ class Threshold(Contract):
 
     method: Literal["Threshold"] = "Threshold"
     threshold: Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+    """Keep the entries whose magnitude is strictly greater (>= 0)."""
 
 
 class Quantization(Contract):
@@ -69,7 +72,10 @@ class Quantization(Contract):
 
     method: Literal["Quantization"] = "Quantization"
     bits: Annotated[int, Field(ge=1, le=32, strict=True)]
+    """Bits per value, 1..32."""
     rounding: Literal["stochastic", "deterministic"] = "stochastic"
+    """Extension: ``stochastic`` (unbiased, the default) or ``deterministic`` (round to nearest:
+    biased, error at most half a step)."""
     _extensions: ClassVar[frozenset[str]] = frozenset({"rounding"})
 
 
@@ -78,7 +84,9 @@ class ErrorFeedback(Contract):
 
     method: Literal["ErrorFeedback"] = "ErrorFeedback"
     base_strategy: CompressionStrategy
+    """The compressor whose error is fed back."""
     error_compensation: bool
+    """Keep the residual e and add it to the next input (false = the base compressor alone)."""
 
 
 class ClippedCompression(Contract):
@@ -86,7 +94,9 @@ class ClippedCompression(Contract):
 
     method: Literal["ClippedCompression"] = "ClippedCompression"
     base_strategy: CompressionStrategy
+    """The compressor applied after clipping."""
     clip_value: Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
+    """Each value is clamped to [-clip_value, clip_value] (> 0)."""
 
 
 CompressionStrategy = Annotated[

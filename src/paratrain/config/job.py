@@ -16,7 +16,14 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ._base import ConfigError, Count, PositiveCount, format_validation_error, register_tags
+from ._base import (
+    ConfigError,
+    Count,
+    PositiveCount,
+    describe_tags,
+    format_validation_error,
+    register_tags,
+)
 from .compression import CompressionStrategy
 from .strategy import Local, TrainingStrategy
 from .tensor_parallel import TensorParallelismConfig
@@ -30,13 +37,17 @@ __all__ = [
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=describe_tags
+    )
 
 
 class _OpenSection(BaseModel):
     """A section whose unknown keys are kwargs for a user's factory."""
 
-    model_config = ConfigDict(frozen=True, extra="allow")
+    model_config = ConfigDict(
+        frozen=True, extra="allow", use_attribute_docstrings=True, json_schema_extra=describe_tags
+    )
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -45,22 +56,31 @@ class _OpenSection(BaseModel):
 
 class RunConfig(_Section):
     name: str = "run"
-    # NumPy and scikit-learn take 32-bit seeds: a larger one would fail mid-run.
+    """The run's name: its folder is ``output_dir/name`` (one folder name, no '/')."""
     seed: Annotated[int, Field(ge=0, lt=2**32, strict=True)] = 0
+    """Seed of every random generator (Python, NumPy, torch); below 2**32, as NumPy and scikit-learn
+    take 32-bit seeds."""
     output_dir: str = "runs"
+    """Folder that holds the run folders (relative paths are relative to the working directory)."""
     max_restarts: Count = 0
+    """How many times the elastic agent restarts the worker processes after one fails; each restart
+    resumes from the last complete checkpoint."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: ``auto`` (CUDA when available, one GPU per local rank), ``cpu`` or ``cuda``.
+    """
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    # Worker processes for strategies whose process count is free (Federated, PBT).
+    """torch.distributed backend: ``auto`` (NCCL on CUDA, gloo on CPU), ``gloo`` or ``nccl``."""
     num_workers: PositiveCount | None = None
-    # Checkpoint every N optimizer steps (Local/DataParallel); 0 = once per epoch.
+    """Worker processes for strategies whose process count is free (Federated, PopulationBased);
+    None = the strategy's default."""
     checkpoint_every: Count = 0
-    # Modules or .py files (relative to the job file) imported before the run, e.g. to
-    # register Custom coordinators or factories.
+    """Checkpoint every N optimizer steps (Local, DataParallel); 0 = once per epoch."""
     imports: list[str] = []
-    # A job may start at most 4 worker processes per CPU core (paratrain.preflight);
-    # true lifts that limit (e.g. processes that mostly wait on I/O or another machine).
+    """Modules or .py files (relative to the job file) imported before the run and in every worker,
+    e.g. to register Custom coordinators or factories."""
     allow_oversubscribe: bool = False
+    """A job may start at most 4 worker processes per CPU core (paratrain.preflight); true lifts
+    that limit (e.g. processes that mostly wait on I/O or another machine)."""
 
     @field_validator("name")
     @classmethod
@@ -94,7 +114,11 @@ class ModelSpec(_OpenSection):
     default name."""
 
     name: str | None = "mlp"
+    """A model of the zoo: ``mlp``, ``cnn``, ``transformer`` or ``gpt`` (the section's other keys
+    are its arguments)."""
     factory: str | None = None
+    """A user model instead of a zoo name: ``"module:function"`` returning an nn.Module (the
+    section's other keys are its kwargs)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -110,12 +134,18 @@ class ModelSpec(_OpenSection):
 class PartitionSpec(_Section):
     """How federated clients split the training set."""
 
-    # speaker: one client per speaking role (language-model corpora with a speaker per
-    # example, e.g. shakespeare; LEAF's natural non-IID split)
     method: Literal["iid", "shards", "dirichlet", "speaker"] = "iid"
+    """How the training set is split into clients: ``iid``, ``shards`` (sorted by label, dealt in
+    shards), ``dirichlet`` (label mix per client drawn from Dirichlet(alpha)) or ``speaker`` (one
+    client per speaking role of a corpus with a speaker per example, e.g. shakespeare; LEAF's
+    natural non-IID split)."""
     shards_per_client: PositiveCount = 2
+    """``shards``: label-sorted shards each client receives."""
     alpha: Annotated[float, Field(gt=0.0)] = 0.5
+    """``dirichlet``: concentration; smaller is more skewed (non-IID), larger approaches IID."""
     min_size: Count = 10
+    """``dirichlet``: each client ends with at least this many examples (moved one at a time from
+    the largest client); min_size x clients > examples is an error."""
 
 
 class DataSpec(_OpenSection):
@@ -123,9 +153,14 @@ class DataSpec(_OpenSection):
     factory replaces the default name."""
 
     name: str | None = "digits"
+    """A built-in dataset: ``digits``, ``diabetes`` (regression) or the ``shakespeare`` corpus."""
     factory: str | None = None
+    """A user dataset instead of a built-in name: ``"module:function"`` (the section's other keys
+    are its kwargs)."""
     test_fraction: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.25
+    """Fraction of the examples held out as the test set, in (0, 1)."""
     partition: PartitionSpec = PartitionSpec()
+    """The federated clients' split of the training set: iid, shards, dirichlet or speaker."""
 
     @model_validator(mode="before")
     @classmethod
@@ -145,11 +180,15 @@ class TaskSpec(_OpenSection):
     the default name; built-in tasks take no extra keys."""
 
     name: Literal["classification", "regression", "language_model"] | None = "classification"
+    """A built-in task: ``classification``, ``regression`` or ``language_model``."""
     factory: str | None = None
-    # language_model: tokens per example (the context length) and the offset between the
-    # starts of consecutive examples (None = block_size: non-overlapping windows)
+    """A user task instead of a built-in name: ``"module:function"`` returning a paratrain.Task (the
+    section's other keys are its kwargs)."""
     block_size: PositiveCount = 128
+    """``language_model``: tokens per example (the context length)."""
     stride: PositiveCount | None = None
+    """``language_model``: offset between the starts of consecutive examples; None = block_size
+    (non-overlapping windows)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -168,51 +207,70 @@ class TaskSpec(_OpenSection):
 
 class OptimizerSpec(_OpenSection):
     name: Literal["sgd", "adam", "adamw"] = "sgd"
+    """The optimizer: ``sgd``, ``adam`` or ``adamw`` (the table's other keys, e.g. momentum or
+    weight_decay, are its arguments)."""
     lr: Annotated[float, Field(gt=0.0)] = 0.1
+    """Learning rate."""
 
 
 class TrainConfig(_Section):
     epochs: Count = 10
+    """Passes over the training set."""
     batch_size: PositiveCount = 32
+    """Examples per optimizer step in each process (each DataParallel replica takes its own batch of
+    this size)."""
     optimizer: OptimizerSpec = OptimizerSpec()
-    # Evaluate every N optimizer steps; 0 = at the end of every epoch.
+    """The optimizer and its arguments."""
     eval_every: Count = 0
-    # Stop after this many optimizer steps (None = run all epochs).
+    """Evaluate every N optimizer steps; 0 = at the end of every epoch."""
     max_steps: PositiveCount | None = None
+    """Stop after this many optimizer steps; None = run all epochs."""
 
 
 class WorkerSpec(_Section):
     id: str
+    """The worker's id (unique), e.g. the target of a ModelParallel partition ``{WorkerId = ...}``.
+    """
     tags: list[str] = []
+    """Capabilities of the worker (e.g. ``gpu``), matched by ``{Tag = ...}`` targets and
+    ByCapability client selection."""
 
 
 class CommConfig(_Section):
     bucket_size_mb: Annotated[float, Field(gt=0.0)] = 25.0
+    """AllReduce gradient bucket size in MiB (as torch DDP's bucket_cap_mb)."""
     timeout_s: Annotated[float, Field(gt=0.0)] = 300.0
-    # Decentralized with compression (CHOCO-gossip) consensus step size gamma in (0, 1];
-    # None = 1.0 without compression, 0.5 with it.
+    """Timeout in seconds of the process group's collectives, store and rendezvous."""
     gossip_step: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    """Decentralized with compression (CHOCO-gossip): consensus step size gamma in (0, 1]; None =
+    1.0 without compression, 0.5 with it."""
 
 
 class FederatedOptions(_Section):
     local_epochs: PositiveCount = 1
-    # None = full client dataset as one batch (FedSGD when local_epochs = 1).
+    """Epochs each selected client trains on its data per round."""
     batch_size: PositiveCount | None = 10
-    # Tags per client id (``"client-3" = ["gpu"]``); clients also inherit their worker's tags.
+    """Client batch size; None = the client's whole dataset as one batch (FedSGD when local_epochs =
+    1)."""
     client_tags: dict[str, list[str]] = {}
-    # Stop once the global model reaches this test accuracy (None = run every round).
+    """Tags per client id (``"client-3" = ["gpu"]``); clients also inherit their worker's tags."""
     target_accuracy: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    """Stop once the global model reaches this test accuracy; None = run every round."""
 
 
 class PopulationOptions(_Section):
     steps_per_generation: PositiveCount | None = None
+    """Optimizer steps each member trains per generation (set this or epochs_per_generation)."""
     epochs_per_generation: PositiveCount | None = None
+    """Epochs each member trains per generation (set this or steps_per_generation)."""
     metric: str = "accuracy"
+    """The evaluation metric members are ranked by (e.g. ``accuracy``, ``loss``)."""
     mode: Literal["max", "min"] = "max"
-    # False = random search: the same population and budget without exploit/explore.
+    """Whether a larger (``max``) or smaller (``min``) metric is better."""
     evolve: bool = True
-    # Keep the member checkpoints of only the newest N generations (None = all).
+    """False = random search: the same population and budget without exploit/explore."""
     keep_generations: PositiveCount | None = None
+    """Keep the member checkpoints of only the newest N generations; None = all."""
 
     @model_validator(mode="after")
     def _one_budget(self) -> PopulationOptions:
@@ -224,7 +282,9 @@ class PopulationOptions(_Section):
 class UniformDim(_Section):
     type: Literal["uniform"] = "uniform"
     low: float
+    """Lower bound of the range."""
     high: float
+    """Upper bound of the range (greater than low)."""
 
     @model_validator(mode="after")
     def _order(self) -> UniformDim:
@@ -246,7 +306,9 @@ class LogUniformDim(UniformDim):
 class IntDim(_Section):
     type: Literal["int"] = "int"
     low: Annotated[int, Field(strict=True)]
+    """Smallest integer drawn."""
     high: Annotated[int, Field(strict=True)]
+    """Upper bound of the integers drawn (greater than low)."""
 
     @model_validator(mode="after")
     def _order(self) -> IntDim:
@@ -258,6 +320,7 @@ class IntDim(_Section):
 class ChoiceDim(_Section):
     type: Literal["choice"] = "choice"
     values: Annotated[list[Any], Field(min_length=1)]
+    """The values to choose from (at least one)."""
 
 
 SearchDim = Annotated[
@@ -268,18 +331,33 @@ register_tags(["uniform", "log_uniform", "int", "choice"])
 
 class JobConfig(_Section):
     run: RunConfig = RunConfig()
+    """Run name, seed, output folder, restarts, device and backend."""
     model: ModelSpec = ModelSpec()
+    """The model: a zoo name or a factory, with its arguments."""
     data: DataSpec = DataSpec()
+    """The dataset: a built-in name or a factory, the test split and the federated partition."""
     train: TrainConfig = TrainConfig()
+    """Epochs, batch size, optimizer, evaluation and step budget."""
     task: TaskSpec = TaskSpec()
+    """What is trained: classification, regression, a language model, or a user task."""
     strategy: TrainingStrategy = Local()
+    """How the training is spread: Local, DataParallel, ModelParallel, Federated, PopulationBased or
+    Custom."""
     compression: CompressionStrategy | None = None
+    """Compression of what replicas exchange (gradients, client updates); None = exact."""
     tensor_parallel: TensorParallelismConfig | None = None
+    """Megatron-style tensor parallelism of the model's layers; None = off."""
     workers: list[WorkerSpec] = []
+    """Worker ids and tags, by rank (default ``worker-<rank>``, no tags)."""
     comm: CommConfig = CommConfig()
+    """Communication settings: gradient buckets, timeouts, gossip step."""
     federated: FederatedOptions = FederatedOptions()
+    """Federated local training: epochs, batch size, client tags, target accuracy."""
     population: PopulationOptions = PopulationOptions()
+    """PopulationBased budget per generation, the ranking metric and checkpoint retention."""
     search_space: dict[str, SearchDim] = {}
+    """PopulationBased hyperparameters to search, by name (e.g. ``lr``), each a uniform,
+    log_uniform, int or choice dimension."""
 
     @model_validator(mode="after")
     def _checks(self) -> JobConfig:

@@ -55,6 +55,7 @@ class ParameterServer(Contract):
 class Decentralized(Contract):
     method: Literal["Decentralized"] = "Decentralized"
     topology: str
+    """Gossip neighbours: ``ring``, ``torus`` or ``complete``."""
 
     @model_validator(mode="after")
     def _known_topology(self) -> Decentralized:
@@ -76,12 +77,14 @@ class WorkerIdTarget(Contract):
     """``{"WorkerId": "<id>"}``: exactly the worker with this id."""
 
     WorkerId: str
+    """Id of the worker (a ``[[workers]]`` id, or ``worker-<rank>``)."""
 
 
 class TagTarget(Contract):
     """``{"Tag": "<tag>"}``: the first worker (by rank) carrying this tag."""
 
     Tag: str
+    """A tag; the first worker (by rank) carrying it is the target."""
 
 
 def _target_tag(v: Any) -> str | None:
@@ -102,7 +105,9 @@ RemoteTarget = WorkerIdTarget | TagTarget
 
 class Partition(Contract):
     node_ids: list[str]
+    """Ids of the model graph's nodes placed on the target worker."""
     target: RemoteTarget
+    """The worker they run on: ``{WorkerId = ...}`` or ``{Tag = ...}``."""
 
     @model_validator(mode="before")
     @classmethod
@@ -121,8 +126,8 @@ class Partition(Contract):
 
 class DataStore(Contract):
     protocol: Literal["DataStore"] = "DataStore"
-    # Extension: directory shared by the stages; None = <run dir>/datastore.
     path: str | None = None
+    """Extension: directory shared by the stages; None = <run dir>/datastore."""
     _extensions: ClassVar[frozenset[str]] = frozenset({"path"})
 
 
@@ -133,8 +138,9 @@ class Direct(Contract):
 class Pipeline(Contract):
     protocol: Literal["Pipeline"] = "Pipeline"
     micro_batch_size: PositiveCount
-    # Extension: pipeline schedule.
+    """Examples per micro-batch flowing through the pipeline."""
     schedule: Literal["1F1B", "GPipe"] = "1F1B"
+    """Extension: pipeline schedule, ``1F1B`` or ``GPipe``."""
     _extensions: ClassVar[frozenset[str]] = frozenset({"schedule"})
 
 
@@ -150,40 +156,51 @@ class FedAvg(Contract):
 class FedProx(Contract):
     method: Literal["FedProx"] = "FedProx"
     mu: NonNegFloat
+    """Weight of the proximal term (mu/2)||w - w_global||^2 added to each client's loss."""
 
 
 class _ServerOpt(Contract):
     """Adaptive server optimizers of Reddi et al. 2021 (Adaptive Federated Optimization)."""
 
-    # Extension: server learning rate (Flower's ``eta``).
     eta: PosFloat = 0.01
+    """Extension: server learning rate (Flower's ``eta``)."""
     _extensions: ClassVar[frozenset[str]] = frozenset({"eta"})
 
 
 class FedYogi(_ServerOpt):
     method: Literal["FedYogi"] = "FedYogi"
     beta1: Decay
+    """Decay of the server's first-moment (momentum) estimate, in [0, 1)."""
     beta2: Decay
+    """Decay of the server's second-moment estimate, in [0, 1)."""
     tau: PosFloat
+    """Adaptivity: added to the square root of the second moment (the epsilon)."""
 
 
 class FedAdam(_ServerOpt):
     method: Literal["FedAdam"] = "FedAdam"
     beta1: Decay = 0.9
+    """Decay of the server's first-moment (momentum) estimate, in [0, 1)."""
     beta2: Decay = 0.99
+    """Decay of the server's second-moment estimate, in [0, 1)."""
     tau: PosFloat = 1e-3
+    """Adaptivity: added to the square root of the second moment (the epsilon)."""
 
 
 class FedAdagrad(_ServerOpt):
     method: Literal["FedAdagrad"] = "FedAdagrad"
     tau: PosFloat = 1e-9
+    """Adaptivity: added to the square root of the accumulated squares (the epsilon)."""
     eta: PosFloat = 0.1
+    """Server learning rate (Flower's ``eta``)."""
 
 
 class FedAvgM(Contract):
     method: Literal["FedAvgM"] = "FedAvgM"
     server_momentum: Decay = 0.9
+    """Momentum of the server's update, in [0, 1)."""
     server_lr: PosFloat = 1.0
+    """Server learning rate applied to the averaged update."""
 
 
 class FedMedian(Contract):
@@ -193,6 +210,7 @@ class FedMedian(Contract):
 class FedTrimmedAvg(Contract):
     method: Literal["FedTrimmedAvg"] = "FedTrimmedAvg"
     beta: Annotated[float, Field(ge=0.0, lt=0.5, allow_inf_nan=False)] = 0.2
+    """Fraction of client values trimmed from each end before averaging, in [0, 0.5)."""
 
 
 class Krum(Contract):
@@ -202,7 +220,9 @@ class Krum(Contract):
 
     method: Literal["Krum"] = "Krum"
     num_malicious: Count = 0
+    """Clients assumed Byzantine (f); the aggregator uses min(f, n - 3) for n clients per round."""
     to_keep: Count = 0
+    """Multi-Krum: average the best m updates; 0 = Krum (the single best)."""
 
 
 FederatedAggregation = Annotated[
@@ -220,11 +240,13 @@ class AllClients(Contract):
 class RandomClients(Contract):
     method: Literal["Random"] = "Random"
     fraction: Fraction
+    """Fraction of the clients drawn each round, in (0, 1]."""
 
 
 class ByCapability(Contract):
     method: Literal["ByCapability"] = "ByCapability"
     required_tags: list[str]
+    """Clients selected each round are those whose tags include all of these."""
 
 
 ClientSelection = Annotated[
@@ -237,12 +259,15 @@ ClientSelection = Annotated[
 class Truncation(Contract):
     method: Literal["Truncation"] = "Truncation"
     fraction: Fraction
+    """Rank by the metric; the bottom fraction (at least one member, at most half) copies members
+    drawn from the top fraction."""
 
 
 class Binary(Contract):
     method: Literal["Binary"] = "Binary"
-    # The 0.6 form ``{"method":"Binary"}`` has no threshold; it means 0.0.
     threshold: NonNegFloat = 0.0
+    """Each member draws another and copies it when the other's score is higher by more than this
+    (the 0.6 form without a threshold means 0.0)."""
     _extensions: ClassVar[frozenset[str]] = frozenset({"threshold"})
 
 
@@ -252,6 +277,8 @@ ExploitStrategy = Annotated[Truncation | Binary, Field(discriminator="method")]
 class Perturbation(Contract):
     method: Literal["Perturbation"] = "Perturbation"
     factor: Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)]
+    """Copied numeric hyperparameters are multiplied by a factor drawn from [1 - factor, 1 + factor)
+    and clamped to their range; choices move to a neighbour. In [0, 1)."""
 
 
 class Resample(Contract):
@@ -274,7 +301,9 @@ class DataParallel(Contract):
 
     type: Literal["DataParallel"] = "DataParallel"
     num_replicas: PositiveCount
+    """Processes, one model replica and one data shard each."""
     aggregation: GradientAggregation
+    """How gradients are combined every step: AllReduce, ParameterServer or Decentralized."""
 
 
 class ModelParallel(Contract):
@@ -282,23 +311,33 @@ class ModelParallel(Contract):
 
     type: Literal["ModelParallel"] = "ModelParallel"
     partitions: list[Partition]
+    """Which graph nodes run on which worker."""
     communication: CommunicationProtocol
+    """How activations move between stages: DataStore, Direct or Pipeline."""
 
 
 class Federated(Contract):
     type: Literal["Federated"] = "Federated"
     num_clients: PositiveCount
+    """Logical clients the training set is split into (spread over the worker processes)."""
     rounds: PositiveCount
+    """Communication rounds: selected clients train locally, the server aggregates."""
     aggregation: FederatedAggregation
+    """How the server combines client updates (FedAvg, FedProx, FedYogi, ...)."""
     client_selection: ClientSelection
+    """Which clients train each round: All, Random or ByCapability."""
 
 
 class PopulationBased(Contract):
     type: Literal["PopulationBased"] = "PopulationBased"
     population_size: PositiveCount
+    """Members trained in parallel, each with its own hyperparameters."""
     generations: PositiveCount
+    """Rounds of training followed by exploit and explore."""
     exploit: ExploitStrategy
+    """How a weak member copies a strong one: Truncation or Binary."""
     explore: ExploreStrategy
+    """How copied hyperparameters change: Perturbation or Resample."""
 
 
 class Custom(Contract):
@@ -307,7 +346,10 @@ class Custom(Contract):
 
     type: Literal["Custom"] = "Custom"
     coordinator: str
+    """Name of a registered coordinator (``@register_coordinator``), e.g. from a ``run.imports``
+    module."""
     config: JsonValue
+    """Any JSON value, passed to the coordinator as a plain copy."""
 
 
 TrainingStrategy = Annotated[

@@ -45,18 +45,34 @@ class TensorMemoryOptimization(StrEnum):
 
 class TensorParallelismConfig(Contract):
     tensor_parallel_size: PositiveCount = 1
+    """Ranks per tensor-parallel group (divides the process count; the rest is data parallelism); 1
+    = off."""
     partitioning_strategy: TensorPartitioningStrategy = TensorPartitioningStrategy.ColumnWise
+    """How layer pairs are split: ColumnWise, RowWise, BatchWise, SequenceWise, Dynamic, Custom, or
+    BlockWise (with a square size, a 2-D grid of every weight)."""
     column_parallel: bool = True
+    """Create column-parallel Linear layers (with row_parallel: column/row pairs)."""
     row_parallel: bool = True
+    """Create row-parallel Linear layers (with column_parallel: column/row pairs)."""
     communication_pattern: TensorCommunicationPattern = TensorCommunicationPattern.AllReduce
+    """The collective that carries the tensor-parallel reductions (ReduceScatter: the
+    sequence-parallel layout)."""
     async_communication: bool = True
+    """Overlap the column layer's input-gradient collective with the weight-gradient matmul;
+    gradient buckets all in flight at once."""
     fusion_threshold_bytes: Count = 1048576
+    """q/k/v share one input-gradient collective, and small gradient reductions are packed into flat
+    buffers, up to this size; 0 = no fusion."""
     gradient_accumulation: bool = True
+    """Synchronise gradients once per step over micro_batches (false = once per micro-batch)."""
     memory_optimization: TensorMemoryOptimization = TensorMemoryOptimization.Medium
+    """Activation checkpointing: None, Low/Medium/High (every 4/2/1 blocks); Extreme also offloads
+    saved tensors to host memory."""
     mixed_precision: bool = False
-    # Extension (dumped only when set): micro-batches per optimizer step, the unit
-    # ``gradient_accumulation`` accumulates over.
+    """bf16 matmuls with fp32 master weights, gradients and reductions."""
     micro_batches: PositiveCount = 1
+    """Extension (dumped only when set): micro-batches per optimizer step, the unit
+    gradient_accumulation accumulates over."""
 
     _extensions: ClassVar[frozenset[str]] = frozenset({"micro_batches"})
 
