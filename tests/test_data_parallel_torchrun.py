@@ -155,3 +155,38 @@ def test_worker_module_rejects_a_world_size_that_does_not_match(tmp_path: Path) 
     assert proc.returncode == 2, proc.stderr
     assert "error: strategy: this job needs 2 worker processes but torchrun started WORLD_SIZE=1" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    (["--nnodes", "2", "--node-rank", "5", "--rdzv-endpoint", "127.0.0.1:29500"],
+     "error: --node-rank: must be in [0, 2) with --nnodes 2 (got 5)"),
+    (["--nnodes", "2", "--node-rank", "0"],
+     "error: --rdzv-endpoint: required with more than one node (HOST:PORT)"),
+    (["--nnodes", "0"], "error: --nnodes: must be >= 1 (got 0)"),
+    (["--nnodes", "2", "--rdzv-endpoint", "host-without-port"],
+     "error: --rdzv-endpoint: expected HOST:PORT with a port in 1..65535 (got 'host-without-port')"),
+])
+def test_multi_node_flag_errors_name_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    flags: list[str], line: str,
+) -> None:
+    from paratrain.cli import main
+
+    for var in ("PARATRAIN_NNODES", "PARATRAIN_NODE_RANK", "PARATRAIN_RDZV_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "a.toml").write_text(JOB.format(name="flags", out=tmp_path / "runs"))
+    assert main(["run", str(tmp_path / "a.toml"), "--quiet", *flags]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [line]
+    assert "PARATRAIN_NNODES" not in os.environ  # refused before anything was set
+    assert not (tmp_path / "runs").exists()
+
+
+def test_version_flag_prints_the_installed_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    from paratrain.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"paratrain {version('paratrain')}"
