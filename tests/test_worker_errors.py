@@ -6,6 +6,7 @@
 * an exception in a worker is one line (``error: ValueError: ...`` naming the worker and
   its log, exit 1; a ConfigError is the line ``validate`` would print, exit 2) and the
   traceback is in ``runs/<name>/worker-<rank>.log``;
+* the same under torchrun (``python -m paratrain.worker``, in-process);
 * Ctrl-C (SIGINT to the whole process group) or SIGTERM to the launcher prints
   ``interrupted; continue with --resume`` and exits 130.
 
@@ -60,11 +61,31 @@ from paratrain.config import ConfigError
 
 
 def make(input_shape, num_classes, **kwargs):
-    if os.environ.get("RANK") == "1":
+    if os.environ.get("RANK") == os.environ.get("PLUGIN_RANK", "1"):
         if os.environ.get("PLUGIN_RAISES") == "config":
             raise ConfigError([("model.hidden", "rank one rejects it")])
         raise ValueError("bad shard 7 on rank one")
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, num_classes))
+'''
+
+
+TRAIN_FAILS = '''
+import torch
+
+
+class Fails(torch.nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, num_classes))
+
+    def forward(self, x):
+        if x.shape[0] == 16:
+            raise ValueError("bad batch in training")
+        return self.net(x)
+
+
+def make(input_shape, num_classes, **kwargs):
+    return Fails(num_classes)
 '''
 
 
@@ -149,3 +170,29 @@ def test_an_interrupted_run_says_how_to_continue(tmp_path: Path, how: str) -> No
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines() == ["interrupted; continue with --resume"]
     _no_torch_noise(stderr)
+
+
+def test_under_torchrun_a_worker_exception_is_one_line_and_a_log(tmp_path: Path) -> None:
+    """``python -m paratrain.worker`` (what torchrun runs) prints the same one line."""
+    from paratrain.comm.testing import free_port
+
+    doc = {
+        "run": {"name": "tr", "seed": 0, "output_dir": str(tmp_path / "runs"), "imports": ["plugin.py"]},
+        "model": {"factory": "paratrain_plugin_plugin:make"},
+        "train": {"epochs": 1, "batch_size": 16, "max_steps": 2},
+        "strategy": {"type": "DataParallel", "num_replicas": 1, "aggregation": {"method": "AllReduce"}},
+    }
+    (tmp_path / "job.json").write_text(json.dumps(doc))
+    # The preflight check builds the model and runs it on 2 rows in this same process:
+    # fail in training proper (a batch of 16), not there.
+    (tmp_path / "plugin.py").write_text(TRAIN_FAILS)
+    env = _env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), PLUGIN_RANK="0")
+    proc = subprocess.run([sys.executable, "-m", "paratrain.worker", str(tmp_path / "job.json")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    log = tmp_path / "runs" / "tr" / "worker-0.log"
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: ValueError: bad batch in training (worker 0; traceback in {log})"
+    ]
+    assert "Traceback (most recent call last)" in log.read_text()
