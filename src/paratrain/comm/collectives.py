@@ -332,7 +332,8 @@ def send_bytes(data: bytes | torch.Tensor, *, dst: int, group: Any = None,
         dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=dev), dst=dst, group=group)
     if payload.numel():
         dist.send(payload.contiguous(), dst=dst, group=group)
-    _count(counter, "send", (8 if header else 0) + payload.numel())
+    if header or payload.numel():
+        _count(counter, "send", (8 if header else 0) + payload.numel())
 
 
 def recv_bytes(*, src: int, group: Any = None, max_bytes: int = 1 << 32, nbytes: int | None = None,

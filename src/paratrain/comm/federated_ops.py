@@ -2,10 +2,11 @@
 
 - ``broadcast_(t, src, group)``: the global model (one flat tensor per dtype) from the
   server rank to every worker (``dist.broadcast``).
-- ``send_bytes`` / ``recv_bytes``: one worker's concatenated client update payloads
-  (a uint8 tensor) to the server rank over point-to-point ``dist.send``/``dist.recv``;
-  the receiver learns the length from the worker's status message first, so it never
-  allocates on the strength of an unchecked header.
+- Update upload: one worker's concatenated client update payloads go to the server
+  rank with :func:`paratrain.comm.collectives.send_bytes` (``header=False``); the
+  receiver learns the length from the worker's status message first
+  (``recv_bytes(nbytes=...)``), so it never allocates on the strength of an unchecked
+  header.
 - Control messages (round plans, client status) are small JSON documents in the
   rendezvous store (``TCPStore``); :class:`LocalStore` stands in when the job runs as
   a single process (``group is None``), so the same round loop runs in-process.
@@ -35,8 +36,6 @@ __all__ = [
     "store_get_json",
     "store_delete",
     "broadcast_",
-    "send_bytes",
-    "recv_bytes",
     "barrier",
     "MAX_JSON_BYTES",
 ]
@@ -94,34 +93,6 @@ def broadcast_(tensor: torch.Tensor, *, src: int = 0, group: Any = None,
             counter.add("broadcast_delivered", nb * (dist.get_world_size(group) - 1))
         else:
             counter.add("broadcast_received", nb)
-
-
-def send_bytes(payload: torch.Tensor, *, dst: int, group: Any = None,
-               counter: CommCounter | None = None) -> None:
-    """Send a uint8 tensor to ``dst`` (blocking); empty payloads are not sent."""
-    if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise TypeError("send_bytes expects a 1-d uint8 tensor")
-    if group is None or payload.numel() == 0:
-        return
-    dist.send(payload.contiguous(), dst=dst, group=group)
-    if counter is not None:
-        counter.add("send", payload.numel())
-
-
-def recv_bytes(
-    nbytes: int, *, src: int, group: Any = None, limit: int = 1 << 34,
-    device: torch.device | None = None, counter: CommCounter | None = None,
-) -> torch.Tensor:
-    """Receive ``nbytes`` bytes from ``src`` (the length came from a control message)."""
-    if not 0 <= nbytes <= limit:
-        raise ValueError(f"refusing to receive {nbytes} bytes from rank {src} (limit {limit})")
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    if group is None or nbytes == 0:
-        return buf
-    dist.recv(buf, src=src, group=group)
-    if counter is not None:
-        counter.add("recv", nbytes)
-    return buf
 
 
 def barrier(group: Any = None) -> None:

@@ -30,14 +30,12 @@ from typing import Any
 
 import torch
 
-from ...comm.collectives import CommCounter
+from ...comm.collectives import CommCounter, recv_bytes, send_bytes
 from ...comm.context import WorkerContext
 from ...comm.federated_ops import (
     LocalStore,
     barrier,
     broadcast_,
-    recv_bytes,
-    send_bytes,
     store_delete,
     store_get_json,
     store_set_json,
@@ -269,7 +267,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 store_set_json(store, f"fed/status/{r}/{rank}", {"results": statuses, "nbytes": len(payload)})
                 data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
                         else torch.zeros(0, dtype=torch.uint8))
-                send_bytes(data.to(comm_dev), dst=0, group=group, counter=traffic)
+                send_bytes(data, dst=0, group=group, counter=traffic, header=False)
                 continue
             # Server: collect every rank's updates.
             all_st = list(statuses)
@@ -279,8 +277,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 key = f"fed/status/{r}/{src}"
                 doc = store_get_json(store, key)
                 store_delete(store, key)
-                buf = recv_bytes(int(doc["nbytes"]), src=src, group=group,
-                                 device=comm_dev, counter=traffic).cpu().numpy().tobytes()
+                buf = recv_bytes(src=src, group=group, nbytes=int(doc["nbytes"]), max_bytes=1 << 34,
+                                 counter=traffic)
                 pos = 0
                 for st in doc["results"]:
                     nb = int(st.get("nbytes", 0))
