@@ -4,7 +4,8 @@ each benchmark prints next to its figures, and medians.
 ``provenance(results, modelled=..., mixed=...)`` walks the result tree and labels every
 numeric leaf by its key name: ``modelled`` (a formula: a cost model, a theory bound, a
 simulation), ``measured / modelled`` (a measured figure divided by a modelled one), or
-``measured`` (counted or timed in this run, including ratios of two measured figures).
+``measured`` (counted or timed in this run, including ratios of two measured figures),
+or ``configured`` (a setting echoed back: stage counts, micro-batches).
 Keys ending in ``_measured`` / ``_modelled`` label themselves. Subtrees named in ``skip``
 (the configuration echo) get no labels.
 """
@@ -15,9 +16,9 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["provenance", "median", "MEASURED", "MODELLED", "MIXED"]
+__all__ = ["provenance", "median", "MEASURED", "MODELLED", "MIXED", "CONFIGURED"]
 
-MEASURED, MODELLED, MIXED = "measured", "modelled", "measured / modelled"
+MEASURED, MODELLED, MIXED, CONFIGURED = "measured", "modelled", "measured / modelled", "configured"
 
 
 def median(xs: Sequence[float]) -> float:
@@ -29,8 +30,9 @@ def _numeric(v: Any) -> bool:
 
 
 def provenance(results: Any, *, modelled: Iterable[str] = (), mixed: Iterable[str] = (),
+               configured: Iterable[str] = (),
                skip: Iterable[str] = ("config", "goals", "provenance")) -> dict[str, str]:
-    mod, mix, skp = set(modelled), set(mixed), set(skip)
+    mod, mix, conf, skp = set(modelled), set(mixed), set(configured), set(skip)
     out: dict[str, str] = {}
 
     def label(key: str) -> str:
@@ -38,6 +40,8 @@ def provenance(results: Any, *, modelled: Iterable[str] = (), mixed: Iterable[st
             return MODELLED
         if key in mix:
             return MIXED
+        if key in conf:
+            return CONFIGURED
         return MEASURED
 
     def walk(key: str | None, v: Any) -> None:

@@ -159,7 +159,7 @@ def main() -> None:
     }
     # information_minimum is a formula (the bytes the kept values and their positions need)
     result["provenance"] = provenance(result["sizes"], modelled=("information_minimum",),
-                                      mixed=("wire_ratio",))
+                                      mixed=("wire_ratio",), configured=("numel",))
     print(json.dumps(result, indent=1))
 
 

@@ -318,8 +318,8 @@ def main() -> None:
                   "comes from the timed pass with nothing attached, its bubble and peak memory "
                   "from the separate metered pass",
         "results": results,
-        "provenance": provenance(results, modelled=("bubble_replay_modelled", "peak_activation_ratio_theory",
-                                                    "cores_per_stage"),
+        "provenance": provenance(results, modelled=("bubble_replay_modelled", "peak_activation_ratio_theory"),
+                                 configured=("stages", "micro_batches", "cores_per_stage"),
                                  mixed=("bubble_ratio_vs_theory", "bubble_mean_over_stages_ratio_vs_theory",
                                         "bubble_mean_over_stages_ratio_vs_replay")),
         "wall_s": round(time.perf_counter() - t0, 1),
