@@ -8,7 +8,9 @@ run folder (:mod:`paratrain.preflight` runs the same checks for both).
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +18,8 @@ import pytest
 import torch
 
 from paratrain.cli import main
+from paratrain.config import ConfigError, JobConfig
+from paratrain.preflight import PROCS_PER_CORE, PreflightWarning, preflight, process_limit
 
 BROKEN = Path(__file__).parent / "jobs" / "broken"
 JOB_SUFFIXES = {".toml", ".json", ".yaml", ".yml"}
@@ -120,3 +124,43 @@ def test_a_job_next_to_its_plugin_runs_its_factory_without_pythonpath(
     assert main(["validate", str(job)]) == 0, capsys.readouterr().err
     assert main(["run", "-q", str(job)]) == 0, capsys.readouterr().err
     assert (tmp_path / "runs" / "plug" / "summary.json").is_file()
+
+
+def _dp(replicas: int, **run: object) -> JobConfig:
+    return JobConfig.model_validate({
+        "run": run, "train": {"batch_size": 1},
+        "strategy": {"type": "DataParallel", "num_replicas": replicas, "aggregation": {"method": "AllReduce"}},
+    })
+
+
+def test_process_limit_allows_four_ranks_per_core_and_can_be_lifted() -> None:
+    limit = process_limit()
+    assert limit == (os.cpu_count() or 1) * PROCS_PER_CORE and limit >= 4
+    preflight(_dp(limit))  # at the limit: fine
+    with pytest.raises(ConfigError) as info:
+        preflight(_dp(limit + 1))
+    assert [p for p, _ in info.value.problems] == ["strategy.num_replicas"]
+    assert "allow_oversubscribe" in info.value.problems[0][1]
+    preflight(_dp(limit + 1, allow_oversubscribe=True))
+
+
+def test_federated_workers_beyond_clients_are_capped_with_a_warning() -> None:
+    from paratrain.executors.federated import num_workers
+
+    job = JobConfig.model_validate({"run": {"num_workers": 6}, "strategy": {
+        "type": "Federated", "num_clients": 3, "rounds": 1, "aggregation": {"method": "FedAvg"},
+        "client_selection": {"method": "All"}}})
+    assert num_workers(job) == 3
+    with pytest.warns(PreflightWarning, match=r"run.num_workers: 6 workers for 3 clients; capped at 3"):
+        notes = preflight(job)
+    assert len(notes) == 1
+
+
+def test_plugin_file_never_shadows_another_module(tmp_path: Path) -> None:
+    import json
+
+    from paratrain.executors.custom import import_plugins
+
+    (tmp_path / "json.py").write_text("VALUE = 1\n")
+    import_plugins(["json.py"], base=tmp_path)
+    assert sys.modules["json"] is json and sys.modules["paratrain_plugin_json"].VALUE == 1
