@@ -45,8 +45,8 @@ def violations(source: str, filename: str = "<src>") -> list[str]:
 
     def visit(node: ast.AST) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
+            for stmt in node.orelse:
+                visit(stmt)
             return
         line = getattr(node, "lineno", 0)
         if isinstance(node, ast.Import):
