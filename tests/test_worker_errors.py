@@ -118,8 +118,9 @@ def test_a_killed_worker_restarts_with_one_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", ["value", "config"])
 def test_a_worker_exception_is_one_line_and_the_traceback_is_in_its_log(tmp_path: Path, kind: str) -> None:
     doc = {
-        "run": {"name": "boom", "seed": 0, "output_dir": str(tmp_path / "runs"), "max_restarts": 0,
-                "imports": ["plugin.py"]},
+        # A ConfigError is not retried (it would fail the same way): restarts allowed.
+        "run": {"name": "boom", "seed": 0, "output_dir": str(tmp_path / "runs"),
+                "max_restarts": 2 if kind == "config" else 0, "imports": ["plugin.py"]},
         "model": {"name": None, "factory": "paratrain_plugin_plugin:make"},
         "train": {"epochs": 1, "batch_size": 16, "max_steps": 4},
         "strategy": {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}},

@@ -371,13 +371,8 @@ def _root_cause(err: Any) -> tuple[int, str, str]:
     return root.rank, root.message, root.traceback
 
 
-def _reraise(err: Exception, job: JobConfig | None = None, attempt: int = 0) -> None:
-    files, ranks, exits = _agent_failures(err)
-    failures = _attempt_failures(files, ranks, exits)
-    logs = _write_logs(job, failures, attempt) if job is not None else {}
-    root = _root(failures)
-    if root is None:
-        raise WorkerError(-1, str(err)) from err
+def _raise_config_error(root: _Failure, err: Exception | None = None) -> None:
+    """Re-raise a worker's ConfigError (recorded as ``ConfigError: path: msg`` lines)."""
     prefix = "ConfigError: "
     if root.message.startswith(prefix):
         problems: list[tuple[str, str]] = []
@@ -385,6 +380,16 @@ def _reraise(err: Exception, job: JobConfig | None = None, attempt: int = 0) -> 
             path, sep, text = line.partition(": ")
             problems.append((path, text) if sep else ("", line))
         raise ConfigError(problems) from err
+
+
+def _reraise(err: Exception, job: JobConfig | None = None, attempt: int = 0) -> None:
+    files, ranks, exits = _agent_failures(err)
+    failures = _attempt_failures(files, ranks, exits)
+    logs = _write_logs(job, failures, attempt) if job is not None else {}
+    root = _root(failures)
+    if root is None:
+        raise WorkerError(-1, str(err)) from err
+    _raise_config_error(root, err)
     sig = root.signal if root.weight() == 1 else None
     raise WorkerError(root.rank, root.message, detail=root.traceback,
                       log=logs.get(root.rank), signal=sig) from err
@@ -523,6 +528,10 @@ def _logs_specs(job: JobConfig, log_dir: str, capture: _Capture) -> Any:
             step = _resume_point(Path(job.run.output_dir) / job.run.name)
             where = f"step {step}" if step is not None else "the start"
             root = _root(failures)
+            if root is not None and root.weight() == 0:
+                # A bad job fails the same way on every attempt: stop instead of restarting
+                # (this ends the elastic agent's run; the previous workers are stopped).
+                _raise_config_error(root)
             if root is None:
                 line = f"a worker on another node failed; restarted from {where}"
             elif root.signal is not None:
