@@ -9,7 +9,7 @@ bit-identical to its initial value.
 
 The model (:func:`make_net`) has ``dead`` (never called), ``rank_branch`` (called on rank
 0 only) and, with ``data_branch=True``, ``data_branch`` (called when the batch's mean
-pixel exceeds :data:`THRESHOLD`: on 8 steps of the digits shards this gives steps where
+pixel exceeds :data:`THRESHOLD`: on 5 steps of the digits shards this gives steps where
 one rank, both, or neither use it, including "neither" right after it was used).
 """
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 
 THRESHOLD = 0.31
 SEED = 3
-STEPS = 8
+STEPS = 5
 BATCH = 8
 SGD: dict[str, Any] = {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.05}
 ADAMW: dict[str, Any] = {"name": "adamw", "lr": 0.01, "weight_decay": 0.5}
