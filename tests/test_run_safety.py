@@ -149,7 +149,11 @@ def test_a_folder_without_results_is_not_a_finished_run(tmp_path: Path) -> None:
     (d / "checkpoints").mkdir(parents=True)
     (d / "job.json").write_text("{}")
     (d / LOCK_NAME).write_text("1\n")
+    (d / "worker-1.log").write_text("Traceback ...\n")  # a failed attempt's diagnostics
     assert not holds_run(d)
+    (d / "checkpoints" / "ckpt-000000001.pt").write_bytes(b"x")
+    assert holds_run(d)  # non-vacuity: a checkpoint is a result
+    (d / "checkpoints" / "ckpt-000000001.pt").unlink()
     assert paratrain.fit(_doc(tmp_path, steps=2))["steps"] == 2
 
 

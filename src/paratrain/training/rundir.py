@@ -21,6 +21,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from types import TracebackType
@@ -41,6 +42,7 @@ HELD_ENV = "PARATRAIN_HELD_RUN_DIRS"
 # Entries of a run folder that do not make it "hold a run": the lock, the resolved config
 # (written before training starts) and empty folders.
 _NOT_RESULTS = {LOCK_NAME, "job.json"}
+_WORKER_LOG = re.compile(r"^worker-\d+\.log$")
 
 # resolved run folder -> [lock fd, claim count] for the claims this process holds
 _HELD: dict[str, list[int]] = {}
@@ -102,13 +104,14 @@ def safe_unlink(path: str | Path, root: str | Path) -> None:
 
 def holds_run(d: str | Path) -> bool:
     """True when folder ``d`` holds anything a run produced: any file other than the
-    lock and job.json at its top (empty folders do not count)."""
+    lock, job.json and ``worker-<rank>.log`` tracebacks at its top (empty folders do not
+    count), so an attempt that failed before producing anything can simply be re-run."""
     d = Path(d)
     if not d.is_dir():
         return False
     for dirpath, _dirs, files in os.walk(d):
         top = Path(dirpath) == d
-        if any(not (top and f in _NOT_RESULTS) for f in files):
+        if any(not (top and (f in _NOT_RESULTS or _WORKER_LOG.match(f))) for f in files):
             return True
     return False
 
