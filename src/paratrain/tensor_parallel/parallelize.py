@@ -63,7 +63,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -128,7 +128,7 @@ def _looks_like_attention(m: nn.Module) -> bool:
 def _is_own_attention(m: nn.Module) -> bool:
     t = type(m)
     return (isinstance(m, SelfAttention) and t.forward is SelfAttention.forward
-            and t.attend is SelfAttention.attend)
+            and getattr(t, "attend", None) is SelfAttention.attend)
 
 
 def _where(path: str, m: nn.Module) -> str:
@@ -201,7 +201,7 @@ class _AttentionView(nn.Module):
         self.num_heads, self.causal = int(spec.num_heads), bool(spec.causal)
 
 
-def _plain_linear(m: nn.Module | None) -> bool:
+def _plain_linear(m: nn.Module | None) -> TypeGuard[nn.Linear]:
     """An ``nn.Linear`` whose function is ``x W^T + b`` (forward not overridden, no other
     parameters or children): what the parallel Linear layers reproduce."""
     return (isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
