@@ -83,6 +83,7 @@ def import_plugins(refs: list[str], *, base: Path | None = None) -> None:
     ``model.factory = "my_models:build"`` work without PYTHONPATH), unless that name is
     already another module's (it is then only ``paratrain_plugin_<stem>``). ``base`` is
     exported as ``PARATRAIN_JOB_DIR`` so that worker processes resolve the same files.
+    Like ``import``, a file already imported from the same path is not run again.
     Any error the plugin's own code raises is a ConfigError naming ``run.imports[i]``."""
     if base is not None:
         os.environ[JOB_DIR_ENV] = str(Path(base).resolve())
@@ -96,6 +97,9 @@ def import_plugins(refs: list[str], *, base: Path | None = None) -> None:
                 raise ConfigError([(field, f"no such file {str(path)!r}")])
             path = path.resolve()
             alias = f"paratrain_plugin_{path.stem}"
+            loaded = sys.modules.get(alias)
+            if loaded is not None and getattr(loaded, "__file__", None) == str(path):
+                continue  # imported once already (validate, then preflight): like `import`
             spec = importlib.util.spec_from_file_location(alias, path)
             if spec is None or spec.loader is None:
                 raise ConfigError([(field, f"cannot import {str(path)!r}")])

@@ -325,9 +325,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     _, tp, dp = layout(job)
     if not in_torchrun():
         dry_run(job)
-    if not in_torchrun() and tp * dp > (os.cpu_count() or 1) * 8:
-        raise ConfigError([("tensor_parallel.tensor_parallel_size",
-                            f"{tp * dp} processes is more than this machine can host")])
+    # the process limit (cores x 4, run.allow_oversubscribe) is paratrain.preflight's
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         folder.prepare()
         summary = launch(job, nprocs=tp * dp, resume=resume)
