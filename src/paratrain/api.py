@@ -24,6 +24,7 @@ def fit(
     *,
     model: str | dict[str, Any] | nn.Module | None = None,
     data: str | dict[str, Any] | DataBundle | None = None,
+    task: str | dict[str, Any] | Any = None,
     strategy: Any = None,
     resume: bool = False,
     overwrite: bool = False,
@@ -34,7 +35,9 @@ def fit(
     ``job`` is a JobConfig, a dict, or a job-file path; keyword sections (``train=``,
     ``run=``, ``compression=``, ``tensor_parallel=``, ``workers=``, ...) override it.
     ``model``/``data`` may be zoo names, spec dicts, or (for the Local strategy) an
-    ``nn.Module`` / :class:`DataBundle` instance used as is. A run folder that already
+    ``nn.Module`` / :class:`DataBundle` instance used as is. ``task`` is a built-in task
+    name (``"regression"``), a ``[task]`` dict, or (Local) a :class:`paratrain.Task` object
+    whose datasets, model, loss and metrics are trained. A run folder that already
     holds a run is never replaced implicitly: pass ``overwrite=True`` to replace it or
     ``resume=True`` to continue it.
 
@@ -50,6 +53,11 @@ def fit(
         doc = dict(job or {})
     instance_model = model if isinstance(model, nn.Module) else None
     instance_data = data if isinstance(data, DataBundle) else None
+    instance_task = task if task is not None and not isinstance(task, str | dict) else None
+    if isinstance(task, str):
+        doc["task"] = {"name": task}
+    elif isinstance(task, dict):
+        doc["task"] = task
     if isinstance(model, str):
         doc["model"] = {"name": model}
     elif isinstance(model, dict):
@@ -63,12 +71,18 @@ def fit(
     for key, value in sections.items():
         doc[key] = _section(value)
     cfg = load_job(doc)
-    if instance_model is not None or instance_data is not None:
-        if cfg.strategy.type != "Local":
-            raise ConfigError([("model", "model/data instances are supported with the Local strategy; "
-                                "use a factory ('module:function') for multi-process strategies")])
+    if instance_task is not None:
+        from .task import check_task
+
+        check_task(instance_task, field="task")
+    if instance_model is not None or instance_data is not None or instance_task is not None:
+        if cfg.strategy.type != "Local" or cfg.tensor_parallel is not None and cfg.tensor_parallel.tensor_parallel_size > 1:
+            field = "task" if instance_task is not None else "model"
+            raise ConfigError([(field, "model/data/task instances are supported with the Local "
+                                "strategy; use a factory ('module:function') for multi-process "
+                                "strategies")])
         from .executors import local
 
         return local.run(cfg, resume=resume, overwrite=overwrite, model=instance_model,
-                         data=instance_data)
+                         data=instance_data, task=instance_task)
     return execute(cfg, resume=resume, overwrite=overwrite)

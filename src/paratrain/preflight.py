@@ -16,6 +16,9 @@ problem found, each naming its field:
 - ModelParallel without ``[[workers]]`` and ``run.num_workers``: the implicit workers
   are ``worker-0 .. worker-P`` for ``P`` partitions (one per partition plus rank 0 for
   unclaimed nodes); a ``WorkerId`` beyond those names no worker (never a larger world);
+- ``[task]``: a task other than the default classification runs under Local only
+  (:func:`paratrain.task.check_supported`), and its datasets and model build and the model
+  runs on two training examples (:func:`paratrain.task.preflight_task`);
 - the data and the model build with their kwargs (unknown ones name ``model.<kw>``;
   negative or zero zoo widths name the field, e.g. ``model.hidden``), the model runs a
   forward pass on two training rows, and the optimizer builds over its parameters with
@@ -108,7 +111,8 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True)
     strategy_ok = _stage(problems, _model_parallel_ids, job) and _stage(problems, _processes, job, notes)
     if imported:
         _stage(problems, _coordinator, job)
-    bundle = _stage(problems, _build, job) if imported else None
+    task_ok = _stage(problems, _task_strategy, job)  # paratrain.task.check_supported
+    bundle = _stage(problems, _build, job) if imported and task_ok else None
     if bundle is not None:
         _stage(problems, _replica_rows, job, len(bundle.train))
         _stage(problems, _federated, job, bundle)
@@ -302,6 +306,11 @@ def _build(job: JobConfig) -> Any:
     optimizer with its kwargs; the data bundle."""
     import torch
 
+    from .task import is_default, preflight_task
+
+    if not is_default(job):  # another task (Local only): its datasets, model, two examples
+        return preflight_task(job)
+
     from .data import load_data
     from .models import build_model
     from .models.zoo import MODELS, import_object
@@ -366,6 +375,12 @@ _TORCH_OPT_WORDS = {"learning rate": "lr", "epsilon": "eps", "beta": "betas", "w
 def _one_line(msg: str, limit: int = 300) -> str:
     line = (msg.splitlines() or [""])[0]
     return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _task_strategy(job: JobConfig) -> None:
+    from .task import check_supported
+
+    check_supported(job)
 
 
 def _replica_rows(job: JobConfig, rows: int) -> None:

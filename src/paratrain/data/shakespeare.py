@@ -156,12 +156,23 @@ def _encode(text: str, vocab: tuple[str, ...], chunk: int = 1 << 20) -> torch.Te
     return torch.from_numpy(out)
 
 
-@functools.lru_cache(maxsize=4)
 def load_corpus(test_every: int = 8) -> Corpus:
     """Read, strip, split and encode the plays (cached per process: every dataset of one
     process shares the same two tensors)."""
-    if test_every < 2:
-        raise ConfigError([("data.test_every", f"must be >= 2 (got {test_every})")])
+    if isinstance(test_every, bool) or not isinstance(test_every, int) or test_every < 2:
+        raise ConfigError([("data.test_every", f"must be an integer >= 2 (got {test_every!r})")])
+    return _load_corpus(test_every)
+
+
+def _clear_cache() -> None:
+    _load_corpus.cache_clear()
+
+
+load_corpus.cache_clear = _clear_cache  # type: ignore[attr-defined]
+
+
+@functools.lru_cache(maxsize=2)
+def _load_corpus(test_every: int) -> Corpus:
     files = play_files()
     train_parts, test_parts = [], []
     train_names, test_names = [], []

@@ -3,6 +3,12 @@
 Data order is a pure function of (seed, epoch) and checkpoints hold the model,
 optimizer, RNG states and the position (epoch, batch), so ``--resume`` after an
 interruption ends with bit-identical parameters.
+
+What is trained is the job's :class:`~paratrain.task.Task` (``[task]``; classification by
+default): its datasets, model, loss and metrics. A batch is gathered by index
+(:func:`paratrain.task.fetch_batch`) in the order of ``epoch_permutation``; the summary
+reports ``test_<metric>`` for every metric of the task, ``best_test_<fitness metric>``, and
+the task's reference metrics (e.g. ``bigram_test_loss``).
 """
 
 from __future__ import annotations
@@ -14,14 +20,16 @@ from typing import Any
 from torch import nn
 
 from ..config.job import JobConfig
-from ..data import DataBundle, load_data
+from ..data import DataBundle
 from ..models import build_model
+from ..task import Task, fetch_batch, resolve_task
+from ..task import evaluate as evaluate_task
+from ..task import train_step as task_train_step
 from ..training import (
     MetricsWriter,
     build_optimizer,
     checkpoint,
     epoch_permutation,
-    evaluate,
     parameters_digest,
     progress_bar,
     read_metrics,
@@ -30,7 +38,6 @@ from ..training import (
     rng_state,
     seed_everything,
     set_rng_state,
-    train_step,
     write_summary,
 )
 from ..training.rundir import RunFolder
@@ -40,9 +47,10 @@ __all__ = ["run"]
 
 def run(
     job: JobConfig, *, resume: bool = False, overwrite: bool = False,
-    model: nn.Module | None = None, data: DataBundle | None = None,
+    model: nn.Module | None = None, data: DataBundle | None = None, task: Task | None = None,
 ) -> dict[str, Any]:
-    """Train ``job`` in this process; ``model``/``data`` instances override the job's specs.
+    """Train ``job`` in this process; ``model``/``data``/``task`` instances override the
+    job's specs (``data`` replaces the task's datasets).
 
     Data, model and optimizer are built, and a resumed checkpoint is loaded and checked
     against them, before anything in the run folder changes (:class:`RunFolder`)."""
@@ -50,26 +58,34 @@ def run(
     seed = job.run.seed
     seed_everything(seed)
     device = resolve_device(job.run.device)
-    bundle = data if data is not None else load_data(job.data, seed=seed)
-    net = model if model is not None else build_model(
-        job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes
-    )
+    the_task = task if task is not None else resolve_task(job)
+    train: Any
+    test: Any
+    if data is not None:
+        train, test = data.train, data.test
+    else:
+        train, test = the_task.datasets(seed)
+    if model is not None:
+        net = model
+    elif data is not None:
+        net = build_model(job.model, input_shape=data.input_shape, num_classes=data.num_classes)
+    else:
+        net = the_task.build_model(job.model, train)
     net.to(device)
     opt = build_optimizer(net.parameters(), job.train.optimizer)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
-        return _train(job, folder, resume=folder.resume, net=net, opt=opt, bundle=bundle,
-                      device=device, started=started)
+        return _train(job, folder, resume=folder.resume, net=net, opt=opt, task=the_task,
+                      train=train, test=test, device=device, started=started)
 
 
 def _train(
     job: JobConfig, folder: RunFolder, *, resume: bool, net: nn.Module, opt: Any,
-    bundle: DataBundle, device: Any, started: float,
+    task: Task, train: Any, test: Any, device: Any, started: float,
 ) -> dict[str, Any]:
     run_dir = folder.path
     ckpt_dir = run_dir / "checkpoints"
     seed = job.run.seed
-    x_train, y_train = bundle.train.tensors
-    n = len(y_train)
+    n = len(train)
     bs = job.train.batch_size
     batches_per_epoch = math.ceil(n / bs)
     total_steps = job.train.epochs * batches_per_epoch
@@ -100,11 +116,14 @@ def _train(
         )
         checkpoint.prune(ckpt_dir)
 
+    fit = task.fitness_metric
+    evaluated: dict[int, dict[str, float]] = {}  # step -> metrics (the final eval reuses it)
+
     def log_eval(train_losses: list[float]) -> dict[str, float]:
-        ev = evaluate(net, bundle.test, device=device)
+        ev = evaluated[step] = evaluate_task(net, task, test, device=device)
         metrics.log({
             "step": step, "epoch": epoch, "train_loss": sum(train_losses) / max(len(train_losses), 1),
-            "test_loss": ev["loss"], "test_accuracy": ev["accuracy"],
+            **{f"test_{k}": v for k, v in ev.items()},
             "time_s": time.perf_counter() - started,
         })
         return ev
@@ -113,13 +132,12 @@ def _train(
     losses: list[float] = []
     net.train()
     with progress_bar() as bar:
-        task = bar.add_task("Local", total=total_steps, completed=step, info="")
+        bar_task = bar.add_task("Local", total=total_steps, completed=step, info="")
         while step < total_steps and epoch < job.train.epochs:
             perm = epoch_permutation(n, seed=seed, epoch=epoch)
             while batch < batches_per_epoch and step < total_steps:
                 idx = perm[batch * bs : (batch + 1) * bs]
-                x, y = x_train[idx].to(device), y_train[idx].to(device)
-                losses.append(train_step(net, opt, x, y))
+                losses.append(task_train_step(net, opt, task, fetch_batch(train, idx, device)))
                 step += 1
                 batch += 1
                 if batch == batches_per_epoch:
@@ -128,27 +146,30 @@ def _train(
                 if (ce and step % ce == 0) or (not ce and end_of_epoch):
                     ev = log_eval(losses)
                     losses = []
-                    bar.update(task, info=f"acc {ev['accuracy']:.3f}")
+                    bar.update(bar_task, info=f"{fit} {ev.get(fit, float('nan')):.3f}")
                 every = job.run.checkpoint_every
                 if (every and step % every == 0) or (not every and end_of_epoch):
                     save()
-                bar.update(task, completed=step)
+                bar.update(bar_task, completed=step)
                 if end_of_epoch:
                     break
-    if losses or not checkpoint.latest(ckpt_dir):
-        log_eval(losses)
+    if losses or (step not in evaluated and not checkpoint.latest(ckpt_dir)):
+        log_eval(losses)  # (a run whose last step was just evaluated logs no second record)
     save()
-    final = evaluate(net, bundle.test, device=device)
-    records = [r for r in read_metrics(run_dir) if r.get("test_accuracy") is not None]
+    final = evaluated.get(step) or evaluate_task(net, task, test, device=device)
+    best = max if task.fitness_mode == "max" else min
+    records = [r for r in read_metrics(run_dir) if r.get(f"test_{fit}") is not None]
+    reference = getattr(task, "reference_metrics", None)
     summary: dict[str, Any] = {
         "strategy": "Local",
         "run_dir": str(run_dir),
         "steps": step,
         "epochs": epoch,
         "num_parameters": sum(p.numel() for p in net.parameters()),
-        "test_accuracy": final["accuracy"],
-        "test_loss": final["loss"],
-        "best_test_accuracy": max((r["test_accuracy"] for r in records), default=final["accuracy"]),
+        "task": str(getattr(task, "name", type(task).__name__)),
+        **{f"test_{k}": v for k, v in final.items()},
+        f"best_test_{fit}": best((r[f"test_{fit}"] for r in records), default=final.get(fit)),
+        **(reference(train, test) if callable(reference) else {}),
         "wall_time_s": round(time.perf_counter() - started, 3),
         "parameters_sha256": parameters_digest(net),
     }

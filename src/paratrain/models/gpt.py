@@ -79,10 +79,13 @@ class Block(nn.Module):
 class LMHead(nn.Module):
     """Logits over the vocabulary, ``x @ weight.T`` (no bias); ``weight`` may be tied."""
 
-    def __init__(self, n_embd: int, vocab_size: int, weight: nn.Parameter | None = None) -> None:
+    def __init__(self, n_embd: int, vocab_size: int, weight: torch.Tensor | None = None) -> None:
         super().__init__()
+        if weight is not None and not isinstance(weight, nn.Parameter):
+            raise TypeError("a tied LMHead weight must be the embedding's nn.Parameter")
         self.tied = weight is not None
-        self.weight = weight if weight is not None else nn.Parameter(torch.empty(vocab_size, n_embd))
+        self.weight = (weight if isinstance(weight, nn.Parameter)
+                       else nn.Parameter(torch.empty(vocab_size, n_embd)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight)

@@ -114,9 +114,10 @@ def preflight_task(job: JobConfig) -> Any:
     field = "task.factory" if job.task.factory is not None else "data"
     try:
         train, test = task.datasets(job.run.seed)
-        if len(train) < 1 or len(test) < 1:
-            raise ConfigError([(field, f"the task's datasets are empty (train {len(train)}, "
-                                       f"test {len(test)} examples)")])
+        n_train, n_test = len(train), len(test)  # type: ignore[arg-type]
+        if n_train < 1 or n_test < 1:
+            raise ConfigError([(field, f"the task's datasets are empty (train {n_train}, "
+                                       f"test {n_test} examples)")])
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a user's task: one line naming the field
@@ -129,7 +130,7 @@ def preflight_task(job: JobConfig) -> Any:
     except Exception as e:  # noqa: BLE001
         raise ConfigError([("model", _one_line(f"building the model failed: "
                                                f"{type(e).__name__}: {e}"))]) from None
-    batch = fetch_batch(train, torch.arange(min(2, len(train))))
+    batch = fetch_batch(train, torch.arange(min(2, n_train)))
     try:
         model.eval()
         with torch.no_grad():
