@@ -43,6 +43,8 @@ __all__ = [
     "all_reduce_mean",
     "all_reduce_buckets",
     "all_gather_variable",
+    "all_min_ints",
+    "all_gather_text",
     "send_bytes",
     "recv_bytes",
     "send_tensor",
@@ -139,6 +141,27 @@ def all_reduce_(tensor: torch.Tensor, *, group: Any = None, op: str = "sum",
         _count(counter, "all_reduce", _nbytes(tensor))
         dist.all_reduce(tensor, op=ops[op], group=group)
     return tensor
+
+
+def all_min_ints(values: Sequence[int], *, group: Any = None) -> list[int]:
+    """Element-wise minimum of ``values`` (int64) over the ranks of ``group``; a copy in
+    one process. Negate an entry to get its maximum in the same collective."""
+    if world_size(group) == 1:
+        return [int(v) for v in values]
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=comm_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return [int(v) for v in t.tolist()]
+
+
+def all_gather_text(text: str, *, group: Any = None) -> list[str]:
+    """Every rank's ``text`` (UTF-8), by rank; ``[text]`` in one process."""
+    if world_size(group) == 1:
+        return [text]
+    data = text.encode("utf-8")
+    payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
+               else torch.zeros(0, dtype=torch.uint8)).to(comm_device(group))
+    return [bytes(t.cpu().tolist()).decode("utf-8", errors="replace")
+            for t in all_gather_variable(payload, group=group, max_numel=1 << 24)]
 
 
 def start_used_mask(

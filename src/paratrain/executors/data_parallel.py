@@ -61,6 +61,7 @@ from ..training import (
     write_summary,
 )
 from ..training.faults import FAULT_ENV, maybe_kill
+from ..training.resume import agree_on_checkpoint
 from ..training.rundir import RunFolder, run_dir_of
 from .dp_aggregation import Aggregator, build_aggregator
 
@@ -231,9 +232,12 @@ def train_replica(
         total_steps = min(total_steps, job.train.max_steps)
 
     step, epoch, batch = 0, 0, 0
-    found = _agreed_step(ctx, run_dir) if resume else None
-    if found is not None:
-        state = checkpoint.load_checkpoint(checkpoint.checkpoint_path(_ckpt_dir(run_dir, ctx.rank), found))
+    # From the marker's step down to the newest one every rank can read (a bad file falls back).
+    agreed = agree_on_checkpoint(_ckpt_dir(run_dir, ctx.rank), _agreed_step(ctx, run_dir) if resume else None,
+                                 ctx.group if ctx.world_size > 1 else None)
+    found = None if agreed is None else agreed[0]
+    if agreed is not None:
+        state = agreed[1]
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])

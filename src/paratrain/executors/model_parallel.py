@@ -59,6 +59,7 @@ from ..training import (
     write_summary,
 )
 from ..training.faults import FAULT_ENV, maybe_kill
+from ..training.resume import agree_on_checkpoint
 from ..training.rundir import RunFolder, run_dir_of
 from .mp_plan import Plan, build_plan
 from .mp_runtime import StageRuntime, segment_modules
@@ -239,9 +240,12 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     metrics = MetricsWriter(run_dir) if ctx.rank == 0 else None
 
     step, epoch, batch = 0, 0, 0
-    found = _common_step(ckpt_root, ctx.world_size) if resume else None
-    if found is not None:
-        state = checkpoint.load_checkpoint(checkpoint.checkpoint_path(my_ckpts, found))
+    # From the newest common step down to the newest one every rank can read.
+    agreed = agree_on_checkpoint(my_ckpts, _common_step(ckpt_root, ctx.world_size) if resume else None,
+                                 ctx.group if ctx.world_size > 1 else None)
+    found = None if agreed is None else agreed[0]
+    if agreed is not None:
+        state = agreed[1]
         for s, m in modules.items():
             m.load_node_state(state["nodes"])
             del s

@@ -58,6 +58,7 @@ from ..training import (
     set_rng_state,
     write_summary,
 )
+from ..training.resume import agree_on_checkpoint
 from ..training.rundir import RunFolder, run_dir_of
 
 __all__ = ["run", "validate", "worker_main", "layout", "dry_run"]
@@ -160,8 +161,11 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     if resume or ctx.restart_count > 0:
         mine = int(json.loads(marker.read_text())["step"]) if ctx.is_main and marker.exists() else None
         found = broadcast_int(mine, device=device if ctx.backend == "nccl" else None)
-    if found is not None:
-        state = checkpoint.load_checkpoint(checkpoint.checkpoint_path(_ckpt_dir(run_dir, ctx.rank), found))
+    # From the marker's step down to the newest one every rank can read (a bad file falls back).
+    agreed = agree_on_checkpoint(_ckpt_dir(run_dir, ctx.rank), found, ctx.group if ctx.world_size > 1 else None)
+    found = None if agreed is None else agreed[0]
+    if agreed is not None:
+        state = agreed[1]
         tpm.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         if agg is not None:

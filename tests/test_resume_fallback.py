@@ -1,0 +1,126 @@
+"""A bad newest checkpoint on one rank of a multi-process job: every rank falls back to
+the newest step that all ranks can read (:func:`paratrain.training.resume.agree_on_checkpoint`),
+rank 0 warns naming the file, and the resumed DataParallel run ends bit-identical to an
+uninterrupted one; when one rank has no readable checkpoint, a ConfigError names the
+files and nothing on disk changes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from paratrain.comm.context import WorkerContext
+from paratrain.comm.testing import run_distributed
+from paratrain.config import ConfigError
+from paratrain.config.job import load_job
+from paratrain.executors import data_parallel
+from paratrain.training import checkpoint
+from paratrain.training.resume import agree_on_checkpoint
+from paratrain.training.rundir import LOCK_NAME
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _doc(tmp: Path, name: str, steps: int) -> dict[str, Any]:
+    return {
+        "run": {"name": name, "seed": 5, "output_dir": str(tmp), "checkpoint_every": 5},
+        "model": {"name": "mlp", "hidden": [16]},
+        "train": {"epochs": 1, "batch_size": 16, "max_steps": steps,
+                  "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}},
+        "strategy": {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}},
+    }
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _snapshot(d: Path) -> dict[str, bytes]:
+    """The run's state: checkpoints, metrics, summary, report (not the lock, nor job.json and
+    worker-<rank>.log, which the launcher writes for every attempt before and after the workers)."""
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*"))
+            if p.is_file() and p.name != LOCK_NAME and p.name != "job.json" and not p.name.startswith("worker-")}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return data_parallel.run(load_job(_doc(tmp_path_factory.mktemp("ref"), "ref", 15)))
+
+
+def _rank_ckpts(tmp: Path, name: str, rank: int) -> list[Path]:
+    return checkpoint.checkpoints(tmp / name / "checkpoints" / f"dp-rank{rank}")
+
+
+def test_bad_newest_checkpoint_on_one_rank_falls_back_on_every_rank(
+    tmp_path: Path, reference: dict[str, Any], capfd: pytest.CaptureFixture[str]
+) -> None:
+    data_parallel.run(load_job(_doc(tmp_path, "a", 10)))
+    ckpts = _rank_ckpts(tmp_path, "a", 1)
+    assert [p.name for p in ckpts] == ["ckpt-000000005.pt", "ckpt-000000010.pt"]
+    assert [p.name for p in _rank_ckpts(tmp_path, "a", 0)] == [p.name for p in ckpts]
+    _truncate(ckpts[-1])
+    capfd.readouterr()
+    resumed = data_parallel.run(load_job(_doc(tmp_path, "a", 15)), resume=True)
+    err = capfd.readouterr().err
+    assert "RuntimeWarning" in err and str(ckpts[-1]) in err, err
+    assert "truncated or corrupt" in err and "falling back to step 5" in err, err
+    # Rank 0's step-10 file was fine, yet both ranks went back to step 5 and retrained.
+    assert resumed["steps"] == 15
+    assert resumed["parameters_sha256"] == reference["parameters_sha256"]
+
+
+def test_no_readable_checkpoint_on_one_rank_is_an_error_naming_the_files(tmp_path: Path) -> None:
+    data_parallel.run(load_job(_doc(tmp_path, "b", 10)))
+    ckpts = _rank_ckpts(tmp_path, "b", 1)
+    assert len(ckpts) == 2
+    for p in ckpts:
+        _truncate(p)
+    before = _snapshot(tmp_path / "b")
+    assert "metrics.jsonl" in before and "summary.json" in before and len(before) >= 6
+    with pytest.raises(ConfigError) as err:
+        data_parallel.run(load_job(_doc(tmp_path, "b", 15)), resume=True)
+    msg = dict(err.value.problems)["checkpoint"]
+    assert "no readable checkpoint" in msg and all(str(p) in msg for p in ckpts), msg
+    assert _snapshot(tmp_path / "b") == before
+
+
+# The agreement itself, on real gloo ranks: rank 0's newest file is bad, rank 1's second
+# newest is bad, so the only step both can read is the oldest.
+
+
+def _save_steps(d: Path, steps: list[int], bad: list[int]) -> None:
+    for s in steps:
+        checkpoint.save_checkpoint(checkpoint.checkpoint_path(d, s), {"step": s, "w": torch.full((3,), float(s))})
+    for s in bad:
+        _truncate(checkpoint.checkpoint_path(d, s))
+
+
+def _agree(ctx: WorkerContext, root: str, start: int) -> tuple[int, float] | str:
+    try:
+        found = agree_on_checkpoint(Path(root) / f"r{ctx.rank}", start, ctx.group)
+    except ConfigError as e:
+        return str(e)
+    assert found is not None
+    return found[0], float(found[1]["w"][0])
+
+
+def test_ranks_iterate_to_the_newest_step_all_can_read(tmp_path: Path) -> None:
+    _save_steps(tmp_path / "r0", [5, 10, 15], bad=[15])
+    _save_steps(tmp_path / "r1", [5, 10, 15], bad=[10])
+    assert run_distributed(_agree, 2, str(tmp_path), 15) == [(5, 5.0), (5, 5.0)]
+    _truncate(checkpoint.checkpoint_path(tmp_path / "r1", 5))
+    msgs = run_distributed(_agree, 2, str(tmp_path), 15)
+    assert isinstance(msgs[0], str) and msgs[0] == msgs[1]
+    assert all(str(checkpoint.checkpoint_path(tmp_path / "r1", s)) in msgs[0] for s in (5, 10))
+
+
+def test_one_process_falls_back_with_a_warning(tmp_path: Path) -> None:
+    _save_steps(tmp_path, [5, 10], bad=[10])
+    with pytest.warns(RuntimeWarning, match=r"ckpt-000000010\.pt.*falling back to step 5"):
+        found = agree_on_checkpoint(tmp_path, 10)
+    assert found is not None and found[0] == 5
+    assert agree_on_checkpoint(tmp_path, None) is None
