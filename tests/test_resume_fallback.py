@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 import torch
 
+from _workers_federated import TOPK_EF, fed_job
 from paratrain.comm.context import WorkerContext
 from paratrain.comm.testing import run_distributed
 from paratrain.config import ConfigError
 from paratrain.config.job import load_job
 from paratrain.executors import data_parallel
+from paratrain.executors.federated import run_in_process
 from paratrain.training import checkpoint
 from paratrain.training.resume import agree_on_checkpoint
 from paratrain.training.rundir import LOCK_NAME
@@ -124,3 +126,15 @@ def test_one_process_falls_back_with_a_warning(tmp_path: Path) -> None:
         found = agree_on_checkpoint(tmp_path, 10)
     assert found is not None and found[0] == 5
     assert agree_on_checkpoint(tmp_path, None) is None
+
+
+def test_federated_bad_worker_checkpoint_moves_the_server_back_too(tmp_path: Path) -> None:
+    kw: dict[str, Any] = dict(K=4, sel={"method": "All"}, compression=TOPK_EF, local_epochs=1)
+    ref = run_in_process(fed_job(tmp_path / "ref", "f", rounds=3, **kw))
+    run_in_process(fed_job(tmp_path / "b", "f", rounds=2, **kw))
+    wfile = checkpoint.checkpoint_path(tmp_path / "b" / "f" / "checkpoints" / "worker-0", 2)
+    assert wfile.exists() and checkpoint.checkpoint_path(wfile.parent, 1).exists()
+    _truncate(wfile)  # the error-feedback residuals of round 2 are lost: back to round 1
+    with pytest.warns(RuntimeWarning, match=r"worker-0/ckpt-000000002\.pt.*falling back to step 1"):
+        resumed = run_in_process(fed_job(tmp_path / "b", "f", rounds=3, **kw), resume=True)
+    assert resumed["parameters_sha256"] == ref["parameters_sha256"]

@@ -57,6 +57,7 @@ from ...training import (
     write_summary,
 )
 from ...training.faults import FAULTS_ENV, injected_faults
+from ...training.resume import agree_on_checkpoint
 from ...training.rundir import run_dir_of
 from .client import ClientHost, client_name
 from .selection import select_clients
@@ -200,22 +201,36 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         server = FederatedServer(strat.aggregation, template)
         metrics = MetricsWriter(run_dir)
         start = 0
-        found = checkpoint.latest(run_dir / "checkpoints") if resume else None
+        # The newest readable server checkpoint (a bad newer one is skipped with a warning).
+        found = checkpoint.load_latest(run_dir / "checkpoints") if resume else None
         if found is not None:
-            server.load_state_dict(checkpoint.load_checkpoint(found))
+            server.load_state_dict(found[1])
             start = server.round
-        if resume:
-            metrics.truncate_after("round", start)
         store_set_json(store, "fed/start", {"round": start})
     start = int(store_get_json(store, "fed/start")["round"])
     barrier(group)
     wdir = _worker_ckpt(run_dir, rank)
-    if start > 0:
+    if start > 0 and job.compression is not None and getattr(job.compression, "method", "None") != "None":
+        # Codec state (error-feedback residuals) must come from one round on every rank:
+        # the newest round <= the server's whose worker file every rank can read.
+        agreed = agree_on_checkpoint(wdir, start, group if world > 1 else None)
+        assert agreed is not None
+        if agreed[0] != start and server is not None:
+            older = checkpoint.checkpoint_path(run_dir / "checkpoints", agreed[0])
+            try:
+                server.load_state_dict(checkpoint.load_checkpoint(older))
+            except (checkpoint.CheckpointError, OSError) as e:
+                raise ConfigError([("checkpoint", (
+                    f"the workers fell back to round {agreed[0]} but the server checkpoint {older} "
+                    f"cannot be read ({e}); start without --resume (or with --overwrite)"))]) from None
+        start = agreed[0]
+        host.load_state_dict(agreed[1])
+    elif start > 0:
         wfile = checkpoint.checkpoint_path(wdir, start)
         if wfile.exists():
             host.load_state_dict(checkpoint.load_checkpoint(wfile))
-        elif job.compression is not None and getattr(job.compression, "method", "None") != "None":
-            raise RuntimeError(f"rank {rank}: worker checkpoint {wfile} is missing; cannot resume")
+    if metrics is not None and resume:
+        metrics.truncate_after("round", start)
 
     kill = os.environ.get(KILL_ENV, "")
     kill_rank, kill_round = (int(v) for v in kill.split(":")) if kill else (-1, -1)
