@@ -125,9 +125,9 @@ class Corpus:
         return "".join(self.vocab[int(i)] for i in ids)
 
 
-def _join(parts: list[tuple[str, list[tuple[int, str]]]], role_id: dict[str, int]
-          ) -> tuple[str, tuple[np.ndarray, np.ndarray]]:
-    texts: list[str] = []
+def _speech_table(parts: list[tuple[str, list[tuple[int, str]]]], role_id: dict[str, int]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(start offsets, speaker ids) of a split's speeches, its plays joined by ``"\n"``."""
     starts: list[int] = []
     ids: list[int] = []
     at = 0
@@ -135,24 +135,30 @@ def _join(parts: list[tuple[str, list[tuple[int, str]]]], role_id: dict[str, int
         for off, role in speeches:
             starts.append(at + off)
             ids.append(role_id.setdefault(role, len(role_id)))
-        texts.append(text)
         at += len(text) + 1
-        texts.append("\n")
-    return "".join(texts), (np.asarray(starts, dtype=np.int64), np.asarray(ids, dtype=np.int64))
+    return np.asarray(starts, dtype=np.int64), np.asarray(ids, dtype=np.int64)
 
 
-def _encode(text: str, vocab: tuple[str, ...], chunk: int = 1 << 20) -> torch.Tensor:
-    """``text`` as ids into ``vocab`` (unknown characters -> the UNK id), through a lookup
-    table by code point, a chunk at a time (a few MB of temporaries, whatever the size)."""
+def _encode(parts: list[tuple[str, list[tuple[int, str]]]], vocab: tuple[str, ...],
+            chunk: int = 1 << 20) -> torch.Tensor:
+    """The plays' texts, each followed by ``"\n"``, as ids into ``vocab`` (unknown characters
+    -> the UNK id): written into one preallocated array through a lookup table by code
+    point, a chunk at a time (no joined copy of the text; a few MB of temporaries)."""
     unk = len(vocab) - 1
     dtype = np.uint8 if len(vocab) <= 256 else np.int16
     known = [ord(c) for c in vocab[:-1]]
     lut = np.full(max(known, default=0) + 2, unk, dtype=dtype)  # the last entry: beyond the table
     lut[known] = np.arange(len(known), dtype=dtype)
-    out = np.empty(len(text), dtype=dtype)
-    for a in range(0, len(text), chunk):
-        codes = np.frombuffer(text[a : a + chunk].encode("utf-32-le"), dtype=np.uint32)
-        out[a : a + len(codes)] = lut[np.minimum(codes, len(lut) - 1)]
+    out = np.empty(sum(len(text) + 1 for text, _ in parts), dtype=dtype)
+    at = 0
+    for text, _ in parts:
+        for a in range(0, len(text), chunk):
+            codes = np.frombuffer(text[a : a + chunk].encode("utf-32-le"), dtype=np.uint32)
+            out[at : at + len(codes)] = lut[np.minimum(codes, len(lut) - 1)]
+            at += len(codes)
+        out[at] = lut[min(ord("\n"), len(lut) - 1)]
+        at += 1
+    assert at == len(out)
     return torch.from_numpy(out)
 
 
@@ -185,12 +191,14 @@ def _load_corpus(test_every: int) -> Corpus:
             train_parts.append(part)
             train_names.append(path.stem)
     role_id: dict[str, int] = {}
-    train_text, train_sp = _join(train_parts, role_id)
-    test_text, test_sp = _join(test_parts, role_id)
-    del train_parts, test_parts
-    vocab = (*sorted(set(train_text)), UNK)
+    train_sp = _speech_table(train_parts, role_id)
+    test_sp = _speech_table(test_parts, role_id)
+    chars: set[str] = {"\n"} if train_parts else set()
+    for text, _ in train_parts:
+        chars.update(text)
+    vocab = (*sorted(chars), UNK)
     return Corpus(
-        train=_encode(train_text, vocab), test=_encode(test_text, vocab), vocab=vocab,
+        train=_encode(train_parts, vocab), test=_encode(test_parts, vocab), vocab=vocab,
         train_plays=tuple(train_names), test_plays=tuple(test_names),
         roles=tuple(sorted(role_id, key=role_id.__getitem__)),
         train_speeches=train_sp, test_speeches=test_sp,

@@ -159,9 +159,13 @@ def bigram_loss(train_ids: torch.Tensor, test: Dataset[Any], vocab_size: int, *,
     """Mean next-token cross-entropy (nats) of a bigram model on ``test``'s ``(x, y)`` pairs:
     ``p(b | a) = (count(a, b) + alpha) / (count(a) + alpha V)`` from consecutive pairs of
     ``train_ids``."""
-    ids = train_ids.long().numpy()
     v = int(vocab_size)
-    counts = np.bincount(ids[:-1] * v + ids[1:], minlength=v * v).reshape(v, v).astype(np.float64)
+    counts = np.zeros(v * v, dtype=np.float64)
+    step = 1 << 20  # pairs per chunk: a few MB of int64 temporaries, whatever the corpus size
+    for a in range(0, max(len(train_ids) - 1, 0), step):
+        w = train_ids[a : a + step + 1].long().numpy()
+        counts += np.bincount(w[:-1] * v + w[1:], minlength=v * v)
+    counts = counts.reshape(v, v)
     logp = torch.from_numpy(np.log(counts + alpha) - np.log(counts.sum(1, keepdims=True) + alpha * v))
     total, count = 0.0, 0
     n = len(test)  # type: ignore[arg-type]
