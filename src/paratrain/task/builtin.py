@@ -160,12 +160,12 @@ def bigram_loss(train_ids: torch.Tensor, test: Dataset[Any], vocab_size: int, *,
     ``p(b | a) = (count(a, b) + alpha) / (count(a) + alpha V)`` from consecutive pairs of
     ``train_ids``."""
     v = int(vocab_size)
-    counts = np.zeros(v * v, dtype=np.float64)
+    flat = np.zeros(v * v, dtype=np.float64)
     step = 1 << 20  # pairs per chunk: a few MB of int64 temporaries, whatever the corpus size
     for a in range(0, max(len(train_ids) - 1, 0), step):
         w = train_ids[a : a + step + 1].long().numpy()
-        counts += np.bincount(w[:-1] * v + w[1:], minlength=v * v)
-    counts = counts.reshape(v, v)
+        flat += np.bincount(w[:-1] * v + w[1:], minlength=v * v)
+    counts = flat.reshape(v, v)
     logp = torch.from_numpy(np.log(counts + alpha) - np.log(counts.sum(1, keepdims=True) + alpha * v))
     total, count = 0.0, 0
     n = len(test)  # type: ignore[arg-type]
