@@ -1,0 +1,44 @@
+"""Resuming a DataParallel run with another model names the tensor that differs (exit 2,
+one line) and leaves the checkpoints as they were."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from paratrain import cli
+
+
+def _job(tmp: Path, hidden: int, optimizer: str = "sgd") -> Path:
+    p = tmp / f"job_{hidden}_{optimizer}.json"
+    p.write_text(json.dumps({
+        "run": {"name": "dp", "seed": 1, "output_dir": str(tmp / "runs"), "checkpoint_every": 2},
+        "model": {"name": "mlp", "hidden": [hidden]},
+        "train": {"epochs": 1, "batch_size": 32, "max_steps": 4 if hidden == 32 else 8,
+                  "optimizer": {"name": optimizer, "lr": 0.05}},
+        "strategy": {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}},
+    }))
+    return p
+
+
+def _ckpts(run: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run)): p.read_bytes() for p in sorted((run / "checkpoints").rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.slow
+def test_data_parallel_resume_with_another_model_names_the_tensor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["run", "-q", str(_job(tmp_path, 32))]) == 0
+    run = tmp_path / "runs" / "dp"
+    before = _ckpts(run)
+    assert before  # non-vacuity: there is something to resume from
+    capsys.readouterr()
+    assert cli.main(["run", "-q", "--resume", str(_job(tmp_path, 16))]) == 2
+    err = capsys.readouterr().err
+    assert "model" in err and "fc0.weight" in err and "(32, 64)" in err and "(16, 64)" in err, err
+    assert len(err.strip().splitlines()) <= 2, err  # one clean line (+ where the log is)
+    assert _ckpts(run) == before
