@@ -240,10 +240,8 @@ def train_replica(
         state = agreed[1]
         # a checkpoint of another model/optimizer: a ConfigError naming what differs (every
         # rank raises the same one, before anything is loaded or written)
-        source = checkpoint.checkpoint_path(_ckpt_dir(run_dir, ctx.rank), agreed[0])
-        checkpoint.check_model_state(model, state["model"], source=source)
-        checkpoint.check_optimizer_state(opt, state["optimizer"], source=source,
-                                         saved_type=state.get("optimizer_type"))
+        checkpoint.check_resume_state(model, opt, state,
+                                      source=checkpoint.checkpoint_path(_ckpt_dir(run_dir, ctx.rank), agreed[0]))
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])

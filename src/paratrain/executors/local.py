@@ -96,9 +96,7 @@ def _train(
     found = checkpoint.load_latest(ckpt_dir) if resume else None
     if found is not None:
         path, state = found
-        checkpoint.check_model_state(net, state["model"], source=path)
-        checkpoint.check_optimizer_state(opt, state["optimizer"], source=path,
-                                         saved_type=state.get("optimizer_type"))
+        checkpoint.check_resume_state(net, opt, state, source=path)
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])

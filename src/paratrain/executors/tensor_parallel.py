@@ -166,10 +166,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     found = None if agreed is None else agreed[0]
     if agreed is not None:
         state = agreed[1]
-        source = checkpoint.checkpoint_path(_ckpt_dir(run_dir, ctx.rank), agreed[0])
-        checkpoint.check_model_state(tpm, state["model"], source=source)
-        checkpoint.check_optimizer_state(opt, state["optimizer"], source=source,
-                                         saved_type=state.get("optimizer_type"))
+        checkpoint.check_resume_state(tpm, opt, state,
+                                      source=checkpoint.checkpoint_path(_ckpt_dir(run_dir, ctx.rank), agreed[0]))
         tpm.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         if agg is not None:

@@ -26,7 +26,7 @@ from ..config import ConfigError
 from .rundir import disk_error, safe_unlink
 
 __all__ = [
-    "CheckpointError", "save_checkpoint", "load_checkpoint", "load_latest", "latest", "checkpoints", "checkpoint_path",
+    "CheckpointError", "check_resume_state", "save_checkpoint", "load_checkpoint", "load_latest", "latest", "checkpoints", "checkpoint_path",
     "prune", "check_model_state", "check_optimizer_state", "MIN_KEEP",
 ]
 
@@ -166,6 +166,17 @@ def check_optimizer_state(
     if problem is not None:
         raise ConfigError([(field, f"checkpoint {source} does not fit: {problem}; resume with the "
                                    "original optimizer, or start a fresh run with --overwrite")])
+
+
+def check_resume_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any], *,
+    source: str | Path,
+) -> None:
+    """Both checks a resume makes before loading ``state`` (a checkpoint with ``model``,
+    ``optimizer`` and optionally ``optimizer_type``): a ConfigError names what differs."""
+    check_model_state(module, state["model"], source=source)
+    check_optimizer_state(optimizer, state["optimizer"], source=source,
+                          saved_type=state.get("optimizer_type"))
 
 
 def latest(directory: str | Path) -> Path | None:
