@@ -72,7 +72,7 @@ def bench_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
 
     from paratrain.comm import collectives as C
     from paratrain.compression import Compressor
-    from paratrain.executors.dp_aggregation import AllReduceAgg
+    from paratrain.executors.data_parallel.aggregation import AllReduceAgg
 
     torch.set_num_threads(1)
     n = ctx.world_size

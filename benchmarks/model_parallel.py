@@ -62,9 +62,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from paratrain.comm.p2p import P2PTransport  # noqa: E402
 from paratrain.comm.testing import run_distributed  # noqa: E402
 from paratrain.config.strategy import Partition  # noqa: E402
-from paratrain.executors.mp_plan import build_plan  # noqa: E402
-from paratrain.executors.mp_runtime import StageRuntime, segment_modules  # noqa: E402
-from paratrain.executors.mp_schedule import schedule, simulate, theoretical_bubble  # noqa: E402
+from paratrain.executors.model_parallel.plan import build_plan  # noqa: E402
+from paratrain.executors.model_parallel.runtime import StageRuntime, segment_modules  # noqa: E402
+from paratrain.executors.model_parallel.schedule import schedule, simulate, theoretical_bubble  # noqa: E402
 from paratrain.graph import nodes  # noqa: E402
 from paratrain.training.gcfreeze import freeze_startup_objects  # noqa: E402
 

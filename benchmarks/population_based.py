@@ -51,7 +51,7 @@ def _job(out: str, name: str, workers: int, *, population: int, generations: int
 
 
 def _once(out: str, name: str, workers: int, **kw: Any) -> dict[str, Any]:
-    from paratrain.executors import population
+    from paratrain.executors.population_based import runner as population
 
     t = time.perf_counter()
     s = population.run(_job(out, name, workers, **kw))

@@ -113,7 +113,7 @@ def dp_ranks(rank: int, world: int) -> dict[str, Any]:
 
     from paratrain.comm import collectives as C
     from paratrain.compression import Compressor
-    from paratrain.executors.dp_aggregation import AllReduceAgg
+    from paratrain.executors.data_parallel.aggregation import AllReduceAgg
 
     dev = torch.device("cuda", rank)
     batches = _batches(rank, 20, 64, dev)

@@ -73,7 +73,7 @@ def ddp_reference(ctx: WorkerContext, job: JobConfig) -> list[float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from paratrain.data import load_data
-    from paratrain.executors.data_parallel import shard_indices
+    from paratrain.executors.data_parallel.runner import shard_indices
     from paratrain.models import build_model
     from paratrain.training import build_optimizer, seed_everything
 
@@ -95,7 +95,7 @@ def ddp_reference(ctx: WorkerContext, job: JobConfig) -> list[float]:
 
 def dp_parity(ctx: WorkerContext, tmp: str, variants: list[tuple[Any, ...]]) -> dict[str, Any]:
     """Train every variant on the same ranks; return each one's flat parameters."""
-    from paratrain.executors.data_parallel import train_replica
+    from paratrain.executors.data_parallel.runner import train_replica
 
     out: dict[str, Any] = {}
     for name, agg, *more in variants:

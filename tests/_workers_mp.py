@@ -15,8 +15,8 @@ from paratrain.comm.context import WorkerContext
 from paratrain.config.job import DataSpec, ModelSpec
 from paratrain.config.strategy import load_strategy
 from paratrain.data import load_data
-from paratrain.executors.mp_plan import build_plan
-from paratrain.executors.mp_runtime import StageRuntime, segment_modules
+from paratrain.executors.model_parallel.plan import build_plan
+from paratrain.executors.model_parallel.runtime import StageRuntime, segment_modules
 from paratrain.graph import nodes
 from paratrain.models import build_model
 

@@ -443,7 +443,7 @@ def job_resume(ctx: WorkerContext, out_dir: str, extra: dict[str, Any] | None = 
     """An uninterrupted 6-step run vs 3 steps + ``resume`` to 6: same final parameters.
     ``extra`` adds job sections (a DataParallel strategy, ``[compression]``)."""
     from paratrain.config import load_job
-    from paratrain.executors.tensor_parallel import worker_main
+    from paratrain.executors.tensor_parallel.runner import worker_main
 
     def job(name: str, steps: int) -> Any:
         return load_job({

@@ -14,7 +14,7 @@ from paratrain.comm.groups import TOPOLOGIES, grid_shape, mixing_weights, neighb
 from paratrain.comm.testing import run_distributed
 from paratrain.comm.workers import resolve_rank, resolve_target, workers_with_tags
 from paratrain.config import ConfigError
-from paratrain.executors.dp_aggregation import pack_records, unpack_records
+from paratrain.executors.data_parallel.aggregation import pack_records, unpack_records
 
 pytestmark = pytest.mark.timeout(200)
 

@@ -16,7 +16,7 @@ from _workers_dp import dp_job, dp_parity
 from paratrain.comm.testing import run_distributed
 from paratrain.config import ConfigError
 from paratrain.data import load_data
-from paratrain.executors.data_parallel import shard_indices, validate
+from paratrain.executors.data_parallel.runner import shard_indices, validate
 from paratrain.models import build_model
 from paratrain.training import build_optimizer, epoch_permutation, seed_everything
 
@@ -174,7 +174,7 @@ def test_resume_with_other_replica_count_is_an_error(tmp_path: Path) -> None:
     import json
 
     from paratrain.comm.context import WorkerContext
-    from paratrain.executors.data_parallel import _agreed_step
+    from paratrain.executors.data_parallel.runner import _agreed_step
 
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "dp-complete.json").write_text(json.dumps({"step": 8, "replicas": 4}))
@@ -185,7 +185,7 @@ def test_resume_with_other_replica_count_is_an_error(tmp_path: Path) -> None:
 
 
 def test_error_feedback_is_dropped_under_decentralized(tmp_path: Path) -> None:
-    from paratrain.executors.data_parallel import build_compressor
+    from paratrain.executors.data_parallel.runner import build_compressor
 
     doc = {"method": "ClippedCompression", "clip_value": 1.0,
            "base_strategy": {"method": "ErrorFeedback", "error_compensation": True,
@@ -201,7 +201,7 @@ def test_error_feedback_is_dropped_under_decentralized(tmp_path: Path) -> None:
 def test_ineffective_settings_warn(tmp_path: Path) -> None:
     import warnings
 
-    from paratrain.executors.data_parallel import _warn_ineffective
+    from paratrain.executors.data_parallel.runner import _warn_ineffective
 
     job = dp_job(str(tmp_path), "x", 2, {"method": "ParameterServer"},
                  comm={"gossip_step": 0.3, "bucket_size_mb": 4})

@@ -18,8 +18,8 @@ import pytest
 from paratrain.comm.launch import WorkerError
 from paratrain.config import load_job
 from paratrain.config.job import JobConfig
-from paratrain.executors import data_parallel as dp
 from paratrain.executors import local
+from paratrain.executors.data_parallel import runner as dp
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 

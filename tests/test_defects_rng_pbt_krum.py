@@ -18,7 +18,7 @@ from paratrain.executors.federated.aggregation.krum import (
     krum_scores,
     pairwise_squared_distances,
 )
-from paratrain.pbt import explore, perturb_dim
+from paratrain.executors.population_based.pbt import explore, perturb_dim
 
 # ------------------------------------------------------------------ defect 6: Krum ties
 
@@ -232,7 +232,7 @@ def _dp(tmp: str, name: str, world: int, compression: dict[str, Any], steps: int
 
 
 def dp_resume(ctx: Any, tmp: str, phase: str) -> dict[str, Any]:
-    from paratrain.executors.data_parallel import train_replica
+    from paratrain.executors.data_parallel.runner import train_replica
 
     out: dict[str, Any] = {}
     for name, comp in DP_COMPRESSION.items():

@@ -11,7 +11,7 @@ from torch import nn
 
 from paratrain.comm import collectives as C
 from paratrain.comm.testing import run_distributed
-from paratrain.executors.dp_aggregation import DecentralizedAgg
+from paratrain.executors.data_parallel.aggregation import DecentralizedAgg
 
 
 def _rank(ctx: Any) -> dict[str, Any]:

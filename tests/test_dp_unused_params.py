@@ -91,7 +91,7 @@ def _ddp(ctx: WorkerContext, job: Any, hook: dict[str, Any] | None) -> dict[str,
 
     from paratrain.comm.ddp_hook import ddp_hook
     from paratrain.data import load_data
-    from paratrain.executors.data_parallel import shard_indices
+    from paratrain.executors.data_parallel.runner import shard_indices
     from paratrain.models import build_model
     from paratrain.training import build_optimizer, seed_everything
 
@@ -117,7 +117,7 @@ def train_variants(ctx: WorkerContext, tmp: str, variants: list[tuple[Any, ...]]
     """Each variant ``(name, aggregation | "DDP", optimizer, compression, data_branch)``:
     the final parameters by name; ``init`` holds the initial ones."""
     from paratrain.data import load_data
-    from paratrain.executors.data_parallel import train_replica
+    from paratrain.executors.data_parallel.runner import train_replica
     from paratrain.models import build_model
     from paratrain.training import seed_everything
 
@@ -142,7 +142,7 @@ def _data_branch_users() -> list[int]:
     """How many of the 2 ranks call ``data_branch`` at each step."""
     from paratrain.config import load_job
     from paratrain.data import load_data
-    from paratrain.executors.data_parallel import shard_indices
+    from paratrain.executors.data_parallel.runner import shard_indices
 
     job = load_job({"run": {"name": "x", "seed": SEED}, "data": {"name": "digits"}})
     x, y = load_data(job.data, seed=SEED).train.tensors

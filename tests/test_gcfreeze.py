@@ -9,7 +9,7 @@ import sys
 SCRIPT = """
 import gc, json, time
 import torch  # noqa: F401  (hundreds of thousands of long-lived objects)
-import paratrain.executors.model_parallel  # noqa: F401
+import paratrain.executors.model_parallel.runner  # noqa: F401
 
 def full_pass():
     best = float("inf")

@@ -18,10 +18,10 @@ from paratrain.comm.p2p import _header, _parse_header, message_tag
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
 from paratrain.config.strategy import Partition
-from paratrain.executors.model_parallel import num_workers
-from paratrain.executors.mp_plan import build_plan
-from paratrain.executors.mp_runtime import StageRuntime, segment_modules
-from paratrain.executors.mp_schedule import (
+from paratrain.executors.model_parallel.plan import build_plan
+from paratrain.executors.model_parallel.runner import num_workers
+from paratrain.executors.model_parallel.runtime import StageRuntime, segment_modules
+from paratrain.executors.model_parallel.schedule import (
     gpipe,
     micro_batch_sizes,
     one_f_one_b,
@@ -266,7 +266,7 @@ def test_p2p_header_rejects_malformed() -> None:
 
 def test_example_job_places_three_stages() -> None:
     from paratrain.config.job import load_job
-    from paratrain.executors.model_parallel import plan_for
+    from paratrain.executors.model_parallel.runner import plan_for
     from paratrain.models import build_model
 
     job = load_job(Path(__file__).resolve().parents[1] / "examples" / "model_parallel_pipeline.toml")

@@ -16,7 +16,7 @@ import torch
 from _workers_mp import batch, build, reference, run_cases
 from paratrain.comm.testing import run_distributed
 from paratrain.config.job import WorkerSpec
-from paratrain.executors.mp_schedule import micro_batch_sizes
+from paratrain.executors.model_parallel.schedule import micro_batch_sizes
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from paratrain.config import ConfigError
 from paratrain.config.job import ChoiceDim, IntDim, LogUniformDim, UniformDim
 from paratrain.config.strategy import Binary, Perturbation, Resample, Truncation
-from paratrain.pbt import (
+from paratrain.executors.population_based.pbt import (
     PopulationState,
     ancestry,
     evolve,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.executors.pbt_report import plot_population
+from paratrain.executors.population_based.report import plot_population
 from paratrain.training.report import plot_curves
 
 

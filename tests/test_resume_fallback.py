@@ -17,7 +17,7 @@ from paratrain.comm.context import WorkerContext
 from paratrain.comm.testing import run_distributed
 from paratrain.config import ConfigError
 from paratrain.config.job import load_job
-from paratrain.executors import data_parallel
+from paratrain.executors.data_parallel import runner as data_parallel
 from paratrain.executors.federated import run_in_process
 from paratrain.training import checkpoint
 from paratrain.training.resume import agree_on_checkpoint

@@ -11,7 +11,7 @@ import torch
 from paratrain.config import ConfigError, load_job
 from paratrain.data import load_data
 from paratrain.executors import execute, executor_module
-from paratrain.executors.tensor_parallel import layout
+from paratrain.executors.tensor_parallel.runner import layout
 from paratrain.models import build_model
 from paratrain.training import evaluate
 
@@ -28,7 +28,7 @@ def _job(name: str, tmp: Path, **train: int) -> object:
 def test_examples_route_to_the_tensor_parallel_executor(tmp_path: Path) -> None:
     for name, world in [("tensor_parallel_mlp.toml", 2), ("tensor_parallel_2d.toml", 4)]:
         job = _job(name, tmp_path)
-        assert executor_module(job) == "paratrain.executors.tensor_parallel"
+        assert executor_module(job) == "paratrain.executors.tensor_parallel.runner"
         _, tp, dp = layout(job)
         assert tp * dp == world
 
@@ -144,7 +144,7 @@ def test_resume_with_error_feedback_residuals_matches_uninterrupted(tmp_path: Pa
 
 
 def test_layout_errors_surface_before_launch(tmp_path: Path) -> None:
-    from paratrain.executors.tensor_parallel import dry_run
+    from paratrain.executors.tensor_parallel.runner import dry_run
 
     doc = load_job(EXAMPLES / "tensor_parallel_mlp.toml").to_json_dict()
     dry_run(load_job(doc))  # the example itself is fine

@@ -83,7 +83,7 @@ def process_count(job: JobConfig) -> tuple[int, str]:
     if kind == "DataParallel":
         return int(s.num_replicas), "strategy.num_replicas"
     if kind == "ModelParallel":
-        from .executors.model_parallel import num_workers
+        from .executors.model_parallel.runner import num_workers
 
         field = "workers" if job.workers else "run.num_workers" if job.run.num_workers else "strategy.partitions"
         return num_workers(job), field
@@ -92,7 +92,7 @@ def process_count(job: JobConfig) -> tuple[int, str]:
 
         return fed_workers(job), "run.num_workers"
     if kind == "PopulationBased":
-        from .executors.population import num_workers as pbt_workers
+        from .executors.population_based.runner import num_workers as pbt_workers
 
         return pbt_workers(job), "run.num_workers"
     return 1, "strategy.type"  # Local, Custom (a coordinator runs in this process)

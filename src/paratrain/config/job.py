@@ -210,7 +210,10 @@ class OptimizerSpec(_OpenSection):
     """The optimizer: ``sgd``, ``adam`` or ``adamw`` (the table's other keys, e.g. momentum or
     weight_decay, are its arguments)."""
     lr: Annotated[float, Field(gt=0.0)] = 0.1
-    """Learning rate."""
+    """Learning rate (the peak one under a ``train.lr_schedule``)."""
+    weight_decay: Annotated[float, Field(ge=0.0)] | None = None
+    """L2 penalty (``sgd``, ``adam``) or decoupled weight decay (``adamw``), passed to the torch
+    optimizer; None = the optimizer's default (0 for sgd/adam, 0.01 for adamw)."""
 
 
 class TrainConfig(_Section):
@@ -225,6 +228,21 @@ class TrainConfig(_Section):
     """Evaluate every N optimizer steps; 0 = at the end of every epoch."""
     max_steps: PositiveCount | None = None
     """Stop after this many optimizer steps; None = run all epochs."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """The learning rate over the run's optimizer steps (after ``warmup_steps``): ``constant``,
+    ``cosine`` (half a cosine down to 0) or ``linear`` (a straight line down to 0), as a torch
+    ``LambdaLR`` stepped once per optimizer step."""
+    warmup_steps: Count = 0
+    """Optimizer steps of linear warm-up from lr/warmup_steps up to lr, before the schedule."""
+    grad_clip_norm: Annotated[float, Field(gt=0.0)] | None = None
+    """Clip the global L2 norm of the gradients to this (``torch.nn.utils.clip_grad_norm_``; under
+    tensor or model parallelism the norm is over the whole model); None = no clipping."""
+    grad_accumulation: PositiveCount = 1
+    """Batches (of ``batch_size`` each) whose gradients are summed, weighted by their sizes, into
+    one optimizer step: a step sees ``batch_size * grad_accumulation`` examples per process."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16`` runs forward and loss under ``torch.autocast(dtype=torch.bfloat16)`` (on CPU
+    too); parameters, gradients and optimizer state stay fp32."""
 
 
 class WorkerSpec(_Section):

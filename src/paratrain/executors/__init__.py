@@ -22,10 +22,10 @@ __all__ = ["execute", "executor_module", "register_coordinator", "registered_coo
 # strategy "type" -> module implementing it
 EXECUTORS: dict[str, str] = {
     "Local": "paratrain.executors.local",
-    "DataParallel": "paratrain.executors.data_parallel",
-    "ModelParallel": "paratrain.executors.model_parallel",
+    "DataParallel": "paratrain.executors.data_parallel.runner",
+    "ModelParallel": "paratrain.executors.model_parallel.runner",
     "Federated": "paratrain.executors.federated",
-    "PopulationBased": "paratrain.executors.population",
+    "PopulationBased": "paratrain.executors.population_based.runner",
     "Custom": "paratrain.executors.custom",
 }
 
@@ -36,7 +36,7 @@ def executor_module(job: JobConfig) -> str:
     kind = str(getattr(job.strategy, "type", None))
     tp = job.tensor_parallel
     if tp is not None and tp.tensor_parallel_size > 1 and kind in ("Local", "DataParallel"):
-        return "paratrain.executors.tensor_parallel"
+        return "paratrain.executors.tensor_parallel.runner"
     module_name = EXECUTORS.get(kind)
     if module_name is None:
         raise ConfigError(

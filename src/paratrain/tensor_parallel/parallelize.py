@@ -485,7 +485,7 @@ class TensorParallelModule(nn.Module):
         self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
         self.last_peak_activation_bytes: int | None = None
         # Replaces the dense data-parallel gradient average when set (e.g. a compressed
-        # exchange: paratrain.executors.dp_aggregation.AllReduceAgg with a Compressor).
+        # exchange: paratrain.executors.data_parallel.aggregation.AllReduceAgg with a Compressor).
         self.dp_sync: Callable[[], None] | None = None
         if not self.needs_sync and config.gradient_accumulation is False:
             warnings.warn("gradient_accumulation has no effect: this layout has no gradient "

@@ -1,11 +1,57 @@
-"""Shared loop pieces: the device, the per-epoch permutation and one optimizer step."""
+"""The one training loop. Every strategy trains through it; an executor supplies only an
+:class:`Engine` (what is its own: how a batch's gradients are computed and combined, how
+the model is evaluated, which extra state it checkpoints) and the order of its data.
+
+Order. Epoch ``e``'s example order is ``epoch_permutation(N, seed, e)``, a pure function:
+``torch.randperm(N, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))``.
+One process (Local, tensor parallel, every pipeline stage) walks it in batches of
+``train.batch_size``; DataParallel replica ``r`` of ``n`` takes ``perm[: (N // n) * n][r::n]``,
+which is what ``torch.utils.data.DistributedSampler(ds, n, r, shuffle=False,
+drop_last=True)`` yields over a dataset indexed through ``perm`` (the README shows it).
+
+Position. ``(step, epoch, batch)``: optimizer steps done, the epoch, and the next batch of
+that epoch. An optimizer step takes the next ``train.grad_accumulation`` batches of the
+epoch (fewer at its end) -- :class:`Trainer`. ``train.max_steps`` caps the steps.
+
+Cadence. Evaluate every ``train.eval_every`` steps (0: at each epoch's end), checkpoint
+every ``run.checkpoint_every`` steps (0: at each epoch's end) and at the end.
+
+Resume. A checkpoint holds the model, optimizer, lr scheduler, RNG states, the position,
+the training losses since the last evaluation and the engine's own state (aggregator,
+compressor residuals, ...): a run restarted from it takes exactly the steps the
+uninterrupted run takes, so its final parameters are bit-identical (tested per strategy).
+"""
 
 from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["resolve_device", "epoch_permutation", "train_step", "parameters_digest"]
+from . import checkpoint
+from .faults import maybe_kill
+from .progress import progress_bar
+from .rundir import MetricsWriter, read_metrics
+from .seed import rng_state, set_rng_state
+from .stepping import (
+    autocast,
+    build_scheduler,
+    clip_coefficient,
+    clip_gradients_,
+    local_grad_sq_norm,
+)
+
+__all__ = [
+    "resolve_device", "epoch_permutation", "parameters_digest", "Engine", "LocalEngine",
+    "Trainer", "DataPlan", "Position", "LoopResult", "run_loop", "batch_size_of", "summary_fields",
+]
+
+Batch = tuple[torch.Tensor, ...]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -26,17 +72,6 @@ def epoch_permutation(n: int, *, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
-def train_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor
-) -> float:
-    """Forward, cross-entropy, backward, step. Returns the batch loss."""
-    optimizer.zero_grad(set_to_none=True)
-    loss = nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    optimizer.step()
-    return float(loss.detach())
-
-
 def parameters_digest(model: nn.Module) -> str:
     """SHA-256 over the raw bytes of every parameter and buffer, in state_dict order."""
     import hashlib
@@ -46,3 +81,308 @@ def parameters_digest(model: nn.Module) -> str:
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def batch_size_of(batch: Sequence[torch.Tensor]) -> int:
+    return int(batch[0].shape[0]) if batch and batch[0].dim() > 0 else 1
+
+
+class Engine(Protocol):
+    """What an executor supplies to the loop (one per process)."""
+
+    model: nn.Module
+    """This process's module: the parameters its optimizer steps."""
+    zero_grad_set_to_none: bool
+
+    def forward_backward(self, batch: Batch, *, weight: float, last: bool) -> float:
+        """Backpropagate ``weight * loss(batch)`` into this process's ``.grad``s; returns the
+        batch's (unweighted) loss where this process knows it (else 0.0). ``last``: the
+        last batch of this optimizer step (a strategy may exchange gradients during it)."""
+
+    def sync(self) -> None:
+        """Combine gradients across processes (after the step's last backward)."""
+
+    def grad_sq_norm(self) -> float:
+        """The squared L2 norm of the whole model's gradient (every process, same value)."""
+
+    def after_step(self) -> dict[str, float]:
+        """After the optimizer step; per-step metrics to log (e.g. consensus distance)."""
+
+    def evaluate(self) -> dict[str, float] | None:
+        """The task's test metrics on the logging process (None on the others)."""
+
+    def mean_over_ranks(self, value: float) -> float:
+        """``value`` averaged over the processes that compute training losses."""
+
+    def log_extras(self) -> dict[str, Any]:
+        """Extra fields of every evaluation record (e.g. ``comm_bytes``)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's own state to checkpoint."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class LocalEngine:
+    """One process: forward under the job's precision, the task's loss, backward. The base
+    of every engine (a strategy overrides what is its own)."""
+
+    zero_grad_set_to_none = True
+
+    def __init__(self, model: nn.Module, task: Any, test: Any, *, device: torch.device,
+                 precision: str = "fp32") -> None:
+        self.model, self.task, self.test = model, task, test
+        self.device, self.precision = device, precision
+
+    def forward_backward(self, batch: Batch, *, weight: float, last: bool) -> float:
+        del last
+        with autocast(self.precision, self.device):
+            loss = self.task.loss(self.model(batch[0]), batch)
+        (loss * weight).backward() if weight != 1.0 else loss.backward()
+        return float(loss.detach())
+
+    def sync(self) -> None:
+        pass
+
+    def grad_sq_norm(self) -> float:
+        return float(local_grad_sq_norm(self.model.parameters()))
+
+    def after_step(self) -> dict[str, float]:
+        return {}
+
+    def evaluate(self) -> dict[str, float] | None:
+        from ..task.steps import evaluate as evaluate_task
+
+        with autocast(self.precision, self.device):
+            return evaluate_task(self.model, self.task, self.test, device=self.device)
+
+    def mean_over_ranks(self, value: float) -> float:
+        return value
+
+    def log_extras(self) -> dict[str, Any]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+class Trainer:
+    """One optimizer step from a list of batches (:mod:`.stepping`): accumulate, sync,
+    clip, step, schedule. Also the federated client's and the PBT member's local step."""
+
+    def __init__(self, engine: Engine, optimizer: torch.optim.Optimizer, train: Any,
+                 total_steps: int, *, scheduler: Any = None) -> None:
+        self.engine, self.optimizer = engine, optimizer
+        self.clip = train.grad_clip_norm
+        self.scheduler = scheduler if scheduler is not None else build_scheduler(optimizer, train, total_steps)
+
+    def step(self, batches: Sequence[Batch]) -> float:
+        """One optimizer step over ``batches``; returns their size-weighted mean loss."""
+        eng = self.engine
+        self.optimizer.zero_grad(set_to_none=eng.zero_grad_set_to_none)
+        sizes = [batch_size_of(b) for b in batches]
+        total = sum(sizes)
+        loss = 0.0
+        for i, (b, n) in enumerate(zip(batches, sizes, strict=True)):
+            w = n / total
+            loss += w * eng.forward_backward(b, weight=w, last=i == len(batches) - 1)
+        eng.sync()
+        if self.clip is not None:
+            clip_gradients_(eng.model.parameters(), clip_coefficient(eng.grad_sq_norm(), self.clip))
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """This process's data: ``order(epoch)`` gives the dataset indices it walks that epoch
+    (all of the same length every epoch), in batches of ``batch_size``."""
+
+    dataset: Any
+    order: Callable[[int], torch.Tensor]
+    examples_per_epoch: int
+    batch_size: int
+    accumulation: int
+    epochs: int
+    max_steps: int | None
+    device: torch.device | None = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return math.ceil(self.examples_per_epoch / self.batch_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.batches_per_epoch / self.accumulation)
+
+    @property
+    def total_steps(self) -> int:
+        total = self.epochs * self.steps_per_epoch
+        return total if self.max_steps is None else min(total, self.max_steps)
+
+
+@dataclass
+class Position:
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
+
+
+@dataclass
+class LoopResult:
+    position: Position
+    final: dict[str, float] | None
+    best: float | None
+    started_at_step: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _fetch(plan: DataPlan, idx: torch.Tensor) -> Batch:
+    from ..task.steps import fetch_batch
+
+    return fetch_batch(plan.dataset, idx, plan.device)
+
+
+def run_loop(
+    *, trainer: Trainer, plan: DataPlan, task: Any, store: Any, label: str,
+    metrics: MetricsWriter | None, resume: bool, prepare: Callable[[], object] | None = None,
+    eval_every: int = 0, checkpoint_every: int = 0,
+    rank: int = 0, restart_count: int = 0, started: float | None = None,
+    check_state: Callable[[dict[str, Any], Any], None] | None = None,
+) -> LoopResult:
+    """Train ``plan`` with ``trainer`` from the position ``store`` resumes (``resume``) or
+    from the start; evaluate, log, checkpoint; return the position and the final metrics
+    (on the logging process). ``store`` has ``load() -> (source, state) | None`` and
+    ``save(step, state)`` (collective where the strategy has several processes);
+    ``prepare()`` runs after a resumed state was checked and loaded, before anything is
+    written; ``check_state(state, source)`` raises when the state is not this job's."""
+    started = time.perf_counter() if started is None else started
+    eng, opt = trainer.engine, trainer.optimizer
+    model = eng.model
+    pos = Position()
+    losses: list[float] = []
+    found = store.load() if resume else None
+    if found is not None:
+        source, state = found
+        (check_state or (lambda s, src: checkpoint.check_resume_state(model, opt, s, source=src)))(state, source)
+        model.load_state_dict(state["model"])
+        trainer.load_state_dict(state)
+        set_rng_state(state["rng"])
+        eng.load_state_dict(state.get("engine", {}))
+        pos = Position(int(state["step"]), int(state["epoch"]), int(state["batch"]))
+        losses = [float(v) for v in state.get("losses", [])]
+    if prepare is not None:
+        prepare()
+    if metrics is not None and resume:
+        metrics.truncate_after("step", pos.step)
+    start_step = pos.step
+    last_saved = [pos.step if found is not None else None]
+
+    def save() -> None:
+        store.save(pos.step, {
+            "model": model.state_dict(), **trainer.state_dict(), "rng": rng_state(),
+            "engine": eng.state_dict(), "step": pos.step, "epoch": pos.epoch, "batch": pos.batch,
+            "losses": list(losses), "optimizer_type": type(opt).__name__,
+        })
+        last_saved[0] = pos.step
+
+    fit = task.fitness_metric
+    evaluated: set[int] = set()
+    results: dict[int, dict[str, float]] = {}
+
+    def log_eval() -> dict[str, float] | None:
+        mean_loss = eng.mean_over_ranks(sum(losses) / max(len(losses), 1))
+        losses.clear()
+        ev = eng.evaluate()
+        evaluated.add(pos.step)
+        if ev is not None:
+            results[pos.step] = ev
+        if metrics is not None and ev is not None:
+            metrics.log({"step": pos.step, "epoch": pos.epoch, "train_loss": mean_loss,
+                         **{f"test_{k}": v for k, v in ev.items()}, **eng.log_extras(),
+                         "time_s": time.perf_counter() - started})
+        return ev
+
+    total = plan.total_steps
+    bpe, acc, bs = plan.batches_per_epoch, plan.accumulation, plan.batch_size
+    ce, every = eval_every, checkpoint_every
+    model.train()
+    bar = progress_bar(enabled=None if metrics is not None else False)
+    bar_task = bar.add_task(label, total=total, completed=pos.step, info="")
+    bar.start()
+    try:
+        while pos.step < total and pos.epoch < plan.epochs:
+            order = plan.order(pos.epoch)
+            while pos.batch < bpe and pos.step < total:
+                stop = min(pos.batch + acc, bpe)
+                batches = [_fetch(plan, order[b * bs:(b + 1) * bs]) for b in range(pos.batch, stop)]
+                losses.append(trainer.step(batches))
+                extra = eng.after_step()
+                pos.step += 1
+                pos.batch = stop
+                if extra and metrics is not None:
+                    metrics.log({"step": pos.step, **extra})
+                if pos.batch == bpe:
+                    pos.epoch, pos.batch = pos.epoch + 1, 0
+                end_of_epoch = pos.batch == 0
+                if (ce and pos.step % ce == 0) or (not ce and end_of_epoch):
+                    ev = log_eval()
+                    if ev is not None:
+                        bar.update(bar_task, info=f"{fit} {ev.get(fit, float('nan')):.3f}")
+                bar.update(bar_task, completed=pos.step)
+                if (every and pos.step % every == 0) or (not every and end_of_epoch):
+                    save()
+                maybe_kill(rank=rank, step=pos.step, restart_count=restart_count)
+                if end_of_epoch:
+                    break
+    finally:
+        bar.stop()
+    if losses or (pos.step not in evaluated and (pos.step > start_step or found is None)):
+        log_eval()
+    if last_saved[0] != pos.step:
+        save()
+    if pos.step not in evaluated:
+        ev = eng.evaluate()
+        if ev is not None:
+            results[pos.step] = ev
+    final = results.get(pos.step)
+    best: float | None = None
+    if metrics is not None and final is not None:
+        pick = max if task.fitness_mode == "max" else min
+        records = [r for r in read_metrics(metrics.path.parent) if r.get(f"test_{fit}") is not None]
+        best = pick((float(r[f"test_{fit}"]) for r in records), default=final.get(fit))
+    return LoopResult(pos, final, best, start_step)
+
+
+
+def summary_fields(result: LoopResult, task: Any, *, train: Any, test: Any, model: nn.Module | None,
+                   started: float) -> dict[str, Any]:
+    """The summary keys every strategy reports (on the logging process): position,
+    ``test_<metric>`` for every metric of the task, ``best_test_<fitness>``, the task's
+    reference metrics (``bigram_test_loss``), the wall time and, given the whole model,
+    its parameter count and digest."""
+    out: dict[str, Any] = {"steps": result.position.step, "epochs": result.position.epoch,
+                           "task": str(getattr(task, "name", type(task).__name__))}
+    if model is not None:
+        out["num_parameters"] = sum(p.numel() for p in model.parameters())
+    if result.final is not None:
+        out.update({f"test_{k}": v for k, v in result.final.items()})
+        out[f"best_test_{task.fitness_metric}"] = result.best
+    reference = getattr(task, "reference_metrics", None)
+    if callable(reference):
+        out.update(reference(train, test))
+    out["wall_time_s"] = round(time.perf_counter() - started, 3)
+    if model is not None:
+        out["parameters_sha256"] = parameters_digest(model)
+    return out

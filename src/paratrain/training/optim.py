@@ -24,6 +24,8 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """``spec.name`` with ``lr`` and extra keys (momentum, weight_decay, betas...)."""
     kwargs: dict[str, Any] = {"lr": spec.lr, **spec.kwargs, **overrides}
+    if spec.weight_decay is not None and "weight_decay" not in overrides:
+        kwargs["weight_decay"] = spec.weight_decay
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
     cls = OPTIMIZERS[spec.name]

@@ -1,7 +1,7 @@
 """ModelParallel: the model's nodes placed on workers; activations/gradients move by protocol.
 
 DESIGN §4. Every worker builds the same seeded model and keeps the nodes its
-:class:`~.mp_plan.Plan` assigns it (partitions by ``WorkerId``/``Tag``; uncovered nodes on
+:class:`~.plan.Plan` assigns it (partitions by ``WorkerId``/``Tag``; uncovered nodes on
 rank 0), as segments (maximal runs of consecutive nodes on one rank). Per batch of
 ``B`` rows:
 
@@ -38,14 +38,14 @@ from typing import Any
 
 import torch
 
-from ..comm.context import WorkerContext, default_workers
-from ..config import ConfigError
-from ..config.job import JobConfig
-from ..config.strategy import WorkerIdTarget
-from ..data import load_data
-from ..graph import nodes
-from ..models import build_model
-from ..training import (
+from ...comm.context import WorkerContext, default_workers
+from ...config import ConfigError
+from ...config.job import JobConfig
+from ...config.strategy import WorkerIdTarget
+from ...data import load_data
+from ...graph import nodes
+from ...models import build_model
+from ...training import (
     MetricsWriter,
     build_optimizer,
     checkpoint,
@@ -58,12 +58,12 @@ from ..training import (
     set_rng_state,
     write_summary,
 )
-from ..training.faults import FAULT_ENV, maybe_kill
-from ..training.resume import agree_on_checkpoint
-from ..training.rundir import RunFolder, run_dir_of
-from .mp_plan import Plan, build_plan
-from .mp_runtime import StageRuntime, segment_modules
-from .mp_schedule import theoretical_bubble
+from ...training.faults import FAULT_ENV, maybe_kill
+from ...training.resume import agree_on_checkpoint
+from ...training.rundir import RunFolder, run_dir_of
+from .plan import Plan, build_plan
+from .runtime import StageRuntime, segment_modules
+from .schedule import theoretical_bubble
 
 __all__ = ["run", "validate", "worker_main", "num_workers", "plan_for", "FAULT_ENV"]
 
@@ -121,7 +121,7 @@ def validate(job: JobConfig) -> Plan:
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Validate the placement here, then run ``worker_main`` on every worker process
     (this launching process holds the run folder's lock)."""
-    from ..comm.launch import launch
+    from ...comm.launch import launch
 
     validate(job)  # errors before any launch (and before the run folder changes)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
@@ -150,14 +150,14 @@ def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Any:
     strategy: Any = job.strategy
     proto: Any = strategy.communication
     if proto.protocol == "DataStore":
-        from ..comm.datastore import DataStoreTransport, open_session
+        from ...comm.datastore import DataStoreTransport, open_session
 
         root = Path(proto.path) if proto.path else run_dir / "datastore"
         namespace = re.sub(r"[^A-Za-z0-9_\-]", "_", job.run.name)[:100] or "run"
         store = open_session(root, rank=ctx.rank, control=ctx.store, namespace=namespace,
                              generation=ctx.restart_count, timeout_s=job.comm.timeout_s)
         return DataStoreTransport(store, ctx.rank)
-    from ..comm.p2p import P2PTransport
+    from ...comm.p2p import P2PTransport
 
     return P2PTransport(ctx.group, device=ctx.device)
 

@@ -17,7 +17,7 @@ value in its list.
 
 Every random draw comes from the ``torch.Generator`` passed in, so the same generator
 state gives the same values (the population's own generator, see
-:mod:`paratrain.pbt.population`). Nothing here touches processes or files.
+:mod:`paratrain.executors.population_based.pbt.population`). Nothing here touches processes or files.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigError
-from ..config.job import ChoiceDim, IntDim, LogUniformDim, UniformDim
+from ....config import ConfigError
+from ....config.job import ChoiceDim, IntDim, LogUniformDim, UniformDim
 
 __all__ = [
     "Dim",

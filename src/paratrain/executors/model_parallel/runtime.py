@@ -1,7 +1,7 @@
 """The per-rank ModelParallel stage runtime: run a list of F/B actions over a transport.
 
 A rank holds the modules of its segments (:func:`segment_modules`) and executes an
-action order (:mod:`.mp_schedule`). For micro-batch ``i`` of a ``B``-row batch and
+action order (:mod:`.schedule`). For micro-batch ``i`` of a ``B``-row batch and
 segment ``s`` with input ``a_{i,s}`` and output ``a_{i,s+1} = S_s(a_{i,s})``:
 
 - ``F(i, s)``: ``a_{i,s}`` is the micro-batch's rows of ``x`` (``s = 0``) or is received
@@ -34,8 +34,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .mp_plan import Plan
-from .mp_schedule import Action, micro_batch_sizes, schedule, sequential
+from .plan import Plan
+from .schedule import Action, micro_batch_sizes, schedule, sequential
 
 __all__ = ["Transport", "SegmentModule", "segment_modules", "StepStats", "StageRuntime"]
 

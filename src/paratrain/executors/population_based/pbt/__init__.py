@@ -5,7 +5,7 @@
 - :mod:`.population`: the population state with ``state_dict``, its generator, lineage.
 
 The executor that trains members on worker processes is
-:mod:`paratrain.executors.population`.
+:mod:`paratrain.executors.population_based.runner`.
 """
 
 from .evolve import (

@@ -10,7 +10,7 @@ batch of ``n * batch_size`` at the same step -- and with ``AllReduce`` the updat
 single-process SGD on that concatenated batch (equal batch sizes make the mean of means
 the global mean) and torch ``DistributedDataParallel``.
 
-Aggregations (:mod:`.dp_aggregation`): ``AllReduce`` (bucketed, overlapped with
+Aggregations (:mod:`.aggregation`): ``AllReduce`` (bucketed, overlapped with
 backward), ``ParameterServer`` (rank 0 serves), ``Decentralized{ring|torus|complete}``
 (gossip averaging of parameters; consensus distance per step). ``[compression]``
 compresses what is exchanged.
@@ -36,15 +36,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import collectives as C
-from ..comm.context import WorkerContext
-from ..comm.launch import in_torchrun, launch
-from ..config import ConfigError
-from ..config.job import JobConfig
-from ..config.strategy import DataParallel
-from ..data import load_data
-from ..models import build_model
-from ..training import (
+from ...comm import collectives as C
+from ...comm.context import WorkerContext
+from ...comm.launch import in_torchrun, launch
+from ...config import ConfigError
+from ...config.job import JobConfig
+from ...config.strategy import DataParallel
+from ...data import load_data
+from ...models import build_model
+from ...training import (
     MetricsWriter,
     build_optimizer,
     checkpoint,
@@ -60,10 +60,10 @@ from ..training import (
     set_rng_state,
     write_summary,
 )
-from ..training.faults import FAULT_ENV, maybe_kill
-from ..training.resume import agree_on_checkpoint
-from ..training.rundir import RunFolder, run_dir_of
-from .dp_aggregation import Aggregator, build_aggregator
+from ...training.faults import FAULT_ENV, maybe_kill
+from ...training.resume import agree_on_checkpoint
+from ...training.rundir import RunFolder, run_dir_of
+from .aggregation import Aggregator, build_aggregator
 
 __all__ = ["run", "worker_main", "train_replica", "shard_indices", "validate", "FAULT_ENV"]
 
@@ -107,7 +107,7 @@ def _load_data(job: JobConfig) -> Any:
 
 
 def _without_error_feedback(strategy: Any) -> Any:
-    from ..config.compression import ClippedCompression, ErrorFeedback
+    from ...config.compression import ClippedCompression, ErrorFeedback
 
     if isinstance(strategy, ErrorFeedback):
         return _without_error_feedback(strategy.base_strategy)
@@ -121,7 +121,7 @@ def build_compressor(job: JobConfig, aggregation: Any = None, *, warn: bool = Tr
     aggregation drops ErrorFeedback (CHOCO-gossip compensates the error itself)."""
     if job.compression is None or job.compression.method == "None":
         return None
-    from ..compression import Compressor
+    from ...compression import Compressor
 
     strategy = job.compression
     if getattr(aggregation, "method", None) == "Decentralized":

@@ -38,14 +38,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import ConfigError
-from ..config.job import ChoiceDim, DataSpec, JobConfig, ModelSpec
-from ..data import DATASETS, DataBundle, load_data
-from ..models import build_model
-from ..models.zoo import MODELS, import_object
-from ..pbt.space import validate_space
-from ..training import build_optimizer, checkpoint, evaluate, train_step
-from ..training.faults import FAULTS_ENV, injected_faults
+from ...config import ConfigError
+from ...config.job import ChoiceDim, DataSpec, JobConfig, ModelSpec
+from ...data import DATASETS, DataBundle, load_data
+from ...models import build_model
+from ...models.zoo import MODELS, import_object
+from ...training import build_optimizer, checkpoint, evaluate
+from ...training.faults import FAULTS_ENV, injected_faults
+from .pbt.space import validate_space
+
+def train_step(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Forward, cross-entropy, backward, step (the classification member's step)."""
+    opt.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
 
 __all__ = [
     "METRICS", "hyperparameter_roles", "validate_job", "member_path", "state_digest",

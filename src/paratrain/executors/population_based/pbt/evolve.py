@@ -12,8 +12,8 @@ Jaderberg et al. 2017, "Population Based Training of Neural Networks"
   Decisions use the scores and states of the generation that just ended, so a donor
   that is itself replaced this generation still gives what it had (its checkpoint).
 - **Perturbation{factor}** / **Resample**: applied only to members that copied, to the
-  hyperparameters they received (:func:`paratrain.pbt.space.perturb_dim`,
-  :func:`paratrain.pbt.space.sample_dim`).
+  hyperparameters they received (:func:`paratrain.executors.population_based.pbt.space.perturb_dim`,
+  :func:`paratrain.executors.population_based.pbt.space.sample_dim`).
 
 Ties in ranking break by member index (stable), so results depend only on the scores
 and the generator state.
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..config.strategy import Binary, Perturbation, Resample, Truncation
+from ....config.strategy import Binary, Perturbation, Resample, Truncation
 from .space import Space, perturb_dim, randint, sample_dim
 
 __all__ = [

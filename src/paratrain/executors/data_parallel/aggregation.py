@@ -37,9 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm import collectives as C
-from ..comm.ddp_hook import allreduce_compressed
-from ..comm.groups import gossip_average, mixing_weights, neighbors
+from ...comm import collectives as C
+from ...comm.ddp_hook import allreduce_compressed
+from ...comm.groups import gossip_average, mixing_weights, neighbors
 
 __all__ = [
     "Aggregator",
@@ -110,7 +110,7 @@ class Aggregator:
 
 
 def _decode(comp: Any, data: bytes, params: Sequence[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
-    from ..compression import CompressedTensor
+    from ...compression import CompressedTensor
 
     records = unpack_records(data, len(params))
     out = []

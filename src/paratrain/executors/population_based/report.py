@@ -15,10 +15,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..config.job import ChoiceDim, LogUniformDim
-from ..pbt import ancestry
-from ..pbt.evolve import score
-from ..training.report import never_fails
+from ...config.job import ChoiceDim, LogUniformDim
+from ...training.report import never_fails
+from .pbt import ancestry
+from .pbt.evolve import score
 
 __all__ = ["plot_population"]
 

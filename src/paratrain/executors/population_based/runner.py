@@ -9,10 +9,10 @@ synchronous "ready" point):
 2. every rank trains its members for the budget (``population.steps_per_generation`` or
    ``epochs_per_generation``, default one epoch), evaluates the fitness
    (``population.metric`` on the held-out set, ``mode`` max/min) and writes each member's
-   checkpoint atomically (:mod:`paratrain.executors.pbt_member`); a failing member reports
+   checkpoint atomically (:mod:`paratrain.executors.population_based.member`); a failing member reports
    no fitness (worst) and the generation goes on;
 3. results are gathered to rank 0, which records the generation and, unless it was the
-   last, runs exploit/explore (:mod:`paratrain.pbt`), then checkpoints the population
+   last, runs exploit/explore (:mod:`paratrain.executors.population_based.pbt`), then checkpoints the population
    state (``checkpoints/population-<g>.pt``) and ``lineage.json``.
 
 A generation where every member fails is an error. ``--resume`` (or an elastic restart)
@@ -47,12 +47,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..comm.context import WorkerContext, default_workers
-from ..comm.pbt_ops import broadcast_json, gather_json
-from ..config import ConfigError
-from ..config.job import JobConfig
-from ..pbt import PopulationState, ancestry, lineage_json
-from ..training import (
+from ...comm.context import WorkerContext, default_workers
+from ...comm.pbt_ops import broadcast_json, gather_json
+from ...config import ConfigError
+from ...config.job import JobConfig
+from ...training import (
     MetricsWriter,
     checkpoint,
     prepare_run_dir,
@@ -60,9 +59,10 @@ from ..training import (
     resolve_device,
     write_summary,
 )
-from ..training.rundir import RunFolder, run_dir_of, safe_rmtree
-from .pbt_member import MemberRunner, validate_job
-from .pbt_report import plot_population
+from ...training.rundir import RunFolder, run_dir_of, safe_rmtree
+from .member import MemberRunner, validate_job
+from .pbt import PopulationState, ancestry, lineage_json
+from .report import plot_population
 
 __all__ = ["run", "worker_main", "validate", "num_workers", "population_path", "latest_population"]
 
@@ -103,7 +103,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
 
 def _run(job: JobConfig, *, resume: bool) -> dict[str, Any]:
     nprocs = num_workers(job)
-    from ..comm.launch import in_torchrun, launch
+    from ...comm.launch import in_torchrun, launch
 
     if nprocs == 1 and not in_torchrun():
         ctx = WorkerContext(rank=0, world_size=1, workers=default_workers(1, list(job.workers)))

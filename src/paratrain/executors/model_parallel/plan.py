@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..comm.workers import resolve_rank
-from ..config import ConfigError
+from ...comm.workers import resolve_rank
+from ...config import ConfigError
 
 __all__ = ["Segment", "Plan", "build_plan", "resolve_target", "DEFAULT_RANK"]
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..config.strategy import Binary, Perturbation, Resample, Truncation
+from ....config.strategy import Binary, Perturbation, Resample, Truncation
 from .evolve import evolve, score
 from .space import Space, sample_space
 

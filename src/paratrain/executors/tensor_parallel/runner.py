@@ -28,23 +28,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.context import WorkerContext
-from ..comm.launch import in_torchrun, launch
-from ..comm.tp_ops import (
+from ...comm.context import WorkerContext
+from ...comm.launch import in_torchrun, launch
+from ...comm.tp_ops import (
     broadcast_int,
     broadcast_module_,
     build_tp_groups,
     world_barrier,
     world_mean,
 )
-from ..config import ConfigError
-from ..config.job import JobConfig
-from ..config.strategy import DataParallel, Local
-from ..config.tensor_parallel import TensorParallelismConfig
-from ..data import load_data
-from ..models import build_model
-from ..tensor_parallel import parallelize, train_step
-from ..training import (
+from ...config import ConfigError
+from ...config.job import JobConfig
+from ...config.strategy import DataParallel, Local
+from ...config.tensor_parallel import TensorParallelismConfig
+from ...data import load_data
+from ...models import build_model
+from ...tensor_parallel import parallelize, train_step
+from ...training import (
     MetricsWriter,
     build_optimizer,
     checkpoint,
@@ -58,8 +58,8 @@ from ..training import (
     set_rng_state,
     write_summary,
 )
-from ..training.resume import agree_on_checkpoint
-from ..training.rundir import RunFolder, run_dir_of
+from ...training.resume import agree_on_checkpoint
+from ...training.rundir import RunFolder, run_dir_of
 
 __all__ = ["run", "validate", "worker_main", "layout", "dry_run"]
 
@@ -99,9 +99,9 @@ def _compressed_dp(job: JobConfig, tpm: Any, groups: Any) -> Any:
     Error-feedback residuals are per rank and go into its checkpoint."""
     if groups.dp is None:
         return None
-    from ..comm.collectives import CommCounter
-    from .data_parallel import build_compressor
-    from .dp_aggregation import AllReduceAgg
+    from ...comm.collectives import CommCounter
+    from ..data_parallel.aggregation import AllReduceAgg
+    from ..data_parallel.runner import build_compressor
 
     comp = build_compressor(job)
     if comp is None:
@@ -302,8 +302,8 @@ def dry_run(job: JobConfig) -> None:
     """Shard the job's model as rank 0 would, without processes or collectives, so layout
     errors (heads not divisible, BlockWise on a square size, nothing to shard...) surface
     before anything is launched."""
-    from ..comm.tp_ops import TPComm, TPGroups
-    from ..tensor_parallel import TensorParallelModule
+    from ...comm.tp_ops import TPComm, TPGroups
+    from ...tensor_parallel import TensorParallelModule
 
     cfg, tp, dp = layout(job)
     bundle = load_data(job.data, seed=job.run.seed)

@@ -1,0 +1,11 @@
+"""ModelParallel: the model's nodes placed on worker processes, pipelined (DESIGN §5).
+
+- :mod:`.plan`: which nodes run on which stage (a pure function of the job);
+- :mod:`.schedule`: GPipe / 1F1B micro-batch orders (pure);
+- :mod:`.runtime`: one stage's forward/backward with point-to-point activations;
+- :mod:`.runner`: launch and the stage's part of the one training loop.
+"""
+
+from .runner import run, worker_main
+
+__all__ = ["run", "worker_main"]

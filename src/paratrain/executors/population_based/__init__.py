@@ -1,0 +1,11 @@
+"""PopulationBased: PBT (Jaderberg et al. 2017) over members trained on worker processes.
+
+- :mod:`.pbt`: the pure, seeded maths (search space, exploit/explore, population state);
+- :mod:`.member`: one member's training, through the one training loop;
+- :mod:`.report`: lineage and the population's summary;
+- :mod:`.runner`: launch, the exploit/explore rounds, checkpoints.
+"""
+
+from .runner import run, worker_main
+
+__all__ = ["run", "worker_main"]

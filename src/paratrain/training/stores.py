@@ -1,0 +1,98 @@
+"""Where the one loop keeps its checkpoints: one process, or one directory per rank.
+
+- :class:`LocalStore`: ``checkpoints/ckpt-<step>.pt``; resume from the newest readable
+  file (a damaged newest one falls back, :func:`.checkpoint.load_latest`).
+- :class:`RankStore`: ``checkpoints/<prefix>-rank<r>/ckpt-<step>.pt`` per rank; after
+  every rank has saved a step (barrier) rank 0 writes ``checkpoints/<prefix>-complete.json``
+  naming it and the layout (replica / shard counts). A resume starts at that step and
+  falls back, on every rank together, to the newest step all ranks can read
+  (:func:`.resume.agree_on_checkpoint`); a marker written by another layout is a
+  ConfigError naming the setting, before anything is loaded.
+
+``save`` and ``load`` of a RankStore are collective: every rank of ``group`` calls them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..comm import collectives as C
+from ..config import ConfigError
+from . import checkpoint
+from .resume import agree_on_checkpoint
+
+__all__ = ["LocalStore", "RankStore"]
+
+
+class LocalStore:
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+
+    def load(self) -> tuple[Path, dict[str, Any]] | None:
+        return checkpoint.load_latest(self.directory)
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        checkpoint.save_checkpoint(checkpoint.checkpoint_path(self.directory, step), state)
+        checkpoint.prune(self.directory)
+
+
+class RankStore:
+    def __init__(self, run_dir: str | Path, prefix: str, *, rank: int, world: int, group: Any,
+                 layout: dict[str, int], layout_field: str,
+                 device: torch.device | None = None) -> None:
+        self.root = Path(run_dir) / "checkpoints"
+        self.prefix, self.rank, self.world, self.group = prefix, rank, world, group
+        self.layout, self.layout_field = dict(layout), layout_field
+        self.device = device
+
+    @property
+    def directory(self) -> Path:
+        return self.root / f"{self.prefix}-rank{self.rank}"
+
+    @property
+    def marker(self) -> Path:
+        return self.root / f"{self.prefix}-complete.json"
+
+    def _barrier(self) -> None:
+        if self.world > 1:
+            C.barrier(self.group)
+
+    def _complete_step(self) -> int:
+        """Rank 0's marker step (-1: none, -2: another layout), broadcast to every rank."""
+        value = -1
+        if self.rank == 0 and self.marker.exists():
+            doc = json.loads(self.marker.read_text())
+            same = all(int(doc.get(k, v)) == v for k, v in self.layout.items())
+            value = int(doc["step"]) if same else -2
+        if self.world > 1:
+            t = torch.tensor([value], dtype=torch.int64, device=self.device)
+            value = int(C.broadcast_(t, src=0, group=self.group).item())
+        return value
+
+    def load(self) -> tuple[Path, dict[str, Any]] | None:
+        step = self._complete_step()
+        if step == -2:
+            shape = ", ".join(f"{k}={v}" for k, v in self.layout.items())
+            raise ConfigError([(self.layout_field, (
+                f"the checkpoints in {self.root} were written with another layout than this "
+                f"job's ({shape}); resume with the original settings or start without --resume"))])
+        agreed = agree_on_checkpoint(self.directory, None if step < 0 else step,
+                                     self.group if self.world > 1 else None)
+        if agreed is None:
+            return None
+        return checkpoint.checkpoint_path(self.directory, agreed[0]), agreed[1]
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        checkpoint.save_checkpoint(checkpoint.checkpoint_path(self.directory, step), state)
+        self._barrier()  # every rank has saved `step` before it is declared complete
+        if self.rank == 0:
+            tmp = self.marker.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"step": step, **self.layout}))
+            os.replace(tmp, self.marker)
+        self._barrier()
+        checkpoint.prune(self.directory)
