@@ -35,7 +35,9 @@ from ..training.loop import DataPlan, LocalEngine, Trainer, run_loop, summary_fi
 from ..training.rundir import RunFolder
 from ..training.stores import LocalStore
 
-__all__ = ["run"]
+__all__ = ["run", "SUPPORTS_TASKS"]
+
+SUPPORTS_TASKS = True  # any Task, through the one loop
 
 
 def run(

@@ -5,8 +5,8 @@ job's ``[task]`` section (:mod:`.builtin`), a user's comes from ``[task] factory
 "module:function"`` (called with the section's extra keys) or, in Python, as an object:
 ``paratrain.fit(task=my_task)``.
 
-In this version only the Local strategy trains a task other than the default
-classification (:func:`check_supported`).
+An executor that trains any task says so with ``SUPPORTS_TASKS = True``
+(:func:`check_supported`).
 """
 
 from __future__ import annotations
@@ -67,30 +67,32 @@ def is_default(job: JobConfig) -> bool:
 
 
 def check_supported(job: JobConfig) -> None:
-    """ConfigError unless ``job``'s task runs under its strategy: in this version every
-    strategy except Local (in one process, without tensor parallelism) trains only the
-    default classification task."""
-    if job.data.partition.method == "speaker" and str(getattr(job.strategy, "type", "")) == "Federated":
-        raise ConfigError([("data.partition.method", "'speaker' partitions a corpus by speaking "
-                            "role (data.name = 'shakespeare'); only Local trains language models "
-                            "in this version")])
-    if is_default(job):
-        return
+    """ConfigError unless ``job``'s task runs under its strategy: an executor module that
+    trains any Task through the one loop says so with ``SUPPORTS_TASKS = True``; the others
+    train only the default classification task."""
+    import importlib
+
     from ..executors import executor_module
 
     module = executor_module(job)
-    if module == "paratrain.executors.local":
+    if getattr(importlib.import_module(module), "SUPPORTS_TASKS", False):
         return
     kind = str(getattr(job.strategy, "type", "?"))
-    where = "tensor-parallel Local" if module.endswith(".tensor_parallel") and kind == "Local" else kind
+    if job.data.partition.method == "speaker" and kind == "Federated":
+        raise ConfigError([("data.partition.method", "'speaker' partitions a corpus by speaking "
+                            "role (data.name = 'shakespeare'); Federated does not train language "
+                            "models in this version")])
+    if is_default(job):
+        return
+    where = "tensor-parallel Local" if ".tensor_parallel" in module and kind == "Local" else kind
     if job.task.factory is not None:
         field, what = "task.factory", f"a task factory ({job.task.factory!r})"
     elif job.task.name != "classification":
         field, what = "task.name", f"task.name = {job.task.name!r}"
     else:
         field, what = "data.name", f"data.name = {job.data.name!r} (not a classification set)"
-    raise ConfigError([(field, f"{what} cannot run under {where}: only Local trains "
-                               "non-classification tasks in this version")])
+    raise ConfigError([(field, f"{what} cannot run under {where} in this version: it trains "
+                               "only the classification task")])
 
 
 def _one_line(msg: str, limit: int = 300) -> str:

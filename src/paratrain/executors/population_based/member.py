@@ -47,6 +47,7 @@ from ...training import build_optimizer, checkpoint, evaluate
 from ...training.faults import FAULTS_ENV, injected_faults
 from .pbt.space import validate_space
 
+
 def train_step(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor) -> float:
     """Forward, cross-entropy, backward, step (the classification member's step)."""
     opt.zero_grad(set_to_none=True)
