@@ -16,19 +16,36 @@ rank 0), as segments (maximal runs of consecutive nodes on one rank). Per batch 
   directory (``path``, default ``<run dir>/datastore``): written atomically, consumed
   once, polled with a timeout.
 
-The last stage computes ``sum_i sum_r CE / B`` over micro-batches, so loss and parameter
-gradients equal the unpartitioned model's on the same batch; each rank then steps its
-own optimizer over its own parameters (element-wise optimizers, so this equals one
-optimizer over the whole model). Checkpoints are per rank
-(``checkpoints/rank<r>/ckpt-<step>.pt``: its nodes' tensors, optimizer, RNG, position);
-``--resume`` (or an elastic restart) restarts every rank from the newest step that all
-ranks saved. ``PARATRAIN_FAULT_KILL=RANK:STEP`` makes that rank SIGKILL itself after STEP
-on the first attempt (fault-injection for tests and demos, as for DataParallel).
+What is trained is the job's :class:`~paratrain.task.Task` (classification by default,
+regression, the ``gpt`` language model whose nodes ``embed``/``block<i>``/``ln_f``/``head``
+are placed like any others, or a user's ``task.factory``). Every rank builds the task's
+datasets and the same seeded model and walks the same batches (``epoch_permutation``);
+the first stage reads ``batch[0]``, the last computes ``task.loss`` on micro-batch ``i``
+(``n_i`` of the batch's ``B`` rows) weighted ``w n_i / B`` (``w``: the batch's share of the
+optimizer step under ``train.grad_accumulation``), so loss and every parameter gradient
+equal the unpartitioned model's on the same batch (:class:`PipelineEngine`).
+
+Each rank trains through the one loop (:func:`paratrain.training.loop.run_loop`) with its
+own optimizer and lr scheduler over its own parameters (element-wise optimizers, so this
+equals one optimizer over the whole model); ``train.grad_clip_norm`` clips by the norm of
+the *whole* model's gradient (each stage's sum of squares, all-reduced); ``precision =
+"bf16"`` autocasts each stage's forward and the last stage's loss. Evaluation runs the
+forward pipeline over the test set; the last stage sums the task's ``eval_batch`` and
+sends the finalized metrics to rank 0, which logs them (and the last stage's training
+loss). A parameter shared by nodes on different ranks (the ``gpt`` tied head,
+``model.tie_weights``) is a ConfigError: a tie cannot span processes.
+
+Checkpoints are per rank (``checkpoints/rank<r>/ckpt-<step>.pt``: this rank's stage
+tensors, optimizer, lr scheduler, RNG, position); ``--resume`` (or an elastic restart)
+restarts every rank from the newest step that all ranks saved and can read.
+``PARATRAIN_FAULT_KILL=RANK:STEP`` makes that rank SIGKILL itself after STEP on the first
+attempt (fault-injection for tests and demos, as for DataParallel).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 import time
@@ -37,14 +54,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from ...comm import collectives as C
 from ...comm.context import WorkerContext, default_workers
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import WorkerIdTarget
-from ...data import load_data
 from ...graph import nodes
-from ...models import build_model
+from ...task import resolve_task
+from ...task.steps import DEFAULT_EVAL_BATCH, fetch_batch
 from ...training import (
     MetricsWriter,
     build_optimizer,
@@ -53,29 +72,22 @@ from ...training import (
     prepare_run_dir,
     read_metrics,
     report,
-    rng_state,
     seed_everything,
-    set_rng_state,
     write_summary,
 )
-from ...training.faults import FAULT_ENV, maybe_kill
+from ...training.faults import FAULT_ENV
+from ...training.loop import DataPlan, LocalEngine, Trainer, run_loop, summary_fields
 from ...training.resume import agree_on_checkpoint
 from ...training.rundir import RunFolder, run_dir_of
+from ...training.stepping import local_grad_sq_norm
 from .plan import Plan, build_plan
-from .runtime import StageRuntime, segment_modules
+from .runtime import SegmentModule, StageRuntime, segment_modules
 from .schedule import theoretical_bubble
 
-__all__ = ["run", "validate", "worker_main", "num_workers", "plan_for", "FAULT_ENV"]
+__all__ = ["run", "validate", "worker_main", "num_workers", "plan_for", "FAULT_ENV",
+           "PipelineEngine", "StageModel", "SUPPORTS_TASKS"]
 
-_EVAL_BATCH = 1024
-
-
-def _digest(state: dict[str, torch.Tensor]) -> bytes:
-    h = hashlib.sha256()
-    for name in state:
-        h.update(name.encode())
-        h.update(state[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.digest()
+SUPPORTS_TASKS = True  # any Task, through the one loop
 
 
 def num_workers(job: JobConfig) -> int:
@@ -105,16 +117,48 @@ def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any]) -> Plan
     except TypeError as e:
         raise ConfigError([("model", f"ModelParallel needs a sequential model: {e}")]) from None
     pipeline = strategy.communication.protocol == "Pipeline"
-    return build_plan(names, strategy.partitions, workers, contiguous=pipeline)
+    plan = build_plan(names, strategy.partitions, workers, contiguous=pipeline)
+    check_shared_parameters(job, model, plan)
+    return plan
+
+
+def check_shared_parameters(job: JobConfig, model: nn.Module, plan: Plan) -> None:
+    """A ConfigError when one Parameter belongs to nodes placed on different ranks: a tie
+    is shared memory, it cannot span processes. For ``gpt`` (its head tied to the token
+    embedding) the error names ``model.tie_weights``."""
+    owners: dict[int, tuple[str, str]] = {}
+    for node in plan.nodes:
+        for pname, param in model.get_submodule(node).named_parameters(remove_duplicate=False):
+            first = owners.setdefault(id(param), (node, pname))
+            if plan.owner[first[0]] == plan.owner[node]:
+                continue
+            a, b = f"{first[0]}.{first[1]}", f"{node}.{pname}"
+            ra, rb = plan.owner[first[0]], plan.owner[node]
+            if job.model.factory is None and job.model.name == "gpt":
+                raise ConfigError([("model.tie_weights", (
+                    f"the gpt head is tied to the token embedding ({b} is {a}), but 'head' runs "
+                    f"on rank {rb} and 'embed' on rank {ra}: a tie cannot be split across "
+                    f"stages; set model.tie_weights = false (or place embed and head together)"))])
+            raise ConfigError([("strategy.partitions", (
+                f"{b} is the same Parameter as {a}, but node {node!r} runs on rank {rb} and "
+                f"{first[0]!r} on rank {ra}: a shared parameter cannot be split across "
+                f"stages; untie it or place both nodes on one worker"))])
+
+
+def _task_model(job: JobConfig) -> tuple[Any, Any, Any, nn.Module]:
+    """The job's task, its (train, test) datasets and its model (seeded as every rank)."""
+    seed_everything(job.run.seed)
+    task = resolve_task(job)
+    train, test = task.datasets(job.run.seed)
+    return task, train, test, task.build_model(job.model, train)
 
 
 def validate(job: JobConfig) -> Plan:
     """The placement of ``job``'s partitions on its workers (``paratrain validate`` and
-    ``run`` call this): builds the model to learn its node ids, then raises a
+    ``run`` call this): builds the task's model to learn its node ids, then raises a
     ConfigError naming the culprit for every placement error DESIGN §4 lists."""
     n = num_workers(job)
-    bundle = load_data(job.data, seed=job.run.seed)
-    model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+    _, _, _, model = _task_model(job)
     return plan_for(job, model, default_workers(n, list(job.workers)))
 
 
@@ -199,14 +243,159 @@ def _common_step(ckpt_root: Path, world: int) -> int | None:
     return max(common) if common else None
 
 
+class StageModel(nn.Module):
+    """This rank's segments as one module (what its optimizer steps and its checkpoint
+    holds). A rank that owns no node keeps one empty placeholder parameter, so that its
+    optimizer and scheduler exist like every other rank's."""
+
+    def __init__(self, modules: dict[int, SegmentModule]) -> None:
+        super().__init__()
+        self.segments = nn.ModuleDict({str(i): m for i, m in sorted(modules.items())})
+        self.placeholder = None if modules else nn.Parameter(torch.zeros(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - not called
+        raise RuntimeError("a StageModel runs through its StageRuntime")
+
+
+class PipelineEngine(LocalEngine):
+    """One rank's part of the one loop: the micro-batch schedule over its stages.
+
+    ``forward_backward(batch, weight=w)`` runs this rank's actions of the schedule over the
+    batch (GPipe / 1F1B for ``Pipeline``, the sequential order otherwise) with the task's
+    loss on the last stage, weighted ``w n_i / B`` per micro-batch; it returns the batch's
+    loss on the last stage's rank (0.0 elsewhere). ``grad_sq_norm`` all-reduces the stages'
+    sums of squares; ``evaluate`` runs the forward pipeline over the test set, the last
+    stage sums ``task.eval_batch`` and sends the finalized metrics to rank 0 (the logging
+    process; None on the others); ``mean_over_ranks`` hands rank 0 the last stage's
+    training loss. Also keeps the step timing and per-rank totals the summary reports."""
+
+    def __init__(self, ctx: WorkerContext, rt: StageRuntime, model: StageModel, task: Any,
+                 test: Any, *, precision: str, micro_batch_size: int | None,
+                 schedule_name: str | None) -> None:
+        super().__init__(model, task, test, device=ctx.device, precision=precision)
+        self.ctx, self.rt = ctx, rt
+        self.micro_batch_size, self.schedule_name = micro_batch_size, schedule_name
+        self.last_rank = rt.plan.last_rank
+        self._calls = 0  # forward_backward calls (unique message steps for DataStore)
+        self._evals = 0
+        self._msgs = 0
+        self._step_started: float | None = None
+        self.step_times: list[float] = []
+        # step, compute and blocked-in-recv seconds, peak activation bytes, bytes sent, steps
+        self.totals = torch.zeros(6, dtype=torch.float64)
+
+    def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:
+        del last
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+        tr: Any = self.rt.transport
+        w0, b0 = tr.wait_s, tr.bytes_sent
+        loss = self.rt.run_batch(batch, step=self._calls, micro_batch_size=self.micro_batch_size,
+                                 schedule_name=self.schedule_name, loss_fn=self.task.loss,
+                                 weight=weight, precision=self.precision)
+        self._calls += 1
+        st = self.rt.stats
+        self.totals[:3] += torch.tensor([st.step_s, st.compute_s, tr.wait_s - w0], dtype=torch.float64)
+        self.totals[3] = max(float(self.totals[3]), st.peak_activation_bytes)
+        self.totals[4] += tr.bytes_sent - b0
+        return 0.0 if loss is None else loss
+
+    def grad_sq_norm(self) -> float:
+        total = local_grad_sq_norm(self.model.parameters()).to(C.comm_device(self.ctx.group))
+        if self.ctx.world_size > 1:
+            C.all_reduce_(total, group=self.ctx.group)
+        return float(total)
+
+    def after_step(self) -> dict[str, float]:
+        if self._step_started is not None:
+            self.step_times.append(time.perf_counter() - self._step_started)
+        self._step_started = None
+        self.totals[5] += 1
+        return {}
+
+    def _to_rank0(self, payload: torch.Tensor | None) -> torch.Tensor | None:
+        """The last stage's ``payload`` on rank 0 (and on the last stage); None elsewhere."""
+        self._msgs += 1
+        if self.last_rank == 0:
+            return payload
+        if self.ctx.rank == self.last_rank:
+            assert payload is not None
+            self.rt.send_metric(payload, dst=0, step=self._msgs, slot=1)
+            return payload
+        if self.ctx.rank == 0:
+            return self.rt.recv_metric(src=self.last_rank, step=self._msgs, slot=1)
+        return None
+
+    def mean_over_ranks(self, value: float) -> float:
+        mine = torch.tensor([value], dtype=torch.float64) if self.ctx.rank == self.last_rank else None
+        got = self._to_rank0(mine)
+        return value if got is None else float(got.double()[0])
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float] | None:
+        self.model.eval()
+        bs = int(getattr(self.task, "eval_batch_size", None) or DEFAULT_EVAL_BATCH)
+        n = len(self.test)
+        sums: dict[str, float] = {}
+        try:
+            for a in range(0, n, bs):
+                batch = fetch_batch(self.test, torch.arange(a, min(a + bs, n)), self.device)
+                out = self.rt.forward(batch[0], step=self._evals, precision=self.precision)
+                self._evals += 1
+                if out is not None:
+                    for k, v in self.task.eval_batch(out, batch).items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+        finally:
+            self.model.train()
+        payload = None
+        if self.ctx.rank == self.last_rank:
+            sums.setdefault("count", 0.0)
+            metrics = {k: float(v) for k, v in self.task.finalize(sums).items()}
+            payload = torch.frombuffer(bytearray(json.dumps(metrics).encode()), dtype=torch.uint8)
+        got = self._to_rank0(payload)
+        if self.ctx.rank != 0 or got is None:
+            return None
+        result: dict[str, float] = json.loads(bytes(got.cpu().numpy().tobytes()).decode())
+        return result
+
+
+class _RankDirStore:
+    """Per-rank checkpoints ``checkpoints/rank<r>/ckpt-<step>.pt``; a resume starts at the
+    newest step every rank saved and falls back, on every rank together, to the newest
+    step all ranks can read (:func:`~paratrain.training.resume.agree_on_checkpoint`)."""
+
+    def __init__(self, root: Path, ctx: WorkerContext) -> None:
+        self.root, self.ctx = root, ctx
+        self.directory = root / f"rank{ctx.rank}"
+        self.loaded_step: int | None = None
+
+    def load(self) -> tuple[Path, dict[str, Any]] | None:
+        group = self.ctx.group if self.ctx.world_size > 1 else None
+        agreed = agree_on_checkpoint(self.directory, _common_step(self.root, self.ctx.world_size), group)
+        if agreed is None:
+            return None
+        self.loaded_step = int(agreed[0])
+        return checkpoint.checkpoint_path(self.directory, agreed[0]), agreed[1]
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        checkpoint.save_checkpoint(checkpoint.checkpoint_path(self.directory, step), state)
+        checkpoint.prune(self.directory, keep=3)
+
+
+def _digest(state: dict[str, torch.Tensor]) -> bytes:
+    h = hashlib.sha256()
+    for name in state:
+        h.update(name.encode())
+        h.update(state[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
-    """Train this rank's segments; rank 0 logs metrics and returns the summary."""
+    """Train this rank's segments through the one loop; rank 0 logs metrics and returns
+    the summary."""
     started = time.perf_counter()
     run_dir = _prepare(ctx, job, resume)
-    seed = job.run.seed
-    seed_everything(seed)
-    bundle = load_data(job.data, seed=seed)
-    model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+    task, train, test, model = _task_model(job)
     num_parameters = sum(p.numel() for p in model.parameters())
     plan = plan_for(job, model, ctx.workers)
     strategy: Any = job.strategy
@@ -214,151 +403,44 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     pipeline = proto.protocol == "Pipeline"
     modules = segment_modules(model, plan, ctx.rank)
     del model  # nodes other ranks own are freed; this rank keeps its segments only
-    for m in modules.values():
-        m.to(ctx.device)
+    stage = StageModel(modules).to(ctx.device)
     transport = _transport(ctx, job, run_dir)
     rt = StageRuntime(plan, ctx.rank, modules, transport, device=ctx.device)
-    params = rt.parameters()
-    opt = build_optimizer(params, job.train.optimizer) if params else None
-    last = plan.last_rank
-    if pipeline and ctx.rank == 0 and proto.micro_batch_size >= job.train.batch_size:
+    opt = build_optimizer(stage.parameters(), job.train.optimizer)
+    t = job.train
+    if pipeline and ctx.rank == 0 and proto.micro_batch_size >= t.batch_size:
         warnings.warn(
             f"strategy.communication.micro_batch_size ({proto.micro_batch_size}) >= train.batch_size "
-            f"({job.train.batch_size}): one micro-batch per batch, so the stages do not overlap",
+            f"({t.batch_size}): one micro-batch per batch, so the stages do not overlap",
             stacklevel=2,
         )
-
-    ckpt_root = run_dir / "checkpoints"
-    my_ckpts = ckpt_root / f"rank{ctx.rank}"
-    x_train, y_train = bundle.train.tensors
-    n = len(y_train)
-    bs = job.train.batch_size
-    per_epoch = math.ceil(n / bs)
-    total = job.train.epochs * per_epoch
-    if job.train.max_steps is not None:
-        total = min(total, job.train.max_steps)
+    n = len(train)
+    seed = job.run.seed
+    data = DataPlan(dataset=train, order=lambda e: epoch_permutation(n, seed=seed, epoch=e),
+                    examples_per_epoch=n, batch_size=t.batch_size, accumulation=t.grad_accumulation,
+                    epochs=t.epochs, max_steps=t.max_steps, device=ctx.device)
+    engine = PipelineEngine(ctx, rt, stage, task, test, precision=t.precision,
+                            micro_batch_size=proto.micro_batch_size if pipeline else None,
+                            schedule_name=proto.schedule if pipeline else None)
+    trainer = Trainer(engine, opt, t, data.total_steps)
+    store = _RankDirStore(run_dir / "checkpoints", ctx)
     metrics = MetricsWriter(run_dir) if ctx.rank == 0 else None
-
-    step, epoch, batch = 0, 0, 0
-    # From the newest common step down to the newest one every rank can read.
-    agreed = agree_on_checkpoint(my_ckpts, _common_step(ckpt_root, ctx.world_size) if resume else None,
-                                 ctx.group if ctx.world_size > 1 else None)
-    found = None if agreed is None else agreed[0]
-    if agreed is not None:
-        state = agreed[1]
-        for s, m in modules.items():
-            m.load_node_state(state["nodes"])
-            del s
-        if opt is not None:
-            opt.load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"])
-        step, epoch, batch = int(state["step"]), int(state["epoch"]), int(state["batch"])
-    if metrics is not None and resume:
-        metrics.truncate_after("step", step)
-
-    def save() -> None:
-        node_state: dict[str, torch.Tensor] = {}
-        for m in modules.values():
-            node_state.update(m.node_state())
-        checkpoint.save_checkpoint(
-            checkpoint.checkpoint_path(my_ckpts, step),
-            {"nodes": node_state, "optimizer": opt.state_dict() if opt is not None else {},
-             "rng": rng_state(), "step": step, "epoch": epoch, "batch": batch},
-        )
-        checkpoint.prune(my_ckpts, keep=3)
-
-    evals = 0
-
-    def evaluate_test() -> dict[str, float] | None:
-        """Forward the test set through the stages; rank 0 gets (loss, accuracy)."""
-        nonlocal evals
-        for m in modules.values():
-            m.eval()
-        x_all, y_all = bundle.test.tensors
-        sums = torch.zeros(3, dtype=torch.float64)
-        for i in range(0, len(y_all), _EVAL_BATCH):
-            x, y = x_all[i:i + _EVAL_BATCH].to(ctx.device), y_all[i:i + _EVAL_BATCH].to(ctx.device)
-            out = rt.forward(x, step=evals)
-            evals += 1
-            if out is not None:
-                sums[0] += float(torch.nn.functional.cross_entropy(out, y, reduction="sum"))
-                sums[1] += int((out.argmax(dim=1) == y).sum())
-                sums[2] += len(y)
-        for m in modules.values():
-            m.train()
-        if last != 0:
-            if ctx.rank == last:
-                rt.send_metric(sums, dst=0, step=evals, slot=1)
-            elif ctx.rank == 0:
-                sums = rt.recv_metric(src=last, step=evals, slot=1).double()
-        if ctx.rank != 0:
-            return None
-        count = max(float(sums[2]), 1.0)
-        return {"loss": float(sums[0]) / count, "accuracy": float(sums[1]) / count}
-
-    losses: list[float] = []
-    step_times: list[float] = []
-    # This rank's totals over its train steps: step, compute and blocked-in-recv seconds,
-    # peak activation bytes, bytes sent, steps (gathered on rank 0 for the summary).
-    totals = torch.zeros(6, dtype=torch.float64)
-    every = job.run.checkpoint_every
-    ce = job.train.eval_every
-    while step < total and epoch < job.train.epochs:
-        perm = epoch_permutation(n, seed=seed, epoch=epoch)
-        while batch < per_epoch and step < total:
-            idx = perm[batch * bs:(batch + 1) * bs]
-            x, y = x_train[idx].to(ctx.device), y_train[idx].to(ctx.device)
-            if opt is not None:
-                opt.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
-            w0, b0 = transport.wait_s, transport.bytes_sent
-            loss = rt.train_step(
-                x, y, step=step,
-                micro_batch_size=proto.micro_batch_size if pipeline else None,
-                schedule_name=proto.schedule if pipeline else None,
-            )
-            st = rt.stats
-            totals += torch.tensor([st.step_s, st.compute_s, transport.wait_s - w0, 0.0,
-                                    transport.bytes_sent - b0, 1.0], dtype=torch.float64)
-            totals[3] = max(float(totals[3]), st.peak_activation_bytes)
-            if opt is not None:
-                opt.step()
-            step_times.append(time.perf_counter() - t0)
-            if last != 0 and ctx.rank == last:
-                rt.send_metric(torch.tensor([loss or 0.0], dtype=torch.float64), dst=0, step=step)
-            elif last != 0 and ctx.rank == 0:
-                loss = float(rt.recv_metric(src=last, step=step)[0])
-            if ctx.rank == 0 and loss is not None:
-                losses.append(loss)
-            step += 1
-            batch += 1
-            maybe_kill(rank=ctx.rank, step=step, restart_count=ctx.restart_count)
-            if batch == per_epoch:
-                epoch, batch = epoch + 1, 0
-            end_of_epoch = batch == 0
-            if (ce and step % ce == 0) or (not ce and end_of_epoch):
-                ev = evaluate_test()
-                if metrics is not None and ev is not None:
-                    metrics.log({"step": step, "epoch": epoch,
-                                 "train_loss": sum(losses) / max(len(losses), 1),
-                                 "test_loss": ev["loss"], "test_accuracy": ev["accuracy"],
-                                 "time_s": time.perf_counter() - started})
-                losses = []
-            if (every and step % every == 0) or (not every and end_of_epoch):
-                save()
-            if end_of_epoch:
-                break
-    save()
-    final = evaluate_test()
+    result = run_loop(
+        trainer=trainer, plan=data, task=task, store=store, label="ModelParallel",
+        metrics=metrics, resume=resume, eval_every=t.eval_every,
+        checkpoint_every=job.run.checkpoint_every, rank=ctx.rank,
+        restart_count=ctx.restart_count, started=started,
+    )
     # parameters_sha256: sha256 over the per-rank digests of each rank's node tensors.
     own: dict[str, torch.Tensor] = {}
     for s_idx in sorted(modules):
         own.update(modules[s_idx].node_state())
     mine = torch.frombuffer(bytearray(_digest(own)), dtype=torch.uint8)
-    digests, stage_totals = [mine], [totals]
+    digests, stage_totals = [mine], [engine.totals]
+    step = result.position.step
     if ctx.rank != 0:
         rt.send_metric(mine, dst=0, step=step, slot=2)
-        rt.send_metric(totals, dst=0, step=step, slot=3)
+        rt.send_metric(engine.totals, dst=0, step=step, slot=3)
     else:
         for r in range(1, ctx.world_size):
             digests.append(rt.recv_metric(src=r, step=step, slot=2))
@@ -366,14 +448,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     transport.flush()
     if hasattr(transport, "close"):
         transport.close()
-    if ctx.rank != 0 or final is None:
+    if ctx.rank != 0 or result.final is None:
         return None
-    if losses and metrics is not None:
-        metrics.log({"step": step, "epoch": epoch, "train_loss": sum(losses) / len(losses),
-                     "test_loss": final["loss"], "test_accuracy": final["accuracy"],
-                     "time_s": time.perf_counter() - started})
-    records = [r for r in read_metrics(run_dir) if r.get("test_accuracy") is not None]
-    train_losses = [r["train_loss"] for r in records if r.get("train_loss") is not None]
+    records = [r for r in read_metrics(run_dir) if r.get("train_loss") is not None]
+    step_times = engine.step_times
     summary: dict[str, Any] = {
         "strategy": "ModelParallel",
         "protocol": proto.protocol,
@@ -386,21 +464,17 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
              "nodes": list(s.nodes)}
             for s in plan.segments
         ],
-        "steps": step,
-        "epochs": epoch,
+        **summary_fields(result, task, train=train, test=test, model=None, started=started),
         "num_parameters": num_parameters,
-        "final_train_loss": train_losses[-1] if train_losses else None,
-        "test_accuracy": final["accuracy"],
-        "test_loss": final["loss"],
-        "best_test_accuracy": max((r["test_accuracy"] for r in records), default=final["accuracy"]),
+        "final_train_loss": records[-1]["train_loss"] if records else None,
         "median_step_time_s_measured": sorted(step_times)[len(step_times) // 2] if step_times else None,
         **pipeline_stats(stage_totals, plan, micro_batches=(
-            math.ceil(bs / proto.micro_batch_size) if pipeline else None)),
+            math.ceil(t.batch_size / proto.micro_batch_size) if pipeline else None)),
         "parameters_sha256": hashlib.sha256(b"".join(d.numpy().tobytes() for d in digests)).hexdigest(),
         "restart_count": ctx.restart_count,
-        "resumed_from_step": found,
-        "wall_time_s": round(time.perf_counter() - started, 3),
+        "resumed_from_step": store.loaded_step,
     }
+    summary["wall_time_s"] = round(time.perf_counter() - started, 3)
     summary["provenance"] = report.provenance(summary, configured=("micro_batch_size", "workers"))
     write_summary(run_dir, summary)
     report.plot_curves(run_dir, title=f"{job.run.name} (ModelParallel/{proto.protocol})")

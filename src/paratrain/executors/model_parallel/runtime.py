@@ -6,11 +6,13 @@ segment ``s`` with input ``a_{i,s}`` and output ``a_{i,s+1} = S_s(a_{i,s})``:
 
 - ``F(i, s)``: ``a_{i,s}`` is the micro-batch's rows of ``x`` (``s = 0``) or is received
   from ``owner(S_{s-1})`` (marked ``requires_grad``); compute ``a_{i,s+1}``; send it to
-  ``owner(S_{s+1})``, or on the last segment form ``L_i = sum_r CE(a_{i,k}[r], y_r) / B``.
+  ``owner(S_{s+1})``, or on the last segment form ``L_i = w * loss(a_{i,k}, batch_i) * n_i / B``
+  (``loss`` the task's mean loss of the micro-batch's ``n_i`` rows, ``w`` the weight of this
+  batch in its optimizer step: ``n/N`` under gradient accumulation, else 1).
 - ``B(i, s)``: backpropagate ``L_i`` (last segment) or the received ``dL/da_{i,s+1}``
   through ``S_s``; send ``dL/da_{i,s}`` back to ``owner(S_{s-1})``.
 
-Because ``sum_i L_i = mean_r CE`` over the whole batch and parameter gradients
+Because ``sum_i L_i = w * loss(batch)`` for a loss that is a mean over rows and parameter gradients
 accumulate over micro-batches, the loss and every parameter gradient equal those of the
 unpartitioned model on the same batch (up to float summation order).
 
@@ -27,7 +29,7 @@ held for backward (saved tensors plus stage inputs/outputs, parameters excluded)
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -122,6 +124,14 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+#: ``loss_fn(output, batch) -> scalar``: the mean loss of a (micro-)batch (a Task's ``loss``).
+LossFn = Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
+
+
+def _cross_entropy(out: torch.Tensor, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, batch[1])
+
+
 class StageRuntime:
     """Runs this rank's part of the model for a train step or a forward pass."""
 
@@ -153,18 +163,36 @@ class StageRuntime:
     def train_step(self, x: torch.Tensor, y: torch.Tensor, *, step: int,
                    micro_batch_size: int | None = None,
                    schedule_name: str | None = None) -> float | None:
-        """One forward/backward over the batch; returns the batch loss on the last rank.
+        """One forward/backward of the classification loss (cross-entropy) over ``(x, y)``;
+        :meth:`run_batch` with ``loss_fn = CE``."""
+        return self.run_batch((x, y), step=step, micro_batch_size=micro_batch_size,
+                              schedule_name=schedule_name, loss_fn=_cross_entropy)
 
-        ``micro_batch_size=None`` runs the batch whole; ``schedule_name=None`` runs the
-        sequential order (Direct/DataStore), else ``"GPipe"``/``"1F1B"``.
+    def run_batch(self, batch: Sequence[torch.Tensor], *, step: int,
+                  micro_batch_size: int | None = None, schedule_name: str | None = None,
+                  loss_fn: LossFn | None = None, weight: float = 1.0,
+                  precision: str = "fp32") -> float | None:
+        """One forward/backward over ``batch`` (the model reads ``batch[0]``); returns the
+        batch's unweighted loss on the last rank (None elsewhere).
+
+        The batch's ``B`` rows are cut into micro-batches of ``micro_batch_size`` (None: the
+        batch whole); micro-batch ``i`` (``n_i`` rows, every field of the batch sliced) has
+        the loss ``L_i = loss_fn(out_i, batch_i) * weight * n_i / B``, so for a loss that is
+        a mean over its rows ``sum_i L_i = weight * loss_fn(out, batch)`` and the gradients
+        are those of the unpartitioned model on the whole batch. ``schedule_name=None``
+        runs the sequential order (Direct/DataStore), else ``"GPipe"``/``"1F1B"``. With
+        ``precision="bf16"`` each forward and the loss run under bf16 autocast.
         """
-        batch = int(x.shape[0])
-        sizes = micro_batch_sizes(batch, micro_batch_size or batch)
+        from ...training.stepping import autocast
+
+        loss_fn = loss_fn or _cross_entropy
+        x = batch[0]
+        rows = int(x.shape[0])
+        sizes = micro_batch_sizes(rows, micro_batch_size or rows)
         bounds = [0]
         for n in sizes:
             bounds.append(bounds[-1] + n)
-        xs = [x[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
-        ys = [y[bounds[i]:bounds[i + 1]] for i in range(len(sizes))]
+        micro = [tuple(t[bounds[i]:bounds[i + 1]] for t in batch) for i in range(len(sizes))]
         order = self.actions(len(sizes), schedule_name)
         needs = [self._recv_spec(kind, i, s, sizes[i]) for kind, i, s in order]
         post = getattr(self.transport, "post", None)
@@ -186,7 +214,7 @@ class StageRuntime:
                 src=spec[0], key=spec[1], step=step, rows=spec[2]).to(self.device)
             if kind == "F":
                 if received is None:  # the first segment reads the batch
-                    inp = xs[i]
+                    inp = micro[i][0]
                 else:
                     inp = received
                     if inp.is_floating_point():
@@ -194,15 +222,17 @@ class StageRuntime:
                 t0 = time.perf_counter()
                 # Neither parameters nor the batch itself count as activations.
                 meter = _SavedBytes(self._param_ptrs | {x.untyped_storage().data_ptr()})
-                with torch.autograd.graph.saved_tensors_hooks(meter.pack, _unpack):
+                with torch.autograd.graph.saved_tensors_hooks(meter.pack, _unpack), \
+                        autocast(precision, self.device):
                     out = self.modules[s](inp)
                     if s == self.last:
-                        out = nn.functional.cross_entropy(out, ys[i], reduction="sum") / batch
+                        mean = loss_fn(out, micro[i])
+                        out = mean * (weight * sizes[i] / rows)
                 t1 = time.perf_counter()
                 stats.compute_s += t1 - t0
                 stats.trace.append(("F", i, s, t0, t1))
                 if s == self.last:
-                    loss_total = (loss_total or 0.0) + float(out.detach())
+                    loss_total = (loss_total or 0.0) + float(mean.detach()) * sizes[i] / rows
                 else:
                     self.transport.send(out.detach(), dst=self.plan.segments[s + 1].rank,
                                         key=("act", i, s + 1), step=step, rows=sizes[i])
@@ -243,8 +273,11 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ inference
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, *, step: int) -> torch.Tensor | None:
-        """Forward the whole batch through the placed model; the output on the last rank."""
+    def forward(self, x: torch.Tensor, *, step: int, precision: str = "fp32") -> torch.Tensor | None:
+        """Forward the whole batch through the placed model; the output on the last rank
+        (under bf16 autocast with ``precision="bf16"``)."""
+        from ...training.stepping import autocast
+
         result: torch.Tensor | None = None
         rows = int(x.shape[0])
         for s in sorted(self.modules):
@@ -254,7 +287,8 @@ class StageRuntime:
                 inp = self.transport.recv(src=self.plan.segments[s - 1].rank,
                                           key=("eval", 0, s), step=step,
                                           rows=rows).to(self.device)
-            out = self.modules[s](inp)
+            with autocast(precision, self.device):
+                out = self.modules[s](inp)
             if s == self.last:
                 result = out
             else:
