@@ -330,7 +330,6 @@ def test_other_strategies_refuse_non_classification_tasks(tmp_path: Path) -> Non
         ({"data": {"name": "diabetes"}, "strategy": dp}, "data.name"),
         ({"task": {"name": "language_model"}, "data": {"name": "shakespeare"},
           "tensor_parallel": {"tensor_parallel_size": 2}}, "task.name"),
-        ({"data": {"partition": {"method": "speaker"}}, "strategy": fed}, "data.partition.method"),
     ):
         job = load_job(_run(tmp_path, "x", **doc))
         with pytest.raises(ConfigError, match="cannot run under|does not train") as e:
@@ -340,6 +339,10 @@ def test_other_strategies_refuse_non_classification_tasks(tmp_path: Path) -> Non
             execute(job)  # refused before any worker starts
     check_supported(load_job({"task": {"name": "regression"}, "data": {"name": "diabetes"}}))
     check_supported(load_job({"strategy": dp}))
+    # Federated trains any task (its speaker partition gives each speaking role a client)
+    check_supported(load_job(_run(tmp_path, "f", task={"name": "language_model"},
+                                  data={"name": "shakespeare", "partition": {"method": "speaker"}},
+                                  model={"name": "gpt"}, strategy=fed)))
 
 
 def test_task_section_round_trips_and_default_is_unchanged() -> None:

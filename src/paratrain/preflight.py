@@ -403,7 +403,7 @@ def _federated(job: JobConfig, bundle: Any) -> None:
     if getattr(s, "type", None) != "Federated":
         return
     from .comm.context import default_workers
-    from .data.partition import partition_indices
+    from .data.partition import partition_dataset
     from .executors.federated import num_workers
     from .executors.federated.runner import check_job, client_tags
     from .executors.federated.selection import select_clients
@@ -414,9 +414,8 @@ def _federated(job: JobConfig, bundle: Any) -> None:
                                                     f"has {rows} rows: every client needs at least one")])
     world = num_workers(job)
     check_job(job, world_size=world)
-    _, y = bundle.train.tensors
     try:
-        partition_indices(y, s.num_clients, job.data.partition, seed=job.run.seed)
+        partition_dataset(bundle.train, s.num_clients, job.data.partition, seed=job.run.seed)
     except ValueError as e:
         raise ConfigError([("data.partition", _one_line(str(e)))]) from None
     if getattr(s.client_selection, "method", None) == "ByCapability":

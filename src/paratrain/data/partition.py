@@ -20,6 +20,13 @@ and together cover every example exactly once; each is a pure function of
   clients round-robin, so with as many clients as speakers each speaking role is its own
   client, and with fewer a client gets every ``N``-th role. More clients than speakers
   is an error.
+
+:func:`partition_dataset` picks what a method splits by from a training *dataset*: nothing
+but its length for ``iid``, the integer class labels of a ``(features, labels)``
+``TensorDataset`` for ``shards`` / ``dirichlet``, the examples' ``speakers`` (e.g.
+``CharBlocks.speakers`` of the ``shakespeare`` corpus) for ``speaker``; a dataset without
+what its method needs is a ``ValueError`` saying so (a ConfigError on ``data.partition``
+where the job is checked).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["partition_iid", "partition_shards", "partition_dirichlet", "partition_speaker",
-           "partition_indices"]
+           "partition_indices", "partition_labels", "partition_dataset"]
 
 IndexList = list[np.ndarray]
 
@@ -156,3 +163,30 @@ def partition_indices(labels: Any, num_clients: int, spec: Any, *, seed: int) ->
     if method == "speaker":
         return partition_speaker(y, num_clients, seed=seed)
     raise ValueError(f"unknown data.partition.method {method!r}; valid: iid, shards, dirichlet, speaker")
+
+
+def partition_labels(dataset: Any, method: str) -> np.ndarray:
+    """What ``method`` splits ``dataset`` by (see the module docstring), one per example."""
+    if method == "speaker":
+        speakers = getattr(dataset, "speakers", None)
+        if speakers is None:
+            raise ValueError("method 'speaker' splits a corpus by speaking role: the training "
+                             "set has no speakers (use data.name = 'shakespeare')")
+        sp = _labels(speakers)
+        if len(sp) != len(dataset):
+            raise ValueError(f"method 'speaker': {len(sp)} speakers for {len(dataset)} examples")
+        return sp
+    if method in ("shards", "dirichlet"):
+        tensors = getattr(dataset, "tensors", None)
+        y = tensors[1] if isinstance(tensors, tuple) and len(tensors) >= 2 else None
+        if y is None or y.dim() != 1 or y.is_floating_point():
+            raise ValueError(f"method {method!r} splits by class label: it needs a training set "
+                             "of (features, integer labels); use 'iid' for this task")
+        return _labels(y)
+    return np.zeros(len(dataset), dtype=np.int64)  # iid: only the count matters
+
+
+def partition_dataset(dataset: Any, num_clients: int, spec: Any, *, seed: int) -> IndexList:
+    """:func:`partition_indices` over a training dataset (:func:`partition_labels`)."""
+    method = getattr(spec, "method", "iid")
+    return partition_indices(partition_labels(dataset, method), num_clients, spec, seed=seed)

@@ -78,10 +78,6 @@ def check_supported(job: JobConfig) -> None:
     if getattr(importlib.import_module(module), "SUPPORTS_TASKS", False):
         return
     kind = str(getattr(job.strategy, "type", "?"))
-    if job.data.partition.method == "speaker" and kind == "Federated":
-        raise ConfigError([("data.partition.method", "'speaker' partitions a corpus by speaking "
-                            "role (data.name = 'shakespeare'); Federated does not train language "
-                            "models in this version")])
     if is_default(job):
         return
     where = "tensor-parallel Local" if ".tensor_parallel" in module and kind == "Local" else kind

@@ -1,6 +1,9 @@
 """Federated strategy (DESIGN §4): a server (rank 0) and ``num_clients`` logical clients
 hosted many-per-worker, with every aggregation, selection, non-IID partitioning,
-compressed updates, faults and resume.
+compressed updates, faults and resume. Trains any :class:`~paratrain.task.Task`
+(``SUPPORTS_TASKS``): each client through the one loop's ``Trainer`` over its partition of
+the task's training set (``speaker``: one speaking role per client, LEAF Shakespeare), the
+server evaluates with the task's metrics.
 
 ``run(job)`` starts ``job.run.num_workers`` processes (default ``min(2, num_clients)``)
 through the elastic launcher, or runs in this process when that is 1.
@@ -16,7 +19,9 @@ from ...comm.context import WorkerContext, default_workers
 from ...config.job import JobConfig
 from .runner import worker_main
 
-__all__ = ["run", "run_in_process", "worker_main", "num_workers"]
+__all__ = ["run", "run_in_process", "worker_main", "num_workers", "SUPPORTS_TASKS"]
+
+SUPPORTS_TASKS = True  # any Task: clients train through training.loop.Trainer
 
 
 def num_workers(job: JobConfig) -> int:
@@ -53,14 +58,21 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     Data and model are built here first; this (launching) process holds the run
     folder's lock while the workers run."""
     from ...comm.launch import in_torchrun, launch
-    from ...data import load_data
-    from ...models import build_model
+    from ...config import ConfigError
+    from ...data.partition import partition_dataset
+    from ...task import resolve_task
     from ...training.rundir import RunFolder
 
     n = num_workers(job)
     if not in_torchrun():  # fail before the run folder changes
-        bundle = load_data(job.data, seed=job.run.seed)
-        build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+        task = resolve_task(job)
+        train, _ = task.datasets(job.run.seed)
+        task.build_model(job.model, train)
+        strat: Any = job.strategy
+        try:
+            partition_dataset(train, strat.num_clients, job.data.partition, seed=job.run.seed)
+        except ValueError as e:
+            raise ConfigError([("data.partition", str(e))]) from None
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         folder.prepare()
         if n == 1:

@@ -6,14 +6,22 @@ error-feedback residual; the *model* is one ``nn.Module`` per worker that is loa
 with the round's global weights before each client trains, so memory does not grow
 with ``num_clients``.
 
-Local training (McMahan et al. 2017, ClientUpdate): ``E = local_epochs`` passes over
-the client's data in mini-batches of ``B = batch_size`` (``None`` = the whole client
-dataset as one batch: with E = 1 this is FedSGD), a fresh optimizer from the job's
-``[train.optimizer]`` each round, shuffled by a generator seeded by
-``(seed, round, client)``. With FedProx the loss is
-``CE + (μ/2)·‖w − w_global‖²`` (global weights detached). The client returns the
-delta ``Δ = w_local − w_global``, optionally compressed (error feedback keeps
-``e ← Δ + e − D(C(Δ + e))`` per client, here on the client).
+Local training (McMahan et al. 2017, ClientUpdate) of the job's
+:class:`~paratrain.task.Task`, through the one loop's :class:`~paratrain.training.loop.Trainer`
+and a :class:`ClientEngine` (a ``LocalEngine``): ``E = local_epochs`` passes over the
+client's examples (its partition of the task's training set, gathered with
+``fetch_batch``), each in the order ``torch.randperm(n, generator)`` of a generator seeded
+by ``(seed, round, client)`` and carried across the epochs, in mini-batches of
+``B = federated.batch_size`` (``None`` = the client's whole dataset as one batch: with
+E = 1 this is FedSGD). A client optimizer step takes ``train.grad_accumulation`` batches
+of the epoch (fewer at its end), weighted by their sizes, clips to ``train.grad_clip_norm``,
+runs forward and loss under ``train.precision``; a fresh optimizer from the job's
+``[train.optimizer]`` (``weight_decay`` included) each round, at the round's learning rate
+``lr * f(round)`` (``lr_scale``, from the server's round schedule:
+:class:`~.server.RoundSchedule`). With FedProx the loss is
+``task.loss + (mu/2)*||w - w_global||^2`` (global weights detached). The client returns the
+delta ``D = w_local - w_global``, optionally compressed (error feedback keeps
+``e <- D + e - Dec(C(D + e))`` per client, here on the client).
 """
 
 from __future__ import annotations
@@ -30,12 +38,16 @@ import torch
 from torch import Tensor, nn
 
 from ...config.job import JobConfig
+from ...task.steps import fetch_batch
 from ...training import build_optimizer
 from ...training.faults import injected_faults
+from ...training.loop import LocalEngine, Trainer
+from ...training.stepping import autocast
 from .aggregation import proximal_term
 from .wire import encode_update
 
-__all__ = ["ClientResult", "ClientHost", "client_generator", "client_name", "local_train"]
+__all__ = ["ClientResult", "ClientHost", "ClientEngine", "client_generator", "client_name",
+           "local_train"]
 
 
 def client_name(c: int) -> str:
@@ -69,39 +81,67 @@ class ClientResult:
         }
 
 
+class ClientEngine(LocalEngine):
+    """The base engine plus FedProx's proximal term ``(mu/2)*||w - w_global||^2`` (outside
+    autocast, on the fp32 parameters), anchored at the round's global weights."""
+
+    def __init__(self, model: nn.Module, task: Any, *, device: torch.device, precision: str = "fp32",
+                 mu: float = 0.0) -> None:
+        super().__init__(model, task, None, device=device, precision=precision)
+        self.mu = float(mu)
+        self.params: list[nn.Parameter] = []
+        self.anchors: list[Tensor] = []
+
+    def anchor(self, global_state: Mapping[str, Tensor]) -> None:
+        named = list(self.model.named_parameters())
+        self.params = [p for _, p in named]
+        self.anchors = [global_state[name].detach() for name, _ in named] if self.mu > 0 else []
+
+    def forward_backward(self, batch: tuple[Tensor, ...], *, weight: float, last: bool) -> float:
+        del last
+        with autocast(self.precision, self.device):
+            loss = self.task.loss(self.model(batch[0]), batch)
+        if self.mu > 0:
+            loss = loss + proximal_term(self.params, self.anchors, self.mu)
+        (loss * weight).backward() if weight != 1.0 else loss.backward()
+        return float(loss.detach())
+
+
 def local_train(
-    model: nn.Module,
+    engine: ClientEngine,
     global_state: Mapping[str, Tensor],
-    x: Tensor,
-    y: Tensor,
+    dataset: Any,
+    indices: Tensor,
     *,
+    train: Any,
     epochs: int,
     batch_size: int | None,
-    optimizer: Any,
-    mu: float = 0.0,
+    lr_scale: float = 1.0,
     generator: torch.Generator,
-) -> float:
-    """Train ``model`` (already loaded with ``global_state``) in place; mean batch loss."""
-    opt = build_optimizer(model.parameters(), optimizer)
-    named = list(model.named_parameters())
-    anchors = [global_state[name].detach() for name, _ in named] if mu > 0 else []
-    n = len(y)
+    device: torch.device | None = None,
+) -> tuple[float, int]:
+    """Train ``engine.model`` (already loaded with ``global_state``) in place on examples
+    ``indices`` of ``dataset``; returns (mean step loss, optimizer steps). ``train`` is the
+    job's ``[train]`` (optimizer, grad_accumulation, grad_clip_norm)."""
+    model = engine.model
+    opt = build_optimizer(model.parameters(), train.optimizer)
+    # The round's learning rate, constant over the round's steps: lr * f(round).
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _step: lr_scale)
+    trainer = Trainer(engine, opt, train, 0, scheduler=sched)
+    engine.anchor(global_state)
+    n = int(indices.numel())
     bs = n if batch_size is None else min(batch_size, n)
+    acc = int(train.grad_accumulation)
+    starts = list(range(0, n, bs))
     total, steps = 0.0, 0
     model.train()
     for _ in range(epochs):
-        perm = torch.randperm(n, generator=generator)
-        for i in range(0, n, bs):
-            idx = perm[i : i + bs]
-            opt.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-            if mu > 0:
-                loss = loss + proximal_term([p for _, p in named], anchors, mu)
-            loss.backward()
-            opt.step()
-            total += float(loss.detach())
+        order = indices[torch.randperm(n, generator=generator)]
+        for g in range(0, len(starts), acc):
+            batches = [fetch_batch(dataset, order[a : a + bs], device) for a in starts[g : g + acc]]
+            total += trainer.step(batches)
             steps += 1
-    return total / max(steps, 1)
+    return total / max(steps, 1), steps
 
 
 class ClientHost:
@@ -114,8 +154,8 @@ class ClientHost:
         rank: int,
         world_size: int,
         model: nn.Module,
-        train_x: Tensor,
-        train_y: Tensor,
+        task: Any,
+        dataset: Any,
         partitions: list[np.ndarray],
         device: torch.device | None = None,
     ) -> None:
@@ -125,13 +165,15 @@ class ClientHost:
         self.world_size = world_size
         self.model = model
         self.device = device or torch.device("cpu")
-        self.x, self.y = train_x, train_y
+        self.task, self.dataset = task, dataset
         self.hosted = [c for c in range(strat.num_clients) if c % world_size == rank]
         # Only indices per client: the data itself is shared and never copied up front.
         self.indices: dict[int, Tensor] = {
             c: torch.from_numpy(partitions[c].astype(np.int64)) for c in self.hosted
         }
         self.mu = float(getattr(strat.aggregation, "mu", 0.0) or 0.0)
+        self.engine = ClientEngine(model, task, device=self.device, precision=job.train.precision,
+                                   mu=self.mu)
         faults = injected_faults()  # test/demo hook, never in the job (training.faults)
         self.fail = set(faults.fail_clients)
         self.byzantine = set(faults.byzantine_clients)
@@ -145,8 +187,10 @@ class ClientHost:
     def hosts(self, client: int) -> bool:
         return client % self.world_size == self.rank
 
-    def train_one(self, client: int, round_idx: int, global_state: Mapping[str, Tensor]) -> ClientResult:
-        """Train ``client`` for one round from ``global_state``; never raises."""
+    def train_one(self, client: int, round_idx: int, global_state: Mapping[str, Tensor],
+                  lr_scale: float = 1.0) -> ClientResult:
+        """Train ``client`` for one round from ``global_state`` at learning rate
+        ``lr * lr_scale``; never raises."""
         if not self.hosts(client):
             raise ValueError(f"{client_name(client)} is not hosted by rank {self.rank}")
         idx = self.indices[client]
@@ -158,11 +202,10 @@ class ClientHost:
                 raise RuntimeError(f"{client_name(client)} has no training examples")
             self._load(global_state)
             opts = self.job.federated
-            loss = local_train(
-                self.model, global_state, self.x[idx].to(self.device), self.y[idx].to(self.device),
-                epochs=opts.local_epochs, batch_size=opts.batch_size,
-                optimizer=self.job.train.optimizer, mu=self.mu,
-                generator=client_generator(self.job.run.seed, round_idx, client),
+            loss, _ = local_train(
+                self.engine, global_state, self.dataset, idx, train=self.job.train,
+                epochs=opts.local_epochs, batch_size=opts.batch_size, lr_scale=lr_scale,
+                generator=client_generator(self.job.run.seed, round_idx, client), device=self.device,
             )
             if not math.isfinite(loss):
                 raise FloatingPointError(f"{client_name(client)}: local loss is {loss}")

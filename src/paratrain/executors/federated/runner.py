@@ -12,7 +12,17 @@ Per round ``r`` (DESIGN §4, Federated):
    loss, error, tensor headers, byte counts) and sends the concatenated payloads to
    rank 0 point-to-point;
 4. rank 0 decodes, validates and aggregates, evaluates on the test set, logs the round
-   and saves the server checkpoint ``ckpt-<r+1>.pt`` (model, server optimizer state).
+   and saves the server checkpoint ``ckpt-<r+1>.pt`` (model, server optimizer state,
+   the clients' learning-rate schedule position).
+
+What is trained is the job's :class:`~paratrain.task.Task` (classification by default):
+the model from ``task.build_model``, the clients' data are their partitions
+(:func:`~paratrain.data.partition.partition_dataset`, e.g. ``speaker``: one speaking role
+per client) of the task's training set, the loss is the task's and the server evaluates
+with the task's metrics. The plan of round ``r`` also carries ``lr_scale = f(r)`` from the
+server's :class:`~.server.RoundSchedule` (``train.lr_schedule`` / ``warmup_steps`` over
+rounds). The summary reports ``test_<metric>`` for every metric of the task,
+``best_test_<fitness metric>`` and the task's reference metrics (``bigram_test_loss``).
 
 The server checkpoint of round r is written only after every worker's round-r file, so
 a resume (``--resume`` or an elastic restart after a killed worker) from the newest
@@ -42,9 +52,8 @@ from ...comm.federated_ops import (
 )
 from ...config import ConfigError
 from ...config.job import JobConfig
-from ...data import load_data
-from ...data.partition import partition_indices
-from ...models import build_model
+from ...data.partition import partition_dataset
+from ...task import resolve_task
 from ...training import (
     MetricsWriter,
     checkpoint,
@@ -61,7 +70,7 @@ from ...training.resume import agree_on_checkpoint
 from ...training.rundir import run_dir_of
 from .client import ClientHost, client_name
 from .selection import select_clients
-from .server import FederatedServer
+from .server import FederatedServer, RoundSchedule
 
 __all__ = ["worker_main", "check_job", "client_tags", "KILL_ENV"]
 
@@ -84,6 +93,11 @@ def check_job(job: JobConfig, *, world_size: int) -> None:
         c = name.removeprefix("client-")
         if not name.startswith("client-") or not c.isdigit() or int(c) >= k:
             problems.append(("federated.client_tags", f"unknown client {name!r} (clients are client-0..client-{k - 1})"))
+    target = job.federated.target_accuracy
+    if target is not None and job.task.factory is None and job.task.name != "classification":
+        problems.append(("federated.target_accuracy", (
+            f"task.name = {job.task.name!r} has no accuracy metric; only a classification "
+            "task can stop at a target accuracy")))
     if problems:
         raise ConfigError(problems)
 
@@ -171,18 +185,20 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     comm_dev = device if ctx.backend == "nccl" else torch.device("cpu")
 
     seed_everything(seed)
-    bundle = load_data(job.data, seed=seed)
-    model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+    task = resolve_task(job)
+    train_set, test_set = task.datasets(seed)
+    model = task.build_model(job.model, train_set)
     model.to(device)
-    x_train, y_train = bundle.train.tensors
     try:
-        parts = partition_indices(y_train, strat.num_clients, job.data.partition, seed=seed)
+        parts = partition_dataset(train_set, strat.num_clients, job.data.partition, seed=seed)
     except ValueError as e:
         raise ConfigError([("data.partition", str(e))]) from None
     host = ClientHost(
-        job, rank=rank, world_size=world, model=model, train_x=x_train, train_y=y_train,
+        job, rank=rank, world_size=world, model=model, task=task, dataset=train_set,
         partitions=parts, device=device,
     )
+    precision = job.train.precision
+    fit = str(task.fitness_metric)
     template = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     tags = client_tags(job, ctx)
     if getattr(strat.client_selection, "method", None) == "ByCapability":
@@ -198,7 +214,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     metrics: MetricsWriter | None = None
     if is_server:
         run_dir = prepare_run_dir(job, resume=resume)
-        server = FederatedServer(strat.aggregation, template)
+        schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
+        server = FederatedServer(strat.aggregation, template, schedule)
         metrics = MetricsWriter(run_dir)
         start = 0
         # The newest readable server checkpoint (a bad newer one is skipped with a warning).
@@ -239,13 +256,13 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     traffic = CommCounter()  # this rank's process-group bytes, booked by the transport
     bar_ctx = progress_bar(enabled=None if is_server else False)
     with bar_ctx as bar:
-        task = bar.add_task("Federated", total=strat.rounds, completed=start, info="")
+        bar_task = bar.add_task("Federated", total=strat.rounds, completed=start, info="")
         for r in range(start, strat.rounds):
             if rank == kill_rank and r == kill_round and ctx.restart_count == 0:
                 os._exit(17)  # a hard crash, as a killed process would look
             t_round = time.perf_counter()
             if server is not None:
-                plan = {"stop": server.stopped, "clients": []}
+                plan = {"stop": server.stopped, "clients": [], "lr_scale": server.schedule.factor()}
                 if not server.stopped:
                     plan["clients"] = select_clients(
                         strat.client_selection, num_clients=strat.num_clients, round_idx=r,
@@ -272,7 +289,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             dev_state = {k: v.to(device) for k, v in global_state.items()}
             # Local training of the selected clients this rank hosts.
             mine = [c for c in plan["clients"] if host.hosts(c)]
-            results = [host.train_one(c, r, dev_state) for c in mine]
+            lr_scale = float(plan.get("lr_scale", 1.0))
+            results = [host.train_one(c, r, dev_state, lr_scale) for c in mine]
             if host.codec_state:
                 checkpoint.save_checkpoint(checkpoint.checkpoint_path(wdir, r + 1), host.state_dict())
                 checkpoint.prune(wdir, keep=3)
@@ -303,10 +321,14 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             store_delete(store, f"fed/plan/{r - 1}")
             rec = server.finish_round(r, all_st, all_pl, wire_bytes_down=wire_down,
                                       wire_bytes_up=traffic.bytes.get("recv", 0) - recv_before)
-            ev = server.evaluate(model, bundle.test, device=device)
-            server.note_accuracy(ev["accuracy"], target)
-            rec.update(test_accuracy=ev["accuracy"], test_loss=ev["loss"],
-                       round_time_s=time.perf_counter() - t_round,
+            ev = server.evaluate(model, task, test_set, device=device, precision=precision)
+            if target is not None and "accuracy" not in ev:
+                raise ConfigError([("federated.target_accuracy", (
+                    f"the task's metrics ({', '.join(sorted(ev))}) have no accuracy"))])
+            server.note_accuracy(ev.get("accuracy"), target)
+            rec["lr_scale"] = lr_scale
+            rec.update({f"test_{k}": v for k, v in ev.items()})
+            rec.update(round_time_s=time.perf_counter() - t_round,
                        time_s=time.perf_counter() - started)
             assert metrics is not None
             metrics.log(dict(rec))
@@ -314,7 +336,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 checkpoint.checkpoint_path(run_dir / "checkpoints", r + 1), server.state_dict()
             )
             checkpoint.prune(run_dir / "checkpoints")
-            bar.update(task, completed=r + 1, info=f"acc {ev['accuracy']:.3f} ok {rec['clients_ok']}/{rec['clients_selected']}")
+            bar.update(bar_task, completed=r + 1,
+                       info=f"{fit} {ev.get(fit, float('nan')):.3f} ok {rec['clients_ok']}/{rec['clients_selected']}")
 
     stats = {"rank": rank, "clients_hosted": len(host.hosted), "client_updates": host.trained,
              "peak_rss_mb": round(_peak_rss_mb(), 1),
@@ -328,8 +351,11 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         return None
     workers = [stats] + [store_get_json(store, f"fed/final/{src}") for src in range(1, world)]
     barrier(group)
-    final = server.evaluate(model, bundle.test, device=device)
-    records = [rec for rec in read_metrics(run_dir) if rec.get("test_accuracy") is not None]
+    final = server.evaluate(model, task, test_set, device=device, precision=precision)
+    records = [rec for rec in read_metrics(run_dir) if rec.get(f"test_{fit}") is not None]
+    pick = max if task.fitness_mode == "max" else min
+    best = pick((float(rec[f"test_{fit}"]) for rec in records), default=final.get(fit))
+    reference = getattr(task, "reference_metrics", None)
     wall = time.perf_counter() - started
     updates = sum(w["client_updates"] for w in workers)
     summary: dict[str, Any] = {
@@ -341,9 +367,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "num_workers": world,
         "rounds": server.round,
         "rounds_to_target": server.rounds_to_target,
-        "test_accuracy": final["accuracy"],
-        "test_loss": final["loss"],
-        "best_test_accuracy": max((rec["test_accuracy"] for rec in records), default=final["accuracy"]),
+        "task": str(getattr(task, "name", type(task).__name__)),
+        **{f"test_{k}": v for k, v in final.items()},
+        f"best_test_{fit}": best,
+        **(reference(train_set, test_set) if callable(reference) else {}),
         "clients_failed_total": server.failures,
         "bytes_up_measured": server.bytes_up,
         "bytes_down_modelled": server.bytes_down,

@@ -13,8 +13,12 @@ per client would download; in this simulation a worker's clients share one copy)
 ``wire_bytes_down_measured`` / ``wire_bytes_up_measured`` are what went through the process
 group, counted at the transfer (comm/federated_ops.py): the model broadcast delivered to
 the other worker ranks and the update payloads this rank received. The server state — global model,
-aggregator state (server optimizer moments), round counter, early-stop flag — is one
-checkpoint dict.
+aggregator state (server optimizer moments), round counter, the clients' learning-rate
+schedule position (:class:`RoundSchedule`), early-stop flag — is one checkpoint dict.
+
+Evaluation is the task's (``eval_batch`` sums + ``finalize``) on the whole test set, under
+``train.precision``, after every round: the round's record carries ``test_<metric>`` for
+every metric of the task.
 """
 
 from __future__ import annotations
@@ -25,23 +29,50 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.data import TensorDataset
 
-from ...training import evaluate
+from ...training.stepping import autocast, lr_factor
 from .aggregation import Aggregator, MalformedUpdateError, build_aggregator
 from .client import client_name
 from .wire import decode_update
 
-__all__ = ["FederatedServer", "RoundOutcome"]
+__all__ = ["FederatedServer", "RoundOutcome", "RoundSchedule"]
 
 
 class RoundOutcome(dict[str, Any]):
     """The per-round metrics record (a dict, logged to metrics.jsonl)."""
 
 
+class RoundSchedule:
+    """The clients' learning rate over *rounds*: in round ``r`` (0-based) every selected
+    client trains at ``lr * f(r)``, ``f`` being :func:`~paratrain.training.stepping.lr_factor`
+    with ``T = strategy.rounds`` and ``train.warmup_steps`` counted in rounds (constant over
+    the client's steps within a round). ``position`` is the next round's index; it is part
+    of the server checkpoint and advances once per finished round."""
+
+    def __init__(self, kind: str = "constant", warmup: int = 0, total: int = 1) -> None:
+        self.kind, self.warmup, self.total = str(kind), int(warmup), int(total)
+        self.position = 0
+
+    def factor(self) -> float:
+        return lr_factor(self.position, kind=self.kind, warmup_steps=self.warmup,
+                         total_steps=self.total)
+
+    def step(self) -> None:
+        self.position += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "kind": self.kind, "warmup_rounds": self.warmup,
+                "total_rounds": self.total}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.position = int(state["position"])
+
+
 class FederatedServer:
-    def __init__(self, aggregation: Any, global_state: Mapping[str, Tensor]) -> None:
+    def __init__(self, aggregation: Any, global_state: Mapping[str, Tensor],
+                 schedule: RoundSchedule | None = None) -> None:
         self.aggregator: Aggregator = build_aggregator(aggregation)
+        self.schedule = schedule if schedule is not None else RoundSchedule()
         self.global_state: dict[str, Tensor] = {k: v.detach().clone() for k, v in global_state.items()}
         self.round = 0
         self.stopped = False
@@ -123,14 +154,20 @@ class FederatedServer:
                 "selected; global model unchanged"
             )
         self.round = round_idx + 1
+        self.schedule.step()
         return rec
 
-    def evaluate(self, model: nn.Module, test: TensorDataset, device: torch.device | None = None) -> dict[str, float]:
-        model.load_state_dict(self.global_state)
-        return evaluate(model, test, device=device)
+    def evaluate(self, model: nn.Module, task: Any, test: Any, device: torch.device | None = None,
+                 precision: str = "fp32") -> dict[str, float]:
+        """The task's metrics of the global model on ``test`` (loaded into ``model``)."""
+        from ...task.steps import evaluate as evaluate_task
 
-    def note_accuracy(self, acc: float, target: float | None) -> None:
-        if target is not None and acc >= target and self.rounds_to_target is None:
+        model.load_state_dict(self.global_state)
+        with autocast(precision, device):
+            return evaluate_task(model, task, test, device=device)
+
+    def note_accuracy(self, acc: float | None, target: float | None) -> None:
+        if target is not None and acc is not None and acc >= target and self.rounds_to_target is None:
             self.rounds_to_target = self.round
             self.stopped = True
 
@@ -139,6 +176,7 @@ class FederatedServer:
             "round": self.round,
             "model": {k: v.clone() for k, v in self.global_state.items()},
             "aggregator": self.aggregator.state_dict(),
+            "client_schedule": self.schedule.state_dict(),
             "stopped": self.stopped,
             "rounds_to_target": -1 if self.rounds_to_target is None else self.rounds_to_target,
             "bytes_up": self.bytes_up,
@@ -156,6 +194,8 @@ class FederatedServer:
         self.global_state = {k: model[k].to(self.global_state[k].dtype) for k in self.global_state}
         self.aggregator.load_state_dict(state.get("aggregator", {}))
         self.round = int(state["round"])
+        # A checkpoint written before the schedule was saved: its position was the round.
+        self.schedule.load_state_dict(state.get("client_schedule", {"position": self.round}))
         self.stopped = bool(state.get("stopped", False))
         rtt = int(state.get("rounds_to_target", -1))
         self.rounds_to_target = None if rtt < 0 else rtt
