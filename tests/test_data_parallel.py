@@ -174,14 +174,19 @@ def test_resume_with_other_replica_count_is_an_error(tmp_path: Path) -> None:
     import json
 
     from paratrain.comm.context import WorkerContext
-    from paratrain.executors.data_parallel.runner import _agreed_step
+    from paratrain.executors.data_parallel.runner import _store
+    from paratrain.training import checkpoint
 
-    (tmp_path / "checkpoints").mkdir()
+    store = _store(WorkerContext(rank=0, world_size=1), tmp_path)
+    store.save(8, {"step": 8})
     (tmp_path / "checkpoints" / "dp-complete.json").write_text(json.dumps({"step": 8, "replicas": 4}))
-    with pytest.raises(ConfigError, match="different number of replicas"):
-        _agreed_step(WorkerContext(rank=0, world_size=1), tmp_path)
+    with pytest.raises(ConfigError, match="another layout.*replicas=1") as e:
+        store.load()
+    assert e.value.problems[0][0] == "strategy.num_replicas"
     (tmp_path / "checkpoints" / "dp-complete.json").write_text(json.dumps({"step": 8, "replicas": 1}))
-    assert _agreed_step(WorkerContext(rank=0, world_size=1), tmp_path) == 8
+    found = store.load()
+    assert found is not None and found[0] == checkpoint.checkpoint_path(store.directory, 8)
+    assert found[1]["step"] == 8
 
 
 def test_error_feedback_is_dropped_under_decentralized(tmp_path: Path) -> None:

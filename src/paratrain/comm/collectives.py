@@ -643,10 +643,20 @@ class GradReducer:
         self._seen: set[int] = set()
         self._work: list[Any] = [None] * len(self.buckets)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        self._accumulated: set[int] = set()
         self.enabled = True
+        """False during the accumulation backwards of a step (DDP's ``no_sync``): hooks only
+        note which gradients exist; :meth:`finish` reduces what was accumulated."""
 
     def _hook(self, p: torch.Tensor) -> None:
-        if not self.enabled or self.n == 1 or id(p) in self._seen or p.grad is None:
+        if self.n == 1 or p.grad is None:
+            return
+        if not self.enabled:
+            # An accumulation backward (no_sync): remember the gradient exists, so a
+            # parameter used only in an earlier batch of the step still counts as used.
+            self._accumulated.add(id(p))
+            return
+        if id(p) in self._seen:
             return
         self._seen.add(id(p))
         b, offset = self._where[id(p)]
@@ -665,6 +675,13 @@ class GradReducer:
         """Complete the reduction of this step; ``p.grad`` holds the mean over ranks."""
         if self.n == 1:
             return
+        # Parameters whose gradient came only from the step's earlier (no_sync) backwards:
+        # their bucket slots are filled now, as their hook would have.
+        self.enabled = True
+        for p in self.params:
+            if id(p) in self._accumulated and id(p) not in self._seen:
+                self._hook(p)
+        self._accumulated.clear()
         # Which parameters some rank used, travelling with the last buckets.
         used_of = start_used_mask([id(p) in self._seen for p in self.params], group=self.group,
                                   counter=self.counter)

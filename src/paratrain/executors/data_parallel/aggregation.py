@@ -92,8 +92,13 @@ class Aggregator:
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.n = C.world_size(group)
 
+    def begin_backward(self, *, last: bool) -> None:
+        """Before each backward of a step; ``last``: the step's last one (the others only
+        accumulate into ``.grad``, under ``train.grad_accumulation``)."""
+        del last
+
     def sync_gradients(self) -> None:
-        """After backward, before the optimizer step."""
+        """After the step's last backward, before the optimizer step."""
 
     def after_step(self) -> dict[str, float]:
         """After the optimizer step; returns per-step metrics."""
@@ -147,6 +152,11 @@ class AllReduceAgg(Aggregator):
             )
         # Gradients zeroed in place keep their bucket views (see GradReducer).
         self.zero_grad_set_to_none = self.reducer is None
+
+    def begin_backward(self, *, last: bool) -> None:
+        if self.reducer is not None:
+            # DDP's no_sync: the buckets launch during the step's last backward only.
+            self.reducer.enabled = last
 
     def sync_gradients(self) -> None:
         if self.n == 1:

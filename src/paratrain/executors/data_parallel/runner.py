@@ -26,7 +26,6 @@ makes that rank SIGKILL itself after STEP on the first attempt (tests and demos)
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 import warnings
@@ -42,32 +41,26 @@ from ...comm.launch import in_torchrun, launch
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import DataParallel
-from ...data import load_data
-from ...models import build_model
+from ...task import resolve_task
 from ...training import (
     MetricsWriter,
     build_optimizer,
-    checkpoint,
     epoch_permutation,
-    evaluate,
-    parameters_digest,
     prepare_run_dir,
-    progress_bar,
-    read_metrics,
     report,
-    rng_state,
     seed_everything,
-    set_rng_state,
     write_summary,
 )
-from ...training.faults import FAULT_ENV, maybe_kill
-from ...training.resume import agree_on_checkpoint
+from ...training.faults import FAULT_ENV
+from ...training.loop import DataPlan, LocalEngine, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
+from ...training.stores import RankStore
 from .aggregation import Aggregator, build_aggregator
 
-__all__ = ["run", "worker_main", "train_replica", "shard_indices", "validate", "FAULT_ENV"]
+__all__ = ["run", "worker_main", "train_replica", "shard_indices", "validate", "FAULT_ENV",
+           "DataParallelEngine", "SUPPORTS_TASKS"]
 
-_MARKER = "dp-complete.json"
+SUPPORTS_TASKS = True  # any Task, through the one loop
 
 
 def shard_indices(n: int, *, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
@@ -97,13 +90,21 @@ def validate(job: JobConfig, *, num_train: int | None = None) -> DataParallel:
 _DATA_CACHE: dict[str, Any] = {}
 
 
-def _load_data(job: JobConfig) -> Any:
-    """load_data, memoised per process (tests and benchmarks train many jobs per rank)."""
-    key = json.dumps([job.data.model_dump(mode="json"), job.run.seed], sort_keys=True)
+def _load_task(job: JobConfig) -> tuple[Any, Any, Any]:
+    """``(task, train, test)`` of the job, memoised per process (tests and benchmarks
+    train many jobs per rank)."""
+    key = json.dumps([job.task.model_dump(mode="json"), job.data.model_dump(mode="json"),
+                      job.model.model_dump(mode="json"), job.run.seed], sort_keys=True)
     if key not in _DATA_CACHE:
         _DATA_CACHE.clear()
-        _DATA_CACHE[key] = load_data(job.data, seed=job.run.seed)
-    return _DATA_CACHE[key]
+        task = resolve_task(job)
+        _DATA_CACHE[key] = (task, *task.datasets(job.run.seed))
+    return _DATA_CACHE[key]  # type: ignore[no-any-return]
+
+
+def _barrier(ctx: WorkerContext) -> None:
+    if ctx.world_size > 1:
+        C.barrier(ctx.group)
 
 
 def _without_error_feedback(strategy: Any) -> Any:
@@ -138,42 +139,6 @@ def build_compressor(job: JobConfig, aggregation: Any = None, *, warn: bool = Tr
     return Compressor(strategy, seed=job.run.seed)
 
 
-def _ckpt_dir(run_dir: Path, rank: int) -> Path:
-    return run_dir / "checkpoints" / f"dp-rank{rank}"
-
-
-def _complete_step(run_dir: Path, world: int | None = None) -> int | None:
-    """The step every rank has checkpointed; -2 when it was saved by another replica count."""
-    marker = run_dir / "checkpoints" / _MARKER
-    if not marker.exists():
-        return None
-    doc = json.loads(marker.read_text())
-    if world is not None and int(doc.get("replicas", world)) != world:
-        return -2
-    return int(doc["step"])
-
-
-def _agreed_step(ctx: WorkerContext, run_dir: Path) -> int | None:
-    """Rank 0's last complete checkpoint step, broadcast (ranks may not share a disk)."""
-    step = _complete_step(run_dir, ctx.world_size) if ctx.is_main else None
-    value = -1 if step is None else step
-    if ctx.world_size > 1:
-        t = torch.tensor([value], dtype=torch.int64, device=ctx.device)
-        value = int(C.broadcast_(t, src=0, group=ctx.group).item())
-    if value == -2:
-        raise ConfigError([(
-            "strategy.num_replicas",
-            f"the checkpoints in {run_dir} were written by a different number of replicas; "
-            f"resume with the original num_replicas or start without --resume",
-        )])
-    return None if value < 0 else value
-
-
-def _barrier(ctx: WorkerContext) -> None:
-    if ctx.world_size > 1:
-        C.barrier(ctx.group)
-
-
 def _all_mean(values: list[float], ctx: WorkerContext) -> list[float]:
     if ctx.world_size == 1:
         return values
@@ -182,12 +147,67 @@ def _all_mean(values: list[float], ctx: WorkerContext) -> list[float]:
     return (t / ctx.world_size).tolist()
 
 
+class DataParallelEngine(LocalEngine):
+    """A replica: the task's forward/backward on this rank's batch, then the aggregator
+    combines (``sync``). Under ``grad_accumulation`` the bucketed AllReduce hooks stay
+    quiet until the step's last backward (DDP's ``no_sync``), so one exchange per step."""
+
+    def __init__(self, model: nn.Module, task: Any, test: Any, *, ctx: WorkerContext,
+                 precision: str, agg: Aggregator, counter: C.CommCounter) -> None:
+        super().__init__(model, task, test, device=ctx.device, precision=precision)
+        self.ctx, self.agg, self.counter = ctx, agg, counter
+        self.zero_grad_set_to_none = agg.zero_grad_set_to_none
+        self.consensus: list[float] = []
+
+    def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:
+        self.agg.begin_backward(last=last)
+        return super().forward_backward(batch, weight=weight, last=last)
+
+    def sync(self) -> None:
+        self.agg.sync_gradients()
+
+    def after_step(self) -> dict[str, float]:
+        extra = self.agg.after_step()
+        if "consensus_distance" in extra:
+            self.consensus.append(extra["consensus_distance"])
+        return extra
+
+    def evaluate(self) -> dict[str, float] | None:
+        return super().evaluate() if self.ctx.is_main else None
+
+    def mean_over_ranks(self, value: float) -> float:
+        return _all_mean([value], self.ctx)[0]
+
+    def log_extras(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"comm_bytes": self.counter.total_bytes}
+        if self.consensus:
+            out["consensus_distance"] = self.consensus[-1]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"aggregator": self.agg.state_dict(), "comm": dict(self.counter.bytes)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.agg.load_state_dict(state["aggregator"])
+        for k, v in state["comm"].items():
+            self.counter.bytes[k] = int(v)
+
+
+def _store(ctx: WorkerContext, run_dir: Path) -> RankStore:
+    return RankStore(run_dir, "dp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
+                     layout={"replicas": ctx.world_size}, layout_field="strategy.num_replicas",
+                     device=ctx.device)
+
+
 def train_replica(
     ctx: WorkerContext, job: JobConfig, resume: bool = False, *, aggregation: Any = None,
     plot: bool = True,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Train this rank's replica; returns (model, summary). ``aggregation`` overrides the
-    job's (``"NoSync"`` gives independent replicas, the tests' known-wrong variant)."""
+    """Train this rank's replica through the one loop; returns (model, summary).
+    ``aggregation`` overrides the job's (``"NoSync"`` gives independent replicas, the tests'
+    known-wrong variant)."""
     started = time.perf_counter()
     strategy = validate(job)
     if ctx.world_size != strategy.num_replicas:
@@ -197,13 +217,11 @@ def train_replica(
         )])
     seed = job.run.seed
     seed_everything(seed)
-    device = ctx.device
-    bundle = _load_data(job)
-    x_train, y_train = bundle.train.tensors
-    n_rows = len(y_train)
+    task, train, test = _load_task(job)
+    n_rows = len(train)
     validate(job, num_train=n_rows)
-    model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
-    model.to(device)
+    model = task.build_model(job.model, train)
+    model.to(ctx.device)
     counter = C.CommCounter()
     bucket_bytes = C.bucket_bytes_of(job.comm.bucket_size_mb)
     # Same seed gives the same init everywhere; the broadcast makes it true for any factory.
@@ -214,129 +232,37 @@ def train_replica(
         aggregation if aggregation is not None else strategy.aggregation, model,
         group=ctx.group, counter=counter, bucket_bytes=bucket_bytes,
         compressor=build_compressor(job, strategy.aggregation if aggregation is None else aggregation,
-                               warn=ctx.is_main),
+                                    warn=ctx.is_main),
         gamma=job.comm.gossip_step,
     )
-
     run_dir = run_dir_of(job)
-    if ctx.is_main:
-        prepare_run_dir(job, resume=resume)
-    _barrier(ctx)
-    metrics = MetricsWriter(run_dir) if ctx.is_main else None
+    t = job.train
+    plan = DataPlan(
+        dataset=train, order=lambda e: shard_indices(n_rows, world=ctx.world_size, rank=ctx.rank,
+                                                     seed=seed, epoch=e),
+        examples_per_epoch=n_rows // ctx.world_size, batch_size=t.batch_size,
+        accumulation=t.grad_accumulation, epochs=t.epochs, max_steps=t.max_steps, device=ctx.device)
+    engine = DataParallelEngine(model, task, test, ctx=ctx, precision=t.precision, agg=agg,
+                                counter=counter)
+    trainer = Trainer(engine, opt, t, plan.total_steps)
 
-    bs = job.train.batch_size
-    shard = n_rows // ctx.world_size
-    batches_per_epoch = math.ceil(shard / bs)
-    total_steps = job.train.epochs * batches_per_epoch
-    if job.train.max_steps is not None:
-        total_steps = min(total_steps, job.train.max_steps)
-
-    step, epoch, batch = 0, 0, 0
-    # From the marker's step down to the newest one every rank can read (a bad file falls back).
-    agreed = agree_on_checkpoint(_ckpt_dir(run_dir, ctx.rank), _agreed_step(ctx, run_dir) if resume else None,
-                                 ctx.group if ctx.world_size > 1 else None)
-    found = None if agreed is None else agreed[0]
-    if agreed is not None:
-        state = agreed[1]
-        # a checkpoint of another model/optimizer: a ConfigError naming what differs (every
-        # rank raises the same one, before anything is loaded or written)
-        checkpoint.check_resume_state(model, opt, state,
-                                      source=checkpoint.checkpoint_path(_ckpt_dir(run_dir, ctx.rank), agreed[0]))
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"])
-        agg.load_state_dict(state["aggregator"])
-        step, epoch, batch = int(state["step"]), int(state["epoch"]), int(state["batch"])
-        for k, v in state["comm"].items():
-            counter.bytes[k] = int(v)
-        resumed_losses = [float(v) for v in state.get("losses", [])]
-    else:
-        resumed_losses = []
-    if metrics is not None and resume:
-        metrics.truncate_after("step", step)
-
-    last_saved = [found]
-
-    def save() -> None:
-        d = _ckpt_dir(run_dir, ctx.rank)
-        checkpoint.save_checkpoint(checkpoint.checkpoint_path(d, step), {
-            "model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(),
-            "aggregator": agg.state_dict(), "step": step, "epoch": epoch, "batch": batch,
-            "comm": dict(counter.bytes), "losses": list(losses),
-        })
-        _barrier(ctx)  # every rank has saved `step` before it is declared complete
+    def prepare() -> None:
         if ctx.is_main:
-            marker = run_dir / "checkpoints" / _MARKER
-            tmp = marker.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"step": step, "replicas": ctx.world_size}))
-            os.replace(tmp, marker)
+            prepare_run_dir(job, resume=resume)
         _barrier(ctx)
-        checkpoint.prune(d)
-        last_saved[0] = step
 
-    consensus: list[float] = []
-    losses: list[float] = resumed_losses
+    try:
+        result = run_loop(
+            trainer=trainer, plan=plan, task=task, store=_store(ctx, run_dir),
+            label=f"DataParallel x{ctx.world_size}",
+            metrics=MetricsWriter(run_dir) if ctx.is_main else None, resume=resume, prepare=prepare,
+            eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every, rank=ctx.rank,
+            restart_count=ctx.restart_count, started=started,
+        )
+    finally:
+        agg.close()
 
-    def log_eval() -> dict[str, float] | None:
-        mean_loss = _all_mean([sum(losses) / max(len(losses), 1)], ctx)[0]
-        losses.clear()
-        if metrics is None:
-            return None
-        ev = evaluate(model, bundle.test, device=device)
-        rec: dict[str, Any] = {
-            "step": step, "epoch": epoch, "train_loss": mean_loss, "test_loss": ev["loss"],
-            "test_accuracy": ev["accuracy"], "comm_bytes": counter.total_bytes,
-            "time_s": time.perf_counter() - started,
-        }
-        if consensus:
-            rec["consensus_distance"] = consensus[-1]
-        metrics.log(rec)
-        return ev
-
-    model.train()
-    ce, every = job.train.eval_every, job.run.checkpoint_every
-    loss_fn = nn.functional.cross_entropy
-    bar = progress_bar(enabled=None if ctx.is_main else False)
-    task = bar.add_task(f"DataParallel x{ctx.world_size}", total=total_steps, completed=step, info="")
-    bar.start()
-    while step < total_steps and epoch < job.train.epochs:
-        idx_all = shard_indices(n_rows, world=ctx.world_size, rank=ctx.rank, seed=seed, epoch=epoch)
-        while batch < batches_per_epoch and step < total_steps:
-            idx = idx_all[batch * bs : (batch + 1) * bs]
-            x, y = x_train[idx].to(device), y_train[idx].to(device)
-            opt.zero_grad(set_to_none=agg.zero_grad_set_to_none)
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            agg.sync_gradients()
-            opt.step()
-            extra = agg.after_step()
-            losses.append(float(loss.detach()))
-            step += 1
-            batch += 1
-            if "consensus_distance" in extra:
-                consensus.append(extra["consensus_distance"])
-                if metrics is not None:
-                    metrics.log({"step": step, "consensus_distance": extra["consensus_distance"]})
-            if batch == batches_per_epoch:
-                epoch, batch = epoch + 1, 0
-            end_of_epoch = batch == 0
-            if (ce and step % ce == 0) or (not ce and end_of_epoch):
-                ev = log_eval()
-                if ev is not None:
-                    bar.update(task, info=f"acc {ev['accuracy']:.3f}")
-            bar.update(task, completed=step)
-            if (every and step % every == 0) or (not every and end_of_epoch):
-                save()
-            maybe_kill(rank=ctx.rank, step=step, restart_count=ctx.restart_count)
-            if end_of_epoch:
-                break
-    bar.stop()
-    if losses:
-        log_eval()
-    if last_saved[0] != step:
-        save()
-    agg.close()
-
+    step = result.position.step
     bytes_total = C.CommCounter(bytes=dict(counter.bytes)).total_bytes
     steps_this_run = max(step, 1)
     summary: dict[str, Any] = {
@@ -345,34 +271,23 @@ def train_replica(
         "num_replicas": ctx.world_size,
         "backend": ctx.backend,
         "run_dir": str(run_dir),
-        "steps": step,
-        "epochs": epoch,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
+        **summary_fields(result, task, train=train, test=test, model=model, started=started),
         "comm_bytes_per_step": bytes_total / steps_this_run,
         "restart_count": ctx.restart_count,
-        "parameters_sha256": parameters_digest(model),
     }
     if hasattr(agg, "topology"):
         summary["topology"] = agg.topology
-    if consensus:
-        summary["consensus_distance_first"] = consensus[0]
-        summary["consensus_distance_last"] = consensus[-1]
+    if engine.consensus:
+        summary["consensus_distance_first"] = engine.consensus[0]
+        summary["consensus_distance_last"] = engine.consensus[-1]
     comp = getattr(agg, "compressor", None)
     if comp is not None:
         summary["compression"] = comp.stats.as_dict()
     if ctx.world_size > 1 and strategy.aggregation.method == "ParameterServer" and aggregation is None:
-        sb = torch.tensor([float(getattr(agg, "server_bytes", 0))], dtype=torch.float64, device=device)
+        sb = torch.tensor([float(getattr(agg, "server_bytes", 0))], dtype=torch.float64, device=ctx.device)
         C.broadcast_(sb, src=0, group=ctx.group)
         summary["server_bytes_per_step"] = float(sb.item()) / steps_this_run
     if ctx.is_main:
-        final = evaluate(model, bundle.test, device=device)
-        records = [r for r in read_metrics(run_dir) if r.get("test_accuracy") is not None]
-        summary.update({
-            "test_accuracy": final["accuracy"],
-            "test_loss": final["loss"],
-            "best_test_accuracy": max((r["test_accuracy"] for r in records), default=final["accuracy"]),
-            "wall_time_s": round(time.perf_counter() - started, 3),
-        })
         write_summary(run_dir, summary)
         if plot:  # never raises: a failed plot is a warning (report.never_fails)
             report.plot_curves(run_dir, title=f"{job.run.name} (DataParallel x{ctx.world_size})")
@@ -406,9 +321,9 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     if not in_torchrun():
         # Fail before spawning anything (or touching the run folder) when the data
         # cannot feed every replica or the model cannot be built.
-        bundle = _load_data(job)
-        validate(job, num_train=len(bundle.train))
-        build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+        task, train, _ = _load_task(job)
+        validate(job, num_train=len(train))
+        task.build_model(job.model, train)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         folder.prepare()
         summary = launch(job, nprocs=strategy.num_replicas, resume=resume)
