@@ -281,10 +281,13 @@ class PopulationOptions(_Section):
     """Optimizer steps each member trains per generation (set this or epochs_per_generation)."""
     epochs_per_generation: PositiveCount | None = None
     """Epochs each member trains per generation (set this or steps_per_generation)."""
-    metric: str = "accuracy"
-    """The evaluation metric members are ranked by (e.g. ``accuracy``, ``loss``)."""
-    mode: Literal["max", "min"] = "max"
-    """Whether a larger (``max``) or smaller (``min``) metric is better."""
+    metric: str | None = None
+    """The metric members are ranked by: a metric of the task (e.g. ``accuracy``, ``loss``,
+    ``mse``) or ``train_loss``; None = the task's fitness metric (classification
+    ``accuracy``, regression ``mse``, language model ``loss``)."""
+    mode: Literal["max", "min"] | None = None
+    """Whether a larger (``max``) or smaller (``min``) metric is better; None = the task's
+    fitness mode."""
     evolve: bool = True
     """False = random search: the same population and budget without exploit/explore."""
     keep_generations: PositiveCount | None = None

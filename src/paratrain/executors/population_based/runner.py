@@ -27,6 +27,14 @@ the environment, never the job (``PARATRAIN_FAULTS``, :mod:`paratrain.training.f
 byte-identical to its file; files are written on a background thread and flushed before
 a rank reports, so a population checkpoint never names a file that is not on disk.
 
+Any :class:`~paratrain.task.Task` trains (``[task]``: classification by default,
+regression, the language model, a user's task); the fitness is ``population.metric``
+(default the task's fitness metric and mode; :mod:`.member`), every member record and the
+summary report ``test_<metric>`` for every metric of the task (the summary's for the best
+member) and the task's reference metrics (``bigram_test_loss``).
+``PARATRAIN_FAULT_KILL=0:G`` SIGKILLs rank 0 right after the population checkpoint of
+``G`` generations is on disk (first attempt only): a real stop for ``--resume`` tests.
+
 Across machines (torchrun) ``run.output_dir`` must be a filesystem all workers share,
 since members move between ranks as files; every rank checks this at start.
 
@@ -59,16 +67,21 @@ from ...training import (
     resolve_device,
     write_summary,
 )
+from ...training.faults import FAULT_ENV, maybe_kill
 from ...training.rundir import RunFolder, run_dir_of, safe_rmtree
 from .member import MemberRunner, validate_job
 from .pbt import PopulationState, ancestry, lineage_json
 from .report import plot_population
 
-__all__ = ["run", "worker_main", "validate", "num_workers", "population_path", "latest_population"]
+__all__ = ["run", "worker_main", "validate", "num_workers", "population_path", "latest_population",
+           "SUPPORTS_TASKS"]
+
+SUPPORTS_TASKS = True  # any Task: each member trains through the one loop's Trainer
 
 # ``paratrain validate`` can call this: the checks that need the model/data factories.
 validate = validate_job
 
+_NOT_TEST = frozenset({"train_loss", "steps", "batch_size"})  # member metrics not of the test set
 _POP = re.compile(r"^population-(\d{6})\.pt$")
 _TOKEN = ".pbt-run-token"
 
@@ -165,8 +178,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     generations: int = strategy.generations  # type: ignore[union-attr]
     opts = job.population
     roles = validate_job(job)
-    if ctx.rank == 0 and opts.metric in ("loss", "train_loss") and opts.mode == "max":
-        warnings.warn(f"population.metric={opts.metric!r} with mode='max' selects the highest "
+    runner = MemberRunner(job, run_dir_of(job), roles, ctx.device)
+    metric, mode = runner.metric, runner.mode
+    if ctx.rank == 0 and metric in ("loss", "train_loss") and mode == "max":
+        warnings.warn(f"population.metric={metric!r} with mode='max' selects the highest "
                       "loss; set mode='min'", stacklevel=2)
     frozen = sorted(k for k in job.search_space if roles.get(k) == "model")
     main = ctx.rank == 0
@@ -193,7 +208,6 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 metrics.truncate_after("generation", -1)
         token = uuid.uuid4().hex
         (run_dir / _TOKEN).write_text(token, encoding="utf-8")
-    runner = MemberRunner(job, run_dir, roles, ctx.device)
     mine = [i for i in range(size) if i % ctx.world_size == ctx.rank]
     runner.preload()
     per_rank: list[dict[str, float]] = []
@@ -201,7 +215,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     shared_checked = False
     bar = progress_bar(enabled=None if main else False)
     bar.start()
-    task = bar.add_task("PopulationBased", total=generations,
+    bar_task = bar.add_task("PopulationBased", total=generations,
                         completed=pop.generation if pop is not None else 0, info="")
 
     while True:
@@ -234,7 +248,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         ordered = [by_member[i] for i in range(size)]
         t = time.perf_counter()
         record = pop.advance(
-            [r["fitness"] for r in ordered], mode=opts.mode, space=job.search_space,
+            [r["fitness"] for r in ordered], mode=mode, space=job.search_space,
             exploit_strategy=strategy.exploit,  # type: ignore[union-attr]
             explore_strategy=strategy.explore,  # type: ignore[union-attr]
             evolve_now=opts.evolve and g < generations - 1, frozen=frozen,
@@ -251,15 +265,15 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             loads[r["rank"]] += r["setup_s"] + r["load_s"] + r["save_s"]
         per_rank.append({"checkpoint_s": max(loads), "train_s": sum(r["train_s"] for r in ordered),
                          "eval_s": sum(r["eval_s"] for r in ordered)})
-        best_i = pop.best(opts.mode)
-        bar.update(task, completed=pop.generation,
-                   info=f"best {opts.metric} {record['fitness'][best_i]} (member {best_i})")
+        best_i = pop.best(mode)
+        bar.update(bar_task, completed=pop.generation,
+                   info=f"best {metric} {record['fitness'][best_i]} (member {best_i})")
         copied = {c["recipient"]: c["donor"] for c in record["copies"]}
         for r in ordered:
             m = r["metrics"] or {}
             metrics.log({
                 "generation": g, "member": r["member"], "rank": r["rank"], "fitness": r["fitness"],
-                "test_accuracy": m.get("accuracy"), "test_loss": m.get("loss"),
+                **{f"test_{k}": v for k, v in m.items() if k not in _NOT_TEST},
                 "train_loss": m.get("train_loss"), "hparams": record["hparams"][r["member"]],
                 "source": r["source"], "error": r["error"],
                 "copied_from": copied.get(r["member"]),
@@ -274,10 +288,13 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         keep_from = None if opts.keep_generations is None else pop.generation - opts.keep_generations
         runner.writer.submit(
             _persist, run_dir, pop.generation,
-            json.dumps(lineage_json(pop, metric=opts.metric, mode=opts.mode), indent=1),
+            json.dumps(lineage_json(pop, metric=metric, mode=mode), indent=1),
             pop.state_dict(), keep_from,
         )
         timing["persist_s"] += time.perf_counter() - t
+        if os.environ.get(FAULT_ENV):  # a test's stop after a persisted generation
+            runner.writer.flush()
+            maybe_kill(rank=ctx.rank, step=pop.generation, restart_count=ctx.restart_count)
 
     t = time.perf_counter()
     runner.writer.flush()
@@ -288,8 +305,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         return None
     assert pop is not None
     _write_text(run_dir / "lineage.json",
-                json.dumps(lineage_json(pop, metric=opts.metric, mode=opts.mode), indent=1))
-    summary = _summary(job, pop, run_dir, ctx.world_size, started, timing, per_rank)
+                json.dumps(lineage_json(pop, metric=metric, mode=mode), indent=1))
+    summary = _summary(job, pop, run_dir, ctx.world_size, started, timing, per_rank,
+                       metric=metric, mode=mode, task=runner.task,
+                       reference=runner.reference_metrics())
     summary["restarts"] = ctx.restart_count
     write_summary(run_dir, summary)
     plot_population(run_dir / "lineage.json", run_dir / "report.png", space=job.search_space,
@@ -299,11 +318,12 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
 
 def _summary(
     job: JobConfig, pop: PopulationState, run_dir: Path, world: int, started: float,
-    timing: dict[str, float], per_rank: list[dict[str, float]],
+    timing: dict[str, float], per_rank: list[dict[str, float]], *, metric: str, mode: str,
+    task: Any, reference: dict[str, float],
 ) -> dict[str, Any]:
     opts = job.population
     last = pop.history[-1]
-    best = pop.best(opts.mode)
+    best = pop.best(mode)
     m = last["metrics"][best] or {}
     wall = time.perf_counter() - started
     ckpt = sum(p["checkpoint_s"] for p in per_rank)
@@ -314,8 +334,9 @@ def _summary(
         "population_size": pop.size,
         "generations": len(pop.history),
         "num_workers": world,
-        "metric": opts.metric,
-        "mode": opts.mode,
+        "task": str(getattr(task, "name", type(task).__name__)),
+        "metric": metric,
+        "mode": mode,
         "evolve": opts.evolve,
         "best_member": best,
         "best_fitness": last["fitness"][best],
@@ -323,8 +344,9 @@ def _summary(
         "best_hparams_text": " ".join(f"{k}={_fmt(v)}" for k, v in sorted(last["hparams"][best].items())),
         "best_schedule": ancestry(pop.history, best),
         "final_fitness": last["fitness"],
-        "test_accuracy": m.get("accuracy"),
         "test_loss": m.get("loss"),
+        **{f"test_{k}": v for k, v in m.items() if k not in _NOT_TEST},
+        **reference,
         "parameters_sha256": last["digests"][best]["end"] if "digests" in last else None,
         "copies": sum(len(r["copies"]) for r in pop.history),
         "member_steps": sum(int(m["steps"]) for r in pop.history for m in r["metrics"] if m),
