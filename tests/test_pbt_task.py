@@ -32,8 +32,8 @@ def tiny_lm_data(*, seed: int, block_size: int) -> tuple[CharBlocks, CharBlocks]
     """A slice of the shakespeare corpus (a language_model data.factory): fast tests."""
     del seed
     c = load_corpus()
-    kw = {"block_size": block_size, "vocab": c.vocab}
-    return CharBlocks(c.train[:8_000], **kw), CharBlocks(c.test[:1_500], **kw)
+    return (CharBlocks(c.train[:8_000], block_size=block_size, vocab=c.vocab),
+            CharBlocks(c.test[:1_500], block_size=block_size, vocab=c.vocab))
 
 
 PBT = {"type": "PopulationBased", "population_size": 4, "generations": 3,
@@ -152,7 +152,7 @@ def _member_and_reference(job: JobConfig, tmp_path: Path, *, reduction: str) -> 
     model = task.build_model(job.model, train)
     opt = build_optimizer(model.parameters(), job.train.optimizer, **hp)
     g = torch.Generator().manual_seed(seed_of(job.run.seed, 0, 0))
-    perm = torch.randperm(len(train), generator=g)
+    perm = torch.randperm(len(train), generator=g)  # type: ignore[arg-type]
     bs, k = job.train.batch_size, job.train.grad_accumulation
     batch = fetch_batch(train, perm[: bs * k])  # k batches of bs == one batch of k * bs
     torch.manual_seed(seed_of(job.run.seed, 0, 0, 1))
