@@ -1,7 +1,7 @@
 """ModelParallel trains any Task through the one loop (PipelineEngine).
 
-- Parity: on 2 gloo ranks, one ``forward_backward`` of the pipeline (GPipe and 1F1B,
-  uneven micro-batches) gives Local's loss and every parameter gradient on the same batch
+- Parity: on 2 gloo ranks, one ``forward_backward`` of the pipeline (GPipe and 1F1B with
+  uneven micro-batches, and the unpipelined Direct protocol) gives Local's loss and every parameter gradient on the same batch
   (rtol 1e-5, fp32) for regression (diabetes, MSE), a tiny GPT (language model) and a
   user's Task; the all-reduced ``grad_sq_norm`` (what clipping reads) is Local's whole-model
   norm. Non-vacuity: a wrong loss reduction (sum instead of mean; summed micro-batch means)
@@ -65,9 +65,11 @@ def make_seq_user_task() -> SeqUserTask:
     return SeqUserTask()
 
 
-def _pipe(mbs: int, sched: str, split: list[str]) -> dict[str, Any]:
-    return {"type": "ModelParallel",
-            "communication": {"protocol": "Pipeline", "micro_batch_size": mbs, "schedule": sched},
+def _pipe(mbs: int | None, sched: str | None, split: list[str]) -> dict[str, Any]:
+    """A 2-stage Pipeline (``sched`` None: the unpipelined Direct protocol)."""
+    comm = ({"protocol": "Direct"} if sched is None else
+            {"protocol": "Pipeline", "micro_batch_size": mbs, "schedule": sched})
+    return {"type": "ModelParallel", "communication": comm,
             "partitions": [{"node_ids": split, "target": {"WorkerId": "worker-1"}}]}
 
 
@@ -85,6 +87,7 @@ CASES = [
     ("gpt-1f1b", GPT, GPT_SPLIT, 10, 4, "1F1B", 1.0),     # 4,4,2
     ("gpt-gpipe", GPT, GPT_SPLIT, 10, 4, "GPipe", 1.0),
     ("user-1f1b", USER, USER_SPLIT, 13, 5, "1F1B", 0.25),  # an accumulation weight
+    ("gpt-direct", GPT, GPT_SPLIT, 6, None, None, 0.5),   # not pipelined: the batch whole
 ]
 
 
@@ -189,9 +192,11 @@ def test_pipeline_gradients_equal_local(pipelined: list[list[dict[str, Any]]], i
     # clipping reads the whole model's norm: both ranks hold the all-reduced sum of squares
     whole = sum(float(torch.from_numpy(g).double().pow(2).sum()) for g in ref.values())
     assert per_rank[0]["sq"] == per_rank[1]["sq"] == pytest.approx(whole, rel=1e-6)
-    m = -(-rows // mbs)
+    m = 1 if mbs is None else -(-rows // mbs)
     assert len(per_rank[0]["order"]) == 2 * m
-    if sched == "GPipe":
+    if sched is None:
+        assert per_rank[0]["order"] == ["F0", "B0"]
+    elif sched == "GPipe":
         assert per_rank[0]["order"] == [f"F{j}" for j in range(m)] + [f"B{j}" for j in range(m)]
     else:  # stage 0 of 2: one warm-up forward, then 1F1B
         assert per_rank[0]["order"][:3] == ["F0", "F1", "B0"]
