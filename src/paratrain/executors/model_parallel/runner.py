@@ -425,9 +425,17 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     trainer = Trainer(engine, opt, t, data.total_steps)
     store = _RankDirStore(run_dir / "checkpoints", ctx)
     metrics = MetricsWriter(run_dir) if ctx.rank == 0 else None
+
+    def check_state(state: dict[str, Any], source: Any) -> None:
+        if "model" not in state:  # the per-node layout of versions before the one loop
+            raise ConfigError([("run.name", (
+                f"{source} was written by an earlier paratrain (per-node ModelParallel "
+                f"checkpoints) and cannot be resumed; start the run without --resume"))])
+        checkpoint.check_resume_state(stage, opt, state, source=source)
+
     result = run_loop(
         trainer=trainer, plan=data, task=task, store=store, label="ModelParallel",
-        metrics=metrics, resume=resume, eval_every=t.eval_every,
+        metrics=metrics, resume=resume, check_state=check_state, eval_every=t.eval_every,
         checkpoint_every=job.run.checkpoint_every, rank=ctx.rank,
         restart_count=ctx.restart_count, started=started,
     )
