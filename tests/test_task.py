@@ -328,8 +328,6 @@ def test_other_strategies_refuse_non_classification_tasks(tmp_path: Path) -> Non
         ({"task": {"name": "regression"}, "data": {"name": "diabetes"}, "strategy": dp}, "task.name"),
         ({"task": {"factory": "test_task:make_user_task"}, "strategy": dp}, "task.factory"),
         ({"data": {"name": "diabetes"}, "strategy": dp}, "data.name"),
-        ({"task": {"name": "language_model"}, "data": {"name": "shakespeare"},
-          "tensor_parallel": {"tensor_parallel_size": 2}}, "task.name"),
     ):
         job = load_job(_run(tmp_path, "x", **doc))
         with pytest.raises(ConfigError, match="cannot run under|does not train") as e:

@@ -2,68 +2,64 @@
 Local strategy (``tp`` processes) or DataParallel (``tp x num_replicas`` processes, 2-D).
 
 Layout: ranks ``[d*tp, (d+1)*tp)`` form tensor-parallel group ``d`` (= data-parallel
-replica ``d``); every rank builds the same seeded full model and keeps its shard
-(:func:`paratrain.tensor_parallel.parallelize`). Each epoch the training rows are permuted
-by (seed, epoch) and replica ``d`` takes the contiguous slice ``d`` of ``N // dp`` rows; the
-ranks of one TP group see the same batches. A step is
-:func:`paratrain.tensor_parallel.train_step` (``micro_batches`` from the config; DP gradients
-averaged once per step with ``gradient_accumulation``, per micro-batch otherwise).
+replica ``d``); every rank builds the same seeded full model of the job's Task
+(``task.build_model``) and keeps its shard (:func:`paratrain.tensor_parallel.parallelize`).
+Training is the one loop (:func:`paratrain.training.loop.run_loop`) with a
+:class:`~.engine.TensorParallelEngine`: any Task, and every ``[train]`` option (lr schedule
+and warmup, clipping by the whole model's gradient norm, accumulation, bf16, weight decay).
+Each epoch the training rows are permuted by (seed, epoch); with one replica the TP group
+walks the whole permutation, replica ``d`` of ``dp`` takes ``perm[: (N // dp) * dp][d::dp]``
+(DataParallel's shard); the ranks of one TP group see the same batches, each split in
+``tensor_parallel.micro_batches`` chunks (DP gradients averaged once per step with
+``gradient_accumulation``, per micro-batch otherwise). ``train.precision = "bf16"`` runs the
+parallel layers' matmuls in bf16 as ``tensor_parallel.mixed_precision`` does.
 
-Checkpoints: each rank writes ``checkpoints/tp-rank<r>/ckpt-<step>.pt`` (its shard, its
-optimizer state, RNG, position); after a barrier rank 0 writes ``tp-complete.json``.
-``--resume`` or an elastic restart loads the agreed step everywhere. At the end the full
+Checkpoints (:class:`~paratrain.training.stores.RankStore`, prefix ``tp``): each rank writes
+``checkpoints/tp-rank<r>/ckpt-<step>.pt`` (its shard, its optimizer and lr-scheduler state,
+compression residuals, RNG, position); after a barrier rank 0 writes ``tp-complete.json``
+(``{"step", "tp", "dp"}``). ``--resume`` or an elastic restart loads the agreed step
+everywhere; a checkpoint written before the one loop still loads. At the end the full
 model is gathered and rank 0 writes ``model.pt`` (the dense state dict, loadable into the
-unsharded model) and ``summary.json`` with the tensor-parallel statistics.
+unsharded model, tied weights under each name) and ``summary.json`` with the task's test
+metrics and the tensor-parallel statistics.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from ...comm.context import WorkerContext
 from ...comm.launch import in_torchrun, launch
-from ...comm.tp_ops import (
-    broadcast_int,
-    broadcast_module_,
-    build_tp_groups,
-    world_barrier,
-    world_mean,
-)
+from ...comm.tp_ops import broadcast_module_, build_tp_groups, world_barrier
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import DataParallel, Local
 from ...config.tensor_parallel import TensorParallelismConfig
-from ...data import load_data
-from ...models import build_model
-from ...tensor_parallel import parallelize, train_step
+from ...task import Task, resolve_task
+from ...tensor_parallel import parallelize
 from ...training import (
     MetricsWriter,
     build_optimizer,
     checkpoint,
     epoch_permutation,
-    evaluate,
     prepare_run_dir,
-    read_metrics,
     report,
-    rng_state,
     seed_everything,
-    set_rng_state,
     write_summary,
 )
-from ...training.resume import agree_on_checkpoint
+from ...training.loop import DataPlan, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
+from ...training.stores import RankStore
+from .engine import TensorParallelEngine
 
-__all__ = ["run", "validate", "worker_main", "layout", "dry_run"]
+__all__ = ["run", "validate", "worker_main", "layout", "dry_run", "dp_order", "SUPPORTS_TASKS"]
 
-_MARKER = "tp-complete.json"
+SUPPORTS_TASKS = True  # any Task, through the one loop
 
 
 def layout(job: JobConfig) -> tuple[TensorParallelismConfig, int, int]:
@@ -112,8 +108,51 @@ def _compressed_dp(job: JobConfig, tpm: Any, groups: Any) -> Any:
     return agg
 
 
-def _ckpt_dir(run_dir: Path, rank: int) -> Path:
-    return run_dir / "checkpoints" / f"tp-rank{rank}"
+class _Store(RankStore):
+    """The ``tp`` RankStore; a checkpoint written before the one loop (top-level
+    ``aggregator``, no lr scheduler) loads as the constant schedule it ran with."""
+
+    def __init__(self, *args: Any, scheduler: Any = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scheduler = scheduler
+
+    def load(self) -> tuple[Path, dict[str, Any]] | None:
+        found = super().load()
+        if found is None:
+            return None
+        path, state = found
+        if "engine" not in state:
+            state["engine"] = {"aggregator": state.pop("aggregator", {})}
+        if "scheduler" not in state and self.scheduler is not None:
+            step = int(state["step"])
+            sched = dict(self.scheduler.state_dict())
+            sched.update(last_epoch=step, _step_count=step + 1,
+                         _last_lr=[float(g["lr"]) for g in state["optimizer"]["param_groups"]])
+            state["scheduler"] = sched
+        return path, state
+
+
+def _load_task(job: JobConfig) -> tuple[Task, Any, Any]:
+    task = resolve_task(job)
+    train, test = task.datasets(job.run.seed)
+    return task, train, test
+
+
+def _tp_config(job: JobConfig, cfg: TensorParallelismConfig) -> TensorParallelismConfig:
+    """``train.precision = "bf16"`` runs the parallel layers' matmuls in bf16 (forward and
+    backward, with fp32 reductions): the tensor-parallel form of autocast's nn.Linear."""
+    if job.train.precision == "bf16" and not cfg.mixed_precision:
+        return cfg.model_copy(update={"mixed_precision": True})
+    return cfg
+
+
+def dp_order(n: int, *, dp: int, replica: int, seed: int, epoch: int) -> torch.Tensor:
+    """Replica ``replica``'s rows of ``epoch``: ``perm[: (n // dp) * dp][replica::dp]``
+    (DataParallel's shard, the one loop's rule); the whole permutation for one replica."""
+    perm = epoch_permutation(n, seed=seed, epoch=epoch)
+    if dp == 1:
+        return perm
+    return perm[: (n // dp) * dp][replica::dp]
 
 
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
@@ -124,11 +163,15 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         raise ConfigError([("tensor_parallel.tensor_parallel_size",
                             f"tensor_parallel_size {tp} x {dp} replica(s) needs {tp * dp} processes "
                             f"but the process group has {ctx.world_size}")])
+    cfg = _tp_config(job, cfg)
     seed = job.run.seed
     seed_everything(seed)
     device = ctx.device
-    bundle = load_data(job.data, seed=seed)
-    model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+    task, train, test = _load_task(job)
+    n_rows = len(train)
+    if n_rows // dp == 0:
+        raise ConfigError([("strategy.num_replicas", f"{dp} replicas but only {n_rows} training rows")])
+    model = task.build_model(job.model, train)
     model.to(device)
     broadcast_module_(model)  # one full model everywhere, then each rank keeps its shard
     groups = build_tp_groups(tp, pattern=cfg.communication_pattern.value,
@@ -139,113 +182,47 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     agg = _compressed_dp(job, tpm, groups)
 
     run_dir = run_dir_of(job)
-    if ctx.is_main:
-        prepare_run_dir(job, resume=resume)
-    world_barrier()
-    metrics = MetricsWriter(run_dir) if ctx.is_main else None
-
-    x_train, y_train = bundle.train.tensors
-    n_rows = len(y_train)
-    shard = n_rows // dp
-    if shard == 0:
-        raise ConfigError([("strategy.num_replicas", f"{dp} replicas but only {n_rows} training rows")])
-    bs = job.train.batch_size
-    batches_per_epoch = math.ceil(shard / bs)
-    total_steps = job.train.epochs * batches_per_epoch
-    if job.train.max_steps is not None:
-        total_steps = min(total_steps, job.train.max_steps)
-
-    step, epoch, batch = 0, 0, 0
-    marker = run_dir / "checkpoints" / _MARKER
-    found = None
-    if resume or ctx.restart_count > 0:
-        mine = int(json.loads(marker.read_text())["step"]) if ctx.is_main and marker.exists() else None
-        found = broadcast_int(mine, device=device if ctx.backend == "nccl" else None)
-    # From the marker's step down to the newest one every rank can read (a bad file falls back).
-    agreed = agree_on_checkpoint(_ckpt_dir(run_dir, ctx.rank), found, ctx.group if ctx.world_size > 1 else None)
-    found = None if agreed is None else agreed[0]
-    if agreed is not None:
-        state = agreed[1]
-        checkpoint.check_resume_state(tpm, opt, state,
-                                      source=checkpoint.checkpoint_path(_ckpt_dir(run_dir, ctx.rank), agreed[0]))
-        tpm.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        if agg is not None:
-            agg.load_state_dict(state.get("aggregator", {}))
-        set_rng_state(state["rng"])
-        step, epoch, batch = int(state["step"]), int(state["epoch"]), int(state["batch"])
-    if metrics is not None and (resume or ctx.restart_count > 0):
-        metrics.truncate_after("step", step)
-
-    last_saved = [found]
-
-    def save() -> None:
-        d = _ckpt_dir(run_dir, ctx.rank)
-        checkpoint.save_checkpoint(checkpoint.checkpoint_path(d, step), {
-            "model": tpm.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(),
-            "step": step, "epoch": epoch, "batch": batch,
-            "aggregator": agg.state_dict() if agg is not None else {}})
-        world_barrier()
-        if ctx.is_main:
-            tmp = marker.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"step": step, "tp": tp, "dp": dp}))
-            os.replace(tmp, marker)
-        world_barrier()
-        checkpoint.prune(d)
-        last_saved[0] = step
-
-    losses: list[float] = []
-    red_dev = device if ctx.backend == "nccl" else None
-
-    def log_eval() -> dict[str, float]:
-        mean_loss = world_mean([sum(losses) / max(len(losses), 1)], red_dev)[0]
-        losses.clear()
-        ev = evaluate(tpm, bundle.test, device=device)  # collective: every rank runs it
-        if metrics is not None:
-            st = tpm.statistics()
-            metrics.log({"step": step, "epoch": epoch, "train_loss": mean_loss,
-                         "test_loss": ev["loss"], "test_accuracy": ev["accuracy"],
-                         "collectives": st["total_collectives"],
-                         "payload_bytes_measured": st["payload_bytes_measured"],
-                         "bytes_sent_modelled": st["bytes_sent_modelled"],
-                         "time_s": time.perf_counter() - started})
-        return ev
-
-    tpm.train()
-    ce, every = job.train.eval_every, job.run.checkpoint_every
+    resuming = resume or ctx.restart_count > 0
+    t = job.train
     d_index = groups.tp_index
-    loss_fn = nn.functional.cross_entropy
-    while step < total_steps and epoch < job.train.epochs:
-        perm = epoch_permutation(n_rows, seed=seed, epoch=epoch)[d_index * shard:(d_index + 1) * shard]
-        while batch < batches_per_epoch and step < total_steps:
-            idx = perm[batch * bs:(batch + 1) * bs]
-            x, y = x_train[idx].to(device), y_train[idx].to(device)
-            losses.append(train_step(tpm, x, y, loss_fn, opt, micro_batches=cfg.micro_batches))
-            step += 1
-            batch += 1
-            if batch == batches_per_epoch:
-                epoch, batch = epoch + 1, 0
-            end_of_epoch = batch == 0
-            if (ce and step % ce == 0) or (not ce and end_of_epoch):
-                log_eval()
-            if (every and step % every == 0) or (not every and end_of_epoch):
-                save()
-            if end_of_epoch:
-                break
-    if losses:
-        log_eval()
-    if last_saved[0] != step:
-        save()
+    plan = DataPlan(dataset=train,
+                    order=lambda e: dp_order(n_rows, dp=dp, replica=d_index, seed=seed, epoch=e),
+                    examples_per_epoch=n_rows if dp == 1 else n_rows // dp, batch_size=t.batch_size,
+                    accumulation=t.grad_accumulation, epochs=t.epochs, max_steps=t.max_steps,
+                    device=device)
+    engine = TensorParallelEngine(tpm, task, test, device=device, precision=t.precision,
+                                  micro_batches=cfg.micro_batches, agg=agg, is_main=ctx.is_main,
+                                  backend=ctx.backend)
+    trainer = Trainer(engine, opt, t, plan.total_steps)
+    store = _Store(run_dir, "tp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
+                   layout={"tp": tp, "dp": dp}, layout_field="tensor_parallel.tensor_parallel_size",
+                   device=device, scheduler=trainer.scheduler)
 
-    stats = tpm.statistics()
-    final = evaluate(tpm, bundle.test, device=device)
-    dense = tpm.dense_state_dict()  # collective over the TP group
-    groups.tp.close()
+    def prepare() -> None:
+        if ctx.is_main:
+            prepare_run_dir(job, resume=resuming)
+        world_barrier()
+
+    label = f"TensorParallel x{tp}" + (f" x DataParallel x{dp}" if dp > 1 else "")
+    try:
+        result = run_loop(
+            trainer=trainer, plan=plan, task=task, store=store, label=label,
+            metrics=MetricsWriter(run_dir) if ctx.is_main else None, resume=resuming,
+            prepare=prepare, eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every,
+            rank=ctx.rank, restart_count=ctx.restart_count, started=started)
+        stats = tpm.statistics()
+        dense = tpm.dense_state_dict()  # collective over the TP group
+    finally:
+        groups.tp.close()
     if not ctx.is_main:
         return None
+    buffers = {n for n, _ in tpm.module.named_buffers()}
+    num_parameters = sum(v.numel() for k, v in dense.items() if k not in buffers)
+    dense = _with_tied_names(tpm, dense)
     checkpoint.save_checkpoint(run_dir / "model.pt", dense)
-    records = [r for r in read_metrics(run_dir) if r.get("test_accuracy") is not None]
-    steps = max(step, 1)
+    steps = max(result.position.step, 1)
+    fields = summary_fields(result, task, train=train, test=test, model=None, started=started)
+    wall = fields.pop("wall_time_s")
     summary: dict[str, Any] = {
         "strategy": "TensorParallel" if dp == 1 else "TensorParallel x DataParallel",
         "tensor_parallel_size": tp,
@@ -253,12 +230,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "world_size": ctx.world_size,
         "backend": ctx.backend,
         "run_dir": str(run_dir),
-        "steps": step,
-        "epochs": epoch,
-        "num_parameters": sum(t.numel() for t in dense.values()),
-        "test_accuracy": final["accuracy"],
-        "test_loss": final["loss"],
-        "best_test_accuracy": max((r["test_accuracy"] for r in records), default=final["accuracy"]),
+        **fields,
+        "num_parameters": num_parameters,
         "communication_pattern": stats["communication_pattern"],
         **({"hierarchy": stats["hierarchy"]} if "hierarchy" in stats else {}),
         # counted at each torch.distributed call (comm/tp_ops.py CommStats): the calls and
@@ -274,7 +247,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "param_bytes_dense_measured": stats["param_bytes_dense"],
         "memory_saving_measured": stats["memory_saving"],
         "restart_count": ctx.restart_count,
-        "wall_time_s": round(time.perf_counter() - started, 3),
+        "wall_time_s": wall,
         **({"compression": agg.compressor.stats.as_dict(),
             "dp_payload_bytes_sent_per_step_measured": agg.counter.total_bytes / steps}
            if agg is not None else {}),
@@ -286,6 +259,20 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     write_summary(run_dir, summary)
     report.plot_curves(run_dir, title=f"{job.run.name} (tensor parallel x{tp}, dp x{dp})")
     return summary
+
+
+def _with_tied_names(tpm: Any, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``dense`` plus every other name of a shared (tied) parameter, so that it loads into
+    the dense model (``named_parameters`` lists a tied tensor once, ``state_dict`` under
+    each name). Tied parameters are replicated, so the gathered tensor is the tensor."""
+    first: dict[int, str] = {}
+    out = dict(dense)
+    for name, p in tpm.module.named_parameters(remove_duplicate=False):
+        if id(p) not in first:
+            first[id(p)] = name
+        elif name not in out and first[id(p)] in out:
+            out[name] = out[first[id(p)]]
+    return out
 
 
 def _digest(state: dict[str, torch.Tensor]) -> str:
@@ -306,11 +293,11 @@ def dry_run(job: JobConfig) -> None:
     from ...tensor_parallel import TensorParallelModule
 
     cfg, tp, dp = layout(job)
-    bundle = load_data(job.data, seed=job.run.seed)
-    if len(bundle.train) < dp:
+    task, train, _ = _load_task(job)
+    if len(train) < dp:
         raise ConfigError([("strategy.num_replicas",
-                            f"{dp} replicas but only {len(bundle.train)} training rows")])
-    model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+                            f"{dp} replicas but only {len(train)} training rows")])
+    model = task.build_model(job.model, train)
     comm = TPComm(None, list(range(tp)), rank=0, pattern=cfg.communication_pattern.value)
     try:
         TensorParallelModule(model, cfg, TPGroups(comm, None, tp, dp, 0))

@@ -1,0 +1,156 @@
+"""The tensor-parallel (x data-parallel) part of the one loop: :class:`TensorParallelEngine`.
+
+A batch (every rank of a TP group sees the same one) runs through the
+:class:`~paratrain.tensor_parallel.TensorParallelModule` in ``tensor_parallel.micro_batches``
+chunks, each backpropagating ``weight * (n_chunk / n) * loss(chunk)``. The layout's gradient
+reductions (sequence-parallel replicated parameters over TP, the DP average, compressed
+when ``[compression]`` is set) run once per optimizer step in :meth:`sync`, or after every
+micro-batch with ``gradient_accumulation = false`` (summed, as DDP without ``no_sync``).
+
+``grad_sq_norm`` is the squared norm of the *whole* model's gradient, the same on every
+rank: a parameter held by ``f`` of the ``tp`` ranks of a group (``f = 1`` for a column/row
+shard, ``g`` for a 2-D grid bias, ``tp`` for a replicated parameter, whose gradient is the
+same on every TP rank after the sync) adds ``||g||^2 / f`` to a sum all-reduced over the TP
+group, except replicated parameters, which every rank adds locally once. The DP replicas
+are already in sync, so no DP reduction is needed.
+
+Evaluation runs on every rank (the forward has TP collectives); rank 0 returns the metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...comm.tp_ops import world_mean
+from ...tensor_parallel import TensorParallelModule
+from ...tensor_parallel.grid import grid_steps
+from ...training.loop import Batch, LocalEngine, batch_size_of
+from ...training.stepping import autocast
+
+__all__ = ["TensorParallelEngine", "replicas_of"]
+
+
+def replicas_of(p: torch.nn.Parameter, tp: int) -> int:
+    """How many ranks of a TP group of ``tp`` hold the same tensor as this rank's ``p``."""
+    steps = grid_steps(p)
+    if steps is not None:
+        blocks = 1
+        for _, _, sizes in steps:
+            blocks *= len(sizes)
+        return max(1, tp // blocks)
+    if hasattr(p, "tp_shard_dim"):
+        return 1
+    return tp
+
+
+def _split(batch: Batch, parts: int) -> list[Batch]:
+    """``batch`` in ``parts`` row chunks (fields that are not batch-first go whole)."""
+    n = batch_size_of(batch)
+    if parts <= 1 or n <= 1:
+        return [batch]
+    cols = [torch.tensor_split(t, parts) if t.dim() > 0 and t.shape[0] == n else None
+            for t in batch]
+    return [tuple(c[i] if c is not None else t for c, t in zip(cols, batch, strict=True))
+            for i in range(parts)]
+
+
+class TensorParallelEngine(LocalEngine):
+    """One rank of a tensor-parallel (x data-parallel) job."""
+
+    def __init__(self, model: TensorParallelModule, task: Any, test: Any, *,
+                 device: torch.device, precision: str = "fp32", micro_batches: int = 1,
+                 agg: Any = None, is_main: bool = True, backend: str = "gloo") -> None:
+        super().__init__(model, task, test, device=device, precision=precision)
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1 (got {micro_batches})")
+        self.tpm = model
+        self.micro_batches = micro_batches
+        self.agg, self.is_main = agg, is_main
+        self.reduce_device = device if backend == "nccl" else None
+        self.per_micro_sync = (not model.config.gradient_accumulation) and model.needs_sync
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        self._synced: list[torch.Tensor] | None = None
+        self._used = [False] * len(self._params)
+
+    # -- gradients -------------------------------------------------------------------------
+    def forward_backward(self, batch: Batch, *, weight: float, last: bool) -> float:
+        del last
+        n = batch_size_of(batch)
+        total = 0.0
+        for chunk in _split(batch, self.micro_batches):
+            m = batch_size_of(chunk)
+            if m == 0:
+                continue
+            scale = weight * (m / n) if n else weight
+            with autocast(self.precision, self.device):
+                loss = self.task.loss(self.model(chunk[0]), chunk)
+            (loss * scale).backward() if scale != 1.0 else loss.backward()
+            total += (m / n if n else 1.0) * float(loss.detach())
+            if self.per_micro_sync:
+                self._sync_micro_batch()
+        return total
+
+    def _sync_micro_batch(self) -> None:
+        """Reduce this micro-batch's gradients now and add them to the step's sum."""
+        self.tpm.sync_gradients()
+        params = self._params
+        self._used = [u or p.grad is not None for u, p in zip(self._used, params, strict=True)]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if self._synced is None:
+            self._synced = [g.detach().clone() for g in grads]
+        else:
+            for s, g in zip(self._synced, grads, strict=True):
+                s.add_(g)
+        for p in params:
+            p.grad = None
+
+    def sync(self) -> None:
+        if not self.per_micro_sync:
+            self.tpm.sync_gradients()
+            return
+        if self._synced is not None:
+            # a parameter no micro-batch (and no replica) produced a gradient for stays None
+            for p, s, u in zip(self._params, self._synced, self._used, strict=True):
+                p.grad = s if u else None
+        self._synced, self._used = None, [False] * len(self._params)
+
+    def grad_sq_norm(self) -> float:
+        tp = self.tpm.comm.size
+        sharded = torch.zeros(1, dtype=torch.float64, device=self.device)
+        replicated = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for p in self._params:
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().double().pow(2).sum()
+            f = replicas_of(p, tp)
+            if f >= tp:
+                replicated += sq
+            else:
+                sharded += sq / f
+        if tp > 1:
+            sharded = self.tpm.comm.all_reduce(sharded)  # collective over the TP group
+        return float((sharded + replicated).item())
+
+    # -- evaluation and logging ------------------------------------------------------------
+    def evaluate(self) -> dict[str, float] | None:
+        ev = super().evaluate()  # every rank: the forward has TP collectives
+        return ev if self.is_main else None
+
+    def mean_over_ranks(self, value: float) -> float:
+        return world_mean([value], self.reduce_device)[0]
+
+    def log_extras(self) -> dict[str, Any]:
+        st = self.tpm.statistics()
+        return {"collectives": st["total_collectives"],
+                "payload_bytes_measured": st["payload_bytes_measured"],
+                "bytes_sent_modelled": st["bytes_sent_modelled"]}
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"aggregator": self.agg.state_dict() if self.agg is not None else {}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.agg is not None:
+            self.agg.load_state_dict(state.get("aggregator", {}))
