@@ -175,3 +175,47 @@ def test_killed_and_restarted_run_is_bit_identical(tmp_path: Path, monkeypatch: 
     assert "test_perplexity" in full and "bigram_test_loss" in full
     # the run learns through the schedule (warmup, cosine) with clipping and bf16
     assert full["test_loss"] < 4.2  # ln(vocab ~65) is 4.17 at chance
+
+
+def test_replication_factors_of_the_norm() -> None:
+    """What each parameter adds to the TP-group sum: a column/row shard once, a 2-D grid
+    weight once (g x g blocks), a grid bias 1/g (g blocks, held by g ranks each), a
+    replicated parameter 1/tp (counted locally instead)."""
+    from paratrain.executors.tensor_parallel.engine import replicas_of
+
+    shard, weight, bias, rep = (torch.nn.Parameter(torch.zeros(2)) for _ in range(4))
+    shard.tp_shard_dim, shard.tp_sizes = 0, [1, 1]  # type: ignore[attr-defined]
+    weight.tp_grid = [(None, 1, [3, 3]), (None, 0, [2, 2])]  # type: ignore[attr-defined]
+    bias.tp_grid = [(None, 0, [2, 2])]  # type: ignore[attr-defined]
+    assert [replicas_of(p, 4) for p in (shard, weight, bias, rep)] == [1, 1, 2, 4]
+    assert [replicas_of(p, 2) for p in (shard, rep)] == [1, 2]
+
+
+def test_a_checkpoint_from_before_the_one_loop_still_loads(tmp_path: Path) -> None:
+    """The pre-loop layout (top-level ``aggregator``, no scheduler, no losses) resumes as
+    the constant schedule it ran with: the next step's lr is the base lr."""
+    import json
+
+    from paratrain.executors.tensor_parallel.runner import _Store
+    from paratrain.training import checkpoint, rng_state
+    from paratrain.training.loop import LocalEngine, Trainer
+
+    job = load_job(_doc("regression", str(tmp_path), "old"))
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    trainer = Trainer(LocalEngine(model, None, None, device=torch.device("cpu")), opt, job.train, 10)
+    old = {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(),
+           "step": 4, "epoch": 0, "batch": 4, "aggregator": {"residual": 1}}
+    run_dir = tmp_path / "old"
+    checkpoint.save_checkpoint(checkpoint.checkpoint_path(run_dir / "checkpoints" / "tp-rank0", 4), old)
+    (run_dir / "checkpoints" / "tp-complete.json").write_text(json.dumps({"step": 4, "tp": 1, "dp": 1}))
+    store = _Store(run_dir, "tp", rank=0, world=1, group=None, layout={"tp": 1, "dp": 1},
+                   layout_field="tensor_parallel.tensor_parallel_size", scheduler=trainer.scheduler)
+    found = store.load()
+    assert found is not None
+    state = found[1]
+    assert state["engine"] == {"aggregator": {"residual": 1}} and "aggregator" not in state
+    trainer.load_state_dict(state)
+    assert trainer.scheduler.last_epoch == 4
+    trainer.scheduler.step()
+    assert opt.param_groups[0]["lr"] == 0.05
