@@ -219,3 +219,32 @@ def test_a_checkpoint_from_before_the_one_loop_still_loads(tmp_path: Path) -> No
     assert trainer.scheduler.last_epoch == 4
     trainer.scheduler.step()
     assert opt.param_groups[0]["lr"] == 0.05
+
+
+@pytest.mark.slow
+def test_a_user_task_trains_under_tp_x_dp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/user_task.py (its own Dataset, model, L1 loss, metrics) under TP 2 x DP 2 (4
+    processes): the summary has the task's metrics and beats the untrained model."""
+    from paratrain.executors import execute
+    from paratrain.task import evaluate
+    from user_task import make_task
+
+    monkeypatch.setenv("PYTHONPATH", str(HERE))
+    summary = execute(load_job({
+        "run": {"name": "user", "seed": 2, "output_dir": str(tmp_path)},
+        "task": {"factory": "user_task:make_task", "hidden": 16},
+        "train": {"epochs": 6, "batch_size": 16, "optimizer": {"name": "adam", "lr": 0.03}},
+        "strategy": {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}},
+        "tensor_parallel": {"tensor_parallel_size": 2},
+    }))
+    task = make_task(16)
+    train, test = task.datasets(2)
+    torch.manual_seed(2)
+    untrained = evaluate(task.build_model(None, train), task, test)["mae"]
+    assert summary["world_size"] == 4 and summary["task"]
+    assert {"test_loss", "test_mae", "test_rmse", "best_test_mae"} <= set(summary), summary
+    assert summary["test_mae"] < 0.6 * untrained, (summary["test_mae"], untrained)
+    # the gathered dense model is the user's model: it loads and scores the same
+    net = task.build_model(None, train)
+    net.load_state_dict(torch.load(summary["dense_model"], weights_only=True))
+    assert evaluate(net, task, test)["mae"] == pytest.approx(summary["test_mae"], rel=1e-5)
