@@ -231,9 +231,12 @@ class TrainConfig(_Section):
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     """The learning rate over the run's optimizer steps (after ``warmup_steps``): ``constant``,
     ``cosine`` (half a cosine down to 0) or ``linear`` (a straight line down to 0), as a torch
-    ``LambdaLR`` stepped once per optimizer step."""
+    ``LambdaLR`` stepped once per optimizer step. Under Federated it runs over *rounds*: every
+    client trains round ``r`` at ``lr * f(r)`` with ``T = strategy.rounds`` (constant within the
+    round); its position is part of the server checkpoint."""
     warmup_steps: Count = 0
-    """Optimizer steps of linear warm-up from lr/warmup_steps up to lr, before the schedule."""
+    """Optimizer steps of linear warm-up from lr/warmup_steps up to lr, before the schedule (under
+    Federated: rounds of warm-up)."""
     grad_clip_norm: Annotated[float, Field(gt=0.0)] | None = None
     """Clip the global L2 norm of the gradients to this (``torch.nn.utils.clip_grad_norm_``; under
     tensor or model parallelism the norm is over the whole model); None = no clipping."""
