@@ -17,7 +17,7 @@ problem found, each naming its field:
   are ``worker-0 .. worker-P`` for ``P`` partitions (one per partition plus rank 0 for
   unclaimed nodes); a ``WorkerId`` beyond those names no worker (never a larger world);
 - ``[task]``: a task other than the default classification runs under Local only
-  (:func:`paratrain.task.check_supported`), and its datasets and model build and the model
+  (:func:`paratrain.dispatch.check_supported`), and its datasets and model build and the model
   runs on two training examples (:func:`paratrain.task.preflight_task`);
 - the data and the model build with their kwargs (unknown ones name ``model.<kw>``;
   negative or zero zoo widths name the field, e.g. ``model.hidden``), the model runs a
@@ -71,12 +71,11 @@ def process_limit() -> int:
 
 def process_count(job: JobConfig) -> tuple[int, str]:
     """(worker processes the job starts, the field that sets that number)."""
-    from .executors import executor_module
+    from .dispatch import is_tensor_parallel
 
     s: Any = job.strategy
     kind = getattr(s, "type", None)
-    module = executor_module(job)
-    if module.endswith(".tensor_parallel"):
+    if is_tensor_parallel(job):
         tp = job.tensor_parallel.tensor_parallel_size if job.tensor_parallel else 1
         dp = s.num_replicas if kind == "DataParallel" else 1
         return tp * dp, "tensor_parallel.tensor_parallel_size"
@@ -111,7 +110,7 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True)
     strategy_ok = _stage(problems, _model_parallel_ids, job) and _stage(problems, _processes, job, notes)
     if imported:
         _stage(problems, _coordinator, job)
-    task_ok = _stage(problems, _task_strategy, job)  # paratrain.task.check_supported
+    task_ok = _stage(problems, _task_strategy, job)  # paratrain.dispatch.check_supported
     bundle = _stage(problems, _build, job) if imported and task_ok else None
     if bundle is not None:
         _stage(problems, _replica_rows, job, len(bundle.train))
@@ -378,17 +377,17 @@ def _one_line(msg: str, limit: int = 300) -> str:
 
 
 def _task_strategy(job: JobConfig) -> None:
-    from .task import check_supported
+    from .dispatch import check_supported
 
     check_supported(job)
 
 
 def _replica_rows(job: JobConfig, rows: int) -> None:
-    from .executors import executor_module
+    from .dispatch import is_tensor_parallel
 
     s: Any = job.strategy
     kind = getattr(s, "type", None)
-    if kind != "DataParallel" and not executor_module(job).endswith(".tensor_parallel"):
+    if kind != "DataParallel" and not is_tensor_parallel(job):
         return
     replicas = int(s.num_replicas) if kind == "DataParallel" else 1
     need = replicas * job.train.batch_size
@@ -429,7 +428,7 @@ def _federated(job: JobConfig, bundle: Any) -> None:
 
 def _executor_hook(job: JobConfig) -> None:
     """The strategy executor's own ``validate(job)``, when it has one."""
-    from .executors import executor_module
+    from .dispatch import executor_module
 
     module = importlib.import_module(executor_module(job))
     check = getattr(module, "validate", None)

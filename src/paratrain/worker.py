@@ -41,7 +41,7 @@ build_context = join_process_group
 
 def _resolve_target(job: Any, target: str | None) -> Any:
     if target is None:
-        from .executors import executor_module
+        from .dispatch import executor_module
 
         # executor_module, not EXECUTORS[type]: a Local/DataParallel job with
         # tensor_parallel_size > 1 runs on the tensor-parallel executor.

@@ -13,37 +13,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
 from ..config.job import JobConfig
+from ..dispatch import EXECUTORS, executor_module
 from .custom import register_coordinator, registered_coordinators
 
 __all__ = ["execute", "executor_module", "register_coordinator", "registered_coordinators", "EXECUTORS"]
-
-# strategy "type" -> module implementing it
-EXECUTORS: dict[str, str] = {
-    "Local": "paratrain.executors.local",
-    "DataParallel": "paratrain.executors.data_parallel.runner",
-    "ModelParallel": "paratrain.executors.model_parallel.runner",
-    "Federated": "paratrain.executors.federated",
-    "PopulationBased": "paratrain.executors.population_based.runner",
-    "Custom": "paratrain.executors.custom",
-}
-
-
-def executor_module(job: JobConfig) -> str:
-    """The module that runs ``job``: by strategy type, except that a Local or DataParallel
-    job with ``tensor_parallel_size > 1`` runs on the tensor-parallel executor."""
-    kind = str(getattr(job.strategy, "type", None))
-    tp = job.tensor_parallel
-    if tp is not None and tp.tensor_parallel_size > 1 and kind in ("Local", "DataParallel"):
-        return "paratrain.executors.tensor_parallel.runner"
-    module_name = EXECUTORS.get(kind)
-    if module_name is None:
-        raise ConfigError(
-            [("strategy.type", f"this version cannot run {kind!r}; valid: {', '.join(EXECUTORS)}")]
-        )
-    return module_name
-
 
 def execute(
     job: JobConfig, *, resume: bool = False, overwrite: bool = False, job_dir: Path | None = None

@@ -6,7 +6,7 @@ job's ``[task]`` section (:mod:`.builtin`), a user's comes from ``[task] factory
 ``paratrain.fit(task=my_task)``.
 
 An executor that trains any task says so with ``SUPPORTS_TASKS = True``
-(:func:`check_supported`).
+(:func:`paratrain.dispatch.check_supported`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .steps import evaluate, fetch_batch, train_step
 
 __all__ = [
     "Task", "TASKS", "ClassificationTask", "RegressionTask", "LanguageModelTask", "bigram_loss",
-    "resolve_task", "check_task", "check_supported", "is_default", "preflight_task", "evaluate",
+    "resolve_task", "check_task", "is_default", "preflight_task", "evaluate",
     "fetch_batch", "train_step",
 ]
 
@@ -64,31 +64,6 @@ def is_default(job: JobConfig) -> bool:
 
     return (job.task.factory is None and job.task.name == "classification"
             and job.data.name not in REGRESSION_DATASETS and job.data.name not in CORPORA)
-
-
-def check_supported(job: JobConfig) -> None:
-    """ConfigError unless ``job``'s task runs under its strategy: an executor module that
-    trains any Task through the one loop says so with ``SUPPORTS_TASKS = True``; the others
-    train only the default classification task."""
-    import importlib
-
-    from ..executors import executor_module
-
-    module = executor_module(job)
-    if getattr(importlib.import_module(module), "SUPPORTS_TASKS", False):
-        return
-    kind = str(getattr(job.strategy, "type", "?"))
-    if is_default(job):
-        return
-    where = "tensor-parallel Local" if ".tensor_parallel" in module and kind == "Local" else kind
-    if job.task.factory is not None:
-        field, what = "task.factory", f"a task factory ({job.task.factory!r})"
-    elif job.task.name != "classification":
-        field, what = "task.name", f"task.name = {job.task.name!r}"
-    else:
-        field, what = "data.name", f"data.name = {job.data.name!r} (not a classification set)"
-    raise ConfigError([(field, f"{what} cannot run under {where} in this version: it trains "
-                               "only the classification task")])
 
 
 def _one_line(msg: str, limit: int = 300) -> str:
