@@ -210,3 +210,26 @@ def test_killed_run_resumes_bit_identical_with_clip_accumulation_bf16_cosine(tmp
     torch.save(state, ck)
     bad = run_in_process(load_job(_regression(tmp_path / "bad", "r", train=train_cfg)), resume=True)
     assert bad["parameters_sha256"] != ref["parameters_sha256"]
+
+
+def test_partitions_and_target_accuracy_a_task_cannot_use_name_the_field(tmp_path: Path) -> None:
+    from paratrain.config import ConfigError
+    from paratrain.preflight import preflight
+
+    fed = {"type": "Federated", "num_clients": 4, "rounds": 1, "aggregation": {"method": "FedAvg"},
+           "client_selection": {"method": "All"}}
+    cases = [
+        ({"data": {"partition": {"method": "speaker"}}}, "data.partition", "has no speakers"),
+        ({**_regression(tmp_path, "s"), "data": {"name": "diabetes", "partition": {"method": "shards"}}},
+         "data.partition", "splits by class label"),
+        ({**_regression(tmp_path, "t"), "federated": {"target_accuracy": 0.9}},
+         "federated.target_accuracy", "no accuracy metric"),
+    ]
+    for doc, field, words in cases:
+        job = load_job({"run": {"name": "x", "output_dir": str(tmp_path)}, **doc, "strategy": fed})
+        with pytest.raises(ConfigError, match=words) as e:
+            preflight(job, warn=False)
+        assert e.value.problems[0][0] == field
+        with pytest.raises(ConfigError, match=words):
+            run_in_process(job)
+    assert not (tmp_path / "x").exists()
