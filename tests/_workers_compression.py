@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from paratrain.compression import Compressor, allreduce_compressed, ddp_hook
+from paratrain.comm.ddp_hook import allreduce_compressed, ddp_hook
+from paratrain.compression import Compressor
 
 HIDDEN = 64
 

@@ -146,7 +146,7 @@ def _hooked(strategy: dict[str, Any]) -> tuple[Any, Any, Any]:
     import torch.nn as nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from paratrain.compression import ddp_hook
+    from paratrain.comm.ddp_hook import ddp_hook
 
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(12, 8), nn.Tanh(), nn.Linear(8, 4)))

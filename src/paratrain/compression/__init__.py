@@ -39,18 +39,16 @@ Semantics in brief (algebra in each module):
 * ``CompressedTensor.from_bytes(b, max_numel=..., expect_shape=..., expect_dtype=...)``
   validates every field and raises :class:`CompressionError` (a ``ValueError``) on any
   malformed, truncated or hostile payload.
-* ``ddp_hook(strategy, model=..., seed=0)`` returns ``(state, hook)`` for
-  ``DistributedDataParallel.register_comm_hook``; it lives in
-  :mod:`paratrain.comm.ddp_hook` (the only place that calls torch.distributed) and is
-  imported on first use. ``allreduce_compressed`` there averages named tensors across
-  ranks with a Compressor (for executors that manage their own gradients).
+* ``paratrain.comm.ddp_hook.ddp_hook(strategy, model=..., seed=0)`` returns ``(state,
+  hook)`` for ``DistributedDataParallel.register_comm_hook``; it lives in ``comm/`` (the
+  only place that calls torch.distributed), which depends on this package, not the other
+  way round. ``allreduce_compressed`` there averages named tensors across ranks with a
+  Compressor (for executors that manage their own gradients).
 
 This package never calls torch.distributed and does no I/O.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from .base import CompressedTensor, CompressionError, EncodeContext, derive_seed
 from .compressor import CompressionStats, Compressor, build_codec, decompress, leaf_method
@@ -78,25 +76,5 @@ __all__ = [
     "packed_nbytes",
     "randomk_positions",
     "topk_indices",
-    "ddp_hook",
-    "allreduce_compressed",
 ]
 
-
-def ddp_hook(strategy: Any, **kwargs: Any) -> Any:
-    """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``.
-
-    See :func:`paratrain.comm.ddp_hook.ddp_hook` (imported lazily so that this package
-    stays free of torch.distributed).
-    """
-    from ..comm.ddp_hook import ddp_hook as _ddp_hook
-
-    return _ddp_hook(strategy, **kwargs)
-
-
-def allreduce_compressed(*args: Any, **kwargs: Any) -> Any:
-    """Average named tensors across ranks through a Compressor; see
-    :func:`paratrain.comm.ddp_hook.allreduce_compressed`."""
-    from ..comm.ddp_hook import allreduce_compressed as _impl
-
-    return _impl(*args, **kwargs)
