@@ -1,0 +1,352 @@
+"""The sections of a job file (``[run]``, ``[model]``, ``[data]``, ``[task]``, ``[train]``,
+``[[workers]]``, ``[comm]``, ``[federated]``, ``[population]``, ``[search_space]``), each a
+frozen pydantic model whose field docstrings are the schema's descriptions.
+
+Sections reject unknown keys (a misspelled option should not be silently ignored);
+``[model]``, ``[data]``, ``[task]`` and ``[train.optimizer]`` pass extra keys through as
+kwargs. :class:`~paratrain.config.job.JobConfig` puts them together.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ._base import Count, PositiveCount, describe_tags, register_tags
+
+__all__ = [
+    "RunConfig",
+    "ModelSpec",
+    "PartitionSpec",
+    "DataSpec",
+    "TaskSpec",
+    "OptimizerSpec",
+    "TrainConfig",
+    "WorkerSpec",
+    "CommConfig",
+    "FederatedOptions",
+    "PopulationOptions",
+    "UniformDim",
+    "LogUniformDim",
+    "IntDim",
+    "ChoiceDim",
+    "SearchDim",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=describe_tags
+    )
+
+
+class _OpenSection(BaseModel):
+    """A section whose unknown keys are kwargs for a user's factory."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="allow", use_attribute_docstrings=True, json_schema_extra=describe_tags
+    )
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class RunConfig(_Section):
+    name: str = "run"
+    """The run's name: its folder is ``output_dir/name`` (one folder name, no '/')."""
+    seed: Annotated[int, Field(ge=0, lt=2**32, strict=True)] = 0
+    """Seed of every random generator (Python, NumPy, torch); below 2**32, as NumPy and scikit-learn
+    take 32-bit seeds."""
+    output_dir: str = "runs"
+    """Folder that holds the run folders (relative paths are relative to the working directory)."""
+    max_restarts: Count = 0
+    """How many times the elastic agent restarts the worker processes after one fails; each restart
+    resumes from the last complete checkpoint."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train: ``auto`` (CUDA when available, one GPU per local rank), ``cpu`` or ``cuda``.
+    """
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: ``auto`` (NCCL on CUDA, gloo on CPU), ``gloo`` or ``nccl``."""
+    num_workers: PositiveCount | None = None
+    """Worker processes for strategies whose process count is free (Federated, PopulationBased);
+    None = the strategy's default."""
+    checkpoint_every: Count = 0
+    """Checkpoint every N optimizer steps (Local, DataParallel); 0 = once per epoch."""
+    imports: list[str] = []
+    """Modules or .py files (relative to the job file) imported before the run and in every worker,
+    e.g. to register Custom coordinators or factories."""
+    allow_oversubscribe: bool = False
+    """A job may start at most 4 worker processes per CPU core (paratrain.preflight); true lifts
+    that limit (e.g. processes that mostly wait on I/O or another machine)."""
+
+    @field_validator("name")
+    @classmethod
+    def _one_folder_name(cls, v: str) -> str:
+        """The run folder is ``output_dir/name``: ``name`` is one path component, so the
+        folder can never lie outside ``output_dir``."""
+        if not v or v in (".", "..") or "/" in v or "\\" in v or "\0" in v:
+            raise ValueError("must be one folder name inside run.output_dir (no '/', '\\', "
+                             f"'..', not empty; got {v!r})")
+        return v
+
+
+def _name_or_factory(section: str, data: Any) -> Any:
+    """A given ``factory`` means the default ``name`` is not set (TOML has no null)."""
+    if isinstance(data, dict) and data.get("factory") is not None and "name" not in data:
+        return {**data, "name": None}
+    return data
+
+
+def _one_of_name_factory(section: str, name: str | None, factory: str | None) -> None:
+    if name is not None and factory is not None:
+        raise ValueError(f"set exactly one of {section}.name or {section}.factory, not both "
+                         f"(got name = {name!r}, factory = {factory!r})")
+    if name is None and factory is None:
+        raise ValueError(f"set one of {section}.name (a built-in) or {section}.factory "
+                         "('module:function')")
+
+
+class ModelSpec(_OpenSection):
+    """A zoo ``name`` (default ``"mlp"``) or a user ``factory``; a factory replaces the
+    default name."""
+
+    name: str | None = "mlp"
+    """A model of the zoo: ``mlp``, ``cnn``, ``transformer`` or ``gpt`` (the section's other keys
+    are its arguments)."""
+    factory: str | None = None
+    """A user model instead of a zoo name: ``"module:function"`` returning an nn.Module (the
+    section's other keys are its kwargs)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _factory_drops_default_name(cls, data: Any) -> Any:
+        return _name_or_factory("model", data)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> ModelSpec:
+        _one_of_name_factory("model", self.name, self.factory)
+        return self
+
+
+class PartitionSpec(_Section):
+    """How federated clients split the training set."""
+
+    method: Literal["iid", "shards", "dirichlet", "speaker"] = "iid"
+    """How the training set is split into clients: ``iid``, ``shards`` (sorted by label, dealt in
+    shards), ``dirichlet`` (label mix per client drawn from Dirichlet(alpha)) or ``speaker`` (one
+    client per speaking role of a corpus with a speaker per example, e.g. shakespeare; LEAF's
+    natural non-IID split)."""
+    shards_per_client: PositiveCount = 2
+    """``shards``: label-sorted shards each client receives."""
+    alpha: Annotated[float, Field(gt=0.0)] = 0.5
+    """``dirichlet``: concentration; smaller is more skewed (non-IID), larger approaches IID."""
+    min_size: Count = 10
+    """``dirichlet``: each client ends with at least this many examples (moved one at a time from
+    the largest client); min_size x clients > examples is an error."""
+
+
+class DataSpec(_OpenSection):
+    """A built-in dataset ``name`` (default ``"digits"``) or a user ``factory``; a
+    factory replaces the default name."""
+
+    name: str | None = "digits"
+    """A built-in dataset: ``digits``, ``diabetes`` (regression) or the ``shakespeare`` corpus."""
+    factory: str | None = None
+    """A user dataset instead of a built-in name: ``"module:function"`` (the section's other keys
+    are its kwargs)."""
+    test_fraction: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.25
+    """Fraction of the examples held out as the test set, in (0, 1)."""
+    partition: PartitionSpec = PartitionSpec()
+    """The federated clients' split of the training set: iid, shards, dirichlet or speaker."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _factory_drops_default_name(cls, data: Any) -> Any:
+        return _name_or_factory("data", data)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> DataSpec:
+        _one_of_name_factory("data", self.name, self.factory)
+        return self
+
+
+class TaskSpec(_OpenSection):
+    """What is trained (``paratrain.task``): a built-in task ``name`` (default
+    ``"classification"``) or a user ``factory`` (``"module:function"`` returning a
+    :class:`paratrain.Task`; the section's extra keys are its kwargs). A factory replaces
+    the default name; built-in tasks take no extra keys."""
+
+    name: Literal["classification", "regression", "language_model"] | None = "classification"
+    """A built-in task: ``classification``, ``regression`` or ``language_model``."""
+    factory: str | None = None
+    """A user task instead of a built-in name: ``"module:function"`` returning a paratrain.Task (the
+    section's other keys are its kwargs)."""
+    block_size: PositiveCount = 128
+    """``language_model``: tokens per example (the context length)."""
+    stride: PositiveCount | None = None
+    """``language_model``: offset between the starts of consecutive examples; None = block_size
+    (non-overlapping windows)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _factory_drops_default_name(cls, data: Any) -> Any:
+        return _name_or_factory("task", data)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> TaskSpec:
+        _one_of_name_factory("task", self.name, self.factory)
+        if self.factory is None and self.model_extra:
+            key = sorted(self.model_extra)[0]
+            raise ValueError(f"unknown key task.{key}: built-in tasks take name, block_size, "
+                             "stride (extra keys are kwargs for a task.factory only)")
+        return self
+
+
+class OptimizerSpec(_OpenSection):
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    """The optimizer: ``sgd``, ``adam`` or ``adamw`` (the table's other keys, e.g. momentum or
+    weight_decay, are its arguments)."""
+    lr: Annotated[float, Field(gt=0.0)] = 0.1
+    """Learning rate (the peak one under a ``train.lr_schedule``)."""
+    weight_decay: Annotated[float, Field(ge=0.0)] | None = None
+    """L2 penalty (``sgd``, ``adam``) or decoupled weight decay (``adamw``), passed to the torch
+    optimizer; None = the optimizer's default (0 for sgd/adam, 0.01 for adamw)."""
+
+
+class TrainConfig(_Section):
+    epochs: Count = 10
+    """Passes over the training set."""
+    batch_size: PositiveCount = 32
+    """Examples per optimizer step in each process (each DataParallel replica takes its own batch of
+    this size)."""
+    optimizer: OptimizerSpec = OptimizerSpec()
+    """The optimizer and its arguments."""
+    eval_every: Count = 0
+    """Evaluate every N optimizer steps; 0 = at the end of every epoch."""
+    max_steps: PositiveCount | None = None
+    """Stop after this many optimizer steps; None = run all epochs."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """The learning rate over the run's optimizer steps (after ``warmup_steps``): ``constant``,
+    ``cosine`` (half a cosine down to 0) or ``linear`` (a straight line down to 0), as a torch
+    ``LambdaLR`` stepped once per optimizer step. Under Federated it runs over *rounds*: every
+    client trains round ``r`` at ``lr * f(r)`` with ``T = strategy.rounds`` (constant within the
+    round); its position is part of the server checkpoint."""
+    warmup_steps: Count = 0
+    """Optimizer steps of linear warm-up from lr/warmup_steps up to lr, before the schedule (under
+    Federated: rounds of warm-up)."""
+    grad_clip_norm: Annotated[float, Field(gt=0.0)] | None = None
+    """Clip the global L2 norm of the gradients to this (``torch.nn.utils.clip_grad_norm_``; under
+    tensor or model parallelism the norm is over the whole model); None = no clipping."""
+    grad_accumulation: PositiveCount = 1
+    """Batches (of ``batch_size`` each) whose gradients are summed, weighted by their sizes, into
+    one optimizer step: a step sees ``batch_size * grad_accumulation`` examples per process."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16`` runs forward and loss under ``torch.autocast(dtype=torch.bfloat16)`` (on CPU
+    too); parameters, gradients and optimizer state stay fp32."""
+
+
+class WorkerSpec(_Section):
+    id: str
+    """The worker's id (unique), e.g. the target of a ModelParallel partition ``{WorkerId = ...}``.
+    """
+    tags: list[str] = []
+    """Capabilities of the worker (e.g. ``gpu``), matched by ``{Tag = ...}`` targets and
+    ByCapability client selection."""
+
+
+class CommConfig(_Section):
+    bucket_size_mb: Annotated[float, Field(gt=0.0)] = 25.0
+    """AllReduce gradient bucket size in MiB (as torch DDP's bucket_cap_mb)."""
+    timeout_s: Annotated[float, Field(gt=0.0)] = 300.0
+    """Timeout in seconds of the process group's collectives, store and rendezvous."""
+    gossip_step: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    """Decentralized with compression (CHOCO-gossip): consensus step size gamma in (0, 1]; None =
+    1.0 without compression, 0.5 with it."""
+
+
+class FederatedOptions(_Section):
+    local_epochs: PositiveCount = 1
+    """Epochs each selected client trains on its data per round."""
+    batch_size: PositiveCount | None = 10
+    """Client batch size; None = the client's whole dataset as one batch (FedSGD when local_epochs =
+    1)."""
+    client_tags: dict[str, list[str]] = {}
+    """Tags per client id (``"client-3" = ["gpu"]``); clients also inherit their worker's tags."""
+    target_accuracy: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    """Stop once the global model reaches this test accuracy; None = run every round."""
+
+
+class PopulationOptions(_Section):
+    steps_per_generation: PositiveCount | None = None
+    """Optimizer steps each member trains per generation (set this or epochs_per_generation)."""
+    epochs_per_generation: PositiveCount | None = None
+    """Epochs each member trains per generation (set this or steps_per_generation)."""
+    metric: str | None = None
+    """The metric members are ranked by: a metric of the task (e.g. ``accuracy``, ``loss``,
+    ``mse``) or ``train_loss``; None = the task's fitness metric (classification
+    ``accuracy``, regression ``mse``, language model ``loss``)."""
+    mode: Literal["max", "min"] | None = None
+    """Whether a larger (``max``) or smaller (``min``) metric is better; None = the task's
+    fitness mode."""
+    evolve: bool = True
+    """False = random search: the same population and budget without exploit/explore."""
+    keep_generations: PositiveCount | None = None
+    """Keep the member checkpoints of only the newest N generations; None = all."""
+
+    @model_validator(mode="after")
+    def _one_budget(self) -> PopulationOptions:
+        if self.steps_per_generation is not None and self.epochs_per_generation is not None:
+            raise ValueError("set steps_per_generation or epochs_per_generation, not both")
+        return self
+
+
+class UniformDim(_Section):
+    type: Literal["uniform"] = "uniform"
+    low: float
+    """Lower bound of the range."""
+    high: float
+    """Upper bound of the range (greater than low)."""
+
+    @model_validator(mode="after")
+    def _order(self) -> UniformDim:
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
+        return self
+
+
+class LogUniformDim(UniformDim):
+    type: Literal["log_uniform"] = "log_uniform"  # type: ignore[assignment]
+
+    @model_validator(mode="after")
+    def _positive(self) -> LogUniformDim:
+        if self.low <= 0:
+            raise ValueError(f"log_uniform needs low > 0 (got {self.low})")
+        return self
+
+
+class IntDim(_Section):
+    type: Literal["int"] = "int"
+    low: Annotated[int, Field(strict=True)]
+    """Smallest integer drawn."""
+    high: Annotated[int, Field(strict=True)]
+    """Upper bound of the integers drawn (greater than low)."""
+
+    @model_validator(mode="after")
+    def _order(self) -> IntDim:
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
+        return self
+
+
+class ChoiceDim(_Section):
+    type: Literal["choice"] = "choice"
+    values: Annotated[list[Any], Field(min_length=1)]
+    """The values to choose from (at least one)."""
+
+
+SearchDim = Annotated[
+    UniformDim | LogUniformDim | IntDim | ChoiceDim, Field(discriminator="type")
+]
+register_tags(["uniform", "log_uniform", "int", "choice"])
