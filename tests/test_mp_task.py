@@ -254,8 +254,8 @@ def test_tied_gpt_head_split_across_stages_names_the_field() -> None:
 
 
 def test_supports_tasks_and_check_supported() -> None:
-    from paratrain.executors.model_parallel import runner
     from paratrain.dispatch import check_supported
+    from paratrain.executors.model_parallel import runner
 
     assert runner.SUPPORTS_TASKS is True
     check_supported(_job(REG, _pipe(4, "1F1B", REG_SPLIT)))
