@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from ...config.job import JobConfig
+from ...models.state import load_unique_state_dict, unique_state_dict
 from ...task.steps import fetch_batch
 from ...training import build_optimizer
 from ...training.faults import injected_faults
@@ -209,7 +210,7 @@ class ClientHost:
             )
             if not math.isfinite(loss):
                 raise FloatingPointError(f"{client_name(client)}: local loss is {loss}")
-            local = self.model.state_dict()
+            local = unique_state_dict(self.model)
             delta = {
                 k: (local[k].detach().float() - g.detach().float()).cpu()
                 for k, g in global_state.items()
@@ -231,13 +232,8 @@ class ClientHost:
 
     @torch.no_grad()
     def _load(self, global_state: Mapping[str, Tensor]) -> None:
-        """Copy the global weights into the shared model (cheaper than load_state_dict)."""
-        own = self.model.state_dict(keep_vars=True)
-        if own.keys() != global_state.keys():
-            self.model.load_state_dict(global_state)  # raises with the key differences
-            return
-        for k, t in own.items():
-            t.data.copy_(global_state[k])
+        """Copy the global weights into the shared model in place (cheaper than load_state_dict)."""
+        load_unique_state_dict(self.model, global_state)  # a tied weight is one entry
 
     # --------------------------------------------------------------- compression
 

@@ -53,6 +53,7 @@ from ...comm.federated_ops import (
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...data.partition import partition_dataset
+from ...models.state import unique_state_dict
 from ...task import resolve_task
 from ...training import (
     MetricsWriter,
@@ -199,7 +200,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     )
     precision = job.train.precision
     fit = str(task.fitness_metric)
-    template = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    # one entry per tensor: a tied weight is aggregated (and compressed) once
+    template = {k: v.detach().cpu().clone() for k, v in unique_state_dict(model).items()}
     tags = client_tags(job, ctx)
     if getattr(strat.client_selection, "method", None) == "ByCapability":
         try:  # fail before any round, naming the tags, when no client can ever match

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...models.state import load_unique_state_dict
 from ...training.stepping import autocast, lr_factor
 from .aggregation import Aggregator, MalformedUpdateError, build_aggregator
 from .client import client_name
@@ -162,7 +163,7 @@ class FederatedServer:
         """The task's metrics of the global model on ``test`` (loaded into ``model``)."""
         from ...task.steps import evaluate as evaluate_task
 
-        model.load_state_dict(self.global_state)
+        load_unique_state_dict(model, self.global_state)
         with autocast(precision, device):
             return evaluate_task(model, task, test, device=device)
 
