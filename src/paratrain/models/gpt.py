@@ -18,11 +18,11 @@ Weights are initialised as in GPT-2 / nanoGPT: normal(0, 0.02), residual project
 
 **Tied head.** With ``tie_weights`` the head's weight *is* the token embedding's Parameter
 (one tensor; ``parameters()`` lists it once, ``state_dict()`` under both names). A tie is
-shared memory, so it holds only inside one process: when ModelParallel places ``embed`` and
-``head`` on different stages, each stage keeps and trains its own copy (equal at
-initialisation, then apart), i.e. the model is untied there. Pipelines that want the exact
-untied model say so with ``tie_weights = false``. Tensor parallelism keeps the head (not an
-``nn.Linear``) and the embedding replicated, so the tie holds.
+shared memory, so it holds only inside one process: ModelParallel refuses to place ``embed``
+and ``head`` on different stages while they are tied (a ConfigError naming
+``model.tie_weights``); a split pipeline sets ``tie_weights = false``. Federated exchanges
+the tied tensor once (:mod:`paratrain.models.state`). Tensor parallelism keeps the head (not
+an ``nn.Linear``) and the embedding replicated, so the tie holds.
 """
 
 from __future__ import annotations
