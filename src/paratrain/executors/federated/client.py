@@ -240,9 +240,10 @@ class ClientHost:
     def _compressor(self, client: int, round_idx: int) -> Any:
         if self.job.compression is None or getattr(self.job.compression, "method", "None") == "None":
             return None
-        from .compress import client_compress_fn
+        from .compress import ClientCompressor
 
-        return client_compress_fn(self, client, round_idx)
+        return ClientCompressor(self.job.compression, self.codec_state, seed=self.job.run.seed,
+                                client=client, round_idx=round_idx)
 
     # ---------------------------------------------------------------- checkpoint
 

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
 from ...compression import Compressor
 
-if TYPE_CHECKING:
-    from .client import ClientHost
-
-__all__ = ["ClientCompressor", "client_compress_fn", "has_tensors"]
+__all__ = ["ClientCompressor", "has_tensors"]
 
 
 def has_tensors(state: Any) -> bool:
@@ -43,12 +40,13 @@ def _client_seed(seed: int, client: int) -> int:
 class ClientCompressor:
     """``__call__(name, tensor) -> bytes`` for one client's update; ``commit()`` keeps state."""
 
-    def __init__(self, host: ClientHost, client: int, round_idx: int) -> None:
-        self.host = host
+    def __init__(self, strategy: Any, codec_state: dict[int, Any], *, seed: int, client: int,
+                 round_idx: int) -> None:
+        self.codec_state = codec_state  # the hosting worker's, by client (saved with it)
         self.client = client
         self.round_idx = round_idx
-        self.comp = Compressor(host.job.compression, seed=_client_seed(host.job.run.seed, client))
-        state = host.codec_state.get(client)
+        self.comp = Compressor(strategy, seed=_client_seed(seed, client))
+        state = codec_state.get(client)
         if state:
             self.comp.codec.load_state_dict(state)
 
@@ -58,10 +56,6 @@ class ClientCompressor:
     def commit(self) -> None:
         state = self.comp.codec.state_dict()
         if has_tensors(state):
-            self.host.codec_state[self.client] = state
+            self.codec_state[self.client] = state
         else:
-            self.host.codec_state.pop(self.client, None)
-
-
-def client_compress_fn(host: ClientHost, client: int, round_idx: int) -> ClientCompressor:
-    return ClientCompressor(host, client, round_idx)
+            self.codec_state.pop(self.client, None)
