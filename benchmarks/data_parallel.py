@@ -70,6 +70,7 @@ def _time_steps(step_fn: Any, batches: list[Any]) -> float:
 def bench_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from paratrain.comm import buckets as B
     from paratrain.comm import collectives as C
     from paratrain.compression import Compressor
     from paratrain.executors.data_parallel.aggregation import AllReduceAgg
@@ -77,7 +78,7 @@ def bench_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     n = ctx.world_size
     steps, repeats, bs = cfg["steps"], cfg["repeats"], cfg["batch"]
-    bucket = C.bucket_bytes_of(25.0)
+    bucket = B.bucket_bytes_of(25.0)
     batches = _batches(ctx.rank, steps, bs)
     loss_fn = nn.functional.cross_entropy
 

@@ -116,7 +116,9 @@ def dp_parity(ctx: WorkerContext, tmp: str, variants: list[tuple[Any, ...]]) -> 
 
 def comm_checks(ctx: WorkerContext) -> dict[str, Any]:
     """Exercise every collective on real ranks; the parent checks the values."""
+    from paratrain.comm import buckets as B
     from paratrain.comm import collectives as C
+    from paratrain.comm import messages as M
 
     r, n = ctx.rank, ctx.world_size
     g = torch.Generator().manual_seed(100 + r)
@@ -128,9 +130,9 @@ def comm_checks(ctx: WorkerContext) -> dict[str, Any]:
           torch.randn(2, generator=g).double(), torch.randn(11, generator=g)]
     out["inputs"] = [t.tolist() for t in ts]
     small = [t.clone() for t in ts]
-    C.all_reduce_buckets(small, bucket_bytes=64, counter=counter)
+    B.all_reduce_buckets(small, bucket_bytes=64, counter=counter)
     big = [t.clone() for t in ts]
-    C.all_reduce_buckets(big, bucket_bytes=1 << 20)
+    B.all_reduce_buckets(big, bucket_bytes=1 << 20)
     out["reduced_small"] = [t.tolist() for t in small]
     out["reduced_big"] = [t.tolist() for t in big]
     out["small_calls"] = counter.calls.get("all_reduce", 0)
@@ -138,13 +140,13 @@ def comm_checks(ctx: WorkerContext) -> dict[str, Any]:
     # Overlapped reducer on a real backward equals the bucketed mean of gradients.
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
-    reducer = C.GradReducer(list(model.parameters()), bucket_bytes=48)
+    reducer = B.GradReducer(list(model.parameters()), bucket_bytes=48)
     x = torch.randn(4, 6, generator=g)
     model(x).pow(2).sum().backward()
     local = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
     reducer.finish()
     reducer.remove()
-    C.all_reduce_buckets(local, bucket_bytes=1 << 20)
+    B.all_reduce_buckets(local, bucket_bytes=1 << 20)
     out["reducer_ok"] = all(torch.allclose(p.grad, lg, rtol=1e-6, atol=1e-7)  # type: ignore[arg-type]
                             for p, lg in zip(model.parameters(), local, strict=True))
 
@@ -154,7 +156,7 @@ def comm_checks(ctx: WorkerContext) -> dict[str, Any]:
     torch.manual_seed(1)
     used, unused = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
     params = list(used.parameters()) + list(unused.parameters())
-    red = C.GradReducer(params, bucket_bytes=16, first_bucket_bytes=None)
+    red = B.GradReducer(params, bucket_bytes=16, first_bucket_bytes=None)
     used(torch.full((1, 3), float(r + 1))).sum().backward()
     red.finish()
     red.remove()
@@ -188,29 +190,29 @@ def comm_checks(ctx: WorkerContext) -> dict[str, Any]:
     # Point to point: bytes ring and a tensor.
     dst, src = (r + 1) % n, (r - 1) % n
     if r % 2 == 0:
-        C.send_bytes(f"hello from {r}".encode(), dst=dst)
-        got = C.recv_bytes(src=src)
+        M.send_bytes(f"hello from {r}".encode(), dst=dst)
+        got = M.recv_bytes(src=src)
     else:
-        got = C.recv_bytes(src=src)
-        C.send_bytes(f"hello from {r}".encode(), dst=dst)
+        got = M.recv_bytes(src=src)
+        M.send_bytes(f"hello from {r}".encode(), dst=dst)
     out["p2p"] = got.decode()
     # ...the same without a length header (the receiver knows it), and a neighbour exchange.
     msg = f"raw {r}".encode()
     if r % 2 == 0:
-        C.send_bytes(msg, dst=dst, header=False)
-        raw = C.recv_bytes(src=src, nbytes=len(f"raw {src}"))
+        M.send_bytes(msg, dst=dst, header=False)
+        raw = M.recv_bytes(src=src, nbytes=len(f"raw {src}"))
     else:
-        raw = C.recv_bytes(src=src, nbytes=len(f"raw {src}"))
-        C.send_bytes(msg, dst=dst, header=False)
+        raw = M.recv_bytes(src=src, nbytes=len(f"raw {src}"))
+        M.send_bytes(msg, dst=dst, header=False)
     out["p2p_raw"] = raw.decode()
     mine = torch.frombuffer(bytearray(b"x" * (r + 1)), dtype=torch.uint8)
-    out["exchanged"] = {j: v.decode() for j, v in C.exchange_bytes(mine, peers=sorted({dst, src})).items()}
+    out["exchanged"] = {j: v.decode() for j, v in M.exchange_bytes(mine, peers=sorted({dst, src})).items()}
     # Which entries some rank flagged (one MAX all-reduce).
     out["used"] = C.used_mask([r == 0, r == 1, False])
 
     # Broadcast of parameters.
     bt = [torch.full((3,), float(r)), torch.full((2, 2), float(r) + 1)]
-    C.broadcast_tensors(bt, src=0)
+    B.broadcast_tensors(bt, src=0)
     out["bcast"] = [t.tolist() for t in bt]
 
     # Worker identities from the job's [[workers]] table.

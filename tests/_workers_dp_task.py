@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from paratrain.comm import buckets as B
 from paratrain.comm import collectives as C
 from paratrain.comm.context import WorkerContext
 from paratrain.config import load_job
@@ -53,7 +54,7 @@ def dp_loss_and_grads(ctx: WorkerContext, doc: dict[str, Any], batch_rows: int, 
     mine = tuple(t[ctx.rank * b:(ctx.rank + 1) * b] for t in batch)
     counter = C.CommCounter()
     agg = build_aggregator("AllReduce", model, group=ctx.group, counter=counter,
-                           bucket_bytes=C.bucket_bytes_of(25.0), compressor=None, gamma=None)
+                           bucket_bytes=B.bucket_bytes_of(25.0), compressor=None, gamma=None)
     eng = DataParallelEngine(model, task, test, ctx=ctx, precision="fp32", agg=agg, counter=counter)
     loss = eng.forward_backward(mine, weight=1.0, last=True)
     eng.sync()

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from _workers_dp import comm_checks
-from paratrain.comm.collectives import make_buckets
+from paratrain.comm.buckets import make_buckets
 from paratrain.comm.context import WorkerInfo
 from paratrain.comm.groups import TOPOLOGIES, grid_shape, mixing_weights, neighbors
 from paratrain.comm.testing import run_distributed

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.comm.launch import WorkerError, _reraise, launch
+from paratrain.comm.launch import launch
+from paratrain.comm.worker_errors import WorkerError, reraise_worker_failure
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
 
@@ -82,14 +83,14 @@ def test_root_cause_prefers_the_real_error_over_peer_fallout(
             ConfigError([("strategy.num_replicas", "too many replicas (got 9)")]))
     err = ChildFailedError("worker_entry", {0: ProcessFailure(0, 1, 1, str(attempt / "0" / "error.json"))})
     with pytest.raises(ConfigError) as info:
-        _reraise(err)
+        reraise_worker_failure(err)
     assert info.value.problems == [("strategy.num_replicas", "too many replicas (got 9)")]
     _record(monkeypatch, tmp_path / "b" / "attempt_0" / "0" / "error.json", ValueError("bad shard"))
     err = ChildFailedError(
         "worker_entry", {0: ProcessFailure(0, 1, 1, str(tmp_path / "b" / "attempt_0" / "0" / "error.json"))}
     )
     with pytest.raises(WorkerError, match="rank 0 failed: ValueError: bad shard"):
-        _reraise(err)
+        reraise_worker_failure(err)
 
 
 def test_torchrun_env_runs_in_process_and_checks_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,15 +106,15 @@ def test_a_killed_worker_is_the_cause_not_the_peer_that_lost_it(
 ) -> None:
     """Rank 1 is SIGKILLed (no error file, exit -9); rank 0 then raises "connection
     reset" (an error file written first). The kill is the cause."""
-    from paratrain.comm.launch import _attempt_failures, _root
+    from paratrain.comm.worker_errors import attempt_failures, root_failure
 
     _record(monkeypatch, tmp_path / "0" / "error.json",
             RuntimeError("[pair.cc:537] Read error [127.0.0.1]:53955: Connection reset by peer"))
-    failures = _attempt_failures({0: str(tmp_path / "0" / "error.json"), 1: ""}, {0: 0, 1: 1}, {1: -9})
-    root = _root(failures)
+    failures = attempt_failures({0: str(tmp_path / "0" / "error.json"), 1: ""}, {0: 0, 1: 1}, {1: -9})
+    root = root_failure(failures)
     assert root is not None and (root.rank, root.signal) == (1, "SIGKILL")
     # The agent's own SIGTERM to a survivor is never the cause.
-    root = _root(_attempt_failures({}, {0: 0, 1: 1}, {0: -15, 1: -11}))
+    root = root_failure(attempt_failures({}, {0: 0, 1: 1}, {0: -15, 1: -11}))
     assert root is not None and (root.rank, root.signal) == (1, "SIGSEGV")
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.comm.launch import launch_config
+from paratrain.comm.rendezvous import launch_config
 from paratrain.comm.testing import free_port
 from paratrain.config import ConfigError, load_job
 

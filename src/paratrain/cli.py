@@ -98,7 +98,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     # Multi-node launch options travel to comm.launch through the environment, the
     # same way torchrun passes its own settings; checked first, so an error names the flag.
-    from .comm.launch import WorkerError, check_nodes
+    from .comm.rendezvous import check_nodes
+    from .comm.worker_errors import WorkerError
 
     try:
         check_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)

@@ -191,7 +191,7 @@ def _device(job: JobConfig) -> None:
 
 
 def _processes(job: JobConfig, notes: list[str]) -> None:
-    from .comm.launch import ENV_NNODES, in_torchrun
+    from .comm.rendezvous import ENV_NNODES, in_torchrun
 
     s: Any = job.strategy
     kind = getattr(s, "type", None)

@@ -83,7 +83,7 @@ def worker_entry(job_json: dict[str, Any], resume: bool, target: str | None = No
 
 def _write_log(job: Any, text: str) -> Path | None:
     """Append ``text`` to ``runs/<name>/worker-<RANK>.log``; the path, or None."""
-    from .comm.launch import append_worker_log
+    from .comm.worker_errors import append_worker_log
 
     rank = int(os.environ.get("RANK", "0") or 0)
     return append_worker_log(job, rank, text)
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("job", help="job file (.toml, .json, .yaml)")
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
     args = parser.parse_args(argv)
-    from .comm.launch import WorkerError
+    from .comm.worker_errors import WorkerError
     from .config import ConfigError
     from .config.job import load_job
     from .executors import execute

@@ -3,7 +3,7 @@
 - ``broadcast_(t, src, group)``: the global model (one flat tensor per dtype) from the
   server rank to every worker (``dist.broadcast``).
 - Update upload: one worker's concatenated client update payloads go to the server
-  rank with :func:`paratrain.comm.collectives.send_bytes` (``header=False``); the
+  rank with :func:`paratrain.comm.messages.send_bytes` (``header=False``); the
   receiver learns the length from the worker's status message first
   (``recv_bytes(nbytes=...)``), so it never allocates on the strength of an unchecked
   header.

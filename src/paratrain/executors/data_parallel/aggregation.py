@@ -1,7 +1,7 @@
 """How DataParallel replicas combine their work after each backward pass.
 
 * :class:`AllReduceAgg` — ``g <- (1/n) sum_r g_r``. Uncompressed: bucketed all-reduce
-  overlapped with backward (:class:`~paratrain.comm.collectives.GradReducer`), so the
+  overlapped with backward (:class:`~paratrain.comm.buckets.GradReducer`), so the
   result equals single-process SGD on the concatenated batch and torch DDP. Compressed:
   everyone computes ``(1/n) sum_r D(C(g_r))`` (Seide et al. 2014; Lin et al. 2018, "Deep
   Gradient Compression", with error feedback when configured) through
@@ -37,7 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...comm import buckets as B
 from ...comm import collectives as C
+from ...comm import messages as M
 from ...comm.ddp_hook import allreduce_compressed
 from ...comm.groups import gossip_average, mixing_weights, neighbors
 
@@ -144,9 +146,9 @@ class AllReduceAgg(Aggregator):
                  bucket_bytes: int, compressor: Any = None) -> None:
         super().__init__(model, group=group, counter=counter)
         self.compressor = compressor
-        self.reducer: C.GradReducer | None = None
+        self.reducer: B.GradReducer | None = None
         if compressor is None and self.n > 1:
-            self.reducer = C.GradReducer(
+            self.reducer = B.GradReducer(
                 [p for _, p in self.named], group=group, bucket_bytes=bucket_bytes, counter=counter,
                 grad_views=True,
             )
@@ -224,22 +226,22 @@ class ParameterServerAgg(Aggregator):
         nbytes = flat.numel() * flat.element_size()
         if self.rank != self.server:
             if self.compressor is None:
-                C.send_tensor(flat, dst=self.server, group=self.group, counter=self.counter)
+                M.send_tensor(flat, dst=self.server, group=self.group, counter=self.counter)
             else:
                 payload, _ = _encode(self.compressor, [(n, _grad_or_zeros(p)) for n, p in live])
-                C.send_bytes(payload, dst=self.server, group=self.group, counter=self.counter)
+                M.send_bytes(payload, dst=self.server, group=self.group, counter=self.counter)
                 self.compressor.step()
-            mean = C.recv_tensor(flat.shape, dtype=flat.dtype, src=self.server, group=self.group,
+            mean = M.recv_tensor(flat.shape, dtype=flat.dtype, src=self.server, group=self.group,
                                  device=flat.device)
             _set_flat_grads(live, mean)
             return
         total = flat.clone()
         workers = range(1, self.n)
         if self.compressor is None:
-            self.server_bytes += C.recv_sum_(total, srcs=workers, group=self.group)
+            self.server_bytes += M.recv_sum_(total, srcs=workers, group=self.group)
         else:
             for r in workers:
-                data = C.recv_bytes(src=r, group=self.group, max_bytes=64 * nbytes + 4096)
+                data = M.recv_bytes(src=r, group=self.group, max_bytes=64 * nbytes + 4096)
                 self.server_bytes += len(data) + 8
                 offs = 0
                 for d in _decode(self.compressor, data, live):
@@ -247,7 +249,7 @@ class ParameterServerAgg(Aggregator):
                     offs += d.numel()
             self.compressor.step()
         total.div_(self.n)
-        C.send_to_many(total, dsts=workers, group=self.group, counter=self.counter)
+        M.send_to_many(total, dsts=workers, group=self.group, counter=self.counter)
         self.server_bytes += (self.n - 1) * nbytes
         _set_flat_grads(live, total)
 
@@ -300,7 +302,7 @@ class DecentralizedAgg(Aggregator):
         self.compressor.step()
         # Lengths, then payloads, with every neighbour at once.
         limit = 64 * sum(p.numel() * p.element_size() for p in params) + 4096
-        received = C.exchange_bytes(payload, peers=nb, group=self.group, max_bytes=limit)
+        received = M.exchange_bytes(payload, peers=nb, group=self.group, max_bytes=limit)
         self.counter.add("gossip_send", len(nb) * (payload.numel() + 8))
         own = _decode(self.compressor, payload.numpy().tobytes(), self.named)
         for h, d in zip(mine, own, strict=True):

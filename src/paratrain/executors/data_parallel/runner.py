@@ -35,9 +35,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...comm import buckets as B
 from ...comm import collectives as C
 from ...comm.context import WorkerContext
-from ...comm.launch import in_torchrun, launch
+from ...comm.launch import launch
+from ...comm.rendezvous import in_torchrun
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import DataParallel
@@ -223,9 +225,9 @@ def train_replica(
     model = task.build_model(job.model, train)
     model.to(ctx.device)
     counter = C.CommCounter()
-    bucket_bytes = C.bucket_bytes_of(job.comm.bucket_size_mb)
+    bucket_bytes = B.bucket_bytes_of(job.comm.bucket_size_mb)
     # Same seed gives the same init everywhere; the broadcast makes it true for any factory.
-    C.broadcast_tensors(list(model.state_dict().values()), src=0, group=ctx.group,
+    B.broadcast_tensors(list(model.state_dict().values()), src=0, group=ctx.group,
                         bucket_bytes=bucket_bytes)
     opt = build_optimizer(model.parameters(), job.train.optimizer)
     agg: Aggregator = build_aggregator(

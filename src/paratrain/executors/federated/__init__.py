@@ -57,7 +57,8 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
 
     Data and model are built here first; this (launching) process holds the run
     folder's lock while the workers run."""
-    from ...comm.launch import in_torchrun, launch
+    from ...comm.launch import launch
+    from ...comm.rendezvous import in_torchrun
     from ...config import ConfigError
     from ...data.partition import partition_dataset
     from ...task import resolve_task

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ...comm.collectives import CommCounter, recv_bytes, send_bytes
+from ...comm.collectives import CommCounter
 from ...comm.context import WorkerContext
 from ...comm.federated_ops import (
     LocalStore,
@@ -50,6 +50,7 @@ from ...comm.federated_ops import (
     store_get_json,
     store_set_json,
 )
+from ...comm.messages import recv_bytes, send_bytes
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...data.partition import partition_dataset

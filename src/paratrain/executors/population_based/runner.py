@@ -9,7 +9,7 @@ synchronous "ready" point):
 2. every rank trains its members for the budget (``population.steps_per_generation`` or
    ``epochs_per_generation``, default one epoch), evaluates the fitness
    (``population.metric`` on the held-out set, ``mode`` max/min) and writes each member's
-   checkpoint atomically (:mod:`paratrain.executors.population_based.member`); a failing member reports
+   checkpoint atomically (:mod:`paratrain.executors.population_based.member_state`); a failing member reports
    no fitness (worst) and the generation goes on;
 3. results are gathered to rank 0, which records the generation and, unless it was the
    last, runs exploit/explore (:mod:`paratrain.executors.population_based.pbt`), then checkpoints the population
@@ -69,7 +69,8 @@ from ...training import (
 )
 from ...training.faults import FAULT_ENV, maybe_kill
 from ...training.rundir import RunFolder, run_dir_of, safe_rmtree
-from .member import MemberRunner, validate_job
+from .hyperparams import validate_job
+from .member import MemberRunner
 from .pbt import PopulationState, ancestry, lineage_json
 from .report import plot_population
 
@@ -116,7 +117,8 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
 
 def _run(job: JobConfig, *, resume: bool) -> dict[str, Any]:
     nprocs = num_workers(job)
-    from ...comm.launch import in_torchrun, launch
+    from ...comm.launch import launch
+    from ...comm.rendezvous import in_torchrun
 
     if nprocs == 1 and not in_torchrun():
         ctx = WorkerContext(rank=0, world_size=1, workers=default_workers(1, list(job.workers)))
