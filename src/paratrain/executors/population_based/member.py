@@ -16,12 +16,6 @@ the schedule's *base* learning rate: after a restore it replaces the scheduler's
 (``base_lrs``) and the group's current ``lr`` becomes ``lr x f(step)``, so an explored
 ``lr`` is never undone by the next ``scheduler.step()``.
 
-Fitness: ``population.metric`` (default the task's ``fitness_metric``, mode the task's
-``fitness_mode`` unless ``population.mode`` is set, :func:`fitness_of`), a metric of the
-task's evaluation on its test set or ``train_loss`` (the mean loss of the generation's
-steps). Every member record reports the task's metrics (``test_<metric>`` in
-``metrics.jsonl``).
-
 A member's state at the end of generation ``g`` lives in
 ``checkpoints/gen-<g>/member-<i>.pt`` (model, optimizer and lr-scheduler ``state_dict``,
 written atomically). At generation ``g + 1`` member ``i`` loads the file of its *source*:
@@ -38,24 +32,14 @@ permutation of the training set (seeded so) walked in batches of ``batch_size``,
 permutation when it runs out; each optimizer step takes the next ``grad_accumulation``
 batches.
 
-Hyperparameter roles (:func:`hyperparameter_roles`): ``batch_size``; any key of the
-optimizer's param groups (``lr``, ``momentum``, ``weight_decay``, ``betas``...); any
-keyword of the model builder/factory (e.g. the gpt's ``dropout``: applied when the
-member's model is built); any keyword of the dataset builder/factory (built-in tasks).
-Model keywords may change parameter shapes, so explore leaves them alone (they are
-sampled at the start and inherited on exploit).
+Which hyperparameters a member can carry, its fitness metric and the job checks are in
+:mod:`.hyperparams`; member files, digests and seeds in :mod:`.member_state`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import io
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,225 +49,16 @@ import torch
 from torch import nn
 
 from ...config import ConfigError
-from ...config.job import ChoiceDim, DataSpec, JobConfig, ModelSpec
-from ...data import DATASETS
-from ...models.zoo import MODELS, import_object
+from ...config.job import DataSpec, JobConfig, ModelSpec
 from ...task import Task, fetch_batch, resolve_task
 from ...training import build_optimizer, checkpoint
-from ...training.faults import FAULTS_ENV, injected_faults
+from ...training.faults import injected_faults
 from ...training.loop import LocalEngine, Trainer
 from ...training.stepping import lr_factor
-from .pbt.space import validate_space
+from .hyperparams import TRAIN_METRICS, fitness_of, unknown_metric
+from .member_state import CheckpointWriter, copy_atomic, member_path, seed_of, state_digest
 
-__all__ = [
-    "TRAIN_METRICS", "hyperparameter_roles", "task_metrics", "fitness_of", "validate_job",
-    "member_path", "state_digest", "seed_of", "MemberRunner",
-]
-
-TRAIN_METRICS = ("train_loss",)
-"""Metrics a member reports besides the task's test metrics (mean loss of its steps)."""
-_DATA_FIXED = {"seed", "test_fraction"}
-_MODEL_FIXED = {"input_shape", "num_classes"}
-
-
-def _kwargs_of(fn: Callable[..., Any], fixed: set[str]) -> tuple[set[str], bool]:
-    """Keyword names ``fn`` accepts (minus ``fixed``) and whether it takes ``**kwargs``."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return set(), True
-    names = {
-        p.name for p in params
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in fixed
-    }
-    return names, any(p.kind is p.VAR_KEYWORD for p in params)
-
-
-def hyperparameter_roles(job: JobConfig) -> tuple[dict[str, str], str | None]:
-    """``{name: role}`` for every hyperparameter a member can carry, and the role
-    (``model``/``data``) whose factory accepts any keyword (``**kwargs``), if any.
-    Roles: ``batch``, ``optimizer``, ``model``, ``data``."""
-    roles: dict[str, str] = {}
-    probe = build_optimizer([torch.zeros(1, requires_grad=True)], job.train.optimizer)
-    for k in probe.param_groups[0]:
-        if k != "params":
-            roles.setdefault(k, "optimizer")
-    roles["batch_size"] = "batch"
-    if job.model.factory is not None:
-        m_fn = import_object(job.model.factory, field="model.factory")
-    else:
-        m_fn = MODELS.get(str(job.model.name), lambda: None)
-    m_names, m_open = _kwargs_of(m_fn, _MODEL_FIXED)
-    if job.data.factory is not None:
-        d_fn = import_object(job.data.factory, field="data.factory")
-    else:
-        d_fn = DATASETS.get(str(job.data.name), lambda: None)
-    d_names, d_open = _kwargs_of(d_fn, _DATA_FIXED)
-    for k in sorted(m_names | set(job.model.kwargs)):
-        roles.setdefault(k, "model")
-    for k in sorted(d_names | set(job.data.kwargs)):
-        roles.setdefault(k, "data")
-    return roles, ("model" if m_open else "data" if d_open else None)
-
-
-def _task_name(task: Any) -> str:
-    return str(getattr(task, "name", type(task).__name__))
-
-
-def task_metrics(task: Any) -> list[str] | None:
-    """The metrics a member can be ranked by: the task's evaluation metrics (the keys its
-    ``finalize`` returns, read from ``finalize`` of empty sums) and ``train_loss``; None when
-    ``finalize`` cannot say (the first evaluation checks the metric then)."""
-    try:
-        keys = [str(k) for k in task.finalize({"count": 0.0})]
-    except Exception:  # noqa: BLE001 - a user's finalize may need real sums
-        return None
-    return [*keys, *(m for m in TRAIN_METRICS if m not in keys)]
-
-
-def _unknown_metric(metric: str, task: Any, names: list[str]) -> str:
-    return (f"{metric!r} is not a metric of the {_task_name(task)} task; valid: "
-            f"{', '.join(names)}")
-
-
-def fitness_of(job: JobConfig, task: Any) -> tuple[str, str]:
-    """``(metric, mode)`` members are ranked by: ``population.metric`` or the task's
-    ``fitness_metric``; ``population.mode`` or the task's ``fitness_mode``."""
-    opts = job.population
-    metric = opts.metric if opts.metric is not None else str(task.fitness_metric)
-    mode = opts.mode if opts.mode is not None else str(task.fitness_mode)
-    return metric, mode
-
-
-def validate_job(job: JobConfig) -> dict[str, str]:
-    """All PopulationBased checks that need the factories; returns the roles."""
-    strategy = job.strategy
-    if getattr(strategy, "type", None) != "PopulationBased":
-        raise ConfigError([("strategy.type", f"expected PopulationBased (got {strategy.type!r})")])
-    roles, open_role = hyperparameter_roles(job)
-    validate_space(job.search_space, known=roles, open_names=open_role is not None)
-    problems: list[tuple[str, str]] = []
-    task = resolve_task(job)
-    metric, _ = fitness_of(job, task)
-    names = task_metrics(task)
-    if names is not None and metric not in names:
-        problems.append(("population.metric", _unknown_metric(metric, task, names)))
-    if job.task.factory is not None:
-        for name in sorted(job.search_space):
-            if roles.get(name) == "data":
-                problems.append((f"search_space.{name}", (
-                    f"{name!r} is a keyword of the data builder, which a task.factory does not "
-                    "use (the task builds its own datasets)")))
-    n = strategy.population_size  # type: ignore[union-attr]
-    bad = sorted(i for i in injected_faults().fail_members if i >= n)
-    if bad:
-        problems.append((f"{FAULTS_ENV}.fail_members", f"member index {bad[0]} >= population_size {n}"))
-    for name in sorted(job.search_space):  # every extreme value must build an optimizer
-        if roles.get(name) != "optimizer":
-            continue
-        dim = job.search_space[name]
-        values = dim.values if isinstance(dim, ChoiceDim) else [dim.low, dim.high]
-        for v in values:
-            try:
-                build_optimizer([torch.zeros(1, requires_grad=True)], job.train.optimizer, **{name: v})
-            except ConfigError as e:
-                problems.append((f"search_space.{name}", f"{name}={v!r} is invalid: {e.problems[0][1]}"))
-                break
-    if problems:
-        raise ConfigError(problems)
-    for name in job.search_space:  # accepted by a factory's **kwargs
-        roles.setdefault(name, open_role or "model")
-    return roles
-
-
-def member_path(run_dir: str | Path, generation: int, member: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"gen-{generation:06d}" / f"member-{member:04d}.pt"
-
-
-def seed_of(*parts: int) -> int:
-    """A 63-bit seed from integers (stable across processes and Python versions)."""
-    h = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
-def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
-    """SHA-256 of the raw bytes of the model's state and the optimizer's per-parameter
-    state (momentum buffers, moments, steps), excluding param-group hyperparameters."""
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(_tensor_bytes(t))
-    state = optimizer.state_dict()["state"]
-    for k in sorted(state):
-        for name in sorted(state[k]):
-            v = state[k][name]
-            h.update(f"{k}.{name}".encode())
-            h.update(_tensor_bytes(v) if isinstance(v, torch.Tensor) else repr(v).encode())
-    return h.hexdigest()
-
-
-def _copy_atomic(src: Path, dst: Path) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-class CheckpointWriter:
-    """Atomic checkpoint files written in a background thread.
-
-    ``save`` serialises the state into memory at once (later training cannot change
-    what is written) and hands the bytes to one writer thread, which writes a temp file
-    in the target folder, fsyncs it and ``os.replace``s it into place — the same
-    guarantees as :func:`paratrain.training.checkpoint.save_checkpoint`, overlapped with
-    the next member's training. ``flush`` waits for every pending file and re-raises a
-    write error; a worker flushes before reporting its generation, so a population
-    checkpoint never refers to a member file that is not on disk.
-    """
-
-    def __init__(self) -> None:
-        from concurrent.futures import Future, ThreadPoolExecutor
-
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pbt-ckpt")
-        self._pending: list[Future[None]] = []
-
-    @staticmethod
-    def _write(path: Path, data: bytes) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-    def save(self, path: Path, state: dict[str, Any]) -> None:
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        self._pending.append(self._pool.submit(self._write, Path(path), buf.getvalue()))
-
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        """Run ``fn(*args)`` on the writer thread, after every file queued before it."""
-        self._pending.append(self._pool.submit(fn, *args))
-
-    def flush(self) -> None:
-        pending, self._pending = self._pending, []
-        for fut in pending:
-            fut.result()
+__all__ = ["MemberRunner"]
 
 
 class _Data:
@@ -472,7 +247,7 @@ class MemberRunner:
             out["eval_s"] = t3 - t2
             if self.metric not in metrics or self.metric in ("steps", "batch_size"):
                 names = [*ev, *TRAIN_METRICS]
-                raise ConfigError([("population.metric", _unknown_metric(self.metric, d.task, names))])
+                raise ConfigError([("population.metric", unknown_metric(self.metric, d.task, names))])
             out["end_digest"] = state_digest(model, opt)
             self.writer.save(path, {
                 "model": model.state_dict(), "optimizer": opt.state_dict(),
@@ -496,5 +271,5 @@ class MemberRunner:
             if source is not None:
                 src = member_path(self.run_dir, generation - 1, source)
                 if src.exists():
-                    _copy_atomic(src, path)
+                    copy_atomic(src, path)
         return out
