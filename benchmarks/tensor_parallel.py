@@ -263,9 +263,10 @@ def device_checks(device: str) -> dict[str, Any]:
     """One process on ``device``: the parallel layers (size-1 group, same autograd functions)
     vs the dense block, bf16 vs fp32, and peak memory per memory_optimization level
     (the device allocator's peak on CUDA, the saved-activation meter elsewhere)."""
-    from paratrain.comm.tp_ops import TPComm, build_tp_groups
+    from paratrain.comm.tp.comm import TPComm
+    from paratrain.comm.tp.groups import build_tp_groups
+    from paratrain.tensor_parallel.converter import Converter
     from paratrain.tensor_parallel.layers import RegionState
-    from paratrain.tensor_parallel.parallelize import _Converter
 
     dev = torch.device(device)
     model, x, _, _ = build("transformer", True)
@@ -276,7 +277,7 @@ def device_checks(device: str) -> dict[str, Any]:
     ref.square().mean().backward()
     for mp in (False, True):
         state = RegionState(compute_dtype=torch.bfloat16 if mp else None)
-        conv = _Converter(TensorParallelismConfig(mixed_precision=mp), TPComm(None, [0], rank=0), state)
+        conv = Converter(TensorParallelismConfig(mixed_precision=mp), TPComm(None, [0], rank=0), state)
         m = conv.convert(copy.deepcopy(model))
         xt = x.clone().requires_grad_(True)
         with torch.autocast(device_type=dev.type, dtype=torch.bfloat16, enabled=mp):

@@ -179,7 +179,7 @@ def _model_on(dev: torch.device) -> nn.Module:
 
 
 def tp_ranks(rank: int, world: int) -> dict[str, Any]:
-    from paratrain.comm.tp_ops import build_tp_groups
+    from paratrain.comm.tp.groups import build_tp_groups
     from paratrain.config import TensorParallelismConfig
     from paratrain.tensor_parallel import parallelize
 
@@ -247,7 +247,7 @@ def check_pipeline(n_gpus: int) -> dict[str, Any]:
 
 
 def check_bf16(n_gpus: int) -> dict[str, Any]:
-    from paratrain.comm.tp_ops import build_tp_groups
+    from paratrain.comm.tp.groups import build_tp_groups
     from paratrain.config import TensorParallelismConfig
     from paratrain.tensor_parallel import parallelize
 

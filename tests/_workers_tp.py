@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.context import WorkerContext
-from paratrain.comm.tp_ops import CommStats, build_tp_groups
+from paratrain.comm.stats import CommStats
+from paratrain.comm.tp.groups import build_tp_groups
 from paratrain.config import ConfigError, TensorParallelismConfig
 from paratrain.tensor_parallel import SelfAttention, TensorParallelModule, parallelize, train_step
 
@@ -385,12 +386,12 @@ def suite_2(ctx: WorkerContext) -> dict[str, Any]:
                                                              fusion_threshold_bytes=0)
     out["parity"]["encoder/AllReduce/High"] = parity("encoder", "AllReduce", tp,
                                                      memory_optimization="High")
-    from paratrain.comm import tp_ops
+    from paratrain.comm.tp import comm as tp_comm
 
-    saved = dict(tp_ops._NATIVE)  # the fallbacks for backends without flat collectives
-    tp_ops._NATIVE.update(all_gather=False, reduce_scatter=False)
+    saved = dict(tp_comm._NATIVE)  # the fallbacks for backends without flat collectives
+    tp_comm._NATIVE.update(all_gather=False, reduce_scatter=False)
     out["parity"]["encoder/ReduceScatter/fallback"] = parity("encoder", "ReduceScatter", tp)
-    tp_ops._NATIVE.update(saved)
+    tp_comm._NATIVE.update(saved)
     for kind in ["mlp", "attn"]:
         out["dtensor"][kind] = dtensor_parity(kind, tp)
     out["wrong"] = wrong_variant(tp)

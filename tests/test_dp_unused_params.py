@@ -266,7 +266,7 @@ def tp_dp_dead_layer(ctx: WorkerContext) -> dict[bool, dict[str, float]]:
     dead layer untouched."""
     import copy
 
-    from paratrain.comm.tp_ops import build_tp_groups
+    from paratrain.comm.tp.groups import build_tp_groups
     from paratrain.config import TensorParallelismConfig
     from paratrain.tensor_parallel import parallelize, train_step
 

@@ -68,7 +68,7 @@ def hier_worker(ctx: Any) -> dict[str, Any]:
 
     from torch import nn
 
-    from paratrain.comm.tp_ops import build_tp_groups
+    from paratrain.comm.tp.groups import build_tp_groups
     from paratrain.config import TensorParallelismConfig
     from paratrain.tensor_parallel import parallelize
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from paratrain.comm.tp_ops import TPComm, TPGroups
+from paratrain.comm.tp.comm import TPComm
+from paratrain.comm.tp.groups import TPGroups
 from paratrain.config import ConfigError, TensorParallelismConfig
 from paratrain.tensor_parallel import (
     AttentionSpec,

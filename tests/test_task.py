@@ -183,7 +183,8 @@ def test_gpt_shapes_causality_and_tied_head() -> None:
 
 
 def test_parallelize_shards_gpt_attention_and_mlp_keeps_tie() -> None:
-    from paratrain.comm.tp_ops import TPComm, TPGroups
+    from paratrain.comm.tp.comm import TPComm
+    from paratrain.comm.tp.groups import TPGroups
     from paratrain.config import TensorParallelismConfig
     from paratrain.tensor_parallel import (
         ColumnParallelLinear,

@@ -63,7 +63,7 @@ class _SumLoss:
 
 def _tp_side(kind: str, out: str, tp_conf: dict[str, Any], wrong: bool) -> dict[str, Any]:
     """This rank's TP engine on the first batch: loss, gathered gradients, grad norm."""
-    from paratrain.comm.tp_ops import build_tp_groups
+    from paratrain.comm.tp.groups import build_tp_groups
     from paratrain.executors.tensor_parallel.engine import TensorParallelEngine
     from paratrain.tensor_parallel import parallelize
     from paratrain.training import seed_everything

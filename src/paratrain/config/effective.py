@@ -122,7 +122,8 @@ def probe_tp(job: JobConfig) -> TPProbe | None:
     try:
         import torch
 
-        from ..comm.tp_ops import TPComm, TPGroups
+        from ..comm.tp.comm import TPComm
+        from ..comm.tp.groups import TPGroups
         from ..data import load_data
         from ..models import build_model
         from ..tensor_parallel import TensorParallelModule

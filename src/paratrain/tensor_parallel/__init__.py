@@ -1,7 +1,10 @@
 """Tensor parallelism: partition arithmetic, column/row parallel layers, ``parallelize``.
 
 See DESIGN §4 and Shoeybi et al. 2019 (Megatron-LM). All collectives live in
-:mod:`paratrain.comm.tp_ops`. What each TensorParallelismConfig field does:
+:mod:`paratrain.comm.tp` (the autograd operators that call them in :mod:`.autograd`);
+``parallelize`` (:mod:`.parallelize`) converts a model with the rules of :mod:`.rules` and
+:mod:`.attention_spec`, walked by :mod:`.converter`, into a :mod:`.module`
+``TensorParallelModule``. What each TensorParallelismConfig field does:
 
 - ``tensor_parallel_size``: ranks per TP group (must divide the world; the rest is DP).
 - ``partitioning_strategy``: how pairs are split (``partition_tensor`` arithmetic; see
@@ -22,6 +25,7 @@ See DESIGN §4 and Shoeybi et al. 2019 (Megatron-LM). All collectives live in
 - ``mixed_precision``: bf16 matmuls, fp32 master weights, gradients and reductions.
 """
 
+from .attention_spec import AttentionSpec, is_attention
 from .grid import GridLinear
 from .layers import (
     ColumnParallelLinear,
@@ -31,7 +35,8 @@ from .layers import (
     SelfAttention,
 )
 from .memory import ActivationMeter
-from .parallelize import AttentionSpec, TensorParallelModule, is_attention, parallelize
+from .module import TensorParallelModule
+from .parallelize import parallelize
 from .partition import (
     TensorParallelism,
     TensorPartition,

@@ -18,7 +18,8 @@ With ``p`` ranks and a dense ``Linear`` computing ``Y = X A + b`` (``A = weight.
   ``heads/p`` heads), the output projection is row-parallel. When the input is at most
   ``fusion_threshold_bytes``, q/k/v share one ``f`` (one collective instead of three).
 
-All collectives go through :mod:`paratrain.comm.tp_ops`.
+The autograd operators are in :mod:`.autograd`; their collectives are
+:class:`paratrain.comm.tp.comm.TPComm` calls.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from paratrain.comm.tp_ops import (
-    TPComm,
+from paratrain.comm.tp.comm import TPComm
+
+from .autograd import (
     column_linear,
     fused_copy_to_region,
     fused_seq_gather,
@@ -38,7 +40,6 @@ from paratrain.comm.tp_ops import (
     row_linear,
     scatter_to_region,
 )
-
 from .partition import split_sizes
 
 __all__ = [

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from .parallelize import TensorParallelModule
+from .module import TensorParallelModule
 
 __all__ = ["train_step"]
 

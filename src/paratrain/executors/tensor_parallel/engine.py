@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ...comm.tp_ops import world_mean
+from ...comm.tp.world import world_mean
 from ...tensor_parallel import TensorParallelModule
 from ...tensor_parallel.grid import grid_steps
 from ...training.loop import Batch, LocalEngine, batch_size_of

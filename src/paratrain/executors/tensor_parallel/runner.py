@@ -35,7 +35,8 @@ import torch
 
 from ...comm.context import WorkerContext
 from ...comm.launch import in_torchrun, launch
-from ...comm.tp_ops import broadcast_module_, build_tp_groups, world_barrier
+from ...comm.tp.groups import build_tp_groups
+from ...comm.tp.world import broadcast_module_, world_barrier
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import DataParallel, Local
@@ -234,7 +235,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "num_parameters": num_parameters,
         "communication_pattern": stats["communication_pattern"],
         **({"hierarchy": stats["hierarchy"]} if "hierarchy" in stats else {}),
-        # counted at each torch.distributed call (comm/tp_ops.py CommStats): the calls and
+        # counted at each torch.distributed call (comm/stats.py CommStats): the calls and
         # the bytes of the tensors this rank handed to them are measured; the bytes it puts
         # on the wire follow the ring cost model (the backend's algorithm is not visible)
         "collectives_measured": stats["collectives"],
@@ -289,7 +290,8 @@ def dry_run(job: JobConfig) -> None:
     """Shard the job's model as rank 0 would, without processes or collectives, so layout
     errors (heads not divisible, BlockWise on a square size, nothing to shard...) surface
     before anything is launched."""
-    from ...comm.tp_ops import TPComm, TPGroups
+    from ...comm.tp.comm import TPComm
+    from ...comm.tp.groups import TPGroups
     from ...tensor_parallel import TensorParallelModule
 
     cfg, tp, dp = layout(job)

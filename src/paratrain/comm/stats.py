@@ -1,0 +1,114 @@
+"""Counters and handles of the tensor-parallel collectives.
+
+:class:`CommStats` counts every torch.distributed call by type, at the call, with two byte
+figures: ``payload_bytes_measured``, the sizes of the tensors this rank hands to the calls
+(the input of an all-reduce or reduce, the shard of an all-gather, the full input of a
+reduce-scatter, the chunk of a send, the tensor of a broadcast it is the source of; receive
+buffers are not counted), and ``bytes_sent_modelled``, what this rank puts on the wire under
+the ring cost model (all_reduce 2(p-1)/p n, all_gather / reduce_scatter (p-1)/p n of the
+full tensor, broadcast / reduce (p-1)/p n, send n), since the backend's own algorithm is not
+visible from here. Point-to-point sends are the one case where both are the same measured
+count. Also the time spent waiting on communication and the compute time the layers book.
+
+:class:`Handle` is an in-flight (or already finished) collective; ``wait()`` returns its
+result and books the time spent waiting as communication time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+__all__ = ["CommStats", "Handle"]
+
+
+class CommStats:
+    """Real counters, kept at each torch.distributed call: calls by type, the payload bytes
+    this rank handed to them (measured), the bytes it sends under the ring model (modelled),
+    comm and compute time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.bytes: Counter[str] = Counter()  # ring-model wire bytes (modelled)
+        self.payload: Counter[str] = Counter()  # sizes of the tensors handed over (measured)
+        self.comm_time_s = 0.0
+        self.compute_time_s = 0.0
+        self.async_launched = 0  # collectives started without blocking (overlappable)
+
+    def record(self, kind: str, wire_bytes: float, seconds: float = 0.0, *, payload_bytes: int = 0) -> None:
+        with self._lock:
+            self.counts[kind] += 1
+            self.bytes[kind] += int(round(wire_bytes))
+            self.payload[kind] += int(payload_bytes)
+            self.comm_time_s += seconds
+
+    def launched_async(self) -> None:
+        with self._lock:
+            self.async_launched += 1
+
+    def add_comm_time(self, seconds: float) -> None:
+        with self._lock:
+            self.comm_time_s += seconds
+
+    def add_compute_time(self, seconds: float) -> None:
+        with self._lock:
+            self.compute_time_s += seconds
+
+    @property
+    def total_collectives(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def total_bytes(self) -> int:
+        """Ring-model bytes sent (modelled)."""
+        return sum(self.bytes.values())
+
+    @property
+    def total_payload_bytes(self) -> int:
+        """Bytes of the tensors handed to the calls (measured)."""
+        return sum(self.payload.values())
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "collectives": dict(self.counts),
+                "bytes_sent_by_type_modelled": dict(self.bytes),
+                "payload_bytes_by_type_measured": dict(self.payload),
+                "total_collectives": sum(self.counts.values()),
+                "bytes_sent_modelled": sum(self.bytes.values()),
+                "payload_bytes_measured": sum(self.payload.values()),
+                "communication_time_s": self.comm_time_s,
+                "computation_time_s": self.compute_time_s,
+                "async_collectives": self.async_launched,
+            }
+
+
+class Handle:
+    """An in-flight collective; ``wait()`` returns its result and books the exposed time."""
+
+    def __init__(self, stats: CommStats, *, work: Any = None, future: Future[Any] | None = None,
+                 result: Any = None, finish: Callable[[], Any] | None = None) -> None:
+        self._stats, self._work, self._future = stats, work, future
+        self._result, self._finish = result, finish
+        self._done = work is None and future is None
+
+    def wait(self) -> Any:
+        if not self._done:
+            t0 = time.perf_counter()
+            if self._work is not None:
+                self._work.wait()
+            if self._future is not None:
+                self._result = self._future.result()
+            self._stats.add_comm_time(time.perf_counter() - t0)
+            self._done = True
+        if self._finish is not None:
+            self._result, self._finish = self._finish(), None
+        return self._result

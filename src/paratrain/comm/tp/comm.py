@@ -1,0 +1,352 @@
+"""``TPComm``: the collectives of one tensor-parallel process group, each carried out with
+one communication pattern and counted in a :class:`~paratrain.comm.stats.CommStats`.
+
+A *pattern* (``TensorCommunicationPattern``) decides how the sum-all-reduce of the TP
+region is carried out; every pattern gives the same numbers (up to float summation order):
+
+- ``AllReduce``: one ``all_reduce``.
+- ``AllGather``: ``all_gather`` of the partials, then a local sum in rank order.
+- ``ReduceScatter``: ``reduce_scatter`` + ``all_gather`` (and the layers keep activations
+  sequence-sharded between blocks, see ``tensor_parallel.layers``).
+- ``PointToPoint``: a ring all-reduce made of ``isend``/``irecv`` (reduce-scatter ring then
+  all-gather ring, 2(p-1) steps).
+- ``Hierarchical``: the TP group's ranks on one host form a node (the real topology, see
+  :func:`paratrain.comm.groups.hierarchy_from_hosts`; ``LOCAL_WORLD_SIZE`` under torchrun);
+  ``reduce`` to the node leader, ``all_reduce`` among leaders, ``broadcast`` back inside the
+  node. On one host without ``LOCAL_WORLD_SIZE`` the layout is flat: one node, so a reduce
+  and a broadcast (``TPComm.hierarchy`` says ``"flat (1 host)"``).
+
+Besides the all-reduce, ``TPComm`` offers all-gather and reduce-scatter along any dim with
+per-rank lengths that may differ (padded to the longest), a broadcast, and a coalesced
+in-place all-reduce of many gradients (packed up to ``fusion_threshold_bytes``). Every call
+records its kind, payload and ring-model bytes at the call (see :mod:`paratrain.comm.stats`).
+The autograd operators that call these live in :mod:`paratrain.tensor_parallel.autograd`;
+the groups are built by :func:`paratrain.comm.tp.groups.build_tp_groups`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..stats import CommStats, Handle
+
+__all__ = ["PATTERNS", "TPComm"]
+
+PATTERNS = ("AllReduce", "AllGather", "ReduceScatter", "PointToPoint", "Hierarchical")
+
+
+# Newer torch names these ``*_single``; older ones ``*_tensor``; older gloo builds have
+# neither collective, so the fallbacks below use list all-gather / all-reduce + slice.
+_AG = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+_RS = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+_NATIVE = {"all_gather": _AG is not None, "reduce_scatter": _RS is not None}
+
+
+def _all_gather_flat(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool) -> Any:
+    """``out`` = concatenation of every rank's ``x`` along dim 0."""
+    if _NATIVE["all_gather"]:
+        try:
+            return _AG(out, x, group=group, async_op=async_op)  # type: ignore[misc]
+        except (RuntimeError, NotImplementedError):  # backend without the flat form
+            _NATIVE["all_gather"] = False
+    parts = list(out.chunk(dist.get_world_size(group)))
+    work = dist.all_gather(parts, x, group=group, async_op=async_op)
+    return work
+
+
+def _reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
+    """``out`` = this rank's chunk (dim 0) of the sum of every rank's ``inp``."""
+    if _NATIVE["reduce_scatter"]:
+        try:
+            return _RS(out, inp, group=group, async_op=async_op)  # type: ignore[misc]
+        except (RuntimeError, NotImplementedError):  # e.g. gloo without reduce_scatter
+            _NATIVE["reduce_scatter"] = False
+    full = inp.clone()
+    dist.all_reduce(full, group=group)
+    out.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+    return None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class _Hier:
+    intra: Any  # process group of my node
+    intra_ranks: list[int]
+    inter: Any | None  # leaders' group (only on leaders, None if a single node)
+    leader: int  # global rank of my node's leader
+    layout: str = ""  # e.g. "flat (1 host)", "2 local groups of 2 (2 hosts)"
+
+
+class TPComm:
+    """Collectives over one process group, carried out with one communication pattern.
+
+    ``group=None`` with ``size == 1`` is the single-process case: every op is the identity.
+    """
+
+    def __init__(self, group: Any, ranks: Sequence[int], *, rank: int, pattern: str = "AllReduce",
+                 async_op: bool = True, fusion_threshold_bytes: int = 0,
+                 stats: CommStats | None = None, hier: _Hier | None = None) -> None:
+        if pattern not in PATTERNS:
+            raise ValueError(f"unknown communication pattern {pattern!r}; valid: {PATTERNS}")
+        self.group, self.ranks = group, list(ranks)
+        self.size = len(self.ranks)
+        self.global_rank = rank
+        self.rank = self.ranks.index(rank)
+        self.pattern, self.async_op = pattern, async_op
+        self.fusion_threshold_bytes = fusion_threshold_bytes
+        self.stats = stats if stats is not None else CommStats()
+        self._hier = hier
+        self.hierarchy = hier.layout if hier is not None else None
+        self._pool: ThreadPoolExecutor | None = None
+
+    # -- primitive calls (each records itself) ------------------------------------------
+    def _timed(self, kind: str, wire: float, fn: Callable[[], Any], payload: int = 0) -> Any:
+        t0 = time.perf_counter()
+        out = fn()
+        self.stats.record(kind, wire, time.perf_counter() - t0, payload_bytes=payload)
+        return out
+
+    def _native_all_reduce(self, t: torch.Tensor, group: Any, p: int, async_op: bool = False) -> Any:
+        wire = 2 * (p - 1) / p * _nbytes(t)
+        if async_op:
+            self.stats.record("all_reduce", wire, payload_bytes=_nbytes(t))
+            self.stats.launched_async()
+            return dist.all_reduce(t, group=group, async_op=True)
+        return self._timed("all_reduce", wire, lambda: dist.all_reduce(t, group=group), _nbytes(t))
+
+    def _gather_padded(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None,
+                       async_op: bool = False) -> Handle:
+        """All-gather along ``dim``; ``sizes`` are the per-rank lengths (may differ)."""
+        p = self.size
+        sizes = list(sizes) if sizes is not None else [t.shape[dim]] * p
+        if sizes[self.rank] != t.shape[dim]:
+            raise ValueError(f"rank {self.rank}: local length {t.shape[dim]} != {sizes[self.rank]}")
+        m = max(sizes)
+        x = t.movedim(dim, 0)
+        if x.shape[0] < m:
+            x = torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
+        x = x.contiguous()
+        out = x.new_empty((p * m, *x.shape[1:]))
+        wire = (p - 1) * _nbytes(x)
+
+        def finish() -> torch.Tensor:
+            parts = [out[i * m: i * m + sizes[i]] for i in range(p)]
+            return torch.cat(parts).movedim(0, dim).contiguous()
+
+        if async_op:
+            self.stats.record("all_gather", wire, payload_bytes=_nbytes(x))
+            self.stats.launched_async()
+            work = _all_gather_flat(out, x, self.group, True)
+            return Handle(self.stats, work=work, finish=finish)
+        self._timed("all_gather", wire, lambda: _all_gather_flat(out, x, self.group, False), _nbytes(x))
+        return Handle(self.stats, finish=finish)
+
+    def _reduce_scatter_padded(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None,
+                               async_op: bool = False) -> Handle:
+        p = self.size
+        n = t.shape[dim]
+        sizes = list(sizes) if sizes is not None else _ceil_sizes(n, p)
+        if sum(sizes) != n:
+            raise ValueError(f"reduce_scatter sizes {sizes} do not add up to {n}")
+        m = max(sizes)
+        x = t.movedim(dim, 0)
+        chunks, start = [], 0
+        for s in sizes:
+            c = x[start:start + s]
+            if s < m:
+                c = torch.cat([c, c.new_zeros((m - s, *c.shape[1:]))])
+            chunks.append(c)
+            start += s
+        inp = torch.cat(chunks).contiguous()
+        out = inp.new_empty((m, *inp.shape[1:]))
+        wire = (p - 1) * _nbytes(out)
+        mine = sizes[self.rank]
+
+        def finish() -> torch.Tensor:
+            return out[:mine].movedim(0, dim).contiguous()
+
+        if async_op:
+            self.stats.record("reduce_scatter", wire, payload_bytes=_nbytes(inp))
+            self.stats.launched_async()
+            work = _reduce_scatter_flat(out, inp, self.group, True)
+            return Handle(self.stats, work=work, finish=finish)
+        self._timed("reduce_scatter", wire,
+                    lambda: _reduce_scatter_flat(out, inp, self.group, False), _nbytes(inp))
+        return Handle(self.stats, finish=finish)
+
+    def _ring_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        p, r = self.size, self.rank
+        flat = t.reshape(-1).clone()
+        sizes = _ceil_sizes(flat.numel(), p)
+        starts = [sum(sizes[:i]) for i in range(p)]
+        chunk = [flat[starts[i]: starts[i] + sizes[i]] for i in range(p)]
+        right, left = self.ranks[(r + 1) % p], self.ranks[(r - 1) % p]
+
+        def exchange(send_i: int, recv_i: int, accumulate: bool) -> None:
+            buf = torch.empty_like(chunk[recv_i])
+            t0 = time.perf_counter()
+            ops = []
+            if chunk[send_i].numel():
+                ops.append(dist.P2POp(dist.isend, chunk[send_i].contiguous(), right, self.group))
+            if buf.numel():
+                ops.append(dist.P2POp(dist.irecv, buf, left, self.group))
+            if ops:
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+            dt = time.perf_counter() - t0
+            if chunk[send_i].numel():
+                self.stats.record("send", _nbytes(chunk[send_i]), dt,
+                                  payload_bytes=_nbytes(chunk[send_i]))
+            if buf.numel():
+                self.stats.record("recv", 0)
+            if accumulate:
+                chunk[recv_i].add_(buf)
+            else:
+                chunk[recv_i].copy_(buf)
+
+        for s in range(p - 1):
+            exchange((r - s) % p, (r - s - 1) % p, True)
+        for s in range(p - 1):
+            exchange((r - s + 1) % p, (r - s) % p, False)
+        return flat.view_as(t)
+
+    def _hier_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        h = self._hier
+        assert h is not None
+        out = t.clone()
+        q = len(h.intra_ranks)
+        if q > 1:
+            self._timed("reduce", (q - 1) / q * _nbytes(out),
+                        lambda: dist.reduce(out, dst=h.leader, group=h.intra), _nbytes(out))
+        if h.inter is not None:
+            n_lead = dist.get_world_size(h.inter)
+            self._native_all_reduce(out, h.inter, n_lead)
+        if q > 1:
+            self._timed("broadcast", (q - 1) / q * _nbytes(out),
+                        lambda: dist.broadcast(out, src=h.leader, group=h.intra),
+                        _nbytes(out) if self.global_rank == h.leader else 0)
+        return out
+
+    def _all_reduce_now(self, t: torch.Tensor) -> torch.Tensor:
+        if self.pattern == "AllReduce":
+            out = t.clone()
+            self._native_all_reduce(out, self.group, self.size)
+            return out
+        if self.pattern == "AllGather":
+            g = self._gather_padded(t.unsqueeze(0), 0, None).wait()
+            return g.sum(0)
+        if self.pattern == "ReduceScatter":
+            flat = t.reshape(-1)
+            sizes = _ceil_sizes(flat.numel(), self.size)
+            part = self._reduce_scatter_padded(flat, 0, sizes).wait()
+            return self._gather_padded(part, 0, sizes).wait().view_as(t)
+        if self.pattern == "PointToPoint":
+            return self._ring_all_reduce(t)
+        return self._hier_all_reduce(t)
+
+    # -- public API -------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the group with this comm's pattern (out of place)."""
+        if self.size == 1:
+            return t
+        return self._all_reduce_now(t)
+
+    def all_reduce_async(self, t: torch.Tensor) -> Handle:
+        """Start a sum-all-reduce; overlaps with the caller's work when ``async_op``."""
+        if self.size == 1:
+            return Handle(self.stats, result=t)
+        if not self.async_op:
+            return Handle(self.stats, result=self._all_reduce_now(t))
+        if self.pattern == "AllReduce":
+            out = t.clone()
+            work = self._native_all_reduce(out, self.group, self.size, async_op=True)
+            return Handle(self.stats, work=work, result=out)
+        if self._pool is None:  # composite patterns run on one helper thread, in order
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp-comm")
+        self.stats.launched_async()
+        return Handle(self.stats, future=self._pool.submit(self._all_reduce_now, t))
+
+    def all_gather(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None = None,
+                   *, async_op: bool = False) -> Handle:
+        if self.size == 1:
+            return Handle(self.stats, result=t)
+        return self._gather_padded(t, dim, sizes, async_op=async_op and self.async_op)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None = None,
+                       *, async_op: bool = False) -> Handle:
+        if self.size == 1:
+            return Handle(self.stats, result=t)
+        return self._reduce_scatter_padded(t, dim, sizes, async_op=async_op and self.async_op)
+
+    def broadcast_(self, t: torch.Tensor, src_index: int = 0) -> torch.Tensor:
+        """In-place broadcast from the member at group index ``src_index``."""
+        if self.size > 1:
+            self._timed("broadcast", (self.size - 1) / self.size * _nbytes(t),
+                        lambda: dist.broadcast(t, src=self.ranks[src_index], group=self.group),
+                        _nbytes(t) if self.rank == src_index else 0)
+        return t
+
+    def all_reduce_coalesced_(self, tensors: Sequence[torch.Tensor], *, average: bool = False) -> int:
+        """Sum (or average) ``tensors`` in place over the group with native all-reduces.
+
+        Tensors smaller than ``fusion_threshold_bytes`` are packed into flat buffers of at
+        most that size (one collective per buffer); larger ones go alone. With
+        ``async_op`` all buckets are in flight at once. Returns the number of collectives.
+        """
+        if self.size == 1 or not tensors:
+            return 0
+        thr = self.fusion_threshold_bytes
+        buckets: list[list[torch.Tensor]] = []
+        cur: list[torch.Tensor] = []
+        cur_bytes = 0
+        for t in tensors:
+            b = _nbytes(t)
+            if b >= thr or thr == 0:
+                buckets.append([t])
+                continue
+            if cur and (cur_bytes + b > thr or cur[0].dtype != t.dtype):
+                buckets.append(cur)
+                cur, cur_bytes = [], 0
+            cur.append(t)
+            cur_bytes += b
+        if cur:
+            buckets.append(cur)
+        pending: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
+        for bucket in buckets:
+            flat = (bucket[0].reshape(-1).clone() if len(bucket) == 1
+                    else torch.cat([t.reshape(-1) for t in bucket]))
+            work = self._native_all_reduce(flat, self.group, self.size, async_op=self.async_op)
+            pending.append((bucket, flat, work))
+        t0 = time.perf_counter()
+        for bucket, flat, work in pending:
+            if self.async_op:
+                work.wait()
+            if average:
+                flat.div_(self.size)
+            off = 0
+            for t in bucket:
+                t.copy_(flat[off: off + t.numel()].view_as(t))
+                off += t.numel()
+        if self.async_op:
+            self.stats.add_comm_time(time.perf_counter() - t0)
+        return len(buckets)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _ceil_sizes(n: int, p: int) -> list[int]:
+    per = -(-n // p) if n else 0
+    return [max(0, min(per, n - i * per)) for i in range(p)]

@@ -1,0 +1,81 @@
+"""The process groups of 2-D tensor parallelism (``BlockWise`` with ``tp = g^2``).
+
+With ``tp = g^2`` ranks in a TP group, TP-local index ``t = i g + j`` sits at grid row
+``i`` and grid column ``j``; its row group is ``R_i = {(i, *)}`` and its column group
+``C_j = {(*, j)}`` (group-local index ``j`` in ``R_i``, ``i`` in ``C_j``).
+:func:`build_grid` creates every row and column group (a collective over the world) and
+returns this rank's pair as :class:`GridComms`; :func:`grid_sizes` is the ceil-sized split
+of a dimension over ``g`` grid slots. The 2-D linear layer and the region entry/exit that
+run collectives on these groups are in :mod:`paratrain.tensor_parallel.grid`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+
+from .comm import TPComm
+
+__all__ = ["GridComms", "build_grid", "grid_sizes"]
+
+
+class GridComms:
+    """The row and column communicators of this rank's grid position."""
+
+    def __init__(self, row: TPComm, col: TPComm, g: int) -> None:
+        self.row, self.col, self.g = row, col, g
+
+    @property
+    def i(self) -> int:
+        """Grid row (the index in the column group)."""
+        return self.col.rank
+
+    @property
+    def j(self) -> int:
+        """Grid column (the index in the row group)."""
+        return self.row.rank
+
+
+def grid_sizes(n: int, g: int) -> list[int]:
+    """Ceil-sized chunk lengths of ``n`` over ``g`` grid slots (zeros at the end)."""
+    per = -(-n // g) if n else 0
+    return [max(0, min(per, n - k * per)) for k in range(g)]
+
+
+def build_grid(tp: TPComm) -> GridComms:
+    """Row and column groups of every TP group (collective over the world when a process
+    group is initialised: every rank creates every sub-group, in the same order).
+
+    TP groups are the consecutive rank blocks of :func:`~.groups.build_tp_groups`. Without
+    a process group (a dry run), the comms have no group and only their indices matter.
+    """
+    p = tp.size
+    g = math.isqrt(p)
+    if g * g != p:
+        raise ValueError(f"a 2-D grid needs a perfect-square TP size (got {p})")
+    i, j = divmod(tp.rank, g)
+    me = tp.global_rank
+    if tp.group is None or not dist.is_initialized():
+        return GridComms(TPComm(None, [tp.ranks[i * g + c] for c in range(g)], rank=me, stats=tp.stats),
+                         TPComm(None, [tp.ranks[r * g + j] for r in range(g)], rank=me, stats=tp.stats),
+                         g)
+    world = dist.get_world_size()
+    base = tp.ranks[0]
+    if tp.ranks != list(range(base, base + p)) or world % p:
+        raise ValueError(f"TP group {tp.ranks} is not a consecutive block of the world ({world})")
+    row: TPComm | None = None
+    col: TPComm | None = None
+    for start in range(0, world, p):
+        for r in range(g):
+            ranks = [start + r * g + c for c in range(g)]
+            grp = dist.new_group(ranks)
+            if me in ranks:
+                row = TPComm(grp, ranks, rank=me, async_op=True, stats=tp.stats)
+        for c in range(g):
+            ranks = [start + r * g + c for r in range(g)]
+            grp = dist.new_group(ranks)
+            if me in ranks:
+                col = TPComm(grp, ranks, rank=me, async_op=True, stats=tp.stats)
+    assert row is not None and col is not None
+    return GridComms(row, col, g)

@@ -1,0 +1,86 @@
+"""The tensor-parallel and data-parallel sub-groups of a run (:func:`build_tp_groups`).
+
+Layout of groups (torchtitan / Megatron convention): with ``tp`` tensor-parallel ranks and
+``dp = world / tp`` data-parallel replicas, the TP group of rank r is the ``tp`` consecutive
+ranks ``[r//tp*tp, r//tp*tp + tp)`` and its DP group the ranks ``r % tp + k*tp``. Under the
+``Hierarchical`` pattern each TP group is also cut into per-host nodes with a leaders'
+group (see :mod:`paratrain.comm.groups` and :class:`paratrain.comm.tp.comm.TPComm`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from ..groups import describe_hierarchy, hierarchy_from_hosts, host_labels
+from ..stats import CommStats
+from .comm import TPComm, _Hier
+
+__all__ = ["TPGroups", "build_tp_groups"]
+
+
+@dataclass
+class TPGroups:
+    """The TP comm of this rank, and its DP comm (``None`` when there is one replica)."""
+
+    tp: TPComm
+    dp: TPComm | None
+    tp_size: int
+    dp_size: int
+    tp_index: int  # which TP group (= DP rank)
+
+
+def build_tp_groups(tp_size: int, *, pattern: str = "AllReduce", async_op: bool = True,
+                    fusion_threshold_bytes: int = 0, stats: CommStats | None = None) -> TPGroups:
+    """Create the TP (and DP, hierarchical) sub-groups. Collective: every rank calls it.
+
+    Without an initialised process group this returns single-process comms.
+    """
+    stats = stats if stats is not None else CommStats()
+    if not dist.is_available() or not dist.is_initialized():
+        if tp_size != 1:
+            raise ValueError(f"tensor_parallel_size {tp_size} needs an initialised process group "
+                             "(world size 1 here)")
+        return TPGroups(TPComm(None, [0], rank=0, pattern=pattern, async_op=async_op,
+                               fusion_threshold_bytes=fusion_threshold_bytes, stats=stats),
+                        None, 1, 1, 0)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if tp_size < 1 or tp_size > world or world % tp_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} must be >= 1, at most the world size "
+                         f"({world}) and divide it")
+    dp_size = world // tp_size
+    my_tp: tuple[Any, list[int]] | None = None
+    my_hier: _Hier | None = None
+    world_nodes: list[list[int]] = []
+    labels: list[str] = []
+    if pattern == "Hierarchical":
+        labels = host_labels()  # collective: every rank's host (and torchrun node)
+        world_nodes = hierarchy_from_hosts(labels)
+    for g in range(dp_size):
+        ranks = list(range(g * tp_size, (g + 1) * tp_size))
+        grp = dist.new_group(ranks) if tp_size < world else dist.group.WORLD
+        if rank in ranks:
+            my_tp = (grp, ranks)
+        if pattern == "Hierarchical":
+            nodes = [[r for r in n if r in ranks] for n in world_nodes]
+            nodes = [n for n in nodes if n]
+            layout = describe_hierarchy(nodes, [labels[r] for r in ranks])
+            leaders = [n[0] for n in nodes]
+            node_groups = [dist.new_group(n) if len(n) > 1 else None for n in nodes]
+            lead_group = dist.new_group(leaders) if len(leaders) > 1 else None
+            for n, ng in zip(nodes, node_groups, strict=True):
+                if rank in n:
+                    my_hier = _Hier(ng, n, lead_group if rank == n[0] else None, n[0], layout)
+    assert my_tp is not None
+    tp = TPComm(my_tp[0], my_tp[1], rank=rank, pattern=pattern, async_op=async_op,
+                fusion_threshold_bytes=fusion_threshold_bytes, stats=stats, hier=my_hier)
+    dp: TPComm | None = None
+    for j in range(tp_size):
+        ranks = list(range(j, world, tp_size))
+        grp = dist.new_group(ranks) if dp_size > 1 and dp_size < world else dist.group.WORLD
+        if rank in ranks and dp_size > 1:
+            dp = TPComm(grp, ranks, rank=rank, pattern="AllReduce", async_op=async_op,
+                        fusion_threshold_bytes=fusion_threshold_bytes, stats=stats)
+    return TPGroups(tp, dp, tp_size, dp_size, rank // tp_size)

@@ -1,0 +1,348 @@
+"""The autograd operators of tensor parallelism: Megatron-LM's region operators and the
+column/row-parallel linear layers as single autograd Functions.
+
+References: Shoeybi et al. 2019, "Megatron-LM" (the f/g conjugate operators: f = identity
+forward / all-reduce backward before a column-parallel layer, g = all-reduce forward /
+identity backward after a row-parallel one); Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models" (sequence parallelism: g becomes a
+reduce-scatter along the sequence dimension and f an all-gather, conjugate in backward).
+
+Forward / backward collective of each operator (``comm`` a
+:class:`~paratrain.comm.tp.comm.TPComm`, whose pattern carries out every sum):
+
+- ``copy_to_region`` (f): identity / sum-all-reduce of the gradient.
+- ``reduce_from_region`` (g): sum-all-reduce / identity.
+- ``gather_from_region``: all-gather along ``dim`` / keep the own slice of the gradient.
+- ``scatter_to_region``: keep the own slice / all-gather of the gradient.
+- ``seq_gather`` (sequence-parallel f): all-gather along the sequence dim / reduce-scatter.
+- ``seq_reduce_scatter`` (sequence-parallel g): reduce-scatter / all-gather.
+- ``fused_copy_to_region`` / ``fused_seq_gather``: one f (or one sequence all-gather) for n
+  consumers of the same input; their gradients are summed locally, then ONE all-reduce
+  (reduce-scatter) instead of n.
+- ``column_linear`` / ``row_linear``: ``Y_i = f(X) W_i^T + b_i`` and ``Z = g(sum_i X_i
+  W_i^T) + b`` in one Function each, so the backward collective of the input gradient
+  overlaps the weight-gradient matmul (see :class:`_ColumnLinear` for the modes).
+
+Reductions run in fp32 (half-precision partials are upcast before they travel). These
+Functions call only ``TPComm`` methods: every torch.distributed call stays in
+:mod:`paratrain.comm`. Each is the identity (or a plain matmul) on a group of size 1.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from torch.autograd import Function
+
+from paratrain.comm.stats import Handle
+from paratrain.comm.tp.comm import TPComm
+
+__all__ = [
+    "column_linear",
+    "copy_to_region",
+    "fused_copy_to_region",
+    "fused_seq_gather",
+    "gather_from_region",
+    "reduce_from_region",
+    "row_linear",
+    "scatter_to_region",
+    "seq_gather",
+    "seq_reduce_scatter",
+]
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """Reductions run in fp32: half-precision partial sums are upcast before they travel."""
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+
+class _CopyToRegion(Function):
+    """f: identity forward, sum-all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return ctx.comm.all_reduce(_fp32(g.contiguous())), None
+
+
+class _ReduceFromRegion(Function):
+    """g: sum-all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+        return comm.all_reduce(_fp32(x.contiguous()))
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return g, None
+
+
+class _GatherFromRegion(Function):
+    """All-gather along ``dim`` forward; keep this rank's slice of the gradient backward
+    (the consumer is replicated, so every rank holds the same full gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
+        return comm.all_gather(x, dim, sizes).wait()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        r = ctx.comm.rank
+        start = sum(ctx.sizes[:r])
+        return g.narrow(ctx.dim, start, ctx.sizes[r]).contiguous(), None, None, None
+
+
+class _ScatterToRegion(Function):
+    """Keep this rank's slice forward; all-gather the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
+        r = comm.rank
+        return x.narrow(dim, sum(sizes[:r]), sizes[r]).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return ctx.comm.all_gather(g.contiguous(), ctx.dim, ctx.sizes).wait(), None, None, None
+
+
+class _SeqGather(Function):
+    """Sequence parallel f: all-gather along the sequence dim forward, reduce-scatter back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
+        return comm.all_gather(x.contiguous(), dim, sizes).wait()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return ctx.comm.reduce_scatter(_fp32(g.contiguous()), ctx.dim, ctx.sizes).wait(), None, None, None
+
+
+class _SeqReduceScatter(Function):
+    """Sequence parallel g: reduce-scatter along the sequence dim forward, all-gather back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
+        return comm.reduce_scatter(_fp32(x.contiguous()), dim, sizes).wait()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return ctx.comm.all_gather(g.contiguous(), ctx.dim, ctx.sizes).wait(), None, None, None
+
+
+class _FusedCopy(Function):
+    """n consumers of one replicated input share one f: the n partial input gradients are
+    summed locally and reduced with ONE collective instead of n."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: TPComm, n: int) -> tuple[torch.Tensor, ...]:
+        ctx.comm = comm
+        return tuple(x.view_as(x) for _ in range(n))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        gs = [g for g in grads if g is not None]
+        total = _fp32(gs[0]).clone()
+        for g in gs[1:]:
+            total.add_(g)
+        return ctx.comm.all_reduce(total), None, None
+
+
+class _FusedSeqGather(Function):
+    """One sequence all-gather feeding n consumers; one reduce-scatter of their summed grads."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int],
+                n: int) -> tuple[torch.Tensor, ...]:
+        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
+        full = comm.all_gather(x.contiguous(), dim, sizes).wait()
+        return tuple(full.view_as(full) for _ in range(n))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        gs = [g for g in grads if g is not None]
+        total = _fp32(gs[0]).clone()
+        for g in gs[1:]:
+            total.add_(g)
+        return ctx.comm.reduce_scatter(total, ctx.dim, ctx.sizes).wait(), None, None, None, None
+
+
+def copy_to_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    return x if comm.size == 1 else _CopyToRegion.apply(x, comm)
+
+
+def reduce_from_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+    return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
+
+
+def gather_from_region(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
+    return x if comm.size == 1 else _GatherFromRegion.apply(x, comm, dim, sizes)
+
+
+def scatter_to_region(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
+    return x if comm.size == 1 else _ScatterToRegion.apply(x, comm, dim, sizes)
+
+
+def seq_gather(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
+    return x if comm.size == 1 else _SeqGather.apply(x, comm, dim, sizes)
+
+
+def seq_reduce_scatter(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
+    return x if comm.size == 1 else _SeqReduceScatter.apply(x, comm, dim, sizes)
+
+
+def fused_copy_to_region(x: torch.Tensor, comm: TPComm, n: int) -> tuple[torch.Tensor, ...]:
+    if comm.size == 1:
+        return tuple(x for _ in range(n))
+    return tuple(_FusedCopy.apply(x, comm, n))
+
+
+def fused_seq_gather(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int],
+                     n: int) -> tuple[torch.Tensor, ...]:
+    if comm.size == 1:
+        return tuple(x for _ in range(n))
+    return tuple(_FusedSeqGather.apply(x, comm, dim, sizes, n))
+
+
+# -- linear layers as single autograd functions (for compute/comm overlap) ----------------
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype | None) -> torch.Tensor:
+    """``a @ b``; with a compute dtype the product runs in it and comes back as fp32, so
+    every reduction and every saved gradient stays fp32 (mixed precision)."""
+    if cdt is None:
+        return a @ b
+    return (a.to(cdt) @ b.to(cdt)).float()
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., k] -> [N, k], also when k == 0 (a rank whose shard is empty)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
+
+def _wgrad(g: torch.Tensor, x: torch.Tensor, cdt: torch.dtype | None) -> torch.Tensor:
+    g2, x2 = _rows(g), _rows(x)
+    return _mm(g2.t(), x2, cdt)
+
+
+class _ColumnLinear(Function):
+    """Y_i = f(X) W_i^T + b_i, W_i the rank's block of output rows.
+
+    ``mode``: "copy" = Megatron f (input replicated; dX = sum_i dY_i W_i all-reduced in
+    backward, started asynchronously and overlapped with dW_i = dY_i^T X when async);
+    "seq" = X sequence-sharded: all-gathered forward; only the shard is kept for backward
+    (Korthikanti et al. 2022, §4.2.2), re-gathered there while dX_i = dY_i W_i is computed,
+    then dX reduce-scattered while dW_i is computed; "none" = the input's collective is
+    done outside (fused region).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, comm: TPComm,
+                mode: str, dim: int, sizes: list[int] | None, cdt: torch.dtype | None) -> torch.Tensor:
+        saved = x
+        if mode == "seq":
+            x = comm.all_gather(x.contiguous(), dim, sizes).wait()
+        t0 = time.perf_counter()
+        y = _mm(x, w.t(), cdt)
+        if b is not None:
+            y = y + b
+        comm.stats.add_compute_time(time.perf_counter() - t0)
+        ctx.save_for_backward(saved, w)
+        ctx.comm, ctx.mode, ctx.dim, ctx.sizes, ctx.cdt = comm, mode, dim, sizes, cdt
+        ctx.has_bias = b is not None
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> Any:
+        x, w = ctx.saved_tensors
+        comm: TPComm = ctx.comm
+        gy = gy.contiguous()
+        seq = ctx.mode == "seq"
+        gather: Handle | None = None
+        if seq and ctx.needs_input_grad[1]:
+            gather = comm.all_gather(x.contiguous(), ctx.dim, ctx.sizes, async_op=True)
+        handle: Handle | None = None
+        t0 = time.perf_counter()
+        gx = _fp32(_mm(gy, w, ctx.cdt)) if ctx.needs_input_grad[0] else None
+        t1 = time.perf_counter()
+        if gather is not None:
+            x = gather.wait()
+        if gx is not None:
+            if ctx.mode == "copy":
+                handle = comm.all_reduce_async(gx)
+            elif seq:
+                handle = comm.reduce_scatter(gx, ctx.dim, ctx.sizes, async_op=True)
+            else:
+                handle = Handle(comm.stats, result=gx)
+        t2 = time.perf_counter()
+        gw = _wgrad(gy, x, ctx.cdt) if ctx.needs_input_grad[1] else None
+        gb = _rows(gy).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        t3 = time.perf_counter()
+        gx_out = handle.wait() if handle is not None else None
+        comm.stats.add_compute_time((t1 - t0) + (t3 - t2))
+        return gx_out, gw, gb, None, None, None, None, None
+
+
+class _RowLinear(Function):
+    """Z = g(sum_i X_i W_i^T) + b, X_i the rank's slice of input features.
+
+    ``mode``: "reduce" = Megatron g (all-reduce of the partial sums forward, identity back);
+    "seq" = reduce-scatter along the sequence dim forward (bias added to the shard),
+    all-gather of the gradient backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, comm: TPComm,
+                mode: str, dim: int, sizes: list[int] | None, cdt: torch.dtype | None) -> torch.Tensor:
+        t0 = time.perf_counter()
+        partial = _fp32(_mm(x, w.t(), cdt))
+        comm.stats.add_compute_time(time.perf_counter() - t0)
+        if mode == "seq":
+            z = comm.reduce_scatter(partial, dim, sizes).wait()
+        else:
+            z = comm.all_reduce(partial)
+        if b is not None:
+            z = z + b
+        ctx.save_for_backward(x, w)
+        ctx.comm, ctx.mode, ctx.dim, ctx.sizes, ctx.cdt = comm, mode, dim, sizes, cdt
+        ctx.has_bias = b is not None
+        return z
+
+    @staticmethod
+    def backward(ctx: Any, gz: torch.Tensor) -> Any:
+        x, w = ctx.saved_tensors
+        comm: TPComm = ctx.comm
+        gz = gz.contiguous()
+        gb = _rows(gz).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if ctx.mode == "seq":
+            gz = comm.all_gather(gz, ctx.dim, ctx.sizes).wait()
+        t0 = time.perf_counter()
+        gx = _mm(gz, w, ctx.cdt) if ctx.needs_input_grad[0] else None
+        gw = _wgrad(gz, x, ctx.cdt) if ctx.needs_input_grad[1] else None
+        comm.stats.add_compute_time(time.perf_counter() - t0)
+        return gx, gw, gb, None, None, None, None, None
+
+
+def column_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, comm: TPComm, *,
+                  mode: str = "copy", dim: int = 0, sizes: list[int] | None = None,
+                  compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    if comm.size == 1:
+        mode = "none"
+    return _ColumnLinear.apply(x, w, b, comm, mode, dim, sizes, compute_dtype)
+
+
+def row_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, comm: TPComm, *,
+               mode: str = "reduce", dim: int = 0, sizes: list[int] | None = None,
+               compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _RowLinear.apply(x, w, b, comm, mode, dim, sizes, compute_dtype)

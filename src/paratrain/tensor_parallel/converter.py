@@ -1,0 +1,210 @@
+"""The walk that swaps a dense model's modules for their tensor-parallel versions.
+
+:class:`Converter` visits every module (see :mod:`.parallelize` for the rules and
+``partitioning_strategy``):
+
+- attention blocks (per :func:`~.attention_spec.attention_spec`) become
+  :class:`~.layers.ParallelSelfAttention`, eligible ``nn.TransformerEncoderLayer`` s (per
+  :func:`~.rules.encoder_problem`) :class:`~.layers.ParallelEncoderLayer`;
+- in every ``nn.Sequential``, two plain Linears with only element-wise modules between
+  them are an MLP pair: column-then-row (Megatron: f before, g after; with the
+  ``ReduceScatter`` pattern the sequence-parallel all-gather / reduce-scatter instead, with
+  ``AllGather`` a gathered column output re-split by the row layer), or row-then-column
+  (RowWise, Dynamic when ``out <= in``: split input, all-reduced row output, all-gathered
+  column output); Custom takes the hidden split from the registered partitioner;
+- with a 2-D grid (BlockWise, ``tp = g^2``) every run of plain Linears becomes
+  :class:`~.grid.GridLinear` blocks;
+- with only ``column_parallel`` (``row_parallel``), lone Linears become column-parallel
+  with gathered output (row-parallel with split input); otherwise they stay replicated
+  (a Linear subclass with a warning).
+
+``Converter.units`` counts the parallel units made (zero means nothing could be sharded).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from paratrain.comm.tp.comm import TPComm
+from paratrain.comm.tp.grid import GridComms
+from paratrain.config import ConfigError, TensorParallelismConfig
+
+from .attention_spec import TP_ATTENTION_PROTOCOL, AttentionSpec, AttentionView, attention_spec
+from .grid import GridLinear
+from .layers import (
+    ColumnParallelLinear,
+    ParallelEncoderLayer,
+    ParallelSelfAttention,
+    RegionState,
+    RowParallelLinear,
+)
+from .partition import partition_shape
+from .rules import encoder_problem, is_elementwise, is_plain_linear, module_where
+
+__all__ = ["Converter"]
+
+
+class Converter:
+    """Walks a model and swaps in the parallel layers (see the module docstring)."""
+
+    def __init__(self, cfg: TensorParallelismConfig, comm: TPComm, state: RegionState,
+                 grid: GridComms | None = None) -> None:
+        self.grid = grid
+        self.col, self.row = cfg.column_parallel, cfg.row_parallel
+        self.strategy = cfg.partitioning_strategy.value
+        pattern = cfg.communication_pattern.value
+        seq = pattern == "ReduceScatter" or self.strategy == "SequenceWise"
+        self.mode = "seq" if seq else ("gather" if pattern == "AllGather" else "copy")
+        self.comm, self.state = comm, state
+        self.units = 0
+
+    def _attention(self, spec: AttentionSpec) -> nn.Module:
+        self.units += 1
+        return ParallelSelfAttention(AttentionView(spec), comm=self.comm, state=self.state,
+                                     mode=self.mode)
+
+    def _encoder(self, m: nn.TransformerEncoderLayer, prefix: str) -> nn.Module:
+        problem = encoder_problem(m)
+        if problem is not None:
+            raise ConfigError([("model", f"{module_where(prefix, m)}: cannot be split into a "
+                                         f"ParallelEncoderLayer with the same function: {problem}")])
+        self.units += 1
+        return ParallelEncoderLayer(m, comm=self.comm, state=self.state, mode=self.mode)
+
+    def _special(self, m: nn.Module, prefix: str) -> nn.Module | None:
+        """The parallel replacement of an attention block or encoder layer, else None."""
+        spec = attention_spec(m, prefix)
+        if spec is not None:
+            return self._attention(spec)
+        if isinstance(m, nn.TransformerEncoderLayer):
+            return self._encoder(m, prefix)
+        return None
+
+    def _warn_replicated(self, m: nn.Module, prefix: str) -> None:
+        if isinstance(m, nn.Linear) and not is_plain_linear(m):
+            warnings.warn(f"parallelize: {module_where(prefix, m)} is an nn.Linear subclass with its own "
+                          "forward or extra parameters; it stays replicated (not sharded)",
+                          UserWarning, stacklevel=4)
+
+    def convert(self, m: nn.Module, prefix: str = "") -> nn.Module:
+        new = self._special(m, prefix)
+        if new is not None:
+            return new
+        if isinstance(m, nn.Sequential):
+            self._sequential(m, prefix)
+            return m
+        self._warn_replicated(m, prefix)
+        if getattr(type(m), TP_ATTENTION_PROTOCOL, None) is not None:
+            return m  # opted out: kept whole
+        for name, child in list(m.named_children()):
+            setattr(m, name, self.convert(child, prefix + name + "."))
+        return m
+
+    def _row_first(self, first: nn.Linear) -> bool:
+        """RowWise pairs start with the row-parallel layer; Dynamic picks per pair by the
+        [in, out] shape of the first weight (ColumnWise when out > in, as partition_tensor)."""
+        if self.strategy == "RowWise":
+            return True
+        if self.strategy == "Dynamic":
+            return not first.out_features > first.in_features
+        return False
+
+    def _custom_sizes(self, name: str, lin: nn.Linear) -> list[int] | None:
+        """With Custom, the registered partitioner's split of the column weight [in, out]
+        (along out) sets the hidden sizes of the pair, e.g. uneven for unequal ranks."""
+        if self.strategy != "Custom":
+            return None
+        p = self.comm.size
+        parts = partition_shape(name, (lin.in_features, lin.out_features), "Custom",
+                                tp=p, world_size=p)
+        sizes = [0] * p
+        spans = sorted((q.offset[1], q.shape[1], q.device_rank) for q in parts)
+        at = 0
+        for q in parts:
+            if len(q.shape) != 2 or q.shape[0] != lin.in_features or q.offset[0] != 0:
+                raise ValueError(f"{name}: a Custom partition of a column weight must keep every "
+                                 f"input row (got shape {q.shape} at {q.offset})")
+        for off, width, rank in spans:
+            if off != at or not 0 <= rank < p or sizes[rank]:
+                raise ValueError(f"{name}: Custom partitions must tile the output features "
+                                 f"contiguously in rank order, one per rank (got {parts})")
+            sizes[rank] = width
+            at += width
+        ranks = [r for _, _, r in spans]
+        if at != lin.out_features or ranks != sorted(ranks):
+            raise ValueError(f"{name}: Custom partitions must cover {lin.out_features} output "
+                             f"features in rank order (got sizes {sizes})")
+        return sizes
+
+    def _grid_run(self, seq: nn.Sequential, names: list[str], i: int) -> int:
+        """Turn the run of Linears (element-wise modules between them) starting at
+        ``names[i]`` into a 2-D region; returns the index after its last Linear."""
+        mods = [seq._modules[n] for n in names]
+        linears, j = [i], i + 1
+        while j < len(mods) and (is_plain_linear(mods[j]) or is_elementwise(mods[j])):
+            if is_plain_linear(mods[j]):
+                linears.append(j)
+            j += 1
+        assert self.grid is not None
+        for k in linears:
+            seq._modules[names[k]] = GridLinear.from_dense(
+                mods[k], grid=self.grid, state=self.state,  # type: ignore[arg-type]
+                enter=k == linears[0], leave=k == linears[-1])
+        self.units += 1
+        return linears[-1] + 1
+
+    def _sequential(self, seq: nn.Sequential, prefix: str) -> None:
+        names = list(seq._modules.keys())
+        mods = [seq._modules[n] for n in names]
+        seq_mode = self.mode == "seq"
+        kw = {"comm": self.comm, "state": self.state}
+        i = 0
+        while i < len(mods):
+            m = mods[i]
+            if is_plain_linear(m) and self.grid is not None:
+                i = self._grid_run(seq, names, i)
+                continue
+            if is_plain_linear(m):
+                j = i + 1
+                while j < len(mods) and is_elementwise(mods[j]):
+                    j += 1
+                nxt = mods[j] if j < len(mods) else None
+                if self.col and self.row and is_plain_linear(nxt):
+                    if self._row_first(m):
+                        if seq_mode:
+                            raise ConfigError([("tensor_parallel.partitioning_strategy",
+                                                f"{prefix}{names[i]}: row-first pairs ({self.strategy}) "
+                                                "do not combine with the sequence-parallel layout")])
+                        # scatter the input, reduce the row output, gather the column output
+                        seq._modules[names[i]] = RowParallelLinear.from_dense(
+                            m, mode="reduce", input_is_parallel=False, **kw)  # type: ignore[arg-type]
+                        seq._modules[names[j]] = ColumnParallelLinear.from_dense(
+                            nxt, mode="copy", gather_output=True, **kw)  # type: ignore[arg-type]
+                    else:
+                        sizes = self._custom_sizes(prefix + names[i] + ".weight", m)
+                        seq._modules[names[i]] = ColumnParallelLinear.from_dense(
+                            m, mode="seq" if seq_mode else "copy",
+                            gather_output=self.mode == "gather", sizes=sizes, **kw)  # type: ignore[arg-type]
+                        seq._modules[names[j]] = RowParallelLinear.from_dense(
+                            nxt, mode="seq" if seq_mode else "reduce",
+                            input_is_parallel=self.mode != "gather", sizes=sizes, **kw)  # type: ignore[arg-type]
+                    self.units += 1
+                    i = j + 1
+                    continue
+                if self.col and not self.row:
+                    seq._modules[names[i]] = ColumnParallelLinear.from_dense(
+                        m, mode="copy", gather_output=True, **kw)  # type: ignore[arg-type]
+                    self.units += 1
+                elif self.row and not self.col:
+                    seq._modules[names[i]] = RowParallelLinear.from_dense(
+                        m, mode="reduce", input_is_parallel=False, **kw)  # type: ignore[arg-type]
+                    self.units += 1
+            elif (new := self._special(m, prefix + names[i] + ".")) is not None:
+                seq._modules[names[i]] = new
+            elif isinstance(m, nn.Sequential):
+                self._sequential(m, prefix + names[i] + ".")
+            elif next(m.children(), None) is not None or isinstance(m, nn.Linear):
+                self.convert(m, prefix + names[i] + ".")
+            i += 1

@@ -1,0 +1,367 @@
+"""``TensorParallelModule``: a converted model and everything a run does with it.
+
+- ``forward``: the model's children in order, with activation checkpointing of every 4/2/1
+  blocks per ``memory_optimization`` (Extreme also offloads saved tensors, :mod:`.memory`),
+  bf16 autocast per ``mixed_precision``, and the sequence-parallel region: its first
+  parallel child gets the own sequence shard of its input (``scatter_to_region``: keep the
+  slice forward, all-gather backward), its last one's output is all-gathered
+  (``gather_from_region``: all-gather forward, keep the slice backward). BatchWise runs the
+  whole model on the own batch slice the same way (dim 0).
+- ``sync_gradients``: the replicated parameters inside the sequence-parallel region are
+  summed over TP and gradients averaged over DP (one coalesced all-reduce per bucket of
+  ``fusion_threshold_bytes``; a parameter no replica used keeps ``grad = None``).
+- dense state: ``gather_full`` / ``dense_state_dict`` all-gather the shards into the dense
+  model's keys, ``load_dense_state_dict`` keeps the own shard of a full state dict.
+- ``statistics``: the real counters of :class:`~paratrain.comm.stats.CommStats` plus the
+  parameter memory of this rank.
+
+The conversion itself is :class:`~.converter.Converter`; the entry point
+:func:`~.parallelize.parallelize`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from paratrain.comm.stats import CommStats
+from paratrain.comm.tp.comm import TPComm
+from paratrain.comm.tp.grid import GridComms, build_grid
+from paratrain.comm.tp.groups import TPGroups
+from paratrain.config import ConfigError, TensorParallelismConfig
+
+from . import memory
+from .autograd import gather_from_region, scatter_to_region
+from .converter import Converter
+from .grid import GridLinear, grid_steps, narrow_to_shard
+from .layers import (
+    ColumnParallelLinear,
+    ParallelEncoderLayer,
+    ParallelSelfAttention,
+    RegionState,
+    RowParallelLinear,
+)
+from .partition import TensorParallelism, split_sizes
+
+__all__ = ["TensorParallelModule"]
+
+_PARALLEL = (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention, ParallelEncoderLayer,
+             GridLinear)
+
+
+def _has_parallel(m: nn.Module) -> bool:
+    return any(isinstance(x, _PARALLEL) for x in m.modules())
+
+
+def _param_bytes(params: Iterator[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+class TensorParallelModule(nn.Module):
+    """A dense model turned tensor-parallel, with the behaviour every config field asks for.
+
+    ``forward`` runs the model (with activation checkpointing per ``memory_optimization``,
+    bf16 autocast per ``mixed_precision``, the sequence-parallel region per
+    ``communication_pattern``); ``sync_gradients`` does the gradient reductions the layout
+    needs (sequence-parallel replicated parameters over TP, and DP averaging in 2-D runs),
+    coalesced per ``fusion_threshold_bytes``; ``statistics`` reports real counters.
+    """
+
+    def __init__(self, model: nn.Module, config: TensorParallelismConfig, groups: TPGroups) -> None:
+        super().__init__()
+        self.config, self.groups = config, groups
+        self.comm: TPComm = groups.tp
+        self.stats: CommStats = groups.tp.stats
+        tp = config.tensor_parallel_size
+        if tp != groups.tp_size:
+            raise ConfigError([("tensor_parallel.tensor_parallel_size",
+                                f"{tp} does not match the TP group size {groups.tp_size}")])
+        self.pattern = config.communication_pattern.value
+        strategy = config.partitioning_strategy.value
+        self.seq = (self.pattern == "ReduceScatter" or strategy == "SequenceWise") and tp > 1
+        # BatchWise: weights stay whole, the batch is split over the TP ranks (no weight
+        # communication; gradients summed over the group in sync_gradients)
+        self.batch_split = strategy == "BatchWise" and tp > 1
+        if self.batch_split:
+            self.seq = False
+        self.grid: GridComms | None = None
+        if strategy == "BlockWise" and tp > 1 and math.isqrt(tp) ** 2 == tp:
+            if self.seq:
+                raise ConfigError([("tensor_parallel.communication_pattern",
+                                    f"BlockWise with tensor_parallel_size {tp} is 2-D tensor "
+                                    "parallelism, whose activations are blocked by batch and "
+                                    "features; it does not combine with ReduceScatter (sequence "
+                                    "parallel)")])
+            self.grid = build_grid(groups.tp)  # collective: every rank builds every sub-group
+        self.state = RegionState(compute_dtype=torch.bfloat16 if config.mixed_precision else None)
+        dense_params = list(model.parameters())
+        self.dense_param_bytes = _param_bytes(iter(dense_params))
+        self.coordinator = TensorParallelism(config, self.comm.rank, self.comm.size)
+        if tp > 1 and not self.batch_split:
+            if not (config.column_parallel or config.row_parallel):
+                raise ConfigError([("tensor_parallel", "tensor_parallel_size > 1 but column_parallel "
+                                    "and row_parallel are both false: nothing to parallelize")])
+            if self.seq and not (config.column_parallel and config.row_parallel):
+                raise ConfigError([("tensor_parallel.communication_pattern",
+                                    "ReduceScatter (sequence parallel) needs column_parallel and "
+                                    "row_parallel both true")])
+            conv = Converter(config, self.comm, self.state, self.grid)
+            model = conv.convert(model)
+            if conv.units == 0:
+                raise ValueError("parallelize: no Linear pair or attention block found to shard")
+        self.module = model
+        self._plan()
+        for name, mod in self.module.named_modules():
+            if isinstance(mod, ColumnParallelLinear):
+                self.coordinator.partition_tensor(name + ".weight", (mod.in_features, mod.out_features),
+                                                  "ColumnWise")
+            elif isinstance(mod, RowParallelLinear):
+                self.coordinator.partition_tensor(name + ".weight", (mod.in_features, mod.out_features),
+                                                  "RowWise")
+            elif isinstance(mod, GridLinear):
+                self.coordinator.partition_tensor(name + ".weight", (mod.in_features, mod.out_features),
+                                                  "BlockWise")
+        self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
+        self.last_peak_activation_bytes: int | None = None
+        # Replaces the dense data-parallel gradient average when set (e.g. a compressed
+        # exchange: paratrain.executors.data_parallel.aggregation.AllReduceAgg with a Compressor).
+        self.dp_sync: Callable[[], None] | None = None
+        if not self.needs_sync and config.gradient_accumulation is False:
+            warnings.warn("gradient_accumulation has no effect: this layout has no gradient "
+                          "synchronisation (pure tensor parallel, no sequence parallel, 1 replica)",
+                          stacklevel=2)
+
+    # -- structure ------------------------------------------------------------------------
+    def _plan(self) -> None:
+        """Blocks (checkpoint units), segments, and the sequence-parallel region."""
+        m = self.module
+        kids = list(m.children()) if isinstance(m, nn.Sequential) else [m]
+        self._kids = kids
+        starts = [0]
+        # without parallel units (tp = 1, BatchWise) every child with parameters starts a block
+        dense = not any(_has_parallel(c) for c in kids)
+        for i, c in enumerate(kids):
+            unit = (isinstance(c, ColumnParallelLinear | ParallelSelfAttention | ParallelEncoderLayer)
+                    or (isinstance(c, RowParallelLinear) and not c.input_is_parallel)
+                    or (not isinstance(c, _PARALLEL) and _has_parallel(c))
+                    or (dense and next(c.parameters(), None) is not None))
+            if unit and i > 0:
+                starts.append(i)
+        self.blocks = [list(range(a, b)) for a, b in zip(starts, starts[1:] + [len(kids)], strict=True)]
+        k = memory.SEGMENT_BLOCKS[self.config.memory_optimization.value]
+        self.segments: list[list[int]] = []
+        if k == 0:
+            self.segments = []
+        else:
+            for s in range(0, len(self.blocks), k):
+                self.segments.append([i for b in self.blocks[s: s + k] for i in b])
+        par = [i for i, c in enumerate(kids) if _has_parallel(c)]
+        self.seq_region = (par[0], par[-1]) if (self.seq and par) else None
+        if self.batch_split:
+            self.seq_region = (0, len(kids) - 1)
+        if self.seq and not isinstance(m, nn.Sequential):
+            raise ConfigError([("tensor_parallel.communication_pattern",
+                                "ReduceScatter (sequence parallel) needs an nn.Sequential model")])
+        self._sp_params: list[nn.Parameter] = []
+        if self.seq_region is not None:
+            a, b = self.seq_region
+            for c in kids[a: b + 1]:
+                self._sp_params += [p for p in c.parameters() if not hasattr(p, "tp_shard_dim")]
+
+    @property
+    def needs_sync(self) -> bool:
+        return bool(self._sp_params) or self.groups.dp is not None
+
+    # -- forward ---------------------------------------------------------------------------
+    def _run(self, idx: list[int], x: torch.Tensor) -> torch.Tensor:
+        for i in idx:
+            if self.seq_region is not None and i == self.seq_region[0]:
+                d = 1 if x.dim() >= 3 and not self.batch_split else 0
+                self.state.seq_dim = d
+                self.state.seq_sizes = split_sizes(x.shape[d], self.comm.size)
+                x = scatter_to_region(x, self.comm, d, self.state.seq_sizes)
+            x = self._kids[i](x)
+            if self.seq_region is not None and i == self.seq_region[1]:
+                x = gather_from_region(x, self.comm, self.state.seq_dim, self.state.seq_sizes)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mp = self.config.mixed_precision
+        offload = self.config.memory_optimization.value == "Extreme"
+        hooks = (memory.activation_hooks(offload=True, params=self._param_ptrs)
+                 if offload or memory._ACTIVE else nullcontext())
+        amp = torch.autocast(device_type=x.device.type, dtype=torch.bfloat16) if mp else nullcontext()
+        with amp, hooks:
+            if not self.segments or not (self.training and torch.is_grad_enabled()):
+                out = self._run(list(range(len(self._kids))), x)
+            else:
+                # reentrant checkpoint: a dummy input that requires grad keeps the segments'
+                # outputs (and parameter gradients) in the graph even for data inputs.
+                dummy = torch.ones(1, requires_grad=True, device=x.device)
+                out = x
+                for seg in self.segments:
+                    trains = any(p.requires_grad for i in seg for p in self._kids[i].parameters())
+                    if not trains and not out.requires_grad:
+                        out = self._run(seg, out)  # nothing to recompute for (e.g. a flatten)
+                    else:
+                        out = checkpoint(self._seg_fn(seg), out, dummy, use_reentrant=True)
+        return out.float() if mp and out.is_floating_point() else out
+
+    def _seg_fn(self, seg: list[int]) -> Any:
+        def fn(x: torch.Tensor, _dummy: torch.Tensor) -> torch.Tensor:
+            return self._run(seg, x)
+        return fn
+
+    @contextmanager
+    def measure_activations(self) -> Iterator[memory.ActivationMeter]:
+        """Meter the activation bytes saved for backward by forward+backward in the block."""
+        offload = self.config.memory_optimization.value == "Extreme"
+        with memory.measure(params=self._param_ptrs, offload=offload) as meter:
+            yield meter
+        self.last_peak_activation_bytes = meter.peak
+
+    # -- gradients -------------------------------------------------------------------------
+    def sync_gradients(self) -> int:
+        """Reduce gradients the layout needs; returns the number of collectives issued."""
+        n = 0
+        if self._sp_params:
+            grads = [_grad(p) for p in self._sp_params]
+            n += self.comm.all_reduce_coalesced_(grads)
+        if self.groups.dp is not None and self.dp_sync is not None:
+            self.dp_sync()
+            n += 1
+        elif self.groups.dp is not None and any(True for _ in self.module.parameters()):
+            # DDP's find_unused_parameters rule: a parameter no replica used keeps grad
+            # None. One flag per parameter travels with the gradients (fused into their
+            # buffer); replicas that did not use a parameter add zeros.
+            params = list(self.module.parameters())
+            ref = params[0]
+            flags = torch.tensor([p.grad is not None for p in params], dtype=ref.dtype, device=ref.device)
+            n += self.groups.dp.all_reduce_coalesced_([*(_grad(p) for p in params), flags], average=True)
+            for p, used in zip(params, flags.tolist(), strict=True):
+                if used == 0:
+                    p.grad = None
+        return n
+
+    # -- state -----------------------------------------------------------------------------
+    def _mha_prefixes(self) -> list[str]:
+        return [n + "." if n else "" for n, m in self.module.named_modules()
+                if isinstance(m, ParallelEncoderLayer)]
+
+    def to_dense_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rename full (gathered) tensors to the dense model's keys: an encoder layer's
+        q/k/v/o go back into ``self_attn.in_proj_*`` / ``self_attn.out_proj.*``."""
+        out = dict(tensors)
+        for pre in self._mha_prefixes():
+            a = pre + "self_attn."
+            for kind in ("weight", "bias"):
+                parts = [out.pop(f"{a}{c}.{kind}", None) for c in "qkv"]
+                if all(t is not None for t in parts):
+                    out[f"{a}in_proj_{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
+                o = out.pop(f"{a}o.{kind}", None)
+                if o is not None:
+                    out[f"{a}out_proj.{kind}"] = o
+        return out
+
+    def _from_dense_names(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = dict(state)
+        for pre in self._mha_prefixes():
+            a = pre + "self_attn."
+            for kind in ("weight", "bias"):
+                packed = out.pop(f"{a}in_proj_{kind}", None)
+                if packed is not None:
+                    for c, t in zip("qkv", packed.chunk(3), strict=True):
+                        out[f"{a}{c}.{kind}"] = t
+                o = out.pop(f"{a}out_proj.{kind}", None)
+                if o is not None:
+                    out[f"{a}o.{kind}"] = o
+        return out
+
+    def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Gather per-parameter shards (e.g. gradients, keyed like ``module``'s parameters)
+        into full tensors under the dense model's names (collective over TP)."""
+        params = dict(self.module.named_parameters())
+        out: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            p = params.get(name)
+            steps = grid_steps(p) if p is not None else None
+            if steps is not None:
+                for comm, dim, sizes in steps:
+                    t = comm.all_gather(t.contiguous(), dim, sizes).wait()
+            elif p is not None and hasattr(p, "tp_shard_dim") and self.comm.size > 1:
+                t = self.comm.all_gather(t.contiguous(), p.tp_shard_dim, p.tp_sizes).wait()  # type: ignore[attr-defined]
+            out[name] = t.detach().clone()
+        return self.to_dense_names(out)
+
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state dict with the dense model's keys (collective)."""
+        tensors = {n: p.detach() for n, p in self.module.named_parameters()}
+        tensors.update({n: b.detach() for n, b in self.module.named_buffers()})
+        return self.gather_full(tensors)
+
+    def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full state dict, keeping this rank's shard of each sharded parameter."""
+        state = self._from_dense_names(state)
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                src = state[name]
+                steps = grid_steps(p)
+                if steps is not None:
+                    src = narrow_to_shard(src, steps)
+                elif hasattr(p, "tp_shard_dim"):
+                    sizes = p.tp_sizes  # type: ignore[attr-defined]
+                    r = self.comm.rank
+                    src = src.narrow(p.tp_shard_dim, sum(sizes[:r]), sizes[r])
+                p.copy_(src)
+            for name, b in self.module.named_buffers():
+                b.copy_(state[name])
+
+    # -- statistics ------------------------------------------------------------------------
+    def statistics(self) -> dict[str, Any]:
+        snap = self.stats.snapshot()
+        params = list(self.module.parameters())
+        local = _param_bytes(iter(params))
+        sharded = _param_bytes(p for p in params if hasattr(p, "tp_shard_dim") or grid_steps(p))
+        replicated = local - sharded
+        dense_sharded = self.dense_param_bytes - replicated
+        tp = self.comm.size
+        snap.update({
+            "tensor_parallel_size": tp,
+            "communication_pattern": self.pattern,
+            "param_bytes_local": local,
+            "param_bytes_dense": self.dense_param_bytes,
+            "param_bytes_replicated": replicated,
+            "param_memory_fraction": local / self.dense_param_bytes if self.dense_param_bytes else 1.0,
+            "param_memory_ideal_fraction": ((dense_sharded / tp + replicated) / self.dense_param_bytes
+                                            if self.dense_param_bytes else 1.0),
+            "memory_saving": 1 - local / self.dense_param_bytes if self.dense_param_bytes else 0.0,
+            "total_partitions": self.coordinator.total_partitions,
+            "local_partitions": self.coordinator.local_partitions,
+            "peak_activation_bytes": self.last_peak_activation_bytes,
+            # the Rust TensorParallelismStatistics names, with real values
+            "communication_volume": snap["bytes_sent_modelled"],  # ring model, see CommStats
+            "communication_time": snap["communication_time_s"],
+            "computation_time": snap["computation_time_s"],
+            "efficiency_score": (snap["computation_time_s"]
+                                 / (snap["computation_time_s"] + snap["communication_time_s"])
+                                 if snap["computation_time_s"] + snap["communication_time_s"] > 0
+                                 else 0.0),
+            "memory_usage_per_device": {self.comm.global_rank: local},
+        })
+        if self.pattern == "Hierarchical":
+            # the two-level layout the topology gave, e.g. "flat (1 host)" (comm/groups.py)
+            snap["hierarchy"] = getattr(self.comm, "hierarchy", None) or "flat (1 rank)"
+        return snap
+
+
+def _grad(p: nn.Parameter) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
