@@ -15,7 +15,7 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/paratrain run examples/federated_digits.toml --overwrite
+	$(BIN)/paratrain run examples/gpt_shakespeare_local.toml --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
