@@ -60,3 +60,8 @@ def dp_loss_and_grads(ctx: WorkerContext, doc: dict[str, Any], batch_rows: int, 
     eng.sync()
     agg.close()
     return {"loss": eng.mean_over_ranks(loss), "grads": grads_of(model)}
+
+
+def dp_cases(ctx: WorkerContext, cases: list[tuple[dict[str, Any], int, bool]]) -> list[dict[str, Any]]:
+    """:func:`dp_loss_and_grads` for every ``(doc, batch_rows, wrong)`` case, in one launch."""
+    return [dp_loss_and_grads(ctx, doc, rows, wrong) for doc, rows, wrong in cases]

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from _workers_dp_task import dp_loss_and_grads, grads_of, task_model_batch
+from _workers_dp_task import dp_cases, grads_of, task_model_batch
 from paratrain.comm.testing import run_distributed
 from paratrain.comm.worker_errors import WorkerError
 from paratrain.config import load_job
@@ -52,13 +52,14 @@ def _close(a: list[list[float]], b: list[list[float]]) -> bool:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("doc", [REGRESSION, GPT], ids=["regression", "gpt"])
-def test_dp_loss_and_gradients_equal_local_on_the_same_batch(doc: dict[str, Any], world: int) -> None:
+def test_dp_loss_and_gradients_equal_local_on_the_same_batch(world: int) -> None:
     rows = 8 * world
-    for wrong in (False, True):
-        results = run_distributed(dp_loss_and_grads, world, doc, rows, wrong, timeout_s=300)
+    cases = [(doc, rows, wrong) for doc in (REGRESSION, GPT) for wrong in (False, True)]
+    results = run_distributed(dp_cases, world, cases, timeout_s=300)  # one launch, every case
+    for i, (doc, _, wrong) in enumerate(cases):
         loss, grads = _local(doc, rows, wrong)
-        for r in results:
+        for per_rank in results:
+            r = per_rank[i]
             assert r["grads"] != [[0.0] * len(g) for g in r["grads"]]
             if not wrong:
                 assert r["loss"] == pytest.approx(loss, rel=1e-5)
