@@ -108,12 +108,8 @@ def _grads(named: list[tuple[str, nn.Module]]) -> dict[str, Any]:
 def pipeline_worker(ctx: WorkerContext) -> list[dict[str, Any]]:
     """One forward_backward per case on this rank (the engine the runner uses)."""
     from paratrain.comm.p2p import P2PTransport
-    from paratrain.executors.model_parallel.runner import (
-        PipelineEngine,
-        StageModel,
-        _task_model,
-        plan_for,
-    )
+    from paratrain.executors.model_parallel.engine import PipelineEngine, StageModel
+    from paratrain.executors.model_parallel.runner import _task_model, plan_for
     from paratrain.executors.model_parallel.runtime import StageRuntime, segment_modules
     from paratrain.task import fetch_batch
 

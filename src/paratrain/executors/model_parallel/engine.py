@@ -1,0 +1,205 @@
+"""One ModelParallel rank's part of the one training loop: its segments as a module
+(:class:`StageModel`), the engine that runs its micro-batch schedule, evaluates and hands
+rank 0 the last stage's loss and metrics (:class:`PipelineEngine`), its per-rank
+checkpoints (:class:`RankDirStore`), and the run's pipeline statistics from every rank's
+step totals (:func:`pipeline_stats`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...comm import collectives as C
+from ...comm.context import WorkerContext
+from ...task.steps import DEFAULT_EVAL_BATCH, fetch_batch
+from ...training import checkpoint
+from ...training.loop import LocalEngine
+from ...training.resume import agree_on_checkpoint
+from ...training.stepping import local_grad_sq_norm
+from .plan import Plan
+from .runtime import SegmentModule, StageRuntime
+from .schedule import theoretical_bubble
+
+__all__ = ["StageModel", "PipelineEngine", "RankDirStore", "pipeline_stats"]
+
+
+class StageModel(nn.Module):
+    """This rank's segments as one module (what its optimizer steps and its checkpoint
+    holds). A rank that owns no node keeps one empty placeholder parameter, so that its
+    optimizer and scheduler exist like every other rank's."""
+
+    def __init__(self, modules: dict[int, SegmentModule]) -> None:
+        super().__init__()
+        self.segments = nn.ModuleDict({str(i): m for i, m in sorted(modules.items())})
+        self.placeholder = None if modules else nn.Parameter(torch.zeros(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - not called
+        raise RuntimeError("a StageModel runs through its StageRuntime")
+
+
+class PipelineEngine(LocalEngine):
+    """One rank's part of the one loop: the micro-batch schedule over its stages.
+
+    ``forward_backward(batch, weight=w)`` runs this rank's actions of the schedule over the
+    batch (GPipe / 1F1B for ``Pipeline``, the sequential order otherwise) with the task's
+    loss on the last stage, weighted ``w n_i / B`` per micro-batch; it returns the batch's
+    loss on the last stage's rank (0.0 elsewhere). ``grad_sq_norm`` all-reduces the stages'
+    sums of squares; ``evaluate`` runs the forward pipeline over the test set, the last
+    stage sums ``task.eval_batch`` and sends the finalized metrics to rank 0 (the logging
+    process; None on the others); ``mean_over_ranks`` hands rank 0 the last stage's
+    training loss. Also keeps the step timing and per-rank totals the summary reports."""
+
+    def __init__(self, ctx: WorkerContext, rt: StageRuntime, model: StageModel, task: Any,
+                 test: Any, *, precision: str, micro_batch_size: int | None,
+                 schedule_name: str | None) -> None:
+        super().__init__(model, task, test, device=ctx.device, precision=precision)
+        self.ctx, self.rt = ctx, rt
+        self.micro_batch_size, self.schedule_name = micro_batch_size, schedule_name
+        self.last_rank = rt.plan.last_rank
+        self._calls = 0  # forward_backward calls (unique message steps for DataStore)
+        self._evals = 0
+        self._msgs = 0
+        self._step_started: float | None = None
+        self.step_times: list[float] = []
+        # step, compute and blocked-in-recv seconds, peak activation bytes, bytes sent, steps
+        self.totals = torch.zeros(6, dtype=torch.float64)
+
+    def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:
+        del last
+        if self._step_started is None:
+            self._step_started = time.perf_counter()
+        tr: Any = self.rt.transport
+        w0, b0 = tr.wait_s, tr.bytes_sent
+        loss = self.rt.run_batch(batch, step=self._calls, micro_batch_size=self.micro_batch_size,
+                                 schedule_name=self.schedule_name, loss_fn=self.task.loss,
+                                 weight=weight, precision=self.precision)
+        self._calls += 1
+        st = self.rt.stats
+        self.totals[:3] += torch.tensor([st.step_s, st.compute_s, tr.wait_s - w0], dtype=torch.float64)
+        self.totals[3] = max(float(self.totals[3]), st.peak_activation_bytes)
+        self.totals[4] += tr.bytes_sent - b0
+        return 0.0 if loss is None else loss
+
+    def grad_sq_norm(self) -> float:
+        total = local_grad_sq_norm(self.model.parameters()).to(C.comm_device(self.ctx.group))
+        if self.ctx.world_size > 1:
+            C.all_reduce_(total, group=self.ctx.group)
+        return float(total)
+
+    def after_step(self) -> dict[str, float]:
+        if self._step_started is not None:
+            self.step_times.append(time.perf_counter() - self._step_started)
+        self._step_started = None
+        self.totals[5] += 1
+        return {}
+
+    def _to_rank0(self, payload: torch.Tensor | None) -> torch.Tensor | None:
+        """The last stage's ``payload`` on rank 0 (and on the last stage); None elsewhere."""
+        self._msgs += 1
+        if self.last_rank == 0:
+            return payload
+        if self.ctx.rank == self.last_rank:
+            assert payload is not None
+            self.rt.send_metric(payload, dst=0, step=self._msgs, slot=1)
+            return payload
+        if self.ctx.rank == 0:
+            return self.rt.recv_metric(src=self.last_rank, step=self._msgs, slot=1)
+        return None
+
+    def mean_over_ranks(self, value: float) -> float:
+        mine = torch.tensor([value], dtype=torch.float64) if self.ctx.rank == self.last_rank else None
+        got = self._to_rank0(mine)
+        return value if got is None else float(got.double()[0])
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float] | None:
+        self.model.eval()
+        bs = int(getattr(self.task, "eval_batch_size", None) or DEFAULT_EVAL_BATCH)
+        n = len(self.test)
+        sums: dict[str, float] = {}
+        try:
+            for a in range(0, n, bs):
+                batch = fetch_batch(self.test, torch.arange(a, min(a + bs, n)), self.device)
+                out = self.rt.forward(batch[0], step=self._evals, precision=self.precision)
+                self._evals += 1
+                if out is not None:
+                    for k, v in self.task.eval_batch(out, batch).items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+        finally:
+            self.model.train()
+        payload = None
+        if self.ctx.rank == self.last_rank:
+            sums.setdefault("count", 0.0)
+            metrics = {k: float(v) for k, v in self.task.finalize(sums).items()}
+            payload = torch.frombuffer(bytearray(json.dumps(metrics).encode()), dtype=torch.uint8)
+        got = self._to_rank0(payload)
+        if self.ctx.rank != 0 or got is None:
+            return None
+        result: dict[str, float] = json.loads(bytes(got.cpu().numpy().tobytes()).decode())
+        return result
+
+
+def _common_step(ckpt_root: Path, world: int) -> int | None:
+    """The newest step for which every rank has a checkpoint."""
+    common: set[int] | None = None
+    for r in range(world):
+        d = ckpt_root / f"rank{r}"
+        steps = {int(p.name[5:14]) for p in d.glob("ckpt-*.pt")} if d.is_dir() else set()
+        common = steps if common is None else common & steps
+    return max(common) if common else None
+
+
+class RankDirStore:
+    """Per-rank checkpoints ``checkpoints/rank<r>/ckpt-<step>.pt``; a resume starts at the
+    newest step every rank saved and falls back, on every rank together, to the newest
+    step all ranks can read (:func:`~paratrain.training.resume.agree_on_checkpoint`)."""
+
+    def __init__(self, root: Path, ctx: WorkerContext) -> None:
+        self.root, self.ctx = root, ctx
+        self.directory = root / f"rank{ctx.rank}"
+        self.loaded_step: int | None = None
+
+    def load(self) -> tuple[Path, dict[str, Any]] | None:
+        group = self.ctx.group if self.ctx.world_size > 1 else None
+        agreed = agree_on_checkpoint(self.directory, _common_step(self.root, self.ctx.world_size), group)
+        if agreed is None:
+            return None
+        self.loaded_step = int(agreed[0])
+        return checkpoint.checkpoint_path(self.directory, agreed[0]), agreed[1]
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        checkpoint.save_checkpoint(checkpoint.checkpoint_path(self.directory, step), state)
+        checkpoint.prune(self.directory, keep=3)
+
+
+def pipeline_stats(totals: list[torch.Tensor], plan: Plan, *, micro_batches: int | None) -> dict[str, Any]:
+    """Per-rank time split and the run's bubble fraction from each rank's step totals.
+
+    ``bubble_fraction_measured = 1 - C_max / T``: ``C_max`` the busiest rank's forward/backward
+    compute and ``T`` the longest rank's train-step time, summed over the run (GPipe's and
+    Megatron's bubble, the time the pipeline's bottleneck stage stands idle). For a
+    Pipeline, ``bubble_theory_modelled = (p - 1) / (m + p - 1)`` for ``p`` stages and ``m`` micro-
+    batches of a full batch, the ideal with equal stages and free communication.
+    """
+    steps = max(float(totals[0][5]), 1.0)
+    step_s = max(float(t[0]) for t in totals)
+    busiest = max(float(t[1]) for t in totals)
+    out: dict[str, Any] = {
+        "stage_stats": [
+            {"rank": r, "compute_fraction_measured": round(float(t[1]) / max(float(t[0]), 1e-12), 4),
+             "blocked_in_recv_fraction_measured": round(float(t[2]) / max(float(t[0]), 1e-12), 4),
+             "peak_activation_bytes_measured": int(t[3]),
+             "bytes_sent_per_step_measured": round(float(t[4]) / steps, 1)}
+            for r, t in enumerate(totals)
+        ],
+        "bubble_fraction_measured": round(1.0 - busiest / step_s, 4) if step_s > 0 else None,
+    }
+    if micro_batches is not None:
+        out["bubble_theory_modelled"] = round(theoretical_bubble(plan.num_segments, micro_batches), 4)
+    return out
