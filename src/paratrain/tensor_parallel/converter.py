@@ -4,8 +4,8 @@
 ``partitioning_strategy``):
 
 - attention blocks (per :func:`~.attention_spec.attention_spec`) become
-  :class:`~.layers.ParallelSelfAttention`, eligible ``nn.TransformerEncoderLayer`` s (per
-  :func:`~.rules.encoder_problem`) :class:`~.layers.ParallelEncoderLayer`;
+  :class:`~.layers.ParallelSelfAttention`, and every eligible ``nn.TransformerEncoderLayer``
+  (per :func:`~.rules.encoder_problem`) a :class:`~.layers.ParallelEncoderLayer`;
 - in every ``nn.Sequential``, two plain Linears with only element-wise modules between
   them are an MLP pair: column-then-row (Megatron: f before, g after; with the
   ``ReduceScatter`` pattern the sequence-parallel all-gather / reduce-scatter instead, with

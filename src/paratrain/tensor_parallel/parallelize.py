@@ -4,15 +4,15 @@ Rules (DESIGN §4, Megatron-LM §3):
 
 - In every ``nn.Sequential``, a ``Linear`` followed (through element-wise modules only:
   activations, dropout) by another ``Linear`` is an MLP pair: the first becomes
-  :class:`ColumnParallelLinear`, the second :class:`RowParallelLinear`, so the hidden
+  :class:`~.layers.ColumnParallelLinear`, the second :class:`~.layers.RowParallelLinear`, so the hidden
   activation stays sharded and one reduction per direction is needed. Lone Linears stay
   replicated. With only ``column_parallel``, every Linear becomes column-parallel with
   gathered output; with only ``row_parallel``, row-parallel with a split input.
-- Self-attention is split by heads (:class:`ParallelSelfAttention`) only where the
+- Self-attention is split by heads (:class:`~.layers.ParallelSelfAttention`) only where the
   conversion provably computes the same function: paratrain's own
   :class:`~paratrain.tensor_parallel.layers.SelfAttention` (``forward`` not overridden),
   or a module that **opts in** with a method ``__paratrain_tp_attention__(self)`` returning
-  an :class:`AttentionSpec` ``(q, k, v, o, num_heads, causal)``. Returning a spec promises
+  an :class:`~.attention_spec.AttentionSpec` ``(q, k, v, o, num_heads, causal)``. Returning a spec promises
   that ``forward(x)`` for ``x`` of shape ``[B, S, E]`` is
   ``o(SelfAttention.attend(q(x), k(x), v(x), num_heads, causal))`` and that q/k/v/o hold
   every parameter and buffer of the module (checked: anything else is a ConfigError, it
@@ -23,12 +23,12 @@ Rules (DESIGN §4, Megatron-LM §3):
   opt in. A batch-first ``nn.TransformerEncoderLayer`` (``forward``, ``_sa_block`` and
   ``_ff_block`` not overridden; a plain ``nn.MultiheadAttention`` with a packed in_proj,
   no ``bias_k``/``bias_v``/``add_zero_attn`` and attention dropout 0; no extra
-  parameters) becomes :class:`ParallelEncoderLayer` (attention heads split,
+  parameters) becomes :class:`~.layers.ParallelEncoderLayer` (attention heads split,
   linear1/linear2 as a column/row pair, layer norms replicated); any other encoder layer
   is a ConfigError naming its path and the unsupported feature.
 - Only plain ``nn.Linear`` layers (``forward`` not overridden, no parameters besides
   ``weight`` and ``bias``) are sharded, and only the element-wise modules listed in
-  :data:`ELEMENTWISE` (``forward`` not overridden) may sit inside a pair. A Linear subclass
+  :data:`~.rules.ELEMENTWISE` (``forward`` not overridden) may sit inside a pair. A Linear subclass
   with its own forward or extra parameters stays replicated, with a warning naming it.
 - Weights are sliced from the given (full) model, so the result computes the same function.
 
@@ -54,6 +54,11 @@ the first and the last parallel child of the root Sequential, activations are sh
 along the sequence dim (dim 1 of [B, S, E] inputs, dim 0 of [B, F] ones); the replicated
 parameters inside that region see only their shard's tokens, so their gradients are summed
 over the TP group in :meth:`TensorParallelModule.sync_gradients`.
+
+Where each part lives: the eligibility checks in :mod:`.rules` (plain Linear, element-wise,
+encoder layer) and :mod:`.attention_spec` (the attention opt-in), the walk that applies
+them in :mod:`.converter`, the resulting :class:`~.module.TensorParallelModule` in
+:mod:`.module`; this module holds the entry point, :func:`parallelize`.
 """
 
 from __future__ import annotations
