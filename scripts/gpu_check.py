@@ -111,6 +111,7 @@ def dp_ranks(rank: int, world: int) -> dict[str, Any]:
     """paratrain AllReduce vs DDP, then the compressed exchange, on NCCL."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from paratrain.comm import buckets as B
     from paratrain.comm import collectives as C
     from paratrain.compression import Compressor
     from paratrain.executors.data_parallel.aggregation import AllReduceAgg
@@ -119,7 +120,7 @@ def dp_ranks(rank: int, world: int) -> dict[str, Any]:
     batches = _batches(rank, 20, 64, dev)
     loss_fn = nn.functional.cross_entropy
     ours = _model_on(dev)
-    agg = AllReduceAgg(ours, group=None, counter=C.CommCounter(), bucket_bytes=C.bucket_bytes_of(25.0))
+    agg = AllReduceAgg(ours, group=None, counter=C.CommCounter(), bucket_bytes=B.bucket_bytes_of(25.0))
     opt_a = torch.optim.SGD(ours.parameters(), lr=0.05)
     ref = DDP(_model_on(dev), device_ids=[rank], bucket_cap_mb=25)
     opt_b = torch.optim.SGD(ref.parameters(), lr=0.05)

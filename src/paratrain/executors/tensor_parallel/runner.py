@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from ...comm.context import WorkerContext
-from ...comm.launch import in_torchrun, launch
+from ...comm.launch import launch
+from ...comm.rendezvous import in_torchrun
 from ...comm.tp.groups import build_tp_groups
 from ...comm.tp.world import broadcast_module_, world_barrier
 from ...config import ConfigError
