@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paratrain.comm.ddp_hook import allreduce_compressed
 from paratrain.compression import (
     CompressedTensor,
     CompressionError,
     CompressionStats,
     Compressor,
-    allreduce_compressed,
     decompress,
     leaf_method,
 )
