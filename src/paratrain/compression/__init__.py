@@ -50,12 +50,14 @@ This package never calls torch.distributed and does no I/O.
 
 from __future__ import annotations
 
-from .base import CompressedTensor, CompressionError, EncodeContext, derive_seed
-from .compressor import CompressionStats, Compressor, build_codec, decompress, leaf_method
-from .quantization import pack_codes, packed_nbytes, unpack_codes
-from .randomk import randomk_positions
+from ._kernels import randomk_positions
+from .base import CompressedTensor, EncodeContext, derive_seed, from_bytes
+from .compressor import CompressionStats, Compressor, build_codec, leaf_method
+from .decode import decompress
+from .errors import CompressionError
+from .quant_kernels import pack_codes, packed_nbytes, unpack_codes
 from .topk import topk_indices
-from .wire import from_bytes, information_minimum, to_bytes, wire_nbytes
+from .wire import information_minimum, to_bytes, wire_nbytes
 
 __all__ = [
     "Compressor",

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK", "numpy_view", "abs_above_indices", "abs_above_numpy"]
+__all__ = ["BLOCK", "numpy_view", "abs_above_indices", "abs_above_numpy", "scatter_dense",
+           "randomk_positions"]
 
 BLOCK = 1 << 16
 # Tests switch this off to check that both paths give the same results.
@@ -63,3 +64,26 @@ def abs_above_numpy(xn: np.ndarray, threshold: float) -> np.ndarray:
     if not parts:
         return np.empty(0, dtype=np.int64)
     return np.concatenate(parts).astype(np.int64, copy=False)
+
+
+def scatter_dense(
+    n: int, indices: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """A flat zero tensor of length ``n`` with ``values`` placed at ``indices``."""
+    out = torch.zeros(n, dtype=dtype, device=values.device)
+    if indices.numel():
+        out.index_copy_(0, indices.to(values.device), values.to(dtype))
+    return out
+
+
+def randomk_positions(n: int, k: int, seed: int) -> torch.Tensor:
+    """Ascending int64 positions of the uniform k-subset of range(n) chosen by ``seed``."""
+    k = min(max(k, 0), n)
+    if k == n:
+        return torch.arange(n)
+    if k == 0:
+        return torch.empty(0, dtype=torch.long)
+    rng = np.random.Generator(np.random.PCG64(seed))
+    idx = rng.choice(n, size=k, replace=False, shuffle=False).astype(np.int64, copy=False)
+    idx.sort()
+    return torch.from_numpy(idx)

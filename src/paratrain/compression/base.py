@@ -29,6 +29,11 @@ from typing import Any, Protocol
 
 import torch
 
+from ._kernels import scatter_dense
+from .decode import decompress
+from .errors import SUPPORTED_DTYPES, CompressionError
+from .wire import parse, to_bytes, wire_nbytes
+
 __all__ = [
     "CompressionError",
     "CompressedTensor",
@@ -38,21 +43,8 @@ __all__ = [
     "derive_seed",
     "check_input",
     "scatter_dense",
+    "from_bytes",
 ]
-
-
-class CompressionError(ValueError):
-    """A compression input, state or wire payload that cannot be processed.
-
-    Raised for malformed, truncated or hostile wire payloads (never a crash, a hang or an
-    unbounded allocation), for unsupported dtypes, and for state that does not match the
-    tensors it is applied to.
-    """
-
-
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-)
 
 
 def derive_seed(seed: int, step: int, key: str, salt: str = "") -> int:
@@ -77,16 +69,6 @@ def check_input(tensor: Any) -> torch.Tensor:
     if tensor.is_sparse:
         raise CompressionError("sparse tensors are not supported; pass a dense tensor")
     return tensor.detach().reshape(-1)
-
-
-def scatter_dense(
-    n: int, indices: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """A flat zero tensor of length ``n`` with ``values`` placed at ``indices``."""
-    out = torch.zeros(n, dtype=dtype, device=values.device)
-    if indices.numel():
-        out.index_copy_(0, indices.to(values.device), values.to(dtype))
-    return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,8 +112,6 @@ class CompressedTensor:
     @property
     def nbytes(self) -> int:
         """Exact length of :meth:`to_bytes` (computed without serialising)."""
-        from .wire import wire_nbytes
-
         return wire_nbytes(self)
 
     @property
@@ -140,8 +120,6 @@ class CompressedTensor:
 
     def to_bytes(self) -> bytes:
         """Serialise to the versioned wire format (see :mod:`paratrain.compression.wire`)."""
-        from .wire import to_bytes
-
         return to_bytes(self)
 
     @staticmethod
@@ -153,16 +131,12 @@ class CompressedTensor:
         expect_dtype: torch.dtype | None = None,
     ) -> CompressedTensor:
         """Parse and validate a wire payload; raises :class:`CompressionError`."""
-        from .wire import from_bytes
-
         return from_bytes(
             data, max_numel=max_numel, expect_shape=expect_shape, expect_dtype=expect_dtype
         )
 
     def decompress(self) -> torch.Tensor:
         """The dense tensor ``D(c)`` of ``shape`` and ``dtype`` on ``values.device``."""
-        from .compressor import decompress
-
         return decompress(self)
 
 
@@ -203,3 +177,16 @@ class Codec(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def from_bytes(
+    data: bytes | bytearray | memoryview,
+    *,
+    max_numel: int | None = None,
+    expect_shape: tuple[int, ...] | None = None,
+    expect_dtype: torch.dtype | None = None,
+) -> CompressedTensor:
+    """Parse and validate a wire payload (:func:`paratrain.compression.wire.parse`) into a
+    :class:`CompressedTensor`; raises :class:`CompressionError`."""
+    return CompressedTensor(**parse(data, max_numel=max_numel, expect_shape=expect_shape,
+                                    expect_dtype=expect_dtype))

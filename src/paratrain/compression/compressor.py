@@ -39,12 +39,12 @@ from .base import (
     CompressionError,
     EncodeContext,
     check_input,
-    scatter_dense,
 )
 from .clipped import ClippedCodec
+from .decode import decompress
 from .error_feedback import ErrorFeedbackCodec
 from .none import NoneCodec
-from .quantization import QuantizationCodec, dequantize_packed
+from .quantization import QuantizationCodec
 from .randomk import RandomKCodec
 from .threshold import ThresholdCodec
 from .topk import TopKCodec
@@ -85,22 +85,6 @@ def leaf_method(strategy: Any) -> str:
     while isinstance(s, ErrorFeedback | ClippedCompression):
         s = s.base_strategy
     return str(s.method)
-
-
-def decompress(c: CompressedTensor) -> torch.Tensor:
-    """D(c): the dense tensor of ``c.shape`` and ``c.dtype`` (may share memory with ``c``)."""
-    n = c.numel
-    if c.method == "None":
-        if c.values.numel() != n:
-            raise CompressionError(f"None record holds {c.values.numel()} values, expected {n}")
-        return c.values.to(c.dtype).reshape(c.shape)
-    if c.method in ("TopK", "Threshold", "RandomK"):
-        if c.indices is None or c.indices.numel() != c.values.numel():
-            raise CompressionError(f"{c.method} record needs one index per value")
-        return scatter_dense(n, c.indices, c.values, c.dtype).reshape(c.shape)
-    if c.method == "Quantization":
-        return dequantize_packed(c.values, n, c.offset, c.scale, c.bits, c.dtype).reshape(c.shape)
-    raise CompressionError(f"unknown method {c.method!r}")
 
 
 @dataclass

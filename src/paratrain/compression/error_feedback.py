@@ -54,7 +54,7 @@ class ErrorFeedbackCodec:
     def encode(
         self, flat: torch.Tensor, shape: tuple[int, ...], ctx: EncodeContext
     ) -> CompressedTensor:
-        from .compressor import decompress
+        from .decode import decompress
 
         rdt = _residual_dtype(flat.dtype)
         e = self.residuals.get(ctx.key)

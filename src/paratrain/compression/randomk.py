@@ -17,25 +17,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
+from ._kernels import randomk_positions
 from .base import CompressedTensor, EncodeContext
 
 __all__ = ["RandomKCodec", "randomk_positions"]
-
-
-def randomk_positions(n: int, k: int, seed: int) -> torch.Tensor:
-    """Ascending int64 positions of the uniform k-subset of range(n) chosen by ``seed``."""
-    k = min(max(k, 0), n)
-    if k == n:
-        return torch.arange(n)
-    if k == 0:
-        return torch.empty(0, dtype=torch.long)
-    rng = np.random.Generator(np.random.PCG64(seed))
-    idx = rng.choice(n, size=k, replace=False, shuffle=False).astype(np.int64, copy=False)
-    idx.sort()
-    return torch.from_numpy(idx)
 
 
 class RandomKCodec:

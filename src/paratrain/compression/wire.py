@@ -31,18 +31,20 @@ from __future__ import annotations
 
 import math
 import struct
+from typing import Any
 
 import numpy as np
 import torch
 
-from .base import CompressedTensor, CompressionError
+from ._kernels import randomk_positions
+from .errors import CompressionError
 
 __all__ = [
     "WIRE_VERSION",
     "DEFAULT_MAX_NUMEL",
     "MAX_NDIM",
     "to_bytes",
-    "from_bytes",
+    "parse",
     "wire_nbytes",
     "information_minimum",
 ]
@@ -78,7 +80,7 @@ def _sparse_encoding(n: int, count: int) -> tuple[int, int]:
     return (_ENC_U32 if width == 4 else _ENC_U64), count * width
 
 
-def wire_nbytes(c: CompressedTensor) -> int:
+def wire_nbytes(c: Any) -> int:
     """Exact ``len(to_bytes(c))`` without serialising."""
     n, w = c.numel, _ITEMSIZE[c.dtype]
     head = _header_nbytes(len(c.shape))
@@ -94,7 +96,7 @@ def wire_nbytes(c: CompressedTensor) -> int:
     raise CompressionError(f"unknown method {c.method!r}")
 
 
-def information_minimum(c: CompressedTensor) -> int:
+def information_minimum(c: Any) -> int:
     """Bytes a header-free encoding needs (the benchmark's reference).
 
     None: n*w; TopK/Threshold: count*w + min(4*count, ceil(n/8)); RandomK: k*w;
@@ -120,7 +122,7 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.view(torch.uint8).numpy().tobytes()
 
 
-def to_bytes(c: CompressedTensor) -> bytes:
+def to_bytes(c: Any) -> bytes:
     """Serialise ``c``; ``len(to_bytes(c)) == wire_nbytes(c)``."""
     if c.method not in _METHOD_CODE:
         raise CompressionError(f"unknown method {c.method!r}")
@@ -199,20 +201,25 @@ def _check_indices(idx: torch.Tensor, n: int) -> None:
         raise CompressionError("indices must be strictly increasing (sorted, no duplicates)")
 
 
-def from_bytes(
+def _fields(method: str, shape: tuple[int, ...], dtype: torch.dtype, values: torch.Tensor,
+            **more: Any) -> dict[str, Any]:
+    return {"method": method, "shape": shape, "dtype": dtype, "values": values, **more}
+
+
+def parse(
     data: bytes | bytearray | memoryview,
     *,
     max_numel: int | None = None,
     expect_shape: tuple[int, ...] | None = None,
     expect_dtype: torch.dtype | None = None,
-) -> CompressedTensor:
-    """Parse and validate a payload written by :func:`to_bytes` (CPU tensors out).
+) -> dict[str, Any]:
+    """Parse and validate a payload written by :func:`to_bytes` (CPU tensors out): the
+    fields of its :class:`~paratrain.compression.base.CompressedTensor`, which
+    ``CompressedTensor.from_bytes`` / :func:`paratrain.compression.from_bytes` build.
 
     ``max_numel`` bounds the declared element count (default 2^31 - 1);
     ``expect_shape``/``expect_dtype`` reject a payload for a different tensor.
     """
-    from .randomk import randomk_positions
-
     if not isinstance(data, bytes | bytearray | memoryview):
         raise CompressionError(f"expected bytes, got {type(data).__name__}")
     limit = DEFAULT_MAX_NUMEL if max_numel is None else max_numel
@@ -245,7 +252,7 @@ def from_bytes(
 
     if method == "None":
         values = r.tensor(n, dtype, "values")
-        out = CompressedTensor("None", shape, dtype, values)
+        out = _fields("None", shape, dtype, values)
     elif method in ("TopK", "Threshold"):
         enc, count = r.unpack(_SPARSE, "sparse header")
         assert isinstance(enc, int) and isinstance(count, int)
@@ -270,7 +277,7 @@ def from_bytes(
         else:
             raise CompressionError(f"unknown sparse encoding {enc}")
         values = r.tensor(count, dtype, "values")
-        out = CompressedTensor(method, shape, dtype, values, idx)
+        out = _fields(method, shape, dtype, values, indices=idx)
     elif method == "RandomK":
         seed, k = r.unpack(_RANDOMK, "RandomK header")
         assert isinstance(seed, int) and isinstance(k, int)
@@ -285,7 +292,7 @@ def from_bytes(
             )
         values = r.tensor(k, dtype, "values")
         idx = randomk_positions(n, k, seed)
-        out = CompressedTensor("RandomK", shape, dtype, values, idx, seed=seed, k=k)
+        out = _fields("RandomK", shape, dtype, values, indices=idx, seed=seed, k=k)
     else:
         qbits, flags, lo, scale = r.unpack(_QUANT, "quantization header")
         assert isinstance(qbits, int) and isinstance(flags, int)
@@ -306,7 +313,7 @@ def from_bytes(
         spare = nbytes * 8 - n * bits_
         if spare and int(packed[-1]) >> (8 - spare):
             raise CompressionError("padding bits of the last quantized byte are not zero")
-        out = CompressedTensor(
+        out = _fields(
             "Quantization", shape, dtype, packed, bits=bits_, offset=lo, scale=scale,
             stochastic=bool(flags & 1),
         )
