@@ -124,8 +124,8 @@ def test_tiny_lm_pbt_loss_min_with_dropout(tmp_path: Path) -> None:
     doc = lineage(s)
     assert check_min_mode_exploit(doc) == 2
     for rec in doc["generations"]:
-        for c in rec["copies"]:  # dropout (a model keyword) is inherited, lr explored
-            assert c["hparams"]["dropout"] == c["donor_hparams"]["dropout"]
+        for c in rec["copies"]:  # dropout and lr are both explored (Perturbation)
+            assert c["hparams"]["dropout"] != c["donor_hparams"]["dropout"]
             assert c["hparams"]["lr"] != c["donor_hparams"]["lr"]
     assert all("test_perplexity" in r for r in records(s))
 
@@ -136,6 +136,11 @@ def test_tiny_lm_pbt_loss_min_with_dropout(tmp_path: Path) -> None:
     assert out["error"] is None
     ps = {m.p for m in runner._live[0].model.modules() if isinstance(m, nn.Dropout)}
     assert ps == {0.25}
+    # the next generation continues the same weights with an explored dropout
+    live = runner._live[0].model
+    out = runner.run(0, 1, {"lr": 1e-2, "dropout": 0.1}, 0)
+    assert out["error"] is None and runner._live[0].model is live
+    assert {m.p for m in live.modules() if isinstance(m, nn.Dropout)} == {0.1}
 
 
 def _member_and_reference(job: JobConfig, tmp_path: Path, *, reduction: str) -> tuple[list, list]:

@@ -3,10 +3,12 @@ by, and the checks of a PopulationBased job that need the model and data factori
 
 Hyperparameter roles (:func:`hyperparameter_roles`): ``batch_size``; any key of the
 optimizer's param groups (``lr``, ``momentum``, ``weight_decay``, ``betas``...); any
-keyword of the model builder/factory (e.g. the gpt's ``dropout``: applied when the
-member's model is built); any keyword of the dataset builder/factory (built-in tasks).
-Model keywords may change parameter shapes, so explore leaves them alone (they are
-sampled at the start and inherited on exploit).
+keyword of the model builder/factory; any keyword of the dataset builder/factory (built-in
+tasks). Model keywords may change parameter shapes, so explore leaves them alone (they are
+sampled at the start and inherited on exploit) -- except ``dropout`` (role ``dropout``),
+which changes no shape: it is explored like the optimizer's values and applied to the
+member's model as the ``p`` of every ``nn.Dropout`` in it, each generation (the model is
+built and its weights carried on, as Ray Tune's PBT re-applies a mutated config).
 
 Fitness: ``population.metric`` (default the task's ``fitness_metric``, mode the task's
 ``fitness_mode`` unless ``population.mode`` is set, :func:`fitness_of`), a metric of the
@@ -57,7 +59,7 @@ def _kwargs_of(fn: Callable[..., Any], fixed: set[str]) -> tuple[set[str], bool]
 def hyperparameter_roles(job: JobConfig) -> tuple[dict[str, str], str | None]:
     """``{name: role}`` for every hyperparameter a member can carry, and the role
     (``model``/``data``) whose factory accepts any keyword (``**kwargs``), if any.
-    Roles: ``batch``, ``optimizer``, ``model``, ``data``."""
+    Roles: ``batch``, ``optimizer``, ``model``, ``data``, ``dropout``."""
     roles: dict[str, str] = {}
     probe = build_optimizer([torch.zeros(1, requires_grad=True)], job.train.optimizer)
     for k in probe.param_groups[0]:
@@ -75,7 +77,7 @@ def hyperparameter_roles(job: JobConfig) -> tuple[dict[str, str], str | None]:
         d_fn = DATASETS.get(str(job.data.name), lambda: None)
     d_names, d_open = _kwargs_of(d_fn, _DATA_FIXED)
     for k in sorted(m_names | set(job.model.kwargs)):
-        roles.setdefault(k, "model")
+        roles.setdefault(k, "dropout" if k == "dropout" else "model")
     for k in sorted(d_names | set(job.data.kwargs)):
         roles.setdefault(k, "data")
     return roles, ("model" if m_open else "data" if d_open else None)

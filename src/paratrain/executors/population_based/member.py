@@ -77,6 +77,15 @@ class _Live:
         self.model, self.opt, self.scheduler = model, opt, scheduler
 
 
+def set_dropout(model: nn.Module, p: float) -> None:
+    """The member's ``dropout``: the probability of every ``nn.Dropout`` in ``model``."""
+    if not 0.0 <= p < 1.0:
+        raise ConfigError([("search_space.dropout", f"dropout must be in [0, 1) (got {p})")])
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = p
+
+
 class MemberRunner:
     """Trains members on one worker; caches the task's datasets by their keyword arguments."""
 
@@ -98,7 +107,8 @@ class MemberRunner:
             self.data({})
 
     def _split(self, hparams: dict[str, Any]) -> dict[str, dict[str, Any]]:
-        out: dict[str, dict[str, Any]] = {"optimizer": {}, "batch": {}, "model": {}, "data": {}}
+        out: dict[str, dict[str, Any]] = {"optimizer": {}, "batch": {}, "model": {}, "data": {},
+                                          "dropout": {}}
         for k, v in hparams.items():
             out[self.roles.get(k, "model")][k] = v
         return out
@@ -208,6 +218,8 @@ class MemberRunner:
                     if "scheduler" in state:
                         scheduler.load_state_dict(state["scheduler"])
             out["setup_s"] = t_setup - t_data
+            if "dropout" in parts["dropout"]:
+                set_dropout(model, float(parts["dropout"]["dropout"]))
             self._apply(opt, scheduler, parts["optimizer"], factor)
             applied = {k: (list(v) if isinstance(v, tuple) else v)
                        for k, v in opt.param_groups[0].items() if k not in ("params", "initial_lr")}
