@@ -130,10 +130,10 @@ class CompressedTensor:
         expect_shape: tuple[int, ...] | None = None,
         expect_dtype: torch.dtype | None = None,
     ) -> CompressedTensor:
-        """Parse and validate a wire payload; raises :class:`CompressionError`."""
-        return from_bytes(
-            data, max_numel=max_numel, expect_shape=expect_shape, expect_dtype=expect_dtype
-        )
+        """Parse and validate a wire payload (:func:`paratrain.compression.wire.parse`);
+        raises :class:`CompressionError`."""
+        return CompressedTensor(**parse(data, max_numel=max_numel, expect_shape=expect_shape,
+                                        expect_dtype=expect_dtype))
 
     def decompress(self) -> torch.Tensor:
         """The dense tensor ``D(c)`` of ``shape`` and ``dtype`` on ``values.device``."""
@@ -179,14 +179,5 @@ class Codec(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def from_bytes(
-    data: bytes | bytearray | memoryview,
-    *,
-    max_numel: int | None = None,
-    expect_shape: tuple[int, ...] | None = None,
-    expect_dtype: torch.dtype | None = None,
-) -> CompressedTensor:
-    """Parse and validate a wire payload (:func:`paratrain.compression.wire.parse`) into a
-    :class:`CompressedTensor`; raises :class:`CompressionError`."""
-    return CompressedTensor(**parse(data, max_numel=max_numel, expect_shape=expect_shape,
-                                    expect_dtype=expect_dtype))
+# the module-level name paratrain.compression.from_bytes
+from_bytes = CompressedTensor.from_bytes
