@@ -468,6 +468,12 @@ def job_resume(ctx: WorkerContext, out_dir: str, extra: dict[str, Any] | None = 
             "steps": (full["steps"], resumed["steps"]), "acc": full["test_accuracy"]}
 
 
+def job_resume_cases(ctx: WorkerContext, cases: list[tuple[str, dict[str, Any] | None]]) -> list[dict[str, Any]]:
+    """:func:`job_resume` for several ``(out_dir, extra)`` cases in one launch of the
+    processes (each case still trains its own uninterrupted and split runs)."""
+    return [job_resume(ctx, out_dir, extra) for out_dir, extra in cases]
+
+
 def primitives(ctx: WorkerContext) -> dict[str, float]:
     """Every pattern's all-reduce (sync and async) on awkward sizes, and uneven all-gather /
     reduce-scatter, against the sums computed locally from every rank's seeded tensor."""

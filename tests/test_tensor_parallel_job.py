@@ -46,10 +46,19 @@ def test_layout_errors(tmp_path: Path, patch: dict, field: str) -> None:
     assert e.value.problems[0][0] == field
 
 
+@pytest.fixture(scope="module")
+def dense_2d(tmp_path_factory: pytest.TempPathFactory) -> tuple[object, dict, Path]:
+    """One uninterrupted TP 2 x DP 2 run of the example (30 steps), shared by the test of
+    its summary and gathered model and by the compression test (its dense reference): one
+    4-process launch instead of two."""
+    out = tmp_path_factory.mktemp("dense_2d")
+    job = _job("tensor_parallel_2d.toml", out, epochs=1, max_steps=30)
+    return job, execute(job), out
+
+
 @pytest.mark.slow
-def test_two_d_job_trains_and_gathers_the_dense_model(tmp_path: Path) -> None:
-    job = _job("tensor_parallel_2d.toml", tmp_path, epochs=1, max_steps=30)
-    s = execute(job)
+def test_two_d_job_trains_and_gathers_the_dense_model(dense_2d: tuple[object, dict, Path]) -> None:
+    job, s, tmp_path = dense_2d
     assert s["world_size"] == 4 and s["tensor_parallel_size"] == 2 and s["data_parallel_size"] == 2
     assert s["steps"] == 30 and s["test_accuracy"] > 0.3  # chance is 0.1
     assert 0.45 < s["memory_saving_measured"] < 0.5
@@ -72,21 +81,24 @@ def test_two_d_job_trains_and_gathers_the_dense_model(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_two_d_job_compresses_the_data_parallel_exchange(tmp_path: Path) -> None:
+def test_two_d_job_compresses_the_data_parallel_exchange(
+    tmp_path: Path, dense_2d: tuple[object, dict, Path]
+) -> None:
     """TP 2 x DP 2 with [compression]: TopK keeping every entry equals the dense run (the
     compressed path is exercised: its bytes are counted); TopK 200 per tensor with error feedback
     sends under a quarter of the dense bytes (measured 0.08) (values + indices), still learns, and differs from the
     dense run (non-vacuity)."""
-    def run(name: str, compression: dict | None) -> tuple[dict, dict[str, torch.Tensor]]:
+    def run(name: str, compression: dict) -> tuple[dict, dict[str, torch.Tensor]]:
         doc = load_job(EXAMPLES / "tensor_parallel_2d.toml").to_json_dict()
         doc["run"].update(output_dir=str(tmp_path), name=name)
         doc["train"].update(epochs=1, max_steps=30)
-        if compression is not None:
-            doc["compression"] = compression
+        doc["compression"] = compression
         s = execute(load_job(doc))
         return s, torch.load(s["dense_model"], weights_only=True)
 
-    dense, w_dense = run("dense", None)
+    # the dense run is the shared fixture's: the same example, epochs=1, max_steps=30
+    dense = dense_2d[1]
+    w_dense = torch.load(dense["dense_model"], weights_only=True)
     full, w_full = run("full", {"method": "TopK", "k": 1 << 30})
     topk, w_topk = run("topk", {"method": "ErrorFeedback", "error_compensation": True,
                                 "base_strategy": {"method": "TopK", "k": 200}})
@@ -112,33 +124,40 @@ def test_resume_from_sharded_checkpoints_matches_uninterrupted(tmp_path: Path) -
     assert (tmp_path / "split" / "checkpoints" / "tp-rank1").is_dir()
 
 
+@pytest.fixture(scope="module")
+def resume_4(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The two 4-rank resume cases (BlockWise grid; TP 2 x DP 2 with error feedback), each
+    with its own output directory, in one launch of the 4 processes."""
+    from _workers_tp import job_resume_cases
+    from paratrain.comm.testing import run_distributed
+
+    blockwise = {"tensor_parallel": {"tensor_parallel_size": 4, "partitioning_strategy": "BlockWise",
+                                     "micro_batches": 2, "memory_optimization": "High"}}
+    ef = {"strategy": {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}},
+          "compression": {"method": "ErrorFeedback", "error_compensation": True,
+                          "base_strategy": {"method": "TopK", "k": 16}}}
+    cases = [(str(tmp_path_factory.mktemp("blockwise")), blockwise),
+             (str(tmp_path_factory.mktemp("ef")), ef)]
+    r = run_distributed(job_resume_cases, 4, cases, timeout_s=300)[0]
+    return {"blockwise": r[0], "ef": r[1]}
+
+
 @pytest.mark.slow
-def test_blockwise_grid_resume_matches_uninterrupted(tmp_path: Path) -> None:
+def test_blockwise_grid_resume_matches_uninterrupted(resume_4: dict[str, dict]) -> None:
     """BlockWise on a 2 x 2 grid (4 ranks, each keeping a quarter of every weight): 3
     steps + resume to 6 end bit-identical to 6 uninterrupted steps; the gathered dense
     model (the summary's digest) is the same."""
-    from _workers_tp import job_resume
-    from paratrain.comm.testing import run_distributed
-
-    extra = {"tensor_parallel": {"tensor_parallel_size": 4, "partitioning_strategy": "BlockWise",
-                                 "micro_batches": 2, "memory_optimization": "High"}}
-    r = run_distributed(job_resume, 4, str(tmp_path), extra, timeout_s=240)[0]
+    r = resume_4["blockwise"]
     assert r["steps"] == (6, 6)
     assert r["full"] == r["resumed"]
     assert r["acc"] > 0.1  # the gathered dense model evaluates (chance is 0.1)
 
 
 @pytest.mark.slow
-def test_resume_with_error_feedback_residuals_matches_uninterrupted(tmp_path: Path) -> None:
+def test_resume_with_error_feedback_residuals_matches_uninterrupted(resume_4: dict[str, dict]) -> None:
     """TP 2 x DP 2 with TopK + error feedback: the residuals are in each rank's checkpoint,
     so 3 steps + resume to 6 ends bit-identical to 6 uninterrupted steps."""
-    from _workers_tp import job_resume
-    from paratrain.comm.testing import run_distributed
-
-    extra = {"strategy": {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}},
-             "compression": {"method": "ErrorFeedback", "error_compensation": True,
-                             "base_strategy": {"method": "TopK", "k": 16}}}
-    r = run_distributed(job_resume, 4, str(tmp_path), extra, timeout_s=240)[0]
+    r = resume_4["ef"]
     assert r["steps"] == (6, 6)
     assert r["full"] == r["resumed"]
 
