@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -197,11 +196,8 @@ def hook_resume_second(ctx: Any, tmp: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_ddp_hook_resume_repeats_the_original_draws(tmp_path: Path) -> None:
-    from paratrain.comm.testing import run_distributed
-
-    full = run_distributed(hook_resume_first, 2, str(tmp_path), timeout_s=180)
-    resumed = run_distributed(hook_resume_second, 2, str(tmp_path), timeout_s=180)
+def test_ddp_hook_resume_repeats_the_original_draws(resume_phases: dict[str, Any]) -> None:
+    full, resumed = resume_phases["full"]["hook"], resume_phases["resumed"]["hook"]
     differ = sorted({
         name for name in HOOK_STRATEGIES for rank in range(2)
         for a, b in zip(full[rank][name], resumed[rank][name], strict=True)
@@ -247,16 +243,34 @@ def dp_resume(ctx: Any, tmp: str, phase: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.slow
-def test_data_parallel_compressed_resume_is_bit_identical(tmp_path: Path) -> None:
+def both_phases(ctx: Any, tmp: str, phase: str) -> dict[str, Any]:
+    """The hook and the DataParallel resume workers of one phase in one launch (each
+    launch starts fresh processes: two launches instead of four). Phase "second" runs in
+    processes that never trained the first phase, as before."""
+    hook = hook_resume_first(ctx, tmp) if phase == "first" else hook_resume_second(ctx, tmp)
+    return {"hook": hook, "dp": dp_resume(ctx, tmp, phase)}
+
+
+@pytest.fixture(scope="module")
+def resume_phases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from paratrain.comm.testing import run_distributed
 
-    full = run_distributed(dp_resume, 2, str(tmp_path), "first", timeout_s=240)
+    tmp = tmp_path_factory.mktemp("resume")
+    full = run_distributed(both_phases, 2, str(tmp), "first", timeout_s=300)
+    # read between the phases: the second phase rewrites the part run's marker
+    markers = {name: json.loads((tmp / f"part-{name}" / "checkpoints" / "dp-complete.json").read_text())
+               for name in DP_COMPRESSION}
+    resumed = run_distributed(both_phases, 2, str(tmp), "second", timeout_s=300)
+    return {"full": {k: [r[k] for r in full] for k in ("hook", "dp")}, "markers": markers,
+            "resumed": {k: [r[k] for r in resumed] for k in ("hook", "dp")}}
+
+
+@pytest.mark.slow
+def test_data_parallel_compressed_resume_is_bit_identical(resume_phases: dict[str, Any]) -> None:
+    full, resumed = resume_phases["full"]["dp"], resume_phases["resumed"]["dp"]
     # the second phase really resumes: step 3 is a complete checkpoint of the part run
     for name in DP_COMPRESSION:
-        marker = json.loads((tmp_path / f"part-{name}" / "checkpoints" / "dp-complete.json").read_text())
-        assert marker["step"] == 3
-    resumed = run_distributed(dp_resume, 2, str(tmp_path), "second", timeout_s=240)
+        assert resume_phases["markers"][name]["step"] == 3
     differ = sorted({
         name for name in DP_COMPRESSION for rank in range(2)
         for a, b in zip(full[rank][name], resumed[rank][name], strict=True)
