@@ -6,6 +6,7 @@ files and nothing on disk changes."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +54,23 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return data_parallel.run(load_job(_doc(tmp_path_factory.mktemp("ref"), "ref", 15)))
 
 
+@pytest.fixture(scope="module")
+def ten_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run folder of a 10-step run named "a" (checkpoints at 5 and 10 on both ranks):
+    one launch that each test below copies into its own output_dir before damaging it."""
+    out = tmp_path_factory.mktemp("ten")
+    data_parallel.run(load_job(_doc(out, "a", 10)))
+    return out / "a"
+
+
 def _rank_ckpts(tmp: Path, name: str, rank: int) -> list[Path]:
     return checkpoint.checkpoints(tmp / name / "checkpoints" / f"dp-rank{rank}")
 
 
 def test_bad_newest_checkpoint_on_one_rank_falls_back_on_every_rank(
-    tmp_path: Path, reference: dict[str, Any], capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, reference: dict[str, Any], ten_steps: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    data_parallel.run(load_job(_doc(tmp_path, "a", 10)))
+    shutil.copytree(ten_steps, tmp_path / "a")
     ckpts = _rank_ckpts(tmp_path, "a", 1)
     assert [p.name for p in ckpts] == ["ckpt-000000005.pt", "ckpt-000000010.pt"]
     assert [p.name for p in _rank_ckpts(tmp_path, "a", 0)] == [p.name for p in ckpts]
@@ -75,8 +85,8 @@ def test_bad_newest_checkpoint_on_one_rank_falls_back_on_every_rank(
     assert resumed["parameters_sha256"] == reference["parameters_sha256"]
 
 
-def test_no_readable_checkpoint_on_one_rank_is_an_error_naming_the_files(tmp_path: Path) -> None:
-    data_parallel.run(load_job(_doc(tmp_path, "b", 10)))
+def test_no_readable_checkpoint_on_one_rank_is_an_error_naming_the_files(tmp_path: Path, ten_steps: Path) -> None:
+    shutil.copytree(ten_steps, tmp_path / "b")
     ckpts = _rank_ckpts(tmp_path, "b", 1)
     assert len(ckpts) == 2
     for p in ckpts:
