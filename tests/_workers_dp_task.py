@@ -65,3 +65,25 @@ def dp_loss_and_grads(ctx: WorkerContext, doc: dict[str, Any], batch_rows: int, 
 def dp_cases(ctx: WorkerContext, cases: list[tuple[dict[str, Any], int, bool]]) -> list[dict[str, Any]]:
     """:func:`dp_loss_and_grads` for every ``(doc, batch_rows, wrong)`` case, in one launch."""
     return [dp_loss_and_grads(ctx, doc, rows, wrong) for doc, rows, wrong in cases]
+
+
+def dp_cases_world_and_pairs(ctx: WorkerContext, cases: list[tuple[dict[str, Any], int, bool]],
+                             pair_cases: list[tuple[dict[str, Any], int, bool]],
+                             job: dict[str, Any]) -> dict[str, Any]:
+    """:func:`dp_cases` over the whole world, then over 2-rank gloo groups (ranks 0-1 and
+    2-3 of a 4-rank world, each a data-parallel group of its own): a 2-replica run and a
+    4-replica run from one launch. Then ranks 0-1 train ``job`` (2 replicas) through
+    ``train_replica``, what ``runner.run`` launches on every rank, and return its summary
+    (only the pair holding global rank 0: ``train_replica`` broadcasts from global rank 0)."""
+    from dataclasses import replace
+
+    from paratrain.comm.groups import subgroups
+    from paratrain.executors.data_parallel.runner import train_replica
+
+    whole = dp_cases(ctx, cases)
+    mine, layout = subgroups(2)
+    pair = next(ranks for ranks in layout if ctx.rank in ranks)
+    sub = replace(ctx, rank=pair.index(ctx.rank), world_size=2, group=mine)
+    pairs = dp_cases(sub, pair_cases)
+    summary = train_replica(sub, load_job(job), False, plot=False)[1] if 0 in pair else None
+    return {"world": whole, "pairs": pairs, "job": summary}

@@ -2,7 +2,7 @@
 
 * parity: on the same batch, DataParallel's loss and (all-reduced) gradients equal Local's
   for the regression task (MSE) and the GPT language model, with 2 and 4 gloo ranks
-  (rtol 1e-5, fp32); a task whose loss is summed instead of averaged must fail the same
+  (rtol 1e-5, fp32; the 2-rank groups are two pairs of one 4-rank launch); a task whose loss is summed instead of averaged must fail the same
   comparison (non-vacuity);
 * accumulation: DataParallel x2 with ``grad_accumulation = 2`` and batch 4 takes Local's
   steps of batch 16 (the same rows per step), parameters equal to rtol 1e-5;
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from _workers_dp_task import dp_cases, grads_of, task_model_batch
+from _workers_dp_task import dp_cases_world_and_pairs, grads_of, task_model_batch
 from paratrain.comm.testing import run_distributed
 from paratrain.comm.worker_errors import WorkerError
 from paratrain.config import load_job
@@ -51,12 +51,16 @@ def _close(a: list[list[float]], b: list[list[float]]) -> bool:
                for x, y in zip(a, b, strict=True))
 
 
+def _cases(world: int) -> list[tuple[dict[str, Any], int, bool]]:
+    return [(doc, 8 * world, wrong) for doc in (REGRESSION, GPT) for wrong in (False, True)]
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_dp_loss_and_gradients_equal_local_on_the_same_batch(world: int) -> None:
-    rows = 8 * world
-    cases = [(doc, rows, wrong) for doc in (REGRESSION, GPT) for wrong in (False, True)]
-    results = run_distributed(dp_cases, world, cases, timeout_s=300)  # one launch, every case
-    for i, (doc, _, wrong) in enumerate(cases):
+def test_dp_loss_and_gradients_equal_local_on_the_same_batch(
+        world: int, dp_results: dict[Any, Any]) -> None:
+    cases = _cases(world)
+    results = dp_results[world]
+    for i, (doc, rows, wrong) in enumerate(cases):
         loss, grads = _local(doc, rows, wrong)
         for per_rank in results:
             r = per_rank[i]
@@ -76,9 +80,23 @@ def _job(tmp: Path, name: str, strategy: dict[str, Any], **train: Any) -> Any:
     return load_job(doc)
 
 
-def test_dp_accumulation_takes_locals_big_batch_steps(tmp_path: Path) -> None:
-    dp2 = {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}}
-    a = dp.run(_job(tmp_path, "dp", dp2, grad_accumulation=2, max_steps=5))
+DP2 = {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}}
+
+
+@pytest.fixture(scope="module")
+def dp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[Any, Any]:
+    """Every case with 4 gloo ranks, and with 2 (two 2-rank groups of the same 4-rank
+    launch, each its own DataParallel group); then ranks 0-1 train the 2-replica job of
+    :func:`test_dp_accumulation_takes_locals_big_batch_steps` (``runner.run`` itself, the
+    launch around the same ``train_replica``, is the resume test's): one launch in all."""
+    tmp = tmp_path_factory.mktemp("acc")
+    job = _job(tmp, "dp", DP2, grad_accumulation=2, max_steps=5).to_json_dict()
+    out = run_distributed(dp_cases_world_and_pairs, 4, _cases(4), _cases(2), job, timeout_s=300)
+    return {4: [r["world"] for r in out], 2: [r["pairs"] for r in out], "accumulation": out[0]["job"]}
+
+
+def test_dp_accumulation_takes_locals_big_batch_steps(tmp_path: Path, dp_results: dict[Any, Any]) -> None:
+    a = dp_results["accumulation"]
     b = local.run(_job(tmp_path, "local", {"type": "Local"}, batch_size=16, max_steps=5))
     assert a["steps"] == b["steps"] == 5
     assert a["test_mse"] == pytest.approx(b["test_mse"], rel=1e-5)
