@@ -209,7 +209,7 @@ def test_validation_errors(tmp_path: Path) -> None:
         "activation": {"type": "choice", "values": ["relu", "tanh"]},
         "batch_size": {"type": "int", "low": 16, "high": 64},
     }))
-    assert roles["dropout"] == "model" and roles["batch_size"] == "batch" and roles["lr"] == "optimizer"
+    assert roles["dropout"] == "dropout" and roles["batch_size"] == "batch" and roles["lr"] == "optimizer"
 
 
 def test_model_kwargs_and_batch_size_as_hyperparameters(tmp_path: Path) -> None:

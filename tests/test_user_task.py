@@ -33,6 +33,7 @@ STRATEGIES: dict[str, dict[str, Any]] = {
                                      "exploit": {"method": "Truncation", "fraction": 0.5},
                                      "explore": {"method": "Perturbation", "factor": 0.2}},
                         "population": {"epochs_per_generation": 2, "metric": "mae", "mode": "min"},
+                        "train": {"batch_size": 16, "optimizer": {"name": "adam", "lr": 0.03}},
                         "search_space": {"lr": {"type": "log_uniform", "low": 0.01, "high": 0.1}}},
 }
 
