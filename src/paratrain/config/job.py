@@ -78,6 +78,12 @@ class JobConfig(_Section):
     search_space: dict[str, SearchDim] = {}
     """PopulationBased hyperparameters to search, by name (e.g. ``lr``), each a uniform,
     log_uniform, int or choice dimension."""
+    subgraphs: dict[str, TrainingStrategy] = {}
+    """Strategies on subgraphs of the model, keyed by module path (a name of
+    ``model.named_modules()``, e.g. ``head`` or ``encoder.norm``), each a table of the
+    ``[strategy]`` shape. A module's effective strategy is its own, else its nearest ancestor's,
+    else ``[strategy]``'s (paratrain.subgraphs lists the supported pairings, e.g. Local under
+    Federated: FedPer / FedBN)."""
 
     @model_validator(mode="after")
     def _checks(self) -> JobConfig:
