@@ -16,6 +16,8 @@ __all__ = ["fit"]
 def _section(value: Any) -> Any:
     if hasattr(value, "model_dump"):
         return value.model_dump(mode="json")
+    if isinstance(value, dict):  # e.g. subgraphs={"head": Local()}
+        return {k: _section(v) for k, v in value.items()}
     return value
 
 
@@ -39,7 +41,8 @@ def fit(
     name (``"regression"``), a ``[task]`` dict, or (Local) a :class:`paratrain.Task` object
     whose datasets, model, loss and metrics are trained. A run folder that already
     holds a run is never replaced implicitly: pass ``overwrite=True`` to replace it or
-    ``resume=True`` to continue it.
+    ``resume=True`` to continue it. ``subgraphs={"head": {"type": "Local"}}`` is the job
+    file's ``[subgraphs]`` table (strategies on modules of the model, :mod:`paratrain.subgraphs`).
 
     >>> summary = paratrain.fit(model="mlp", data="digits", train={"epochs": 3})
     """
@@ -82,7 +85,9 @@ def fit(
                                 "strategy; use a factory ('module:function') for multi-process "
                                 "strategies")])
         from .executors import local
+        from .subgraphs import check_job
 
+        check_job(cfg, instance_model)  # pairings; the paths against the instance model
         return local.run(cfg, resume=resume, overwrite=overwrite, model=instance_model,
                          data=instance_data, task=instance_task)
     return execute(cfg, resume=resume, overwrite=overwrite)

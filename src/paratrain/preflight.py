@@ -27,6 +27,8 @@ problem found, each naming its field:
   training set; Federated clients: no more than training rows, ``client_tags`` only for
   clients that exist, client indices in range, a ``ByCapability`` selection some client
   can satisfy, a partition that works;
+- ``[subgraphs]``: supported pairings and module paths of the built model
+  (:mod:`paratrain.subgraphs`);
 - the strategy executor's own ``validate(job)`` hook (ModelParallel placement, tensor
   parallel layout dry run, PopulationBased search space...).
 
@@ -111,7 +113,10 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True)
     if imported:
         _stage(problems, _coordinator, job)
     task_ok = _stage(problems, _task_strategy, job)  # paratrain.dispatch.check_supported
+    pairings_ok = _stage(problems, _subgraph_pairings, job)
     bundle = _stage(problems, _build, job) if imported and task_ok else None
+    if bundle is not None and pairings_ok:
+        _stage(problems, _subgraph_paths, job)
     if bundle is not None:
         _stage(problems, _replica_rows, job, len(bundle.train))
         _stage(problems, _federated, job, bundle)
@@ -424,6 +429,27 @@ def _federated(job: JobConfig, bundle: Any) -> None:
                            seed=job.run.seed, client_tags=client_tags(job, ctx))  # type: ignore[arg-type]
         except ValueError as e:
             raise ConfigError([("strategy.client_selection.required_tags", str(e).split(": ", 1)[-1])]) from None
+
+
+def _subgraph_pairings(job: JobConfig) -> None:
+    """``[subgraphs]``: well-formed keys and supported pairings (paratrain.subgraphs)."""
+    if job.subgraphs:
+        from .subgraphs import check_pairings
+
+        check_pairings(job)
+
+
+def _subgraph_paths(job: JobConfig) -> None:
+    """``[subgraphs]``: every key a module path of the job's model (built as the executors
+    build it), Local subgraphs holding state and sharing no tied tensor with the rest."""
+    if not job.subgraphs:
+        return
+    from .subgraphs import check_paths
+    from .task import resolve_task
+
+    task = resolve_task(job)
+    train, _ = task.datasets(job.run.seed)
+    check_paths(task.build_model(job.model, train), job)
 
 
 def _executor_hook(job: JobConfig) -> None:

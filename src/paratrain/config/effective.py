@@ -353,6 +353,8 @@ def effective_settings(
 
     # --------------------------------------------------------------- unknown keys
     _unknown(job.strategy, "strategy", ignored)
+    for key, sub in sorted(job.subgraphs.items()):
+        _unknown(sub, f"subgraphs.{key}", ignored)
     if job.compression is not None:
         _unknown(job.compression, "compression", ignored)
     if job.tensor_parallel is not None:

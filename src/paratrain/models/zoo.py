@@ -1,6 +1,8 @@
 """Small models for 8x8 digits and similar inputs, each an ``nn.Sequential`` of named nodes.
 
-- ``mlp(hidden=[64])``: flatten -> (fc_i, act_i)* -> head
+- ``mlp(hidden=[64], norm=None)``: flatten -> (fc_i, [norm_i,] act_i)* -> head; ``norm =
+  "batch"`` / ``"layer"`` puts a BatchNorm1d / LayerNorm after each hidden Linear (the
+  normalisation layers FedBN keeps local: ``[subgraphs.norm0]``, ...)
 - ``cnn(channels=[16, 32])``: unflatten to (1, 8, 8) -> conv/act/pool blocks -> head
 - ``transformer(d_model=32, heads=4, layers=2)``: rows of the image as a sequence of
   tokens -> embed -> encoder blocks -> mean pool -> head
@@ -50,15 +52,20 @@ class MeanPool(nn.Module):
 
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, *, hidden: list[int] | None = None,
-        activation: str = "relu", dropout: float = 0.0) -> nn.Sequential:
+        activation: str = "relu", dropout: float = 0.0, norm: str | None = None) -> nn.Sequential:
     hidden = [64] if hidden is None else list(hidden)
     acts: dict[str, Callable[[], nn.Module]] = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU}
     if activation not in acts:
         raise ConfigError([("model.activation", f"unknown {activation!r}; valid: {', '.join(acts)}")])
+    norms: dict[str, Callable[[int], nn.Module]] = {"batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
+    if norm is not None and norm not in norms:
+        raise ConfigError([("model.norm", f"unknown {norm!r}; valid: {', '.join(norms)} (or unset)")])
     layers: OrderedDict[str, nn.Module] = OrderedDict(flatten=nn.Flatten())
     width = math.prod(input_shape)
     for i, h in enumerate(hidden):
         layers[f"fc{i}"] = nn.Linear(width, h)
+        if norm is not None:
+            layers[f"norm{i}"] = norms[norm](h)
         layers[f"act{i}"] = acts[activation]()
         if dropout > 0:
             layers[f"drop{i}"] = nn.Dropout(dropout)
