@@ -125,7 +125,7 @@ def test_launch_config_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = launch_config(job, nprocs=4)
     assert (cfg.nproc_per_node, cfg.min_nodes, cfg.max_restarts, cfg.rdzv_backend) == (4, 1, 3, "c10d")
     # Port 0: the store binds a port the kernel picks (nothing can take it first).
-    assert cfg.rdzv_endpoint == "127.0.0.1:0" and cfg.start_method == "spawn"
+    assert cfg.rdzv_endpoint == "127.0.0.1:0" and cfg.start_method == "forkserver"
     monkeypatch.setenv("PARATRAIN_NNODES", "2")
     monkeypatch.setenv("PARATRAIN_RDZV_ENDPOINT", "10.0.0.1:29500")
     cfg = launch_config(job, nprocs=4)

@@ -1,7 +1,7 @@
 """One worker process: ``python -m paratrain.worker JOB [--resume]`` (under torchrun).
 
 :func:`worker_entry` is what the elastic launcher runs in every process (it must be a
-module-level function so ``spawn`` can pickle it; :mod:`paratrain.comm.launch` names it
+module-level function so the forkserver can pickle it; :mod:`paratrain.comm.launch` names it
 by string, so ``comm`` never imports this module). It imports the job's plugins, joins
 the default process group through :func:`paratrain.comm.process.process_group` and calls
 the strategy's ``worker_main(ctx, job, resume)``. A restart by the elastic agent
@@ -54,8 +54,15 @@ def _resolve_target(job: Any, target: str | None) -> Any:
     return getattr(importlib.import_module(module_name), attr or "worker_main")
 
 
-def worker_entry(job_json: dict[str, Any], resume: bool, target: str | None = None) -> Any:
-    """Entry point of every worker process (see module docstring)."""
+def worker_entry(
+    job_json: dict[str, Any], resume: bool, target: str | None = None, parent: Any = None
+) -> Any:
+    """Entry point of every worker process (see module docstring). ``parent`` is the
+    launching process's :class:`~paratrain.comm.forkserver.ParentState` (a forkserver
+    child takes its environment, directory, import path and stdio first); ``None`` under
+    torchrun."""
+    if parent is not None:
+        parent.apply()
     from .config.job import JobConfig
 
     job = JobConfig.model_validate(job_json)

@@ -3,7 +3,8 @@
 ``launch(job, nprocs=N)`` runs ``paratrain.worker:worker_entry`` in N processes through
 :func:`torch.distributed.launcher.api.elastic_launch` (the engine inside ``torchrun``)
 with the rendezvous of :func:`paratrain.comm.rendezvous.launch_config`
-(``nproc_per_node=N``, ``max_restarts=job.run.max_restarts``, ``start_method="spawn"``).
+(``nproc_per_node=N``, ``max_restarts=job.run.max_restarts``, ``start_method="forkserver"``: workers fork from a server that imported torch once,
+see :mod:`paratrain.comm.forkserver`).
 Every process joins the default process group (:mod:`paratrain.comm.process`), builds a
 :class:`~paratrain.comm.context.WorkerContext` and calls the strategy's
 ``worker_main(ctx, job, resume)``. After a worker failure the elastic agent restarts the
@@ -41,6 +42,8 @@ from typing import Any
 
 from ..config import ConfigError
 from ..config.job import JobConfig
+from .forkserver import ParentState
+from .forkserver import context as forkserver_context
 from .rendezvous import in_torchrun, launch_config
 from .worker_errors import (
     attempt_failures,
@@ -244,13 +247,14 @@ def launch(
     from torch.distributed.launcher.api import elastic_launch
 
     config = launch_config(job, nprocs=nprocs)
+    forkserver_context()  # the server preloads torch (set before its first start)
     log_dir = tempfile.mkdtemp(prefix="paratrain-launch-")
     try:
         with _quiet_torch_logs() as capture, _restore_signal_handlers():
             specs = _logs_specs(job, log_dir, capture)
             config.logs_specs = specs
             try:
-                results = elastic_launch(config, entry)(job_json, resume, target)
+                results = elastic_launch(config, entry)(job_json, resume, target, ParentState())
             except ChildFailedError as e:
                 reraise_worker_failure(e, job, specs.attempt)
                 raise  # unreachable: reraise_worker_failure always raises

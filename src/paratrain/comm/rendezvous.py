@@ -121,6 +121,6 @@ def launch_config(job: JobConfig, *, nprocs: int) -> Any:
         rdzv_configs=rdzv_configs,
         max_restarts=job.run.max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="forkserver",
         local_addr=local_addr,
     )

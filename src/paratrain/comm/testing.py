@@ -1,6 +1,7 @@
 """Run a function on N real gloo ranks on 127.0.0.1 (for tests and benchmarks).
 
-``run_distributed(fn, world_size, *args)`` spawns ``world_size`` processes, joins them
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (forked from a
+server that imported torch once: :mod:`paratrain.comm.forkserver`), joins them
 into one gloo process group through a TCPStore on a free port, calls
 ``fn(ctx, *args)`` in each with a :class:`WorkerContext`, and returns the per-rank
 results (in rank order). A failure on any rank raises ``RuntimeError`` carrying that
@@ -21,9 +22,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .context import WorkerContext, default_workers
+from .forkserver import ParentState, dumps, loads
+from .forkserver import context as forkserver_context
 
 __all__ = ["free_port", "run_distributed"]
 
@@ -96,15 +98,17 @@ def _child(
     rank: int,
     world_size: int,
     port: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
+    parent: ParentState,
+    payload: bytes,
     results: Any,
-    workers: list[Any] | None,
     timeout_s: float,
 ) -> None:
+    parent.apply()
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
+        # Unpickled after apply(): fn may live in a module only the parent's path has.
+        fn, args, workers = loads(payload)
         store = dist.TCPStore(
             "127.0.0.1", port, world_size, is_master=(rank == 0),
             timeout=timedelta(seconds=timeout_s),
@@ -142,13 +146,15 @@ def run_distributed(
     workers: list[Any] | None = None,
 ) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` gloo ranks; return results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = forkserver_context()
     results = ctx.Queue()
     port = free_port()
+    parent = ParentState()
+    payload = dumps((fn, args, workers))
     procs = [
         ctx.Process(
             target=_child,
-            args=(r, world_size, port, fn, args, results, workers, timeout_s),
+            args=(r, world_size, port, parent, payload, results, timeout_s),
             daemon=False,
         )
         for r in range(world_size)

@@ -51,8 +51,8 @@ class TokenPositionEmbedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        if t > self.block_size:
-            raise ValueError(f"sequence of {t} tokens is longer than block_size {self.block_size}")
+        # torch._assert, not ``if``: the check stays in a torch.fx trace (ModelParallel).
+        torch._assert(t <= self.block_size, f"sequence longer than block_size {self.block_size}")
         pos = torch.arange(t, device=idx.device)
         return self.drop(self.tok(idx) + self.pos(pos))
 

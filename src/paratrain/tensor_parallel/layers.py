@@ -177,6 +177,14 @@ class RowParallelLinear(nn.Module):
                 f"mode={self.mode}, input_is_parallel={self.input_is_parallel}")
 
 
+def _inv_scale(head_dim: int) -> float:
+    """``sqrt(head_dim)`` (1 for an empty shard); fx-wrapped: a trace keeps it a call."""
+    return math.sqrt(max(head_dim, 1))
+
+
+torch.fx.wrap("_inv_scale")
+
+
 class SelfAttention(nn.Module):
     """Dense multi-head self-attention with separate q/k/v/o projections ([B, S, E] -> same).
 
@@ -203,9 +211,10 @@ class SelfAttention(nn.Module):
             return t.reshape(b, s, heads, hd).transpose(1, 2)
 
         qh, kh, vh = split(q), split(k), split(v)
-        att = (qh @ kh.transpose(-2, -1)) / math.sqrt(max(hd, 1))
+        att = (qh @ kh.transpose(-2, -1)) / _inv_scale(hd)
         if causal:
-            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+            # [s, s] from att's own shape (traceable by torch.fx, unlike ones(s, s))
+            mask = torch.ones_like(att[0, 0], dtype=torch.bool).triu(1)
             att = att.masked_fill(mask, float("-inf"))
         out = att.softmax(-1) @ vh
         return out.transpose(1, 2).reshape(b, s, e)

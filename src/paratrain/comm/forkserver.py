@@ -1,0 +1,105 @@
+"""Worker processes that start in milliseconds: a forkserver that has imported torch once.
+
+``import torch`` costs about 3 s of CPU in every process ``spawn`` starts, so a 4-rank
+launch on 2 cores spent ~6 s importing before any work. :func:`context` returns the
+``multiprocessing`` *forkserver* context with torch (and paratrain's worker modules)
+preloaded: the server is one single-threaded process started on the first launch; every
+worker after that is a ``fork()`` of it, with torch already imported and no thread pool
+yet created (torch's intra-op threads start lazily, in the child), so forking is safe.
+
+A forked worker inherits the *server's* state from when it started, not its parent's
+current one. :class:`ParentState` carries what ``spawn`` would have given it, and
+:meth:`ParentState.apply` restores it first thing in the child:
+
+- ``os.environ`` (the parent's, with the launcher's per-rank keys on top),
+- the working directory and ``sys.path`` (a plugin or test module imported by name),
+- file descriptors 1 and 2: the parent's *current* stdout/stderr travel to the child
+  over the forkserver's socket (``multiprocessing.reduction.DupFd``), so a worker's
+  output goes where a spawned one's would (a terminal, a pipe, pytest's capture).
+
+Everything a worker needs to unpickle is passed as bytes and loaded *after*
+``apply()`` (see :func:`dumps` / :func:`loads`), so a function from a module on the
+parent's ``sys.path`` only is found.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.reduction as reduction
+import os
+import pickle
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["PRELOAD", "ParentState", "context", "dumps", "loads"]
+
+# Imported once by the server, inherited by every worker.
+PRELOAD = ["torch", "torch.distributed", "numpy", "paratrain.worker"]
+
+# The per-rank environment torch's elastic agent sets in each worker (on top of ours).
+_LAUNCHER_KEYS = frozenset({
+    "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS",
+})
+
+
+def context() -> Any:
+    """The forkserver context, its server preloading :data:`PRELOAD` (set before the
+    server's first start; a server already running keeps what it has)."""
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    return multiprocessing.get_context("forkserver")
+
+
+class _InheritFd:
+    """Pickles as a duplicate of ``fd`` that the child receives over the forkserver's
+    socket; unpickles to the child's descriptor number."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> Any:
+        # DupFd must be built while the process is being pickled for start().
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup: Any) -> int:
+    return int(dup.detach())
+
+
+@dataclass
+class ParentState:
+    """What a spawned child would inherit from its parent *now* (see module docstring)."""
+
+    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    cwd: str = field(default_factory=os.getcwd)
+    path: list[str] = field(default_factory=lambda: list(sys.path))
+    stdio: tuple[Any, Any] = field(default_factory=lambda: (_InheritFd(1), _InheritFd(2)))
+
+    def apply(self) -> None:
+        """In the child: take the parent's environment (keeping the launcher's per-rank
+        keys), directory, import path and stdout/stderr."""
+        launcher = {
+            k: v for k, v in os.environ.items()
+            if k in _LAUNCHER_KEYS or k.startswith("TORCHELASTIC_")
+        }
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.environ.update(launcher)
+        os.chdir(self.cwd)
+        sys.path[:] = self.path
+        for target, fd in zip((1, 2), self.stdio, strict=True):
+            if isinstance(fd, int) and fd != target:
+                (sys.stdout if target == 1 else sys.stderr).flush()
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def dumps(obj: Any) -> bytes:
+    """Pickle ``obj`` in the parent, to be loaded by :func:`loads` after ``apply()``."""
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> Any:
+    return pickle.loads(data)  # noqa: S301 - bytes our own parent process pickled
