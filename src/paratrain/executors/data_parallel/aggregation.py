@@ -20,6 +20,11 @@
   distance ``max_{i,j} ||x_i - x_j||`` is measured every step.
 * :class:`NoSync` — independent replicas (tests use it as the known-wrong variant).
 
+Local subgraphs (``[subgraphs.<path>] type = "Local"`` under DataParallel,
+:mod:`paratrain.subgraphs`): their parameters (``local``) are left out of ``named``, so no
+aggregation touches them: their gradients are this replica's own (``g_local <- g_r``), they
+are never gossiped, and each replica's optimizer moves its own copy.
+
 Unused parameters (DDP's ``find_unused_parameters=True`` rule, in every aggregation): a
 parameter no rank produced a gradient for this step keeps ``grad = None``, so the
 optimizer skips it (no momentum, no weight decay); one that some rank used is averaged
@@ -31,7 +36,7 @@ exchanges no gradients: each replica's optimizer already skips what it did not u
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -87,11 +92,13 @@ class Aggregator:
     name = "base"
     zero_grad_set_to_none = True
 
-    def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter) -> None:
+    def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter,
+                 local: Collection[str] = ()) -> None:
         self.model = model
         self.group = group
         self.counter = counter
-        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # ``local``: parameter names of Local subgraphs, never combined across replicas
+        self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in local]
         self.n = C.world_size(group)
 
     def begin_backward(self, *, last: bool) -> None:
@@ -143,8 +150,8 @@ class AllReduceAgg(Aggregator):
     name = "AllReduce"
 
     def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter,
-                 bucket_bytes: int, compressor: Any = None) -> None:
-        super().__init__(model, group=group, counter=counter)
+                 bucket_bytes: int, compressor: Any = None, local: Collection[str] = ()) -> None:
+        super().__init__(model, group=group, counter=counter, local=local)
         self.compressor = compressor
         self.reducer: B.GradReducer | None = None
         if compressor is None and self.n > 1:
@@ -210,8 +217,8 @@ class ParameterServerAgg(Aggregator):
     server = 0
 
     def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter,
-                 compressor: Any = None) -> None:
-        super().__init__(model, group=group, counter=counter)
+                 compressor: Any = None, local: Collection[str] = ()) -> None:
+        super().__init__(model, group=group, counter=counter, local=local)
         self.compressor = compressor
         self.rank = C.rank_of(group) if self.n > 1 else 0
         self.server_bytes = 0  # bytes through the server (in + out), cumulative
@@ -277,8 +284,9 @@ class DecentralizedAgg(Aggregator):
     name = "Decentralized"
 
     def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter, topology: str,
-                 compressor: Any = None, gamma: float | None = None) -> None:
-        super().__init__(model, group=group, counter=counter)
+                 compressor: Any = None, gamma: float | None = None,
+                 local: Collection[str] = ()) -> None:
+        super().__init__(model, group=group, counter=counter, local=local)
         self.topology = topology
         neighbors(topology, max(self.n, 1))  # validates the name
         self.compressor = compressor
@@ -356,17 +364,20 @@ class NoSync(Aggregator):
 def build_aggregator(
     aggregation: Any, model: nn.Module, *, group: Any, counter: C.CommCounter,
     bucket_bytes: int, compressor: Any = None, gamma: float | None = None,
+    local: Collection[str] = (),
 ) -> Aggregator:
-    """The aggregator for a contract ``GradientAggregation`` (or ``"NoSync"``)."""
+    """The aggregator for a contract ``GradientAggregation`` (or ``"NoSync"``); ``local``
+    names the parameters of Local subgraphs, which it leaves alone."""
     method = aggregation if isinstance(aggregation, str) else aggregation.method
     if method == "AllReduce":
         return AllReduceAgg(model, group=group, counter=counter, bucket_bytes=bucket_bytes,
-                            compressor=compressor)
+                            compressor=compressor, local=local)
     if method == "ParameterServer":
-        return ParameterServerAgg(model, group=group, counter=counter, compressor=compressor)
+        return ParameterServerAgg(model, group=group, counter=counter, compressor=compressor,
+                                  local=local)
     if method == "Decentralized":
         return DecentralizedAgg(model, group=group, counter=counter, topology=aggregation.topology,
-                                compressor=compressor, gamma=gamma)
+                                compressor=compressor, gamma=gamma, local=local)
     if method == "NoSync":
-        return NoSync(model, group=group, counter=counter)
+        return NoSync(model, group=group, counter=counter, local=local)
     raise ValueError(f"unknown aggregation {method!r}; valid: AllReduce, ParameterServer, Decentralized")

@@ -13,7 +13,11 @@ the global mean) and torch ``DistributedDataParallel``.
 Aggregations (:mod:`.aggregation`): ``AllReduce`` (bucketed, overlapped with
 backward), ``ParameterServer`` (rank 0 serves), ``Decentralized{ring|torus|complete}``
 (gossip averaging of parameters; consensus distance per step). ``[compression]``
-compresses what is exchanged.
+compresses what is exchanged. A ``Local`` subgraph (``[subgraphs.<path>] type = "Local"``)
+is not synchronised: its parameters start from rank 0's (the initial broadcast) and then
+take only this replica's gradients, so each rank trains and checkpoints its own copy (the
+rank's checkpoint below holds it); evaluation is rank 0's model, and the summary gives
+every rank's ``parameters_sha256_by_rank``.
 
 Faults: each rank writes ``checkpoints/dp-rank<r>/ckpt-<step>.pt`` (model, optimizer,
 RNG, position, aggregator/compressor state); after a barrier rank 0 writes
@@ -43,6 +47,7 @@ from ...comm.rendezvous import in_torchrun
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import DataParallel
+from ...subgraphs import local_parameter_names, local_paths
 from ...task import resolve_task
 from ...training import (
     MetricsWriter,
@@ -56,6 +61,7 @@ from ...training import (
 from ...training.faults import FAULT_ENV
 from ...training.loop import DataPlan, LocalEngine, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
+from ...training.stepping import local_grad_sq_norm
 from ...training.stores import RankStore
 from .aggregation import Aggregator, build_aggregator
 
@@ -155,9 +161,11 @@ class DataParallelEngine(LocalEngine):
     quiet until the step's last backward (DDP's ``no_sync``), so one exchange per step."""
 
     def __init__(self, model: nn.Module, task: Any, test: Any, *, ctx: WorkerContext,
-                 precision: str, agg: Aggregator, counter: C.CommCounter) -> None:
+                 precision: str, agg: Aggregator, counter: C.CommCounter,
+                 local: set[str] | None = None) -> None:
         super().__init__(model, task, test, device=ctx.device, precision=precision)
         self.ctx, self.agg, self.counter = ctx, agg, counter
+        self.local = local or set()  # parameter names of Local subgraphs
         self.zero_grad_set_to_none = agg.zero_grad_set_to_none
         self.consensus: list[float] = []
 
@@ -167,6 +175,15 @@ class DataParallelEngine(LocalEngine):
 
     def sync(self) -> None:
         self.agg.sync_gradients()
+
+    def grad_sq_norm(self) -> float:
+        """With Local subgraphs, ``||g_shared||^2 + mean_r ||g_local,r||^2`` (the same on every
+        rank, so clipping keeps the shared parameters equal); else the base norm."""
+        if not self.local:
+            return super().grad_sq_norm()
+        named = list(self.model.named_parameters())
+        shared = float(local_grad_sq_norm(p for n, p in named if n not in self.local))
+        return shared + self.mean_over_ranks(float(local_grad_sq_norm(p for n, p in named if n in self.local)))
 
     def after_step(self) -> dict[str, float]:
         extra = self.agg.after_step()
@@ -230,12 +247,13 @@ def train_replica(
     B.broadcast_tensors(list(model.state_dict().values()), src=0, group=ctx.group,
                         bucket_bytes=bucket_bytes)
     opt = build_optimizer(model.parameters(), job.train.optimizer)
+    local = local_parameter_names(model, job)  # Local subgraphs: never combined
     agg: Aggregator = build_aggregator(
         aggregation if aggregation is not None else strategy.aggregation, model,
         group=ctx.group, counter=counter, bucket_bytes=bucket_bytes,
         compressor=build_compressor(job, strategy.aggregation if aggregation is None else aggregation,
                                     warn=ctx.is_main),
-        gamma=job.comm.gossip_step,
+        gamma=job.comm.gossip_step, local=local,
     )
     run_dir = run_dir_of(job)
     t = job.train
@@ -245,7 +263,7 @@ def train_replica(
         examples_per_epoch=n_rows // ctx.world_size, batch_size=t.batch_size,
         accumulation=t.grad_accumulation, epochs=t.epochs, max_steps=t.max_steps, device=ctx.device)
     engine = DataParallelEngine(model, task, test, ctx=ctx, precision=t.precision, agg=agg,
-                                counter=counter)
+                                counter=counter, local=local)
     trainer = Trainer(engine, opt, t, plan.total_steps)
 
     def prepare() -> None:
@@ -279,6 +297,11 @@ def train_replica(
     }
     if hasattr(agg, "topology"):
         summary["topology"] = agg.topology
+    if local:
+        summary["local_subgraphs"] = local_paths(job)
+        summary["local_parameters"] = sorted(local)
+        summary["parameters_sha256_by_rank"] = C.all_gather_text(summary["parameters_sha256"],
+                                                                 group=ctx.group)
     if engine.consensus:
         summary["consensus_distance_first"] = engine.consensus[0]
         summary["consensus_distance_last"] = engine.consensus[-1]
