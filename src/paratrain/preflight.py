@@ -419,7 +419,11 @@ def _federated(job: JobConfig, bundle: Any) -> None:
     world = num_workers(job)
     check_job(job, world_size=world)
     try:
-        partition_dataset(bundle.train, s.num_clients, job.data.partition, seed=job.run.seed)
+        parts = partition_dataset(bundle.train, s.num_clients, job.data.partition, seed=job.run.seed)
+        if job.data.partition.feature_shift > 0 or job.subgraphs or job.federated.evaluate_clients:
+            from .data.client_splits import client_datasets  # per-client test splits, shifts
+
+            client_datasets(bundle.train, bundle.test, parts, job.data.partition, seed=job.run.seed)
     except ValueError as e:
         raise ConfigError([("data.partition", _one_line(str(e)))]) from None
     if getattr(s.client_selection, "method", None) == "ByCapability":

@@ -145,6 +145,10 @@ class PartitionSpec(_Section):
     min_size: Count = 10
     """``dirichlet``: each client ends with at least this many examples (moved one at a time from
     the largest client); min_size x clients > examples is an error."""
+    feature_shift: Annotated[float, Field(ge=0.0, le=5.0, allow_inf_nan=False)] = 0.0
+    """Feature-shift non-IID (FedBN's setting): client c's inputs, in its training partition and
+    its test split, become s_c * x + o_c with ln s_c and o_c drawn from U(-a, a) for a =
+    feature_shift (seeded by run.seed; paratrain.data.client_splits); 0 = no shift."""
 
 
 class DataSpec(_OpenSection):
@@ -276,6 +280,10 @@ class FederatedOptions(_Section):
     """Tags per client id (``"client-3" = ["gpu"]``); clients also inherit their worker's tags."""
     target_accuracy: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     """Stop once the global model reaches this test accuracy; None = run every round."""
+    evaluate_clients: bool = False
+    """Also score every client on its own test split (which follows its training partition):
+    ``personal_test_<metric>`` is the mean over clients. Always on with Local subgraphs, whose
+    clients are scored with their personal parts (FedPer / FedBN)."""
 
 
 class PopulationOptions(_Section):

@@ -21,7 +21,9 @@ runs forward and loss under ``train.precision``; a fresh optimizer from the job'
 :class:`~.server.RoundSchedule`). With FedProx the loss is
 ``task.loss + (mu/2)*||w - w_global||^2`` (global weights detached). The client returns the
 delta ``D = w_local - w_global``, optionally compressed (error feedback keeps
-``e <- D + e - Dec(C(D + e))`` per client, here on the client).
+``e <- D + e - Dec(C(D + e))`` per client, here on the client). With Local subgraphs
+(FedPer / FedBN, :mod:`.personal`) the client loads ``(w_global, w_P^c)``, keeps its trained
+personal part ``w_P^c`` and ``D`` covers the global keys only.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import math
 import traceback
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +47,7 @@ from ...training.faults import injected_faults
 from ...training.loop import LocalEngine, Trainer
 from ...training.stepping import autocast
 from .aggregation import proximal_term
+from .personal import PersonalState
 from .wire import encode_update
 
 __all__ = ["ClientResult", "ClientHost", "ClientEngine", "client_generator", "client_name",
@@ -94,7 +97,8 @@ class ClientEngine(LocalEngine):
         self.anchors: list[Tensor] = []
 
     def anchor(self, global_state: Mapping[str, Tensor]) -> None:
-        named = list(self.model.named_parameters())
+        # the global parameters only: a personal part (absent from global_state) is not pulled
+        named = [(n, p) for n, p in self.model.named_parameters() if n in global_state]
         self.params = [p for _, p in named]
         self.anchors = [global_state[name].detach() for name, _ in named] if self.mu > 0 else []
 
@@ -159,6 +163,7 @@ class ClientHost:
         dataset: Any,
         partitions: list[np.ndarray],
         device: torch.device | None = None,
+        personal_keys: Sequence[str] = (),
     ) -> None:
         strat: Any = job.strategy
         self.job = job
@@ -181,6 +186,8 @@ class ClientHost:
         self.byzantine_scale = faults.byzantine_scale
         self.corrupt = set(faults.corrupt_clients)
         self.codec_state: dict[int, dict[str, Any]] = {}
+        # each hosted client's personal part (Local subgraphs), None without any
+        self.personal = PersonalState(model, personal_keys, self.hosted) if personal_keys else None
         self.trained = 0
 
     # ------------------------------------------------------------------ training
@@ -201,7 +208,7 @@ class ClientHost:
                 raise RuntimeError(f"injected failure in {client_name(client)} (PARATRAIN_FAULTS fail_clients)")
             if n == 0:
                 raise RuntimeError(f"{client_name(client)} has no training examples")
-            self._load(global_state)
+            self._load({**global_state, **self.personal.of(client)} if self.personal else global_state)
             opts = self.job.federated
             loss, _ = local_train(
                 self.engine, global_state, self.dataset, idx, train=self.job.train,
@@ -224,6 +231,8 @@ class ClientHost:
             headers, payload = encode_update(delta, compress=comp)
             if comp is not None:
                 comp.commit()
+            if self.personal is not None:
+                self.personal.keep(client, self.model)
             self.trained += 1
             return ClientResult(client, True, n, loss, None, headers, payload)
         except Exception as e:  # noqa: BLE001 - a failing client is recorded, not fatal
@@ -248,8 +257,12 @@ class ClientHost:
     # ---------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
-        """Per-client codec state (error-feedback residuals), keyed ``client-<c>``."""
-        return {"codec": {client_name(c): s for c, s in self.codec_state.items() if s}}
+        """Per-client codec state (error-feedback residuals) and personal parts, keyed
+        ``client-<c>``."""
+        out: dict[str, Any] = {"codec": {client_name(c): s for c, s in self.codec_state.items() if s}}
+        if self.personal is not None:
+            out["personal"] = self.personal.state_dict()
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.codec_state = {}
@@ -258,3 +271,5 @@ class ClientHost:
             if not self.hosts(c):
                 raise ValueError(f"worker checkpoint of rank {self.rank} holds {name}, hosted elsewhere")
             self.codec_state[c] = s
+        if self.personal is not None:
+            self.personal.load_state_dict(dict(state.get("personal", {})), rank=self.rank)

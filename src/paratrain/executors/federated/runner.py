@@ -24,6 +24,12 @@ server's :class:`~.server.RoundSchedule` (``train.lr_schedule`` / ``warmup_steps
 rounds). The summary reports ``test_<metric>`` for every metric of the task,
 ``best_test_<fitness metric>`` and the task's reference metrics (``bigram_test_loss``).
 
+With Local subgraphs (``[subgraphs.<path>] type = "Local"``: FedPer / FedBN, :mod:`.personal`)
+the server's model lacks their keys, each client keeps its own part on the rank hosting it
+(in that rank's worker checkpoint, every round), and after each round every rank scores its
+clients on their own test splits (``personal_test_<metric>``; ``federated.evaluate_clients``
+does the same for the global model).
+
 The server checkpoint of round r is written only after every worker's round-r file, so
 a resume (``--resume`` or an elastic restart after a killed worker) from the newest
 server checkpoint finds matching worker state, and — every random draw being a
@@ -32,6 +38,7 @@ function of (seed, round, client) — ends bit-identical to an uninterrupted run
 
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import time
@@ -53,8 +60,10 @@ from ...comm.federated_ops import (
 from ...comm.messages import recv_bytes, send_bytes
 from ...config import ConfigError
 from ...config.job import JobConfig
+from ...data.client_splits import client_datasets
 from ...data.partition import partition_dataset
 from ...models.state import unique_state_dict
+from ...subgraphs import local_paths, local_state_keys
 from ...task import resolve_task
 from ...training import (
     MetricsWriter,
@@ -71,6 +80,8 @@ from ...training.faults import FAULTS_ENV, injected_faults
 from ...training.resume import agree_on_checkpoint
 from ...training.rundir import run_dir_of
 from .client import ClientHost, client_name
+from .flat import flatten_state, unflatten_state
+from .personal import ClientEvaluator, round_metrics
 from .selection import select_clients
 from .server import FederatedServer, RoundSchedule
 
@@ -112,28 +123,6 @@ def client_tags(job: JobConfig, ctx: WorkerContext) -> dict[int, list[str]]:
         own = list(job.federated.client_tags.get(client_name(c), []))
         worker = ctx.workers[c % ctx.world_size] if ctx.workers else None
         out[c] = sorted(set(own) | set(worker.tags if worker else ()))
-    return out
-
-
-def _flatten(state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    fl = [t.reshape(-1).to(torch.float32) for t in state.values() if t.is_floating_point()]
-    it = [t.reshape(-1).to(torch.int64) for t in state.values() if not t.is_floating_point()]
-    f = torch.cat(fl) if fl else torch.zeros(0)
-    i = torch.cat(it) if it else torch.zeros(0, dtype=torch.int64)
-    return f.contiguous(), i.contiguous()
-
-
-def _unflatten(template: dict[str, torch.Tensor], f: torch.Tensor, i: torch.Tensor) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    pf = pi = 0
-    for k, t in template.items():
-        n = t.numel()
-        if t.is_floating_point():
-            out[k] = f[pf : pf + n].reshape(t.shape).to(t.dtype).clone()
-            pf += n
-        else:
-            out[k] = i[pi : pi + n].reshape(t.shape).to(t.dtype).clone()
-            pi += n
     return out
 
 
@@ -191,18 +180,26 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     train_set, test_set = task.datasets(seed)
     model = task.build_model(job.model, train_set)
     model.to(device)
+    personal_keys = local_state_keys(model, job)  # Local subgraphs: personal to each client
     try:
         parts = partition_dataset(train_set, strat.num_clients, job.data.partition, seed=seed)
+        per_client = bool(personal_keys) or job.federated.evaluate_clients
+        splits: list[Any] = []
+        if per_client or job.data.partition.feature_shift > 0:  # test splits follow the partition
+            train_set, test_set, splits = client_datasets(train_set, test_set, parts, job.data.partition,
+                                                          seed=seed)
     except ValueError as e:
         raise ConfigError([("data.partition", str(e))]) from None
     host = ClientHost(
         job, rank=rank, world_size=world, model=model, task=task, dataset=train_set,
-        partitions=parts, device=device,
+        partitions=parts, device=device, personal_keys=personal_keys,
     )
     precision = job.train.precision
     fit = str(task.fitness_metric)
     # one entry per tensor: a tied weight is aggregated (and compressed) once
-    template = {k: v.detach().cpu().clone() for k, v in unique_state_dict(model).items()}
+    # (the server's model: without the personal keys, which never leave their client)
+    template = {k: v.detach().cpu().clone() for k, v in unique_state_dict(model).items()
+                if k not in personal_keys}
     tags = client_tags(job, ctx)
     if getattr(strat.client_selection, "method", None) == "ByCapability":
         try:  # fail before any round, naming the tags, when no client can ever match
@@ -230,8 +227,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     start = int(store_get_json(store, "fed/start")["round"])
     barrier(group)
     wdir = _worker_ckpt(run_dir, rank)
-    if start > 0 and job.compression is not None and getattr(job.compression, "method", "None") != "None":
-        # Codec state (error-feedback residuals) must come from one round on every rank:
+    compressed = job.compression is not None and getattr(job.compression, "method", "None") != "None"
+    if start > 0 and (compressed or personal_keys):
+        # Codec state (error-feedback residuals) and personal parts: one round on every rank,
         # the newest round <= the server's whose worker file every rank can read.
         agreed = agree_on_checkpoint(wdir, start, group if world > 1 else None)
         assert agreed is not None
@@ -257,6 +255,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     target = job.federated.target_accuracy
     global_state = dict(template) if server is None else dict(server.global_state)
     traffic = CommCounter()  # this rank's process-group bytes, booked by the transport
+    evaluator = None if not per_client else ClientEvaluator(
+        model=model, personal=host.personal, task=task, dataset=test_set, splits=splits,
+        hosted=host.hosted, num_clients=strat.num_clients, device=device, comm_device=comm_dev,
+        precision=precision, rank=rank, world=world, group=group, store=store, counter=traffic)
     bar_ctx = progress_bar(enabled=None if is_server else False)
     with bar_ctx as bar:
         bar_task = bar.add_task("Federated", total=strat.rounds, completed=start, info="")
@@ -277,9 +279,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 break
             # Global model down.
             if server is not None:
-                fvec, ivec = _flatten(server.global_state)
+                fvec, ivec = flatten_state(server.global_state)
             else:
-                fvec, ivec = _flatten(template)
+                fvec, ivec = flatten_state(template)
             if comm_dev.type != "cpu":
                 fvec, ivec = fvec.to(comm_dev), ivec.to(comm_dev)
             sent_before = traffic.bytes.get("broadcast_delivered", 0)
@@ -288,13 +290,13 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 broadcast_(ivec, src=0, group=group, counter=traffic)
             wire_down = traffic.bytes.get("broadcast_delivered", 0) - sent_before
             fvec, ivec = fvec.cpu(), ivec.cpu()
-            global_state = server.global_state if server is not None else _unflatten(template, fvec, ivec)
+            global_state = server.global_state if server is not None else unflatten_state(template, fvec, ivec)
             dev_state = {k: v.to(device) for k, v in global_state.items()}
             # Local training of the selected clients this rank hosts.
             mine = [c for c in plan["clients"] if host.hosts(c)]
             lr_scale = float(plan.get("lr_scale", 1.0))
             results = [host.train_one(c, r, dev_state, lr_scale) for c in mine]
-            if host.codec_state:
+            if host.codec_state or host.personal is not None:
                 checkpoint.save_checkpoint(checkpoint.checkpoint_path(wdir, r + 1), host.state_dict())
                 checkpoint.prune(wdir, keep=3)
             statuses = [res.status() for res in results]
@@ -304,6 +306,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
                         else torch.zeros(0, dtype=torch.uint8))
                 send_bytes(data, dst=0, group=group, counter=traffic, header=False)
+                if evaluator is not None and personal_keys:  # collective: score my clients
+                    evaluator.run(str(r), global_state, template)
                 continue
             # Server: collect every rank's updates.
             all_st = list(statuses)
@@ -324,13 +328,14 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             store_delete(store, f"fed/plan/{r - 1}")
             rec = server.finish_round(r, all_st, all_pl, wire_bytes_down=wire_down,
                                       wire_bytes_up=traffic.bytes.get("recv", 0) - recv_before)
-            ev = server.evaluate(model, task, test_set, device=device, precision=precision)
+            ev, per = round_metrics(server, evaluator, str(r), template, model, task, test_set, device, precision)
             if target is not None and "accuracy" not in ev:
                 raise ConfigError([("federated.target_accuracy", (
                     f"the task's metrics ({', '.join(sorted(ev))}) have no accuracy"))])
             server.note_accuracy(ev.get("accuracy"), target)
             rec["lr_scale"] = lr_scale
             rec.update({f"test_{k}": v for k, v in ev.items()})
+            rec.update(per)
             rec.update(round_time_s=time.perf_counter() - t_round,
                        time_s=time.perf_counter() - started)
             assert metrics is not None
@@ -348,13 +353,19 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
              + traffic.bytes.get("broadcast_delivered", 0),
              "wire_bytes_received_measured": traffic.bytes.get("recv", 0)
              + traffic.bytes.get("broadcast_received", 0)}
+    if host.personal is not None:
+        stats["personal_sha256"] = host.personal.digest()
+    final_eval = None
+    if evaluator is not None and personal_keys:  # collective: every rank scores its clients
+        final_eval = evaluator.run("final", global_state if server is None else server.global_state, template)
     if server is None:
         store_set_json(store, f"fed/final/{rank}", stats)
         barrier(group)
         return None
     workers = [stats] + [store_get_json(store, f"fed/final/{src}") for src in range(1, world)]
     barrier(group)
-    final = server.evaluate(model, task, test_set, device=device, precision=precision)
+    final, final_per = (final_eval if final_eval is not None else
+                        round_metrics(server, evaluator, "final", template, model, task, test_set, device, precision))
     records = [rec for rec in read_metrics(run_dir) if rec.get(f"test_{fit}") is not None]
     pick = max if task.fitness_mode == "max" else min
     best = pick((float(rec[f"test_{fit}"]) for rec in records), default=final.get(fit))
@@ -384,7 +395,13 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "wall_time_s": round(wall, 3),
         "workers": workers,
         "parameters_sha256": parameters_digest(model),
+        **final_per,
     }
+    if personal_keys:  # FedPer / FedBN: what never left the clients
+        summary.update(local_subgraphs=local_paths(job), personal_keys=personal_keys,
+                       server_state_keys=sorted(server.global_state),
+                       personal_sha256=hashlib.sha256("".join(
+                           str(w.get("personal_sha256", "")) for w in workers).encode()).hexdigest())
     summary["provenance"] = report.provenance(summary, configured=("num_clients", "num_workers"))
     write_summary(run_dir, summary)
     report.plot_curves(run_dir, x_key="round", title=f"{job.run.name} (Federated, {strat.aggregation.method})")

@@ -1,0 +1,203 @@
+"""Personal subgraphs of federated clients (FedPer, FedBN) and per-client evaluation.
+
+Under a root ``Federated`` strategy, a ``Local`` subgraph (:mod:`paratrain.subgraphs`) is
+personal to each client. With ``P`` its state keys (parameters *and* buffers, e.g. BatchNorm's
+running statistics) and ``G`` the others, the server's model is ``w_G`` alone and client ``c``
+holds ``w_P^c``. In round ``r`` a selected client loads ``(w_G, w_P^c)``, trains both locally
+(FedProx's proximal term covers ``G`` only), keeps its trained ``w_P^c`` and sends only
+``Delta_G^c = w_G^c - w_G``; the server aggregates those (FedAvg:
+``w_G <- w_G + sum_c n_c Delta_G^c / sum_c n_c``). So ``P`` is never broadcast, sent or
+aggregated: FedPer (Arivazhagan et al. 2019) when ``P`` is the head, FedBN (Li et al. 2021)
+when ``P`` is the normalisation layers. ``w_P^c`` starts at the model's initial value (one
+seeded init for every client); it lives on the worker that hosts ``c`` (``c % world == rank``)
+and is part of that worker's checkpoint.
+
+Per-client evaluation: client ``c`` is scored by the task on its test split ``T_c``
+(:mod:`paratrain.data.client_splits`: it follows the client's training partition) with the
+model ``(w_G, w_P^c)`` -- the global model when there is no ``P``. Reported:
+``personal_test_<m>`` = the mean over clients with a non-empty split of their metric ``m_c``,
+``personal_test_<m>_min`` = the worst client's, ``clients_evaluated``; with a ``P``,
+``test_<m>`` is the task's metric over the union of the splits (the whole test set) with
+every example scored by its own client's model. The splits' evaluation sums are exact sums,
+so the pooled figure is the same whichever worker scores which client.
+
+With ``P``, the evaluation after each round is collective: rank 0 broadcasts the new
+``w_G`` (counted in the workers' measured traffic, not in the round's
+``wire_bytes_down_measured``, which is the clients' download), every rank scores the
+clients it hosts and posts their sums in the store, rank 0 adds them up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ...comm.federated_ops import broadcast_, store_delete, store_get_json, store_set_json
+from ...models.state import load_unique_state_dict, unique_state_dict
+from ...task.steps import DEFAULT_EVAL_BATCH, fetch_batch
+from ...training.stepping import autocast
+from .flat import flatten_state, unflatten_state
+
+__all__ = ["PersonalState", "eval_sums", "combine", "score_clients", "ClientEvaluator", "round_metrics"]
+
+
+def _name(c: int) -> str:
+    return f"client-{c}"
+
+
+class PersonalState:
+    """The personal parts ``w_P^c`` of the clients one worker hosts (CPU tensors)."""
+
+    def __init__(self, model: nn.Module, keys: Sequence[str], hosted: Collection[int]) -> None:
+        own = unique_state_dict(model)
+        self.keys = list(keys)
+        self.initial = {k: own[k].detach().cpu().clone() for k in self.keys}
+        self.hosted = sorted(hosted)
+        self.clients: dict[int, dict[str, Tensor]] = {}
+
+    def of(self, client: int) -> dict[str, Tensor]:
+        """``w_P^c``: the client's, or the initial value before its first round."""
+        return self.clients.get(client, self.initial)
+
+    def keep(self, client: int, model: nn.Module) -> None:
+        own = unique_state_dict(model)
+        self.clients[client] = {k: own[k].detach().cpu().clone() for k in self.keys}
+
+    def state_dict(self) -> dict[str, dict[str, Tensor]]:
+        return {_name(c): dict(s) for c, s in sorted(self.clients.items())}
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]], *, rank: int) -> None:
+        self.clients = {}
+        for name, s in state.items():
+            c = int(str(name).removeprefix("client-"))
+            if c not in self.hosted:
+                raise ValueError(f"worker checkpoint of rank {rank} holds {name}'s personal state, "
+                                 "hosted elsewhere")
+            if set(s) != set(self.keys):
+                raise ValueError(f"worker checkpoint of rank {rank}: {name}'s personal keys "
+                                 f"{sorted(s)} are not the job's {self.keys}")
+            self.clients[c] = {k: s[k].clone() for k in self.keys}
+
+    def digest(self) -> str:
+        """SHA-256 over every hosted client's ``w_P^c`` (client order, then key order)."""
+        h = hashlib.sha256()
+        for c in self.hosted:
+            h.update(_name(c).encode())
+            for k, t in self.of(c).items():
+                h.update(k.encode())
+                h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+
+@torch.no_grad()
+def eval_sums(model: nn.Module, task: Any, dataset: Any, idx: np.ndarray, *,
+              device: torch.device | None, precision: str = "fp32") -> dict[str, float]:
+    """The task's summed ``eval_batch`` over examples ``idx`` of ``dataset`` (eval mode)."""
+    bs = int(getattr(task, "eval_batch_size", None) or DEFAULT_EVAL_BATCH)
+    order = torch.from_numpy(np.asarray(idx, dtype=np.int64))
+    was_training = model.training
+    model.eval()
+    sums: dict[str, float] = {}
+    try:
+        for a in range(0, len(order), bs):
+            batch = fetch_batch(dataset, order[a : a + bs], device)
+            with autocast(precision, device):
+                out = model(batch[0])
+            for k, v in task.eval_batch(out, batch).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+    finally:
+        model.train(was_training)
+    return sums
+
+
+def combine(task: Any, sums: Mapping[int, Mapping[str, float]]) -> tuple[dict[str, float], dict[str, Any]]:
+    """``(pooled metrics over every split, personal_test_* summary)`` from per-client sums."""
+    pooled: dict[str, float] = {}
+    for s in sums.values():
+        for k, v in s.items():
+            pooled[k] = pooled.get(k, 0.0) + float(v)
+    pooled.setdefault("count", 0.0)
+    per = {c: task.finalize({"count": 0.0, **s}) for c, s in sums.items()}
+    out: dict[str, Any] = {"clients_evaluated": len(per)}
+    for m in (next(iter(per.values())) if per else {}):
+        vals = [float(v[m]) for v in per.values()]
+        out[f"personal_test_{m}"] = float(np.mean(vals))
+        out[f"personal_test_{m}_min"] = float(np.min(vals))
+    return task.finalize(pooled), out
+
+
+def score_clients(model: nn.Module, personal: PersonalState | None, global_state: Mapping[str, Tensor],
+                  clients: Sequence[int], task: Any, dataset: Any, splits: Sequence[np.ndarray], *,
+                  device: torch.device | None, precision: str) -> dict[int, dict[str, float]]:
+    """Each client's evaluation sums on its split, with ``(w_G, w_P^c)`` loaded into ``model``."""
+    out: dict[int, dict[str, float]] = {}
+    dev_global = {k: v.to(device) for k, v in global_state.items()} if device is not None else dict(global_state)
+    if personal is None:
+        load_unique_state_dict(model, dev_global)
+    for c in clients:
+        if len(splits[c]) == 0:
+            continue
+        if personal is not None:
+            load_unique_state_dict(model, {**dev_global, **personal.of(c)})
+        out[c] = eval_sums(model, task, dataset, splits[c], device=device, precision=precision)
+    return out
+
+
+class ClientEvaluator:
+    """Per-client evaluation after a round (see the module docstring); :meth:`run` is called
+    by every rank when there are personal parts (collective), else by rank 0 alone."""
+
+    def __init__(self, *, model: nn.Module, personal: PersonalState | None, task: Any, dataset: Any,
+                 splits: Sequence[np.ndarray], hosted: Sequence[int], num_clients: int,
+                 device: torch.device, comm_device: torch.device, precision: str, rank: int,
+                 world: int, group: Any, store: Any, counter: Any) -> None:
+        self.model, self.personal, self.task, self.dataset = model, personal, task, dataset
+        self.splits, self.hosted, self.num_clients = list(splits), list(hosted), int(num_clients)
+        self.device, self.comm_device, self.precision = device, comm_device, precision
+        self.rank, self.world, self.group, self.store, self.counter = rank, world, group, store, counter
+
+    def run(self, tag: str, global_state: Mapping[str, Tensor], template: dict[str, Tensor],
+            ) -> tuple[dict[str, float], dict[str, Any]] | None:
+        """Rank 0: ``(pooled metrics, personal summary)``; other ranks: None. ``global_state``
+        is rank 0's ``w_G`` (the others pass anything: they receive it)."""
+        if self.personal is None:  # one global model: rank 0 scores every client
+            sums = score_clients(self.model, None, global_state, range(self.num_clients), self.task,
+                                 self.dataset, self.splits, device=self.device, precision=self.precision)
+            return combine(self.task, sums)
+        f, i = flatten_state(dict(global_state) if self.rank == 0 else template)
+        f, i = f.to(self.comm_device), i.to(self.comm_device)
+        broadcast_(f, src=0, group=self.group, counter=self.counter)
+        if i.numel():
+            broadcast_(i, src=0, group=self.group, counter=self.counter)
+        state = dict(global_state) if self.rank == 0 else unflatten_state(template, f.cpu(), i.cpu())
+        sums = score_clients(self.model, self.personal, state, self.hosted, self.task, self.dataset,
+                             self.splits, device=self.device, precision=self.precision)
+        if self.rank != 0:
+            store_set_json(self.store, f"fed/eval/{tag}/{self.rank}", {str(c): s for c, s in sums.items()})
+            return None
+        for src in range(1, self.world):
+            key = f"fed/eval/{tag}/{src}"
+            sums.update({int(c): s for c, s in store_get_json(self.store, key).items()})
+            store_delete(self.store, key)
+        return combine(self.task, dict(sorted(sums.items())))
+
+
+def round_metrics(server: Any, evaluator: ClientEvaluator | None, tag: str, template: dict[str, Tensor],
+                  model: nn.Module, task: Any, test_set: Any, device: torch.device,
+                  precision: str) -> tuple[dict[str, float], dict[str, Any]]:
+    """Rank 0's test metrics after a round and the per-client summary: with personal parts
+    the pooled score of the clients' own models (a collective the other ranks join through
+    :meth:`ClientEvaluator.run`), else the global model's on the test set (and, with
+    ``federated.evaluate_clients``, on each client's split)."""
+    if evaluator is not None and evaluator.personal is not None:
+        out = evaluator.run(tag, server.global_state, template)
+        assert out is not None
+        return out
+    ev: dict[str, float] = server.evaluate(model, task, test_set, device=device, precision=precision)
+    per = evaluator.run(tag, server.global_state, template) if evaluator is not None else None
+    return ev, (per[1] if per is not None else {})
