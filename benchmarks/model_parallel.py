@@ -161,7 +161,7 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     stages = split(model, p)
     parts = [Partition.model_validate({"node_ids": ns, "target": {"WorkerId": f"worker-{s}"}})
              for s, ns in enumerate(stages) if s > 0]
-    plan = build_plan(nodes(model), parts, ctx.workers, contiguous=True)
+    plan = build_plan(model, parts, ctx.workers, contiguous=True)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (rows,), generator=g)
     y = torch.randint(0, 10, (rows,), generator=g)

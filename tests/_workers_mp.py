@@ -17,7 +17,6 @@ from paratrain.config.strategy import load_strategy
 from paratrain.data import load_data
 from paratrain.executors.model_parallel.plan import build_plan
 from paratrain.executors.model_parallel.runtime import StageRuntime, segment_modules
-from paratrain.graph import nodes
 from paratrain.models import build_model
 
 __all__ = ["batch", "build", "run_cases", "reference"]
@@ -42,10 +41,9 @@ def reference(case: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tuple[f
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
     grads = {}
-    for node in nodes(model):
-        for k, p in model.get_submodule(node).named_parameters():
-            assert p.grad is not None
-            grads[f"{node}/{k}"] = p.grad.detach().clone()
+    for k, p in model.named_parameters():
+        assert p.grad is not None
+        grads[k] = p.grad.detach().clone()
     return float(loss.detach()), grads
 
 
@@ -77,7 +75,7 @@ def run_cases(ctx: WorkerContext, cases: list[dict[str, Any]]) -> list[dict[str,
         proto = strategy.communication
         model = build(case)
         pipeline = proto.protocol == "Pipeline"
-        plan = build_plan(nodes(model), strategy.partitions, ctx.workers, contiguous=pipeline)
+        plan = build_plan(model, strategy.partitions, ctx.workers, contiguous=pipeline)
         transport = _transport(ctx, case, proto)
         rt = StageRuntime(plan, ctx.rank, segment_modules(model, plan, ctx.rank), transport)
         x, y = x_all[: case["rows"]], y_all[: case["rows"]]
@@ -97,12 +95,10 @@ def run_cases(ctx: WorkerContext, cases: list[dict[str, Any]]) -> list[dict[str,
         )
         out_x = rt.forward(x, step=index)
         grads = {}
-        for s, mod in rt.modules.items():
-            for node, layer in zip(mod.names, mod.layers, strict=True):
-                for k, p in layer.named_parameters():
-                    assert p.grad is not None
-                    grads[f"{node}/{k}"] = p.grad.detach().numpy().copy()
-            del s
+        for part in plan.segments_of(ctx.rank):
+            for k, p in part.module.named_parameters():
+                assert p.grad is not None
+                grads[part.original_name(k)] = p.grad.detach().numpy().copy()
         store_dir = None
         if proto.protocol == "DataStore":
             transport.close()

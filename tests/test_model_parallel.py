@@ -181,7 +181,7 @@ def test_micro_batched_step_equals_full_batch(rows: int, mbs: int, sched: str | 
     x, y = torch.randn(rows, 5), torch.randint(0, 3, (rows,))
     ref = torch.nn.functional.cross_entropy(model(x), y)
     ref_grads = torch.autograd.grad(ref, list(model.parameters()))
-    plan = build_plan(["0", "1", "2"], _parts((["0"], {"WorkerId": "worker-0"})), WORKERS)
+    plan = build_plan(model, _parts((["0"], {"WorkerId": "worker-0"})), WORKERS)
     rt = StageRuntime(plan, 0, segment_modules(model, plan, 0), _NoTransport())
     loss = rt.train_step(x, y, step=0, micro_batch_size=mbs if sched else None, schedule_name=sched)
     assert loss == pytest.approx(float(ref.detach()), rel=1e-5)
@@ -261,7 +261,7 @@ def test_p2p_header_rejects_malformed() -> None:
     assert len({message_tag((k, i, s)) for k in ("act", "grad", "metric", "eval")
                 for i in range(5) for s in range(5)}) == 100
     with pytest.raises(ValueError, match="segment index"):
-        message_tag(("act", 0, 500))
+        message_tag(("act", 0, 5000))
 
 
 def test_example_job_places_three_stages() -> None:

@@ -150,8 +150,8 @@ def test_non_vacuity_wrong_micro_batch_loss_scaling(three: Any) -> None:
         start += n
     wrong = model.get_submodule("fc0").weight.grad
     assert isinstance(wrong, torch.Tensor)
-    got = next(torch.from_numpy(r[2]["grads"]["fc0/weight"]) for r in results
-               if "fc0/weight" in r[2]["grads"])
+    got = next(torch.from_numpy(r[2]["grads"]["fc0.weight"]) for r in results
+               if "fc0.weight" in r[2]["grads"])
     assert not torch.allclose(wrong, got, rtol=RTOL, atol=ATOL)
 
 

@@ -27,7 +27,6 @@ from paratrain.comm.context import WorkerContext, default_workers
 from paratrain.comm.testing import run_distributed
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
-from paratrain.graph import nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -96,12 +95,11 @@ def _job(doc: dict[str, Any], strategy: dict[str, Any], **train: Any) -> JobConf
                                      "train": {"batch_size": 8, **train}, "strategy": strategy})
 
 
-def _grads(named: list[tuple[str, nn.Module]]) -> dict[str, Any]:
+def _grads(named: list[tuple[str, nn.Parameter]]) -> dict[str, Any]:
     out = {}
-    for node, layer in named:
-        for k, p in layer.named_parameters():
-            assert p.grad is not None, f"{node}/{k} has no gradient"
-            out[f"{node}/{k}"] = p.grad.detach().numpy().copy()
+    for name, p in named:
+        assert p.grad is not None, f"{name} has no gradient"
+        out[name] = p.grad.detach().numpy().copy()
     return out
 
 
@@ -110,7 +108,7 @@ def pipeline_worker(ctx: WorkerContext) -> list[dict[str, Any]]:
     from paratrain.comm.p2p import P2PTransport
     from paratrain.executors.model_parallel.engine import PipelineEngine, StageModel
     from paratrain.executors.model_parallel.runner import _task_model, plan_for
-    from paratrain.executors.model_parallel.runtime import StageRuntime, segment_modules
+    from paratrain.executors.model_parallel.runtime import StageRuntime, held_attrs, segment_modules
     from paratrain.task import fetch_batch
 
     out = []
@@ -120,13 +118,15 @@ def pipeline_worker(ctx: WorkerContext) -> list[dict[str, Any]]:
         task, train, test, model = _task_model(job)
         plan = plan_for(job, model, ctx.workers)
         modules = segment_modules(model, plan, ctx.rank)
-        stage = StageModel(modules)
-        rt = StageRuntime(plan, ctx.rank, modules, transport)
+        attrs = held_attrs(model, plan, ctx.rank)
+        stage = StageModel(modules, attrs)
+        rt = StageRuntime(plan, ctx.rank, modules, transport, attrs=attrs)
         engine = PipelineEngine(ctx, rt, stage, task, test, precision="fp32",
                                 micro_batch_size=mbs, schedule_name=sched)
         batch = fetch_batch(train, torch.arange(rows))
         loss = engine.forward_backward(batch, weight=weight, last=True)
-        named = [nl for m in modules.values() for nl in zip(m.names, m.layers, strict=True)]
+        names = {id(p): k for k, p in model.named_parameters()}
+        named = [(names[id(p)], p) for p in stage.parameters()]
         out.append({"loss": loss, "grads": _grads(named), "sq": engine.grad_sq_norm(),
                     "last": ctx.rank == plan.last_rank,
                     "order": [f"{k}{i}" for k, i, _ in rt.stats.order]})
@@ -151,7 +151,7 @@ def _local(doc: dict[str, Any], split: list[str], rows: int, weight: float, *,
         task.loss = loss
     engine = LocalEngine(model, task, test, device=torch.device("cpu"))
     value = engine.forward_backward(fetch_batch(train, torch.arange(rows)), weight=weight, last=True)
-    return value, _grads([(n, model.get_submodule(n)) for n in nodes(model)])
+    return value, _grads(list(model.named_parameters()))
 
 
 def _merged(per_rank: list[dict[str, Any]]) -> tuple[float, dict[str, torch.Tensor]]:
@@ -179,8 +179,9 @@ def test_pipeline_gradients_equal_local(pipelined: list[list[dict[str, Any]]], i
     ref_loss, ref = _local(doc, split, rows, weight)
     assert loss == pytest.approx(ref_loss, rel=RTOL), name
     assert set(grads) == set(ref)
-    on_stage1 = {k.split("/")[0] for k in per_rank[1]["grads"]}
-    assert on_stage1 and on_stage1 <= set(split)  # really split: stage 1 holds its own nodes
+    on_stage1 = {k.rsplit(".", 1)[0] for k in per_rank[1]["grads"]}
+    # really split: stage 1 holds its own nodes (and modules under them) only
+    assert on_stage1 and all(any(m == s or m.startswith(s + ".") for s in split) for m in on_stage1)
     assert not {k.split("/")[0] for k in per_rank[0]["grads"]} & set(split)
     for k, g in ref.items():
         torch.testing.assert_close(grads[k], torch.from_numpy(g), rtol=RTOL, atol=ATOL, msg=f"{name}: {k}")
@@ -224,29 +225,29 @@ def test_non_vacuity_wrong_loss_reduction_fails(pipelined: list[list[dict[str, A
         piece = task.loss(model(part[0]), part)
         (piece * weight).backward()
         total += float(piece.detach())
-    summed = _grads([(n, model.get_submodule(n)) for n in nodes(model)])
+    summed = _grads(list(model.named_parameters()))
     assert not _close(loss, grads, total, summed)
 
 
-def test_tied_gpt_head_split_across_stages_names_the_field() -> None:
+def test_tied_gpt_head_split_across_stages_keeps_one_tensor() -> None:
+    """The head reads the token embedding's weight: split across stages, the weight stays
+    on the embedding's rank and is sent to the head's (its gradient comes back)."""
     from paratrain.executors.model_parallel.runner import _task_model, plan_for
 
     tied = {**GPT, "model": {**GPT["model"], "tie_weights": True}}
     job = _job(tied, _pipe(4, "1F1B", GPT_SPLIT))
     *_, model = _task_model(job)
-    with pytest.raises(ConfigError) as info:
-        plan_for(job, model, default_workers(2))
-    assert info.value.problems[0][0] == "model.tie_weights"
-    assert "tie_weights = false" in info.value.problems[0][1]
-    # together on one stage the tie holds, and untied the split is fine
+    plan = plan_for(job, model, default_workers(2))
+    (attr,) = plan.cut.attrs
+    assert attr.target == "embed.tok.weight" and attr.rank == 0
+    assert [(t.src, t.dst) for t in plan.cut.transfers if t.value == attr.name] == [(0, 1)]
+    # embed and head on rank 0 around the blocks on rank 1: a cycle, fine for Direct only
     together = _job(tied, _pipe(4, "1F1B", ["block0", "block1", "ln_f"]))
-    with pytest.raises(ConfigError, match="one contiguous run"):  # embed+head on rank 0: not a pipeline
+    with pytest.raises(ConfigError, match="one contiguous run"):
         plan_for(together, model, default_workers(2))
     direct = _job(tied, {**_pipe(4, "1F1B", ["block0", "block1", "ln_f"]),
                          "communication": {"protocol": "Direct"}})
     plan_for(direct, model, default_workers(2))
-    *_, untied = _task_model(_job(GPT, _pipe(4, "1F1B", GPT_SPLIT)))
-    plan_for(_job(GPT, _pipe(4, "1F1B", GPT_SPLIT)), untied, default_workers(2))
 
 
 def test_supports_tasks_and_check_supported() -> None:

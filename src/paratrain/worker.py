@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,16 @@ def worker_entry(
             freeze_startup_objects()  # no 100 ms full GC pass inside a step (a straggler rank)
             resume = bool(resume) or ctx.restart_count > 0
             return _resolve_target(job, target)(ctx, job, resume)
+    except Exception as e:
+        from .comm.worker_errors import FALLOUT_GRACE_S, is_fallout
+
+        if parent is not None and is_fallout(str(e)):
+            # A collective failed because a peer vanished (SIGKILL, OOM): the agent reports
+            # only the first process it sees exit, so give the dead peer's exit time to be
+            # seen first and named as the cause (forkserver children are reaped by the
+            # server, a few ms later than this process's own exit would be).
+            time.sleep(FALLOUT_GRACE_S)
+        raise
     except KeyboardInterrupt:
         # Ctrl-C reaches every process of the terminal's group; the launcher then stops
         # the workers with the same signal. One interrupt is enough: a second one would

@@ -35,6 +35,8 @@ __all__ = [
     "raise_config_error",
     "reraise_worker_failure",
     "STOP_SIGNALS",
+    "FALLOUT_GRACE_S",
+    "is_fallout",
 ]
 
 # Signals the elastic agent itself sends to stop surviving workers: a worker that died
@@ -181,6 +183,16 @@ def attempt_failures(
         else:
             out[rank] = Failure(rank, f"{_NO_REPORT} {code}", timestamp=int(time.time()))
     return list(out.values())
+
+
+#: How long a worker that failed only because a peer vanished waits before exiting.
+FALLOUT_GRACE_S = 1.0
+
+
+def is_fallout(message: str) -> bool:
+    """True for an error that is the consequence of another failure (a closed connection,
+    a peer's reset, a timeout): the worker that raised it is not the cause."""
+    return bool(_SECONDARY.search(message))
 
 
 def root_failure(failures: list[Failure]) -> Failure | None:

@@ -18,9 +18,9 @@ Weights are initialised as in GPT-2 / nanoGPT: normal(0, 0.02), residual project
 
 **Tied head.** With ``tie_weights`` the head's weight *is* the token embedding's Parameter
 (one tensor; ``parameters()`` lists it once, ``state_dict()`` under both names). A tie is
-shared memory, so it holds only inside one process: ModelParallel refuses to place ``embed``
-and ``head`` on different stages while they are tied (a ConfigError naming
-``model.tie_weights``); a split pipeline sets ``tie_weights = false``. Federated exchanges
+shared memory; under ModelParallel the head reads it as an attribute, so it stays one
+tensor on the embedding's rank, sent to the head's rank once per step with its gradient
+coming back (:mod:`paratrain.executors.model_parallel.runtime`). Federated exchanges
 the tied tensor once (:mod:`paratrain.models.state`). Tensor parallelism keeps the head (not
 an ``nn.Linear``) and the embedding replicated, so the tie holds.
 """
@@ -31,12 +31,23 @@ import math
 from collections import OrderedDict
 
 import torch
+import torch.fx
 from torch import nn
 
 from ..config import ConfigError
 from ..tensor_parallel.layers import SelfAttention
 
 __all__ = ["gpt", "TokenPositionEmbedding", "Block", "LMHead"]
+
+
+def _check_length(t: int, block_size: int) -> None:
+    """A ValueError for a sequence longer than ``block_size`` (fx-wrapped: a torch.fx trace
+    keeps the check as a call instead of failing on ``if`` over a traced size)."""
+    if t > block_size:
+        raise ValueError(f"sequence of {t} tokens is longer than block_size {block_size}")
+
+
+torch.fx.wrap("_check_length")
 
 
 class TokenPositionEmbedding(nn.Module):
@@ -51,8 +62,7 @@ class TokenPositionEmbedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]
-        # torch._assert, not ``if``: the check stays in a torch.fx trace (ModelParallel).
-        torch._assert(t <= self.block_size, f"sequence longer than block_size {self.block_size}")
+        _check_length(t, self.block_size)
         pos = torch.arange(t, device=idx.device)
         return self.drop(self.tok(idx) + self.pos(pos))
 

@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.fx
 from torch import nn
 
 from paratrain.comm.tp.comm import TPComm

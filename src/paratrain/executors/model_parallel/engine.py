@@ -23,24 +23,48 @@ from ...training.loop import LocalEngine
 from ...training.resume import agree_on_checkpoint
 from ...training.stepping import local_grad_sq_norm
 from .plan import Plan
-from .runtime import SegmentModule, StageRuntime
+from .runtime import StageRuntime
 from .schedule import theoretical_bubble
 
 __all__ = ["StageModel", "PipelineEngine", "RankDirStore", "pipeline_stats"]
 
 
 class StageModel(nn.Module):
-    """This rank's segments as one module (what its optimizer steps and its checkpoint
-    holds). A rank that owns no node keeps one empty placeholder parameter, so that its
-    optimizer and scheduler exist like every other rank's."""
+    """This rank's parts as one module (what its optimizer steps and its checkpoint holds),
+    plus the parameters it holds for ``get_attr`` reads (``attrs``; a parameter already in
+    a part is registered once). A rank that owns nothing keeps one empty placeholder
+    parameter, so that its optimizer and scheduler exist like every other rank's."""
 
-    def __init__(self, modules: dict[int, SegmentModule]) -> None:
+    def __init__(self, modules: dict[int, nn.Module],
+                 attrs: dict[str, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.segments = nn.ModuleDict({str(i): m for i, m in sorted(modules.items())})
-        self.placeholder = None if modules else nn.Parameter(torch.zeros(0))
+        inside = {id(p) for m in modules.values() for p in m.parameters()}
+        inside |= {id(b) for m in modules.values() for b in m.buffers()}
+        self.held = nn.Module()
+        for name, t in sorted((attrs or {}).items()):
+            if id(t) in inside:
+                continue
+            if isinstance(t, nn.Parameter):
+                self.held.register_parameter(name, t)
+            else:
+                self.held.register_buffer(name, t)
+        empty = not modules and not list(self.held.parameters())
+        self.placeholder = nn.Parameter(torch.zeros(0)) if empty else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - not called
         raise RuntimeError("a StageModel runs through its StageRuntime")
+
+    def node_state(self) -> dict[str, torch.Tensor]:
+        """This rank's model tensors by their qualified names in the model (the same names
+        whatever the placement; a tensor read by two parts once)."""
+        out: dict[str, torch.Tensor] = {}
+        for m in self.segments.values():
+            names = getattr(m, "paratrain_part", None)
+            for k, v in m.state_dict().items():
+                out.setdefault(names.original_name(k) if names is not None else k, v)
+        out.update({k: v for k, v in self.held.state_dict().items()})
+        return out
 
 
 class PipelineEngine(LocalEngine):

@@ -1,18 +1,24 @@
-"""ModelParallel placement: which rank runs which node, as maximal runs ("segments").
+"""ModelParallel placement: which rank runs which node, and the model cut into parts.
 
-A model is a sequence of named nodes ``n_0 .. n_{N-1}`` (``paratrain.graph.nodes``).
-Each :class:`~paratrain.config.strategy.Partition` claims some nodes and names a worker
+Any ``nn.Module`` is traced with torch.fx (:func:`paratrain.graph.trace`); its node ids are
+module qualified names, as ``named_modules()`` gives them. Each
+:class:`~paratrain.config.strategy.Partition` claims some nodes (a claim on a subgraph
+covers every module under it, unless a deeper module is claimed itself) and names a worker
 (``{"WorkerId": id}`` = exactly that worker, ``{"Tag": t}`` = the first worker by rank
-carrying ``t``). Nodes no partition claims run on rank 0 (DESIGN §4). The placement
-``owner: node -> rank`` is then cut into *segments*: maximal runs of consecutive nodes
-with the same owner, ``S_0 .. S_{k-1}``, so that ``S_j``'s output is ``S_{j+1}``'s input
-and consecutive segments always live on different ranks (activations move forward
-``owner(S_j) -> owner(S_{j+1})``, gradients the other way).
+carrying ``t``). Modules no partition claims run on rank 0 (DESIGN §4). The traced graph is
+then cut into *parts* (:func:`paratrain.graph.partition.cut`): maximal groups of one rank's
+nodes that need no other rank's output in between, with exactly the tensors that cross
+each cut (a skip connection, a residual stream, two towers joining, an encoder output read
+by several later nodes: every one travels).
 
-``Direct`` and ``DataStore`` accept any placement (a rank may own several non-adjacent
-segments). ``Pipeline`` needs one segment per rank (each worker's nodes contiguous):
-segment index = pipeline stage index, as in GPipe (Huang et al. 2019) and
-PipeDream-Flush/1F1B (Narayanan et al. 2021).
+``Direct`` and ``DataStore`` accept any placement (a rank may own several parts).
+``Pipeline`` needs one part per rank, so the parts form stages in a fixed order (GPipe,
+Huang et al. 2019; PipeDream-Flush/1F1B, Narayanan et al. 2021); a value may skip stages
+and is sent straight to the stage that reads it. A placement that makes a worker run twice
+in one micro-batch's forward (``A -> B -> A``) is a ConfigError naming the nodes.
+
+For a chain given only by names (``build_plan(["fc0", "act0", ...], ...)``: tests and
+tools that check a placement without a model) the nodes are stand-in identities in order.
 
 Every user error is a :class:`~paratrain.config.ConfigError` whose field path names the
 partition and whose message names the node or target at fault.
@@ -20,58 +26,57 @@ partition and whose message names the node or target at fault.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 from ...comm.workers import resolve_rank
 from ...config import ConfigError
+from ...graph import trace
+from ...graph.partition import Cut, Part, cut
 
-__all__ = ["Segment", "Plan", "build_plan", "resolve_target", "DEFAULT_RANK"]
+__all__ = ["Plan", "build_plan", "resolve_target", "DEFAULT_RANK"]
 
 DEFAULT_RANK = 0
 
 
 @dataclass(frozen=True)
-class Segment:
-    """A maximal run of consecutive nodes placed on one rank."""
-
-    index: int
-    rank: int
-    nodes: tuple[str, ...]
-
-
-@dataclass(frozen=True)
 class Plan:
-    """The placement of every node and its cut into segments (in graph order)."""
+    """The placement of every module and the model cut into parts (in topological order).
+
+    ``segments`` are the parts (``index``, ``rank``, ``nodes``: the modules each calls);
+    ``owner`` maps every module the forward calls to its rank."""
 
     nodes: tuple[str, ...]
     owner: dict[str, int]
-    segments: tuple[Segment, ...]
+    cut: Cut
+
+    @property
+    def segments(self) -> tuple[Part, ...]:
+        return self.cut.parts
 
     @property
     def num_segments(self) -> int:
-        return len(self.segments)
+        return len(self.cut.parts)
 
-    def segments_of(self, rank: int) -> list[Segment]:
-        return [s for s in self.segments if s.rank == rank]
+    def segments_of(self, rank: int) -> list[Part]:
+        return self.cut.parts_of(rank)
 
     def ranks(self) -> list[int]:
-        """Ranks that own at least one node, in order of first appearance."""
-        seen: list[int] = []
-        for s in self.segments:
-            if s.rank not in seen:
-                seen.append(s.rank)
-        return seen
+        """Ranks that own at least one part, in order of first appearance."""
+        return self.cut.ranks()
 
     @property
     def last_rank(self) -> int:
-        """The rank that owns the model's output (computes the loss)."""
-        return self.segments[-1].rank
+        """The rank that holds the model's output (computes the loss)."""
+        return self.cut.loss_rank
 
     def is_contiguous(self) -> bool:
-        """True when every rank owns exactly one segment (a pipeline)."""
-        ranks = [s.rank for s in self.segments]
+        """True when every rank owns exactly one part (a pipeline)."""
+        ranks = [p.rank for p in self.cut.parts]
         return len(ranks) == len(set(ranks))
 
 
@@ -81,29 +86,20 @@ def resolve_target(target: Any, workers: Sequence[Any], *, field: str = "target"
     return resolve_rank(target, workers, field=field)
 
 
-def build_plan(
-    node_names: Sequence[str],
-    partitions: Sequence[Any],
-    workers: Sequence[Any],
-    *,
-    contiguous: bool = False,
-    field: str = "strategy.partitions",
-) -> Plan:
-    """Place ``node_names`` by ``partitions`` on ``workers``; cut into segments.
+def _chain(names: Sequence[str]) -> nn.Module:
+    return nn.Sequential(OrderedDict((n, nn.Identity()) for n in names))
 
-    ``contiguous=True`` (Pipeline) additionally requires every rank's nodes to be one run.
-    All problems found are reported together in one ConfigError.
-    """
-    names = list(node_names)
-    if not names:
-        raise ConfigError([("model", "the model has no nodes to place")])
-    if not partitions:
-        raise ConfigError([(field, "model-parallel training with no partitions: "
-                                   "nothing says where any node runs")])
+
+def _claims(model: nn.Module, called: Sequence[str], ran: set[str], partitions: Sequence[Any],
+            workers: Sequence[Any], field: str) -> dict[str, int]:
+    """Validate the partitions against the model's modules; module path -> rank."""
     problems: list[tuple[str, str]] = []
-    known = set(names)
+    modules = [n for n, _ in model.named_modules() if n]
+    known = set(modules)
+    called_set = set(called)
+    listed = ", ".join(called) if len(called) <= 60 else ", ".join(called[:60]) + ", ..."
     claimed: dict[str, int] = {}
-    owner: dict[str, int] = {}
+    claims: dict[str, int] = {}
     for i, part in enumerate(partitions):
         where = f"{field}[{i}]"
         if not part.node_ids:
@@ -116,38 +112,87 @@ def build_plan(
         for node in part.node_ids:
             if node not in known:
                 problems.append((f"{where}.node_ids", f"partition {i} claims {node!r}, which is "
-                                 f"not in this model; its nodes are: {', '.join(names)}"))
-            elif node in claimed:
+                                 f"not in this model; its nodes are: {listed}"))
+                continue
+            if node in claimed:
                 first = claimed[node]
                 msg = (f"{node!r} is listed twice in partition {i}" if first == i else
                        f"{node!r} is claimed by partitions {first} and {i}; a node runs in one place")
                 problems.append((f"{where}.node_ids", msg))
-            else:
-                claimed[node] = i
-                if rank is not None:
-                    owner[node] = rank
+                continue
+            inside = next((c for c in called_set if node.startswith(c + ".")), None)
+            if inside is not None:
+                problems.append((f"{where}.node_ids", (
+                    f"partition {i} claims {node!r}, which is inside {inside!r}: that module is "
+                    f"traced as one node (a leaf), so its parts cannot be placed apart; claim "
+                    f"{inside!r} instead")))
+                continue
+            if node not in ran and not any(c.startswith(node + ".") for c in ran):
+                problems.append((f"{where}.node_ids", (
+                    f"partition {i} claims {node!r}, which the model's forward never runs")))
+                continue
+            claimed[node] = i
+            if rank is not None:
+                claims[node] = rank
     if problems:
         raise ConfigError(problems)
-    for node in names:
-        owner.setdefault(node, DEFAULT_RANK)
-    segments: list[Segment] = []
-    run: list[str] = []
-    for node in names:
-        if run and owner[run[-1]] != owner[node]:
-            segments.append(Segment(len(segments), owner[run[-1]], tuple(run)))
-            run = []
-        run.append(node)
-    segments.append(Segment(len(segments), owner[run[-1]], tuple(run)))
-    plan = Plan(tuple(names), owner, tuple(segments))
+    return claims
+
+
+def build_plan(
+    model: nn.Module | Sequence[str],
+    partitions: Sequence[Any],
+    workers: Sequence[Any],
+    *,
+    contiguous: bool = False,
+    field: str = "strategy.partitions",
+    leaves: Sequence[str] = (),
+) -> Plan:
+    """Place ``model``'s nodes by ``partitions`` on ``workers``; cut it into parts.
+
+    ``contiguous=True`` (Pipeline) additionally requires one part per rank. ``leaves``:
+    module paths traced as one node (the job's ``model.leaf_modules``). All problems found
+    are reported together in one ConfigError.
+    """
+    if not isinstance(model, nn.Module):
+        model = _chain(list(model))
+    if not partitions:
+        raise ConfigError([(field, "model-parallel training with no partitions: "
+                                   "nothing says where any node runs")])
+    gm = trace(model, leaves)
+    called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    if not called and not any(n.op == "call_function" for n in gm.graph.nodes):
+        raise ConfigError([("model", "the model has no nodes to place")])
+    ran = set(called)
+    for n in gm.graph.nodes:
+        for v in (n.meta.get("nn_module_stack") or {}).values():
+            ran.add(str(v[0] if isinstance(v, tuple) else v))
+    claims = _claims(model, called, ran, partitions, workers, field)
+    c = cut(gm, claims, default=DEFAULT_RANK)
+    owner = {m: c.owner[n.name] for n in gm.graph.nodes if n.op == "call_module"
+             for m in [str(n.target)]}
+    plan = Plan(tuple(called), owner, c)
     if contiguous and not plan.is_contiguous():
+        problems: list[tuple[str, str]] = []
         for rank in plan.ranks():
             segs = plan.segments_of(rank)
             if len(segs) > 1:
                 wid = next((str(w.id) for w in workers if int(w.rank) == rank), f"rank {rank}")
-                runs = "; ".join(",".join(s.nodes) for s in segs)
+                runs = "; ".join(",".join(s.nodes) or "(ops only)" for s in segs)
                 why = " (uncovered nodes run on rank 0)" if rank == DEFAULT_RANK else ""
+                later = segs[1]
+                need = next((v for v in later.inputs
+                             if c.rank_of_value.get(v) not in (None, rank)), None)
+                src = c.rank_of_value.get(need) if need else None
+                via = ""
+                if need is not None and src is not None:
+                    by = next((p for p in c.parts if need in p.outputs), None)
+                    made = ",".join(by.nodes) if by is not None and by.nodes else "another worker"
+                    via = (f"; its later nodes read the output of {made} (rank {src}), which runs "
+                           f"after its earlier ones: a cycle between workers in one "
+                           f"micro-batch's forward")
                 problems.append((field, f"Pipeline needs each worker's nodes to be one contiguous "
                                         f"run, but worker {wid!r} (rank {rank}) owns "
-                                        f"{len(segs)} separate runs: {runs}{why}"))
+                                        f"{len(segs)} separate runs: {runs}{why}{via}"))
         raise ConfigError(problems)
     return plan

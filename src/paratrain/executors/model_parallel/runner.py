@@ -1,14 +1,14 @@
 """ModelParallel: the model's nodes placed on workers; activations/gradients move by protocol.
 
-DESIGN §4. Every worker builds the same seeded model and keeps the nodes its
-:class:`~.plan.Plan` assigns it (partitions by ``WorkerId``/``Tag``; uncovered nodes on
-rank 0), as segments (maximal runs of consecutive nodes on one rank). Per batch of
-``B`` rows:
+DESIGN §4. Every worker builds the same seeded model, traces it with torch.fx and keeps
+the parts its :class:`~.plan.Plan` assigns it (partitions by ``WorkerId``/``Tag`` over
+module paths; uncovered modules on rank 0): any topology, with every tensor that crosses
+a cut sent point-to-point to the rank that reads it. Per batch of ``B`` rows:
 
-- ``Direct``: one forward in graph order, activations sent point-to-point
-  ``owner(S_j) -> owner(S_{j+1})``, then the backward in reverse with the gradient
-  ``dL/da_j`` coming back; a rank may own several non-adjacent segments.
-- ``Pipeline{micro_batch_size}``: each rank owns one segment (a stage); the batch is cut
+- ``Direct``: one forward in part order, each crossing value sent to its readers, then
+  the backward in reverse with each value's gradient coming back; a rank may own several
+  non-adjacent parts.
+- ``Pipeline{micro_batch_size}``: each rank owns one part (a stage); the batch is cut
   into micro-batches of ``micro_batch_size`` rows (last smaller) run with GPipe (Huang et
   al. 2019) or 1F1B/PipeDream-Flush (Narayanan et al. 2021); the extension field
   ``schedule`` picks one (default ``"1F1B"``).
@@ -32,8 +32,9 @@ the *whole* model's gradient (each stage's sum of squares, all-reduced); ``preci
 "bf16"`` autocasts each stage's forward and the last stage's loss. Evaluation runs the
 forward pipeline over the test set; the last stage sums the task's ``eval_batch`` and
 sends the finalized metrics to rank 0, which logs them (and the last stage's training
-loss). A parameter shared by nodes on different ranks (the ``gpt`` tied head,
-``model.tie_weights``) is a ConfigError: a tie cannot span processes.
+loss). A parameter read by nodes on several ranks (the ``gpt`` head reads the token
+embedding's weight) stays one tensor on the rank that holds it: readers receive it once
+per step and send its gradient back (:mod:`.runtime`).
 
 Checkpoints are per rank (``checkpoints/rank<r>/ckpt-<step>.pt``: this rank's stage
 tensors, optimizer, lr scheduler, RNG, position); ``--resume`` (or an elastic restart)
@@ -59,7 +60,6 @@ from ...comm.context import WorkerContext, default_workers
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import WorkerIdTarget
-from ...graph import nodes
 from ...task import resolve_task
 from ...training import (
     MetricsWriter,
@@ -77,7 +77,7 @@ from ...training.loop import DataPlan, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
 from .engine import PipelineEngine, RankDirStore, StageModel, pipeline_stats
 from .plan import Plan, build_plan
-from .runtime import StageRuntime, segment_modules
+from .runtime import StageRuntime, held_attrs, segment_modules
 
 __all__ = ["run", "validate", "worker_main", "num_workers", "plan_for", "FAULT_ENV", "SUPPORTS_TASKS"]
 
@@ -106,20 +106,19 @@ def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any]) -> Plan
     strategy: Any = job.strategy
     if getattr(strategy, "type", None) != "ModelParallel":
         raise ConfigError([("strategy.type", f"expected ModelParallel (got {strategy.type!r})")])
-    try:
-        names = nodes(model)
-    except TypeError as e:
-        raise ConfigError([("model", f"ModelParallel needs a sequential model: {e}")]) from None
     pipeline = strategy.communication.protocol == "Pipeline"
-    plan = build_plan(names, strategy.partitions, workers, contiguous=pipeline)
-    check_shared_parameters(job, model, plan)
+    plan = build_plan(model, strategy.partitions, workers, contiguous=pipeline,
+                      leaves=tuple(getattr(job.model, "leaf_modules", ()) or ()))
+    check_shared_parameters(model, plan)
     return plan
 
 
-def check_shared_parameters(job: JobConfig, model: nn.Module, plan: Plan) -> None:
-    """A ConfigError when one Parameter belongs to nodes placed on different ranks: a tie
-    is shared memory, it cannot span processes. For ``gpt`` (its head tied to the token
-    embedding) the error names ``model.tie_weights``."""
+def check_shared_parameters(model: nn.Module, plan: Plan) -> None:
+    """A ConfigError when one Parameter sits inside *leaf modules* placed on different
+    ranks (two modules holding the same tensor, each called as one node): each rank would
+    step its own copy. A tie read through an attribute (the ``gpt`` head reading the token
+    embedding's weight) is fine: the tensor stays on the rank that holds it, and readers on
+    other ranks receive it and send its gradient back (:mod:`.runtime`)."""
     owners: dict[int, tuple[str, str]] = {}
     for node in plan.nodes:
         for pname, param in model.get_submodule(node).named_parameters(remove_duplicate=False):
@@ -128,15 +127,10 @@ def check_shared_parameters(job: JobConfig, model: nn.Module, plan: Plan) -> Non
                 continue
             a, b = f"{first[0]}.{first[1]}", f"{node}.{pname}"
             ra, rb = plan.owner[first[0]], plan.owner[node]
-            if job.model.factory is None and job.model.name == "gpt":
-                raise ConfigError([("model.tie_weights", (
-                    f"the gpt head is tied to the token embedding ({b} is {a}), but 'head' runs "
-                    f"on rank {rb} and 'embed' on rank {ra}: a tie cannot be split across "
-                    f"stages; set model.tie_weights = false (or place embed and head together)"))])
             raise ConfigError([("strategy.partitions", (
                 f"{b} is the same Parameter as {a}, but node {node!r} runs on rank {rb} and "
-                f"{first[0]!r} on rank {ra}: a shared parameter cannot be split across "
-                f"stages; untie it or place both nodes on one worker"))])
+                f"{first[0]!r} on rank {ra}: a parameter shared by two placed modules cannot "
+                f"be split across workers; untie it or place both nodes on one worker"))])
 
 
 def _task_model(job: JobConfig) -> tuple[Any, Any, Any, nn.Module]:
@@ -220,10 +214,11 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     proto: Any = strategy.communication
     pipeline = proto.protocol == "Pipeline"
     modules = segment_modules(model, plan, ctx.rank)
-    del model  # nodes other ranks own are freed; this rank keeps its segments only
-    stage = StageModel(modules).to(ctx.device)
+    attrs = held_attrs(model, plan, ctx.rank)
+    del model  # nodes other ranks own are freed; this rank keeps its parts only
+    stage = StageModel(modules, attrs).to(ctx.device)
     transport = _transport(ctx, job, run_dir)
-    rt = StageRuntime(plan, ctx.rank, modules, transport, device=ctx.device)
+    rt = StageRuntime(plan, ctx.rank, modules, transport, device=ctx.device, attrs=attrs)
     opt = build_optimizer(stage.parameters(), job.train.optimizer)
     t = job.train
     if pipeline and ctx.rank == 0 and proto.micro_batch_size >= t.batch_size:
@@ -258,9 +253,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         restart_count=ctx.restart_count, started=started,
     )
     # parameters_sha256: sha256 over the per-rank digests of each rank's node tensors.
-    own: dict[str, torch.Tensor] = {}
-    for s_idx in sorted(modules):
-        own.update(modules[s_idx].node_state())
+    own = dict(sorted(stage.node_state().items()))
     mine = torch.frombuffer(bytearray(_digest(own)), dtype=torch.uint8)
     digests, stage_totals = [mine], [engine.totals]
     step = result.position.step

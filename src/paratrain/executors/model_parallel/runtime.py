@@ -1,29 +1,35 @@
-"""The per-rank ModelParallel stage runtime: run a list of F/B actions over a transport.
+"""The per-rank ModelParallel runtime: run this rank's parts of the cut graph over a transport.
 
-A rank holds the modules of its segments (:func:`segment_modules`) and executes an
-action order (:mod:`.schedule`). For micro-batch ``i`` of a ``B``-row batch and
-segment ``s`` with input ``a_{i,s}`` and output ``a_{i,s+1} = S_s(a_{i,s})``:
+The model is cut into parts ``P_0 .. P_{k-1}`` in topological order
+(:mod:`paratrain.graph.partition`); part ``P_p`` is an fx GraphModule taking the values
+``inputs(p)`` (the batch's model input, outputs of other parts, parameters read by
+``get_attr``) and returning ``outputs(p)``. For micro-batch ``i`` of a ``B``-row batch:
 
-- ``F(i, s)``: ``a_{i,s}`` is the micro-batch's rows of ``x`` (``s = 0``) or is received
-  from ``owner(S_{s-1})`` (marked ``requires_grad``); compute ``a_{i,s+1}``; send it to
-  ``owner(S_{s+1})``, or on the last segment form ``L_i = w * loss(a_{i,k}, batch_i) * n_i / B``
-  (``loss`` the task's mean loss of the micro-batch's ``n_i`` rows, ``w`` the weight of this
-  batch in its optimizer step: ``n/N`` under gradient accumulation, else 1).
-- ``B(i, s)``: backpropagate ``L_i`` (last segment) or the received ``dL/da_{i,s+1}``
-  through ``S_s``; send ``dL/da_{i,s}`` back to ``owner(S_{s-1})``.
+- ``F(i, p)``: gather ``inputs(p)``: the micro-batch's rows of ``batch[0]`` (every rank
+  reads the batch), a value another rank produced (received: transfer ``t``, key
+  ``("act", i, t)``, marked ``requires_grad``), or one this rank produced (detached and
+  marked, so each part's backward stays its own); run ``P_p``; send each output to every
+  rank that reads it. On the part that completes the model's output (the *loss part*), form
+  ``L_i = w * loss(out_i, batch_i) * n_i / B`` (``loss`` the task's mean loss of the
+  ``n_i`` rows, ``w`` the batch's weight in its optimizer step).
+- ``B(i, p)``: backpropagate ``L_i`` and, for each output ``v``, the sum of ``dL/dv`` over
+  all its readers (received ``("grad", i, t)`` from other ranks, accumulated locally from
+  this rank's own later parts) through ``P_p``; send ``dL/d(input)`` of each received input
+  back to its producer once this rank's last reader of it has run its backward.
+- a parameter held on one rank and read on another (a tie across workers) is sent once per
+  step before the first micro-batch and its gradient, summed over the micro-batches, comes
+  back after the last: it stays one tensor, stepped by the rank that holds it.
 
-Because ``sum_i L_i = w * loss(batch)`` for a loss that is a mean over rows and parameter gradients
-accumulate over micro-batches, the loss and every parameter gradient equal those of the
-unpartitioned model on the same batch (up to float summation order).
+Since ``sum_i L_i = w * loss(batch)`` for a loss that is a mean over rows, and gradients
+add over readers and micro-batches, the loss and every parameter gradient equal those of
+the unpartitioned model on the same batch (up to float summation order).
 
 Orders come from GPipe (Huang et al. 2019) or 1F1B/PipeDream-Flush (Narayanan et al.
-2021) for pipelines, or the sequential order for Direct/DataStore. The transport is
-duck-typed (``send(t, dst=, key=, step=, rows=)``, ``recv(src=, key=, step=, rows=)``,
-``flush()``, optionally ``post(src=, key=, step=, rows=)`` to post a receive ahead):
-:class:`paratrain.comm.p2p.P2PTransport` (Direct, Pipeline) or
-:class:`paratrain.comm.datastore.DataStoreTransport` (DataStore). The runtime records
-what it ran (``trace``), time computing vs. waiting, and the peak bytes of activations
-held for backward (saved tensors plus stage inputs/outputs, parameters excluded).
+2021) for pipelines (one part per rank; part index = stage), or the sequential order for
+Direct/DataStore (forwards by part, backwards reversed). The transport is duck-typed
+(``send``/``recv``/``flush``, optionally ``post``): :class:`paratrain.comm.p2p.P2PTransport`
+or :class:`paratrain.comm.datastore.DataStoreTransport`. The runtime records what it ran
+(``trace``), time computing, and the peak bytes of activations held for backward.
 """
 
 from __future__ import annotations
@@ -31,16 +37,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
+import torch.fx as fx
 from torch import nn
 
+from ...graph.partition import Part
 from .plan import Plan
 from .schedule import Action, micro_batch_sizes, schedule, sequential
 
-__all__ = ["Transport", "SegmentModule", "segment_modules", "StepStats", "StageRuntime"]
-
+__all__ = ["Transport", "segment_modules", "held_attrs", "StepStats", "StageRuntime"]
 
 #: How many actions ahead a stage posts its receives (transports with ``post``).
 RECV_LOOKAHEAD = 2
@@ -54,44 +61,29 @@ class Transport(Protocol):
     def flush(self) -> None: ...
 
 
-class SegmentModule(nn.Module):
-    """Consecutive nodes applied in order; ``names`` keeps the graph's node ids."""
-
-    def __init__(self, names: Sequence[str], modules: Sequence[nn.Module]) -> None:
-        super().__init__()
-        self.names = list(names)
-        self.layers = nn.ModuleList(modules)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-    def node_state(self) -> dict[str, torch.Tensor]:
-        """State keyed ``<node id>/<tensor name>`` (stable across placements)."""
-        out: dict[str, torch.Tensor] = {}
-        for name, layer in zip(self.names, self.layers, strict=True):
-            for k, v in layer.state_dict().items():
-                out[f"{name}/{k}"] = v
-        return out
-
-    def load_node_state(self, state: dict[str, torch.Tensor]) -> None:
-        for name, layer in zip(self.names, self.layers, strict=True):
-            prefix = f"{name}/"
-            layer.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+def segment_modules(model: nn.Module, plan: Plan, rank: int) -> dict[int, nn.Module]:
+    """This rank's parts as modules (fx GraphModules sharing the model's parameters)."""
+    del model  # the parts were cut from it and hold its modules
+    out: dict[int, nn.Module] = {}
+    for p in plan.segments_of(rank):
+        p.module.paratrain_part = p  # type: ignore[assignment] # names as the model has them
+        out[p.index] = p.module
+    return out
 
 
-def segment_modules(model: nn.Module, plan: Plan, rank: int) -> dict[int, SegmentModule]:
-    """This rank's segments as modules (sharing the model's node modules)."""
-    return {
-        seg.index: SegmentModule(seg.nodes, [model.get_submodule(n) for n in seg.nodes])
-        for seg in plan.segments_of(rank)
-    }
+def held_attrs(model: nn.Module, plan: Plan, rank: int) -> dict[str, torch.Tensor]:
+    """Parameters/buffers read by ``get_attr`` that ``rank`` holds: value name -> tensor."""
+    out: dict[str, torch.Tensor] = {}
+    for a in plan.cut.attrs:
+        if a.rank == rank:
+            mod, _, name = a.target.rpartition(".")
+            out[a.name] = getattr(model.get_submodule(mod), name)
+    return out
 
 
 @dataclass
 class StepStats:
-    """What one call ran: its wall time, compute time, blocked time and activation peak."""
+    """What one call ran: its wall time, compute time and activation peak."""
 
     step_s: float = 0.0
     compute_s: float = 0.0
@@ -125,46 +117,94 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 
 #: ``loss_fn(output, batch) -> scalar``: the mean loss of a (micro-)batch (a Task's ``loss``).
-LossFn = Callable[[torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
+LossFn = Callable[[Any, Sequence[torch.Tensor]], torch.Tensor]
 
 
 def _cross_entropy(out: torch.Tensor, batch: Sequence[torch.Tensor]) -> torch.Tensor:
     return nn.functional.cross_entropy(out, batch[1])
 
 
-class StageRuntime:
-    """Runs this rank's part of the model for a train step or a forward pass."""
+def _as_tuple(out: Any, n: int) -> tuple[Any, ...]:
+    return tuple(out) if n > 1 else (out,)
 
-    def __init__(self, plan: Plan, rank: int, modules: dict[int, SegmentModule],
-                 transport: Transport, *, device: torch.device | None = None) -> None:
-        self.plan = plan
+
+def _leaf(t: Any) -> Any:
+    """A detached copy that records its own gradient (floating tensors only)."""
+    if isinstance(t, torch.Tensor):
+        d = t.detach()
+        if d.is_floating_point():
+            d.requires_grad_(True)
+        return d
+    return t
+
+
+def _fill(structure: Any, env: dict[str, Any]) -> Any:
+    """The model's output structure with each value name replaced by its value."""
+    return fx.node.map_aggregate(structure, lambda a: env[a] if isinstance(a, str) and a in env else a)
+
+
+def _check_tensor(value: str, val: Any, dst: int) -> None:
+    if not isinstance(val, torch.Tensor):
+        raise TypeError(
+            f"model-parallel value {value!r} ({type(val).__name__}) is read on rank {dst} but "
+            f"is not a tensor; only tensors travel between workers: place the nodes that make "
+            f"and read it on one worker")
+
+
+class StageRuntime:
+    """Runs this rank's parts of the model for a train step or a forward pass."""
+
+    def __init__(self, plan: Plan, rank: int, modules: dict[int, nn.Module],
+                 transport: Transport, *, device: torch.device | None = None,
+                 attrs: dict[str, torch.Tensor] | None = None) -> None:
+        self.plan, self.cut = plan, plan.cut
         self.device = device or torch.device("cpu")
         self.rank = rank
         self.modules = modules
         self.transport = transport
-        self.last = plan.num_segments - 1
+        self.attrs = dict(attrs or {})
         self.stats = StepStats()
+        c = self.cut
+        self.parts: dict[int, Part] = {p.index: p for p in c.parts_of(rank)}
+        producing = [c.producer[v][1] for v in c.output_values if c.producer[v][0] == "part"]
+        self.loss_part = max(producing) if producing else None
+        self.last = self.loss_part if self.loss_part is not None else -1
+        # the values each of my parts reads (the loss part also reads the model's output)
+        self.reads: dict[int, list[str]] = {}
+        for idx, p in self.parts.items():
+            extra = [v for v in c.output_values if v not in p.outputs and v not in p.inputs] \
+                if idx == self.loss_part else []
+            self.reads[idx] = list(p.inputs) + extra
+        self.readers_here: dict[str, int] = {}
+        for vals in self.reads.values():
+            for v in set(vals):
+                self.readers_here[v] = self.readers_here.get(v, 0) + 1
+        self.out_transfers = [t for t in c.transfers if t.src == rank]
+        self.in_transfers = {t.value: t for t in c.transfers if t.dst == rank}
         self._param_ptrs = {p.untyped_storage().data_ptr()
                             for m in modules.values() for p in m.parameters()}
+        self._param_ptrs |= {t.untyped_storage().data_ptr() for t in self.attrs.values()}
 
     # ------------------------------------------------------------------ orders
     def actions(self, num_micro: int, schedule_name: str | None) -> list[Action]:
-        """This rank's order: a pipeline schedule (one segment per rank) or sequential."""
-        mine = sorted(self.modules)
+        """This rank's order: a pipeline schedule (one part per rank) or sequential."""
+        mine = sorted(self.parts)
         if not mine:
             return []
         if schedule_name is None:
             return sequential(mine, num_micro)
         if len(mine) != 1:
-            raise ValueError(f"rank {self.rank} owns segments {mine}; a pipeline needs one")
+            raise ValueError(f"rank {self.rank} owns parts {mine}; a pipeline needs one")
         return schedule(schedule_name, mine[0], self.plan.num_segments, num_micro)
+
+    def _is_attr(self, v: str) -> bool:
+        return self.cut.producer[v][0] == "attr"
 
     # ------------------------------------------------------------------ training
     def train_step(self, x: torch.Tensor, y: torch.Tensor, *, step: int,
                    micro_batch_size: int | None = None,
                    schedule_name: str | None = None) -> float | None:
-        """One forward/backward of the classification loss (cross-entropy) over ``(x, y)``;
-        :meth:`run_batch` with ``loss_fn = CE``."""
+        """One forward/backward of the classification loss (cross-entropy) over ``(x, y)``."""
         return self.run_batch((x, y), step=step, micro_batch_size=micro_batch_size,
                               schedule_name=schedule_name, loss_fn=_cross_entropy)
 
@@ -172,20 +212,13 @@ class StageRuntime:
                   micro_batch_size: int | None = None, schedule_name: str | None = None,
                   loss_fn: LossFn | None = None, weight: float = 1.0,
                   precision: str = "fp32") -> float | None:
-        """One forward/backward over ``batch`` (the model reads ``batch[0]``); returns the
-        batch's unweighted loss on the last rank (None elsewhere).
-
-        The batch's ``B`` rows are cut into micro-batches of ``micro_batch_size`` (None: the
-        batch whole); micro-batch ``i`` (``n_i`` rows, every field of the batch sliced) has
-        the loss ``L_i = loss_fn(out_i, batch_i) * weight * n_i / B``, so for a loss that is
-        a mean over its rows ``sum_i L_i = weight * loss_fn(out, batch)`` and the gradients
-        are those of the unpartitioned model on the whole batch. ``schedule_name=None``
-        runs the sequential order (Direct/DataStore), else ``"GPipe"``/``"1F1B"``. With
-        ``precision="bf16"`` each forward and the loss run under bf16 autocast.
-        """
+        """One forward/backward over ``batch`` (the model reads ``batch[0]``); the batch's
+        unweighted loss on the loss part's rank (None elsewhere). See the module docstring;
+        ``schedule_name=None`` runs the sequential order (Direct/DataStore)."""
         from ...training.stepping import autocast
 
         loss_fn = loss_fn or _cross_entropy
+        c, tr = self.cut, self.transport
         x = batch[0]
         rows = int(x.shape[0])
         sizes = micro_batch_sizes(rows, micro_batch_size or rows)
@@ -194,111 +227,219 @@ class StageRuntime:
             bounds.append(bounds[-1] + n)
         micro = [tuple(t[bounds[i]:bounds[i + 1]] for t in batch) for i in range(len(sizes))]
         order = self.actions(len(sizes), schedule_name)
-        needs = [self._recv_spec(kind, i, s, sizes[i]) for kind, i, s in order]
-        post = getattr(self.transport, "post", None)
         stats = StepStats()
-        inputs: dict[tuple[int, int], torch.Tensor] = {}
-        outputs: dict[tuple[int, int], torch.Tensor] = {}
+        t_start = time.perf_counter()
+        # Parameters other ranks read: send once per step; receive the ones I read.
+        for t in self.out_transfers:
+            if self._is_attr(t.value):
+                tr.send(self.attrs[t.value].detach(), dst=t.dst, key=("act", 0, t.index), step=step)
+        remote_attrs = {v: _leaf(tr.recv(src=t.src, key=("act", 0, t.index), step=step).to(self.device))
+                        for v, t in self.in_transfers.items() if self._is_attr(v)}
+        needs = [self._recv_specs(kind, i, s, sizes[i]) for kind, i, s in order]
+        post = getattr(tr, "post", None)
+        got: dict[tuple[int, str], Any] = {}  # (micro, value) -> what my parts read
+        outs: dict[tuple[int, int], tuple[Any, ...]] = {}  # (micro, part) -> its outputs
+        self._outs_ref = outs
+        loss_terms: dict[int, torch.Tensor] = {}
+        left: dict[tuple[int, str], int] = {}  # readers here still to run B
         held: dict[tuple[int, int], int] = {}
         live = 0
         loss_total: float | None = None
-        t_start = time.perf_counter()
         for j, (kind, i, s) in enumerate(order):
             if post is not None:
                 # Post the next receives now so their payloads arrive while we compute.
-                for ahead in needs[j + 1 : j + 1 + RECV_LOOKAHEAD]:
-                    if ahead is not None:
-                        post(src=ahead[0], key=ahead[1], step=step, rows=ahead[2])
-            spec = needs[j]
-            received = None if spec is None else self.transport.recv(
-                src=spec[0], key=spec[1], step=step, rows=spec[2]).to(self.device)
+                for ahead in needs[j + 1: j + 1 + RECV_LOOKAHEAD]:
+                    for src, key, n in ahead:
+                        post(src=src, key=key, step=step, rows=n)
+            part = self.parts[s]
             if kind == "F":
-                if received is None:  # the first segment reads the batch
-                    inp = micro[i][0]
-                else:
-                    inp = received
-                    if inp.is_floating_point():
-                        inp.requires_grad_(True)
+                args = [self._fetch(i, v, micro[i], remote_attrs, got, left, step, sizes[i])
+                        for v in self.reads[s]]
                 t0 = time.perf_counter()
-                # Neither parameters nor the batch itself count as activations.
                 meter = _SavedBytes(self._param_ptrs | {x.untyped_storage().data_ptr()})
                 with torch.autograd.graph.saved_tensors_hooks(meter.pack, _unpack), \
                         autocast(precision, self.device):
-                    out = self.modules[s](inp)
-                    if s == self.last:
+                    result = _as_tuple(self.modules[s](*args[: len(part.inputs)]), len(part.outputs))
+                    if s == self.loss_part:
+                        env = dict(zip(self.reads[s], args, strict=True))
+                        env.update(zip(part.outputs, result, strict=True))
+                        out = _fill(c.output, env)
                         mean = loss_fn(out, micro[i])
-                        out = mean * (weight * sizes[i] / rows)
+                        loss_terms[i] = mean * (weight * sizes[i] / rows)
                 t1 = time.perf_counter()
                 stats.compute_s += t1 - t0
                 stats.trace.append(("F", i, s, t0, t1))
-                if s == self.last:
+                if s == self.loss_part:
                     loss_total = (loss_total or 0.0) + float(mean.detach()) * sizes[i] / rows
-                else:
-                    self.transport.send(out.detach(), dst=self.plan.segments[s + 1].rank,
-                                        key=("act", i, s + 1), step=step, rows=sizes[i])
-                inputs[(i, s)], outputs[(i, s)] = inp, out
-                if s > 0:  # the first stage's input is the batch itself, not an activation
-                    meter.pack(inp)
-                meter.pack(out)
+                outs[(i, s)] = result
+                for v, val in zip(part.outputs, result, strict=True):
+                    for t in self.out_transfers:
+                        if t.value == v:
+                            _check_tensor(v, val, t.dst)
+                            tr.send(val.detach(), dst=t.dst, key=("act", i, t.index), step=step, rows=sizes[i])
+                for a in args:
+                    if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None:
+                        meter.pack(a)
+                for val in result:
+                    if isinstance(val, torch.Tensor):
+                        meter.pack(val)
                 held[(i, s)] = meter.bytes
-                live += held[(i, s)]
+                live += meter.bytes
                 stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
             else:
-                out = outputs.pop((i, s))
-                inp = inputs.pop((i, s))
-                grad = received  # dL/d(output), None on the last segment (its output is L_i)
+                result = outs.pop((i, s))
+                tensors: list[torch.Tensor] = []
+                grads: list[torch.Tensor | None] = []
+                if s == self.loss_part:
+                    tensors.append(loss_terms.pop(i))
+                    grads.append(None)
+                for v, val in zip(part.outputs, result, strict=True):
+                    g = self._output_grad(i, v, val, got, step, sizes[i])
+                    if g is not None and isinstance(val, torch.Tensor) and val.requires_grad:
+                        tensors.append(val)
+                        grads.append(g)
                 t0 = time.perf_counter()
-                if out.requires_grad:
-                    torch.autograd.backward(out, grad_tensors=grad)
+                if tensors:
+                    torch.autograd.backward(tensors, grad_tensors=grads)
                 t1 = time.perf_counter()
                 stats.compute_s += t1 - t0
                 stats.trace.append(("B", i, s, t0, t1))
-                if s > 0:
-                    g = inp.grad if inp.grad is not None else torch.zeros_like(inp)
-                    self.transport.send(g, dst=self.plan.segments[s - 1].rank,
-                                        key=("grad", i, s), step=step, rows=sizes[i])
+                for v in set(self.reads[s]):
+                    self._release(i, v, got, left, step, sizes[i])
                 live -= held.pop((i, s))
-        self.transport.flush()
+        # Gradients of the parameters I read from other ranks go back to their holders.
+        for v, leaf in remote_attrs.items():
+            t = self.in_transfers[v]
+            g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            tr.send(g, dst=t.src, key=("grad", 0, t.index), step=step)
+        for t in self.out_transfers:
+            if self._is_attr(t.value):
+                g = tr.recv(src=t.dst, key=("grad", 0, t.index), step=step).to(self.device)
+                param = self.attrs[t.value]
+                if param.requires_grad:
+                    param.grad = g.to(param.dtype) if param.grad is None else param.grad + g
+        tr.flush()
         stats.step_s = time.perf_counter() - t_start
         self.stats = stats
         return loss_total
 
-    def _recv_spec(self, kind: str, i: int, s: int, rows: int) -> tuple[int, tuple[str, int, int], int] | None:
-        """``(src, key, rows)`` of the message action ``(kind, i, s)`` waits for, if any."""
+    def _fetch(self, i: int, v: str, mb: Sequence[torch.Tensor], remote_attrs: dict[str, Any],
+               got: dict[tuple[int, str], Any], left: dict[tuple[int, str], int], step: int,
+               rows: int) -> Any:
+        """The value ``v`` for micro-batch ``i`` as my part reads it (see F in the docstring)."""
+        kind, producer = self.cut.producer[v]
+        if kind == "input":
+            return mb[0]  # the model reads batch[0]
+        if kind == "attr":
+            return self.attrs[v] if v in self.attrs else remote_attrs[v]
+        if (i, v) not in got:
+            if producer in self.parts:
+                prod = self.parts[producer]
+                got[(i, v)] = _leaf(self._peek(i, producer)[prod.outputs.index(v)])
+            else:
+                t = self.in_transfers[v]
+                got[(i, v)] = _leaf(self.transport.recv(src=t.src, key=("act", i, t.index),
+                                                        step=step, rows=rows).to(self.device))
+            left[(i, v)] = self.readers_here[v]
+        return got[(i, v)]
+
+    def _peek(self, i: int, part: int) -> tuple[Any, ...]:
+        return self._outs_ref[(i, part)]
+
+    def _release(self, i: int, v: str, got: dict[tuple[int, str], Any],
+                 left: dict[tuple[int, str], int], step: int, rows: int) -> None:
+        """After a reader's backward: when it was my last reader of a received value,
+        send its gradient back to the producer."""
+        if (i, v) not in left:
+            return
+        left[(i, v)] -= 1
+        if left[(i, v)] > 0:
+            return
+        del left[(i, v)]
+        kind, producer = self.cut.producer[v]
+        if producer in self.parts:
+            return  # my own part's output: its backward reads got[(i, v)].grad
+        t = self.in_transfers[v]
+        leaf = got.pop((i, v))
+        g = leaf.grad if isinstance(leaf, torch.Tensor) and leaf.grad is not None else torch.zeros_like(leaf)
+        self.transport.send(g, dst=t.src, key=("grad", i, t.index), step=step, rows=rows)
+
+    def _output_grad(self, i: int, v: str, val: Any, got: dict[tuple[int, str], Any],
+                     step: int, rows: int) -> torch.Tensor | None:
+        """``dL/dv``: my later parts' share plus every other reading rank's."""
+        total: torch.Tensor | None = None
+        read_here = (i, v) in got
+        mine = got.pop((i, v), None)
+        if isinstance(mine, torch.Tensor) and mine.grad is not None:
+            total = mine.grad
+        for t in self.out_transfers:
+            if t.value == v:
+                g = self.transport.recv(src=t.dst, key=("grad", i, t.index), step=step,
+                                        rows=rows).to(self.device)
+                total = g if total is None else total + g
+        if total is None and isinstance(val, torch.Tensor) and (
+                read_here or any(t.value == v for t in self.out_transfers)):
+            total = torch.zeros_like(val)
+        return total
+
+    def _recv_specs(self, kind: str, i: int, s: int, rows: int) -> list[tuple[int, tuple[str, int, int], int]]:
+        """``(src, key, rows)`` of the messages action ``(kind, i, s)`` waits for."""
+        out: list[tuple[int, tuple[str, int, int], int]] = []
         if kind == "F":
-            return None if s == 0 else (self.plan.segments[s - 1].rank, ("act", i, s), rows)
-        if s == self.last:
-            return None
-        return (self.plan.segments[s + 1].rank, ("grad", i, s + 1), rows)
+            for v in self.reads[s]:
+                t = self.in_transfers.get(v)
+                if t is not None and not self._is_attr(v):
+                    out.append((t.src, ("act", i, t.index), rows))
+        else:
+            for v in self.parts[s].outputs:
+                for t in self.out_transfers:
+                    if t.value == v:
+                        out.append((t.dst, ("grad", i, t.index), rows))
+        return out
 
     # ------------------------------------------------------------------ inference
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, *, step: int, precision: str = "fp32") -> torch.Tensor | None:
-        """Forward the whole batch through the placed model; the output on the last rank
-        (under bf16 autocast with ``precision="bf16"``)."""
+    def forward(self, x: torch.Tensor, *, step: int, precision: str = "fp32") -> Any:
+        """Forward the whole batch through the placed model; the output on the loss part's
+        rank (None elsewhere; under bf16 autocast with ``precision="bf16"``)."""
         from ...training.stepping import autocast
 
-        result: torch.Tensor | None = None
+        c, tr = self.cut, self.transport
         rows = int(x.shape[0])
-        for s in sorted(self.modules):
-            if s == 0:
-                inp = x
-            else:
-                inp = self.transport.recv(src=self.plan.segments[s - 1].rank,
-                                          key=("eval", 0, s), step=step,
-                                          rows=rows).to(self.device)
+        env: dict[str, Any] = {v: x for v in c.inputs}
+        env.update(self.attrs)
+        for t in self.out_transfers:
+            if self._is_attr(t.value):
+                tr.send(self.attrs[t.value], dst=t.dst, key=("eval", 0, t.index), step=step)
+        result: Any = None
+        for s in sorted(self.parts):
+            part = self.parts[s]
+            for v in self.reads[s]:
+                if v not in env:
+                    t = self.in_transfers[v]
+                    n = None if self._is_attr(v) else rows
+                    env[v] = tr.recv(src=t.src, key=("eval", 0, t.index), step=step, rows=n).to(self.device)
             with autocast(precision, self.device):
-                out = self.modules[s](inp)
-            if s == self.last:
-                result = out
-            else:
-                self.transport.send(out, dst=self.plan.segments[s + 1].rank,
-                                    key=("eval", 0, s + 1), step=step, rows=rows)
-        self.transport.flush()
+                outs = _as_tuple(self.modules[s](*[env[v] for v in part.inputs]), len(part.outputs))
+            env.update(zip(part.outputs, outs, strict=True))
+            for v, val in zip(part.outputs, outs, strict=True):
+                for t in self.out_transfers:
+                    if t.value == v:
+                        tr.send(val, dst=t.dst, key=("eval", 0, t.index), step=step, rows=rows)
+            if s == self.loss_part:
+                result = _fill(c.output, env)
+        tr.flush()
         return result
 
     def parameters(self) -> list[nn.Parameter]:
-        return [p for s in sorted(self.modules) for p in self.modules[s].parameters()]
+        seen: set[int] = set()
+        out: list[nn.Parameter] = []
+        for s in sorted(self.modules):
+            for p in self.modules[s].parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+        return out
 
     def send_metric(self, values: torch.Tensor, *, dst: int, step: int, slot: int = 0) -> None:
         """Send a small metrics tensor (e.g. the loss) to ``dst``; ``slot`` separates kinds."""

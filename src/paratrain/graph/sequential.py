@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from .config import ConfigError, load_strategy
-from .config.strategy import Local
+from ..config import ConfigError, load_strategy
+from ..config.strategy import Local
 
 __all__ = ["nodes", "subgraphs", "get_node", "Graph"]
 

@@ -1,0 +1,299 @@
+"""Cut a traced model into per-worker parts, with exactly the values that cross each cut.
+
+Input: the model's fx graph (:func:`paratrain.graph.trace.trace`) and ``claims``, a map
+from module paths (any node or subgraph of ``named_modules()``) to ranks. Each fx node
+gets an owner rank:
+
+- ``call_module`` / ``get_attr``: the rank of the *longest* claimed prefix of its module
+  path (a claim on ``block0`` covers ``block0.attn.q`` unless ``block0.attn`` is claimed
+  itself); a module no claim covers runs on ``default`` (rank 0, DESIGN §4).
+- any other op (``x + y`` in some ``forward``, ``torch.cat``, a reshape): the rank of the
+  innermost *claimed* module whose forward it was traced in; an op outside every claimed
+  module follows its data: the rank that consumes it when all its consumers agree (a
+  residual add at the root runs where the next block runs; a join's ``cat`` where the join
+  runs), else the rank of its latest-computed input.
+- placeholders (the model's inputs, read from the batch) belong to no rank: every rank
+  reads the batch, so an input never travels.
+
+Owners are then grouped into *parts* (:func:`_parts`): in graph order a node joins its
+rank's latest part unless that would close a cycle between parts (an input comes from a
+part that itself depends on it), and the parts are numbered in a topological order. So a
+rank owns several parts exactly when its nodes need another rank's output in between
+(``A -> B -> A``): fine for Direct and DataStore; a Pipeline needs one part per rank
+(checked by the ModelParallel plan). Two towers on two ranks joined on the second are two
+parts, not three.
+
+The cut itself is :func:`torch.fx.passes.split_module.split_module`: part ``k`` becomes
+``submod_k`` taking exactly the values it reads from other parts and returning exactly
+those other parts (or the model's output) read from it. Parameters read with ``get_attr``
+(a tied head reading the embedding's weight) are hoisted by ``split_module`` into the top
+graph: an :class:`Attr`, held by the rank that owns its module and sent to the parts that
+read it (its gradient sent back and accumulated: a tie across workers stays one tensor).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from .trace import module_of
+
+__all__ = ["Part", "Attr", "Transfer", "Cut", "cut", "owner_of_path"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One ``submod_k``: run on ``rank``; ``inputs``/``outputs`` name top-level values."""
+
+    index: int
+    rank: int
+    module: fx.GraphModule
+    nodes: tuple[str, ...]  # the module ids it calls, in order
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    qualnames: dict[str, str] = field(default_factory=dict)  # module path in ``module`` -> in the model
+
+    def original_name(self, name: str) -> str:
+        """A parameter/buffer name of ``module`` as the model names it."""
+        mod, _, leafname = name.rpartition(".")
+        return f"{self.qualnames.get(mod, mod)}.{leafname}" if mod else name
+
+
+@dataclass(frozen=True)
+class Attr:
+    """A parameter or buffer read by ``get_attr``: held by ``rank``."""
+
+    name: str  # the top-level value name
+    target: str  # its qualified name in the model
+    rank: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Value ``value`` travels ``src -> dst`` each micro-batch (its gradient back)."""
+
+    index: int
+    value: str
+    src: int
+    dst: int
+
+
+@dataclass
+class Cut:
+    """The model cut into parts, and every value that crosses between ranks."""
+
+    parts: tuple[Part, ...]
+    attrs: tuple[Attr, ...]
+    inputs: tuple[str, ...]  # the model's placeholders (from the batch, on every rank)
+    output: Any  # the model's output structure, with value names for fx nodes
+    output_values: tuple[str, ...]
+    loss_rank: int
+    producer: dict[str, tuple[str, int]]  # value -> ("input"|"attr"|"part", part index or -1)
+    rank_of_value: dict[str, int | None]
+    transfers: tuple[Transfer, ...]
+    owner: dict[str, int] = field(default_factory=dict)  # fx node name -> rank
+    call_order: tuple[str, ...] = ()  # module ids in execution order
+
+    def parts_of(self, rank: int) -> list[Part]:
+        return [p for p in self.parts if p.rank == rank]
+
+    def ranks(self) -> list[int]:
+        seen: list[int] = []
+        for p in self.parts:
+            if p.rank not in seen:
+                seen.append(p.rank)
+        return seen
+
+    def transfer(self, value: str, dst: int) -> Transfer:
+        return next(t for t in self.transfers if t.value == value and t.dst == dst)
+
+
+def owner_of_path(path: str, claims: Mapping[str, int]) -> int | None:
+    """The rank of the longest claimed prefix of module ``path`` (None: unclaimed)."""
+    probe = path
+    while True:
+        if probe in claims:
+            return claims[probe]
+        if not probe:
+            return None
+        probe = probe.rpartition(".")[0]
+
+
+def _attr_module(target: str) -> str:
+    return target.rpartition(".")[0]
+
+
+def _node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) -> dict[str, int]:
+    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    owner: dict[str, int] = {}
+    for n in nodes:
+        if n.op == "call_module":
+            r = owner_of_path(str(n.target), claims)
+            owner[n.name] = default if r is None else r
+        elif n.op == "get_attr":
+            r = owner_of_path(_attr_module(str(n.target)), claims)
+            if r is not None or _attr_module(str(n.target)):
+                owner[n.name] = default if r is None else r
+        else:
+            stack = n.meta.get("nn_module_stack") or {}
+            for v in reversed(list(stack.values())):
+                path = v[0] if isinstance(v, tuple) else str(v)
+                if path in claims:
+                    owner[n.name] = claims[path]
+                    break
+            else:
+                # a claim on an ancestor of the op's module (e.g. the op runs inside
+                # block0.attn's forward and block0 is claimed)
+                mod = module_of(n)
+                r = None if mod is None else owner_of_path(mod, claims)
+                if r is not None:
+                    owner[n.name] = r
+    # Follow the data for the rest: consumers first (reverse order), then inputs.
+    for n in reversed(nodes):
+        if n.name in owner:
+            continue
+        users = [u for u in n.users if u.op != "output"]
+        got = {owner.get(u.name) for u in users}
+        if users and len(got) == 1 and None not in got and len(users) == len(n.users):
+            owner[n.name] = got.pop()  # type: ignore[assignment]
+    index = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    for n in nodes:
+        if n.name in owner:
+            continue
+        ins = [a for a in n.all_input_nodes if a.name in owner]
+        if ins:
+            owner[n.name] = owner[max(ins, key=lambda a: index[a.name]).name]
+        else:
+            users = [u for u in n.users if u.name in owner]
+            owner[n.name] = owner[users[0].name] if users else default
+    return owner
+
+
+def _parts(gm: fx.GraphModule, owner: Mapping[str, int]) -> dict[str, int]:
+    """Group nodes into parts: fx node name -> part id, ids in a topological order.
+
+    In graph order, a node joins its rank's latest part unless one of its inputs comes
+    from another part that (transitively) depends on that part (joining would make a
+    cycle); then it starts a new part of its rank. Parameters read by ``get_attr`` are
+    hoisted out of the parts (sent once per step) and join none."""
+    part_of: dict[str, int] = {}
+    rank_of: list[int] = []
+    deps: list[set[int]] = []  # direct dependencies of each part
+    latest: dict[int, int] = {}
+
+    def depends(a: int, b: int) -> bool:  # does part a (transitively) depend on part b?
+        stack, seen = [a], set()
+        while stack:
+            q = stack.pop()
+            if q == b:
+                return True
+            if q not in seen:
+                seen.add(q)
+                stack.extend(deps[q])
+        return False
+
+    for n in gm.graph.nodes:
+        if n.name not in owner or n.op == "get_attr":
+            continue
+        r = owner[n.name]
+        ins = {part_of[a.name] for a in n.all_input_nodes if a.name in part_of}
+        cur = latest.get(r)
+        if cur is None or any(q != cur and depends(q, cur) for q in ins):
+            cur = len(rank_of)
+            rank_of.append(r)
+            deps.append(set())
+            latest[r] = cur
+        part_of[n.name] = cur
+        deps[cur] |= {q for q in ins if q != cur}
+    # Topological order of the parts (Kahn's algorithm, ties by creation order).
+    order: list[int] = []
+    done: set[int] = set()
+    while len(order) < len(rank_of):
+        q = next(q for q in range(len(rank_of)) if q not in done and deps[q] <= done)
+        order.append(q)
+        done.add(q)
+    new_id = {q: i for i, q in enumerate(order)}
+    return {name: new_id[q] for name, q in part_of.items()}
+
+
+def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> Cut:
+    """Split ``gm`` by ``claims`` (module path -> rank); see the module docstring."""
+    owner = _node_owners(gm, claims, default)
+    part_of = _parts(gm, owner)
+    calls: dict[int, list[str]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            calls.setdefault(part_of[n.name], []).append(str(n.target))
+    rank_of_part = {part_of[name]: owner[name] for name in part_of}
+
+    def callback(node: fx.Node) -> int:
+        # get_attr nodes are hoisted into the top graph by split_module (any id will do)
+        return part_of.get(node.name, 0)
+
+    qualname_map: dict[str, str] = {}
+    split = split_module(gm, gm, callback, qualname_map=qualname_map, keep_original_order=True)
+    top = split.graph
+    producer: dict[str, tuple[str, int]] = {}
+    rank_of_value: dict[str, int | None] = {}
+    parts: list[Part] = []
+    attrs: list[Attr] = []
+    inputs: list[str] = []
+    output: Any = None
+    for n in top.nodes:
+        if n.op == "placeholder":
+            inputs.append(n.name)
+            producer[n.name], rank_of_value[n.name] = ("input", -1), None
+        elif n.op == "get_attr":
+            target = str(n.target)
+            r = owner.get(n.name, owner_of_path(_attr_module(target), claims))
+            attrs.append(Attr(n.name, target, default if r is None else r))
+            producer[n.name], rank_of_value[n.name] = ("attr", -1), attrs[-1].rank
+        elif n.op == "call_module":
+            k = int(str(n.target).rpartition("_")[2])
+            getitems = {int(u.args[1]): u.name for u in n.users
+                        if u.op == "call_function" and u.target is operator.getitem}
+            outs = (tuple(getitems[i] for i in sorted(getitems)) if getitems else (n.name,))
+            sub = getattr(split, str(n.target))
+            prefix = f"{n.target}."
+            names = {q[len(prefix):]: orig for q, orig in qualname_map.items() if q.startswith(prefix)}
+            parts.append(Part(k, rank_of_part[k], sub, tuple(calls.get(k, [])),
+                              tuple(a.name for a in n.args), outs, names))
+            for v in outs:
+                producer[v], rank_of_value[v] = ("part", k), rank_of_part[k]
+        elif n.op == "output":
+            output = fx.node.map_arg(n.args[0], lambda a: _ValueName(a.name))
+    out_values: list[str] = []
+    fx.node.map_aggregate(output, lambda a: out_values.append(a) if isinstance(a, _ValueName) else a)
+    producing = [producer[v][1] for v in out_values if producer[v][0] == "part"]
+    if producing:
+        loss_rank = rank_of_part[max(producing)]
+    else:
+        loss_rank = next((rank_of_value[v] for v in out_values if rank_of_value[v] is not None), default) or 0
+    transfers: list[Transfer] = []
+    seen: set[tuple[str, int]] = set()
+
+    def need(value: str, dst: int) -> None:
+        src = rank_of_value[value]
+        if src is None or src == dst or (value, dst) in seen:
+            return
+        seen.add((value, dst))
+        transfers.append(Transfer(len(transfers), value, src, dst))
+
+    for p in parts:
+        for v in p.inputs:
+            need(v, p.rank)
+    for v in out_values:
+        need(v, loss_rank)
+    return Cut(tuple(parts), tuple(attrs), tuple(inputs), output,
+               tuple(str(v) for v in out_values), loss_rank, producer, rank_of_value,
+               tuple(transfers), owner,
+               tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_module"))
+
+
+class _ValueName(str):
+    """A value name inside the output structure (tells it apart from a constant str)."""

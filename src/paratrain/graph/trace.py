@@ -1,0 +1,97 @@
+"""Trace any ``nn.Module`` into a torch.fx graph whose module nodes keep their names.
+
+``trace(model, leaves=...)`` runs :class:`torch.fx.Tracer` over ``model.forward``. torch's
+own layers (``torch.nn.*`` except containers) stay single ``call_module`` nodes; a user
+module is traced *into*, so its children appear by their qualified names, exactly as
+``model.named_modules()`` lists them (``encoder.layers.0.attn.q``). A module is kept whole
+(a *leaf*) when its path is in ``leaves`` (the job's ``model.leaf_modules``) or its class
+is decorated with :func:`leaf`: the way out for a forward fx cannot trace (Python control
+flow on a tensor's value, ``.item()``, data-dependent shapes).
+
+A forward that cannot be traced is a :class:`~paratrain.config.ConfigError` at ``model``
+naming the innermost module whose forward failed and how to mark it a leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+import torch.fx as fx
+from torch import nn
+
+from ..config import ConfigError
+
+__all__ = ["leaf", "trace", "module_of", "LEAF_ATTR"]
+
+LEAF_ATTR = "__paratrain_leaf__"
+_M = TypeVar("_M", bound=type)
+
+
+def leaf(cls: _M) -> _M:
+    """Class decorator: trace instances of ``cls`` as one node (never into its forward)."""
+    setattr(cls, LEAF_ATTR, True)
+    return cls
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, leaves: set[str]) -> None:
+        super().__init__()
+        self.leaves = leaves
+        self.failed_in: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.leaves or getattr(type(m), LEAF_ATTR, False):
+            return True
+        return bool(super().is_leaf_module(m, module_qualified_name))
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_in is None:  # the innermost module: the first to see the error
+                try:
+                    self.failed_in = self.path_of_module(m)
+                except NameError:
+                    self.failed_in = type(m).__name__
+            raise
+
+
+def trace(model: nn.Module, leaves: Iterable[str] = ()) -> fx.GraphModule:
+    """``model`` as a GraphModule sharing its parameters (see module docstring)."""
+    wanted = set(leaves)
+    known = dict(model.named_modules())
+    bad = sorted(p for p in wanted if p not in known or not p)
+    if bad:
+        raise ConfigError([("model.leaf_modules", f"{', '.join(map(repr, bad))} is not a module "
+                            f"of this model; its modules are: {_list(known)}")])
+    tracer = _Tracer(wanted)
+    try:
+        graph = tracer.trace(model)
+    except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error
+        where = tracer.failed_in
+        what = f"module {where!r} ({type(known[where]).__name__})" if where in known else (
+            f"the model's own forward ({type(model).__name__})")
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        how = (f"model.leaf_modules = [{where!r}] in the job file, or decorate its class with "
+               f"@paratrain.graph.leaf" if where in known and where else
+               "a leaf: move the untraceable part into a submodule and list it in "
+               "model.leaf_modules")
+        raise ConfigError([("model", f"torch.fx cannot trace {what}: {first}. Mark it a leaf "
+                            f"(traced as one node, run as-is): {how}")]) from None
+    return fx.GraphModule(model, graph, type(model).__name__)
+
+
+def module_of(node: fx.Node) -> str | None:
+    """The qualified name of the module a node runs in: its target for ``call_module``, the
+    innermost module whose forward it was traced in otherwise (None at the root)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    names = [v[0] if isinstance(v, tuple) else k for k, v in stack.items()]
+    return str(names[-1]) if names else None
+
+
+def _list(known: dict[str, nn.Module]) -> str:
+    names = [n for n in known if n]
+    return ", ".join(names[:40]) + (" ..." if len(names) > 40 else "")

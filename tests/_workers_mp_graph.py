@@ -1,0 +1,162 @@
+"""Models of any topology and a worker that runs one ModelParallel step per case.
+
+- :class:`ResNet`: a stem, residual blocks ``h = h + block(h)`` written in the root's
+  forward, and a head: a cut between blocks sends the residual stream *and* the block's
+  output; a cut inside a block sends the skip across.
+- :class:`TwoTower`: two towers read the same input; a join reads both (towers on two
+  workers, the join on a third).
+- the zoo ``gpt`` (tied head: the head reads the token embedding's weight).
+
+``run_cases(ctx, cases)``: each case builds its seeded model, plans the partitions, runs
+one train step (``steps`` of them; the last is returned) and returns this rank's loss,
+gradients by parameter name, and the forward's output; ``drop`` = a transfer index whose
+payload a wrapped transport replaces by zeros (the non-vacuity check).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.comm.context import WorkerContext
+from paratrain.config.job import ModelSpec
+from paratrain.config.strategy import load_strategy
+from paratrain.executors.model_parallel.plan import build_plan
+from paratrain.executors.model_parallel.runtime import StageRuntime, held_attrs, segment_modules
+
+__all__ = ["ResNet", "TwoTower", "build", "batch", "loss_fn", "reference", "run_cases"]
+
+
+class ResNet(nn.Module):
+    def __init__(self, d: int = 12, depth: int = 3, classes: int = 5) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, d)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.Tanh(), nn.Linear(d, d)) for _ in range(depth))
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(torch.relu(h))
+
+
+class Tower(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, d), nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x))) + self.fc1(x)
+
+
+class TwoTower(nn.Module):
+    def __init__(self, d: int = 10, classes: int = 5) -> None:
+        super().__init__()
+        self.left, self.right = Tower(d), Tower(d)
+        self.join = nn.Linear(2 * d, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.left(x), self.right(x * 0.5)
+        return self.join(torch.cat([a, b * a.mean(dim=-1, keepdim=True)], dim=-1))
+
+
+def build(case: dict[str, Any]) -> nn.Module:
+    torch.manual_seed(case.get("seed", 0))
+    if case["model"] == "resnet":
+        return ResNet()
+    if case["model"] == "towers":
+        return TwoTower()
+    from paratrain.models import build_model
+
+    spec = ModelSpec(name="gpt", n_layer=2, n_head=2, n_embd=16, block_size=12)
+    return build_model(spec, input_shape=(12,), num_classes=11)
+
+
+def batch(case: dict[str, Any], rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + seed)
+    if case["model"] == "gpt":
+        ids = torch.randint(0, 11, (rows, 13), generator=g)
+        return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    return torch.randn(rows, 8, generator=g), torch.randint(0, 5, (rows,), generator=g)
+
+
+def loss_fn(out: torch.Tensor, b: Any) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), b[1].reshape(-1))
+
+
+def reference(case: dict[str, Any]) -> tuple[float, dict[str, torch.Tensor]]:
+    model = build(case)
+    x, y = batch(case, case["rows"])
+    loss = loss_fn(model(x), (x, y))
+    loss.backward()
+    return float(loss.detach()), {k: p.grad.detach().clone() for k, p in model.named_parameters()
+                                  if p.grad is not None}
+
+
+class _Dropping:
+    """A transport that sends zeros instead of transfer ``index``'s activations."""
+
+    def __init__(self, inner: Any, index: int) -> None:
+        self.inner, self.index = inner, index
+
+    def send(self, tensor: torch.Tensor, **kw: Any) -> None:
+        if kw["key"][0] == "act" and kw["key"][2] == self.index:
+            tensor = torch.zeros_like(tensor)
+        self.inner.send(tensor, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def run_cases(ctx: WorkerContext, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from paratrain.comm.p2p import P2PTransport
+
+    out = []
+    for index, case in enumerate(cases):
+        strategy = load_strategy({"type": "ModelParallel", "partitions": case["partitions"],
+                                  "communication": case["communication"]})
+        proto = strategy.communication
+        pipeline = proto.protocol == "Pipeline"
+        model = build(case)
+        plan = build_plan(model, strategy.partitions, ctx.workers, contiguous=pipeline)
+        if proto.protocol == "DataStore":
+            from paratrain.comm.datastore import DataStoreTransport, open_session
+
+            store = open_session(f"{case['datastore_dir']}/case{index}", rank=ctx.rank,
+                                 control=ctx.store, generation=index, timeout_s=60)
+            transport: Any = DataStoreTransport(store, ctx.rank)
+        else:
+            transport = P2PTransport(ctx.group)
+        if case.get("drop") is not None:
+            transport = _Dropping(transport, case["drop"])
+        attrs = held_attrs(model, plan, ctx.rank)
+        rt = StageRuntime(plan, ctx.rank, segment_modules(model, plan, ctx.rank), transport, attrs=attrs)
+        x, y = batch(case, case["rows"])
+        kw = {"micro_batch_size": proto.micro_batch_size if pipeline else None,
+              "schedule_name": proto.schedule if pipeline else None, "loss_fn": loss_fn}
+        for k in range(case.get("steps", 1) - 1):
+            rt.run_batch(batch(case, case["rows"], seed=7 + k), step=2 * index + k, **kw)
+            model.zero_grad(set_to_none=True)
+        loss = rt.run_batch((x, y), step=2 * index + 1, **kw)
+        logits = rt.forward(x, step=index)
+        grads = {}
+        for part in plan.segments_of(ctx.rank):
+            for k, p in part.module.named_parameters():
+                if p.grad is not None:
+                    grads[part.original_name(k)] = p.grad.detach().numpy().copy()
+        for name, t in attrs.items():
+            del name
+            for k, p in model.named_parameters():
+                if p is t and p.grad is not None:
+                    grads[k] = p.grad.detach().numpy().copy()
+        if proto.protocol == "DataStore":
+            transport.close()
+        out.append({"loss": loss, "grads": grads,
+                    "logits": None if logits is None else logits.numpy().copy(),
+                    "parts": [p.index for p in plan.segments_of(ctx.rank)],
+                    "transfers": len(plan.cut.transfers)})
+    return out
