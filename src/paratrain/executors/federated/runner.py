@@ -347,12 +347,12 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             bar.update(bar_task, completed=r + 1,
                        info=f"{fit} {ev.get(fit, float('nan')):.3f} ok {rec['clients_ok']}/{rec['clients_selected']}")
 
-    stats = {"rank": rank, "clients_hosted": len(host.hosted), "client_updates": host.trained,
-             "peak_rss_mb": round(_peak_rss_mb(), 1),
-             "wire_bytes_sent_measured": traffic.bytes.get("send", 0)
-             + traffic.bytes.get("broadcast_delivered", 0),
-             "wire_bytes_received_measured": traffic.bytes.get("recv", 0)
-             + traffic.bytes.get("broadcast_received", 0)}
+    stats: dict[str, Any] = {
+        "rank": rank, "clients_hosted": len(host.hosted), "client_updates": host.trained,
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "wire_bytes_sent_measured": traffic.bytes.get("send", 0) + traffic.bytes.get("broadcast_delivered", 0),
+        "wire_bytes_received_measured": traffic.bytes.get("recv", 0)
+        + traffic.bytes.get("broadcast_received", 0)}
     if host.personal is not None:
         stats["personal_sha256"] = host.personal.digest()
     final_eval = None
