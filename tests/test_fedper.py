@@ -162,6 +162,33 @@ def test_resume_restores_the_personal_parts(tmp_path: Path) -> None:
         assert (resumed["personal_test_accuracy"] == ref["personal_test_accuracy"]) is not drop
 
 
+def test_fedprox_and_compressed_updates_leave_the_personal_part_alone(tmp_path: Path) -> None:
+    """FedProx's proximal term covers the global parameters only (the head has no global
+    anchor) and a compressed (TopK + error feedback) update carries the body only."""
+    from paratrain.executors.federated import run_in_process
+
+    d = doc(tmp_path, "prox", subgraphs={"head": {"type": "Local"}}, rounds=2, num_workers=1)
+    d["strategy"]["aggregation"] = {"method": "FedProx", "mu": 0.5}
+    d["compression"] = {"method": "ErrorFeedback", "error_compensation": True,
+                        "base_strategy": {"method": "TopK", "k": 50}}
+    s = run_in_process(load_job(d))
+    rec = [r for r in read_metrics(s["run_dir"]) if "round" in r]
+    assert [(r["clients_ok"], r["clients_failed"]) for r in rec] == [(FEDPER_K, 0)] * 2
+    state = torch.load(sorted((Path(s["run_dir"]) / "checkpoints" / "worker-0").glob("ckpt-*.pt"))[-1],
+                       weights_only=True)
+    residuals = next(iter(state["codec"].values()))
+    assert "head.weight" not in str(sorted(_keys(residuals))) and "fc0.weight" in str(sorted(_keys(residuals)))
+
+
+def _keys(obj: Any) -> list[str]:
+    """Every dict key anywhere inside ``obj``."""
+    if isinstance(obj, dict):
+        return [str(k) for k in obj] + [k for v in obj.values() for k in _keys(v)]
+    if isinstance(obj, list | tuple):
+        return [k for v in obj for k in _keys(v)]
+    return []
+
+
 # ------------------------------------------------------------------ client splits
 
 
