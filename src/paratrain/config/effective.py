@@ -231,6 +231,10 @@ def effective_settings(
             ignored.append(Ignored("compression", why))
     settings["compression"] = comp.model_dump(mode="json") if comp is not None and comp_used else None
 
+    if job.model.leaf_modules and kind not in ("ModelParallel", "Custom"):
+        ignored.append(Ignored("model.leaf_modules", f"only ModelParallel traces the model into "
+                               f"a graph (and `paratrain graph`); {kind} runs it as-is"))
+
     # -------------------------------------------------------------- [tensor_parallel]
     tp_settings: dict[str, Any] | None = None
     if tp is not None and not custom:

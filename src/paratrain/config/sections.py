@@ -118,6 +118,10 @@ class ModelSpec(_OpenSection):
     factory: str | None = None
     """A user model instead of a zoo name: ``"module:function"`` returning an nn.Module (the
     section's other keys are its kwargs)."""
+    leaf_modules: list[str] = []
+    """Module paths (``named_modules()`` names) torch.fx traces as one node instead of
+    tracing into their forward: for a module whose forward fx cannot trace (control flow on
+    a tensor's value). ModelParallel places a leaf whole."""
 
     @model_validator(mode="before")
     @classmethod
