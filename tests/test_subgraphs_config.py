@@ -218,6 +218,14 @@ def test_fit_takes_the_mapping(tmp_path: Any) -> None:
         paratrain.fit(model=mlp((64,), 10), data="digits", run={"name": "g", "output_dir": str(tmp_path)},
                       subgraphs={"haed": Local()})
     assert e.value.problems[0][0] == "subgraphs.haed"
+    from paratrain.config.sections import DataSpec
+    from paratrain.data import load_data
+
+    bundle = load_data(DataSpec(), seed=0)
+    with pytest.raises(ConfigError) as e:  # a data instance: the model is built by the run
+        paratrain.fit(model="mlp", data=bundle, run={"name": "i", "output_dir": str(tmp_path)},
+                      subgraphs={"haed": Local()})
+    assert e.value.problems[0][0] == "subgraphs.haed"
     out = paratrain.fit(model="mlp", data="digits", train={"epochs": 1, "max_steps": 2},
                         run={"name": "h", "output_dir": str(tmp_path)}, subgraphs={"head": Local()})
     assert out["test_accuracy"] >= 0.0

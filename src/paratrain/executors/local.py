@@ -66,6 +66,10 @@ def run(
         net = build_model(job.model, input_shape=data.input_shape, num_classes=data.num_classes)
     else:
         net = the_task.build_model(job.model, train)
+    if job.subgraphs:  # [subgraphs] keys against the model trained here (instances included)
+        from ..subgraphs import check_job
+
+        check_job(job, net)
     net.to(device)
     opt = build_optimizer(net.parameters(), job.train.optimizer)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
