@@ -1,4 +1,4 @@
-"""The ``paratrain`` command: run, validate, schema.
+"""The ``paratrain`` command: run, validate, graph, schema.
 
 Bad input never produces a traceback: every ConfigError (and any error a job's own
 code raises while loading) prints one ``field.path: message`` line per problem and the
@@ -61,7 +61,31 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             _print_problems(warnings)
             if not args.quiet:
                 print(f"{path}: ok")
+            if getattr(args, "explain", False):
+                from .graph.explain import explain, render
+
+                try:
+                    report = explain(job)
+                except ConfigError as e:
+                    _print_problems(_problems(e, path))
+                    worst = EXIT_USAGE
+                else:
+                    print(render({**report, "job": path}))
     return worst
+
+
+def _cmd_graph(args: argparse.Namespace) -> int:
+    """The job's model as a graph (paratrain.graph.explain): nodes in execution order with
+    parameters, effective strategy and worker; subgraphs; values crossing workers."""
+    from .graph.explain import explain_file, render
+
+    try:
+        report = explain_file(args.job)
+    except ConfigError as e:
+        _print_problems(_problems(e, args.job))
+        return EXIT_USAGE
+    print(json.dumps(report, indent=2) if args.json else render(report))
+    return EXIT_OK
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
@@ -171,7 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check job files; exit 2 listing every problem")
     v.add_argument("jobs", nargs="+")
     v.add_argument("-q", "--quiet", action="store_true")
+    v.add_argument("--explain", action="store_true",
+                   help="also print each job's model as a graph (as `paratrain graph`)")
     v.set_defaults(fn=_cmd_validate)
+
+    g = sub.add_parser("graph", help="print the job's model as a graph: nodes in execution order, "
+                                     "parameters, strategies, workers, values crossing workers")
+    g.add_argument("job")
+    g.add_argument("--json", action="store_true", help="the report as JSON")
+    g.set_defaults(fn=_cmd_graph)
 
     s = sub.add_parser("schema", help="print the JSON Schema of the job file")
     s.add_argument("what", nargs="?", choices=["job", "strategy", "compression"], default="job")

@@ -1,0 +1,448 @@
+"""What a job's model looks like as a graph: ``paratrain graph JOB`` (and ``validate --explain``).
+
+:func:`explain` builds the job's model as its executor does (the task's model, seeded),
+traces it (:func:`paratrain.graph.trace.trace` with ``model.leaf_modules``) and returns a
+JSON-able report; :func:`render` turns it into text. The report lists:
+
+- ``nodes``: the modules the forward runs, in execution order: every ``call_module`` of the
+  trace, plus each module traced *into* that holds parameters or buffers of its own (a
+  head computing ``F.linear(x, self.weight)``); each with its parameter count, its
+  effective strategy (``[strategy]``, or the nearest ``[subgraphs]`` key above it:
+  :func:`paratrain.subgraphs.effective_strategy`) and, under ModelParallel, its worker and
+  part (:func:`paratrain.executors.model_parallel.runner.plan_for`);
+- ``subgraphs``: the modules that have children, with their own strategy when the job sets
+  one;
+- under ModelParallel, ``transfers``: every value that crosses workers (its gradient goes
+  back), named by the node of the *traced* graph that computes it (``add_1``, the residual
+  stream; ``blocks_1_act``) rather than by ``split_module``'s ``getitem_k``, with its shape
+  and bytes for one batch of ``train.batch_size`` training rows
+  (:class:`torch.fx.passes.shape_prop.ShapeProp`); and the parameters each worker holds.
+
+Pure: no process is started, nothing is written. Every user error is a ConfigError.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from ..config import ConfigError
+from .trace import module_of, trace
+
+__all__ = ["explain", "explain_file", "render"]
+
+_ORIG = "paratrain_explain_node"  # fx node meta key: the node's name in the traced graph
+
+
+def _type(strategy: Any) -> str:
+    return str(getattr(strategy, "type", strategy))
+
+
+def _build(job: Any) -> tuple[nn.Module, Any]:
+    """The job's model and training set, as the executors build them (seeded)."""
+    from ..task import resolve_task
+    from ..training import seed_everything
+
+    seed_everything(job.run.seed)
+    task = resolve_task(job)
+    try:
+        train, _ = task.datasets(job.run.seed)
+        model = task.build_model(job.model, train)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the job's own code: one line, no traceback
+        first = (f"{type(e).__name__}: {e}".splitlines() or [""])[0]
+        raise ConfigError([("model", f"building the model failed: {first}")]) from None
+    return model, train
+
+
+def _params(module: nn.Module, recurse: bool = True) -> list[torch.Tensor]:
+    return list(module.parameters(recurse=recurse))
+
+
+def _count(tensors: list[torch.Tensor]) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel()
+    return total
+
+
+def _metas(meta: Any) -> list[Any]:
+    """The TensorMetadata leaves of a ShapeProp result (a tensor, or tuples/dicts of them)."""
+    if meta is None:
+        return []
+    if hasattr(meta, "shape") and hasattr(meta, "dtype"):
+        return [meta]
+    if isinstance(meta, Mapping):
+        return [m for v in meta.values() for m in _metas(v)]
+    if isinstance(meta, list | tuple):
+        return [m for v in meta for m in _metas(v)]
+    return []
+
+
+def _shape_info(metas: list[Any]) -> tuple[Any, str | None, int | None]:
+    if not metas:
+        return None, None, None
+    shapes = [list(m.shape) for m in metas]
+    dtypes = sorted({str(m.dtype).removeprefix("torch.") for m in metas})
+    nbytes = sum(math.prod(m.shape) * m.dtype.itemsize for m in metas)
+    return (shapes[0] if len(shapes) == 1 else shapes), ",".join(dtypes), int(nbytes)
+
+
+def _propagate(gm: fx.GraphModule, job: Any, train: Any) -> str | None:
+    """ShapeProp over one training batch (``meta['tensor_meta']`` on every node); the reason
+    when it could not run (shapes are then left out)."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    from ..task import fetch_batch
+
+    try:
+        rows = max(1, min(int(job.train.batch_size), len(train)))
+        batch = fetch_batch(train, torch.arange(rows))
+        with torch.no_grad():
+            ShapeProp(gm).propagate(batch[0])
+    except Exception as e:  # noqa: BLE001 - shapes are extra information only
+        return (f"{type(e).__name__}: {e}".splitlines() or [""])[0]
+    return None
+
+
+def _output_nodes(module: fx.GraphModule, count: int) -> list[fx.Node | None]:
+    """The nodes a part's submodule returns, in the order of its top-level outputs."""
+    out = next(n for n in module.graph.nodes if n.op == "output")
+    arg = out.args[0]
+    items = list(arg) if isinstance(arg, list | tuple) and (count > 1 or len(arg) == 1) else [arg]
+    return [a if isinstance(a, fx.Node) else None for a in items]
+
+
+def _claims(job: Any, workers: list[Any]) -> dict[str, int]:
+    from ..comm.workers import resolve_rank
+
+    claims: dict[str, int] = {}
+    for i, part in enumerate(job.strategy.partitions):
+        rank = resolve_rank(part.target, workers, field=f"strategy.partitions[{i}].target")
+        for node in part.node_ids:
+            claims.setdefault(node, rank)
+    return claims
+
+
+def _origin(job: Any, gm: fx.GraphModule, plan: Any,
+            workers: list[Any]) -> tuple[dict[str, str], dict[str, int]]:
+    """``plan.cut``'s top-level value names -> the traced graph's node computing each, and
+    each traced node -> the index of the part it runs in.
+
+    The cut is made again over ``gm`` with every node tagged by its name (fx copies node
+    meta into the parts); used only when it has the plan's parts exactly."""
+    from .partition import cut
+
+    for n in gm.graph.nodes:
+        n.meta[_ORIG] = n.name
+    try:
+        mine = cut(gm, _claims(job, workers), default=0)
+    except Exception:  # noqa: BLE001 - the plan's own names are then shown
+        return {}, {}
+    same = [(p.index, p.rank, p.inputs, p.outputs) for p in mine.parts] == [
+        (p.index, p.rank, p.inputs, p.outputs) for p in plan.cut.parts]
+    if not same:
+        return {}, {}
+    names: dict[str, str] = {}
+    part_of: dict[str, int] = {}
+    for p in mine.parts:
+        for n in p.module.graph.nodes:
+            if n.op not in ("placeholder", "output") and n.meta.get(_ORIG):
+                part_of.setdefault(str(n.meta[_ORIG]), p.index)
+        for value, node in zip(p.outputs, _output_nodes(p.module, len(p.outputs)), strict=False):
+            if node is not None and node.meta.get(_ORIG):
+                names[value] = str(node.meta[_ORIG])
+    by_target = {str(n.target): n.name for n in gm.graph.nodes if n.op == "get_attr"}
+    for a in mine.attrs:
+        if a.target in by_target:
+            names[a.name] = by_target[a.target]
+    return names, part_of
+
+
+def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) -> dict[str, Any]:
+    """The report of ``job``'s graph (see the module docstring). ``model``: the job's model
+    already built (else built here); the job's ``run.imports`` must already be imported."""
+    from ..subgraphs import check_pairings, check_paths, effective_strategy
+
+    check_pairings(job)
+    train = None
+    if model is None or shapes:
+        built, train = _build(job)
+        model = built if model is None else model
+    check_paths(model, job)
+    leaves = tuple(getattr(job.model, "leaf_modules", ()) or ())
+    gm = trace(model, leaves)
+    root = job.strategy
+    subs: Mapping[str, Any] = job.subgraphs
+    kind = _type(root)
+    modules = dict(model.named_modules())
+
+    shape_note = _propagate(gm, job, train) if shapes and train is not None else None
+    node_of = {n.name: n for n in gm.graph.nodes}
+
+    plan = None
+    workers: list[Any] = []
+    if kind == "ModelParallel":
+        from ..comm.context import default_workers
+        from ..executors.model_parallel.runner import num_workers, plan_for
+
+        workers = default_workers(num_workers(job), list(job.workers))
+        plan = plan_for(job, model, workers)
+    worker_id = {int(w.rank): str(w.id) for w in workers}
+
+    def strategy_of(path: str) -> dict[str, Any]:
+        eff = effective_strategy(path, subs, root)
+        key = path if path in subs else None
+        probe = path
+        while key is None and "." in probe:
+            probe = probe.rpartition(".")[0]
+            key = probe if probe in subs else None
+        return {"strategy": _type(eff), "strategy_from": f"subgraphs.{key}" if key else "strategy"}
+
+    # nodes: call_module targets, and modules traced into that hold tensors of their own
+    order: list[tuple[str, str, fx.Node]] = []
+    seen: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            path = str(n.target)
+            if path not in seen:
+                seen.add(path)
+                order.append((path, "leaf", n))
+        elif n.op not in ("placeholder", "output"):
+            path = module_of(n) or ""
+            if path and path not in seen and path in modules:
+                own = list(modules[path].parameters(recurse=False)) + list(modules[path].buffers(recurse=False))
+                if own:
+                    seen.add(path)
+                    order.append((path, "traced", n))
+    calls: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            calls[str(n.target)] = calls.get(str(n.target), 0) + 1
+
+    origin: dict[str, str] = {}
+    node_part: dict[str, int] = {}  # traced node name -> part index
+    part_of: dict[str, int] = {}  # called module -> part index
+    if plan is not None:
+        origin, node_part = _origin(job, gm, plan, workers)
+        for p in plan.cut.parts:
+            for m in p.nodes:
+                part_of.setdefault(m, p.index)
+    held: dict[int, int] = {}  # parameter id -> rank
+    rows: list[dict[str, Any]] = []
+    for i, (path, how, n) in enumerate(order):
+        mod = modules[path]
+        tensors = _params(mod, recurse=(how == "leaf"))
+        row: dict[str, Any] = {"index": i, "node": path, "module": type(mod).__name__, "kind": how,
+                               "parameters": _count(tensors), **strategy_of(path)}
+        if calls.get(path, 1) > 1:
+            row["calls"] = calls[path]
+        if plan is not None:
+            rank = plan.owner.get(path) if how == "leaf" else next(
+                (plan.cut.owner[m.name] for m in gm.graph.nodes if m.op != "get_attr"
+                 and m.name in plan.cut.owner and module_of(m) == path), plan.cut.owner.get(n.name))
+            if rank is not None:
+                row["rank"], row["worker"] = int(rank), worker_id.get(int(rank), f"rank {rank}")
+                for t in tensors:
+                    held.setdefault(id(t), int(rank))
+            part = part_of.get(path) if how == "leaf" else next(
+                (node_part[m.name] for m in gm.graph.nodes
+                 if m.name in node_part and module_of(m) == path), None)
+            if part is not None:
+                row["part"] = part
+        if shapes:
+            shape, dtype, _ = _shape_info(_metas(n.meta.get("tensor_meta")))
+            if shape is not None:
+                row["output_shape"], row["dtype"] = shape, dtype
+        rows.append(row)
+
+    groups: list[dict[str, Any]] = []
+    for path, mod in modules.items():
+        if not path or not any(True for _ in mod.children()):
+            continue
+        g: dict[str, Any] = {"subgraph": path, "module": type(mod).__name__,
+                             "parameters": _count(_params(mod)), **strategy_of(path)}
+        if path in subs:
+            g["own_strategy"] = _type(subs[path])
+        if plan is not None:
+            inside = sorted({r["rank"] for r in rows if "rank" in r
+                             and (r["node"] == path or r["node"].startswith(path + "."))})
+            g["workers"] = [worker_id.get(r, f"rank {r}") for r in inside]
+        groups.append(g)
+
+    all_params = list(model.parameters())
+    report: dict[str, Any] = {
+        "model": type(model).__name__,
+        "parameters": _count(all_params),
+        "strategy": kind,
+        "leaf_modules": list(leaves),
+        "subgraph_strategies": {k: _type(v) for k, v in sorted(subs.items())},
+        "nodes": rows,
+        "subgraphs": groups,
+    }
+    if kind == "ModelParallel" and plan is not None:
+        report["protocol"] = str(root.communication.protocol)
+        cut = plan.cut
+        attr_target = {a.name: a.target for a in cut.attrs}
+        for a in cut.attrs:
+            try:
+                t = functools.reduce(getattr, a.target.split("."), model)
+            except AttributeError:
+                continue
+            if isinstance(t, torch.Tensor):
+                held[id(t)] = int(a.rank)
+        transfers: list[dict[str, Any]] = []
+        for t in cut.transfers:
+            src_node = origin.get(t.value)
+            entry: dict[str, Any] = {"value": t.value, "node": src_node or t.value,
+                                     "from": worker_id.get(t.src, f"rank {t.src}"), "from_rank": t.src,
+                                     "to": worker_id.get(t.dst, f"rank {t.dst}"), "to_rank": t.dst}
+            kind_of, k = cut.producer.get(t.value, ("part", -1))
+            entry["produced_by"] = f"part {k}" if kind_of == "part" else kind_of
+            if kind_of == "attr":
+                entry["attr"] = attr_target.get(t.value)
+            fxn = node_of.get(src_node) if src_node else None
+            if fxn is not None:
+                entry["op"] = fxn.op
+                entry["in_module"] = module_of(fxn) or ""
+                shape, dtype, nbytes = _shape_info(_metas(fxn.meta.get("tensor_meta")))
+                if kind_of == "attr" and shape is None and entry.get("attr"):
+                    tensor = functools.reduce(getattr, str(entry["attr"]).split("."), model)
+                    if isinstance(tensor, torch.Tensor):
+                        shape, dtype = list(tensor.shape), str(tensor.dtype).removeprefix("torch.")
+                        nbytes = tensor.numel() * tensor.element_size()
+                if shape is not None:
+                    entry.update(shape=shape, dtype=dtype, bytes=nbytes)
+            transfers.append(entry)
+        report["transfers"] = transfers
+        report["batch_rows"] = int(min(job.train.batch_size, len(train))) if train is not None else None
+        per_rank: dict[int, list[torch.Tensor]] = {}
+        by_id = {id(p): p for p in all_params}
+        for pid, rank in held.items():
+            if pid in by_id:
+                per_rank.setdefault(rank, []).append(by_id[pid])
+        report["workers"] = [
+            {"worker": str(w.id), "rank": int(w.rank), "parameters": _count(per_rank.get(int(w.rank), [])),
+             "parts": [p.index for p in cut.parts_of(int(w.rank))]}
+            for w in workers]
+        report["loss_worker"] = worker_id.get(cut.loss_rank, f"rank {cut.loss_rank}")
+        unplaced = [p for p in all_params if id(p) not in held]
+        if unplaced:
+            report["parameters_not_run"] = _count(unplaced)
+    if shape_note is not None:
+        report["shapes_unavailable"] = shape_note
+    return report
+
+
+def explain_file(path: str | Path, *, shapes: bool = True) -> dict[str, Any]:
+    """Load the job file (and its ``run.imports``, relative to its folder); its report."""
+    from ..config.job import load_job
+    from ..executors.custom import import_plugins
+
+    job = load_job(path)
+    try:
+        import_plugins(list(job.run.imports), base=Path(path).resolve().parent)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the job's own code: one line, no traceback
+        raise ConfigError([("run.imports", f"importing failed: {type(e).__name__}: {e}")]) from None
+    report = explain(job, shapes=shapes)
+    report["job"] = str(path)
+    return report
+
+
+def _n(x: int) -> str:
+    return f"{x:,}"
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+
+    def line(cells: list[str]) -> str:
+        return "  " + "  ".join(c.rjust(w) if i in right else c.ljust(w)
+                                for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+    return [line(header), *(line(r) for r in rows)]
+
+
+def _shape_text(shape: Any) -> str:
+    if shape is None:
+        return ""
+    if shape and isinstance(shape[0], list):
+        return ", ".join(_shape_text(s) for s in shape)
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def render(report: Mapping[str, Any]) -> str:
+    """The report as text (what ``paratrain graph JOB`` prints)."""
+    mp = report["strategy"] == "ModelParallel"
+    head = f"{report['model']}: {_n(report['parameters'])} parameters, strategy {report['strategy']}"
+    if mp:
+        head += f" ({report.get('protocol')}, {len(report.get('workers', []))} workers)"
+    if report.get("job"):
+        head = f"{report['job']}: {head}"
+    out = [head, "", "nodes, in execution order:"]
+    header = ["#", "node", "module", "params", "strategy"] + (["worker", "part"] if mp else [])
+    rows = []
+    for r in report["nodes"]:
+        strat = r["strategy"] + (f" ({r['strategy_from']})" if r["strategy_from"] != "strategy" else "")
+        cells = [str(r["index"]), r["node"] + (f" (x{r['calls']})" if "calls" in r else ""),
+                 r["module"], _n(r["parameters"]), strat]
+        if mp:
+            cells += [f"{r['worker']} (rank {r['rank']})" if "worker" in r else "", str(r.get("part", ""))]
+        rows.append(cells)
+    out += _table(header, rows, {0, 3})
+    if report["subgraphs"]:
+        out += ["", "subgraphs (modules with children):"]
+        header = ["subgraph", "module", "params", "strategy"] + (["workers"] if mp else [])
+        rows = []
+        for g in report["subgraphs"]:
+            strat = (f"{g['own_strategy']} (own)" if "own_strategy" in g else
+                     g["strategy"] + (f" (from {g['strategy_from']})" if g["strategy_from"] != "strategy"
+                                      else " (inherited)"))
+            cells = [g["subgraph"], g["module"], _n(g["parameters"]), strat]
+            if mp:
+                cells.append(", ".join(g.get("workers", [])))
+            rows.append(cells)
+        out += _table(header, rows, {2})
+    if mp:
+        batch = report.get("batch_rows")
+        when = f" (shapes for one batch of {batch} rows)" if batch and "shapes_unavailable" not in report else ""
+        out += ["", f"values crossing workers (sent forward, their gradients back){when}:"]
+        if report["transfers"]:
+            header = ["from", "to", "value (the node computing it)", "shape", "bytes"]
+            rows = []
+            for t in report["transfers"]:
+                if t.get("attr"):
+                    by = f"parameter {t['attr']}"
+                elif t.get("op") == "call_module":
+                    by = str(t["in_module"])
+                else:
+                    by = f"{t['node']} (in {t.get('in_module') or report['model']}.forward)"
+                rows.append([t["from"], t["to"], by,
+                             _shape_text(t.get("shape")) + (f" {t['dtype']}" if t.get("dtype") else ""),
+                             _n(t["bytes"]) if t.get("bytes") is not None else ""])
+            out += _table(header, rows, {4})
+        else:
+            out.append("  none (every node runs on one worker)")
+        out += ["", "parameters per worker:"]
+        out += _table(["worker", "rank", "params", "parts"],
+                      [[w["worker"], str(w["rank"]), _n(w["parameters"]),
+                        ", ".join(map(str, w["parts"])) or "none"] for w in report["workers"]], {1, 2})
+        out.append(f"  the loss is computed on {report['loss_worker']}")
+        if report.get("parameters_not_run"):
+            out.append(f"  {_n(report['parameters_not_run'])} parameters sit in modules the forward never runs")
+    if report.get("shapes_unavailable"):
+        out.append(f"(shapes left out: ShapeProp failed on one training batch: {report['shapes_unavailable']})")
+    return "\n".join(out)
