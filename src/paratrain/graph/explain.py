@@ -419,7 +419,7 @@ def render(report: Mapping[str, Any]) -> str:
     if mp:
         batch = report.get("batch_rows")
         when = f" (shapes for one batch of {batch} rows)" if batch and "shapes_unavailable" not in report else ""
-        out += ["", f"values crossing workers (sent forward, their gradients back){when}:"]
+        out += ["", f"values crossing workers, sent forward with their gradients back{when}:"]
         if report["transfers"]:
             header = ["from", "to", "value (the node computing it)", "shape", "bytes"]
             rows = []
