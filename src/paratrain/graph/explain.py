@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,16 @@ def _params(module: nn.Module, recurse: bool = True) -> list[torch.Tensor]:
     return list(module.parameters(recurse=recurse))
 
 
-def _count(tensors: list[torch.Tensor]) -> int:
+def _tensor_at(model: nn.Module, target: str) -> torch.Tensor | None:
+    """The parameter or buffer at dotted ``target`` of ``model`` (None if there is none)."""
+    try:
+        obj: Any = functools.reduce(getattr, target.split("."), model)
+    except AttributeError:
+        return None
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+def _count(tensors: Sequence[torch.Tensor]) -> int:
     seen: set[int] = set()
     total = 0
     for t in tensors:
@@ -296,30 +305,27 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
         cut = plan.cut
         attr_target = {a.name: a.target for a in cut.attrs}
         for a in cut.attrs:
-            try:
-                t = functools.reduce(getattr, a.target.split("."), model)
-            except AttributeError:
-                continue
-            if isinstance(t, torch.Tensor):
-                held[id(t)] = int(a.rank)
+            held_tensor = _tensor_at(model, a.target)
+            if held_tensor is not None:
+                held[id(held_tensor)] = int(a.rank)
         transfers: list[dict[str, Any]] = []
-        for t in cut.transfers:
-            src_node = origin.get(t.value)
-            entry: dict[str, Any] = {"value": t.value, "node": src_node or t.value,
-                                     "from": worker_id.get(t.src, f"rank {t.src}"), "from_rank": t.src,
-                                     "to": worker_id.get(t.dst, f"rank {t.dst}"), "to_rank": t.dst}
-            kind_of, k = cut.producer.get(t.value, ("part", -1))
+        for tr in cut.transfers:
+            src_node = origin.get(tr.value)
+            entry: dict[str, Any] = {"value": tr.value, "node": src_node or tr.value,
+                                     "from": worker_id.get(tr.src, f"rank {tr.src}"), "from_rank": tr.src,
+                                     "to": worker_id.get(tr.dst, f"rank {tr.dst}"), "to_rank": tr.dst}
+            kind_of, k = cut.producer.get(tr.value, ("part", -1))
             entry["produced_by"] = f"part {k}" if kind_of == "part" else kind_of
             if kind_of == "attr":
-                entry["attr"] = attr_target.get(t.value)
+                entry["attr"] = attr_target.get(tr.value)
             fxn = node_of.get(src_node) if src_node else None
             if fxn is not None:
                 entry["op"] = fxn.op
                 entry["in_module"] = module_of(fxn) or ""
                 shape, dtype, nbytes = _shape_info(_metas(fxn.meta.get("tensor_meta")))
                 if kind_of == "attr" and shape is None and entry.get("attr"):
-                    tensor = functools.reduce(getattr, str(entry["attr"]).split("."), model)
-                    if isinstance(tensor, torch.Tensor):
+                    tensor = _tensor_at(model, str(entry["attr"]))
+                    if tensor is not None:
                         shape, dtype = list(tensor.shape), str(tensor.dtype).removeprefix("torch.")
                         nbytes = tensor.numel() * tensor.element_size()
                 if shape is not None:
