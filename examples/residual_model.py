@@ -49,3 +49,24 @@ class ResidualMLP(nn.Module):
 
 def build(input_shape: tuple[int, ...], num_classes: int, width: int = 64, depth: int = 4) -> nn.Module:
     return ResidualMLP(math.prod(input_shape), num_classes, width=width, depth=depth)
+
+
+class Staged(nn.Module):
+    """``front`` (a stem and ``front_blocks`` residual blocks) then ``back`` (``back_blocks``
+    blocks, the norm and the head): two modules, so each can be one pipeline stage and the
+    heavier one (``back``) a replicated stage (``[subgraphs.back]``)."""
+
+    def __init__(self, in_features: int, num_classes: int, width: int = 64,
+                 front_blocks: int = 1, back_blocks: int = 2) -> None:
+        super().__init__()
+        self.front = ResidualMLP(in_features, width, width=width, depth=front_blocks)
+        self.back = ResidualMLP(width, num_classes, width=width, depth=back_blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.back(self.front(x))
+
+
+def build_staged(input_shape: tuple[int, ...], num_classes: int, width: int = 64,
+                 front_blocks: int = 1, back_blocks: int = 2) -> nn.Module:
+    return Staged(math.prod(input_shape), num_classes, width=width, front_blocks=front_blocks,
+                  back_blocks=back_blocks)

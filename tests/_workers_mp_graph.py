@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from paratrain.comm.collectives import all_reduce_
 from paratrain.comm.context import WorkerContext
 from paratrain.config.job import ModelSpec
 from paratrain.config.strategy import load_strategy
@@ -97,6 +98,29 @@ def reference(case: dict[str, Any]) -> tuple[float, dict[str, torch.Tensor]]:
                                   if p.grad is not None}
 
 
+def _replicas(ctx: WorkerContext, case: dict[str, Any], strategy: Any, plan: Any) -> tuple[Any, Any]:
+    """The case's replicated stage (``case["replicas"] = {path: num_replicas}``) and this
+    rank's replica group (every rank creates every group)."""
+    from types import SimpleNamespace
+
+    from paratrain.comm.groups import new_group
+    from paratrain.config.strategy import load_strategy as strat
+    from paratrain.executors.model_parallel.replicas import Replicas, replicas_for
+
+    subs = {k: strat({"type": "DataParallel", "num_replicas": r, "aggregation": {"method": "AllReduce"}})
+            for k, r in (case.get("replicas") or {}).items()}
+    if not subs:
+        return Replicas(), None
+    job = SimpleNamespace(strategy=strategy, subgraphs=subs)
+    replicas = replicas_for(job, plan, ctx.world_size, ctx.workers)
+    mine = None
+    for r in sorted(replicas.groups):
+        g = new_group(list(replicas.groups[r]))
+        if ctx.rank in replicas.groups[r]:
+            mine = g
+    return replicas, mine
+
+
 class _Dropping:
     """A transport that sends zeros instead of transfer ``index``'s activations."""
 
@@ -133,8 +157,11 @@ def run_cases(ctx: WorkerContext, cases: list[dict[str, Any]]) -> list[dict[str,
             transport = P2PTransport(ctx.group)
         if case.get("drop") is not None:
             transport = _Dropping(transport, case["drop"])
-        attrs = held_attrs(model, plan, ctx.rank)
-        rt = StageRuntime(plan, ctx.rank, segment_modules(model, plan, ctx.rank), transport, attrs=attrs)
+        replicas, group = _replicas(ctx, case, strategy, plan)
+        rank, replica = replicas.logical(ctx.rank)
+        attrs = held_attrs(model, plan, rank)
+        rt = StageRuntime(plan, rank, segment_modules(model, plan, rank), transport, attrs=attrs,
+                          replicas=replicas, physical_rank=ctx.rank)
         x, y = batch(case, case["rows"])
         kw = {"micro_batch_size": proto.micro_batch_size if pipeline else None,
               "schedule_name": proto.schedule if pipeline else None, "loss_fn": loss_fn}
@@ -142,13 +169,21 @@ def run_cases(ctx: WorkerContext, cases: list[dict[str, Any]]) -> list[dict[str,
             rt.run_batch(batch(case, case["rows"], seed=7 + k), step=2 * index + k, **kw)
             model.zero_grad(set_to_none=True)
         loss = rt.run_batch((x, y), step=2 * index + 1, **kw)
+        if group is not None:  # what PipelineEngine.sync does: sum the replicas' gradients
+            for p in model.parameters():
+                if p.grad is not None:
+                    all_reduce_(p.grad, group=group)
+            if rt.loss_part in rt.parts:
+                part = torch.tensor([loss or 0.0], dtype=torch.float64)
+                all_reduce_(part, group=group)
+                loss = float(part[0]) if replica == 0 else None
         logits = rt.forward(x, step=index)
         grads = {}
-        for part in plan.segments_of(ctx.rank):
+        for part in plan.segments_of(rank) if replica == 0 else []:
             for k, p in part.module.named_parameters():
                 if p.grad is not None:
                     grads[part.original_name(k)] = p.grad.detach().numpy().copy()
-        for name, t in attrs.items():
+        for name, t in attrs.items() if replica == 0 else {}.items():
             del name
             for k, p in model.named_parameters():
                 if p is t and p.grad is not None:
@@ -157,6 +192,7 @@ def run_cases(ctx: WorkerContext, cases: list[dict[str, Any]]) -> list[dict[str,
             transport.close()
         out.append({"loss": loss, "grads": grads,
                     "logits": None if logits is None else logits.numpy().copy(),
-                    "parts": [p.index for p in plan.segments_of(ctx.rank)],
+                    "parts": [p.index for p in plan.segments_of(rank)] if replica == 0 else [],
+                    "replica": replica,
                     "transfers": len(plan.cut.transfers)})
     return out

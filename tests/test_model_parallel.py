@@ -261,7 +261,7 @@ def test_p2p_header_rejects_malformed() -> None:
     assert len({message_tag((k, i, s)) for k in ("act", "grad", "metric", "eval")
                 for i in range(5) for s in range(5)}) == 100
     with pytest.raises(ValueError, match="segment index"):
-        message_tag(("act", 0, 5000))
+        message_tag(("act", 0, 10_000))
 
 
 def test_example_job_places_three_stages() -> None:

@@ -162,3 +162,22 @@ def test_untraceable_module_names_the_module_and_how_to_mark_it_a_leaf() -> None
     assert p == "model" and "module '1' (Gate)" in m and "model.leaf_modules = ['1']" in m
     plan = build_plan(model, parts, default_workers(2), leaves=["1"])
     assert plan.nodes == ("0", "1", "2")
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_replicated_stage_equals_the_unpartitioned_model(schedule: str, tmp_path: Path) -> None:
+    """2 stages, the second ``DataParallel{num_replicas=2}`` (3 workers): its rows of each
+    micro-batch split over two replicas (an uneven last micro-batch of 1 row leaves one
+    replica idle), gradients summed among them."""
+    comm = {"protocol": "Pipeline", "micro_batch_size": 3, "schedule": schedule}
+    cases = [
+        {"model": "resnet", "rows": 7, "communication": comm, "label": f"resnet/{schedule}",
+         "partitions": [_p(["head"], 1)], "replicas": {"head": 2}, "datastore_dir": str(tmp_path)},
+        # the gpt head reads the token embedding's weight from stage 0: both replicas get it
+        {"model": "gpt", "rows": 7, "communication": comm, "label": f"gpt/{schedule}",
+         "partitions": [_p(["head"], 1)], "replicas": {"head": 2}, "datastore_dir": str(tmp_path)},
+    ]
+    results = run_distributed(run_cases, 3, cases, timeout_s=240)
+    for ci, case in enumerate(cases):
+        assert [r[ci]["replica"] for r in results] == [0, 0, 1]
+        assert _matches(case, *_merge(results, ci)), case["label"]

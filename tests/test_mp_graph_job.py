@@ -50,3 +50,32 @@ def test_killed_worker_restarts_bit_identical(runs: dict[str, Any], monkeypatch:
     out = execute(_job(runs["tmp"], "killed", restarts=1))
     assert out["restart_count"] == 1 and out["resumed_from_step"] == 3
     assert out["parameters_sha256"] == runs["mp"]["parameters_sha256"]
+
+
+REPLICATED = EXAMPLE.parent / "pipeline_replicated_stage.toml"
+
+
+def _replicated(tmp: Path, name: str, *, restarts: int = 0, local: bool = False) -> JobConfig:
+    doc = load_job(REPLICATED).to_json_dict()
+    doc["run"].update(name=name, output_dir=str(tmp), checkpoint_every=3, max_restarts=restarts,
+                      imports=[str(EXAMPLE.parent / "residual_model.py")])
+    doc["model"]["width"] = 32
+    doc["train"].update(epochs=1, max_steps=7, eval_every=7)
+    if local:
+        doc["strategy"] = {"type": "Local"}
+        doc.pop("workers", None)
+        doc["subgraphs"] = {}
+    return JobConfig.model_validate(doc)
+
+
+def test_replicated_stage_job_matches_local_and_resumes_bit_identical(
+        runs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp = runs["tmp"]
+    local = execute(_replicated(tmp, "rlocal", local=True))
+    clean = execute(_replicated(tmp, "rclean"))
+    assert clean["stages"][1]["replicas"] == ["worker-1", "worker-2"]
+    assert clean["test_loss"] == pytest.approx(local["test_loss"], rel=1e-4)
+    monkeypatch.setenv(FAULT_ENV, "2:4")  # the second replica dies after step 4
+    killed = execute(_replicated(tmp, "rkilled", restarts=1))
+    assert killed["restart_count"] == 1 and killed["resumed_from_step"] == 3
+    assert killed["parameters_sha256"] == clean["parameters_sha256"]

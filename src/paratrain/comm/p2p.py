@@ -46,7 +46,7 @@ DTYPES: tuple[torch.dtype, ...] = (
     torch.int64, torch.int32, torch.uint8, torch.bool,
 )
 _KINDS = {"act": 0, "grad": 1, "metric": 2, "eval": 3}
-_MAX_SEGMENTS = 1024  # values crossing between ranks (transfer ids)
+_MAX_SEGMENTS = 8192  # message slots: values crossing between ranks x replica pairs
 _MAX_MICRO = (2**31 - 1) // (2 * len(_KINDS) * _MAX_SEGMENTS)
 
 

@@ -81,9 +81,11 @@ class PipelineEngine(LocalEngine):
 
     def __init__(self, ctx: WorkerContext, rt: StageRuntime, model: StageModel, task: Any,
                  test: Any, *, precision: str, micro_batch_size: int | None,
-                 schedule_name: str | None) -> None:
+                 schedule_name: str | None, replica_group: Any = None) -> None:
         super().__init__(model, task, test, device=ctx.device, precision=precision)
         self.ctx, self.rt = ctx, rt
+        # the process group of this stage's replicas (None: the stage is not replicated)
+        self.replica_group = replica_group
         self.micro_batch_size, self.schedule_name = micro_batch_size, schedule_name
         self.last_rank = rt.plan.last_rank
         self._calls = 0  # forward_backward calls (unique message steps for DataStore)
@@ -108,10 +110,31 @@ class PipelineEngine(LocalEngine):
         self.totals[:3] += torch.tensor([st.step_s, st.compute_s, tr.wait_s - w0], dtype=torch.float64)
         self.totals[3] = max(float(self.totals[3]), st.peak_activation_bytes)
         self.totals[4] += tr.bytes_sent - b0
+        if self.replica_group is not None and self.rt.loss_part in self.rt.parts:
+            # each replica of the last stage holds its rows' share: the batch loss is the sum
+            part = torch.tensor([0.0 if loss is None else loss], dtype=torch.float64)
+            C.all_reduce_(part, group=self.replica_group)
+            loss = float(part[0])
         return 0.0 if loss is None else loss
 
+    def sync(self) -> None:
+        """A replicated stage sums its replicas' gradients (each holds its rows' share of
+        every micro-batch, weighted n_ij / B), so every replica steps with the whole
+        batch's gradient; one flat all-reduce per optimizer step."""
+        if self.replica_group is None:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            C.all_reduce_(flat, group=self.replica_group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
+
     def grad_sq_norm(self) -> float:
-        total = local_grad_sq_norm(self.model.parameters()).to(C.comm_device(self.ctx.group))
+        params = self.model.parameters() if self.rt.replica == 0 else iter(())  # replicas count once
+        total = local_grad_sq_norm(params).to(C.comm_device(self.ctx.group))
         if self.ctx.world_size > 1:
             C.all_reduce_(total, group=self.ctx.group)
         return float(total)

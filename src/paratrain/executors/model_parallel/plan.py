@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -53,6 +53,7 @@ class Plan:
     nodes: tuple[str, ...]
     owner: dict[str, int]
     cut: Cut
+    claims: dict[str, int] = field(default_factory=dict)  # claimed module path -> rank
 
     @property
     def segments(self) -> tuple[Part, ...]:
@@ -171,7 +172,7 @@ def build_plan(
     c = cut(gm, claims, default=DEFAULT_RANK)
     owner = {m: c.owner[n.name] for n in gm.graph.nodes if n.op == "call_module"
              for m in [str(n.target)]}
-    plan = Plan(tuple(called), owner, c)
+    plan = Plan(tuple(called), owner, c, dict(claims))
     if contiguous and not plan.is_contiguous():
         problems: list[tuple[str, str]] = []
         for rank in plan.ranks():

@@ -57,6 +57,7 @@ import torch
 from torch import nn
 
 from ...comm.context import WorkerContext, default_workers
+from ...comm.groups import new_group
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import WorkerIdTarget
@@ -77,6 +78,7 @@ from ...training.loop import DataPlan, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
 from .engine import PipelineEngine, RankDirStore, StageModel, pipeline_stats
 from .plan import Plan, build_plan
+from .replicas import extra_workers, replicas_for
 from .runtime import StageRuntime, held_attrs, segment_modules
 
 __all__ = ["run", "validate", "worker_main", "num_workers", "plan_for", "FAULT_ENV", "SUPPORTS_TASKS"]
@@ -93,12 +95,13 @@ def num_workers(job: JobConfig) -> int:
         return job.run.num_workers
     highest = 0
     strategy: Any = job.strategy
+    extra = extra_workers(job)
     for part in getattr(strategy, "partitions", []):
         if isinstance(part.target, WorkerIdTarget):
             m = re.fullmatch(r"worker-(\d+)", part.target.WorkerId)
             if m:
                 highest = max(highest, int(m.group(1)))
-    return highest + 1
+    return highest + 1 + extra
 
 
 def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any]) -> Plan:
@@ -147,7 +150,10 @@ def validate(job: JobConfig) -> Plan:
     ConfigError naming the culprit for every placement error DESIGN §4 lists."""
     n = num_workers(job)
     _, _, _, model = _task_model(job)
-    return plan_for(job, model, default_workers(n, list(job.workers)))
+    workers = default_workers(n, list(job.workers))
+    plan = plan_for(job, model, workers)
+    replicas_for(job, plan, n, workers)
+    return plan
 
 
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
@@ -210,15 +216,23 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     task, train, test, model = _task_model(job)
     num_parameters = sum(p.numel() for p in model.parameters())
     plan = plan_for(job, model, ctx.workers)
+    replicas = replicas_for(job, plan, ctx.world_size, ctx.workers)
+    stage_rank, _ = replicas.logical(ctx.rank)
+    replica_group = None
+    for ranks in (replicas.groups[r] for r in sorted(replicas.groups)):
+        group = new_group(list(ranks))  # every rank creates every group, in one order
+        if ctx.rank in ranks:
+            replica_group = group
     strategy: Any = job.strategy
     proto: Any = strategy.communication
     pipeline = proto.protocol == "Pipeline"
-    modules = segment_modules(model, plan, ctx.rank)
-    attrs = held_attrs(model, plan, ctx.rank)
+    modules = segment_modules(model, plan, stage_rank)
+    attrs = held_attrs(model, plan, stage_rank)
     del model  # nodes other ranks own are freed; this rank keeps its parts only
     stage = StageModel(modules, attrs).to(ctx.device)
     transport = _transport(ctx, job, run_dir)
-    rt = StageRuntime(plan, ctx.rank, modules, transport, device=ctx.device, attrs=attrs)
+    rt = StageRuntime(plan, stage_rank, modules, transport, device=ctx.device, attrs=attrs,
+                      replicas=replicas, physical_rank=ctx.rank)
     opt = build_optimizer(stage.parameters(), job.train.optimizer)
     t = job.train
     if pipeline and ctx.rank == 0 and proto.micro_batch_size >= t.batch_size:
@@ -234,7 +248,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                     epochs=t.epochs, max_steps=t.max_steps, device=ctx.device)
     engine = PipelineEngine(ctx, rt, stage, task, test, precision=t.precision,
                             micro_batch_size=proto.micro_batch_size if pipeline else None,
-                            schedule_name=proto.schedule if pipeline else None)
+                            schedule_name=proto.schedule if pipeline else None,
+                            replica_group=replica_group)
     trainer = Trainer(engine, opt, t, data.total_steps)
     store = RankDirStore(run_dir / "checkpoints", ctx)
     metrics = MetricsWriter(run_dir) if ctx.rank == 0 else None
@@ -280,7 +295,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "workers": ctx.world_size,
         "stages": [
             {"segment": s.index, "rank": s.rank, "worker": ctx.workers[s.rank].id,
-             "nodes": list(s.nodes)}
+             "nodes": list(s.nodes),
+             **({"replicas": [ctx.workers[r].id for r in replicas.of(s.rank)]}
+                if replicas.count(s.rank) > 1 else {})}
             for s in plan.segments
         ],
         **summary_fields(result, task, train=train, test=test, model=None, started=started),

@@ -45,12 +45,19 @@ from torch import nn
 
 from ...graph.partition import Part
 from .plan import Plan
+from .replicas import Replicas, pieces, row_bounds
 from .schedule import Action, micro_batch_sizes, schedule, sequential
 
 __all__ = ["Transport", "segment_modules", "held_attrs", "StepStats", "StageRuntime"]
 
 #: How many actions ahead a stage posts its receives (transports with ``post``).
 RECV_LOOKAHEAD = 2
+#: Message slot of transfer ``t`` between sender replica ``j`` and receiver replica ``k``.
+_SLOTS = 64
+
+
+def _slot(t: int, j: int = 0, k: int = 0) -> int:
+    return t * _SLOTS + j * 8 + k
 
 
 class Transport(Protocol):
@@ -156,10 +163,15 @@ class StageRuntime:
 
     def __init__(self, plan: Plan, rank: int, modules: dict[int, nn.Module],
                  transport: Transport, *, device: torch.device | None = None,
-                 attrs: dict[str, torch.Tensor] | None = None) -> None:
+                 attrs: dict[str, torch.Tensor] | None = None,
+                 replicas: Replicas | None = None, physical_rank: int | None = None) -> None:
         self.plan, self.cut = plan, plan.cut
         self.device = device or torch.device("cpu")
-        self.rank = rank
+        self.rank = rank  # the stage's rank in the plan (a replica's primary)
+        self.replicas = replicas or Replicas()
+        self.physical = rank if physical_rank is None else physical_rank
+        self.replica = self.replicas.of(rank).index(self.physical)
+        self.num_replicas = self.replicas.count(rank)
         self.modules = modules
         self.transport = transport
         self.attrs = dict(attrs or {})
@@ -225,17 +237,25 @@ class StageRuntime:
         bounds = [0]
         for n in sizes:
             bounds.append(bounds[-1] + n)
-        micro = [tuple(t[bounds[i]:bounds[i + 1]] for t in batch) for i in range(len(sizes))]
-        order = self.actions(len(sizes), schedule_name)
+        # this replica's rows of each micro-batch (all of them when the stage is not replicated)
+        own = [row_bounds(n, self.num_replicas)[self.replica] for n in sizes]
+        micro = [tuple(t[bounds[i] + own[i][0]:bounds[i] + own[i][1]] for t in batch)
+                 for i in range(len(sizes))]
+        self._sizes = sizes
+        order = [a for a in self.actions(len(sizes), schedule_name) if own[a[1]][1] > own[a[1]][0]]
         stats = StepStats()
         t_start = time.perf_counter()
         # Parameters other ranks read: send once per step; receive the ones I read.
+        # (a replicated holder's primary sends; every replica of a reader receives)
         for t in self.out_transfers:
-            if self._is_attr(t.value):
-                tr.send(self.attrs[t.value].detach(), dst=t.dst, key=("act", 0, t.index), step=step)
-        remote_attrs = {v: _leaf(tr.recv(src=t.src, key=("act", 0, t.index), step=step).to(self.device))
+            if self._is_attr(t.value) and self.replica == 0:
+                for k, dst in enumerate(self.replicas.of(t.dst)):
+                    tr.send(self.attrs[t.value].detach(), dst=dst, key=("act", 0, _slot(t.index, 0, k)), step=step)
+        remote_attrs = {v: _leaf(tr.recv(src=self.replicas.of(t.src)[0],
+                                         key=("act", 0, _slot(t.index, 0, self.replica)),
+                                         step=step).to(self.device))
                         for v, t in self.in_transfers.items() if self._is_attr(v)}
-        needs = [self._recv_specs(kind, i, s, sizes[i]) for kind, i, s in order]
+        needs = [self._recv_specs(kind, i, s) for kind, i, s in order]
         post = getattr(tr, "post", None)
         got: dict[tuple[int, str], Any] = {}  # (micro, value) -> what my parts read
         outs: dict[tuple[int, int], tuple[Any, ...]] = {}  # (micro, part) -> its outputs
@@ -264,19 +284,20 @@ class StageRuntime:
                         env = dict(zip(self.reads[s], args, strict=True))
                         env.update(zip(part.outputs, result, strict=True))
                         out = _fill(c.output, env)
+                        mine = own[i][1] - own[i][0]
                         mean = loss_fn(out, micro[i])
-                        loss_terms[i] = mean * (weight * sizes[i] / rows)
+                        loss_terms[i] = mean * (weight * mine / rows)
                 t1 = time.perf_counter()
                 stats.compute_s += t1 - t0
                 stats.trace.append(("F", i, s, t0, t1))
                 if s == self.loss_part:
-                    loss_total = (loss_total or 0.0) + float(mean.detach()) * sizes[i] / rows
+                    loss_total = (loss_total or 0.0) + float(mean.detach()) * mine / rows
                 outs[(i, s)] = result
                 for v, val in zip(part.outputs, result, strict=True):
                     for t in self.out_transfers:
                         if t.value == v:
                             _check_tensor(v, val, t.dst)
-                            tr.send(val.detach(), dst=t.dst, key=("act", i, t.index), step=step, rows=sizes[i])
+                            self._send_rows(val.detach(), "act", i, t, step, to_src=False)
                 for a in args:
                     if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None:
                         meter.pack(a)
@@ -311,13 +332,14 @@ class StageRuntime:
         for v, leaf in remote_attrs.items():
             t = self.in_transfers[v]
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            tr.send(g, dst=t.src, key=("grad", 0, t.index), step=step)
+            tr.send(g, dst=self.replicas.of(t.src)[0], key=("grad", 0, _slot(t.index, 0, self.replica)), step=step)
         for t in self.out_transfers:
-            if self._is_attr(t.value):
-                g = tr.recv(src=t.dst, key=("grad", 0, t.index), step=step).to(self.device)
-                param = self.attrs[t.value]
-                if param.requires_grad:
-                    param.grad = g.to(param.dtype) if param.grad is None else param.grad + g
+            if self._is_attr(t.value) and self.replica == 0:
+                for k, src in enumerate(self.replicas.of(t.dst)):
+                    g = tr.recv(src=src, key=("grad", 0, _slot(t.index, 0, k)), step=step).to(self.device)
+                    param = self.attrs[t.value]
+                    if param.requires_grad:
+                        param.grad = g.to(param.dtype) if param.grad is None else param.grad + g
         tr.flush()
         stats.step_s = time.perf_counter() - t_start
         self.stats = stats
@@ -337,9 +359,7 @@ class StageRuntime:
                 prod = self.parts[producer]
                 got[(i, v)] = _leaf(self._peek(i, producer)[prod.outputs.index(v)])
             else:
-                t = self.in_transfers[v]
-                got[(i, v)] = _leaf(self.transport.recv(src=t.src, key=("act", i, t.index),
-                                                        step=step, rows=rows).to(self.device))
+                got[(i, v)] = _leaf(self._recv_rows("act", i, self.in_transfers[v], step, from_src=True))
             left[(i, v)] = self.readers_here[v]
         return got[(i, v)]
 
@@ -362,7 +382,7 @@ class StageRuntime:
         t = self.in_transfers[v]
         leaf = got.pop((i, v))
         g = leaf.grad if isinstance(leaf, torch.Tensor) and leaf.grad is not None else torch.zeros_like(leaf)
-        self.transport.send(g, dst=t.src, key=("grad", i, t.index), step=step, rows=rows)
+        self._send_rows(g, "grad", i, t, step, to_src=True)
 
     def _output_grad(self, i: int, v: str, val: Any, got: dict[tuple[int, str], Any],
                      step: int, rows: int) -> torch.Tensor | None:
@@ -374,27 +394,56 @@ class StageRuntime:
             total = mine.grad
         for t in self.out_transfers:
             if t.value == v:
-                g = self.transport.recv(src=t.dst, key=("grad", i, t.index), step=step,
-                                        rows=rows).to(self.device)
+                g = self._recv_rows("grad", i, t, step, from_src=False)
                 total = g if total is None else total + g
         if total is None and isinstance(val, torch.Tensor) and (
                 read_here or any(t.value == v for t in self.out_transfers)):
             total = torch.zeros_like(val)
         return total
 
-    def _recv_specs(self, kind: str, i: int, s: int, rows: int) -> list[tuple[int, tuple[str, int, int], int]]:
+    def _links(self, i: int, t: Any, *, mine_is_src: bool) -> list[tuple[int, int, int, int]]:
+        """``(peer physical rank, slot, start, stop)`` of each piece of transfer ``t`` for
+        micro-batch ``i`` that this replica sends (``mine_is_src``) or receives, rows
+        relative to this replica's own rows."""
+        n = self._sizes[i]
+        rs, rd = self.replicas.count(t.src), self.replicas.count(t.dst)
+        me = self.replica
+        base = row_bounds(n, self.num_replicas)[me][0]
+        out = []
+        for j, k, lo, hi in pieces(n, rs, rd):
+            if mine_is_src and j == me:
+                out.append((self.replicas.of(t.dst)[k], _slot(t.index, j, k), lo - base, hi - base))
+            elif not mine_is_src and k == me:
+                out.append((self.replicas.of(t.src)[j], _slot(t.index, j, k), lo - base, hi - base))
+        return out
+
+    def _send_rows(self, val: torch.Tensor, kind: str, i: int, t: Any, step: int, *, to_src: bool) -> None:
+        """Send ``val`` (this replica's rows of a value of transfer ``t``) cut into the rows
+        each peer replica holds: activations to ``t.dst``'s replicas, gradients back to
+        ``t.src``'s."""
+        for peer, slot, lo, hi in self._links(i, t, mine_is_src=not to_src):
+            self.transport.send(val[lo:hi], dst=peer, key=(kind, i, slot), step=step, rows=hi - lo)
+
+    def _recv_rows(self, kind: str, i: int, t: Any, step: int, *, from_src: bool) -> torch.Tensor:
+        parts = [self.transport.recv(src=peer, key=(kind, i, slot), step=step, rows=hi - lo)
+                 for peer, slot, lo, hi in self._links(i, t, mine_is_src=not from_src)]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device)
+
+    def _recv_specs(self, kind: str, i: int, s: int) -> list[tuple[int, tuple[str, int, int], int]]:
         """``(src, key, rows)`` of the messages action ``(kind, i, s)`` waits for."""
         out: list[tuple[int, tuple[str, int, int], int]] = []
         if kind == "F":
             for v in self.reads[s]:
                 t = self.in_transfers.get(v)
                 if t is not None and not self._is_attr(v):
-                    out.append((t.src, ("act", i, t.index), rows))
+                    out += [(peer, ("act", i, slot), hi - lo)
+                            for peer, slot, lo, hi in self._links(i, t, mine_is_src=False)]
         else:
             for v in self.parts[s].outputs:
                 for t in self.out_transfers:
                     if t.value == v:
-                        out.append((t.dst, ("grad", i, t.index), rows))
+                        out += [(peer, ("grad", i, slot), hi - lo)
+                                for peer, slot, lo, hi in self._links(i, t, mine_is_src=True)]
         return out
 
     # ------------------------------------------------------------------ inference
@@ -405,12 +454,15 @@ class StageRuntime:
         from ...training.stepping import autocast
 
         c, tr = self.cut, self.transport
+        if self.replica > 0:
+            return None  # evaluation runs on each stage's primary replica
+        prim = self.replicas.of
         rows = int(x.shape[0])
         env: dict[str, Any] = {v: x for v in c.inputs}
         env.update(self.attrs)
         for t in self.out_transfers:
             if self._is_attr(t.value):
-                tr.send(self.attrs[t.value], dst=t.dst, key=("eval", 0, t.index), step=step)
+                tr.send(self.attrs[t.value], dst=prim(t.dst)[0], key=("eval", 0, _slot(t.index)), step=step)
         result: Any = None
         for s in sorted(self.parts):
             part = self.parts[s]
@@ -418,14 +470,15 @@ class StageRuntime:
                 if v not in env:
                     t = self.in_transfers[v]
                     n = None if self._is_attr(v) else rows
-                    env[v] = tr.recv(src=t.src, key=("eval", 0, t.index), step=step, rows=n).to(self.device)
+                    env[v] = tr.recv(src=prim(t.src)[0], key=("eval", 0, _slot(t.index)), step=step,
+                                     rows=n).to(self.device)
             with autocast(precision, self.device):
                 outs = _as_tuple(self.modules[s](*[env[v] for v in part.inputs]), len(part.outputs))
             env.update(zip(part.outputs, outs, strict=True))
             for v, val in zip(part.outputs, outs, strict=True):
                 for t in self.out_transfers:
                     if t.value == v:
-                        tr.send(val, dst=t.dst, key=("eval", 0, t.index), step=step, rows=rows)
+                        tr.send(val, dst=prim(t.dst)[0], key=("eval", 0, _slot(t.index)), step=step, rows=rows)
             if s == self.loss_part:
                 result = _fill(c.output, env)
         tr.flush()
