@@ -302,6 +302,8 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
     }
     if kind == "ModelParallel" and plan is not None:
         report["protocol"] = str(root.communication.protocol)
+        if report["protocol"] == "Pipeline":
+            report["micro_batch_size"] = int(root.communication.micro_batch_size)
         cut = plan.cut
         attr_target = {a.name: a.target for a in cut.attrs}
         for a in cut.attrs:
@@ -424,7 +426,11 @@ def render(report: Mapping[str, Any]) -> str:
         out += _table(header, rows, {2})
     if mp:
         batch = report.get("batch_rows")
-        when = f" (shapes for one batch of {batch} rows)" if batch and "shapes_unavailable" not in report else ""
+        when = f" (shapes for one batch of {batch} rows" if batch and "shapes_unavailable" not in report else ""
+        mb = report.get("micro_batch_size")
+        if when and mb and mb < batch:
+            when += f", sent as micro-batches of {mb}"
+        when += ")" if when else ""
         out += ["", f"values crossing workers, sent forward with their gradients back{when}:"]
         if report["transfers"]:
             header = ["from", "to", "value (the node computing it)", "shape", "bytes"]
