@@ -266,3 +266,18 @@ def test_explain_raises_config_error_for_a_bad_subgraph_key() -> None:
     with pytest.raises(ConfigError) as e:
         explain(job)
     assert e.value.problems[0][0] == "subgraphs.haed" and "head" in e.value.problems[0][1]
+
+
+def test_replicated_stage_lists_its_replicas() -> None:
+    path = ROOT / "examples" / "pipeline_replicated_stage.toml"
+    report = explain_file(path)
+    rows = _nodes(report)
+    assert rows["back.stem"]["strategy"] == "DataParallel" and rows["back.stem"]["strategy_from"] == "subgraphs.back"
+    assert rows["back.stem"]["replicas"] == ["worker-1", "worker-2"] and "replicas" not in rows["front.stem"]
+    workers = {w["worker"]: w for w in report["workers"]}
+    assert workers["worker-2"]["replica_of"] == "worker-1" and workers["worker-2"]["parts"] == [1]
+    assert workers["worker-2"]["parameters"] == workers["worker-1"]["parameters"]
+    assert "replica" not in workers["worker-0"]
+    (into,) = report["transfers"]
+    assert into["from"] == "worker-0" and into["to_replicas"] == ["worker-1", "worker-2"]
+    assert "worker-0  worker-1 + worker-2" in render(report)

@@ -201,6 +201,7 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
     node_of = {n.name: n for n in gm.graph.nodes}
 
     plan = None
+    replicas: Any = None
     workers: list[Any] = []
     if kind == "ModelParallel":
         from ..comm.context import default_workers
@@ -208,7 +209,15 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
 
         workers = default_workers(num_workers(job), list(job.workers))
         plan = plan_for(job, model, workers)
+        from ..executors.model_parallel.replicas import replicas_for
+
+        replicas = replicas_for(job, plan, len(workers), workers)
     worker_id = {int(w.rank): str(w.id) for w in workers}
+
+    def replicas_of(rank: int) -> list[str]:
+        """Every worker running stage ``rank`` (itself first); one unless replicated."""
+        ranks = replicas.of(rank) if plan is not None else (rank,)
+        return [worker_id.get(r, f"rank {r}") for r in ranks]
 
     def strategy_of(path: str) -> dict[str, Any]:
         eff = effective_strategy(path, subs, root)
@@ -263,6 +272,8 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
                  and m.name in plan.cut.owner and module_of(m) == path), plan.cut.owner.get(n.name))
             if rank is not None:
                 row["rank"], row["worker"] = int(rank), worker_id.get(int(rank), f"rank {rank}")
+                if len(replicas_of(int(rank))) > 1:
+                    row["replicas"] = replicas_of(int(rank))
                 for t in tensors:
                     held.setdefault(id(t), int(rank))
             part = part_of.get(path) if how == "leaf" else next(
@@ -287,7 +298,7 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
         if plan is not None:
             inside = sorted({r["rank"] for r in rows if "rank" in r
                              and (r["node"] == path or r["node"].startswith(path + "."))})
-            g["workers"] = [worker_id.get(r, f"rank {r}") for r in inside]
+            g["workers"] = [w for r in inside for w in replicas_of(r)]
         groups.append(g)
 
     all_params = list(model.parameters())
@@ -332,6 +343,9 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
                         nbytes = tensor.numel() * tensor.element_size()
                 if shape is not None:
                     entry.update(shape=shape, dtype=dtype, bytes=nbytes)
+            for end, rank in (("from", tr.src), ("to", tr.dst)):
+                if len(replicas_of(rank)) > 1:  # cut by rows over the stage's replicas
+                    entry[f"{end}_replicas"] = replicas_of(rank)
             transfers.append(entry)
         report["transfers"] = transfers
         report["batch_rows"] = int(min(job.train.batch_size, len(train))) if train is not None else None
@@ -340,10 +354,16 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
         for pid, rank in held.items():
             if pid in by_id:
                 per_rank.setdefault(rank, []).append(by_id[pid])
-        report["workers"] = [
-            {"worker": str(w.id), "rank": int(w.rank), "parameters": _count(per_rank.get(int(w.rank), [])),
-             "parts": [p.index for p in cut.parts_of(int(w.rank))]}
-            for w in workers]
+        report["workers"] = []
+        for w in workers:
+            stage, copy = replicas.logical(int(w.rank))
+            entry = {"worker": str(w.id), "rank": int(w.rank),
+                     "parameters": _count(per_rank.get(stage, [])),
+                     "parts": [p.index for p in cut.parts_of(stage)]}
+            if replicas.count(stage) > 1:
+                entry["replica"], entry["replicas"] = copy, replicas.count(stage)
+                entry["replica_of"] = worker_id.get(stage, f"rank {stage}")
+            report["workers"].append(entry)
         report["loss_worker"] = worker_id.get(cut.loss_rank, f"rank {cut.loss_rank}")
         unplaced = [p for p in all_params if id(p) not in held]
         if unplaced:
@@ -408,7 +428,10 @@ def render(report: Mapping[str, Any]) -> str:
         cells = [str(r["index"]), r["node"] + (f" (x{r['calls']})" if "calls" in r else ""),
                  r["module"], _n(r["parameters"]), strat]
         if mp:
-            cells += [f"{r['worker']} (rank {r['rank']})" if "worker" in r else "", str(r.get("part", ""))]
+            where = f"{r['worker']} (rank {r['rank']})" if "worker" in r else ""
+            if len(r.get("replicas", ())) > 1:
+                where += " + " + ", ".join(r["replicas"][1:])
+            cells += [where, str(r.get("part", ""))]
         rows.append(cells)
     out += _table(header, rows, {0, 3})
     if report["subgraphs"]:
@@ -442,7 +465,8 @@ def render(report: Mapping[str, Any]) -> str:
                     by = str(t["in_module"])
                 else:
                     by = f"{t['node']} (in {t.get('in_module') or report['model']}.forward)"
-                rows.append([t["from"], t["to"], by,
+                ends = [" + ".join(t.get(f"{e}_replicas") or [t[e]]) for e in ("from", "to")]
+                rows.append([*ends, by,
                              _shape_text(t.get("shape")) + (f" {t['dtype']}" if t.get("dtype") else ""),
                              _n(t["bytes"]) if t.get("bytes") is not None else ""])
             out += _table(header, rows, {4})
@@ -451,7 +475,11 @@ def render(report: Mapping[str, Any]) -> str:
         out += ["", "parameters per worker:"]
         out += _table(["worker", "rank", "params", "parts"],
                       [[w["worker"], str(w["rank"]), _n(w["parameters"]),
-                        ", ".join(map(str, w["parts"])) or "none"] for w in report["workers"]], {1, 2})
+                        (", ".join(map(str, w["parts"])) or "none")
+                        + (f" (replica {w['replica']} of {w['replicas']}"
+                           + (f", a copy of {w['replica_of']}'s)" if w["replica"] else ")")
+                           if "replica" in w else "")]
+                       for w in report["workers"]], {1, 2})
         out.append(f"  the loss is computed on {report['loss_worker']}")
         if report.get("parameters_not_run"):
             out.append(f"  {_n(report['parameters_not_run'])} parameters sit in modules the forward never runs")
