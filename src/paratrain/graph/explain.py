@@ -16,7 +16,9 @@ JSON-able report; :func:`render` turns it into text. The report lists:
   back), named by the node of the *traced* graph that computes it (``add_1``, the residual
   stream; ``blocks_1_act``) rather than by ``split_module``'s ``getitem_k``, with its shape
   and bytes for one batch of ``train.batch_size`` training rows
-  (:class:`torch.fx.passes.shape_prop.ShapeProp`); and the parameters each worker holds.
+  (:class:`torch.fx.passes.shape_prop.ShapeProp`); and the parameters each worker holds. A
+  replicated stage (``[subgraphs.<path>]`` DataParallel under ModelParallel) lists every
+  worker running it (:func:`paratrain.executors.model_parallel.replicas.replicas_for`).
 
 Pure: no process is started, nothing is written. Every user error is a ConfigError.
 """
