@@ -17,8 +17,10 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/paratrain run examples/gpt_shakespeare_local.toml --overwrite
 
+# Two pytest workers, whole files per worker (a file's module fixtures launch once): most
+# tests wait on worker processes, so two files at a time fit 2 cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
