@@ -36,6 +36,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..config import ConfigError
+from .render import render  # re-exported: the report's text
 from .trace import module_of, trace
 
 __all__ = ["explain", "explain_file", "render"]
@@ -391,100 +392,3 @@ def explain_file(path: str | Path, *, shapes: bool = True) -> dict[str, Any]:
     report["job"] = str(path)
     return report
 
-
-def _n(x: int) -> str:
-    return f"{x:,}"
-
-
-def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-
-    def line(cells: list[str]) -> str:
-        return "  " + "  ".join(c.rjust(w) if i in right else c.ljust(w)
-                                for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
-
-    return [line(header), *(line(r) for r in rows)]
-
-
-def _shape_text(shape: Any) -> str:
-    if shape is None:
-        return ""
-    if shape and isinstance(shape[0], list):
-        return ", ".join(_shape_text(s) for s in shape)
-    return "[" + ", ".join(str(d) for d in shape) + "]"
-
-
-def render(report: Mapping[str, Any]) -> str:
-    """The report as text (what ``paratrain graph JOB`` prints)."""
-    mp = report["strategy"] == "ModelParallel"
-    head = f"{report['model']}: {_n(report['parameters'])} parameters, strategy {report['strategy']}"
-    if mp:
-        head += f" ({report.get('protocol')}, {len(report.get('workers', []))} workers)"
-    if report.get("job"):
-        head = f"{report['job']}: {head}"
-    out = [head, "", "nodes, in execution order:"]
-    header = ["#", "node", "module", "params", "strategy"] + (["worker", "part"] if mp else [])
-    rows = []
-    for r in report["nodes"]:
-        strat = r["strategy"] + (f" ({r['strategy_from']})" if r["strategy_from"] != "strategy" else "")
-        cells = [str(r["index"]), r["node"] + (f" (x{r['calls']})" if "calls" in r else ""),
-                 r["module"], _n(r["parameters"]), strat]
-        if mp:
-            where = f"{r['worker']} (rank {r['rank']})" if "worker" in r else ""
-            if len(r.get("replicas", ())) > 1:
-                where += " + " + ", ".join(r["replicas"][1:])
-            cells += [where, str(r.get("part", ""))]
-        rows.append(cells)
-    out += _table(header, rows, {0, 3})
-    if report["subgraphs"]:
-        out += ["", "subgraphs (modules with children):"]
-        header = ["subgraph", "module", "params", "strategy"] + (["workers"] if mp else [])
-        rows = []
-        for g in report["subgraphs"]:
-            strat = (f"{g['own_strategy']} (own)" if "own_strategy" in g else
-                     g["strategy"] + (f" (from {g['strategy_from']})" if g["strategy_from"] != "strategy"
-                                      else " (inherited)"))
-            cells = [g["subgraph"], g["module"], _n(g["parameters"]), strat]
-            if mp:
-                cells.append(", ".join(g.get("workers", [])))
-            rows.append(cells)
-        out += _table(header, rows, {2})
-    if mp:
-        batch = report.get("batch_rows")
-        when = f" (shapes for one batch of {batch} rows" if batch and "shapes_unavailable" not in report else ""
-        mb = report.get("micro_batch_size")
-        if when and mb and mb < batch:
-            when += f", sent as micro-batches of {mb}"
-        when += ")" if when else ""
-        out += ["", f"values crossing workers, sent forward with their gradients back{when}:"]
-        if report["transfers"]:
-            header = ["from", "to", "value (the node computing it)", "shape", "bytes"]
-            rows = []
-            for t in report["transfers"]:
-                if t.get("attr"):
-                    by = f"parameter {t['attr']}"
-                elif t.get("op") == "call_module":
-                    by = str(t["in_module"])
-                else:
-                    by = f"{t['node']} (in {t.get('in_module') or report['model']}.forward)"
-                ends = [" + ".join(t.get(f"{e}_replicas") or [t[e]]) for e in ("from", "to")]
-                rows.append([*ends, by,
-                             _shape_text(t.get("shape")) + (f" {t['dtype']}" if t.get("dtype") else ""),
-                             _n(t["bytes"]) if t.get("bytes") is not None else ""])
-            out += _table(header, rows, {4})
-        else:
-            out.append("  none (every node runs on one worker)")
-        out += ["", "parameters per worker:"]
-        out += _table(["worker", "rank", "params", "parts"],
-                      [[w["worker"], str(w["rank"]), _n(w["parameters"]),
-                        (", ".join(map(str, w["parts"])) or "none")
-                        + (f" (replica {w['replica']} of {w['replicas']}"
-                           + (f", a copy of {w['replica_of']}'s)" if w["replica"] else ")")
-                           if "replica" in w else "")]
-                       for w in report["workers"]], {1, 2})
-        out.append(f"  the loss is computed on {report['loss_worker']}")
-        if report.get("parameters_not_run"):
-            out.append(f"  {_n(report['parameters_not_run'])} parameters sit in modules the forward never runs")
-    if report.get("shapes_unavailable"):
-        out.append(f"(shapes left out: ShapeProp failed on one training batch: {report['shapes_unavailable']})")
-    return "\n".join(out)

@@ -35,31 +35,33 @@ or :class:`paratrain.comm.datastore.DataStoreTransport`. The runtime records wha
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-import torch.fx as fx
 from torch import nn
 
 from ...graph.partition import Part
 from .plan import Plan
 from .replicas import Replicas, pieces, row_bounds
 from .schedule import Action, micro_batch_sizes, schedule, sequential
+from .values import (
+    LossFn,
+    SavedBytes,
+    StepStats,
+    as_tuple,
+    check_tensor,
+    cross_entropy,
+    detached_leaf,
+    fill_output,
+    slot_of,
+    unpack_saved,
+)
 
 __all__ = ["Transport", "segment_modules", "held_attrs", "StepStats", "StageRuntime"]
 
 #: How many actions ahead a stage posts its receives (transports with ``post``).
 RECV_LOOKAHEAD = 2
-#: Message slot of transfer ``t`` between sender replica ``j`` and receiver replica ``k``.
-_SLOTS = 64
-
-
-def _slot(t: int, j: int = 0, k: int = 0) -> int:
-    return t * _SLOTS + j * 8 + k
-
-
 class Transport(Protocol):
     def send(self, tensor: torch.Tensor, *, dst: int, key: tuple[str, int, int], step: int = 0,
              rows: int | None = None) -> None: ...
@@ -86,76 +88,6 @@ def held_attrs(model: nn.Module, plan: Plan, rank: int) -> dict[str, torch.Tenso
             mod, _, name = a.target.rpartition(".")
             out[a.name] = getattr(model.get_submodule(mod), name)
     return out
-
-
-@dataclass
-class StepStats:
-    """What one call ran: its wall time, compute time and activation peak."""
-
-    step_s: float = 0.0
-    compute_s: float = 0.0
-    peak_activation_bytes: int = 0
-    trace: list[tuple[str, int, int, float, float]] = field(default_factory=list)
-
-    @property
-    def order(self) -> list[Action]:
-        return [(k, i, s) for k, i, s, _, _ in self.trace]  # type: ignore[misc]
-
-
-class _SavedBytes:
-    """Counts distinct non-parameter storages saved for backward (a pack hook)."""
-
-    def __init__(self, exclude: set[int]) -> None:
-        self.exclude = exclude
-        self.seen: set[int] = set()
-        self.bytes = 0
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in self.seen and ptr not in self.exclude:
-            self.seen.add(ptr)
-            self.bytes += storage.nbytes()
-        return t
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-#: ``loss_fn(output, batch) -> scalar``: the mean loss of a (micro-)batch (a Task's ``loss``).
-LossFn = Callable[[Any, Sequence[torch.Tensor]], torch.Tensor]
-
-
-def _cross_entropy(out: torch.Tensor, batch: Sequence[torch.Tensor]) -> torch.Tensor:
-    return nn.functional.cross_entropy(out, batch[1])
-
-
-def _as_tuple(out: Any, n: int) -> tuple[Any, ...]:
-    return tuple(out) if n > 1 else (out,)
-
-
-def _leaf(t: Any) -> Any:
-    """A detached copy that records its own gradient (floating tensors only)."""
-    if isinstance(t, torch.Tensor):
-        d = t.detach()
-        if d.is_floating_point():
-            d.requires_grad_(True)
-        return d
-    return t
-
-
-def _fill(structure: Any, env: dict[str, Any]) -> Any:
-    """The model's output structure with each value name replaced by its value."""
-    return fx.node.map_aggregate(structure, lambda a: env[a] if isinstance(a, str) and a in env else a)
-
-
-def _check_tensor(value: str, val: Any, dst: int) -> None:
-    if not isinstance(val, torch.Tensor):
-        raise TypeError(
-            f"model-parallel value {value!r} ({type(val).__name__}) is read on rank {dst} but "
-            f"is not a tensor; only tensors travel between workers: place the nodes that make "
-            f"and read it on one worker")
 
 
 class StageRuntime:
@@ -218,7 +150,7 @@ class StageRuntime:
                    schedule_name: str | None = None) -> float | None:
         """One forward/backward of the classification loss (cross-entropy) over ``(x, y)``."""
         return self.run_batch((x, y), step=step, micro_batch_size=micro_batch_size,
-                              schedule_name=schedule_name, loss_fn=_cross_entropy)
+                              schedule_name=schedule_name, loss_fn=cross_entropy)
 
     def run_batch(self, batch: Sequence[torch.Tensor], *, step: int,
                   micro_batch_size: int | None = None, schedule_name: str | None = None,
@@ -229,7 +161,7 @@ class StageRuntime:
         ``schedule_name=None`` runs the sequential order (Direct/DataStore)."""
         from ...training.stepping import autocast
 
-        loss_fn = loss_fn or _cross_entropy
+        loss_fn = loss_fn or cross_entropy
         c, tr = self.cut, self.transport
         x = batch[0]
         rows = int(x.shape[0])
@@ -250,9 +182,9 @@ class StageRuntime:
         for t in self.out_transfers:
             if self._is_attr(t.value) and self.replica == 0:
                 for k, dst in enumerate(self.replicas.of(t.dst)):
-                    tr.send(self.attrs[t.value].detach(), dst=dst, key=("act", 0, _slot(t.index, 0, k)), step=step)
-        remote_attrs = {v: _leaf(tr.recv(src=self.replicas.of(t.src)[0],
-                                         key=("act", 0, _slot(t.index, 0, self.replica)),
+                    tr.send(self.attrs[t.value].detach(), dst=dst, key=("act", 0, slot_of(t.index, 0, k)), step=step)
+        remote_attrs = {v: detached_leaf(tr.recv(src=self.replicas.of(t.src)[0],
+                                         key=("act", 0, slot_of(t.index, 0, self.replica)),
                                          step=step).to(self.device))
                         for v, t in self.in_transfers.items() if self._is_attr(v)}
         needs = [self._recv_specs(kind, i, s) for kind, i, s in order]
@@ -276,14 +208,14 @@ class StageRuntime:
                 args = [self._fetch(i, v, micro[i], remote_attrs, got, left, step, sizes[i])
                         for v in self.reads[s]]
                 t0 = time.perf_counter()
-                meter = _SavedBytes(self._param_ptrs | {x.untyped_storage().data_ptr()})
-                with torch.autograd.graph.saved_tensors_hooks(meter.pack, _unpack), \
+                meter = SavedBytes(self._param_ptrs | {x.untyped_storage().data_ptr()})
+                with torch.autograd.graph.saved_tensors_hooks(meter.pack, unpack_saved), \
                         autocast(precision, self.device):
-                    result = _as_tuple(self.modules[s](*args[: len(part.inputs)]), len(part.outputs))
+                    result = as_tuple(self.modules[s](*args[: len(part.inputs)]), len(part.outputs))
                     if s == self.loss_part:
                         env = dict(zip(self.reads[s], args, strict=True))
                         env.update(zip(part.outputs, result, strict=True))
-                        out = _fill(c.output, env)
+                        out = fill_output(c.output, env)
                         mine = own[i][1] - own[i][0]
                         mean = loss_fn(out, micro[i])
                         loss_terms[i] = mean * (weight * mine / rows)
@@ -296,7 +228,7 @@ class StageRuntime:
                 for v, val in zip(part.outputs, result, strict=True):
                     for t in self.out_transfers:
                         if t.value == v:
-                            _check_tensor(v, val, t.dst)
+                            check_tensor(v, val, t.dst)
                             self._send_rows(val.detach(), "act", i, t, step, to_src=False)
                 for a in args:
                     if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None:
@@ -332,11 +264,11 @@ class StageRuntime:
         for v, leaf in remote_attrs.items():
             t = self.in_transfers[v]
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            tr.send(g, dst=self.replicas.of(t.src)[0], key=("grad", 0, _slot(t.index, 0, self.replica)), step=step)
+            tr.send(g, dst=self.replicas.of(t.src)[0], key=("grad", 0, slot_of(t.index, 0, self.replica)), step=step)
         for t in self.out_transfers:
             if self._is_attr(t.value) and self.replica == 0:
                 for k, src in enumerate(self.replicas.of(t.dst)):
-                    g = tr.recv(src=src, key=("grad", 0, _slot(t.index, 0, k)), step=step).to(self.device)
+                    g = tr.recv(src=src, key=("grad", 0, slot_of(t.index, 0, k)), step=step).to(self.device)
                     param = self.attrs[t.value]
                     if param.requires_grad:
                         param.grad = g.to(param.dtype) if param.grad is None else param.grad + g
@@ -357,9 +289,9 @@ class StageRuntime:
         if (i, v) not in got:
             if producer in self.parts:
                 prod = self.parts[producer]
-                got[(i, v)] = _leaf(self._peek(i, producer)[prod.outputs.index(v)])
+                got[(i, v)] = detached_leaf(self._peek(i, producer)[prod.outputs.index(v)])
             else:
-                got[(i, v)] = _leaf(self._recv_rows("act", i, self.in_transfers[v], step, from_src=True))
+                got[(i, v)] = detached_leaf(self._recv_rows("act", i, self.in_transfers[v], step, from_src=True))
             left[(i, v)] = self.readers_here[v]
         return got[(i, v)]
 
@@ -412,9 +344,9 @@ class StageRuntime:
         out = []
         for j, k, lo, hi in pieces(n, rs, rd):
             if mine_is_src and j == me:
-                out.append((self.replicas.of(t.dst)[k], _slot(t.index, j, k), lo - base, hi - base))
+                out.append((self.replicas.of(t.dst)[k], slot_of(t.index, j, k), lo - base, hi - base))
             elif not mine_is_src and k == me:
-                out.append((self.replicas.of(t.src)[j], _slot(t.index, j, k), lo - base, hi - base))
+                out.append((self.replicas.of(t.src)[j], slot_of(t.index, j, k), lo - base, hi - base))
         return out
 
     def _send_rows(self, val: torch.Tensor, kind: str, i: int, t: Any, step: int, *, to_src: bool) -> None:
@@ -462,7 +394,7 @@ class StageRuntime:
         env.update(self.attrs)
         for t in self.out_transfers:
             if self._is_attr(t.value):
-                tr.send(self.attrs[t.value], dst=prim(t.dst)[0], key=("eval", 0, _slot(t.index)), step=step)
+                tr.send(self.attrs[t.value], dst=prim(t.dst)[0], key=("eval", 0, slot_of(t.index)), step=step)
         result: Any = None
         for s in sorted(self.parts):
             part = self.parts[s]
@@ -470,17 +402,17 @@ class StageRuntime:
                 if v not in env:
                     t = self.in_transfers[v]
                     n = None if self._is_attr(v) else rows
-                    env[v] = tr.recv(src=prim(t.src)[0], key=("eval", 0, _slot(t.index)), step=step,
+                    env[v] = tr.recv(src=prim(t.src)[0], key=("eval", 0, slot_of(t.index)), step=step,
                                      rows=n).to(self.device)
             with autocast(precision, self.device):
-                outs = _as_tuple(self.modules[s](*[env[v] for v in part.inputs]), len(part.outputs))
+                outs = as_tuple(self.modules[s](*[env[v] for v in part.inputs]), len(part.outputs))
             env.update(zip(part.outputs, outs, strict=True))
             for v, val in zip(part.outputs, outs, strict=True):
                 for t in self.out_transfers:
                     if t.value == v:
-                        tr.send(val, dst=prim(t.dst)[0], key=("eval", 0, _slot(t.index)), step=step, rows=rows)
+                        tr.send(val, dst=prim(t.dst)[0], key=("eval", 0, slot_of(t.index)), step=step, rows=rows)
             if s == self.loss_part:
-                result = _fill(c.output, env)
+                result = fill_output(c.output, env)
         tr.flush()
         return result
 
