@@ -71,6 +71,8 @@ def build(case: dict[str, Any]) -> nn.Module:
         return ResNet()
     if case["model"] == "towers":
         return TwoTower()
+    if case["model"] == "towers-flat":
+        return towers((8,), 5)
     from paratrain.models import build_model
 
     spec = ModelSpec(name="gpt", n_layer=2, n_head=2, n_embd=16, block_size=12)
@@ -196,3 +198,20 @@ def run_cases(ctx: WorkerContext, cases: list[dict[str, Any]]) -> list[dict[str,
                     "replica": replica,
                     "transfers": len(plan.cut.transfers)})
     return out
+
+
+def towers(input_shape: tuple[int, ...], num_classes: int, width: int = 16) -> nn.Module:
+    """A model factory (``model.factory = "_workers_mp_graph:towers"``): two towers over the
+    flattened input, joined."""
+    import math
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(math.prod(input_shape), 8)
+            self.net = TwoTower(d=width, classes=num_classes)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(self.proj(x.flatten(1)))
+
+    return Flat()

@@ -164,6 +164,21 @@ def test_untraceable_module_names_the_module_and_how_to_mark_it_a_leaf() -> None
     assert plan.nodes == ("0", "1", "2")
 
 
+def test_a_part_that_starts_before_a_part_it_reads_from(tmp_path: Path) -> None:
+    """The left tower's residual add runs on the join's worker (its readers are there), so
+    in graph order that worker's part begins before the right tower's part it reads from:
+    the parts must still run in dependency order."""
+    parts = [_p(["net.right"], 1), _p(["net.join"], 2)]
+    cases = [{"model": "towers-flat", "rows": 5, "partitions": parts, "label": f"towers-flat/{n}",
+              "communication": c, "datastore_dir": str(tmp_path)}
+             for n, c in (("Direct", {"protocol": "Direct"}),
+                          ("1F1B", {"protocol": "Pipeline", "micro_batch_size": 2, "schedule": "1F1B"}))]
+    results = run_distributed(run_cases, 3, cases)
+    for ci, case in enumerate(cases):
+        assert [r[ci]["parts"] for r in results] == [[0], [1], [2]]
+        assert _matches(case, *_merge(results, ci)), case["label"]
+
+
 @pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
 def test_replicated_stage_equals_the_unpartitioned_model(schedule: str, tmp_path: Path) -> None:
     """2 stages, the second ``DataParallel{num_replicas=2}`` (3 workers): its rows of each

@@ -236,7 +236,10 @@ def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> C
         return part_of.get(node.name, 0)
 
     qualname_map: dict[str, str] = {}
-    split = split_module(gm, gm, callback, qualname_map=qualname_map, keep_original_order=True)
+    # keep_original_order=False: split_module orders the parts by their dependencies (with
+    # True it emits them by first node, which fails when a part begins before another it
+    # reads from, e.g. a tower's add that the join's worker runs).
+    split = split_module(gm, gm, callback, qualname_map=qualname_map, keep_original_order=False)
     top = split.graph
     producer: dict[str, tuple[str, int]] = {}
     rank_of_value: dict[str, int | None] = {}
