@@ -292,6 +292,7 @@ def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> C
             need(v, p.rank)
     for v in out_values:
         need(v, loss_rank)
+    parts.sort(key=lambda p: p.index)  # our numbering: a topological order of the parts
     return Cut(tuple(parts), tuple(attrs), tuple(inputs), output,
                tuple(str(v) for v in out_values), loss_rank, producer, rank_of_value,
                tuple(transfers), owner,
