@@ -27,7 +27,7 @@ from paratrain.config.strategy import load_strategy
 from paratrain.executors.model_parallel.plan import build_plan
 from paratrain.executors.model_parallel.runtime import StageRuntime, held_attrs, segment_modules
 
-__all__ = ["ResNet", "TwoTower", "build", "batch", "loss_fn", "reference", "run_cases"]
+__all__ = ["ResNet", "TwoTower", "RandomDag", "build", "batch", "loss_fn", "reference", "run_cases"]
 
 
 class ResNet(nn.Module):
@@ -65,12 +65,35 @@ class TwoTower(nn.Module):
         return self.join(torch.cat([a, b * a.mean(dim=-1, keepdim=True)], dim=-1))
 
 
+class RandomDag(nn.Module):
+    """Value 0 is ``stem(x)``; value i reads one or two earlier values (add, mul or cat ->
+    a projection) through its own Linear; the output reads the last two values."""
+
+    def __init__(self, spec: list[tuple[int, int, str]], d: int = 6) -> None:
+        super().__init__()
+        self.spec = spec
+        self.stem = nn.Linear(8, d)
+        self.layers = nn.ModuleList(
+            nn.Linear(2 * d if op == "cat" else d, d) for _, _, op in spec)
+        self.head = nn.Linear(d, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        vals = [self.stem(x)]
+        for layer, (a, b, op) in zip(self.layers, self.spec, strict=True):
+            u, v = vals[a % len(vals)], vals[b % len(vals)]
+            z = torch.cat([u, v], -1) if op == "cat" else (u + v if op == "add" else u * torch.tanh(v))
+            vals.append(layer(z))
+        return self.head(vals[-1] + vals[-2 % len(vals)])
+
+
 def build(case: dict[str, Any]) -> nn.Module:
     torch.manual_seed(case.get("seed", 0))
     if case["model"] == "resnet":
         return ResNet()
     if case["model"] == "towers":
         return TwoTower()
+    if case["model"] == "dag":
+        return RandomDag([tuple(t) for t in case["spec"]])  # type: ignore[misc]
     if case["model"] == "towers-flat":
         return towers((8,), 5)
     from paratrain.models import build_model

@@ -10,31 +10,10 @@ from typing import Any
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
+from _workers_mp_graph import RandomDag
 
 from paratrain.graph import trace
 from paratrain.graph.partition import cut
-
-
-class RandomDag(nn.Module):
-    """Value 0 is ``stem(x)``; value i reads one or two earlier values (add, mul or cat ->
-    a projection) through its own Linear; the output reads the last two values."""
-
-    def __init__(self, spec: list[tuple[int, int, str]], d: int = 6) -> None:
-        super().__init__()
-        self.spec = spec
-        self.stem = nn.Linear(4, d)
-        self.layers = nn.ModuleList(
-            nn.Linear(2 * d if op == "cat" else d, d) for _, _, op in spec)
-        self.head = nn.Linear(d, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        vals = [self.stem(x)]
-        for layer, (a, b, op) in zip(self.layers, self.spec, strict=True):
-            u, v = vals[a % len(vals)], vals[b % len(vals)]
-            z = torch.cat([u, v], -1) if op == "cat" else (u + v if op == "add" else u * torch.tanh(v))
-            vals.append(layer(z))
-        return self.head(vals[-1] + vals[-2 % len(vals)])
 
 
 specs = st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50), st.sampled_from(["add", "mul", "cat"])),
@@ -49,7 +28,7 @@ def test_parts_in_order_reproduce_the_model(spec: list[tuple[int, int, str]], da
     names = ["stem", *(f"layers.{i}" for i in range(len(spec))), "head"]
     claims = {n: data.draw(st.integers(0, 2), label=n) for n in names}
     c = cut(trace(model), claims)
-    x = torch.randn(5, 4)
+    x = torch.randn(5, 8)
     env: dict[str, Any] = {v: x for v in c.inputs}
     for a in c.attrs:
         env[a.name] = model.get_parameter(a.target)
