@@ -10,11 +10,10 @@ from typing import Any
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from _workers_mp_graph import RandomDag
 
+from _workers_mp_graph import RandomDag
 from paratrain.graph import trace
 from paratrain.graph.partition import cut
-
 
 specs = st.lists(st.tuples(st.integers(0, 50), st.integers(0, 50), st.sampled_from(["add", "mul", "cat"])),
                  min_size=1, max_size=7)
