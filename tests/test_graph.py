@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import pytest
+import torch
 from torch import nn
 
 from paratrain.config import ConfigError, Local, load_strategy
@@ -54,3 +55,31 @@ def test_unknown_path_is_an_error_naming_it() -> None:
         g.set_strategy("blok", DP)
     with pytest.raises(KeyError):
         g.effective_strategy("blok")
+
+
+def test_graph_of_any_module_inherits_strategies_by_module_path() -> None:
+    class Tower(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+            self.norm = nn.LayerNorm(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.fc(x)) + x
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Tower(), Tower()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x) * self.b(x)
+
+    g = Graph(Two(), {"type": "Federated", "num_clients": 4, "rounds": 2,
+                      "aggregation": {"method": "FedAvg"}, "client_selection": {"method": "All"}})
+    g.set_strategy("a.norm", {"type": "Local"})
+    assert g.nodes() == ["a.fc", "a.norm", "b.fc", "b.norm"]
+    assert g.effective_strategy("a.norm").type == "Local"
+    assert g.effective_strategy("a.fc").type == g.effective_strategy("b").type == "Federated"
+    with pytest.raises(ConfigError, match="unknown node"):
+        g.set_strategy("c", {"type": "Local"})

@@ -58,11 +58,12 @@ def get_node(model: nn.Module, name: str) -> nn.Module:
 
 
 class Graph:
-    """A model plus strategies attached to the root ("") and to any subgraph or node."""
+    """A model (any ``nn.Module``) plus strategies attached to the root ("") and to any of
+    its modules by ``named_modules()`` path (a job's ``[strategy]`` and ``[subgraphs]``)."""
 
-    def __init__(self, model: nn.Sequential, strategy: Any = None) -> None:
+    def __init__(self, model: nn.Module, strategy: Any = None) -> None:
         self.model = model
-        self._names = set(nodes(model)) | set(subgraphs(model))
+        self._names = {n for n, _ in model.named_modules() if n}
         self._strategies: dict[str, Any] = {}
         if strategy is not None:
             self.set_strategy("", strategy)
@@ -92,4 +93,7 @@ class Graph:
             probe = probe.rpartition(".")[0]
 
     def nodes(self) -> list[str]:
-        return nodes(self.model)
+        """The modules the traced forward calls, in execution order (torch.fx)."""
+        from .trace import trace
+
+        return [str(n.target) for n in trace(self.model).graph.nodes if n.op == "call_module"]
