@@ -68,6 +68,16 @@ def _detach(dup: Any) -> int:
     return int(dup.detach())
 
 
+def _inherit(fd: int) -> _InheritFd | None:
+    """``fd`` to pass on, or None when this process has no such descriptor (a daemon with
+    its stdio closed): the child then keeps the server's."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return None
+    return _InheritFd(fd)
+
+
 @dataclass
 class ParentState:
     """What a spawned child would inherit from its parent *now* (see module docstring)."""
@@ -75,7 +85,7 @@ class ParentState:
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     cwd: str = field(default_factory=os.getcwd)
     path: list[str] = field(default_factory=lambda: list(sys.path))
-    stdio: tuple[Any, Any] = field(default_factory=lambda: (_InheritFd(1), _InheritFd(2)))
+    stdio: tuple[Any, Any] = field(default_factory=lambda: (_inherit(1), _inherit(2)))
 
     def apply(self) -> None:
         """In the child: take the parent's environment (keeping the launcher's per-rank
