@@ -228,3 +228,30 @@ def test_random_dags_on_three_ranks_match_the_unpartitioned_model(tmp_path: Path
     for ci, case in enumerate(cases):
         assert _matches(case, *_merge(results, ci)), case["label"]
     assert any(c["communication"]["protocol"] == "Pipeline" for c in cases)
+
+
+def test_a_non_tensor_crossing_workers_is_refused_before_any_launch() -> None:
+    """``h.size(1)`` made on worker 0 and read on worker 1: only tensors travel."""
+    from torch.utils.data import TensorDataset
+
+    from paratrain.executors.model_parallel.runner import check_crossing_values
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            n = h.size(1)  # traced before b: the product runs with b, on worker 1
+            return self.b(h) * n
+
+    model, w = Scaled(), default_workers(2)
+    data = TensorDataset(torch.randn(3, 4), torch.zeros(3, dtype=torch.long))
+    plan = build_plan(model, [Partition.model_validate(_p(["b"], 1))], w)
+    with pytest.raises(ConfigError) as info:
+        check_crossing_values(plan, model, data, w)
+    (path, msg), = info.value.problems
+    assert path == "strategy.partitions" and "int (8)" in msg and "worker-0" in msg and "worker-1" in msg
+    together = build_plan(model, [Partition.model_validate(_p(["a", "b"], 1))], w)
+    check_crossing_values(together, model, data, w)  # both on worker 1: nothing non-tensor travels

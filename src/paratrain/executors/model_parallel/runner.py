@@ -149,11 +149,49 @@ def validate(job: JobConfig) -> Plan:
     ``run`` call this): builds the task's model to learn its node ids, then raises a
     ConfigError naming the culprit for every placement error DESIGN §4 lists."""
     n = num_workers(job)
-    _, _, _, model = _task_model(job)
+    _, train, _, model = _task_model(job)
     workers = default_workers(n, list(job.workers))
     plan = plan_for(job, model, workers)
     replicas_for(job, plan, n, workers)
+    check_crossing_values(plan, model, train, workers)
     return plan
+
+
+@torch.no_grad()
+def check_crossing_values(plan: Plan, model: nn.Module, train: Any, workers: list[Any]) -> None:
+    """Run the parts once on two training examples, in part order, and refuse a value that
+    would cross workers but is not a tensor (an int from ``x.size(1)``, a tuple): only
+    tensors travel. The ConfigError names the value, the worker that makes it and the one
+    that reads it."""
+    from ...task.steps import fetch_batch
+
+    if len(train) == 0:
+        return
+    x = fetch_batch(train, torch.arange(min(2, len(train))), torch.device("cpu"))[0]
+    c = plan.cut
+    env: dict[str, Any] = {v: x for v in c.inputs}
+    for a in c.attrs:
+        mod, _, name = a.target.rpartition(".")
+        env[a.name] = getattr(model.get_submodule(mod), name)
+    was = model.training
+    model.eval()
+    try:
+        for p in c.parts:
+            out = p.module(*[env[v] for v in p.inputs])
+            env.update(zip(p.outputs, out if len(p.outputs) > 1 else (out,), strict=True))
+    finally:
+        model.train(was)
+    problems = []
+    for t in c.transfers:
+        val = env.get(t.value)
+        if val is not None and not isinstance(val, torch.Tensor):
+            made = next((",".join(p.nodes) for p in c.parts if t.value in p.outputs), "")
+            problems.append(("strategy.partitions", (
+                f"{t.value!r}, a {type(val).__name__} ({val!r:.40}), is made on {workers[t.src].id} (after "
+                f"{made or 'its nodes'}) is read on {workers[t.dst].id}: only tensors travel "
+                f"between workers; place the nodes that make and read it on one worker")))
+    if problems:
+        raise ConfigError(problems)
 
 
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
