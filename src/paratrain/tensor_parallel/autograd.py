@@ -231,6 +231,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
+def _stash(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, comm: TPComm,
+           mode: str, dim: int, sizes: list[int] | None, cdt: torch.dtype | None) -> None:
+    """What a sharded linear's backward needs: its input and weight, and how it ran."""
+    ctx.save_for_backward(x, w)
+    ctx.comm, ctx.mode, ctx.dim, ctx.sizes, ctx.cdt = comm, mode, dim, sizes, cdt
+    ctx.has_bias = b is not None
+
+
 def _wgrad(g: torch.Tensor, x: torch.Tensor, cdt: torch.dtype | None) -> torch.Tensor:
     g2, x2 = _rows(g), _rows(x)
     return _mm(g2.t(), x2, cdt)
@@ -258,9 +266,7 @@ class _ColumnLinear(Function):
         if b is not None:
             y = y + b
         comm.stats.add_compute_time(time.perf_counter() - t0)
-        ctx.save_for_backward(saved, w)
-        ctx.comm, ctx.mode, ctx.dim, ctx.sizes, ctx.cdt = comm, mode, dim, sizes, cdt
-        ctx.has_bias = b is not None
+        _stash(ctx, saved, w, b, comm, mode, dim, sizes, cdt)
         return y
 
     @staticmethod
@@ -314,9 +320,7 @@ class _RowLinear(Function):
             z = comm.all_reduce(partial)
         if b is not None:
             z = z + b
-        ctx.save_for_backward(x, w)
-        ctx.comm, ctx.mode, ctx.dim, ctx.sizes, ctx.cdt = comm, mode, dim, sizes, cdt
-        ctx.has_bias = b is not None
+        _stash(ctx, x, w, b, comm, mode, dim, sizes, cdt)
         return z
 
     @staticmethod

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from ...comm import collectives as C
 from ...comm.context import WorkerContext
+from ...graph.partition import Part
 from ...task.steps import DEFAULT_EVAL_BATCH, fetch_batch
 from ...training import checkpoint
 from ...training.loop import LocalEngine
@@ -36,9 +38,12 @@ class StageModel(nn.Module):
     parameter, so that its optimizer and scheduler exist like every other rank's."""
 
     def __init__(self, modules: dict[int, nn.Module],
-                 attrs: dict[str, torch.Tensor] | None = None) -> None:
+                 attrs: dict[str, torch.Tensor] | None = None,
+                 parts: Sequence[Part] = ()) -> None:
         super().__init__()
         self.segments = nn.ModuleDict({str(i): m for i, m in sorted(modules.items())})
+        # part index -> the part (its tensors' names as the model has them)
+        self._parts = {p.index: p for p in parts}
         inside = {id(p) for m in modules.values() for p in m.parameters()}
         inside |= {id(b) for m in modules.values() for b in m.buffers()}
         self.held = nn.Module()
@@ -59,10 +64,10 @@ class StageModel(nn.Module):
         """This rank's model tensors by their qualified names in the model (the same names
         whatever the placement; a tensor read by two parts once)."""
         out: dict[str, torch.Tensor] = {}
-        for m in self.segments.values():
-            names = getattr(m, "paratrain_part", None)
+        for i, m in self.segments.items():
+            part = self._parts.get(int(i))
             for k, v in m.state_dict().items():
-                out.setdefault(names.original_name(k) if names is not None else k, v)
+                out.setdefault(part.original_name(k) if part is not None else k, v)
         out.update({k: v for k, v in self.held.state_dict().items()})
         return out
 

@@ -267,7 +267,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     modules = segment_modules(model, plan, stage_rank)
     attrs = held_attrs(model, plan, stage_rank)
     del model  # nodes other ranks own are freed; this rank keeps its parts only
-    stage = StageModel(modules, attrs).to(ctx.device)
+    stage = StageModel(modules, attrs, plan.segments_of(stage_rank)).to(ctx.device)
     transport = _transport(ctx, job, run_dir)
     rt = StageRuntime(plan, stage_rank, modules, transport, device=ctx.device, attrs=attrs,
                       replicas=replicas, physical_rank=ctx.rank)

@@ -73,11 +73,7 @@ class Transport(Protocol):
 def segment_modules(model: nn.Module, plan: Plan, rank: int) -> dict[int, nn.Module]:
     """This rank's parts as modules (fx GraphModules sharing the model's parameters)."""
     del model  # the parts were cut from it and hold its modules
-    out: dict[int, nn.Module] = {}
-    for p in plan.segments_of(rank):
-        p.module.paratrain_part = p  # type: ignore[assignment] # names as the model has them
-        out[p.index] = p.module
-    return out
+    return {p.index: p.module for p in plan.segments_of(rank)}
 
 
 def held_attrs(model: nn.Module, plan: Plan, rank: int) -> dict[str, torch.Tensor]:
