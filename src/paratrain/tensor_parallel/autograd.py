@@ -141,6 +141,15 @@ class _SeqReduceScatter(Function):
         return ctx.comm.all_gather(g.contiguous(), ctx.dim, ctx.sizes).wait(), None, None, None
 
 
+def _sum_fp32(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The sum (fp32) of the consumers' gradients that exist."""
+    gs = [g for g in grads if g is not None]
+    total = _fp32(gs[0]).clone()
+    for g in gs[1:]:
+        total.add_(g)
+    return total
+
+
 class _FusedCopy(Function):
     """n consumers of one replicated input share one f: the n partial input gradients are
     summed locally and reduced with ONE collective instead of n."""
@@ -152,10 +161,7 @@ class _FusedCopy(Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        gs = [g for g in grads if g is not None]
-        total = _fp32(gs[0]).clone()
-        for g in gs[1:]:
-            total.add_(g)
+        total = _sum_fp32(grads)
         return ctx.comm.all_reduce(total), None, None
 
 
@@ -171,10 +177,7 @@ class _FusedSeqGather(Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        gs = [g for g in grads if g is not None]
-        total = _fp32(gs[0]).clone()
-        for g in gs[1:]:
-            total.add_(g)
+        total = _sum_fp32(grads)
         return ctx.comm.reduce_scatter(total, ctx.dim, ctx.sizes).wait(), None, None, None, None
 
 
