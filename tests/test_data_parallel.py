@@ -203,17 +203,14 @@ def test_error_feedback_is_dropped_under_decentralized(tmp_path: Path) -> None:
     assert build_compressor(job, validate(job).aggregation).strategy.base_strategy.method == "ErrorFeedback"
 
 
-def test_ineffective_settings_warn(tmp_path: Path) -> None:
-    import warnings
-
-    from paratrain.executors.data_parallel.runner import _warn_ineffective
+def test_ineffective_settings_are_reported(tmp_path: Path) -> None:
+    """The DataParallel-only [comm] fields are judged by effective_settings (which validate
+    prints and run warns about once), not by a second check in the runner."""
+    from paratrain.config.effective import effective_settings
 
     job = dp_job(str(tmp_path), "x", 2, {"method": "ParameterServer"},
                  comm={"gossip_step": 0.3, "bucket_size_mb": 4})
-    with pytest.warns(UserWarning) as record:
-        _warn_ineffective(job, validate(job))
-    assert {str(w.message).split(" ")[0] for w in record} == {"comm.gossip_step", "comm.bucket_size_mb"}
+    fields = {i.field for i in effective_settings(job).ignored}
+    assert fields == {"comm.gossip_step", "comm.bucket_size_mb"}
     job = dp_job(str(tmp_path), "x", 2, {"method": "AllReduce"}, comm={"bucket_size_mb": 4})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _warn_ineffective(job, validate(job))
+    assert effective_settings(job).ignored == []

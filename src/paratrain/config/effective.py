@@ -28,6 +28,8 @@ job, so every section is available to it and none is reported):
   evaluates and checkpoints every generation.
 - ``[federated]`` outside Federated; ``[population]``/``[search_space]`` outside
   PopulationBased.
+- ``run.max_restarts``/``num_workers``/``backend``, ``[[workers]]`` and ``[comm]`` where
+  the strategy's processes do not read them (:mod:`.effective_procs`).
 - ``--resume`` for a Custom coordinator that takes no ``resume`` keyword.
 - Krum ``num_malicious``/``to_keep`` beyond what the clients per round allow (the
   aggregator clamps them; the effective values are given).
@@ -116,24 +118,25 @@ def _unknown(obj: Any, path: str, out: list[Ignored]) -> None:
 
 
 def probe_tp(job: JobConfig) -> TPProbe | None:
-    """Build the job's model and shard it as rank 0 would, without processes (the same
-    construction as the tensor-parallel dry run). ``None`` when it cannot be built: the
-    layout error is reported by validation or the run itself."""
+    """Build the job's model through its Task (``[task]``, classification by default) and
+    shard it as rank 0 would, without processes (the same construction as the
+    tensor-parallel dry run). ``None`` when it cannot be built: that error is reported by
+    preflight (``paratrain validate`` and ``run``), which makes the same construction."""
     try:
         import torch
 
         from ..comm.tp.comm import TPComm
         from ..comm.tp.groups import TPGroups
-        from ..data import load_data
-        from ..models import build_model
+        from ..task import resolve_task
         from ..tensor_parallel import TensorParallelModule
         from ..tensor_parallel.layers import ParallelSelfAttention
 
         cfg = job.tensor_parallel
         assert cfg is not None
         tp = cfg.tensor_parallel_size
-        bundle = load_data(job.data, seed=job.run.seed)
-        model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
+        task = resolve_task(job)  # the job's Task builds the model, as the run does
+        train, _ = task.datasets(job.run.seed)
+        model = task.build_model(job.model, train)
         comm = TPComm(None, list(range(tp)), rank=0, pattern=cfg.communication_pattern.value)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -306,6 +309,11 @@ def effective_settings(
         settings["train"] = {"epochs": train.epochs, "eval_every": train.eval_every,
                              "max_steps": train.max_steps, "batch_size": train.batch_size}
         settings["checkpoint_every"] = run.checkpoint_every
+
+    # ------------------------------ run.*, [[workers]], [comm]: what the processes read
+    from .effective_procs import ignored_process_settings
+
+    ignored += [Ignored(f, why) for f, why in ignored_process_settings(job, kind=kind, tp_active=tp_active)]
 
     # ------------------------------------- strategy-specific sections used elsewhere
     if not custom:

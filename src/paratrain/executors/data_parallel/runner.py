@@ -30,7 +30,6 @@ makes that rank SIGKILL itself after STEP on the first attempt (tests and demos)
 from __future__ import annotations
 
 import json
-import os
 import time
 import warnings
 from pathlib import Path
@@ -325,24 +324,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     return summary if ctx.is_main else None
 
 
-def _warn_ineffective(job: JobConfig, strategy: DataParallel) -> None:
-    """Warn once (in the launching process) about settings this run ignores."""
-    method = strategy.aggregation.method
-    compressed = job.compression is not None and job.compression.method != "None"
-    if job.comm.gossip_step is not None and not (method == "Decentralized" and compressed):
-        warnings.warn("comm.gossip_step has no effect: it applies to Decentralized aggregation "
-                      "with compression (CHOCO-gossip)", stacklevel=3)
-    if "bucket_size_mb" in job.comm.model_fields_set and (method != "AllReduce" or compressed):
-        warnings.warn(f"comm.bucket_size_mb has no effect with {method}"
-                      f"{' and compression' if compressed else ''}", stacklevel=3)
-
-
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Launch ``num_replicas`` processes and return rank 0's summary. Data and model are
     built here first; this (launching) process holds the run folder's lock."""
     strategy = validate(job)
-    if not in_torchrun() or os.environ.get("RANK") == "0":
-        _warn_ineffective(job, strategy)
     if not in_torchrun():
         # Fail before spawning anything (or touching the run folder) when the data
         # cannot feed every replica or the model cannot be built.
