@@ -8,6 +8,12 @@ a warning (:func:`prune` always keeps at least two), and when none is readable r
 ConfigError naming every file. :func:`check_model_state` and
 :func:`check_optimizer_state` name what differs when a resumed job's model or optimizer
 does not match the checkpoint, before anything is loaded.
+
+A process killed during a save leaves its temp file (``.ckpt-<step>.pt.XXXXXXXX``, a
+whole checkpoint's size) behind. Only one process ever writes into a checkpoint folder,
+so any such file found there when that process saves, prunes or resumes is stale:
+:func:`remove_stale_temps` deletes exactly those (our own temp-name pattern, in that one
+folder, never anything else).
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
+from .faults import maybe_kill_in_save
 from .rundir import disk_error, safe_unlink
 
 __all__ = [
     "CheckpointError", "check_resume_state", "save_checkpoint", "load_checkpoint", "load_latest", "latest", "checkpoints", "checkpoint_path",
-    "prune", "check_model_state", "check_optimizer_state", "MIN_KEEP",
+    "prune", "check_model_state", "check_optimizer_state", "MIN_KEEP", "remove_stale_temps",
 ]
 
 MIN_KEEP = 2  # prune never keeps fewer: a corrupt newest checkpoint has an older fallback
@@ -41,16 +48,41 @@ class CheckpointError(RuntimeError):
         super().__init__(f"checkpoint {path} {reason}")
 
 _PATTERN = re.compile(r"^ckpt-(\d{9})\.pt$")
+# A step-numbered checkpoint file (ckpt-<step>.pt, PBT's population-<g>.pt) and the temp
+# name save_checkpoint gives it while writing: mkstemp's prefix "." + name + "." and its
+# 8 random characters.
+_STEP_FILE = re.compile(r"^[a-z]+-\d{6,9}\.pt$")
+_TEMP = re.compile(r"^\.[a-z]+-\d{6,9}\.pt\.[a-z0-9_]{8}$")
 
 
 def checkpoint_path(directory: str | Path, step: int) -> Path:
     return Path(directory) / f"ckpt-{step:09d}.pt"
 
 
+def remove_stale_temps(directory: str | Path) -> list[Path]:
+    """Delete the temp files a killed :func:`save_checkpoint` left in ``directory`` (only
+    names of our temp pattern, only files directly in that folder); returns them.
+
+    Call it only from the one process that writes checkpoints into ``directory``: a temp
+    file there is then never a save still in progress."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    stale = [p for p in d.iterdir() if _TEMP.match(p.name) and p.is_file() and not p.is_symlink()]
+    for p in stale:
+        try:
+            safe_unlink(p, d)
+        except OSError as e:
+            raise disk_error(p, e, "remove the stale temp file") from None
+    return stale
+
+
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if _STEP_FILE.match(path.name):
+            remove_stale_temps(path.parent)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     except OSError as e:
         raise disk_error(path, e) from None
@@ -59,6 +91,7 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> Path:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
+        maybe_kill_in_save(path)
         os.replace(tmp, path)
     except BaseException as e:
         if os.path.exists(tmp):
@@ -103,6 +136,8 @@ def load_latest(
     """``(path, state)`` of the newest readable checkpoint in ``directory`` (or of
     ``candidates``, oldest first), None when there is none. An unreadable newer one is
     skipped with a warning naming it; when none is readable, a ConfigError names them."""
+    if candidates is None:
+        remove_stale_temps(directory)
     found = checkpoints(directory) if candidates is None else list(candidates)
     bad: list[str] = []
     for p in reversed(found):
@@ -190,5 +225,6 @@ def prune(directory: str | Path, keep: int = MIN_KEEP) -> None:
     if keep < MIN_KEEP:
         raise ValueError(f"prune keeps at least {MIN_KEEP} checkpoints (got keep={keep})")
     d = Path(directory)
+    remove_stale_temps(d)
     for p in checkpoints(d)[:-keep]:
         safe_unlink(p, d)

@@ -6,6 +6,9 @@ which worker processes inherit:
 * ``PARATRAIN_FAULT_KILL=RANK:STEP`` makes that rank SIGKILL itself right after optimizer
   step STEP on the first attempt only (``restart_count == 0``), so the elastic agent's
   restart and the resume-from-checkpoint path are exercised by a real process death.
+* ``PARATRAIN_FAULT_KILL_IN_SAVE=NAME`` makes the process writing checkpoint file NAME
+  (e.g. ``ckpt-000000010.pt``) SIGKILL itself after the temp file is written, before it
+  is renamed into place (first attempt only): a crash in the middle of a save.
 * ``PARATRAIN_FAULTS`` holds a JSON object with any of
 
   - ``fail_clients``: federated client indices whose local training raises;
@@ -31,10 +34,12 @@ from typing import Any
 
 from ..config import ConfigError
 
-__all__ = ["FAULT_ENV", "FAULTS_ENV", "Faults", "injected_faults", "inject_faults", "maybe_kill"]
+__all__ = ["FAULT_ENV", "FAULTS_ENV", "KILL_IN_SAVE_ENV", "Faults", "injected_faults", "inject_faults",
+           "maybe_kill", "maybe_kill_in_save"]
 
 FAULT_ENV = "PARATRAIN_FAULT_KILL"
 FAULTS_ENV = "PARATRAIN_FAULTS"
+KILL_IN_SAVE_ENV = "PARATRAIN_FAULT_KILL_IN_SAVE"
 
 _INDEX_FIELDS = ("fail_clients", "byzantine_clients", "corrupt_clients", "fail_members")
 
@@ -106,4 +111,13 @@ def maybe_kill(*, rank: int, step: int, restart_count: int) -> None:
         return
     rank_s, _, step_s = spec.partition(":")
     if int(rank_s) == rank and int(step_s) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_kill_in_save(path: str | os.PathLike[str]) -> None:
+    """SIGKILL this process when it is saving the checkpoint file named by
+    ``PARATRAIN_FAULT_KILL_IN_SAVE`` (not after an elastic restart)."""
+    name = os.environ.get(KILL_IN_SAVE_ENV, "")
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
+    if name and os.path.basename(path) == name and first_attempt:
         os.kill(os.getpid(), signal.SIGKILL)

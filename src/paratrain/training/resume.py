@@ -19,7 +19,13 @@ from typing import Any
 
 from ..comm import collectives as C
 from ..config import ConfigError
-from .checkpoint import CheckpointError, checkpoint_path, checkpoints, load_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    checkpoint_path,
+    checkpoints,
+    load_checkpoint,
+    remove_stale_temps,
+)
 
 __all__ = ["agree_on_checkpoint"]
 
@@ -39,6 +45,7 @@ def agree_on_checkpoint(
     if start_step is None:
         return None
     directory = Path(directory)
+    remove_stale_temps(directory)  # a save killed mid-write (this rank's own folder)
     own = sorted((_step_of(p) for p in checkpoints(directory)), reverse=True)
     bad: list[str] = []
     tried: set[int] = set()

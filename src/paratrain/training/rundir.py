@@ -23,6 +23,7 @@ import math
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -333,21 +334,52 @@ class MetricsWriter:
             raise disk_error(self.path, e) from None
 
     def truncate_after(self, key: str, value: float) -> None:
+        """Keep the records with ``key <= value`` (a resume point); the file is rewritten,
+        without a torn last line a killed run left (named in a warning)."""
         if not self.path.exists():
             return
-        kept = [r for r in read_metrics(self.path.parent) if r.get(key, -math.inf) <= value]
+        records, torn = _parse_metrics(self.path)
+        if torn is not None:
+            warnings.warn(f"{self.path}: dropping its torn last line {torn} (a write cut short "
+                          "when the run stopped)", RuntimeWarning, stacklevel=2)
+        kept = [r for r in records if r.get(key, -math.inf) <= value]
         _atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
+def _parse_metrics(path: Path) -> tuple[list[dict[str, Any]], int | None]:
+    """The records of ``path`` and the number of a torn last line (None: none).
+
+    A run killed while appending leaves a partial last line: it is dropped (the record it
+    was writing is lost, as the step it belongs to is redone on resume). An unreadable
+    line before the last is damage no crash explains: a ConfigError names file and line."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise disk_error(path, e, "read") from None
+    lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    out: list[dict[str, Any]] = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError(f"a JSON {type(rec).__name__}, not a record")
+        except ValueError as e:
+            if i == len(lines) - 1:
+                return out, n
+            raise ConfigError([("metrics", (
+                f"{path} line {n} is not a JSON record ({e}); repair or delete that line, or "
+                "start a fresh run with --overwrite"))]) from None
+        out.append(rec)
+    return out, None
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The records of ``<run_dir>/metrics.jsonl`` (none when it does not exist); a torn
+    last line is left out, a damaged line before it is a ConfigError naming file and line."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            out.append(json.loads(line))
-    return out
+    return _parse_metrics(path)[0]
 
 
 def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> None:

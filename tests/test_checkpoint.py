@@ -1,0 +1,81 @@
+"""training/checkpoint.py: a process SIGKILLed in the middle of a checkpoint save leaves a
+checkpoint-sized temp file; the next resume (or save, or prune) in that folder removes
+it, touches nothing else, and the resumed run ends bit-identical to an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import paratrain
+from paratrain.training import checkpoint
+from paratrain.training.faults import KILL_IN_SAVE_ENV
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _doc(tmp: Path, name: str) -> dict[str, Any]:
+    return {
+        "run": {"name": name, "seed": 5, "output_dir": str(tmp), "checkpoint_every": 5},
+        "model": {"name": "mlp", "hidden": [32]},
+        "train": {"epochs": 1, "batch_size": 32, "max_steps": 20, "eval_every": 5,
+                  "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}},
+    }
+
+
+def killed_run(tmp: Path, name: str, in_save: str) -> Path:
+    """A real Local run (``_doc``) SIGKILLed while saving checkpoint file ``in_save``; its folder."""
+    job = tmp / f"{name}.json"
+    job.write_text(json.dumps(_doc(tmp, name)))
+    proc = subprocess.run([sys.executable, "-m", "paratrain.cli", "run", "-q", str(job)], cwd=ROOT,
+                          env={**os.environ, KILL_IN_SAVE_ENV: in_save}, timeout=240)
+    assert proc.returncode == -9  # a real SIGKILL, in the middle of writing that file
+    return tmp / name
+
+
+def _temps(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.name.startswith(".ckpt-"))
+
+
+def test_sigkill_during_a_save_leaves_no_temp_file_after_resume(tmp_path: Path) -> None:
+    full = paratrain.fit(_doc(tmp_path, "full"))
+
+    ckpts = killed_run(tmp_path, "killed", "ckpt-000000010.pt") / "checkpoints"
+    temps = _temps(ckpts)
+    assert len(temps) == 1 and temps[0].startswith(".ckpt-000000010.pt."), temps
+    assert (ckpts / temps[0]).stat().st_size > 1000  # a whole checkpoint's bytes
+    assert [p.name for p in checkpoint.checkpoints(ckpts)] == ["ckpt-000000005.pt"]
+    # Files that only look alike, and a temp name outside the checkpoint folder, are not ours.
+    keep = [ckpts / "ckpt-000000010.pt.partial", ckpts / ".notes.txt.abcdefgh",
+            tmp_path / "killed" / ".ckpt-000000010.pt.abcdefgh"]
+    for p in keep:
+        p.write_text("user data")
+
+    resumed = paratrain.fit(_doc(tmp_path, "killed"), resume=True)
+
+    assert _temps(ckpts) == []
+    assert all(p.read_text() == "user data" for p in keep)
+    assert resumed["steps"] == full["steps"] == 20
+    assert resumed["parameters_sha256"] == full["parameters_sha256"]
+
+
+def test_save_and_prune_remove_a_stale_temp_of_their_own_folder_only(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    stale = tmp_path / ".ckpt-000000003.pt.k2j_9xqz"
+    other = tmp_path / "sub" / ".ckpt-000000003.pt.k2j_9xqz"
+    for p in (stale, other):
+        p.write_bytes(b"x" * 100)
+    checkpoint.save_checkpoint(checkpoint.checkpoint_path(tmp_path, 4), {"step": 4})
+    assert not stale.exists() and other.exists()
+    stale.write_bytes(b"x")
+    checkpoint.prune(tmp_path)
+    assert not stale.exists() and other.exists()
+    assert checkpoint.remove_stale_temps(tmp_path / "sub") == [other] and not other.exists()
