@@ -1,6 +1,6 @@
 """The contract: pure data, no torch import (DESIGN §3)."""
 
-from ._base import ConfigError
+from ._base import ConfigError, parse_every
 from .compression import (
     ClippedCompression,
     CompressionStrategy,
@@ -37,6 +37,7 @@ from .tensor_parallel import (
 )
 
 __all__ = [
+    "parse_every",
     "ConfigError",
     "ClippedCompression", "CompressionStrategy", "ErrorFeedback", "NoCompression",
     "Quantization", "RandomK", "Threshold", "TopK",

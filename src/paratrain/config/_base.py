@@ -9,6 +9,7 @@ an unknown tag value is an error, every documented field is required. Fields we 
 from __future__ import annotations
 
 import json
+import re
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any, ClassVar, TypeVar
@@ -34,6 +35,7 @@ __all__ = [
     "Fraction",
     "format_validation_error",
     "unknown_keys",
+    "parse_every",
 ]
 
 # usize in Rust: a non-negative JSON integer; floats, bools and strings are rejected.
@@ -170,3 +172,24 @@ def load_document(validate: Callable[[Any], T], doc: str | bytes | dict[str, Any
         return validate(doc)
     except ValidationError as e:
         raise format_validation_error(e) from None
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)\s*$")
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_every(value: int | str) -> tuple[int, float | None]:
+    """``run.checkpoint_every`` as ``(steps, seconds)``: an int is a step count (0: once
+    per epoch); a string ``"<number><s|m|h>"`` ("90s", "10m", "1.5h") is a wall-time
+    cadence. Raises ValueError naming the accepted forms."""
+    if isinstance(value, bool):
+        raise ValueError(f"must be a step count or a duration like '10m', got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"must be >= 0 steps, got {value}")
+        return value, None
+    m = _DURATION.match(str(value))
+    if m is None or float(m.group(1)) <= 0:
+        raise ValueError(f"must be a step count or a positive duration like '90s', '10m' or "
+                         f"'1h', got {value!r}")
+    return 0, float(m.group(1)) * _UNIT_S[m.group(2)]

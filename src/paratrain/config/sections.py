@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ._base import Count, PositiveCount, describe_tags, register_tags
+from ._base import Count, PositiveCount, describe_tags, parse_every, register_tags
 
 __all__ = [
     "RunConfig",
@@ -72,14 +72,22 @@ class RunConfig(_Section):
     num_workers: PositiveCount | None = None
     """Worker processes for strategies whose process count is free (Federated, PopulationBased);
     None = the strategy's default."""
-    checkpoint_every: Count = 0
-    """Checkpoint every N optimizer steps (Local, DataParallel); 0 = once per epoch."""
+    checkpoint_every: Count | str = 0
+    """Checkpoint every N optimizer steps, or every span of wall time given as a string
+    (``"90s"``, ``"10m"``, ``"1h"``); 0 = once per epoch. A run also checkpoints at its end
+    and when SIGINT/SIGTERM stops it."""
     imports: list[str] = []
     """Modules or .py files (relative to the job file) imported before the run and in every worker,
     e.g. to register Custom coordinators or factories."""
     allow_oversubscribe: bool = False
     """A job may start at most 4 worker processes per CPU core (paratrain.preflight); true lifts
     that limit (e.g. processes that mostly wait on I/O or another machine)."""
+
+    @field_validator("checkpoint_every")
+    @classmethod
+    def _steps_or_duration(cls, v: int | str) -> int | str:
+        parse_every(v)  # ValueError names the accepted forms
+        return v
 
     @field_validator("name")
     @classmethod

@@ -14,7 +14,9 @@ that epoch. An optimizer step takes the next ``train.grad_accumulation`` batches
 epoch (fewer at its end) -- :class:`Trainer`. ``train.max_steps`` caps the steps.
 
 Cadence. Evaluate every ``train.eval_every`` steps (0: at each epoch's end), checkpoint
-every ``run.checkpoint_every`` steps (0: at each epoch's end) and at the end.
+every ``run.checkpoint_every`` steps or span of wall time (0: at each epoch's end), at the
+end, and when SIGINT/SIGTERM stops the run (:mod:`.interrupt`: the step in progress
+finishes, every process saves the same step, :class:`~.interrupt.Interrupted` is raised).
 
 Resume. A checkpoint holds the model, optimizer, lr scheduler, RNG states, the position,
 the training losses since the last evaluation and the engine's own state (aggregator,
@@ -35,6 +37,7 @@ from torch import nn
 
 from . import checkpoint
 from .faults import maybe_kill
+from .interrupt import Cadence, Interrupted, agree, stop_on_signals
 from .progress import progress_bar
 from .rundir import MetricsWriter, read_metrics
 from .seed import rng_state, set_rng_state
@@ -257,8 +260,8 @@ def _fetch(plan: DataPlan, idx: torch.Tensor) -> Batch:
 def run_loop(
     *, trainer: Trainer, plan: DataPlan, task: Any, store: Any, label: str,
     metrics: MetricsWriter | None, resume: bool, prepare: Callable[[], object] | None = None,
-    eval_every: int = 0, checkpoint_every: int = 0,
-    rank: int = 0, restart_count: int = 0, started: float | None = None,
+    eval_every: int = 0, checkpoint_every: int | str = 0,
+    rank: int = 0, restart_count: int = 0, started: float | None = None, group: Any = None,
     check_state: Callable[[dict[str, Any], Any], None] | None = None,
 ) -> LoopResult:
     """Train ``plan`` with ``trainer`` from the position ``store`` resumes (``resume``) or
@@ -266,7 +269,9 @@ def run_loop(
     (on the logging process). ``store`` has ``load() -> (source, state) | None`` and
     ``save(step, state)`` (collective where the strategy has several processes);
     ``prepare()`` runs after a resumed state was checked and loaded, before anything is
-    written; ``check_state(state, source)`` raises when the state is not this job's."""
+    written; ``check_state(state, source)`` raises when the state is not this job's.
+    ``group``: the processes that run this loop together (None: one process); they agree
+    after every step on stopping (a signal) and on a time-based checkpoint."""
     started = time.perf_counter() if started is None else started
     eng, opt = trainer.engine, trainer.optimizer
     model = eng.model
@@ -296,6 +301,7 @@ def run_loop(
             "losses": list(losses), "optimizer_type": type(opt).__name__,
         })
         last_saved[0] = pos.step
+        cadence.saved()
 
     fit = task.fitness_metric
     evaluated: set[int] = set()
@@ -316,36 +322,42 @@ def run_loop(
 
     total = plan.total_steps
     bpe, acc, bs = plan.batches_per_epoch, plan.accumulation, plan.batch_size
-    ce, every = eval_every, checkpoint_every
+    ce, cadence = eval_every, Cadence(checkpoint_every)
     model.train()
     bar = progress_bar(enabled=None if metrics is not None else False)
     bar_task = bar.add_task(label, total=total, completed=pos.step, info="")
     bar.start()
     try:
-        while pos.step < total and pos.epoch < plan.epochs:
-            order = plan.order(pos.epoch)
-            while pos.batch < bpe and pos.step < total:
-                stop = min(pos.batch + acc, bpe)
-                batches = [_fetch(plan, order[b * bs:(b + 1) * bs]) for b in range(pos.batch, stop)]
-                losses.append(trainer.step(batches))
-                extra = eng.after_step()
-                pos.step += 1
-                pos.batch = stop
-                if extra and metrics is not None:
-                    metrics.log({"step": pos.step, **extra})
-                if pos.batch == bpe:
-                    pos.epoch, pos.batch = pos.epoch + 1, 0
-                end_of_epoch = pos.batch == 0
-                if (ce and pos.step % ce == 0) or (not ce and end_of_epoch):
-                    ev = log_eval()
-                    if ev is not None:
-                        bar.update(bar_task, info=f"{fit} {ev.get(fit, float('nan')):.3f}")
-                bar.update(bar_task, completed=pos.step)
-                if (every and pos.step % every == 0) or (not every and end_of_epoch):
-                    save()
-                maybe_kill(rank=rank, step=pos.step, restart_count=restart_count)
-                if end_of_epoch:
-                    break
+        with stop_on_signals() as stop_flag:
+            while pos.step < total and pos.epoch < plan.epochs:
+                order = plan.order(pos.epoch)
+                while pos.batch < bpe and pos.step < total:
+                    stop = min(pos.batch + acc, bpe)
+                    batches = [_fetch(plan, order[b * bs:(b + 1) * bs]) for b in range(pos.batch, stop)]
+                    losses.append(trainer.step(batches))
+                    extra = eng.after_step()
+                    pos.step += 1
+                    pos.batch = stop
+                    if extra and metrics is not None:
+                        metrics.log({"step": pos.step, **extra})
+                    if pos.batch == bpe:
+                        pos.epoch, pos.batch = pos.epoch + 1, 0
+                    end_of_epoch = pos.batch == 0
+                    if (ce and pos.step % ce == 0) or (not ce and end_of_epoch):
+                        ev = log_eval()
+                        if ev is not None:
+                            bar.update(bar_task, info=f"{fit} {ev.get(fit, float('nan')):.3f}")
+                    bar.update(bar_task, completed=pos.step)
+                    halt, due = agree(stop_flag.requested, cadence.time_due(), group)
+                    if cadence.step_due(pos.step, end_of_epoch) or due or (
+                            halt and last_saved[0] != pos.step):
+                        save()
+                    maybe_kill(rank=rank, step=pos.step, restart_count=restart_count)
+                    if halt:
+                        raise Interrupted(stop_flag.signame or "a signal to another worker",
+                                          pos.step)
+                    if end_of_epoch:
+                        break
     finally:
         bar.stop()
     if losses or (pos.step not in evaluated and (pos.step > start_step or found is None)):

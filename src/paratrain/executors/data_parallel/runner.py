@@ -276,7 +276,7 @@ def train_replica(
             label=f"DataParallel x{ctx.world_size}",
             metrics=MetricsWriter(run_dir) if ctx.is_main else None, resume=resume, prepare=prepare,
             eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every, rank=ctx.rank,
-            restart_count=ctx.restart_count, started=started,
+            restart_count=ctx.restart_count, started=started, group=ctx.group,
         )
     finally:
         agg.close()

@@ -303,7 +303,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         trainer=trainer, plan=data, task=task, store=store, label="ModelParallel",
         metrics=metrics, resume=resume, check_state=check_state, eval_every=t.eval_every,
         checkpoint_every=job.run.checkpoint_every, rank=ctx.rank,
-        restart_count=ctx.restart_count, started=started,
+        restart_count=ctx.restart_count, started=started, group=ctx.group,
     )
     # parameters_sha256: sha256 over the per-rank digests of each rank's node tensors.
     own = dict(sorted(stage.node_state().items()))

@@ -1,0 +1,139 @@
+"""Interrupts keep progress (paratrain.training.interrupt): SIGINT/SIGTERM stop a run at a
+step boundary after a checkpoint (exit 130), ``--resume`` continues to the parameters of
+an uninterrupted run, bit for bit; ``run.checkpoint_every`` also takes a wall time."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import paratrain
+from paratrain.config import ConfigError, parse_every
+from paratrain.config.job import load_job
+from paratrain.training import checkpoint
+from paratrain.training.interrupt import Cadence, agree
+
+pytestmark = pytest.mark.timeout(300)
+
+# No epoch-end or step-count checkpoint before the signal: what resumes was written by it.
+_STEPS = 1500
+
+
+def _doc(out: Path, *, strategy: dict[str, Any] | None = None, every: int | str = 100_000) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "run": {"name": "r", "seed": 5, "output_dir": str(out), "checkpoint_every": every},
+        "model": {"name": "mlp", "hidden": [256, 256]},
+        "train": {"epochs": 200, "batch_size": 16, "max_steps": _STEPS, "eval_every": 50,
+                  "optimizer": {"name": "adam", "lr": 1e-3}},
+    }
+    if strategy is not None:
+        doc["strategy"] = strategy
+    return doc
+
+
+def _cli(job: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "paratrain.cli", "run", str(job), "-q", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 120
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if metrics.exists():
+            lines = [json.loads(x) for x in metrics.read_text().splitlines() if x.endswith("}")]
+            if any(r.get("step", 0) >= step for r in lines):
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"no step {step} in {metrics}")
+
+
+def _digest(run_dir: Path) -> str:
+    return str(json.loads((run_dir / "summary.json").read_text())["parameters_sha256"])
+
+
+def _write(tmp: Path, name: str, doc: dict[str, Any]) -> Path:
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize("kind,sig,to_group", [
+    ("Local", signal.SIGINT, True),      # Ctrl-C in a terminal: the whole process group
+    ("DataParallel", signal.SIGTERM, False),  # `kill CLI_PID`: the launcher stops the workers
+])
+def test_signal_checkpoints_and_resume_is_bit_identical(
+        tmp_path: Path, kind: str, sig: signal.Signals, to_group: bool) -> None:
+    strategy = ({"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}}
+                if kind == "DataParallel" else None)
+    ref = _write(tmp_path, "ref", _doc(tmp_path / "ref", strategy=strategy))
+    job = _write(tmp_path, "job", _doc(tmp_path / "int", strategy=strategy))
+    run_dir = tmp_path / "int" / "r"
+
+    proc = _cli(job)
+    _wait_for_step(run_dir, 100, proc)
+    (os.killpg if to_group else os.kill)(proc.pid, sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "--resume" in err
+    ckpts = [p for p in (run_dir / "checkpoints").rglob("ckpt-*.pt")]
+    assert ckpts, f"no checkpoint written on {sig.name}"
+    steps = {int(p.name[5:14]) for p in ckpts}
+    assert len(steps) == 1 and 100 <= steps.pop() < _STEPS  # the signal's step, not the end
+    assert not [p for p in run_dir.rglob(".ckpt-*")], "temp file left behind"
+
+    resumed = _cli(job, "--resume")
+    _, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err
+    done = _cli(ref)
+    _, err = done.communicate(timeout=240)
+    assert done.returncode == 0, err
+    assert _digest(run_dir) == _digest(tmp_path / "ref" / "r")
+
+
+def test_time_cadence_saves_by_wall_time(tmp_path: Path) -> None:
+    """A "0.05s" cadence writes checkpoints during a run that takes longer than that, though its
+    step cadence (once per epoch of 200) would write none before the end."""
+    doc = _doc(tmp_path, every="0.05s")
+    doc["train"]["max_steps"] = 600
+    summary = paratrain.fit(doc)
+    assert summary["steps"] == 600
+    kept = checkpoint.checkpoints(tmp_path / "r" / "checkpoints")
+    # prune keeps the newest two: a save before the end exists beside the final one
+    assert len(kept) == 2 and int(kept[0].name[5:14]) < 600
+
+
+def test_checkpoint_every_forms() -> None:
+    assert parse_every(0) == (0, None) and parse_every(7) == (7, None)
+    assert parse_every("10m") == (0, 600.0) and parse_every("1.5h") == (0, 5400.0)
+    assert parse_every("90s") == (0, 90.0)
+    for bad in ("10", "m", "-1m", "0s", "10 minutes", "1d"):
+        with pytest.raises(ValueError, match="duration"):
+            parse_every(bad)
+    for bad_doc in ("10x", True, -3, 1.5):
+        with pytest.raises(ConfigError, match="run.checkpoint_every"):
+            load_job({"run": {"checkpoint_every": bad_doc}})
+    job = load_job({"run": {"checkpoint_every": "10m"}})
+    assert load_job(job.to_json_dict()).run.checkpoint_every == "10m"  # round-trips as written
+
+
+def test_cadence_and_agreement_in_one_process() -> None:
+    steps = Cadence(5)
+    assert [s for s in range(1, 16) if steps.step_due(s, False)] == [5, 10, 15]
+    epochs = Cadence(0)
+    assert epochs.step_due(3, True) and not epochs.step_due(3, False)
+    timed = Cadence("1s")
+    assert not timed.step_due(5, True) and not timed.time_due()
+    assert agree(True, False, None) == (True, False)
