@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from paratrain.config.job import JobConfig, load_job  # noqa: E402
-from paratrain.executors import execute  # noqa: E402
+from paratrain.dispatch import execute  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "pipeline_replicated_stage.toml"
 

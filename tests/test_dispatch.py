@@ -1,10 +1,10 @@
-"""paratrain.dispatch: which executor runs a job, and the process counts preflight derives
-from it (a tensor-parallel job starts tp x dp processes)."""
+"""paratrain.dispatch: which executor runs a job, and the process counts preflight reads
+from its spec (a tensor-parallel job starts tp x dp processes)."""
 
 from __future__ import annotations
 
 from paratrain.config import load_job
-from paratrain.dispatch import TENSOR_PARALLEL, executor_module, is_tensor_parallel
+from paratrain.dispatch import TENSOR_PARALLEL, executor_name, is_tensor_parallel, spec_for
 from paratrain.preflight import process_count
 
 
@@ -13,7 +13,8 @@ def test_tensor_parallel_jobs_dispatch_and_count_their_processes() -> None:
     tp2 = {"tensor_parallel_size": 2}
     local_tp = load_job({"tensor_parallel": tp2})
     dp_tp = load_job({"strategy": dp, "tensor_parallel": tp2})
-    assert executor_module(local_tp) == executor_module(dp_tp) == TENSOR_PARALLEL
+    assert executor_name(local_tp) == executor_name(dp_tp) == TENSOR_PARALLEL
+    assert spec_for(local_tp).name == TENSOR_PARALLEL
     assert is_tensor_parallel(local_tp) and is_tensor_parallel(dp_tp)
     assert process_count(local_tp) == (2, "tensor_parallel.tensor_parallel_size")
     assert process_count(dp_tp) == (4, "tensor_parallel.tensor_parallel_size")

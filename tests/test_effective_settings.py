@@ -16,7 +16,8 @@ from paratrain.config import ConfigError, load_compression, load_strategy
 from paratrain.config._base import unknown_keys
 from paratrain.config.effective import IgnoredSettingWarning, effective_settings
 from paratrain.config.job import load_job
-from paratrain.executors import execute, register_coordinator
+from paratrain.dispatch import execute
+from paratrain.executors import register_coordinator
 
 ROOT = Path(__file__).resolve().parent.parent
 

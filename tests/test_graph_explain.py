@@ -1,4 +1,4 @@
-"""``paratrain graph JOB`` / ``validate --explain`` (paratrain.graph.explain): nodes in
+"""``paratrain graph JOB`` / ``validate --explain`` (paratrain.explain): nodes in
 execution order with parameters, effective strategy and worker; subgraphs; the values that
 cross workers named by the traced graph's nodes, with shapes. No processes are started."""
 
@@ -17,8 +17,8 @@ from paratrain.cli import main
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig, load_job
 from paratrain.executors.custom import import_plugins
+from paratrain.explain import _build, explain, explain_file, render
 from paratrain.graph import trace
-from paratrain.graph.explain import _build, explain, explain_file, render
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,8 @@ import torch
 import paratrain
 from paratrain.config import ConfigError
 from paratrain.config.job import load_job
-from paratrain.executors import execute, register_coordinator, registered_coordinators
+from paratrain.dispatch import execute
+from paratrain.executors import register_coordinator, registered_coordinators
 from paratrain.training import checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ import pytest
 
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
-from paratrain.executors import execute
+from paratrain.dispatch import execute
 from paratrain.executors.model_parallel.runner import FAULT_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

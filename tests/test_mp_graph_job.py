@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from paratrain.config.job import JobConfig, load_job
-from paratrain.executors import execute
+from paratrain.dispatch import execute
 from paratrain.executors.model_parallel.runner import FAULT_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from paratrain.config.job import JobConfig
-from paratrain.executors import execute
+from paratrain.dispatch import execute
 from paratrain.executors.model_parallel.runner import FAULT_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -252,9 +252,9 @@ def test_tied_gpt_head_split_across_stages_keeps_one_tensor() -> None:
 
 def test_supports_tasks_and_check_supported() -> None:
     from paratrain.dispatch import check_supported
-    from paratrain.executors.model_parallel import runner
+    from paratrain.executors.model_parallel import SPEC
 
-    assert runner.SUPPORTS_TASKS is True
+    assert SPEC.supports_tasks is True
     check_supported(_job(REG, _pipe(4, "1F1B", REG_SPLIT)))
     check_supported(_job(USER, {**_pipe(4, "1F1B", USER_SPLIT), "communication": {"protocol": "Direct"}}))
 
@@ -274,7 +274,7 @@ def test_kill_and_elastic_restart_is_bit_identical(tmp_path: Path, monkeypatch: 
     """cosine + warm-up + clip + accumulation 2 + bf16: rank 1 SIGKILLs itself after step
     3; the restart resumes from the step-2 checkpoints (optimizer, scheduler, RNG,
     position) and ends with the uninterrupted run's parameters."""
-    from paratrain.executors import execute
+    from paratrain.dispatch import execute
     from paratrain.training.faults import FAULT_ENV
 
     whole = execute(_resume_job(tmp_path, "whole"))

@@ -21,7 +21,7 @@ import paratrain
 from paratrain import cli
 from paratrain.config import ConfigError
 from paratrain.config.job import load_job
-from paratrain.executors import execute
+from paratrain.dispatch import execute
 from paratrain.executors.data_parallel import runner as data_parallel
 from paratrain.training import checkpoint
 from paratrain.training.rundir import LOCK_NAME, holds_run, run_dir_of, safe_rmtree

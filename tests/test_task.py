@@ -321,17 +321,17 @@ def test_task_errors_name_the_field(tmp_path: Path) -> None:
 
 def test_every_strategy_trains_any_task_and_a_module_that_does_not_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
     import importlib
 
-    from paratrain.dispatch import EXECUTORS, TENSOR_PARALLEL
+    from paratrain.executors import data_parallel
 
-    for name in [*EXECUTORS.values(), TENSOR_PARALLEL]:
-        if name.endswith(".custom"):
-            continue  # a Custom coordinator receives the whole job, its task included
-        assert getattr(importlib.import_module(name), "SUPPORTS_TASKS", False), name
+    for package in ("local", "data_parallel", "model_parallel", "federated", "population_based",
+                    "tensor_parallel"):  # not custom: a coordinator receives the whole job
+        assert importlib.import_module(f"paratrain.executors.{package}").SPEC.supports_tasks, package
     dp = {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}}
-    runner = importlib.import_module(EXECUTORS["DataParallel"])
-    monkeypatch.setattr(runner, "SUPPORTS_TASKS", False)  # an executor that trains only classification
+    # an executor that trains only classification
+    monkeypatch.setattr(data_parallel, "SPEC", dataclasses.replace(data_parallel.SPEC, supports_tasks=False))
     for doc, field in (
         ({"task": {"name": "regression"}, "data": {"name": "diabetes"}, "strategy": dp}, "task.name"),
         ({"task": {"factory": "test_task:make_user_task"}, "strategy": dp}, "task.factory"),
@@ -341,7 +341,7 @@ def test_every_strategy_trains_any_task_and_a_module_that_does_not_is_refused(
         with pytest.raises(ConfigError, match="cannot run under DataParallel") as e:
             check_supported(job)
         assert e.value.problems[0][0] == field
-        from paratrain.executors import execute
+        from paratrain.dispatch import execute
 
         with pytest.raises(ConfigError, match=field):
             execute(job)  # refused before any worker starts

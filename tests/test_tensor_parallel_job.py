@@ -10,7 +10,7 @@ import torch
 
 from paratrain.config import ConfigError, load_job
 from paratrain.data import load_data
-from paratrain.executors import execute, executor_module
+from paratrain.dispatch import execute, executor_name
 from paratrain.executors.tensor_parallel.runner import layout
 from paratrain.models import build_model
 from paratrain.training import evaluate
@@ -28,7 +28,7 @@ def _job(name: str, tmp: Path, **train: int) -> object:
 def test_examples_route_to_the_tensor_parallel_executor(tmp_path: Path) -> None:
     for name, world in [("tensor_parallel_mlp.toml", 2), ("tensor_parallel_2d.toml", 4)]:
         job = _job(name, tmp_path)
-        assert executor_module(job) == "paratrain.executors.tensor_parallel.runner"
+        assert executor_name(job) == "TensorParallel"
         _, tp, dp = layout(job)
         assert tp * dp == world
 

@@ -162,7 +162,7 @@ def _resume_doc(tmp_path: Path, name: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_killed_and_restarted_run_is_bit_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from paratrain.executors import execute
+    from paratrain.dispatch import execute
 
     monkeypatch.setenv("PYTHONPATH", str(HERE))  # the workers import this data factory
     full = execute(load_job(_resume_doc(tmp_path, "full")))
@@ -225,7 +225,7 @@ def test_a_checkpoint_from_before_the_one_loop_still_loads(tmp_path: Path) -> No
 def test_a_user_task_trains_under_tp_x_dp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """tests/user_task.py (its own Dataset, model, L1 loss, metrics) under TP 2 x DP 2 (4
     processes): the summary has the task's metrics and beats the untrained model."""
-    from paratrain.executors import execute
+    from paratrain.dispatch import execute
     from paratrain.task import evaluate
     from user_task import make_task
 

@@ -12,7 +12,7 @@ import torch
 
 from paratrain import Task
 from paratrain.config import load_job
-from paratrain.executors import execute
+from paratrain.dispatch import execute
 from paratrain.task import evaluate
 from user_task import make_task
 

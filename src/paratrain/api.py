@@ -46,7 +46,7 @@ def fit(
 
     >>> summary = paratrain.fit(model="mlp", data="digits", train={"epochs": 3})
     """
-    from .executors import execute
+    from .dispatch import execute
 
     if isinstance(job, JobConfig):
         doc: dict[str, Any] = job.model_dump(mode="json", exclude_unset=True)

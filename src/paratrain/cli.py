@@ -62,7 +62,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             if not args.quiet:
                 print(f"{path}: ok")
             if getattr(args, "explain", False):
-                from .graph.explain import explain, render
+                from .explain import explain, render
 
                 try:
                     report = explain(job)
@@ -75,9 +75,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:
-    """The job's model as a graph (paratrain.graph.explain): nodes in execution order with
+    """The job's model as a graph (paratrain.explain): nodes in execution order with
     parameters, effective strategy and worker; subgraphs; values crossing workers."""
-    from .graph.explain import explain_file, render
+    from .explain import explain_file, render
 
     try:
         report = explain_file(args.job)
@@ -113,7 +113,7 @@ def _final_table(summary: dict[str, Any]) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .config.job import load_job
-    from .executors import execute
+    from .dispatch import execute
 
     try:
         job = load_job(args.job)

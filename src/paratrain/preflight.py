@@ -1,7 +1,7 @@
 """Everything a run checks before it trains, in one place (issue 13, "safe by default").
 
 :func:`preflight` is called by ``paratrain validate`` and by
-:func:`paratrain.executors.execute` before any executor runs, so ``validate`` accepts
+:func:`paratrain.dispatch.execute` before any executor runs, so ``validate`` accepts
 exactly the jobs ``run`` can start, and a job that cannot run fails before any worker
 process is spawned. It raises one :class:`~paratrain.config.ConfigError` listing every
 problem found, each naming its field:
@@ -10,14 +10,14 @@ problem found, each naming its field:
   Custom ``strategy.coordinator`` is registered by them;
 - ``run.device``/``run.backend``: CUDA (and NCCL) only where CUDA is available;
 - processes: a job starts at most ``cpu_count() x 4`` worker processes on one machine
-  (:data:`PROCS_PER_CORE`; ``run.allow_oversubscribe = true`` lifts it), counted the way
-  each executor counts them: DataParallel replicas, ``tensor_parallel_size x replicas``,
+  (:data:`PROCS_PER_CORE`; ``run.allow_oversubscribe = true`` lifts it), counted as each
+  executor's spec declares them: DataParallel replicas, ``tensor_parallel_size x replicas``,
   ModelParallel workers, Federated/PopulationBased ``run.num_workers``;
 - ModelParallel without ``[[workers]]`` and ``run.num_workers``: the implicit workers
   are ``worker-0 .. worker-P`` for ``P`` partitions (one per partition plus rank 0 for
   unclaimed nodes); a ``WorkerId`` beyond those names no worker (never a larger world);
 - ``[task]``: a task other than the default classification runs under Local only
-  (:func:`paratrain.dispatch.check_supported`), and its datasets and model build and the model
+  (:func:`paratrain.executors.check_supported`), and its datasets and model build and the model
   runs on two training examples (:func:`paratrain.task.preflight_task`);
 - the data and the model build with their kwargs (unknown ones name ``model.<kw>``;
   negative or zero zoo widths name the field, e.g. ``model.hidden``), the model runs a
@@ -29,8 +29,8 @@ problem found, each naming its field:
   can satisfy, a partition that works;
 - ``[subgraphs]``: supported pairings and module paths of the built model
   (:mod:`paratrain.subgraphs`);
-- the strategy executor's own ``validate(job)`` hook (ModelParallel placement, tensor
-  parallel layout dry run, PopulationBased search space...).
+- the executor's own ``validate`` of its :class:`~paratrain.executors.spec.ExecutorSpec`
+  (ModelParallel placement, tensor parallel layout dry run, PopulationBased search space...).
 
 Settings that are adjusted rather than refused (Federated ``run.num_workers`` above
 ``num_clients`` is capped; PopulationBased likewise at ``population_size``) are returned
@@ -39,7 +39,6 @@ as warning lines and, with ``warn=True``, issued as :class:`PreflightWarning`.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
 import os
@@ -72,31 +71,11 @@ def process_limit() -> int:
 
 
 def process_count(job: JobConfig) -> tuple[int, str]:
-    """(worker processes the job starts, the field that sets that number)."""
-    from .dispatch import is_tensor_parallel
+    """(worker processes the job starts, the field that sets that number), as the job's
+    executor declares them (``ExecutorSpec.processes``)."""
+    from .executors import spec_for
 
-    s: Any = job.strategy
-    kind = getattr(s, "type", None)
-    if is_tensor_parallel(job):
-        tp = job.tensor_parallel.tensor_parallel_size if job.tensor_parallel else 1
-        dp = s.num_replicas if kind == "DataParallel" else 1
-        return tp * dp, "tensor_parallel.tensor_parallel_size"
-    if kind == "DataParallel":
-        return int(s.num_replicas), "strategy.num_replicas"
-    if kind == "ModelParallel":
-        from .executors.model_parallel.runner import num_workers
-
-        field = "workers" if job.workers else "run.num_workers" if job.run.num_workers else "strategy.partitions"
-        return num_workers(job), field
-    if kind == "Federated":
-        from .executors.federated import num_workers as fed_workers
-
-        return fed_workers(job), "run.num_workers"
-    if kind == "PopulationBased":
-        from .executors.population_based.runner import num_workers as pbt_workers
-
-        return pbt_workers(job), "run.num_workers"
-    return 1, "strategy.type"  # Local, Custom (a coordinator runs in this process)
+    return spec_for(job).processes(job)
 
 
 def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True) -> list[str]:
@@ -112,7 +91,7 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True)
     strategy_ok = _stage(problems, _model_parallel_ids, job) and _stage(problems, _processes, job, notes)
     if imported:
         _stage(problems, _coordinator, job)
-    task_ok = _stage(problems, _task_strategy, job)  # paratrain.dispatch.check_supported
+    task_ok = _stage(problems, _task_strategy, job)  # paratrain.executors.check_supported
     pairings_ok = _stage(problems, _subgraph_pairings, job)
     bundle = _stage(problems, _build, job) if imported and task_ok else None
     if bundle is not None and pairings_ok:
@@ -312,8 +291,12 @@ def _build(job: JobConfig) -> Any:
 
     from .task import is_default, preflight_task
 
-    if not is_default(job):  # another task (Local only): its datasets, model, two examples
-        return preflight_task(job)
+    if not is_default(job):  # another task: its datasets, model, two examples; the optimizer
+        from .training import build_optimizer
+
+        checked = preflight_task(job)
+        build_optimizer(checked.model.parameters(), job.train.optimizer)
+        return checked
 
     from .data import load_data
     from .models import build_model
@@ -382,13 +365,13 @@ def _one_line(msg: str, limit: int = 300) -> str:
 
 
 def _task_strategy(job: JobConfig) -> None:
-    from .dispatch import check_supported
+    from .executors import check_supported
 
     check_supported(job)
 
 
 def _replica_rows(job: JobConfig, rows: int) -> None:
-    from .dispatch import is_tensor_parallel
+    from .executors import is_tensor_parallel
 
     s: Any = job.strategy
     kind = getattr(s, "type", None)
@@ -457,10 +440,9 @@ def _subgraph_paths(job: JobConfig) -> None:
 
 
 def _executor_hook(job: JobConfig) -> None:
-    """The strategy executor's own ``validate(job)``, when it has one."""
-    from .dispatch import executor_module
+    """The strategy executor's own ``validate(job)``, when its spec has one."""
+    from .executors import spec_for
 
-    module = importlib.import_module(executor_module(job))
-    check = getattr(module, "validate", None)
-    if callable(check):
+    check = spec_for(job).validate
+    if check is not None:
         check(job)

@@ -8,7 +8,7 @@ the strategy's ``worker_main(ctx, job, resume)``. A restart by the elastic agent
 (``TORCHELASTIC_RESTART_COUNT > 0``) resumes from the last checkpoint.
 
 As a command it loads the job file and dispatches it through
-:func:`paratrain.executors.execute`; the executor's ``launch`` sees torchrun's
+:func:`paratrain.dispatch.execute`; the executor's ``launch`` sees torchrun's
 environment and runs in-process, so the same job file runs across machines::
 
     torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d \\
@@ -42,14 +42,13 @@ build_context = join_process_group
 
 def _resolve_target(job: Any, target: str | None) -> Any:
     if target is None:
-        from .dispatch import executor_module
+        from .executors import spec_for
 
-        # executor_module, not EXECUTORS[type]: a Local/DataParallel job with
+        # the executor's spec, not the strategy type's: a Local/DataParallel job with
         # tensor_parallel_size > 1 runs on the tensor-parallel executor.
-        module = importlib.import_module(executor_module(job))
-        fn = getattr(module, "worker_main", None)
+        fn = spec_for(job).worker
         if fn is None:
-            raise TypeError(f"strategy {job.strategy.type} has no multi-process worker_main")
+            raise TypeError(f"strategy {job.strategy.type} has no multi-process worker")
         return fn
     module_name, _, attr = target.partition(":")
     return getattr(importlib.import_module(module_name), attr or "worker_main")
@@ -115,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     from .comm.worker_errors import WorkerError
     from .config import ConfigError
     from .config.job import load_job
-    from .executors import execute
+    from .dispatch import execute
 
     job = None
     try:

@@ -1,46 +1,83 @@
-"""How each strategy runs: ``execute(job)`` dispatches on ``job.strategy.type``.
+"""How each strategy runs: one package (or module) per executor, each exporting its
+:class:`~paratrain.executors.spec.ExecutorSpec` as ``SPEC``.
 
-Every executor module exposes ``run(job, *, resume=False, overwrite=False) -> dict``
-returning the run summary (the same dict written to ``runs/<name>/summary.json``).
-Modules are imported on dispatch so a strategy's dependencies load only when it runs.
+:func:`spec_for` is the job's spec: by strategy type, except that a Local or DataParallel
+job with ``tensor_parallel_size > 1`` runs on the tensor-parallel executor. Strategy
+packages are imported on first lookup, so a strategy's dependencies load only when a job
+uses it. Running a job (checks, warnings, the spec's ``run``) is
+:func:`paratrain.dispatch.execute`, a floor above.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
-import warnings
-from pathlib import Path
-from typing import Any
 
+from ..config import ConfigError
 from ..config.job import JobConfig
-from ..dispatch import EXECUTORS, executor_module
 from .custom import register_coordinator, registered_coordinators
+from .spec import ExecutorSpec
 
-__all__ = ["execute", "executor_module", "register_coordinator", "registered_coordinators", "EXECUTORS"]
+__all__ = ["ExecutorSpec", "STRATEGIES", "TENSOR_PARALLEL", "spec_for", "executor_name",
+           "is_tensor_parallel", "check_supported", "register_coordinator",
+           "registered_coordinators"]
 
-def execute(
-    job: JobConfig, *, resume: bool = False, overwrite: bool = False, job_dir: Path | None = None
-) -> dict[str, Any]:
-    """Run ``job`` under its strategy and return the summary. Never falls back to Local.
+TENSOR_PARALLEL = "TensorParallel"
 
-    A fresh run into a run folder that already holds a run is refused unless
-    ``overwrite`` (replace it) or ``resume`` (continue it).
+# executor name -> the package (module) exporting its SPEC; the strategy types first
+_PACKAGES: dict[str, str] = {
+    "Local": "paratrain.executors.local",
+    "DataParallel": "paratrain.executors.data_parallel",
+    "ModelParallel": "paratrain.executors.model_parallel",
+    "Federated": "paratrain.executors.federated",
+    "PopulationBased": "paratrain.executors.population_based",
+    "Custom": "paratrain.executors.custom",
+    TENSOR_PARALLEL: "paratrain.executors.tensor_parallel",
+}
+STRATEGIES = tuple(k for k in _PACKAGES if k != TENSOR_PARALLEL)
 
-    ``job_dir`` (the job file's folder) anchors relative ``run.imports`` paths.
-    Settings the run ignores (:func:`paratrain.config.effective.effective_settings`) are
-    warned about once, by the launching process (rank 0 under torchrun)."""
-    from ..preflight import preflight
 
-    # Every check before training, the same `paratrain validate` makes (imports the
-    # plugins too); errors here come before any worker process is spawned.
-    preflight(job, job_dir=job_dir, warn=os.environ.get("RANK", "0") == "0")
-    module_name = executor_module(job)
-    if os.environ.get("RANK", "0") == "0":
-        from ..config.effective import IgnoredSettingWarning, effective_settings
+def executor_name(job: JobConfig) -> str:
+    """The executor that runs ``job``: its strategy type, or ``TensorParallel`` for a
+    Local or DataParallel job with ``tensor_parallel_size > 1``; ConfigError for a type
+    this version cannot run."""
+    kind = str(getattr(job.strategy, "type", None))
+    tp = job.tensor_parallel
+    if tp is not None and tp.tensor_parallel_size > 1 and kind in ("Local", "DataParallel"):
+        return TENSOR_PARALLEL
+    if kind not in STRATEGIES:
+        raise ConfigError(
+            [("strategy.type", f"this version cannot run {kind!r}; valid: {', '.join(STRATEGIES)}")]
+        )
+    return kind
 
-        for item in effective_settings(job, resume=resume).ignored:
-            warnings.warn(str(item), IgnoredSettingWarning, stacklevel=2)
-    module = importlib.import_module(module_name)
-    summary: dict[str, Any] = module.run(job, resume=resume, overwrite=overwrite)
-    return summary
+
+def spec_for(job: JobConfig) -> ExecutorSpec:
+    """The spec of the executor that runs ``job`` (:func:`executor_name`)."""
+    spec: ExecutorSpec = importlib.import_module(_PACKAGES[executor_name(job)]).SPEC
+    return spec
+
+
+def is_tensor_parallel(job: JobConfig) -> bool:
+    """A Local or DataParallel job with ``tensor_parallel_size > 1``."""
+    return executor_name(job) == TENSOR_PARALLEL
+
+
+def check_supported(job: JobConfig) -> None:
+    """ConfigError unless ``job``'s task runs under its executor: one whose spec says
+    ``supports_tasks`` trains any Task through the one loop; the others train only the
+    default classification task."""
+    from ..task import is_default
+
+    if spec_for(job).supports_tasks or is_default(job):
+        return
+    name = executor_name(job)
+    kind = str(getattr(job.strategy, "type", "?"))
+    where = "tensor-parallel Local" if name == TENSOR_PARALLEL and kind == "Local" else kind
+    if job.task.factory is not None:
+        field, what = "task.factory", f"a task factory ({job.task.factory!r})"
+    elif job.task.name != "classification":
+        field, what = "task.name", f"task.name = {job.task.name!r}"
+    else:
+        field, what = "data.name", f"data.name = {job.data.name!r} (not a classification set)"
+    raise ConfigError([(field, f"{what} cannot run under {where} in this version: it trains "
+                               "only the classification task")])

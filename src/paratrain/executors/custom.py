@@ -24,9 +24,10 @@ from typing import Any
 
 from ..config import ConfigError
 from ..config.job import JobConfig
+from .spec import ExecutorSpec
 
-__all__ = ["register_coordinator", "registered_coordinators", "coordinator", "accepts_resume",
-           "import_plugins", "run"]
+__all__ = ["SPEC", "register_coordinator", "registered_coordinators", "coordinator",
+           "accepts_resume", "import_plugins", "run"]
 
 Coordinator = Callable[..., dict[str, Any]]
 _REGISTRY: dict[str, Coordinator] = {}
@@ -154,3 +155,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     if not isinstance(summary, dict):
         raise TypeError(f"coordinator {name!r} must return a dict summary (got {type(summary).__name__})")
     return summary
+
+
+# The coordinator runs in this process (it may start processes of its own).
+SPEC = ExecutorSpec(name="Custom", run=run, supports_tasks=False)

@@ -34,10 +34,9 @@ from ..training import (
 from ..training.loop import DataPlan, LocalEngine, Trainer, run_loop, summary_fields
 from ..training.rundir import RunFolder
 from ..training.stores import LocalStore
+from .spec import ExecutorSpec
 
-__all__ = ["run", "SUPPORTS_TASKS"]
-
-SUPPORTS_TASKS = True  # any Task, through the one loop
+__all__ = ["SPEC", "run"]
 
 
 def run(
@@ -102,3 +101,6 @@ def _train(
     write_summary(run_dir, summary)
     report.plot_curves(run_dir, title=f"{job.run.name} (Local)")
     return summary
+
+
+SPEC = ExecutorSpec(name="Local", run=run)  # one process; any Task, through the one loop

@@ -1,4 +1,4 @@
-"""Text of a :func:`paratrain.graph.explain.explain` report (``paratrain graph JOB``):
+"""Text of a :func:`paratrain.explain.explain` report (``paratrain graph JOB``):
 the nodes in execution order, the subgraphs, the values crossing workers and the
 parameters per worker, as aligned tables."""
 

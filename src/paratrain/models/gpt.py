@@ -6,7 +6,7 @@ dropout=0.0, tie_weights=True)`` is an ``nn.Sequential`` of
 - ``embed``: :class:`TokenPositionEmbedding` (token + learned position embedding, dropout),
 - ``block0`` .. ``block{n_layer-1}``: :class:`Block`, pre-norm
   ``x = x + drop(attn(ln1(x))); x = x + mlp(ln2(x))`` where ``attn`` is paratrain's causal
-  :class:`~paratrain.tensor_parallel.layers.SelfAttention` (``q``/``k``/``v``/``o`` and
+  :class:`~paratrain.models.attention.SelfAttention` (``q``/``k``/``v``/``o`` and
   ``num_heads``: ``parallelize`` splits its heads) and ``mlp`` an ``nn.Sequential``
   ``fc -> GELU -> proj -> Dropout`` (a Linear pair: column- then row-parallel),
 - ``ln_f``: the final ``LayerNorm``,
@@ -35,7 +35,7 @@ import torch.fx
 from torch import nn
 
 from ..config import ConfigError
-from ..tensor_parallel.layers import SelfAttention
+from .attention import SelfAttention
 
 __all__ = ["gpt", "TokenPositionEmbedding", "Block", "LMHead"]
 

@@ -5,8 +5,8 @@ job's ``[task]`` section (:mod:`.builtin`), a user's comes from ``[task] factory
 "module:function"`` (called with the section's extra keys) or, in Python, as an object:
 ``paratrain.fit(task=my_task)``.
 
-An executor that trains any task says so with ``SUPPORTS_TASKS = True``
-(:func:`paratrain.dispatch.check_supported`).
+An executor that trains any task says so in its spec (``ExecutorSpec.supports_tasks``,
+:func:`paratrain.executors.check_supported`).
 """
 
 from __future__ import annotations
@@ -74,14 +74,13 @@ def _one_line(msg: str, limit: int = 300) -> str:
 def preflight_task(job: JobConfig) -> Any:
     """What ``paratrain validate`` checks for a non-default task before a run: the task
     resolves, its datasets load, its model builds and runs on two training examples, the
-    loss of that batch is a finite scalar, and the optimizer builds. Returns an object with
-    ``train`` and ``test``."""
+    loss of that batch is a finite scalar. Returns an object with ``train``, ``test`` and
+    the built ``model`` (:mod:`paratrain.preflight` builds the optimizer over it: the
+    optimizers are :mod:`paratrain.training`'s, a floor above the tasks)."""
     import math
     from types import SimpleNamespace
 
     import torch
-
-    from ..training import build_optimizer
 
     task = resolve_task(job)
     field = "task.factory" if job.task.factory is not None else "data"
@@ -114,5 +113,4 @@ def preflight_task(job: JobConfig) -> Any:
                                                f"training examples: {type(e).__name__}: {e}"))]) from None
     if not math.isfinite(value):
         raise ConfigError([("model", f"the task's loss on two training examples is {value}")])
-    build_optimizer(model.parameters(), job.train.optimizer)
-    return SimpleNamespace(train=train, test=test)
+    return SimpleNamespace(train=train, test=test, model=model)

@@ -5,6 +5,21 @@
   ParameterServer, Decentralized gossip, with or without compression.
 """
 
-from .runner import run, shard_indices, train_replica, worker_main
+from __future__ import annotations
 
-__all__ = ["run", "worker_main", "train_replica", "shard_indices"]
+from typing import Any
+
+from ...config.job import JobConfig
+from ..spec import ExecutorSpec
+from .runner import run, shard_indices, train_replica, validate, worker_main
+
+__all__ = ["SPEC", "run", "worker_main", "train_replica", "shard_indices"]
+
+
+def _processes(job: JobConfig) -> tuple[int, str]:
+    strategy: Any = job.strategy
+    return int(strategy.num_replicas), "strategy.num_replicas"
+
+
+SPEC = ExecutorSpec(name="DataParallel", run=run, worker=worker_main, processes=_processes,
+                    validate=validate)

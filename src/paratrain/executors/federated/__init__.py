@@ -1,7 +1,7 @@
 """Federated strategy (DESIGN §4): a server (rank 0) and ``num_clients`` logical clients
 hosted many-per-worker, with every aggregation, selection, non-IID partitioning,
 compressed updates, faults and resume. Trains any :class:`~paratrain.task.Task`
-(``SUPPORTS_TASKS``): each client through the one loop's ``Trainer`` over its partition of
+(``SPEC.supports_tasks``): each client through the one loop's ``Trainer`` over its partition of
 the task's training set (``speaker``: one speaking role per client, LEAF Shakespeare), the
 server evaluates with the task's metrics.
 
@@ -17,11 +17,10 @@ import torch
 
 from ...comm.context import WorkerContext, default_workers
 from ...config.job import JobConfig
+from ..spec import ExecutorSpec
 from .runner import worker_main
 
-__all__ = ["run", "run_in_process", "worker_main", "num_workers", "SUPPORTS_TASKS"]
-
-SUPPORTS_TASKS = True  # any Task: clients train through training.loop.Trainer
+__all__ = ["SPEC", "run", "run_in_process", "worker_main", "num_workers"]
 
 
 def num_workers(job: JobConfig) -> int:
@@ -80,3 +79,11 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
             return run_in_process(job, resume=resume)
         out: dict[str, Any] = launch(job, nprocs=n, resume=resume)
     return out
+
+
+def _processes(job: JobConfig) -> tuple[int, str]:
+    return num_workers(job), "run.num_workers"
+
+
+# any Task: clients train through training.loop.Trainer
+SPEC = ExecutorSpec(name="Federated", run=run, worker=worker_main, processes=_processes)

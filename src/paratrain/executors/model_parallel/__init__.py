@@ -7,6 +7,20 @@
 - :mod:`.runner`: validation, launch and a rank's run (``worker_main``).
 """
 
-from .runner import run, worker_main
+from __future__ import annotations
 
-__all__ = ["run", "worker_main"]
+from ...config.job import JobConfig
+from ..spec import ExecutorSpec
+from .runner import num_workers, run, validate, worker_main
+
+__all__ = ["SPEC", "run", "worker_main"]
+
+
+def _processes(job: JobConfig) -> tuple[int, str]:
+    field = ("workers" if job.workers else "run.num_workers" if job.run.num_workers
+             else "strategy.partitions")
+    return num_workers(job), field
+
+
+SPEC = ExecutorSpec(name="ModelParallel", run=run, worker=worker_main, processes=_processes,
+                    validate=validate)

@@ -8,6 +8,19 @@
 - :mod:`.runner`: launch, the exploit/explore rounds, checkpoints.
 """
 
-from .runner import run, worker_main
+from __future__ import annotations
 
-__all__ = ["run", "worker_main"]
+from ...config.job import JobConfig
+from ..spec import ExecutorSpec
+from .hyperparams import validate_job
+from .runner import num_workers, run, worker_main
+
+__all__ = ["SPEC", "run", "worker_main"]
+
+
+def _processes(job: JobConfig) -> tuple[int, str]:
+    return num_workers(job), "run.num_workers"
+
+
+SPEC = ExecutorSpec(name="PopulationBased", run=run, worker=worker_main, processes=_processes,
+                    validate=validate_job)

@@ -74,13 +74,7 @@ from .member import MemberRunner
 from .pbt import PopulationState, ancestry, lineage_json
 from .report import plot_population
 
-__all__ = ["run", "worker_main", "validate", "num_workers", "population_path", "latest_population",
-           "SUPPORTS_TASKS"]
-
-SUPPORTS_TASKS = True  # any Task: each member trains through the one loop's Trainer
-
-# ``paratrain validate`` can call this: the checks that need the model/data factories.
-validate = validate_job
+__all__ = ["run", "worker_main", "num_workers", "population_path", "latest_population"]
 
 _NOT_TEST = frozenset({"train_loss", "steps", "batch_size"})  # member metrics not of the test set
 _POP = re.compile(r"^population-(\d{6})\.pt$")

@@ -35,9 +35,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..config import ConfigError
-from .render import render  # re-exported: the report's text
-from .trace import module_of, trace
+from .config import ConfigError
+from .graph.render import render  # re-exported: the report's text
+from .graph.trace import module_of, trace
 
 __all__ = ["explain", "explain_file", "render"]
 
@@ -50,8 +50,8 @@ def _type(strategy: Any) -> str:
 
 def _build(job: Any) -> tuple[nn.Module, Any]:
     """The job's model and training set, as the executors build them (seeded)."""
-    from ..task import resolve_task
-    from ..training import seed_everything
+    from .task import resolve_task
+    from .training import seed_everything
 
     seed_everything(job.run.seed)
     task = resolve_task(job)
@@ -116,7 +116,7 @@ def _propagate(gm: fx.GraphModule, job: Any, train: Any) -> str | None:
     when it could not run (shapes are then left out)."""
     from torch.fx.passes.shape_prop import ShapeProp
 
-    from ..task import fetch_batch
+    from .task import fetch_batch
 
     try:
         rows = max(1, min(int(job.train.batch_size), len(train)))
@@ -137,7 +137,7 @@ def _output_nodes(module: fx.GraphModule, count: int) -> list[fx.Node | None]:
 
 
 def _claims(job: Any, workers: list[Any]) -> dict[str, int]:
-    from ..comm.workers import resolve_rank
+    from .comm.workers import resolve_rank
 
     claims: dict[str, int] = {}
     for i, part in enumerate(job.strategy.partitions):
@@ -154,7 +154,7 @@ def _origin(job: Any, gm: fx.GraphModule, plan: Any,
 
     The cut is made again over ``gm`` with every node tagged by its name (fx copies node
     meta into the parts); used only when it has the plan's parts exactly."""
-    from .partition import cut
+    from .graph.partition import cut
 
     for n in gm.graph.nodes:
         n.meta[_ORIG] = n.name
@@ -185,7 +185,7 @@ def _origin(job: Any, gm: fx.GraphModule, plan: Any,
 def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) -> dict[str, Any]:
     """The report of ``job``'s graph (see the module docstring). ``model``: the job's model
     already built (else built here); the job's ``run.imports`` must already be imported."""
-    from ..subgraphs import check_pairings, check_paths, effective_strategy
+    from .subgraphs import check_pairings, check_paths, effective_strategy
 
     check_pairings(job)
     train = None
@@ -207,12 +207,13 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
     replicas: Any = None
     workers: list[Any] = []
     if kind == "ModelParallel":
-        from ..comm.context import default_workers
-        from ..executors.model_parallel.runner import num_workers, plan_for
+        from .comm.context import default_workers
+        from .executors import spec_for
+        from .executors.model_parallel.runner import plan_for
 
-        workers = default_workers(num_workers(job), list(job.workers))
+        workers = default_workers(spec_for(job).processes(job)[0], list(job.workers))
         plan = plan_for(job, model, workers)
-        from ..executors.model_parallel.replicas import replicas_for
+        from .executors.model_parallel.replicas import replicas_for
 
         replicas = replicas_for(job, plan, len(workers), workers)
     worker_id = {int(w.rank): str(w.id) for w in workers}
@@ -378,8 +379,8 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
 
 def explain_file(path: str | Path, *, shapes: bool = True) -> dict[str, Any]:
     """Load the job file (and its ``run.imports``, relative to its folder); its report."""
-    from ..config.job import load_job
-    from ..executors.custom import import_plugins
+    from .config.job import load_job
+    from .executors.custom import import_plugins
 
     job = load_job(path)
     try:
