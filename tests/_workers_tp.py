@@ -388,10 +388,11 @@ def suite_2(ctx: WorkerContext) -> dict[str, Any]:
                                                      memory_optimization="High")
     from paratrain.comm.tp import comm as tp_comm
 
-    saved = dict(tp_comm._NATIVE)  # the fallbacks for backends without flat collectives
-    tp_comm._NATIVE.update(all_gather=False, reduce_scatter=False)
+    saved = dict(tp_comm._FLAT)  # the fallbacks for backends without flat collectives
+    tp_comm._FLAT.update({("all_gather", "gloo"): False, ("reduce_scatter", "gloo"): False})
     out["parity"]["encoder/ReduceScatter/fallback"] = parity("encoder", "ReduceScatter", tp)
-    tp_comm._NATIVE.update(saved)
+    tp_comm._FLAT.clear()
+    tp_comm._FLAT.update(saved)
     for kind in ["mlp", "attn"]:
         out["dtensor"][kind] = dtensor_parity(kind, tp)
     out["wrong"] = wrong_variant(tp)

@@ -42,32 +42,59 @@ __all__ = ["PATTERNS", "TPComm"]
 PATTERNS = ("AllReduce", "AllGather", "ReduceScatter", "PointToPoint", "Hierarchical")
 
 
-# Newer torch names these ``*_single``; older ones ``*_tensor``; older gloo builds have
-# neither collective, so the fallbacks below use list all-gather / all-reduce + slice.
+# Newer torch names these ``*_single``; older ones ``*_tensor``; a torch without either
+# name, or a backend that lacks the flat form (older gloo has no reduce_scatter), uses the
+# list all-gather / all-reduce + slice fallbacks below.
 _AG = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
 _RS = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
-_NATIVE = {"all_gather": _AG is not None, "reduce_scatter": _RS is not None}
+_FLAT_FNS = {"all_gather": _AG, "reduce_scatter": _RS}
+# (op, backend) -> whether that backend has the flat collective: decided once per process,
+# by a call of known-good shapes (:func:`_probe_flat`), never by a failing real call, so a
+# real error of a collective (wrong shapes, a dead peer, a timeout) always reaches the caller.
+_FLAT: dict[tuple[str, str], bool] = {}
+_UNSUPPORTED = ("does not support", "not supported", "not implemented", "unsupported")
+
+
+def _probe_flat(op: str, like: torch.Tensor, group: Any) -> bool:
+    """Whether ``group``'s backend implements the flat ``op``: one call with one element
+    per rank; only a "not supported" answer means no (any other error is raised). Every
+    rank reaches it at the same collective (its first use of ``op``), so it is matched."""
+    fn = _FLAT_FNS[op]
+    if fn is None:
+        return False
+    p = dist.get_world_size(group)
+    small = torch.zeros(1 if op == "all_gather" else p, dtype=like.dtype, device=like.device)
+    out = torch.empty(p if op == "all_gather" else 1, dtype=like.dtype, device=like.device)
+    try:
+        fn(out, small, group=group)
+    except NotImplementedError:
+        return False
+    except RuntimeError as e:
+        if any(w in str(e).lower() for w in _UNSUPPORTED):
+            return False
+        raise
+    return True
+
+
+def _has_flat(op: str, like: torch.Tensor, group: Any) -> bool:
+    key = (op, str(dist.get_backend(group)))
+    if key not in _FLAT:
+        _FLAT[key] = _probe_flat(op, like, group)
+    return _FLAT[key]
 
 
 def _all_gather_flat(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool) -> Any:
     """``out`` = concatenation of every rank's ``x`` along dim 0."""
-    if _NATIVE["all_gather"]:
-        try:
-            return _AG(out, x, group=group, async_op=async_op)  # type: ignore[misc]
-        except (RuntimeError, NotImplementedError):  # backend without the flat form
-            _NATIVE["all_gather"] = False
+    if _has_flat("all_gather", x, group):
+        return _AG(out, x, group=group, async_op=async_op)  # type: ignore[misc]
     parts = list(out.chunk(dist.get_world_size(group)))
-    work = dist.all_gather(parts, x, group=group, async_op=async_op)
-    return work
+    return dist.all_gather(parts, x, group=group, async_op=async_op)
 
 
 def _reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
     """``out`` = this rank's chunk (dim 0) of the sum of every rank's ``inp``."""
-    if _NATIVE["reduce_scatter"]:
-        try:
-            return _RS(out, inp, group=group, async_op=async_op)  # type: ignore[misc]
-        except (RuntimeError, NotImplementedError):  # e.g. gloo without reduce_scatter
-            _NATIVE["reduce_scatter"] = False
+    if _has_flat("reduce_scatter", inp, group):
+        return _RS(out, inp, group=group, async_op=async_op)  # type: ignore[misc]
     full = inp.clone()
     dist.all_reduce(full, group=group)
     out.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
