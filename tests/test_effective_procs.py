@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from paratrain.cli import main
-from paratrain.config.effective import effective_settings, probe_tp
 from paratrain.config.job import load_job
+from paratrain.dispatch import effective_settings
+from paratrain.executors.tensor_parallel.ignored import probe_tp
 from test_effective_settings import DP, FED, MP, PBT
 
 LM = {"task": {"name": "language_model", "block_size": 16},

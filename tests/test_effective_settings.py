@@ -14,9 +14,9 @@ import pytest
 from paratrain.cli import main
 from paratrain.config import ConfigError, load_compression, load_strategy
 from paratrain.config._base import unknown_keys
-from paratrain.config.effective import IgnoredSettingWarning, effective_settings
+from paratrain.config.effective import IgnoredSettingWarning
 from paratrain.config.job import load_job
-from paratrain.dispatch import execute
+from paratrain.dispatch import effective_settings, execute
 from paratrain.executors import register_coordinator
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -200,7 +200,7 @@ def test_validate_reports_bad_keys_and_pairings(tmp_path: Any, capsys: Any) -> N
 
 
 def test_unknown_keys_in_a_subgraph_table_are_reported_as_ignored() -> None:
-    from paratrain.config.effective import effective_settings
+    from paratrain.dispatch import effective_settings
 
     job = load_job({"strategy": FED, "subgraphs": {"head": {"type": "Local", "colour": 1}}})
     fields = [i.field for i in effective_settings(job, probe=False).ignored]

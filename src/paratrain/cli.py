@@ -34,8 +34,8 @@ def _print_problems(lines: list[str]) -> None:
 def _cmd_validate(args: argparse.Namespace) -> int:
     """Errors exit 2; settings the job sets but its run ignores are printed as
     ``PATH: warning: FIELD ignored: REASON`` lines (stderr) and keep exit 0."""
-    from .config.effective import effective_settings
     from .config.job import load_job
+    from .dispatch import effective_settings
     from .executors.custom import import_plugins
     from .preflight import preflight
 
@@ -165,6 +165,23 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    """Write a finished run's model (one state_dict under the model's own names) to --out."""
+    from .training.export import export_model
+
+    out = args.out or f"{Path(args.run).resolve().name}.safetensors"
+    try:
+        if args.out is None and Path(out).exists():
+            raise ConfigError([("--out", f"{out} exists; name the file to write with --out")])
+        path = export_model(args.run, out, client=args.client)
+    except ConfigError as e:
+        _print_problems(_problems(e, args.run))
+        return EXIT_USAGE
+    if not args.quiet:
+        print(path)
+    return EXIT_OK
+
+
 def _version() -> str:
     """The installed package's version (its metadata), or "unknown" when not installed."""
     from importlib.metadata import PackageNotFoundError, version
@@ -204,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("job")
     g.add_argument("--json", action="store_true", help="the report as JSON")
     g.set_defaults(fn=_cmd_graph)
+
+    e = sub.add_parser("export", help="write a finished run's model as one state_dict under the "
+                                       "model's own names (.safetensors or .pt)")
+    e.add_argument("run", help="the run folder (runs/<name>)")
+    e.add_argument("--out", help="model.safetensors or model.pt (default: ./<run name>.safetensors)")
+    e.add_argument("--client", type=int, help="Federated: this client's model with its personal parts")
+    e.add_argument("-q", "--quiet", action="store_true")
+    e.set_defaults(fn=_cmd_export)
 
     s = sub.add_parser("schema", help="print the JSON Schema of the job file")
     s.add_argument("what", nargs="?", choices=["job", "strategy", "compression"], default="job")

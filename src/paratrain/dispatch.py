@@ -14,6 +14,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .config import effective as _job_rules
+from .config.effective import Effective
 from .config.job import JobConfig
 from .executors import (
     TENSOR_PARALLEL,
@@ -23,7 +25,7 @@ from .executors import (
     spec_for,
 )
 
-__all__ = ["execute", "spec_for", "executor_name", "is_tensor_parallel", "check_supported",
+__all__ = ["execute", "effective_settings", "spec_for", "executor_name", "is_tensor_parallel", "check_supported",
            "TENSOR_PARALLEL"]
 
 
@@ -36,8 +38,8 @@ def execute(
     ``overwrite`` (replace it) or ``resume`` (continue it).
 
     ``job_dir`` (the job file's folder) anchors relative ``run.imports`` paths.
-    Settings the run ignores (:func:`paratrain.config.effective.effective_settings`) are
-    warned about once, by the launching process (rank 0 under torchrun)."""
+    Settings the run ignores (:func:`effective_settings`) are warned about once, by the
+    launching process (rank 0 under torchrun)."""
     from .preflight import preflight
 
     # Every check before training, the same `paratrain validate` makes (imports the
@@ -46,8 +48,20 @@ def execute(
     preflight(job, job_dir=job_dir, warn=launcher)
     spec = spec_for(job)
     if launcher:
-        from .config.effective import IgnoredSettingWarning, effective_settings
-
         for item in effective_settings(job, resume=resume).ignored:
-            warnings.warn(str(item), IgnoredSettingWarning, stacklevel=2)
+            warnings.warn(str(item), _job_rules.IgnoredSettingWarning, stacklevel=2)
     return spec.run(job, resume=resume, overwrite=overwrite)
+
+
+def effective_settings(job: JobConfig, *, resume: bool = False, probe: bool = True) -> Effective:
+    """What ``job`` runs with and every setting it sets that the run ignores: the rules the
+    job alone tells (:func:`paratrain.config.effective.effective_settings`), then its
+    executor's own (``ExecutorSpec.ignores``; ``probe`` lets them build the model, e.g. the
+    tensor-parallel ``memory_optimization`` / ``fusion_threshold_bytes`` checks)."""
+    base = _job_rules.effective_settings(job, resume=resume)
+    hook = spec_for(job).ignores
+    if hook is None:
+        return base
+    extra = hook(job, resume=resume, probe=probe)
+    return Effective(settings={**base.settings, **extra.settings},
+                     ignored=[*base.ignored, *extra.ignored])

@@ -1,12 +1,16 @@
 """What a job will actually run with, and what it sets that the run ignores.
 
-:func:`effective_settings` is the one place that knows which sections and fields each
-strategy reads. ``paratrain validate`` prints its ``ignored`` list as warnings and
-``paratrain run`` (:func:`paratrain.executors.execute`) warns once per run, so a setting
-that does nothing is never accepted silently. Only what the user set is reported: a
-field counts as set when it is in ``model_fields_set`` (given explicitly) and differs from
-its default, so defaults never produce a warning, nor does a job dumped in full (e.g.
-``runs/<name>/job.json``, where every field is explicit).
+:func:`effective_settings` knows, from the job alone, which sections and fields each
+strategy reads; what only an executor's code can tell (the model it builds, a Custom
+coordinator's signature) is that executor's ``ExecutorSpec.ignores``, and
+:func:`paratrain.dispatch.effective_settings` is the whole report: ``paratrain validate``
+prints its ``ignored`` list as warnings and ``paratrain run``
+(:func:`paratrain.dispatch.execute`) warns once per run, so a setting that does nothing is
+never accepted silently. This module is on the contract's floor and imports nothing above
+it. Only what the user set is reported: a field counts as set when it is in
+``model_fields_set`` (given explicitly) and differs from its default, so defaults never
+produce a warning, nor does a job dumped in full (e.g. ``runs/<name>/job.json``, where
+every field is explicit).
 
 What is ignored, by strategy (``Custom`` excepted: its coordinator receives the whole
 job, so every section is available to it and none is reported):
@@ -18,10 +22,9 @@ job, so every section is available to it and none is reported):
 - ``[tensor_parallel]``: read by Local/DataParallel with ``tensor_parallel_size > 1``;
   size 1 runs no tensor parallelism, and ModelParallel/Federated/PopulationBased never do.
   On a tensor-parallel run: ``BlockWise`` with a non-square size runs ``ColumnWise``;
-  a ``memory_optimization`` level that checkpoints the same segments as another level on
-  this model (and ``Extreme`` without an accelerator, whose offload does nothing) is
-  reported; so is ``fusion_threshold_bytes`` when the model has no attention (no q/k/v
-  fusion) and the layout reduces no gradients over the TP or DP group.
+  ``memory_optimization`` and ``fusion_threshold_bytes`` without effect on the job's model
+  are the tensor-parallel executor's to report
+  (:mod:`paratrain.executors.tensor_parallel.ignored`).
 - ``train.epochs``/``eval_every``/``max_steps``/``batch_size`` and ``run.checkpoint_every``:
   Federated counts ``strategy.rounds`` of ``[federated]`` local training, evaluates and
   checkpoints every round; PopulationBased budgets by generation (``[population]``) and
@@ -30,7 +33,8 @@ job, so every section is available to it and none is reported):
   PopulationBased.
 - ``run.max_restarts``/``num_workers``/``backend``, ``[[workers]]`` and ``[comm]`` where
   the strategy's processes do not read them (:mod:`.effective_procs`).
-- ``--resume`` for a Custom coordinator that takes no ``resume`` keyword.
+- ``--resume`` for a Custom coordinator that takes no ``resume`` keyword (the Custom
+  executor's spec: :mod:`paratrain.executors.custom`).
 - Krum ``num_malicious``/``to_keep`` beyond what the clients per round allow (the
   aggregator clamps them; the effective values are given).
 - Keys inside ``[strategy]``/``[compression]``/``[tensor_parallel]`` that the contract
@@ -40,19 +44,18 @@ job, so every section is available to it and none is reported):
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from ._base import Contract, unknown_keys
-from .strategy import Custom, DataParallel, Federated, Krum
+from .strategy import Federated, Krum
 
 if TYPE_CHECKING:
     from .job import JobConfig
 
-__all__ = ["Effective", "Ignored", "IgnoredSettingWarning", "effective_settings", "TPProbe", "probe_tp"]
+__all__ = ["Effective", "Ignored", "IgnoredSettingWarning", "effective_settings", "is_set"]
 
 
 class IgnoredSettingWarning(UserWarning):
@@ -78,25 +81,15 @@ class Effective:
     ignored: list[Ignored] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class TPProbe:
-    """The structure of a job's model once made tensor parallel (rank 0's view)."""
-
-    blocks: int  # checkpoint units (a block starts at a tensor-parallel unit)
-    attention: bool  # q/k/v projections whose input collective can be fused
-    tp_grad_sync: bool  # replicated parameters whose gradients are summed over TP
-    accelerator: bool  # saved-tensor offload (Extreme) has a device to free
-
-
-_LEVELS = ("None", "Low", "Medium", "High", "Extreme")
-
-
 def _set(model: BaseModel, name: str) -> bool:
     """``name`` was given explicitly and differs from its default."""
     if name not in model.model_fields_set:
         return False
     info = type(model).model_fields[name]
     return bool(getattr(model, name) != info.get_default(call_default_factory=True))
+
+
+is_set = _set  # the executors' own rules (ExecutorSpec.ignores) use it too
 
 
 def _set_fields(model: BaseModel) -> list[str]:
@@ -117,69 +110,6 @@ def _unknown(obj: Any, path: str, out: list[Ignored]) -> None:
             _unknown(item, f"{path}[{i}]", out)
 
 
-def probe_tp(job: JobConfig) -> TPProbe | None:
-    """Build the job's model through its Task (``[task]``, classification by default) and
-    shard it as rank 0 would, without processes (the same construction as the
-    tensor-parallel dry run). ``None`` when it cannot be built: that error is reported by
-    preflight (``paratrain validate`` and ``run``), which makes the same construction."""
-    try:
-        import torch
-
-        from ..comm.tp.comm import TPComm
-        from ..comm.tp.groups import TPGroups
-        from ..task import resolve_task
-        from ..tensor_parallel import TensorParallelModule
-        from ..tensor_parallel.layers import ParallelSelfAttention
-
-        cfg = job.tensor_parallel
-        assert cfg is not None
-        tp = cfg.tensor_parallel_size
-        task = resolve_task(job)  # the job's Task builds the model, as the run does
-        train, _ = task.datasets(job.run.seed)
-        model = task.build_model(job.model, train)
-        comm = TPComm(None, list(range(tp)), rank=0, pattern=cfg.communication_pattern.value)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            tpm = TensorParallelModule(model, cfg, TPGroups(comm, None, tp, 1, 0))
-        device = job.run.device
-        accel = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-        return TPProbe(
-            blocks=len(tpm.blocks),
-            attention=any(isinstance(m, ParallelSelfAttention) for m in tpm.modules()),
-            tp_grad_sync=bool(tpm._sp_params),
-            accelerator=accel,
-        )
-    except Exception:  # noqa: BLE001 - any failure here is reported by the real checks
-        return None
-
-
-def _segment_blocks() -> dict[str, int]:
-    from ..tensor_parallel.memory import SEGMENT_BLOCKS
-
-    return dict(SEGMENT_BLOCKS)
-
-
-def _memory_equivalents(level: str, probe: TPProbe) -> tuple[list[str], str]:
-    """The other levels that run exactly as ``level`` on this model, and why."""
-    seg = _segment_blocks()
-
-    def effect(lv: str) -> tuple[int, bool]:
-        k = seg[lv]
-        return (min(k, probe.blocks) if k else 0, lv == "Extreme" and probe.accelerator)
-
-    same = [lv for lv in _LEVELS if lv != level and effect(lv) == effect(level)]
-    k = seg[level]
-    if k == 0:
-        why = "no activation checkpointing"
-    else:
-        n = min(k, probe.blocks)
-        why = (f"the model has {probe.blocks} checkpoint block(s), so {level} checkpoints "
-               f"segments of {n} block(s)")
-        if level == "Extreme" and not probe.accelerator:
-            why += "; its host offload does nothing without an accelerator"
-    return same, why
-
-
 def _clients_per_round(s: Federated) -> int | None:
     sel = s.client_selection
     n = int(s.num_clients)
@@ -191,13 +121,9 @@ def _clients_per_round(s: Federated) -> int | None:
     return None  # ByCapability: depends on tags and worker placement
 
 
-def effective_settings(
-    job: JobConfig, *, resume: bool = False, probe: bool = True
-) -> Effective:
-    """The job's effective settings and the list of set-but-ignored ones.
-
-    ``probe`` allows building the model (tensor-parallel jobs that set
-    ``memory_optimization`` or ``fusion_threshold_bytes`` only) to judge those two fields.
+def effective_settings(job: JobConfig, *, resume: bool = False) -> Effective:
+    """The job's effective settings and the set-but-ignored ones that the job alone tells
+    (the whole report, executors' rules included: :func:`paratrain.dispatch.effective_settings`).
     """
     ignored: list[Ignored] = []
     s = job.strategy
@@ -206,7 +132,6 @@ def effective_settings(
     tp_size = tp.tensor_parallel_size if tp is not None else 1
     tp_active = tp is not None and tp_size > 1 and kind in ("Local", "DataParallel")
     custom = kind == "Custom"
-    dp = int(s.num_replicas) if isinstance(s, DataParallel) else 1
     settings: dict[str, Any] = {
         "strategy": kind,
         "executor": "TensorParallel" if tp_active else kind,
@@ -259,23 +184,6 @@ def effective_settings(
                 "tensor_parallel.partitioning_strategy",
                 f"BlockWise needs a square tensor_parallel_size for its g x g grid and "
                 f"{tp_size} is not one, so it runs ColumnWise"))
-        wants_mem = _set(tp, "memory_optimization")
-        wants_fuse = _set(tp, "fusion_threshold_bytes") and tp.fusion_threshold_bytes > 0
-        info = probe_tp(job) if probe and (wants_mem or wants_fuse) else None
-        if info is not None and wants_mem:
-            level = tp.memory_optimization.value
-            same, why = _memory_equivalents(level, info)
-            if same:
-                ignored.append(Ignored(
-                    "tensor_parallel.memory_optimization",
-                    f"{level} has the same effect as {' / '.join(same)} on this model: {why}"))
-        if info is not None and wants_fuse:
-            dp_coalesced = dp > 1 and not comp_used  # a compressed DP exchange replaces it
-            if not (info.attention or info.tp_grad_sync or dp_coalesced):
-                ignored.append(Ignored(
-                    "tensor_parallel.fusion_threshold_bytes",
-                    "nothing to fuse: the model has no attention q/k/v projections and this "
-                    "layout reduces no gradients over the tensor- or data-parallel group"))
     settings["tensor_parallel"] = tp_settings
 
     # --------------------------------------------------- train/run budget and cadence
@@ -328,17 +236,6 @@ def effective_settings(
         settings[section] = (getattr(job, section).model_dump(mode="json")
                              if kind == owner or custom else None)
     settings["search_space"] = sorted(job.search_space) if kind == "PopulationBased" or custom else None
-
-    # ------------------------------------------------------------ Custom and resume
-    if isinstance(s, Custom) and resume:
-        from ..executors.custom import accepts_resume, coordinator
-
-        fn = coordinator(s.coordinator)
-        if fn is not None and not accepts_resume(fn):
-            settings["resume"] = False
-            ignored.append(Ignored("--resume", f"coordinator {s.coordinator!r} takes no "
-                                   "'resume' keyword, so it cannot resume; add "
-                                   "'*, resume: bool = False' to its signature"))
 
     # ------------------------------------------------------------------------ Krum
     if isinstance(s, Federated) and isinstance(s.aggregation, Krum):

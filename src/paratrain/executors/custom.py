@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
+from ..config.effective import Effective, Ignored
 from ..config.job import JobConfig
 from .spec import ExecutorSpec
 
@@ -157,5 +158,16 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     return summary
 
 
+def _ignores(job: JobConfig, *, resume: bool = False, probe: bool = True) -> Effective:
+    """``--resume`` for a coordinator that takes no ``resume`` keyword (it runs fresh)."""
+    fn = coordinator(str(getattr(job.strategy, "coordinator", "")))
+    if not resume or fn is None or accepts_resume(fn):
+        return Effective(settings={})
+    name = getattr(job.strategy, "coordinator", None)
+    return Effective(settings={"resume": False}, ignored=[Ignored(
+        "--resume", f"coordinator {name!r} takes no 'resume' keyword, so it cannot resume; "
+                    "add '*, resume: bool = False' to its signature")])
+
+
 # The coordinator runs in this process (it may start processes of its own).
-SPEC = ExecutorSpec(name="Custom", run=run, supports_tasks=False)
+SPEC = ExecutorSpec(name="Custom", run=run, ignores=_ignores, supports_tasks=False)

@@ -10,6 +10,7 @@ from typing import Any
 
 from ...config.job import JobConfig
 from ..spec import ExecutorSpec
+from .ignored import ignores
 from .runner import run, validate, worker_main
 
 __all__ = ["SPEC", "run", "worker_main"]
@@ -24,4 +25,4 @@ def _processes(job: JobConfig) -> tuple[int, str]:
 
 
 SPEC = ExecutorSpec(name="TensorParallel", run=run, worker=worker_main, processes=_processes,
-                    validate=validate)
+                    validate=validate, ignores=ignores)
