@@ -18,7 +18,7 @@ from paratrain.comm.context import WorkerContext
 from paratrain.comm.stats import CommStats
 from paratrain.comm.tp.groups import build_tp_groups
 from paratrain.config import ConfigError, TensorParallelismConfig
-from paratrain.tensor_parallel import SelfAttention, TensorParallelModule, parallelize, train_step
+from paratrain.tensor_parallel import SelfAttention, TensorParallelModule, parallelize
 
 PATTERNS = ["AllReduce", "AllGather", "ReduceScatter", "PointToPoint", "Hierarchical"]
 _GROUPS: dict[tuple[int, str], Any] = {}
@@ -38,6 +38,27 @@ def _par(model: nn.Module, conf: TensorParallelismConfig) -> TensorParallelModul
     groups.tp.async_op = conf.async_communication
     groups.tp.fusion_threshold_bytes = conf.fusion_threshold_bytes
     return parallelize(model, conf, groups)
+
+
+class CrossEntropyTask:
+    """The loss of a classification task (all the engine's step needs of a Task)."""
+
+    @staticmethod
+    def loss(output: torch.Tensor, batch: Any) -> torch.Tensor:
+        return nn.functional.cross_entropy(output, batch[1])
+
+
+def engine_step(tpm: TensorParallelModule, x: torch.Tensor, y: torch.Tensor,
+                opt: torch.optim.Optimizer, *, micro_batches: int) -> float:
+    """One optimizer step of (x, y) the way a tensor-parallel job takes it: the one loop's
+    Trainer over the executor's TensorParallelEngine (micro-batches, gradient sync)."""
+    from paratrain.config.job import TrainConfig
+    from paratrain.executors.tensor_parallel.engine import TensorParallelEngine
+    from paratrain.training.loop import Trainer
+
+    engine = TensorParallelEngine(tpm, CrossEntropyTask(), None, device=torch.device("cpu"),
+                                  micro_batches=micro_batches)
+    return Trainer(engine, opt, TrainConfig(), total_steps=1).step([(x, y)])
 
 
 def dense_model(kind: str, seed: int = 0) -> nn.Module:
@@ -324,7 +345,7 @@ def grad_accum(tp: int, accumulate: bool, pattern: str = "ReduceScatter") -> dic
         memory_optimization="None"))
     opt = torch.optim.SGD(tpm.parameters(), lr=0.5)
     tpm.stats.reset()
-    loss = train_step(tpm, x, y, nn.functional.cross_entropy, opt, micro_batches=3)
+    loss = engine_step(tpm, x, y, opt, micro_batches=3)
     stats = tpm.statistics()
     # reference: dense full-batch SGD step
     ref = copy.deepcopy(dense)

@@ -266,9 +266,10 @@ def tp_dp_dead_layer(ctx: WorkerContext) -> dict[bool, dict[str, float]]:
     dead layer untouched."""
     import copy
 
+    from _workers_tp import engine_step
     from paratrain.comm.tp.groups import build_tp_groups
     from paratrain.config import TensorParallelismConfig
-    from paratrain.tensor_parallel import parallelize, train_step
+    from paratrain.tensor_parallel import parallelize
 
     torch.manual_seed(0)
     dense = TPNet()
@@ -291,8 +292,7 @@ def tp_dp_dead_layer(ctx: WorkerContext) -> dict[bool, dict[str, float]]:
         tpm = parallelize(copy.deepcopy(dense), conf, groups)
         opt = torch.optim.SGD(tpm.parameters(), **opt_args)
         for _ in range(3):
-            train_step(tpm, x[d * 8 : (d + 1) * 8], y[d * 8 : (d + 1) * 8],
-                       nn.functional.cross_entropy, opt, micro_batches=2)
+            engine_step(tpm, x[d * 8 : (d + 1) * 8], y[d * 8 : (d + 1) * 8], opt, micro_batches=2)
         full = tpm.dense_state_dict()
         out[accumulate] = {
             "live_diff": max(float((full[k] - p.detach()).abs().max())

@@ -13,7 +13,7 @@ from paratrain.data import load_data
 from paratrain.dispatch import execute, executor_name
 from paratrain.executors.tensor_parallel.runner import layout
 from paratrain.models import build_model
-from paratrain.training import evaluate
+from paratrain.task import evaluate, resolve_task
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -73,7 +73,7 @@ def test_two_d_job_trains_and_gathers_the_dense_model(dense_2d: tuple[object, di
     bundle = load_data(job.data, seed=job.run.seed)
     net = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
     net.load_state_dict(torch.load(s["dense_model"], weights_only=True))
-    ev = evaluate(net, bundle.test)
+    ev = evaluate(net, resolve_task(job), bundle.test)
     assert ev["accuracy"] == pytest.approx(s["test_accuracy"], abs=1e-9)
     assert ev["loss"] == pytest.approx(s["test_loss"], rel=1e-4)
     assert (tmp_path / "tensor_parallel_2d" / "summary.json").exists()

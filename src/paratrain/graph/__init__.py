@@ -2,11 +2,11 @@
 
 - :mod:`.trace`: any ``nn.Module`` as an fx graph whose node ids are module qualified names.
 - :mod:`.partition`: the graph cut into per-worker parts with the values that cross.
-- :mod:`.sequential`: the older view of an ``nn.Sequential`` as a chain of named nodes, and
-  :class:`Graph` (strategies attached to the root and to subgraphs).
+
+Strategies per module path (a job's ``[strategy]`` and ``[subgraphs]``, inherited from the
+nearest ancestor) are :mod:`paratrain.subgraphs`'s.
 """
 
-from .sequential import Graph, get_node, nodes, subgraphs
 from .trace import leaf, module_of, trace
 
-__all__ = ["Graph", "get_node", "nodes", "subgraphs", "leaf", "trace", "module_of"]
+__all__ = ["leaf", "trace", "module_of"]

@@ -17,12 +17,12 @@ from ..config import ConfigError
 from ..config.job import JobConfig
 from .builtin import TASKS, ClassificationTask, LanguageModelTask, RegressionTask, bigram_loss
 from .protocol import Task
-from .steps import evaluate, fetch_batch, train_step
+from .steps import evaluate, fetch_batch
 
 __all__ = [
     "Task", "TASKS", "ClassificationTask", "RegressionTask", "LanguageModelTask", "bigram_loss",
     "resolve_task", "check_task", "is_default", "preflight_task", "evaluate",
-    "fetch_batch", "train_step",
+    "fetch_batch",
 ]
 
 _REQUIRED = ("fitness_metric", "fitness_mode", "datasets", "build_model", "loss", "eval_batch",

@@ -1,4 +1,5 @@
-"""The task-generic loop pieces: gather a batch by indices, one optimizer step, evaluation.
+"""The task-generic loop pieces: gather a batch by indices, evaluation (the optimizer step
+is the one loop's :class:`paratrain.training.loop.Trainer`).
 
 No DataLoader: the order is the loop's (``epoch_permutation``), a batch is gathered here.
 For a ``TensorDataset`` the batch is ``tuple(t[idx] for t in tensors)``, exactly what the
@@ -7,7 +8,6 @@ classification loop always did, so its parameters stay bit-identical.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -16,7 +16,7 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from .protocol import Task
 
-__all__ = ["fetch_batch", "train_step", "evaluate", "DEFAULT_EVAL_BATCH"]
+__all__ = ["fetch_batch", "evaluate", "DEFAULT_EVAL_BATCH"]
 
 DEFAULT_EVAL_BATCH = 1024
 
@@ -41,16 +41,6 @@ def fetch_batch(dataset: Dataset[Any], idx: torch.Tensor,
     if device is not None:
         batch = tuple(t.to(device) for t in batch)
     return batch
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, task: Task,
-               batch: Sequence[torch.Tensor]) -> float:
-    """Forward on ``batch[0]``, the task's loss, backward, step. Returns the batch loss."""
-    optimizer.zero_grad(set_to_none=True)
-    loss = task.loss(model(batch[0]), batch)
-    loss.backward()
-    optimizer.step()
-    return float(loss.detach())
 
 
 @torch.no_grad()

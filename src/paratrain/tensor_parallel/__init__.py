@@ -48,7 +48,6 @@ from .partition import (
     split_sizes,
     validate_world,
 )
-from .train import train_step
 
 __all__ = [
     "ActivationMeter",
@@ -70,6 +69,5 @@ __all__ = [
     "partition_shape",
     "register_custom_partitioner",
     "split_sizes",
-    "train_step",
     "validate_world",
 ]

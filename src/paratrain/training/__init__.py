@@ -1,8 +1,7 @@
-"""The loop pieces every executor shares: seeding, optimizers, evaluation,
+"""The loop pieces every executor shares: seeding, optimizers,
 checkpoints, run folders, metrics, progress and reports."""
 
 from . import checkpoint, report
-from .evaluate import evaluate
 from .loop import epoch_permutation, parameters_digest, resolve_device
 from .optim import build_optimizer
 from .progress import progress_bar
@@ -10,7 +9,7 @@ from .rundir import MetricsWriter, prepare_run_dir, read_metrics, write_summary
 from .seed import rng_state, seed_everything, set_rng_state
 
 __all__ = [
-    "checkpoint", "report", "evaluate", "epoch_permutation", "resolve_device", "parameters_digest", "build_optimizer", "progress_bar", "MetricsWriter",
+    "checkpoint", "report", "epoch_permutation", "resolve_device", "parameters_digest", "build_optimizer", "progress_bar", "MetricsWriter",
     "prepare_run_dir", "read_metrics", "write_summary", "rng_state", "seed_everything",
     "set_rng_state",
 ]
