@@ -329,7 +329,7 @@ def test_every_strategy_trains_any_task_and_a_module_that_does_not_is_refused(
     from paratrain.executors import data_parallel
 
     for package in ("local", "data_parallel", "model_parallel", "federated", "population_based",
-                    "tensor_parallel"):  # not custom: a coordinator receives the whole job
+                    "tensor_parallel", "custom"):  # custom: a coordinator receives the whole job
         assert importlib.import_module(f"paratrain.executors.{package}").SPEC.supports_tasks, package
     dp = {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}}
     # an executor that trains only classification

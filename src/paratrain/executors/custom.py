@@ -1,8 +1,9 @@
 """Custom: user coordinators registered by name (``@register_coordinator("name")``).
 
 A coordinator is ``fn(job: JobConfig, config: JSON) -> dict`` (the summary). It receives
-the whole job, so every section (``[compression]``, ``[tensor_parallel]``, ``[train]``,
-``[federated]``, ...) is the coordinator's to use. One that declares a ``resume`` keyword
+the whole job, so every section (``[task]``, ``[compression]``, ``[tensor_parallel]``,
+``[train]``, ``[federated]``, ...) is the coordinator's to use: any task runs under Custom
+(preflight checks that the task builds, as for every strategy). One that declares a ``resume`` keyword
 (``fn(job, config, *, resume=False)``, or ``**kwargs``) is told about ``--resume``; one
 without it is called as before (and ``--resume`` is reported as ignored). A job whose
 strategy is ``{"type":"Custom","coordinator":name,"config":...}`` runs it; modules listed
@@ -169,5 +170,6 @@ def _ignores(job: JobConfig, *, resume: bool = False, probe: bool = True) -> Eff
                     "add '*, resume: bool = False' to its signature")])
 
 
-# The coordinator runs in this process (it may start processes of its own).
-SPEC = ExecutorSpec(name="Custom", run=run, ignores=_ignores, supports_tasks=False)
+# The coordinator runs in this process (it may start processes of its own); it receives
+# the whole job, [task] included, so any task is its to train.
+SPEC = ExecutorSpec(name="Custom", run=run, ignores=_ignores)
