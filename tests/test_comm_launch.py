@@ -11,6 +11,7 @@ from paratrain.comm.launch import launch
 from paratrain.comm.worker_errors import WorkerError, reraise_worker_failure
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
+from paratrain.executors.entry import worker_entry
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -34,7 +35,7 @@ def test_launch_two_processes_group_store_and_workers(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(testing_mod, "free_port", no_picking)
     before = signal.getsignal(signal.SIGINT)
-    out = launch(_job(), nprocs=2, target="_workers_dp:launch_probe")
+    out = launch(_job(), nprocs=2, entry=worker_entry, target="_workers_dp:launch_probe")
     # The elastic agent's SIGINT handler is gone again: Ctrl-C is a KeyboardInterrupt.
     assert signal.getsignal(signal.SIGINT) is before
     assert out["rank"] == 0 and out["world_size"] == 2
@@ -47,7 +48,7 @@ def test_launch_two_processes_group_store_and_workers(monkeypatch: pytest.Monkey
 
 def test_worker_error_surfaces_root_cause(tmp_path: Path) -> None:
     with pytest.raises(WorkerError, match="boom from rank one: bad shard 42") as info:
-        launch(_job(output_dir=str(tmp_path)), nprocs=2, target="_workers_dp:launch_fail")
+        launch(_job(output_dir=str(tmp_path)), nprocs=2, entry=worker_entry, target="_workers_dp:launch_fail")
     assert info.value.rank == 1 and info.value.signal is None
     # The traceback is in the failed worker's log, and the one-line summary says where.
     log = tmp_path / "launch-test" / "worker-1.log"
@@ -98,7 +99,7 @@ def test_torchrun_env_runs_in_process_and_checks_world_size(monkeypatch: pytest.
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     with pytest.raises(ConfigError, match="WORLD_SIZE=1"):
-        launch(_job(), nprocs=2, target="_workers_dp:launch_probe")
+        launch(_job(), nprocs=2, entry=worker_entry, target="_workers_dp:launch_probe")
 
 
 def test_a_killed_worker_is_the_cause_not_the_peer_that_lost_it(

@@ -2,8 +2,8 @@
 
 ``import torch`` costs about 3 s of CPU in every process ``spawn`` starts, so a 4-rank
 launch on 2 cores spent ~6 s importing before any work. :func:`context` returns the
-``multiprocessing`` *forkserver* context with torch (and paratrain's worker modules)
-preloaded: the server is one single-threaded process started on the first launch; every
+``multiprocessing`` *forkserver* context with torch (and the caller's worker entry module,
+``preload``) preloaded: the server is one single-threaded process started on the first launch; every
 worker after that is a ``fork()`` of it, with torch already imported and no thread pool
 yet created (torch's intra-op threads start lazily, in the child), so forking is safe.
 
@@ -29,13 +29,14 @@ import multiprocessing.reduction as reduction
 import os
 import pickle
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["PRELOAD", "ParentState", "context", "dumps", "loads"]
 
-# Imported once by the server, inherited by every worker.
-PRELOAD = ["torch", "torch.distributed", "numpy", "paratrain.worker"]
+# Imported once by the server, inherited by every worker (with the caller's ``preload``).
+PRELOAD = ["torch", "torch.distributed", "numpy"]
 
 # The per-rank environment torch's elastic agent sets in each worker (on top of ours).
 _LAUNCHER_KEYS = frozenset({
@@ -45,10 +46,12 @@ _LAUNCHER_KEYS = frozenset({
 })
 
 
-def context() -> Any:
-    """The forkserver context, its server preloading :data:`PRELOAD` (set before the
-    server's first start; a server already running keeps what it has)."""
-    multiprocessing.set_forkserver_preload(PRELOAD)
+def context(preload: Sequence[str] = ()) -> Any:
+    """The forkserver context, its server preloading :data:`PRELOAD` and ``preload`` (the
+    module of the function the workers run, given by the caller: ``comm`` names no module
+    above it; set before the server's first start, a server already running keeps what it
+    has)."""
+    multiprocessing.set_forkserver_preload([*PRELOAD, *preload])
     return multiprocessing.get_context("forkserver")
 
 

@@ -1,13 +1,15 @@
 """Start the worker processes of a job: torch's elastic launcher, or torchrun's environment.
 
-``launch(job, nprocs=N)`` runs ``paratrain.worker:worker_entry`` in N processes through
+``launch(job, nprocs=N, entry=..., target=...)`` runs the caller's ``entry`` (the executors
+pass :func:`paratrain.executors.entry.worker_entry`, ``comm`` imports nothing above it) as
+``entry(job_json, resume, target, parent)`` in N processes through
 :func:`torch.distributed.launcher.api.elastic_launch` (the engine inside ``torchrun``)
 with the rendezvous of :func:`paratrain.comm.rendezvous.launch_config`
 (``nproc_per_node=N``, ``max_restarts=job.run.max_restarts``, ``start_method="forkserver"``: workers fork from a server that imported torch once,
 see :mod:`paratrain.comm.forkserver`).
-Every process joins the default process group (:mod:`paratrain.comm.process`), builds a
-:class:`~paratrain.comm.context.WorkerContext` and calls the strategy's
-``worker_main(ctx, job, resume)``. After a worker failure the elastic agent restarts the
+With the executors' entry, every process joins the default process group
+(:mod:`paratrain.comm.process`), builds a :class:`~paratrain.comm.context.WorkerContext`
+and calls ``target(ctx, job, resume)`` (the strategy's ``worker_main``). After a worker failure the elastic agent restarts the
 whole group; ``TORCHELASTIC_RESTART_COUNT > 0`` makes every rank resume from its last
 checkpoint, and one line says so (``worker 1 died (SIGKILL); restarted from step 40``).
 
@@ -36,7 +38,7 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,11 +55,7 @@ from .worker_errors import (
     write_failure_logs,
 )
 
-__all__ = ["launch", "ENTRY"]
-
-# The function every worker process runs, named by string: comm does not import the
-# layers above it (paratrain.worker imports the executors).
-ENTRY = "paratrain.worker:worker_entry"
+__all__ = ["launch"]
 
 
 def _resume_point(run_dir: Path) -> int | None:
@@ -212,21 +210,22 @@ def launch(
     job: JobConfig,
     *,
     nprocs: int,
+    entry: Callable[..., Any],
+    target: str | Callable[..., Any],
     resume: bool = False,
-    target: str | None = None,
     check_world_size: bool = True,
 ) -> Any:
     """Run ``job`` on ``nprocs`` worker processes in all; return global rank 0's result
     (``None`` on a node that does not host rank 0).
 
-    ``target`` ("module:function") overrides the strategy's ``worker_main`` (tests, or an
-    executor with several worker roles). Under torchrun the entry runs in this process and
-    the returned value is this rank's result; ``check_world_size`` then requires
-    ``WORLD_SIZE == nprocs`` (an error otherwise).
+    ``entry`` is the module-level function every process runs, called as
+    ``entry(job_json, resume, target, parent)`` (``parent``: this process's
+    :class:`~paratrain.comm.forkserver.ParentState`, ``None`` under torchrun); ``target``
+    is what it runs (the executor's worker function, or a ``"module:function"`` string for
+    a module on this process's ``sys.path`` only). Under torchrun the entry runs in this
+    process and the returned value is this rank's result; ``check_world_size`` then
+    requires ``WORLD_SIZE == nprocs`` (an error otherwise).
     """
-    module_name, _, attr = ENTRY.partition(":")
-    entry = getattr(importlib.import_module(module_name), attr)
-
     job_json = job.to_json_dict()
     if in_torchrun():
         world = int(os.environ["WORLD_SIZE"])
@@ -240,14 +239,14 @@ def launch(
                     )
                 ]
             )
-        return entry(job_json, resume, target)
+        return entry(job_json, resume, target, None)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
     config = launch_config(job, nprocs=nprocs)
-    forkserver_context()  # the server preloads torch (set before its first start)
+    forkserver_context([entry.__module__])  # the server preloads torch and the entry
     log_dir = tempfile.mkdtemp(prefix="paratrain-launch-")
     try:
         with _quiet_torch_logs() as capture, _restore_signal_handlers():

@@ -62,12 +62,11 @@ from ...training.loop import DataPlan, LocalEngine, Trainer, run_loop, summary_f
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stepping import local_grad_sq_norm
 from ...training.stores import RankStore
+from ..entry import worker_entry
 from .aggregation import Aggregator, build_aggregator
 
 __all__ = ["run", "worker_main", "train_replica", "shard_indices", "validate", "FAULT_ENV",
-           "DataParallelEngine", "SUPPORTS_TASKS"]
-
-SUPPORTS_TASKS = True  # any Task, through the one loop
+           "DataParallelEngine"]
 
 
 def shard_indices(n: int, *, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
@@ -336,7 +335,8 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
         task.build_model(job.model, train)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         folder.prepare()
-        summary = launch(job, nprocs=strategy.num_replicas, resume=resume)
+        summary = launch(job, nprocs=strategy.num_replicas, resume=resume,
+                         entry=worker_entry, target=worker_main)
     if summary is None:
         path = run_dir_of(job) / "summary.json"
         return json.loads(path.read_text()) if path.exists() else {}

@@ -17,6 +17,7 @@ import torch
 
 from ...comm.context import WorkerContext, default_workers
 from ...config.job import JobConfig
+from ..entry import worker_entry
 from ..spec import ExecutorSpec
 from .runner import worker_main
 
@@ -77,7 +78,8 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
         folder.prepare()
         if n == 1:
             return run_in_process(job, resume=resume)
-        out: dict[str, Any] = launch(job, nprocs=n, resume=resume)
+        out: dict[str, Any] = launch(job, nprocs=n, resume=resume, entry=worker_entry,
+                                     target=worker_main)
     return out
 
 

@@ -81,9 +81,7 @@ from .plan import Plan, build_plan
 from .replicas import extra_workers, replicas_for
 from .runtime import StageRuntime, held_attrs, segment_modules
 
-__all__ = ["run", "validate", "worker_main", "num_workers", "plan_for", "FAULT_ENV", "SUPPORTS_TASKS"]
-
-SUPPORTS_TASKS = True  # any Task, through the one loop
+__all__ = ["run", "validate", "worker_main", "num_workers", "plan_for", "FAULT_ENV"]
 
 
 def num_workers(job: JobConfig) -> int:
@@ -198,11 +196,13 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     """Validate the placement here, then run ``worker_main`` on every worker process
     (this launching process holds the run folder's lock)."""
     from ...comm.launch import launch
+    from ..entry import worker_entry
 
     validate(job)  # errors before any launch (and before the run folder changes)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         folder.prepare()
-        summary = launch(job, nprocs=num_workers(job), resume=resume)
+        summary = launch(job, nprocs=num_workers(job), resume=resume, entry=worker_entry,
+                         target=worker_main)
     if summary is None:  # under torchrun on a rank other than 0
         return {}
     result: dict[str, Any] = summary

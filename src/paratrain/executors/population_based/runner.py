@@ -113,13 +113,15 @@ def _run(job: JobConfig, *, resume: bool) -> dict[str, Any]:
     nprocs = num_workers(job)
     from ...comm.launch import launch
     from ...comm.rendezvous import in_torchrun
+    from ..entry import worker_entry
 
     if nprocs == 1 and not in_torchrun():
         ctx = WorkerContext(rank=0, world_size=1, workers=default_workers(1, list(job.workers)))
         ctx.device = resolve_device(job.run.device)
         out = worker_main(ctx, job, resume)
     else:
-        out = launch(job, nprocs=nprocs, resume=resume, check_world_size=False)
+        out = launch(job, nprocs=nprocs, resume=resume, check_world_size=False,
+                     entry=worker_entry, target=worker_main)
     if out is None:  # under torchrun on a rank other than 0
         return {}
     summary: dict[str, Any] = out

@@ -57,11 +57,10 @@ from ...training import (
 from ...training.loop import DataPlan, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
+from ..entry import worker_entry
 from .engine import TensorParallelEngine
 
-__all__ = ["run", "validate", "worker_main", "layout", "dry_run", "dp_order", "SUPPORTS_TASKS"]
-
-SUPPORTS_TASKS = True  # any Task, through the one loop
+__all__ = ["run", "validate", "worker_main", "layout", "dry_run", "dp_order"]
 
 
 def layout(job: JobConfig) -> tuple[TensorParallelismConfig, int, int]:
@@ -324,7 +323,8 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     # the process limit (cores x 4, run.allow_oversubscribe) is paratrain.preflight's
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         folder.prepare()
-        summary = launch(job, nprocs=tp * dp, resume=resume)
+        summary = launch(job, nprocs=tp * dp, resume=resume, entry=worker_entry,
+                         target=worker_main)
     if summary is None:
         path = run_dir_of(job) / "summary.json"
         return json.loads(path.read_text()) if path.exists() else {}

@@ -1,0 +1,81 @@
+"""What every launched worker process runs: :func:`worker_entry`.
+
+The executors pass it to :func:`paratrain.comm.launch.launch` with their own worker function
+(``launch(job, nprocs=n, entry=worker_entry, target=worker_main)``), so ``comm`` is told
+what to run instead of importing a floor above it by name. It must be a module-level
+function (the forkserver pickles it by reference; :mod:`paratrain.comm.forkserver`
+preloads its module). It imports the job's plugins, joins the default process group
+through :func:`paratrain.comm.process.process_group` and calls
+``target(ctx, job, resume)``. A restart by the elastic agent
+(``TORCHELASTIC_RESTART_COUNT > 0``) resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..comm.process import process_group
+
+__all__ = ["worker_entry"]
+
+
+def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
+    """``target`` itself, or the function a ``"module:function"`` string names (a test's
+    worker module on the parent's ``sys.path``, importable once the parent's state is
+    applied)."""
+    if callable(target):
+        return target
+    module_name, _, attr = target.partition(":")
+    fn: Callable[..., Any] = getattr(importlib.import_module(module_name), attr)
+    return fn
+
+
+def worker_entry(
+    job_json: dict[str, Any], resume: bool, target: str | Callable[..., Any], parent: Any = None
+) -> Any:
+    """Entry point of every worker process (see module docstring). ``parent`` is the
+    launching process's :class:`~paratrain.comm.forkserver.ParentState` (a forkserver
+    child takes its environment, directory, import path and stdio first); ``None`` under
+    torchrun."""
+    if parent is not None:
+        parent.apply()
+    from ..config.job import JobConfig
+
+    job = JobConfig.model_validate(job_json)
+    if job.run.imports:
+        # Plugins (models, datasets, coordinators) must be registered in every process.
+        from .custom import import_plugins
+
+        base = os.environ.get("PARATRAIN_JOB_DIR")
+        import_plugins(list(job.run.imports), base=Path(base) if base else None)
+    try:
+        with process_group(job) as ctx:
+            from ..training.gcfreeze import freeze_startup_objects
+
+            freeze_startup_objects()  # no 100 ms full GC pass inside a step (a straggler rank)
+            resume = bool(resume) or ctx.restart_count > 0
+            return _resolve(target)(ctx, job, resume)
+    except Exception as e:
+        from ..comm.worker_errors import FALLOUT_GRACE_S, is_fallout
+
+        if parent is not None and is_fallout(str(e)):
+            # A collective failed because a peer vanished (SIGKILL, OOM): the agent reports
+            # only the first process it sees exit, so give the dead peer's exit time to be
+            # seen first and named as the cause (forkserver children are reaped by the
+            # server, a few ms later than this process's own exit would be).
+            time.sleep(FALLOUT_GRACE_S)
+        raise
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every process of the terminal's group; the launcher then stops
+        # the workers with the same signal. One interrupt is enough: a second one would
+        # land in the interpreter's exit handlers and print their traceback.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise
