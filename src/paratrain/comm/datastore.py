@@ -127,7 +127,7 @@ def open_session(root: str | Path, *, rank: int, control: Any = None, generation
     prefix = f"{namespace}.{_SESSION_PREFIX}"
     if rank == 0:
         name = f"{prefix}{uuid.uuid4().hex[:12]}"
-        from ..training.rundir import safe_rmtree
+        from ..files import safe_rmtree
 
         for old in base.glob(f"{prefix}*"):
             if old.is_dir():

@@ -3,8 +3,8 @@
 Safety rules (nothing here deletes what the user did not ask to delete):
 
 * the run folder is always ``output_dir / name`` with ``name`` one path component, and
-  every deletion goes through :func:`safe_rmtree` / :func:`safe_unlink`, which refuse a
-  path outside the given root;
+  every deletion goes through :func:`safe_rmtree` / :func:`safe_unlink`
+  (:mod:`paratrain.files`, re-exported here), which refuse a path outside the given root;
 * a fresh run into a folder that already holds a run refuses (``overwrite`` replaces
   it, ``resume`` continues it) — see :class:`RunFolder`;
 * a run holds an OS lock (``fcntl.flock`` on ``<run>/.lock``) for as long as its
@@ -22,7 +22,6 @@ import json
 import math
 import os
 import re
-import shutil
 import warnings
 from pathlib import Path
 from types import TracebackType
@@ -30,6 +29,8 @@ from typing import Any
 
 from ..config import ConfigError
 from ..config.job import JobConfig
+from ..files import inside as _inside
+from ..files import safe_rmtree, safe_unlink
 
 __all__ = [
     "run_dir_of", "prepare_run_dir", "RunFolder", "holds_run", "safe_rmtree", "safe_unlink",
@@ -63,13 +64,6 @@ def _name_problem(name: str) -> str | None:
     return None
 
 
-def _inside(path: Path, root: Path) -> bool:
-    """``path`` lies strictly below ``root`` (both resolved, so ``..`` and symlinked
-    parents are followed)."""
-    p, r = path.resolve(), root.resolve()
-    return p != r and r in p.parents
-
-
 def run_dir_of(job: JobConfig) -> Path:
     """``output_dir / name``; a ConfigError if that is not a folder inside output_dir."""
     name = job.run.name
@@ -81,26 +75,6 @@ def run_dir_of(job: JobConfig) -> Path:
     if problem is not None:
         raise ConfigError([("run.name", problem)])
     return d
-
-
-def safe_rmtree(path: str | Path, root: str | Path) -> None:
-    """Delete ``path`` (a folder tree, a file or a symlink itself) only if it lies
-    strictly inside ``root``; anything else is a bug and raises, deleting nothing."""
-    p, r = Path(path), Path(root)
-    if p.name in ("", ".", "..") or not (p.parent.resolve() == r.resolve() or _inside(p.parent, r)):
-        raise RuntimeError(f"refusing to delete {p}: it is not inside {r}")
-    if p.is_symlink() or p.is_file():
-        p.unlink(missing_ok=True)
-    elif p.exists():
-        shutil.rmtree(p)
-
-
-def safe_unlink(path: str | Path, root: str | Path) -> None:
-    """Delete one file only if it lies strictly inside ``root``."""
-    p = Path(path)
-    if p.is_dir() and not p.is_symlink():
-        raise RuntimeError(f"refusing to unlink {p}: it is a folder")
-    safe_rmtree(p, root)
 
 
 def holds_run(d: str | Path) -> bool:
