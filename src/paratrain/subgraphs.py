@@ -37,6 +37,7 @@ from .config import ConfigError
 __all__ = [
     "SUPPORTED_PAIRINGS", "effective_strategy", "nearest_ancestor", "check_pairings",
     "check_paths", "check_job", "local_paths", "local_state_keys", "local_parameter_names",
+    "local_buffer_names",
     "pairings_text",
 ]
 
@@ -216,3 +217,10 @@ def local_parameter_names(model: Any, job: Any) -> set[str]:
         return set()
     check_paths(model, job)
     return {n for n, _ in model.named_parameters() if _under(n, paths)}
+
+
+def local_buffer_names(model: Any, job: Any) -> set[str]:
+    """The ``named_buffers`` names inside the job's Local subgraphs (never broadcast: a
+    replica's own statistics, as its own parameters)."""
+    paths = local_paths(job)
+    return {n for n, _ in model.named_buffers() if _under(n, paths)} if paths else set()

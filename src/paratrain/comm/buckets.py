@@ -92,15 +92,15 @@ def all_reduce_buckets(
     average: bool = True,
     counter: CommCounter | None = None,
     async_op: bool = True,
-) -> None:
+) -> int:
     """In place: every tensor becomes the sum (``average=False``) or mean over ranks.
 
     Buckets are launched asynchronously and waited in order, so the flatten of bucket
-    ``b+1`` overlaps the transfer of bucket ``b``.
+    ``b+1`` overlaps the transfer of bucket ``b``. Returns the number of all-reduces.
     """
     n = world_size(group)
     if n == 1 or not tensors:
-        return
+        return 0
     pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
     for idx in make_buckets(tensors, bucket_bytes):
         members = [tensors[i] for i in idx]
@@ -114,6 +114,7 @@ def all_reduce_buckets(
         if average:
             flat.div_(n)
         _unflatten_into(flat, members)
+    return len(pending)
 
 
 def all_reduce_mean(

@@ -304,6 +304,13 @@ class DataParallel(Contract):
     """Processes, one model replica and one data shard each."""
     aggregation: GradientAggregation
     """How gradients are combined every step: AllReduce, ParameterServer or Decentralized."""
+    broadcast_buffers: Annotated[bool, Field(strict=True)] = True
+    """Extension (torch DDP's ``broadcast_buffers``): before each step's first forward the
+    replicas' buffers (BatchNorm running statistics, ...) become the first replica's, so they
+    stay one model. AllReduce and ParameterServer (also tensor parallel x DataParallel and a
+    replicated stage); Decentralized replicas keep their own. false = each keeps its own."""
+
+    _extensions: ClassVar[frozenset[str]] = frozenset({"broadcast_buffers"})
 
 
 class ModelParallel(Contract):

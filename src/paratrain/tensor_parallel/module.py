@@ -8,8 +8,10 @@
   (``gather_from_region``: all-gather forward, keep the slice backward). BatchWise runs the
   whole model on the own batch slice the same way (dim 0).
 - ``sync_gradients``: the replicated parameters inside the sequence-parallel region are
-  summed over TP and gradients averaged over DP (one coalesced all-reduce per bucket of
-  ``fusion_threshold_bytes``; a parameter no replica used keeps ``grad = None``).
+  summed over TP, and in 2-D runs gradients averaged over DP by the one data-parallel
+  gradient sync (:class:`~paratrain.comm.grad_sync.GradSync`: buckets of
+  ``fusion_threshold_bytes``, a parameter no replica used keeps ``grad = None``, compressed
+  with a ``compressor``; ``grad_sync.before_forward`` broadcasts the buffers as DDP does).
 - dense state: ``gather_full`` / ``dense_state_dict`` all-gather the shards into the dense
   model's keys, ``load_dense_state_dict`` keeps the own shard of a full state dict.
 - ``statistics``: the real counters of :class:`~paratrain.comm.stats.CommStats` plus the
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from paratrain.comm.grad_sync import GradSync
 from paratrain.comm.stats import CommStats
 from paratrain.comm.tp.comm import TPComm
 from paratrain.comm.tp.grid import GridComms, build_grid
@@ -74,7 +77,8 @@ class TensorParallelModule(nn.Module):
     coalesced per ``fusion_threshold_bytes``; ``statistics`` reports real counters.
     """
 
-    def __init__(self, model: nn.Module, config: TensorParallelismConfig, groups: TPGroups) -> None:
+    def __init__(self, model: nn.Module, config: TensorParallelismConfig, groups: TPGroups, *,
+                 compressor: Any = None, broadcast_buffers: bool = True) -> None:
         super().__init__()
         self.config, self.groups = config, groups
         self.comm: TPComm = groups.tp
@@ -130,9 +134,14 @@ class TensorParallelModule(nn.Module):
                                                   "BlockWise")
         self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
         self.last_peak_activation_bytes: int | None = None
-        # Replaces the dense data-parallel gradient average when set (e.g. a compressed
-        # exchange: paratrain.executors.data_parallel.aggregation.AllReduceAgg with a Compressor).
-        self.dp_sync: Callable[[], None] | None = None
+        # 2-D: the data-parallel gradient average (and buffer broadcast) over the DP group;
+        # the compressor's residuals are keyed by this module's parameter names.
+        self.grad_sync: GradSync | None = None
+        if groups.dp is not None:
+            self.grad_sync = GradSync(
+                list(self.named_parameters()), group=groups.dp.group,
+                bucket_bytes=config.fusion_threshold_bytes, compressor=compressor,
+                buffers=list(self.module.buffers()) if broadcast_buffers else [])
         if not self.needs_sync and config.gradient_accumulation is False:
             warnings.warn("gradient_accumulation has no effect: this layout has no gradient "
                           "synchronisation (pure tensor parallel, no sequence parallel, 1 replica)",
@@ -234,20 +243,8 @@ class TensorParallelModule(nn.Module):
         if self._sp_params:
             grads = [_grad(p) for p in self._sp_params]
             n += self.comm.all_reduce_coalesced_(grads)
-        if self.groups.dp is not None and self.dp_sync is not None:
-            self.dp_sync()
-            n += 1
-        elif self.groups.dp is not None and any(True for _ in self.module.parameters()):
-            # DDP's find_unused_parameters rule: a parameter no replica used keeps grad
-            # None. One flag per parameter travels with the gradients (fused into their
-            # buffer); replicas that did not use a parameter add zeros.
-            params = list(self.module.parameters())
-            ref = params[0]
-            flags = torch.tensor([p.grad is not None for p in params], dtype=ref.dtype, device=ref.device)
-            n += self.groups.dp.all_reduce_coalesced_([*(_grad(p) for p in params), flags], average=True)
-            for p, used in zip(params, flags.tolist(), strict=True):
-                if used == 0:
-                    p.grad = None
+        if self.grad_sync is not None:
+            n += self.grad_sync.sync()
         return n
 
     # -- state -----------------------------------------------------------------------------

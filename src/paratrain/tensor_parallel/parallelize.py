@@ -77,11 +77,14 @@ __all__ = ["parallelize"]
 
 
 def parallelize(model: nn.Module, config: TensorParallelismConfig | dict[str, Any],
-                group: TPGroups | TPComm | None = None) -> TensorParallelModule:
+                group: TPGroups | TPComm | None = None, *, compressor: Any = None,
+                broadcast_buffers: bool = True) -> TensorParallelModule:
     """Shard ``model`` (a full, identically initialised copy on every rank) per ``config``.
 
     ``group``: the :class:`TPGroups` from :func:`paratrain.comm.tp.groups.build_tp_groups`, a
     bare :class:`TPComm` (pure TP), or ``None`` to build the groups now (collective).
+    With data-parallel replicas, ``compressor`` compresses their gradient average and
+    ``broadcast_buffers`` (DDP's) makes their buffers the first replica's every step.
     """
     cfg = config if isinstance(config, TensorParallelismConfig) else TensorParallelismConfig.model_validate(config)
     if group is None:
@@ -93,4 +96,5 @@ def parallelize(model: nn.Module, config: TensorParallelismConfig | dict[str, An
             raise ConfigError([("tensor_parallel.tensor_parallel_size", str(e))]) from None
     if isinstance(group, TPComm):
         group = TPGroups(group, None, group.size, 1, 0)
-    return TensorParallelModule(model, cfg, group)
+    return TensorParallelModule(model, cfg, group, compressor=compressor,
+                                broadcast_buffers=broadcast_buffers)

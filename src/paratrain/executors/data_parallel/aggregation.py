@@ -1,10 +1,11 @@
 """How DataParallel replicas combine their work after each backward pass.
 
-* :class:`AllReduceAgg` — ``g <- (1/n) sum_r g_r``. Uncompressed: bucketed all-reduce
-  overlapped with backward (:class:`~paratrain.comm.buckets.GradReducer`), so the
-  result equals single-process SGD on the concatenated batch and torch DDP. Compressed:
-  everyone computes ``(1/n) sum_r D(C(g_r))`` (Seide et al. 2014; Lin et al. 2018, "Deep
-  Gradient Compression", with error feedback when configured) through
+* :class:`AllReduceAgg` — ``g <- (1/n) sum_r g_r`` through the one gradient sync
+  (:class:`~paratrain.comm.grad_sync.GradSync`, also used by tensor parallel x DataParallel
+  and the replicated pipeline stage). Uncompressed: bucketed all-reduce overlapped with
+  backward, so the result equals single-process SGD on the concatenated batch and torch
+  DDP. Compressed: everyone computes ``(1/n) sum_r D(C(g_r))`` (Seide et al. 2014; Lin et
+  al. 2018, "Deep Gradient Compression", with error feedback when configured) through
   :func:`~paratrain.comm.ddp_hook.allreduce_compressed`, the exchange the DDP hook runs,
   on the gradients' device: RandomK all-reduces the k values, TopK all-gathers values
   and indices, Threshold and Quantization all-gather wire records.
@@ -31,6 +32,11 @@ optimizer skips it (no momentum, no weight decay); one that some rank used is av
 as usual, the ranks that did not use it contributing zeros. Which is which travels as
 one flag per parameter (:func:`~paratrain.comm.collectives.used_mask`). Decentralized
 exchanges no gradients: each replica's optimizer already skips what it did not use.
+
+Buffers (``strategy.broadcast_buffers``, on by default as torch DDP's): under AllReduce and
+ParameterServer the replicas' buffers (BatchNorm running statistics, ...) become rank 0's
+before the first forward of every step (``buffers``, :class:`~paratrain.comm.grad_sync.GradSync`),
+so the replicas stay one model; Decentralized replicas keep their own, as their parameters.
 """
 
 from __future__ import annotations
@@ -42,10 +48,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...comm import buckets as B
 from ...comm import collectives as C
 from ...comm import messages as M
-from ...comm.ddp_hook import allreduce_compressed
+from ...comm.grad_sync import GradSync, drop_unused
 from ...comm.groups import gossip_average, mixing_weights, neighbors
 
 __all__ = [
@@ -93,8 +98,10 @@ class Aggregator:
     zero_grad_set_to_none = True
 
     def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter,
-                 local: Collection[str] = ()) -> None:
+                 local: Collection[str] = (), buffers: Sequence[torch.Tensor] = ()) -> None:
         self.model = model
+        # the buffers rank 0 broadcasts before each step's first forward (empty: none)
+        self.buffers = list(buffers)
         self.group = group
         self.counter = counter
         # ``local``: parameter names of Local subgraphs, never combined across replicas
@@ -150,66 +157,33 @@ class AllReduceAgg(Aggregator):
     name = "AllReduce"
 
     def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter,
-                 bucket_bytes: int, compressor: Any = None, local: Collection[str] = ()) -> None:
-        super().__init__(model, group=group, counter=counter, local=local)
+                 bucket_bytes: int, compressor: Any = None, local: Collection[str] = (),
+                 buffers: Sequence[torch.Tensor] = ()) -> None:
+        super().__init__(model, group=group, counter=counter, local=local, buffers=buffers)
         self.compressor = compressor
-        self.reducer: B.GradReducer | None = None
-        if compressor is None and self.n > 1:
-            self.reducer = B.GradReducer(
-                [p for _, p in self.named], group=group, bucket_bytes=bucket_bytes, counter=counter,
-                grad_views=True,
-            )
+        self.sync = GradSync(self.named, group=group, bucket_bytes=bucket_bytes, overlap=True,
+                             compressor=compressor, buffers=self.buffers, counter=counter)
         # Gradients zeroed in place keep their bucket views (see GradReducer).
-        self.zero_grad_set_to_none = self.reducer is None
+        self.zero_grad_set_to_none = self.sync.zero_grad_set_to_none
 
     def begin_backward(self, *, last: bool) -> None:
-        if self.reducer is not None:
-            # DDP's no_sync: the buckets launch during the step's last backward only.
-            self.reducer.enabled = last
+        self.sync.before_forward(last=last)
 
     def sync_gradients(self) -> None:
-        if self.n == 1:
-            return
-        if self.reducer is not None:
-            self.reducer.finish()
-            return
-        live = _used_params(self.named, self.group, self.counter)
-        means = allreduce_compressed(
-            self.compressor, [(n, _grad_or_zeros(p)) for n, p in live], group=self.group,
-            counter=self.counter,
-        )
-        for (_, p), m in zip(live, means, strict=True):
-            p.grad = m
-        self.compressor.step()
+        self.sync.sync()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"compressor": self.compressor.state_dict()} if self.compressor is not None else {}
+        return self.sync.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.compressor is not None and "compressor" in state:
-            self.compressor.load_state_dict(state["compressor"])
+        self.sync.load_state_dict(state)
 
     def close(self) -> None:
-        if self.reducer is not None:
-            self.reducer.remove()
+        self.sync.close()
 
 
 def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
-
-
-def _used_params(
-    named: Sequence[tuple[str, nn.Parameter]], group: Any, counter: C.CommCounter,
-) -> list[tuple[str, nn.Parameter]]:
-    """The parameters some rank produced a gradient for; the others get ``grad = None``."""
-    used = C.used_mask([p.grad is not None for _, p in named], group=group, counter=counter)
-    live = []
-    for (n, p), u in zip(named, used, strict=True):
-        if u:
-            live.append((n, p))
-        else:
-            p.grad = None
-    return live
 
 
 class ParameterServerAgg(Aggregator):
@@ -217,16 +191,23 @@ class ParameterServerAgg(Aggregator):
     server = 0
 
     def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter,
-                 compressor: Any = None, local: Collection[str] = ()) -> None:
-        super().__init__(model, group=group, counter=counter, local=local)
+                 compressor: Any = None, local: Collection[str] = (),
+                 buffers: Sequence[torch.Tensor] = ()) -> None:
+        super().__init__(model, group=group, counter=counter, local=local, buffers=buffers)
         self.compressor = compressor
         self.rank = C.rank_of(group) if self.n > 1 else 0
         self.server_bytes = 0  # bytes through the server (in + out), cumulative
+        # no gradients through it: the gradient sync's buffer broadcast only
+        self.buffer_sync = GradSync((), group=group, buffers=self.buffers, counter=counter)
+
+    def begin_backward(self, *, last: bool) -> None:
+        self.buffer_sync.before_forward(last=last)
 
     def sync_gradients(self) -> None:
+        self.buffer_sync.sync()
         if self.n == 1:
             return
-        live = _used_params(self.named, self.group, self.counter)
+        live = drop_unused(self.named, group=self.group, counter=self.counter)
         if not live:
             return
         flat = torch.cat([_grad_or_zeros(p).reshape(-1) for _, p in live])
@@ -364,17 +345,18 @@ class NoSync(Aggregator):
 def build_aggregator(
     aggregation: Any, model: nn.Module, *, group: Any, counter: C.CommCounter,
     bucket_bytes: int, compressor: Any = None, gamma: float | None = None,
-    local: Collection[str] = (),
+    local: Collection[str] = (), buffers: Sequence[torch.Tensor] = (),
 ) -> Aggregator:
     """The aggregator for a contract ``GradientAggregation`` (or ``"NoSync"``); ``local``
-    names the parameters of Local subgraphs, which it leaves alone."""
+    names the parameters of Local subgraphs, which it leaves alone; ``buffers`` are
+    broadcast from rank 0 before each step's first forward (AllReduce, ParameterServer)."""
     method = aggregation if isinstance(aggregation, str) else aggregation.method
     if method == "AllReduce":
         return AllReduceAgg(model, group=group, counter=counter, bucket_bytes=bucket_bytes,
-                            compressor=compressor, local=local)
+                            compressor=compressor, local=local, buffers=buffers)
     if method == "ParameterServer":
         return ParameterServerAgg(model, group=group, counter=counter, compressor=compressor,
-                                  local=local)
+                                  local=local, buffers=buffers)
     if method == "Decentralized":
         return DecentralizedAgg(model, group=group, counter=counter, topology=aggregation.topology,
                                 compressor=compressor, gamma=gamma, local=local)

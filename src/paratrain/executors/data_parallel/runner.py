@@ -46,7 +46,7 @@ from ...comm.rendezvous import in_torchrun
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import DataParallel
-from ...subgraphs import local_parameter_names, local_paths
+from ...subgraphs import local_buffer_names, local_parameter_names, local_paths
 from ...task import resolve_task
 from ...training import (
     MetricsWriter,
@@ -212,6 +212,15 @@ class DataParallelEngine(LocalEngine):
             self.counter.bytes[k] = int(v)
 
 
+def _shared_buffers(model: nn.Module, job: JobConfig, strategy: DataParallel) -> list[torch.Tensor]:
+    """The buffers rank 0 broadcasts before each step's first forward (``broadcast_buffers``,
+    as torch DDP): all but those of Local subgraphs; none when it is off."""
+    if not strategy.broadcast_buffers:
+        return []
+    own = local_buffer_names(model, job)
+    return [b for n, b in model.named_buffers() if n not in own]
+
+
 def _store(ctx: WorkerContext, run_dir: Path) -> RankStore:
     return RankStore(run_dir, "dp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
                      layout={"replicas": ctx.world_size}, layout_field="strategy.num_replicas",
@@ -251,7 +260,7 @@ def train_replica(
         group=ctx.group, counter=counter, bucket_bytes=bucket_bytes,
         compressor=build_compressor(job, strategy.aggregation if aggregation is None else aggregation,
                                     warn=ctx.is_main),
-        gamma=job.comm.gossip_step, local=local,
+        gamma=job.comm.gossip_step, local=local, buffers=_shared_buffers(model, job, strategy),
     )
     run_dir = run_dir_of(job)
     t = job.train

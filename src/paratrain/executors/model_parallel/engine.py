@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from ...comm import collectives as C
+from ...comm.buckets import DEFAULT_BUCKET_MB, bucket_bytes_of
 from ...comm.context import WorkerContext
+from ...comm.grad_sync import GradSync
 from ...graph.partition import Part
 from ...task.steps import DEFAULT_EVAL_BATCH, fetch_batch
 from ...training import checkpoint
@@ -29,6 +31,8 @@ from .runtime import StageRuntime
 from .schedule import theoretical_bubble
 
 __all__ = ["StageModel", "PipelineEngine", "RankDirStore", "pipeline_stats"]
+
+DEFAULT_BUCKET_BYTES = bucket_bytes_of(DEFAULT_BUCKET_MB)
 
 
 class StageModel(nn.Module):
@@ -86,11 +90,21 @@ class PipelineEngine(LocalEngine):
 
     def __init__(self, ctx: WorkerContext, rt: StageRuntime, model: StageModel, task: Any,
                  test: Any, *, precision: str, micro_batch_size: int | None,
-                 schedule_name: str | None, replica_group: Any = None) -> None:
+                 schedule_name: str | None, replica_group: Any = None,
+                 broadcast_buffers: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__(model, task, test, device=ctx.device, precision=precision)
         self.ctx, self.rt = ctx, rt
         # the process group of this stage's replicas (None: the stage is not replicated)
         self.replica_group = replica_group
+        # A replicated stage sums its replicas' gradients (each holds its rows' share of
+        # every micro-batch, weighted n_ij / B), so every replica steps with the whole
+        # batch's gradient: the one gradient sync, after the step's last backward (a
+        # parameter no replica used keeps grad None; one used by some replicas only, e.g.
+        # behind a data-dependent branch, is summed with zeros from the others).
+        self.replica_sync = (GradSync(
+            list(model.named_parameters()), group=replica_group, bucket_bytes=bucket_bytes,
+            average=False, buffers=list(model.buffers()) if broadcast_buffers else [])
+            if replica_group is not None else None)
         self.micro_batch_size, self.schedule_name = micro_batch_size, schedule_name
         self.last_rank = rt.plan.last_rank
         self._calls = 0  # forward_backward calls (unique message steps for DataStore)
@@ -102,7 +116,8 @@ class PipelineEngine(LocalEngine):
         self.totals = torch.zeros(6, dtype=torch.float64)
 
     def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:
-        del last
+        if self.replica_sync is not None:
+            self.replica_sync.before_forward(last=last)  # the step's first: buffers as DDP's
         if self._step_started is None:
             self._step_started = time.perf_counter()
         tr: Any = self.rt.transport
@@ -123,19 +138,8 @@ class PipelineEngine(LocalEngine):
         return 0.0 if loss is None else loss
 
     def sync(self) -> None:
-        """A replicated stage sums its replicas' gradients (each holds its rows' share of
-        every micro-batch, weighted n_ij / B), so every replica steps with the whole
-        batch's gradient; one flat all-reduce per optimizer step."""
-        if self.replica_group is None:
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            C.all_reduce_(flat, group=self.replica_group)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset: offset + g.numel()].view_as(g))
-                offset += g.numel()
+        if self.replica_sync is not None:
+            self.replica_sync.sync()
 
     def grad_sq_norm(self) -> float:
         params = self.model.parameters() if self.rt.replica == 0 else iter(())  # replicas count once

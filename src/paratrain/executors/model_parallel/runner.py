@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...comm.buckets import bucket_bytes_of
 from ...comm.context import WorkerContext, default_workers
 from ...comm.groups import new_group
 from ...config import ConfigError
@@ -246,6 +247,12 @@ def _digest(state: dict[str, torch.Tensor]) -> bytes:
     return h.digest()
 
 
+def _broadcast_buffers(job: JobConfig, path: str | None) -> bool:
+    """A replicated stage's ``broadcast_buffers`` (its ``[subgraphs.<path>]`` DataParallel)."""
+    sub = (getattr(job, "subgraphs", None) or {}).get(path) if path is not None else None
+    return bool(getattr(sub, "broadcast_buffers", True))
+
+
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
     """Train this rank's segments through the one loop; rank 0 logs metrics and returns
     the summary."""
@@ -287,7 +294,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     engine = PipelineEngine(ctx, rt, stage, task, test, precision=t.precision,
                             micro_batch_size=proto.micro_batch_size if pipeline else None,
                             schedule_name=proto.schedule if pipeline else None,
-                            replica_group=replica_group)
+                            replica_group=replica_group,
+                            broadcast_buffers=_broadcast_buffers(job, replicas.paths.get(stage_rank)),
+                            bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb))
     trainer = Trainer(engine, opt, t, data.total_steps)
     store = RankDirStore(run_dir / "checkpoints", ctx)
     metrics = MetricsWriter(run_dir) if ctx.rank == 0 else None

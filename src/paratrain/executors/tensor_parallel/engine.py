@@ -61,13 +61,14 @@ class TensorParallelEngine(LocalEngine):
 
     def __init__(self, model: TensorParallelModule, task: Any, test: Any, *,
                  device: torch.device, precision: str = "fp32", micro_batches: int = 1,
-                 agg: Any = None, is_main: bool = True, backend: str = "gloo") -> None:
+                 is_main: bool = True, backend: str = "gloo") -> None:
         super().__init__(model, task, test, device=device, precision=precision)
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1 (got {micro_batches})")
         self.tpm = model
         self.micro_batches = micro_batches
-        self.agg, self.is_main = agg, is_main
+        self.is_main = is_main
+        self.grad_sync = model.grad_sync  # the data-parallel side (None: one replica)
         self.reduce_device = device if backend == "nccl" else None
         self.per_micro_sync = (not model.config.gradient_accumulation) and model.needs_sync
         self._params = [p for p in model.parameters() if p.requires_grad]
@@ -76,7 +77,8 @@ class TensorParallelEngine(LocalEngine):
 
     # -- gradients -------------------------------------------------------------------------
     def forward_backward(self, batch: Batch, *, weight: float, last: bool) -> float:
-        del last
+        if self.grad_sync is not None:
+            self.grad_sync.before_forward(last=last)  # the step's first: DDP's buffer broadcast
         n = batch_size_of(batch)
         total = 0.0
         for chunk in _split(batch, self.micro_batches):
@@ -149,8 +151,8 @@ class TensorParallelEngine(LocalEngine):
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"aggregator": self.agg.state_dict() if self.agg is not None else {}}
+        return {"aggregator": self.grad_sync.state_dict() if self.grad_sync is not None else {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.agg is not None:
-            self.agg.load_state_dict(state.get("aggregator", {}))
+        if self.grad_sync is not None:
+            self.grad_sync.load_state_dict(state.get("aggregator", {}))

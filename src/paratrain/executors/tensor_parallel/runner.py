@@ -87,26 +87,18 @@ def layout(job: JobConfig) -> tuple[TensorParallelismConfig, int, int]:
     return cfg, cfg.tensor_parallel_size, dp
 
 
-def _compressed_dp(job: JobConfig, tpm: Any, groups: Any) -> Any:
-    """With ``[compression]``, the data-parallel gradient average runs compressed.
-
-    Each rank compresses its shard's gradients (keyed by parameter name, the same on
-    every replica of a TP index), all-gathers the payloads over its data-parallel group,
-    decodes and averages them: DataParallel's compressed AllReduce, on the DP group.
-    Error-feedback residuals are per rank and go into its checkpoint."""
-    if groups.dp is None:
-        return None
-    from ...comm.collectives import CommCounter
-    from ..data_parallel.aggregation import AllReduceAgg
+def _dp_options(job: JobConfig, dp: int) -> dict[str, Any]:
+    """The data-parallel side of a 2-D job for :func:`parallelize`: with ``[compression]`` its
+    gradient average runs compressed (each rank compresses its shard's gradients, keyed by
+    parameter name, the same on every replica of a TP index: DataParallel's compressed
+    AllReduce on the DP group; residuals per rank, in its checkpoint); the strategy's
+    ``broadcast_buffers``."""
+    if dp == 1:
+        return {}
     from ..data_parallel.runner import build_compressor
 
-    comp = build_compressor(job)
-    if comp is None:
-        return None
-    agg = AllReduceAgg(tpm, group=groups.dp.group, counter=CommCounter(), bucket_bytes=0,
-                       compressor=comp)
-    tpm.dp_sync = agg.sync_gradients
-    return agg
+    return {"compressor": build_compressor(job),
+            "broadcast_buffers": bool(getattr(job.strategy, "broadcast_buffers", True))}
 
 
 class _Store(RankStore):
@@ -178,9 +170,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     groups = build_tp_groups(tp, pattern=cfg.communication_pattern.value,
                              async_op=cfg.async_communication,
                              fusion_threshold_bytes=cfg.fusion_threshold_bytes)
-    tpm = parallelize(model, cfg, groups)
+    tpm = parallelize(model, cfg, groups, **_dp_options(job, dp))
     opt = build_optimizer(tpm.parameters(), job.train.optimizer)
-    agg = _compressed_dp(job, tpm, groups)
+    sync = tpm.grad_sync
 
     run_dir = run_dir_of(job)
     resuming = resume or ctx.restart_count > 0
@@ -192,7 +184,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                     accumulation=t.grad_accumulation, epochs=t.epochs, max_steps=t.max_steps,
                     device=device)
     engine = TensorParallelEngine(tpm, task, test, device=device, precision=t.precision,
-                                  micro_batches=cfg.micro_batches, agg=agg, is_main=ctx.is_main,
+                                  micro_batches=cfg.micro_batches, is_main=ctx.is_main,
                                   backend=ctx.backend)
     trainer = Trainer(engine, opt, t, plan.total_steps)
     store = _Store(run_dir, "tp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
@@ -249,9 +241,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "memory_saving_measured": stats["memory_saving"],
         "restart_count": ctx.restart_count,
         "wall_time_s": wall,
-        **({"compression": agg.compressor.stats.as_dict(),
-            "dp_payload_bytes_sent_per_step_measured": agg.counter.total_bytes / steps}
-           if agg is not None else {}),
+        **({"dp_payload_bytes_sent_per_step_measured": sync.counter.total_bytes / steps}
+           if sync is not None else {}),
+        **({"compression": sync.compressor.stats.as_dict()}
+           if sync is not None and sync.compressor is not None else {}),
         "dense_model": str(run_dir / "model.pt"),
         "parameters_sha256": _digest(dense),
     }

@@ -1,0 +1,176 @@
+"""The one data-parallel gradient sync: :class:`GradSync`, over a process group passed in.
+
+DataParallel (AllReduce), the data-parallel side of tensor parallel x DataParallel and the
+replicated pipeline stage all combine their replicas' gradients here, so the rules below
+hold for each of them in one place (and a ZeRO reduce-scatter would go here too):
+
+* **Bucketed all-reduce** (:mod:`paratrain.comm.buckets`): ``overlap=True`` launches the
+  buckets from the backward pass (:class:`~paratrain.comm.buckets.GradReducer`, torch DDP's
+  reducer, gradients left as bucket views); ``overlap=False`` reduces after the backward
+  passes, in buckets of at most ``bucket_bytes``, for callers whose backward is not one
+  autograd pass (pipeline micro-batches, a tensor-parallel step's micro-batches). The result
+  is the mean over the group (``average=True``) or the sum (a replicated stage, whose
+  replicas' losses are already weighted by their rows).
+* **Unused parameters** (torch DDP's ``find_unused_parameters=True`` rule): a parameter
+  no rank produced a gradient for keeps ``grad = None``, so the optimizer skips it (no
+  momentum, no weight decay); one some rank used is combined with zeros from the others.
+  Without this rule, a data-dependent branch taken on one replica only makes the replicas
+  hand the collective different tensors (a wrong sum, or a hang).
+* **Compressed exchange** (``compressor``): the mean of ``D(C_r(g_r))`` through
+  :func:`~paratrain.comm.ddp_hook.allreduce_compressed` (the exchange the DDP hook runs),
+  for the parameters some rank used; its error-feedback residuals are :meth:`state_dict`.
+* **Buffer broadcast** (torch DDP's ``broadcast_buffers=True``): before the first forward
+  of every step the buffers (BatchNorm running statistics, ...) become those of the
+  group's first rank, so replicas normalise with the same statistics instead of drifting
+  apart; the step's later forwards (gradient accumulation) keep their own, as under DDP's
+  ``no_sync``.
+
+``group=None`` is the default group, or one process when torch.distributed is not
+initialised (then nothing is exchanged).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .buckets import DEFAULT_BUCKET_MB, GradReducer, all_reduce_buckets, broadcast_tensors
+from .collectives import CommCounter, used_mask, world_size
+
+__all__ = ["GradSync", "drop_unused"]
+
+
+def _first_rank(group: Any) -> int:
+    """The global rank of ``group``'s rank 0 (what torch's ``broadcast(src=...)`` takes)."""
+    if group is None or not dist.is_initialized():
+        return 0
+    return int(dist.get_global_rank(group, 0))
+
+
+def drop_unused(
+    named: Sequence[tuple[str, torch.nn.Parameter]], *, group: Any = None,
+    counter: CommCounter | None = None,
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """The unused-parameter rule for exchanges that send only what was used: the
+    parameters some rank of ``group`` produced a gradient for (one flag each, a MAX
+    all-reduce); every other one gets ``grad = None``."""
+    used = used_mask([p.grad is not None for _, p in named], group=group, counter=counter)
+    live = []
+    for (n, p), u in zip(named, used, strict=True):
+        if u:
+            live.append((n, p))
+        else:
+            p.grad = None
+    return live
+
+
+class GradSync:
+    """Combine the replicas' gradients (and broadcast their buffers) over ``group``.
+
+    Call :meth:`before_forward` before each forward/backward of a step (``last``: the
+    step's last one) and :meth:`sync` after the step's last backward, before the optimizer
+    step. ``params``: ``(name, parameter)`` pairs in the same order on every rank (the names
+    key the compressor's residuals); ``buffers``: the tensors :meth:`before_forward`
+    broadcasts (empty: none).
+    """
+
+    def __init__(
+        self,
+        params: Sequence[tuple[str, torch.nn.Parameter]],
+        *,
+        group: Any = None,
+        bucket_bytes: int = int(DEFAULT_BUCKET_MB * 1024 * 1024),
+        overlap: bool = False,
+        average: bool = True,
+        compressor: Any = None,
+        buffers: Sequence[torch.Tensor] = (),
+        counter: CommCounter | None = None,
+    ) -> None:
+        if compressor is not None and not average:
+            raise ValueError("GradSync: a compressed exchange averages (average=False is a sum)")
+        self.named = [(n, p) for n, p in params if p.requires_grad]
+        self.group = group
+        self.n = world_size(group)
+        self.bucket_bytes = max(1, int(bucket_bytes))
+        self.average = average
+        self.compressor = compressor
+        self.counter = counter if counter is not None else CommCounter()
+        self.buffers = list(buffers)
+        self._src = _first_rank(group) if self.n > 1 else 0
+        self._step_open = False  # a forward of this step already ran (buffers broadcast)
+        self.reducer: GradReducer | None = None
+        if overlap and compressor is None and self.n > 1 and self.named:
+            self.reducer = GradReducer([p for _, p in self.named], group=group,
+                                       bucket_bytes=self.bucket_bytes, counter=self.counter,
+                                       grad_views=True)
+
+    @property
+    def zero_grad_set_to_none(self) -> bool:
+        """Whether the optimizer may drop gradients (``zero_grad(set_to_none=True)``): not
+        while they are views of the overlapped reducer's buckets, zeroed in place."""
+        return self.reducer is None
+
+    def before_forward(self, *, last: bool = True) -> None:
+        """Before each forward of a step: the step's first broadcasts the buffers; the
+        overlapped buckets launch during the step's ``last`` backward only (DDP's ``no_sync``)."""
+        if not self._step_open:
+            self._step_open = True
+            self.broadcast_buffers()
+        if self.reducer is not None:
+            self.reducer.enabled = last
+
+    def broadcast_buffers(self) -> None:
+        """The buffers become the group's first rank's (bucketed broadcasts)."""
+        if self.n > 1 and self.buffers:
+            broadcast_tensors(self.buffers, src=self._src, group=self.group,
+                              bucket_bytes=self.bucket_bytes, counter=self.counter)
+
+    def sync(self) -> int:
+        """After the step's last backward: every used parameter's ``grad`` is the mean (or
+        sum) over the group, an unused one's None. Returns the collectives issued."""
+        self._step_open = False
+        if self.n == 1 or not self.named:
+            return 0
+        if self.reducer is not None:
+            self.reducer.finish()
+            return len(self.reducer.buckets) + 1
+        if self.compressor is not None:
+            return self._sync_compressed()
+        # The used flags travel in the last bucket with the gradients (zeros where unused).
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.named]
+        ref = grads[-1]
+        flags = torch.tensor([p.grad is not None for _, p in self.named], dtype=ref.dtype,
+                             device=ref.device)
+        issued = all_reduce_buckets([*grads, flags], group=self.group, bucket_bytes=self.bucket_bytes,
+                                    average=self.average, counter=self.counter)
+        for (_, p), g, used in zip(self.named, grads, flags.tolist(), strict=True):
+            p.grad = g if used != 0 else None
+        return issued
+
+    def _sync_compressed(self) -> int:
+        from .ddp_hook import allreduce_compressed
+
+        live = drop_unused(self.named, group=self.group, counter=self.counter)
+        means = allreduce_compressed(
+            self.compressor, [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in live],
+            group=self.group, counter=self.counter)
+        for (_, p), m in zip(live, means, strict=True):
+            p.grad = m
+        self.compressor.step()
+        return 2
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's state (error-feedback residuals, its step); empty without one."""
+        return {"compressor": self.compressor.state_dict()} if self.compressor is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.compressor is not None and "compressor" in state:
+            self.compressor.load_state_dict(state["compressor"])
+
+    def close(self) -> None:
+        """Remove the overlapped reducer's hooks."""
+        if self.reducer is not None:
+            self.reducer.remove()
