@@ -1,5 +1,6 @@
 """Resuming a DataParallel run with another model names the tensor that differs (exit 2,
-one line) and leaves the checkpoints as they were."""
+one line) and leaves the run folder as it was: the checkpoints and job.json (the launcher
+writes nothing before the workers' resume check has passed)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def test_data_parallel_resume_with_another_model_names_the_tensor(
     assert cli.main(["run", "-q", str(_job(tmp_path, 32))]) == 0
     run = tmp_path / "runs" / "dp"
     before = _ckpts(run)
+    job_json = (run / "job.json").read_bytes()
     assert before  # non-vacuity: there is something to resume from
     capsys.readouterr()
     assert cli.main(["run", "-q", "--resume", str(_job(tmp_path, 16))]) == 2
@@ -42,3 +44,4 @@ def test_data_parallel_resume_with_another_model_names_the_tensor(
     assert "model" in err and "fc0.weight" in err and "(32, 64)" in err and "(16, 64)" in err, err
     assert len(err.strip().splitlines()) <= 2, err  # one clean line (+ where the log is)
     assert _ckpts(run) == before
+    assert (run / "job.json").read_bytes() == job_json

@@ -159,11 +159,12 @@ def _shape(v: Any) -> str:
 
 
 def check_model_state(
-    module: torch.nn.Module, state: Mapping[str, Any], *, source: str | Path, field: str = "model"
+    module: torch.nn.Module | Mapping[str, Any], state: Mapping[str, Any], *, source: str | Path,
+    field: str = "model",
 ) -> None:
     """A ConfigError naming every tensor whose name or shape differs between ``state``
-    (from checkpoint ``source``) and ``module``; nothing is loaded."""
-    own = module.state_dict()
+    (from checkpoint ``source``) and ``module`` (or its state dict); nothing is loaded."""
+    own = module.state_dict() if isinstance(module, torch.nn.Module) else module
     problems: list[str] = []
     for k, v in own.items():
         if k not in state:

@@ -214,8 +214,9 @@ class RunFolder:
     that holds a run needs ``overwrite``; ``resume`` needs the same strategy type);
     nothing is deleted or written yet apart from the lock file, so a caller can still
     load and check a checkpoint. :meth:`prepare` then clears the folder (fresh runs),
-    creates it and writes job.json. ``__exit__`` releases the lock (so does the death of
-    the process). Under torchrun only rank 0 claims; elsewhere it is a no-op and the
+    creates it and writes job.json; a launcher of worker processes calls
+    :meth:`prepare_launch` instead, which on resume leaves that to the workers' check.
+    ``__exit__`` releases the lock (so does the death of the process). Under torchrun only rank 0 claims; elsewhere it is a no-op and the
     workers' :func:`prepare_run_dir` apply the rules.
     """
 
@@ -250,17 +251,26 @@ class RunFolder:
             _release(self.path)
 
     def prepare(self) -> Path:
-        """Clear (fresh run), create the folder and write job.json; returns the folder."""
+        """Clear (fresh run), create the folder and write job.json; returns the folder.
+        On resume call it only once the checkpoint was checked against the job."""
         if self.owner:
             if not self.resume:
                 _clear(self.path, Path(self.job.run.output_dir))
             _make(self.path, self.job)
         return self.path
 
+    def prepare_launch(self) -> Path:
+        """What a launcher calls before it starts worker processes: a fresh run is
+        prepared at once (:meth:`prepare`); a resume changes nothing in the folder, since
+        the workers check the checkpoint against the job, and their
+        :func:`prepare_run_dir` writes job.json only once that check has passed (a refused
+        ``--resume`` leaves job.json as it was)."""
+        return self.path if self.resume else self.prepare()
+
 
 def prepare_run_dir(job: JobConfig, *, resume: bool, overwrite: bool = False) -> Path:
     """Create the run folder and write job.json (what a worker or an in-process runner
-    calls). Inside a claimed folder (:class:`RunFolder`, held by this process or the
+    calls; on resume only after the checkpoint was checked against the job). Inside a claimed folder (:class:`RunFolder`, held by this process or the
     one that launched it) it only creates and writes. Unclaimed (a worker function called
     directly) it applies the same rule as a claim: a fresh run into a folder that holds
     a run is refused unless ``overwrite``; leftovers with no results are cleared."""

@@ -343,7 +343,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
         validate(job, num_train=len(train))
         task.build_model(job.model, train)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
-        folder.prepare()
+        folder.prepare_launch()
         summary = launch(job, nprocs=strategy.num_replicas, resume=resume,
                          entry=worker_entry, target=worker_main)
     if summary is None:

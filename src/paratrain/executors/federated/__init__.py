@@ -75,7 +75,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
         except ValueError as e:
             raise ConfigError([("data.partition", str(e))]) from None
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
-        folder.prepare()
+        folder.prepare_launch()
         if n == 1:
             return run_in_process(job, resume=resume)
         out: dict[str, Any] = launch(job, nprocs=n, resume=resume, entry=worker_entry,

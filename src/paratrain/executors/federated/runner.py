@@ -208,19 +208,20 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         except ValueError as e:
             raise ConfigError([("strategy.client_selection.required_tags", str(e).split(": ", 1)[-1])]) from None
 
-    # Run folder: rank 0 creates (or, resuming, keeps) it before anyone writes.
+    # Run folder: on resume nothing in it changes before the checkpoints were checked
+    # against this job; then rank 0 creates (or keeps) it and writes job.json, before
+    # anyone writes (the barrier below).
     run_dir = run_dir_of(job)
     server: FederatedServer | None = None
     metrics: MetricsWriter | None = None
     if is_server:
-        run_dir = prepare_run_dir(job, resume=resume)
         schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
         server = FederatedServer(strat.aggregation, template, schedule)
-        metrics = MetricsWriter(run_dir)
         start = 0
         # The newest readable server checkpoint (a bad newer one is skipped with a warning).
         found = checkpoint.load_latest(run_dir / "checkpoints") if resume else None
         if found is not None:
+            server.check_state(found[1], source=found[0])
             server.load_state_dict(found[1])
             start = server.round
         store_set_json(store, "fed/start", {"round": start})
@@ -236,19 +237,25 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         if agreed[0] != start and server is not None:
             older = checkpoint.checkpoint_path(run_dir / "checkpoints", agreed[0])
             try:
-                server.load_state_dict(checkpoint.load_checkpoint(older))
+                older_state = checkpoint.load_checkpoint(older)
             except (checkpoint.CheckpointError, OSError) as e:
                 raise ConfigError([("checkpoint", (
                     f"the workers fell back to round {agreed[0]} but the server checkpoint {older} "
                     f"cannot be read ({e}); start without --resume (or with --overwrite)"))]) from None
+            server.check_state(older_state, source=older)
+            server.load_state_dict(older_state)
         start = agreed[0]
         host.load_state_dict(agreed[1])
     elif start > 0:
         wfile = checkpoint.checkpoint_path(wdir, start)
         if wfile.exists():
             host.load_state_dict(checkpoint.load_checkpoint(wfile))
-    if metrics is not None and resume:
-        metrics.truncate_after("round", start)
+    if is_server:
+        run_dir = prepare_run_dir(job, resume=resume)
+        metrics = MetricsWriter(run_dir)
+        if resume:
+            metrics.truncate_after("round", start)
+    barrier(group)  # the run folder is ready before any rank writes its checkpoints
 
     kill = os.environ.get(KILL_ENV, "")
     kill_rank, kill_round = (int(v) for v in kill.split(":")) if kill else (-1, -1)

@@ -14,7 +14,10 @@ per client would download; in this simulation a worker's clients share one copy)
 group, counted at the transfer (comm/federated_ops.py): the model broadcast delivered to
 the other worker ranks and the update payloads this rank received. The server state — global model,
 aggregator state (server optimizer moments), round counter, the clients' learning-rate
-schedule position (:class:`RoundSchedule`), early-stop flag — is one checkpoint dict.
+schedule position (:class:`RoundSchedule`), early-stop flag — is one checkpoint dict,
+which names its aggregation method: resuming it under another method (whose server
+optimizer state would silently start fresh) or another model is a ConfigError naming the
+field, before anything is loaded (:meth:`FederatedServer.check_state`).
 
 Evaluation is the task's (``eval_batch`` sums + ``finalize``) on the whole test set, under
 ``train.precision``, after every round: the round's record carries ``test_<metric>`` for
@@ -30,7 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...config import ConfigError
 from ...models.state import load_unique_state_dict
+from ...training.checkpoint import check_model_state
 from ...training.stepping import autocast, lr_factor
 from .aggregation import Aggregator, MalformedUpdateError, build_aggregator
 from .client import client_name
@@ -73,6 +78,7 @@ class FederatedServer:
     def __init__(self, aggregation: Any, global_state: Mapping[str, Tensor],
                  schedule: RoundSchedule | None = None) -> None:
         self.aggregator: Aggregator = build_aggregator(aggregation)
+        self.method = str(getattr(aggregation, "method", None) or self.aggregator.name)
         self.schedule = schedule if schedule is not None else RoundSchedule()
         self.global_state: dict[str, Tensor] = {k: v.detach().clone() for k, v in global_state.items()}
         self.round = 0
@@ -176,6 +182,7 @@ class FederatedServer:
         return {
             "round": self.round,
             "model": {k: v.clone() for k, v in self.global_state.items()},
+            "aggregation": self.method,
             "aggregator": self.aggregator.state_dict(),
             "client_schedule": self.schedule.state_dict(),
             "stopped": self.stopped,
@@ -187,6 +194,23 @@ class FederatedServer:
             "failures": self.failures,
             "saved_at": time.time(),
         }
+
+    def check_state(self, state: Mapping[str, Any], *, source: Any) -> None:
+        """A ConfigError when checkpoint ``state`` (from file ``source``) was written with
+        another aggregation method or model than this server's; nothing is loaded.
+        (A checkpoint that predates the method's name is judged by its server optimizer
+        state's fields.)"""
+        saved = state.get("aggregation")
+        agg_state = state.get("aggregator", {})
+        fields = set(agg_state) if isinstance(agg_state, Mapping) else set()
+        if saved is None and fields != set(self.aggregator.state_dict()):
+            saved = f"another method (server optimizer state {sorted(fields)})"
+        if saved is not None and saved != self.method:
+            raise ConfigError([("strategy.aggregation.method", (
+                f"checkpoint {source} was written with aggregation {saved}; this job's is "
+                f"{self.method}, whose server state would start fresh: resume with the original "
+                "strategy.aggregation, or start a fresh run with --overwrite"))])
+        check_model_state(self.global_state, state["model"], source=source)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         model = dict(state["model"])

@@ -105,7 +105,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     launching process holds the run folder's lock)."""
     validate_job(job)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
-        folder.prepare()
+        folder.prepare_launch()
         return _run(job, resume=resume)
 
 
@@ -190,8 +190,6 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     metrics: MetricsWriter | None = None
     timing = {"evolve_s": 0.0, "persist_s": 0.0, "comm_s": 0.0}
     if main:
-        prepare_run_dir(job, resume=resume)
-        metrics = MetricsWriter(run_dir)
         found = latest_population(run_dir) if resume else None
         if found is not None:
             pop = PopulationState.from_state_dict(checkpoint.load_checkpoint(found))
@@ -199,6 +197,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 raise ConfigError([("strategy.population_size", (
                     f"{run_dir} holds a population of {pop.size}, not {size}; resume with the "
                     "same job or start a fresh run"))])
+        prepare_run_dir(job, resume=resume)  # job.json: only once the resume was checked
+        metrics = MetricsWriter(run_dir)
+        if pop is not None:
             metrics.truncate_after("generation", pop.generation - 1)
         else:
             pop = PopulationState.initial(job.search_space, size=size, seed=job.run.seed)

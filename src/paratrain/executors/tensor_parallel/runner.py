@@ -315,7 +315,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
         dry_run(job)
     # the process limit (cores x 4, run.allow_oversubscribe) is paratrain.preflight's
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
-        folder.prepare()
+        folder.prepare_launch()
         summary = launch(job, nprocs=tp * dp, resume=resume, entry=worker_entry,
                          target=worker_main)
     if summary is None:
