@@ -84,10 +84,9 @@ def fit(
             raise ConfigError([(field, "model/data/task instances are supported with the Local "
                                 "strategy; use a factory ('module:function') for multi-process "
                                 "strategies")])
-        from .executors import local
-        from .subgraphs import check_job
+        from .preflight import Instances
 
-        check_job(cfg, instance_model)  # pairings; the paths against the instance model
-        return local.run(cfg, resume=resume, overwrite=overwrite, model=instance_model,
-                         data=instance_data, task=instance_task)
+        # the same checks and warnings as a job file's run, on the objects themselves
+        return execute(cfg, resume=resume, overwrite=overwrite,
+                       instances=Instances(instance_model, instance_data, instance_task))
     return execute(cfg, resume=resume, overwrite=overwrite)

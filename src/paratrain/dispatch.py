@@ -30,7 +30,8 @@ __all__ = ["execute", "effective_settings", "spec_for", "executor_name", "is_ten
 
 
 def execute(
-    job: JobConfig, *, resume: bool = False, overwrite: bool = False, job_dir: Path | None = None
+    job: JobConfig, *, resume: bool = False, overwrite: bool = False, job_dir: Path | None = None,
+    instances: Any = None,
 ) -> dict[str, Any]:
     """Run ``job`` under its strategy and return the summary. Never falls back to Local.
 
@@ -38,6 +39,8 @@ def execute(
     ``overwrite`` (replace it) or ``resume`` (continue it).
 
     ``job_dir`` (the job file's folder) anchors relative ``run.imports`` paths.
+    ``instances`` (:class:`paratrain.preflight.Instances`, from :func:`paratrain.fit`) are
+    checked as the specs they replace are, then trained by the (Local) executor.
     Settings the run ignores (:func:`effective_settings`) are warned about once, by the
     launching process (rank 0 under torchrun)."""
     from .preflight import preflight
@@ -45,11 +48,14 @@ def execute(
     # Every check before training, the same `paratrain validate` makes (imports the
     # plugins too); errors here come before any worker process is spawned.
     launcher = os.environ.get("RANK", "0") == "0"
-    preflight(job, job_dir=job_dir, warn=launcher)
+    preflight(job, job_dir=job_dir, warn=launcher, instances=instances)
     spec = spec_for(job)
     if launcher:
         for item in effective_settings(job, resume=resume).ignored:
             warnings.warn(str(item), _job_rules.IgnoredSettingWarning, stacklevel=2)
+    if instances is not None:
+        return spec.run(job, resume=resume, overwrite=overwrite, model=instances.model,
+                        data=instances.data, task=instances.task)
     return spec.run(job, resume=resume, overwrite=overwrite)
 
 

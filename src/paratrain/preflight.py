@@ -44,6 +44,7 @@ import math
 import os
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -51,7 +52,8 @@ from typing import Any
 from .config import ConfigError
 from .config.job import JobConfig
 
-__all__ = ["preflight", "process_count", "process_limit", "PreflightWarning", "PROCS_PER_CORE"]
+__all__ = ["preflight", "process_count", "process_limit", "PreflightWarning", "PROCS_PER_CORE",
+           "Instances"]
 
 # Worker processes per CPU core a job may start without run.allow_oversubscribe: the
 # test suite runs 4 ranks on 2 cores; beyond a few per core, gloo ranks only fight for
@@ -63,6 +65,18 @@ Problems = list[tuple[str, str]]
 
 class PreflightWarning(UserWarning):
     """A setting preflight adjusts instead of refusing (e.g. a capped worker count)."""
+
+
+@dataclass(frozen=True)
+class Instances:
+    """Objects :func:`paratrain.fit` received in place of the job's specs (Local only): an
+    ``nn.Module``, a :class:`~paratrain.data.DataBundle`, a Task. Preflight checks them
+    as it checks what the specs build (two examples through the model and the loss, the
+    optimizer over the model's parameters, ``[subgraphs]`` paths); the executor trains them."""
+
+    model: Any = None
+    data: Any = None
+    task: Any = None
 
 
 def process_limit() -> int:
@@ -78,11 +92,14 @@ def process_count(job: JobConfig) -> tuple[int, str]:
     return spec_for(job).processes(job)
 
 
-def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True) -> list[str]:
+def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True,
+              instances: Instances | None = None) -> list[str]:
     """Check ``job`` as ``run`` would before training; ConfigError listing every problem.
 
-    ``job_dir`` is the job file's folder (relative ``run.imports``). Returns the warning
-    lines (``field: message``); with ``warn`` each is also issued as a PreflightWarning."""
+    ``job_dir`` is the job file's folder (relative ``run.imports``); ``instances`` what
+    :func:`paratrain.fit` trains instead of the job's model/data/task specs. Returns the
+    warning lines (``field: message``); with ``warn`` each is also issued as a
+    PreflightWarning."""
     problems: Problems = []
     notes: list[str] = []
     imported = _stage(problems, _imports, job, job_dir)
@@ -93,9 +110,9 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True)
         _stage(problems, _coordinator, job)
     task_ok = _stage(problems, _task_strategy, job)  # paratrain.executors.check_supported
     pairings_ok = _stage(problems, _subgraph_pairings, job)
-    bundle = _stage(problems, _build, job) if imported and task_ok else None
+    bundle = _stage(problems, _build, job, instances) if imported and task_ok else None
     if bundle is not None and pairings_ok:
-        _stage(problems, _subgraph_paths, job)
+        _stage(problems, _subgraph_paths, job, getattr(bundle, "model", None))
     if bundle is not None:
         _stage(problems, _replica_rows, job, len(bundle.train))
         _stage(problems, _federated, job, bundle)
@@ -284,24 +301,28 @@ def _field_of(message: str, names: list[str], section: str, aliases: dict[str, s
     return section
 
 
-def _build(job: JobConfig) -> Any:
+def _build(job: JobConfig, instances: Instances | None = None) -> Any:
     """Load the data, build the model with its kwargs, run it on two rows, build the
-    optimizer with its kwargs; the data bundle."""
+    optimizer with its kwargs; the data bundle (with ``instances``, or another task than
+    the default: the datasets and the model, as ``train``/``test``/``model``)."""
     import torch
 
     from .task import is_default, preflight_task
 
+    if instances is not None:  # fit's objects, each in place of its spec
+        data, model = instances.data, instances.model
+        if data is not None and model is None:  # as Local: the model spec over the bundle
+            model = _model(job, data)
+        checked = preflight_task(job, task=instances.task, model=model,
+                                 datasets=(data.train, data.test) if data is not None else None)
+        _optimizer(job, checked.model)
+        return checked
     if not is_default(job):  # another task: its datasets, model, two examples; the optimizer
-        from .training import build_optimizer
-
         checked = preflight_task(job)
-        build_optimizer(checked.model.parameters(), job.train.optimizer)
+        _optimizer(job, checked.model)
         return checked
 
     from .data import load_data
-    from .models import build_model
-    from .models.zoo import MODELS, import_object
-    from .training import build_optimizer
 
     try:
         bundle = load_data(job.data, seed=job.run.seed)
@@ -309,6 +330,26 @@ def _build(job: JobConfig) -> Any:
         raise
     except Exception as e:  # noqa: BLE001 - a user factory's own error: one line
         raise ConfigError([("data", _one_line(f"loading the data failed: {type(e).__name__}: {e}"))]) from None
+    model = _model(job, bundle)
+    kwargs = job.model.kwargs
+    x, _ = bundle.train.tensors
+    try:
+        model.eval()
+        with torch.no_grad():
+            model(x[:2])
+    except Exception as e:  # noqa: BLE001
+        msg = _one_line(f"the model fails on two training rows of shape {tuple(x[:2].shape)}: "
+                        f"{type(e).__name__}: {e}")
+        raise ConfigError([(_field_of(msg, list(kwargs), "model"), msg)]) from None
+    _optimizer(job, model)
+    return bundle
+
+
+def _model(job: JobConfig, bundle: Any) -> Any:
+    """The job's model spec built over ``bundle``'s shapes, its kwargs checked first."""
+    from .models import build_model
+    from .models.zoo import MODELS, import_object
+
     spec = job.model
     kwargs = spec.kwargs
     problems: Problems = []
@@ -329,15 +370,13 @@ def _build(job: JobConfig) -> Any:
     except Exception as e:  # noqa: BLE001
         msg = _one_line(f"building the model failed: {type(e).__name__}: {e}")
         raise ConfigError([(_field_of(msg, list(kwargs), "model"), msg)]) from None
-    x, _ = bundle.train.tensors
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(x[:2])
-    except Exception as e:  # noqa: BLE001
-        msg = _one_line(f"the model fails on two training rows of shape {tuple(x[:2].shape)}: "
-                        f"{type(e).__name__}: {e}")
-        raise ConfigError([(_field_of(msg, list(kwargs), "model"), msg)]) from None
+    return model
+
+
+def _optimizer(job: JobConfig, model: Any) -> None:
+    """The optimizer builds over ``model``'s parameters with its kwargs (each named)."""
+    from .training import build_optimizer
+
     opt = job.train.optimizer
     okw = {"lr": opt.lr, **opt.kwargs}
     from .training.optim import OPTIMIZERS
@@ -351,7 +390,6 @@ def _build(job: JobConfig) -> Any:
     except ConfigError as e:
         msg = e.problems[0][1]
         raise ConfigError([(_field_of(msg, list(okw), "train.optimizer", _TORCH_OPT_WORDS), msg)]) from None
-    return bundle
 
 
 # How torch's optimizers name their arguments in ValueError messages.
@@ -426,17 +464,20 @@ def _subgraph_pairings(job: JobConfig) -> None:
         check_pairings(job)
 
 
-def _subgraph_paths(job: JobConfig) -> None:
-    """``[subgraphs]``: every key a module path of the job's model (built as the executors
-    build it), Local subgraphs holding state and sharing no tied tensor with the rest."""
+def _subgraph_paths(job: JobConfig, model: Any = None) -> None:
+    """``[subgraphs]``: every key a module path of the job's model (``model`` when the
+    build stage has it, else built as the executors build it), Local subgraphs holding
+    state and sharing no tied tensor with the rest."""
     if not job.subgraphs:
         return
     from .subgraphs import check_paths
     from .task import resolve_task
 
-    task = resolve_task(job)
-    train, _ = task.datasets(job.run.seed)
-    check_paths(task.build_model(job.model, train), job)
+    if model is None:
+        task = resolve_task(job)
+        train, _ = task.datasets(job.run.seed)
+        model = task.build_model(job.model, train)
+    check_paths(model, job)
 
 
 def _executor_hook(job: JobConfig) -> None:

@@ -71,21 +71,26 @@ def _one_line(msg: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def preflight_task(job: JobConfig) -> Any:
+def preflight_task(job: JobConfig, *, task: Any = None, datasets: Any = None,
+                   model: Any = None) -> Any:
     """What ``paratrain validate`` checks for a non-default task before a run: the task
     resolves, its datasets load, its model builds and runs on two training examples, the
     loss of that batch is a finite scalar. Returns an object with ``train``, ``test`` and
     the built ``model`` (:mod:`paratrain.preflight` builds the optimizer over it: the
-    optimizers are :mod:`paratrain.training`'s, a floor above the tasks)."""
+    optimizers are :mod:`paratrain.training`'s, a floor above the tasks).
+
+    ``task``, ``datasets`` (``(train, test)``) and ``model`` are instances
+    :func:`paratrain.fit` received in place of the job's specs: they get the same checks
+    (an instance model runs without gradients and is left in its train/eval mode)."""
     import math
     from types import SimpleNamespace
 
     import torch
 
-    task = resolve_task(job)
+    task = task if task is not None else resolve_task(job)
     field = "task.factory" if job.task.factory is not None else "data"
     try:
-        train, test = task.datasets(job.run.seed)
+        train, test = datasets if datasets is not None else task.datasets(job.run.seed)
         n_train, n_test = len(train), len(test)  # type: ignore[arg-type]
         if n_train < 1 or n_test < 1:
             raise ConfigError([(field, f"the task's datasets are empty (train {n_train}, "
@@ -96,13 +101,14 @@ def preflight_task(job: JobConfig) -> Any:
         raise ConfigError([(field, _one_line(f"loading the task's datasets failed: "
                                              f"{type(e).__name__}: {e}"))]) from None
     try:
-        model = task.build_model(job.model, train)
+        model = model if model is not None else task.build_model(job.model, train)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001
         raise ConfigError([("model", _one_line(f"building the model failed: "
                                                f"{type(e).__name__}: {e}"))]) from None
     batch = fetch_batch(train, torch.arange(min(2, n_train)))
+    was_training = model.training
     try:
         model.eval()
         with torch.no_grad():
@@ -111,6 +117,8 @@ def preflight_task(job: JobConfig) -> Any:
     except Exception as e:  # noqa: BLE001
         raise ConfigError([("model", _one_line(f"the model or the task's loss fails on two "
                                                f"training examples: {type(e).__name__}: {e}"))]) from None
+    finally:
+        model.train(was_training)
     if not math.isfinite(value):
         raise ConfigError([("model", f"the task's loss on two training examples is {value}")])
     return SimpleNamespace(train=train, test=test, model=model)
