@@ -14,6 +14,7 @@ from paratrain.dispatch import execute, executor_name
 from paratrain.executors.tensor_parallel.runner import layout
 from paratrain.models import build_model
 from paratrain.task import evaluate, resolve_task
+from paratrain.training.export import read_model
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -69,10 +70,10 @@ def test_two_d_job_trains_and_gathers_the_dense_model(dense_2d: tuple[object, di
     # at p = 2 the ring model puts exactly the handed-over tensor on the wire
     assert s["payload_bytes_per_step_measured"] == pytest.approx(s["bytes_sent_per_step_modelled"])
     assert s["payload_bytes_per_step_measured"] > 0
-    # the gathered model.pt is the full model: the dense net with it scores the same
+    # the gathered model.safetensors is the full model: the dense net with it scores the same
     bundle = load_data(job.data, seed=job.run.seed)
     net = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
-    net.load_state_dict(torch.load(s["dense_model"], weights_only=True))
+    net.load_state_dict(read_model(s["dense_model"]))
     ev = evaluate(net, resolve_task(job), bundle.test)
     assert ev["accuracy"] == pytest.approx(s["test_accuracy"], abs=1e-9)
     assert ev["loss"] == pytest.approx(s["test_loss"], rel=1e-4)
@@ -94,11 +95,11 @@ def test_two_d_job_compresses_the_data_parallel_exchange(
         doc["train"].update(epochs=1, max_steps=30)
         doc["compression"] = compression
         s = execute(load_job(doc))
-        return s, torch.load(s["dense_model"], weights_only=True)
+        return s, read_model(s["dense_model"])
 
     # the dense run is the shared fixture's: the same example, epochs=1, max_steps=30
     dense = dense_2d[1]
-    w_dense = torch.load(dense["dense_model"], weights_only=True)
+    w_dense = read_model(dense["dense_model"])
     full, w_full = run("full", {"method": "TopK", "k": 1 << 30})
     topk, w_topk = run("topk", {"method": "ErrorFeedback", "error_compensation": True,
                                 "base_strategy": {"method": "TopK", "k": 200}})

@@ -23,6 +23,7 @@ from paratrain.comm.testing import run_distributed
 from paratrain.config import TensorParallelismConfig, load_job
 from paratrain.data.shakespeare import CharBlocks, load_corpus
 from paratrain.task import fetch_batch, resolve_task
+from paratrain.training.export import read_model
 
 HERE = Path(__file__).resolve().parent
 
@@ -246,5 +247,5 @@ def test_a_user_task_trains_under_tp_x_dp(tmp_path: Path, monkeypatch: pytest.Mo
     assert summary["test_mae"] < 0.6 * untrained, (summary["test_mae"], untrained)
     # the gathered dense model is the user's model: it loads and scores the same
     net = task.build_model(None, train)
-    net.load_state_dict(torch.load(summary["dense_model"], weights_only=True))
+    net.load_state_dict(read_model(summary["dense_model"]))
     assert evaluate(net, task, test)["mae"] == pytest.approx(summary["test_mae"], rel=1e-5)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .task.protocol import Task
 
-__all__ = ["fit", "Task", "__version__"]
+__all__ = ["fit", "load_model", "Task", "__version__"]
 __version__ = "0.1.0"
 
 
@@ -16,6 +16,14 @@ def fit(*args: Any, **kwargs: Any) -> dict[str, Any]:
     from .api import fit as _fit
 
     return _fit(*args, **kwargs)
+
+
+def load_model(run_dir: Any, *, client: int | None = None) -> dict[str, Any]:
+    """The trained model of a finished run as one state_dict under the model's own names
+    (see :func:`paratrain.training.export.load_model`): ``model.load_state_dict(state)``."""
+    from .training.export import load_model as _load
+
+    return _load(run_dir, client=client)
 
 
 def __getattr__(name: str) -> Any:

@@ -98,6 +98,9 @@ def _train(
         "strategy": "Local", "run_dir": str(run_dir),
         **summary_fields(result, task, train=train, test=test, model=net, started=started),
     }
+    from ..training.export import save_model, whole_state
+
+    save_model(run_dir, whole_state(net))  # `paratrain export` / paratrain.load_model
     write_summary(run_dir, summary)
     report.plot_curves(run_dir, title=f"{job.run.name} (Local)")
     return summary

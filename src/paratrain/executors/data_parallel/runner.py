@@ -320,6 +320,10 @@ def train_replica(
         C.broadcast_(sb, src=0, group=ctx.group)
         summary["server_bytes_per_step"] = float(sb.item()) / steps_this_run
     if ctx.is_main:
+        from ...training.export import save_model, whole_state
+
+        # replica 0's model (every replica's under AllReduce; [subgraphs] Local layers: rank 0's)
+        save_model(run_dir, whole_state(model))
         write_summary(run_dir, summary)
         if plot:  # never raises: a failed plot is a warning (report.never_fails)
             report.plot_curves(run_dir, title=f"{job.run.name} (DataParallel x{ctx.world_size})")

@@ -154,6 +154,31 @@ def _worker_ckpt(run_dir: Path, rank: int) -> Path:
     return run_dir / "checkpoints" / f"worker-{rank}"
 
 
+def _save_client_models(run_dir: Path, model: Any, personal: Any, global_state: Any) -> None:
+    """``model-client<c>.safetensors`` for every client this worker hosts: the global
+    parts with the client's own personal parts (``paratrain export RUN --client c``)."""
+    import copy
+
+    from ...models.state import load_unique_state_dict
+    from ...training.export import client_model_file, save_model, whole_state
+
+    scratch = copy.deepcopy(model).cpu()  # `model` stays the global one for the summary
+    for c in personal.hosted:
+        load_unique_state_dict(scratch, {**{k: v.cpu() for k, v in global_state.items()},
+                                         **personal.of(c)})
+        save_model(run_dir, whole_state(scratch), name=client_model_file(c))
+
+
+def _final_global(state: Any, template: Any, comm_dev: Any, group: Any) -> Any:
+    """The server's final global state on every rank (rank 0's ``state`` broadcast)."""
+    fvec, ivec = flatten_state(state)
+    fvec, ivec = fvec.to(comm_dev), ivec.to(comm_dev)
+    broadcast_(fvec, src=0, group=group)
+    if ivec.numel():
+        broadcast_(ivec, src=0, group=group)
+    return unflatten_state(template, fvec.cpu(), ivec.cpu())
+
+
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
     """Run the federated job on this rank; rank 0 returns the summary."""
     started = time.perf_counter()
@@ -365,6 +390,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     final_eval = None
     if evaluator is not None and personal_keys:  # collective: every rank scores its clients
         final_eval = evaluator.run("final", global_state if server is None else server.global_state, template)
+    if host.personal is not None and personal_keys:  # each hosted client's whole model
+        _save_client_models(run_dir, model, host.personal, _final_global(
+            server.global_state if server is not None else template, template, comm_dev, group))
     if server is None:
         store_set_json(store, f"fed/final/{rank}", stats)
         barrier(group)
@@ -410,6 +438,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                        personal_sha256=hashlib.sha256("".join(
                            str(w.get("personal_sha256", "")) for w in workers).encode()).hexdigest())
     summary["provenance"] = report.provenance(summary, configured=("num_clients", "num_workers"))
+    from ...training.export import save_model, whole_state
+
+    save_model(run_dir, whole_state(model))  # the global model
     write_summary(run_dir, summary)
     report.plot_curves(run_dir, x_key="round", title=f"{job.run.name} (Federated, {strat.aggregation.method})")
     return summary

@@ -74,6 +74,7 @@ from ...training import (
     seed_everything,
     write_summary,
 )
+from ...training.export import complete_state, save_model, tied_names
 from ...training.faults import FAULT_ENV
 from ...training.loop import DataPlan, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
@@ -247,6 +248,20 @@ def _digest(state: dict[str, torch.Tensor]) -> bytes:
     return h.digest()
 
 
+def _gather_parts(rt: Any, own: dict[str, torch.Tensor], *, rank: int, world: int,
+                  step: int) -> list[dict[str, torch.Tensor]]:
+    """Every rank's model tensors (by the model's names) on rank 0, in rank order (a
+    replicated stage's replicas hold the same names and values: the first is kept)."""
+    from safetensors.torch import load, save
+
+    if rank != 0:
+        blob = save({k: v.detach().cpu().contiguous().clone() for k, v in own.items()})
+        rt.send_metric(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=0, step=step, slot=4)
+        return []
+    return [own] + [load(bytes(rt.recv_metric(src=r, step=step, slot=4).cpu().numpy().tobytes()))
+                    for r in range(1, world)]
+
+
 def _broadcast_buffers(job: JobConfig, path: str | None) -> bool:
     """A replicated stage's ``broadcast_buffers`` (its ``[subgraphs.<path>]`` DataParallel)."""
     sub = (getattr(job, "subgraphs", None) or {}).get(path) if path is not None else None
@@ -260,6 +275,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     run_dir = _prepare(ctx, job, resume)
     task, train, test, model = _task_model(job)
     num_parameters = sum(p.numel() for p in model.parameters())
+    names, ties = list(model.state_dict()), tied_names(model)  # for the exported model
     plan = plan_for(job, model, ctx.workers)
     replicas = replicas_for(job, plan, ctx.world_size, ctx.workers)
     stage_rank, _ = replicas.logical(ctx.rank)
@@ -326,6 +342,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         for r in range(1, ctx.world_size):
             digests.append(rt.recv_metric(src=r, step=step, slot=2))
             stage_totals.append(rt.recv_metric(src=r, step=step, slot=3).double())
+    parts = _gather_parts(rt, own, rank=ctx.rank, world=ctx.world_size, step=step)
     transport.flush()
     if hasattr(transport, "close"):
         transport.close()
@@ -359,6 +376,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     }
     summary["wall_time_s"] = round(time.perf_counter() - started, 3)
     summary["provenance"] = report.provenance(summary, configured=("micro_batch_size", "workers"))
+    save_model(run_dir, complete_state(parts, names, ties))  # every worker's part, one model
     write_summary(run_dir, summary)
     report.plot_curves(run_dir, title=f"{job.run.name} (ModelParallel/{proto.protocol})")
     return summary

@@ -309,6 +309,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                        metric=metric, mode=mode, task=runner.task,
                        reference=runner.reference_metrics())
     summary["restarts"] = ctx.restart_count
+    _save_best_model(run_dir, pop, int(summary["best_member"]))
     write_summary(run_dir, summary)
     plot_population(run_dir / "lineage.json", run_dir / "report.png", space=job.search_space,
                     title=f"{job.run.name} (PopulationBased)")
@@ -365,6 +366,17 @@ def _summary(
             "overhead_fraction": round(overhead / timing["loop_s"], 5) if timing["loop_s"] > 0 else None,
         },
     }
+
+
+def _save_best_model(run_dir: Path, pop: PopulationState, best: int) -> None:
+    """``model.safetensors``: the best member's model at the end of the last generation
+    (built with its ``best_hparams``' model settings)."""
+    from ...training.export import save_model
+    from .member_state import member_path
+
+    generation = len(pop.history) - 1
+    state = checkpoint.load_checkpoint(member_path(run_dir, generation, best))
+    save_model(run_dir, state["model"])
 
 
 def _fmt(v: Any) -> str:

@@ -47,7 +47,6 @@ from ...tensor_parallel import parallelize
 from ...training import (
     MetricsWriter,
     build_optimizer,
-    checkpoint,
     epoch_permutation,
     prepare_run_dir,
     report,
@@ -212,7 +211,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     buffers = {n for n, _ in tpm.module.named_buffers()}
     num_parameters = sum(v.numel() for k, v in dense.items() if k not in buffers)
     dense = _with_tied_names(tpm, dense)
-    checkpoint.save_checkpoint(run_dir / "model.pt", dense)
+    from ...training.export import MODEL_FILE, save_model
+
+    save_model(run_dir, dense)  # dense, under the model's own names (tied ones too)
     steps = max(result.position.step, 1)
     fields = summary_fields(result, task, train=train, test=test, model=None, started=started)
     wall = fields.pop("wall_time_s")
@@ -245,7 +246,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
            if sync is not None else {}),
         **({"compression": sync.compressor.stats.as_dict()}
            if sync is not None and sync.compressor is not None else {}),
-        "dense_model": str(run_dir / "model.pt"),
+        "dense_model": str(run_dir / MODEL_FILE),
         "parameters_sha256": _digest(dense),
     }
     summary["provenance"] = report.provenance(

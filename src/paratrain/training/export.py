@@ -1,0 +1,157 @@
+"""The trained model out: one state_dict under the model's own names, from every strategy.
+
+At the end of a run the logging process writes ``runs/<name>/model.safetensors``: every
+entry of the whole model's ``state_dict()`` (parameters and buffers) by its
+``named_parameters()``/``named_buffers()`` name, whatever the strategy cut it into --
+DataParallel replica 0, the tensor-parallel shards gathered back to dense, the
+ModelParallel parts of every worker, the Federated global model, the best PBT member.
+Tied parameters appear under each of their names (safetensors stores no aliases, so each
+name holds its own copy; ``load_state_dict`` writes the same values into the one tensor).
+:func:`load_model` reads it back and ``model.load_state_dict(state, strict=True)`` loads it
+into a fresh ``task.build_model(...)``; ``paratrain export RUN --out FILE`` writes it as
+``.safetensors`` or as a ``torch.save`` ``.pt``.
+
+Why safetensors: the file holds tensors and nothing else (no pickle), loads lazily and
+is what Hugging Face and timm read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+
+__all__ = ["MODEL_FILE", "whole_state", "tied_names", "complete_state", "save_model",
+           "load_model", "read_model", "export_model", "client_model_file"]
+
+MODEL_FILE = "model.safetensors"
+
+
+def client_model_file(client: int) -> str:
+    """A Federated client's own model (global parts + its personal parts), by index."""
+    return f"model-client{client:04d}.safetensors"
+
+
+def whole_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` as CPU tensors (tied entries under every name)."""
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+
+
+def tied_names(module: nn.Module) -> list[list[str]]:
+    """Groups of ``state_dict`` names that are one tensor (tied weights), model order."""
+    by_tensor: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if t.numel() == 0:
+            continue
+        by_tensor.setdefault((t.data_ptr(), t.storage_offset(), tuple(t.shape)), []).append(name)
+    return [names for names in by_tensor.values() if len(names) > 1]
+
+
+def complete_state(
+    pieces: Iterable[Mapping[str, torch.Tensor]], names: list[str], ties: list[list[str]],
+) -> dict[str, torch.Tensor]:
+    """The whole state_dict in ``names`` order from ``pieces`` (e.g. each worker's part;
+    a name found twice keeps the first), a tied name filled from its group. Raises
+    RuntimeError naming what no piece holds."""
+    found: dict[str, torch.Tensor] = {}
+    for piece in pieces:
+        for k, v in piece.items():
+            found.setdefault(k, v.detach().cpu())
+    for group in ties:
+        held = next((found[n] for n in group if n in found), None)
+        if held is not None:
+            for n in group:
+                found.setdefault(n, held)
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise RuntimeError(f"the model's {', '.join(missing[:5])} is in no worker's part")
+    return {n: found[n] for n in names}
+
+
+def save_model(run_dir: str | Path, state: Mapping[str, torch.Tensor], *,
+               name: str = MODEL_FILE) -> Path:
+    """Write ``state`` to ``run_dir/name`` atomically (temp file, fsync, rename)."""
+    from safetensors.torch import save_file
+
+    path = Path(run_dir) / name
+    # safetensors refuses tensors sharing memory: each name gets its own contiguous copy
+    flat = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        # safetensors sorts names; the metadata keeps the model's own order
+        save_file(flat, tmp, metadata={"format": "pt", "producer": "paratrain",
+                                       "order": json.dumps(list(flat))})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load_model(run_dir: str | Path, *, client: int | None = None) -> dict[str, torch.Tensor]:
+    """The trained model of the run in ``run_dir`` as one state_dict (CPU tensors) under the
+    model's own names; ``client``: a Federated client's model with its personal parts.
+    A run that has not finished is a ConfigError saying to resume it first."""
+    run = Path(run_dir)
+    name = MODEL_FILE if client is None else client_model_file(client)
+    path = run / name
+    if not path.is_file():
+        if not run.is_dir():
+            why = "is not a folder"
+        elif client is not None and (run / MODEL_FILE).is_file():
+            why = f"has no model of client {client} (clients with personal parts only)"
+        else:
+            why = (f"holds no {MODEL_FILE}: the run has not finished "
+                   "(continue it with `paratrain run JOB --resume`)")
+        raise ConfigError([("run", f"{run} {why}")])
+    return read_model(path)
+
+
+def read_model(path: str | Path) -> dict[str, torch.Tensor]:
+    """A ``.safetensors`` file :func:`save_model` wrote, in the model's ``state_dict``
+    order (safetensors itself sorts names)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    try:
+        order = json.loads(meta.get("order", "[]"))
+    except ValueError:
+        order = []
+    if sorted(order) != sorted(state):
+        return state
+    return {k: state[k] for k in order}
+
+
+def export_model(run_dir: str | Path, out: str | Path, *, client: int | None = None) -> Path:
+    """Write the run's model to ``out``: ``.safetensors`` or ``.pt`` (``torch.save`` of
+    the state_dict; ``torch.load(out, weights_only=True)`` reads it)."""
+    out = Path(out)
+    state = load_model(run_dir, client=client)
+    if out.suffix not in (".safetensors", ".pt", ".pth"):
+        raise ConfigError([("--out", f"{out}: the file name must end in .safetensors or .pt")])
+    if out.parent and not out.parent.is_dir():
+        raise ConfigError([("--out", f"{out.parent} is not a folder")])
+    if out.suffix == ".safetensors":
+        return save_model(out.parent, state, name=out.name)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
