@@ -69,6 +69,15 @@ def test_dataparallel_comm_fields_elsewhere(strategy: dict[str, Any]) -> None:
     assert f"{kind} has no DataParallel gradient exchange" in got["comm.gossip_step"]
 
 
+def test_a_replicated_stage_reads_the_bucket_size() -> None:
+    """Its replicas sum their gradients through the one gradient sync, in buckets of
+    comm.bucket_size_mb (gossip_step stays DataParallel's)."""
+    stage = {"back": {**DP, "broadcast_buffers": False}}
+    got = _ignored({"strategy": MP, "subgraphs": stage,
+                    "comm": {"bucket_size_mb": 4.0, "gossip_step": 0.5}})
+    assert set(got) == {"comm.gossip_step"}
+
+
 def test_comm_timeout_is_read_by_every_launched_strategy() -> None:
     for strategy in (DP, MP, FED, PBT):
         assert "comm.timeout_s" not in _ignored({"strategy": strategy, "comm": {"timeout_s": 9.0}})

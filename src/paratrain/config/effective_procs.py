@@ -15,8 +15,10 @@ on launched workers whose count each strategy decides itself:
   Local runs one process, DataParallel ``strategy.num_replicas`` and tensor parallelism
   ``tensor_parallel_size`` x replicas.
 - ``comm.bucket_size_mb``: DataParallel's AllReduce without compression (the bucketed
-  gradient all-reduce); ``comm.gossip_step``: DataParallel's Decentralized with
-  compression (CHOCO-gossip). No other strategy or aggregation reads them.
+  gradient all-reduce) and a ModelParallel replicated stage (``[subgraphs.<path>] type =
+  "DataParallel"``, whose replicas sum their gradients through the same sync);
+  ``comm.gossip_step``: DataParallel's Decentralized with compression (CHOCO-gossip). No
+  other strategy or aggregation reads them.
 """
 
 from __future__ import annotations
@@ -65,7 +67,11 @@ def ignored_process_settings(job: JobConfig, *, kind: str, tp_active: bool) -> l
     compressed = job.compression is not None and job.compression.method != "None"
     where = ("the tensor-parallel executor reduces gradients its own way" if tp_active
              else f"{kind} has no DataParallel gradient exchange")
-    if _set(comm, "bucket_size_mb") and not (dp and method == "AllReduce" and not compressed):
+    replicated = kind == "ModelParallel" and any(
+        getattr(sub, "type", None) == "DataParallel" for sub in (job.subgraphs or {}).values())
+    # the replicated stage's gradient sum is bucketed as DataParallel's AllReduce
+    buckets = (dp and method == "AllReduce" and not compressed) or replicated
+    if _set(comm, "bucket_size_mb") and not buckets:
         why = (f"only DataParallel's AllReduce without compression buckets gradients; this job "
                f"runs {method}{' with compression' if compressed else ''}" if dp else where)
         out.append(("comm.bucket_size_mb", why))
