@@ -25,6 +25,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-logo
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -35,6 +35,7 @@ __all__ = [
     "Fraction",
     "format_validation_error",
     "unknown_keys",
+    "is_set",
     "parse_every",
 ]
 
@@ -105,6 +106,15 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> ConfigErr
 # Kept outside the instance so equality and hashing (field values only) are unchanged;
 # an entry is dropped when its instance is garbage collected.
 _UNKNOWN: dict[int, tuple[str, ...]] = {}
+
+
+def is_set(model: BaseModel, name: str) -> bool:
+    """``name`` was given explicitly and differs from its default (what the
+    ignored-settings report counts as set: :mod:`paratrain.config.effective`)."""
+    if name not in model.model_fields_set:
+        return False
+    info = type(model).model_fields[name]
+    return bool(getattr(model, name) != info.get_default(call_default_factory=True))
 
 
 def unknown_keys(obj: object) -> tuple[str, ...]:

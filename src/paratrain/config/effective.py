@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
-from ._base import Contract, unknown_keys
+from ._base import Contract, is_set, unknown_keys
 from .strategy import Federated, Krum
 
 if TYPE_CHECKING:
@@ -81,15 +81,7 @@ class Effective:
     ignored: list[Ignored] = field(default_factory=list)
 
 
-def _set(model: BaseModel, name: str) -> bool:
-    """``name`` was given explicitly and differs from its default."""
-    if name not in model.model_fields_set:
-        return False
-    info = type(model).model_fields[name]
-    return bool(getattr(model, name) != info.get_default(call_default_factory=True))
-
-
-is_set = _set  # the executors' own rules (ExecutorSpec.ignores) use it too
+_set = is_set  # re-exported as is_set: the executors' own rules (ExecutorSpec.ignores) use it
 
 
 def _set_fields(model: BaseModel) -> list[str]:

@@ -36,7 +36,7 @@ def ignored_process_settings(job: JobConfig, *, kind: str, tp_active: bool) -> l
 
     ``kind`` is the strategy type, ``tp_active`` whether the job runs on the tensor-parallel
     executor. Custom reads the whole job: nothing is reported for it."""
-    from .effective import _set
+    from ._base import is_set as _set
 
     if kind == "Custom":
         return []
