@@ -4,7 +4,8 @@ A BatchNorm model on 2 gloo ranks, each replica on its own shard: every training
 records the running statistics it starts from. With the broadcast they are rank 0's on both
 ranks at every step, and the run equals torch ``DistributedDataParallel(broadcast_buffers=True)``
 on the same shards, rank by rank (parameters and buffers). Without it (non-vacuity) the
-replicas' statistics drift apart after the first step, and differ from DDP's.
+replicas' statistics drift apart after the first step, and differ from DDP's. The same
+through tensor parallel x DataParallel (tp 2 x dp 2, the TensorParallelEngine's steps).
 """
 
 from __future__ import annotations
@@ -153,3 +154,48 @@ def test_without_broadcast_the_replicas_drift_apart(results: list[dict[str, Any]
     rank1 = results[1]
     assert not torch.allclose(_t(rank1["off"]["state"]["bn.running_mean"]),
                               _t(rank1["ddp"]["state"]["bn.running_mean"]))
+
+
+# ------------------------------------------------------------ tensor parallel x DP
+
+
+def tp_dp_buffers(ctx: WorkerContext, broadcast: bool) -> list[list[float]]:
+    """tp 2 x dp 2: three TensorParallelEngine steps, each replica on its own batch; the
+    running mean a buffer holds at the start of each step's forward."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from paratrain.comm.tp.groups import build_tp_groups
+    from paratrain.config import TensorParallelismConfig
+    from paratrain.executors.tensor_parallel.engine import TensorParallelEngine
+    from paratrain.tensor_parallel import parallelize
+    from test_mp_replica_sync import Tracker
+
+    torch.manual_seed(0)
+    dense = nn.Sequential(OrderedDict(fc0=nn.Linear(16, 30), act=nn.GELU(), fc1=nn.Linear(30, 12),
+                                      track=Tracker(12)))
+    groups = build_tp_groups(2)
+    conf = TensorParallelismConfig(tensor_parallel_size=2, memory_optimization="None")
+    tpm = parallelize(dense, conf, groups, broadcast_buffers=broadcast)
+    task = SimpleNamespace(loss=lambda out, b: nn.functional.cross_entropy(out, b[1]))
+    engine = TensorParallelEngine(tpm, task, None, device=torch.device("cpu"))
+    seen: list[list[float]] = []
+    track = tpm.module.track
+    track.register_forward_pre_hook(lambda m, _a: seen.append(m.running_mean.tolist()))
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + groups.tp_index)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 12, (8,), generator=g)
+        engine.forward_backward((x, y), weight=1.0, last=True)
+        engine.sync()
+        tpm.zero_grad(set_to_none=True)
+    return seen
+
+
+@pytest.mark.parametrize("broadcast", [True, False], ids=["on", "off"])
+def test_tensor_parallel_x_dp_broadcasts_buffers(broadcast: bool) -> None:
+    seen = run_distributed(tp_dp_buffers, 4, broadcast, timeout_s=200)
+    assert all(len(s) == 3 for s in seen)
+    assert seen[0] == seen[1] and seen[2] == seen[3]  # a TP group sees the same rows
+    assert seen[0][0] == seen[2][0]  # the initial model
+    later = [seen[0][k] == seen[2][k] for k in (1, 2)]
+    assert later == ([True, True] if broadcast else [False, False])

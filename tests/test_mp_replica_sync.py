@@ -52,9 +52,9 @@ class Tracker(nn.Module):
     """A running mean of its input rows in a buffer (as BatchNorm keeps), output unchanged
     (so the stage's gradients stay row-separable and equal the unpartitioned model's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 8) -> None:
         super().__init__()
-        self.register_buffer("running_mean", torch.zeros(8))
+        self.register_buffer("running_mean", torch.zeros(width))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.training and h.shape[0] > 0:
