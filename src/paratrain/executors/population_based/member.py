@@ -178,15 +178,23 @@ class MemberRunner:
             group["initial_lr"] = scheduler.base_lrs[i]
             group["lr"] = scheduler.base_lrs[i] * factor(scheduler.last_epoch)
 
-    def run(self, member: int, generation: int, hparams: dict[str, Any], source: int | None) -> dict[str, Any]:
-        """Train ``member`` for one generation; never raises for a member's own failure."""
+    def run(self, member: int, generation: int, hparams: dict[str, Any], source: int | None,
+            lost: str | None = None) -> dict[str, Any]:
+        """Train ``member`` for one generation; never raises for a member's own failure.
+        ``lost``: the first failure of ``source`` that left it no state (nothing to load);
+        the member then fails at once naming it (``has_state`` in the result: whether this
+        member has a state file for this generation)."""
         t0 = time.perf_counter()
         out: dict[str, Any] = {
             "member": member, "generation": generation, "source": source, "fitness": None,
             "error": None, "metrics": None, "start_digest": None, "end_digest": None,
             "applied": None, "data_s": 0.0, "setup_s": 0.0, "load_s": 0.0, "train_s": 0.0, "eval_s": 0.0,
-            "save_s": 0.0,
+            "save_s": 0.0, "has_state": False,
         }
+        if source is not None and lost is not None:
+            out["error"] = (f"no state to continue from: member {source} has had none since "
+                            f"its first failure, in {lost}")
+            return out
         path = member_path(self.run_dir, generation, member)
         seed = self.job.run.seed
         t = self.job.train
@@ -268,6 +276,7 @@ class MemberRunner:
                 "digest": out["end_digest"],
             })
             out["save_s"] = time.perf_counter() - t3
+            out["has_state"] = True
             self._live[member] = _Live(generation, model_key, model, opt, scheduler)
             value = float(metrics[self.metric])
             if math.isfinite(value):
@@ -284,4 +293,5 @@ class MemberRunner:
                 src = member_path(self.run_dir, generation - 1, source)
                 if src.exists():
                     copy_atomic(src, path)
+                    out["has_state"] = True
         return out

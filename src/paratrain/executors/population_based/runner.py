@@ -10,7 +10,8 @@ synchronous "ready" point):
    ``epochs_per_generation``, default one epoch), evaluates the fitness
    (``population.metric`` on the held-out set, ``mode`` max/min) and writes each member's
    checkpoint atomically (:mod:`paratrain.executors.population_based.member_state`); a failing member reports
-   no fitness (worst) and the generation goes on;
+   no fitness (worst) and the generation goes on (one that never saved a state reports
+   its first failure in every later generation it cannot run: :mod:`.failures`);
 3. results are gathered to rank 0, which records the generation and, unless it was the
    last, runs exploit/explore (:mod:`paratrain.executors.population_based.pbt`), then checkpoints the population
    state (``checkpoints/population-<g>.pt``) and ``lineage.json``.
@@ -69,6 +70,7 @@ from ...training import (
 )
 from ...training.faults import FAULT_ENV, maybe_kill
 from ...training.rundir import RunFolder, run_dir_of, safe_rmtree
+from .failures import first_failures, lost_after, lost_before, warn_first_failures
 from .hyperparams import validate_job
 from .member import MemberRunner
 from .pbt import PopulationState, ancestry, lineage_json
@@ -221,7 +223,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         plan = None
         if pop is not None:
             plan = {"generation": pop.generation, "hparams": pop.hparams, "sources": pop.sources,
-                    "done": pop.generation >= generations, "token": token}
+                    "done": pop.generation >= generations, "token": token, "lost": lost_before(pop)}
         t = time.perf_counter()
         plan = broadcast_json(plan, group=ctx.group)
         timing["comm_s"] += time.perf_counter() - t
@@ -231,7 +233,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         if plan["done"]:
             break
         g = int(plan["generation"])
-        results = [runner.run(i, g, plan["hparams"][i], plan["sources"][i]) for i in mine]
+        lost = plan["lost"]
+        results = [runner.run(i, g, plan["hparams"][i], plan["sources"][i],
+                              lost.get(str(plan["sources"][i]))) for i in mine]
         for r in results:
             r["rank"] = ctx.rank
         t = time.perf_counter()
@@ -256,6 +260,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         )
         record["digests"] = [{"start": r["start_digest"], "end": r["end_digest"]} for r in ordered]
         record["applied"] = [r["applied"] for r in ordered]
+        record["lost"] = lost_after(ordered, lost, g)
+        warn_first_failures(pop, ordered, record["lost"], evolve=opts.evolve)
         t_evolve = time.perf_counter()
         timing["evolve_s"] += t_evolve - t
         loads = [float(part["flush_s"]) for part in gathered]
@@ -351,6 +357,7 @@ def _summary(
         "copies": sum(len(r["copies"]) for r in pop.history),
         "member_steps": sum(int(m["steps"]) for r in pop.history for m in r["metrics"] if m),
         "failures": sum(1 for r in pop.history for e in r["errors"] if e),
+        "first_failures": first_failures(pop),
         "wall_time_s": round(wall, 3),
         # This process's share only (a resumed run times the generations it ran).
         "timing": {
