@@ -17,6 +17,7 @@ running when its input is produced: the file waits for it.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import tempfile
@@ -112,15 +113,22 @@ class DataStore:
 
 
 def open_session(root: str | Path, *, rank: int, control: Any = None, generation: int = 0,
-                 timeout_s: float = 300.0, namespace: str = "run") -> DataStore:
+                 timeout_s: float = 300.0, namespace: str = "run",
+                 run_dir: str | Path | None = None) -> DataStore:
     """A DataStore in a fresh per-launch session directory ``<root>/<namespace>.session-<id>``.
 
     Rank 0 names the session and publishes the name on the rendezvous ``control`` store
     (``None`` = single process); it also deletes earlier sessions of the same
-    ``namespace`` (a job's name), leaving other jobs sharing ``root`` alone.
+    ``namespace``, leaving other runs sharing ``root`` alone. With ``run_dir`` the
+    namespace also carries a digest of that resolved run folder: two runs of one
+    ``run.name`` in different ``run.output_dir`` sharing one DataStore path are different
+    runs, and neither deletes the other's live session.
     """
     if not re.fullmatch(r"[A-Za-z0-9_\-]{1,100}", namespace):
         raise ValueError(f"invalid datastore namespace {namespace!r}")
+    if run_dir is not None:
+        digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:12]
+        namespace = f"{namespace}-{digest}"
     base = Path(root)
     base.mkdir(parents=True, exist_ok=True)
     key = f"paratrain/datastore/session/{generation}"

@@ -233,7 +233,8 @@ def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Any:
         root = Path(proto.path) if proto.path else run_dir / "datastore"
         namespace = re.sub(r"[^A-Za-z0-9_\-]", "_", job.run.name)[:100] or "run"
         store = open_session(root, rank=ctx.rank, control=ctx.store, namespace=namespace,
-                             generation=ctx.restart_count, timeout_s=job.comm.timeout_s)
+                             run_dir=run_dir, generation=ctx.restart_count,
+                             timeout_s=job.comm.timeout_s)
         return DataStoreTransport(store, ctx.rank)
     from ...comm.p2p import P2PTransport
 
