@@ -20,20 +20,35 @@ current one. :class:`ParentState` carries what ``spawn`` would have given it, an
 Everything a worker needs to unpickle is passed as bytes and loaded *after*
 ``apply()`` (see :func:`dumps` / :func:`loads`), so a function from a module on the
 parent's ``sys.path`` only is found.
+
+The server (and multiprocessing's resource tracker, which it starts) are children of the
+process that launched; Python leaves them to notice its exit and end on their own, which
+takes the server a torch-sized interpreter shutdown (1-2 s) *after* ``paratrain run`` has
+returned, so a script that starts the next job or removes the run folder at once raced
+it. :func:`stop` ends both and reaps them; the first :func:`context` call registers it
+to run at interpreter exit, so a process that launched workers exits only after every
+process it started has ended. (The server is kept between launches of one process:
+starting it again costs the torch import this module exists to save.)
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import multiprocessing
+import multiprocessing.forkserver
 import multiprocessing.reduction as reduction
+import multiprocessing.resource_tracker
 import os
 import pickle
+import signal
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PRELOAD", "ParentState", "context", "dumps", "loads"]
+__all__ = ["PRELOAD", "ParentState", "context", "stop", "dumps", "loads"]
 
 # Imported once by the server, inherited by every worker (with the caller's ``preload``).
 PRELOAD = ["torch", "torch.distributed", "numpy"]
@@ -51,8 +66,61 @@ def context(preload: Sequence[str] = ()) -> Any:
     module of the function the workers run, given by the caller: ``comm`` names no module
     above it; set before the server's first start, a server already running keeps what it
     has)."""
+    global _STOP_AT_EXIT
+    if not _STOP_AT_EXIT:
+        atexit.register(stop)  # runs before multiprocessing's own exit function (LIFO)
+        _STOP_AT_EXIT = True
     multiprocessing.set_forkserver_preload([*PRELOAD, *preload])
     return multiprocessing.get_context("forkserver")
+
+
+_STOP_AT_EXIT = False
+
+
+def _reap(pid: int, timeout_s: float) -> None:
+    """Wait for child ``pid`` to exit (SIGKILL after ``timeout_s``) and collect it."""
+    deadline = time.monotonic() + timeout_s
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return
+            time.sleep(0.005)
+
+
+def stop(timeout_s: float = 10.0) -> None:
+    """End the forkserver and the resource tracker this process started, and wait until
+    both have exited (a no-op when neither runs; the next :func:`context` launch starts a
+    fresh server). The server is SIGKILLed: its workers have ended (the launcher joins
+    them, and a worker is a process of its own, not the server's) and it holds no state,
+    so nothing is lost and its 1-2 s interpreter shutdown is skipped. The tracker gets
+    EOF, its normal way to end (it then frees what workers leaked), within ``timeout_s``.
+
+    Uses the two singletons of CPython's ``multiprocessing`` (their ``_stop`` methods are
+    what CPython's own tests call); on an implementation without them this does nothing."""
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    lock = getattr(server, "_lock", None)
+    if lock is not None:
+        with lock:
+            pid = getattr(server, "_forkserver_pid", None)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                try:
+                    server._stop_unlocked()  # type: ignore[union-attr]  # closes its fd, reaps it
+                except ChildProcessError:  # reaped elsewhere already: forget it
+                    server._forkserver_pid = server._forkserver_address = None  # type: ignore[union-attr]
+    tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
+    lock = getattr(tracker, "_lock", None)
+    if lock is not None:
+        with lock:
+            fd, pid = getattr(tracker, "_fd", None), getattr(tracker, "_pid", None)
+            if fd is not None and pid is not None:
+                os.close(fd)  # EOF: the tracker cleans up and exits
+                tracker._fd = tracker._pid = None  # type: ignore[union-attr]
+                _reap(pid, timeout_s)
 
 
 class _InheritFd:
