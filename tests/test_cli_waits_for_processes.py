@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+
+from test_data_parallel_torchrun import JOB, _env
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
 
@@ -35,34 +36,14 @@ def _alive_in_session(sid: int) -> list[str]:
 
 
 def test_run_returns_after_every_process_it_started_has_ended(tmp_path: Path) -> None:
-    job = tmp_path / "dp.toml"
-    job.write_text(textwrap.dedent(f"""
-        [run]
-        name = "dp"
-        seed = 0
-        output_dir = "{tmp_path / 'runs'}"
-        device = "cpu"
-
-        [model]
-        name = "mlp"
-        hidden = [16]
-
-        [train]
-        epochs = 1
-        batch_size = 16
-        max_steps = 3
-
-        [strategy]
-        type = "DataParallel"
-        num_replicas = 2
-        aggregation = {{ method = "AllReduce" }}
-    """))
+    job = tmp_path / "dp.toml"  # 2 replicas, 6 steps
+    job.write_text(JOB.format(name="dp", out=tmp_path / "runs"))
     # output to a file, not a pipe: reading a pipe to its end would wait for every
     # process holding it, and hide the race this test is about
     log = tmp_path / "cli.log"
     with log.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(job), "-q"],
-                                cwd=tmp_path, start_new_session=True, stdout=f, stderr=f)
+                                cwd=tmp_path, env=_env(), start_new_session=True, stdout=f, stderr=f)
         code = proc.wait(timeout=300)
     left = _alive_in_session(proc.pid)  # at once: a lingering process is still there
     assert code == 0, log.read_text()
