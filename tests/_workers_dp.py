@@ -68,8 +68,10 @@ def _flat(model: torch.nn.Module) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().tolist()
 
 
-def ddp_reference(ctx: WorkerContext, job: JobConfig) -> list[float]:
-    """torch DistributedDataParallel on the same shards, same seed, same optimizer."""
+def ddp_reference(ctx: WorkerContext, job: JobConfig, *, sync: bool = True) -> list[float]:
+    """torch DistributedDataParallel on the same shards, same seed, same optimizer; with
+    ``sync=False`` the same replicas without DDP: each trains its shard alone (the
+    known-wrong variant the parity tests must tell apart)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from paratrain.data import load_data
@@ -81,7 +83,7 @@ def ddp_reference(ctx: WorkerContext, job: JobConfig) -> list[float]:
     bundle = load_data(job.data, seed=job.run.seed)
     x, y = bundle.train.tensors
     model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
-    ddp = DDP(model)
+    ddp = DDP(model) if sync else model
     opt = build_optimizer(ddp.parameters(), job.train.optimizer)
     idx = shard_indices(len(y), world=ctx.world_size, rank=ctx.rank, seed=job.run.seed, epoch=0)
     bs = job.train.batch_size
@@ -99,14 +101,14 @@ def dp_parity(ctx: WorkerContext, tmp: str, variants: list[tuple[Any, ...]]) -> 
 
     out: dict[str, Any] = {}
     for name, agg, *more in variants:
-        if name == "DDP":
-            out[name] = ddp_reference(ctx, dp_job(tmp, "ddp", ctx.world_size, {"method": "AllReduce"}))
+        if agg is None:  # torch's DDP, or independent replicas ("NoSync")
+            ref = dp_job(tmp, name.lower(), ctx.world_size, {"method": "AllReduce"})
+            flat = ddp_reference(ctx, ref, sync=name == "DDP")
+            out[name] = flat if name == "DDP" else {"params": flat}
             continue
-        spec = agg if isinstance(agg, dict) else {"method": "AllReduce"}
         extra: dict[str, Any] = more[0] if more else {}
-        job = dp_job(tmp, f"{name}-{ctx.world_size}", ctx.world_size, spec, **extra)
-        model, summary = train_replica(ctx, job, False, aggregation=None if isinstance(agg, dict) else agg,
-                                       plot=False)
+        job = dp_job(tmp, f"{name}-{ctx.world_size}", ctx.world_size, agg, **extra)
+        model, summary = train_replica(ctx, job, False, plot=False)
         out[name] = {"params": _flat(model), "summary": summary}
     return out
 

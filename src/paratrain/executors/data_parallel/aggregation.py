@@ -19,7 +19,6 @@
   (Koloskova et al. 2019): public copies ``x_hat``, ``q_i = C(x_i - x_hat_i)`` travels,
   ``x_hat_j += D(q_j)``, ``x_i += gamma sum_j W_ij (x_hat_j - x_hat_i)``. The consensus
   distance ``max_{i,j} ||x_i - x_j||`` is measured every step.
-* :class:`NoSync` — independent replicas (tests use it as the known-wrong variant).
 
 Local subgraphs (``[subgraphs.<path>] type = "Local"`` under DataParallel,
 :mod:`paratrain.subgraphs`): their parameters (``local``) are left out of ``named``, so no
@@ -58,7 +57,6 @@ __all__ = [
     "AllReduceAgg",
     "ParameterServerAgg",
     "DecentralizedAgg",
-    "NoSync",
     "build_aggregator",
     "pack_records",
     "unpack_records",
@@ -338,16 +336,12 @@ class DecentralizedAgg(Aggregator):
             self.x_hat = {int(j): [t.clone() for t in v] for j, v in state["x_hat"].items()}
 
 
-class NoSync(Aggregator):
-    name = "NoSync"
-
-
 def build_aggregator(
     aggregation: Any, model: nn.Module, *, group: Any, counter: C.CommCounter,
     bucket_bytes: int, compressor: Any = None, gamma: float | None = None,
     local: Collection[str] = (), buffers: Sequence[torch.Tensor] = (),
 ) -> Aggregator:
-    """The aggregator for a contract ``GradientAggregation`` (or ``"NoSync"``); ``local``
+    """The aggregator for a contract ``GradientAggregation`` (or its method name); ``local``
     names the parameters of Local subgraphs, which it leaves alone; ``buffers`` are
     broadcast from rank 0 before each step's first forward (AllReduce, ParameterServer)."""
     method = aggregation if isinstance(aggregation, str) else aggregation.method
@@ -360,6 +354,4 @@ def build_aggregator(
     if method == "Decentralized":
         return DecentralizedAgg(model, group=group, counter=counter, topology=aggregation.topology,
                                 compressor=compressor, gamma=gamma, local=local)
-    if method == "NoSync":
-        return NoSync(model, group=group, counter=counter, local=local)
     raise ValueError(f"unknown aggregation {method!r}; valid: AllReduce, ParameterServer, Decentralized")

@@ -228,12 +228,9 @@ def _store(ctx: WorkerContext, run_dir: Path) -> RankStore:
 
 
 def train_replica(
-    ctx: WorkerContext, job: JobConfig, resume: bool = False, *, aggregation: Any = None,
-    plot: bool = True,
+    ctx: WorkerContext, job: JobConfig, resume: bool = False, *, plot: bool = True,
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """Train this rank's replica through the one loop; returns (model, summary).
-    ``aggregation`` overrides the job's (``"NoSync"`` gives independent replicas, the tests'
-    known-wrong variant)."""
+    """Train this rank's replica through the one loop; returns (model, summary)."""
     started = time.perf_counter()
     strategy = validate(job)
     if ctx.world_size != strategy.num_replicas:
@@ -256,10 +253,9 @@ def train_replica(
     opt = build_optimizer(model.parameters(), job.train.optimizer)
     local = local_parameter_names(model, job)  # Local subgraphs: never combined
     agg: Aggregator = build_aggregator(
-        aggregation if aggregation is not None else strategy.aggregation, model,
+        strategy.aggregation, model,
         group=ctx.group, counter=counter, bucket_bytes=bucket_bytes,
-        compressor=build_compressor(job, strategy.aggregation if aggregation is None else aggregation,
-                                    warn=ctx.is_main),
+        compressor=build_compressor(job, strategy.aggregation, warn=ctx.is_main),
         gamma=job.comm.gossip_step, local=local, buffers=_shared_buffers(model, job, strategy),
     )
     run_dir = run_dir_of(job)
@@ -294,7 +290,7 @@ def train_replica(
     steps_this_run = max(step, 1)
     summary: dict[str, Any] = {
         "strategy": "DataParallel",
-        "aggregation": strategy.aggregation.method if aggregation is None else str(aggregation),
+        "aggregation": strategy.aggregation.method,
         "num_replicas": ctx.world_size,
         "backend": ctx.backend,
         "run_dir": str(run_dir),
@@ -315,7 +311,7 @@ def train_replica(
     comp = getattr(agg, "compressor", None)
     if comp is not None:
         summary["compression"] = comp.stats.as_dict()
-    if ctx.world_size > 1 and strategy.aggregation.method == "ParameterServer" and aggregation is None:
+    if ctx.world_size > 1 and strategy.aggregation.method == "ParameterServer":
         sb = torch.tensor([float(getattr(agg, "server_bytes", 0))], dtype=torch.float64, device=ctx.device)
         C.broadcast_(sb, src=0, group=ctx.group)
         summary["server_bytes_per_step"] = float(sb.item()) / steps_this_run
