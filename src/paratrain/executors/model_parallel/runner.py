@@ -56,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...comm import collectives as C
 from ...comm.buckets import bucket_bytes_of
 from ...comm.context import WorkerContext, default_workers
 from ...comm.groups import new_group
@@ -202,7 +203,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
 
     validate(job)  # errors before any launch (and before the run folder changes)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
-        folder.prepare()
+        folder.prepare_launch()
         summary = launch(job, nprocs=num_workers(job), resume=resume, entry=worker_entry,
                          target=worker_main)
     if summary is None:  # under torchrun on a rank other than 0
@@ -212,7 +213,11 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
 
 
 def _prepare(ctx: WorkerContext, job: JobConfig, resume: bool) -> Path:
-    """Rank 0 creates (or, fresh, clears) the run folder; the others wait for it."""
+    """Fresh run: rank 0 creates (or clears) the run folder; the others wait for it. On
+    resume nothing is written yet: :func:`_prepare_resumed` writes job.json once the
+    checkpoint was checked against this job (a refused resume changes nothing)."""
+    if resume:
+        return run_dir_of(job)
     key = "paratrain/model_parallel/run_dir_ready"
     if ctx.rank == 0:
         d = prepare_run_dir(job, resume=resume)
@@ -222,6 +227,13 @@ def _prepare(ctx: WorkerContext, job: JobConfig, resume: bool) -> Path:
     if ctx.store is not None:
         ctx.store.get(key)
     return run_dir_of(job)
+
+
+def _prepare_resumed(ctx: WorkerContext, job: JobConfig) -> None:
+    """The resume check passed on every rank: rank 0 writes job.json, the others wait."""
+    if ctx.rank == 0:
+        prepare_run_dir(job, resume=True)
+    C.barrier(ctx.group)
 
 
 def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Any:
@@ -328,6 +340,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     result = run_loop(
         trainer=trainer, plan=data, task=task, store=store, label="ModelParallel",
         metrics=metrics, resume=resume, check_state=check_state, eval_every=t.eval_every,
+        prepare=(lambda: _prepare_resumed(ctx, job)) if resume else None,
         checkpoint_every=job.run.checkpoint_every, rank=ctx.rank,
         restart_count=ctx.restart_count, started=started, group=ctx.group,
     )
