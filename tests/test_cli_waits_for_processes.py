@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from paratrain.training.faults import FAULT_ENV
 from test_data_parallel_torchrun import JOB, _env
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
@@ -35,19 +36,23 @@ def _alive_in_session(sid: int) -> list[str]:
     return out
 
 
-def test_run_returns_after_every_process_it_started_has_ended(tmp_path: Path) -> None:
-    job = tmp_path / "dp.toml"  # 2 replicas, 6 steps
+@pytest.mark.parametrize("fault", [None, "1:2"], ids=["finished", "worker_killed"])
+def test_run_returns_after_every_process_it_started_has_ended(tmp_path: Path, fault: str | None) -> None:
+    job = tmp_path / "dp.toml"  # 2 replicas, 6 steps, no restarts
     job.write_text(JOB.format(name="dp", out=tmp_path / "runs"))
+    env = _env()
+    if fault is not None:  # rank 1 SIGKILLs itself after step 2: the launch's error path
+        env[FAULT_ENV] = fault
     # output to a file, not a pipe: reading a pipe to its end would wait for every
     # process holding it, and hide the race this test is about
     log = tmp_path / "cli.log"
     with log.open("w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(job), "-q"],
-                                cwd=tmp_path, env=_env(), start_new_session=True, stdout=f, stderr=f)
+                                cwd=tmp_path, env=env, start_new_session=True, stdout=f, stderr=f)
         code = proc.wait(timeout=300)
     left = _alive_in_session(proc.pid)  # at once: a lingering process is still there
-    assert code == 0, log.read_text()
-    assert (tmp_path / "runs" / "dp" / "summary.json").exists()
+    assert code == (0 if fault is None else 1), log.read_text()
+    assert (tmp_path / "runs" / "dp" / "summary.json").exists() == (fault is None)
     assert left == [], "still alive after `paratrain run` returned:\n" + "\n".join(left)
 
 
