@@ -52,6 +52,8 @@ class Tracker(nn.Module):
     """A running mean of its input rows in a buffer (as BatchNorm keeps), output unchanged
     (so the stage's gradients stay row-separable and equal the unpartitioned model's)."""
 
+    running_mean: torch.Tensor
+
     def __init__(self, width: int = 8) -> None:
         super().__init__()
         self.register_buffer("running_mean", torch.zeros(width))
