@@ -164,6 +164,18 @@ def test_untraceable_module_names_the_module_and_how_to_mark_it_a_leaf() -> None
     assert plan.nodes == ("0", "1", "2")
 
 
+def test_tensors_inside_a_leaf_module_keep_the_models_names() -> None:
+    """A leaf module with submodules of its own (``back.gate.fc``): every part's tensors map
+    back to the model's state_dict names (was ``back_gate.fc.weight``)."""
+    from test_mp_replica_sync import Net
+
+    model = Net()
+    plan = build_plan(model, [Partition.model_validate(_p(["back"], 1))], default_workers(2),
+                      leaves=["back.gate", "back.track"])
+    names = [p.original_name(k) for r in (0, 1) for p in plan.segments_of(r) for k in p.module.state_dict()]
+    assert sorted(names) == sorted(model.state_dict())
+
+
 def test_a_part_that_starts_before_a_part_it_reads_from(tmp_path: Path) -> None:
     """The left tower's residual add runs on the join's worker (its readers are there), so
     in graph order that worker's part begins before the right tower's part it reads from:

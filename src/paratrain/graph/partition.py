@@ -59,9 +59,15 @@ class Part:
     qualnames: dict[str, str] = field(default_factory=dict)  # module path in ``module`` -> in the model
 
     def original_name(self, name: str) -> str:
-        """A parameter/buffer name of ``module`` as the model names it."""
-        mod, _, leafname = name.rpartition(".")
-        return f"{self.qualnames.get(mod, mod)}.{leafname}" if mod else name
+        """A parameter/buffer name of ``module`` as the model names it: the longest module
+        path of ``qualnames`` it starts with, renamed (a leaf module's own submodules are
+        not listed: ``back_gate.fc.weight`` is ``back.gate`` + ``.fc.weight``)."""
+        parts = name.split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            head = ".".join(parts[:i])
+            if head in self.qualnames:
+                return ".".join([self.qualnames[head], *parts[i:]])
+        return name
 
 
 @dataclass(frozen=True)
