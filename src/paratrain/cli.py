@@ -182,23 +182,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_export(args: argparse.Namespace) -> int:
-    """Write a finished run's model (one state_dict under the model's own names) to --out."""
-    from .training.export import export_model
-
-    out = args.out or f"{Path(args.run).resolve().name}.safetensors"
-    try:
-        if args.out is None and Path(out).exists():
-            raise ConfigError([("--out", f"{out} exists; name the file to write with --out")])
-        path = export_model(args.run, out, client=args.client)
-    except ConfigError as e:
-        _print_problems(_problems(e, args.run))
-        return EXIT_USAGE
-    if not args.quiet:
-        print(path)
-    return EXIT_OK
-
-
 def _version() -> str:
     """The installed package's version (its metadata), or "unknown" when not installed."""
     from importlib.metadata import PackageNotFoundError, version
@@ -238,14 +221,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("job")
     g.add_argument("--json", action="store_true", help="the report as JSON")
     g.set_defaults(fn=_cmd_graph)
-
-    e = sub.add_parser("export", help="write a finished run's model as one state_dict under the "
-                                       "model's own names (.safetensors or .pt)")
-    e.add_argument("run", help="the run folder (runs/<name>)")
-    e.add_argument("--out", help="model.safetensors or model.pt (default: ./<run name>.safetensors)")
-    e.add_argument("--client", type=int, help="Federated: this client's model with its personal parts")
-    e.add_argument("-q", "--quiet", action="store_true")
-    e.set_defaults(fn=_cmd_export)
 
     e = sub.add_parser("export", help="write a finished run's model as one state_dict under the "
                                        "model's own names (.safetensors or .pt)")
