@@ -55,7 +55,7 @@ def test_datastore_job_matches_local(datastore: dict[str, Any], local: dict[str,
     run = Path(out["run_dir"])
     assert json.loads((run / "summary.json").read_text())["test_loss"] == out["test_loss"]
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [4, 8]
-    assert (run / "checkpoints" / "rank0").is_dir() and (run / "checkpoints" / "rank1").is_dir()
+    assert (run / "checkpoints" / "mp-rank0").is_dir() and (run / "checkpoints" / "mp-rank1").is_dir()
     assert not list((run / "datastore").rglob("*.pt")), "every exchanged file was consumed"
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "all_gather_variable",
     "all_min_ints",
     "all_gather_text",
+    "broadcast_bytes",
     "rank_of",
     "barrier",
     "broadcast_",
@@ -114,6 +115,22 @@ def broadcast_(tensor: torch.Tensor, *, src: int = 0, group: Any = None,
         count_op(counter, "broadcast", nbytes_of(tensor))
         dist.broadcast(tensor, src=src, group=group)
     return tensor
+
+
+def broadcast_bytes(data: bytes | None, *, src: int = 0, group: Any = None) -> bytes:
+    """``src``'s ``data`` on every rank of ``group`` (others pass None): the length, then
+    the bytes (a copy in one process)."""
+    if world_size(group) == 1:
+        return bytes(data or b"")
+    mine = rank_of(group) == src
+    n = torch.tensor([len(data or b"") if mine else 0], dtype=torch.int64, device=comm_device(group))
+    dist.broadcast(n, src=src, group=group)
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).clone() if mine and data
+           else torch.zeros(int(n.item()), dtype=torch.uint8))
+    buf = buf.to(comm_device(group))
+    if buf.numel():
+        dist.broadcast(buf, src=src, group=group)
+    return bytes(buf.cpu().numpy().tobytes())
 
 
 def all_reduce_(tensor: torch.Tensor, *, group: Any = None, op: str = "sum",

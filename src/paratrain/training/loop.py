@@ -39,6 +39,7 @@ from . import checkpoint
 from .faults import maybe_kill
 from .interrupt import Cadence, Interrupted, agree, stop_on_signals
 from .progress import progress_bar
+from .reshard import localize, param_names
 from .rundir import MetricsWriter, read_metrics
 from .seed import rng_state, set_rng_state
 from .stepping import (
@@ -48,6 +49,7 @@ from .stepping import (
     clip_gradients_,
     local_grad_sq_norm,
 )
+from .summary import parameters_digest, summary_fields
 
 __all__ = [
     "resolve_device", "epoch_permutation", "parameters_digest", "Engine", "LocalEngine",
@@ -73,17 +75,6 @@ def epoch_permutation(n: int, *, seed: int, epoch: int) -> torch.Tensor:
     every rank computes the same one, and a resumed run replays it exactly."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n, generator=g)
-
-
-def parameters_digest(model: nn.Module) -> str:
-    """SHA-256 over the raw bytes of every parameter and buffer, in state_dict order."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def batch_size_of(batch: Sequence[torch.Tensor]) -> int:
@@ -263,6 +254,8 @@ def run_loop(
     eval_every: int = 0, checkpoint_every: int | str = 0,
     rank: int = 0, restart_count: int = 0, started: float | None = None, group: Any = None,
     check_state: Callable[[dict[str, Any], Any], None] | None = None,
+    layout: dict[str, Any] | None = None,
+    reposition: Callable[[dict[str, Any], Position], Position] | None = None,
 ) -> LoopResult:
     """Train ``plan`` with ``trainer`` from the position ``store`` resumes (``resume``) or
     from the start; evaluate, log, checkpoint; return the position and the final metrics
@@ -271,21 +264,34 @@ def run_loop(
     ``prepare()`` runs after a resumed state was checked and loaded, before anything is
     written; ``check_state(state, source)`` raises when the state is not this job's.
     ``group``: the processes that run this loop together (None: one process); they agree
-    after every step on stopping (a signal) and on a time-based checkpoint."""
+    after every step on stopping (a signal) and on a time-based checkpoint. ``layout``: this
+    run's processes and placement, saved with every checkpoint; a store that resumes a
+    checkpoint of another layout gives it by the model's names (:mod:`.reshard`), and
+    ``reposition(old_layout, position)`` moves the data position onto this layout."""
     started = time.perf_counter() if started is None else started
     eng, opt = trainer.engine, trainer.optimizer
     model = eng.model
     pos = Position()
     losses: list[float] = []
+    names = getattr(eng, "model_names", None)  # this process's keys -> the model's names
+    names = names() if callable(names) else None
     found = store.load() if resume else None
     if found is not None:
         source, state = found
-        (check_state or (lambda s, src: checkpoint.check_resume_state(model, opt, s, source=src)))(state, source)
+        resharded = "named_model" in state  # written on another layout (.reshard)
+        if resharded:
+            state = localize(state, module=model, optimizer=opt, names=names, rank=rank,
+                             layout=layout or {}, source=str(source), warn=rank == 0)
+        else:
+            (check_state or (lambda s, src: checkpoint.check_resume_state(model, opt, s, source=src)))(state, source)
         model.load_state_dict(state["model"])
         trainer.load_state_dict(state)
-        set_rng_state(state["rng"])
+        if state["rng"] is not None:
+            set_rng_state(state["rng"])
         eng.load_state_dict(state.get("engine", {}))
         pos = Position(int(state["step"]), int(state["epoch"]), int(state["batch"]))
+        if resharded and reposition is not None:
+            pos = reposition(found[1].get("layout") or {}, pos)
         losses = [float(v) for v in state.get("losses", [])]
     if prepare is not None:
         prepare()
@@ -294,11 +300,16 @@ def run_loop(
     start_step = pos.step
     last_saved = [pos.step if found is not None else None]
 
+    # the model's name of each saved tensor and optimizer parameter: resumable on another layout
+    saved_names = [names.get(k, k) if names else k for k in model.state_dict()]
+    saved_params = param_names(model, opt, names)
+
     def save() -> None:
         store.save(pos.step, {
             "model": model.state_dict(), **trainer.state_dict(), "rng": rng_state(),
             "engine": eng.state_dict(), "step": pos.step, "epoch": pos.epoch, "batch": pos.batch,
             "losses": list(losses), "optimizer_type": type(opt).__name__,
+            "names": saved_names, "param_names": saved_params, "layout": dict(layout or {}),
         })
         last_saved[0] = pos.step
         cadence.saved()
@@ -375,26 +386,3 @@ def run_loop(
         records = [r for r in read_metrics(metrics.path.parent) if r.get(f"test_{fit}") is not None]
         best = pick((float(r[f"test_{fit}"]) for r in records), default=final.get(fit))
     return LoopResult(pos, final, best, start_step)
-
-
-
-def summary_fields(result: LoopResult, task: Any, *, train: Any, test: Any, model: nn.Module | None,
-                   started: float) -> dict[str, Any]:
-    """The summary keys every strategy reports (on the logging process): position,
-    ``test_<metric>`` for every metric of the task, ``best_test_<fitness>``, the task's
-    reference metrics (``bigram_test_loss``), the wall time and, given the whole model,
-    its parameter count and digest."""
-    out: dict[str, Any] = {"steps": result.position.step, "epochs": result.position.epoch,
-                           "task": str(getattr(task, "name", type(task).__name__))}
-    if model is not None:
-        out["num_parameters"] = sum(p.numel() for p in model.parameters())
-    if result.final is not None:
-        out.update({f"test_{k}": v for k, v in result.final.items()})
-        out[f"best_test_{task.fitness_metric}"] = result.best
-    reference = getattr(task, "reference_metrics", None)
-    if callable(reference):
-        out.update(reference(train, test))
-    out["wall_time_s"] = round(time.perf_counter() - started, 3)
-    if model is not None:
-        out["parameters_sha256"] = parameters_digest(model)
-    return out

@@ -7,13 +7,18 @@
   naming it and the layout (replica / shard counts). A resume starts at that step and
   falls back, on every rank together, to the newest step all ranks can read
   (:func:`.resume.agree_on_checkpoint`); a marker written by another layout is a
-  ConfigError naming the setting, before anything is loaded.
+  ConfigError naming the setting, before anything is loaded -- unless the store may
+  ``reshard``: then process 0 reads every old process's file of the marker's step, merges
+  them by the model's names (:func:`.reshard.merge`) and broadcasts the result, which
+  the loop lays out for this world (:func:`.reshard.localize`). After the first save on
+  the new layout, the folders of processes that no longer exist are removed.
 
 ``save`` and ``load`` of a RankStore are collective: every rank of ``group`` calls them.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from pathlib import Path
@@ -23,7 +28,9 @@ import torch
 
 from ..comm import collectives as C
 from ..config import ConfigError
+from ..files import safe_rmtree
 from . import checkpoint
+from .reshard import merge
 from .resume import agree_on_checkpoint
 
 __all__ = ["LocalStore", "RankStore"]
@@ -43,12 +50,13 @@ class LocalStore:
 
 class RankStore:
     def __init__(self, run_dir: str | Path, prefix: str, *, rank: int, world: int, group: Any,
-                 layout: dict[str, int], layout_field: str,
-                 device: torch.device | None = None) -> None:
+                 layout: dict[str, Any], layout_field: str,
+                 device: torch.device | None = None, reshard: bool = False) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.prefix, self.rank, self.world, self.group = prefix, rank, world, group
         self.layout, self.layout_field = dict(layout), layout_field
-        self.device = device
+        self.device, self.reshard = device, reshard
+        self.loaded_step: int | None = None
 
     @property
     def directory(self) -> Path:
@@ -67,7 +75,7 @@ class RankStore:
         value = -1
         if self.rank == 0 and self.marker.exists():
             doc = json.loads(self.marker.read_text())
-            same = all(int(doc.get(k, v)) == v for k, v in self.layout.items())
+            same = all(doc.get(k, v) == v for k, v in self.layout.items())
             value = int(doc["step"]) if same else -2
         if self.world > 1:
             t = torch.tensor([value], dtype=torch.int64, device=self.device)
@@ -76,6 +84,8 @@ class RankStore:
 
     def load(self) -> tuple[Path, dict[str, Any]] | None:
         step = self._complete_step()
+        if step == -2 and self.reshard:
+            return self._load_resharded()
         if step == -2:
             shape = ", ".join(f"{k}={v}" for k, v in self.layout.items())
             raise ConfigError([(self.layout_field, (
@@ -85,14 +95,58 @@ class RankStore:
                                      self.group if self.world > 1 else None)
         if agreed is None:
             return None
+        self.loaded_step = int(agreed[0])
         return checkpoint.checkpoint_path(self.directory, agreed[0]), agreed[1]
+
+    def _load_resharded(self) -> tuple[Path, dict[str, Any]]:
+        """Process 0 merges every old process's checkpoint of the marker's step by model
+        names; every process receives the merged state (an error reaches them all)."""
+        blob: bytes | None = None
+        if self.rank == 0:
+            try:
+                doc = json.loads(self.marker.read_text())
+                step, old_world = int(doc["step"]), int(doc.get("world", 0))
+                if old_world < 1:
+                    raise ConfigError([(self.layout_field, (
+                        f"{self.marker} does not say how many processes wrote it (an earlier "
+                        "paratrain); resume with the original settings"))])
+                paths = [checkpoint.checkpoint_path(self.root / f"{self.prefix}-rank{k}", step)
+                         for k in range(old_world)]
+                states = [_readable(p) for p in paths]
+                merged = merge(states, source=str(paths[0]))
+                buf = io.BytesIO()
+                torch.save(merged, buf)
+                blob = b"S" + buf.getvalue()
+            except ConfigError as e:
+                blob = b"E" + json.dumps(e.problems).encode()
+        got = C.broadcast_bytes(blob, src=0, group=self.group if self.world > 1 else None)
+        if got[:1] == b"E":
+            raise ConfigError([tuple(p) for p in json.loads(got[1:].decode())])
+        state = torch.load(io.BytesIO(got[1:]), map_location="cpu", weights_only=True)
+        self.loaded_step = int(state["step"])
+        return checkpoint.checkpoint_path(self.root / f"{self.prefix}-rank0", self.loaded_step), state
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         checkpoint.save_checkpoint(checkpoint.checkpoint_path(self.directory, step), state)
         self._barrier()  # every rank has saved `step` before it is declared complete
         if self.rank == 0:
             tmp = self.marker.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"step": step, **self.layout}))
+            tmp.write_text(json.dumps({"step": step, **self.layout, "world": self.world}))
             os.replace(tmp, self.marker)
+            for old in self.root.glob(f"{self.prefix}-rank*"):
+                k = old.name.removeprefix(f"{self.prefix}-rank")
+                if k.isdigit() and int(k) >= self.world:  # a process of an earlier, larger layout
+                    safe_rmtree(old, self.root)
         self._barrier()
         checkpoint.prune(self.directory)
+
+
+def _readable(path: Path) -> dict[str, Any]:
+    try:
+        return checkpoint.load_checkpoint(path)
+    except FileNotFoundError:
+        raise ConfigError([("checkpoint", (
+            f"{path} is missing: resuming on another layout reads every earlier process's "
+            "checkpoint from this run folder (on several machines, gather them first)"))]) from None
+    except checkpoint.CheckpointError as e:
+        raise ConfigError([("checkpoint", str(e))]) from None

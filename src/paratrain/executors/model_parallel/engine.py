@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,15 +21,13 @@ from ...comm.context import WorkerContext
 from ...comm.grad_sync import GradSync
 from ...graph.partition import Part
 from ...task.steps import DEFAULT_EVAL_BATCH, fetch_batch
-from ...training import checkpoint
 from ...training.loop import LocalEngine
-from ...training.resume import agree_on_checkpoint
 from ...training.stepping import local_grad_sq_norm
 from .plan import Plan
 from .runtime import StageRuntime
 from .schedule import theoretical_bubble
 
-__all__ = ["StageModel", "PipelineEngine", "RankDirStore", "pipeline_stats"]
+__all__ = ["StageModel", "PipelineEngine", "pipeline_stats"]
 
 DEFAULT_BUCKET_BYTES = bucket_bytes_of(DEFAULT_BUCKET_MB)
 
@@ -58,11 +55,25 @@ class StageModel(nn.Module):
                 self.held.register_parameter(name, t)
             else:
                 self.held.register_buffer(name, t)
-        empty = not modules and not list(self.held.parameters())
+        # a rank whose parts hold no parameter (e.g. only a flatten) gets the placeholder too
+        empty = not any(True for m in modules.values() for _ in m.parameters()) and not list(
+            self.held.parameters())
         self.placeholder = nn.Parameter(torch.zeros(0)) if empty else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - not called
         raise RuntimeError("a StageModel runs through its StageRuntime")
+
+    def model_names(self, targets: dict[str, str] | None = None) -> dict[str, str]:
+        """This module's ``state_dict`` keys -> the tensors' names in the model (``targets``:
+        a held value's name -> the model attribute it reads)."""
+        out: dict[str, str] = {}
+        for i, m in self.segments.items():
+            part = self._parts.get(int(i))
+            for k in m.state_dict():
+                out[f"segments.{i}.{k}"] = part.original_name(k) if part is not None else k
+        for k in self.held.state_dict():
+            out[f"held.{k}"] = (targets or {}).get(k, k)
+        return out
 
     def node_state(self) -> dict[str, torch.Tensor]:
         """This rank's model tensors by their qualified names in the model (the same names
@@ -115,6 +126,12 @@ class PipelineEngine(LocalEngine):
         # step, compute and blocked-in-recv seconds, peak activation bytes, bytes sent, steps
         self.totals = torch.zeros(6, dtype=torch.float64)
 
+
+    def model_names(self) -> dict[str, str]:
+        """The stage's keys -> the model's names (checkpoints resumable on another placement)."""
+        stage = self.model
+        assert isinstance(stage, StageModel)
+        return stage.model_names({a.name: a.target for a in self.rt.cut.attrs})
     def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:
         if self.replica_sync is not None:
             self.replica_sync.before_forward(last=last)  # the step's first: buffers as DDP's
@@ -199,39 +216,6 @@ class PipelineEngine(LocalEngine):
             return None
         result: dict[str, float] = json.loads(bytes(got.cpu().numpy().tobytes()).decode())
         return result
-
-
-def _common_step(ckpt_root: Path, world: int) -> int | None:
-    """The newest step for which every rank has a checkpoint."""
-    common: set[int] | None = None
-    for r in range(world):
-        d = ckpt_root / f"rank{r}"
-        steps = {int(p.name[5:14]) for p in d.glob("ckpt-*.pt")} if d.is_dir() else set()
-        common = steps if common is None else common & steps
-    return max(common) if common else None
-
-
-class RankDirStore:
-    """Per-rank checkpoints ``checkpoints/rank<r>/ckpt-<step>.pt``; a resume starts at the
-    newest step every rank saved and falls back, on every rank together, to the newest
-    step all ranks can read (:func:`~paratrain.training.resume.agree_on_checkpoint`)."""
-
-    def __init__(self, root: Path, ctx: WorkerContext) -> None:
-        self.root, self.ctx = root, ctx
-        self.directory = root / f"rank{ctx.rank}"
-        self.loaded_step: int | None = None
-
-    def load(self) -> tuple[Path, dict[str, Any]] | None:
-        group = self.ctx.group if self.ctx.world_size > 1 else None
-        agreed = agree_on_checkpoint(self.directory, _common_step(self.root, self.ctx.world_size), group)
-        if agreed is None:
-            return None
-        self.loaded_step = int(agreed[0])
-        return checkpoint.checkpoint_path(self.directory, agreed[0]), agreed[1]
-
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        checkpoint.save_checkpoint(checkpoint.checkpoint_path(self.directory, step), state)
-        checkpoint.prune(self.directory, keep=3)
 
 
 def pipeline_stats(totals: list[torch.Tensor], plan: Plan, *, micro_batches: int | None) -> dict[str, Any]:

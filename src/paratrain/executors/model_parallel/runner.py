@@ -46,6 +46,7 @@ attempt (fault-injection for tests and demos, as for DataParallel).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 import time
@@ -79,7 +80,8 @@ from ...training.export import complete_state, save_model, tied_names
 from ...training.faults import FAULT_ENV
 from ...training.loop import DataPlan, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
-from .engine import PipelineEngine, RankDirStore, StageModel, pipeline_stats
+from ...training.stores import RankStore
+from .engine import PipelineEngine, StageModel, pipeline_stats
 from .plan import Plan, build_plan
 from .replicas import extra_workers, replicas_for
 from .runtime import StageRuntime, held_attrs, segment_modules
@@ -253,11 +255,20 @@ def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Any:
     return P2PTransport(ctx.group, device=ctx.device)
 
 
+def _layout(plan: Any, replicas: Any, world: int) -> dict[str, Any]:
+    """The run's processes and placement (a checkpoint of another one is resumed by the
+    model's names): the worker count and a digest of which nodes each rank runs."""
+    where = [[s.index, s.rank, list(s.nodes)] for s in plan.segments]
+    groups = {str(r): list(g) for r, g in sorted(replicas.groups.items())}
+    digest = hashlib.sha256(json.dumps([where, groups]).encode()).hexdigest()[:16]
+    return {"strategy": "ModelParallel", "world": world, "placement": digest}
+
+
 def _digest(state: dict[str, torch.Tensor]) -> bytes:
     h = hashlib.sha256()
     for name in state:
         h.update(name.encode())
-        h.update(state[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(state[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.digest()
 
 
@@ -327,7 +338,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                             broadcast_buffers=_broadcast_buffers(job, replicas.paths.get(stage_rank)),
                             bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb))
     trainer = Trainer(engine, opt, t, data.total_steps)
-    store = RankDirStore(run_dir / "checkpoints", ctx)
+    layout = _layout(plan, replicas, ctx.world_size)
+    store = RankStore(run_dir, "mp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
+                      layout=layout, layout_field="strategy.partitions", device=ctx.device,
+                      reshard=True)
     metrics = MetricsWriter(run_dir) if ctx.rank == 0 else None
 
     def check_state(state: dict[str, Any], source: Any) -> None:
@@ -342,7 +356,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         metrics=metrics, resume=resume, check_state=check_state, eval_every=t.eval_every,
         prepare=(lambda: _prepare_resumed(ctx, job)) if resume else None,
         checkpoint_every=job.run.checkpoint_every, rank=ctx.rank,
-        restart_count=ctx.restart_count, started=started, group=ctx.group,
+        restart_count=ctx.restart_count, started=started, group=ctx.group, layout=layout,
     )
     # parameters_sha256: sha256 over the per-rank digests of each rank's node tensors.
     own = dict(sorted(stage.node_state().items()))

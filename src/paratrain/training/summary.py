@@ -1,0 +1,45 @@
+"""What every strategy's summary reports: position, test metrics, best, reference metrics,
+wall time, parameter count and the parameters' digest."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["parameters_digest", "summary_fields"]
+
+
+def parameters_digest(model: nn.Module) -> str:
+    """SHA-256 over the raw bytes of every parameter and buffer, in state_dict order."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def summary_fields(result: Any, task: Any, *, train: Any, test: Any, model: nn.Module | None,
+                   started: float) -> dict[str, Any]:
+    """The summary keys every strategy reports (on the logging process): position,
+    ``test_<metric>`` for every metric of the task, ``best_test_<fitness>``, the task's
+    reference metrics (``bigram_test_loss``), the wall time and, given the whole model,
+    its parameter count and digest."""
+    out: dict[str, Any] = {"steps": result.position.step, "epochs": result.position.epoch,
+                           "task": str(getattr(task, "name", type(task).__name__))}
+    if model is not None:
+        out["num_parameters"] = sum(p.numel() for p in model.parameters())
+    if result.final is not None:
+        out.update({f"test_{k}": v for k, v in result.final.items()})
+        out[f"best_test_{task.fitness_metric}"] = result.best
+    reference = getattr(task, "reference_metrics", None)
+    if callable(reference):
+        out.update(reference(train, test))
+    out["wall_time_s"] = round(time.perf_counter() - started, 3)
+    if model is not None:
+        out["parameters_sha256"] = parameters_digest(model)
+    return out

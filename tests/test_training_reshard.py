@@ -1,0 +1,110 @@
+"""Resume on another layout (paratrain.training.reshard): a checkpoint is keyed by the
+model's own names, so DataParallel on 2 replicas resumes on 4 or 1, and a pipeline on 3
+workers resumes on 2 or under another placement, continuing with the saved parameters
+(and optimizer state); what cannot carry over is named in one warning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import paratrain
+from paratrain.training import checkpoint
+from paratrain.training.reshard import ReshardWarning, localize, merge, param_names
+
+pytestmark = pytest.mark.timeout(300)
+
+REG = {"task": {"name": "regression"}, "data": {"name": "diabetes"},
+       "model": {"name": "mlp", "hidden": [16, 8]}}
+
+
+def _dp(n: int) -> dict[str, Any]:
+    return {"type": "DataParallel", "num_replicas": n, "aggregation": {"method": "AllReduce"}}
+
+
+def _doc(out: Path, strategy: dict[str, Any], steps: int, **extra: Any) -> dict[str, Any]:
+    return {**REG, **extra, "strategy": strategy,
+            "run": {"name": "r", "seed": 1, "output_dir": str(out), "checkpoint_every": 4,
+                    **extra.pop("run", {})},
+            "train": {"epochs": 3, "batch_size": 8, "max_steps": steps,
+                      "optimizer": {"name": "adam", "lr": 0.01}}}
+
+
+def _fit(doc: dict[str, Any], capfd: pytest.CaptureFixture[str], **kw: Any) -> tuple[dict[str, Any], list[str]]:
+    """The summary and the ReshardWarning lines (warned by the worker of rank 0)."""
+    capfd.readouterr()
+    summary = paratrain.fit(doc, **kw)
+    err = capfd.readouterr().err
+    return summary, [line for line in err.splitlines() if ReshardWarning.__name__ in line]
+
+
+@pytest.mark.parametrize("after", [4, 1])
+def test_data_parallel_resumes_on_another_replica_count(tmp_path: Path, after: int, capfd: pytest.CaptureFixture[str]) -> None:
+    saved, _ = _fit(_doc(tmp_path, _dp(2), 8), capfd)
+    run_dir = Path(saved["run_dir"])
+    before = paratrain.load_model(run_dir)
+
+    # zero steps left: the resumed model is exactly the saved one
+    same, notes = _fit(_doc(tmp_path, _dp(after), 8), capfd, resume=True)
+    assert same["parameters_sha256"] == saved["parameters_sha256"]
+    assert notes and "'replicas': 2" in notes[0] and f"'replicas': {after}" in notes[0]
+    assert all(torch.equal(before[k], v) for k, v in paratrain.load_model(run_dir).items())
+
+    # and it trains on: 8 more steps on the new layout, from the saved optimizer state
+    more, _ = _fit(_doc(tmp_path, _dp(after), 16), capfd, resume=True)
+    assert more["steps"] == 16 and more["num_replicas"] == after
+    assert more["test_loss"] < saved["test_loss"] * 1.5
+    folders = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
+    assert folders == [f"dp-rank{r}" for r in range(after)]  # the old layout's extra ranks are gone
+
+
+def test_dp_resharded_optimizer_state_is_the_saved_one(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Non-vacuity of the optimizer half: Adam's moments after a 2 -> 1 resume are the
+    checkpoint's, so one step from them equals one step taken by the 2-replica run's
+    rank 0 from the same checkpoint (same data: the resumed batch is the same)."""
+    saved, _ = _fit(_doc(tmp_path, _dp(2), 4), capfd)
+    ckpt = checkpoint.load_checkpoint(
+        checkpoint.latest(Path(saved["run_dir"]) / "checkpoints" / "dp-rank0"))
+    assert ckpt["names"] and ckpt["param_names"] and ckpt["layout"]["replicas"] == 2
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": {},
+             "rng": None, "step": 1, "epoch": 0, "batch": 1,
+             "names": list(model.state_dict()), "param_names": param_names(model, opt)}
+    merged = merge([state, state], source="x")
+    other = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    other_opt = torch.optim.Adam(reversed(list(other.parameters())))  # another order
+    local = localize(merged, module=other, optimizer=other_opt, names=None, rank=0,
+                     layout={}, source="x", warn=False)
+    other_opt.load_state_dict(local["optimizer"])
+    assert torch.equal(other_opt.state[other[0].bias]["exp_avg"], opt.state[model[0].bias]["exp_avg"])
+    assert torch.equal(other_opt.state[other[0].weight]["exp_avg_sq"],
+                       opt.state[model[0].weight]["exp_avg_sq"])
+
+
+def _pipe(placement: list[tuple[list[str], int]]) -> dict[str, Any]:
+    return {"type": "ModelParallel",
+            "communication": {"protocol": "Pipeline", "micro_batch_size": 4, "schedule": "1F1B"},
+            "partitions": [{"node_ids": ids, "target": {"WorkerId": f"worker-{w}"}}
+                           for ids, w in placement]}
+
+
+@pytest.mark.parametrize("after", ["two-workers", "other-placement"])
+def test_pipeline_resumes_on_fewer_workers_or_another_placement(tmp_path: Path, after: str, capfd: pytest.CaptureFixture[str]) -> None:
+    three = _pipe([(["fc1", "act1"], 1), (["head"], 2)])
+    new = (_pipe([(["fc1", "act1", "head"], 1)]) if after == "two-workers"
+           else _pipe([(["fc0", "act0", "fc1"], 1), (["act1", "head"], 2)]))
+    workers = 2 if after == "two-workers" else 3
+    saved, _ = _fit(_doc(tmp_path, three, 8, run={"num_workers": 3}), capfd)
+    same, notes = _fit(_doc(tmp_path, new, 8, run={"num_workers": workers}), capfd, resume=True)
+    assert notes, "no reshard warning"
+    before = paratrain.load_model(saved["run_dir"])
+    now = paratrain.load_model(same["run_dir"])
+    assert list(now) == list(before) and all(torch.equal(before[k], now[k]) for k in before)
+    more, _ = _fit(_doc(tmp_path, new, 16, run={"num_workers": workers}), capfd, resume=True)
+    assert more["steps"] == 16
