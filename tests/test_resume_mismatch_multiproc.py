@@ -1,7 +1,7 @@
 """Resuming a multi-process run with another model names the tensor that differs (exit 2,
 one line) and leaves the run folder as it was: the checkpoints and job.json (the launcher
 writes nothing before the workers' resume check has passed) -- under DataParallel,
-ModelParallel and TensorParallel."""
+ModelParallel, TensorParallel and PopulationBased (2 processes each)."""
 
 from __future__ import annotations
 
@@ -18,18 +18,27 @@ STRATEGIES: dict[str, dict[str, Any]] = {
     "mp": {"strategy": {"type": "ModelParallel", "communication": {"protocol": "Direct"},
                         "partitions": [{"node_ids": ["head"], "target": {"WorkerId": "worker-1"}}]}},
     "tp": {"tensor_parallel": {"tensor_parallel_size": 2}},
+    "pbt": {"strategy": {"type": "PopulationBased", "population_size": 2, "generations": 2,
+                         "exploit": {"method": "Truncation", "fraction": 0.5},
+                         "explore": {"method": "Perturbation", "factor": 0.2}},
+            "population": {"steps_per_generation": 2},
+            "search_space": {"lr": {"type": "log_uniform", "low": 0.01, "high": 0.1}}},
 }
 
 
 def _job(tmp: Path, kind: str, hidden: int, optimizer: str = "sgd") -> Path:
     p = tmp / f"job_{kind}_{hidden}_{optimizer}.json"
-    p.write_text(json.dumps({
+    doc: dict[str, Any] = {
         "run": {"name": kind, "seed": 1, "output_dir": str(tmp / "runs"), "checkpoint_every": 2},
         "model": {"name": "mlp", "hidden": [hidden]},
         "train": {"epochs": 1, "batch_size": 32, "max_steps": 4 if hidden == 32 else 8,
                   "optimizer": {"name": optimizer, "lr": 0.05}},
         **STRATEGIES[kind],
-    }))
+    }
+    if kind == "pbt":  # generations of population.steps_per_generation, on 2 processes
+        doc["run"] = {"name": kind, "seed": 1, "output_dir": str(tmp / "runs"), "num_workers": 2}
+        doc["train"] = {"batch_size": 32, "optimizer": {"name": optimizer, "lr": 0.05}}
+    p.write_text(json.dumps(doc))
     return p
 
 

@@ -178,6 +178,21 @@ class MemberRunner:
             group["initial_lr"] = scheduler.base_lrs[i]
             group["lr"] = scheduler.base_lrs[i] * factor(scheduler.last_epoch)
 
+    def check_resume(self, generation: int, hparams: list[dict[str, Any]]) -> None:
+        """On resume, before the run folder changes: a ConfigError when the first member
+        file of ``generation`` (``hparams``: that generation's, per member) does not fit the
+        model and optimizer this job builds for that member (another model or optimizer
+        than the run's), naming what differs; nothing is loaded."""
+        for member, hp in enumerate(hparams):
+            path = member_path(self.run_dir, generation, member)
+            if not path.exists():  # a member that failed without state
+                continue
+            parts = self._split(hp)
+            model, opt, _ = self._build(member, self.data(parts["data"]), parts["model"],
+                                        parts["optimizer"], 1)
+            checkpoint.check_resume_state(model, opt, checkpoint.load_checkpoint(path), source=path)
+            return
+
     def run(self, member: int, generation: int, hparams: dict[str, Any], source: int | None,
             lost: str | None = None) -> dict[str, Any]:
         """Train ``member`` for one generation; never raises for a member's own failure.

@@ -199,6 +199,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 raise ConfigError([("strategy.population_size", (
                     f"{run_dir} holds a population of {pop.size}, not {size}; resume with the "
                     "same job or start a fresh run"))])
+            if pop.history:
+                runner.check_resume(pop.generation - 1, pop.history[-1]["hparams"])
         prepare_run_dir(job, resume=resume)  # job.json: only once the resume was checked
         metrics = MetricsWriter(run_dir)
         if pop is not None:
