@@ -46,7 +46,6 @@ attempt (fault-injection for tests and demos, as for DataParallel).
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import re
 import time
@@ -85,6 +84,7 @@ from .engine import PipelineEngine, StageModel, pipeline_stats
 from .plan import Plan, build_plan
 from .replicas import extra_workers, replicas_for
 from .runtime import StageRuntime, held_attrs, segment_modules
+from .state import gather_parts, layout_of, state_digest
 
 __all__ = ["run", "validate", "worker_main", "num_workers", "plan_for", "FAULT_ENV"]
 
@@ -255,37 +255,6 @@ def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Any:
     return P2PTransport(ctx.group, device=ctx.device)
 
 
-def _layout(plan: Any, replicas: Any, world: int) -> dict[str, Any]:
-    """The run's processes and placement (a checkpoint of another one is resumed by the
-    model's names): the worker count and a digest of which nodes each rank runs."""
-    where = [[s.index, s.rank, list(s.nodes)] for s in plan.segments]
-    groups = {str(r): list(g) for r, g in sorted(replicas.groups.items())}
-    digest = hashlib.sha256(json.dumps([where, groups]).encode()).hexdigest()[:16]
-    return {"strategy": "ModelParallel", "world": world, "placement": digest}
-
-
-def _digest(state: dict[str, torch.Tensor]) -> bytes:
-    h = hashlib.sha256()
-    for name in state:
-        h.update(name.encode())
-        h.update(state[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.digest()
-
-
-def _gather_parts(rt: Any, own: dict[str, torch.Tensor], *, rank: int, world: int,
-                  step: int) -> list[dict[str, torch.Tensor]]:
-    """Every rank's model tensors (by the model's names) on rank 0, in rank order (a
-    replicated stage's replicas hold the same names and values: the first is kept)."""
-    from safetensors.torch import load, save
-
-    if rank != 0:
-        blob = save({k: v.detach().cpu().contiguous().clone() for k, v in own.items()})
-        rt.send_metric(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=0, step=step, slot=4)
-        return []
-    return [own] + [load(bytes(rt.recv_metric(src=r, step=step, slot=4).cpu().numpy().tobytes()))
-                    for r in range(1, world)]
-
-
 def _broadcast_buffers(job: JobConfig, path: str | None) -> bool:
     """A replicated stage's ``broadcast_buffers`` (its ``[subgraphs.<path>]`` DataParallel)."""
     sub = (getattr(job, "subgraphs", None) or {}).get(path) if path is not None else None
@@ -338,7 +307,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                             broadcast_buffers=_broadcast_buffers(job, replicas.paths.get(stage_rank)),
                             bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb))
     trainer = Trainer(engine, opt, t, data.total_steps)
-    layout = _layout(plan, replicas, ctx.world_size)
+    layout = layout_of(plan, replicas, ctx.world_size)
     store = RankStore(run_dir, "mp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
                       layout=layout, layout_field="strategy.partitions", device=ctx.device,
                       reshard=True)
@@ -360,7 +329,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     )
     # parameters_sha256: sha256 over the per-rank digests of each rank's node tensors.
     own = dict(sorted(stage.node_state().items()))
-    mine = torch.frombuffer(bytearray(_digest(own)), dtype=torch.uint8)
+    mine = torch.frombuffer(bytearray(state_digest(own)), dtype=torch.uint8)
     digests, stage_totals = [mine], [engine.totals]
     step = result.position.step
     if ctx.rank != 0:
@@ -370,7 +339,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         for r in range(1, ctx.world_size):
             digests.append(rt.recv_metric(src=r, step=step, slot=2))
             stage_totals.append(rt.recv_metric(src=r, step=step, slot=3).double())
-    parts = _gather_parts(rt, own, rank=ctx.rank, world=ctx.world_size, step=step)
+    parts = gather_parts(rt, own, rank=ctx.rank, world=ctx.world_size, step=step)
     transport.flush()
     if hasattr(transport, "close"):
         transport.close()
