@@ -79,3 +79,31 @@ def test_save_and_prune_remove_a_stale_temp_of_their_own_folder_only(tmp_path: P
     checkpoint.prune(tmp_path)
     assert not stale.exists() and other.exists()
     assert checkpoint.remove_stale_temps(tmp_path / "sub") == [other] and not other.exists()
+
+
+@pytest.mark.slow
+def test_data_parallel_killed_mid_save_restarts_without_temp_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both replicas of a 2-process DataParallel job are SIGKILLed while writing step 4's
+    checkpoint (each in its own rank folder); the elastic restart resumes both from step 2,
+    removes both temp files and ends bit-identical to an uninterrupted run."""
+    from _workers_dp import dp_job
+    from paratrain.dispatch import execute
+
+    agg = {"method": "AllReduce"}
+    extra = {"run": {"name": "x", "seed": 3, "output_dir": "", "checkpoint_every": 2,
+                     "max_restarts": 1}}
+
+    def job(name: str) -> Any:
+        extra["run"] = {**extra["run"], "name": name, "output_dir": str(tmp_path)}
+        return dp_job(str(tmp_path), name, 2, agg, **extra)
+
+    clean = execute(job("clean"))
+    monkeypatch.setenv(KILL_IN_SAVE_ENV, "ckpt-000000004.pt")
+    killed = execute(job("killed"))
+    assert killed["restart_count"] == 1  # the kill in the save really happened
+    assert killed["parameters_sha256"] == clean["parameters_sha256"]
+    ckpts = tmp_path / "killed" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["dp-rank0", "dp-rank1"]
+    assert [p for p in ckpts.rglob(".ckpt-*")] == []
