@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 from .context import WorkerContext, default_workers
+from .hosts import gloo_interface, group_prefix
 
 __all__ = ["resolve_device", "join_process_group", "leave_process_group", "process_group"]
 
@@ -72,8 +73,9 @@ def join_process_group(job: Any) -> WorkerContext:
     store: Any
     if not dist.is_initialized():
         # The elastic agent shares one TCPStore across restart attempts, so keys written
-        # by the group of attempt k (gloo's peer addresses) would be read by attempt k+1
-        # and point at dead processes. Every attempt gets its own key prefix.
+        # by an earlier group (gloo's peer addresses) would be read by the next one and
+        # point at dead processes. Every group agrees on a fresh key prefix (an attempt
+        # number is not enough across machines: comm.hosts.group_prefix).
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         base = dist.TCPStore(
             os.environ["MASTER_ADDR"],
@@ -82,7 +84,12 @@ def join_process_group(job: Any) -> WorkerContext:
             is_master=(not agent_store and rank == 0),
             timeout=timeout,
         )
-        store = dist.PrefixStore(f"paratrain/attempt_{restart_count}/", base)
+        store = dist.PrefixStore(group_prefix(base, rank=rank, world_size=world_size,
+                                              timeout=timeout), base)
+        if backend == "gloo":  # peers on other machines must reach this one
+            ifname = gloo_interface(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+            if ifname is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname
         kwargs: dict[str, Any] = {}
         if device.type == "cuda":
             kwargs["device_id"] = device
