@@ -24,14 +24,14 @@ from paratrain.training.interrupt import Cadence, agree
 pytestmark = pytest.mark.timeout(300)
 
 # No epoch-end or step-count checkpoint before the signal: what resumes was written by it.
-_STEPS = 1500
+_STEPS = 400
 
 
 def _doc(out: Path, *, strategy: dict[str, Any] | None = None, every: int | str = 100_000) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "run": {"name": "r", "seed": 5, "output_dir": str(out), "checkpoint_every": every},
-        "model": {"name": "mlp", "hidden": [256, 256]},
-        "train": {"epochs": 200, "batch_size": 16, "max_steps": _STEPS, "eval_every": 50,
+        "model": {"name": "mlp", "hidden": [128]},
+        "train": {"epochs": 200, "batch_size": 16, "max_steps": _STEPS, "eval_every": 10,
                   "optimizer": {"name": "adam", "lr": 1e-3}},
     }
     if strategy is not None:
@@ -83,7 +83,7 @@ def test_signal_checkpoints_and_resume_is_bit_identical(
     run_dir = tmp_path / "int" / "r"
 
     proc = _cli(job)
-    _wait_for_step(run_dir, 100, proc)
+    _wait_for_step(run_dir, 20, proc)
     (os.killpg if to_group else os.kill)(proc.pid, sig)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
@@ -91,7 +91,7 @@ def test_signal_checkpoints_and_resume_is_bit_identical(
     ckpts = [p for p in (run_dir / "checkpoints").rglob("ckpt-*.pt")]
     assert ckpts, f"no checkpoint written on {sig.name}"
     steps = {int(p.name[5:14]) for p in ckpts}
-    assert len(steps) == 1 and 100 <= steps.pop() < _STEPS  # the signal's step, not the end
+    assert len(steps) == 1 and 20 <= steps.pop() < _STEPS  # the signal's step, not the end
     assert not [p for p in run_dir.rglob(".ckpt-*")], "temp file left behind"
 
     resumed = _cli(job, "--resume")
