@@ -21,3 +21,70 @@ def test_tensor_parallel_jobs_dispatch_and_count_their_processes() -> None:
     plain = load_job({"strategy": dp})
     assert not is_tensor_parallel(plain) and process_count(plain) == (2, "strategy.num_replicas")
     assert process_count(load_job({})) == (1, "strategy.type")
+
+
+# The workers' forkserver starts before the checks, preloading what the workers import ------
+
+_PROBE = r"""
+import json, multiprocessing.forkserver as fs, sys
+from pathlib import Path
+from paratrain.config import ConfigError, load_job
+from paratrain.dispatch import execute
+doc = json.loads(sys.argv[1])
+try:
+    execute(load_job(doc))
+except ConfigError as e:
+    print("refused:", e.problems[0][0], file=sys.stderr)
+pid = getattr(getattr(fs, "_forkserver", None), "_forkserver_pid", None)
+cmd = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace") if pid else ""
+print(json.dumps({"server": pid is not None, "cmdline": cmd, "dynamo_here": "torch._dynamo" in sys.modules}))
+"""
+
+
+def _probe(tmp_path: object, strategy: dict[str, object]) -> dict[str, object]:
+    import json
+    import subprocess
+    import sys
+
+    doc = {"run": {"name": "warm", "output_dir": str(tmp_path)}, "strategy": strategy,
+           "train": {"optimizer": {"name": "sgd", "lr": 0.1, "no_such_option": 1}}}
+    out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(doc)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "refused: train.optimizer.no_such_option" in out.stderr  # the check still refuses
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_multiprocess_job_starts_the_warm_forkserver_before_its_checks(tmp_path: object) -> None:
+    """A DataParallel job whose optimizer check fails: the forkserver was started before the
+    check (its preload names the executor, torch's compiler and the data set's libraries),
+    no run folder was touched, and the check itself imported no compiler in the launcher;
+    a Local job starts no server."""
+    from pathlib import Path
+
+    dp = _probe(tmp_path, {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}})
+    assert dp["server"] is True
+    for name in ("paratrain.executors.data_parallel", "torch._dynamo", "sklearn.datasets"):
+        assert name in str(dp["cmdline"])
+    assert dp["dynamo_here"] is False
+    assert not (Path(str(tmp_path)) / "warm").exists()
+    local = _probe(tmp_path, {"type": "Local"})
+    assert local["server"] is False and local["dynamo_here"] is False
+
+
+def test_worker_preload_is_empty_in_process_and_under_torchrun(monkeypatch: object) -> None:
+    import pytest
+
+    from paratrain.executors import worker_preload
+
+    assert worker_preload(load_job({})) == []
+    assert worker_preload(load_job({"strategy": {"type": "Custom", "coordinator": "x", "config": {}}})) == []
+    lm = load_job({"strategy": {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}},
+                   "task": {"name": "language_model"}, "data": {"name": "shakespeare"}})
+    assert worker_preload(lm)[:2] == ["paratrain.executors.entry", "paratrain.executors.data_parallel"]
+    assert "paratrain.data.shakespeare" in worker_preload(lm) and "sklearn.datasets" not in worker_preload(lm)
+    assert isinstance(monkeypatch, pytest.MonkeyPatch)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    assert worker_preload(lm) == []

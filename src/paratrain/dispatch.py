@@ -23,6 +23,7 @@ from .executors import (
     executor_name,
     is_tensor_parallel,
     spec_for,
+    worker_preload,
 )
 
 __all__ = ["execute", "effective_settings", "spec_for", "executor_name", "is_tensor_parallel", "check_supported",
@@ -43,11 +44,19 @@ def execute(
     checked as the specs they replace are, then trained by the (Local) executor.
     Settings the run ignores (:func:`effective_settings`) are warned about once, by the
     launching process (rank 0 under torchrun)."""
+    launcher = os.environ.get("RANK", "0") == "0"
+    preload = worker_preload(job) if instances is None else []
+    if preload:
+        # The workers' forkserver imports torch and their modules on the other core while
+        # this process runs the checks (a failed check starts no worker; the server is
+        # stopped at exit): a launch no longer waits for the two imports in turn.
+        from .comm.forkserver import warm
+
+        warm(preload)
     from .preflight import preflight
 
     # Every check before training, the same `paratrain validate` makes (imports the
     # plugins too); errors here come before any worker process is spawned.
-    launcher = os.environ.get("RANK", "0") == "0"
     preflight(job, job_dir=job_dir, warn=launcher, instances=instances)
     spec = spec_for(job)
     if launcher:

@@ -375,7 +375,7 @@ def _model(job: JobConfig, bundle: Any) -> Any:
 
 def _optimizer(job: JobConfig, model: Any) -> None:
     """The optimizer builds over ``model``'s parameters with its kwargs (each named)."""
-    from .training import build_optimizer
+    from .training.optim import check_optimizer
 
     opt = job.train.optimizer
     okw = {"lr": opt.lr, **opt.kwargs}
@@ -386,7 +386,7 @@ def _optimizer(job: JobConfig, model: Any) -> None:
     if unknown:
         raise ConfigError(unknown)
     try:
-        build_optimizer(model.parameters(), opt)
+        check_optimizer(model.parameters(), opt)
     except ConfigError as e:
         msg = e.problems[0][1]
         raise ConfigError([(_field_of(msg, list(okw), "train.optimizer", _TORCH_OPT_WORDS), msg)]) from None

@@ -29,6 +29,13 @@ it. :func:`stop` ends both and reaps them; the first :func:`context` call regist
 to run at interpreter exit, so a process that launched workers exits only after every
 process it started has ended. (The server is kept between launches of one process:
 starting it again costs the torch import this module exists to save.)
+
+:func:`warm` starts the server *now*, without waiting for it: a launching process calls it
+before its own checks (``paratrain.dispatch.execute``), so the server imports torch and
+what the workers will need (their executor's modules, the data's libraries) on the second
+core while this process checks the job. A job that fails its checks then starts no worker;
+the server is stopped with the process (:func:`stop`). Without it the server starts at the
+first launch, after the checks, and a 2-worker job waited for both in turn.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["PRELOAD", "ParentState", "context", "stop", "dumps", "loads"]
+__all__ = ["PRELOAD", "ParentState", "context", "warm", "stop", "dumps", "loads"]
 
 # Imported once by the server, inherited by every worker (with the caller's ``preload``).
 PRELOAD = ["torch", "torch.distributed", "numpy"]
@@ -75,6 +82,14 @@ def context(preload: Sequence[str] = ()) -> Any:
 
 
 _STOP_AT_EXIT = False
+
+
+def warm(preload: Sequence[str] = ()) -> None:
+    """Start the forkserver (preloading :data:`PRELOAD` and ``preload``) and return at once;
+    a no-op when it already runs. A name that fails to import is skipped by the server
+    (``multiprocessing.forkserver`` ignores ImportError), so ``preload`` is a hint."""
+    context(preload)
+    multiprocessing.forkserver.ensure_running()
 
 
 def _reap(pid: int, timeout_s: float) -> None:

@@ -19,7 +19,7 @@ from .spec import ExecutorSpec
 
 __all__ = ["ExecutorSpec", "STRATEGIES", "TENSOR_PARALLEL", "spec_for", "executor_name",
            "is_tensor_parallel", "check_supported", "register_coordinator",
-           "registered_coordinators"]
+           "registered_coordinators", "worker_preload"]
 
 TENSOR_PARALLEL = "TensorParallel"
 
@@ -34,6 +34,14 @@ _PACKAGES: dict[str, str] = {
     TENSOR_PARALLEL: "paratrain.executors.tensor_parallel",
 }
 STRATEGIES = tuple(k for k in _PACKAGES if k != TENSOR_PARALLEL)
+# Executors that run in the caller's process: nothing to preload for workers.
+_IN_PROCESS = ("Local", "Custom")
+# What loading a built-in data set imports (paratrain.data), for the workers' forkserver.
+_DATA_MODULES: dict[str, tuple[str, ...]] = {
+    "digits": ("sklearn.datasets", "sklearn.model_selection"),
+    "diabetes": ("sklearn.datasets", "sklearn.model_selection"),
+    "shakespeare": ("paratrain.data.shakespeare",),
+}
 
 
 def executor_name(job: JobConfig) -> str:
@@ -55,6 +63,24 @@ def spec_for(job: JobConfig) -> ExecutorSpec:
     """The spec of the executor that runs ``job`` (:func:`executor_name`)."""
     spec: ExecutorSpec = importlib.import_module(_PACKAGES[executor_name(job)]).SPEC
     return spec
+
+
+def worker_preload(job: JobConfig) -> list[str]:
+    """Modules every launched worker of ``job`` imports, for the forkserver to import once
+    (:func:`paratrain.comm.forkserver.warm`): the executor's package and entry, torch's
+    compiler front end (``torch.optim`` imports it on the first optimizer built) and the
+    data set's libraries. Empty for a job that runs in this process, or under torchrun.
+    A hint only: computed from the job alone, before any check, importing nothing."""
+    from ..comm.rendezvous import in_torchrun
+
+    try:
+        name = executor_name(job)
+    except ConfigError:
+        return []
+    if name in _IN_PROCESS or in_torchrun():
+        return []
+    data = () if job.data.factory is not None else _DATA_MODULES.get(str(job.data.name), ())
+    return ["paratrain.executors.entry", _PACKAGES[name], "torch._dynamo", *data]
 
 
 def is_tensor_parallel(job: JobConfig) -> bool:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -10,7 +11,7 @@ import torch
 from ..config import ConfigError
 from ..config.job import OptimizerSpec
 
-__all__ = ["OPTIMIZERS", "build_optimizer"]
+__all__ = ["OPTIMIZERS", "build_optimizer", "check_optimizer"]
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -33,3 +34,31 @@ def build_optimizer(
         return cls(params, **kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError([("train.optimizer", f"{spec.name}: {e}")]) from None
+
+
+@contextlib.contextmanager
+def _without_compiler_import() -> Iterator[None]:
+    """``Optimizer.add_param_group`` is wrapped in ``torch._disable_dynamo``, whose first
+    call imports ``torch._dynamo`` (about 1.3 s of CPU). A check that builds an optimizer
+    only to see it accept its options and throws it away needs no compiler: for the block,
+    the wrapper finds its cached target already set (the plain method), as after a first
+    call; it is unset again afterwards, so the next optimizer takes torch's usual path.
+    A torch without that wrapper is left alone."""
+    fn = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
+    if fn is None or getattr(fn, "__dynamo_disable", None) is not None:
+        yield
+        return
+    fn.__dynamo_disable = fn  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        with contextlib.suppress(AttributeError):
+            del fn.__dynamo_disable  # type: ignore[attr-defined]
+
+
+def check_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> None:
+    """Build ``spec``'s optimizer over ``params`` and discard it (ConfigError as
+    :func:`build_optimizer`), without importing torch's compiler: a launching process that
+    only checks the job (its workers train) never pays for it."""
+    with _without_compiler_import():
+        build_optimizer(params, spec)

@@ -1,0 +1,134 @@
+"""Lifecycle cost of a short DataParallel job: ``paratrain run`` against torchrun + a plain DDP script.
+
+Both sides train the same thing (scikit-learn digits, MLP 64 -> 128 -> 64 -> 10, SGD lr
+0.1 momentum 0.9, 2 replicas x 16 rows, 20 steps, gloo on 127.0.0.1, one test evaluation
+at the end, the trained model written to disk) and are timed as whole processes, launch
+to exit, as a user's shell sees them:
+
+* paratrain: ``paratrain run job.toml --overwrite -q`` at its defaults (preflight, the
+  forkserver, the elastic launcher, checkpoints, metrics, summary, ``report.png``,
+  ``model.safetensors``: everything a run writes);
+* the peer: ``torchrun --nproc-per-node=2 --standalone benchmarks/_ddp_peer.py`` (torch's
+  documented single-node launch; torchrun's own default of one intra-op thread per worker).
+
+Each repeat runs both back to back, the order alternating; ``ratio_measured`` is the
+median over repeats of paratrain's wall time over the peer's in the same repeat (paired).
+The two trained models are compared tensor by tensor (``max_param_diff_measured``: 0.0
+means the same steps were taken). Prints one JSON object. ``--repeats N`` (default 5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median, provenance  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+STEPS = 20
+JOB = """\
+[run]
+name = "lifecycle_dp"
+seed = 0
+output_dir = "{out}"
+
+[model]
+name = "mlp"
+hidden = [128, 64]
+
+[data]
+name = "digits"
+
+[train]
+epochs = 1
+max_steps = {steps}
+batch_size = 16
+optimizer = {{ name = "sgd", lr = 0.1, momentum = 0.9 }}
+
+[strategy]
+type = "DataParallel"
+num_replicas = 2
+aggregation = {{ method = "AllReduce" }}
+"""
+
+
+def _bin(name: str) -> str:
+    """The console script installed next to this interpreter (the venv's)."""
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() else name
+
+
+def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, str]:
+    """Wall seconds from start to exit of ``cmd`` (must exit 0), and its stdout."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return wall, proc.stdout
+
+
+def _max_diff(peer_pt: Path, ours: Path) -> float:
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = torch.load(peer_pt, weights_only=True), load_file(str(ours))
+    if set(a) != set(b):
+        return float("inf")
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=STEPS)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="lifecycle-dp-"))
+    job = tmp / "job.toml"
+    job.write_text(JOB.format(out=tmp / "runs", steps=args.steps))
+    ours_cmd = [_bin("paratrain"), "run", str(job), "--overwrite", "-q"]
+    peer_pt = tmp / "peer.pt"
+    peer_cmd = [_bin("torchrun"), "--nproc-per-node=2", "--standalone", str(HERE / "_ddp_peer.py"),
+                str(peer_pt), str(args.steps)]
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PARATRAIN_DEBUG")}
+    load0 = os.getloadavg()[0]
+    timed(ours_cmd, env)  # warm the page cache for both (not counted)
+    timed(peer_cmd, env)
+    ours: list[float] = []
+    peer: list[float] = []
+    for rep in range(args.repeats):
+        order = [(ours_cmd, ours), (peer_cmd, peer)]
+        if rep % 2:
+            order.reverse()
+        for cmd, acc in order:
+            acc.append(timed(cmd, env)[0])
+    ratios = [a / b for a, b in zip(ours, peer, strict=True)]
+    summary = json.loads((tmp / "runs" / "lifecycle_dp" / "summary.json").read_text())
+    results: dict[str, Any] = {
+        "benchmark": "lifecycle_dp",
+        "cores": os.cpu_count(),
+        "load_average_at_start": round(load0, 2),
+        "config": {"steps": args.steps, "replicas": 2, "batch_per_replica": 16, "repeats": args.repeats,
+                   "peer": "torchrun --nproc-per-node=2 --standalone benchmarks/_ddp_peer.py (DDP, gloo)"},
+        "ratio_measured": round(median(ratios), 4),
+        "ratios_measured": [round(r, 4) for r in ratios],
+        "wall_s_measured": {"paratrain_median": round(median(ours), 3), "peer_median": round(median(peer), 3),
+                            "paratrain": [round(x, 3) for x in ours], "peer": [round(x, 3) for x in peer]},
+        "max_param_diff_measured": _max_diff(peer_pt, tmp / "runs" / "lifecycle_dp" / "model.safetensors"),
+        "paratrain_test_accuracy_measured": summary.get("test_accuracy"),
+        "goals": {"ratio_measured": "<= 1.0"},
+    }
+    results["provenance"] = provenance(results, configured=("cores",))
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
