@@ -120,16 +120,28 @@ def test_a_killed_worker_is_the_cause_not_the_peer_that_lost_it(
 
 
 def test_resume_point_is_what_the_executors_resume_from(tmp_path: Path) -> None:
-    from paratrain.comm.launch import _resume_point
+    """The restart line names the checkpoint the stores resume from: the newest complete
+    one of any layout (paratrain.files.newest_checkpoint), a population's generation too."""
+    from paratrain.files import newest_checkpoint
 
     ckpts = tmp_path / "checkpoints"
-    assert _resume_point(tmp_path) is None
+    assert newest_checkpoint(tmp_path) is None
     for d, steps in (("dp-rank0", (4, 6)), ("dp-rank1", (2, 4))):
         (ckpts / d).mkdir(parents=True)
         for s in steps:
             (ckpts / d / f"ckpt-{s:09d}.pt").write_bytes(b"")
-    assert _resume_point(tmp_path) == 4  # the newest step every rank holds
-    (ckpts / "ckpt-000000003.pt").write_bytes(b"")
-    assert _resume_point(tmp_path) == 3  # a top-level (server) checkpoint
-    (ckpts / "dp-complete.json").write_text('{"step": 2, "replicas": 2}')
-    assert _resume_point(tmp_path) == 2  # the completion marker wins
+    assert newest_checkpoint(tmp_path) is None  # no marker: no step every rank completed
+    (ckpts / "dp-complete.json").write_text('{"step": 4, "replicas": 2, "world": 2}')
+    found = newest_checkpoint(tmp_path)
+    assert found is not None and (found.kind, found.where) == ("dp", "step 4")
+    (ckpts / "ckpt-000000003.pt").write_bytes(b"")  # an older Local checkpoint
+    assert newest_checkpoint(tmp_path) == found
+    (ckpts / "ckpt-000000007.pt").write_bytes(b"")  # a newer one (the run went on as Local)
+    found = newest_checkpoint(tmp_path)
+    assert found is not None and (found.kind, found.step) == ("local", 7)
+    pbt = tmp_path / "pbt" / "checkpoints"
+    pbt.mkdir(parents=True)
+    (pbt / "population-000003.pt").write_bytes(b"")
+    found = newest_checkpoint(pbt.parent)
+    assert found is not None and found.where == "generation 3"  # was: "the start"
+

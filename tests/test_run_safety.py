@@ -282,11 +282,13 @@ def test_resume_with_another_model_or_optimizer_names_it_and_changes_nothing(tmp
     assert "SGD" in _problems(err)["train.optimizer"] and "Adam" in _problems(err)["train.optimizer"]
     assert _snapshot(tmp_path / "a") == before
 
-    dp = _doc(tmp_path, steps=20)
-    dp["strategy"] = {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}}
+    # (Local, DataParallel and ModelParallel resume each other's checkpoints by name)
+    fed = _doc(tmp_path, steps=20)
+    fed["strategy"] = {"type": "Federated", "num_clients": 2, "rounds": 2,
+                       "aggregation": {"method": "FedAvg"}, "client_selection": {"method": "All"}}
     with pytest.raises(ConfigError) as err:
-        execute(load_job(dp), resume=True)
-    assert "Local" in _problems(err)["strategy.type"] and "DataParallel" in _problems(err)["strategy.type"]
+        execute(load_job(fed), resume=True)
+    assert "Local" in _problems(err)["strategy.type"] and "Federated" in _problems(err)["strategy.type"]
     assert _snapshot(tmp_path / "a") == before
 
 

@@ -1,17 +1,32 @@
-"""Deleting only inside a given root: :func:`safe_rmtree` / :func:`safe_unlink`.
+"""A run folder's files on the bottom floor: deleting only inside a given root
+(:func:`safe_rmtree` / :func:`safe_unlink`), and which checkpoint a run folder resumes
+from (:func:`newest_checkpoint`).
 
 Every deletion paratrain makes goes through these (run folders, checkpoints, DataStore
 sessions), and each refuses a path that is not strictly inside the root it is given. They
 sit on the bottom floor, beside :mod:`paratrain.config`, so that every floor that deletes
 (``comm``'s DataStore, ``training``'s run folder, the executors) uses the same check.
+
+Checkpoint layouts in ``<run>/checkpoints/``: one process's ``ckpt-<step>.pt`` (Local),
+one folder per process ``<prefix>-rank<r>/`` completed by ``<prefix>-complete.json``
+naming the step every process saved (DataParallel ``dp``, tensor parallel ``tp``,
+ModelParallel ``mp``), and PopulationBased's ``population-<generation>.pt``.
+:func:`newest_checkpoint` finds the newest complete one of any layout, by names only
+(nothing is loaded): the stores resume from it, on another layout by the model's names,
+and the launcher names it when it restarts a group ("restarted from step 40"), so a
+resume never silently starts fresh while a checkpoint of another layout exists.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-__all__ = ["inside", "safe_rmtree", "safe_unlink"]
+__all__ = ["inside", "safe_rmtree", "safe_unlink", "FoundCheckpoint", "newest_checkpoint"]
 
 
 def inside(path: Path, root: Path) -> bool:
@@ -39,3 +54,66 @@ def safe_unlink(path: str | Path, root: str | Path) -> None:
     if p.is_dir() and not p.is_symlink():
         raise RuntimeError(f"refusing to unlink {p}: it is a folder")
     safe_rmtree(p, root)
+
+
+_LOCAL = re.compile(r"^ckpt-(\d{9})\.pt$")
+_POPULATION = re.compile(r"^population-(\d{6})\.pt$")
+_MARKER = re.compile(r"^([a-z]+)-complete\.json$")
+
+
+@dataclass(frozen=True)
+class FoundCheckpoint:
+    """A complete checkpoint of one layout: ``kind`` is ``"local"``, ``"population"`` or a
+    per-process folder prefix (``"dp"``, ``"tp"``, ``"mp"``); ``path`` the file (the marker
+    of a per-process layout, whose contents are ``doc``)."""
+
+    kind: str
+    step: int
+    path: Path
+    doc: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def where(self) -> str:
+        """``step 40`` (``generation 3`` for a population)."""
+        return f"{'generation' if self.kind == 'population' else 'step'} {self.step}"
+
+    def describe(self) -> str:
+        """Which layout wrote it, for messages."""
+        if self.kind in ("local", "population"):
+            return f"{self.path.name} ({self.where})"
+        shape = ", ".join(f"{k}={v}" for k, v in self.doc.items() if k != "step")
+        return f"{self.path.name} ({self.where}; {shape})"
+
+
+def newest_checkpoint(run_dir: str | Path) -> FoundCheckpoint | None:
+    """The newest complete checkpoint of any layout in ``run_dir`` (highest step, then the
+    most recently written), None when there is none. A marker that cannot be read as
+    ``{"step": int, ...}`` is skipped (the layout's folders then hold no complete step)."""
+    d = Path(run_dir) / "checkpoints"
+    if not d.is_dir():
+        return None
+    found: list[tuple[int, int, FoundCheckpoint]] = []
+    newest: dict[str, tuple[int, Path]] = {}
+    for p in d.iterdir():
+        m = _LOCAL.match(p.name) or _POPULATION.match(p.name)
+        if m is not None and p.is_file():
+            kind = "local" if p.name.startswith("ckpt-") else "population"
+            if int(m.group(1)) >= newest.get(kind, (-1, p))[0]:
+                newest[kind] = (int(m.group(1)), p)
+        elif (mk := _MARKER.match(p.name)) is not None:
+            try:
+                doc = json.loads(p.read_text())
+                step = int(doc["step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            found.append((step, _mtime(p), FoundCheckpoint(mk.group(1), step, p, dict(doc))))
+    for kind, (step, p) in newest.items():
+        found.append((step, _mtime(p), FoundCheckpoint(kind, step, p)))
+    return max(found, key=lambda f: (f[0], f[1]))[2] if found else None
+
+
+def _mtime(p: Path) -> int:
+    try:
+        return p.stat().st_mtime_ns
+    except OSError:
+        return 0

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import logging
 import os
-import re
 import shutil
 import signal
 import sys
@@ -44,6 +42,7 @@ from typing import Any
 
 from ..config import ConfigError
 from ..config.job import JobConfig
+from ..files import newest_checkpoint
 from .forkserver import ParentState
 from .forkserver import context as forkserver_context
 from .rendezvous import in_torchrun, launch_config
@@ -56,31 +55,6 @@ from .worker_errors import (
 )
 
 __all__ = ["launch"]
-
-
-def _resume_point(run_dir: Path) -> int | None:
-    """The step a restarted group resumes from, as the executors find it: a
-    ``*-complete.json`` marker, else the newest top-level ``ckpt-<step>.pt``, else the
-    newest step every per-rank checkpoint folder holds."""
-    ckpts = run_dir / "checkpoints"
-    if not ckpts.is_dir():
-        return None
-    for marker in sorted(ckpts.glob("*-complete.json")):
-        try:
-            return int(json.loads(marker.read_text())["step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    pattern = re.compile(r"^ckpt-(\d+)\.pt$")
-    by_dir: dict[Path, list[int]] = {}
-    for p in ckpts.rglob("ckpt-*.pt"):
-        m = pattern.match(p.name)
-        if m:
-            by_dir.setdefault(p.parent, []).append(int(m.group(1)))
-    if ckpts in by_dir:
-        return max(by_dir[ckpts])
-    if not by_dir:
-        return None
-    return min(max(steps) for steps in by_dir.values())
 
 
 class _Capture(logging.Handler):
@@ -185,8 +159,9 @@ def _logs_specs(job: JobConfig, log_dir: str, capture: _Capture) -> Any:
             failures = attempt_failures(self.error_files, self.ranks, dict(capture.exits))
             capture.exits.clear()
             logs = write_failure_logs(job, failures, self.attempt)
-            step = _resume_point(Path(job.run.output_dir) / job.run.name)
-            where = f"step {step}" if step is not None else "the start"
+            # what the stores resume from: the newest complete checkpoint of any layout
+            found = newest_checkpoint(Path(job.run.output_dir) / job.run.name)
+            where = found.where if found is not None else "the start"
             root = root_failure(failures)
             if root is not None and root.weight() == 0:
                 # A bad job fails the same way on every attempt: stop instead of restarting

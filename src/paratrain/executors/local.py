@@ -93,6 +93,7 @@ def _train(
         trainer=trainer, plan=plan, task=task, store=LocalStore(run_dir / "checkpoints"),
         label="Local", metrics=MetricsWriter(run_dir), resume=resume, prepare=folder.prepare,
         eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every, started=started,
+        layout={"strategy": "Local", "replicas": 1},
     )
     summary: dict[str, Any] = {
         "strategy": "Local", "run_dir": str(run_dir),

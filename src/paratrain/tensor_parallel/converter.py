@@ -60,10 +60,15 @@ class Converter:
         self.comm, self.state = comm, state
         self.units = 0
 
-    def _attention(self, spec: AttentionSpec) -> nn.Module:
+    def _attention(self, spec: AttentionSpec, m: nn.Module) -> nn.Module:
         self.units += 1
-        return ParallelSelfAttention(AttentionView(spec), comm=self.comm, state=self.state,
-                                     mode=self.mode)
+        new = ParallelSelfAttention(AttentionView(spec), comm=self.comm, state=self.state,
+                                    mode=self.mode)
+        # the names the projections had in ``m`` (an opt-in spec may read them elsewhere):
+        # checkpoints and the dense state are keyed by the model's own names
+        new.dense_names = {c: n for n, sub in m.named_modules() if n
+                           for c in "qkvo" if sub is getattr(spec, c)}
+        return new
 
     def _encoder(self, m: nn.TransformerEncoderLayer, prefix: str) -> nn.Module:
         problem = encoder_problem(m)
@@ -77,7 +82,7 @@ class Converter:
         """The parallel replacement of an attention block or encoder layer, else None."""
         spec = attention_spec(m, prefix)
         if spec is not None:
-            return self._attention(spec)
+            return self._attention(spec, m)
         if isinstance(m, nn.TransformerEncoderLayer):
             return self._encoder(m, prefix)
         return None

@@ -196,6 +196,7 @@ class ParallelSelfAttention(nn.Module):
         self.comm, self.state, self.mode = comm, state, mode
         self.local_heads = heads // comm.size
         self.causal = bool(getattr(dense, "causal", False))
+        self.dense_names: dict[str, str] = {}  # q/k/v/o -> their names in the dense module
         col_mode = "seq" if mode == "seq" else "copy"
         q, k, v, o = (getattr(dense, n) for n in "qkvo")
         assert isinstance(q, nn.Linear) and isinstance(k, nn.Linear)

@@ -39,7 +39,7 @@ from . import checkpoint
 from .faults import maybe_kill
 from .interrupt import Cadence, Interrupted, agree, stop_on_signals
 from .progress import progress_bar
-from .reshard import localize, param_names
+from .reshard import by_examples, localize, param_keys, param_names
 from .rundir import MetricsWriter, read_metrics
 from .seed import rng_state, set_rng_state
 from .stepping import (
@@ -267,7 +267,10 @@ def run_loop(
     after every step on stopping (a signal) and on a time-based checkpoint. ``layout``: this
     run's processes and placement, saved with every checkpoint; a store that resumes a
     checkpoint of another layout gives it by the model's names (:mod:`.reshard`), and
-    ``reposition(old_layout, position)`` moves the data position onto this layout."""
+    ``reposition(old_layout, position)`` moves the data position onto this layout (default:
+    by the examples walked, from the layouts' ``"replicas"``). An engine may define
+    ``model_names()`` (its keys -> the model's names) and ``model_shards()`` (its keys that
+    hold part of a model tensor -> their shard spec, :mod:`.reshard`)."""
     started = time.perf_counter() if started is None else started
     eng, opt = trainer.engine, trainer.optimizer
     model = eng.model
@@ -275,13 +278,16 @@ def run_loop(
     losses: list[float] = []
     names = getattr(eng, "model_names", None)  # this process's keys -> the model's names
     names = names() if callable(names) else None
+    shards = getattr(eng, "model_shards", None)  # keys holding part of a model tensor -> spec
+    shards = shards() if callable(shards) else None
     found = store.load() if resume else None
     if found is not None:
         source, state = found
         resharded = "named_model" in state  # written on another layout (.reshard)
         if resharded:
             state = localize(state, module=model, optimizer=opt, names=names, rank=rank,
-                             layout=layout or {}, source=str(source), warn=rank == 0)
+                             layout=layout or {}, source=str(source), warn=rank == 0,
+                             shards=shards)
         else:
             (check_state or (lambda s, src: checkpoint.check_resume_state(model, opt, s, source=src)))(state, source)
         model.load_state_dict(state["model"])
@@ -290,8 +296,10 @@ def run_loop(
             set_rng_state(state["rng"])
         eng.load_state_dict(state.get("engine", {}))
         pos = Position(int(state["step"]), int(state["epoch"]), int(state["batch"]))
-        if resharded and reposition is not None:
-            pos = reposition(found[1].get("layout") or {}, pos)
+        if resharded:
+            old = found[1].get("layout") or {}
+            pos = (reposition(old, pos) if reposition is not None else Position(pos.step, *by_examples(
+                old, layout or {}, epoch=pos.epoch, batch=pos.batch, per_epoch=plan.batches_per_epoch)))
         losses = [float(v) for v in state.get("losses", [])]
     if prepare is not None:
         prepare()
@@ -303,6 +311,9 @@ def run_loop(
     # the model's name of each saved tensor and optimizer parameter: resumable on another layout
     saved_names = [names.get(k, k) if names else k for k in model.state_dict()]
     saved_params = param_names(model, opt, names)
+    saved_shards = ({"shards": [shards.get(k) for k in model.state_dict()],
+                     "param_shards": [shards.get(k) for k in param_keys(model, opt)]}
+                    if shards else {})
 
     def save() -> None:
         store.save(pos.step, {
@@ -310,6 +321,7 @@ def run_loop(
             "engine": eng.state_dict(), "step": pos.step, "epoch": pos.epoch, "batch": pos.batch,
             "losses": list(losses), "optimizer_type": type(opt).__name__,
             "names": saved_names, "param_names": saved_params, "layout": dict(layout or {}),
+            **saved_shards,
         })
         last_saved[0] = pos.step
         cadence.saved()

@@ -176,15 +176,21 @@ def _refuse_message(d: Path) -> str:
             "replace it or --resume (resume=True) to continue it")
 
 
+# Strategies whose checkpoints are the one loop's, by the model's names: each resumes the
+# others' (another layout, .reshard); tensor parallel runs under Local or DataParallel.
+_RESHARDABLE = frozenset({"Local", "DataParallel", "ModelParallel"})
+
+
 def _check_resumable(d: Path, job: JobConfig) -> None:
-    """On resume: the folder's job.json must name the same strategy type."""
+    """On resume: the folder's job.json must name the same strategy type (or two of
+    :data:`_RESHARDABLE`)."""
     try:
         old = json.loads((d / "job.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return
     old_type = (old.get("strategy") or {}).get("type") if isinstance(old, dict) else None
     new_type = getattr(job.strategy, "type", None)
-    if old_type is not None and old_type != new_type:
+    if old_type is not None and old_type != new_type and not {old_type, new_type} <= _RESHARDABLE:
         raise ConfigError([("strategy.type", (
             f"run folder {d} holds a {old_type} run; this job's strategy is {new_type}: "
             "resume with the original strategy, or start a fresh run with --overwrite"))])

@@ -13,6 +13,13 @@
   the loop lays out for this world (:func:`.reshard.localize`). After the first save on
   the new layout, the folders of processes that no longer exist are removed.
 
+Either store resumes from the newest complete checkpoint of *any* layout in the run folder
+(:func:`paratrain.files.newest_checkpoint`): a Local run continues a DataParallel or
+tensor-parallel one and the other way round, by the model's names (:func:`read_states`
+reads every old process's file, :func:`.reshard.merge` joins them). A resume never starts
+fresh while such a checkpoint exists: one that cannot be resumed here (a PopulationBased
+population) is a ConfigError naming it.
+
 ``save`` and ``load`` of a RankStore are collective: every rank of ``group`` calls them.
 """
 
@@ -28,12 +35,12 @@ import torch
 
 from ..comm import collectives as C
 from ..config import ConfigError
-from ..files import safe_rmtree
+from ..files import FoundCheckpoint, newest_checkpoint, safe_rmtree
 from . import checkpoint
 from .reshard import merge
 from .resume import agree_on_checkpoint
 
-__all__ = ["LocalStore", "RankStore"]
+__all__ = ["LocalStore", "RankStore", "read_states"]
 
 
 class LocalStore:
@@ -41,7 +48,11 @@ class LocalStore:
         self.directory = Path(directory)
 
     def load(self) -> tuple[Path, dict[str, Any]] | None:
-        return checkpoint.load_latest(self.directory)
+        found = newest_checkpoint(self.directory.parent)
+        if found is None or found.kind == "local":
+            return checkpoint.load_latest(self.directory)
+        source, states = read_states(found, self.directory)
+        return source, merge(states, source=str(source))
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         checkpoint.save_checkpoint(checkpoint.checkpoint_path(self.directory, step), state)
@@ -70,13 +81,19 @@ class RankStore:
         if self.world > 1:
             C.barrier(self.group)
 
+    def _found(self) -> FoundCheckpoint | None:
+        return newest_checkpoint(self.root.parent)
+
     def _complete_step(self) -> int:
-        """Rank 0's marker step (-1: none, -2: another layout), broadcast to every rank."""
+        """The step of this layout's marker when it is the run folder's newest checkpoint
+        (-1: no checkpoint, -2: the newest is another layout's), broadcast from rank 0."""
         value = -1
-        if self.rank == 0 and self.marker.exists():
-            doc = json.loads(self.marker.read_text())
-            same = all(doc.get(k, v) == v for k, v in self.layout.items())
-            value = int(doc["step"]) if same else -2
+        if self.rank == 0:
+            found = self._found()
+            if found is not None:
+                same = found.kind == self.prefix and all(
+                    found.doc.get(k, v) == v for k, v in self.layout.items())
+                value = found.step if same else -2
         if self.world > 1:
             t = torch.tensor([value], dtype=torch.int64, device=self.device)
             value = int(C.broadcast_(t, src=0, group=self.group).item())
@@ -84,13 +101,8 @@ class RankStore:
 
     def load(self) -> tuple[Path, dict[str, Any]] | None:
         step = self._complete_step()
-        if step == -2 and self.reshard:
-            return self._load_resharded()
         if step == -2:
-            shape = ", ".join(f"{k}={v}" for k, v in self.layout.items())
-            raise ConfigError([(self.layout_field, (
-                f"the checkpoints in {self.root} were written with another layout than this "
-                f"job's ({shape}); resume with the original settings or start without --resume"))])
+            return self._load_resharded()
         agreed = agree_on_checkpoint(self.directory, None if step < 0 else step,
                                      self.group if self.world > 1 else None)
         if agreed is None:
@@ -99,21 +111,23 @@ class RankStore:
         return checkpoint.checkpoint_path(self.directory, agreed[0]), agreed[1]
 
     def _load_resharded(self) -> tuple[Path, dict[str, Any]]:
-        """Process 0 merges every old process's checkpoint of the marker's step by model
-        names; every process receives the merged state (an error reaches them all)."""
+        """Process 0 merges every old process's checkpoint of the newest complete step (of
+        any layout) by model names; every process receives the merged state (an error,
+        e.g. a store that may not reshard, reaches them all)."""
         blob: bytes | None = None
+        source = self.root
         if self.rank == 0:
             try:
-                doc = json.loads(self.marker.read_text())
-                step, old_world = int(doc["step"]), int(doc.get("world", 0))
-                if old_world < 1:
+                found = self._found()
+                assert found is not None
+                if not self.reshard:
+                    shape = ", ".join(f"{k}={v}" for k, v in self.layout.items())
                     raise ConfigError([(self.layout_field, (
-                        f"{self.marker} does not say how many processes wrote it (an earlier "
-                        "paratrain); resume with the original settings"))])
-                paths = [checkpoint.checkpoint_path(self.root / f"{self.prefix}-rank{k}", step)
-                         for k in range(old_world)]
-                states = [_readable(p) for p in paths]
-                merged = merge(states, source=str(paths[0]))
+                        f"the newest checkpoint in {self.root}, {found.describe()}, was written "
+                        f"with another layout than this job's ({shape}); resume with the original "
+                        "settings or start without --resume"))])
+                source, states = read_states(found, self.root, field=self.layout_field)
+                merged = merge(states, source=str(source))
                 buf = io.BytesIO()
                 torch.save(merged, buf)
                 blob = b"S" + buf.getvalue()
@@ -124,7 +138,7 @@ class RankStore:
             raise ConfigError([tuple(p) for p in json.loads(got[1:].decode())])
         state = torch.load(io.BytesIO(got[1:]), map_location="cpu", weights_only=True)
         self.loaded_step = int(state["step"])
-        return checkpoint.checkpoint_path(self.root / f"{self.prefix}-rank0", self.loaded_step), state
+        return Path(source), state
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         checkpoint.save_checkpoint(checkpoint.checkpoint_path(self.directory, step), state)
@@ -139,6 +153,30 @@ class RankStore:
                     safe_rmtree(old, self.root)
         self._barrier()
         checkpoint.prune(self.directory)
+
+
+def read_states(found: FoundCheckpoint, root: Path, *,
+                field: str = "checkpoint") -> tuple[Path, list[dict[str, Any]]]:
+    """Every old process's checkpoint of ``found`` (process order) and the file to name.
+    A layout whose state is not the one loop's (a PopulationBased population, an earlier
+    marker without its process count) is a ConfigError naming it and ``field``."""
+    if found.kind == "local":
+        latest = checkpoint.load_latest(root)
+        assert latest is not None
+        return latest[0], [latest[1]]
+    if found.kind == "population":
+        raise ConfigError([(field, (
+            f"the newest checkpoint in {root} is {found.describe()}, a PopulationBased "
+            "population, which only PopulationBased resumes; resume with the original strategy "
+            "or start a fresh run with --overwrite"))])
+    old_world = int(found.doc.get("world", 0))
+    if old_world < 1:
+        raise ConfigError([(field, (
+            f"{found.path} does not say how many processes wrote it (an earlier paratrain); "
+            "resume with the original settings"))])
+    paths = [checkpoint.checkpoint_path(root / f"{found.kind}-rank{k}", found.step)
+             for k in range(old_world)]
+    return paths[0], [_readable(p) for p in paths]
 
 
 def _readable(path: Path) -> dict[str, Any]:

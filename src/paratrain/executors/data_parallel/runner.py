@@ -58,7 +58,7 @@ from ...training import (
     write_summary,
 )
 from ...training.faults import FAULT_ENV
-from ...training.loop import DataPlan, LocalEngine, Position, Trainer, run_loop, summary_fields
+from ...training.loop import DataPlan, LocalEngine, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stepping import local_grad_sq_norm
 from ...training.stores import RankStore
@@ -227,19 +227,6 @@ def _store(ctx: WorkerContext, run_dir: Path) -> RankStore:
                      device=ctx.device, reshard=True)
 
 
-def _reposition(plan: DataPlan, world: int) -> Any:
-    """On ``world`` replicas, the batch of the epoch that follows the examples the old
-    replicas had walked (each took ``batch * batch_size`` of its ``N // n_old``)."""
-
-    def move(old: dict[str, Any], pos: Position) -> Position:
-        batch = pos.batch * int(old.get("replicas", world)) // world
-        if batch >= plan.batches_per_epoch:  # the old replicas were at this epoch's end
-            return Position(pos.step, pos.epoch + 1, 0)
-        return Position(pos.step, pos.epoch, batch)
-
-    return move
-
-
 def train_replica(
     ctx: WorkerContext, job: JobConfig, resume: bool = False, *, plot: bool = True,
 ) -> tuple[nn.Module, dict[str, Any]]:
@@ -295,7 +282,6 @@ def train_replica(
             eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every, rank=ctx.rank,
             restart_count=ctx.restart_count, started=started, group=ctx.group,
             layout={"strategy": "DataParallel", "replicas": ctx.world_size},
-            reposition=_reposition(plan, ctx.world_size),
         )
     finally:
         agg.close()

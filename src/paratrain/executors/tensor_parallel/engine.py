@@ -26,6 +26,7 @@ import torch
 from ...comm.tp.world import world_mean
 from ...tensor_parallel import TensorParallelModule
 from ...tensor_parallel.grid import grid_steps
+from ...tensor_parallel.shards import dense_names_and_shards
 from ...training.loop import Batch, LocalEngine, batch_size_of
 from ...training.stepping import autocast
 
@@ -74,6 +75,7 @@ class TensorParallelEngine(LocalEngine):
         self._params = [p for p in model.parameters() if p.requires_grad]
         self._synced: list[torch.Tensor] | None = None
         self._used = [False] * len(self._params)
+        self._names, self._shards = dense_names_and_shards(model, rank=model.comm.rank)
 
     # -- gradients -------------------------------------------------------------------------
     def forward_backward(self, batch: Batch, *, weight: float, last: bool) -> float:
@@ -150,6 +152,15 @@ class TensorParallelEngine(LocalEngine):
                 "bytes_sent_modelled": st["bytes_sent_modelled"]}
 
     # -- state -----------------------------------------------------------------------------
+    def model_names(self) -> dict[str, str]:
+        """This rank's keys -> the dense model's names (checkpoints resume on another
+        tensor-parallel size, or as a Local / DataParallel run)."""
+        return self._names
+
+    def model_shards(self) -> dict[str, dict[str, Any]]:
+        """The keys holding part of a dense tensor -> where (:mod:`paratrain.tensor_parallel.shards`)."""
+        return self._shards
+
     def state_dict(self) -> dict[str, Any]:
         return {"aggregator": self.grad_sync.state_dict() if self.grad_sync is not None else {}}
 

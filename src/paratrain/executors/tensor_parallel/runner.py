@@ -18,7 +18,10 @@ Checkpoints (:class:`~paratrain.training.stores.RankStore`, prefix ``tp``): each
 ``checkpoints/tp-rank<r>/ckpt-<step>.pt`` (its shard, its optimizer and lr-scheduler state,
 compression residuals, RNG, position); after a barrier rank 0 writes ``tp-complete.json``
 (``{"step", "tp", "dp"}``). ``--resume`` or an elastic restart loads the agreed step
-everywhere; a checkpoint written before the one loop still loads. At the end the full
+everywhere; a checkpoint written before the one loop still loads. Each tensor is saved
+with its dense model name and shard spec (:mod:`paratrain.tensor_parallel.shards`), so a
+run resumes on another ``tensor_parallel_size`` or replica count, as a Local or
+DataParallel run (``tensor_parallel_size = 1``), and from theirs. At the end the full
 model is gathered and rank 0 writes ``model.pt`` (the dense state dict, loadable into the
 unsharded model, tied weights under each name) and ``summary.json`` with the task's test
 metrics and the tensor-parallel statistics.
@@ -110,8 +113,8 @@ class _Store(RankStore):
 
     def load(self) -> tuple[Path, dict[str, Any]] | None:
         found = super().load()
-        if found is None:
-            return None
+        if found is None or "named_model" in found[1]:  # nothing, or another layout's (merged)
+            return found
         path, state = found
         if "engine" not in state:
             state["engine"] = {"aggregator": state.pop("aggregator", {})}
@@ -166,6 +169,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     model = task.build_model(job.model, train)
     model.to(device)
     broadcast_module_(model)  # one full model everywhere, then each rank keeps its shard
+    dense_order = list(model.state_dict())  # the model's own order (conversion renames)
     groups = build_tp_groups(tp, pattern=cfg.communication_pattern.value,
                              async_op=cfg.async_communication,
                              fusion_threshold_bytes=cfg.fusion_threshold_bytes)
@@ -188,7 +192,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     trainer = Trainer(engine, opt, t, plan.total_steps)
     store = _Store(run_dir, "tp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
                    layout={"tp": tp, "dp": dp}, layout_field="tensor_parallel.tensor_parallel_size",
-                   device=device, scheduler=trainer.scheduler)
+                   device=device, scheduler=trainer.scheduler, reshard=True)
 
     def prepare() -> None:
         if ctx.is_main:
@@ -201,7 +205,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             trainer=trainer, plan=plan, task=task, store=store, label=label,
             metrics=MetricsWriter(run_dir) if ctx.is_main else None, resume=resuming,
             prepare=prepare, eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every,
-            rank=ctx.rank, restart_count=ctx.restart_count, started=started, group=ctx.group)
+            rank=ctx.rank, restart_count=ctx.restart_count, started=started, group=ctx.group,
+            layout={"strategy": "TensorParallel", "tp": tp, "dp": dp, "replicas": dp})
         stats = tpm.statistics()
         dense = tpm.dense_state_dict()  # collective over the TP group
     finally:
@@ -211,6 +216,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     buffers = {n for n, _ in tpm.module.named_buffers()}
     num_parameters = sum(v.numel() for k, v in dense.items() if k not in buffers)
     dense = _with_tied_names(tpm, dense)
+    dense = {**{k: dense[k] for k in dense_order if k in dense}, **dense}  # in the model's order
     from ...training.export import MODEL_FILE, save_model
 
     save_model(run_dir, dense)  # dense, under the model's own names (tied ones too)

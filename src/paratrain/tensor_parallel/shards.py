@@ -1,0 +1,105 @@
+"""Where each tensor of a tensor-parallel rank lies in the dense model: its name there and
+its shard spec, so that its checkpoints resume on another tensor-parallel size (or as a
+Local / DataParallel run) by the model's own names (:mod:`paratrain.training.reshard`).
+
+A spec is ``{"shape": the dense tensor's shape, "slices": [[dim, start, length], ...]}``:
+
+- a column-parallel weight or bias (``tp_shard_dim = 0``) is one slice of rows, a
+  row-parallel weight (``tp_shard_dim = 1``) one slice of columns, with the layer's split
+  sizes (uneven ``Custom`` sizes and empty trailing shards included);
+- a 2-D grid block (``tp_grid``) is one slice per grid dimension;
+- an encoder layer's q/k/v were cut from the fused ``self_attn.in_proj_weight`` /
+  ``in_proj_bias`` (rows ``[c E, (c + 1) E)`` for q, k, v): their shard is the matching
+  rows of the fused tensor, and o is ``self_attn.out_proj``;
+- an opted-in attention module's q/k/v/o go back to the names its spec read them from
+  (``ParallelSelfAttention.dense_names``, recorded by the converter);
+- everything else (layer norms, replicated Linears, BatchWise) is whole: no spec.
+
+No vocabulary-parallel embedding or padded shard exists in this converter (uneven splits
+are ceil-sized chunks, never padding), so every spec covers real elements only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .grid import grid_steps
+from .layers import ParallelEncoderLayer, ParallelSelfAttention
+
+__all__ = ["dense_names_and_shards"]
+
+Spec = dict[str, Any]
+
+
+def _renames(module: nn.Module) -> dict[str, tuple[str, int | None]]:
+    """A converted tensor's name -> (its dense name, its index in a fused q/k/v tensor)."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for name, m in module.named_modules():
+        pre = f"{name}." if name else ""
+        if isinstance(m, ParallelEncoderLayer):
+            a = pre + "self_attn."
+            for kind in ("weight", "bias"):
+                for c, part in enumerate("qkv"):
+                    out[f"{a}{part}.{kind}"] = (f"{a}in_proj_{kind}", c)
+                out[f"{a}o.{kind}"] = (f"{a}out_proj.{kind}", None)
+        elif isinstance(m, ParallelSelfAttention):
+            for part, dense in (getattr(m, "dense_names", None) or {}).items():
+                for kind in ("weight", "bias"):
+                    out.setdefault(f"{pre}{part}.{kind}", (f"{pre}{dense}.{kind}", None))
+    return out
+
+
+def _spec(p: nn.Parameter, rank: int) -> Spec | None:
+    """Where this rank's ``p`` lies in the dense tensor (None: it is the whole tensor)."""
+    steps = grid_steps(p)
+    cuts: list[tuple[int, int, list[int]]]
+    if steps is not None:
+        cuts = [(dim, comm.rank, list(sizes)) for comm, dim, sizes in steps]
+    elif hasattr(p, "tp_shard_dim"):
+        cuts = [(int(p.tp_shard_dim), rank, list(p.tp_sizes))]  # type: ignore[attr-defined]
+    else:
+        return None
+    shape = list(p.shape)
+    slices = []
+    for dim, r, sizes in cuts:
+        shape[dim] = sum(sizes)
+        slices.append([dim, sum(sizes[:r]), sizes[r]])
+    return {"shape": shape, "slices": slices}
+
+
+def _fused(spec: Spec | None, p: nn.Parameter, index: int) -> Spec:
+    """``spec`` of q/k/v part ``index`` moved into the fused tensor (rows ``index * E``)."""
+    if spec is None:
+        spec = {"shape": list(p.shape), "slices": [[0, 0, int(p.shape[0])]]}
+    rows = int(spec["shape"][0])
+    slices = [[d, s + index * rows if d == 0 else s, n] for d, s, n in spec["slices"]]
+    if not any(d == 0 for d, _, _ in slices):
+        slices.append([0, index * rows, rows])
+    return {"shape": [3 * rows, *spec["shape"][1:]], "slices": slices}
+
+
+def dense_names_and_shards(tpm: nn.Module, *, prefix: str = "module.",
+                           rank: int = 0) -> tuple[dict[str, str], dict[str, Spec]]:
+    """For every ``state_dict`` key of ``tpm`` (a TensorParallelModule, whose model is
+    ``tpm.module``): its name in the dense model, and the shard spec of the keys that hold
+    part of a dense tensor (``rank``: this rank's index in its TP group)."""
+    inner: nn.Module = tpm.module  # type: ignore[assignment]
+    params = dict(inner.named_parameters())
+    renames = _renames(inner)
+    names: dict[str, str] = {}
+    shards: dict[str, Spec] = {}
+    for key in tpm.state_dict():
+        local = key.removeprefix(prefix)
+        dense, index = renames.get(local, (local, None))
+        names[key] = dense
+        p = params.get(local)
+        if p is None:
+            continue
+        spec = _spec(p, rank)
+        if index is not None:
+            spec = _fused(spec, p, index)
+        if spec is not None:
+            shards[key] = spec
+    return names, shards

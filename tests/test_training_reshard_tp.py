@@ -1,0 +1,234 @@
+"""Tensor-parallel checkpoints by the model's names, and resumes across executors.
+
+Each TP rank saves, with every tensor, its dense model name and shard spec
+(paratrain.tensor_parallel.shards), so paratrain.training.reshard assembles the shards
+(a fused ``in_proj_weight`` from the q/k/v shards too) and cuts them again: a job with
+``tensor_parallel_size = 2`` resumes as a Local run (``tensor_parallel_size = 1``) and the
+other way round, a TP x DP job on another replica count or as DataParallel, and Local and
+DataParallel resume each other's checkpoints (paratrain.files.newest_checkpoint finds the
+newest complete one of any layout: a resume never silently starts fresh)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import paratrain
+from paratrain.comm.tp.comm import TPComm
+from paratrain.comm.tp.groups import TPGroups
+from paratrain.config import ConfigError, TensorParallelismConfig
+from paratrain.models.zoo import transformer
+from paratrain.tensor_parallel import TensorParallelModule
+from paratrain.tensor_parallel.shards import dense_names_and_shards
+from paratrain.training import checkpoint
+from paratrain.training.reshard import ReshardWarning, localize, merge, param_keys
+
+pytestmark = pytest.mark.timeout(600)
+
+
+# -- in one process: the shard specs of a real conversion ---------------------------------
+
+def _tp_rank(dense: nn.Module, rank: int, tp: int = 2) -> TensorParallelModule:
+    """Rank ``rank``'s shard of ``dense`` (slicing needs no collective)."""
+    comm = TPComm(None, list(range(tp)), rank=rank)
+    cfg = TensorParallelismConfig.model_validate({"tensor_parallel_size": tp})
+    return TensorParallelModule(copy.deepcopy(dense), cfg, TPGroups(comm, None, tp, 1, 0))
+
+
+def _adam_state(module: nn.Module, names: dict[str, str] | None = None,
+                shards: dict[str, Any] | None = None, seed: int = 0) -> tuple[torch.optim.Adam, dict[str, Any]]:
+    """An Adam with moments, and the state the loop would checkpoint for ``module``."""
+    opt = torch.optim.Adam(module.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(seed)
+    for p in module.parameters():
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+    keys = list(module.state_dict())
+    state: dict[str, Any] = {
+        "model": module.state_dict(), "optimizer": opt.state_dict(), "scheduler": {}, "rng": None,
+        "step": 1, "epoch": 0, "batch": 1, "names": [(names or {}).get(k, k) for k in keys],
+        "param_names": [(names or {}).get(k, k) for k in param_keys(module, opt)]}
+    if shards:
+        state["shards"] = [shards.get(k) for k in keys]
+        state["param_shards"] = [shards.get(k) for k in param_keys(module, opt)]
+    return opt, state
+
+
+def test_shards_of_a_fused_encoder_layer_round_trip() -> None:
+    """Dense -> 2 TP ranks -> dense, model and Adam moments, bit for bit; the q shard of
+    rank 1 is rows [E/2, E) of the fused in_proj_weight (and k's rows [E + E/2, 2E))."""
+    torch.manual_seed(0)
+    dense = transformer((64,), 10, d_model=16, heads=2, layers=1)
+    ranks = [_tp_rank(dense, r) for r in range(2)]
+    names, shards = dense_names_and_shards(ranks[1], rank=1)
+    assert names["module.block0.self_attn.q.weight"] == "block0.self_attn.in_proj_weight"
+    assert shards["module.block0.self_attn.k.weight"] == {"shape": [48, 16], "slices": [[0, 24, 8]]}
+    assert "module.embed.weight" not in shards  # a lone Linear stays whole (replicated)
+
+    dense_opt, dense_state = _adam_state(dense)
+    merged = merge([dense_state], source="dense")
+    local_states = []
+    for r, tpm in enumerate(ranks):
+        nm, sh = dense_names_and_shards(tpm, rank=r)
+        opt = torch.optim.Adam(tpm.parameters(), lr=0.01)
+        local = localize(merged, module=tpm, optimizer=opt, names=nm, rank=r, layout={},
+                         source="dense", warn=False, shards=sh)
+        tpm.load_state_dict(local["model"])
+        opt.load_state_dict(local["optimizer"])
+        ref_q = dense.block0.self_attn.in_proj_weight[8 * r: 8 * (r + 1)]
+        assert torch.equal(tpm.module.block0.self_attn.q.weight, ref_q)
+        ref_m = dense_opt.state[dense.block0.self_attn.in_proj_weight]["exp_avg"][16 + 8 * r: 24 + 8 * r]
+        assert torch.equal(opt.state[tpm.module.block0.self_attn.k.weight]["exp_avg"], ref_m)
+        keys = list(tpm.state_dict())
+        pk = param_keys(tpm, opt)
+        local_states.append({
+            "model": tpm.state_dict(), "optimizer": opt.state_dict(), "scheduler": {}, "rng": None,
+            "step": 1, "epoch": 0, "batch": 1, "names": [nm[k] for k in keys],
+            "param_names": [nm[k] for k in pk], "shards": [sh.get(k) for k in keys],
+            "param_shards": [sh.get(k) for k in pk]})
+
+    back = merge(local_states, source="tp")
+    assert set(back["named_model"]) == set(dense.state_dict())
+    assert all(torch.equal(back["named_model"][k], v) for k, v in dense.state_dict().items())
+    for n, p in dense.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(back["named_optimizer"][n][key], dense_opt.state[p][key]), (n, key)
+
+
+def test_missing_shards_or_another_shape_are_refused() -> None:
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    tpm = _tp_rank(dense, 0)
+    nm, sh = dense_names_and_shards(tpm, rank=0)
+    _, half = _adam_state(tpm, nm, sh)
+    with pytest.raises(ConfigError) as e:  # rank 1's checkpoint is not there
+        merge([half], source="tp-rank0")
+    assert "0.weight" in str(e.value) and "cover" in str(e.value)
+
+    other = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))  # another hidden size
+    _, state = _adam_state(other)
+    opt = torch.optim.Adam(tpm.parameters())
+    with pytest.raises(ConfigError) as e:
+        localize(merge([state], source="x"), module=tpm, optimizer=opt, names=nm, rank=0,
+                 layout={}, source="x", warn=False, shards=sh)
+    assert "0.weight: checkpoint (6, 4), this job (8, 4)" in str(e.value)
+
+
+# -- jobs ---------------------------------------------------------------------------------
+
+REG = {"task": {"name": "regression"}, "data": {"name": "diabetes"},
+       "model": {"name": "mlp", "hidden": [16, 8]}}
+DIGITS = {"data": {"name": "digits"},
+          "model": {"name": "transformer", "d_model": 16, "heads": 2, "layers": 1}}
+DP2 = {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}}
+
+
+def _doc(out: Path, steps: int, *, tp: int = 1, strategy: dict[str, Any] | None = None,
+         base: dict[str, Any] = REG) -> dict[str, Any]:
+    doc = {**base, "strategy": strategy or {"type": "Local"},
+           "run": {"name": "r", "seed": 1, "output_dir": str(out), "checkpoint_every": 4},
+           "train": {"epochs": 3, "batch_size": 8, "max_steps": steps,
+                     "optimizer": {"name": "adam", "lr": 0.01}}}
+    if tp > 1:
+        doc["tensor_parallel"] = {"tensor_parallel_size": tp}
+    return doc
+
+
+def _fit(doc: dict[str, Any], capfd: pytest.CaptureFixture[str], **kw: Any) -> tuple[dict[str, Any], list[str]]:
+    capfd.readouterr()
+    summary = paratrain.fit(doc, **kw)
+    err = capfd.readouterr().err
+    return summary, [line for line in err.splitlines() if ReshardWarning.__name__ in line]
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _moment(path: Path, name: str) -> torch.Tensor:
+    """Adam's exp_avg of model parameter ``name`` in a Local checkpoint file."""
+    state = checkpoint.load_checkpoint(path)
+    return state["optimizer"]["state"][state["param_names"].index(name)]["exp_avg"]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_resumes_as_local_and_back(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """TP 2 (fused q/k/v of an encoder layer) -> Local -> TP 2. Before this, the Local
+    resume found no ckpt-*.pt and silently trained from the start."""
+    saved, _ = _fit(_doc(tmp_path, 8, tp=2, base=DIGITS), capfd)
+    run_dir = Path(saved["run_dir"])
+    before = paratrain.load_model(run_dir)
+
+    same, notes = _fit(_doc(tmp_path, 8, base=DIGITS), capfd, resume=True)  # zero steps left
+    assert same["steps"] == 8 and _same(paratrain.load_model(run_dir), before)
+    assert notes and "'tp': 2" in notes[0] and "'strategy': 'Local'" in notes[0]
+
+    # 4 more steps as Local continue with the saved Adam moments: the moments in its
+    # checkpoint at 12 are those of a Local run that never stopped (up to the TP sums'
+    # rounding), not those of fresh moments
+    more, _ = _fit(_doc(tmp_path, 12, base=DIGITS), capfd, resume=True)
+    assert more["steps"] == 12
+    ref_dir = tmp_path / "ref"
+    _fit(_doc(ref_dir, 12, base=DIGITS), capfd)
+    name = "block0.self_attn.in_proj_weight"
+    got = _moment(run_dir / "checkpoints" / "ckpt-000000012.pt", name)
+    want = _moment(ref_dir / "r" / "checkpoints" / "ckpt-000000012.pt", name)
+    at8 = _moment(ref_dir / "r" / "checkpoints" / "ckpt-000000008.pt", name)
+    assert float((got - want).abs().max()) < 1e-3 * float((want - at8).abs().max())
+    after12 = paratrain.load_model(run_dir)
+    assert _gap(after12, before) > 1e-3  # it trained on
+
+    # and back: TP 2 from the Local checkpoint at 12, zero steps left, bit for bit
+    back, notes = _fit(_doc(tmp_path, 12, tp=2, base=DIGITS), capfd, resume=True)
+    assert back["steps"] == 12 and notes and "'strategy': 'Local'" in notes[0]
+    assert _same(paratrain.load_model(run_dir), after12)
+
+
+@pytest.mark.slow
+def test_local_and_data_parallel_resume_each_other(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    saved, _ = _fit(_doc(tmp_path, 8), capfd)
+    run_dir = Path(saved["run_dir"])
+    before = paratrain.load_model(run_dir)
+    same, notes = _fit(_doc(tmp_path, 8, strategy=DP2), capfd, resume=True)
+    assert same["steps"] == 8 and notes and _same(paratrain.load_model(run_dir), before)
+    more, _ = _fit(_doc(tmp_path, 16, strategy=DP2), capfd, resume=True)
+    assert more["steps"] == 16 and more["num_replicas"] == 2
+    after = paratrain.load_model(run_dir)
+    assert _gap(after, before) > 1e-3  # it trained on
+    # the newest checkpoint is now DataParallel's (step 16), older Local files notwithstanding
+    local, notes = _fit(_doc(tmp_path, 16), capfd, resume=True)
+    assert local["steps"] == 16 and notes and "'replicas': 2" in notes[0]
+    assert _same(paratrain.load_model(run_dir), after)
+
+
+@pytest.mark.slow
+def test_tp_by_dp_resumes_on_one_replica_and_as_data_parallel(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    saved, _ = _fit(_doc(tmp_path, 8, tp=2, strategy=DP2), capfd)
+    run_dir = Path(saved["run_dir"])
+    before = paratrain.load_model(run_dir)
+    one, notes = _fit(_doc(tmp_path, 8, tp=2), capfd, resume=True)  # TP 2 x DP 1
+    assert one["steps"] == 8 and notes and "'dp': 2" in notes[0]
+    assert _same(paratrain.load_model(run_dir), before)
+    dp, notes = _fit(_doc(tmp_path, 12, strategy=DP2), capfd, resume=True)  # TP 1 x DP 2
+    assert dp["steps"] == 12 and notes and dp["num_replicas"] == 2
+    assert _gap(paratrain.load_model(run_dir), before) > 1e-4
+
+
+def test_a_checkpoint_only_another_strategy_resumes_is_refused(tmp_path: Path) -> None:
+    """A run folder whose newest checkpoint is a PopulationBased population: a Local
+    resume names it instead of starting fresh."""
+    ckpts = tmp_path / "r" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "population-000003.pt").write_bytes(b"")
+    with pytest.raises(ConfigError) as e:
+        paratrain.fit(_doc(tmp_path, 4), resume=True)
+    assert "population-000003.pt" in str(e.value) and "PopulationBased" in str(e.value)
