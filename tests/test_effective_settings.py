@@ -170,9 +170,15 @@ def test_train_budget_and_cadence_ignored_by_round_and_generation_strategies(
     doc = {"strategy": strategy, "train": {"epochs": 3, "eval_every": 5, "max_steps": 7},
            "run": {"checkpoint_every": 4}}
     got = _ignored(doc)
-    for field in ("train.epochs", "train.eval_every", "train.max_steps", "run.checkpoint_every"):
+    for field in ("train.epochs", "train.eval_every", "train.max_steps"):
         assert field in got, (field, got)
     assert "train.batch_size" not in got  # left at its default
+    # Federated checkpoints every N rounds (or a wall time); a PBT generation is its unit
+    assert ("run.checkpoint_every" in got) is (strategy is PBT), got
+    if strategy is PBT:
+        assert "every generation" in got["run.checkpoint_every"]
+    else:
+        assert effective_settings(load_job(doc)).settings["checkpoint_every"] == 4
 
 
 def test_federated_clients_use_their_own_batch_size() -> None:

@@ -25,10 +25,12 @@ job, so every section is available to it and none is reported):
   ``memory_optimization`` and ``fusion_threshold_bytes`` without effect on the job's model
   are the tensor-parallel executor's to report
   (:mod:`paratrain.executors.tensor_parallel.ignored`).
-- ``train.epochs``/``eval_every``/``max_steps``/``batch_size`` and ``run.checkpoint_every``:
-  Federated counts ``strategy.rounds`` of ``[federated]`` local training, evaluates and
-  checkpoints every round; PopulationBased budgets by generation (``[population]``) and
-  evaluates and checkpoints every generation.
+- ``train.epochs``/``eval_every``/``max_steps``/``batch_size``: Federated counts
+  ``strategy.rounds`` of ``[federated]`` local training and evaluates every round;
+  PopulationBased budgets by generation (``[population]``) and evaluates every generation.
+  ``run.checkpoint_every`` counts rounds under Federated (0: every round; or a wall time
+  such as ``"10m"``, checked between rounds); PopulationBased ignores it: members move
+  between workers through their files, so every generation is checkpointed.
 - ``[federated]`` outside Federated; ``[population]``/``[search_space]`` outside
   PopulationBased.
 - ``run.max_restarts``/``num_workers``/``backend``, ``[[workers]]`` and ``[comm]`` where
@@ -188,7 +190,6 @@ def effective_settings(job: JobConfig, *, resume: bool = False) -> Effective:
                 "train.eval_every": "the global model is evaluated after every round",
                 "train.max_steps": "the budget is strategy.rounds rounds",
                 "train.batch_size": "clients train with federated.batch_size",
-                "run.checkpoint_every": "Federated checkpoints after every round",
             }
         else:
             reasons = {
@@ -197,14 +198,17 @@ def effective_settings(job: JobConfig, *, resume: bool = False) -> Effective:
                 "train.eval_every": "members are evaluated at the end of every generation",
                 "train.max_steps": "the budget is strategy.generations generations of "
                                    "population.steps_per_generation/epochs_per_generation",
-                "run.checkpoint_every": "member checkpoints are written every generation",
+                "run.checkpoint_every": "PopulationBased checkpoints every generation (members "
+                                        "move between workers through those files; a signal "
+                                        "stops the run at the next generation's end)",
             }
         for path, why in reasons.items():
             section, name = path.split(".")
             if _set(train if section == "train" else run, name):
                 ignored.append(Ignored(path, why))
         settings["train"] = None
-        settings["checkpoint_every"] = None
+        # Federated: a count of rounds, or a wall time between rounds
+        settings["checkpoint_every"] = run.checkpoint_every if kind == "Federated" else None
     else:
         settings["train"] = {"epochs": train.epochs, "eval_every": train.eval_every,
                              "max_steps": train.max_steps, "batch_size": train.batch_size}

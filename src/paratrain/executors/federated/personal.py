@@ -83,15 +83,23 @@ class PersonalState:
                                  f"{sorted(s)} are not the job's {self.keys}")
             self.clients[c] = {k: s[k].clone() for k in self.keys}
 
+    def _hash(self, h: Any, client: int) -> Any:
+        h.update(_name(client).encode())
+        for k, t in self.of(client).items():
+            h.update(k.encode())
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h
+
     def digest(self) -> str:
         """SHA-256 over every hosted client's ``w_P^c`` (client order, then key order)."""
         h = hashlib.sha256()
         for c in self.hosted:
-            h.update(_name(c).encode())
-            for k, t in self.of(c).items():
-                h.update(k.encode())
-                h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()
+            self._hash(h, c)
+        return str(h.hexdigest())
+
+    def client_digests(self) -> dict[str, str]:
+        """Each hosted client's own SHA-256 of ``w_P^c``: the same whichever worker hosts it."""
+        return {_name(c): str(self._hash(hashlib.sha256(), c).hexdigest()) for c in self.hosted}
 
 
 @torch.no_grad()

@@ -7,13 +7,17 @@ Per round ``r`` (DESIGN §4, Federated):
 2. the global model is broadcast from rank 0 (one flat float32 tensor, plus one int64
    tensor for integer buffers);
 3. every rank trains the selected clients it hosts, one after another on its single
-   model, writes its clients' codec state (error-feedback residuals) to its worker
-   checkpoint, publishes its status (``fed/status/r/rank``: per client ok, examples,
+   model, publishes its status (``fed/status/r/rank``: per client ok, examples,
    loss, error, tensor headers, byte counts) and sends the concatenated payloads to
    rank 0 point-to-point;
-4. rank 0 decodes, validates and aggregates, evaluates on the test set, logs the round
-   and saves the server checkpoint ``ckpt-<r+1>.pt`` (model, server optimizer state,
-   the clients' learning-rate schedule position).
+4. rank 0 decodes, validates and aggregates, evaluates on the test set and logs the round;
+5. every rank agrees on a stop (SIGINT/SIGTERM: :mod:`paratrain.training.interrupt`) and a
+   due wall-time cadence; when ``run.checkpoint_every`` (in rounds, 0: every round), that
+   cadence, a stop or the last round says so, the workers save their clients' codec state
+   (error-feedback residuals) and personal parts, then rank 0 the server checkpoint
+   ``ckpt-<r+1>.pt`` (model, server optimizer state, the clients' learning-rate schedule
+   position): :mod:`.checkpoints`, which also resumes on another number of workers.
+   A stop then ends the run (exit 130; ``--resume`` continues bit-identically).
 
 What is trained is the job's :class:`~paratrain.task.Task` (classification by default):
 the model from ``task.build_model``, the clients' data are their partitions
@@ -76,9 +80,10 @@ from ...training import (
     seed_everything,
     write_summary,
 )
-from ...training.faults import FAULTS_ENV, injected_faults
-from ...training.resume import agree_on_checkpoint
+from ...training.faults import FAULTS_ENV, injected_faults, maybe_kill
+from ...training.interrupt import Cadence, Interrupted, agree, stop_on_signals
 from ...training.rundir import run_dir_of
+from .checkpoints import restore_workers, save_round
 from .client import ClientHost, client_name
 from .flat import flatten_state, unflatten_state
 from .personal import ClientEvaluator, round_metrics
@@ -150,10 +155,6 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _worker_ckpt(run_dir: Path, rank: int) -> Path:
-    return run_dir / "checkpoints" / f"worker-{rank}"
-
-
 def _save_client_models(run_dir: Path, model: Any, personal: Any, global_state: Any) -> None:
     """``model-client<c>.safetensors`` for every client this worker hosts: the global
     parts with the client's own personal parts (``paratrain export RUN --client c``)."""
@@ -167,6 +168,14 @@ def _save_client_models(run_dir: Path, model: Any, personal: Any, global_state: 
         load_unique_state_dict(scratch, {**{k: v.cpu() for k, v in global_state.items()},
                                          **personal.of(c)})
         save_model(run_dir, whole_state(scratch), name=client_model_file(c))
+
+
+def _personal_digest(workers: list[dict[str, Any]]) -> str:
+    """SHA-256 of every client's personal-part digest in client order: the same on any
+    number of workers (a resume on another layout keeps it)."""
+    per = {c: d for w in workers for c, d in dict(w.get("personal_clients_sha256", {})).items()}
+    order = sorted(per, key=lambda name: int(name.removeprefix("client-")))
+    return hashlib.sha256("".join(per[c] for c in order).encode()).hexdigest()
 
 
 def _final_global(state: Any, template: Any, comm_dev: Any, group: Any) -> Any:
@@ -242,39 +251,22 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     if is_server:
         schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
         server = FederatedServer(strat.aggregation, template, schedule)
-        start = 0
+        start, saved_world = 0, world
         # The newest readable server checkpoint (a bad newer one is skipped with a warning).
         found = checkpoint.load_latest(run_dir / "checkpoints") if resume else None
         if found is not None:
             server.check_state(found[1], source=found[0])
             server.load_state_dict(found[1])
-            start = server.round
-        store_set_json(store, "fed/start", {"round": start})
-    start = int(store_get_json(store, "fed/start")["round"])
+            start, saved_world = server.round, int(found[1].get("workers", world))
+        store_set_json(store, "fed/start", {"round": start, "workers": saved_world})
+    begun = store_get_json(store, "fed/start")
     barrier(group)
-    wdir = _worker_ckpt(run_dir, rank)
-    compressed = job.compression is not None and getattr(job.compression, "method", "None") != "None"
-    if start > 0 and (compressed or personal_keys):
-        # Codec state (error-feedback residuals) and personal parts: one round on every rank,
-        # the newest round <= the server's whose worker file every rank can read.
-        agreed = agree_on_checkpoint(wdir, start, group if world > 1 else None)
-        assert agreed is not None
-        if agreed[0] != start and server is not None:
-            older = checkpoint.checkpoint_path(run_dir / "checkpoints", agreed[0])
-            try:
-                older_state = checkpoint.load_checkpoint(older)
-            except (checkpoint.CheckpointError, OSError) as e:
-                raise ConfigError([("checkpoint", (
-                    f"the workers fell back to round {agreed[0]} but the server checkpoint {older} "
-                    f"cannot be read ({e}); start without --resume (or with --overwrite)"))]) from None
-            server.check_state(older_state, source=older)
-            server.load_state_dict(older_state)
-        start = agreed[0]
-        host.load_state_dict(agreed[1])
-    elif start > 0:
-        wfile = checkpoint.checkpoint_path(wdir, start)
-        if wfile.exists():
-            host.load_state_dict(checkpoint.load_checkpoint(wfile))
+    # Codec state (error-feedback residuals) and personal parts of this rank's clients,
+    # on this number of workers or another (.checkpoints)
+    stateful = bool(personal_keys) or (
+        job.compression is not None and getattr(job.compression, "method", "None") != "None")
+    start = restore_workers(host, server, run_dir, start=int(begun["round"]), saved_world=int(begun["workers"]),
+                            stateful=stateful, rank=rank, world=world, group=group)
     if is_server:
         run_dir = prepare_run_dir(job, resume=resume)
         metrics = MetricsWriter(run_dir)
@@ -292,7 +284,22 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         hosted=host.hosted, num_clients=strat.num_clients, device=device, comm_device=comm_dev,
         precision=precision, rank=rank, world=world, group=group, store=store, counter=traffic)
     bar_ctx = progress_bar(enabled=None if is_server else False)
-    with bar_ctx as bar:
+    cadence, saved = Cadence(job.run.checkpoint_every), {"round": start, "done": start}
+
+    def end_round(done: int) -> None:
+        """After ``done`` rounds (every rank): checkpoint when due (``run.checkpoint_every``,
+        the last round) or when a signal stops the run (agreed by every rank, then raised)."""
+        saved["done"] = done
+        halt, due = agree(flag.requested, cadence.time_due(), group if world > 1 else None)
+        if cadence.step_due(done, True) or due or halt or done == strat.rounds:
+            save_round(host, server, run_dir, done, stateful=stateful, rank=rank, world=world, group=group)
+            saved["round"] = done
+            cadence.saved()
+        maybe_kill(rank=rank, step=done, restart_count=ctx.restart_count)  # PARATRAIN_FAULT_KILL
+        if halt:
+            raise Interrupted(flag.signame or "a signal to another worker", done)
+
+    with stop_on_signals() as flag, bar_ctx as bar:
         bar_task = bar.add_task("Federated", total=strat.rounds, completed=start, info="")
         for r in range(start, strat.rounds):
             if rank == kill_rank and r == kill_round and ctx.restart_count == 0:
@@ -328,9 +335,6 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             mine = [c for c in plan["clients"] if host.hosts(c)]
             lr_scale = float(plan.get("lr_scale", 1.0))
             results = [host.train_one(c, r, dev_state, lr_scale) for c in mine]
-            if host.codec_state or host.personal is not None:
-                checkpoint.save_checkpoint(checkpoint.checkpoint_path(wdir, r + 1), host.state_dict())
-                checkpoint.prune(wdir, keep=3)
             statuses = [res.status() for res in results]
             payload = b"".join(res.payload for res in results)
             if server is None:
@@ -340,6 +344,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 send_bytes(data, dst=0, group=group, counter=traffic, header=False)
                 if evaluator is not None and personal_keys:  # collective: score my clients
                     evaluator.run(str(r), global_state, template)
+                end_round(r + 1)
                 continue
             # Server: collect every rank's updates.
             all_st = list(statuses)
@@ -372,12 +377,11 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                        time_s=time.perf_counter() - started)
             assert metrics is not None
             metrics.log(dict(rec))
-            checkpoint.save_checkpoint(
-                checkpoint.checkpoint_path(run_dir / "checkpoints", r + 1), server.state_dict()
-            )
-            checkpoint.prune(run_dir / "checkpoints")
             bar.update(bar_task, completed=r + 1,
                        info=f"{fit} {ev.get(fit, float('nan')):.3f} ok {rec['clients_ok']}/{rec['clients_selected']}")
+            end_round(r + 1)
+    if saved["round"] != saved["done"]:  # stopped early (federated.target_accuracy)
+        save_round(host, server, run_dir, saved["done"], stateful=stateful, rank=rank, world=world, group=group)
 
     stats: dict[str, Any] = {
         "rank": rank, "clients_hosted": len(host.hosted), "client_updates": host.trained,
@@ -387,6 +391,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         + traffic.bytes.get("broadcast_received", 0)}
     if host.personal is not None:
         stats["personal_sha256"] = host.personal.digest()
+        stats["personal_clients_sha256"] = host.personal.client_digests()
     final_eval = None
     if evaluator is not None and personal_keys:  # collective: every rank scores its clients
         final_eval = evaluator.run("final", global_state if server is None else server.global_state, template)
@@ -407,6 +412,11 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     reference = getattr(task, "reference_metrics", None)
     wall = time.perf_counter() - started
     updates = sum(w["client_updates"] for w in workers)
+    if host.personal is not None:  # the global model's personal keys: their initial value,
+        from ...models.state import load_unique_state_dict  # what a new client starts from
+
+        whole = {**server.global_state, **host.personal.initial}
+        load_unique_state_dict(model, {k: v.to(device) for k, v in whole.items()})
     summary: dict[str, Any] = {
         "strategy": "Federated",
         "run_dir": str(run_dir),
@@ -435,8 +445,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     if personal_keys:  # FedPer / FedBN: what never left the clients
         summary.update(local_subgraphs=local_paths(job), personal_keys=personal_keys,
                        server_state_keys=sorted(server.global_state),
-                       personal_sha256=hashlib.sha256("".join(
-                           str(w.get("personal_sha256", "")) for w in workers).encode()).hexdigest())
+                       personal_sha256=_personal_digest(workers))
     summary["provenance"] = report.provenance(summary, configured=("num_clients", "num_workers"))
     from ...training.export import save_model, whole_state
 

@@ -34,7 +34,9 @@ regression, the language model, a user's task); the fitness is ``population.metr
 summary report ``test_<metric>`` for every metric of the task (the summary's for the best
 member) and the task's reference metrics (``bigram_test_loss``).
 ``PARATRAIN_FAULT_KILL=0:G`` SIGKILLs rank 0 right after the population checkpoint of
-``G`` generations is on disk (first attempt only): a real stop for ``--resume`` tests.
+``G`` generations is on disk (first attempt only): a real stop for ``--resume`` tests;
+``R:G`` with ``R > 0`` SIGKILLs rank R after it trained its members of generation ``G - 1``,
+before it reports them (the restarted group runs that generation again).
 
 Across machines (torchrun) ``run.output_dir`` must be a filesystem all workers share,
 since members move between ranks as files; every rank checks this at start.
@@ -69,6 +71,7 @@ from ...training import (
     write_summary,
 )
 from ...training.faults import FAULT_ENV, maybe_kill
+from ...training.interrupt import Interrupted, StopFlag, agree, stop_on_signals
 from ...training.rundir import RunFolder, run_dir_of, safe_rmtree
 from .failures import first_failures, lost_after, lost_before, warn_first_failures
 from .hyperparams import validate_job
@@ -171,7 +174,22 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
-    """One worker process: train this rank's members every generation (module docstring)."""
+    """One worker process: train this rank's members every generation (module docstring).
+    SIGINT/SIGTERM stop the run at the next generation boundary, once its population
+    checkpoint is on disk, on every rank together (:mod:`paratrain.training.interrupt`)."""
+    with stop_on_signals() as flag:
+        return _work(ctx, job, resume, flag)
+
+
+def _end_generation(ctx: WorkerContext, runner: MemberRunner, flag: StopFlag, done: int) -> None:
+    """Every rank after generation ``done``: stop when a signal reached any rank."""
+    halt, _ = agree(flag.requested, False, ctx.group if ctx.world_size > 1 else None)
+    if halt:
+        runner.writer.flush()  # the population checkpoint of `done` generations is on disk
+        raise Interrupted(flag.signame or "a signal to another worker", done)
+
+
+def _work(ctx: WorkerContext, job: JobConfig, resume: bool, flag: StopFlag) -> dict[str, Any] | None:
     started = time.perf_counter()
     strategy = job.strategy
     size: int = strategy.population_size  # type: ignore[union-attr]
@@ -243,10 +261,13 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         t = time.perf_counter()
         runner.writer.flush()  # this rank's member files are on disk before it reports
         flush_s = time.perf_counter() - t
+        if ctx.rank != 0:  # PARATRAIN_FAULT_KILL=RANK:G: dies having trained generation G-1
+            maybe_kill(rank=ctx.rank, step=g + 1, restart_count=ctx.restart_count)
         t = time.perf_counter()
         gathered = gather_json({"results": results, "flush_s": flush_s}, group=ctx.group)
         timing["comm_s"] += time.perf_counter() - t
         if gathered is None:
+            _end_generation(ctx, runner, flag, g + 1)
             continue
         assert pop is not None and metrics is not None
         by_member = {r["member"]: r for part in gathered for r in part["results"]}
@@ -302,6 +323,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         if os.environ.get(FAULT_ENV):  # a test's stop after a persisted generation
             runner.writer.flush()
             maybe_kill(rank=ctx.rank, step=pop.generation, restart_count=ctx.restart_count)
+        _end_generation(ctx, runner, flag, pop.generation)
 
     t = time.perf_counter()
     runner.writer.flush()
