@@ -95,3 +95,28 @@ def test_gloo_keeps_its_default_unless_peers_would_be_sent_to_loopback(monkeypat
         # the name resolves to loopback: the interface that routes to the master instead
         # (None when no route leads to the TEST-NET address at all)
         assert gloo_interface("192.0.2.1", 29500) != "lo"
+
+
+def test_the_rendezvous_machine_is_found_by_route_where_the_host_name_is_loopback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``paratrain run --nnodes 2 --rdzv-endpoint HOST:PORT`` (c10d, no --node-rank): where
+    this machine's name resolves to loopback, torch took the endpoint for another machine
+    on every node and nobody hosted the store; the endpoint's machine now hosts it and
+    every node tells its peers the address on the route to it."""
+    from paratrain.comm.hosts import address_towards, rendezvous_host
+    from paratrain.comm.rendezvous import launch_config
+    from paratrain.config import load_job
+
+    assert rendezvous_host("127.0.0.1", 29500) == (None, None)  # one box: torch's own rule
+    own = address_towards("192.0.2.1", 9)  # this machine's address on its default route
+    if own is None or own.startswith("127.") or not socket.gethostbyname(socket.gethostname()).startswith("127."):
+        pytest.skip("needs a non-loopback address and a host name resolving to loopback")
+    assert rendezvous_host(own, 29500) == (own, True)
+    assert rendezvous_host("192.0.2.1", 29500) == (own, None)  # another machine: torch decides
+    for var in ("PARATRAIN_NODE_RANK", "PARATRAIN_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PARATRAIN_NNODES", "2")
+    monkeypatch.setenv("PARATRAIN_RDZV_ENDPOINT", f"{own}:29500")
+    cfg = launch_config(load_job({"run": {"name": "j"}}), nprocs=2)
+    assert (cfg.rdzv_backend, cfg.local_addr, cfg.rdzv_configs.get("is_host")) == ("c10d", own, True)

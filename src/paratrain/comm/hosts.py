@@ -29,7 +29,7 @@ import uuid
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["gloo_interface", "group_prefix"]
+__all__ = ["address_towards", "rendezvous_host", "gloo_interface", "group_prefix"]
 
 _ROOT = "paratrain/group"
 _POLL_S = 0.02
@@ -62,6 +62,37 @@ def _interface_with(addr: str) -> str | None:
     return None
 
 
+def address_towards(host: str, port: int) -> str | None:
+    """This machine's IPv4 address on the route to ``host`` (``host`` itself when it is
+    one of this machine's addresses), or None when there is no route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))  # UDP: picks the route, sends nothing
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def rendezvous_host(host: str, port: int) -> tuple[str | None, bool | None]:
+    """For a multi-node c10d rendezvous at ``host``: (this machine's address as the
+    other machines reach it, True when this machine hosts the rendezvous), None where
+    torch's own answer stands. torch finds both from this machine's name, which fails
+    where the name resolves to loopback: every node then takes the endpoint for another
+    machine's, none hosts the store, and all time out connecting. Only then, and only for
+    an endpoint that is not loopback (several nodes on one box share it; torch lets the
+    first one host), the answer comes from the route to ``host`` instead."""
+    if _is_loopback(host) or not _is_loopback(socket.gethostname()):
+        return None, None
+    local = address_towards(host, port)
+    if local is None:
+        return None, None
+    try:
+        targets = {info[4][0] for info in socket.getaddrinfo(host, port, socket.AF_INET)}
+    except OSError:
+        return local, None
+    return local, (True if local in targets else None)
+
+
 def gloo_interface(master_addr: str, master_port: int) -> str | None:
     """The interface gloo should bind for a group whose store is at ``master_addr``, or
     None to keep gloo's default. Only when this host's name resolves to loopback (what
@@ -71,11 +102,9 @@ def gloo_interface(master_addr: str, master_port: int) -> str | None:
         return None
     if not _is_loopback(socket.gethostname()):
         return None
+    local = address_towards(master_addr, master_port)
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master_addr, master_port))  # UDP: picks the route, sends nothing
-            local = s.getsockname()[0]
-        return _interface_with(local)
+        return None if local is None else _interface_with(local)
     except (OSError, ImportError):
         return None
 

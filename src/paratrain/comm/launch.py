@@ -221,6 +221,11 @@ def launch(
     from torch.distributed.launcher.api import elastic_launch
 
     config = launch_config(job, nprocs=nprocs)
+    if config.rdzv_backend == "c10d" and config.min_nodes > 1:
+        # torch's c10d rendezvous shares one store across rounds by default, and node 0's
+        # agent never tells a machine that joins a later round (one started again after
+        # it was lost) where that store is: it would time out waiting for MASTER_ADDR.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     forkserver_context([entry.__module__])  # the server preloads torch and the entry
     log_dir = tempfile.mkdtemp(prefix="paratrain-launch-")
     try:

@@ -7,7 +7,9 @@ other process can take it first). Multi-node: ``PARATRAIN_NNODES``,
 --nnodes/--node-rank/--rdzv-endpoint``, checked by :func:`check_nodes`, whose errors name
 those flags) configure the rendezvous the way ``torchrun`` does: with a node rank the
 ``static`` backend (node rank fixed, the endpoint is the master address), without one
-the ``c10d`` backend on the endpoint.
+the ``c10d`` backend on the endpoint (this machine's address toward the endpoint and
+whether it is the endpoint's machine are worked out here, not from the host name:
+:func:`paratrain.comm.hosts.rendezvous_host`).
 
 :func:`in_torchrun`: ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are already set, so
 nothing is to be launched.
@@ -21,6 +23,7 @@ from typing import Any
 
 from ..config import ConfigError
 from ..config.job import JobConfig
+from .hosts import rendezvous_host
 
 __all__ = [
     "in_torchrun",
@@ -107,6 +110,11 @@ def launch_config(job: JobConfig, *, nprocs: int) -> Any:
         rdzv_configs["rank"] = node_rank
     else:
         backend = "c10d"
+        if nnodes > 1:
+            host, _, port = endpoint.rpartition(":")
+            local_addr, is_host = rendezvous_host(host, int(port))
+            if is_host:
+                rdzv_configs["is_host"] = True
     run_id = os.environ.get("PARATRAIN_RUN_ID") or f"{job.run.name}-{uuid.uuid4().hex[:8]}"
     if nnodes > 1:
         # Every node must agree on the run id; derive it from the job, not a random value.
