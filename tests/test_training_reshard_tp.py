@@ -11,6 +11,7 @@ newest complete one of any layout: a resume never silently starts fresh)."""
 from __future__ import annotations
 
 import copy
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from paratrain.comm.tp.comm import TPComm
 from paratrain.comm.tp.groups import TPGroups
 from paratrain.config import ConfigError, TensorParallelismConfig
 from paratrain.models.zoo import transformer
-from paratrain.tensor_parallel import TensorParallelModule
+from paratrain.tensor_parallel import AttentionSpec, TensorParallelModule
 from paratrain.tensor_parallel.shards import dense_names_and_shards
 from paratrain.training import checkpoint
 from paratrain.training.reshard import ReshardWarning, localize, merge, param_keys
@@ -98,6 +99,35 @@ def test_shards_of_a_fused_encoder_layer_round_trip() -> None:
     for n, p in dense.named_parameters():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(back["named_optimizer"][n][key], dense_opt.state[p][key]), (n, key)
+
+
+class _Attn(nn.Module):
+    """Attention whose projections have their own names, opting in to head splitting."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query, self.key, self.value = (nn.Linear(dim, dim) for _ in range(3))
+        self.proj = nn.Sequential(nn.Linear(dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - not run
+        raise NotImplementedError
+
+    def __paratrain_tp_attention__(self) -> AttentionSpec:
+        return AttentionSpec(self.query, self.key, self.value, self.proj[0], self.heads)
+
+
+def test_an_opted_in_attention_keeps_its_own_names() -> None:
+    """Its q/k/v/o shards are saved (and exported) under the names the model gave them."""
+    torch.manual_seed(0)
+    dense = nn.Sequential(OrderedDict(attn=_Attn(8, 2)))
+    tpm = _tp_rank(dense, 1)
+    names, shards = dense_names_and_shards(tpm, rank=1)
+    assert names["module.attn.k.weight"] == "attn.key.weight"
+    assert names["module.attn.o.weight"] == "attn.proj.0.weight"
+    assert shards["module.attn.k.weight"] == {"shape": [8, 8], "slices": [[0, 4, 4]]}
+    assert set(tpm.to_dense_names({k.removeprefix("module."): v for k, v in tpm.state_dict().items()})) \
+        == set(dense.state_dict())
 
 
 def test_missing_shards_or_another_shape_are_refused() -> None:
@@ -232,3 +262,24 @@ def test_a_checkpoint_only_another_strategy_resumes_is_refused(tmp_path: Path) -
     with pytest.raises(ConfigError) as e:
         paratrain.fit(_doc(tmp_path, 4), resume=True)
     assert "population-000003.pt" in str(e.value) and "PopulationBased" in str(e.value)
+
+
+@pytest.mark.slow
+def test_local_and_a_pipeline_resume_each_other(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    pipe = {"type": "ModelParallel",
+            "communication": {"protocol": "Pipeline", "micro_batch_size": 4, "schedule": "1F1B"},
+            "partitions": [{"node_ids": ["fc1", "act1", "head"], "target": {"WorkerId": "worker-1"}}]}
+    saved, _ = _fit(_doc(tmp_path, 8), capfd)
+    run_dir = Path(saved["run_dir"])
+    before = paratrain.load_model(run_dir)
+    mp_doc = _doc(tmp_path, 8, strategy=pipe)
+    mp_doc["run"]["num_workers"] = 2
+    same, notes = _fit(mp_doc, capfd, resume=True)
+    assert notes and "'strategy': 'Local'" in notes[0] and _same(paratrain.load_model(run_dir), before)
+    mp_doc["train"]["max_steps"] = 12
+    more, _ = _fit(mp_doc, capfd, resume=True)
+    assert more["steps"] == 12
+    after = paratrain.load_model(run_dir)
+    local, notes = _fit(_doc(tmp_path, 12), capfd, resume=True)
+    assert local["steps"] == 12 and notes and "'strategy': 'ModelParallel'" in notes[0]
+    assert _same(paratrain.load_model(run_dir), after) and _gap(after, before) > 1e-3

@@ -52,6 +52,7 @@ from .layers import (
     RowParallelLinear,
 )
 from .partition import TensorParallelism, split_sizes
+from .shards import renames
 
 __all__ = ["TensorParallelModule"]
 
@@ -265,6 +266,10 @@ class TensorParallelModule(nn.Module):
                 o = out.pop(f"{a}o.{kind}", None)
                 if o is not None:
                     out[f"{a}out_proj.{kind}"] = o
+        # an opted-in attention's q/k/v/o under the names its module gave them
+        for local, (dense, index) in renames(self.module).items():
+            if index is None and local != dense and local in out:
+                out[dense] = out.pop(local)
         return out
 
     def _from_dense_names(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -279,6 +284,9 @@ class TensorParallelModule(nn.Module):
                 o = out.pop(f"{a}out_proj.{kind}", None)
                 if o is not None:
                     out[f"{a}o.{kind}"] = o
+        for local, (dense, index) in renames(self.module).items():
+            if index is None and local != dense and dense in out:
+                out[local] = out.pop(dense)
         return out
 
     def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

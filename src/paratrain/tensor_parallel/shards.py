@@ -28,12 +28,12 @@ from torch import nn
 from .grid import grid_steps
 from .layers import ParallelEncoderLayer, ParallelSelfAttention
 
-__all__ = ["dense_names_and_shards"]
+__all__ = ["dense_names_and_shards", "renames"]
 
 Spec = dict[str, Any]
 
 
-def _renames(module: nn.Module) -> dict[str, tuple[str, int | None]]:
+def renames(module: nn.Module) -> dict[str, tuple[str, int | None]]:
     """A converted tensor's name -> (its dense name, its index in a fused q/k/v tensor)."""
     out: dict[str, tuple[str, int | None]] = {}
     for name, m in module.named_modules():
@@ -87,12 +87,12 @@ def dense_names_and_shards(tpm: nn.Module, *, prefix: str = "module.",
     part of a dense tensor (``rank``: this rank's index in its TP group)."""
     inner: nn.Module = tpm.module  # type: ignore[assignment]
     params = dict(inner.named_parameters())
-    renames = _renames(inner)
+    renamed = renames(inner)
     names: dict[str, str] = {}
     shards: dict[str, Spec] = {}
     for key in tpm.state_dict():
         local = key.removeprefix(prefix)
-        dense, index = renames.get(local, (local, None))
+        dense, index = renamed.get(local, (local, None))
         names[key] = dense
         p = params.get(local)
         if p is None:
