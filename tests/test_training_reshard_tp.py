@@ -283,3 +283,23 @@ def test_local_and_a_pipeline_resume_each_other(tmp_path: Path, capfd: pytest.Ca
     local, notes = _fit(_doc(tmp_path, 12), capfd, resume=True)
     assert local["steps"] == 12 and notes and "'strategy': 'ModelParallel'" in notes[0]
     assert _same(paratrain.load_model(run_dir), after) and _gap(after, before) > 1e-3
+
+
+@pytest.mark.slow
+def test_a_two_d_grid_resumes_as_local_and_back(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """BlockWise on a 2 x 2 grid: each rank holds a block of every weight (two slices)."""
+    grid = {"tensor_parallel_size": 4, "partitioning_strategy": "BlockWise"}
+    doc = _doc(tmp_path, 8)
+    doc["tensor_parallel"] = grid
+    saved, _ = _fit(doc, capfd)
+    run_dir = Path(saved["run_dir"])
+    ckpt = checkpoint.load_checkpoint(checkpoint.latest(run_dir / "checkpoints" / "tp-rank3"))
+    assert ckpt["shards"][ckpt["names"].index("fc1.weight")]["slices"] == [[1, 8, 8], [0, 4, 4]]
+    before = paratrain.load_model(run_dir)
+    same, notes = _fit(_doc(tmp_path, 8), capfd, resume=True)
+    assert notes and "'tp': 4" in notes[0] and _same(paratrain.load_model(run_dir), before)
+    _fit(_doc(tmp_path, 12), capfd, resume=True)
+    after = paratrain.load_model(run_dir)
+    doc["train"]["max_steps"] = 12
+    back, notes = _fit(doc, capfd, resume=True)
+    assert back["steps"] == 12 and notes and _same(paratrain.load_model(run_dir), after)
