@@ -26,13 +26,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from _interrupting import start_cli, wait_until
 from paratrain.config import load_job
 from paratrain.dispatch import execute
 from paratrain.training.faults import FAULT_ENV, KILL_IN_SAVE_ENV
@@ -96,14 +95,6 @@ def _job(tmp: Path, kind: str, name: str) -> Path:
     return path
 
 
-def _cli(job: Path, *extra: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "paratrain.cli", "run", str(job), "-q", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=HERE.parent,
-    )
-
-
 def _resume(job: Path) -> None:
     """``paratrain run JOB --resume``, in this process."""
     execute(load_job(json.loads(job.read_text())), resume=True)
@@ -123,16 +114,10 @@ def _temps(run_dir: Path) -> list[Path]:
     return [p for p in run_dir.rglob(".*") if TEMP.match(p.name)]
 
 
-def _wait_for_progress(run_dir: Path, proc: subprocess.Popen[str]) -> None:
-    """Until the run has logged its first evaluation (step, round or generation)."""
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        for metrics in run_dir.rglob("metrics.jsonl"):
-            if any(line.endswith("}") for line in metrics.read_text().splitlines()):
-                return
-        time.sleep(0.01)
-    raise AssertionError(f"no progress in {run_dir}")
+def _progress(run_dir: Path) -> bool:
+    """Whether the run has logged its first evaluation (step, round or generation)."""
+    return any(any(line.endswith("}") for line in m.read_text().splitlines())
+               for m in run_dir.rglob("metrics.jsonl"))
 
 
 _REFERENCE: dict[str, str] = {}
@@ -154,8 +139,8 @@ def test_stopped_run_resumes_bit_identical(
     run_dir = tmp_path / "run" / "r"
     _, kill_at, save_file = CASES[kind]
     if fault == "sigint":
-        proc = _cli(job)
-        _wait_for_progress(run_dir, proc)
+        proc = start_cli(job)
+        wait_until(lambda: _progress(run_dir), proc)
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the CLI and every worker it started
         assert "--resume" in _finish(proc, 130)
         assert not (run_dir / "summary.json").exists()  # stopped before the end
@@ -163,12 +148,12 @@ def test_stopped_run_resumes_bit_identical(
     else:
         env = {FAULT_ENV: kill_at} if fault == "kill" else {KILL_IN_SAVE_ENV: save_file}
         if kind in ONE_PROCESS:
-            _finish(_cli(job, env=env), -signal.SIGKILL)
+            _finish(start_cli(job, env=env), -signal.SIGKILL)
             if fault == "save":
                 assert _temps(run_dir), "the save was not interrupted"
             _resume(job)
         else:
-            err = _finish(_cli(job, env=env))
+            err = _finish(start_cli(job, env=env))
             assert "restarted from" in err, err[-3000:]  # a worker really died
     assert not _temps(run_dir), _temps(run_dir)
     assert _digest(run_dir) == _reference(tmp_path_factory, kind)

@@ -19,7 +19,7 @@ import paratrain
 from paratrain.config import ConfigError, parse_every
 from paratrain.config.job import load_job
 from paratrain.training import checkpoint
-from paratrain.training.interrupt import Cadence, agree
+from paratrain.training.interrupt import Cadence, agree, stop_on_signals
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -137,3 +137,20 @@ def test_cadence_and_agreement_in_one_process() -> None:
     timed = Cadence("1s")
     assert not timed.step_due(5, True) and not timed.time_due()
     assert agree(True, False, None) == (True, False)
+
+
+def test_the_launchers_echo_of_one_interrupt_is_not_insistence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C reaches a worker twice: from the terminal (its process group) and, milliseconds
+    later, from the elastic agent stopping its workers with the same signal. That echo must
+    not stop the step before its checkpoint; a repeat after ECHO_S is the user insisting."""
+    from paratrain.training import interrupt
+
+    with stop_on_signals() as flag:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the echo
+        assert flag.signame == "SIGINT"
+    monkeypatch.setattr(interrupt, "ECHO_S", 0.0)
+    with pytest.raises(KeyboardInterrupt), stop_on_signals() as flag:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.requested
+        os.kill(os.getpid(), signal.SIGINT)  # later than the echo window: at once

@@ -6,7 +6,11 @@ on a token file), so Ctrl-C after 80 of 120 steps used to leave nothing to resum
 the first SIGINT or SIGTERM only sets a flag (:class:`StopFlag`); the loop finishes the
 step it is in, writes a checkpoint and raises :class:`Interrupted` (a KeyboardInterrupt:
 the CLI exits 130 and ``--resume`` continues bit-identically). A second signal while that
-checkpoint is written is the user insisting: it raises at once.
+checkpoint is written is the user insisting: it raises at once -- unless it comes within
+:data:`ECHO_S` seconds of the first. Ctrl-C reaches every process of the terminal's group,
+the launcher included, and torch's elastic agent then stops its workers with the same
+signal: a worker sees one Ctrl-C twice, milliseconds apart, and must not take the echo for
+insistence (it would stop mid-step, with no checkpoint).
 
 Several processes must stop at the **same** step (their checkpoint is one collective
 save), but a signal reaches them at different moments. :func:`agree` therefore takes the
@@ -28,9 +32,10 @@ from typing import Any
 from ..comm import collectives as C
 from ..config import parse_every
 
-__all__ = ["Interrupted", "StopFlag", "stop_on_signals", "Cadence", "parse_every", "agree"]
+__all__ = ["Interrupted", "StopFlag", "stop_on_signals", "Cadence", "parse_every", "agree", "ECHO_S"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+ECHO_S = 2.0  # a repeat signal this soon after the first is the launcher forwarding it
 
 
 class Interrupted(KeyboardInterrupt):
@@ -46,6 +51,7 @@ class StopFlag:
 
     def __init__(self) -> None:
         self.signame: str | None = None
+        self.at = 0.0  # time.monotonic() of the first signal
 
     @property
     def requested(self) -> bool:
@@ -65,8 +71,10 @@ def stop_on_signals() -> Iterator[StopFlag]:
     def handler(signum: int, frame: FrameType | None) -> None:
         del frame
         if flag.requested:
+            if time.monotonic() - flag.at < ECHO_S:
+                return  # the launcher's echo of the same interrupt
             raise KeyboardInterrupt(signal.Signals(signum).name)
-        flag.signame = signal.Signals(signum).name
+        flag.signame, flag.at = signal.Signals(signum).name, time.monotonic()
 
     saved = {s: signal.getsignal(s) for s in _SIGNALS}
     for s in _SIGNALS:

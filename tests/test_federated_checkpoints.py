@@ -1,0 +1,64 @@
+"""Federated checkpoints (executors/federated/checkpoints.py): ``run.checkpoint_every``
+counts rounds, and SIGINT stops a 2-worker run at the end of the round in progress after
+a checkpoint of that round (server and every worker), exit 130; ``--resume`` ends with the
+uninterrupted run's parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from _interrupting import start_cli, wait_until
+from _workers_federated import TOPK_EF, fed_job
+from paratrain.config import load_job
+from paratrain.dispatch import execute
+from paratrain.training import checkpoint, read_metrics
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def _doc(out: Path, *, rounds: int, every: int | str, workers: int) -> dict[str, Any]:
+    doc = fed_job(out, "fed", K=4, rounds=rounds, num_workers=workers, local_epochs=1, batch_size=16,
+                  hidden=32, compression=TOPK_EF).to_json_dict()
+    doc["run"]["checkpoint_every"] = every
+    return doc
+
+
+def _rounds(d: Path) -> list[int]:
+    return [int(p.name[5:14]) for p in checkpoint.checkpoints(d)]
+
+
+def test_checkpoint_every_counts_rounds(tmp_path: Path) -> None:
+    out = execute(load_job(_doc(tmp_path, rounds=7, every=3, workers=1)))
+    ckpts = Path(out["run_dir"]) / "checkpoints"
+    # rounds 3 and 6, then the end (7); prune keeps two (the worker folder three)
+    assert _rounds(ckpts) == [6, 7]
+    assert _rounds(ckpts / "worker-0") == [3, 6, 7]
+
+
+@pytest.mark.slow
+def test_sigint_checkpoints_the_round_in_progress_and_resume_is_bit_identical(tmp_path: Path) -> None:
+    doc = _doc(tmp_path / "int", rounds=30, every="1h", workers=2)  # no checkpoint but the signal's
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps(doc))
+    run_dir = tmp_path / "int" / "fed"
+    proc = start_cli(job)
+    wait_until(lambda: (run_dir / "metrics.jsonl").exists() and bool(read_metrics(run_dir)), proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, err[-3000:]
+    ckpts = run_dir / "checkpoints"
+    saved = _rounds(ckpts)
+    assert len(saved) == 1 and 1 <= saved[0] < 30, saved  # the round of the signal, not each round
+    assert [_rounds(ckpts / f"worker-{r}") for r in (0, 1)] == [saved, saved]
+    assert max(int(r["round"]) for r in read_metrics(run_dir)) == saved[0]
+
+    resumed = execute(load_job(doc), resume=True)
+    assert resumed["client_updates_this_run"] == 4 * (30 - saved[0])
+    ref = execute(load_job(_doc(tmp_path / "ref", rounds=30, every="1h", workers=2)))
+    assert resumed["parameters_sha256"] == ref["parameters_sha256"]
