@@ -12,14 +12,16 @@ says why not where they are missing.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["Host", "cannot_create", "make_hosts", "remove_hosts"]
+__all__ = ["Host", "cannot_create", "make_hosts", "remove_hosts", "remove_stale"]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -102,3 +104,16 @@ def remove_hosts(*hosts: Host) -> None:
             h.kill_all()
         finally:
             _ip("netns", "delete", h.ns, check=False)
+
+
+def remove_stale() -> list[str]:
+    """Delete the namespaces ``pt-<pid>...`` of test sessions whose process is gone (a
+    session killed before its finalizer ran); the names removed."""
+    removed = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.split() else ""
+        m = re.fullmatch(r"pt-(\d+)\w*-[ab]", name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            remove_hosts(Host(name, "", ""))
+            removed.append(name)
+    return removed

@@ -125,6 +125,7 @@ def hosts() -> Iterator[dict[str, Pair]]:
     """Two pairs of hosts: ``killed`` (whose host b the test kills) and ``whole`` (an
     uninterrupted run beside it, on machines of its own). Removed, with every process in
     them, even when a test fails."""
+    _netns.remove_stale()  # left by a session killed before its finalizer ran
     pid = os.getpid()
     made: list[_netns.Host] = []
     try:
