@@ -230,6 +230,7 @@ def test_local_and_data_parallel_resume_each_other(tmp_path: Path, capfd: pytest
     before = paratrain.load_model(run_dir)
     same, notes = _fit(_doc(tmp_path, 8, strategy=DP2), capfd, resume=True)
     assert same["steps"] == 8 and notes and _same(paratrain.load_model(run_dir), before)
+    assert "random state of processes 1..1 (they did not exist: they take process 0's)" in notes[0]
     more, _ = _fit(_doc(tmp_path, 16, strategy=DP2), capfd, resume=True)
     assert more["steps"] == 16 and more["num_replicas"] == 2
     after = paratrain.load_model(run_dir)

@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from ..comm import collectives as C
 from . import checkpoint
 from .faults import maybe_kill
 from .interrupt import Cadence, Interrupted, agree, stop_on_signals
@@ -287,7 +288,7 @@ def run_loop(
         if resharded:
             state = localize(state, module=model, optimizer=opt, names=names, rank=rank,
                              layout=layout or {}, source=str(source), warn=rank == 0,
-                             shards=shards)
+                             shards=shards, world=C.world_size(group) if group is not None else 1)
         else:
             (check_state or (lambda s, src: checkpoint.check_resume_state(model, opt, s, source=src)))(state, source)
         model.load_state_dict(state["model"])

@@ -168,9 +168,11 @@ def merge(states: Sequence[Mapping[str, Any]], *, source: str) -> dict[str, Any]
 
 def localize(merged: Mapping[str, Any], *, module: nn.Module, optimizer: torch.optim.Optimizer,
              names: Mapping[str, str] | None, rank: int, layout: Mapping[str, Any],
-             source: str, warn: bool, shards: Mapping[str, Spec] | None = None) -> dict[str, Any]:
+             source: str, warn: bool, shards: Mapping[str, Spec] | None = None,
+             world: int = 1) -> dict[str, Any]:
     """This process's state, in its own keys and parameter order, from ``merged``
-    (``shards``: the spec of each of ``module``'s keys that holds part of a model tensor)."""
+    (``shards``: the spec of each of ``module``'s keys that holds part of a model tensor;
+    ``world``: how many processes resume, for the warning)."""
     shards = shards or {}
     current = module.state_dict()
     # an empty placeholder (a pipeline rank that owns no parameters) has nothing to load
@@ -215,8 +217,9 @@ def localize(merged: Mapping[str, Any], *, module: nn.Module, optimizer: torch.o
     if merged["engine_state_keys"]:
         reset.append(f"the strategy's own state ({', '.join(merged['engine_state_keys'])}: "
                      "e.g. compressor residuals, per process)")
-    if rank >= len(rngs):
-        reset.append(f"the random state of process {rank} (it did not exist: it takes process 0's)")
+    if max(world, rank + 1) > len(rngs):
+        reset.append(f"the random state of processes {len(rngs)}..{max(world, rank + 1) - 1} "
+                     "(they did not exist: they take process 0's)")
     if warn:
         old = merged.get("layout") or {}
         warnings.warn(
