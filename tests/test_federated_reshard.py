@@ -38,9 +38,15 @@ def _models(run: Path) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """4 rounds straight, on 2 workers (the results do not depend on the number of workers)."""
+    return execute(_job(tmp_path_factory.mktemp("ref"), workers=2, rounds=4))
+
+
 @pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 2)])
 def test_resume_on_another_world_keeps_the_server_and_every_clients_state(
-        tmp_path: Path, before: int, after: int) -> None:
+        tmp_path: Path, before: int, after: int, uninterrupted: dict[str, Any]) -> None:
     first = execute(_job(tmp_path / "cut", workers=before, rounds=2))
     run = Path(first["run_dir"])
     saved = _models(run)
@@ -62,7 +68,7 @@ def test_resume_on_another_world_keeps_the_server_and_every_clients_state(
     assert same["parameters_sha256"] == first["parameters_sha256"]
 
     # going on: the same end as the uninterrupted run (residuals and heads moved with their client)
-    ref = execute(_job(tmp_path / "ref", workers=before, rounds=4))
+    ref = uninterrupted
     more = execute(_job(tmp_path / "cut", workers=after, rounds=4), resume=True)
     assert more["client_updates_this_run"] == 2 * K
     for key in ("parameters_sha256", "personal_sha256", "test_accuracy", "personal_test_accuracy"):

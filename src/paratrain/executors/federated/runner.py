@@ -42,11 +42,8 @@ function of (seed, round, client) — ends bit-identical to an uninterrupted run
 
 from __future__ import annotations
 
-import hashlib
 import os
-import resource
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -80,12 +77,14 @@ from ...training import (
     seed_everything,
     write_summary,
 )
-from ...training.faults import FAULTS_ENV, injected_faults, maybe_kill
+from ...training.faults import maybe_kill
 from ...training.interrupt import Cadence, Interrupted, agree, stop_on_signals
 from ...training.rundir import run_dir_of
 from .checkpoints import restore_workers, save_round
-from .client import ClientHost, client_name
+from .checks import check_job, client_tags
+from .client import ClientHost
 from .flat import flatten_state, unflatten_state
+from .outputs import final_global, peak_rss_mb, personal_digest, save_client_models
 from .personal import ClientEvaluator, round_metrics
 from .selection import select_clients
 from .server import FederatedServer, RoundSchedule
@@ -95,40 +94,6 @@ __all__ = ["worker_main", "check_job", "client_tags", "KILL_ENV"]
 # Fault injection for tests: "RANK:ROUND" makes that rank exit hard (os._exit) at the
 # start of that round on the first attempt (TORCHELASTIC_RESTART_COUNT == 0).
 KILL_ENV = "PARATRAIN_FED_KILL_RANK_AT_ROUND"
-
-
-def check_job(job: JobConfig, *, world_size: int) -> None:
-    """Reject option values that cannot work, naming the field."""
-    strat: Any = job.strategy
-    k = strat.num_clients
-    problems: list[tuple[str, str]] = []
-    faults = injected_faults()
-    for field in ("fail_clients", "byzantine_clients", "corrupt_clients"):
-        bad = sorted(c for c in getattr(faults, field) if not 0 <= c < k)
-        if bad:
-            problems.append((f"{FAULTS_ENV}.{field}", f"client indices {bad} outside [0, {k})"))
-    for name in job.federated.client_tags:
-        c = name.removeprefix("client-")
-        if not name.startswith("client-") or not c.isdigit() or int(c) >= k:
-            problems.append(("federated.client_tags", f"unknown client {name!r} (clients are client-0..client-{k - 1})"))
-    target = job.federated.target_accuracy
-    if target is not None and job.task.factory is None and job.task.name != "classification":
-        problems.append(("federated.target_accuracy", (
-            f"task.name = {job.task.name!r} has no accuracy metric; only a classification "
-            "task can stop at a target accuracy")))
-    if problems:
-        raise ConfigError(problems)
-
-
-def client_tags(job: JobConfig, ctx: WorkerContext) -> dict[int, list[str]]:
-    """Each client's tags: its ``[federated.client_tags]`` entry plus its worker's tags."""
-    strat: Any = job.strategy
-    out: dict[int, list[str]] = {}
-    for c in range(strat.num_clients):
-        own = list(job.federated.client_tags.get(client_name(c), []))
-        worker = ctx.workers[c % ctx.world_size] if ctx.workers else None
-        out[c] = sorted(set(own) | set(worker.tags if worker else ()))
-    return out
 
 
 _INVOCATIONS = 0
@@ -149,43 +114,6 @@ class _Prefixed:
 
     def delete_key(self, key: str) -> bool:
         return bool(self.store.delete_key(self.prefix + key))
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-
-
-def _save_client_models(run_dir: Path, model: Any, personal: Any, global_state: Any) -> None:
-    """``model-client<c>.safetensors`` for every client this worker hosts: the global
-    parts with the client's own personal parts (``paratrain export RUN --client c``)."""
-    import copy
-
-    from ...models.state import load_unique_state_dict
-    from ...training.export import client_model_file, save_model, whole_state
-
-    scratch = copy.deepcopy(model).cpu()  # `model` stays the global one for the summary
-    for c in personal.hosted:
-        load_unique_state_dict(scratch, {**{k: v.cpu() for k, v in global_state.items()},
-                                         **personal.of(c)})
-        save_model(run_dir, whole_state(scratch), name=client_model_file(c))
-
-
-def _personal_digest(workers: list[dict[str, Any]]) -> str:
-    """SHA-256 of every client's personal-part digest in client order: the same on any
-    number of workers (a resume on another layout keeps it)."""
-    per = {c: d for w in workers for c, d in dict(w.get("personal_clients_sha256", {})).items()}
-    order = sorted(per, key=lambda name: int(name.removeprefix("client-")))
-    return hashlib.sha256("".join(per[c] for c in order).encode()).hexdigest()
-
-
-def _final_global(state: Any, template: Any, comm_dev: Any, group: Any) -> Any:
-    """The server's final global state on every rank (rank 0's ``state`` broadcast)."""
-    fvec, ivec = flatten_state(state)
-    fvec, ivec = fvec.to(comm_dev), ivec.to(comm_dev)
-    broadcast_(fvec, src=0, group=group)
-    if ivec.numel():
-        broadcast_(ivec, src=0, group=group)
-    return unflatten_state(template, fvec.cpu(), ivec.cpu())
 
 
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
@@ -385,7 +313,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
 
     stats: dict[str, Any] = {
         "rank": rank, "clients_hosted": len(host.hosted), "client_updates": host.trained,
-        "peak_rss_mb": round(_peak_rss_mb(), 1),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
         "wire_bytes_sent_measured": traffic.bytes.get("send", 0) + traffic.bytes.get("broadcast_delivered", 0),
         "wire_bytes_received_measured": traffic.bytes.get("recv", 0)
         + traffic.bytes.get("broadcast_received", 0)}
@@ -396,7 +324,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     if evaluator is not None and personal_keys:  # collective: every rank scores its clients
         final_eval = evaluator.run("final", global_state if server is None else server.global_state, template)
     if host.personal is not None and personal_keys:  # each hosted client's whole model
-        _save_client_models(run_dir, model, host.personal, _final_global(
+        save_client_models(run_dir, model, host.personal, final_global(
             server.global_state if server is not None else template, template, comm_dev, group))
     if server is None:
         store_set_json(store, f"fed/final/{rank}", stats)
@@ -445,7 +373,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     if personal_keys:  # FedPer / FedBN: what never left the clients
         summary.update(local_subgraphs=local_paths(job), personal_keys=personal_keys,
                        server_state_keys=sorted(server.global_state),
-                       personal_sha256=_personal_digest(workers))
+                       personal_sha256=personal_digest(workers))
     summary["provenance"] = report.provenance(summary, configured=("num_clients", "num_workers"))
     from ...training.export import save_model, whole_state
 

@@ -1,0 +1,48 @@
+"""The federated job's own checks (option values that cannot work, naming the field) and
+each client's tags; used by the workers and by :mod:`paratrain.preflight`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...comm.context import WorkerContext
+from ...config import ConfigError
+from ...config.job import JobConfig
+from ...training.faults import FAULTS_ENV, injected_faults
+from .client import client_name
+
+__all__ = ["check_job", "client_tags"]
+
+
+def check_job(job: JobConfig, *, world_size: int) -> None:
+    """Reject option values that cannot work, naming the field."""
+    strat: Any = job.strategy
+    k = strat.num_clients
+    problems: list[tuple[str, str]] = []
+    faults = injected_faults()
+    for field in ("fail_clients", "byzantine_clients", "corrupt_clients"):
+        bad = sorted(c for c in getattr(faults, field) if not 0 <= c < k)
+        if bad:
+            problems.append((f"{FAULTS_ENV}.{field}", f"client indices {bad} outside [0, {k})"))
+    for name in job.federated.client_tags:
+        c = name.removeprefix("client-")
+        if not name.startswith("client-") or not c.isdigit() or int(c) >= k:
+            problems.append(("federated.client_tags", f"unknown client {name!r} (clients are client-0..client-{k - 1})"))
+    target = job.federated.target_accuracy
+    if target is not None and job.task.factory is None and job.task.name != "classification":
+        problems.append(("federated.target_accuracy", (
+            f"task.name = {job.task.name!r} has no accuracy metric; only a classification "
+            "task can stop at a target accuracy")))
+    if problems:
+        raise ConfigError(problems)
+
+
+def client_tags(job: JobConfig, ctx: WorkerContext) -> dict[int, list[str]]:
+    """Each client's tags: its ``[federated.client_tags]`` entry plus its worker's tags."""
+    strat: Any = job.strategy
+    out: dict[int, list[str]] = {}
+    for c in range(strat.num_clients):
+        own = list(job.federated.client_tags.get(client_name(c), []))
+        worker = ctx.workers[c % ctx.world_size] if ctx.workers else None
+        out[c] = sorted(set(own) | set(worker.tags if worker else ()))
+    return out

@@ -1,0 +1,52 @@
+"""What a finished federated worker hands out: each hosted client's whole model, the
+server's final global state on every rank, the digest of every client's personal parts
+(the same on any number of workers) and the process's peak memory."""
+
+from __future__ import annotations
+
+import hashlib
+import resource
+from pathlib import Path
+from typing import Any
+
+from ...comm.federated_ops import broadcast_
+from .flat import flatten_state, unflatten_state
+
+__all__ = ["peak_rss_mb", "save_client_models", "personal_digest", "final_global"]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def save_client_models(run_dir: Path, model: Any, personal: Any, global_state: Any) -> None:
+    """``model-client<c>.safetensors`` for every client this worker hosts: the global
+    parts with the client's own personal parts (``paratrain export RUN --client c``)."""
+    import copy
+
+    from ...models.state import load_unique_state_dict
+    from ...training.export import client_model_file, save_model, whole_state
+
+    scratch = copy.deepcopy(model).cpu()  # `model` stays the global one for the summary
+    for c in personal.hosted:
+        load_unique_state_dict(scratch, {**{k: v.cpu() for k, v in global_state.items()},
+                                         **personal.of(c)})
+        save_model(run_dir, whole_state(scratch), name=client_model_file(c))
+
+
+def personal_digest(workers: list[dict[str, Any]]) -> str:
+    """SHA-256 of every client's personal-part digest in client order: the same on any
+    number of workers (a resume on another layout keeps it)."""
+    per = {c: d for w in workers for c, d in dict(w.get("personal_clients_sha256", {})).items()}
+    order = sorted(per, key=lambda name: int(name.removeprefix("client-")))
+    return hashlib.sha256("".join(per[c] for c in order).encode()).hexdigest()
+
+
+def final_global(state: Any, template: Any, comm_dev: Any, group: Any) -> Any:
+    """The server's final global state on every rank (rank 0's ``state`` broadcast)."""
+    fvec, ivec = flatten_state(state)
+    fvec, ivec = fvec.to(comm_dev), ivec.to(comm_dev)
+    broadcast_(fvec, src=0, group=group)
+    if ivec.numel():
+        broadcast_(ivec, src=0, group=group)
+    return unflatten_state(template, fvec.cpu(), ivec.cpu())
