@@ -95,7 +95,7 @@ class _Pieces:
         self.by_key: dict[Any, tuple[list[int], dict[str, tuple[Spec, torch.Tensor]]]] = {}
 
     def add(self, key: Any, spec: Spec, t: torch.Tensor) -> None:
-        shape, got = self.by_key.setdefault(key, ([int(x) for x in spec["shape"]], {}))
+        _, got = self.by_key.setdefault(key, ([int(x) for x in spec["shape"]], {}))
         got.setdefault(json.dumps(spec["slices"]), (spec, t))  # replicas of a piece: the first
 
     def whole(self, key: Any, *, source: str) -> torch.Tensor:
