@@ -9,6 +9,7 @@ by strategy type, with tensor parallelism on top). The CLI, :func:`paratrain.fit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from pathlib import Path
@@ -54,6 +55,7 @@ def execute(
 
         warm(preload)
     from .preflight import preflight
+    from .training.threads import intra_op_threads, use_threads
 
     # Every check before training, the same `paratrain validate` makes (imports the
     # plugins too); errors here come before any worker process is spawned.
@@ -62,10 +64,14 @@ def execute(
     if launcher:
         for item in effective_settings(job, resume=resume).ignored:
             warnings.warn(str(item), _job_rules.IgnoredSettingWarning, stacklevel=2)
-    if instances is not None:
-        return spec.run(job, resume=resume, overwrite=overwrite, model=instances.model,
-                        data=instances.data, task=instances.task)
-    return spec.run(job, resume=resume, overwrite=overwrite)
+    # A Local run trains here: with the job's intra-op thread count (training.threads: one
+    # unless set), the caller's put back after. Launched workers set theirs in their entry.
+    threads = use_threads(intra_op_threads(job)) if spec.name == "Local" else contextlib.nullcontext()
+    with threads:
+        if instances is not None:
+            return spec.run(job, resume=resume, overwrite=overwrite, model=instances.model,
+                            data=instances.data, task=instances.task)
+        return spec.run(job, resume=resume, overwrite=overwrite)
 
 
 def effective_settings(job: JobConfig, *, resume: bool = False, probe: bool = True) -> Effective:

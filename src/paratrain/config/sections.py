@@ -82,6 +82,9 @@ class RunConfig(_Section):
     allow_oversubscribe: bool = False
     """A job may start at most 4 worker processes per CPU core (paratrain.preflight); true lifts
     that limit (e.g. processes that mostly wait on I/O or another machine)."""
+    num_threads: PositiveCount | None = None
+    """torch intra-op threads of each training process (the Local run, every CPU worker); None =
+    ``OMP_NUM_THREADS`` when set, else 1 (paratrain.training.threads says why)."""
 
     @field_validator("checkpoint_every")
     @classmethod

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..comm.process import process_group
 
 __all__ = ["worker_entry"]
@@ -58,6 +60,10 @@ def worker_entry(
     try:
         with process_group(job) as ctx:
             from ..training.gcfreeze import freeze_startup_objects
+            from ..training.threads import intra_op_threads
+
+            if ctx.device.type == "cpu":  # training.threads: one per worker unless set
+                torch.set_num_threads(intra_op_threads(job))
 
             freeze_startup_objects()  # no 100 ms full GC pass inside a step (a straggler rank)
             resume = bool(resume) or ctx.restart_count > 0
