@@ -41,6 +41,15 @@ def test_checkpoint_every_counts_rounds(tmp_path: Path) -> None:
     assert _rounds(ckpts / "worker-0") == [3, 6, 7]
 
 
+@pytest.mark.parametrize(("every", "kept"), [("1h", [5]), ("0.001s", [3, 4, 5])])
+def test_checkpoint_every_as_a_wall_time_is_checked_between_rounds(
+        tmp_path: Path, every: str, kept: list[int]) -> None:
+    """An hour never comes due in 5 rounds (only the end is saved); a millisecond is due
+    after every round."""
+    out = execute(load_job(_doc(tmp_path, rounds=5, every=every, workers=1)))
+    assert _rounds(Path(out["run_dir"]) / "checkpoints" / "worker-0") == kept
+
+
 @pytest.mark.slow
 def test_sigint_checkpoints_the_round_in_progress_and_resume_is_bit_identical(tmp_path: Path) -> None:
     doc = _doc(tmp_path / "int", rounds=30, every="1h", workers=2)  # no checkpoint but the signal's
