@@ -73,15 +73,15 @@ from ...training import (
 from ...training.faults import FAULT_ENV, maybe_kill
 from ...training.interrupt import Interrupted, StopFlag, agree, stop_on_signals
 from ...training.rundir import RunFolder, run_dir_of, safe_rmtree
-from .failures import first_failures, lost_after, lost_before, warn_first_failures
+from .failures import lost_after, lost_before, warn_first_failures
 from .hyperparams import validate_job
 from .member import MemberRunner
-from .pbt import PopulationState, ancestry, lineage_json
+from .pbt import PopulationState, lineage_json
 from .report import plot_population
+from .summary import NOT_TEST, population_summary
 
 __all__ = ["run", "worker_main", "num_workers", "population_path", "latest_population"]
 
-_NOT_TEST = frozenset({"train_loss", "steps", "batch_size"})  # member metrics not of the test set
 _POP = re.compile(r"^population-(\d{6})\.pt$")
 _TOKEN = ".pbt-run-token"
 
@@ -301,7 +301,7 @@ def _work(ctx: WorkerContext, job: JobConfig, resume: bool, flag: StopFlag) -> d
             m = r["metrics"] or {}
             metrics.log({
                 "generation": g, "member": r["member"], "rank": r["rank"], "fitness": r["fitness"],
-                **{f"test_{k}": v for k, v in m.items() if k not in _NOT_TEST},
+                **{f"test_{k}": v for k, v in m.items() if k not in NOT_TEST},
                 "train_loss": m.get("train_loss"), "hparams": record["hparams"][r["member"]],
                 "source": r["source"], "error": r["error"],
                 "copied_from": copied.get(r["member"]),
@@ -335,7 +335,7 @@ def _work(ctx: WorkerContext, job: JobConfig, resume: bool, flag: StopFlag) -> d
     assert pop is not None
     _write_text(run_dir / "lineage.json",
                 json.dumps(lineage_json(pop, metric=metric, mode=mode), indent=1))
-    summary = _summary(job, pop, run_dir, ctx.world_size, started, timing, per_rank,
+    summary = population_summary(job, pop, run_dir, ctx.world_size, started, timing, per_rank,
                        metric=metric, mode=mode, task=runner.task,
                        reference=runner.reference_metrics())
     summary["restarts"] = ctx.restart_count
@@ -344,59 +344,6 @@ def _work(ctx: WorkerContext, job: JobConfig, resume: bool, flag: StopFlag) -> d
     plot_population(run_dir / "lineage.json", run_dir / "report.png", space=job.search_space,
                     title=f"{job.run.name} (PopulationBased)")
     return summary
-
-
-def _summary(
-    job: JobConfig, pop: PopulationState, run_dir: Path, world: int, started: float,
-    timing: dict[str, float], per_rank: list[dict[str, float]], *, metric: str, mode: str,
-    task: Any, reference: dict[str, float],
-) -> dict[str, Any]:
-    opts = job.population
-    last = pop.history[-1]
-    best = pop.best(mode)
-    m = last["metrics"][best] or {}
-    wall = time.perf_counter() - started
-    ckpt = sum(p["checkpoint_s"] for p in per_rank)
-    overhead = ckpt + timing["evolve_s"] + timing["persist_s"]
-    return {
-        "strategy": "PopulationBased",
-        "run_dir": str(run_dir),
-        "population_size": pop.size,
-        "generations": len(pop.history),
-        "num_workers": world,
-        "task": str(getattr(task, "name", type(task).__name__)),
-        "metric": metric,
-        "mode": mode,
-        "evolve": opts.evolve,
-        "best_member": best,
-        "best_fitness": last["fitness"][best],
-        "best_hparams": last["hparams"][best],
-        "best_hparams_text": " ".join(f"{k}={_fmt(v)}" for k, v in sorted(last["hparams"][best].items())),
-        "best_schedule": ancestry(pop.history, best),
-        "final_fitness": last["fitness"],
-        "test_loss": m.get("loss"),
-        **{f"test_{k}": v for k, v in m.items() if k not in _NOT_TEST},
-        **reference,
-        "parameters_sha256": last["digests"][best]["end"] if "digests" in last else None,
-        "copies": sum(len(r["copies"]) for r in pop.history),
-        "member_steps": sum(int(m["steps"]) for r in pop.history for m in r["metrics"] if m),
-        "failures": sum(1 for r in pop.history for e in r["errors"] if e),
-        "first_failures": first_failures(pop),
-        "wall_time_s": round(wall, 3),
-        # This process's share only (a resumed run times the generations it ran).
-        "timing": {
-            "train_s": round(sum(p["train_s"] for p in per_rank), 4),
-            "eval_s": round(sum(p["eval_s"] for p in per_rank), 4),
-            "checkpoint_s": round(ckpt, 4),
-            "evolve_s": round(timing["evolve_s"], 4),
-            "persist_s": round(timing["persist_s"], 4),
-            "comm_s": round(timing["comm_s"], 4),
-            # generation loop only (no process start, imports or data loading)
-            "loop_s": round(timing["loop_s"], 4),
-            "overhead_s": round(overhead, 4),
-            "overhead_fraction": round(overhead / timing["loop_s"], 5) if timing["loop_s"] > 0 else None,
-        },
-    }
 
 
 def _save_best_model(run_dir: Path, pop: PopulationState, best: int) -> None:
@@ -408,7 +355,3 @@ def _save_best_model(run_dir: Path, pop: PopulationState, best: int) -> None:
     generation = len(pop.history) - 1
     state = checkpoint.load_checkpoint(member_path(run_dir, generation, best))
     save_model(run_dir, state["model"])
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
