@@ -76,11 +76,32 @@ def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, str
     return wall, proc.stdout
 
 
-def _max_diff(peer_pt: Path, ours: Path) -> float:
+def paired(ours_cmd: list[str], peer_cmd: list[str], repeats: int,
+           env: dict[str, str]) -> tuple[list[float], list[float]]:
+    """Wall seconds of both commands, ``repeats`` times, back to back in alternating order,
+    after one uncounted run of each (the page cache)."""
+    timed(ours_cmd, env)
+    timed(peer_cmd, env)
+    ours: list[float] = []
+    peer: list[float] = []
+    for rep in range(repeats):
+        order = [(ours_cmd, ours), (peer_cmd, peer)]
+        if rep % 2:
+            order.reverse()
+        for cmd, acc in order:
+            acc.append(timed(cmd, env)[0])
+    return ours, peer
+
+
+def max_diff(peer_pt: Path, ours: Path) -> float:
+    """Largest absolute difference between the peer's saved state_dict and paratrain's
+    ``model.safetensors``, tensor by tensor (inf when the names differ; a tied tensor the
+    peer saved under a second name is compared once)."""
     import torch
     from safetensors.torch import load_file
 
     a, b = torch.load(peer_pt, weights_only=True), load_file(str(ours))
+    a = {k: v for k, v in a.items() if k in b}
     if set(a) != set(b):
         return float("inf")
     return max(float((a[k] - b[k]).abs().max()) for k in a)
@@ -100,16 +121,7 @@ def main() -> None:
                 str(peer_pt), str(args.steps)]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PARATRAIN_DEBUG")}
     load0 = os.getloadavg()[0]
-    timed(ours_cmd, env)  # warm the page cache for both (not counted)
-    timed(peer_cmd, env)
-    ours: list[float] = []
-    peer: list[float] = []
-    for rep in range(args.repeats):
-        order = [(ours_cmd, ours), (peer_cmd, peer)]
-        if rep % 2:
-            order.reverse()
-        for cmd, acc in order:
-            acc.append(timed(cmd, env)[0])
+    ours, peer = paired(ours_cmd, peer_cmd, args.repeats, env)
     ratios = [a / b for a, b in zip(ours, peer, strict=True)]
     summary = json.loads((tmp / "runs" / "lifecycle_dp" / "summary.json").read_text())
     results: dict[str, Any] = {
@@ -122,7 +134,7 @@ def main() -> None:
         "ratios_measured": [round(r, 4) for r in ratios],
         "wall_s_measured": {"paratrain_median": round(median(ours), 3), "peer_median": round(median(peer), 3),
                             "paratrain": [round(x, 3) for x in ours], "peer": [round(x, 3) for x in peer]},
-        "max_param_diff_measured": _max_diff(peer_pt, tmp / "runs" / "lifecycle_dp" / "model.safetensors"),
+        "max_param_diff_measured": max_diff(peer_pt, tmp / "runs" / "lifecycle_dp" / "model.safetensors"),
         "paratrain_test_accuracy_measured": summary.get("test_accuracy"),
         "goals": {"ratio_measured": "<= 1.0"},
     }

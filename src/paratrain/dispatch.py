@@ -55,6 +55,7 @@ def execute(
 
         warm(preload)
     from .preflight import preflight
+    from .training import report
     from .training.threads import intra_op_threads, use_threads
 
     # Every check before training, the same `paratrain validate` makes (imports the
@@ -67,6 +68,8 @@ def execute(
     # A Local run trains here: with the job's intra-op thread count (training.threads: one
     # unless set), the caller's put back after. Launched workers set theirs in their entry.
     threads = use_threads(intra_op_threads(job)) if spec.name == "Local" else contextlib.nullcontext()
+    if spec.name == "Local":
+        report.import_in_background()  # report.png's matplotlib, off the end of the run
     with threads:
         if instances is not None:
             return spec.run(job, resume=resume, overwrite=overwrite, model=instances.model,

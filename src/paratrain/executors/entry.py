@@ -64,6 +64,10 @@ def worker_entry(
 
             if ctx.device.type == "cpu":  # training.threads: one per worker unless set
                 torch.set_num_threads(intra_op_threads(job))
+            if ctx.is_main:  # rank 0 draws report.png: its matplotlib off the end of the run
+                from ..training.report import import_in_background
+
+                import_in_background()
 
             freeze_startup_objects()  # no 100 ms full GC pass inside a step (a straggler rank)
             resume = bool(resume) or ctx.restart_count > 0

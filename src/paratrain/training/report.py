@@ -3,7 +3,9 @@ provenance map of a run summary (which figures were measured, which modelled).""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -11,7 +13,8 @@ from typing import Any, ParamSpec, TypeVar
 
 from .rundir import read_metrics
 
-__all__ = ["plot_curves", "never_fails", "provenance", "MEASURED", "MODELLED", "CONFIGURED"]
+__all__ = ["plot_curves", "never_fails", "provenance", "import_in_background", "MEASURED", "MODELLED",
+           "CONFIGURED"]
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -34,14 +37,38 @@ def never_fails(fn: Callable[_P, _R]) -> Callable[_P, _R | None]:
     return wrapper
 
 
+def _import_matplotlib() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
+
+def import_in_background() -> threading.Thread:
+    """Import matplotlib (about 0.5 s of CPU, most of ``report.png``'s cost) in a daemon
+    thread, so that the plot at the end of a run does not wait for it: called when a run
+    starts, it overlaps the import with the data loading and the first steps (torch's
+    kernels release the GIL; a run's one intra-op thread leaves a core for it). Python's
+    import lock makes :func:`plot_curves` wait for an import still in progress; a failed
+    import is left for :func:`plot_curves` to report."""
+    thread = threading.Thread(target=_quiet(_import_matplotlib), name="paratrain-matplotlib", daemon=True)
+    thread.start()
+    return thread
+
+
+def _quiet(fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        with contextlib.suppress(Exception):
+            fn()
+    return run
+
+
 @never_fails
 def plot_curves(run_dir: str | Path, *, x_key: str = "step", title: str | None = None) -> Path:
     """Plot every record carrying ``train_loss``/``test_loss``/``test_accuracy`` against ``x_key``.
 
     Failures warn (see :func:`never_fails`) and return None."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    _import_matplotlib()
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
