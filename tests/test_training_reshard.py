@@ -5,6 +5,7 @@ workers resumes on 2 or under another placement, continuing with the saved param
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +35,16 @@ def _doc(out: Path, strategy: dict[str, Any], steps: int, **extra: Any) -> dict[
 
 
 def _fit(doc: dict[str, Any], capfd: pytest.CaptureFixture[str], **kw: Any) -> tuple[dict[str, Any], list[str]]:
-    """The summary and the ReshardWarning lines (warned by the worker of rank 0)."""
+    """The summary and the ReshardWarning messages: warned in this process (a one-process
+    run) or by a worker of rank 0 (on its stderr)."""
     capfd.readouterr()
-    summary = paratrain.fit(doc, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = paratrain.fit(doc, **kw)
     err = capfd.readouterr().err
-    return summary, [line for line in err.splitlines() if ReshardWarning.__name__ in line]
+    here = [f"{ReshardWarning.__name__}: {w.message}" for w in caught
+            if issubclass(w.category, ReshardWarning)]
+    return summary, here + [line for line in err.splitlines() if ReshardWarning.__name__ in line]
 
 
 @pytest.mark.parametrize("after", [4, 1])

@@ -11,6 +11,7 @@ newest complete one of any layout: a resume never silently starts fresh)."""
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -170,10 +171,16 @@ def _doc(out: Path, steps: int, *, tp: int = 1, strategy: dict[str, Any] | None 
 
 
 def _fit(doc: dict[str, Any], capfd: pytest.CaptureFixture[str], **kw: Any) -> tuple[dict[str, Any], list[str]]:
+    """The summary and the ReshardWarning messages: warned in this process (a one-process
+    run) or by a worker of rank 0 (on its stderr)."""
     capfd.readouterr()
-    summary = paratrain.fit(doc, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = paratrain.fit(doc, **kw)
     err = capfd.readouterr().err
-    return summary, [line for line in err.splitlines() if ReshardWarning.__name__ in line]
+    here = [f"{ReshardWarning.__name__}: {w.message}" for w in caught
+            if issubclass(w.category, ReshardWarning)]
+    return summary, here + [line for line in err.splitlines() if ReshardWarning.__name__ in line]
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
