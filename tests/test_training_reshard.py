@@ -114,3 +114,27 @@ def test_pipeline_resumes_on_fewer_workers_or_another_placement(tmp_path: Path, 
     assert list(now) == list(before) and all(torch.equal(before[k], now[k]) for k in before)
     more, _ = _fit(_doc(tmp_path, new, 16, run={"num_workers": workers}), capfd, resume=True)
     assert more["steps"] == 16
+
+
+def test_merge_names_tensors_the_old_processes_held_differently() -> None:
+    """Replicas (equal tensors) merge silently; tensors that differed across the old
+    processes (a Local subgraph layer, Decentralized replicas) take process 0's, and the
+    warning names them."""
+    def state(head: float) -> dict[str, Any]:
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+        for p in model.parameters():
+            torch.nn.init.constant_(p, 1.0)
+        torch.nn.init.constant_(model[1].weight, head)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": {},
+                "rng": None, "step": 3, "epoch": 0, "batch": 3,
+                "names": list(model.state_dict()), "param_names": param_names(model, opt)}
+
+    merged = merge([state(1.0), state(2.0)], source="x")
+    assert merged["differed"] == ["1.weight"]
+    assert torch.equal(merged["named_model"]["1.weight"], torch.full((1, 2), 1.0))
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    with pytest.warns(ReshardWarning, match=r"different values \(1.weight"):
+        localize(merged, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                 names=None, rank=0, layout={}, source="x", warn=True)
+    assert merge([state(1.0), state(1.0)], source="x")["differed"] == []

@@ -124,6 +124,7 @@ def merge(states: Sequence[Mapping[str, Any]], *, source: str) -> dict[str, Any]
     named_opt: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
     pieces, opt_pieces = _Pieces(), _Pieces()
+    differed: list[str] = []  # held by several processes with other values (not replicas)
     for rank, s in enumerate(states):
         keys, names = list(s["model"]), s.get("names")
         pnames = s.get("param_names")
@@ -135,7 +136,9 @@ def merge(states: Sequence[Mapping[str, Any]], *, source: str) -> dict[str, Any]
         pshards = s.get("param_shards") or [None] * len(pnames)
         for k, n, spec in zip(keys, names, shards, strict=True):
             if spec is None:
-                named_model.setdefault(n, s["model"][k])
+                held = named_model.setdefault(n, s["model"][k])
+                if held is not s["model"][k] and n not in differed and not torch.equal(held, s["model"][k]):
+                    differed.append(n)
             else:
                 pieces.add(n, spec, s["model"][k])
         opt = s["optimizer"]
@@ -161,6 +164,7 @@ def merge(states: Sequence[Mapping[str, Any]], *, source: str) -> dict[str, Any]
         "scheduler": first["scheduler"], "step": first["step"], "epoch": first["epoch"],
         "batch": first["batch"], "optimizer_type": first.get("optimizer_type"),
         "rng_by_rank": [s["rng"] for s in states], "layout": first.get("layout"),
+        "differed": differed,
         "engine_state_keys": sorted({k for s in states for k, v in (s.get("engine") or {}).items()
                                      if v}),
     }
@@ -214,6 +218,10 @@ def localize(merged: Mapping[str, Any], *, module: nn.Module, optimizer: torch.o
         i += len(g["params"])
     rngs = merged["rng_by_rank"]
     reset = []
+    if merged.get("differed"):
+        shown = ", ".join(merged["differed"][:4]) + (" ..." if len(merged["differed"]) > 4 else "")
+        reset.append(f"tensors the old processes held with different values ({shown}: e.g. "
+                     "Local subgraph layers, Decentralized replicas) now take process 0's")
     if merged["engine_state_keys"]:
         reset.append(f"the strategy's own state ({', '.join(merged['engine_state_keys'])}: "
                      "e.g. compressor residuals, per process)")
