@@ -9,7 +9,9 @@ Tied parameters appear under each of their names (safetensors stores no aliases,
 name holds its own copy; ``load_state_dict`` writes the same values into the one tensor).
 :func:`load_model` reads it back and ``model.load_state_dict(state, strict=True)`` loads it
 into a fresh ``task.build_model(...)``; ``paratrain export RUN --out FILE`` writes it as
-``.safetensors`` or as a ``torch.save`` ``.pt``.
+``.safetensors`` or as a ``torch.save`` ``.pt``. A run that has not finished (interrupted,
+or still going) gives the model of its newest complete checkpoint, merged by the model's
+names from every process's file, with a warning naming the step.
 
 Why safetensors: the file holds tensors and nothing else (no pickle), loads lazily and
 is what Hugging Face and timm read.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -105,6 +108,10 @@ def load_model(run_dir: str | Path, *, client: int | None = None) -> dict[str, t
     run = Path(run_dir)
     name = MODEL_FILE if client is None else client_model_file(client)
     path = run / name
+    if not path.is_file() and client is None and run.is_dir():
+        state = _from_checkpoint(run)
+        if state is not None:
+            return state
     if not path.is_file():
         if not run.is_dir():
             why = "is not a folder"
@@ -133,6 +140,30 @@ def read_model(path: str | Path) -> dict[str, torch.Tensor]:
     if sorted(order) != sorted(state):
         return state
     return {k: state[k] for k in order}
+
+
+def _from_checkpoint(run: Path) -> dict[str, torch.Tensor] | None:
+    """An unfinished run's model (interrupted, or still running): its newest complete
+    checkpoint merged by the model's names, with a warning saying which step; None when
+    the run has none the one loop wrote (Federated and PopulationBased write their model
+    only at the end)."""
+    from ..files import newest_checkpoint
+    from .reshard import merge
+    from .stores import read_states
+
+    found = newest_checkpoint(run)
+    if found is None or found.kind == "population":
+        return None
+    try:
+        source, states = read_states(found, run / "checkpoints")
+    except ConfigError:
+        return None
+    if not all(isinstance(s, dict) and "names" in s and "model" in s for s in states):
+        return None
+    state: dict[str, torch.Tensor] = merge(states, source=str(source))["named_model"]
+    warnings.warn(f"{run} has not finished: its model at {found.where} (the newest complete "
+                  f"checkpoint, {source})", RuntimeWarning, stacklevel=3)
+    return {k: v.detach().cpu() for k, v in state.items()}
 
 
 def export_model(run_dir: str | Path, out: str | Path, *, client: int | None = None) -> Path:
