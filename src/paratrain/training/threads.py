@@ -6,12 +6,13 @@ workers). Why not torch's default (one thread per core): the models paratrain's 
 train are small (the GPT demo's matrices are 2048 x 64), so a step is many short kernels,
 and torch's OpenMP threads wait for one another at the end of each; when the cores are
 shared (a busy machine, or several paratrain workers on one), a thread that is descheduled
-holds every kernel up. Measured on a 2-core machine under load (``benchmarks/RESULTS.md``,
-lifecycle): the GPT demo's step took 0.12 s with 1 thread and 0.89 s with torch's default
-2. A process count chosen by the strategy already uses the cores; a Local run on a quiet
-many-core machine with big matrices can ask for more with ``run.num_threads``. A fixed
-count also keeps a run's floating-point sums (and so its parameters) the same on every
-machine, where a count taken from the core count would not.
+holds every kernel up. Measured on a 2-core machine (``benchmarks/RESULTS.md``, lifecycle):
+under load the GPT demo's step took 0.12 s with 1 thread and 0.89 s with torch's default 2;
+quiet, 2 threads were faster (0.043 s against 0.047 s). One thread bounds the loss on a
+quiet machine and avoids the collapse on a shared one; a strategy's worker processes
+already fill the cores; a Local run on a machine of one's own can ask for more with
+``run.num_threads``. A fixed count also keeps a run's floating-point sums (and so its
+parameters) the same on every machine, where a count taken from the core count would not.
 """
 
 from __future__ import annotations
