@@ -59,6 +59,8 @@ def test_data_parallel_resumes_on_another_replica_count(tmp_path: Path, after: i
     assert notes and "'replicas': 2" in notes[0] and f"'replicas': {after}" in notes[0]
     assert all(torch.equal(before[k], v) for k, v in paratrain.load_model(run_dir).items())
 
+    if after == 1:
+        return  # training on after a reshard: the 4-replica case
     # and it trains on: 8 more steps on the new layout, from the saved optimizer state
     more, _ = _fit(_doc(tmp_path, _dp(after), 16), capfd, resume=True)
     assert more["steps"] == 16 and more["num_replicas"] == after
