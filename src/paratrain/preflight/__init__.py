@@ -39,7 +39,6 @@ as warning lines and, with ``warn=True``, issued as :class:`PreflightWarning`.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import re
@@ -49,8 +48,9 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from .config import ConfigError
-from .config.job import JobConfig
+from ..config import ConfigError
+from ..config.job import JobConfig
+from .build import _build, _one_line
 
 __all__ = ["preflight", "process_count", "process_limit", "PreflightWarning", "PROCS_PER_CORE",
            "Instances"]
@@ -87,7 +87,7 @@ def process_limit() -> int:
 def process_count(job: JobConfig) -> tuple[int, str]:
     """(worker processes the job starts, the field that sets that number), as the job's
     executor declares them (``ExecutorSpec.processes``)."""
-    from .executors import spec_for
+    from ..executors import spec_for
 
     return spec_for(job).processes(job)
 
@@ -151,7 +151,7 @@ def _stage(problems: Problems, fn: Any, *args: Any) -> Any:
 
 
 def _imports(job: JobConfig, job_dir: Path | None) -> None:
-    from .executors.custom import import_plugins
+    from ..executors.custom import import_plugins
 
     import_plugins(list(job.run.imports), base=job_dir)
 
@@ -160,7 +160,7 @@ def _coordinator(job: JobConfig) -> None:
     s: Any = job.strategy
     if getattr(s, "type", None) != "Custom":
         return
-    from .executors.custom import registered_coordinators
+    from ..executors.custom import registered_coordinators
 
     known = registered_coordinators()
     if s.coordinator not in known:
@@ -192,7 +192,7 @@ def _device(job: JobConfig) -> None:
 
 
 def _processes(job: JobConfig, notes: list[str]) -> None:
-    from .comm.rendezvous import ENV_NNODES, in_torchrun
+    from ..comm.rendezvous import ENV_NNODES, in_torchrun
 
     s: Any = job.strategy
     kind = getattr(s, "type", None)
@@ -220,7 +220,7 @@ def _processes(job: JobConfig, notes: list[str]) -> None:
 
 
 def _model_parallel_ids(job: JobConfig) -> None:
-    from .config.strategy import WorkerIdTarget
+    from ..config.strategy import WorkerIdTarget
 
     s: Any = job.strategy
     if getattr(s, "type", None) != "ModelParallel" or job.workers or job.run.num_workers is not None:
@@ -241,175 +241,14 @@ def _model_parallel_ids(job: JobConfig) -> None:
         raise ConfigError(problems)
 
 
-# Zoo size arguments: (kwarg, smallest value, a list of them?).
-_ZOO_SIZES: dict[str, list[tuple[str, int, bool]]] = {
-    "mlp": [("hidden", 1, True)],
-    "cnn": [("channels", 1, True)],
-    "transformer": [("d_model", 1, False), ("heads", 1, False), ("layers", 0, False), ("seq_len", 1, False)],
-}
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _zoo_sizes(name: str, kwargs: dict[str, Any]) -> Problems:
-    problems: Problems = []
-    for kw, low, many in _ZOO_SIZES.get(name, []):
-        if kw not in kwargs or kwargs[kw] is None:
-            continue
-        v = kwargs[kw]
-        if many:
-            if not isinstance(v, list):
-                problems.append((f"model.{kw}", f"must be a list of layer sizes (got {v!r})"))
-                continue
-            bad = [(i, x) for i, x in enumerate(v) if not _is_int(x) or x < low]
-            if bad:
-                i, x = bad[0]
-                problems.append((f"model.{kw}", f"layer sizes must be integers >= {low} "
-                                                f"(got {x!r} at index {i} of {v!r})"))
-        elif not _is_int(v) or v < low:
-            problems.append((f"model.{kw}", f"must be an integer >= {low} (got {v!r})"))
-    return problems
-
-
-def _unknown_kwargs(fn: Any, kwargs: dict[str, Any], *, section: str, what: str,
-                    skip: tuple[str, ...] = ()) -> Problems:
-    """``section.<kw>`` for each kwarg ``fn`` cannot take (nothing when it has **kwargs)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return []
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return []
-    valid = [n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                         inspect.Parameter.KEYWORD_ONLY)
-             and n not in skip]
-    return [(f"{section}.{kw}", f"{what} takes no option {kw!r}; valid: {', '.join(valid) or '(none)'}")
-            for kw in kwargs if kw not in valid]
-
-
-def _field_of(message: str, names: list[str], section: str, aliases: dict[str, str] | None = None) -> str:
-    """``section.<kw>`` for the first kwarg the message mentions, else ``section``."""
-    low = message.lower()
-    for phrase, name in (aliases or {}).items():
-        if phrase in low and name in names:
-            return f"{section}.{name}"
-    for name in names:
-        if name.lower() in low:
-            return f"{section}.{name}"
-    return section
-
-
-def _build(job: JobConfig, instances: Instances | None = None) -> Any:
-    """Load the data, build the model with its kwargs, run it on two rows, build the
-    optimizer with its kwargs; the data bundle (with ``instances``, or another task than
-    the default: the datasets and the model, as ``train``/``test``/``model``)."""
-    import torch
-
-    from .task import is_default, preflight_task
-
-    if instances is not None:  # fit's objects, each in place of its spec
-        data, model = instances.data, instances.model
-        if data is not None and model is None:  # as Local: the model spec over the bundle
-            model = _model(job, data)
-        checked = preflight_task(job, task=instances.task, model=model,
-                                 datasets=(data.train, data.test) if data is not None else None)
-        _optimizer(job, checked.model)
-        return checked
-    if not is_default(job):  # another task: its datasets, model, two examples; the optimizer
-        checked = preflight_task(job)
-        _optimizer(job, checked.model)
-        return checked
-
-    from .data import load_data
-
-    try:
-        bundle = load_data(job.data, seed=job.run.seed)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a user factory's own error: one line
-        raise ConfigError([("data", _one_line(f"loading the data failed: {type(e).__name__}: {e}"))]) from None
-    model = _model(job, bundle)
-    kwargs = job.model.kwargs
-    x, _ = bundle.train.tensors
-    try:
-        model.eval()
-        with torch.no_grad():
-            model(x[:2])
-    except Exception as e:  # noqa: BLE001
-        msg = _one_line(f"the model fails on two training rows of shape {tuple(x[:2].shape)}: "
-                        f"{type(e).__name__}: {e}")
-        raise ConfigError([(_field_of(msg, list(kwargs), "model"), msg)]) from None
-    _optimizer(job, model)
-    return bundle
-
-
-def _model(job: JobConfig, bundle: Any) -> Any:
-    """The job's model spec built over ``bundle``'s shapes, its kwargs checked first."""
-    from .models import build_model
-    from .models.zoo import MODELS, import_object
-
-    spec = job.model
-    kwargs = spec.kwargs
-    problems: Problems = []
-    if spec.factory is not None:
-        fn = import_object(spec.factory, field="model.factory")
-        problems += _unknown_kwargs(fn, kwargs, section="model", what=f"factory {spec.factory!r}",
-                                    skip=("input_shape", "num_classes"))
-    elif spec.name in MODELS:
-        problems += _unknown_kwargs(MODELS[spec.name], kwargs, section="model", what=f"model {spec.name!r}",
-                                    skip=("input_shape", "num_classes"))
-        problems += _zoo_sizes(str(spec.name), kwargs)
-    if problems:
-        raise ConfigError(problems)
-    try:
-        model = build_model(spec, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        msg = _one_line(f"building the model failed: {type(e).__name__}: {e}")
-        raise ConfigError([(_field_of(msg, list(kwargs), "model"), msg)]) from None
-    return model
-
-
-def _optimizer(job: JobConfig, model: Any) -> None:
-    """The optimizer builds over ``model``'s parameters with its kwargs (each named)."""
-    from .training.optim import check_optimizer
-
-    opt = job.train.optimizer
-    okw = {"lr": opt.lr, **opt.kwargs}
-    from .training.optim import OPTIMIZERS
-
-    unknown = _unknown_kwargs(OPTIMIZERS[opt.name], opt.kwargs, section="train.optimizer",
-                              what=f"optimizer {opt.name!r}", skip=("params",))
-    if unknown:
-        raise ConfigError(unknown)
-    try:
-        check_optimizer(model.parameters(), opt)
-    except ConfigError as e:
-        msg = e.problems[0][1]
-        raise ConfigError([(_field_of(msg, list(okw), "train.optimizer", _TORCH_OPT_WORDS), msg)]) from None
-
-
-# How torch's optimizers name their arguments in ValueError messages.
-_TORCH_OPT_WORDS = {"learning rate": "lr", "epsilon": "eps", "beta": "betas", "weight_decay": "weight_decay",
-                    "nesterov": "nesterov"}
-
-
-def _one_line(msg: str, limit: int = 300) -> str:
-    line = (msg.splitlines() or [""])[0]
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
 def _task_strategy(job: JobConfig) -> None:
-    from .executors import check_supported
+    from ..executors import check_supported
 
     check_supported(job)
 
 
 def _replica_rows(job: JobConfig, rows: int) -> None:
-    from .executors import is_tensor_parallel
+    from ..executors import is_tensor_parallel
 
     s: Any = job.strategy
     kind = getattr(s, "type", None)
@@ -427,11 +266,11 @@ def _federated(job: JobConfig, bundle: Any) -> None:
     s: Any = job.strategy
     if getattr(s, "type", None) != "Federated":
         return
-    from .comm.context import default_workers
-    from .data.partition import partition_dataset
-    from .executors.federated import num_workers
-    from .executors.federated.runner import check_job, client_tags
-    from .executors.federated.selection import select_clients
+    from ..comm.context import default_workers
+    from ..data.partition import partition_dataset
+    from ..executors.federated import num_workers
+    from ..executors.federated.runner import check_job, client_tags
+    from ..executors.federated.selection import select_clients
 
     rows = len(bundle.train)
     if s.num_clients > rows:
@@ -442,7 +281,7 @@ def _federated(job: JobConfig, bundle: Any) -> None:
     try:
         parts = partition_dataset(bundle.train, s.num_clients, job.data.partition, seed=job.run.seed)
         if job.data.partition.feature_shift > 0 or job.subgraphs or job.federated.evaluate_clients:
-            from .data.client_splits import client_datasets  # per-client test splits, shifts
+            from ..data.client_splits import client_datasets  # per-client test splits, shifts
 
             client_datasets(bundle.train, bundle.test, parts, job.data.partition, seed=job.run.seed)
     except ValueError as e:
@@ -459,7 +298,7 @@ def _federated(job: JobConfig, bundle: Any) -> None:
 def _subgraph_pairings(job: JobConfig) -> None:
     """``[subgraphs]``: well-formed keys and supported pairings (paratrain.subgraphs)."""
     if job.subgraphs:
-        from .subgraphs import check_pairings
+        from ..subgraphs import check_pairings
 
         check_pairings(job)
 
@@ -470,8 +309,8 @@ def _subgraph_paths(job: JobConfig, model: Any = None) -> None:
     state and sharing no tied tensor with the rest."""
     if not job.subgraphs:
         return
-    from .subgraphs import check_paths
-    from .task import resolve_task
+    from ..subgraphs import check_paths
+    from ..task import resolve_task
 
     if model is None:
         task = resolve_task(job)
@@ -482,7 +321,7 @@ def _subgraph_paths(job: JobConfig, model: Any = None) -> None:
 
 def _executor_hook(job: JobConfig) -> None:
     """The strategy executor's own ``validate(job)``, when its spec has one."""
-    from .executors import spec_for
+    from ..executors import spec_for
 
     check = spec_for(job).validate
     if check is not None:
