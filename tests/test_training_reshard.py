@@ -5,7 +5,6 @@ workers resumes on 2 or under another placement, continuing with the saved param
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 import paratrain
+from _reshard import fit_noting_reshards
 from paratrain.training import checkpoint
 from paratrain.training.reshard import ReshardWarning, localize, merge, param_names
 
@@ -34,17 +34,7 @@ def _doc(out: Path, strategy: dict[str, Any], steps: int, **extra: Any) -> dict[
                       "optimizer": {"name": "adam", "lr": 0.01}}}
 
 
-def _fit(doc: dict[str, Any], capfd: pytest.CaptureFixture[str], **kw: Any) -> tuple[dict[str, Any], list[str]]:
-    """The summary and the ReshardWarning messages: warned in this process (a one-process
-    run) or by a worker of rank 0 (on its stderr)."""
-    capfd.readouterr()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        summary = paratrain.fit(doc, **kw)
-    err = capfd.readouterr().err
-    here = [f"{ReshardWarning.__name__}: {w.message}" for w in caught
-            if issubclass(w.category, ReshardWarning)]
-    return summary, here + [line for line in err.splitlines() if ReshardWarning.__name__ in line]
+_fit = fit_noting_reshards
 
 
 @pytest.mark.parametrize("after", [4, 1])

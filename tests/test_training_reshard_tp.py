@@ -11,7 +11,6 @@ newest complete one of any layout: a resume never silently starts fresh)."""
 from __future__ import annotations
 
 import copy
-import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 import paratrain
+from _reshard import fit_noting_reshards
 from paratrain.comm.tp.comm import TPComm
 from paratrain.comm.tp.groups import TPGroups
 from paratrain.config import ConfigError, TensorParallelismConfig
@@ -28,7 +28,7 @@ from paratrain.models.zoo import transformer
 from paratrain.tensor_parallel import AttentionSpec, TensorParallelModule
 from paratrain.tensor_parallel.shards import dense_names_and_shards
 from paratrain.training import checkpoint
-from paratrain.training.reshard import ReshardWarning, localize, merge, param_keys
+from paratrain.training.reshard import localize, merge, param_keys
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -170,17 +170,7 @@ def _doc(out: Path, steps: int, *, tp: int = 1, strategy: dict[str, Any] | None 
     return doc
 
 
-def _fit(doc: dict[str, Any], capfd: pytest.CaptureFixture[str], **kw: Any) -> tuple[dict[str, Any], list[str]]:
-    """The summary and the ReshardWarning messages: warned in this process (a one-process
-    run) or by a worker of rank 0 (on its stderr)."""
-    capfd.readouterr()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        summary = paratrain.fit(doc, **kw)
-    err = capfd.readouterr().err
-    here = [f"{ReshardWarning.__name__}: {w.message}" for w in caught
-            if issubclass(w.category, ReshardWarning)]
-    return summary, here + [line for line in err.splitlines() if ReshardWarning.__name__ in line]
+_fit = fit_noting_reshards
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
