@@ -116,13 +116,16 @@ def _propagate(gm: fx.GraphModule, job: Any, train: Any) -> str | None:
     when it could not run (shapes are then left out)."""
     from torch.fx.passes.shape_prop import ShapeProp
 
-    from .task import fetch_batch
+    from .task import fetch_batch, model_args
 
     try:
         rows = max(1, min(int(job.train.batch_size), len(train)))
         batch = fetch_batch(train, torch.arange(rows))
+        args, kwargs = model_args(None, batch)
+        if kwargs:  # ShapeProp feeds placeholders positionally only
+            return "the model takes keyword arguments (a dict batch): shapes left out"
         with torch.no_grad():
-            ShapeProp(gm).propagate(batch[0])
+            ShapeProp(gm).propagate(*args)
     except Exception as e:  # noqa: BLE001 - shapes are extra information only
         return (f"{type(e).__name__}: {e}".splitlines() or [""])[0]
     return None

@@ -115,13 +115,11 @@ def load_data(spec: DataSpec, *, seed: int, regression: bool = False) -> DataBun
     """Load the dataset a job names; errors name the ``data`` field. ``regression``: a
     factory's ``(X, y)`` pair has real-valued targets (split without stratifying)."""
     if spec.factory is not None:
-        from ..models.zoo import import_object
+        from ..models.zoo import call_factory, import_object
 
         fn = import_object(spec.factory, field="data.factory")
-        try:
-            out = fn(seed=seed, **spec.kwargs)
-        except TypeError as e:
-            raise ConfigError([("data", f"factory {spec.factory!r} rejected its arguments: {e}")]) from None
+        out = call_factory(fn, spec.factory, field="data.factory", offered={"seed": seed},
+                           kwargs=spec.kwargs)
         if isinstance(out, DataBundle):
             return out
         if isinstance(out, tuple) and len(out) == 2:

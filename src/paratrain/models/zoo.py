@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from ..config import ConfigError
 from ..config.job import ModelSpec
 from .gpt import gpt
 
-__all__ = ["MODELS", "build_model", "import_object", "MeanPool"]
+__all__ = ["MODELS", "build_model", "import_object", "call_factory", "MeanPool"]
 
 
 def import_object(ref: str, *, field: str) -> Any:
@@ -42,6 +43,43 @@ def import_object(ref: str, *, field: str) -> Any:
         return getattr(module, attr)
     except AttributeError:
         raise ConfigError([(field, f"{module_name!r} has no attribute {attr!r}")]) from None
+
+
+def call_factory(fn: Any, ref: str, *, field: str, offered: dict[str, Any],
+                 kwargs: dict[str, Any]) -> Any:
+    """``fn(**offered', **kwargs)``: a user factory called with the documented keywords
+    ``offered`` it accepts (all of them when it takes ``**kwargs``; the rest are left out, so
+    a factory may take any subset) and the section's own ``kwargs`` (always passed). A
+    keyword it requires that is neither, or a section key it does not take, is a
+    ConfigError naming ``field``, the factory and the keyword (not a TypeError from
+    inside)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        params = None
+    if params is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        given = {**offered, **kwargs}
+    else:
+        named = {n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                            inspect.Parameter.KEYWORD_ONLY)}
+        unexpected = [k for k in kwargs if k not in named]
+        if unexpected:
+            raise ConfigError([(field, f"factory {ref!r} takes no keyword {unexpected[0]!r} "
+                                       f"(it takes: {', '.join(sorted(named)) or 'none'})")])
+        given = {**{k: v for k, v in offered.items() if k in named}, **kwargs}
+        missing = [n for n, p in params.items() if p.default is inspect.Parameter.empty
+                   and p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+                   and n not in given]
+        if missing:
+            documented = ", ".join(offered) or "none"
+            raise ConfigError([(field, f"factory {ref!r} requires {missing[0]!r}, which is not "
+                                       f"given (a {field.split('.')[0]} factory is called with "
+                                       f"the keywords it accepts of: {documented}, plus the "
+                                       f"section's own keys)")])
+    try:
+        return fn(**given)
+    except TypeError as e:
+        raise ConfigError([(field, f"factory {ref!r} rejected its arguments: {e}")]) from None
 
 
 class MeanPool(nn.Module):
@@ -118,14 +156,16 @@ MODELS: dict[str, Callable[..., nn.Sequential]] = {
 
 
 def build_model(spec: ModelSpec, *, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """Build the model a job names (zoo ``name`` or ``factory``), with the spec's kwargs."""
+    """Build the model a job names (zoo ``name`` or ``factory``), with the spec's kwargs. A
+    factory gets those of ``input_shape=`` (one example's shape) and ``num_classes=`` (the
+    classes, regression targets or vocabulary size) its signature accepts
+    (:func:`call_factory`)."""
     kwargs = spec.kwargs
     if spec.factory is not None:
         fn = import_object(spec.factory, field="model.factory")
-        try:
-            model = fn(input_shape=input_shape, num_classes=num_classes, **kwargs)
-        except TypeError as e:
-            raise ConfigError([("model", f"factory {spec.factory!r} rejected its arguments: {e}")]) from None
+        model = call_factory(fn, spec.factory, field="model.factory",
+                             offered={"input_shape": input_shape, "num_classes": num_classes},
+                             kwargs=kwargs)
     else:
         if spec.name not in MODELS:
             raise ConfigError([("model.name", f"unknown model {spec.name!r}; valid: {', '.join(MODELS)}")])

@@ -17,12 +17,12 @@ from ..config import ConfigError
 from ..config.job import JobConfig
 from .builtin import TASKS, ClassificationTask, LanguageModelTask, RegressionTask, bigram_loss
 from .protocol import Task
-from .steps import evaluate, fetch_batch
+from .steps import batch_rows, call_model, evaluate, fetch_batch, model_args, to_device
 
 __all__ = [
     "Task", "TASKS", "ClassificationTask", "RegressionTask", "LanguageModelTask", "bigram_loss",
     "resolve_task", "check_task", "is_default", "preflight_task", "evaluate",
-    "fetch_batch",
+    "fetch_batch", "to_device", "batch_rows", "model_args", "call_model",
 ]
 
 _REQUIRED = ("fitness_metric", "fitness_mode", "datasets", "build_model", "loss", "eval_batch",
@@ -45,13 +45,10 @@ def resolve_task(job: JobConfig) -> Task:
     """The task ``job`` names: a built-in by ``task.name`` or the ``task.factory``'s."""
     spec = job.task
     if spec.factory is not None:
-        from ..models.zoo import import_object
+        from ..models.zoo import call_factory, import_object
 
         fn = import_object(spec.factory, field="task.factory")
-        try:
-            obj = fn(**spec.kwargs)
-        except TypeError as e:
-            raise ConfigError([("task", f"factory {spec.factory!r} rejected its arguments: {e}")]) from None
+        obj = call_factory(fn, spec.factory, field="task.factory", offered={}, kwargs=spec.kwargs)
         return check_task(obj, field="task.factory")
     task: Task = TASKS[str(spec.name)](job)
     return task
@@ -107,12 +104,19 @@ def preflight_task(job: JobConfig, *, task: Any = None, datasets: Any = None,
     except Exception as e:  # noqa: BLE001
         raise ConfigError([("model", _one_line(f"building the model failed: "
                                                f"{type(e).__name__}: {e}"))]) from None
-    batch = fetch_batch(train, torch.arange(min(2, n_train)))
+    try:
+        batch = fetch_batch(train, torch.arange(min(2, n_train)),
+                            collate=getattr(task, "collate_fn", None))
+    except Exception as e:  # noqa: BLE001 - the items do not collate: name the data
+        raise ConfigError([(field, _one_line(
+            f"two training examples do not make a batch (items may be tensors, tuples, dicts "
+            f"or any nesting of them, or the task gives a collate_fn): {type(e).__name__}: {e}"
+        ))]) from None
     was_training = model.training
     try:
         model.eval()
         with torch.no_grad():
-            loss = task.loss(model(batch[0]), batch)
+            loss = task.loss(call_model(task, model, batch), batch)
         value = float(loss)
     except Exception as e:  # noqa: BLE001
         raise ConfigError([("model", _one_line(f"the model or the task's loss fails on two "

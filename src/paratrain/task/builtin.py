@@ -15,12 +15,27 @@
   id blocks. Model: ``gpt`` or a ``model.factory``. The summary also reports
   ``bigram_test_loss``: a bigram model (counts of consecutive pairs of the training ids,
   add-``alpha`` smoothed, ``alpha = 1``) scored on the same test examples.
+
+Models written by others. Every built-in task reads the model's output through
+:func:`logits_of`: a tensor, or the ``.logits`` of a Hugging Face ``ModelOutput``, or a
+dict's ``"logits"``, or a tuple's first element -- so a raw ``GPT2LMHeadModel`` or
+``LlamaForCausalLM`` (called as ``model(x)``, returning ``CausalLMOutput``) trains under
+``language_model`` with no wrapper. The targets are ``batch[1]`` of a tuple batch, or
+``batch["labels"]`` of a dict batch (which the model gets as ``model(**batch)``).
+
+A model's own loss. When the batch is a dict holding ``"labels"`` and the output carries
+a non-None ``.loss`` (``"loss"`` of a dict output) -- a Hugging Face model given labels --
+that loss is the training loss, as the model defines it (e.g. a causal LM shifts the
+labels itself, ignores ``-100``). Evaluation then sums ``loss x rows`` per batch (and
+``count`` = rows), so the reported ``loss`` is the row-weighted mean of the model's own
+batch losses (exact for equal token counts per row); classification's accuracy is still
+counted from the logits against the labels.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -34,7 +49,46 @@ from ..data.datasets import CORPORA, REGRESSION_DATASETS, DataBundle, load_data
 from ..models import build_model
 from .steps import fetch_batch
 
-__all__ = ["ClassificationTask", "RegressionTask", "LanguageModelTask", "bigram_loss", "TASKS"]
+__all__ = ["ClassificationTask", "RegressionTask", "LanguageModelTask", "bigram_loss", "TASKS",
+           "logits_of", "targets_of", "own_loss"]
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits (or predictions) in a model's output: the tensor itself, the ``.logits``
+    of a Hugging Face ``ModelOutput``, a dict's ``"logits"``, a tuple's first element."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, Mapping) and isinstance(output.get("logits"), torch.Tensor):
+        return output["logits"]  # type: ignore[no-any-return]
+    if isinstance(output, tuple | list) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(f"the model's output ({type(output).__name__}) is not a tensor and has no "
+                    "'logits' (a tensor, an output with .logits, a dict with 'logits' or a "
+                    "tuple whose first element is the logits)")
+
+
+def targets_of(batch: Any) -> torch.Tensor:
+    """A batch's targets: ``batch["labels"]`` of a dict batch, else ``batch[1]``."""
+    if isinstance(batch, Mapping):
+        if "labels" not in batch:
+            raise ValueError(f"a dict batch needs a 'labels' field for the built-in tasks (it has "
+                             f"{', '.join(map(str, batch)) or 'no fields'}); or give a task factory")
+        return batch["labels"]  # type: ignore[no-any-return]
+    if isinstance(batch, tuple | list) and len(batch) >= 2:
+        return batch[1]  # type: ignore[no-any-return]
+    raise ValueError("a built-in task needs (inputs, targets) batches or a dict with 'labels'")
+
+
+def own_loss(output: Any, batch: Any) -> torch.Tensor | None:
+    """The model's own loss (see the module docstring): its ``.loss`` (a dict output's
+    ``"loss"``) when the batch is a dict holding ``"labels"``; None otherwise."""
+    if not (isinstance(batch, Mapping) and "labels" in batch):
+        return None
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
 
 
 def _tensors(ds: Dataset[Any], what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,13 +132,18 @@ class ClassificationTask:
             shape, classes = tuple(x.shape[1:]), int(y.max()) + 1 if len(y) else 1
         return build_model(model_spec, input_shape=shape, num_classes=classes)
 
-    def loss(self, output: torch.Tensor, batch: Sequence[torch.Tensor]) -> torch.Tensor:
-        return nn.functional.cross_entropy(output, batch[1])
+    def loss(self, output: Any, batch: Any) -> torch.Tensor:
+        own = own_loss(output, batch)
+        if own is not None:
+            return own
+        return nn.functional.cross_entropy(logits_of(output), targets_of(batch))
 
-    def eval_batch(self, output: torch.Tensor, batch: Sequence[torch.Tensor]) -> dict[str, float]:
-        y = batch[1]
-        return {"loss_sum": float(nn.functional.cross_entropy(output, y, reduction="sum")),
-                "correct": int((output.argmax(dim=1) == y).sum()), "count": len(y)}
+    def eval_batch(self, output: Any, batch: Any) -> dict[str, float]:
+        y, logits = targets_of(batch), logits_of(output)
+        own = own_loss(output, batch)
+        loss_sum = (float(own) * len(y) if own is not None else
+                    float(nn.functional.cross_entropy(logits, y, reduction="sum")))
+        return {"loss_sum": loss_sum, "correct": int((logits.argmax(dim=1) == y).sum()), "count": len(y)}
 
     def finalize(self, sums: dict[str, float]) -> dict[str, float]:
         n = max(sums.get("count", 0), 1)
@@ -127,12 +186,15 @@ class RegressionTask:
                              f"match targets of shape {tuple(target.shape)}")
         return output.reshape(y.shape), y
 
-    def loss(self, output: torch.Tensor, batch: Sequence[torch.Tensor]) -> torch.Tensor:
-        out, y = self._pair(output, batch[1])
+    def loss(self, output: Any, batch: Any) -> torch.Tensor:
+        own = own_loss(output, batch)
+        if own is not None:
+            return own
+        out, y = self._pair(logits_of(output), targets_of(batch))
         return nn.functional.mse_loss(out, y)
 
-    def eval_batch(self, output: torch.Tensor, batch: Sequence[torch.Tensor]) -> dict[str, float]:
-        out, y = self._pair(output, batch[1])
+    def eval_batch(self, output: Any, batch: Any) -> dict[str, float]:
+        out, y = self._pair(logits_of(output), targets_of(batch))
         out, y = out.double(), y.double()
         sse, sy, syy = ((out - y) ** 2).sum(0), y.sum(0), (y * y).sum(0)
         sums: dict[str, float] = {"count": len(y)}
@@ -187,16 +249,34 @@ class LanguageModelTask:
     def __init__(self, task: TaskSpec, data: DataSpec) -> None:
         self.task, self.data = task, data
 
+    def _blocks(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``({block_size, stride}, the other [data] keys)``: ``block_size`` and ``stride``
+        are the task's (``[task]``); written under ``[data]`` they are taken from there when
+        ``[task]`` leaves them unset, and are an error naming the field when both set them."""
+        extra = dict(self.data.kwargs)
+        blocks: dict[str, Any] = {"block_size": self.task.block_size, "stride": self.task.stride}
+        for key in ("block_size", "stride"):
+            if key not in extra:
+                continue
+            value = extra.pop(key)
+            if key in self.task.model_fields_set and value != blocks[key]:
+                raise ConfigError([(f"data.{key}", f"{key} belongs in [task] (task.{key} = "
+                                                   f"{blocks[key]!r} is set there too, data.{key} "
+                                                   f"= {value!r}): keep the one in [task]")])
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError([(f"data.{key}", f"must be a positive integer (got {value!r}; "
+                                                   f"it belongs in [task])")])
+            blocks[key] = value
+        return blocks, extra
+
     def datasets(self, seed: int) -> tuple[Dataset[Any], Dataset[Any]]:
+        blocks, extra = self._blocks()
         if self.data.factory is not None:
-            from ..models.zoo import import_object
+            from ..models.zoo import call_factory, import_object
 
             fn = import_object(self.data.factory, field="data.factory")
-            try:
-                out = fn(seed=seed, block_size=self.task.block_size, **self.data.kwargs)
-            except TypeError as e:
-                raise ConfigError([("data", f"factory {self.data.factory!r} rejected its "
-                                            f"arguments: {e}")]) from None
+            out = call_factory(fn, self.data.factory, field="data.factory",
+                               offered={"seed": seed, **blocks}, kwargs=extra)
             if not (isinstance(out, tuple) and len(out) == 2):
                 raise ConfigError([("data.factory", "a language-model data factory returns "
                                                     "(train, test) datasets")])
@@ -207,8 +287,7 @@ class LanguageModelTask:
         from ..data.shakespeare import shakespeare
 
         try:
-            return shakespeare(block_size=self.task.block_size, stride=self.task.stride,
-                               **self.data.kwargs)
+            return shakespeare(**blocks, **extra)
         except TypeError as e:
             raise ConfigError([("data", f"{self.data.name!r} rejected its arguments: {e}")]) from None
 
@@ -224,15 +303,25 @@ class LanguageModelTask:
             raise ConfigError([("model.name", f"language_model trains a sequence model over "
                                               f"token ids: use 'gpt' or a model.factory (got "
                                               f"{model_spec.name!r})")])
-        x = train[0][0]
+        item = train[0]
+        x = item["input_ids"] if isinstance(item, Mapping) and "input_ids" in item else item[0]
         return build_model(model_spec, input_shape=tuple(x.shape), num_classes=self._vocab_size(train))
 
-    def loss(self, output: torch.Tensor, batch: Sequence[torch.Tensor]) -> torch.Tensor:
-        return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), batch[1].reshape(-1))
+    def loss(self, output: Any, batch: Any) -> torch.Tensor:
+        own = own_loss(output, batch)
+        if own is not None:
+            return own
+        logits = logits_of(output)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           targets_of(batch).reshape(-1))
 
-    def eval_batch(self, output: torch.Tensor, batch: Sequence[torch.Tensor]) -> dict[str, float]:
-        y = batch[1]
-        nll = nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), y.reshape(-1),
+    def eval_batch(self, output: Any, batch: Any) -> dict[str, float]:
+        y = targets_of(batch)
+        own = own_loss(output, batch)
+        if own is not None:  # the model's mean loss, weighted by rows (module docstring)
+            return {"nll_sum": float(own) * len(y), "count": len(y)}
+        logits = logits_of(output)
+        nll = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
                                           reduction="sum")
         return {"nll_sum": float(nll), "count": y.numel()}
 

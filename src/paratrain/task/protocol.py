@@ -5,12 +5,20 @@ batch and the metrics of an evaluation. The training loop only calls these metho
 object that has them is a task (no base class needed).
 
 Batches. Datasets are map-style ``torch.utils.data.Dataset`` objects (``len`` and
-``dataset[i]``; arrays are wrapped in a ``TensorDataset``). A batch is the tuple of the
-dataset's item fields stacked over a list of indices (``torch.utils.data.default_collate``),
-gathered without a DataLoader (:func:`paratrain.task.fetch_batch`: a ``TensorDataset`` is
-indexed directly, a dataset with a ``get_batch(indices)`` method is asked for the whole
-batch at once). The model is called on ``batch[0]``; ``loss`` and ``eval_batch`` get the
-model's output and the whole batch (so ``batch[1:]`` are the targets, by convention).
+``dataset[i]``; arrays are wrapped in a ``TensorDataset``). An item may be a tensor, a
+tuple, a dict (what Hugging Face collators give) or any pytree of tensors; a batch is the
+items at a list of indices collated into one pytree of the same structure
+(:func:`paratrain.task.fetch_batch`: a ``TensorDataset`` is indexed directly, a dataset
+with ``get_batch(indices)`` is asked for the whole batch, otherwise the task's optional
+``collate_fn(items)`` or ``torch.utils.data.default_collate``), moved to the device as a
+whole. The model is called on it by :func:`paratrain.task.call_model`: the task's optional
+``model_inputs(batch)`` says how (a dict: keyword arguments, a tuple: positional ones, an
+``(args, kwargs)`` pair: both, anything else: the one argument); without it a dict batch is
+``model(**batch)``, a tuple batch ``model(batch[0])`` and a tensor batch ``model(batch)``.
+``loss`` and ``eval_batch`` get the model's output as it is (a tensor, a Hugging Face
+``ModelOutput``, ...) and the whole batch (``batch[1:]`` or ``batch["labels"]`` are the
+targets, by convention; the built-in tasks read ``.logits`` and a model's own ``.loss``,
+:mod:`paratrain.task.builtin`).
 
 Evaluation is additive: ``eval_batch`` returns *sums* over the batch (floats, including
 ``"count"``), the loop adds them up over every batch of the test set, and ``finalize``
@@ -21,7 +29,6 @@ return ``"loss"``; the summary reports ``test_<name>`` for every metric it retur
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
@@ -47,7 +54,7 @@ class Task(Protocol):
       results.
 
     Optional: ``name`` (str), ``eval_batch_size`` (examples per evaluation batch, default
-    1024) and ``reference_metrics(train, test) -> dict[str, float]`` (baselines reported in
+    1024), ``collate_fn(items) -> batch``, ``model_inputs(batch)`` (the module docstring) and ``reference_metrics(train, test) -> dict[str, float]`` (baselines reported in
     the summary as they are, e.g. the language model's ``bigram_test_loss``).
     """
 
@@ -58,8 +65,8 @@ class Task(Protocol):
 
     def build_model(self, model_spec: Any, train: Dataset[Any]) -> nn.Module: ...
 
-    def loss(self, output: Any, batch: Sequence[torch.Tensor]) -> torch.Tensor: ...
+    def loss(self, output: Any, batch: Any) -> torch.Tensor: ...
 
-    def eval_batch(self, output: Any, batch: Sequence[torch.Tensor]) -> dict[str, float]: ...
+    def eval_batch(self, output: Any, batch: Any) -> dict[str, float]: ...
 
     def finalize(self, sums: dict[str, float]) -> dict[str, float]: ...

@@ -1,46 +1,106 @@
-"""The task-generic loop pieces: gather a batch by indices, evaluation (the optimizer step
-is the one loop's :class:`paratrain.training.loop.Trainer`).
+"""The task-generic loop pieces: gather a batch by indices, feed it to the model,
+evaluation (the optimizer step is the one loop's :class:`paratrain.training.loop.Trainer`).
 
-No DataLoader: the order is the loop's (``epoch_permutation``), a batch is gathered here.
-For a ``TensorDataset`` the batch is ``tuple(t[idx] for t in tensors)``, exactly what the
-classification loop always did, so its parameters stay bit-identical.
+Batches are pytrees. A dataset item may be a tensor, a tuple, a dict (what Hugging Face
+collators give) or any nesting of them (:mod:`torch.utils._pytree`); a batch is the items
+at ``idx`` collated into one pytree of the same structure with stacked leaves:
+
+- a ``TensorDataset``: ``tuple(t[idx] for t in tensors)``, exactly what the
+  classification loop always did, so its parameters stay bit-identical;
+- a dataset with ``get_batch(indices)``: its answer, as it is (a list becomes a tuple);
+- otherwise ``collate([dataset[i] for i in idx])`` with ``collate`` the task's
+  ``collate_fn`` when it has one, else ``torch.utils.data.default_collate`` (a top-level
+  list becomes a tuple: ``default_collate`` turns tuple items into a list).
+
+How a batch feeds the model (:func:`model_args`): the task's ``model_inputs(batch)`` when
+it defines one, else a dict batch as keyword arguments (``model(**batch)``), a tuple or
+list batch by its first field (``model(batch[0])``), a tensor as itself. The task's
+``loss`` and ``eval_batch`` then get the model's output and the whole batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from .protocol import Task
 
-__all__ = ["fetch_batch", "evaluate", "DEFAULT_EVAL_BATCH"]
+__all__ = ["fetch_batch", "to_device", "batch_rows", "model_args", "call_model", "evaluate",
+           "DEFAULT_EVAL_BATCH"]
 
 DEFAULT_EVAL_BATCH = 1024
 
 
-def _as_tuple(batch: Any) -> tuple[torch.Tensor, ...]:
-    if isinstance(batch, torch.Tensor):
-        return (batch,)
-    if isinstance(batch, list | tuple):
-        return tuple(batch)
-    raise TypeError(f"a dataset item must be a tensor or a tuple of tensors (got {type(batch).__name__})")
+def _top_tuple(batch: Any) -> Any:
+    return tuple(batch) if type(batch) is list else batch
 
 
-def fetch_batch(dataset: Dataset[Any], idx: torch.Tensor,
-                device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
-    """Examples ``idx`` of ``dataset`` as one batch (a tuple of stacked fields) on ``device``."""
+def to_device(batch: Any, device: torch.device | None) -> Any:
+    """``batch`` with every tensor leaf on ``device`` (the structure kept; None: as it is)."""
+    if device is None:
+        return batch
+    return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def fetch_batch(dataset: Dataset[Any], idx: torch.Tensor, device: torch.device | None = None, *,
+                collate: Callable[[list[Any]], Any] | None = None) -> Any:
+    """Examples ``idx`` of ``dataset`` as one batch (a pytree of stacked fields, see the
+    module docstring) on ``device``; ``collate``: the task's ``collate_fn`` (None:
+    ``default_collate``)."""
     if isinstance(dataset, TensorDataset):
-        batch = tuple(t[idx] for t in dataset.tensors)
+        batch: Any = tuple(t[idx] for t in dataset.tensors)
     elif callable(getattr(dataset, "get_batch", None)):
-        batch = _as_tuple(dataset.get_batch(idx))  # type: ignore[attr-defined]
+        batch = _top_tuple(dataset.get_batch(idx))  # type: ignore[attr-defined]
     else:
-        batch = _as_tuple(default_collate([dataset[int(i)] for i in idx]))
-    if device is not None:
-        batch = tuple(t.to(device) for t in batch)
-    return batch
+        items = [dataset[int(i)] for i in idx]
+        batch = _top_tuple((collate or default_collate)(items))
+    return to_device(batch, device)
+
+
+def batch_rows(batch: Any) -> int:
+    """The examples in ``batch``: the leading size of its first tensor leaf (1 for a 0-dim
+    tensor or a batch without tensors)."""
+    for leaf in pytree.tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor):
+            return int(leaf.shape[0]) if leaf.dim() > 0 else 1
+    return 1
+
+
+def model_args(task: Any, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` the model is called with on ``batch``: the task's
+    ``model_inputs(batch)`` when it has one (a dict: keyword arguments; a tuple: positional
+    ones; an ``(args_tuple, kwargs_dict)`` pair: both; anything else: one positional
+    argument), else ``model(**batch)`` for a dict batch, ``model(batch[0])`` for a tuple or
+    list, ``model(batch)`` for a tensor."""
+    hook = getattr(task, "model_inputs", None)
+    if callable(hook):
+        got = hook(batch)
+        if (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], tuple)
+                and isinstance(got[1], Mapping)):
+            return got[0], dict(got[1])
+        if isinstance(got, Mapping):
+            return (), dict(got)
+        if isinstance(got, tuple):
+            return got, {}
+        return (got,), {}
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, tuple | list):
+        if not batch:
+            raise ValueError("an empty batch has no field to feed the model")
+        return (batch[0],), {}
+    return (batch,), {}
+
+
+def call_model(task: Any, model: nn.Module | Callable[..., Any], batch: Any) -> Any:
+    """The model's output on ``batch``: ``model(*args, **kwargs)`` of :func:`model_args`."""
+    args, kwargs = model_args(task, batch)
+    return model(*args, **kwargs)
 
 
 @torch.no_grad()
@@ -48,14 +108,15 @@ def evaluate(model: nn.Module, task: Task, dataset: Dataset[Any], *,
              device: torch.device | None = None, batch_size: int | None = None) -> dict[str, float]:
     """The task's metrics over ``dataset``, in order, from summed ``eval_batch`` results."""
     bs = int(batch_size or getattr(task, "eval_batch_size", None) or DEFAULT_EVAL_BATCH)
+    collate = getattr(task, "collate_fn", None)
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
     n = len(dataset)  # type: ignore[arg-type]
     try:
         for a in range(0, n, bs):
-            batch = fetch_batch(dataset, torch.arange(a, min(a + bs, n)), device)
-            for k, v in task.eval_batch(model(batch[0]), batch).items():
+            batch = fetch_batch(dataset, torch.arange(a, min(a + bs, n)), device, collate=collate)
+            for k, v in task.eval_batch(call_model(task, model, batch), batch).items():
                 sums[k] = sums.get(k, 0.0) + float(v)
     finally:
         model.train(was_training)

@@ -57,7 +57,7 @@ __all__ = [
     "Trainer", "DataPlan", "Position", "LoopResult", "run_loop", "batch_size_of", "summary_fields",
 ]
 
-Batch = tuple[torch.Tensor, ...]
+Batch = Any  # a pytree of tensors (paratrain.task.steps): a tuple, a dict, a tensor, ...
 
 
 def resolve_device(name: str) -> torch.device:
@@ -78,8 +78,11 @@ def epoch_permutation(n: int, *, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
-def batch_size_of(batch: Sequence[torch.Tensor]) -> int:
-    return int(batch[0].shape[0]) if batch and batch[0].dim() > 0 else 1
+def batch_size_of(batch: Batch) -> int:
+    """The examples in ``batch`` (a pytree): :func:`paratrain.task.steps.batch_rows`."""
+    from ..task.steps import batch_rows
+
+    return batch_rows(batch)
 
 
 class Engine(Protocol):
@@ -130,9 +133,11 @@ class LocalEngine:
         self.device, self.precision = device, precision
 
     def forward_backward(self, batch: Batch, *, weight: float, last: bool) -> float:
+        from ..task.steps import call_model
+
         del last
         with autocast(self.precision, self.device):
-            loss = self.task.loss(self.model(batch[0]), batch)
+            loss = self.task.loss(call_model(self.task, self.model, batch), batch)
         (loss * weight).backward() if weight != 1.0 else loss.backward()
         return float(loss.detach())
 

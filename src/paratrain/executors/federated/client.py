@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from ...config.job import JobConfig
 from ...models.state import load_unique_state_dict, unique_state_dict
-from ...task.steps import fetch_batch
+from ...task.steps import call_model, fetch_batch
 from ...training import build_optimizer
 from ...training.faults import injected_faults
 from ...training.loop import LocalEngine, Trainer
@@ -102,10 +102,10 @@ class ClientEngine(LocalEngine):
         self.params = [p for _, p in named]
         self.anchors = [global_state[name].detach() for name, _ in named] if self.mu > 0 else []
 
-    def forward_backward(self, batch: tuple[Tensor, ...], *, weight: float, last: bool) -> float:
+    def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:
         del last
         with autocast(self.precision, self.device):
-            loss = self.task.loss(self.model(batch[0]), batch)
+            loss = self.task.loss(call_model(self.task, self.model, batch), batch)
         if self.mu > 0:
             loss = loss + proximal_term(self.params, self.anchors, self.mu)
         (loss * weight).backward() if weight != 1.0 else loss.backward()
@@ -139,11 +139,13 @@ def local_train(
     acc = int(train.grad_accumulation)
     starts = list(range(0, n, bs))
     total, steps = 0.0, 0
+    collate = getattr(engine.task, "collate_fn", None)
     model.train()
     for _ in range(epochs):
         order = indices[torch.randperm(n, generator=generator)]
         for g in range(0, len(starts), acc):
-            batches = [fetch_batch(dataset, order[a : a + bs], device) for a in starts[g : g + acc]]
+            batches = [fetch_batch(dataset, order[a : a + bs], device, collate=collate)
+                       for a in starts[g : g + acc]]
             total += trainer.step(batches)
             steps += 1
     return total / max(steps, 1), steps

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from ...comm.federated_ops import broadcast_, store_delete, store_get_json, store_set_json
 from ...models.state import load_unique_state_dict, unique_state_dict
-from ...task.steps import DEFAULT_EVAL_BATCH, fetch_batch
+from ...task.steps import DEFAULT_EVAL_BATCH, call_model, fetch_batch
 from ...training.stepping import autocast
 from .flat import flatten_state, unflatten_state
 
@@ -113,9 +113,10 @@ def eval_sums(model: nn.Module, task: Any, dataset: Any, idx: np.ndarray, *,
     sums: dict[str, float] = {}
     try:
         for a in range(0, len(order), bs):
-            batch = fetch_batch(dataset, order[a : a + bs], device)
+            batch = fetch_batch(dataset, order[a : a + bs], device,
+                                collate=getattr(task, "collate_fn", None))
             with autocast(precision, device):
-                out = model(batch[0])
+                out = call_model(task, model, batch)
             for k, v in task.eval_batch(out, batch).items():
                 sums[k] = sums.get(k, 0.0) + float(v)
     finally:

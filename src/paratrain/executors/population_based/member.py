@@ -268,7 +268,8 @@ class MemberRunner:
                 for _ in range(t.grad_accumulation):
                     if pos >= n:
                         perm, pos = torch.randperm(n, generator=g), 0
-                    batches.append(fetch_batch(d.train, perm[pos : pos + bs], self.device))
+                    batches.append(fetch_batch(d.train, perm[pos : pos + bs], self.device,
+                                               collate=getattr(d.task, "collate_fn", None)))
                     pos += bs
                 losses.append(trainer.step(batches))
             t2 = time.perf_counter()

@@ -22,8 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ...comm.tp.world import world_mean
+from ...task.steps import call_model
 from ...tensor_parallel import TensorParallelModule
 from ...tensor_parallel.grid import grid_steps
 from ...tensor_parallel.shards import dense_names_and_shards
@@ -47,13 +49,14 @@ def replicas_of(p: torch.nn.Parameter, tp: int) -> int:
 
 
 def _split(batch: Batch, parts: int) -> list[Batch]:
-    """``batch`` in ``parts`` row chunks (fields that are not batch-first go whole)."""
+    """``batch`` (a pytree) in ``parts`` row chunks (leaves that are not batch-first go whole)."""
     n = batch_size_of(batch)
     if parts <= 1 or n <= 1:
         return [batch]
-    cols = [torch.tensor_split(t, parts) if t.dim() > 0 and t.shape[0] == n else None
-            for t in batch]
-    return [tuple(c[i] if c is not None else t for c, t in zip(cols, batch, strict=True))
+    leaves, spec = tree_flatten(batch)
+    cols = [torch.tensor_split(t, parts) if isinstance(t, torch.Tensor) and t.dim() > 0
+            and t.shape[0] == n else None for t in leaves]
+    return [tree_unflatten([c[i] if c is not None else t for c, t in zip(cols, leaves, strict=True)], spec)
             for i in range(parts)]
 
 
@@ -89,7 +92,7 @@ class TensorParallelEngine(LocalEngine):
                 continue
             scale = weight * (m / n) if n else weight
             with autocast(self.precision, self.device):
-                loss = self.task.loss(self.model(chunk[0]), chunk)
+                loss = self.task.loss(call_model(self.task, self.model, chunk), chunk)
             (loss * scale).backward() if scale != 1.0 else loss.backward()
             total += (m / n if n else 1.0) * float(loss.detach())
             if self.per_micro_sync:

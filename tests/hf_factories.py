@@ -1,0 +1,34 @@
+"""Tiny Hugging Face models built from a config (no download), as a ``[model] factory``
+names them: ``factory = "hf_factories:gpt2"`` / ``"hf_factories:llama"``. The factories
+take only the documented keywords they need (``num_classes`` = the vocabulary size under
+the ``language_model`` task, ``input_shape = (T,)``) and return the raw transformers model:
+no wrapper, its ``CausalLMOutput`` goes to the task as it is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def gpt2(num_classes: int, input_shape: tuple[int, ...], *, layers: int = 2, hidden: int = 32,
+         heads: int = 2) -> Any:
+    """``GPT2LMHeadModel`` with ``layers`` blocks of width ``hidden`` (tied head)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=num_classes, n_positions=int(input_shape[0]), n_embd=hidden,
+                     bos_token_id=None, eos_token_id=None,
+                     n_layer=layers, n_head=heads, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def llama(num_classes: int, *, layers: int = 2, hidden: int = 32, heads: int = 4,
+          kv_heads: int = 2) -> Any:
+    """``LlamaForCausalLM`` with ``layers`` decoder layers of width ``hidden`` (grouped-query
+    attention: ``kv_heads`` key/value heads); takes no ``input_shape`` (rotary positions)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=num_classes, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=256,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return LlamaForCausalLM(cfg)
