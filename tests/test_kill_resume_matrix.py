@@ -155,5 +155,8 @@ def test_stopped_run_resumes_bit_identical(
         else:
             err = _finish(start_cli(job, env=env))
             assert "restarted from" in err, err[-3000:]  # a worker really died
+            # in the strategy's own count (Federated's ckpt-<round>.pt holds a round)
+            unit = {"Federated": "round", "PopulationBased": "generation"}.get(kind, "step")
+            assert re.search(rf"restarted from {unit} \d+", err), err[-3000:]
     assert not _temps(run_dir), _temps(run_dir)
     assert _digest(run_dir) == _reference(tmp_path_factory, kind)

@@ -77,6 +77,13 @@ class FoundCheckpoint:
         """``step 40`` (``generation 3`` for a population)."""
         return f"{'generation' if self.kind == 'population' else 'step'} {self.step}"
 
+    def where_in(self, strategy: str | None) -> str:
+        """:attr:`where` in the run's own count: a Federated server's ``ckpt-<round>.pt``
+        (the Local file layout) holds a round, not a step."""
+        if strategy == "Federated" and self.kind == "local":
+            return f"round {self.step}"
+        return self.where
+
     def describe(self) -> str:
         """Which layout wrote it, for messages."""
         if self.kind in ("local", "population"):

@@ -161,7 +161,8 @@ def _logs_specs(job: JobConfig, log_dir: str, capture: _Capture) -> Any:
             logs = write_failure_logs(job, failures, self.attempt)
             # what the stores resume from: the newest complete checkpoint of any layout
             found = newest_checkpoint(Path(job.run.output_dir) / job.run.name)
-            where = found.where if found is not None else "the start"
+            strategy = getattr(job.strategy, "type", None)
+            where = found.where_in(strategy) if found is not None else "the start"
             root = root_failure(failures)
             if root is not None and root.weight() == 0:
                 # A bad job fails the same way on every attempt: stop instead of restarting

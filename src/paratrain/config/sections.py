@@ -86,11 +86,28 @@ class RunConfig(_Section):
     """torch intra-op threads of each training process (the Local run, every CPU worker); None =
     ``OMP_NUM_THREADS`` when set, else 1 (paratrain.training.threads says why)."""
 
+    progress_every: Count | str = "30s"
+    """Progress when stderr is not a terminal (CI, a notebook, a log file): a line every span
+    of wall time (``"30s"``, ``"5m"``) or every N optimizer steps (rounds under Federated,
+    generations under PopulationBased) with the position, loss, steps/s and ETA; ``0`` or
+    ``"off"`` prints none (and no progress bar on a terminal either)."""
+
     @field_validator("checkpoint_every")
     @classmethod
     def _steps_or_duration(cls, v: int | str) -> int | str:
         parse_every(v)  # ValueError names the accepted forms
         return v
+
+    @field_validator("progress_every")
+    @classmethod
+    def _steps_duration_or_off(cls, v: int | str) -> int | str:
+        if v != "off":
+            try:
+                parse_every(v)
+            except ValueError as e:
+                raise ValueError(f"{e} (or 'off')") from None
+        return v
+
 
     @field_validator("name")
     @classmethod

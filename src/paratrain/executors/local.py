@@ -92,7 +92,8 @@ def _train(
     result = run_loop(
         trainer=trainer, plan=plan, task=task, store=LocalStore(run_dir / "checkpoints"),
         label="Local", metrics=MetricsWriter(run_dir), resume=resume, prepare=folder.prepare,
-        eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every, started=started,
+        eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every,
+        progress_every=job.run.progress_every, started=started,
         layout={"strategy": "Local", "replicas": 1},
     )
     summary: dict[str, Any] = {

@@ -39,11 +39,12 @@ ECHO_S = 2.0  # a repeat signal this soon after the first is the launcher forwar
 
 
 class Interrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT/SIGTERM after writing its checkpoint at ``step``."""
+    """A run stopped by SIGINT/SIGTERM after writing its checkpoint at ``step`` (a
+    ``unit``: Federated counts rounds, PopulationBased generations)."""
 
-    def __init__(self, signame: str, step: int) -> None:
+    def __init__(self, signame: str, step: int, unit: str = "step") -> None:
         self.signame, self.step = signame, step
-        super().__init__(f"{signame} received; checkpoint at step {step} written")
+        super().__init__(f"{signame} received; checkpoint at {unit} {step} written")
 
 
 class StopFlag:

@@ -262,6 +262,7 @@ def run_loop(
     check_state: Callable[[dict[str, Any], Any], None] | None = None,
     layout: dict[str, Any] | None = None,
     reposition: Callable[[dict[str, Any], Position], Position] | None = None,
+    progress_every: int | str | None = None,
 ) -> LoopResult:
     """Train ``plan`` with ``trainer`` from the position ``store`` resumes (``resume``) or
     from the start; evaluate, log, checkpoint; return the position and the final metrics
@@ -276,7 +277,8 @@ def run_loop(
     ``reposition(old_layout, position)`` moves the data position onto this layout (default:
     by the examples walked, from the layouts' ``"replicas"``). An engine may define
     ``model_names()`` (its keys -> the model's names) and ``model_shards()`` (its keys that
-    hold part of a model tensor -> their shard spec, :mod:`.reshard`)."""
+    hold part of a model tensor -> their shard spec, :mod:`.reshard`). ``progress_every``:
+    ``run.progress_every`` (:mod:`.progress`; shown by the process that logs metrics)."""
     started = time.perf_counter() if started is None else started
     eng, opt = trainer.engine, trainer.optimizer
     model = eng.model
@@ -353,7 +355,7 @@ def run_loop(
     bpe, acc, bs = plan.batches_per_epoch, plan.accumulation, plan.batch_size
     ce, cadence = eval_every, Cadence(checkpoint_every)
     model.train()
-    bar = progress_bar(enabled=None if metrics is not None else False)
+    bar = progress_bar(enabled=None if metrics is not None else False, every=progress_every)
     bar_task = bar.add_task(label, total=total, completed=pos.step, info="")
     bar.start()
     try:
@@ -363,7 +365,7 @@ def run_loop(
                 while pos.batch < bpe and pos.step < total:
                     stop = min(pos.batch + acc, bpe)
                     batches = [_fetch(plan, order[b * bs:(b + 1) * bs]) for b in range(pos.batch, stop)]
-                    losses.append(trainer.step(batches))
+                    losses.append(last_loss := trainer.step(batches))
                     extra = eng.after_step()
                     pos.step += 1
                     pos.batch = stop
@@ -376,7 +378,7 @@ def run_loop(
                         ev = log_eval()
                         if ev is not None:
                             bar.update(bar_task, info=f"{fit} {ev.get(fit, float('nan')):.3f}")
-                    bar.update(bar_task, completed=pos.step)
+                    bar.update(bar_task, completed=pos.step, loss=last_loss)
                     halt, due = agree(stop_flag.requested, cadence.time_due(), group)
                     if cadence.step_due(pos.step, end_of_epoch) or due or (
                             halt and last_saved[0] != pos.step):

@@ -279,7 +279,8 @@ def train_replica(
             trainer=trainer, plan=plan, task=task, store=_store(ctx, run_dir),
             label=f"DataParallel x{ctx.world_size}",
             metrics=MetricsWriter(run_dir) if ctx.is_main else None, resume=resume, prepare=prepare,
-            eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every, rank=ctx.rank,
+            eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every,
+            progress_every=job.run.progress_every, rank=ctx.rank,
             restart_count=ctx.restart_count, started=started, group=ctx.group,
             layout={"strategy": "DataParallel", "replicas": ctx.world_size},
         )

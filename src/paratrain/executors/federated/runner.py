@@ -211,7 +211,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         model=model, personal=host.personal, task=task, dataset=test_set, splits=splits,
         hosted=host.hosted, num_clients=strat.num_clients, device=device, comm_device=comm_dev,
         precision=precision, rank=rank, world=world, group=group, store=store, counter=traffic)
-    bar_ctx = progress_bar(enabled=None if is_server else False)
+    bar_ctx = progress_bar(enabled=None if is_server else False, every=job.run.progress_every)
     cadence, saved = Cadence(job.run.checkpoint_every), {"round": start, "done": start}
 
     def end_round(done: int) -> None:
@@ -225,10 +225,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             cadence.saved()
         maybe_kill(rank=rank, step=done, restart_count=ctx.restart_count)  # PARATRAIN_FAULT_KILL
         if halt:
-            raise Interrupted(flag.signame or "a signal to another worker", done)
+            raise Interrupted(flag.signame or "a signal to another worker", done, "round")
 
     with stop_on_signals() as flag, bar_ctx as bar:
-        bar_task = bar.add_task("Federated", total=strat.rounds, completed=start, info="")
+        bar_task = bar.add_task("Federated", total=strat.rounds, completed=start, info="", unit="round")
         for r in range(start, strat.rounds):
             if rank == kill_rank and r == kill_round and ctx.restart_count == 0:
                 os._exit(17)  # a hard crash, as a killed process would look
@@ -305,7 +305,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                        time_s=time.perf_counter() - started)
             assert metrics is not None
             metrics.log(dict(rec))
-            bar.update(bar_task, completed=r + 1,
+            bar.update(bar_task, completed=r + 1, loss=rec.get("train_loss"),
                        info=f"{fit} {ev.get(fit, float('nan')):.3f} ok {rec['clients_ok']}/{rec['clients_selected']}")
             end_round(r + 1)
     if saved["round"] != saved["done"]:  # stopped early (federated.target_accuracy)

@@ -324,7 +324,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         trainer=trainer, plan=data, task=task, store=store, label="ModelParallel",
         metrics=metrics, resume=resume, check_state=check_state, eval_every=t.eval_every,
         prepare=(lambda: _prepare_resumed(ctx, job)) if resume else None,
-        checkpoint_every=job.run.checkpoint_every, rank=ctx.rank,
+        checkpoint_every=job.run.checkpoint_every,
+        progress_every=job.run.progress_every, rank=ctx.rank,
         restart_count=ctx.restart_count, started=started, group=ctx.group, layout=layout,
     )
     # parameters_sha256: sha256 over the per-rank digests of each rank's node tensors.

@@ -186,7 +186,7 @@ def _end_generation(ctx: WorkerContext, runner: MemberRunner, flag: StopFlag, do
     halt, _ = agree(flag.requested, False, ctx.group if ctx.world_size > 1 else None)
     if halt:
         runner.writer.flush()  # the population checkpoint of `done` generations is on disk
-        raise Interrupted(flag.signame or "a signal to another worker", done)
+        raise Interrupted(flag.signame or "a signal to another worker", done, "generation")
 
 
 def _work(ctx: WorkerContext, job: JobConfig, resume: bool, flag: StopFlag) -> dict[str, Any] | None:
@@ -234,10 +234,11 @@ def _work(ctx: WorkerContext, job: JobConfig, resume: bool, flag: StopFlag) -> d
     per_rank: list[dict[str, float]] = []
     loop_started = time.perf_counter()
     shared_checked = False
-    bar = progress_bar(enabled=None if main else False)
+    bar = progress_bar(enabled=None if main else False, every=job.run.progress_every)
     bar.start()
     bar_task = bar.add_task("PopulationBased", total=generations,
-                        completed=pop.generation if pop is not None else 0, info="")
+                        completed=pop.generation if pop is not None else 0, info="",
+                        unit="generation")
 
     while True:
         plan = None
@@ -294,8 +295,9 @@ def _work(ctx: WorkerContext, job: JobConfig, resume: bool, flag: StopFlag) -> d
         per_rank.append({"checkpoint_s": max(loads), "train_s": sum(r["train_s"] for r in ordered),
                          "eval_s": sum(r["eval_s"] for r in ordered)})
         best_i = pop.best(mode)
-        bar.update(bar_task, completed=pop.generation,
-                   info=f"best {metric} {record['fitness'][best_i]} (member {best_i})")
+        best_f = record["fitness"][best_i]
+        best_f = f"{best_f:.4g}" if isinstance(best_f, int | float) else best_f  # None: all failed
+        bar.update(bar_task, completed=pop.generation, info=f"best {metric} {best_f} (member {best_i})")
         copied = {c["recipient"]: c["donor"] for c in record["copies"]}
         for r in ordered:
             m = r["metrics"] or {}
