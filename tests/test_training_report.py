@@ -29,3 +29,61 @@ def test_matplotlib_imports_in_the_background_and_the_plot_uses_it(tmp_path: Pat
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["before False", "after True paratrain-matplotlib", "plot True"]
     assert (tmp_path / "run" / "report.png").stat().st_size > 1000
+
+
+def _lines(ax: object) -> list[str]:
+    return [str(line.get_label()) for line in ax.get_lines()]  # type: ignore[attr-defined]
+
+
+def _fit(tmp: Path, name: str, **sections: object) -> Path:
+    from paratrain.config import load_job
+    from paratrain.dispatch import execute
+
+    execute(load_job({"run": {"name": name, "seed": 0, "output_dir": str(tmp)}, **sections}))
+    return tmp / name
+
+
+def test_report_plots_the_metrics_a_language_model_and_a_classifier_record(tmp_path: Path) -> None:
+    """report.png has one panel per metric the run's metrics.jsonl holds: a language model's
+    loss, perplexity and bits per token (no accuracy panel, which it would leave empty); a
+    classifier's loss and accuracy."""
+    import matplotlib.pyplot as plt
+
+    from paratrain.training.report import curves_figure
+
+    lm = _fit(tmp_path, "lm", task={"name": "language_model", "block_size": 16},
+              model={"name": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 16},
+              data={"name": "shakespeare"},
+              train={"epochs": 1, "max_steps": 4, "batch_size": 8, "eval_every": 2,
+                     "optimizer": {"name": "adamw", "lr": 3e-3}})
+    clf = _fit(tmp_path, "clf", model={"name": "mlp", "hidden": [16]},
+               train={"epochs": 1, "max_steps": 20, "batch_size": 16, "eval_every": 10,
+                      "optimizer": {"name": "sgd", "lr": 0.1}})
+    for run, want in ((lm, {"loss": ["train_loss", "test_loss"], "perplexity": ["test_perplexity"],
+                            "bits_per_token": ["test_bits_per_token"]}),
+                      (clf, {"loss": ["train_loss", "test_loss"], "accuracy": ["test_accuracy"]})):
+        assert (run / "report.png").stat().st_size > 1000
+        fig = curves_figure(run)
+        try:
+            got = {ax.get_title(): _lines(ax) for ax in fig.axes}
+            assert got == want, got
+            for ax in fig.axes:
+                assert ax.get_ylabel() == ax.get_title()
+                assert all(len(line.get_xdata()) == 2 for line in ax.get_lines())  # 2 evaluations
+        finally:
+            plt.close(fig)
+
+
+def test_panels_follow_the_keys_records_hold() -> None:
+    """Regression's mse and r2; a federated round's personal metrics beside the global one;
+    keys without a number (or not metrics) make no panel."""
+    from paratrain.training.report import panels
+
+    assert panels([{"step": 1, "train_loss": 1.0, "test_loss": 1.0, "test_mse": 1.0, "test_r2": 0.5,
+                    "time_s": 3.0, "test_note": "x", "test_ok": True}]) == [
+        ("loss", ["train_loss", "test_loss"]), ("mse", ["test_mse"]), ("r2", ["test_r2"])]
+    assert panels([{"round": 0, "test_loss": 2.0, "test_accuracy": 0.5, "personal_test_accuracy": 0.6,
+                    "personal_test_accuracy_min": 0.2, "clients_ok": 4}]) == [
+        ("loss", ["test_loss"]),
+        ("accuracy", ["test_accuracy", "personal_test_accuracy", "personal_test_accuracy_min"])]
+    assert panels([{"step": 1, "test_perplexity": None}]) == []

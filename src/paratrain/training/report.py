@@ -1,10 +1,12 @@
-"""``report.png``: loss and accuracy curves from metrics.jsonl (matplotlib, Agg), and the
-provenance map of a run summary (which figures were measured, which modelled)."""
+"""``report.png``: the loss and the task's own metrics (accuracy; perplexity and bits per
+token; mse and r2) as metrics.jsonl records them (matplotlib, Agg), and the provenance map of a run summary (which figures were measured, which modelled)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import math
+import re
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -13,7 +15,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from .rundir import read_metrics
 
-__all__ = ["plot_curves", "never_fails", "provenance", "import_in_background", "MEASURED", "MODELLED",
+__all__ = ["plot_curves", "curves_figure", "panels", "never_fails", "provenance", "import_in_background", "MEASURED", "MODELLED",
            "CONFIGURED"]
 
 _P = ParamSpec("_P")
@@ -63,36 +65,86 @@ def _quiet(fn: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
-@never_fails
-def plot_curves(run_dir: str | Path, *, x_key: str = "step", title: str | None = None) -> Path:
-    """Plot every record carrying ``train_loss``/``test_loss``/``test_accuracy`` against ``x_key``.
+_TEST = re.compile(r"^(?:personal_)?test_(?P<metric>.+?)(?:_min)?$")
+# metrics that are fractions (plotted on [0, 1]) and those spanning decades (log scale)
+_FRACTIONS = frozenset({"accuracy"})
+_LOG_SCALE = frozenset({"perplexity"})
 
-    Failures warn (see :func:`never_fails`) and return None."""
+
+def panels(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
+    """The panels of ``report.png`` as ``(title, keys)``, from the keys the records carry:
+    ``loss`` (``train_loss``, ``test_loss``) first, then one panel per other evaluation
+    metric the task logged, in the order they first appear -- ``test_<m>`` with a federated
+    run's ``personal_test_<m>`` (mean over clients) and ``personal_test_<m>_min`` beside it:
+    ``accuracy`` for classification, ``perplexity`` and ``bits_per_token`` for a language
+    model, ``mse`` and ``r2`` for regression. A key that holds no number is left out, so no
+    panel is empty (``loss`` included: without a loss there is no loss panel)."""
+    out: dict[str, list[str]] = {}
+    for r in records:
+        for key, value in r.items():
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            m = _TEST.match(key)
+            if key != "train_loss" and m is None:
+                continue
+            metric = "loss" if m is None else m.group("metric")
+            keys = out.setdefault(metric, [])
+            if key not in keys:
+                keys.append(key)
+    order = ["loss"] if "loss" in out else []
+    order += [m for m in out if m != "loss"]
+    return [(m, out[m]) for m in order]
+
+
+def curves_figure(run_dir: str | Path, *, x_key: str = "step", title: str | None = None) -> Any:
+    """The figure of ``report.png`` (a matplotlib Figure; the caller closes it): one panel
+    per :func:`panels` entry, each key of the panel one curve against ``x_key``."""
     _import_matplotlib()
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
     records = [r for r in read_metrics(run_dir) if x_key in r]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, ax in (("train_loss", ax_loss), ("test_loss", ax_loss), ("test_accuracy", ax_acc)):
-        pts = [(r[x_key], r[key]) for r in records if r.get(key) is not None]
-        if pts:
+    spec = panels(records) or [("loss", [])]  # a run with no records yet: one empty loss panel
+    ncols = min(len(spec), 3)
+    nrows = math.ceil(len(spec) / ncols)
+    fig, grid = plt.subplots(nrows, ncols, figsize=(5 * ncols, 4 * nrows), squeeze=False)
+    axes = [ax for row in grid for ax in row]
+    for ax, (metric, keys) in zip(axes, spec, strict=False):
+        for key in keys:
+            pts = [(r[x_key], r[key]) for r in records
+                   if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)]
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, label=key, marker="." if len(pts) < 50 else None)
-    ax_loss.set_xlabel(x_key)
-    ax_loss.set_ylabel("loss")
-    if ax_loss.get_legend_handles_labels()[0]:
-        ax_loss.legend()
-    ax_acc.set_xlabel(x_key)
-    ax_acc.set_ylabel("accuracy")
-    ax_acc.set_ylim(0, 1)
-    if ax_acc.get_legend_handles_labels()[0]:
-        ax_acc.legend()
+        ax.set_title(metric)
+        ax.set_xlabel(x_key)
+        ax.set_ylabel(metric)
+        if metric in _FRACTIONS:
+            ax.set_ylim(0, 1)
+        elif metric in _LOG_SCALE and keys:
+            ax.set_yscale("log")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    for ax in axes[len(spec):]:
+        fig.delaxes(ax)
     fig.suptitle(title or run_dir.name)
     fig.tight_layout()
-    out = run_dir / "report.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+@never_fails
+def plot_curves(run_dir: str | Path, *, x_key: str = "step", title: str | None = None) -> Path:
+    """``run_dir/report.png``: the loss and every evaluation metric the run's
+    ``metrics.jsonl`` records (:func:`panels`) against ``x_key``.
+
+    Failures warn (see :func:`never_fails`) and return None."""
+    fig = curves_figure(run_dir, x_key=x_key, title=title)
+    import matplotlib.pyplot as plt
+
+    out = Path(run_dir) / "report.png"
+    try:
+        fig.savefig(out, dpi=100)
+    finally:
+        plt.close(fig)
     return out
 
 
