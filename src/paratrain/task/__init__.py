@@ -118,6 +118,8 @@ def preflight_task(job: JobConfig, *, task: Any = None, datasets: Any = None,
         with torch.no_grad():
             loss = task.loss(call_model(task, model, batch), batch)
         value = float(loss)
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise ConfigError([("model", _one_line(f"the model or the task's loss fails on two "
                                                f"training examples: {type(e).__name__}: {e}"))]) from None

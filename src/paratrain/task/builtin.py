@@ -74,12 +74,14 @@ def targets_of(batch: Any) -> torch.Tensor:
     """A batch's targets: ``batch["labels"]`` of a dict batch, else ``batch[1]``."""
     if isinstance(batch, Mapping):
         if "labels" not in batch:
-            raise ValueError(f"a dict batch needs a 'labels' field for the built-in tasks (it has "
-                             f"{', '.join(map(str, batch)) or 'no fields'}); or give a task factory")
+            raise ConfigError([("data", f"a dict batch needs a 'labels' field for the built-in "
+                                        f"tasks (it has {', '.join(map(str, batch)) or 'no fields'}"
+                                        "); or give a task.factory")])
         return batch["labels"]  # type: ignore[no-any-return]
     if isinstance(batch, tuple | list) and len(batch) >= 2:
         return batch[1]  # type: ignore[no-any-return]
-    raise ValueError("a built-in task needs (inputs, targets) batches or a dict with 'labels'")
+    raise ConfigError([("data", f"a built-in task needs (inputs, targets) batches or dicts with "
+                                f"'labels' (got a {type(batch).__name__} batch)")])
 
 
 def own_loss(output: Any, batch: Any) -> torch.Tensor | None:
