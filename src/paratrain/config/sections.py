@@ -188,7 +188,9 @@ class DataSpec(_OpenSection):
     factory replaces the default name."""
 
     name: str | None = "digits"
-    """A built-in dataset: ``digits``, ``diabetes`` (regression) or the ``shakespeare`` corpus."""
+    """A built-in dataset: ``digits``, ``diabetes`` (regression), the ``shakespeare`` corpus or
+    ``tokens`` (a flat binary file of token ids, paratrain.data.tokens; both for
+    ``task.name = "language_model"``)."""
     factory: str | None = None
     """A user dataset instead of a built-in name: ``"module:function"`` (the section's other keys
     are its kwargs)."""
@@ -196,6 +198,19 @@ class DataSpec(_OpenSection):
     """Fraction of the examples held out as the test set, in (0, 1)."""
     partition: PartitionSpec = PartitionSpec()
     """The federated clients' split of the training set: iid, shards, dirichlet or speaker."""
+    num_workers: Annotated[int, Field(ge=0, le=64, strict=True)] = 0
+    """Loader processes that gather the training batches (torch's DataLoader workers, forked
+    by each training process, ``prefetch_factor`` batches ahead each); 0 = in the training
+    process (paratrain.data.loader). The order, and so the result for a deterministic
+    dataset, is the same for every value; a worker reseeds torch, random and numpy per batch
+    from (run.seed, epoch, batch, replica). Strategies training through the one loop (Local,
+    DataParallel, tensor parallel, ModelParallel) use it; Federated and PopulationBased
+    gather their clients' and members' batches in process."""
+    pin_memory: bool = False
+    """Copy batches to the GPU through pinned (page-locked) memory; only with run.device on
+    CUDA (ignored on CPU)."""
+    prefetch_factor: Annotated[int, Field(ge=1, le=64, strict=True)] | None = None
+    """Batches each loader worker prepares ahead; None = torch's 2. Needs num_workers > 0."""
 
     @model_validator(mode="before")
     @classmethod
@@ -205,6 +220,9 @@ class DataSpec(_OpenSection):
     @model_validator(mode="after")
     def _exactly_one(self) -> DataSpec:
         _one_of_name_factory("data", self.name, self.factory)
+        if self.prefetch_factor is not None and self.num_workers == 0:
+            raise ValueError("data.prefetch_factor needs data.num_workers > 0 (the training "
+                             "process gathers its batches itself)")
         return self
 
 

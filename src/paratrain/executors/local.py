@@ -20,6 +20,7 @@ from torch import nn
 
 from ..config.job import JobConfig
 from ..data import DataBundle
+from ..data.loader import LoaderOptions, dataset_rows
 from ..models import build_model
 from ..task import Task, resolve_task
 from ..training import (
@@ -82,11 +83,13 @@ def _train(
 ) -> dict[str, Any]:
     run_dir = folder.path
     seed = job.run.seed
-    n = len(train)
+    n = dataset_rows(train)  # 0 for a stream: DataPlan.build counts its steps
     t = job.train
-    plan = DataPlan(dataset=train, order=lambda e: epoch_permutation(n, seed=seed, epoch=e),
-                    examples_per_epoch=n, batch_size=t.batch_size, accumulation=t.grad_accumulation,
-                    epochs=t.epochs, max_steps=t.max_steps, device=device)
+    plan = DataPlan.build(dataset=train, order=lambda e: epoch_permutation(n, seed=seed, epoch=e),
+                          examples_per_epoch=n, batch_size=t.batch_size,
+                          accumulation=t.grad_accumulation, epochs=t.epochs,
+                          max_steps=t.max_steps, device=device,
+                          loader=LoaderOptions.of(job.data, seed))
     engine = LocalEngine(net, task, test, device=device, precision=t.precision)
     trainer = Trainer(engine, opt, t, plan.total_steps)
     result = run_loop(

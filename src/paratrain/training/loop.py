@@ -26,6 +26,8 @@ uninterrupted run takes, so its final parameters are bit-identical (tested per s
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -36,6 +38,8 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
+from ..config import ConfigError
+from ..data.loader import IN_PROCESS, Feed, LoaderOptions, MapFeed, is_stream
 from . import checkpoint
 from .faults import maybe_kill
 from .interrupt import Cadence, Interrupted, agree, stop_on_signals
@@ -207,7 +211,12 @@ class Trainer:
 @dataclass(frozen=True)
 class DataPlan:
     """This process's data: ``order(epoch)`` gives the dataset indices it walks that epoch
-    (all of the same length every epoch), in batches of ``batch_size``."""
+    (all of the same length every epoch), in batches of ``batch_size``, read through torch's
+    DataLoader with ``loader``'s workers (:mod:`paratrain.data.loader`).
+
+    A stream (an ``IterableDataset``) has no order: rank ``shard[0]`` of ``shard[1]`` reads
+    its share of it (:mod:`paratrain.data.stream`) as one "epoch" of ``max_steps`` steps
+    (:meth:`build`)."""
 
     dataset: Any
     order: Callable[[int], torch.Tensor]
@@ -217,6 +226,29 @@ class DataPlan:
     epochs: int
     max_steps: int | None
     device: torch.device | None = None
+    loader: LoaderOptions = IN_PROCESS
+    shard: tuple[int, int] = (0, 1)
+
+    @classmethod
+    def build(cls, *, dataset: Any, order: Callable[[int], torch.Tensor], examples_per_epoch: int,
+              batch_size: int, accumulation: int, epochs: int, max_steps: int | None,
+              device: torch.device | None = None, loader: LoaderOptions = IN_PROCESS,
+              shard: tuple[int, int] = (0, 1)) -> DataPlan:
+        """The plan; for a stream, ``max_steps`` steps of ``accumulation`` batches in one
+        epoch (``order`` and ``examples_per_epoch`` unused; ConfigError without
+        ``train.max_steps``)."""
+        if is_stream(dataset):
+            if max_steps is None:
+                raise ConfigError([("train.max_steps", "the training data is a stream (an "
+                                    "IterableDataset, no len()): a run over it counts steps, "
+                                    "not epochs; set train.max_steps")])
+            examples_per_epoch, epochs = max_steps * accumulation * batch_size, 1
+        return cls(dataset, order, examples_per_epoch, batch_size, accumulation, epochs,
+                   max_steps, device, loader, shard)
+
+    @property
+    def stream(self) -> bool:
+        return is_stream(self.dataset)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -248,10 +280,22 @@ class LoopResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _fetch(plan: DataPlan, idx: torch.Tensor) -> Batch:
-    from ..task.steps import fetch_batch
+def _feed(plan: DataPlan, task: Any) -> Feed:
+    """Where the loop reads ``plan``'s batches: a DataLoader over the loop's order, or a
+    stream's StatefulDataLoader; the task's ``collate_fn`` collates items."""
+    from ..task.steps import fetch_batch, to_device
 
-    return fetch_batch(plan.dataset, idx, plan.device)
+    collate = getattr(task, "collate_fn", None)
+    move = functools.partial(to_device, device=plan.device)
+    if plan.stream:
+        from ..data.stream import StreamFeed
+
+        return StreamFeed(plan.dataset, batch_size=plan.batch_size, rank=plan.shard[0],
+                          world=plan.shard[1], to_device=move, collate=collate,
+                          options=plan.loader, device=plan.device)
+    return MapFeed(plan.dataset, order=plan.order, batch_size=plan.batch_size, fetch=fetch_batch,
+                   to_device=move, collate=collate, options=plan.loader, device=plan.device,
+                   rank=plan.shard[0])
 
 
 def run_loop(
@@ -289,6 +333,7 @@ def run_loop(
     shards = getattr(eng, "model_shards", None)  # keys holding part of a model tensor -> spec
     shards = shards() if callable(shards) else None
     found = store.load() if resume else None
+    feed = _feed(plan, task)
     if found is not None:
         source, state = found
         resharded = "named_model" in state  # written on another layout (.reshard)
@@ -309,6 +354,8 @@ def run_loop(
             pos = (reposition(old, pos) if reposition is not None else Position(pos.step, *by_examples(
                 old, layout or {}, epoch=pos.epoch, batch=pos.batch, per_epoch=plan.batches_per_epoch)))
         losses = [float(v) for v in state.get("losses", [])]
+        if not resharded:  # a stream's loader position (same layout only)
+            feed.load_state_dict(state.get("loader") or {})
     if prepare is not None:
         prepare()
     if metrics is not None and resume:
@@ -327,6 +374,7 @@ def run_loop(
         store.save(pos.step, {
             "model": model.state_dict(), **trainer.state_dict(), "rng": rng_state(),
             "engine": eng.state_dict(), "step": pos.step, "epoch": pos.epoch, "batch": pos.batch,
+            "loader": feed.state_dict(),
             "losses": list(losses), "optimizer_type": type(opt).__name__,
             "names": saved_names, "param_names": saved_params, "layout": dict(layout or {}),
             **saved_shards,
@@ -352,7 +400,7 @@ def run_loop(
         return ev
 
     total = plan.total_steps
-    bpe, acc, bs = plan.batches_per_epoch, plan.accumulation, plan.batch_size
+    bpe, acc = plan.batches_per_epoch, plan.accumulation
     ce, cadence = eval_every, Cadence(checkpoint_every)
     model.train()
     bar = progress_bar(enabled=None if metrics is not None else False, every=progress_every)
@@ -360,11 +408,16 @@ def run_loop(
     bar.start()
     try:
         with stop_on_signals() as stop_flag:
-            while pos.step < total and pos.epoch < plan.epochs:
-                order = plan.order(pos.epoch)
+            ran_out = False
+            while pos.step < total and pos.epoch < plan.epochs and not ran_out:
+                source = feed.batches(pos.epoch, pos.batch)
                 while pos.batch < bpe and pos.step < total:
                     stop = min(pos.batch + acc, bpe)
-                    batches = [_fetch(plan, order[b * bs:(b + 1) * bs]) for b in range(pos.batch, stop)]
+                    batches = list(itertools.islice(source, stop - pos.batch))
+                    if plan.stream:  # a finite stream: every rank stops when one runs out
+                        ran_out = agree(len(batches) < stop - pos.batch, False, group)[0]
+                        if ran_out:
+                            break
                     losses.append(last_loss := trainer.step(batches))
                     extra = eng.after_step()
                     pos.step += 1
@@ -390,6 +443,7 @@ def run_loop(
                     if end_of_epoch:
                         break
     finally:
+        feed.close()
         bar.stop()
     if losses or (pos.step not in evaluated and (pos.step > start_step or found is None)):
         log_eval()

@@ -46,6 +46,7 @@ from ...comm.rendezvous import in_torchrun
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import DataParallel
+from ...data.loader import LoaderOptions, dataset_rows, is_stream
 from ...subgraphs import local_buffer_names, local_parameter_names, local_paths
 from ...task import resolve_task
 from ...training import (
@@ -241,8 +242,8 @@ def train_replica(
     seed = job.run.seed
     seed_everything(seed)
     task, train, test = _load_task(job)
-    n_rows = len(train)
-    validate(job, num_train=n_rows)
+    n_rows = dataset_rows(train)  # 0 for a stream (its plan counts steps)
+    validate(job, num_train=None if is_stream(train) else n_rows)
     model = task.build_model(job.model, train)
     model.to(ctx.device)
     counter = C.CommCounter()
@@ -260,11 +261,12 @@ def train_replica(
     )
     run_dir = run_dir_of(job)
     t = job.train
-    plan = DataPlan(
+    plan = DataPlan.build(
         dataset=train, order=lambda e: shard_indices(n_rows, world=ctx.world_size, rank=ctx.rank,
                                                      seed=seed, epoch=e),
         examples_per_epoch=n_rows // ctx.world_size, batch_size=t.batch_size,
-        accumulation=t.grad_accumulation, epochs=t.epochs, max_steps=t.max_steps, device=ctx.device)
+        accumulation=t.grad_accumulation, epochs=t.epochs, max_steps=t.max_steps, device=ctx.device,
+        loader=LoaderOptions.of(job.data, seed), shard=(ctx.rank, ctx.world_size))
     engine = DataParallelEngine(model, task, test, ctx=ctx, precision=t.precision, agg=agg,
                                 counter=counter, local=local)
     trainer = Trainer(engine, opt, t, plan.total_steps)
@@ -342,7 +344,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
         # Fail before spawning anything (or touching the run folder) when the data
         # cannot feed every replica or the model cannot be built.
         task, train, _ = _load_task(job)
-        validate(job, num_train=len(train))
+        validate(job, num_train=None if is_stream(train) else len(train))
         task.build_model(job.model, train)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         folder.prepare_launch()

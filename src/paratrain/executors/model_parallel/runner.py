@@ -63,6 +63,7 @@ from ...comm.groups import new_group
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import WorkerIdTarget
+from ...data.loader import LoaderOptions
 from ...task import resolve_task
 from ...training import (
     MetricsWriter,
@@ -299,7 +300,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     seed = job.run.seed
     data = DataPlan(dataset=train, order=lambda e: epoch_permutation(n, seed=seed, epoch=e),
                     examples_per_epoch=n, batch_size=t.batch_size, accumulation=t.grad_accumulation,
-                    epochs=t.epochs, max_steps=t.max_steps, device=ctx.device)
+                    epochs=t.epochs, max_steps=t.max_steps, device=ctx.device,
+                    loader=LoaderOptions.of(job.data, seed))
     engine = PipelineEngine(ctx, rt, stage, task, test, precision=t.precision,
                             micro_batch_size=proto.micro_batch_size if pipeline else None,
                             schedule_name=proto.schedule if pipeline else None,

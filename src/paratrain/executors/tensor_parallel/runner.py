@@ -45,6 +45,7 @@ from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import DataParallel, Local
 from ...config.tensor_parallel import TensorParallelismConfig
+from ...data.loader import LoaderOptions, dataset_rows, is_stream
 from ...task import Task, resolve_task
 from ...tensor_parallel import parallelize
 from ...training import (
@@ -163,8 +164,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     seed_everything(seed)
     device = ctx.device
     task, train, test = _load_task(job)
-    n_rows = len(train)
-    if n_rows // dp == 0:
+    n_rows = dataset_rows(train)  # 0 for a stream (its plan counts steps)
+    if not is_stream(train) and n_rows // dp == 0:
         raise ConfigError([("strategy.num_replicas", f"{dp} replicas but only {n_rows} training rows")])
     model = task.build_model(job.model, train)
     model.to(device)
@@ -181,11 +182,12 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     resuming = resume or ctx.restart_count > 0
     t = job.train
     d_index = groups.tp_index
-    plan = DataPlan(dataset=train,
-                    order=lambda e: dp_order(n_rows, dp=dp, replica=d_index, seed=seed, epoch=e),
-                    examples_per_epoch=n_rows if dp == 1 else n_rows // dp, batch_size=t.batch_size,
-                    accumulation=t.grad_accumulation, epochs=t.epochs, max_steps=t.max_steps,
-                    device=device)
+    plan = DataPlan.build(dataset=train,
+                          order=lambda e: dp_order(n_rows, dp=dp, replica=d_index, seed=seed, epoch=e),
+                          examples_per_epoch=n_rows if dp == 1 else n_rows // dp,
+                          batch_size=t.batch_size, accumulation=t.grad_accumulation,
+                          epochs=t.epochs, max_steps=t.max_steps, device=device,
+                          loader=LoaderOptions.of(job.data, seed), shard=(d_index, dp))
     engine = TensorParallelEngine(tpm, task, test, device=device, precision=t.precision,
                                   micro_batches=cfg.micro_batches, is_main=ctx.is_main,
                                   backend=ctx.backend)
@@ -297,7 +299,7 @@ def dry_run(job: JobConfig) -> None:
 
     cfg, tp, dp = layout(job)
     task, train, _ = _load_task(job)
-    if len(train) < dp:
+    if not is_stream(train) and len(train) < dp:
         raise ConfigError([("strategy.num_replicas",
                             f"{dp} replicas but only {len(train)} training rows")])
     model = task.build_model(job.model, train)

@@ -1,0 +1,211 @@
+"""Batches through torch's ``DataLoader``: the one loop's order as its sampler.
+
+A map-style dataset (``__getitem__`` and ``__len__``) is read in the loop's order: epoch
+``e``'s indices ``order(e)`` (``epoch_permutation``, or a DataParallel replica's shard of
+it) cut into batches of ``batch_size``; the sampler (:class:`_Keys`) yields the keys
+``(epoch, b, idx)`` of batches ``b = start, start + 1, ...`` of that epoch, so a resumed run
+starts its loader at the saved ``(epoch, batch)`` and walks the same batches. A key becomes
+a batch by ``fetch(dataset, idx, collate=...)`` (:func:`paratrain.task.steps.fetch_batch`:
+``t[idx]`` of a ``TensorDataset``, a dataset's ``get_batch``, else the items collated), in
+the training process (``num_workers = 0``: what the loop always did, bit-identical) or in
+``num_workers`` loader processes (``prefetch_factor`` batches ahead each, kept across
+epochs), then moved to the device (``pin_memory``: through pinned memory, CUDA only).
+
+Randomness in workers. A loader process reseeds ``torch``, ``random`` and ``numpy`` before
+every batch with a pure function of ``(run.seed, epoch, batch, replica)`` (:func:`batch_seed`), so an
+augmentation drawn in ``__getitem__`` is the same whatever the number of workers, and a
+resumed run draws what the uninterrupted one drew. With ``num_workers = 0`` the dataset
+draws from the training process's generators, as before (their state is checkpointed).
+
+Processes. Workers are forked from the training process (a rank is a non-daemonic child of
+the launcher, so it may have children); each ignores SIGINT (a Ctrl-C to the process group
+stops the run through the training process, which finishes its step and checkpoints) and
+dies with its parent (``PR_SET_PDEATHSIG``), and :meth:`Feed.close` ends them when the loop
+ends, is interrupted or fails. Streams (``IterableDataset``) are :mod:`.stream`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
+
+__all__ = ["LoaderOptions", "IN_PROCESS", "Feed", "MapFeed", "batch_seed", "seed_worker", "is_stream",
+           "dataset_rows",
+           "shutdown_workers"]
+
+Fetch = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """``[data]``'s loader settings and the run's seed."""
+
+    num_workers: int = 0
+    pin_memory: bool = False
+    prefetch_factor: int | None = None
+    seed: int = 0
+
+    @classmethod
+    def of(cls, spec: Any, seed: int) -> LoaderOptions:
+        """From a job's ``[data]`` (:class:`paratrain.config.sections.DataSpec`)."""
+        return cls(int(getattr(spec, "num_workers", 0)), bool(getattr(spec, "pin_memory", False)),
+                   getattr(spec, "prefetch_factor", None), int(seed))
+
+    def loader_kwargs(self, device: torch.device | None) -> dict[str, Any]:
+        """DataLoader keywords: workers, prefetching, pinning (CUDA only) and the seeding."""
+        kw: dict[str, Any] = {"num_workers": self.num_workers,
+                              "pin_memory": self.pin_memory and device is not None and device.type == "cuda",
+                              # the loader draws its workers' base seed from this generator:
+                              # never from the global one, whose stream the model's dropout uses
+                              "generator": torch.Generator().manual_seed(self.seed)}
+        if self.num_workers > 0:
+            kw.update(worker_init_fn=seed_worker, prefetch_factor=self.prefetch_factor or 2)
+        return kw
+
+
+IN_PROCESS = LoaderOptions()
+"""No loader workers, seed 0 (the default of the plans and feeds)."""
+
+
+def is_stream(dataset: Any) -> bool:
+    """An ``IterableDataset`` (no ``__len__``/``__getitem__``: read in its own order)."""
+    return isinstance(dataset, IterableDataset)
+
+
+def dataset_rows(dataset: Any) -> int:
+    """``len(dataset)``; 0 for a stream (its plan counts steps, not rows)."""
+    return 0 if is_stream(dataset) else len(dataset)
+
+
+def batch_seed(seed: int, epoch: int, batch: int, rank: int = 0) -> int:
+    """The seed of batch ``batch`` of epoch ``epoch`` of data shard ``rank`` (a DataParallel
+    replica: replicas draw different augmentations) in a loader process (63 bits)."""
+    s = ((int(seed) * 1_000_003 + int(epoch)) * 1_000_033 + int(batch)) * 65_537 + int(rank)
+    return s % (2**63 - 1)
+
+
+def _seed_all(s: int) -> None:
+    torch.manual_seed(s)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+
+
+def seed_worker(worker_id: int) -> None:
+    """``worker_init_fn`` of every loader process: ``random`` and ``numpy`` seeded from the
+    worker's torch seed (the loader's base seed + ``worker_id``, itself from the run's seed),
+    SIGINT ignored, and death with the parent process (Linux ``prctl``)."""
+    del worker_id
+    s = torch.initial_seed()
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):  # best effort: the loader's watchdog remains
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def shutdown_workers(loader: DataLoader[Any] | None) -> None:
+    """End ``loader``'s worker processes now (a persistent or abandoned iterator keeps them
+    until garbage collection otherwise); what PyTorch Lightning does at a loop's end."""
+    it = getattr(loader, "_iterator", None)
+    if it is not None and hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
+    if loader is not None:
+        loader._iterator = None
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+class _Keys(Sampler[tuple[int, int, np.ndarray]]):
+    """Keys ``(epoch, b, indices)`` of batches ``start .. stop - 1`` of one epoch's order."""
+
+    def __init__(self) -> None:
+        self.epoch, self.start, self.stop, self.batch_size = 0, 0, 0, 1
+        self.order: np.ndarray = np.zeros(0, dtype=np.int64)
+
+    def set(self, order: torch.Tensor, *, epoch: int, start: int, batch_size: int) -> None:
+        self.order = np.asarray(order, dtype=np.int64)
+        self.epoch, self.start, self.batch_size = epoch, start, batch_size
+        self.stop = -(-len(self.order) // batch_size)
+
+    def __iter__(self) -> Iterator[tuple[int, int, np.ndarray]]:
+        # this epoch's values, fixed: the next epoch's set() must not reach a live iterator
+        order, epoch, bs = self.order, self.epoch, self.batch_size
+        for b in range(self.start, self.stop):
+            yield epoch, b, order[b * bs:(b + 1) * bs]
+
+    def __len__(self) -> int:
+        return max(self.stop - self.start, 0)
+
+
+class _Gather(Dataset[Any]):
+    """Key -> batch: ``fetch(dataset, indices, collate=collate)``; in a loader process the
+    generators are first reseeded with :func:`batch_seed` of the key."""
+
+    def __init__(self, dataset: Any, fetch: Fetch, collate: Callable[[list[Any]], Any] | None,
+                 seed: int, rank: int) -> None:
+        self.dataset, self.fetch, self.collate = dataset, fetch, collate
+        self.seed, self.rank = seed, rank
+
+    def __getitem__(self, key: tuple[int, int, np.ndarray]) -> Any:  # type: ignore[override]
+        epoch, b, idx = key
+        if get_worker_info() is not None:
+            _seed_all(batch_seed(self.seed, epoch, b, self.rank))
+        return self.fetch(self.dataset, torch.from_numpy(np.asarray(idx)), None,
+                          collate=self.collate)
+
+
+class Feed:
+    """What the loop reads batches from (one per process and run)."""
+
+    def batches(self, epoch: int, start: int) -> Iterator[Any]:
+        """Batches ``start, start + 1, ...`` of ``epoch``, on the device."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's own position, saved in the loop's checkpoint ({} for map-style data,
+        whose position is the loop's ``(epoch, batch)``)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+    def close(self) -> None:
+        """End the loader's worker processes."""
+
+
+class MapFeed(Feed):
+    """A map-style dataset through one ``DataLoader`` over :class:`_Keys` (module docstring)."""
+
+    def __init__(self, dataset: Any, *, order: Callable[[int], torch.Tensor], batch_size: int,
+                 fetch: Fetch, to_device: Callable[[Any], Any],
+                 collate: Callable[[list[Any]], Any] | None = None,
+                 options: LoaderOptions = IN_PROCESS, device: torch.device | None = None,
+                 rank: int = 0) -> None:
+        self.order, self.batch_size, self.to_device = order, batch_size, to_device
+        self.keys = _Keys()
+        kw = options.loader_kwargs(device)
+        self.loader: DataLoader[Any] = DataLoader(
+            _Gather(dataset, fetch, collate, options.seed, rank), batch_size=None, sampler=self.keys,
+            collate_fn=_identity, persistent_workers=options.num_workers > 0, **kw)
+
+    def batches(self, epoch: int, start: int) -> Iterator[Any]:
+        self.keys.set(self.order(epoch), epoch=epoch, start=start, batch_size=self.batch_size)
+        for batch in self.loader:
+            yield self.to_device(batch)
+
+    def close(self) -> None:
+        shutdown_workers(self.loader)

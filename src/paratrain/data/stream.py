@@ -1,0 +1,118 @@
+"""Streams: an ``IterableDataset`` sharded over ranks and loader workers, with a resumable
+position (torchdata's ``StatefulDataLoader``).
+
+A stream has no length and no index: it is read in its own order, ``x_0, x_1, ...``. Rank
+``r`` of ``R`` (a DataParallel replica; every tensor-parallel rank of one replica reads the
+same) takes the items ``x_j`` with ``j mod R = r``, as ``DistributedSampler`` deals an
+epoch; its batch ``k`` is its items ``k * B .. (k + 1) * B - 1`` (``B = train.batch_size``),
+collated (the task's ``collate_fn`` or ``default_collate``). Loader worker ``w`` of ``W``
+builds the rank's batches ``k`` with ``k mod W = w``; the loader takes them round robin,
+so a rank's batches come in the same order for every ``num_workers``. Each worker reads the
+stream from its start and skips the items of other ranks and workers (a stream that can
+seek, e.g. a file, is cheap to skip; a stream is not split into files here). A partial
+last batch is dropped; a finite stream ends the run when any rank runs out (the loop's
+ranks agree on it), else the run ends after ``train.max_steps`` steps (required: a
+stream has no epochs).
+
+Position. The loader's ``state_dict()`` (its yielded batches per worker and, for a
+dataset or iterator with ``state_dict``/``load_state_dict``, theirs) is saved in the
+loop's checkpoint; ``--resume`` loads it, and the loader fast-forwards each worker past
+what it had yielded (replaying a stateless stream's items, so its own randomness draws
+again what it drew). A run resumed with another ``num_workers`` skips the first
+``batch`` batches instead (the loop's position), which yields the same batches.
+
+Randomness. Each loader process is seeded from the run's seed and its worker id
+(:func:`paratrain.data.loader.seed_worker`), so a stream drawing random augmentations in
+its workers repeats them on resume. With ``num_workers = 0`` the stream draws from the
+training process's generators: resume is exact for a stream without randomness.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
+
+from .loader import IN_PROCESS, Feed, LoaderOptions, _identity
+
+__all__ = ["ShardedStream", "StreamFeed"]
+
+
+class ShardedStream(IterableDataset[Any]):
+    """Rank ``rank`` of ``world``'s batches of ``dataset`` from its batch ``start`` on, the
+    current loader worker's share of them (module docstring)."""
+
+    def __init__(self, dataset: Any, *, batch_size: int, rank: int = 0, world: int = 1,
+                 start: int = 0, collate: Callable[[list[Any]], Any] | None = None) -> None:
+        self.dataset, self.batch_size = dataset, int(batch_size)
+        self.rank, self.world, self.start = int(rank), int(world), int(start)
+        self.collate = collate or default_collate
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        w, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        bs, world, rank = self.batch_size, self.world, self.rank
+        items: list[Any] = []
+        for j, item in enumerate(self.dataset):
+            if j % world != rank:
+                continue
+            q = j // world  # the rank's item number
+            k = q // bs  # its batch
+            if k < self.start or (k - self.start) % nw != w:
+                continue
+            items.append(item)
+            if len(items) == bs:
+                batch = self.collate(items)
+                yield tuple(batch) if type(batch) is list else batch
+                items = []
+
+
+class StreamFeed(Feed):
+    """A stream through one ``StatefulDataLoader`` over :class:`ShardedStream`."""
+
+    def __init__(self, dataset: Any, *, batch_size: int, rank: int, world: int,
+                 to_device: Callable[[Any], Any], collate: Callable[[list[Any]], Any] | None = None,
+                 options: LoaderOptions = IN_PROCESS, device: Any = None) -> None:
+        self.dataset, self.batch_size, self.rank, self.world = dataset, batch_size, rank, world
+        self.to_device, self.collate, self.options, self.device = to_device, collate, options, device
+        self.loaded: dict[str, Any] | None = None
+        self.loader: Any = None
+        self.start = 0  # the batch the current loader's stream starts at
+
+    def _make(self, start: int) -> Any:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        ds = ShardedStream(self.dataset, batch_size=self.batch_size, rank=self.rank,
+                           world=self.world, start=start, collate=self.collate)
+        return StatefulDataLoader(ds, batch_size=None, collate_fn=_identity,
+                                  **self.options.loader_kwargs(self.device))
+
+    def batches(self, epoch: int, start: int) -> Iterator[Any]:
+        del epoch  # a stream has one
+        self.close()
+        saved = self.loaded
+        same = saved is not None and saved.get("num_workers") == self.options.num_workers
+        self.start = int(saved["start"]) if same and saved is not None else start
+        self.loader = self._make(self.start)
+        if same and saved is not None:
+            self.loader.load_state_dict(saved["loader"])
+        for batch in self.loader:
+            yield self.to_device(batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.loader is None:  # not started (the resumed state) or closed (its last state)
+            return dict(self.loaded or {})
+        return {"num_workers": self.options.num_workers, "start": self.start,
+                "loader": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = dict(state) if state else None
+
+    def close(self) -> None:
+        from .loader import shutdown_workers
+
+        if self.loader is not None:
+            self.loaded = self.state_dict()  # what a save after the loop's end writes
+            shutdown_workers(self.loader)
+            self.loader = None
