@@ -119,7 +119,10 @@ class ClassificationTask:
             raise ConfigError([("task.name", f"data {self.data.name!r} is a text corpus: set "
                                              "task.name = 'language_model'")])
         self.bundle = load_data(self.data, seed=seed)
-        _, y = _tensors(self.bundle.train, "classification")
+        train = self.bundle.train
+        if not isinstance(train, TensorDataset):  # fit's own Dataset: its batches say the rest
+            return train, self.bundle.test
+        _, y = _tensors(train, "classification")
         if y.is_floating_point():
             raise ConfigError([("task.name", "classification needs integer class labels (the "
                                              "data has real-valued targets): set task.name = "
