@@ -188,7 +188,7 @@ def _origin(job: Any, gm: fx.GraphModule, plan: Any,
 def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) -> dict[str, Any]:
     """The report of ``job``'s graph (see the module docstring). ``model``: the job's model
     already built (else built here); the job's ``run.imports`` must already be imported."""
-    from .subgraphs import check_pairings, check_paths, effective_strategy
+    from .subgraphs import check_pairings, check_paths, effective_strategy, resolve
 
     check_pairings(job)
     train = None
@@ -199,7 +199,8 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
     leaves = tuple(getattr(job.model, "leaf_modules", ()) or ())
     gm = trace(model, leaves)
     root = job.strategy
-    subs: Mapping[str, Any] = job.subgraphs
+    resolved = resolve(model, job)  # patterns ("class:BatchNorm2d") as the modules they match
+    subs: Mapping[str, Any] = resolved.table
     kind = _type(root)
     modules = dict(model.named_modules())
 
@@ -233,7 +234,8 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
         while key is None and "." in probe:
             probe = probe.rpartition(".")[0]
             key = probe if probe in subs else None
-        return {"strategy": _type(eff), "strategy_from": f"subgraphs.{key}" if key else "strategy"}
+        return {"strategy": _type(eff),
+                "strategy_from": f"subgraphs.{resolved.origin[key]}" if key else "strategy"}
 
     # nodes: call_module targets, and modules traced into that hold tensors of their own
     order: list[tuple[str, str, fx.Node]] = []

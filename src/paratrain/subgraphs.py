@@ -2,7 +2,24 @@
 
 A job's ``[strategy]`` is the root's. ``[subgraphs."<path>"]`` sets the strategy of one
 module of the model, named by its path in ``model.named_modules()`` (``head``,
-``encoder.norm``); every table has the exact ``[strategy]`` shape. Inheritance:
+``encoder.norm``); every table has the exact ``[strategy]`` shape. A key may also be a
+pattern that names many modules at once (:func:`resolve`):
+
+- a glob over the module paths, with :func:`fnmatch.fnmatchcase` semantics (``*`` matches
+  any characters, dots included; ``?``, ``[seq]``): ``"layer*.bn*"``, ``"*.norm"``;
+- ``"class:<Name>"``: every module whose class, or one of its base classes, is named
+  ``<Name>`` (a glob too): ``"class:BatchNorm2d"``, ``"class:BatchNorm*"``,
+  ``"class:LlamaRMSNorm"``. FedBN on a torchvision ResNet-18 (20 BatchNorm2d layers) is one
+  line: ``"class:BatchNorm2d" = { type = "Local" }`` under ``[subgraphs]``.
+
+A pattern stands for the explicit table of the modules it matches. An exact path beats any
+pattern; two patterns matching one module must give it the same strategy (else a
+ConfigError names both keys and the module); a pattern matching no module is a
+ConfigError naming the key; a matched module whose nearest matched or named ancestor already
+has the same strategy is left out (it inherits it), and so is a matched module holding no
+parameters or buffers (an activation a glob happens to match). Patterns select Local subgraphs
+(Federated, DataParallel); under ModelParallel a replicated stage is named by its path.
+Inheritance, over the explicit table:
 
     effective_strategy(p) = subgraphs[p]                      if p is a key
                           = subgraphs[q]  for the longest key q that is a dotted prefix of p
@@ -29,7 +46,9 @@ and listing these. This module is pure (no process group): the executors call
 from __future__ import annotations
 
 import difflib
+import fnmatch
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from .config import ConfigError
@@ -38,8 +57,10 @@ __all__ = [
     "SUPPORTED_PAIRINGS", "effective_strategy", "nearest_ancestor", "check_pairings",
     "check_paths", "check_job", "local_paths", "local_state_keys", "local_parameter_names",
     "local_buffer_names",
-    "pairings_text",
+    "pairings_text", "is_pattern", "resolve", "Resolved",
 ]
+
+CLASS_PREFIX = "class:"
 
 # (root type, subgraph type, what the runtime does)
 SUPPORTED_PAIRINGS: tuple[tuple[str, str, str], ...] = (
@@ -86,26 +107,56 @@ def _field(key: str) -> str:
     return f"subgraphs.{key}" if key else 'subgraphs.""'
 
 
+def is_pattern(key: str) -> bool:
+    """``key`` names modules by a glob (``*``, ``?``, ``[``) or by class (``class:``)."""
+    return key.startswith(CLASS_PREFIX) or any(c in key for c in "*?[")
+
+
 def _key_problem(key: str) -> str | None:
     if not key:
         return "the root's strategy is [strategy]; a subgraph key is a module path such as 'head'"
+    if key.startswith(CLASS_PREFIX):
+        name = key[len(CLASS_PREFIX):]
+        if not name or any(c.isspace() or c == "." for c in name):
+            return (f"{key!r}: 'class:' takes a module class name (a glob allowed), e.g. "
+                    "'class:BatchNorm2d' or 'class:BatchNorm*'")
+        return None
     if any(not part for part in key.split(".")) or any(c.isspace() for c in key):
         return f"{key!r} is not a module path (dotted names of model.named_modules(), e.g. 'encoder.norm')"
     return None
 
 
+def _tp(job: Any) -> bool:
+    return job.tensor_parallel is not None and job.tensor_parallel.tensor_parallel_size > 1
+
+
 def check_pairings(job: Any) -> None:
     """ConfigError (one problem per key, ``subgraphs.<key>``) for a malformed key or a pairing
-    the runtime does not honour; needs no model."""
+    the runtime does not honour; needs no model (a pattern key is checked as one subgraph
+    here, and each module it matches once the model is built: :func:`check_paths`)."""
     subs: Mapping[str, Any] = job.subgraphs
-    root = job.strategy
     problems: list[tuple[str, str]] = []
-    tp = job.tensor_parallel is not None and job.tensor_parallel.tensor_parallel_size > 1
     for key in sorted(subs):
         bad = _key_problem(key)
+        if bad is None and is_pattern(key) and _type(job.strategy) == "ModelParallel":
+            bad = (f"{key!r} is a pattern; under ModelParallel a replicated stage is named by its "
+                   "module path (patterns select Local subgraphs under Federated or DataParallel)")
         if bad is not None:
             problems.append((_field(key), bad))
-            continue
+    if not problems:
+        problems = _pairing_problems(subs, job.strategy, _tp(job))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _pairing_problems(subs: Mapping[str, Any], root: Any, tp: bool,
+                      origin: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """The unsupported pairings of the table ``subs``; ``origin`` (a resolved table's module
+    path -> the pattern key that set it) names the key at fault and the module."""
+    problems: list[tuple[str, str]] = []
+    for key in sorted(subs):
+        src = (origin or {}).get(key, key)
+        name, what = _field(src), (f"module {key!r}: " if src != key else "")
         sub = subs[key]
         anc = nearest_ancestor(key, subs)
         parent = subs[anc] if anc is not None else root
@@ -115,20 +166,91 @@ def check_pairings(job: Any) -> None:
             continue  # the coordinator receives the whole job, [subgraphs] included
         where = f"subgraph {anc!r}" if anc is not None else "[strategy]"
         if _type(sub) == _type(parent):
-            problems.append((_field(key), (
-                f"{_type(sub)} differs from its parent's ({where}) in its fields; a subgraph with "
-                f"its parent's type is a no-op only when equal to it. {pairings_text()}")))
+            problems.append((name, (
+                f"{what}{_type(sub)} differs from its parent's ({where}) in its fields; a subgraph "
+                f"with its parent's type is a no-op only when equal to it. {pairings_text()}")))
             continue
         if anc is not None or (_type(root), _type(sub)) not in {(r, s) for r, s, _ in SUPPORTED_PAIRINGS}:
-            problems.append((_field(key), (
-                f"{_type(sub)} under {_type(parent)} ({where}) is not supported. {pairings_text()}")))
+            problems.append((name, (
+                f"{what}{_type(sub)} under {_type(parent)} ({where}) is not supported. "
+                f"{pairings_text()}")))
             continue
         if tp and _type(root) == "DataParallel":
+            problems.append((name, (
+                f"{what}a Local subgraph under DataParallel is not supported with "
+                "tensor_parallel_size > 1 (the tensor-parallel executor synchronises every "
+                "parameter)")))
+    return problems
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """``[subgraphs]`` with its patterns expanded over a model: ``table`` maps module paths
+    to strategies (the explicit tables the patterns stand for), ``origin`` each path to the
+    key that set it (itself for an exact key)."""
+
+    table: dict[str, Any] = field(default_factory=dict)
+    origin: dict[str, str] = field(default_factory=dict)
+
+
+def _matches(key: str, name: str, module: Any) -> bool:
+    if key.startswith(CLASS_PREFIX):
+        pat = key[len(CLASS_PREFIX):]
+        return any(fnmatch.fnmatchcase(c.__name__, pat) for c in type(module).__mro__
+                   if c is not object)
+    return fnmatch.fnmatchcase(name, key)
+
+
+def resolve(model: Any, job: Any) -> Resolved:
+    """The explicit table of ``job.subgraphs`` over ``model`` (module docstring): exact keys
+    as given, each pattern replaced by the modules it matches (an exact key wins; patterns
+    agreeing on a module are one entry; a matched module that would only inherit its
+    nearest ancestor's equal strategy is left out). ConfigError naming ``subgraphs.<key>``
+    for a pattern that matches nothing and for two patterns that disagree on a module."""
+    subs: Mapping[str, Any] = job.subgraphs
+    table = {k: v for k, v in subs.items() if not is_pattern(k)}
+    origin = {k: k for k in table}
+    patterns = sorted(k for k in subs if is_pattern(k))
+    if not patterns:
+        return Resolved(table, origin)
+    modules = [(n, m) for n, m in model.named_modules() if n]
+    problems: list[tuple[str, str]] = []
+    matched: dict[str, str] = {}  # module path -> the first pattern key matching it
+    for key in patterns:
+        found = [(n, m) for n, m in modules if _matches(key, n, m)]
+        # a module holding no tensor has nothing to keep apart (an activation "*" matched)
+        hits = [n for n, m in found
+                if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None]
+        if not found:
+            problems.append((_field(key), _no_match(key, modules)))
+        elif not hits:
             problems.append((_field(key), (
-                "a Local subgraph under DataParallel is not supported with tensor_parallel_size > 1 "
-                "(the tensor-parallel executor synchronises every parameter)")))
+                f"the pattern matches only modules holding no parameters or buffers "
+                f"({', '.join(n for n, _ in found[:8])}): a subgraph there would keep nothing")))
+        for n in hits:
+            first = matched.setdefault(n, key)
+            if first != key and subs[first] != subs[key] and n not in table:
+                problems.append((_field(key), (
+                    f"module {n!r} is matched by {first!r} too, with another strategy; "
+                    f"name it exactly ([subgraphs.{n!r}], an exact path wins over patterns) "
+                    "or narrow one pattern")))
     if problems:
         raise ConfigError(problems)
+    for n in sorted((n for n in matched if n not in table), key=lambda p: (p.count("."), p)):
+        anc = nearest_ancestor(n, table)
+        inherited = table[anc] if anc is not None else job.strategy
+        if subs[matched[n]] != inherited:
+            table[n], origin[n] = subs[matched[n]], matched[n]
+    return Resolved(table, origin)
+
+
+def _no_match(key: str, modules: list[tuple[str, Any]]) -> str:
+    if key.startswith(CLASS_PREFIX):
+        classes = sorted({type(m).__name__ for _, m in modules})
+        return (f"no module of the model is (or derives from) a class matching "
+                f"{key[len(CLASS_PREFIX):]!r}; its classes: {', '.join(classes[:24])}"
+                + (f", ... ({len(classes) - 24} more)" if len(classes) > 24 else ""))
+    return f"the pattern {key!r} matches no module path; {_suggest(key, [n for n, _ in modules])}"
 
 
 def _suggest(key: str, names: list[str]) -> str:
@@ -140,12 +262,14 @@ def _suggest(key: str, names: list[str]) -> str:
     return f"module paths: {', '.join(shown)}{more}"
 
 
-def local_paths(job: Any) -> list[str]:
+def local_paths(job: Any, model: Any = None) -> list[str]:
     """The keys whose ``Local`` strategy keeps a part of the model out of synchronisation:
-    ``Local`` keys (not no-ops) under a root ``Federated`` or ``DataParallel``."""
+    ``Local`` keys (not no-ops) under a root ``Federated`` or ``DataParallel``. With
+    ``model``, module paths (patterns resolved: :func:`resolve`); without, the keys as
+    written."""
     if _type(job.strategy) not in ("Federated", "DataParallel"):
         return []
-    subs: Mapping[str, Any] = job.subgraphs
+    subs: Mapping[str, Any] = job.subgraphs if model is None else resolve(model, job).table
     return sorted(k for k, s in subs.items()
                   if _type(s) == "Local" and _type(effective_strategy(nearest_ancestor(k, subs) or "",
                                                                        subs, job.strategy)) != "Local")
@@ -166,9 +290,25 @@ def check_paths(model: Any, job: Any) -> None:
     names = [n for n in modules if n]
     problems: list[tuple[str, str]] = []
     for key in sorted(subs):
-        if key not in modules or not key:
+        if (key not in modules or not key) and not is_pattern(key):
             problems.append((_field(key), f"the model has no module {key!r}; {_suggest(key, names)}"))
-    local = local_paths(job)
+    origin: dict[str, str] = {}
+    if any(is_pattern(k) for k in subs):
+        try:
+            res = resolve(model, job)
+        except ConfigError as e:
+            problems += e.problems
+        else:
+            origin = res.origin
+            if not problems:
+                problems = _pairing_problems(res.table, job.strategy, _tp(job), origin)
+    if problems:
+        raise ConfigError(problems)
+    local = local_paths(job, model)
+
+    def where(key: str) -> tuple[str, str]:
+        src = origin.get(key, key)
+        return _field(src), (f"module {key!r}: " if src != key else "")
     if not problems and local:
         entries = model.state_dict(keep_vars=True)
         groups: dict[int, list[str]] = {}
@@ -176,15 +316,15 @@ def check_paths(model: Any, job: Any) -> None:
             groups.setdefault(id(t), []).append(name)
         for key in local:
             if not any(_under(n, [key]) for n in entries):
-                problems.append((_field(key), f"module {key!r} holds no parameters or buffers: "
-                                              "a Local subgraph would keep nothing"))
+                problems.append((where(key)[0], f"module {key!r} holds no parameters or buffers: "
+                                                "a Local subgraph would keep nothing"))
                 continue
             for aliases in groups.values():
                 inside = [n for n in aliases if _under(n, local)]
                 outside = [n for n in aliases if not _under(n, local)]
                 if any(_under(n, [key]) for n in inside) and outside:
-                    problems.append((_field(key), (
-                        f"{inside[0]} is tied to {outside[0]} (one tensor), which is outside the "
+                    problems.append((where(key)[0], (
+                        f"{where(key)[1]}{inside[0]} is tied to {outside[0]} (one tensor), which is outside the "
                         "Local subgraphs: it cannot be both local and shared; untie it (e.g. "
                         "model.tie_weights = false) or make both modules Local")))
     if problems:
@@ -203,24 +343,24 @@ def local_state_keys(model: Any, job: Any) -> list[str]:
     job's Local subgraphs, in state-dict order; validates the job's paths first."""
     from .models.state import unique_state_dict
 
-    paths = local_paths(job)
-    if not paths:
+    if not local_paths(job):
         return []
     check_paths(model, job)
+    paths = local_paths(job, model)
     return [k for k in unique_state_dict(model) if _under(k, paths)]
 
 
 def local_parameter_names(model: Any, job: Any) -> set[str]:
     """The ``named_parameters`` names inside the job's Local subgraphs."""
-    paths = local_paths(job)
-    if not paths:
+    if not local_paths(job):
         return set()
     check_paths(model, job)
+    paths = local_paths(job, model)
     return {n for n, _ in model.named_parameters() if _under(n, paths)}
 
 
 def local_buffer_names(model: Any, job: Any) -> set[str]:
     """The ``named_buffers`` names inside the job's Local subgraphs (never broadcast: a
     replica's own statistics, as its own parameters)."""
-    paths = local_paths(job)
+    paths = local_paths(job, model) if local_paths(job) else []
     return {n for n, _ in model.named_buffers() if _under(n, paths)} if paths else set()

@@ -80,7 +80,8 @@ class JobConfig(_Section):
     log_uniform, int or choice dimension."""
     subgraphs: dict[str, TrainingStrategy] = {}
     """Strategies on subgraphs of the model, keyed by module path (a name of
-    ``model.named_modules()``, e.g. ``head`` or ``encoder.norm``), each a table of the
+    ``model.named_modules()``, e.g. ``head`` or ``encoder.norm``), a glob over those paths
+    (``"layer*.bn*"``) or a module class (``"class:BatchNorm2d"``), each a table of the
     ``[strategy]`` shape. A module's effective strategy is its own, else its nearest ancestor's,
     else ``[strategy]``'s (paratrain.subgraphs lists the supported pairings, e.g. Local under
     Federated: FedPer / FedBN)."""

@@ -305,7 +305,7 @@ def train_replica(
     if hasattr(agg, "topology"):
         summary["topology"] = agg.topology
     if local:
-        summary["local_subgraphs"] = local_paths(job)
+        summary["local_subgraphs"] = local_paths(job, model)  # patterns as the modules they matched
         summary["local_parameters"] = sorted(local)
         summary["parameters_sha256_by_rank"] = C.all_gather_text(summary["parameters_sha256"],
                                                                  group=ctx.group)

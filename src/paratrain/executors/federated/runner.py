@@ -371,7 +371,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         **final_per,
     }
     if personal_keys:  # FedPer / FedBN: what never left the clients
-        summary.update(local_subgraphs=local_paths(job), personal_keys=personal_keys,
+        summary.update(local_subgraphs=local_paths(job, model), personal_keys=personal_keys,
                        server_state_keys=sorted(server.global_state),
                        personal_sha256=personal_digest(workers))
     summary["provenance"] = report.provenance(summary, configured=("num_clients", "num_workers"))
