@@ -9,6 +9,8 @@
 - ``gpt(n_layer=4, n_head=4, n_embd=128, block_size, dropout=0.0, tie_weights=True)``: a
   nanoGPT-style decoder-only transformer over token ids -> logits per position
   (:mod:`paratrain.models.gpt`; embed -> block_i -> ln_f -> head)
+- ``hf(architecture, **config)``: a Hugging Face causal LM (``llama``, ``gpt2``, ...) built
+  from its config, no download (:mod:`paratrain.models.hf`; the ``hf`` extra)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch import nn
 from ..config import ConfigError
 from ..config.job import ModelSpec
 from .gpt import gpt
+from .hf import hf_causal_lm
 
 __all__ = ["MODELS", "build_model", "import_object", "call_factory", "MeanPool"]
 
@@ -150,8 +153,8 @@ def transformer(input_shape: tuple[int, ...], num_classes: int, *, d_model: int 
     return nn.Sequential(mods)
 
 
-MODELS: dict[str, Callable[..., nn.Sequential]] = {
-    "mlp": mlp, "cnn": cnn, "transformer": transformer, "gpt": gpt,
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "mlp": mlp, "cnn": cnn, "transformer": transformer, "gpt": gpt, "hf": hf_causal_lm,
 }
 
 

@@ -304,9 +304,9 @@ class LanguageModelTask:
         return int(v)
 
     def build_model(self, model_spec: ModelSpec, train: Dataset[Any]) -> nn.Module:
-        if model_spec.factory is None and model_spec.name != "gpt":
+        if model_spec.factory is None and model_spec.name not in ("gpt", "hf"):
             raise ConfigError([("model.name", f"language_model trains a sequence model over "
-                                              f"token ids: use 'gpt' or a model.factory (got "
+                                              f"token ids: use 'gpt', 'hf' or a model.factory (got "
                                               f"{model_spec.name!r})")])
         item = train[0]
         x = item["input_ids"] if isinstance(item, Mapping) and "input_ids" in item else item[0]

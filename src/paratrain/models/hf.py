@@ -1,0 +1,79 @@
+"""Hugging Face causal language models built from a config, no download: ``[model] name = "hf"``.
+
+``architecture`` is a transformers ``model_type`` (``llama``, ``gpt2``, ``mistral``,
+``qwen2``, ...); every other key of the section is a field of that architecture's config
+(``hidden_size``, ``num_hidden_layers``, ``num_key_value_heads``, GPT-2's ``n_embd``, ...).
+The model is ``AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture,
+vocab_size=V, **keys))``: randomly initialised (seeded by ``run.seed`` like every model),
+with the data's vocabulary ``V`` (the task's ``num_classes``). It is the raw transformers
+module -- no wrapper: the built-in tasks read its ``.logits`` and the strategies shard and
+place it by its own module names (``model.layers.0.self_attn.q_proj``, ``transformer.h.1``).
+
+Two defaults differ from a bare ``from_config`` because a config made for a 50 k-token
+vocabulary does not fit a small one: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``
+outside ``[0, V)`` are unset (transformers warns otherwise), and the context
+(``max_position_embeddings``, GPT-2's ``n_positions``) must hold ``block_size`` tokens or the
+build fails naming it. transformers is the optional ``hf`` extra (``pip install
+'paratrain[hf]'``); it is imported only when a job asks for this model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..config import ConfigError
+
+__all__ = ["hf_causal_lm"]
+
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError([("model.name", "'hf' needs the transformers package: pip install "
+                                          "'paratrain[hf]'")]) from None
+    return transformers
+
+
+def hf_causal_lm(input_shape: tuple[int, ...], num_classes: int, *,
+                 architecture: str | None = None, **config: Any) -> nn.Module:
+    """A randomly initialised ``AutoModelForCausalLM`` of ``architecture`` with vocabulary
+    ``num_classes`` over blocks of ``input_shape[0]`` token ids (see the module docstring)."""
+    tf = _transformers()
+    if not architecture:
+        raise ConfigError([("model.architecture", "'hf' needs architecture = a transformers "
+                                                  "model_type, e.g. 'llama' or 'gpt2'")])
+    if "vocab_size" in config:
+        raise ConfigError([("model.vocab_size", "comes from the data (the task's vocabulary); "
+                                                "remove it")])
+    for key in _TOKEN_IDS:
+        v = config.get(key)
+        if isinstance(v, int) and not 0 <= v < num_classes:
+            raise ConfigError([(f"model.{key}", f"{v} is outside the vocabulary [0, {num_classes})")])
+    try:  # built at the architecture's own vocabulary, then resized: no warning about its ids
+        cfg = tf.AutoConfig.for_model(architecture, **config)
+    except ValueError as e:
+        first = str(e).splitlines()[0].split(". Should contain")[0]
+        raise ConfigError([("model.architecture", f"{architecture!r}: {first}")]) from None
+    except TypeError as e:
+        raise ConfigError([("model", f"{architecture!r} config rejected its keys: {e}")]) from None
+    cfg.vocab_size = int(num_classes)
+    for key in _TOKEN_IDS:  # a default id of a big vocabulary (GPT-2's 50256) means nothing here
+        v = getattr(cfg, key, None)
+        if key not in config and isinstance(v, int) and not 0 <= v < num_classes:
+            setattr(cfg, key, None)
+    context = getattr(cfg, "max_position_embeddings", None)
+    if input_shape and isinstance(context, int) and context < int(input_shape[-1]):
+        raise ConfigError([("model.max_position_embeddings",
+                            f"{context} positions cannot hold blocks of {input_shape[-1]} tokens "
+                            "(task.block_size)")])
+    try:
+        model: nn.Module = tf.AutoModelForCausalLM.from_config(cfg)
+    except ValueError as e:
+        raise ConfigError([("model.architecture", f"{architecture!r} has no causal-LM head: "
+                                                  f"{str(e).splitlines()[0]}")]) from None
+    return model
