@@ -41,6 +41,7 @@ from typing import Any
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
+from .export import CAPTURE, IN_SPEC, OUT_SPEC
 from .trace import module_of
 
 __all__ = ["Part", "Attr", "Transfer", "Cut", "cut", "owner_of_path"]
@@ -104,6 +105,12 @@ class Cut:
     transfers: tuple[Transfer, ...]
     owner: dict[str, int] = field(default_factory=dict)  # fx node name -> rank
     call_order: tuple[str, ...] = ()  # module ids in execution order
+    capture: str = "fx"  # "fx" (symbolic_trace) or "export" (torch.export, graph.export)
+    # export: the pytree specs of the model's (args, kwargs) and output (None: fx, whose
+    # placeholders are forward's parameters and whose output structure is ``output``)
+    in_spec: Any = None
+    out_spec: Any = None
+    input_defaults: dict[str, Any] = field(default_factory=dict)  # fx: a parameter's default
 
     def parts_of(self, rank: int) -> list[Part]:
         return [p for p in self.parts if p.rank == rank]
@@ -130,6 +137,9 @@ def owner_of_path(path: str, claims: Mapping[str, int]) -> int | None:
         probe = probe.rpartition(".")[0]
 
 
+_FIELD_OPS = (operator.getitem, getattr)
+
+
 def _attr_module(target: str) -> str:
     return target.rpartition(".")[0]
 
@@ -137,6 +147,10 @@ def _attr_module(target: str) -> str:
 def _node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) -> dict[str, int]:
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     owner: dict[str, int] = {}
+    # An exported graph has no call_module nodes: the operations of a module holding its own
+    # parameters or buffers (a Linear, an Embedding, a norm) stand for the fx leaf, and run
+    # on ``default`` when no claim covers them, as an unclaimed fx leaf does.
+    holders = _holders(gm) if gm.meta.get(CAPTURE) == "export" else set()
     for n in nodes:
         if n.op == "call_module":
             r = owner_of_path(str(n.target), claims)
@@ -159,6 +173,14 @@ def _node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) ->
                 r = None if mod is None else owner_of_path(mod, claims)
                 if r is not None:
                     owner[n.name] = r
+                elif mod and mod in holders:
+                    owner[n.name] = default  # an unclaimed layer's own operation (export)
+    # A field taken out of a leaf's tuple / ModelOutput (``out[0]``, ``out.last_hidden_state``)
+    # runs where the leaf ran: what crosses is then the tensor, not the structure.
+    for n in nodes:
+        if (n.name not in owner and n.op == "call_function" and n.target in _FIELD_OPS
+                and isinstance(n.args[0], fx.Node) and n.args[0].name in owner):
+            owner[n.name] = owner[n.args[0].name]
     # Follow the data for the rest: consumers first (reverse order), then inputs.
     for n in reversed(nodes):
         if n.name in owner:
@@ -168,8 +190,15 @@ def _node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) ->
         if users and len(got) == 1 and None not in got and len(users) == len(n.users):
             owner[n.name] = got.pop()  # type: ignore[assignment]
     index = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    # A value computed from the batch alone (labels shifted for a loss, a mask) may run
+    # anywhere: it does not pull the nodes that read it; it runs where it is first read.
+    free: set[str] = set()
     for n in nodes:
-        if n.name in owner:
+        if n.name not in owner and n.op == "call_function" and all(
+                a.op == "placeholder" or a.name in free for a in n.all_input_nodes):
+            free.add(n.name)
+    for n in nodes:
+        if n.name in owner or n.name in free:
             continue
         ins = [a for a in n.all_input_nodes if a.name in owner]
         if ins:
@@ -177,7 +206,16 @@ def _node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) ->
         else:
             users = [u for u in n.users if u.name in owner]
             owner[n.name] = owner[users[0].name] if users else default
+    for n in reversed(nodes):
+        if n.name in free:
+            users = sorted((u for u in n.users if u.name in owner), key=lambda u: index[u.name])
+            owner[n.name] = owner[users[0].name] if users else default
     return owner
+
+
+def _holders(gm: fx.GraphModule) -> set[str]:
+    return {name for name, m in gm.named_modules()
+            if name and (m._parameters or m._buffers)}
 
 
 def _parts(gm: fx.GraphModule, owner: Mapping[str, int]) -> dict[str, int]:
@@ -232,9 +270,17 @@ def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> C
     owner = _node_owners(gm, claims, default)
     part_of = _parts(gm, owner)
     calls: dict[int, list[str]] = {}
+    exported = gm.meta.get(CAPTURE) == "export"
     for n in gm.graph.nodes:
         if n.op == "call_module":
             calls.setdefault(part_of[n.name], []).append(str(n.target))
+        elif exported and n.name in part_of:
+            # no call_module nodes in an exported graph: a part lists the modules whose
+            # forwards its operations ran in (innermost), in order
+            mod = module_of(n)
+            got = calls.setdefault(part_of[n.name], [])
+            if mod and mod not in got and not mod.startswith("_"):
+                got.append(mod)
     rank_of_part = {part_of[name]: owner[name] for name in part_of}
 
     def callback(node: fx.Node) -> int:
@@ -302,7 +348,12 @@ def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> C
     return Cut(tuple(parts), tuple(attrs), tuple(inputs), output,
                tuple(str(v) for v in out_values), loss_rank, producer, rank_of_value,
                tuple(transfers), owner,
-               tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_module"))
+               tuple(m for k in sorted(calls) for m in calls[k]) if exported else
+               tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_module"),
+               capture="export" if exported else "fx", in_spec=gm.meta.get(IN_SPEC),
+               out_spec=gm.meta.get(OUT_SPEC),
+               input_defaults={n.name: n.args[0] for n in gm.graph.nodes
+                               if n.op == "placeholder" and n.args})
 
 
 class _ValueName(str):

@@ -8,8 +8,11 @@ module is traced *into*, so its children appear by their qualified names, exactl
 is decorated with :func:`leaf`: the way out for a forward fx cannot trace (Python control
 flow on a tensor's value, ``.item()``, data-dependent shapes).
 
-A forward that cannot be traced is a :class:`~paratrain.config.ConfigError` at ``model``
-naming the innermost module whose forward failed and how to mark it a leaf.
+When fx fails and an example input is given (``example=(args, kwargs)``, a batch's model
+arguments), the model is captured with ``torch.export`` (non-strict) instead
+(:mod:`.export`: a Hugging Face model, whose forward fx cannot trace); a forward neither can
+capture is a :class:`~paratrain.config.ConfigError` at ``model`` naming the innermost module
+whose forward failed under fx, how to mark it a leaf, and export's own error.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..config import ConfigError
+from .export import canonical_ties, export_graph
 
 __all__ = ["leaf", "trace", "module_of", "LEAF_ATTR"]
 
@@ -57,8 +61,10 @@ class _Tracer(fx.Tracer):
             raise
 
 
-def trace(model: nn.Module, leaves: Iterable[str] = ()) -> fx.GraphModule:
-    """``model`` as a GraphModule sharing its parameters (see module docstring)."""
+def trace(model: nn.Module, leaves: Iterable[str] = (),
+          example: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> fx.GraphModule:
+    """``model`` as a GraphModule sharing its parameters (see module docstring); a tied
+    tensor read by ``get_attr`` under its first name (:func:`.export.canonical_ties`)."""
     wanted = set(leaves)
     known = dict(model.named_modules())
     bad = sorted(p for p in wanted if p not in known or not p)
@@ -69,6 +75,17 @@ def trace(model: nn.Module, leaves: Iterable[str] = ()) -> fx.GraphModule:
     try:
         graph = tracer.trace(model)
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error
+        if example is not None:
+            try:
+                gm = export_graph(model, *example)
+            except Exception as e2:  # noqa: BLE001 - reported with fx's error below
+                why = (str(e2).strip().splitlines() or [type(e2).__name__])[0]
+                also = f"; torch.export (non-strict) failed too: {why}"
+            else:
+                canonical_ties(gm, model)
+                return gm
+        else:
+            also = ""
         where = tracer.failed_in
         what = f"module {where!r} ({type(known[where]).__name__})" if where in known else (
             f"the model's own forward ({type(model).__name__})")
@@ -77,9 +94,11 @@ def trace(model: nn.Module, leaves: Iterable[str] = ()) -> fx.GraphModule:
                f"@paratrain.graph.leaf" if where in known and where else
                "a leaf: move the untraceable part into a submodule and list it in "
                "model.leaf_modules")
-        raise ConfigError([("model", f"torch.fx cannot trace {what}: {first}. Mark it a leaf "
-                            f"(traced as one node, run as-is): {how}")]) from None
-    return fx.GraphModule(model, graph, type(model).__name__)
+        raise ConfigError([("model", f"torch.fx cannot trace {what}: {first}{also}. Mark it a "
+                            f"leaf (traced as one node, run as-is): {how}")]) from None
+    gm = fx.GraphModule(model, graph, type(model).__name__)
+    canonical_ties(gm, model)
+    return gm
 
 
 def module_of(node: fx.Node) -> str | None:

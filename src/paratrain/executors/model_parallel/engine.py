@@ -199,7 +199,8 @@ class PipelineEngine(LocalEngine):
         try:
             for a in range(0, n, bs):
                 batch = fetch_batch(self.test, torch.arange(a, min(a + bs, n)), self.device)
-                out = self.rt.forward(batch[0], step=self._evals, precision=self.precision)
+                args, kwargs = self.rt.feed(batch)
+                out = self.rt.forward(*args, step=self._evals, precision=self.precision, **kwargs)
                 self._evals += 1
                 if out is not None:
                     for k, v in self.task.eval_batch(out, batch).items():

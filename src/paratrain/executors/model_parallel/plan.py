@@ -148,19 +148,22 @@ def build_plan(
     contiguous: bool = False,
     field: str = "strategy.partitions",
     leaves: Sequence[str] = (),
+    example: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
 ) -> Plan:
     """Place ``model``'s nodes by ``partitions`` on ``workers``; cut it into parts.
 
     ``contiguous=True`` (Pipeline) additionally requires one part per rank. ``leaves``:
     module paths traced as one node (the job's ``model.leaf_modules``). All problems found
-    are reported together in one ConfigError.
+    are reported together in one ConfigError. ``example``: a batch's model arguments
+    ``(args, kwargs)``, with which a model fx cannot trace is captured by ``torch.export``
+    (:mod:`paratrain.graph.export`; its parts list the modules whose operations they run).
     """
     if not isinstance(model, nn.Module):
         model = _chain(list(model))
     if not partitions:
         raise ConfigError([(field, "model-parallel training with no partitions: "
                                    "nothing says where any node runs")])
-    gm = trace(model, leaves)
+    gm = trace(model, leaves, example)
     called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
     if not called and not any(n.op == "call_function" for n in gm.graph.nodes):
         raise ConfigError([("model", "the model has no nodes to place")])
@@ -172,6 +175,12 @@ def build_plan(
     c = cut(gm, claims, default=DEFAULT_RANK)
     owner = {m: c.owner[n.name] for n in gm.graph.nodes if n.op == "call_module"
              for m in [str(n.target)]}
+    if c.capture == "export":
+        called = list(c.call_order)
+        owner = {}
+        for p in c.parts:
+            for m in p.nodes:
+                owner.setdefault(m, p.rank)
     plan = Plan(tuple(called), owner, c, dict(claims))
     if contiguous and not plan.is_contiguous():
         problems: list[tuple[str, str]] = []

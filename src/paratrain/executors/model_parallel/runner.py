@@ -65,6 +65,7 @@ from ...config.job import JobConfig
 from ...config.strategy import WorkerIdTarget
 from ...data.loader import LoaderOptions
 from ...task import resolve_task
+from ...task.steps import model_args
 from ...training import (
     MetricsWriter,
     build_optimizer,
@@ -108,16 +109,31 @@ def num_workers(job: JobConfig) -> int:
     return highest + 1 + extra
 
 
-def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any]) -> Plan:
-    """Validate the job's partitions against ``model`` and ``workers``; the placement."""
+def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any],
+             example: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> Plan:
+    """Validate the job's partitions against ``model`` and ``workers``; the placement.
+    ``example``: the model's arguments on a batch, to capture a model fx cannot trace with
+    torch.export (:func:`example_args`)."""
     strategy: Any = job.strategy
     if getattr(strategy, "type", None) != "ModelParallel":
         raise ConfigError([("strategy.type", f"expected ModelParallel (got {strategy.type!r})")])
     pipeline = strategy.communication.protocol == "Pipeline"
     plan = build_plan(model, strategy.partitions, workers, contiguous=pipeline,
-                      leaves=tuple(getattr(job.model, "leaf_modules", ()) or ()))
-    check_shared_parameters(model, plan)
+                      leaves=tuple(getattr(job.model, "leaf_modules", ()) or ()), example=example)
+    if plan.cut.capture == "fx":  # an exported graph reads every parameter by get_attr
+        check_shared_parameters(model, plan)
     return plan
+
+
+def example_args(task: Any, train: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The model's ``(args, kwargs)`` on the first two training examples (None: no data)."""
+    from ...task.steps import fetch_batch, model_args
+
+    if len(train) == 0:
+        return None
+    batch = fetch_batch(train, torch.arange(min(2, len(train))), torch.device("cpu"),
+                        collate=getattr(task, "collate_fn", None))
+    return model_args(task, batch)
 
 
 def check_shared_parameters(model: nn.Module, plan: Plan) -> None:
@@ -153,27 +169,29 @@ def validate(job: JobConfig) -> Plan:
     ``run`` call this): builds the task's model to learn its node ids, then raises a
     ConfigError naming the culprit for every placement error DESIGN §4 lists."""
     n = num_workers(job)
-    _, train, _, model = _task_model(job)
+    task, train, _, model = _task_model(job)
     workers = default_workers(n, list(job.workers))
-    plan = plan_for(job, model, workers)
+    example = example_args(task, train)
+    plan = plan_for(job, model, workers, example)
     replicas_for(job, plan, n, workers)
-    check_crossing_values(plan, model, train, workers)
+    check_crossing_values(plan, model, train, workers, task)
     return plan
 
 
 @torch.no_grad()
-def check_crossing_values(plan: Plan, model: nn.Module, train: Any, workers: list[Any]) -> None:
-    """Run the parts once on two training examples, in part order, and refuse a value that
-    would cross workers but is not a tensor (an int from ``x.size(1)``, a tuple): only
-    tensors travel. The ConfigError names the value, the worker that makes it and the one
-    that reads it."""
-    from ...task.steps import fetch_batch
+def check_crossing_values(plan: Plan, model: nn.Module, train: Any, workers: list[Any],
+                          task: Any = None) -> None:
+    """Run the parts once on two training examples (the ``task``'s model arguments on them,
+    :func:`example_args`), in part order, and refuse a value that would cross workers but
+    is not a tensor (an int from ``x.size(1)``, a tuple): only tensors travel. The
+    ConfigError names the value, the worker that makes it and the one that reads it."""
+    from .feed import model_inputs
 
-    if len(train) == 0:
+    example = example_args(task, train)
+    if example is None:
         return
-    x = fetch_batch(train, torch.arange(min(2, len(train))), torch.device("cpu"))[0]
     c = plan.cut
-    env: dict[str, Any] = {v: x for v in c.inputs}
+    env: dict[str, Any] = model_inputs(c, *example)
     for a in c.attrs:
         mod, _, name = a.target.rpartition(".")
         env[a.name] = getattr(model.get_submodule(mod), name)
@@ -270,7 +288,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     task, train, test, model = _task_model(job)
     num_parameters = sum(p.numel() for p in model.parameters())
     names, ties = list(model.state_dict()), tied_names(model)  # for the exported model
-    plan = plan_for(job, model, ctx.workers)
+    plan = plan_for(job, model, ctx.workers, example_args(task, train))
     replicas = replicas_for(job, plan, ctx.world_size, ctx.workers)
     stage_rank, _ = replicas.logical(ctx.rank)
     replica_group = None
@@ -287,7 +305,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     stage = StageModel(modules, attrs, plan.segments_of(stage_rank)).to(ctx.device)
     transport = _transport(ctx, job, run_dir)
     rt = StageRuntime(plan, stage_rank, modules, transport, device=ctx.device, attrs=attrs,
-                      replicas=replicas, physical_rank=ctx.rank)
+                      replicas=replicas, physical_rank=ctx.rank,
+                      feed=lambda batch: model_args(task, batch))
     opt = build_optimizer(stage.parameters(), job.train.optimizer)
     t = job.train
     if pipeline and ctx.rank == 0 and proto.micro_batch_size >= t.batch_size:

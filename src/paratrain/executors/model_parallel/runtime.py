@@ -5,8 +5,8 @@ The model is cut into parts ``P_0 .. P_{k-1}`` in topological order
 ``inputs(p)`` (the batch's model input, outputs of other parts, parameters read by
 ``get_attr``) and returning ``outputs(p)``. For micro-batch ``i`` of a ``B``-row batch:
 
-- ``F(i, p)``: gather ``inputs(p)``: the micro-batch's rows of ``batch[0]`` (every rank
-  reads the batch), a value another rank produced (received: transfer ``t``, key
+- ``F(i, p)``: gather ``inputs(p)``: the model's arguments on the micro-batch's rows
+  (every rank reads the batch; ``feed(batch) -> (args, kwargs)``, :mod:`.feed`), a value another rank produced (received: transfer ``t``, key
   ``("act", i, t)``, marked ``requires_grad``), or one this rank produced (detached and
   marked, so each part's backward stays its own); run ``P_p``; send each output to every
   rank that reads it. On the part that completes the model's output (the *loss part*), form
@@ -35,15 +35,27 @@ or :class:`paratrain.comm.datastore.DataStoreTransport`. The runtime records wha
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from ...graph.partition import Part
+from .feed import (
+    Feed,
+    Transport,
+    batch_rows,
+    first_field,
+    held_attrs,
+    model_inputs,
+    model_output,
+    rows_of,
+    segment_modules,
+    storages,
+)
 from .plan import Plan
-from .replicas import Replicas, pieces, row_bounds
+from .replicas import Replicas, row_bounds
+from .routing import Routing
 from .schedule import Action, micro_batch_sizes, schedule, sequential
 from .values import (
     LossFn,
@@ -53,7 +65,6 @@ from .values import (
     check_tensor,
     cross_entropy,
     detached_leaf,
-    fill_output,
     slot_of,
     unpack_saved,
 )
@@ -62,38 +73,18 @@ __all__ = ["Transport", "segment_modules", "held_attrs", "StepStats", "StageRunt
 
 #: How many actions ahead a stage posts its receives (transports with ``post``).
 RECV_LOOKAHEAD = 2
-class Transport(Protocol):
-    def send(self, tensor: torch.Tensor, *, dst: int, key: tuple[str, int, int], step: int = 0,
-             rows: int | None = None) -> None: ...
-    def recv(self, *, src: int, key: tuple[str, int, int], step: int = 0,
-             rows: int | None = None) -> torch.Tensor: ...
-    def flush(self) -> None: ...
 
 
-def segment_modules(model: nn.Module, plan: Plan, rank: int) -> dict[int, nn.Module]:
-    """This rank's parts as modules (fx GraphModules sharing the model's parameters)."""
-    del model  # the parts were cut from it and hold its modules
-    return {p.index: p.module for p in plan.segments_of(rank)}
-
-
-def held_attrs(model: nn.Module, plan: Plan, rank: int) -> dict[str, torch.Tensor]:
-    """Parameters/buffers read by ``get_attr`` that ``rank`` holds: value name -> tensor."""
-    out: dict[str, torch.Tensor] = {}
-    for a in plan.cut.attrs:
-        if a.rank == rank:
-            mod, _, name = a.target.rpartition(".")
-            out[a.name] = getattr(model.get_submodule(mod), name)
-    return out
-
-
-class StageRuntime:
+class StageRuntime(Routing):
     """Runs this rank's parts of the model for a train step or a forward pass."""
 
     def __init__(self, plan: Plan, rank: int, modules: dict[int, nn.Module],
                  transport: Transport, *, device: torch.device | None = None,
                  attrs: dict[str, torch.Tensor] | None = None,
-                 replicas: Replicas | None = None, physical_rank: int | None = None) -> None:
+                 replicas: Replicas | None = None, physical_rank: int | None = None,
+                 feed: Feed | None = None) -> None:
         self.plan, self.cut = plan, plan.cut
+        self.feed = feed or first_field  # how a batch calls the model (feed.py)
         self.device = device or torch.device("cpu")
         self.rank = rank  # the stage's rank in the plan (a replica's primary)
         self.replicas = replicas or Replicas()
@@ -148,27 +139,29 @@ class StageRuntime:
         return self.run_batch((x, y), step=step, micro_batch_size=micro_batch_size,
                               schedule_name=schedule_name, loss_fn=cross_entropy)
 
-    def run_batch(self, batch: Sequence[torch.Tensor], *, step: int,
+    def run_batch(self, batch: Any, *, step: int,
                   micro_batch_size: int | None = None, schedule_name: str | None = None,
                   loss_fn: LossFn | None = None, weight: float = 1.0,
                   precision: str = "fp32") -> float | None:
-        """One forward/backward over ``batch`` (the model reads ``batch[0]``); the batch's
-        unweighted loss on the loss part's rank (None elsewhere). See the module docstring;
-        ``schedule_name=None`` runs the sequential order (Direct/DataStore)."""
+        """One forward/backward over ``batch`` (any pytree of row-major tensors; the model
+        is called with ``self.feed(micro_batch)``); the batch's unweighted loss on the loss
+        part's rank (None elsewhere). See the module docstring; ``schedule_name=None`` runs
+        the sequential order (Direct/DataStore)."""
         from ...training.stepping import autocast
 
         loss_fn = loss_fn or cross_entropy
         c, tr = self.cut, self.transport
-        x = batch[0]
-        rows = int(x.shape[0])
+        rows = batch_rows(batch)
         sizes = micro_batch_sizes(rows, micro_batch_size or rows)
         bounds = [0]
         for n in sizes:
             bounds.append(bounds[-1] + n)
         # this replica's rows of each micro-batch (all of them when the stage is not replicated)
         own = [row_bounds(n, self.num_replicas)[self.replica] for n in sizes]
-        micro = [tuple(t[bounds[i] + own[i][0]:bounds[i] + own[i][1]] for t in batch)
+        micro = [rows_of(batch, bounds[i] + own[i][0], bounds[i] + own[i][1])
                  for i in range(len(sizes))]
+        self._inputs: dict[int, dict[str, Any]] = {}  # micro -> graph input -> value
+        in_batch = storages(batch)
         self._sizes = sizes
         order = [a for a in self.actions(len(sizes), schedule_name) if own[a[1]][1] > own[a[1]][0]]
         stats = StepStats()
@@ -204,14 +197,14 @@ class StageRuntime:
                 args = [self._fetch(i, v, micro[i], remote_attrs, got, left, step, sizes[i])
                         for v in self.reads[s]]
                 t0 = time.perf_counter()
-                meter = SavedBytes(self._param_ptrs | {x.untyped_storage().data_ptr()})
+                meter = SavedBytes(self._param_ptrs | in_batch)
                 with torch.autograd.graph.saved_tensors_hooks(meter.pack, unpack_saved), \
                         autocast(precision, self.device):
                     result = as_tuple(self.modules[s](*args[: len(part.inputs)]), len(part.outputs))
                     if s == self.loss_part:
                         env = dict(zip(self.reads[s], args, strict=True))
                         env.update(zip(part.outputs, result, strict=True))
-                        out = fill_output(c.output, env)
+                        out = model_output(c, env)
                         mine = own[i][1] - own[i][0]
                         mean = loss_fn(out, micro[i])
                         loss_terms[i] = mean * (weight * mine / rows)
@@ -273,13 +266,15 @@ class StageRuntime:
         self.stats = stats
         return loss_total
 
-    def _fetch(self, i: int, v: str, mb: Sequence[torch.Tensor], remote_attrs: dict[str, Any],
+    def _fetch(self, i: int, v: str, mb: Any, remote_attrs: dict[str, Any],
                got: dict[tuple[int, str], Any], left: dict[tuple[int, str], int], step: int,
                rows: int) -> Any:
         """The value ``v`` for micro-batch ``i`` as my part reads it (see F in the docstring)."""
         kind, producer = self.cut.producer[v]
-        if kind == "input":
-            return mb[0]  # the model reads batch[0]
+        if kind == "input":  # every rank reads the batch: the model's arguments on it
+            if i not in self._inputs:
+                self._inputs[i] = model_inputs(self.cut, *self.feed(mb))
+            return self._inputs[i][v]
         if kind == "attr":
             return self.attrs[v] if v in self.attrs else remote_attrs[v]
         if (i, v) not in got:
@@ -329,64 +324,19 @@ class StageRuntime:
             total = torch.zeros_like(val)
         return total
 
-    def _links(self, i: int, t: Any, *, mine_is_src: bool) -> list[tuple[int, int, int, int]]:
-        """``(peer physical rank, slot, start, stop)`` of each piece of transfer ``t`` for
-        micro-batch ``i`` that this replica sends (``mine_is_src``) or receives, rows
-        relative to this replica's own rows."""
-        n = self._sizes[i]
-        rs, rd = self.replicas.count(t.src), self.replicas.count(t.dst)
-        me = self.replica
-        base = row_bounds(n, self.num_replicas)[me][0]
-        out = []
-        for j, k, lo, hi in pieces(n, rs, rd):
-            if mine_is_src and j == me:
-                out.append((self.replicas.of(t.dst)[k], slot_of(t.index, j, k), lo - base, hi - base))
-            elif not mine_is_src and k == me:
-                out.append((self.replicas.of(t.src)[j], slot_of(t.index, j, k), lo - base, hi - base))
-        return out
-
-    def _send_rows(self, val: torch.Tensor, kind: str, i: int, t: Any, step: int, *, to_src: bool) -> None:
-        """Send ``val`` (this replica's rows of a value of transfer ``t``) cut into the rows
-        each peer replica holds: activations to ``t.dst``'s replicas, gradients back to
-        ``t.src``'s."""
-        for peer, slot, lo, hi in self._links(i, t, mine_is_src=not to_src):
-            self.transport.send(val[lo:hi], dst=peer, key=(kind, i, slot), step=step, rows=hi - lo)
-
-    def _recv_rows(self, kind: str, i: int, t: Any, step: int, *, from_src: bool) -> torch.Tensor:
-        parts = [self.transport.recv(src=peer, key=(kind, i, slot), step=step, rows=hi - lo)
-                 for peer, slot, lo, hi in self._links(i, t, mine_is_src=not from_src)]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device)
-
-    def _recv_specs(self, kind: str, i: int, s: int) -> list[tuple[int, tuple[str, int, int], int]]:
-        """``(src, key, rows)`` of the messages action ``(kind, i, s)`` waits for."""
-        out: list[tuple[int, tuple[str, int, int], int]] = []
-        if kind == "F":
-            for v in self.reads[s]:
-                t = self.in_transfers.get(v)
-                if t is not None and not self._is_attr(v):
-                    out += [(peer, ("act", i, slot), hi - lo)
-                            for peer, slot, lo, hi in self._links(i, t, mine_is_src=False)]
-        else:
-            for v in self.parts[s].outputs:
-                for t in self.out_transfers:
-                    if t.value == v:
-                        out += [(peer, ("grad", i, slot), hi - lo)
-                                for peer, slot, lo, hi in self._links(i, t, mine_is_src=True)]
-        return out
-
     # ------------------------------------------------------------------ inference
     @torch.no_grad()
-    def forward(self, x: torch.Tensor, *, step: int, precision: str = "fp32") -> Any:
-        """Forward the whole batch through the placed model; the output on the loss part's
-        rank (None elsewhere; under bf16 autocast with ``precision="bf16"``)."""
+    def forward(self, *args: Any, step: int, precision: str = "fp32", **kwargs: Any) -> Any:
+        """The placed model called as ``model(*args, **kwargs)`` on a whole batch; the output
+        on the loss part's rank (None elsewhere; under bf16 autocast with ``precision="bf16"``)."""
         from ...training.stepping import autocast
 
         c, tr = self.cut, self.transport
         if self.replica > 0:
             return None  # evaluation runs on each stage's primary replica
         prim = self.replicas.of
-        rows = int(x.shape[0])
-        env: dict[str, Any] = {v: x for v in c.inputs}
+        rows = batch_rows((args, kwargs))
+        env: dict[str, Any] = model_inputs(c, args, kwargs)
         env.update(self.attrs)
         for t in self.out_transfers:
             if self._is_attr(t.value):
@@ -408,7 +358,7 @@ class StageRuntime:
                     if t.value == v:
                         tr.send(val, dst=prim(t.dst)[0], key=("eval", 0, slot_of(t.index)), step=step, rows=rows)
             if s == self.loss_part:
-                result = fill_output(c.output, env)
+                result = model_output(c, env)
         tr.flush()
         return result
 

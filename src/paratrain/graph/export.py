@@ -1,0 +1,147 @@
+"""Capture a model torch.fx cannot trace with ``torch.export`` (non-strict), as a graph the
+partitioner cuts like an fx one.
+
+``torch.fx.symbolic_trace`` runs ``forward`` on proxies, so Python that inspects values or
+builds objects (a Hugging Face model's mask helpers, its ``ModelOutput``, its cache) fails;
+transformers removed its own fx tracer in 2025. ``torch.export.export(model, args, kwargs,
+strict=False)`` runs ``forward`` on fake tensors instead and records the ATen operations
+it reaches (Python control flow is resolved while tracing): every node is a
+``call_function`` whose ``meta["nn_module_stack"]`` names the modules whose ``forward`` it
+ran in, so a claim on ``model.layers.1`` places exactly that layer's operations, as
+``torch.distributed.pipelining``'s ``pipeline(split_spec=...)`` cuts at module boundaries
+of an exported graph.
+
+:func:`export_graph` returns ``ep.module()`` (parameters read by ``get_attr`` under their
+``state_dict`` names, the model's own tensors: nothing is copied) made ready to cut:
+
+- the leading (batch) dimension of every input is dynamic (``Dim.AUTO``), so the parts run
+  on micro-batches of any row count, an uneven last one included;
+- the pytree codegen is replaced by a flat one: the graph's placeholders are the leaves of
+  ``(args, kwargs)`` and its output the leaves of the model's output; the two specs are kept
+  in ``gm.meta`` (``IN_SPEC``, ``OUT_SPEC``) so the runtime flattens a batch's arguments and
+  rebuilds the output (a ``ModelOutput`` with ``.logits``, a dict, a tuple);
+- export's input guards (``_guards_fn``) and metadata assertions are dropped (they check
+  the example's shapes, not the model's computation);
+- a ``SymInt`` (``x.size(0)`` and arithmetic on it) read by several operations is copied
+  once per reader, so each part computes its own from the batch: sizes never travel;
+- a Hugging Face config's ``use_cache`` is turned off before capture: training never reads
+  the key/value cache, and a ``DynamicCache`` in the output is no pytree of tensors.
+
+:func:`canonical_ties` (both capture paths) renames every ``get_attr`` of a tied tensor to
+its first name in the model (``lm_head.weight`` -> ``model.embed_tokens.weight``), so a
+tie is one value held by one worker, read by the others (the partitioner's ``Attr``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+__all__ = ["export_graph", "canonical_ties", "IN_SPEC", "OUT_SPEC", "CAPTURE"]
+
+IN_SPEC, OUT_SPEC, CAPTURE = "paratrain_in_spec", "paratrain_out_spec", "paratrain_capture"
+
+_ASSERTS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+    torch.ops.aten.sym_constrain_range.default,
+}
+
+
+def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``Dim.AUTO`` on dimension 0 of every tensor input, keyed as export wants it (by the
+    forward's parameter names; a ``**kwargs`` parameter gets the dict of its entries)."""
+    from torch.export import Dim
+
+    def spec(v: Any) -> Any:
+        return pytree.tree_map(
+            lambda t: {0: Dim.AUTO} if isinstance(t, torch.Tensor) and t.dim() > 0 else None, v)
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return {name: spec(v) for name, v in bound.arguments.items()}
+
+
+def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> fx.GraphModule:
+    """``model`` captured by ``torch.export`` on the example ``(args, kwargs)`` (see the
+    module docstring). Raises whatever export raises."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]
+    ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
+                             dynamic_shapes=_dynamic_shapes(model, tuple(args), dict(kwargs)))
+    gm = ep.module()
+    assert isinstance(gm, fx.GraphModule)
+    info = gm.graph._codegen.pytree_info if hasattr(gm.graph._codegen, "pytree_info") else None
+    for n in list(gm.graph.nodes):
+        if (n.op == "call_module" and str(n.target).startswith("_guards")) or (
+                n.op == "call_function" and n.target in _ASSERTS):
+            gm.graph.erase_node(n)
+    for name, _ in list(gm.named_children()):
+        if name.startswith("_guards"):
+            delattr(gm, name)
+    gm.graph._codegen = fx.graph.CodeGen()
+    _copy_sizes_per_reader(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    gm.meta[CAPTURE] = "export"
+    gm.meta[IN_SPEC] = info.in_spec if info is not None else None
+    gm.meta[OUT_SPEC] = info.out_spec if info is not None else None
+    return gm
+
+
+def _is_size(n: fx.Node) -> bool:
+    val = n.meta.get("val")
+    return n.op == "call_function" and isinstance(val, torch.SymInt | torch.SymBool | torch.SymFloat | int)
+
+
+def _copy_sizes_per_reader(graph: fx.Graph) -> None:
+    """Give every reader of a size value its own copy (latest first, so a copied size's own
+    size inputs are copied again for each copy): then each size follows its one reader."""
+    for n in reversed(list(graph.nodes)):
+        if not _is_size(n) or len(n.users) < 2:
+            continue
+        for user in list(n.users)[1:]:
+            with graph.inserting_after(n):
+                dup = graph.node_copy(n)
+            dup.meta = dict(n.meta)
+            user.replace_input_with(n, dup)
+
+
+def canonical_ties(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Rename each ``get_attr`` of a tensor the model holds under several names (a tied
+    head) to its first name in ``model.named_parameters()`` / ``named_buffers()``."""
+    first: dict[int, str] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:
+        first.setdefault(id(t), name)
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        try:
+            t = gm.get_parameter(str(n.target))
+        except AttributeError:
+            try:
+                t = gm.get_buffer(str(n.target))
+            except AttributeError:
+                continue
+        canon = first.get(id(t))
+        if canon is not None and canon != n.target and _holds(gm, canon, t):
+            n.target = canon
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+def _holds(gm: fx.GraphModule, name: str, t: torch.Tensor) -> bool:
+    mod, _, attr = name.rpartition(".")
+    try:
+        return getattr(gm.get_submodule(mod), attr) is t
+    except AttributeError:
+        return False
