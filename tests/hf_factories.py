@@ -32,3 +32,30 @@ def llama(num_classes: int, *, layers: int = 2, hidden: int = 32, heads: int = 4
                       num_key_value_heads=kv_heads, max_position_embeddings=256,
                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
     return LlamaForCausalLM(cfg)
+
+
+def tiny_text(*, seed: int, block_size: int, dicts: bool = False) -> tuple[Any, Any]:
+    """A slice of the shakespeare corpus (a ``language_model`` data factory): 8,000 training
+    and 1,500 test characters. ``dicts``: Hugging Face style items ``{"input_ids": x,
+    "labels": x}`` (the model shifts the labels itself and returns its own loss)."""
+    from paratrain.data.shakespeare import CharBlocks, load_corpus
+
+    del seed
+    c = load_corpus()
+    kw = {"block_size": block_size, "vocab": c.vocab}
+    train, test = CharBlocks(c.train[:8_000], **kw), CharBlocks(c.test[:1_500], **kw)
+    return (_Dicts(train), _Dicts(test)) if dicts else (train, test)
+
+
+class _Dicts:
+    """``{"input_ids", "labels"}`` items over a CharBlocks (``vocab_size`` passed on)."""
+
+    def __init__(self, blocks: Any) -> None:
+        self.blocks, self.vocab_size = blocks, blocks.vocab_size
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        x, _ = self.blocks[i]
+        return {"input_ids": x, "labels": x}
