@@ -134,3 +134,19 @@ def test_the_setting_parses_and_names_the_field() -> None:
     assert not isinstance(progress_bar(enabled=False, every="1s"), LineProgress)
     with pytest.raises(ConfigError, match=r"run\.progress_every: .*'off'"):
         load_job({"run": {"progress_every": "soon"}})
+
+
+def test_quiet_turns_progress_off_unless_the_job_sets_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``paratrain run -q``: no summary table and no progress lines (a job's own
+    ``run.progress_every`` still holds)."""
+    from paratrain import dispatch
+    from paratrain.cli import main
+
+    seen: list[Any] = []
+    monkeypatch.setattr(dispatch, "execute", lambda job, **_: seen.append(job.run.progress_every) or {})
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"run": {"name": "q", "output_dir": str(tmp_path)}}))
+    assert main(["run", str(plain), "-q"]) == 0 and main(["run", str(plain)]) == 0
+    assert main(["run", str(_job(tmp_path, "set", "1s")), "-q"]) == 0
+    assert seen == ["off", "30s", "1s"]

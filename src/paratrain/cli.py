@@ -120,6 +120,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         _print_problems(_problems(e, args.job))
         return EXIT_USAGE
+    if args.quiet and "progress_every" not in job.run.model_fields_set:  # -q: no progress either
+        job = job.model_copy(update={"run": job.run.model_copy(update={"progress_every": "off"})})
     # Multi-node launch options travel to comm.launch through the environment, the
     # same way torchrun passes its own settings; checked first, so an error names the flag.
     from .comm.rendezvous import check_nodes
@@ -206,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--nnodes", type=int, help="number of machines (multi-node launch)")
     r.add_argument("--node-rank", type=int, help="this machine's rank among --nnodes")
     r.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (rank-0 machine)")
-    r.add_argument("-q", "--quiet", action="store_true")
+    r.add_argument("-q", "--quiet", action="store_true",
+                   help="no summary table, and no progress unless the job sets run.progress_every")
     r.set_defaults(fn=_cmd_run)
 
     v = sub.add_parser("validate", help="check job files; exit 2 listing every problem")
