@@ -121,3 +121,15 @@ def test_instances_train_under(kind: str, tmp_path: Path) -> None:
     ref = _fit(tmp_path, kind + "_ref", job={**doc, "data": {**doc.get("data", {}), "factory": "test_api_fit:noise"},
                                              "model": {"factory": "test_api_fit:net"}})
     assert got["test_accuracy"] == ref["test_accuracy"] < 0.6
+
+
+@pytest.mark.slow
+def test_a_task_instance_under_data_parallel_trains_as_its_factory(tmp_path: Path) -> None:
+    from user_task import make_task
+
+    got = paratrain.fit({"train": {"max_steps": 8, "batch_size": 16}}, task=make_task(8), strategy=DP,
+                        run={"output_dir": str(tmp_path), "name": "task"})
+    ref = paratrain.fit({"train": {"max_steps": 8, "batch_size": 16},
+                         "task": {"factory": "user_task:make_task", "hidden": 8}}, strategy=DP,
+                        run={"output_dir": str(tmp_path), "name": "task_ref"})
+    assert got["parameters_sha256"] == ref["parameters_sha256"] and got["test_mae"] == ref["test_mae"]
