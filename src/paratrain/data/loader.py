@@ -27,6 +27,7 @@ ends, is interrupted or fails. Streams (``IterableDataset``) are :mod:`.stream`'
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import random
 import signal
 import sys
@@ -69,6 +70,10 @@ class LoaderOptions:
                               "generator": torch.Generator().manual_seed(self.seed)}
         if self.num_workers > 0:
             kw.update(worker_init_fn=seed_worker, prefetch_factor=self.prefetch_factor or 2)
+            if "fork" in multiprocessing.get_all_start_methods():
+                # fork, not the process's default: a rank started by the forkserver would
+                # start a server of its own for its loader (seconds of imports per rank)
+                kw["multiprocessing_context"] = "fork"
         return kw
 
 

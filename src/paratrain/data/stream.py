@@ -29,6 +29,7 @@ training process's generators: resume is exact for a stream without randomness.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -36,7 +37,64 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from .loader import IN_PROCESS, Feed, LoaderOptions, _identity
 
-__all__ = ["ShardedStream", "StreamFeed"]
+__all__ = ["ShardedStream", "StreamFeed", "head", "stream_batch", "stream_batches",
+           "check_stream_job", "STREAM_STRATEGIES"]
+
+STREAM_STRATEGIES = ("Local", "DataParallel")
+"""The strategies that train over a stream (with or without ``[tensor_parallel]``): the
+one loop's, whose plan shards it by data-parallel replica."""
+
+
+def check_stream_job(job: Any) -> None:
+    """A ConfigError unless ``job`` can train over a stream: ``train.max_steps`` set (a
+    stream has no epochs) and a strategy of :data:`STREAM_STRATEGIES`."""
+    from ..config import ConfigError
+
+    problems = []
+    if job.train.max_steps is None:
+        problems.append(("train.max_steps", "the training data is a stream (an IterableDataset, "
+                         "no len()): a run over it counts steps, not epochs; set train.max_steps"))
+    kind = getattr(job.strategy, "type", None)
+    if kind not in STREAM_STRATEGIES:
+        problems.append(("strategy.type", f"{kind} cannot train over a stream (an IterableDataset); "
+                         f"streams train under {', '.join(STREAM_STRATEGIES)} (with or without "
+                         "[tensor_parallel]): give a map-style dataset (__len__, __getitem__)"))
+    if problems:
+        raise ConfigError(problems)
+
+
+def _collated(items: list[Any], collate: Callable[[list[Any]], Any] | None) -> Any:
+    batch = (collate or default_collate)(items)
+    return tuple(batch) if type(batch) is list else batch  # as fetch_batch: a tuple on top
+
+
+def head(dataset: Any, k: int) -> list[Any]:
+    """The first ``k`` items of a stream (fewer if it is shorter)."""
+    out: list[Any] = []
+    for item in dataset:
+        out.append(item)
+        if len(out) >= k:
+            break
+    return out
+
+
+def stream_batch(dataset: Any, k: int, collate: Callable[[list[Any]], Any] | None = None) -> Any:
+    """The first ``k`` items of a stream as one batch."""
+    return _collated(head(dataset, k), collate)
+
+
+def stream_batches(dataset: Any, batch_size: int,
+                   collate: Callable[[list[Any]], Any] | None = None) -> Iterator[Any]:
+    """The whole of a finite stream in batches of ``batch_size`` (the last one partial), in
+    its order: how an iterable test set is evaluated (an endless one never ends)."""
+    items: list[Any] = []
+    for item in dataset:
+        items.append(item)
+        if len(items) == batch_size:
+            yield _collated(items, collate)
+            items = []
+    if items:
+        yield _collated(items, collate)
 
 
 class ShardedStream(IterableDataset[Any]):
@@ -47,7 +105,7 @@ class ShardedStream(IterableDataset[Any]):
                  start: int = 0, collate: Callable[[list[Any]], Any] | None = None) -> None:
         self.dataset, self.batch_size = dataset, int(batch_size)
         self.rank, self.world, self.start = int(rank), int(world), int(start)
-        self.collate = collate or default_collate
+        self.collate = collate
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -63,8 +121,7 @@ class ShardedStream(IterableDataset[Any]):
                 continue
             items.append(item)
             if len(items) == bs:
-                batch = self.collate(items)
-                yield tuple(batch) if type(batch) is list else batch
+                yield _collated(items, self.collate)
                 items = []
 
 
@@ -85,8 +142,10 @@ class StreamFeed(Feed):
 
         ds = ShardedStream(self.dataset, batch_size=self.batch_size, rank=self.rank,
                            world=self.world, start=start, collate=self.collate)
-        return StatefulDataLoader(ds, batch_size=None, collate_fn=_identity,
-                                  **self.options.loader_kwargs(self.device))
+        with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            return StatefulDataLoader(ds, batch_size=None, collate_fn=_identity,
+                                      **self.options.loader_kwargs(self.device))
 
     def batches(self, epoch: int, start: int) -> Iterator[Any]:
         del epoch  # a stream has one

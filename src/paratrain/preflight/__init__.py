@@ -50,6 +50,7 @@ from typing import Any
 
 from ..config import ConfigError
 from ..config.job import JobConfig
+from ..data.loader import is_stream
 from .build import _build, _one_line
 
 __all__ = ["preflight", "process_count", "process_limit", "PreflightWarning", "PROCS_PER_CORE",
@@ -114,7 +115,8 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True,
     if bundle is not None and pairings_ok:
         _stage(problems, _subgraph_paths, job, getattr(bundle, "model", None))
     if bundle is not None:
-        _stage(problems, _replica_rows, job, len(bundle.train))
+        if not is_stream(bundle.train):  # a stream's rows are not counted (preflight_task)
+            _stage(problems, _replica_rows, job, len(bundle.train))
         _stage(problems, _federated, job, bundle)
         if strategy_ok and not problems:
             _stage(problems, _executor_hook, job)

@@ -15,6 +15,8 @@ from typing import Any
 
 from ..config import ConfigError
 from ..config.job import JobConfig
+from ..data.loader import is_stream
+from ..data.stream import check_stream_job, head, stream_batch
 from .builtin import TASKS, ClassificationTask, LanguageModelTask, RegressionTask, bigram_loss
 from .protocol import Task
 from .steps import batch_rows, call_model, evaluate, fetch_batch, model_args, to_device
@@ -88,7 +90,9 @@ def preflight_task(job: JobConfig, *, task: Any = None, datasets: Any = None,
     field = "task.factory" if job.task.factory is not None else "data"
     try:
         train, test = datasets if datasets is not None else task.datasets(job.run.seed)
-        n_train, n_test = len(train), len(test)  # type: ignore[arg-type]
+        n_train, n_test = (len(head(d, 2)) if is_stream(d) else len(d) for d in (train, test))
+        if is_stream(train):
+            check_stream_job(job)
         if n_train < 1 or n_test < 1:
             raise ConfigError([(field, f"the task's datasets are empty (train {n_train}, "
                                        f"test {n_test} examples)")])
@@ -105,8 +109,9 @@ def preflight_task(job: JobConfig, *, task: Any = None, datasets: Any = None,
         raise ConfigError([("model", _one_line(f"building the model failed: "
                                                f"{type(e).__name__}: {e}"))]) from None
     try:
-        batch = fetch_batch(train, torch.arange(min(2, n_train)),
-                            collate=getattr(task, "collate_fn", None))
+        collate = getattr(task, "collate_fn", None)
+        batch = (stream_batch(train, 2, collate) if is_stream(train) else
+                 fetch_batch(train, torch.arange(min(2, n_train)), collate=collate))
     except Exception as e:  # noqa: BLE001 - the items do not collate: name the data
         raise ConfigError([(field, _one_line(
             f"two training examples do not make a batch (items may be tensors, tuples, dicts "

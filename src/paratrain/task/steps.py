@@ -28,6 +28,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
+from ..data.loader import is_stream
+from ..data.stream import stream_batches
 from .protocol import Task
 
 __all__ = ["fetch_batch", "to_device", "batch_rows", "model_args", "call_model", "evaluate",
@@ -106,16 +108,21 @@ def call_model(task: Any, model: nn.Module | Callable[..., Any], batch: Any) -> 
 @torch.no_grad()
 def evaluate(model: nn.Module, task: Task, dataset: Dataset[Any], *,
              device: torch.device | None = None, batch_size: int | None = None) -> dict[str, float]:
-    """The task's metrics over ``dataset``, in order, from summed ``eval_batch`` results."""
+    """The task's metrics over ``dataset``, in order, from summed ``eval_batch`` results; an
+    iterable (stream) test set is read to its end in batches, so it must be finite."""
     bs = int(batch_size or getattr(task, "eval_batch_size", None) or DEFAULT_EVAL_BATCH)
     collate = getattr(task, "collate_fn", None)
     was_training = model.training
     model.eval()
     sums: dict[str, float] = {}
-    n = len(dataset)  # type: ignore[arg-type]
+    if is_stream(dataset):  # a finite iterable test set, read to its end
+        batches: Any = (to_device(b, device) for b in stream_batches(dataset, bs, collate))
+    else:
+        n = len(dataset)  # type: ignore[arg-type]
+        batches = (fetch_batch(dataset, torch.arange(a, min(a + bs, n)), device, collate=collate)
+                   for a in range(0, n, bs))
     try:
-        for a in range(0, n, bs):
-            batch = fetch_batch(dataset, torch.arange(a, min(a + bs, n)), device, collate=collate)
+        for batch in batches:
             for k, v in task.eval_batch(call_model(task, model, batch), batch).items():
                 sums[k] = sums.get(k, 0.0) + float(v)
     finally:

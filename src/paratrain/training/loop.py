@@ -424,9 +424,12 @@ def run_loop(
                     pos.batch = stop
                     if extra and metrics is not None:
                         metrics.log({"step": pos.step, **extra})
-                    if pos.batch == bpe:
-                        pos.epoch, pos.batch = pos.epoch + 1, 0
-                    end_of_epoch = pos.batch == 0
+                    if plan.stream:  # one epoch, its batch the stream position: ends with the run
+                        end_of_epoch = pos.step == total
+                    else:
+                        if pos.batch == bpe:
+                            pos.epoch, pos.batch = pos.epoch + 1, 0
+                        end_of_epoch = pos.batch == 0
                     if (ce and pos.step % ce == 0) or (not ce and end_of_epoch):
                         ev = log_eval()
                         if ev is not None:
