@@ -2,19 +2,115 @@
 
 Missing keys take the defaults (the Rust form requires all keys; lenient on purpose).
 The enums serialise as plain strings, e.g. ``"ColumnWise"``.
+
+``plan`` (an extension) maps module-path patterns to styles in the vocabulary of torch's
+``torch.distributed.tensor.parallel`` and HF's ``base_model_tp_plan`` (:class:`PlanEntry`);
+it is applied by :mod:`paratrain.tensor_parallel.plan`.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from ._base import Contract, Count, PositiveCount, load_document
 
 __all__ = [
     "TensorPartitioningStrategy", "TensorCommunicationPattern", "TensorMemoryOptimization",
-    "TensorParallelismConfig", "load_tensor_parallel", "dump_tensor_parallel",
+    "TensorParallelismConfig", "load_tensor_parallel", "dump_tensor_parallel", "PlanEntry", "PLAN_STYLES",
 ]
+
+# style -> (input layout, output layout) it implies; HF's names are aliases with fixed layouts
+PLAN_STYLES: dict[str, tuple[str | None, str | None]] = {
+    "colwise": ("replicate", "shard"),
+    "rowwise": ("shard", "replicate"),
+    "colwise_gather_output": ("replicate", "replicate"),
+    "rowwise_split_input": ("replicate", "replicate"),
+    "packed_colwise": ("replicate", "shard"),
+    "replicate": (None, None),
+}
+_NOT_YET = {"sequence", "sequence_parallel", "embedding_rowwise", "embedding_colwise", "packed_rowwise",
+            "replicated_with_grad_allreduce", "local_colwise", "local_rowwise", "gather", "local"}
+
+
+class PlanEntry(BaseModel):
+    """One ``[tensor_parallel.plan]`` entry: a style and the layouts around the module.
+
+    ``"colwise"``: an ``nn.Linear`` / Conv1D keeps a block of output features (torch's
+    ``ColwiseParallel``); its output stays sharded on the last dim (``output = "shard"``) or is
+    all-gathered (``output = "replicate"``, HF's ``colwise_gather_output``). ``"rowwise"``: a
+    block of input features, partial outputs summed (``RowwiseParallel``, output replicated);
+    its input is already sharded (``input = "shard"``) or the full input is split first
+    (``input = "replicate"``, HF's ``rowwise_split_input``). ``"packed_colwise"``: ``parts``
+    equal packed outputs (``[q | k | v]``, ``[gate | up]``), each cut colwise. ``"replicate"``:
+    kept whole, and nothing inside it is sharded (not even a recognised block)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    style: str
+    """colwise, rowwise, colwise_gather_output, rowwise_split_input, packed_colwise or replicate."""
+    input: Literal["replicate", "shard"] | None = None
+    """The layout the module receives: replicate (every rank the whole tensor) or shard (the last
+    dim split, as a colwise layer leaves it)."""
+    output: Literal["replicate", "shard"] | None = None
+    """The layout the module leaves: replicate or shard (the last dim split)."""
+    parts: int | None = Field(default=None, ge=2)
+    """packed_colwise only: how many equal parts are packed along the output features."""
+
+    @field_validator("style")
+    @classmethod
+    def _known_style(cls, v: str) -> str:
+        if v in _NOT_YET:
+            raise ValueError(f"style {v!r} is not supported by paratrain's plan yet; supported: "
+                             f"{', '.join(PLAN_STYLES)} (sequence parallelism: communication_pattern = "
+                             "\"ReduceScatter\" on an nn.Sequential model)")
+        if v not in PLAN_STYLES:
+            raise ValueError(f"unknown style {v!r}; one of {', '.join(PLAN_STYLES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _layouts(self) -> PlanEntry:
+        want_in, want_out = PLAN_STYLES[self.style]
+        if self.style == "replicate" and (self.input or self.output or self.parts):
+            raise ValueError("replicate takes no input, output or parts")
+        if self.style in ("colwise", "packed_colwise") and self.input not in (None, "replicate"):
+            raise ValueError(f"{self.style} takes a replicated input (input = \"replicate\")")
+        if self.style == "rowwise" and self.output not in (None, "replicate"):
+            raise ValueError("rowwise leaves a replicated output (output = \"replicate\")")
+        if self.style in ("colwise_gather_output", "rowwise_split_input") and (
+                (self.input or want_in) != want_in or (self.output or want_out) != want_out):
+            raise ValueError(f"{self.style} has fixed layouts (input = {want_in!r}, output = {want_out!r})")
+        if self.style == "packed_colwise":
+            if self.parts is None:
+                raise ValueError("packed_colwise needs parts (e.g. 3 for a packed q|k|v, 2 for gate|up)")
+            if self.output == "replicate":
+                raise ValueError("packed_colwise leaves its output sharded (output = \"shard\")")
+        elif self.parts is not None:
+            raise ValueError("parts applies to packed_colwise only")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """Only the keys given (TOML has no null)."""
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    @property
+    def input_layout(self) -> str | None:
+        return self.input or PLAN_STYLES[self.style][0]
+
+    @property
+    def output_layout(self) -> str | None:
+        return self.output or PLAN_STYLES[self.style][1]
 
 
 class TensorPartitioningStrategy(StrEnum):
@@ -73,8 +169,20 @@ class TensorParallelismConfig(Contract):
     micro_batches: PositiveCount = 1
     """Extension (dumped only when set): micro-batches per optimizer step, the unit
     gradient_accumulation accumulates over."""
+    plan: dict[str, PlanEntry] = Field(default_factory=dict)
+    """Extension (dumped only when set): module-path patterns (a `*` matches one path
+    component, as torch's parallelize_module) -> a style ("colwise", "rowwise", ...) or a table
+    {style, input, output, parts}; applied before the built-in rules, which shard the rest."""
 
-    _extensions: ClassVar[frozenset[str]] = frozenset({"micro_batches"})
+    _extensions: ClassVar[frozenset[str]] = frozenset({"micro_batches", "plan"})
+
+    @field_validator("plan", mode="before")
+    @classmethod
+    def _plan_strings(cls, v: Any) -> Any:
+        """A bare style string is the table ``{style = "..."}``."""
+        if isinstance(v, dict):
+            return {k: {"style": e} if isinstance(e, str) else e for k, e in v.items()}
+        return v
 
 
 def load_tensor_parallel(doc: str | bytes | dict[str, Any] | TensorParallelismConfig) -> TensorParallelismConfig:

@@ -18,7 +18,13 @@
   with gathered output (row-parallel with split input); otherwise they stay replicated
   (a Linear subclass with a warning).
 
-``Converter.units`` counts the parallel units made (zero means nothing could be sharded).
+Before these rules, the ``[tensor_parallel.plan]`` entries (:mod:`.plan`) decide the modules
+they match, and blocks written by others (HF Llama / Mistral / GPT-2 attention and MLPs, timm's
+``Attention`` and ``Mlp``: :mod:`.foreign`) are sharded in place where no plan entry reaches
+into them.
+
+``Converter.units`` counts the parallel units made (zero means nothing could be sharded);
+``Converter.notes`` says, per module path, what the plan or a block rule did to it.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from paratrain.comm.tp.grid import GridComms
 from paratrain.config import ConfigError, TensorParallelismConfig
 
 from .attention_spec import TP_ATTENTION_PROTOCOL, AttentionSpec, AttentionView, attention_spec
+from .foreign import block_kind, shard_block
 from .grid import GridLinear
 from .layers import (
     ColumnParallelLinear,
@@ -41,6 +48,7 @@ from .layers import (
     RowParallelLinear,
 )
 from .partition import partition_shape
+from .plan import Plan
 from .rules import encoder_problem, is_elementwise, is_plain_linear, module_where
 
 __all__ = ["Converter"]
@@ -59,6 +67,19 @@ class Converter:
         self.mode = "seq" if seq else ("gather" if pattern == "AllGather" else "copy")
         self.comm, self.state = comm, state
         self.units = 0
+        self.plan = Plan(cfg.plan, comm, state)
+        self.notes: list[tuple[str, str]] = []  # (module path, what was done to it)
+
+    def _planned(self, m: nn.Module, path: str) -> nn.Module | None:
+        """The module a plan entry makes of ``m`` at ``path``, or None if none matches."""
+        hit = self.plan.entry_for(path)
+        if hit is None:
+            return None
+        new, note = self.plan.apply(m, path, *hit)
+        if note != "replicate":
+            self.units += 1
+        self.notes.append((path, f"{note} (plan \"{hit[0]}\")"))
+        return new
 
     def _attention(self, spec: AttentionSpec, m: nn.Module) -> nn.Module:
         self.units += 1
@@ -79,7 +100,20 @@ class Converter:
         return ParallelEncoderLayer(m, comm=self.comm, state=self.state, mode=self.mode)
 
     def _special(self, m: nn.Module, prefix: str) -> nn.Module | None:
-        """The parallel replacement of an attention block or encoder layer, else None."""
+        """The parallel replacement of a block written by others, an attention block or an
+        encoder layer, else None."""
+        path = prefix.rstrip(".")
+        kind = block_kind(m, prefix)
+        if kind is not None and not self.plan.reaches_below(path):
+            try:
+                new, note = shard_block(kind, m, prefix, self.comm, self.state)
+            except ValueError as e:
+                if isinstance(e, ConfigError):
+                    raise
+                raise ConfigError([("model", f"{path or '<root>'}: {e}")]) from None
+            self.units += 1
+            self.notes.append((path, f"{type(m).__name__}: {note}"))
+            return new
         spec = attention_spec(m, prefix)
         if spec is not None:
             return self._attention(spec, m)
@@ -94,6 +128,9 @@ class Converter:
                           UserWarning, stacklevel=4)
 
     def convert(self, m: nn.Module, prefix: str = "") -> nn.Module:
+        planned = self._planned(m, prefix.rstrip(".")) if self.plan else None
+        if planned is not None:
+            return planned
         new = self._special(m, prefix)
         if new is not None:
             return new
@@ -166,8 +203,13 @@ class Converter:
         seq_mode = self.mode == "seq"
         kw = {"comm": self.comm, "state": self.state}
         i = 0
+        planned_here = [self.plan and self.plan.entry_for(prefix + n) is not None for n in names]
         while i < len(mods):
             m = mods[i]
+            if planned_here[i]:
+                seq._modules[names[i]] = self._planned(m, prefix + names[i])  # type: ignore[assignment]
+                i += 1
+                continue
             if is_plain_linear(m) and self.grid is not None:
                 i = self._grid_run(seq, names, i)
                 continue
@@ -175,7 +217,7 @@ class Converter:
                 j = i + 1
                 while j < len(mods) and is_elementwise(mods[j]):
                     j += 1
-                nxt = mods[j] if j < len(mods) else None
+                nxt = mods[j] if j < len(mods) and not planned_here[j] else None
                 if self.col and self.row and is_plain_linear(nxt):
                     if self._row_first(m):
                         if seq_mode:

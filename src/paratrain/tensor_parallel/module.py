@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.comm.grad_sync import GradSync
@@ -52,7 +53,7 @@ from .layers import (
     RowParallelLinear,
 )
 from .partition import TensorParallelism, split_sizes
-from .shards import renames
+from .shards import pack_dense, renames, unpack_dense
 
 __all__ = ["TensorParallelModule"]
 
@@ -82,6 +83,7 @@ class TensorParallelModule(nn.Module):
                  compressor: Any = None, broadcast_buffers: bool = True) -> None:
         super().__init__()
         self.config, self.groups = config, groups
+        self.sharding: list[tuple[str, str]] = []  # (module path, what tensor parallelism did)
         self.comm: TPComm = groups.tp
         self.stats: CommStats = groups.tp.stats
         tp = config.tensor_parallel_size
@@ -117,11 +119,21 @@ class TensorParallelModule(nn.Module):
                 raise ConfigError([("tensor_parallel.communication_pattern",
                                     "ReduceScatter (sequence parallel) needs column_parallel and "
                                     "row_parallel both true")])
+            paths = [n for n, _ in model.named_modules()]
             conv = Converter(config, self.comm, self.state, self.grid)
             model = conv.convert(model)
+            conv.plan.check_used(paths)
+            self.sharding = conv.notes
             if conv.units == 0:
-                raise ValueError("parallelize: no Linear pair or attention block found to shard")
+                raise ValueError("parallelize: no Linear pair or attention block found to shard "
+                                 "(give the layout with a [tensor_parallel.plan] table)")
+        elif config.plan and tp > 1:
+            raise ConfigError([("tensor_parallel.plan", "BatchWise shards no weights: the plan would be "
+                                                        "ignored")])
         self.module = model
+        # whole-model calls (keyword arguments, non-tensor outputs) for models that are not
+        # an nn.Sequential of tensor-to-tensor children
+        self.free_form = not isinstance(model, nn.Sequential) and bool(self.sharding)
         self._plan()
         for name, mod in self.module.named_modules():
             if isinstance(mod, ColumnParallelLinear):
@@ -202,7 +214,37 @@ class TensorParallelModule(nn.Module):
                 x = gather_from_region(x, self.comm, self.state.seq_dim, self.state.seq_sizes)
         return x
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward. A tensor-to-tensor call of a model built of paratrain's blocks
+        runs the block plan (segments, sequence region); any other call (keyword arguments,
+        a model whose outputs are not tensors, e.g. HF's ``ModelOutput``) runs the whole model,
+        checkpointed as one segment (non-reentrant, so any output structure keeps its graph)."""
+        if self.free_form or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
+            return self._forward_call(args, kwargs)
+        return self._forward_tensor(args[0])
+
+    def _forward_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.seq_region is not None:
+            what = "BatchWise" if self.batch_split else "sequence parallelism (ReduceScatter)"
+            raise ConfigError([("tensor_parallel", f"{what} splits one tensor input; this model is called "
+                                                   "with keyword arguments or several inputs")])
+        mp = self.config.mixed_precision
+        offload = self.config.memory_optimization.value == "Extreme"
+        hooks = (memory.activation_hooks(offload=True, params=self._param_ptrs)
+                 if offload or memory._ACTIVE else nullcontext())
+        first = next((t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)), None)
+        dev = first.device.type if first is not None else "cpu"
+        amp = torch.autocast(device_type=dev, dtype=torch.bfloat16) if mp else nullcontext()
+        with amp, hooks:
+            if self.segments and self.training and torch.is_grad_enabled():
+                out = checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+            else:
+                out = self.module(*args, **kwargs)
+        if mp:
+            out = tree_map_only(torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, out)
+        return out
+
+    def _forward_tensor(self, x: torch.Tensor) -> torch.Tensor:
         mp = self.config.mixed_precision
         offload = self.config.memory_optimization.value == "Extreme"
         hooks = (memory.activation_hooks(offload=True, params=self._param_ptrs)
@@ -270,10 +312,10 @@ class TensorParallelModule(nn.Module):
         for local, (dense, index) in renames(self.module).items():
             if index is None and local != dense and local in out:
                 out[dense] = out.pop(local)
-        return out
+        return pack_dense(self.module, out)
 
     def _from_dense_names(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = dict(state)
+        out = unpack_dense(self.module, state)
         for pre in self._mha_prefixes():
             a = pre + "self_attn."
             for kind in ("weight", "bias"):

@@ -13,6 +13,10 @@ A spec is ``{"shape": the dense tensor's shape, "slices": [[dim, start, length],
   rows of the fused tensor, and o is ``self_attn.out_proj``;
 - an opted-in attention module's q/k/v/o go back to the names its spec read them from
   (``ParallelSelfAttention.dense_names``, recorded by the converter);
+- a packed projection's parts (:class:`~.foreign_layers.PackedColumnParallel`: GPT-2's
+  ``c_attn.q``/``.k``/``.v``, timm's ``qkv.q``...) are part ``c`` of the dense ``c_attn.weight``
+  (packed along dim 0 of an ``nn.Linear`` weight, dim 1 of a Conv1D weight, dim 0 of a bias):
+  their shard is their columns' slice shifted by ``c`` part widths (:func:`packed_dims`);
 - everything else (layer norms, replicated Linears, BatchWise) is whole: no spec.
 
 No vocabulary-parallel embedding or padded shard exists in this converter (uneven splits
@@ -23,12 +27,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
+from .foreign_layers import PackedColumnParallel
 from .grid import grid_steps
 from .layers import ParallelEncoderLayer, ParallelSelfAttention
 
-__all__ = ["dense_names_and_shards", "renames"]
+__all__ = ["dense_names_and_shards", "pack_dense", "packed_dims", "renames", "unpack_dense"]
 
 Spec = dict[str, Any]
 
@@ -44,10 +50,53 @@ def renames(module: nn.Module) -> dict[str, tuple[str, int | None]]:
                 for c, part in enumerate("qkv"):
                     out[f"{a}{part}.{kind}"] = (f"{a}in_proj_{kind}", c)
                 out[f"{a}o.{kind}"] = (f"{a}out_proj.{kind}", None)
+        elif isinstance(m, PackedColumnParallel):
+            for c, part in enumerate(m.names):
+                for kind in ("weight", "bias"):
+                    out[f"{pre}{part}.{kind}"] = (f"{pre}{kind}", c)
         elif isinstance(m, ParallelSelfAttention):
             for part, dense in (getattr(m, "dense_names", None) or {}).items():
                 for kind in ("weight", "bias"):
                     out.setdefault(f"{pre}{part}.{kind}", (f"{pre}{dense}.{kind}", None))
+    return out
+
+
+def packed_dims(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """A packed part's local tensor name -> (the dense dim its parts are packed on, parts)."""
+    out: dict[str, tuple[int, int]] = {}
+    for name, m in module.named_modules():
+        if isinstance(m, PackedColumnParallel):
+            pre = f"{name}." if name else ""
+            for part in m.names:
+                out[f"{pre}{part}.weight"] = (m.fused_dim, m.parts)
+                out[f"{pre}{part}.bias"] = (0, m.parts)
+    return out
+
+
+def pack_dense(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full per-part tensors of packed projections concatenated under the dense names."""
+    out = dict(tensors)
+    dims = packed_dims(module)
+    groups: dict[str, list[tuple[int, str]]] = {}
+    for local, (dense, index) in renames(module).items():
+        if local in dims and local in out and index is not None:
+            groups.setdefault(dense, []).append((index, local))
+    for dense, parts in groups.items():
+        dim = dims[parts[0][1]][0]
+        out[dense] = torch.cat([out.pop(local) for _, local in sorted(parts)], dim=dim)
+    return out
+
+
+def unpack_dense(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A dense state's packed tensors cut into the parts' (full) tensors (inverse of
+    :func:`pack_dense`)."""
+    out = dict(state)
+    dims = packed_dims(module)
+    for local, (dense, index) in renames(module).items():
+        if local in dims and index is not None and dense in state:
+            dim, parts = dims[local]
+            out[local] = state[dense].chunk(parts, dim=dim)[index]
+            out.pop(dense, None)
     return out
 
 
@@ -69,15 +118,18 @@ def _spec(p: nn.Parameter, rank: int) -> Spec | None:
     return {"shape": shape, "slices": slices}
 
 
-def _fused(spec: Spec | None, p: nn.Parameter, index: int) -> Spec:
-    """``spec`` of q/k/v part ``index`` moved into the fused tensor (rows ``index * E``)."""
+def _fused(spec: Spec | None, p: nn.Parameter, index: int, dim: int = 0, parts: int = 3) -> Spec:
+    """``spec`` of part ``index`` moved into the tensor of ``parts`` parts packed along
+    ``dim`` (q/k/v of an in_proj: rows ``index * E``)."""
     if spec is None:
-        spec = {"shape": list(p.shape), "slices": [[0, 0, int(p.shape[0])]]}
-    rows = int(spec["shape"][0])
-    slices = [[d, s + index * rows if d == 0 else s, n] for d, s, n in spec["slices"]]
-    if not any(d == 0 for d, _, _ in slices):
-        slices.append([0, index * rows, rows])
-    return {"shape": [3 * rows, *spec["shape"][1:]], "slices": slices}
+        spec = {"shape": list(p.shape), "slices": [[dim, 0, int(p.shape[dim])]]}
+    width = int(spec["shape"][dim])
+    slices = [[d, s + index * width if d == dim else s, n] for d, s, n in spec["slices"]]
+    if not any(d == dim for d, _, _ in slices):
+        slices.append([dim, index * width, width])
+    shape = list(spec["shape"])
+    shape[dim] = parts * width
+    return {"shape": shape, "slices": slices}
 
 
 def dense_names_and_shards(tpm: nn.Module, *, prefix: str = "module.",
@@ -88,6 +140,7 @@ def dense_names_and_shards(tpm: nn.Module, *, prefix: str = "module.",
     inner: nn.Module = tpm.module  # type: ignore[assignment]
     params = dict(inner.named_parameters())
     renamed = renames(inner)
+    dims = packed_dims(inner)
     names: dict[str, str] = {}
     shards: dict[str, Spec] = {}
     for key in tpm.state_dict():
@@ -99,7 +152,7 @@ def dense_names_and_shards(tpm: nn.Module, *, prefix: str = "module.",
             continue
         spec = _spec(p, rank)
         if index is not None:
-            spec = _fused(spec, p, index)
+            spec = _fused(spec, p, index, *dims.get(local, (0, 3)))
         if spec is not None:
             shards[key] = spec
     return names, shards

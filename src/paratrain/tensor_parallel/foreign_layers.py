@@ -1,0 +1,246 @@
+"""Parallel layers for modules written by others: GPT-2's ``Conv1D``, packed (fused)
+projections, and timm's fused-``qkv`` attention.
+
+- ``Conv1D`` (``transformers.pytorch_utils``) computes ``y = x W + b`` with ``W`` stored
+  ``[in, out]``: the transpose of ``nn.Linear``'s ``[out, in]``. :class:`ColumnParallelConv1D`
+  keeps ``W[:, cols_i]`` (sharded along dim 1, the stored layout kept, so checkpoints use the
+  model's own shapes) and :class:`RowParallelConv1D` keeps ``W[rows_i, :]`` (dim 0); both run
+  the Megatron column/row functions of :mod:`.autograd` on ``W^T``, so the algebra is that of
+  :class:`~.layers.ColumnParallelLinear` / :class:`~.layers.RowParallelLinear` (Shoeybi et al.
+  2019, §3).
+- A *packed* projection (GPT-2's ``c_attn``, timm's ``qkv``: ``[q | k | v]`` along the output
+  features; a fused ``gate_up``) must not be cut into contiguous chunks: rank ``i``'s chunk would
+  hold all of q and part of k. :class:`PackedColumnParallel` cuts each of the ``n`` parts into
+  its own column shard (children ``q``/``k``/``v``, or ``p0``, ``p1``...) and concatenates them,
+  so rank ``i`` computes ``[q_i | k_i | v_i]``: the packed layout of its own heads. One
+  collective serves the parts' input gradient (the fused f of :func:`.autograd.fused_copy_to_region`).
+- :class:`ParallelFusedQKVAttention` is timm's ``Attention.forward`` (``qkv`` reshaped to
+  ``[B, N, 3, heads, head_dim]``, optional per-head ``q_norm``/``k_norm``, scaled dot-product
+  attention, ``proj``) with ``heads / p`` local heads: timm reshapes the context to the input's
+  width ``C``, which a shard does not have, so its forward cannot run on a shard unchanged.
+  The per-head norms' parameters are replicated and each rank's heads give part of their
+  gradient, so they enter through Megatron's f (gradient summed over the ranks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.nn import functional as F
+
+from paratrain.comm.tp.comm import TPComm
+
+from .autograd import copy_to_region, fused_copy_to_region
+from .layers import ColumnParallelLinear, RegionState, RowParallelLinear, _check_sizes, _mark
+
+__all__ = ["ColumnParallelConv1D", "PackedColumnParallel", "ParallelFusedQKVAttention", "RowParallelConv1D",
+           "conv1d_shape", "is_conv1d"]
+
+
+def is_conv1d(m: nn.Module | None) -> bool:
+    """A plain ``transformers.pytorch_utils.Conv1D`` (``forward`` not overridden, only
+    ``weight [in, out]`` and ``bias [out]``), without importing transformers."""
+    if m is None:
+        return False
+    for cls in type(m).__mro__:
+        if cls.__name__ == "Conv1D" and cls.__module__ == "transformers.pytorch_utils":
+            own: bool = type(m).forward is cls.forward  # type: ignore[attr-defined]
+            return (own and next(m.children(), None) is None
+                    and {n for n, _ in m.named_parameters()} == {"weight", "bias"})
+    return False
+
+
+def conv1d_shape(m: nn.Module) -> tuple[int, int]:
+    """``(in, out)`` of a Conv1D: its weight is stored ``[in, out]``."""
+    w: torch.Tensor = m.weight  # type: ignore[assignment]
+    return int(w.shape[0]), int(w.shape[1])
+
+
+class ColumnParallelConv1D(ColumnParallelLinear):
+    """``Y_i = f(X) W[:, cols_i] + b[cols_i]``: a Conv1D's output columns (weight sharded on dim 1)."""
+
+    def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
+                 bias: bool = True, mode: str = "copy", gather_output: bool = False,
+                 sizes: list[int] | None = None) -> None:
+        super().__init__(in_features, out_features, comm=comm, state=state, bias=bias, mode=mode,
+                         gather_output=gather_output, sizes=sizes)
+        self.weight = nn.Parameter(torch.empty(in_features, self.out_sizes[comm.rank]))
+        _mark(self.weight, 1, self.out_sizes)
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, *, comm: TPComm, state: RegionState, mode: str = "copy",
+                    gather_output: bool = False, sizes: list[int] | None = None) -> ColumnParallelConv1D:
+        n_in, n_out = conv1d_shape(conv)
+        m = cls(n_in, n_out, comm=comm, state=state, mode=mode, gather_output=gather_output, sizes=sizes)
+        s, n = m.shard_offset, m.out_sizes[comm.rank]
+        w: torch.Tensor = conv.weight  # type: ignore[assignment]
+        b: torch.Tensor = conv.bias  # type: ignore[assignment]
+        with torch.no_grad():
+            m.weight.copy_(w[:, s: s + n])
+            assert m.bias is not None
+            m.bias.copy_(b[s: s + n])
+        return m.to(w.device)
+
+    def forward(self, x: torch.Tensor, *, input_done: bool = False) -> torch.Tensor:
+        return ColumnParallelLinear.forward(_Transposed(self), x, input_done=input_done)  # type: ignore[arg-type]
+
+
+class RowParallelConv1D(RowParallelLinear):
+    """``Z = g(sum_i X_i W[rows_i, :]) + b``: a Conv1D's input rows (weight sharded on dim 0)."""
+
+    def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
+                 bias: bool = True, mode: str = "reduce", input_is_parallel: bool = True,
+                 sizes: list[int] | None = None) -> None:
+        super().__init__(in_features, out_features, comm=comm, state=state, bias=bias, mode=mode,
+                         input_is_parallel=input_is_parallel, sizes=sizes)
+        self.weight = nn.Parameter(torch.empty(self.in_sizes[comm.rank], out_features))
+        _mark(self.weight, 0, self.in_sizes)
+
+    @classmethod
+    def from_conv1d(cls, conv: nn.Module, *, comm: TPComm, state: RegionState, mode: str = "reduce",
+                    input_is_parallel: bool = True) -> RowParallelConv1D:
+        n_in, n_out = conv1d_shape(conv)
+        m = cls(n_in, n_out, comm=comm, state=state, mode=mode, input_is_parallel=input_is_parallel)
+        s, n = m.shard_offset, m.in_sizes[comm.rank]
+        w: torch.Tensor = conv.weight  # type: ignore[assignment]
+        b: torch.Tensor = conv.bias  # type: ignore[assignment]
+        with torch.no_grad():
+            m.weight.copy_(w[s: s + n])
+            assert m.bias is not None
+            m.bias.copy_(b)
+        return m.to(w.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return RowParallelLinear.forward(_Transposed(self), x)  # type: ignore[arg-type]
+
+
+class _Transposed:
+    """A Conv1D layer seen as the Linear layer it is: ``weight`` read as ``W^T`` (a view, so
+    the weight gradient flows back to the ``[in, out]`` parameter), every other attribute its own."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self._layer = layer
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._layer.weight.t()  # type: ignore[operator]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._layer, name)
+
+
+_PART_NAMES = {3: ("q", "k", "v")}
+
+
+class PackedColumnParallel(nn.Module):
+    """A projection whose output features are ``n`` equal parts (``[q | k | v]``), column-
+    parallel part by part: rank ``i`` computes ``[part_0 cols_i | ... | part_{n-1} cols_i]``.
+
+    ``fused_dim`` is where the parts are packed in the dense weight (0 for ``nn.Linear``'s
+    ``[out, in]``, 1 for Conv1D's ``[in, out]``; the bias packs on dim 0): the checkpoint
+    keeps the dense name and layout (:mod:`.shards`)."""
+
+    def __init__(self, dense: nn.Module, parts: int, *, comm: TPComm, state: RegionState,
+                 gather_output: bool = False, unit: int = 1) -> None:
+        super().__init__()
+        self.conv1d = is_conv1d(dense)
+        self.parts = int(parts)
+        self.comm, self.gather_output = comm, gather_output
+        n_in, n_out = conv1d_shape(dense) if self.conv1d else (int(dense.in_features), int(dense.out_features))  # type: ignore[arg-type]
+        if n_out % self.parts:
+            raise ValueError(f"{n_out} output features do not split into {self.parts} packed parts")
+        width = n_out // self.parts
+        if width % unit or (width // unit) % comm.size:
+            raise ValueError(f"each packed part has {width // unit} heads of {unit}, not divisible by "
+                             f"tensor_parallel_size {comm.size}")
+        self.in_features, self.out_features = n_in, n_out
+        self.fused_dim = 1 if self.conv1d else 0
+        self.names = _PART_NAMES.get(self.parts, tuple(f"p{c}" for c in range(self.parts)))
+        sizes = _check_sizes(None, width, comm.size)
+        w: torch.Tensor = dense.weight  # type: ignore[assignment]
+        b: torch.Tensor | None = dense.bias  # type: ignore[assignment]
+        for c, name in enumerate(self.names):
+            cols = slice(c * width, (c + 1) * width)
+            layer: ColumnParallelLinear
+            if self.conv1d:
+                layer = ColumnParallelConv1D(n_in, width, comm=comm, state=state, sizes=sizes)
+                piece_w = w[:, cols]
+                s, n = layer.shard_offset, layer.out_sizes[comm.rank]
+                with torch.no_grad():
+                    layer.weight.copy_(piece_w[:, s: s + n])
+            else:
+                layer = ColumnParallelLinear(n_in, width, comm=comm, state=state, bias=b is not None, sizes=sizes)
+                s, n = layer.shard_offset, layer.out_sizes[comm.rank]
+                with torch.no_grad():
+                    layer.weight.copy_(w[cols][s: s + n])
+            with torch.no_grad():
+                if layer.bias is not None and b is not None:
+                    layer.bias.copy_(b[cols][s: s + n])
+            self.add_module(name, layer.to(w.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layers = [getattr(self, n) for n in self.names]
+        xs = fused_copy_to_region(x, self.comm, self.parts)
+        y = torch.cat([lay(xi, input_done=True) for lay, xi in zip(layers, xs, strict=True)], dim=-1)
+        if self.gather_output and self.comm.size > 1:
+            raise ValueError("a packed column layer's output stays sharded (gathering it would "
+                             "interleave the parts)")
+        return y
+
+    def extra_repr(self) -> str:
+        return f"parts={self.parts}, in={self.in_features}, out={self.out_features}, conv1d={self.conv1d}"
+
+
+class ParallelFusedQKVAttention(nn.Module):
+    """timm's ``Attention`` on ``heads / p`` local heads (see the module docstring):
+    ``qkv`` packed-column-parallel, ``proj`` row-parallel, ``q_norm`` / ``k_norm`` (per head)
+    and the dropouts kept as they are."""
+
+    def __init__(self, dense: nn.Module, *, comm: TPComm, state: RegionState) -> None:
+        super().__init__()
+        heads = int(dense.num_heads)  # type: ignore[arg-type]
+        if heads % comm.size:
+            raise ValueError(f"attention has {heads} heads, not divisible by tensor_parallel_size {comm.size}")
+        self.comm = comm
+        self.local_heads = heads // comm.size
+        self.head_dim = int(dense.head_dim)  # type: ignore[arg-type]
+        self.scale = float(dense.scale)  # type: ignore[arg-type]
+        self.fused_attn = bool(getattr(dense, "fused_attn", True))
+        self.qkv = PackedColumnParallel(dense.qkv, 3, comm=comm, state=state, unit=self.head_dim)  # type: ignore[arg-type]
+        self.q_norm: nn.Module = dense.q_norm  # type: ignore[assignment]
+        self.k_norm: nn.Module = dense.k_norm  # type: ignore[assignment]
+        self.attn_drop: nn.Module = dense.attn_drop  # type: ignore[assignment]
+        self.norm: nn.Module = getattr(dense, "norm", nn.Identity())
+        self.proj = RowParallelLinear.from_dense(dense.proj, comm=comm, state=state)  # type: ignore[arg-type]
+        self.proj_drop: nn.Module = dense.proj_drop  # type: ignore[assignment]
+
+    def _per_head(self, norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
+        """``norm`` (replicated, acting per head) on this rank's heads; its parameters enter
+        through Megatron's f (identity forward, gradient summed over the ranks), since each
+        rank's heads give only part of their gradient."""
+        params = dict(norm.named_parameters())
+        if not params or self.comm.size == 1:
+            return norm(t)
+        return functional_call(norm, {n: copy_to_region(p, self.comm) for n, p in params.items()}, (t,))
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, _ = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q, k = self._per_head(self.q_norm, q), self._per_head(self.k_norm, k)
+        if self.fused_attn:
+            p = float(getattr(self.attn_drop, "p", 0.0)) if self.training else 0.0
+            x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+        else:
+            q = q * self.scale
+            attn = q @ k.transpose(-2, -1)
+            if attn_mask is not None:
+                attn = attn + attn_mask
+            attn = self.attn_drop(attn.softmax(dim=-1))
+            x = attn @ v
+        x = x.transpose(1, 2).reshape(b, n, self.local_heads * self.head_dim)
+        x = self.norm(x)
+        return self.proj_drop(self.proj(x))

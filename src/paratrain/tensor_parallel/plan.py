@@ -1,0 +1,108 @@
+"""``[tensor_parallel.plan]``: module-path patterns -> styles, applied before the built-in rules.
+
+A pattern is matched against the paths of ``model.named_modules()`` component by component
+(split at ``.``; ``*`` and ``?`` match within one component, as ``fnmatch`` on each atom in
+torch's ``parallelize_module``): ``"model.layers.*.self_attn.q_proj"`` matches every layer's
+q projection, not ``model.layers.0.mlp.q_proj.x``. The first pattern (in the table's order)
+that matches a module decides its style (:class:`~paratrain.config.tensor_parallel.PlanEntry`):
+
+- ``colwise`` (``nn.Linear`` or GPT-2's Conv1D): :class:`~.layers.ColumnParallelLinear` /
+  :class:`~.foreign_layers.ColumnParallelConv1D`, output sharded on the last dim (``output =
+  "replicate"``: all-gathered);
+- ``rowwise``: :class:`~.layers.RowParallelLinear` / :class:`~.foreign_layers.RowParallelConv1D`,
+  output summed over the ranks (``input = "replicate"``: the full input is split first);
+- ``packed_colwise``: :class:`~.foreign_layers.PackedColumnParallel` with ``parts`` parts;
+- ``replicate``: the module is kept whole, and nothing inside it is sharded.
+
+A module whose subtree a pattern reaches is not converted by the built-in block rules
+(:mod:`.foreign`): the plan governs it. A plan is the user's statement of the layout, as in
+torch: it is not proved equivalent (e.g. a colwise q projection needs a forward that reshapes
+with ``-1`` heads, as HF's do). A pattern that matches no module is a ConfigError naming it.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import Any
+
+from torch import nn
+
+from paratrain.comm.tp.comm import TPComm
+from paratrain.config import ConfigError
+from paratrain.config.tensor_parallel import PlanEntry
+
+from .foreign_layers import ColumnParallelConv1D, PackedColumnParallel, RowParallelConv1D, is_conv1d
+from .layers import ColumnParallelLinear, RegionState, RowParallelLinear
+from .rules import is_plain_linear, module_where
+
+__all__ = ["Plan", "matches"]
+
+
+def matches(pattern: str, path: str) -> bool:
+    """``pattern`` matches module ``path`` component by component."""
+    pa, ma = pattern.split("."), path.split(".") if path else []
+    return len(pa) == len(ma) and all(fnmatchcase(m, p) for p, m in zip(pa, ma, strict=True))
+
+
+def _reaches_below(pattern: str, path: str) -> bool:
+    """Some module strictly below ``path`` could match ``pattern``."""
+    pa, ma = pattern.split("."), path.split(".") if path else []
+    return len(pa) > len(ma) and all(fnmatchcase(m, p) for p, m in zip(pa, ma, strict=False))
+
+
+class Plan:
+    """The plan of one conversion: which entry a path takes, and which patterns were used."""
+
+    def __init__(self, entries: dict[str, PlanEntry], comm: TPComm, state: RegionState) -> None:
+        self.entries = dict(entries)
+        self.comm, self.state = comm, state
+        self.used: set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    def entry_for(self, path: str) -> tuple[str, PlanEntry] | None:
+        for pattern, entry in self.entries.items():
+            if matches(pattern, path):
+                self.used.add(pattern)
+                return pattern, entry
+        return None
+
+    def reaches_below(self, path: str) -> bool:
+        return any(_reaches_below(p, path) for p in self.entries)
+
+    def apply(self, m: nn.Module, path: str, pattern: str, entry: PlanEntry) -> tuple[nn.Module, str]:
+        """The module ``entry`` makes of ``m``, and a note of the style applied."""
+        field = f'tensor_parallel.plan."{pattern}"'
+        style = entry.style
+        if style == "replicate":
+            return m, "replicate"
+        conv = is_conv1d(m)
+        if not (conv or is_plain_linear(m)):
+            raise ConfigError([(field, f"{module_where(path, m)}: {style} applies to a plain nn.Linear "
+                                       "or Conv1D (forward not overridden, weight and bias only)")])
+        kw: dict[str, Any] = {"comm": self.comm, "state": self.state}
+        if style == "packed_colwise":
+            assert entry.parts is not None
+            try:
+                return PackedColumnParallel(m, entry.parts, **kw), f"packed_colwise ({entry.parts} parts)"
+            except ValueError as e:
+                raise ConfigError([(field, f"{module_where(path, m)}: {e}")]) from None
+        if style in ("colwise", "colwise_gather_output"):
+            gather = entry.output_layout == "replicate"
+            new: nn.Module = (ColumnParallelConv1D.from_conv1d(m, gather_output=gather, **kw) if conv
+                              else ColumnParallelLinear.from_dense(m, gather_output=gather, **kw))  # type: ignore[arg-type]
+            return new, "colwise" + (", output replicated" if gather else "")
+        split = entry.input_layout == "replicate"
+        new = (RowParallelConv1D.from_conv1d(m, input_is_parallel=not split, **kw) if conv
+               else RowParallelLinear.from_dense(m, input_is_parallel=not split, **kw))  # type: ignore[arg-type]
+        return new, "rowwise" + (", input split here" if split else "")
+
+    def check_used(self, model_paths: list[str]) -> None:
+        """Every pattern matched some module (else a ConfigError naming the unused ones)."""
+        unused = [p for p in self.entries if p not in self.used]
+        if unused:
+            sample = ", ".join(p for p in model_paths[:6] if p)
+            raise ConfigError([(f'tensor_parallel.plan."{p}"',
+                                f"matches no module of the model (paths look like: {sample}, ...; "
+                                "`*` matches one path component)") for p in unused])
