@@ -145,3 +145,7 @@ def test_resume_point_is_what_the_executors_resume_from(tmp_path: Path) -> None:
     found = newest_checkpoint(pbt.parent)
     assert found is not None and found.where == "generation 3"  # was: "the start"
 
+    # a Federated server's ckpt-<round>.pt has the Local file layout but holds a round
+    fed = newest_checkpoint(tmp_path)
+    assert fed is not None and fed.where_in("Federated") == "round 7"
+    assert fed.where_in("Local") == fed.where == "step 7" and found.where_in("Federated") == "generation 3"
