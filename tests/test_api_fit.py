@@ -133,3 +133,20 @@ def test_a_task_instance_under_data_parallel_trains_as_its_factory(tmp_path: Pat
                          "task": {"factory": "user_task:make_task", "hidden": 8}}, strategy=DP,
                         run={"output_dir": str(tmp_path), "name": "task_ref"})
     assert got["parameters_sha256"] == ref["parameters_sha256"] and got["test_mae"] == ref["test_mae"]
+
+
+@pytest.mark.slow
+def test_dict_item_datasets_and_a_model_under_data_parallel(tmp_path: Path) -> None:
+    """fit's own (train, test) Datasets of dict items reach the DataParallel workers and
+    train what the same numbers as tuple items train."""
+    from dict_task import Items, Net
+    from paratrain.config.job import DataSpec
+    from paratrain.data import load_data
+
+    b = load_data(DataSpec(), seed=0)
+    sha = []
+    for style in ("tuple", "dict"):
+        torch.manual_seed(0)
+        data = (Items(*b.train.tensors, style), Items(*b.test.tensors, style))
+        sha.append(_fit(tmp_path, style, data=data, model=Net(64, 10), strategy=DP)["parameters_sha256"])
+    assert sha[0] == sha[1]

@@ -80,6 +80,7 @@ def _build(job: JobConfig, instances: Instances | None = None) -> Any:
     optimizer with its kwargs; the data bundle (with ``instances``, or another task than
     the default: the datasets and the model, as ``train``/``test``/``model``)."""
     import torch
+    from torch.utils.data import TensorDataset
 
     from ..task import is_default, preflight_task
 
@@ -105,6 +106,10 @@ def _build(job: JobConfig, instances: Instances | None = None) -> Any:
     except Exception as e:  # noqa: BLE001 - a user factory's own error: one line
         raise ConfigError([("data", _one_line(f"loading the data failed: {type(e).__name__}: {e}"))]) from None
     model = _model(job, bundle)
+    if not isinstance(bundle.train, TensorDataset):  # paratrain.fit's own Datasets (its saved_data)
+        checked = preflight_task(job, datasets=(bundle.train, bundle.test), model=model)
+        _optimizer(job, checked.model)
+        return bundle
     kwargs = job.model.kwargs
     x, _ = bundle.train.tensors
     try:
