@@ -75,15 +75,16 @@ class StageModel(nn.Module):
             out[f"held.{k}"] = (targets or {}).get(k, k)
         return out
 
-    def node_state(self) -> dict[str, torch.Tensor]:
+    def node_state(self, targets: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
         """This rank's model tensors by their qualified names in the model (the same names
-        whatever the placement; a tensor read by two parts once)."""
+        whatever the placement; a tensor read by two parts once; ``targets``: a held
+        value's name -> the model attribute it reads, as for :meth:`model_names`)."""
         out: dict[str, torch.Tensor] = {}
         for i, m in self.segments.items():
             part = self._parts.get(int(i))
             for k, v in m.state_dict().items():
                 out.setdefault(part.original_name(k) if part is not None else k, v)
-        out.update({k: v for k, v in self.held.state_dict().items()})
+        out.update({(targets or {}).get(k, k): v for k, v in self.held.state_dict().items()})
         return out
 
 

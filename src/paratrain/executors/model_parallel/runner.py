@@ -350,7 +350,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         restart_count=ctx.restart_count, started=started, group=ctx.group, layout=layout,
     )
     # parameters_sha256: sha256 over the per-rank digests of each rank's node tensors.
-    own = dict(sorted(stage.node_state().items()))
+    own = dict(sorted(stage.node_state({a.name: a.target for a in plan.cut.attrs}).items()))
     mine = torch.frombuffer(bytearray(state_digest(own)), dtype=torch.uint8)
     digests, stage_totals = [mine], [engine.totals]
     step = result.position.step
