@@ -1,6 +1,7 @@
 """ModelParallel: the model's nodes placed on workers; activations/gradients move by protocol.
 
-DESIGN §4. Every worker builds the same seeded model, traces it with torch.fx and keeps
+DESIGN §4. Every worker builds the same seeded model, traces it with torch.fx (or captures
+it with torch.export where fx cannot: a Hugging Face model; :mod:`paratrain.graph.export`) and keeps
 the parts its :class:`~.plan.Plan` assigns it (partitions by ``WorkerId``/``Tag`` over
 module paths; uncovered modules on rank 0): any topology, with every tensor that crosses
 a cut sent point-to-point to the rank that reads it. Per batch of ``B`` rows:
@@ -20,7 +21,8 @@ What is trained is the job's :class:`~paratrain.task.Task` (classification by de
 regression, the ``gpt`` language model whose nodes ``embed``/``block<i>``/``ln_f``/``head``
 are placed like any others, or a user's ``task.factory``). Every rank builds the task's
 datasets and the same seeded model and walks the same batches (``epoch_permutation``);
-the first stage reads ``batch[0]``, the last computes ``task.loss`` on micro-batch ``i``
+each part reads the model's arguments on the micro-batch (``task.steps.model_args``: a
+dict batch as ``model(**batch)``, a tuple as ``model(batch[0])``), the last computes ``task.loss`` on micro-batch ``i``
 (``n_i`` of the batch's ``B`` rows) weighted ``w n_i / B`` (``w``: the batch's share of the
 optimizer step under ``train.grad_accumulation``), so loss and every parameter gradient
 equal the unpartitioned model's on the same batch (:class:`~.engine.PipelineEngine`).
