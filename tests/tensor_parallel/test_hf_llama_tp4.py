@@ -20,6 +20,6 @@ pytestmark = pytest.mark.slow
 
 def test_llama_4_ranks_parity_with_dense_and_torch() -> None:
     results: list[dict[str, Any]] = run_distributed(
-        hf_suite, 4, "llama", {"heads": 8, "kv_heads": 4, "hidden": 64}, False, timeout_s=240)
+        hf_suite, 4, "llama", {"heads": 8, "kv_heads": 4, "hidden": 32}, False, timeout_s=240)
     check_suite(results, full=False, plan=True)
     assert "8 heads -> 2, 4 kv heads -> 1 per rank" in dict(results[0]["sharding"])["model.layers.0.self_attn"]

@@ -350,7 +350,7 @@ class TensorParallelModule(nn.Module):
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) state dict with the dense model's keys (collective)."""
         tensors = {n: p.detach() for n, p in self.module.named_parameters()}
-        tensors.update({n: b.detach() for n, b in self.module.named_buffers()})
+        tensors.update({n: b.detach() for n, b in _persistent_buffers(self.module)})
         return self.gather_full(tensors)
 
     def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -367,7 +367,7 @@ class TensorParallelModule(nn.Module):
                     r = self.comm.rank
                     src = src.narrow(p.tp_shard_dim, sum(sizes[:r]), sizes[r])
                 p.copy_(src)
-            for name, b in self.module.named_buffers():
+            for name, b in _persistent_buffers(self.module):
                 b.copy_(state[name])
 
     # -- statistics ------------------------------------------------------------------------
@@ -406,6 +406,17 @@ class TensorParallelModule(nn.Module):
             # the two-level layout the topology gave, e.g. "flat (1 host)" (comm/groups.py)
             snap["hierarchy"] = getattr(self.comm, "hierarchy", None) or "flat (1 rank)"
         return snap
+
+
+def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers ``state_dict`` holds: not those registered ``persistent=False`` (HF's
+    rotary ``inv_freq``, recomputed from the config)."""
+    out = []
+    for prefix, m in module.named_modules():
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out.append((f"{prefix}.{name}" if prefix else name, b))
+    return out
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:

@@ -1,0 +1,19 @@
+"""A raw HF ``LlamaForCausalLM`` (no wrapper, no plan) trains under ``[tensor_parallel]
+tensor_parallel_size = 2`` with the built-in ``language_model`` task: after 4 SGD steps its
+parameters and test loss equal the Local run's on the same batches (rtol 1e-5)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from _hf_train import tp_equals_local  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_llama_trains_under_tensor_parallel_2_as_local(tmp_path: Path) -> None:
+    tp_equals_local(tmp_path, {"factory": "hf_factories:llama"}, 2)
