@@ -61,6 +61,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             _print_problems(warnings)
             if not args.quiet:
                 print(f"{path}: ok")
+                for line in _tp_layout(job):
+                    print(f"{path}: {line}")
             if getattr(args, "explain", False):
                 from .explain import explain, render
 
@@ -72,6 +74,17 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 else:
                     print(render({**report, "job": path}))
     return worst
+
+
+def _tp_layout(job: Any) -> list[str]:
+    """A tensor-parallel job: which modules are sharded and how (the executor's dry run)."""
+    from .executors import is_tensor_parallel
+
+    if not is_tensor_parallel(job):
+        return []
+    from .executors.tensor_parallel.runner import dry_run
+
+    return [f"tensor parallel: {p}: {how}" for p, how in dry_run(job)]
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:

@@ -379,6 +379,13 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
             report["parameters_not_run"] = _count(unplaced)
     if shape_note is not None:
         report["shapes_unavailable"] = shape_note
+    from .executors import is_tensor_parallel
+
+    if is_tensor_parallel(job):  # which modules tensor parallelism shards, and how
+        from .executors.tensor_parallel.runner import dry_run
+
+        report["tensor_parallel_size"] = job.tensor_parallel.tensor_parallel_size
+        report["tensor_parallel"] = [{"module": p, "sharding": how} for p, how in dry_run(job)]
     return report
 
 

@@ -103,6 +103,10 @@ def render(report: Mapping[str, Any]) -> str:
         out.append(f"  the loss is computed on {report['loss_worker']}")
         if report.get("parameters_not_run"):
             out.append(f"  {_n(report['parameters_not_run'])} parameters sit in modules the forward never runs")
+    if report.get("tensor_parallel"):
+        out += ["", f"tensor parallel (size {report.get('tensor_parallel_size')}), modules sharded:"]
+        out += _table(["module", "sharding"], [[t["module"], t["sharding"]] for t in report["tensor_parallel"]],
+                      set())
     if report.get("shapes_unavailable"):
         out.append(f"(shapes left out: ShapeProp failed on one training batch: {report['shapes_unavailable']})")
     return "\n".join(out)

@@ -197,6 +197,23 @@ class TensorParallelModule(nn.Module):
             for c in kids[a: b + 1]:
                 self._sp_params += [p for p in c.parameters() if not hasattr(p, "tp_shard_dim")]
 
+    def layout(self) -> list[tuple[str, str]]:
+        """What tensor parallelism did to each module it touched, as ``(path, how)`` in model
+        order: the plan's and the block rules' notes, then paratrain's own parallel layers
+        (``paratrain validate`` / ``graph`` print it)."""
+        if self.batch_split:
+            return [("<root>", "BatchWise: the whole model on each rank's slice of the batch")]
+        out = list(self.sharding)
+        noted = [p for p, _ in out]
+        for path, m in self.module.named_modules():
+            if any(path == n or path.startswith(n + ".") for n in noted):
+                continue
+            how = _describe(m)
+            if how is not None:
+                out.append((path or "<root>", how))
+                noted.append(path)
+        return out
+
     @property
     def needs_sync(self) -> bool:
         return bool(self._sp_params) or self.groups.dp is not None
@@ -406,6 +423,23 @@ class TensorParallelModule(nn.Module):
             # the two-level layout the topology gave, e.g. "flat (1 host)" (comm/groups.py)
             snap["hierarchy"] = getattr(self.comm, "hierarchy", None) or "flat (1 rank)"
         return snap
+
+
+def _describe(m: nn.Module) -> str | None:
+    """One line for one of paratrain's parallel layers (None for anything else)."""
+    if isinstance(m, ParallelSelfAttention):
+        return f"attention heads split ({m.local_heads} per rank): q/k/v colwise, o rowwise"
+    if isinstance(m, ParallelEncoderLayer):
+        return "encoder layer: attention heads split, linear1 colwise, linear2 rowwise"
+    if isinstance(m, GridLinear):
+        return "2-D grid block (BlockWise)"
+    if isinstance(m, ColumnParallelLinear):
+        return "colwise" + (", output gathered" if m.gather_output else "") + (
+            ", sequence parallel" if m.mode == "seq" else "")
+    if isinstance(m, RowParallelLinear):
+        return "rowwise" + ("" if m.input_is_parallel else ", input split here") + (
+            ", sequence parallel" if m.mode == "seq" else "")
+    return None
 
 
 def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -289,10 +289,11 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def dry_run(job: JobConfig) -> None:
+def dry_run(job: JobConfig) -> list[tuple[str, str]]:
     """Shard the job's model as rank 0 would, without processes or collectives, so layout
     errors (heads not divisible, BlockWise on a square size, nothing to shard...) surface
-    before anything is launched."""
+    before anything is launched; returns what was sharded and how
+    (``TensorParallelModule.layout``: what ``paratrain validate`` and ``graph`` print)."""
     from ...comm.tp.comm import TPComm
     from ...comm.tp.groups import TPGroups
     from ...tensor_parallel import TensorParallelModule
@@ -305,7 +306,7 @@ def dry_run(job: JobConfig) -> None:
     model = task.build_model(job.model, train)
     comm = TPComm(None, list(range(tp)), rank=0, pattern=cfg.communication_pattern.value)
     try:
-        TensorParallelModule(model, cfg, TPGroups(comm, None, tp, dp, 0))
+        return TensorParallelModule(model, cfg, TPGroups(comm, None, tp, dp, 0)).layout()
     except ValueError as e:
         if isinstance(e, ConfigError):
             raise
