@@ -108,7 +108,7 @@ DATASETS: dict[str, Callable[..., DataBundle]] = {"digits": digits, "diabetes": 
 # built-in datasets whose targets are real values (task.name = "regression")
 REGRESSION_DATASETS = frozenset({"diabetes"})
 # built-in text corpora (task.name = "language_model"; paratrain.data.shakespeare)
-CORPORA = frozenset({"shakespeare"})
+CORPORA = frozenset({"shakespeare", "tokens"})  # tokens: a token file (paratrain.data.tokens)
 
 
 def load_data(spec: DataSpec, *, seed: int, regression: bool = False) -> DataBundle:

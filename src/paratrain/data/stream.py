@@ -8,9 +8,9 @@ epoch; its batch ``k`` is its items ``k * B .. (k + 1) * B - 1`` (``B = train.ba
 collated (the task's ``collate_fn`` or ``default_collate``). Loader worker ``w`` of ``W``
 builds the rank's batches ``k`` with ``k mod W = w``; the loader takes them round robin,
 so a rank's batches come in the same order for every ``num_workers``. Each worker reads the
-stream from its start and skips the items of other ranks and workers (a stream that can
-seek, e.g. a file, is cheap to skip; a stream is not split into files here). A partial
-last batch is dropped; a finite stream ends the run when any rank runs out (the loop's
+stream from its start and skips the items of other ranks and workers; a stream with random
+access (a method ``item(j)`` giving its item ``j``, IndexError past its end) is read at its
+own items only. A partial last batch is dropped; a finite stream ends the run when any rank runs out (the loop's
 ranks agree on it), else the run ends after ``train.max_steps`` steps (required: a
 stream has no epochs).
 
@@ -111,6 +111,16 @@ class ShardedStream(IterableDataset[Any]):
         info = get_worker_info()
         w, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         bs, world, rank = self.batch_size, self.world, self.rank
+        seek = getattr(self.dataset, "item", None)
+        if callable(seek):  # random access: read only this worker's items
+            k = self.start + w
+            while True:
+                try:
+                    batch = [seek((k * bs + i) * world + rank) for i in range(bs)]
+                except IndexError:  # a finite seekable stream ends
+                    return
+                yield _collated(batch, self.collate)
+                k += nw
         items: list[Any] = []
         for j, item in enumerate(self.dataset):
             if j % world != rank:

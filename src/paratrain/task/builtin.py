@@ -11,8 +11,9 @@
   ids ``[B, T]``, averaged over every token; metrics ``loss`` (nats per token),
   ``perplexity = exp(loss)`` and ``bits_per_token = loss / ln 2``; fitness ``loss`` (min).
   Data: the ``shakespeare`` corpus (``task.block_size``, ``task.stride``; ``[data]
-  test_every``) or a ``data.factory`` returning ``(train, test)`` datasets of ``(x, y)``
-  id blocks. Model: ``gpt`` or a ``model.factory``. The summary also reports
+  test_every``), a token file (``data.name = "tokens"``, :mod:`paratrain.data.tokens`) or
+  a ``data.factory`` returning ``(train, test)`` datasets of ``(x, y)`` id blocks.
+  Model: ``gpt`` or a ``model.factory``. The summary also reports
   ``bigram_test_loss``: a bigram model (counts of consecutive pairs of the training ids,
   add-``alpha`` smoothed, ``alpha = 1``) scored on the same test examples.
 
@@ -46,6 +47,8 @@ from torch.utils.data import Dataset, TensorDataset
 from ..config import ConfigError
 from ..config.job import DataSpec, JobConfig, ModelSpec, TaskSpec
 from ..data.datasets import CORPORA, REGRESSION_DATASETS, DataBundle, load_data
+from ..data.loader import is_stream
+from ..data.stream import head
 from ..models import build_model
 from .steps import fetch_batch
 
@@ -289,6 +292,11 @@ class LanguageModelTask:
         if self.data.name not in CORPORA:
             raise ConfigError([("data.name", f"language_model needs a text corpus; valid: "
                                              f"{', '.join(sorted(CORPORA))} (or a data.factory)")])
+        if self.data.name == "tokens":  # a flat file of token ids, memory-mapped
+            from ..data.tokens import token_datasets
+
+            return token_datasets(seed=seed, **blocks, test_fraction=self.data.test_fraction,
+                                  **extra)
         from ..data.shakespeare import shakespeare
 
         try:
@@ -308,7 +316,7 @@ class LanguageModelTask:
             raise ConfigError([("model.name", f"language_model trains a sequence model over "
                                               f"token ids: use 'gpt', 'hf' or a model.factory (got "
                                               f"{model_spec.name!r})")])
-        item = train[0]
+        item = head(train, 1)[0] if is_stream(train) else train[0]
         x = item["input_ids"] if isinstance(item, Mapping) and "input_ids" in item else item[0]
         return build_model(model_spec, input_shape=tuple(x.shape), num_classes=self._vocab_size(train))
 
