@@ -8,7 +8,9 @@ buffers are not counted), and ``bytes_sent_modelled``, what this rank puts on th
 the ring cost model (all_reduce 2(p-1)/p n, all_gather / reduce_scatter (p-1)/p n of the
 full tensor, broadcast / reduce (p-1)/p n, send n), since the backend's own algorithm is not
 visible from here. Point-to-point sends are the one case where both are the same measured
-count. Also the time spent waiting on communication and the compute time the layers book.
+count. Also the time spent waiting on communication, the compute time the layers book, and
+``replayed``: forward collectives that a recomputation in backward did not run again, their
+outputs read back from the segment's tape (``paratrain.tensor_parallel.memory``).
 
 :class:`Handle` is an in-flight (or already finished) collective; ``wait()`` returns its
 result and books the time spent waiting as communication time.
@@ -42,6 +44,9 @@ class CommStats:
         self.comm_time_s = 0.0
         self.compute_time_s = 0.0
         self.async_launched = 0  # collectives started without blocking (overlappable)
+        # forward collectives a recomputation read back from a tape instead of running
+        # (tensor_parallel.memory): not sent, so in none of the counts above
+        self.replayed = 0
 
     def record(self, kind: str, wire_bytes: float, seconds: float = 0.0, *, payload_bytes: int = 0) -> None:
         with self._lock:
@@ -53,6 +58,10 @@ class CommStats:
     def launched_async(self) -> None:
         with self._lock:
             self.async_launched += 1
+
+    def replayed_collective(self) -> None:
+        with self._lock:
+            self.replayed += 1
 
     def add_comm_time(self, seconds: float) -> None:
         with self._lock:
@@ -88,6 +97,7 @@ class CommStats:
                 "communication_time_s": self.comm_time_s,
                 "computation_time_s": self.compute_time_s,
                 "async_collectives": self.async_launched,
+                "replayed_collectives": self.replayed,
             }
 
 

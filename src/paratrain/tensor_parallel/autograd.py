@@ -23,6 +23,12 @@ Forward / backward collective of each operator (``comm`` a
   W_i^T) + b`` in one Function each, so the backward collective of the input gradient
   overlaps the weight-gradient matmul (see :class:`_ColumnLinear` for the modes).
 
+Every *forward* collective goes through :func:`.memory.taped`: inside a checkpointed segment
+its output is kept on the segment's tape and read back when backward recomputes the
+segment, so recomputation never communicates again (Korthikanti et al. 2022, §5; see
+:mod:`.memory`). A row layer's partial matmul runs inside the taped call, so a replay skips
+it too.
+
 Reductions run in fp32 (half-precision partials are upcast before they travel). These
 Functions call only ``TPComm`` methods: every torch.distributed call stays in
 :mod:`paratrain.comm`. Each is the identity (or a plain matmul) on a group of size 1.
@@ -39,6 +45,8 @@ from torch.autograd import Function
 
 from paratrain.comm.stats import Handle
 from paratrain.comm.tp.comm import TPComm
+
+from .memory import taped
 
 __all__ = [
     "column_linear",
@@ -78,7 +86,7 @@ class _ReduceFromRegion(Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: TPComm) -> torch.Tensor:
-        return comm.all_reduce(_fp32(x.contiguous()))
+        return taped(lambda: comm.all_reduce(_fp32(x.contiguous())))
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
@@ -92,7 +100,7 @@ class _GatherFromRegion(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
         ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
-        return comm.all_gather(x, dim, sizes).wait()
+        return taped(lambda: comm.all_gather(x, dim, sizes).wait())
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
@@ -121,7 +129,7 @@ class _SeqGather(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
         ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
-        return comm.all_gather(x.contiguous(), dim, sizes).wait()
+        return taped(lambda: comm.all_gather(x.contiguous(), dim, sizes).wait())
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
@@ -134,7 +142,7 @@ class _SeqReduceScatter(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
         ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
-        return comm.reduce_scatter(_fp32(x.contiguous()), dim, sizes).wait()
+        return taped(lambda: comm.reduce_scatter(_fp32(x.contiguous()), dim, sizes).wait())
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
@@ -172,7 +180,7 @@ class _FusedSeqGather(Function):
     def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int],
                 n: int) -> tuple[torch.Tensor, ...]:
         ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
-        full = comm.all_gather(x.contiguous(), dim, sizes).wait()
+        full = taped(lambda: comm.all_gather(x.contiguous(), dim, sizes).wait())
         return tuple(full.view_as(full) for _ in range(n))
 
     @staticmethod
@@ -263,7 +271,7 @@ class _ColumnLinear(Function):
                 mode: str, dim: int, sizes: list[int] | None, cdt: torch.dtype | None) -> torch.Tensor:
         saved = x
         if mode == "seq":
-            x = comm.all_gather(x.contiguous(), dim, sizes).wait()
+            x = taped(lambda: comm.all_gather(saved.contiguous(), dim, sizes).wait())
         t0 = time.perf_counter()
         y = _mm(x, w.t(), cdt)
         if b is not None:
@@ -314,13 +322,16 @@ class _RowLinear(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, comm: TPComm,
                 mode: str, dim: int, sizes: list[int] | None, cdt: torch.dtype | None) -> torch.Tensor:
-        t0 = time.perf_counter()
-        partial = _fp32(_mm(x, w.t(), cdt))
-        comm.stats.add_compute_time(time.perf_counter() - t0)
-        if mode == "seq":
-            z = comm.reduce_scatter(partial, dim, sizes).wait()
-        else:
-            z = comm.all_reduce(partial)
+        def reduced() -> torch.Tensor:  # a replay skips the matmul along with the collective
+            t0 = time.perf_counter()
+            partial = _fp32(_mm(x, w.t(), cdt))
+            comm.stats.add_compute_time(time.perf_counter() - t0)
+            if mode == "seq":
+                out: torch.Tensor = comm.reduce_scatter(partial, dim, sizes).wait()
+                return out
+            return comm.all_reduce(partial)
+
+        z = taped(reduced)
         if b is not None:
             z = z + b
         _stash(ctx, x, w, b, comm, mode, dim, sizes, cdt)

@@ -39,6 +39,7 @@ from paratrain.comm.tp.grid import GridComms, grid_sizes
 
 from .autograd import _fp32, _mm, _rows, _wgrad, gather_from_region, scatter_to_region
 from .layers import RegionState
+from .memory import taped
 
 __all__ = ["GridLinear", "grid_enter", "grid_exit", "grid_linear", "grid_steps", "narrow_to_shard"]
 
@@ -49,10 +50,14 @@ class _GridLinear(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                 grid: GridComms, in_sizes: list[int], cdt: torch.dtype | None) -> torch.Tensor:
-        # Both panels travel at once (different groups, so they overlap).
-        hx = grid.row.all_gather(x.contiguous(), -1, in_sizes, async_op=True)
-        hw = grid.col.all_gather(w.contiguous(), 1, in_sizes, async_op=True)
-        xf, wf = hx.wait(), hw.wait()   # [..., B_i, in], [out_j, in]
+        def panels() -> tuple[torch.Tensor, torch.Tensor]:
+            # Both panels travel at once (different groups, so they overlap).
+            hx = grid.row.all_gather(x.contiguous(), -1, in_sizes, async_op=True)
+            hw = grid.col.all_gather(w.contiguous(), 1, in_sizes, async_op=True)
+            return hx.wait(), hw.wait()
+
+        # recomputation reads both panels back from the segment's tape (see .memory)
+        xf, wf = taped(panels)   # [..., B_i, in], [out_j, in]
         y = _mm(_rows(xf), wf.t(), cdt).reshape(*xf.shape[:-1], wf.shape[0])
         if b is not None:
             y = y + b

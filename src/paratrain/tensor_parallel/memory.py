@@ -1,29 +1,59 @@
-"""Activation memory: checkpointing levels and a meter of the bytes saved for backward.
+"""Activation memory: recomputation levels, the tape of collective outputs, and a meter of
+the bytes saved for backward.
 
 ``memory_optimization`` maps to activation checkpointing of consecutive *blocks* (a block
-starts at a tensor-parallel unit and runs to the next): None = keep every activation;
-Low / Medium / High = checkpoint segments of 4 / 2 / 1 blocks (Chen et al. 2016, "Training
-Deep Nets with Sublinear Memory Cost": only segment inputs are kept, the rest is
-recomputed in backward); Extreme = segments of 1 block, and every tensor saved for
-backward is moved to host memory while it waits (``save_on_cpu`` style offload), which
-on an accelerator takes the saved activations off the device.
+starts at a tensor-parallel unit and runs to the next; a model that is not an
+``nn.Sequential`` of paratrain's blocks, e.g. HF's, is one segment at every level):
+
+========  ===========================================  ========================================
+level     stored for backward                          recomputed in backward
+========  ===========================================  ========================================
+None      every activation                             nothing
+Low       segment inputs (every 4 blocks) + the        the local maths of one segment at a time
+          outputs of the forward collectives (tape)
+Medium    as Low, segments of 2 blocks (the default)   as Low
+High      as Low, segments of 1 block                  as Low
+Extreme   segment inputs (1 block), on host memory     everything, the forward collectives too
+========  ===========================================  ========================================
+
+Checkpointing is Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"); Extreme
+moves every saved tensor to host memory while it waits (``save_on_cpu`` style), which on an
+accelerator takes the saved activations off the device.
+
+Low to High recompute the *local* maths only. Every collective run in a segment's forward
+(the row layer's all-reduce or reduce-scatter, the sequence all-gathers, the gathers of an
+output, the 2-D panels) writes its output on the segment's :class:`CollectiveTape`; when
+backward recomputes the segment, the same collectives, reached in the same order, read
+their outputs back from the tape instead of communicating again. This is the split of
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
+§5, selective activation recomputation): recompute what is cheap to recompute, store what
+is expensive to recompute, and a collective's output is the most expensive of all, since it
+costs the network and every rank's time. These levels therefore move exactly the bytes of
+``None`` (``CommStats.replayed`` counts the collectives the tape saved); what they store is
+the segment inputs plus one activation per forward collective (for a transformer layer two
+``[b, s, h]`` tensors, the outputs of the attention's and the MLP's row layers), and what
+they recompute is everything else in the segment (norms, the column layers' matmuls, the
+attention core, activations; a row layer's forward matmul is skipped, its reduced output
+being on the tape). Since the tape keeps every block's row outputs whatever the segment
+length, Low / Medium / High differ only in how much is recomputed at once. Extreme is the
+one level that trades traffic for memory: the forward collectives run again in backward.
 
 :class:`ActivationMeter` measures what a level costs: through ``saved_tensors_hooks`` it
 tracks the bytes of distinct non-parameter tensors held for backward on the compute
-device, live, including the tensors re-created by recomputation during backward, and
-keeps the peak.
+device, live, including the tensors re-created by recomputation during backward and the
+tensors held on collective tapes, and keeps the peak.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["SEGMENT_BLOCKS", "ActivationMeter", "activation_hooks", "measure"]
+__all__ = ["SEGMENT_BLOCKS", "ActivationMeter", "CollectiveTape", "activation_hooks", "measure", "taped"]
 
 # memory_optimization -> blocks per checkpoint segment (0 = no checkpointing)
 SEGMENT_BLOCKS = {"None": 0, "Low": 4, "Medium": 2, "High": 1, "Extreme": 1}
@@ -121,3 +151,87 @@ def measure(*, params: set[int] | None = None, offload: bool = False) -> Iterato
             yield meter
     finally:
         _ACTIVE.pop()
+
+
+def _box(t: torch.Tensor) -> _Saved:
+    """Hold ``t`` as a saved activation, counted in the active meter while it is held."""
+    meter = _ACTIVE[-1] if _ACTIVE else None
+    nbytes = t.untyped_storage().nbytes()
+    box = _Saved(t, t.device)
+    if meter is not None:
+        key = (t.untyped_storage().data_ptr(), nbytes)
+        meter._add(key, nbytes)
+        weakref.finalize(box, meter._drop, key, nbytes)
+    return box
+
+
+class CollectiveTape:
+    """The outputs of one checkpointed segment's forward collectives, in call order.
+
+    The segment's first run *records* (each collective runs and its output is kept, as an
+    alias that shares the version counter); every later run (the recomputation in backward)
+    *replays*: the ``i``-th collective it reaches returns the ``i``-th recorded output, which
+    is released from the tape as it is handed over (the recomputed graph holds it from then
+    on). An entry changed in place since it was recorded, or a call past the end of the tape,
+    runs the collective instead (see the module docstring).
+    """
+
+    def __init__(self, *, on_replay: Callable[[], None] | None = None) -> None:
+        self._on_replay = on_replay
+        self._entries: list[tuple[tuple[_Saved, ...], tuple[int, ...], bool] | None] = []
+        self._recorded = False
+        self._pos = 0
+
+    @contextmanager
+    def run(self) -> Iterator[None]:
+        """One run of the segment: the first records, the later ones replay."""
+        replay = self._recorded
+        self._pos = 0
+        _TAPES.append((self, replay))
+        try:
+            yield
+        finally:
+            _TAPES.pop()
+            self._recorded = True
+            if replay:  # what the recomputation did not take back (early stop) is not needed
+                self._entries.clear()
+
+    def _record(self, out: Any) -> Any:
+        outs = out if isinstance(out, tuple) else (out,)
+        boxes = tuple(_box(t.detach()) for t in outs)
+        # an alias shares the output's version counter: an in-place change shows
+        self._entries.append((boxes, tuple(b.tensor._version for b in boxes), isinstance(out, tuple)))
+        return out
+
+    def _replay(self, collective: Callable[[], Any]) -> Any:
+        i = self._pos
+        self._pos += 1
+        entry = self._entries[i] if i < len(self._entries) else None
+        if entry is None:
+            return collective()
+        self._entries[i] = None
+        boxes, versions, is_tuple = entry
+        if any(b.tensor._version != v for b, v in zip(boxes, versions, strict=True)):
+            return collective()  # changed in place after the collective: not its output
+        if self._on_replay is not None:
+            self._on_replay()
+        outs = tuple(b.tensor.detach() for b in boxes)
+        return outs if is_tuple else outs[0]
+
+    def __len__(self) -> int:
+        return sum(e is not None for e in self._entries)
+
+
+_TAPES: list[tuple[CollectiveTape, bool]] = []
+
+
+def taped(collective: Callable[[], Any]) -> Any:
+    """Run a forward collective (returning a tensor or a tuple of tensors) through the
+    innermost active tape, if any: recorded on a segment's first run, read back instead of
+    run when the segment is recomputed."""
+    if not _TAPES:
+        return collective()
+    tape, replay = _TAPES[-1]
+    if replay:
+        return tape._replay(collective)
+    return tape._record(collective())

@@ -1,7 +1,9 @@
 """``TensorParallelModule``: a converted model and everything a run does with it.
 
 - ``forward``: the model's children in order, with activation checkpointing of every 4/2/1
-  blocks per ``memory_optimization`` (Extreme also offloads saved tensors, :mod:`.memory`),
+  blocks per ``memory_optimization`` (Extreme also offloads saved tensors, :mod:`.memory`;
+  the recomputation reads the forward collectives' outputs back from a tape instead of
+  communicating again, so None to High move the same bytes; Extreme runs them again),
   bf16 autocast per ``mixed_precision``, and the sequence-parallel region: its first
   parallel child gets the own sequence shard of its input (``scatter_to_region``: keep the
   slice forward, all-gather backward), its last one's output is all-gathered
@@ -146,6 +148,10 @@ class TensorParallelModule(nn.Module):
                 self.coordinator.partition_tensor(name + ".weight", (mod.in_features, mod.out_features),
                                                   "BlockWise")
         self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
+        # False: a recomputed segment reads its forward collectives' outputs back from a tape
+        # (no extra traffic); True: it runs them again, storing nothing but the segment inputs
+        # (Extreme: the least device memory, paid for in traffic; :mod:`.memory`)
+        self.recompute_collectives = config.memory_optimization.value == "Extreme"
         self.last_peak_activation_bytes: int | None = None
         # 2-D: the data-parallel gradient average (and buffer broadcast) over the DP group;
         # the compressor's residuals are keyed by this module's parameter names.
@@ -254,7 +260,7 @@ class TensorParallelModule(nn.Module):
         amp = torch.autocast(device_type=dev, dtype=torch.bfloat16) if mp else nullcontext()
         with amp, hooks:
             if self.segments and self.training and torch.is_grad_enabled():
-                out = checkpoint(self.module, *args, use_reentrant=False, **kwargs)
+                out = checkpoint(self._taped(self.module), *args, use_reentrant=False, **kwargs)
             else:
                 out = self.module(*args, **kwargs)
         if mp:
@@ -286,7 +292,21 @@ class TensorParallelModule(nn.Module):
     def _seg_fn(self, seg: list[int]) -> Any:
         def fn(x: torch.Tensor, _dummy: torch.Tensor) -> torch.Tensor:
             return self._run(seg, x)
-        return fn
+        return self._taped(fn)
+
+    def _taped(self, fn: Any) -> Any:
+        """``fn`` (one checkpointed segment) with its own tape of collective outputs: the
+        recomputation in backward reads them back instead of communicating again
+        (:class:`.memory.CollectiveTape`). ``recompute_collectives`` (Extreme's choice) runs
+        them again instead."""
+        if self.recompute_collectives:
+            return fn
+        tape = memory.CollectiveTape(on_replay=self.stats.replayed_collective)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with tape.run():
+                return fn(*args, **kwargs)
+        return run
 
     @contextmanager
     def measure_activations(self) -> Iterator[memory.ActivationMeter]:
