@@ -76,3 +76,37 @@ def test_hf_model_pipeline_equals_the_unpartitioned_model(results: list[list[dic
         params = _merged(results, ci, label, "params")
         for k, p in ref["params"].items():  # two steps: the head read the updated embedding
             torch.testing.assert_close(params[k], p, rtol=RTOL, atol=ATOL, msg=f"{what}: {k}")
+
+
+def test_exported_dropout_follows_the_parts_mode() -> None:
+    """Export bakes training mode in; the parts drop out only in training mode, so the
+    evaluation forward equals ``model.eval()``'s output."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from paratrain.comm.context import default_workers
+    from paratrain.config.strategy import Partition
+    from paratrain.executors.model_parallel.feed import model_inputs, model_output
+    from paratrain.executors.model_parallel.plan import build_plan
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=24, n_positions=8, n_embd=16, n_layer=2, n_head=2,
+                                       resid_pdrop=0.3, embd_pdrop=0.3, attn_pdrop=0.3,
+                                       bos_token_id=None, eos_token_id=None))
+    x = torch.randint(0, 24, (3, 8))
+    parts = [Partition.model_validate({"node_ids": STAGE2["gpt2"], "target": {"WorkerId": "worker-1"}})]
+    c = build_plan(model, parts, default_workers(2), contiguous=True, example=((x[:2],), {})).cut
+
+    def run(train: bool) -> torch.Tensor:
+        env = model_inputs(c, (x,), {})
+        for a in c.attrs:
+            mod, _, name = a.target.rpartition(".")
+            env[a.name] = getattr(model.get_submodule(mod), name)
+        for p in c.parts:
+            out = p.module.train(train)(*[env[v] for v in p.inputs])
+            env.update(zip(p.outputs, out if len(p.outputs) > 1 else (out,), strict=True))
+        return model_output(c, env).logits  # type: ignore[no-any-return]
+
+    with torch.no_grad():
+        want = model.eval()(x).logits
+        torch.testing.assert_close(run(False), want, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(run(True), want, atol=1e-3)

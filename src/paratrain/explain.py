@@ -197,7 +197,12 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
         model = built if model is None else model
     check_paths(model, job)
     leaves = tuple(getattr(job.model, "leaf_modules", ()) or ())
-    gm = trace(model, leaves)
+    example = None  # the model's arguments on two examples: torch.export where fx fails
+    if train is not None:
+        from .executors.model_parallel.runner import example_args
+
+        example = example_args(None, train)
+    gm = trace(model, leaves, example)
     root = job.strategy
     resolved = resolve(model, job)  # patterns ("class:BatchNorm2d") as the modules they match
     subs: Mapping[str, Any] = resolved.table
@@ -216,7 +221,7 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
         from .executors.model_parallel.runner import plan_for
 
         workers = default_workers(spec_for(job).processes(job)[0], list(job.workers))
-        plan = plan_for(job, model, workers)
+        plan = plan_for(job, model, workers, example)
         from .executors.model_parallel.replicas import replicas_for
 
         replicas = replicas_for(job, plan, len(workers), workers)

@@ -25,7 +25,11 @@ of an exported graph.
 - a ``SymInt`` (``x.size(0)`` and arithmetic on it) read by several operations is copied
   once per reader, so each part computes its own from the batch: sizes never travel;
 - a Hugging Face config's ``use_cache`` is turned off before capture: training never reads
-  the key/value cache, and a ``DynamicCache`` in the output is no pytree of tensors.
+  the key/value cache, and a ``DynamicCache`` in the output is no pytree of tensors;
+- the model is captured in training mode, which export bakes in: each dropout
+  (``aten.dropout(x, p, train=True)``, attention's ``dropout_p``) becomes a small module at
+  the path of the module it ran in (so it is placed with it) that drops only while its part
+  is in training mode: evaluation (``part.eval()``) runs without dropout, as ``model.eval()``.
 
 :func:`canonical_ties` (both capture paths) renames every ``get_attr`` of a tied tensor to
 its first name in the model (``lm_head.weight`` -> ``model.embed_tokens.weight``), so a
@@ -42,7 +46,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["export_graph", "canonical_ties", "IN_SPEC", "OUT_SPEC", "CAPTURE"]
+__all__ = ["export_graph", "canonical_ties", "module_of", "IN_SPEC", "OUT_SPEC", "CAPTURE"]
 
 IN_SPEC, OUT_SPEC, CAPTURE = "paratrain_in_spec", "paratrain_out_spec", "paratrain_capture"
 
@@ -87,6 +91,7 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             delattr(gm, name)
     gm.graph._codegen = fx.graph.CodeGen()
     _copy_sizes_per_reader(gm.graph)
+    _dropouts_follow_mode(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     gm.meta[CAPTURE] = "export"
@@ -111,6 +116,70 @@ def _copy_sizes_per_reader(graph: fx.Graph) -> None:
                 dup = graph.node_copy(n)
             dup.meta = dict(n.meta)
             user.replace_input_with(n, dup)
+
+
+class ModeDropout(nn.Module):
+    """``aten.dropout(x, p, train)`` with ``train`` the module's own mode."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.dropout.default(x, self.p, self.training)
+
+
+class ModeAttention(nn.Module):
+    """``aten.scaled_dot_product_attention`` with ``dropout_p`` only in training mode."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attn_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+        kwargs["dropout_p"] = self.p if self.training else 0.0
+        out: torch.Tensor = torch.ops.aten.scaled_dot_product_attention.default(q, k, v, attn_mask, **kwargs)
+        return out
+
+
+def _dropouts_follow_mode(gm: fx.GraphModule) -> None:
+    """Replace each training-mode dropout by a mode-following module (module docstring)."""
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    for k, n in enumerate(list(gm.graph.nodes)):
+        if n.op != "call_function":
+            continue
+        if n.target is torch.ops.aten.dropout.default and n.args[2] is True and n.args[1] > 0:
+            module: nn.Module = ModeDropout(float(n.args[1]))
+            args, kwargs = (n.args[0],), {}
+        elif n.target is sdpa:
+            args, kwargs = n.args[:4], dict(n.kwargs)
+            p = n.args[4] if len(n.args) > 4 else kwargs.pop("dropout_p", 0.0)
+            kwargs.pop("dropout_p", None)
+            kwargs.update(zip(("is_causal", "scale", "enable_gqa"), n.args[5:], strict=False))
+            if not p:
+                continue
+            module = ModeAttention(float(p))
+        else:
+            continue
+        where = module_of(n)
+        path = f"{where}._mode_op{k}" if where else f"_mode_op{k}"
+        gm.add_submodule(path, module)
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_module(path, tuple(args), kwargs)
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+
+
+def module_of(node: fx.Node) -> str | None:
+    """The qualified name of the module a node runs in: its target for ``call_module``, the
+    innermost module whose forward it was traced in otherwise (None at the root)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack") or {}
+    names = [v[0] if isinstance(v, tuple) else k for k, v in stack.items()]
+    return str(names[-1]) if names else None
 
 
 def canonical_ties(gm: fx.GraphModule, model: nn.Module) -> None:

@@ -12,6 +12,11 @@ gets an owner rank:
   module follows its data: the rank that consumes it when all its consumers agree (a
   residual add at the root runs where the next block runs; a join's ``cat`` where the join
   runs), else the rank of its latest-computed input.
+- in a graph captured by ``torch.export`` (:mod:`.export`: every node an operation), an
+  operation in an unclaimed module that holds parameters or has no claimed module inside
+  runs on ``default`` (an unclaimed module runs on rank 0, as under fx); a field of a leaf's
+  tuple (``getitem``) runs with the leaf; a value computed from the batch alone runs where
+  it is first read.
 - placeholders (the model's inputs, read from the batch) belong to no rank: every rank
   reads the batch, so an input never travels.
 
@@ -38,6 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
@@ -147,10 +153,19 @@ def _attr_module(target: str) -> str:
 def _node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) -> dict[str, int]:
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     owner: dict[str, int] = {}
-    # An exported graph has no call_module nodes: the operations of a module holding its own
-    # parameters or buffers (a Linear, an Embedding, a norm) stand for the fx leaf, and run
-    # on ``default`` when no claim covers them, as an unclaimed fx leaf does.
-    holders = _holders(gm) if gm.meta.get(CAPTURE) == "export" else set()
+    # An exported graph has no call_module nodes: a tensor operation in an unclaimed module
+    # with no claimed module inside it (a Linear, an Embedding, a whole unclaimed decoder
+    # layer; or any module holding its own parameters) runs on ``default``, as an unclaimed
+    # module does under fx; operations of a module that contains claims (the model's own
+    # forward: masks, position ids) follow their data.
+    exported = gm.meta.get(CAPTURE) == "export"
+    holders = _holders(gm) if exported else set()
+
+    def home(n: fx.Node, mod: str) -> bool:
+        if not exported or mod.startswith("_") or not isinstance(n.meta.get("val"), torch.Tensor):
+            return False
+        return mod in holders or not any(c.startswith(mod + ".") for c in claims)
+
     for n in nodes:
         if n.op == "call_module":
             r = owner_of_path(str(n.target), claims)
@@ -173,8 +188,8 @@ def _node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) ->
                 r = None if mod is None else owner_of_path(mod, claims)
                 if r is not None:
                     owner[n.name] = r
-                elif mod and mod in holders:
-                    owner[n.name] = default  # an unclaimed layer's own operation (export)
+                elif mod and home(n, mod):
+                    owner[n.name] = default
     # A field taken out of a leaf's tuple / ModelOutput (``out[0]``, ``out.last_hidden_state``)
     # runs where the leaf ran: what crosses is then the tensor, not the structure.
     for n in nodes:
@@ -272,12 +287,15 @@ def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> C
     calls: dict[int, list[str]] = {}
     exported = gm.meta.get(CAPTURE) == "export"
     for n in gm.graph.nodes:
-        if n.op == "call_module":
+        if n.op == "call_module" and not exported:
             calls.setdefault(part_of[n.name], []).append(str(n.target))
         elif exported and n.name in part_of:
-            # no call_module nodes in an exported graph: a part lists the modules whose
-            # forwards its operations ran in (innermost), in order
+            # an exported graph's nodes are operations: a part lists the modules whose
+            # forwards they ran in (innermost; a dropout module export.py put there: its
+            # module), in order
             mod = module_of(n)
+            if mod and mod.rpartition(".")[2].startswith("_mode_op"):
+                mod = mod.rpartition(".")[0]
             got = calls.setdefault(part_of[n.name], [])
             if mod and mod not in got and not mod.startswith("_"):
                 got.append(mod)

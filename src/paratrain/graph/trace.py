@@ -24,7 +24,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..config import ConfigError
-from .export import canonical_ties, export_graph
+from .export import canonical_ties, export_graph, module_of
 
 __all__ = ["leaf", "trace", "module_of", "LEAF_ATTR"]
 
@@ -99,16 +99,6 @@ def trace(model: nn.Module, leaves: Iterable[str] = (),
     gm = fx.GraphModule(model, graph, type(model).__name__)
     canonical_ties(gm, model)
     return gm
-
-
-def module_of(node: fx.Node) -> str | None:
-    """The qualified name of the module a node runs in: its target for ``call_module``, the
-    innermost module whose forward it was traced in otherwise (None at the root)."""
-    if node.op == "call_module":
-        return str(node.target)
-    stack = node.meta.get("nn_module_stack") or {}
-    names = [v[0] if isinstance(v, tuple) else k for k, v in stack.items()]
-    return str(names[-1]) if names else None
 
 
 def _list(known: dict[str, nn.Module]) -> str:

@@ -55,7 +55,17 @@ class Routing:
     def _send_rows(self, val: torch.Tensor, kind: str, i: int, t: Any, step: int, *, to_src: bool) -> None:
         """Send ``val`` (this replica's rows of a value of transfer ``t``) cut into the rows
         each peer replica holds: activations to ``t.dst``'s replicas, gradients back to
-        ``t.src``'s."""
+        ``t.src``'s. Cutting by rows needs one row per example: a value of another leading
+        size (an exported model's rotary table, shape ``(1, T, d)``) crossing into or out of
+        a replicated stage is a ValueError naming it."""
+        if self.replicas.count(t.src) > 1 or self.replicas.count(t.dst) > 1:
+            lo, hi = row_bounds(self._sizes[i], self.num_replicas)[self.replica]
+            if val.dim() == 0 or val.shape[0] != hi - lo:
+                raise ValueError(
+                    f"model-parallel value {t.value!r} of shape {tuple(val.shape)} crosses into or "
+                    f"out of a replicated stage but is not one row per example ({hi - lo} rows "
+                    f"here): a replicated stage cuts what it reads and sends by rows; do not "
+                    f"replicate that stage, or place the nodes that make and read it together")
         for peer, slot, lo, hi in self._links(i, t, mine_is_src=not to_src):
             self.transport.send(val[lo:hi], dst=peer, key=(kind, i, slot), step=step, rows=hi - lo)
 
