@@ -21,7 +21,8 @@ See DESIGN §4 and Shoeybi et al. 2019 (Megatron-LM). All collectives live in
 - ``gradient_accumulation``: sync once per step over ``micro_batches`` (else per
   micro-batch).
 - ``memory_optimization``: activation checkpointing every 4/2/1 blocks, Extreme also
-  offloads saved tensors to host memory (:mod:`.memory`).
+  offloads saved tensors to host memory; the recomputation reads the forward collectives'
+  outputs back from a tape, so no level communicates more than None (:mod:`.memory`).
 - ``mixed_precision``: bf16 matmuls, fp32 master weights, gradients and reductions.
 """
 

@@ -13,14 +13,15 @@ Low       segment inputs (every 4 blocks) + the        the local maths of one se
           outputs of the forward collectives (tape)
 Medium    as Low, segments of 2 blocks (the default)   as Low
 High      as Low, segments of 1 block                  as Low
-Extreme   segment inputs (1 block), on host memory     everything, the forward collectives too
+Extreme   as High, every stored tensor (tape too) on   as High
+          host memory while it waits
 ========  ===========================================  ========================================
 
 Checkpointing is Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"); Extreme
 moves every saved tensor to host memory while it waits (``save_on_cpu`` style), which on an
-accelerator takes the saved activations off the device.
+accelerator takes the saved activations off the device (on a CPU it is High).
 
-Low to High recompute the *local* maths only. Every collective run in a segment's forward
+Every level recomputes the *local* maths only. Every collective run in a segment's forward
 (the row layer's all-reduce or reduce-scatter, the sequence all-gathers, the gathers of an
 output, the 2-D panels) writes its output on the segment's :class:`CollectiveTape`; when
 backward recomputes the segment, the same collectives, reached in the same order, read
@@ -28,15 +29,17 @@ their outputs back from the tape instead of communicating again. This is the spl
 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
 §5, selective activation recomputation): recompute what is cheap to recompute, store what
 is expensive to recompute, and a collective's output is the most expensive of all, since it
-costs the network and every rank's time. These levels therefore move exactly the bytes of
+costs the network and every rank's time. Every level therefore moves exactly the bytes of
 ``None`` (``CommStats.replayed`` counts the collectives the tape saved); what they store is
 the segment inputs plus one activation per forward collective (for a transformer layer two
 ``[b, s, h]`` tensors, the outputs of the attention's and the MLP's row layers), and what
 they recompute is everything else in the segment (norms, the column layers' matmuls, the
 attention core, activations; a row layer's forward matmul is skipped, its reduced output
 being on the tape). Since the tape keeps every block's row outputs whatever the segment
-length, Low / Medium / High differ only in how much is recomputed at once. Extreme is the
-one level that trades traffic for memory: the forward collectives run again in backward.
+length, Low / Medium / High differ in the segment inputs kept and in how much is recomputed
+at once. (``TensorParallelModule.recompute_collectives = True`` is the policy before the
+tape, which ran the forward collectives again and stored only segment inputs: kept to
+measure what the tape saves.)
 
 :class:`ActivationMeter` measures what a level costs: through ``saved_tensors_hooks`` it
 tracks the bytes of distinct non-parameter tensors held for backward on the compute
@@ -153,10 +156,17 @@ def measure(*, params: set[int] | None = None, offload: bool = False) -> Iterato
         _ACTIVE.pop()
 
 
-def _box(t: torch.Tensor) -> _Saved:
-    """Hold ``t`` as a saved activation, counted in the active meter while it is held."""
+def _box(t: torch.Tensor, offload: bool) -> _Saved:
+    """Hold ``t`` as a saved activation: counted in the active meter while it is held, or
+    moved to host memory under offload (as :func:`activation_hooks` does)."""
     meter = _ACTIVE[-1] if _ACTIVE else None
     nbytes = t.untyped_storage().nbytes()
+    if offload and t.device.type != "cpu":
+        box = _Saved(t.to("cpu", non_blocking=True), t.device)
+        if meter is not None:
+            meter._offload(nbytes, +1)
+            weakref.finalize(box, meter._offload, nbytes, -1)
+        return box
     box = _Saved(t, t.device)
     if meter is not None:
         key = (t.untyped_storage().data_ptr(), nbytes)
@@ -176,7 +186,8 @@ class CollectiveTape:
     runs the collective instead (see the module docstring).
     """
 
-    def __init__(self, *, on_replay: Callable[[], None] | None = None) -> None:
+    def __init__(self, *, offload: bool = False, on_replay: Callable[[], None] | None = None) -> None:
+        self.offload = offload
         self._on_replay = on_replay
         self._entries: list[tuple[tuple[_Saved, ...], tuple[int, ...], bool] | None] = []
         self._recorded = False
@@ -198,7 +209,7 @@ class CollectiveTape:
 
     def _record(self, out: Any) -> Any:
         outs = out if isinstance(out, tuple) else (out,)
-        boxes = tuple(_box(t.detach()) for t in outs)
+        boxes = tuple(_box(t.detach(), self.offload) for t in outs)
         # an alias shares the output's version counter: an in-place change shows
         self._entries.append((boxes, tuple(b.tensor._version for b in boxes), isinstance(out, tuple)))
         return out
@@ -215,7 +226,8 @@ class CollectiveTape:
             return collective()  # changed in place after the collective: not its output
         if self._on_replay is not None:
             self._on_replay()
-        outs = tuple(b.tensor.detach() for b in boxes)
+        outs = tuple(b.tensor.to(b.device, non_blocking=True) if b.tensor.device != b.device
+                     else b.tensor.detach() for b in boxes)
         return outs if is_tuple else outs[0]
 
     def __len__(self) -> int:

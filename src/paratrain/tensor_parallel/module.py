@@ -3,7 +3,7 @@
 - ``forward``: the model's children in order, with activation checkpointing of every 4/2/1
   blocks per ``memory_optimization`` (Extreme also offloads saved tensors, :mod:`.memory`;
   the recomputation reads the forward collectives' outputs back from a tape instead of
-  communicating again, so None to High move the same bytes; Extreme runs them again),
+  communicating again, so every level moves None's bytes),
   bf16 autocast per ``mixed_precision``, and the sequence-parallel region: its first
   parallel child gets the own sequence shard of its input (``scatter_to_region``: keep the
   slice forward, all-gather backward), its last one's output is all-gathered
@@ -149,9 +149,9 @@ class TensorParallelModule(nn.Module):
                                                   "BlockWise")
         self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
         # False: a recomputed segment reads its forward collectives' outputs back from a tape
-        # (no extra traffic); True: it runs them again, storing nothing but the segment inputs
-        # (Extreme: the least device memory, paid for in traffic; :mod:`.memory`)
-        self.recompute_collectives = config.memory_optimization.value == "Extreme"
+        # (no extra traffic); True: it runs them again, storing only the segment inputs (the
+        # policy before the tape, kept to measure what it saves; :mod:`.memory`)
+        self.recompute_collectives = False
         self.last_peak_activation_bytes: int | None = None
         # 2-D: the data-parallel gradient average (and buffer broadcast) over the DP group;
         # the compressor's residuals are keyed by this module's parameter names.
@@ -297,11 +297,12 @@ class TensorParallelModule(nn.Module):
     def _taped(self, fn: Any) -> Any:
         """``fn`` (one checkpointed segment) with its own tape of collective outputs: the
         recomputation in backward reads them back instead of communicating again
-        (:class:`.memory.CollectiveTape`). ``recompute_collectives`` (Extreme's choice) runs
-        them again instead."""
+        (:class:`.memory.CollectiveTape`; offloaded to host under Extreme).
+        ``recompute_collectives`` runs them again instead."""
         if self.recompute_collectives:
             return fn
-        tape = memory.CollectiveTape(on_replay=self.stats.replayed_collective)
+        tape = memory.CollectiveTape(offload=self.config.memory_optimization.value == "Extreme",
+                                     on_replay=self.stats.replayed_collective)
 
         def run(*args: Any, **kwargs: Any) -> Any:
             with tape.run():
