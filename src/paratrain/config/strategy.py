@@ -310,7 +310,19 @@ class DataParallel(Contract):
     stay one model. AllReduce and ParameterServer (also tensor parallel x DataParallel and a
     replicated stage); Decentralized replicas keep their own. false = each keeps its own."""
 
-    _extensions: ClassVar[frozenset[str]] = frozenset({"broadcast_buffers"})
+    shard: Literal["none", "optimizer", "gradients", "parameters"] = "none"
+    """Extension (ZeRO, Rajbhandari et al. 2020; AllReduce only): what each replica keeps only
+    its 1/N shard of. ``none``: everything replicated (DDP). ``optimizer`` (ZeRO-1): the
+    optimizer state. ``gradients`` (ZeRO-2): also the gradients (reduce-scattered).
+    ``parameters`` (ZeRO-3): also the parameters, all-gathered per ``shard_unit`` for its
+    forward and again for its backward, freed after. Parameters equal unsharded AllReduce's."""
+    shard_unit: list[str] | None = None
+    """Extension (with ``shard = "parameters"``): the modules gathered as one unit, as torch
+    FSDP2's ``fully_shard`` per block: module-path globs (``"blocks.*"``) or class names
+    (``"Block"``). Default: each direct child of the model. Parameters of no unit (and tied
+    ones used by several units) form the root unit, gathered for the whole step."""
+
+    _extensions: ClassVar[frozenset[str]] = frozenset({"broadcast_buffers", "shard", "shard_unit"})
 
 
 class ModelParallel(Contract):

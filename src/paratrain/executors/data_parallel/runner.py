@@ -65,6 +65,7 @@ from ...training.stepping import local_grad_sq_norm
 from ...training.stores import RankStore
 from ..entry import worker_entry
 from .aggregation import Aggregator, build_aggregator
+from .zero import ZeroEngine
 
 __all__ = ["run", "worker_main", "train_replica", "shard_indices", "validate", "FAULT_ENV",
            "DataParallelEngine"]
@@ -86,12 +87,35 @@ def validate(job: JobConfig, *, num_train: int | None = None) -> DataParallel:
         raise ConfigError([("strategy.type", f"expected DataParallel (got {getattr(s, 'type', s)!r})")])
     if s.num_replicas < 1:
         raise ConfigError([("strategy.num_replicas", f"must be >= 1 (got {s.num_replicas})")])
+    _validate_shard(job, s)
     if num_train is not None and s.num_replicas > num_train:
         raise ConfigError([(
             "strategy.num_replicas",
             f"{s.num_replicas} replicas but only {num_train} training rows: each replica needs at least one",
         )])
     return s
+
+
+def _validate_shard(job: JobConfig, s: DataParallel) -> None:
+    """ZeRO (``strategy.shard``) shards what AllReduce would all-reduce: uncompressed only."""
+    if s.shard == "none":
+        if s.shard_unit is not None:
+            raise ConfigError([("strategy.shard_unit", "is the unit of shard = \"parameters\" "
+                                "(this job does not shard)")])
+        return
+    if s.aggregation.method != "AllReduce":
+        raise ConfigError([("strategy.shard", (
+            f"shard = {s.shard!r} shards AllReduce's exchange; aggregation "
+            f"{s.aggregation.method} has none (use AllReduce, or shard = \"none\")"))])
+    if job.compression is not None and job.compression.method != "None":
+        raise ConfigError([("strategy.shard", (
+            f"shard = {s.shard!r} with [compression] {job.compression.method} is not supported: "
+            "a compressed exchange all-reduces (or all-gathers) whole gradients and keeps whole "
+            "error-feedback residuals per rank, which sharding would not shrink; drop one of them"))])
+    if s.shard_unit is not None and s.shard != "parameters":
+        raise ConfigError([("strategy.shard_unit", (
+            f"is the unit of shard = \"parameters\" (ZeRO-3); shard = {s.shard!r} keeps whole "
+            "parameters"))])
 
 
 _DATA_CACHE: dict[str, Any] = {}
@@ -222,9 +246,12 @@ def _shared_buffers(model: nn.Module, job: JobConfig, strategy: DataParallel) ->
     return [b for n, b in model.named_buffers() if n not in own]
 
 
-def _store(ctx: WorkerContext, run_dir: Path) -> RankStore:
+def _store(ctx: WorkerContext, run_dir: Path, shard: str = "none") -> RankStore:
+    # ``shard`` in the layout: a checkpoint of pieces (ZeRO) and one of whole tensors are
+    # different layouts even at one replica count, so a resume across them reshards
     return RankStore(run_dir, "dp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
-                     layout={"replicas": ctx.world_size}, layout_field="strategy.num_replicas",
+                     layout={"replicas": ctx.world_size, "shard": shard},
+                     layout_field="strategy.num_replicas",
                      device=ctx.device, reshard=True)
 
 
@@ -251,24 +278,32 @@ def train_replica(
     # Same seed gives the same init everywhere; the broadcast makes it true for any factory.
     B.broadcast_tensors(list(model.state_dict().values()), src=0, group=ctx.group,
                         bucket_bytes=bucket_bytes)
-    opt = build_optimizer(model.parameters(), job.train.optimizer)
     local = local_parameter_names(model, job)  # Local subgraphs: never combined
-    agg: Aggregator = build_aggregator(
-        strategy.aggregation, model,
-        group=ctx.group, counter=counter, bucket_bytes=bucket_bytes,
-        compressor=build_compressor(job, strategy.aggregation, warn=ctx.is_main),
-        gamma=job.comm.gossip_step, local=local, buffers=_shared_buffers(model, job, strategy),
-    )
-    run_dir = run_dir_of(job)
     t = job.train
+    zero: ZeroEngine | None = None
+    if strategy.shard != "none":  # ZeRO: the optimizer steps this rank's pieces (.zero)
+        zero = ZeroEngine(model, task, test, ctx=ctx, precision=t.precision, level=strategy.shard,
+                          units=strategy.shard_unit, local=local, counter=counter,
+                          buffers=_shared_buffers(model, job, strategy), bucket_bytes=bucket_bytes)
+        opt = build_optimizer(zero.model.parameters(), job.train.optimizer)
+        agg: Aggregator = Aggregator(model, group=ctx.group, counter=counter, local=local)
+    else:
+        opt = build_optimizer(model.parameters(), job.train.optimizer)
+        agg = build_aggregator(
+            strategy.aggregation, model,
+            group=ctx.group, counter=counter, bucket_bytes=bucket_bytes,
+            compressor=build_compressor(job, strategy.aggregation, warn=ctx.is_main),
+            gamma=job.comm.gossip_step, local=local, buffers=_shared_buffers(model, job, strategy),
+        )
+    run_dir = run_dir_of(job)
     plan = DataPlan.build(
         dataset=train, order=lambda e: shard_indices(n_rows, world=ctx.world_size, rank=ctx.rank,
                                                      seed=seed, epoch=e),
         examples_per_epoch=n_rows // ctx.world_size, batch_size=t.batch_size,
         accumulation=t.grad_accumulation, epochs=t.epochs, max_steps=t.max_steps, device=ctx.device,
         loader=LoaderOptions.of(job.data, seed), shard=(ctx.rank, ctx.world_size))
-    engine = DataParallelEngine(model, task, test, ctx=ctx, precision=t.precision, agg=agg,
-                                counter=counter, local=local)
+    engine: LocalEngine = zero if zero is not None else DataParallelEngine(
+        model, task, test, ctx=ctx, precision=t.precision, agg=agg, counter=counter, local=local)
     trainer = Trainer(engine, opt, t, plan.total_steps)
 
     def prepare() -> None:
@@ -278,16 +313,21 @@ def train_replica(
 
     try:
         result = run_loop(
-            trainer=trainer, plan=plan, task=task, store=_store(ctx, run_dir),
+            trainer=trainer, plan=plan, task=task, store=_store(ctx, run_dir, strategy.shard),
             label=f"DataParallel x{ctx.world_size}",
             metrics=MetricsWriter(run_dir) if ctx.is_main else None, resume=resume, prepare=prepare,
             eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every,
             progress_every=job.run.progress_every, rank=ctx.rank,
             restart_count=ctx.restart_count, started=started, group=ctx.group,
-            layout={"strategy": "DataParallel", "replicas": ctx.world_size},
+            layout={"strategy": "DataParallel", "replicas": ctx.world_size, "shard": strategy.shard},
         )
     finally:
         agg.close()
+        if zero is not None:
+            zero.close()
+    held = zero.held_bytes(opt) if zero is not None else None  # measured before gathering
+    if zero is not None:
+        zero.gather_all()  # ZeRO-3: the whole model for the summary, the export and the caller
 
     step = result.position.step
     bytes_total = C.CommCounter(bytes=dict(counter.bytes)).total_bytes
@@ -302,6 +342,9 @@ def train_replica(
         "comm_bytes_per_step": bytes_total / steps_this_run,
         "restart_count": ctx.restart_count,
     }
+    if zero is not None:
+        summary.update(zero.describe())
+        summary["held_bytes"] = held
     if hasattr(agg, "topology"):
         summary["topology"] = agg.topology
     if local:
@@ -309,9 +352,9 @@ def train_replica(
         summary["local_parameters"] = sorted(local)
         summary["parameters_sha256_by_rank"] = C.all_gather_text(summary["parameters_sha256"],
                                                                  group=ctx.group)
-    if engine.consensus:
-        summary["consensus_distance_first"] = engine.consensus[0]
-        summary["consensus_distance_last"] = engine.consensus[-1]
+    if getattr(engine, "consensus", None):
+        summary["consensus_distance_first"] = engine.consensus[0]  # type: ignore[attr-defined]
+        summary["consensus_distance_last"] = engine.consensus[-1]  # type: ignore[attr-defined]
     comp = getattr(agg, "compressor", None)
     if comp is not None:
         summary["compression"] = comp.stats.as_dict()

@@ -1,0 +1,124 @@
+"""Flat-buffer collectives of ZeRO (Rajbhandari et al. 2020): :class:`FlatShard`.
+
+A group of tensors (one sharding unit's parameters) is cut along dimension 0, as torch
+FSDP2's ``Shard(0)``: tensor ``i`` of ``d_i`` rows (``w_i`` elements per row) gives every
+rank ``c_i = ceil(d_i / N)`` rows; rank ``r`` owns rows ``[r c_i, min((r+1) c_i, d_i))``
+(possibly none: the last ranks of a short tensor). Because each piece is a row range, a
+checkpoint records it as the shard spec ``{"shape": ..., "slices": [[0, start, length]]}``
+of :mod:`paratrain.training.reshard`, so a sharded run resumes on any world by name.
+
+Rank ``r``'s *flat shard* is the concatenation over ``i`` of its ``c_i`` rows (padded with
+zeros past ``d_i``), ``S = sum_i c_i w_i`` elements. The whole group travels as one flat
+buffer of ``N S`` elements laid out ``[rank 0's shard | rank 1's | ...]``:
+
+* :meth:`FlatShard.gather` -- one ``all_gather_into_tensor`` of the flat shards, then each
+  tensor's rows copied out (``view(N, S)[:, off_i : off_i + c_i w_i]``, the padding dropped);
+* :meth:`FlatShard.reduce_scatter` -- each gradient packed (zero-padded) into the same
+  layout, one ``reduce_scatter`` of the SUM, then divided by ``N``: the mean on every backend
+  (gloo has no AVG op; pytorch#162338: FSDP2 on gloo sums where it should average).
+
+Held bytes of a rank are ``S`` per flat buffer: ``numel / N`` plus the padding rows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .collectives import CommCounter, all_gather_into_tensor, reduce_scatter
+
+__all__ = ["FlatShard", "Piece"]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Where tensor ``index`` lies: rows ``[start, start + length)`` of the tensor on this
+    rank, at ``offset`` in the flat shard; ``chunk`` rows per rank, ``row`` elements a row."""
+
+    index: int
+    shape: tuple[int, ...]
+    chunk: int
+    row: int
+    offset: int
+    start: int
+    length: int
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The shard spec of :mod:`paratrain.training.reshard` (rows of dimension 0)."""
+        return {"shape": list(self.shape), "slices": [[0, self.start, self.length]]}
+
+
+class FlatShard:
+    """Rank ``rank`` of ``world``'s dimension-0 shard of tensors of ``shapes`` (module doc)."""
+
+    def __init__(self, shapes: Sequence[Sequence[int]], *, world: int, rank: int) -> None:
+        self.world, self.rank = int(world), int(rank)
+        self.pieces: list[Piece] = []
+        offset = 0
+        for i, shape in enumerate(shapes):
+            shape = tuple(int(s) for s in shape)
+            if not shape:
+                raise ValueError("FlatShard: a 0-dimensional tensor has no rows to shard")
+            rows = shape[0]
+            row = math.prod(shape[1:])
+            chunk = -(-rows // self.world)
+            start = min(self.rank * chunk, rows)
+            length = max(0, min(chunk, rows - start))
+            self.pieces.append(Piece(i, shape, chunk, row, offset, start, length))
+            offset += chunk * row
+        self.numel = offset  # S: elements of one rank's flat shard
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Tensor ``i``'s rows inside this rank's flat shard ``flat`` (a view, its shape)."""
+        p = self.pieces[i]
+        return flat[p.offset : p.offset + p.length * p.row].view(p.length, *p.shape[1:])
+
+    def pack_own(self, tensors: Sequence[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """``out`` (``S`` elements) <- this rank's rows of ``tensors`` (the padding zero)."""
+        out.zero_()
+        for p, t in zip(self.pieces, tensors, strict=True):
+            if p.length:
+                self.view(out, p.index).copy_(t.detach()[p.start : p.start + p.length])
+        return out
+
+    def _pack_all(self, tensors: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
+        """The ``N S`` buffer of every rank's rows of ``tensors`` (None: zeros)."""
+        buf = torch.zeros(self.world, self.numel, dtype=like.dtype, device=like.device)
+        for p, t in zip(self.pieces, tensors, strict=True):
+            if t is None or p.row == 0:
+                continue
+            rows = t.detach().reshape(p.shape[0], p.row)
+            cols = buf[:, p.offset : p.offset + p.chunk * p.row].view(self.world, p.chunk, p.row)
+            for j in range(self.world):  # rank j's rows (the last ranks' may be short or none)
+                part = rows[j * p.chunk : (j + 1) * p.chunk]
+                cols[j, : part.shape[0]].copy_(part)
+        return buf.view(-1)
+
+    def unpack_all(self, full: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """Each ``outs[i]`` <- tensor ``i`` from the gathered ``N S`` buffer ``full``."""
+        grid = full.view(self.world, self.numel)
+        for p, out in zip(self.pieces, outs, strict=True):
+            if p.row == 0:
+                continue
+            cols = grid[:, p.offset : p.offset + p.chunk * p.row].reshape(self.world * p.chunk, p.row)
+            out.view(p.shape[0], p.row).copy_(cols[: p.shape[0]])
+
+    def gather(self, flat: torch.Tensor, outs: Sequence[torch.Tensor], *, group: Any = None,
+               counter: CommCounter | None = None) -> None:
+        """Every rank's flat shard gathered (one collective) and copied out into ``outs``
+        (the whole tensors, in place)."""
+        full = torch.empty(self.world * self.numel, dtype=flat.dtype, device=flat.device)
+        all_gather_into_tensor(full, flat, group=group, counter=counter)
+        self.unpack_all(full, outs)
+
+    def reduce_scatter(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor, *,
+                       group: Any = None, counter: CommCounter | None = None) -> torch.Tensor:
+        """``out`` (this rank's ``S`` elements) <- the mean over ranks of ``tensors``
+        (None: this rank contributes zeros), one reduce-scatter of the sum divided by N."""
+        buf = self._pack_all(tensors, out)
+        return reduce_scatter(out, buf, group=group, average=True, counter=counter)

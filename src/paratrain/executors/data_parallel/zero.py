@@ -1,0 +1,425 @@
+"""ZeRO for DataParallel (``strategy.shard``; Rajbhandari et al. 2020, "ZeRO: Memory
+Optimizations Toward Training Trillion Parameter Models"): :class:`ZeroEngine`.
+
+Each replica ``r`` of ``N`` keeps the full model only where the level says so and steps
+*its own shard* of every parameter (rows ``[r c, (r+1) c)`` of dimension 0,
+:class:`~paratrain.comm.zero.FlatShard`); the optimizer only ever sees those pieces, so its
+state is 1/N of the model's at every level. Per parameter and fp32 Adam (4 bytes of
+parameter, 4 of gradient, 8 of moments), the bytes a rank holds after a step are
+
+* ``optimizer`` (ZeRO-1): ``4 + 4 + 8/N`` -- gradients all-reduced as unsharded AllReduce
+  (:class:`~paratrain.comm.grad_sync.GradSync`: buckets overlapped with backward, the
+  unused-parameter rule), each rank steps its rows, then the parameters are all-gathered;
+* ``gradients`` (ZeRO-2): ``4 + 12/N`` -- after each backward pass the gradients are
+  reduce-scattered (the mean, :meth:`FlatShard.reduce_scatter`) into the rank's gradient
+  shard, summed over the step's micro-batches, and the full ones dropped;
+* ``parameters`` (ZeRO-3): ``16/N`` (plus the unit being computed) -- every *unit*
+  (``shard_unit``, as FSDP2's ``fully_shard``: each direct child by default) is all-gathered
+  before its forward and freed after it, all-gathered again when its backward starts (a
+  multi-grad hook on its outputs) and freed when all its parameters' gradients have
+  accumulated; the root unit (parameters of no unit, and tied ones several units use) is
+  gathered for the whole forward and backward. Freeing resizes the parameter's storage to
+  zero, so the tensors autograd saved see the re-gathered values (FSDP1's scheme).
+
+The update equals unsharded AllReduce's: the optimizers are element-wise (SGD with momentum,
+Adam, AdamW), the gradient mean is the same sum divided by N, and clipping uses the global
+norm ``sum_r ||g_shard,r||^2`` (one all-reduce, :meth:`ZeroEngine.grad_sq_norm`). A parameter
+no rank used this step keeps ``grad = None`` on every rank's piece (one MAX all-reduce of
+flags), so the optimizer skips it. ``[subgraphs]`` Local layers and frozen parameters stay
+whole and local. Every rank must call the same units in the same order (as under FSDP).
+
+For the one loop the engine's ``model`` is :class:`ShardView`: the pieces (and the local
+tensors) under mangled keys, with :meth:`ZeroEngine.model_names` and
+:meth:`ZeroEngine.model_shards` (row specs), so checkpoints are by the model's names and
+resume on any world (:mod:`paratrain.training.reshard`); ``net`` is the model computed with.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from ...comm import collectives as C
+from ...comm.context import WorkerContext
+from ...comm.grad_sync import GradSync
+from ...comm.zero import FlatShard
+from ...config import ConfigError
+from ...training.loop import LocalEngine
+from ...training.stepping import autocast, local_grad_sq_norm
+
+__all__ = ["ZeroEngine", "ShardView", "resolve_units", "LEVELS"]
+
+LEVELS = {"optimizer": 1, "gradients": 2, "parameters": 3}
+
+
+def resolve_units(net: nn.Module, patterns: Sequence[str] | None) -> list[str]:
+    """The module paths gathered as units: those matching a glob of ``patterns`` or whose
+    class name is one (None: each direct child); ConfigError for a pattern matching none."""
+    if patterns is None:
+        return [n for n, _ in net.named_children()]
+    out: list[str] = []
+    for pat in patterns:
+        hits = [n for n, m in net.named_modules() if n and (fnmatch.fnmatchcase(n, pat)
+                                                              or type(m).__name__ == pat)]
+        if not hits:
+            raise ConfigError([("strategy.shard_unit", (
+                f"{pat!r} matches no module path or class name of the model (children: "
+                f"{', '.join(n for n, _ in net.named_children())})"))])
+        out += [h for h in hits if h not in out]
+    return out
+
+
+@dataclass(eq=False)
+class _Unit:
+    """One gathered group: its parameters, their shard layout and this rank's shards."""
+
+    path: str  # "" = the root unit
+    named: list[tuple[str, nn.Parameter]]
+    flat: FlatShard
+    shard: torch.Tensor | None = None  # ZeRO-3: this rank's parameter rows (S elements)
+    grad: torch.Tensor | None = None  # ZeRO-2/3: this rank's gradient rows, summed over micro-batches
+    used: list[bool] = field(default_factory=list)
+    pieces: list[nn.Parameter | None] = field(default_factory=list)
+    gathered: bool = True
+    done: set[int] = field(default_factory=set)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named]
+
+
+def _assign(net: nn.Module, paths: Sequence[str], shared: Sequence[tuple[str, nn.Parameter]]
+            ) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
+    """Each shared parameter to the deepest unit holding it when the units holding it are
+    nested; to the root (``""``, last) when none or several sibling units use it (a tie)."""
+    holders: dict[int, list[str]] = {}
+    for path in paths:
+        for _, p in net.get_submodule(path).named_parameters(remove_duplicate=False):
+            if path not in holders.setdefault(id(p), []):
+                holders[id(p)].append(path)
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {path: [] for path in paths}
+    groups[""] = []
+    for n, p in shared:
+        hs = sorted(holders.get(id(p), []), key=len)
+        nested = all(hs[-1] == h or hs[-1].startswith(h + ".") for h in hs)
+        groups[hs[-1] if hs and nested else ""].append((n, p))
+    return [(path, named) for path, named in groups.items() if named]
+
+
+class ShardView(nn.Module):
+    """What the loop checkpoints and the optimizer steps: this rank's pieces of the
+    sharded parameters, the local parameters and the other state, under mangled keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: dict[str, str] = {}
+        self.specs: dict[str, dict[str, Any]] = {}
+
+    def add(self, name: str, t: torch.Tensor, *, spec: dict[str, Any] | None = None,
+            param: bool = True) -> None:
+        key = name.replace(".", "/")
+        self.names[key] = name
+        if spec is not None:
+            self.specs[key] = spec
+        if param:
+            self.register_parameter(key, t if isinstance(t, nn.Parameter) else nn.Parameter(t))
+        else:
+            self.register_buffer(key, t.detach())
+
+
+class ZeroEngine(LocalEngine):
+    """A DataParallel replica at ZeRO ``level`` (module doc); ``local``: Local-subgraph
+    parameter names (never combined), ``buffers``: broadcast before each step's first forward."""
+
+    zero_grad_set_to_none = True
+
+    def __init__(self, net: nn.Module, task: Any, test: Any, *, ctx: WorkerContext, precision: str,
+                 level: str, units: Sequence[str] | None, local: set[str],
+                 buffers: Sequence[torch.Tensor], counter: C.CommCounter, bucket_bytes: int) -> None:
+        super().__init__(net, task, test, device=ctx.device, precision=precision)
+        self.net, self.ctx, self.counter, self.level = net, ctx, counter, LEVELS[level]
+        self.local = set(local)
+        self.n, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
+        shared = [(n, p) for n, p in net.named_parameters() if p.requires_grad and n not in self.local]
+        flat0 = [n for n, p in shared if p.dim() == 0]
+        if flat0:
+            raise ConfigError([("strategy.shard", f"parameter {flat0[0]} is 0-dimensional: it has no "
+                                "rows to shard; make it shape [1] or leave shard = \"none\"")])
+        paths = resolve_units(net, units) if self.level == 3 else []
+        self.units: list[_Unit] = []
+        for path, named in _assign(net, paths, shared):
+            dtypes = {p.dtype for _, p in named}
+            if len(dtypes) > 1:
+                raise ConfigError([("strategy.shard_unit", f"unit {path or '(root)'} mixes parameter "
+                                    f"dtypes {sorted(map(str, dtypes))}; make one unit per dtype")])
+            self.units.append(_Unit(path, named, FlatShard([p.shape for _, p in named],
+                                                           world=self.n, rank=self.rank)))
+        # ZeRO-1: the unsharded exchange; otherwise GradSync only broadcasts the buffers
+        self.sync_ = GradSync(shared if self.level == 1 else [], group=self.group,
+                              bucket_bytes=bucket_bytes, overlap=True, buffers=buffers, counter=counter)
+        self.model = self._view(net)
+        self._new_step = True
+        self.hooks: list[Any] = []
+        if self.level == 3:
+            for u in self.units:
+                self._shard_parameters(u)
+            self._install_hooks()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _view(self, net: nn.Module) -> ShardView:
+        view = ShardView()
+        mine = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
+        for u in self.units:
+            u.pieces = [None] * len(u.named)
+            u.used = [False] * len(u.named)
+        seen: set[int] = set()
+        for name, t in net.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                continue  # a tied name: the tensor is under its first name
+            seen.add(id(t))
+            if id(t) in mine:
+                u, i = mine[id(t)]
+                piece = u.flat.pieces[i]
+                if piece.length:  # ZeRO-1/2: rows of the whole parameter (ZeRO-3 re-points them)
+                    u.pieces[i] = nn.Parameter(t.data[piece.start : piece.start + piece.length])
+                    view.add(name, u.pieces[i], spec=piece.spec)  # type: ignore[arg-type]
+            elif isinstance(t, nn.Parameter) and t.requires_grad:
+                view.add(name, t)  # a Local subgraph's parameter: this replica's own
+            else:
+                view.add(name, t, param=False)  # buffers, frozen parameters
+        return view
+
+    def _shard_parameters(self, u: _Unit) -> None:
+        """ZeRO-3: keep this rank's rows in ``u.shard`` (the pieces become views of it) and
+        free the whole parameters (each first given its own storage to resize)."""
+        u.shard = u.flat.pack_own(u.params, torch.empty(u.flat.numel, dtype=u.params[0].dtype,
+                                                        device=self.device))
+        for i, piece in enumerate(u.pieces):
+            if piece is not None:
+                piece.data = u.flat.view(u.shard, i)
+        for p in u.params:
+            p.data = p.data.clone()
+        self._free(u)
+
+    def _install_hooks(self) -> None:
+        for u in self.units:
+            if not u.path:
+                continue  # the root is gathered for the whole step (forward_backward)
+            m = self.net.get_submodule(u.path)
+            self.hooks.append(m.register_forward_pre_hook(lambda _m, _a, u=u: self._gather(u)))
+            self.hooks.append(m.register_forward_hook(lambda _m, _a, out, u=u: self._after_forward(u, out)))
+            for p in u.params:
+                self.hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda p, u=u: self._accumulated(u, p)))
+
+    # ------------------------------------------------------------------ ZeRO-3 gather / free
+
+    def _gather(self, u: _Unit) -> None:
+        if u.gathered or u.shard is None:
+            return
+        for p in u.params:
+            p.data.untyped_storage().resize_(p.numel() * p.element_size())
+        u.flat.gather(u.shard, [p.data for p in u.params], group=self.group, counter=self.counter)
+        u.gathered, u.done = True, set()
+
+    def _free(self, u: _Unit) -> None:
+        if u.gathered and u.shard is not None:
+            for p in u.params:
+                p.data.untyped_storage().resize_(0)
+            u.gathered = False
+
+    def _after_forward(self, u: _Unit, out: Any) -> None:
+        if not self.net.training or not torch.is_grad_enabled():
+            return  # evaluation: everything stays gathered (evaluate)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:  # the unit's backward starts when a gradient reaches one of its outputs
+            # (the hook lives with this forward's graph; its handle need not be kept)
+            torch.autograd.graph.register_multi_grad_hook(outs, lambda _g, u=u: self._gather(u),
+                                                          mode="any")
+        self._free(u)
+
+    def _accumulated(self, u: _Unit, p: nn.Parameter) -> None:
+        u.done.add(id(p))
+        if len(u.done) == len(u.named):
+            self._free(u)
+
+    def gather_all(self) -> None:
+        """ZeRO-3: every parameter whole (collective; e.g. before evaluation or export)."""
+        for u in self.units:
+            self._gather(u)
+
+    def free_all(self) -> None:
+        for u in self.units:
+            self._free(u)
+
+    # ------------------------------------------------------------------ the step
+
+    def _begin_step(self) -> None:
+        self._new_step = False
+        keep = self.level == 1 and not self.sync_.zero_grad_set_to_none  # bucket views: zero in place
+        for u in self.units:
+            u.used = [False] * len(u.named)
+            if u.grad is not None:
+                u.grad.zero_()
+            for p in u.params:
+                if keep and p.grad is not None:
+                    p.grad.detach().zero_()
+                else:
+                    p.grad = None
+        for n, p in self.net.named_parameters():
+            if n in self.local:
+                p.grad = None
+
+    def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:
+        from ...task.steps import call_model
+
+        if self._new_step:
+            self._begin_step()
+        self.sync_.before_forward(last=last)
+        root = [u for u in self.units if not u.path]
+        for u in root:
+            self._gather(u)
+        with autocast(self.precision, self.device):
+            loss = self.task.loss(call_model(self.task, self.net, batch), batch)
+        (loss * weight).backward() if weight != 1.0 else loss.backward()
+        if self.level >= 2:
+            self._reduce_scatter()
+        return float(loss.detach())
+
+    def _reduce_scatter(self) -> None:
+        """ZeRO-2/3, after each backward pass: every unit's gradient mean into this rank's
+        gradient rows (summed over the step's micro-batches); whole gradients dropped."""
+        for u in self.units:
+            grads = [p.grad for p in u.params]
+            u.used = [a or g is not None for a, g in zip(u.used, grads, strict=True)]
+            part = torch.empty(u.flat.numel, dtype=u.params[0].dtype, device=self.device)
+            u.flat.reduce_scatter(grads, part, group=self.group, counter=self.counter)
+            if u.grad is None:
+                u.grad = part
+            else:
+                u.grad.add_(part)
+            for p in u.params:
+                p.grad = None
+            self._free(u)
+
+    def sync(self) -> None:
+        """Point each piece's ``grad`` at this rank's rows of the mean gradient (None where
+        no rank used the parameter this step)."""
+        self._new_step = True
+        if self.level == 1:
+            self.sync_.sync()
+            for u in self.units:
+                for piece, fp, p in zip(u.pieces, u.flat.pieces, u.params, strict=True):
+                    if piece is not None:
+                        piece.grad = None if p.grad is None else p.grad.detach()[fp.start : fp.start + fp.length]
+            return
+        self.sync_.sync()  # closes GradSync's step (it only broadcast the buffers)
+        flags = [f for u in self.units for f in u.used]
+        used = iter(C.used_mask(flags, group=self.group, counter=self.counter) if flags else [])
+        for u in self.units:
+            for i, piece in enumerate(u.pieces):
+                live = next(used)
+                if piece is not None:
+                    piece.grad = u.flat.view(u.grad, i) if live and u.grad is not None else None
+
+    def grad_sq_norm(self) -> float:
+        """``sum_r ||g_shard,r||^2 + mean_r ||g_local,r||^2``: the unsharded model's squared
+        norm (Local layers as DataParallel's), the same on every rank, one all-reduce."""
+        pieces = [p for u in self.units for p in u.pieces if p is not None]
+        local = [p for n, p in self.net.named_parameters() if n in self.local]
+        t = torch.stack([local_grad_sq_norm(pieces), local_grad_sq_norm(local) / self.n])
+        C.all_reduce_(t, group=self.group, counter=self.counter)
+        return float(t.sum())
+
+    def after_step(self) -> dict[str, float]:
+        """ZeRO-1/2: every rank's updated rows all-gathered into the whole parameters."""
+        if self.level < 3:
+            self._all_gather_parameters()
+        return {}
+
+    def _all_gather_parameters(self) -> None:
+        with torch.no_grad():
+            for u in self.units:
+                flat = u.flat.pack_own(u.params, torch.empty(u.flat.numel, dtype=u.params[0].dtype,
+                                                              device=self.device))
+                u.flat.gather(flat, [p.data for p in u.params], group=self.group, counter=self.counter)
+
+    # ------------------------------------------------------------------ the rest of the engine
+
+    def evaluate(self) -> dict[str, float] | None:
+        from ...task.steps import evaluate as evaluate_task
+
+        self.gather_all()  # collective: every rank, before rank 0 evaluates
+        try:
+            if not self.ctx.is_main:
+                return None
+            with autocast(self.precision, self.device):
+                return evaluate_task(self.net, self.task, self.test, device=self.device)
+        finally:
+            self.free_all()
+
+    def mean_over_ranks(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        C.all_reduce_(t, group=self.group)
+        return float(t.item()) / self.n
+
+    def model_names(self) -> dict[str, str]:
+        return dict(self.model.names)  # type: ignore[arg-type]
+
+    def model_shards(self) -> dict[str, dict[str, Any]]:
+        return dict(self.model.specs)  # type: ignore[arg-type]
+
+    def describe(self) -> dict[str, Any]:
+        """What is sharded: the level, the units with their parameters (for summaries)."""
+        return {"shard": {1: "optimizer", 2: "gradients", 3: "parameters"}[self.level],
+                "units": {u.path or "(root)": [n for n, _ in u.named] for u in self.units},
+                "local": sorted(self.local)}
+
+    def held_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes of the storages this rank holds now (each counted once), by kind:
+        parameters (whole or shards), gradients (whole or shards), optimizer state."""
+        seen: set[int] = set()
+
+        def size(ts: Any) -> int:
+            total = 0
+            for t in ts:
+                if t is None or not isinstance(t, torch.Tensor):
+                    continue
+                s = t.untyped_storage()
+                if s.nbytes() and s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    total += s.nbytes()
+            return total
+
+        params = size([*self.net.parameters(), *(u.shard for u in self.units)])
+        grads = size([*(p.grad for p in self.net.parameters()), *(u.grad for u in self.units),
+                      *(p.grad for p in self.model.parameters())])
+        state = size(v for st in optimizer.state.values() for v in st.values())
+        return {"parameters": params, "gradients": grads, "optimizer": state,
+                "total": params + grads + state}
+
+    def log_extras(self) -> dict[str, Any]:
+        return {"comm_bytes": self.counter.total_bytes}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"comm": dict(self.counter.bytes)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """After a resume loaded this rank's pieces: ZeRO-1/2 gather the whole parameters."""
+        for k, v in (state or {}).get("comm", {}).items():
+            self.counter.bytes[k] = int(v)
+        if self.level < 3:
+            self._all_gather_parameters()
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        self.sync_.close()
