@@ -27,4 +27,5 @@ def check_suite(results: list[dict[str, Any]], *, full: bool = True, plan: bool 
             close(res["plan_vs_torch"], f"rank {rank}: ours with HF's plan vs torch")
         assert res["state"]["diff"] == 0.0, res["state"]
         assert res["shard_names"] == [], res["shard_names"]  # every checkpoint name is a dense name
+        assert res["pieces"] == 0.0  # each shard is the piece of the dense tensor its spec names
         assert res["local_params"] < res["dense_params"]

@@ -45,6 +45,16 @@ def llama(heads: int = 4, kv_heads: int = 2, hidden: int = 32, seed: int = 0) ->
     return LlamaForCausalLM(cfg).eval()
 
 
+def mistral(seed: int = 0) -> nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        sliding_window=4, attention_dropout=0.0, bos_token_id=0, eos_token_id=0)
+    return MistralForCausalLM(cfg).eval()
+
+
 def gpt2(seed: int = 0) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -153,7 +163,7 @@ def _run(model: nn.Module, kind: str) -> tuple[torch.Tensor, dict[str, torch.Ten
 
 
 def _dense(kind: str, **kw: Any) -> nn.Module:
-    return {"llama": llama, "gpt2": gpt2, "vit": vit}[kind](**kw)
+    return {"llama": llama, "mistral": mistral, "gpt2": gpt2, "vit": vit}[kind](**kw)
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -251,6 +261,7 @@ def hf_suite(ctx: WorkerContext, kind: str, model_kw: dict[str, Any], full: bool
     names, shards = _shard_names(tpm)
     res["shard_names"] = sorted(set(names.values()) - set(want))
     res["shards"] = shards
+    res["pieces"] = _pieces_match(tpm, names, shards, want)
     if full:
         res["auto_checkpointed"] = _compare(ref, _ours(dense, kind, tp)[0])
     torch_ref = _torch_reference(dense, kind, tp)
@@ -262,6 +273,10 @@ def hf_suite(ctx: WorkerContext, kind: str, model_kw: dict[str, Any], full: bool
         res["plan_vs_torch"] = _compare(torch_ref, planned)
         if not full:
             return res
+        # Mistral: Llama's attention with a sliding window (4 of 8 positions), an odd-width MLP
+        m = mistral()
+        res["mistral"] = _compare(_run(copy.deepcopy(m), "mistral"),
+                                  _ours(m, "mistral", tp, memory_optimization="None")[0])
         # wrong: the kv heads left whole (replicated) while the query heads are split
         wrong = {k: v for k, v in LLAMA_PLAN.items() if "k_proj" not in k and "v_proj" not in k}
         try:
@@ -286,7 +301,18 @@ def vit_suite(ctx: WorkerContext) -> dict[str, Any]:
     ref = _run(copy.deepcopy(dense), "vit")
     ours, tpm = _ours(dense, "vit", tp, memory_optimization="None")
     names, shards = _shard_names(tpm)
-    return {"auto": _compare(ref, ours), "sharding": tpm.sharding, "names": names, "shards": shards}
+    return {"auto": _compare(ref, ours), "sharding": tpm.sharding, "names": names, "shards": shards,
+            "pieces": _pieces_match(tpm, names, shards, dense.state_dict())}
+
+
+def _pieces_match(tpm: Any, names: dict[str, str], shards: dict[str, Any],
+                  want: dict[str, torch.Tensor]) -> float:
+    """Max difference between each sharded tensor this rank holds and the piece of the dense
+    tensor its spec names (``reshard.take``: what a resume on another size cuts out)."""
+    from paratrain.training.reshard import take
+
+    local = tpm.state_dict()
+    return max(_diff(local[k], take(want[names[k]], spec)) for k, spec in shards.items())
 
 
 def _shard_names(tpm: Any) -> tuple[dict[str, str], dict[str, Any]]:

@@ -30,6 +30,13 @@ def test_llama_parity_with_dense_and_torch_parallelize_module(r2: list[dict[str,
     check_suite(r2, plan=True)
 
 
+def test_mistral_sliding_window_attention_parity(r2: list[dict[str, Any]]) -> None:
+    from _hf_checks import close
+
+    for res in r2:
+        close(res["mistral"], "mistral vs dense")
+
+
 def test_llama_blocks_are_recognised_and_explained(r2: list[dict[str, Any]]) -> None:
     notes = dict(r2[0]["sharding"])
     assert set(notes) == {f"model.layers.{i}.{b}" for i in (0, 1) for b in ("self_attn", "mlp")}

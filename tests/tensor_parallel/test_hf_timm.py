@@ -36,6 +36,7 @@ def test_packed_qkv_keeps_the_dense_names(r2: list[dict[str, Any]]) -> None:
         assert res["shards"]["module.1.attn.qkv.v.weight"] == {"shape": [96, 32],
                                                                 "slices": [[0, 64 + 16 * rank, 16]]}
         assert "module.1.attn.q_norm.weight" not in res["shards"]  # replicated, whole
+        assert res["pieces"] == 0.0  # reshard.take cuts exactly this rank's tensors out of the dense ones
 
 
 def test_whole_width_norm_in_attention_is_refused() -> None:
