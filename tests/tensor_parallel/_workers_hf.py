@@ -301,8 +301,13 @@ def vit_suite(ctx: WorkerContext) -> dict[str, Any]:
     ref = _run(copy.deepcopy(dense), "vit")
     ours, tpm = _ours(dense, "vit", tp, memory_optimization="None")
     names, shards = _shard_names(tpm)
+    # a plan on the nn.Sequential's own Linears (the embedding colwise with its output
+    # gathered, the head split here), the first block kept whole, the second by the rules
+    plan = {"0": "colwise_gather_output", "4": {"style": "rowwise", "input": "replicate"}, "1": "replicate"}
+    planned, ptpm = _ours(dense, "vit", tp, memory_optimization="None", plan=plan)
     return {"auto": _compare(ref, ours), "sharding": tpm.sharding, "names": names, "shards": shards,
-            "pieces": _pieces_match(tpm, names, shards, dense.state_dict())}
+            "pieces": _pieces_match(tpm, names, shards, dense.state_dict()),
+            "plan": _compare(ref, planned), "plan_layout": ptpm.layout()}
 
 
 def _pieces_match(tpm: Any, names: dict[str, str], shards: dict[str, Any],

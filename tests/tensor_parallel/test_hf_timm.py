@@ -30,6 +30,18 @@ def test_vit_blocks_parity_with_dense(r2: list[dict[str, Any]]) -> None:
     assert notes["2.mlp"] == "Mlp: fc1 colwise, fc2 rowwise"
 
 
+def test_a_plan_on_sequential_children_with_the_rules_for_the_rest(r2: list[dict[str, Any]]) -> None:
+    for res in r2:
+        close(res["plan"], "vit with a plan")
+    assert r2[0]["plan_layout"] == [
+        ("0", 'colwise, output replicated (plan "0")'),
+        ("1", 'replicate (plan "1")'),
+        ("2.attn", "Attention: qkv packed colwise (q|k|v by heads), proj rowwise: 4 heads -> 2 per rank"),
+        ("2.mlp", "Mlp: fc1 colwise, fc2 rowwise"),
+        ("4", 'rowwise, input split here (plan "4")'),
+    ]
+
+
 def test_packed_qkv_keeps_the_dense_names(r2: list[dict[str, Any]]) -> None:
     for rank, res in enumerate(r2):
         assert res["names"]["module.1.attn.qkv.v.weight"] == "1.attn.qkv.weight"
