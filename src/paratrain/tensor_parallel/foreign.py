@@ -3,7 +3,8 @@
 A block is recognised by its class (or a base class) *and* by its ``forward`` being that
 class's own: a subclass that overrides ``forward`` may compute something else, so it is a
 ConfigError naming its path (keep it whole with ``[tensor_parallel.plan] "<path>" =
-"replicate"``, or shard it by a plan). Recognised, with what each rank keeps (``p`` ranks,
+"replicate"``, or shard it by a plan); so is a recognised block with submodules, parameters
+or buffers its known forward does not have. Recognised, with what each rank keeps (``p`` ranks,
 Megatron's layout, Shoeybi et al. 2019 §3; HF's own ``base_model_tp_plan``):
 
 - ``llama_attention`` (HF ``LlamaAttention``, ``MistralAttention``): ``q_proj``/``k_proj``/
@@ -151,6 +152,14 @@ def _identity(path: str, m: nn.Module, name: str) -> None:
                              "shard does not hold")
 
 
+def _children(path: str, m: nn.Module, allowed: set[str]) -> None:
+    """Only the submodules the known forward runs (another version's extra parts, e.g.
+    timm's rotary embeddings or a per-head norm, would be dropped or read whole heads)."""
+    extra = sorted(n for n, _ in m.named_children() if n not in allowed)
+    if extra:
+        raise _fail(path, m, f"submodules {', '.join(extra)} are not part of the known forward")
+
+
 def _local(m: nn.Module, names: tuple[str, ...], p: int) -> None:
     """Divide the integer head-count attributes the module has by ``p`` (the local counts)."""
     for name in names:
@@ -168,6 +177,7 @@ def shard_block(kind: str, m: nn.Module, path: str, comm: TPComm,
     if kind == "llama_attention":
         q, k, v, o = _linears(path, m, ("q_proj", "k_proj", "v_proj", "o_proj"))
         _only(path, m, [q, k, v, o])
+        _children(path, m, {"q_proj", "k_proj", "v_proj", "o_proj"})
         _impl(path, m)
         hd = int(m.head_dim)  # type: ignore[arg-type]
         heads, kv = int(q.out_features) // hd, int(k.out_features) // hd  # type: ignore[arg-type]
@@ -182,6 +192,7 @@ def shard_block(kind: str, m: nn.Module, path: str, comm: TPComm,
     if kind == "gated_mlp":
         gate, up, down = _linears(path, m, ("gate_proj", "up_proj", "down_proj"))
         _only(path, m, [gate, up, down])
+        _children(path, m, {"gate_proj", "up_proj", "down_proj", "act_fn"})
         _elementwise(path, m, "act_fn")
         m.gate_proj = ColumnParallelLinear.from_dense(gate, **kw)  # type: ignore[arg-type]
         m.up_proj = ColumnParallelLinear.from_dense(up, **kw)  # type: ignore[arg-type]
@@ -193,6 +204,7 @@ def shard_block(kind: str, m: nn.Module, path: str, comm: TPComm,
                                  "plan entry \"replicate\"")
         c_attn, c_proj = _linears(path, m, ("c_attn", "c_proj"), conv1d=True)
         _only(path, m, [c_attn, c_proj])
+        _children(path, m, {"c_attn", "c_proj", "attn_dropout", "resid_dropout"})
         _impl(path, m)
         heads, hd = int(m.num_heads), int(m.head_dim)  # type: ignore[arg-type]
         _heads(path, m, "num_attention_heads", heads, p)
@@ -204,6 +216,7 @@ def shard_block(kind: str, m: nn.Module, path: str, comm: TPComm,
     if kind == "conv1d_mlp":
         c_fc, c_proj = _linears(path, m, ("c_fc", "c_proj"), conv1d=True)
         _only(path, m, [c_fc, c_proj])
+        _children(path, m, {"c_fc", "c_proj", "act", "dropout"})
         _elementwise(path, m, "act")
         m.c_fc = ColumnParallelConv1D.from_conv1d(c_fc, **kw)
         m.c_proj = RowParallelConv1D.from_conv1d(c_proj, **kw)
@@ -219,6 +232,7 @@ def shard_block(kind: str, m: nn.Module, path: str, comm: TPComm,
             if type(nm) is not nn.Identity and shape != (hd,):
                 raise _fail(path, m, f"{name} ({type(nm).__name__}) does not act per head")
         _identity(path, m, "norm")
+        _children(path, m, {"qkv", "q_norm", "k_norm", "attn_drop", "norm", "proj", "proj_drop"})
         _only(path, m, [qkv, proj, *norms])
         heads = int(m.num_heads)  # type: ignore[arg-type]
         _heads(path, m, "num_heads", heads, p)
@@ -228,6 +242,7 @@ def shard_block(kind: str, m: nn.Module, path: str, comm: TPComm,
         fc1, fc2 = _linears(path, m, ("fc1", "fc2"))
         _elementwise(path, m, "act")
         _identity(path, m, "norm")
+        _children(path, m, {"fc1", "act", "drop1", "norm", "fc2", "drop2"})
         _only(path, m, [fc1, fc2])
         m.fc1 = ColumnParallelLinear.from_dense(fc1, **kw)  # type: ignore[arg-type]
         m.fc2 = RowParallelLinear.from_dense(fc2, **kw)  # type: ignore[arg-type]
