@@ -18,7 +18,9 @@ OPTIMIZERS: dict[str, dict[str, Any]] = {
     "adamw": {"name": "adamw", "lr": 0.01, "weight_decay": 0.1},
 }
 GPT: dict[str, Any] = {
-    "task": {"name": "language_model", "block_size": 8}, "data": {"name": "shakespeare"},
+    # strided examples and a small test split: the evaluation stays a fraction of a second
+    "task": {"name": "language_model", "block_size": 8, "stride": 512},
+    "data": {"name": "shakespeare", "test_fraction": 0.05},
     "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "dropout": 0.0},
 }
 
@@ -74,3 +76,28 @@ def zero_resume(ctx: WorkerContext, tmp: str, steps: list[tuple[str, int, bool]]
         model, summary = train_replica(ctx, job, resume, plot=False)
         out[f"{name}:{n}"] = {"params": _flat(model), "summary": summary}
     return out
+
+
+def flat_probe(ctx: WorkerContext) -> dict[str, Any]:
+    """:class:`FlatShard` on real ranks: rank r contributes r+1 everywhere; the reduce-scatter
+    must give the mean (not gloo's sum), the gather the whole tensors back."""
+    from paratrain.comm.zero import FlatShard
+
+    n, r = ctx.world_size, ctx.rank
+    shapes = [(5, 3), (2,), (7,)]
+    fs = FlatShard(shapes, world=n, rank=r)
+    grads = [torch.full(s, float(r + 1)) for s in shapes]
+    out = torch.empty(fs.numel)
+    fs.reduce_scatter(grads, out)
+    whole = [torch.arange(torch.Size(s).numel(), dtype=torch.float32).view(s) + 100 * i
+             for i, s in enumerate(shapes)]
+    got = [torch.empty(s) for s in shapes]
+    fs.gather(fs.pack_own(whole, torch.empty(fs.numel)), got)
+    return {"mean": [float(fs.view(out, i).mean()) if fs.pieces[i].length else None
+                     for i in range(len(shapes))],
+            "gathered": all(torch.equal(a, b) for a, b in zip(got, whole, strict=True))}
+
+
+def zero_cases_probe(ctx: WorkerContext, tmp: str, cases: list[tuple[str, str, str, dict[str, Any]]]
+                     ) -> dict[str, Any]:
+    return {**zero_cases(ctx, tmp, cases), "probe": flat_probe(ctx)}
