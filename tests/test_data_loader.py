@@ -6,14 +6,17 @@ as its sampler (paratrain.data.loader).
 * a dataset drawing a random augmentation per item gives the same parameters with 1 and 2
   workers (each batch is drawn under a seed of (seed, epoch, batch)), and a run SIGKILLed
   mid-epoch with 2 workers, resumed, ends with the uninterrupted run's parameters;
-* the loader's processes have ended when ``fit`` returns; bad ``[data]`` loader keys are
-  ConfigErrors naming the field.
+* the loader's processes have ended when ``fit`` returns; Ctrl-C to a CLI run with 2
+  workers (the whole process group) stops it with a checkpoint (exit 130), leaves no
+  process of its session behind, and ``--resume`` ends with the uninterrupted parameters;
+* bad ``[data]`` loader keys are ConfigErrors naming the field.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +25,7 @@ from typing import Any
 import pytest
 
 import paratrain
+from _interrupting import start_cli, wait_until
 from paratrain.config import ConfigError, load_job
 from paratrain.training import checkpoint
 from paratrain.training.faults import FAULT_ENV
@@ -94,6 +98,46 @@ def test_kill_mid_epoch_with_workers_resumes_bit_identical(tmp_path: Path) -> No
     resumed = json.loads((tmp_path / "killed" / "summary.json").read_text())
     assert resumed["steps"] == full["steps"]
     assert resumed["parameters_sha256"] == full["parameters_sha256"]
+
+
+def _in_session(sid: int) -> list[str]:
+    """Live processes of session ``sid`` (as tests/test_cli_waits_for_processes.py)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text() if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        if stat:
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+                out.append(entry.name)
+    return out
+
+
+def test_ctrl_c_with_workers_checkpoints_ends_every_process_and_resumes(tmp_path: Path) -> None:
+    doc = _augmented(tmp_path, "full", 2, epochs=4)
+    doc["task"]["work"] = 10  # ~1 ms an item: the run lasts long enough to be stopped
+    doc["run"]["checkpoint_every"] = 5
+    full = paratrain.fit(doc)
+    doc["run"]["name"] = "stopped"
+    path = tmp_path / "stopped.json"
+    path.write_text(json.dumps(doc))
+    env = {"PYTHONPATH": f"{TESTS}{os.pathsep}{ROOT / 'src'}"}
+    proc = start_cli(path, env=env)
+    ckpts = tmp_path / "stopped" / "checkpoints"
+    wait_until(lambda: checkpoint.latest(ckpts) is not None, proc, what="a first checkpoint")
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the CLI and its loader workers
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert _in_session(proc.pid) == []
+    stopped_at = checkpoint.load_checkpoint(checkpoint.latest(ckpts))["step"]
+    assert 0 < stopped_at < full["steps"]
+    resumed = start_cli(path, "--resume", env=env)
+    _, err = resumed.communicate(timeout=120)
+    assert resumed.returncode == 0, err[-2000:]
+    summary = json.loads((tmp_path / "stopped" / "summary.json").read_text())
+    assert summary["parameters_sha256"] == full["parameters_sha256"]
 
 
 def test_workers_inside_data_parallel_ranks(tmp_path: Path) -> None:
