@@ -124,24 +124,54 @@ class Partition(Contract):
 # ------------------------------------------------------------- CommunicationProtocol
 
 
+def _no_pipeline_fields(data: Any) -> Any:
+    """``schedule`` / ``virtual_stages`` under Direct or DataStore: refused, not ignored."""
+    if isinstance(data, dict):
+        extra = [k for k in ("schedule", "virtual_stages") if k in data]
+        if extra:
+            raise ValueError(
+                f"{' and '.join(extra)} {'is' if len(extra) == 1 else 'are'} for protocol = "
+                f"\"Pipeline\" (micro-batches on a schedule); protocol "
+                f"{data.get('protocol')!r} runs each batch once through the workers in order: "
+                f"use protocol = \"Pipeline\" with a micro_batch_size, or drop {extra[0]}")
+    return data
+
+
 class DataStore(Contract):
     protocol: Literal["DataStore"] = "DataStore"
     path: str | None = None
     """Extension: directory shared by the stages; None = <run dir>/datastore."""
     _extensions: ClassVar[frozenset[str]] = frozenset({"path"})
+    _pipeline_only = model_validator(mode="before")(staticmethod(_no_pipeline_fields))
 
 
 class Direct(Contract):
     protocol: Literal["Direct"] = "Direct"
+    _pipeline_only = model_validator(mode="before")(staticmethod(_no_pipeline_fields))
 
 
 class Pipeline(Contract):
     protocol: Literal["Pipeline"] = "Pipeline"
     micro_batch_size: PositiveCount
     """Examples per micro-batch flowing through the pipeline."""
-    schedule: Literal["1F1B", "GPipe"] = "1F1B"
-    """Extension: pipeline schedule, ``1F1B`` or ``GPipe``."""
-    _extensions: ClassVar[frozenset[str]] = frozenset({"schedule"})
+    schedule: Literal["1F1B", "GPipe", "Interleaved1F1B", "ZBH1"] = "1F1B"
+    """Extension: pipeline schedule: ``1F1B`` (PipeDream-Flush), ``GPipe``,
+    ``Interleaved1F1B`` (each worker runs ``virtual_stages`` non-adjacent chunks: the
+    partitions give ``virtual_stages x workers`` parts, placed round-robin) or ``ZBH1``
+    (zero-bubble H1: the backward split into input and weight gradients)."""
+    virtual_stages: PositiveCount | None = None
+    """Extension (``Interleaved1F1B`` only): chunks per worker; None = as the partitions place
+    them (parts / workers). Given, the placement must make exactly that many."""
+    _extensions: ClassVar[frozenset[str]] = frozenset({"schedule", "virtual_stages"})
+
+    @model_validator(mode="after")
+    def _virtual_needs_interleaved(self) -> Pipeline:
+        if self.virtual_stages is not None and self.schedule != "Interleaved1F1B":
+            raise ValueError(
+                f"virtual_stages ({self.virtual_stages}) is for schedule = \"Interleaved1F1B\" "
+                f"(each worker runs several chunks); schedule {self.schedule!r} runs one part per "
+                f"worker: drop virtual_stages or set schedule = \"Interleaved1F1B\"")
+        return self
 
 
 CommunicationProtocol = Annotated[DataStore | Direct | Pipeline, Field(discriminator="protocol")]

@@ -220,14 +220,16 @@ class PipelineEngine(LocalEngine):
         return result
 
 
-def pipeline_stats(totals: list[torch.Tensor], plan: Plan, *, micro_batches: int | None) -> dict[str, Any]:
+def pipeline_stats(totals: list[torch.Tensor], plan: Plan, *, micro_batches: int | None,
+                   schedule: str = "1F1B") -> dict[str, Any]:
     """Per-rank time split and the run's bubble fraction from each rank's step totals.
 
     ``bubble_fraction_measured = 1 - C_max / T``: ``C_max`` the busiest rank's forward/backward
     compute and ``T`` the longest rank's train-step time, summed over the run (GPipe's and
     Megatron's bubble, the time the pipeline's bottleneck stage stands idle). For a
-    Pipeline, ``bubble_theory_modelled = (p - 1) / (m + p - 1)`` for ``p`` stages and ``m`` micro-
-    batches of a full batch, the ideal with equal stages and free communication.
+    Pipeline, ``bubble_theory_modelled`` is the ``schedule``'s ideal for ``p`` ranks and ``m``
+    micro-batches of a full batch with equal stages and free communication
+    (:func:`.schedule.theoretical_bubble`: ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B).
     """
     steps = max(float(totals[0][5]), 1.0)
     step_s = max(float(t[0]) for t in totals)
@@ -243,5 +245,7 @@ def pipeline_stats(totals: list[torch.Tensor], plan: Plan, *, micro_batches: int
         "bubble_fraction_measured": round(1.0 - busiest / step_s, 4) if step_s > 0 else None,
     }
     if micro_batches is not None:
-        out["bubble_theory_modelled"] = round(theoretical_bubble(plan.num_segments, micro_batches), 4)
+        p = max(len(plan.ranks()), 1)
+        out["bubble_theory_modelled"] = round(theoretical_bubble(
+            p, micro_batches, schedule, max(plan.num_segments // p, 1)), 4)
     return out

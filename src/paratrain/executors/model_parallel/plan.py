@@ -12,7 +12,8 @@ each cut (a skip connection, a residual stream, two towers joining, an encoder o
 by several later nodes: every one travels).
 
 ``Direct`` and ``DataStore`` accept any placement (a rank may own several parts).
-``Pipeline`` needs one part per rank, so the parts form stages in a fixed order (GPipe,
+``Pipeline`` with ``Interleaved1F1B`` needs ``v`` parts per rank placed round-robin
+(:func:`check_interleaved`); any other ``Pipeline`` needs one part per rank, so the parts form stages in a fixed order (GPipe,
 Huang et al. 2019; PipeDream-Flush/1F1B, Narayanan et al. 2021); a value may skip stages
 and is sent straight to the stage that reads it. A placement that makes a worker run twice
 in one micro-batch's forward (``A -> B -> A``) is a ConfigError naming the nodes.
@@ -38,7 +39,7 @@ from ...config import ConfigError
 from ...graph import trace
 from ...graph.partition import Cut, Part, cut
 
-__all__ = ["Plan", "build_plan", "resolve_target", "DEFAULT_RANK"]
+__all__ = ["Plan", "build_plan", "check_interleaved", "resolve_target", "DEFAULT_RANK"]
 
 DEFAULT_RANK = 0
 
@@ -206,3 +207,34 @@ def build_plan(
                                         f"{len(segs)} separate runs: {runs}{why}{via}"))
         raise ConfigError(problems)
     return plan
+
+
+def check_interleaved(plan: Plan, workers: Sequence[Any], virtual_stages: int | None,
+                      *, field: str = "strategy.partitions") -> int:
+    """The chunks per rank ``v`` of an ``Interleaved1F1B`` placement (Narayanan et al. 2021,
+    §2.2): the cut has ``v p`` parts over ``p`` ranks and part ``k`` runs on the rank of part
+    ``k mod p`` (the user's partitions list them round-robin, e.g. ``a b a b`` for two
+    workers, two chunks each). A ConfigError naming each rank's parts otherwise, or when
+    ``virtual_stages`` is given and differs."""
+    ranks = [part.rank for part in plan.segments]
+    p = len(plan.ranks())
+    total = len(ranks)
+    names = {int(w.rank): str(w.id) for w in workers}
+
+    def runs() -> str:
+        return "; ".join(f"{names.get(r, f'rank {r}')}: parts {[k for k, q in enumerate(ranks) if q == r]}"
+                         for r in plan.ranks())
+
+    if total % p or any(ranks[k] != ranks[k % p] for k in range(total)):
+        raise ConfigError([(field, (
+            f"Interleaved1F1B needs the model cut into virtual_stages x {p} workers parts placed "
+            f"round-robin (part k on the worker of part k mod {p}), but the partitions make "
+            f"{total} parts: {runs()}; list each worker's chunks in turn (e.g. four partitions "
+            f"worker-0, worker-1, worker-0, worker-1 for two chunks each)"))])
+    v = total // p
+    if virtual_stages is not None and virtual_stages != v:
+        raise ConfigError([("strategy.communication.virtual_stages", (
+            f"virtual_stages = {virtual_stages}, but the partitions place {v} chunk(s) on each of "
+            f"the {p} workers ({runs()}); give {virtual_stages * p} partitions round-robin or "
+            f"set virtual_stages = {v}"))])
+    return v

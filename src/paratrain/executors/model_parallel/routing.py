@@ -83,7 +83,7 @@ class Routing:
                 if t is not None and not self._is_attr(v):
                     out += [(peer, ("act", i, slot), hi - lo)
                             for peer, slot, lo, hi in self._links(i, t, mine_is_src=False)]
-        else:
+        elif kind == "B":  # a W waits for nothing
             for v in self.parts[s].outputs:
                 for t in self.out_transfers:
                     if t.value == v:

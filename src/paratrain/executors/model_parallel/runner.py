@@ -85,7 +85,7 @@ from ...training.loop import DataPlan, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
 from .engine import PipelineEngine, StageModel, pipeline_stats
-from .plan import Plan, build_plan
+from .plan import Plan, build_plan, check_interleaved
 from .replicas import extra_workers, replicas_for
 from .runtime import StageRuntime, held_attrs, segment_modules
 from .state import gather_parts, layout_of, state_digest
@@ -119,9 +119,13 @@ def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any],
     strategy: Any = job.strategy
     if getattr(strategy, "type", None) != "ModelParallel":
         raise ConfigError([("strategy.type", f"expected ModelParallel (got {strategy.type!r})")])
-    pipeline = strategy.communication.protocol == "Pipeline"
-    plan = build_plan(model, strategy.partitions, workers, contiguous=pipeline,
+    proto: Any = strategy.communication
+    pipeline = proto.protocol == "Pipeline"
+    interleaved = pipeline and proto.schedule == "Interleaved1F1B"
+    plan = build_plan(model, strategy.partitions, workers, contiguous=pipeline and not interleaved,
                       leaves=tuple(getattr(job.model, "leaf_modules", ()) or ()), example=example)
+    if interleaved:
+        check_interleaved(plan, workers, proto.virtual_stages)
     if plan.cut.capture == "fx":  # an exported graph reads every parameter by get_attr
         check_shared_parameters(model, plan)
     return plan
@@ -390,7 +394,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "final_train_loss": records[-1]["train_loss"] if records else None,
         "median_step_time_s_measured": sorted(step_times)[len(step_times) // 2] if step_times else None,
         **pipeline_stats(stage_totals, plan, micro_batches=(
-            math.ceil(t.batch_size / proto.micro_batch_size) if pipeline else None)),
+            math.ceil(t.batch_size / proto.micro_batch_size) if pipeline else None),
+            schedule=proto.schedule if pipeline else "1F1B"),
         "parameters_sha256": hashlib.sha256(b"".join(d.numpy().tobytes() for d in digests)).hexdigest(),
         "restart_count": ctx.restart_count,
         "resumed_from_step": store.loaded_step,

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ...graph.partition import Part
+from .backward_split import Deferred, backward_inputs
 from .feed import (
     Feed,
     Transport,
@@ -56,7 +57,7 @@ from .feed import (
 from .plan import Plan
 from .replicas import Replicas, row_bounds
 from .routing import Routing
-from .schedule import Action, micro_batch_sizes, schedule, sequential
+from .schedule import SPLIT_BACKWARD, VIRTUAL, Action, micro_batch_sizes, schedule, sequential
 from .values import (
     LossFn,
     SavedBytes,
@@ -124,6 +125,13 @@ class StageRuntime(Routing):
             return []
         if schedule_name is None:
             return sequential(mine, num_micro)
+        if schedule_name in VIRTUAL:  # parts r, r + p, ..: chunks placed round-robin
+            p = len(self.plan.ranks())
+            v = self.plan.num_segments // p
+            if mine != list(range(mine[0], mine[0] + v * p, p)):
+                raise ValueError(f"rank {self.rank} owns parts {mine}; {schedule_name} needs "
+                                 f"{v} parts {p} apart")
+            return schedule(schedule_name, mine[0], p, num_micro, v)
         if len(mine) != 1:
             raise ValueError(f"rank {self.rank} owns parts {mine}; a pipeline needs one")
         return schedule(schedule_name, mine[0], self.plan.num_segments, num_micro)
@@ -184,6 +192,10 @@ class StageRuntime(Routing):
         loss_terms: dict[int, torch.Tensor] = {}
         left: dict[tuple[int, str], int] = {}  # readers here still to run B
         held: dict[tuple[int, int], int] = {}
+        # ZBH1: B computes input gradients only; W (the weight pass) runs what B left
+        split = schedule_name in SPLIT_BACKWARD
+        leaves: dict[tuple[int, int], list[torch.Tensor]] = {}  # (micro, part) -> its inputs
+        deferred: dict[tuple[int, int], Deferred] = {}
         live = 0
         loss_total: float | None = None
         for j, (kind, i, s) in enumerate(order):
@@ -226,8 +238,19 @@ class StageRuntime(Routing):
                     if isinstance(val, torch.Tensor):
                         meter.pack(val)
                 held[(i, s)] = meter.bytes
+                if split:  # the activations this part received or read from my other parts
+                    leaves[(i, s)] = [a for v, a in zip(self.reads[s], args, strict=True)
+                                      if c.producer[v][0] == "part" and isinstance(a, torch.Tensor)
+                                      and a.requires_grad and a.grad_fn is None]
                 live += meter.bytes
                 stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
+            elif kind == "W":
+                t0 = time.perf_counter()
+                deferred.pop((i, s)).run()
+                t1 = time.perf_counter()
+                stats.compute_s += t1 - t0
+                stats.trace.append(("W", i, s, t0, t1))
+                live -= held.pop((i, s))
             else:
                 result = outs.pop((i, s))
                 tensors: list[torch.Tensor] = []
@@ -241,14 +264,17 @@ class StageRuntime(Routing):
                         tensors.append(val)
                         grads.append(g)
                 t0 = time.perf_counter()
-                if tensors:
+                if split:
+                    deferred[(i, s)] = backward_inputs(tensors, grads, leaves.pop((i, s)))
+                elif tensors:
                     torch.autograd.backward(tensors, grad_tensors=grads)
                 t1 = time.perf_counter()
                 stats.compute_s += t1 - t0
                 stats.trace.append(("B", i, s, t0, t1))
                 for v in set(self.reads[s]):
                     self._release(i, v, got, left, step, sizes[i])
-                live -= held.pop((i, s))
+                if not split:
+                    live -= held.pop((i, s))
         # Gradients of the parameters I read from other ranks go back to their holders.
         for v, leaf in remote_attrs.items():
             t = self.in_transfers[v]

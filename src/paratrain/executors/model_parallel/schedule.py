@@ -1,8 +1,9 @@
 """Pipeline schedules as pure functions: the order of forward/backward micro-batch steps.
 
 An :data:`Action` is ``(kind, micro, segment)``: ``("F", i, s)`` runs segment ``s``'s
-forward on micro-batch ``i``; ``("B", i, s)`` its backward. With ``p`` stages and ``m``
-micro-batches:
+forward on micro-batch ``i``; ``("B", i, s)`` its backward (the whole backward, or under a
+zero-bubble schedule only the input gradients); ``("W", i, s)`` the weight gradients that
+``B`` left for later. With ``p`` stages (ranks) and ``m`` micro-batches:
 
 - **GPipe** (Huang et al. 2019): every stage runs ``F_0 .. F_{m-1}`` then
   ``B_0 .. B_{m-1}``; a stage holds the activations of all ``m`` micro-batches.
@@ -10,11 +11,29 @@ micro-batches:
   Model Training on GPU Clusters"): stage ``s`` runs ``w = min(p - s - 1, m)`` warm-up
   forwards, then alternates one forward and one backward for ``m - w`` rounds, then
   drains ``w`` backwards; it holds at most ``min(p - s, m)`` micro-batches at a time.
+- **Interleaved 1F1B** (Narayanan et al. 2021, §2.2): the model is cut into ``v p``
+  chunks and rank ``r`` owns chunks ``r, r + p, .., r + (v-1) p`` (segments in model
+  order, placed round-robin). Micro-batches go in groups of at least ``p`` (``max(1,
+  floor(m/p))`` groups, sizes as even as possible, larger first): a rank runs each group's
+  forwards chunk by chunk, backwards with the chunks reversed, after ``2(p - r - 1) +
+  (v - 1) g_0`` warm-up forwards (``g_0`` the first group's size), then 1F1B. With chunk
+  steps of ``1/v`` of a stage's, the bubble is ``(p - 1) / (v m + p - 1)`` for ``m >= p``
+  (Megatron-LM's order when ``p`` divides ``m``; the groups make it exact for any ``m >= p``).
+- **ZB-H1** (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.1): the backward is
+  split into ``B`` (gradients of the stage's inputs, what the previous stage waits for) and
+  ``W`` (gradients of the weights, which nobody waits for). Stage ``r`` runs 1F1B's
+  ``min(p - r, m)`` warm-up forwards, then per micro-batch ``i``: ``B_i``, ``W_{i-r}``
+  (the weight pass lags ``r`` micro-batches, so ``W`` fills what would be the cool-down
+  bubble), ``F_{i+p-r}``; the remaining ``W`` last. Every stage holds at most ``min(p, m)``
+  micro-batches (1F1B's peak, on its first stage). With ``F = B = W`` in time the bubble is
+  ``(p - 1) / (3 m + p - 1)`` for ``m >= p``: a third of 1F1B's ``3 (p - 1)`` idle units.
 
-Both have the same ideal bubble fraction ``(p - 1) / (m + p - 1)`` (equal stage times,
-free communication). :func:`simulate` replays per-stage orders with fixed step costs and
-the data dependencies ``F(i,s) <- F(i,s-1)``, ``B(i,s) <- B(i,s+1)``, ``B(i,s) <- F(i,s)``;
-it detects deadlock and reports makespan, bubble and peak in-flight micro-batches.
+:func:`simulate` replays per-rank orders with fixed step costs and the data dependencies
+of a chain of segments ``F(i,s) <- F(i,s-1)``, ``B(i,s) <- B(i,s+1)``, ``B(i,s) <- F(i,s)``,
+``W(i,s) <- B(i,s)`` (a skip connection's dependency is implied by the chain); it detects
+deadlock and reports makespan, bubble and peak in-flight micro-batches. Whether orders
+deadlock does not depend on the costs: a rank blocks only on a step another rank has not
+run, so orders that replay here run on real ranks with blocking receives.
 
 :func:`sequential` is the unpipelined order of ``Direct``/``DataStore`` for a rank that
 may own several non-adjacent segments: forwards in segment order, backwards reversed.
@@ -27,12 +46,17 @@ from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
-    "Action", "gpipe", "one_f_one_b", "schedule", "sequential", "micro_batch_sizes",
-    "theoretical_bubble", "SimResult", "simulate", "SCHEDULES",
+    "Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "schedule", "sequential",
+    "micro_batch_sizes", "theoretical_bubble", "SimResult", "simulate", "SCHEDULES",
+    "SPLIT_BACKWARD", "VIRTUAL",
 ]
 
-Action = tuple[Literal["F", "B"], int, int]
-SCHEDULES = ("GPipe", "1F1B")
+Action = tuple[Literal["F", "B", "W"], int, int]
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBH1")
+#: schedules whose backward is split into B (input gradients) and W (weight gradients)
+SPLIT_BACKWARD = frozenset({"ZBH1"})
+#: schedules where a rank owns ``virtual_stages`` chunks
+VIRTUAL = frozenset({"Interleaved1F1B"})
 
 
 def _check(stage: int, num_stages: int, num_micro: int) -> None:
@@ -60,12 +84,72 @@ def one_f_one_b(stage: int, num_stages: int, num_micro: int) -> list[Action]:
     return out
 
 
-def schedule(name: str, stage: int, num_stages: int, num_micro: int) -> list[Action]:
-    """The named schedule (``"GPipe"`` or ``"1F1B"``) for one stage."""
+def _groups(num_micro: int, num_stages: int) -> list[int]:
+    """Micro-batch group sizes: ``max(1, m // p)`` groups, each ``>= min(p, m)``, larger first."""
+    k = max(1, num_micro // num_stages)
+    base, rest = divmod(num_micro, k)
+    return [base + 1] * rest + [base] * (k - rest)
+
+
+def interleaved_1f1b(stage: int, num_stages: int, num_micro: int, virtual_stages: int) -> list[Action]:
+    """Rank ``stage``'s interleaved order over its segments ``stage + c p`` (module docstring)."""
+    _check(stage, num_stages, num_micro)
+    if virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be >= 1 (got {virtual_stages})")
+    if virtual_stages == 1:
+        return one_f_one_b(stage, num_stages, num_micro)
+    p, v = num_stages, virtual_stages
+    sizes = _groups(num_micro, p)
+
+    def steps(backward: bool) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        start = 0
+        for n in sizes:
+            for c in range(v):
+                chunk = v - 1 - c if backward else c
+                out.extend((start + j, chunk * p + stage) for j in range(n))
+            start += n
+        return out
+
+    fwd, bwd = steps(False), steps(True)
+    total = num_micro * v
+    warm = min(total, 2 * (p - stage - 1) + (v - 1) * sizes[0])
+    order: list[Action] = [("F", i, s) for i, s in fwd[:warm]]
+    for k in range(total - warm):
+        order.append(("F", *fwd[warm + k]))
+        order.append(("B", *bwd[k]))
+    order.extend(("B", i, s) for i, s in bwd[total - warm:])
+    return order
+
+
+def zb_h1(stage: int, num_stages: int, num_micro: int) -> list[Action]:
+    """ZB-H1: 1F1B's warm-up, then ``B_i, W_{i-stage}, F_{i+p-stage}``; leftover ``W`` last."""
+    _check(stage, num_stages, num_micro)
+    warm = min(num_stages - stage, num_micro)
+    order: list[Action] = [("F", i, stage) for i in range(warm)]
+    done_w = 0
+    for i in range(num_micro):
+        order.append(("B", i, stage))
+        if i >= stage:
+            order.append(("W", i - stage, stage))
+            done_w += 1
+        if i + warm < num_micro:
+            order.append(("F", i + warm, stage))
+    order.extend(("W", j, stage) for j in range(done_w, num_micro))
+    return order
+
+
+def schedule(name: str, stage: int, num_stages: int, num_micro: int,
+             virtual_stages: int = 1) -> list[Action]:
+    """The named schedule for rank ``stage`` (its position among the pipeline's ranks)."""
     if name == "GPipe":
         return gpipe(stage, num_stages, num_micro)
     if name == "1F1B":
         return one_f_one_b(stage, num_stages, num_micro)
+    if name == "Interleaved1F1B":
+        return interleaved_1f1b(stage, num_stages, num_micro, virtual_stages)
+    if name == "ZBH1":
+        return zb_h1(stage, num_stages, num_micro)
     raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
 
 
@@ -85,9 +169,17 @@ def micro_batch_sizes(batch: int, micro_batch_size: int) -> list[int]:
     return [micro_batch_size] * full + ([rest] if rest else [])
 
 
-def theoretical_bubble(num_stages: int, num_micro: int) -> float:
-    """Idle fraction of an ideal GPipe/1F1B step: ``(p - 1) / (m + p - 1)``."""
-    return (num_stages - 1) / (num_micro + num_stages - 1)
+def theoretical_bubble(num_stages: int, num_micro: int, name: str = "1F1B",
+                       virtual_stages: int = 1) -> float:
+    """Idle fraction of an ideal step (equal stage times, free communication):
+    GPipe/1F1B ``(p-1)/(m+p-1)``; Interleaved1F1B ``(p-1)/(v m+p-1)``; ZBH1 with
+    ``F = B = W`` ``(p-1)/(3m+p-1)``. The last two hold for ``m >= p``."""
+    p, m = num_stages, num_micro
+    if name == "Interleaved1F1B":
+        return (p - 1) / (virtual_stages * m + p - 1)
+    if name == "ZBH1":
+        return (p - 1) / (3 * m + p - 1)
+    return (p - 1) / (m + p - 1)
 
 
 @dataclass(frozen=True)
@@ -99,59 +191,75 @@ class SimResult:
 
     @property
     def bubble(self) -> float:
-        """Mean idle fraction over stages."""
+        """Mean idle fraction over ranks."""
         p = len(self.busy)
         return sum(1.0 - b / self.makespan for b in self.busy) / p
 
 
-def simulate(orders: Sequence[Sequence[Action]], *, t_f: float = 1.0, t_b: float = 1.0,
-             costs: Mapping[Action, float] | None = None) -> SimResult:
-    """Run per-stage action orders (stage ``s`` = ``orders[s]``, segments ``0..p-1``).
+def _deps(action: Action, last: int) -> list[Action]:
+    kind, i, s = action
+    if kind == "F":
+        return [("F", i, s - 1)] if s > 0 else []
+    if kind == "B":
+        deps: list[Action] = [("F", i, s)]
+        return deps + [("B", i, s + 1)] if s < last else deps
+    return [("B", i, s)]
 
-    Each stage executes its list in order; an action starts when the stage is free and
-    its dependencies have finished (communication is free). An action takes ``t_f`` or
-    ``t_b``, or its own time from ``costs`` (e.g. measured, to replay a real step).
-    Raises ``RuntimeError`` on deadlock (no stage can make progress) or on a
-    missing/duplicate step.
+
+def simulate(orders: Sequence[Sequence[Action]], *, t_f: float = 1.0, t_b: float = 1.0,
+             t_w: float = 1.0, costs: Mapping[Action, float] | None = None) -> SimResult:
+    """Run per-rank action orders (rank ``r`` = ``orders[r]``) over segments ``0..P-1``.
+
+    Each rank executes its list in order; an action starts when the rank is free and its
+    dependencies (module docstring) have finished (communication is free). An action
+    takes ``t_f``, ``t_b`` or ``t_w``, or its own time from ``costs`` (e.g. measured, to
+    replay a real step). A micro-batch is in flight on a rank from its ``F`` to its ``W``
+    (its ``B`` when the orders have no ``W``). Raises ``RuntimeError`` on deadlock (no rank
+    can make progress), on a duplicate step or a segment split over ranks, or on a step
+    that depends on one no rank runs.
     """
     p = len(orders)
-    want = {(k, i, s) for s, order in enumerate(orders) for (k, i, _) in order}
-    for s, order in enumerate(orders):
-        if len(set(order)) != len(order) or any(a[2] != s for a in order):
-            raise RuntimeError(f"stage {s}: duplicate step or wrong segment in {order}")
+    where: dict[int, int] = {}
+    for r, order in enumerate(orders):
+        if len(set(order)) != len(order):
+            raise RuntimeError(f"rank {r}: duplicate step in {order}")
+        for _, _, s in order:
+            if where.setdefault(s, r) != r:
+                raise RuntimeError(f"segment {s} is scheduled on ranks {where[s]} and {r}")
+    want = {a for order in orders for a in order}
+    last = max(where, default=0)
+    has_w = {(i, s) for k, i, s in want if k == "W"}
     pos = [0] * p
     clock = [0.0] * p
     finish: dict[Action, float] = {}
     in_flight = [0] * p
     peak = [0] * p
     busy = [0.0] * p
-    total = sum(len(o) for o in orders)
-    while len(finish) < total:
+    step_cost = {"F": t_f, "B": t_b, "W": t_w}
+    while len(finish) < len(want):
         progressed = False
-        for s in range(p):
-            while pos[s] < len(orders[s]):
-                kind, i, _ = orders[s][pos[s]]
-                deps: list[Action] = []
-                if kind == "F" and s > 0:
-                    deps.append(("F", i, s - 1))
-                if kind == "B":
-                    deps.append(("F", i, s))
-                    if s < p - 1:
-                        deps.append(("B", i, s + 1))
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                action = orders[r][pos[r]]
+                kind, i, s = action
+                deps = _deps(action, last)
                 if any(d not in finish for d in deps):
                     if any(d not in want for d in deps):
-                        raise RuntimeError(f"stage {s}: {kind}{i} depends on a step no stage runs")
+                        raise RuntimeError(f"rank {r}: {kind}{i} of segment {s} depends on a step no rank runs")
                     break
-                start = max([clock[s]] + [finish[d] for d in deps])
-                cost = costs[orders[s][pos[s]]] if costs is not None else (t_f if kind == "F" else t_b)
-                clock[s] = start + cost
-                busy[s] += cost
-                finish[(kind, i, s)] = clock[s]
-                in_flight[s] += 1 if kind == "F" else -1
-                peak[s] = max(peak[s], in_flight[s])
-                pos[s] += 1
+                start = max([clock[r]] + [finish[d] for d in deps])
+                cost = costs[action] if costs is not None else step_cost[kind]
+                clock[r] = start + cost
+                busy[r] += cost
+                finish[action] = clock[r]
+                if kind == "F":
+                    in_flight[r] += 1
+                elif kind == "W" or (i, s) not in has_w:
+                    in_flight[r] -= 1
+                peak[r] = max(peak[r], in_flight[r])
+                pos[r] += 1
                 progressed = True
         if not progressed:
-            stuck = {s: orders[s][pos[s]] for s in range(p) if pos[s] < len(orders[s])}
-            raise RuntimeError(f"schedule deadlocks; stages wait at {stuck}")
+            stuck = {r: orders[r][pos[r]] for r in range(p) if pos[r] < len(orders[r])}
+            raise RuntimeError(f"schedule deadlocks; ranks wait at {stuck}")
     return SimResult(max(clock), busy, peak, finish)

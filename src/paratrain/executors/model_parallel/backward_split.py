@@ -1,0 +1,183 @@
+"""A stage's backward split in two (zero-bubble pipelines, Qi et al. 2024, §2): ``B``
+computes the gradients of the stage's *inputs* now (the previous stage waits for them);
+``W`` computes the gradients of its *weights* later (nobody waits for them).
+
+For a part's outputs ``y`` with incoming gradients ``g``, the autograd graph from ``y``
+down to its inputs ``x`` (detached leaves) and weights ``w`` (every other leaf that
+requires grad: parameters, tied tensors received from another rank) is split at the
+*junctions*: nodes ``J`` on a path to some input whose next edge ``e`` leads (only) to
+weights, e.g. ``AddmmBackward`` of ``x @ w.T + b``.
+
+- ``B`` (:func:`backward_inputs`): ``torch.autograd.grad(y, x, g, retain_graph=True)``
+  (accumulated into ``x.grad``), with a pre-hook on each junction keeping ``dL/dJ``, the
+  gradient that reaches it: the engine runs only the edges toward ``x``, so no weight
+  gradient is computed.
+- ``W`` (:meth:`Deferred.run`): for each junction, the gradients it sends along its
+  weight-side edges ``e`` (one ``autograd.grad`` from ``dL/dJ``, asking for ``e`` only: each
+  junction is run apart, so a junction below another is never fed twice), summed per
+  edge; then one ``autograd.grad`` from those edges (and from outputs that reach no
+  input) to the weights, accumulated into ``.grad``. The subgraphs below the edges read
+  no input, so nothing is counted twice.
+
+Every weight gradient is the sum of the same node-local products as in one
+``backward()`` (the chain rule cut at ``J``), so ``B`` then ``W`` equals the full backward
+up to float summation order. Torch's ``stage_backward_input``/``stage_backward_weight``
+(torch.distributed.pipelining) split the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+__all__ = ["Deferred", "backward_inputs"]
+
+Edge = tuple[Node, int]
+
+
+def _leaf_node(t: torch.Tensor) -> Node:
+    """A leaf's gradient accumulator (created on first use)."""
+    return get_gradient_edge(t).node
+
+
+def _is_leaf_node(node: Node) -> bool:
+    """An ``AccumulateGrad`` node: it ends at a leaf tensor (``.variable``)."""
+    return hasattr(node, "variable")
+
+
+def _variable(node: Node) -> torch.Tensor:
+    t: torch.Tensor = node.variable  # type: ignore[attr-defined]
+    return t
+
+
+@dataclass
+class Deferred:
+    """What ``B`` left for ``W``: each junction's incoming gradients and weight-side edges,
+    and the outputs whose gradients reach weights only."""
+
+    junctions: list[tuple[Node, list[torch.Tensor | None], list[Edge]]] = field(default_factory=list)
+    direct: list[tuple[Edge, torch.Tensor]] = field(default_factory=list)
+
+    def run(self) -> None:
+        """The weight pass: weight gradients accumulated into each leaf's ``.grad``."""
+        at: dict[Edge, torch.Tensor] = {}
+        for (node, nr), g in self.direct:
+            _add(at, (node, nr), g)
+        for node, incoming, edges in self.junctions:
+            outs = [GradientEdge(node, k) for k, g in enumerate(incoming) if g is not None]
+            if not outs:
+                continue
+            got = torch.autograd.grad(outs, [GradientEdge(n, nr) for n, nr in edges],
+                                      grad_outputs=[g for g in incoming if g is not None],
+                                      retain_graph=True, allow_unused=True)
+            for e, g in zip(edges, got, strict=True):
+                if g is not None:
+                    _add(at, e, g)
+        self.junctions.clear()
+        roots: list[GradientEdge] = []
+        grads: list[torch.Tensor] = []
+        leaves: dict[Node, torch.Tensor] = {}
+        for (node, nr), g in at.items():
+            if _is_leaf_node(node):
+                _accumulate(_variable(node), g)  # the edge ends at the weight itself
+                continue
+            roots.append(GradientEdge(node, nr))
+            grads.append(g)
+            _weights_below(node, leaves)
+        if roots and leaves:
+            targets = list(leaves.values())
+            got = torch.autograd.grad(roots, targets, grad_outputs=grads, allow_unused=True)
+            for w, g in zip(targets, got, strict=True):
+                if g is not None:
+                    _accumulate(w, g)
+
+
+def _add(at: dict[Edge, torch.Tensor], e: Edge, g: torch.Tensor) -> None:
+    at[e] = g if e not in at else at[e] + g
+
+
+def _accumulate(w: torch.Tensor, g: torch.Tensor) -> None:
+    # a fresh tensor: autograd may hand one gradient to two leaves (``a + b``)
+    w.grad = g.to(w.dtype, copy=True) if w.grad is None else w.grad + g
+
+
+def _weights_below(node: Node, out: dict[Node, torch.Tensor]) -> None:
+    stack, seen = [node], {node}
+    while stack:
+        n = stack.pop()
+        if _is_leaf_node(n):
+            out[n] = _variable(n)
+            continue
+        for nxt, _ in n.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+
+
+def _reach(roots: Sequence[Node], inputs: set[Node]) -> tuple[dict[Node, bool], dict[Node, bool]]:
+    """For every node below ``roots``: does it lead to an input, to a weight?"""
+    to_input: dict[Node, bool] = {}
+    to_weight: dict[Node, bool] = {}
+    order: list[Node] = []
+    stack: list[tuple[Node, bool]] = [(r, False) for r in roots]
+    seen: set[Node] = set()
+    while stack:  # iterative post-order: children before parents
+        n, expanded = stack.pop()
+        if expanded:
+            order.append(n)
+            continue
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.append((n, True))
+        stack.extend((c, False) for c, _ in n.next_functions if c is not None and c not in seen)
+    for n in order:
+        if _is_leaf_node(n):
+            to_input[n] = n in inputs
+            to_weight[n] = n not in inputs
+            continue
+        kids = [c for c, _ in n.next_functions if c is not None]
+        to_input[n] = any(to_input.get(c, False) for c in kids)
+        to_weight[n] = any(to_weight.get(c, False) for c in kids)
+    return to_input, to_weight
+
+
+def backward_inputs(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                    inputs: Sequence[torch.Tensor]) -> Deferred:
+    """``B``: accumulate ``d(sum_k <outputs_k, grads_k>)/d(inputs)`` into each input's
+    ``.grad`` (a ``None`` grad: ones, for a scalar loss) and return the weight pass."""
+    gs = [torch.ones_like(t) if g is None else g for t, g in zip(outputs, grads, strict=True)]
+    edges = [get_gradient_edge(t) for t in outputs]
+    input_nodes = {_leaf_node(x) for x in inputs}
+    to_input, to_weight = _reach([e.node for e in edges], input_nodes)
+    deferred = Deferred()
+    for e, g in zip(edges, gs, strict=True):
+        if not to_input[e.node] and to_weight[e.node]:
+            deferred.direct.append(((e.node, e.output_nr), g))
+    handles: list[Any] = []
+    for n, reaches in to_input.items():
+        if not reaches or _is_leaf_node(n):
+            continue
+        side = [(c, nr) for c, nr in n.next_functions
+                if c is not None and not to_input[c] and to_weight[c]]
+        if side:
+            slot: list[torch.Tensor | None] = []
+            deferred.junctions.append((n, slot, side))
+            handles.append(n.register_prehook(
+                lambda grad_outputs, slot=slot: slot.extend(grad_outputs)))  # type: ignore[misc]
+    wanted = [x for x in inputs if to_input.get(_leaf_node(x), False)]
+    try:
+        if wanted:
+            got = torch.autograd.grad(list(outputs), wanted, grad_outputs=gs, retain_graph=True,
+                                      allow_unused=True)
+            for x, g in zip(wanted, got, strict=True):
+                if g is not None:
+                    _accumulate(x, g)
+    finally:
+        for h in handles:
+            h.remove()
+    return deferred
