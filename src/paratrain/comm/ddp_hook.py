@@ -31,6 +31,9 @@ asynchronously and the returned future writes the means into the bucket when it
 completes, so communication overlaps the rest of the backward pass. A plain ``{"method":"None"}`` strategy takes DDP's own path: divide the
 bucket by the world size and all-reduce it, so gradients equal DDP without a hook.
 Works on gloo and NCCL (collective buffers live on the gradients' device).
+``{"method":"PowerSGD",...}`` runs :mod:`paratrain.comm.powersgd` instead (two all-reduces
+per bucket, P then Q; a plain all-reduce before its ``start_step``), its residuals and
+warm Q keyed by parameter name in ``state.state_dict()``.
 """
 
 from __future__ import annotations
@@ -225,6 +228,16 @@ def allreduce_compressed(
     dtype (accumulated in float32 for float16/bfloat16). ``counter`` (a
     :class:`~paratrain.comm.collectives.CommCounter`) books the bytes this rank sent.
     """
+    if compressor.powersgd is not None:
+        from .powersgd import allreduce_powersgd
+
+        named = list(named)
+        state = compressor.powersgd
+        if named and _world(group) > 1:
+            size = named[0][1].element_size()
+            compressor.stats.record(size * sum(t.numel() for _, t in named),
+                                    size * state.wire_numel([tuple(t.shape) for _, t in named]))
+        return allreduce_powersgd(state, named, group=group, counter=counter)
     pending = _launch(compressor, list(named), group)
     if counter is not None and pending.nbytes:
         counter.add(pending.op, pending.nbytes)
@@ -297,11 +310,15 @@ def _hook(state: CompressionHookState, bucket: Any) -> torch.futures.Future[torc
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
         return fut.then(lambda f: f.value()[0])
     params = bucket.parameters()
-    grads = bucket.gradients()
     names = [state.name_of(p) for p in params]
     if state._seen.intersection(names):
         state.step()
     state._seen.update(names)
+    if state.compressor.powersgd is not None:
+        from .powersgd import powersgd_bucket_hook
+
+        return powersgd_bucket_hook(state.compressor.powersgd, bucket, names, group)
+    grads = bucket.gradients()
     pending = _launch(state.compressor, list(zip(names, grads, strict=True)), group)
 
     def write_back(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:

@@ -19,6 +19,8 @@ hold for each of them in one place (and a ZeRO reduce-scatter would go here too)
 * **Compressed exchange** (``compressor``): the mean of ``D(C_r(g_r))`` through
   :func:`~paratrain.comm.ddp_hook.allreduce_compressed` (the exchange the DDP hook runs),
   for the parameters some rank used; its error-feedback residuals are :meth:`state_dict`.
+  PowerSGD is an all-reduce of P then of Q (:mod:`paratrain.comm.powersgd`), not an
+  all-gather of payloads; before its ``start_step`` a plain mean all-reduce.
 * **Buffer broadcast** (torch DDP's ``broadcast_buffers=True``): before the first forward
   of every step the buffers (BatchNorm running statistics, ...) become those of the
   group's first rank, so replicas normalise with the same statistics instead of drifting
@@ -154,6 +156,11 @@ class GradSync:
         from .ddp_hook import allreduce_compressed
 
         live = drop_unused(self.named, group=self.group, counter=self.counter)
+        if self.compressor.powersgd is not None:
+            # One PowerSGD exchange in DDP's rebuilt-bucket order (gradient-ready order,
+            # reverse registration for a sequential model), so fresh Q draws match
+            # torch's powerSGD_hook on a model whose gradients fit one DDP bucket.
+            live = live[::-1]
         means = allreduce_compressed(
             self.compressor, [(n, p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in live],
             group=self.group, counter=self.counter)

@@ -26,6 +26,7 @@ from ..config.compression import (
     ClippedCompression,
     ErrorFeedback,
     NoCompression,
+    PowerSGD,
     Quantization,
     RandomK,
     Threshold,
@@ -44,12 +45,14 @@ from .clipped import ClippedCodec
 from .decode import decompress
 from .error_feedback import ErrorFeedbackCodec
 from .none import NoneCodec
+from .powersgd import PowerSGDState
 from .quantization import QuantizationCodec
 from .randomk import RandomKCodec
 from .threshold import ThresholdCodec
 from .topk import TopKCodec
 
-__all__ = ["Compressor", "CompressionStats", "build_codec", "decompress", "leaf_method"]
+__all__ = ["Compressor", "CompressionStats", "PowerSGDCodec", "build_codec", "decompress",
+           "leaf_method"]
 
 STATE_VERSION = 1
 
@@ -76,6 +79,8 @@ def build_codec(strategy: Any, *, stochastic_rounding: bool = True) -> Codec:
     if isinstance(s, ClippedCompression):
         base = build_codec(s.base_strategy, stochastic_rounding=stochastic_rounding)
         return ClippedCodec(base, s.clip_value)
+    if isinstance(s, PowerSGD):
+        return PowerSGDCodec(PowerSGDState.from_strategy(s))
     raise CompressionError(f"unknown compression strategy {s!r}")
 
 
@@ -85,6 +90,28 @@ def leaf_method(strategy: Any) -> str:
     while isinstance(s, ErrorFeedback | ClippedCompression):
         s = s.base_strategy
     return str(s.method)
+
+
+class PowerSGDCodec:
+    """PowerSGD inside a :class:`Compressor`: not a per-tensor codec (its two all-reduces
+    sit in the middle of the compression), so ``encode`` refuses; the state (residuals,
+    warm Q, step) is :class:`~paratrain.compression.powersgd.PowerSGDState`, which the
+    all-reduce paths in ``comm/`` drive."""
+
+    def __init__(self, state: PowerSGDState) -> None:
+        self.state = state
+
+    def encode(self, flat: torch.Tensor, shape: tuple[int, ...], ctx: EncodeContext) -> CompressedTensor:
+        raise CompressionError(
+            "PowerSGD is not a per-tensor codec: it runs inside an all-reduce (DataParallel "
+            "with AllReduce aggregation, or paratrain.comm.ddp_hook); ParameterServer, "
+            "Decentralized and Federated exchanges cannot use it")
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state.load_state_dict(state)
 
 
 @dataclass
@@ -140,6 +167,10 @@ class Compressor:
         self.stochastic_rounding = stochastic_rounding
         self.codec: Codec = build_codec(self.strategy, stochastic_rounding=stochastic_rounding)
         self.method = leaf_method(self.strategy)
+        self.powersgd: PowerSGDState | None = None
+        if isinstance(self.codec, PowerSGDCodec):
+            self.powersgd = self.codec.state
+            self.powersgd.reseed(self.seed)
         self._step = 0
         self.stats = CompressionStats()
         self.key_stats: dict[str, CompressionStats] = {}
@@ -152,6 +183,8 @@ class Compressor:
     def step(self) -> int:
         """Advance the step counter (once per training step) and return the new value."""
         self._step += 1
+        if self.powersgd is not None:
+            self.powersgd.advance()
         return self._step
 
     # -- compression ----------------------------------------------------------------

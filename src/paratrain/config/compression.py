@@ -13,7 +13,7 @@ from ._base import Contract, Count, load_document, register_tags
 
 __all__ = [
     "NoCompression", "TopK", "RandomK", "Threshold", "Quantization", "ErrorFeedback",
-    "ClippedCompression", "CompressionStrategy", "load_compression", "dump_compression",
+    "ClippedCompression", "PowerSGD", "CompressionStrategy", "load_compression", "dump_compression",
     "compression_schema",
 ]
 
@@ -87,6 +87,7 @@ class ErrorFeedback(Contract):
     """The compressor whose error is fed back."""
     error_compensation: bool
     """Keep the residual e and add it to the next input (false = the base compressor alone)."""
+    _not_powersgd = field_validator("base_strategy")(lambda b: _no_powersgd_inside(b))
 
 
 class ClippedCompression(Contract):
@@ -95,12 +96,49 @@ class ClippedCompression(Contract):
     method: Literal["ClippedCompression"] = "ClippedCompression"
     base_strategy: CompressionStrategy
     """The compressor applied after clipping."""
+    _not_powersgd = field_validator("base_strategy")(lambda b: _no_powersgd_inside(b))
     clip_value: Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
     """Each value is clamped to [-clip_value, clip_value] (> 0)."""
 
 
+class PowerSGD(Contract):
+    """Extension: rank-``rank`` PowerSGD (Vogels et al., NeurIPS 2019), all-reduce compatible.
+
+    Each gradient viewed as a matrix M (n = dim 0, m = the rest) is approximated by
+    P Q^T with P = M Q and Q = M^T P_hat, both all-reduced; error feedback and warm-started
+    Q are built in, so it cannot be wrapped by ErrorFeedback/ClippedCompression. Steps
+    before ``start_step`` are a plain all-reduce (torch's ``start_powerSGD_iter``).
+    """
+
+    method: Literal["PowerSGD"] = "PowerSGD"
+    rank: Annotated[int, Field(ge=1, strict=True)]
+    """Rank r of the approximation (>= 1; min(n, m, r) per matrix)."""
+    start_step: Count = 0
+    """Steps 0..start_step-1 run a plain all-reduce; PowerSGD from ``start_step`` on."""
+    min_compression_rate: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 2.0
+    """Compress a matrix only if n*m > min_compression_rate * r*(n+m) (torch's rule;
+    1-D tensors are never compressed)."""
+    warm_start: bool = True
+    """Reuse last step's Q (one power iteration per step) instead of a fresh random Q."""
+    error_feedback: bool = True
+    """Feed each rank's approximation error into its next step's gradient."""
+    orthogonalization_epsilon: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 0.0
+    """Added to each column norm in Gram-Schmidt (guards all-zero columns), as torch."""
+    _extensions: ClassVar[frozenset[str]] = frozenset(
+        {"start_step", "min_compression_rate", "warm_start", "error_feedback",
+         "orthogonalization_epsilon"})
+
+
+def _no_powersgd_inside(base: Any) -> Any:
+    if getattr(base, "method", None) == "PowerSGD":
+        raise ValueError("PowerSGD cannot be wrapped: it keeps its own error feedback and "
+                         "runs its own all-reduces; use it as the top-level [compression]")
+    return base
+
+
 CompressionStrategy = Annotated[
-    NoCompression | TopK | RandomK | Threshold | Quantization | ErrorFeedback | ClippedCompression,
+    NoCompression | TopK | RandomK | Threshold | Quantization | ErrorFeedback | ClippedCompression
+    | PowerSGD,
     Field(discriminator="method"),
 ]
 
@@ -108,7 +146,8 @@ ErrorFeedback.model_rebuild()
 ClippedCompression.model_rebuild()
 
 register_tags(
-    ["None", "TopK", "RandomK", "Threshold", "Quantization", "ErrorFeedback", "ClippedCompression"]
+    ["None", "TopK", "RandomK", "Threshold", "Quantization", "ErrorFeedback", "ClippedCompression",
+     "PowerSGD"]
 )
 
 _ADAPTER: TypeAdapter[Any] = TypeAdapter(CompressionStrategy)

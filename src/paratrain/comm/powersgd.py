@@ -1,0 +1,118 @@
+"""PowerSGD over torch.distributed: two all-reduces per exchange, and its DDP hook.
+
+The maths is :mod:`paratrain.compression.powersgd` (pure tensors); this module carries
+it. One exchange of named gradients on every rank of ``group``:
+
+1. ``first = [uncompressed values | P = M Q]`` -> **all-reduce** (SUM), asynchronous;
+2. ``Q = M^T orthogonalize(P)`` -> **all-reduce** (SUM);
+3. means: uncompressed ``/ W``, compressed ``P_hat (Q / W)^T``; residuals and warm Q
+   updated in the state.
+
+torch's ``powerSGD_hook`` issues three all-reduces per bucket (uncompressed, P, Q); the
+uncompressed values ride with P here, same bytes, one latency fewer. Before the state's
+``start_step`` the exchange is a plain mean all-reduce (DDP's own arithmetic: divide,
+then sum). Bytes booked in ``counter`` are what this rank sends:
+``itemsize * (sum r'(n+m) + uncompressed numel)`` per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..compression.powersgd import PowerSGDRound, PowerSGDState
+from .collectives import CommCounter, count_op, world_size
+
+__all__ = ["allreduce_powersgd", "launch_powersgd", "powersgd_bucket_hook"]
+
+Named = Sequence[tuple[str, torch.Tensor]]
+
+
+def _plain(named: Named, group: Any, world: int, counter: CommCounter | None
+           ) -> torch.futures.Future[list[torch.Tensor]]:
+    flat = torch.cat([t.detach().reshape(-1) for _, t in named]).div_(world)
+
+    def split(_f: Any = None) -> list[torch.Tensor]:
+        out, off = [], 0
+        for _, t in named:
+            out.append(flat[off : off + t.numel()].view(t.shape))
+            off += t.numel()
+        return out
+
+    if world == 1:
+        done: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        done.set_result(split())
+        return done
+    count_op(counter, "all_reduce", flat.numel() * flat.element_size())
+    return dist.all_reduce(flat, group=group, async_op=True).get_future().then(split)
+
+
+def launch_powersgd(
+    state: PowerSGDState, named: Named, *, group: Any = None, counter: CommCounter | None = None,
+) -> torch.futures.Future[list[torch.Tensor]]:
+    """Start one exchange; the future's value is each tensor's mean (approximation) in
+    ``named`` order. Every rank passes the same names, shapes and order."""
+    world = world_size(group)
+    if not named:
+        done: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        done.set_result([])
+        return done
+    if not state.active():
+        return _plain(named, group, world, counter)
+    rnd: PowerSGDRound = state.begin(named)
+    if world == 1:
+        rnd.second()
+        fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        fut.set_result(rnd.finish(1))
+        return fut
+    count_op(counter, "all_reduce", rnd.first.numel() * rnd.first.element_size())
+    first = dist.all_reduce(rnd.first, group=group, async_op=True).get_future()
+
+    def after_first(_f: Any) -> torch.Tensor:
+        q = rnd.second()
+        count_op(counter, "all_reduce", q.numel() * q.element_size())
+        # Blocking inside the callback, as torch's hook does: the chain stays one future.
+        dist.all_reduce(q, group=group, async_op=True).get_future().wait()
+        return q
+
+    return first.then(after_first).then(lambda _f: rnd.finish(world))
+
+
+def allreduce_powersgd(
+    state: PowerSGDState, named: Named, *, group: Any = None, counter: CommCounter | None = None,
+) -> list[torch.Tensor]:
+    """:func:`launch_powersgd`, blocking, on the caller's thread (no future callbacks)."""
+    world = world_size(group)
+    if not named or world == 1 or not state.active():
+        return launch_powersgd(state, named, group=group, counter=counter).wait()
+    rnd = state.begin(named)
+    count_op(counter, "all_reduce", rnd.first.numel() * rnd.first.element_size())
+    dist.all_reduce(rnd.first, group=group)
+    q = rnd.second()
+    count_op(counter, "all_reduce", q.numel() * q.element_size())
+    dist.all_reduce(q, group=group)
+    return rnd.finish(world)
+
+
+def powersgd_bucket_hook(
+    state: PowerSGDState, bucket: Any, names: list[str], group: Any, counter: CommCounter | None = None,
+) -> torch.futures.Future[torch.Tensor]:
+    """One DDP bucket (``dist.GradBucket``) through PowerSGD, keyed by ``names`` (one per
+    bucket gradient): the means are written back into the bucket buffer. A bucket is one
+    exchange (one fresh-Q seed draw, as torch's hook per bucket)."""
+    buf: torch.Tensor = bucket.buffer()
+    grads = bucket.gradients()
+    fut = launch_powersgd(state, list(zip(names, grads, strict=True)), group=group, counter=counter)
+
+    def write_back(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        off = 0
+        for g, mean in zip(grads, f.value(), strict=True):
+            buf[off : off + g.numel()].copy_(mean.reshape(-1))
+            off += g.numel()
+        return buf
+
+    return fut.then(write_back)
+
