@@ -65,14 +65,14 @@ def zero_cases(ctx: WorkerContext, tmp: str, cases: list[tuple[str, str, str, di
     return out
 
 
-def zero_resume(ctx: WorkerContext, tmp: str, steps: list[tuple[str, int, bool]], shard: str,
-                extra: dict[str, Any]) -> dict[str, Any]:
-    """Train one run folder ``name`` for ``steps`` (name, max_steps, resume) in turn."""
+def zero_resume(ctx: WorkerContext, tmp: str, steps: list[tuple[str, str, int, bool]]
+                ) -> dict[str, Any]:
+    """Train run folders in turn: ``(name, shard, max_steps, resume)`` (Adam, MLP)."""
     from paratrain.executors.data_parallel.runner import train_replica
 
     out: dict[str, Any] = {}
-    for name, n, resume in steps:
-        job = zero_job(tmp, name, ctx.world_size, shard, steps=n, **copy.deepcopy(extra))
+    for name, shard, n, resume in steps:
+        job = zero_job(tmp, name, ctx.world_size, shard, steps=n, run={"checkpoint_every": 1})
         model, summary = train_replica(ctx, job, resume, plot=False)
         out[f"{name}:{n}"] = {"params": _flat(model), "summary": summary}
     return out
