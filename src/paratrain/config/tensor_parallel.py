@@ -163,8 +163,9 @@ class TensorParallelismConfig(Contract):
     """Synchronise gradients once per step over micro_batches (false = once per micro-batch)."""
     memory_optimization: TensorMemoryOptimization = TensorMemoryOptimization.Medium
     """Activation checkpointing: None, Low/Medium/High (every 4/2/1 blocks); Extreme also offloads
-    saved tensors to host memory. Only local maths is recomputed: the outputs of the forward
-    collectives are kept, so every level moves the bytes of None."""
+    saved tensors to host memory. Only local maths is recomputed (Low/Medium: only the cheap ops,
+    the sharded matmuls' outputs are kept): the forward collectives' outputs are kept, so every
+    level moves the bytes of None."""
     mixed_precision: bool = False
     """bf16 matmuls with fp32 master weights, gradients and reductions."""
     micro_batches: PositiveCount = 1

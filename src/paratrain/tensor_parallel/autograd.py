@@ -27,7 +27,8 @@ Every *forward* collective goes through :func:`.memory.taped`: inside a checkpoi
 its output is kept on the segment's tape and read back when backward recomputes the
 segment, so recomputation never communicates again (Korthikanti et al. 2022, §5; see
 :mod:`.memory`). A row layer's partial matmul runs inside the taped call, so a replay skips
-it too.
+it too; a column layer's product is taped at the selective levels (Low, Medium), whose
+recomputation re-runs only norms, activations and the attention core.
 
 Reductions run in fp32 (half-precision partials are upcast before they travel). These
 Functions call only ``TPComm`` methods: every torch.distributed call stays in
@@ -272,11 +273,16 @@ class _ColumnLinear(Function):
         saved = x
         if mode == "seq":
             x = taped(lambda: comm.all_gather(saved.contiguous(), dim, sizes).wait())
-        t0 = time.perf_counter()
-        y = _mm(x, w.t(), cdt)
-        if b is not None:
-            y = y + b
-        comm.stats.add_compute_time(time.perf_counter() - t0)
+        def product() -> torch.Tensor:
+            t0 = time.perf_counter()
+            y = _mm(x, w.t(), cdt)
+            if b is not None:
+                y = y + b
+            comm.stats.add_compute_time(time.perf_counter() - t0)
+            return y
+
+        # selective recomputation keeps the product too (Korthikanti et al. 2022, §5)
+        y = taped(product, matmul=True)
         _stash(ctx, saved, w, b, comm, mode, dim, sizes, cdt)
         return y
 

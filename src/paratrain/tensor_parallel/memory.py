@@ -5,41 +5,46 @@ the bytes saved for backward.
 starts at a tensor-parallel unit and runs to the next; a model that is not an
 ``nn.Sequential`` of paratrain's blocks, e.g. HF's, is one segment at every level):
 
-========  ===========================================  ========================================
-level     stored for backward                          recomputed in backward
-========  ===========================================  ========================================
-None      every activation                             nothing
-Low       segment inputs (every 4 blocks) + the        the local maths of one segment at a time
-          outputs of the forward collectives (tape)
-Medium    as Low, segments of 2 blocks (the default)   as Low
-High      as Low, segments of 1 block                  as Low
-Extreme   as High, every stored tensor (tape too) on   as High
-          host memory while it waits
-========  ===========================================  ========================================
+=========  ==========================================  ======================================
+level      stored for backward                         recomputed in backward
+=========  ==========================================  ======================================
+None       every activation                            nothing
+Low        segment inputs (every 4 blocks), the        norms, activations, the attention
+           outputs of the forward collectives and of   core, dropout, residual adds: the
+           the sharded (column) matmuls                cheap ops (selective recomputation)
+Medium     as Low, segments of 2 blocks (the default)  as Low
+High       segment inputs (every block) and the        all the local maths, the column
+           outputs of the forward collectives          matmuls too
+Extreme    as High, on host memory while it waits      as High
+=========  ==========================================  ======================================
 
 Checkpointing is Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"); Extreme
 moves every saved tensor to host memory while it waits (``save_on_cpu`` style), which on an
 accelerator takes the saved activations off the device (on a CPU it is High).
 
-Every level recomputes the *local* maths only. Every collective run in a segment's forward
-(the row layer's all-reduce or reduce-scatter, the sequence all-gathers, the gathers of an
-output, the 2-D panels) writes its output on the segment's :class:`CollectiveTape`; when
-backward recomputes the segment, the same collectives, reached in the same order, read
-their outputs back from the tape instead of communicating again. This is the split of
-Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models",
-§5, selective activation recomputation): recompute what is cheap to recompute, store what
-is expensive to recompute, and a collective's output is the most expensive of all, since it
-costs the network and every rank's time. Every level therefore moves exactly the bytes of
-``None`` (``CommStats.replayed`` counts the collectives the tape saved); what they store is
-the segment inputs plus one activation per forward collective (for a transformer layer two
-``[b, s, h]`` tensors, the outputs of the attention's and the MLP's row layers), and what
-they recompute is everything else in the segment (norms, the column layers' matmuls, the
-attention core, activations; a row layer's forward matmul is skipped, its reduced output
-being on the tape). Since the tape keeps every block's row outputs whatever the segment
-length, Low / Medium / High differ in the segment inputs kept and in how much is recomputed
-at once. (``TensorParallelModule.recompute_collectives = True`` is the policy before the
-tape, which ran the forward collectives again and stored only segment inputs: kept to
-measure what the tape saves.)
+No level recomputes communication. Every collective run in a segment's forward (the row
+layer's all-reduce or reduce-scatter, the sequence all-gathers, the gathers of an output,
+the 2-D panels) writes its output on the segment's :class:`CollectiveTape`; when backward
+recomputes the segment, the same collectives, reached in the same order, read their outputs
+back from the tape instead of communicating again. This is the split of Korthikanti et al.
+2022 ("Reducing Activation Recomputation in Large Transformer Models", §5, selective
+activation recomputation): recompute what is cheap to recompute, store what is expensive,
+and a collective's output is the most expensive of all, since it costs the network and every
+rank's time. Every level therefore moves exactly the bytes of ``None`` per step
+(``CommStats.replayed`` counts the collectives the tape saved). A row layer's partial matmul
+runs inside its taped collective, so a replay skips it as well. Low and Medium tape the
+column layers' products too, so their recomputation is Korthikanti's selective set (for a
+transformer layer: the layer norms, GELU, the attention scores and softmax, dropout); High
+and Extreme keep only the collectives' outputs (for a transformer layer two ``[b, s, h]``
+tensors, the attention's and the MLP's row outputs) and recompute the column matmuls as
+well: the least memory, the most compute. (``TensorParallelModule.recompute_collectives =
+True`` is the policy before the tape, which ran the forward collectives again and stored
+only segment inputs: kept to measure what the tape saves.)
+
+A tape entry whose tensor was changed in place after the collective (its version counter
+moved) is not trusted: that collective runs again, as does any collective reached after
+the tape has been used up (a second backward through a retained graph). Ranks run the same
+code, so they make the same choice and the collectives stay matched.
 
 :class:`ActivationMeter` measures what a level costs: through ``saved_tensors_hooks`` it
 tracks the bytes of distinct non-parameter tensors held for backward on the compute
@@ -56,10 +61,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["SEGMENT_BLOCKS", "ActivationMeter", "CollectiveTape", "activation_hooks", "measure", "taped"]
+__all__ = ["SEGMENT_BLOCKS", "SELECTIVE", "ActivationMeter", "CollectiveTape", "activation_hooks", "measure", "taped"]
 
 # memory_optimization -> blocks per checkpoint segment (0 = no checkpointing)
 SEGMENT_BLOCKS = {"None": 0, "Low": 4, "Medium": 2, "High": 1, "Extreme": 1}
+# the levels whose tapes also keep the sharded matmuls' outputs (selective recomputation)
+SELECTIVE = frozenset({"Low", "Medium"})
 
 
 class _Saved:
@@ -186,10 +193,11 @@ class CollectiveTape:
     runs the collective instead (see the module docstring).
     """
 
-    def __init__(self, *, offload: bool = False, on_replay: Callable[[], None] | None = None) -> None:
-        self.offload = offload
+    def __init__(self, *, offload: bool = False, keep_matmuls: bool = False,
+                 on_replay: Callable[[], None] | None = None) -> None:
+        self.offload, self.keep_matmuls = offload, keep_matmuls
         self._on_replay = on_replay
-        self._entries: list[tuple[tuple[_Saved, ...], tuple[int, ...], bool] | None] = []
+        self._entries: list[tuple[tuple[_Saved, ...], tuple[int, ...], bool, bool] | None] = []
         self._recorded = False
         self._pos = 0
 
@@ -207,11 +215,12 @@ class CollectiveTape:
             if replay:  # what the recomputation did not take back (early stop) is not needed
                 self._entries.clear()
 
-    def _record(self, out: Any) -> Any:
+    def _record(self, out: Any, matmul: bool) -> Any:
         outs = out if isinstance(out, tuple) else (out,)
         boxes = tuple(_box(t.detach(), self.offload) for t in outs)
         # an alias shares the output's version counter: an in-place change shows
-        self._entries.append((boxes, tuple(b.tensor._version for b in boxes), isinstance(out, tuple)))
+        self._entries.append((boxes, tuple(b.tensor._version for b in boxes), isinstance(out, tuple),
+                              matmul))
         return out
 
     def _replay(self, collective: Callable[[], Any]) -> Any:
@@ -221,10 +230,10 @@ class CollectiveTape:
         if entry is None:
             return collective()
         self._entries[i] = None
-        boxes, versions, is_tuple = entry
+        boxes, versions, is_tuple, matmul = entry
         if any(b.tensor._version != v for b, v in zip(boxes, versions, strict=True)):
             return collective()  # changed in place after the collective: not its output
-        if self._on_replay is not None:
+        if self._on_replay is not None and not matmul:
             self._on_replay()
         outs = tuple(b.tensor.to(b.device, non_blocking=True) if b.tensor.device != b.device
                      else b.tensor.detach() for b in boxes)
@@ -237,13 +246,16 @@ class CollectiveTape:
 _TAPES: list[tuple[CollectiveTape, bool]] = []
 
 
-def taped(collective: Callable[[], Any]) -> Any:
+def taped(collective: Callable[[], Any], *, matmul: bool = False) -> Any:
     """Run a forward collective (returning a tensor or a tuple of tensors) through the
     innermost active tape, if any: recorded on a segment's first run, read back instead of
-    run when the segment is recomputed."""
+    run when the segment is recomputed. ``matmul``: a sharded layer's local product, taped
+    only by a tape that keeps matmuls (the selective levels), else simply run."""
     if not _TAPES:
         return collective()
     tape, replay = _TAPES[-1]
+    if matmul and not tape.keep_matmuls:
+        return collective()
     if replay:
         return tape._replay(collective)
-    return tape._record(collective())
+    return tape._record(collective(), matmul)

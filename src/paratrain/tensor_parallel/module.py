@@ -301,7 +301,8 @@ class TensorParallelModule(nn.Module):
         ``recompute_collectives`` runs them again instead."""
         if self.recompute_collectives:
             return fn
-        tape = memory.CollectiveTape(offload=self.config.memory_optimization.value == "Extreme",
+        level = self.config.memory_optimization.value
+        tape = memory.CollectiveTape(offload=level == "Extreme", keep_matmuls=level in memory.SELECTIVE,
                                      on_replay=self.stats.replayed_collective)
 
         def run(*args: Any, **kwargs: Any) -> Any:
