@@ -38,7 +38,11 @@ tie is one value held by one worker, read by the others (the partitioner's ``Att
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -77,8 +81,9 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False  # type: ignore[union-attr]
-    ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
-                             dynamic_shapes=_dynamic_shapes(model, tuple(args), dict(kwargs)))
+    with _quiet():
+        ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
+                                 dynamic_shapes=_dynamic_shapes(model, tuple(args), dict(kwargs)))
     gm = ep.module()
     assert isinstance(gm, fx.GraphModule)
     info = gm.graph._codegen.pytree_info if hasattr(gm.graph._codegen, "pytree_info") else None
@@ -98,6 +103,19 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     gm.meta[IN_SPEC] = info.in_spec if info is not None else None
     gm.meta[OUT_SPEC] = info.out_spec if info is not None else None
     return gm
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Export logs the graph it had and a warning when it fails; the failure is reported
+    as one ConfigError line (trace.py), so its logging and prints are held back."""
+    before = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.disable(before)
 
 
 def _is_size(n: fx.Node) -> bool:
