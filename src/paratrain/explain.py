@@ -384,6 +384,12 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
             report["parameters_not_run"] = _count(unplaced)
     if shape_note is not None:
         report["shapes_unavailable"] = shape_note
+    if kind == "DataParallel" and getattr(root, "shard", "none") != "none":  # ZeRO: what is sharded
+        from .executors.data_parallel.zero import shard_plan
+        from .subgraphs import local_parameter_names
+
+        report["shard"] = shard_plan(model, level=root.shard, units=root.shard_unit,
+                                     local=local_parameter_names(model, job), world=root.num_replicas)
     from .executors import is_tensor_parallel
 
     if is_tensor_parallel(job):  # which modules tensor parallelism shards, and how

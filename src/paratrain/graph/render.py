@@ -107,6 +107,16 @@ def render(report: Mapping[str, Any]) -> str:
         out += ["", f"tensor parallel (size {report.get('tensor_parallel_size')}), modules sharded:"]
         out += _table(["module", "sharding"], [[t["module"], t["sharding"]] for t in report["tensor_parallel"]],
                       set())
+    if report.get("shard"):  # DataParallel ZeRO: what each replica holds 1/N of
+        z = report["shard"]
+        out += ["", f"ZeRO-{z['zero_stage']} (shard = {z['level']}) over {z['replicas']} replicas: "
+                f"about {_n(z['adam_fp32_bytes_per_rank'])} bytes a replica for fp32 Adam; units:"]
+        out += _table(["unit", "params", "per replica", "parameters"],
+                      [[u["unit"], _n(u["elements"]), _n(u["elements_per_rank"]),
+                        ", ".join(u["parameters"][:4]) + (" ..." if len(u["parameters"]) > 4 else "")]
+                       for u in z["units"]], {1, 2})
+        if z["whole"]:
+            out.append(f"  kept whole on every replica: {', '.join(z['whole'])}")
     if report.get("shapes_unavailable"):
         out.append(f"(shapes left out: ShapeProp failed on one training batch: {report['shapes_unavailable']})")
     return "\n".join(out)

@@ -53,7 +53,7 @@ from ...config import ConfigError
 from ...training.loop import LocalEngine
 from ...training.stepping import autocast, local_grad_sq_norm
 
-__all__ = ["ZeroEngine", "ShardView", "resolve_units", "LEVELS"]
+__all__ = ["ZeroEngine", "ShardView", "resolve_units", "shard_plan", "LEVELS"]
 
 LEVELS = {"optimizer": 1, "gradients": 2, "parameters": 3}
 
@@ -423,3 +423,25 @@ class ZeroEngine(LocalEngine):
             h.remove()
         self.hooks.clear()
         self.sync_.close()
+
+
+def shard_plan(net: nn.Module, *, level: str, units: Sequence[str] | None, local: set[str],
+               world: int) -> dict[str, Any]:
+    """What ``shard = level`` on ``world`` replicas shards, without processes (``paratrain
+    graph`` / ``validate``): each unit's parameters and elements, the elements of one rank's
+    shard (rank 0's, the largest), the parameters kept whole, and the bytes a rank holds
+    for fp32 Adam by the ZeRO formula."""
+    shared = [(n, p) for n, p in net.named_parameters() if p.requires_grad and n not in local]
+    paths = resolve_units(net, units) if LEVELS[level] == 3 else []
+    out: dict[str, Any] = {"level": level, "zero_stage": LEVELS[level], "replicas": world, "units": []}
+    for path, named in _assign(net, paths, shared):
+        flat = FlatShard([p.shape for _, p in named], world=world, rank=0)
+        out["units"].append({"unit": path or "(root)", "parameters": [n for n, _ in named],
+                             "elements": sum(p.numel() for _, p in named),
+                             "elements_per_rank": flat.numel})
+    out["whole"] = sorted(n for n, p in net.named_parameters() if n in local or not p.requires_grad)
+    n_shared = sum(p.numel() for _, p in shared)
+    per = {1: 8 + 8 / world, 2: 4 + 12 / world, 3: 16 / world}[LEVELS[level]]
+    out["adam_fp32_bytes_per_rank"] = int(per * n_shared + 16 * sum(
+        p.numel() for n, p in net.named_parameters() if n in local))
+    return out
