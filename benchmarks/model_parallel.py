@@ -65,11 +65,15 @@ from paratrain.config.strategy import Partition  # noqa: E402
 from paratrain.executors.model_parallel.plan import build_plan  # noqa: E402
 from paratrain.executors.model_parallel.runtime import StageRuntime, segment_modules  # noqa: E402
 from paratrain.executors.model_parallel.schedule import schedule, simulate, theoretical_bubble  # noqa: E402
-from paratrain.graph import nodes  # noqa: E402
 from paratrain.training.gcfreeze import freeze_startup_objects  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import provenance  # noqa: E402
+
+
+def nodes(model: nn.Module) -> list[str]:
+    """The Sequential's layers in order (its fx graph's call_module ids)."""
+    return [name for name, _ in model.named_children()]
 
 
 def build(width: int, blocks: int, classes: int = 10, vocab: int = 256) -> nn.Sequential:

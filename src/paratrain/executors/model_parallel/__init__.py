@@ -1,7 +1,8 @@
 """ModelParallel: the model's nodes placed on worker processes, pipelined (DESIGN §5).
 
 - :mod:`.plan`: which nodes run on which stage (a pure function of the job);
-- :mod:`.schedule`: GPipe / 1F1B micro-batch orders (pure);
+- :mod:`.schedule`: GPipe / 1F1B / Interleaved1F1B / ZBH1 micro-batch orders (pure);
+- :mod:`.backward_split`: a backward split into input (B) and weight (W) gradients (ZBH1);
 - :mod:`.runtime`: one stage's forward/backward with point-to-point activations;
 - :mod:`.engine`: the stage's part of the one training loop (engine, checkpoints, stats);
 - :mod:`.runner`: validation, launch and a rank's run (``worker_main``).

@@ -93,16 +93,29 @@ class Deferred:
             got = torch.autograd.grad(roots, targets, grad_outputs=grads, allow_unused=True)
             for w, g in zip(targets, got, strict=True):
                 if g is not None:
-                    _accumulate(w, g)
+                    _accumulate(w, g, owned=_once(g, got))
 
 
 def _add(at: dict[Edge, torch.Tensor], e: Edge, g: torch.Tensor) -> None:
     at[e] = g if e not in at else at[e] + g
 
 
-def _accumulate(w: torch.Tensor, g: torch.Tensor) -> None:
-    # a fresh tensor: autograd may hand one gradient to two leaves (``a + b``)
-    w.grad = g.to(w.dtype, copy=True) if w.grad is None else w.grad + g
+def _accumulate(w: torch.Tensor, g: torch.Tensor, *, owned: bool = False) -> None:
+    """``w.grad += g``; a first gradient is kept as is when ``owned`` (no other leaf got
+    the same tensor from this call: autograd hands ``a + b``'s gradient to both), else
+    copied, as ``AccumulateGrad`` steals or clones."""
+    if w.grad is not None:
+        w.grad = w.grad + g
+    elif owned and g.dtype == w.dtype and g.stride() == w.stride():
+        w.grad = g.detach()
+    else:
+        w.grad = g.to(w.dtype, copy=True).reshape(w.shape)
+
+
+def _once(g: torch.Tensor, got: Sequence[torch.Tensor | None]) -> bool:
+    """``g`` shares its storage with no other result of the same call."""
+    ptr = g.untyped_storage().data_ptr()
+    return sum(1 for h in got if h is not None and h.untyped_storage().data_ptr() == ptr) == 1
 
 
 def _weights_below(node: Node, out: dict[Node, torch.Tensor]) -> None:
@@ -176,7 +189,7 @@ def backward_inputs(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
                                       allow_unused=True)
             for x, g in zip(wanted, got, strict=True):
                 if g is not None:
-                    _accumulate(x, g)
+                    _accumulate(x, g, owned=_once(g, got))
     finally:
         for h in handles:
             h.remove()

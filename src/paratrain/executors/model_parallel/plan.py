@@ -204,7 +204,9 @@ def build_plan(
                            f"micro-batch's forward")
                 problems.append((field, f"Pipeline needs each worker's nodes to be one contiguous "
                                         f"run, but worker {wid!r} (rank {rank}) owns "
-                                        f"{len(segs)} separate runs: {runs}{why}{via}"))
+                                        f"{len(segs)} separate runs: {runs}{why}{via} (runs "
+                                        f"placed round-robin are chunks for schedule = "
+                                        f"\"Interleaved1F1B\")"))
         raise ConfigError(problems)
     return plan
 

@@ -11,8 +11,10 @@ a cut sent point-to-point to the rank that reads it. Per batch of ``B`` rows:
   non-adjacent parts.
 - ``Pipeline{micro_batch_size}``: each rank owns one part (a stage); the batch is cut
   into micro-batches of ``micro_batch_size`` rows (last smaller) run with GPipe (Huang et
-  al. 2019) or 1F1B/PipeDream-Flush (Narayanan et al. 2021); the extension field
-  ``schedule`` picks one (default ``"1F1B"``).
+  al. 2019), 1F1B/PipeDream-Flush (Narayanan et al. 2021), Interleaved1F1B (each rank
+  owns ``virtual_stages`` chunks placed round-robin, Narayanan et al. 2021) or ZBH1 (the
+  backward split into input and weight gradients, Qi et al. 2024); the extension field
+  ``schedule`` picks one (default ``"1F1B"``; :mod:`.schedule`).
 - ``DataStore{path}``: as Direct, but every activation/gradient is a file in a shared
   directory (``path``, default ``<run dir>/datastore``): written atomically, consumed
   once, polled with a timeout.

@@ -16,6 +16,8 @@ The model is cut into parts ``P_0 .. P_{k-1}`` in topological order
   all its readers (received ``("grad", i, t)`` from other ranks, accumulated locally from
   this rank's own later parts) through ``P_p``; send ``dL/d(input)`` of each received input
   back to its producer once this rank's last reader of it has run its backward.
+- ``W(i, p)`` (ZBH1 only): ``B`` computed the input gradients only; ``W`` adds the
+  weight gradients (:mod:`.backward_split`), and the activations are released after it.
 - a parameter held on one rank and read on another (a tie across workers) is sent once per
   step before the first micro-batch and its gradient, summed over the micro-batches, comes
   back after the last: it stays one tensor, stepped by the rank that holds it.
@@ -24,8 +26,9 @@ Since ``sum_i L_i = w * loss(batch)`` for a loss that is a mean over rows, and g
 add over readers and micro-batches, the loss and every parameter gradient equal those of
 the unpartitioned model on the same batch (up to float summation order).
 
-Orders come from GPipe (Huang et al. 2019) or 1F1B/PipeDream-Flush (Narayanan et al.
-2021) for pipelines (one part per rank; part index = stage), or the sequential order for
+Orders come from GPipe (Huang et al. 2019), 1F1B/PipeDream-Flush (Narayanan et al.
+2021) or ZBH1 (Qi et al. 2024) for pipelines (one part per rank; part index = stage),
+Interleaved1F1B (parts ``r, r + p, ..`` on rank ``r``), or the sequential order for
 Direct/DataStore (forwards by part, backwards reversed). The transport is duck-typed
 (``send``/``recv``/``flush``, optionally ``post``): :class:`paratrain.comm.p2p.P2PTransport`
 or :class:`paratrain.comm.datastore.DataStoreTransport`. The runtime records what it ran

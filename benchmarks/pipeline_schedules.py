@@ -1,0 +1,220 @@
+"""Pipeline schedules benchmark: 1F1B, Interleaved1F1B and ZBH1, ours and torch's.
+
+For p in {2, 4} stages (one gloo process each, CPU) and m in {8, 16} micro-batches, the
+token MLP of ``benchmarks/model_parallel.py`` (``Embedding`` then ``4p`` blocks ``Linear +
+ReLU`` then a head) is cut into p equal stages (1F1B, ZBH1) or 2p equal chunks placed
+round-robin (Interleaved1F1B, ``virtual_stages = 2``). Per configuration and schedule,
+steps interleaved with torch's on the same split, in the same processes:
+
+- ``bubble_measured``: ``1 - C_max / T`` (``C_max`` the busiest rank's compute time in the
+  step, ``T`` the step, the slowest rank's), over ``bubble_theory_modelled``: 1F1B
+  ``(p-1)/(m+p-1)``, Interleaved1F1B ``(p-1)/(2m+p-1)``, ZBH1 ``(p-1)/(3m+p-1)`` (F = B = W);
+  ``bubble_replay_modelled``: the schedule replayed with the step's measured action times
+  and free communication (ZBH1's real B and W are not equal to F, which the formula assumes);
+- ``zbh1_step_over_1f1b``: ZBH1's median step over our 1F1B's, with both peaks of
+  activation bytes held for backward (equal peak memory is the ZB-H1 premise) and the
+  replayed ratio (modelled);
+- ``step_over_torch``: our Interleaved1F1B over torch's ``ScheduleInterleaved1F1B`` (two
+  stages per rank, the same chunks), our ZBH1 over torch's ``ScheduleInterleavedZeroBubble``
+  (one stage per rank: its ZB1P, the same split), our 1F1B over ``Schedule1F1B``; an error
+  of torch's on gloo is recorded instead of a ratio.
+
+Steps are separated by a barrier; medians over repeats. Prints one JSON object.
+``--quick``: fewer repeats. Shared machine: see ``cores_per_stage`` and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import provenance  # noqa: E402
+from model_parallel import build, nodes  # noqa: E402
+
+from paratrain.comm.p2p import P2PTransport  # noqa: E402
+from paratrain.comm.testing import run_distributed  # noqa: E402
+from paratrain.config.strategy import Partition  # noqa: E402
+from paratrain.executors.model_parallel.plan import build_plan  # noqa: E402
+from paratrain.executors.model_parallel.runtime import StageRuntime, held_attrs, segment_modules  # noqa: E402
+from paratrain.executors.model_parallel.schedule import schedule, simulate, theoretical_bubble  # noqa: E402
+from paratrain.training.gcfreeze import freeze_startup_objects  # noqa: E402
+
+SCHEDS = ("1F1B", "Interleaved1F1B", "ZBH1")
+TORCH = {"1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
+         "ZBH1": "ScheduleInterleavedZeroBubble"}
+
+
+def chunks(model: nn.Sequential, n: int) -> list[list[str]]:
+    """``n`` runs of equally many blocks; the embedding joins the first, the head the last."""
+    names = nodes(model)
+    body = names[1:-1]
+    per = len(body) // n
+    out = [body[k * per:(k + 1) * per] for k in range(n)]
+    return [(["embed"] if k == 0 else []) + c + (["head"] if k == n - 1 else []) for k, c in enumerate(out)]
+
+
+def _torch_schedule(name: str, model: nn.Sequential, split: list[list[str]], rank: int, p: int,
+                    m: int) -> Any:
+    from torch.distributed import pipelining as pp
+
+    mine = [k for k in range(len(split)) if k % p == rank]
+    stages = [pp.PipelineStage(nn.Sequential(*[model.get_submodule(n) for n in split[k]]), k,
+                               len(split), torch.device("cpu")) for k in mine]
+    loss = lambda out, target: nn.functional.cross_entropy(out, target)  # noqa: E731
+    cls = getattr(pp, TORCH[name])
+    return cls(stages[0] if name == "1F1B" else stages, m, loss_fn=loss)
+
+
+def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    freeze_startup_objects()
+    p, rows = ctx.world_size, cfg["rows"]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 256, (rows,), generator=g)
+    y = torch.randint(0, 10, (rows,), generator=g)
+    transport = P2PTransport(ctx.group)
+    out: dict[str, Any] = {}
+    for name in SCHEDS:
+        v = 2 if name == "Interleaved1F1B" else 1
+        model = build(cfg["width"], cfg["blocks_per_stage"] * p)
+        split = chunks(model, v * p)
+        parts = [Partition.model_validate({"node_ids": ns, "target": {"WorkerId": f"worker-{k % p}"}})
+                 for k, ns in enumerate(split)]
+        plan = build_plan(model, parts, ctx.workers, contiguous=v == 1)
+        rt = StageRuntime(plan, ctx.rank, segment_modules(model, plan, ctx.rank), transport,
+                          attrs=held_attrs(model, plan, ctx.rank))
+        ref_model = build(cfg["width"], cfg["blocks_per_stage"] * p)
+        for m in cfg["ms"]:
+            res: dict[str, Any] = {"ours": [], "torch": [], "busy": [], "costs": [], "peak": 0,
+                                   "torch_error": None}
+            tsched: Any = None
+            try:
+                tsched = _torch_schedule(name, ref_model, split, ctx.rank, p, m)
+            except Exception as e:  # recorded, not fatal: torch's schedule on gloo/CPU
+                res["torch_error"] = f"{type(e).__name__}: {e}"[:300]
+            for rep in range(cfg["warmup"] + cfg["repeats"]):
+                order = ("ours", "torch") if rep % 2 == 0 else ("torch", "ours")
+                for impl in order:
+                    if impl == "torch" and (tsched is None or res["torch_error"]):
+                        continue
+                    model.zero_grad(set_to_none=True)
+                    ref_model.zero_grad(set_to_none=True)
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    if impl == "ours":
+                        rt.train_step(x, y, step=rep, micro_batch_size=rows // m, schedule_name=name)
+                    else:
+                        try:
+                            if ctx.rank == 0:
+                                tsched.step(x)
+                            elif ctx.rank == p - 1:
+                                tsched.step(target=y)
+                            else:
+                                tsched.step()
+                        except Exception as e:
+                            res["torch_error"] = f"{type(e).__name__}: {e}"[:300]
+                    dt = time.perf_counter() - t0
+                    if rep >= cfg["warmup"]:
+                        res[impl].append(dt)
+                        if impl == "ours":
+                            res["busy"].append(rt.stats.compute_s)
+                            res["peak"] = max(res["peak"], rt.stats.peak_activation_bytes)
+                            res["costs"].append({(k, i, s): b - a for k, i, s, a, b in rt.stats.trace})
+            out[f"{name}/{m}"] = res
+        dist.barrier()
+    return out
+
+
+def _median_step(per_rank: list[dict[str, Any]], key: str, impl: str) -> float | None:
+    runs = [r[key][impl] for r in per_rank]
+    if not runs[0] or any(len(x) != len(runs[0]) for x in runs):
+        return None
+    return statistics.median(max(x[i] for x in runs) for i in range(len(runs[0])))
+
+
+def measure(p: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    per_rank = run_distributed(worker, p, cfg, timeout_s=900)
+    out = []
+    for m in cfg["ms"]:
+        row: dict[str, Any] = {"stages": p, "micro_batches": m,
+                               "cores_per_stage": round((os.cpu_count() or 1) / p, 2)}
+        for name in SCHEDS:
+            key = f"{name}/{m}"
+            v = 2 if name == "Interleaved1F1B" else 1
+            n = len(per_rank[0][key]["ours"])
+            steps = [max(r[key]["ours"][i] for r in per_rank) for i in range(n)]
+            bubble = statistics.median(1 - max(r[key]["busy"][i] for r in per_rank) / steps[i] for i in range(n))
+            orders = [schedule(name, s, p, m, v) for s in range(p)]
+            replay = statistics.median(
+                simulate(orders, costs={a: c for r in per_rank for a, c in r[key]["costs"][i].items()}).bubble
+                for i in range(n))
+            makespans = [simulate(orders, costs={a: c for r in per_rank for a, c in r[key]["costs"][i].items()}).makespan
+                         for i in range(n)]
+            theory = theoretical_bubble(p, m, name, v)
+            ours = statistics.median(steps)
+            ref = _median_step(per_rank, key, "torch")
+            err = next((r[key]["torch_error"] for r in per_rank if r[key]["torch_error"]), None)
+            row[name] = {
+                "step_s_median": round(ours, 5),
+                "bubble_measured": round(bubble, 4),
+                "bubble_theory_modelled": round(theory, 4),
+                "bubble_over_theory": round(bubble / theory, 3),
+                "bubble_replay_modelled": round(replay, 4),
+                "replay_makespan_s_modelled": round(statistics.median(makespans), 5),
+                "peak_activation_bytes_per_stage": [r[key]["peak"] for r in per_rank],
+                "torch_schedule": TORCH[name],
+                "torch_step_s_median": None if ref is None or err else round(ref, 5),
+                "step_over_torch": None if ref is None or err else round(ours / ref, 3),
+                "torch_error": err,
+            }
+        zb, one = row["ZBH1"], row["1F1B"]
+        row["zbh1_step_over_1f1b"] = round(zb["step_s_median"] / one["step_s_median"], 3)
+        row["zbh1_replay_over_1f1b_replay_modelled"] = round(
+            zb["replay_makespan_s_modelled"] / one["replay_makespan_s_modelled"], 3)
+        row["zbh1_peak_over_1f1b_peak"] = round(
+            max(zb["peak_activation_bytes_per_stage"]) / max(one["peak_activation_bytes_per_stage"]), 3)
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    args = ap.parse_args()
+    cfg = {"ms": [8, 16], "width": 256, "rows": 256, "blocks_per_stage": 4,
+           "warmup": 1 if args.quick else 2, "repeats": 3 if args.quick else 9}
+    t0 = time.perf_counter()
+    load = round(os.getloadavg()[0], 2)
+    results = [row for p in (2, 4) for row in measure(p, cfg)]
+    print(json.dumps({
+        "benchmark": "pipeline_schedules",
+        "peer": "torch.distributed.pipelining Schedule1F1B / ScheduleInterleaved1F1B / "
+                "ScheduleInterleavedZeroBubble, same split, same processes",
+        "config": cfg, "backend": "gloo (CPU)", "cpu_cores": os.cpu_count(),
+        "load_average_1m_at_start": load,
+        "timing": "medians over repeats; a step's time is the slowest rank's",
+        "results": results,
+        "provenance": provenance(results, modelled=(
+            "bubble_theory_modelled", "bubble_replay_modelled", "replay_makespan_s_modelled",
+            "zbh1_replay_over_1f1b_replay_modelled"),
+            configured=("stages", "micro_batches", "cores_per_stage", "torch_schedule"),
+            mixed=("bubble_over_theory",)),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
