@@ -64,7 +64,10 @@ def orthogonalize_gram_schmidt(matrices: torch.Tensor, epsilon: float = 0.0) -> 
         col = matrices[:, :, i : i + 1]
         norm = torch.norm(col, dim=1, keepdim=True)
         if epsilon == 0:
-            col.copy_(torch.where(norm == 0, torch.zeros_like(col), col / norm))
+            col /= norm
+            zero = norm == 0
+            if bool(zero.any()):  # 0/0: NaN; torch's intent (its dead except-branch) is 0
+                col.masked_fill_(zero.expand_as(col), 0.0)
         else:
             col /= norm + epsilon
         if i + 1 < num_cols:
@@ -169,14 +172,16 @@ class PowerSGDRound:
         q_off = 0
         for i, (n, m, r) in zip(self.order, sizes, strict=True):
             key, t = self.named[i]
-            mat = t.reshape(1, n, m).clone()
+            g = t.reshape(1, n, m)
             e = state.residuals.get(key) if state.error_feedback else None
             if e is not None:
-                if e.shape != mat.shape or e.dtype != mat.dtype:
+                if e.shape != g.shape or e.dtype != g.dtype:
                     raise CompressionError(
                         f"PowerSGD residual for {key!r} is {tuple(e.shape)} {e.dtype}; the "
-                        f"gradient is {tuple(mat.shape)} {mat.dtype} (a key must name one tensor)")
-                mat.add_(e.to(mat.device))
+                        f"gradient is {tuple(g.shape)} {g.dtype} (a key must name one tensor)")
+                mat = g + e.to(g.device)
+            else:
+                mat = g.clone()
             self.ms.append(mat)
             self.ps.append(self.first[off : off + n * r].view(1, n, r))
             self.qs.append(self.q_flat[q_off : q_off + m * r].view(1, m, r))
