@@ -90,3 +90,13 @@ def test_an_unknown_unit_is_a_config_error() -> None:
                                               if isinstance(m, torch.nn.Linear)]
     with pytest.raises(ConfigError, match="shard_unit"):
         resolve_units(net, ["blocks.*"])
+
+
+def test_validate_says_what_is_sharded(tmp_path: Path) -> None:
+    from paratrain.executors.data_parallel.runner import shard_layout
+
+    (line,) = shard_layout(zero_job(str(tmp_path), "v", 2, "parameters"))
+    assert "ZeRO-3" in line and "fc0 (520 of 1040)" in line and "head (85 of 170)" in line
+    assert shard_layout(zero_job(str(tmp_path), "v", 2, "none")) == []
+    with pytest.raises(ConfigError, match="shard_unit"):
+        shard_layout(zero_job(str(tmp_path), "v", 2, "parameters", strategy_extra={"shard_unit": ["nope"]}))

@@ -63,6 +63,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 print(f"{path}: ok")
                 for line in _tp_layout(job):
                     print(f"{path}: {line}")
+                try:  # DataParallel ZeRO: what each replica holds 1/N of
+                    for line in _shard_layout(job):
+                        print(f"{path}: {line}")
+                except ConfigError as e:
+                    _print_problems(_problems(e, path))
+                    worst = EXIT_USAGE
             if getattr(args, "explain", False):
                 from .explain import explain, render
 
@@ -85,6 +91,16 @@ def _tp_layout(job: Any) -> list[str]:
     from .executors.tensor_parallel.runner import dry_run
 
     return [f"tensor parallel: {p}: {how}" for p, how in dry_run(job)]
+
+
+def _shard_layout(job: Any) -> list[str]:
+    from .config.strategy import DataParallel
+
+    if not isinstance(job.strategy, DataParallel) or job.strategy.shard == "none":
+        return []
+    from .executors.data_parallel.runner import shard_layout
+
+    return shard_layout(job)
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:

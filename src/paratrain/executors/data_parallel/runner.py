@@ -118,6 +118,25 @@ def _validate_shard(job: JobConfig, s: DataParallel) -> None:
             "parameters"))])
 
 
+def shard_layout(job: JobConfig) -> list[str]:
+    """``paratrain validate``: what ``strategy.shard`` shards, from the model built as a
+    replica would (a ``shard_unit`` matching no module is a ConfigError here, before a launch)."""
+    s = validate(job)
+    if s.shard == "none":
+        return []
+    from .zero import shard_plan
+
+    task, train, _ = _load_task(job)
+    model = task.build_model(job.model, train)
+    plan = shard_plan(model, level=s.shard, units=s.shard_unit, local=local_parameter_names(model, job),
+                      world=s.num_replicas)
+    units = ", ".join(f"{u['unit']} ({u['elements_per_rank']} of {u['elements']})" for u in plan["units"])
+    whole = f"; kept whole: {', '.join(plan['whole'])}" if plan["whole"] else ""
+    return [f"ZeRO-{plan['zero_stage']} (shard = {s.shard}) over {s.num_replicas} replicas, "
+            f"elements a replica holds per unit: {units}{whole}; about "
+            f"{plan['adam_fp32_bytes_per_rank']} bytes a replica for fp32 Adam"]
+
+
 _DATA_CACHE: dict[str, Any] = {}
 
 
@@ -389,6 +408,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
         task, train, _ = _load_task(job)
         validate(job, num_train=None if is_stream(train) else len(train))
         task.build_model(job.model, train)
+        shard_layout(job)  # ZeRO units resolve on the model (ConfigError before any launch)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         folder.prepare_launch()
         summary = launch(job, nprocs=strategy.num_replicas, resume=resume,
