@@ -196,3 +196,21 @@ def test_bytes_per_step_equal_the_formula(ranks: list[dict[str, Any]], rank: int
     assert powersgd == 4 * rank * (48 + 64 + 48)
     assert ranks[0][f"bytes_r{rank}"] == [dense] * START + [powersgd] * (STEPS - START)
     assert ranks[0][f"calls_r{rank}"] == START + 2 * (STEPS - START)  # P then Q
+
+
+@pytest.mark.parametrize("strategy", [
+    {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "ParameterServer"}},
+    {"type": "DataParallel", "num_replicas": 2,
+     "aggregation": {"method": "Decentralized", "topology": "ring"}},
+    {"type": "Federated", "num_clients": 2, "rounds": 1, "aggregation": {"method": "FedAvg"},
+     "client_selection": {"method": "All"}},
+])
+def test_job_refuses_powersgd_outside_an_all_reduce(strategy: dict[str, Any]) -> None:
+    from paratrain.config.job import load_job
+
+    doc = {"run": {"name": "x"}, "model": {"name": "mlp"}, "data": {"name": "digits"},
+           "compression": {"method": "PowerSGD", "rank": 1}}
+    with pytest.raises(ConfigError, match="compression.method: PowerSGD runs inside an all-reduce"):
+        load_job({**doc, "strategy": strategy})
+    load_job({**doc, "strategy": {"type": "DataParallel", "num_replicas": 2,
+                                  "aggregation": {"method": "AllReduce"}}})

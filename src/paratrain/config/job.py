@@ -92,6 +92,14 @@ class JobConfig(_Section):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
             raise ValueError(f"workers: duplicate worker id(s) {dup}")
+        comp, s = self.compression, self.strategy
+        if getattr(comp, "method", None) == "PowerSGD":
+            agg = getattr(getattr(s, "aggregation", None), "method", None)
+            if s.type == "Federated" or (s.type == "DataParallel" and agg != "AllReduce"):
+                where = f"{s.type}'s {agg}" if s.type == "DataParallel" else "Federated"
+                raise ValueError(f"compression.method: PowerSGD runs inside an all-reduce "
+                                 f"(DataParallel with aggregation AllReduce); {where} exchanges "
+                                 "per-replica payloads, use TopK, RandomK, Threshold or Quantization")
         # model/data: exactly one of name or factory is checked by ModelSpec/DataSpec
         return self
 
