@@ -105,8 +105,12 @@ class FlatShard:
         for p, out in zip(self.pieces, outs, strict=True):
             if p.row == 0:
                 continue
-            cols = grid[:, p.offset : p.offset + p.chunk * p.row].reshape(self.world * p.chunk, p.row)
-            out.view(p.shape[0], p.row).copy_(cols[: p.shape[0]])
+            rows = out.view(p.shape[0], p.row)
+            for j in range(self.world):  # rank j's rows straight into place (no staging copy)
+                n = max(0, min(p.chunk, p.shape[0] - j * p.chunk))
+                if n:
+                    rows[j * p.chunk : j * p.chunk + n].copy_(
+                        grid[j, p.offset : p.offset + n * p.row].view(n, p.row))
 
     def gather(self, flat: torch.Tensor, outs: Sequence[torch.Tensor], *, group: Any = None,
                counter: CommCounter | None = None) -> None:
