@@ -52,21 +52,23 @@ def _plain(named: Named, group: Any, world: int, counter: CommCounter | None
 
 def launch_powersgd(
     state: PowerSGDState, named: Named, *, group: Any = None, counter: CommCounter | None = None,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> torch.futures.Future[list[torch.Tensor]]:
     """Start one exchange; the future's value is each tensor's mean (approximation) in
-    ``named`` order. Every rank passes the same names, shapes and order."""
+    ``named`` order, written into ``out`` when given. Every rank passes the same names,
+    shapes and order."""
     world = world_size(group)
     if not named:
         done: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         done.set_result([])
         return done
     if not state.active():
-        return _plain(named, group, world, counter)
+        return _plain(named, group, world, counter)  # (the DDP hook reduces its bucket itself)
     rnd: PowerSGDRound = state.begin(named)
     if world == 1:
         rnd.second()
         fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
-        fut.set_result(rnd.finish(1))
+        fut.set_result(rnd.finish(1, out))
         return fut
     count_op(counter, "all_reduce", rnd.first.numel() * rnd.first.element_size())
     first = dist.all_reduce(rnd.first, group=group, async_op=True).get_future()
@@ -78,7 +80,7 @@ def launch_powersgd(
         dist.all_reduce(q, group=group, async_op=True).get_future().wait()
         return q
 
-    return first.then(after_first).then(lambda _f: rnd.finish(world))
+    return first.then(after_first).then(lambda _f: rnd.finish(world, out))
 
 
 def allreduce_powersgd(
@@ -104,15 +106,11 @@ def powersgd_bucket_hook(
     bucket gradient): the means are written back into the bucket buffer. A bucket is one
     exchange (one fresh-Q seed draw, as torch's hook per bucket)."""
     buf: torch.Tensor = bucket.buffer()
+    if not state.active():  # DDP's own arithmetic: divide, then sum the whole bucket
+        buf.div_(world_size(group))
+        return dist.all_reduce(buf, group=group, async_op=True).get_future().then(
+            lambda f: f.value()[0])
     grads = bucket.gradients()
-    fut = launch_powersgd(state, list(zip(names, grads, strict=True)), group=group, counter=counter)
-
-    def write_back(f: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        off = 0
-        for g, mean in zip(grads, f.value(), strict=True):
-            buf[off : off + g.numel()].copy_(mean.reshape(-1))
-            off += g.numel()
-        return buf
-
-    return fut.then(write_back)
-
+    fut = launch_powersgd(state, list(zip(names, grads, strict=True)), group=group,
+                          counter=counter, out=grads)
+    return fut.then(lambda _f: buf)

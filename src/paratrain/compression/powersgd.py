@@ -64,10 +64,9 @@ def orthogonalize_gram_schmidt(matrices: torch.Tensor, epsilon: float = 0.0) -> 
         col = matrices[:, :, i : i + 1]
         norm = torch.norm(col, dim=1, keepdim=True)
         if epsilon == 0:
-            col /= norm
-            zero = norm == 0
-            if bool(zero.any()):  # 0/0: NaN; torch's intent (its dead except-branch) is 0
-                col.masked_fill_(zero.expand_as(col), 0.0)
+            # A zero column has norm 0: divide it by 1 instead (it stays 0; torch gets 0/0 =
+            # NaN, its dead except-branch meant 0). Any other column divides as in torch.
+            col /= norm.masked_fill_(norm == 0, 1.0)
         else:
             col /= norm + epsilon
         if i + 1 < num_cols:
@@ -217,29 +216,35 @@ class PowerSGDRound:
             torch.bmm(mat.transpose(1, 2), p, out=q)
         return self.q_flat
 
-    def finish(self, world: int) -> list[torch.Tensor]:
+    def finish(self, world: int, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """After ``second()`` was summed over ranks: the means, in input order (shapes and
-        dtype of the inputs); updates residuals and warm-start Q."""
+        dtype of the inputs), written into ``out`` when given (e.g. a DDP bucket's
+        gradient views, as torch's hook does); updates residuals and warm-start Q."""
         state = self.state
         self.q_flat.div_(world)
-        out: list[torch.Tensor | None] = [None] * len(self.named)
+        res: list[torch.Tensor | None] = [None] * len(self.named)
         plain = self.first[: self.n_plain].div_(world)
         off = 0
         for i in self.plain:
             t = self.named[i][1]
-            out[i] = plain[off : off + t.numel()].view(t.shape)
+            res[i] = plain[off : off + t.numel()].view(t.shape)
+            if out is not None:
+                res[i] = out[i].copy_(res[i])
             off += t.numel()
         for i, mat, p, q in zip(self.order, self.ms, self.ps, self.qs, strict=True):
             key, t = self.named[i]
-            approx = torch.bmm(p, q.transpose(1, 2))
+            if out is None:
+                approx = torch.bmm(p, q.transpose(1, 2))
+            else:
+                approx = torch.bmm(p, q.transpose(1, 2), out=out[i].view(mat.shape))
             if state.error_feedback:
                 state.residuals[key] = mat.sub_(approx)
             if state.warm_start:
                 state.q_memory[key] = q
-            out[i] = approx.view(t.shape)
+            res[i] = approx.view(t.shape)
         if not state.warm_start:
             state.q_memory.clear()
-        return [o for o in out if o is not None]
+        return [o for o in res if o is not None]
 
 
 class PowerSGDState:
