@@ -227,9 +227,8 @@ class PowerSGDRound:
         off = 0
         for i in self.plain:
             t = self.named[i][1]
-            res[i] = plain[off : off + t.numel()].view(t.shape)
-            if out is not None:
-                res[i] = out[i].copy_(res[i])
+            mean = plain[off : off + t.numel()].view(t.shape)
+            res[i] = mean if out is None else out[i].copy_(mean)
             off += t.numel()
         for i, mat, p, q in zip(self.order, self.ms, self.ps, self.qs, strict=True):
             key, t = self.named[i]
