@@ -254,12 +254,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--no-jobs", action="store_true", help="skip the paratrain run jobs")
+    ap.add_argument("--time-only", action="store_true", help="only the hook timings")
     a = ap.parse_args()
     steps = a.steps or (60 if a.quick else 200)
     start = max(2, steps // 10)  # torch's advice: about 10% of training before compressing
     repeats = 5 if a.quick else 15
     t = run_distributed(time_hooks, 1, repeats, timeout_s=600)[0]
     print(f"hooks timed: {t['call_ms']}", file=sys.stderr)
+    if a.time_only:
+        t["provenance"] = provenance(t, configured=("numel", "shapes"))
+        print(json.dumps(t, indent=1))
+        return
     table: dict[str, Any] = {}
     for v in VARIANTS:
         if v in t["failed"]:
