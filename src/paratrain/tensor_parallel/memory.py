@@ -122,21 +122,7 @@ def activation_hooks(*, offload: bool, params: set[int] | None = None) -> Iterat
     def pack(t: torch.Tensor) -> Any:
         if t.data_ptr() in params or t.numel() == 0:
             return t
-        nbytes = t.untyped_storage().nbytes()
-        dev = t.device
-        if offload and dev.type != "cpu":
-            host = t.to("cpu", non_blocking=True)
-            box = _Saved(host, dev)
-            if meter is not None:
-                meter._offload(nbytes, +1)
-                weakref.finalize(box, meter._offload, nbytes, -1)
-            return box
-        box = _Saved(t, dev)
-        if meter is not None:
-            key = (t.untyped_storage().data_ptr(), nbytes)
-            meter._add(key, nbytes)
-            weakref.finalize(box, meter._drop, key, nbytes)
-        return box
+        return _box(t, offload, meter)
 
     def unpack(box: Any) -> torch.Tensor:
         if isinstance(box, _Saved):
@@ -163,10 +149,9 @@ def measure(*, params: set[int] | None = None, offload: bool = False) -> Iterato
         _ACTIVE.pop()
 
 
-def _box(t: torch.Tensor, offload: bool) -> _Saved:
-    """Hold ``t`` as a saved activation: counted in the active meter while it is held, or
-    moved to host memory under offload (as :func:`activation_hooks` does)."""
-    meter = _ACTIVE[-1] if _ACTIVE else None
+def _box(t: torch.Tensor, offload: bool, meter: ActivationMeter | None) -> _Saved:
+    """Hold ``t`` as a saved activation: counted in ``meter`` while it is held, or moved to
+    host memory under offload (counted as offloaded)."""
     nbytes = t.untyped_storage().nbytes()
     if offload and t.device.type != "cpu":
         box = _Saved(t.to("cpu", non_blocking=True), t.device)
@@ -217,7 +202,8 @@ class CollectiveTape:
 
     def _record(self, out: Any, matmul: bool) -> Any:
         outs = out if isinstance(out, tuple) else (out,)
-        boxes = tuple(_box(t.detach(), self.offload) for t in outs)
+        meter = _ACTIVE[-1] if _ACTIVE else None
+        boxes = tuple(_box(t.detach(), self.offload, meter) for t in outs)
         # an alias shares the output's version counter: an in-place change shows
         self._entries.append((boxes, tuple(b.tensor._version for b in boxes), isinstance(out, tuple),
                               matmul))
