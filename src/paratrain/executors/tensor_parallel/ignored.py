@@ -72,10 +72,12 @@ def probe_tp(job: JobConfig) -> TPProbe | None:
 def _memory_equivalents(level: str, probe: TPProbe) -> tuple[list[str], str]:
     """The other levels that run exactly as ``level`` on this model, and why."""
     from ...tensor_parallel.memory import SEGMENT_BLOCKS as seg
+    from ...tensor_parallel.memory import SELECTIVE
 
-    def effect(lv: str) -> tuple[int, bool]:
+    def effect(lv: str) -> tuple[int, bool, bool]:
+        # segment length, host offload, selective (the sharded matmuls' outputs kept)
         k = seg[lv]
-        return (min(k, probe.blocks) if k else 0, lv == "Extreme" and probe.accelerator)
+        return (min(k, probe.blocks) if k else 0, lv == "Extreme" and probe.accelerator, lv in SELECTIVE)
 
     same = [lv for lv in _LEVELS if lv != level and effect(lv) == effect(level)]
     k = seg[level]
