@@ -72,7 +72,7 @@ def zero_resume(ctx: WorkerContext, tmp: str, steps: list[tuple[str, str, int, b
 
     out: dict[str, Any] = {}
     for name, shard, n, resume in steps:
-        job = zero_job(tmp, name, ctx.world_size, shard, steps=n, run={"checkpoint_every": 1})
+        job = zero_job(tmp, name, ctx.world_size, shard, steps=n)
         model, summary = train_replica(ctx, job, resume, plot=False)
         out[f"{name}:{n}"] = {"params": _flat(model), "summary": summary}
     return out
