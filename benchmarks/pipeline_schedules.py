@@ -14,6 +14,10 @@ steps interleaved with torch's on the same split, in the same processes:
 - ``zbh1_step_over_1f1b``: ZBH1's median step over our 1F1B's, with both peaks of
   activation bytes held for backward (equal peak memory is the ZB-H1 premise) and the
   replayed ratio (modelled);
+- ``isolated_stage``: one stage (4 blocks, width 1024, 128 rows) timed in one process:
+  ``F``, one ``backward()``, and the split ``B`` and ``W`` (measured); ZBH1's step over
+  1F1B's replayed with those costs (modelled), what the schedule gives where the ranks do
+  not compete for cores;
 - ``step_over_torch``: our Interleaved1F1B over torch's ``ScheduleInterleaved1F1B`` (two
   stages per rank, the same chunks), our ZBH1 over torch's ``ScheduleInterleavedZeroBubble``
   (one stage per rank: its ZB1P, the same split), our 1F1B over ``Schedule1F1B``; an error
@@ -190,15 +194,67 @@ def measure(p: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def isolated_costs(width: int, rows: int, blocks: int, repeats: int) -> dict[str, float]:
+    """One stage's step times in one process (no other rank competing): forward ``F``,
+    one ``backward()`` (1F1B's B), and the split passes ``B`` (input gradients) and ``W``
+    (weight gradients) of :mod:`paratrain.executors.model_parallel.backward_split`;
+    medians, alternating the two backwards."""
+    from paratrain.executors.model_parallel.backward_split import backward_inputs
+
+    torch.manual_seed(0)
+    stage = nn.Sequential(*[m for _ in range(blocks) for m in (nn.Linear(width, width), nn.ReLU())])
+    times: dict[str, list[float]] = {"F": [], "full": [], "B": [], "W": []}
+    for rep in range(repeats + 2):
+        for split in (rep % 2 == 0, rep % 2 == 1):
+            x = torch.randn(rows, width, requires_grad=True)
+            t0 = time.perf_counter()
+            y = stage(x)
+            t1 = time.perf_counter()
+            g = torch.randn_like(y)
+            t2 = time.perf_counter()
+            if split:
+                w = backward_inputs([y], [g], [x])
+                t3 = time.perf_counter()
+                w.run()
+            else:
+                torch.autograd.backward([y], [g])
+                t3 = time.perf_counter()
+            t4 = time.perf_counter()
+            stage.zero_grad(set_to_none=True)
+            if rep >= 2:
+                times["F"].append(t1 - t0)
+                if split:
+                    times["B"].append(t3 - t2)
+                    times["W"].append(t4 - t3)
+                else:
+                    times["full"].append(t3 - t2)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def modelled_zbh1(costs: dict[str, float], p: int, m: int) -> dict[str, float]:
+    """ZBH1 over 1F1B replayed with the isolated stage costs (equal stages, free messages)."""
+    one = simulate([schedule("1F1B", r, p, m) for r in range(p)], t_f=costs["F"], t_b=costs["full"])
+    zb = simulate([schedule("ZBH1", r, p, m) for r in range(p)], t_f=costs["F"], t_b=costs["B"], t_w=costs["W"])
+    return {"stages": p, "micro_batches": m, "zbh1_over_1f1b_modelled": round(zb.makespan / one.makespan, 3),
+            "zbh1_bubble_modelled": round(zb.bubble, 4), "one_f_one_b_bubble_modelled": round(one.bubble, 4)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    ap.add_argument("--isolated-only", action="store_true",
+                    help="only the one-process stage costs and their modelled ZBH1/1F1B ratio")
     args = ap.parse_args()
     cfg = {"ms": [8, 16], "width": 256, "rows": 256, "blocks_per_stage": 4,
            "warmup": 1 if args.quick else 2, "repeats": 3 if args.quick else 9}
     t0 = time.perf_counter()
     load = round(os.getloadavg()[0], 2)
-    results = [row for p in (2, 4) for row in measure(p, cfg)]
+    iso_cfg = {"width": 1024, "rows": 128, "blocks": 4, "repeats": 5 if args.quick else 15}
+    costs = isolated_costs(**iso_cfg)
+    isolated = {"config": iso_cfg, "costs_s_measured": {k: round(v, 5) for k, v in costs.items()},
+                "split_over_full_backward": round((costs["B"] + costs["W"]) / costs["full"], 3),
+                "replays": [modelled_zbh1(costs, p, m) for p in (2, 4) for m in cfg["ms"]]}
+    results = [] if args.isolated_only else [row for p in (2, 4) for row in measure(p, cfg)]
     print(json.dumps({
         "benchmark": "pipeline_schedules",
         "peer": "torch.distributed.pipelining Schedule1F1B / ScheduleInterleaved1F1B / "
@@ -207,7 +263,8 @@ def main() -> None:
         "load_average_1m_at_start": load,
         "timing": "medians over repeats; a step's time is the slowest rank's",
         "results": results,
-        "provenance": provenance(results, modelled=(
+        "isolated_stage": isolated,
+        "provenance": provenance([results, isolated], modelled=(
             "bubble_theory_modelled", "bubble_replay_modelled", "replay_makespan_s_modelled",
             "zbh1_replay_over_1f1b_replay_modelled"),
             configured=("stages", "micro_batches", "cores_per_stage", "torch_schedule"),
