@@ -47,7 +47,7 @@ from torch.autograd import Function
 from paratrain.comm.stats import Handle
 from paratrain.comm.tp.comm import TPComm
 
-from .memory import taped
+from .memory import keeps_matmuls, taped
 
 __all__ = [
     "column_linear",
@@ -270,20 +270,27 @@ class _ColumnLinear(Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, comm: TPComm,
                 mode: str, dim: int, sizes: list[int] | None, cdt: torch.dtype | None) -> torch.Tensor:
-        saved = x
-        if mode == "seq":
-            x = taped(lambda: comm.all_gather(saved.contiguous(), dim, sizes).wait())
-        def product() -> torch.Tensor:
+        def product(xf: torch.Tensor) -> torch.Tensor:
             t0 = time.perf_counter()
-            y = _mm(x, w.t(), cdt)
+            y = _mm(xf, w.t(), cdt)
             if b is not None:
                 y = y + b
             comm.stats.add_compute_time(time.perf_counter() - t0)
             return y
 
-        # selective recomputation keeps the product too (Korthikanti et al. 2022, §5)
-        y = taped(product, matmul=True)
-        _stash(ctx, saved, w, b, comm, mode, dim, sizes, cdt)
+        def gather() -> torch.Tensor:
+            out: torch.Tensor = comm.all_gather(x.contiguous(), dim, sizes).wait()
+            return out
+
+        # selective recomputation keeps the product too (Korthikanti et al. 2022, §5); in
+        # sequence-parallel mode it is kept instead of the gathered input, not besides it
+        if mode != "seq":
+            y = taped(lambda: product(x), matmul=True)
+        elif keeps_matmuls():
+            y = taped(lambda: product(gather()))
+        else:
+            y = product(taped(gather))
+        _stash(ctx, x, w, b, comm, mode, dim, sizes, cdt)
         return y
 
     @staticmethod

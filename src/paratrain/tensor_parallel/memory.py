@@ -61,7 +61,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["SEGMENT_BLOCKS", "SELECTIVE", "ActivationMeter", "CollectiveTape", "activation_hooks", "measure", "taped"]
+__all__ = ["SEGMENT_BLOCKS", "SELECTIVE", "ActivationMeter", "CollectiveTape", "activation_hooks", "keeps_matmuls",
+           "measure", "taped"]
 
 # memory_optimization -> blocks per checkpoint segment (0 = no checkpointing)
 SEGMENT_BLOCKS = {"None": 0, "Low": 4, "Medium": 2, "High": 1, "Extreme": 1}
@@ -230,6 +231,11 @@ class CollectiveTape:
 
 
 _TAPES: list[tuple[CollectiveTape, bool]] = []
+
+
+def keeps_matmuls() -> bool:
+    """Whether the innermost active tape keeps the sharded matmuls' outputs (selective)."""
+    return bool(_TAPES) and _TAPES[-1][0].keep_matmuls
 
 
 def taped(collective: Callable[[], Any], *, matmul: bool = False) -> Any:
