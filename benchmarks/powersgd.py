@@ -160,6 +160,8 @@ def train_variant(ctx: Any, variant: str, steps: int, start: int) -> dict[str, A
     counter = CommCounter()
     sync = None
     state: Any = None
+    seed = 1 if variant.endswith("_seed1") else 0
+    variant = variant.removesuffix("_seed1")
     if variant.startswith("ours_powersgd_r"):
         r = int(variant.rsplit("r", 1)[1])
         sync = GradSync(list(model.named_parameters()), group=ctx.group, counter=counter,
@@ -174,8 +176,14 @@ def train_variant(ctx: Any, variant: str, steps: int, start: int) -> dict[str, A
             net.register_comm_hook(None, dh.bf16_compress_hook)
         elif variant.startswith("torch_powersgd_r"):
             state = ph.PowerSGDState(None, matrix_approximation_rank=int(variant.rsplit("r", 1)[1]),
-                                     start_powerSGD_iter=start)
+                                     start_powerSGD_iter=start, random_seed=seed)
             net.register_comm_hook(state, ph.powerSGD_hook)
+        elif variant.startswith("ourhook_powersgd_r"):  # our DDP hook: torch's buckets
+            from paratrain.comm.ddp_hook import ddp_hook
+
+            hs, hook = ddp_hook({"method": "PowerSGD", "rank": int(variant.rsplit("r", 1)[1]),
+                                 "start_step": start}, model=net, seed=seed)
+            net.register_comm_hook(hs, hook)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     g = torch.Generator().manual_seed(0)
     n, b = len(train), 16
@@ -255,10 +263,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--no-jobs", action="store_true", help="skip the paratrain run jobs")
     ap.add_argument("--time-only", action="store_true", help="only the hook timings")
+    ap.add_argument("--spread", action="store_true",
+                    help="only: rank-1 losses of torch's hook at seeds 0 and 1 and of our DDP hook")
     a = ap.parse_args()
     steps = a.steps or (60 if a.quick else 200)
     start = max(2, steps // 10)  # torch's advice: about 10% of training before compressing
     repeats = 5 if a.quick else 15
+    if a.spread:
+        spread = {v: run_distributed(train_variant, 2, v, steps, start, timeout_s=1200)[0]
+                  for v in ("torch_powersgd_r1_seed1", "ourhook_powersgd_r1")}
+        spread_out: dict[str, Any] = {"steps": steps, "start_step": start, "spread": spread}
+        spread_out["provenance"] = provenance(spread_out, configured=("steps", "start_step"))
+        print(json.dumps(spread_out, indent=1))
+        return
     t = run_distributed(time_hooks, 1, repeats, timeout_s=600)[0]
     print(f"hooks timed: {t['call_ms']}", file=sys.stderr)
     if a.time_only:
