@@ -15,8 +15,10 @@ gets an owner rank:
 - in a graph captured by ``torch.export`` (:mod:`.export`: every node an operation), an
   operation in an unclaimed module that holds parameters or has no claimed module inside
   runs on ``default`` (an unclaimed module runs on rank 0, as under fx); a field of a leaf's
-  tuple (``getitem``) runs with the leaf; a value computed from the batch alone runs where
-  it is first read.
+  tuple (``getitem``) runs with the leaf.
+- a value computed from the batch alone (a causal mask, shifted labels) runs on every rank
+  that reads it, each computing its own copy, so it never travels (one that draws random
+  numbers runs once, where it is first read).
 - placeholders (the model's inputs, read from the batch) belong to no rank: every rank
   reads the batch, so an input never travels.
 
@@ -205,8 +207,10 @@ def _node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) ->
         if users and len(got) == 1 and None not in got and len(users) == len(n.users):
             owner[n.name] = got.pop()  # type: ignore[assignment]
     index = {n.name: i for i, n in enumerate(gm.graph.nodes)}
-    # A value computed from the batch alone (labels shifted for a loss, a mask) may run
-    # anywhere: it does not pull the nodes that read it; it runs where it is first read.
+    # A value computed from the batch alone (labels shifted for a loss, a causal mask) may
+    # run anywhere: it does not pull the nodes that read it. Read on one rank, it runs there;
+    # read on several, each of those ranks computes its own copy (nothing travels), unless it
+    # draws random numbers (one draw, sent: it runs where it is first read).
     free: set[str] = set()
     for n in nodes:
         if n.name not in owner and n.op == "call_function" and all(
@@ -225,7 +229,32 @@ def _node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) ->
         if n.name in free:
             users = sorted((u for u in n.users if u.name in owner), key=lambda u: index[u.name])
             owner[n.name] = owner[users[0].name] if users else default
+            if _pure(n):
+                for dup in _copy_per_rank(gm.graph, n, users, owner):
+                    index[dup] = index[n.name]
     return owner
+
+
+def _pure(n: fx.Node) -> bool:
+    """An ATen operation that draws no random numbers, or Python's operator arithmetic."""
+    if isinstance(n.target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded not in n.target.tags
+    return getattr(n.target, "__module__", None) in ("_operator", "operator")
+
+
+def _copy_per_rank(graph: fx.Graph, n: fx.Node, users: list[fx.Node], owner: dict[str, int]) -> list[str]:
+    """Give each rank other than ``n``'s that reads ``n`` its own copy of it (their names)."""
+    made: list[str] = []
+    for r in sorted({owner[u.name] for u in users} - {owner[n.name]}):
+        with graph.inserting_after(n):
+            dup = graph.node_copy(n)
+        dup.meta = dict(n.meta)
+        owner[dup.name] = r
+        made.append(dup.name)
+        for u in users:
+            if owner[u.name] == r:
+                u.replace_input_with(n, dup)
+    return made
 
 
 def _holders(gm: fx.GraphModule) -> set[str]:
