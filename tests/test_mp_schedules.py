@@ -126,6 +126,48 @@ def test_config_refusals_explain() -> None:
         check_interleaved(plan([0, 1, 0, 1]), workers, 3)
 
 
+class _Branchy(torch.nn.Module):
+    """A skip, a weight read twice, a branch reading weights only, a leaf from elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+        self.pos = torch.nn.Parameter(torch.randn(6))
+
+    def forward(self, x: torch.Tensor, remote: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = torch.tanh(self.a(x)) + x
+        h2 = self.b(h) * h + self.pos
+        h3 = (h2 @ self.a.weight.T) @ remote
+        return self.c(h3), h2.sum(-1, keepdim=True) * self.pos.sum(), self.pos * 2
+
+
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_split_backward_equals_backward(input_grad: bool) -> None:
+    """B then W (backward_split) gives exactly one backward()'s gradients; B alone leaves
+    every weight's .grad unset (the weight work really is deferred)."""
+    from paratrain.executors.model_parallel.backward_split import backward_inputs
+
+    def run(split: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model, remote = _Branchy(), torch.randn(6, 6, requires_grad=True)
+        x = torch.randn(5, 6, requires_grad=input_grad)
+        outs = model(x, remote)
+        grads = [torch.randn_like(o) for o in outs]
+        if split:
+            w = backward_inputs(list(outs), grads, [x] if input_grad else [])
+            assert all(q.grad is None for q in model.parameters()) and remote.grad is None
+            w.run()
+        else:
+            torch.autograd.backward(list(outs), grads)
+        got = {k: q.grad for k, q in model.named_parameters()} | {"remote": remote.grad}
+        return got | ({"x": x.grad} if input_grad else {})
+
+    full, split = run(False), run(True)
+    assert set(full) == set(split)
+    for k, g in full.items():
+        assert g is not None and torch.equal(g, split[k]), k
+
+
 def _cases() -> list[dict[str, Any]]:
     out = []
     for p in (2, 4):

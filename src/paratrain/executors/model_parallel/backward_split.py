@@ -71,6 +71,11 @@ class Deferred:
             outs = [GradientEdge(node, k) for k, g in enumerate(incoming) if g is not None]
             if not outs:
                 continue
+            fast = _linear_side(node, incoming, edges)
+            if fast is not None:  # a Linear's weight and bias gradients, without an engine call
+                for e, g in zip(edges, fast, strict=True):
+                    _add(at, e, g)
+                continue
             got = torch.autograd.grad(outs, [GradientEdge(n, nr) for n, nr in edges],
                                       grad_outputs=[g for g in incoming if g is not None],
                                       retain_graph=True, allow_unused=True)
@@ -94,6 +99,41 @@ class Deferred:
             for w, g in zip(targets, got, strict=True):
                 if g is not None:
                     _accumulate(w, g, owned=_once(g, got))
+
+
+def _linear_side(node: Node, incoming: Sequence[torch.Tensor | None],
+                 edges: Sequence[Edge]) -> list[torch.Tensor] | None:
+    """What ``AddmmBackward0`` of ``F.linear(x, w, b) = addmm(b, x, w.t())`` sends along its
+    weight-side edges, computed as autograd's formulas do (``mm_mat2_backward``, and the
+    bias's ``sum_to`` of the engine), so the W pass needs no engine call per Linear (each
+    call walks the whole graph below it). None (the generic path) for any other node or
+    shape of the case: ``alpha`` or ``beta`` not 1, ``mat1`` not the input side, a bias
+    edge that is not the bias leaf itself."""
+    if type(node).__name__ != "AddmmBackward0" or len(incoming) != 1 or incoming[0] is None:
+        return None
+    n: Any = node
+    if n._saved_alpha != 1 or n._saved_beta != 1:
+        return None
+    nexts = list(node.next_functions)
+    where = [nexts.index(e) if nexts.count(e) == 1 else -1 for e in edges]
+    if any(k not in (0, 2) for k in where):
+        return None
+    g = incoming[0]
+    out: list[torch.Tensor] = []
+    for e, k in zip(edges, where, strict=True):
+        if k == 2:  # mat2 = w.t(): d/dmat2 = mat1^T g, column-major when mat2 was
+            mat1 = n._saved_mat1
+            sizes, strides = n._saved_mat2_sym_sizes, n._saved_mat2_sym_strides
+            if strides[0] == 1 and strides[1] == sizes[0]:
+                out.append(g.t().mm(mat1).t())
+            else:
+                out.append(mat1.t().mm(g))
+        else:  # self = the bias, broadcast over rows: summed back to its shape
+            if not _is_leaf_node(e[0]):
+                return None
+            shape = _variable(e[0]).shape
+            out.append(g if tuple(g.shape) == tuple(shape) else g.sum_to_size(shape))
+    return out
 
 
 def _add(at: dict[Edge, torch.Tensor], e: Edge, g: torch.Tensor) -> None:
