@@ -10,6 +10,7 @@ and 4 stages, two steps each, with a timeout (the soak: it must never hang); the
 step's loss and gradients equal the unpartitioned model's (a skip connection crossing
 every stage and a weight tied across the first and last stage), ZBH1's split backward
 equals 1F1B's full backward (rtol 1e-6) and each rank ran exactly its schedule's order.
+In one process: B then W (backward_split) equals one backward() bit for bit.
 """
 
 from __future__ import annotations
