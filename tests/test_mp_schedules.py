@@ -81,6 +81,9 @@ def test_simulated_bubble_equals_formula(name: str, p: int, m: int, v: int) -> N
     assert res.bubble <= one.bubble + 1e-12  # never worse than 1F1B
     if name == "ZBH1":  # 1F1B's activation memory: its peak, on its first stage
         assert max(res.peak_in_flight) == max(one.peak_in_flight) == min(p, m)
+    if name == "Interleaved1F1B":  # Megatron's warm-up, plus the first steady forward
+        g = -(-m // max(1, m // p))  # the first (largest) micro-batch group
+        assert res.peak_in_flight == [min(v * m, 2 * (p - r - 1) + (v - 1) * g + 1) for r in range(p)]
 
 
 def test_zbh1_third_of_1f1b_bubble_and_literal_orders() -> None:
