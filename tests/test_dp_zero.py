@@ -106,8 +106,9 @@ def test_validate_says_what_is_sharded(tmp_path: Path) -> None:
 
 def test_zero3_frees_each_unit_after_its_forward_and_regathers_it_for_backward(tmp_path: Path) -> None:
     """In one process (N = 1: the whole shard): while the head runs, fc0's storage is freed;
-    when fc0's weight gradient is computed, fc0 is whole again; after the step everything is
-    freed, and the gradients equal those of the plain model on the same batch."""
+    when fc0's weight gradient is computed, fc0 is whole again and the head's gradients are
+    already reduce-scattered and its parameters freed; after the step everything is freed,
+    and the gradients equal those of the plain model on the same batch."""
     import copy
 
     from paratrain.comm import collectives as C
@@ -126,13 +127,20 @@ def test_zero3_frees_each_unit_after_its_forward_and_regathers_it_for_backward(t
     seen: dict[str, int] = {}
     net.head.register_forward_pre_hook(
         lambda *_: seen.__setitem__("fc0_during_head", net.fc0.weight.untyped_storage().nbytes()))
-    net.fc0.weight.register_hook(
-        lambda g: seen.__setitem__("fc0_in_backward", net.fc0.weight.untyped_storage().nbytes()))
+    head = next(u for u in eng.units if u.path == "head")
+
+    def in_fc0_backward(g: torch.Tensor) -> None:
+        seen["fc0_in_backward"] = net.fc0.weight.untyped_storage().nbytes()
+        # the head's backward is done: its gradients are already reduced, its rows freed
+        seen["head_reduced"] = int(head.reduced and net.head.weight.grad is None
+                                   and net.head.weight.untyped_storage().nbytes() == 0)
+
+    net.fc0.weight.register_hook(in_fc0_backward)
     x, y = train.tensors
     batch = (x[:8], y[:8])
     eng.forward_backward(batch, weight=1.0, last=True)
     eng.sync()
-    assert seen == {"fc0_during_head": 0, "fc0_in_backward": 4 * net.fc0.weight.numel()}
+    assert seen == {"fc0_during_head": 0, "fc0_in_backward": 4 * net.fc0.weight.numel(), "head_reduced": 1}
     assert all(p.untyped_storage().nbytes() == 0 for p in net.parameters())
     torch.nn.functional.cross_entropy(plain(batch[0]), batch[1]).backward()
     got = {eng.model.names[k]: p.grad for k, p in eng.model.named_parameters()}

@@ -347,10 +347,11 @@ class DataParallel(Contract):
     ``parameters`` (ZeRO-3): also the parameters, all-gathered per ``shard_unit`` for its
     forward and again for its backward, freed after. Parameters equal unsharded AllReduce's."""
     shard_unit: list[str] | None = None
-    """Extension (with ``shard = "parameters"``): the modules gathered as one unit, as torch
-    FSDP2's ``fully_shard`` per block: module-path globs (``"blocks.*"``) or class names
-    (``"Block"``). Default: each direct child of the model. Parameters of no unit (and tied
-    ones used by several units) form the root unit, gathered for the whole step."""
+    """Extension (``shard = "gradients"`` or ``"parameters"``): the modules reduce-scattered
+    (and, for ``parameters``, gathered) as one unit, as torch FSDP2's ``fully_shard`` per
+    block: module-path globs (``"blocks.*"``) or class names (``"Block"``). Default: each
+    direct child of the model. Parameters of no unit (and tied ones used by several units)
+    form the root unit, gathered for the whole step and reduced after the backward pass."""
 
     _extensions: ClassVar[frozenset[str]] = frozenset({"broadcast_buffers", "shard", "shard_unit"})
 

@@ -100,8 +100,8 @@ def _validate_shard(job: JobConfig, s: DataParallel) -> None:
     """ZeRO (``strategy.shard``) shards what AllReduce would all-reduce: uncompressed only."""
     if s.shard == "none":
         if s.shard_unit is not None:
-            raise ConfigError([("strategy.shard_unit", "is the unit of shard = \"parameters\" "
-                                "(this job does not shard)")])
+            raise ConfigError([("strategy.shard_unit", "is the unit of shard = \"gradients\" or "
+                                "\"parameters\" (this job does not shard)")])
         return
     if s.aggregation.method != "AllReduce":
         raise ConfigError([("strategy.shard", (
@@ -112,10 +112,10 @@ def _validate_shard(job: JobConfig, s: DataParallel) -> None:
             f"shard = {s.shard!r} with [compression] {job.compression.method} is not supported: "
             "a compressed exchange all-reduces (or all-gathers) whole gradients and keeps whole "
             "error-feedback residuals per rank, which sharding would not shrink; drop one of them"))])
-    if s.shard_unit is not None and s.shard != "parameters":
+    if s.shard_unit is not None and s.shard == "optimizer":
         raise ConfigError([("strategy.shard_unit", (
-            f"is the unit of shard = \"parameters\" (ZeRO-3); shard = {s.shard!r} keeps whole "
-            "parameters"))])
+            "is the unit of shard = \"gradients\" / \"parameters\" (reduce-scattered, and "
+            "gathered, unit by unit); shard = \"optimizer\" all-reduces whole gradients"))])
 
 
 def shard_layout(job: JobConfig) -> list[str]:

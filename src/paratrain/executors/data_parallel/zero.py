@@ -10,16 +10,18 @@ parameter, 4 of gradient, 8 of moments), the bytes a rank holds after a step are
 * ``optimizer`` (ZeRO-1): ``4 + 4 + 8/N`` -- gradients all-reduced as unsharded AllReduce
   (:class:`~paratrain.comm.grad_sync.GradSync`: buckets overlapped with backward, the
   unused-parameter rule), each rank steps its rows, then the parameters are all-gathered;
-* ``gradients`` (ZeRO-2): ``4 + 12/N`` -- after each backward pass the gradients are
-  reduce-scattered (the mean, :meth:`FlatShard.reduce_scatter`) into the rank's gradient
-  shard, summed over the step's micro-batches, and the full ones dropped;
-* ``parameters`` (ZeRO-3): ``16/N`` (plus the unit being computed) -- every *unit*
-  (``shard_unit``, as FSDP2's ``fully_shard``: each direct child by default) is all-gathered
-  before its forward and freed after it, all-gathered again when its backward starts (a
-  multi-grad hook on its outputs) and freed when all its parameters' gradients have
-  accumulated; the root unit (parameters of no unit, and tied ones several units use) is
-  gathered for the whole forward and backward. Freeing resizes the parameter's storage to
-  zero, so the tensors autograd saved see the re-gathered values (FSDP1's scheme).
+* ``gradients`` (ZeRO-2): ``4 + 12/N`` -- each *unit*'s gradients (``shard_unit``, as
+  FSDP2's ``fully_shard``: each direct child by default) are reduce-scattered (the mean,
+  :meth:`FlatShard.reduce_scatter`) into the rank's gradient rows as soon as the unit's
+  backward is done (:class:`_PostBackward` on its inputs, FSDP2's trigger), summed over the
+  step's micro-batches, and the whole ones dropped; the root unit (parameters of no unit,
+  tied ones several units use) and units whose inputs need no gradient after the pass;
+* ``parameters`` (ZeRO-3): ``16/N`` (plus the unit being computed) -- also every unit's
+  parameters are all-gathered before its forward and freed after it, all-gathered again
+  when its backward starts (a multi-grad hook on its outputs) and freed after its
+  reduce-scatter; the root unit is gathered for the whole forward and backward. Freeing
+  resizes the parameter's storage to zero, so the tensors autograd saved see the
+  re-gathered values (FSDP1's scheme).
 
 The update equals unsharded AllReduce's: the optimizers are element-wise (SGD with momentum,
 Adam, AdamW), the gradient mean is the same sum divided by N, and clipping uses the global
@@ -43,7 +45,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ...comm import collectives as C
 from ...comm.context import WorkerContext
@@ -56,6 +58,22 @@ from ...training.stepping import autocast, local_grad_sq_norm
 __all__ = ["ZeroEngine", "ShardView", "resolve_units", "shard_plan", "LEVELS"]
 
 LEVELS = {"optimizer": 1, "gradients": 2, "parameters": 3}
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward has made
+    their gradients (autograd runs a weight's AccumulateGrad as soon as it is ready, so the
+    unit's used parameters hold their gradients by then): it calls ``fn``."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Any, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.fn = fn
+        return tensors
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        ctx.fn()
+        return (None, *grads)
 
 
 def resolve_units(net: nn.Module, patterns: Sequence[str] | None) -> list[str]:
@@ -87,7 +105,7 @@ class _Unit:
     used: list[bool] = field(default_factory=list)
     pieces: list[nn.Parameter | None] = field(default_factory=list)
     gathered: bool = True
-    done: set[int] = field(default_factory=set)
+    reduced: bool = False  # reduce-scattered during this backward pass
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -151,7 +169,7 @@ class ZeroEngine(LocalEngine):
         if flat0:
             raise ConfigError([("strategy.shard", f"parameter {flat0[0]} is 0-dimensional: it has no "
                                 "rows to shard; make it shape [1] or leave shard = \"none\"")])
-        paths = resolve_units(net, units) if self.level == 3 else []
+        paths = resolve_units(net, units) if self.level >= 2 else []
         self.units: list[_Unit] = []
         for path, named in _assign(net, paths, shared):
             dtypes = {p.dtype for _, p in named}
@@ -169,6 +187,7 @@ class ZeroEngine(LocalEngine):
         if self.level == 3:
             for u in self.units:
                 self._shard_parameters(u)
+        if self.level >= 2:
             self._install_hooks()
 
     # ------------------------------------------------------------------ set-up
@@ -213,11 +232,9 @@ class ZeroEngine(LocalEngine):
             if not u.path:
                 continue  # the root is gathered for the whole step (forward_backward)
             m = self.net.get_submodule(u.path)
-            self.hooks.append(m.register_forward_pre_hook(lambda _m, _a, u=u: self._gather(u)))
+            self.hooks.append(m.register_forward_pre_hook(
+                lambda _m, a, k, u=u: self._before_forward(u, a, k), with_kwargs=True))
             self.hooks.append(m.register_forward_hook(lambda _m, _a, out, u=u: self._after_forward(u, out)))
-            for p in u.params:
-                self.hooks.append(p.register_post_accumulate_grad_hook(
-                    lambda p, u=u: self._accumulated(u, p)))
 
     # ------------------------------------------------------------------ ZeRO-3 gather / free
 
@@ -227,7 +244,7 @@ class ZeroEngine(LocalEngine):
         for p in u.params:
             p.data.untyped_storage().resize_(p.numel() * p.element_size())
         u.flat.gather(u.shard, [p.data for p in u.params], group=self.group, counter=self.counter)
-        u.gathered, u.done = True, set()
+        u.gathered = True
 
     def _free(self, u: _Unit) -> None:
         if u.gathered and u.shard is not None:
@@ -245,10 +262,25 @@ class ZeroEngine(LocalEngine):
                                                           mode="any")
         self._free(u)
 
-    def _accumulated(self, u: _Unit, p: nn.Parameter) -> None:
-        u.done.add(id(p))
-        if len(u.done) == len(u.named):
-            self._free(u)
+    def _before_forward(self, u: _Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        """Gather the unit (ZeRO-3) and route its inputs through :class:`_PostBackward`, so
+        the unit's gradients are reduce-scattered (and its parameters freed) as soon as its
+        backward has produced the gradients of its inputs (torch FSDP2's trigger)."""
+        self._gather(u)
+        if not self.net.training or not torch.is_grad_enabled():
+            return args, kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if idx:  # a unit whose inputs need no gradient is reduced after the backward pass
+            outs = _PostBackward.apply(lambda u=u: self._post_backward(u), *[flat[i] for i in idx])
+            for i, t in zip(idx, outs, strict=True):
+                flat[i] = t
+        new_args, new_kwargs = tree_unflatten(flat, spec)
+        return new_args, new_kwargs
+
+    def _post_backward(self, u: _Unit) -> None:
+        self._reduce_unit(u)
+        u.reduced = True
 
     def gather_all(self) -> None:
         """ZeRO-3: every parameter whole (collective; e.g. before evaluation or export)."""
@@ -294,20 +326,27 @@ class ZeroEngine(LocalEngine):
         return float(loss.detach())
 
     def _reduce_scatter(self) -> None:
-        """ZeRO-2/3, after each backward pass: every unit's gradient mean into this rank's
-        gradient rows (summed over the step's micro-batches); whole gradients dropped."""
+        """ZeRO-2/3, after each backward pass: the units not yet reduced during it (the root,
+        units whose inputs need no gradient), in the units' order (the same on every rank)."""
         for u in self.units:
-            grads = [p.grad for p in u.params]
-            u.used = [a or g is not None for a, g in zip(u.used, grads, strict=True)]
-            part = torch.empty(u.flat.numel, dtype=u.params[0].dtype, device=self.device)
-            u.flat.reduce_scatter(grads, part, group=self.group, counter=self.counter)
-            if u.grad is None:
-                u.grad = part
-            else:
-                u.grad.add_(part)
-            for p in u.params:
-                p.grad = None
-            self._free(u)
+            if not u.reduced:
+                self._reduce_unit(u)
+            u.reduced = False
+
+    def _reduce_unit(self, u: _Unit) -> None:
+        """The unit's gradient mean into this rank's gradient rows (summed over the step's
+        micro-batches); the whole gradients dropped and (ZeRO-3) the parameters freed."""
+        grads = [p.grad for p in u.params]
+        u.used = [a or g is not None for a, g in zip(u.used, grads, strict=True)]
+        part = torch.empty(u.flat.numel, dtype=u.params[0].dtype, device=self.device)
+        u.flat.reduce_scatter(grads, part, group=self.group, counter=self.counter)
+        if u.grad is None:
+            u.grad = part
+        else:
+            u.grad.add_(part)
+        for p in u.params:
+            p.grad = None
+        self._free(u)
 
     def sync(self) -> None:
         """Point each piece's ``grad`` at this rank's rows of the mean gradient (None where
@@ -432,7 +471,7 @@ def shard_plan(net: nn.Module, *, level: str, units: Sequence[str] | None, local
     shard (rank 0's, the largest), the parameters kept whole, and the bytes a rank holds
     for fp32 Adam by the ZeRO formula."""
     shared = [(n, p) for n, p in net.named_parameters() if p.requires_grad and n not in local]
-    paths = resolve_units(net, units) if LEVELS[level] == 3 else []
+    paths = resolve_units(net, units) if LEVELS[level] >= 2 else []
     out: dict[str, Any] = {"level": level, "zero_stage": LEVELS[level], "replicas": world, "units": []}
     for path, named in _assign(net, paths, shared):
         flat = FlatShard([p.shape for _, p in named], world=world, rank=0)
