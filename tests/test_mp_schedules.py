@@ -225,3 +225,28 @@ def test_parity_with_unpartitioned_model(ran: Any, i: int) -> None:
             for k, g in results[r][i]["grads"].items():
                 torch.testing.assert_close(torch.from_numpy(g), torch.from_numpy(results[r][j]["grads"][k]),
                                            rtol=1e-6, atol=0)
+
+
+def test_validate_interleaved_example_and_refusals(tmp_path: Any) -> None:
+    """``paratrain validate``'s path (runner.validate) on the interleaved example: 2 workers
+    x 2 chunks round-robin; the same job with ZBH1, or virtual_stages = 3, is refused."""
+    from pathlib import Path
+
+    from paratrain.config.job import load_job
+    from paratrain.executors.custom import import_plugins
+    from paratrain.executors.model_parallel.runner import validate
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    path = examples / "model_parallel_interleaved.toml"
+    import_plugins(["residual_model.py"], base=examples)  # as the CLI does for run.imports
+    plan = validate(load_job(path))
+    assert [p.rank for p in plan.segments] == [0, 1, 0, 1]
+    text = path.read_text()
+    for old, new, match in (
+            ('schedule = "Interleaved1F1B", virtual_stages = 2', 'schedule = "ZBH1"',
+             r"separate runs.*Interleaved1F1B"),
+            ("virtual_stages = 2", "virtual_stages = 3", r"virtual_stages = 3, but the partitions place 2")):
+        job = tmp_path / "job.toml"
+        job.write_text(text.replace(old, new))
+        with pytest.raises(ConfigError, match=match):
+            validate(load_job(job))
