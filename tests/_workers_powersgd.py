@@ -138,6 +138,7 @@ def scenarios(ctx: Any, folder: str) -> dict[str, Any]:
     out["ours_bias_r2"] = run_grad_sync(2, True, ctx)["params"]
     out["hook_bias_r2"] = run_our_hook(2, True, ctx)
     out["resumed_bias_r2"] = run_resumed(2, True, ctx, folder, cut=4)
+    out["dp_full"] = [torch.from_numpy(a) for a in dp_job_runs(ctx, folder, "first")["full"]]
     return {k: [t.numpy() for t in v] if isinstance(v, list) and v and isinstance(v[0], torch.Tensor)
             else v for k, v in out.items()}
 
@@ -148,3 +149,29 @@ def one(ctx: Any, which: str, rank: int = 2, bias: bool = False) -> list[Any]:
     fn = {"torch": run_torch, "hook": run_our_hook}.get(which)
     params = fn(rank, bias, ctx) if fn else run_grad_sync(rank, bias, ctx)["params"]
     return [t.numpy() for t in params]
+
+
+def _dp_job(folder: str, name: str, steps: int) -> Any:
+    from _workers_dp import dp_job
+    from paratrain.config import load_job
+
+    doc = dp_job(folder, name, 2, {"method": "AllReduce"},
+                 compression={"method": "PowerSGD", "rank": 2, "start_step": 1}).to_json_dict()
+    doc["run"]["checkpoint_every"] = 3
+    doc["train"]["max_steps"] = steps
+    return load_job(doc)
+
+
+def dp_job_runs(ctx: Any, folder: str, phase: str) -> dict[str, Any]:
+    """The DataParallel runner with PowerSGD: phase "first" trains 6 steps straight and 3
+    steps of a second run (checkpointed at step 3); phase "second", in fresh processes,
+    resumes that run to step 6 from its checkpoint."""
+    from paratrain.executors.data_parallel.runner import train_replica
+
+    flat = lambda m: [p.detach().numpy().copy() for p in m.parameters()]  # noqa: E731
+    if phase == "first":
+        model, _ = train_replica(ctx, _dp_job(folder, "full", 6), False, plot=False)
+        train_replica(ctx, _dp_job(folder, "part", 3), False, plot=False)
+        return {"full": flat(model)}
+    model, summary = train_replica(ctx, _dp_job(folder, "part", 6), True, plot=False)
+    return {"resumed": flat(model), "steps": summary["steps"]}
