@@ -4,7 +4,10 @@ Methods (one module each; DESIGN §4): ``None`` (:mod:`.none`), ``TopK`` (:mod:`
 ``RandomK`` (:mod:`.randomk`), ``Threshold`` (:mod:`.threshold`), ``Quantization``
 (:mod:`.quantization`), and the wrappers ``ErrorFeedback`` (:mod:`.error_feedback`) and
 ``ClippedCompression`` (:mod:`.clipped`), composable to any depth, e.g.
-``ErrorFeedback(ClippedCompression(TopK))``. Inputs: float32, float16, bfloat16 and
+``ErrorFeedback(ClippedCompression(TopK))``. ``PowerSGD`` (:mod:`.powersgd`, Vogels et
+al. 2019) is not a per-tensor codec: its two all-reduces (P, then Q) sit inside the
+compression, so ``paratrain.comm.powersgd`` drives its :class:`PowerSGDState`
+(``Compressor.powersgd``) and ``Compressor.compress`` refuses it. Inputs: float32, float16, bfloat16 and
 float64 tensors of any shape (empty included), on any device.
 
 Usage::
@@ -55,6 +58,7 @@ from .base import CompressedTensor, EncodeContext, derive_seed, from_bytes
 from .compressor import CompressionStats, Compressor, build_codec, leaf_method
 from .decode import decompress
 from .errors import CompressionError
+from .powersgd import PowerSGDState
 from .quant_kernels import pack_codes, packed_nbytes, unpack_codes
 from .topk import topk_indices
 from .wire import information_minimum, to_bytes, wire_nbytes
@@ -64,6 +68,7 @@ __all__ = [
     "CompressedTensor",
     "CompressionError",
     "CompressionStats",
+    "PowerSGDState",
     "EncodeContext",
     "build_codec",
     "decompress",
