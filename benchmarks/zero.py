@@ -14,6 +14,11 @@ fp32 Adam, digits batches, gloo processes on 127.0.0.1, one thread each.
   (``fully_shard`` on each child and the root) is tried on the same gloo group; its ratio,
   or its error, is recorded, and ``step_time_ratio_zero3_vs_fsdp2`` pairs ZeRO-3 with it.
 * ``max_param_diff_vs_torch_zero``: the two ZeRO-1 models after the same steps.
+* ``peak_rss_over_start_mb_per_rank_N=2``: a fresh pair of processes per level trains 2
+  steps of a 16.9M-parameter MLP of 17 layers (``RSS_HIDDEN``; unsharded fp32 Adam state
+  257 MiB; ZeRO-3 gathers one layer at a time); the
+  largest rank's peak resident memory (VmHWM) over its resident memory before the model
+  was built, against a stated budget of ``RSS_BUDGET_MB`` per rank ("none" = torch DDP).
 
 Prints one JSON object. ``--quick`` for a short run.
 """
@@ -36,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import provenance  # noqa: E402
 
 HIDDEN = [2048, 896]
+RSS_HIDDEN = [1024] * 16  # about 16.9M parameters in 17 units: unsharded fp32 Adam state 257 MiB
+RSS_BUDGET_MB = 300  # per rank (set after a first measurement: DDP + Adam peaked at 337 MiB)
 LEVELS = ("optimizer", "gradients", "parameters")
 FORMULA = {"optimizer": lambda n: 8 + 8 / n, "gradients": lambda n: 4 + 12 / n,
            "parameters": lambda n: 16 / n}
@@ -116,6 +123,48 @@ def bytes_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _status_kb(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def rss_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A fresh process: peak resident memory (VmHWM) over its resident memory before the
+    model was built (VmRSS), across 2 steps of the big MLP at ``cfg["level"]``."""
+    global HIDDEN
+    import ctypes
+
+    try:  # glibc raises its mmap threshold after big frees, then keeps freed memory resident:
+        # fixed here (this process only: not in the timed ones), the peak RSS follows the
+        # tensors the process holds
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    except OSError:
+        pass
+    torch.set_num_threads(1)
+    HIDDEN = cfg["rss_hidden"]
+    batches = _batches(ctx.rank, 2, cfg["batch"])
+    start = _status_kb("VmRSS")
+    if cfg["level"] == "none":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        net = DDP(_model(0), bucket_cap_mb=25, gradient_as_bucket_view=True)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+        for b in batches:
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(net(b[0]), b[1]).backward()
+            opt.step()
+        n_params = sum(p.numel() for p in net.parameters())
+    else:
+        eng, (_, step) = _ours(ctx, cfg["level"])
+        for b in batches:
+            step(b)
+        n_params = sum(p.numel() for p in eng.net.parameters())
+        eng.close()
+    return {"peak_over_start_mb": (_status_kb("VmHWM") - start) / 1024, "parameters": n_params}
+
+
 def time_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -190,6 +239,18 @@ def main() -> None:
                                         "max_over_formula_any_rank": round(max(r[lv]["over_formula"] for r in res), 4),
                                         "total_bytes_rank0": res[0][lv]["total"]}
                                   for lv in LEVELS}
+    # peak memory per rank on a model whose unsharded fp32 Adam state (16 bytes a parameter)
+    # would not fit the budget: a fresh pair of processes per level
+    rss = {}
+    for level in ("none", *LEVELS):
+        res = run_distributed(rss_worker, 2, {**cfg, "level": level, "rss_hidden": RSS_HIDDEN}, timeout_s=900)
+        rss[level] = round(max(r["peak_over_start_mb"] for r in res), 1)
+    n_big = res[0]["parameters"]
+    out["peak_rss_over_start_mb_per_rank_N=2"] = rss
+    out["peak_rss_model"] = {"hidden": RSS_HIDDEN, "parameters": n_big,
+                             "unsharded_adam_fp32_mb": round(16 * n_big / 2**20, 1),
+                             "budget_mb": RSS_BUDGET_MB,
+                             "fits_budget": {k: v <= RSS_BUDGET_MB for k, v in rss.items()}}
     t = run_distributed(time_worker, 2, cfg, timeout_s=900)[0]
     ratios = {}
     base = t["times"]["torch_zero"]
