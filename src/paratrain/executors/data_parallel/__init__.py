@@ -2,7 +2,9 @@
 
 - :mod:`.runner`: launch, the replica's set-up and its part of the one training loop;
 - :mod:`.aggregation`: how gradients (or parameters) are combined: AllReduce,
-  ParameterServer, Decentralized gossip, with or without compression.
+  ParameterServer, Decentralized gossip, with or without compression;
+- :mod:`.zero`, :mod:`.zero_plan`: ZeRO (``strategy.shard``): each replica steps its 1/N
+  rows of every parameter (optimizer state, gradients, parameters sharded by level).
 """
 
 from __future__ import annotations
