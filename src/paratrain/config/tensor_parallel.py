@@ -55,7 +55,7 @@ class PlanEntry(BaseModel):
     equal packed outputs (``[q | k | v]``, ``[gate | up]``), each cut colwise. ``"replicate"``:
     kept whole, and nothing inside it is sharded (not even a recognised block)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
     style: str
     """colwise, rowwise, colwise_gather_output, rowwise_split_input, packed_colwise or replicate."""
     input: Literal["replicate", "shard"] | None = None
