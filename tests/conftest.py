@@ -7,6 +7,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -21,3 +22,19 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.load_profile("paratrain")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_worker_server_for_the_session() -> None:
+    """Start this pytest process's workers' forkserver once, preloading what the suite's
+    ranks import: the executors, torch's compiler front end, scikit-learn's data sets and,
+    where the ``hf`` extra is installed, transformers' model base (3-7 s of CPU in every rank
+    otherwise; a launch's own preload hint comes too late once a server runs, and the server
+    is kept for the whole session). A name that does not import is skipped by the server."""
+    from paratrain.comm.forkserver import warm
+
+    warm(["paratrain.executors.entry", "paratrain.executors.data_parallel",
+          "paratrain.executors.tensor_parallel", "paratrain.executors.model_parallel",
+          "paratrain.executors.federated", "paratrain.executors.population_based",
+          "torch._dynamo", "sklearn.datasets", "sklearn.model_selection",
+          "transformers.modeling_utils"])

@@ -84,6 +84,9 @@ def test_worker_preload_is_empty_in_process_and_under_torchrun(monkeypatch: obje
                    "task": {"name": "language_model"}, "data": {"name": "shakespeare"}})
     assert worker_preload(lm)[:2] == ["paratrain.executors.entry", "paratrain.executors.data_parallel"]
     assert "paratrain.data.shakespeare" in worker_preload(lm) and "sklearn.datasets" not in worker_preload(lm)
+    hf = load_job({**lm.model_dump(mode="json"), "model": {"name": "hf", "architecture": "llama"}})
+    assert "transformers.modeling_utils" in worker_preload(hf)  # the ranks' 3-7 s import, once
+    assert "transformers.modeling_utils" not in worker_preload(lm)
     assert isinstance(monkeypatch, pytest.MonkeyPatch)
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(k, v)

@@ -42,6 +42,9 @@ _DATA_MODULES: dict[str, tuple[str, ...]] = {
     "diabetes": ("sklearn.datasets", "sklearn.model_selection"),
     "shakespeare": ("paratrain.data.shakespeare",),
 }
+# What building a zoo model imports beyond torch: transformers' model base (3-7 s of CPU per
+# process on 2 cores, paid once by the server instead of by every rank).
+_MODEL_MODULES: dict[str, tuple[str, ...]] = {"hf": ("transformers.modeling_utils",)}
 
 
 def executor_name(job: JobConfig) -> str:
@@ -70,7 +73,9 @@ def worker_preload(job: JobConfig) -> list[str]:
     (:func:`paratrain.comm.forkserver.warm`): the executor's package and entry, torch's
     compiler front end (``torch.optim`` imports it on the first optimizer built) and the
     data set's libraries. Empty for a job that runs in this process, or under torchrun.
-    A hint only: computed from the job alone, before any check, importing nothing."""
+    A hint only: computed from the job alone, before any check, importing nothing. (A
+    ``[model] factory``'s module is not named: the server imports before it has the job's
+    working directory, and an import that raises anything but ImportError would end it.)"""
     from ..comm.rendezvous import in_torchrun
 
     try:
@@ -80,7 +85,8 @@ def worker_preload(job: JobConfig) -> list[str]:
     if name in _IN_PROCESS or in_torchrun():
         return []
     data = () if job.data.factory is not None else _DATA_MODULES.get(str(job.data.name), ())
-    return ["paratrain.executors.entry", _PACKAGES[name], "torch._dynamo", *data]
+    model = () if job.model.factory is not None else _MODEL_MODULES.get(str(job.model.name), ())
+    return ["paratrain.executors.entry", _PACKAGES[name], "torch._dynamo", *data, *model]
 
 
 def is_tensor_parallel(job: JobConfig) -> bool:
