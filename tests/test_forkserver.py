@@ -46,3 +46,27 @@ def test_children_take_the_parents_current_state(tmp_path: Path, monkeypatch: py
 
 def _noop(ctx: Any) -> int:
     return int(ctx.rank)
+
+
+_LOCK_HELD_AT_EXIT = """
+from paratrain.comm.forkserver import context
+if __name__ == "__main__":
+    ctx = context()
+    lock = ctx.Lock()  # a named semaphore this process still holds when it exits
+    p = ctx.Process(target=print, args=("child",))
+    p.start(); p.join()
+"""
+
+
+def test_exit_with_a_live_lock_prints_no_traceback(tmp_path: Path) -> None:
+    """The exit hook closes the resource tracker, which frees every semaphore still
+    registered; multiprocessing's own exit then unlinked the lock's again and printed a
+    FileNotFoundError traceback (seen after paratrain.fit in a script). It frees them first."""
+    import subprocess
+
+    script = tmp_path / "lock_at_exit.py"
+    script.write_text(_LOCK_HELD_AT_EXIT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "child", out.stderr
+    assert "Traceback" not in out.stderr and "leaked" not in out.stderr, out.stderr

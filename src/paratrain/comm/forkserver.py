@@ -46,6 +46,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.reduction as reduction
 import multiprocessing.resource_tracker
+import multiprocessing.util
 import os
 import pickle
 import signal
@@ -75,7 +76,7 @@ def context(preload: Sequence[str] = ()) -> Any:
     has)."""
     global _STOP_AT_EXIT
     if not _STOP_AT_EXIT:
-        atexit.register(stop)  # runs before multiprocessing's own exit function (LIFO)
+        atexit.register(_stop_at_exit)  # runs before multiprocessing's own exit function (LIFO)
         _STOP_AT_EXIT = True
     multiprocessing.set_forkserver_preload([*PRELOAD, *preload])
     return multiprocessing.get_context("forkserver")
@@ -136,6 +137,17 @@ def stop(timeout_s: float = 10.0) -> None:
                 os.close(fd)  # EOF: the tracker cleans up and exits
                 tracker._fd = tracker._pid = None  # type: ignore[union-attr]
                 _reap(pid, timeout_s)
+
+
+def _stop_at_exit() -> None:
+    """:func:`stop` at interpreter exit, after freeing this process's named semaphores (the
+    locks of queues and events it made): multiprocessing's own exit function frees them
+    first thing (its finalizers of priority >= 0), but it runs after this one, and the
+    tracker :func:`stop` closes frees every semaphore still registered -- so the later
+    ``sem_unlink`` found none and printed a ``FileNotFoundError`` traceback at exit."""
+    with contextlib.suppress(Exception):
+        multiprocessing.util._run_finalizers(0)  # type: ignore[attr-defined]
+    stop()
 
 
 class _InheritFd:
