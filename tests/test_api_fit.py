@@ -150,3 +150,22 @@ def test_dict_item_datasets_and_a_model_under_data_parallel(tmp_path: Path) -> N
         data = (Items(*b.train.tensors, style), Items(*b.test.tensors, style))
         sha.append(_fit(tmp_path, style, data=data, model=Net(64, 10), strategy=DP)["parameters_sha256"])
     assert sha[0] == sha[1]
+
+
+TP = {"tensor_parallel": {"tensor_parallel_size": 2}}
+MP = {"strategy": {"type": "ModelParallel", "communication": {"protocol": "Direct"},
+                   "partitions": [{"node_ids": ["2"], "target": {"WorkerId": "worker-1"}}]},
+      "workers": [{"id": "worker-0"}, {"id": "worker-1"}]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["TensorParallel", "ModelParallel"])
+def test_instances_shard_and_place_as_factories_do(kind: str, tmp_path: Path) -> None:
+    """A model instance (pickled to the ranks) under tensor parallelism (its Linear pair split)
+    and ModelParallel (its head on a second worker) trains to the factory's parameters."""
+    doc = TP if kind == "TensorParallel" else MP
+    got = _fit(tmp_path, kind, data=noise(), model=net(), job=doc)
+    ref = _fit(tmp_path, kind + "_ref", job={**doc, "data": {"factory": "test_api_fit:noise"},
+                                             "model": {"factory": "test_api_fit:net"}})
+    assert got["parameters_sha256"] == ref["parameters_sha256"]
+    assert got["test_accuracy"] == ref["test_accuracy"] < 0.6
