@@ -10,14 +10,12 @@ from pathlib import Path
 import pytest
 
 import paratrain
+from test_api_fit import FEDERATED  # 2 clients, 2 FedAvg rounds, iid
 from test_hf_models import FACTORIES, VOCAB, _job, _test_losses
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
-FEDERATED = {"strategy": {"type": "Federated", "num_clients": 2, "rounds": 2,
-                          "aggregation": {"method": "FedAvg"}, "client_selection": {"method": "All"}},
-             "federated": {"local_epochs": 1, "batch_size": 16}, "data": {"partition": {"method": "iid"}}}
 PBT = {"strategy": {"type": "PopulationBased", "population_size": 2, "generations": 2,
                     "exploit": {"method": "Truncation", "fraction": 0.5},
                     "explore": {"method": "Perturbation", "factor": 0.2}},
