@@ -11,7 +11,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,flower]'
 	touch $(STAMP)
 
 demo: $(STAMP)
