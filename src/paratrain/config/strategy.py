@@ -26,7 +26,7 @@ __all__ = [
     "WorkerIdTarget", "TagTarget", "RemoteTarget", "Partition",
     "DataStore", "Direct", "Pipeline", "CommunicationProtocol",
     "FedAvg", "FedProx", "FedYogi", "FedAdam", "FedAdagrad", "FedAvgM", "FedMedian",
-    "FedTrimmedAvg", "Krum", "FederatedAggregation",
+    "FedTrimmedAvg", "Krum", "SCAFFOLD", "FedNova", "FederatedAggregation",
     "AllClients", "RandomClients", "ByCapability", "ClientSelection",
     "Truncation", "Binary", "ExploitStrategy", "Perturbation", "Resample",
     "ExploreStrategy",
@@ -255,8 +255,27 @@ class Krum(Contract):
     """Multi-Krum: average the best m updates; 0 = Krum (the single best)."""
 
 
+class SCAFFOLD(Contract):
+    """Extension: SCAFFOLD (Karimireddy et al. 2020), control variates against client drift
+    (option II). Each client adds ``c - c_i`` to its local gradients and updates its own
+    ``c_i``; the server keeps ``c``. Needs plain SGD as the client optimizer."""
+
+    method: Literal["SCAFFOLD"] = "SCAFFOLD"
+    server_lr: PosFloat = 1.0
+    """Global step size eta_g: x <- x + eta_g * (example-weighted mean of the client deltas)."""
+
+
+class FedNova(Contract):
+    """Extension: FedNova (Wang et al. 2020), normalised averaging: each client's delta is
+    divided by its count of local steps (its momentum-adjusted norm ``a_i``) and the sum is
+    rescaled by ``tau_eff = sum p_i a_i``. Needs SGD (with or without heavy-ball momentum)."""
+
+    method: Literal["FedNova"] = "FedNova"
+
+
 FederatedAggregation = Annotated[
-    FedAvg | FedProx | FedYogi | FedAdam | FedAdagrad | FedAvgM | FedMedian | FedTrimmedAvg | Krum,
+    FedAvg | FedProx | FedYogi | FedAdam | FedAdagrad | FedAvgM | FedMedian | FedTrimmedAvg | Krum
+    | SCAFFOLD | FedNova,
     Field(discriminator="method"),
 ]
 
@@ -412,7 +431,7 @@ register_tags(
         "Local", "DataParallel", "ModelParallel", "Federated", "PopulationBased", "Custom",
         "AllReduce", "ParameterServer", "Decentralized", "DataStore", "Direct", "Pipeline",
         "FedAvg", "FedProx", "FedYogi", "FedAdam", "FedAdagrad", "FedAvgM", "FedMedian",
-        "FedTrimmedAvg", "Krum", "All", "Random", "ByCapability", "Truncation", "Binary",
+        "FedTrimmedAvg", "Krum", "SCAFFOLD", "FedNova", "All", "Random", "ByCapability", "Truncation", "Binary",
         "Perturbation", "Resample", "WorkerIdTarget", "TagTarget",
     ]
 )

@@ -5,7 +5,8 @@ processes or on another.
 Layout. ``checkpoints/ckpt-<round>.pt`` is the server's (global model, aggregator state,
 round, ...) plus ``workers``: how many worker processes wrote that round's worker files.
 ``checkpoints/worker-<rank>/ckpt-<round>.pt`` holds the codec state (error-feedback
-residuals) and the personal parts (Local subgraphs) of the clients that worker hosts
+residuals), the personal parts (Local subgraphs) and SCAFFOLD's control variates ``c_i``
+(``control``) of the clients that worker hosts
 (client ``c`` on rank ``c % world``), keyed ``client-<c>``. :func:`save_round` writes every
 worker's file, then (after a barrier) the server's: the newest server checkpoint always
 has its workers' files.
@@ -63,7 +64,7 @@ def _server_fallback(server: Any, run_dir: Path, round_: int) -> None:
 
 def _merged(run_dir: Path, round_: int, old_world: int) -> dict[str, Any]:
     """Every old worker's clients' state of ``round_``, one dict by client name."""
-    out: dict[str, Any] = {"codec": {}, "personal": {}}
+    out: dict[str, Any] = {"codec": {}, "personal": {}, "control": {}}
     for k in range(old_world):
         path = checkpoint.checkpoint_path(worker_dir(run_dir, k), round_)
         try:
@@ -75,7 +76,7 @@ def _merged(run_dir: Path, round_: int, old_world: int) -> dict[str, Any]:
                 "first)"))]) from None
         except checkpoint.CheckpointError as e:
             raise ConfigError([("checkpoint", str(e))]) from None
-        for part in ("codec", "personal"):
+        for part in ("codec", "personal", "control"):
             out[part].update(dict(state.get(part, {})))
     return out
 
@@ -102,7 +103,7 @@ def restore_workers(host: Any, server: Any, run_dir: Path, *, start: int, saved_
         host.load_state_dict({
             part: {n: s for n, s in dict(merged[part]).items()
                    if host.hosts(int(str(n).removeprefix("client-")))}
-            for part in ("codec", "personal")})
+            for part in ("codec", "personal", "control")})
         return start
     # one round on every rank: the newest <= the server's whose file every rank reads
     agreed = agree_on_checkpoint(worker_dir(run_dir, rank), start, group if world > 1 else None)

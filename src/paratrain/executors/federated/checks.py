@@ -10,6 +10,7 @@ from ...config import ConfigError
 from ...config.job import JobConfig
 from ...training.faults import FAULTS_ENV, injected_faults
 from .client import client_name
+from .drift import drift_problems
 
 __all__ = ["check_job", "client_tags"]
 
@@ -33,6 +34,7 @@ def check_job(job: JobConfig, *, world_size: int) -> None:
         problems.append(("federated.target_accuracy", (
             f"task.name = {job.task.name!r} has no accuracy metric; only a classification "
             "task can stop at a target accuracy")))
+    problems.extend(drift_problems(job))  # SCAFFOLD / FedNova with an optimizer they cannot use
     if problems:
         raise ConfigError(problems)
 

@@ -23,7 +23,10 @@ runs forward and loss under ``train.precision``; a fresh optimizer from the job'
 delta ``D = w_local - w_global``, optionally compressed (error feedback keeps
 ``e <- D + e - Dec(C(D + e))`` per client, here on the client). With Local subgraphs
 (FedPer / FedBN, :mod:`.personal`) the client loads ``(w_global, w_P^c)``, keeps its trained
-personal part ``w_P^c`` and ``D`` covers the global keys only.
+personal part ``w_P^c`` and ``D`` covers the global keys only. SCAFFOLD and FedNova's
+client parts (:mod:`.drift`): with SCAFFOLD the engine adds ``c - c_i`` to each step's
+gradient, the client updates its ``c_i`` (option II) and appends ``dc_i`` to its uplink; every
+status carries the client's local step count ``steps`` and, with FedNova, its normaliser ``norm``.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from ...training import build_optimizer
 from ...training.faults import injected_faults
 from ...training.loop import LocalEngine, Trainer
 from ...training.stepping import autocast
-from .aggregation import proximal_term
+from .aggregation import fednova_norm, proximal_term, scaffold_client_control
+from .drift import ClientControls, optimizer_momentum, pack_control, uses_control
 from .personal import PersonalState
 from .wire import encode_update
 
@@ -77,11 +81,12 @@ class ClientResult:
     error: str | None = None
     headers: list[dict[str, Any]] = field(default_factory=list)
     payload: bytes = b""
+    info: dict[str, Any] = field(default_factory=dict)  # "steps"; FedNova: "norm"
 
     def status(self) -> dict[str, Any]:
         return {
             "client": self.client, "ok": self.ok, "n": self.num_examples, "loss": self.loss,
-            "error": self.error, "headers": self.headers, "nbytes": len(self.payload),
+            "error": self.error, "headers": self.headers, "nbytes": len(self.payload), **self.info,
         }
 
 
@@ -95,6 +100,13 @@ class ClientEngine(LocalEngine):
         self.mu = float(mu)
         self.params: list[nn.Parameter] = []
         self.anchors: list[Tensor] = []
+        # SCAFFOLD: (parameter, c - c_i) added to its gradient once per optimizer step
+        self.correction: list[tuple[nn.Parameter, Tensor]] = []
+
+    def correct(self, correction: Mapping[str, Tensor] | None) -> None:
+        """Add ``correction[name]`` to each named parameter's gradient at every step (None: off)."""
+        self.correction = [] if correction is None else [
+            (p, correction[n]) for n, p in self.model.named_parameters() if n in correction]
 
     def anchor(self, global_state: Mapping[str, Tensor]) -> None:
         # the global parameters only: a personal part (absent from global_state) is not pulled
@@ -103,12 +115,17 @@ class ClientEngine(LocalEngine):
         self.anchors = [global_state[name].detach() for name, _ in named] if self.mu > 0 else []
 
     def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:
-        del last
         with autocast(self.precision, self.device):
             loss = self.task.loss(call_model(self.task, self.model, batch), batch)
         if self.mu > 0:
             loss = loss + proximal_term(self.params, self.anchors, self.mu)
         (loss * weight).backward() if weight != 1.0 else loss.backward()
+        if last:
+            for p, corr in self.correction:
+                if p.grad is None:
+                    p.grad = corr.clone()
+                else:
+                    p.grad.add_(corr)
         return float(loss.detach())
 
 
@@ -190,6 +207,8 @@ class ClientHost:
         self.codec_state: dict[int, dict[str, Any]] = {}
         # each hosted client's personal part (Local subgraphs), None without any
         self.personal = PersonalState(model, personal_keys, self.hosted) if personal_keys else None
+        self.method = str(getattr(strat.aggregation, "method", ""))
+        self.controls = ClientControls() if uses_control(strat.aggregation) else None  # SCAFFOLD c_i
         self.trained = 0
 
     # ------------------------------------------------------------------ training
@@ -198,9 +217,10 @@ class ClientHost:
         return client % self.world_size == self.rank
 
     def train_one(self, client: int, round_idx: int, global_state: Mapping[str, Tensor],
-                  lr_scale: float = 1.0) -> ClientResult:
+                  lr_scale: float = 1.0, *, control: Mapping[str, Tensor] | None = None) -> ClientResult:
         """Train ``client`` for one round from ``global_state`` at learning rate
-        ``lr * lr_scale``; never raises."""
+        ``lr * lr_scale``; never raises. ``control``: SCAFFOLD's server control variate ``c``
+        of this round (required with SCAFFOLD, ignored otherwise)."""
         if not self.hosts(client):
             raise ValueError(f"{client_name(client)} is not hosted by rank {self.rank}")
         idx = self.indices[client]
@@ -211,8 +231,9 @@ class ClientHost:
             if n == 0:
                 raise RuntimeError(f"{client_name(client)} has no training examples")
             self._load({**global_state, **self.personal.of(client)} if self.personal else global_state)
+            c_i = self._correct(client, control)
             opts = self.job.federated
-            loss, _ = local_train(
+            loss, steps = local_train(
                 self.engine, global_state, self.dataset, idx, train=self.job.train,
                 epochs=opts.local_epochs, batch_size=opts.batch_size, lr_scale=lr_scale,
                 generator=client_generator(self.job.run.seed, round_idx, client), device=self.device,
@@ -231,15 +252,41 @@ class ClientHost:
                 delta[first] = delta[first].reshape(-1)[:-1].clone()
             comp = self._compressor(client, round_idx)
             headers, payload = encode_update(delta, compress=comp)
+            info: dict[str, Any] = {"steps": steps}
+            if self.method == "FedNova":
+                info["norm"] = fednova_norm(steps, optimizer_momentum(self.job.train.optimizer))
+            if c_i is not None and control is not None and self.controls is not None:
+                new = scaffold_client_control(
+                    c_i, {k: v.cpu() for k, v in control.items()},
+                    {k: global_state[k].cpu() for k in control}, {k: local[k].cpu() for k in control},
+                    steps=steps, lr=self.job.train.optimizer.lr * lr_scale)
+                dc = {k: (new[k].double() - c_i[k].double()).float() for k in new}
+                more_h, more_p = encode_update(pack_control(dc))
+                headers, payload = headers + more_h, payload + more_p
             if comp is not None:
                 comp.commit()
+            if c_i is not None and self.controls is not None:
+                self.controls.keep(client, new)
             if self.personal is not None:
                 self.personal.keep(client, self.model)
             self.trained += 1
-            return ClientResult(client, True, n, loss, None, headers, payload)
+            return ClientResult(client, True, n, loss, None, headers, payload, info)
         except Exception as e:  # noqa: BLE001 - a failing client is recorded, not fatal
             tb = traceback.format_exception_only(type(e), e)[-1].strip()
             return ClientResult(client, False, n, None, tb)
+        finally:
+            self.engine.correct(None)
+
+    def _correct(self, client: int, control: Mapping[str, Tensor] | None) -> dict[str, Tensor] | None:
+        """SCAFFOLD: set the engine's gradient correction ``c - c_i``; returns ``c_i``."""
+        if self.controls is None:
+            return None
+        if control is None:
+            raise ValueError(f"{client_name(client)}: SCAFFOLD needs the server's control variate c")
+        c_i = self.controls.get(client, control)
+        self.engine.correct({k: (c.detach().cpu().double() - c_i[k].double()).to(
+            device=self.device, dtype=c.dtype) for k, c in control.items()})
+        return c_i
 
     @torch.no_grad()
     def _load(self, global_state: Mapping[str, Tensor]) -> None:
@@ -264,6 +311,8 @@ class ClientHost:
         out: dict[str, Any] = {"codec": {client_name(c): s for c, s in self.codec_state.items() if s}}
         if self.personal is not None:
             out["personal"] = self.personal.state_dict()
+        if self.controls is not None:
+            out["control"] = self.controls.state_dict()
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -275,3 +324,5 @@ class ClientHost:
             self.codec_state[c] = s
         if self.personal is not None:
             self.personal.load_state_dict(dict(state.get("personal", {})), rank=self.rank)
+        if self.controls is not None:
+            self.controls.load_state_dict(dict(state.get("control", {})), self.hosts)

@@ -83,6 +83,7 @@ from ...training.rundir import run_dir_of
 from .checkpoints import restore_workers, save_round
 from .checks import check_job, client_tags
 from .client import ClientHost
+from .drift import broadcast_control, uses_control
 from .flat import flatten_state, unflatten_state
 from .outputs import final_global, peak_rss_mb, personal_digest, save_client_models
 from .personal import ClientEvaluator, round_metrics
@@ -178,7 +179,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     metrics: MetricsWriter | None = None
     if is_server:
         schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
-        server = FederatedServer(strat.aggregation, template, schedule)
+        server = FederatedServer(strat.aggregation, template, schedule, num_clients=strat.num_clients)
         start, saved_world = 0, world
         # The newest readable server checkpoint (a bad newer one is skipped with a warning).
         found = checkpoint.load_latest(run_dir / "checkpoints") if resume else None
@@ -191,7 +192,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     barrier(group)
     # Codec state (error-feedback residuals) and personal parts of this rank's clients,
     # on this number of workers or another (.checkpoints)
-    stateful = bool(personal_keys) or (
+    stateful = bool(personal_keys) or uses_control(strat.aggregation) or (  # SCAFFOLD: each c_i
         job.compression is not None and getattr(job.compression, "method", "None") != "None")
     start = restore_workers(host, server, run_dir, start=int(begun["round"]), saved_world=int(begun["workers"]),
                             stateful=stateful, rank=rank, world=world, group=group)
@@ -255,6 +256,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             broadcast_(fvec, src=0, group=group, counter=traffic)
             if ivec.numel():
                 broadcast_(ivec, src=0, group=group, counter=traffic)
+            # SCAFFOLD: the server's control variate c goes down with the model
+            control = (broadcast_control(server, template, group=group, device=comm_dev, counter=traffic)
+                       if uses_control(strat.aggregation) else None)
             wire_down = traffic.bytes.get("broadcast_delivered", 0) - sent_before
             fvec, ivec = fvec.cpu(), ivec.cpu()
             global_state = server.global_state if server is not None else unflatten_state(template, fvec, ivec)
@@ -262,7 +266,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             # Local training of the selected clients this rank hosts.
             mine = [c for c in plan["clients"] if host.hosts(c)]
             lr_scale = float(plan.get("lr_scale", 1.0))
-            results = [host.train_one(c, r, dev_state, lr_scale) for c in mine]
+            results = [host.train_one(c, r, dev_state, lr_scale, control=control) for c in mine]
             statuses = [res.status() for res in results]
             payload = b"".join(res.payload for res in results)
             if server is None:

@@ -19,6 +19,11 @@ which names its aggregation method: resuming it under another method (whose serv
 optimizer state would silently start fresh) or another model is a ConfigError naming the
 field, before anything is loaded (:meth:`FederatedServer.check_state`).
 
+SCAFFOLD / FedNova (:mod:`.drift`): each status's ``steps`` (and FedNova's ``norm``) and,
+with SCAFFOLD, the ``scaffold.dc/<key>`` tensors after the update's own in its payload reach
+the aggregator's ``aggregate_round``; :meth:`FederatedServer.control` is the server's ``c``
+that every selected client receives with the global model.
+
 Evaluation is the task's (``eval_batch`` sums + ``finalize``) on the whole test set, under
 ``train.precision``, after every round: the round's record carries ``test_<metric>`` for
 every metric of the task.
@@ -38,7 +43,9 @@ from ...models.state import load_unique_state_dict
 from ...training.checkpoint import check_model_state
 from ...training.stepping import autocast, lr_factor
 from .aggregation import Aggregator, MalformedUpdateError, build_aggregator
+from .aggregation.fednova import valid_norm
 from .client import client_name
+from .drift import control_reference, split_control
 from .wire import decode_update
 
 __all__ = ["FederatedServer", "RoundOutcome", "RoundSchedule"]
@@ -76,8 +83,8 @@ class RoundSchedule:
 
 class FederatedServer:
     def __init__(self, aggregation: Any, global_state: Mapping[str, Tensor],
-                 schedule: RoundSchedule | None = None) -> None:
-        self.aggregator: Aggregator = build_aggregator(aggregation)
+                 schedule: RoundSchedule | None = None, *, num_clients: int | None = None) -> None:
+        self.aggregator: Aggregator = build_aggregator(aggregation, num_clients=num_clients)
         self.method = str(getattr(aggregation, "method", None) or self.aggregator.name)
         self.schedule = schedule if schedule is not None else RoundSchedule()
         self.global_state: dict[str, Tensor] = {k: v.detach().clone() for k, v in global_state.items()}
@@ -89,6 +96,12 @@ class FederatedServer:
         self.wire_bytes_down = 0  # measured at the broadcast
         self.wire_bytes_up = 0  # measured at the point-to-point receives
         self.failures = 0
+
+    def control(self) -> dict[str, Tensor]:
+        """SCAFFOLD's server control variate ``c`` (what each selected client needs with the
+        global model, :meth:`~.client.ClientHost.train_one` ``control``); {} for other methods."""
+        ctl = getattr(self.aggregator, "control", None)
+        return ctl(self.global_state) if callable(ctl) else {}
 
     @property
     def model_nbytes(self) -> int:
@@ -111,6 +124,10 @@ class FederatedServer:
         weights: list[float] = []
         losses: list[tuple[float, float]] = []
         failed: list[dict[str, Any]] = []
+        infos: list[dict[str, Any]] = []  # per successful client: steps, norm, control (dc_i)
+        with_control = bool(getattr(self.aggregator, "sends_control", False))
+        reference = ({**self.global_state, **control_reference(self.global_state)} if with_control
+                     else self.global_state)
         up = 0
         for i in order:
             st, payload = statuses[i], payloads[i]
@@ -121,14 +138,17 @@ class FederatedServer:
                 continue
             try:
                 # decode_update checks keys, shapes, byte counts and finiteness.
-                upd = decode_update(cid, st.get("headers", []), payload, self.global_state)
+                upd, ctrl = split_control(decode_update(cid, st.get("headers", []), payload, reference))
                 n = int(st["n"])
                 if n <= 0:
                     raise MalformedUpdateError(cid, "<num_examples>", f"example count {n}")
+                if self.method == "FedNova" and not valid_norm(st.get("norm")):
+                    raise MalformedUpdateError(cid, "<norm>", f"FedNova normaliser {st.get('norm')!r}")
             except MalformedUpdateError as e:
                 failed.append({"client": cid, "error": f"rejected update: {e}"})
                 continue
             ids.append(cid)
+            infos.append({"steps": st.get("steps"), "norm": st.get("norm"), "control": ctrl})
             updates.append(upd)
             weights.append(float(n))
             if st.get("loss") is not None:
@@ -152,7 +172,9 @@ class FederatedServer:
         if failed:
             rec["failures"] = failed
         if updates:
-            self.global_state = self.aggregator.aggregate(self.global_state, updates, weights)
+            per_client = getattr(self.aggregator, "aggregate_round", None)
+            self.global_state = (per_client(self.global_state, updates, weights, infos) if callable(per_client)
+                                 else self.aggregator.aggregate(self.global_state, updates, weights))
             if losses:
                 rec["train_loss"] = sum(v * n for v, n in losses) / sum(n for _, n in losses)
         else:

@@ -5,6 +5,11 @@ Every aggregator has ``aggregate(global_state, updates, weights) -> new_global_s
 its example count) and ``state_dict()`` / ``load_state_dict()`` for its server state
 (optimizer moments, momentum buffer), which the round checkpoint stores.
 ``build_aggregator(spec)`` maps a contract ``FederatedAggregation`` to one.
+
+Extension methods that need more of each client than its delta (SCAFFOLD: the control
+delta ``dc_i``; FedNova: the normaliser ``a_i``) also have
+``aggregate_round(global_state, updates, weights, infos)``, ``infos[i]`` being client i's
+``{"steps", "norm", "control"}`` (:class:`RoundAggregator`); the server calls it when present.
 """
 
 from __future__ import annotations
@@ -28,19 +33,22 @@ from .fedadam import FedAdamAggregator
 from .fedavg import FedAvgAggregator, fedavg_step
 from .fedavgm import FedAvgMAggregator
 from .fedmedian import FedMedianAggregator, coordinate_median
+from .fednova import FedNovaAggregator, fednova_coefficients, fednova_norm
 from .fedprox import FedProxAggregator, proximal_term
 from .fedtrimmedavg import FedTrimmedAvgAggregator, trimmed_mean
 from .fedyogi import FedYogiAggregator
 from .krum import KrumAggregator, krum_scores, krum_select
+from .scaffold import ScaffoldAggregator, control_keys, scaffold_client_control
 
 __all__ = [
     "Aggregator", "build_aggregator", "Update", "MalformedUpdateError", "validate_updates",
     "weighted_mean", "apply_step", "check_weights", "stack_key",
     "fedavg_step", "coordinate_median", "trimmed_mean", "krum_scores", "krum_select",
-    "proximal_term",
+    "proximal_term", "fednova_norm", "fednova_coefficients", "scaffold_client_control",
+    "control_keys", "RoundAggregator",
     "FedAvgAggregator", "FedProxAggregator", "FedYogiAggregator", "FedAdamAggregator",
     "FedAdagradAggregator", "FedAvgMAggregator", "FedMedianAggregator",
-    "FedTrimmedAvgAggregator", "KrumAggregator",
+    "FedTrimmedAvgAggregator", "KrumAggregator", "ScaffoldAggregator", "FedNovaAggregator",
 ]
 
 
@@ -59,9 +67,23 @@ class Aggregator(Protocol):
     def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
-def build_aggregator(spec: Any) -> Aggregator:
-    """The aggregator for a contract ``FederatedAggregation`` value."""
+class RoundAggregator(Aggregator, Protocol):
+    """An aggregator that also takes each client's round info (steps, norm, control)."""
+
+    def aggregate_round(self, global_state: Mapping[str, Tensor], updates: Sequence[Update],
+                        weights: Sequence[float], infos: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]: ...
+
+
+def build_aggregator(spec: Any, *, num_clients: int | None = None) -> Aggregator:
+    """The aggregator for a contract ``FederatedAggregation`` value (``num_clients``: the
+    job's N, which SCAFFOLD's server control variate needs)."""
     method = getattr(spec, "method", None)
+    if method == "SCAFFOLD":
+        if num_clients is None:
+            raise ValueError("SCAFFOLD's server needs num_clients (the job's N)")
+        return ScaffoldAggregator(server_lr=spec.server_lr, num_clients=num_clients)
+    if method == "FedNova":
+        return FedNovaAggregator()
     if method == "FedAvg":
         return FedAvgAggregator()
     if method == "FedProx":
@@ -82,5 +104,5 @@ def build_aggregator(spec: Any) -> Aggregator:
         return KrumAggregator(num_malicious=spec.num_malicious, to_keep=spec.to_keep)
     raise ValueError(
         f"unknown federated aggregation {method!r}; valid: FedAvg, FedProx, FedYogi, FedAdam, "
-        "FedAdagrad, FedAvgM, FedMedian, FedTrimmedAvg, Krum"
+        "FedAdagrad, FedAvgM, FedMedian, FedTrimmedAvg, Krum, SCAFFOLD, FedNova"
     )

@@ -25,6 +25,7 @@ __all__ = [
     "weighted_mean",
     "apply_step",
     "check_weights",
+    "linear_combination",
 ]
 
 Update = Mapping[str, Tensor]
@@ -105,6 +106,18 @@ def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float] | None = N
     x = torch.stack([t.detach().to(torch.float64) for t in tensors])
     w = w.reshape((n,) + (1,) * (x.dim() - 1))
     return (x * w).sum(0) / w.sum()
+
+
+def linear_combination(states: Sequence[Mapping[str, Tensor]], coefs: Sequence[float]) -> dict[str, Tensor]:
+    """``Σ_i coefs[i] · states[i][k]`` per key of ``states[0]``, accumulated in float64 in the
+    given order (no stacked copy)."""
+    out: dict[str, Tensor] = {}
+    for name, first in states[0].items():
+        acc = torch.zeros(first.shape, dtype=torch.float64)
+        for s, ci in zip(states, coefs, strict=True):
+            acc.add_(s[name].detach().to(torch.float64), alpha=float(ci))
+        out[name] = acc
+    return out
 
 
 def apply_step(global_state: Mapping[str, Tensor], step: Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -1,0 +1,114 @@
+"""SCAFFOLD (Karimireddy et al. 2020, "SCAFFOLD: Stochastic Controlled Averaging for
+Federated Learning"), option II control variates.
+
+Server state ``x`` (the global model) and ``c`` (the server control variate, zero at first);
+client ``i`` keeps its own ``c_i`` (zero at first). In a round the selected clients ``S``
+receive ``(x, c)`` and each
+
+    runs K local SGD steps   y <- y - eta_l * (g_i(y) + c - c_i)        (from y = x)
+    c_i+ = c_i - c + (x - y_i) / (K * eta_l)                            (option II)
+    sends  dy_i = y_i - x   and   dc_i = c_i+ - c_i,   keeps c_i <- c_i+
+
+and the server applies
+
+    x <- x + eta_g * sum_i p_i dy_i
+    c <- c + (|S| / N) * sum_i p_i dc_i
+
+with ``N`` the number of clients. The paper's means are uniform; here, as in every
+paratrain aggregator (and Flower's niid_bench), ``p_i = n_i / sum_S n_j`` weighs by example
+count — the paper's algorithm exactly when the clients hold equal counts. With ``c = 0``
+and ``eta_g = 1`` the first round is FedAvg's.
+
+``c`` is kept in the global tensors' dtype (float32; the arithmetic is float64) so what
+the clients receive is exactly the server's state, whichever worker hosts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._common import Update, apply_step, check_weights, linear_combination
+from .fedavg import fedavg_step
+
+__all__ = ["ScaffoldAggregator", "scaffold_client_control", "control_keys"]
+
+
+def control_keys(global_state: Mapping[str, Tensor]) -> list[str]:
+    """The tensors that carry a control variate: the floating-point ones of the model."""
+    return [k for k, v in global_state.items() if v.is_floating_point()]
+
+
+def scaffold_client_control(
+    c_i: Mapping[str, Tensor],
+    c: Mapping[str, Tensor],
+    x: Mapping[str, Tensor],
+    y: Mapping[str, Tensor],
+    *,
+    steps: int,
+    lr: float,
+) -> dict[str, Tensor]:
+    """Option II: ``c_i+ = c_i - c + (x - y) / (K * eta_l)`` per key of ``c``, in float64,
+    returned in ``c_i``'s dtype. ``steps`` = K local steps, ``lr`` = eta_l."""
+    if steps <= 0 or not lr > 0:
+        raise ValueError(f"SCAFFOLD control update needs K > 0 and eta_l > 0 (got {steps}, {lr})")
+    scale = 1.0 / (float(steps) * float(lr))
+    out: dict[str, Tensor] = {}
+    for k, ck in c.items():
+        new = (c_i[k].double() - ck.double()
+               + (x[k].detach().double() - y[k].detach().double()) * scale)
+        out[k] = new.to(ck.dtype)
+    return out
+
+
+class ScaffoldAggregator:
+    """SCAFFOLD's server: the model step and the control variate ``c``."""
+
+    name = "SCAFFOLD"
+    #: each client's uplink carries its control delta dc_i (FederatedServer decodes it)
+    sends_control = True
+
+    def __init__(self, *, server_lr: float = 1.0, num_clients: int) -> None:
+        if not server_lr > 0:
+            raise ValueError(f"SCAFFOLD server_lr must be > 0 (got {server_lr})")
+        if num_clients < 1:
+            raise ValueError(f"SCAFFOLD needs the number of clients N >= 1 (got {num_clients})")
+        self.server_lr = float(server_lr)
+        self.num_clients = int(num_clients)
+        self.c: dict[str, Tensor] = {}
+
+    def control(self, global_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The server control variate ``c`` (zeros before the first round), one tensor per
+        floating key of the model, in its dtype: what every selected client receives."""
+        if not self.c:
+            self.c = {k: torch.zeros_like(global_state[k]) for k in control_keys(global_state)}
+        return self.c
+
+    def aggregate(self, global_state: Mapping[str, Tensor], updates: Sequence[Update],
+                  weights: Sequence[float]) -> dict[str, Tensor]:
+        """The model step alone (``c`` unchanged): ``x + eta_g * sum p_i dy_i``."""
+        step = fedavg_step(updates, weights)
+        if self.server_lr != 1.0:
+            step = {k: self.server_lr * v for k, v in step.items()}
+        return apply_step(global_state, step)
+
+    def aggregate_round(self, global_state: Mapping[str, Tensor], updates: Sequence[Update],
+                        weights: Sequence[float], infos: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
+        """Both steps; ``infos[i]["control"]`` is client i's ``dc_i``."""
+        c = self.control(global_state)
+        w = check_weights(weights, len(updates))
+        mean_dc = linear_combination([info["control"] for info in infos], (w / w.sum()).tolist())
+        frac = len(updates) / self.num_clients
+        new_c = {k: (ck.double() + frac * mean_dc[k]).to(ck.dtype) for k, ck in c.items()}
+        out = self.aggregate(global_state, updates, weights)
+        self.c = new_c
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"control": {k: v.clone() for k, v in self.c.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.c = {k: v.clone() for k, v in dict(state.get("control", {})).items()}
