@@ -64,6 +64,12 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     from ...task import resolve_task
     from ...training.rundir import RunFolder
 
+    if job.federated.runtime == "flower":  # the SuperLink starts its ServerApp (.flower)
+        raise ConfigError([("federated.runtime", (
+            'runtime = "flower" runs on Flower\'s deployment runtime: start a SuperLink and '
+            "SuperNodes and `flwr run examples/federated_flower <connection> --run-config "
+            "'job=\"<this job file>\"'` (examples/federated_flower/README.md); set runtime = "
+            '"local" to run it here'))])
     n = num_workers(job)
     if not in_torchrun():  # fail before the run folder changes
         task = resolve_task(job)

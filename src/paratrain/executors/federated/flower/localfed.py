@@ -1,0 +1,170 @@
+"""A local Flower federation on 127.0.0.1 (tests, benchmarks, trying the app on one machine):
+``flower-superlink --insecure`` and N ``flower-supernode`` processes with explicit 127.0.0.1
+addresses on free ports (Flower's defaults bind 0.0.0.0), node ``i`` started with
+``--node-config 'partition-id=i num-partitions=N'``; ``flwr run`` against it. ``FLWR_HOME``
+(Flower's config, installed apps and state) is a folder of the caller's choosing, so nothing
+outside it is touched. Every process is started in its own session and ended with its whole
+process group (the ServerApp/ClientApp processes Flower spawns too) by :meth:`close`.
+
+The commands are the ones examples/federated_flower/README.md gives. No Flower import."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LocalFederation", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live descendant of process ``root`` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _wait_port(port: int, proc: subprocess.Popen[Any], timeout: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited ({proc.returncode}); log {log}:\n{log.read_text()[-3000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s; log {log}")
+
+
+class LocalFederation:
+    """A SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1 (see the module docstring)."""
+
+    def __init__(self, home: str | Path, num_nodes: int, *, num_partitions: int | None = None,
+                 bin_dir: str | Path | None = None) -> None:
+        self.home = Path(home).resolve()
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.bin = Path(bin_dir) if bin_dir is not None else Path(sys.executable).parent
+        self.num_nodes = int(num_nodes)
+        self.num_partitions = int(num_partitions or num_nodes)
+        self.port = free_port()
+        self.procs: dict[str, subprocess.Popen[Any]] = {}
+        # SuperExec polls for tasks every second by default; a tenth keeps rounds short
+        self.env = {**os.environ, "FLWR_HOME": str(self.home), "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
+                    "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}"}
+        (self.home / "config.toml").write_text(
+            '[superlink]\ndefault = "local"\n\n[superlink.local]\n'
+            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n', encoding="utf-8")
+
+    # ------------------------------------------------------------------ processes
+
+    def _start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
+        log = self.home / f"{name}.log"
+        with log.open("ab") as out:
+            proc = subprocess.Popen(args, cwd=self.home, env={**self.env, **(env or {})}, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def start(self, timeout: float = 60.0) -> LocalFederation:
+        sl = self._start("superlink", [str(self.bin / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
+                                       "--port", str(self.port), "--disable-runtime-dependency-installation"])
+        _wait_port(self.port, sl, timeout, self.home / "superlink.log")
+        for i in range(self.num_nodes):
+            self.start_node(i)
+        return self
+
+    def start_node(self, i: int, env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
+        """(Re)start SuperNode ``i`` (partition ``i``), a new node id for the SuperLink."""
+        port = free_port()
+        return self._start(f"node{i}", [
+            str(self.bin / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--node-config", f"partition-id={i} num-partitions={self.num_partitions}"], env)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the process ``name``, every process of its group and every descendant
+        (Flower's SuperExec starts the ServerApp/ClientApp processes in sessions of their own)."""
+        proc = self.procs.pop(name, None)
+        if proc is None:
+            return
+        tree = _descendants(proc.pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+
+    def serverapp_pids(self) -> list[int]:
+        """The running ``flwr-serverapp`` processes the SuperLink spawned."""
+        sl = self.procs.get("superlink")
+        if sl is None:
+            return []
+        out = []
+        for pid in _descendants(sl.pid):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(part.endswith(b"flwr-serverapp") for part in cmd[:2]):
+                out.append(pid)
+        return out
+
+    def close(self) -> None:
+        for name in list(self.procs):
+            self.kill(name)
+
+    def __enter__(self) -> LocalFederation:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ runs
+
+    def run(self, app: str | Path, config: dict[str, Any], timeout: float = 120.0) -> str:
+        """``flwr run APP local --run-config ...``; returns what it printed (the run id line)."""
+        items = " ".join(f"{k}={_toml(v)}" for k, v in config.items())
+        res = subprocess.run([str(self.bin / "flwr"), "run", str(Path(app).resolve()), "local", "--run-config", items],
+                             cwd=self.home, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if res.returncode != 0:
+            raise RuntimeError(f"flwr run failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
+        return res.stdout
+
+    def logs(self) -> str:
+        """The tail of every process's log (for a failing test's message)."""
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-4000:]}" for p in sorted(self.home.glob("*.log")))
+
+
+def _toml(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,31 @@
+"""The names paratrain's ServerApp and ClientApp agree on (record keys, node_config keys,
+run_config keys). No Flower import here.
+
+A train message (server -> node): ``ConfigRecord "plan"`` {job (the job as JSON), round,
+clients (the selected clients this node hosts), lr_scale} and ``ArrayRecord "global"`` (the
+server's model, every tensor in its dtype: exact); with SCAFFOLD also ``ArrayRecord
+"control"`` (the server's control variate ``c``). Its reply: ``ConfigRecord "result"``
+{statuses (JSON: the local path's per-client status, tensor headers included), payload (the
+clients' encoded updates, concatenated bytes), partition-id}. An evaluate message carries
+the plan and the model; its reply ``result`` {sums (JSON: each client's evaluation sums)}.
+A query's reply: ``ConfigRecord "node"`` {partition-id, num-partitions}."""
+
+from __future__ import annotations
+
+__all__ = ["PARTITION_ID", "NUM_PARTITIONS", "PLAN", "GLOBAL", "CONTROL", "RESULT", "NODE", "STATE",
+           "JOB", "ROUND", "CLIENTS", "LR_SCALE", "STATUSES", "PAYLOAD", "SUMS", "HOST_STATE",
+           "RUN_JOB", "RUN_RESUME", "RUN_OVERWRITE", "RUN_WORKDIR"]
+
+# node_config (flower-supernode --node-config 'partition-id=0 num-partitions=2')
+PARTITION_ID = "partition-id"
+NUM_PARTITIONS = "num-partitions"
+
+# record names in a message's RecordDict and in context.state
+PLAN, GLOBAL, CONTROL, RESULT, NODE, STATE = "plan", "global", "control", "result", "node", "paratrain"
+
+# keys of the records
+JOB, ROUND, CLIENTS, LR_SCALE = "job", "round", "clients", "lr_scale"
+STATUSES, PAYLOAD, SUMS, HOST_STATE = "statuses", "payload", "sums", "host"
+
+# run_config ([tool.flwr.app.config] of the app, flwr run --run-config 'job="..."')
+RUN_JOB, RUN_RESUME, RUN_OVERWRITE, RUN_WORKDIR = "job", "resume", "overwrite", "workdir"

@@ -1,0 +1,201 @@
+"""paratrain's federated round loop over Flower's Deployment Runtime (server side, no
+Flower import: the nodes are reached through a :class:`~.federation.Federation`).
+
+Per round ``r``: select clients (:func:`~..selection.select_clients`, seeded by
+``(seed, r)``), send each connected SuperNode the global model and the selected clients it
+hosts, collect the statuses and encoded updates (compression codecs included), and hand them
+to the local path's :class:`~..server.FederatedServer` (decoding, validation, every
+aggregator and server optimizer, the clients' round schedule). Then the server evaluates
+the global model on the task's test set (and, with ``federated.evaluate_clients`` or Local
+subgraphs, each node scores its clients on their own splits), logs the round to
+``metrics.jsonl`` (``wire_bytes_*_measured`` are the round's Message bytes) and checkpoints
+it (``run.checkpoint_every`` rounds; always the last) as ``checkpoints/ckpt-<r+1>.pt`` —
+the server's whole state, as on the local path. A restarted ServerApp with
+``resume = true`` continues from the newest checkpoint at the same round with the same
+server state; with every draw a function of ``(seed, round, client)``, a run whose server
+was killed and resumed ends bit-identical to an uninterrupted one. The run folder gets
+``summary.json``, ``model.safetensors`` and ``report.png`` exactly as a local run's.
+
+Clients' own state (personal parts, error-feedback residuals, SCAFFOLD's ``c_i``) lives on
+the nodes, in Flower's ``context.state``, which Flower keeps per run: a resumed run (a new
+``flwr run``) starts the nodes' state fresh, so resume is exact for jobs whose clients keep
+no state (:func:`~.side.stateful`), and the summary says when it is not."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from ....config import ConfigError
+from ....config.job import JobConfig
+from ....training import checkpoint, parameters_digest, read_metrics, report, write_summary
+from ....training.interrupt import Cadence
+from ....training.rundir import MetricsWriter, RunFolder
+from ..client import client_name
+from ..personal import combine
+from ..selection import select_clients
+from ..server import FederatedServer, RoundSchedule
+from .side import Side, build_side, stateful
+
+__all__ = ["run_server", "Nodes"]
+
+
+class Nodes(Protocol):
+    """What the loop needs of the federation (:class:`~.federation.Federation`)."""
+
+    def train(self, round_idx: int, clients: Sequence[int], global_state: Mapping[str, Tensor],
+              lr_scale: float, control: Mapping[str, Tensor] | None,
+              ) -> tuple[list[dict[str, Any]], list[bytes | memoryview], int, int]: ...
+
+    def evaluate(self, tag: str, clients: Sequence[int], global_state: Mapping[str, Tensor],
+                 ) -> tuple[dict[int, dict[str, float]], int, int]: ...
+
+
+def _evaluate(side: Side, server: FederatedServer, nodes: Nodes, tag: str) -> tuple[dict[str, float], dict[str, Any]]:
+    """The round's test metrics and the per-client summary, as the local path's ``round_metrics``."""
+    strat: Any = side.job.strategy
+    ev: dict[str, float] = {}
+    if not side.personal_keys:
+        ev = server.evaluate(side.model, side.task, side.test_set, device=torch.device("cpu"),
+                             precision=side.job.train.precision)
+    if not side.per_client:
+        return ev, {}
+    sums, _, _ = nodes.evaluate(tag, range(strat.num_clients), server.global_state)
+    sums = {c: s for c, s in sums.items() if len(side.splits[c])}
+    pooled, per = combine(side.task, sums)
+    return (pooled if side.personal_keys else ev), per
+
+
+def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Run ``job`` over ``nodes``; returns the summary (also in ``runs/<name>/summary.json``)."""
+    started = time.perf_counter()
+    strat: Any = job.strategy
+    seed = job.run.seed
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the local path's server (one intra-op thread on CPU)
+    try:
+        side = build_side(job)
+        schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
+        # num_clients: what per-client server state (SCAFFOLD) is sized by, where the server takes it
+        kw = {"num_clients": strat.num_clients} if "num_clients" in inspect.signature(FederatedServer).parameters else {}
+        server = FederatedServer(strat.aggregation, side.template, schedule, **kw)
+        tags = {c: sorted(job.federated.client_tags.get(client_name(c), [])) for c in range(strat.num_clients)}
+        with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
+            run_dir = folder.path
+            found = checkpoint.load_latest(run_dir / "checkpoints") if resume else None
+            if found is not None:
+                server.check_state(found[1], source=found[0])
+                server.load_state_dict(found[1])
+            start = server.round
+            folder.prepare()
+            metrics = MetricsWriter(run_dir)
+            if resume:
+                metrics.truncate_after("round", start)
+            cadence = Cadence(job.run.checkpoint_every)
+            target = job.federated.target_accuracy
+            saved = start
+            for r in range(start, strat.rounds):
+                if server.stopped:
+                    break
+                t_round = time.perf_counter()
+                try:
+                    clients = select_clients(strat.client_selection, num_clients=strat.num_clients,
+                                             round_idx=r, seed=seed, client_tags=tags)
+                except ValueError as e:
+                    raise ConfigError([("strategy.client_selection", str(e))]) from None
+                lr_scale = server.schedule.factor()
+                control_fn = getattr(server, "control", None)  # SCAFFOLD's c (hook: the aggregator's)
+                control = control_fn() if callable(control_fn) else None
+                statuses, payloads, down, up = nodes.train(r, clients, server.global_state, lr_scale,
+                                                           control or None)
+                rec = server.finish_round(r, statuses, payloads, wire_bytes_down=down, wire_bytes_up=up)
+                ev, per = _evaluate(side, server, nodes, str(r))
+                if target is not None and "accuracy" not in ev:
+                    raise ConfigError([("federated.target_accuracy", (
+                        f"the task's metrics ({', '.join(sorted(ev))}) have no accuracy"))])
+                server.note_accuracy(ev.get("accuracy"), target)
+                rec["lr_scale"] = lr_scale
+                rec.update({f"test_{k}": v for k, v in ev.items()})
+                rec.update(per)
+                rec.update(runtime="flower", round_time_s=time.perf_counter() - t_round,
+                           time_s=time.perf_counter() - started)
+                metrics.log(dict(rec))
+                done = r + 1
+                if cadence.step_due(done, True) or cadence.time_due() or done == strat.rounds or server.stopped:
+                    _save(run_dir, server, done)
+                    saved = done
+                    cadence.saved()
+            if saved != server.round:
+                _save(run_dir, server, server.round)
+            return _finish(side, server, nodes, run_dir, started, resumed_from=start if resume else None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _save(run_dir: Any, server: FederatedServer, done: int) -> None:
+    ckpts = run_dir / "checkpoints"
+    checkpoint.save_checkpoint(checkpoint.checkpoint_path(ckpts, done),
+                               {**server.state_dict(), "workers": 1, "runtime": "flower"})
+    checkpoint.prune(ckpts)
+
+
+def _finish(side: Side, server: FederatedServer, nodes: Nodes, run_dir: Any, started: float,
+            resumed_from: int | None) -> dict[str, Any]:
+    job, task, model = side.job, side.task, side.model
+    strat: Any = job.strategy
+    fit = str(task.fitness_metric)
+    final, final_per = _evaluate(side, server, nodes, "final")
+    records = [rec for rec in read_metrics(run_dir) if rec.get(f"test_{fit}") is not None]
+    pick = max if task.fitness_mode == "max" else min
+    best = pick((float(rec[f"test_{fit}"]) for rec in records), default=final.get(fit))
+    reference = getattr(task, "reference_metrics", None)
+    from ....models.state import load_unique_state_dict
+
+    whole = dict(server.global_state)
+    if side.personal_keys:  # the global model's personal keys: their initial value
+        from ....models.state import unique_state_dict
+
+        own = unique_state_dict(model)
+        whole.update({k: own[k].detach().cpu().clone() for k in side.personal_keys})
+    load_unique_state_dict(model, whole)
+    summary: dict[str, Any] = {
+        "strategy": "Federated",
+        "runtime": "flower",
+        "run_dir": str(run_dir),
+        "aggregation": strat.aggregation.method,
+        "client_selection": strat.client_selection.method,
+        "num_clients": strat.num_clients,
+        "rounds": server.round,
+        "rounds_to_target": server.rounds_to_target,
+        "task": str(getattr(task, "name", type(task).__name__)),
+        **{f"test_{k}": v for k, v in final.items()},
+        f"best_test_{fit}": best,
+        **(reference(side.train_set, side.test_set) if callable(reference) else {}),
+        "clients_failed_total": server.failures,
+        "bytes_up_measured": server.bytes_up,
+        "bytes_down_modelled": server.bytes_down,
+        "wire_bytes_down_measured": server.wire_bytes_down,
+        "wire_bytes_up_measured": server.wire_bytes_up,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "wall_time_s": round(time.perf_counter() - started, 3),
+        "parameters_sha256": parameters_digest(model),
+        **final_per,
+    }
+    if resumed_from is not None:
+        summary["resumed_from_round"] = resumed_from
+        if resumed_from > 0 and stateful(job, side.personal_keys):
+            summary["resume_note"] = ("the clients' own state (personal parts, error-feedback residuals, "
+                                      "control variates) lives in each node's Flower context of the "
+                                      "interrupted run; the resumed run's clients started it afresh")
+    summary["provenance"] = report.provenance(summary, configured=("num_clients",))
+    from ....training.export import save_model, whole_state
+
+    save_model(run_dir, whole_state(model))
+    write_summary(run_dir, summary)
+    report.plot_curves(run_dir, x_key="round", title=f"{job.run.name} (Federated on Flower, {strat.aggregation.method})")
+    return summary
