@@ -63,6 +63,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 print(f"{path}: ok")
                 for line in _tp_layout(job):
                     print(f"{path}: {line}")
+                for line in _dp_lines(job):  # [federated.dp]: mechanism, accountant, budget
+                    print(f"{path}: {line}")
                 try:  # DataParallel ZeRO: what each replica holds 1/N of
                     for line in _shard_layout(job):
                         print(f"{path}: {line}")
@@ -91,6 +93,14 @@ def _tp_layout(job: Any) -> list[str]:
     from .executors.tensor_parallel.runner import dry_run
 
     return [f"tensor parallel: {p}: {how}" for p, how in dry_run(job)]
+
+
+def _dp_lines(job: Any) -> list[str]:
+    if getattr(job.strategy, "type", None) != "Federated" or job.federated.dp is None:
+        return []
+    from .executors.federated.privacy import dp_lines
+
+    return dp_lines(job)
 
 
 def _shard_layout(job: Any) -> list[str]:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ._base import Count, PositiveCount, describe_tags, parse_every, register_tags
-from .flower import RUNTIMES, FlowerOptions
+from .privacy import FederatedDP
 
 __all__ = [
     "RunConfig",
@@ -335,21 +335,8 @@ class FederatedOptions(_Section):
     """Also score every client on its own test split (which follows its training partition):
     ``personal_test_<metric>`` is the mean over clients. Always on with Local subgraphs, whose
     clients are scored with their personal parts (FedPer / FedBN)."""
-    runtime: Literal["local", "flower"] = "local"
-    """Where the rounds run: ``local`` = worker processes of one torch.distributed job
-    (``paratrain run``); ``flower`` = Flower's Deployment Runtime (a SuperLink and one
-    SuperNode per site; paratrain's ServerApp/ClientApp started with ``flwr run``, see
-    examples/federated_flower). ``paratrain run`` refuses a ``flower`` job."""
-    flower: FlowerOptions | None = None
-    """Timeouts and node counts of the Flower runtime (``runtime = "flower"`` only)."""
-
-    @model_validator(mode="after")
-    def _flower_only(self) -> FederatedOptions:
-        assert self.runtime in RUNTIMES
-        if self.flower is not None and self.runtime != "flower":
-            raise ValueError('[federated.flower] is read only with runtime = "flower" '
-                             f"(runtime is {self.runtime!r})")
-        return self
+    dp: FederatedDP | None = None
+    """Client-level differential privacy (DP-FedAvg): clip, noise, accounting; None = off."""
 
 
 class PopulationOptions(_Section):

@@ -11,6 +11,7 @@ from ...config.job import JobConfig
 from ...training.faults import FAULTS_ENV, injected_faults
 from .client import client_name
 from .drift import drift_problems
+from .privacy import dp_problems
 
 __all__ = ["check_job", "client_tags"]
 
@@ -35,6 +36,7 @@ def check_job(job: JobConfig, *, world_size: int) -> None:
             f"task.name = {job.task.name!r} has no accuracy metric; only a classification "
             "task can stop at a target accuracy")))
     problems.extend(drift_problems(job))  # SCAFFOLD / FedNova with an optimizer they cannot use
+    problems.extend(dp_problems(job))  # [federated.dp] with an aggregator it cannot serve
     if problems:
         raise ConfigError(problems)
 

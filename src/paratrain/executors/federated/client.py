@@ -52,6 +52,7 @@ from ...training.stepping import autocast
 from .aggregation import fednova_norm, proximal_term, scaffold_client_control
 from .drift import ClientControls, optimizer_momentum, pack_control, uses_control
 from .personal import PersonalState
+from .privacy import client_privatize
 from .wire import encode_update
 
 __all__ = ["ClientResult", "ClientHost", "ClientEngine", "client_generator", "client_name",
@@ -210,6 +211,7 @@ class ClientHost:
         self.method = str(getattr(strat.aggregation, "method", ""))
         self.controls = ClientControls() if uses_control(strat.aggregation) else None  # SCAFFOLD c_i
         self.trained = 0
+        self.dp = job.federated.dp  # [federated.dp]: clip (and local noise) before compressing
 
     # ------------------------------------------------------------------ training
 
@@ -245,6 +247,9 @@ class ClientHost:
                 k: (local[k].detach().float() - g.detach().float()).cpu()
                 for k, g in global_state.items()
             }
+            if self.dp is not None:  # DP-FedAvg's client part (.privacy.dp)
+                delta = client_privatize(self.dp, delta, seed=self.job.run.seed, round_idx=round_idx, client=client,
+                                         floating=[k for k, g in global_state.items() if g.is_floating_point()])
             if client in self.byzantine:
                 delta = {k: v * self.byzantine_scale for k, v in delta.items()}
             if client in self.corrupt:

@@ -87,6 +87,7 @@ from .drift import broadcast_control, uses_control
 from .flat import flatten_state, unflatten_state
 from .outputs import final_global, peak_rss_mb, personal_digest, save_client_models
 from .personal import ClientEvaluator, round_metrics
+from .privacy import build_server_privacy
 from .selection import select_clients
 from .server import FederatedServer, RoundSchedule
 
@@ -180,6 +181,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     if is_server:
         schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
         server = FederatedServer(strat.aggregation, template, schedule, num_clients=strat.num_clients)
+        server.set_privacy(build_server_privacy(job, [len(p) for p in parts]))  # [federated.dp]
         start, saved_world = 0, world
         # The newest readable server checkpoint (a bad newer one is skipped with a warning).
         found = checkpoint.load_latest(run_dir / "checkpoints") if resume else None
@@ -373,6 +375,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "workers": workers,
         "parameters_sha256": parameters_digest(model),
         **final_per,
+        **server.privacy_summary(),  # [federated.dp]: epsilon, delta, why it stopped
     }
     if personal_keys:  # FedPer / FedBN: what never left the clients
         summary.update(local_subgraphs=local_paths(job, model), personal_keys=personal_keys,

@@ -24,6 +24,12 @@ with SCAFFOLD, the ``scaffold.dc/<key>`` tensors after the update's own in its p
 the aggregator's ``aggregate_round``; :meth:`FederatedServer.control` is the server's ``c``
 that every selected client receives with the global model.
 
+With ``[federated.dp]`` (:mod:`.privacy`, :meth:`FederatedServer.set_privacy`) the round's
+updates pass through :meth:`~.privacy.ServerPrivacy.privatize` (central: clipped, summed, noised)
+before the aggregator, every round is booked by the privacy accountant (``epsilon``/``delta`` in
+the record; its state in the checkpoint), and the server stops before a round that would pass
+``target_epsilon``.
+
 Evaluation is the task's (``eval_batch`` sums + ``finalize``) on the whole test set, under
 ``train.precision``, after every round: the round's record carries ``test_<metric>`` for
 every metric of the task.
@@ -46,6 +52,7 @@ from .aggregation import Aggregator, MalformedUpdateError, build_aggregator
 from .aggregation.fednova import valid_norm
 from .client import client_name
 from .drift import control_reference, split_control
+from .privacy import ServerPrivacy
 from .wire import decode_update
 
 __all__ = ["FederatedServer", "RoundOutcome", "RoundSchedule"]
@@ -96,6 +103,18 @@ class FederatedServer:
         self.wire_bytes_down = 0  # measured at the broadcast
         self.wire_bytes_up = 0  # measured at the point-to-point receives
         self.failures = 0
+        self.privacy: ServerPrivacy | None = None  # [federated.dp]: set_privacy
+
+    def set_privacy(self, privacy: ServerPrivacy | None) -> None:
+        """Run under ``[federated.dp]`` (before loading a checkpoint); a budget that does
+        not allow even the first round stops the server at once."""
+        self.privacy = privacy
+        if privacy is not None and not privacy.allows_next_round():
+            self.stopped = True
+
+    def privacy_summary(self) -> dict[str, Any]:
+        """``epsilon``, ``delta`` and the DP settings for the run's summary ({} without DP)."""
+        return {} if self.privacy is None else self.privacy.summary()
 
     def control(self) -> dict[str, Tensor]:
         """SCAFFOLD's server control variate ``c`` (what each selected client needs with the
@@ -171,6 +190,9 @@ class FederatedServer:
         )
         if failed:
             rec["failures"] = failed
+        if updates and self.privacy is not None:  # [federated.dp]: clip, sum, noise (.privacy)
+            updates, weights, dp_rec = self.privacy.privatize(round_idx, self.global_state, updates, weights)
+            rec.update(dp_rec)
         if updates:
             per_client = getattr(self.aggregator, "aggregate_round", None)
             self.global_state = (per_client(self.global_state, updates, weights, infos) if callable(per_client)
@@ -184,6 +206,9 @@ class FederatedServer:
             )
         self.round = round_idx + 1
         self.schedule.step()
+        if self.privacy is not None:  # every round is booked, whatever came back
+            rec.update(self.privacy.account(round_idx))
+            self.stopped = self.stopped or not self.privacy.allows_next_round()
         return rec
 
     def evaluate(self, model: nn.Module, task: Any, test: Any, device: torch.device | None = None,
@@ -214,6 +239,7 @@ class FederatedServer:
             "wire_bytes_down": self.wire_bytes_down,
             "wire_bytes_up": self.wire_bytes_up,
             "failures": self.failures,
+            **({"privacy": self.privacy.state_dict()} if self.privacy is not None else {}),
             "saved_at": time.time(),
         }
 
@@ -232,6 +258,12 @@ class FederatedServer:
                 f"checkpoint {source} was written with aggregation {saved}; this job's is "
                 f"{self.method}, whose server state would start fresh: resume with the original "
                 "strategy.aggregation, or start a fresh run with --overwrite"))])
+        if (self.privacy is not None) != ("privacy" in state):
+            raise ConfigError([("federated.dp", (
+                f"checkpoint {source} was written {'without' if self.privacy else 'with'} "
+                f"[federated.dp] and this job {'sets' if self.privacy else 'does not set'} it: "
+                "the privacy spent would be miscounted; resume with the original [federated.dp], "
+                "or start a fresh run with --overwrite"))])
         check_model_state(self.global_state, state["model"], source=source)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -251,3 +283,5 @@ class FederatedServer:
         self.wire_bytes_down = int(state.get("wire_bytes_down", 0))
         self.wire_bytes_up = int(state.get("wire_bytes_up", 0))
         self.failures = int(state.get("failures", 0))
+        if self.privacy is not None:
+            self.privacy.load_state_dict(state["privacy"])

@@ -1,0 +1,207 @@
+"""DP-FedAvg on the federated round: the server's and the clients' parts.
+
+Central mode (McMahan et al. 2018), in :meth:`ServerPrivacy.privatize`: every decoded
+update ``D_k`` is clipped to ``S``; with ``w_k = min(n_k, c)`` (``c = weight_cap``) the
+server releases
+
+    D = (sum_k w_k clip(D_k, S) + N(0, (z_D S c)^2 I)) / (q W),   W = sum_all min(n_k, c),
+
+(``w_k / c <= 1``: one client moves the sum by at most ``S c``) and hands ``D`` to the
+aggregator as the round's only update (FedAvg applies it, FedAvgM/FedAdam/... take it as
+their pseudo-gradient; robust aggregators need the single updates and are refused,
+:func:`check_dp`). Failed clients count as absent; the denominator never changes. With
+``z = 0``, ``S = inf``, ``c >= max n_k`` and every client selected this is FedAvg's
+example-weighted mean, bit for bit. Integer buffers are not released (their step is 0).
+
+Local mode, in :func:`client_privatize`: each client sends ``clip(D_k, S) + N(0, (z S)^2 I)``
+drawn from ``(seed, round, client)``, and the server aggregates as usual. Central mode
+with a fixed clip also clips on the client (before compressing: error feedback then
+carries a clipped update's residual); the guarantee rests on the server's clip of the
+*decoded* update, whatever the codec did.
+
+Accounting, every round (:class:`~.accountant.PrivacyAccountant`): central: the sampled
+Gaussian mechanism of multiplier ``z`` at ``q`` = the expected fraction of clients per
+round (``Random``: ``k / N``; ``All``/``ByCapability``: 1). Local: the server knows who
+took part, so there is no amplification by sampling: ``q = 1``, a bound for a client
+selected every round. Compression is post-processing of what is accounted.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..selection import num_random
+from .accountant import PrivacyAccountant
+from .mechanism import (
+    adaptive_clip,
+    add_noise,
+    clip_update,
+    dp_generator,
+    update_noise_multiplier,
+    weighted_sum,
+)
+
+__all__ = ["ServerPrivacy", "client_privatize", "sample_rate", "build_server_privacy",
+           "CENTRAL_AGGREGATIONS"]
+
+# server steps that take the round's mean update: the noised mean serves them
+CENTRAL_AGGREGATIONS = ("FedAvg", "FedProx", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad")
+
+
+def sample_rate(strategy: Any, mode: str = "central") -> float:
+    """The expected fraction of clients per round: ``Random``: ``k / N`` (``k`` as
+    selection draws); ``All``, ``ByCapability`` (the same clients every round) and local
+    mode (no amplification against the server): 1."""
+    sel = strategy.client_selection
+    if mode == "local" or getattr(sel, "method", None) != "Random":
+        return 1.0
+    n = int(strategy.num_clients)
+    return num_random(float(sel.fraction), n) / n
+
+
+class ServerPrivacy:
+    """The server's DP state: the current clip, the accountant; ``privatize`` per round."""
+
+    def __init__(self, spec: Any, *, seed: int, sample_rate: float, num_clients: int,
+                 total_weight: float) -> None:
+        self.spec = spec
+        self.mode = str(spec.mode)
+        self.seed = int(seed)
+        self.q = float(sample_rate)
+        self.z = float(spec.noise_multiplier)
+        self.cap = int(spec.weight_cap)
+        self.expected_weight = self.q * float(total_weight)  # q W
+        self.expected_clients = self.q * int(num_clients)  # q N
+        self.adaptive = spec.target_quantile is not None
+        self.count_std = (float(spec.clipped_count_stddev) if spec.clipped_count_stddev is not None
+                          else self.expected_clients / 20.0) if self.adaptive else None
+        self.z_update = update_noise_multiplier(self.z, self.count_std)
+        self.clip: float | None = None if spec.clip is None else float(spec.clip)
+        self.accountant = PrivacyAccountant(spec.delta)
+        self.target = spec.target_epsilon
+        self.stop_note: str | None = None
+
+    # ------------------------------------------------------------------ round
+
+    def privatize(self, round_idx: int, global_state: Mapping[str, Tensor],
+                  updates: Sequence[Mapping[str, Tensor]], weights: Sequence[float],
+                  ) -> tuple[list[dict[str, Tensor]], list[float], dict[str, Any]]:
+        """Central: ``([D], [1.0], record)`` with ``D`` the noised mean above; local: the
+        updates as they came (each already noised by its client)."""
+        rec: dict[str, Any] = {"dp_clip": self.clip}
+        if self.mode == "local":
+            return [dict(u) for u in updates], list(weights), rec
+        keys = [k for k, g in global_state.items() if g.is_floating_point()]
+        clipped: list[dict[str, Tensor]] = []
+        unclipped = 0
+        for u in updates:
+            c, norm = clip_update({k: u[k] for k in keys}, self.clip)
+            clipped.append(c)
+            # (a client's own clip of a fixed S may leave ||D|| a rounding above S)
+            unclipped += int(self.clip is None or norm <= self.clip * (1 + 1e-6))
+        w = [float(min(n, self.cap)) for n in weights]
+        total = weighted_sum(clipped, w, keys)
+        std = self.z_update * (self.clip or 0.0) * self.cap
+        noised = add_noise(total, std, dp_generator(self.seed, round_idx))
+        step: dict[str, Tensor] = {k: torch.zeros(g.shape, dtype=torch.float64)
+                                   for k, g in global_state.items()}
+        step.update({k: v / self.expected_weight for k, v in noised.items()})
+        rec.update(dp_unclipped=unclipped, dp_noise_std=std / self.expected_weight)
+        if self.adaptive and self.clip is not None:
+            self.clip, frac = adaptive_clip(
+                self.clip, unclipped, self.expected_clients, target_quantile=float(self.spec.target_quantile),
+                learning_rate=float(self.spec.clip_learning_rate), count_stddev=float(self.count_std or 0.0),
+                generator=dp_generator(self.seed, round_idx, salt="dpclip"))
+            rec.update(dp_unclipped_fraction_noised=frac, dp_next_clip=self.clip)
+        return [step], [1.0], rec
+
+    def account(self, round_idx: int) -> dict[str, Any]:
+        """Book round ``round_idx`` (0-based); the record's ``epsilon``/``delta``; when the
+        next round would pass ``target_epsilon``, ``stop_note`` says so."""
+        self.accountant.step(self.z, self.q)
+        rec: dict[str, Any] = {"epsilon": self.accountant.epsilon(), "delta": self.accountant.delta}
+        if not self.allows_next_round():
+            rec["dp_stop"] = self.stop_note
+        return rec
+
+    def allows_next_round(self) -> bool:
+        """False (and ``stop_note`` set, printed once) when one more round would spend
+        more than ``target_epsilon``."""
+        if self.target is None:
+            return True
+        nxt = self.accountant.epsilon_after(self.z, self.q)
+        if nxt <= float(self.target):
+            return True
+        done = self.accountant.rounds
+        if self.stop_note is None:
+            self.stop_note = (
+                f"differential privacy budget: stopping after round {done}, since round "
+                f"{done + 1} would spend epsilon {nxt:.4g} > federated.dp.target_epsilon "
+                f"{float(self.target):g} (delta {self.accountant.delta:g}; spent "
+                f"{self.accountant.epsilon():.4g})")
+            print(f"paratrain: {self.stop_note}", file=sys.stderr, flush=True)
+        return False
+
+    def summary(self) -> dict[str, Any]:
+        eps = self.accountant.epsilon()
+        out: dict[str, Any] = {
+            "epsilon": eps if math.isfinite(eps) else None, "delta": self.accountant.delta,
+            "dp_mode": self.mode, "dp_noise_multiplier": self.z, "dp_sample_rate": self.q,
+            "dp_clip": self.clip, "dp_target_epsilon": self.target,
+            "dp_accountant": "opacus RDPAccountant (sampled Gaussian, Poisson sampling assumed)",
+        }
+        if self.stop_note is not None:
+            out["dp_stopped"] = self.stop_note
+        return out
+
+    # ----------------------------------------------------------- checkpoint
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "clip": -1.0 if self.clip is None else self.clip,
+                "accountant": self.accountant.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        clip = float(state["clip"])
+        self.clip = None if clip < 0 else clip
+        self.accountant.load_state_dict(state["accountant"])
+
+
+def build_server_privacy(job: Any, client_sizes: Sequence[int] | None = None) -> ServerPrivacy | None:
+    """The job's :class:`ServerPrivacy` (None without ``[federated.dp]``); ``client_sizes``
+    (every client's example count) are needed for ``weight_cap > 1`` (``W``)."""
+    spec = job.federated.dp
+    if spec is None:
+        return None
+    strat = job.strategy
+    n = int(strat.num_clients)
+    if int(spec.weight_cap) == 1:
+        total = float(n)
+    elif client_sizes is None:
+        raise ValueError("federated.dp.weight_cap > 1 needs every client's example count")
+    else:
+        total = float(sum(min(int(s), int(spec.weight_cap)) for s in client_sizes))
+    return ServerPrivacy(spec, seed=job.run.seed, sample_rate=sample_rate(strat, spec.mode),
+                         num_clients=n, total_weight=total)
+
+
+def client_privatize(spec: Any, delta: Mapping[str, Tensor], *, seed: int, round_idx: int,
+                     client: int, floating: Sequence[str]) -> dict[str, Tensor]:
+    """What a client sends under ``spec``: local mode ``clip(D, S) + N(0, (z S)^2)`` from
+    ``(seed, round, client)``; central mode with a fixed clip ``clip(D, S)``; adaptive
+    central: ``D``. Keys not in ``floating`` (integer buffers) are sent as zeros."""
+    out = {k: (v if k in floating else torch.zeros_like(v)) for k, v in delta.items()}
+    private = {k: out[k] for k in floating}
+    if spec.mode == "central" and spec.target_quantile is not None:
+        return out
+    clipped, _ = clip_update(private, spec.clip)
+    if spec.mode == "local":
+        std = float(spec.noise_multiplier) * float(spec.clip or 0.0)
+        clipped = add_noise(clipped, std, dp_generator(seed, round_idx, client, salt="dplocal"))
+    out.update(clipped)
+    return out
