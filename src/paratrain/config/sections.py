@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from ._base import Count, PositiveCount, describe_tags, parse_every, register_tags
 from .privacy import FederatedDP
+from .flower import RUNTIMES, FlowerOptions
 
 __all__ = [
     "RunConfig",
@@ -337,6 +338,21 @@ class FederatedOptions(_Section):
     clients are scored with their personal parts (FedPer / FedBN)."""
     dp: FederatedDP | None = None
     """Client-level differential privacy (DP-FedAvg): clip, noise, accounting; None = off."""
+    runtime: Literal["local", "flower"] = "local"
+    """Where the rounds run: ``local`` = worker processes of one torch.distributed job
+    (``paratrain run``); ``flower`` = Flower's Deployment Runtime (a SuperLink and one
+    SuperNode per site; paratrain's ServerApp/ClientApp started with ``flwr run``, see
+    examples/federated_flower). ``paratrain run`` refuses a ``flower`` job."""
+    flower: FlowerOptions | None = None
+    """Timeouts and node counts of the Flower runtime (``runtime = "flower"`` only)."""
+
+    @model_validator(mode="after")
+    def _flower_only(self) -> FederatedOptions:
+        assert self.runtime in RUNTIMES
+        if self.flower is not None and self.runtime != "flower":
+            raise ValueError('[federated.flower] is read only with runtime = "flower" '
+                             f"(runtime is {self.runtime!r})")
+        return self
 
 
 class PopulationOptions(_Section):
