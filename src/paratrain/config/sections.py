@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ._base import Count, PositiveCount, describe_tags, parse_every, register_tags
-from .privacy import FederatedDP
 from .flower import RUNTIMES, FlowerOptions
+from .privacy import FederatedDP
 
 __all__ = [
     "RunConfig",
