@@ -38,9 +38,19 @@ PLAN_STYLES: dict[str, tuple[str | None, str | None]] = {
     "rowwise_split_input": ("replicate", "replicate"),
     "packed_colwise": ("replicate", "shard"),
     "replicate": (None, None),
+    "sequence": ("sequence", "sequence"),
+    "prepare_input": (None, None),
 }
-_NOT_YET = {"sequence", "sequence_parallel", "embedding_rowwise", "embedding_colwise", "packed_rowwise",
+_NOT_YET = {"sequence_parallel", "embedding_rowwise", "embedding_colwise", "packed_rowwise",
             "replicated_with_grad_allreduce", "local_colwise", "local_rowwise", "gather", "local"}
+_LAYOUT = Literal["replicate", "shard", "sequence"]
+# style -> (input layouts, output layouts) it accepts
+_LAYOUTS_ALLOWED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "colwise": (("replicate", "sequence"), ("shard", "replicate")),
+    "rowwise": (("shard", "replicate"), ("replicate", "sequence")),
+    "packed_colwise": (("replicate",), ("shard",)),
+    "sequence": (("sequence", "replicate"), ("sequence", "replicate")),
+}
 
 
 class PlanEntry(BaseModel):
@@ -53,16 +63,30 @@ class PlanEntry(BaseModel):
     its input is already sharded (``input = "shard"``) or the full input is split first
     (``input = "replicate"``, HF's ``rowwise_split_input``). ``"packed_colwise"``: ``parts``
     equal packed outputs (``[q | k | v]``, ``[gate | up]``), each cut colwise. ``"replicate"``:
-    kept whole, and nothing inside it is sharded (not even a recognised block)."""
+    kept whole, and nothing inside it is sharded (not even a recognised block).
+
+    Sequence parallelism (Korthikanti et al. 2022, torch's ``SequenceParallel``): the layout
+    ``"sequence"`` is an activation split along its sequence dim (dim 1 of ``[B, S, ...]``).
+    ``"sequence"``: the module runs on sequence shards, its own parameters replicated with their
+    gradients summed over the ranks (it sees only its shard's tokens); ``input = "replicate"``
+    splits its input first, ``output = "replicate"`` all-gathers its output. ``colwise`` takes
+    ``input = "sequence"`` (all-gathered first, gradients reduce-scattered) and ``rowwise``
+    ``output = "sequence"`` (reduce-scattered instead of all-reduced). ``"prepare_input"``
+    (torch's ``PrepareModuleInput``): the module's first tensor argument goes from ``input``
+    to ``desired_input`` (``"replicate"`` <-> ``"sequence"``); its children keep their own
+    entries."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
     style: str
-    """colwise, rowwise, colwise_gather_output, rowwise_split_input, packed_colwise or replicate."""
-    input: Literal["replicate", "shard"] | None = None
-    """The layout the module receives: replicate (every rank the whole tensor) or shard (the last
-    dim split, as a colwise layer leaves it)."""
-    output: Literal["replicate", "shard"] | None = None
-    """The layout the module leaves: replicate or shard (the last dim split)."""
+    """colwise, rowwise, colwise_gather_output, rowwise_split_input, packed_colwise, replicate,
+    sequence or prepare_input."""
+    input: _LAYOUT | None = None
+    """The layout the module receives: replicate (every rank the whole tensor), shard (the last
+    dim split, as a colwise layer leaves it) or sequence (dim 1 split)."""
+    output: _LAYOUT | None = None
+    """The layout the module leaves: replicate, shard (the last dim split) or sequence."""
+    desired_input: Literal["replicate", "sequence"] | None = None
+    """prepare_input only: the layout the module's first tensor argument is turned into."""
     parts: int | None = Field(default=None, ge=2)
     """packed_colwise only: how many equal parts are packed along the output features."""
 
@@ -71,8 +95,7 @@ class PlanEntry(BaseModel):
     def _known_style(cls, v: str) -> str:
         if v in _NOT_YET:
             raise ValueError(f"style {v!r} is not supported by paratrain's plan yet; supported: "
-                             f"{', '.join(PLAN_STYLES)} (sequence parallelism: communication_pattern = "
-                             "\"ReduceScatter\" on an nn.Sequential model)")
+                             f"{', '.join(PLAN_STYLES)}")
         if v not in PLAN_STYLES:
             raise ValueError(f"unknown style {v!r}; one of {', '.join(PLAN_STYLES)}")
         return v
@@ -82,10 +105,19 @@ class PlanEntry(BaseModel):
         want_in, want_out = PLAN_STYLES[self.style]
         if self.style == "replicate" and (self.input or self.output or self.parts):
             raise ValueError("replicate takes no input, output or parts")
-        if self.style in ("colwise", "packed_colwise") and self.input not in (None, "replicate"):
-            raise ValueError(f"{self.style} takes a replicated input (input = \"replicate\")")
-        if self.style == "rowwise" and self.output not in (None, "replicate"):
-            raise ValueError("rowwise leaves a replicated output (output = \"replicate\")")
+        if self.desired_input is not None and self.style != "prepare_input":
+            raise ValueError("desired_input applies to prepare_input only")
+        if self.style == "prepare_input":
+            pair = (self.input, self.desired_input)
+            if pair not in (("replicate", "sequence"), ("sequence", "replicate")) or self.output or self.parts:
+                raise ValueError("prepare_input takes input and desired_input, one \"replicate\" and the "
+                                 "other \"sequence\" (e.g. input = \"sequence\", desired_input = "
+                                 "\"replicate\" before an attention block)")
+        if self.style in _LAYOUTS_ALLOWED:
+            for side, got in (("input", self.input), ("output", self.output)):
+                allowed = _LAYOUTS_ALLOWED[self.style][side == "output"]
+                if got is not None and got not in allowed:
+                    raise ValueError(f"{self.style} takes {side} = " + " or ".join(f'"{a}"' for a in allowed))
         if self.style in ("colwise_gather_output", "rowwise_split_input") and (
                 (self.input or want_in) != want_in or (self.output or want_out) != want_out):
             raise ValueError(f"{self.style} has fixed layouts (input = {want_in!r}, output = {want_out!r})")

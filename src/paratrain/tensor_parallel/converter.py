@@ -48,7 +48,7 @@ from .layers import (
     RowParallelLinear,
 )
 from .partition import partition_shape
-from .plan import Plan
+from .plan import WALKED, Plan
 from .rules import encoder_problem, is_elementwise, is_plain_linear, module_where
 
 __all__ = ["Converter"]
@@ -76,9 +76,17 @@ class Converter:
         if hit is None:
             return None
         new, note = self.plan.apply(m, path, *hit)
-        if note != "replicate":
+        walked = hit[1].style in WALKED
+        if note != "replicate" and not walked:
             self.units += 1
         self.notes.append((path, f"{note} (plan \"{hit[0]}\")"))
+        if walked:  # kept, hooked: its children take their own entries and the block rules
+            pre = path + "." if path else ""
+            if isinstance(new, nn.Sequential):
+                self._sequential(new, pre)
+            else:
+                for name, child in list(new.named_children()):
+                    setattr(new, name, self.convert(child, pre + name + "."))
         return new
 
     def _attention(self, spec: AttentionSpec, m: nn.Module) -> nn.Module:

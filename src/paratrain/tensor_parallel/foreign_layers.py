@@ -34,7 +34,14 @@ from torch.nn import functional as F
 from paratrain.comm.tp.comm import TPComm
 
 from .autograd import copy_to_region, fused_copy_to_region
-from .layers import ColumnParallelLinear, RegionState, RowParallelLinear, _check_sizes, _mark
+from .layers import (
+    ColumnParallelLinear,
+    RegionState,
+    RowParallelLinear,
+    _check_sizes,
+    _mark,
+    refuse_sequence_shards,
+)
 
 __all__ = ["ColumnParallelConv1D", "PackedColumnParallel", "ParallelFusedQKVAttention", "RowParallelConv1D",
            "conv1d_shape", "is_conv1d"]
@@ -183,6 +190,7 @@ class PackedColumnParallel(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layers = [getattr(self, n) for n in self.names]
+        refuse_sequence_shards(layers[0].state, self)
         xs = fused_copy_to_region(x, self.comm, self.parts)
         y = torch.cat([lay(xi, input_done=True) for lay, xi in zip(layers, xs, strict=True)], dim=-1)
         if self.gather_output and self.comm.size > 1:

@@ -45,6 +45,7 @@ from .partition import split_sizes
 
 __all__ = [
     "RegionState",
+    "refuse_sequence_shards",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "SelfAttention",
@@ -62,6 +63,20 @@ class RegionState:
     seq_sizes: list[int] = field(default_factory=list)
     compute_dtype: torch.dtype | None = None
     grid_rows: list[int] = field(default_factory=list)  # batch split over grid rows (2-D)
+    # the activations are split along seq_dim now (a plan's sequence region, .sequence)
+    in_sequence: bool = False
+
+
+def refuse_sequence_shards(state: RegionState, layer: nn.Module) -> None:
+    """A layer that takes a replicated input, reached by sequence shards: it would compute
+    over its shard's tokens only (a different function), so stop, naming it."""
+    if state.in_sequence:
+        where = getattr(layer, "tp_path", "") or type(layer).__name__
+        raise RuntimeError(
+            f"tensor_parallel.plan: {where} takes a replicated input but receives sequence shards "
+            "(a module before it split the sequence): give it input = \"sequence\", or a "
+            "prepare_input entry (input = \"sequence\", desired_input = \"replicate\") on the "
+            "block that contains it")
 
 
 def _mark(p: nn.Parameter, dim: int, sizes: list[int]) -> None:
@@ -121,6 +136,13 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, *, input_done: bool = False) -> torch.Tensor:
         dim, sizes = _mode_dims(self.state)
         mode = "none" if input_done else self.mode
+        if mode == "copy":
+            refuse_sequence_shards(self.state, self)
+        elif mode == "seq" and not self.state.in_sequence:
+            where = getattr(self, "tp_path", "") or type(self).__name__
+            raise RuntimeError(f"tensor_parallel.plan: {where} takes sequence shards (input = \"sequence\") "
+                               "but no module before it split the sequence (give the first sequence "
+                               "entry input = \"replicate\")")
         y = column_linear(x, self.weight, self.bias, self.comm, mode=mode, dim=dim, sizes=sizes,
                           compute_dtype=self.state.compute_dtype)
         if self.gather_output:
@@ -170,8 +192,11 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.comm, x.dim() - 1, self.in_sizes)
         dim, sizes = _mode_dims(self.state)
-        return row_linear(x, self.weight, self.bias, self.comm, mode=self.mode, dim=dim,
-                          sizes=sizes, compute_dtype=self.state.compute_dtype)
+        y = row_linear(x, self.weight, self.bias, self.comm, mode=self.mode, dim=dim,
+                       sizes=sizes, compute_dtype=self.state.compute_dtype)
+        if self.mode == "seq":
+            self.state.in_sequence = True  # reduce-scattered: sequence shards from here
+        return y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "

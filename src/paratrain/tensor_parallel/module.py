@@ -113,6 +113,7 @@ class TensorParallelModule(nn.Module):
         dense_params = list(model.parameters())
         self.dense_param_bytes = _param_bytes(iter(dense_params))
         self.coordinator = TensorParallelism(config, self.comm.rank, self.comm.size)
+        self._sequence_modules: list[nn.Module] = []
         if tp > 1 and not self.batch_split:
             if not (config.column_parallel or config.row_parallel):
                 raise ConfigError([("tensor_parallel", "tensor_parallel_size > 1 but column_parallel "
@@ -126,6 +127,7 @@ class TensorParallelModule(nn.Module):
             model = conv.convert(model)
             conv.plan.check_used(paths)
             self.sharding = conv.notes
+            self._sequence_modules = conv.plan.sequence_modules
             if conv.units == 0:
                 raise ValueError("parallelize: no Linear pair or attention block found to shard "
                                  "(give the layout with a [tensor_parallel.plan] table)")
@@ -133,6 +135,9 @@ class TensorParallelModule(nn.Module):
             raise ConfigError([("tensor_parallel.plan", "BatchWise shards no weights: the plan would be "
                                                         "ignored")])
         self.module = model
+        for name, mod in model.named_modules():
+            if isinstance(getattr(mod, "state", None), RegionState):
+                mod.tp_path = name  # named in run-time layout errors (.sequence)
         # whole-model calls (keyword arguments, non-tensor outputs) for models that are not
         # an nn.Sequential of tensor-to-tensor children
         self.free_form = not isinstance(model, nn.Sequential) and bool(self.sharding)
@@ -198,6 +203,14 @@ class TensorParallelModule(nn.Module):
             raise ConfigError([("tensor_parallel.communication_pattern",
                                 "ReduceScatter (sequence parallel) needs an nn.Sequential model")])
         self._sp_params: list[nn.Parameter] = []
+        # a plan's sequence modules see their shard's tokens only (.sequence): their
+        # replicated parameters' gradients are partial sums
+        seen: set[int] = set()
+        for sm in self._sequence_modules:
+            for p in sm.parameters():
+                if not hasattr(p, "tp_shard_dim") and id(p) not in seen:
+                    seen.add(id(p))
+                    self._sp_params.append(p)
         if self.seq_region is not None:
             a, b = self.seq_region
             for c in kids[a: b + 1]:
@@ -226,14 +239,19 @@ class TensorParallelModule(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------
     def _run(self, idx: list[int], x: torch.Tensor) -> torch.Tensor:
+        region = self.seq_region
+        # a recomputed segment may start inside the region, its input already split
+        self.state.in_sequence = bool(idx) and region is not None and region[0] < idx[0] <= region[1]
         for i in idx:
             if self.seq_region is not None and i == self.seq_region[0]:
                 d = 1 if x.dim() >= 3 and not self.batch_split else 0
                 self.state.seq_dim = d
                 self.state.seq_sizes = split_sizes(x.shape[d], self.comm.size)
+                self.state.in_sequence = True
                 x = scatter_to_region(x, self.comm, d, self.state.seq_sizes)
             x = self._kids[i](x)
             if self.seq_region is not None and i == self.seq_region[1]:
+                self.state.in_sequence = False
                 x = gather_from_region(x, self.comm, self.state.seq_dim, self.state.seq_sizes)
         return x
 
@@ -258,11 +276,15 @@ class TensorParallelModule(nn.Module):
         first = next((t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)), None)
         dev = first.device.type if first is not None else "cpu"
         amp = torch.autocast(device_type=dev, dtype=torch.bfloat16) if mp else nullcontext()
+        def call(*a: Any, **k: Any) -> Any:
+            self.state.in_sequence = False  # a plan's sequence region starts inside (.sequence)
+            return self.module(*a, **k)
+
         with amp, hooks:
             if self.segments and self.training and torch.is_grad_enabled():
-                out = checkpoint(self._taped(self.module), *args, use_reentrant=False, **kwargs)
+                out = checkpoint(self._taped(call), *args, use_reentrant=False, **kwargs)
             else:
-                out = self.module(*args, **kwargs)
+                out = call(*args, **kwargs)
         if mp:
             out = tree_map_only(torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, out)
         return out
@@ -273,6 +295,7 @@ class TensorParallelModule(nn.Module):
         hooks = (memory.activation_hooks(offload=True, params=self._param_ptrs)
                  if offload or memory._ACTIVE else nullcontext())
         amp = torch.autocast(device_type=x.device.type, dtype=torch.bfloat16) if mp else nullcontext()
+        self.state.in_sequence = False
         with amp, hooks:
             if not self.segments or not (self.training and torch.is_grad_enabled()):
                 out = self._run(list(range(len(self._kids))), x)

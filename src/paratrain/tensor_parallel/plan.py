@@ -12,7 +12,13 @@ that matches a module decides its style (:class:`~paratrain.config.tensor_parall
 - ``rowwise``: :class:`~.layers.RowParallelLinear` / :class:`~.foreign_layers.RowParallelConv1D`,
   output summed over the ranks (``input = "replicate"``: the full input is split first);
 - ``packed_colwise``: :class:`~.foreign_layers.PackedColumnParallel` with ``parts`` parts;
-- ``replicate``: the module is kept whole, and nothing inside it is sharded.
+- ``replicate``: the module is kept whole, and nothing inside it is sharded;
+- ``sequence`` / ``prepare_input`` (:mod:`.sequence`): the module is kept, hooked to change
+  the layout of its input or output along the sequence dim, and its children are walked on
+  (their own entries and the block rules apply); a ``sequence`` module's parameters not
+  sharded below it have their gradients summed over the ranks. ``colwise`` with ``input =
+  "sequence"`` and ``rowwise`` with ``output = "sequence"`` are the layers at the edges of a
+  sequence region (Megatron's all-gather / reduce-scatter pair).
 
 A module whose subtree a pattern reaches is not converted by the built-in block rules
 (:mod:`.foreign`): the plan governs it. A plan is the user's statement of the layout, as in
@@ -34,8 +40,12 @@ from paratrain.config.tensor_parallel import PlanEntry
 from .foreign_layers import ColumnParallelConv1D, PackedColumnParallel, RowParallelConv1D, is_conv1d
 from .layers import ColumnParallelLinear, RegionState, RowParallelLinear
 from .rules import is_plain_linear, module_where
+from .sequence import install
 
-__all__ = ["Plan", "matches"]
+__all__ = ["Plan", "matches", "WALKED"]
+
+# styles that keep the module and walk on into its children
+WALKED = ("sequence", "prepare_input")
 
 
 def matches(pattern: str, path: str) -> bool:
@@ -57,6 +67,7 @@ class Plan:
         self.entries = dict(entries)
         self.comm, self.state = comm, state
         self.used: set[str] = set()
+        self.sequence_modules: list[nn.Module] = []  # their parameters' gradients are summed
 
     def __bool__(self) -> bool:
         return bool(self.entries)
@@ -77,6 +88,16 @@ class Plan:
         style = entry.style
         if style == "replicate":
             return m, "replicate"
+        if style in WALKED:
+            src = entry.input_layout if style == "sequence" else entry.input
+            dst = "sequence" if style == "sequence" else entry.desired_input
+            out = entry.output_layout if style == "sequence" else None
+            install(m, path, style=style, src=src, dst=dst, out=out, comm=self.comm, state=self.state)
+            if style == "sequence":
+                self.sequence_modules.append(m)
+                return m, "sequence" + (", input split here" if src == "replicate" else "") + (
+                    ", output gathered" if out == "replicate" else "")
+            return m, f"prepare_input ({src} -> {dst})"
         conv = is_conv1d(m)
         if not (conv or is_plain_linear(m)):
             raise ConfigError([(field, f"{module_where(path, m)}: {style} applies to a plain nn.Linear "
@@ -90,13 +111,19 @@ class Plan:
                 raise ConfigError([(field, f"{module_where(path, m)}: {e}")]) from None
         if style in ("colwise", "colwise_gather_output"):
             gather = entry.output_layout == "replicate"
+            seq = entry.input_layout == "sequence"
+            kw["mode"] = "seq" if seq else "copy"
             new: nn.Module = (ColumnParallelConv1D.from_conv1d(m, gather_output=gather, **kw) if conv
                               else ColumnParallelLinear.from_dense(m, gather_output=gather, **kw))  # type: ignore[arg-type]
-            return new, "colwise" + (", output replicated" if gather else "")
+            return new, "colwise" + (", input sequence-gathered" if seq else "") + (
+                ", output replicated" if gather else "")
         split = entry.input_layout == "replicate"
+        seq = entry.output_layout == "sequence"
+        kw["mode"] = "seq" if seq else "reduce"
         new = (RowParallelConv1D.from_conv1d(m, input_is_parallel=not split, **kw) if conv
                else RowParallelLinear.from_dense(m, input_is_parallel=not split, **kw))  # type: ignore[arg-type]
-        return new, "rowwise" + (", input split here" if split else "")
+        return new, "rowwise" + (", input split here" if split else "") + (
+            ", output reduce-scattered to sequence shards" if seq else "")
 
     def check_used(self, model_paths: list[str]) -> None:
         """Every pattern matched some module (else a ConfigError naming the unused ones)."""

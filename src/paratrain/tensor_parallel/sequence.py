@@ -1,0 +1,123 @@
+"""Sequence parallelism on modules paratrain did not write: the plan's ``sequence`` and
+``prepare_input`` styles (torch's ``SequenceParallel`` and ``PrepareModuleInput``).
+
+Megatron's sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation
+in Large Transformer Models", §4.2.2): between the tensor-parallel regions of a transformer
+layer, the activations (layer norms, residual adds, dropout) are split along the sequence
+dim, so each of the ``p`` ranks holds and computes ``1/p`` of them. Layouts of an activation
+``X`` of shape ``[B, S, ...]`` (the sequence dim is 1, torch's default ``sequence_dim``):
+
+- replicate -> sequence (:func:`to_sequence`): rank ``r`` keeps ``X[:, S_r]`` (no traffic);
+  the gradient is all-gathered back (each rank's shard computation gives the complete
+  gradient of its own tokens);
+- sequence -> replicate (:func:`to_replicate`): all-gather forward; backward keeps this
+  rank's slice of the gradient. The consumer of a replicated activation makes its gradient
+  complete on every rank: a replicated module by construction, a column-parallel layer by
+  its own ``f`` (the all-reduce of its input gradient), as everywhere in paratrain;
+- a column-parallel layer with ``input = "sequence"`` all-gathers and reduce-scatters its
+  input gradient (``_SeqGather``), a row-parallel one with ``output = "sequence"``
+  reduce-scatters its partial sums (``_SeqReduceScatter``): one collective each way instead
+  of the all-reduce, Megatron's ``g``/``g-bar`` pair.
+
+A module under the ``sequence`` style sees only its shard's tokens, so the gradients of its
+replicated parameters are partial sums: they are summed over the ranks after backward
+(:meth:`~.module.TensorParallelModule.sync_gradients`), as the ReduceScatter layout does for
+paratrain's own models. This is right for token-wise modules (norms, dropout, element-wise
+maths, embeddings of token ids); a module that mixes tokens (attention) must receive the
+whole sequence (``prepare_input`` with ``desired_input = "replicate"``).
+
+:class:`~.layers.RegionState` carries where the sequence was split (``seq_dim``,
+``seq_sizes``: uneven lengths allowed) and whether the activations are split now
+(``in_sequence``): a column-parallel layer that takes a replicated input refuses sequence
+shards at run time (it would attend or project over its shard's tokens only, a silently
+different function), naming the module and the plan entry to add.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from paratrain.comm.tp.comm import TPComm
+
+from .autograd import gather_from_region, scatter_to_region
+from .layers import RegionState
+from .partition import split_sizes
+
+__all__ = ["SEQ_DIM", "to_sequence", "to_replicate", "install"]
+
+SEQ_DIM = 1
+
+
+def to_sequence(x: torch.Tensor, comm: TPComm, state: RegionState, where: str) -> torch.Tensor:
+    """replicate -> sequence: this rank's slice of dim 1 (the split is noted in ``state``)."""
+    if x.dim() < 2:
+        raise RuntimeError(f"tensor_parallel.plan: {where} splits the sequence (dim 1) of a tensor of "
+                           f"shape {tuple(x.shape)}, which has no such dim")
+    state.seq_dim, state.seq_sizes = SEQ_DIM, split_sizes(int(x.shape[SEQ_DIM]), comm.size)
+    state.in_sequence = True
+    return scatter_to_region(x, comm, SEQ_DIM, state.seq_sizes)
+
+
+def to_replicate(x: torch.Tensor, comm: TPComm, state: RegionState, where: str) -> torch.Tensor:
+    """sequence -> replicate: the all-gather of the shards along dim 1."""
+    if not state.in_sequence or not state.seq_sizes:
+        raise RuntimeError(f"tensor_parallel.plan: {where} gathers sequence shards, but no module "
+                           "before it split the sequence (add input = \"replicate\" to the first "
+                           "sequence entry, or a prepare_input entry that makes \"sequence\")")
+    got = int(x.shape[state.seq_dim]) if x.dim() > state.seq_dim else -1
+    if got != state.seq_sizes[comm.rank]:
+        raise RuntimeError(f"tensor_parallel.plan: {where} expects this rank's {state.seq_sizes[comm.rank]} "
+                           f"positions of dim {state.seq_dim}, got a tensor of shape {tuple(x.shape)}")
+    state.in_sequence = False
+    return gather_from_region(x, comm, state.seq_dim, state.seq_sizes)
+
+
+def _convert(x: Any, to: str, comm: TPComm, state: RegionState, where: str) -> Any:
+    if not isinstance(x, torch.Tensor):
+        raise RuntimeError(f"tensor_parallel.plan: {where} converts a tensor, got {type(x).__name__}")
+    return to_sequence(x, comm, state, where) if to == "sequence" else to_replicate(x, comm, state, where)
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int | str, torch.Tensor] | None:
+    """The module's first tensor argument: the first positional one, else the first keyword
+    argument that is a tensor (HF calls ``self_attn(hidden_states=..., ...)``)."""
+    if args:
+        return (0, args[0]) if isinstance(args[0], torch.Tensor) else None
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor):
+            return k, v
+    return None
+
+
+def install(m: nn.Module, path: str, *, style: str, src: str | None, dst: str | None,
+            out: str | None, comm: TPComm, state: RegionState) -> None:
+    """Hook ``m`` so its first tensor argument goes ``src`` -> ``dst`` (when they differ) and
+    its output (a tensor, or the first element of a tuple) goes sequence -> ``out``."""
+    where = f"{path or '<root>'} ({style})"
+    if src is not None and dst is not None and src != dst:
+        def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            hit = _first_tensor(args, kwargs)
+            if hit is None:
+                raise RuntimeError(f"tensor_parallel.plan: {where} was called without a tensor argument")
+            key, x = hit
+            y = _convert(x, dst, comm, state, where)
+            if isinstance(key, int):
+                return (y, *args[1:]), kwargs
+            return args, {**kwargs, key: y}
+        m.register_forward_pre_hook(pre, with_kwargs=True)
+    elif src == "sequence" and dst == "sequence":
+        def check(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if not state.in_sequence:
+                raise RuntimeError(f"tensor_parallel.plan: {where} runs on sequence shards, but its "
+                                   "input is replicated (no module before it split the sequence: give "
+                                   "the first one input = \"replicate\")")
+        m.register_forward_pre_hook(check, with_kwargs=True)
+    if out == "replicate":
+        def post(_m: nn.Module, _args: tuple[Any, ...], output: Any) -> Any:
+            if isinstance(output, tuple | list) and output:
+                return type(output)([_convert(output[0], "replicate", comm, state, where), *output[1:]])
+            return _convert(output, "replicate", comm, state, where)
+        m.register_forward_hook(post)
