@@ -38,6 +38,7 @@ from ....training.interrupt import Cadence
 from ....training.rundir import MetricsWriter, RunFolder
 from ..client import client_name
 from ..personal import combine
+from ..privacy import build_server_privacy
 from ..selection import select_clients
 from ..server import FederatedServer, RoundSchedule
 from .side import Side, build_side, stateful
@@ -84,6 +85,7 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
         # num_clients: what per-client server state (SCAFFOLD) is sized by, where the server takes it
         kw = {"num_clients": strat.num_clients} if "num_clients" in inspect.signature(FederatedServer).parameters else {}
         server = FederatedServer(strat.aggregation, side.template, schedule, **kw)
+        server.set_privacy(build_server_privacy(job, [len(p) for p in side.partitions]))  # [federated.dp]
         tags = {c: sorted(job.federated.client_tags.get(client_name(c), [])) for c in range(strat.num_clients)}
         with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
             run_dir = folder.path
@@ -185,6 +187,7 @@ def _finish(side: Side, server: FederatedServer, nodes: Nodes, run_dir: Any, sta
         "wall_time_s": round(time.perf_counter() - started, 3),
         "parameters_sha256": parameters_digest(model),
         **final_per,
+        **server.privacy_summary(),  # [federated.dp]: epsilon, delta, why it stopped
     }
     if resumed_from is not None:
         summary["resumed_from_round"] = resumed_from
