@@ -77,8 +77,8 @@ def test_refused_combinations_name_the_field(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as e:
             validate(zero_job(str(tmp_path), "bad", 2, "optimizer", **extra))
         assert field in str(e.value)
-    with pytest.raises(ConfigError, match="strategy.shard"):  # ZeRO x tensor parallel: not yet
-        zero_job(str(tmp_path), "bad", 2, "parameters", tensor_parallel={"tensor_parallel_size": 2})
+    # ZeRO x tensor parallel composes on the dp x tp mesh (tests/test_mesh_zero_tp.py)
+    assert zero_job(str(tmp_path), "ok", 2, "parameters", tensor_parallel={"tensor_parallel_size": 2})
 
 
 def test_an_unknown_unit_is_a_config_error() -> None:

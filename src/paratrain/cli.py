@@ -90,9 +90,12 @@ def _tp_layout(job: Any) -> list[str]:
 
     if not is_tensor_parallel(job):
         return []
-    from .executors.tensor_parallel.runner import dry_run
+    from .executors.tensor_parallel.runner import dry_run, mesh_lines
 
-    return [f"tensor parallel: {p}: {how}" for p, how in dry_run(job)]
+    lines = [f"tensor parallel: {p}: {how}" for p, how in dry_run(job)]
+    if job.strategy.type == "DataParallel":  # the dp x tp mesh (and ZeRO over its dp columns)
+        lines += mesh_lines(job)
+    return lines
 
 
 def _dp_lines(job: Any) -> list[str]:
@@ -105,9 +108,10 @@ def _dp_lines(job: Any) -> list[str]:
 
 def _shard_layout(job: Any) -> list[str]:
     from .config.strategy import DataParallel
+    from .executors import is_tensor_parallel
 
-    if not isinstance(job.strategy, DataParallel) or job.strategy.shard == "none":
-        return []
+    if not isinstance(job.strategy, DataParallel) or job.strategy.shard == "none" or is_tensor_parallel(job):
+        return []  # ZeRO x tensor parallel: the mesh lines of _tp_layout
     from .executors.data_parallel.runner import shard_layout
 
     return shard_layout(job)

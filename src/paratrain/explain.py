@@ -384,19 +384,23 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
             report["parameters_not_run"] = _count(unplaced)
     if shape_note is not None:
         report["shapes_unavailable"] = shape_note
-    if kind == "DataParallel" and getattr(root, "shard", "none") != "none":  # ZeRO: what is sharded
-        from .executors.data_parallel.zero import shard_plan
+    from .executors import is_tensor_parallel
+
+    if kind == "DataParallel" and getattr(root, "shard", "none") != "none" and not is_tensor_parallel(job):
+        from .executors.data_parallel.zero import shard_plan  # ZeRO: what is sharded
         from .subgraphs import local_parameter_names
 
         report["shard"] = shard_plan(model, level=root.shard, units=root.shard_unit,
                                      local=local_parameter_names(model, job), world=root.num_replicas)
-    from .executors import is_tensor_parallel
-
     if is_tensor_parallel(job):  # which modules tensor parallelism shards, and how
-        from .executors.tensor_parallel.runner import dry_run
+        from .executors.tensor_parallel.runner import dry_run, mesh_plan
 
         report["tensor_parallel_size"] = job.tensor_parallel.tensor_parallel_size
         report["tensor_parallel"] = [{"module": p, "sharding": how} for p, how in dry_run(job)]
+        mesh = mesh_plan(job)  # the dp x tp mesh; ZeRO runs over its dp columns
+        if "shard" in mesh:
+            report["shard"] = mesh.pop("shard")
+        report["mesh"] = mesh
     return report
 
 

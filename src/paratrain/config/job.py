@@ -100,12 +100,6 @@ class JobConfig(_Section):
                 raise ValueError(f"compression.method: PowerSGD runs inside an all-reduce "
                                  f"(DataParallel with aggregation AllReduce); {where} exchanges "
                                  "per-replica payloads, use TopK, RandomK, Threshold or Quantization")
-        tp = self.tensor_parallel
-        if (s.type == "DataParallel" and getattr(s, "shard", "none") != "none"
-                and tp is not None and tp.tensor_parallel_size > 1):
-            raise ValueError(f"strategy.shard: shard = {s.shard!r} (ZeRO) does not compose with "
-                             "[tensor_parallel] yet (the tensor-parallel executor would replicate "
-                             "the optimizer state); use shard = \"none\" or tensor_parallel_size = 1")
         # model/data: exactly one of name or factory is checked by ModelSpec/DataSpec
         return self
 

@@ -107,6 +107,13 @@ def render(report: Mapping[str, Any]) -> str:
         out += ["", f"tensor parallel (size {report.get('tensor_parallel_size')}), modules sharded:"]
         out += _table(["module", "sharding"], [[t["module"], t["sharding"]] for t in report["tensor_parallel"]],
                       set())
+    if report.get("mesh"):  # parallelisms composed on one mesh: its shape, rank formula, groups
+        m = report["mesh"]
+        out += ["", "mesh " + " x ".join(f"{d} {n}" for d, n in zip(m["dims"], m["sizes"], strict=True))
+                + f": {m['layout']}"]
+        out += [f"  {d} groups: {' '.join(str(g) for g in gs)}" for d, gs in m["groups"].items()]
+        if m.get("zero"):
+            out.append(f"  {m['zero']} (units below: tp rank 0's shard)")
     if report.get("shard"):  # DataParallel ZeRO: what each replica holds 1/N of
         z = report["shard"]
         out += ["", f"ZeRO-{z['zero_stage']} (shard = {z['level']}) over {z['replicas']} replicas: "

@@ -1,8 +1,10 @@
 """The tensor-parallel and data-parallel sub-groups of a run (:func:`build_tp_groups`).
 
-Layout of groups (torchtitan / Megatron convention): with ``tp`` tensor-parallel ranks and
-``dp = world / tp`` data-parallel replicas, the TP group of rank r is the ``tp`` consecutive
-ranks ``[r//tp*tp, r//tp*tp + tp)`` and its DP group the ranks ``r % tp + k*tp``. Under the
+Layout of groups (torchtitan / Megatron convention): the mesh ``dp x tp``
+(:class:`~paratrain.comm.mesh.Mesh`, ``rank = dp*tp_size + tp``): with ``tp`` tensor-parallel
+ranks and ``dp = world / tp`` data-parallel replicas, the TP group of rank r is the ``tp``
+consecutive ranks ``[r//tp*tp, r//tp*tp + tp)`` (a row of the mesh) and its DP group the
+ranks ``r % tp + k*tp`` (a column). Under the
 ``Hierarchical`` pattern each TP group is also cut into per-host nodes with a leaders'
 group (see :mod:`paratrain.comm.groups` and :class:`paratrain.comm.tp.comm.TPComm`).
 """
@@ -15,6 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..groups import describe_hierarchy, hierarchy_from_hosts, host_labels
+from ..mesh import Mesh
 from ..stats import CommStats
 from .comm import TPComm, _Hier
 
@@ -30,6 +33,7 @@ class TPGroups:
     tp_size: int
     dp_size: int
     tp_index: int  # which TP group (= DP rank)
+    mesh: Mesh | None = None  # the dp x tp layout these groups are the rows and columns of
 
 
 def build_tp_groups(tp_size: int, *, pattern: str = "AllReduce", async_op: bool = True,
@@ -51,6 +55,7 @@ def build_tp_groups(tp_size: int, *, pattern: str = "AllReduce", async_op: bool 
         raise ValueError(f"tensor_parallel_size {tp_size} must be >= 1, at most the world size "
                          f"({world}) and divide it")
     dp_size = world // tp_size
+    mesh = Mesh.of(dp=dp_size, tp=tp_size)
     my_tp: tuple[Any, list[int]] | None = None
     my_hier: _Hier | None = None
     world_nodes: list[list[int]] = []
@@ -58,8 +63,7 @@ def build_tp_groups(tp_size: int, *, pattern: str = "AllReduce", async_op: bool 
     if pattern == "Hierarchical":
         labels = host_labels()  # collective: every rank's host (and torchrun node)
         world_nodes = hierarchy_from_hosts(labels)
-    for g in range(dp_size):
-        ranks = list(range(g * tp_size, (g + 1) * tp_size))
+    for ranks in mesh.groups("tp"):  # the rows: every rank creates every group, in order
         grp = dist.new_group(ranks) if tp_size < world else dist.group.WORLD
         if rank in ranks:
             my_tp = (grp, ranks)
@@ -77,10 +81,9 @@ def build_tp_groups(tp_size: int, *, pattern: str = "AllReduce", async_op: bool 
     tp = TPComm(my_tp[0], my_tp[1], rank=rank, pattern=pattern, async_op=async_op,
                 fusion_threshold_bytes=fusion_threshold_bytes, stats=stats, hier=my_hier)
     dp: TPComm | None = None
-    for j in range(tp_size):
-        ranks = list(range(j, world, tp_size))
+    for ranks in mesh.groups("dp"):  # the columns
         grp = dist.new_group(ranks) if dp_size > 1 and dp_size < world else dist.group.WORLD
         if rank in ranks and dp_size > 1:
             dp = TPComm(grp, ranks, rank=rank, pattern="AllReduce", async_op=async_op,
                         fusion_threshold_bytes=fusion_threshold_bytes, stats=stats)
-    return TPGroups(tp, dp, tp_size, dp_size, rank // tp_size)
+    return TPGroups(tp, dp, tp_size, dp_size, mesh.coords(rank)["dp"], mesh)

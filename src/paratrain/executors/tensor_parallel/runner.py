@@ -29,6 +29,7 @@ metrics and the tensor-parallel statistics.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -36,6 +37,8 @@ from typing import Any
 
 import torch
 
+from ...comm.buckets import bucket_bytes_of
+from ...comm.collectives import CommCounter
 from ...comm.context import WorkerContext
 from ...comm.launch import launch
 from ...comm.rendezvous import in_torchrun
@@ -62,8 +65,9 @@ from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
 from ..entry import worker_entry
 from .engine import TensorParallelEngine
+from .zero import MeshZeroEngine, mesh_units
 
-__all__ = ["run", "validate", "worker_main", "layout", "dry_run", "dp_order"]
+__all__ = ["run", "validate", "worker_main", "layout", "dry_run", "dp_order", "mesh_plan", "mesh_lines"]
 
 
 def layout(job: JobConfig) -> tuple[TensorParallelismConfig, int, int]:
@@ -80,6 +84,10 @@ def layout(job: JobConfig) -> tuple[TensorParallelismConfig, int, int]:
                                 f"tensor parallelism combines with DataParallel AllReduce only "
                                 f"(got {s.aggregation.method!r})")])
         dp = s.num_replicas
+        if s.shard != "none":  # ZeRO over the dp column of the mesh (.zero): AllReduce, uncompressed
+            from ..data_parallel.runner import _validate_shard
+
+            _validate_shard(job, s)
     else:
         raise ConfigError([("strategy.type", f"tensor parallelism runs under Local or DataParallel "
                             f"(got {getattr(s, 'type', s)!r})")])
@@ -88,6 +96,11 @@ def layout(job: JobConfig) -> tuple[TensorParallelismConfig, int, int]:
                             "job has one replica (tensor-parallel collectives carry activations "
                             "and are not compressed); add DataParallel replicas or drop it")])
     return cfg, cfg.tensor_parallel_size, dp
+
+
+def _shard_of(job: JobConfig) -> str:
+    """The DataParallel strategy's ZeRO level (``"none"`` for Local or unsharded)."""
+    return str(getattr(job.strategy, "shard", "none"))
 
 
 def _dp_options(job: JobConfig, dp: int) -> dict[str, Any]:
@@ -174,13 +187,24 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     groups = build_tp_groups(tp, pattern=cfg.communication_pattern.value,
                              async_op=cfg.async_communication,
                              fusion_threshold_bytes=cfg.fusion_threshold_bytes)
-    tpm = parallelize(model, cfg, groups, **_dp_options(job, dp))
-    opt = build_optimizer(tpm.parameters(), job.train.optimizer)
+    shard = _shard_of(job)
+    t = job.train
+    zero: MeshZeroEngine | None = None
+    if shard == "none":
+        tpm = parallelize(model, cfg, groups, **_dp_options(job, dp))
+    else:  # ZeRO over the dp column: no whole-gradient DP sync in the module
+        tpm = parallelize(model, cfg, dataclasses.replace(groups, dp=None))
+        zero = MeshZeroEngine(tpm, task, test, groups=groups, device=device, is_main=ctx.is_main,
+                              world_group=ctx.group, precision=t.precision, level=shard,
+                              units=getattr(job.strategy, "shard_unit", None),
+                              micro_batches=cfg.micro_batches,
+                              broadcast_buffers=bool(getattr(job.strategy, "broadcast_buffers", True)),
+                              counter=CommCounter(), bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb))
+    opt = build_optimizer((zero.model if zero is not None else tpm).parameters(), job.train.optimizer)
     sync = tpm.grad_sync
 
     run_dir = run_dir_of(job)
     resuming = resume or ctx.restart_count > 0
-    t = job.train
     d_index = groups.tp_index
     plan = DataPlan.build(dataset=train,
                           order=lambda e: dp_order(n_rows, dp=dp, replica=d_index, seed=seed, epoch=e),
@@ -188,12 +212,14 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                           batch_size=t.batch_size, accumulation=t.grad_accumulation,
                           epochs=t.epochs, max_steps=t.max_steps, device=device,
                           loader=LoaderOptions.of(job.data, seed), shard=(d_index, dp))
-    engine = TensorParallelEngine(tpm, task, test, device=device, precision=t.precision,
-                                  micro_batches=cfg.micro_batches, is_main=ctx.is_main,
-                                  backend=ctx.backend)
+    engine: TensorParallelEngine | MeshZeroEngine = zero if zero is not None else TensorParallelEngine(
+        tpm, task, test, device=device, precision=t.precision, micro_batches=cfg.micro_batches,
+        is_main=ctx.is_main, backend=ctx.backend)
     trainer = Trainer(engine, opt, t, plan.total_steps)
+    # ``shard`` in the layout: pieces of TP shards are another layout than whole TP shards
     store = _Store(run_dir, "tp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
-                   layout={"tp": tp, "dp": dp}, layout_field="tensor_parallel.tensor_parallel_size",
+                   layout={"tp": tp, "dp": dp, **({"shard": shard} if zero is not None else {})},
+                   layout_field="tensor_parallel.tensor_parallel_size",
                    device=device, scheduler=trainer.scheduler, reshard=True)
 
     def prepare() -> None:
@@ -201,7 +227,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             prepare_run_dir(job, resume=resuming)
         world_barrier()
 
-    label = f"TensorParallel x{tp}" + (f" x DataParallel x{dp}" if dp > 1 else "")
+    label = f"TensorParallel x{tp}" + (f" x DataParallel x{dp}" if dp > 1 else "") + (
+        f" (ZeRO shard = {shard} over dp)" if zero is not None else "")
     try:
         result = run_loop(
             trainer=trainer, plan=plan, task=task, store=store, label=label,
@@ -209,10 +236,15 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             prepare=prepare, eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every,
             progress_every=job.run.progress_every,
             rank=ctx.rank, restart_count=ctx.restart_count, started=started, group=ctx.group,
-            layout={"strategy": "TensorParallel", "tp": tp, "dp": dp, "replicas": dp})
+            layout={"strategy": "TensorParallel", "tp": tp, "dp": dp, "replicas": dp,
+                    **({"shard": shard} if zero is not None else {})})
+        if zero is not None:
+            zero.gather_all()  # ZeRO-3: the whole TP shards again (collective over dp)
         stats = tpm.statistics()
         dense = tpm.dense_state_dict()  # collective over the TP group
     finally:
+        if zero is not None:
+            zero.close()
         groups.tp.close()
     if not ctx.is_main:
         return None
@@ -231,6 +263,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "tensor_parallel_size": tp,
         "data_parallel_size": dp,
         "world_size": ctx.world_size,
+        "mesh": groups.mesh.describe() if groups.mesh is not None else None,
+        **({"shard": shard} if zero is not None else {}),
         "backend": ctx.backend,
         "run_dir": str(run_dir),
         **fields,
@@ -289,11 +323,8 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def dry_run(job: JobConfig) -> list[tuple[str, str]]:
-    """Shard the job's model as rank 0 would, without processes or collectives, so layout
-    errors (heads not divisible, BlockWise on a square size, nothing to shard...) surface
-    before anything is launched; returns what was sharded and how
-    (``TensorParallelModule.layout``: what ``paratrain validate`` and ``graph`` print)."""
+def _dry_module(job: JobConfig) -> Any:
+    """The job's model sharded as rank 0 would, without processes or collectives."""
     from ...comm.tp.comm import TPComm
     from ...comm.tp.groups import TPGroups
     from ...tensor_parallel import TensorParallelModule
@@ -306,11 +337,59 @@ def dry_run(job: JobConfig) -> list[tuple[str, str]]:
     model = task.build_model(job.model, train)
     comm = TPComm(None, list(range(tp)), rank=0, pattern=cfg.communication_pattern.value)
     try:
-        return TensorParallelModule(model, cfg, TPGroups(comm, None, tp, dp, 0)).layout()
+        return TensorParallelModule(model, cfg, TPGroups(comm, None, tp, dp, 0))
     except ValueError as e:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError([("tensor_parallel", str(e))]) from None
+
+
+def dry_run(job: JobConfig) -> list[tuple[str, str]]:
+    """Shard the job's model as rank 0 would, without processes or collectives, so layout
+    errors (heads not divisible, BlockWise on a square size, nothing to shard, a ZeRO
+    ``shard_unit`` matching nothing...) surface before anything is launched; returns what
+    was sharded and how (``TensorParallelModule.layout``: what ``paratrain validate`` and
+    ``graph`` print)."""
+    tpm = _dry_module(job)
+    shard = _shard_of(job)
+    if shard not in ("none", "optimizer"):
+        mesh_units(tpm, getattr(job.strategy, "shard_unit", None))  # ConfigError: no such unit
+    return list(tpm.layout())
+
+
+def mesh_plan(job: JobConfig) -> dict[str, Any]:
+    """The mesh of a tensor-parallel job (``paratrain graph`` / ``validate --explain``): the
+    ``dp x tp`` shape, the rank formula and the groups (:class:`~paratrain.comm.mesh.Mesh`),
+    and for a ZeRO job what rank 0 holds of its TP shard (the units, its elements, and the
+    fp32 Adam bytes by the ZeRO formula over the dp replicas)."""
+    from ...comm.mesh import Mesh
+    from ..data_parallel.zero_plan import shard_plan
+
+    _, tp, dp = layout(job)
+    out: dict[str, Any] = {**Mesh.of(dp=dp, tp=tp).describe()}
+    shard = _shard_of(job)
+    if shard != "none":
+        tpm = _dry_module(job)
+        units = mesh_units(tpm, getattr(job.strategy, "shard_unit", None)) if shard != "optimizer" else None
+        out["zero"] = f"ZeRO (shard = {shard}) over dp on each TP shard"
+        out["shard"] = shard_plan(tpm, level=shard, units=units, local=set(), world=dp)
+    return out
+
+
+def mesh_lines(job: JobConfig) -> list[str]:
+    """``paratrain validate``'s lines for the mesh (a job with DataParallel replicas)."""
+    m = mesh_plan(job)
+    groups = "; ".join(f"{d} groups {g}" for d, g in m["groups"].items())
+    lines = [f"mesh {' x '.join(f'{d} {n}' for d, n in zip(m['dims'], m['sizes'], strict=True))}: "
+             f"{m['layout']}; {groups}"]
+    if "shard" in m:
+        z = m["shard"]
+        units = ", ".join(f"{u['unit'].removeprefix('module.')} ({u['elements_per_rank']} of "
+                          f"{u['elements']})" for u in z["units"])
+        lines.append(f"{m['zero']}: ZeRO-{z['zero_stage']}, elements a rank holds per unit of "
+                     f"tp rank 0's shard: {units}; about {z['adam_fp32_bytes_per_rank']} bytes a rank "
+                     "for fp32 Adam")
+    return lines
 
 
 def validate(job: JobConfig) -> None:

@@ -1,0 +1,111 @@
+"""A device mesh of named dimensions over the ranks of a run: :class:`Mesh`.
+
+Parallelisms compose on one mesh (torchtitan's ``dp x tp``, Megatron's rank order): the
+world of ``prod(sizes)`` ranks is laid out row-major over ``dims``, outermost first, so the
+last dimension varies fastest. With ``dims = ("dp", "tp")`` and sizes ``(D, T)``::
+
+    rank = dp * T + tp            (tp = rank % T, dp = rank // T)
+
+the ``tp`` group of a rank is the ``T`` consecutive ranks of its row (the ranks that hold
+the shards of one model replica: tensor-parallel collectives stay on the fastest links, as
+Megatron places them), its ``dp`` group the ``D`` ranks of its column (one per replica,
+holding the *same* tensor-parallel shard: the data-parallel gradient mean, or ZeRO's
+reduce-scatter / all-gather of that shard, runs there). The same rule lays out
+``("pp", "tp")``: ``rank = stage * T + tp``.
+
+:class:`Mesh` is pure arithmetic (no process group): ``paratrain graph`` and ``validate``
+show it, and :func:`paratrain.comm.tp.groups.build_tp_groups` builds one process group per
+row and per column of it (every rank creates every group, in the same order, as
+``torch.distributed.new_group`` requires; the same groups
+``torch.distributed.device_mesh.init_device_mesh`` would make for this shape).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+__all__ = ["Mesh"]
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Ranks ``0 .. prod(sizes) - 1`` laid out row-major over ``dims`` (module doc)."""
+
+    dims: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.dims) != len(self.sizes) or not self.dims:
+            raise ValueError(f"Mesh: one size per dimension (dims {self.dims}, sizes {self.sizes})")
+        if len(set(self.dims)) != len(self.dims):
+            raise ValueError(f"Mesh: dimension names repeat: {self.dims}")
+        if any(int(s) < 1 for s in self.sizes):
+            raise ValueError(f"Mesh: sizes must be >= 1 (got {self.sizes})")
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.sizes)
+
+    def _axis(self, dim: str) -> int:
+        if dim not in self.dims:
+            raise ValueError(f"Mesh: no dimension {dim!r} (dims: {', '.join(self.dims)})")
+        return self.dims.index(dim)
+
+    def _stride(self, axis: int) -> int:
+        return math.prod(self.sizes[axis + 1:])
+
+    def size(self, dim: str) -> int:
+        return int(self.sizes[self._axis(dim)])
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``rank``'s index along every dimension."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"Mesh: rank {rank} outside a world of {self.world}")
+        return {d: (rank // self._stride(i)) % s for i, (d, s) in enumerate(zip(self.dims, self.sizes,
+                                                                                 strict=True))}
+
+    def rank_of(self, **coords: int) -> int:
+        """The rank at ``coords`` (every dimension named)."""
+        if set(coords) != set(self.dims):
+            raise ValueError(f"Mesh.rank_of: give every dimension {self.dims} (got {sorted(coords)})")
+        return sum(int(coords[d]) * self._stride(i) for i, d in enumerate(self.dims))
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """Every group along ``dim``: the ranks that differ only in their ``dim`` index, in
+        order of the other coordinates (so rank ``r`` lies in ``groups(dim)[k]`` for one k)."""
+        axis = self._axis(dim)
+        stride, n = self._stride(axis), self.sizes[axis]
+        out: list[list[int]] = []
+        for r in range(self.world):
+            if (r // stride) % n == 0:
+                out.append([r + k * stride for k in range(n)])
+        return out
+
+    def group_of(self, dim: str, rank: int) -> list[int]:
+        """The ranks of ``rank``'s group along ``dim``."""
+        return next(g for g in self.groups(dim) if rank in g)
+
+    def formula(self) -> str:
+        """The rank layout as a formula, e.g. ``rank = dp*2 + tp``."""
+        terms = []
+        for i, d in enumerate(self.dims):
+            stride = self._stride(i)
+            terms.append(d if stride == 1 else f"{d}*{stride}")
+        return "rank = " + " + ".join(terms)
+
+    def describe(self) -> dict[str, object]:
+        """What ``paratrain graph`` / ``validate --explain`` show: the shape, the rank
+        formula and every dimension's groups."""
+        return {"dims": list(self.dims), "sizes": [int(s) for s in self.sizes],
+                "layout": self.formula(),
+                "groups": {d: self.groups(d) for d in self.dims}}
+
+    @staticmethod
+    def of(**sizes: int) -> Mesh:
+        """``Mesh.of(dp=2, tp=2)``: dimensions in the order given, outermost first."""
+        return Mesh(tuple(sizes), tuple(int(s) for s in sizes.values()))
+
+    def text(self, sep: str = " x ") -> str:
+        return sep.join(f"{d} {s}" for d, s in zip(self.dims, self.sizes, strict=True))
+
