@@ -70,7 +70,8 @@ def first_batch(job: JobConfig, *, dp: int, replica: int) -> Any:
     return task, train, train[rows]
 
 
-def mesh_grads(ctx: WorkerContext, tmp: str, levels: list[str], micro_batches: int) -> dict[str, Any]:
+def mesh_grads(ctx: WorkerContext, tmp: str, levels: list[str], micro_batches: int,
+               tp_extra: dict[str, Any] | None = None, prefix: str = "") -> dict[str, Any]:
     """One forward/backward/sync of step 0 at each ZeRO level on the dp x tp mesh: every
     owned piece's gradient with its dense name and composed shard spec, the global squared
     norm the engine clips by, and the rank's mesh coordinates."""
@@ -88,7 +89,7 @@ def mesh_grads(ctx: WorkerContext, tmp: str, levels: list[str], micro_batches: i
     out["tp_ranks"], out["dp_ranks"] = groups.tp.ranks, groups.dp.ranks if groups.dp else None
     for level in levels:
         job = mesh_job(tmp, f"g-{level}", shard=level,
-                       tp_extra={"micro_batches": micro_batches})
+                       tp_extra={"micro_batches": micro_batches, **(tp_extra or {})})
         assert job.tensor_parallel is not None
         seed_everything(job.run.seed)
         task, train, batch = first_batch(job, dp=DP, replica=groups.tp_index)
@@ -106,7 +107,7 @@ def mesh_grads(ctx: WorkerContext, tmp: str, levels: list[str], micro_batches: i
         for key, p in eng.model.named_parameters():
             if p.grad is not None:
                 pieces[names[key]] = (specs.get(key), p.grad.detach().clone())
-        out[level] = {"pieces": pieces, "sq_norm": eng.grad_sq_norm(), "loss": loss}
+        out[prefix + level] = {"pieces": pieces, "sq_norm": eng.grad_sq_norm(), "loss": loss}
         eng.close()
     groups.tp.close()
     return out
@@ -114,5 +115,10 @@ def mesh_grads(ctx: WorkerContext, tmp: str, levels: list[str], micro_batches: i
 
 def mesh_worker(ctx: WorkerContext, tmp: str, cases: list[tuple[str, dict[str, Any], bool]]
                 ) -> dict[str, Any]:
-    """:func:`mesh_grads` at every level (2 micro-batches), then :func:`run_jobs`."""
-    return {"grads": mesh_grads(ctx, tmp, list(LEVELS), 2), "jobs": run_jobs(ctx, tmp, cases)}
+    """:func:`mesh_grads` at every level (2 micro-batches) and at ZeRO-2 under sequence
+    parallelism (``rs-gradients``), then :func:`run_jobs`."""
+    grads = mesh_grads(ctx, tmp, list(LEVELS), 2)
+    # sequence parallel: the fc1 bias inside the region is summed over TP on the owned rows
+    grads.update(mesh_grads(ctx, tmp, ["gradients"], 1, {"communication_pattern": "ReduceScatter"},
+                            prefix="rs-"))
+    return {"grads": grads, "jobs": run_jobs(ctx, tmp, cases)}

@@ -2,7 +2,8 @@
 (rank = dp*2 + tp), ZeRO-1/2/3 over the dp columns on each TP shard, against the
 unpartitioned Local model on the same rows (2 replicas x 8 rows = Local's 16):
 
-* the step-0 gradients every rank owns assemble the Local model's gradients (rtol 1e-5),
+* the step-0 gradients every rank owns assemble the Local model's gradients (rtol 1e-5;
+  also ZeRO-2 under sequence parallelism, ``rs-gradients``),
   and the norm the engine clips by is the Local model's ``clip_grad_norm_`` (one global
   norm over the composition; the naive sum over ranks, which counts the replicated head
   twice, is not);
@@ -96,7 +97,7 @@ def test_rank_layout_is_the_dp_x_tp_mesh(mesh_runs: dict[str, Any]) -> None:
     assert s["mesh"]["layout"] == "rank = dp*2 + tp" and s["shard"] == "parameters"
 
 
-@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("level", [*LEVELS, "rs-gradients"])
 def test_step0_gradients_and_global_norm_equal_the_unpartitioned_model(
         mesh_runs: dict[str, Any], level: str) -> None:
     ref, norm = _local_step0(mesh_runs["tmp"])
