@@ -9,13 +9,14 @@
   slice forward, all-gather backward), its last one's output is all-gathered
   (``gather_from_region``: all-gather forward, keep the slice backward). BatchWise runs the
   whole model on the own batch slice the same way (dim 0).
-- ``sync_gradients``: the replicated parameters inside the sequence-parallel region are
-  summed over TP, and in 2-D runs gradients averaged over DP by the one data-parallel
+- ``sync_gradients``: the replicated parameters inside the sequence-parallel region (and
+  those of a plan's ``sequence`` modules, :mod:`.sequence`) are summed over TP, and in 2-D runs gradients averaged over DP by the one data-parallel
   gradient sync (:class:`~paratrain.comm.grad_sync.GradSync`: buckets of
   ``fusion_threshold_bytes``, a parameter no replica used keeps ``grad = None``, compressed
   with a ``compressor``; ``grad_sync.before_forward`` broadcasts the buffers as DDP does).
-- dense state: ``gather_full`` / ``dense_state_dict`` all-gather the shards into the dense
-  model's keys, ``load_dense_state_dict`` keeps the own shard of a full state dict.
+- dense state (:class:`~.dense_state.DenseState`): ``gather_full`` / ``dense_state_dict``
+  all-gather the shards into the dense model's keys, ``load_dense_state_dict`` keeps the own
+  shard of a full state dict.
 - ``statistics``: the real counters of :class:`~paratrain.comm.stats.CommStats` plus the
   parameter memory of this rank.
 
@@ -46,7 +47,8 @@ from paratrain.config import ConfigError, TensorParallelismConfig
 from . import memory
 from .autograd import gather_from_region, scatter_to_region
 from .converter import Converter
-from .grid import GridLinear, grid_steps, narrow_to_shard
+from .dense_state import DenseState
+from .grid import GridLinear, grid_steps
 from .layers import (
     ColumnParallelLinear,
     ParallelEncoderLayer,
@@ -55,7 +57,6 @@ from .layers import (
     RowParallelLinear,
 )
 from .partition import TensorParallelism, split_sizes
-from .shards import pack_dense, renames, unpack_dense
 
 __all__ = ["TensorParallelModule"]
 
@@ -71,7 +72,7 @@ def _param_bytes(params: Iterator[nn.Parameter]) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
-class TensorParallelModule(nn.Module):
+class TensorParallelModule(DenseState, nn.Module):
     """A dense model turned tensor-parallel, with the behaviour every config field asks for.
 
     ``forward`` runs the model (with activation checkpointing per ``memory_optimization``,
@@ -352,86 +353,6 @@ class TensorParallelModule(nn.Module):
             n += self.grad_sync.sync()
         return n
 
-    # -- state -----------------------------------------------------------------------------
-    def _mha_prefixes(self) -> list[str]:
-        return [n + "." if n else "" for n, m in self.module.named_modules()
-                if isinstance(m, ParallelEncoderLayer)]
-
-    def to_dense_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rename full (gathered) tensors to the dense model's keys: an encoder layer's
-        q/k/v/o go back into ``self_attn.in_proj_*`` / ``self_attn.out_proj.*``."""
-        out = dict(tensors)
-        for pre in self._mha_prefixes():
-            a = pre + "self_attn."
-            for kind in ("weight", "bias"):
-                parts = [out.pop(f"{a}{c}.{kind}", None) for c in "qkv"]
-                if all(t is not None for t in parts):
-                    out[f"{a}in_proj_{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
-                o = out.pop(f"{a}o.{kind}", None)
-                if o is not None:
-                    out[f"{a}out_proj.{kind}"] = o
-        # an opted-in attention's q/k/v/o under the names its module gave them
-        for local, (dense, index) in renames(self.module).items():
-            if index is None and local != dense and local in out:
-                out[dense] = out.pop(local)
-        return pack_dense(self.module, out)
-
-    def _from_dense_names(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = unpack_dense(self.module, state)
-        for pre in self._mha_prefixes():
-            a = pre + "self_attn."
-            for kind in ("weight", "bias"):
-                packed = out.pop(f"{a}in_proj_{kind}", None)
-                if packed is not None:
-                    for c, t in zip("qkv", packed.chunk(3), strict=True):
-                        out[f"{a}{c}.{kind}"] = t
-                o = out.pop(f"{a}out_proj.{kind}", None)
-                if o is not None:
-                    out[f"{a}o.{kind}"] = o
-        for local, (dense, index) in renames(self.module).items():
-            if index is None and local != dense and dense in out:
-                out[local] = out.pop(dense)
-        return out
-
-    def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Gather per-parameter shards (e.g. gradients, keyed like ``module``'s parameters)
-        into full tensors under the dense model's names (collective over TP)."""
-        params = dict(self.module.named_parameters())
-        out: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
-            p = params.get(name)
-            steps = grid_steps(p) if p is not None else None
-            if steps is not None:
-                for comm, dim, sizes in steps:
-                    t = comm.all_gather(t.contiguous(), dim, sizes).wait()
-            elif p is not None and hasattr(p, "tp_shard_dim") and self.comm.size > 1:
-                t = self.comm.all_gather(t.contiguous(), p.tp_shard_dim, p.tp_sizes).wait()  # type: ignore[attr-defined]
-            out[name] = t.detach().clone()
-        return self.to_dense_names(out)
-
-    def dense_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full (unsharded) state dict with the dense model's keys (collective)."""
-        tensors = {n: p.detach() for n, p in self.module.named_parameters()}
-        tensors.update({n: b.detach() for n, b in _persistent_buffers(self.module)})
-        return self.gather_full(tensors)
-
-    def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a full state dict, keeping this rank's shard of each sharded parameter."""
-        state = self._from_dense_names(state)
-        with torch.no_grad():
-            for name, p in self.module.named_parameters():
-                src = state[name]
-                steps = grid_steps(p)
-                if steps is not None:
-                    src = narrow_to_shard(src, steps)
-                elif hasattr(p, "tp_shard_dim"):
-                    sizes = p.tp_sizes  # type: ignore[attr-defined]
-                    r = self.comm.rank
-                    src = src.narrow(p.tp_shard_dim, sum(sizes[:r]), sizes[r])
-                p.copy_(src)
-            for name, b in _persistent_buffers(self.module):
-                b.copy_(state[name])
-
     # -- statistics ------------------------------------------------------------------------
     def statistics(self) -> dict[str, Any]:
         snap = self.stats.snapshot()
@@ -485,17 +406,6 @@ def _describe(m: nn.Module) -> str | None:
         return "rowwise" + ("" if m.input_is_parallel else ", input split here") + (
             ", sequence parallel" if m.mode == "seq" else "")
     return None
-
-
-def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The buffers ``state_dict`` holds: not those registered ``persistent=False`` (HF's
-    rotary ``inv_freq``, recomputed from the config)."""
-    out = []
-    for prefix, m in module.named_modules():
-        for name, b in m.named_buffers(recurse=False):
-            if b is not None and name not in m._non_persistent_buffers_set:
-                out.append((f"{prefix}.{name}" if prefix else name, b))
-    return out
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:
