@@ -168,3 +168,34 @@ def test_validate_and_graph_state_the_mesh(tmp_path: Path) -> None:
     text = render(explain(job))
     assert "mesh dp 2 x tp 2: rank = dp*2 + tp" in text and "tp groups: [0, 1] [2, 3]" in text
     assert "ZeRO-3 (shard = parameters) over 2 replicas" in text
+
+
+def test_refused_compositions_are_config_errors_naming_the_field(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Pipeline x tensor parallelism is refused by ``validate`` (before this, ModelParallel
+    ran every stage unsharded with an ignored-setting warning); ZeRO x TP with compression
+    is refused as DataParallel ZeRO is."""
+    from paratrain.cli import main
+    from paratrain.config import ConfigError, load_job
+    from paratrain.dispatch import effective_settings
+    from paratrain.executors.tensor_parallel.runner import layout
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    doc = load_job(examples / "model_parallel_pipeline.toml").to_json_dict()
+    doc["run"]["output_dir"] = str(tmp_path)
+    doc["tensor_parallel"] = {"tensor_parallel_size": 2}
+    path = tmp_path / "mp_tp.json"
+    path.write_text(json.dumps(doc))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr()
+    assert "tensor_parallel.tensor_parallel_size: 2 with ModelParallel" in err.out + err.err
+    assert not [i for i in effective_settings(load_job(doc), probe=False).ignored
+                if str(i).startswith("tensor_parallel")]
+    with pytest.raises(ConfigError, match="strategy.shard"):
+        layout(mesh_job(str(tmp_path), "c", shard="gradients").model_copy(
+            update={"compression": load_job({**doc, "compression": {"method": "TopK", "k": 3}}).compression}))
+    # and the composition that runs: validate prints the mesh
+    ok = tmp_path / "zero_tp.json"
+    ok.write_text(json.dumps(mesh_job(str(tmp_path), "ok", shard="optimizer").to_json_dict()))
+    assert main(["validate", str(ok)]) == 0
+    assert "mesh dp 2 x tp 2: rank = dp*2 + tp" in capsys.readouterr().out

@@ -160,7 +160,7 @@ def effective_settings(job: JobConfig, *, resume: bool = False) -> Effective:
     # -------------------------------------------------------------- [tensor_parallel]
     tp_settings: dict[str, Any] | None = None
     if tp is not None and not custom:
-        if kind in ("ModelParallel", "Federated", "PopulationBased"):
+        if kind in ("Federated", "PopulationBased"):  # ModelParallel refuses it (its validate)
             ignored.append(Ignored("tensor_parallel", f"{kind} runs no tensor parallelism "
                                    "(it combines with Local or DataParallel only)"))
         elif tp_size == 1:

@@ -172,10 +172,27 @@ def _task_model(job: JobConfig) -> tuple[Any, Any, Any, nn.Module]:
     return task, train, test, task.build_model(job.model, train)
 
 
+def refuse_tensor_parallel(job: JobConfig) -> None:
+    """Pipeline x tensor parallelism (a ``[tensor_parallel]`` size > 1 inside the stages)
+    does not run in this version: a ConfigError says so and what does compose, rather than
+    a pipeline that silently runs every stage unsharded."""
+    tp = job.tensor_parallel
+    if tp is None or tp.tensor_parallel_size <= 1:
+        return
+    raise ConfigError([("tensor_parallel.tensor_parallel_size", (
+        f"{tp.tensor_parallel_size} with ModelParallel (pipeline stages x tensor parallelism) is "
+        "not supported in this version: each stage would need its own tensor-parallel group and "
+        "every stage-to-stage transfer would run once per tensor-parallel rank, which the "
+        "pipeline runtime does not do; compositions that run: [tensor_parallel] with "
+        "DataParallel (tp x dp, ZeRO included, on one mesh), or ModelParallel with replicated "
+        "stages ([subgraphs] DataParallel); set tensor_parallel_size = 1 or drop [tensor_parallel]"))])
+
+
 def validate(job: JobConfig) -> Plan:
     """The placement of ``job``'s partitions on its workers (``paratrain validate`` and
     ``run`` call this): builds the task's model to learn its node ids, then raises a
     ConfigError naming the culprit for every placement error DESIGN §4 lists."""
+    refuse_tensor_parallel(job)
     n = num_workers(job)
     task, train, _, model = _task_model(job)
     workers = default_workers(n, list(job.workers))
