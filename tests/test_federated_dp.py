@@ -180,6 +180,14 @@ def test_bad_values_name_the_field(tmp_path: Path) -> None:
     assert "Krum" in msg and "local" in msg
     assert "federated.dp.mode" in _problems(DP, agg={"method": "FedMedian"})
     check_job(fed_job("/tmp", "x", agg={"method": "FedMedian"}, dp={**DP, "mode": "local"}), world_size=1)
+    # client parts sent beside the update, outside the mechanism
+    for method in ("SCAFFOLD", "FedNova"):
+        for mode in ("central", "local"):
+            msg = _problems({**DP, "mode": mode}, agg={"method": method})["strategy.aggregation.method"]
+            assert method in msg and "does not clip or noise" in msg
+    # settings the mode or the fixed clip would not read
+    assert "weight_cap" in _problems({**DP, "mode": "local", "weight_cap": 10})["federated.dp"]
+    assert "target_quantile" in _problems({**DP, "clip_learning_rate": 0.1})["federated.dp"]
     # the count's noise alone would exceed the budget
     assert "federated.dp.clipped_count_stddev" in _problems(
         {**DP, "target_quantile": 0.5, "clipped_count_stddev": 0.2})

@@ -65,6 +65,14 @@ class FederatedDP(BaseModel):
         if self.clip is None and self.noise_multiplier > 0:
             raise ValueError("clip = inf (no clipping) bounds no update, so noise_multiplier "
                              f"= {self.noise_multiplier} would give no guarantee: set a finite clip")
+        if self.target_quantile is None:
+            unread = sorted({"clip_learning_rate", "clipped_count_stddev"} & self.model_fields_set)
+            if unread:
+                raise ValueError(f"{', '.join(unread)} tune adaptive clipping, which is off: set "
+                                 "target_quantile too (or remove them)")
+        if self.mode == "local" and "weight_cap" in self.model_fields_set and self.weight_cap != 1:
+            raise ValueError("weight_cap weighs the server's noised sum (central mode); in local mode "
+                             "the job's aggregator weighs the noised updates by example count")
         if self.target_quantile is not None:
             if self.mode == "local":
                 raise ValueError("adaptive clipping (target_quantile) needs the server's noised "

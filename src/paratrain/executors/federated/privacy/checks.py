@@ -10,6 +10,9 @@ from .mechanism import update_noise_multiplier
 
 __all__ = ["dp_problems", "dp_lines"]
 
+# client parts that leave the client beside the update, outside the mechanism
+UNPRIVATISED = {"SCAFFOLD": "its control-variate change dc_i", "FedNova": "its local step count tau_i"}
+
 
 def dp_problems(job: Any) -> list[tuple[str, str]]:
     """Why this job's ``[federated.dp]`` cannot run (empty when it can)."""
@@ -18,7 +21,12 @@ def dp_problems(job: Any) -> list[tuple[str, str]]:
         return []
     out: list[tuple[str, str]] = []
     method = str(getattr(job.strategy.aggregation, "method", ""))
-    if spec.mode == "central" and method not in CENTRAL_AGGREGATIONS:
+    if method in UNPRIVATISED:
+        out.append(("strategy.aggregation.method", (
+            f"{method} sends {UNPRIVATISED[method]} next to each update, which [federated.dp] "
+            f"does not clip or noise; use {', '.join(CENTRAL_AGGREGATIONS)} (central or local "
+            f"DP) or a robust aggregator with mode = \"local\"")))
+    elif spec.mode == "central" and method not in CENTRAL_AGGREGATIONS:
         out.append(("federated.dp.mode", (
             f"central DP noises the sum of the clipped updates, but {method} needs the single "
             f"updates (a median, a trimmed mean or Krum's scores of noise-free updates would "
