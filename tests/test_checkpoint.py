@@ -1,5 +1,5 @@
-"""training/checkpoint.py: a process SIGKILLed in the middle of a checkpoint save leaves a
-checkpoint-sized temp file; the next resume (or save, or prune) in that folder removes
+"""training/checkpoint.py and stores.py: a process SIGKILLed in the middle of a checkpoint
+save leaves a checkpoint-sized temp file (a temp folder for the one loop's DCP checkpoints); the next resume (or save, or prune) in that folder removes
 it, touches nothing else, and the resumed run ends bit-identical to an uninterrupted one."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import paratrain
+from paratrain.files import step_folders
 from paratrain.training import checkpoint
 from paratrain.training.faults import KILL_IN_SAVE_ENV
 
@@ -42,20 +43,23 @@ def killed_run(tmp: Path, name: str, in_save: str) -> Path:
 
 
 def _temps(d: Path) -> list[str]:
-    return sorted(p.name for p in d.iterdir() if p.name.startswith(".ckpt-"))
+    return sorted(p.name for p in d.iterdir() if p.name.startswith((".ckpt-", ".step-")))
 
 
 def test_sigkill_during_a_save_leaves_no_temp_file_after_resume(tmp_path: Path) -> None:
+    """The one loop's checkpoints are torch.distributed.checkpoint folders written under a
+    temp name and renamed when complete: a kill mid-save leaves the temp folder, which the
+    resumed run removes."""
     full = paratrain.fit(_doc(tmp_path, "full"))
 
-    ckpts = killed_run(tmp_path, "killed", "ckpt-000000010.pt") / "checkpoints"
+    ckpts = killed_run(tmp_path, "killed", "step-000000010") / "checkpoints"
     temps = _temps(ckpts)
-    assert len(temps) == 1 and temps[0].startswith(".ckpt-000000010.pt."), temps
-    assert (ckpts / temps[0]).stat().st_size > 1000  # a whole checkpoint's bytes
-    assert [p.name for p in checkpoint.checkpoints(ckpts)] == ["ckpt-000000005.pt"]
+    assert temps == [".step-000000010.tmp"], temps
+    assert sum(p.stat().st_size for p in (ckpts / temps[0]).iterdir()) > 1000  # a whole checkpoint's bytes
+    assert [p.name for p in step_folders(ckpts)] == ["step-000000005"]
     # Files that only look alike, and a temp name outside the checkpoint folder, are not ours.
-    keep = [ckpts / "ckpt-000000010.pt.partial", ckpts / ".notes.txt.abcdefgh",
-            tmp_path / "killed" / ".ckpt-000000010.pt.abcdefgh"]
+    keep = [ckpts / "step-000000010.partial", ckpts / ".notes.txt.abcdefgh",
+            tmp_path / "killed" / ".step-000000010.tmp"]
     for p in keep:
         p.write_text("user data")
 
@@ -100,10 +104,10 @@ def test_data_parallel_killed_mid_save_restarts_without_temp_files(
         return dp_job(str(tmp_path), name, 2, agg, **extra)
 
     clean = execute(job("clean"))
-    monkeypatch.setenv(KILL_IN_SAVE_ENV, "ckpt-000000004.pt")
+    monkeypatch.setenv(KILL_IN_SAVE_ENV, "step-000000004")
     killed = execute(job("killed"))
     assert killed["restart_count"] == 1  # the kill in the save really happened
     assert killed["parameters_sha256"] == clean["parameters_sha256"]
     ckpts = tmp_path / "killed" / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["dp-rank0", "dp-rank1"]
-    assert [p for p in ckpts.rglob(".ckpt-*")] == []
+    assert [p.name for p in step_folders(ckpts)] == ["step-000000002", "step-000000004"]
+    assert [p for p in ckpts.rglob(".step-*")] == []

@@ -27,8 +27,8 @@ import pytest
 import paratrain
 from _interrupting import start_cli, wait_until
 from paratrain.config import ConfigError, load_job
-from paratrain.training import checkpoint
 from paratrain.training.faults import FAULT_ENV
+from paratrain.training.stores import latest_folder, read_rank_state
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -90,7 +90,7 @@ def test_kill_mid_epoch_with_workers_resumes_bit_identical(tmp_path: Path) -> No
     env = {**os.environ, FAULT_ENV: "0:23", "PYTHONPATH": f"{TESTS}{os.pathsep}{ROOT / 'src'}"}
     cmd = [sys.executable, "-m", "paratrain.cli", "run", "-q", str(path)]
     assert subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0  # SIGKILLed after step 23
-    saved = checkpoint.load_checkpoint(checkpoint.latest(tmp_path / "killed" / "checkpoints"))
+    saved = read_rank_state(latest_folder(tmp_path / "killed" / "checkpoints"))
     assert (saved["step"], saved["batch"]) == (20, 4)
     del env[FAULT_ENV]
     rc = subprocess.run([*cmd[:-1], "--resume", str(path)], cwd=ROOT, env=env).returncode
@@ -126,12 +126,12 @@ def test_ctrl_c_with_workers_checkpoints_ends_every_process_and_resumes(tmp_path
     env = {"PYTHONPATH": f"{TESTS}{os.pathsep}{ROOT / 'src'}"}
     proc = start_cli(path, env=env)
     ckpts = tmp_path / "stopped" / "checkpoints"
-    wait_until(lambda: checkpoint.latest(ckpts) is not None, proc, what="a first checkpoint")
+    wait_until(lambda: latest_folder(ckpts) is not None, proc, what="a first checkpoint")
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the CLI and its loader workers
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert _in_session(proc.pid) == []
-    stopped_at = checkpoint.load_checkpoint(checkpoint.latest(ckpts))["step"]
+    stopped_at = read_rank_state(latest_folder(ckpts))["step"]
     assert 0 < stopped_at < full["steps"]
     resumed = start_cli(path, "--resume", env=env)
     _, err = resumed.communicate(timeout=120)

@@ -170,26 +170,21 @@ def test_replica_count_errors(tmp_path: Path) -> None:
         dp_job(str(tmp_path), "x", 2, {"method": "Decentralized", "topology": "star"})
 
 
-def test_resume_with_other_replica_count_reshards_or_names_what_is_missing(tmp_path: Path) -> None:
+def test_a_checkpoint_of_the_earlier_per_process_format_is_a_clear_error(tmp_path: Path) -> None:
     """Another replica count is resumed by the model's names (tests/test_training_reshard.py
-    runs it); a marker that does not say how many processes wrote it (an earlier paratrain)
-    cannot be, and the error names the setting."""
+    runs it); a run folder whose newest checkpoint is of the per-process ``torch.save``
+    format of earlier versions is not resumed: the error names the file and the setting."""
     import json
 
     from paratrain.comm.context import WorkerContext
     from paratrain.executors.data_parallel.runner import _store
-    from paratrain.training import checkpoint
 
     store = _store(WorkerContext(rank=0, world_size=1), tmp_path)
-    store.save(8, {"step": 8})
-    (tmp_path / "checkpoints" / "dp-complete.json").write_text(json.dumps({"step": 8, "replicas": 4}))
-    with pytest.raises(ConfigError, match="does not say how many processes wrote it") as e:
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "dp-complete.json").write_text(json.dumps({"step": 8, "replicas": 1}))
+    with pytest.raises(ConfigError, match="dp-complete.json .*per-process torch.save format") as e:
         store.load()
     assert e.value.problems[0][0] == "strategy.num_replicas"
-    (tmp_path / "checkpoints" / "dp-complete.json").write_text(json.dumps({"step": 8, "replicas": 1}))
-    found = store.load()
-    assert found is not None and found[0] == checkpoint.checkpoint_path(store.directory, 8)
-    assert found[1]["step"] == 8
 
 
 def test_error_feedback_is_dropped_under_decentralized(tmp_path: Path) -> None:

@@ -12,14 +12,16 @@ processes ends bit-identical on every rank (each rank reloads its own head).
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from paratrain.comm.dcp import read_metadata
 from paratrain.comm.testing import run_distributed
+from paratrain.files import step_folders
+from paratrain.training.stores import read_rank_state
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,8 +87,8 @@ def phase(ctx: Any, tmp: str, which: str) -> dict[str, Any]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("dp_local")
     first = run_distributed(phase, 2, str(tmp), "first", timeout_s=240)
-    ckpt = {r: sorted((tmp / "part" / "checkpoints" / f"dp-rank{r}").glob("ckpt-*.pt")) for r in range(2)}
-    heads = {r: torch.load(ckpt[r][-1], weights_only=True) for r in range(2)}
+    ckpt = step_folders(tmp / "part" / "checkpoints")
+    heads = {r: read_rank_state(ckpt[-1], r) for r in range(2)}
     second = run_distributed(phase, 2, str(tmp), "second", timeout_s=240)
     return {"first": first, "second": second, "tmp": tmp, "ckpt": ckpt, "ckpt_state": heads}
 
@@ -154,8 +156,11 @@ def test_equals_the_hand_averaged_reference(runs: dict[str, Any], name: str) -> 
 def test_resume_is_bit_identical_on_every_rank_and_each_rank_checkpoints_its_own_head(
         runs: dict[str, Any]) -> None:
     ckpt = runs["ckpt"]
-    assert Path(runs["tmp"] / "part" / "checkpoints" / "dp-complete.json").exists()
-    assert [p.name for p in ckpt[0]] == [p.name for p in ckpt[1]] == ["ckpt-000000003.pt"]
+    assert [p.name for p in ckpt] == ["step-000000003"]
+    # the heads differ: each rank keeps its own (rank<r>/ keys); the shared parameters are one
+    keys = set(read_metadata(ckpt[-1]).state_dict_metadata)
+    assert {"rank0/model/head.weight", "rank1/model/head.weight", "model/fc0.weight"} <= keys
+    assert "model/head.weight" not in keys and "rank1/model/fc0.weight" not in keys
     full = [runs["first"][r]["allreduce"] for r in range(2)]
     for rank in range(2):
         resumed = runs["second"][rank]["resumed"]

@@ -81,11 +81,15 @@ def test_held_bytes_at_four_ranks(runs: dict[str, Any]) -> None:
 
 
 def test_checkpoints_hold_pieces_with_row_specs(runs: dict[str, Any]) -> None:
-    from paratrain.training import checkpoint
+    """The DCP checkpoint records each rank's rows as a chunk of the whole tensor."""
+    from paratrain.comm.dcp import read_metadata
+    from paratrain.training.stores import latest_folder, read_rank_state
 
-    path = checkpoint.latest(Path(runs["tmp"]) / "full" / "checkpoints" / "dp-rank1")
-    assert path is not None
-    state = checkpoint.load_checkpoint(path)
+    folder = latest_folder(Path(runs["tmp"]) / "full" / "checkpoints")
+    assert folder is not None
+    state = read_rank_state(folder, 1)
     specs = dict(zip(state["names"], state["shards"], strict=True))
     w = next(k for k in specs if k.endswith("weight"))
-    assert specs[w]["slices"][0][0] == 0 and specs[w]["slices"][0][1] > 0  # rank 1's rows
+    assert specs[w]["offsets"][0] > 0  # rank 1's rows
+    chunks = read_metadata(folder).state_dict_metadata[f"model/{w}"].chunks
+    assert len(chunks) > 1 and sorted(c.offsets[0] for c in chunks)[0] == 0  # one per rank

@@ -39,7 +39,9 @@ from paratrain.training.faults import FAULT_ENV, KILL_IN_SAVE_ENV
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 HERE = Path(__file__).resolve().parent
-TEMP = re.compile(r"^\.[a-z]+-\d{6,9}\.pt\.[a-z0-9_]{8}$")  # checkpoint.save_checkpoint's temp name
+# checkpoint.save_checkpoint's temp name (Federated, PopulationBased) and the one loop's
+# temp folder of a torch.distributed.checkpoint save (training/stores.py)
+TEMP = re.compile(r"^\.([a-z]+-\d{6,9}\.pt\.[a-z0-9_]{8}|step-\d{9}\.tmp)$")
 ONE_PROCESS = ("Local", "Custom")  # the CLI process itself trains: a restart is `--resume`
 
 _STEPS = {"run": {"checkpoint_every": 20},
@@ -50,13 +52,13 @@ TOPK_EF = {"method": "ErrorFeedback", "error_compensation": True,
 
 # strategy -> (job sections, the kill spec, the checkpoint file whose save is killed)
 CASES: dict[str, tuple[dict[str, Any], str, str]] = {
-    "Local": (_STEPS, "0:30", "ckpt-000000040.pt"),
+    "Local": (_STEPS, "0:30", "step-000000040"),
     "DataParallel": ({**_STEPS, "strategy": {"type": "DataParallel", "num_replicas": 2,
                                              "aggregation": {"method": "AllReduce"}}},
-                     "1:30", "ckpt-000000040.pt"),
+                     "1:30", "step-000000040"),
     "ModelParallel": ({**_STEPS, "strategy": {"type": "ModelParallel", "partitions": MP_SPLIT,
                                               "communication": {"protocol": "Direct"}}},
-                      "1:30", "ckpt-000000040.pt"),
+                      "1:30", "step-000000040"),
     # rounds: checkpoints every 2; stateful clients (error-feedback residuals) write worker files
     "Federated": ({"run": {"checkpoint_every": 2, "num_workers": 2},
                    "strategy": {"type": "Federated", "num_clients": 4, "rounds": 14,
@@ -75,7 +77,7 @@ CASES: dict[str, tuple[dict[str, Any], str, str]] = {
     "Custom": ({**_STEPS, "strategy": {"type": "Custom", "coordinator": "kill-resume-own-loop",
                                        "config": None},
                 "run": {**_STEPS["run"], "imports": [str(HERE / "_kill_resume_coordinator.py")]}},
-               "0:30", "ckpt-000000040.pt"),
+               "0:30", "step-000000040"),
 }
 
 

@@ -16,6 +16,7 @@ from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
 from paratrain.dispatch import execute
 from paratrain.executors.model_parallel.runner import FAULT_ENV
+from paratrain.files import step_folders
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -55,7 +56,7 @@ def test_datastore_job_matches_local(datastore: dict[str, Any], local: dict[str,
     run = Path(out["run_dir"])
     assert json.loads((run / "summary.json").read_text())["test_loss"] == out["test_loss"]
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [4, 8]
-    assert (run / "checkpoints" / "mp-rank0").is_dir() and (run / "checkpoints" / "mp-rank1").is_dir()
+    assert json.loads((step_folders(run / "checkpoints")[-1] / "layout.json").read_text())["kind"] == "mp"
     assert not list((run / "datastore").rglob("*.pt")), "every exchanged file was consumed"
 
 

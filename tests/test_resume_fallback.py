@@ -20,6 +20,7 @@ from paratrain.config import ConfigError
 from paratrain.config.job import load_job
 from paratrain.executors.data_parallel import runner as data_parallel
 from paratrain.executors.federated import run_in_process
+from paratrain.files import step_folders
 from paratrain.training import checkpoint
 from paratrain.training.resume import agree_on_checkpoint
 from paratrain.training.rundir import LOCK_NAME
@@ -64,7 +65,8 @@ def ten_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _rank_ckpts(tmp: Path, name: str, rank: int) -> list[Path]:
-    return checkpoint.checkpoints(tmp / name / "checkpoints" / f"dp-rank{rank}")
+    """Rank ``rank``'s data file of each DCP step folder (``__<rank>_0.distcp``)."""
+    return [f / f"__{rank}_0.distcp" for f in step_folders(tmp / name / "checkpoints")]
 
 
 def test_bad_newest_checkpoint_on_one_rank_falls_back_on_every_rank(
@@ -72,13 +74,13 @@ def test_bad_newest_checkpoint_on_one_rank_falls_back_on_every_rank(
 ) -> None:
     shutil.copytree(ten_steps, tmp_path / "a")
     ckpts = _rank_ckpts(tmp_path, "a", 1)
-    assert [p.name for p in ckpts] == ["ckpt-000000005.pt", "ckpt-000000010.pt"]
-    assert [p.name for p in _rank_ckpts(tmp_path, "a", 0)] == [p.name for p in ckpts]
+    assert [p.parent.name for p in ckpts] == ["step-000000005", "step-000000010"]
+    assert all(p.is_file() for p in ckpts + _rank_ckpts(tmp_path, "a", 0))
     _truncate(ckpts[-1])
     capfd.readouterr()
     resumed = data_parallel.run(load_job(_doc(tmp_path, "a", 15)), resume=True)
     err = capfd.readouterr().err
-    assert "RuntimeWarning" in err and str(ckpts[-1]) in err, err
+    assert "RuntimeWarning" in err and str(ckpts[-1].parent) in err, err
     assert "truncated or corrupt" in err and "falling back to step 5" in err, err
     # Rank 0's step-10 file was fine, yet both ranks went back to step 5 and retrained.
     assert resumed["steps"] == 15
@@ -96,7 +98,7 @@ def test_no_readable_checkpoint_on_one_rank_is_an_error_naming_the_files(tmp_pat
     with pytest.raises(ConfigError) as err:
         data_parallel.run(load_job(_doc(tmp_path, "b", 15)), resume=True)
     msg = dict(err.value.problems)["checkpoint"]
-    assert "no readable checkpoint" in msg and all(str(p) in msg for p in ckpts), msg
+    assert "no readable checkpoint" in msg and all(str(p.parent) in msg for p in ckpts), msg
     assert _snapshot(tmp_path / "b") == before
 
 

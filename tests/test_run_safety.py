@@ -23,6 +23,7 @@ from paratrain.config import ConfigError
 from paratrain.config.job import load_job
 from paratrain.dispatch import execute
 from paratrain.executors.data_parallel import runner as data_parallel
+from paratrain.files import step_folders
 from paratrain.training import checkpoint
 from paratrain.training.rundir import LOCK_NAME, holds_run, run_dir_of, safe_rmtree
 
@@ -123,8 +124,7 @@ def test_finished_run_survives_a_failing_and_a_plain_fresh_run(tmp_path: Path) -
     assert second["steps"] == 7 and first["steps"] == 10
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 7
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [7]
-    assert [p.name for p in checkpoint.checkpoints(run_dir / "checkpoints")] == ["ckpt-000000005.pt",
-                                                                                 "ckpt-000000007.pt"]
+    assert [p.name for p in step_folders(run_dir / "checkpoints")] == ["step-000000005", "step-000000007"]
 
 
 def test_cli_refuses_then_overwrite_replaces(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -239,14 +239,10 @@ def test_bad_newest_checkpoint_falls_back_to_the_older_one(
     tmp_path: Path, how: str, reference: dict[str, Any]
 ) -> None:
     paratrain.fit(_doc(tmp_path, steps=20))
-    ckpts = checkpoint.checkpoints(tmp_path / "a" / "checkpoints")
-    assert [p.name for p in ckpts] == ["ckpt-000000015.pt", "ckpt-000000020.pt"]
-    _corrupt(ckpts[-1], how)
-    with pytest.raises(checkpoint.CheckpointError) as bad:
-        checkpoint.load_checkpoint(ckpts[-1])
-    assert str(ckpts[-1]) in str(bad.value)
-    assert ("is empty" if how == "empty" else "truncated or corrupt") in str(bad.value)
-    with pytest.warns(RuntimeWarning, match="ckpt-000000020.pt.*falling back"):
+    folders = step_folders(tmp_path / "a" / "checkpoints")
+    assert [p.name for p in folders] == ["step-000000015", "step-000000020"]
+    _corrupt(folders[-1] / ".metadata", how)  # DCP's index of the checkpoint
+    with pytest.warns(RuntimeWarning, match="step-000000020 is not readable.*falling back to step 15"):
         resumed = paratrain.fit(_doc(tmp_path, steps=20), resume=True)
     # Resumed from step 15 and trained 5 steps again: the uninterrupted run's parameters.
     assert resumed["steps"] == 20
@@ -255,9 +251,9 @@ def test_bad_newest_checkpoint_falls_back_to_the_older_one(
 
 def test_no_readable_checkpoint_is_an_error_naming_the_files(tmp_path: Path) -> None:
     paratrain.fit(_doc(tmp_path, steps=20))
-    ckpts = checkpoint.checkpoints(tmp_path / "a" / "checkpoints")
-    _corrupt(ckpts[0], "garbage")
-    _corrupt(ckpts[1], "truncated")
+    ckpts = step_folders(tmp_path / "a" / "checkpoints")
+    _corrupt(ckpts[0] / ".metadata", "garbage")
+    _corrupt(ckpts[1] / "__0_0.distcp", "truncated")
     before = _snapshot(tmp_path / "a")
     with pytest.warns(RuntimeWarning), pytest.raises(ConfigError) as err:
         paratrain.fit(_doc(tmp_path, steps=20), resume=True)
@@ -272,7 +268,7 @@ def test_resume_with_another_model_or_optimizer_names_it_and_changes_nothing(tmp
     with pytest.raises(ConfigError) as err:
         paratrain.fit(_doc(tmp_path, steps=20, hidden=16), resume=True)
     msg = _problems(err)["model"]
-    assert "fc0.weight: checkpoint (32, 64), model (16, 64)" in msg and "ckpt-000000010.pt" in msg
+    assert "fc0.weight: checkpoint (32, 64), model (16, 64)" in msg and "step-000000010" in msg
     assert _snapshot(tmp_path / "a") == before
 
     adam = _doc(tmp_path, steps=20)

@@ -12,6 +12,7 @@ from paratrain.config import ConfigError, load_job
 from paratrain.data import load_data
 from paratrain.dispatch import execute, executor_name
 from paratrain.executors.tensor_parallel.runner import layout
+from paratrain.files import step_folders
 from paratrain.models import build_model
 from paratrain.task import evaluate, resolve_task
 from paratrain.training.export import read_model
@@ -78,7 +79,7 @@ def test_two_d_job_trains_and_gathers_the_dense_model(dense_2d: tuple[object, di
     assert ev["accuracy"] == pytest.approx(s["test_accuracy"], abs=1e-9)
     assert ev["loss"] == pytest.approx(s["test_loss"], rel=1e-4)
     assert (tmp_path / "tensor_parallel_2d" / "summary.json").exists()
-    assert (tmp_path / "tensor_parallel_2d" / "checkpoints" / "tp-complete.json").exists()
+    assert step_folders(tmp_path / "tensor_parallel_2d" / "checkpoints")
 
 
 @pytest.mark.slow
@@ -122,7 +123,7 @@ def test_resume_from_sharded_checkpoints_matches_uninterrupted(tmp_path: Path) -
     r = run_distributed(job_resume, 2, str(tmp_path), timeout_s=240)[0]
     assert r["steps"] == (6, 6)
     assert r["full"] == r["resumed"]
-    assert (tmp_path / "split" / "checkpoints" / "tp-rank1").is_dir()
+    assert step_folders(tmp_path / "split" / "checkpoints")
 
 
 @pytest.fixture(scope="module")

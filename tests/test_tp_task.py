@@ -20,7 +20,7 @@ import torch
 
 from paratrain.comm.context import WorkerContext
 from paratrain.comm.testing import run_distributed
-from paratrain.config import TensorParallelismConfig, load_job
+from paratrain.config import ConfigError, TensorParallelismConfig, load_job
 from paratrain.data.shakespeare import CharBlocks, load_corpus
 from paratrain.task import fetch_batch, resolve_task
 from paratrain.training.export import read_model
@@ -192,34 +192,21 @@ def test_replication_factors_of_the_norm() -> None:
     assert [replicas_of(p, 2) for p in (shard, rep)] == [1, 2]
 
 
-def test_a_checkpoint_from_before_the_one_loop_still_loads(tmp_path: Path) -> None:
-    """The pre-loop layout (top-level ``aggregator``, no scheduler, no losses) resumes as
-    the constant schedule it ran with: the next step's lr is the base lr."""
+def test_a_checkpoint_from_before_the_one_loop_is_a_clear_error(tmp_path: Path) -> None:
+    """The per-process ``torch.save`` layout of earlier versions is not resumed (checkpoints
+    are torch.distributed.checkpoint folders now): the error names the file."""
     import json
 
     from paratrain.executors.tensor_parallel.runner import _Store
-    from paratrain.training import checkpoint, rng_state
-    from paratrain.training.loop import LocalEngine, Trainer
 
-    job = load_job(_doc("regression", str(tmp_path), "old"))
-    model = torch.nn.Linear(3, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    trainer = Trainer(LocalEngine(model, None, None, device=torch.device("cpu")), opt, job.train, 10)
-    old = {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": rng_state(),
-           "step": 4, "epoch": 0, "batch": 4, "aggregator": {"residual": 1}}
     run_dir = tmp_path / "old"
-    checkpoint.save_checkpoint(checkpoint.checkpoint_path(run_dir / "checkpoints" / "tp-rank0", 4), old)
+    (run_dir / "checkpoints" / "tp-rank0").mkdir(parents=True)
+    (run_dir / "checkpoints" / "tp-rank0" / "ckpt-000000004.pt").write_bytes(b"")
     (run_dir / "checkpoints" / "tp-complete.json").write_text(json.dumps({"step": 4, "tp": 1, "dp": 1}))
     store = _Store(run_dir, "tp", rank=0, world=1, group=None, layout={"tp": 1, "dp": 1},
-                   layout_field="tensor_parallel.tensor_parallel_size", scheduler=trainer.scheduler)
-    found = store.load()
-    assert found is not None
-    state = found[1]
-    assert state["engine"] == {"aggregator": {"residual": 1}} and "aggregator" not in state
-    trainer.load_state_dict(state)
-    assert trainer.scheduler.last_epoch == 4
-    trainer.scheduler.step()
-    assert opt.param_groups[0]["lr"] == 0.05
+                   layout_field="tensor_parallel.tensor_parallel_size")
+    with pytest.raises(ConfigError, match="tp-complete.json .*per-process torch.save format"):
+        store.load()
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from paratrain.config import ConfigError, load_job
 from paratrain.executors import local
+from paratrain.files import step_folders
 from paratrain.training.stepping import (
     autocast,
     build_scheduler,
@@ -134,8 +135,8 @@ def test_local_resume_after_sigkill_is_bit_identical_with_every_option(tmp_path:
     proc = subprocess.run([sys.executable, "-c", _RUN, json.dumps(doc), "0"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == -9, proc.stderr[-2000:]
-    ckpts = sorted(p.name for p in (tmp_path / "cut" / "checkpoints").glob("ckpt-*.pt"))
-    assert ckpts and ckpts[-1] == "ckpt-000000004.pt"
+    ckpts = [p.name for p in step_folders(tmp_path / "cut" / "checkpoints")]
+    assert ckpts and ckpts[-1] == "step-000000004"
     resumed = local.run(load_job(doc), resume=True)
     assert resumed["steps"] == clean["steps"]
     assert resumed["parameters_sha256"] == clean["parameters_sha256"]

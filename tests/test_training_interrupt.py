@@ -18,6 +18,7 @@ import pytest
 import paratrain
 from paratrain.config import ConfigError, parse_every
 from paratrain.config.job import load_job
+from paratrain.files import step_folders
 from paratrain.training import checkpoint
 from paratrain.training.interrupt import Cadence, agree, stop_on_signals
 
@@ -84,11 +85,11 @@ def test_sigterm_to_the_cli_checkpoints_and_resume_is_bit_identical(tmp_path: Pa
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
     assert "--resume" in err
-    ckpts = [p for p in (run_dir / "checkpoints").rglob("ckpt-*.pt")]
+    ckpts = step_folders(run_dir / "checkpoints")
     assert ckpts, "no checkpoint written on SIGTERM"
-    steps = {int(p.name[5:14]) for p in ckpts}
+    steps = {int(p.name[5:]) for p in ckpts}
     assert len(steps) == 1 and 20 <= steps.pop() < _STEPS  # the signal's step, not the end
-    assert not [p for p in run_dir.rglob(".ckpt-*")], "temp file left behind"
+    assert not [p for p in run_dir.rglob(".step-*")], "temp folder left behind"
 
     resumed = paratrain.fit(_doc(tmp_path / "int", strategy=strategy), resume=True)
     reference = paratrain.fit(_doc(tmp_path / "ref", strategy=strategy))

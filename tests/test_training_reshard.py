@@ -5,6 +5,7 @@ workers resumes on 2 or under another placement, continuing with the saved param
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,9 @@ import torch
 
 import paratrain
 from _reshard import fit_noting_reshards
-from paratrain.training import checkpoint
-from paratrain.training.reshard import ReshardWarning, localize, merge, param_names
+from paratrain.files import step_folders
+from paratrain.training.reshard import ReshardWarning, param_names
+from paratrain.training.stores import Held, LocalStore, RankStore
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,34 +57,39 @@ def test_data_parallel_resumes_on_another_replica_count(tmp_path: Path, after: i
     more, _ = _fit(_doc(tmp_path, _dp(after), 16), capfd, resume=True)
     assert more["steps"] == 16 and more["num_replicas"] == after
     assert more["test_loss"] < saved["test_loss"] * 1.5
-    folders = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir())
-    assert folders == [f"dp-rank{r}" for r in range(after)]  # the old layout's extra ranks are gone
+    folders = step_folders(run_dir / "checkpoints")
+    assert [p.name for p in folders] == ["step-000000012", "step-000000016"]  # the two newest
+    assert json.loads((folders[-1] / "layout.json").read_text())["world"] == after
 
 
-def test_dp_resharded_optimizer_state_is_the_saved_one(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    """Non-vacuity of the optimizer half: Adam's moments after a 2 -> 1 resume are the
-    checkpoint's, so one step from them equals one step taken by the 2-replica run's
-    rank 0 from the same checkpoint (same data: the resumed batch is the same)."""
-    saved, _ = _fit(_doc(tmp_path, _dp(2), 4), capfd)
-    ckpt = checkpoint.load_checkpoint(
-        checkpoint.latest(Path(saved["run_dir"]) / "checkpoints" / "dp-rank0"))
-    assert ckpt["names"] and ckpt["param_names"] and ckpt["layout"]["replicas"] == 2
+def test_dp_resharded_optimizer_state_is_the_saved_one(tmp_path: Path) -> None:
+    """Non-vacuity of the optimizer half: Adam's moments read on another layout (another
+    parameter order, by the model's names) are the checkpoint's."""
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     opt = torch.optim.Adam(model.parameters())
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": {},
-             "rng": None, "step": 1, "epoch": 0, "batch": 1,
-             "names": list(model.state_dict()), "param_names": param_names(model, opt)}
-    merged = merge([state, state], source="x")
+    _save(tmp_path, model, opt, world=2)
     other = torch.nn.Sequential(torch.nn.Linear(3, 2))
     other_opt = torch.optim.Adam(reversed(list(other.parameters())))  # another order
-    local = localize(merged, module=other, optimizer=other_opt, names=None, rank=0,
-                     layout={}, source="x", warn=False)
-    other_opt.load_state_dict(local["optimizer"])
+    with pytest.warns(ReshardWarning, match="'replicas': 2"):
+        found = LocalStore(tmp_path / "checkpoints").load(Held(other, other_opt, None, None))
+    assert found is not None and found[1]["resharded"]
+    other_opt.load_state_dict(found[1]["optimizer"])
     assert torch.equal(other_opt.state[other[0].bias]["exp_avg"], opt.state[model[0].bias]["exp_avg"])
     assert torch.equal(other_opt.state[other[0].weight]["exp_avg_sq"],
                        opt.state[model[0].weight]["exp_avg_sq"])
+
+
+def _save(run_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, *, world: int) -> None:
+    """``model``'s loop state as a DataParallel checkpoint of ``world`` replicas (written
+    by one process, as its rank 0)."""
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": {},
+             "rng": None, "step": 1, "epoch": 0, "batch": 1, "losses": [], "loader": {},
+             "optimizer_type": "Adam", "layout": {"strategy": "DataParallel", "replicas": world},
+             "names": list(model.state_dict()), "param_names": param_names(model, opt)}
+    RankStore(run_dir, "dp", rank=0, world=1, group=None, layout={"replicas": world},
+              layout_field="strategy.num_replicas").save(1, state)
 
 
 def _pipe(placement: list[tuple[list[str], int]]) -> dict[str, Any]:
@@ -106,27 +113,3 @@ def test_pipeline_resumes_on_fewer_workers_or_another_placement(tmp_path: Path, 
     assert list(now) == list(before) and all(torch.equal(before[k], now[k]) for k in before)
     more, _ = _fit(_doc(tmp_path, new, 16, run={"num_workers": workers}), capfd, resume=True)
     assert more["steps"] == 16
-
-
-def test_merge_names_tensors_the_old_processes_held_differently() -> None:
-    """Replicas (equal tensors) merge silently; tensors that differed across the old
-    processes (a Local subgraph layer, Decentralized replicas) take process 0's, and the
-    warning names them."""
-    def state(head: float) -> dict[str, Any]:
-        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
-        for p in model.parameters():
-            torch.nn.init.constant_(p, 1.0)
-        torch.nn.init.constant_(model[1].weight, head)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": {},
-                "rng": None, "step": 3, "epoch": 0, "batch": 3,
-                "names": list(model.state_dict()), "param_names": param_names(model, opt)}
-
-    merged = merge([state(1.0), state(2.0)], source="x")
-    assert merged["differed"] == ["1.weight"]
-    assert torch.equal(merged["named_model"]["1.weight"], torch.full((1, 2), 1.0))
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
-    with pytest.warns(ReshardWarning, match=r"different values \(1.weight"):
-        localize(merged, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                 names=None, rank=0, layout={}, source="x", warn=True)
-    assert merge([state(1.0), state(1.0)], source="x")["differed"] == []

@@ -11,6 +11,7 @@ newest complete one of any layout: a resume never silently starts fresh)."""
 from __future__ import annotations
 
 import copy
+import json
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -21,14 +22,16 @@ from torch import nn
 
 import paratrain
 from _reshard import LAST_STDERR, fit_noting_reshards
+from paratrain.comm.dcp import save as dcp_save
 from paratrain.comm.tp.comm import TPComm
 from paratrain.comm.tp.groups import TPGroups
 from paratrain.config import ConfigError, TensorParallelismConfig
 from paratrain.models.zoo import transformer
 from paratrain.tensor_parallel import AttentionSpec, TensorParallelModule
 from paratrain.tensor_parallel.shards import dense_names_and_shards
-from paratrain.training import checkpoint
-from paratrain.training.reshard import localize, merge, param_keys
+from paratrain.training.dcp_state import engine_key, flatten, meta_key
+from paratrain.training.reshard import ReshardWarning, param_keys
+from paratrain.training.stores import Held, LocalStore, latest_folder, read_rank_state
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -61,9 +64,37 @@ def _adam_state(module: nn.Module, names: dict[str, str] | None = None,
     return opt, state
 
 
-def test_shards_of_a_fused_encoder_layer_round_trip() -> None:
-    """Dense -> 2 TP ranks -> dense, model and Adam moments, bit for bit; the q shard of
-    rank 1 is rows [E/2, E) of the fused in_proj_weight (and k's rows [E + E/2, 2E))."""
+def _write(run_dir: Path, states: list[dict[str, Any]], **layout: Any) -> None:
+    """``states`` (process order) as one DCP checkpoint of step 1, written by this process
+    as the processes of another layout would (each key and chunk once)."""
+    pieces, blobs, seen = [], {}, set()
+    for r, st in enumerate(states):
+        got, meta, engine = flatten(st)
+        for fqn, t, box in got:
+            if (fqn, box) not in seen:
+                seen.add((fqn, box))
+                pieces.append((fqn, t, box))
+        blobs[meta_key(r)], blobs[engine_key(r)] = meta, engine
+    folder = run_dir / "checkpoints" / "step-000000001"
+    folder.mkdir(parents=True)
+    dcp_save(folder, pieces, blobs=blobs, group=None, world=1)
+    (folder / "layout.json").write_text(json.dumps({"kind": "tp", "step": 1, "world": len(states),
+                                                    **layout}))
+
+
+def _read(run_dir: Path, module: nn.Module, opt: torch.optim.Optimizer, names: Any = None,
+          shards: Any = None) -> dict[str, Any]:
+    """What a Local process (``module``, ``names``, ``shards``) reads of it."""
+    with pytest.warns(ReshardWarning):
+        found = LocalStore(run_dir / "checkpoints").load(Held(module, opt, names, shards))
+    assert found is not None and found[1]["resharded"]
+    return found[1]
+
+
+def test_shards_of_a_fused_encoder_layer_round_trip(tmp_path: Path) -> None:
+    """Dense -> 2 TP ranks -> dense through DCP checkpoints, model and Adam moments, bit
+    for bit; the q shard of rank 1 is rows [E/2, E) of the fused in_proj_weight (and k's
+    rows [E + E/2, 2E)): each rank reads those rows, the dense process all of them."""
     torch.manual_seed(0)
     dense = transformer((64,), 10, d_model=16, heads=2, layers=1)
     ranks = [_tp_rank(dense, r) for r in range(2)]
@@ -73,13 +104,12 @@ def test_shards_of_a_fused_encoder_layer_round_trip() -> None:
     assert "module.embed.weight" not in shards  # a lone Linear stays whole (replicated)
 
     dense_opt, dense_state = _adam_state(dense)
-    merged = merge([dense_state], source="dense")
+    _write(tmp_path / "dense", [dense_state])
     local_states = []
     for r, tpm in enumerate(ranks):
         nm, sh = dense_names_and_shards(tpm, rank=r)
         opt = torch.optim.Adam(tpm.parameters(), lr=0.01)
-        local = localize(merged, module=tpm, optimizer=opt, names=nm, rank=r, layout={},
-                         source="dense", warn=False, shards=sh)
+        local = _read(tmp_path / "dense", tpm, opt, nm, sh)
         tpm.load_state_dict(local["model"])
         opt.load_state_dict(local["optimizer"])
         ref_q = dense.block0.self_attn.in_proj_weight[8 * r: 8 * (r + 1)]
@@ -94,12 +124,18 @@ def test_shards_of_a_fused_encoder_layer_round_trip() -> None:
             "param_names": [nm[k] for k in pk], "shards": [sh.get(k) for k in keys],
             "param_shards": [sh.get(k) for k in pk]})
 
-    back = merge(local_states, source="tp")
-    assert set(back["named_model"]) == set(dense.state_dict())
-    assert all(torch.equal(back["named_model"][k], v) for k, v in dense.state_dict().items())
-    for n, p in dense.named_parameters():
+    _write(tmp_path / "tp", local_states, tp=2)
+    again = copy.deepcopy(dense)
+    for p in again.parameters():
+        torch.nn.init.zeros_(p)
+    again_opt = torch.optim.Adam(again.parameters(), lr=0.01)
+    back = _read(tmp_path / "tp", again, again_opt)
+    assert set(back["model"]) == set(dense.state_dict())
+    assert all(torch.equal(back["model"][k], v) for k, v in dense.state_dict().items())
+    again_opt.load_state_dict(back["optimizer"])
+    for (n, p), q in zip(dense.named_parameters(), again.parameters(), strict=True):
         for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(back["named_optimizer"][n][key], dense_opt.state[p][key]), (n, key)
+            assert torch.equal(again_opt.state[q][key], dense_opt.state[p][key]), (n, key)
 
 
 class _Attn(nn.Module):
@@ -131,22 +167,24 @@ def test_an_opted_in_attention_keeps_its_own_names() -> None:
         == set(dense.state_dict())
 
 
-def test_missing_shards_or_another_shape_are_refused() -> None:
+def test_missing_shards_or_another_shape_are_refused(tmp_path: Path) -> None:
     torch.manual_seed(0)
     dense = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     tpm = _tp_rank(dense, 0)
     nm, sh = dense_names_and_shards(tpm, rank=0)
     _, half = _adam_state(tpm, nm, sh)
-    with pytest.raises(ConfigError) as e:  # rank 1's checkpoint is not there
-        merge([half], source="tp-rank0")
-    assert "0.weight" in str(e.value) and "cover" in str(e.value)
+    _write(tmp_path / "half", [half], tp=2)  # rank 1's part is not there
+    with pytest.raises(ConfigError) as e:
+        LocalStore(tmp_path / "half" / "checkpoints").load(
+            Held(dense, torch.optim.Adam(dense.parameters()), None, None))
+    assert "0.weight" in str(e.value) and "16 of the 32 elements" in str(e.value)
 
     other = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))  # another hidden size
     _, state = _adam_state(other)
+    _write(tmp_path / "other", [state])
     opt = torch.optim.Adam(tpm.parameters())
     with pytest.raises(ConfigError) as e:
-        localize(merge([state], source="x"), module=tpm, optimizer=opt, names=nm, rank=0,
-                 layout={}, source="x", warn=False, shards=sh)
+        LocalStore(tmp_path / "other" / "checkpoints").load(Held(tpm, opt, nm, sh))
     assert "0.weight: checkpoint (6, 4), this job (8, 4)" in str(e.value)
 
 
@@ -182,8 +220,8 @@ def _gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def _moment(path: Path, name: str) -> torch.Tensor:
-    """Adam's exp_avg of model parameter ``name`` in a Local checkpoint file."""
-    state = checkpoint.load_checkpoint(path)
+    """Adam's exp_avg of model parameter ``name`` in a Local checkpoint (a DCP folder)."""
+    state = read_rank_state(path)
     return state["optimizer"]["state"][state["param_names"].index(name)]["exp_avg"]
 
 
@@ -207,9 +245,9 @@ def test_tensor_parallel_resumes_as_local_and_back(tmp_path: Path, capfd: pytest
     ref_dir = tmp_path / "ref"
     _fit(_doc(ref_dir, 12, base=DIGITS), capfd)
     name = "block0.self_attn.in_proj_weight"
-    got = _moment(run_dir / "checkpoints" / "ckpt-000000012.pt", name)
-    want = _moment(ref_dir / "r" / "checkpoints" / "ckpt-000000012.pt", name)
-    at8 = _moment(ref_dir / "r" / "checkpoints" / "ckpt-000000008.pt", name)
+    got = _moment(run_dir / "checkpoints" / "step-000000012", name)
+    want = _moment(ref_dir / "r" / "checkpoints" / "step-000000012", name)
+    at8 = _moment(ref_dir / "r" / "checkpoints" / "step-000000008", name)
     assert float((got - want).abs().max()) < 1e-3 * float((want - at8).abs().max())
     after12 = paratrain.load_model(run_dir)
     assert _gap(after12, before) > 1e-3  # it trained on
@@ -292,8 +330,10 @@ def test_a_two_d_grid_resumes_as_local_and_back(tmp_path: Path, capfd: pytest.Ca
     doc["tensor_parallel"] = grid
     saved, _ = _fit(doc, capfd)
     run_dir = Path(saved["run_dir"])
-    ckpt = checkpoint.load_checkpoint(checkpoint.latest(run_dir / "checkpoints" / "tp-rank3"))
-    assert ckpt["shards"][ckpt["names"].index("fc1.weight")]["slices"] == [[1, 8, 8], [0, 4, 4]]
+    folder = latest_folder(run_dir / "checkpoints")
+    assert folder is not None
+    ckpt = read_rank_state(folder, 3)
+    assert ckpt["shards"][ckpt["names"].index("fc1.weight")]["offsets"] == [4, 8]
     before = paratrain.load_model(run_dir)
     same, notes = _fit(_doc(tmp_path, 8), capfd, resume=True)
     assert notes and "'tp': 4" in notes[0] and _same(paratrain.load_model(run_dir), before)

@@ -272,10 +272,13 @@ def test_two_hosts_train_the_one_machine_parameters_also_after_losing_a_host(
     if launcher["killed"] == "paratrain":
         assert "restarted from step 8" in logs["killed-a"].read_text()
     # Each host kept its own rank's checkpoints on its own disk.
+    # (a DCP folder per host: its own .metadata, and only its own rank's data file)
     for r in ("whole", "killed"):
-        held = sorted(p.parent.name[-5:] for h in hosts[r]
-                      for p in (jobs[r, h.ns].parent / "runs").rglob("ckpt-000000020.pt"))
-        assert held == ["rank0", "rank1"], held
+        held = sorted(p.name for h in hosts[r]
+                      for p in (jobs[r, h.ns].parent / "runs").rglob("step-000000020/__*_0.distcp"))
+        assert held == ["__0_0.distcp", "__1_0.distcp"], held
+        assert all(list((jobs[r, h.ns].parent / "runs").rglob("step-000000020/.metadata"))
+                   for h in hosts[r])
     with capsys.disabled():
         print(f"\n[two hosts] {kind}: one machine, {launcher['whole']} on 2 hosts, {launcher['killed']} "
               f"on 2 hosts with host b "

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from paratrain.files import step_folders
+
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 PARATRAIN = str(Path(sys.executable).parent / "paratrain")
@@ -58,6 +60,7 @@ import os
 import torch
 
 from paratrain.config import ConfigError
+from paratrain.files import step_folders
 
 
 def make(input_shape, num_classes, **kwargs):
@@ -156,7 +159,7 @@ def test_an_interrupted_run_says_how_to_continue(tmp_path: Path, how: str) -> No
         # Interrupt once both workers are training (each has written a checkpoint).
         ckpts = tmp_path / "runs" / "long" / "checkpoints"
         deadline = time.monotonic() + 400
-        while not all(list(ckpts.glob(f"dp-rank{r}/ckpt-*.pt")) for r in (0, 1)):
+        while not step_folders(ckpts):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
         if how == "ctrl-c":

@@ -7,10 +7,12 @@ sessions), and each refuses a path that is not strictly inside the root it is gi
 sit on the bottom floor, beside :mod:`paratrain.config`, so that every floor that deletes
 (``comm``'s DataStore, ``training``'s run folder, the executors) uses the same check.
 
-Checkpoint layouts in ``<run>/checkpoints/``: one process's ``ckpt-<step>.pt`` (Local),
-one folder per process ``<prefix>-rank<r>/`` completed by ``<prefix>-complete.json``
-naming the step every process saved (DataParallel ``dp``, tensor parallel ``tp``,
-ModelParallel ``mp``), and PopulationBased's ``population-<generation>.pt``.
+Checkpoint layouts in ``<run>/checkpoints/``: the one loop's torch.distributed.checkpoint
+folders ``step-<step>/`` (every strategy but Federated and PopulationBased; their
+``layout.json`` names the store, ``kind``: ``local``, ``dp``, ``tp``, ``mp``), a Federated
+server's ``ckpt-<round>.pt`` (kind ``local``, as the one loop's files of earlier versions),
+the per-process folders ``<prefix>-rank<r>/`` + ``<prefix>-complete.json`` of earlier
+versions, and PopulationBased's ``population-<generation>.pt``.
 :func:`newest_checkpoint` finds the newest complete one of any layout, by names only
 (nothing is loaded): the stores resume from it, on another layout by the model's names,
 and the launcher names it when it restarts a group ("restarted from step 40"), so a
@@ -26,7 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["inside", "safe_rmtree", "safe_unlink", "FoundCheckpoint", "newest_checkpoint"]
+__all__ = ["inside", "safe_rmtree", "safe_unlink", "FoundCheckpoint", "newest_checkpoint",
+           "DCP_FOLDER", "step_folders"]
+
+DCP_FOLDER = "step-{:09d}"  # one torch.distributed.checkpoint folder of the one loop's stores
 
 
 def inside(path: Path, root: Path) -> bool:
@@ -59,6 +64,24 @@ def safe_unlink(path: str | Path, root: str | Path) -> None:
 _LOCAL = re.compile(r"^ckpt-(\d{9})\.pt$")
 _POPULATION = re.compile(r"^population-(\d{6})\.pt$")
 _MARKER = re.compile(r"^([a-z]+)-complete\.json$")
+_STEP_DIR = re.compile(r"^step-(\d{9})$")
+
+
+def step_folders(checkpoints: str | Path) -> list[Path]:
+    """The complete DCP step folders in ``checkpoints`` (renamed from their temp name,
+    holding ``layout.json``), oldest first."""
+    d = Path(checkpoints)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if _STEP_DIR.match(p.name) and (p / "layout.json").is_file())
+
+
+def _step_doc(folder: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads((folder / "layout.json").read_text())
+        return doc if isinstance(doc, dict) and isinstance(doc.get("kind"), str) else None
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -88,7 +111,7 @@ class FoundCheckpoint:
         """Which layout wrote it, for messages."""
         if self.kind in ("local", "population"):
             return f"{self.path.name} ({self.where})"
-        shape = ", ".join(f"{k}={v}" for k, v in self.doc.items() if k != "step")
+        shape = ", ".join(f"{k}={v}" for k, v in self.doc.items() if k not in ("step", "kind"))
         return f"{self.path.name} ({self.where}; {shape})"
 
 
@@ -114,6 +137,11 @@ def newest_checkpoint(run_dir: str | Path) -> FoundCheckpoint | None:
             except (OSError, ValueError, KeyError, TypeError):
                 continue
             found.append((step, _mtime(p), FoundCheckpoint(mk.group(1), step, p, dict(doc))))
+    for p in step_folders(d)[-1:]:
+        doc = _step_doc(p)
+        if doc is not None:
+            found.append((int(p.name[5:]), _mtime(p), FoundCheckpoint(doc["kind"], int(p.name[5:]), p,
+                                                                      doc)))
     for kind, (step, p) in newest.items():
         found.append((step, _mtime(p), FoundCheckpoint(kind, step, p)))
     return max(found, key=lambda f: (f[0], f[1]))[2] if found else None

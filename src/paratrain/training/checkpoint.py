@@ -1,4 +1,8 @@
-"""Atomic checkpoints: write to a temp file in the same folder, fsync, ``os.replace``.
+"""Atomic checkpoint files: write to a temp file in the same folder, fsync, ``os.replace``.
+
+These are the ``torch.save`` files of Federated's server and workers and of
+PopulationBased; the one loop's stores write torch.distributed.checkpoint folders
+(:mod:`.stores`) and use only :data:`MIN_KEEP` and the model/optimizer checks from here.
 
 Loading uses ``torch.load(weights_only=True)``: a checkpoint can hold tensors,
 containers and plain numbers, never arbitrary pickled objects. A checkpoint that cannot

@@ -10,8 +10,9 @@ name holds its own copy; ``load_state_dict`` writes the same values into the one
 :func:`load_model` reads it back and ``model.load_state_dict(state, strict=True)`` loads it
 into a fresh ``task.build_model(...)``; ``paratrain export RUN --out FILE`` writes it as
 ``.safetensors`` or as a ``torch.save`` ``.pt``. A run that has not finished (interrupted,
-or still going) gives the model of its newest complete checkpoint, merged by the model's
-names from every process's file, with a warning naming the step.
+or still going) gives the model of its newest complete checkpoint (a
+torch.distributed.checkpoint folder, read whole by the model's names), with a warning
+naming the step.
 
 Why safetensors: the file holds tensors and nothing else (no pickle), loads lazily and
 is what Hugging Face and timm read.
@@ -148,19 +149,13 @@ def _from_checkpoint(run: Path) -> dict[str, torch.Tensor] | None:
     the run has none the one loop wrote (Federated and PopulationBased write their model
     only at the end)."""
     from ..files import newest_checkpoint
-    from .reshard import merge
-    from .stores import read_states
+    from .stores import read_named_model
 
     found = newest_checkpoint(run)
-    if found is None or found.kind == "population":
+    if found is None or not found.path.is_dir():  # none, or Federated's / PBT's / an earlier format
         return None
-    try:
-        source, states = read_states(found, run / "checkpoints")
-    except ConfigError:
-        return None
-    if not all(isinstance(s, dict) and "names" in s and "model" in s for s in states):
-        return None
-    state: dict[str, torch.Tensor] = merge(states, source=str(source))["named_model"]
+    source = found.path
+    state = read_named_model(source)
     warnings.warn(f"{run} has not finished: its model at {found.where} (the newest complete "
                   f"checkpoint, {source})", RuntimeWarning, stacklevel=3)
     return {k: v.detach().cpu() for k, v in state.items()}

@@ -37,14 +37,13 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..comm import collectives as C
 from ..config import ConfigError
 from ..data.loader import IN_PROCESS, Feed, LoaderOptions, MapFeed, is_stream
 from . import checkpoint
 from .faults import maybe_kill
 from .interrupt import Cadence, Interrupted, agree, stop_on_signals
 from .progress import progress_bar
-from .reshard import by_examples, localize, param_keys, param_names
+from .reshard import by_examples, param_keys, param_names
 from .rundir import MetricsWriter, read_metrics
 from .seed import rng_state, set_rng_state
 from .stepping import (
@@ -54,6 +53,7 @@ from .stepping import (
     clip_gradients_,
     local_grad_sq_norm,
 )
+from .stores import Held
 from .summary import parameters_digest, summary_fields
 
 __all__ = [
@@ -332,16 +332,12 @@ def run_loop(
     names = names() if callable(names) else None
     shards = getattr(eng, "model_shards", None)  # keys holding part of a model tensor -> spec
     shards = shards() if callable(shards) else None
-    found = store.load() if resume else None
+    found = store.load(Held(model, opt, names, shards, layout)) if resume else None
     feed = _feed(plan, task)
     if found is not None:
         source, state = found
-        resharded = "named_model" in state  # written on another layout (.reshard)
-        if resharded:
-            state = localize(state, module=model, optimizer=opt, names=names, rank=rank,
-                             layout=layout or {}, source=str(source), warn=rank == 0,
-                             shards=shards, world=C.world_size(group) if group is not None else 1)
-        else:
+        resharded = bool(state.get("resharded"))  # written on another layout, read by names
+        if not resharded:
             (check_state or (lambda s, src: checkpoint.check_resume_state(model, opt, s, source=src)))(state, source)
         model.load_state_dict(state["model"])
         trainer.load_state_dict(state)

@@ -1,65 +1,76 @@
-"""Where the one loop keeps its checkpoints: one process, or one directory per rank.
+"""Where the one loop keeps its checkpoints: torch.distributed.checkpoint folders.
 
-- :class:`LocalStore`: ``checkpoints/ckpt-<step>.pt``; resume from the newest readable
-  file (a damaged newest one falls back, :func:`.checkpoint.load_latest`).
-- :class:`RankStore`: ``checkpoints/<prefix>-rank<r>/ckpt-<step>.pt`` per rank; after
-  every rank has saved a step (barrier) rank 0 writes ``checkpoints/<prefix>-complete.json``
-  naming it and the layout (replica / shard counts). A resume starts at that step and
-  falls back, on every rank together, to the newest step all ranks can read
-  (:func:`.resume.agree_on_checkpoint`); a marker written by another layout is a
-  ConfigError naming the setting, before anything is loaded -- unless the store may
-  ``reshard``: then process 0 reads every old process's file of the marker's step, merges
-  them by the model's names (:func:`.reshard.merge`) and broadcasts the result, which
-  the loop lays out for this world (:func:`.reshard.localize`). After the first save on
-  the new layout, the folders of processes that no longer exist are removed.
+``checkpoints/step-<step>/`` is one DCP checkpoint of every process of the run (keys by
+the model's own names, :mod:`.dcp_state`) plus ``layout.json`` (which store wrote it, the
+step, the process count and the layout). Every process writes its part into
+``checkpoints/.step-<step>.tmp/``; when all have (DCP's finish writes ``.metadata``),
+the folder is renamed to ``step-<step>``: the rename is the commit, so a process killed
+mid-save leaves only a ``.tmp`` folder, which the next save removes. The two newest steps
+are kept.
 
-Either store resumes from the newest complete checkpoint of *any* layout in the run folder
-(:func:`paratrain.files.newest_checkpoint`): a Local run continues a DataParallel or
-tensor-parallel one and the other way round, by the model's names (:func:`read_states`
-reads every old process's file, :func:`.reshard.merge` joins them). A resume never starts
-fresh while such a checkpoint exists: one that cannot be resumed here (a PopulationBased
-population) is a ConfigError naming it.
+Resume (``load``, collective): the newest ``step-*`` folder; on the layout that wrote it
+each process reads back exactly the keys it wrote (bit-identical), on another layout each
+process reads the slices it holds now by the model's names (:func:`.dcp_state.reshard_targets`:
+no process reads the whole model unless it holds it) -- DataParallel 2 -> 4 or 1, tensor
+parallel <-> Local, a pipeline on other workers, ZeRO-3 4 -> 2 -> 1 -- and rank 0 warns
+naming what is reset. A folder that cannot be read (damaged ``.metadata`` or data file) on
+any process makes every process fall back to the next older one, with a warning.
 
-``save`` and ``load`` of a RankStore are collective: every rank of ``group`` calls them.
+Several hosts without a shared file system: each host's processes write into their own
+``checkpoints/`` and every process keeps its own copy of what it holds
+(``rank<r>/...`` keys), so a host restarted alone resumes from its own disk.
+
+Checkpoints of the per-process ``torch.save`` format of earlier versions
+(``ckpt-<step>.pt``, ``<prefix>-rank<r>/`` with ``<prefix>-complete.json``) are not
+resumed: a ConfigError names the file and says so. Federated's server (``ckpt-<round>.pt``)
+and PopulationBased keep their own files; a loop store refuses them, naming them.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
+import secrets
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..comm import collectives as C
+from ..comm import dcp
 from ..config import ConfigError
-from ..files import FoundCheckpoint, newest_checkpoint, safe_rmtree
-from . import checkpoint
-from .reshard import merge
-from .resume import agree_on_checkpoint
+from ..files import DCP_FOLDER, newest_checkpoint, safe_rmtree, step_folders
+from . import dcp_state as S
+from .checkpoint import MIN_KEEP
+from .faults import maybe_kill_in_save
+from .reshard import ReshardWarning
 
-__all__ = ["LocalStore", "RankStore", "read_states"]
+__all__ = ["Held", "LocalStore", "RankStore", "read_named_model", "read_rank_state", "latest_folder",
+           "LAYOUT_FILE"]
+
+LAYOUT_FILE = "layout.json"
 
 
-class LocalStore:
-    def __init__(self, directory: str | Path) -> None:
-        self.directory = Path(directory)
+@dataclass(frozen=True)
+class Held:
+    """What this process holds, for a resume on another layout: its module and optimizer,
+    its keys' model names and the shard spec of its keys that are pieces."""
 
-    def load(self) -> tuple[Path, dict[str, Any]] | None:
-        found = newest_checkpoint(self.directory.parent)
-        if found is None or found.kind == "local":
-            return checkpoint.load_latest(self.directory)
-        source, states = read_states(found, self.directory)
-        return source, merge(states, source=str(source))
-
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        checkpoint.save_checkpoint(checkpoint.checkpoint_path(self.directory, step), state)
-        checkpoint.prune(self.directory)
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    names: dict[str, str] | None
+    shards: dict[str, dict[str, Any]] | None
+    layout: dict[str, Any] | None = None  # the run's layout, for the warning
 
 
 class RankStore:
+    """The checkpoints of ``world`` processes (rank ``rank`` of ``group``; ``prefix`` names
+    the strategy: ``dp``, ``tp``, ``mp``, ``local``). ``save`` and ``load`` are collective."""
+
     def __init__(self, run_dir: str | Path, prefix: str, *, rank: int, world: int, group: Any,
                  layout: dict[str, Any], layout_field: str,
                  device: torch.device | None = None, reshard: bool = False) -> None:
@@ -68,123 +79,289 @@ class RankStore:
         self.layout, self.layout_field = dict(layout), layout_field
         self.device, self.reshard = device, reshard
         self.loaded_step: int | None = None
+        self._leader: bool | None = None  # writes this host's folder names (one per file system)
+        self._shared = True  # every process sees one checkpoints folder
 
-    @property
-    def directory(self) -> Path:
-        return self.root / f"{self.prefix}-rank{self.rank}"
+    # -- where ----------------------------------------------------------------------------
 
-    @property
-    def marker(self) -> Path:
-        return self.root / f"{self.prefix}-complete.json"
+    def _g(self) -> Any:
+        return self.group if self.world > 1 else None
 
-    def _barrier(self) -> None:
-        if self.world > 1:
-            C.barrier(self.group)
+    def _probe(self) -> None:
+        """Which processes share a file system: each writes a file, each lists them."""
+        if self._leader is not None:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        if self.world == 1:
+            self._leader, self._shared = True, True
+            return
+        token = C.broadcast_bytes(secrets.token_hex(8).encode() if self.rank == 0 else None,
+                                  group=self.group).decode()
+        mine = self.root / f".probe-{token}-{self.rank}"
+        mine.write_text("")
+        C.barrier(self.group)
+        seen = [r for r in range(self.world) if (self.root / f".probe-{token}-{r}").exists()]
+        C.barrier(self.group)
+        mine.unlink()
+        self._leader = min(seen) == self.rank
+        self._shared = C.all_min_ints([int(len(seen) == self.world)], group=self.group)[0] == 1
 
-    def _found(self) -> FoundCheckpoint | None:
-        return newest_checkpoint(self.root.parent)
+    def _remove_stale(self) -> None:
+        for p in self.root.glob(".step-*.tmp"):
+            safe_rmtree(p, self.root)
 
-    def _complete_step(self) -> int:
-        """The step of this layout's marker when it is the run folder's newest checkpoint
-        (-1: no checkpoint, -2: the newest is another layout's), broadcast from rank 0."""
-        value = -1
-        if self.rank == 0:
-            found = self._found()
-            if found is not None:
-                same = found.kind == self.prefix and all(
-                    found.doc.get(k, v) == v for k, v in self.layout.items())
-                value = found.step if same else -2
-        if self.world > 1:
-            t = torch.tensor([value], dtype=torch.int64, device=self.device)
-            value = int(C.broadcast_(t, src=0, group=self.group).item())
-        return value
-
-    def load(self) -> tuple[Path, dict[str, Any]] | None:
-        step = self._complete_step()
-        if step == -2:
-            return self._load_resharded()
-        agreed = agree_on_checkpoint(self.directory, None if step < 0 else step,
-                                     self.group if self.world > 1 else None)
-        if agreed is None:
-            return None
-        self.loaded_step = int(agreed[0])
-        return checkpoint.checkpoint_path(self.directory, agreed[0]), agreed[1]
-
-    def _load_resharded(self) -> tuple[Path, dict[str, Any]]:
-        """Process 0 merges every old process's checkpoint of the newest complete step (of
-        any layout) by model names; every process receives the merged state (an error,
-        e.g. a store that may not reshard, reaches them all)."""
-        blob: bytes | None = None
-        source = self.root
-        if self.rank == 0:
-            try:
-                found = self._found()
-                assert found is not None
-                if not self.reshard:
-                    shape = ", ".join(f"{k}={v}" for k, v in self.layout.items())
-                    raise ConfigError([(self.layout_field, (
-                        f"the newest checkpoint in {self.root}, {found.describe()}, was written "
-                        f"with another layout than this job's ({shape}); resume with the original "
-                        "settings or start without --resume"))])
-                source, states = read_states(found, self.root, field=self.layout_field)
-                merged = merge(states, source=str(source))
-                buf = io.BytesIO()
-                torch.save(merged, buf)
-                blob = b"S" + buf.getvalue()
-            except ConfigError as e:
-                blob = b"E" + json.dumps(e.problems).encode()
-        got = C.broadcast_bytes(blob, src=0, group=self.group if self.world > 1 else None)
-        if got[:1] == b"E":
-            raise ConfigError([tuple(p) for p in json.loads(got[1:].decode())])
-        state = torch.load(io.BytesIO(got[1:]), map_location="cpu", weights_only=True)
-        self.loaded_step = int(state["step"])
-        return Path(source), state
+    # -- save -----------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any]) -> None:
-        checkpoint.save_checkpoint(checkpoint.checkpoint_path(self.directory, step), state)
-        self._barrier()  # every rank has saved `step` before it is declared complete
-        if self.rank == 0:
-            tmp = self.marker.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"step": step, **self.layout, "world": self.world}))
-            os.replace(tmp, self.marker)
-            for old in self.root.glob(f"{self.prefix}-rank*"):
-                k = old.name.removeprefix(f"{self.prefix}-rank")
-                if k.isdigit() and int(k) >= self.world:  # a process of an earlier, larger layout
+        self._probe()
+        pieces, meta, engine = S.flatten(state)
+        private: set[str] | None = None  # None: every key is this process's own
+        if self.world > 1 and self._shared:
+            mine = S.digests(pieces)
+            seen: dict[str, set[str]] = {}
+            for text in C.all_gather_text(json.dumps(mine), group=self.group):
+                for k, d in json.loads(text).items():
+                    seen.setdefault(k, set()).add(d)
+            private = {k for k, ds in seen.items() if len(ds) > 1}
+        meta["differed"] = sorted(k.removeprefix("model/") for k in (private or ())
+                                  if k.startswith("model/"))
+        if self.world > 1 and (private is None or private):
+            pieces = S.privatize(pieces, meta, private, self.rank)
+        final, tmp = self.root / DCP_FOLDER.format(step), self.root / f".{DCP_FOLDER.format(step)}.tmp"
+        try:
+            if self._leader:
+                self._remove_stale()
+                tmp.mkdir(parents=True)
+            C.barrier(self._g())
+            dcp.save(tmp, pieces, blobs={S.meta_key(self.rank): meta, S.engine_key(self.rank): engine},
+                     group=self.group, world=self.world)
+            md = C.broadcast_bytes((tmp / dcp.METADATA).read_bytes() if self.rank == 0 else None,
+                                   group=self._g()) if not self._shared else b""
+            if self._leader:
+                if md and not (tmp / dcp.METADATA).exists():
+                    _write_atomic(tmp / dcp.METADATA, md)
+                _write_atomic(tmp / LAYOUT_FILE, json.dumps(
+                    {"kind": self.prefix, "step": step, **self.layout, "world": self.world}).encode())
+            C.barrier(self._g())
+            maybe_kill_in_save(final)
+            if self._leader:
+                if final.exists():
+                    safe_rmtree(final, self.root)
+                os.replace(tmp, final)
+                for old in step_folders(self.root)[:-MIN_KEEP]:
                     safe_rmtree(old, self.root)
-        self._barrier()
-        checkpoint.prune(self.directory)
+        except OSError as e:
+            raise ConfigError([("run.output_dir", f"cannot write checkpoint {final}: "
+                                f"{e.strerror or e}")]) from None
+        C.barrier(self._g())
+
+    # -- load -----------------------------------------------------------------------------
+
+    def load(self, held: Held | None = None) -> tuple[Path, dict[str, Any]] | None:
+        """``(folder, state)`` of the newest readable checkpoint (None: there is none);
+        ``state`` is this process's loop state, with ``"resharded": True`` when it was
+        written on another layout (``held`` says what this process holds then)."""
+        doc: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                doc = {"steps": self._candidates()}
+            except ConfigError as e:
+                doc = {"error": e.problems}
+        doc = json.loads(C.broadcast_bytes(json.dumps(doc).encode() if self.rank == 0 else None,
+                                           group=self._g()).decode())
+        if "error" in doc:
+            raise ConfigError([tuple(p) for p in doc["error"]])
+        skipped: list[str] = []
+        steps = doc["steps"]
+        for i, name in enumerate(steps):
+            folder = self.root / name
+            try:
+                found = self._load_one(folder, held)
+            except CheckpointException as e:
+                skipped.append(f"checkpoint {folder} {_reason(e)}")
+                if i + 1 < len(steps) and self.rank == 0:
+                    warnings.warn(f"skipping {skipped[-1]}; falling back to step "
+                                  f"{int(steps[i + 1][5:])} ({self.root / steps[i + 1]})",
+                                  RuntimeWarning, stacklevel=2)
+                continue
+            self.loaded_step = int(found[1]["step"])
+            return found
+        if skipped:
+            raise ConfigError([("checkpoint", f"no readable checkpoint in {self.root}: "
+                                f"{'; '.join(skipped)}; start without --resume (or with --overwrite)")])
+        return None
+
+    def _candidates(self) -> list[str]:
+        """Rank 0: the step folders to try, newest first; a ConfigError when the newest
+        checkpoint is one no loop store resumes."""
+        if self.root.is_dir():
+            self._remove_stale()
+        found = newest_checkpoint(self.root.parent)
+        if found is None:
+            return []
+        if found.kind == "population":
+            raise ConfigError([(self.layout_field, (
+                f"the newest checkpoint in {self.root} is {found.describe()}, a PopulationBased "
+                "population, which only PopulationBased resumes; resume with the original strategy "
+                "or start a fresh run with --overwrite"))])
+        if not found.path.is_dir():
+            raise ConfigError([(self.layout_field, (
+                f"the newest checkpoint in {self.root} is {found.describe()}, in the per-process "
+                "torch.save format of paratrain before torch.distributed.checkpoint (or a Federated "
+                "server's): this version does not resume it; finish the run with the version that "
+                "wrote it, or start a fresh run with --overwrite"))])
+        return [p.name for p in reversed(step_folders(self.root))]
+
+    def _same_layout(self, doc: dict[str, Any]) -> bool:
+        return (doc.get("kind") == self.prefix and int(doc.get("world", 0)) == self.world
+                and all(doc.get(k, v) == v for k, v in self.layout.items()))
+
+    def _load_one(self, folder: Path, held: Held | None) -> tuple[Path, dict[str, Any]]:
+        doc = json.loads((folder / LAYOUT_FILE).read_text()) if (folder / LAYOUT_FILE).exists() else {}
+        if self._same_layout(doc):
+            blobs = dcp.load(folder, {}, blobs=[S.meta_key(self.rank), S.engine_key(self.rank)],
+                             group=self.group, world=self.world)
+            meta = blobs[S.meta_key(self.rank)]
+            targets, build = S.rebuild(meta)
+            dcp.load(folder, targets, group=self.group, world=self.world)
+            return folder, {**build(), "engine": blobs.get(S.engine_key(self.rank), {})}
+        if not self.reshard:
+            shape = ", ".join(f"{k}={v}" for k, v in self.layout.items())
+            raise ConfigError([(self.layout_field, (
+                f"the newest checkpoint in {self.root}, {folder.name} ({_shape(doc)}), was written "
+                f"with another layout than this job's ({shape}); resume with the original "
+                "settings or start without --resume"))])
+        assert held is not None, "a store that reshards needs to know what this process holds"
+        old_world = int(doc.get("world", 1))
+        metas_ = dcp.load(folder, {}, blobs=[S.meta_key(r) for r in range(old_world)],
+                          group=self.group, world=self.world)
+        metas = [metas_[S.meta_key(r)] for r in range(old_world)]
+        md = dcp.read_metadata(folder)
+        targets, missing, wrong, build = S.reshard_targets(
+            md, metas, module=held.module, optimizer=held.optimizer, names=held.names, shards=held.shards)
+        problems = _agree(missing, wrong, len(metas[0]["param_groups"]), held.optimizer, folder, self._g())
+        if problems:
+            raise ConfigError(problems)
+        dcp.load(folder, targets, group=self.group, world=self.world)
+        first = metas[0]
+        state = build(first["param_groups"])
+        reset = _reset(metas, self.rank, self.world)
+        if self.rank == 0:
+            warnings.warn(
+                f"resuming {folder} (layout {dict(first.get('layout') or {})}) on layout "
+                f"{dict(held.layout or self.layout)}: the model and optimizer state continue by name at step "
+                f"{first['step']}; reset: {'; '.join(reset + ['the training losses since the last evaluation'])}",
+                ReshardWarning, stacklevel=3)
+        rng = metas[self.rank]["rng"] if self.rank < old_world else first["rng"]
+        return folder, {**state, "scheduler": first["scheduler"], "rng": rng, "engine": {},
+                        "step": first["step"], "epoch": first["epoch"], "batch": first["batch"],
+                        "losses": [], "optimizer_type": first.get("optimizer_type"),
+                        "layout": first.get("layout"), "resharded": True}
 
 
-def read_states(found: FoundCheckpoint, root: Path, *,
-                field: str = "checkpoint") -> tuple[Path, list[dict[str, Any]]]:
-    """Every old process's checkpoint of ``found`` (process order) and the file to name.
-    A layout whose state is not the one loop's (a PopulationBased population, an earlier
-    marker without its process count) is a ConfigError naming it and ``field``."""
-    if found.kind == "local":
-        latest = checkpoint.load_latest(root)
-        assert latest is not None
-        return latest[0], [latest[1]]
-    if found.kind == "population":
-        raise ConfigError([(field, (
-            f"the newest checkpoint in {root} is {found.describe()}, a PopulationBased "
-            "population, which only PopulationBased resumes; resume with the original strategy "
-            "or start a fresh run with --overwrite"))])
-    old_world = int(found.doc.get("world", 0))
-    if old_world < 1:
-        raise ConfigError([(field, (
-            f"{found.path} does not say how many processes wrote it (an earlier paratrain); "
-            "resume with the original settings"))])
-    paths = [checkpoint.checkpoint_path(root / f"{found.kind}-rank{k}", found.step)
-             for k in range(old_world)]
-    return paths[0], [_readable(p) for p in paths]
+class LocalStore(RankStore):
+    """One process's checkpoints (``prefix`` ``local``); resumes any layout's by names."""
+
+    def __init__(self, directory: str | Path) -> None:
+        super().__init__(Path(directory).parent, "local", rank=0, world=1, group=None,
+                         layout={"strategy": "Local"}, layout_field="checkpoint", reshard=True)
+        self.directory = Path(directory)
 
 
-def _readable(path: Path) -> dict[str, Any]:
-    try:
-        return checkpoint.load_checkpoint(path)
-    except FileNotFoundError:
-        raise ConfigError([("checkpoint", (
-            f"{path} is missing: resuming on another layout reads every earlier process's "
-            "checkpoint from this run folder (on several machines, gather them first)"))]) from None
-    except checkpoint.CheckpointError as e:
-        raise ConfigError([("checkpoint", str(e))]) from None
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _shape(doc: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in doc.items() if k not in ("step", "kind"))
+
+
+def _reason(e: CheckpointException) -> str:
+    for failure in e.failures.values():
+        err: Any = failure[0] if isinstance(failure, tuple) else failure  # DCP's (exception, traceback)
+        first = (str(err).strip().splitlines() or [""])[-1]
+        return f"is not readable, truncated or corrupt: {type(err).__name__}: {first[:300]}"
+    return str(e)[:300]
+
+
+def _agree(missing: list[str], wrong: list[str], saved_groups: int, optimizer: torch.optim.Optimizer,
+           folder: Path, group: Any) -> list[tuple[str, str]]:
+    """Every process's problems with a checkpoint of another layout, on every process."""
+    mine: list[tuple[str, str]] = []
+    if missing:
+        mine.append(("model", f"checkpoint {folder} holds no {', '.join(missing[:5])}: it was written "
+                              "for another model; resume with the original model"))
+    if wrong:
+        mine.append(("model", f"checkpoint {folder} does not fit this job's model: {'; '.join(wrong[:5])}; "
+                              "resume with the original model"))
+    if saved_groups != len(optimizer.param_groups):
+        mine.append(("train.optimizer", f"checkpoint {folder} has {saved_groups} parameter groups; "
+                                        f"this job's optimizer has {len(optimizer.param_groups)}"))
+    out: list[tuple[str, str]] = []
+    for text in C.all_gather_text(json.dumps(mine), group=group):
+        for p in json.loads(text):
+            if tuple(p) not in out:
+                out.append((p[0], p[1]))
+    return out
+
+
+def _reset(metas: list[dict[str, Any]], rank: int, world: int) -> list[str]:
+    reset = []
+    differed = metas[0].get("differed") or []
+    if differed:
+        shown = ", ".join(differed[:4]) + (" ..." if len(differed) > 4 else "")
+        reset.append(f"tensors the old processes held with different values ({shown}: e.g. "
+                     "Local subgraph layers, Decentralized replicas) now take process 0's")
+    engine = sorted({k for m in metas for k in m.get("engine_keys", [])})
+    if engine:
+        reset.append(f"the strategy's own state ({', '.join(engine)}: e.g. compressor residuals, "
+                     "per process)")
+    if max(world, rank + 1) > len(metas):
+        reset.append(f"the random state of processes {len(metas)}..{max(world, rank + 1) - 1} "
+                     "(they did not exist: they take process 0's)")
+    return reset
+
+
+def read_named_model(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The whole model of checkpoint ``folder`` by the model's names (one process; for
+    export: this reads every tensor)."""
+    folder = Path(folder)
+    md = dcp.read_metadata(folder)
+    doc = json.loads((folder / LAYOUT_FILE).read_text())
+    old_world = int(doc.get("world", 1))
+    names: dict[str, Any] = {}
+    for f, m in md.state_dict_metadata.items():
+        g = S.unranked(f)
+        if g.startswith("model/") and isinstance(m, dcp.TensorStorageMetadata):
+            names.setdefault(g.removeprefix("model/"), m)
+    metas = dcp.load(folder, {}, blobs=[S.meta_key(0)], group=None, world=1)
+    order = [d[1] for d in metas[S.meta_key(0)]["model"]]
+    targets: dict[str, dcp.Target] = {}
+    for n, m in names.items():
+        srcs = tuple(x for x in S.sources("model", n, old_world) if x in md.state_dict_metadata)
+        targets[n] = dcp.Target(torch.empty(tuple(m.size), dtype=m.properties.dtype), None, srcs)
+    dcp.load(folder, targets, group=None, world=1)
+    ranked = [n for n in order if n in targets] + sorted(n for n in targets if n not in order)
+    return {n: targets[n].tensor for n in ranked}
+
+
+def read_rank_state(folder: str | Path, rank: int = 0) -> dict[str, Any]:
+    """Process ``rank``'s loop state as it saved it into checkpoint ``folder`` (one
+    process reads it: for inspection and tests), the dict ``run_loop`` saves."""
+    blobs = dcp.load(folder, {}, blobs=[S.meta_key(rank), S.engine_key(rank)], group=None, world=1)
+    if S.meta_key(rank) not in blobs:
+        raise ConfigError([("checkpoint", f"{folder} holds no process {rank}")])
+    meta = blobs[S.meta_key(rank)]
+    targets, build = S.rebuild(meta)
+    dcp.load(folder, targets, group=None, world=1)
+    return {**build(), "engine": blobs.get(S.engine_key(rank), {}),
+            "shards": [None if d[5] is None else {"shape": d[5][0], "offsets": d[5][1]}
+                       for d in meta["model"]]}
+
+
+def latest_folder(checkpoints: str | Path) -> Path | None:
+    """The newest complete step folder in ``checkpoints`` (None: there is none)."""
+    found = step_folders(checkpoints)
+    return found[-1] if found else None

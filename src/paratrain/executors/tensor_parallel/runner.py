@@ -125,9 +125,9 @@ class _Store(RankStore):
         super().__init__(*args, **kwargs)
         self.scheduler = scheduler
 
-    def load(self) -> tuple[Path, dict[str, Any]] | None:
-        found = super().load()
-        if found is None or "named_model" in found[1]:  # nothing, or another layout's (merged)
+    def load(self, held: Any = None) -> tuple[Path, dict[str, Any]] | None:
+        found = super().load(held)
+        if found is None or found[1].get("resharded"):  # nothing, or another layout's
             return found
         path, state = found
         if "engine" not in state:

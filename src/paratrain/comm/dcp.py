@@ -1,0 +1,215 @@
+"""torch.distributed.checkpoint (DCP) for pieces of tensors: each process writes what it
+holds and reads back only the slices it holds now.
+
+A checkpoint is one DCP folder (``.metadata`` + ``__<rank>_0.distcp`` files) of flat
+keys. A tensor a process holds whole is saved as one chunk; a *piece* of a larger tensor
+(a tensor-parallel shard, a ZeRO row range, a q/k/v third of a fused ``in_proj_weight``)
+is saved as the chunk ``Box(shape, offsets)`` of that tensor: DCP's metadata then records
+the whole tensor's size and where every chunk lies, which is what lets another layout read
+the same tensor cut differently. Replicas of one chunk (the same key and offsets on several
+processes) are written once (DCP's deduplication, by the lowest rank). Non-tensor values
+(``blobs``) are DCP byte items, read back with ``torch.load(weights_only=True)``.
+
+Reading (:func:`load`): each target is a tensor this process fills, the box it is of the
+whole tensor, and the keys to take it from, in order of preference; the chunks of those
+keys that overlap it are read (the first key holding a region wins; a region no key covers
+is an error naming it). DCP's ``create_read_items_for_chunk_list`` computes the overlaps,
+so a process reads its slice and nothing else: a rank of a 2-way shard reads half of a
+4-way-sharded tensor's chunks, never the whole tensor.
+
+Everything collective here runs over ``group`` (None: one process, DCP's ``no_dist``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import (
+    _create_read_item_for_byteio,
+    create_read_items_for_chunk_list,
+)
+
+__all__ = ["Box", "Piece", "Target", "TensorStorageMetadata", "read_items", "save", "load", "read_metadata", "MissingRegion", "METADATA"]
+
+METADATA = ".metadata"  # the file DCP's FileSystemWriter writes last, on the coordinator
+
+
+@dataclass(frozen=True)
+class Box:
+    """Where a process's piece lies in the whole tensor: ``shape`` is the whole tensor's,
+    ``offsets`` the piece's first index in each dimension."""
+
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A tensor to fill from the checkpoint: ``tensor`` (this process's piece), ``box``
+    (None: it is the whole tensor) and ``sources``, the checkpoint keys to read it from,
+    most preferred first."""
+
+    tensor: torch.Tensor
+    box: Box | None
+    sources: tuple[str, ...]
+
+
+Piece = tuple[str, torch.Tensor, "Box | None"]
+
+
+class MissingRegion(ValueError):
+    """No key of a target's ``sources`` holds part of the region it needs."""
+
+
+def _chunk(t: torch.Tensor, box: Box | None) -> tuple[ChunkStorageMetadata, torch.Size]:
+    offsets = torch.Size(box.offsets if box is not None else [0] * t.dim())
+    whole = torch.Size(box.shape if box is not None else t.shape)
+    return ChunkStorageMetadata(offsets=offsets, sizes=t.size()), whole
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def __init__(self, pieces: Sequence[Piece], blobs: Mapping[str, Any]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False,
+                         dedup_save_to_lowest_rank=True)
+        self.pieces, self.blobs = pieces, blobs
+        self.by_index: dict[MetadataIndex, torch.Tensor] = {}
+
+    def create_local_plan(self) -> SavePlan:
+        items: list[WriteItem] = []
+        for fqn, t, box in self.pieces:
+            if t.numel() == 0:
+                continue  # an empty piece (an uneven split's last shard) holds nothing
+            chunk, whole = _chunk(t, box)
+            index = MetadataIndex(fqn, chunk.offsets)
+            self.by_index[index] = t
+            items.append(WriteItem(
+                index=index, type=WriteItemType.SHARD if box is not None else WriteItemType.TENSOR,
+                tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(t),
+                                            size=whole)))
+        items += [WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self.blobs]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        return self.blobs[index.fqn] if index.fqn in self.blobs else self.by_index[index]
+
+
+def _overlaps(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
+    return all(a.offsets[d] < b.offsets[d] + b.sizes[d] and b.offsets[d] < a.offsets[d] + a.sizes[d]
+               for d in range(len(a.offsets)))
+
+
+def _common(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> int:
+    return math.prod(max(0, min(a.offsets[d] + a.sizes[d], b.offsets[d] + b.sizes[d])
+                         - max(a.offsets[d], b.offsets[d])) for d in range(len(a.offsets)))
+
+
+def read_items(label: str, target: Target, md: Metadata) -> list[ReadItem]:
+    """DCP read items filling ``target`` (named ``label``) from the chunks of its sources
+    that overlap it: only this process's slice is read."""
+    want, whole = _chunk(target.tensor, target.box)
+    if target.tensor.numel() == 0:
+        return []
+    chosen: list[tuple[str, TensorStorageMetadata, ChunkStorageMetadata]] = []
+    for fqn in target.sources:
+        md_ = md.state_dict_metadata.get(fqn)
+        if not isinstance(md_, TensorStorageMetadata):
+            continue
+        if md_.size != whole:
+            raise MissingRegion(f"{fqn} is {tuple(md_.size)} in the checkpoint; this process's "
+                                f"tensor is a piece of one of {tuple(whole)}")
+        for ch in md_.chunks:
+            if _overlaps(ch, want) and not any(_overlaps(ch, c) for _, _, c in chosen):
+                chosen.append((fqn, md_, ch))
+    covered = sum(_common(ch, want) for _, _, ch in chosen)
+    if covered != math.prod(want.sizes):
+        raise MissingRegion(f"the checkpoint holds {covered} of the {math.prod(want.sizes)} "
+                            f"elements of {label} this process needs (keys {', '.join(target.sources)})")
+    out: list[ReadItem] = []
+    for fqn, md_, ch in chosen:
+        one = TensorStorageMetadata(properties=md_.properties, size=md_.size, chunks=[ch])
+        for r in create_read_items_for_chunk_list(fqn, one, [want]):
+            out.append(dataclasses.replace(r, dest_index=MetadataIndex(label, want.offsets)))
+    return out
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self, targets: Mapping[str, Target], blobs: Sequence[str]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.targets, self.blob_keys = targets, list(blobs)
+        self.blobs: dict[str, Any] = {}
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items: list[ReadItem] = []
+        for label, t in self.targets.items():
+            items += read_items(label, t, self.metadata)
+        for key in self.blob_keys:
+            if key in self.metadata.state_dict_metadata:
+                items.append(_create_read_item_for_byteio(MetadataIndex(key), 0, MetadataIndex(key), 0, 0))
+        return LoadPlan(items)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.blobs[read_item.dest_index.fqn] = torch.load(value, map_location="cpu", weights_only=True)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.targets[index.fqn].tensor
+
+
+def save(folder: str | Path, pieces: Sequence[Piece], *, blobs: Mapping[str, Any], group: Any,
+         world: int) -> None:
+    """Write ``pieces`` (``(key, tensor, box)``; box None: the whole tensor; one key may
+    have several pieces on one process, e.g. q, k and v of one fused tensor) and the
+    non-tensor ``blobs`` of every process of ``group`` into DCP folder ``folder``
+    (collective; ``world == 1``: this process alone)."""
+    state: dict[str, Any] = {f"{k}@{i}": t.detach() for i, (k, t, _) in enumerate(pieces)}
+    state.update(blobs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True),
+                 planner=_SavePlanner([(k, t.detach(), b) for k, t, b in pieces], blobs),
+                 process_group=group if world > 1 else None, no_dist=world == 1)
+
+
+def load(folder: str | Path, targets: Mapping[str, Target], *, blobs: Sequence[str] = (),
+         group: Any, world: int) -> dict[str, Any]:
+    """Fill every target from DCP folder ``folder`` (collective) and return the ``blobs``
+    found there (``torch.load(weights_only=True)``). Another process's failure to read
+    raises here too (DCP gathers the errors), so every process leaves together."""
+    planner = _LoadPlanner(targets, blobs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        dcp.load({k: t.tensor for k, t in targets.items()},
+                 storage_reader=dcp.FileSystemReader(str(folder)), planner=planner,
+                 process_group=group if world > 1 else None, no_dist=world == 1)
+    return planner.blobs
+
+
+def read_metadata(folder: str | Path) -> Metadata:
+    """The checkpoint's keys, whole sizes and chunks (this process reads ``.metadata``)."""
+    return dcp.FileSystemReader(str(folder)).read_metadata()
