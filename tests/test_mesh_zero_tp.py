@@ -199,3 +199,17 @@ def test_refused_compositions_are_config_errors_naming_the_field(
     ok.write_text(json.dumps(mesh_job(str(tmp_path), "ok", shard="optimizer").to_json_dict()))
     assert main(["validate", str(ok)]) == 0
     assert "mesh dp 2 x tp 2: rank = dp*2 + tp" in capsys.readouterr().out
+
+
+def test_optimizer_state_is_sharded_over_the_whole_mesh(mesh_runs: dict[str, Any]) -> None:
+    """AdamW's moments a rank holds (measured from its tensors): a tensor-parallel shard's
+    over the 4 ranks, a tensor the TP ranks hold whole over the 2 dp ranks (ZeRO over the
+    dp column of each TP shard) -- not TP's alone (half of the sharded, all of the rest)."""
+    sharded = 64 * 16 + 16 + 16 * 16  # fc0 (column), fc1.weight (row)
+    replicated = 16 + 16 * 10 + 10  # fc1.bias, head
+    want = 8 * (sharded / 4 + replicated / 2)
+    tp_only = 8 * (sharded / 2 + replicated)
+    for lvl in LEVELS:
+        held = mesh_runs["ranks"][0]["jobs"][f"{lvl}-adamw"]["held_bytes"]
+        assert abs(held["optimizer"] - want) <= 0.1 * want, (lvl, held, want)
+        assert held["optimizer"] < 0.6 * tp_only

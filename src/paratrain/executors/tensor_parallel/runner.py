@@ -238,6 +238,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             rank=ctx.rank, restart_count=ctx.restart_count, started=started, group=ctx.group,
             layout={"strategy": "TensorParallel", "tp": tp, "dp": dp, "replicas": dp,
                     **({"shard": shard} if zero is not None else {})})
+        held = zero.held_bytes(opt) if zero is not None else None  # measured before gathering
         if zero is not None:
             zero.gather_all()  # ZeRO-3: the whole TP shards again (collective over dp)
         stats = tpm.statistics()
@@ -264,7 +265,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "data_parallel_size": dp,
         "world_size": ctx.world_size,
         "mesh": groups.mesh.describe() if groups.mesh is not None else None,
-        **({"shard": shard} if zero is not None else {}),
+        **({"shard": shard, "held_bytes": held} if zero is not None else {}),
         "backend": ctx.backend,
         "run_dir": str(run_dir),
         **fields,
