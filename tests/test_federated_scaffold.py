@@ -189,3 +189,28 @@ def test_unsupported_combinations_name_the_field(tmp_path: Path) -> None:
         s = load_strategy(doc)
         assert dump_strategy(s)["aggregation"]["method"] == doc["aggregation"]["method"]
     assert load_strategy({**doc, "aggregation": {"method": "SCAFFOLD"}}).aggregation.server_lr == 1.0
+
+
+def test_server_rejects_an_uplink_without_the_methods_extra() -> None:
+    """A SCAFFOLD client that sends no control delta, or a FedNova client no normaliser, is a
+    recorded failure naming the client and what is missing; the others are aggregated."""
+    from paratrain.config.strategy import SCAFFOLD, FedNova
+    from paratrain.executors.federated.drift import pack_control
+    from paratrain.executors.federated.server import FederatedServer
+    from paratrain.executors.federated.wire import encode_update
+
+    g = {"w": torch.zeros(3), "b": torch.zeros(())}
+    delta = {"w": torch.ones(3), "b": torch.tensor(0.5)}
+    h, p = encode_update(delta)
+    hc, pc = encode_update(pack_control({k: v * 2 for k, v in delta.items()}))
+    server = FederatedServer(SCAFFOLD(), g, num_clients=4)
+    rec = server.finish_round(0, [{"client": 0, "ok": True, "n": 5, "headers": h + hc, "steps": 2},
+                                  {"client": 1, "ok": True, "n": 5, "headers": h, "steps": 2}], [p + pc, p])
+    assert rec["clients_ok"] == 1 and "client-1" in rec["failures"][0]["client"]
+    assert "scaffold.dc/" in rec["failures"][0]["error"]
+    assert torch.equal(server.global_state["w"], torch.ones(3))
+    assert torch.equal(server.control()["w"], torch.full((3,), 0.5))  # c += (1/4) * dc
+    nova = FederatedServer(FedNova(), g)
+    rec = nova.finish_round(0, [{"client": 0, "ok": True, "n": 5, "headers": h, "steps": 2, "norm": 2.0},
+                                {"client": 1, "ok": True, "n": 5, "headers": h, "steps": 2}], [p, p])
+    assert rec["clients_ok"] == 1 and "<norm>" in rec["failures"][0]["error"]
