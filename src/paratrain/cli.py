@@ -61,6 +61,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             _print_problems(warnings)
             if not args.quiet:
                 print(f"{path}: ok")
+                from .executors.federated.flower import describe_runtime
+
+                if (runtime := describe_runtime(job)) is not None:  # Federated: which path runs
+                    print(f"{path}: runs on {runtime}")
                 for line in _tp_layout(job):
                     print(f"{path}: {line}")
                 for line in _dp_lines(job):  # [federated.dp]: mechanism, accountant, budget

@@ -325,6 +325,10 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
         "nodes": rows,
         "subgraphs": groups,
     }
+    if kind == "Federated":  # which path runs the rounds ([federated] runtime)
+        from .executors.federated.flower import describe_runtime
+
+        report["runtime"] = describe_runtime(job)
     if kind == "ModelParallel" and plan is not None:
         report["protocol"] = str(root.communication.protocol)
         if report["protocol"] == "Pipeline":

@@ -41,6 +41,8 @@ def render(report: Mapping[str, Any]) -> str:
     if report.get("job"):
         head = f"{report['job']}: {head}"
     out = [head, "", "nodes, in execution order:"]
+    if report.get("runtime"):  # Federated: the local path or Flower's deployment runtime
+        out[1:1] = [f"runs on {report['runtime']}"]
     header = ["#", "node", "module", "params", "strategy"] + (["worker", "part"] if mp else [])
     rows = []
     for r in report["nodes"]:

@@ -7,6 +7,7 @@ from typing import Any
 
 from ...comm.context import WorkerContext
 from ...config import ConfigError
+from ...config.flower import secure_problems
 from ...config.job import JobConfig
 from ...training.faults import FAULTS_ENV, injected_faults
 from .client import client_name
@@ -37,6 +38,7 @@ def check_job(job: JobConfig, *, world_size: int) -> None:
             "task can stop at a target accuracy")))
     problems.extend(drift_problems(job))  # SCAFFOLD / FedNova with an optimizer they cannot use
     problems.extend(dp_problems(job))  # [federated.dp] with an aggregator it cannot serve
+    problems.extend(secure_problems(job))  # Flower's SecAgg+ reveals only the sum
     if problems:
         raise ConfigError(problems)
 

@@ -8,7 +8,23 @@ Start a federation and run the app: examples/federated_flower/README.md."""
 
 from __future__ import annotations
 
-__all__ = ["SERVER_APP", "CLIENT_APP"]
+from typing import Any
+
+__all__ = ["SERVER_APP", "CLIENT_APP", "describe_runtime"]
 
 SERVER_APP = "paratrain.executors.federated.flower.serverapp:app"
 CLIENT_APP = "paratrain.executors.federated.flower.clientapp:app"
+
+
+def describe_runtime(job: Any) -> str | None:
+    """Which path a Federated job runs on (``paratrain validate`` / ``graph``); None otherwise."""
+    strat: Any = job.strategy
+    if getattr(strat, "type", None) != "Federated":
+        return None
+    if job.federated.runtime == "flower":
+        return ("Flower's Deployment Runtime: `flwr run` paratrain's app (examples/federated_flower) "
+                "against a SuperLink; SuperNode partition-id p of num-partitions P hosts the clients "
+                "c % P == p")
+    n = int(min(job.run.num_workers or 2, strat.num_clients))
+    return f"the local path: `paratrain run`, {n} worker process(es) over torch.distributed"
+

@@ -1,9 +1,9 @@
 """paratrain's Flower ClientApp (``paratrain.executors.federated.flower.clientapp:app``).
 
-Handlers (Flower's Message API):
+Handlers (Flower's Message API). The node hosts the clients ``c`` with
+``c % num-partitions == partition-id`` (its ``--node-config``); every reply names the clients
+it answers for and the node's partition:
 
-- ``@app.query()``: the node's ``partition-id`` and ``num-partitions`` (its ``--node-config``),
-  which the server maps to the clients this node hosts (``c % num-partitions == partition-id``);
 - ``@app.train()``: the local path's client step (:func:`.node.train_clients`) for the
   selected clients this node hosts; the reply carries each client's status (example count,
   loss, tensor headers) and the encoded updates (compression codecs included) as bytes;
@@ -17,16 +17,37 @@ A wrong ``node_config`` or message is answered with a Flower error reply naming 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS as SECAGG_CONFIGS
+from flwr.compat.common.recorddict_compat import fitres_to_recorddict, recorddict_to_fitins
 
 from . import protocol as P
 
-__all__ = ["app"]
+__all__ = ["app", "DROP_ENV"]
 
-app = ClientApp()
+# Fault injection for tests: a node whose environment names a SecAgg+ stage ("unmask") exits
+# when that stage's message arrives (a dropout after masking).
+DROP_ENV = "PARATRAIN_FLOWER_SECAGG_DROP_AT"
+DROP_MARK = "paratrain.dropped"
+
+def _secure(msg: Message, context: Context, call_next: Any) -> Message:
+    """Flower's ``secaggplus_mod`` for the SecAgg+ messages of a secure round (they carry its
+    configs record); every other message goes straight to its handler."""
+    if msg.metadata.message_type == "train" and SECAGG_CONFIGS in msg.content.config_records:
+        stage = str(msg.content.config_records[SECAGG_CONFIGS].get("stage", ""))
+        if stage and stage == os.environ.get(DROP_ENV, "") and not context.state.config_records.get(DROP_MARK):
+            os._exit(17)  # fault injection (tests): this node drops at that stage, once per run
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+app = ClientApp(mods=[_secure])
 
 
 def _partition(context: Context) -> tuple[int, int]:
@@ -41,22 +62,22 @@ def _partition(context: Context) -> tuple[int, int]:
     return p, n
 
 
+def _whoami(p: int, n: int) -> dict[str, int]:
+    return {P.PARTITION_ID: p, P.NUM_PARTITIONS: n}
+
+
 def _state(context: Context) -> bytes | None:
     rec = context.state.config_records.get(P.STATE)
     blob = rec.get(P.HOST_STATE) if rec is not None else None
     return blob if isinstance(blob, bytes) else None
 
 
-@app.query()
-def query(msg: Message, context: Context) -> Message:
-    p, n = _partition(context)
-    return Message(RecordDict({P.NODE: ConfigRecord({P.PARTITION_ID: p, P.NUM_PARTITIONS: n})}), reply_to=msg)
-
-
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     from .node import train_clients
 
+    if "fitins.parameters" in msg.content.array_records:  # a secure round's masked-vector stage
+        return _train_secure(msg, context)
     p, n = _partition(context)
     plan: Any = msg.content.config_records[P.PLAN]
     glob = msg.content.array_records[P.GLOBAL].to_torch_state_dict()
@@ -68,7 +89,8 @@ def train(msg: Message, context: Context) -> Message:
         state=_state(context))
     if state is not None:
         context.state[P.STATE] = ConfigRecord({P.HOST_STATE: state, P.ROUND: int(plan[P.ROUND]) + 1})
-    reply = ConfigRecord({P.STATUSES: json.dumps(statuses), P.PAYLOAD: payload, P.PARTITION_ID: p})
+    reply = ConfigRecord({P.STATUSES: json.dumps(statuses), P.PAYLOAD: payload,
+                          P.CLIENTS: [int(st["client"]) for st in statuses], **_whoami(p, n)})
     return Message(RecordDict({P.RESULT: reply}), reply_to=msg)
 
 
@@ -81,6 +103,29 @@ def evaluate(msg: Message, context: Context) -> Message:
     glob = msg.content.array_records[P.GLOBAL].to_torch_state_dict()
     sums = score_node(str(plan[P.JOB]), clients=[int(c) for c in plan[P.CLIENTS]], global_state=glob,
                       partition=p, num_partitions=n, state=_state(context))
-    reply = ConfigRecord({P.SUMS: json.dumps({str(c): s for c, s in sums.items()})})
+    hosted = [int(c) for c in plan[P.CLIENTS] if int(c) % n == p]
+    reply = ConfigRecord({P.SUMS: json.dumps({str(c): s for c, s in sums.items()}), P.CLIENTS: hosted,
+                          **_whoami(p, n)})
     return Message(RecordDict({P.RESULT: reply}), reply_to=msg)
 
+
+def _train_secure(msg: Message, context: Context) -> Message:
+    """SecAgg+: train the hosted clients, return their weighted mean update and weight as the
+    legacy FitRes ``secaggplus_mod`` masks (the statuses travel without the updates)."""
+    from flwr.common import parameters_to_ndarrays
+
+    from .node import train_secure
+
+    p, n = _partition(context)
+    fitins = recorddict_to_fitins(msg.content, keep_input=True)
+    plan: Any = fitins.config
+    statuses, mean, weight, state = train_secure(
+        str(plan[P.JOB]), round_idx=int(plan[P.ROUND]), clients=json.loads(str(plan[P.CLIENTS])),
+        lr_scale=float(plan[P.LR_SCALE]), keys=json.loads(str(plan[P.KEYS])),
+        arrays=parameters_to_ndarrays(fitins.parameters), partition=p,
+        num_partitions=n, state=_state(context))
+    if state is not None:
+        context.state[P.STATE] = ConfigRecord({P.HOST_STATE: state, P.ROUND: int(plan[P.ROUND]) + 1})
+    res = FitRes(Status(code=Code.OK, message="Success"), ndarrays_to_parameters(mean), int(weight),
+                 {P.STATUSES: json.dumps(statuses), **_whoami(p, n)})
+    return Message(fitres_to_recorddict(res, keep_input=True), reply_to=msg)

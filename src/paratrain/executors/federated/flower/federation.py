@@ -2,14 +2,16 @@
 client, one train (or evaluate) message per node per round, the replies, and the bytes of
 every message.
 
-Membership. Each round the server lists the connected nodes (``grid.get_node_ids()``); a
-node it has not seen is asked (a ``query`` message) for its ``partition-id`` and
-``num-partitions``; client ``c`` is hosted by the node of partition ``c % num-partitions``
-(the newest such node: a SuperNode that restarts registers under a new node id and takes its
-partition back). A node whose ``num-partitions`` differs from the first node's is left out
-(logged). A selected client with no connected node, or whose node has not replied within
-``[federated.flower] round_timeout`` (a node killed mid-round), or answered with an error, is
-a failed client of that round: the round goes on with the others, as on the local path.
+Membership. Client ``c`` is hosted by the nodes whose ``partition-id`` is ``c % num-partitions``
+(their ``--node-config``), which each node states in every reply. Each round the server lists
+the connected nodes (``grid.get_node_ids()``) and sends the round's message (the global model
+and the selected clients) to every node that may host one of them: those it has not heard
+from yet, and those whose partition hosts a selected client; a node trains the selected
+clients it hosts. The round ends when every selected client has an answer (the first one
+counts: a SuperNode that restarted under a new node id takes its partition back while the old
+id still looks connected) or after ``[federated.flower] round_timeout``; a selected client
+without an answer by then (its node killed mid-round, or none connected, or one that failed)
+is a failed client of that round and the round goes on with the others, as on the local path.
 
 Bytes are measured at the Message level: the serialized size of every object of a message
 (Flower's ``deflate`` of the message, its records and arrays), summed over the messages the
@@ -48,161 +50,135 @@ class Federation:
 
     def __init__(self, grid: Grid, job_json: str, opts: Any) -> None:
         self.grid, self.job_json, self.opts = grid, job_json, opts
-        self.nodes: dict[int, tuple[int, int, int]] = {}  # node id -> (partition, partitions, seen order)
-        self.ignored: set[int] = set()
-        self.seen = 0
-        self.num_partitions: int | None = None
+        self.partition: dict[int, tuple[int, int]] = {}  # node id -> (partition-id, num-partitions)
 
-    # ------------------------------------------------------------------ membership
-
-    def _live(self) -> list[int]:
-        return sorted(int(n) for n in self.grid.get_node_ids())
-
-    def refresh(self) -> list[int]:
-        """Wait for ``min_nodes`` connected nodes (up to ``node_timeout``), ask the new ones
-        their partition; returns the connected node ids."""
+    def live(self) -> list[int]:
+        """The connected node ids, once at least ``min_nodes`` are (waiting up to ``node_timeout``)."""
         deadline = time.monotonic() + float(self.opts.node_timeout)
-        live = self._live()
-        while len(live) < int(self.opts.min_nodes):
+        while True:
+            live = sorted(int(n) for n in self.grid.get_node_ids())
+            if len(live) >= int(self.opts.min_nodes):
+                return live
             if time.monotonic() > deadline:
                 raise ConfigError([("federated.flower.min_nodes", (
                     f"{len(live)} SuperNode(s) connected after {self.opts.node_timeout:g} s; the job "
                     f"needs {self.opts.min_nodes}"))])
-            time.sleep(0.25)
-            live = self._live()
-        new = [n for n in live if n not in self.nodes and n not in self.ignored]
-        if new:
-            msgs = [Message(RecordDict({P.NODE: ConfigRecord({})}), dst_node_id=n, message_type="query")
-                    for n in new]
-            for rep in self.exchange(msgs):
-                src = int(rep.metadata.src_node_id)
-                if rep.has_error():
-                    log.warning("SuperNode %d cannot take part: %s", src, rep.error.reason)
-                    self.ignored.add(src)
-                    continue
-                rec: Any = rep.content.config_records[P.NODE]
-                part, parts = int(rec[P.PARTITION_ID]), int(rec[P.NUM_PARTITIONS])
-                if self.num_partitions is None:
-                    self.num_partitions = parts
-                if parts != self.num_partitions:
-                    log.warning("SuperNode %d says num-partitions = %d, the federation's is %d: left out",
-                                src, parts, self.num_partitions)
-                    self.ignored.add(src)
-                    continue
-                self.seen += 1
-                self.nodes[src] = (part, parts, self.seen)
-        alive = set(live)
-        self.nodes = {n: v for n, v in self.nodes.items() if n in alive}
-        return live
+            time.sleep(POLL_S)
 
-    def exchange(self, msgs: list[Message]) -> list[Message]:
-        """Push ``msgs`` and pull their replies until all arrived or ``round_timeout`` passed
-        (Flower's ``send_and_receive`` with a short poll: its own waits 3 s between pulls)."""
+    def targets(self, clients: Sequence[int]) -> list[int]:
+        """The connected nodes that may host one of ``clients``."""
+        out = []
+        for n in self.live():
+            known = self.partition.get(n)
+            if known is None or any(c % known[1] == known[0] for c in clients):
+                out.append(n)
+        return out
+
+    def exchange(self, msgs: list[Message], clients: set[int]) -> list[Message]:
+        """Push ``msgs``; pull replies until every one of ``clients`` is answered for (or every
+        message is) or ``round_timeout`` passed (Flower's ``send_and_receive`` waits 3 s
+        between pulls and for every message)."""
         pending = {i for i in self.grid.push_messages(msgs) if i}
         deadline = time.monotonic() + float(self.opts.round_timeout)
         out: list[Message] = []
-        while pending:
+        left = set(clients)
+        while pending and left:
             got = list(self.grid.pull_messages(list(pending)))
-            out.extend(got)
-            pending.difference_update(m.metadata.reply_to_message_id for m in got)
-            if not pending or time.monotonic() > deadline:
+            for m in got:
+                pending.discard(m.metadata.reply_to_message_id)
+                out.append(m)
+                if not m.has_error():
+                    rec: Any = m.content.config_records[P.RESULT]
+                    self.partition[int(m.metadata.src_node_id)] = (int(rec[P.PARTITION_ID]),
+                                                                   int(rec[P.NUM_PARTITIONS]))
+                    left.difference_update(int(c) for c in rec[P.CLIENTS])
+            if not pending or not left or time.monotonic() > deadline:
                 break
             time.sleep(POLL_S)
         return out
 
-    def owner(self, client: int) -> int | None:
-        """The node hosting ``client`` (the newest of its partition), None if none is connected."""
-        if self.num_partitions is None:
-            return None
-        part = client % self.num_partitions
-        best = [(seq, n) for n, (p, _, seq) in self.nodes.items() if p == part]
-        return max(best)[1] if best else None
-
-    # ------------------------------------------------------------------ rounds
-
-    def _send(self, kind: str, per_node: Mapping[int, list[int]], plan: dict[str, Any],
-              global_state: Mapping[str, Tensor], control: Mapping[str, Tensor] | None,
-              group: str) -> tuple[dict[int, Message], int, int]:
+    def _send(self, kind: str, clients: Sequence[int], plan: dict[str, Any], global_state: Mapping[str, Tensor],
+              control: Mapping[str, Tensor] | None, group: str) -> tuple[list[Message], int, int, list[str]]:
         model = ArrayRecord(torch_state_dict=dict(global_state))
         ctl = ArrayRecord(torch_state_dict=dict(control)) if control else None
         msgs: list[Message] = []
         down = 0
-        for node, clients in per_node.items():
+        for node in self.targets(clients):
             content = RecordDict({P.PLAN: ConfigRecord({**plan, P.CLIENTS: list(clients)}), P.GLOBAL: model})
             if ctl is not None:
                 content[P.CONTROL] = ctl
             msg = Message(content, dst_node_id=node, message_type=kind, group_id=group)
             down += message_nbytes(msg)
             msgs.append(msg)
-        replies: dict[int, Message] = {}
-        up = 0
-        if msgs:
-            for rep in self.exchange(msgs):
-                replies[int(rep.metadata.src_node_id)] = rep
-                up += message_nbytes(rep)
-        return replies, down, up
+        replies = self.exchange(msgs, set(clients)) if msgs else []
+        up = sum(message_nbytes(m) for m in replies)
+        errors = [f"SuperNode {m.metadata.src_node_id}: {m.error.reason}" for m in replies if m.has_error()]
+        for e in errors:
+            log.warning("%s", e)
+        return [m for m in replies if not m.has_error()], down, up, errors
 
     def train(self, round_idx: int, clients: Sequence[int], global_state: Mapping[str, Tensor],
               lr_scale: float, control: Mapping[str, Tensor] | None,
               ) -> tuple[list[dict[str, Any]], list[bytes | memoryview], int, int]:
         """One round's training: every selected client's status and payload (a failed one for
-        each client whose node is missing, silent or in error), and the bytes down and up."""
-        self.refresh()
-        per_node: dict[int, list[int]] = {}
-        statuses: list[dict[str, Any]] = []
-        payloads: list[bytes | memoryview] = []
-
-        def failed(c: int, why: str) -> None:
-            statuses.append({"client": c, "ok": False, "n": 0, "loss": None, "headers": [], "nbytes": 0,
-                             "error": why})
-            payloads.append(b"")
-
-        for c in clients:
-            node = self.owner(c)
-            if node is None:
-                failed(c, f"no connected SuperNode hosts {client_name(c)}")
-            else:
-                per_node.setdefault(node, []).append(c)
+        each client no node answered for), and the bytes down and up."""
         plan = {P.JOB: self.job_json, P.ROUND: int(round_idx), P.LR_SCALE: float(lr_scale)}
-        replies, down, up = self._send("train", per_node, plan, global_state, control, f"train-{round_idx}")
-        for node, mine in per_node.items():
-            rep = replies.get(node)
-            if rep is None:
-                for c in mine:
-                    failed(c, f"SuperNode {node} did not reply within round_timeout "
-                              f"{self.opts.round_timeout:g} s")
-                continue
-            if rep.has_error():
-                for c in mine:
-                    failed(c, f"SuperNode {node}: {rep.error.reason}")
-                continue
+        replies, down, up, errors = self._send("train", clients, plan, global_state, control, f"train-{round_idx}")
+        got: dict[int, tuple[dict[str, Any], bytes | memoryview]] = {}
+        for rep in replies:
             rec: Any = rep.content.config_records[P.RESULT]
-            got = json.loads(str(rec[P.STATUSES]))
             data = memoryview(bytes(rec[P.PAYLOAD]))
             pos = 0
-            for st in got:
+            for st in json.loads(str(rec[P.STATUSES])):
                 nb = int(st.get("nbytes", 0))
-                statuses.append(st)
-                payloads.append(data[pos : pos + nb])
+                got.setdefault(int(st["client"]), (st, data[pos : pos + nb]))  # the first answer counts
                 pos += nb
+        statuses: list[dict[str, Any]] = []
+        payloads: list[bytes | memoryview] = []
+        for c in clients:
+            if c in got:
+                statuses.append(got[c][0])
+                payloads.append(got[c][1])
+                continue
+            why = (f"no SuperNode hosting {client_name(c)} replied within round_timeout "
+                   f"{self.opts.round_timeout:g} s")
+            statuses.append({"client": c, "ok": False, "n": 0, "loss": None, "headers": [], "nbytes": 0,
+                             "error": why + (f" ({'; '.join(errors)})" if errors else "")})
+            payloads.append(b"")
         return statuses, payloads, down, up
 
     def evaluate(self, tag: str, clients: Sequence[int], global_state: Mapping[str, Tensor],
                  ) -> tuple[dict[int, dict[str, float]], int, int]:
-        """Each connected client's evaluation sums on its own test split (its node scores it)."""
-        self.refresh()
-        per_node: dict[int, list[int]] = {}
-        for c in clients:
-            node = self.owner(c)
-            if node is not None:
-                per_node.setdefault(node, []).append(c)
-        replies, down, up = self._send("evaluate", per_node, {P.JOB: self.job_json}, global_state, None,
-                                       f"evaluate-{tag}")
+        """Each client's evaluation sums on its own test split (its node scores it)."""
+        replies, down, up, _ = self._send("evaluate", clients, {P.JOB: self.job_json}, global_state, None,
+                                          f"evaluate-{tag}")
         sums: dict[int, dict[str, float]] = {}
-        for rep in replies.values():
-            if rep.has_error():
-                log.warning("evaluation on SuperNode %d failed: %s", rep.metadata.src_node_id, rep.error.reason)
-                continue
+        for rep in replies:
             rec: Any = rep.content.config_records[P.RESULT]
-            sums.update({int(c): s for c, s in json.loads(str(rec[P.SUMS])).items()})
+            for c, s in json.loads(str(rec[P.SUMS])).items():
+                sums.setdefault(int(c), s)
         return dict(sorted(sums.items())), down, up
+
+    def train_secure(self, round_idx: int, clients: Sequence[int], global_state: Mapping[str, Tensor],
+                     lr_scale: float, max_weight: float,
+                     ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int]:
+        """A secure round (Flower's SecAgg+, :mod:`.secure`) over the nodes hosting ``clients``:
+        the unmasked mean update (None when the protocol halted), every client's status (a
+        failed one for clients no node reported), the bytes down and up."""
+        from .secure import secure_round
+
+        nodes = self.targets(clients)
+        plan = {P.JOB: self.job_json, P.ROUND: int(round_idx), P.LR_SCALE: float(lr_scale),
+                P.CLIENTS: json.dumps([int(c) for c in clients]), P.KEYS: json.dumps(list(global_state))}
+        mean, got, down, up = secure_round(self.grid, nodes, plan, global_state, self.opts, max_weight,
+                                           message_nbytes, POLL_S)
+        by_client = {int(st["client"]): st for st in got}
+        statuses = []
+        for c in clients:
+            st = by_client.get(int(c))
+            if st is None or (mean is None and st.get("ok")):
+                why = ("secure aggregation halted (too few nodes answered a SecAgg+ stage)" if mean is None
+                       else f"no SuperNode hosting {client_name(c)} answered the secure round")
+                st = {"client": int(c), "ok": False, "n": 0, "loss": None, "headers": [], "nbytes": 0, "error": why}
+            statuses.append(st)
+        return mean, statuses, down, up

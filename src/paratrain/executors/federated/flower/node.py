@@ -16,10 +16,11 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from ..client import ClientHost, client_name
+from ..client import ClientHost
 from ..personal import score_clients
 from .side import Side, build_side, from_blob, job_from_json, stateful, tensor_blob
 
@@ -70,9 +71,9 @@ def train_clients(job_json: str, *, round_idx: int, clients: list[int], lr_scale
                   global_state: Mapping[str, Tensor], control: Mapping[str, Tensor] | None,
                   partition: int, num_partitions: int, state: bytes | None,
                   ) -> tuple[list[dict[str, Any]], bytes, bytes | None]:
-    """Train ``clients`` (all hosted by this node) for round ``round_idx``; returns their
-    statuses (the local path's), the concatenated payloads and the node's new state blob
-    (None when the job's clients keep no state)."""
+    """Train those of the round's selected ``clients`` this node hosts for round ``round_idx``;
+    returns their statuses (the local path's), the concatenated payloads and the node's new
+    state blob (None when the job's clients keep no state)."""
     with _one_thread():
         side, host, glob = _node(job_json, partition, num_partitions, state, global_state)
         keep = stateful(side.job, side.personal_keys)
@@ -80,9 +81,7 @@ def train_clients(job_json: str, *, round_idx: int, clients: list[int], lr_scale
         statuses: list[dict[str, Any]] = []
         payloads: list[bytes] = []
         for c in clients:
-            if not host.hosts(c):
-                statuses.append({"client": c, "ok": False, "n": 0, "loss": None, "headers": [], "nbytes": 0,
-                                 "error": f"{client_name(c)} is not hosted by partition {partition} of {num_partitions}"})
+            if not host.hosts(c):  # another node's
                 continue
             res = host.train_one(c, round_idx, glob, lr_scale, **kw)
             statuses.append(res.status())
@@ -99,3 +98,50 @@ def score_node(job_json: str, *, clients: list[int], global_state: Mapping[str, 
         mine = [c for c in clients if host.hosts(c)]
         return score_clients(side.model, host.personal, glob, mine, side.task, side.test_set, side.splits,
                              device=torch.device("cpu"), precision=side.job.train.precision)
+
+
+def node_mean(statuses: list[dict[str, Any]], payload: bytes, template: Mapping[str, Tensor],
+              ) -> tuple[list[Any], int]:
+    """Secure rounds: the example-weighted mean ``u = sum_c n_c D_c / N`` of this node's
+    successful clients' (float32, uncompressed) updates as numpy arrays in the model's key
+    order, and ``N = sum_c n_c`` (0 and zeros when none succeeded). A client whose update
+    fails the server's checks is marked failed in its status (the server never sees it alone)."""
+    from ..aggregation import MalformedUpdateError
+    from ..wire import decode_update
+
+    acc = {k: torch.zeros(t.shape, dtype=torch.float64) for k, t in template.items()}
+    n_all, pos = 0, 0
+    for st in statuses:
+        nb = int(st.get("nbytes", 0))
+        chunk, pos = payload[pos : pos + nb], pos + nb
+        if not st.get("ok"):
+            continue
+        try:
+            upd = decode_update(f"client-{st['client']}", st.get("headers", []), chunk, template)
+        except MalformedUpdateError as e:
+            st.update(ok=False, error=f"rejected update: {e}")
+            continue
+        n = int(st["n"])
+        for k, v in upd.items():
+            acc[k] += n * v.double()
+        n_all += n
+    mean = [(acc[k] / max(n_all, 1)).float().numpy() for k in template]
+    for st in statuses:  # the payload stays on the node
+        st.update(headers=[], nbytes=0)
+    return mean, n_all
+
+
+def train_secure(job_json: str, *, round_idx: int, clients: list[int], lr_scale: float, keys: list[str],
+                 arrays: list[Any], partition: int, num_partitions: int, state: bytes | None,
+                 ) -> tuple[list[dict[str, Any]], list[Any], int, bytes | None]:
+    """A secure round's client step: the server's model comes as arrays in the order of
+    ``keys`` (checked against the job's model); returns the statuses, the node's mean update,
+    its weight and its new state blob."""
+    if len(arrays) != len(keys):
+        raise NodeError(f"the server sent {len(arrays)} arrays for {len(keys)} keys")
+    glob = {k: torch.from_numpy(np.array(a, copy=True)) for k, a in zip(keys, arrays, strict=True)}
+    statuses, payload, blob = train_clients(job_json, round_idx=round_idx, clients=clients, lr_scale=lr_scale,
+                                            global_state=glob, control=None, partition=partition,
+                                            num_partitions=num_partitions, state=state)
+    mean, weight = node_mean(statuses, payload, glob)
+    return statuses, mean, weight, blob

@@ -6,14 +6,15 @@ clients (the selected clients this node hosts), lr_scale} and ``ArrayRecord "glo
 server's model, every tensor in its dtype: exact); with SCAFFOLD also ``ArrayRecord
 "control"`` (the server's control variate ``c``). Its reply: ``ConfigRecord "result"``
 {statuses (JSON: the local path's per-client status, tensor headers included), payload (the
-clients' encoded updates, concatenated bytes), partition-id}. An evaluate message carries
-the plan and the model; its reply ``result`` {sums (JSON: each client's evaluation sums)}.
-A query's reply: ``ConfigRecord "node"`` {partition-id, num-partitions}."""
+clients' encoded updates, concatenated bytes), clients (those the node answers for: the
+selected ones it hosts), partition-id, num-partitions}. An evaluate message carries the plan
+(every client) and the model; its reply ``result`` {sums (JSON: each hosted client's
+evaluation sums), clients, partition-id, num-partitions}."""
 
 from __future__ import annotations
 
-__all__ = ["PARTITION_ID", "NUM_PARTITIONS", "PLAN", "GLOBAL", "CONTROL", "RESULT", "NODE", "STATE",
-           "JOB", "ROUND", "CLIENTS", "LR_SCALE", "STATUSES", "PAYLOAD", "SUMS", "HOST_STATE",
+__all__ = ["PARTITION_ID", "NUM_PARTITIONS", "PLAN", "GLOBAL", "CONTROL", "RESULT", "STATE",
+           "JOB", "ROUND", "CLIENTS", "LR_SCALE", "KEYS", "STATUSES", "PAYLOAD", "SUMS", "HOST_STATE",
            "RUN_JOB", "RUN_RESUME", "RUN_OVERWRITE", "RUN_WORKDIR"]
 
 # node_config (flower-supernode --node-config 'partition-id=0 num-partitions=2')
@@ -21,10 +22,10 @@ PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
 
 # record names in a message's RecordDict and in context.state
-PLAN, GLOBAL, CONTROL, RESULT, NODE, STATE = "plan", "global", "control", "result", "node", "paratrain"
+PLAN, GLOBAL, CONTROL, RESULT, STATE = "plan", "global", "control", "result", "paratrain"
 
 # keys of the records
-JOB, ROUND, CLIENTS, LR_SCALE = "job", "round", "clients", "lr_scale"
+JOB, ROUND, CLIENTS, LR_SCALE, KEYS = "job", "round", "clients", "lr_scale", "keys"
 STATUSES, PAYLOAD, SUMS, HOST_STATE = "statuses", "payload", "sums", "host"
 
 # run_config ([tool.flwr.app.config] of the app, flwr run --run-config 'job="..."')

@@ -41,6 +41,7 @@ from ..personal import combine
 from ..privacy import build_server_privacy
 from ..selection import select_clients
 from ..server import FederatedServer, RoundSchedule
+from ..wire import encode_update
 from .side import Side, build_side, stateful
 
 __all__ = ["run_server", "Nodes"]
@@ -55,6 +56,10 @@ class Nodes(Protocol):
 
     def evaluate(self, tag: str, clients: Sequence[int], global_state: Mapping[str, Tensor],
                  ) -> tuple[dict[int, dict[str, float]], int, int]: ...
+
+    def train_secure(self, round_idx: int, clients: Sequence[int], global_state: Mapping[str, Tensor],
+                     lr_scale: float, max_weight: float,
+                     ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int]: ...
 
 
 def _evaluate(side: Side, server: FederatedServer, nodes: Nodes, tag: str) -> tuple[dict[str, float], dict[str, Any]]:
@@ -85,8 +90,8 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
         # num_clients: what per-client server state (SCAFFOLD) is sized by, where the server takes it
         kw = {"num_clients": strat.num_clients} if "num_clients" in inspect.signature(FederatedServer).parameters else {}
         server = FederatedServer(strat.aggregation, side.template, schedule, **kw)
-        server.set_privacy(build_server_privacy(job, [len(p) for p in side.partitions]))  # [federated.dp]
         tags = {c: sorted(job.federated.client_tags.get(client_name(c), [])) for c in range(strat.num_clients)}
+        server.set_privacy(build_server_privacy(job, [len(p) for p in side.partitions], tags))  # [federated.dp]
         with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
             run_dir = folder.path
             found = checkpoint.load_latest(run_dir / "checkpoints") if resume else None
@@ -99,6 +104,8 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
             if resume:
                 metrics.truncate_after("round", start)
             cadence = Cadence(job.run.checkpoint_every)
+            flower_opts = job.federated.flower
+            secure = flower_opts is not None and flower_opts.secure_aggregation is not None
             target = job.federated.target_accuracy
             saved = start
             for r in range(start, strat.rounds):
@@ -113,9 +120,12 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
                 lr_scale = server.schedule.factor()
                 control_fn = getattr(server, "control", None)  # SCAFFOLD's c (hook: the aggregator's)
                 control = control_fn() if callable(control_fn) else None
-                statuses, payloads, down, up = nodes.train(r, clients, server.global_state, lr_scale,
-                                                           control or None)
-                rec = server.finish_round(r, statuses, payloads, wire_bytes_down=down, wire_bytes_up=up)
+                if secure:
+                    rec = _secure_round(side, server, nodes, r, clients, lr_scale)
+                else:
+                    statuses, payloads, down, up = nodes.train(r, clients, server.global_state, lr_scale,
+                                                               control or None)
+                    rec = server.finish_round(r, statuses, payloads, wire_bytes_down=down, wire_bytes_up=up)
                 ev, per = _evaluate(side, server, nodes, str(r))
                 if target is not None and "accuracy" not in ev:
                     raise ConfigError([("federated.target_accuracy", (
@@ -137,6 +147,32 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
             return _finish(side, server, nodes, run_dir, started, resumed_from=start if resume else None)
     finally:
         torch.set_num_threads(threads)
+
+
+def _secure_round(side: Side, server: FederatedServer, nodes: Any, r: int, clients: list[int],
+                  lr_scale: float) -> dict[str, Any]:
+    """A SecAgg+ round: the unmasked mean update goes to the FederatedServer as one update of
+    weight ``sum n_c`` (what FedAvg and the server optimizers reduce the clients' updates
+    to); the round's record then counts the clients themselves."""
+    max_weight = float(sum(len(side.partitions[c]) for c in clients)) or 1.0
+    mean, statuses, down, up = nodes.train_secure(r, clients, server.global_state, lr_scale, max_weight)
+    ok = [st for st in statuses if st.get("ok")]
+    failed = [st for st in statuses if not st.get("ok")]
+    one: list[dict[str, Any]] = list(failed)
+    payloads: list[bytes | memoryview] = [b""] * len(failed)
+    if mean is not None and ok:
+        headers, payload = encode_update(mean)
+        total = sum(int(st["n"]) for st in ok)
+        one.append({"client": int(ok[0]["client"]), "ok": True, "n": total, "loss": None, "headers": headers,
+                    "nbytes": len(payload)})
+        payloads.append(payload)
+    rec = server.finish_round(r, one, payloads, wire_bytes_down=down, wire_bytes_up=up)
+    losses = [(float(st["loss"]), int(st["n"])) for st in ok if st.get("loss") is not None]
+    rec.update(clients_selected=len(clients), clients_ok=len(ok) if mean is not None else 0,
+               secure_aggregation="SecAgg+", bytes_up_measured=up)
+    if losses:
+        rec["train_loss"] = sum(v * n for v, n in losses) / sum(n for _, n in losses)
+    return rec
 
 
 def _save(run_dir: Any, server: FederatedServer, done: int) -> None:

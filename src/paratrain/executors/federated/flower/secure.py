@@ -1,0 +1,148 @@
+"""Secure aggregation on Flower's runtime through Flower's own SecAgg+ (Bell et al. 2020):
+``flwr.server.workflow.SecAggPlusWorkflow`` on the server and ``flwr.client.mod.secaggplus_mod``
+on every node. paratrain writes no cryptography.
+
+A secure round. The workflow runs its four stages (setup, share keys, collect masked
+vectors, unmask) over the round's nodes; in the third, each node's paratrain train handler
+trains the selected clients it hosts (the local path's client step) and returns their
+example-weighted mean update ``u_j = sum_c n_c D_c / N_j`` with weight ``N_j = sum_c n_c``;
+``secaggplus_mod`` scales it by ``N_j / max_weight`` (quantized), clips to
+``[-clipping_range, clipping_range]``, quantizes to ``quantization_range`` levels and masks
+it. The server only ever unmasks the sum, ``sum_j N_j u_j / sum_j N_j`` = the clients'
+FedAvg mean update (to the fixed-point precision ``2 * clipping_range / quantization_range``
+per value and node, with weights rounded to ``max_weight / quantization_range``), and hands
+that one mean with weight ``sum_j N_j`` to the job's FederatedServer: FedAvg / FedProx /
+FedAvgM and the adaptive server optimizers (FedAdam, FedYogi, FedAdagrad) act on the mean
+update alone, so they compose; aggregators that need each update (FedMedian, FedTrimmedAvg,
+Krum, MultiKrum) do not, and neither do compressed updates (a ConfigError from validate).
+A node that drops after masking is survived while ``reconstruction_threshold`` of its
+neighbours answer the unmask stage (its mask is reconstructed from their shares).
+
+This module holds the server's part (the workflow over the Grid, a strategy that hands it the
+plan and captures the unmasked mean); :mod:`.clientapp` holds the node's."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.common import FitIns, FitRes, Parameters, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.server import ServerConfig
+from flwr.server.client_manager import ClientManager, SimpleClientManager
+from flwr.server.client_proxy import ClientProxy
+from flwr.server.compat.grid_client_proxy import GridClientProxy
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.strategy import Strategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
+from torch import Tensor
+
+from . import protocol as P
+
+__all__ = ["secure_round", "CountingGrid"]
+
+
+class CountingGrid:
+    """The Grid the workflow talks through: Message bytes counted, replies polled every
+    ``poll_s`` (Flower's ``send_and_receive`` waits 3 s between pulls)."""
+
+    def __init__(self, grid: Any, poll_s: float, count: Any) -> None:
+        self.grid, self.poll_s, self.count = grid, poll_s, count
+        self.down = self.up = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        msgs = list(messages)
+        self.down += sum(self.count(m) for m in msgs)
+        pending = {i for i in self.grid.push_messages(msgs) if i}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out: list[Message] = []
+        while pending:
+            got = list(self.grid.pull_messages(list(pending)))
+            for m in got:
+                pending.discard(m.metadata.reply_to_message_id)
+                self.up += self.count(m)
+            out.extend(got)
+            if not pending or (deadline is not None and time.monotonic() > deadline):
+                break
+            time.sleep(self.poll_s)
+        return out
+
+
+class _Plan(Strategy):
+    """The legacy Strategy the workflow asks for the round's FitIns and gives the unmasked mean."""
+
+    def __init__(self, proxies: Sequence[ClientProxy], fitins: FitIns) -> None:
+        self.proxies, self.fitins = list(proxies), fitins
+        self.results: list[tuple[ClientProxy, FitRes]] = []
+
+    def initialize_parameters(self, client_manager: ClientManager) -> Parameters | None:
+        return None
+
+    def configure_fit(self, server_round: int, parameters: Parameters,
+                      client_manager: ClientManager) -> list[tuple[ClientProxy, FitIns]]:
+        return [(p, self.fitins) for p in self.proxies]
+
+    def aggregate_fit(self, server_round: int, results: list[tuple[ClientProxy, FitRes]],
+                      failures: list[Any]) -> tuple[Parameters | None, dict[str, Any]]:
+        self.results = list(results)
+        return (results[0][1].parameters if results else None), {}
+
+    def configure_evaluate(self, server_round: int, parameters: Parameters,
+                           client_manager: ClientManager) -> list[Any]:
+        return []
+
+    def aggregate_evaluate(self, server_round: int, results: list[Any], failures: list[Any]) -> tuple[None, dict[str, Any]]:
+        return None, {}
+
+    def evaluate(self, server_round: int, parameters: Parameters) -> None:
+        return None
+
+
+def _count(v: float) -> int | float:
+    """Flower reads an int as a count and a float as a fraction."""
+    return int(v) if float(v).is_integer() and v > 1 else float(v)
+
+
+def secure_round(grid: Any, nodes: Sequence[int], plan: Mapping[str, Any], global_state: Mapping[str, Tensor],
+                 opts: Any, max_weight: float, count: Any, poll_s: float,
+                 ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int]:
+    """One SecAgg+ round over ``nodes``: ``(the unmasked mean update or None, the clients'
+    statuses the nodes reported, bytes down, bytes up)``."""
+    sa = opts.secure_aggregation
+    counting = CountingGrid(grid, poll_s, count)
+    run_id = int(grid.run.run_id)
+    proxies = [GridClientProxy(int(n), counting, run_id) for n in nodes]  # type: ignore[arg-type]
+    arrays = [t.detach().cpu().numpy() for t in global_state.values()]
+    fitins = FitIns(ndarrays_to_parameters(arrays), {k: v for k, v in plan.items()})
+    strategy = _Plan(proxies, fitins)
+    manager = SimpleClientManager()
+    for p in proxies:
+        manager.register(p)
+    base = Context(run_id=run_id, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    ctx = LegacyContext(base, ServerConfig(num_rounds=1), strategy, manager)
+    ctx.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: int(plan[P.ROUND]) + 1})
+    ctx.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord(numpy_ndarrays=arrays)
+    workflow = SecAggPlusWorkflow(
+        num_shares=_count(sa.num_shares), reconstruction_threshold=_count(sa.reconstruction_threshold),
+        max_weight=float(max_weight), clipping_range=float(sa.clipping_range),
+        quantization_range=int(sa.quantization_range), modulus_range=int(sa.modulus_range),
+        timeout=float(opts.round_timeout))
+    workflow(counting, ctx)  # type: ignore[arg-type]
+    statuses: list[dict[str, Any]] = []
+    for _, res in strategy.results:
+        statuses.extend(json.loads(str(res.metrics.get(P.STATUSES, "[]"))))
+    if not strategy.results:
+        return None, statuses, counting.down, counting.up
+    mean = parameters_to_ndarrays(strategy.results[0][1].parameters)
+    out = {k: torch.from_numpy(np.asarray(a, dtype=np.float32).copy()).reshape(t.shape)
+           for (k, t), a in zip(global_state.items(), mean, strict=True)}
+    return out, statuses, counting.down, counting.up
