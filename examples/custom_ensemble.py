@@ -16,7 +16,8 @@ from paratrain.config.job import JobConfig
 from paratrain.data import load_data
 from paratrain.executors import local, register_coordinator
 from paratrain.models import build_model
-from paratrain.training import checkpoint, write_summary
+from paratrain.training import write_summary
+from paratrain.training.export import load_model
 
 
 @register_coordinator("ensemble")
@@ -40,8 +41,7 @@ def ensemble(job: JobConfig, config: Any, *, resume: bool = False) -> dict[str, 
         summary = local.run(member_job, data=data, resume=resume)
         member_acc.append(summary["test_accuracy"])
         model = build_model(job.model, input_shape=data.input_shape, num_classes=data.num_classes)
-        state = checkpoint.load_checkpoint(checkpoint.latest(f"{summary['run_dir']}/checkpoints"))
-        model.load_state_dict(state["model"])
+        model.load_state_dict(load_model(summary["run_dir"]))  # the member's trained model
         model.eval()
         with torch.no_grad():
             probs += torch.softmax(model(x_test), dim=1)

@@ -18,6 +18,7 @@ from paratrain.executors.federated.aggregation.krum import (
     pairwise_squared_distances,
 )
 from paratrain.executors.population_based.pbt import explore, perturb_dim
+from paratrain.files import step_folders
 
 # ------------------------------------------------------------------ defect 6: Krum ties
 
@@ -258,7 +259,7 @@ def resume_phases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("resume")
     full = run_distributed(both_phases, 2, str(tmp), "first", timeout_s=300)
     # read between the phases: the second phase rewrites the part run's marker
-    markers = {name: json.loads((tmp / f"part-{name}" / "checkpoints" / "dp-complete.json").read_text())
+    markers = {name: json.loads((step_folders(tmp / f"part-{name}" / "checkpoints")[-1] / "layout.json").read_text())
                for name in DP_COMPRESSION}
     resumed = run_distributed(both_phases, 2, str(tmp), "second", timeout_s=300)
     return {"full": {k: [r[k] for r in full] for k in ("hook", "dp")}, "markers": markers,

@@ -24,7 +24,7 @@ def _steps(run: Path) -> list[int]:
 
 def test_a_torn_last_metrics_line_is_dropped_and_the_resume_is_bit_identical(tmp_path: Path) -> None:
     full = paratrain.fit(_doc(tmp_path, "full"))
-    run = killed_run(tmp_path, "torn", "ckpt-000000015.pt")
+    run = killed_run(tmp_path, "torn", "step-000000015")
     path = run / "metrics.jsonl"
     text = path.read_text()
     assert _steps(run) == [5, 10, 15]
@@ -43,7 +43,7 @@ def test_a_torn_last_metrics_line_is_dropped_and_the_resume_is_bit_identical(tmp
 
 
 def test_a_damaged_line_before_the_last_names_the_file_and_line(tmp_path: Path) -> None:
-    run = killed_run(tmp_path, "bad", "ckpt-000000015.pt")
+    run = killed_run(tmp_path, "bad", "step-000000015")
     path = run / "metrics.jsonl"
     lines = path.read_text().splitlines()
     lines[1] = lines[1][:20]

@@ -197,13 +197,13 @@ def test_a_checkpoint_from_before_the_one_loop_is_a_clear_error(tmp_path: Path) 
     are torch.distributed.checkpoint folders now): the error names the file."""
     import json
 
-    from paratrain.executors.tensor_parallel.runner import _Store
+    from paratrain.training.stores import RankStore
 
     run_dir = tmp_path / "old"
     (run_dir / "checkpoints" / "tp-rank0").mkdir(parents=True)
     (run_dir / "checkpoints" / "tp-rank0" / "ckpt-000000004.pt").write_bytes(b"")
     (run_dir / "checkpoints" / "tp-complete.json").write_text(json.dumps({"step": 4, "tp": 1, "dp": 1}))
-    store = _Store(run_dir, "tp", rank=0, world=1, group=None, layout={"tp": 1, "dp": 1},
+    store = RankStore(run_dir, "tp", rank=0, world=1, group=None, layout={"tp": 1, "dp": 1},
                    layout_field="tensor_parallel.tensor_parallel_size")
     with pytest.raises(ConfigError, match="tp-complete.json .*per-process torch.save format"):
         store.load()

@@ -19,10 +19,11 @@ take only this replica's gradients, so each rank trains and checkpoints its own 
 rank's checkpoint below holds it); evaluation is rank 0's model, and the summary gives
 every rank's ``parameters_sha256_by_rank``.
 
-Faults: each rank writes ``checkpoints/dp-rank<r>/ckpt-<step>.pt`` (model, optimizer,
-RNG, position, aggregator/compressor state); after a barrier rank 0 writes
-``checkpoints/dp-complete.json`` naming the step every rank has saved. A restart by the
-elastic agent (or ``--resume``) loads that step on every rank, so a run killed midway
+Faults: every rank writes its part of one torch.distributed.checkpoint folder
+``checkpoints/step-<step>/`` (model, optimizer, RNG, position, aggregator/compressor state;
+:class:`~paratrain.training.stores.RankStore`, prefix ``dp``), renamed from its temp name
+once every rank has written. A restart by the elastic agent (or ``--resume``) loads the
+newest complete one on every rank, so a run killed midway
 ends with the same parameters as an uninterrupted one. ``PARATRAIN_FAULT_KILL=RANK:STEP``
 makes that rank SIGKILL itself after STEP on the first attempt (tests and demos).
 """

@@ -14,11 +14,11 @@ walks the whole permutation, replica ``d`` of ``dp`` takes ``perm[: (N // dp) * 
 ``gradient_accumulation``, per micro-batch otherwise). ``train.precision = "bf16"`` runs the
 parallel layers' matmuls in bf16 as ``tensor_parallel.mixed_precision`` does.
 
-Checkpoints (:class:`~paratrain.training.stores.RankStore`, prefix ``tp``): each rank writes
-``checkpoints/tp-rank<r>/ckpt-<step>.pt`` (its shard, its optimizer and lr-scheduler state,
-compression residuals, RNG, position); after a barrier rank 0 writes ``tp-complete.json``
-(``{"step", "tp", "dp"}``). ``--resume`` or an elastic restart loads the agreed step
-everywhere; a checkpoint written before the one loop still loads. Each tensor is saved
+Checkpoints (:class:`~paratrain.training.stores.RankStore`, prefix ``tp``): one
+torch.distributed.checkpoint folder ``checkpoints/step-<step>/`` of every rank's shard,
+optimizer and lr-scheduler state, compression residuals, RNG and position, with
+``layout.json`` (``{"kind": "tp", "step", "tp", "dp", "world"}``). ``--resume`` or an
+elastic restart loads the newest complete one everywhere. Each tensor is saved
 with its dense model name and shard spec (:mod:`paratrain.tensor_parallel.shards`), so a
 run resumes on another ``tensor_parallel_size`` or replica count, as a Local or
 DataParallel run (``tensor_parallel_size = 1``), and from theirs. At the end the full
@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -117,30 +116,6 @@ def _dp_options(job: JobConfig, dp: int) -> dict[str, Any]:
             "broadcast_buffers": bool(getattr(job.strategy, "broadcast_buffers", True))}
 
 
-class _Store(RankStore):
-    """The ``tp`` RankStore; a checkpoint written before the one loop (top-level
-    ``aggregator``, no lr scheduler) loads as the constant schedule it ran with."""
-
-    def __init__(self, *args: Any, scheduler: Any = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.scheduler = scheduler
-
-    def load(self, held: Any = None) -> tuple[Path, dict[str, Any]] | None:
-        found = super().load(held)
-        if found is None or found[1].get("resharded"):  # nothing, or another layout's
-            return found
-        path, state = found
-        if "engine" not in state:
-            state["engine"] = {"aggregator": state.pop("aggregator", {})}
-        if "scheduler" not in state and self.scheduler is not None:
-            step = int(state["step"])
-            sched = dict(self.scheduler.state_dict())
-            sched.update(last_epoch=step, _step_count=step + 1,
-                         _last_lr=[float(g["lr"]) for g in state["optimizer"]["param_groups"]])
-            state["scheduler"] = sched
-        return path, state
-
-
 def _load_task(job: JobConfig) -> tuple[Task, Any, Any]:
     task = resolve_task(job)
     train, test = task.datasets(job.run.seed)
@@ -217,10 +192,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         is_main=ctx.is_main, backend=ctx.backend)
     trainer = Trainer(engine, opt, t, plan.total_steps)
     # ``shard`` in the layout: pieces of TP shards are another layout than whole TP shards
-    store = _Store(run_dir, "tp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
-                   layout={"tp": tp, "dp": dp, **({"shard": shard} if zero is not None else {})},
-                   layout_field="tensor_parallel.tensor_parallel_size",
-                   device=device, scheduler=trainer.scheduler, reshard=True)
+    store = RankStore(run_dir, "tp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
+                      layout={"tp": tp, "dp": dp, **({"shard": shard} if zero is not None else {})},
+                      layout_field="tensor_parallel.tensor_parallel_size",
+                      device=device, reshard=True)
 
     def prepare() -> None:
         if ctx.is_main:
