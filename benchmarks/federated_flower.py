@@ -12,6 +12,10 @@ B = 32, SGD lr 0.05, FedAvg, ``--rounds`` rounds (default 3).
   client). Flower runs every message in a new ``flwr-clientapp`` process that imports torch
   and builds the job's data, which dominates a round of this small model.
 
+``--secure``: instead, plaintext against SecAgg+ (``[federated.flower.secure_aggregation]``,
+Flower's SecAggPlusWorkflow / secaggplus_mod) on the same federation of ``--nodes`` SuperNodes
+with one client each (``num_clients = --nodes``), ``--rounds`` rounds each.
+
 Per round (measured, metrics.jsonl): ``round_time_s`` (median over rounds after the first),
 the round's measured bytes down / up: for the local path the process-group traffic (model
 broadcast to the other worker, update payloads received), for Flower the Message bytes
@@ -34,18 +38,21 @@ from paratrain.dispatch import execute
 APP = Path(__file__).resolve().parents[1] / "examples" / "federated_flower"
 
 
-def job(out: Path, name: str, runtime: str, rounds: int) -> dict[str, Any]:
+def job(out: Path, name: str, runtime: str, rounds: int, clients: int = 10,
+        secure: bool = False) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "run": {"name": name, "seed": 0, "output_dir": str(out)},
         "model": {"name": "mlp", "hidden": [64]},
         "data": {"name": "digits", "partition": {"method": "iid"}},
         "train": {"optimizer": {"name": "sgd", "lr": 0.05}},
-        "strategy": {"type": "Federated", "num_clients": 10, "rounds": rounds,
+        "strategy": {"type": "Federated", "num_clients": clients, "rounds": rounds,
                      "aggregation": {"method": "FedAvg"}, "client_selection": {"method": "All"}},
         "federated": {"local_epochs": 1, "batch_size": 32, "runtime": runtime},
     }
     if runtime == "flower":
         doc["federated"]["flower"] = {"round_timeout": 600.0, "min_nodes": 1, "node_timeout": 120.0}
+        if secure:
+            doc["federated"]["flower"].update(min_nodes=clients, secure_aggregation={"num_shares": 1.0})
     return doc
 
 
@@ -62,11 +69,49 @@ def per_round(run_dir: Path) -> dict[str, Any]:
     }
 
 
+def flower_run(fed: Any, out: Path, path: Path, name: str) -> float:
+    t1 = time.perf_counter()
+    fed.run(APP, {"job": str(path)})
+    summary = out / name / "summary.json"
+    while not summary.exists():
+        if time.perf_counter() - t1 > 1800:
+            raise TimeoutError(fed.logs())
+        time.sleep(0.2)
+    return time.perf_counter() - t1
+
+
+def secure(args: Any) -> None:
+    from paratrain.executors.federated.flower.localfed import LocalFederation
+
+    with tempfile.TemporaryDirectory() as tmp_s:
+        tmp = Path(tmp_s)
+        out = tmp / "runs"
+        fed = LocalFederation(tmp / "flwr_home", args.nodes)
+        res: dict[str, Any] = {"workload": f"digits MLP 64, {args.nodes} clients on {args.nodes} SuperNodes, FedAvg",
+                               "rounds": args.rounds}
+        try:
+            fed.start()
+            for name, sec in (("plaintext", False), ("secagg", True)):
+                path = tmp / f"{name}.json"
+                path.write_text(json.dumps(job(out, name, "flower", args.rounds, args.nodes, sec)))
+                wall = flower_run(fed, out, path, name)
+                res[name] = {"wall_s": round(wall, 2), **per_round(out / name)}
+        finally:
+            fed.close()
+        for key in ("round_time_s_median", "bytes_down_per_round_measured", "bytes_up_per_round_measured"):
+            res[f"{key}_secagg_over_plaintext"] = round(res["secagg"][key] / res["plaintext"][key], 2)
+        print(json.dumps(res, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--secure", action="store_true")
     args = ap.parse_args()
+    if args.secure:
+        secure(args)
+        return
     from paratrain.executors.federated.flower.localfed import LocalFederation
 
     with tempfile.TemporaryDirectory() as tmp_s:
@@ -80,14 +125,8 @@ def main() -> None:
         fed = LocalFederation(tmp / "flwr_home", args.nodes)
         try:
             fed.start()
-            t1 = time.perf_counter()
-            fed.run(APP, {"job": str(path)})
+            flower_wall = flower_run(fed, out, path, "flower")
             summary = out / "flower" / "summary.json"
-            while not summary.exists():
-                if time.perf_counter() - t1 > 1800:
-                    raise TimeoutError(fed.logs())
-                time.sleep(0.2)
-            flower_wall = time.perf_counter() - t1
         finally:
             fed.close()
         res = {

@@ -34,15 +34,14 @@ __all__ = ["app", "DROP_ENV"]
 # Fault injection for tests: a node whose environment names a SecAgg+ stage ("unmask") exits
 # when that stage's message arrives (a dropout after masking).
 DROP_ENV = "PARATRAIN_FLOWER_SECAGG_DROP_AT"
-DROP_MARK = "paratrain.dropped"
 
 def _secure(msg: Message, context: Context, call_next: Any) -> Message:
     """Flower's ``secaggplus_mod`` for the SecAgg+ messages of a secure round (they carry its
     configs record); every other message goes straight to its handler."""
     if msg.metadata.message_type == "train" and SECAGG_CONFIGS in msg.content.config_records:
         stage = str(msg.content.config_records[SECAGG_CONFIGS].get("stage", ""))
-        if stage and stage == os.environ.get(DROP_ENV, "") and not context.state.config_records.get(DROP_MARK):
-            os._exit(17)  # fault injection (tests): this node drops at that stage, once per run
+        if stage and stage == os.environ.get(DROP_ENV, ""):
+            os._exit(17)  # fault injection (tests): this node drops out at that stage
         return secaggplus_mod(msg, context, call_next)
     return call_next(msg, context)
 

@@ -161,16 +161,17 @@ class Federation:
 
     def train_secure(self, round_idx: int, clients: Sequence[int], global_state: Mapping[str, Tensor],
                      lr_scale: float, max_weight: float,
-                     ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int]:
+                     ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int, list[int]]:
         """A secure round (Flower's SecAgg+, :mod:`.secure`) over the nodes hosting ``clients``:
         the unmasked mean update (None when the protocol halted), every client's status (a
-        failed one for clients no node reported), the bytes down and up."""
+        failed one for clients no node reported), the bytes down and up, and how many nodes
+        answered each of the protocol's stages."""
         from .secure import secure_round
 
         nodes = self.targets(clients)
         plan = {P.JOB: self.job_json, P.ROUND: int(round_idx), P.LR_SCALE: float(lr_scale),
                 P.CLIENTS: json.dumps([int(c) for c in clients]), P.KEYS: json.dumps(list(global_state))}
-        mean, got, down, up = secure_round(self.grid, nodes, plan, global_state, self.opts, max_weight,
+        mean, got, down, up, answered = secure_round(self.grid, nodes, plan, global_state, self.opts, max_weight,
                                            message_nbytes, POLL_S)
         by_client = {int(st["client"]): st for st in got}
         statuses = []
@@ -181,4 +182,4 @@ class Federation:
                        else f"no SuperNode hosting {client_name(c)} answered the secure round")
                 st = {"client": int(c), "ok": False, "n": 0, "loss": None, "headers": [], "nbytes": 0, "error": why}
             statuses.append(st)
-        return mean, statuses, down, up
+        return mean, statuses, down, up, answered

@@ -90,11 +90,12 @@ class LocalFederation:
         self.procs[name] = proc
         return proc
 
-    def start(self, timeout: float = 60.0) -> LocalFederation:
+    def start(self, timeout: float = 60.0, num_started: int | None = None) -> LocalFederation:
+        """Start the SuperLink and SuperNodes ``0 .. num_started - 1`` (default: all)."""
         sl = self._start("superlink", [str(self.bin / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
                                        "--port", str(self.port), "--disable-runtime-dependency-installation"])
         _wait_port(self.port, sl, timeout, self.home / "superlink.log")
-        for i in range(self.num_nodes):
+        for i in range(self.num_nodes if num_started is None else num_started):
             self.start_node(i)
         return self
 

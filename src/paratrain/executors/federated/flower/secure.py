@@ -9,8 +9,9 @@ example-weighted mean update ``u_j = sum_c n_c D_c / N_j`` with weight ``N_j = s
 ``secaggplus_mod`` scales it by ``N_j / max_weight`` (quantized), clips to
 ``[-clipping_range, clipping_range]``, quantizes to ``quantization_range`` levels and masks
 it. The server only ever unmasks the sum, ``sum_j N_j u_j / sum_j N_j`` = the clients'
-FedAvg mean update (to the fixed-point precision ``2 * clipping_range / quantization_range``
-per value and node, with weights rounded to ``max_weight / quantization_range``), and hands
+FedAvg mean update (to the fixed-point precision: Flower rounds stochastically to steps of
+``2 * clipping_range / quantization_range``, an error below one step per value and node, and
+the weights to ``max_weight / quantization_range``), and hands
 that one mean with weight ``sum_j N_j`` to the job's FederatedServer: FedAvg / FedProx /
 FedAvgM and the adaptive server optimizers (FedAdam, FedYogi, FedAdagrad) act on the mean
 update alone, so they compose; aggregators that need each update (FedMedian, FedTrimmedAvg,
@@ -55,6 +56,7 @@ class CountingGrid:
     def __init__(self, grid: Any, poll_s: float, count: Any) -> None:
         self.grid, self.poll_s, self.count = grid, poll_s, count
         self.down = self.up = 0
+        self.answered: list[int] = []  # nodes answering each SecAgg+ stage without an error
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.grid, name)
@@ -74,6 +76,7 @@ class CountingGrid:
             if not pending or (deadline is not None and time.monotonic() > deadline):
                 break
             time.sleep(self.poll_s)
+        self.answered.append(sum(not m.has_error() for m in out))
         return out
 
 
@@ -114,9 +117,9 @@ def _count(v: float) -> int | float:
 
 def secure_round(grid: Any, nodes: Sequence[int], plan: Mapping[str, Any], global_state: Mapping[str, Tensor],
                  opts: Any, max_weight: float, count: Any, poll_s: float,
-                 ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int]:
+                 ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int, list[int]]:
     """One SecAgg+ round over ``nodes``: ``(the unmasked mean update or None, the clients'
-    statuses the nodes reported, bytes down, bytes up)``."""
+    statuses the nodes reported, bytes down, bytes up, nodes answering each stage)``."""
     sa = opts.secure_aggregation
     counting = CountingGrid(grid, poll_s, count)
     run_id = int(grid.run.run_id)
@@ -141,8 +144,8 @@ def secure_round(grid: Any, nodes: Sequence[int], plan: Mapping[str, Any], globa
     for _, res in strategy.results:
         statuses.extend(json.loads(str(res.metrics.get(P.STATUSES, "[]"))))
     if not strategy.results:
-        return None, statuses, counting.down, counting.up
+        return None, statuses, counting.down, counting.up, counting.answered
     mean = parameters_to_ndarrays(strategy.results[0][1].parameters)
     out = {k: torch.from_numpy(np.asarray(a, dtype=np.float32).copy()).reshape(t.shape)
            for (k, t), a in zip(global_state.items(), mean, strict=True)}
-    return out, statuses, counting.down, counting.up
+    return out, statuses, counting.down, counting.up, counting.answered

@@ -23,7 +23,6 @@ no state (:func:`~.side.stateful`), and the summary says when it is not."""
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -59,7 +58,7 @@ class Nodes(Protocol):
 
     def train_secure(self, round_idx: int, clients: Sequence[int], global_state: Mapping[str, Tensor],
                      lr_scale: float, max_weight: float,
-                     ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int]: ...
+                     ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int, list[int]]: ...
 
 
 def _evaluate(side: Side, server: FederatedServer, nodes: Nodes, tag: str) -> tuple[dict[str, float], dict[str, Any]]:
@@ -87,9 +86,7 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
     try:
         side = build_side(job)
         schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
-        # num_clients: what per-client server state (SCAFFOLD) is sized by, where the server takes it
-        kw = {"num_clients": strat.num_clients} if "num_clients" in inspect.signature(FederatedServer).parameters else {}
-        server = FederatedServer(strat.aggregation, side.template, schedule, **kw)
+        server = FederatedServer(strat.aggregation, side.template, schedule, num_clients=strat.num_clients)
         tags = {c: sorted(job.federated.client_tags.get(client_name(c), [])) for c in range(strat.num_clients)}
         server.set_privacy(build_server_privacy(job, [len(p) for p in side.partitions], tags))  # [federated.dp]
         with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
@@ -118,8 +115,7 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
                 except ValueError as e:
                     raise ConfigError([("strategy.client_selection", str(e))]) from None
                 lr_scale = server.schedule.factor()
-                control_fn = getattr(server, "control", None)  # SCAFFOLD's c (hook: the aggregator's)
-                control = control_fn() if callable(control_fn) else None
+                control = server.control()  # SCAFFOLD's c, down with the model ({} otherwise)
                 if secure:
                     rec = _secure_round(side, server, nodes, r, clients, lr_scale)
                 else:
@@ -155,7 +151,7 @@ def _secure_round(side: Side, server: FederatedServer, nodes: Any, r: int, clien
     weight ``sum n_c`` (what FedAvg and the server optimizers reduce the clients' updates
     to); the round's record then counts the clients themselves."""
     max_weight = float(sum(len(side.partitions[c]) for c in clients)) or 1.0
-    mean, statuses, down, up = nodes.train_secure(r, clients, server.global_state, lr_scale, max_weight)
+    mean, statuses, down, up, answered = nodes.train_secure(r, clients, server.global_state, lr_scale, max_weight)
     ok = [st for st in statuses if st.get("ok")]
     failed = [st for st in statuses if not st.get("ok")]
     one: list[dict[str, Any]] = list(failed)
@@ -169,7 +165,8 @@ def _secure_round(side: Side, server: FederatedServer, nodes: Any, r: int, clien
     rec = server.finish_round(r, one, payloads, wire_bytes_down=down, wire_bytes_up=up)
     losses = [(float(st["loss"]), int(st["n"])) for st in ok if st.get("loss") is not None]
     rec.update(clients_selected=len(clients), clients_ok=len(ok) if mean is not None else 0,
-               secure_aggregation="SecAgg+", bytes_up_measured=up)
+               secure_aggregation="SecAgg+", bytes_up_measured=up,
+               secagg_nodes_per_stage=answered)  # setup, share keys, masked vectors, unmask
     if losses:
         rec["train_loss"] = sum(v * n for v, n in losses) / sum(n for _, n in losses)
     return rec
