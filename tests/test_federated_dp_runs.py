@@ -25,7 +25,7 @@ from paratrain.training import read_metrics
 
 pytestmark = pytest.mark.timeout(300)
 
-BASE: dict[str, Any] = dict(K=6, rounds=3, local_epochs=1, partition={"method": "dirichlet", "alpha": 0.5})
+BASE: dict[str, Any] = dict(K=6, rounds=2, local_epochs=1, partition={"method": "dirichlet", "alpha": 0.5})
 OFF_CENTRAL = {"clip": math.inf, "noise_multiplier": 0.0, "weight_cap": 100_000}
 OFF_LOCAL = {"clip": math.inf, "noise_multiplier": 0.0, "mode": "local"}
 
@@ -69,7 +69,7 @@ def test_epsilon_per_round_is_opacus(runs: dict[str, dict[str, Any]], mode: str)
     s = runs[mode]
     acc = RDPAccountant()
     eps = []
-    for _ in range(3):  # All clients: q = 1 in both modes
+    for _ in range(BASE["rounds"]):  # All clients: q = 1 in both modes
         acc.step(noise_multiplier=0.3, sample_rate=1.0)
         eps.append(acc.get_epsilon(delta=1e-5))
     recs = _records(s)
@@ -175,3 +175,14 @@ def test_flower_server_loop_runs_the_same_dp(runs: dict[str, dict[str, Any]], tm
     s = run_server(_InProcessNodes(job), job)
     assert s["parameters_sha256"] == runs[mode]["parameters_sha256"]
     assert s["epsilon"] == runs[mode]["epsilon"] and s["dp_mode"] == mode
+
+
+def test_bycapability_central_divides_by_the_tagged_clients_only(tmp_path: Path) -> None:
+    """ByCapability takes the same tagged clients every round: q = 1 over them and W sums
+    their weights only, so without noise or clipping it is FedAvg over them, bit for bit."""
+    kw: dict[str, Any] = {**BASE, "rounds": 2, "sel": {"method": "ByCapability", "required_tags": ["eu"]},
+                          "client_tags": {"client-1": ["eu"], "client-2": ["eu"], "client-4": ["eu"]}}
+    ref = run_in_process(fed_job(tmp_path, "ref", **kw))
+    off = run_in_process(fed_job(tmp_path, "off", **kw, dp=OFF_CENTRAL))
+    assert off["parameters_sha256"] == ref["parameters_sha256"]
+    assert off["dp_sample_rate"] == 1.0 and all(r["clients_selected"] == 3 for r in _records(off))

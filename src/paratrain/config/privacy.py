@@ -66,11 +66,14 @@ class FederatedDP(BaseModel):
             raise ValueError("clip = inf (no clipping) bounds no update, so noise_multiplier "
                              f"= {self.noise_multiplier} would give no guarantee: set a finite clip")
         if self.target_quantile is None:
-            unread = sorted({"clip_learning_rate", "clipped_count_stddev"} & self.model_fields_set)
+            # by value, not by presence: a dumped job (JSON) carries every field
+            defaults = type(self).model_fields
+            unread = [f for f in ("clip_learning_rate", "clipped_count_stddev")
+                      if getattr(self, f) != defaults[f].default]
             if unread:
                 raise ValueError(f"{', '.join(unread)} tune adaptive clipping, which is off: set "
                                  "target_quantile too (or remove them)")
-        if self.mode == "local" and "weight_cap" in self.model_fields_set and self.weight_cap != 1:
+        if self.mode == "local" and self.weight_cap != 1:
             raise ValueError("weight_cap weighs the server's noised sum (central mode); in local mode "
                              "the job's aggregator weighs the noised updates by example count")
         if self.target_quantile is not None:

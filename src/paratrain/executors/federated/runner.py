@@ -181,7 +181,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     if is_server:
         schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
         server = FederatedServer(strat.aggregation, template, schedule, num_clients=strat.num_clients)
-        server.set_privacy(build_server_privacy(job, [len(p) for p in parts]))  # [federated.dp]
+        server.set_privacy(build_server_privacy(job, [len(p) for p in parts], tags))  # [federated.dp]
         start, saved_world = 0, world
         # The newest readable server checkpoint (a bad newer one is skipped with a warning).
         found = checkpoint.load_latest(run_dir / "checkpoints") if resume else None

@@ -21,7 +21,8 @@ carries a clipped update's residual); the guarantee rests on the server's clip o
 
 Accounting, every round (:class:`~.accountant.PrivacyAccountant`): central: the sampled
 Gaussian mechanism of multiplier ``z`` at ``q`` = the expected fraction of clients per
-round (``Random``: ``k / N``; ``All``/``ByCapability``: 1). Local: the server knows who
+round (``Random``: ``k / N``; ``All``: 1; ``ByCapability``: 1 over the fixed set of clients
+its tags select, whose weights alone make ``W``). Local: the server knows who
 took part, so there is no amplification by sampling: ``q = 1``, a bound for a client
 selected every round. Compression is post-processing of what is accounted.
 """
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..selection import num_random
+from ..selection import num_random, select_clients
 from .accountant import PrivacyAccountant
 from .mechanism import (
     adaptive_clip,
@@ -172,22 +173,29 @@ class ServerPrivacy:
         self.accountant.load_state_dict(state["accountant"])
 
 
-def build_server_privacy(job: Any, client_sizes: Sequence[int] | None = None) -> ServerPrivacy | None:
-    """The job's :class:`ServerPrivacy` (None without ``[federated.dp]``); ``client_sizes``
-    (every client's example count) are needed for ``weight_cap > 1`` (``W``)."""
+def build_server_privacy(job: Any, client_sizes: Sequence[int] | None = None,
+                         client_tags: Mapping[int, Sequence[str]] | None = None) -> ServerPrivacy | None:
+    """The job's :class:`ServerPrivacy` (None without ``[federated.dp]``). ``W`` sums
+    ``min(n_k, weight_cap)`` over the clients that can take part: every client, or under
+    ``ByCapability`` the fixed set its tags select (``client_tags``, as selection reads
+    them; each of them takes part every round). ``client_sizes`` (every client's example
+    count) are needed for ``weight_cap > 1``."""
     spec = job.federated.dp
     if spec is None:
         return None
     strat = job.strategy
-    n = int(strat.num_clients)
+    members = list(range(int(strat.num_clients)))
+    if getattr(strat.client_selection, "method", None) == "ByCapability":
+        members = select_clients(strat.client_selection, num_clients=len(members), round_idx=0,
+                                 seed=job.run.seed, client_tags=client_tags)
     if int(spec.weight_cap) == 1:
-        total = float(n)
+        total = float(len(members))
     elif client_sizes is None:
         raise ValueError("federated.dp.weight_cap > 1 needs every client's example count")
     else:
-        total = float(sum(min(int(s), int(spec.weight_cap)) for s in client_sizes))
+        total = float(sum(min(int(client_sizes[c]), int(spec.weight_cap)) for c in members))
     return ServerPrivacy(spec, seed=job.run.seed, sample_rate=sample_rate(strat, spec.mode),
-                         num_clients=n, total_weight=total)
+                         num_clients=len(members), total_weight=total)
 
 
 def client_privatize(spec: Any, delta: Mapping[str, Tensor], *, seed: int, round_idx: int,
