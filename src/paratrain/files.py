@@ -137,11 +137,12 @@ def newest_checkpoint(run_dir: str | Path) -> FoundCheckpoint | None:
             except (OSError, ValueError, KeyError, TypeError):
                 continue
             found.append((step, _mtime(p), FoundCheckpoint(mk.group(1), step, p, dict(doc))))
-    for p in step_folders(d)[-1:]:
+    for p in reversed(step_folders(d)):  # the newest whose layout.json reads
         doc = _step_doc(p)
         if doc is not None:
             found.append((int(p.name[5:]), _mtime(p), FoundCheckpoint(doc["kind"], int(p.name[5:]), p,
                                                                       doc)))
+            break
     for kind, (step, p) in newest.items():
         found.append((step, _mtime(p), FoundCheckpoint(kind, step, p)))
     return max(found, key=lambda f: (f[0], f[1]))[2] if found else None

@@ -177,7 +177,7 @@ class RankStore:
             folder = self.root / name
             try:
                 found = self._load_one(folder, held)
-            except CheckpointException as e:
+            except (CheckpointException, _Unreadable) as e:
                 skipped.append(f"checkpoint {folder} {_reason(e)}")
                 if i + 1 < len(steps) and self.rank == 0:
                     warnings.warn(f"skipping {skipped[-1]}; falling back to step "
@@ -210,17 +210,23 @@ class RankStore:
                 "torch.save format of paratrain before torch.distributed.checkpoint (or a Federated "
                 "server's): this version does not resume it; finish the run with the version that "
                 "wrote it, or start a fresh run with --overwrite"))])
-        return [p.name for p in reversed(step_folders(self.root))]
+        return [p.name for p in reversed(step_folders(self.root)) if _layout(p) is not None]
+
+    def _all_have(self, mine: bool, what: str) -> None:
+        """Every process found what it needs, or every process raises :class:`_Unreadable`."""
+        if C.all_min_ints([int(mine)], group=self._g())[0] == 0:
+            raise _Unreadable(f"lacks {what}")
 
     def _same_layout(self, doc: dict[str, Any]) -> bool:
         return (doc.get("kind") == self.prefix and int(doc.get("world", 0)) == self.world
                 and all(doc.get(k, v) == v for k, v in self.layout.items()))
 
     def _load_one(self, folder: Path, held: Held | None) -> tuple[Path, dict[str, Any]]:
-        doc = json.loads((folder / LAYOUT_FILE).read_text()) if (folder / LAYOUT_FILE).exists() else {}
+        doc = _layout(folder) or {}
         if self._same_layout(doc):
             blobs = dcp.load(folder, {}, blobs=[S.meta_key(self.rank), S.engine_key(self.rank)],
                              group=self.group, world=self.world)
+            self._all_have(S.meta_key(self.rank) in blobs, "a process's description (meta/rank<r>)")
             meta = blobs[S.meta_key(self.rank)]
             targets, build = S.rebuild(meta)
             dcp.load(folder, targets, group=self.group, world=self.world)
@@ -235,6 +241,8 @@ class RankStore:
         old_world = int(doc.get("world", 1))
         metas_ = dcp.load(folder, {}, blobs=[S.meta_key(r) for r in range(old_world)],
                           group=self.group, world=self.world)
+        self._all_have(all(S.meta_key(r) in metas_ for r in range(old_world)),
+                       f"the descriptions of its {old_world} processes")
         metas = [metas_[S.meta_key(r)] for r in range(old_world)]
         md = dcp.read_metadata(folder)
         targets, missing, wrong, build = S.reshard_targets(
@@ -268,6 +276,15 @@ class LocalStore(RankStore):
         self.directory = Path(directory)
 
 
+def _layout(folder: Path) -> dict[str, Any] | None:
+    """``layout.json`` of a step folder (None: unreadable)."""
+    try:
+        doc = json.loads((folder / LAYOUT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_bytes(data)
@@ -278,7 +295,13 @@ def _shape(doc: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in doc.items() if k not in ("step", "kind"))
 
 
-def _reason(e: CheckpointException) -> str:
+class _Unreadable(RuntimeError):
+    """A checkpoint folder that lacks part of what DCP wrote (every process raises it)."""
+
+
+def _reason(e: CheckpointException | _Unreadable) -> str:
+    if isinstance(e, _Unreadable):
+        return f"is not readable: it {e}"
     for failure in e.failures.values():
         err: Any = failure[0] if isinstance(failure, tuple) else failure  # DCP's (exception, traceback)
         first = (str(err).strip().splitlines() or [""])[-1]
