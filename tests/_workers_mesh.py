@@ -122,3 +122,35 @@ def mesh_worker(ctx: WorkerContext, tmp: str, cases: list[tuple[str, dict[str, A
     grads.update(mesh_grads(ctx, tmp, ["gradients"], 1, {"communication_pattern": "ReduceScatter"},
                             prefix="rs-"))
     return {"grads": grads, "jobs": run_jobs(ctx, tmp, cases)}
+
+
+def pipeline_job(tmp: str, name: str, *, tp: int, optimizer: str = "sgd", schedule: str = "1F1B",
+                 steps: int = 4, checkpoint_every: int = 0, clip: float = 0.1) -> JobConfig:
+    """The same MLP as :func:`mesh_job` (16 rows a step) as 2 pipeline stages (``fc1``,
+    ``act1``, ``head`` on worker-1: the cut falls between the column-parallel ``fc0`` and the
+    row-parallel ``fc1``, so each lane sends its shard) with ``tp``-way tensor parallelism in
+    each stage, micro-batches of 4; ``tp = 0``: the unpartitioned Local model."""
+    doc: dict[str, Any] = {
+        "run": {"name": name, "seed": SEED, "output_dir": tmp, "checkpoint_every": checkpoint_every},
+        "model": {"name": "mlp", "hidden": [16, 16]}, "data": {"name": "digits"},
+        "train": {"epochs": 1, "batch_size": 16, "max_steps": steps, "eval_every": 1,
+                  "grad_clip_norm": clip, "optimizer": copy.deepcopy(OPTIMIZERS[optimizer])},
+    }
+    if tp:
+        doc["strategy"] = {"type": "ModelParallel",
+                           "communication": {"protocol": "Pipeline", "micro_batch_size": 4,
+                                             "schedule": schedule},
+                           "partitions": [{"node_ids": ["fc1", "act1", "head"],
+                                           "target": {"WorkerId": "worker-1"}}]}
+        doc["tensor_parallel"] = {"tensor_parallel_size": tp}
+    return load_job(doc)
+
+
+def pipeline_runs(ctx: WorkerContext, tmp: str, cases: list[tuple[str, dict[str, Any], bool]]
+                  ) -> dict[str, Any]:
+    """Each ``(name, pipeline_job kwargs, resume)`` through ModelParallel's ``worker_main``;
+    rank 0's summaries by name."""
+    from paratrain.executors.model_parallel.runner import worker_main
+
+    return {name: worker_main(ctx, pipeline_job(tmp, name, tp=2, **copy.deepcopy(kw)), resume)
+            for name, kw, resume in cases}

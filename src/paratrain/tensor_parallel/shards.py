@@ -34,7 +34,7 @@ from .foreign_layers import PackedColumnParallel
 from .grid import grid_steps
 from .layers import ParallelEncoderLayer, ParallelSelfAttention
 
-__all__ = ["dense_names_and_shards", "pack_dense", "packed_dims", "renames", "unpack_dense"]
+__all__ = ["dense_names_and_shards", "pack_dense", "packed_dims", "renames", "shard_spec", "unpack_dense"]
 
 Spec = dict[str, Any]
 
@@ -116,6 +116,12 @@ def _spec(p: nn.Parameter, rank: int) -> Spec | None:
         shape[dim] = sum(sizes)
         slices.append([dim, sum(sizes[:r]), sizes[r]])
     return {"shape": shape, "slices": slices}
+
+
+def shard_spec(p: torch.Tensor, rank: int) -> Spec | None:
+    """Where this rank's ``p`` (a tensor-parallel parameter; ``rank``: its index in the TP
+    group) lies in the dense tensor; None for a tensor held whole."""
+    return _spec(p, rank) if isinstance(p, nn.Parameter) else None
 
 
 def _fused(spec: Spec | None, p: nn.Parameter, index: int, dim: int = 0, parts: int = 3) -> Spec:

@@ -20,6 +20,9 @@ __all__ = ["SPEC", "run", "worker_main"]
 def _processes(job: JobConfig) -> tuple[int, str]:
     field = ("workers" if job.workers else "run.num_workers" if job.run.num_workers
              else "strategy.partitions")
+    tp = job.tensor_parallel.tensor_parallel_size if job.tensor_parallel else 1
+    if tp > 1:  # pipeline x tensor parallel: tp processes per stage (.tp_stages)
+        return num_workers(job) * tp, "tensor_parallel.tensor_parallel_size"
     return num_workers(job), field
 
 

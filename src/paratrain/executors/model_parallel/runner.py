@@ -49,6 +49,7 @@ attempt (fault-injection for tests and demos, as for DataParallel).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import re
@@ -88,9 +89,18 @@ from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
 from .engine import PipelineEngine, StageModel, pipeline_stats
 from .plan import Plan, build_plan, check_interleaved
-from .replicas import extra_workers, replicas_for
+from .replicas import Replicas, extra_workers, replicas_for
 from .runtime import StageRuntime, held_attrs, segment_modules
 from .state import gather_parts, layout_of, state_digest
+from .tp_stages import (
+    TPPipelineEngine,
+    check_job,
+    dense_own,
+    dry_shard,
+    lane_replicas,
+    shard_model,
+    tp_size_of,
+)
 
 __all__ = ["run", "validate", "worker_main", "num_workers", "plan_for", "FAULT_ENV"]
 
@@ -114,7 +124,8 @@ def num_workers(job: JobConfig) -> int:
 
 
 def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any],
-             example: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> Plan:
+             example: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
+             leaves: tuple[str, ...] = ()) -> Plan:
     """Validate the job's partitions against ``model`` and ``workers``; the placement.
     ``example``: the model's arguments on a batch, to capture a model fx cannot trace with
     torch.export (:func:`example_args`)."""
@@ -125,7 +136,8 @@ def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any],
     pipeline = proto.protocol == "Pipeline"
     interleaved = pipeline and proto.schedule == "Interleaved1F1B"
     plan = build_plan(model, strategy.partitions, workers, contiguous=pipeline and not interleaved,
-                      leaves=tuple(getattr(job.model, "leaf_modules", ()) or ()), example=example)
+                      leaves=tuple(getattr(job.model, "leaf_modules", ()) or ()) + leaves,
+                      example=example)
     if interleaved:
         check_interleaved(plan, workers, proto.virtual_stages)
     if plan.cut.capture == "fx":  # an exported graph reads every parameter by get_attr
@@ -172,32 +184,18 @@ def _task_model(job: JobConfig) -> tuple[Any, Any, Any, nn.Module]:
     return task, train, test, task.build_model(job.model, train)
 
 
-def refuse_tensor_parallel(job: JobConfig) -> None:
-    """Pipeline x tensor parallelism (a ``[tensor_parallel]`` size > 1 inside the stages)
-    does not run in this version: a ConfigError says so and what does compose, rather than
-    a pipeline that silently runs every stage unsharded."""
-    tp = job.tensor_parallel
-    if tp is None or tp.tensor_parallel_size <= 1:
-        return
-    raise ConfigError([("tensor_parallel.tensor_parallel_size", (
-        f"{tp.tensor_parallel_size} with ModelParallel (pipeline stages x tensor parallelism) is "
-        "not supported in this version: each stage would need its own tensor-parallel group and "
-        "every stage-to-stage transfer would run once per tensor-parallel rank, which the "
-        "pipeline runtime does not do; compositions that run: [tensor_parallel] with "
-        "DataParallel (tp x dp, ZeRO included, on one mesh), or ModelParallel with replicated "
-        "stages ([subgraphs] DataParallel); set tensor_parallel_size = 1 or drop [tensor_parallel]"))])
-
-
 def validate(job: JobConfig) -> Plan:
     """The placement of ``job``'s partitions on its workers (``paratrain validate`` and
     ``run`` call this): builds the task's model to learn its node ids, then raises a
     ConfigError naming the culprit for every placement error DESIGN §4 lists."""
-    refuse_tensor_parallel(job)
+    check_job(job)  # pipeline x tensor parallel: what it does not run
     n = num_workers(job)
     task, train, _, model = _task_model(job)
     workers = default_workers(n, list(job.workers))
     example = example_args(task, train)
     plan = plan_for(job, model, workers, example)
+    if tp_size_of(job) > 1:
+        dry_shard(job, task.build_model(job.model, train))  # sharding errors before a launch
     replicas_for(job, plan, n, workers)
     check_crossing_values(plan, model, train, workers, task)
     return plan
@@ -250,7 +248,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     validate(job)  # errors before any launch (and before the run folder changes)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         folder.prepare_launch()
-        summary = launch(job, nprocs=num_workers(job), resume=resume, entry=worker_entry,
+        summary = launch(job, nprocs=num_workers(job) * tp_size_of(job), resume=resume, entry=worker_entry,
                          target=worker_main)
     if summary is None:  # under torchrun on a rank other than 0
         return {}
@@ -313,11 +311,19 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     task, train, test, model = _task_model(job)
     num_parameters = sum(p.numel() for p in model.parameters())
     names, ties = list(model.state_dict()), tied_names(model)  # for the exported model
-    plan = plan_for(job, model, ctx.workers, example_args(task, train))
-    replicas = replicas_for(job, plan, ctx.world_size, ctx.workers)
+    tp = tp_size_of(job)
+    tp_groups = None
+    if tp > 1:  # pipeline x tensor parallel (.tp_stages): the stages cut from the sharded model
+        stages = ctx.world_size // tp
+        model, tp_groups, leaves = shard_model(job, model)
+        plan = plan_for(job, model, ctx.workers[:stages], example_args(task, train), leaves=leaves)
+        replicas = lane_replicas(stages, tp, ctx.rank)
+    else:
+        plan = plan_for(job, model, ctx.workers, example_args(task, train))
+        replicas = replicas_for(job, plan, ctx.world_size, ctx.workers)
     stage_rank, _ = replicas.logical(ctx.rank)
     replica_group = None
-    for ranks in (replicas.groups[r] for r in sorted(replicas.groups)):
+    for ranks in (replicas.groups[r] for r in sorted(replicas.groups) if tp == 1):
         group = new_group(list(ranks))  # every rank creates every group, in one order
         if ctx.rank in ranks:
             replica_group = group
@@ -346,14 +352,19 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                     examples_per_epoch=n, batch_size=t.batch_size, accumulation=t.grad_accumulation,
                     epochs=t.epochs, max_steps=t.max_steps, device=ctx.device,
                     loader=LoaderOptions.of(job.data, seed))
-    engine = PipelineEngine(ctx, rt, stage, task, test, precision=t.precision,
-                            micro_batch_size=proto.micro_batch_size if pipeline else None,
-                            schedule_name=proto.schedule if pipeline else None,
-                            replica_group=replica_group,
-                            broadcast_buffers=_broadcast_buffers(job, replicas.paths.get(stage_rank)),
-                            bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb))
+    engine_kw: dict[str, Any] = dict(
+        precision=t.precision, micro_batch_size=proto.micro_batch_size if pipeline else None,
+        schedule_name=proto.schedule if pipeline else None, replica_group=replica_group,
+        broadcast_buffers=_broadcast_buffers(job, replicas.paths.get(stage_rank)),
+        bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb))
+    engine: PipelineEngine = (
+        PipelineEngine(ctx, rt, stage, task, test, **engine_kw) if tp_groups is None else
+        TPPipelineEngine(dataclasses.replace(ctx, rank=stage_rank), rt, stage, task, test,
+                         groups=tp_groups, **engine_kw))
     trainer = Trainer(engine, opt, t, data.total_steps)
-    layout = layout_of(plan, replicas, ctx.world_size)
+    # the same on every rank: a lane's replica map is its own, the mesh is everyone's
+    layout = (layout_of(plan, replicas, ctx.world_size) if tp == 1 else
+              {**layout_of(plan, Replicas(), ctx.world_size), "tp": tp})
     store = RankStore(run_dir, "mp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
                       layout=layout, layout_field="strategy.partitions", device=ctx.device,
                       reshard=True)
@@ -376,6 +387,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     )
     # parameters_sha256: sha256 over the per-rank digests of each rank's node tensors.
     own = dict(sorted(stage.node_state({a.name: a.target for a in plan.cut.attrs}).items()))
+    if tp_groups is not None:  # the stage's dense tensors (every rank of the TP row: the same)
+        own = dense_own(stage, own, tp_groups)
+        tp_groups.tp.close()
     mine = torch.frombuffer(bytearray(state_digest(own)), dtype=torch.uint8)
     digests, stage_totals = [mine], [engine.totals]
     step = result.position.step

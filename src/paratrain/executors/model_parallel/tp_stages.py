@@ -1,0 +1,183 @@
+"""Pipeline x tensor parallelism: ModelParallel with ``[tensor_parallel]`` inside each stage.
+
+``P`` pipeline stages (the job's partitions, on workers ``worker-0 .. worker-{P-1}``) times
+``T = tensor_parallel_size`` run ``P x T`` processes laid out as the mesh ``pp x tp``
+(:class:`~paratrain.comm.mesh.Mesh`, ``rank = stage * T + tp``). Every rank builds the same
+model and shards it (:func:`paratrain.tensor_parallel.parallelize` over its mesh row, the
+stage's ``tp`` group); the plan then cuts the *sharded* model (the parallel layers traced as
+leaves), so each rank keeps its stage's TP shard.
+
+The ``T`` ranks of a mesh column (``tp`` index ``j``) form a *lane*: a whole pipeline of one
+rank per stage. A lane runs the unchanged pipeline runtime and schedule (1F1B, GPipe,
+...), its transfers going point-to-point between its own ranks
+(:func:`lane_replicas` maps stage ``s`` to the physical rank ``s*T + j``); all lanes run the
+same order, so the TP collectives inside each stage pair up. Schedules: 1F1B and GPipe
+(``Direct`` too); ZBH1 and Interleaved1F1B with tensor parallelism are ConfigErrors. What crosses a cut is what
+that rank holds: a replicated activation (each lane sends its copy) or, where a cut falls
+between a column- and a row-parallel layer, the lane's shard of it. The loss, computed on
+every lane's last stage, is the same on all of them; gradients are those of the
+unpartitioned model (the TP layers' own collectives make them so).
+
+Clipping by one global norm (:meth:`TPPipelineEngine.grad_sq_norm`): every rank adds
+``||g||^2 / f`` per parameter, ``f`` the TP ranks holding the same tensor (1 for a shard,
+``T`` for a replicated one), and one all-reduce over all ``P x T`` ranks sums it.
+
+Checkpoints: each TP shard is saved under the model's name with its place in the dense
+tensor (:func:`paratrain.tensor_parallel.shards.shard_spec`); for the exported model each
+stage all-gathers its shards over its TP group into the dense tensors first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...comm.mesh import Mesh
+from ...comm.tp.groups import TPGroups, build_tp_groups
+from ...comm.tp.world import broadcast_module_
+from ...config import ConfigError
+from ...config.job import JobConfig
+from ...training.stepping import local_grad_sq_norm
+from ..tensor_parallel.engine import replicas_of
+from .engine import PipelineEngine, StageModel
+from .replicas import Replicas
+
+__all__ = ["tp_size_of", "lane_replicas", "shard_model", "TPPipelineEngine", "dense_own", "check_job",
+           "dry_shard"]
+
+
+def tp_size_of(job: JobConfig) -> int:
+    tp = job.tensor_parallel
+    return int(tp.tensor_parallel_size) if tp is not None else 1
+
+
+def check_job(job: JobConfig) -> None:
+    """What pipeline x TP does not run: replicated stages, DataStore."""
+    if tp_size_of(job) <= 1:
+        return
+    subs = [k for k, v in (getattr(job, "subgraphs", None) or {}).items()
+            if getattr(v, "type", None) == "DataParallel"]
+    if subs:
+        raise ConfigError([(f"subgraphs.{subs[0]}", (
+            "a replicated stage does not combine with [tensor_parallel] in this version "
+            "(pipeline x tensor parallel runs one tensor-parallel group per stage)"))])
+    comm = getattr(job.strategy, "communication", None)
+    proto = getattr(comm, "protocol", None)
+    schedule = getattr(comm, "schedule", None)
+    if proto == "Pipeline" and schedule in ("ZBH1", "Interleaved1F1B"):
+        raise ConfigError([("strategy.communication.schedule", (
+            f"{schedule} with [tensor_parallel] is not supported in this version (its split "
+            "backward and virtual stages are untested with tensor-parallel layers); "
+            "use 1F1B or GPipe"))])
+    if proto == "DataStore":
+        raise ConfigError([("strategy.communication.protocol", (
+            "DataStore passes activations through files between stages that need not be online "
+            "together; tensor-parallel stages run collectives: use Pipeline or Direct"))])
+
+
+def lane_replicas(stages: int, tp: int, rank: int) -> Replicas:
+    """Stage ``s`` of this rank's lane is the physical rank ``s*tp + (rank % tp)``."""
+    mesh = Mesh.of(pp=stages, tp=tp)
+    j = mesh.coords(rank)["tp"]
+    return Replicas({s: (mesh.rank_of(pp=s, tp=j),) for s in range(stages)})
+
+
+def shard_model(job: JobConfig, model: nn.Module) -> tuple[nn.Module, TPGroups, tuple[str, ...]]:
+    """The model sharded over this rank's mesh row (collective over the world), its groups
+    and the paths of the modules tensor parallelism placed (traced as leaves)."""
+    from ...tensor_parallel import parallelize
+    from ...tensor_parallel.module import _PARALLEL
+
+    cfg = job.tensor_parallel
+    assert cfg is not None
+    broadcast_module_(model)
+    groups = build_tp_groups(cfg.tensor_parallel_size, pattern=cfg.communication_pattern.value,
+                             async_op=cfg.async_communication,
+                             fusion_threshold_bytes=cfg.fusion_threshold_bytes)
+    tpm = parallelize(model, cfg, dataclasses.replace(groups, dp=None))
+    inner: nn.Module = tpm.module  # type: ignore[assignment]
+    leaves = tuple(n for n, m in inner.named_modules() if n and isinstance(m, _PARALLEL))
+    return inner, groups, leaves
+
+
+def dry_shard(job: JobConfig, model: nn.Module) -> list[tuple[str, str]]:
+    """``validate``: shard ``model`` as a rank of a stage would, without processes (heads
+    not divisible, nothing to shard...: a ConfigError before a launch); what was sharded."""
+    from ...comm.tp.comm import TPComm
+    from ...tensor_parallel import TensorParallelModule
+
+    cfg = job.tensor_parallel
+    assert cfg is not None
+    tp = cfg.tensor_parallel_size
+    comm = TPComm(None, list(range(tp)), rank=0, pattern=cfg.communication_pattern.value)
+    try:
+        return list(TensorParallelModule(model, cfg, TPGroups(comm, None, tp, 1, 0)).layout())
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError([("tensor_parallel", str(e))]) from None
+
+
+class TPPipelineEngine(PipelineEngine):
+    """A pipeline stage's engine whose stage is tensor-parallel over ``groups.tp``."""
+
+    def __init__(self, *args: Any, groups: TPGroups, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.groups = groups
+        self.tp = groups.tp_size
+        self._shards: dict[str, Any] = {}
+        from ...tensor_parallel.shards import shard_spec
+
+        stage = self.model
+        for key, t in stage.state_dict(keep_vars=True).items():
+            spec = shard_spec(t, groups.tp.rank) if isinstance(t, nn.Parameter) else None
+            if spec is not None:
+                self._shards[key] = spec
+
+    def grad_sq_norm(self) -> float:
+        total = torch.zeros((), dtype=torch.float64)
+        for p in self.model.parameters():
+            total += local_grad_sq_norm([p]) / replicas_of(p, self.tp)
+        from ...comm import collectives as C
+
+        C.all_reduce_(total, group=self.ctx.group)
+        return float(total)
+
+    def model_shards(self) -> dict[str, Any]:
+        return dict(self._shards)
+
+    def _to_rank0(self, payload: torch.Tensor | None) -> torch.Tensor | None:
+        """As the base, within this rank's lane (its stage 0 and last stage)."""
+        self._msgs += 1
+        if self.last_rank == 0:
+            return payload
+        prim = self.rt.replicas.of
+        if self.ctx.rank == self.last_rank:
+            assert payload is not None
+            self.rt.send_metric(payload, dst=prim(0)[0], step=self._msgs, slot=1)
+            return payload
+        if self.ctx.rank == 0:
+            return self.rt.recv_metric(src=prim(self.last_rank)[0], step=self._msgs, slot=1)
+        return None
+
+
+def dense_own(stage: StageModel, own: dict[str, torch.Tensor], groups: TPGroups) -> dict[str, torch.Tensor]:
+    """This stage's tensors by name (``own``, :meth:`StageModel.node_state`) with every TP
+    shard all-gathered over the stage's TP group (in name order: every rank of the row
+    holds the same names) into the dense tensor."""
+    shards: dict[str, nn.Parameter] = {}
+    for i, m in stage.segments.items():
+        part = stage._parts.get(int(i))
+        for k, v in m.state_dict(keep_vars=True).items():
+            if getattr(v, "tp_shard_dim", None) is not None:
+                shards.setdefault(part.original_name(k) if part is not None else k, v)
+    out = dict(own)
+    with torch.no_grad():
+        for name in sorted(shards):
+            p = shards[name]
+            out[name] = groups.tp.all_gather(p.detach(), int(p.tp_shard_dim),  # type: ignore[attr-defined]
+                                             list(p.tp_sizes)).wait()  # type: ignore[attr-defined]
+    return out
