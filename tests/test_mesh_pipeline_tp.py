@@ -84,3 +84,12 @@ def test_refused_schedules_and_process_count(tmp_path: Path) -> None:
     job = pipeline_job(str(tmp_path), "n", tp=2)
     validate(job)  # the composition that runs
     assert spec_for(job).processes(job)[0] == 4  # 2 stages x tp 2
+
+
+def test_graph_shows_the_pp_x_tp_mesh(tmp_path: Path) -> None:
+    from paratrain.explain import explain, render
+
+    text = render(explain(pipeline_job(str(tmp_path), "g", tp=2)))
+    assert "mesh pp 2 x tp 2: rank = pp*2 + tp" in text
+    assert "tp groups: [0, 1] [2, 3]" in text and "pp groups: [0, 2] [1, 3]" in text
+    assert "worker-2" not in text  # one worker a stage; the tp ranks are the mesh's

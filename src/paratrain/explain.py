@@ -220,7 +220,10 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
         from .executors import spec_for
         from .executors.model_parallel.runner import plan_for
 
-        workers = default_workers(spec_for(job).processes(job)[0], list(job.workers))
+        procs = spec_for(job).processes(job)[0]
+        if job.tensor_parallel is not None and job.tensor_parallel.tensor_parallel_size > 1:
+            procs //= job.tensor_parallel.tensor_parallel_size  # pipeline x TP: one worker a stage
+        workers = default_workers(procs, list(job.workers))
         plan = plan_for(job, model, workers, example)
         from .executors.model_parallel.replicas import replicas_for
 
@@ -329,6 +332,15 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
         from .executors.federated.flower import describe_runtime
 
         report["runtime"] = describe_runtime(job)
+    tp_size = job.tensor_parallel.tensor_parallel_size if job.tensor_parallel is not None else 1
+    if kind == "ModelParallel" and tp_size > 1:  # pipeline x TP: the pp x tp mesh (tp_stages)
+        from .comm.mesh import Mesh
+        from .executors.model_parallel.runner import num_workers
+
+        report["mesh"] = {**Mesh.of(pp=num_workers(job), tp=tp_size).describe(),
+                          "note": f"worker-s (rank s above) is stage s, run by its tp group "
+                                  f"(ranks s*{tp_size} ..); each pp group is a lane: a whole "
+                                  "pipeline, one rank a stage"}
     if kind == "ModelParallel" and plan is not None:
         report["protocol"] = str(root.communication.protocol)
         if report["protocol"] == "Pipeline":

@@ -116,6 +116,8 @@ def render(report: Mapping[str, Any]) -> str:
         out += [f"  {d} groups: {' '.join(str(g) for g in gs)}" for d, gs in m["groups"].items()]
         if m.get("zero"):
             out.append(f"  {m['zero']} (units below: tp rank 0's shard)")
+        if m.get("note"):
+            out.append(f"  {m['note']}")
     if report.get("shard"):  # DataParallel ZeRO: what each replica holds 1/N of
         z = report["shard"]
         out += ["", f"ZeRO-{z['zero_stage']} (shard = {z['level']}) over {z['replicas']} replicas: "
