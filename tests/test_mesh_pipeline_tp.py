@@ -64,6 +64,9 @@ def test_losses_and_parameters_equal_the_unpartitioned_model(pipeline: dict[str,
     torch.testing.assert_close(torch.tensor(_losses(tmp / name)), torch.tensor(ref_loss), rtol=1e-5, atol=0)
     s = pipeline["jobs"][name]
     assert s["strategy"] == "ModelParallel" and s["schedule"] == RUNS[name]["schedule"]
+    # non-vacuity: the stages really ran tensor-parallel on the pp x tp mesh (rank 0's stage
+    # holds fc0's column shards: weight and bias)
+    assert s["mesh"]["layout"] == "rank = pp*2 + tp" and s["tensor_parallel_shards_per_stage"] == 2
 
 
 def test_resume_on_the_same_mesh_is_bit_identical(pipeline: dict[str, Any]) -> None:

@@ -65,6 +65,7 @@ from ...comm import collectives as C
 from ...comm.buckets import bucket_bytes_of
 from ...comm.context import WorkerContext, default_workers
 from ...comm.groups import new_group
+from ...comm.mesh import Mesh
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import WorkerIdTarget
@@ -415,6 +416,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "micro_batch_size": proto.micro_batch_size if pipeline else None,
         "run_dir": str(run_dir),
         "workers": ctx.world_size,
+        **({"tensor_parallel_size": tp, "mesh": Mesh.of(pp=ctx.world_size // tp, tp=tp).describe(),
+            "tensor_parallel_shards_per_stage": len(engine.model_shards())}
+           if isinstance(engine, TPPipelineEngine) else {}),
         "stages": [
             {"segment": s.index, "rank": s.rank, "worker": ctx.workers[s.rank].id,
              "nodes": list(s.nodes),
