@@ -73,6 +73,7 @@ def test_resume_on_the_same_mesh_is_bit_identical(pipeline: dict[str, Any]) -> N
     jobs = pipeline["jobs"]
     assert jobs["full"]["steps"] == jobs["split"]["steps"] == 4
     assert jobs["full"]["parameters_sha256"] == jobs["split"]["parameters_sha256"]
+    assert jobs["split"]["tensor_parallel_size"] == 2  # the resumed run is the sharded one
 
 
 def test_refused_schedules_and_process_count(tmp_path: Path) -> None:
