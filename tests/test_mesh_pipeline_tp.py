@@ -97,3 +97,26 @@ def test_graph_shows_the_pp_x_tp_mesh(tmp_path: Path) -> None:
     assert "mesh pp 2 x tp 2: rank = pp*2 + tp" in text
     assert "tp groups: [0, 1] [2, 3]" in text and "pp groups: [0, 2] [1, 3]" in text
     assert "worker-2" not in text  # one worker a stage; the tp ranks are the mesh's
+
+
+def test_an_exported_model_with_tensor_parallel_stages_is_refused(tmp_path: Path) -> None:
+    """A Hugging Face Llama is captured with torch.export, which traces through the parallel
+    layers and bakes the dense head counts into the graph (the stages failed at their first
+    step): validate refuses it, naming the field, before any process starts."""
+    pytest.importorskip("transformers")
+    from paratrain.config import ConfigError, load_job
+    from paratrain.executors.model_parallel.runner import validate
+
+    doc = {"run": {"name": "hf_pp_tp", "output_dir": str(tmp_path)},
+           "task": {"name": "language_model", "block_size": 16},
+           "data": {"factory": "hf_factories:tiny_text"}, "model": {"factory": "hf_factories:llama"},
+           "train": {"batch_size": 8, "max_steps": 2},
+           "strategy": {"type": "ModelParallel",
+                        "communication": {"protocol": "Pipeline", "micro_batch_size": 4, "schedule": "1F1B"},
+                        "partitions": [{"node_ids": ["model.layers.1", "model.norm", "lm_head"],
+                                        "target": {"WorkerId": "worker-1"}}]},
+           "tensor_parallel": {"tensor_parallel_size": 2}}
+    with pytest.raises(ConfigError) as e:
+        validate(load_job(doc))
+    assert "tensor_parallel.tensor_parallel_size" in str(e.value) and "torch.export" in str(e.value)
+    assert not (tmp_path / "hf_pp_tp").exists()
