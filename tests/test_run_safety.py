@@ -173,7 +173,9 @@ def test_data_parallel_refuses_and_overwrites(tmp_path: Path) -> None:
     again = execute(job, overwrite=True)
     assert again["steps"] == 3 and again["num_replicas"] == 2
     assert json.loads((tmp_path / "dp" / "job.json").read_text())["strategy"]["type"] == "DataParallel"
-    assert checkpoint.checkpoints(tmp_path / "dp" / "checkpoints") == []  # Local's are gone
+    kinds = [json.loads((f / "layout.json").read_text())["kind"]
+             for f in step_folders(tmp_path / "dp" / "checkpoints")]
+    assert kinds and set(kinds) == {"dp"}  # Local's are gone
 
 
 # 3. one run per folder at a time ------------------------------------------------------
