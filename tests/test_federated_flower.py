@@ -3,10 +3,12 @@
 paratrain's app started with ``flwr run`` (examples/federated_flower).
 
 - the global model after R rounds equals the same job run the local way (``runtime = "local"``,
-  paratrain's in-process round loop) bit for bit, for FedAvg, FedMedian (robust) and FedAdam
-  (adaptive): both paths train each client with the same seeded generator of (seed, round,
-  client) at one intra-op thread and aggregate with the same FederatedServer, and Flower's
-  ArrayRecord carries the float32 tensors exactly;
+  paratrain's in-process round loop) bit for bit, for FedAvg, FedMedian (robust), FedAdam
+  (adaptive), SCAFFOLD (the server's c travels with the model, each client's c_i stays in its
+  node's context.state) and FedPer (a Local head kept per client in context.state; the clients'
+  personal scores come from ``@app.evaluate``): both paths train each client with the same
+  seeded generator of (seed, round, client) at one intra-op thread and aggregate with the same
+  FederatedServer, and Flower's ArrayRecord carries the float32 tensors exactly;
 - the ServerApp process killed mid-run and a second ``flwr run`` with ``resume = true``
   continue at the checkpointed round with the same server state (FedAdam's moments): the final
   model equals an uninterrupted run's bit for bit, every round is logged once;
@@ -15,7 +17,7 @@ paratrain's app started with ``flwr run`` (examples/federated_flower).
   with the same partition and its clients take part again in the next round;
 - bytes per round measured at the Message level are in metrics.jsonl.
 
-One federation serves every test (module fixture); the four runs of the first group share it
+One federation serves every test (module fixture); the six runs of the first group share it
 at the same time. Every process started is ended (with what Flower spawned) in a finally.
 """
 
@@ -44,6 +46,8 @@ AGGREGATIONS = {
     "FedAvg": {"method": "FedAvg"},
     "FedMedian": {"method": "FedMedian"},
     "FedAdam": {"method": "FedAdam", "eta": 0.05},
+    "SCAFFOLD": {"method": "SCAFFOLD"},  # c down with the model, each c_i in its node's context.state
+    "FedPer": {"method": "FedAvg"},  # + a Local head: personal parts in context.state, scored by @app.evaluate
 }
 DEADLINE_S = 600.0
 
@@ -120,11 +124,12 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def group(fed: LocalFederation, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Four runs at once on the federation: the three aggregators, and a FedAdam run over three
+    """Six runs at once on the federation: the five equality jobs, and a FedAdam run over three
     rounds whose ServerApp is killed after round 1 and resumed by a second ``flwr run``."""
     tmp = tmp_path_factory.mktemp("flower_runs")
     out = tmp / "runs"
     docs = {m: _job(out, f"fl_{m.lower()}", agg) for m, agg in AGGREGATIONS.items()}
+    docs["FedPer"]["subgraphs"] = {"head": {"type": "Local"}}
     docs["resume"] = _job(out, "fl_resume", AGGREGATIONS["FedAdam"], rounds=3)
     files = {k: _write(tmp / f"{k}.json", d) for k, d in docs.items()}
     for f in files.values():
@@ -163,6 +168,9 @@ def test_flower_equals_local(group: dict[str, Any], method: str) -> None:
     assert [r["test_accuracy"] for r in fl] == [r["test_accuracy"] for r in lo]
     assert [r["train_loss"] for r in fl] == [r["train_loss"] for r in lo]
     assert [r["bytes_up_measured"] for r in fl] == [r["bytes_up_measured"] for r in lo]
+    if method == "FedPer":  # every client scored with its own head, on its node
+        assert flower["personal_test_accuracy"] == local["personal_test_accuracy"]
+        assert [r["personal_test_accuracy"] for r in fl] == [r["personal_test_accuracy"] for r in lo]
 
 
 def test_bytes_per_round_at_message_level(group: dict[str, Any]) -> None:
