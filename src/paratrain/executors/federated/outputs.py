@@ -12,7 +12,7 @@ from typing import Any
 from ...comm.federated_ops import broadcast_
 from .flat import flatten_state, unflatten_state
 
-__all__ = ["peak_rss_mb", "save_client_models", "personal_digest", "final_global"]
+__all__ = ["peak_rss_mb", "save_client_models", "personal_digest", "final_global", "run_summary"]
 
 
 def peak_rss_mb() -> float:
@@ -50,3 +50,42 @@ def final_global(state: Any, template: Any, comm_dev: Any, group: Any) -> Any:
     if ivec.numel():
         broadcast_(ivec, src=0, group=group)
     return unflatten_state(template, fvec.cpu(), ivec.cpu())
+
+
+def run_summary(*, job: Any, task: Any, server: Any, model: Any, run_dir: Path, final: dict[str, Any],
+                final_per: dict[str, Any], train_set: Any, test_set: Any, wall_s: float) -> dict[str, Any]:
+    """The summary both runtimes report (worker processes, :mod:`.runner`; Flower,
+    :mod:`.flower.serverloop`): the job, the server's counters, the final and best test
+    metrics (best over the rounds logged in ``metrics.jsonl``), the task's reference metrics
+    and the global model's digest. ``model`` holds the global model."""
+    from ...training import parameters_digest, read_metrics
+
+    strat = job.strategy
+    fit = str(task.fitness_metric)
+    records = [rec for rec in read_metrics(run_dir) if rec.get(f"test_{fit}") is not None]
+    pick = max if task.fitness_mode == "max" else min
+    best = pick((float(rec[f"test_{fit}"]) for rec in records), default=final.get(fit))
+    reference = getattr(task, "reference_metrics", None)
+    return {
+        "strategy": "Federated",
+        "run_dir": str(run_dir),
+        "aggregation": strat.aggregation.method,
+        "client_selection": strat.client_selection.method,
+        "num_clients": strat.num_clients,
+        "rounds": server.round,
+        "rounds_to_target": server.rounds_to_target,
+        "task": str(getattr(task, "name", type(task).__name__)),
+        **{f"test_{k}": v for k, v in final.items()},
+        f"best_test_{fit}": best,
+        **(reference(train_set, test_set) if callable(reference) else {}),
+        "clients_failed_total": server.failures,
+        "bytes_up_measured": server.bytes_up,
+        "bytes_down_modelled": server.bytes_down,
+        "wire_bytes_down_measured": server.wire_bytes_down,
+        "wire_bytes_up_measured": server.wire_bytes_up,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "wall_time_s": round(wall_s, 3),
+        "parameters_sha256": parameters_digest(model),
+        **final_per,
+        **server.privacy_summary(),  # [federated.dp]: epsilon, delta, why it stopped
+    }

@@ -69,10 +69,8 @@ from ...task import resolve_task
 from ...training import (
     MetricsWriter,
     checkpoint,
-    parameters_digest,
     prepare_run_dir,
     progress_bar,
-    read_metrics,
     report,
     seed_everything,
     write_summary,
@@ -85,7 +83,7 @@ from .checks import check_job, client_tags
 from .client import ClientHost
 from .drift import broadcast_control, uses_control
 from .flat import flatten_state, unflatten_state
-from .outputs import final_global, peak_rss_mb, personal_digest, save_client_models
+from .outputs import final_global, peak_rss_mb, personal_digest, run_summary, save_client_models
 from .personal import ClientEvaluator, round_metrics
 from .privacy import build_server_privacy
 from .selection import select_clients
@@ -340,10 +338,6 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     barrier(group)
     final, final_per = (final_eval if final_eval is not None else
                         round_metrics(server, evaluator, "final", template, model, task, test_set, device, precision))
-    records = [rec for rec in read_metrics(run_dir) if rec.get(f"test_{fit}") is not None]
-    pick = max if task.fitness_mode == "max" else min
-    best = pick((float(rec[f"test_{fit}"]) for rec in records), default=final.get(fit))
-    reference = getattr(task, "reference_metrics", None)
     wall = time.perf_counter() - started
     updates = sum(w["client_updates"] for w in workers)
     if host.personal is not None:  # the global model's personal keys: their initial value,
@@ -351,32 +345,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
 
         whole = {**server.global_state, **host.personal.initial}
         load_unique_state_dict(model, {k: v.to(device) for k, v in whole.items()})
-    summary: dict[str, Any] = {
-        "strategy": "Federated",
-        "run_dir": str(run_dir),
-        "aggregation": strat.aggregation.method,
-        "client_selection": strat.client_selection.method,
-        "num_clients": strat.num_clients,
-        "num_workers": world,
-        "rounds": server.round,
-        "rounds_to_target": server.rounds_to_target,
-        "task": str(getattr(task, "name", type(task).__name__)),
-        **{f"test_{k}": v for k, v in final.items()},
-        f"best_test_{fit}": best,
-        **(reference(train_set, test_set) if callable(reference) else {}),
-        "clients_failed_total": server.failures,
-        "bytes_up_measured": server.bytes_up,
-        "bytes_down_modelled": server.bytes_down,
-        "wire_bytes_down_measured": server.wire_bytes_down,
-        "wire_bytes_up_measured": server.wire_bytes_up,
-        "client_updates_this_run": updates,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "wall_time_s": round(wall, 3),
-        "workers": workers,
-        "parameters_sha256": parameters_digest(model),
-        **final_per,
-        **server.privacy_summary(),  # [federated.dp]: epsilon, delta, why it stopped
-    }
+    summary = run_summary(job=job, task=task, server=server, model=model, run_dir=run_dir, final=final,
+                          final_per=final_per, train_set=train_set, test_set=test_set, wall_s=wall)
+    summary.update(num_workers=world, client_updates_this_run=updates, workers=workers)
     if personal_keys:  # FedPer / FedBN: what never left the clients
         summary.update(local_subgraphs=local_paths(job, model), personal_keys=personal_keys,
                        server_state_keys=sorted(server.global_state),

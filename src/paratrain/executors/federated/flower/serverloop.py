@@ -32,10 +32,11 @@ from torch import Tensor
 
 from ....config import ConfigError
 from ....config.job import JobConfig
-from ....training import checkpoint, parameters_digest, read_metrics, report, write_summary
+from ....training import checkpoint, report, write_summary
 from ....training.interrupt import Cadence
 from ....training.rundir import MetricsWriter, RunFolder
 from ..client import client_name
+from ..outputs import run_summary
 from ..personal import combine
 from ..privacy import build_server_privacy
 from ..selection import select_clients
@@ -183,12 +184,7 @@ def _finish(side: Side, server: FederatedServer, nodes: Nodes, run_dir: Any, sta
             resumed_from: int | None) -> dict[str, Any]:
     job, task, model = side.job, side.task, side.model
     strat: Any = job.strategy
-    fit = str(task.fitness_metric)
     final, final_per = _evaluate(side, server, nodes, "final")
-    records = [rec for rec in read_metrics(run_dir) if rec.get(f"test_{fit}") is not None]
-    pick = max if task.fitness_mode == "max" else min
-    best = pick((float(rec[f"test_{fit}"]) for rec in records), default=final.get(fit))
-    reference = getattr(task, "reference_metrics", None)
     from ....models.state import load_unique_state_dict
 
     whole = dict(server.global_state)
@@ -198,30 +194,9 @@ def _finish(side: Side, server: FederatedServer, nodes: Nodes, run_dir: Any, sta
         own = unique_state_dict(model)
         whole.update({k: own[k].detach().cpu().clone() for k in side.personal_keys})
     load_unique_state_dict(model, whole)
-    summary: dict[str, Any] = {
-        "strategy": "Federated",
-        "runtime": "flower",
-        "run_dir": str(run_dir),
-        "aggregation": strat.aggregation.method,
-        "client_selection": strat.client_selection.method,
-        "num_clients": strat.num_clients,
-        "rounds": server.round,
-        "rounds_to_target": server.rounds_to_target,
-        "task": str(getattr(task, "name", type(task).__name__)),
-        **{f"test_{k}": v for k, v in final.items()},
-        f"best_test_{fit}": best,
-        **(reference(side.train_set, side.test_set) if callable(reference) else {}),
-        "clients_failed_total": server.failures,
-        "bytes_up_measured": server.bytes_up,
-        "bytes_down_modelled": server.bytes_down,
-        "wire_bytes_down_measured": server.wire_bytes_down,
-        "wire_bytes_up_measured": server.wire_bytes_up,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "wall_time_s": round(time.perf_counter() - started, 3),
-        "parameters_sha256": parameters_digest(model),
-        **final_per,
-        **server.privacy_summary(),  # [federated.dp]: epsilon, delta, why it stopped
-    }
+    summary = {"runtime": "flower", **run_summary(
+        job=job, task=task, server=server, model=model, run_dir=run_dir, final=final, final_per=final_per,
+        train_set=side.train_set, test_set=side.test_set, wall_s=time.perf_counter() - started)}
     if resumed_from is not None:
         summary["resumed_from_round"] = resumed_from
         if resumed_from > 0 and stateful(job, side.personal_keys):
