@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException  # what a failed DCP read raises
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -54,7 +55,7 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-__all__ = ["Box", "Piece", "Target", "TensorStorageMetadata", "read_items", "save", "load", "read_metadata", "MissingRegion", "METADATA"]
+__all__ = ["CheckpointException", "Box", "Piece", "Target", "TensorStorageMetadata", "read_items", "save", "load", "read_metadata", "MissingRegion", "METADATA"]
 
 METADATA = ".metadata"  # the file DCP's FileSystemWriter writes last, on the coordinator
 

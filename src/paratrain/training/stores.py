@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
 from ..comm import collectives as C
 from ..comm import dcp
+from ..comm.dcp import CheckpointException
 from ..config import ConfigError
 from ..files import DCP_FOLDER, newest_checkpoint, safe_rmtree, step_folders
 from . import dcp_state as S
