@@ -135,8 +135,10 @@ def group(fed: LocalFederation, tmp_path_factory: pytest.TempPathFactory) -> dic
     for f in files.values():
         fed.run(APP, {"job": str(f)})
     run_dir = {k: out / d["run"]["name"] for k, d in docs.items()}
-    # The resumed run: kill its ServerApp (SIGKILL) once round 1 is logged, run it again.
-    _wait(lambda: len(_metrics(run_dir["resume"])) >= 1, "round 1 of fl_resume", fed)
+    # The resumed run: kill its ServerApp (SIGKILL) once round 1's checkpoint is on disk (the
+    # metrics line comes first: a kill between the two resumed from the start), run it again.
+    ckpts = run_dir["resume"] / "checkpoints"
+    _wait(lambda: ckpts.is_dir() and any(ckpts.glob("ckpt-*.pt")), "round 1's checkpoint of fl_resume", fed)
     pid = _holder(fed, run_dir["resume"])
     assert pid is not None, f"no ServerApp holds {run_dir['resume']}\n{fed.logs()}"
     os.kill(pid, 9)
