@@ -38,3 +38,16 @@ def _one_worker_server_for_the_session() -> None:
           "paratrain.executors.federated", "paratrain.executors.population_based",
           "torch._dynamo", "sklearn.datasets", "sklearn.model_selection",
           "transformers.modeling_utils"])
+
+
+# Files whose tests hold one xdist worker for minutes (real Flower federations: a process per
+# Message; the 18-case kill/resume matrix; two hosts). `make test` hands out whole files
+# (--dist loadfile) in collection order: started last, they ran alone while the other worker
+# idled. Started first, the rest of the suite runs beside them.
+_LONG_FIRST = ("test_federated_flower_secagg.py", "test_federated_flower.py",
+               "test_kill_resume_matrix.py", "test_two_hosts.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONG_FIRST)}
+    items.sort(key=lambda it: rank.get(it.path.name, len(_LONG_FIRST)))  # stable: the rest keeps its order
