@@ -12,7 +12,7 @@ from typing import Any
 from ...comm.federated_ops import broadcast_
 from .flat import flatten_state, unflatten_state
 
-__all__ = ["peak_rss_mb", "save_client_models", "personal_digest", "final_global", "run_summary"]
+__all__ = ["peak_rss_mb", "save_client_models", "personal_digest", "final_global", "run_summary", "round_record"]
 
 
 def peak_rss_mb() -> float:
@@ -89,3 +89,21 @@ def run_summary(*, job: Any, task: Any, server: Any, model: Any, run_dir: Path, 
         **final_per,
         **server.privacy_summary(),  # [federated.dp]: epsilon, delta, why it stopped
     }
+
+
+def round_record(server: Any, rec: dict[str, Any], ev: dict[str, Any], per: dict[str, Any], *,
+                 target: float | None, lr_scale: float, **extra: Any) -> dict[str, Any]:
+    """Round ``rec`` (``server.finish_round``'s) with the test metrics ``ev``, the clients'
+    own ``per`` and ``extra``; notes the accuracy for ``federated.target_accuracy`` (a task
+    without an accuracy metric is a ConfigError naming it). Both runtimes log this."""
+    from ...config import ConfigError
+
+    if target is not None and "accuracy" not in ev:
+        raise ConfigError([("federated.target_accuracy", (
+            f"the task's metrics ({', '.join(sorted(ev))}) have no accuracy"))])
+    server.note_accuracy(ev.get("accuracy"), target)
+    rec["lr_scale"] = lr_scale
+    rec.update({f"test_{k}": v for k, v in ev.items()})
+    rec.update(per)
+    rec.update(extra)
+    return rec

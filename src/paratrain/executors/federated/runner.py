@@ -83,7 +83,14 @@ from .checks import check_job, client_tags
 from .client import ClientHost
 from .drift import broadcast_control, uses_control
 from .flat import flatten_state, unflatten_state
-from .outputs import final_global, peak_rss_mb, personal_digest, run_summary, save_client_models
+from .outputs import (
+    final_global,
+    peak_rss_mb,
+    personal_digest,
+    round_record,
+    run_summary,
+    save_client_models,
+)
 from .personal import ClientEvaluator, round_metrics
 from .privacy import build_server_privacy
 from .selection import select_clients
@@ -298,15 +305,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             rec = server.finish_round(r, all_st, all_pl, wire_bytes_down=wire_down,
                                       wire_bytes_up=traffic.bytes.get("recv", 0) - recv_before)
             ev, per = round_metrics(server, evaluator, str(r), template, model, task, test_set, device, precision)
-            if target is not None and "accuracy" not in ev:
-                raise ConfigError([("federated.target_accuracy", (
-                    f"the task's metrics ({', '.join(sorted(ev))}) have no accuracy"))])
-            server.note_accuracy(ev.get("accuracy"), target)
-            rec["lr_scale"] = lr_scale
-            rec.update({f"test_{k}": v for k, v in ev.items()})
-            rec.update(per)
-            rec.update(round_time_s=time.perf_counter() - t_round,
-                       time_s=time.perf_counter() - started)
+            round_record(server, rec, ev, per, target=target, lr_scale=lr_scale,
+                         round_time_s=time.perf_counter() - t_round,
+                         time_s=time.perf_counter() - started)
             assert metrics is not None
             metrics.log(dict(rec))
             bar.update(bar_task, completed=r + 1, loss=rec.get("train_loss"),

@@ -36,7 +36,7 @@ from ....training import checkpoint, report, write_summary
 from ....training.interrupt import Cadence
 from ....training.rundir import MetricsWriter, RunFolder
 from ..client import client_name
-from ..outputs import run_summary
+from ..outputs import round_record, run_summary
 from ..personal import combine
 from ..privacy import build_server_privacy
 from ..selection import select_clients
@@ -124,15 +124,9 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
                                                                control or None)
                     rec = server.finish_round(r, statuses, payloads, wire_bytes_down=down, wire_bytes_up=up)
                 ev, per = _evaluate(side, server, nodes, str(r))
-                if target is not None and "accuracy" not in ev:
-                    raise ConfigError([("federated.target_accuracy", (
-                        f"the task's metrics ({', '.join(sorted(ev))}) have no accuracy"))])
-                server.note_accuracy(ev.get("accuracy"), target)
-                rec["lr_scale"] = lr_scale
-                rec.update({f"test_{k}": v for k, v in ev.items()})
-                rec.update(per)
-                rec.update(runtime="flower", round_time_s=time.perf_counter() - t_round,
-                           time_s=time.perf_counter() - started)
+                round_record(server, rec, ev, per, target=target, lr_scale=lr_scale,
+                             runtime="flower", round_time_s=time.perf_counter() - t_round,
+                             time_s=time.perf_counter() - started)
                 metrics.log(dict(rec))
                 done = r + 1
                 if cadence.step_due(done, True) or cadence.time_due() or done == strat.rounds or server.stopped:
