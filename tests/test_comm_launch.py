@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 from pathlib import Path
 
@@ -149,3 +150,12 @@ def test_resume_point_is_what_the_executors_resume_from(tmp_path: Path) -> None:
     fed = newest_checkpoint(tmp_path)
     assert fed is not None and fed.where_in("Federated") == "round 7"
     assert fed.where_in("Local") == fed.where == "step 7" and found.where_in("Federated") == "generation 3"
+
+    # the lifecycle's step folders count the strategy's own unit
+    for kind, unit in (("fed", "round"), ("pbt", "generation"), ("dp", "step")):
+        run = tmp_path / kind
+        folder = run / "checkpoints" / "step-000000009"
+        folder.mkdir(parents=True)
+        (folder / "layout.json").write_text(json.dumps({"kind": kind, "step": 9, "world": 2}))
+        got = newest_checkpoint(run)
+        assert got is not None and got.where == f"{unit} 9" and got.path == folder

@@ -1,7 +1,7 @@
-"""Federated checkpoints (executors/federated/checkpoints.py): ``run.checkpoint_every``
-counts rounds, and SIGINT stops a 2-worker run at the end of the round in progress after
-a checkpoint of that round (server and every worker), exit 130; ``--resume`` ends with the
-uninterrupted run's parameters."""
+"""Federated checkpoints (the run's lifecycle, executors/federated/state.py):
+``run.checkpoint_every`` counts rounds, and SIGINT stops a 2-worker run at the end of the
+round in progress after a checkpoint of that round (server and every worker in one
+``step-<r>`` folder), exit 130; ``--resume`` ends with the uninterrupted run's parameters."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from _interrupting import start_cli, wait_until
 from _workers_federated import TOPK_EF, fed_job
 from paratrain.config import load_job
 from paratrain.dispatch import execute
-from paratrain.training import checkpoint, read_metrics
+from paratrain.files import step_folders
+from paratrain.training import read_metrics
+from paratrain.training.stores import read_rank_state
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -30,24 +32,26 @@ def _doc(out: Path, *, rounds: int, every: int | str, workers: int) -> dict[str,
 
 
 def _rounds(d: Path) -> list[int]:
-    return [int(p.name[5:14]) for p in checkpoint.checkpoints(d)]
+    return [int(p.name[5:]) for p in step_folders(d)]
 
 
 def test_checkpoint_every_counts_rounds(tmp_path: Path) -> None:
     out = execute(load_job(_doc(tmp_path, rounds=7, every=3, workers=1)))
     ckpts = Path(out["run_dir"]) / "checkpoints"
-    # rounds 3 and 6, then the end (7); prune keeps two (the worker folder three)
+    # rounds 3 and 6, then the end (7); the store keeps the two newest
     assert _rounds(ckpts) == [6, 7]
-    assert _rounds(ckpts / "worker-0") == [3, 6, 7]
+    state = read_rank_state(ckpts / "step-000000007")
+    assert state["engine"]["server"]["round"] == 7 and state["step"] == 7
+    assert set(state["engine"]["clients"]["codec"]) == {f"client-{c}" for c in range(4)}  # TopK residuals
 
 
-@pytest.mark.parametrize(("every", "kept"), [("1h", [5]), ("0.001s", [3, 4, 5])])
+@pytest.mark.parametrize(("every", "kept"), [("1h", [5]), ("0.001s", [4, 5])])
 def test_checkpoint_every_as_a_wall_time_is_checked_between_rounds(
         tmp_path: Path, every: str, kept: list[int]) -> None:
     """An hour never comes due in 5 rounds (only the end is saved); a millisecond is due
     after every round."""
     out = execute(load_job(_doc(tmp_path, rounds=5, every=every, workers=1)))
-    assert _rounds(Path(out["run_dir"]) / "checkpoints" / "worker-0") == kept
+    assert _rounds(Path(out["run_dir"]) / "checkpoints") == kept
 
 
 @pytest.mark.slow
@@ -64,7 +68,8 @@ def test_sigint_checkpoints_the_round_in_progress_and_resume_is_bit_identical(tm
     ckpts = run_dir / "checkpoints"
     saved = _rounds(ckpts)
     assert len(saved) == 1 and 1 <= saved[0] < 30, saved  # the round of the signal, not each round
-    assert [_rounds(ckpts / f"worker-{r}") for r in (0, 1)] == [saved, saved]
+    assert {c for r in (0, 1) for c in read_rank_state(ckpts / f"step-{saved[0]:09d}", r)["engine"]["clients"]["codec"]} \
+        == {f"client-{c}" for c in range(4)}  # every worker's clients
     assert max(int(r["round"]) for r in read_metrics(run_dir)) == saved[0]
 
     resumed = execute(load_job(doc), resume=True)

@@ -138,7 +138,7 @@ def group(fed: LocalFederation, tmp_path_factory: pytest.TempPathFactory) -> dic
     # The resumed run: kill its ServerApp (SIGKILL) once round 1's checkpoint is on disk (the
     # metrics line comes first: a kill between the two resumed from the start), run it again.
     ckpts = run_dir["resume"] / "checkpoints"
-    _wait(lambda: ckpts.is_dir() and any(ckpts.glob("ckpt-*.pt")), "round 1's checkpoint of fl_resume", fed)
+    _wait(lambda: ckpts.is_dir() and any(ckpts.glob("step-*/layout.json")), "round 1's checkpoint of fl_resume", fed)
     pid = _holder(fed, run_dir["resume"])
     assert pid is not None, f"no ServerApp holds {run_dir['resume']}\n{fed.logs()}"
     os.kill(pid, 9)

@@ -59,13 +59,13 @@ CASES: dict[str, tuple[dict[str, Any], str, str]] = {
     "ModelParallel": ({**_STEPS, "strategy": {"type": "ModelParallel", "partitions": MP_SPLIT,
                                               "communication": {"protocol": "Direct"}}},
                       "1:30", "step-000000040"),
-    # rounds: checkpoints every 2; stateful clients (error-feedback residuals) write worker files
+    # rounds: checkpoints every 2; stateful clients (error-feedback residuals) on every worker
     "Federated": ({"run": {"checkpoint_every": 2, "num_workers": 2},
                    "strategy": {"type": "Federated", "num_clients": 4, "rounds": 14,
                                 "aggregation": {"method": "FedAvg"},
                                 "client_selection": {"method": "All"}},
                    "federated": {"local_epochs": 1, "batch_size": 16}, "compression": TOPK_EF},
-                  "1:3", "ckpt-000000004.pt"),
+                  "1:3", "step-000000004"),
     # generations: rank 1 dies having trained generation 2, before the population checkpoint
     "PopulationBased": ({"run": {"num_workers": 2},
                          "strategy": {"type": "PopulationBased", "population_size": 2, "generations": 10,
@@ -73,7 +73,7 @@ CASES: dict[str, tuple[dict[str, Any], str, str]] = {
                                       "explore": {"method": "Perturbation", "factor": 0.3}},
                          "population": {"steps_per_generation": 40},
                          "search_space": {"lr": {"type": "log_uniform", "low": 0.01, "high": 0.3}}},
-                        "1:3", "population-000003.pt"),
+                        "1:3", "step-000000003"),
     "Custom": ({**_STEPS, "strategy": {"type": "Custom", "coordinator": "kill-resume-own-loop",
                                        "config": None},
                 "run": {**_STEPS["run"], "imports": [str(HERE / "_kill_resume_coordinator.py")]}},
@@ -157,7 +157,7 @@ def test_stopped_run_resumes_bit_identical(
         else:
             err = _finish(start_cli(job, env=env))
             assert "restarted from" in err, err[-3000:]  # a worker really died
-            # in the strategy's own count (Federated's ckpt-<round>.pt holds a round)
+            # in the strategy's own count (Federated counts rounds, PopulationBased generations)
             unit = {"Federated": "round", "PopulationBased": "generation"}.get(kind, "step")
             assert re.search(rf"restarted from {unit} \d+", err), err[-3000:]
     assert not _temps(run_dir), _temps(run_dir)

@@ -17,8 +17,8 @@ from _interrupting import start_cli, wait_until
 from paratrain.config import load_job
 from paratrain.dispatch import execute
 from paratrain.executors.population_based.member_state import member_path
-from paratrain.executors.population_based.runner import latest_population
 from paratrain.training import read_metrics
+from paratrain.training.stores import latest_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -50,9 +50,9 @@ def test_sigint_finishes_the_generation_in_progress_and_resume_is_bit_identical(
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 130, err[-3000:]
-    found = latest_population(run_dir)
+    found = latest_folder(run_dir / "checkpoints")
     assert found is not None
-    done = int(found.name[11:17])
+    done = int(found.name[5:])
     assert done == 2  # the generation in progress at the signal was finished and saved
     assert max(int(r["generation"]) for r in read_metrics(run_dir)) == 1
     assert not (run_dir / "summary.json").exists()

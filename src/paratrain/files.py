@@ -7,16 +7,16 @@ sessions), and each refuses a path that is not strictly inside the root it is gi
 sit on the bottom floor, beside :mod:`paratrain.config`, so that every floor that deletes
 (``comm``'s DataStore, ``training``'s run folder, the executors) uses the same check.
 
-Checkpoint layouts in ``<run>/checkpoints/``: the one loop's torch.distributed.checkpoint
-folders ``step-<step>/`` (every strategy but Federated and PopulationBased; their
-``layout.json`` names the store, ``kind``: ``local``, ``dp``, ``tp``, ``mp``), a Federated
-server's ``ckpt-<round>.pt`` (kind ``local``, as the one loop's files of earlier versions),
-the per-process folders ``<prefix>-rank<r>/`` + ``<prefix>-complete.json`` of earlier
-versions, and PopulationBased's ``population-<generation>.pt``.
-:func:`newest_checkpoint` finds the newest complete one of any layout, by names only
-(nothing is loaded): the stores resume from it, on another layout by the model's names,
-and the launcher names it when it restarts a group ("restarted from step 40"), so a
-resume never silently starts fresh while a checkpoint of another layout exists.
+Checkpoints in ``<run>/checkpoints/``: the run lifecycle's torch.distributed.checkpoint
+folders ``step-<n>/`` of every strategy (their ``layout.json`` names the store, ``kind``:
+``local``, ``dp``, ``tp``, ``mp``, ``fed`` -- ``n`` counts rounds --, ``pbt`` -- ``n``
+counts generations). Earlier versions' files (``ckpt-<step>.pt``, a Federated server's
+``ckpt-<round>.pt``, ``population-<generation>.pt``, the per-process folders
+``<prefix>-rank<r>/`` + ``<prefix>-complete.json``) are recognised so that a resume can say
+it does not read them. :func:`newest_checkpoint` finds the newest complete one, by names
+only (nothing is loaded): the stores resume from it, and the launcher names it when it
+restarts a group ("restarted from round 4"), so a resume never silently starts fresh
+while a checkpoint exists.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ _LOCAL = re.compile(r"^ckpt-(\d{9})\.pt$")
 _POPULATION = re.compile(r"^population-(\d{6})\.pt$")
 _MARKER = re.compile(r"^([a-z]+)-complete\.json$")
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
+_UNITS = {"fed": "round", "pbt": "generation", "population": "generation"}
 
 
 def step_folders(checkpoints: str | Path) -> list[Path]:
@@ -97,12 +98,13 @@ class FoundCheckpoint:
 
     @property
     def where(self) -> str:
-        """``step 40`` (``generation 3`` for a population)."""
-        return f"{'generation' if self.kind == 'population' else 'step'} {self.step}"
+        """``step 40`` in the run's own unit (Federated counts rounds, PopulationBased
+        generations)."""
+        return f"{_UNITS.get(self.kind, 'step')} {self.step}"
 
     def where_in(self, strategy: str | None) -> str:
-        """:attr:`where` in the run's own count: a Federated server's ``ckpt-<round>.pt``
-        (the Local file layout) holds a round, not a step."""
+        """:attr:`where`; an earlier version's Federated server file (``ckpt-<round>.pt``,
+        the Local file layout) held a round, not a step."""
         if strategy == "Federated" and self.kind == "local":
             return f"round {self.step}"
         return self.where

@@ -95,8 +95,8 @@ def flatten(state: Mapping[str, Any]) -> tuple[list[Piece], dict[str, Any], dict
         if fqn is not None:
             pieces.append((fqn, t, box))
         model_desc.append([k, n, list(t.shape), str(t.dtype), fqn, _box_list(box)])
-    opt = state["optimizer"]
-    pnames = list(state["param_names"])
+    opt = state.get("optimizer") or {"state": {}, "param_groups": []}  # none: Federated, PBT
+    pnames = list(state.get("param_names") or [])
     pshards = state.get("param_shards") or [None] * len(pnames)
     optim_desc: dict[int, dict[str, Any]] = {}
     for i, st in opt["state"].items():

@@ -40,9 +40,8 @@ from torch import nn
 from ..config import ConfigError
 from ..data.loader import IN_PROCESS, Feed, LoaderOptions, MapFeed, is_stream
 from . import checkpoint
-from .faults import maybe_kill
-from .interrupt import Cadence, Interrupted, agree, stop_on_signals
-from .progress import progress_bar
+from .interrupt import agree
+from .lifecycle import Lifecycle
 from .reshard import by_examples, param_keys, param_names
 from .rundir import MetricsWriter, read_metrics
 from .seed import rng_state, set_rng_state
@@ -354,10 +353,7 @@ def run_loop(
             feed.load_state_dict(state.get("loader") or {})
     if prepare is not None:
         prepare()
-    if metrics is not None and resume:
-        metrics.truncate_after("step", pos.step)
     start_step = pos.step
-    last_saved = [pos.step if found is not None else None]
 
     # the model's name of each saved tensor and optimizer parameter: resumable on another layout
     saved_names = [names.get(k, k) if names else k for k in model.state_dict()]
@@ -366,17 +362,16 @@ def run_loop(
                      "param_shards": [shards.get(k) for k in param_keys(model, opt)]}
                     if shards else {})
 
-    def save() -> None:
-        store.save(pos.step, {
+    def loop_state(done: int) -> dict[str, Any]:
+        assert done == pos.step
+        return {
             "model": model.state_dict(), **trainer.state_dict(), "rng": rng_state(),
             "engine": eng.state_dict(), "step": pos.step, "epoch": pos.epoch, "batch": pos.batch,
             "loader": feed.state_dict(),
             "losses": list(losses), "optimizer_type": type(opt).__name__,
             "names": saved_names, "param_names": saved_params, "layout": dict(layout or {}),
             **saved_shards,
-        })
-        last_saved[0] = pos.step
-        cadence.saved()
+        }
 
     fit = task.fitness_metric
     evaluated: set[int] = set()
@@ -397,13 +392,15 @@ def run_loop(
 
     total = plan.total_steps
     bpe, acc = plan.batches_per_epoch, plan.accumulation
-    ce, cadence = eval_every, Cadence(checkpoint_every)
+    ce = eval_every
+    life = Lifecycle(store=store, unit="step", total=total, label=label, state=loop_state,
+                     checkpoint_every=checkpoint_every, group=group, rank=rank,
+                     restart_count=restart_count, metrics=metrics, progress_every=progress_every)
+    life.begin(pos.step, resume=resume, found=found is not None)
     model.train()
-    bar = progress_bar(enabled=None if metrics is not None else False, every=progress_every)
-    bar_task = bar.add_task(label, total=total, completed=pos.step, info="")
-    bar.start()
     try:
-        with stop_on_signals() as stop_flag:
+        with life:
+            life.show(pos.step)
             ran_out = False
             while pos.step < total and pos.epoch < plan.epochs and not ran_out:
                 source = feed.batches(pos.epoch, pos.batch)
@@ -429,25 +426,16 @@ def run_loop(
                     if (ce and pos.step % ce == 0) or (not ce and end_of_epoch):
                         ev = log_eval()
                         if ev is not None:
-                            bar.update(bar_task, info=f"{fit} {ev.get(fit, float('nan')):.3f}")
-                    bar.update(bar_task, completed=pos.step, loss=last_loss)
-                    halt, due = agree(stop_flag.requested, cadence.time_due(), group)
-                    if cadence.step_due(pos.step, end_of_epoch) or due or (
-                            halt and last_saved[0] != pos.step):
-                        save()
-                    maybe_kill(rank=rank, step=pos.step, restart_count=restart_count)
-                    if halt:
-                        raise Interrupted(stop_flag.signame or "a signal to another worker",
-                                          pos.step)
+                            life.show(pos.step, info=f"{fit} {ev.get(fit, float('nan')):.3f}")
+                    life.show(pos.step, loss=last_loss)
+                    life.end_unit(pos.step, boundary=end_of_epoch)
                     if end_of_epoch:
                         break
     finally:
         feed.close()
-        bar.stop()
     if losses or (pos.step not in evaluated and (pos.step > start_step or found is None)):
         log_eval()
-    if last_saved[0] != pos.step:
-        save()
+    life.finish(pos.step)
     if pos.step not in evaluated:
         ev = eng.evaluate()
         if ev is not None:

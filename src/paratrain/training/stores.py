@@ -20,10 +20,14 @@ Several hosts without a shared file system: each host's processes write into the
 ``checkpoints/`` and every process keeps its own copy of what it holds
 (``rank<r>/...`` keys), so a host restarted alone resumes from its own disk.
 
+Federated and PopulationBased use the same store (kinds ``fed`` and ``pbt``, ``n`` counting
+rounds and generations): their state is their engine's (``engine/rank<r>``), and on another
+number of processes (``reshard="engines"``) every process reads every old process's engine
+state and keeps what it holds now.
+
 Checkpoints of the per-process ``torch.save`` format of earlier versions
 (``ckpt-<step>.pt``, ``<prefix>-rank<r>/`` with ``<prefix>-complete.json``) are not
-resumed: a ConfigError names the file and says so. Federated's server (``ckpt-<round>.pt``)
-and PopulationBased keep their own files; a loop store refuses them, naming them.
+resumed: a ConfigError names the file and says so.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ class RankStore:
 
     def __init__(self, run_dir: str | Path, prefix: str, *, rank: int, world: int, group: Any,
                  layout: dict[str, Any], layout_field: str,
-                 device: torch.device | None = None, reshard: bool = False) -> None:
+                 device: torch.device | None = None, reshard: bool | str = False) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.prefix, self.rank, self.world, self.group = prefix, rank, world, group
         self.layout, self.layout_field = dict(layout), layout_field
@@ -199,17 +203,18 @@ class RankStore:
         found = newest_checkpoint(self.root.parent)
         if found is None:
             return []
-        if found.kind == "population":
-            raise ConfigError([(self.layout_field, (
-                f"the newest checkpoint in {self.root} is {found.describe()}, a PopulationBased "
-                "population, which only PopulationBased resumes; resume with the original strategy "
-                "or start a fresh run with --overwrite"))])
         if not found.path.is_dir():
             raise ConfigError([(self.layout_field, (
-                f"the newest checkpoint in {self.root} is {found.describe()}, in the per-process "
-                "torch.save format of paratrain before torch.distributed.checkpoint (or a Federated "
-                "server's): this version does not resume it; finish the run with the version that "
-                "wrote it, or start a fresh run with --overwrite"))])
+                f"the newest checkpoint in {self.root} is {found.describe()}, in the torch.save "
+                "format of paratrain before torch.distributed.checkpoint: this version does not "
+                "resume it; finish the run with the version that wrote it, or start a fresh run "
+                "with --overwrite"))])
+        own = {"fed": "Federated", "pbt": "PopulationBased"}
+        if found.kind != self.prefix and (found.kind in own or self.prefix in own):
+            raise ConfigError([(self.layout_field, (
+                f"the newest checkpoint in {self.root} is {found.describe()}, written by "
+                f"{own.get(found.kind, 'another strategy')}, which this strategy does not "
+                "resume; resume with the original strategy or start a fresh run with --overwrite"))])
         return [p.name for p in reversed(step_folders(self.root)) if _layout(p) is not None]
 
     def _all_have(self, mine: bool, what: str) -> None:
@@ -237,6 +242,8 @@ class RankStore:
                 f"the newest checkpoint in {self.root}, {folder.name} ({_shape(doc)}), was written "
                 f"with another layout than this job's ({shape}); resume with the original "
                 "settings or start without --resume"))])
+        if self.reshard == "engines":
+            return self._load_engines(folder, doc)
         assert held is not None, "a store that reshards needs to know what this process holds"
         old_world = int(doc.get("world", 1))
         metas_ = dcp.load(folder, {}, blobs=[S.meta_key(r) for r in range(old_world)],
@@ -265,6 +272,22 @@ class RankStore:
                         "step": first["step"], "epoch": first["epoch"], "batch": first["batch"],
                         "losses": [], "optimizer_type": first.get("optimizer_type"),
                         "layout": first.get("layout"), "resharded": True}
+
+
+    def _load_engines(self, folder: Path, doc: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+        """Another layout of a strategy whose state is its engine's (``reshard="engines"``:
+        Federated's server on process 0 and each client's state on the process hosting it):
+        every process reads process 0's position and model and every old process's engine
+        state (``"engines"``), and keeps what it holds now."""
+        old_world = int(doc.get("world", 1))
+        keys = [S.meta_key(r) for r in range(old_world)] + [S.engine_key(r) for r in range(old_world)]
+        blobs = dcp.load(folder, {}, blobs=keys, group=self.group, world=self.world)
+        self._all_have(all(S.meta_key(r) in blobs for r in range(old_world)),
+                       f"the descriptions of its {old_world} processes")
+        targets, build = S.rebuild(blobs[S.meta_key(0)])
+        dcp.load(folder, targets, group=self.group, world=self.world)
+        engines = [blobs.get(S.engine_key(r), {}) for r in range(old_world)]
+        return folder, {**build(), "engine": {}, "engines": engines, "resharded": True}
 
 
 class LocalStore(RankStore):

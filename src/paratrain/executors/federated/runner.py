@@ -11,13 +11,13 @@ Per round ``r`` (DESIGN §4, Federated):
    loss, error, tensor headers, byte counts) and sends the concatenated payloads to
    rank 0 point-to-point;
 4. rank 0 decodes, validates and aggregates, evaluates on the test set and logs the round;
-5. every rank agrees on a stop (SIGINT/SIGTERM: :mod:`paratrain.training.interrupt`) and a
-   due wall-time cadence; when ``run.checkpoint_every`` (in rounds, 0: every round), that
-   cadence, a stop or the last round says so, the workers save their clients' codec state
-   (error-feedback residuals) and personal parts, then rank 0 the server checkpoint
-   ``ckpt-<r+1>.pt`` (model, server optimizer state, the clients' learning-rate schedule
-   position): :mod:`.checkpoints`, which also resumes on another number of workers.
-   A stop then ends the run (exit 130; ``--resume`` continues bit-identically).
+5. every rank agrees on a stop (SIGINT/SIGTERM) and a due wall-time cadence; the round is
+   the unit of the run's one lifecycle (:class:`~paratrain.training.lifecycle.Lifecycle`):
+   when ``run.checkpoint_every`` (in rounds, 0: every round), that cadence, a stop or the
+   last round says so, every process writes its part of ``checkpoints/step-<r+1>/`` (the
+   server's state on rank 0, each rank's clients' codec state, personal parts and control
+   variates: :mod:`.state`, which also resumes on another number of workers). A stop then
+   ends the run (exit 130; ``--resume`` continues bit-identically).
 
 What is trained is the job's :class:`~paratrain.task.Task` (classification by default):
 the model from ``task.build_model``, the clients' data are their partitions
@@ -34,10 +34,10 @@ the server's model lacks their keys, each client keeps its own part on the rank 
 clients on their own test splits (``personal_test_<metric>``; ``federated.evaluate_clients``
 does the same for the global model).
 
-The server checkpoint of round r is written only after every worker's round-r file, so
-a resume (``--resume`` or an elastic restart after a killed worker) from the newest
-server checkpoint finds matching worker state, and — every random draw being a
-function of (seed, round, client) — ends bit-identical to an uninterrupted run.
+A checkpoint is one collective write of every process, renamed into place when complete,
+so a resume (``--resume`` or an elastic restart after a killed worker) finds the server and
+every client of the same round and -- every random draw being a function of (seed, round,
+client) -- ends bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -66,19 +66,9 @@ from ...data.partition import partition_dataset
 from ...models.state import unique_state_dict
 from ...subgraphs import local_paths, local_state_keys
 from ...task import resolve_task
-from ...training import (
-    MetricsWriter,
-    checkpoint,
-    prepare_run_dir,
-    progress_bar,
-    report,
-    seed_everything,
-    write_summary,
-)
-from ...training.faults import maybe_kill
-from ...training.interrupt import Cadence, Interrupted, agree, stop_on_signals
+from ...training import MetricsWriter, prepare_run_dir, report, seed_everything, write_summary
+from ...training.lifecycle import Lifecycle
 from ...training.rundir import run_dir_of
-from .checkpoints import restore_workers, save_round
 from .checks import check_job, client_tags
 from .client import ClientHost
 from .drift import broadcast_control, uses_control
@@ -95,6 +85,7 @@ from .personal import ClientEvaluator, round_metrics
 from .privacy import build_server_privacy
 from .selection import select_clients
 from .server import FederatedServer, RoundSchedule
+from .state import fed_store, restore, round_state
 
 __all__ = ["worker_main", "check_job", "client_tags", "KILL_ENV"]
 
@@ -177,9 +168,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         except ValueError as e:
             raise ConfigError([("strategy.client_selection.required_tags", str(e).split(": ", 1)[-1])]) from None
 
-    # Run folder: on resume nothing in it changes before the checkpoints were checked
-    # against this job; then rank 0 creates (or keeps) it and writes job.json, before
-    # anyone writes (the barrier below).
+    # Run folder: on resume nothing in it changes before the checkpoint was checked against
+    # this job (every process, :func:`.state.restore`); then rank 0 creates (or keeps) it and
+    # writes job.json, before anyone writes (the barrier below).
     run_dir = run_dir_of(job)
     server: FederatedServer | None = None
     metrics: MetricsWriter | None = None
@@ -187,28 +178,23 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
         server = FederatedServer(strat.aggregation, template, schedule, num_clients=strat.num_clients)
         server.set_privacy(build_server_privacy(job, [len(p) for p in parts], tags))  # [federated.dp]
-        start, saved_world = 0, world
-        # The newest readable server checkpoint (a bad newer one is skipped with a warning).
-        found = checkpoint.load_latest(run_dir / "checkpoints") if resume else None
-        if found is not None:
-            server.check_state(found[1], source=found[0])
-            server.load_state_dict(found[1])
-            start, saved_world = server.round, int(found[1].get("workers", world))
-        store_set_json(store, "fed/start", {"round": start, "workers": saved_world})
-    begun = store_get_json(store, "fed/start")
-    barrier(group)
-    # Codec state (error-feedback residuals) and personal parts of this rank's clients,
-    # on this number of workers or another (.checkpoints)
-    stateful = bool(personal_keys) or uses_control(strat.aggregation) or (  # SCAFFOLD: each c_i
+    # Codec state (error-feedback residuals), personal parts and SCAFFOLD's c_i of this
+    # rank's clients travel in the checkpoint
+    stateful = bool(personal_keys) or uses_control(strat.aggregation) or (
         job.compression is not None and getattr(job.compression, "method", "None") != "None")
-    start = restore_workers(host, server, run_dir, start=int(begun["round"]), saved_world=int(begun["workers"]),
-                            stateful=stateful, rank=rank, world=world, group=group)
+    g = group if world > 1 else None
+    life = Lifecycle(
+        store=fed_store(run_dir, rank=rank, world=world, group=group, runtime="local"), unit="round",
+        total=strat.rounds, label="Federated", state=lambda done: round_state(server, host if stateful else None, done),
+        checkpoint_every=job.run.checkpoint_every, group=g, rank=rank, restart_count=ctx.restart_count,
+        progress_every=job.run.progress_every, show=None if is_server else False)
+    found = life.load() if resume else None
+    start = restore(found, server, host if stateful else None, rank=rank, world=world, group=g)
     if is_server:
         run_dir = prepare_run_dir(job, resume=resume)
         metrics = MetricsWriter(run_dir)
-        if resume:
-            metrics.truncate_after("round", start)
-    barrier(group)  # the run folder is ready before any rank writes its checkpoints
+    life.begin(start, resume=resume, found=found is not None, metrics=metrics)
+    barrier(group)  # the run folder is ready before any rank writes
 
     kill = os.environ.get(KILL_ENV, "")
     kill_rank, kill_round = (int(v) for v in kill.split(":")) if kill else (-1, -1)
@@ -219,24 +205,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         model=model, personal=host.personal, task=task, dataset=test_set, splits=splits,
         hosted=host.hosted, num_clients=strat.num_clients, device=device, comm_device=comm_dev,
         precision=precision, rank=rank, world=world, group=group, store=store, counter=traffic)
-    bar_ctx = progress_bar(enabled=None if is_server else False, every=job.run.progress_every)
-    cadence, saved = Cadence(job.run.checkpoint_every), {"round": start, "done": start}
+    done = start
 
-    def end_round(done: int) -> None:
-        """After ``done`` rounds (every rank): checkpoint when due (``run.checkpoint_every``,
-        the last round) or when a signal stops the run (agreed by every rank, then raised)."""
-        saved["done"] = done
-        halt, due = agree(flag.requested, cadence.time_due(), group if world > 1 else None)
-        if cadence.step_due(done, True) or due or halt or done == strat.rounds:
-            save_round(host, server, run_dir, done, stateful=stateful, rank=rank, world=world, group=group)
-            saved["round"] = done
-            cadence.saved()
-        maybe_kill(rank=rank, step=done, restart_count=ctx.restart_count)  # PARATRAIN_FAULT_KILL
-        if halt:
-            raise Interrupted(flag.signame or "a signal to another worker", done, "round")
-
-    with stop_on_signals() as flag, bar_ctx as bar:
-        bar_task = bar.add_task("Federated", total=strat.rounds, completed=start, info="", unit="round")
+    with life:
+        life.show(start)
         for r in range(start, strat.rounds):
             if rank == kill_rank and r == kill_round and ctx.restart_count == 0:
                 os._exit(17)  # a hard crash, as a killed process would look
@@ -283,7 +255,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 send_bytes(data, dst=0, group=group, counter=traffic, header=False)
                 if evaluator is not None and personal_keys:  # collective: score my clients
                     evaluator.run(str(r), global_state, template)
-                end_round(r + 1)
+                done = r + 1
+                life.end_unit(done, last=done == strat.rounds)
                 continue
             # Server: collect every rank's updates.
             all_st = list(statuses)
@@ -310,11 +283,11 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                          time_s=time.perf_counter() - started)
             assert metrics is not None
             metrics.log(dict(rec))
-            bar.update(bar_task, completed=r + 1, loss=rec.get("train_loss"),
-                       info=f"{fit} {ev.get(fit, float('nan')):.3f} ok {rec['clients_ok']}/{rec['clients_selected']}")
-            end_round(r + 1)
-    if saved["round"] != saved["done"]:  # stopped early (federated.target_accuracy)
-        save_round(host, server, run_dir, saved["done"], stateful=stateful, rank=rank, world=world, group=group)
+            life.show(r + 1, loss=rec.get("train_loss"),
+                      info=f"{fit} {ev.get(fit, float('nan')):.3f} ok {rec['clients_ok']}/{rec['clients_selected']}")
+            done = r + 1
+            life.end_unit(done, last=done == strat.rounds)
+    life.finish(done)  # stopped early (federated.target_accuracy): its checkpoint
 
     stats: dict[str, Any] = {
         "rank": rank, "clients_hosted": len(host.hosted), "client_updates": host.trained,

@@ -13,11 +13,13 @@ synchronous "ready" point):
    no fitness (worst) and the generation goes on (one that never saved a state reports
    its first failure in every later generation it cannot run: :mod:`.failures`);
 3. results are gathered to rank 0, which records the generation and, unless it was the
-   last, runs exploit/explore (:mod:`paratrain.executors.population_based.pbt`), then checkpoints the population
-   state (``checkpoints/population-<g>.pt``) and ``lineage.json``.
+   last, runs exploit/explore (:mod:`paratrain.executors.population_based.pbt`), writes
+   ``lineage.json``, and the run's one lifecycle checkpoints the population state (a
+   generation is its unit: ``checkpoints/step-<g>/``, kind ``pbt``, the population on
+   process 0; :class:`~paratrain.training.lifecycle.Lifecycle`).
 
-A generation where every member fails is an error. ``--resume`` (or an elastic restart)
-continues from the newest population checkpoint and ends with the same result as an
+A generation where every member fails is an error. ``--resume`` (or an elastic restart,
+or a resume on another number of workers) continues from the newest population checkpoint and ends with the same result as an
 uninterrupted run: all randomness is a function of the seed, the member and the
 generation, and the population's generator travels in its checkpoint.
 
@@ -25,8 +27,8 @@ Options (``[population]``): the budget, ``metric``/``mode``, ``evolve = false`` 
 population and budget as independent runs: random search, the baseline PBT is measured
 against), ``keep_generations`` (prune older member checkpoints). Failing members are injected from
 the environment, never the job (``PARATRAIN_FAULTS``, :mod:`paratrain.training.faults`). A member that was not replaced continues from its state in memory, which is
-byte-identical to its file; files are written on a background thread and flushed before
-a rank reports, so a population checkpoint never names a file that is not on disk.
+byte-identical to its file; member files are written on a background thread and flushed
+before a rank reports, so a population checkpoint never names a file that is not on disk.
 
 Any :class:`~paratrain.task.Task` trains (``[task]``: classification by default,
 regression, the language model, a user's task); the fitness is ``population.metric``
@@ -51,7 +53,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 import uuid
 import warnings
@@ -62,17 +63,11 @@ from ...comm.context import WorkerContext, default_workers
 from ...comm.pbt_ops import broadcast_json, gather_json
 from ...config import ConfigError
 from ...config.job import JobConfig
-from ...training import (
-    MetricsWriter,
-    checkpoint,
-    prepare_run_dir,
-    progress_bar,
-    resolve_device,
-    write_summary,
-)
-from ...training.faults import FAULT_ENV, maybe_kill
-from ...training.interrupt import Interrupted, StopFlag, agree, stop_on_signals
+from ...training import MetricsWriter, checkpoint, prepare_run_dir, resolve_device, write_summary
+from ...training.faults import maybe_kill
+from ...training.lifecycle import Lifecycle
 from ...training.rundir import RunFolder, run_dir_of, safe_rmtree
+from ...training.stores import RankStore
 from .failures import lost_after, lost_before, warn_first_failures
 from .hyperparams import validate_job
 from .member import MemberRunner
@@ -80,9 +75,8 @@ from .pbt import PopulationState, lineage_json
 from .report import plot_population
 from .summary import NOT_TEST, population_summary
 
-__all__ = ["run", "worker_main", "num_workers", "population_path", "latest_population"]
+__all__ = ["run", "worker_main", "num_workers"]
 
-_POP = re.compile(r"^population-(\d{6})\.pt$")
 _TOKEN = ".pbt-run-token"
 
 
@@ -91,18 +85,6 @@ def num_workers(job: JobConfig) -> int:
     n = job.strategy.population_size  # type: ignore[union-attr]
     want = job.run.num_workers or (os.cpu_count() or 1)
     return max(1, min(want, n))
-
-
-def population_path(run_dir: str | Path, generations_done: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"population-{generations_done:06d}.pt"
-
-
-def latest_population(run_dir: str | Path) -> Path | None:
-    d = Path(run_dir) / "checkpoints"
-    if not d.is_dir():
-        return None
-    found = sorted(p for p in d.iterdir() if _POP.match(p.name))
-    return found[-1] if found else None
 
 
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
@@ -146,13 +128,8 @@ def _check_shared(run_dir: Path, token: str, rank: int) -> None:
             "by all workers"))])
 
 
-def _persist(
-    run_dir: Path, done: int, lineage_text: str, state: dict[str, Any], keep_from: int | None
-) -> None:
+def _persist(run_dir: Path, lineage_text: str) -> None:
     _write_text(run_dir / "lineage.json", lineage_text)
-    checkpoint.save_checkpoint(population_path(run_dir, done), state)
-    if keep_from is not None:
-        _prune_members(run_dir, keep_from=keep_from)
 
 
 def _prune_members(run_dir: Path, *, keep_from: int) -> None:
@@ -175,44 +152,42 @@ def _write_text(path: Path, text: str) -> None:
 
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
     """One worker process: train this rank's members every generation (module docstring).
-    SIGINT/SIGTERM stop the run at the next generation boundary, once its population
-    checkpoint is on disk, on every rank together (:mod:`paratrain.training.interrupt`)."""
-    with stop_on_signals() as flag:
-        return _work(ctx, job, resume, flag)
-
-
-def _end_generation(ctx: WorkerContext, runner: MemberRunner, flag: StopFlag, done: int) -> None:
-    """Every rank after generation ``done``: stop when a signal reached any rank."""
-    halt, _ = agree(flag.requested, False, ctx.group if ctx.world_size > 1 else None)
-    if halt:
-        runner.writer.flush()  # the population checkpoint of `done` generations is on disk
-        raise Interrupted(flag.signame or "a signal to another worker", done, "generation")
-
-
-def _work(ctx: WorkerContext, job: JobConfig, resume: bool, flag: StopFlag) -> dict[str, Any] | None:
+    A generation is a unit of the run's one lifecycle (:class:`~paratrain.training.lifecycle.Lifecycle`):
+    the population is checkpointed after each one, and SIGINT/SIGTERM stop the run at the
+    next generation boundary, once that checkpoint is on disk, on every rank together."""
     started = time.perf_counter()
-    strategy = job.strategy
-    size: int = strategy.population_size  # type: ignore[union-attr]
-    generations: int = strategy.generations  # type: ignore[union-attr]
-    opts = job.population
+    size: int = job.strategy.population_size  # type: ignore[union-attr]
+    generations: int = job.strategy.generations  # type: ignore[union-attr]
     roles = validate_job(job)
     runner = MemberRunner(job, run_dir_of(job), roles, ctx.device)
-    metric, mode = runner.metric, runner.mode
-    if ctx.rank == 0 and metric in ("loss", "train_loss") and mode == "max":
-        warnings.warn(f"population.metric={metric!r} with mode='max' selects the highest "
+    if ctx.rank == 0 and runner.metric in ("loss", "train_loss") and runner.mode == "max":
+        warnings.warn(f"population.metric={runner.metric!r} with mode='max' selects the highest "
                       "loss; set mode='min'", stacklevel=2)
     frozen = sorted(k for k in job.search_space if roles.get(k) == "model")
     main = ctx.rank == 0
     run_dir = run_dir_of(job)
-
     pop: PopulationState | None = None
     token = ""
     metrics: MetricsWriter | None = None
-    timing = {"evolve_s": 0.0, "persist_s": 0.0, "comm_s": 0.0}
+
+    def population_state(done: int) -> dict[str, Any]:
+        engine = {"population": pop.state_dict()} if pop is not None else {}
+        return {"model": {}, "engine": engine, "step": done, "epoch": 0, "batch": 0, "rng": None,
+                "losses": [], "loader": None, "scheduler": None, "optimizer_type": None, "layout": {}}
+
+    # every generation is checkpointed (members move between ranks as files each generation)
+    life = Lifecycle(
+        store=RankStore(run_dir, "pbt", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
+                        layout={"strategy": "PopulationBased"}, layout_field="run.num_workers",
+                        reshard="engines"),
+        unit="generation", total=generations, label="PopulationBased", state=population_state,
+        group=ctx.group if ctx.world_size > 1 else None, rank=ctx.rank, restart_count=ctx.restart_count,
+        record_offset=-1, progress_every=job.run.progress_every, show=None if main else False)
+    found = life.load() if resume else None
     if main:
-        found = latest_population(run_dir) if resume else None
         if found is not None:
-            pop = PopulationState.from_state_dict(checkpoint.load_checkpoint(found))
+            engines = found[1]["engines"] if found[1].get("resharded") else [found[1]["engine"]]
+            pop = PopulationState.from_state_dict(engines[0]["population"])
             if pop.size != size:
                 raise ConfigError([("strategy.population_size", (
                     f"{run_dir} holds a population of {pop.size}, not {size}; resume with the "
@@ -221,24 +196,34 @@ def _work(ctx: WorkerContext, job: JobConfig, resume: bool, flag: StopFlag) -> d
                 runner.check_resume(pop.generation - 1, pop.history[-1]["hparams"])
         prepare_run_dir(job, resume=resume)  # job.json: only once the resume was checked
         metrics = MetricsWriter(run_dir)
-        if pop is not None:
-            metrics.truncate_after("generation", pop.generation - 1)
-        else:
+        if pop is None:
             pop = PopulationState.initial(job.search_space, size=size, seed=job.run.seed)
-            if resume:
-                metrics.truncate_after("generation", -1)
         token = uuid.uuid4().hex
         (run_dir / _TOKEN).write_text(token, encoding="utf-8")
+    done = int(found[1]["step"]) if found is not None else 0
+    life.begin(done, resume=resume, found=found is not None, metrics=metrics)
+    with life:
+        return _work(ctx, job, life, runner, pop, token, metrics, started=started, frozen=frozen,
+                     done=done)
+
+
+def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRunner,
+          pop: PopulationState | None, token: str, metrics: MetricsWriter | None, *,
+          started: float, frozen: list[str], done: int) -> dict[str, Any] | None:
+    strategy = job.strategy
+    size: int = strategy.population_size  # type: ignore[union-attr]
+    generations: int = strategy.generations  # type: ignore[union-attr]
+    opts = job.population
+    metric, mode = runner.metric, runner.mode
+    main = ctx.rank == 0
+    run_dir = run_dir_of(job)
+    timing = {"evolve_s": 0.0, "persist_s": 0.0, "comm_s": 0.0}
     mine = [i for i in range(size) if i % ctx.world_size == ctx.rank]
     runner.preload()
     per_rank: list[dict[str, float]] = []
     loop_started = time.perf_counter()
     shared_checked = False
-    bar = progress_bar(enabled=None if main else False, every=job.run.progress_every)
-    bar.start()
-    bar_task = bar.add_task("PopulationBased", total=generations,
-                        completed=pop.generation if pop is not None else 0, info="",
-                        unit="generation")
+    life.show(done)
 
     while True:
         plan = None
@@ -268,7 +253,8 @@ def _work(ctx: WorkerContext, job: JobConfig, resume: bool, flag: StopFlag) -> d
         gathered = gather_json({"results": results, "flush_s": flush_s}, group=ctx.group)
         timing["comm_s"] += time.perf_counter() - t
         if gathered is None:
-            _end_generation(ctx, runner, flag, g + 1)
+            done = g + 1
+            life.end_unit(done, last=done == generations)
             continue
         assert pop is not None and metrics is not None
         by_member = {r["member"]: r for part in gathered for r in part["results"]}
@@ -297,7 +283,7 @@ def _work(ctx: WorkerContext, job: JobConfig, resume: bool, flag: StopFlag) -> d
         best_i = pop.best(mode)
         best_f = record["fitness"][best_i]
         best_f = f"{best_f:.4g}" if isinstance(best_f, int | float) else best_f  # None: all failed
-        bar.update(bar_task, completed=pop.generation, info=f"best {metric} {best_f} (member {best_i})")
+        life.show(pop.generation, info=f"best {metric} {best_f} (member {best_i})")
         copied = {c["recipient"]: c["donor"] for c in record["copies"]}
         for r in ordered:
             m = r["metrics"] or {}
@@ -311,27 +297,21 @@ def _work(ctx: WorkerContext, job: JobConfig, resume: bool, flag: StopFlag) -> d
                 "member_timing_s": {k.removesuffix("_s"): round(r[k], 5) for k in
                                     ("data_s", "setup_s", "load_s", "train_s", "eval_s", "save_s")},
             })
-        # Snapshot now, write on the writer thread while the next generation trains:
-        # lineage first, the population checkpoint last, so a crash in between reruns
-        # this generation on resume (metrics are truncated back to the checkpoint).
+        # lineage first, the population checkpoint (collective) last, so a crash in between
+        # reruns this generation on resume (metrics are truncated back to the checkpoint)
         t = time.perf_counter()
-        keep_from = None if opts.keep_generations is None else pop.generation - opts.keep_generations
-        runner.writer.submit(
-            _persist, run_dir, pop.generation,
-            json.dumps(lineage_json(pop, metric=metric, mode=mode), indent=1),
-            pop.state_dict(), keep_from,
-        )
+        _persist(run_dir, json.dumps(lineage_json(pop, metric=metric, mode=mode), indent=1))
+        done = pop.generation
+        life.end_unit(done, last=done == generations)
+        if opts.keep_generations is not None:
+            _prune_members(run_dir, keep_from=done - opts.keep_generations)
         timing["persist_s"] += time.perf_counter() - t
-        if os.environ.get(FAULT_ENV):  # a test's stop after a persisted generation
-            runner.writer.flush()
-            maybe_kill(rank=ctx.rank, step=pop.generation, restart_count=ctx.restart_count)
-        _end_generation(ctx, runner, flag, pop.generation)
 
     t = time.perf_counter()
     runner.writer.flush()
     timing["persist_s"] += time.perf_counter() - t
     timing["loop_s"] = time.perf_counter() - loop_started
-    bar.stop()
+    life.finish(done)
     if not main:
         return None
     assert pop is not None

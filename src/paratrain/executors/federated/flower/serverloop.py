@@ -9,8 +9,9 @@ aggregator and server optimizer, the clients' round schedule). Then the server e
 the global model on the task's test set (and, with ``federated.evaluate_clients`` or Local
 subgraphs, each node scores its clients on their own splits), logs the round to
 ``metrics.jsonl`` (``wire_bytes_*_measured`` are the round's Message bytes) and checkpoints
-it (``run.checkpoint_every`` rounds; always the last) as ``checkpoints/ckpt-<r+1>.pt`` —
-the server's whole state, as on the local path. A restarted ServerApp with
+it (``run.checkpoint_every`` rounds; always the last) as ``checkpoints/step-<r+1>/`` —
+the server's whole state, in the local path's format (:mod:`..state`; a round is a unit of
+the run's one lifecycle). A restarted ServerApp with
 ``resume = true`` continues from the newest checkpoint at the same round with the same
 server state; with every draw a function of ``(seed, round, client)``, a run whose server
 was killed and resumed ends bit-identical to an uninterrupted one. The run folder gets
@@ -32,8 +33,8 @@ from torch import Tensor
 
 from ....config import ConfigError
 from ....config.job import JobConfig
-from ....training import checkpoint, report, write_summary
-from ....training.interrupt import Cadence
+from ....training import report, write_summary
+from ....training.lifecycle import Lifecycle
 from ....training.rundir import MetricsWriter, RunFolder
 from ..client import client_name
 from ..outputs import round_record, run_summary
@@ -41,6 +42,7 @@ from ..personal import combine
 from ..privacy import build_server_privacy
 from ..selection import select_clients
 from ..server import FederatedServer, RoundSchedule
+from ..state import fed_store, restore, round_state
 from ..wire import encode_update
 from .side import Side, build_side, stateful
 
@@ -92,49 +94,43 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
         server.set_privacy(build_server_privacy(job, [len(p) for p in side.partitions], tags))  # [federated.dp]
         with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
             run_dir = folder.path
-            found = checkpoint.load_latest(run_dir / "checkpoints") if resume else None
-            if found is not None:
-                server.check_state(found[1], source=found[0])
-                server.load_state_dict(found[1])
-            start = server.round
+            life = Lifecycle(store=fed_store(run_dir, rank=0, world=1, group=None, runtime="flower"),
+                             unit="round", total=strat.rounds, label="Federated (Flower)",
+                             state=lambda done: round_state(server, None, done),
+                             checkpoint_every=job.run.checkpoint_every, show=False)
+            found = life.load() if resume else None
+            start = restore(found, server, None, rank=0, world=1, group=None)
             folder.prepare()
             metrics = MetricsWriter(run_dir)
-            if resume:
-                metrics.truncate_after("round", start)
-            cadence = Cadence(job.run.checkpoint_every)
+            life.begin(start, resume=resume, found=found is not None, metrics=metrics)
             flower_opts = job.federated.flower
             secure = flower_opts is not None and flower_opts.secure_aggregation is not None
             target = job.federated.target_accuracy
-            saved = start
-            for r in range(start, strat.rounds):
-                if server.stopped:
-                    break
-                t_round = time.perf_counter()
-                try:
-                    clients = select_clients(strat.client_selection, num_clients=strat.num_clients,
-                                             round_idx=r, seed=seed, client_tags=tags)
-                except ValueError as e:
-                    raise ConfigError([("strategy.client_selection", str(e))]) from None
-                lr_scale = server.schedule.factor()
-                control = server.control()  # SCAFFOLD's c, down with the model ({} otherwise)
-                if secure:
-                    rec = _secure_round(side, server, nodes, r, clients, lr_scale)
-                else:
-                    statuses, payloads, down, up = nodes.train(r, clients, server.global_state, lr_scale,
-                                                               control or None)
-                    rec = server.finish_round(r, statuses, payloads, wire_bytes_down=down, wire_bytes_up=up)
-                ev, per = _evaluate(side, server, nodes, str(r))
-                round_record(server, rec, ev, per, target=target, lr_scale=lr_scale,
-                             runtime="flower", round_time_s=time.perf_counter() - t_round,
-                             time_s=time.perf_counter() - started)
-                metrics.log(dict(rec))
-                done = r + 1
-                if cadence.step_due(done, True) or cadence.time_due() or done == strat.rounds or server.stopped:
-                    _save(run_dir, server, done)
-                    saved = done
-                    cadence.saved()
-            if saved != server.round:
-                _save(run_dir, server, server.round)
+            with life:
+                for r in range(start, strat.rounds):
+                    if server.stopped:
+                        break
+                    t_round = time.perf_counter()
+                    try:
+                        clients = select_clients(strat.client_selection, num_clients=strat.num_clients,
+                                                 round_idx=r, seed=seed, client_tags=tags)
+                    except ValueError as e:
+                        raise ConfigError([("strategy.client_selection", str(e))]) from None
+                    lr_scale = server.schedule.factor()
+                    control = server.control()  # SCAFFOLD's c, down with the model ({} otherwise)
+                    if secure:
+                        rec = _secure_round(side, server, nodes, r, clients, lr_scale)
+                    else:
+                        statuses, payloads, down, up = nodes.train(r, clients, server.global_state, lr_scale,
+                                                                   control or None)
+                        rec = server.finish_round(r, statuses, payloads, wire_bytes_down=down, wire_bytes_up=up)
+                    ev, per = _evaluate(side, server, nodes, str(r))
+                    round_record(server, rec, ev, per, target=target, lr_scale=lr_scale,
+                                 runtime="flower", round_time_s=time.perf_counter() - t_round,
+                                 time_s=time.perf_counter() - started)
+                    metrics.log(dict(rec))
+                    life.end_unit(r + 1, last=r + 1 == strat.rounds or server.stopped)
+            life.finish(server.round)
             return _finish(side, server, nodes, run_dir, started, resumed_from=start if resume else None)
     finally:
         torch.set_num_threads(threads)
@@ -165,13 +161,6 @@ def _secure_round(side: Side, server: FederatedServer, nodes: Any, r: int, clien
     if losses:
         rec["train_loss"] = sum(v * n for v, n in losses) / sum(n for _, n in losses)
     return rec
-
-
-def _save(run_dir: Any, server: FederatedServer, done: int) -> None:
-    ckpts = run_dir / "checkpoints"
-    checkpoint.save_checkpoint(checkpoint.checkpoint_path(ckpts, done),
-                               {**server.state_dict(), "workers": 1, "runtime": "flower"})
-    checkpoint.prune(ckpts)
 
 
 def _finish(side: Side, server: FederatedServer, nodes: Nodes, run_dir: Any, started: float,

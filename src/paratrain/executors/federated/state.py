@@ -1,0 +1,97 @@
+"""Federated's state in the run's one checkpoint format, and its lifecycle.
+
+A round is the unit of :class:`~paratrain.training.lifecycle.Lifecycle`: after ``r`` rounds
+``checkpoints/step-<r>/`` (:class:`~paratrain.training.stores.RankStore`, kind ``fed``) is
+one torch.distributed.checkpoint folder of every worker process:
+
+- ``model/<name>``: the global model (the server's, process 0), by the model's own names:
+  ``paratrain export`` reads an unfinished run's model from it;
+- ``engine/rank0``: the server's state without the model (round, aggregator and server
+  optimizer moments, the clients' learning-rate schedule position, byte counters, the
+  privacy accountant);
+- ``engine/rank<r>``: the state of the clients process ``r`` hosts, keyed ``client-<c>``
+  (error-feedback residuals, personal parts of Local subgraphs, SCAFFOLD's ``c_i``).
+
+The save is one collective write renamed into place, so a checkpoint always holds the
+server and every client of the same round. Resume on the same number of workers reads
+each process's own keys back (bit-identical). On another number (2 workers -> 3: the store's
+``reshard="engines"``), every process reads every old process's client state and keeps the
+clients it hosts now (client ``c`` on rank ``c % world``); the server's is unchanged.
+Flower's ServerApp writes the same format (one process, runtime ``flower``); its clients'
+state lives in the nodes' Flower contexts, so its checkpoints hold the server's alone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ...comm import collectives as C
+from ...config import ConfigError
+from ...training.stores import RankStore
+
+__all__ = ["fed_store", "round_state", "restore"]
+
+
+def fed_store(run_dir: str | Path, *, rank: int, world: int, group: Any, runtime: str) -> RankStore:
+    """The run's checkpoint store (kind ``fed``; ``runtime`` in the layout)."""
+    return RankStore(run_dir, "fed", rank=rank, world=world, group=group,
+                     layout={"strategy": "Federated", "runtime": runtime},
+                     layout_field="run.num_workers", reshard="engines")
+
+
+def round_state(server: Any, host: Any, done: int) -> dict[str, Any]:
+    """This process's state after ``done`` rounds: the server's on process 0 (``server``
+    not None), the hosted clients' on every process (``host``; None: stateless clients)."""
+    engine: dict[str, Any] = {}
+    model: dict[str, Any] = {}
+    if host is not None:
+        engine["clients"] = host.state_dict()
+    if server is not None:
+        srv = server.state_dict()
+        model = srv.pop("model")
+        engine["server"] = srv
+    return {"model": model, "engine": engine, "step": done, "epoch": 0, "batch": 0, "rng": None,
+            "losses": [], "loader": None, "scheduler": None, "optimizer_type": None, "layout": {}}
+
+
+def _merged_clients(engines: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, dict[str, Any]] = {"codec": {}, "personal": {}, "control": {}}
+    for eng in engines:
+        for part, entries in dict(eng.get("clients") or {}).items():
+            out.setdefault(part, {}).update(dict(entries))
+    return out
+
+
+def restore(found: tuple[Any, dict[str, Any]] | None, server: Any, host: Any, *, rank: int,
+            world: int, group: Any) -> int:
+    """Load a resumed checkpoint (``found``, from :meth:`RankStore.load`) into the server
+    (process 0) and the hosted clients; returns the rounds done (0 without one). A
+    checkpoint of another job is a ConfigError on every process, named by process 0."""
+    if found is None:
+        return 0
+    source, state = found
+    engines = state["engines"] if state.get("resharded") else [state["engine"]]
+    problem: list[Any] = []
+    if server is not None:
+        srv = dict(engines[0].get("server") or {})
+        try:
+            if not srv:
+                raise ConfigError([("checkpoint", f"{source} holds no Federated server state")])
+            srv["model"] = state["model"]
+            server.check_state(srv, source=source)
+            server.load_state_dict(srv)
+        except ConfigError as e:
+            problem = [list(p) for p in e.problems]
+    if world > 1:
+        problem = json.loads(C.broadcast_bytes(json.dumps(problem).encode() if rank == 0 else None,
+                                               group=group).decode())
+    if problem:
+        raise ConfigError([tuple(p) for p in problem])
+    if host is not None:
+        clients = _merged_clients(engines)
+        host.load_state_dict({part: {n: s for n, s in entries.items()
+                                     if host.hosts(int(str(n).removeprefix("client-")))}
+                              for part, entries in clients.items()})
+    return int(state["step"])

@@ -1,0 +1,116 @@
+"""One run's lifecycle around its units of work, for every strategy.
+
+A unit is what a strategy counts: an optimizer step (:func:`.loop.run_loop`: Local,
+DataParallel, tensor parallel, ModelParallel, Custom), a Federated round, a PopulationBased
+generation. Around each, the run does the same things, here and nowhere else:
+
+- **resume**: the newest readable checkpoint of the run's one store (:mod:`.stores`,
+  torch.distributed.checkpoint folders ``checkpoints/step-<n>/``: ``n`` counts units), then
+  ``metrics.jsonl`` cut back to it (:meth:`Lifecycle.begin`);
+- **progress** on the logging process, stopped in ``finally`` (:mod:`.progress`);
+- **interrupts keep progress** (:mod:`.interrupt`): the first SIGINT/SIGTERM lets the unit in
+  progress finish; every process agrees on stopping after each unit, saves the same
+  checkpoint and raises :class:`~.interrupt.Interrupted` (exit 130; ``--resume`` continues);
+- **cadence**: ``run.checkpoint_every`` units (0: at each epoch's end; a strategy without
+  epochs has a boundary after every unit) or a span of wall time (``"10m"``, due on any
+  process's clock); always at the end;
+- **fault hooks** for the tests (``PARATRAIN_FAULT_KILL=RANK:N`` SIGKILLs after unit ``N``).
+
+What is saved is the strategy's: ``state(done)`` returns this process's state (the dict
+:class:`~.stores.RankStore` writes: ``model`` under the model's names, ``engine`` for the
+strategy's own state -- Federated's server and clients, the PBT population).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+from types import TracebackType
+from typing import Any
+
+from .faults import maybe_kill
+from .interrupt import Cadence, Interrupted, StopFlag, agree, stop_on_signals
+from .progress import progress_bar
+from .rundir import MetricsWriter
+
+__all__ = ["Lifecycle"]
+
+
+class Lifecycle:
+    """The lifecycle of one process of a run (every process of ``group`` makes the same
+    calls in the same order: :meth:`end_unit` and the saves are collective)."""
+
+    def __init__(self, *, store: Any, unit: str, total: int, label: str, state: Callable[[int], dict[str, Any]],
+                 checkpoint_every: int | str = 0, group: Any = None, rank: int = 0,
+                 restart_count: int = 0, metrics: MetricsWriter | None = None,
+                 progress_every: int | str | None = None, show: bool | None = None,
+                 record_offset: int = 0) -> None:
+        self.record_offset = record_offset  # metrics records of unit d carry d + offset
+        self.store, self.unit, self.total, self.label = store, unit, total, label
+        self.state, self.group, self.rank, self.restart_count = state, group, rank, restart_count
+        self.metrics = metrics
+        self.cadence = Cadence(checkpoint_every)
+        self.last_saved: int | None = None
+        self.flag = StopFlag()
+        self._show = (None if metrics is not None else False) if show is None else show
+        self.bar = progress_bar(enabled=self._show, every=progress_every)
+        self._task: Any = None
+        self._stack = ExitStack()
+
+    # -- resume ---------------------------------------------------------------------------
+
+    def load(self, held: Any = None) -> tuple[Any, dict[str, Any]] | None:
+        """The newest readable checkpoint (collective), or None."""
+        found: tuple[Any, dict[str, Any]] | None = (self.store.load(held) if held is not None
+                                                    else self.store.load())
+        return found
+
+    def begin(self, done: int, *, resume: bool, found: bool, metrics: MetricsWriter | None = None) -> None:
+        """The run continues after ``done`` units (``resume``: asked for; ``found``: from a
+        checkpoint): the metrics of later units are cut (they are taken again)."""
+        if metrics is not None:
+            self.metrics = metrics
+        if resume and self.metrics is not None:
+            self.metrics.truncate_after(self.unit, done + self.record_offset)
+        self.last_saved = done if found else None
+
+    # -- the units ------------------------------------------------------------------------
+
+    def __enter__(self) -> Lifecycle:
+        self.flag = self._stack.enter_context(stop_on_signals())
+        self.bar.start()
+        self._stack.callback(self.bar.stop)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._stack.close()
+
+    def show(self, done: int, **fields: Any) -> None:
+        """Progress: ``done`` units, with ``loss=`` / ``info=`` when known."""
+        if self._task is None:
+            self._task = self.bar.add_task(self.label, total=self.total, completed=done, info="",
+                                           unit=self.unit)
+        self.bar.update(self._task, completed=done, **fields)
+
+    def end_unit(self, done: int, *, boundary: bool = True, last: bool = False) -> None:
+        """After unit ``done`` (collective): save when the cadence says so (``boundary``: an
+        epoch ended; ``last``: the run's last unit), when a signal asks to stop (then raise
+        :class:`Interrupted`), and run the fault hook."""
+        halt, due = agree(self.flag.requested, self.cadence.time_due(), self.group)
+        if self.cadence.step_due(done, boundary) or due or last or (halt and self.last_saved != done):
+            self.save(done)
+        maybe_kill(rank=self.rank, step=done, restart_count=self.restart_count)
+        if halt:
+            raise Interrupted(self.flag.signame or "a signal to another worker", done, self.unit)
+
+    def save(self, done: int) -> None:
+        """Checkpoint after ``done`` units (collective)."""
+        self.store.save(done, self.state(done))
+        self.last_saved = done
+        self.cadence.saved()
+
+    def finish(self, done: int) -> None:
+        """The run ends after ``done`` units: saved unless that checkpoint exists."""
+        if self.last_saved != done:
+            self.save(done)
