@@ -14,16 +14,22 @@ from paratrain.config import ConfigError
 from paratrain.executors.federated import run, run_in_process
 from paratrain.executors.federated.aggregation import MalformedUpdateError
 from paratrain.executors.federated.runner import KILL_ENV
+from paratrain.executors.federated.state import fed_store
 from paratrain.executors.federated.wire import decode_update, encode_update
 from paratrain.models import build_model
 from paratrain.training import parameters_digest, read_metrics, seed_everything
 from paratrain.training.faults import inject_faults
+from paratrain.training.stores import read_rank_state
 
 DENSE_MODEL_BYTES = 4 * (64 * 64 + 64 + 64 * 10 + 10)
 
 
 def _rounds(run_dir: str) -> list[dict]:
     return [r for r in read_metrics(run_dir) if "round" in r]
+
+
+def _step(run_dir: str | Path, r: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{r:09d}"
 
 
 # ------------------------------------------------------------------ wire
@@ -82,8 +88,7 @@ def test_round_records_failures_rejections_bytes_and_residuals(tmp_path: Path) -
         # one process: nothing went through a process group
         assert r["wire_bytes_down_measured"] == r["wire_bytes_up_measured"] == 0
     assert s["clients_failed_total"] == 4
-    ckpt = torch.load(Path(s["run_dir"]) / "checkpoints" / "worker-0" / "ckpt-000000002.pt",
-                      weights_only=True)
+    ckpt = read_rank_state(_step(s["run_dir"], 2), 0)["engine"]["clients"]
     # client-1 failed before encoding: no residual; client-2 encoded (the server rejected it)
     assert sorted(ckpt["codec"]) == ["client-0", "client-2", "client-3", "client-4", "client-5"]
     res = ckpt["codec"]["client-0"]["residuals"]["fc0.weight"]
@@ -117,10 +122,12 @@ def test_resume_continues_a_finished_run_exactly(tmp_path: Path) -> None:
     # non-vacuity: the server optimizer state matters (drop it -> different model)
     ck = Path(resumed["run_dir"]) / "checkpoints"
     run_in_process(fed_job(tmp_path / "c", "r", rounds=2, **kw))
-    c2 = tmp_path / "c" / "r" / "checkpoints" / "ckpt-000000002.pt"
-    state = torch.load(c2, weights_only=True)
-    state["aggregator"] = {}
-    torch.save(state, c2)
+    c2 = _step(tmp_path / "c" / "r", 2)
+    state = read_rank_state(c2, 0)
+    assert state["engine"]["server"]["aggregator"]  # FedYogi's moments are saved
+    state["engine"]["server"]["aggregator"] = {}
+    runtime = json.loads((c2 / "layout.json").read_text())["runtime"]
+    fed_store(tmp_path / "c" / "r", rank=0, world=1, group=None, runtime=runtime).save(2, state)
     other = run_in_process(fed_job(tmp_path / "c", "r", rounds=4, **kw), resume=True)
     assert other["parameters_sha256"] != ref["parameters_sha256"]
     assert ck.is_dir()
@@ -196,7 +203,7 @@ def test_memory_does_not_grow_with_num_clients(tmp_path: Path) -> None:
 def test_fedprox_mu_zero_is_fedavg_and_large_mu_holds_clients_near_global(tmp_path: Path) -> None:
     def moved(agg: dict, name: str) -> tuple[float, str]:
         s = run_in_process(fed_job(tmp_path, name, K=4, rounds=1, agg=agg, local_epochs=3, lr=0.3))
-        ck = torch.load(Path(s["run_dir"]) / "checkpoints" / "ckpt-000000001.pt", weights_only=True)
+        ck = read_rank_state(_step(s["run_dir"], 1), 0)
         seed_everything(0)
         init = build_model(fed_job(tmp_path, "x").model, input_shape=(64,), num_classes=10).state_dict()
         dist = sum(float((ck["model"][k] - init[k]).pow(2).sum()) for k in init) ** 0.5

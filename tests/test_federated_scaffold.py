@@ -24,7 +24,8 @@ from paratrain.executors.federated.selection import select_clients
 from paratrain.models.state import unique_state_dict
 from paratrain.task import resolve_task
 from paratrain.task.steps import call_model, fetch_batch
-from paratrain.training import checkpoint, seed_everything
+from paratrain.training import seed_everything
+from paratrain.training.stores import read_rank_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -40,8 +41,14 @@ def _job(tmp: Path, name: str, agg: dict[str, Any], **kw: Any) -> Any:
                    local_epochs=kw.pop("local_epochs", EPOCHS), batch_size=kw.pop("batch_size", BATCH), **kw)
 
 
+def _state(run_dir: str, round_: int) -> dict[str, Any]:
+    return read_rank_state(Path(run_dir) / "checkpoints" / f"step-{round_:09d}", 0)
+
+
 def _server(run_dir: str, round_: int) -> dict[str, Any]:
-    return checkpoint.load_checkpoint(checkpoint.checkpoint_path(Path(run_dir) / "checkpoints", round_))
+    """The server's state after ``round_`` rounds (what ``server.state_dict()`` holds)."""
+    st = _state(run_dir, round_)
+    return {**st["engine"]["server"], "model": st["model"]}
 
 
 def _reference(job: Any, *, method: str, server_lr: float = 1.0, momentum: float = 0.0) -> dict[str, Any]:
@@ -119,8 +126,7 @@ def test_scaffold_matches_the_papers_algorithm(tmp_path: Path) -> None:
     state = _server(out["run_dir"], ROUNDS)
     _close(state["model"], ref["x"], "global model")
     _close(state["aggregator"]["control"], ref["c"], "server control variate c")
-    saved = checkpoint.load_checkpoint(checkpoint.checkpoint_path(
-        Path(out["run_dir"]) / "checkpoints" / "worker-0", ROUNDS))["control"]
+    saved = _state(out["run_dir"], ROUNDS)["engine"]["clients"]["control"]
     trained = sorted(int(n.removeprefix("client-")) for n in saved)
     assert trained, saved
     for i in trained:
@@ -183,10 +189,12 @@ def test_unsupported_combinations_name_the_field(tmp_path: Path) -> None:
         problems = dict(err.value.problems)
         assert field in problems and agg in problems[field], problems
     # the contract: both round-trip, SCAFFOLD's server_lr defaults to 1
-    for doc in ({"type": "Federated", "num_clients": 3, "rounds": 2, "aggregation": {"method": "SCAFFOLD"},
-                 "client_selection": {"method": "All"}},
-                {"type": "Federated", "num_clients": 3, "rounds": 2, "aggregation": {"method": "FedNova"},
-                 "client_selection": {"method": "All"}}):
+    docs: list[dict[str, Any]] = [
+        {"type": "Federated", "num_clients": 3, "rounds": 2, "aggregation": {"method": "SCAFFOLD"},
+         "client_selection": {"method": "All"}},
+        {"type": "Federated", "num_clients": 3, "rounds": 2, "aggregation": {"method": "FedNova"},
+         "client_selection": {"method": "All"}}]
+    for doc in docs:
         s = load_strategy(doc)
         assert dump_strategy(s)["aggregation"]["method"] == doc["aggregation"]["method"]
     assert load_strategy({**doc, "aggregation": {"method": "SCAFFOLD"}}).aggregation.server_lr == 1.0

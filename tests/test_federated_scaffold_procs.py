@@ -7,6 +7,7 @@ to its new host and ends where the uninterrupted run ends."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 from _workers_federated import fed_job
 from paratrain.executors.federated import run, run_in_process
 from paratrain.executors.federated.runner import KILL_ENV
-from paratrain.training import checkpoint
+from paratrain.training.stores import read_rank_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -30,12 +31,16 @@ def _job(out: Path, *, workers: int = 1, rounds: int = ROUNDS, **kw: Any) -> Any
 
 
 def _ckpt(run_dir: Path, round_: int, worker: int | None = None) -> dict[str, Any]:
-    d = run_dir / "checkpoints" if worker is None else run_dir / "checkpoints" / f"worker-{worker}"
-    return checkpoint.load_checkpoint(checkpoint.checkpoint_path(d, round_))
+    """The server's state after ``round_`` rounds (``worker`` None), or the state of the
+    clients process ``worker`` hosts, from the ``step-<round_>`` folder."""
+    st = read_rank_state(run_dir / "checkpoints" / f"step-{round_:09d}", 0 if worker is None else worker)
+    if worker is None:
+        return {**st["engine"]["server"], "model": st["model"]}
+    return dict(st["engine"]["clients"])
 
 
 def _controls(run_dir: Path, round_: int, world: int) -> dict[str, dict[str, torch.Tensor]]:
-    """Every client's c_i at ``round_``, checking each worker file holds only its own clients."""
+    """Every client's c_i at ``round_``, checking each process saved only the clients it hosts."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     for r in range(world):
         mine = _ckpt(run_dir, round_, r)["control"]
@@ -85,4 +90,5 @@ def test_resume_on_three_workers_moves_every_client_control(
     assert more["num_workers"] == 3
     assert more["parameters_sha256"] == reference["parameters_sha256"]
     assert _equal(_controls(run_dir, ROUNDS, 3), _controls(ref_dir, ROUNDS, 1))
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("worker-*")) == [f"worker-{r}" for r in range(3)]
+    last = run_dir / "checkpoints" / f"step-{ROUNDS:09d}"
+    assert json.loads((last / "layout.json").read_text())["world"] == 3  # written by 3 processes

@@ -23,11 +23,12 @@ from paratrain.executors.federated import run_in_process
 from paratrain.executors.federated.client import ClientHost, client_generator
 from paratrain.executors.federated.runner import KILL_ENV
 from paratrain.executors.federated.selection import num_random
+from paratrain.executors.federated.state import fed_store
 from paratrain.task import evaluate, resolve_task
 from paratrain.training import build_optimizer, read_metrics, seed_everything
 from paratrain.training.loop import DataPlan, LocalEngine, Trainer, run_loop
 from paratrain.training.stepping import build_scheduler
-from paratrain.training.stores import LocalStore
+from paratrain.training.stores import LocalStore, read_rank_state
 
 TINY_GPT = {"name": "gpt", "n_layer": 2, "n_embd": 32, "n_head": 2}
 
@@ -168,7 +169,7 @@ def test_one_client_step_is_the_loops_step(tmp_path: Path, precision: str) -> No
     assert not all(torch.allclose(client[k], own[k]) for k in client)
     # the whole federated run: the global model after the round is the client's
     s = run_in_process(job)
-    ck = torch.load(Path(s["run_dir"]) / "checkpoints" / "ckpt-000000001.pt", weights_only=True)
+    ck = read_rank_state(Path(s["run_dir"]) / "checkpoints" / "step-000000001", 0)
     for k in client:
         torch.testing.assert_close(ck["model"][k], client[k], rtol=1e-6, atol=1e-7)
     assert not torch.equal(client["fc0.weight"], g0["fc0.weight"])
@@ -203,11 +204,13 @@ def test_killed_run_resumes_bit_identical_with_clip_accumulation_bf16_cosine(tmp
     assert [r["lr_scale"] for r in _rounds(resumed["run_dir"])] == scales
     # non-vacuity: the clients' schedule position in the server checkpoint is what the
     # resumed rounds use (rewind it and the run ends elsewhere)
-    ck = tmp_path / "bad" / "r" / "checkpoints" / "ckpt-000000002.pt"
-    state = torch.load(ck, weights_only=True)
-    assert state["client_schedule"]["position"] == 2
-    state["client_schedule"]["position"] = 0
-    torch.save(state, ck)
+    ck = tmp_path / "bad" / "r" / "checkpoints" / "step-000000002"
+    state = read_rank_state(ck, 0)
+    server = state["engine"]["server"]
+    assert server["client_schedule"]["position"] == 2
+    server["client_schedule"]["position"] = 0
+    runtime = json.loads((ck / "layout.json").read_text())["runtime"]
+    fed_store(tmp_path / "bad" / "r", rank=0, world=1, group=None, runtime=runtime).save(2, state)
     bad = run_in_process(load_job(_regression(tmp_path / "bad", "r", train=train_cfg)), resume=True)
     assert bad["parameters_sha256"] != ref["parameters_sha256"]
 

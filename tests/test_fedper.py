@@ -27,7 +27,9 @@ from paratrain.comm.testing import run_distributed
 from paratrain.config import load_job
 from paratrain.data.client_splits import client_test_splits, feature_shifts, owners, shift_features
 from paratrain.data.partition import partition_shards
+from paratrain.executors.federated.state import fed_store
 from paratrain.training import read_metrics
+from paratrain.training.stores import latest_folder, read_named_model, read_rank_state
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -93,9 +95,10 @@ def test_the_head_never_travels_and_the_server_never_holds_it(runs: dict[str, An
     per, avg = runs["fedper"], runs["fedavg"]
     assert per["personal_keys"] == ["head.weight", "head.bias"] and per["local_subgraphs"] == ["head"]
     assert per["server_state_keys"] == ["fc0.bias", "fc0.weight"]
-    ck = sorted((Path(per["run_dir"]) / "checkpoints").glob("ckpt-*.pt"))[-1]
-    server = torch.load(ck, weights_only=True)
-    assert sorted(server["model"]) == ["fc0.bias", "fc0.weight"]
+    ck = latest_folder(Path(per["run_dir"]) / "checkpoints")
+    assert ck is not None and ck.name == f"step-{FEDPER_ROUNDS:09d}"
+    assert sorted(read_rank_state(ck, 0)["model"]) == ["fc0.bias", "fc0.weight"]
+    assert sorted(read_named_model(ck)) == ["fc0.bias", "fc0.weight"]  # no process saved a head as model
     # every update carried the body only: K clients x rounds x 4 bytes x body parameters
     updates = FEDPER_K * FEDPER_ROUNDS
     assert per["bytes_up_measured"] == updates * 4 * BODY
@@ -105,8 +108,7 @@ def test_the_head_never_travels_and_the_server_never_holds_it(runs: dict[str, An
     assert avg["wire_bytes_down_measured"] == FEDPER_ROUNDS * 4 * (BODY + HEAD)
     # each worker checkpoint holds the heads of the clients it hosts (c % 2 == rank), only
     for rank in range(2):
-        wdir = Path(per["run_dir"]) / "checkpoints" / f"worker-{rank}"
-        state = torch.load(sorted(wdir.glob("ckpt-*.pt"))[-1], weights_only=True)
+        state = read_rank_state(ck, rank)["engine"]["clients"]
         assert sorted(state["personal"]) == sorted(f"client-{c}" for c in range(rank, FEDPER_K, 2))
         heads = [v["head.weight"] for v in state["personal"].values()]
         assert all(set(v) == {"head.weight", "head.bias"} for v in state["personal"].values())
@@ -150,11 +152,12 @@ def test_resume_restores_the_personal_parts(tmp_path: Path) -> None:
     for name, drop in (("b", False), ("c", True)):
         run_in_process(load_job(doc(tmp_path / name, "r", subgraphs=sub, rounds=2, num_workers=1)))
         if drop:
-            wfile = tmp_path / name / "r" / "checkpoints" / "worker-0" / "ckpt-000000002.pt"
-            state = torch.load(wfile, weights_only=True)
-            assert len(state["personal"]) == FEDPER_K
-            state["personal"] = {}
-            torch.save(state, wfile)
+            folder = tmp_path / name / "r" / "checkpoints" / "step-000000002"
+            state = read_rank_state(folder, 0)
+            assert len(state["engine"]["clients"]["personal"]) == FEDPER_K
+            state["engine"]["clients"]["personal"] = {}
+            runtime = json.loads((folder / "layout.json").read_text())["runtime"]
+            fed_store(tmp_path / name / "r", rank=0, world=1, group=None, runtime=runtime).save(2, state)
         resumed = run_in_process(load_job(doc(tmp_path / name, "r", subgraphs=sub, rounds=4, num_workers=1)),
                                  resume=True)
         same = resumed["personal_sha256"] == ref["personal_sha256"]
@@ -174,8 +177,9 @@ def test_fedprox_and_compressed_updates_leave_the_personal_part_alone(tmp_path: 
     s = run_in_process(load_job(d))
     rec = [r for r in read_metrics(s["run_dir"]) if "round" in r]
     assert [(r["clients_ok"], r["clients_failed"]) for r in rec] == [(FEDPER_K, 0)] * 2
-    state = torch.load(sorted((Path(s["run_dir"]) / "checkpoints" / "worker-0").glob("ckpt-*.pt"))[-1],
-                       weights_only=True)
+    last = latest_folder(Path(s["run_dir"]) / "checkpoints")
+    assert last is not None
+    state = read_rank_state(last, 0)["engine"]["clients"]
     residuals = next(iter(state["codec"].values()))
     assert "head.weight" not in str(sorted(_keys(residuals))) and "fc0.weight" in str(sorted(_keys(residuals)))
 

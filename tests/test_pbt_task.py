@@ -24,8 +24,10 @@ from paratrain.executors.population_based import runner as population
 from paratrain.executors.population_based.hyperparams import validate_job
 from paratrain.executors.population_based.member import MemberRunner
 from paratrain.executors.population_based.member_state import seed_of
+from paratrain.files import step_folders
 from paratrain.task import fetch_batch, resolve_task
 from paratrain.training import build_optimizer
+from paratrain.training.stores import read_rank_state
 
 HERE = Path(__file__).resolve().parent
 
@@ -217,7 +219,9 @@ def test_stop_and_resume_bit_identical_clip_accum_bf16_cosine(tmp_path: Path) ->
     # it really stopped after the first generation's population checkpoint
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert not (run_dir / "summary.json").exists()
-    assert sorted(p.name for p in (run_dir / "checkpoints").glob("population-*")) == ["population-000001.pt"]
+    assert [p.name for p in step_folders(run_dir / "checkpoints")] == ["step-000000001"]
+    saved = read_rank_state(run_dir / "checkpoints" / "step-000000001", 0)["engine"]["population"]
+    assert json.loads(saved["json"])["generation"] == 1
     resumed = population.run(load_job(doc), resume=True)
     assert resumed["parameters_sha256"] == full["parameters_sha256"]
     a, b = lineage(full)["generations"], lineage(resumed)["generations"]

@@ -14,6 +14,7 @@ from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig, load_job
 from paratrain.executors.population_based import runner as population
 from paratrain.executors.population_based.member_state import member_path, state_digest
+from paratrain.files import step_folders
 from paratrain.models import build_model
 from paratrain.training import build_optimizer, checkpoint
 from paratrain.training.faults import FAULTS_ENV
@@ -72,13 +73,13 @@ def test_two_workers_exploit_byte_identical_and_failure_tolerated(tmp_path: Path
     explored hyperparameters, not the donor's. Parity: one process gives the same run.
     """
     crash = {"factory": "_workers_pbt:crashing_mlp", "name": None, "hidden": [32],
-             "crash_when": str(tmp_path / "pbt2" / "checkpoints" / "population-000001.pt"),
+             "crash_when": str(tmp_path / "pbt2" / "checkpoints" / "step-000000001"),
              "crash_marker": str(tmp_path / "crashed")}
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"fail_members": [2]}))  # inherited by workers
     job = make_job(tmp_path, "pbt2", run__num_workers=2, run__max_restarts=1, model=crash)
     summary = population.run(job)
     # A worker died hard during generation 1; the elastic agent restarted the group,
-    # which resumed from the generation-0 population checkpoint.
+    # which resumed from the population checkpoint after generation 0 (step-000000001).
     assert (tmp_path / "crashed").exists() and summary["restarts"] == 1
     doc = lineage(summary)
     gens = doc["generations"]
@@ -133,7 +134,8 @@ def test_resume_continues_to_same_result(tmp_path: Path) -> None:
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("gen-*")) == ["gen-000001", "gen-000002"]
     # Simulate a crash during the last generation: its population checkpoint, lineage
     # entry and summary never got written; one member file did.
-    (run_dir / "checkpoints" / "population-000003.pt").unlink()
+    assert [p.name for p in step_folders(run_dir / "checkpoints")] == ["step-000000002", "step-000000003"]
+    shutil.rmtree(run_dir / "checkpoints" / "step-000000003")
     for p in sorted((run_dir / "checkpoints" / "gen-000002").iterdir())[1:]:
         p.unlink()
     (run_dir / "summary.json").unlink()

@@ -140,13 +140,16 @@ def test_one_process_falls_back_with_a_warning(tmp_path: Path) -> None:
     assert agree_on_checkpoint(tmp_path, None) is None
 
 
-def test_federated_bad_worker_checkpoint_moves_the_server_back_too(tmp_path: Path) -> None:
+def test_federated_bad_newest_checkpoint_moves_the_server_and_clients_back(tmp_path: Path) -> None:
+    """The server and the clients' state (error-feedback residuals) of a round are one DCP
+    folder: a damaged data file of round 2 takes the whole run back to round 1."""
     kw: dict[str, Any] = dict(K=4, sel={"method": "All"}, compression=TOPK_EF, local_epochs=1)
     ref = run_in_process(fed_job(tmp_path / "ref", "f", rounds=3, **kw))
     run_in_process(fed_job(tmp_path / "b", "f", rounds=2, **kw))
-    wfile = checkpoint.checkpoint_path(tmp_path / "b" / "f" / "checkpoints" / "worker-0", 2)
-    assert wfile.exists() and checkpoint.checkpoint_path(wfile.parent, 1).exists()
-    _truncate(wfile)  # the error-feedback residuals of round 2 are lost: back to round 1
-    with pytest.warns(RuntimeWarning, match=r"worker-0/ckpt-000000002\.pt.*falling back to step 1"):
+    ckpts = _rank_ckpts(tmp_path / "b", "f", 0)
+    assert [p.parent.name for p in ckpts] == ["step-000000001", "step-000000002"]
+    assert all(p.is_file() for p in ckpts)
+    _truncate(ckpts[-1])  # round 2's server state and residuals are lost: back to round 1
+    with pytest.warns(RuntimeWarning, match=r"step-000000002 is not readable.*falling back to step 1"):
         resumed = run_in_process(fed_job(tmp_path / "b", "f", rounds=3, **kw), resume=True)
     assert resumed["parameters_sha256"] == ref["parameters_sha256"]
