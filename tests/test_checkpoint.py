@@ -15,7 +15,6 @@ import pytest
 
 import paratrain
 from paratrain.files import step_folders
-from paratrain.training import checkpoint
 from paratrain.training.faults import KILL_IN_SAVE_ENV
 
 pytestmark = pytest.mark.timeout(300)
@@ -69,20 +68,6 @@ def test_sigkill_during_a_save_leaves_no_temp_file_after_resume(tmp_path: Path) 
     assert all(p.read_text() == "user data" for p in keep)
     assert resumed["steps"] == full["steps"] == 20
     assert resumed["parameters_sha256"] == full["parameters_sha256"]
-
-
-def test_save_and_prune_remove_a_stale_temp_of_their_own_folder_only(tmp_path: Path) -> None:
-    (tmp_path / "sub").mkdir()
-    stale = tmp_path / ".ckpt-000000003.pt.k2j_9xqz"
-    other = tmp_path / "sub" / ".ckpt-000000003.pt.k2j_9xqz"
-    for p in (stale, other):
-        p.write_bytes(b"x" * 100)
-    checkpoint.save_checkpoint(checkpoint.checkpoint_path(tmp_path, 4), {"step": 4})
-    assert not stale.exists() and other.exists()
-    stale.write_bytes(b"x")
-    checkpoint.prune(tmp_path)
-    assert not stale.exists() and other.exists()
-    assert checkpoint.remove_stale_temps(tmp_path / "sub") == [other] and not other.exists()
 
 
 @pytest.mark.slow

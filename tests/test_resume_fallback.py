@@ -1,5 +1,5 @@
 """A bad newest checkpoint on one rank of a multi-process job: every rank falls back to
-the newest step that all ranks can read (:func:`paratrain.training.resume.agree_on_checkpoint`),
+the newest step that all ranks can read (:meth:`paratrain.training.stores.RankStore.load`),
 rank 0 warns naming the file, and the resumed DataParallel run ends bit-identical to an
 uninterrupted one; when one rank has no readable checkpoint, a ConfigError names the
 files and nothing on disk changes."""
@@ -11,18 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from _workers_federated import TOPK_EF, fed_job
-from paratrain.comm.context import WorkerContext
-from paratrain.comm.testing import run_distributed
 from paratrain.config import ConfigError
 from paratrain.config.job import load_job
 from paratrain.executors.data_parallel import runner as data_parallel
 from paratrain.executors.federated import run_in_process
 from paratrain.files import step_folders
-from paratrain.training import checkpoint
-from paratrain.training.resume import agree_on_checkpoint
 from paratrain.training.rundir import LOCK_NAME
 
 pytestmark = pytest.mark.timeout(300)
@@ -100,44 +95,6 @@ def test_no_readable_checkpoint_on_one_rank_is_an_error_naming_the_files(tmp_pat
     msg = dict(err.value.problems)["checkpoint"]
     assert "no readable checkpoint" in msg and all(str(p.parent) in msg for p in ckpts), msg
     assert _snapshot(tmp_path / "b") == before
-
-
-# The agreement itself, on real gloo ranks: rank 0's newest file is bad, rank 1's second
-# newest is bad, so the only step both can read is the oldest.
-
-
-def _save_steps(d: Path, steps: list[int], bad: list[int]) -> None:
-    for s in steps:
-        checkpoint.save_checkpoint(checkpoint.checkpoint_path(d, s), {"step": s, "w": torch.full((3,), float(s))})
-    for s in bad:
-        _truncate(checkpoint.checkpoint_path(d, s))
-
-
-def _agree(ctx: WorkerContext, root: str, start: int) -> tuple[int, float] | str:
-    try:
-        found = agree_on_checkpoint(Path(root) / f"r{ctx.rank}", start, ctx.group)
-    except ConfigError as e:
-        return str(e)
-    assert found is not None
-    return found[0], float(found[1]["w"][0])
-
-
-def test_ranks_iterate_to_the_newest_step_all_can_read(tmp_path: Path) -> None:
-    _save_steps(tmp_path / "r0", [5, 10, 15], bad=[15])
-    _save_steps(tmp_path / "r1", [5, 10, 15], bad=[10])
-    assert run_distributed(_agree, 2, str(tmp_path), 15) == [(5, 5.0), (5, 5.0)]
-    _truncate(checkpoint.checkpoint_path(tmp_path / "r1", 5))
-    msgs = run_distributed(_agree, 2, str(tmp_path), 15)
-    assert isinstance(msgs[0], str) and msgs[0] == msgs[1]
-    assert all(str(checkpoint.checkpoint_path(tmp_path / "r1", s)) in msgs[0] for s in (5, 10))
-
-
-def test_one_process_falls_back_with_a_warning(tmp_path: Path) -> None:
-    _save_steps(tmp_path, [5, 10], bad=[10])
-    with pytest.warns(RuntimeWarning, match=r"ckpt-000000010\.pt.*falling back to step 5"):
-        found = agree_on_checkpoint(tmp_path, 10)
-    assert found is not None and found[0] == 5
-    assert agree_on_checkpoint(tmp_path, None) is None
 
 
 def test_federated_bad_newest_checkpoint_moves_the_server_and_clients_back(tmp_path: Path) -> None:

@@ -24,8 +24,8 @@ from paratrain.config.job import load_job
 from paratrain.dispatch import execute
 from paratrain.executors.data_parallel import runner as data_parallel
 from paratrain.files import step_folders
-from paratrain.training import checkpoint
 from paratrain.training.rundir import LOCK_NAME, holds_run, run_dir_of, safe_rmtree
+from paratrain.training.stores import LocalStore
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -81,15 +81,6 @@ def test_safe_rmtree_deletes_only_inside_its_root(tmp_path: Path) -> None:
     safe_rmtree(root / "a", root)
     assert not (root / "link").exists() and not (root / "a").exists()
     assert (outside / "keep.txt").read_text() == "precious"
-
-
-def test_prune_keeps_at_least_two(tmp_path: Path) -> None:
-    for step in range(4):
-        checkpoint.save_checkpoint(checkpoint.checkpoint_path(tmp_path, step), {"step": step})
-    with pytest.raises(ValueError, match="at least 2"):
-        checkpoint.prune(tmp_path, keep=1)
-    checkpoint.prune(tmp_path)
-    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["ckpt-000000002.pt", "ckpt-000000003.pt"]
 
 
 # 2. a finished run survives -----------------------------------------------------------
@@ -313,14 +304,22 @@ def test_unwritable_output_dir_names_the_path(tmp_path: Path, capsys: pytest.Cap
             (tmp_path / "ro").chmod(0o700)
 
 
-def test_full_disk_while_checkpointing_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_full_disk_while_checkpointing_names_the_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that fails (ENOSPC from the file system under DCP's writer) is a ConfigError
+    naming the checkpoint folder and the reason; no partial folder is left as complete."""
+    import torch.distributed.checkpoint.filesystem as fs
+
     def no_space(*args: Any, **kwargs: Any) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(torch, "save", no_space)
-    target = checkpoint.checkpoint_path(tmp_path, 7)
+    monkeypatch.setattr(fs, "_write_item", no_space)
+    store = LocalStore(tmp_path / "checkpoints")
+    w = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(w.parameters(), lr=0.1)
+    state = {"model": w.state_dict(), "optimizer": opt.state_dict(), "param_names": ["weight", "bias"],
+             "step": 7, "epoch": 0, "batch": 0, "rng": None, "losses": [], "layout": {}}
     with pytest.raises(ConfigError) as err:
-        checkpoint.save_checkpoint(target, {"step": 7})
-    assert str(target) in _problems(err)["run.output_dir"]
-    assert os.strerror(errno.ENOSPC) in _problems(err)["run.output_dir"]
-    assert list(tmp_path.iterdir()) == []  # no temp file left behind
+        store.save(7, state)
+    msg = _problems(err)["run.output_dir"]
+    assert "step-000000007" in msg and os.strerror(errno.ENOSPC) in msg, msg
+    assert step_folders(tmp_path / "checkpoints") == []  # nothing that looks complete

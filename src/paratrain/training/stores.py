@@ -154,9 +154,9 @@ class RankStore:
                 os.replace(tmp, final)
                 for old in step_folders(self.root)[:-MIN_KEEP]:
                     safe_rmtree(old, self.root)
-        except OSError as e:
+        except (OSError, CheckpointException) as e:  # DCP wraps a failed write (a full disk)
             raise ConfigError([("run.output_dir", f"cannot write checkpoint {final}: "
-                                f"{e.strerror or e}")]) from None
+                                f"{_write_reason(e)}")]) from None
         C.barrier(self._g())
 
     # -- load -----------------------------------------------------------------------------
@@ -320,6 +320,16 @@ def _shape(doc: dict[str, Any]) -> str:
 
 class _Unreadable(RuntimeError):
     """A checkpoint folder that lacks part of what DCP wrote (every process raises it)."""
+
+
+def _write_reason(e: OSError | CheckpointException) -> str:
+    """Why a save failed: the OS error (DCP gathers each process's in a CheckpointException)."""
+    if isinstance(e, OSError):
+        return str(e.strerror or e)
+    for failure in e.failures.values():
+        err: Any = failure[0] if isinstance(failure, tuple) else failure
+        return str(err.strerror or err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+    return str(e)[:300]
 
 
 def _reason(e: CheckpointException | _Unreadable) -> str:
