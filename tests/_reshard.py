@@ -17,7 +17,8 @@ LAST_STDERR: list[str] = [""]
 
 def fit_noting_reshards(doc: dict[str, Any], capfd: pytest.CaptureFixture[str], **kw: Any) -> tuple[dict[str, Any], list[str]]:
     """The summary and the ReshardWarning messages: warned in this process (a one-process
-    run) or by a worker of rank 0 (on its stderr)."""
+    run), or, for a launched run, what its summary's ``resumed_from`` says (and its rank 0's
+    warning on stderr)."""
     capfd.readouterr()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -26,4 +27,9 @@ def fit_noting_reshards(doc: dict[str, Any], capfd: pytest.CaptureFixture[str], 
     LAST_STDERR[0] = err
     here = [f"{ReshardWarning.__name__}: {w.message}" for w in caught
             if issubclass(w.category, ReshardWarning)]
-    return summary, here + [line for line in err.splitlines() if ReshardWarning.__name__ in line]
+    # a launched run's rank 0 warns on its own stderr; its summary says the same
+    resumed = summary.get("resumed_from") or {}
+    told = ([f"resumed {resumed['checkpoint']} (layout {resumed['layout']}) on layout {resumed['onto']}: "
+             "by names; reset: "
+             f"{'; '.join(resumed['reset'])}"] if resumed.get("resharded") else [])
+    return summary, here + told + [line for line in err.splitlines() if ReshardWarning.__name__ in line]

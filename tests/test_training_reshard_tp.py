@@ -255,7 +255,12 @@ def test_tensor_parallel_resumes_as_local_and_back(tmp_path: Path, capfd: pytest
     # and back: TP 2 from the Local checkpoint at 12, zero steps left, bit for bit
     back, notes = _fit(_doc(tmp_path, 12, tp=2, base=DIGITS), capfd, resume=True)
     assert back["steps"] == 12
-    assert notes and "'strategy': 'Local'" in notes[0], LAST_STDERR[0][-4000:]
+    # what it resumed from is in the summary (the worker's warning is on its stderr as well)
+    resumed = back["resumed_from"]
+    assert {k: resumed[k] for k in ("checkpoint", "step", "resharded", "layout")} == {
+        "checkpoint": "step-000000012", "step": 12, "resharded": True,
+        "layout": {"strategy": "Local", "replicas": 1}}, LAST_STDERR[0][-4000:]
+    assert resumed["onto"]["tp"] == 2 and "the random state of processes 1..1" in resumed["reset"][0]
     assert _same(paratrain.load_model(run_dir), after12)
 
 
@@ -292,13 +297,20 @@ def test_tp_by_dp_resumes_on_one_replica_and_as_data_parallel(tmp_path: Path, ca
 
 def test_a_checkpoint_only_another_strategy_resumes_is_refused(tmp_path: Path) -> None:
     """A run folder whose newest checkpoint is a PopulationBased population: a Local
-    resume names it instead of starting fresh."""
+    resume names it instead of starting fresh; so is an earlier version's population file."""
     ckpts = tmp_path / "r" / "checkpoints"
-    ckpts.mkdir(parents=True)
-    (ckpts / "population-000003.pt").write_bytes(b"")
+    folder = ckpts / "step-000000003"
+    folder.mkdir(parents=True)
+    (folder / "layout.json").write_text(json.dumps({"kind": "pbt", "step": 3, "world": 2,
+                                                    "strategy": "PopulationBased"}))
     with pytest.raises(ConfigError) as e:
         paratrain.fit(_doc(tmp_path, 4), resume=True)
-    assert "population-000003.pt" in str(e.value) and "PopulationBased" in str(e.value)
+    assert "step-000000003" in str(e.value) and "generation 3" in str(e.value)
+    assert "PopulationBased" in str(e.value) and "--overwrite" in str(e.value)
+    (ckpts / "population-000004.pt").write_bytes(b"")
+    with pytest.raises(ConfigError) as e:
+        paratrain.fit(_doc(tmp_path, 4), resume=True)
+    assert "population-000004.pt" in str(e.value) and "does not resume it" in str(e.value)
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -327,6 +328,7 @@ def run_loop(
     model = eng.model
     pos = Position()
     losses: list[float] = []
+    resumed_from: dict[str, Any] | None = None  # the summary says what a resume started from
     names = getattr(eng, "model_names", None)  # this process's keys -> the model's names
     names = names() if callable(names) else None
     shards = getattr(eng, "model_shards", None)  # keys holding part of a model tensor -> spec
@@ -348,6 +350,9 @@ def run_loop(
             old = found[1].get("layout") or {}
             pos = (reposition(old, pos) if reposition is not None else Position(pos.step, *by_examples(
                 old, layout or {}, epoch=pos.epoch, batch=pos.batch, per_epoch=plan.batches_per_epoch)))
+        resumed_from = {"checkpoint": Path(source).name, "step": int(state["step"]),
+                        "layout": dict(state.get("layout") or {}), "resharded": resharded,
+                        **({"onto": dict(layout or {}), "reset": list(state["reset"])} if resharded else {})}
         losses = [float(v) for v in state.get("losses", [])]
         if not resharded:  # a stream's loader position (same layout only)
             feed.load_state_dict(state.get("loader") or {})
@@ -446,4 +451,4 @@ def run_loop(
         pick = max if task.fitness_mode == "max" else min
         records = [r for r in read_metrics(metrics.path.parent) if r.get(f"test_{fit}") is not None]
         best = pick((float(r[f"test_{fit}"]) for r in records), default=final.get(fit))
-    return LoopResult(pos, final, best, start_step)
+    return LoopResult(pos, final, best, start_step, {"resumed_from": resumed_from} if resumed_from else {})

@@ -271,7 +271,8 @@ class RankStore:
         return folder, {**state, "scheduler": first["scheduler"], "rng": rng, "engine": {},
                         "step": first["step"], "epoch": first["epoch"], "batch": first["batch"],
                         "losses": [], "optimizer_type": first.get("optimizer_type"),
-                        "layout": first.get("layout"), "resharded": True}
+                        "layout": first.get("layout"), "resharded": True,
+                        "reset": reset + ["the training losses since the last evaluation"]}
 
 
     def _load_engines(self, folder: Path, doc: dict[str, Any]) -> tuple[Path, dict[str, Any]]:

@@ -27,8 +27,9 @@ def summary_fields(result: Any, task: Any, *, train: Any, test: Any, model: nn.M
                    started: float) -> dict[str, Any]:
     """The summary keys every strategy reports (on the logging process): position,
     ``test_<metric>`` for every metric of the task, ``best_test_<fitness>``, the task's
-    reference metrics (``bigram_test_loss``), the wall time and, given the whole model,
-    its parameter count and digest."""
+    reference metrics (``bigram_test_loss``), what a resume started from (``resumed_from``:
+    the checkpoint, its step and layout, whether it was resharded), the wall time and, given
+    the whole model, its parameter count and digest."""
     out: dict[str, Any] = {"steps": result.position.step, "epochs": result.position.epoch,
                            "task": str(getattr(task, "name", type(task).__name__))}
     if model is not None:
@@ -39,6 +40,9 @@ def summary_fields(result: Any, task: Any, *, train: Any, test: Any, model: nn.M
     reference = getattr(task, "reference_metrics", None)
     if callable(reference):
         out.update(reference(train, test))
+    resumed = getattr(result, "extra", {}).get("resumed_from")
+    if resumed:  # which checkpoint, of which layout (read by the model's names when resharded)
+        out["resumed_from"] = resumed
     out["wall_time_s"] = round(time.perf_counter() - started, 3)
     if model is not None:
         out["parameters_sha256"] = parameters_digest(model)
