@@ -43,7 +43,7 @@ class Lifecycle:
     def __init__(self, *, store: Any, unit: str, total: int, label: str, state: Callable[[int], dict[str, Any]],
                  checkpoint_every: int | str = 0, group: Any = None, rank: int = 0,
                  restart_count: int = 0, metrics: MetricsWriter | None = None,
-                 progress_every: int | str | None = None, show: bool | None = None,
+                 progress_every: int | str | None = None, show: bool | None | str = "auto",
                  record_offset: int = 0) -> None:
         self.record_offset = record_offset  # metrics records of unit d carry d + offset
         self.store, self.unit, self.total, self.label = store, unit, total, label
@@ -52,8 +52,10 @@ class Lifecycle:
         self.cadence = Cadence(checkpoint_every)
         self.last_saved: int | None = None
         self.flag = StopFlag()
-        self._show = (None if metrics is not None else False) if show is None else show
-        self.bar = progress_bar(enabled=self._show, every=progress_every)
+        # progress on the process that logs metrics ("auto"), or as told (None: on a terminal
+        # or as lines, False: none)
+        enabled = (None if metrics is not None else False) if show == "auto" else show
+        self.bar = progress_bar(enabled=bool(enabled) if enabled is not None else None, every=progress_every)
         self._task: Any = None
         self._stack = ExitStack()
 
