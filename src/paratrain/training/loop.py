@@ -53,7 +53,6 @@ from .stepping import (
     clip_gradients_,
     local_grad_sq_norm,
 )
-from .stores import Held
 from .summary import parameters_digest, summary_fields
 
 __all__ = [
@@ -323,6 +322,8 @@ def run_loop(
     ``model_names()`` (its keys -> the model's names) and ``model_shards()`` (its keys that
     hold part of a model tensor -> their shard spec, :mod:`.reshard`). ``progress_every``:
     ``run.progress_every`` (:mod:`.progress`; shown by the process that logs metrics)."""
+    from .stores import Held  # torch.distributed.checkpoint: a federated client's step needs none
+
     started = time.perf_counter() if started is None else started
     eng, opt = trainer.engine, trainer.optimizer
     model = eng.model

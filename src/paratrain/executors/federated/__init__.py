@@ -13,15 +13,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from ...comm.context import WorkerContext, default_workers
 from ...config.job import JobConfig
-from ..entry import worker_entry
 from ..spec import ExecutorSpec
-from .runner import worker_main
 
 __all__ = ["SPEC", "run", "run_in_process", "worker_main", "num_workers"]
+
+
+def worker_main(ctx: Any, job: JobConfig, resume: bool) -> dict[str, Any] | None:
+    """The round loop of one worker process (:func:`.runner.worker_main`), imported when
+    called: a Flower ClientApp process imports this package for its handlers' light parts
+    (SecAgg+'s key stages) and needs torch only when it trains."""
+    from .runner import worker_main as main
+
+    return main(ctx, job, resume)
 
 
 def num_workers(job: JobConfig) -> int:
@@ -33,6 +37,9 @@ def num_workers(job: JobConfig) -> int:
 
 def run_in_process(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
     """The same round loop as one process (no process group; an in-memory store)."""
+    import torch
+
+    from ...comm.context import WorkerContext, default_workers
     from ...training import resolve_device
 
     ctx = WorkerContext(
@@ -63,6 +70,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     from ...data.partition import partition_dataset
     from ...task import resolve_task
     from ...training.rundir import RunFolder
+    from ..entry import worker_entry
 
     if job.federated.runtime == "flower":  # the SuperLink starts its ServerApp (.flower)
         raise ConfigError([("federated.runtime", (
