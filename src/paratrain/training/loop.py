@@ -2,9 +2,8 @@
 :class:`Engine` (what is its own: how a batch's gradients are computed and combined, how
 the model is evaluated, which extra state it checkpoints) and the order of its data.
 
-Order. Epoch ``e``'s example order is ``epoch_permutation(N, seed, e)``, a pure function:
-``torch.randperm(N, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))``.
-One process (Local, tensor parallel, every pipeline stage) walks it in batches of
+Order. Epoch ``e``'s example order is ``epoch_permutation(N, seed, e)``, a pure function
+(:mod:`.plan`, with :class:`DataPlan`, this process's data). One process (Local, tensor parallel, every pipeline stage) walks it in batches of
 ``train.batch_size``; DataParallel replica ``r`` of ``n`` takes ``perm[: (N // n) * n][r::n]``,
 which is what ``torch.utils.data.DistributedSampler(ds, n, r, shuffle=False,
 drop_last=True)`` yields over a dataset indexed through ``perm`` (the README shows it).
@@ -13,10 +12,12 @@ Position. ``(step, epoch, batch)``: optimizer steps done, the epoch, and the nex
 that epoch. An optimizer step takes the next ``train.grad_accumulation`` batches of the
 epoch (fewer at its end) -- :class:`Trainer`. ``train.max_steps`` caps the steps.
 
-Cadence. Evaluate every ``train.eval_every`` steps (0: at each epoch's end), checkpoint
-every ``run.checkpoint_every`` steps or span of wall time (0: at each epoch's end), at the
-end, and when SIGINT/SIGTERM stops the run (:mod:`.interrupt`: the step in progress
-finishes, every process saves the same step, :class:`~.interrupt.Interrupted` is raised).
+Cadence. Evaluate every ``train.eval_every`` steps (0: at each epoch's end). The step is the
+unit of the run's lifecycle (:class:`~.lifecycle.Lifecycle`, which Federated's rounds and
+PopulationBased's generations share): checkpoint every ``run.checkpoint_every`` steps or
+span of wall time (0: at each epoch's end), at the end, and when SIGINT/SIGTERM stops the
+run (the step in progress finishes, every process saves the same step,
+:class:`~.interrupt.Interrupted` is raised).
 
 Resume. A checkpoint holds the model, optimizer, lr scheduler, RNG states, the position,
 the training losses since the last evaluation and the engine's own state (aggregator,
@@ -26,9 +27,7 @@ uninterrupted run takes, so its final parameters are bit-identical (tested per s
 
 from __future__ import annotations
 
-import functools
 import itertools
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,11 +37,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from ..config import ConfigError
-from ..data.loader import IN_PROCESS, Feed, LoaderOptions, MapFeed, is_stream
 from . import checkpoint
 from .interrupt import agree
 from .lifecycle import Lifecycle
+from .plan import DataPlan, Position, epoch_permutation, feed_of
 from .reshard import by_examples, param_keys, param_names
 from .rundir import MetricsWriter, read_metrics
 from .seed import rng_state, set_rng_state
@@ -72,13 +70,6 @@ def resolve_device(name: str) -> torch.device:
 
         raise ConfigError([("run.device", "'cuda' requested but CUDA is not available")])
     return torch.device(name)
-
-
-def epoch_permutation(n: int, *, seed: int, epoch: int) -> torch.Tensor:
-    """A fresh permutation of ``range(n)`` per epoch, a pure function of (seed, epoch):
-    every rank computes the same one, and a resumed run replays it exactly."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=g)
 
 
 def batch_size_of(batch: Batch) -> int:
@@ -207,69 +198,6 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
 
 
-@dataclass(frozen=True)
-class DataPlan:
-    """This process's data: ``order(epoch)`` gives the dataset indices it walks that epoch
-    (all of the same length every epoch), in batches of ``batch_size``, read through torch's
-    DataLoader with ``loader``'s workers (:mod:`paratrain.data.loader`).
-
-    A stream (an ``IterableDataset``) has no order: rank ``shard[0]`` of ``shard[1]`` reads
-    its share of it (:mod:`paratrain.data.stream`) as one "epoch" of ``max_steps`` steps
-    (:meth:`build`)."""
-
-    dataset: Any
-    order: Callable[[int], torch.Tensor]
-    examples_per_epoch: int
-    batch_size: int
-    accumulation: int
-    epochs: int
-    max_steps: int | None
-    device: torch.device | None = None
-    loader: LoaderOptions = IN_PROCESS
-    shard: tuple[int, int] = (0, 1)
-
-    @classmethod
-    def build(cls, *, dataset: Any, order: Callable[[int], torch.Tensor], examples_per_epoch: int,
-              batch_size: int, accumulation: int, epochs: int, max_steps: int | None,
-              device: torch.device | None = None, loader: LoaderOptions = IN_PROCESS,
-              shard: tuple[int, int] = (0, 1)) -> DataPlan:
-        """The plan; for a stream, ``max_steps`` steps of ``accumulation`` batches in one
-        epoch (``order`` and ``examples_per_epoch`` unused; ConfigError without
-        ``train.max_steps``)."""
-        if is_stream(dataset):
-            if max_steps is None:
-                raise ConfigError([("train.max_steps", "the training data is a stream (an "
-                                    "IterableDataset, no len()): a run over it counts steps, "
-                                    "not epochs; set train.max_steps")])
-            examples_per_epoch, epochs = max_steps * accumulation * batch_size, 1
-        return cls(dataset, order, examples_per_epoch, batch_size, accumulation, epochs,
-                   max_steps, device, loader, shard)
-
-    @property
-    def stream(self) -> bool:
-        return is_stream(self.dataset)
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return math.ceil(self.examples_per_epoch / self.batch_size)
-
-    @property
-    def steps_per_epoch(self) -> int:
-        return math.ceil(self.batches_per_epoch / self.accumulation)
-
-    @property
-    def total_steps(self) -> int:
-        total = self.epochs * self.steps_per_epoch
-        return total if self.max_steps is None else min(total, self.max_steps)
-
-
-@dataclass
-class Position:
-    step: int = 0
-    epoch: int = 0
-    batch: int = 0
-
-
 @dataclass
 class LoopResult:
     position: Position
@@ -277,24 +205,6 @@ class LoopResult:
     best: float | None
     started_at_step: int
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _feed(plan: DataPlan, task: Any) -> Feed:
-    """Where the loop reads ``plan``'s batches: a DataLoader over the loop's order, or a
-    stream's StatefulDataLoader; the task's ``collate_fn`` collates items."""
-    from ..task.steps import fetch_batch, to_device
-
-    collate = getattr(task, "collate_fn", None)
-    move = functools.partial(to_device, device=plan.device)
-    if plan.stream:
-        from ..data.stream import StreamFeed
-
-        return StreamFeed(plan.dataset, batch_size=plan.batch_size, rank=plan.shard[0],
-                          world=plan.shard[1], to_device=move, collate=collate,
-                          options=plan.loader, device=plan.device)
-    return MapFeed(plan.dataset, order=plan.order, batch_size=plan.batch_size, fetch=fetch_batch,
-                   to_device=move, collate=collate, options=plan.loader, device=plan.device,
-                   rank=plan.shard[0])
 
 
 def run_loop(
@@ -335,7 +245,7 @@ def run_loop(
     shards = getattr(eng, "model_shards", None)  # keys holding part of a model tensor -> spec
     shards = shards() if callable(shards) else None
     found = store.load(Held(model, opt, names, shards, layout)) if resume else None
-    feed = _feed(plan, task)
+    feed = feed_of(plan, task)
     if found is not None:
         source, state = found
         resharded = bool(state.get("resharded"))  # written on another layout, read by names

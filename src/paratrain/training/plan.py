@@ -1,0 +1,112 @@
+"""This process's data for the one loop: which examples each epoch walks, in which
+batches, through which loader (:class:`DataPlan`), and the loop's position in it
+(:class:`Position`).
+
+Order. Epoch ``e``'s example order is ``epoch_permutation(N, seed, e)``, a pure function:
+``torch.randperm(N, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))``; every
+rank computes the same one, and a resumed run replays it exactly. A stream (an
+``IterableDataset``) has no order: each rank reads its share (:mod:`paratrain.data.stream`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import ConfigError
+from ..data.loader import IN_PROCESS, Feed, LoaderOptions, MapFeed, is_stream
+
+__all__ = ["epoch_permutation", "DataPlan", "Position", "feed_of"]
+
+
+def epoch_permutation(n: int, *, seed: int, epoch: int) -> torch.Tensor:
+    """A fresh permutation of ``range(n)`` per epoch, a pure function of (seed, epoch):
+    every rank computes the same one, and a resumed run replays it exactly."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(n, generator=g)
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    """This process's data: ``order(epoch)`` gives the dataset indices it walks that epoch
+    (all of the same length every epoch), in batches of ``batch_size``, read through torch's
+    DataLoader with ``loader``'s workers (:mod:`paratrain.data.loader`).
+
+    A stream (an ``IterableDataset``) has no order: rank ``shard[0]`` of ``shard[1]`` reads
+    its share of it (:mod:`paratrain.data.stream`) as one "epoch" of ``max_steps`` steps
+    (:meth:`build`)."""
+
+    dataset: Any
+    order: Callable[[int], torch.Tensor]
+    examples_per_epoch: int
+    batch_size: int
+    accumulation: int
+    epochs: int
+    max_steps: int | None
+    device: torch.device | None = None
+    loader: LoaderOptions = IN_PROCESS
+    shard: tuple[int, int] = (0, 1)
+
+    @classmethod
+    def build(cls, *, dataset: Any, order: Callable[[int], torch.Tensor], examples_per_epoch: int,
+              batch_size: int, accumulation: int, epochs: int, max_steps: int | None,
+              device: torch.device | None = None, loader: LoaderOptions = IN_PROCESS,
+              shard: tuple[int, int] = (0, 1)) -> DataPlan:
+        """The plan; for a stream, ``max_steps`` steps of ``accumulation`` batches in one
+        epoch (``order`` and ``examples_per_epoch`` unused; ConfigError without
+        ``train.max_steps``)."""
+        if is_stream(dataset):
+            if max_steps is None:
+                raise ConfigError([("train.max_steps", "the training data is a stream (an "
+                                    "IterableDataset, no len()): a run over it counts steps, "
+                                    "not epochs; set train.max_steps")])
+            examples_per_epoch, epochs = max_steps * accumulation * batch_size, 1
+        return cls(dataset, order, examples_per_epoch, batch_size, accumulation, epochs,
+                   max_steps, device, loader, shard)
+
+    @property
+    def stream(self) -> bool:
+        return is_stream(self.dataset)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return math.ceil(self.examples_per_epoch / self.batch_size)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.batches_per_epoch / self.accumulation)
+
+    @property
+    def total_steps(self) -> int:
+        total = self.epochs * self.steps_per_epoch
+        return total if self.max_steps is None else min(total, self.max_steps)
+
+
+@dataclass
+class Position:
+    step: int = 0
+    epoch: int = 0
+    batch: int = 0
+
+
+def feed_of(plan: DataPlan, task: Any) -> Feed:
+    """Where the loop reads ``plan``'s batches: a DataLoader over the loop's order, or a
+    stream's StatefulDataLoader; the task's ``collate_fn`` collates items."""
+    from ..task.steps import fetch_batch, to_device
+
+    collate = getattr(task, "collate_fn", None)
+    move = functools.partial(to_device, device=plan.device)
+    if plan.stream:
+        from ..data.stream import StreamFeed
+
+        return StreamFeed(plan.dataset, batch_size=plan.batch_size, rank=plan.shard[0],
+                          world=plan.shard[1], to_device=move, collate=collate,
+                          options=plan.loader, device=plan.device)
+    return MapFeed(plan.dataset, order=plan.order, batch_size=plan.batch_size, fetch=fetch_batch,
+                   to_device=move, collate=collate, options=plan.loader, device=plan.device,
+                   rank=plan.shard[0])
