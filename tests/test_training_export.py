@@ -140,14 +140,16 @@ def test_federated_client_models_hold_their_personal_parts(tmp_path: Path) -> No
         paratrain.load_model(run_dir, client=9)
 
 
-@pytest.mark.parametrize("kind", ["Local", "DataParallel", "TensorParallel"])
+@pytest.mark.parametrize("kind", ["Local", "DataParallel", "TensorParallel", "Federated"])
 def test_an_unfinished_run_exports_its_newest_checkpoint(tmp_path: Path, kind: str) -> None:
     """No model.safetensors yet (interrupted, or still running): the newest complete
-    checkpoint, merged by the model's names from every process's file, with a warning."""
+    checkpoint, merged by the model's names from every process's file, with a warning
+    (Federated: the global model of its newest round's checkpoint)."""
     doc = {**CASES[kind], "run": {"name": "u", "seed": 3, "output_dir": str(tmp_path)}}
     run_dir = Path(paratrain.fit(doc)["run_dir"])
     final = paratrain.load_model(run_dir)
     (run_dir / "model.safetensors").unlink()  # as before the run's end
-    with pytest.warns(RuntimeWarning, match="has not finished: its model at step"):
+    unit = "round" if kind == "Federated" else "step"
+    with pytest.warns(RuntimeWarning, match=f"has not finished: its model at {unit}"):
         state = paratrain.load_model(run_dir)
     assert sorted(state) == sorted(final) and all(torch.equal(state[k], final[k]) for k in final)
