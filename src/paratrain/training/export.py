@@ -146,13 +146,13 @@ def read_model(path: str | Path) -> dict[str, torch.Tensor]:
 def _from_checkpoint(run: Path) -> dict[str, torch.Tensor] | None:
     """An unfinished run's model (interrupted, or still running): its newest complete
     checkpoint merged by the model's names, with a warning saying which step; None when
-    the run has none the one loop wrote (Federated and PopulationBased write their model
-    only at the end)."""
+    the run has none that holds a model (PopulationBased's holds the population: its best
+    member's model is written at the end), or only an earlier version's file."""
     from ..files import newest_checkpoint
     from .stores import read_named_model
 
     found = newest_checkpoint(run)
-    if found is None or not found.path.is_dir():  # none, or Federated's / PBT's / an earlier format
+    if found is None or not found.path.is_dir() or found.kind == "pbt":
         return None
     source = found.path
     state = read_named_model(source)
