@@ -153,3 +153,15 @@ def test_an_unfinished_run_exports_its_newest_checkpoint(tmp_path: Path, kind: s
     with pytest.warns(RuntimeWarning, match=f"has not finished: its model at {unit}"):
         state = paratrain.load_model(run_dir)
     assert sorted(state) == sorted(final) and all(torch.equal(state[k], final[k]) for k in final)
+
+
+def test_an_unfinished_population_says_so_instead_of_an_empty_model(tmp_path: Path) -> None:
+    """A PopulationBased checkpoint holds the population, not a model: before the run's end
+    there is no model to give (it used to read as an empty state_dict)."""
+    doc = {**CASES["PopulationBased"], "run": {"name": "p", "seed": 3, "output_dir": str(tmp_path),
+                                                "num_workers": 1}}
+    run_dir = Path(paratrain.fit(doc)["run_dir"])
+    assert paratrain.load_model(run_dir)  # finished: the best member's model
+    (run_dir / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="has not finished"):
+        paratrain.load_model(run_dir)
