@@ -205,7 +205,8 @@ class RankStore:
             return []
         if not found.path.is_dir():
             raise ConfigError([(self.layout_field, (
-                f"the newest checkpoint in {self.root} is {found.describe()}, in the torch.save "
+                f"the newest checkpoint in {self.root} is {found.describe()}, in the "
+                f"{'' if found.kind in ('local', 'population') else 'per-process '}torch.save "
                 "format of paratrain before torch.distributed.checkpoint: this version does not "
                 "resume it; finish the run with the version that wrote it, or start a fresh run "
                 "with --overwrite"))])
