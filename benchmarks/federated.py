@@ -370,8 +370,9 @@ def main() -> None:
     args = ap.parse_args()
     rounds = 4 if args.quick else 6
     sizes = (100,) if args.quick else (100, 1000)
-    try:
+    try:  # Flower's simulation needs the bench extra (flwr[simulation]: Ray)
         import flwr
+        import ray  # noqa: F401
 
         flwr_version: str | None = flwr.__version__
     except ImportError:
@@ -399,7 +400,7 @@ def main() -> None:
 
         out["versions"]["ray"] = ray.__version__
     else:
-        out["flwr"] = "skipped: flwr not importable (install the optional bench extra)"
+        out["flwr"] = "skipped: flwr[simulation] (Ray) not importable (install the optional bench extra)"
     for k in sizes:
         row: dict[str, Any] = {"paratrain": _run_child("paratrain", k, rounds),
                                "naive": _run_child("naive", k, rounds)}
