@@ -1,7 +1,8 @@
 """PopulationBased keeps progress on Ctrl-C: SIGINT to the CLI's process group stops a
 2-worker population at the end of the generation in progress, after its population
-checkpoint (every rank agreeing), exit 130; ``--resume`` ends with the uninterrupted
-run's best member, bit for bit."""
+checkpoint (every rank agreeing), exit 130; ``--resume`` on one worker ends with the
+uninterrupted 2-worker run's best member, bit for bit (the population checkpoint is process
+0's engine state; members move between workers as files)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ def test_sigint_finishes_the_generation_in_progress_and_resume_is_bit_identical(
     assert max(int(r["generation"]) for r in read_metrics(run_dir)) == 1
     assert not (run_dir / "summary.json").exists()
 
-    resumed = execute(load_job(doc), resume=True)
+    one = json.loads(json.dumps(doc))
+    one["run"]["num_workers"] = 1  # and on another number of workers (the same-world resume:
+    resumed = execute(load_job(one), resume=True)  # test_kill_resume_matrix)
     ref = execute(load_job(_doc(tmp_path / "ref")))
     assert resumed["parameters_sha256"] == ref["parameters_sha256"]
     assert resumed["final_fitness"] == ref["final_fitness"]
