@@ -128,10 +128,6 @@ def _check_shared(run_dir: Path, token: str, rank: int) -> None:
             "by all workers"))])
 
 
-def _persist(run_dir: Path, lineage_text: str) -> None:
-    _write_text(run_dir / "lineage.json", lineage_text)
-
-
 def _prune_members(run_dir: Path, *, keep_from: int) -> None:
     """Delete member checkpoints of generations before ``keep_from`` (after the
     population checkpoint that no longer needs them is on disk)."""
@@ -300,7 +296,7 @@ def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRun
         # lineage first, the population checkpoint (collective) last, so a crash in between
         # reruns this generation on resume (metrics are truncated back to the checkpoint)
         t = time.perf_counter()
-        _persist(run_dir, json.dumps(lineage_json(pop, metric=metric, mode=mode), indent=1))
+        _write_text(run_dir / "lineage.json", json.dumps(lineage_json(pop, metric=metric, mode=mode), indent=1))
         done = pop.generation
         life.end_unit(done, last=done == generations)
         if opts.keep_generations is not None:
