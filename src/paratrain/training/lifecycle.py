@@ -33,7 +33,7 @@ from .interrupt import Cadence, Interrupted, StopFlag, agree, stop_on_signals
 from .progress import progress_bar
 from .rundir import MetricsWriter
 
-__all__ = ["Lifecycle"]
+__all__ = ["Lifecycle", "engine_state"]
 
 
 class Lifecycle:
@@ -116,3 +116,11 @@ class Lifecycle:
         """The run ends after ``done`` units: saved unless that checkpoint exists."""
         if self.last_saved != done:
             self.save(done)
+
+
+def engine_state(done: int, engine: dict[str, Any], model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The store's state of a strategy whose state is its engine's (Federated, PopulationBased):
+    no optimizer, scheduler, loader or RNG of the loop's; ``model`` by the model's names."""
+    return {"model": dict(model or {}), "engine": engine, "step": done, "epoch": 0, "batch": 0,
+            "rng": None, "losses": [], "loader": None, "scheduler": None, "optimizer_type": None,
+            "layout": {}}

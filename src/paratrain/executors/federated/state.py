@@ -29,6 +29,7 @@ from typing import Any
 
 from ...comm import collectives as C
 from ...config import ConfigError
+from ...training.lifecycle import engine_state
 from ...training.stores import RankStore
 
 __all__ = ["fed_store", "round_state", "restore"]
@@ -52,8 +53,7 @@ def round_state(server: Any, host: Any, done: int) -> dict[str, Any]:
         srv = server.state_dict()
         model = srv.pop("model")
         engine["server"] = srv
-    return {"model": model, "engine": engine, "step": done, "epoch": 0, "batch": 0, "rng": None,
-            "losses": [], "loader": None, "scheduler": None, "optimizer_type": None, "layout": {}}
+    return engine_state(done, engine, model)
 
 
 def _merged_clients(engines: list[dict[str, Any]]) -> dict[str, Any]:

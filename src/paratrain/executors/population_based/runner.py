@@ -65,7 +65,7 @@ from ...config import ConfigError
 from ...config.job import JobConfig
 from ...training import MetricsWriter, checkpoint, prepare_run_dir, resolve_device, write_summary
 from ...training.faults import maybe_kill
-from ...training.lifecycle import Lifecycle
+from ...training.lifecycle import Lifecycle, engine_state
 from ...training.rundir import RunFolder, run_dir_of, safe_rmtree
 from ...training.stores import RankStore
 from .failures import lost_after, lost_before, warn_first_failures
@@ -167,9 +167,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     metrics: MetricsWriter | None = None
 
     def population_state(done: int) -> dict[str, Any]:
-        engine = {"population": pop.state_dict()} if pop is not None else {}
-        return {"model": {}, "engine": engine, "step": done, "epoch": 0, "batch": 0, "rng": None,
-                "losses": [], "loader": None, "scheduler": None, "optimizer_type": None, "layout": {}}
+        return engine_state(done, {"population": pop.state_dict()} if pop is not None else {})
 
     # every generation is checkpointed (members move between ranks as files each generation)
     life = Lifecycle(
