@@ -10,10 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paratrain.config.job import PartitionSpec
-from paratrain.config.strategy import (
-    AllClients,
-    ByCapability,
+from paratrain.config.federated_aggregation import (
     FedAdagrad,
     FedAdam,
     FedAvg,
@@ -23,8 +20,9 @@ from paratrain.config.strategy import (
     FedTrimmedAvg,
     FedYogi,
     Krum,
-    RandomClients,
 )
+from paratrain.config.job import PartitionSpec
+from paratrain.config.strategy import AllClients, ByCapability, RandomClients
 from paratrain.data.partition import (
     partition_dirichlet,
     partition_iid,

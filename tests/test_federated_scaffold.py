@@ -203,7 +203,7 @@ def test_unsupported_combinations_name_the_field(tmp_path: Path) -> None:
 def test_server_rejects_an_uplink_without_the_methods_extra() -> None:
     """A SCAFFOLD client that sends no control delta, or a FedNova client no normaliser, is a
     recorded failure naming the client and what is missing; the others are aggregated."""
-    from paratrain.config.strategy import SCAFFOLD, FedNova
+    from paratrain.config.federated_aggregation import SCAFFOLD, FedNova
     from paratrain.executors.federated.drift import pack_control
     from paratrain.executors.federated.server import FederatedServer
     from paratrain.executors.federated.wire import encode_update

@@ -52,7 +52,8 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from ._base import Contract, is_set, unknown_keys
-from .strategy import Federated, Krum
+from .federated_aggregation import Krum
+from .strategy import Federated
 
 if TYPE_CHECKING:
     from .job import JobConfig

@@ -19,22 +19,18 @@ from ._base import (
     format_validation_error,
 )
 from .compression import CompressionStrategy
+from .search_space import ChoiceDim, IntDim, LogUniformDim, SearchDim, UniformDim  # re-exported
 from .sections import (  # re-exported: the sections are part of this module's API
-    ChoiceDim,
     CommConfig,
     DataSpec,
     FederatedOptions,
-    IntDim,
-    LogUniformDim,
     ModelSpec,
     OptimizerSpec,
     PartitionSpec,
     PopulationOptions,
     RunConfig,
-    SearchDim,
     TaskSpec,
     TrainConfig,
-    UniformDim,
     WorkerSpec,
     _Section,
 )

@@ -1,6 +1,7 @@
 """The sections of a job file (``[run]``, ``[model]``, ``[data]``, ``[task]``, ``[train]``,
-``[[workers]]``, ``[comm]``, ``[federated]``, ``[population]``, ``[search_space]``), each a
-frozen pydantic model whose field docstrings are the schema's descriptions.
+``[[workers]]``, ``[comm]``, ``[federated]``, ``[population]``), each a frozen pydantic
+model whose field docstrings are the schema's descriptions. ``[search_space]`` is in
+:mod:`paratrain.config.search_space`.
 
 Sections reject unknown keys (a misspelled option should not be silently ignored);
 ``[model]``, ``[data]``, ``[task]`` and ``[train.optimizer]`` pass extra keys through as
@@ -13,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ._base import Count, PositiveCount, describe_tags, parse_every, register_tags
+from ._base import Count, PositiveCount, describe_tags, parse_every
 from .flower import RUNTIMES, FlowerOptions
 from .privacy import FederatedDP
 
@@ -29,11 +30,6 @@ __all__ = [
     "CommConfig",
     "FederatedOptions",
     "PopulationOptions",
-    "UniformDim",
-    "LogUniformDim",
-    "IntDim",
-    "ChoiceDim",
-    "SearchDim",
 ]
 
 
@@ -377,53 +373,3 @@ class PopulationOptions(_Section):
         if self.steps_per_generation is not None and self.epochs_per_generation is not None:
             raise ValueError("set steps_per_generation or epochs_per_generation, not both")
         return self
-
-
-class UniformDim(_Section):
-    type: Literal["uniform"] = "uniform"
-    low: float
-    """Lower bound of the range."""
-    high: float
-    """Upper bound of the range (greater than low)."""
-
-    @model_validator(mode="after")
-    def _order(self) -> UniformDim:
-        if not self.low < self.high:
-            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
-        return self
-
-
-class LogUniformDim(UniformDim):
-    type: Literal["log_uniform"] = "log_uniform"  # type: ignore[assignment]
-
-    @model_validator(mode="after")
-    def _positive(self) -> LogUniformDim:
-        if self.low <= 0:
-            raise ValueError(f"log_uniform needs low > 0 (got {self.low})")
-        return self
-
-
-class IntDim(_Section):
-    type: Literal["int"] = "int"
-    low: Annotated[int, Field(strict=True)]
-    """Smallest integer drawn."""
-    high: Annotated[int, Field(strict=True)]
-    """Upper bound of the integers drawn (greater than low)."""
-
-    @model_validator(mode="after")
-    def _order(self) -> IntDim:
-        if not self.low < self.high:
-            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
-        return self
-
-
-class ChoiceDim(_Section):
-    type: Literal["choice"] = "choice"
-    values: Annotated[list[Any], Field(min_length=1)]
-    """The values to choose from (at least one)."""
-
-
-SearchDim = Annotated[
-    UniformDim | LogUniformDim | IntDim | ChoiceDim, Field(discriminator="type")
-]
-register_tags(["uniform", "log_uniform", "int", "choice"])
