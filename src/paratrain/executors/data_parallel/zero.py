@@ -30,7 +30,7 @@ no rank used this step keeps ``grad = None`` on every rank's piece (one MAX all-
 flags), so the optimizer skips it. ``[subgraphs]`` Local layers and frozen parameters stay
 whole and local. Every rank must call the same units in the same order (as under FSDP).
 
-For the one loop the engine's ``model`` is :class:`ShardView`: the pieces (and the local
+For the one loop the engine's ``model`` is :class:`~.zero_shards.ShardView`: the pieces (and the local
 tensors) under mangled keys, with :meth:`ZeroEngine.model_names` and
 :meth:`ZeroEngine.model_shards` (row specs), so checkpoints are by the model's names and
 resume on any world (:mod:`paratrain.training.reshard`); ``net`` is the model computed with.
@@ -39,7 +39,6 @@ resume on any world (:mod:`paratrain.training.reshard`); ``net`` is the model co
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,8 +53,9 @@ from ...config import ConfigError
 from ...training.loop import LocalEngine
 from ...training.stepping import autocast, local_grad_sq_norm
 from .zero_plan import LEVELS, assign_units, resolve_units, shard_plan
+from .zero_shards import Unit, shard_view
 
-__all__ = ["ZeroEngine", "ShardView", "resolve_units", "shard_plan", "LEVELS"]
+__all__ = ["ZeroEngine", "resolve_units", "shard_plan", "LEVELS"]
 
 
 
@@ -73,46 +73,6 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
         ctx.fn()
         return (None, *grads)
-
-
-@dataclass(eq=False)
-class _Unit:
-    """One gathered group: its parameters, their shard layout and this rank's shards."""
-
-    path: str  # "" = the root unit
-    named: list[tuple[str, nn.Parameter]]
-    flat: FlatShard
-    shard: torch.Tensor | None = None  # ZeRO-3: this rank's parameter rows (S elements)
-    grad: torch.Tensor | None = None  # ZeRO-2/3: this rank's gradient rows, summed over micro-batches
-    used: list[bool] = field(default_factory=list)
-    pieces: list[nn.Parameter | None] = field(default_factory=list)
-    gathered: bool = True
-    reduced: bool = False  # reduce-scattered during this backward pass
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return [p for _, p in self.named]
-
-
-class ShardView(nn.Module):
-    """What the loop checkpoints and the optimizer steps: this rank's pieces of the
-    sharded parameters, the local parameters and the other state, under mangled keys."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: dict[str, str] = {}
-        self.specs: dict[str, dict[str, Any]] = {}
-
-    def add(self, name: str, t: torch.Tensor, *, spec: dict[str, Any] | None = None,
-            param: bool = True) -> None:
-        key = name.replace(".", "/")
-        self.names[key] = name
-        if spec is not None:
-            self.specs[key] = spec
-        if param:
-            self.register_parameter(key, t if isinstance(t, nn.Parameter) else nn.Parameter(t))
-        else:
-            self.register_buffer(key, t.detach())
 
 
 class ZeroEngine(LocalEngine):
@@ -134,18 +94,18 @@ class ZeroEngine(LocalEngine):
             raise ConfigError([("strategy.shard", f"parameter {flat0[0]} is 0-dimensional: it has no "
                                 "rows to shard; make it shape [1] or leave shard = \"none\"")])
         paths = resolve_units(net, units) if self.level >= 2 else []
-        self.units: list[_Unit] = []
+        self.units: list[Unit] = []
         for path, named in assign_units(net, paths, shared):
             dtypes = {p.dtype for _, p in named}
             if len(dtypes) > 1:
                 raise ConfigError([("strategy.shard_unit", f"unit {path or '(root)'} mixes parameter "
                                     f"dtypes {sorted(map(str, dtypes))}; make one unit per dtype")])
-            self.units.append(_Unit(path, named, FlatShard([p.shape for _, p in named],
+            self.units.append(Unit(path, named, FlatShard([p.shape for _, p in named],
                                                            world=self.n, rank=self.rank)))
         # ZeRO-1: the unsharded exchange; otherwise GradSync only broadcasts the buffers
         self.sync_ = GradSync(shared if self.level == 1 else [], group=self.group,
                               bucket_bytes=bucket_bytes, overlap=True, buffers=buffers, counter=counter)
-        self.model = self._view(net)
+        self.model = shard_view(net, self.units)
         self._new_step = True
         self.hooks: list[Any] = []
         if self.level == 3:
@@ -156,30 +116,7 @@ class ZeroEngine(LocalEngine):
 
     # ------------------------------------------------------------------ set-up
 
-    def _view(self, net: nn.Module) -> ShardView:
-        view = ShardView()
-        mine = {id(p): (u, i) for u in self.units for i, p in enumerate(u.params)}
-        for u in self.units:
-            u.pieces = [None] * len(u.named)
-            u.used = [False] * len(u.named)
-        seen: set[int] = set()
-        for name, t in net.state_dict(keep_vars=True).items():
-            if id(t) in seen:
-                continue  # a tied name: the tensor is under its first name
-            seen.add(id(t))
-            if id(t) in mine:
-                u, i = mine[id(t)]
-                piece = u.flat.pieces[i]
-                if piece.length:  # ZeRO-1/2: rows of the whole parameter (ZeRO-3 re-points them)
-                    u.pieces[i] = nn.Parameter(t.data[piece.start : piece.start + piece.length])
-                    view.add(name, u.pieces[i], spec=piece.spec)  # type: ignore[arg-type]
-            elif isinstance(t, nn.Parameter) and t.requires_grad:
-                view.add(name, t)  # a Local subgraph's parameter: this replica's own
-            else:
-                view.add(name, t, param=False)  # buffers, frozen parameters
-        return view
-
-    def _shard_parameters(self, u: _Unit) -> None:
+    def _shard_parameters(self, u: Unit) -> None:
         """ZeRO-3: keep this rank's rows in ``u.shard`` (the pieces become views of it) and
         free the whole parameters (each first given its own storage to resize)."""
         u.shard = u.flat.pack_own(u.params, torch.empty(u.flat.numel, dtype=u.params[0].dtype,
@@ -202,7 +139,7 @@ class ZeroEngine(LocalEngine):
 
     # ------------------------------------------------------------------ ZeRO-3 gather / free
 
-    def _gather(self, u: _Unit) -> None:
+    def _gather(self, u: Unit) -> None:
         if u.gathered or u.shard is None:
             return
         for p in u.params:
@@ -210,13 +147,13 @@ class ZeroEngine(LocalEngine):
         u.flat.gather(u.shard, [p.data for p in u.params], group=self.group, counter=self.counter)
         u.gathered = True
 
-    def _free(self, u: _Unit) -> None:
+    def _free(self, u: Unit) -> None:
         if u.gathered and u.shard is not None:
             for p in u.params:
                 p.data.untyped_storage().resize_(0)
             u.gathered = False
 
-    def _after_forward(self, u: _Unit, out: Any) -> None:
+    def _after_forward(self, u: Unit, out: Any) -> None:
         if not self.net.training or not torch.is_grad_enabled():
             return  # evaluation: everything stays gathered (evaluate)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -226,7 +163,7 @@ class ZeroEngine(LocalEngine):
                                                           mode="any")
         self._free(u)
 
-    def _before_forward(self, u: _Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def _before_forward(self, u: Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Gather the unit (ZeRO-3) and route its inputs through :class:`_PostBackward`, so
         the unit's gradients are reduce-scattered (and its parameters freed) as soon as its
         backward has produced the gradients of its inputs (torch FSDP2's trigger)."""
@@ -242,7 +179,7 @@ class ZeroEngine(LocalEngine):
         new_args, new_kwargs = tree_unflatten(flat, spec)
         return new_args, new_kwargs
 
-    def _post_backward(self, u: _Unit) -> None:
+    def _post_backward(self, u: Unit) -> None:
         self._reduce_unit(u)
         u.reduced = True
 
@@ -297,7 +234,7 @@ class ZeroEngine(LocalEngine):
                 self._reduce_unit(u)
             u.reduced = False
 
-    def _reduce_unit(self, u: _Unit) -> None:
+    def _reduce_unit(self, u: Unit) -> None:
         """The unit's gradient mean into this rank's gradient rows (summed over the step's
         micro-batches); the whole gradients dropped and (ZeRO-3) the parameters freed."""
         grads = [p.grad for p in u.params]

@@ -43,7 +43,8 @@ from ...tensor_parallel import TensorParallelModule
 from ...tensor_parallel.shards import dense_names_and_shards
 from ...training.loop import Batch, batch_size_of
 from ...training.stepping import autocast
-from ..data_parallel.zero import ShardView, ZeroEngine, resolve_units
+from ..data_parallel.zero import ZeroEngine, resolve_units
+from ..data_parallel.zero_shards import ShardView
 from .engine import _split, replicas_of
 
 __all__ = ["MeshZeroEngine", "mesh_units"]

@@ -1,0 +1,85 @@
+"""What a ZeRO replica holds (:mod:`.zero`): :class:`Unit`, one group of parameters
+gathered together with its :class:`~paratrain.comm.zero.FlatShard` layout and this rank's
+parameter and gradient rows, and :class:`ShardView`, this rank's pieces (and its local
+tensors) under mangled keys with their row specs -- what the loop checkpoints and the
+optimizer steps -- built by :func:`shard_view`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...comm.zero import FlatShard
+
+__all__ = ["Unit", "ShardView", "shard_view"]
+
+
+@dataclass(eq=False)
+class Unit:
+    """One gathered group: its parameters, their shard layout and this rank's shards."""
+
+    path: str  # "" = the root unit
+    named: list[tuple[str, nn.Parameter]]
+    flat: FlatShard
+    shard: torch.Tensor | None = None  # ZeRO-3: this rank's parameter rows (S elements)
+    grad: torch.Tensor | None = None  # ZeRO-2/3: this rank's gradient rows, summed over micro-batches
+    used: list[bool] = field(default_factory=list)
+    pieces: list[nn.Parameter | None] = field(default_factory=list)
+    gathered: bool = True
+    reduced: bool = False  # reduce-scattered during this backward pass
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named]
+
+
+class ShardView(nn.Module):
+    """What the loop checkpoints and the optimizer steps: this rank's pieces of the
+    sharded parameters, the local parameters and the other state, under mangled keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: dict[str, str] = {}
+        self.specs: dict[str, dict[str, Any]] = {}
+
+    def add(self, name: str, t: torch.Tensor, *, spec: dict[str, Any] | None = None,
+            param: bool = True) -> None:
+        key = name.replace(".", "/")
+        self.names[key] = name
+        if spec is not None:
+            self.specs[key] = spec
+        if param:
+            self.register_parameter(key, t if isinstance(t, nn.Parameter) else nn.Parameter(t))
+        else:
+            self.register_buffer(key, t.detach())
+
+
+def shard_view(net: nn.Module, units: Sequence[Unit]) -> ShardView:
+    """The :class:`ShardView` of ``net``: each unit's pieces (its ``pieces`` set here;
+    ZeRO-1/2: rows of the whole parameter), a Local subgraph's parameters and the rest
+    (buffers, frozen parameters) whole; a tied tensor once, under its first name."""
+    view = ShardView()
+    mine = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
+    for u in units:
+        u.pieces = [None] * len(u.named)
+        u.used = [False] * len(u.named)
+    seen: set[int] = set()
+    for name, t in net.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue  # a tied name: the tensor is under its first name
+        seen.add(id(t))
+        if id(t) in mine:
+            u, i = mine[id(t)]
+            piece = u.flat.pieces[i]
+            if piece.length:  # ZeRO-1/2: rows of the whole parameter (ZeRO-3 re-points them)
+                u.pieces[i] = nn.Parameter(t.data[piece.start : piece.start + piece.length])
+                view.add(name, u.pieces[i], spec=piece.spec)  # type: ignore[arg-type]
+        elif isinstance(t, nn.Parameter) and t.requires_grad:
+            view.add(name, t)  # a Local subgraph's parameter: this replica's own
+        else:
+            view.add(name, t, param=False)  # buffers, frozen parameters
+    return view
