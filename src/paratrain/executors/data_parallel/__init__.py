@@ -1,9 +1,10 @@
 """DataParallel: replicas on disjoint shards, gradients combined every step (DESIGN §4).
 
 - :mod:`.runner`: launch, the replica's set-up and its part of the one training loop;
+- :mod:`.engine`: the replica's engine (one step: forward, backward, the gradient sync);
 - :mod:`.aggregation`: how gradients (or parameters) are combined: AllReduce,
   ParameterServer, Decentralized gossip, with or without compression;
-- :mod:`.zero`, :mod:`.zero_plan`: ZeRO (``strategy.shard``): each replica steps its 1/N
+- :mod:`.zero`, :mod:`.zero_plan`, :mod:`.zero_shards`: ZeRO (``strategy.shard``): each replica steps its 1/N
   rows of every parameter (optimizer state, gradients, parameters sharded by level).
 """
 
