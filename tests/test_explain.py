@@ -99,7 +99,7 @@ def test_residual_example_names_every_crossing_value_by_its_traced_node() -> Non
     assert not any(t["node"].startswith(("getitem", "submod")) for t in report["transfers"])
     # the names are right: each crossing value equals its node's output in the traced graph
     from paratrain.comm.context import default_workers
-    from paratrain.executors.model_parallel.runner import plan_for
+    from paratrain.executors.model_parallel.validation import plan_for
 
     model, train = _build(job)
     plan = plan_for(job, model, default_workers(3, list(job.workers)))

@@ -19,7 +19,8 @@ from paratrain.config import ConfigError
 from paratrain.config.job import load_job
 from paratrain.dispatch import execute
 from paratrain.executors import register_coordinator, registered_coordinators
-from paratrain.training.stores import LocalStore, latest_folder, read_rank_state
+from paratrain.training.store_reading import latest_folder, read_rank_state
+from paratrain.training.stores import LocalStore
 
 ROOT = Path(__file__).resolve().parent.parent
 

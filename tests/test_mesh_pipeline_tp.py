@@ -79,7 +79,7 @@ def test_resume_on_the_same_mesh_is_bit_identical(pipeline: dict[str, Any]) -> N
 def test_refused_schedules_and_process_count(tmp_path: Path) -> None:
     from paratrain.config import ConfigError
     from paratrain.executors import spec_for
-    from paratrain.executors.model_parallel.runner import validate
+    from paratrain.executors.model_parallel.validation import validate
 
     for schedule in ("ZBH1", "Interleaved1F1B"):
         with pytest.raises(ConfigError) as e:
@@ -105,7 +105,7 @@ def test_an_exported_model_with_tensor_parallel_stages_is_refused(tmp_path: Path
     step): validate refuses it, naming the field, before any process starts."""
     pytest.importorskip("transformers")
     from paratrain.config import ConfigError, load_job
-    from paratrain.executors.model_parallel.runner import validate
+    from paratrain.executors.model_parallel.validation import validate
 
     doc = {"run": {"name": "hf_pp_tp", "output_dir": str(tmp_path)},
            "task": {"name": "language_model", "block_size": 16},

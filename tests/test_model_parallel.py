@@ -19,7 +19,6 @@ from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
 from paratrain.config.strategy import Partition
 from paratrain.executors.model_parallel.plan import build_plan
-from paratrain.executors.model_parallel.runner import num_workers
 from paratrain.executors.model_parallel.runtime import StageRuntime, segment_modules
 from paratrain.executors.model_parallel.schedule import (
     gpipe,
@@ -30,6 +29,7 @@ from paratrain.executors.model_parallel.schedule import (
     simulate,
     theoretical_bubble,
 )
+from paratrain.executors.model_parallel.validation import num_workers
 
 NODES = ["flatten", "fc0", "act0", "fc1", "act1", "head"]
 WORKERS = [WorkerInfo(0, "worker-0"), WorkerInfo(1, "w1", ("gpu",)), WorkerInfo(2, "w2", ("gpu", "big"))]
@@ -266,7 +266,7 @@ def test_p2p_header_rejects_malformed() -> None:
 
 def test_example_job_places_three_stages() -> None:
     from paratrain.config.job import load_job
-    from paratrain.executors.model_parallel.runner import plan_for
+    from paratrain.executors.model_parallel.validation import plan_for
     from paratrain.models import build_model
 
     job = load_job(Path(__file__).resolve().parents[1] / "examples" / "model_parallel_pipeline.toml")

@@ -246,7 +246,7 @@ def test_a_non_tensor_crossing_workers_is_refused_before_any_launch() -> None:
     """``h.size(1)`` made on worker 0 and read on worker 1: only tensors travel."""
     from torch.utils.data import TensorDataset
 
-    from paratrain.executors.model_parallel.runner import check_crossing_values
+    from paratrain.executors.model_parallel.validation import check_crossing_values
 
     class Scaled(torch.nn.Module):
         def __init__(self) -> None:

@@ -228,13 +228,13 @@ def test_parity_with_unpartitioned_model(ran: Any, i: int) -> None:
 
 
 def test_validate_interleaved_example_and_refusals(tmp_path: Any) -> None:
-    """``paratrain validate``'s path (runner.validate) on the interleaved example: 2 workers
+    """``paratrain validate``'s path (validation.validate) on the interleaved example: 2 workers
     x 2 chunks round-robin; the same job with ZBH1, or virtual_stages = 3, is refused."""
     from pathlib import Path
 
     from paratrain.config.job import load_job
     from paratrain.executors.custom import import_plugins
-    from paratrain.executors.model_parallel.runner import validate
+    from paratrain.executors.model_parallel.validation import validate
 
     examples = Path(__file__).resolve().parents[1] / "examples"
     path = examples / "model_parallel_interleaved.toml"

@@ -107,15 +107,15 @@ def pipeline_worker(ctx: WorkerContext) -> list[dict[str, Any]]:
     """One forward_backward per case on this rank (the engine the runner uses)."""
     from paratrain.comm.p2p import P2PTransport
     from paratrain.executors.model_parallel.engine import PipelineEngine, StageModel
-    from paratrain.executors.model_parallel.runner import _task_model, plan_for
     from paratrain.executors.model_parallel.runtime import StageRuntime, held_attrs, segment_modules
+    from paratrain.executors.model_parallel.validation import plan_for, task_model
     from paratrain.task import fetch_batch
 
     out = []
     for _, doc, split, rows, mbs, sched, weight in CASES:
         transport = P2PTransport(ctx.group)  # its shape cache is per model
         job = _job(doc, _pipe(mbs, sched, split))
-        task, train, test, model = _task_model(job)
+        task, train, test, model = task_model(job)
         plan = plan_for(job, model, ctx.workers)
         modules = segment_modules(model, plan, ctx.rank)
         attrs = held_attrs(model, plan, ctx.rank)
@@ -142,11 +142,11 @@ def pipelined() -> list[list[dict[str, Any]]]:
 def _local(doc: dict[str, Any], split: list[str], rows: int, weight: float, *,
            loss: Any = None) -> tuple[float, dict[str, Any]]:
     """Local's loss and gradients on the batch (LocalEngine: the one loop's reference)."""
-    from paratrain.executors.model_parallel.runner import _task_model
+    from paratrain.executors.model_parallel.validation import task_model
     from paratrain.task import fetch_batch
     from paratrain.training.loop import LocalEngine
 
-    task, train, test, model = _task_model(_job(doc, _pipe(4, "1F1B", split)))
+    task, train, test, model = task_model(_job(doc, _pipe(4, "1F1B", split)))
     if loss is not None:
         task.loss = loss
     engine = LocalEngine(model, task, test, device=torch.device("cpu"))
@@ -214,10 +214,10 @@ def test_non_vacuity_wrong_loss_reduction_fails(pipelined: list[list[dict[str, A
     wrong_loss, wrong = _local(doc, split, rows, weight, loss=reduce_sum[kind])
     assert not _close(loss, grads, wrong_loss, wrong)
     # summed micro-batch means = the mean loss with every micro-batch weighted 1, not n_i/B
-    from paratrain.executors.model_parallel.runner import _task_model
+    from paratrain.executors.model_parallel.validation import task_model
     from paratrain.task import fetch_batch
 
-    task, train, _, model = _task_model(_job(doc, _pipe(mbs, "1F1B", split)))
+    task, train, _, model = task_model(_job(doc, _pipe(mbs, "1F1B", split)))
     batch = fetch_batch(train, torch.arange(rows))
     total = 0.0
     for a in range(0, rows, mbs):
@@ -232,11 +232,11 @@ def test_non_vacuity_wrong_loss_reduction_fails(pipelined: list[list[dict[str, A
 def test_tied_gpt_head_split_across_stages_keeps_one_tensor() -> None:
     """The head reads the token embedding's weight: split across stages, the weight stays
     on the embedding's rank and is sent to the head's (its gradient comes back)."""
-    from paratrain.executors.model_parallel.runner import _task_model, plan_for
+    from paratrain.executors.model_parallel.validation import plan_for, task_model
 
     tied = {**GPT, "model": {**GPT["model"], "tie_weights": True}}
     job = _job(tied, _pipe(4, "1F1B", GPT_SPLIT))
-    *_, model = _task_model(job)
+    *_, model = task_model(job)
     plan = plan_for(job, model, default_workers(2))
     (attr,) = plan.cut.attrs
     assert attr.target == "embed.tok.weight" and attr.rank == 0

@@ -2,25 +2,10 @@
 
 Input: the model's fx graph (:func:`paratrain.graph.trace.trace`) and ``claims``, a map
 from module paths (any node or subgraph of ``named_modules()``) to ranks. Each fx node
-gets an owner rank:
-
-- ``call_module`` / ``get_attr``: the rank of the *longest* claimed prefix of its module
-  path (a claim on ``block0`` covers ``block0.attn.q`` unless ``block0.attn`` is claimed
-  itself); a module no claim covers runs on ``default`` (rank 0, DESIGN §4).
-- any other op (``x + y`` in some ``forward``, ``torch.cat``, a reshape): the rank of the
-  innermost *claimed* module whose forward it was traced in; an op outside every claimed
-  module follows its data: the rank that consumes it when all its consumers agree (a
-  residual add at the root runs where the next block runs; a join's ``cat`` where the join
-  runs), else the rank of its latest-computed input.
-- in a graph captured by ``torch.export`` (:mod:`.export`: every node an operation), an
-  operation in an unclaimed module that holds parameters or has no claimed module inside
-  runs on ``default`` (an unclaimed module runs on rank 0, as under fx); a field of a leaf's
-  tuple (``getitem``) runs with the leaf.
-- a value computed from the batch alone (a causal mask, shifted labels) runs on every rank
-  that reads it, each computing its own copy, so it never travels (one that draws random
-  numbers runs once, where it is first read).
-- placeholders (the model's inputs, read from the batch) belong to no rank: every rank
-  reads the batch, so an input never travels.
+gets an owner rank (:mod:`.owners`: the longest claimed prefix of a module's path, an
+op with its innermost claimed module or else its data, a value computed from the batch
+alone on every rank that reads it, placeholders on none; unclaimed modules on
+``default``, rank 0, DESIGN §4).
 
 Owners are then grouped into *parts* (:func:`_parts`): in graph order a node joins its
 rank's latest part unless that would close a cycle between parts (an input comes from a
@@ -45,14 +30,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from .export import CAPTURE, IN_SPEC, OUT_SPEC
+from .owners import attr_module, node_owners, owner_of_path
 from .trace import module_of
 
-__all__ = ["Part", "Attr", "Transfer", "Cut", "cut", "owner_of_path"]
+__all__ = ["Part", "Attr", "Transfer", "Cut", "cut"]
 
 
 @dataclass(frozen=True)
@@ -134,134 +119,6 @@ class Cut:
         return next(t for t in self.transfers if t.value == value and t.dst == dst)
 
 
-def owner_of_path(path: str, claims: Mapping[str, int]) -> int | None:
-    """The rank of the longest claimed prefix of module ``path`` (None: unclaimed)."""
-    probe = path
-    while True:
-        if probe in claims:
-            return claims[probe]
-        if not probe:
-            return None
-        probe = probe.rpartition(".")[0]
-
-
-_FIELD_OPS = (operator.getitem, getattr)
-
-
-def _attr_module(target: str) -> str:
-    return target.rpartition(".")[0]
-
-
-def _node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) -> dict[str, int]:
-    nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    owner: dict[str, int] = {}
-    # An exported graph has no call_module nodes: a tensor operation in an unclaimed module
-    # with no claimed module inside it (a Linear, an Embedding, a whole unclaimed decoder
-    # layer; or any module holding its own parameters) runs on ``default``, as an unclaimed
-    # module does under fx; operations of a module that contains claims (the model's own
-    # forward: masks, position ids) follow their data.
-    exported = gm.meta.get(CAPTURE) == "export"
-    holders = _holders(gm) if exported else set()
-
-    def home(n: fx.Node, mod: str) -> bool:
-        if not exported or mod.startswith("_") or not isinstance(n.meta.get("val"), torch.Tensor):
-            return False
-        return mod in holders or not any(c.startswith(mod + ".") for c in claims)
-
-    for n in nodes:
-        if n.op == "call_module":
-            r = owner_of_path(str(n.target), claims)
-            owner[n.name] = default if r is None else r
-        elif n.op == "get_attr":
-            r = owner_of_path(_attr_module(str(n.target)), claims)
-            if r is not None or _attr_module(str(n.target)):
-                owner[n.name] = default if r is None else r
-        else:
-            stack = n.meta.get("nn_module_stack") or {}
-            for v in reversed(list(stack.values())):
-                path = v[0] if isinstance(v, tuple) else str(v)
-                if path in claims:
-                    owner[n.name] = claims[path]
-                    break
-            else:
-                # a claim on an ancestor of the op's module (e.g. the op runs inside
-                # block0.attn's forward and block0 is claimed)
-                mod = module_of(n)
-                r = None if mod is None else owner_of_path(mod, claims)
-                if r is not None:
-                    owner[n.name] = r
-                elif mod and home(n, mod):
-                    owner[n.name] = default
-    # A field taken out of a leaf's tuple / ModelOutput (``out[0]``, ``out.last_hidden_state``)
-    # runs where the leaf ran: what crosses is then the tensor, not the structure.
-    for n in nodes:
-        if (n.name not in owner and n.op == "call_function" and n.target in _FIELD_OPS
-                and isinstance(n.args[0], fx.Node) and n.args[0].name in owner):
-            owner[n.name] = owner[n.args[0].name]
-    # Follow the data for the rest: consumers first (reverse order), then inputs.
-    for n in reversed(nodes):
-        if n.name in owner:
-            continue
-        users = [u for u in n.users if u.op != "output"]
-        got = {owner.get(u.name) for u in users}
-        if users and len(got) == 1 and None not in got and len(users) == len(n.users):
-            owner[n.name] = got.pop()  # type: ignore[assignment]
-    index = {n.name: i for i, n in enumerate(gm.graph.nodes)}
-    # A value computed from the batch alone (labels shifted for a loss, a causal mask) may
-    # run anywhere: it does not pull the nodes that read it. Read on one rank, it runs there;
-    # read on several, each of those ranks computes its own copy (nothing travels), unless it
-    # draws random numbers (one draw, sent: it runs where it is first read).
-    free: set[str] = set()
-    for n in nodes:
-        if n.name not in owner and n.op == "call_function" and all(
-                a.op == "placeholder" or a.name in free for a in n.all_input_nodes):
-            free.add(n.name)
-    for n in nodes:
-        if n.name in owner or n.name in free:
-            continue
-        ins = [a for a in n.all_input_nodes if a.name in owner]
-        if ins:
-            owner[n.name] = owner[max(ins, key=lambda a: index[a.name]).name]
-        else:
-            users = [u for u in n.users if u.name in owner]
-            owner[n.name] = owner[users[0].name] if users else default
-    for n in reversed(nodes):
-        if n.name in free:
-            users = sorted((u for u in n.users if u.name in owner), key=lambda u: index[u.name])
-            owner[n.name] = owner[users[0].name] if users else default
-            if _pure(n):
-                for dup in _copy_per_rank(gm.graph, n, users, owner):
-                    index[dup] = index[n.name]
-    return owner
-
-
-def _pure(n: fx.Node) -> bool:
-    """An ATen operation that draws no random numbers, or Python's operator arithmetic."""
-    if isinstance(n.target, torch._ops.OpOverload):
-        return torch.Tag.nondeterministic_seeded not in n.target.tags
-    return getattr(n.target, "__module__", None) in ("_operator", "operator")
-
-
-def _copy_per_rank(graph: fx.Graph, n: fx.Node, users: list[fx.Node], owner: dict[str, int]) -> list[str]:
-    """Give each rank other than ``n``'s that reads ``n`` its own copy of it (their names)."""
-    made: list[str] = []
-    for r in sorted({owner[u.name] for u in users} - {owner[n.name]}):
-        with graph.inserting_after(n):
-            dup = graph.node_copy(n)
-        dup.meta = dict(n.meta)
-        owner[dup.name] = r
-        made.append(dup.name)
-        for u in users:
-            if owner[u.name] == r:
-                u.replace_input_with(n, dup)
-    return made
-
-
-def _holders(gm: fx.GraphModule) -> set[str]:
-    return {name for name, m in gm.named_modules()
-            if name and (m._parameters or m._buffers)}
-
-
 def _parts(gm: fx.GraphModule, owner: Mapping[str, int]) -> dict[str, int]:
     """Group nodes into parts: fx node name -> part id, ids in a topological order.
 
@@ -311,7 +168,7 @@ def _parts(gm: fx.GraphModule, owner: Mapping[str, int]) -> dict[str, int]:
 
 def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> Cut:
     """Split ``gm`` by ``claims`` (module path -> rank); see the module docstring."""
-    owner = _node_owners(gm, claims, default)
+    owner = node_owners(gm, claims, default)
     part_of = _parts(gm, owner)
     calls: dict[int, list[str]] = {}
     exported = gm.meta.get(CAPTURE) == "export"
@@ -352,7 +209,7 @@ def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> C
             producer[n.name], rank_of_value[n.name] = ("input", -1), None
         elif n.op == "get_attr":
             target = str(n.target)
-            r = owner.get(n.name, owner_of_path(_attr_module(target), claims))
+            r = owner.get(n.name, owner_of_path(attr_module(target), claims))
             attrs.append(Attr(n.name, target, default if r is None else r))
             producer[n.name], rank_of_value[n.name] = ("attr", -1), attrs[-1].rank
         elif n.op == "call_module":

@@ -17,7 +17,8 @@
 - dense state (:class:`~.dense_state.DenseState`): ``gather_full`` / ``dense_state_dict``
   all-gather the shards into the dense model's keys, ``load_dense_state_dict`` keeps the own
   shard of a full state dict.
-- ``statistics``: the real counters of :class:`~paratrain.comm.stats.CommStats` plus the
+- ``layout`` / ``statistics`` (:class:`~.report.ModuleReport`): what tensor parallelism did
+  to each module, and the real counters of :class:`~paratrain.comm.stats.CommStats` plus the
   parameter memory of this rank.
 
 The conversion itself is :class:`~.converter.Converter`; the entry point
@@ -48,7 +49,7 @@ from . import memory
 from .autograd import gather_from_region, scatter_to_region
 from .converter import Converter
 from .dense_state import DenseState
-from .grid import GridLinear, grid_steps
+from .grid import GridLinear
 from .layers import (
     ColumnParallelLinear,
     ParallelEncoderLayer,
@@ -57,6 +58,7 @@ from .layers import (
     RowParallelLinear,
 )
 from .partition import TensorParallelism, split_sizes
+from .report import ModuleReport, param_bytes
 
 __all__ = ["TensorParallelModule"]
 
@@ -68,11 +70,7 @@ def _has_parallel(m: nn.Module) -> bool:
     return any(isinstance(x, _PARALLEL) for x in m.modules())
 
 
-def _param_bytes(params: Iterator[nn.Parameter]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
-
-
-class TensorParallelModule(DenseState, nn.Module):
+class TensorParallelModule(DenseState, ModuleReport, nn.Module):
     """A dense model turned tensor-parallel, with the behaviour every config field asks for.
 
     ``forward`` runs the model (with activation checkpointing per ``memory_optimization``,
@@ -112,7 +110,7 @@ class TensorParallelModule(DenseState, nn.Module):
             self.grid = build_grid(groups.tp)  # collective: every rank builds every sub-group
         self.state = RegionState(compute_dtype=torch.bfloat16 if config.mixed_precision else None)
         dense_params = list(model.parameters())
-        self.dense_param_bytes = _param_bytes(iter(dense_params))
+        self.dense_param_bytes = param_bytes(iter(dense_params))
         self.coordinator = TensorParallelism(config, self.comm.rank, self.comm.size)
         self._sequence_modules: list[nn.Module] = []
         if tp > 1 and not self.batch_split:
@@ -216,23 +214,6 @@ class TensorParallelModule(DenseState, nn.Module):
             a, b = self.seq_region
             for c in kids[a: b + 1]:
                 self._sp_params += [p for p in c.parameters() if not hasattr(p, "tp_shard_dim")]
-
-    def layout(self) -> list[tuple[str, str]]:
-        """What tensor parallelism did to each module it touched, as ``(path, how)`` in model
-        order: the plan's and the block rules' notes, then paratrain's own parallel layers
-        (``paratrain validate`` / ``graph`` print it)."""
-        if self.batch_split:
-            return [("<root>", "BatchWise: the whole model on each rank's slice of the batch")]
-        out = list(self.sharding)
-        noted = [p for p, _ in out]
-        for path, m in self.module.named_modules():
-            if any(path == n or path.startswith(n + ".") for n in noted):
-                continue
-            how = _describe(m)
-            if how is not None:
-                out.append((path or "<root>", how))
-                noted.append(path)
-        return out
 
     @property
     def needs_sync(self) -> bool:
@@ -352,60 +333,6 @@ class TensorParallelModule(DenseState, nn.Module):
         if self.grad_sync is not None:
             n += self.grad_sync.sync()
         return n
-
-    # -- statistics ------------------------------------------------------------------------
-    def statistics(self) -> dict[str, Any]:
-        snap = self.stats.snapshot()
-        params = list(self.module.parameters())
-        local = _param_bytes(iter(params))
-        sharded = _param_bytes(p for p in params if hasattr(p, "tp_shard_dim") or grid_steps(p))
-        replicated = local - sharded
-        dense_sharded = self.dense_param_bytes - replicated
-        tp = self.comm.size
-        snap.update({
-            "tensor_parallel_size": tp,
-            "communication_pattern": self.pattern,
-            "param_bytes_local": local,
-            "param_bytes_dense": self.dense_param_bytes,
-            "param_bytes_replicated": replicated,
-            "param_memory_fraction": local / self.dense_param_bytes if self.dense_param_bytes else 1.0,
-            "param_memory_ideal_fraction": ((dense_sharded / tp + replicated) / self.dense_param_bytes
-                                            if self.dense_param_bytes else 1.0),
-            "memory_saving": 1 - local / self.dense_param_bytes if self.dense_param_bytes else 0.0,
-            "total_partitions": self.coordinator.total_partitions,
-            "local_partitions": self.coordinator.local_partitions,
-            "peak_activation_bytes": self.last_peak_activation_bytes,
-            # the Rust TensorParallelismStatistics names, with real values
-            "communication_volume": snap["bytes_sent_modelled"],  # ring model, see CommStats
-            "communication_time": snap["communication_time_s"],
-            "computation_time": snap["computation_time_s"],
-            "efficiency_score": (snap["computation_time_s"]
-                                 / (snap["computation_time_s"] + snap["communication_time_s"])
-                                 if snap["computation_time_s"] + snap["communication_time_s"] > 0
-                                 else 0.0),
-            "memory_usage_per_device": {self.comm.global_rank: local},
-        })
-        if self.pattern == "Hierarchical":
-            # the two-level layout the topology gave, e.g. "flat (1 host)" (comm/groups.py)
-            snap["hierarchy"] = getattr(self.comm, "hierarchy", None) or "flat (1 rank)"
-        return snap
-
-
-def _describe(m: nn.Module) -> str | None:
-    """One line for one of paratrain's parallel layers (None for anything else)."""
-    if isinstance(m, ParallelSelfAttention):
-        return f"attention heads split ({m.local_heads} per rank): q/k/v colwise, o rowwise"
-    if isinstance(m, ParallelEncoderLayer):
-        return "encoder layer: attention heads split, linear1 colwise, linear2 rowwise"
-    if isinstance(m, GridLinear):
-        return "2-D grid block (BlockWise)"
-    if isinstance(m, ColumnParallelLinear):
-        return "colwise" + (", output gathered" if m.gather_output else "") + (
-            ", sequence parallel" if m.mode == "seq" else "")
-    if isinstance(m, RowParallelLinear):
-        return "rowwise" + ("" if m.input_is_parallel else ", input split here") + (
-            ", sequence parallel" if m.mode == "seq" else "")
-    return None
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:

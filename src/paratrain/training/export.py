@@ -149,7 +149,7 @@ def _from_checkpoint(run: Path) -> dict[str, torch.Tensor] | None:
     the run has none that holds a model (PopulationBased's holds the population: its best
     member's model is written at the end), or only an earlier version's file."""
     from ..files import newest_checkpoint
-    from .stores import read_named_model
+    from .store_reading import read_named_model
 
     found = newest_checkpoint(run)
     if found is None or not found.path.is_dir() or found.kind == "pbt":

@@ -28,6 +28,8 @@ state and keeps what it holds now.
 Checkpoints of the per-process ``torch.save`` format of earlier versions
 (``ckpt-<step>.pt``, ``<prefix>-rank<r>/`` with ``<prefix>-complete.json``) are not
 resumed: a ConfigError names the file and says so.
+
+A step folder read by one process (export, inspection, tests) is :mod:`.store_reading`'s.
 """
 
 from __future__ import annotations
@@ -52,11 +54,9 @@ from . import dcp_state as S
 from .checkpoint import MIN_KEEP
 from .faults import maybe_kill_in_save
 from .reshard import ReshardWarning
+from .store_reading import LAYOUT_FILE, read_layout
 
-__all__ = ["Held", "LocalStore", "RankStore", "read_named_model", "read_rank_state", "latest_folder",
-           "LAYOUT_FILE"]
-
-LAYOUT_FILE = "layout.json"
+__all__ = ["Held", "LocalStore", "RankStore"]
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ class RankStore:
                 f"the newest checkpoint in {self.root} is {found.describe()}, written by "
                 f"{own.get(found.kind, 'another strategy')}, which this strategy does not "
                 "resume; resume with the original strategy or start a fresh run with --overwrite"))])
-        return [p.name for p in reversed(step_folders(self.root)) if _layout(p) is not None]
+        return [p.name for p in reversed(step_folders(self.root)) if read_layout(p) is not None]
 
     def _all_have(self, mine: bool, what: str) -> None:
         """Every process found what it needs, or every process raises :class:`_Unreadable`."""
@@ -228,7 +228,7 @@ class RankStore:
                 and all(doc.get(k, v) == v for k, v in self.layout.items()))
 
     def _load_one(self, folder: Path, held: Held | None) -> tuple[Path, dict[str, Any]]:
-        doc = _layout(folder) or {}
+        doc = read_layout(folder) or {}
         if self._same_layout(doc):
             blobs = dcp.load(folder, {}, blobs=[S.meta_key(self.rank), S.engine_key(self.rank)],
                              group=self.group, world=self.world)
@@ -301,15 +301,6 @@ class LocalStore(RankStore):
         self.directory = Path(directory)
 
 
-def _layout(folder: Path) -> dict[str, Any] | None:
-    """``layout.json`` of a step folder (None: unreadable)."""
-    try:
-        doc = json.loads((folder / LAYOUT_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_bytes(data)
@@ -380,46 +371,3 @@ def _reset(metas: list[dict[str, Any]], rank: int, world: int) -> list[str]:
         reset.append(f"the random state of processes {len(metas)}..{max(world, rank + 1) - 1} "
                      "(they did not exist: they take process 0's)")
     return reset
-
-
-def read_named_model(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The whole model of checkpoint ``folder`` by the model's names (one process; for
-    export: this reads every tensor)."""
-    folder = Path(folder)
-    md = dcp.read_metadata(folder)
-    doc = json.loads((folder / LAYOUT_FILE).read_text())
-    old_world = int(doc.get("world", 1))
-    names: dict[str, Any] = {}
-    for f, m in md.state_dict_metadata.items():
-        g = S.unranked(f)
-        if g.startswith("model/") and isinstance(m, dcp.TensorStorageMetadata):
-            names.setdefault(g.removeprefix("model/"), m)
-    metas = dcp.load(folder, {}, blobs=[S.meta_key(0)], group=None, world=1)
-    order = [d[1] for d in metas[S.meta_key(0)]["model"]]
-    targets: dict[str, dcp.Target] = {}
-    for n, m in names.items():
-        srcs = tuple(x for x in S.sources("model", n, old_world) if x in md.state_dict_metadata)
-        targets[n] = dcp.Target(torch.empty(tuple(m.size), dtype=m.properties.dtype), None, srcs)
-    dcp.load(folder, targets, group=None, world=1)
-    ranked = [n for n in order if n in targets] + sorted(n for n in targets if n not in order)
-    return {n: targets[n].tensor for n in ranked}
-
-
-def read_rank_state(folder: str | Path, rank: int = 0) -> dict[str, Any]:
-    """Process ``rank``'s loop state as it saved it into checkpoint ``folder`` (one
-    process reads it: for inspection and tests), the dict ``run_loop`` saves."""
-    blobs = dcp.load(folder, {}, blobs=[S.meta_key(rank), S.engine_key(rank)], group=None, world=1)
-    if S.meta_key(rank) not in blobs:
-        raise ConfigError([("checkpoint", f"{folder} holds no process {rank}")])
-    meta = blobs[S.meta_key(rank)]
-    targets, build = S.rebuild(meta)
-    dcp.load(folder, targets, group=None, world=1)
-    return {**build(), "engine": blobs.get(S.engine_key(rank), {}),
-            "shards": [None if d[5] is None else {"shape": d[5][0], "offsets": d[5][1]}
-                       for d in meta["model"]]}
-
-
-def latest_folder(checkpoints: str | Path) -> Path | None:
-    """The newest complete step folder in ``checkpoints`` (None: there is none)."""
-    found = step_folders(checkpoints)
-    return found[-1] if found else None

@@ -5,14 +5,16 @@
 - :mod:`.backward_split`: a backward split into input (B) and weight (W) gradients (ZBH1);
 - :mod:`.runtime`: one stage's forward/backward with point-to-point activations;
 - :mod:`.engine`: the stage's part of the one training loop (engine, checkpoints, stats);
-- :mod:`.runner`: validation, launch and a rank's run (``worker_main``).
+- :mod:`.validation`: a job's worker count and placement, checked before any launch;
+- :mod:`.runner`: launch and a rank's run (``worker_main``).
 """
 
 from __future__ import annotations
 
 from ...config.job import JobConfig
 from ..spec import ExecutorSpec
-from .runner import num_workers, run, validate, worker_main
+from .runner import run, worker_main
+from .validation import num_workers, validate
 
 __all__ = ["SPEC", "run", "worker_main"]
 

@@ -59,18 +59,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from ...comm import collectives as C
 from ...comm.buckets import bucket_bytes_of
-from ...comm.context import WorkerContext, default_workers
+from ...comm.context import WorkerContext
 from ...comm.groups import new_group
 from ...comm.mesh import Mesh
 from ...config import ConfigError
 from ...config.job import JobConfig
-from ...config.strategy import WorkerIdTarget
 from ...data.loader import LoaderOptions
-from ...task import resolve_task
 from ...task.steps import model_args
 from ...training import (
     MetricsWriter,
@@ -80,7 +77,6 @@ from ...training import (
     prepare_run_dir,
     read_metrics,
     report,
-    seed_everything,
     write_summary,
 )
 from ...training.export import complete_state, save_model, tied_names
@@ -89,163 +85,13 @@ from ...training.loop import DataPlan, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
 from .engine import PipelineEngine, StageModel, pipeline_stats
-from .plan import Plan, build_plan, check_interleaved
-from .replicas import Replicas, extra_workers, replicas_for
+from .replicas import Replicas, replicas_for
 from .runtime import StageRuntime, held_attrs, segment_modules
 from .state import gather_parts, layout_of, state_digest
-from .tp_stages import (
-    TPPipelineEngine,
-    check_job,
-    dense_own,
-    dry_shard,
-    lane_replicas,
-    shard_model,
-    tp_size_of,
-)
+from .tp_stages import TPPipelineEngine, dense_own, lane_replicas, shard_model, tp_size_of
+from .validation import example_args, num_workers, plan_for, task_model, validate
 
-__all__ = ["run", "validate", "worker_main", "num_workers", "plan_for", "FAULT_ENV"]
-
-
-def num_workers(job: JobConfig) -> int:
-    """Processes a ModelParallel job needs: ``[[workers]]`` count, else ``run.num_workers``,
-    else one more than the highest ``worker-<k>`` a partition targets (at least 1)."""
-    if job.workers:
-        return len(job.workers)
-    if job.run.num_workers is not None:
-        return job.run.num_workers
-    highest = 0
-    strategy: Any = job.strategy
-    extra = extra_workers(job)
-    for part in getattr(strategy, "partitions", []):
-        if isinstance(part.target, WorkerIdTarget):
-            m = re.fullmatch(r"worker-(\d+)", part.target.WorkerId)
-            if m:
-                highest = max(highest, int(m.group(1)))
-    return highest + 1 + extra
-
-
-def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any],
-             example: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
-             leaves: tuple[str, ...] = ()) -> Plan:
-    """Validate the job's partitions against ``model`` and ``workers``; the placement.
-    ``example``: the model's arguments on a batch, to capture a model fx cannot trace with
-    torch.export (:func:`example_args`)."""
-    strategy: Any = job.strategy
-    if getattr(strategy, "type", None) != "ModelParallel":
-        raise ConfigError([("strategy.type", f"expected ModelParallel (got {strategy.type!r})")])
-    proto: Any = strategy.communication
-    pipeline = proto.protocol == "Pipeline"
-    interleaved = pipeline and proto.schedule == "Interleaved1F1B"
-    plan = build_plan(model, strategy.partitions, workers, contiguous=pipeline and not interleaved,
-                      leaves=tuple(getattr(job.model, "leaf_modules", ()) or ()) + leaves,
-                      example=example)
-    if interleaved:
-        check_interleaved(plan, workers, proto.virtual_stages)
-    if plan.cut.capture == "fx":  # an exported graph reads every parameter by get_attr
-        check_shared_parameters(model, plan)
-    return plan
-
-
-def example_args(task: Any, train: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The model's ``(args, kwargs)`` on the first two training examples (None: no data)."""
-    from ...task.steps import fetch_batch, model_args
-
-    if len(train) == 0:
-        return None
-    batch = fetch_batch(train, torch.arange(min(2, len(train))), torch.device("cpu"),
-                        collate=getattr(task, "collate_fn", None))
-    return model_args(task, batch)
-
-
-def check_shared_parameters(model: nn.Module, plan: Plan) -> None:
-    """A ConfigError when one Parameter sits inside *leaf modules* placed on different
-    ranks (two modules holding the same tensor, each called as one node): each rank would
-    step its own copy. A tie read through an attribute (the ``gpt`` head reading the token
-    embedding's weight) is fine: the tensor stays on the rank that holds it, and readers on
-    other ranks receive it and send its gradient back (:mod:`.runtime`)."""
-    owners: dict[int, tuple[str, str]] = {}
-    for node in plan.nodes:
-        for pname, param in model.get_submodule(node).named_parameters(remove_duplicate=False):
-            first = owners.setdefault(id(param), (node, pname))
-            if plan.owner[first[0]] == plan.owner[node]:
-                continue
-            a, b = f"{first[0]}.{first[1]}", f"{node}.{pname}"
-            ra, rb = plan.owner[first[0]], plan.owner[node]
-            raise ConfigError([("strategy.partitions", (
-                f"{b} is the same Parameter as {a}, but node {node!r} runs on rank {rb} and "
-                f"{first[0]!r} on rank {ra}: a parameter shared by two placed modules cannot "
-                f"be split across workers; untie it or place both nodes on one worker"))])
-
-
-def _task_model(job: JobConfig) -> tuple[Any, Any, Any, nn.Module]:
-    """The job's task, its (train, test) datasets and its model (seeded as every rank)."""
-    seed_everything(job.run.seed)
-    task = resolve_task(job)
-    train, test = task.datasets(job.run.seed)
-    return task, train, test, task.build_model(job.model, train)
-
-
-def validate(job: JobConfig) -> Plan:
-    """The placement of ``job``'s partitions on its workers (``paratrain validate`` and
-    ``run`` call this): builds the task's model to learn its node ids, then raises a
-    ConfigError naming the culprit for every placement error DESIGN §4 lists."""
-    check_job(job)  # pipeline x tensor parallel: what it does not run
-    n = num_workers(job)
-    task, train, _, model = _task_model(job)
-    workers = default_workers(n, list(job.workers))
-    example = example_args(task, train)
-    plan = plan_for(job, model, workers, example)
-    if tp_size_of(job) > 1:
-        if plan.cut.capture != "fx":
-            # torch.export traces through the tensor-parallel layers and fixes the dense
-            # shapes (head counts) in the graph: the sharded stages would not run
-            raise ConfigError([("tensor_parallel.tensor_parallel_size", (
-                "pipeline x tensor parallel needs a model torch.fx can trace (its parallel layers "
-                "stay leaves of the graph); this model is captured with torch.export (e.g. a "
-                "Hugging Face model), which is not supported with tensor parallelism inside the "
-                "stages yet: run it as a pipeline, or under tensor parallelism, on its own"))])
-        dry_shard(job, task.build_model(job.model, train))  # sharding errors before a launch
-    replicas_for(job, plan, n, workers)
-    check_crossing_values(plan, model, train, workers, task)
-    return plan
-
-
-@torch.no_grad()
-def check_crossing_values(plan: Plan, model: nn.Module, train: Any, workers: list[Any],
-                          task: Any = None) -> None:
-    """Run the parts once on two training examples (the ``task``'s model arguments on them,
-    :func:`example_args`), in part order, and refuse a value that would cross workers but
-    is not a tensor (an int from ``x.size(1)``, a tuple): only tensors travel. The
-    ConfigError names the value, the worker that makes it and the one that reads it."""
-    from .feed import model_inputs
-
-    example = example_args(task, train)
-    if example is None:
-        return
-    c = plan.cut
-    env: dict[str, Any] = model_inputs(c, *example)
-    for a in c.attrs:
-        mod, _, name = a.target.rpartition(".")
-        env[a.name] = getattr(model.get_submodule(mod), name)
-    was = model.training
-    model.eval()
-    try:
-        for p in c.parts:
-            out = p.module(*[env[v] for v in p.inputs])
-            env.update(zip(p.outputs, out if len(p.outputs) > 1 else (out,), strict=True))
-    finally:
-        model.train(was)
-    problems = []
-    for t in c.transfers:
-        val = env.get(t.value)
-        if val is not None and not isinstance(val, torch.Tensor):
-            made = next((",".join(p.nodes) for p in c.parts if t.value in p.outputs), "")
-            problems.append(("strategy.partitions", (
-                f"{t.value!r}, a {type(val).__name__} ({val!r:.40}), is made on {workers[t.src].id} (after "
-                f"{made or 'its nodes'}) is read on {workers[t.dst].id}: only tensors travel "
-                f"between workers; place the nodes that make and read it on one worker")))
-    if problems:
-        raise ConfigError(problems)
+__all__ = ["run", "worker_main", "FAULT_ENV"]
 
 
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
@@ -317,7 +163,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     the summary."""
     started = time.perf_counter()
     run_dir = _prepare(ctx, job, resume)
-    task, train, test, model = _task_model(job)
+    task, train, test, model = task_model(job)
     num_parameters = sum(p.numel() for p in model.parameters())
     names, ties = list(model.state_dict()), tied_names(model)  # for the exported model
     tp = tp_size_of(job)

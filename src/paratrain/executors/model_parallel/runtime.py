@@ -32,7 +32,8 @@ Interleaved1F1B (parts ``r, r + p, ..`` on rank ``r``), or the sequential order 
 Direct/DataStore (forwards by part, backwards reversed). The transport is duck-typed
 (``send``/``recv``/``flush``, optionally ``post``): :class:`paratrain.comm.p2p.P2PTransport`
 or :class:`paratrain.comm.datastore.DataStoreTransport`. The runtime records what it ran
-(``trace``), time computing, and the peak bytes of activations held for backward.
+(``trace``), time computing, and the peak bytes of activations held for backward. Its
+forward pass for evaluation (whole batch, no gradients) is :mod:`.inference`'s.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from .feed import (
     segment_modules,
     storages,
 )
+from .inference import Inference
 from .plan import Plan
 from .replicas import Replicas, row_bounds
 from .routing import Routing
@@ -79,7 +81,7 @@ __all__ = ["Transport", "segment_modules", "held_attrs", "StepStats", "StageRunt
 RECV_LOOKAHEAD = 2
 
 
-class StageRuntime(Routing):
+class StageRuntime(Routing, Inference):
     """Runs this rank's parts of the model for a train step or a forward pass."""
 
     def __init__(self, plan: Plan, rank: int, modules: dict[int, nn.Module],
@@ -353,44 +355,7 @@ class StageRuntime(Routing):
             total = torch.zeros_like(val)
         return total
 
-    # ------------------------------------------------------------------ inference
-    @torch.no_grad()
-    def forward(self, *args: Any, step: int, precision: str = "fp32", **kwargs: Any) -> Any:
-        """The placed model called as ``model(*args, **kwargs)`` on a whole batch; the output
-        on the loss part's rank (None elsewhere; under bf16 autocast with ``precision="bf16"``)."""
-        from ...training.stepping import autocast
-
-        c, tr = self.cut, self.transport
-        if self.replica > 0:
-            return None  # evaluation runs on each stage's primary replica
-        prim = self.replicas.of
-        rows = batch_rows((args, kwargs))
-        env: dict[str, Any] = model_inputs(c, args, kwargs)
-        env.update(self.attrs)
-        for t in self.out_transfers:
-            if self._is_attr(t.value):
-                tr.send(self.attrs[t.value], dst=prim(t.dst)[0], key=("eval", 0, slot_of(t.index)), step=step)
-        result: Any = None
-        for s in sorted(self.parts):
-            part = self.parts[s]
-            for v in self.reads[s]:
-                if v not in env:
-                    t = self.in_transfers[v]
-                    n = None if self._is_attr(v) else rows
-                    env[v] = tr.recv(src=prim(t.src)[0], key=("eval", 0, slot_of(t.index)), step=step,
-                                     rows=n).to(self.device)
-            with autocast(precision, self.device):
-                outs = as_tuple(self.modules[s](*[env[v] for v in part.inputs]), len(part.outputs))
-            env.update(zip(part.outputs, outs, strict=True))
-            for v, val in zip(part.outputs, outs, strict=True):
-                for t in self.out_transfers:
-                    if t.value == v:
-                        tr.send(val, dst=prim(t.dst)[0], key=("eval", 0, slot_of(t.index)), step=step, rows=rows)
-            if s == self.loss_part:
-                result = model_output(c, env)
-        tr.flush()
-        return result
-
+    # ------------------------------------------------------------------ parameters, metrics
     def parameters(self) -> list[nn.Parameter]:
         seen: set[int] = set()
         out: list[nn.Parameter] = []

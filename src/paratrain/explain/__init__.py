@@ -9,7 +9,7 @@ JSON-able report; :func:`render` turns it into text. The report lists:
   head computing ``F.linear(x, self.weight)``); each with its parameter count, its
   effective strategy (``[strategy]``, or the nearest ``[subgraphs]`` key above it:
   :func:`paratrain.subgraphs.effective_strategy`) and, under ModelParallel, its worker and
-  part (:func:`paratrain.executors.model_parallel.runner.plan_for`);
+  part (:func:`paratrain.executors.model_parallel.validation.plan_for`);
 - ``subgraphs``: the modules that have children, with their own strategy when the job sets
   one;
 - under ModelParallel, ``transfers``: every value that crosses workers (its gradient goes
@@ -21,12 +21,13 @@ JSON-able report; :func:`render` turns it into text. The report lists:
   worker running it (:func:`paratrain.executors.model_parallel.replicas.replicas_for`).
 
 Pure: no process is started, nothing is written. Every user error is a ConfigError.
+
+The shapes are :mod:`.shapes`'s; the transfers' names in the traced graph :mod:`.origin`'s.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,14 +36,13 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .config import ConfigError
-from .graph.render import render  # re-exported: the report's text
-from .graph.trace import module_of, trace
+from ..config import ConfigError
+from ..graph.render import render  # re-exported: the report's text
+from ..graph.trace import module_of, trace
+from .origin import cut_origin
+from .shapes import propagate, shape_info, tensor_metas
 
 __all__ = ["explain", "explain_file", "render"]
-
-_ORIG = "paratrain_explain_node"  # fx node meta key: the node's name in the traced graph
-
 
 def _type(strategy: Any) -> str:
     return str(getattr(strategy, "type", strategy))
@@ -50,8 +50,8 @@ def _type(strategy: Any) -> str:
 
 def _build(job: Any) -> tuple[nn.Module, Any]:
     """The job's model and training set, as the executors build them (seeded)."""
-    from .task import resolve_task
-    from .training import seed_everything
+    from ..task import resolve_task
+    from ..training import seed_everything
 
     seed_everything(job.run.seed)
     task = resolve_task(job)
@@ -89,106 +89,10 @@ def _count(tensors: Sequence[torch.Tensor]) -> int:
     return total
 
 
-def _metas(meta: Any) -> list[Any]:
-    """The TensorMetadata leaves of a ShapeProp result (a tensor, or tuples/dicts of them)."""
-    if meta is None:
-        return []
-    if hasattr(meta, "shape") and hasattr(meta, "dtype"):
-        return [meta]
-    if isinstance(meta, Mapping):
-        return [m for v in meta.values() for m in _metas(v)]
-    if isinstance(meta, list | tuple):
-        return [m for v in meta for m in _metas(v)]
-    return []
-
-
-def _shape_info(metas: list[Any]) -> tuple[Any, str | None, int | None]:
-    if not metas:
-        return None, None, None
-    shapes = [list(m.shape) for m in metas]
-    dtypes = sorted({str(m.dtype).removeprefix("torch.") for m in metas})
-    nbytes = sum(math.prod(m.shape) * m.dtype.itemsize for m in metas)
-    return (shapes[0] if len(shapes) == 1 else shapes), ",".join(dtypes), int(nbytes)
-
-
-def _propagate(gm: fx.GraphModule, job: Any, train: Any) -> str | None:
-    """ShapeProp over one training batch (``meta['tensor_meta']`` on every node); the reason
-    when it could not run (shapes are then left out)."""
-    from torch.fx.passes.shape_prop import ShapeProp
-
-    from .task import fetch_batch, model_args
-
-    try:
-        rows = max(1, min(int(job.train.batch_size), len(train)))
-        batch = fetch_batch(train, torch.arange(rows))
-        args, kwargs = model_args(None, batch)
-        if kwargs:  # ShapeProp feeds placeholders positionally only
-            return "the model takes keyword arguments (a dict batch): shapes left out"
-        with torch.no_grad():
-            ShapeProp(gm).propagate(*args)
-    except Exception as e:  # noqa: BLE001 - shapes are extra information only
-        return (f"{type(e).__name__}: {e}".splitlines() or [""])[0]
-    return None
-
-
-def _output_nodes(module: fx.GraphModule, count: int) -> list[fx.Node | None]:
-    """The nodes a part's submodule returns, in the order of its top-level outputs."""
-    out = next(n for n in module.graph.nodes if n.op == "output")
-    arg = out.args[0]
-    items = list(arg) if isinstance(arg, list | tuple) and (count > 1 or len(arg) == 1) else [arg]
-    return [a if isinstance(a, fx.Node) else None for a in items]
-
-
-def _claims(job: Any, workers: list[Any]) -> dict[str, int]:
-    from .comm.workers import resolve_rank
-
-    claims: dict[str, int] = {}
-    for i, part in enumerate(job.strategy.partitions):
-        rank = resolve_rank(part.target, workers, field=f"strategy.partitions[{i}].target")
-        for node in part.node_ids:
-            claims.setdefault(node, rank)
-    return claims
-
-
-def _origin(job: Any, gm: fx.GraphModule, plan: Any,
-            workers: list[Any]) -> tuple[dict[str, str], dict[str, int]]:
-    """``plan.cut``'s top-level value names -> the traced graph's node computing each, and
-    each traced node -> the index of the part it runs in.
-
-    The cut is made again over ``gm`` with every node tagged by its name (fx copies node
-    meta into the parts); used only when it has the plan's parts exactly."""
-    from .graph.partition import cut
-
-    for n in gm.graph.nodes:
-        n.meta[_ORIG] = n.name
-    try:
-        mine = cut(gm, _claims(job, workers), default=0)
-    except Exception:  # noqa: BLE001 - the plan's own names are then shown
-        return {}, {}
-    same = [(p.index, p.rank, p.inputs, p.outputs) for p in mine.parts] == [
-        (p.index, p.rank, p.inputs, p.outputs) for p in plan.cut.parts]
-    if not same:
-        return {}, {}
-    names: dict[str, str] = {}
-    part_of: dict[str, int] = {}
-    for p in mine.parts:
-        for n in p.module.graph.nodes:
-            if n.op not in ("placeholder", "output") and n.meta.get(_ORIG):
-                part_of.setdefault(str(n.meta[_ORIG]), p.index)
-        for value, node in zip(p.outputs, _output_nodes(p.module, len(p.outputs)), strict=False):
-            if node is not None and node.meta.get(_ORIG):
-                names[value] = str(node.meta[_ORIG])
-    by_target = {str(n.target): n.name for n in gm.graph.nodes if n.op == "get_attr"}
-    for a in mine.attrs:
-        if a.target in by_target:
-            names[a.name] = by_target[a.target]
-    return names, part_of
-
-
 def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) -> dict[str, Any]:
     """The report of ``job``'s graph (see the module docstring). ``model``: the job's model
     already built (else built here); the job's ``run.imports`` must already be imported."""
-    from .subgraphs import check_pairings, check_paths, effective_strategy, resolve
+    from ..subgraphs import check_pairings, check_paths, effective_strategy, resolve
 
     check_pairings(job)
     train = None
@@ -199,7 +103,7 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
     leaves = tuple(getattr(job.model, "leaf_modules", ()) or ())
     example = None  # the model's arguments on two examples: torch.export where fx fails
     if train is not None:
-        from .executors.model_parallel.runner import example_args
+        from ..executors.model_parallel.validation import example_args
 
         example = example_args(None, train)
     gm = trace(model, leaves, example)
@@ -209,23 +113,23 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
     kind = _type(root)
     modules = dict(model.named_modules())
 
-    shape_note = _propagate(gm, job, train) if shapes and train is not None else None
+    shape_note = propagate(gm, job, train) if shapes and train is not None else None
     node_of = {n.name: n for n in gm.graph.nodes}
 
     plan = None
     replicas: Any = None
     workers: list[Any] = []
     if kind == "ModelParallel":
-        from .comm.context import default_workers
-        from .executors import spec_for
-        from .executors.model_parallel.runner import plan_for
+        from ..comm.context import default_workers
+        from ..executors import spec_for
+        from ..executors.model_parallel.validation import plan_for
 
         procs = spec_for(job).processes(job)[0]
         if job.tensor_parallel is not None and job.tensor_parallel.tensor_parallel_size > 1:
             procs //= job.tensor_parallel.tensor_parallel_size  # pipeline x TP: one worker a stage
         workers = default_workers(procs, list(job.workers))
         plan = plan_for(job, model, workers, example)
-        from .executors.model_parallel.replicas import replicas_for
+        from ..executors.model_parallel.replicas import replicas_for
 
         replicas = replicas_for(job, plan, len(workers), workers)
     worker_id = {int(w.rank): str(w.id) for w in workers}
@@ -270,7 +174,7 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
     node_part: dict[str, int] = {}  # traced node name -> part index
     part_of: dict[str, int] = {}  # called module -> part index
     if plan is not None:
-        origin, node_part = _origin(job, gm, plan, workers)
+        origin, node_part = cut_origin(job, gm, plan, workers)
         for p in plan.cut.parts:
             for m in p.nodes:
                 part_of.setdefault(m, p.index)
@@ -299,7 +203,7 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
             if part is not None:
                 row["part"] = part
         if shapes:
-            shape, dtype, _ = _shape_info(_metas(n.meta.get("tensor_meta")))
+            shape, dtype, _ = shape_info(tensor_metas(n.meta.get("tensor_meta")))
             if shape is not None:
                 row["output_shape"], row["dtype"] = shape, dtype
         rows.append(row)
@@ -329,13 +233,13 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
         "subgraphs": groups,
     }
     if kind == "Federated":  # which path runs the rounds ([federated] runtime)
-        from .executors.federated.flower import describe_runtime
+        from ..executors.federated.flower import describe_runtime
 
         report["runtime"] = describe_runtime(job)
     tp_size = job.tensor_parallel.tensor_parallel_size if job.tensor_parallel is not None else 1
     if kind == "ModelParallel" and tp_size > 1:  # pipeline x TP: the pp x tp mesh (tp_stages)
-        from .comm.mesh import Mesh
-        from .executors.model_parallel.runner import num_workers
+        from ..comm.mesh import Mesh
+        from ..executors.model_parallel.validation import num_workers
 
         report["mesh"] = {**Mesh.of(pp=num_workers(job), tp=tp_size).describe(),
                           "note": f"worker-s (rank s above) is stage s, run by its tp group "
@@ -365,7 +269,7 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
             if fxn is not None:
                 entry["op"] = fxn.op
                 entry["in_module"] = module_of(fxn) or ""
-                shape, dtype, nbytes = _shape_info(_metas(fxn.meta.get("tensor_meta")))
+                shape, dtype, nbytes = shape_info(tensor_metas(fxn.meta.get("tensor_meta")))
                 if kind_of == "attr" and shape is None and entry.get("attr"):
                     tensor = _tensor_at(model, str(entry["attr"]))
                     if tensor is not None:
@@ -400,16 +304,16 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
             report["parameters_not_run"] = _count(unplaced)
     if shape_note is not None:
         report["shapes_unavailable"] = shape_note
-    from .executors import is_tensor_parallel
+    from ..executors import is_tensor_parallel
 
     if kind == "DataParallel" and getattr(root, "shard", "none") != "none" and not is_tensor_parallel(job):
-        from .executors.data_parallel.zero import shard_plan  # ZeRO: what is sharded
-        from .subgraphs import local_parameter_names
+        from ..executors.data_parallel.zero import shard_plan  # ZeRO: what is sharded
+        from ..subgraphs import local_parameter_names
 
         report["shard"] = shard_plan(model, level=root.shard, units=root.shard_unit,
                                      local=local_parameter_names(model, job), world=root.num_replicas)
     if is_tensor_parallel(job):  # which modules tensor parallelism shards, and how
-        from .executors.tensor_parallel.runner import dry_run, mesh_plan
+        from ..executors.tensor_parallel.runner import dry_run, mesh_plan
 
         report["tensor_parallel_size"] = job.tensor_parallel.tensor_parallel_size
         report["tensor_parallel"] = [{"module": p, "sharding": how} for p, how in dry_run(job)]
@@ -422,8 +326,8 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
 
 def explain_file(path: str | Path, *, shapes: bool = True) -> dict[str, Any]:
     """Load the job file (and its ``run.imports``, relative to its folder); its report."""
-    from .config.job import load_job
-    from .executors.custom import import_plugins
+    from ..config.job import load_job
+    from ..executors.custom import import_plugins
 
     job = load_job(path)
     try:
