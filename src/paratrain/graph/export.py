@@ -42,13 +42,15 @@ import contextlib
 import inspect
 import io
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
+
+from .export_leaves import as_call_modules, kept_whole
 
 __all__ = ["export_graph", "canonical_ties", "module_of", "IN_SPEC", "OUT_SPEC", "CAPTURE"]
 
@@ -75,17 +77,20 @@ def _dynamic_shapes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     return {name: spec(v) for name, v in bound.arguments.items()}
 
 
-def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> fx.GraphModule:
+def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 leaves: Sequence[str] = ()) -> fx.GraphModule:
     """``model`` captured by ``torch.export`` on the example ``(args, kwargs)`` (see the
-    module docstring). Raises whatever export raises."""
+    module docstring), the modules at ``leaves`` kept whole as ``call_module`` nodes
+    (:mod:`.export_leaves`). Raises whatever export raises."""
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False  # type: ignore[union-attr]
-    with _quiet():
+    with _quiet(), kept_whole(model, leaves):
         ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False,
                                  dynamic_shapes=_dynamic_shapes(model, tuple(args), dict(kwargs)))
     gm = ep.module()
     assert isinstance(gm, fx.GraphModule)
+    as_call_modules(gm, model)
     info = gm.graph._codegen.pytree_info if hasattr(gm.graph._codegen, "pytree_info") else None
     for n in list(gm.graph.nodes):
         if (n.op == "call_module" and str(n.target).startswith("_guards")) or (

@@ -10,7 +10,8 @@ flow on a tensor's value, ``.item()``, data-dependent shapes).
 
 When fx fails and an example input is given (``example=(args, kwargs)``, a batch's model
 arguments), the model is captured with ``torch.export`` (non-strict) instead
-(:mod:`.export`: a Hugging Face model, whose forward fx cannot trace); a forward neither can
+(:mod:`.export`: a Hugging Face model, whose forward fx cannot trace), its leaves kept whole
+there too (:mod:`.export_leaves`: e.g. the tensor-parallel layers of a sharded stage); a forward neither can
 capture is a :class:`~paratrain.config.ConfigError` at ``model`` naming the innermost module
 whose forward failed under fx, how to mark it a leaf, and export's own error.
 """
@@ -77,7 +78,7 @@ def trace(model: nn.Module, leaves: Iterable[str] = (),
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error
         if example is not None:
             try:
-                gm = export_graph(model, *example)
+                gm = export_graph(model, *example, leaves=_outermost(model, wanted))
             except Exception as e2:  # noqa: BLE001 - reported with fx's error below
                 why = (str(e2).strip().splitlines() or [type(e2).__name__])[0]
                 also = f"; torch.export (non-strict) failed too: {why}"
@@ -99,6 +100,16 @@ def trace(model: nn.Module, leaves: Iterable[str] = (),
     gm = fx.GraphModule(model, graph, type(model).__name__)
     canonical_ties(gm, model)
     return gm
+
+
+def _outermost(model: nn.Module, wanted: set[str]) -> list[str]:
+    """The leaves (listed or of a ``@leaf`` class) not inside another leaf, in model order."""
+    out: list[str] = []
+    for name, m in model.named_modules():
+        if name and (name in wanted or getattr(type(m), LEAF_ATTR, False)) and not any(
+                name.startswith(o + ".") for o in out):
+            out.append(name)
+    return out
 
 
 def _list(known: dict[str, nn.Module]) -> str:

@@ -198,6 +198,11 @@ class PackedColumnParallel(nn.Module):
                              "interleave the parts)")
         return y
 
+    def meta_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The output's shape, communicating nothing (see ``ColumnParallelLinear.meta_forward``)."""
+        r = self.comm.rank
+        return x.new_empty((*x.shape[:-1], sum(getattr(self, n).out_sizes[r] for n in self.names)))
+
     def extra_repr(self) -> str:
         return f"parts={self.parts}, in={self.in_features}, out={self.out_features}, conv1d={self.conv1d}"
 

@@ -79,6 +79,16 @@ def refuse_sequence_shards(state: RegionState, layer: nn.Module) -> None:
             "block that contains it")
 
 
+def _no_sequence_shards(layer: nn.Module, mode: str) -> None:
+    if mode == "seq":
+        where = getattr(layer, "tp_path", "") or type(layer).__name__
+        raise ValueError(f"{where}: sequence parallelism inside a graph captured by torch.export "
+                         "(a pipeline stage of a Hugging Face model) is not supported; keep its "
+                         "activations replicated there (no \"sequence\" layout in "
+                         "[tensor_parallel.plan], no communication_pattern = \"ReduceScatter\" or "
+                         "partitioning_strategy = \"SequenceWise\")")
+
+
 def _mark(p: nn.Parameter, dim: int, sizes: list[int]) -> None:
     """Tag a sharded parameter: split along ``dim`` into ``sizes`` over the TP ranks."""
     p.tp_shard_dim = dim  # type: ignore[attr-defined]
@@ -149,6 +159,13 @@ class ColumnParallelLinear(nn.Module):
             y = gather_from_region(y, self.comm, y.dim() - 1, self.out_sizes)
         return y
 
+    def meta_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """An empty output of the right shape, communicating nothing: how ``torch.export``
+        learns this layer's output while keeping it whole (``paratrain.graph.export_leaves``)."""
+        _no_sequence_shards(self, self.mode)
+        return x.new_empty((*x.shape[:-1], self.out_features if self.gather_output
+                            else self.out_sizes[self.comm.rank]))
+
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (local {self.weight.shape[0]}), "
                 f"mode={self.mode}, gather_output={self.gather_output}")
@@ -197,6 +214,11 @@ class RowParallelLinear(nn.Module):
         if self.mode == "seq":
             self.state.in_sequence = True  # reduce-scattered: sequence shards from here
         return y
+
+    def meta_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """As :meth:`ColumnParallelLinear.meta_forward`."""
+        _no_sequence_shards(self, self.mode)
+        return x.new_empty((*x.shape[:-1], self.out_features))
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features} (local {self.weight.shape[1]}), out={self.out_features}, "

@@ -89,6 +89,7 @@ def shard_model(job: JobConfig, model: nn.Module) -> tuple[nn.Module, TPGroups, 
     """The model sharded over this rank's mesh row (collective over the world), its groups
     and the paths of the modules tensor parallelism placed (traced as leaves)."""
     from ...tensor_parallel import parallelize
+    from ...tensor_parallel.foreign_layers import PackedColumnParallel
     from ...tensor_parallel.module import _PARALLEL
 
     cfg = job.tensor_parallel
@@ -99,7 +100,9 @@ def shard_model(job: JobConfig, model: nn.Module) -> tuple[nn.Module, TPGroups, 
                              fusion_threshold_bytes=cfg.fusion_threshold_bytes)
     tpm = parallelize(model, cfg, dataclasses.replace(groups, dp=None))
     inner: nn.Module = tpm.module  # type: ignore[assignment]
-    leaves = tuple(n for n, m in inner.named_modules() if n and isinstance(m, _PARALLEL))
+    # (a packed q|k|v projection is one leaf: its parts share one fused f)
+    leaves = tuple(n for n, m in inner.named_modules()
+                   if n and isinstance(m, (*_PARALLEL, PackedColumnParallel)))
     return inner, groups, leaves
 
 
@@ -167,7 +170,8 @@ class TPPipelineEngine(PipelineEngine):
 def dense_own(stage: StageModel, own: dict[str, torch.Tensor], groups: TPGroups) -> dict[str, torch.Tensor]:
     """This stage's tensors by name (``own``, :meth:`StageModel.node_state`) with every TP
     shard all-gathered over the stage's TP group (in name order: every rank of the row
-    holds the same names) into the dense tensor."""
+    holds the same names) into the dense tensor, a packed projection's parts concatenated
+    under its dense name."""
     shards: dict[str, nn.Parameter] = {}
     for i, m in stage.segments.items():
         part = stage._parts.get(int(i))
@@ -180,4 +184,12 @@ def dense_own(stage: StageModel, own: dict[str, torch.Tensor], groups: TPGroups)
             p = shards[name]
             out[name] = groups.tp.all_gather(p.detach(), int(p.tp_shard_dim),  # type: ignore[attr-defined]
                                              list(p.tp_sizes)).wait()  # type: ignore[attr-defined]
+    # a packed projection's parts (GPT-2's c_attn.q/.k/.v) back into its one dense tensor
+    from ...tensor_parallel.shards import pack_dense, packed_dims
+
+    for i, m in stage.segments.items():
+        part = stage._parts.get(int(i))
+        named = part.original_name if part is not None else str
+        parts = {k: out.pop(named(k)) for k in packed_dims(m) if named(k) in out}
+        out.update({named(k): v for k, v in pack_dense(m, parts).items()})
     return out

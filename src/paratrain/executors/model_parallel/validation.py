@@ -119,14 +119,6 @@ def validate(job: JobConfig) -> Plan:
     example = example_args(task, train)
     plan = plan_for(job, model, workers, example)
     if tp_size_of(job) > 1:
-        if plan.cut.capture != "fx":
-            # torch.export traces through the tensor-parallel layers and fixes the dense
-            # shapes (head counts) in the graph: the sharded stages would not run
-            raise ConfigError([("tensor_parallel.tensor_parallel_size", (
-                "pipeline x tensor parallel needs a model torch.fx can trace (its parallel layers "
-                "stay leaves of the graph); this model is captured with torch.export (e.g. a "
-                "Hugging Face model), which is not supported with tensor parallelism inside the "
-                "stages yet: run it as a pipeline, or under tensor parallelism, on its own"))])
         dry_shard(job, task.build_model(job.model, train))  # sharding errors before a launch
     replicas_for(job, plan, n, workers)
     check_crossing_values(plan, model, train, workers, task)
