@@ -129,7 +129,9 @@ def pipeline_job(tmp: str, name: str, *, tp: int, optimizer: str = "sgd", schedu
     """The same MLP as :func:`mesh_job` (16 rows a step) as 2 pipeline stages (``fc1``,
     ``act1``, ``head`` on worker-1: the cut falls between the column-parallel ``fc0`` and the
     row-parallel ``fc1``, so each lane sends its shard) with ``tp``-way tensor parallelism in
-    each stage, micro-batches of 4; ``tp = 0``: the unpartitioned Local model."""
+    each stage, micro-batches of 4; under Interleaved1F1B 4 chunks placed round-robin
+    (``fc0`` | ``act0`` | ``fc1, act1`` | ``head``, 2 virtual stages a worker); ``tp = 0``: the
+    unpartitioned Local model."""
     doc: dict[str, Any] = {
         "run": {"name": name, "seed": SEED, "output_dir": tmp, "checkpoint_every": checkpoint_every},
         "model": {"name": "mlp", "hidden": [16, 16]}, "data": {"name": "digits"},
@@ -137,11 +139,14 @@ def pipeline_job(tmp: str, name: str, *, tp: int, optimizer: str = "sgd", schedu
                   "grad_clip_norm": clip, "optimizer": copy.deepcopy(OPTIMIZERS[optimizer])},
     }
     if tp:
-        doc["strategy"] = {"type": "ModelParallel",
-                           "communication": {"protocol": "Pipeline", "micro_batch_size": 4,
-                                             "schedule": schedule},
-                           "partitions": [{"node_ids": ["fc1", "act1", "head"],
-                                           "target": {"WorkerId": "worker-1"}}]}
+        parts = [(["fc1", "act1", "head"], "worker-1")]
+        comm: dict[str, Any] = {"protocol": "Pipeline", "micro_batch_size": 4, "schedule": schedule}
+        if schedule == "Interleaved1F1B":  # 4 chunks round-robin: fc0 | act0 | fc1, act1 | head
+            parts = [(["fc0"], "worker-0"), (["act0"], "worker-1"), (["fc1", "act1"], "worker-0"),
+                     (["head"], "worker-1")]
+            comm["virtual_stages"] = 2
+        doc["strategy"] = {"type": "ModelParallel", "communication": comm,
+                           "partitions": [{"node_ids": ids, "target": {"WorkerId": w}} for ids, w in parts]}
         doc["tensor_parallel"] = {"tensor_parallel_size": tp}
     return load_job(doc)
 

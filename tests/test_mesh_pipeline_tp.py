@@ -2,13 +2,13 @@
 stage on 4 gloo ranks laid out ``pp 2 x tp 2`` (rank = stage*2 + tp), against the
 unpartitioned Local model on the same 16-row batches:
 
-* 4 steps of SGD (momentum, weight decay) under 1F1B and of AdamW under GPipe, with
-  clipping active every step: the losses per step and the parameters equal Local's
-  (rtol 1e-5). SGD's update scales with the clipping coefficient, so a norm taken over one
-  stage or one TP rank, or counting the replicated head twice, would move it;
+* 4 steps of SGD (momentum, weight decay) under 1F1B and Interleaved1F1B (4 chunks, 2 a
+  worker) and of AdamW under GPipe and ZBH1 (backward split into B and W), with clipping
+  active every step: the losses per step and the parameters equal Local's (rtol 1e-5).
+  SGD's update scales with the clipping coefficient, so a norm taken over one stage or one
+  TP rank, or counting the replicated head twice, would move it;
 * a run stopped at step 2 and resumed on the same mesh ends bit-identical;
-* ``validate`` refuses the schedules this composition does not run (ZBH1, Interleaved1F1B)
-  naming the field, and the launch asks for stages x tp processes.
+* every schedule validates and the launch asks for stages x tp processes.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from paratrain.comm.testing import run_distributed
 pytestmark = [pytest.mark.timeout(300)]
 
 RUNS = {"sgd-1F1B": {"optimizer": "sgd", "schedule": "1F1B"},
-        "adamw-GPipe": {"optimizer": "adamw", "schedule": "GPipe"}}
+        "adamw-GPipe": {"optimizer": "adamw", "schedule": "GPipe"},
+        "sgd-Interleaved1F1B": {"optimizer": "sgd", "schedule": "Interleaved1F1B"},
+        "adamw-ZBH1": {"optimizer": "adamw", "schedule": "ZBH1"}}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def test_losses_and_parameters_equal_the_unpartitioned_model(pipeline: dict[str,
     assert s["strategy"] == "ModelParallel" and s["schedule"] == RUNS[name]["schedule"]
     # non-vacuity: the stages really ran tensor-parallel on the pp x tp mesh (rank 0's stage
     # holds fc0's column shards: weight and bias)
-    assert s["mesh"]["layout"] == "rank = pp*2 + tp" and s["tensor_parallel_shards_per_stage"] == 2
+    assert s["mesh"]["layout"] == "rank = pp*2 + tp" and s["tensor_parallel_shards_per_stage"] >= 2
 
 
 def test_resume_on_the_same_mesh_is_bit_identical(pipeline: dict[str, Any]) -> None:
@@ -76,18 +78,14 @@ def test_resume_on_the_same_mesh_is_bit_identical(pipeline: dict[str, Any]) -> N
     assert jobs["split"]["tensor_parallel_size"] == 2  # the resumed run is the sharded one
 
 
-def test_refused_schedules_and_process_count(tmp_path: Path) -> None:
-    from paratrain.config import ConfigError
+def test_process_count(tmp_path: Path) -> None:
     from paratrain.executors import spec_for
     from paratrain.executors.model_parallel.validation import validate
 
-    for schedule in ("ZBH1", "Interleaved1F1B"):
-        with pytest.raises(ConfigError) as e:
-            validate(pipeline_job(str(tmp_path), "z", tp=2, schedule=schedule))
-        assert e.value.problems[0][0] == "strategy.communication.schedule"
-    job = pipeline_job(str(tmp_path), "n", tp=2)
-    validate(job)  # the composition that runs
-    assert spec_for(job).processes(job)[0] == 4  # 2 stages x tp 2
+    for schedule in ("1F1B", "ZBH1", "Interleaved1F1B"):
+        job = pipeline_job(str(tmp_path), "n", tp=2, schedule=schedule)
+        validate(job)
+        assert spec_for(job).processes(job)[0] == 4  # 2 stages x tp 2
 
 
 def test_graph_shows_the_pp_x_tp_mesh(tmp_path: Path) -> None:
@@ -97,26 +95,3 @@ def test_graph_shows_the_pp_x_tp_mesh(tmp_path: Path) -> None:
     assert "mesh pp 2 x tp 2: rank = pp*2 + tp" in text
     assert "tp groups: [0, 1] [2, 3]" in text and "pp groups: [0, 2] [1, 3]" in text
     assert "worker-2" not in text  # one worker a stage; the tp ranks are the mesh's
-
-
-def test_an_exported_model_with_tensor_parallel_stages_is_refused(tmp_path: Path) -> None:
-    """A Hugging Face Llama is captured with torch.export, which traces through the parallel
-    layers and bakes the dense head counts into the graph (the stages failed at their first
-    step): validate refuses it, naming the field, before any process starts."""
-    pytest.importorskip("transformers")
-    from paratrain.config import ConfigError, load_job
-    from paratrain.executors.model_parallel.validation import validate
-
-    doc = {"run": {"name": "hf_pp_tp", "output_dir": str(tmp_path)},
-           "task": {"name": "language_model", "block_size": 16},
-           "data": {"factory": "hf_factories:tiny_text"}, "model": {"factory": "hf_factories:llama"},
-           "train": {"batch_size": 8, "max_steps": 2},
-           "strategy": {"type": "ModelParallel",
-                        "communication": {"protocol": "Pipeline", "micro_batch_size": 4, "schedule": "1F1B"},
-                        "partitions": [{"node_ids": ["model.layers.1", "model.norm", "lm_head"],
-                                        "target": {"WorkerId": "worker-1"}}]},
-           "tensor_parallel": {"tensor_parallel_size": 2}}
-    with pytest.raises(ConfigError) as e:
-        validate(load_job(doc))
-    assert "tensor_parallel.tensor_parallel_size" in str(e.value) and "torch.export" in str(e.value)
-    assert not (tmp_path / "hf_pp_tp").exists()

@@ -11,8 +11,10 @@ The ``T`` ranks of a mesh column (``tp`` index ``j``) form a *lane*: a whole pip
 rank per stage. A lane runs the unchanged pipeline runtime and schedule (1F1B, GPipe,
 ...), its transfers going point-to-point between its own ranks
 (:func:`lane_replicas` maps stage ``s`` to the physical rank ``s*T + j``); all lanes run the
-same order, so the TP collectives inside each stage pair up. Schedules: 1F1B and GPipe
-(``Direct`` too); ZBH1 and Interleaved1F1B with tensor parallelism are ConfigErrors. What crosses a cut is what
+same order, so the TP collectives inside each stage pair up. Every schedule runs: GPipe,
+1F1B, Interleaved1F1B (a lane's rank holds its chunks' shards) and ZBH1 (``Direct`` too); under
+ZBH1 the W pass re-enters a tensor-parallel layer's backward, whose input-gradient
+all-reduce then runs a second time (the same sum; all lanes repeat it in the same order). What crosses a cut is what
 that rank holds: a replicated activation (each lane sends its copy) or, where a cut falls
 between a column- and a row-parallel layer, the lane's shard of it. The loss, computed on
 every lane's last stage, is the same on all of them; gradients are those of the
@@ -64,14 +66,7 @@ def check_job(job: JobConfig) -> None:
         raise ConfigError([(f"subgraphs.{subs[0]}", (
             "a replicated stage does not combine with [tensor_parallel] in this version "
             "(pipeline x tensor parallel runs one tensor-parallel group per stage)"))])
-    comm = getattr(job.strategy, "communication", None)
-    proto = getattr(comm, "protocol", None)
-    schedule = getattr(comm, "schedule", None)
-    if proto == "Pipeline" and schedule in ("ZBH1", "Interleaved1F1B"):
-        raise ConfigError([("strategy.communication.schedule", (
-            f"{schedule} with [tensor_parallel] is not supported in this version (its split "
-            "backward and virtual stages are untested with tensor-parallel layers); "
-            "use 1F1B or GPipe"))])
+    proto = getattr(getattr(job.strategy, "communication", None), "protocol", None)
     if proto == "DataStore":
         raise ConfigError([("strategy.communication.protocol", (
             "DataStore passes activations through files between stages that need not be online "
