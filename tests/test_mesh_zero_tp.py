@@ -172,7 +172,7 @@ def test_validate_and_graph_state_the_mesh(tmp_path: Path) -> None:
 
 def test_refused_compositions_are_config_errors_naming_the_field(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Pipeline x tensor parallelism with a schedule it does not run (ZBH1) is refused by
+    """Pipeline x tensor parallelism with a protocol it does not run (DataStore) is refused by
     ``validate`` naming the field (before this, ModelParallel ran every stage unsharded
     with an ignored-setting warning); ZeRO x TP with compression is refused as DataParallel
     ZeRO is."""
@@ -185,12 +185,12 @@ def test_refused_compositions_are_config_errors_naming_the_field(
     doc = load_job(examples / "model_parallel_pipeline.toml").to_json_dict()
     doc["run"]["output_dir"] = str(tmp_path)
     doc["tensor_parallel"] = {"tensor_parallel_size": 2}
-    doc["strategy"]["communication"]["schedule"] = "ZBH1"
+    doc["strategy"]["communication"] = {"protocol": "DataStore"}
     path = tmp_path / "mp_tp.json"
     path.write_text(json.dumps(doc))
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr()
-    assert "strategy.communication.schedule: ZBH1 with [tensor_parallel]" in err.out + err.err
+    assert "strategy.communication.protocol: DataStore passes activations" in err.out + err.err
     assert not [i for i in effective_settings(load_job(doc), probe=False).ignored
                 if str(i).startswith("tensor_parallel")]
     with pytest.raises(ConfigError, match="strategy.shard"):
