@@ -141,6 +141,9 @@ class _InProcessNodes:
 
     def __init__(self, job: Any) -> None:
         self.job_json = json.dumps(job.to_json_dict())
+        self.lineage: str | None = None
+        self.keep_from = 0
+        self.restored: set[int] = set()
 
     def train(self, round_idx: int, clients: Sequence[int], global_state: Mapping[str, Tensor],
               lr_scale: float, control: Mapping[str, Tensor] | None,
@@ -158,7 +161,7 @@ class _InProcessNodes:
         return statuses, out, 0, 0
 
     def evaluate(self, tag: str, clients: Sequence[int], global_state: Mapping[str, Tensor],
-                 ) -> tuple[dict[int, dict[str, float]], int, int]:
+                 entering: int = 0) -> tuple[dict[int, dict[str, float]], int, int]:
         return {}, 0, 0
 
 

@@ -10,8 +10,9 @@ paratrain's app started with ``flwr run`` (examples/federated_flower).
   seeded generator of (seed, round, client) at one intra-op thread and aggregate with the same
   FederatedServer, and Flower's ArrayRecord carries the float32 tensors exactly;
 - the ServerApp process killed mid-run and a second ``flwr run`` with ``resume = true``
-  continue at the checkpointed round with the same server state (FedAdam's moments): the final
-  model equals an uninterrupted run's bit for bit, every round is logged once;
+  continue at the checkpointed round with the same server state (SCAFFOLD's ``c``) and the
+  same client state (each ``c_i``, from its node's ``state-dir``): the final model equals an
+  uninterrupted run's bit for bit, every round is logged once;
 - a SuperNode killed mid-round: that round completes with the other node's clients after
   ``round_timeout`` (the killed node's clients are failures naming it), the node restarts
   with the same partition and its clients take part again in the next round;
@@ -124,13 +125,15 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def group(fed: LocalFederation, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Six runs at once on the federation: the five equality jobs, and a FedAdam run over three
-    rounds whose ServerApp is killed after round 1 and resumed by a second ``flwr run``."""
+    """Six runs at once on the federation: the five equality jobs, and a SCAFFOLD run over
+    three rounds whose ServerApp is killed after round 1 and resumed by a second ``flwr run``
+    (the server's ``c`` comes back from its checkpoint, each client's ``c_i`` from its node's
+    ``state-dir``)."""
     tmp = tmp_path_factory.mktemp("flower_runs")
     out = tmp / "runs"
     docs = {m: _job(out, f"fl_{m.lower()}", agg) for m, agg in AGGREGATIONS.items()}
     docs["FedPer"]["subgraphs"] = {"head": {"type": "Local"}}
-    docs["resume"] = _job(out, "fl_resume", AGGREGATIONS["FedAdam"], rounds=3)
+    docs["resume"] = _job(out, "fl_resume", AGGREGATIONS["SCAFFOLD"], rounds=3)
     files = {k: _write(tmp / f"{k}.json", d) for k, d in docs.items()}
     for f in files.values():
         fed.run(APP, {"job": str(f)})
@@ -194,6 +197,8 @@ def test_server_killed_and_restarted_resumes(group: dict[str, Any]) -> None:
     assert [r["round"] for r in _metrics(group["run_dir"]["resume"])] == [1, 2, 3]
     assert summary["parameters_sha256"] == local["parameters_sha256"]
     _same_model(group["run_dir"]["resume"], Path(local["run_dir"]))
+    # the clients' c_i came back from both nodes' state-dir (fresh c_i would change the model)
+    assert summary["client_state_restored_partitions"] == [0, 1] and "resume_note" not in summary
 
 
 def test_supernode_killed_mid_round_then_rejoins(fed: LocalFederation, tmp_path: Path) -> None:

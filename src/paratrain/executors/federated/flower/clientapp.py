@@ -10,7 +10,9 @@ it answers for and the node's partition:
 - ``@app.evaluate()``: each hosted client's evaluation sums on its own test split, with its
   personal parts (:func:`.node.score_node`).
 
-The node's clients' state lives in ``context.state["paratrain"]`` between messages of a run.
+The node's clients' state lives in ``context.state["paratrain"]`` between messages of a run,
+and with a ``state-dir`` in the node_config also on the node's disk, where a message whose
+context is empty (the first of a resumed run) reads it back (:mod:`.node_state`).
 A wrong ``node_config`` or message is answered with a Flower error reply naming the problem
 (the server records the node's clients as failed)."""
 
@@ -28,6 +30,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.compat.common.recorddict_compat import fitres_to_recorddict, recorddict_to_fitins
 
 from . import protocol as P
+from .node_state import NodeStateFiles
 
 __all__ = ["app", "DROP_ENV"]
 
@@ -65,10 +68,38 @@ def _whoami(p: int, n: int) -> dict[str, int]:
     return {P.PARTITION_ID: p, P.NUM_PARTITIONS: n}
 
 
-def _state(context: Context) -> bytes | None:
+def _files(context: Context, plan: Any, p: int, n: int) -> NodeStateFiles | None:
+    root = context.node_config.get(P.STATE_DIR)
+    if not root or P.LINEAGE not in plan:
+        return None
+    from .side import job_from_json
+
+    name = job_from_json(str(plan[P.JOB])).run.name
+    return NodeStateFiles(str(root), name, str(plan[P.LINEAGE]), p, n)
+
+
+def _state(context: Context, plan: Any, p: int, n: int) -> tuple[bytes | None, bool]:
+    """The node's clients' state entering ``plan``'s round: this run's context, else the
+    node's disk (second: whether it came from there)."""
     rec = context.state.config_records.get(P.STATE)
     blob = rec.get(P.HOST_STATE) if rec is not None else None
-    return blob if isinstance(blob, bytes) else None
+    if isinstance(blob, bytes):
+        return blob, False
+    files = _files(context, plan, p, n)
+    got = files.load(int(plan[P.ROUND])) if files is not None and P.ROUND in plan else None
+    return got, got is not None
+
+
+def _keep(context: Context, plan: Any, p: int, n: int, state: bytes | None) -> None:
+    """After training round ``plan[round]``: the state entering the next one, in the context
+    and (with a state-dir) on disk."""
+    if state is None:
+        return
+    entering = int(plan[P.ROUND]) + 1
+    context.state[P.STATE] = ConfigRecord({P.HOST_STATE: state, P.ROUND: entering})
+    files = _files(context, plan, p, n)
+    if files is not None:
+        files.save(entering, state, int(plan.get(P.KEEP_FROM, 0)))
 
 
 @app.train()
@@ -81,14 +112,14 @@ def train(msg: Message, context: Context) -> Message:
     plan: Any = msg.content.config_records[P.PLAN]
     glob = msg.content.array_records[P.GLOBAL].to_torch_state_dict()
     ctl = msg.content.array_records.get(P.CONTROL)
+    before, resumed = _state(context, plan, p, n)
     statuses, payload, state = train_clients(
         str(plan[P.JOB]), round_idx=int(plan[P.ROUND]), clients=[int(c) for c in plan[P.CLIENTS]],
         lr_scale=float(plan[P.LR_SCALE]), global_state=glob,
         control=None if ctl is None else ctl.to_torch_state_dict(), partition=p, num_partitions=n,
-        state=_state(context))
-    if state is not None:
-        context.state[P.STATE] = ConfigRecord({P.HOST_STATE: state, P.ROUND: int(plan[P.ROUND]) + 1})
-    reply = ConfigRecord({P.STATUSES: json.dumps(statuses), P.PAYLOAD: payload,
+        state=before)
+    _keep(context, plan, p, n, state)
+    reply = ConfigRecord({P.STATUSES: json.dumps(statuses), P.PAYLOAD: payload, P.RESUMED: resumed,
                           P.CLIENTS: [int(st["client"]) for st in statuses], **_whoami(p, n)})
     return Message(RecordDict({P.RESULT: reply}), reply_to=msg)
 
@@ -101,7 +132,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     plan: Any = msg.content.config_records[P.PLAN]
     glob = msg.content.array_records[P.GLOBAL].to_torch_state_dict()
     sums = score_node(str(plan[P.JOB]), clients=[int(c) for c in plan[P.CLIENTS]], global_state=glob,
-                      partition=p, num_partitions=n, state=_state(context))
+                      partition=p, num_partitions=n, state=_state(context, plan, p, n)[0])
     hosted = [int(c) for c in plan[P.CLIENTS] if int(c) % n == p]
     reply = ConfigRecord({P.SUMS: json.dumps({str(c): s for c, s in sums.items()}), P.CLIENTS: hosted,
                           **_whoami(p, n)})
@@ -122,9 +153,8 @@ def _train_secure(msg: Message, context: Context) -> Message:
         str(plan[P.JOB]), round_idx=int(plan[P.ROUND]), clients=json.loads(str(plan[P.CLIENTS])),
         lr_scale=float(plan[P.LR_SCALE]), keys=json.loads(str(plan[P.KEYS])),
         arrays=parameters_to_ndarrays(fitins.parameters), partition=p,
-        num_partitions=n, state=_state(context))
-    if state is not None:
-        context.state[P.STATE] = ConfigRecord({P.HOST_STATE: state, P.ROUND: int(plan[P.ROUND]) + 1})
+        num_partitions=n, state=_state(context, plan, p, n)[0])
+    _keep(context, plan, p, n, state)
     res = FitRes(Status(code=Code.OK, message="Success"), ndarrays_to_parameters(mean), int(weight),
                  {P.STATUSES: json.dumps(statuses), **_whoami(p, n)})
     return Message(fitres_to_recorddict(res, keep_input=True), reply_to=msg)

@@ -51,6 +51,14 @@ class Federation:
     def __init__(self, grid: Grid, job_json: str, opts: Any) -> None:
         self.grid, self.job_json, self.opts = grid, job_json, opts
         self.partition: dict[int, tuple[int, int]] = {}  # node id -> (partition-id, num-partitions)
+        # where nodes with a state-dir keep their clients' state (.node_state): the run's
+        # lineage and the oldest checkpoint the server could resume from; set by the round loop
+        self.lineage: str | None = None
+        self.keep_from = 0
+        self.restored: set[int] = set()  # partitions whose state came back from their disk
+
+    def _where(self) -> dict[str, Any]:
+        return {} if self.lineage is None else {P.LINEAGE: self.lineage, P.KEEP_FROM: int(self.keep_from)}
 
     def live(self) -> list[int]:
         """The connected node ids, once at least ``min_nodes`` are (waiting up to ``node_timeout``)."""
@@ -122,11 +130,13 @@ class Federation:
               ) -> tuple[list[dict[str, Any]], list[bytes | memoryview], int, int]:
         """One round's training: every selected client's status and payload (a failed one for
         each client no node answered for), and the bytes down and up."""
-        plan = {P.JOB: self.job_json, P.ROUND: int(round_idx), P.LR_SCALE: float(lr_scale)}
+        plan = {P.JOB: self.job_json, P.ROUND: int(round_idx), P.LR_SCALE: float(lr_scale), **self._where()}
         replies, down, up, errors = self._send("train", clients, plan, global_state, control, f"train-{round_idx}")
         got: dict[int, tuple[dict[str, Any], bytes | memoryview]] = {}
         for rep in replies:
             rec: Any = rep.content.config_records[P.RESULT]
+            if rec.get(P.RESUMED):
+                self.restored.add(int(rec[P.PARTITION_ID]))
             data = memoryview(bytes(rec[P.PAYLOAD]))
             pos = 0
             for st in json.loads(str(rec[P.STATUSES])):
@@ -148,10 +158,11 @@ class Federation:
         return statuses, payloads, down, up
 
     def evaluate(self, tag: str, clients: Sequence[int], global_state: Mapping[str, Tensor],
-                 ) -> tuple[dict[int, dict[str, float]], int, int]:
-        """Each client's evaluation sums on its own test split (its node scores it)."""
-        replies, down, up, _ = self._send("evaluate", clients, {P.JOB: self.job_json}, global_state, None,
-                                          f"evaluate-{tag}")
+                 entering: int = 0) -> tuple[dict[int, dict[str, float]], int, int]:
+        """Each client's evaluation sums on its own test split (its node scores it, with its
+        clients' state entering round ``entering``)."""
+        plan = {P.JOB: self.job_json, P.ROUND: int(entering), **self._where()}
+        replies, down, up, _ = self._send("evaluate", clients, plan, global_state, None, f"evaluate-{tag}")
         sums: dict[int, dict[str, float]] = {}
         for rep in replies:
             rec: Any = rep.content.config_records[P.RESULT]
@@ -170,7 +181,8 @@ class Federation:
 
         nodes = self.targets(clients)
         plan = {P.JOB: self.job_json, P.ROUND: int(round_idx), P.LR_SCALE: float(lr_scale),
-                P.CLIENTS: json.dumps([int(c) for c in clients]), P.KEYS: json.dumps(list(global_state))}
+                P.CLIENTS: json.dumps([int(c) for c in clients]), P.KEYS: json.dumps(list(global_state)),
+                **self._where()}
         mean, got, down, up, answered = secure_round(self.grid, nodes, plan, global_state, self.opts, max_weight,
                                            message_nbytes, POLL_S)
         by_client = {int(st["client"]): st for st in got}

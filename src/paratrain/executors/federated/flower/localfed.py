@@ -1,7 +1,8 @@
 """A local Flower federation on 127.0.0.1 (tests, benchmarks, trying the app on one machine):
 ``flower-superlink --insecure`` and N ``flower-supernode`` processes with explicit 127.0.0.1
 addresses on free ports (Flower's defaults bind 0.0.0.0), node ``i`` started with
-``--node-config 'partition-id=i num-partitions=N'``; ``flwr run`` against it. ``FLWR_HOME``
+``--node-config 'partition-id=i num-partitions=N state-dir="<home>/node<i>-state"'`` (the
+node keeps its clients' state there across server restarts); ``flwr run`` against it. ``FLWR_HOME``
 (Flower's config, installed apps and state) is a folder of the caller's choosing, so nothing
 outside it is touched. Every process is started in its own session and ended with its whole
 process group (the ServerApp/ClientApp processes Flower spawns too) by :meth:`close`.
@@ -105,7 +106,8 @@ class LocalFederation:
         return self._start(f"node{i}", [
             str(self.bin / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
             "--host", "127.0.0.1", "--port", str(port),
-            "--node-config", f"partition-id={i} num-partitions={self.num_partitions}"], env)
+            "--node-config", (f"partition-id={i} num-partitions={self.num_partitions} "
+                              f'state-dir="{self.home / f"node{i}-state"}"')], env)
 
     def kill(self, name: str) -> None:
         """SIGKILL the process ``name``, every process of its group and every descendant

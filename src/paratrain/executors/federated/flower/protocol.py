@@ -2,24 +2,27 @@
 run_config keys). No Flower import here.
 
 A train message (server -> node): ``ConfigRecord "plan"`` {job (the job as JSON), round,
-clients (the selected clients this node hosts), lr_scale} and ``ArrayRecord "global"`` (the
+clients (the selected clients this node hosts), lr_scale, lineage and keep_from (where a node
+with a ``state-dir`` keeps its clients' state: :mod:`.node_state`)} and ``ArrayRecord "global"`` (the
 server's model, every tensor in its dtype: exact); with SCAFFOLD also ``ArrayRecord
 "control"`` (the server's control variate ``c``). Its reply: ``ConfigRecord "result"``
 {statuses (JSON: the local path's per-client status, tensor headers included), payload (the
 clients' encoded updates, concatenated bytes), clients (those the node answers for: the
 selected ones it hosts), partition-id, num-partitions}. An evaluate message carries the plan
-(every client) and the model; its reply ``result`` {sums (JSON: each hosted client's
+(every client; round: the state it scores with is the one entering that round) and the model; its reply ``result`` {sums (JSON: each hosted client's
 evaluation sums), clients, partition-id, num-partitions}."""
 
 from __future__ import annotations
 
 __all__ = ["PARTITION_ID", "NUM_PARTITIONS", "PLAN", "GLOBAL", "CONTROL", "RESULT", "STATE",
            "JOB", "ROUND", "CLIENTS", "LR_SCALE", "KEYS", "STATUSES", "PAYLOAD", "SUMS", "HOST_STATE",
-           "RUN_JOB", "RUN_RESUME", "RUN_OVERWRITE", "RUN_WORKDIR"]
+           "RUN_JOB", "RUN_RESUME", "RUN_OVERWRITE", "RUN_WORKDIR", "STATE_DIR", "LINEAGE", "KEEP_FROM",
+           "RESUMED"]
 
 # node_config (flower-supernode --node-config 'partition-id=0 num-partitions=2')
 PARTITION_ID = "partition-id"
 NUM_PARTITIONS = "num-partitions"
+STATE_DIR = "state-dir"  # optional: where the node keeps its clients' state across server restarts
 
 # record names in a message's RecordDict and in context.state
 PLAN, GLOBAL, CONTROL, RESULT, STATE = "plan", "global", "control", "result", "paratrain"
@@ -27,6 +30,7 @@ PLAN, GLOBAL, CONTROL, RESULT, STATE = "plan", "global", "control", "result", "p
 # keys of the records
 JOB, ROUND, CLIENTS, LR_SCALE, KEYS = "job", "round", "clients", "lr_scale", "keys"
 STATUSES, PAYLOAD, SUMS, HOST_STATE = "statuses", "payload", "sums", "host"
+LINEAGE, KEEP_FROM, RESUMED = "lineage", "keep_from", "resumed"  # RESUMED (reply): state from disk
 
 # run_config ([tool.flwr.app.config] of the app, flwr run --run-config 'job="..."')
 RUN_JOB, RUN_RESUME, RUN_OVERWRITE, RUN_WORKDIR = "job", "resume", "overwrite", "workdir"

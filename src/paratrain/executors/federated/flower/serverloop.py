@@ -18,14 +18,19 @@ was killed and resumed ends bit-identical to an uninterrupted one. The run folde
 ``summary.json``, ``model.safetensors`` and ``report.png`` exactly as a local run's.
 
 Clients' own state (personal parts, error-feedback residuals, SCAFFOLD's ``c_i``) lives on
-the nodes, in Flower's ``context.state``, which Flower keeps per run: a resumed run (a new
-``flwr run``) starts the nodes' state fresh, so resume is exact for jobs whose clients keep
-no state (:func:`~.side.stateful`), and the summary says when it is not."""
+the nodes, in Flower's ``context.state``, which Flower keeps per run. A node started with a
+``state-dir`` in its node_config also keeps it on its own disk (:mod:`.node_state`; the run's
+lineage id is in ``flower.json`` of the run folder), so a resumed run (a new ``flwr run``)
+continues the clients' state too and ends bit-identical. A node without one starts its
+clients afresh after a server restart, and the summary says so (``resume_note``)."""
 
 from __future__ import annotations
 
+import json
 import time
+import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -33,6 +38,7 @@ from torch import Tensor
 
 from ....config import ConfigError
 from ....config.job import JobConfig
+from ....files import step_folders
 from ....training import report, write_summary
 from ....training.lifecycle import Lifecycle
 from ....training.rundir import MetricsWriter, RunFolder
@@ -56,15 +62,41 @@ class Nodes(Protocol):
               lr_scale: float, control: Mapping[str, Tensor] | None,
               ) -> tuple[list[dict[str, Any]], list[bytes | memoryview], int, int]: ...
 
+    lineage: str | None
+    keep_from: int
+    restored: set[int]
+
     def evaluate(self, tag: str, clients: Sequence[int], global_state: Mapping[str, Tensor],
-                 ) -> tuple[dict[int, dict[str, float]], int, int]: ...
+                 entering: int = 0) -> tuple[dict[int, dict[str, float]], int, int]: ...
 
     def train_secure(self, round_idx: int, clients: Sequence[int], global_state: Mapping[str, Tensor],
                      lr_scale: float, max_weight: float,
                      ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int, list[int]]: ...
 
 
-def _evaluate(side: Side, server: FederatedServer, nodes: Nodes, tag: str) -> tuple[dict[str, float], dict[str, Any]]:
+def _lineage(run_dir: Path) -> str:
+    """The run's lineage id (``flower.json``): drawn when the run folder is new, kept across
+    resumes; nodes keep their clients' state under it (:mod:`.node_state`)."""
+    path = run_dir / "flower.json"
+    try:
+        got = json.loads(path.read_text())["lineage"]
+        if isinstance(got, str) and got:
+            return got
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    lineage = uuid.uuid4().hex[:16]
+    path.write_text(json.dumps({"lineage": lineage}))
+    return lineage
+
+
+def _oldest_kept(run_dir: Path, default: int) -> int:
+    """The step (rounds done) of the oldest checkpoint kept: the earliest a resume restarts at."""
+    steps = [int(p.name.split("-")[1]) for p in step_folders(run_dir / "checkpoints")]
+    return min(steps) if steps else default
+
+
+def _evaluate(side: Side, server: FederatedServer, nodes: Nodes, tag: str,
+              entering: int) -> tuple[dict[str, float], dict[str, Any]]:
     """The round's test metrics and the per-client summary, as the local path's ``round_metrics``."""
     strat: Any = side.job.strategy
     ev: dict[str, float] = {}
@@ -73,7 +105,7 @@ def _evaluate(side: Side, server: FederatedServer, nodes: Nodes, tag: str) -> tu
                              precision=side.job.train.precision)
     if not side.per_client:
         return ev, {}
-    sums, _, _ = nodes.evaluate(tag, range(strat.num_clients), server.global_state)
+    sums, _, _ = nodes.evaluate(tag, range(strat.num_clients), server.global_state, entering)
     sums = {c: s for c, s in sums.items() if len(side.splits[c])}
     pooled, per = combine(side.task, sums)
     return (pooled if side.personal_keys else ev), per
@@ -101,6 +133,7 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
             found = life.load() if resume else None
             start = restore(found, server, None, rank=0, world=1, group=None)
             folder.prepare()
+            nodes.lineage = _lineage(run_dir)
             metrics = MetricsWriter(run_dir)
             life.begin(start, resume=resume, found=found is not None, metrics=metrics)
             flower_opts = job.federated.flower
@@ -116,6 +149,7 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
                                                  round_idx=r, seed=seed, client_tags=tags)
                     except ValueError as e:
                         raise ConfigError([("strategy.client_selection", str(e))]) from None
+                    nodes.keep_from = _oldest_kept(run_dir, r)
                     lr_scale = server.schedule.factor()
                     control = server.control()  # SCAFFOLD's c, down with the model ({} otherwise)
                     if secure:
@@ -124,7 +158,7 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
                         statuses, payloads, down, up = nodes.train(r, clients, server.global_state, lr_scale,
                                                                    control or None)
                         rec = server.finish_round(r, statuses, payloads, wire_bytes_down=down, wire_bytes_up=up)
-                    ev, per = _evaluate(side, server, nodes, str(r))
+                    ev, per = _evaluate(side, server, nodes, str(r), r + 1)
                     round_record(server, rec, ev, per, target=target, lr_scale=lr_scale,
                                  runtime="flower", round_time_s=time.perf_counter() - t_round,
                                  time_s=time.perf_counter() - started)
@@ -167,7 +201,7 @@ def _finish(side: Side, server: FederatedServer, nodes: Nodes, run_dir: Any, sta
             resumed_from: int | None) -> dict[str, Any]:
     job, task, model = side.job, side.task, side.model
     strat: Any = job.strategy
-    final, final_per = _evaluate(side, server, nodes, "final")
+    final, final_per = _evaluate(side, server, nodes, "final", server.round)
     from ....models.state import load_unique_state_dict
 
     whole = dict(server.global_state)
@@ -183,9 +217,13 @@ def _finish(side: Side, server: FederatedServer, nodes: Nodes, run_dir: Any, sta
     if resumed_from is not None:
         summary["resumed_from_round"] = resumed_from
         if resumed_from > 0 and stateful(job, side.personal_keys):
-            summary["resume_note"] = ("the clients' own state (personal parts, error-feedback residuals, "
-                                      "control variates) lives in each node's Flower context of the "
-                                      "interrupted run; the resumed run's clients started it afresh")
+            summary["client_state_restored_partitions"] = sorted(nodes.restored)
+            if not nodes.restored:
+                summary["resume_note"] = (
+                    "the clients' own state (personal parts, error-feedback residuals, control "
+                    "variates) was in each node's Flower context of the interrupted run and no node "
+                    "had it on disk (start the SuperNodes with --node-config state-dir=...): the "
+                    "resumed run's clients started it afresh")
     summary["provenance"] = report.provenance(summary, configured=("num_clients",))
     from ....training.export import save_model, whole_state
 

@@ -1,0 +1,90 @@
+"""A SuperNode's clients' state on its own disk, so a restarted ServerApp resumes it.
+
+Flower keeps ``context.state`` per *run*: a ServerApp that is killed and started again with
+``resume = true`` is a new ``flwr run``, and every node's context starts empty. The clients'
+own state (personal parts, error-feedback residuals, SCAFFOLD's ``c_i``) would start afresh
+and the resumed run would differ from an uninterrupted one. So a node given a folder
+(``--node-config 'state-dir="/var/lib/paratrain"'``) also writes its state blob after each
+round it trains, as ``<state-dir>/<job name>/<lineage>/partition-<p>-of-<n>/round-<k>.bin``:
+the state *entering* round ``k`` (0-based), written atomically (temp file, rename).
+
+- ``lineage``: an id the server draws when the run folder is created and keeps across
+  resumes (``flower.json`` in the run folder), so a new run of the same name never reads an
+  older run's files; the other lineages of that job name are removed at the first save.
+- A message whose ``context.state`` is empty reads the newest file with ``k <=`` the round it
+  needs (a node that trained in no round since has the same state).
+- The server says which checkpoint it could fall back to (``keep_from``: its oldest kept step);
+  the node keeps the newest file at or below it and every later one, and removes files of
+  rounds after the one it writes (a timeline the resume abandoned).
+
+The node's disk is the node's own: the state never travels to the server. Without
+``state-dir``, a resumed run's stateful clients start afresh (the summary says so)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from ....files import safe_rmtree
+
+__all__ = ["NodeStateFiles"]
+
+_FILE = re.compile(r"round-(\d+)\.bin")
+_NAME = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def _safe(name: str) -> str:
+    """``name`` as one path component that stays inside its parent."""
+    out = _NAME.sub("_", name)
+    return "_" + out if out in ("", ".", "..") else out
+
+
+class NodeStateFiles:
+    """The state files of one node partition of one run lineage (module docstring)."""
+
+    def __init__(self, root: str | Path, job_name: str, lineage: str, partition: int, num_partitions: int) -> None:
+        self.root = Path(root)
+        self.job_dir = self.root / _safe(job_name)
+        self.lineage = _safe(lineage)
+        self.dir = self.job_dir / self.lineage / f"partition-{partition}-of-{num_partitions}"
+
+    def _rounds(self) -> list[int]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _FILE.fullmatch(p.name)))
+
+    def _path(self, k: int) -> Path:
+        return self.dir / f"round-{k}.bin"
+
+    def load(self, entering: int) -> bytes | None:
+        """The state entering round ``entering``: the newest file at or below it (None: none)."""
+        got = [k for k in self._rounds() if k <= entering]
+        return self._path(got[-1]).read_bytes() if got else None
+
+    def save(self, entering: int, blob: bytes, keep_from: int) -> None:
+        """Write the state entering round ``entering``; prune (module docstring)."""
+        if self.job_dir.is_dir():  # an older run of this name: superseded
+            for other in self.job_dir.iterdir():
+                if other.is_dir() and other.name != self.lineage:
+                    safe_rmtree(other, self.job_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".round-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self._path(entering))
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        rounds = self._rounds()
+        base = [k for k in rounds if k <= keep_from]
+        keep = {k for k in rounds if keep_from < k <= entering} | set(base[-1:])
+        for k in rounds:
+            if k not in keep:
+                self._path(k).unlink(missing_ok=True)
+        for p in self.dir.glob(".round-*.tmp"):  # a save killed before its rename
+            p.unlink(missing_ok=True)
