@@ -5,8 +5,9 @@ paratrain's app started with ``flwr run`` (examples/federated_flower).
 - the global model after R rounds equals the same job run the local way (``runtime = "local"``,
   paratrain's in-process round loop) bit for bit, for FedAvg, FedMedian (robust), FedAdam
   (adaptive), SCAFFOLD (the server's c travels with the model, each client's c_i stays in its
-  node's context.state) and FedPer (a Local head kept per client in context.state; the clients'
-  personal scores come from ``@app.evaluate``): both paths train each client with the same
+  node's context.state), FedPer (a Local head kept per client in context.state; the clients'
+  personal scores come from ``@app.evaluate``), FedNova and client-level DP in local mode
+  (each update clipped and noised on its node; the same epsilon): both paths train each client with the same
   seeded generator of (seed, round, client) at one intra-op thread and aggregate with the same
   FederatedServer, and Flower's ArrayRecord carries the float32 tensors exactly;
 - the ServerApp process killed mid-run and a second ``flwr run`` with ``resume = true``
@@ -18,8 +19,8 @@ paratrain's app started with ``flwr run`` (examples/federated_flower).
   with the same partition and its clients take part again in the next round;
 - bytes per round measured at the Message level are in metrics.jsonl.
 
-One federation serves every test (module fixture); the six runs of the first group share it
-at the same time. Every process started is ended (with what Flower spawned) in a finally.
+One federation serves every test (module fixture); the eight runs of the first group share
+it at the same time. Every process started is ended (with what Flower spawned) in a finally.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ AGGREGATIONS = {
     "FedAdam": {"method": "FedAdam", "eta": 0.05},
     "SCAFFOLD": {"method": "SCAFFOLD"},  # c down with the model, each c_i in its node's context.state
     "FedPer": {"method": "FedAvg"},  # + a Local head: personal parts in context.state, scored by @app.evaluate
+    "FedNova": {"method": "FedNova"},  # normalised local steps: each client's tau_i travels up
+    "DP-local": {"method": "FedAvg"},  # + [federated.dp] mode local: clip and seeded noise on the nodes
 }
 DEADLINE_S = 600.0
 
@@ -125,7 +128,7 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def group(fed: LocalFederation, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Six runs at once on the federation: the five equality jobs, and a SCAFFOLD run over
+    """Eight runs at once on the federation: the seven equality jobs, and a SCAFFOLD run over
     three rounds whose ServerApp is killed after round 1 and resumed by a second ``flwr run``
     (the server's ``c`` comes back from its checkpoint, each client's ``c_i`` from its node's
     ``state-dir``)."""
@@ -133,6 +136,8 @@ def group(fed: LocalFederation, tmp_path_factory: pytest.TempPathFactory) -> dic
     out = tmp / "runs"
     docs = {m: _job(out, f"fl_{m.lower()}", agg) for m, agg in AGGREGATIONS.items()}
     docs["FedPer"]["subgraphs"] = {"head": {"type": "Local"}}
+    docs["DP-local"]["federated"]["dp"] = {"mode": "local", "clip": 0.5, "noise_multiplier": 0.3,
+                                           "delta": 1e-5}
     docs["resume"] = _job(out, "fl_resume", AGGREGATIONS["SCAFFOLD"], rounds=3)
     files = {k: _write(tmp / f"{k}.json", d) for k, d in docs.items()}
     for f in files.values():
@@ -173,6 +178,8 @@ def test_flower_equals_local(group: dict[str, Any], method: str) -> None:
     assert [r["test_accuracy"] for r in fl] == [r["test_accuracy"] for r in lo]
     assert [r["train_loss"] for r in fl] == [r["train_loss"] for r in lo]
     assert [r["bytes_up_measured"] for r in fl] == [r["bytes_up_measured"] for r in lo]
+    if method == "DP-local":  # the same noise drawn on the nodes, the same privacy spent
+        assert flower["epsilon"] == local["epsilon"] > 0 and flower["dp_mode"] == "local"
     if method == "FedPer":  # every client scored with its own head, on its node
         assert flower["personal_test_accuracy"] == local["personal_test_accuracy"]
         assert [r["personal_test_accuracy"] for r in fl] == [r["personal_test_accuracy"] for r in lo]
