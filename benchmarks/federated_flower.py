@@ -14,7 +14,10 @@ B = 32, SGD lr 0.05, FedAvg, ``--rounds`` rounds (default 3).
 
 ``--secure``: instead, plaintext against SecAgg+ (``[federated.flower.secure_aggregation]``,
 Flower's SecAggPlusWorkflow / secaggplus_mod) on the same federation of ``--nodes`` SuperNodes
-with one client each (``num_clients = --nodes``), ``--rounds`` rounds each.
+with one client each (``num_clients = --nodes``), ``--rounds`` rounds each; ``--drop K``
+adds a SecAgg+ run in which K nodes exit after masking (on the unmask stage). Each secure
+model's max |difference| from the plaintext one is reported with the fixed-point bound
+(one quantization step per node).
 
 Per round (measured, metrics.jsonl): ``round_time_s`` (median over rounds after the first),
 the round's measured bytes down / up: for the local path the process-group traffic (model
@@ -89,9 +92,16 @@ def secure(args: Any) -> None:
         fed = LocalFederation(tmp / "flwr_home", args.nodes)
         res: dict[str, Any] = {"workload": f"digits MLP 64, {args.nodes} clients on {args.nodes} SuperNodes, FedAvg",
                                "rounds": args.rounds}
+        runs = [("plaintext", False), ("secagg", True)] + ([("secagg_drop", True)] if args.drop else [])
         try:
             fed.start()
-            for name, sec in (("plaintext", False), ("secagg", True)):
+            for name, sec in runs:
+                if name == "secagg_drop":  # the last --drop nodes exit on the unmask stage's message
+                    from paratrain.executors.federated.flower.clientapp import DROP_ENV
+
+                    for i in range(args.nodes - args.drop, args.nodes):
+                        fed.kill(f"node{i}")
+                        fed.start_node(i, {DROP_ENV: "unmask"})
                 path = tmp / f"{name}.json"
                 path.write_text(json.dumps(job(out, name, "flower", args.rounds, args.nodes, sec)))
                 wall = flower_run(fed, out, path, name)
@@ -100,6 +110,16 @@ def secure(args: Any) -> None:
             fed.close()
         for key in ("round_time_s_median", "bytes_down_per_round_measured", "bytes_up_per_round_measured"):
             res[f"{key}_secagg_over_plaintext"] = round(res["secagg"][key] / res["plaintext"][key], 2)
+        # the unmasked sum against the plain one: fixed-point error, bounded by one
+        # quantization step (2 * clipping_range / quantization_range) per node
+        from safetensors.torch import load_file
+
+        plain = load_file(str(out / "plaintext" / "model.safetensors"))
+        for name, _ in runs[1:]:
+            got = load_file(str(out / name / "model.safetensors"))
+            res[f"max_abs_diff_{name}_vs_plaintext"] = max(float((got[k] - plain[k]).abs().max()) for k in plain)
+        res["fixed_point_bound"] = args.nodes * 2 * 8.0 / 2**22
+        res["dropped_after_masking"] = args.drop
         print(json.dumps(res, indent=2))
 
 
@@ -108,6 +128,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--secure", action="store_true")
+    ap.add_argument("--drop", type=int, default=0, help="--secure: also a run where this many nodes "
+                    "drop out after masking (they exit on the unmask stage)")
     args = ap.parse_args()
     if args.secure:
         secure(args)
