@@ -96,11 +96,16 @@ def secure(args: Any) -> None:
         try:
             fed.start()
             for name, sec in runs:
-                if name == "secagg_drop":  # the last --drop nodes exit on the unmask stage's message
+                if name == "secagg_drop":
+                    # a federation of its own, whose last --drop nodes exit on the unmask stage's
+                    # message (restarting nodes of the first one would leave their old ids
+                    # listed as connected until the SuperLink's heartbeat timeout)
                     from paratrain.executors.federated.flower.clientapp import DROP_ENV
 
+                    fed.close()
+                    fed = LocalFederation(tmp / "flwr_home_drop", args.nodes)
+                    fed.start(num_started=args.nodes - args.drop)
                     for i in range(args.nodes - args.drop, args.nodes):
-                        fed.kill(f"node{i}")
                         fed.start_node(i, {DROP_ENV: "unmask"})
                 path = tmp / f"{name}.json"
                 path.write_text(json.dumps(job(out, name, "flower", args.rounds, args.nodes, sec)))
