@@ -26,6 +26,7 @@ import torch.distributed as dist
 from .context import WorkerContext, default_workers
 from .forkserver import ParentState, dumps, loads
 from .forkserver import context as forkserver_context
+from .process import leave_process_group
 
 __all__ = ["free_port", "run_distributed"]
 
@@ -128,14 +129,12 @@ def _child(
         buf = io.BytesIO()
         torch.save(out, buf)
         results.put((rank, True, buf.getvalue()))
+        ok = True
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         results.put((rank, False, traceback.format_exc()))
+        ok = False
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+        leave_process_group(synchronize=ok)  # a barrier first when every rank got here
 
 
 def run_distributed(
