@@ -21,16 +21,19 @@ from paratrain.comm.testing import free_port
 pytestmark = pytest.mark.timeout(300)
 
 # One worker: join the default group the way every paratrain worker does (the agent's
-# store, as under the elastic launcher), all-reduce its rank + 1, print the sum.
+# store, as under the elastic launcher), all-reduce its rank + 1, print the sum, and end as
+# `python -m paratrain.worker` does (exit_process: no interpreter finalization, where gloo's
+# threads could abort a finished process).
 WORKER = """
 import torch, torch.distributed as dist
-from paratrain.comm.process import join_process_group, leave_process_group
+from paratrain.comm.process import exit_process, join_process_group, leave_process_group
 from paratrain.config import load_job
 ctx = join_process_group(load_job({"comm": {"timeout_s": 20}}))
 t = torch.tensor([float(ctx.rank + 1)])
 dist.all_reduce(t)
 print("sum", int(t.item()), flush=True)
 leave_process_group()
+exit_process(0)
 """
 
 

@@ -81,4 +81,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Without interpreter finalization (comm.process.exit_process: the gloo exit abort).
+    from .comm.process import exit_process
+
+    exit_process(main())
