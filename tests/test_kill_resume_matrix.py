@@ -61,14 +61,14 @@ CASES: dict[str, tuple[dict[str, Any], str, str]] = {
                       "1:30", "step-000000040"),
     # rounds: checkpoints every 2; stateful clients (error-feedback residuals) on every worker
     "Federated": ({"run": {"checkpoint_every": 2, "num_workers": 2},
-                   "strategy": {"type": "Federated", "num_clients": 4, "rounds": 14,
+                   "strategy": {"type": "Federated", "num_clients": 4, "rounds": 8,
                                 "aggregation": {"method": "FedAvg"},
                                 "client_selection": {"method": "All"}},
                    "federated": {"local_epochs": 1, "batch_size": 16}, "compression": TOPK_EF},
                   "1:3", "step-000000004"),
     # generations: rank 1 dies having trained generation 2, before the population checkpoint
     "PopulationBased": ({"run": {"num_workers": 2},
-                         "strategy": {"type": "PopulationBased", "population_size": 2, "generations": 10,
+                         "strategy": {"type": "PopulationBased", "population_size": 2, "generations": 6,
                                       "exploit": {"method": "Truncation", "fraction": 0.5},
                                       "explore": {"method": "Perturbation", "factor": 0.3}},
                          "population": {"steps_per_generation": 40},

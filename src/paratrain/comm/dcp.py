@@ -27,7 +27,6 @@ import io
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,37 +54,9 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
+from .dcp_pieces import METADATA, Box, MissingRegion, Piece, Target
+
 __all__ = ["CheckpointException", "Box", "Piece", "Target", "TensorStorageMetadata", "read_items", "save", "load", "read_metadata", "MissingRegion", "METADATA"]
-
-METADATA = ".metadata"  # the file DCP's FileSystemWriter writes last, on the coordinator
-
-
-@dataclass(frozen=True)
-class Box:
-    """Where a process's piece lies in the whole tensor: ``shape`` is the whole tensor's,
-    ``offsets`` the piece's first index in each dimension."""
-
-    shape: tuple[int, ...]
-    offsets: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class Target:
-    """A tensor to fill from the checkpoint: ``tensor`` (this process's piece), ``box``
-    (None: it is the whole tensor) and ``sources``, the checkpoint keys to read it from,
-    most preferred first."""
-
-    tensor: torch.Tensor
-    box: Box | None
-    sources: tuple[str, ...]
-
-
-Piece = tuple[str, torch.Tensor, "Box | None"]
-
-
-class MissingRegion(ValueError):
-    """No key of a target's ``sources`` holds part of the region it needs."""
-
 
 def _chunk(t: torch.Tensor, box: Box | None) -> tuple[ChunkStorageMetadata, torch.Size]:
     offsets = torch.Size(box.offsets if box is not None else [0] * t.dim())

@@ -70,9 +70,10 @@ def spec_for(job: JobConfig) -> ExecutorSpec:
 
 def worker_preload(job: JobConfig) -> list[str]:
     """Modules every launched worker of ``job`` imports, for the forkserver to import once
-    (:func:`paratrain.comm.forkserver.warm`): the executor's package and entry, torch's
-    compiler front end (``torch.optim`` imports it on the first optimizer built) and the
-    data set's libraries. Empty for a job that runs in this process, or under torchrun.
+    (:func:`paratrain.comm.forkserver.warm`): the executor's package and entry, the
+    checkpoint store's torch.distributed.checkpoint (imported on first use, not by the
+    packages), torch's compiler front end (``torch.optim`` imports it on the first
+    optimizer built) and the data set's libraries. Empty for a job that runs in this process, or under torchrun.
     A hint only: computed from the job alone, before any check, importing nothing. (A
     ``[model] factory``'s module is not named: the server imports before it has the job's
     working directory, and an import that raises anything but ImportError would end it.)"""
@@ -86,7 +87,7 @@ def worker_preload(job: JobConfig) -> list[str]:
         return []
     data = () if job.data.factory is not None else _DATA_MODULES.get(str(job.data.name), ())
     model = () if job.model.factory is not None else _MODEL_MODULES.get(str(job.model.name), ())
-    return ["paratrain.executors.entry", _PACKAGES[name], "torch._dynamo", *data, *model]
+    return ["paratrain.executors.entry", _PACKAGES[name], "paratrain.comm.dcp", "torch._dynamo", *data, *model]
 
 
 def is_tensor_parallel(job: JobConfig) -> bool:

@@ -34,7 +34,7 @@ from ..training import (
 )
 from ..training.loop import DataPlan, LocalEngine, Trainer, run_loop, summary_fields
 from ..training.rundir import RunFolder
-from ..training.stores import LocalStore
+from ..training.stores import LocalStore, warm
 from .spec import ExecutorSpec
 
 __all__ = ["SPEC", "run"]
@@ -92,6 +92,8 @@ def _train(
                           loader=LoaderOptions.of(job.data, seed))
     engine = LocalEngine(net, task, test, device=device, precision=t.precision)
     trainer = Trainer(engine, opt, t, plan.total_steps)
+    if not resume:  # the checkpoint's import overlaps the first steps (a resume loads at once)
+        warm()
     result = run_loop(
         trainer=trainer, plan=plan, task=task, store=LocalStore(run_dir / "checkpoints"),
         label="Local", metrics=MetricsWriter(run_dir), resume=resume, prepare=folder.prepare,

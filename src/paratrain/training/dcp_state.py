@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.dcp import Box, Piece, Target
+from ..comm.dcp_pieces import Box, Piece, Target
 from .reshard import param_keys
 
 __all__ = ["box_of", "flatten", "digests", "privatize", "rebuild", "reshard_targets",

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from ..comm import dcp
 from ..config import ConfigError
 from ..files import step_folders
 from . import dcp_state as S
@@ -37,6 +36,8 @@ def read_layout(folder: Path) -> dict[str, Any] | None:
 def read_named_model(folder: str | Path) -> dict[str, torch.Tensor]:
     """The whole model of checkpoint ``folder`` by the model's names (one process; for
     export: this reads every tensor)."""
+    from ..comm import dcp  # torch.distributed.checkpoint: only when a folder is read
+
     folder = Path(folder)
     md = dcp.read_metadata(folder)
     doc = json.loads((folder / LAYOUT_FILE).read_text())
@@ -60,6 +61,8 @@ def read_named_model(folder: str | Path) -> dict[str, torch.Tensor]:
 def read_rank_state(folder: str | Path, rank: int = 0) -> dict[str, Any]:
     """Process ``rank``'s loop state as it saved it into checkpoint ``folder`` (one
     process reads it: for inspection and tests), the dict ``run_loop`` saves."""
+    from ..comm import dcp
+
     blobs = dcp.load(folder, {}, blobs=[S.meta_key(rank), S.engine_key(rank)], group=None, world=1)
     if S.meta_key(rank) not in blobs:
         raise ConfigError([("checkpoint", f"{folder} holds no process {rank}")])

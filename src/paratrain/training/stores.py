@@ -37,17 +37,18 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..comm import collectives as C
-from ..comm import dcp
-from ..comm.dcp import CheckpointException
+from ..comm.dcp_pieces import METADATA
 from ..config import ConfigError
 from ..files import DCP_FOLDER, newest_checkpoint, safe_rmtree, step_folders
 from . import dcp_state as S
@@ -56,7 +57,37 @@ from .faults import maybe_kill_in_save
 from .reshard import ReshardWarning
 from .store_reading import LAYOUT_FILE, read_layout
 
-__all__ = ["Held", "LocalStore", "RankStore"]
+__all__ = ["Held", "LocalStore", "RankStore", "warm"]
+
+
+def _dcp() -> ModuleType:
+    """:mod:`paratrain.comm.dcp`, imported on first use: torch.distributed.checkpoint
+    imports DTensor and its operator table (~0.7 s), which a run needs only at its first
+    save or resume."""
+    from ..comm import dcp
+
+    return dcp
+
+
+def _failed_dcp() -> type[BaseException]:
+    """What a failed DCP read or write raises (for an ``except`` clause, evaluated only
+    when something was raised)."""
+    return _dcp().CheckpointException  # type: ignore[no-any-return]
+
+
+def warm() -> None:
+    """Import torch.distributed.checkpoint in a background thread (a Local run calls this
+    as its loop starts, so the import overlaps the first steps instead of delaying the
+    first checkpoint). Best effort: a failure here is met again, and reported, by the
+    first real use."""
+
+    def load() -> None:
+        try:
+            _dcp()
+        except BaseException:  # noqa: BLE001 - the save's own import reports it
+            pass
+
+    threading.Thread(target=load, name="paratrain-dcp-import", daemon=True).start()
 
 
 @dataclass(frozen=True)
@@ -137,13 +168,13 @@ class RankStore:
                 self._remove_stale()
                 tmp.mkdir(parents=True)
             C.barrier(self._g())
-            dcp.save(tmp, pieces, blobs={S.meta_key(self.rank): meta, S.engine_key(self.rank): engine},
+            _dcp().save(tmp, pieces, blobs={S.meta_key(self.rank): meta, S.engine_key(self.rank): engine},
                      group=self.group, world=self.world)
-            md = C.broadcast_bytes((tmp / dcp.METADATA).read_bytes() if self.rank == 0 else None,
+            md = C.broadcast_bytes((tmp / METADATA).read_bytes() if self.rank == 0 else None,
                                    group=self._g()) if not self._shared else b""
             if self._leader:
-                if md and not (tmp / dcp.METADATA).exists():
-                    _write_atomic(tmp / dcp.METADATA, md)
+                if md and not (tmp / METADATA).exists():
+                    _write_atomic(tmp / METADATA, md)
                 _write_atomic(tmp / LAYOUT_FILE, json.dumps(
                     {"kind": self.prefix, "step": step, **self.layout, "world": self.world}).encode())
             C.barrier(self._g())
@@ -154,7 +185,7 @@ class RankStore:
                 os.replace(tmp, final)
                 for old in step_folders(self.root)[:-MIN_KEEP]:
                     safe_rmtree(old, self.root)
-        except (OSError, CheckpointException) as e:  # DCP wraps a failed write (a full disk)
+        except (OSError, _failed_dcp()) as e:  # DCP wraps a failed write (a full disk)
             raise ConfigError([("run.output_dir", f"cannot write checkpoint {final}: "
                                 f"{_write_reason(e)}")]) from None
         C.barrier(self._g())
@@ -181,7 +212,7 @@ class RankStore:
             folder = self.root / name
             try:
                 found = self._load_one(folder, held)
-            except (CheckpointException, _Unreadable) as e:
+            except (_failed_dcp(), _Unreadable) as e:
                 skipped.append(f"checkpoint {folder} {_reason(e)}")
                 if i + 1 < len(steps) and self.rank == 0:
                     warnings.warn(f"skipping {skipped[-1]}; falling back to step "
@@ -230,12 +261,12 @@ class RankStore:
     def _load_one(self, folder: Path, held: Held | None) -> tuple[Path, dict[str, Any]]:
         doc = read_layout(folder) or {}
         if self._same_layout(doc):
-            blobs = dcp.load(folder, {}, blobs=[S.meta_key(self.rank), S.engine_key(self.rank)],
+            blobs = _dcp().load(folder, {}, blobs=[S.meta_key(self.rank), S.engine_key(self.rank)],
                              group=self.group, world=self.world)
             self._all_have(S.meta_key(self.rank) in blobs, "a process's description (meta/rank<r>)")
             meta = blobs[S.meta_key(self.rank)]
             targets, build = S.rebuild(meta)
-            dcp.load(folder, targets, group=self.group, world=self.world)
+            _dcp().load(folder, targets, group=self.group, world=self.world)
             return folder, {**build(), "engine": blobs.get(S.engine_key(self.rank), {})}
         if not self.reshard:
             shape = ", ".join(f"{k}={v}" for k, v in self.layout.items())
@@ -247,18 +278,18 @@ class RankStore:
             return self._load_engines(folder, doc)
         assert held is not None, "a store that reshards needs to know what this process holds"
         old_world = int(doc.get("world", 1))
-        metas_ = dcp.load(folder, {}, blobs=[S.meta_key(r) for r in range(old_world)],
+        metas_ = _dcp().load(folder, {}, blobs=[S.meta_key(r) for r in range(old_world)],
                           group=self.group, world=self.world)
         self._all_have(all(S.meta_key(r) in metas_ for r in range(old_world)),
                        f"the descriptions of its {old_world} processes")
         metas = [metas_[S.meta_key(r)] for r in range(old_world)]
-        md = dcp.read_metadata(folder)
+        md = _dcp().read_metadata(folder)
         targets, missing, wrong, build = S.reshard_targets(
             md, metas, module=held.module, optimizer=held.optimizer, names=held.names, shards=held.shards)
         problems = _agree(missing, wrong, len(metas[0]["param_groups"]), held.optimizer, folder, self._g())
         if problems:
             raise ConfigError(problems)
-        dcp.load(folder, targets, group=self.group, world=self.world)
+        _dcp().load(folder, targets, group=self.group, world=self.world)
         first = metas[0]
         state = build(first["param_groups"])
         reset = _reset(metas, self.rank, self.world)
@@ -283,11 +314,11 @@ class RankStore:
         state (``"engines"``), and keeps what it holds now."""
         old_world = int(doc.get("world", 1))
         keys = [S.meta_key(r) for r in range(old_world)] + [S.engine_key(r) for r in range(old_world)]
-        blobs = dcp.load(folder, {}, blobs=keys, group=self.group, world=self.world)
+        blobs = _dcp().load(folder, {}, blobs=keys, group=self.group, world=self.world)
         self._all_have(all(S.meta_key(r) in blobs for r in range(old_world)),
                        f"the descriptions of its {old_world} processes")
         targets, build = S.rebuild(blobs[S.meta_key(0)])
-        dcp.load(folder, targets, group=self.group, world=self.world)
+        _dcp().load(folder, targets, group=self.group, world=self.world)
         engines = [blobs.get(S.engine_key(r), {}) for r in range(old_world)]
         return folder, {**build(), "engine": {}, "engines": engines, "resharded": True}
 
@@ -315,20 +346,26 @@ class _Unreadable(RuntimeError):
     """A checkpoint folder that lacks part of what DCP wrote (every process raises it)."""
 
 
-def _write_reason(e: OSError | CheckpointException) -> str:
+def _write_reason(e: BaseException) -> str:
     """Why a save failed: the OS error (DCP gathers each process's in a CheckpointException)."""
     if isinstance(e, OSError):
         return str(e.strerror or e)
-    for failure in e.failures.values():
+    for failure in _failures(e).values():
         err: Any = failure[0] if isinstance(failure, tuple) else failure
         return str(err.strerror or err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
     return str(e)[:300]
 
 
-def _reason(e: CheckpointException | _Unreadable) -> str:
+def _failures(e: BaseException) -> dict[Any, Any]:
+    """A CheckpointException's failures by rank (``{}`` for anything else)."""
+    failures = getattr(e, "failures", None)
+    return failures if isinstance(failures, dict) else {}
+
+
+def _reason(e: BaseException) -> str:
     if isinstance(e, _Unreadable):
         return f"is not readable: it {e}"
-    for failure in e.failures.values():
+    for failure in _failures(e).values():
         err: Any = failure[0] if isinstance(failure, tuple) else failure  # DCP's (exception, traceback)
         first = (str(err).strip().splitlines() or [""])[-1]
         return f"is not readable, truncated or corrupt: {type(err).__name__}: {first[:300]}"

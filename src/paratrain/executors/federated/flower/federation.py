@@ -37,7 +37,7 @@ from . import protocol as P
 __all__ = ["Federation", "message_nbytes"]
 
 log = logging.getLogger("paratrain.flower")
-POLL_S = 0.1  # seconds between pulls of the replies
+POLL_S = 0.1  # seconds between pulls of the replies, at first (protocol.Backoff)
 
 
 def message_nbytes(msg: Message) -> int:
@@ -90,6 +90,7 @@ class Federation:
         deadline = time.monotonic() + float(self.opts.round_timeout)
         out: list[Message] = []
         left = set(clients)
+        backoff = P.Backoff(POLL_S)
         while pending and left:
             got = list(self.grid.pull_messages(list(pending)))
             for m in got:
@@ -102,7 +103,7 @@ class Federation:
                     left.difference_update(int(c) for c in rec[P.CLIENTS])
             if not pending or not left or time.monotonic() > deadline:
                 break
-            time.sleep(POLL_S)
+            backoff.sleep(bool(got))
         return out
 
     def _send(self, kind: str, clients: Sequence[int], plan: dict[str, Any], global_state: Mapping[str, Tensor],

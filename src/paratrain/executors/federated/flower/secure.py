@@ -67,6 +67,7 @@ class CountingGrid:
         pending = {i for i in self.grid.push_messages(msgs) if i}
         deadline = None if timeout is None else time.monotonic() + timeout
         out: list[Message] = []
+        backoff = P.Backoff(self.poll_s)
         while pending:
             got = list(self.grid.pull_messages(list(pending)))
             for m in got:
@@ -75,7 +76,7 @@ class CountingGrid:
             out.extend(got)
             if not pending or (deadline is not None and time.monotonic() > deadline):
                 break
-            time.sleep(self.poll_s)
+            backoff.sleep(bool(got))
         self.answered.append(sum(not m.has_error() for m in out))
         return out
 
