@@ -79,10 +79,17 @@ def warm() -> None:
     """Import torch.distributed.checkpoint in a background thread (a Local run calls this
     as its loop starts, so the import overlaps the first steps instead of delaying the
     first checkpoint). Best effort: a failure here is met again, and reported, by the
-    first real use."""
+    first real use.
+
+    ``torch._dynamo`` first: the loop's first ``optimizer.step()`` imports it (torch.optim's
+    ``_disable_dynamo``) and its chain touches ``torch.distributed``; imported here before
+    DCP, the loop's thread only waits for it and the two threads never hold one another's
+    module locks (the cycle Python's import machinery would end with ``_DeadlockError``)."""
 
     def load() -> None:
         try:
+            import torch._dynamo  # noqa: F401
+
             _dcp()
         except BaseException:  # noqa: BLE001 - the save's own import reports it
             pass
