@@ -12,11 +12,19 @@ plaintext Flower run's equality is bit for bit (tests/test_federated_flower.py).
 (it exits on the unmask stage's message): its masked update is in the sum, and its mask is
 reconstructed from the other two nodes' shares (reconstruction_threshold 2), so the result is
 the same. The server's record of each round says SecAgg+ and counts every client.
+
+The first federation runs as an organisation would deploy it: TLS on the SuperLink's APIs (a
+local CA; the SuperNodes and ``flwr`` verify the server's certificate) and CLI-managed node
+authentication (``--enable-supernode-auth``: only the three registered public keys may join).
+A fourth SuperNode with a key nobody registered is started beside them: the SuperLink refuses
+it, it exits, and every SecAgg+ stage counts the three registered nodes only.
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import ssl
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +38,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from paratrain.executors.federated.flower.clientapp import DROP_ENV  # noqa: E402
 from paratrain.executors.federated.flower.localfed import LocalFederation  # noqa: E402
+from paratrain.executors.federated.flower.localtls import write_local_pki  # noqa: E402
 from test_federated_flower import APP, _job, _local, _metrics, _write  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -48,10 +57,12 @@ def _secure_job(out: Path, name: str) -> dict[str, Any]:
 def secure_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("secagg")
     out = tmp / "runs"
-    plain = LocalFederation(tmp / "home_plain", 3)
+    plain = LocalFederation(tmp / "home_plain", 3, secure=True)  # TLS + node authentication
     dropping = LocalFederation(tmp / "home_drop", 3)
     try:
         plain.start()
+        stranger = write_local_pki(tmp / "stranger", 1).node_keys[0]  # a key nobody registered
+        intruder = plain.start_node(0, private_key=stranger, name="intruder")
         dropping.start(num_started=2)  # node 2 drops out after masking:
         dropping.start_node(2, env={DROP_ENV: "unmask"})
         docs = {"none": _secure_job(out, "sa_none"), "one": _secure_job(out, "sa_one")}
@@ -64,7 +75,9 @@ def secure_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             while not summary.exists():
                 assert time.monotonic() < deadline, fed.logs()
                 time.sleep(0.5)
-        return {"out": out, "local": local, "docs": docs}
+        intruder_code = intruder.wait(timeout=60)
+        return {"out": out, "local": local, "docs": docs, "tls": _tls_handshake(plain),
+                "intruder": (intruder_code, (plain.home / "intruder.log").read_text(errors="replace"))}
     finally:
         plain.close()
         dropping.close()
@@ -89,6 +102,29 @@ def test_secure_sum_equals_the_plain_sum_to_fixed_point_precision(secure_runs: d
     assert not torch.equal(secure["head.weight"], _initial(run_dir)["head.weight"])  # the round moved it
     loss = json.loads((run_dir / "summary.json").read_text())["test_loss"]
     assert abs(loss - secure_runs["local"]["test_loss"]) < 1e-4
+
+
+def _tls_handshake(fed: LocalFederation) -> dict[str, Any]:
+    """A TLS handshake with the SuperLink's port that verifies its certificate against the local CA
+    (and the address 127.0.0.1 against the certificate's names)."""
+    assert fed.pki is not None
+    ctx = ssl.create_default_context(cafile=str(fed.pki.ca_cert))
+    with socket.create_connection(("127.0.0.1", fed.port), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        return {"version": tls.version(), "cert": tls.getpeercert()}
+
+
+def test_the_secure_federation_speaks_tls_and_admits_registered_nodes_only(secure_runs: dict[str, Any]) -> None:
+    tls = secure_runs["tls"]
+    assert tls["version"] in ("TLSv1.2", "TLSv1.3")
+    assert ("IP Address", "127.0.0.1") in tls["cert"]["subjectAltName"]
+    code, log = secure_runs["intruder"]
+    assert code != 0 and "Failed to activate SuperNode" in log, log[-2000:]
+    # ... while the three registered nodes took part in every stage of the secure round
+    run_dir = secure_runs["out"] / secure_runs["docs"]["none"]["run"]["name"]
+    assert _metrics(run_dir)[0]["secagg_nodes_per_stage"] == [3, 3, 3, 3]
+    config = (Path(run_dir).parents[1] / "home_plain" / "config.toml").read_text()
+    assert "insecure" not in config and "root-certificates" in config
 
 
 def _initial(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -1,6 +1,11 @@
 """A local Flower federation on 127.0.0.1 (tests, benchmarks, trying the app on one machine):
-``flower-superlink --insecure`` and N ``flower-supernode`` processes with explicit 127.0.0.1
-addresses on free ports (Flower's defaults bind 0.0.0.0), node ``i`` started with
+``flower-superlink`` and N ``flower-supernode`` processes with explicit 127.0.0.1 addresses on
+free ports (Flower's defaults bind 0.0.0.0), either ``--insecure`` (the default) or, with
+``secure=True``, over TLS with CLI-managed node authentication: a local CA and server certificate
+and one key pair per node (:mod:`.localtls`), the SuperLink started with the certificates and
+``--enable-supernode-auth``, each node's public key registered with ``flwr supernode register``
+before the nodes start, each node started with ``--root-certificates`` and its private key, and
+``flwr`` trusting the CA through ``root-certificates`` in ``config.toml``. Node ``i`` is started with
 ``--node-config 'partition-id=i num-partitions=N state-dir="<home>/node<i>-state"'`` (the
 node keeps its clients' state there across server restarts); ``flwr run`` against it. ``FLWR_HOME``
 (Flower's config, installed apps and state) is a folder of the caller's choosing, so nothing
@@ -20,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from paratrain.executors.federated.flower.localtls import write_local_pki
 
 __all__ = ["LocalFederation", "free_port"]
 
@@ -66,7 +73,7 @@ class LocalFederation:
     """A SuperLink and ``num_nodes`` SuperNodes on 127.0.0.1 (see the module docstring)."""
 
     def __init__(self, home: str | Path, num_nodes: int, *, num_partitions: int | None = None,
-                 bin_dir: str | Path | None = None) -> None:
+                 bin_dir: str | Path | None = None, secure: bool = False) -> None:
         self.home = Path(home).resolve()
         self.home.mkdir(parents=True, exist_ok=True)
         self.bin = Path(bin_dir) if bin_dir is not None else Path(sys.executable).parent
@@ -77,9 +84,11 @@ class LocalFederation:
         # SuperExec polls for tasks every second by default; a tenth keeps rounds short
         self.env = {**os.environ, "FLWR_HOME": str(self.home), "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1",
                     "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}"}
+        self.pki = write_local_pki(self.home / "certs", self.num_nodes) if secure else None
+        trust = f'root-certificates = "{self.pki.ca_cert}"' if self.pki else "insecure = true"
         (self.home / "config.toml").write_text(
             '[superlink]\ndefault = "local"\n\n[superlink.local]\n'
-            f'address = "127.0.0.1:{self.port}"\ninsecure = true\n', encoding="utf-8")
+            f'address = "127.0.0.1:{self.port}"\n{trust}\n', encoding="utf-8")
 
     # ------------------------------------------------------------------ processes
 
@@ -92,19 +101,44 @@ class LocalFederation:
         return proc
 
     def start(self, timeout: float = 60.0, num_started: int | None = None) -> LocalFederation:
-        """Start the SuperLink and SuperNodes ``0 .. num_started - 1`` (default: all)."""
-        sl = self._start("superlink", [str(self.bin / "flower-superlink"), "--insecure", "--host", "127.0.0.1",
+        """Start the SuperLink (and, when secure, register every node's public key) and SuperNodes
+        ``0 .. num_started - 1`` (default: all)."""
+        if self.pki is None:
+            link = ["--insecure"]
+        else:
+            link = ["--ssl-ca-certfile", str(self.pki.ca_cert), "--ssl-certfile", str(self.pki.server_cert),
+                    "--ssl-keyfile", str(self.pki.server_key), "--enable-supernode-auth"]
+        sl = self._start("superlink", [str(self.bin / "flower-superlink"), *link, "--host", "127.0.0.1",
                                        "--port", str(self.port), "--disable-runtime-dependency-installation"])
         _wait_port(self.port, sl, timeout, self.home / "superlink.log")
+        if self.pki is not None:
+            for i in range(self.num_nodes):
+                self.register(self.pki.node_public_key(i), timeout)
         for i in range(self.num_nodes if num_started is None else num_started):
             self.start_node(i)
         return self
 
-    def start_node(self, i: int, env: dict[str, str] | None = None) -> subprocess.Popen[Any]:
-        """(Re)start SuperNode ``i`` (partition ``i``), a new node id for the SuperLink."""
+    def register(self, public_key: Path, timeout: float = 60.0) -> None:
+        """``flwr supernode register PUBLIC_KEY local``: allow the node holding the matching private
+        key to connect (a SuperLink started with ``--enable-supernode-auth`` refuses any other)."""
+        res = subprocess.run([str(self.bin / "flwr"), "supernode", "register", str(public_key), "local"],
+                             cwd=self.home, env=self.env, capture_output=True, text=True, timeout=timeout)
+        if res.returncode != 0 or "registered successfully" not in res.stdout:
+            raise RuntimeError(f"flwr supernode register {public_key} failed ({res.returncode}):\n"
+                               f"{res.stdout}\n{res.stderr}")
+
+    def start_node(self, i: int, env: dict[str, str] | None = None, *,
+                   private_key: Path | None = None, name: str | None = None) -> subprocess.Popen[Any]:
+        """(Re)start SuperNode ``i`` (partition ``i``), a new node id for the SuperLink. When secure,
+        the node signs with ``private_key`` (default: node ``i``'s registered key)."""
         port = free_port()
-        return self._start(f"node{i}", [
-            str(self.bin / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{self.port}",
+        if self.pki is None:
+            trust = ["--insecure"]
+        else:
+            key = private_key if private_key is not None else self.pki.node_keys[i]
+            trust = ["--root-certificates", str(self.pki.ca_cert), "--auth-supernode-private-key", str(key)]
+        return self._start(name or f"node{i}", [
+            str(self.bin / "flower-supernode"), *trust, "--superlink", f"127.0.0.1:{self.port}",
             "--host", "127.0.0.1", "--port", str(port),
             "--node-config", (f"partition-id={i} num-partitions={self.num_partitions} "
                               f'state-dir="{self.home / f"node{i}-state"}"')], env)
