@@ -237,14 +237,18 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
 
         report["runtime"] = describe_runtime(job)
     tp_size = job.tensor_parallel.tensor_parallel_size if job.tensor_parallel is not None else 1
-    if kind == "ModelParallel" and tp_size > 1:  # pipeline x TP: the pp x tp mesh (tp_stages)
-        from ..comm.mesh import Mesh
+    if kind == "ModelParallel" and tp_size > 1:  # pipeline (x replicas) x TP: the mesh (tp_stages)
+        from ..executors.model_parallel.tp_stages import mesh_report
         from ..executors.model_parallel.validation import num_workers
 
-        report["mesh"] = {**Mesh.of(pp=num_workers(job), tp=tp_size).describe(),
-                          "note": f"worker-s (rank s above) is stage s, run by its tp group "
-                                  f"(ranks s*{tp_size} ..); each pp group is a lane: a whole "
-                                  "pipeline, one rank a stage"}
+        replicated = replicas is not None and bool(replicas.groups)
+        report["mesh"] = {**mesh_report(replicas, num_workers(job), tp_size),
+                          "note": f"worker-w (rank w above) runs on its tp group (ranks w*{tp_size} .. "
+                                  f"w*{tp_size}+{tp_size - 1}); the ranks of one tp index form a lane: a "
+                                  "whole pipeline" + (", a replicated stage's replicas taking their rows "
+                                                      "of each micro-batch; each dp group sums the "
+                                                      "gradients of one shard" if replicated else
+                                                      ", one rank a stage")}
     if kind == "ModelParallel" and plan is not None:
         report["protocol"] = str(root.communication.protocol)
         if report["protocol"] == "Pipeline":

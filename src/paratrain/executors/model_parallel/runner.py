@@ -64,7 +64,6 @@ from ...comm import collectives as C
 from ...comm.buckets import bucket_bytes_of
 from ...comm.context import WorkerContext
 from ...comm.groups import new_group
-from ...comm.mesh import Mesh
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...data.loader import LoaderOptions
@@ -85,10 +84,18 @@ from ...training.loop import DataPlan, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
 from .engine import PipelineEngine, StageModel, pipeline_stats
-from .replicas import Replicas, replicas_for
+from .replicas import replicas_for
 from .runtime import StageRuntime, held_attrs, segment_modules
 from .state import gather_parts, layout_of, state_digest
-from .tp_stages import TPPipelineEngine, dense_own, lane_replicas, shard_model, tp_size_of
+from .tp_stages import (
+    TPPipelineEngine,
+    dense_own,
+    lane_replicas,
+    mesh_report,
+    replica_groups,
+    shard_model,
+    tp_size_of,
+)
 from .validation import example_args, num_workers, plan_for, task_model, validate
 
 __all__ = ["run", "worker_main", "FAULT_ENV"]
@@ -168,18 +175,21 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     names, ties = list(model.state_dict()), tied_names(model)  # for the exported model
     tp = tp_size_of(job)
     tp_groups = None
-    if tp > 1:  # pipeline x tensor parallel (.tp_stages): the stages cut from the sharded model
-        stages = ctx.world_size // tp
+    if tp > 1:  # pipeline (x replicated stages) x tensor parallel (.tp_stages): cut the sharded model
+        n_logical = ctx.world_size // tp
         model, tp_groups, leaves = shard_model(job, model)
-        plan = plan_for(job, model, ctx.workers[:stages], example_args(task, train), leaves=leaves)
-        replicas = lane_replicas(stages, tp, ctx.rank)
+        plan = plan_for(job, model, ctx.workers[:n_logical], example_args(task, train), leaves=leaves)
+        logical = replicas_for(job, plan, n_logical, ctx.workers[:n_logical])
+        replicas = lane_replicas(logical, n_logical, tp, ctx.rank)
+        dp_groups = replica_groups(logical, tp)
     else:
         plan = plan_for(job, model, ctx.workers, example_args(task, train))
-        replicas = replicas_for(job, plan, ctx.world_size, ctx.workers)
+        logical = replicas = replicas_for(job, plan, ctx.world_size, ctx.workers)
+        dp_groups = [list(replicas.groups[r]) for r in sorted(replicas.groups)]
     stage_rank, _ = replicas.logical(ctx.rank)
     replica_group = None
-    for ranks in (replicas.groups[r] for r in sorted(replicas.groups) if tp == 1):
-        group = new_group(list(ranks))  # every rank creates every group, in one order
+    for ranks in dp_groups:
+        group = new_group(ranks)  # every rank creates every group, in one order
         if ctx.rank in ranks:
             replica_group = group
     strategy: Any = job.strategy
@@ -219,7 +229,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     trainer = Trainer(engine, opt, t, data.total_steps)
     # the same on every rank: a lane's replica map is its own, the mesh is everyone's
     layout = (layout_of(plan, replicas, ctx.world_size) if tp == 1 else
-              {**layout_of(plan, Replicas(), ctx.world_size), "tp": tp})
+              {**layout_of(plan, logical, ctx.world_size), "tp": tp})
     store = RankStore(run_dir, "mp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
                       layout=layout, layout_field="strategy.partitions", device=ctx.device,
                       reshard=True)
@@ -270,14 +280,14 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "micro_batch_size": proto.micro_batch_size if pipeline else None,
         "run_dir": str(run_dir),
         "workers": ctx.world_size,
-        **({"tensor_parallel_size": tp, "mesh": Mesh.of(pp=ctx.world_size // tp, tp=tp).describe(),
+        **({"tensor_parallel_size": tp, "mesh": mesh_report(logical, ctx.world_size // tp, tp),
             "tensor_parallel_shards_per_stage": len(engine.model_shards())}
            if isinstance(engine, TPPipelineEngine) else {}),
         "stages": [
             {"segment": s.index, "rank": s.rank, "worker": ctx.workers[s.rank].id,
              "nodes": list(s.nodes),
-             **({"replicas": [ctx.workers[r].id for r in replicas.of(s.rank)]}
-                if replicas.count(s.rank) > 1 else {})}
+             **({"replicas": [ctx.workers[r].id for r in logical.of(s.rank)]}
+                if logical.count(s.rank) > 1 else {})}
             for s in plan.segments
         ],
         **summary_fields(result, task, train=train, test=test, model=None, started=started),

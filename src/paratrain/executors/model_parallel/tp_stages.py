@@ -1,32 +1,43 @@
-"""Pipeline x tensor parallelism: ModelParallel with ``[tensor_parallel]`` inside each stage.
+"""Pipeline x tensor parallelism: ModelParallel with ``[tensor_parallel]`` inside each stage,
+and replicated stages on top of it (pp x dp x tp).
 
-``P`` pipeline stages (the job's partitions, on workers ``worker-0 .. worker-{P-1}``) times
-``T = tensor_parallel_size`` run ``P x T`` processes laid out as the mesh ``pp x tp``
-(:class:`~paratrain.comm.mesh.Mesh`, ``rank = stage * T + tp``). Every rank builds the same
-model and shards it (:func:`paratrain.tensor_parallel.parallelize` over its mesh row, the
-stage's ``tp`` group); the plan then cuts the *sharded* model (the parallel layers traced as
-leaves), so each rank keeps its stage's TP shard.
+The job's ``W`` logical workers (its pipeline stages on ``worker-0 .. worker-{P-1}``, plus the
+extra workers its replicated stages take, ``[subgraphs.<path>] type = "DataParallel"``,
+:mod:`.replicas`) times ``T = tensor_parallel_size`` run ``W x T`` processes laid out as the
+mesh ``worker x tp`` (:class:`~paratrain.comm.mesh.Mesh`, ``rank = worker * T + tp``; named
+``pp x tp`` when no stage is replicated). Every rank builds the same model and shards it
+(:func:`paratrain.tensor_parallel.parallelize` over its mesh row, the worker's ``tp`` group);
+the plan then cuts the *sharded* model (the parallel layers traced as leaves), so each rank
+keeps its stage's TP shard.
 
-The ``T`` ranks of a mesh column (``tp`` index ``j``) form a *lane*: a whole pipeline of one
-rank per stage. A lane runs the unchanged pipeline runtime and schedule (1F1B, GPipe,
-...), its transfers going point-to-point between its own ranks
-(:func:`lane_replicas` maps stage ``s`` to the physical rank ``s*T + j``); all lanes run the
-same order, so the TP collectives inside each stage pair up. Every schedule runs: GPipe,
-1F1B, Interleaved1F1B (a lane's rank holds its chunks' shards) and ZBH1 (``Direct`` too); under
-ZBH1 the W pass re-enters a tensor-parallel layer's backward, whose input-gradient
-all-reduce then runs a second time (the same sum; all lanes repeat it in the same order). What crosses a cut is what
-that rank holds: a replicated activation (each lane sends its copy) or, where a cut falls
-between a column- and a row-parallel layer, the lane's shard of it. The loss, computed on
-every lane's last stage, is the same on all of them; gradients are those of the
+The ranks with one ``tp`` index ``j`` form a *lane*: a whole pipeline whose stage ``s`` runs on
+the physical ranks ``w*T + j`` for each logical worker ``w`` of that stage (one, or the stage's
+replicas: :func:`lane_replicas`). A lane runs the unchanged pipeline runtime and schedule (1F1B,
+GPipe, ...), its transfers going point-to-point between its own ranks (a replicated stage's
+replicas each take their rows of every micro-batch, as without TP); all lanes run the same
+order, so the TP collectives inside each stage pair up. Every schedule runs: GPipe, 1F1B,
+Interleaved1F1B (a lane's rank holds its chunks' shards) and ZBH1 (``Direct`` too); under ZBH1
+the W pass re-enters a tensor-parallel layer's backward, whose input-gradient all-reduce then
+runs a second time (the same sum; all lanes repeat it in the same order). What crosses a cut
+is what that rank holds: a replicated activation (each lane sends its copy) or, where a cut
+falls between a column- and a row-parallel layer, the lane's shard of it. The loss, computed
+on every lane's last stage, is the same on all of them; gradients are those of the
 unpartitioned model (the TP layers' own collectives make them so).
 
-Clipping by one global norm (:meth:`TPPipelineEngine.grad_sq_norm`): every rank adds
-``||g||^2 / f`` per parameter, ``f`` the TP ranks holding the same tensor (1 for a shard,
-``T`` for a replicated one), and one all-reduce over all ``P x T`` ranks sums it.
+A replicated stage's replicas that hold the same TP shard (one per replica, same ``j``: the
+mesh's *dp* groups, :func:`replica_groups`) sum that shard's gradients after the step's last
+backward (each replica's loss weighted by its rows), so every replica steps with the whole
+batch's gradient of its shard: data parallelism over the shard, as in Megatron's dp x tp x pp.
+
+Clipping by one global norm (:meth:`TPPipelineEngine.grad_sq_norm`): every rank of a stage's
+first replica adds ``||g||^2 / f`` per parameter, ``f`` the TP ranks holding the same tensor
+(1 for a shard, ``T`` for a replicated one), and one all-reduce over all ``W x T`` ranks sums
+it.
 
 Checkpoints: each TP shard is saved under the model's name with its place in the dense
-tensor (:func:`paratrain.tensor_parallel.shards.shard_spec`); for the exported model each
-stage all-gathers its shards over its TP group into the dense tensors first.
+tensor (:func:`paratrain.tensor_parallel.shards.shard_spec`; replicas' identical pieces are
+written once); for the exported model each stage all-gathers its shards over its TP group into
+the dense tensors first.
 """
 
 from __future__ import annotations
@@ -47,8 +58,8 @@ from ..tensor_parallel.engine import replicas_of
 from .engine import PipelineEngine, StageModel
 from .replicas import Replicas
 
-__all__ = ["tp_size_of", "lane_replicas", "shard_model", "TPPipelineEngine", "dense_own", "check_job",
-           "dry_shard"]
+__all__ = ["tp_size_of", "lane_replicas", "replica_groups", "mesh_report", "shard_model", "TPPipelineEngine",
+           "dense_own", "check_job", "dry_shard"]
 
 
 def tp_size_of(job: JobConfig) -> int:
@@ -57,15 +68,9 @@ def tp_size_of(job: JobConfig) -> int:
 
 
 def check_job(job: JobConfig) -> None:
-    """What pipeline x TP does not run: replicated stages, DataStore."""
+    """What pipeline x TP does not run: DataStore."""
     if tp_size_of(job) <= 1:
         return
-    subs = [k for k, v in (getattr(job, "subgraphs", None) or {}).items()
-            if getattr(v, "type", None) == "DataParallel"]
-    if subs:
-        raise ConfigError([(f"subgraphs.{subs[0]}", (
-            "a replicated stage does not combine with [tensor_parallel] in this version "
-            "(pipeline x tensor parallel runs one tensor-parallel group per stage)"))])
     proto = getattr(getattr(job.strategy, "communication", None), "protocol", None)
     if proto == "DataStore":
         raise ConfigError([("strategy.communication.protocol", (
@@ -73,11 +78,32 @@ def check_job(job: JobConfig) -> None:
             "together; tensor-parallel stages run collectives: use Pipeline or Direct"))])
 
 
-def lane_replicas(stages: int, tp: int, rank: int) -> Replicas:
-    """Stage ``s`` of this rank's lane is the physical rank ``s*tp + (rank % tp)``."""
-    mesh = Mesh.of(pp=stages, tp=tp)
-    j = mesh.coords(rank)["tp"]
-    return Replicas({s: (mesh.rank_of(pp=s, tp=j),) for s in range(stages)})
+def _extras(logical: Replicas) -> set[int]:
+    return {w for g in logical.groups.values() for w in g[1:]}
+
+
+def lane_replicas(logical: Replicas, workers: int, tp: int, rank: int) -> Replicas:
+    """This rank's lane: stage ``s`` (a logical worker of the plan) runs on the physical ranks
+    ``w*tp + (rank % tp)`` for each logical worker ``w`` of ``logical.of(s)`` (its replicas)."""
+    j = rank % tp
+    extra = _extras(logical)
+    return Replicas({s: tuple(w * tp + j for w in logical.of(s)) for s in range(workers) if s not in extra},
+                    dict(logical.paths))
+
+
+def replica_groups(logical: Replicas, tp: int) -> list[list[int]]:
+    """The dp groups of the mesh: for each replicated stage (in stage order) and each tp index,
+    the physical ranks of its replicas that hold the same shard."""
+    return [[w * tp + j for w in logical.groups[s]] for s in sorted(logical.groups) for j in range(tp)]
+
+
+def mesh_report(logical: Replicas, workers: int, tp: int) -> dict[str, Any]:
+    """The mesh as ``paratrain graph`` and the summary show it."""
+    if not logical.groups:
+        return Mesh.of(pp=workers, tp=tp).describe()
+    out: dict[str, Any] = dict(Mesh.of(worker=workers, tp=tp).describe())
+    out["groups"] = {"tp": out["groups"]["tp"], "dp": replica_groups(logical, tp)}
+    return out
 
 
 def shard_model(job: JobConfig, model: nn.Module) -> tuple[nn.Module, TPGroups, tuple[str, ...]]:
@@ -137,7 +163,7 @@ class TPPipelineEngine(PipelineEngine):
 
     def grad_sq_norm(self) -> float:
         total = torch.zeros((), dtype=torch.float64)
-        for p in self.model.parameters():
+        for p in (self.model.parameters() if self.rt.replica == 0 else ()):  # replicas count once
             total += local_grad_sq_norm([p]) / replicas_of(p, self.tp)
         from ...comm import collectives as C
 
@@ -152,6 +178,8 @@ class TPPipelineEngine(PipelineEngine):
         self._msgs += 1
         if self.last_rank == 0:
             return payload
+        if self.rt.replica != 0:  # a stage's other replicas: its first one speaks for it
+            return None
         prim = self.rt.replicas.of
         if self.ctx.rank == self.last_rank:
             assert payload is not None
