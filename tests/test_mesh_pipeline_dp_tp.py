@@ -3,7 +3,7 @@ replicated twice (``[subgraphs.back] type = "DataParallel"``), every stage 2-way
 tensor-parallel: 3 logical workers x tp 2 = 6 gloo ranks laid out ``worker 3 x tp 2``
 (rank = worker*2 + tp), against the unpartitioned Local model on the same 16-row batches:
 
-* 4 steps of SGD (momentum, weight decay) under 1F1B and of AdamW under GPipe, clipping active
+* 4 steps of SGD (momentum, weight decay) under 1F1B and of AdamW under GPipe and ZBH1, clipping active
   every step: the losses per step and the parameters equal Local's (rtol 1e-5). The two
   replicas of ``back`` each see half of every micro-batch's rows, so a missing sum over a dp
   group (ranks 2+4, 3+5), a loss not summed over the replicas, or a clipping norm counting a
@@ -27,7 +27,8 @@ from test_mesh_pipeline_tp import _losses, _params
 pytestmark = [pytest.mark.timeout(400)]
 
 RUNS = {"sgd-1F1B": {"optimizer": "sgd", "schedule": "1F1B"},
-        "adamw-GPipe": {"optimizer": "adamw", "schedule": "GPipe"}}
+        "adamw-GPipe": {"optimizer": "adamw", "schedule": "GPipe"},
+        "adamw-ZBH1": {"optimizer": "adamw", "schedule": "ZBH1"}}
 
 
 @pytest.fixture(scope="module")
