@@ -8,7 +8,9 @@ tensor-parallel: 3 logical workers x tp 2 = 6 gloo ranks laid out ``worker 3 x t
   replicas of ``back`` each see half of every micro-batch's rows, so a missing sum over a dp
   group (ranks 2+4, 3+5), a loss not summed over the replicas, or a clipping norm counting a
   replica twice would each move the result;
-* a run stopped at step 2 and resumed on the same mesh ends bit-identical;
+* a run stopped at step 2 and resumed on the same mesh ends bit-identical; its checkpoint
+  resumes on 4 ranks as pp x tp (the replica dropped) and on 3 as pp x dp (TP dropped), each
+  time with the saved parameters;
 * ``paratrain graph`` shows the mesh with its tp and dp groups; the launch asks for 6 processes.
 """
 
@@ -36,7 +38,8 @@ def mesh3d(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = str(tmp_path_factory.mktemp("pp_dp_tp"))
     resume = {"optimizer": "adamw", "checkpoint_every": 2}
     cases = [*((name, kw, False) for name, kw in RUNS.items()),
-             ("full", resume, False), ("split", {**resume, "steps": 2}, False), ("split", resume, True)]
+             ("full", resume, False), ("split", {**resume, "steps": 2}, False), ("split", resume, True),
+             ("moved", {**resume, "steps": 2}, False)]
     ranks = run_distributed(runs_3d, 6, tmp, cases, timeout_s=380)
     return {"tmp": Path(tmp), "jobs": ranks[0]}
 
@@ -68,6 +71,19 @@ def test_resume_on_the_same_mesh_is_bit_identical(mesh3d: dict[str, Any]) -> Non
     assert jobs["full"]["steps"] == jobs["split"]["steps"] == 4
     assert jobs["split"]["resumed_from_step"] == 2
     assert jobs["full"]["parameters_sha256"] == jobs["split"]["parameters_sha256"]
+
+
+def test_a_checkpoint_resumes_resharded_onto_fewer_dimensions(mesh3d: dict[str, Any]) -> None:
+    tmp = mesh3d["tmp"]
+    before = _params(tmp / "moved")
+    kw = {"optimizer": "adamw", "checkpoint_every": 2, "steps": 2}  # zero steps left: the saved state out
+    for world, dims in ((4, {"replicas": 1}), (3, {"tp": 1})):
+        (got,) = (r["moved"] for r in run_distributed(runs_3d, world, str(tmp), [("moved", {**kw, **dims}, True)],
+                                                      timeout_s=200)[:1])
+        assert got["steps"] == 2 and got["resumed_from"]["resharded"] is True, got.get("resumed_from")
+        assert got["resumed_from"]["layout"]["world"] == 6  # both from the 3-D checkpoint
+        after = _params(tmp / "moved")
+        assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before), world
 
 
 def test_graph_and_launch_show_the_mesh(tmp_path: Path) -> None:
