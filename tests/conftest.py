@@ -36,7 +36,7 @@ def _one_worker_server_for_the_session() -> None:
     warm(["paratrain.executors.entry", "paratrain.executors.data_parallel",
           "paratrain.executors.tensor_parallel", "paratrain.executors.model_parallel",
           "paratrain.executors.federated", "paratrain.executors.population_based",
-          "paratrain.comm.dcp", "torch._dynamo", "sklearn.datasets", "sklearn.model_selection",
+          "paratrain.comm.dcp", "torch._dynamo", "paratrain.data.split", "sklearn.datasets",
           "transformers.modeling_utils"])
 
 

@@ -1,5 +1,6 @@
-"""Datasets: ``digits`` (scikit-learn's bundled 8x8 digits) and ``diabetes`` (its bundled
-regression set, 442 patients x 10 features); nothing downloads.
+"""Datasets: ``digits`` (scikit-learn's bundled 8x8 digits, read and split without importing
+it: :mod:`.split`) and ``diabetes`` (its bundled regression set, 442 patients x 10 features,
+through ``load_diabetes``); nothing downloads.
 
 A user factory ``factory="module:function"`` is called with ``seed=`` and the section's
 extra keys and returns a :class:`DataBundle` or ``(X, y)`` arrays, which are split here
@@ -19,6 +20,7 @@ from torch.utils.data import TensorDataset
 
 from ..config import ConfigError
 from ..config.job import DataSpec
+from .split import digits_arrays, shuffle_split, stratified_split
 
 __all__ = ["DataBundle", "DATASETS", "REGRESSION_DATASETS", "load_data", "split_arrays",
            "split_regression", "CORPORA"]
@@ -38,19 +40,19 @@ class DataBundle:
 
 
 def split_arrays(x: Any, y: Any, *, test_fraction: float, seed: int) -> DataBundle:
-    """Stratified, seeded train/test split of arrays into a DataBundle."""
-    from sklearn.model_selection import train_test_split
-
+    """Stratified, seeded train/test split of arrays into a DataBundle (unstratified when a
+    label has a single row); scikit-learn's ``train_test_split``, row for row (:mod:`.split`)."""
     x = np.asarray(x, dtype=np.float32)
     y = np.asarray(y)
     if x.ndim < 2 or len(x) != len(y):
         raise ConfigError([("data", f"features of shape {x.shape} do not match {len(y)} labels")])
     classes, y_idx = np.unique(y, return_inverse=True)
     counts = np.bincount(y_idx)
-    stratify = y_idx if counts.min() >= 2 else None
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        x, y_idx, test_size=test_fraction, random_state=seed, stratify=stratify
-    )
+    if counts.min() >= 2:
+        tr, te = stratified_split(y_idx, test_fraction=test_fraction, seed=seed)
+    else:
+        tr, te = shuffle_split(len(y_idx), test_fraction=test_fraction, seed=seed)
+    x_tr, x_te, y_tr, y_te = x[tr], x[te], y_idx[tr], y_idx[te]
     return DataBundle(
         train=TensorDataset(torch.from_numpy(x_tr), torch.from_numpy(y_tr).long()),
         test=TensorDataset(torch.from_numpy(x_te), torch.from_numpy(y_te).long()),
@@ -61,24 +63,21 @@ def split_arrays(x: Any, y: Any, *, test_fraction: float, seed: int) -> DataBund
 
 def digits(*, seed: int, test_fraction: float = 0.25) -> DataBundle:
     """1,797 8x8 digit images from scikit-learn, pixel values scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    return split_arrays(d.data / 16.0, d.target, test_fraction=test_fraction, seed=seed)
+    data, target = digits_arrays()
+    return split_arrays(data / 16.0, target, test_fraction=test_fraction, seed=seed)
 
 
 def split_regression(x: Any, y: Any, *, test_fraction: float, seed: int,
                      standardize: bool = False) -> DataBundle:
     """Seeded train/test split of real-valued targets (float32, ``[n, k]``); with
     ``standardize`` features and targets are scaled by the *training* mean and std."""
-    from sklearn.model_selection import train_test_split
-
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     y = y.reshape(len(y), -1) if y.ndim != 2 else y
     if x.ndim < 2 or len(x) != len(y):
         raise ConfigError([("data", f"features of shape {x.shape} do not match {len(y)} targets")])
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=test_fraction, random_state=seed)
+    tr, te = shuffle_split(len(y), test_fraction=test_fraction, seed=seed)
+    x_tr, x_te, y_tr, y_te = x[tr], x[te], y[tr], y[te]
     if standardize:
         mx, sx = x_tr.mean(0), x_tr.std(0)
         my, sy = y_tr.mean(0), y_tr.std(0)

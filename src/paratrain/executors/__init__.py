@@ -38,8 +38,8 @@ STRATEGIES = tuple(k for k in _PACKAGES if k != TENSOR_PARALLEL)
 _IN_PROCESS = ("Local", "Custom")
 # What loading a built-in data set imports (paratrain.data), for the workers' forkserver.
 _DATA_MODULES: dict[str, tuple[str, ...]] = {
-    "digits": ("sklearn.datasets", "sklearn.model_selection"),
-    "diabetes": ("sklearn.datasets", "sklearn.model_selection"),
+    "digits": ("paratrain.data.split",),  # read and split without scikit-learn
+    "diabetes": ("sklearn.datasets",),
     "shakespeare": ("paratrain.data.shakespeare",),
 }
 # What building a zoo model imports beyond torch: transformers' model base (3-7 s of CPU per
