@@ -101,3 +101,16 @@ def test_graph_and_launch_show_the_mesh(tmp_path: Path) -> None:
     text = render(explain(job))
     assert "mesh worker 3 x tp 2: rank = worker*2 + tp" in text
     assert "tp groups: [0, 1] [2, 3] [4, 5]" in text and "dp groups: [2, 4] [3, 5]" in text
+
+
+def test_the_example_validates_on_its_mesh() -> None:
+    from paratrain.config.job import load_job
+    from paratrain.executors import spec_for
+    from paratrain.explain import explain_file, render
+    from paratrain.preflight import preflight
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "pipeline_dp_tp.toml"
+    job = load_job(path)
+    preflight(job, job_dir=path.parent)  # the plan's patterns match, the stages shard
+    assert spec_for(job).processes(job)[0] == 6
+    assert "dp groups: [2, 4] [3, 5]" in render(explain_file(path))
