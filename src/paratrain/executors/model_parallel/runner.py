@@ -181,11 +181,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         plan = plan_for(job, model, ctx.workers[:n_logical], example_args(task, train), leaves=leaves)
         logical = replicas_for(job, plan, n_logical, ctx.workers[:n_logical])
         replicas = lane_replicas(logical, n_logical, tp, ctx.rank)
-        dp_groups = replica_groups(logical, tp)
     else:
         plan = plan_for(job, model, ctx.workers, example_args(task, train))
         logical = replicas = replicas_for(job, plan, ctx.world_size, ctx.workers)
-        dp_groups = [list(replicas.groups[r]) for r in sorted(replicas.groups)]
+    dp_groups = replica_groups(logical, tp)  # with tp 1: each replicated stage's ranks
     stage_rank, _ = replicas.logical(ctx.rank)
     replica_group = None
     for ranks in dp_groups:
