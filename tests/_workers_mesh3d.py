@@ -35,10 +35,11 @@ def front_back(num_classes: int) -> nn.Module:
 
 def job_3d(tmp: str, name: str, *, mesh: bool, optimizer: str = "sgd", schedule: str = "1F1B",
            steps: int = 4, checkpoint_every: int = 0, clip: float = 0.1, replicas: int = 2,
-           micro: int = 4, tp: int = 2) -> JobConfig:
+           micro: int = 4, tp: int = 2, shard: str = "none") -> JobConfig:
     """16 rows a step, micro-batches of ``micro`` (the ``replicas`` of ``back`` share each),
     clipping active, ``tp``-way tensor parallelism in each stage (``replicas = 1`` / ``tp = 1``:
-    without that dimension); ``mesh = False``: the unpartitioned Local model."""
+    without that dimension), ``shard``: ZeRO over ``back``'s replicas; ``mesh = False``: the
+    unpartitioned Local model."""
     doc: dict[str, Any] = {
         "run": {"name": name, "seed": SEED, "output_dir": tmp, "checkpoint_every": checkpoint_every},
         "model": {"factory": FACTORY}, "data": {"name": "digits"},
@@ -52,7 +53,8 @@ def job_3d(tmp: str, name: str, *, mesh: bool, optimizer: str = "sgd", schedule:
                                           {"node_ids": ["back"], "target": {"WorkerId": "worker-1"}}]}
         if replicas > 1:
             doc["subgraphs"] = {"back": {"type": "DataParallel", "num_replicas": replicas,
-                                        "aggregation": {"method": "AllReduce"}}}
+                                        "aggregation": {"method": "AllReduce"},
+                                        **({"shard": shard} if shard != "none" else {})}}
         if tp > 1:
             doc["tensor_parallel"] = {"tensor_parallel_size": tp}
     return load_job(doc)

@@ -24,7 +24,7 @@ import torch
 
 from _workers_mesh3d import job_3d, runs_3d
 from paratrain.comm.testing import run_distributed
-from test_mesh_pipeline_tp import _losses, _params
+from test_mesh_pipeline_tp import _params, assert_matches
 
 pytestmark = [pytest.mark.timeout(400)]
 
@@ -50,13 +50,7 @@ def test_losses_and_parameters_equal_the_unpartitioned_model(mesh3d: dict[str, A
 
     tmp = mesh3d["tmp"]
     run_local(job_3d(str(tmp), f"local-{name}", mesh=False, optimizer=RUNS[name]["optimizer"]))
-    ref, got = _params(tmp / f"local-{name}"), _params(tmp / name)
-    assert list(got) == list(ref)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
-    ref_loss = _losses(tmp / f"local-{name}")
-    assert len(ref_loss) == 4
-    torch.testing.assert_close(torch.tensor(_losses(tmp / name)), torch.tensor(ref_loss), rtol=1e-5, atol=0)
+    assert_matches(tmp / f"local-{name}", tmp / name)
     s = mesh3d["jobs"][name]
     # non-vacuity: 6 ranks on the worker x tp mesh, back replicated on workers 1 and 2, each
     # stage really sharded (front's pair on rank 0's stage; back's pair: the graph test)

@@ -121,8 +121,11 @@ class FlatShard:
         self.unpack_all(full, outs)
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor, *,
-                       group: Any = None, counter: CommCounter | None = None) -> torch.Tensor:
+                       group: Any = None, counter: CommCounter | None = None,
+                       average: bool = True) -> torch.Tensor:
         """``out`` (this rank's ``S`` elements) <- the mean over ranks of ``tensors``
-        (None: this rank contributes zeros), one reduce-scatter of the sum divided by N."""
+        (None: this rank contributes zeros), one reduce-scatter of the sum divided by N
+        (``average=False``: the sum, for a replicated pipeline stage whose replicas' losses
+        are already weighted by their rows)."""
         buf = self._pack_all(tensors, out)
-        return reduce_scatter(out, buf, group=group, average=True, counter=counter)
+        return reduce_scatter(out, buf, group=group, average=average, counter=counter)

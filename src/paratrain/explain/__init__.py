@@ -216,6 +216,9 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
                              "parameters": _count(_params(mod)), **strategy_of(path)}
         if path in subs:
             g["own_strategy"] = _type(subs[path])
+            shard = str(getattr(subs[path], "shard", "none"))
+            if kind == "ModelParallel" and shard != "none":  # ZeRO over a replicated stage's replicas
+                g["shard"] = shard
         if plan is not None:
             inside = sorted({r["rank"] for r in rows if "rank" in r
                              and (r["node"] == path or r["node"].startswith(path + "."))})

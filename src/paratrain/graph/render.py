@@ -61,7 +61,8 @@ def render(report: Mapping[str, Any]) -> str:
         header = ["subgraph", "module", "params", "strategy"] + (["workers"] if mp else [])
         rows = []
         for g in report["subgraphs"]:
-            strat = (f"{g['own_strategy']} (own)" if "own_strategy" in g else
+            strat = (f"{g['own_strategy']} (own" + (f", shard = {g['shard']})" if "shard" in g else ")")
+                     if "own_strategy" in g else
                      g["strategy"] + (f" (from {g['strategy_from']})" if g["strategy_from"] != "strategy"
                                       else " (inherited)"))
             cells = [g["subgraph"], g["module"], _n(g["parameters"]), strat]

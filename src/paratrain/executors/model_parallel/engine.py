@@ -26,6 +26,7 @@ from ...training.stepping import local_grad_sq_norm
 from .plan import Plan
 from .runtime import StageRuntime
 from .schedule import theoretical_bubble
+from .stage_zero import StageZero, held_bytes
 
 __all__ = ["StageModel", "PipelineEngine", "pipeline_stats"]
 
@@ -103,18 +104,27 @@ class PipelineEngine(LocalEngine):
     def __init__(self, ctx: WorkerContext, rt: StageRuntime, model: StageModel, task: Any,
                  test: Any, *, precision: str, micro_batch_size: int | None,
                  schedule_name: str | None, replica_group: Any = None,
-                 broadcast_buffers: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 broadcast_buffers: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 shard: str = "none", where: str = "") -> None:
         super().__init__(model, task, test, device=ctx.device, precision=precision)
         self.ctx, self.rt = ctx, rt
+        self.stage = model
         # the process group of this stage's replicas (None: the stage is not replicated)
         self.replica_group = replica_group
+        # ZeRO-1/2 over the replicas (.stage_zero): the optimizer steps this replica's rows
+        self.zero = (StageZero(model, level=shard, group=replica_group, where=where, device=ctx.device)
+                     if replica_group is not None and shard != "none" else None)
+        if self.zero is not None:
+            self.model = self.zero.view
         # A replicated stage sums its replicas' gradients (each holds its rows' share of
         # every micro-batch, weighted n_ij / B), so every replica steps with the whole
         # batch's gradient: the one gradient sync, after the step's last backward (a
         # parameter no replica used keeps grad None; one used by some replicas only, e.g.
-        # behind a data-dependent branch, is summed with zeros from the others).
+        # behind a data-dependent branch, is summed with zeros from the others). Under
+        # ZeRO-2 the sum is StageZero's reduce-scatter and GradSync only broadcasts buffers.
+        summed = list(model.named_parameters()) if self.zero is None or self.zero.level == 1 else []
         self.replica_sync = (GradSync(
-            list(model.named_parameters()), group=replica_group, bucket_bytes=bucket_bytes,
+            summed, group=replica_group, bucket_bytes=bucket_bytes,
             average=False, buffers=list(model.buffers()) if broadcast_buffers else [])
             if replica_group is not None else None)
         self.micro_batch_size, self.schedule_name = micro_batch_size, schedule_name
@@ -124,16 +134,38 @@ class PipelineEngine(LocalEngine):
         self._msgs = 0
         self._step_started: float | None = None
         self.step_times: list[float] = []
-        # step, compute and blocked-in-recv seconds, peak activation bytes, bytes sent, steps
-        self.totals = torch.zeros(6, dtype=torch.float64)
+        # step, compute and blocked-in-recv seconds, peak activation bytes, bytes sent, steps,
+        # and (set at the end by record_held) bytes of parameters, gradients, optimizer state
+        self.totals = torch.zeros(9, dtype=torch.float64)
 
 
     def model_names(self) -> dict[str, str]:
         """The stage's keys -> the model's names (checkpoints resumable on another placement)."""
-        stage = self.model
+        stage = self.stage
         assert isinstance(stage, StageModel)
-        return stage.model_names({a.name: a.target for a in self.rt.cut.attrs})
+        names = stage.model_names({a.name: a.target for a in self.rt.cut.attrs})
+        return names if self.zero is None else self.zero.names(names)
+
+    def stage_shards(self) -> dict[str, Any]:
+        """The stage's keys holding part of a model tensor -> their specs (tensor parallel)."""
+        return {}
+
+    def model_shards(self) -> dict[str, Any]:
+        """The checkpointed keys holding part of a model tensor -> their specs."""
+        own = self.stage_shards()
+        return own if self.zero is None else self.zero.shards(own)
+
+    def norm_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
+        """``(tensor with a grad, the stage parameter it is part of)`` whose squared norms sum
+        to this rank's share of the whole model's: a replicated stage's first replica only,
+        or every ZeRO replica's own rows (disjoint)."""
+        if self.zero is not None:
+            return [(piece, p) for piece, p, _ in self.zero.pieces()]
+        return [(p, p) for p in self.model.parameters()] if self.rt.replica == 0 else []
+
     def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:
+        if self.zero is not None:
+            self.zero.begin()
         if self.replica_sync is not None:
             self.replica_sync.before_forward(last=last)  # the step's first: buffers as DDP's
         if self._step_started is None:
@@ -158,20 +190,39 @@ class PipelineEngine(LocalEngine):
     def sync(self) -> None:
         if self.replica_sync is not None:
             self.replica_sync.sync()
+        if self.zero is not None:
+            self.zero.sync(self.replica_sync.counter if self.replica_sync is not None else None)
 
     def grad_sq_norm(self) -> float:
-        params = self.model.parameters() if self.rt.replica == 0 else iter(())  # replicas count once
-        total = local_grad_sq_norm(params).to(C.comm_device(self.ctx.group))
+        total = local_grad_sq_norm([t for t, _ in self.norm_pieces()]).to(C.comm_device(self.ctx.group))
         if self.ctx.world_size > 1:
             C.all_reduce_(total, group=self.ctx.group)
         return float(total)
 
     def after_step(self) -> dict[str, float]:
+        if self.zero is not None:  # every replica's updated rows into the whole parameters
+            self.zero.gather(self.replica_sync.counter if self.replica_sync is not None else None)
         if self._step_started is not None:
             self.step_times.append(time.perf_counter() - self._step_started)
         self._step_started = None
         self.totals[5] += 1
         return {}
+
+    def record_held(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bytes of the stage's parameters, gradients and optimizer state this rank holds now
+        (measured from its tensors, each storage once) into :attr:`totals`."""
+        if self.zero is not None:
+            held = self.zero.held_bytes(optimizer)
+        else:
+            held = held_bytes(self.stage.parameters(), optimizer)
+        self.totals[6:9] = torch.tensor([held["parameters"], held["gradients"], held["optimizer"]],
+                                        dtype=torch.float64)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """After a resume loaded this replica's rows: the whole stage parameters gathered."""
+        del state
+        if self.zero is not None:
+            self.zero.gather()
 
     def _to_rank0(self, payload: torch.Tensor | None) -> torch.Tensor | None:
         """The last stage's ``payload`` on rank 0 (and on the last stage); None elsewhere."""
@@ -193,7 +244,7 @@ class PipelineEngine(LocalEngine):
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
-        self.model.eval()
+        self.stage.eval()
         bs = int(getattr(self.task, "eval_batch_size", None) or DEFAULT_EVAL_BATCH)
         n = len(self.test)
         sums: dict[str, float] = {}
@@ -207,7 +258,7 @@ class PipelineEngine(LocalEngine):
                     for k, v in self.task.eval_batch(out, batch).items():
                         sums[k] = sums.get(k, 0.0) + float(v)
         finally:
-            self.model.train()
+            self.stage.train()
         payload = None
         if self.ctx.rank == self.last_rank:
             sums.setdefault("count", 0.0)
@@ -239,7 +290,9 @@ def pipeline_stats(totals: list[torch.Tensor], plan: Plan, *, micro_batches: int
             {"rank": r, "compute_fraction_measured": round(float(t[1]) / max(float(t[0]), 1e-12), 4),
              "blocked_in_recv_fraction_measured": round(float(t[2]) / max(float(t[0]), 1e-12), 4),
              "peak_activation_bytes_measured": int(t[3]),
-             "bytes_sent_per_step_measured": round(float(t[4]) / steps, 1)}
+             "bytes_sent_per_step_measured": round(float(t[4]) / steps, 1),
+             "held_bytes_measured": {"parameters": int(t[6]), "gradients": int(t[7]),
+                                     "optimizer": int(t[8])}}
             for r, t in enumerate(totals)
         ],
         "bubble_fraction_measured": round(1.0 - busiest / step_s, 4) if step_s > 0 else None,

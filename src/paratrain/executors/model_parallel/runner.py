@@ -165,6 +165,12 @@ def _broadcast_buffers(job: JobConfig, path: str | None) -> bool:
     return bool(getattr(sub, "broadcast_buffers", True))
 
 
+def _stage_shard(job: JobConfig, path: str | None) -> str:
+    """A replicated stage's ``shard`` (ZeRO inside the stage, :mod:`.stage_zero`)."""
+    sub = (getattr(job, "subgraphs", None) or {}).get(path) if path is not None else None
+    return str(getattr(sub, "shard", "none"))
+
+
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
     """Train this rank's segments through the one loop; rank 0 logs metrics and returns
     the summary."""
@@ -202,7 +208,6 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     rt = StageRuntime(plan, stage_rank, modules, transport, device=ctx.device, attrs=attrs,
                       replicas=replicas, physical_rank=ctx.rank,
                       feed=lambda batch: model_args(task, batch))
-    opt = build_optimizer(stage.parameters(), job.train.optimizer)
     t = job.train
     if pipeline and ctx.rank == 0 and proto.micro_batch_size >= t.batch_size:
         warnings.warn(
@@ -220,15 +225,19 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         precision=t.precision, micro_batch_size=proto.micro_batch_size if pipeline else None,
         schedule_name=proto.schedule if pipeline else None, replica_group=replica_group,
         broadcast_buffers=_broadcast_buffers(job, replicas.paths.get(stage_rank)),
-        bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb))
+        bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb),
+        shard=_stage_shard(job, replicas.paths.get(stage_rank)), where=replicas.paths.get(stage_rank, ""))
     engine: PipelineEngine = (
         PipelineEngine(ctx, rt, stage, task, test, **engine_kw) if tp_groups is None else
         TPPipelineEngine(dataclasses.replace(ctx, rank=stage_rank), rt, stage, task, test,
                          groups=tp_groups, **engine_kw))
+    # this rank's optimizer steps what the engine holds: its stage, or a ZeRO replica's rows
+    opt = build_optimizer(engine.model.parameters(), job.train.optimizer)
     trainer = Trainer(engine, opt, t, data.total_steps)
     # the same on every rank: a lane's replica map is its own, the mesh is everyone's
-    layout = (layout_of(plan, replicas, ctx.world_size) if tp == 1 else
-              {**layout_of(plan, logical, ctx.world_size), "tp": tp})
+    shards = {p: _stage_shard(job, p) for p in logical.paths.values()}
+    layout = (layout_of(plan, replicas, ctx.world_size, shards) if tp == 1 else
+              {**layout_of(plan, logical, ctx.world_size, shards), "tp": tp})
     store = RankStore(run_dir, "mp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
                       layout=layout, layout_field="strategy.partitions", device=ctx.device,
                       reshard=True)
@@ -239,7 +248,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             raise ConfigError([("run.name", (
                 f"{source} was written by an earlier paratrain (per-node ModelParallel "
                 f"checkpoints) and cannot be resumed; start the run without --resume"))])
-        checkpoint.check_resume_state(stage, opt, state, source=source)
+        checkpoint.check_resume_state(engine.model, opt, state, source=source)
 
     result = run_loop(
         trainer=trainer, plan=data, task=task, store=store, label="ModelParallel",
@@ -254,6 +263,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     if tp_groups is not None:  # the stage's dense tensors (every rank of the TP row: the same)
         own = dense_own(stage, own, tp_groups)
         tp_groups.tp.close()
+    engine.record_held(opt)
     mine = torch.frombuffer(bytearray(state_digest(own)), dtype=torch.uint8)
     digests, stage_totals = [mine], [engine.totals]
     step = result.position.step
@@ -280,7 +290,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "run_dir": str(run_dir),
         "workers": ctx.world_size,
         **({"tensor_parallel_size": tp, "mesh": mesh_report(logical, ctx.world_size // tp, tp),
-            "tensor_parallel_shards_per_stage": len(engine.model_shards())}
+            "tensor_parallel_shards_per_stage": len(engine.stage_shards())}
            if isinstance(engine, TPPipelineEngine) else {}),
         "stages": [
             {"segment": s.index, "rank": s.rank, "worker": ctx.workers[s.rank].id,

@@ -13,12 +13,14 @@ import torch
 __all__ = ["layout_of", "state_digest", "gather_parts"]
 
 
-def layout_of(plan: Any, replicas: Any, world: int) -> dict[str, Any]:
+def layout_of(plan: Any, replicas: Any, world: int, shards: dict[str, str] | None = None) -> dict[str, Any]:
     """The run's processes and placement (a checkpoint of another one is resumed by the
-    model's names): the worker count and a digest of which nodes each rank runs."""
+    model's names): the worker count and a digest of which nodes each rank runs (and, where
+    a replicated stage is ZeRO-sharded, its ``shard``: its ranks hold rows then)."""
     where = [[s.index, s.rank, list(s.nodes)] for s in plan.segments]
     groups = {str(r): list(g) for r, g in sorted(replicas.groups.items())}
-    digest = hashlib.sha256(json.dumps([where, groups]).encode()).hexdigest()[:16]
+    sharded = {p: v for p, v in sorted((shards or {}).items()) if v != "none"}
+    digest = hashlib.sha256(json.dumps([where, groups, *([sharded] if sharded else [])]).encode()).hexdigest()[:16]
     return {"strategy": "ModelParallel", "world": world, "placement": digest}
 
 

@@ -155,7 +155,7 @@ class TPPipelineEngine(PipelineEngine):
         self._shards: dict[str, Any] = {}
         from ...tensor_parallel.shards import shard_spec
 
-        stage = self.model
+        stage = self.stage
         for key, t in stage.state_dict(keep_vars=True).items():
             spec = shard_spec(t, groups.tp.rank) if isinstance(t, nn.Parameter) else None
             if spec is not None:
@@ -163,14 +163,14 @@ class TPPipelineEngine(PipelineEngine):
 
     def grad_sq_norm(self) -> float:
         total = torch.zeros((), dtype=torch.float64)
-        for p in (self.model.parameters() if self.rt.replica == 0 else ()):  # replicas count once
-            total += local_grad_sq_norm([p]) / replicas_of(p, self.tp)
+        for t, p in self.norm_pieces():  # a TP-replicated tensor counts once over its TP group
+            total += local_grad_sq_norm([t]) / replicas_of(p, self.tp)
         from ...comm import collectives as C
 
         C.all_reduce_(total, group=self.ctx.group)
         return float(total)
 
-    def model_shards(self) -> dict[str, Any]:
+    def stage_shards(self) -> dict[str, Any]:
         return dict(self._shards)
 
     def _to_rank0(self, payload: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,0 +1,172 @@
+"""ZeRO inside a replicated pipeline stage: ``[subgraphs.<path>] type = "DataParallel",
+num_replicas = R, shard = "optimizer" | "gradients"`` under ModelParallel (:class:`StageZero`).
+
+A replicated stage's ``R`` replicas each hold the whole stage and compute its gradients on
+their rows of every micro-batch (:mod:`.replicas`). With ``shard`` set, each replica steps
+only *its* rows of every stage parameter (dimension 0, :class:`~paratrain.comm.zero.FlatShard`,
+Rajbhandari et al. 2020), so the stage's optimizer state is ``1/R`` on every replica:
+
+* ``optimizer`` (ZeRO-1): the replicas' gradients are summed by the one gradient sync
+  (:class:`~paratrain.comm.grad_sync.GradSync`, the unused-parameter rule included), each
+  replica's optimizer steps its rows (views of the whole parameters), and the updated rows
+  are all-gathered: per parameter and fp32 Adam, ``4 + 4 + 8/R`` bytes;
+* ``gradients`` (ZeRO-2): the step's gradients are reduce-scattered (the sum) into each
+  replica's rows after the step's last backward and the whole ones dropped, then as ZeRO-1:
+  ``4 + 12/R`` bytes held between steps. The whole gradients still exist during the step:
+  a pipeline's micro-batches accumulate into them until its last backward (a reduce-scatter
+  per micro-batch would cost ``m`` collectives a step; DeepSpeed refuses ZeRO-2 with
+  pipelines for that reason), so the peak is ZeRO-1's; the traffic is a reduce-scatter
+  instead of an all-reduce.
+
+``parameters`` (ZeRO-3) is refused by validation: a stage's parameters are read by every
+micro-batch's forward and backward across the schedule, so gathering them per use would
+gather them ``2m`` times a step.
+
+The update equals the unsharded replicated stage's (element-wise optimizers: SGD with
+momentum, Adam, AdamW), and so the unpartitioned model's. Clipping counts each replica's
+rows once (they are disjoint: :meth:`StageZero.norm_pieces`). The checkpoint holds each
+replica's rows under the model's names with their row specs (composed after a
+tensor-parallel shard's own), so a run resumes on another world or placement by name
+(:mod:`paratrain.training.reshard`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...comm import collectives as C
+from ...comm.zero import FlatShard
+from ...config import ConfigError
+from ..data_parallel.zero_shards import ShardView, Unit, shard_view
+
+__all__ = ["StageZero", "STAGE_LEVELS", "compose_spec", "held_bytes"]
+
+STAGE_LEVELS = {"optimizer": 1, "gradients": 2}
+
+
+def compose_spec(outer: dict[str, Any] | None, inner: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The spec of ``inner``'s piece of a tensor that is itself ``outer``'s piece of the model's
+    tensor (slices compose as successive ``narrow``s, :mod:`paratrain.training.reshard`)."""
+    if outer is None or inner is None:
+        return outer if inner is None else inner
+    return {"shape": list(outer["shape"]), "slices": [*outer["slices"], *inner["slices"]]}
+
+
+class StageZero:
+    """ZeRO-``level`` over ``group`` (the stage's replicas) for ``stage`` (module doc):
+    :attr:`view` is what the optimizer steps and the checkpoint holds."""
+
+    def __init__(self, stage: nn.Module, *, level: str, group: Any, where: str,
+                 device: torch.device) -> None:
+        self.level = STAGE_LEVELS[level]
+        self.group, self.device = group, device
+        self.world, rank = C.world_size(group), C.rank_of(group)
+        named = [(k, p) for k, p in stage.named_parameters() if p.requires_grad]
+        flat0 = [k for k, p in named if p.dim() == 0]
+        if flat0:
+            raise ConfigError([(f"subgraphs.{where}.shard", (
+                f"stage parameter {flat0[0]} is 0-dimensional: it has no rows to shard; make "
+                "it shape [1] or leave shard = \"none\""))])
+        by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
+        for k, p in named:
+            by_dtype.setdefault(p.dtype, []).append((k, p))
+        self.units = [Unit(str(dt), ps, FlatShard([p.shape for _, p in ps], world=self.world, rank=rank))
+                      for dt, ps in by_dtype.items()]
+        self.view: ShardView = shard_view(stage, self.units)
+        if not list(self.view.parameters()):  # no rows here: an optimizer still needs a parameter
+            self.view.add("placeholder", nn.Parameter(torch.zeros(0, device=device)))
+        self.params = [p for u in self.units for p in u.params]
+        self._new_step = True
+
+    def pieces(self) -> Iterator[tuple[nn.Parameter, nn.Parameter, int]]:
+        """``(piece, whole parameter, first row)`` of every row range this replica steps."""
+        for u in self.units:
+            for piece, p, fp in zip(u.pieces, u.params, u.flat.pieces, strict=True):
+                if piece is not None:
+                    yield piece, p, fp.start
+
+    def begin(self) -> None:
+        """Before a step's first forward: the whole gradients of the last step are dropped
+        (the optimizer only knows the pieces)."""
+        if self._new_step:
+            self._new_step = False
+            for p in self.params:
+                p.grad = None
+            for u in self.units:
+                u.grad = None
+
+    def sync(self, counter: C.CommCounter | None = None) -> None:
+        """After the step's last backward (ZeRO-1: after the sum's all-reduce): each piece's
+        ``grad`` is its rows of the replicas' summed gradient, None where no replica used
+        the parameter this step."""
+        self._new_step = True
+        if self.level == 1:
+            for piece, p, start in self.pieces():
+                piece.grad = None if p.grad is None else p.grad.detach()[start : start + piece.shape[0]]
+            return
+        flags = [p.grad is not None for p in self.params]
+        used = iter(C.used_mask(flags, group=self.group, counter=counter) if flags else [])
+        for u in self.units:
+            u.grad = torch.empty(u.flat.numel, dtype=u.params[0].dtype, device=self.device)
+            u.flat.reduce_scatter([p.grad for p in u.params], u.grad, group=self.group,
+                                  counter=counter, average=False)
+            for i, (maybe, whole) in enumerate(zip(u.pieces, u.params, strict=True)):
+                live = next(used)
+                whole.grad = None  # the whole gradient is dropped: this replica keeps its rows
+                if maybe is not None:
+                    maybe.grad = u.flat.view(u.grad, i) if live else None
+
+    @torch.no_grad()
+    def gather(self, counter: C.CommCounter | None = None) -> None:
+        """Every replica's rows all-gathered into the whole parameters (after each step and
+        after a resume loaded this replica's rows)."""
+        for u in self.units:
+            flat = u.flat.pack_own(u.params, torch.empty(u.flat.numel, dtype=u.params[0].dtype,
+                                                          device=self.device))
+            u.flat.gather(flat, [p.data for p in u.params], group=self.group, counter=counter)
+
+    def names(self, stage_names: dict[str, str]) -> dict[str, str]:
+        """The view's keys -> the model's names (``stage_names``: the stage's keys -> them)."""
+        return {k: stage_names.get(v, v) for k, v in self.view.names.items()}
+
+    def shards(self, stage_shards: dict[str, Any]) -> dict[str, Any]:
+        """The view's keys -> their specs: this replica's rows, after the stage key's own
+        tensor-parallel spec where it has one."""
+        out: dict[str, Any] = {}
+        for k, v in self.view.names.items():
+            spec = compose_spec(stage_shards.get(v), self.view.specs.get(k))
+            if spec is not None:
+                out[k] = spec
+        return out
+
+    def held_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes this replica holds for the stage now (:func:`held_bytes`): the whole
+        parameters, the gradients (whole, or its rows), the optimizer state of its rows."""
+        return held_bytes(self.params, optimizer, grads=[u.grad for u in self.units])
+
+
+def held_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer, *,
+               grads: Iterable[torch.Tensor | None] = ()) -> dict[str, int]:
+    """Bytes of ``params``, their gradients (and ``grads``) and ``optimizer``'s state
+    tensors, each storage counted once (a ZeRO-1 piece's grad is a view of the whole)."""
+    seen: set[int] = set()
+
+    def size(ts: Iterable[Any]) -> int:
+        total = 0
+        for t in ts:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st.nbytes() and st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    total += st.nbytes()
+        return total
+
+    params = list(params)
+    p_bytes = size(params)
+    g_bytes = size([*(p.grad for p in params), *grads])
+    s_bytes = size(v for st in optimizer.state.values() for v in st.values())
+    return {"parameters": p_bytes, "gradients": g_bytes, "optimizer": s_bytes,
+            "total": p_bytes + g_bytes + s_bytes}
