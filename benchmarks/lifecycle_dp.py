@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -66,30 +67,39 @@ def _bin(name: str) -> str:
     return str(path) if path.exists() else name
 
 
-def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, str]:
-    """Wall seconds from start to exit of ``cmd`` (must exit 0), and its stdout."""
+def timed(cmd: list[str], env: dict[str, str] | None = None,
+          cpu: list[float] | None = None) -> tuple[float, str]:
+    """Wall seconds from start to exit of ``cmd`` (must exit 0), and its stdout; ``cpu``
+    gets the CPU seconds (user + system) of it and every process it started and reaped --
+    less moved than wall time by other work on a shared machine."""
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if cpu is not None:
+        cpu.append(r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return wall, proc.stdout
 
 
-def paired(ours_cmd: list[str], peer_cmd: list[str], repeats: int,
-           env: dict[str, str]) -> tuple[list[float], list[float]]:
+def paired(ours_cmd: list[str], peer_cmd: list[str], repeats: int, env: dict[str, str],
+           cpu: tuple[list[float], list[float]] | None = None) -> tuple[list[float], list[float]]:
     """Wall seconds of both commands, ``repeats`` times, back to back in alternating order,
-    after one uncounted run of each (the page cache)."""
+    after one uncounted run of each (the page cache); ``cpu``: lists that get their CPU
+    seconds (:func:`timed`)."""
     timed(ours_cmd, env)
     timed(peer_cmd, env)
     ours: list[float] = []
     peer: list[float] = []
+    ours_cpu, peer_cpu = cpu if cpu is not None else ([], [])
     for rep in range(repeats):
-        order = [(ours_cmd, ours), (peer_cmd, peer)]
+        order = [(ours_cmd, ours, ours_cpu), (peer_cmd, peer, peer_cpu)]
         if rep % 2:
             order.reverse()
-        for cmd, acc in order:
-            acc.append(timed(cmd, env)[0])
+        for cmd, acc, acc_cpu in order:
+            acc.append(timed(cmd, env, acc_cpu)[0])
     return ours, peer
 
 
@@ -121,7 +131,8 @@ def main() -> None:
                 str(peer_pt), str(args.steps)]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PARATRAIN_DEBUG")}
     load0 = os.getloadavg()[0]
-    ours, peer = paired(ours_cmd, peer_cmd, args.repeats, env)
+    cpu: tuple[list[float], list[float]] = ([], [])
+    ours, peer = paired(ours_cmd, peer_cmd, args.repeats, env, cpu)
     ratios = [a / b for a, b in zip(ours, peer, strict=True)]
     summary = json.loads((tmp / "runs" / "lifecycle_dp" / "summary.json").read_text())
     results: dict[str, Any] = {
@@ -132,6 +143,10 @@ def main() -> None:
                    "peer": "torchrun --nproc-per-node=2 --standalone benchmarks/_ddp_peer.py (DDP, gloo)"},
         "ratio_measured": round(median(ratios), 4),
         "ratios_measured": [round(r, 4) for r in ratios],
+        # CPU seconds of each whole process tree: what the lifecycle costs, less moved by
+        # other work on a shared machine than the wall ratio above
+        "cpu_ratio_measured": round(median([a / b for a, b in zip(*cpu, strict=True)]), 4),
+        "cpu_s_measured": {"paratrain_median": round(median(cpu[0]), 3), "peer_median": round(median(cpu[1]), 3)},
         "wall_s_measured": {"paratrain_median": round(median(ours), 3), "peer_median": round(median(peer), 3),
                             "paratrain": [round(x, 3) for x in ours], "peer": [round(x, 3) for x in peer]},
         "max_param_diff_measured": max_diff(peer_pt, tmp / "runs" / "lifecycle_dp" / "model.safetensors"),

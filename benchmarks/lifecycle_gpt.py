@@ -66,7 +66,8 @@ def main() -> None:
     peer_cmd = [*peer, str(args.steps), str(args.eval_every), "1"]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PARATRAIN_DEBUG")}
     load0 = os.getloadavg()[0]
-    ours, bare = paired(ours_cmd, peer_cmd, args.repeats, env)
+    cpu: tuple[list[float], list[float]] = ([], [])
+    ours, bare = paired(ours_cmd, peer_cmd, args.repeats, env, cpu)
     ratios = [a / b for a, b in zip(ours, bare, strict=True)]
     summary = json.loads((tmp / "runs" / name / "summary.json").read_text())
     peer_out = json.loads(timed(peer_cmd, env)[1].strip().splitlines()[-1])
@@ -78,6 +79,10 @@ def main() -> None:
                    "peer": "benchmarks/_bare_gpt_peer.py (one file, bare loop, 1 thread)"},
         "ratio_measured": round(median(ratios), 4),
         "ratios_measured": [round(r, 4) for r in ratios],
+        # CPU seconds of each whole process tree: what the lifecycle costs, less moved by
+        # other work on a shared machine than the wall ratio above
+        "cpu_ratio_measured": round(median([a / b for a, b in zip(*cpu, strict=True)]), 4),
+        "cpu_s_measured": {"paratrain_median": round(median(cpu[0]), 3), "peer_median": round(median(cpu[1]), 3)},
         "wall_s_measured": {"paratrain_median": round(median(ours), 3), "peer_median": round(median(bare), 3),
                             "paratrain": [round(x, 3) for x in ours], "peer": [round(x, 3) for x in bare]},
         "max_param_diff_measured": max_diff(peer_pt, tmp / "runs" / name / "model.safetensors"),
