@@ -19,7 +19,10 @@ demo: $(STAMP)
 
 # Two pytest workers, whole files per worker (a file's module fixtures launch once): most
 # tests wait on worker processes, so two files at a time fit 2 cores.
+# Byte-compile the sources first: an editable install is not compiled, and where
+# PYTHONDONTWRITEBYTECODE is set every process of the suite would compile them again.
 test: $(STAMP)
+	$(BIN)/python -m compileall -q -j 0 src tests
 	$(BIN)/python -m pytest -n 2 --dist loadfile tests
 
 lint: $(STAMP)
