@@ -187,6 +187,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         os.environ["PARATRAIN_NODE_RANK"] = str(args.node_rank)
     if args.rdzv_endpoint is not None:
         os.environ["PARATRAIN_RDZV_ENDPOINT"] = args.rdzv_endpoint
+    from .training.allocator import keep_freed_memory
+
+    keep_freed_memory()  # this process trains (Local) and exits: no page refaults per step
     try:
         summary = execute(job, resume=args.resume, overwrite=args.overwrite,
                           job_dir=Path(args.job).resolve().parent)

@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .config.job import load_job
     from .dispatch import execute
+    from .training.allocator import keep_freed_memory
 
+    keep_freed_memory()  # a worker process of paratrain's own (training.allocator)
     job = None
     try:
         job = load_job(args.job)

@@ -64,6 +64,9 @@ def worker_entry(
 
             if ctx.device.type == "cpu":  # training.threads: one per worker unless set
                 torch.set_num_threads(intra_op_threads(job))
+            from ..training.allocator import keep_freed_memory
+
+            keep_freed_memory()  # a worker trains and exits: freed buffers are reused
             if ctx.is_main:  # rank 0 draws report.png: its matplotlib off the end of the run
                 from ..training.report import import_in_background
 

@@ -1,0 +1,60 @@
+"""glibc's heap settings of a training process (``paratrain.training.allocator``): with them a
+40 MB buffer allocated and freed ten times (as a step's activations are) is mapped once, so
+its pages are faulted in once; with glibc's defaults (a request over 32 MB is always a fresh
+``mmap``) every allocation faults its pages in again. Each case runs in a fresh interpreter
+(the setting is process-wide and cannot be undone)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only")
+
+PROBE = """
+import json, resource, torch
+from paratrain.training.allocator import keep_freed_memory
+set_ = keep_freed_memory()
+faults = []
+for _ in range(10):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t = torch.empty(10 * 1024 * 1024, dtype=torch.float32)  # 40 MB
+    t.fill_(1.0)
+    del t
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"set": set_, "faults": faults}))
+"""
+
+
+def _probe(**env: str) -> dict[str, object]:
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("GLIBC_TUNABLES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_",
+                          "PARATRAIN_KEEP_FREED_MEMORY")}
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**clean, **env}, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    result: dict[str, object] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def test_freed_buffers_are_reused_without_new_page_faults() -> None:
+    on = _probe()
+    if not on["set"]:
+        pytest.skip("not glibc: the allocator settings do not apply")
+    off = _probe(PARATRAIN_KEEP_FREED_MEMORY="0")
+    assert off["set"] is False
+    pages = 40 * 1024 * 1024 // 4096
+    on_f, off_f = list(on["faults"]), list(off["faults"])  # type: ignore[call-overload]
+    # glibc's default: each 40 MB request is a fresh mapping, faulted in again every time
+    assert min(off_f[1:]) > pages // 2, off_f
+    # kept: after the first allocation the same pages are reused
+    assert max(on_f[1:]) < pages // 20, on_f
+
+
+@pytest.mark.parametrize("env", [{"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1000000"},
+                                 {"MALLOC_MMAP_THRESHOLD_": "131072"}])
+def test_a_heap_tuned_by_the_environment_is_left_alone(env: dict[str, str]) -> None:
+    assert _probe(**env)["set"] is False
