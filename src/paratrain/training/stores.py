@@ -55,6 +55,7 @@ from . import dcp_state as S
 from .checkpoint import MIN_KEEP
 from .faults import maybe_kill_in_save
 from .reshard import ReshardWarning
+from .store_errors import Unreadable, load_reason, save_reason
 from .store_reading import LAYOUT_FILE, read_layout
 
 __all__ = ["Held", "LocalStore", "RankStore", "warm"]
@@ -194,7 +195,7 @@ class RankStore:
                     safe_rmtree(old, self.root)
         except (OSError, _failed_dcp()) as e:  # DCP wraps a failed write (a full disk)
             raise ConfigError([("run.output_dir", f"cannot write checkpoint {final}: "
-                                f"{_write_reason(e)}")]) from None
+                                f"{save_reason(e)}")]) from None
         C.barrier(self._g())
 
     # -- load -----------------------------------------------------------------------------
@@ -219,8 +220,8 @@ class RankStore:
             folder = self.root / name
             try:
                 found = self._load_one(folder, held)
-            except (_failed_dcp(), _Unreadable) as e:
-                skipped.append(f"checkpoint {folder} {_reason(e)}")
+            except (_failed_dcp(), Unreadable) as e:
+                skipped.append(f"checkpoint {folder} {load_reason(e)}")
                 if i + 1 < len(steps) and self.rank == 0:
                     warnings.warn(f"skipping {skipped[-1]}; falling back to step "
                                   f"{int(steps[i + 1][5:])} ({self.root / steps[i + 1]})",
@@ -257,9 +258,9 @@ class RankStore:
         return [p.name for p in reversed(step_folders(self.root)) if read_layout(p) is not None]
 
     def _all_have(self, mine: bool, what: str) -> None:
-        """Every process found what it needs, or every process raises :class:`_Unreadable`."""
+        """Every process found what it needs, or every process raises :class:`Unreadable`."""
         if C.all_min_ints([int(mine)], group=self._g())[0] == 0:
-            raise _Unreadable(f"lacks {what}")
+            raise Unreadable(f"lacks {what}")
 
     def _same_layout(self, doc: dict[str, Any]) -> bool:
         return (doc.get("kind") == self.prefix and int(doc.get("world", 0)) == self.world
@@ -347,36 +348,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 def _shape(doc: dict[str, Any]) -> str:
     return ", ".join(f"{k}={v}" for k, v in doc.items() if k not in ("step", "kind"))
-
-
-class _Unreadable(RuntimeError):
-    """A checkpoint folder that lacks part of what DCP wrote (every process raises it)."""
-
-
-def _write_reason(e: BaseException) -> str:
-    """Why a save failed: the OS error (DCP gathers each process's in a CheckpointException)."""
-    if isinstance(e, OSError):
-        return str(e.strerror or e)
-    for failure in _failures(e).values():
-        err: Any = failure[0] if isinstance(failure, tuple) else failure
-        return str(err.strerror or err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
-    return str(e)[:300]
-
-
-def _failures(e: BaseException) -> dict[Any, Any]:
-    """A CheckpointException's failures by rank (``{}`` for anything else)."""
-    failures = getattr(e, "failures", None)
-    return failures if isinstance(failures, dict) else {}
-
-
-def _reason(e: BaseException) -> str:
-    if isinstance(e, _Unreadable):
-        return f"is not readable: it {e}"
-    for failure in _failures(e).values():
-        err: Any = failure[0] if isinstance(failure, tuple) else failure  # DCP's (exception, traceback)
-        first = (str(err).strip().splitlines() or [""])[-1]
-        return f"is not readable, truncated or corrupt: {type(err).__name__}: {first[:300]}"
-    return str(e)[:300]
 
 
 def _agree(missing: list[str], wrong: list[str], saved_groups: int, optimizer: torch.optim.Optimizer,
