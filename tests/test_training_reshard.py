@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import paratrain
 from _reshard import fit_noting_reshards
@@ -113,3 +115,19 @@ def test_pipeline_resumes_on_fewer_workers_or_another_placement(tmp_path: Path, 
     assert list(now) == list(before) and all(torch.equal(before[k], now[k]) for k in before)
     more, _ = _fit(_doc(tmp_path, new, 16, run={"num_workers": workers}), capfd, resume=True)
     assert more["steps"] == 16
+
+
+@settings(max_examples=200, deadline=None)
+@given(old=st.integers(1, 8), new=st.integers(1, 8), batch=st.integers(0, 60), per_epoch=st.integers(1, 40))
+def test_the_new_position_repeats_what_rounding_down_drops_and_skips_nothing(
+        old: int, new: int, batch: int, per_epoch: int) -> None:
+    from paratrain.training.reshard import by_examples, repeated_batches
+
+    walked = batch * old  # batches of batch_size rows the old replicas had trained on, together
+    epoch, at = by_examples({"replicas": old}, {"replicas": new}, epoch=3, batch=batch, per_epoch=per_epoch)
+    again = repeated_batches({"replicas": old}, {"replicas": new}, batch=batch, per_epoch=per_epoch)
+    if epoch == 4:  # the old replicas had finished the epoch's share: the next epoch, nothing again
+        assert at == 0 and again == 0 and walked // new >= per_epoch
+    else:
+        assert epoch == 3 and at * new <= walked  # nothing the old replicas had not trained on is skipped
+        assert at * new + again == walked and 0 <= again < new

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,7 @@ from . import checkpoint
 from .interrupt import agree
 from .lifecycle import Lifecycle
 from .plan import DataPlan, Position, epoch_permutation, feed_of
-from .reshard import by_examples, param_keys, param_names
+from .reshard import ReshardWarning, by_examples, param_keys, param_names, repeated_batches
 from .rundir import MetricsWriter, read_metrics
 from .seed import rng_state, set_rng_state
 from .stepping import (
@@ -259,8 +260,16 @@ def run_loop(
         pos = Position(int(state["step"]), int(state["epoch"]), int(state["batch"]))
         if resharded:
             old = found[1].get("layout") or {}
+            again = 0 if reposition is not None else repeated_batches(
+                old, layout or {}, batch=pos.batch, per_epoch=plan.batches_per_epoch)
             pos = (reposition(old, pos) if reposition is not None else Position(pos.step, *by_examples(
                 old, layout or {}, epoch=pos.epoch, batch=pos.batch, per_epoch=plan.batches_per_epoch)))
+            if again and rank == 0:
+                warnings.warn(ReshardWarning(
+                    f"resumed on {int((layout or {}).get('replicas', 1))} data replica(s) from "
+                    f"{int(old.get('replicas', 1))}: each continues at batch {pos.batch} of epoch {pos.epoch}, "
+                    f"so {again} batch(es) of train.batch_size rows the old replicas had trained on "
+                    "are trained on again (the position is rounded down to whole batches)"), stacklevel=2)
         resumed_from = {"checkpoint": Path(source).name, "step": int(state["step"]),
                         "layout": dict(state.get("layout") or {}), "resharded": resharded,
                         **({"onto": dict(layout or {}), "reset": list(state["reset"])} if resharded else {})}

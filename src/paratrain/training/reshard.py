@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["param_names", "param_keys", "take", "by_examples", "ReshardWarning"]
+__all__ = ["param_names", "param_keys", "take", "by_examples", "repeated_batches", "ReshardWarning"]
 
 Spec = Mapping[str, Any]  # {"shape": [...], "slices": [[dim, start, length], ...]}
 
@@ -80,3 +80,12 @@ def by_examples(old: Mapping[str, Any], new: Mapping[str, Any], *, epoch: int, b
     each took ``batch * batch_size`` of its share of the epoch's permutation."""
     moved = batch * int(old.get("replicas", 1)) // int(new.get("replicas", 1))
     return (epoch + 1, 0) if moved >= per_epoch else (epoch, moved)
+
+
+def repeated_batches(old: Mapping[str, Any], new: Mapping[str, Any], *, batch: int, per_epoch: int) -> int:
+    """Batches (of ``train.batch_size`` rows) the old replicas had walked that the new ones
+    walk again after :func:`by_examples`, which rounds down: ``batch * R_old mod R_new``
+    (0 when the old position moves to the next epoch)."""
+    walked = batch * int(old.get("replicas", 1))
+    moved = walked // int(new.get("replicas", 1))
+    return 0 if moved >= per_epoch else walked - moved * int(new.get("replicas", 1))
