@@ -5,8 +5,9 @@ paratrain's app started with ``flwr run`` (examples/federated_flower).
 - the global model after R rounds equals the same job run the local way (``runtime = "local"``,
   paratrain's in-process round loop) bit for bit, for FedAvg, FedMedian (robust) with a Local
   head kept per client in context.state (FedPer's personal parts; the clients' personal scores
-  come from ``@app.evaluate``), FedAdam (adaptive), FedNova and client-level DP in local mode
-  (each update clipped and noised on its node; the same epsilon), and SCAFFOLD (the server's c
+  come from ``@app.evaluate``), FedAdam (adaptive) with central client-level DP (the server
+  clips each update and noises the sum), FedNova and client-level DP in local mode (each
+  update clipped and noised on its node; the same epsilon either way), and SCAFFOLD (the server's c
   travels with the model, each client's c_i stays in its node's context.state; checked on the
   resumed run below): both paths train each client with the same
   seeded generator of (seed, round, client) at one intra-op thread and aggregate with the same
@@ -50,7 +51,8 @@ AGGREGATIONS = {
     "FedAvg": {"method": "FedAvg"},
     # robust, + a Local head (FedPer): personal parts in context.state, scored by @app.evaluate
     "FedMedian+FedPer": {"method": "FedMedian"},
-    "FedAdam": {"method": "FedAdam", "eta": 0.05},
+    # adaptive, with central client-level DP (the server clips, noises the sum, accounts)
+    "FedAdam+DP-central": {"method": "FedAdam", "eta": 0.05},
     "FedNova": {"method": "FedNova"},  # normalised local steps: each client's tau_i travels up
     "DP-local": {"method": "FedAvg"},  # + [federated.dp] mode local: clip and seeded noise on the nodes
 }
@@ -141,6 +143,8 @@ def group(fed: LocalFederation, tmp_path_factory: pytest.TempPathFactory) -> dic
     docs["FedMedian+FedPer"]["subgraphs"] = {"head": {"type": "Local"}}
     docs["DP-local"]["federated"]["dp"] = {"mode": "local", "clip": 0.5, "noise_multiplier": 0.3,
                                            "delta": 1e-5}
+    docs["FedAdam+DP-central"]["federated"]["dp"] = {"mode": "central", "clip": 0.5,
+                                                     "noise_multiplier": 0.3, "delta": 1e-5}
     docs["resume"] = _job(out, "fl_resume", SCAFFOLD, rounds=3)
     files = {k: _write(tmp / f"{k}.json", d) for k, d in docs.items()}
     for f in files.values():
@@ -186,8 +190,9 @@ def test_flower_equals_local(group: dict[str, Any], method: str) -> None:
     _same_model(group["run_dir"][key], Path(local["run_dir"]))
     _same_rounds(group["run_dir"][key], Path(local["run_dir"]))
     fl, lo = _metrics(group["run_dir"][key]), _metrics(Path(local["run_dir"]))
-    if method == "DP-local":  # the same noise drawn on the nodes, the same privacy spent
-        assert flower["epsilon"] == local["epsilon"] > 0 and flower["dp_mode"] == "local"
+    if method in ("DP-local", "FedAdam+DP-central"):  # the same noise, the same privacy spent
+        assert flower["epsilon"] == local["epsilon"] > 0
+        assert flower["dp_mode"] == ("local" if method == "DP-local" else "central")
     if method == "FedMedian+FedPer":  # every client scored with its own head, on its node
         assert flower["personal_test_accuracy"] == local["personal_test_accuracy"]
         assert [r["personal_test_accuracy"] for r in fl] == [r["personal_test_accuracy"] for r in lo]

@@ -1,13 +1,16 @@
 """glibc's heap settings of a training process (``paratrain.training.allocator``): with them a
-40 MB buffer allocated and freed ten times (as a step's activations are) is mapped once, so
-its pages are faulted in once; with glibc's defaults (a request over 32 MB is always a fresh
-``mmap``) every allocation faults its pages in again. Each case runs in a fresh interpreter
-(the setting is process-wide and cannot be undone)."""
+40 MB buffer allocated and freed 20 times (as a step's activations are) reuses the pages it
+first faulted in; with glibc's defaults (a request over 32 MB is always a fresh ``mmap``)
+every allocation faults its pages in again. Medians: the kernel may still reclaim kept but
+unused pages now and then on a loaded machine (one refault among the 19 was seen in the
+suite), which is not what is tested. Each case runs in a fresh interpreter (the setting is
+process-wide and cannot be undone)."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -20,7 +23,7 @@ import json, resource, torch
 from paratrain.training.allocator import keep_freed_memory
 set_ = keep_freed_memory()
 faults = []
-for _ in range(10):
+for _ in range(20):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t = torch.empty(10 * 1024 * 1024, dtype=torch.float32)  # 40 MB
     t.fill_(1.0)
@@ -49,9 +52,10 @@ def test_freed_buffers_are_reused_without_new_page_faults() -> None:
     pages = 40 * 1024 * 1024 // 4096
     on_f, off_f = list(on["faults"]), list(off["faults"])  # type: ignore[call-overload]
     # glibc's default: each 40 MB request is a fresh mapping, faulted in again every time
-    assert min(off_f[1:]) > pages // 2, off_f
+    assert statistics.median(off_f[1:]) > pages // 2, off_f
     # kept: after the first allocation the same pages are reused
-    assert max(on_f[1:]) < pages // 20, on_f
+    assert statistics.median(on_f[1:]) < pages // 20, on_f
+    assert sum(on_f[1:]) < sum(off_f[1:]) // 4, (on_f, off_f)
 
 
 @pytest.mark.parametrize("env", [{"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1000000"},
