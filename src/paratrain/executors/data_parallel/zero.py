@@ -53,7 +53,7 @@ from ...config import ConfigError
 from ...training.loop import LocalEngine
 from ...training.stepping import autocast, local_grad_sq_norm
 from .zero_plan import LEVELS, assign_units, resolve_units, shard_plan
-from .zero_shards import Unit, shard_view
+from .zero_shards import Unit, held_bytes, shard_view
 
 __all__ = ["ZeroEngine", "resolve_units", "shard_plan", "LEVELS"]
 
@@ -325,25 +325,9 @@ class ZeroEngine(LocalEngine):
     def held_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of the storages this rank holds now (each counted once), by kind:
         parameters (whole or shards), gradients (whole or shards), optimizer state."""
-        seen: set[int] = set()
-
-        def size(ts: Any) -> int:
-            total = 0
-            for t in ts:
-                if t is None or not isinstance(t, torch.Tensor):
-                    continue
-                s = t.untyped_storage()
-                if s.nbytes() and s.data_ptr() not in seen:
-                    seen.add(s.data_ptr())
-                    total += s.nbytes()
-            return total
-
-        params = size([*self.net.parameters(), *(u.shard for u in self.units)])
-        grads = size([*(p.grad for p in self.net.parameters()), *(u.grad for u in self.units),
-                      *(p.grad for p in self.model.parameters())])
-        state = size(v for st in optimizer.state.values() for v in st.values())
-        return {"parameters": params, "gradients": grads, "optimizer": state,
-                "total": params + grads + state}
+        return held_bytes([*self.net.parameters(), *(u.shard for u in self.units if u.shard is not None)],
+                          optimizer, grads=[*(u.grad for u in self.units),
+                                            *(p.grad for p in self.model.parameters())])
 
     def log_extras(self) -> dict[str, Any]:
         return {"comm_bytes": self.counter.total_bytes}

@@ -6,7 +6,7 @@ optimizer steps -- built by :func:`shard_view`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from ...comm.zero import FlatShard
 
-__all__ = ["Unit", "ShardView", "shard_view"]
+__all__ = ["Unit", "ShardView", "shard_view", "held_bytes"]
 
 
 @dataclass(eq=False)
@@ -83,3 +83,27 @@ def shard_view(net: nn.Module, units: Sequence[Unit]) -> ShardView:
         else:
             view.add(name, t, param=False)  # buffers, frozen parameters
     return view
+
+
+def held_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer, *,
+               grads: Iterable[torch.Tensor | None] = ()) -> dict[str, int]:
+    """Bytes of ``params``, their gradients (and ``grads``) and ``optimizer``'s state
+    tensors, each storage counted once (a ZeRO-1 piece's grad is a view of the whole)."""
+    seen: set[int] = set()
+
+    def size(ts: Iterable[Any]) -> int:
+        total = 0
+        for t in ts:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st.nbytes() and st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    total += st.nbytes()
+        return total
+
+    params = list(params)
+    p_bytes = size(params)
+    g_bytes = size([*(p.grad for p in params), *grads])
+    s_bytes = size(v for st in optimizer.state.values() for v in st.values())
+    return {"parameters": p_bytes, "gradients": g_bytes, "optimizer": s_bytes,
+            "total": p_bytes + g_bytes + s_bytes}

@@ -31,7 +31,7 @@ tensor-parallel shard's own), so a run resumes on another world or placement by 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -40,9 +40,9 @@ from torch import nn
 from ...comm import collectives as C
 from ...comm.zero import FlatShard
 from ...config import ConfigError
-from ..data_parallel.zero_shards import ShardView, Unit, shard_view
+from ..data_parallel.zero_shards import ShardView, Unit, held_bytes, shard_view
 
-__all__ = ["StageZero", "STAGE_LEVELS", "compose_spec", "held_bytes"]
+__all__ = ["StageZero", "STAGE_LEVELS", "compose_spec"]
 
 STAGE_LEVELS = {"optimizer": 1, "gradients": 2}
 
@@ -147,26 +147,3 @@ class StageZero:
         parameters, the gradients (whole, or its rows), the optimizer state of its rows."""
         return held_bytes(self.params, optimizer, grads=[u.grad for u in self.units])
 
-
-def held_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer, *,
-               grads: Iterable[torch.Tensor | None] = ()) -> dict[str, int]:
-    """Bytes of ``params``, their gradients (and ``grads``) and ``optimizer``'s state
-    tensors, each storage counted once (a ZeRO-1 piece's grad is a view of the whole)."""
-    seen: set[int] = set()
-
-    def size(ts: Iterable[Any]) -> int:
-        total = 0
-        for t in ts:
-            if isinstance(t, torch.Tensor):
-                st = t.untyped_storage()
-                if st.nbytes() and st.data_ptr() not in seen:
-                    seen.add(st.data_ptr())
-                    total += st.nbytes()
-        return total
-
-    params = list(params)
-    p_bytes = size(params)
-    g_bytes = size([*(p.grad for p in params), *grads])
-    s_bytes = size(v for st in optimizer.state.values() for v in st.values())
-    return {"parameters": p_bytes, "gradients": g_bytes, "optimizer": s_bytes,
-            "total": p_bytes + g_bytes + s_bytes}
