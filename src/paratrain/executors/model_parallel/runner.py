@@ -159,16 +159,11 @@ def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Any:
     return P2PTransport(ctx.group, device=ctx.device)
 
 
-def _broadcast_buffers(job: JobConfig, path: str | None) -> bool:
-    """A replicated stage's ``broadcast_buffers`` (its ``[subgraphs.<path>]`` DataParallel)."""
+def _stage_setting(job: JobConfig, path: str | None, name: str, default: Any) -> Any:
+    """A replicated stage's ``name`` on its ``[subgraphs.<path>]`` DataParallel
+    (``broadcast_buffers``; ``shard``: ZeRO inside the stage, :mod:`.stage_zero`)."""
     sub = (getattr(job, "subgraphs", None) or {}).get(path) if path is not None else None
-    return bool(getattr(sub, "broadcast_buffers", True))
-
-
-def _stage_shard(job: JobConfig, path: str | None) -> str:
-    """A replicated stage's ``shard`` (ZeRO inside the stage, :mod:`.stage_zero`)."""
-    sub = (getattr(job, "subgraphs", None) or {}).get(path) if path is not None else None
-    return str(getattr(sub, "shard", "none"))
+    return getattr(sub, name, default)
 
 
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
@@ -224,9 +219,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     engine_kw: dict[str, Any] = dict(
         precision=t.precision, micro_batch_size=proto.micro_batch_size if pipeline else None,
         schedule_name=proto.schedule if pipeline else None, replica_group=replica_group,
-        broadcast_buffers=_broadcast_buffers(job, replicas.paths.get(stage_rank)),
+        broadcast_buffers=bool(_stage_setting(job, replicas.paths.get(stage_rank), "broadcast_buffers", True)),
         bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb),
-        shard=_stage_shard(job, replicas.paths.get(stage_rank)), where=replicas.paths.get(stage_rank, ""))
+        shard=str(_stage_setting(job, replicas.paths.get(stage_rank), "shard", "none")), where=replicas.paths.get(stage_rank, ""))
     engine: PipelineEngine = (
         PipelineEngine(ctx, rt, stage, task, test, **engine_kw) if tp_groups is None else
         TPPipelineEngine(dataclasses.replace(ctx, rank=stage_rank), rt, stage, task, test,
@@ -235,7 +230,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     opt = build_optimizer(engine.model.parameters(), job.train.optimizer)
     trainer = Trainer(engine, opt, t, data.total_steps)
     # the same on every rank: a lane's replica map is its own, the mesh is everyone's
-    shards = {p: _stage_shard(job, p) for p in logical.paths.values()}
+    shards = {p: str(_stage_setting(job, p, "shard", "none")) for p in logical.paths.values()}
     layout = (layout_of(plan, replicas, ctx.world_size, shards) if tp == 1 else
               {**layout_of(plan, logical, ctx.world_size, shards), "tp": tp})
     store = RankStore(run_dir, "mp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
