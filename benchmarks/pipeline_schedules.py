@@ -244,8 +244,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
     ap.add_argument("--isolated-only", action="store_true",
                     help="only the one-process stage costs and their modelled ZBH1/1F1B ratio")
+    ap.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline sizes p (processes)")
+    ap.add_argument("--width", type=int, default=256, help="the token MLP's width")
+    ap.add_argument("--rows", type=int, default=256, help="rows per batch (split into m micro-batches)")
     args = ap.parse_args()
-    cfg = {"ms": [8, 16], "width": 256, "rows": 256, "blocks_per_stage": 4,
+    cfg = {"ms": [8, 16], "width": args.width, "rows": args.rows, "blocks_per_stage": 4,
            "warmup": 1 if args.quick else 2, "repeats": 3 if args.quick else 9}
     t0 = time.perf_counter()
     load = round(os.getloadavg()[0], 2)
@@ -254,7 +257,7 @@ def main() -> None:
     isolated = {"config": iso_cfg, "costs_s_measured": {k: round(v, 5) for k, v in costs.items()},
                 "split_over_full_backward": round((costs["B"] + costs["W"]) / costs["full"], 3),
                 "replays": [modelled_zbh1(costs, p, m) for p in (2, 4) for m in cfg["ms"]]}
-    results = [] if args.isolated_only else [row for p in (2, 4) for row in measure(p, cfg)]
+    results = [] if args.isolated_only else [row for p in args.stages for row in measure(p, cfg)]
     print(json.dumps({
         "benchmark": "pipeline_schedules",
         "peer": "torch.distributed.pipelining Schedule1F1B / ScheduleInterleaved1F1B / "

@@ -1,18 +1,19 @@
 """ZeRO inside a replicated pipeline stage (``[subgraphs.back] type = "DataParallel",
-num_replicas = 2, shard = "optimizer" | "gradients"``): 2 pipeline stages, ``back`` run by
+num_replicas = 2, shard = "optimizer" | "gradients" | "parameters"``): 2 pipeline stages, ``back`` run by
 2 replicas that each step only their rows of its parameters, on 3 gloo ranks (and, with
 2-way tensor parallelism in every stage, on 6), against the unpartitioned Local model:
 
 * 4 steps under 1F1B, ZBH1 and GPipe, SGD with momentum and AdamW, clipping active every
   step: per-step losses and parameters equal Local's (rtol 1e-5). A replica that stepped
   its rows with its own gradient, skipped the all-gather, or counted rows twice in the
-  clipping norm would each move the result;
+  clipping norm would each move the result; ZeRO-3 also with 2-way tensor parallelism;
 * the optimizer state each replica of ``back`` holds (measured from its tensors) is half
-  the unsharded replicated stage's, and ZeRO-2 also halves the gradients it keeps;
-* a run stopped at step 2 and resumed ends bit-identical; its checkpoint (each replica's
-  rows, by the model's names) resumes unsharded on 3 ranks and on 2 (no replica) with the
-  saved parameters;
-* ``shard = "parameters"`` and ``shard_unit`` are refused, naming the field.
+  the unsharded replicated stage's, ZeRO-2 also halves the gradients it keeps, and ZeRO-3
+  the parameters it holds between steps;
+* a ZeRO-3 run stopped at step 2 and resumed ends bit-identical; a checkpoint (each
+  replica's rows, by the model's names) resumes unsharded on 3 ranks and on 2 (no
+  replica) with the saved parameters;
+* ``shard_unit`` is refused, naming the field.
 """
 
 from __future__ import annotations
@@ -31,14 +32,16 @@ pytestmark = [pytest.mark.timeout(400)]
 
 RUNS = {"z1-adamw-1F1B": {"optimizer": "adamw", "schedule": "1F1B", "shard": "optimizer"},
         "z2-adamw-ZBH1": {"optimizer": "adamw", "schedule": "ZBH1", "shard": "gradients"},
-        "z2-sgd-GPipe": {"optimizer": "sgd", "schedule": "GPipe", "shard": "gradients"}}
+        "z2-sgd-GPipe": {"optimizer": "sgd", "schedule": "GPipe", "shard": "gradients"},
+        "z3-adamw-ZBH1": {"optimizer": "adamw", "schedule": "ZBH1", "shard": "parameters"},
+        "z3-sgd-1F1B": {"optimizer": "sgd", "schedule": "1F1B", "shard": "parameters"}}
 BASE = {"tp": 1}
 
 
 @pytest.fixture(scope="module")
 def staged(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = str(tmp_path_factory.mktemp("pp_zero"))
-    resume = {**BASE, "optimizer": "adamw", "checkpoint_every": 2, "shard": "gradients"}
+    resume = {**BASE, "optimizer": "adamw", "checkpoint_every": 2, "shard": "parameters"}
     cases = [*((name, {**BASE, **kw}, False) for name, kw in RUNS.items()),
              ("plain", {**BASE, "optimizer": "adamw"}, False),
              ("full", resume, False), ("split", {**resume, "steps": 2}, False), ("split", resume, True),
@@ -68,12 +71,13 @@ def test_each_replica_holds_half_the_stage_optimizer_state(staged: dict[str, Any
     plain = held("plain", 1)
     assert plain["optimizer"] >= 2 * 4 * back and plain["gradients"] == 4 * back
     for rank in (1, 2):  # both replicas of back (16 and 10 rows: an even split)
-        z1, z2 = held("z1-adamw-1F1B", rank), held("z2-adamw-ZBH1", rank)
+        z1, z2, z3 = held("z1-adamw-1F1B", rank), held("z2-adamw-ZBH1", rank), held("z3-adamw-ZBH1", rank)
         assert z1["parameters"] == z2["parameters"] == plain["parameters"] == 4 * back
-        for z in (z1, z2):  # Adam's two moments of this replica's rows (+ the 4 step counters)
+        for z in (z1, z2, z3):  # Adam's two moments of this replica's rows (+ the 4 step counters)
             assert z["optimizer"] == 2 * 4 * back // 2 + (plain["optimizer"] - 2 * 4 * back)
         assert z1["gradients"] == 4 * back  # ZeRO-1 keeps the whole gradient
-        assert z2["gradients"] == 4 * back // 2  # ZeRO-2 only its rows
+        assert z2["gradients"] == z3["gradients"] == 4 * back // 2  # ZeRO-2/3 only its rows
+        assert z3["parameters"] == 4 * back // 2  # ZeRO-3: its rows between steps
     assert held("z2-adamw-ZBH1", 0) == held("plain", 0)  # front is not replicated: whole
 
 
@@ -94,12 +98,11 @@ def test_resume_is_bit_identical_and_reshards(staged: dict[str, Any]) -> None:
 
 def test_with_tensor_parallel_stages_equals_the_unpartitioned_model(tmp_path: Path) -> None:
     run_distributed(runs_3d, 6, str(tmp_path), [
-        ("z2-tp", {"optimizer": "adamw", "schedule": "1F1B", "shard": "gradients"}, False)], timeout_s=300)
-    _equal_to_local(tmp_path, "z2-tp", "adamw")
+        ("z3-tp", {"optimizer": "adamw", "schedule": "1F1B", "shard": "parameters"}, False)], timeout_s=300)
+    _equal_to_local(tmp_path, "z3-tp", "adamw")
 
 
-@pytest.mark.parametrize(("extra", "field"), [({"shard": "parameters"}, "subgraphs.back.shard"),
-                                              ({"shard": "gradients", "shard_unit": ["0"]},
+@pytest.mark.parametrize(("extra", "field"), [({"shard": "gradients", "shard_unit": ["0"]},
                                                "subgraphs.back.shard_unit")])
 def test_what_a_stage_cannot_shard_is_refused(tmp_path: Path, extra: dict[str, Any], field: str) -> None:
     from paratrain.config import ConfigError, load_job

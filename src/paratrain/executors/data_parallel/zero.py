@@ -53,7 +53,7 @@ from ...config import ConfigError
 from ...training.loop import LocalEngine
 from ...training.stepping import autocast, local_grad_sq_norm
 from .zero_plan import LEVELS, assign_units, resolve_units, shard_plan
-from .zero_shards import Unit, held_bytes, shard_view
+from .zero_shards import Unit, free_unit, gather_unit, held_bytes, keep_own_rows, shard_view
 
 __all__ = ["ZeroEngine", "resolve_units", "shard_plan", "LEVELS"]
 
@@ -119,13 +119,7 @@ class ZeroEngine(LocalEngine):
     def _shard_parameters(self, u: Unit) -> None:
         """ZeRO-3: keep this rank's rows in ``u.shard`` (the pieces become views of it) and
         free the whole parameters (each first given its own storage to resize)."""
-        u.shard = u.flat.pack_own(u.params, torch.empty(u.flat.numel, dtype=u.params[0].dtype,
-                                                        device=self.device))
-        for i, piece in enumerate(u.pieces):
-            if piece is not None:
-                piece.data = u.flat.view(u.shard, i)
-        for p in u.params:
-            p.data = p.data.clone()
+        keep_own_rows(u, self.device)
         self._free(u)
 
     def _install_hooks(self) -> None:
@@ -140,18 +134,10 @@ class ZeroEngine(LocalEngine):
     # ------------------------------------------------------------------ ZeRO-3 gather / free
 
     def _gather(self, u: Unit) -> None:
-        if u.gathered or u.shard is None:
-            return
-        for p in u.params:
-            p.data.untyped_storage().resize_(p.numel() * p.element_size())
-        u.flat.gather(u.shard, [p.data for p in u.params], group=self.group, counter=self.counter)
-        u.gathered = True
+        gather_unit(u, group=self.group, counter=self.counter)
 
     def _free(self, u: Unit) -> None:
-        if u.gathered and u.shard is not None:
-            for p in u.params:
-                p.data.untyped_storage().resize_(0)
-            u.gathered = False
+        free_unit(u)
 
     def _after_forward(self, u: Unit, out: Any) -> None:
         if not self.net.training or not torch.is_grad_enabled():

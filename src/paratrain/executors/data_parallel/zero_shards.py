@@ -15,7 +15,7 @@ from torch import nn
 
 from ...comm.zero import FlatShard
 
-__all__ = ["Unit", "ShardView", "shard_view", "held_bytes"]
+__all__ = ["Unit", "ShardView", "shard_view", "held_bytes", "keep_own_rows", "gather_unit", "free_unit"]
 
 
 @dataclass(eq=False)
@@ -83,6 +83,38 @@ def shard_view(net: nn.Module, units: Sequence[Unit]) -> ShardView:
         else:
             view.add(name, t, param=False)  # buffers, frozen parameters
     return view
+
+
+def keep_own_rows(u: Unit, device: torch.device) -> None:
+    """ZeRO-3: this rank's rows into ``u.shard`` (its pieces become views of it) and every
+    parameter given its own storage, so that :func:`free_unit` frees no other tensor's."""
+    u.shard = u.flat.pack_own(u.params, torch.empty(u.flat.numel, dtype=u.params[0].dtype, device=device))
+    for i, piece in enumerate(u.pieces):
+        if piece is not None:
+            piece.data = u.flat.view(u.shard, i)
+    for p in u.params:
+        p.data = p.data.clone()
+
+
+@torch.no_grad()
+def gather_unit(u: Unit, *, group: Any, counter: Any = None) -> None:
+    """ZeRO-3: every rank's rows all-gathered into the unit's whole parameters (their storage
+    re-grown first; collective, a no-op where they are whole)."""
+    if u.gathered or u.shard is None:
+        return
+    for p in u.params:
+        p.data.untyped_storage().resize_(p.numel() * p.element_size())
+    u.flat.gather(u.shard, [p.data for p in u.params], group=group, counter=counter)
+    u.gathered = True
+
+
+def free_unit(u: Unit) -> None:
+    """ZeRO-3: the unit's whole parameters freed (storage resized to nothing, so tensors
+    autograd saved see the values gathered again later); its rows stay in ``u.shard``."""
+    if u.gathered and u.shard is not None:
+        for p in u.params:
+            p.data.untyped_storage().resize_(0)
+        u.gathered = False
 
 
 def held_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer, *,

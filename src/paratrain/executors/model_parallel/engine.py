@@ -164,9 +164,12 @@ class PipelineEngine(LocalEngine):
             return [(piece, p) for piece, p, _ in self.zero.pieces()]
         return [(p, p) for p in self.model.parameters()] if self.rt.replica == 0 else []
 
+    def _counter(self) -> C.CommCounter | None:
+        return self.replica_sync.counter if self.replica_sync is not None else None
+
     def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:
         if self.zero is not None:
-            self.zero.begin()
+            self.zero.begin(self._counter())
         if self.replica_sync is not None:
             self.replica_sync.before_forward(last=last)  # the step's first: buffers as DDP's
         if self._step_started is None:
@@ -192,7 +195,7 @@ class PipelineEngine(LocalEngine):
         if self.replica_sync is not None:
             self.replica_sync.sync()
         if self.zero is not None:
-            self.zero.sync(self.replica_sync.counter if self.replica_sync is not None else None)
+            self.zero.sync(self._counter())
 
     def grad_sq_norm(self) -> float:
         total = local_grad_sq_norm([t for t, _ in self.norm_pieces()]).to(C.comm_device(self.ctx.group))
@@ -202,7 +205,7 @@ class PipelineEngine(LocalEngine):
 
     def after_step(self) -> dict[str, float]:
         if self.zero is not None:  # every replica's updated rows into the whole parameters
-            self.zero.gather(self.replica_sync.counter if self.replica_sync is not None else None)
+            self.zero.gather(self._counter())
         if self._step_started is not None:
             self.step_times.append(time.perf_counter() - self._step_started)
         self._step_started = None
@@ -220,10 +223,17 @@ class PipelineEngine(LocalEngine):
                                         dtype=torch.float64)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """After a resume loaded this replica's rows: the whole stage parameters gathered."""
+        """After a resume loaded this replica's rows: the whole stage parameters gathered
+        (ZeRO-3: at the next step's first forward)."""
         del state
         if self.zero is not None:
             self.zero.gather()
+
+    def unshard(self) -> None:
+        """The stage's whole parameters (ZeRO-3 gathers them: every replica calls this),
+        e.g. before the run's end reads them."""
+        if self.zero is not None:
+            self.zero.unshard(self._counter())
 
     def _to_rank0(self, payload: torch.Tensor | None) -> torch.Tensor | None:
         """The last stage's ``payload`` on rank 0 (and on the last stage); None elsewhere."""
@@ -249,6 +259,7 @@ class PipelineEngine(LocalEngine):
         bs = int(getattr(self.task, "eval_batch_size", None) or DEFAULT_EVAL_BATCH)
         n = len(self.test)
         sums: dict[str, float] = {}
+        self.unshard()  # ZeRO-3: whole for the evaluation only
         try:
             for a in range(0, n, bs):
                 batch = fetch_batch(self.test, torch.arange(a, min(a + bs, n)), self.device)
@@ -260,6 +271,8 @@ class PipelineEngine(LocalEngine):
                         sums[k] = sums.get(k, 0.0) + float(v)
         finally:
             self.stage.train()
+            if self.zero is not None:
+                self.zero.reshard()
         payload = None
         if self.ctx.rank == self.last_rank:
             sums.setdefault("count", 0.0)

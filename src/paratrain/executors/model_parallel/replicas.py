@@ -15,8 +15,9 @@ Values crossing into or out of a replicated stage are cut by rows: a sender hold
 ``[a, b)`` sends each receiving replica ``[c, d)`` the rows ``[max(a, c), min(b, d))``, and
 gradients come back the same way (:func:`pieces`).
 
-``shard = "optimizer"`` or ``"gradients"`` on the subgraph shards the stage's optimizer
-state (and gradients) over its replicas, ZeRO-1/2 (:mod:`.stage_zero`).
+``shard = "optimizer"``, ``"gradients"`` or ``"parameters"`` on the subgraph shards the
+stage's optimizer state (and gradients, and parameters between steps) over its replicas,
+ZeRO-1/2/3 (:mod:`.stage_zero`).
 """
 
 from __future__ import annotations
@@ -127,17 +128,10 @@ def replicas_for(job: Any, plan: Plan, world: int, workers: Sequence[Any]) -> Re
                 f"a replicated stage sums its replicas' gradients with one all-reduce per step; "
                 f"{method!r} is not supported here (use AllReduce)")))
             continue
-        shard = str(getattr(strat, "shard", "none"))
-        if shard == "parameters":
-            problems.append((f"{where}.shard", (
-                "ZeRO-3 is not available inside a pipeline stage: every micro-batch's forward and "
-                "backward reads the stage's parameters, so they would be gathered 2m times a step; "
-                "use \"optimizer\" (ZeRO-1) or \"gradients\" (ZeRO-2)")))
-            continue
         if getattr(strat, "shard_unit", None) is not None:
             problems.append((f"{where}.shard_unit", (
-                "a replicated pipeline stage is sharded as one unit (reduce-scattered after the "
-                "step's last backward); remove shard_unit")))
+                "a replicated pipeline stage is sharded as one unit (gathered once a step, "
+                "reduce-scattered after the step's last backward); remove shard_unit")))
             continue
         if not 1 <= r <= MAX_REPLICAS:
             problems.append((f"{where}.num_replicas", f"1 to {MAX_REPLICAS} replicas (got {r})"))

@@ -253,12 +253,13 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         progress_every=job.run.progress_every, rank=ctx.rank,
         restart_count=ctx.restart_count, started=started, group=ctx.group, layout=layout,
     )
+    engine.record_held(opt)  # what a rank holds between steps
+    engine.unshard()  # ZeRO-3 in a stage: whole parameters for the digest and the export
     # parameters_sha256: sha256 over the per-rank digests of each rank's node tensors.
     own = dict(sorted(stage.node_state({a.name: a.target for a in plan.cut.attrs}).items()))
     if tp_groups is not None:  # the stage's dense tensors (every rank of the TP row: the same)
         own = dense_own(stage, own, tp_groups)
         tp_groups.tp.close()
-    engine.record_held(opt)
     mine = torch.frombuffer(bytearray(state_digest(own)), dtype=torch.uint8)
     digests, stage_totals = [mine], [engine.totals]
     step = result.position.step

@@ -1,5 +1,6 @@
 """ZeRO inside a replicated pipeline stage: ``[subgraphs.<path>] type = "DataParallel",
-num_replicas = R, shard = "optimizer" | "gradients"`` under ModelParallel (:class:`StageZero`).
+num_replicas = R, shard = "optimizer" | "gradients" | "parameters"`` under ModelParallel
+(:class:`StageZero`).
 
 A replicated stage's ``R`` replicas each hold the whole stage and compute its gradients on
 their rows of every micro-batch (:mod:`.replicas`). With ``shard`` set, each replica steps
@@ -18,9 +19,18 @@ Rajbhandari et al. 2020), so the stage's optimizer state is ``1/R`` on every rep
   pipelines for that reason), so the peak is ZeRO-1's; the traffic is a reduce-scatter
   instead of an all-reduce.
 
-``parameters`` (ZeRO-3) is refused by validation: a stage's parameters are read by every
-micro-batch's forward and backward across the schedule, so gathering them per use would
-gather them ``2m`` times a step.
+* ``parameters`` (ZeRO-3): between steps each replica holds only its rows of the
+  parameters too, ``16/R`` bytes; the whole parameters are all-gathered once at the step's
+  first forward, kept through every micro-batch's forward and backward (and ZBH1's weight
+  passes), and freed right after the reduce-scatter that follows the step's last backward,
+  so the optimizer steps rows only. This is what torch's pipelining does with an FSDP2
+  stage (``torch/distributed/pipelining/stage.py``: no resharding after a backward but the
+  last, ``perform_reduce_grad`` after it; torchtitan turns ``reshard_after_forward`` off
+  under pipelining): gathering per use instead would gather the stage ``2m`` times a step.
+  The peak *during* the step is therefore ZeRO-1's (whole parameters and gradients); what
+  ZeRO-3 adds is the memory between steps: the optimizer's step, evaluation's absence,
+  checkpoints. Evaluation and the run's end gather the parameters for as long as they
+  read them.
 
 The update equals the unsharded replicated stage's (element-wise optimizers: SGD with
 momentum, Adam, AdamW), and so the unpartitioned model's. Clipping counts each replica's
@@ -40,11 +50,19 @@ from torch import nn
 from ...comm import collectives as C
 from ...comm.zero import FlatShard
 from ...config import ConfigError
-from ..data_parallel.zero_shards import ShardView, Unit, held_bytes, shard_view
+from ..data_parallel.zero_shards import (
+    ShardView,
+    Unit,
+    free_unit,
+    gather_unit,
+    held_bytes,
+    keep_own_rows,
+    shard_view,
+)
 
 __all__ = ["StageZero", "STAGE_LEVELS", "compose_spec"]
 
-STAGE_LEVELS = {"optimizer": 1, "gradients": 2}
+STAGE_LEVELS = {"optimizer": 1, "gradients": 2, "parameters": 3}
 
 
 def compose_spec(outer: dict[str, Any] | None, inner: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -80,6 +98,10 @@ class StageZero:
             self.view.add("placeholder", nn.Parameter(torch.zeros(0, device=device)))
         self.params = [p for u in self.units for p in u.params]
         self._new_step = True
+        if self.level == 3:
+            for u in self.units:
+                keep_own_rows(u, device)
+            self.reshard()
 
     def pieces(self) -> Iterator[tuple[nn.Parameter, nn.Parameter, int]]:
         """``(piece, whole parameter, first row)`` of every row range this replica steps."""
@@ -88,15 +110,27 @@ class StageZero:
                 if piece is not None:
                     yield piece, p, fp.start
 
-    def begin(self) -> None:
+    def begin(self, counter: C.CommCounter | None = None) -> None:
         """Before a step's first forward: the whole gradients of the last step are dropped
-        (the optimizer only knows the pieces)."""
+        (the optimizer only knows the pieces); ZeRO-3 gathers the whole parameters."""
         if self._new_step:
             self._new_step = False
             for p in self.params:
                 p.grad = None
             for u in self.units:
                 u.grad = None
+            self.unshard(counter)
+
+    def unshard(self, counter: C.CommCounter | None = None) -> None:
+        """ZeRO-3: every replica's rows all-gathered into the whole parameters (collective
+        over the replicas; a no-op where they are whole)."""
+        for u in self.units:
+            gather_unit(u, group=self.group, counter=counter)
+
+    def reshard(self) -> None:
+        """ZeRO-3: the whole parameters freed; this replica keeps its rows in ``u.shard``."""
+        for u in self.units:
+            free_unit(u)
 
     def sync(self, counter: C.CommCounter | None = None) -> None:
         """After the step's last backward (ZeRO-1: after the sum's all-reduce): each piece's
@@ -118,11 +152,15 @@ class StageZero:
                 whole.grad = None  # the whole gradient is dropped: this replica keeps its rows
                 if maybe is not None:
                     maybe.grad = u.flat.view(u.grad, i) if live else None
+        self.reshard()  # ZeRO-3: the optimizer steps the rows only
 
     @torch.no_grad()
     def gather(self, counter: C.CommCounter | None = None) -> None:
-        """Every replica's rows all-gathered into the whole parameters (after each step and
-        after a resume loaded this replica's rows)."""
+        """ZeRO-1/2: every replica's rows all-gathered into the whole parameters (after each
+        step and after a resume loaded this replica's rows); ZeRO-3 keeps its rows only
+        until the next step's :meth:`begin` (its pieces are views of ``u.shard``)."""
+        if self.level == 3:
+            return
         for u in self.units:
             flat = u.flat.pack_own(u.params, torch.empty(u.flat.numel, dtype=u.params[0].dtype,
                                                           device=self.device))
@@ -143,7 +181,9 @@ class StageZero:
         return out
 
     def held_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Bytes this replica holds for the stage now (:func:`held_bytes`): the whole
-        parameters, the gradients (whole, or its rows), the optimizer state of its rows."""
-        return held_bytes(self.params, optimizer, grads=[u.grad for u in self.units])
+        """Bytes this replica holds for the stage now (:func:`held_bytes`): the parameters
+        (whole, or ZeRO-3's rows), the gradients (whole, or its rows), the optimizer state of
+        its rows."""
+        return held_bytes([*self.params, *(u.shard for u in self.units if u.shard is not None)],
+                          optimizer, grads=[u.grad for u in self.units])
 
