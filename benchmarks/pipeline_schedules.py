@@ -23,7 +23,8 @@ steps interleaved with torch's on the same split, in the same processes:
   (one stage per rank: its ZB1P, the same split), our 1F1B over ``Schedule1F1B``; an error
   of torch's on gloo is recorded instead of a ratio.
 
-Steps are separated by a barrier; medians over repeats. Prints one JSON object.
+Steps are separated by a barrier; every repeat runs every schedule (ours and torch's, in
+rotating order), and the ``*_paired_median`` ratios are medians of one repeat's ratios. Prints one JSON object.
 ``--quick``: fewer repeats. Shared machine: see ``cores_per_stage`` and the load average.
 """
 
@@ -83,6 +84,9 @@ def _torch_schedule(name: str, model: nn.Sequential, split: list[list[str]], ran
 
 
 def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every schedule (ours and torch's) set up once, then timed round-robin: each repeat
+    runs every (schedule, m) once, ours and torch's back to back in alternating order, so
+    a slow minute of the shared machine falls on all of them alike (paired repeats)."""
     torch.set_num_threads(1)
     freeze_startup_objects()
     p, rows = ctx.world_size, cfg["rows"]
@@ -90,6 +94,7 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     x = torch.randint(0, 256, (rows,), generator=g)
     y = torch.randint(0, 10, (rows,), generator=g)
     transport = P2PTransport(ctx.group)
+    setups: dict[str, Any] = {}
     out: dict[str, Any] = {}
     for name in SCHEDS:
         v = 2 if name == "Interleaved1F1B" else 1
@@ -101,17 +106,24 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         rt = StageRuntime(plan, ctx.rank, segment_modules(model, plan, ctx.rank), transport,
                           attrs=held_attrs(model, plan, ctx.rank))
         ref_model = build(cfg["width"], cfg["blocks_per_stage"] * p)
+        setups[name] = (model, rt, ref_model)
         for m in cfg["ms"]:
             res: dict[str, Any] = {"ours": [], "torch": [], "busy": [], "costs": [], "peak": 0,
-                                   "torch_error": None}
-            tsched: Any = None
+                                   "torch_error": None, "sched": None}
             try:
-                tsched = _torch_schedule(name, ref_model, split, ctx.rank, p, m)
+                res["sched"] = _torch_schedule(name, ref_model, split, ctx.rank, p, m)
             except Exception as e:  # recorded, not fatal: torch's schedule on gloo/CPU
                 res["torch_error"] = f"{type(e).__name__}: {e}"[:300]
-            for rep in range(cfg["warmup"] + cfg["repeats"]):
-                order = ("ours", "torch") if rep % 2 == 0 else ("torch", "ours")
-                for impl in order:
+            out[f"{name}/{m}"] = res
+    calls = 0
+    for rep in range(cfg["warmup"] + cfg["repeats"]):
+        for m in cfg["ms"]:
+            for k in range(len(SCHEDS)):
+                name = SCHEDS[(k + rep) % len(SCHEDS)]
+                model, rt, ref_model = setups[name]
+                res = out[f"{name}/{m}"]
+                for impl in (("ours", "torch") if rep % 2 == 0 else ("torch", "ours")):
+                    tsched = res["sched"]
                     if impl == "torch" and (tsched is None or res["torch_error"]):
                         continue
                     model.zero_grad(set_to_none=True)
@@ -119,7 +131,8 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                     dist.barrier()
                     t0 = time.perf_counter()
                     if impl == "ours":
-                        rt.train_step(x, y, step=rep, micro_batch_size=rows // m, schedule_name=name)
+                        rt.train_step(x, y, step=calls, micro_batch_size=rows // m, schedule_name=name)
+                        calls += 1
                     else:
                         try:
                             if ctx.rank == 0:
@@ -136,10 +149,21 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
                         if impl == "ours":
                             res["busy"].append(rt.stats.compute_s)
                             res["peak"] = max(res["peak"], rt.stats.peak_activation_bytes)
-                            res["costs"].append({(k, i, s): b - a for k, i, s, a, b in rt.stats.trace})
-            out[f"{name}/{m}"] = res
-        dist.barrier()
+                            res["costs"].append({(k_, i, s): b - a for k_, i, s, a, b in rt.stats.trace})
+    dist.barrier()
+    for res in out.values():
+        res.pop("sched")
     return out
+
+
+def _paired_median(per_rank: list[dict[str, Any]], num: tuple[str, str], den: tuple[str, str]) -> float | None:
+    """Median over repeats of one step's time over another's from the same repeat (each a
+    step's slowest rank)."""
+    a = [r[num[0]][num[1]] for r in per_rank]
+    b = [r[den[0]][den[1]] for r in per_rank]
+    if not a[0] or not b[0] or len(a[0]) != len(b[0]):
+        return None
+    return statistics.median(max(x[i] for x in a) / max(x[i] for x in b) for i in range(len(a[0])))
 
 
 def _median_step(per_rank: list[dict[str, Any]], key: str, impl: str) -> float | None:
@@ -182,10 +206,14 @@ def measure(p: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
                 "torch_schedule": TORCH[name],
                 "torch_step_s_median": None if ref is None or err else round(ref, 5),
                 "step_over_torch": None if ref is None or err else round(ours / ref, 3),
+                "step_over_torch_paired_median": None if ref is None or err else round(
+                    _paired_median(per_rank, (key, "ours"), (key, "torch")) or 0.0, 3),
                 "torch_error": err,
             }
         zb, one = row["ZBH1"], row["1F1B"]
         row["zbh1_step_over_1f1b"] = round(zb["step_s_median"] / one["step_s_median"], 3)
+        row["zbh1_over_1f1b_paired_median"] = round(
+            _paired_median(per_rank, (f"ZBH1/{m}", "ours"), (f"1F1B/{m}", "ours")) or 0.0, 3)
         row["zbh1_replay_over_1f1b_replay_modelled"] = round(
             zb["replay_makespan_s_modelled"] / one["replay_makespan_s_modelled"], 3)
         row["zbh1_peak_over_1f1b_peak"] = round(
@@ -195,7 +223,8 @@ def measure(p: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def isolated_costs(width: int, rows: int, blocks: int, repeats: int) -> dict[str, float]:
-    """One stage's step times in one process (no other rank competing): forward ``F``,
+    """One stage's step times in one process (no other rank competing; the weights'
+    gradients accumulating, as over a step's micro-batches): forward ``F``,
     one ``backward()`` (1F1B's B), and the split passes ``B`` (input gradients) and ``W``
     (weight gradients) of :mod:`paratrain.executors.model_parallel.backward_split`;
     medians, alternating the two backwards."""
@@ -219,8 +248,7 @@ def isolated_costs(width: int, rows: int, blocks: int, repeats: int) -> dict[str
             else:
                 torch.autograd.backward([y], [g])
                 t3 = time.perf_counter()
-            t4 = time.perf_counter()
-            stage.zero_grad(set_to_none=True)
+            t4 = time.perf_counter()  # gradients accumulate, as over a step's micro-batches
             if rep >= 2:
                 times["F"].append(t1 - t0)
                 if split:
@@ -247,9 +275,10 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="pipeline sizes p (processes)")
     ap.add_argument("--width", type=int, default=256, help="the token MLP's width")
     ap.add_argument("--rows", type=int, default=256, help="rows per batch (split into m micro-batches)")
+    ap.add_argument("--repeats", type=int, default=0, help="timed repeats (default 9, 3 with --quick)")
     args = ap.parse_args()
     cfg = {"ms": [8, 16], "width": args.width, "rows": args.rows, "blocks_per_stage": 4,
-           "warmup": 1 if args.quick else 2, "repeats": 3 if args.quick else 9}
+           "warmup": 1 if args.quick else 2, "repeats": args.repeats or (3 if args.quick else 9)}
     t0 = time.perf_counter()
     load = round(os.getloadavg()[0], 2)
     iso_cfg = {"width": 1024, "rows": 128, "blocks": 4, "repeats": 5 if args.quick else 15}

@@ -131,40 +131,51 @@ def test_config_refusals_explain() -> None:
 
 
 class _Branchy(torch.nn.Module):
-    """A skip, a weight read twice, a branch reading weights only, a leaf from elsewhere."""
+    """A skip, a weight read twice, a branch reading weights only, a leaf from elsewhere,
+    two Linears tied to one weight."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b, self.c = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+        self.d = torch.nn.Linear(6, 6)
+        self.d.weight = self.b.weight
         self.pos = torch.nn.Parameter(torch.randn(6))
 
     def forward(self, x: torch.Tensor, remote: torch.Tensor) -> tuple[torch.Tensor, ...]:
         h = torch.tanh(self.a(x)) + x
-        h2 = self.b(h) * h + self.pos
+        h2 = self.b(h) * h + self.pos + torch.relu(self.d(h))
         h3 = (h2 @ self.a.weight.T) @ remote
         return self.c(h3), h2.sum(-1, keepdim=True) * self.pos.sum(), self.pos * 2
 
 
+@pytest.mark.parametrize("micro_batches", [1, 3])
 @pytest.mark.parametrize("input_grad", [True, False])
-def test_split_backward_equals_backward(input_grad: bool) -> None:
-    """B then W (backward_split) gives exactly one backward()'s gradients; B alone leaves
-    every weight's .grad unset (the weight work really is deferred)."""
+def test_split_backward_equals_backward(input_grad: bool, micro_batches: int) -> None:
+    """B then W (backward_split) gives exactly one backward()'s gradients, also accumulated
+    over several micro-batches (W adds into the weights' existing .grad); B alone leaves
+    every weight's .grad as it was (the weight work really is deferred)."""
     from paratrain.executors.model_parallel.backward_split import backward_inputs
 
     def run(split: bool) -> dict[str, torch.Tensor]:
         torch.manual_seed(0)
         model, remote = _Branchy(), torch.randn(6, 6, requires_grad=True)
-        x = torch.randn(5, 6, requires_grad=input_grad)
-        outs = model(x, remote)
-        grads = [torch.randn_like(o) for o in outs]
-        if split:
-            w = backward_inputs(list(outs), grads, [x] if input_grad else [])
-            assert all(q.grad is None for q in model.parameters()) and remote.grad is None
-            w.run()
-        else:
-            torch.autograd.backward(list(outs), grads)
-        got = {k: q.grad for k, q in model.named_parameters()} | {"remote": remote.grad}
-        return got | ({"x": x.grad} if input_grad else {})
+        got: dict[str, torch.Tensor] = {}
+        for i in range(micro_batches):
+            x = torch.randn(5, 6, requires_grad=input_grad)
+            outs = model(x, remote)
+            grads = [torch.randn_like(o) for o in outs]
+            if split:
+                before = [None if q.grad is None else q.grad.clone() for q in model.parameters()]
+                w = backward_inputs(list(outs), grads, [x] if input_grad else [])
+                after = [q.grad for q in model.parameters()]
+                assert all((a is None) if b is None else torch.equal(a, b) for a, b in zip(after, before, strict=True))
+                w.run()
+            else:
+                torch.autograd.backward(list(outs), grads)
+            if input_grad:
+                got[f"x{i}"] = x.grad
+        got |= {k: q.grad.clone() for k, q in model.named_parameters()} | {"remote": remote.grad}
+        return got
 
     full, split = run(False), run(True)
     assert set(full) == set(split)

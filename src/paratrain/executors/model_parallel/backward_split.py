@@ -65,6 +65,7 @@ class Deferred:
     def run(self) -> None:
         """The weight pass: weight gradients accumulated into each leaf's ``.grad``."""
         at: dict[Edge, torch.Tensor] = {}
+        fresh: set[Any] = set()  # edges (and leaves) whose gradient was made here: no one else holds it
         for (node, nr), g in self.direct:
             _add(at, (node, nr), g)
         for node, incoming, edges in self.junctions:
@@ -74,7 +75,12 @@ class Deferred:
             fast = _linear_side(node, incoming, edges)
             if fast is not None:  # a Linear's weight and bias gradients, without an engine call
                 for e, g in zip(edges, fast, strict=True):
-                    _add(at, e, g)
+                    leaf = _transposed_leaf(e)
+                    if leaf is not None:  # w.t()'s gradient, transposed back: w's own, contiguous
+                        _add(at, leaf, g.t())
+                        fresh.add(leaf)
+                    else:
+                        _add(at, e, g, fresh)
                 continue
             got = torch.autograd.grad(outs, [GradientEdge(n, nr) for n, nr in edges],
                                       grad_outputs=[g for g in incoming if g is not None],
@@ -86,19 +92,28 @@ class Deferred:
         roots: list[GradientEdge] = []
         grads: list[torch.Tensor] = []
         leaves: dict[Node, torch.Tensor] = {}
+        # each weight's gradient of this pass, summed first and then added to its .grad
+        # once, as AccumulateGrad adds its summed input (so accumulating over micro-batches
+        # rounds as backward() does)
+        total: dict[Node, torch.Tensor] = {}
         for (node, nr), g in at.items():
-            if _is_leaf_node(node):
-                _accumulate(_variable(node), g)  # the edge ends at the weight itself
+            if _is_leaf_node(node):  # the edge ends at the weight itself
+                _add(total, node, g, fresh)
+                if (node, nr) in fresh:
+                    fresh.add(node)
                 continue
             roots.append(GradientEdge(node, nr))
             grads.append(g)
             _weights_below(node, leaves)
         if roots and leaves:
-            targets = list(leaves.values())
-            got = torch.autograd.grad(roots, targets, grad_outputs=grads, allow_unused=True)
-            for w, g in zip(targets, got, strict=True):
+            got = torch.autograd.grad(roots, list(leaves.values()), grad_outputs=grads, allow_unused=True)
+            for node, g in zip(leaves, got, strict=True):
                 if g is not None:
-                    _accumulate(w, g, owned=_once(g, got))
+                    _add(total, node, g, fresh)
+                    if _once(g, got):
+                        fresh.add(node)
+        for node, g in total.items():
+            _accumulate(_variable(node), g, owned=node in fresh, inplace=True)
 
 
 def _linear_side(node: Node, incoming: Sequence[torch.Tensor | None],
@@ -136,16 +151,41 @@ def _linear_side(node: Node, incoming: Sequence[torch.Tensor | None],
     return out
 
 
-def _add(at: dict[Edge, torch.Tensor], e: Edge, g: torch.Tensor) -> None:
-    at[e] = g if e not in at else at[e] + g
+def _transposed_leaf(e: Edge) -> Edge | None:
+    """The weight's own edge where ``e`` is ``w.t()``'s (``TBackward0`` straight onto a
+    leaf, as ``F.linear`` reads a weight), else None."""
+    node = e[0]
+    if type(node).__name__ != "TBackward0":
+        return None
+    nexts = [(n, nr) for n, nr in node.next_functions if n is not None]
+    if len(nexts) != 1 or not _is_leaf_node(nexts[0][0]):
+        return None
+    return nexts[0]
 
 
-def _accumulate(w: torch.Tensor, g: torch.Tensor, *, owned: bool = False) -> None:
+def _add(at: dict[Any, torch.Tensor], e: Any, g: torch.Tensor, fresh: set[Any] | None = None) -> None:
+    """``at[e] += g`` out of place (a sum is a new tensor: ``fresh`` gets ``e``)."""
+    if e in at:
+        at[e] = at[e] + g
+        if fresh is not None:
+            fresh.add(e)
+    else:
+        at[e] = g
+
+
+def _accumulate(w: torch.Tensor, g: torch.Tensor, *, owned: bool = False, inplace: bool = False) -> None:
     """``w.grad += g``; a first gradient is kept as is when ``owned`` (no other leaf got
     the same tensor from this call: autograd hands ``a + b``'s gradient to both), else
-    copied, as ``AccumulateGrad`` steals or clones."""
+    copied, as ``AccumulateGrad`` steals or clones. ``inplace`` (a weight's gradient over
+    micro-batches): added into the existing ``.grad`` as ``AccumulateGrad`` does, not
+    into a new tensor each time (a fresh weight-sized buffer per micro-batch costs an
+    allocation, and its pages' first touch, every W pass)."""
     if w.grad is not None:
-        w.grad = w.grad + g
+        if inplace and w.grad.dtype == g.dtype and w.grad.stride() == g.stride() and not w.grad.requires_grad:
+            with torch.no_grad():
+                w.grad.add_(g.reshape(w.grad.shape))
+        else:
+            w.grad = w.grad + g
     elif owned and g.dtype == w.dtype and g.stride() == w.stride():
         w.grad = g.detach()
     else:
