@@ -23,7 +23,9 @@ steps interleaved with torch's on the same split, in the same processes:
   (one stage per rank: its ZB1P, the same split), our 1F1B over ``Schedule1F1B``; an error
   of torch's on gloo is recorded instead of a ratio.
 
-Steps are separated by a barrier; every repeat runs every schedule (ours and torch's, in
+Each process sets glibc's allocator as every paratrain worker does
+(:func:`paratrain.training.allocator.keep_freed_memory`); torch's steps run in the same
+processes. Steps are separated by a barrier; every repeat runs every schedule (ours and torch's, in
 rotating order), and the ``*_paired_median`` ratios are medians of one repeat's ratios. Prints one JSON object.
 ``--quick``: fewer repeats. Shared machine: see ``cores_per_stage`` and the load average.
 """
@@ -55,6 +57,7 @@ from paratrain.config.strategy import Partition  # noqa: E402
 from paratrain.executors.model_parallel.plan import build_plan  # noqa: E402
 from paratrain.executors.model_parallel.runtime import StageRuntime, held_attrs, segment_modules  # noqa: E402
 from paratrain.executors.model_parallel.schedule import schedule, simulate, theoretical_bubble  # noqa: E402
+from paratrain.training.allocator import keep_freed_memory  # noqa: E402
 from paratrain.training.gcfreeze import freeze_startup_objects  # noqa: E402
 
 SCHEDS = ("1F1B", "Interleaved1F1B", "ZBH1")
@@ -89,6 +92,7 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     a slow minute of the shared machine falls on all of them alike (paired repeats)."""
     torch.set_num_threads(1)
     freeze_startup_objects()
+    keep_freed_memory()  # as in every paratrain worker; torch's steps share these processes
     p, rows = ctx.world_size, cfg["rows"]
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (rows,), generator=g)
@@ -294,6 +298,8 @@ def main() -> None:
         "config": cfg, "backend": "gloo (CPU)", "cpu_cores": os.cpu_count(),
         "load_average_1m_at_start": load,
         "timing": "medians over repeats; a step's time is the slowest rank's",
+        "allocator": "paratrain's worker default (training/allocator.py: glibc keeps freed memory) "
+                     "in every process, so torch's steps, in the same processes, have it too",
         "results": results,
         "isolated_stage": isolated,
         "provenance": provenance([results, isolated], modelled=(
