@@ -40,8 +40,11 @@ DEAD = ("dead.weight", "dead.bias")
 
 
 class Net(nn.Module):
-    def __init__(self, num_classes: int, data_branch: bool) -> None:
+    def __init__(self, num_classes: int, data_branch: bool, empty_param: bool = False) -> None:
         super().__init__()
+        if empty_param:  # a child holding only an empty parameter (a device anchor, say)
+            self.marker = nn.Module()
+            self.marker.anchor = nn.Parameter(torch.empty(0))
         self.fc1 = nn.Linear(64, 16)
         self.rank_branch = nn.Linear(16, 16)
         self.data_branch = nn.Linear(16, 16)
@@ -60,9 +63,10 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def make_net(*, input_shape: tuple[int, ...], num_classes: int, data_branch: bool = True) -> nn.Module:
+def make_net(*, input_shape: tuple[int, ...], num_classes: int, data_branch: bool = True,
+             empty_param: bool = False) -> nn.Module:
     assert input_shape == (64,)
-    return Net(num_classes, data_branch)
+    return Net(num_classes, data_branch, empty_param)
 
 
 def _job(tmp: str, name: str, aggregation: dict[str, Any], optimizer: dict[str, Any],

@@ -2,7 +2,8 @@
 unsharded AllReduce (rtol 1e-6): the zoo GPT (tied head: the root unit; ``shard_unit =
 ["Block"]``) with gradient clipping by the global norm, accumulation and bf16 autocast;
 the unused-parameter rule (a layer never called, one called on rank 0 only, one called by
-the data); a ``[subgraphs]`` Local head that stays whole and each rank's own."""
+the data) and a unit holding only an empty parameter; a ``[subgraphs]`` Local head that
+stays whole and each rank's own."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ pytestmark = [pytest.mark.timeout(300)]
 
 GPT_EXTRA: dict[str, Any] = {**GPT, "train": {"grad_clip_norm": 0.1, "grad_accumulation": 2,
                                               "precision": "bf16", "batch_size": 4}}
-UNUSED: dict[str, Any] = {"model": {"factory": "test_dp_unused_params:make_net", "data_branch": True},
+UNUSED: dict[str, Any] = {"model": {"factory": "test_dp_unused_params:make_net", "data_branch": True,
+                                    "empty_param": True},
                           "train": {"max_steps": 5}}
 LOCAL: dict[str, Any] = {"subgraphs": {"head": {"type": "Local"}}, "train": {"grad_clip_norm": 0.05}}
-UNITS = {"gpt": ["Block"], "unused": ["fc1", "head"], "local": None}
+UNITS = {"gpt": ["Block"], "unused": ["fc1", "head", "marker"], "local": None}
 CASES: dict[str, tuple[str, dict[str, Any], tuple[str, ...]]] = {
     "gpt": ("adamw", GPT_EXTRA, ("none", "gradients", "parameters")),
     "unused": ("sgd", UNUSED, ("none", "optimizer", "parameters")),

@@ -86,7 +86,8 @@ class ZeroEngine(LocalEngine):
                  buffers: Sequence[torch.Tensor], counter: C.CommCounter, bucket_bytes: int) -> None:
         super().__init__(net, task, test, device=ctx.device, precision=precision)
         self.net, self.ctx, self.counter, self.level = net, ctx, counter, LEVELS[level]
-        self.local = set(local)
+        # an empty parameter has no rows to shard: it stays whole, like a Local layer's
+        self.local = set(local) | {n for n, p in net.named_parameters() if p.numel() == 0}
         self.n, self.rank, self.group = ctx.world_size, ctx.rank, ctx.group
         shared = [(n, p) for n, p in net.named_parameters() if p.requires_grad and n not in self.local]
         flat0 = [n for n, p in shared if p.dim() == 0]

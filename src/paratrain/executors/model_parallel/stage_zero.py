@@ -82,7 +82,8 @@ class StageZero:
         self.level = STAGE_LEVELS[level]
         self.group, self.device = group, device
         self.world, rank = C.world_size(group), C.rank_of(group)
-        named = [(k, p) for k, p in stage.named_parameters() if p.requires_grad]
+        # an empty parameter (a stage that owns none keeps an empty placeholder) has no rows
+        named = [(k, p) for k, p in stage.named_parameters() if p.requires_grad and p.numel() > 0]
         flat0 = [k for k, p in named if p.dim() == 0]
         if flat0:
             raise ConfigError([(f"subgraphs.{where}.shard", (
