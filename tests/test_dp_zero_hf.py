@@ -5,7 +5,8 @@ from tiny configs (tests/hf_factories.py), 2 gloo replicas (one launch for every
 their ``CausalLMOutput`` going to the task as it is. ZeRO-2, ZeRO-3, and ZeRO-3 per decoder
 block (``shard_unit`` by the blocks' class name, as FSDP2's ``fully_shard`` per block) give
 unsharded AllReduce's test loss and parameters (rtol 1e-6 after 3 AdamW steps with
-clipping), and the export is the one model state_dict with the tie kept."""
+clipping), and the export is the one model state_dict with the tie kept; ZeRO-3 composed with
+2-way tensor parallelism (dp 2 x tp 2) equals the Local run."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 import paratrain
 from _workers_dp_zero import zero_cases
 from paratrain.comm.testing import run_distributed
+from test_mesh_pipeline_tp_hf import _job
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -63,3 +65,21 @@ def test_each_zero_level_equals_unsharded_allreduce(runs: tuple[Path, list[dict[
     assert list(out) == list(ref_sd)
     if model == "gpt2":  # the tie survives the shards: one tensor under both names
         assert torch.equal(out["lm_head.weight"], out["transformer.wte.weight"])
+
+
+@pytest.mark.parametrize("model", list(BLOCKS))
+def test_zero3_by_tensor_parallel_equals_the_local_run(tmp_path: Path, model: str) -> None:
+    """ZeRO-3 x 2-way tensor parallelism on one mesh (4 processes, dp 2 x tp 2) over the
+    same models: 2 replicas of 8 rows equal Local on 16 (rtol 1e-5, SGD with momentum)."""
+    factory = f"hf_factories:{model}"
+    local_doc = _job(tmp_path, "local", factory)
+    local_doc["train"]["batch_size"] = 16
+    local = paratrain.fit(local_doc)
+    got = paratrain.fit(_job(tmp_path, "zero3_tp", factory, tensor_parallel={"tensor_parallel_size": 2},
+                             strategy={"type": "DataParallel", "num_replicas": 2,
+                                       "aggregation": {"method": "AllReduce"}, "shard": "parameters"}))
+    assert got["test_loss"] == pytest.approx(local["test_loss"], rel=1e-5)
+    ref, out = paratrain.load_model(local["run_dir"]), paratrain.load_model(got["run_dir"])
+    assert list(out) == list(ref)
+    for k in ref:
+        torch.testing.assert_close(out[k], ref[k], rtol=1e-5, atol=1e-6, msg=k)
