@@ -28,9 +28,9 @@ Rajbhandari et al. 2020), so the stage's optimizer state is ``1/R`` on every rep
   last, ``perform_reduce_grad`` after it; torchtitan turns ``reshard_after_forward`` off
   under pipelining): gathering per use instead would gather the stage ``2m`` times a step.
   The peak *during* the step is therefore ZeRO-1's (whole parameters and gradients); what
-  ZeRO-3 adds is the memory between steps: the optimizer's step, evaluation's absence,
-  checkpoints. Evaluation and the run's end gather the parameters for as long as they
-  read them.
+  ZeRO-3 saves is held between steps: during the optimizer's step, checkpoints and the
+  time between them. Evaluation and the run's end gather the parameters for as long as
+  they read them.
 
 The update equals the unsharded replicated stage's (element-wise optimizers: SGD with
 momentum, Adam, AdamW), and so the unpartitioned model's. Clipping counts each replica's
