@@ -1,6 +1,7 @@
 """paratrain.training.threads: every training process picks its intra-op thread count
-deliberately: one unless ``run.num_threads`` (or ``OMP_NUM_THREADS``) says otherwise, in the
-Local run (the caller's count put back after) and in each launched worker."""
+deliberately: its share of the available cores unless ``run.num_threads`` (or
+``OMP_NUM_THREADS``) says otherwise, in the Local run (the caller's count put back after)
+and in each launched worker (``LOCAL_WORLD_SIZE`` of them sharing the host's cores)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import nn
 
 from paratrain.config import load_job
 from paratrain.dispatch import execute
-from paratrain.training.threads import intra_op_threads
+from paratrain.training.threads import available_cores, intra_op_threads
 
 SEEN: list[int] = []
 
@@ -35,25 +36,35 @@ def _doc(tmp_path: Path, **run: Any) -> dict[str, Any]:
             "train": {"epochs": 1, "max_steps": 2, "batch_size": 16}}
 
 
-def test_the_count_is_the_job_s_else_omp_num_threads_else_one(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_count_is_the_job_s_else_omp_num_threads_else_the_cores_shared(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert intra_op_threads(load_job({})) == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert available_cores() == 16
+    assert intra_op_threads(load_job({})) == 16  # one process: every core, as torch does
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert intra_op_threads(load_job({})) == 4  # four on the host share them
+    assert intra_op_threads(load_job({}), local=3) == 5
+    assert intra_op_threads(load_job({}), local=40) == 1  # at least one each
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert intra_op_threads(load_job({})) == 3
     assert intra_op_threads(load_job({"run": {"num_threads": 2}})) == 2
     monkeypatch.setenv("OMP_NUM_THREADS", "lots")
-    assert intra_op_threads(load_job({})) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "lots")
+    assert intra_op_threads(load_job({})) == 16
 
 
 def test_a_local_run_trains_on_its_count_and_puts_the_caller_s_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
         SEEN.clear()
         execute(load_job(_doc(tmp_path)))
-        assert SEEN[-1] == 1 and torch.get_num_threads() == 3
+        assert SEEN[-1] == available_cores() and torch.get_num_threads() == 3
         SEEN.clear()
         execute(load_job(_doc(tmp_path, num_threads=2)), overwrite=True)
         assert SEEN[-1] == 2 and torch.get_num_threads() == 3
@@ -74,4 +85,4 @@ def test_each_worker_uses_the_job_s_count(tmp_path: Path, monkeypatch: pytest.Mo
     job = load_job({"run": run, "strategy": {"type": "DataParallel", "num_replicas": 2,
                                              "aggregation": {"method": "AllReduce"}}})
     got = launch(job, nprocs=2, entry=worker_entry, target="test_training_threads:report_threads")
-    assert got == (num_threads or 1)
+    assert got == (num_threads or max(1, available_cores() // 2))  # two share the host

@@ -65,8 +65,8 @@ def execute(
     if launcher:
         for item in effective_settings(job, resume=resume).ignored:
             warnings.warn(str(item), _job_rules.IgnoredSettingWarning, stacklevel=2)
-    # A Local run trains here: with the job's intra-op thread count (training.threads: one
-    # unless set), the caller's put back after. Launched workers set theirs in their entry.
+    # A Local run trains here: with the job's intra-op thread count (training.threads: the
+    # cores unless set), the caller's put back after. Launched workers set theirs in their entry.
     threads = use_threads(intra_op_threads(job)) if spec.name == "Local" else contextlib.nullcontext()
     if spec.name == "Local":
         report.import_in_background()  # report.png's matplotlib, off the end of the run

@@ -82,7 +82,9 @@ class RunConfig(_Section):
     that limit (e.g. processes that mostly wait on I/O or another machine)."""
     num_threads: PositiveCount | None = None
     """torch intra-op threads of each training process (the Local run, every CPU worker); None =
-    ``OMP_NUM_THREADS`` when set, else 1 (paratrain.training.threads says why)."""
+    ``OMP_NUM_THREADS`` when set, else the available cores shared among the host's training
+    processes (paratrain.training.threads). Set it for sums, and so parameters, that are
+    bit-identical from machine to machine."""
 
     progress_every: Count | str = "30s"
     """Progress when stderr is not a terminal (CI, a notebook, a log file): a line every span

@@ -62,7 +62,7 @@ def worker_entry(
             from ..training.gcfreeze import freeze_startup_objects
             from ..training.threads import intra_op_threads
 
-            if ctx.device.type == "cpu":  # training.threads: one per worker unless set
+            if ctx.device.type == "cpu":  # training.threads: the host's cores, shared
                 torch.set_num_threads(intra_op_threads(job))
             from ..training.allocator import keep_freed_memory
 

@@ -46,11 +46,12 @@ def run_in_process(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
         rank=0, world_size=1, device=resolve_device(job.run.device),
         workers=default_workers(1, list(job.workers)),
     )
-    # Client models are small: one intra-op thread avoids oversubscription (as in the
-    # worker processes, which the launcher also pins to one thread on CPU).
+    # One process on this host: its share of the cores (training.threads), as every run.
+    from ...training.threads import intra_op_threads
+
     threads = torch.get_num_threads()
     if ctx.device.type == "cpu":
-        torch.set_num_threads(1)
+        torch.set_num_threads(intra_op_threads(job))
     try:
         out = worker_main(ctx, job, resume)
     finally:
