@@ -14,6 +14,19 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,flower]'
 	touch $(STAMP)
 
+# The bench extra (Flower's simulation runtime: flwr[simulation], Ray) goes into the same venv:
+# its pins install beside the project's without changing any (pip --dry-run, Ray 2.55.1).
+BENCH_STAMP := $(VENV)/.bench-installed
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/pip install -q -c constraints.txt -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+# Federated against a bare per-client PyTorch loop and Flower's simulation: 100 clients, 4
+# rounds (benchmarks/federated.py; without --quick: 100 and 1,000 clients, 6 rounds).
+bench: $(BENCH_STAMP)
+	$(BIN)/python benchmarks/federated.py --quick
+
 demo: $(STAMP)
 	$(BIN)/paratrain run examples/gpt_shakespeare_local.toml --overwrite
 

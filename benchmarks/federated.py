@@ -4,12 +4,16 @@ Workload: digits, MLP 64-64-10, IID split (``partition_iid``, seed 0), every cli
 selected every round, 1 local epoch, B = 10, SGD lr 0.1, FedAvg weighted by example
 count, 2 worker processes / 2 CPUs.
 
-* ``paratrain``: the real round loop (``executors.federated.worker_main`` on 2 gloo
-  ranks: broadcast, local training, updates over point-to-point, aggregation,
-  centralised evaluation on the test split, checkpoint).
-* ``naive`` peer: the textbook PyTorch simulation on the same 2 processes that keeps
-  one ``nn.Module`` + optimizer alive per client, trains them in turn and averages with
-  an all-reduce (no checkpoints, no evaluation).
+* ``paratrain``: the job as ``paratrain run`` runs it (``paratrain.dispatch.execute``: the
+  launcher's 2 worker processes over gloo, each set up as every launched worker is): the
+  real round loop (broadcast, local training, updates over point-to-point, validation and
+  aggregation, centralised evaluation on the test split, metrics line, checkpoint at the
+  default cadence: every round).
+* ``naive`` peer: the textbook PyTorch simulation on 2 processes (gloo) that keeps one
+  ``nn.Module`` + optimizer alive per client, trains them in turn, averages with an
+  all-reduce and, like paratrain's server, evaluates the averaged model on the test split
+  on rank 0 after every round (same loss and accuracy sums, batches of 1,024); no
+  checkpoints, no update checks, no metrics file.
 * ``flwr`` peer, only if ``flwr`` is importable (optional ``bench`` extra,
   ``pip install -e '.[bench]'``): Flower's Simulation Runtime
   (``flwr.simulation.run_simulation``, Message API: ``ClientApp`` / ``ServerApp`` with
@@ -29,8 +33,8 @@ it does per round, its checkpoint write and metrics log included: the time betwe
 ``time_s`` stamps of consecutive rounds in metrics.jsonl (round r's stamp is taken after
 its evaluation; the interval up to round r+1's covers r's metrics line and server
 checkpoint, then r+1's broadcast, training, upload, aggregation and evaluation). Flower:
-``configure_train`` -> end of ``evaluate_fn``; naive: broadcast -> averaged model (neither
-checkpoints nor, for naive, evaluates).
+``configure_train`` -> end of ``evaluate_fn``; naive: broadcast -> evaluated averaged model
+(neither checkpoints).
 
 Peak memory: every system runs in a fresh child process; the parent samples that
 child's whole process tree (the child, the worker ranks / Ray actors, and for Flower
@@ -39,7 +43,12 @@ peak of the summed PSS (proportional set size: shared pages split between the
 processes mapping them, so a sum does not double-count) -- the headline figure;
 ``peak_proc_rss_mb`` = the largest RSS of any one process in the tree. Prints one JSON
 object with the ratios paratrain/peer (throughput ratio > 1 and memory ratio < 1 favour
-paratrain). ``--quick``: 100 clients, 4 rounds (1 warm-up + 3 timed).
+paratrain). ``--quick`` (``make bench``): 100 clients, 4 rounds (1 warm-up + 3 timed);
+``--smoke``: 10 clients, 2 rounds, every arm that can run (seconds; Flower's Ray start adds
+some). ``--repeat N`` runs every arm N times, interleaved, and reports medians and the median
+of the paired ratios (a shared machine's load changes between arms); ``--checkpoint-every C``
+adds a paratrain arm at ``run.checkpoint_every = C``; ``--compare-src DIR`` adds a paratrain
+arm importing paratrain from another checkout's ``src`` (a paired before/after).
 """
 
 from __future__ import annotations
@@ -65,12 +74,16 @@ from _common import provenance  # noqa: E402
 LR, BATCH, HIDDEN = 0.1, 10, [64]
 
 
-def _job(out: str, k: int, rounds: int) -> dict[str, Any]:
-    """The benchmark's job file, as a dict (digits, MLP, IID, every client every round)."""
+def _job(out: str, k: int, rounds: int, checkpoint_every: int | str | None = None) -> dict[str, Any]:
+    """The benchmark's job file, as a dict (digits, MLP, IID, every client every round);
+    ``checkpoint_every``: ``run.checkpoint_every`` (None: the default, every round)."""
     from paratrain.config.job import load_job
 
+    run: dict[str, Any] = {"name": f"bench{k}", "seed": 0, "output_dir": str(out), "num_workers": 2}
+    if checkpoint_every is not None:
+        run["checkpoint_every"] = checkpoint_every
     doc: dict[str, Any] = {
-        "run": {"name": f"bench{k}", "seed": 0, "output_dir": str(out), "num_workers": 2},
+        "run": run,
         "model": {"name": "mlp", "hidden": HIDDEN},
         "train": {"optimizer": {"name": "sgd", "lr": LR}},
         "data": {"partition": {"method": "iid"}},
@@ -88,16 +101,25 @@ def _steady(values: list[float]) -> float:
 
 # ---------------------------------------------------------------- paratrain / naive
 
-def paratrain_rank(ctx: Any, job_doc: dict[str, Any]) -> dict[str, Any] | None:
-    from paratrain.config.job import load_job
-    from paratrain.executors.federated import worker_main
+def bare_evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    """The global model's test loss and accuracy, what paratrain's server computes after every
+    round (classification ``eval_batch`` sums over batches of 1,024: digits' test split is one)."""
+    from torch import nn
 
-    torch.set_num_threads(1)
-    return worker_main(ctx, load_job(job_doc), False)
+    model.eval()
+    loss_sum, correct = 0.0, 0
+    with torch.no_grad():
+        for a in range(0, len(y), 1024):
+            logits = model(x[a : a + 1024])
+            loss_sum += float(nn.functional.cross_entropy(logits, y[a : a + 1024], reduction="sum"))
+            correct += int((logits.argmax(dim=1) == y[a : a + 1024]).sum())
+    model.train()
+    return {"loss": loss_sum / max(len(y), 1), "accuracy": correct / max(len(y), 1)}
 
 
 def naive_rank(ctx: Any, k: int, rounds: int) -> dict[str, Any]:
-    """One live model + optimizer per hosted client; FedAvg through all_reduce."""
+    """One live model + optimizer per hosted client; FedAvg through all_reduce; rank 0 then
+    evaluates the global model on the test split, as paratrain's server does each round."""
     import torch.distributed as dist
     from torch import nn
 
@@ -108,14 +130,17 @@ def naive_rank(ctx: Any, k: int, rounds: int) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    x, y = load_data(DataSpec(), seed=0).train.tensors
+    bundle = load_data(DataSpec(), seed=0)
+    x, y = bundle.train.tensors
+    xt, yt = bundle.test.tensors
     parts = partition_iid(len(y), k, seed=0)
     spec = ModelSpec.model_validate({"name": "mlp", "hidden": HIDDEN})
     glob = build_model(spec, input_shape=(64,), num_classes=10)
     mine = [c for c in range(k) if c % ctx.world_size == ctx.rank]
     models = {c: build_model(spec, input_shape=(64,), num_classes=10) for c in mine}
     opts = {c: torch.optim.SGD(models[c].parameters(), lr=LR) for c in mine}
-    times = []
+    times: list[float] = []
+    accuracy: list[float] = []
     for _ in range(rounds):
         dist.barrier()
         t0 = time.perf_counter()
@@ -142,17 +167,24 @@ def naive_rank(ctx: Any, k: int, rounds: int) -> dict[str, Any]:
         with torch.no_grad():
             for p, a in zip(glob.parameters(), acc, strict=True):
                 p.copy_(a / total)
+        if ctx.rank == 0:  # the server's per-round evaluation (the other rank waits, as in paratrain)
+            accuracy.append(bare_evaluate(glob, xt, yt)["accuracy"])
         dist.barrier()
         times.append(time.perf_counter() - t0)
-    return {"round_times": times, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {"round_times": times, "accuracy": accuracy,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def _child_paratrain(k: int, rounds: int) -> dict[str, Any]:
-    from paratrain.comm.testing import run_distributed
+def _child_paratrain(k: int, rounds: int, checkpoint_every: int | str | None = None,
+                     **_: Any) -> dict[str, Any]:
+    """The job as ``paratrain run`` runs it (:func:`paratrain.dispatch.execute`: the launcher's
+    2 worker processes, set up as every launched worker is)."""
+    from paratrain.config.job import load_job
+    from paratrain.dispatch import execute
     from paratrain.training import read_metrics
 
     with tempfile.TemporaryDirectory() as tmp:
-        summary = run_distributed(paratrain_rank, 2, _job(tmp, k, rounds), timeout_s=900)[0]
+        summary = execute(load_job(_job(tmp, k, rounds, checkpoint_every)))
         recs = [r for r in read_metrics(summary["run_dir"]) if "round" in r]
     # Round r's period runs from round r-1's stamp to round r's, so it holds one metrics
     # line and one checkpoint write; round 1's period starts at the process start and
@@ -165,11 +197,12 @@ def _child_paratrain(k: int, rounds: int) -> dict[str, Any]:
             "worker_ru_maxrss_mb": max(w["peak_rss_mb"] for w in summary["workers"])}
 
 
-def _child_naive(k: int, rounds: int) -> dict[str, Any]:
+def _child_naive(k: int, rounds: int, **_: Any) -> dict[str, Any]:
     from paratrain.comm.testing import run_distributed
 
     res = run_distributed(naive_rank, 2, k, rounds, timeout_s=900)
     return {"updates_per_round": [k] * rounds, "round_times": res[0]["round_times"],
+            "test_accuracy": res[0]["accuracy"][-1],
             "worker_ru_maxrss_mb": round(max(r["peak_rss_mb"] for r in res), 1)}
 
 
@@ -223,14 +256,12 @@ def flwr_train(msg: Any, context: Any) -> Any:
     return Message(content=content, reply_to=msg)
 
 
-def _child_flwr(k: int, rounds: int) -> dict[str, Any]:
+def _child_flwr(k: int, rounds: int, **_: Any) -> dict[str, Any]:
     from flwr.app import ArrayRecord, Context, MetricRecord
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
     from flwr.serverapp.strategy import FedAvg
     from flwr.simulation import run_simulation
-
-    from paratrain.training import evaluate
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -243,7 +274,7 @@ def _child_flwr(k: int, rounds: int) -> dict[str, Any]:
     def evaluate_fn(server_round: int, arrays: Any) -> Any:
         model = _flwr_model()
         model.load_state_dict(arrays.to_torch_state_dict())
-        ev = evaluate(model, _flwr_data(k)[3])
+        ev = bare_evaluate(model, *_flwr_data(k)[3].tensors)
         if server_round >= 1:
             _FLWR_LOG["round_times"].append(time.perf_counter() - _FLWR_T0[server_round])
             _FLWR_LOG["accuracy"].append(ev["accuracy"])
@@ -309,15 +340,18 @@ def _mem_kb(pid: int) -> tuple[int, int, str]:
     return pss, rss, name
 
 
-def _run_child(system: str, k: int, rounds: int) -> dict[str, Any]:
-    """Run one system in a fresh process tree, sampling its memory every 50 ms."""
+def _run_child(system: str, k: int, rounds: int, src: str | None = None,
+               **opts: Any) -> dict[str, Any]:
+    """Run one system in a fresh process tree, sampling its memory every 50 ms. ``src``:
+    import paratrain from that source folder (another checkout's ``src``) instead of this
+    one's; ``opts``: the system's options (paratrain: ``checkpoint_every``)."""
     with tempfile.TemporaryDirectory() as tmp:
         res_path, log_path = Path(tmp) / "result.json", Path(tmp) / "child.log"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            [str(ROOT), str(src or ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
             RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0", FLWR_TELEMETRY_ENABLED="0")
         code = ("import sys; from benchmarks import federated as f; "
-                f"f.child_main({system!r}, {k}, {rounds}, sys.argv[1])")
+                f"f.child_main({system!r}, {k}, {rounds}, sys.argv[1], **{json.dumps(opts)})")
         with open(log_path, "w") as log:
             proc = subprocess.Popen([sys.executable, "-c", code, str(res_path)], cwd=ROOT, env=env,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -353,43 +387,88 @@ def _run_child(system: str, k: int, rounds: int) -> dict[str, Any]:
     return out
 
 
-def child_main(system: str, k: int, rounds: int, out_path: str) -> None:
+def child_main(system: str, k: int, rounds: int, out_path: str, **opts: Any) -> None:
     """Entry point of one measured child process; writes its result as JSON."""
     fn = {"paratrain": _child_paratrain, "naive": _child_naive, "flwr": _child_flwr}[system]
-    Path(out_path).write_text(json.dumps(fn(k, rounds)))
+    Path(out_path).write_text(json.dumps(fn(k, rounds, **opts)))
 
 
-def _ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
-    return {"throughput_ratio_measured": round(ours["client_updates_per_s"] / peer["client_updates_per_s"], 3),
-            "peak_memory_ratio_measured": round(ours["peak_tree_pss_mb"] / peer["peak_tree_pss_mb"], 3)}
+def _ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+    """paratrain / peer: throughput (median over repetitions of the paired per-repetition
+    ratios, each repetition running every arm once) and peak memory."""
+    pairs = [a / b for a, b in zip(ours["client_updates_per_s_reps"], peer["client_updates_per_s_reps"],
+                                   strict=True)]
+    out: dict[str, Any] = {
+        "throughput_ratio_measured": round(statistics.median(pairs), 3),
+        "peak_memory_ratio_measured": round(ours["peak_tree_pss_mb"] / peer["peak_tree_pss_mb"], 3)}
+    if len(pairs) > 1:
+        out["throughput_ratio_per_repetition_measured"] = [round(v, 3) for v in pairs]
+    return out
+
+
+def _merge(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One arm's result over its repetitions: the first's details, the medians of the figures."""
+    out = dict(reps[0])
+    out["client_updates_per_s_reps"] = [r["client_updates_per_s"] for r in reps]
+    for key in ("client_updates_per_s", "peak_tree_pss_mb", "peak_proc_rss_mb"):
+        out[key] = round(statistics.median(r[key] for r in reps), 1)
+    if len(reps) > 1:
+        out["per_round_updates_per_s"] = [r["per_round_updates_per_s"] for r in reps]
+    return out
+
+
+def _flwr_version() -> str | None:
+    try:  # Flower's simulation needs the bench extra (flwr[simulation]: Ray)
+        import flwr
+        import ray  # noqa: F401
+    except ImportError:
+        return None
+    return str(flwr.__version__)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="100 clients, 4 rounds (3 timed)")
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="100 clients, 4 rounds (3 timed): make bench")
+    size.add_argument("--smoke", action="store_true",
+                      help="10 clients, 2 rounds (1 timed): every arm that can run, in seconds (Flower's "
+                           "simulation starts Ray: about 10 s more)")
+    ap.add_argument("--clients", type=int, nargs="+", help="client counts (default 100 1000)")
+    ap.add_argument("--rounds", type=int, help="rounds per run (default 6; the first is not timed)")
+    ap.add_argument("--systems", default="paratrain,naive,flwr",
+                    help="comma-separated arms among paratrain, naive, flwr (flwr: when importable)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every arm this many times, interleaved; figures are medians and the "
+                         "ratios the medians of the paired per-repetition ratios")
+    ap.add_argument("--checkpoint-every", action="append", default=[], metavar="CADENCE",
+                    help="also a paratrain arm with run.checkpoint_every = CADENCE (e.g. 1h: only "
+                         "the last round's checkpoint); repeatable")
+    ap.add_argument("--compare-src", action="append", default=[], metavar="DIR",
+                    help="also a paratrain arm importing paratrain from DIR (another checkout's src: "
+                         "a paired before/after); repeatable")
     args = ap.parse_args()
-    rounds = 4 if args.quick else 6
-    sizes = (100,) if args.quick else (100, 1000)
-    try:  # Flower's simulation needs the bench extra (flwr[simulation]: Ray)
-        import flwr
-        import ray  # noqa: F401
-
-        flwr_version: str | None = flwr.__version__
-    except ImportError:
-        flwr_version = None
+    rounds = args.rounds or (2 if args.smoke else 4 if args.quick else 6)
+    sizes = tuple(args.clients or ((10,) if args.smoke else (100,) if args.quick else (100, 1000)))
+    systems = [x.strip() for x in args.systems.split(",") if x.strip()]
+    flwr_version = _flwr_version() if "flwr" in systems else None
     out: dict[str, Any] = {
         "workload": "digits MLP 64-64-10, IID, all clients every round, E=1, B=10, SGD lr 0.1, "
-                    "FedAvg, 2 worker processes / 2 CPUs",
+                    "FedAvg, 2 worker processes / 2 CPUs; every system evaluates the global model "
+                    "on the test split after every round",
         "rounds": rounds,
+        "repetitions": args.repeat,
         "throughput": "client updates / round wall time, median over rounds excluding round 1; "
-                      "paratrain's round includes its metrics log and checkpoint write",
+                      "paratrain's round includes its metrics log and checkpoint write (every round "
+                      "unless the arm says otherwise)",
         "provenance_note": "every figure here is measured in this run (timed or sampled); the "
                            "ratios are paratrain / peer of measured medians",
         "memory": "peak_tree_pss_mb: peak over 50 ms samples of the summed PSS of the system's "
                   "whole process tree (fresh child per system); peak_proc_rss_mb: largest single "
                   "process RSS in that tree",
-        "peers": {"naive": "per-client-model PyTorch loop on the same 2 processes",
-                  "flwr": "Flower run_simulation (Ray backend, 2 CPUs, 1 CPU per client actor)"},
+        "peers": {"naive": "per-client-model PyTorch loop on the same 2 processes, rank 0 "
+                           "evaluating the averaged model on the test split each round",
+                  "flwr": "Flower run_simulation (Ray backend, 2 CPUs, 1 CPU per client actor), "
+                          "evaluate_fn on the test split each round"},
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "flwr": flwr_version},
         "loadavg_at_start": [round(v, 2) for v in os.getloadavg()],
         "cpus": os.cpu_count(),
@@ -399,18 +478,43 @@ def main() -> None:
         import ray
 
         out["versions"]["ray"] = ray.__version__
-    else:
+    elif "flwr" in systems:
         out["flwr"] = "skipped: flwr[simulation] (Ray) not importable (install the optional bench extra)"
+    # arms: (label, system, options)
+    arms: list[tuple[str, str, dict[str, Any]]] = []
+    if "paratrain" in systems:
+        arms.append(("paratrain", "paratrain", {}))
+        arms += [(f"paratrain_checkpoint_every_{c}", "paratrain",
+                  {"checkpoint_every": int(c) if c.isdigit() else c}) for c in args.checkpoint_every]
+        arms += [(f"paratrain@{Path(d).resolve().parent.name}/{Path(d).name}", "paratrain",
+                  {"src": str(Path(d).resolve())}) for d in args.compare_src]
+    if "naive" in systems:
+        arms.append(("naive", "naive", {}))
+    if flwr_version is not None:
+        arms.append(("flwr", "flwr", {}))
     for k in sizes:
-        row: dict[str, Any] = {"paratrain": _run_child("paratrain", k, rounds),
-                               "naive": _run_child("naive", k, rounds)}
-        row["vs_naive"] = _ratios(row["paratrain"], row["naive"])
-        if flwr_version is not None:
-            try:
-                row["flwr"] = _run_child("flwr", k, rounds)
-                row["vs_flwr"] = _ratios(row["paratrain"], row["flwr"])
-            except RuntimeError as exc:
-                row["flwr"] = {"error": str(exc)[-1500:]}
+        reps: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in arms}
+        errors: dict[str, str] = {}
+        for rep in range(args.repeat):
+            order = arms if rep % 2 == 0 else arms[::-1]  # alternate: no arm always runs first
+            for label, system, opts in order:
+                if label in errors:
+                    continue
+                try:
+                    reps[label].append(_run_child(system, k, rounds, **opts))
+                except RuntimeError as exc:
+                    if system != "flwr":
+                        raise
+                    errors[label] = str(exc)[-1500:]
+        row: dict[str, Any] = {label: _merge(r) for label, r in reps.items() if r}
+        row.update({label: {"error": e} for label, e in errors.items()})
+        if "naive" in row:
+            for label, _, _ in arms:
+                if label.startswith("paratrain") and label in row:
+                    key = "vs_naive" if label == "paratrain" else f"{label}_vs_naive"
+                    row[key] = _ratios(row[label], row["naive"])
+        if "paratrain" in row and "client_updates_per_s_reps" in row.get("flwr", {}):
+            row["vs_flwr"] = _ratios(row["paratrain"], row["flwr"])
         out["results"][str(k)] = row
     out["provenance"] = provenance(out["results"])
     print(json.dumps(out, indent=2))

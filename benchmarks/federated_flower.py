@@ -1,16 +1,25 @@
-"""Federated on Flower's Deployment Runtime against the local path: wall time per round and
-bytes per round at 10 clients.
+"""Federated on Flower's Deployment Runtime against the local path: rounds per second and
+bytes per round, the job of ``benchmarks/federated.py``.
 
-Workload: digits, MLP 64-10, IID split, 10 clients all selected every round, 1 local epoch,
-B = 32, SGD lr 0.05, FedAvg, ``--rounds`` rounds (default 3).
+Workload (``benchmarks/federated.py``'s): digits, MLP 64-64-10, IID split, ``--clients``
+clients (default 100) all selected every round, 1 local epoch, B = 10, SGD lr 0.1, FedAvg,
+checkpoint every round (the default), ``--rounds`` rounds (default 4: 1 warm-up + 3 timed).
+``--smoke``: 4 clients, 2 rounds (Flower's processes still take tens of seconds to start).
 
 * ``local``: ``paratrain run`` of the job (``runtime = "local"``), 2 worker processes over
   gloo (the default).
 * ``flower``: the same job (``runtime = "flower"``) with ``flwr run`` against a real
   ``flower-superlink --insecure`` and ``--nodes`` ``flower-supernode`` processes on 127.0.0.1
-  (default 2: partition p of 2 hosts clients c % 2 == p; ``--nodes 10`` = one SuperNode per
-  client). Flower runs every message in a new ``flwr-clientapp`` process that imports torch
-  and builds the job's data, which dominates a round of this small model.
+  (default 2: partition p of 2 hosts clients c % 2 == p, as the 2 local workers do;
+  ``--nodes K`` = one SuperNode per client). Flower runs every message in a new
+  ``flwr-clientapp`` process that imports torch and builds the job's data, which dominates
+  a round of this small model.
+
+Rounds per second (measured): 1 / the median period between consecutive rounds' ``time_s``
+stamps in metrics.jsonl, round 1 left out (both runtimes stamp a round after its
+evaluation; a period holds the previous round's checkpoint and this round's selection,
+training, upload, aggregation and evaluation), as ``benchmarks/federated.py`` times
+paratrain; ``round_time_s`` (selection to logged round, no checkpoint) is reported too.
 
 ``--secure``: instead, plaintext against SecAgg+ (``[federated.flower.secure_aggregation]``,
 Flower's SecAggPlusWorkflow / secaggplus_mod) on the same federation of ``--nodes`` SuperNodes
@@ -19,8 +28,8 @@ adds a SecAgg+ run in which K nodes exit after masking (on the unmask stage). Ea
 model's max |difference| from the plaintext one is reported with the fixed-point bound
 (one quantization step per node).
 
-Per round (measured, metrics.jsonl): ``round_time_s`` (median over rounds after the first),
-the round's measured bytes down / up: for the local path the process-group traffic (model
+Per round (measured, metrics.jsonl): the round period and ``round_time_s`` (medians over
+rounds after the first), the round's measured bytes down / up: for the local path the process-group traffic (model
 broadcast to the other worker, update payloads received), for Flower the Message bytes
 (every serialized object of the messages pushed and the replies pulled). Prints one JSON.
 """
@@ -29,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -43,14 +53,15 @@ APP = Path(__file__).resolve().parents[1] / "examples" / "federated_flower"
 
 def job(out: Path, name: str, runtime: str, rounds: int, clients: int = 10,
         secure: bool = False) -> dict[str, Any]:
+    """``benchmarks/federated.py``'s job (B = 10, SGD lr 0.1) on ``runtime``."""
     doc: dict[str, Any] = {
-        "run": {"name": name, "seed": 0, "output_dir": str(out)},
+        "run": {"name": name, "seed": 0, "output_dir": str(out), "num_workers": 2},
         "model": {"name": "mlp", "hidden": [64]},
         "data": {"name": "digits", "partition": {"method": "iid"}},
-        "train": {"optimizer": {"name": "sgd", "lr": 0.05}},
+        "train": {"optimizer": {"name": "sgd", "lr": 0.1}},
         "strategy": {"type": "Federated", "num_clients": clients, "rounds": rounds,
                      "aggregation": {"method": "FedAvg"}, "client_selection": {"method": "All"}},
-        "federated": {"local_epochs": 1, "batch_size": 32, "runtime": runtime},
+        "federated": {"local_epochs": 1, "batch_size": 10, "runtime": runtime},
     }
     if runtime == "flower":
         doc["federated"]["flower"] = {"round_timeout": 600.0, "min_nodes": 1, "node_timeout": 120.0}
@@ -62,9 +73,15 @@ def job(out: Path, name: str, runtime: str, rounds: int, clients: int = 10,
 def per_round(run_dir: Path) -> dict[str, Any]:
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     later = rows[1:] or rows
+    stamps = [float(r["time_s"]) for r in rows]
+    periods = [b - a for a, b in zip(stamps, stamps[1:], strict=False)] or [stamps[-1]]
+    period = statistics.median(periods)
     return {
-        "round_time_s_median": round(statistics.median(r["round_time_s"] for r in later), 3),
-        "round_time_s": [round(r["round_time_s"], 3) for r in rows],
+        "rounds_per_s_measured": round(1.0 / period, 4),
+        "round_period_s_median": round(period, 4),
+        "round_periods_s": [round(p, 4) for p in periods],
+        "round_time_s_median": round(statistics.median(r["round_time_s"] for r in later), 4),
+        "round_time_s": [round(r["round_time_s"], 4) for r in rows],
         "bytes_down_per_round_measured": rows[-1]["wire_bytes_down_measured"],
         "bytes_up_per_round_measured": rows[-1]["wire_bytes_up_measured"],
         "update_bytes_per_round_measured": rows[-1]["bytes_up_measured"],
@@ -130,25 +147,30 @@ def secure(args: Any) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, help="rounds (default 4; --smoke 2)")
+    ap.add_argument("--clients", type=int, help="clients (default 100; --smoke 4)")
+    ap.add_argument("--smoke", action="store_true", help="4 clients, 2 rounds: every arm, quickly")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--secure", action="store_true")
     ap.add_argument("--drop", type=int, default=0, help="--secure: also a run where this many nodes "
                     "drop out after masking (they exit on the unmask stage)")
     args = ap.parse_args()
+    args.rounds = args.rounds or (2 if args.smoke else 4)
+    args.clients = args.clients or (4 if args.smoke else 100)
     if args.secure:
         secure(args)
         return
     from paratrain.executors.federated.flower.localfed import LocalFederation
 
+    load_at_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
         out = tmp / "runs"
         t0 = time.perf_counter()
-        local = execute(load_job(job(out, "local", "local", args.rounds)))
+        local = execute(load_job(job(out, "local", "local", args.rounds, args.clients)))
         local_wall = time.perf_counter() - t0
         path = tmp / "flower.json"
-        path.write_text(json.dumps(job(out, "flower", "flower", args.rounds)))
+        path.write_text(json.dumps(job(out, "flower", "flower", args.rounds, args.clients)))
         fed = LocalFederation(tmp / "flwr_home", args.nodes)
         try:
             fed.start()
@@ -156,15 +178,19 @@ def main() -> None:
             summary = out / "flower" / "summary.json"
         finally:
             fed.close()
-        res = {
-            "workload": "digits MLP 64, 10 clients IID, all selected, E=1, B=32, FedAvg",
+        res: dict[str, Any] = {
+            "workload": (f"digits MLP 64-64-10, {args.clients} clients IID, all selected, E=1, B=10, "
+                         "SGD lr 0.1, FedAvg, checkpoint every round (benchmarks/federated.py's job)"),
             "rounds": args.rounds,
+            "loadavg_at_start": [round(v, 2) for v in load_at_start],
             "local": {"workers": 2, "wall_s": round(local_wall, 2), **per_round(Path(local["run_dir"]))},
             "flower": {"supernodes": args.nodes, "wall_s": round(flower_wall, 2), **per_round(out / "flower")},
             "same_parameters": json.loads(summary.read_text())["parameters_sha256"] == local["parameters_sha256"],
         }
         res["round_time_ratio_flower_over_local"] = round(
             res["flower"]["round_time_s_median"] / res["local"]["round_time_s_median"], 2)
+        res["rounds_per_s_ratio_local_over_flower_measured"] = round(
+            res["local"]["rounds_per_s_measured"] / res["flower"]["rounds_per_s_measured"], 2)
         print(json.dumps(res, indent=2))
 
 

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.utils.data import TensorDataset
 
 from ...config.job import JobConfig
 from ...models.state import load_unique_state_dict, unique_state_dict
@@ -53,21 +54,28 @@ from .aggregation import fednova_norm, proximal_term, scaffold_client_control
 from .drift import ClientControls, optimizer_momentum, pack_control, uses_control
 from .personal import PersonalState
 from .privacy import client_privatize
-from .wire import encode_update
+from .wire import dense_headers, dense_payload, encode_update, flat_float32
 
-__all__ = ["ClientResult", "ClientHost", "ClientEngine", "client_generator", "client_name",
-           "local_train"]
+__all__ = ["ClientResult", "ClientHost", "ClientEngine", "FreshOptimizer", "client_generator",
+           "client_name", "client_seed", "local_train"]
 
 
 def client_name(c: int) -> str:
     return f"client-{c}"
 
 
-def client_generator(seed: int, round_idx: int, client: int) -> torch.Generator:
-    """A generator determined by ``(seed, round, client)`` (blake2b, stable everywhere)."""
+def client_seed(seed: int, round_idx: int, client: int) -> int:
+    """The seed of ``(seed, round, client)``'s generator (blake2b, stable everywhere)."""
     h = hashlib.blake2b(f"fed|{seed}|{round_idx}|{client}".encode(), digest_size=8).digest()
-    g = torch.Generator()
-    g.manual_seed(int.from_bytes(h, "little") & ((1 << 63) - 1))
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def client_generator(seed: int, round_idx: int, client: int,
+                     generator: torch.Generator | None = None) -> torch.Generator:
+    """A generator determined by ``(seed, round, client)``: ``generator`` reseeded (a new
+    one when None)."""
+    g = generator if generator is not None else torch.Generator()
+    g.manual_seed(client_seed(seed, round_idx, client))
     return g
 
 
@@ -99,6 +107,7 @@ class ClientEngine(LocalEngine):
                  mu: float = 0.0) -> None:
         super().__init__(model, task, None, device=device, precision=precision)
         self.mu = float(mu)
+        self.modules = list(model.modules())  # whose training flags a client's round checks
         self.params: list[nn.Parameter] = []
         self.anchors: list[Tensor] = []
         # SCAFFOLD: (parameter, c - c_i) added to its gradient once per optimizer step
@@ -111,13 +120,19 @@ class ClientEngine(LocalEngine):
 
     def anchor(self, global_state: Mapping[str, Tensor]) -> None:
         # the global parameters only: a personal part (absent from global_state) is not pulled
+        if self.mu <= 0:  # no proximal term: nothing to anchor
+            self.params, self.anchors = [], []
+            return
         named = [(n, p) for n, p in self.model.named_parameters() if n in global_state]
         self.params = [p for _, p in named]
-        self.anchors = [global_state[name].detach() for name, _ in named] if self.mu > 0 else []
+        self.anchors = [global_state[name].detach() for name, _ in named]
 
     def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:
-        with autocast(self.precision, self.device):
+        if self.precision == "fp32":  # autocast would do nothing
             loss = self.task.loss(call_model(self.task, self.model, batch), batch)
+        else:
+            with autocast(self.precision, self.device):
+                loss = self.task.loss(call_model(self.task, self.model, batch), batch)
         if self.mu > 0:
             loss = loss + proximal_term(self.params, self.anchors, self.mu)
         (loss * weight).backward() if weight != 1.0 else loss.backward()
@@ -128,6 +143,107 @@ class ClientEngine(LocalEngine):
                 else:
                     p.grad.add_(corr)
         return float(loss.detach())
+
+
+class FreshOptimizer:
+    """One optimizer of the job's ``[train.optimizer]`` over a host's shared model, handed out
+    as a fresh one: :meth:`fresh` empties its state (momentum buffers, Adam's moments and
+    step counts) and puts every parameter group's options back as built, at the learning rate
+    ``lr * lr_scale`` -- what building a new optimizer with a constant ``LambdaLR`` of
+    ``lr_scale`` gives (``lr * lr_scale``, the scheduler's own product), without building
+    one per client and round."""
+
+    def __init__(self, params: Any, spec: Any) -> None:
+        self.optimizer = build_optimizer(params, spec)
+        self.groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.plain = _PlainSGD(self.optimizer) if _PlainSGD.fits(self.optimizer) else None
+
+    def fresh(self, lr_scale: float) -> Any:
+        opt = self.optimizer
+        opt.state.clear()
+        for group, built in zip(opt.param_groups, self.groups, strict=True):
+            group.update(built)
+            group["lr"] = built["lr"] * lr_scale
+        return self.plain if self.plain is not None else opt
+
+
+class _PlainSGD:
+    """A plain ``torch.optim.SGD`` (no momentum, weight decay, Nesterov or maximize; CPU
+    parameters, floats for options) stepped with the arithmetic of torch's own CPU
+    implementation -- ``p.add_(p.grad, alpha=-lr)`` for each parameter that has a gradient,
+    here one ``torch._foreach_add_`` (on CPU the same per-tensor ``add_``: bit-identical)
+    -- without ``Optimizer.step``'s per-call wrapper (profiler record, hooks, grad-mode
+    switch), which costs more than the arithmetic on a client's small model. A sparse
+    gradient or a global optimizer hook (``torch.optim.optimizer.register_optimizer_step_*_hook``)
+    takes torch's own step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.param_groups = optimizer.param_groups
+        self.params = [[p for p in g["params"]] for g in optimizer.param_groups]
+
+    @staticmethod
+    def fits(opt: torch.optim.Optimizer) -> bool:
+        if type(opt) is not torch.optim.SGD:
+            return False
+        for g in opt.param_groups:
+            if (not isinstance(g.get("lr"), float) or g.get("momentum", 0) != 0 or g.get("dampening", 0) != 0
+                    or g.get("weight_decay", 0) != 0 or g.get("nesterov") or g.get("maximize")
+                    or g.get("differentiable") or g.get("fused")):
+                return False
+            if any(p.device.type != "cpu" for p in g["params"]):
+                return False
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:
+            self.optimizer.zero_grad(set_to_none=False)
+            return
+        for ps in self.params:
+            for p in ps:
+                p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from torch.optim import optimizer as O
+
+        if getattr(O, "_global_optimizer_pre_hooks", None) or getattr(O, "_global_optimizer_post_hooks", None):
+            self.optimizer.step()
+            return
+        todo = []
+        for g, ps in zip(self.param_groups, self.params, strict=True):
+            have = [p for p in ps if p.grad is not None]
+            if any(p.grad.is_sparse for p in have):
+                self.optimizer.step()
+                return
+            todo.append((have, g["lr"]))
+        for have, lr in todo:
+            if have:
+                torch._foreach_add_(have, [p.grad for p in have], alpha=-lr)
+
+
+class _ConstantLR:
+    """The scheduler of a client's round: its learning rate is constant (set by
+    :meth:`FreshOptimizer.fresh`), so a step changes nothing."""
+
+    def step(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+_GATHER_BYTES = 64 << 20  # a client's epoch gathered at once up to this size, else per batch
+
+
+def row_bytes(dataset: Any, device: torch.device | None) -> int | None:
+    """The bytes of one example of a ``TensorDataset`` whose tensors are on ``device``
+    already (None for any other dataset): such a client's epoch can be gathered at once."""
+    if not isinstance(dataset, TensorDataset) or not dataset.tensors:
+        return None
+    if any(device is not None and t.device != device for t in dataset.tensors):
+        return None
+    return sum(t[:1].numel() * t.element_size() for t in dataset.tensors)
 
 
 def local_train(
@@ -142,15 +258,18 @@ def local_train(
     lr_scale: float = 1.0,
     generator: torch.Generator,
     device: torch.device | None = None,
+    optimizer: FreshOptimizer | None = None,
+    example_bytes: int | None = -1,
 ) -> tuple[float, int]:
     """Train ``engine.model`` (already loaded with ``global_state``) in place on examples
     ``indices`` of ``dataset``; returns (mean step loss, optimizer steps). ``train`` is the
-    job's ``[train]`` (optimizer, grad_accumulation, grad_clip_norm)."""
+    job's ``[train]`` (optimizer, grad_accumulation, grad_clip_norm); ``optimizer``: a
+    :class:`FreshOptimizer` over ``engine.model`` to use (None: a new one); ``example_bytes``:
+    :func:`row_bytes` of ``dataset`` on ``device`` when known (-1: found here)."""
     model = engine.model
-    opt = build_optimizer(model.parameters(), train.optimizer)
     # The round's learning rate, constant over the round's steps: lr * f(round).
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _step: lr_scale)
-    trainer = Trainer(engine, opt, train, 0, scheduler=sched)
+    fresh = optimizer if optimizer is not None else FreshOptimizer(model.parameters(), train.optimizer)
+    trainer = Trainer(engine, fresh.fresh(lr_scale), train, 0, scheduler=_ConstantLR())
     engine.anchor(global_state)
     n = int(indices.numel())
     bs = n if batch_size is None else min(batch_size, n)
@@ -158,12 +277,22 @@ def local_train(
     starts = list(range(0, n, bs))
     total, steps = 0.0, 0
     collate = getattr(engine.task, "collate_fn", None)
-    model.train()
+    # a TensorDataset already on the device: the epoch's examples gathered once, its batches
+    # slices of them (the same rows in the same order as fetch_batch's per-batch gathers)
+    row = row_bytes(dataset, device) if example_bytes == -1 else example_bytes
+    whole = row is not None and n * row <= _GATHER_BYTES
+    if not all(m.training for m in getattr(engine, "modules", None) or model.modules()):  # train() sets every flag
+        model.train()
     for _ in range(epochs):
         order = indices[torch.randperm(n, generator=generator)]
+        if whole:
+            rows = tuple(t[order] for t in dataset.tensors)
         for g in range(0, len(starts), acc):
-            batches = [fetch_batch(dataset, order[a : a + bs], device, collate=collate)
-                       for a in starts[g : g + acc]]
+            if whole:
+                batches = [tuple(t[a : a + bs] for t in rows) for a in starts[g : g + acc]]
+            else:
+                batches = [fetch_batch(dataset, order[a : a + bs], device, collate=collate)
+                           for a in starts[g : g + acc]]
             total += trainer.step(batches)
             steps += 1
     return total / max(steps, 1), steps
@@ -212,6 +341,15 @@ class ClientHost:
         self.controls = ClientControls() if uses_control(strat.aggregation) else None  # SCAFFOLD c_i
         self.trained = 0
         self.dp = job.federated.dp  # [federated.dp]: clip (and local noise) before compressing
+        # The shared model's tensors (one entry per distinct tensor), read and written in place
+        # for every client: the model keeps its tensors while the host lives (it is on its
+        # device before the host is built, and loads are copies).
+        self.slots = unique_state_dict(model, keep_vars=True)
+        self.optimizer: FreshOptimizer | None = None  # built at the first client's training
+        self.generator = torch.Generator()  # reseeded for every client (client_generator)
+        self.example_bytes = row_bytes(dataset, self.device)
+        self.compressed = job.compression is not None and getattr(job.compression, "method", "None") != "None"
+        self._global: tuple[list[tuple[Tensor, int]], Tensor, list[dict[str, Any]]] | None = None
 
     # ------------------------------------------------------------------ training
 
@@ -235,28 +373,28 @@ class ClientHost:
             self._load({**global_state, **self.personal.of(client)} if self.personal else global_state)
             c_i = self._correct(client, control)
             opts = self.job.federated
+            if self.optimizer is None:
+                self.optimizer = FreshOptimizer(self.model.parameters(), self.job.train.optimizer)
             loss, steps = local_train(
                 self.engine, global_state, self.dataset, idx, train=self.job.train,
                 epochs=opts.local_epochs, batch_size=opts.batch_size, lr_scale=lr_scale,
-                generator=client_generator(self.job.run.seed, round_idx, client), device=self.device,
+                generator=client_generator(self.job.run.seed, round_idx, client, self.generator),
+                device=self.device,
+                optimizer=self.optimizer, example_bytes=self.example_bytes,
             )
             if not math.isfinite(loss):
                 raise FloatingPointError(f"{client_name(client)}: local loss is {loss}")
-            local = unique_state_dict(self.model)
-            delta = {
-                k: (local[k].detach().float() - g.detach().float()).cpu()
-                for k, g in global_state.items()
-            }
-            if self.dp is not None:  # DP-FedAvg's client part (.privacy.dp)
-                delta = client_privatize(self.dp, delta, seed=self.job.run.seed, round_idx=round_idx, client=client,
-                                         floating=[k for k, g in global_state.items() if g.is_floating_point()])
-            if client in self.byzantine:
-                delta = {k: v * self.byzantine_scale for k, v in delta.items()}
-            if client in self.corrupt:
-                first = next(iter(delta))
-                delta[first] = delta[first].reshape(-1)[:-1].clone()
+            local = {k: t.detach() for k, t in self.slots.items()}
             comp = self._compressor(client, round_idx)
-            headers, payload = encode_update(delta, compress=comp)
+            if (comp is None and self.dp is None and client not in self.byzantine
+                    and client not in self.corrupt):
+                # the dense float32 update as one vector: the same bytes and headers as
+                # encode_update of the per-tensor deltas, without a tensor per key
+                before, headers = self._global_flat(global_state)
+                after = flat_float32([local[k] for k in global_state])
+                headers, payload = [dict(h) for h in headers], dense_payload((after - before).cpu())
+            else:
+                headers, payload = self._encode(client, round_idx, global_state, local, comp)
             info: dict[str, Any] = {"steps": steps}
             if self.method == "FedNova":
                 info["norm"] = fednova_norm(steps, optimizer_momentum(self.job.train.optimizer))
@@ -282,6 +420,37 @@ class ClientHost:
         finally:
             self.engine.correct(None)
 
+    def _encode(self, client: int, round_idx: int, global_state: Mapping[str, Tensor],
+                local: Mapping[str, Tensor], comp: Any) -> tuple[list[dict[str, Any]], bytes]:
+        """The update ``local - global`` per tensor through DP, the fault hooks and the codec."""
+        delta = {
+            k: (local[k].float() - g.detach().float()).cpu()
+            for k, g in global_state.items()
+        }
+        if self.dp is not None:  # DP-FedAvg's client part (.privacy.dp)
+            delta = client_privatize(self.dp, delta, seed=self.job.run.seed, round_idx=round_idx, client=client,
+                                     floating=[k for k, g in global_state.items() if g.is_floating_point()])
+        if client in self.byzantine:
+            delta = {k: v * self.byzantine_scale for k, v in delta.items()}
+        if client in self.corrupt:
+            first = next(iter(delta))
+            delta[first] = delta[first].reshape(-1)[:-1].clone()
+        return encode_update(delta, compress=comp)
+
+    def _global_flat(self, global_state: Mapping[str, Tensor]) -> tuple[Tensor, list[dict[str, Any]]]:
+        """``global_state`` as one float32 vector and its dense headers, kept while the same
+        tensors, unchanged (their version counters), come back: once per round."""
+        try:
+            key = [(t, t._version) for t in global_state.values()]
+        except RuntimeError:  # an inference tensor has no version counter: nothing is kept
+            return flat_float32(list(global_state.values())), dense_headers(global_state)
+        cached = self._global
+        if (cached is None or len(cached[0]) != len(key)
+                or not all(a is b and va == vb for (a, va), (b, vb) in zip(cached[0], key, strict=True))):
+            cached = self._global = (key, flat_float32(list(global_state.values())),
+                                     dense_headers(global_state))
+        return cached[1], cached[2]
+
     def _correct(self, client: int, control: Mapping[str, Tensor] | None) -> dict[str, Tensor] | None:
         """SCAFFOLD: set the engine's gradient correction ``c - c_i``; returns ``c_i``."""
         if self.controls is None:
@@ -296,7 +465,10 @@ class ClientHost:
     @torch.no_grad()
     def _load(self, global_state: Mapping[str, Tensor]) -> None:
         """Copy the global weights into the shared model in place (cheaper than load_state_dict)."""
-        load_unique_state_dict(self.model, global_state)  # a tied weight is one entry
+        if global_state.keys() != self.slots.keys():
+            load_unique_state_dict(self.model, global_state)  # the KeyError naming the differences
+        for name, t in self.slots.items():  # a tied weight is one entry
+            t.data.copy_(global_state[name])
 
     # --------------------------------------------------------------- compression
 

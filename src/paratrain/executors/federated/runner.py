@@ -221,7 +221,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                         seed=seed, client_tags=tags,
                     )
                 store_set_json(store, f"fed/plan/{r}", plan)
-            plan = store_get_json(store, f"fed/plan/{r}")
+            else:  # the server's own plan needs no trip through the store
+                plan = store_get_json(store, f"fed/plan/{r}")
             if plan["stop"]:
                 break
             # Global model down.

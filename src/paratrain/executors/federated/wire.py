@@ -16,6 +16,7 @@ Nothing is unpickled.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,12 +26,34 @@ from torch import Tensor
 
 from .aggregation import MalformedUpdateError
 
-__all__ = ["encode_update", "decode_update", "dense_nbytes"]
+__all__ = ["encode_update", "decode_update", "dense_nbytes", "dense_headers", "dense_payload",
+           "flat_float32"]
 
 
 def dense_nbytes(state: Mapping[str, Tensor]) -> int:
     """Bytes of ``state`` sent uncompressed as float32."""
     return sum(4 * t.numel() for t in state.values())
+
+
+def dense_headers(state: Mapping[str, Tensor]) -> list[dict[str, Any]]:
+    """The headers :func:`encode_update` gives ``state`` uncompressed (every tensor ``f32``)."""
+    return [{"name": name, "shape": list(t.shape), "enc": "f32", "nbytes": 4 * t.numel()}
+            for name, t in state.items()]
+
+
+def flat_float32(tensors: Sequence[Tensor]) -> Tensor:
+    """``tensors`` as float32, flattened and concatenated in order (a 0-size vector for none)."""
+    if not tensors:
+        return torch.zeros(0)
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def dense_payload(flat: Tensor) -> bytes:
+    """A float32 vector as the little-endian bytes :func:`encode_update` sends for ``f32``
+    tensors: the concatenation of the tensors' payloads when ``flat`` is
+    :func:`flat_float32` of them."""
+    arr = flat.detach().to(torch.float32).contiguous().cpu().numpy()
+    return arr.tobytes() if sys.byteorder == "little" else arr.astype("<f4").tobytes()
 
 
 def encode_update(
@@ -62,6 +85,9 @@ def decode_update(
     reference: Mapping[str, Tensor],
 ) -> dict[str, Tensor]:
     """Parse and validate one client's update against the global model ``reference``."""
+    dense = _decode_dense(headers, payload, reference)
+    if dense is not None:
+        return dense
     if not isinstance(headers, Sequence):
         raise MalformedUpdateError(client, "<headers>", "headers must be a list")
     seen: dict[str, Mapping[str, Any]] = {}
@@ -118,6 +144,41 @@ def decode_update(
             raise MalformedUpdateError(client, name, "contains NaN or infinity")
         out[name] = t
     return {name: out[name] for name in reference}
+
+
+def _decode_dense(headers: Any, payload: bytes | memoryview,
+                  reference: Mapping[str, Tensor]) -> dict[str, Tensor] | None:
+    """The common update at once: every tensor ``f32``, in ``reference``'s order with its
+    shape and byte count, the payload exactly their bytes, every value finite. Its tensors
+    are views of one float32 copy of the payload. None when anything differs: the checks of
+    :func:`decode_update` then name what (the values are the same either way)."""
+    if not isinstance(headers, list) or len(headers) != len(reference):
+        return None
+    sizes: list[tuple[str, int, tuple[int, ...]]] = []
+    total = 0
+    for h, (name, ref) in zip(headers, reference.items(), strict=True):
+        if not isinstance(h, dict) or h.get("name") != name or h.get("enc") != "f32":
+            return None
+        shape, nbytes = h.get("shape"), h.get("nbytes")
+        if (not isinstance(shape, list) or not all(isinstance(d, int) for d in shape)
+                or tuple(shape) != tuple(ref.shape)):
+            return None
+        numel = math.prod(shape)
+        if not isinstance(nbytes, int) or nbytes != 4 * numel:
+            return None
+        sizes.append((name, numel, tuple(shape)))
+        total += nbytes
+    if total != len(payload):
+        return None
+    flat = torch.from_numpy(np.frombuffer(payload, dtype="<f4").astype(np.float32))
+    if not bool(torch.isfinite(flat).all()):
+        return None
+    out: dict[str, Tensor] = {}
+    pos = 0
+    for name, numel, shape in sizes:
+        out[name] = flat[pos : pos + numel].reshape(shape)
+        pos += numel
+    return out
 
 
 def _decode_compressed(client: str, name: str, data: bytes, shape: tuple[int, ...]) -> Tensor:

@@ -31,7 +31,7 @@ def fedavg_step(updates: Sequence[Update], weights: Sequence[float]) -> dict[str
     for name in updates[0]:
         acc = torch.zeros(updates[0][name].shape, dtype=torch.float64)
         for u, wi in zip(updates, w.tolist(), strict=True):
-            acc.add_(u[name].detach().to(torch.float64), alpha=wi)
+            acc.add_(u[name].detach(), alpha=wi)  # in float64: add_ promotes without a copy
         out[name] = acc / total
     return out
 
