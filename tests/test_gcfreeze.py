@@ -34,3 +34,54 @@ def test_full_collection_skips_frozen_startup_objects() -> None:
     # A full pass over torch's import-time objects takes tens of ms; after the freeze it
     # walks only what came later (measured: ~20x less). Generous margin for a noisy host.
     assert r["after"] < r["before"] / 3, r
+
+
+PAUSE_SCRIPT = """
+import gc, json, weakref
+from paratrain.training import gcfreeze
+
+out = {"enabled_before": gc.isenabled()}
+gcfreeze.resume_collections()  # no pause yet: nothing happens
+gcfreeze.freeze_for_exit()  # not claimed: nothing happens
+out["frozen_unowned"] = gc.get_freeze_count()
+
+gcfreeze.own_process(pause=True)
+out["enabled_paused"] = gc.isenabled()
+
+
+class Node:
+    pass
+
+
+a, b = Node(), Node()
+a.other, b.other = b, a  # a cycle: only the collector frees it
+ref = weakref.ref(a)
+gcfreeze.watch_garbage(a)
+del a, b
+out["alive_before_resume"] = ref() is not None
+gcfreeze.resume_collections()
+out["alive_after_resume"] = ref() is not None  # collected before the freeze
+out["enabled_after"] = gc.isenabled()
+out["frozen_after"] = gc.get_freeze_count()
+print(json.dumps(out))
+"""
+
+
+def test_the_commands_own_process_pauses_then_freezes_what_start_up_built() -> None:
+    out = subprocess.run([sys.executable, "-c", PAUSE_SCRIPT], capture_output=True, text=True,
+                         check=True, timeout=120)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["enabled_before"] and r["frozen_unowned"] == 0
+    assert not r["enabled_paused"]
+    assert r["alive_before_resume"] and not r["alive_after_resume"]  # a watched cycle is not kept
+    assert r["enabled_after"] and r["frozen_after"] > 0
+
+
+def test_main_called_with_argv_leaves_the_callers_collector_alone(capsys: object) -> None:
+    import gc
+
+    from paratrain.cli import main
+
+    frozen = gc.get_freeze_count()
+    assert main(["schema", "strategy"]) == 0
+    assert gc.isenabled() and gc.get_freeze_count() == frozen

@@ -12,9 +12,10 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError
+if TYPE_CHECKING:  # imported where used: `paratrain run` pauses the collector before (main)
+    from .config import ConfigError
 
 __all__ = ["main"]
 
@@ -34,6 +35,7 @@ def _print_problems(lines: list[str]) -> None:
 def _cmd_validate(args: argparse.Namespace) -> int:
     """Errors exit 2; settings the job sets but its run ignores are printed as
     ``PATH: warning: FIELD ignored: REASON`` lines (stderr) and keep exit 0."""
+    from .config import ConfigError
     from .config.job import load_job
     from .dispatch import effective_settings
     from .executors.custom import import_plugins
@@ -124,6 +126,7 @@ def _shard_layout(job: Any) -> list[str]:
 def _cmd_graph(args: argparse.Namespace) -> int:
     """The job's model as a graph (paratrain.explain): nodes in execution order with
     parameters, effective strategy and worker; subgraphs; values crossing workers."""
+    from .config import ConfigError
     from .explain import explain_file, render
 
     try:
@@ -159,6 +162,7 @@ def _final_table(summary: dict[str, Any]) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from .config import ConfigError
     from .config.job import load_job
     from .dispatch import execute
 
@@ -219,6 +223,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_export(args: argparse.Namespace) -> int:
     """Write a finished run's model (one state_dict under the model's own names) to --out."""
+    from .config import ConfigError
     from .training.export import export_model
 
     out = args.out or f"{Path(args.run).resolve().name}.safetensors"
@@ -290,8 +295,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line ``argv`` (None: ``sys.argv``, the ``paratrain`` command itself).
+
+    Without ``argv`` this process is the command's own: it exits when the command returns,
+    so the cyclic garbage collector stays off a run's start-up and nothing is collected at
+    exit (:mod:`paratrain.training.gcfreeze`). Called with ``argv`` (tests, scripts) it
+    leaves the caller's collector alone."""
     args = build_parser().parse_args(argv)
-    code: int = args.fn(args)
+    if argv is None:
+        from .training.gcfreeze import own_process
+
+        own_process(pause=args.command == "run")
+    try:
+        code: int = args.fn(args)
+    finally:
+        if argv is None:
+            from .training.gcfreeze import freeze_for_exit, resume_collections
+
+            resume_collections()  # a run that failed before it trained
+            freeze_for_exit()
     return code
 
 

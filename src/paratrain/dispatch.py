@@ -56,6 +56,7 @@ def execute(
         warm(preload)
     from .preflight import preflight
     from .training import report
+    from .training.gcfreeze import resume_collections
     from .training.threads import intra_op_threads, use_threads
 
     # Every check before training, the same `paratrain validate` makes (imports the
@@ -70,6 +71,8 @@ def execute(
     threads = use_threads(intra_op_threads(job)) if spec.name == "Local" else contextlib.nullcontext()
     if spec.name == "Local":
         report.import_in_background()  # report.png's matplotlib, off the end of the run
+    else:  # the Local executor resumes once its model and optimizer are built
+        resume_collections()  # the CLI's start-up pause (training.gcfreeze) ends here
     with threads:
         if instances is not None:
             return spec.run(job, resume=resume, overwrite=overwrite, model=instances.model,

@@ -32,6 +32,7 @@ from ..training import (
     seed_everything,
     write_summary,
 )
+from ..training.gcfreeze import resume_collections
 from ..training.loop import DataPlan, LocalEngine, Trainer, run_loop, summary_fields
 from ..training.rundir import RunFolder
 from ..training.stores import LocalStore, warm
@@ -71,7 +72,8 @@ def run(
 
         check_job(job, net)
     net.to(device)
-    opt = build_optimizer(net.parameters(), job.train.optimizer)
+    opt = build_optimizer(net.parameters(), job.train.optimizer)  # imports torch._dynamo
+    resume_collections()  # the CLI's start-up is over (training.gcfreeze)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         return _train(job, folder, resume=folder.resume, net=net, opt=opt, task=the_task,
                       train=train, test=test, device=device, started=started)

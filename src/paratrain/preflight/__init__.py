@@ -120,6 +120,10 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True,
         _stage(problems, _federated, job, bundle)
         if strategy_ok and not problems:
             _stage(problems, _executor_hook, job)
+    # The checked model is garbage now; an import inside a stage (spec_for's executor
+    # package) can leave cyclic garbage holding this frame, and the frame its locals: drop it
+    # here, so that while `paratrain run` pauses collection (training.gcfreeze) it is freed.
+    del bundle
     if warn:
         for note in notes:
             warnings.warn(note, PreflightWarning, stacklevel=2)

@@ -83,17 +83,20 @@ def _build(job: JobConfig, instances: Instances | None = None) -> Any:
     from torch.utils.data import TensorDataset
 
     from ..task import is_default, preflight_task
+    from ..training.gcfreeze import watch_garbage
 
     if instances is not None:  # fit's objects, each in place of its spec
         data, model = instances.data, instances.model
         if data is not None and model is None:  # as Local: the model spec over the bundle
             model = _model(job, data)
+            watch_garbage(model)
         checked = preflight_task(job, task=instances.task, model=model,
                                  datasets=(data.train, data.test) if data is not None else None)
         _optimizer(job, checked.model)
         return checked
     if not is_default(job):  # another task: its datasets, model, two examples; the optimizer
         checked = preflight_task(job)
+        watch_garbage(checked.model)  # checked, then dropped: the run builds its own
         _optimizer(job, checked.model)
         return checked
 
@@ -106,6 +109,7 @@ def _build(job: JobConfig, instances: Instances | None = None) -> Any:
     except Exception as e:  # noqa: BLE001 - a user factory's own error: one line
         raise ConfigError([("data", _one_line(f"loading the data failed: {type(e).__name__}: {e}"))]) from None
     model = _model(job, bundle)
+    watch_garbage(model)  # checked, then dropped: the run builds its own
     if not isinstance(bundle.train, TensorDataset):  # paratrain.fit's own Datasets (its saved_data)
         checked = preflight_task(job, datasets=(bundle.train, bundle.test), model=model)
         _optimizer(job, checked.model)
