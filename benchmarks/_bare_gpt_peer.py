@@ -9,8 +9,9 @@ before the model is built; each epoch's order ``randperm`` from a generator seed
 characters per step, the test set scored every EVAL_EVERY steps and at the end (batches of
 128, summed cross-entropy), the trained state_dict ``torch.save``d to OUT. Nothing else: no
 checks, checkpoints, metrics file, bigram baseline, plot or digest. THREADS > 0 calls
-``torch.set_num_threads(THREADS)`` (0 keeps torch's default). Prints one JSON line:
-the final test loss and the median seconds per training step.
+``torch.set_num_threads(THREADS)`` (0 keeps torch's default); EVAL_EVERY -1 skips every
+evaluation (a timing of the steps only). Prints one JSON line: the final test loss and the
+median seconds per training step.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def main(out: str, steps: int, eval_every: int, threads: int) -> None:
     model = gpt((BLOCK,), train.vocab_size, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
     n = len(train)
-    step, epoch, loss, times = 0, 0, float("nan"), []
+    step, epoch, times = 0, 0, []
     while step < steps:
         order = torch.randperm(n, generator=torch.Generator().manual_seed(SEED * 1_000_003 + epoch))
         for b in range(n // BATCH):
@@ -64,12 +65,12 @@ def main(out: str, steps: int, eval_every: int, threads: int) -> None:
             opt.step()
             times.append(time.perf_counter() - t0)
             step += 1
-            if eval_every and step % eval_every == 0 and step < steps:
+            if eval_every > 0 and step % eval_every == 0 and step < steps:
                 loss = evaluate(model, test)
             if step == steps:
                 break
         epoch += 1
-    loss = evaluate(model, test)
+    loss = evaluate(model, test) if eval_every >= 0 else None  # -1: only the step times
     torch.save(model.state_dict(), out)
     print(json.dumps({"test_loss": loss, "median_step_s": statistics.median(times)}))
 

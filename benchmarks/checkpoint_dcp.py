@@ -1,30 +1,33 @@
-"""Checkpoint format benchmark: the per-process ``torch.save`` files of earlier versions
-(old) against the torch.distributed.checkpoint folders of ``training/stores.py`` (new).
+"""Checkpoint benchmark: paratrain's checkpoint stores (``training/stores.py``, written
+through ``comm/dcp.py``) against torch.distributed.checkpoint's own ``dcp.save`` /
+``dcp.load`` and plain ``torch.save`` / ``torch.load``, in the same run, as ratios.
 
-* ``reshard_peak_rss_mb``: a model of LAYERS square Linear layers (H x H, fp32) with Adam
-  state, saved by 4 processes each holding a quarter of every tensor's rows (as ZeRO-3 or
-  a 4-way tensor-parallel split hold it), resumed on 2 processes. Measured: process 0's
-  peak resident memory (VmHWM) over its resident memory before it reads, in a fresh
-  process per format. Old: process 0 loads every old process's file, joins the pieces
-  into whole tensors and serialises the merged state for its broadcast (what
-  ``RankStore._load_resharded`` did at commit 5bf3918), then keeps its half. New: process
-  0 reads its half of each tensor from the DCP chunks that hold it (``comm.dcp.load``, the
-  read the store makes).
-* ``same_layout_s``: one process saving and then resuming the whole model + Adam state on
-  the same layout; median over REPEATS paired runs (order alternating) of the save and of
-  the load, old (``checkpoint.save_checkpoint`` / ``load_checkpoint``: fsynced
-  ``torch.save`` + ``os.replace``, ``torch.load(weights_only=True)``) vs new
-  (``LocalStore.save`` / ``LocalStore.load``: DCP write into a temp folder, fsync, rename;
-  DCP read of the process's own keys).
+* ``same_layout``: one process saving and then resuming a model of LAYERS square Linear
+  layers (H x H, fp32) with its Adam state. paratrain: ``LocalStore.save`` /
+  ``LocalStore.load`` (DCP write into a temp folder, fsync, rename; DCP read of the keys
+  it wrote and its position). torch DCP: ``dcp.save`` / ``dcp.load`` of the model and
+  optimizer state dicts (``FileSystemWriter``, fsynced) into a folder. torch.save: one
+  fsynced file renamed into place, read with ``torch.load(weights_only=True)``. Medians
+  over REPEATS rounds, the order of the three rotating each round; ratios are paratrain's
+  median over the peer's.
+* ``reshard``: the same state saved by 4 processes each holding a quarter of every
+  tensor's rows (as ZeRO-3 or a 4-way tensor-parallel split hold it), resumed by process 0
+  of 2, which keeps the first half of each tensor's rows. Measured: that process's peak
+  resident memory (VmHWM) over its resident memory before it reads, in a fresh process per
+  reader. paratrain: ``comm.dcp.load`` of its half from the DCP chunks that hold it (the
+  read ``RankStore`` makes on another layout). torch DCP: ``dcp.load`` of the same folder
+  into whole tensors (a plain tensor target; the half is kept). torch.save: the 4 per-process
+  files loaded and joined, the half kept.
 
-Prints one JSON object (every figure measured here). ``--quick`` for a smaller model.
+Prints one JSON object (every figure measured here). ``--quick`` for a smaller model,
+``--smoke`` for the tiniest one (every code path, a few seconds).
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, provenance  # noqa: E402
 
 OLD_WORLD, NEW_WORLD = 4, 2
+KINDS = ("paratrain", "torch_dcp", "torch_save")
 
 
 def _rss_kb(field: str) -> int:
@@ -53,141 +57,197 @@ def _whole(h: int, layers: int) -> dict[str, dict[str, torch.Tensor]]:
                             "exp_avg_sq": torch.rand(h, h, generator=g)} for i in range(layers)}
 
 
+def _torch_save(path: Path, state: Any) -> None:
+    """``torch.save`` into a temp file, fsync, rename (a crash leaves the old file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# -- reshard: 4 writers, process 0 of 2 reads its half -----------------------------------
+
 def _write(root: Path, h: int, layers: int) -> None:
-    """Both formats of the same 4-process checkpoint."""
+    """The 4-process checkpoint: one DCP folder of row chunks (paratrain's layout, which
+    torch DCP reads too) and 4 per-process ``torch.save`` files."""
     from paratrain.comm import dcp
-    from paratrain.training import checkpoint
 
     whole = _whole(h, layers)
     rows = h // OLD_WORLD
     pieces: list[Any] = []
+    (root / "save").mkdir()
     for r in range(OLD_WORLD):
         cut = {n: {k: v[r * rows:(r + 1) * rows].clone() for k, v in t.items()} for n, t in whole.items()}
-        spec = {"shape": [h, h], "slices": [[0, r * rows, rows]]}
-        names = list(cut)
-        checkpoint.save_checkpoint(root / "old" / f"rank{r}.pt", {
-            "model": {n: c["param"] for n, c in cut.items()}, "names": names, "param_names": names,
-            "shards": [spec] * len(names), "param_shards": [spec] * len(names),
-            "optimizer": {"state": {i: {"exp_avg": cut[n]["exp_avg"], "exp_avg_sq": cut[n]["exp_avg_sq"],
-                                        "step": torch.tensor(1.0)} for i, n in enumerate(names)},
-                          "param_groups": [{"lr": 0.001, "params": list(range(len(names)))}]},
-            "step": 1})
+        mine: dict[str, torch.Tensor] = {}
         for n, c in cut.items():
             box = dcp.Box((h, h), (r * rows, 0))
-            pieces += [(f"model/{n}", c["param"], box), (f"optim/{n}/exp_avg", c["exp_avg"], box),
-                       (f"optim/{n}/exp_avg_sq", c["exp_avg_sq"], box)]
-    (root / "new").mkdir()
-    dcp.save(root / "new", pieces, blobs={}, group=None, world=1)
+            for fqn, t in ((f"model/{n}", c["param"]), (f"optim/{n}/exp_avg", c["exp_avg"]),
+                           (f"optim/{n}/exp_avg_sq", c["exp_avg_sq"])):
+                pieces.append((fqn, t, box))
+                mine[fqn] = t
+        _torch_save(root / "save" / f"rank{r}.pt", mine)
+    (root / "dcp").mkdir()
+    dcp.save(root / "dcp", pieces, blobs={}, group=None, world=1)
 
 
-def _child_old(root: Path, h: int) -> None:
-    """Process 0 of 2 resuming the old format: every file, merged whole, serialised."""
-    from paratrain.training import checkpoint
-
-    states = [checkpoint.load_checkpoint(root / "old" / f"rank{r}.pt") for r in range(OLD_WORLD)]
-    first = states[0]
-    merged: dict[str, torch.Tensor] = {}
-    for i, n in enumerate(first["names"]):
-        merged[f"model/{n}"] = torch.cat([s["model"][n] for s in states])
-        for key in ("exp_avg", "exp_avg_sq"):
-            merged[f"optim/{n}/{key}"] = torch.cat([s["optimizer"]["state"][i][key] for s in states])
-    del states
-    buf = io.BytesIO()
-    torch.save(merged, buf)  # the blob process 0 broadcast
-    blob = buf.getvalue()
-    half = {k: v[: h // NEW_WORLD].clone() for k, v in torch.load(io.BytesIO(blob), weights_only=True).items()}
-    assert len(half) == len(merged)
-
-
-def _child_new(root: Path, h: int) -> None:
-    """Process 0 of 2 resuming the DCP format: its rows of every tensor."""
+def _read_paratrain(root: Path, h: int) -> int:
     from paratrain.comm import dcp
 
-    md = dcp.read_metadata(root / "new")
+    md = dcp.read_metadata(root / "dcp")
     targets = {k: dcp.Target(torch.empty(h // NEW_WORLD, h), dcp.Box((h, h), (0, 0)), (k,))
                for k in md.state_dict_metadata}
-    dcp.load(root / "new", targets, group=None, world=1)
+    dcp.load(root / "dcp", targets, group=None, world=1)
+    return len(targets)
 
 
-def _peak(kind: str, root: Path, h: int) -> float:
-    out = subprocess.run([sys.executable, __file__, "--child", kind, str(root), str(h)],
-                         capture_output=True, text=True, check=True)
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["peak_over_start_mb"])
+def _read_torch_dcp(root: Path, h: int) -> int:
+    import torch.distributed.checkpoint as tdcp
+
+    md = tdcp.FileSystemReader(str(root / "dcp")).read_metadata()
+    state = {k: torch.empty(h, h) for k in md.state_dict_metadata}
+    tdcp.load(state, storage_reader=tdcp.FileSystemReader(str(root / "dcp")), no_dist=True)
+    half = {k: v[: h // NEW_WORLD].clone() for k, v in state.items()}
+    del state
+    return len(half)
 
 
-def _loop_state(whole: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
-    names = list(whole)
-    return {"model": {n: t["param"] for n, t in whole.items()}, "names": names, "param_names": names,
-            "optimizer": {"state": {i: {"exp_avg": whole[n]["exp_avg"], "exp_avg_sq": whole[n]["exp_avg_sq"],
-                                        "step": torch.tensor(1.0)} for i, n in enumerate(names)},
-                          "param_groups": [{"lr": 0.001, "params": list(range(len(names)))}]},
-            "scheduler": {}, "rng": None, "step": 1, "epoch": 0, "batch": 1, "losses": [], "loader": {},
-            "optimizer_type": "Adam", "layout": {"strategy": "Local"}, "engine": {}}
+def _read_torch_save(root: Path, h: int) -> int:
+    files = [torch.load(root / "save" / f"rank{r}.pt", weights_only=True) for r in range(OLD_WORLD)]
+    merged = {k: torch.cat([f[k] for f in files]) for k in files[0]}
+    del files
+    half = {k: v[: h // NEW_WORLD].clone() for k, v in merged.items()}
+    del merged
+    return len(half)
+
+
+def _child(kind: str, root: Path, h: int) -> None:
+    torch.set_num_threads(1)
+    import torch.distributed.checkpoint as _tdcp  # noqa: F401 - imports are not the read's memory
+
+    import paratrain.comm.dcp  # noqa: F401
+
+    start = _rss_kb("VmRSS")
+    n = {"paratrain": _read_paratrain, "torch_dcp": _read_torch_dcp, "torch_save": _read_torch_save}[kind](root, h)
+    assert n > 0
+    print(json.dumps({"peak_over_start_mb": round((_rss_kb("VmHWM") - start) / 1024, 2)}))
+
+
+def _peaks(root: Path, h: int, readers: int) -> dict[str, list[float]]:
+    """Every reader a fresh process; run side by side (memory, not time, is measured)."""
+    procs = [(kind, subprocess.Popen([sys.executable, __file__, "--child", kind, str(root), str(h)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+             for _ in range(readers) for kind in KINDS]
+    out: dict[str, list[float]] = {k: [] for k in KINDS}
+    for kind, p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        if p.returncode != 0:
+            raise RuntimeError(f"reader {kind} failed ({p.returncode}): {stderr[-2000:]}")
+        out[kind].append(float(json.loads(stdout.strip().splitlines()[-1])["peak_over_start_mb"]))
+    return out
+
+
+# -- same layout: one process saves and resumes the whole state ---------------------------
+
+def _model(h: int, layers: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(h, h, bias=False) for _ in range(layers)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, h)).sum().backward()
+    opt.step()  # Adam's state exists
+    return model, opt
+
+
+def _loop_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The loop state ``run_loop`` hands a store."""
+    names = [n for n, _ in model.named_parameters()]
+    return {"model": model.state_dict(), "names": list(model.state_dict()), "param_names": names,
+            "optimizer": opt.state_dict(), "scheduler": {}, "rng": None, "step": 1, "epoch": 0,
+            "batch": 1, "losses": [], "loader": {}, "optimizer_type": "Adam",
+            "layout": {"strategy": "Local"}, "engine": {}}
+
+
+def _save_load(kind: str, d: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[float, float, Any]:
+    import torch.distributed.checkpoint as tdcp
+
+    from paratrain.training.stores import LocalStore
+
+    t0 = time.perf_counter()
+    if kind == "paratrain":
+        LocalStore(d / "checkpoints").save(1, _loop_state(model, opt))
+    elif kind == "torch_dcp":
+        tdcp.save({"model": model.state_dict(), "optim": opt.state_dict()},
+                  storage_writer=tdcp.FileSystemWriter(str(d / "dcp"), sync_files=True), no_dist=True)
+    else:
+        d.mkdir()
+        _torch_save(d / "ckpt.pt", {"model": model.state_dict(), "optim": opt.state_dict()})
+    t1 = time.perf_counter()
+    if kind == "paratrain":
+        found = LocalStore(d / "checkpoints").load()
+        assert found is not None
+        got = found[1]["model"]
+    elif kind == "torch_dcp":
+        state = {"model": {k: torch.empty_like(v) for k, v in model.state_dict().items()},
+                 "optim": opt.state_dict()}  # DCP loads in place into a template
+        tdcp.load(state, storage_reader=tdcp.FileSystemReader(str(d / "dcp")), no_dist=True)
+        got = state["model"]
+    else:
+        got = torch.load(d / "ckpt.pt", weights_only=True)["model"]
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1, got
 
 
 def _same_layout(h: int, layers: int, repeats: int) -> dict[str, Any]:
-    from paratrain.training import checkpoint
-    from paratrain.training.stores import LocalStore
+    import warnings
 
-    state = _loop_state(_whole(h, layers))
-    times: dict[str, list[float]] = {"old_save": [], "old_load": [], "new_save": [], "new_load": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(repeats):
-            for kind in (("old", "new") if i % 2 == 0 else ("new", "old")):
-                d = Path(tmp) / f"{kind}{i}"
-                t0 = time.perf_counter()
-                if kind == "old":
-                    checkpoint.save_checkpoint(checkpoint.checkpoint_path(d, 1), state)
-                else:
-                    LocalStore(d / "checkpoints").save(1, state)
-                t1 = time.perf_counter()
-                if kind == "old":
-                    got = checkpoint.load_checkpoint(checkpoint.checkpoint_path(d, 1))
-                else:
-                    found = LocalStore(d / "checkpoints").load()
-                    assert found is not None
-                    got = found[1]
-                t2 = time.perf_counter()
-                assert torch.equal(got["model"]["0.weight"], state["model"]["0.weight"])
-                times[f"{kind}_save"].append(t1 - t0)
-                times[f"{kind}_load"].append(t2 - t1)
+    model, opt = _model(h, layers)
+    first = model.state_dict()["0.weight"]
+    times: dict[str, list[float]] = {f"{k}_{w}": [] for k in KINDS for w in ("save", "load")}
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        for i in range(repeats + 1):  # round 0 warms up (imports, first writes)
+            for kind in KINDS[i % 3:] + KINDS[:i % 3]:
+                s, ld, got = _save_load(kind, Path(tmp) / f"{kind}{i}", model, opt)
+                assert torch.equal(got["0.weight"], first), kind
+                if i > 0:
+                    times[f"{kind}_save"].append(s)
+                    times[f"{kind}_load"].append(ld)
     med = {k: median(v) for k, v in times.items()}
-    return {**{f"{k}_median_s": round(v, 4) for k, v in med.items()},
-            "save_ratio_new_over_old": round(med["new_save"] / med["old_save"], 3),
-            "load_ratio_new_over_old": round(med["new_load"] / med["old_load"], 3)}
+    out: dict[str, Any] = {f"{k}_median_s": round(v, 4) for k, v in med.items()}
+    for peer in ("torch_dcp", "torch_save"):
+        for w in ("save", "load"):
+            out[f"{w}_ratio_paratrain_over_{peer}"] = round(med[f"paratrain_{w}"] / med[f"{peer}_{w}"], 3)
+    return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="hidden 1024, 3 repeats")
+    ap.add_argument("--smoke", action="store_true", help="hidden 64, 1 repeat: every code path")
     ap.add_argument("--child", nargs=3, metavar=("KIND", "ROOT", "H"))
     args = ap.parse_args()
     if args.child:
-        kind, root, h = args.child[0], Path(args.child[1]), int(args.child[2])
-        torch.set_num_threads(1)
-        import paratrain.comm.dcp  # noqa: F401 - imports are not the read's memory
-        import paratrain.training.checkpoint  # noqa: F401
-
-        start = _rss_kb("VmRSS")
-        (_child_old if kind == "old" else _child_new)(root, h)
-        print(json.dumps({"peak_over_start_mb": round((_rss_kb("VmHWM") - start) / 1024, 1)}))
+        _child(args.child[0], Path(args.child[1]), int(args.child[2]))
         return
     torch.set_num_threads(1)
-    h, layers, repeats = (1024, 4, 3) if args.quick else (2048, 4, 5)
+    h, layers, repeats, readers = ((64, 2, 1, 1) if args.smoke else (1024, 4, 3, 2) if args.quick
+                                   else (2048, 4, 5, 2))
     whole_mb = layers * 3 * h * h * 4 / 2**20
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         _write(root, h, layers)
-        peaks = {kind: [_peak(kind, root, h) for _ in range(2)] for kind in ("old", "new")}
+        peaks = _peaks(root, h, readers)
+    best = {k: min(v) for k, v in peaks.items()}
+    reshard: dict[str, Any] = {"whole_state_mb": round(whole_mb, 2),
+                               **{f"{k}_peak_over_start_mb": v for k, v in best.items()}}
+    for peer in ("torch_dcp", "torch_save"):
+        reshard[f"peak_ratio_paratrain_over_{peer}"] = round(best["paratrain"] / max(best[peer], 0.01), 3)
     results: dict[str, Any] = {
         "config": {"hidden": h, "layers": layers, "old_processes": OLD_WORLD, "new_processes": NEW_WORLD,
-                   "repeats": repeats},
-        "reshard_peak_rss_mb": {
-            "whole_state_mb": round(whole_mb, 1),
-            "old_process0_peak_over_start_mb": min(peaks["old"]),
-            "new_process0_peak_over_start_mb": min(peaks["new"]),
-            "ratio_new_over_old": round(min(peaks["new"]) / min(peaks["old"]), 3)},
-        "same_layout_s": _same_layout(h, layers, repeats),
+                   "repeats": repeats, "readers_per_kind": readers},
+        "reshard": reshard,
+        "same_layout": _same_layout(h, layers, repeats),
     }
     results["provenance"] = provenance(results, configured=["whole_state_mb"])
     print(json.dumps(results, indent=1))

@@ -12,7 +12,8 @@ For float32 tensors of 1M and 25M elements (``--quick``: 1M and 4M), per method:
   plain selection), the peer the goal refers to.
 
 Goals (issue 3): wire_ratio <= 1.01 for every method; TopK 1% on the largest size,
-Threshold and Quantization <= 3x the copy floor. Prints one JSON object.
+Threshold and Quantization <= 3x the copy floor. Prints one JSON object. ``--smoke``: 100k and
+400k elements, one repeat (every code path, a few seconds).
 """
 
 from __future__ import annotations
@@ -129,12 +130,14 @@ def bench_size(n: int, repeats: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1M and 4M elements, 3 repeats")
+    ap.add_argument("--smoke", action="store_true", help="100k and 400k elements, 1 repeat: every code path")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    sizes = [1_000_000, 4_000_000] if args.quick else [1_000_000, 25_000_000]
-    repeats = args.repeats or (3 if args.quick else 7)
+    sizes = ([100_000, 400_000] if args.smoke else [1_000_000, 4_000_000] if args.quick
+             else [1_000_000, 25_000_000])
+    repeats = args.repeats or (1 if args.smoke else 3 if args.quick else 7)
     result: dict[str, Any] = {
         "benchmark": "compression",
         "what": "compress+decompress time / tensor.clone() time; wire bytes / information minimum",

@@ -7,7 +7,8 @@ same job with 0 and with 2 loader workers back to back (the order alternating) a
 the optimizer steps from step ``--warm`` to the last from the run's own ``metrics.jsonl``
 (``time_s`` of its evaluations), so start-up (preflight, model build, forking the
 workers) is not counted. ``ratio_measured`` is the median over the repeats of
-``steps/s (2 workers) / steps/s (0 workers)``. Prints one JSON object.
+``steps/s (2 workers) / steps/s (0 workers)``. Prints one JSON object; ``--quick`` for a
+short run, ``--smoke`` for the tiniest (every code path, a few seconds).
 """
 
 from __future__ import annotations
@@ -115,9 +116,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--work-ms", type=float, default=1.0)
     ap.add_argument("--quick", action="store_true", help="2 repeats of 40 steps")
+    ap.add_argument("--smoke", action="store_true", help="1 repeat of 4 steps: every code path")
     args = ap.parse_args()
     if args.quick:
         args.repeats, args.steps, args.warm = 2, 40, 10
+    if args.smoke:
+        args.repeats, args.steps, args.warm, args.batch = 1, 4, 2, 4
     rounds = _rounds_for(args.work_ms)
     per = {0: [], 2: []}  # type: dict[int, list[float]]
     ratios = []

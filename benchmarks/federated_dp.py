@@ -21,7 +21,10 @@ the updates' multiplier is raised so that the round's total stays z) and of
 ``--local-levels`` in local mode (each client noises its own update; accounted at q = 1). Per run: epsilon (modelled: Opacus's RDP bound for the rounds
 run, the figure the summary reports), the final and best test accuracy / loss (measured)
 and the wall time (measured, on a shared 2-core machine). One JSON object.
-``--quick``: digits only, 10 rounds, levels 1.0 and 2.0, adaptive 1.0.
+``--quick``: digits only, 10 rounds, levels 1.0 and 2.0, adaptive 1.0. ``--smoke``: both
+tasks, 1 round, one level of each kind (Shakespeare: only its noise level), 10 digits
+clients (2 a round, 1 local epoch), 2 Shakespeare clients a round, one test play and a
+1-layer GPT 16 wide (every code path).
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ from _common import provenance  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
+SMOKE = False  # --smoke: 10 digits clients (2 a round, 1 local epoch), 2 Shakespeare clients a round, a tiny GPT
+
+
 def _digits(out: str, name: str, rounds: int, dp: dict[str, Any] | None) -> Any:
     from paratrain.config.job import load_job
 
@@ -56,6 +62,9 @@ def _digits(out: str, name: str, rounds: int, dp: dict[str, Any] | None) -> Any:
                      "client_selection": {"method": "Random", "fraction": 0.3}},
         "federated": {"local_epochs": 2, "batch_size": 10, **({"dp": dp} if dp else {})},
     }
+    if SMOKE:
+        doc["strategy"].update(num_clients=10, client_selection={"method": "Random", "fraction": 0.2})
+        doc["federated"]["local_epochs"] = 1
     return load_job(doc)
 
 
@@ -70,6 +79,10 @@ def _shakespeare(out: str, name: str, rounds: int, dp: dict[str, Any] | None) ->
     doc["federated"]["local_epochs"] = 1
     if dp:
         doc["federated"]["dp"] = dp
+    if SMOKE:
+        doc["strategy"]["client_selection"]["fraction"] = 2 / doc["strategy"]["num_clients"]
+        doc["model"].update(n_layer=1, n_embd=16, n_head=2)
+        doc["data"]["test_every"] = 38  # one test play of the 38
     return load_job(doc)
 
 
@@ -116,9 +129,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--shakespeare-rounds", type=int, default=4)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="both tasks, 1 round, one level of each kind, "
+                    "smaller federations: every code path")
     args = ap.parse_args()
     if args.quick:
         args.task, args.rounds, args.levels, args.adaptive_levels, args.local_levels = "digits", 10, [1.0, 2.0], [1.0], []
+    if args.smoke:
+        global SMOKE
+        SMOKE = True
+        args.task, args.rounds, args.shakespeare_rounds = "both", 1, 1
+        # adaptive: the count's noise (2 clients / 20) must exceed z / 2
+        args.levels, args.adaptive_levels, args.local_levels, args.shakespeare_levels = [1.0], [0.1], [1.0], [0.1]
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as out:
@@ -126,8 +147,11 @@ def main() -> None:
             results["digits"] = {name: _run(_digits, out, f"digits_{name}", args.rounds, dp, "accuracy")
                                  for name, dp in _levels(1.0, args.levels, args.adaptive_levels, args.local_levels)}
         if args.task in ("shakespeare", "both"):
+            levels = _levels(2.0, args.shakespeare_levels)
+            if SMOKE:  # the baselines' code paths are the digits runs'
+                levels = levels[2:]
             results["shakespeare"] = {name: _run(_shakespeare, out, f"shak_{name}", args.shakespeare_rounds, dp, "loss")
-                                      for name, dp in _levels(2.0, args.shakespeare_levels)}
+                                      for name, dp in levels}
     doc: dict[str, Any] = {
         "benchmark": "federated_dp",
         "config": {"digits": {"num_clients": 100, "fraction": 0.3, "rounds": args.rounds, "clip": 1.0,

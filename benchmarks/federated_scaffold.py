@@ -16,7 +16,8 @@ counts: FedNova's case; on shards and iid every client holds 134-135 rows, takes
 7 x E steps and FedNova is FedAvg) is not in the default run. Per split and method: the rounds to target of each seed and their median
 (measured: counted rounds), and the final/best test accuracy medians (measured).
 
-Prints one JSON object. ``--quick``: 1 seed, shards split only.
+Prints one JSON object. ``--quick``: 1 seed, shards split only. ``--smoke``: that with 1
+local epoch and at most 2 rounds (every code path, seconds).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ TARGET = {"shards": 0.80, "iid": 0.93, "dirichlet": 0.85}
 CAP = 30
 
 
+SMOKE = False  # --smoke: 1 local epoch, a cap of 2 rounds
+
+
 def job_doc(out: str, method: str, split: str, seed: int) -> dict[str, Any]:
     from paratrain.config.job import load_job
 
@@ -67,6 +71,9 @@ def job_doc(out: str, method: str, split: str, seed: int) -> dict[str, Any]:
                      "client_selection": {"method": "Random", "fraction": FRACTION}},
         "federated": {"local_epochs": EPOCHS, "batch_size": BATCH, "target_accuracy": TARGET[split]},
     }
+    if SMOKE:
+        doc["run"]["checkpoint_every"] = doc["strategy"]["rounds"] = 2
+        doc["federated"]["local_epochs"] = 1
     return load_job(doc).to_json_dict()
 
 
@@ -77,7 +84,8 @@ def one(out: str, method: str, split: str, seed: int) -> dict[str, Any]:
     t = time.perf_counter()
     s = run_in_process(load_job(job_doc(out, method, split, seed)))
     rtt = s["rounds_to_target"]
-    return {"rounds_to_target": CAP + 1 if rtt is None else int(rtt), "reached": rtt is not None,
+    cap = 2 if SMOKE else CAP
+    return {"rounds_to_target": cap + 1 if rtt is None else int(rtt), "reached": rtt is not None,
             "rounds_run": int(s["rounds"]), "final_test_accuracy": float(s["test_accuracy"]),
             "best_test_accuracy": float(s["best_test_accuracy"]), "wall_s": round(time.perf_counter() - t, 2)}
 
@@ -85,9 +93,13 @@ def one(out: str, method: str, split: str, seed: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="1 seed, shards split only")
+    ap.add_argument("--smoke", action="store_true", help="--quick with 1 local epoch and 2 rounds at most")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--splits", default="shards,iid", help="comma-separated: shards, iid, dirichlet")
     args = ap.parse_args()
+    if args.smoke:
+        global SMOKE
+        SMOKE = args.quick = True
     seeds = [0] if args.quick else list(range(args.seeds))
     splits = ["shards"] if args.quick else args.splits.split(",")
     torch.set_num_threads(1)
@@ -112,8 +124,8 @@ def main() -> None:
             r[m]["median_rounds_to_target"] / r["FedAvg"]["median_rounds_to_target"], 3)
         for split, r in results.items() for m in METHODS if m != "FedAvg"}
     doc = {
-        "config": {"clients": K, "fraction": FRACTION, "local_epochs": EPOCHS, "batch_size": BATCH,
-                   "lr": LR, "hidden": HIDDEN, "target_accuracy": TARGET, "round_cap": CAP,
+        "config": {"clients": K, "fraction": FRACTION, "local_epochs": 1 if SMOKE else EPOCHS, "batch_size": BATCH,
+                   "lr": LR, "hidden": HIDDEN, "target_accuracy": TARGET, "round_cap": 2 if SMOKE else CAP,
                    "seeds": seeds, "fedprox_mu": METHODS["FedProx"]["mu"]},
         "results": results,
         "summary": summary,

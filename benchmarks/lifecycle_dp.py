@@ -14,7 +14,9 @@ to exit, as a user's shell sees them:
 Each repeat runs both back to back, the order alternating; ``ratio_measured`` is the
 median over repeats of paratrain's wall time over the peer's in the same repeat (paired).
 The two trained models are compared tensor by tensor (``max_param_diff_measured``: 0.0
-means the same steps were taken). Prints one JSON object. ``--repeats N`` (default 5).
+means the same steps were taken). Prints one JSON object. ``--repeats N`` (default 5;
+``--quick``: 3; ``--smoke``: 1 repeat of 2 steps without the uncounted first runs, every
+code path).
 """
 
 from __future__ import annotations
@@ -85,12 +87,15 @@ def timed(cmd: list[str], env: dict[str, str] | None = None,
 
 
 def paired(ours_cmd: list[str], peer_cmd: list[str], repeats: int, env: dict[str, str],
-           cpu: tuple[list[float], list[float]] | None = None) -> tuple[list[float], list[float]]:
+           cpu: tuple[list[float], list[float]] | None = None,
+           warm: bool = True, peer_out: list[str] | None = None) -> tuple[list[float], list[float]]:
     """Wall seconds of both commands, ``repeats`` times, back to back in alternating order,
-    after one uncounted run of each (the page cache); ``cpu``: lists that get their CPU
-    seconds (:func:`timed`)."""
-    timed(ours_cmd, env)
-    timed(peer_cmd, env)
+    after one uncounted run of each (the page cache; ``warm=False``: none); ``cpu``: lists
+    that get their CPU seconds (:func:`timed`); ``peer_out``: gets the peer's stdout of
+    each counted run."""
+    if warm:
+        timed(ours_cmd, env)
+        timed(peer_cmd, env)
     ours: list[float] = []
     peer: list[float] = []
     ours_cpu, peer_cpu = cpu if cpu is not None else ([], [])
@@ -99,7 +104,10 @@ def paired(ours_cmd: list[str], peer_cmd: list[str], repeats: int, env: dict[str
         if rep % 2:
             order.reverse()
         for cmd, acc, acc_cpu in order:
-            acc.append(timed(cmd, env, acc_cpu)[0])
+            wall, stdout = timed(cmd, env, acc_cpu)
+            acc.append(wall)
+            if cmd is peer_cmd and peer_out is not None:
+                peer_out.append(stdout)
     return ours, peer
 
 
@@ -121,7 +129,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--quick", action="store_true", help="3 repeats")
+    ap.add_argument("--smoke", action="store_true", help="1 repeat of 2 steps, no warm-up run: every code path")
     args = ap.parse_args()
+    if args.quick:
+        args.repeats = 3
+    if args.smoke:
+        args.repeats, args.steps = 1, 2
     tmp = Path(tempfile.mkdtemp(prefix="lifecycle-dp-"))
     job = tmp / "job.toml"
     job.write_text(JOB.format(out=tmp / "runs", steps=args.steps))
@@ -129,10 +143,13 @@ def main() -> None:
     peer_pt = tmp / "peer.pt"
     peer_cmd = [_bin("torchrun"), "--nproc-per-node=2", "--standalone", str(HERE / "_ddp_peer.py"),
                 str(peer_pt), str(args.steps)]
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PARATRAIN_DEBUG")}
+    # each side at its own thread default; --smoke checks code paths, not times: the
+    # caller's thread setting (the smoke test's OMP_NUM_THREADS=1) stays
+    drop = ("PARATRAIN_DEBUG",) if args.smoke else ("OMP_NUM_THREADS", "PARATRAIN_DEBUG")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     load0 = os.getloadavg()[0]
     cpu: tuple[list[float], list[float]] = ([], [])
-    ours, peer = paired(ours_cmd, peer_cmd, args.repeats, env, cpu)
+    ours, peer = paired(ours_cmd, peer_cmd, args.repeats, env, cpu, warm=not args.smoke)
     ratios = [a / b for a, b in zip(ours, peer, strict=True)]
     summary = json.loads((tmp / "runs" / "lifecycle_dp" / "summary.json").read_text())
     results: dict[str, Any] = {

@@ -13,7 +13,9 @@ Each repeat runs both back to back, the order alternating; ``ratio_measured`` is
 of paratrain's wall time over the peer's in the same repeat. The two trained models are
 compared tensor by tensor (``max_param_diff_measured``). ``threads`` times the peer's
 training step with 1 thread and with torch's default (one per core), paired repeats
-(``--threads-repeats 0`` skips it). Prints one JSON object.
+(``--threads-repeats 0`` skips it). Prints one JSON object. ``--quick``: 3 repeats of 150
+steps (evaluations every 50); ``--smoke``: 1 repeat of 4 steps, one evaluation, without the
+uncounted first runs (every code path).
 """
 
 from __future__ import annotations
@@ -55,7 +57,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--threads-repeats", type=int, default=3)
+    ap.add_argument("--threads-steps", type=int, default=30, help="steps of each threads timing")
+    ap.add_argument("--quick", action="store_true", help="3 repeats of 150 steps, 2 threads repeats")
+    ap.add_argument("--smoke", action="store_true", help="1 repeat of 4 steps, no warm-up run: every code path")
     args = ap.parse_args()
+    if args.quick:
+        args.repeats, args.steps, args.eval_every, args.threads_repeats = 3, 150, 50, 2
+    if args.smoke:
+        args.repeats, args.steps, args.eval_every, args.threads_repeats, args.threads_steps = 1, 4, 4, 1, 3
     tmp = Path(tempfile.mkdtemp(prefix="lifecycle-gpt-"))
     job = tmp / "job.toml"
     job.write_text(_job(EXAMPLE.read_text(), tmp / "runs", args.steps, args.eval_every))
@@ -64,13 +73,17 @@ def main() -> None:
     peer_pt = tmp / "peer.pt"
     peer = [sys.executable, str(HERE / "_bare_gpt_peer.py"), str(peer_pt)]
     peer_cmd = [*peer, str(args.steps), str(args.eval_every), "1"]
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PARATRAIN_DEBUG")}
+    # each side at its own thread default; --smoke checks code paths, not times: the
+    # caller's thread setting (the smoke test's OMP_NUM_THREADS=1) stays
+    drop = ("PARATRAIN_DEBUG",) if args.smoke else ("OMP_NUM_THREADS", "PARATRAIN_DEBUG")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     load0 = os.getloadavg()[0]
     cpu: tuple[list[float], list[float]] = ([], [])
-    ours, bare = paired(ours_cmd, peer_cmd, args.repeats, env, cpu)
+    outs: list[str] = []
+    ours, bare = paired(ours_cmd, peer_cmd, args.repeats, env, cpu, warm=not args.smoke, peer_out=outs)
     ratios = [a / b for a, b in zip(ours, bare, strict=True)]
     summary = json.loads((tmp / "runs" / name / "summary.json").read_text())
-    peer_out = json.loads(timed(peer_cmd, env)[1].strip().splitlines()[-1])
+    peer_out = json.loads(outs[-1].strip().splitlines()[-1])
     results: dict[str, Any] = {
         "benchmark": "lifecycle_gpt",
         "cores": os.cpu_count(),
@@ -97,15 +110,15 @@ def main() -> None:
             if rep % 2:
                 order.reverse()
             for threads, acc in order:
-                out = timed([*peer, "30", "0", threads], env)[1]
+                out = timed([*peer, str(args.threads_steps), "-1", threads], env)[1]
                 acc.append(float(json.loads(out.strip().splitlines()[-1])["median_step_s"]))
         results["threads"] = {
             "step_s_1_thread_measured": round(median(one), 4),
             "step_s_torch_default_measured": round(median(default), 4),
-            "torch_default_threads": os.cpu_count(),
+            "torch_default_threads": os.cpu_count(), "steps": args.threads_steps,
             "default_over_1_measured": round(median([d / o for o, d in zip(one, default, strict=True)]), 3),
         }
-    results["provenance"] = provenance(results, configured=("cores", "torch_default_threads"))
+    results["provenance"] = provenance(results, configured=("cores", "torch_default_threads", "steps"))
     print(json.dumps(results))
 
 

@@ -15,7 +15,8 @@ the run's engine (:class:`TensorParallelEngine` with the data-parallel GradSync 
   clipping norm, AdamW); ``ratio_vs_none``: its ratio to the run without ZeRO. The machine
   is shared, so ratios of medians, not absolute times, are the figures.
 
-Prints one JSON object. ``--quick`` for a short run.
+Prints one JSON object. ``--quick`` for a short run, ``--smoke`` for the tiniest (every code
+path, seconds).
 """
 
 from __future__ import annotations
@@ -122,11 +123,12 @@ def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="8 timed steps")
+    ap.add_argument("--smoke", action="store_true", help="hidden 32, 1 timed step: every code path")
     args = ap.parse_args()
     from paratrain.comm.testing import run_distributed
 
-    cfg = {"hidden": 1024, "steps": 8 if args.quick else 20}
+    cfg = {"hidden": 32 if args.smoke else 1024, "steps": 1 if args.smoke else 8 if args.quick else 20}
     r = run_distributed(worker, 4, cfg, timeout_s=900)[0]
     base = r["none"]["step_time_s"]
     levels = {lvl: {**r[lvl], "held_over_formula": r[lvl]["held_bytes"] / r[lvl]["formula_bytes"],

@@ -36,7 +36,8 @@ time-share the cores, so the measured bubble there is bounded by the machine, no
 schedule (``cores_per_stage`` is reported).
 
 Steps are separated by a barrier; a step's time is the slowest rank's. Prints one JSON
-object. ``--quick`` runs fewer repeats on a smaller model.
+object. ``--quick`` runs fewer repeats on a smaller model; ``--smoke`` one repeat of a tiny
+model on 3 stages (every code path, seconds).
 """
 
 from __future__ import annotations
@@ -302,13 +303,19 @@ def measure(p: int, cfg: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats, smaller model")
+    ap.add_argument("--smoke", action="store_true",
+                    help="3 stages (a first, a middle and a last), width 16, 1 repeat: every code path")
     args = ap.parse_args()
     cfg = {"m": 8, "width": 256 if args.quick else 1024, "rows": 128 if args.quick else 1024,
            "blocks_per_stage": 2 if args.quick else 4, "warmup": 1 if args.quick else 3,
            "repeats": 3 if args.quick else 21, "metered": 3 if args.quick else 7}
+    sizes = (2, 4)
+    if args.smoke:
+        cfg = {"m": 4, "width": 16, "rows": 16, "blocks_per_stage": 1, "warmup": 1, "repeats": 1, "metered": 1}
+        sizes = (3,)
     t0 = time.perf_counter()
     load = round(os.getloadavg()[0], 2)
-    results = [measure(p, cfg) for p in (2, 4)]
+    results = [measure(p, cfg) for p in sizes]
     print(json.dumps({
         "benchmark": "model_parallel_pipeline",
         "peer": "torch.distributed.pipelining ScheduleGPipe/Schedule1F1B, same split, same processes",

@@ -27,7 +27,8 @@ Each process sets glibc's allocator as every paratrain worker does
 (:func:`paratrain.training.allocator.keep_freed_memory`); torch's steps run in the same
 processes. Steps are separated by a barrier; every repeat runs every schedule (ours and torch's, in
 rotating order), and the ``*_paired_median`` ratios are medians of one repeat's ratios. Prints one JSON object.
-``--quick``: fewer repeats. Shared machine: see ``cores_per_stage`` and the load average.
+``--quick``: fewer repeats; ``--smoke``: one repeat of a tiny model on 3 stages (every code
+path, seconds). Shared machine: see ``cores_per_stage`` and the load average.
 """
 
 from __future__ import annotations
@@ -280,12 +281,18 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256, help="the token MLP's width")
     ap.add_argument("--rows", type=int, default=256, help="rows per batch (split into m micro-batches)")
     ap.add_argument("--repeats", type=int, default=0, help="timed repeats (default 9, 3 with --quick)")
+    ap.add_argument("--smoke", action="store_true", help="3 stages (a first, a middle and a last), "
+                    "m = 6, width 16, 1 repeat: every code path")
     args = ap.parse_args()
     cfg = {"ms": [8, 16], "width": args.width, "rows": args.rows, "blocks_per_stage": 4,
            "warmup": 1 if args.quick else 2, "repeats": args.repeats or (3 if args.quick else 9)}
+    iso_cfg = {"width": 1024, "rows": 128, "blocks": 4, "repeats": 5 if args.quick else 15}
+    if args.smoke:
+        cfg = {"ms": [6], "width": 16, "rows": 24, "blocks_per_stage": 1, "warmup": 1, "repeats": 1}
+        iso_cfg = {"width": 16, "rows": 8, "blocks": 1, "repeats": 1}
+        args.stages = [3]
     t0 = time.perf_counter()
     load = round(os.getloadavg()[0], 2)
-    iso_cfg = {"width": 1024, "rows": 128, "blocks": 4, "repeats": 5 if args.quick else 15}
     costs = isolated_costs(**iso_cfg)
     isolated = {"config": iso_cfg, "costs_s_measured": {k: round(v, 5) for k, v in costs.items()},
                 "split_over_full_backward": round((costs["B"] + costs["W"]) / costs["full"], 3),

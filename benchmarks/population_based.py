@@ -13,7 +13,8 @@ member per generation, still far below a typical PBT generation):
 
 Every worker (and the in-process 1-worker peer) uses one torch thread. Prints one JSON
 object; medians over ``--repeats`` runs (``--quick``: 1 repeat, smaller
-budget).
+budget; ``--smoke``: 1 repeat of 4 tiny members for 2 generations, every code path).
+Every figure is measured (timed or counted in this run).
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import provenance  # noqa: E402
 
 
 def _job(out: str, name: str, workers: int, *, population: int, generations: int,
@@ -76,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 repeat, smaller budget")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="1 repeat, 4 members of a 16-wide MLP, "
+                    "2 generations: every code path")
     args = ap.parse_args(argv)
-    repeats = 1 if args.quick else args.repeats
+    repeats = 1 if args.quick or args.smoke else args.repeats
     kw: dict[str, Any] = {
         "population": 4 if args.quick else 8,
         "generations": 3 if args.quick else 5,
@@ -85,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         "epochs": 1 if args.quick else 4,
         "seed": 0,
     }
+    if args.smoke:
+        kw.update(population=4, generations=2, hidden=[16], epochs=1)
     import torch
 
     # Worker processes run one torch thread each; the in-process 1-worker peer does too,
@@ -119,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         "end_to_end_ratio_2_vs_1": round(med(1, "end_to_end_s") / med(2, "end_to_end_s"), 3),
         "best_fitness": round(med(1, "best_fitness"), 4),
         "identical_result_1_vs_2_workers": same,
-        "provenance_note": "every figure is measured (timed or counted in this run); ratios are "
-                           "of medians over repeats",
+        "note": "ratios are of medians over repeats",
     }
+    result["provenance"] = provenance(result)
     print(json.dumps(result))
     return 0
 

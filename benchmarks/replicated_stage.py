@@ -16,7 +16,8 @@ replication changes where rows run, not the maths. Modelled: the ideal ratio for
 1 : 2 with the heavy one halved, ``max(1, 2/2) / max(1, 2) = 0.5`` on free cores; with 3
 single-threaded workers on ``os.cpu_count()`` cores the ranks time-share (``cores`` is
 reported), so on 2 cores the measured ratio is bounded by the machine, not the schedule.
-Prints one JSON object.
+Prints one JSON object. ``--quick``: 2 repeats of 20 steps; ``--smoke``: 1 repeat of 2
+steps (every code path).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import provenance  # noqa: E402
 
 from paratrain.config.job import JobConfig, load_job  # noqa: E402
 from paratrain.dispatch import execute  # noqa: E402
@@ -54,7 +58,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="2 repeats of 20 steps")
+    ap.add_argument("--smoke", action="store_true", help="1 repeat of 2 steps: every code path")
     args = ap.parse_args()
+    if args.quick:
+        args.steps, args.repeats = 20, 2
+    if args.smoke:
+        args.steps, args.repeats = 2, 1
     runs: dict[str, list[dict[str, Any]]] = {"replicated": [], "unreplicated": []}
     with tempfile.TemporaryDirectory() as d:
         for r in range(args.repeats):
@@ -63,7 +73,7 @@ def main() -> None:
                 runs[kind].append(out)
     med = {k: statistics.median(o["median_step_time_s_measured"] for o in v) for k, v in runs.items()}
     loss = {k: v[0]["test_loss"] for k, v in runs.items()}
-    print(json.dumps({
+    result: dict[str, Any] = {
         "benchmark": "replicated_stage",
         "cores": os.cpu_count(),
         "steps": args.steps, "repeats": args.repeats,
@@ -73,7 +83,9 @@ def main() -> None:
         "test_loss_measured": loss,
         "same_loss": abs(loss["replicated"] - loss["unreplicated"]) <= 1e-4 * abs(loss["unreplicated"]),
         "workers": {"replicated": 3, "unreplicated": 2},
-    }))
+    }
+    result["provenance"] = provenance(result, configured=("cores", "steps", "repeats", "workers"))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
