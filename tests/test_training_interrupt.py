@@ -147,3 +147,43 @@ def test_the_launchers_echo_of_one_interrupt_is_not_insistence(monkeypatch: pyte
         os.kill(os.getpid(), signal.SIGINT)
         assert flag.requested
         os.kill(os.getpid(), signal.SIGINT)  # later than the echo window: at once
+
+
+def _agreeing_ranks(ctx: Any, stop_at: int, every_s: float) -> dict[str, Any]:
+    """Rank 1 sees a signal after unit ``stop_at``; every rank runs units until the group
+    agrees to stop, counting the all-reduces the agreement makes."""
+    import torch
+    import torch.distributed as dist
+
+    from paratrain.training import interrupt
+
+    calls = []
+    real = interrupt.C.all_min_ints
+
+    def counted(values: Any, *, group: Any = None) -> list[int]:
+        calls.append(1)
+        return real(values, group=group)
+
+    interrupt.C.all_min_ints = counted  # type: ignore[assignment]
+    try:
+        agreement = interrupt.Agreement(dist.group.WORLD, every_s=every_s)
+        for done in range(1, 5001):
+            torch.mm(torch.ones(32, 32), torch.ones(32, 32))  # a unit of work
+            stop, _ = agreement.check(done, ctx.rank == 1 and done >= stop_at, False)
+            if stop:
+                return {"stopped": done, "checks": len(calls)}
+        return {"stopped": None, "checks": len(calls)}
+    finally:
+        interrupt.C.all_min_ints = real  # type: ignore[assignment]
+
+
+def test_the_group_agrees_at_the_same_units_without_a_collective_per_unit() -> None:
+    from paratrain.comm.testing import run_distributed
+
+    fast = run_distributed(_agreeing_ranks, 2, 300, 0.25)
+    assert fast[0]["stopped"] == fast[1]["stopped"] is not None  # the same unit on every rank
+    assert fast[0]["stopped"] >= 300
+    assert fast[0]["checks"] == fast[1]["checks"] < 0.1 * fast[0]["stopped"]  # not one a unit
+    # non-vacuity: a zero time bound checks after every unit, and stops at once
+    every = run_distributed(_agreeing_ranks, 2, 300, 0.0)
+    assert every[0]["stopped"] == every[1]["stopped"] == 300 and every[0]["checks"] == 300

@@ -41,7 +41,7 @@ TIMEOUT = 300
 # PT_CALLS set, the process writes there how many training forwards of `head` it ran
 # (a host that resumed runs only the steps after the checkpoint).
 PLUGIN = '''
-import math, os, signal
+import math, os, signal, time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -59,6 +59,13 @@ def _pause(module, args):
         Path(os.environ["PT_CALLS"]).write_text(str(_calls[0]))
     rank, _, call = os.environ.get("PT_PAUSE_AT", "").partition(":")
     if os.environ.get("RANK") == rank and _calls[0] == int(call):
+        # checkpoints are written by a thread while training goes on: the stop comes once
+        # this host's step-8 checkpoint has landed (the kill is *between* checkpoints)
+        runs = Path(os.environ["PT_RUNS"])
+        for _ in range(1200):
+            if any(runs.rglob("step-000000008/layout.json")):
+                break
+            time.sleep(0.05)
         Path(os.environ["PT_PAUSED"]).write_text(str(os.getpid()))
         os.kill(os.getpid(), signal.SIGSTOP)
 
@@ -234,7 +241,8 @@ def test_two_hosts_train_the_one_machine_parameters_also_after_losing_a_host(
     a, b = hosts["killed"]
     logs = {k: tmp_path / f"{k}.log" for k in [*argv, "killed-b-again"]}
     paused, calls = tmp_path / "paused", tmp_path / "calls"
-    pause = {"PT_PAUSE_AT": f"1:{PAUSE_CALL[kind]}", "PT_PAUSED": str(paused)}
+    pause = {"PT_PAUSE_AT": f"1:{PAUSE_CALL[kind]}", "PT_PAUSED": str(paused),
+             "PT_RUNS": str(jobs["killed", b.ns].parent / "runs")}
     started = time.monotonic()
     procs = {k: _start(cmd, host, logs[k], **(pause if k == "killed-b" else {}))
              for k, (cmd, host) in argv.items()}

@@ -47,6 +47,7 @@ __all__ = [
     "mixing_weights",
     "gossip_average",
     "new_group",
+    "side_group",
     "subgroups",
     "hierarchy_from_hosts",
     "host_label",
@@ -146,6 +147,15 @@ def gossip_average(
 def new_group(ranks: Sequence[int], *, backend: str | None = None) -> Any:
     """A process group over ``ranks`` (every rank of the world must call this)."""
     return dist.new_group(ranks=list(ranks), backend=backend)
+
+
+def side_group(group: Any = None) -> Any:
+    """A gloo group of ``group``'s ranks (None: every rank) for collectives made from another
+    thread while ``group`` carries the training's (an asynchronous checkpoint's writes: two
+    threads must never interleave collectives on one group). Collective over ``group``'s
+    ranks only (``use_local_synchronization``: a subgroup's members alone call it)."""
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 
 def subgroups(size: int, *, backend: str | None = None) -> tuple[Any, list[list[int]]]:

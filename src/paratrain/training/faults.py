@@ -6,9 +6,10 @@ which worker processes inherit:
 * ``PARATRAIN_FAULT_KILL=RANK:STEP`` makes that rank SIGKILL itself right after optimizer
   step STEP on the first attempt only (``restart_count == 0``), so the elastic agent's
   restart and the resume-from-checkpoint path are exercised by a real process death.
-* ``PARATRAIN_FAULT_KILL_IN_SAVE=NAME`` makes the process writing checkpoint file NAME
-  (e.g. ``ckpt-000000010.pt``) SIGKILL itself after the temp file is written, before it
-  is renamed into place (first attempt only): a crash in the middle of a save.
+* ``PARATRAIN_FAULT_KILL_IN_SAVE=NAME`` makes the process writing checkpoint NAME
+  (e.g. ``step-000000010``) SIGKILL itself after the temp folder is written, before it is
+  renamed into place (first attempt only): a crash in the middle of a save -- the
+  asynchronous save's thread kills its process while training goes on.
 * ``PARATRAIN_FAULTS`` holds a JSON object with any of
 
   - ``fail_clients``: federated client indices whose local training raises;
@@ -105,12 +106,18 @@ def inject_faults(**faults: Any) -> Iterator[None]:
             os.environ[FAULTS_ENV] = old
 
 
-def maybe_kill(*, rank: int, step: int, restart_count: int) -> None:
+def maybe_kill(*, rank: int, step: int, restart_count: int, before: Any = None) -> None:
+    """SIGKILL this process after ``step`` when ``PARATRAIN_FAULT_KILL`` names it;
+    ``before()`` runs first (the lifecycle waits for its checkpoint writes in flight, so
+    the fault is a crash *after* the step, with the saves before it landed: a crash during
+    an asynchronous save is ``PARATRAIN_FAULT_KILL_IN_SAVE``'s)."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec or restart_count > 0:
         return
     rank_s, _, step_s = spec.partition(":")
     if int(rank_s) == rank and int(step_s) == step:
+        if before is not None:
+            before()
         os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -14,9 +14,17 @@ insistence (it would stop mid-step, with no checkpoint).
 
 Several processes must stop at the **same** step (their checkpoint is one collective
 save), but a signal reaches them at different moments. :func:`agree` therefore takes the
-maximum of each rank's flags over the group after every step (one 2-int all-reduce): a
-rank that saw the signal makes every rank stop, and a time cadence that is due on one
-rank's clock makes every rank save. One process (``group=None``) needs no message.
+maximum of each rank's flags over the group (one small all-reduce): a rank that saw the
+signal makes every rank stop, and a time cadence that is due on one rank's clock makes
+every rank save. One process (``group=None``) needs no message.
+
+Not after every step: :class:`Agreement` says at which steps the group agrees, so a step
+without a check makes no collective beyond its own. Every check also agrees on the next
+one: each rank proposes how many steps fit in :data:`AGREE_S` seconds at its measured step
+time, at most twice the last interval, and the group takes the smallest proposal (the same
+all-reduce carries it), so every rank checks at the same steps and a stop or a due time
+cadence is acted on within about ``AGREE_S`` of wall time (the first checks come after
+steps 1, 2, 4, ...: a slow first step never makes the interval long).
 """
 
 from __future__ import annotations
@@ -32,10 +40,13 @@ from typing import Any
 from ..comm import collectives as C
 from ..config import parse_every
 
-__all__ = ["Interrupted", "StopFlag", "stop_on_signals", "Cadence", "parse_every", "agree", "ECHO_S"]
+__all__ = ["Interrupted", "StopFlag", "stop_on_signals", "Cadence", "parse_every", "agree", "Agreement",
+           "ECHO_S", "AGREE_S"]
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 ECHO_S = 2.0  # a repeat signal this soon after the first is the launcher forwarding it
+AGREE_S = 0.25  # a group agrees on signals and time cadence at least this often (wall time)
+MAX_INTERVAL = 1024  # and at least every this many units
 
 
 class Interrupted(KeyboardInterrupt):
@@ -114,3 +125,32 @@ def agree(stop: bool, time_due: bool, group: Any) -> tuple[bool, bool]:
         return stop, time_due
     lo_stop, lo_due = C.all_min_ints([-int(stop), -int(time_due)], group=group)
     return lo_stop < 0, lo_due < 0
+
+
+class Agreement:
+    """When the processes of ``group`` agree on stopping and on a time cadence (see the
+    module docstring): :meth:`check` after every unit returns ``(stop, time_due)``, the same
+    on every rank; between agreed checks it returns ``(False, False)`` without a message."""
+
+    def __init__(self, group: Any, *, every_s: float = AGREE_S) -> None:
+        self.group, self.every_s = group, every_s
+        self.interval = 1
+        self._next: int | None = None  # the unit after which the group checks next
+        self._since = (0, time.monotonic())  # the last check's unit and time
+
+    def check(self, done: int, stop: bool, time_due: bool) -> tuple[bool, bool]:
+        if self.group is None:
+            return stop, time_due
+        if self._next is None:  # the first unit of this process's run
+            self._next, self._since = done, (done - 1, self._since[1])
+        if done < self._next:
+            return False, False
+        units, t0 = done - self._since[0], self._since[1]
+        now = time.monotonic()
+        per_unit = (now - t0) / max(units, 1)
+        fits = int(self.every_s / per_unit) if per_unit > 0 else MAX_INTERVAL
+        propose = max(1, min(2 * self.interval, fits, MAX_INTERVAL))
+        lo_stop, lo_due, interval = C.all_min_ints([-int(stop), -int(time_due), propose], group=self.group)
+        self.interval = interval
+        self._next, self._since = done + interval, (done, now)
+        return lo_stop < 0, lo_due < 0

@@ -9,7 +9,8 @@ generation. Around each, the run does the same things, here and nowhere else:
   ``metrics.jsonl`` cut back to it (:meth:`Lifecycle.begin`);
 - **progress** on the logging process, stopped in ``finally`` (:mod:`.progress`);
 - **interrupts keep progress** (:mod:`.interrupt`): the first SIGINT/SIGTERM lets the unit in
-  progress finish; every process agrees on stopping after each unit, saves the same
+  progress finish; every process agrees on stopping at the same unit (within about
+  :data:`~.interrupt.AGREE_S` seconds: :class:`~.interrupt.Agreement`), saves the same
   checkpoint and raises :class:`~.interrupt.Interrupted` (exit 130; ``--resume`` continues);
 - **cadence**: ``run.checkpoint_every`` units (0: at each epoch's end; a strategy without
   epochs has a boundary after every unit) or a span of wall time (``"10m"``, due on any
@@ -29,7 +30,7 @@ from types import TracebackType
 from typing import Any
 
 from .faults import maybe_kill
-from .interrupt import Cadence, Interrupted, StopFlag, agree, stop_on_signals
+from .interrupt import Agreement, Cadence, Interrupted, StopFlag, stop_on_signals
 from .progress import progress_bar
 from .rundir import MetricsWriter
 
@@ -50,6 +51,7 @@ class Lifecycle:
         self.state, self.group, self.rank, self.restart_count = state, group, rank, restart_count
         self.metrics = metrics
         self.cadence = Cadence(checkpoint_every)
+        self.agreement = Agreement(group)  # a collective only at agreed units, not after each
         self.last_saved: int | None = None
         self.flag = StopFlag()
         # progress on the process that logs metrics ("auto"), or as told (None: on a terminal
@@ -99,23 +101,34 @@ class Lifecycle:
         """After unit ``done`` (collective): save when the cadence says so (``boundary``: an
         epoch ended; ``last``: the run's last unit), when a signal asks to stop (then raise
         :class:`Interrupted`), and run the fault hook."""
-        halt, due = agree(self.flag.requested, self.cadence.time_due(), self.group)
+        halt, due = self.agreement.check(done, self.flag.requested, self.cadence.time_due())
         if self.cadence.step_due(done, boundary) or due or last or (halt and self.last_saved != done):
             self.save(done)
-        maybe_kill(rank=self.rank, step=done, restart_count=self.restart_count)
+        maybe_kill(rank=self.rank, step=done, restart_count=self.restart_count, before=self.wait)
         if halt:
+            self.wait()
             raise Interrupted(self.flag.signame or "a signal to another worker", done, self.unit)
 
     def save(self, done: int) -> None:
-        """Checkpoint after ``done`` units (collective)."""
-        self.store.save(done, self.state(done))
+        """Checkpoint after ``done`` units (collective; asynchronous where the store is:
+        :meth:`wait` for it)."""
+        start = getattr(self.store, "start_save", self.store.save)
+        start(done, self.state(done))
         self.last_saved = done
         self.cadence.saved()
 
+    def wait(self) -> None:
+        """The last save is written (a store without asynchronous saves has nothing to wait for)."""
+        wait = getattr(self.store, "wait", None)
+        if wait is not None:
+            wait()
+
     def finish(self, done: int) -> None:
-        """The run ends after ``done`` units: saved unless that checkpoint exists."""
+        """The run ends after ``done`` units: saved unless that checkpoint exists, and written
+        before this returns."""
         if self.last_saved != done:
             self.save(done)
+        self.wait()
 
 
 def engine_state(done: int, engine: dict[str, Any], model: dict[str, Any] | None = None) -> dict[str, Any]:

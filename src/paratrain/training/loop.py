@@ -225,7 +225,8 @@ def run_loop(
     ``prepare()`` runs after a resumed state was checked and loaded, before anything is
     written; ``check_state(state, source)`` raises when the state is not this job's.
     ``group``: the processes that run this loop together (None: one process); they agree
-    after every step on stopping (a signal) and on a time-based checkpoint. ``layout``: this
+    on stopping (a signal) and on a time-based checkpoint at the steps
+    :class:`~.interrupt.Agreement` picks. ``layout``: this
     run's processes and placement, saved with every checkpoint; a store that resumes a
     checkpoint of another layout gives it by the model's names (:mod:`.reshard`), and
     ``reposition(old_layout, position)`` moves the data position onto this layout (default:

@@ -34,6 +34,7 @@ A step folder read by one process (export, inspection, tests) is :mod:`.store_re
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import secrets
@@ -49,6 +50,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.dcp_pieces import METADATA
+from ..comm.groups import side_group
 from ..config import ConfigError
 from ..files import DCP_FOLDER, newest_checkpoint, safe_rmtree, step_folders
 from . import dcp_state as S
@@ -124,6 +126,9 @@ class RankStore:
         self.loaded_step: int | None = None
         self._leader: bool | None = None  # writes this host's folder names (one per file system)
         self._shared = True  # every process sees one checkpoints folder
+        self._side: Any = None  # the save thread's gloo group (several processes)
+        self._pending: _Pending | None = None  # the save in flight
+        self._buffers: dict[tuple[str, Any], torch.Tensor] = {}  # the last save's staged copies
 
     # -- where ----------------------------------------------------------------------------
 
@@ -156,13 +161,58 @@ class RankStore:
     # -- save -----------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any]) -> None:
+        """Checkpoint ``state`` as step ``step`` (collective); written when this returns."""
+        self.start_save(step, state)
+        self.wait()
+
+    def start_save(self, step: int, state: dict[str, Any]) -> None:
+        """Checkpoint ``state`` as step ``step`` (collective), asynchronously: the state is
+        copied here (:func:`_stage`, the only cost to the step) and written by a thread over
+        a gloo group of its own (:func:`~paratrain.comm.groups.side_group`), while training
+        goes on. One save is in flight at a time: the next save, a load and :meth:`wait`
+        wait for it (and raise what it raised). The folder rename is the commit, so a
+        process killed mid-write leaves the previous checkpoint whole."""
+        self.wait()
         self._probe()
+        if self.world > 1 and self._side is None:
+            self._side = side_group(self.group)
         pieces, meta, engine = S.flatten(state)
+        staged = (self._stage_pieces(pieces), _stage(meta), _stage(engine))
+        self._pending = _Pending(lambda: self._write(step, *staged))
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _stage_pieces(self, pieces: list[S.Piece]) -> list[S.Piece]:
+        """A CPU copy of every piece, into the buffers of the last save where they fit (no
+        allocation and page faults per save)."""
+        out: list[S.Piece] = []
+        kept: dict[tuple[str, Any], torch.Tensor] = {}
+        for fqn, t, box in pieces:
+            key = (fqn, box.offsets if box is not None else None)  # a key's pieces: one buffer each
+            buf = self._buffers.get(key)
+            if buf is not None and buf.shape == t.shape and buf.dtype == t.dtype:
+                buf.copy_(t.detach())
+            else:
+                buf = t.detach().to("cpu", copy=True)
+            kept[key] = buf
+            out.append((fqn, buf, box))
+        self._buffers = kept
+        return out
+
+    def _write(self, step: int, pieces: list[S.Piece], meta: dict[str, Any],
+               engine: dict[str, Any]) -> None:
+        """Write one staged checkpoint (the save thread; collective over the side group)."""
+        group = self._side
+        g = group if self.world > 1 else None
         private: set[str] | None = None  # None: every key is this process's own
         if self.world > 1 and self._shared:
             mine = S.digests(pieces)
             seen: dict[str, set[str]] = {}
-            for text in C.all_gather_text(json.dumps(mine), group=self.group):
+            for text in C.all_gather_text(json.dumps(mine), group=group):
                 for k, d in json.loads(text).items():
                     seen.setdefault(k, set()).add(d)
             private = {k for k, ds in seen.items() if len(ds) > 1}
@@ -175,17 +225,17 @@ class RankStore:
             if self._leader:
                 self._remove_stale()
                 tmp.mkdir(parents=True)
-            C.barrier(self._g())
+            C.barrier(g)
             _dcp().save(tmp, pieces, blobs={S.meta_key(self.rank): meta, S.engine_key(self.rank): engine},
-                     group=self.group, world=self.world)
+                     group=group, world=self.world)
             md = C.broadcast_bytes((tmp / METADATA).read_bytes() if self.rank == 0 else None,
-                                   group=self._g()) if not self._shared else b""
+                                   group=g) if not self._shared else b""
             if self._leader:
                 if md and not (tmp / METADATA).exists():
                     _write_atomic(tmp / METADATA, md)
                 _write_atomic(tmp / LAYOUT_FILE, json.dumps(
                     {"kind": self.prefix, "step": step, **self.layout, "world": self.world}).encode())
-            C.barrier(self._g())
+            C.barrier(g)
             maybe_kill_in_save(final)
             if self._leader:
                 if final.exists():
@@ -196,7 +246,7 @@ class RankStore:
         except (OSError, _failed_dcp()) as e:  # DCP wraps a failed write (a full disk)
             raise ConfigError([("run.output_dir", f"cannot write checkpoint {final}: "
                                 f"{save_reason(e)}")]) from None
-        C.barrier(self._g())
+        C.barrier(g)
 
     # -- load -----------------------------------------------------------------------------
 
@@ -204,6 +254,7 @@ class RankStore:
         """``(folder, state)`` of the newest readable checkpoint (None: there is none);
         ``state`` is this process's loop state, with ``"resharded": True`` when it was
         written on another layout (``held`` says what this process holds then)."""
+        self.wait()
         doc: dict[str, Any] = {}
         if self.rank == 0:
             try:
@@ -338,6 +389,49 @@ class LocalStore(RankStore):
         super().__init__(Path(directory).parent, "local", rank=0, world=1, group=None,
                          layout={"strategy": "Local"}, layout_field="checkpoint", reshard=True)
         self.directory = Path(directory)
+
+
+class _Pending:
+    """One checkpoint write on a thread of its own; :meth:`result` joins it and raises what
+    it raised. A daemon: a process that fails elsewhere does not hang on a write whose
+    peers are gone (its temp folder is removed by the next save)."""
+
+    def __init__(self, write: Any) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(write,), name="paratrain-checkpoint",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, write: Any) -> None:
+        try:
+            write()
+        except BaseException as e:  # noqa: BLE001 - re-raised by result()
+            self.error = e
+
+    def result(self) -> None:
+        self.thread.join()
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+
+def _stage(obj: Any) -> Any:
+    """A copy of a checkpoint's nested state that training cannot change: tensors copied to
+    the CPU, containers rebuilt, everything else deep-copied."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):  # a subclass (a state_dict's OrderedDict) keeps its type and attributes
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _stage(v)
+        return out
+    if isinstance(obj, list):
+        return [_stage(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_stage(v) for v in obj)
+    if isinstance(obj, (int, float, str, bytes, bool, type(None))):
+        return obj
+    return copy.deepcopy(obj)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
