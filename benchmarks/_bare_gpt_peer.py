@@ -1,7 +1,7 @@
 """The peer of ``lifecycle_gpt.py``: one file, a bare PyTorch loop over the GPT demo
 (``examples/gpt_shakespeare_local.toml``) shortened to STEPS steps.
 
-``python benchmarks/_bare_gpt_peer.py OUT STEPS EVAL_EVERY THREADS``: the same corpus and
+``python benchmarks/_bare_gpt_peer.py OUT STEPS EVAL_EVERY THREADS [TEST_EVERY]``: the same corpus and
 model code (paratrain's ``shakespeare`` blocks and zoo ``gpt``, so the data and the model are
 the same objects, not a re-implementation), seeded the same way (``torch.manual_seed(0)``
 before the model is built; each epoch's order ``randperm`` from a generator seeded
@@ -45,10 +45,10 @@ def evaluate(model: nn.Module, test: object) -> float:
     return total / count
 
 
-def main(out: str, steps: int, eval_every: int, threads: int) -> None:
+def main(out: str, steps: int, eval_every: int, threads: int, test_every: int = 8) -> None:
     if threads > 0:
         torch.set_num_threads(threads)
-    train, test = shakespeare(block_size=BLOCK)
+    train, test = shakespeare(block_size=BLOCK, test_every=test_every)
     torch.manual_seed(SEED)
     model = gpt((BLOCK,), train.vocab_size, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
@@ -76,4 +76,5 @@ def main(out: str, steps: int, eval_every: int, threads: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+         *(int(a) for a in sys.argv[5:6]))  # TEST_EVERY: every n-th play is test (8: the demo's)
