@@ -44,5 +44,12 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-logo
 
+# Every benchmark at its --quick size, one at a time and niced (the machine is usually
+# shared): each result with its provenance in benchmarks/results/<name>.json, then
+# benchmarks/RESULTS.md generated from those files (never edited by hand).
+# BENCH="zero mesh" runs only those and regenerates RESULTS.md from every results file.
+bench: $(STAMP)
+	nice -n 10 $(BIN)/python benchmarks/_bench.py $(if $(BENCH),--only $(BENCH))
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache

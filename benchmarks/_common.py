@@ -8,6 +8,13 @@ simulation), ``measured / modelled`` (a measured figure divided by a modelled on
 or ``configured`` (a setting echoed back: stage counts, micro-batches).
 Keys ending in ``_measured`` / ``_modelled`` label themselves. Subtrees named in ``skip``
 (the configuration echo) get no labels.
+
+``figures(result)`` lists every number of a benchmark's printed object with its label, by
+path (what ``make bench``'s RESULTS.md tabulates and the smoke test checks): numbers under
+``config`` or ``goals`` are ``configured``; any other takes its key's label in the object's
+``provenance`` map, else its key's own suffix, else the suffix of the nearest enclosing key
+(``wall_s_measured: {"paratrain": ...}``); a number none of these labels is
+``UNLABELLED``, which the smoke test refuses.
 """
 
 from __future__ import annotations
@@ -16,9 +23,11 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["provenance", "median", "MEASURED", "MODELLED", "MIXED", "CONFIGURED"]
+__all__ = ["provenance", "figures", "median", "MEASURED", "MODELLED", "MIXED", "CONFIGURED", "UNLABELLED"]
 
 MEASURED, MODELLED, MIXED, CONFIGURED = "measured", "modelled", "measured / modelled", "configured"
+UNLABELLED = "unlabelled"
+SETTINGS = ("config", "goals")  # subtrees whose numbers are settings, not figures
 
 
 def median(xs: Sequence[float]) -> float:
@@ -57,3 +66,46 @@ def provenance(results: Any, *, modelled: Iterable[str] = (), mixed: Iterable[st
 
     walk(None, results)
     return dict(sorted(out.items()))
+
+
+def _suffix(key: str) -> str | None:
+    if key.endswith("_measured"):
+        return MEASURED
+    if key.endswith("_modelled"):
+        return MODELLED
+    return None
+
+
+def figures(result: Mapping[str, Any]) -> list[tuple[str, float, str]]:
+    """``(path, value, label)`` of every number in ``result`` (a benchmark's printed object)
+    outside its ``provenance`` map, in document order; paths join keys with ``.`` and list
+    indices as ``[i]``."""
+    labels = result.get("provenance")
+    labels = labels if isinstance(labels, Mapping) else {}
+    rows: list[tuple[str, float, str]] = []
+
+    def label(keys: list[str]) -> str:
+        if any(k in SETTINGS for k in keys):
+            return CONFIGURED
+        leaf = keys[-1]
+        if isinstance(labels.get(leaf), str):
+            return str(labels[leaf])
+        for k in reversed(keys):
+            found = _suffix(k)
+            if found is not None:
+                return found
+        return UNLABELLED
+
+    def walk(path: str, keys: list[str], v: Any) -> None:
+        if isinstance(v, Mapping):
+            for k, x in v.items():
+                if not (not keys and k == "provenance"):
+                    walk(f"{path}.{k}" if path else str(k), [*keys, str(k)], x)
+        elif isinstance(v, list | tuple):
+            for i, x in enumerate(v):
+                walk(f"{path}[{i}]", keys, x)
+        elif _numeric(v) and keys:
+            rows.append((path, v, label(keys)))
+
+    walk("", [], result)
+    return rows

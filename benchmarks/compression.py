@@ -161,8 +161,8 @@ def main() -> None:
         "topk_speedup_vs_torch_topk": largest["TopK_1pct"]["speedup_vs_torch_topk"],
     }
     # information_minimum is a formula (the bytes the kept values and their positions need)
-    result["provenance"] = provenance(result["sizes"], modelled=("information_minimum",),
-                                      mixed=("wire_ratio",), configured=("numel",))
+    result["provenance"] = provenance(result, modelled=("information_minimum",), mixed=("wire_ratio",),
+                                      configured=("numel", "threads", "repeats", "cpu_count", "time_goal"))
     print(json.dumps(result, indent=1))
 
 

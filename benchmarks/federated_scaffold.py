@@ -132,7 +132,7 @@ def main() -> None:
         "wall_time_s": round(time.perf_counter() - started, 1),
         "load_average_start": os.getloadavg()[0],
     }
-    doc["provenance"] = provenance({"results": results, "summary": summary})
+    doc["provenance"] = provenance(doc)
     print(json.dumps(doc, indent=1))
 
 

@@ -23,7 +23,8 @@ q/k/v/o attention + 4x MLP), built from the same weights:
 - collectives per step, ours and torch's (CommDebugMode);
 - per-rank parameter memory vs the dense model (goal 1/tp plus the replicated parts).
 
-``python benchmarks/tensor_parallel.py [--quick] [--cuda]`` prints one JSON object.
+``python benchmarks/tensor_parallel.py [--quick | --smoke] [--cuda]`` prints one JSON object
+(``--smoke``: tiny models, one repeat: every code path in seconds).
 ``--cuda`` (when CUDA is available) also runs the parity and bf16 checks on the GPU in one
 process (the parallel layers on a size-1 group, real device allocator peaks for the memory
 levels); ``device_checks("cpu")`` runs the same code on the CPU.
@@ -82,7 +83,17 @@ def _paired(ours: list[float], ref: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(ours, ref, strict=True))
 
 
-def build(kind: str, quick: bool) -> tuple[nn.Module, torch.Tensor, dict[str, Any], int]:
+def dims(size: str) -> dict[str, int]:
+    """The models' sizes: ``full``, ``quick`` (smaller batches) or ``smoke`` (tiny: every
+    code path in seconds)."""
+    if size == "smoke":
+        return {"h": 64, "b": 4, "dim": 32, "heads": 4, "bsz": 2, "seq": 8, "deep": 2, "reps": 1}
+    quick = size == "quick"
+    return {"h": 1024, "b": 32 if quick else 64, "dim": 256, "heads": 8, "bsz": 4 if quick else 8,
+            "seq": 64, "deep": 8, "reps": 5 if quick else 15}
+
+
+def build(kind: str, size: str) -> tuple[nn.Module, torch.Tensor, dict[str, Any], int]:
     """(dense model, input, torch TP plan, Megatron-minimum bytes per step at p=2)."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import (
@@ -94,7 +105,7 @@ def build(kind: str, quick: bool) -> tuple[nn.Module, torch.Tensor, dict[str, An
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     if kind == "mlp":
-        h, b = 1024, (32 if quick else 64)
+        h, b = dims(size)["h"], dims(size)["b"]
         model = nn.Sequential(OrderedDict(
             fc0=nn.Linear(h, h), act0=nn.GELU(), fc1=nn.Linear(h, h), act1=nn.GELU(),
             fc2=nn.Linear(h, h), act2=nn.GELU(), fc3=nn.Linear(h, h)))
@@ -104,7 +115,7 @@ def build(kind: str, quick: bool) -> tuple[nn.Module, torch.Tensor, dict[str, An
         n = b * h * 4
         minimum = 3 * n  # fwd 2 all-reduces, bwd 1 (fc0's input is data), x 2(p-1)/p = 1
         return nn.Sequential(OrderedDict(net=model)), x, {f"net.{k}": v for k, v in plan.items()}, minimum
-    dim, heads, bsz, seq = 256, 8, (4 if quick else 8), 64
+    dim, heads, bsz, seq = (dims(size)[k] for k in ("dim", "heads", "bsz", "seq"))
     model = nn.Sequential(OrderedDict(block=Block(dim, heads)))
     x = torch.randn(bsz, seq, dim, generator=g)
     # PrepareModuleInput: q, k and v read one replicated DTensor, so their three partial
@@ -131,18 +142,18 @@ def _timeit(fn: Any, reps: int) -> list[float]:
     return out
 
 
-def worker(ctx: WorkerContext, quick: bool) -> dict[str, Any]:
+def worker(ctx: WorkerContext, size: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     torch.set_num_threads(1)
-    reps = 5 if quick else 15
+    reps = dims(size)["reps"]
     tp = ctx.world_size
     mesh = init_device_mesh("cpu", (tp,))
     res: dict[str, Any] = {}
     for kind in ["mlp", "transformer"]:
-        dense, x, plan, minimum = build(kind, quick)
+        dense, x, plan, minimum = build(kind, size)
         ours = parallelize(copy.deepcopy(dense), TensorParallelismConfig(tensor_parallel_size=tp))
         ours_none = parallelize(copy.deepcopy(dense), TensorParallelismConfig(
             tensor_parallel_size=tp, memory_optimization="None"))
@@ -202,7 +213,7 @@ def worker(ctx: WorkerContext, quick: bool) -> dict[str, Any]:
             m = parallelize(copy.deepcopy(dense), TensorParallelismConfig(
                 tensor_parallel_size=tp, communication_pattern=p, memory_optimization="None"))
             step(m)
-            ts = _timeit(lambda m=m: step(m), max(3, reps // 3))
+            ts = _timeit(lambda m=m: step(m), max(min(3, reps), reps // 3))
             m.stats.reset()
             step(m)
             s = m.statistics()
@@ -212,7 +223,7 @@ def worker(ctx: WorkerContext, quick: bool) -> dict[str, Any]:
                            "bytes_vs_megatron_min": s["bytes_sent_modelled"] / minimum,
                            "collectives": s["collectives"]}
             m.comm.close()
-        ablations = _ablations(dense, x, tp, reps, step) if kind == "transformer" else {}
+        ablations = _ablations(dense, x, tp, reps, step, size) if kind == "transformer" else {}
         med_o, med_r = statistics.median(t_ours), statistics.median(t_ref)
         med_n = statistics.median(t_none)
         res[kind] = {
@@ -270,7 +281,7 @@ def _total(counts: dict[str, int]) -> int | None:
     return None if "error" in counts else sum(counts.values())
 
 
-def _ablations(dense: nn.Module, x: torch.Tensor, tp: int, reps: int, step: Any) -> dict[str, Any]:
+def _ablations(dense: nn.Module, x: torch.Tensor, tp: int, reps: int, step: Any, size: str) -> dict[str, Any]:
     """What each switch does on the transformer block, measured in the same run."""
     base = {"tensor_parallel_size": tp, "memory_optimization": "None"}
     variants: dict[str, dict[str, Any]] = {
@@ -290,13 +301,14 @@ def _ablations(dense: nn.Module, x: torch.Tensor, tp: int, reps: int, step: Any)
                      "bytes_sent_modelled": st["bytes_sent_modelled"]}
     for name in variants:
         out[name]["step_time_vs_default"] = out[name]["step_s"] / out["default"]["step_s"]
-    deep = nn.Sequential(*[Block(256, 8) for _ in range(8)])
+    d = dims(size)
+    deep = nn.Sequential(*[Block(d["dim"], d["heads"]) for _ in range(d["deep"])])
     levels: dict[str, Any] = {}
     for level in ["None", "Low", "Medium", "High", "Extreme"]:
         m = parallelize(copy.deepcopy(deep), TensorParallelismConfig(
             tensor_parallel_size=tp, memory_optimization=level))
         step(m)
-        ts = _timeit(lambda m=m: step(m), max(3, reps // 3))
+        ts = _timeit(lambda m=m: step(m), max(min(3, reps), reps // 3))
         with m.measure_activations() as meter:
             step(m)
         levels[level] = {"step_s": statistics.median(ts), "peak_activation_bytes": meter.peak}
@@ -307,7 +319,7 @@ def _ablations(dense: nn.Module, x: torch.Tensor, tp: int, reps: int, step: Any)
     return out
 
 
-def device_checks(device: str) -> dict[str, Any]:
+def device_checks(device: str, size: str = "quick") -> dict[str, Any]:
     """One process on ``device``: the parallel layers (size-1 group, same autograd functions)
     vs the dense block, bf16 vs fp32, and peak memory per memory_optimization level
     (the device allocator's peak on CUDA, the saved-activation meter elsewhere)."""
@@ -317,7 +329,7 @@ def device_checks(device: str) -> dict[str, Any]:
     from paratrain.tensor_parallel.layers import RegionState
 
     dev = torch.device(device)
-    model, x, _, _ = build("transformer", True)
+    model, x, _, _ = build("transformer", size)
     model, x = model.to(dev), x.to(dev)
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else device}
     xr = x.clone().requires_grad_(True)
@@ -339,7 +351,8 @@ def device_checks(device: str) -> dict[str, Any]:
         out[f"{key}_xgrad_rel_err"] = float((xt.grad - xr.grad).abs().max() / xr.grad.abs().max())
         out[f"{key}_layers_converted"] = conv.units
     peaks = {}
-    deep = nn.Sequential(*[Block(256, 8) for _ in range(8)]).to(dev)
+    d = dims(size)
+    deep = nn.Sequential(*[Block(d["dim"], d["heads"]) for _ in range(d["deep"])]).to(dev)
     for level in ["None", "Low", "Medium", "High", "Extreme"]:
         m = parallelize(copy.deepcopy(deep), TensorParallelismConfig(memory_optimization=level),
                         build_tp_groups(1))
@@ -361,14 +374,16 @@ def device_checks(device: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny models, 1 repeat: every code path")
     ap.add_argument("--cuda", action="store_true")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    res = run_distributed(worker, 2, args.quick, timeout_s=600)[0]
+    size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    res = run_distributed(worker, 2, size, timeout_s=600)[0]
     report: dict[str, Any] = {
         "benchmark": "tensor_parallel",
         "world_size": 2,
-        "quick": args.quick,
+        "size": size,
         "peer": "torch.distributed.tensor.parallel parallelize_module: ColwiseParallel/RowwiseParallel "
                 "(its documented default) and the same + PrepareModuleInput on attention (its best "
                 "form), same weights, same run",
@@ -382,9 +397,10 @@ def main(argv: list[str] | None = None) -> int:
             "param_memory_ideal_fraction"),
             mixed=("payload_vs_megatron_min", "param_memory_vs_ideal")),
     }
-    report["device_checks"] = {"cpu": device_checks("cpu")}
+    checks = "smoke" if args.smoke else "quick"  # the device checks' models: the quick ones at most
+    report["device_checks"] = {"cpu": device_checks("cpu", checks)}
     if args.cuda:
-        report["device_checks"]["cuda"] = (device_checks("cuda") if torch.cuda.is_available()
+        report["device_checks"]["cuda"] = (device_checks("cuda", checks) if torch.cuda.is_available()
                                            else "CUDA not available")
     report["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(report, indent=1))

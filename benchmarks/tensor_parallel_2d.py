@@ -15,7 +15,8 @@ and a large batch:
 - per-rank parameter memory vs the dense model (ideal ``1/tp``; 1-D leaves the row
   layers' biases replicated, 2-D keeps each bias on ``g`` ranks).
 
-``python benchmarks/tensor_parallel_2d.py [--quick]`` prints one JSON object. Four
+``python benchmarks/tensor_parallel_2d.py [--quick | --smoke]`` prints one JSON object
+(``--smoke``: hidden 64, one repeat: every code path in seconds). Four
 processes time-share the 2 cores of CI, so read the ratios, not the seconds.
 """
 
@@ -47,11 +48,11 @@ from paratrain.tensor_parallel import parallelize  # noqa: E402
 H = 1024
 
 
-def dense_mlp() -> nn.Sequential:
+def dense_mlp(h: int = H) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(OrderedDict(
-        fc0=nn.Linear(H, H), act0=nn.GELU(), fc1=nn.Linear(H, H), act1=nn.GELU(),
-        fc2=nn.Linear(H, H), act2=nn.GELU(), fc3=nn.Linear(H, H)))
+        fc0=nn.Linear(h, h), act0=nn.GELU(), fc1=nn.Linear(h, h), act1=nn.GELU(),
+        fc2=nn.Linear(h, h), act2=nn.GELU(), fc3=nn.Linear(h, h)))
 
 
 def worker(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -66,7 +67,8 @@ def worker(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     tp = ctx.world_size
     mesh = init_device_mesh("cpu", (tp,))
-    dense = dense_mlp()
+    h = cfg["hidden"]
+    dense = dense_mlp(h)
     ours = parallelize(copy.deepcopy(dense), TensorParallelismConfig(
         tensor_parallel_size=tp, partitioning_strategy="BlockWise", memory_optimization="None"))
     ref = copy.deepcopy(dense)
@@ -77,7 +79,7 @@ def worker(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
                     for p in ref.parameters())
     out: dict[str, Any] = {}
     for rows in cfg["batches"]:
-        x = torch.randn(rows, H, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(rows, h, generator=torch.Generator().manual_seed(1))
 
         def step(m: nn.Module, x: torch.Tensor = x) -> None:
             m(x).square().mean().backward()
@@ -98,7 +100,7 @@ def worker(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
         ours.stats.reset()
         step(ours)
         st = ours.statistics()
-        n = rows * H * 4
+        n = rows * h * 4
         megatron = 3 * 2 * (tp - 1) / tp * n  # 2 all-reduces forward, 1 backward
         out[str(rows)] = {
             "step_s_blockwise": statistics.median(t_ours),
@@ -119,14 +121,18 @@ def worker(ctx: WorkerContext, cfg: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
+    ap.add_argument("--smoke", action="store_true", help="hidden 64, batches 4 and 64, 1 repeat: every code path")
     args = ap.parse_args()
-    cfg = {"batches": [64, 2048], "reps": 3 if args.quick else 11}
+    cfg = {"hidden": H, "batches": [64, 2048], "reps": 3 if args.quick else 11}
+    if args.smoke:
+        cfg = {"hidden": 64, "batches": [4, 64], "reps": 1}
     t0 = time.perf_counter()
     res = run_distributed(worker, 4, cfg, timeout_s=900)
     print(json.dumps({
         "benchmark": "tensor_parallel_2d",
         "peer": "torch.distributed.tensor.parallel ColwiseParallel/RowwiseParallel (1-D) at tp=4",
-        "model": f"MLP 4 x Linear({H}, {H}), GELU",
+        "model": f"MLP 4 x Linear({cfg['hidden']}, {cfg['hidden']}), GELU",
+        "config": cfg,
         "grid": "2 x 2 (BlockWise, tensor_parallel_size 4)",
         "backend": "gloo (CPU)",
         "paratrain_config": "memory_optimization None on both sides (neither recomputes)",

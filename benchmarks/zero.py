@@ -20,7 +20,8 @@ fp32 Adam, digits batches, gloo processes on 127.0.0.1, one thread each.
   largest rank's peak resident memory (VmHWM) over its resident memory before the model
   was built, against a stated budget of ``RSS_BUDGET_MB`` per rank ("none" = torch DDP).
 
-Prints one JSON object. ``--quick`` for a short run.
+Prints one JSON object. ``--quick`` for a short run; ``--smoke`` for tiny MLPs, 2 steps and
+N = 2 only (every code path, seconds).
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def _ours(ctx: Any, level: str) -> tuple[Any, Any]:
 
 
 def bytes_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    global HIDDEN
+    HIDDEN = cfg["hidden"]
     torch.set_num_threads(1)
     batches = _batches(ctx.rank, 2, cfg["batch"])
     out: dict[str, Any] = {}
@@ -169,6 +172,8 @@ def time_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    global HIDDEN
+    HIDDEN = cfg["hidden"]
     torch.set_num_threads(1)
     batches = _batches(ctx.rank, cfg["steps"], cfg["batch"])
     loss_fn = nn.functional.cross_entropy
@@ -224,15 +229,21 @@ def time_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny MLPs, 2 steps, 1 repeat, N = 2 only: every code path")
     args = ap.parse_args()
     from paratrain.comm.testing import run_distributed
 
-    cfg = {"batch": 64, "steps": 4 if args.quick else 8, "repeats": 3 if args.quick else 7}
-    out: dict[str, Any] = {"config": {**cfg, "hidden": HIDDEN, "optimizer": "adam fp32", "backend": "gloo"},
+    cfg: dict[str, Any] = {"batch": 64, "steps": 4 if args.quick else 8, "repeats": 3 if args.quick else 7,
+                           "hidden": HIDDEN}
+    rss_hidden, sizes = RSS_HIDDEN, (2, 4)
+    if args.smoke:
+        cfg = {"batch": 8, "steps": 2, "repeats": 1, "hidden": [32, 16]}
+        rss_hidden, sizes = [32] * 2, (2,)
+    out: dict[str, Any] = {"config": {**cfg, "optimizer": "adam fp32", "backend": "gloo"},
                            "goals": {"bytes_over_formula": "within 10%",
                                      "step_time_ratio_zero1_vs_torch_zero": "<= 1.1"}}
     out["bytes"] = {}
-    for n in (2, 4):
+    for n in sizes:
         res = run_distributed(bytes_worker, n, cfg, timeout_s=900)
         out["bytes"][f"N={n}"] = {lv: {"per_parameter": round(res[0][lv]["per_parameter"], 4),
                                         "over_formula": round(res[0][lv]["over_formula"], 4),
@@ -243,11 +254,11 @@ def main() -> None:
     # would not fit the budget: a fresh pair of processes per level
     rss = {}
     for level in ("none", *LEVELS):
-        res = run_distributed(rss_worker, 2, {**cfg, "level": level, "rss_hidden": RSS_HIDDEN}, timeout_s=900)
+        res = run_distributed(rss_worker, 2, {**cfg, "level": level, "rss_hidden": rss_hidden}, timeout_s=900)
         rss[level] = round(max(r["peak_over_start_mb"] for r in res), 1)
     n_big = res[0]["parameters"]
     out["peak_rss_over_start_mb_per_rank_N=2"] = rss
-    out["peak_rss_model"] = {"hidden": RSS_HIDDEN, "parameters": n_big,
+    out["peak_rss_model"] = {"hidden": rss_hidden, "parameter_count": n_big,
                              "unsharded_adam_fp32_mb": round(16 * n_big / 2**20, 1),
                              "budget_mb": RSS_BUDGET_MB,
                              "fits_budget": {k: v <= RSS_BUDGET_MB for k, v in rss.items()}}
@@ -264,7 +275,8 @@ def main() -> None:
     out["step_time_ms"] = {k: round(1e3 * statistics.median(v), 3) for k, v in t["times"].items()}
     out["fsdp2_on_gloo_cpu"] = t["fsdp_error"] or "ran"
     out["max_param_diff_vs_torch_zero"] = t["max_param_diff_vs_torch_zero"]
-    out["provenance"] = provenance(out)
+    out["provenance"] = provenance(out, modelled=("unsharded_adam_fp32_mb",),
+                                   configured=("hidden", "parameter_count", "budget_mb"))
     print(json.dumps(out))
 
 
