@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import sys
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -181,6 +182,8 @@ class _PlainSGD:
         self.optimizer = optimizer
         self.param_groups = optimizer.param_groups
         self.params = [[p for p in g["params"]] for g in optimizer.param_groups]
+        # detached aliases: an in-place step through them needs no no_grad block
+        self.data = [[p.detach() for p in ps] for ps in self.params]
 
     @staticmethod
     def fits(opt: torch.optim.Optimizer) -> bool:
@@ -203,7 +206,6 @@ class _PlainSGD:
             for p in ps:
                 p.grad = None
 
-    @torch.no_grad()
     def step(self) -> None:
         from torch.optim import optimizer as O
 
@@ -211,15 +213,16 @@ class _PlainSGD:
             self.optimizer.step()
             return
         todo = []
-        for g, ps in zip(self.param_groups, self.params, strict=True):
-            have = [p for p in ps if p.grad is not None]
-            if any(p.grad.is_sparse for p in have):
+        for g, ps, data in zip(self.param_groups, self.params, self.data, strict=True):
+            grads = [p.grad for p in ps]
+            if any(d is not None and d.is_sparse for d in grads):
                 self.optimizer.step()
                 return
-            todo.append((have, g["lr"]))
-        for have, lr in todo:
-            if have:
-                torch._foreach_add_(have, [p.grad for p in have], alpha=-lr)
+            have = [(x, d) for x, d in zip(data, grads, strict=True) if d is not None]
+            todo.append(([x for x, _ in have], [d for _, d in have], g["lr"]))
+        for xs, ds, lr in todo:
+            if xs:
+                torch._foreach_add_(xs, ds, alpha=-lr)
 
 
 class _ConstantLR:
@@ -298,6 +301,33 @@ def local_train(
     return total / max(steps, 1), steps
 
 
+class _DenseDelta:
+    """A dense float32 update ``local - global`` as the bytes :func:`encode_update` sends
+    (every tensor ``f32``), for one round's global state: the global vector and headers once;
+    then per client, where the model's tensors are contiguous float32 on CPU (a
+    little-endian host), one ``cat`` of them into a kept buffer and one in-place subtraction
+    (the same float32 differences), else :func:`flat_float32` and a subtraction."""
+
+    def __init__(self, global_state: Mapping[str, Tensor], slots: Mapping[str, Tensor]) -> None:
+        self.keys = list(global_state)
+        self.headers = dense_headers(global_state)
+        self.before = flat_float32(list(global_state.values())).cpu()
+        own = [slots[k].detach() for k in self.keys]
+        self.views: list[Tensor] | None = None
+        if own and sys.byteorder == "little" and all(
+                t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in own):
+            self.views = [t.view(-1) for t in own]
+            self.buffer = torch.empty_like(self.before)
+            self.array = self.buffer.numpy()
+
+    def payload(self, local: Mapping[str, Tensor]) -> bytes:
+        if self.views is None:
+            return dense_payload(flat_float32([local[k] for k in self.keys]).cpu() - self.before)
+        torch.cat(self.views, out=self.buffer)
+        self.buffer.sub_(self.before)
+        return self.array.tobytes()
+
+
 class ClientHost:
     """The clients one worker process hosts and the single model they share."""
 
@@ -349,7 +379,8 @@ class ClientHost:
         self.generator = torch.Generator()  # reseeded for every client (client_generator)
         self.example_bytes = row_bytes(dataset, self.device)
         self.compressed = job.compression is not None and getattr(job.compression, "method", "None") != "None"
-        self._global: tuple[list[tuple[Tensor, int]], Tensor, list[dict[str, Any]]] | None = None
+        self._global: tuple[list[tuple[Tensor, int]], _DenseDelta] | None = None
+        self._dst = [t.detach() for t in self.slots.values()]  # aliases a load copies into
 
     # ------------------------------------------------------------------ training
 
@@ -390,9 +421,8 @@ class ClientHost:
                     and client not in self.corrupt):
                 # the dense float32 update as one vector: the same bytes and headers as
                 # encode_update of the per-tensor deltas, without a tensor per key
-                before, headers = self._global_flat(global_state)
-                after = flat_float32([local[k] for k in global_state])
-                headers, payload = [dict(h) for h in headers], dense_payload((after - before).cpu())
+                dense = self._dense(global_state)
+                headers, payload = [dict(h) for h in dense.headers], dense.payload(local)
             else:
                 headers, payload = self._encode(client, round_idx, global_state, local, comp)
             info: dict[str, Any] = {"steps": steps}
@@ -437,19 +467,18 @@ class ClientHost:
             delta[first] = delta[first].reshape(-1)[:-1].clone()
         return encode_update(delta, compress=comp)
 
-    def _global_flat(self, global_state: Mapping[str, Tensor]) -> tuple[Tensor, list[dict[str, Any]]]:
-        """``global_state`` as one float32 vector and its dense headers, kept while the same
-        tensors, unchanged (their version counters), come back: once per round."""
+    def _dense(self, global_state: Mapping[str, Tensor]) -> _DenseDelta:
+        """The dense update's encoder against ``global_state``, kept while the same tensors,
+        unchanged (their version counters), come back: built once per round."""
         try:
             key = [(t, t._version) for t in global_state.values()]
         except RuntimeError:  # an inference tensor has no version counter: nothing is kept
-            return flat_float32(list(global_state.values())), dense_headers(global_state)
+            return _DenseDelta(global_state, self.slots)
         cached = self._global
         if (cached is None or len(cached[0]) != len(key)
                 or not all(a is b and va == vb for (a, va), (b, vb) in zip(cached[0], key, strict=True))):
-            cached = self._global = (key, flat_float32(list(global_state.values())),
-                                     dense_headers(global_state))
-        return cached[1], cached[2]
+            cached = self._global = (key, _DenseDelta(global_state, self.slots))
+        return cached[1]
 
     def _correct(self, client: int, control: Mapping[str, Tensor] | None) -> dict[str, Tensor] | None:
         """SCAFFOLD: set the engine's gradient correction ``c - c_i``; returns ``c_i``."""
@@ -462,13 +491,17 @@ class ClientHost:
             device=self.device, dtype=c.dtype) for k, c in control.items()})
         return c_i
 
-    @torch.no_grad()
     def _load(self, global_state: Mapping[str, Tensor]) -> None:
         """Copy the global weights into the shared model in place (cheaper than load_state_dict)."""
         if global_state.keys() != self.slots.keys():
             load_unique_state_dict(self.model, global_state)  # the KeyError naming the differences
-        for name, t in self.slots.items():  # a tied weight is one entry
-            t.data.copy_(global_state[name])
+        # a tied weight is one entry; copy_ per tensor (one call on CPU)
+        src = [global_state[name] for name in self.slots]
+        if self.device.type == "cpu":
+            torch._foreach_copy_(self._dst, src)
+        else:
+            for t, v in zip(self._dst, src, strict=True):
+                t.copy_(v)
 
     # --------------------------------------------------------------- compression
 

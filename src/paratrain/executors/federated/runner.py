@@ -90,7 +90,8 @@ from .state import fed_store, restore, round_state
 __all__ = ["worker_main", "check_job", "client_tags", "KILL_ENV"]
 
 # Fault injection for tests: "RANK:ROUND" makes that rank exit hard (os._exit) at the
-# start of that round on the first attempt (TORCHELASTIC_RESTART_COUNT == 0).
+# start of that round on the first attempt (TORCHELASTIC_RESTART_COUNT == 0), once the
+# checkpoint writes in flight have landed.
 KILL_ENV = "PARATRAIN_FED_KILL_RANK_AT_ROUND"
 
 
@@ -211,6 +212,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         life.show(start)
         for r in range(start, strat.rounds):
             if rank == kill_rank and r == kill_round and ctx.restart_count == 0:
+                life.wait()  # a crash after the last round: its checkpoint landed (asynchronous saves)
                 os._exit(17)  # a hard crash, as a killed process would look
             t_round = time.perf_counter()
             if server is not None:
