@@ -1,8 +1,9 @@
 """Client-level differential privacy (``[federated.dp]``, DP-FedAvg): test accuracy (digits)
 and test loss (Shakespeare) against epsilon, for several noise multipliers.
 
-Workloads, every run through the real round loop in one process
-(``executors.federated.run_in_process``), central mode, uniform client weights
+Workloads, every run through the real round loop in one process with one intra-op thread
+(``executors.federated.run_in_process``, ``run.num_threads = 1``: the same sums on any
+machine), central mode, uniform client weights
 (``weight_cap = 1``: the noised sum divided by the expected number of clients), delta 1e-5:
 
 * ``digits``: 1,347 training rows over K = 100 IID clients (~13 rows each), a random 30 %
@@ -53,7 +54,7 @@ def _digits(out: str, name: str, rounds: int, dp: dict[str, Any] | None) -> Any:
     from paratrain.config.job import load_job
 
     doc: dict[str, Any] = {
-        "run": {"name": name, "seed": 0, "output_dir": out, "num_workers": 1},
+        "run": {"name": name, "seed": 0, "output_dir": out, "num_workers": 1, "num_threads": 1},
         "model": {"name": "mlp", "hidden": [32]},
         "data": {"name": "digits", "partition": {"method": "iid"}},
         "train": {"optimizer": {"name": "sgd", "lr": 0.1}},
@@ -74,7 +75,7 @@ def _shakespeare(out: str, name: str, rounds: int, dp: dict[str, Any] | None) ->
     from paratrain.config.job import load_job
 
     doc = tomllib.loads((ROOT / "examples" / "federated_shakespeare.toml").read_text())
-    doc["run"].update(name=name, output_dir=out, num_workers=1)
+    doc["run"].update(name=name, output_dir=out, num_workers=1, num_threads=1)
     doc["strategy"]["rounds"] = rounds
     doc["federated"]["local_epochs"] = 1
     if dp:

@@ -8,8 +8,8 @@ the test split after every round; targets 0.80 (shards) and 0.93 (iid) test accu
 30 rounds. Splits: ``shards`` (label-sorted shards, 2 per client: most
 clients see two labels; McMahan et al.'s pathological non-IID split) and ``iid``. Methods:
 FedAvg, FedProx (mu = 0.01), SCAFFOLD (option II, eta_g = 1) and FedNova (plain SGD: a_i =
-tau_i). Every run goes through the real round loop in one process
-(``executors.federated.run_in_process``), stopping at the target (``federated.target_accuracy``)
+tau_i). Every run goes through the real round loop in one process with one intra-op thread
+(``executors.federated.run_in_process``, ``run.num_threads = 1``: the same sums on any machine), stopping at the target (``federated.target_accuracy``)
 or at the round cap; a run that never reaches the target counts as the cap + 1 (reported
 ``reached``). ``--splits dirichlet`` (alpha 0.3, unequal client sizes, so unequal local step
 counts: FedNova's case; on shards and iid every client holds 134-135 rows, takes the same
@@ -61,7 +61,7 @@ def job_doc(out: str, method: str, split: str, seed: int) -> dict[str, Any]:
     from paratrain.config.job import load_job
 
     doc: dict[str, Any] = {
-        "run": {"name": f"{split}-{method}-{seed}", "seed": seed, "output_dir": out,
+        "run": {"name": f"{split}-{method}-{seed}", "seed": seed, "output_dir": out, "num_threads": 1,
                 "checkpoint_every": CAP, "progress_every": 0},
         "model": {"name": "mlp", "hidden": [HIDDEN]},
         "train": {"optimizer": {"name": "sgd", "lr": LR}},

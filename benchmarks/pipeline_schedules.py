@@ -298,7 +298,7 @@ def main() -> None:
                 "split_over_full_backward": round((costs["B"] + costs["W"]) / costs["full"], 3),
                 "replays": [modelled_zbh1(costs, p, m) for p in (2, 4) for m in cfg["ms"]]}
     results = [] if args.isolated_only else [row for p in args.stages for row in measure(p, cfg)]
-    print(json.dumps({
+    doc: dict[str, Any] = {
         "benchmark": "pipeline_schedules",
         "peer": "torch.distributed.pipelining Schedule1F1B / ScheduleInterleaved1F1B / "
                 "ScheduleInterleavedZeroBubble, same split, same processes",
@@ -309,13 +309,14 @@ def main() -> None:
                      "in every process, so torch's steps, in the same processes, have it too",
         "results": results,
         "isolated_stage": isolated,
-        "provenance": provenance([results, isolated], modelled=(
-            "bubble_theory_modelled", "bubble_replay_modelled", "replay_makespan_s_modelled",
-            "zbh1_replay_over_1f1b_replay_modelled"),
-            configured=("stages", "micro_batches", "cores_per_stage", "torch_schedule"),
-            mixed=("bubble_over_theory",)),
         "wall_s": round(time.perf_counter() - t0, 1),
-    }, indent=1))
+    }
+    doc["provenance"] = provenance(doc, modelled=(
+        "bubble_theory_modelled", "bubble_replay_modelled", "replay_makespan_s_modelled",
+        "zbh1_replay_over_1f1b_replay_modelled"),
+        configured=("stages", "micro_batches", "cores_per_stage", "torch_schedule", "cpu_cores"),
+        mixed=("bubble_over_theory",))
+    print(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":

@@ -326,7 +326,7 @@ def main() -> None:
     if not a.no_jobs:
         with tempfile.TemporaryDirectory() as d:
             out["jobs"] = run_jobs(steps, start, Path(d), RANKS[:1] if a.smoke else RANKS)
-    out["provenance"] = provenance(out, configured=("steps", "start_step", "world", "params"))
+    out["provenance"] = provenance(out, modelled=("bytes_formula",), configured=("steps", "start_step", "world", "params"))
     print(json.dumps(out, indent=1))
 
 

@@ -75,16 +75,15 @@ def main() -> None:
     loss = {k: v[0]["test_loss"] for k, v in runs.items()}
     result: dict[str, Any] = {
         "benchmark": "replicated_stage",
-        "cores": os.cpu_count(),
-        "steps": args.steps, "repeats": args.repeats,
+        "config": {"cores": os.cpu_count(), "steps": args.steps, "repeats": args.repeats,
+                   "workers": {"replicated": 3, "unreplicated": 2}},
         "median_step_s_measured": {k: round(v, 5) for k, v in med.items()},
         "step_ratio_measured": round(med["replicated"] / med["unreplicated"], 4),
         "step_ratio_ideal_modelled": 0.5,
         "test_loss_measured": loss,
         "same_loss": abs(loss["replicated"] - loss["unreplicated"]) <= 1e-4 * abs(loss["unreplicated"]),
-        "workers": {"replicated": 3, "unreplicated": 2},
     }
-    result["provenance"] = provenance(result, configured=("cores", "steps", "repeats", "workers"))
+    result["provenance"] = provenance(result)
     print(json.dumps(result))
 
 

@@ -392,10 +392,6 @@ def main(argv: list[str] | None = None) -> int:
                   "collectives_per_step_paratrain": "== collectives_per_step_paratrain_no_recompute",
                   "bytes_vs_megatron_min": "1.0", "param_memory_vs_ideal": "1.0"},
         "results": res,
-        "provenance": provenance(res, modelled=(
-            "megatron_min_bytes_modelled", "bytes_vs_megatron_min", "bytes_vs_megatron_min_no_recompute",
-            "param_memory_ideal_fraction"),
-            mixed=("payload_vs_megatron_min", "param_memory_vs_ideal")),
     }
     checks = "smoke" if args.smoke else "quick"  # the device checks' models: the quick ones at most
     report["device_checks"] = {"cpu": device_checks("cpu", checks)}
@@ -403,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         report["device_checks"]["cuda"] = (device_checks("cuda", checks) if torch.cuda.is_available()
                                            else "CUDA not available")
     report["wall_s"] = round(time.perf_counter() - t0, 1)
+    report["provenance"] = provenance(report, modelled=(
+        "megatron_min_bytes_modelled", "bytes_vs_megatron_min", "bytes_vs_megatron_min_no_recompute",
+        "param_memory_ideal_fraction"),
+        mixed=("payload_vs_megatron_min", "param_memory_vs_ideal"), configured=("world_size",))
     print(json.dumps(report, indent=1))
     return 0
 

@@ -276,6 +276,7 @@ def main() -> None:
     out["fsdp2_on_gloo_cpu"] = t["fsdp_error"] or "ran"
     out["max_param_diff_vs_torch_zero"] = t["max_param_diff_vs_torch_zero"]
     out["provenance"] = provenance(out, modelled=("unsharded_adam_fp32_mb",),
+                                   mixed=("over_formula", "max_over_formula_any_rank"),
                                    configured=("hidden", "parameter_count", "budget_mb"))
     print(json.dumps(out))
 
