@@ -87,3 +87,103 @@ def test_panels_follow_the_keys_records_hold() -> None:
         ("loss", ["test_loss"]),
         ("accuracy", ["test_accuracy", "personal_test_accuracy", "personal_test_accuracy_min"])]
     assert panels([{"step": 1, "test_perplexity": None}]) == []
+
+
+_DRAWER_SCRIPT = r"""
+import json, sys, warnings
+from pathlib import Path
+from paratrain.training import report
+
+root = Path(sys.argv[1])
+records = "".join(json.dumps({"step": s, "train_loss": 1.0 / s, "test_loss": 2.0 / s,
+                              "test_perplexity": 3.0 / s}) + "\n" for s in (1, 2, 3))
+here, there, bad, dead = (root / k / "run" for k in ("here", "there", "bad", "dead"))
+for run in (here, there, bad, dead):
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(records)
+(bad / "report.png").mkdir()  # savefig cannot write over a folder
+out = {"matplotlib_here": None}
+assert report.start_drawer()
+drawing = report.draw_report(there, title="t")
+out["path"] = str(drawing.wait())
+out["drawer_left"] = report._drawer["proc"] is not None
+out["same_png"] = (report.plot_curves(here, title="t").read_bytes() == (there / "report.png").read_bytes())
+messages = []
+for run, drawer in ((bad, True), (bad, False)):
+    if drawer:
+        report.start_drawer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = report.draw_report(run).wait()
+    messages.append([str(w.message) for w in caught] + [result])
+out["messages"] = messages
+report.start_drawer()
+report._drawer["proc"].kill()  # a drawer that died: this process draws
+report._drawer["proc"].wait()
+out["fallback"] = str(report.draw_report(dead).wait())
+print(json.dumps(out))
+"""
+
+
+def test_the_drawer_process_draws_the_same_report_and_fails_as_the_plot_does(tmp_path: Path) -> None:
+    """report.start_drawer / draw_report (the paratrain command's Local run): the drawer's
+    report.png is byte for byte the one plot_curves draws here; a failure is the same warning
+    (and None); a drawer that died leaves the plot to this process; none is left running."""
+    import json
+
+    out = subprocess.run([sys.executable, "-c", _DRAWER_SCRIPT, str(tmp_path)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["path"] == str(tmp_path / "there" / "run" / "report.png")
+    assert r["same_png"] and not r["drawer_left"]
+    via_drawer, here = r["messages"]
+    assert via_drawer == here and here[-1] is None, r["messages"]
+    assert "could not draw the report plot (plot_curves): IsADirectoryError" in here[0]
+    assert r["fallback"] == str(tmp_path / "dead" / "run" / "report.png")
+
+
+_LOCAL_JOB = """
+[run]
+name = "lm"
+output_dir = "{out}"
+[task]
+name = "language_model"
+block_size = 16
+[model]
+name = "gpt"
+n_layer = 1
+n_head = 2
+n_embd = 16
+[data]
+name = "shakespeare"
+[train]
+epochs = 1
+max_steps = 3
+batch_size = 8
+optimizer = {{ name = "adamw", lr = 3e-3 }}
+"""
+
+
+def test_the_commands_local_run_draws_through_its_drawer_and_leaves_no_process(tmp_path: Path) -> None:
+    """`paratrain run` (its own process) on a Local job: report.png is drawn by the drawer
+    process, the same file the run draws in process (paratrain.fit, main(argv)), and no
+    process of the command's session is left when it returns."""
+    from paratrain.cli import main
+    from test_cli_waits_for_processes import _alive_in_session
+
+    job = tmp_path / "lm.toml"
+    job.write_text(_LOCAL_JOB.format(out=tmp_path / "cmd"))
+    log = tmp_path / "cli.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "paratrain.cli", "run", str(job), "-q"],
+                                cwd=tmp_path, start_new_session=True, stdout=f, stderr=f)
+        code = proc.wait(timeout=300)
+    left = _alive_in_session(proc.pid)
+    assert code == 0, log.read_text()
+    assert left == [], left
+    here = tmp_path / "here.toml"
+    here.write_text(_LOCAL_JOB.format(out=tmp_path / "here"))
+    assert main(["run", str(here), "-q"]) == 0
+    assert (tmp_path / "cmd" / "lm" / "report.png").read_bytes() == (tmp_path / "here" / "lm" / "report.png").read_bytes()
+    assert "report plot" not in log.read_text()

@@ -164,13 +164,18 @@ def _final_table(summary: dict[str, Any]) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     from .config import ConfigError
     from .config.job import load_job
-    from .dispatch import execute
 
     try:
         job = load_job(args.job)
     except ConfigError as e:
         _print_problems(_problems(e, args.job))
         return EXIT_USAGE
+    if getattr(args, "whole_process", False) and _trains_here(job):
+        from .training.report import start_drawer
+
+        start_drawer()  # report.png's matplotlib on the other core while torch loads here
+    from .dispatch import execute
+
     if args.quiet and "progress_every" not in job.run.model_fields_set:  # -q: no progress either
         job = job.model_copy(update={"run": job.run.model_copy(update={"progress_every": "off"})})
     # Multi-node launch options travel to comm.launch through the environment, the
@@ -219,6 +224,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         _final_table(summary)
         print(f"run folder: {summary.get('run_dir', '')}")
     return EXIT_OK
+
+
+def _trains_here(job: Any) -> bool:
+    """A Local run: this process trains and draws report.png."""
+    from .config import ConfigError
+    from .executors import executor_name
+
+    try:
+        return executor_name(job) == "Local"
+    except ConfigError:
+        return False
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
@@ -299,9 +315,11 @@ def main(argv: list[str] | None = None) -> int:
 
     Without ``argv`` this process is the command's own: it exits when the command returns,
     so the cyclic garbage collector stays off a run's start-up and nothing is collected at
-    exit (:mod:`paratrain.training.gcfreeze`). Called with ``argv`` (tests, scripts) it
-    leaves the caller's collector alone."""
+    exit (:mod:`paratrain.training.gcfreeze`), and a Local run's report.png is drawn by a
+    drawer process started now (:func:`paratrain.training.report.start_drawer`). Called
+    with ``argv`` (tests, scripts) it leaves the caller's process as it was."""
     args = build_parser().parse_args(argv)
+    args.whole_process = argv is None
     if argv is None:
         from .training.gcfreeze import own_process
 

@@ -103,6 +103,8 @@ def _train(
         progress_every=job.run.progress_every, started=started,
         layout={"strategy": "Local", "replicas": 1},
     )
+    # metrics.jsonl is complete: a drawer process (the CLI's) draws while the summary is made
+    drawing = report.draw_report(run_dir, title=f"{job.run.name} (Local)")
     summary: dict[str, Any] = {
         "strategy": "Local", "run_dir": str(run_dir),
         **summary_fields(result, task, train=train, test=test, model=net, started=started),
@@ -111,7 +113,7 @@ def _train(
 
     save_model(run_dir, whole_state(net))  # `paratrain export` / paratrain.load_model
     write_summary(run_dir, summary)
-    report.plot_curves(run_dir, title=f"{job.run.name} (Local)")
+    drawing.wait()  # report.png (drawn here, now, without a drawer)
     return summary
 
 

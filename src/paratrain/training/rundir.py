@@ -25,12 +25,15 @@ import re
 import warnings
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..config import ConfigError
-from ..config.job import JobConfig
 from ..files import inside as _inside
 from ..files import safe_rmtree, safe_unlink
+
+if TYPE_CHECKING:  # the config (pydantic) is imported where an error is raised: a process
+    # that only reads metrics (report.png's drawer) does not load it
+    from ..config import ConfigError
+    from ..config.job import JobConfig
 
 __all__ = [
     "run_dir_of", "prepare_run_dir", "RunFolder", "holds_run", "safe_rmtree", "safe_unlink",
@@ -50,11 +53,17 @@ _WORKER_LOG = re.compile(r"^worker-\d+\.log$")
 _HELD: dict[str, list[int]] = {}
 
 
+def _config_error(problems: list[tuple[str, str]]) -> ConfigError:
+    from ..config import ConfigError
+
+    return ConfigError(problems)
+
+
 def disk_error(path: str | Path, err: OSError, what: str = "write") -> ConfigError:
     """A ConfigError naming ``path`` for a failed filesystem operation (full disk, no
     permission, a file where a folder should be)."""
     reason = err.strerror or type(err).__name__
-    return ConfigError([("run.output_dir", f"cannot {what} {path}: {reason}")])
+    return _config_error([("run.output_dir", f"cannot {what} {path}: {reason}")])
 
 
 def _name_problem(name: str) -> str | None:
@@ -73,7 +82,7 @@ def run_dir_of(job: JobConfig) -> Path:
     if problem is None and not _inside(d, root):
         problem = f"the run folder {d} is not inside run.output_dir {root}"
     if problem is not None:
-        raise ConfigError([("run.name", problem)])
+        raise _config_error([("run.name", problem)])
     return d
 
 
@@ -139,7 +148,7 @@ def _acquire(d: Path) -> None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        raise ConfigError([("run.name", (
+        raise _config_error([("run.name", (
             f"run folder {d} is in use by another paratrain run (pid {_lock_holder(lock)}); "
             "wait for it to finish or choose another run.name"))]) from None
     try:
@@ -191,7 +200,7 @@ def _check_resumable(d: Path, job: JobConfig) -> None:
     old_type = (old.get("strategy") or {}).get("type") if isinstance(old, dict) else None
     new_type = getattr(job.strategy, "type", None)
     if old_type is not None and old_type != new_type and not {old_type, new_type} <= _RESHARDABLE:
-        raise ConfigError([("strategy.type", (
+        raise _config_error([("strategy.type", (
             f"run folder {d} holds a {old_type} run; this job's strategy is {new_type}: "
             "resume with the original strategy, or start a fresh run with --overwrite"))])
 
@@ -243,7 +252,7 @@ class RunFolder:
             if self.resume:
                 _check_resumable(self.path, self.job)
             elif not self.overwrite and holds_run(self.path):
-                raise ConfigError([("run.name", _refuse_message(self.path))])
+                raise _config_error([("run.name", _refuse_message(self.path))])
         except BaseException:
             self._entered = False
             _release(self.path)
@@ -283,7 +292,7 @@ def prepare_run_dir(job: JobConfig, *, resume: bool, overwrite: bool = False) ->
     d = run_dir_of(job)
     if not _is_held(d) and not resume:
         if holds_run(d) and not overwrite:
-            raise ConfigError([("run.name", _refuse_message(d))])
+            raise _config_error([("run.name", _refuse_message(d))])
         _clear(d, Path(job.run.output_dir))
     _make(d, job)
     return d
@@ -356,7 +365,7 @@ def _parse_metrics(path: Path) -> tuple[list[dict[str, Any]], int | None]:
         except ValueError as e:
             if i == len(lines) - 1:
                 return out, n
-            raise ConfigError([("metrics", (
+            raise _config_error([("metrics", (
                 f"{path} line {n} is not a JSON record ({e}); repair or delete that line, or "
                 "start a fresh run with --overwrite"))]) from None
         out.append(rec)

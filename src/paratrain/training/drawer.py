@@ -1,0 +1,42 @@
+"""The drawer process of the ``paratrain`` command's Local run (:func:`paratrain.training.report.start_drawer`).
+
+``python -m paratrain.training.drawer``: imports matplotlib at once, then reads one JSON
+request a line from stdin (``{"run_dir", "x_key", "title"}``), draws that run's
+``report.png`` with :func:`paratrain.training.report.plot_curves`'s code and answers one
+JSON line on stdout: ``{"path": ...}`` or ``{"error": "Type: message"}``. It ends at the end
+of its input (the run closed it, or exited). SIGINT is ignored: Ctrl-C is the run's to
+handle. Anything else it would print goes to stderr; stdout carries only the answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+
+def main() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # whatever a library prints goes where this process's errors go
+    sys.stdout = sys.stderr
+    from . import report
+
+    try:
+        report._import_matplotlib()
+    except Exception:  # noqa: BLE001 - met again, and answered, at the request
+        pass
+    for line in sys.stdin:
+        try:
+            req = json.loads(line)
+            path = report._draw(req["run_dir"], str(req.get("x_key") or "step"), req.get("title"))
+            answer = {"path": str(path)}
+        except Exception as e:  # noqa: BLE001 - the run warns with it
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    main()
