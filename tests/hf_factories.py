@@ -59,3 +59,21 @@ class _Dicts:
     def __getitem__(self, i: int) -> dict[str, Any]:
         x, _ = self.blocks[i]
         return {"input_ids": x, "labels": x}
+
+
+def wrapped(num_classes: int, input_shape: tuple[int, ...], *, kind: str = "gpt2", hidden: int = 16) -> Any:
+    """A user's own ``nn.Module`` holding a raw HF ``kind`` (``gpt2`` / ``llama``) as ``self.hf``,
+    whose forward returns ``self.hf(ids).logits``: torch.export lifts literal tensors of the
+    HF attention as constants of the wrapper's graph, which the user's model does not hold."""
+    from torch import nn
+
+    class UserWrapper(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hf = (gpt2(num_classes, input_shape, hidden=hidden) if kind == "gpt2"
+                       else llama(num_classes, hidden=hidden))
+
+        def forward(self, ids: Any) -> Any:
+            return self.hf(ids).logits
+
+    return UserWrapper()

@@ -55,6 +55,35 @@ def test_raw_gpt2_pipeline_job_equals_the_local_run(tmp_path: Path) -> None:
     assert torch.equal(got["lm_head.weight"], got["transformer.wte.weight"])
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_user_module_wrapping_an_hf_model_equals_the_local_run_direct_and_1f1b(
+        tmp_path: Path, kind: str) -> None:
+    """Issue 36: a wrapper's lifted constants (``lifted_tensor_0`` of the HF attention) made
+    ``validate`` and ``run`` fail with AttributeError under ModelParallel."""
+    pytest.importorskip("transformers")
+    stage2 = (["hf.transformer.h.1", "hf.transformer.ln_f", "hf.lm_head"] if kind == "gpt2"
+              else ["hf.model.layers.1", "hf.model.norm", "hf.lm_head"])
+
+    def job(name: str, **extra: Any) -> dict[str, Any]:
+        return {"run": {"name": name, "seed": 1, "output_dir": str(tmp_path)},
+                "task": {"name": "language_model", "block_size": 16},
+                "data": {"factory": "hf_factories:tiny_text"},
+                "model": {"factory": "hf_factories:wrapped", "kind": kind}, "train": SGD, **extra}
+
+    local = paratrain.fit(job("local"))
+    ref = paratrain.load_model(local["run_dir"])
+    direct = {"type": "ModelParallel", "communication": {"protocol": "Direct"},
+              "partitions": [{"node_ids": stage2, "target": {"WorkerId": "worker-1"}}]}
+    for name, strategy in (("direct", direct), ("1f1b", _mp(stage2, 4))):
+        got = paratrain.fit(job(name, strategy=strategy, workers=WORKERS))
+        assert got["test_loss"] == pytest.approx(local["test_loss"], rel=1e-5), name
+        params = paratrain.load_model(got["run_dir"])
+        assert list(params) == list(ref)
+        for key in ref:
+            torch.testing.assert_close(params[key], ref[key], rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+        assert got["steps"] == 3 and [s["worker"] for s in got["stages"]] == ["worker-0", "worker-1"]
+
+
 class Block(nn.Module):
     def __init__(self, c: int) -> None:
         super().__init__()

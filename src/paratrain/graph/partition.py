@@ -30,7 +30,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
+from torch import nn
 from torch.fx.passes.split_module import split_module
 
 from .export import CAPTURE, IN_SPEC, OUT_SPEC
@@ -66,11 +68,22 @@ class Part:
 
 @dataclass(frozen=True)
 class Attr:
-    """A parameter or buffer read by ``get_attr``: held by ``rank``."""
+    """A parameter, buffer or constant read by ``get_attr``: held by ``rank``."""
 
     name: str  # the top-level value name
-    target: str  # its qualified name in the model
+    target: str  # its qualified name in the model (in the captured graph for a constant)
     rank: int
+    # a constant torch.export lifted (``lifted_tensor_0``: a tensor the forward makes from
+    # literals), which the graph holds and the user's model does not: its value
+    constant: torch.Tensor | None = field(default=None, compare=False, hash=False, repr=False)
+
+    def value(self, model: nn.Module) -> torch.Tensor:
+        """The tensor this ``get_attr`` reads: the model's parameter or buffer, or the constant."""
+        if self.constant is not None:
+            return self.constant
+        mod, _, name = self.target.rpartition(".")
+        t: torch.Tensor = getattr(model.get_submodule(mod), name)
+        return t
 
 
 @dataclass(frozen=True)
@@ -166,6 +179,20 @@ def _parts(gm: fx.GraphModule, owner: Mapping[str, int]) -> dict[str, int]:
     return {name: new_id[q] for name, q in part_of.items()}
 
 
+def _constant(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
+    """The tensor at ``target`` when ``gm`` holds it as neither a parameter nor a buffer (a
+    constant ``torch.export`` lifted, e.g. ``lifted_tensor_0``), else None."""
+    mod, _, name = target.rpartition(".")
+    try:
+        owner = gm.get_submodule(mod)
+    except AttributeError:
+        return None
+    if name in owner._parameters or name in owner._buffers:
+        return None
+    t = getattr(owner, name, None)
+    return t if isinstance(t, torch.Tensor) else None
+
+
 def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> Cut:
     """Split ``gm`` by ``claims`` (module path -> rank); see the module docstring."""
     owner = node_owners(gm, claims, default)
@@ -210,7 +237,7 @@ def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> C
         elif n.op == "get_attr":
             target = str(n.target)
             r = owner.get(n.name, owner_of_path(attr_module(target), claims))
-            attrs.append(Attr(n.name, target, default if r is None else r))
+            attrs.append(Attr(n.name, target, default if r is None else r, _constant(gm, target)))
             producer[n.name], rank_of_value[n.name] = ("attr", -1), attrs[-1].rank
         elif n.op == "call_module":
             k = int(str(n.target).rpartition("_")[2])

@@ -123,6 +123,5 @@ def held_attrs(model: nn.Module, plan: Plan, rank: int) -> dict[str, torch.Tenso
     out: dict[str, torch.Tensor] = {}
     for a in plan.cut.attrs:
         if a.rank == rank:
-            mod, _, name = a.target.rpartition(".")
-            out[a.name] = getattr(model.get_submodule(mod), name)
+            out[a.name] = a.value(model)
     return out

@@ -140,8 +140,7 @@ def check_crossing_values(plan: Plan, model: nn.Module, train: Any, workers: lis
     c = plan.cut
     env: dict[str, Any] = model_inputs(c, *example)
     for a in c.attrs:
-        mod, _, name = a.target.rpartition(".")
-        env[a.name] = getattr(model.get_submodule(mod), name)
+        env[a.name] = a.value(model)
     was = model.training
     model.eval()
     try:
