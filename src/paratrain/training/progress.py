@@ -21,24 +21,35 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Any, TextIO
-
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from typing import TYPE_CHECKING, Any, NewType, TextIO
 
 from ..config._base import parse_every
 
-__all__ = ["progress_bar", "console", "LineProgress", "parse_progress_every"]
+if TYPE_CHECKING:  # rich is imported for a bar on a terminal only (its import: ~40 ms of CPU)
+    from rich.console import Console
+    from rich.progress import Progress
 
-console = Console(stderr=True)
+    console: Console
+
+__all__ = ["progress_bar", "console", "LineProgress", "NoProgress", "parse_progress_every"]
+
+TaskID = NewType("TaskID", int)  # rich.progress.TaskID's kind
+
+
+def _console() -> Console:
+    """rich's console on stderr (``console``), made on first use."""
+    made = globals().get("console")
+    if made is None:
+        from rich.console import Console
+
+        made = globals()["console"] = Console(stderr=True)
+    return made
+
+
+def __getattr__(name: str) -> Any:
+    if name == "console":
+        return _console()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parse_progress_every(every: int | str | None) -> tuple[int, float | None] | None:
@@ -135,15 +146,52 @@ class LineProgress:
         t["last_t"], t["last_done"], t["losses"] = now, done, []
 
 
-def progress_bar(*, enabled: bool | None = None, every: int | str | None = None) -> Progress | LineProgress:
+class NoProgress:
+    """No progress shown (another rank's, or ``run.progress_every`` off): the calls of
+    :class:`LineProgress`, doing nothing."""
+
+    def __enter__(self) -> NoProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def add_task(self, description: str, total: float | None = None, completed: float = 0,
+                 **fields: Any) -> TaskID:
+        return TaskID(0)
+
+    def update(self, task_id: TaskID, **fields: Any) -> None:
+        pass
+
+
+def progress_bar(*, enabled: bool | None = None,
+                 every: int | str | None = None) -> Progress | LineProgress | NoProgress:
     """The progress display of this process. ``enabled=False``: none (another rank's);
     ``None``: a rich bar when stderr is a terminal, else a :class:`LineProgress` by
     ``every`` (``run.progress_every``); ``True``: the rich bar. ``every`` off (0, "off")
-    shows nothing. Both take ``add_task(..., unit=...)`` and ``update(..., loss=...)``."""
+    shows nothing (:class:`NoProgress`). All take ``add_task(..., unit=...)`` and
+    ``update(..., loss=...)``."""
     cadence = parse_progress_every(every)
     if enabled is None and cadence is not None and not sys.stderr.isatty():
         return LineProgress(steps=cadence[0], seconds=cadence[1])
     show = bool(sys.stderr.isatty() if enabled is None else enabled) and cadence is not None
+    if not show:
+        return NoProgress()
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -151,7 +199,6 @@ def progress_bar(*, enabled: bool | None = None, every: int | str | None = None)
         TextColumn("{task.fields[info]}"),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
-        console=console,
-        disable=not show,
+        console=_console(),
         transient=False,
     )
