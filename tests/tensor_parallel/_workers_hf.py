@@ -64,8 +64,9 @@ def gpt2(seed: int = 0) -> nn.Module:
     return GPT2LMHeadModel(cfg).eval()
 
 
-# -- a faithful copy of timm's Attention and Mlp (timm.layers, 1.0): timm imports
-# torchvision, whose PyPI wheel does not import next to the CPU torch on this machine --------
+# -- a faithful copy of timm's Attention and Mlp (timm.layers, 1.0.31): timm imports
+# torchvision, whose PyPI wheel does not import next to the CPU torch on this machine; and
+# once torchvision is installed, transformers imports it and fails the same way ----------
 class Attention(nn.Module):
     def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
                  attn_drop: float = 0.0, proj_drop: float = 0.0) -> None:
@@ -83,17 +84,24 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                is_causal: bool = False) -> torch.Tensor:  # timm 1.0.31's signature
         b, n, c = x.shape
         qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         if self.fused_attn:
             x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                               dropout_p=self.attn_drop.p if self.training else 0.0)
+                                               dropout_p=self.attn_drop.p if self.training else 0.0,
+                                               is_causal=is_causal)
         else:
             q = q * self.scale
             attn = q @ k.transpose(-2, -1)
+            if is_causal:  # timm's resolve_self_attn_mask + maybe_add_mask
+                attn = attn.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            if attn_mask is not None:
+                attn = attn.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+                    else attn + attn_mask
             attn = attn.softmax(dim=-1)
             attn = self.attn_drop(attn)
             x = attn @ v
@@ -131,8 +139,9 @@ class ViTBlock(nn.Module):
         self.attn = Attention(dim, heads, qkv_bias=True, qk_norm=qk_norm)
         self.mlp = Mlp(dim, 2 * dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                is_causal: bool = False) -> torch.Tensor:  # timm 1.0.31: Block passes both on
+        x = x + self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)
         return x + self.mlp(self.norm2(x))
 
 
@@ -146,6 +155,8 @@ def _inputs(kind: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     if kind == "vit":
         return torch.randn(B, S, 12, generator=g)
+    if kind == "timm":
+        return torch.randn(B, 3, 32, 32, generator=g)
     return torch.randint(0, VOCAB, (B, S), generator=g)
 
 
@@ -340,3 +351,30 @@ def errors(kind: str, tp: int, **cfg: Any) -> str:
     except ConfigError as e:
         return str(e)
     return ""
+
+
+
+def timm_call_suite(ctx: WorkerContext) -> dict[str, Any]:
+    """A ViT block under tensor parallel ``world_size`` called as timm 1.0.31's ``Block``
+    calls it (``attn_mask`` per head or broadcast, boolean or float; ``is_causal``), fused
+    and unfused attention, against the dense block."""
+    tp = ctx.world_size
+    out: dict[str, Any] = {}
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(B, S, 32, generator=g)
+    mask = torch.rand(B, 4, S, S, generator=g) > 0.3
+    mask[..., 0] = True  # every query keeps one key
+    calls = {"causal": {"is_causal": True}, "mask": {"attn_mask": mask},
+             "float_mask": {"attn_mask": torch.randn(B, 1, S, S, generator=g)}}
+    for fused in (True, False):
+        dense = vit()
+        dense[1].attn.fused_attn = fused
+        tpm = parallelize(copy.deepcopy(dense), TensorParallelismConfig.model_validate(
+            {"tensor_parallel_size": tp, "memory_optimization": "None"}))
+        tpm.train(False)
+        with torch.no_grad():
+            for k, kw in calls.items():
+                out[f"{k}_{'fused' if fused else 'unfused'}"] = _diff(tpm.module[1](x, **kw), dense[1](x, **kw))
+    with torch.no_grad():  # non-vacuity: each call changes the dense block's output
+        out["moves"] = min(_diff(dense[1](x, **kw), dense[1](x)) for kw in calls.values())
+    return out

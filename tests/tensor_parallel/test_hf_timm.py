@@ -1,8 +1,10 @@
 """timm's fused-``qkv`` ``Attention`` and ``Mlp`` under tensor parallel 2. timm cannot be
-installed here (it imports torchvision, whose PyPI wheel does not import next to the CPU
-torch), so the test uses a faithful copy of timm's classes (``_workers_hf.Attention`` /
-``Mlp``) registered as those blocks with ``register_block``; paratrain recognises timm's own
-classes by their names. Per-head q/k norms are replicated and their gradients summed."""
+installed beside this project's other libraries (it imports torchvision, whose PyPI wheel does
+not import next to the CPU torch, and once torchvision is installed transformers imports it
+and fails too), so the test uses a faithful copy of timm 1.0.31's classes
+(``_workers_hf.Attention`` / ``Mlp``, and ``Block``'s call ``attn(x, attn_mask=...,
+is_causal=...)``) registered as those blocks with ``register_block``; paratrain recognises
+timm's own classes by their names. Per-head q/k norms are replicated and their gradients summed."""
 
 from __future__ import annotations
 
@@ -20,6 +22,17 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def r2() -> list[dict[str, Any]]:
     return run_distributed(vit_suite, 2, timeout_s=240)
+
+
+def test_timm_s_block_call_signature_is_honoured_under_tp2() -> None:
+    """timm 1.0.31's ``Block`` calls ``self.attn(x, attn_mask=..., is_causal=...)``: issue 36's
+    ``TypeError: ParallelFusedQKVAttention.forward() got an unexpected keyword argument``."""
+    from _workers_hf import timm_call_suite
+
+    for res in run_distributed(timm_call_suite, 2, timeout_s=240):
+        assert res.pop("moves") > 1e-3
+        for call, diff in res.items():
+            assert diff < 1e-5, (call, diff)
 
 
 def test_vit_blocks_parity_with_dense(r2: list[dict[str, Any]]) -> None:

@@ -239,19 +239,38 @@ class ParallelFusedQKVAttention(nn.Module):
             return norm(t)
         return functional_call(norm, {n: copy_to_region(p, self.comm) for n, p in params.items()}, (t,))
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def _local_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """``attn_mask`` for this rank's heads: a mask with a dimension per head ``(B, H, N,
+        N)`` is cut to them; one that broadcasts over heads stays whole."""
+        if mask is None or mask.dim() < 3 or mask.size(-3) == 1:
+            return mask
+        heads = self.local_heads * self.comm.size
+        if mask.size(-3) != heads:
+            raise ValueError(f"attn_mask has {mask.size(-3)} heads in dimension -3; the attention "
+                             f"has {heads} (or 1 to broadcast)")
+        first = self.comm.rank * self.local_heads
+        return mask.narrow(-3, first, self.local_heads)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                is_causal: bool = False) -> torch.Tensor:
+        """timm's call: ``attn(x, attn_mask=..., is_causal=...)`` (SDPA's meaning of both:
+        a boolean mask keeps where True, a float mask is added to the scores)."""
         b, n, _ = x.shape
+        mask = self._local_mask(attn_mask)
         qkv = self.qkv(x).reshape(b, n, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self._per_head(self.q_norm, q), self._per_head(self.k_norm, k)
         if self.fused_attn:
             p = float(getattr(self.attn_drop, "p", 0.0)) if self.training else 0.0
-            x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+            x = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
         else:
             q = q * self.scale
             attn = q @ k.transpose(-2, -1)
-            if attn_mask is not None:
-                attn = attn + attn_mask
+            if is_causal:
+                attn = attn.masked_fill(torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1),
+                                        float("-inf"))
+            if mask is not None:
+                attn = attn.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else attn + mask
             attn = self.attn_drop(attn.softmax(dim=-1))
             x = attn @ v
         x = x.transpose(1, 2).reshape(b, n, self.local_heads * self.head_dim)
