@@ -2,21 +2,25 @@
 
 For each of the six strategies (Local, DataParallel, ModelParallel, Federated,
 PopulationBased, Custom -- a registered coordinator training through paratrain's own loop,
-``_kill_resume_coordinator.py``) a real ``paratrain run`` CLI process is
+``_kill_resume_coordinator.py``) a run is
 
 - ``kill``: SIGKILLed mid-run by ``PARATRAIN_FAULT_KILL=RANK:STEP`` (a worker after step /
   round / generation STEP, past the last checkpoint): the elastic agent restarts the group
-  (``run.max_restarts = 1``); a one-process run is restarted with ``--resume``;
+  (``run.max_restarts = 1``); a one-process run (a real ``paratrain run`` CLI process, the
+  process that dies) is restarted with ``--resume``;
 - ``save``: SIGKILLed while writing a checkpoint file (``PARATRAIN_FAULT_KILL_IN_SAVE``),
   leaving its temp file, then restarted the same way;
-- ``sigint``: sent SIGINT as Ctrl-C sends it (the CLI's whole process group) mid-run: it
-  checkpoints at the next step / round / generation boundary and exits 130; ``--resume``
-  finishes it.
+- ``sigint``: a real ``paratrain run`` CLI process sent SIGINT as Ctrl-C sends it (the CLI's
+  whole process group) mid-run: it checkpoints at the next step / round / generation
+  boundary and exits 130; ``--resume`` finishes it.
 
-The reference runs and the restarts by ``--resume`` run in the test's process (the same
-code path below the CLI, without another interpreter's start-up); what is stopped is always
-a real CLI process. Every run then ends with the ``parameters_sha256`` of the same job run without a stop, bit
-for bit, and no checkpoint temp file is left anywhere in its run folder.
+The reference runs, the restarts by ``--resume`` and the launches whose worker is killed
+(kill, save of a multi-process strategy: the launching process's elastic agent restarts the
+group, the same ``comm.launch`` below the CLI; tests/test_cli_waits_for_processes.py runs the
+CLI around a killed worker) run in the test's process, without another interpreter's
+start-up and its workers' server. Every run then ends with the ``parameters_sha256`` of the
+same job run without a stop, bit for bit, and no checkpoint temp file is left anywhere in its
+run folder.
 """
 
 from __future__ import annotations
@@ -102,6 +106,11 @@ def _resume(job: Path) -> None:
     execute(load_job(json.loads(job.read_text())), resume=True)
 
 
+def _run(job: Path) -> None:
+    """``paratrain run JOB``, in this process."""
+    execute(load_job(json.loads(job.read_text())))
+
+
 def _finish(proc: subprocess.Popen[str], code: int = 0) -> str:
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == code, err[-3000:]
@@ -136,7 +145,8 @@ def _reference(tmp_factory: pytest.TempPathFactory, kind: str) -> str:
 @pytest.mark.parametrize("fault", ["kill", "save", "sigint"])
 @pytest.mark.parametrize("kind", list(CASES))
 def test_stopped_run_resumes_bit_identical(
-        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, kind: str, fault: str) -> None:
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
+        capfd: pytest.CaptureFixture[str], kind: str, fault: str) -> None:
     job = _job(tmp_path, kind, "run")
     run_dir = tmp_path / "run" / "r"
     _, kill_at, save_file = CASES[kind]
@@ -154,8 +164,13 @@ def test_stopped_run_resumes_bit_identical(
             if fault == "save":
                 assert _temps(run_dir), "the save was not interrupted"
             _resume(job)
-        else:
-            err = _finish(start_cli(job, env=env))
+        else:  # the workers this process launches inherit its environment
+            with monkeypatch.context() as m:
+                for key, value in env.items():
+                    m.setenv(key, value)
+                capfd.readouterr()
+                _run(job)
+            err = capfd.readouterr().err
             assert "restarted from" in err, err[-3000:]  # a worker really died
             # in the strategy's own count (Federated counts rounds, PopulationBased generations)
             unit = {"Federated": "round", "PopulationBased": "generation"}.get(kind, "step")
