@@ -1,6 +1,6 @@
 """Progress without a terminal (issue 21, item 6): ``paratrain run`` with stderr a pipe (CI, a
 notebook, a log file) writes a line every ``run.progress_every`` while it trains -- position,
-loss, steps/s, ETA -- on the logging process only; Federated counts rounds, PopulationBased
+train_loss, lr, the last evaluation (test_<metric>), steps/s, ETA -- on the logging process only; Federated counts rounds, PopulationBased
 generations; ``"off"`` writes none."""
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from paratrain.training.progress import LineProgress, parse_progress_every, prog
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCAL_LINE = re.compile(r"^\[Local\] step (\d+)/(\d+) \(\d+%\) loss [0-9.e+-]+"
-                        r"( accuracy [0-9.]+)? \| [0-9.e+]+ steps/s \| ETA \d+(s|m\d\ds)$")
+LOCAL_LINE = re.compile(r"^\[Local\] step (\d+)/(\d+) \(\d+%\) train_loss [0-9.e+-]+ lr [0-9.e+-]+"
+                        r"( test_accuracy [0-9.]+)? \| [0-9.e+]+ steps/s \| ETA \d+(s|m\d\ds)$")
 
 
 def _job(tmp: Path, name: str, progress_every: Any, **sections: Any) -> Path:
@@ -96,7 +96,7 @@ def test_federated_rounds_and_population_generations_log_on_rank_0_only(tmp_path
         lines = [ln for ln in err.splitlines() if ln.startswith(f"[{label}]")]
         assert [ln.split()[1:3] for ln in lines] == [[unit, f"{g}/3"] for g in (1, 2, 3)], err
         assert all(f" {unit}s/s | ETA " in ln or f" s/{unit} | ETA " in ln for ln in lines), lines
-        assert unit == "generation" or all(" loss " in ln for ln in lines), lines
+        assert unit == "generation" or all(" train_loss " in ln for ln in lines), lines
 
 
 class _Clock:
@@ -117,13 +117,14 @@ def test_line_progress_cadence_loss_rate_and_eta() -> None:
     task = bar.add_task("Local", total=1000, completed=100, info="")  # resumed at step 100
     for step in range(101, 1001):
         clock.t += 0.125  # 8 steps/s (exact in binary: the cadence is hit on the step)
-        bar.update(task, completed=step, loss=1.0 if step <= 400 else 3.0)
+        bar.update(task, completed=step, loss=1.0 if step <= 400 else 3.0, lr=0.003 if step < 600 else 0.001,
+                   info="test_loss 2.17" if step >= 800 else None)
     bar.stop()
     assert out.getvalue().splitlines() == [  # no extra line at stop
-        "[Local] step 300/1000 (30%) loss 1 | 8 steps/s | ETA 1m28s",
-        "[Local] step 500/1000 (50%) loss 2 | 8 steps/s | ETA 1m02s",
-        "[Local] step 700/1000 (70%) loss 3 | 8 steps/s | ETA 38s",
-        "[Local] step 900/1000 (90%) loss 3 | 8 steps/s | ETA 12s",
+        "[Local] step 300/1000 (30%) train_loss 1 lr 0.003 | 8 steps/s | ETA 1m28s",
+        "[Local] step 500/1000 (50%) train_loss 2 lr 0.003 | 8 steps/s | ETA 1m02s",
+        "[Local] step 700/1000 (70%) train_loss 3 lr 0.001 | 8 steps/s | ETA 38s",
+        "[Local] step 900/1000 (90%) train_loss 3 lr 0.001 test_loss 2.17 | 8 steps/s | ETA 12s",
     ]
 
 

@@ -352,8 +352,8 @@ def run_loop(
                     if (ce and pos.step % ce == 0) or (not ce and end_of_epoch):
                         ev = log_eval()
                         if ev is not None:
-                            life.show(pos.step, info=f"{fit} {ev.get(fit, float('nan')):.3f}")
-                    life.show(pos.step, loss=last_loss)
+                            life.show(pos.step, info=f"test_{fit} {ev.get(fit, float('nan')):.4g}")
+                    life.show(pos.step, loss=last_loss, lr=opt.param_groups[0]["lr"])
                     life.end_unit(pos.step, boundary=end_of_epoch)
                     if end_of_epoch:
                         break

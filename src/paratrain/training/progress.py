@@ -6,9 +6,10 @@ notebook (Jupyter's stderr is no terminal), ``2> run.log`` -- a redrawing bar wo
 nothing until the run ends, or garble the log; there :class:`LineProgress` writes one plain
 line to stderr every span of wall time (``"30s"``, the default) or every N steps::
 
-    [Local] step 120/1000 (12%) loss 0.4321 accuracy 0.912 | 8.31 steps/s | ETA 1m46s
+    [Local] step 120/1000 (12%) train_loss 0.4321 lr 0.003 test_accuracy 0.912 | 8.31 steps/s | ETA 1m46s
 
-``loss`` is the mean training loss over the steps since the previous line; ``steps/s`` the
+``train_loss`` is the mean training loss over the steps since the previous line, ``lr`` the
+learning rate of the last step (where the loop knows it), then the last evaluation; ``steps/s`` the
 rate since this process started (a resumed run counts only the steps it took itself);
 ``ETA = (total - done) / rate``. The run's end writes no line of its own (the summary
 follows; a run shorter than one span prints none, so its stderr stays as it was). Only the logging
@@ -108,8 +109,10 @@ class LineProgress:
         return tid
 
     def update(self, task_id: TaskID, *, completed: float | None = None, loss: float | None = None,
-               info: str | None = None, **_: Any) -> None:
+               info: str | None = None, lr: float | None = None, **_: Any) -> None:
         t = self.tasks[task_id]
+        if lr is not None:
+            t["lr"] = float(lr)
         if completed is not None:
             t["completed"] = completed
         if loss is not None and math.isfinite(loss):
@@ -131,7 +134,9 @@ class LineProgress:
         if total:
             parts[0] += f"/{int(total)} ({100.0 * done / total:.0f}%)"
         if t["losses"]:
-            parts[0] += f" loss {sum(t['losses']) / len(t['losses']):.4g}"
+            parts[0] += f" train_loss {sum(t['losses']) / len(t['losses']):.4g}"
+        if t.get("lr") is not None:
+            parts[0] += f" lr {t['lr']:.3g}"
         if t["info"]:
             parts[0] += f" {t['info']}"
         elapsed = now - t["t0"]

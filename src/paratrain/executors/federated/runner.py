@@ -287,7 +287,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             assert metrics is not None
             metrics.log(dict(rec))
             life.show(r + 1, loss=rec.get("train_loss"),
-                      info=f"{fit} {ev.get(fit, float('nan')):.3f} ok {rec['clients_ok']}/{rec['clients_selected']}")
+                      info=f"test_{fit} {ev.get(fit, float('nan')):.4g} ok {rec['clients_ok']}/{rec['clients_selected']}")
             done = r + 1
             life.end_unit(done, last=done == strat.rounds)
     life.finish(done)  # stopped early (federated.target_accuracy): its checkpoint
