@@ -150,3 +150,17 @@ def test_decode_in_one_pass_equals_the_checked_decode() -> None:
     assert all(torch.equal(out[k], fast[k]) for k in g)
     with pytest.raises(MalformedUpdateError, match="headers announce"):
         decode_update("c", headers, payload[:-4], g)
+
+
+def test_fedavg_of_decoded_updates_adds_each_as_one_vector_with_the_same_sums() -> None:
+    from paratrain.executors.federated.aggregation.fedavg import _as_vector, fedavg_step
+
+    torch.manual_seed(0)
+    g = {"w": torch.zeros(33, 7), "b": torch.zeros(7), "e": torch.zeros(0), "n": torch.zeros((), dtype=torch.int64)}
+    ups = [decode_update("c", *_update(g), g) for _ in range(23)]
+    weights = [float(i % 5 + 1) for i in range(23)]
+    assert all(_as_vector(u, list(g)) is not None for u in ups)
+    apart = [{k: v.clone() for k, v in u.items()} for u in ups]  # separate tensors: per key
+    assert _as_vector(apart[0], list(g)) is None
+    a, b = fedavg_step(ups, weights), fedavg_step(apart, weights)
+    assert all(a[k].shape == g[k].shape and torch.equal(a[k], b[k]) for k in g)
