@@ -170,9 +170,10 @@ def _decode_dense(headers: Any, payload: bytes | memoryview,
         total += nbytes
     if total != len(payload):
         return None
-    flat = torch.from_numpy(np.frombuffer(payload, dtype="<f4").astype(np.float32))
-    if not bool(torch.isfinite(flat).all()):
+    arr = np.frombuffer(payload, dtype="<f4").astype(np.float32)
+    if not bool(np.isfinite(arr).all()):  # (numpy's test: several times torch's on CPU)
         return None
+    flat = torch.from_numpy(arr)
     out: dict[str, Tensor] = {}
     pos = 0
     for name, numel, shape in sizes:
