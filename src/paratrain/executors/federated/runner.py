@@ -216,7 +216,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 os._exit(17)  # a hard crash, as a killed process would look
             t_round = time.perf_counter()
             if server is not None:
-                plan = {"stop": server.stopped, "clients": [], "lr_scale": server.schedule.factor()}
+                plan: dict[str, Any] = {"stop": server.stopped, "clients": [],
+                                        "lr_scale": server.schedule.factor()}
                 if not server.stopped:
                     plan["clients"] = select_clients(
                         strat.client_selection, num_clients=strat.num_clients, round_idx=r,

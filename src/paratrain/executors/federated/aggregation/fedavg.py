@@ -33,7 +33,7 @@ def fedavg_step(updates: Sequence[Update], weights: Sequence[float]) -> dict[str
     if names and all(f is not None for f in flats):  # one add per update (the same sums)
         acc = torch.zeros(sum(updates[0][k].numel() for k in names), dtype=torch.float64)
         for f, wi in zip(flats, w.tolist(), strict=True):
-            acc.add_(f, alpha=wi)  # type: ignore[arg-type]
+            acc.add_(f, alpha=wi)  # type: ignore[arg-type]  # (none is None here)
         pos = 0
         for name in names:
             t = updates[0][name]
@@ -63,7 +63,7 @@ def _as_vector(update: Update, names: list[str]) -> Tensor | None:
             return None
         pos += t.numel()
     size = pos - first.storage_offset()
-    return first.new_empty(0).set_(storage, first.storage_offset(), (size,))
+    return first.new_empty(0).set_(storage, first.storage_offset(), (size,), (1,))
 
 
 class FedAvgAggregator:
