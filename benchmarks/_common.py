@@ -23,7 +23,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["provenance", "figures", "median", "MEASURED", "MODELLED", "MIXED", "CONFIGURED", "UNLABELLED"]
+__all__ = ["provenance", "figures", "median", "warm_workers", "MEASURED", "MODELLED", "MIXED", "CONFIGURED", "UNLABELLED"]
 
 MEASURED, MODELLED, MIXED, CONFIGURED = "measured", "modelled", "measured / modelled", "configured"
 UNLABELLED = "unlabelled"
@@ -32,6 +32,16 @@ SETTINGS = ("config", "goals")  # subtrees whose numbers are settings, not figur
 
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
+
+
+def warm_workers(*modules: str) -> None:
+    """Start paratrain's forkserver, which ``run_distributed`` forks every rank from, with
+    torch's compiler front end and ``modules`` imported: what each rank would import itself
+    (DDP, DTensor and pipelining import ``torch._dynamo``: about 4 s of CPU a process on 2
+    cores) is imported once. A no-op when the server already runs; nothing timed changes."""
+    from paratrain.comm.forkserver import warm
+
+    warm(["torch._dynamo", *modules])
 
 
 def _numeric(v: Any) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, provenance  # noqa: E402
+from _common import median, provenance, warm_workers  # noqa: E402
 
 LEVELS = ("none", "optimizer", "gradients", "parameters")
 FORMULA = {"none": lambda n: 16.0, "optimizer": lambda n: 8 + 8 / n,
@@ -129,6 +129,7 @@ def main() -> None:
     from paratrain.comm.testing import run_distributed
 
     cfg = {"hidden": 32 if args.smoke else 1024, "steps": 1 if args.smoke else 8 if args.quick else 20}
+    warm_workers("torch.distributed.tensor.parallel")
     r = run_distributed(worker, 4, cfg, timeout_s=900)[0]
     base = r["none"]["step_time_s"]
     levels = {lvl: {**r[lvl], "held_over_formula": r[lvl]["held_bytes"] / r[lvl]["formula_bytes"],

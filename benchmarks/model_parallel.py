@@ -69,7 +69,7 @@ from paratrain.executors.model_parallel.schedule import schedule, simulate, theo
 from paratrain.training.gcfreeze import freeze_startup_objects  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import provenance  # noqa: E402
+from _common import provenance, warm_workers  # noqa: E402
 
 
 def nodes(model: nn.Module) -> list[str]:
@@ -315,6 +315,7 @@ def main() -> None:
         sizes = (3,)
     t0 = time.perf_counter()
     load = round(os.getloadavg()[0], 2)
+    warm_workers("torch.distributed.pipelining")
     results = [measure(p, cfg) for p in sizes]
     doc: dict[str, Any] = {
         "benchmark": "model_parallel_pipeline",

@@ -49,7 +49,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import provenance  # noqa: E402
+from _common import provenance, warm_workers  # noqa: E402
 from model_parallel import build, nodes  # noqa: E402
 
 from paratrain.comm.p2p import P2PTransport  # noqa: E402
@@ -297,6 +297,7 @@ def main() -> None:
     isolated = {"config": iso_cfg, "costs_s_measured": {k: round(v, 5) for k, v in costs.items()},
                 "split_over_full_backward": round((costs["B"] + costs["W"]) / costs["full"], 3),
                 "replays": [modelled_zbh1(costs, p, m) for p in (2, 4) for m in cfg["ms"]]}
+    warm_workers("torch.distributed.pipelining")
     results = [] if args.isolated_only else [row for p in args.stages for row in measure(p, cfg)]
     doc: dict[str, Any] = {
         "benchmark": "pipeline_schedules",

@@ -1,8 +1,8 @@
 """PowerSGD benchmark: bytes, compress+decompress time and final loss against dense and
 torch's fp16 / bf16 / PowerSGD DDP hooks, on the char GPT of
 ``examples/gpt_shakespeare_dp.toml`` (2 layers, 64 wide), shortened. Prints one JSON object.
-``--quick``: 60 steps, 5 timing repeats; ``--smoke``: 4 steps, 1 repeat, the jobs dense and
-rank 1 only (every code path).
+``--quick``: 60 steps, 5 timing repeats; ``--smoke``: 4 steps, 1 repeat, one job (rank 1)
+(every code path).
 
 Three parts:
 
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import provenance  # noqa: E402
+from _common import provenance, warm_workers  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 EXAMPLE = HERE.parent / "examples" / "gpt_shakespeare_dp.toml"
@@ -237,23 +237,29 @@ def train_variants(ctx: Any, variants: list[str], steps: int, start: int) -> dic
     return out
 
 
-def run_jobs(steps: int, start: int, folder: Path, ranks: tuple[int, ...] = RANKS) -> dict[str, Any]:
-    """``paratrain run`` of the example, dense and PowerSGD at ``ranks`` (final test loss)."""
+def run_jobs(steps: int, start: int, folder: Path, ranks: tuple[int, ...] = RANKS,
+             dense: bool = True) -> dict[str, Any]:
+    """``paratrain run`` of the example, dense (unless ``dense`` is false) and PowerSGD at
+    ``ranks`` (final test loss, and its gap to dense's)."""
     src = EXAMPLE.read_text()
     src = src.replace("max_steps = 1500", f"max_steps = {steps}").replace(
         "eval_every = 500", f"eval_every = {steps}")
     out: dict[str, Any] = {}
     exe = Path(sys.executable).parent / "paratrain"
-    for name, extra in [("dense", ""), *((f"powersgd_r{r}", f'\n[compression]\nmethod = "PowerSGD"\n'
-                                          f"rank = {r}\nstart_step = {start}\n") for r in ranks)]:
+    runs = [("dense", "")] if dense else []
+    runs += [(f"powersgd_r{r}", f'\n[compression]\nmethod = "PowerSGD"\nrank = {r}\nstart_step = {start}\n')
+             for r in ranks]
+    for name, extra in runs:
         text = src.replace('name = "gpt_shakespeare_dp"', f'name = "psgd_{name}"\noutput_dir = "{folder}"')
         path = folder / f"{name}.toml"
         path.write_text(text + extra)
         t0 = time.perf_counter()
-        subprocess.run([str(exe), "run", str(path), "-q"], check=True, capture_output=True)
+        proc = subprocess.run([str(exe), "run", str(path), "-q"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"paratrain run {path.name} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
         summary = json.loads((folder / f"psgd_{name}" / "summary.json").read_text())
         out[name] = {"test_loss": _test_loss(summary), "wall_s": time.perf_counter() - t0}
-    for r in ranks:
+    for r in ranks if dense else ():
         out[f"powersgd_r{r}"]["gap_to_dense"] = out[f"powersgd_r{r}"]["test_loss"] - out["dense"]["test_loss"]
     return out
 
@@ -275,7 +281,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
-    ap.add_argument("--smoke", action="store_true", help="4 steps, 1 repeat, jobs dense and rank 1 only: "
+    ap.add_argument("--smoke", action="store_true", help="4 steps, 1 repeat, the rank-1 job only: "
                     "every code path")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--no-jobs", action="store_true", help="skip the paratrain run jobs")
@@ -286,6 +292,7 @@ def main() -> None:
     steps = a.steps or (4 if a.smoke else 60 if a.quick else 200)
     start = max(2, steps // 10)  # torch's advice: about 10% of training before compressing
     repeats = 1 if a.smoke else 5 if a.quick else 15
+    warm_workers("paratrain.data.shakespeare", "paratrain.task", "torch.distributed.algorithms.ddp_comm_hooks")
     if a.spread:
         spread = {v: run_distributed(train_variant, 2, v, steps, start, timeout_s=1200)[0]
                   for v in ("torch_powersgd_r1_seed1", "ourhook_powersgd_r1")}
@@ -325,7 +332,7 @@ def main() -> None:
     }
     if not a.no_jobs:
         with tempfile.TemporaryDirectory() as d:
-            out["jobs"] = run_jobs(steps, start, Path(d), RANKS[:1] if a.smoke else RANKS)
+            out["jobs"] = run_jobs(steps, start, Path(d), RANKS[:1] if a.smoke else RANKS, dense=not a.smoke)
     out["provenance"] = provenance(out, modelled=("bytes_formula",), configured=("steps", "start_step", "world", "params"))
     print(json.dumps(out, indent=1))
 

@@ -50,7 +50,7 @@ from paratrain.config import TensorParallelismConfig
 from paratrain.tensor_parallel import SelfAttention, parallelize
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
-from _common import provenance  # noqa: E402
+from _common import provenance, warm_workers  # noqa: E402
 
 PATTERNS = ["AllReduce", "AllGather", "ReduceScatter", "PointToPoint", "Hierarchical"]
 
@@ -379,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     size = "smoke" if args.smoke else "quick" if args.quick else "full"
+    warm_workers("torch.distributed.tensor.parallel")
     res = run_distributed(worker, 2, size, timeout_s=600)[0]
     report: dict[str, Any] = {
         "benchmark": "tensor_parallel",

@@ -38,7 +38,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import provenance  # noqa: E402
+from _common import provenance, warm_workers  # noqa: E402
 
 from paratrain.comm.context import WorkerContext  # noqa: E402
 from paratrain.comm.testing import run_distributed  # noqa: E402
@@ -127,6 +127,7 @@ def main() -> None:
     if args.smoke:
         cfg = {"hidden": 64, "batches": [4, 64], "reps": 1}
     t0 = time.perf_counter()
+    warm_workers("torch.distributed.tensor.parallel")
     res = run_distributed(worker, 4, cfg, timeout_s=900)
     doc: dict[str, Any] = {
         "benchmark": "tensor_parallel_2d",

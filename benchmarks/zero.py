@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import provenance  # noqa: E402
+from _common import provenance, warm_workers  # noqa: E402
 
 HIDDEN = [2048, 896]
 RSS_HIDDEN = [1024] * 16  # about 16.9M parameters in 17 units: unsharded fp32 Adam state 257 MiB
@@ -242,6 +242,7 @@ def main() -> None:
     out: dict[str, Any] = {"config": {**cfg, "optimizer": "adam fp32", "backend": "gloo"},
                            "goals": {"bytes_over_formula": "within 10%",
                                      "step_time_ratio_zero1_vs_torch_zero": "<= 1.1"}}
+    warm_workers("torch.distributed.fsdp", "torch.distributed.optim")
     out["bytes"] = {}
     for n in sizes:
         res = run_distributed(bytes_worker, n, cfg, timeout_s=900)
