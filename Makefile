@@ -14,18 +14,14 @@ $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,flower]'
 	touch $(STAMP)
 
-# The bench extra (Flower's simulation runtime: flwr[simulation], Ray) goes into the same venv:
-# its pins install beside the project's without changing any (pip --dry-run, Ray 2.55.1).
+# The bench extra (Flower's simulation runtime: flwr[simulation], Ray, for benchmarks/federated.py's
+# Flower arm) goes into the same venv: its pins install beside the project's without changing
+# any (pip --dry-run: Ray 2.55.1 and its few dependencies are all it adds).
 BENCH_STAMP := $(VENV)/.bench-installed
 
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/pip install -q -c constraints.txt -e '.[bench]'
 	touch $(BENCH_STAMP)
-
-# Federated against a bare per-client PyTorch loop and Flower's simulation: 100 clients, 4
-# rounds (benchmarks/federated.py; without --quick: 100 and 1,000 clients, 6 rounds).
-bench: $(BENCH_STAMP)
-	$(BIN)/python benchmarks/federated.py --quick
 
 demo: $(STAMP)
 	$(BIN)/paratrain run examples/gpt_shakespeare_local.toml --overwrite
@@ -48,7 +44,7 @@ lint: $(STAMP)
 # shared): each result with its provenance in benchmarks/results/<name>.json, then
 # benchmarks/RESULTS.md generated from those files (never edited by hand).
 # BENCH="zero mesh" runs only those and regenerates RESULTS.md from every results file.
-bench: $(STAMP)
+bench: $(BENCH_STAMP)
 	nice -n 10 $(BIN)/python benchmarks/_bench.py $(if $(BENCH),--only $(BENCH))
 
 clean:
