@@ -455,8 +455,8 @@ def main() -> None:
         "workload": "digits MLP 64-64-10, IID, all clients every round, E=1, B=10, SGD lr 0.1, "
                     "FedAvg, 2 worker processes / 2 CPUs; every system evaluates the global model "
                     "on the test split after every round",
-        "rounds": rounds,
-        "repetitions": args.repeat,
+        "config": {"rounds": rounds, "repetitions": args.repeat, "clients": list(sizes),
+                   "cpus": os.cpu_count()},
         "throughput": "client updates / round wall time, median over rounds excluding round 1; "
                       "paratrain's round includes its metrics log and checkpoint write (every round "
                       "unless the arm says otherwise)",
@@ -470,8 +470,7 @@ def main() -> None:
                   "flwr": "Flower run_simulation (Ray backend, 2 CPUs, 1 CPU per client actor), "
                           "evaluate_fn on the test split each round"},
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "flwr": flwr_version},
-        "loadavg_at_start": [round(v, 2) for v in os.getloadavg()],
-        "cpus": os.cpu_count(),
+        "loadavg_at_start_measured": [round(v, 2) for v in os.getloadavg()],
         "results": {},
     }
     if flwr_version is not None:

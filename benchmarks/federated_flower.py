@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,6 +48,9 @@ from typing import Any
 
 from paratrain.config.job import load_job
 from paratrain.dispatch import execute
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import provenance  # noqa: E402
 
 APP = Path(__file__).resolve().parents[1] / "examples" / "federated_flower"
 
@@ -108,7 +112,7 @@ def secure(args: Any) -> None:
         out = tmp / "runs"
         fed = LocalFederation(tmp / "flwr_home", args.nodes)
         res: dict[str, Any] = {"workload": f"digits MLP 64, {args.nodes} clients on {args.nodes} SuperNodes, FedAvg",
-                               "rounds": args.rounds}
+                               "config": {"rounds": args.rounds, "nodes": args.nodes, "drop": args.drop}}
         runs = [("plaintext", False), ("secagg", True)] + ([("secagg_drop", True)] if args.drop else [])
         try:
             fed.start()
@@ -140,8 +144,9 @@ def secure(args: Any) -> None:
         for name, _ in runs[1:]:
             got = load_file(str(out / name / "model.safetensors"))
             res[f"max_abs_diff_{name}_vs_plaintext"] = max(float((got[k] - plain[k]).abs().max()) for k in plain)
-        res["fixed_point_bound"] = args.nodes * 2 * 8.0 / 2**22
-        res["dropped_after_masking"] = args.drop
+        res["fixed_point_bound_modelled"] = args.nodes * 2 * 8.0 / 2**22
+        res["provenance"] = provenance({k: v for k, v in res.items() if k != "config"},
+                                       modelled=("fixed_point_bound_modelled",))
         print(json.dumps(res, indent=2))
 
 
@@ -181,16 +186,18 @@ def main() -> None:
         res: dict[str, Any] = {
             "workload": (f"digits MLP 64-64-10, {args.clients} clients IID, all selected, E=1, B=10, "
                          "SGD lr 0.1, FedAvg, checkpoint every round (benchmarks/federated.py's job)"),
-            "rounds": args.rounds,
-            "loadavg_at_start": [round(v, 2) for v in load_at_start],
-            "local": {"workers": 2, "wall_s": round(local_wall, 2), **per_round(Path(local["run_dir"]))},
-            "flower": {"supernodes": args.nodes, "wall_s": round(flower_wall, 2), **per_round(out / "flower")},
+            "config": {"rounds": args.rounds, "clients": args.clients, "local_workers": 2,
+                       "supernodes": args.nodes},
+            "loadavg_at_start_measured": [round(v, 2) for v in load_at_start],
+            "local": {"wall_s": round(local_wall, 2), **per_round(Path(local["run_dir"]))},
+            "flower": {"wall_s": round(flower_wall, 2), **per_round(out / "flower")},
             "same_parameters": json.loads(summary.read_text())["parameters_sha256"] == local["parameters_sha256"],
         }
         res["round_time_ratio_flower_over_local"] = round(
             res["flower"]["round_time_s_median"] / res["local"]["round_time_s_median"], 2)
         res["rounds_per_s_ratio_local_over_flower_measured"] = round(
             res["local"]["rounds_per_s_measured"] / res["flower"]["rounds_per_s_measured"], 2)
+        res["provenance"] = provenance({k: v for k, v in res.items() if k != "config"})
         print(json.dumps(res, indent=2))
 
 
