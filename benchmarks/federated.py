@@ -451,6 +451,10 @@ def main() -> None:
     sizes = tuple(args.clients or ((10,) if args.smoke else (100,) if args.quick else (100, 1000)))
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]
     flwr_version = _flwr_version() if "flwr" in systems else None
+    if "flwr" in systems and flwr_version is None:  # a comparison that silently vanishes rots
+        raise SystemExit("benchmarks/federated.py: the flwr arm needs flwr[simulation] (Ray): "
+                         "install the bench extra (make test and make bench do), or leave it "
+                         "out with --systems paratrain,naive")
     out: dict[str, Any] = {
         "workload": "digits MLP 64-64-10, IID, all clients every round, E=1, B=10, SGD lr 0.1, "
                     "FedAvg, 2 worker processes / 2 CPUs; every system evaluates the global model "
@@ -477,8 +481,6 @@ def main() -> None:
         import ray
 
         out["versions"]["ray"] = ray.__version__
-    elif "flwr" in systems:
-        out["flwr"] = "skipped: flwr[simulation] (Ray) not importable (install the optional bench extra)"
     # arms: (label, system, options)
     arms: list[tuple[str, str, dict[str, Any]]] = []
     if "paratrain" in systems:
