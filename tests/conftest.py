@@ -30,14 +30,27 @@ def _one_worker_server_for_the_session() -> None:
     ranks import: the executors, torch's compiler front end, scikit-learn's data sets and,
     where the ``hf`` extra is installed, transformers' model base (3-7 s of CPU in every rank
     otherwise; a launch's own preload hint comes too late once a server runs, and the server
-    is kept for the whole session). A name that does not import is skipped by the server."""
+    is kept for the whole session). A name that does not import is skipped by the server.
+    Last, ``_forkserver_frozen`` (this folder): matplotlib, then ``gc.freeze()`` of the
+    server's heap, so a worker's start-up collection skips it (about half of a 2-rank
+    launch's CPU otherwise). Python 3.11's forkserver ignores the parent's ``sys.path``: it
+    finds this folder through ``PYTHONPATH``, set while the server starts (a worker takes the
+    parent's current environment and path, paratrain.comm.forkserver.ParentState)."""
     from paratrain.comm.forkserver import warm
 
-    warm(["paratrain.executors.entry", "paratrain.executors.data_parallel",
-          "paratrain.executors.tensor_parallel", "paratrain.executors.model_parallel",
-          "paratrain.executors.federated", "paratrain.executors.population_based",
-          "paratrain.comm.dcp", "torch._dynamo", "paratrain.data.split", "sklearn.datasets",
-          "transformers.modeling_utils"])
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *([old] if old else [])])
+    try:
+        warm(["paratrain.executors.entry", "paratrain.executors.data_parallel",
+              "paratrain.executors.tensor_parallel", "paratrain.executors.model_parallel",
+              "paratrain.executors.federated", "paratrain.executors.population_based",
+              "paratrain.comm.dcp", "torch._dynamo", "paratrain.data.split", "sklearn.datasets",
+              "transformers.modeling_utils", "_forkserver_frozen"])
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 # Files whose tests hold one xdist worker for minutes (real Flower federations: a process per
