@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -38,6 +40,23 @@ ROOT = HERE.parent
 
 def benchmark_names() -> list[str]:
     return sorted(p.stem for p in HERE.glob("*.py") if not p.name.startswith("_"))
+
+
+def run_captured(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """``(exit status, stdout, stderr)`` of ``cmd`` run in the repository root, in a session of
+    its own: past ``timeout`` seconds its whole process group is killed (the ranks, runs and
+    spinner processes a benchmark starts too, not only the script) and RuntimeError says so."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise RuntimeError(f"{' '.join(cmd[1:])}: over the {timeout:.0f} s timeout (its process group "
+                           "was killed)") from None
+    return proc.returncode, stdout, stderr
 
 
 def parse_output(stdout: str) -> dict[str, Any]:
@@ -97,12 +116,12 @@ def run_one(name: str, size: str, timeout: float, mach: dict[str, Any]) -> dict[
     before = _load()
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    returncode, stdout, stderr = run_captured(cmd, timeout)
     wall = time.perf_counter() - t0
     after = _load()
-    if proc.returncode != 0:
-        raise RuntimeError(f"exit status {proc.returncode}:\n{proc.stderr[-3000:]}")
-    result = parse_output(proc.stdout)
+    if returncode != 0:
+        raise RuntimeError(f"exit status {returncode}:\n{stderr[-3000:]}")
+    result = parse_output(stdout)
     dirty = [ln[3:] for ln in _git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks").splitlines()]
     return {"benchmark": name,
             "provenance": {"command": shown, "nice": os.nice(0), "date": date, "git_commit": _git("rev-parse", "HEAD"),
@@ -131,7 +150,7 @@ def main() -> int:
         print(f"[bench] {name} --{args.size} (load {_load()[0]}) ...", flush=True)
         try:
             doc = run_one(name, args.size, args.timeout, mach)
-        except (RuntimeError, ValueError, subprocess.TimeoutExpired) as e:
+        except (RuntimeError, ValueError) as e:
             print(f"[bench] {name} FAILED: {e}", flush=True)
             failed.append(name)
             continue
