@@ -81,9 +81,17 @@ def description(path: Path) -> str:
 
 def _git(*args: str) -> str:
     try:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return ""
+
+
+def dirty_paths() -> list[str]:
+    """Tracked files under ``src/`` and ``benchmarks/`` that differ from the commit, but
+    what ``make bench`` itself writes (RESULTS.md, results/)."""
+    out = _git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks")
+    paths = [ln[3:] for ln in out.splitlines() if len(ln) > 3]
+    return [p for p in paths if p != "benchmarks/RESULTS.md" and not p.startswith("benchmarks/results/")]
 
 
 def machine() -> dict[str, Any]:
@@ -122,9 +130,9 @@ def run_one(name: str, size: str, timeout: float, mach: dict[str, Any]) -> dict[
     if returncode != 0:
         raise RuntimeError(f"exit status {returncode}:\n{stderr[-3000:]}")
     result = parse_output(stdout)
-    dirty = [ln[3:] for ln in _git("status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks").splitlines()]
+    dirty = dirty_paths()
     return {"benchmark": name,
-            "provenance": {"command": shown, "nice": os.nice(0), "date": date, "git_commit": _git("rev-parse", "HEAD"),
+            "provenance": {"command": shown, "nice": os.nice(0), "date": date, "git_commit": _git("rev-parse", "HEAD").strip(),
                            "git_dirty": dirty, "machine": mach, "load_average_before": before,
                            "load_average_after": after, "wall_s": round(wall, 1),
                            "description": description(path)},
