@@ -153,8 +153,15 @@ def side_group(group: Any = None) -> Any:
     """A gloo group of ``group``'s ranks (None: every rank) for collectives made from another
     thread while ``group`` carries the training's (an asynchronous checkpoint's writes: two
     threads must never interleave collectives on one group). Collective over ``group``'s
-    ranks only (``use_local_synchronization``: a subgroup's members alone call it)."""
+    ranks. For the whole world it is named by torch's group counter, as every group all
+    ranks create (a hash of the ranks would collide with another group of the same ranks
+    made with ``use_local_synchronization``, and that creation hangs); a subgroup's members
+    alone call it, named by that hash."""
+    whole = group is None or group == dist.group.WORLD
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    if whole:  # every rank calls it: torch's counter names it alike on every rank
+        return dist.new_group(ranks=ranks, backend="gloo")
+    # a subgroup's members alone call it; its name is a hash of its ranks (use_local_synchronization)
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 
