@@ -312,9 +312,9 @@ def main() -> None:
     # wire bytes are the exact sizes of the records sent; bus bandwidth converts a measured
     # all-reduce time with the ring factor 2(n-1)/n (NCCL's convention), so it is modelled
     out["provenance"] = provenance(
-        {k: v for k, v in out.items() if k not in ("processes", "params", "batch_per_rank", "repeats",
-                                                    "steps_per_repeat", "goal_step_time_ratio", "wall_s")},
-        modelled=("allreduce_busbw_GBps",), mixed=("busbw_ratio_vs_memcpy",))
+        out, modelled=("allreduce_busbw_GBps",), mixed=("busbw_ratio_vs_memcpy",),
+        configured=("processes", "params", "batch_per_rank", "repeats", "steps_per_repeat",
+                    "goal_step_time_ratio"))
     print(json.dumps(out))
 
 
