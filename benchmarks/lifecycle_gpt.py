@@ -56,7 +56,9 @@ def _job(src: str, out: Path, steps: int, eval_every: int, test_every: int = 8) 
 
 def _busy(n: int) -> list[subprocess.Popen[bytes]]:
     """``n`` processes that keep a core busy each (a shared machine's other work)."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    # each spins until its parent is gone, so a benchmark killed mid-run leaves none behind
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
 
 
 def _arm(tmp: Path, steps: int, eval_every: int, repeats: int, env: dict[str, str], warm: bool,
