@@ -18,8 +18,14 @@ import pytest
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc: Linux only")
 
+# The probe imports the loop first, as every training process has: on the bare heap of a
+# fresh interpreter, the small allocations made between two 40 MB requests land after the
+# freed chunk, which then cannot hold the next aligned request (posix_memalign asks for the
+# alignment on top), so the heap grows each time whatever the settings; that is not a
+# training process's heap (a 300-step GPT run: 0.5 s of system time kept, 2.7-4.3 s not).
 PROBE = """
 import json, resource, torch
+import paratrain.training.loop
 from paratrain.training.allocator import keep_freed_memory
 set_ = keep_freed_memory()
 faults = []

@@ -100,6 +100,20 @@ def holds_run(d: str | Path) -> bool:
     return False
 
 
+def _drop_inherited_locks() -> None:
+    """In a forked child (a DataLoader worker, a drawer): close the inherited lock fds. A
+    ``flock`` belongs to the open file, so a child holding it would keep the folder locked
+    after its parent died (SIGKILL) until the child noticed; the child still sees the claim
+    through :data:`HELD_ENV`."""
+    for fd, _count in _HELD.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 def _held_env() -> list[str]:
     return [p for p in os.environ.get(HELD_ENV, "").split(os.pathsep) if p]
 
