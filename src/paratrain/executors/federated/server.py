@@ -144,7 +144,7 @@ class FederatedServer:
         losses: list[tuple[float, float]] = []
         failed: list[dict[str, Any]] = []
         infos: list[dict[str, Any]] = []  # per successful client: steps, norm, control (dc_i)
-        with_control = bool(getattr(self.aggregator, "sends_control", False))
+        with_control = self.aggregator.sends_control
         reference = ({**self.global_state, **control_reference(self.global_state)} if with_control
                      else self.global_state)
         up = 0
@@ -194,9 +194,7 @@ class FederatedServer:
             updates, weights, dp_rec = self.privacy.privatize(round_idx, self.global_state, updates, weights)
             rec.update(dp_rec)
         if updates:
-            per_client = getattr(self.aggregator, "aggregate_round", None)
-            self.global_state = (per_client(self.global_state, updates, weights, infos) if callable(per_client)
-                                 else self.aggregator.aggregate(self.global_state, updates, weights))
+            self.global_state = self.aggregator.aggregate_round(self.global_state, updates, weights, infos)
             if losses:
                 rec["train_loss"] = sum(v * n for v, n in losses) / sum(n for _, n in losses)
         else:

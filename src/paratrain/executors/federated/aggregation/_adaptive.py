@@ -16,23 +16,24 @@ in the paper. The moments are the server optimizer state (``state_dict``).
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from ._common import Update, apply_step
+from ._common import Aggregator, Update
 from .fedavg import fedavg_step
 
 __all__ = ["AdaptiveServerOptimizer"]
 
 
-class AdaptiveServerOptimizer(ABC):
+class AdaptiveServerOptimizer(Aggregator):
     """Base class; subclasses define :meth:`second_moment`."""
 
     name = "Adaptive"
+    spec_fields: ClassVar[tuple[str, ...]] = ("eta", "beta1", "beta2", "tau")
 
     def __init__(self, *, eta: float, beta1: float, beta2: float, tau: float) -> None:
         if eta <= 0 or tau <= 0:
@@ -48,12 +49,7 @@ class AdaptiveServerOptimizer(ABC):
     def second_moment(self, v: Tensor, d2: Tensor) -> Tensor:
         """The method's second-moment update v_t from v_{t-1} and the squared step."""
 
-    def aggregate(
-        self,
-        global_state: Mapping[str, Tensor],
-        updates: Sequence[Update],
-        weights: Sequence[float],
-    ) -> dict[str, Tensor]:
+    def step(self, updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
         delta = fedavg_step(updates, weights)
         step: dict[str, Tensor] = {}
         for name, d in delta.items():
@@ -64,7 +60,7 @@ class AdaptiveServerOptimizer(ABC):
             self.m[name], self.v[name] = m, v
             step[name] = self.eta * m / (v.sqrt() + self.tau)
         self.t += 1
-        return apply_step(global_state, step)
+        return step
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -1,4 +1,5 @@
-"""Shared tensor helpers for the federated aggregators.
+"""What the federated aggregators share: the :class:`Aggregator` base (the one
+``aggregate`` signature, the stateless defaults) and the tensor helpers.
 
 An *update* is a mapping ``name -> tensor`` holding a client's model delta
 ``Δ_i = w_i − w_global`` (same keys and shapes as the global model). Aggregators
@@ -12,12 +13,15 @@ the (sorted) client order and 0-d (scalar) tensors work like any other.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "Aggregator",
     "Update",
     "MalformedUpdateError",
     "validate_updates",
@@ -26,6 +30,7 @@ __all__ = [
     "apply_step",
     "check_weights",
     "linear_combination",
+    "update_names",
 ]
 
 Update = Mapping[str, Tensor]
@@ -73,6 +78,51 @@ def validate_updates(
         for name in upd:
             if name not in reference:
                 raise MalformedUpdateError(cid, name, "unexpected key (not in the global model)")
+
+
+class Aggregator(ABC):
+    """A server aggregator: ``aggregate(global_state, updates, weights) -> new_global_state``
+    applies the method's :meth:`step` (``updates[i]`` is client i's delta by tensor name,
+    ``weights[i]`` its example count); ``state_dict`` / ``load_state_dict`` hold its server
+    state (none unless a subclass keeps some). ``aggregate_round`` also takes each client's
+    round info (``infos[i]``: ``{"steps", "norm", "control"}``), which only SCAFFOLD and
+    FedNova read; the server always calls it."""
+
+    name: ClassVar[str]
+    #: the contract's fields (``config.federated_aggregation``) the constructor takes by name
+    spec_fields: ClassVar[tuple[str, ...]] = ()
+    #: each client's uplink carries its control delta dc_i (SCAFFOLD; the server decodes it)
+    sends_control: ClassVar[bool] = False
+
+    @classmethod
+    def from_spec(cls, spec: Any, *, num_clients: int | None = None) -> Aggregator:
+        """The aggregator for contract value ``spec`` (``num_clients``: the job's N)."""
+        return cls(**{f: getattr(spec, f) for f in cls.spec_fields})
+
+    @abstractmethod
+    def step(self, updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
+        """The server step ``Δ`` (float64 by tensor name) from the round's client deltas."""
+
+    def aggregate(self, global_state: Mapping[str, Tensor], updates: Sequence[Update],
+                  weights: Sequence[float]) -> dict[str, Tensor]:
+        return apply_step(global_state, self.step(updates, weights))
+
+    def aggregate_round(self, global_state: Mapping[str, Tensor], updates: Sequence[Update],
+                        weights: Sequence[float], infos: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
+        return self.aggregate(global_state, updates, weights)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        return None
+
+
+def update_names(updates: Sequence[Update]) -> list[str]:
+    """The tensor names of the round's updates (the first one's); a ValueError for none."""
+    if not updates:
+        raise ValueError("aggregating zero client updates")
+    return list(updates[0])
 
 
 def check_weights(weights: Sequence[float], n: int) -> Tensor:

@@ -12,6 +12,7 @@ __all__ = ["FedAdagradAggregator"]
 
 class FedAdagradAggregator(AdaptiveServerOptimizer):
     name = "FedAdagrad"
+    spec_fields = ("eta", "tau")
 
     def __init__(self, *, eta: float, tau: float, beta1: float = 0.0) -> None:
         super().__init__(eta=eta, beta1=beta1, beta2=0.0, tau=tau)

@@ -7,13 +7,12 @@ count, i.e. the example-weighted mean of the client models.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from ._common import Update, apply_step, check_weights
+from ._common import Aggregator, Update, check_weights
 
 __all__ = ["fedavg_step", "FedAvgAggregator"]
 
@@ -66,21 +65,10 @@ def _as_vector(update: Update, names: list[str]) -> Tensor | None:
     return first.new_empty(0).set_(storage, first.storage_offset(), (size,), (1,))
 
 
-class FedAvgAggregator:
+class FedAvgAggregator(Aggregator):
     """Stateless FedAvg server."""
 
     name = "FedAvg"
 
-    def aggregate(
-        self,
-        global_state: Mapping[str, Tensor],
-        updates: Sequence[Update],
-        weights: Sequence[float],
-    ) -> dict[str, Tensor]:
-        return apply_step(global_state, fedavg_step(updates, weights))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        return None
+    def step(self, updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
+        return fedavg_step(updates, weights)

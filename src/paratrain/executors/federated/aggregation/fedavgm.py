@@ -16,14 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._common import Update, apply_step
+from ._common import Aggregator, Update
 from .fedavg import fedavg_step
 
 __all__ = ["FedAvgMAggregator"]
 
 
-class FedAvgMAggregator:
+class FedAvgMAggregator(Aggregator):
     name = "FedAvgM"
+    spec_fields = ("server_momentum", "server_lr")
 
     def __init__(self, *, server_momentum: float = 0.9, server_lr: float = 1.0) -> None:
         if not 0.0 <= server_momentum < 1.0:
@@ -34,19 +35,14 @@ class FedAvgMAggregator:
         self.server_lr = float(server_lr)
         self.buf: dict[str, Tensor] = {}
 
-    def aggregate(
-        self,
-        global_state: Mapping[str, Tensor],
-        updates: Sequence[Update],
-        weights: Sequence[float],
-    ) -> dict[str, Tensor]:
+    def step(self, updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
         delta = fedavg_step(updates, weights)
         step: dict[str, Tensor] = {}
         for name, d in delta.items():
             v = self.momentum * self.buf[name] + d if name in self.buf else d.clone()
             self.buf[name] = v
             step[name] = self.server_lr * v
-        return apply_step(global_state, step)
+        return step
 
     def state_dict(self) -> dict[str, Any]:
         return {"momentum_buffer": {k: v.clone() for k, v in self.buf.items()}}

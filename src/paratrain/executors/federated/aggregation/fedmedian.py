@@ -8,13 +8,12 @@ ignored so that a client cannot buy influence by claiming many examples.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from ._common import Update, apply_step, stack_key
+from ._common import Aggregator, Update, stack_key, update_names
 
 __all__ = ["coordinate_median", "FedMedianAggregator"]
 
@@ -30,22 +29,8 @@ def coordinate_median(stacked: Tensor) -> Tensor:
     return (s[n // 2 - 1] + s[n // 2]) / 2.0
 
 
-class FedMedianAggregator:
+class FedMedianAggregator(Aggregator):
     name = "FedMedian"
 
-    def aggregate(
-        self,
-        global_state: Mapping[str, Tensor],
-        updates: Sequence[Update],
-        weights: Sequence[float],
-    ) -> dict[str, Tensor]:
-        if not updates:
-            raise ValueError("aggregating zero client updates")
-        step = {name: coordinate_median(stack_key(updates, name)) for name in updates[0]}
-        return apply_step(global_state, step)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        return None
+    def step(self, updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
+        return {name: coordinate_median(stack_key(updates, name)) for name in update_names(updates)}

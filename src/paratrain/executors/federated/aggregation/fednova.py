@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._common import Update, apply_step, check_weights, linear_combination
+from ._common import Aggregator, Update, apply_step, check_weights, linear_combination
 
 __all__ = ["FedNovaAggregator", "fednova_norm", "fednova_coefficients", "valid_norm"]
 
@@ -56,14 +56,12 @@ def fednova_coefficients(weights: Sequence[float], norms: Sequence[float]) -> li
     return (p * tau_eff / a).tolist()
 
 
-class FedNovaAggregator:
+class FedNovaAggregator(Aggregator):
     """FedNova's server: stateless; needs each client's ``a_i`` (``infos[i]["norm"]``)."""
 
     name = "FedNova"
-    sends_control = False
 
-    def aggregate(self, global_state: Mapping[str, Tensor], updates: Sequence[Update],
-                  weights: Sequence[float]) -> dict[str, Tensor]:
+    def step(self, updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
         raise ValueError("FedNova aggregates with each client's local step count (aggregate_round)")
 
     def aggregate_round(self, global_state: Mapping[str, Tensor], updates: Sequence[Update],
@@ -71,12 +69,6 @@ class FedNovaAggregator:
         """``x + Σ_i (p_i tau_eff / a_i) dy_i`` with ``a_i = infos[i]["norm"]``."""
         coef = fednova_coefficients(weights, [float(i["norm"]) for i in infos])
         return apply_step(global_state, linear_combination(updates, coef))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        return None
 
 
 def valid_norm(value: Any) -> bool:

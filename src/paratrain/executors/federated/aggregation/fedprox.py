@@ -31,6 +31,7 @@ class FedProxAggregator(FedAvgAggregator):
     """Server side of FedProx: example-weighted FedAvg. ``mu`` is used by the clients."""
 
     name = "FedProx"
+    spec_fields = ("mu",)
 
     def __init__(self, mu: float) -> None:
         if mu < 0:

@@ -7,13 +7,12 @@ left). ``β·n < 1`` cuts nothing (plain unweighted mean). Unweighted.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from ._common import Update, apply_step, stack_key
+from ._common import Aggregator, Update, stack_key, update_names
 
 __all__ = ["trimmed_mean", "FedTrimmedAvgAggregator"]
 
@@ -30,27 +29,14 @@ def trimmed_mean(stacked: Tensor, beta: float) -> Tensor:
     return s[cut : n - cut].mean(0)
 
 
-class FedTrimmedAvgAggregator:
+class FedTrimmedAvgAggregator(Aggregator):
     name = "FedTrimmedAvg"
+    spec_fields = ("beta",)
 
     def __init__(self, beta: float = 0.2) -> None:
         if not 0.0 <= beta < 0.5:
             raise ValueError(f"FedTrimmedAvg beta must be in [0, 0.5) (got {beta})")
         self.beta = float(beta)
 
-    def aggregate(
-        self,
-        global_state: Mapping[str, Tensor],
-        updates: Sequence[Update],
-        weights: Sequence[float],
-    ) -> dict[str, Tensor]:
-        if not updates:
-            raise ValueError("aggregating zero client updates")
-        step = {name: trimmed_mean(stack_key(updates, name), self.beta) for name in updates[0]}
-        return apply_step(global_state, step)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        return None
+    def step(self, updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
+        return {name: trimmed_mean(stack_key(updates, name), self.beta) for name in update_names(updates)}

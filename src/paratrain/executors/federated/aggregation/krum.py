@@ -11,13 +11,12 @@ weighted by their example counts. Ties are broken by the lowest client index.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from ._common import Update, apply_step, stack_key
+from ._common import Aggregator, Update, stack_key, update_names
 from .fedavg import fedavg_step
 
 __all__ = ["pairwise_squared_distances", "krum_scores", "krum_select", "KrumAggregator"]
@@ -70,8 +69,9 @@ def krum_select(vectors: Tensor, num_malicious: int, to_keep: int) -> list[int]:
     return [int(i) for i in order[:k]]
 
 
-class KrumAggregator:
+class KrumAggregator(Aggregator):
     name = "Krum"
+    spec_fields = ("num_malicious", "to_keep")
 
     def __init__(self, *, num_malicious: int = 0, to_keep: int = 0) -> None:
         if num_malicious < 0 or to_keep < 0:
@@ -80,23 +80,9 @@ class KrumAggregator:
         self.to_keep = int(to_keep)
         self.last_selected: list[int] = []
 
-    def aggregate(
-        self,
-        global_state: Mapping[str, Tensor],
-        updates: Sequence[Update],
-        weights: Sequence[float],
-    ) -> dict[str, Tensor]:
-        if not updates:
-            raise ValueError("aggregating zero client updates")
-        names = list(updates[0])
+    def step(self, updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
+        names = update_names(updates)
         flat = torch.cat([stack_key(updates, k).reshape(len(updates), -1) for k in names], dim=1)
         chosen = krum_select(flat, self.num_malicious, self.to_keep)
         self.last_selected = chosen
-        step = fedavg_step([updates[i] for i in chosen], [weights[i] for i in chosen])
-        return apply_step(global_state, step)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        return None
+        return fedavg_step([updates[i] for i in chosen], [weights[i] for i in chosen])

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._common import Update, apply_step, check_weights, linear_combination
+from ._common import Aggregator, Update, check_weights, linear_combination
 from .fedavg import fedavg_step
 
 __all__ = ["ScaffoldAggregator", "scaffold_client_control", "control_keys"]
@@ -64,11 +64,10 @@ def scaffold_client_control(
     return out
 
 
-class ScaffoldAggregator:
+class ScaffoldAggregator(Aggregator):
     """SCAFFOLD's server: the model step and the control variate ``c``."""
 
     name = "SCAFFOLD"
-    #: each client's uplink carries its control delta dc_i (FederatedServer decodes it)
     sends_control = True
 
     def __init__(self, *, server_lr: float = 1.0, num_clients: int) -> None:
@@ -80,6 +79,12 @@ class ScaffoldAggregator:
         self.num_clients = int(num_clients)
         self.c: dict[str, Tensor] = {}
 
+    @classmethod
+    def from_spec(cls, spec: Any, *, num_clients: int | None = None) -> ScaffoldAggregator:
+        if num_clients is None:
+            raise ValueError("SCAFFOLD's server needs num_clients (the job's N)")
+        return cls(server_lr=spec.server_lr, num_clients=num_clients)
+
     def control(self, global_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The server control variate ``c`` (zeros before the first round), one tensor per
         floating key of the model, in its dtype: what every selected client receives."""
@@ -87,13 +92,12 @@ class ScaffoldAggregator:
             self.c = {k: torch.zeros_like(global_state[k]) for k in control_keys(global_state)}
         return self.c
 
-    def aggregate(self, global_state: Mapping[str, Tensor], updates: Sequence[Update],
-                  weights: Sequence[float]) -> dict[str, Tensor]:
-        """The model step alone (``c`` unchanged): ``x + eta_g * sum p_i dy_i``."""
+    def step(self, updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
+        """The model step alone (``c`` unchanged): ``eta_g * sum p_i dy_i``."""
         step = fedavg_step(updates, weights)
         if self.server_lr != 1.0:
             step = {k: self.server_lr * v for k, v in step.items()}
-        return apply_step(global_state, step)
+        return step
 
     def aggregate_round(self, global_state: Mapping[str, Tensor], updates: Sequence[Update],
                         weights: Sequence[float], infos: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
