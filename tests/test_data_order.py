@@ -1,4 +1,4 @@
-"""The README's data-order recipe holds: torch's DistributedSampler with
+"""The data-order recipe of docs/data.md holds: torch's DistributedSampler with
 ``seed = run.seed * 1_000_003``, ``shuffle=True``, ``drop_last=True`` and ``set_epoch(e)``
 yields exactly paratrain's per-epoch order (Local: n = 1) and DataParallel shards."""
 

@@ -56,11 +56,11 @@ def _summary(out: Path, name: str) -> dict[str, object]:
     return data
 
 
-def _readme_torchrun(job: Path, port: int) -> list[str]:
-    """The README's torchrun line, as written, on one node with 2 processes."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    match = re.search(r"`(torchrun [^`]*-m paratrain\.worker job\.toml)`", text)
-    assert match, "README lost its torchrun line"
+def _docs_torchrun(job: Path, port: int) -> list[str]:
+    """The torchrun line of docs/across-machines.md, as written, on one node with 2 processes."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "across-machines.md").read_text()
+    match = re.search(r"^(torchrun [^`\n]*-m paratrain\.worker job\.toml)$", text, re.MULTILINE)
+    assert match, "docs/across-machines.md lost its torchrun line"
     args = match.group(1).split()
     assert "--rdzv-backend=c10d" in args  # without it torchrun's static backend needs --node-rank
     subs = {"--nnodes=2": "--nnodes=1", "--nproc-per-node=4": "--nproc-per-node=2",
@@ -87,7 +87,7 @@ def test_torchrun_and_two_node_launch_agree(tmp_path: Path) -> None:
              "--node-rank", str(r), "--rdzv-endpoint", f"127.0.0.1:{port}"]
             for r in range(2)
         ),
-        _readme_torchrun(tmp_path / "c.toml", readme_port),
+        _docs_torchrun(tmp_path / "c.toml", readme_port),
     ]
     # All launches at once: they are independent jobs (different run folders).
     procs = [

@@ -2,7 +2,7 @@
 (non-strict), the decoder layers on two gloo workers, Direct and Pipeline (1F1B, uneven
 micro-batches). Loss and every parameter gradient equal the unpartitioned model's (rtol
 1e-5) and so do two SGD steps: the tied head/embedding is one tensor on the worker that
-holds the embedding, read by the head's worker, its gradient summed back (README), so its
+holds the embedding, read by the head's worker, its gradient summed back (docs/model-parallel.md), so its
 update is the unpartitioned one. Batches are tuples (``model(x)``, the logits'
 cross-entropy) or dicts (``model(**batch)`` with labels, the model's own ``.loss``)."""
 

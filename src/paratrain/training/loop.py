@@ -6,7 +6,7 @@ Order. Epoch ``e``'s example order is ``epoch_permutation(N, seed, e)``, a pure 
 (:mod:`.plan`, with :class:`DataPlan`, this process's data). One process (Local, tensor parallel, every pipeline stage) walks it in batches of
 ``train.batch_size``; DataParallel replica ``r`` of ``n`` takes ``perm[: (N // n) * n][r::n]``,
 which is what ``torch.utils.data.DistributedSampler(ds, n, r, shuffle=False,
-drop_last=True)`` yields over a dataset indexed through ``perm`` (the README shows it).
+drop_last=True)`` yields over a dataset indexed through ``perm`` (docs/data.md shows it).
 
 Position. ``(step, epoch, batch)``: optimizer steps done, the epoch, and the next batch of
 that epoch. An optimizer step takes the next ``train.grad_accumulation`` batches of the
