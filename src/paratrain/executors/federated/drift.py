@@ -30,9 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...comm.federated_ops import broadcast_
 from .aggregation import control_keys
-from .flat import flatten_state, unflatten_state
+from .flat import broadcast_state
 
 __all__ = ["CONTROL_PREFIX", "ClientControls", "pack_control", "split_control", "control_reference",
            "drift_problems", "uses_control", "broadcast_control", "optimizer_momentum"]
@@ -127,8 +126,5 @@ def broadcast_control(server: Any, template: Mapping[str, Tensor], *, group: Any
     floating tensors; every rank, rank 0 included, uses the broadcast copy."""
     keys = control_keys(template)
     src = server.control() if server is not None else {k: template[k] for k in keys}
-    fvec, _ = flatten_state({k: src[k] for k in keys})
-    fvec = fvec.to(device)
-    broadcast_(fvec, src=0, group=group, counter=counter)
-    shaped = {k: template[k] for k in keys}
-    return unflatten_state(shaped, fvec.cpu(), torch.zeros(0, dtype=torch.int64))
+    return broadcast_state({k: src[k] for k in keys}, {k: template[k] for k in keys}, device=device,
+                           group=group, counter=counter)

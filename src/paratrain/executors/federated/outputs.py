@@ -9,10 +9,7 @@ import resource
 from pathlib import Path
 from typing import Any
 
-from ...comm.federated_ops import broadcast_
-from .flat import flatten_state, unflatten_state
-
-__all__ = ["peak_rss_mb", "save_client_models", "personal_digest", "final_global", "run_summary", "round_record"]
+__all__ = ["peak_rss_mb", "save_client_models", "personal_digest", "run_summary", "round_record"]
 
 
 def peak_rss_mb() -> float:
@@ -40,16 +37,6 @@ def personal_digest(workers: list[dict[str, Any]]) -> str:
     per = {c: d for w in workers for c, d in dict(w.get("personal_clients_sha256", {})).items()}
     order = sorted(per, key=lambda name: int(name.removeprefix("client-")))
     return hashlib.sha256("".join(per[c] for c in order).encode()).hexdigest()
-
-
-def final_global(state: Any, template: Any, comm_dev: Any, group: Any) -> Any:
-    """The server's final global state on every rank (rank 0's ``state`` broadcast)."""
-    fvec, ivec = flatten_state(state)
-    fvec, ivec = fvec.to(comm_dev), ivec.to(comm_dev)
-    broadcast_(fvec, src=0, group=group)
-    if ivec.numel():
-        broadcast_(ivec, src=0, group=group)
-    return unflatten_state(template, fvec.cpu(), ivec.cpu())
 
 
 def run_summary(*, job: Any, task: Any, server: Any, model: Any, run_dir: Path, final: dict[str, Any],

@@ -37,11 +37,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ...comm.federated_ops import broadcast_, store_delete, store_get_json, store_set_json
+from ...comm.federated_ops import store_delete, store_get_json, store_set_json
 from ...models.state import load_unique_state_dict, unique_state_dict
 from ...task.steps import DEFAULT_EVAL_BATCH, call_model, fetch_batch
 from ...training.stepping import autocast
-from .flat import flatten_state, unflatten_state
+from .flat import broadcast_state
 
 __all__ = ["PersonalState", "eval_sums", "combine", "score_clients", "ClientEvaluator", "round_metrics"]
 
@@ -178,12 +178,9 @@ class ClientEvaluator:
             sums = score_clients(self.model, None, global_state, range(self.num_clients), self.task,
                                  self.dataset, self.splits, device=self.device, precision=self.precision)
             return combine(self.task, sums)
-        f, i = flatten_state(dict(global_state) if self.rank == 0 else template)
-        f, i = f.to(self.comm_device), i.to(self.comm_device)
-        broadcast_(f, src=0, group=self.group, counter=self.counter)
-        if i.numel():
-            broadcast_(i, src=0, group=self.group, counter=self.counter)
-        state = dict(global_state) if self.rank == 0 else unflatten_state(template, f.cpu(), i.cpu())
+        got = broadcast_state(dict(global_state) if self.rank == 0 else template, template,
+                              device=self.comm_device, group=self.group, counter=self.counter)
+        state = dict(global_state) if self.rank == 0 else got
         sums = score_clients(self.model, self.personal, state, self.hosted, self.task, self.dataset,
                              self.splits, device=self.device, precision=self.precision)
         if self.rank != 0:

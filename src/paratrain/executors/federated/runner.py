@@ -44,20 +44,16 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 from ...comm.collectives import CommCounter
 from ...comm.context import WorkerContext
-from ...comm.federated_ops import (
-    LocalStore,
-    barrier,
-    broadcast_,
-    store_delete,
-    store_get_json,
-    store_set_json,
-)
+from ...comm.federated_ops import LocalStore, barrier, store_delete, store_get_json, store_set_json
 from ...comm.messages import recv_bytes, send_bytes
 from ...config import ConfigError
 from ...config.job import JobConfig
@@ -72,15 +68,8 @@ from ...training.rundir import run_dir_of
 from .checks import check_job, client_tags
 from .client import ClientHost
 from .drift import broadcast_control, uses_control
-from .flat import flatten_state, unflatten_state
-from .outputs import (
-    final_global,
-    peak_rss_mb,
-    personal_digest,
-    round_record,
-    run_summary,
-    save_client_models,
-)
+from .flat import broadcast_state
+from .outputs import peak_rss_mb, personal_digest, round_record, run_summary, save_client_models
 from .personal import ClientEvaluator, round_metrics
 from .privacy import build_server_privacy
 from .selection import select_clients
@@ -115,32 +104,73 @@ class _Prefixed:
         return bool(self.store.delete_key(self.prefix + key))
 
 
+@dataclass
+class _Data:
+    """The task, the model and this rank's clients (:func:`_load`)."""
+
+    task: Any
+    model: nn.Module
+    host: ClientHost
+    personal_keys: list[str]
+    per_client: bool  # per-client evaluation (Local subgraphs or federated.evaluate_clients)
+    parts: Any
+    train_set: Any
+    test_set: Any
+    splits: list[Any]
+
+
+@dataclass
+class _Worker:
+    """What one rank holds through the run (:func:`_set_up`); rank 0 has the server."""
+
+    ctx: WorkerContext
+    job: JobConfig
+    data: _Data
+    store: _Prefixed
+    comm_dev: torch.device
+    template: dict[str, Tensor]  # the server's model: without the personal keys
+    tags: Any
+    run_dir: Path
+    server: FederatedServer | None
+    metrics: MetricsWriter | None
+    life: Lifecycle
+    evaluator: ClientEvaluator | None
+    traffic: CommCounter  # this rank's process-group bytes, booked by the transport
+    global_state: dict[str, Tensor]  # the latest global model this rank received
+    started: float
+
+
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
     """Run the federated job on this rank; rank 0 returns the summary."""
     started = time.perf_counter()
+    w, start = _set_up(ctx, job, resume, started)
     strat: Any = job.strategy
-    if getattr(strat, "type", None) != "Federated":
-        raise ConfigError([("strategy.type", f"federated executor got {getattr(strat, 'type', None)!r}")])
-    check_job(job, world_size=ctx.world_size)
-    rank, world, group = ctx.rank, ctx.world_size, ctx.group
-    # Every rank calls worker_main the same number of times, so this counter agrees
-    # across ranks and keeps a second job in the same processes (and store) from
-    # reading the first job's control keys.
-    global _INVOCATIONS
-    _INVOCATIONS += 1
-    base_store = ctx.store if ctx.store is not None else LocalStore()
-    store = _Prefixed(base_store, f"fed{_INVOCATIONS}/")
-    is_server = rank == 0
-    seed = job.run.seed
-    device = ctx.device
-    # NCCL moves only device tensors; gloo takes CPU tensors.
-    comm_dev = device if ctx.backend == "nccl" else torch.device("cpu")
+    kill = os.environ.get(KILL_ENV, "")
+    kill_rank, kill_round = (int(v) for v in kill.split(":")) if kill else (-1, -1)
+    done = start
+    with w.life:
+        w.life.show(start)
+        for r in range(start, strat.rounds):
+            if ctx.rank == kill_rank and r == kill_round and ctx.restart_count == 0:
+                w.life.wait()  # a crash after the last round: its checkpoint landed (asynchronous saves)
+                os._exit(17)  # a hard crash, as a killed process would look
+            if not _round(w, r):
+                break
+            done = r + 1
+            w.life.end_unit(done, last=done == strat.rounds)
+    w.life.finish(done)  # stopped early (federated.target_accuracy): its checkpoint
+    return _summary(w)
 
+
+def _load(job: JobConfig, ctx: WorkerContext) -> _Data:
+    """The task's data and model, partitioned among the clients; this rank's client host."""
+    strat: Any = job.strategy
+    seed = job.run.seed
     seed_everything(seed)
     task = resolve_task(job)
     train_set, test_set = task.datasets(seed)
     model = task.build_model(job.model, train_set)
-    model.to(device)
+    model.to(ctx.device)
     personal_keys = local_state_keys(model, job)  # Local subgraphs: personal to each client
     try:
         parts = partition_dataset(train_set, strat.num_clients, job.data.partition, seed=seed)
@@ -152,20 +182,40 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     except ValueError as e:
         raise ConfigError([("data.partition", str(e))]) from None
     host = ClientHost(
-        job, rank=rank, world_size=world, model=model, task=task, dataset=train_set,
-        partitions=parts, device=device, personal_keys=personal_keys,
+        job, rank=ctx.rank, world_size=ctx.world_size, model=model, task=task, dataset=train_set,
+        partitions=parts, device=ctx.device, personal_keys=personal_keys,
     )
-    precision = job.train.precision
-    fit = str(task.fitness_metric)
+    return _Data(task=task, model=model, host=host, personal_keys=personal_keys, per_client=per_client,
+                 parts=parts, train_set=train_set, test_set=test_set, splits=splits)
+
+
+def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) -> tuple[_Worker, int]:
+    """Check the job, load the data, build the server (rank 0) and the lifecycle, restore a
+    checkpoint and prepare the run folder; returns the worker and the first round to run."""
+    strat: Any = job.strategy
+    if getattr(strat, "type", None) != "Federated":
+        raise ConfigError([("strategy.type", f"federated executor got {getattr(strat, 'type', None)!r}")])
+    check_job(job, world_size=ctx.world_size)
+    rank, world, group = ctx.rank, ctx.world_size, ctx.group
+    # Every rank calls worker_main the same number of times, so this counter agrees
+    # across ranks and keeps a second job in the same processes (and store) from
+    # reading the first job's control keys.
+    global _INVOCATIONS
+    _INVOCATIONS += 1
+    store = _Prefixed(ctx.store if ctx.store is not None else LocalStore(), f"fed{_INVOCATIONS}/")
+    # NCCL moves only device tensors; gloo takes CPU tensors.
+    comm_dev = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+    data = _load(job, ctx)
+    host = data.host
     # one entry per tensor: a tied weight is aggregated (and compressed) once
     # (the server's model: without the personal keys, which never leave their client)
-    template = {k: v.detach().cpu().clone() for k, v in unique_state_dict(model).items()
-                if k not in personal_keys}
+    template = {k: v.detach().cpu().clone() for k, v in unique_state_dict(data.model).items()
+                if k not in data.personal_keys}
     tags = client_tags(job, ctx)
     if getattr(strat.client_selection, "method", None) == "ByCapability":
         try:  # fail before any round, naming the tags, when no client can ever match
             select_clients(strat.client_selection, num_clients=strat.num_clients, round_idx=0,
-                           seed=seed, client_tags=tags)
+                           seed=job.run.seed, client_tags=tags)
         except ValueError as e:
             raise ConfigError([("strategy.client_selection.required_tags", str(e).split(": ", 1)[-1])]) from None
 
@@ -175,126 +225,124 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     run_dir = run_dir_of(job)
     server: FederatedServer | None = None
     metrics: MetricsWriter | None = None
-    if is_server:
+    if rank == 0:
         schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
         server = FederatedServer(strat.aggregation, template, schedule, num_clients=strat.num_clients)
-        server.set_privacy(build_server_privacy(job, [len(p) for p in parts], tags))  # [federated.dp]
+        server.set_privacy(build_server_privacy(job, [len(p) for p in data.parts], tags))  # [federated.dp]
     # Codec state (error-feedback residuals), personal parts and SCAFFOLD's c_i of this
     # rank's clients travel in the checkpoint
-    stateful = bool(personal_keys) or uses_control(strat.aggregation) or (
+    stateful = bool(data.personal_keys) or uses_control(strat.aggregation) or (
         job.compression is not None and getattr(job.compression, "method", "None") != "None")
     g = group if world > 1 else None
     life = Lifecycle(
         store=fed_store(run_dir, rank=rank, world=world, group=group, runtime="local"), unit="round",
         total=strat.rounds, label="Federated", state=lambda done: round_state(server, host if stateful else None, done),
         checkpoint_every=job.run.checkpoint_every, group=g, rank=rank, restart_count=ctx.restart_count,
-        progress_every=job.run.progress_every, show=None if is_server else False)
+        progress_every=job.run.progress_every, show=None if rank == 0 else False)
     found = life.load() if resume else None
     start = restore(found, server, host if stateful else None, rank=rank, world=world, group=g)
-    if is_server:
+    if rank == 0:
         run_dir = prepare_run_dir(job, resume=resume)
         metrics = MetricsWriter(run_dir)
     life.begin(start, resume=resume, found=found is not None, metrics=metrics)
     barrier(group)  # the run folder is ready before any rank writes
 
-    kill = os.environ.get(KILL_ENV, "")
-    kill_rank, kill_round = (int(v) for v in kill.split(":")) if kill else (-1, -1)
-    target = job.federated.target_accuracy
-    global_state = dict(template) if server is None else dict(server.global_state)
-    traffic = CommCounter()  # this rank's process-group bytes, booked by the transport
-    evaluator = None if not per_client else ClientEvaluator(
-        model=model, personal=host.personal, task=task, dataset=test_set, splits=splits,
-        hosted=host.hosted, num_clients=strat.num_clients, device=device, comm_device=comm_dev,
-        precision=precision, rank=rank, world=world, group=group, store=store, counter=traffic)
-    done = start
+    traffic = CommCounter()
+    evaluator = None if not data.per_client else ClientEvaluator(
+        model=data.model, personal=host.personal, task=data.task, dataset=data.test_set, splits=data.splits,
+        hosted=host.hosted, num_clients=strat.num_clients, device=ctx.device, comm_device=comm_dev,
+        precision=job.train.precision, rank=rank, world=world, group=group, store=store, counter=traffic)
+    return _Worker(ctx=ctx, job=job, data=data, store=store, comm_dev=comm_dev, template=template, tags=tags,
+                   run_dir=Path(run_dir), server=server, metrics=metrics, life=life, evaluator=evaluator,
+                   traffic=traffic, started=started,
+                   global_state=dict(template) if server is None else dict(server.global_state)), start
 
-    with life:
-        life.show(start)
-        for r in range(start, strat.rounds):
-            if rank == kill_rank and r == kill_round and ctx.restart_count == 0:
-                life.wait()  # a crash after the last round: its checkpoint landed (asynchronous saves)
-                os._exit(17)  # a hard crash, as a killed process would look
-            t_round = time.perf_counter()
-            if server is not None:
-                plan: dict[str, Any] = {"stop": server.stopped, "clients": [],
-                                        "lr_scale": server.schedule.factor()}
-                if not server.stopped:
-                    plan["clients"] = select_clients(
-                        strat.client_selection, num_clients=strat.num_clients, round_idx=r,
-                        seed=seed, client_tags=tags,
-                    )
-                store_set_json(store, f"fed/plan/{r}", plan)
-            else:  # the server's own plan needs no trip through the store
-                plan = store_get_json(store, f"fed/plan/{r}")
-            if plan["stop"]:
-                break
-            # Global model down.
-            if server is not None:
-                fvec, ivec = flatten_state(server.global_state)
-            else:
-                fvec, ivec = flatten_state(template)
-            if comm_dev.type != "cpu":
-                fvec, ivec = fvec.to(comm_dev), ivec.to(comm_dev)
-            sent_before = traffic.bytes.get("broadcast_delivered", 0)
-            broadcast_(fvec, src=0, group=group, counter=traffic)
-            if ivec.numel():
-                broadcast_(ivec, src=0, group=group, counter=traffic)
-            # SCAFFOLD: the server's control variate c goes down with the model
-            control = (broadcast_control(server, template, group=group, device=comm_dev, counter=traffic)
-                       if uses_control(strat.aggregation) else None)
-            wire_down = traffic.bytes.get("broadcast_delivered", 0) - sent_before
-            fvec, ivec = fvec.cpu(), ivec.cpu()
-            global_state = server.global_state if server is not None else unflatten_state(template, fvec, ivec)
-            dev_state = {k: v.to(device) for k, v in global_state.items()}
-            # Local training of the selected clients this rank hosts.
-            mine = [c for c in plan["clients"] if host.hosts(c)]
-            lr_scale = float(plan.get("lr_scale", 1.0))
-            results = [host.train_one(c, r, dev_state, lr_scale, control=control) for c in mine]
-            statuses = [res.status() for res in results]
-            payload = b"".join(res.payload for res in results)
-            if server is None:
-                store_set_json(store, f"fed/status/{r}/{rank}", {"results": statuses, "nbytes": len(payload)})
-                data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
-                        else torch.zeros(0, dtype=torch.uint8))
-                send_bytes(data, dst=0, group=group, counter=traffic, header=False)
-                if evaluator is not None and personal_keys:  # collective: score my clients
-                    evaluator.run(str(r), global_state, template)
-                done = r + 1
-                life.end_unit(done, last=done == strat.rounds)
-                continue
-            # Server: collect every rank's updates.
-            all_st = list(statuses)
-            all_pl: list[bytes | memoryview] = [res.payload for res in results]
-            recv_before = traffic.bytes.get("recv", 0)
-            for src in range(1, world):
-                key = f"fed/status/{r}/{src}"
-                doc = store_get_json(store, key)
-                store_delete(store, key)
-                buf = recv_bytes(src=src, group=group, nbytes=int(doc["nbytes"]), max_bytes=1 << 34,
-                                 counter=traffic)
-                pos = 0
-                for st in doc["results"]:
-                    nb = int(st.get("nbytes", 0))
-                    all_st.append(st)
-                    all_pl.append(memoryview(buf)[pos : pos + nb])
-                    pos += nb
-            store_delete(store, f"fed/plan/{r - 1}")
-            rec = server.finish_round(r, all_st, all_pl, wire_bytes_down=wire_down,
-                                      wire_bytes_up=traffic.bytes.get("recv", 0) - recv_before)
-            ev, per = round_metrics(server, evaluator, str(r), template, model, task, test_set, device, precision)
-            round_record(server, rec, ev, per, target=target, lr_scale=lr_scale,
-                         round_time_s=time.perf_counter() - t_round,
-                         time_s=time.perf_counter() - started)
-            assert metrics is not None
-            metrics.log(dict(rec))
-            life.show(r + 1, loss=rec.get("train_loss"),
-                      info=f"test_{fit} {ev.get(fit, float('nan')):.4g} ok {rec['clients_ok']}/{rec['clients_selected']}")
-            done = r + 1
-            life.end_unit(done, last=done == strat.rounds)
-    life.finish(done)  # stopped early (federated.target_accuracy): its checkpoint
 
+def _round(w: _Worker, r: int) -> bool:
+    """Round ``r`` on this rank: the plan, the global model down, the hosted clients'
+    training, their updates up and (rank 0) the aggregation and the round's record.
+    False when the plan says stop (the round does not run)."""
+    t_round = time.perf_counter()
+    strat: Any = w.job.strategy
+    server, host, traffic = w.server, w.data.host, w.traffic
+    if server is not None:
+        plan: dict[str, Any] = {"stop": server.stopped, "clients": [], "lr_scale": server.schedule.factor()}
+        if not server.stopped:
+            plan["clients"] = select_clients(strat.client_selection, num_clients=strat.num_clients,
+                                             round_idx=r, seed=w.job.run.seed, client_tags=w.tags)
+        store_set_json(w.store, f"fed/plan/{r}", plan)
+    else:  # the server's own plan needs no trip through the store
+        plan = store_get_json(w.store, f"fed/plan/{r}")
+    if plan["stop"]:
+        return False
+    # Global model down (and SCAFFOLD's server control variate c with it).
+    sent_before = traffic.bytes.get("broadcast_delivered", 0)
+    received = broadcast_state(w.template if server is None else server.global_state, w.template,
+                               device=w.comm_dev, group=w.ctx.group, counter=traffic)
+    control = (broadcast_control(server, w.template, group=w.ctx.group, device=w.comm_dev, counter=traffic)
+               if uses_control(strat.aggregation) else None)
+    wire_down = traffic.bytes.get("broadcast_delivered", 0) - sent_before
+    w.global_state = server.global_state if server is not None else received
+    dev_state = {k: v.to(w.ctx.device) for k, v in w.global_state.items()}
+    # Local training of the selected clients this rank hosts.
+    lr_scale = float(plan.get("lr_scale", 1.0))
+    results = [host.train_one(c, r, dev_state, lr_scale, control=control)
+               for c in plan["clients"] if host.hosts(c)]
+    statuses = [res.status() for res in results]
+    if server is None:
+        payload = b"".join(res.payload for res in results)
+        store_set_json(w.store, f"fed/status/{r}/{w.ctx.rank}", {"results": statuses, "nbytes": len(payload)})
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
+                else torch.zeros(0, dtype=torch.uint8))
+        send_bytes(data, dst=0, group=w.ctx.group, counter=traffic, header=False)
+        if w.evaluator is not None and w.data.personal_keys:  # collective: score my clients
+            w.evaluator.run(str(r), w.global_state, w.template)
+        return True
+    recv_before = traffic.bytes.get("recv", 0)
+    all_st, all_pl = _collect(w, r, statuses, [res.payload for res in results])
+    store_delete(w.store, f"fed/plan/{r - 1}")
+    rec = server.finish_round(r, all_st, all_pl, wire_bytes_down=wire_down,
+                              wire_bytes_up=traffic.bytes.get("recv", 0) - recv_before)
+    d = w.data
+    ev, per = round_metrics(server, w.evaluator, str(r), w.template, d.model, d.task, d.test_set,
+                            w.ctx.device, w.job.train.precision)
+    round_record(server, rec, ev, per, target=w.job.federated.target_accuracy, lr_scale=lr_scale,
+                 round_time_s=time.perf_counter() - t_round, time_s=time.perf_counter() - w.started)
+    assert w.metrics is not None
+    w.metrics.log(dict(rec))
+    fit = str(d.task.fitness_metric)
+    w.life.show(r + 1, loss=rec.get("train_loss"),
+                info=f"test_{fit} {ev.get(fit, float('nan')):.4g} ok {rec['clients_ok']}/{rec['clients_selected']}")
+    return True
+
+
+def _collect(w: _Worker, r: int, statuses: list[dict[str, Any]], payloads: list[bytes | memoryview],
+             ) -> tuple[list[dict[str, Any]], list[bytes | memoryview]]:
+    """Rank 0: its own clients' statuses and payloads, then every other rank's (its status
+    from the store, its payloads point-to-point), in rank order."""
+    all_st, all_pl = list(statuses), list(payloads)
+    for src in range(1, w.ctx.world_size):
+        key = f"fed/status/{r}/{src}"
+        doc = store_get_json(w.store, key)
+        store_delete(w.store, key)
+        buf = recv_bytes(src=src, group=w.ctx.group, nbytes=int(doc["nbytes"]), max_bytes=1 << 34,
+                         counter=w.traffic)
+        pos = 0
+        for st in doc["results"]:
+            nb = int(st.get("nbytes", 0))
+            all_st.append(st)
+            all_pl.append(memoryview(buf)[pos : pos + nb])
+            pos += nb
+    return all_st, all_pl
+
+
+def _summary(w: _Worker) -> dict[str, Any] | None:
+    """After the last round: every rank's statistics, the final evaluation and each hosted
+    client's model (collectives); rank 0 writes the model and the summary and returns it."""
+    ctx, job, d, server, traffic = w.ctx, w.job, w.data, w.server, w.traffic
+    host, model = d.host, d.model
     stats: dict[str, Any] = {
-        "rank": rank, "clients_hosted": len(host.hosted), "client_updates": host.trained,
+        "rank": ctx.rank, "clients_hosted": len(host.hosted), "client_updates": host.trained,
         "peak_rss_mb": round(peak_rss_mb(), 1),
         "wire_bytes_sent_measured": traffic.bytes.get("send", 0) + traffic.bytes.get("broadcast_delivered", 0),
         "wire_bytes_received_measured": traffic.bytes.get("recv", 0)
@@ -303,37 +351,41 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         stats["personal_sha256"] = host.personal.digest()
         stats["personal_clients_sha256"] = host.personal.client_digests()
     final_eval = None
-    if evaluator is not None and personal_keys:  # collective: every rank scores its clients
-        final_eval = evaluator.run("final", global_state if server is None else server.global_state, template)
-    if host.personal is not None and personal_keys:  # each hosted client's whole model
-        save_client_models(run_dir, model, host.personal, final_global(
-            server.global_state if server is not None else template, template, comm_dev, group))
+    if w.evaluator is not None and d.personal_keys:  # collective: every rank scores its clients
+        final_eval = w.evaluator.run("final", w.global_state if server is None else server.global_state,
+                                     w.template)
+    if host.personal is not None and d.personal_keys:  # each hosted client's whole model
+        save_client_models(w.run_dir, model, host.personal, broadcast_state(
+            server.global_state if server is not None else w.template, w.template, device=w.comm_dev,
+            group=ctx.group))
     if server is None:
-        store_set_json(store, f"fed/final/{rank}", stats)
-        barrier(group)
+        store_set_json(w.store, f"fed/final/{ctx.rank}", stats)
+        barrier(ctx.group)
         return None
-    workers = [stats] + [store_get_json(store, f"fed/final/{src}") for src in range(1, world)]
-    barrier(group)
+    workers = [stats] + [store_get_json(w.store, f"fed/final/{src}") for src in range(1, ctx.world_size)]
+    barrier(ctx.group)
     final, final_per = (final_eval if final_eval is not None else
-                        round_metrics(server, evaluator, "final", template, model, task, test_set, device, precision))
-    wall = time.perf_counter() - started
-    updates = sum(w["client_updates"] for w in workers)
+                        round_metrics(server, w.evaluator, "final", w.template, model, d.task, d.test_set,
+                                      ctx.device, job.train.precision))
+    wall = time.perf_counter() - w.started
     if host.personal is not None:  # the global model's personal keys: their initial value,
         from ...models.state import load_unique_state_dict  # what a new client starts from
 
         whole = {**server.global_state, **host.personal.initial}
-        load_unique_state_dict(model, {k: v.to(device) for k, v in whole.items()})
-    summary = run_summary(job=job, task=task, server=server, model=model, run_dir=run_dir, final=final,
-                          final_per=final_per, train_set=train_set, test_set=test_set, wall_s=wall)
-    summary.update(num_workers=world, client_updates_this_run=updates, workers=workers)
-    if personal_keys:  # FedPer / FedBN: what never left the clients
-        summary.update(local_subgraphs=local_paths(job, model), personal_keys=personal_keys,
+        load_unique_state_dict(model, {k: v.to(ctx.device) for k, v in whole.items()})
+    summary = run_summary(job=job, task=d.task, server=server, model=model, run_dir=w.run_dir, final=final,
+                          final_per=final_per, train_set=d.train_set, test_set=d.test_set, wall_s=wall)
+    summary.update(num_workers=ctx.world_size, client_updates_this_run=sum(x["client_updates"] for x in workers),
+                   workers=workers)
+    if d.personal_keys:  # FedPer / FedBN: what never left the clients
+        summary.update(local_subgraphs=local_paths(job, model), personal_keys=d.personal_keys,
                        server_state_keys=sorted(server.global_state),
                        personal_sha256=personal_digest(workers))
     summary["provenance"] = report.provenance(summary, configured=("num_clients", "num_workers"))
     from ...training.export import save_model, whole_state
 
-    save_model(run_dir, whole_state(model))  # the global model
-    write_summary(run_dir, summary)
-    report.plot_curves(run_dir, x_key="round", title=f"{job.run.name} (Federated, {strat.aggregation.method})")
+    save_model(w.run_dir, whole_state(model))  # the global model
+    write_summary(w.run_dir, summary)
+    strat: Any = job.strategy
+    report.plot_curves(w.run_dir, x_key="round", title=f"{job.run.name} (Federated, {strat.aggregation.method})")
     return summary

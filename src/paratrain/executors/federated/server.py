@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -86,6 +87,18 @@ class RoundSchedule:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.position = int(state["position"])
+
+
+@dataclass
+class _Received:
+    """One round's client results, in client order (:meth:`FederatedServer.finish_round`)."""
+
+    updates: list[dict[str, Tensor]] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+    losses: list[tuple[float, float]] = field(default_factory=list)
+    failed: list[dict[str, Any]] = field(default_factory=list)
+    infos: list[dict[str, Any]] = field(default_factory=list)  # per successful client: steps, norm, control (dc_i)
+    up: int = 0  # the payloads' bytes, every selected client's
 
 
 class FederatedServer:
@@ -137,43 +150,14 @@ class FederatedServer:
     ) -> RoundOutcome:
         """Aggregate one round; ``statuses[i]`` describes ``payloads[i]``; ``wire_bytes_*``
         are the round's process-group traffic as the transport counted it."""
-        order = sorted(range(len(statuses)), key=lambda i: int(statuses[i]["client"]))
-        ids: list[str] = []
-        updates: list[dict[str, Tensor]] = []
-        weights: list[float] = []
-        losses: list[tuple[float, float]] = []
-        failed: list[dict[str, Any]] = []
-        infos: list[dict[str, Any]] = []  # per successful client: steps, norm, control (dc_i)
-        with_control = self.aggregator.sends_control
-        reference = ({**self.global_state, **control_reference(self.global_state)} if with_control
-                     else self.global_state)
-        up = 0
-        for i in order:
-            st, payload = statuses[i], payloads[i]
-            cid = client_name(int(st["client"]))
-            up += len(payload)
-            if not st.get("ok"):
-                failed.append({"client": cid, "error": str(st.get("error"))})
-                continue
-            try:
-                # decode_update checks keys, shapes, byte counts and finiteness.
-                upd, ctrl = split_control(decode_update(cid, st.get("headers", []), payload, reference))
-                n = int(st["n"])
-                if n <= 0:
-                    raise MalformedUpdateError(cid, "<num_examples>", f"example count {n}")
-                if self.method == "FedNova" and not valid_norm(st.get("norm")):
-                    raise MalformedUpdateError(cid, "<norm>", f"FedNova normaliser {st.get('norm')!r}")
-            except MalformedUpdateError as e:
-                failed.append({"client": cid, "error": f"rejected update: {e}"})
-                continue
-            ids.append(cid)
-            infos.append({"steps": st.get("steps"), "norm": st.get("norm"), "control": ctrl})
-            updates.append(upd)
-            weights.append(float(n))
-            if st.get("loss") is not None:
-                losses.append((float(st["loss"]), float(n)))
+        got = _Received()
+        reference = ({**self.global_state, **control_reference(self.global_state)}
+                     if self.aggregator.sends_control else self.global_state)
+        for i in sorted(range(len(statuses)), key=lambda i: int(statuses[i]["client"])):
+            self._receive(got, statuses[i], payloads[i], reference)
+        updates, weights, failed = got.updates, got.weights, got.failed
         down = self.model_nbytes * len(statuses)
-        self.bytes_up += up
+        self.bytes_up += got.up
         self.bytes_down += down
         self.wire_bytes_down += int(wire_bytes_down)
         self.wire_bytes_up += int(wire_bytes_up)
@@ -183,7 +167,7 @@ class FederatedServer:
             clients_selected=len(statuses),
             clients_ok=len(updates),
             clients_failed=len(failed),
-            bytes_up_measured=up,
+            bytes_up_measured=got.up,
             bytes_down_modelled=down,
             wire_bytes_down_measured=int(wire_bytes_down),
             wire_bytes_up_measured=int(wire_bytes_up),
@@ -194,9 +178,9 @@ class FederatedServer:
             updates, weights, dp_rec = self.privacy.privatize(round_idx, self.global_state, updates, weights)
             rec.update(dp_rec)
         if updates:
-            self.global_state = self.aggregator.aggregate_round(self.global_state, updates, weights, infos)
-            if losses:
-                rec["train_loss"] = sum(v * n for v, n in losses) / sum(n for _, n in losses)
+            self.global_state = self.aggregator.aggregate_round(self.global_state, updates, weights, got.infos)
+            if got.losses:
+                rec["train_loss"] = sum(v * n for v, n in got.losses) / sum(n for _, n in got.losses)
         else:
             rec["note"] = (
                 f"round {round_idx + 1}: no successful client out of {len(statuses)} "
@@ -208,6 +192,32 @@ class FederatedServer:
             rec.update(self.privacy.account(round_idx))
             self.stopped = self.stopped or not self.privacy.allows_next_round()
         return rec
+
+    def _receive(self, got: _Received, st: Mapping[str, Any], payload: bytes | memoryview,
+                 reference: Mapping[str, Tensor]) -> None:
+        """Book one client's status and payload in ``got``: its update decoded against
+        ``reference`` (the model's tensors, SCAFFOLD's control deltas after them), or why it failed."""
+        cid = client_name(int(st["client"]))
+        got.up += len(payload)
+        if not st.get("ok"):
+            got.failed.append({"client": cid, "error": str(st.get("error"))})
+            return
+        try:
+            # decode_update checks keys, shapes, byte counts and finiteness.
+            upd, ctrl = split_control(decode_update(cid, st.get("headers", []), payload, reference))
+            n = int(st["n"])
+            if n <= 0:
+                raise MalformedUpdateError(cid, "<num_examples>", f"example count {n}")
+            if self.method == "FedNova" and not valid_norm(st.get("norm")):
+                raise MalformedUpdateError(cid, "<norm>", f"FedNova normaliser {st.get('norm')!r}")
+        except MalformedUpdateError as e:
+            got.failed.append({"client": cid, "error": f"rejected update: {e}"})
+            return
+        got.infos.append({"steps": st.get("steps"), "norm": st.get("norm"), "control": ctrl})
+        got.updates.append(upd)
+        got.weights.append(float(n))
+        if st.get("loss") is not None:
+            got.losses.append((float(st["loss"]), float(n)))
 
     def evaluate(self, model: nn.Module, task: Any, test: Any, device: torch.device | None = None,
                  precision: str = "fp32") -> dict[str, float]:
