@@ -50,6 +50,7 @@ from paratrain.config.job import load_job
 from paratrain.dispatch import execute
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the local federation harness
 from _common import provenance  # noqa: E402
 
 APP = Path(__file__).resolve().parents[1] / "examples" / "federated_flower"
@@ -105,7 +106,7 @@ def flower_run(fed: Any, out: Path, path: Path, name: str) -> float:
 
 
 def secure(args: Any) -> None:
-    from paratrain.executors.federated.flower.localfed import LocalFederation
+    from _flower_federation import LocalFederation
 
     with tempfile.TemporaryDirectory() as tmp_s:
         tmp = Path(tmp_s)
@@ -165,7 +166,7 @@ def main() -> None:
     if args.secure:
         secure(args)
         return
-    from paratrain.executors.federated.flower.localfed import LocalFederation
+    from _flower_federation import LocalFederation
 
     load_at_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp_s:

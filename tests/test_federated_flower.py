@@ -41,9 +41,9 @@ pytest.importorskip("flwr", reason="the flower extra is not installed (pip insta
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from _flower_federation import LocalFederation, _descendants  # noqa: E402
 from paratrain.config.job import load_job  # noqa: E402
 from paratrain.dispatch import execute  # noqa: E402
-from paratrain.executors.federated.flower.localfed import LocalFederation, _descendants  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 APP = Path(__file__).resolve().parents[1] / "examples" / "federated_flower"

@@ -1,4 +1,4 @@
-"""Certificates and SuperNode keys for a local Flower federation over TLS with node authentication
+"""Test harness: certificates and SuperNode keys for a local Flower federation over TLS with node authentication
 (tests, benchmarks, trying the secure setup on one machine; a real deployment uses its own CA).
 
 What Flower 1.42 asks for, and what is written here (all with ``cryptography``, which Flower

@@ -1,8 +1,8 @@
-"""A local Flower federation on 127.0.0.1 (tests, benchmarks, trying the app on one machine):
+"""Test harness: a local Flower federation on 127.0.0.1 (tests, benchmarks, trying the app on one machine):
 ``flower-superlink`` and N ``flower-supernode`` processes with explicit 127.0.0.1 addresses on
 free ports (Flower's defaults bind 0.0.0.0), either ``--insecure`` (the default) or, with
 ``secure=True``, over TLS with CLI-managed node authentication: a local CA and server certificate
-and one key pair per node (:mod:`.localtls`), the SuperLink started with the certificates and
+and one key pair per node (:mod:`_flower_pki`), the SuperLink started with the certificates and
 ``--enable-supernode-auth``, each node's public key registered with ``flwr supernode register``
 before the nodes start, each node started with ``--root-certificates`` and its private key, and
 ``flwr`` trusting the CA through ``root-certificates`` in ``config.toml``. Node ``i`` is started with
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from paratrain.executors.federated.flower.localtls import write_local_pki
+from _flower_pki import write_local_pki
 
 __all__ = ["LocalFederation", "free_port"]
 
