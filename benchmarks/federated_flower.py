@@ -122,13 +122,13 @@ def secure(args: Any) -> None:
                     # a federation of its own, whose last --drop nodes exit on the unmask stage's
                     # message (restarting nodes of the first one would leave their old ids
                     # listed as connected until the SuperLink's heartbeat timeout)
-                    from paratrain.executors.federated.flower.clientapp import DROP_ENV
+                    from paratrain.training.faults import DROP_AT_ENV
 
                     fed.close()
                     fed = LocalFederation(tmp / "flwr_home_drop", args.nodes)
                     fed.start(num_started=args.nodes - args.drop)
                     for i in range(args.nodes - args.drop, args.nodes):
-                        fed.start_node(i, {DROP_ENV: "unmask"})
+                        fed.start_node(i, {DROP_AT_ENV: "unmask"})
                 path = tmp / f"{name}.json"
                 path.write_text(json.dumps(job(out, name, "flower", args.rounds, args.nodes, sec)))
                 wall = flower_run(fed, out, path, name)

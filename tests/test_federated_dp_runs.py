@@ -19,8 +19,8 @@ from _workers_federated import TOPK_EF, fed_job
 from paratrain.config import ConfigError
 from paratrain.executors.federated import run, run_in_process
 from paratrain.executors.federated.privacy import rdp_epsilon
-from paratrain.executors.federated.runner import KILL_ENV
 from paratrain.training import read_metrics
+from paratrain.training.faults import FAULT_ENV
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -107,7 +107,7 @@ def test_killed_worker_resumes_bit_identically_with_central_noise(tmp_path: Path
     kw = {**BASE, "rounds": 4, "sel": {"method": "Random", "fraction": 0.5}, "compression": TOPK_EF,
           "agg": {"method": "FedAvgM", "server_momentum": 0.5}, "dp": ADAPTIVE}
     ref = run_in_process(fed_job(tmp_path / "ref", "k", **kw))
-    monkeypatch.setenv(KILL_ENV, "1:2")
+    monkeypatch.setenv(FAULT_ENV, "1:2")  # rank 1 is SIGKILLed after round 2
     out = run(fed_job(tmp_path / "kill", "k", num_workers=2, max_restarts=1, **kw))
     assert out["parameters_sha256"] == ref["parameters_sha256"]
     a, b = _records(ref), _records(out)

@@ -38,7 +38,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from _flower_federation import LocalFederation  # noqa: E402
 from _flower_pki import write_local_pki  # noqa: E402
-from paratrain.executors.federated.flower.clientapp import DROP_ENV  # noqa: E402
+from paratrain.training.faults import DROP_AT_ENV  # noqa: E402
 from test_federated_flower import APP, _job, _local, _metrics, _write  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -64,7 +64,7 @@ def secure_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         stranger = write_local_pki(tmp / "stranger", 1).node_keys[0]  # a key nobody registered
         intruder = plain.start_node(0, private_key=stranger, name="intruder")
         dropping.start(num_started=2)  # node 2 drops out after masking:
-        dropping.start_node(2, env={DROP_ENV: "unmask"})
+        dropping.start_node(2, env={DROP_AT_ENV: "unmask"})
         docs = {"none": _secure_job(out, "sa_none"), "one": _secure_job(out, "sa_one")}
         plain.run(APP, {"job": str(_write(tmp / "none.json", docs["none"]))})
         dropping.run(APP, {"job": str(_write(tmp / "one.json", docs["one"]))})

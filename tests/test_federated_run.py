@@ -13,12 +13,11 @@ from paratrain.comm.testing import run_distributed
 from paratrain.config import ConfigError
 from paratrain.executors.federated import run, run_in_process
 from paratrain.executors.federated.aggregation import MalformedUpdateError
-from paratrain.executors.federated.runner import KILL_ENV
 from paratrain.executors.federated.state import fed_store
 from paratrain.executors.federated.wire import decode_update, encode_update
 from paratrain.models import build_model
 from paratrain.training import parameters_digest, read_metrics, seed_everything
-from paratrain.training.faults import inject_faults
+from paratrain.training.faults import FAULT_ENV, inject_faults
 from paratrain.training.store_reading import read_rank_state
 
 DENSE_MODEL_BYTES = 4 * (64 * 64 + 64 + 64 * 10 + 10)
@@ -156,7 +155,7 @@ def test_killed_worker_restarts_and_ends_equal_to_uninterrupted(
               local_epochs=1, agg={"method": "FedAvgM", "server_momentum": 0.5})
     # Reference: the same job uninterrupted, in one process.
     ref = run_in_process(fed_job(tmp_path / "ref", "k", **kw))
-    monkeypatch.setenv(KILL_ENV, "1:2")  # rank 1 dies hard at the start of round 3
+    monkeypatch.setenv(FAULT_ENV, "1:2")  # rank 1 is SIGKILLed after round 2
     # Two worker processes through the elastic launcher; the agent restarts the group.
     out = run(fed_job(tmp_path / "kill", "k", num_workers=2, max_restarts=1, **kw))
     assert out["num_workers"] == 2 and len(out["workers"]) == 2

@@ -16,7 +16,7 @@ import torch
 
 from _workers_federated import fed_job
 from paratrain.executors.federated import run, run_in_process
-from paratrain.executors.federated.runner import KILL_ENV
+from paratrain.training.faults import FAULT_ENV
 from paratrain.training.store_reading import read_rank_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -62,7 +62,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_killed_worker_resumes_bit_identical_to_one_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reference: dict[str, Any]) -> None:
-    monkeypatch.setenv(KILL_ENV, "1:2")  # rank 1 dies hard at the start of round 3
+    monkeypatch.setenv(FAULT_ENV, "1:2")  # rank 1 is SIGKILLed after round 2
     out = run(_job(tmp_path, workers=2, max_restarts=1))
     assert out["num_workers"] == 2 and all(w["client_updates"] > 0 for w in out["workers"])
     assert out["client_updates_this_run"] < reference["client_updates_this_run"]  # restarted at round 3

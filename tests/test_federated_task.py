@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +22,11 @@ from paratrain.config.job import load_job
 from paratrain.data.partition import partition_dataset
 from paratrain.executors.federated import run_in_process
 from paratrain.executors.federated.client import ClientHost, client_generator
-from paratrain.executors.federated.runner import KILL_ENV
 from paratrain.executors.federated.selection import num_random
 from paratrain.executors.federated.state import fed_store
 from paratrain.task import evaluate, resolve_task
 from paratrain.training import build_optimizer, read_metrics, seed_everything
+from paratrain.training.faults import FAULT_ENV
 from paratrain.training.loop import DataPlan, LocalEngine, Trainer, run_loop
 from paratrain.training.stepping import build_scheduler
 from paratrain.training.store_reading import read_rank_state
@@ -192,10 +193,10 @@ def test_killed_run_resumes_bit_identical_with_clip_accumulation_bf16_cosine(tmp
     # warm-up over round 0, then half a cosine over the remaining rounds (T = rounds = 4)
     assert scales == pytest.approx([1.0, 1.0, 0.75, 0.25])
     doc = _regression(tmp_path / "kill", "r", train=train_cfg)
-    # the process dies hard at the start of round 3 (after round 2's checkpoint)
+    # the process is SIGKILLed after round 2 (and round 2's checkpoint)
     proc = subprocess.run([sys.executable, "-c", _KILLED, json.dumps(doc)], capture_output=True,
-                          env={**os.environ, KILL_ENV: "0:2"}, timeout=300)
-    assert proc.returncode == 17, proc.stderr.decode()[-2000:]
+                          env={**os.environ, FAULT_ENV: "0:2"}, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     run_dir = tmp_path / "kill" / "r"
     assert [r["round"] for r in _rounds(str(run_dir))] == [1, 2]
     shutil.copytree(run_dir, tmp_path / "bad" / "r")

@@ -126,10 +126,10 @@ def test_fedbn_beats_fedavg_on_feature_shifted_clients(runs: dict[str, Any]) -> 
 def test_a_killed_worker_resumes_bit_identical_personal_parts_included(
         runs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     from paratrain.executors.federated import run
-    from paratrain.executors.federated.runner import KILL_ENV
+    from paratrain.training.faults import FAULT_ENV
 
     ref = runs["fedper"]
-    monkeypatch.setenv(KILL_ENV, "1:3")  # rank 1 dies hard at the start of round 4
+    monkeypatch.setenv(FAULT_ENV, "1:3")  # rank 1 is SIGKILLed after round 3
     job = load_job(doc(runs["tmp"] / "kill", "fedper", subgraphs={"head": {"type": "Local"}},
                        max_restarts=1))
     out = run(job)

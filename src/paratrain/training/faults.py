@@ -10,6 +10,8 @@ which worker processes inherit:
   (e.g. ``step-000000010``) SIGKILL itself after the temp folder is written, before it is
   renamed into place (first attempt only): a crash in the middle of a save -- the
   asynchronous save's thread kills its process while training goes on.
+* ``PARATRAIN_FLOWER_SECAGG_DROP_AT=STAGE`` makes a Flower node's ClientApp SIGKILL itself when
+  a SecAgg+ message of that stage arrives (``unmask``: a dropout after masking).
 * ``PARATRAIN_FAULTS`` holds a JSON object with any of
 
   - ``fail_clients``: federated client indices whose local training raises;
@@ -35,12 +37,13 @@ from typing import Any
 
 from ..config import ConfigError
 
-__all__ = ["FAULT_ENV", "FAULTS_ENV", "KILL_IN_SAVE_ENV", "Faults", "injected_faults", "inject_faults",
-           "maybe_kill", "maybe_kill_in_save"]
+__all__ = ["FAULT_ENV", "FAULTS_ENV", "KILL_IN_SAVE_ENV", "DROP_AT_ENV", "Faults", "injected_faults",
+           "inject_faults", "maybe_kill", "maybe_kill_in_save", "maybe_drop_at"]
 
 FAULT_ENV = "PARATRAIN_FAULT_KILL"
 FAULTS_ENV = "PARATRAIN_FAULTS"
 KILL_IN_SAVE_ENV = "PARATRAIN_FAULT_KILL_IN_SAVE"
+DROP_AT_ENV = "PARATRAIN_FLOWER_SECAGG_DROP_AT"
 
 _INDEX_FIELDS = ("fail_clients", "byzantine_clients", "corrupt_clients", "fail_members")
 
@@ -127,4 +130,10 @@ def maybe_kill_in_save(path: str | os.PathLike[str]) -> None:
     name = os.environ.get(KILL_IN_SAVE_ENV, "")
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
     if name and os.path.basename(path) == name and first_attempt:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_drop_at(stage: str) -> None:
+    """SIGKILL this process when ``PARATRAIN_FLOWER_SECAGG_DROP_AT`` names SecAgg+ ``stage``."""
+    if stage and stage == os.environ.get(DROP_AT_ENV, ""):
         os.kill(os.getpid(), signal.SIGKILL)

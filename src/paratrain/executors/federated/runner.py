@@ -17,7 +17,9 @@ Per round ``r`` (DESIGN §4, Federated):
    last round says so, every process writes its part of ``checkpoints/step-<r+1>/`` (the
    server's state on rank 0, each rank's clients' codec state, personal parts and control
    variates: :mod:`.state`, which also resumes on another number of workers). A stop then
-   ends the run (exit 130; ``--resume`` continues bit-identically).
+   ends the run (exit 130; ``--resume`` continues bit-identically). The lifecycle also runs
+   the fault hook: ``PARATRAIN_FAULT_KILL=RANK:ROUND`` (:mod:`~paratrain.training.faults`)
+   SIGKILLs that rank after that round.
 
 What is trained is the job's :class:`~paratrain.task.Task` (classification by default):
 the model from ``task.build_model``, the clients' data are their partitions
@@ -42,7 +44,6 @@ client) -- ends bit-identical to an uninterrupted run.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,12 +77,7 @@ from .selection import select_clients
 from .server import FederatedServer, RoundSchedule
 from .state import fed_store, restore, round_state
 
-__all__ = ["worker_main", "check_job", "client_tags", "KILL_ENV"]
-
-# Fault injection for tests: "RANK:ROUND" makes that rank exit hard (os._exit) at the
-# start of that round on the first attempt (TORCHELASTIC_RESTART_COUNT == 0), once the
-# checkpoint writes in flight have landed.
-KILL_ENV = "PARATRAIN_FED_KILL_RANK_AT_ROUND"
+__all__ = ["worker_main", "check_job", "client_tags"]
 
 
 _INVOCATIONS = 0
@@ -145,15 +141,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     started = time.perf_counter()
     w, start = _set_up(ctx, job, resume, started)
     strat: Any = job.strategy
-    kill = os.environ.get(KILL_ENV, "")
-    kill_rank, kill_round = (int(v) for v in kill.split(":")) if kill else (-1, -1)
     done = start
     with w.life:
         w.life.show(start)
         for r in range(start, strat.rounds):
-            if ctx.rank == kill_rank and r == kill_round and ctx.restart_count == 0:
-                w.life.wait()  # a crash after the last round: its checkpoint landed (asynchronous saves)
-                os._exit(17)  # a hard crash, as a killed process would look
             if not _round(w, r):
                 break
             done = r + 1

@@ -19,7 +19,6 @@ A wrong ``node_config`` or message is answered with a Flower error reply naming 
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
@@ -29,22 +28,19 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS as SECAGG_CONFIGS
 from flwr.compat.common.recorddict_compat import fitres_to_recorddict, recorddict_to_fitins
 
+from ....training.faults import maybe_drop_at
 from . import protocol as P
 from .node_state import NodeStateFiles
 
-__all__ = ["app", "DROP_ENV"]
+__all__ = ["app"]
 
-# Fault injection for tests: a node whose environment names a SecAgg+ stage ("unmask") exits
-# when that stage's message arrives (a dropout after masking).
-DROP_ENV = "PARATRAIN_FLOWER_SECAGG_DROP_AT"
 
 def _secure(msg: Message, context: Context, call_next: Any) -> Message:
     """Flower's ``secaggplus_mod`` for the SecAgg+ messages of a secure round (they carry its
     configs record); every other message goes straight to its handler."""
     if msg.metadata.message_type == "train" and SECAGG_CONFIGS in msg.content.config_records:
         stage = str(msg.content.config_records[SECAGG_CONFIGS].get("stage", ""))
-        if stage and stage == os.environ.get(DROP_ENV, ""):
-            os._exit(17)  # fault injection (tests): this node drops out at that stage
+        maybe_drop_at(stage)  # fault injection (tests): this node drops out at that stage
         return secaggplus_mod(msg, context, call_next)
     return call_next(msg, context)
 
