@@ -23,6 +23,7 @@ what went through the process group, not a cost model.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import torch
@@ -75,10 +76,14 @@ def store_get_json(store: Any, key: str) -> Any:
 
 
 def store_delete(store: Any, key: str) -> None:
+    """Drop a control message that was read (a missing key is no error). Best effort: the
+    keys are per round, so one left behind costs store memory, never a wrong read; a store
+    that fails to delete is logged and the run goes on."""
     try:
         store.delete_key(key)
-    except Exception:  # noqa: BLE001 - a missing key or a store without delete is fine
-        pass
+    except Exception as e:  # noqa: BLE001 - whatever the store raised, the key only stays
+        logging.getLogger(__name__).warning("control key %r left in the store: %s: %s",
+                                            key, type(e).__name__, e)
 
 
 def broadcast_(tensor: torch.Tensor, *, src: int = 0, group: Any = None,
