@@ -53,16 +53,12 @@ from ...training.loop import LocalEngine, Trainer
 from ...training.stepping import autocast
 from .aggregation import fednova_norm, proximal_term, scaffold_client_control
 from .drift import ClientControls, optimizer_momentum, pack_control, uses_control
-from .personal import PersonalState
+from .personal import PersonalState, client_name
 from .privacy import client_privatize
 from .wire import dense_headers, dense_payload, encode_update, flat_float32
 
 __all__ = ["ClientResult", "ClientHost", "ClientEngine", "FreshOptimizer", "client_generator",
            "client_name", "client_seed", "local_train"]
-
-
-def client_name(c: int) -> str:
-    return f"client-{c}"
 
 
 def client_seed(seed: int, round_idx: int, client: int) -> int:

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from .aggregation import control_keys
 from .flat import broadcast_state
+from .personal import client_name
 
 __all__ = ["CONTROL_PREFIX", "ClientControls", "pack_control", "split_control", "control_reference",
            "drift_problems", "uses_control", "broadcast_control", "optimizer_momentum"]
@@ -109,7 +110,7 @@ class ClientControls:
         self.of_client[client] = {k: v.detach().cpu().clone() for k, v in c_i.items()}
 
     def state_dict(self) -> dict[str, dict[str, Tensor]]:
-        return {f"client-{c}": {k: v.clone() for k, v in s.items()} for c, s in sorted(self.of_client.items())}
+        return {client_name(c): {k: v.clone() for k, v in s.items()} for c, s in sorted(self.of_client.items())}
 
     def load_state_dict(self, state: Mapping[str, Any], hosts: Any) -> None:
         self.of_client = {}

@@ -43,10 +43,12 @@ from ...task.steps import DEFAULT_EVAL_BATCH, call_model, fetch_batch
 from ...training.stepping import autocast
 from .flat import broadcast_state
 
-__all__ = ["PersonalState", "eval_sums", "combine", "score_clients", "ClientEvaluator", "round_metrics"]
+__all__ = ["PersonalState", "client_name", "eval_sums", "combine", "score_clients", "ClientEvaluator",
+           "round_metrics"]
 
 
-def _name(c: int) -> str:
+def client_name(c: int) -> str:
+    """Client ``c``'s name in records, checkpoints and messages."""
     return f"client-{c}"
 
 
@@ -69,7 +71,7 @@ class PersonalState:
         self.clients[client] = {k: own[k].detach().cpu().clone() for k in self.keys}
 
     def state_dict(self) -> dict[str, dict[str, Tensor]]:
-        return {_name(c): dict(s) for c, s in sorted(self.clients.items())}
+        return {client_name(c): dict(s) for c, s in sorted(self.clients.items())}
 
     def load_state_dict(self, state: Mapping[str, Mapping[str, Tensor]], *, rank: int) -> None:
         self.clients = {}
@@ -84,7 +86,7 @@ class PersonalState:
             self.clients[c] = {k: s[k].clone() for k in self.keys}
 
     def _hash(self, h: Any, client: int) -> Any:
-        h.update(_name(client).encode())
+        h.update(client_name(client).encode())
         for k, t in self.of(client).items():
             h.update(k.encode())
             h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -99,7 +101,7 @@ class PersonalState:
 
     def client_digests(self) -> dict[str, str]:
         """Each hosted client's own SHA-256 of ``w_P^c``: the same whichever worker hosts it."""
-        return {_name(c): str(self._hash(hashlib.sha256(), c).hexdigest()) for c in self.hosted}
+        return {client_name(c): str(self._hash(hashlib.sha256(), c).hexdigest()) for c in self.hosted}
 
 
 @torch.no_grad()

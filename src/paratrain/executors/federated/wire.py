@@ -26,13 +26,7 @@ from torch import Tensor
 
 from .aggregation import MalformedUpdateError
 
-__all__ = ["encode_update", "decode_update", "dense_nbytes", "dense_headers", "dense_payload",
-           "flat_float32"]
-
-
-def dense_nbytes(state: Mapping[str, Tensor]) -> int:
-    """Bytes of ``state`` sent uncompressed as float32."""
-    return sum(4 * t.numel() for t in state.values())
+__all__ = ["encode_update", "decode_update", "dense_headers", "dense_payload", "flat_float32"]
 
 
 def dense_headers(state: Mapping[str, Tensor]) -> list[dict[str, Any]]:

@@ -17,37 +17,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._common import (
-    Aggregator,
-    MalformedUpdateError,
-    Update,
-    apply_step,
-    check_weights,
-    stack_key,
-    validate_updates,
-    weighted_mean,
-)
+from ._common import Aggregator, MalformedUpdateError
 from .fedadagrad import FedAdagradAggregator
 from .fedadam import FedAdamAggregator
 from .fedavg import FedAvgAggregator, fedavg_step
 from .fedavgm import FedAvgMAggregator
 from .fedmedian import FedMedianAggregator, coordinate_median
-from .fednova import FedNovaAggregator, fednova_coefficients, fednova_norm
+from .fednova import FedNovaAggregator, fednova_norm
 from .fedprox import FedProxAggregator, proximal_term
 from .fedtrimmedavg import FedTrimmedAvgAggregator, trimmed_mean
 from .fedyogi import FedYogiAggregator
-from .krum import KrumAggregator, krum_scores, krum_select
+from .krum import KrumAggregator, krum_select
 from .scaffold import ScaffoldAggregator, control_keys, scaffold_client_control
 
 __all__ = [
-    "Aggregator", "AGGREGATORS", "build_aggregator", "Update", "MalformedUpdateError",
-    "validate_updates", "weighted_mean", "apply_step", "check_weights", "stack_key",
-    "fedavg_step", "coordinate_median", "trimmed_mean", "krum_scores", "krum_select",
-    "proximal_term", "fednova_norm", "fednova_coefficients", "scaffold_client_control",
-    "control_keys",
-    "FedAvgAggregator", "FedProxAggregator", "FedYogiAggregator", "FedAdamAggregator",
-    "FedAdagradAggregator", "FedAvgMAggregator", "FedMedianAggregator",
-    "FedTrimmedAvgAggregator", "KrumAggregator", "ScaffoldAggregator", "FedNovaAggregator",
+    "Aggregator", "AGGREGATORS", "build_aggregator", "MalformedUpdateError",
+    "fedavg_step", "coordinate_median", "trimmed_mean", "krum_select", "proximal_term",
+    "fednova_norm", "scaffold_client_control", "control_keys",
 ]
 
 #: method name (the contract's ``method``) -> aggregator class

@@ -24,9 +24,7 @@ __all__ = [
     "Aggregator",
     "Update",
     "MalformedUpdateError",
-    "validate_updates",
     "stack_key",
-    "weighted_mean",
     "apply_step",
     "check_weights",
     "linear_combination",
@@ -46,38 +44,6 @@ class MalformedUpdateError(ValueError):
         self.client = client
         self.tensor = tensor
         super().__init__(f"client {client}: tensor {tensor!r}: {message}")
-
-
-def validate_updates(
-    reference: Mapping[str, Tensor],
-    updates: Sequence[Update],
-    client_ids: Sequence[str] | None = None,
-) -> None:
-    """Reject any update whose key set or shapes differ from ``reference``.
-
-    Runs before any arithmetic. Raises :class:`MalformedUpdateError` naming the client
-    and the tensor (a missing key, an unexpected key, a wrong shape or a non-finite or
-    non-floating value).
-    """
-    ids = list(client_ids) if client_ids is not None else [str(i) for i in range(len(updates))]
-    if len(ids) != len(updates):
-        raise ValueError(f"{len(updates)} updates but {len(ids)} client ids")
-    for cid, upd in zip(ids, updates, strict=True):
-        for name, ref in reference.items():
-            if name not in upd:
-                raise MalformedUpdateError(cid, name, "missing from the update")
-            t = upd[name]
-            if not isinstance(t, Tensor):
-                raise MalformedUpdateError(cid, name, f"not a tensor ({type(t).__name__})")
-            if tuple(t.shape) != tuple(ref.shape):
-                raise MalformedUpdateError(
-                    cid, name, f"shape {tuple(t.shape)} != expected {tuple(ref.shape)}"
-                )
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                raise MalformedUpdateError(cid, name, "contains NaN or infinity")
-        for name in upd:
-            if name not in reference:
-                raise MalformedUpdateError(cid, name, "unexpected key (not in the global model)")
 
 
 class Aggregator(ABC):
@@ -142,20 +108,6 @@ def check_weights(weights: Sequence[float], n: int) -> Tensor:
 def stack_key(updates: Sequence[Update], name: str) -> Tensor:
     """``U[i] = updates[i][name]`` as one float64 tensor of shape ``(n, *shape)``."""
     return torch.stack([u[name].detach().to(torch.float64) for u in updates])
-
-
-def weighted_mean(tensors: Sequence[Tensor], weights: Sequence[float] | None = None) -> Tensor:
-    """``Σ_i w_i x_i / Σ_i w_i`` (uniform weights when ``weights`` is None).
-
-    Works for any shape including 0-d; computed in float64, returned as float64.
-    """
-    n = len(tensors)
-    if n == 0:
-        raise ValueError("weighted mean over zero tensors")
-    w = check_weights(weights if weights is not None else [1.0] * n, n)
-    x = torch.stack([t.detach().to(torch.float64) for t in tensors])
-    w = w.reshape((n,) + (1,) * (x.dim() - 1))
-    return (x * w).sum(0) / w.sum()
 
 
 def linear_combination(states: Sequence[Mapping[str, Tensor]], coefs: Sequence[float]) -> dict[str, Tensor]:
