@@ -90,7 +90,7 @@ def _time(step: Any, batches: list[Any]) -> float:
 def _ours(ctx: Any, level: str) -> tuple[Any, Any]:
     """A ZeroEngine at ``level`` and the step function the one loop would run."""
     from paratrain.comm import collectives as C
-    from paratrain.executors.data_parallel.zero import ZeroEngine
+    from paratrain.executors.shared.zero import ZeroEngine
     from paratrain.task import resolve_task
     from paratrain.training.loop import Trainer
 

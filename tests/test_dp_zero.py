@@ -83,7 +83,7 @@ def test_refused_combinations_name_the_field(tmp_path: Path) -> None:
 
 def test_an_unknown_unit_is_a_config_error() -> None:
     from paratrain.config.job import ModelSpec
-    from paratrain.executors.data_parallel.zero import resolve_units
+    from paratrain.executors.shared.zero import resolve_units
     from paratrain.models import build_model
 
     net = build_model(ModelSpec(name="mlp", hidden=[16]), input_shape=(64,), num_classes=10)
@@ -113,7 +113,7 @@ def test_zero3_frees_each_unit_after_its_forward_and_regathers_it_for_backward(t
 
     from paratrain.comm import collectives as C
     from paratrain.comm.context import WorkerContext
-    from paratrain.executors.data_parallel.zero import ZeroEngine
+    from paratrain.executors.shared.zero import ZeroEngine
     from paratrain.task import resolve_task
 
     job = zero_job(str(tmp_path), "one", 1, "parameters")

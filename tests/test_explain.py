@@ -16,7 +16,7 @@ import torch.fx as fx
 from paratrain.cli import main
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig, load_job
-from paratrain.executors.custom import import_plugins
+from paratrain.executors import import_plugins
 from paratrain.explain import _build, explain, explain_file, render
 from paratrain.graph import trace
 

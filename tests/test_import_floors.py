@@ -1,7 +1,9 @@
 """The floors of the package (pyproject.toml ``[tool.importlinter]``, listed in README
 "Layout") are enforced by the suite: no import runs back up a floor, no import cycle between
-the modules of any package, and no module names a floor above its own in a string (a by-name
-import through ``importlib`` that import-linter cannot see)."""
+the modules of any package, no executor imports another (their shared parts are
+``executors.shared``), the floors above the executors reach them through
+``paratrain.executors`` only, and no module names a floor above its own in a string (a
+by-name import through ``importlib`` that import-linter cannot see)."""
 
 from __future__ import annotations
 
@@ -11,12 +13,15 @@ import subprocess
 import sys
 from copy import deepcopy
 from pathlib import Path
+from typing import Any
 
 import grimp
 import pytest
 from importlinter.application.use_cases import read_user_options
 from importlinter.configuration import configure
 from importlinter.contracts.acyclic_siblings import AcyclicSiblingsContract
+from importlinter.contracts.forbidden import ForbiddenContract
+from importlinter.contracts.independence import IndependenceContract
 from importlinter.contracts.layers import LayersContract
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,13 +50,13 @@ def _floors() -> dict[str, int]:
 
 
 def test_lint_imports_keeps_every_contract() -> None:
-    """What ``make lint`` runs: the floors and the no-cycles contract, on today's tree."""
+    """What ``make lint`` runs: every contract (floors, cycles, executors, specs), on today's tree."""
     exe = Path(sys.executable).parent / "lint-imports"
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "importlinter.cli"]
     proc = subprocess.run([*cmd, "--no-cache", "--no-logo", str(PYPROJECT)], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "2 kept, 0 broken" in proc.stdout, proc.stdout
+    assert "4 kept, 0 broken" in proc.stdout, proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +89,23 @@ def test_a_cycle_between_sibling_modules_breaks_the_contract(graph: grimp.Import
     copy = deepcopy(graph)
     copy.add_import(importer="paratrain.comm.forkserver", imported="paratrain.comm.launch",
                     line_number=1, line_contents="from .launch import launch")
+    assert not contract.check(copy, verbose=False).kept
+
+
+@pytest.mark.parametrize(("contract_id", "kind", "importer", "imported"), [
+    # an executor imports another (shared parts belong to executors.shared)
+    ("executors", IndependenceContract, "paratrain.executors.tensor_parallel.runner",
+     "paratrain.executors.data_parallel.runner"),
+    # a floor above the executors reaches past their specs into a strategy's modules
+    ("specs", ForbiddenContract, "paratrain.explain", "paratrain.executors.model_parallel.validation"),
+])
+def test_an_executor_import_across_the_specs_breaks_the_contract(
+        graph: grimp.ImportGraph, contract_id: str, kind: Any, importer: str, imported: str) -> None:
+    session, options = _contract_options(contract_id)
+    contract = kind(name=contract_id, session_options=session, contract_options=options)
+    assert contract.check(graph, verbose=False).kept
+    copy = deepcopy(graph)
+    copy.add_import(importer=importer, imported=imported, line_number=1, line_contents=f"import {imported}")
     assert not contract.check(copy, verbose=False).kept
 
 

@@ -244,7 +244,7 @@ def test_validate_interleaved_example_and_refusals(tmp_path: Any) -> None:
     from pathlib import Path
 
     from paratrain.config.job import load_job
-    from paratrain.executors.custom import import_plugins
+    from paratrain.executors import import_plugins
     from paratrain.executors.model_parallel.validation import validate
 
     examples = Path(__file__).resolve().parents[1] / "examples"

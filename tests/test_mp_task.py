@@ -250,15 +250,6 @@ def test_tied_gpt_head_split_across_stages_keeps_one_tensor() -> None:
     plan_for(direct, model, default_workers(2))
 
 
-def test_supports_tasks_and_check_supported() -> None:
-    from paratrain.dispatch import check_supported
-    from paratrain.executors.model_parallel import SPEC
-
-    assert SPEC.supports_tasks is True
-    check_supported(_job(REG, _pipe(4, "1F1B", REG_SPLIT)))
-    check_supported(_job(USER, {**_pipe(4, "1F1B", USER_SPLIT), "communication": {"protocol": "Direct"}}))
-
-
 def _resume_job(tmp: Path, name: str, restarts: int = 0) -> JobConfig:
     doc = {**REG, "run": {"name": name, "seed": 2, "output_dir": str(tmp), "checkpoint_every": 2,
                           "max_restarts": restarts},

@@ -19,7 +19,6 @@ from paratrain.config import ConfigError
 from paratrain.config.job import load_job
 from paratrain.data.partition import partition_indices, partition_speaker
 from paratrain.data.shakespeare import UNK, CharBlocks, load_corpus, play_files, shakespeare
-from paratrain.dispatch import check_supported
 from paratrain.models import MODELS
 from paratrain.task import (
     ClassificationTask,
@@ -319,35 +318,6 @@ def test_task_errors_name_the_field(tmp_path: Path) -> None:
         load_job({"task": {"name": "regression", "block_sise": 3}})
     with pytest.raises(ConfigError, match="task.factory"):
         paratrain.fit(_run(tmp_path, "f", task={"factory": "test_task:SumTarget_nope"}))
-
-
-def test_every_strategy_trains_any_task_and_a_module_that_does_not_is_refused(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dataclasses
-    import importlib
-
-    from paratrain.executors import data_parallel
-
-    for package in ("local", "data_parallel", "model_parallel", "federated", "population_based",
-                    "tensor_parallel", "custom"):  # custom: a coordinator receives the whole job
-        assert importlib.import_module(f"paratrain.executors.{package}").SPEC.supports_tasks, package
-    dp = {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}}
-    # an executor that trains only classification
-    monkeypatch.setattr(data_parallel, "SPEC", dataclasses.replace(data_parallel.SPEC, supports_tasks=False))
-    for doc, field in (
-        ({"task": {"name": "regression"}, "data": {"name": "diabetes"}, "strategy": dp}, "task.name"),
-        ({"task": {"factory": "test_task:make_user_task"}, "strategy": dp}, "task.factory"),
-        ({"data": {"name": "diabetes"}, "strategy": dp}, "data.name"),
-    ):
-        job = load_job(_run(tmp_path, "x", **doc))
-        with pytest.raises(ConfigError, match="cannot run under DataParallel") as e:
-            check_supported(job)
-        assert e.value.problems[0][0] == field
-        from paratrain.dispatch import execute
-
-        with pytest.raises(ConfigError, match=field):
-            execute(job)  # refused before any worker starts
-    check_supported(load_job({"strategy": dp}))  # classification still runs there
 
 
 def test_task_section_round_trips_and_default_is_unchanged() -> None:

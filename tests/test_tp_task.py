@@ -182,7 +182,7 @@ def test_replication_factors_of_the_norm() -> None:
     """What each parameter adds to the TP-group sum: a column/row shard once, a 2-D grid
     weight once (g x g blocks), a grid bias 1/g (g blocks, held by g ranks each), a
     replicated parameter 1/tp (counted locally instead)."""
-    from paratrain.executors.tensor_parallel.engine import replicas_of
+    from paratrain.tensor_parallel.grid import replicas_of
 
     shard, weight, bias, rep = (torch.nn.Parameter(torch.zeros(2)) for _ in range(4))
     shard.tp_shard_dim, shard.tp_sizes = 0, [1, 1]  # type: ignore[attr-defined]

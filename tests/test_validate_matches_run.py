@@ -159,7 +159,7 @@ def test_federated_workers_beyond_clients_are_capped_with_a_warning() -> None:
 def test_plugin_file_never_shadows_another_module(tmp_path: Path) -> None:
     import json
 
-    from paratrain.executors.custom import import_plugins
+    from paratrain.executors import import_plugins
 
     (tmp_path / "json.py").write_text("VALUE = 1\n")
     import_plugins(["json.py"], base=tmp_path)

@@ -38,7 +38,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from .config import ConfigError
     from .config.job import load_job
     from .dispatch import effective_settings
-    from .executors.custom import import_plugins
+    from .executors import import_plugins, spec_for
     from .preflight import preflight
 
     worst = EXIT_OK
@@ -63,16 +63,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             _print_problems(warnings)
             if not args.quiet:
                 print(f"{path}: ok")
-                from .executors.federated.flower import describe_runtime
-
-                if (runtime := describe_runtime(job)) is not None:  # Federated: which path runs
-                    print(f"{path}: runs on {runtime}")
-                for line in _tp_layout(job):
-                    print(f"{path}: {line}")
-                for line in _dp_lines(job):  # [federated.dp]: mechanism, accountant, budget
-                    print(f"{path}: {line}")
-                try:  # DataParallel ZeRO: what each replica holds 1/N of
-                    for line in _shard_layout(job):
+                try:  # how the job runs, as its executor tells (runtime, TP layout, ZeRO shards...)
+                    for line in spec_for(job).describe(job):
                         print(f"{path}: {line}")
                 except ConfigError as e:
                     _print_problems(_problems(e, path))
@@ -88,39 +80,6 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                 else:
                     print(render({**report, "job": path}))
     return worst
-
-
-def _tp_layout(job: Any) -> list[str]:
-    """A tensor-parallel job: which modules are sharded and how (the executor's dry run)."""
-    from .executors import is_tensor_parallel
-
-    if not is_tensor_parallel(job):
-        return []
-    from .executors.tensor_parallel.runner import dry_run, mesh_lines
-
-    lines = [f"tensor parallel: {p}: {how}" for p, how in dry_run(job)]
-    if job.strategy.type == "DataParallel":  # the dp x tp mesh (and ZeRO over its dp columns)
-        lines += mesh_lines(job)
-    return lines
-
-
-def _dp_lines(job: Any) -> list[str]:
-    if getattr(job.strategy, "type", None) != "Federated" or job.federated.dp is None:
-        return []
-    from .executors.federated.privacy import dp_lines
-
-    return dp_lines(job)
-
-
-def _shard_layout(job: Any) -> list[str]:
-    from .config.strategy import DataParallel
-    from .executors import is_tensor_parallel
-
-    if not isinstance(job.strategy, DataParallel) or job.strategy.shard == "none" or is_tensor_parallel(job):
-        return []  # ZeRO x tensor parallel: the mesh lines of _tp_layout
-    from .executors.data_parallel.runner import shard_layout
-
-    return shard_layout(job)
 
 
 def _cmd_graph(args: argparse.Namespace) -> int:

@@ -20,14 +20,13 @@ from .config.effective import Effective
 from .config.job import JobConfig
 from .executors import (
     TENSOR_PARALLEL,
-    check_supported,
     executor_name,
     is_tensor_parallel,
     spec_for,
     worker_preload,
 )
 
-__all__ = ["execute", "effective_settings", "spec_for", "executor_name", "is_tensor_parallel", "check_supported",
+__all__ = ["execute", "effective_settings", "spec_for", "executor_name", "is_tensor_parallel",
            "TENSOR_PARALLEL"]
 
 

@@ -1,6 +1,6 @@
 """The contract: pure data, no torch import (DESIGN §3)."""
 
-from ._base import ConfigError, parse_every
+from ._base import ConfigError, one_line, parse_every
 from .compression import (
     ClippedCompression,
     CompressionStrategy,
@@ -38,7 +38,7 @@ from .tensor_parallel import (
 
 __all__ = [
     "parse_every",
-    "ConfigError",
+    "ConfigError", "one_line",
     "ClippedCompression", "CompressionStrategy", "ErrorFeedback", "NoCompression",
     "Quantization", "RandomK", "Threshold", "TopK",
     "compression_schema", "dump_compression", "load_compression",

@@ -59,6 +59,13 @@ class ConfigError(ValueError):
         super().__init__("\n".join(f"{p}: {m}" if p else m for p, m in self.problems))
 
 
+def one_line(msg: str, limit: int = 300) -> str:
+    """The first line of ``msg``, cut to ``limit`` characters: a ConfigError message quoting
+    an error the job's own code (or a library) raised."""
+    line = (msg.splitlines() or [""])[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def _loc_to_path(loc: tuple[int | str, ...], prefix: str = "") -> str:
     parts: list[str] = [prefix] if prefix else []
     for item in loc:

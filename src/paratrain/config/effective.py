@@ -120,144 +120,30 @@ def effective_settings(job: JobConfig, *, resume: bool = False) -> Effective:
     """The job's effective settings and the set-but-ignored ones that the job alone tells
     (the whole report, executors' rules included: :func:`paratrain.dispatch.effective_settings`).
     """
+    from .effective_procs import ignored_process_settings
+
     ignored: list[Ignored] = []
-    s = job.strategy
-    kind = str(s.type)
+    kind = str(job.strategy.type)
     tp = job.tensor_parallel
-    tp_size = tp.tensor_parallel_size if tp is not None else 1
-    tp_active = tp is not None and tp_size > 1 and kind in ("Local", "DataParallel")
-    custom = kind == "Custom"
+    tp_active = tp is not None and tp.tensor_parallel_size > 1 and kind in ("Local", "DataParallel")
     settings: dict[str, Any] = {
         "strategy": kind,
         "executor": "TensorParallel" if tp_active else kind,
         "resume": resume,
+        "compression": _compression(job, kind, tp_active, ignored),
     }
-
-    # ------------------------------------------------------------------ [compression]
-    comp = job.compression
-    comp_used = False
-    if comp is not None:
-        if kind in ("DataParallel", "Federated") or custom:
-            comp_used = True
-        elif kind == "Local" and tp_active:
-            # with one replica this is a ConfigError of the tensor-parallel layout
-            comp_used = comp.method != "None"
-        else:
-            why = {
-                "Local": "a Local run exchanges no gradients or updates, so there is nothing "
-                         "to compress",
-                "ModelParallel": "ModelParallel moves activations between stages and has no "
-                                 "gradient exchange to compress",
-                "PopulationBased": "population members train independently; nothing is "
-                                   "exchanged to compress",
-            }[kind]
-            ignored.append(Ignored("compression", why))
-    settings["compression"] = comp.model_dump(mode="json") if comp is not None and comp_used else None
-
     if job.model.leaf_modules and kind not in ("ModelParallel", "Custom"):
         ignored.append(Ignored("model.leaf_modules", f"only ModelParallel traces the model into "
                                f"a graph (and `paratrain graph`); {kind} runs it as-is"))
-
-    # -------------------------------------------------------------- [tensor_parallel]
-    tp_settings: dict[str, Any] | None = None
-    if tp is not None and not custom:
-        if kind in ("Federated", "PopulationBased"):  # ModelParallel refuses it (its validate)
-            ignored.append(Ignored("tensor_parallel", f"{kind} runs no tensor parallelism "
-                                   "(it combines with Local or DataParallel only)"))
-        elif tp_size == 1:
-            ignored.append(Ignored("tensor_parallel", "tensor_parallel_size = 1 runs no tensor "
-                                   f"parallelism: the job runs as plain {kind} and no "
-                                   "[tensor_parallel] key has an effect"))
-    if tp is not None and (tp_active or custom):
-        tp_settings = tp.model_dump(mode="json")
-    if tp is not None and tp_active:
-        assert tp_settings is not None
-        strat = tp.partitioning_strategy.value
-        if strat == "BlockWise" and math.isqrt(tp_size) ** 2 != tp_size:
-            tp_settings["partitioning_strategy"] = "ColumnWise"
-            ignored.append(Ignored(
-                "tensor_parallel.partitioning_strategy",
-                f"BlockWise needs a square tensor_parallel_size for its g x g grid and "
-                f"{tp_size} is not one, so it runs ColumnWise"))
-    settings["tensor_parallel"] = tp_settings
-
-    # --------------------------------------------------- train/run budget and cadence
-    train, run = job.train, job.run
-    if kind in ("Federated", "PopulationBased"):
-        if kind == "Federated":
-            reasons = {
-                "train.epochs": "Federated runs strategy.rounds rounds of "
-                                "federated.local_epochs local epochs",
-                "train.eval_every": "the global model is evaluated after every round",
-                "train.max_steps": "the budget is strategy.rounds rounds",
-                "train.batch_size": "clients train with federated.batch_size",
-            }
-        else:
-            reasons = {
-                "train.epochs": "a generation's budget is population.steps_per_generation or "
-                                "population.epochs_per_generation",
-                "train.eval_every": "members are evaluated at the end of every generation",
-                "train.max_steps": "the budget is strategy.generations generations of "
-                                   "population.steps_per_generation/epochs_per_generation",
-                "run.checkpoint_every": "PopulationBased checkpoints every generation (members "
-                                        "move between workers through those files; a signal "
-                                        "stops the run at the next generation's end)",
-            }
-        for path, why in reasons.items():
-            section, name = path.split(".")
-            if _set(train if section == "train" else run, name):
-                ignored.append(Ignored(path, why))
-        settings["train"] = None
-        # Federated: a count of rounds, or a wall time between rounds
-        settings["checkpoint_every"] = run.checkpoint_every if kind == "Federated" else None
-    else:
-        settings["train"] = {"epochs": train.epochs, "eval_every": train.eval_every,
-                             "max_steps": train.max_steps, "batch_size": train.batch_size}
-        settings["checkpoint_every"] = run.checkpoint_every
-
-    # ------------------------------ run.*, [[workers]], [comm]: what the processes read
-    from .effective_procs import ignored_process_settings
-
+    settings["tensor_parallel"] = _tensor_parallel(job, kind, tp_active, ignored)
+    settings.update(_budget(job, kind, ignored))
+    # run.*, [[workers]], [comm]: what the processes read
     ignored += [Ignored(f, why) for f, why in ignored_process_settings(job, kind=kind, tp_active=tp_active)]
-
-    # ------------------------------------- strategy-specific sections used elsewhere
-    if not custom:
-        for section, owner in (("federated", "Federated"), ("population", "PopulationBased"),
-                               ("search_space", "PopulationBased")):
-            if _set(job, section) and kind != owner:
-                value = getattr(job, section)
-                keys = sorted(value) if isinstance(value, dict) else _set_fields(value)
-                detail = f" (set: {', '.join(keys)})" if keys else ""
-                ignored.append(Ignored(section, f"only the {owner} strategy reads it{detail}"))
-    for section, owner in (("federated", "Federated"), ("population", "PopulationBased")):
-        settings[section] = (getattr(job, section).model_dump(mode="json")
-                             if kind == owner or custom else None)
-    settings["search_space"] = sorted(job.search_space) if kind == "PopulationBased" or custom else None
-
-    # ------------------------------------------------------------------------ Krum
-    if isinstance(s, Federated) and isinstance(s.aggregation, Krum):
-        agg = s.aggregation
-        n = _clients_per_round(s)
-        if n is not None:
-            f, keep = int(agg.num_malicious), int(agg.to_keep)
-            f_eff = min(f, max(n - 3, 0))  # krum_scores: m = max(1, n - f - 2) neighbours
-            keep_eff = 1 if keep == 0 else min(keep, n)
-            settings["krum"] = {"clients_per_round": n, "num_malicious": f_eff,
-                                "to_keep": keep_eff}
-            if f_eff != f:
-                ignored.append(Ignored(
-                    "strategy.aggregation.num_malicious",
-                    f"{f} with {n} client(s) per round: each score sums over "
-                    f"max(1, n - f - 2) = {max(1, n - f_eff - 2) if n > 1 else 0} nearest "
-                    f"neighbour(s), as num_malicious = {f_eff} (effective value)"))
-            if keep_eff != keep and keep != 0:
-                ignored.append(Ignored(
-                    "strategy.aggregation.to_keep",
-                    f"{keep} with {n} client(s) per round keeps all {n} updates (effective "
-                    f"to_keep = {keep_eff}): a weighted average of every update, no Krum "
-                    "filtering"))
-
-    # --------------------------------------------------------------- unknown keys
+    settings.update(_strategy_sections(job, kind, ignored))
+    if isinstance(job.strategy, Federated) and isinstance(job.strategy.aggregation, Krum):
+        krum = _krum(job.strategy, job.strategy.aggregation, ignored)
+        if krum is not None:
+            settings["krum"] = krum
     _unknown(job.strategy, "strategy", ignored)
     for key, sub in sorted(job.subgraphs.items()):
         _unknown(sub, f"subgraphs.{key}", ignored)
@@ -266,3 +152,133 @@ def effective_settings(job: JobConfig, *, resume: bool = False) -> Effective:
     if job.tensor_parallel is not None:
         _unknown(job.tensor_parallel, "tensor_parallel", ignored)
     return Effective(settings=settings, ignored=ignored)
+
+
+def _compression(job: JobConfig, kind: str, tp_active: bool, ignored: list[Ignored]) -> dict[str, Any] | None:
+    """``[compression]`` as the run uses it (None: not set, or ignored)."""
+    comp = job.compression
+    if comp is None:
+        return None
+    if kind in ("DataParallel", "Federated", "Custom"):
+        used = True
+    elif kind == "Local" and tp_active:
+        used = comp.method != "None"  # with one replica this is a ConfigError of the tensor-parallel layout
+    else:
+        used = False
+        why = {
+            "Local": "a Local run exchanges no gradients or updates, so there is nothing "
+                     "to compress",
+            "ModelParallel": "ModelParallel moves activations between stages and has no "
+                             "gradient exchange to compress",
+            "PopulationBased": "population members train independently; nothing is "
+                               "exchanged to compress",
+        }[kind]
+        ignored.append(Ignored("compression", why))
+    return comp.model_dump(mode="json") if used else None
+
+
+def _tensor_parallel(job: JobConfig, kind: str, tp_active: bool, ignored: list[Ignored]) -> dict[str, Any] | None:
+    """``[tensor_parallel]`` as the run uses it (None: not set, or no tensor parallelism)."""
+    tp = job.tensor_parallel
+    if tp is None:
+        return None
+    tp_size = tp.tensor_parallel_size
+    if kind in ("Federated", "PopulationBased"):  # ModelParallel refuses it (its validate)
+        ignored.append(Ignored("tensor_parallel", f"{kind} runs no tensor parallelism "
+                               "(it combines with Local or DataParallel only)"))
+    elif tp_size == 1 and kind != "Custom":
+        ignored.append(Ignored("tensor_parallel", "tensor_parallel_size = 1 runs no tensor "
+                               f"parallelism: the job runs as plain {kind} and no "
+                               "[tensor_parallel] key has an effect"))
+    if kind == "Custom":
+        return tp.model_dump(mode="json")
+    if not tp_active:
+        return None
+    out = tp.model_dump(mode="json")
+    if tp.partitioning_strategy.value == "BlockWise" and math.isqrt(tp_size) ** 2 != tp_size:
+        out["partitioning_strategy"] = "ColumnWise"
+        ignored.append(Ignored(
+            "tensor_parallel.partitioning_strategy",
+            f"BlockWise needs a square tensor_parallel_size for its g x g grid and "
+            f"{tp_size} is not one, so it runs ColumnWise"))
+    return out
+
+
+_BUDGET_REASONS: dict[str, dict[str, str]] = {
+    "Federated": {
+        "train.epochs": "Federated runs strategy.rounds rounds of federated.local_epochs local epochs",
+        "train.eval_every": "the global model is evaluated after every round",
+        "train.max_steps": "the budget is strategy.rounds rounds",
+        "train.batch_size": "clients train with federated.batch_size",
+    },
+    "PopulationBased": {
+        "train.epochs": "a generation's budget is population.steps_per_generation or "
+                        "population.epochs_per_generation",
+        "train.eval_every": "members are evaluated at the end of every generation",
+        "train.max_steps": "the budget is strategy.generations generations of "
+                           "population.steps_per_generation/epochs_per_generation",
+        "run.checkpoint_every": "PopulationBased checkpoints every generation (members "
+                                "move between workers through those files; a signal "
+                                "stops the run at the next generation's end)",
+    },
+}
+
+
+def _budget(job: JobConfig, kind: str, ignored: list[Ignored]) -> dict[str, Any]:
+    """``train`` (budget and cadence) and ``checkpoint_every`` as the run counts them:
+    Federated counts rounds, PopulationBased generations."""
+    train, run = job.train, job.run
+    reasons = _BUDGET_REASONS.get(kind)
+    if reasons is None:
+        return {"train": {"epochs": train.epochs, "eval_every": train.eval_every,
+                          "max_steps": train.max_steps, "batch_size": train.batch_size},
+                "checkpoint_every": run.checkpoint_every}
+    for path, why in reasons.items():
+        section, name = path.split(".")
+        if _set(train if section == "train" else run, name):
+            ignored.append(Ignored(path, why))
+    # Federated: a count of rounds, or a wall time between rounds
+    return {"train": None, "checkpoint_every": run.checkpoint_every if kind == "Federated" else None}
+
+
+def _strategy_sections(job: JobConfig, kind: str, ignored: list[Ignored]) -> dict[str, Any]:
+    """``[federated]``, ``[population]``, ``[search_space]``: read by their own strategy
+    (and a Custom coordinator, which receives the whole job) only."""
+    custom = kind == "Custom"
+    if not custom:
+        for section, owner in (("federated", "Federated"), ("population", "PopulationBased"),
+                               ("search_space", "PopulationBased")):
+            if _set(job, section) and kind != owner:
+                value = getattr(job, section)
+                keys = sorted(value) if isinstance(value, dict) else _set_fields(value)
+                detail = f" (set: {', '.join(keys)})" if keys else ""
+                ignored.append(Ignored(section, f"only the {owner} strategy reads it{detail}"))
+    out: dict[str, Any] = {section: (getattr(job, section).model_dump(mode="json")
+                                     if kind == owner or custom else None)
+                           for section, owner in (("federated", "Federated"), ("population", "PopulationBased"))}
+    out["search_space"] = sorted(job.search_space) if kind == "PopulationBased" or custom else None
+    return out
+
+
+def _krum(s: Federated, agg: Krum, ignored: list[Ignored]) -> dict[str, int] | None:
+    """Krum's effective ``num_malicious``/``to_keep`` for the clients a round aggregates
+    (None when that number depends on tags: ByCapability)."""
+    n = _clients_per_round(s)
+    if n is None:
+        return None
+    f, keep = int(agg.num_malicious), int(agg.to_keep)
+    f_eff = min(f, max(n - 3, 0))  # krum_scores: m = max(1, n - f - 2) neighbours
+    keep_eff = 1 if keep == 0 else min(keep, n)
+    if f_eff != f:
+        ignored.append(Ignored(
+            "strategy.aggregation.num_malicious",
+            f"{f} with {n} client(s) per round: each score sums over "
+            f"max(1, n - f - 2) = {max(1, n - f_eff - 2) if n > 1 else 0} nearest "
+            f"neighbour(s), as num_malicious = {f_eff} (effective value)"))
+    if keep_eff != keep and keep != 0:
+        ignored.append(Ignored(
+            "strategy.aggregation.to_keep",
+            f"{keep} with {n} client(s) per round keeps all {n} updates (effective "
+            f"to_keep = {keep_eff}): a weighted average of every update, no Krum "
+            "filtering"))
+    return {"clients_per_round": n, "num_malicious": f_eff, "to_keep": keep_eff}

@@ -5,7 +5,8 @@
 job with ``tensor_parallel_size > 1`` runs on the tensor-parallel executor. Strategy
 packages are imported on first lookup, so a strategy's dependencies load only when a job
 uses it. Running a job (checks, warnings, the spec's ``run``) is
-:func:`paratrain.dispatch.execute`, a floor above.
+:func:`paratrain.dispatch.execute`, a floor above. The floors above reach the executors
+through this module's names only (the registry, the plugins' import, the specs).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import importlib
 from ..config import ConfigError
 from ..config.job import JobConfig
 from .custom import register_coordinator, registered_coordinators
-from .spec import ExecutorSpec
+from .plugins import import_plugins
+from .spec import ExecutorSpec, GraphView, Traced
 
-__all__ = ["ExecutorSpec", "STRATEGIES", "TENSOR_PARALLEL", "spec_for", "executor_name",
-           "is_tensor_parallel", "check_supported", "register_coordinator",
+__all__ = ["ExecutorSpec", "GraphView", "Traced", "STRATEGIES", "TENSOR_PARALLEL", "spec_for",
+           "executor_name", "is_tensor_parallel", "import_plugins", "register_coordinator",
            "registered_coordinators", "worker_preload"]
 
 TENSOR_PARALLEL = "TensorParallel"
@@ -94,23 +96,3 @@ def is_tensor_parallel(job: JobConfig) -> bool:
     """A Local or DataParallel job with ``tensor_parallel_size > 1``."""
     return executor_name(job) == TENSOR_PARALLEL
 
-
-def check_supported(job: JobConfig) -> None:
-    """ConfigError unless ``job``'s task runs under its executor: one whose spec says
-    ``supports_tasks`` trains any Task through the one loop; the others train only the
-    default classification task."""
-    from ..task import is_default
-
-    if spec_for(job).supports_tasks or is_default(job):
-        return
-    name = executor_name(job)
-    kind = str(getattr(job.strategy, "type", "?"))
-    where = "tensor-parallel Local" if name == TENSOR_PARALLEL and kind == "Local" else kind
-    if job.task.factory is not None:
-        field, what = "task.factory", f"a task factory ({job.task.factory!r})"
-    elif job.task.name != "classification":
-        field, what = "task.name", f"task.name = {job.task.name!r}"
-    else:
-        field, what = "data.name", f"data.name = {job.data.name!r} (not a classification set)"
-    raise ConfigError([(field, f"{what} cannot run under {where} in this version: it trains "
-                               "only the classification task")])

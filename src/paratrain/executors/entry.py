@@ -53,7 +53,7 @@ def worker_entry(
     job = JobConfig.model_validate(job_json)
     if job.run.imports:
         # Plugins (models, datasets, coordinators) must be registered in every process.
-        from .custom import import_plugins
+        from .plugins import import_plugins
 
         base = os.environ.get("PARATRAIN_JOB_DIR")
         import_plugins(list(job.run.imports), base=Path(base) if base else None)

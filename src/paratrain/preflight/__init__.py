@@ -16,17 +16,17 @@ problem found, each naming its field:
 - ModelParallel without ``[[workers]]`` and ``run.num_workers``: the implicit workers
   are ``worker-0 .. worker-P`` for ``P`` partitions (one per partition plus rank 0 for
   unclaimed nodes); a ``WorkerId`` beyond those names no worker (never a larger world);
-- ``[task]``: a task other than the default classification runs under Local only
-  (:func:`paratrain.executors.check_supported`), and its datasets and model build and the model
-  runs on two training examples (:func:`paratrain.task.preflight_task`);
+- ``[task]``: its datasets and model build and the model runs on two training examples
+  (:func:`paratrain.task.preflight_task`);
 - the data and the model build with their kwargs (unknown ones name ``model.<kw>``;
   negative or zero zoo widths name the field, e.g. ``model.hidden``), the model runs a
   forward pass on two training rows, and the optimizer builds over its parameters with
   its kwargs (``train.optimizer.<kw>``);
 - DataParallel (and tensor-parallel) replicas x ``train.batch_size`` fit in the
-  training set; Federated clients: no more than training rows, ``client_tags`` only for
-  clients that exist, client indices in range, a ``ByCapability`` selection some client
-  can satisfy, a partition that works;
+  training set; the executor's checks against the built data (``check_data`` of its spec:
+  Federated clients no more than training rows, ``client_tags`` only for clients that
+  exist, client indices in range, a ``ByCapability`` selection some client can satisfy, a
+  partition that works);
 - ``[subgraphs]``: supported pairings and module paths of the built model
   (:mod:`paratrain.subgraphs`);
 - the executor's own ``validate`` of its :class:`~paratrain.executors.spec.ExecutorSpec`
@@ -45,13 +45,12 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from ..config import ConfigError
 from ..config.job import JobConfig
 from ..data.loader import is_stream
-from .build import _build, _one_line
+from .build import _build
 
 __all__ = ["preflight", "process_count", "process_limit", "PreflightWarning", "PROCS_PER_CORE",
            "Instances"]
@@ -109,15 +108,14 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True,
     strategy_ok = _stage(problems, _model_parallel_ids, job) and _stage(problems, _processes, job, notes)
     if imported:
         _stage(problems, _coordinator, job)
-    task_ok = _stage(problems, _task_strategy, job)  # paratrain.executors.check_supported
     pairings_ok = _stage(problems, _subgraph_pairings, job)
-    bundle = _stage(problems, _build, job, instances) if imported and task_ok else None
+    bundle = _stage(problems, _build, job, instances) if imported else None
     if bundle is not None and pairings_ok:
         _stage(problems, _subgraph_paths, job, getattr(bundle, "model", None))
     if bundle is not None:
         if not is_stream(bundle.train):  # a stream's rows are not counted (preflight_task)
             _stage(problems, _replica_rows, job, len(bundle.train))
-        _stage(problems, _federated, job, bundle)
+        _stage(problems, _executor_data, job, bundle)
         if strategy_ok and not problems:
             _stage(problems, _executor_hook, job)
     # The checked model is garbage now; an import inside a stage (spec_for's executor
@@ -157,7 +155,7 @@ def _stage(problems: Problems, fn: Any, *args: Any) -> Any:
 
 
 def _imports(job: JobConfig, job_dir: Path | None) -> None:
-    from ..executors.custom import import_plugins
+    from ..executors import import_plugins
 
     import_plugins(list(job.run.imports), base=job_dir)
 
@@ -166,7 +164,7 @@ def _coordinator(job: JobConfig) -> None:
     s: Any = job.strategy
     if getattr(s, "type", None) != "Custom":
         return
-    from ..executors.custom import registered_coordinators
+    from ..executors import registered_coordinators
 
     known = registered_coordinators()
     if s.coordinator not in known:
@@ -247,12 +245,6 @@ def _model_parallel_ids(job: JobConfig) -> None:
         raise ConfigError(problems)
 
 
-def _task_strategy(job: JobConfig) -> None:
-    from ..executors import check_supported
-
-    check_supported(job)
-
-
 def _replica_rows(job: JobConfig, rows: int) -> None:
     from ..executors import is_tensor_parallel
 
@@ -268,37 +260,13 @@ def _replica_rows(job: JobConfig, rows: int) -> None:
             f"but the training set has {rows} rows; lower num_replicas or batch_size"))])
 
 
-def _federated(job: JobConfig, bundle: Any) -> None:
-    s: Any = job.strategy
-    if getattr(s, "type", None) != "Federated":
-        return
-    from ..comm.context import default_workers
-    from ..data.partition import partition_dataset
-    from ..executors.federated import num_workers
-    from ..executors.federated.runner import check_job, client_tags
-    from ..executors.federated.selection import select_clients
+def _executor_data(job: JobConfig, bundle: Any) -> None:
+    """The executor's checks against the built data (``ExecutorSpec.check_data``), if any."""
+    from ..executors import spec_for
 
-    rows = len(bundle.train)
-    if s.num_clients > rows:
-        raise ConfigError([("strategy.num_clients", f"{s.num_clients} clients but the training set "
-                                                    f"has {rows} rows: every client needs at least one")])
-    world = num_workers(job)
-    check_job(job, world_size=world)
-    try:
-        parts = partition_dataset(bundle.train, s.num_clients, job.data.partition, seed=job.run.seed)
-        if job.data.partition.feature_shift > 0 or job.subgraphs or job.federated.evaluate_clients:
-            from ..data.client_splits import client_datasets  # per-client test splits, shifts
-
-            client_datasets(bundle.train, bundle.test, parts, job.data.partition, seed=job.run.seed)
-    except ValueError as e:
-        raise ConfigError([("data.partition", _one_line(str(e)))]) from None
-    if getattr(s.client_selection, "method", None) == "ByCapability":
-        ctx = SimpleNamespace(workers=default_workers(world, list(job.workers)), world_size=world)
-        try:
-            select_clients(s.client_selection, num_clients=s.num_clients, round_idx=0,
-                           seed=job.run.seed, client_tags=client_tags(job, ctx))  # type: ignore[arg-type]
-        except ValueError as e:
-            raise ConfigError([("strategy.client_selection.required_tags", str(e).split(": ", 1)[-1])]) from None
+    check = spec_for(job).check_data
+    if check is not None:
+        check(job, bundle)
 
 
 def _subgraph_pairings(job: JobConfig) -> None:

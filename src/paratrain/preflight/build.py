@@ -7,7 +7,7 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any
 
-from ..config import ConfigError
+from ..config import ConfigError, one_line
 from ..config.job import JobConfig
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ def _build(job: JobConfig, instances: Instances | None = None) -> Any:
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a user factory's own error: one line
-        raise ConfigError([("data", _one_line(f"loading the data failed: {type(e).__name__}: {e}"))]) from None
+        raise ConfigError([("data", one_line(f"loading the data failed: {type(e).__name__}: {e}"))]) from None
     model = _model(job, bundle)
     watch_garbage(model)  # checked, then dropped: the run builds its own
     if not isinstance(bundle.train, TensorDataset):  # paratrain.fit's own Datasets (its saved_data)
@@ -121,7 +121,7 @@ def _build(job: JobConfig, instances: Instances | None = None) -> Any:
         with torch.no_grad():
             model(x[:2])
     except Exception as e:  # noqa: BLE001
-        msg = _one_line(f"the model fails on two training rows of shape {tuple(x[:2].shape)}: "
+        msg = one_line(f"the model fails on two training rows of shape {tuple(x[:2].shape)}: "
                         f"{type(e).__name__}: {e}")
         raise ConfigError([(_field_of(msg, list(kwargs), "model"), msg)]) from None
     _optimizer(job, model)
@@ -151,7 +151,7 @@ def _model(job: JobConfig, bundle: Any) -> Any:
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001
-        msg = _one_line(f"building the model failed: {type(e).__name__}: {e}")
+        msg = one_line(f"building the model failed: {type(e).__name__}: {e}")
         raise ConfigError([(_field_of(msg, list(kwargs), "model"), msg)]) from None
     return model
 
@@ -178,8 +178,3 @@ def _optimizer(job: JobConfig, model: Any) -> None:
 # How torch's optimizers name their arguments in ValueError messages.
 _TORCH_OPT_WORDS = {"learning rate": "lr", "epsilon": "eps", "beta": "betas", "weight_decay": "weight_decay",
                     "nesterov": "nesterov"}
-
-
-def _one_line(msg: str, limit: int = 300) -> str:
-    line = (msg.splitlines() or [""])[0]
-    return line if len(line) <= limit else line[: limit - 3] + "..."

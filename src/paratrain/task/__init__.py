@@ -3,17 +3,14 @@
 :class:`Task` is the protocol (:mod:`.protocol`); the built-in tasks are named in a
 job's ``[task]`` section (:mod:`.builtin`), a user's comes from ``[task] factory =
 "module:function"`` (called with the section's extra keys) or, in Python, as an object:
-``paratrain.fit(task=my_task)``.
-
-An executor that trains any task says so in its spec (``ExecutorSpec.supports_tasks``,
-:func:`paratrain.executors.check_supported`).
+``paratrain.fit(task=my_task)``. Every executor trains any task.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..config import ConfigError
+from ..config import ConfigError, one_line
 from ..config.job import JobConfig
 from ..data.loader import is_stream
 from ..data.stream import check_stream_job, head, stream_batch
@@ -65,11 +62,6 @@ def is_default(job: JobConfig) -> bool:
             and job.data.name not in REGRESSION_DATASETS and job.data.name not in CORPORA)
 
 
-def _one_line(msg: str, limit: int = 300) -> str:
-    line = (msg.splitlines() or [""])[0]
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
 def preflight_task(job: JobConfig, *, task: Any = None, datasets: Any = None,
                    model: Any = None) -> Any:
     """What ``paratrain validate`` checks for a non-default task before a run: the task
@@ -99,21 +91,21 @@ def preflight_task(job: JobConfig, *, task: Any = None, datasets: Any = None,
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a user's task: one line naming the field
-        raise ConfigError([(field, _one_line(f"loading the task's datasets failed: "
+        raise ConfigError([(field, one_line(f"loading the task's datasets failed: "
                                              f"{type(e).__name__}: {e}"))]) from None
     try:
         model = model if model is not None else task.build_model(job.model, train)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise ConfigError([("model", _one_line(f"building the model failed: "
+        raise ConfigError([("model", one_line(f"building the model failed: "
                                                f"{type(e).__name__}: {e}"))]) from None
     try:
         collate = getattr(task, "collate_fn", None)
         batch = (stream_batch(train, 2, collate) if is_stream(train) else
                  fetch_batch(train, torch.arange(min(2, n_train)), collate=collate))
     except Exception as e:  # noqa: BLE001 - the items do not collate: name the data
-        raise ConfigError([(field, _one_line(
+        raise ConfigError([(field, one_line(
             f"two training examples do not make a batch (items may be tensors, tuples, dicts "
             f"or any nesting of them, or the task gives a collate_fn): {type(e).__name__}: {e}"
         ))]) from None
@@ -126,7 +118,7 @@ def preflight_task(job: JobConfig, *, task: Any = None, datasets: Any = None,
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise ConfigError([("model", _one_line(f"the model or the task's loss fails on two "
+        raise ConfigError([("model", one_line(f"the model or the task's loss fails on two "
                                                f"training examples: {type(e).__name__}: {e}"))]) from None
     finally:
         model.train(was_training)

@@ -32,8 +32,8 @@ from ..data.loader import is_stream
 from ..data.stream import stream_batches
 from .protocol import Task
 
-__all__ = ["fetch_batch", "to_device", "batch_rows", "model_args", "call_model", "evaluate",
-           "DEFAULT_EVAL_BATCH"]
+__all__ = ["fetch_batch", "to_device", "batch_rows", "model_args", "example_args", "call_model",
+           "evaluate", "DEFAULT_EVAL_BATCH"]
 
 DEFAULT_EVAL_BATCH = 1024
 
@@ -97,6 +97,15 @@ def model_args(task: Any, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
             raise ValueError("an empty batch has no field to feed the model")
         return (batch[0],), {}
     return (batch,), {}
+
+
+def example_args(task: Any, train: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The model's ``(args, kwargs)`` on the first two training examples (None: no data)."""
+    if len(train) == 0:
+        return None
+    batch = fetch_batch(train, torch.arange(min(2, len(train))), torch.device("cpu"),
+                        collate=getattr(task, "collate_fn", None))
+    return model_args(task, batch)
 
 
 def call_model(task: Any, model: nn.Module | Callable[..., Any], batch: Any) -> Any:

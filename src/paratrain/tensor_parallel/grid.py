@@ -41,7 +41,8 @@ from .autograd import _fp32, _mm, _rows, _wgrad, gather_from_region, scatter_to_
 from .layers import RegionState
 from .memory import taped
 
-__all__ = ["GridLinear", "grid_enter", "grid_exit", "grid_linear", "grid_steps", "narrow_to_shard"]
+__all__ = ["GridLinear", "grid_enter", "grid_exit", "grid_linear", "grid_steps", "narrow_to_shard",
+           "replicas_of"]
 
 
 class _GridLinear(Function):
@@ -155,3 +156,16 @@ class GridLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features} (block {tuple(self.weight.shape)} "
                 f"at grid ({self.grid.i}, {self.grid.j})), enter={self.enter}, leave={self.leave}")
+
+
+def replicas_of(p: nn.Parameter, tp: int) -> int:
+    """How many ranks of a TP group of ``tp`` hold the same tensor as this rank's ``p``."""
+    steps = grid_steps(p)
+    if steps is not None:
+        blocks = 1
+        for _, _, sizes in steps:
+            blocks *= len(sizes)
+        return max(1, tp // blocks)
+    if hasattr(p, "tp_shard_dim"):
+        return 1
+    return tp

@@ -4,8 +4,8 @@
 - :mod:`.engine`: the replica's engine (one step: forward, backward, the gradient sync);
 - :mod:`.aggregation`: how gradients (or parameters) are combined: AllReduce,
   ParameterServer, Decentralized gossip, with or without compression;
-- :mod:`.zero`, :mod:`.zero_plan`, :mod:`.zero_shards`: ZeRO (``strategy.shard``): each replica steps its 1/N
-  rows of every parameter (optimizer state, gradients, parameters sharded by level).
+- ZeRO (``strategy.shard``: each replica steps its 1/N rows of every parameter) is
+  :mod:`paratrain.executors.shared.zero`, shared with tensor and model parallelism.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from ...config.job import JobConfig
-from ..spec import ExecutorSpec
-from .runner import run, shard_indices, train_replica, validate, worker_main
+from ..spec import ExecutorSpec, GraphView, Traced
+from .runner import run, shard_indices, shard_layout, train_replica, validate
 
-__all__ = ["SPEC", "run", "worker_main", "train_replica", "shard_indices"]
+__all__ = ["SPEC", "run", "train_replica", "shard_indices"]
 
 
 def _processes(job: JobConfig) -> tuple[int, str]:
@@ -24,5 +24,27 @@ def _processes(job: JobConfig) -> tuple[int, str]:
     return int(strategy.num_replicas), "strategy.num_replicas"
 
 
-SPEC = ExecutorSpec(name="DataParallel", run=run, worker=worker_main, processes=_processes,
-                    validate=validate)
+def _describe(job: JobConfig) -> list[str]:
+    """``paratrain validate``'s lines: what ZeRO (``strategy.shard``) shards."""
+    strategy: Any = job.strategy
+    return shard_layout(job) if strategy.shard != "none" else []
+
+
+def _graph(traced: Traced) -> GraphView:
+    """``paratrain graph``'s ``shard`` section: ZeRO's units over the traced model."""
+    s: Any = traced.job.strategy
+    if s.shard == "none":
+        return GraphView()
+
+    def sections() -> dict[str, Any]:
+        from ...subgraphs import local_parameter_names
+        from ..shared.zero_plan import shard_plan
+
+        return {"shard": shard_plan(traced.model, level=s.shard, units=s.shard_unit, world=s.num_replicas,
+                                    local=local_parameter_names(traced.model, traced.job))}
+
+    return GraphView(sections)
+
+
+SPEC = ExecutorSpec(name="DataParallel", run=run, processes=_processes, validate=validate,
+                    describe=_describe, graph=_graph)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +63,11 @@ from ...training.loop import DataPlan, LocalEngine, Trainer, run_loop, summary_f
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
 from ..entry import worker_entry
+from ..shared.compressor import build_compressor
+from ..shared.zero import ZeroEngine
+from ..shared.zero_plan import check_shard
 from .aggregation import Aggregator, build_aggregator
 from .engine import DataParallelEngine
-from .zero import ZeroEngine
 
 __all__ = ["run", "worker_main", "train_replica", "shard_indices", "validate", "FAULT_ENV"]
 
@@ -87,7 +88,7 @@ def validate(job: JobConfig, *, num_train: int | None = None) -> DataParallel:
         raise ConfigError([("strategy.type", f"expected DataParallel (got {getattr(s, 'type', s)!r})")])
     if s.num_replicas < 1:
         raise ConfigError([("strategy.num_replicas", f"must be >= 1 (got {s.num_replicas})")])
-    _validate_shard(job, s)
+    check_shard(job, s)
     if num_train is not None and s.num_replicas > num_train:
         raise ConfigError([(
             "strategy.num_replicas",
@@ -96,35 +97,13 @@ def validate(job: JobConfig, *, num_train: int | None = None) -> DataParallel:
     return s
 
 
-def _validate_shard(job: JobConfig, s: DataParallel) -> None:
-    """ZeRO (``strategy.shard``) shards what AllReduce would all-reduce: uncompressed only."""
-    if s.shard == "none":
-        if s.shard_unit is not None:
-            raise ConfigError([("strategy.shard_unit", "is the unit of shard = \"gradients\" or "
-                                "\"parameters\" (this job does not shard)")])
-        return
-    if s.aggregation.method != "AllReduce":
-        raise ConfigError([("strategy.shard", (
-            f"shard = {s.shard!r} shards AllReduce's exchange; aggregation "
-            f"{s.aggregation.method} has none (use AllReduce, or shard = \"none\")"))])
-    if job.compression is not None and job.compression.method != "None":
-        raise ConfigError([("strategy.shard", (
-            f"shard = {s.shard!r} with [compression] {job.compression.method} is not supported: "
-            "a compressed exchange all-reduces (or all-gathers) whole gradients and keeps whole "
-            "error-feedback residuals per rank, which sharding would not shrink; drop one of them"))])
-    if s.shard_unit is not None and s.shard == "optimizer":
-        raise ConfigError([("strategy.shard_unit", (
-            "is the unit of shard = \"gradients\" / \"parameters\" (reduce-scattered, and "
-            "gathered, unit by unit); shard = \"optimizer\" all-reduces whole gradients"))])
-
-
 def shard_layout(job: JobConfig) -> list[str]:
     """``paratrain validate``: what ``strategy.shard`` shards, from the model built as a
     replica would (a ``shard_unit`` matching no module is a ConfigError here, before a launch)."""
     s = validate(job)
     if s.shard == "none":
         return []
-    from .zero import shard_plan
+    from ..shared.zero_plan import shard_plan
 
     task, train, _ = _load_task(job)
     model = task.build_model(job.model, train)
@@ -155,38 +134,6 @@ def _load_task(job: JobConfig) -> tuple[Any, Any, Any]:
 def _barrier(ctx: WorkerContext) -> None:
     if ctx.world_size > 1:
         C.barrier(ctx.group)
-
-
-def _without_error_feedback(strategy: Any) -> Any:
-    from ...config.compression import ClippedCompression, ErrorFeedback
-
-    if isinstance(strategy, ErrorFeedback):
-        return _without_error_feedback(strategy.base_strategy)
-    if isinstance(strategy, ClippedCompression):
-        return strategy.model_copy(update={"base_strategy": _without_error_feedback(strategy.base_strategy)})
-    return strategy
-
-
-def build_compressor(job: JobConfig, aggregation: Any = None, *, warn: bool = True) -> Any:
-    """The job's gradient Compressor (None without ``[compression]``); Decentralized
-    aggregation drops ErrorFeedback (CHOCO-gossip compensates the error itself)."""
-    if job.compression is None or job.compression.method == "None":
-        return None
-    from ...compression import Compressor
-
-    strategy = job.compression
-    if getattr(aggregation, "method", None) == "Decentralized":
-        stripped = _without_error_feedback(strategy)
-        if stripped != strategy and warn:
-            # CHOCO's public copies already carry the compression error to the next
-            # round; a second residual on top double-counts it and diverges.
-            warnings.warn(
-                "compression: ErrorFeedback has no effect with Decentralized aggregation "
-                "(CHOCO-gossip compensates the compression error itself); using its base strategy",
-                stacklevel=2,
-            )
-        strategy = stripped
-    return Compressor(strategy, seed=job.run.seed)
 
 
 def _shared_buffers(model: nn.Module, job: JobConfig, strategy: DataParallel) -> list[torch.Tensor]:

@@ -1,7 +1,7 @@
 """Federated strategy (DESIGN §4): a server (rank 0) and ``num_clients`` logical clients
 hosted many-per-worker, with every aggregation, selection, non-IID partitioning,
-compressed updates, faults and resume. Trains any :class:`~paratrain.task.Task`
-(``SPEC.supports_tasks``): each client through the one loop's ``Trainer`` over its partition of
+compressed updates, faults and resume. Trains any :class:`~paratrain.task.Task`:
+each client through the one loop's ``Trainer`` over its partition of
 the task's training set (``speaker``: one speaking role per client, LEAF Shakespeare), the
 server evaluates with the task's metrics.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config.job import JobConfig
-from ..spec import ExecutorSpec
+from ..spec import ExecutorSpec, GraphView, Traced
 
 __all__ = ["SPEC", "run", "run_in_process", "worker_main", "num_workers"]
 
@@ -102,5 +102,30 @@ def _processes(job: JobConfig) -> tuple[int, str]:
     return num_workers(job), "run.num_workers"
 
 
+def _check_data(job: JobConfig, bundle: Any) -> None:
+    """:func:`.checks.check_data`, imported when preflight calls it (a Flower ClientApp
+    imports this package for its light parts only)."""
+    from .checks import check_data
+
+    check_data(job, bundle)
+
+
+def _describe(job: JobConfig) -> list[str]:
+    """``paratrain validate``'s lines: which path runs the rounds, what ``[federated.dp]`` puts
+    in effect."""
+    from .flower import describe_runtime
+    from .privacy import dp_lines
+
+    return [f"runs on {describe_runtime(job)}", *dp_lines(job)]
+
+
+def _graph(traced: Traced) -> GraphView:
+    """``paratrain graph``'s ``runtime``: which path runs the rounds ([federated] runtime)."""
+    from .flower import describe_runtime
+
+    return GraphView(lambda: {"runtime": describe_runtime(traced.job)})
+
+
 # any Task: clients train through training.loop.Trainer
-SPEC = ExecutorSpec(name="Federated", run=run, worker=worker_main, processes=_processes)
+SPEC = ExecutorSpec(name="Federated", run=run, processes=_processes, check_data=_check_data,
+                    describe=_describe, graph=_graph)

@@ -14,7 +14,7 @@ from .client import client_name
 from .drift import drift_problems
 from .privacy import dp_problems
 
-__all__ = ["check_job", "client_tags"]
+__all__ = ["check_job", "check_data", "client_tags"]
 
 
 def check_job(job: JobConfig, *, world_size: int) -> None:
@@ -52,3 +52,38 @@ def client_tags(job: JobConfig, ctx: WorkerContext) -> dict[int, list[str]]:
         worker = ctx.workers[c % ctx.world_size] if ctx.workers else None
         out[c] = sorted(set(own) | set(worker.tags if worker else ()))
     return out
+
+
+def check_data(job: JobConfig, bundle: Any) -> None:
+    """Preflight's checks of a Federated job against its built data (``bundle.train``,
+    ``bundle.test``): a row for every client, the job's own checks (:func:`check_job`), a
+    partition (and per-client splits) that works, a ``ByCapability`` selection some client
+    can satisfy."""
+    from ...comm.context import default_workers
+    from ...config import one_line
+    from ...data.partition import partition_dataset
+    from . import num_workers
+    from .selection import select_clients
+
+    s: Any = job.strategy
+    rows = len(bundle.train)
+    if s.num_clients > rows:
+        raise ConfigError([("strategy.num_clients", f"{s.num_clients} clients but the training set "
+                                                    f"has {rows} rows: every client needs at least one")])
+    world = num_workers(job)
+    check_job(job, world_size=world)
+    try:
+        parts = partition_dataset(bundle.train, s.num_clients, job.data.partition, seed=job.run.seed)
+        if job.data.partition.feature_shift > 0 or job.subgraphs or job.federated.evaluate_clients:
+            from ...data.client_splits import client_datasets  # per-client test splits, shifts
+
+            client_datasets(bundle.train, bundle.test, parts, job.data.partition, seed=job.run.seed)
+    except ValueError as e:
+        raise ConfigError([("data.partition", one_line(str(e)))]) from None
+    if getattr(s.client_selection, "method", None) == "ByCapability":
+        ctx = WorkerContext(rank=0, world_size=world, workers=default_workers(world, list(job.workers)))
+        try:
+            select_clients(s.client_selection, num_clients=s.num_clients, round_idx=0,
+                           seed=job.run.seed, client_tags=client_tags(job, ctx))
+        except ValueError as e:
+            raise ConfigError([("strategy.client_selection.required_tags", str(e).split(": ", 1)[-1])]) from None

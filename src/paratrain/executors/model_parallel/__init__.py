@@ -6,17 +6,19 @@
 - :mod:`.runtime`: one stage's forward/backward with point-to-point activations;
 - :mod:`.engine`: the stage's part of the one training loop (engine, checkpoints, stats);
 - :mod:`.validation`: a job's worker count and placement, checked before any launch;
-- :mod:`.runner`: launch and a rank's run (``worker_main``).
+- :mod:`.runner`: launch and a rank's run (``worker_main``);
+- :mod:`.graph_view`: what ``paratrain graph`` shows of the placement (``SPEC.graph``).
 """
 
 from __future__ import annotations
 
 from ...config.job import JobConfig
 from ..spec import ExecutorSpec
-from .runner import run, worker_main
+from .graph_view import PlacementView
+from .runner import run
 from .validation import num_workers, validate
 
-__all__ = ["SPEC", "run", "worker_main"]
+__all__ = ["SPEC", "run"]
 
 
 def _processes(job: JobConfig) -> tuple[int, str]:
@@ -28,5 +30,5 @@ def _processes(job: JobConfig) -> tuple[int, str]:
     return num_workers(job), field
 
 
-SPEC = ExecutorSpec(name="ModelParallel", run=run, worker=worker_main, processes=_processes,
-                    validate=validate)
+SPEC = ExecutorSpec(name="ModelParallel", run=run, processes=_processes, validate=validate,
+                    graph=PlacementView)

@@ -23,7 +23,7 @@ from ...graph.partition import Part
 from ...task.steps import DEFAULT_EVAL_BATCH, fetch_batch
 from ...training.loop import LocalEngine
 from ...training.stepping import local_grad_sq_norm
-from ..data_parallel.zero_shards import held_bytes
+from ..shared.zero_shards import held_bytes
 from .plan import Plan
 from .runtime import StageRuntime
 from .schedule import theoretical_bubble

@@ -67,7 +67,7 @@ from ...comm.groups import new_group
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...data.loader import LoaderOptions
-from ...task.steps import model_args
+from ...task.steps import example_args, model_args
 from ...training import (
     MetricsWriter,
     build_optimizer,
@@ -96,7 +96,7 @@ from .tp_stages import (
     shard_model,
     tp_size_of,
 )
-from .validation import example_args, num_workers, plan_for, task_model, validate
+from .validation import num_workers, plan_for, task_model, validate
 
 __all__ = ["run", "worker_main", "FAULT_ENV"]
 

@@ -50,7 +50,7 @@ from torch import nn
 from ...comm import collectives as C
 from ...comm.zero import FlatShard
 from ...config import ConfigError
-from ..data_parallel.zero_shards import (
+from ..shared.zero_shards import (
     ShardView,
     Unit,
     free_unit,

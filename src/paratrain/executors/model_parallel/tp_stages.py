@@ -53,8 +53,8 @@ from ...comm.tp.groups import TPGroups, build_tp_groups
 from ...comm.tp.world import broadcast_module_
 from ...config import ConfigError
 from ...config.job import JobConfig
+from ...tensor_parallel.grid import replicas_of
 from ...training.stepping import local_grad_sq_norm
-from ..tensor_parallel.engine import replicas_of
 from .engine import PipelineEngine, StageModel
 from .replicas import Replicas
 

@@ -20,12 +20,13 @@ from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import WorkerIdTarget
 from ...task import resolve_task
+from ...task.steps import example_args
 from ...training import seed_everything
 from .plan import Plan, build_plan, check_interleaved
 from .replicas import extra_workers, replicas_for
 from .tp_stages import check_job, dry_shard, tp_size_of
 
-__all__ = ["num_workers", "plan_for", "example_args", "check_shared_parameters", "task_model",
+__all__ = ["num_workers", "plan_for", "check_shared_parameters", "task_model",
            "validate", "check_crossing_values"]
 
 
@@ -67,17 +68,6 @@ def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any],
     if plan.cut.capture == "fx":  # an exported graph reads every parameter by get_attr
         check_shared_parameters(model, plan)
     return plan
-
-
-def example_args(task: Any, train: Any) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The model's ``(args, kwargs)`` on the first two training examples (None: no data)."""
-    from ...task.steps import fetch_batch, model_args
-
-    if len(train) == 0:
-        return None
-    batch = fetch_batch(train, torch.arange(min(2, len(train))), torch.device("cpu"),
-                        collate=getattr(task, "collate_fn", None))
-    return model_args(task, batch)
 
 
 def check_shared_parameters(model: nn.Module, plan: Plan) -> None:

@@ -13,14 +13,13 @@ from __future__ import annotations
 from ...config.job import JobConfig
 from ..spec import ExecutorSpec
 from .hyperparams import validate_job
-from .runner import num_workers, run, worker_main
+from .runner import num_workers, run
 
-__all__ = ["SPEC", "run", "worker_main"]
+__all__ = ["SPEC", "run"]
 
 
 def _processes(job: JobConfig) -> tuple[int, str]:
     return num_workers(job), "run.num_workers"
 
 
-SPEC = ExecutorSpec(name="PopulationBased", run=run, worker=worker_main, processes=_processes,
-                    validate=validate_job)
+SPEC = ExecutorSpec(name="PopulationBased", run=run, processes=_processes, validate=validate_job)

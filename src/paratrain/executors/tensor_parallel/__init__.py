@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from ...config.job import JobConfig
-from ..spec import ExecutorSpec
+from ..spec import ExecutorSpec, GraphView, Traced
 from .ignored import ignores
-from .runner import run, validate, worker_main
+from .runner import dry_run, mesh_lines, mesh_plan, run, validate
 
-__all__ = ["SPEC", "run", "worker_main"]
+__all__ = ["SPEC", "run"]
 
 
 def _processes(job: JobConfig) -> tuple[int, str]:
@@ -24,5 +24,31 @@ def _processes(job: JobConfig) -> tuple[int, str]:
     return tp * dp, "tensor_parallel.tensor_parallel_size"
 
 
-SPEC = ExecutorSpec(name="TensorParallel", run=run, worker=worker_main, processes=_processes,
-                    validate=validate, ignores=ignores)
+def _describe(job: JobConfig) -> list[str]:
+    """``paratrain validate``'s lines: which modules are sharded and how (the dry run), and a
+    DataParallel job's dp x tp mesh (with ZeRO over its dp columns)."""
+    lines = [f"tensor parallel: {p}: {how}" for p, how in dry_run(job)]
+    if job.strategy.type == "DataParallel":
+        lines += mesh_lines(job)
+    return lines
+
+
+def _graph(traced: Traced) -> GraphView:
+    """``paratrain graph``'s sections: the modules sharded and how, the mesh (ZeRO's units)."""
+    job = traced.job
+
+    def sections() -> dict[str, Any]:
+        tp: Any = job.tensor_parallel
+        out: dict[str, Any] = {"tensor_parallel_size": tp.tensor_parallel_size,
+                               "tensor_parallel": [{"module": p, "sharding": how} for p, how in dry_run(job)]}
+        mesh = mesh_plan(job)  # the dp x tp mesh; ZeRO runs over its dp columns
+        if "shard" in mesh:
+            out["shard"] = mesh.pop("shard")
+        out["mesh"] = mesh
+        return out
+
+    return GraphView(sections)
+
+
+SPEC = ExecutorSpec(name="TensorParallel", run=run, processes=_processes, validate=validate,
+                    ignores=ignores, describe=_describe, graph=_graph)

@@ -27,25 +27,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ...comm.tp.world import world_mean
 from ...task.steps import call_model
 from ...tensor_parallel import TensorParallelModule
-from ...tensor_parallel.grid import grid_steps
+from ...tensor_parallel.grid import replicas_of
 from ...tensor_parallel.shards import dense_names_and_shards
 from ...training.loop import Batch, LocalEngine, batch_size_of
 from ...training.stepping import autocast
 
-__all__ = ["TensorParallelEngine", "replicas_of"]
-
-
-def replicas_of(p: torch.nn.Parameter, tp: int) -> int:
-    """How many ranks of a TP group of ``tp`` hold the same tensor as this rank's ``p``."""
-    steps = grid_steps(p)
-    if steps is not None:
-        blocks = 1
-        for _, _, sizes in steps:
-            blocks *= len(sizes)
-        return max(1, tp // blocks)
-    if hasattr(p, "tp_shard_dim"):
-        return 1
-    return tp
+__all__ = ["TensorParallelEngine"]
 
 
 def _split(batch: Batch, parts: int) -> list[Batch]:

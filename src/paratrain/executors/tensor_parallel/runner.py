@@ -84,9 +84,9 @@ def layout(job: JobConfig) -> tuple[TensorParallelismConfig, int, int]:
                                 f"(got {s.aggregation.method!r})")])
         dp = s.num_replicas
         if s.shard != "none":  # ZeRO over the dp column of the mesh (.zero): AllReduce, uncompressed
-            from ..data_parallel.runner import _validate_shard
+            from ..shared.zero_plan import check_shard
 
-            _validate_shard(job, s)
+            check_shard(job, s)
     else:
         raise ConfigError([("strategy.type", f"tensor parallelism runs under Local or DataParallel "
                             f"(got {getattr(s, 'type', s)!r})")])
@@ -110,7 +110,7 @@ def _dp_options(job: JobConfig, dp: int) -> dict[str, Any]:
     ``broadcast_buffers``."""
     if dp == 1:
         return {}
-    from ..data_parallel.runner import build_compressor
+    from ..shared.compressor import build_compressor
 
     return {"compressor": build_compressor(job),
             "broadcast_buffers": bool(getattr(job.strategy, "broadcast_buffers", True))}
@@ -339,7 +339,7 @@ def mesh_plan(job: JobConfig) -> dict[str, Any]:
     and for a ZeRO job what rank 0 holds of its TP shard (the units, its elements, and the
     fp32 Adam bytes by the ZeRO formula over the dp replicas)."""
     from ...comm.mesh import Mesh
-    from ..data_parallel.zero_plan import shard_plan
+    from ..shared.zero_plan import shard_plan
 
     _, tp, dp = layout(job)
     out: dict[str, Any] = {**Mesh.of(dp=dp, tp=tp).describe()}

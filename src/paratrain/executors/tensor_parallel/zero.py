@@ -5,7 +5,7 @@ A DataParallel job with ``shard = "optimizer" | "gradients" | "parameters"`` and
 ``dp x tp`` (:class:`~paratrain.comm.mesh.Mesh`, ``rank = dp*T + tp``). Each rank first
 holds its tensor-parallel shard of the model (:func:`paratrain.tensor_parallel.parallelize`:
 column/row layers, replicated embeddings and norms); ZeRO (Rajbhandari et al. 2020,
-:class:`~paratrain.executors.data_parallel.zero.ZeroEngine`) then runs over the *dp* column
+:class:`~paratrain.executors.shared.zero.ZeroEngine`) then runs over the *dp* column
 of the mesh on those tensors: the ``D`` ranks of a column hold the same TP shard, and each
 keeps rows ``[d c, (d+1) c)`` of dimension 0 of every tensor of it (``c = ceil(rows / D)``).
 Nothing in the TP group changes: its collectives carry activations, exactly as without ZeRO.
@@ -20,7 +20,7 @@ Clipping by one global norm over the composition (pytorch#180346, accelerate#421
 taken over one group only, or counting replicas twice, is wrong): every rank adds, for each
 row block it owns, ``||g_rows||^2 / f`` where ``f`` is how many ranks of the TP group hold
 the same TP tensor (1 for a column/row shard, ``T`` for a replicated parameter,
-:func:`~.engine.replicas_of`), and one all-reduce over the *whole* mesh sums it:
+:func:`~paratrain.tensor_parallel.grid.replicas_of`), and one all-reduce over the *whole* mesh sums it:
 ``sum_tp sum_dp ||g_rows||^2 / f = sum_tp ||g_tp_shard||^2 / f = ||g_model||^2``.
 
 Checkpoints name every piece by the dense model's name with the composed shard spec: the
@@ -40,12 +40,13 @@ import torch
 from ...comm import collectives as C
 from ...comm.tp.groups import TPGroups
 from ...tensor_parallel import TensorParallelModule
+from ...tensor_parallel.grid import replicas_of
 from ...tensor_parallel.shards import dense_names_and_shards
 from ...training.loop import Batch, batch_size_of
 from ...training.stepping import autocast
-from ..data_parallel.zero import ZeroEngine, resolve_units
-from ..data_parallel.zero_shards import ShardView
-from .engine import _split, replicas_of
+from ..shared.zero import ZeroEngine, resolve_units
+from ..shared.zero_shards import ShardView
+from .engine import _split
 
 __all__ = ["MeshZeroEngine", "mesh_units"]
 

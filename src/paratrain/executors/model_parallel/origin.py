@@ -28,7 +28,7 @@ def _output_nodes(module: fx.GraphModule, count: int) -> list[fx.Node | None]:
 
 
 def _claims(job: Any, workers: list[Any]) -> dict[str, int]:
-    from ..comm.workers import resolve_rank
+    from ...comm.workers import resolve_rank
 
     claims: dict[str, int] = {}
     for i, part in enumerate(job.strategy.partitions):
@@ -45,7 +45,7 @@ def cut_origin(job: Any, gm: fx.GraphModule, plan: Any,
 
     The cut is made again over ``gm`` with every node tagged by its name (fx copies node
     meta into the parts); used only when it has the plan's parts exactly."""
-    from ..graph.partition import cut
+    from ...graph.partition import cut
 
     for n in gm.graph.nodes:
         n.meta[_ORIG] = n.name

@@ -12,10 +12,34 @@ from torch import nn
 
 from ...comm.zero import FlatShard
 from ...config import ConfigError
+from ...config.job import JobConfig
+from ...config.strategy import DataParallel
 
-__all__ = ["LEVELS", "resolve_units", "assign_units", "shard_plan"]
+__all__ = ["LEVELS", "check_shard", "resolve_units", "assign_units", "shard_plan"]
 
 LEVELS = {"optimizer": 1, "gradients": 2, "parameters": 3}
+
+
+def check_shard(job: JobConfig, s: DataParallel) -> None:
+    """ZeRO (``strategy.shard``) shards what AllReduce would all-reduce: uncompressed only."""
+    if s.shard == "none":
+        if s.shard_unit is not None:
+            raise ConfigError([("strategy.shard_unit", "is the unit of shard = \"gradients\" or "
+                                "\"parameters\" (this job does not shard)")])
+        return
+    if s.aggregation.method != "AllReduce":
+        raise ConfigError([("strategy.shard", (
+            f"shard = {s.shard!r} shards AllReduce's exchange; aggregation "
+            f"{s.aggregation.method} has none (use AllReduce, or shard = \"none\")"))])
+    if job.compression is not None and job.compression.method != "None":
+        raise ConfigError([("strategy.shard", (
+            f"shard = {s.shard!r} with [compression] {job.compression.method} is not supported: "
+            "a compressed exchange all-reduces (or all-gathers) whole gradients and keeps whole "
+            "error-feedback residuals per rank, which sharding would not shrink; drop one of them"))])
+    if s.shard_unit is not None and s.shard == "optimizer":
+        raise ConfigError([("strategy.shard_unit", (
+            "is the unit of shard = \"gradients\" / \"parameters\" (reduce-scattered, and "
+            "gathered, unit by unit); shard = \"optimizer\" all-reduces whole gradients"))])
 
 
 def resolve_units(net: nn.Module, patterns: Sequence[str] | None) -> list[str]:

@@ -1,0 +1,9 @@
+"""Parts several executors run, on a floor below them (the executors do not import each
+other: import-linter's ``executors`` independence contract):
+
+- :mod:`.zero`, :mod:`.zero_plan`, :mod:`.zero_shards`: ZeRO (``strategy.shard``), each
+  replica stepping its 1/N rows of every parameter: DataParallel's replicas, a
+  tensor-parallel mesh's dp columns, a ModelParallel replicated stage;
+- :mod:`.compressor`: the job's gradient compressor (DataParallel, tensor parallel with
+  DataParallel replicas).
+"""
