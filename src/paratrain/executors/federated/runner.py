@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ...comm.collectives import CommCounter
 from ...comm.context import WorkerContext
@@ -58,18 +58,15 @@ from ...comm.federated_ops import LocalStore, barrier, store_delete, store_get_j
 from ...comm.messages import recv_bytes, send_bytes
 from ...config import ConfigError
 from ...config.job import JobConfig
-from ...data.client_splits import client_datasets
-from ...data.partition import partition_dataset
-from ...models.state import unique_state_dict
-from ...subgraphs import local_paths, local_state_keys
-from ...task import resolve_task
-from ...training import MetricsWriter, prepare_run_dir, report, seed_everything, write_summary
+from ...subgraphs import local_paths
+from ...training import MetricsWriter, prepare_run_dir, report, write_summary
 from ...training.lifecycle import Lifecycle
 from ...training.rundir import run_dir_of
 from .checks import check_job, client_tags
 from .client import ClientHost
 from .drift import broadcast_control, uses_control
 from .flat import broadcast_state
+from .flower.side import Side, build_side, stateful
 from .outputs import peak_rss_mb, personal_digest, round_record, run_summary, save_client_models
 from .personal import ClientEvaluator, round_metrics
 from .privacy import build_server_privacy
@@ -101,30 +98,15 @@ class _Prefixed:
 
 
 @dataclass
-class _Data:
-    """The task, the model and this rank's clients (:func:`_load`)."""
-
-    task: Any
-    model: nn.Module
-    host: ClientHost
-    personal_keys: list[str]
-    per_client: bool  # per-client evaluation (Local subgraphs or federated.evaluate_clients)
-    parts: Any
-    train_set: Any
-    test_set: Any
-    splits: list[Any]
-
-
-@dataclass
 class _Worker:
     """What one rank holds through the run (:func:`_set_up`); rank 0 has the server."""
 
     ctx: WorkerContext
     job: JobConfig
-    data: _Data
+    data: Side  # the task, the model, the data, the server's template
+    host: ClientHost  # this rank's clients
     store: _Prefixed
     comm_dev: torch.device
-    template: dict[str, Tensor]  # the server's model: without the personal keys
     tags: Any
     run_dir: Path
     server: FederatedServer | None
@@ -153,33 +135,6 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     return _summary(w)
 
 
-def _load(job: JobConfig, ctx: WorkerContext) -> _Data:
-    """The task's data and model, partitioned among the clients; this rank's client host."""
-    strat: Any = job.strategy
-    seed = job.run.seed
-    seed_everything(seed)
-    task = resolve_task(job)
-    train_set, test_set = task.datasets(seed)
-    model = task.build_model(job.model, train_set)
-    model.to(ctx.device)
-    personal_keys = local_state_keys(model, job)  # Local subgraphs: personal to each client
-    try:
-        parts = partition_dataset(train_set, strat.num_clients, job.data.partition, seed=seed)
-        per_client = bool(personal_keys) or job.federated.evaluate_clients
-        splits: list[Any] = []
-        if per_client or job.data.partition.feature_shift > 0:  # test splits follow the partition
-            train_set, test_set, splits = client_datasets(train_set, test_set, parts, job.data.partition,
-                                                          seed=seed)
-    except ValueError as e:
-        raise ConfigError([("data.partition", str(e))]) from None
-    host = ClientHost(
-        job, rank=ctx.rank, world_size=ctx.world_size, model=model, task=task, dataset=train_set,
-        partitions=parts, device=ctx.device, personal_keys=personal_keys,
-    )
-    return _Data(task=task, model=model, host=host, personal_keys=personal_keys, per_client=per_client,
-                 parts=parts, train_set=train_set, test_set=test_set, splits=splits)
-
-
 def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) -> tuple[_Worker, int]:
     """Check the job, load the data, build the server (rank 0) and the lifecycle, restore a
     checkpoint and prepare the run folder; returns the worker and the first round to run."""
@@ -196,12 +151,9 @@ def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) ->
     store = _Prefixed(ctx.store if ctx.store is not None else LocalStore(), f"fed{_INVOCATIONS}/")
     # NCCL moves only device tensors; gloo takes CPU tensors.
     comm_dev = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
-    data = _load(job, ctx)
-    host = data.host
-    # one entry per tensor: a tied weight is aggregated (and compressed) once
-    # (the server's model: without the personal keys, which never leave their client)
-    template = {k: v.detach().cpu().clone() for k, v in unique_state_dict(data.model).items()
-                if k not in data.personal_keys}
+    data = build_side(job, partition=rank, num_partitions=world, device=ctx.device)
+    host, template = data.host, data.template
+    assert host is not None  # build_side with a partition builds it
     tags = client_tags(job, ctx)
     if getattr(strat.client_selection, "method", None) == "ByCapability":
         try:  # fail before any round, naming the tags, when no client can ever match
@@ -219,19 +171,18 @@ def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) ->
     if rank == 0:
         schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
         server = FederatedServer(strat.aggregation, template, schedule, num_clients=strat.num_clients)
-        server.set_privacy(build_server_privacy(job, [len(p) for p in data.parts], tags))  # [federated.dp]
+        server.set_privacy(build_server_privacy(job, [len(p) for p in data.partitions], tags))  # [federated.dp]
     # Codec state (error-feedback residuals), personal parts and SCAFFOLD's c_i of this
     # rank's clients travel in the checkpoint
-    stateful = bool(data.personal_keys) or uses_control(strat.aggregation) or (
-        job.compression is not None and getattr(job.compression, "method", "None") != "None")
+    kept = host if stateful(job, data.personal_keys) else None
     g = group if world > 1 else None
     life = Lifecycle(
         store=fed_store(run_dir, rank=rank, world=world, group=group, runtime="local"), unit="round",
-        total=strat.rounds, label="Federated", state=lambda done: round_state(server, host if stateful else None, done),
+        total=strat.rounds, label="Federated", state=lambda done: round_state(server, kept, done),
         checkpoint_every=job.run.checkpoint_every, group=g, rank=rank, restart_count=ctx.restart_count,
         progress_every=job.run.progress_every, show=None if rank == 0 else False)
     found = life.load() if resume else None
-    start = restore(found, server, host if stateful else None, rank=rank, world=world, group=g)
+    start = restore(found, server, kept, rank=rank, world=world, group=g)
     if rank == 0:
         run_dir = prepare_run_dir(job, resume=resume)
         metrics = MetricsWriter(run_dir)
@@ -243,7 +194,7 @@ def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) ->
         model=data.model, personal=host.personal, task=data.task, dataset=data.test_set, splits=data.splits,
         hosted=host.hosted, num_clients=strat.num_clients, device=ctx.device, comm_device=comm_dev,
         precision=job.train.precision, rank=rank, world=world, group=group, store=store, counter=traffic)
-    return _Worker(ctx=ctx, job=job, data=data, store=store, comm_dev=comm_dev, template=template, tags=tags,
+    return _Worker(ctx=ctx, job=job, data=data, host=host, store=store, comm_dev=comm_dev, tags=tags,
                    run_dir=Path(run_dir), server=server, metrics=metrics, life=life, evaluator=evaluator,
                    traffic=traffic, started=started,
                    global_state=dict(template) if server is None else dict(server.global_state)), start
@@ -255,7 +206,7 @@ def _round(w: _Worker, r: int) -> bool:
     False when the plan says stop (the round does not run)."""
     t_round = time.perf_counter()
     strat: Any = w.job.strategy
-    server, host, traffic = w.server, w.data.host, w.traffic
+    server, host, traffic = w.server, w.host, w.traffic
     if server is not None:
         plan: dict[str, Any] = {"stop": server.stopped, "clients": [], "lr_scale": server.schedule.factor()}
         if not server.stopped:
@@ -268,9 +219,9 @@ def _round(w: _Worker, r: int) -> bool:
         return False
     # Global model down (and SCAFFOLD's server control variate c with it).
     sent_before = traffic.bytes.get("broadcast_delivered", 0)
-    received = broadcast_state(w.template if server is None else server.global_state, w.template,
+    received = broadcast_state(w.data.template if server is None else server.global_state, w.data.template,
                                device=w.comm_dev, group=w.ctx.group, counter=traffic)
-    control = (broadcast_control(server, w.template, group=w.ctx.group, device=w.comm_dev, counter=traffic)
+    control = (broadcast_control(server, w.data.template, group=w.ctx.group, device=w.comm_dev, counter=traffic)
                if uses_control(strat.aggregation) else None)
     wire_down = traffic.bytes.get("broadcast_delivered", 0) - sent_before
     w.global_state = server.global_state if server is not None else received
@@ -287,7 +238,7 @@ def _round(w: _Worker, r: int) -> bool:
                 else torch.zeros(0, dtype=torch.uint8))
         send_bytes(data, dst=0, group=w.ctx.group, counter=traffic, header=False)
         if w.evaluator is not None and w.data.personal_keys:  # collective: score my clients
-            w.evaluator.run(str(r), w.global_state, w.template)
+            w.evaluator.run(str(r), w.global_state, w.data.template)
         return True
     recv_before = traffic.bytes.get("recv", 0)
     all_st, all_pl = _collect(w, r, statuses, [res.payload for res in results])
@@ -295,7 +246,7 @@ def _round(w: _Worker, r: int) -> bool:
     rec = server.finish_round(r, all_st, all_pl, wire_bytes_down=wire_down,
                               wire_bytes_up=traffic.bytes.get("recv", 0) - recv_before)
     d = w.data
-    ev, per = round_metrics(server, w.evaluator, str(r), w.template, d.model, d.task, d.test_set,
+    ev, per = round_metrics(server, w.evaluator, str(r), w.data.template, d.model, d.task, d.test_set,
                             w.ctx.device, w.job.train.precision)
     round_record(server, rec, ev, per, target=w.job.federated.target_accuracy, lr_scale=lr_scale,
                  round_time_s=time.perf_counter() - t_round, time_s=time.perf_counter() - w.started)
@@ -331,7 +282,7 @@ def _summary(w: _Worker) -> dict[str, Any] | None:
     """After the last round: every rank's statistics, the final evaluation and each hosted
     client's model (collectives); rank 0 writes the model and the summary and returns it."""
     ctx, job, d, server, traffic = w.ctx, w.job, w.data, w.server, w.traffic
-    host, model = d.host, d.model
+    host, model = w.host, d.model
     stats: dict[str, Any] = {
         "rank": ctx.rank, "clients_hosted": len(host.hosted), "client_updates": host.trained,
         "peak_rss_mb": round(peak_rss_mb(), 1),
@@ -344,10 +295,10 @@ def _summary(w: _Worker) -> dict[str, Any] | None:
     final_eval = None
     if w.evaluator is not None and d.personal_keys:  # collective: every rank scores its clients
         final_eval = w.evaluator.run("final", w.global_state if server is None else server.global_state,
-                                     w.template)
+                                     w.data.template)
     if host.personal is not None and d.personal_keys:  # each hosted client's whole model
         save_client_models(w.run_dir, model, host.personal, broadcast_state(
-            server.global_state if server is not None else w.template, w.template, device=w.comm_dev,
+            server.global_state if server is not None else w.data.template, w.data.template, device=w.comm_dev,
             group=ctx.group))
     if server is None:
         store_set_json(w.store, f"fed/final/{ctx.rank}", stats)
@@ -356,7 +307,7 @@ def _summary(w: _Worker) -> dict[str, Any] | None:
     workers = [stats] + [store_get_json(w.store, f"fed/final/{src}") for src in range(1, ctx.world_size)]
     barrier(ctx.group)
     final, final_per = (final_eval if final_eval is not None else
-                        round_metrics(server, w.evaluator, "final", w.template, model, d.task, d.test_set,
+                        round_metrics(server, w.evaluator, "final", w.data.template, model, d.task, d.test_set,
                                       ctx.device, job.train.precision))
     wall = time.perf_counter() - w.started
     if host.personal is not None:  # the global model's personal keys: their initial value,

@@ -1,5 +1,5 @@
-"""What the server and every node build from the job, exactly as a worker of the local path
-does (:func:`paratrain.executors.federated.runner.worker_main`): the seeded model, the task's
+"""What the server, every node and every worker of the local path
+(:func:`paratrain.executors.federated.runner.worker_main`) build from the job: the seeded model, the task's
 data, the clients' partitions, per-client test splits and personal keys. Being the same
 function of ``(job, seed)`` on every process is what makes the two paths train the same
 clients identically (each client's randomness is a function of ``(seed, round, client)``).
@@ -28,6 +28,7 @@ from ....subgraphs import local_state_keys
 from ....task import resolve_task
 from ....training import seed_everything
 from ..client import ClientHost
+from ..drift import uses_control
 
 __all__ = ["Side", "build_side", "job_from_json", "stateful", "tensor_blob", "from_blob"]
 
@@ -63,10 +64,8 @@ def job_from_json(text: str) -> JobConfig:
 def stateful(job: JobConfig, personal_keys: list[str]) -> bool:
     """Clients carry state between rounds (personal parts, error-feedback residuals, SCAFFOLD's
     control variates): the node keeps it in ``context.state``."""
-    strat: Any = job.strategy
-    ctrl = getattr(strat.aggregation, "method", "") == "SCAFFOLD"
     comp = job.compression is not None and getattr(job.compression, "method", "None") != "None"
-    return bool(personal_keys) or ctrl or comp
+    return bool(personal_keys) or uses_control(getattr(job.strategy, "aggregation", None)) or comp
 
 
 def build_side(job: JobConfig, *, partition: int | None = None, num_partitions: int = 1,
