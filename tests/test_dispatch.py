@@ -4,7 +4,7 @@ from its spec (a tensor-parallel job starts tp x dp processes)."""
 from __future__ import annotations
 
 from paratrain.config import load_job
-from paratrain.dispatch import TENSOR_PARALLEL, executor_name, is_tensor_parallel, spec_for
+from paratrain.executors import TENSOR_PARALLEL, executor_name, is_tensor_parallel, spec_for
 from paratrain.preflight import process_count
 
 

@@ -10,7 +10,8 @@ import torch
 
 from paratrain.config import ConfigError, load_job
 from paratrain.data import load_data
-from paratrain.dispatch import execute, executor_name
+from paratrain.dispatch import execute
+from paratrain.executors import executor_name
 from paratrain.executors.tensor_parallel.runner import layout
 from paratrain.files import step_folders
 from paratrain.models import build_model

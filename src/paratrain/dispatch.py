@@ -18,16 +18,9 @@ from typing import Any
 from .config import effective as _job_rules
 from .config.effective import Effective
 from .config.job import JobConfig
-from .executors import (
-    TENSOR_PARALLEL,
-    executor_name,
-    is_tensor_parallel,
-    spec_for,
-    worker_preload,
-)
+from .executors import spec_for, worker_preload
 
-__all__ = ["execute", "effective_settings", "spec_for", "executor_name", "is_tensor_parallel",
-           "TENSOR_PARALLEL"]
+__all__ = ["execute", "effective_settings"]
 
 
 def execute(
