@@ -22,8 +22,8 @@ problem found, each naming its field:
   negative or zero zoo widths name the field, e.g. ``model.hidden``), the model runs a
   forward pass on two training rows, and the optimizer builds over its parameters with
   its kwargs (``train.optimizer.<kw>``);
-- DataParallel (and tensor-parallel) replicas x ``train.batch_size`` fit in the
-  training set; the executor's checks against the built data (``check_data`` of its spec:
+- the executor's checks against the built data (``check_data`` of its spec: DataParallel
+  (and tensor-parallel) replicas x ``train.batch_size`` fit in the training set;
   Federated clients no more than training rows, ``client_tags`` only for clients that
   exist, client indices in range, a ``ByCapability`` selection some client can satisfy, a
   partition that works);
@@ -49,7 +49,6 @@ from typing import Any
 
 from ..config import ConfigError
 from ..config.job import JobConfig
-from ..data.loader import is_stream
 from .build import _build
 
 __all__ = ["preflight", "process_count", "process_limit", "PreflightWarning", "PROCS_PER_CORE",
@@ -113,8 +112,6 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True,
     if bundle is not None and pairings_ok:
         _stage(problems, _subgraph_paths, job, getattr(bundle, "model", None))
     if bundle is not None:
-        if not is_stream(bundle.train):  # a stream's rows are not counted (preflight_task)
-            _stage(problems, _replica_rows, job, len(bundle.train))
         _stage(problems, _executor_data, job, bundle)
         if strategy_ok and not problems:
             _stage(problems, _executor_hook, job)
@@ -243,21 +240,6 @@ def _model_parallel_ids(job: JobConfig) -> None:
                 f"nodes no partition claims); declare the workers in [[workers]]")))
     if problems:
         raise ConfigError(problems)
-
-
-def _replica_rows(job: JobConfig, rows: int) -> None:
-    from ..executors import is_tensor_parallel
-
-    s: Any = job.strategy
-    kind = getattr(s, "type", None)
-    if kind != "DataParallel" and not is_tensor_parallel(job):
-        return
-    replicas = int(s.num_replicas) if kind == "DataParallel" else 1
-    need = replicas * job.train.batch_size
-    if rows < need:
-        raise ConfigError([("strategy.num_replicas" if replicas > 1 else "train.batch_size", (
-            f"{replicas} replica(s) x train.batch_size {job.train.batch_size} = {need} rows per step, "
-            f"but the training set has {rows} rows; lower num_replicas or batch_size"))])
 
 
 def _executor_data(job: JobConfig, bundle: Any) -> None:

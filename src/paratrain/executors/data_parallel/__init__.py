@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config.job import JobConfig
+from ..shared.rows import check_replica_rows
 from ..spec import ExecutorSpec, GraphView, Traced
 from .runner import run, shard_indices, shard_layout, train_replica, validate
 
@@ -47,4 +48,4 @@ def _graph(traced: Traced) -> GraphView:
 
 
 SPEC = ExecutorSpec(name="DataParallel", run=run, processes=_processes, validate=validate,
-                    describe=_describe, graph=_graph)
+                    check_data=check_replica_rows, describe=_describe, graph=_graph)

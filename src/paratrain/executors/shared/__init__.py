@@ -5,5 +5,6 @@ other: import-linter's ``executors`` independence contract):
   replica stepping its 1/N rows of every parameter: DataParallel's replicas, a
   tensor-parallel mesh's dp columns, a ModelParallel replicated stage;
 - :mod:`.compressor`: the job's gradient compressor (DataParallel, tensor parallel with
-  DataParallel replicas).
+  DataParallel replicas);
+- :mod:`.rows`: the training rows a step of replicas takes (their preflight check).
 """

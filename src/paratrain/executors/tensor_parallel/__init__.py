@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config.job import JobConfig
+from ..shared.rows import check_replica_rows
 from ..spec import ExecutorSpec, GraphView, Traced
 from .ignored import ignores
 from .runner import dry_run, mesh_lines, mesh_plan, run, validate
@@ -51,4 +52,4 @@ def _graph(traced: Traced) -> GraphView:
 
 
 SPEC = ExecutorSpec(name="TensorParallel", run=run, processes=_processes, validate=validate,
-                    ignores=ignores, describe=_describe, graph=_graph)
+                    check_data=check_replica_rows, ignores=ignores, describe=_describe, graph=_graph)
