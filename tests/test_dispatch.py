@@ -3,7 +3,9 @@ from its spec (a tensor-parallel job starts tp x dp processes)."""
 
 from __future__ import annotations
 
-from paratrain.config import load_job
+import pytest
+
+from paratrain.config import ConfigError, load_job
 from paratrain.executors import TENSOR_PARALLEL, executor_name, is_tensor_parallel, spec_for
 from paratrain.preflight import process_count
 
@@ -21,6 +23,17 @@ def test_tensor_parallel_jobs_dispatch_and_count_their_processes() -> None:
     plain = load_job({"strategy": dp})
     assert not is_tensor_parallel(plain) and process_count(plain) == (2, "strategy.num_replicas")
     assert process_count(load_job({})) == (1, "strategy.type")
+
+
+def test_a_model_parallel_count_refuses_a_worker_id_beyond_the_implicit_workers() -> None:
+    parts = [{"node_ids": ["fc0"], "target": {"WorkerId": "worker-1"}},
+             {"node_ids": ["fc1"], "target": {"WorkerId": "worker-9"}}]
+    mp = {"type": "ModelParallel", "communication": {"protocol": "Direct"}, "partitions": parts}
+    with pytest.raises(ConfigError, match=r"no worker 'worker-9'.*worker-0..worker-2") as e:
+        process_count(load_job({"model": {"name": "mlp", "hidden": [8, 8]}, "strategy": mp}))
+    assert [p for p, _ in e.value.problems] == ["strategy.partitions[1].target.WorkerId"]
+    named = load_job({"model": {"name": "mlp", "hidden": [8, 8]}, "strategy": mp, "run": {"num_workers": 10}})
+    assert process_count(named) == (10, "run.num_workers")  # a declared world is the user's
 
 
 # The workers' forkserver starts before the checks, preloading what the workers import ------

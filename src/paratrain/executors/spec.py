@@ -79,7 +79,10 @@ class ExecutorSpec:
     - ``name``: the executor (a strategy type, or ``TensorParallel``);
     - ``run(job, *, resume=False, overwrite=False) -> summary``;
     - ``processes(job) -> (count, field)``: worker processes the job starts and the job
-      field that sets the number (preflight's process limit names it);
+      field that sets the number (preflight's process limit names it; a ConfigError when
+      the job names workers it does not have);
+    - ``notes(job) -> lines``: settings the executor adjusts rather than refuses (preflight
+      warns with them);
     - ``validate(job)``: the executor's own checks before a run (a ConfigError naming the
       field), or ``None``;
     - ``check_data(job, bundle)``: checks of the job against its built data (``bundle``:
@@ -96,6 +99,7 @@ class ExecutorSpec:
     name: str
     run: Callable[..., dict[str, Any]]
     processes: Callable[[JobConfig], tuple[int, str]] = in_process
+    notes: Callable[[JobConfig], list[str]] = _no_lines
     validate: Callable[[JobConfig], Any] | None = None
     check_data: Callable[[JobConfig, Any], None] | None = None
     ignores: Callable[..., Effective] | None = None

@@ -13,9 +13,10 @@ problem found, each naming its field:
   (:data:`PROCS_PER_CORE`; ``run.allow_oversubscribe = true`` lifts it), counted as each
   executor's spec declares them: DataParallel replicas, ``tensor_parallel_size x replicas``,
   ModelParallel workers, Federated/PopulationBased ``run.num_workers``;
-- ModelParallel without ``[[workers]]`` and ``run.num_workers``: the implicit workers
-  are ``worker-0 .. worker-P`` for ``P`` partitions (one per partition plus rank 0 for
-  unclaimed nodes); a ``WorkerId`` beyond those names no worker (never a larger world);
+- the executor's own count (ModelParallel without ``[[workers]]`` and ``run.num_workers``:
+  the implicit workers are ``worker-0 .. worker-P`` for ``P`` partitions, one per partition
+  plus rank 0 for unclaimed nodes; a ``WorkerId`` beyond those names no worker, never a
+  larger world);
 - ``[task]``: its datasets and model build and the model runs on two training examples
   (:func:`paratrain.task.preflight_task`);
 - the data and the model build with their kwargs (unknown ones name ``model.<kw>``;
@@ -32,16 +33,16 @@ problem found, each naming its field:
 - the executor's own ``validate`` of its :class:`~paratrain.executors.spec.ExecutorSpec`
   (ModelParallel placement, tensor parallel layout dry run, PopulationBased search space...).
 
-Settings that are adjusted rather than refused (Federated ``run.num_workers`` above
-``num_clients`` is capped; PopulationBased likewise at ``population_size``) are returned
-as warning lines and, with ``warn=True``, issued as :class:`PreflightWarning`.
+Settings that are adjusted rather than refused (the ``notes`` of the executor's spec:
+Federated ``run.num_workers`` above ``num_clients`` is capped; PopulationBased likewise at
+``population_size``) are returned as warning lines and, with ``warn=True``, issued as
+:class:`PreflightWarning`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,8 +104,7 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True,
     notes: list[str] = []
     imported = _stage(problems, _imports, job, job_dir)
     _stage(problems, _device, job)
-    # an implicit ModelParallel world is only counted once its WorkerIds are known good
-    strategy_ok = _stage(problems, _model_parallel_ids, job) and _stage(problems, _processes, job, notes)
+    strategy_ok = _stage(problems, _processes, job, notes)
     if imported:
         _stage(problems, _coordinator, job)
     pairings_ok = _stage(problems, _subgraph_pairings, job)
@@ -194,15 +194,9 @@ def _device(job: JobConfig) -> None:
 
 def _processes(job: JobConfig, notes: list[str]) -> None:
     from ..comm.rendezvous import ENV_NNODES, in_torchrun
+    from ..executors import spec_for
 
-    s: Any = job.strategy
-    kind = getattr(s, "type", None)
-    if kind == "Federated" and job.run.num_workers is not None and job.run.num_workers > s.num_clients:
-        notes.append(f"run.num_workers: {job.run.num_workers} workers for {s.num_clients} clients; "
-                     f"capped at {s.num_clients} (a worker without a client has nothing to do)")
-    if kind == "PopulationBased" and job.run.num_workers is not None and job.run.num_workers > s.population_size:
-        notes.append(f"run.num_workers: {job.run.num_workers} workers for a population of "
-                     f"{s.population_size}; capped at {s.population_size}")
+    notes += spec_for(job).notes(job)
     n, field = process_count(job)
     if in_torchrun() or job.run.allow_oversubscribe:
         return  # torchrun chose the world; or the user lifted the limit
@@ -218,28 +212,6 @@ def _processes(job: JobConfig, notes: list[str]) -> None:
             f"the job would start {here} worker processes on this machine{per}, more than it can "
             f"take: {os.cpu_count() or 1} CPU cores x {PROCS_PER_CORE} = {limit}; lower it or set "
             f"run.allow_oversubscribe = true"))])
-
-
-def _model_parallel_ids(job: JobConfig) -> None:
-    from ..config.strategy import WorkerIdTarget
-
-    s: Any = job.strategy
-    if getattr(s, "type", None) != "ModelParallel" or job.workers or job.run.num_workers is not None:
-        return
-    parts = list(s.partitions)
-    top = len(parts)  # implicit workers: worker-0 .. worker-<top>
-    problems: Problems = []
-    for i, part in enumerate(parts):
-        if not isinstance(part.target, WorkerIdTarget):
-            continue
-        m = re.fullmatch(r"worker-(\d+)", part.target.WorkerId)
-        if m and int(m.group(1)) > top:
-            problems.append((f"strategy.partitions[{i}].target.WorkerId", (
-                f"no worker {part.target.WorkerId!r}: without [[workers]] or run.num_workers this "
-                f"job's workers are worker-0..worker-{top} (one per partition, plus rank 0 for the "
-                f"nodes no partition claims); declare the workers in [[workers]]")))
-    if problems:
-        raise ConfigError(problems)
 
 
 def _executor_data(job: JobConfig, bundle: Any) -> None:

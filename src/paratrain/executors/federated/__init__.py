@@ -102,6 +102,15 @@ def _processes(job: JobConfig) -> tuple[int, str]:
     return num_workers(job), "run.num_workers"
 
 
+def _notes(job: JobConfig) -> list[str]:
+    """``run.num_workers`` above ``num_clients`` is capped (:func:`num_workers`)."""
+    strat: Any = job.strategy
+    if job.run.num_workers is None or job.run.num_workers <= strat.num_clients:
+        return []
+    return [f"run.num_workers: {job.run.num_workers} workers for {strat.num_clients} clients; "
+            f"capped at {strat.num_clients} (a worker without a client has nothing to do)"]
+
+
 def _check_data(job: JobConfig, bundle: Any) -> None:
     """:func:`.checks.check_data`, imported when preflight calls it (a Flower ClientApp
     imports this package for its light parts only)."""
@@ -127,5 +136,5 @@ def _graph(traced: Traced) -> GraphView:
 
 
 # any Task: clients train through training.loop.Trainer
-SPEC = ExecutorSpec(name="Federated", run=run, processes=_processes, check_data=_check_data,
+SPEC = ExecutorSpec(name="Federated", run=run, processes=_processes, notes=_notes, check_data=_check_data,
                     describe=_describe, graph=_graph)

@@ -16,12 +16,13 @@ from ...config.job import JobConfig
 from ..spec import ExecutorSpec
 from .graph_view import PlacementView
 from .runner import run
-from .validation import num_workers, validate
+from .validation import check_worker_ids, num_workers, validate
 
 __all__ = ["SPEC", "run"]
 
 
 def _processes(job: JobConfig) -> tuple[int, str]:
+    check_worker_ids(job)  # an implicit world is only counted once its WorkerIds are known good
     field = ("workers" if job.workers else "run.num_workers" if job.run.num_workers
              else "strategy.partitions")
     tp = job.tensor_parallel.tensor_parallel_size if job.tensor_parallel else 1

@@ -26,8 +26,30 @@ from .plan import Plan, build_plan, check_interleaved
 from .replicas import extra_workers, replicas_for
 from .tp_stages import check_job, dry_shard, tp_size_of
 
-__all__ = ["num_workers", "plan_for", "check_shared_parameters", "task_model",
+__all__ = ["check_worker_ids", "num_workers", "plan_for", "check_shared_parameters", "task_model",
            "validate", "check_crossing_values"]
+
+
+def check_worker_ids(job: JobConfig) -> None:
+    """Without ``[[workers]]`` and ``run.num_workers`` the workers are ``worker-0 ..
+    worker-P`` for ``P`` partitions: a ConfigError for each ``WorkerId`` beyond those (an
+    implicit world is never made larger by a typo)."""
+    s: Any = job.strategy
+    if job.workers or job.run.num_workers is not None:
+        return
+    top = len(s.partitions)  # implicit workers: worker-0 .. worker-<top>
+    problems: list[tuple[str, str]] = []
+    for i, part in enumerate(s.partitions):
+        if not isinstance(part.target, WorkerIdTarget):
+            continue
+        m = re.fullmatch(r"worker-(\d+)", part.target.WorkerId)
+        if m and int(m.group(1)) > top:
+            problems.append((f"strategy.partitions[{i}].target.WorkerId", (
+                f"no worker {part.target.WorkerId!r}: without [[workers]] or run.num_workers this "
+                f"job's workers are worker-0..worker-{top} (one per partition, plus rank 0 for the "
+                f"nodes no partition claims); declare the workers in [[workers]]")))
+    if problems:
+        raise ConfigError(problems)
 
 
 def num_workers(job: JobConfig) -> int:

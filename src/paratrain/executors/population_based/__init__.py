@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...config.job import JobConfig
 from ..spec import ExecutorSpec
 from .hyperparams import validate_job
@@ -22,4 +24,14 @@ def _processes(job: JobConfig) -> tuple[int, str]:
     return num_workers(job), "run.num_workers"
 
 
-SPEC = ExecutorSpec(name="PopulationBased", run=run, processes=_processes, validate=validate_job)
+def _notes(job: JobConfig) -> list[str]:
+    """``run.num_workers`` above ``population_size`` is capped (:func:`.runner.num_workers`)."""
+    s: Any = job.strategy
+    if job.run.num_workers is None or job.run.num_workers <= s.population_size:
+        return []
+    return [f"run.num_workers: {job.run.num_workers} workers for a population of "
+            f"{s.population_size}; capped at {s.population_size}"]
+
+
+SPEC = ExecutorSpec(name="PopulationBased", run=run, processes=_processes, notes=_notes,
+                    validate=validate_job)
