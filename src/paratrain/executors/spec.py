@@ -17,12 +17,19 @@ from typing import Any
 from ..config.effective import Effective
 from ..config.job import JobConfig
 
-__all__ = ["ExecutorSpec", "GraphView", "Traced", "in_process"]
+__all__ = ["ExecutorSpec", "GraphView", "Traced", "in_process", "capped_workers"]
 
 
 def in_process(job: JobConfig) -> tuple[int, str]:
     """One process: the executor runs in the caller's (Local, a Custom coordinator)."""
     return 1, "strategy.type"
+
+
+def capped_workers(job: JobConfig, cap: int, what: str, why: str = "") -> list[str]:
+    """A ``notes`` line when ``run.num_workers`` asks for more than ``cap`` workers (``what``
+    they would serve, ``why`` the cap)."""
+    n = job.run.num_workers
+    return [f"run.num_workers: {n} workers for {what}; capped at {cap}{why}"] if n is not None and n > cap else []
 
 
 @dataclass(frozen=True)

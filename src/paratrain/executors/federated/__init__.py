@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config.job import JobConfig
-from ..spec import ExecutorSpec, GraphView, Traced
+from ..spec import ExecutorSpec, GraphView, Traced, capped_workers
 
 __all__ = ["SPEC", "run", "run_in_process", "worker_main", "num_workers"]
 
@@ -105,10 +105,8 @@ def _processes(job: JobConfig) -> tuple[int, str]:
 def _notes(job: JobConfig) -> list[str]:
     """``run.num_workers`` above ``num_clients`` is capped (:func:`num_workers`)."""
     strat: Any = job.strategy
-    if job.run.num_workers is None or job.run.num_workers <= strat.num_clients:
-        return []
-    return [f"run.num_workers: {job.run.num_workers} workers for {strat.num_clients} clients; "
-            f"capped at {strat.num_clients} (a worker without a client has nothing to do)"]
+    clients = int(strat.num_clients)
+    return capped_workers(job, clients, f"{clients} clients", " (a worker without a client has nothing to do)")
 
 
 def _check_data(job: JobConfig, bundle: Any) -> None:

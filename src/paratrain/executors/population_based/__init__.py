@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config.job import JobConfig
-from ..spec import ExecutorSpec
+from ..spec import ExecutorSpec, capped_workers
 from .hyperparams import validate_job
 from .runner import num_workers, run
 
@@ -27,10 +27,8 @@ def _processes(job: JobConfig) -> tuple[int, str]:
 def _notes(job: JobConfig) -> list[str]:
     """``run.num_workers`` above ``population_size`` is capped (:func:`.runner.num_workers`)."""
     s: Any = job.strategy
-    if job.run.num_workers is None or job.run.num_workers <= s.population_size:
-        return []
-    return [f"run.num_workers: {job.run.num_workers} workers for a population of "
-            f"{s.population_size}; capped at {s.population_size}"]
+    size = int(s.population_size)
+    return capped_workers(job, size, f"a population of {size}")
 
 
 SPEC = ExecutorSpec(name="PopulationBased", run=run, processes=_processes, notes=_notes,
