@@ -22,15 +22,15 @@ BENCH_STAMP := $(STAMP)
 demo: $(STAMP)
 	$(BIN)/paratrain run examples/gpt_shakespeare_local.toml --overwrite
 
-# Three pytest workers, whole files per worker (a file's module fixtures launch once; tests/conftest.py
-# groups by file, and spreads the benchmark smoke runs one a worker: --dist loadgroup): most
-# tests wait on worker processes, so three files at a time fill 2 cores (measured on a clean
-# clone: 16 min 21 s against 17 min 17 s with two).
-# Byte-compile the sources first: an editable install is not compiled, and where
-# PYTHONDONTWRITEBYTECODE is set every process of the suite would compile them again.
+# Three pytest workers, whole files per worker (a file's module fixtures launch once; the long
+# files first, tests/conftest.py): most tests wait on worker processes, so three files at a time
+# fill 2 cores. --dist loadfile, not loadgroup: pytest 9.2 derives a node id from its parts, so
+# xdist 3.8's group suffix is lost and loadgroup spreads every test (a module fixture then ran
+# once per worker: the SecAgg+ federations three times, about 14 minutes of the suite).
+# --durations: CI's log says where the time went.
 test: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 src tests
-	$(BIN)/python -m pytest -n 3 --dist loadgroup tests
+	$(BIN)/python -m pytest -n 3 --dist loadfile --durations=25 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks examples

@@ -61,15 +61,6 @@ _LONG_FIRST = ("test_federated_flower_secagg.py", "test_federated_flower.py",
                "test_kill_resume_matrix.py", "test_two_hosts.py")
 
 
-# Files whose tests are independent processes with no module fixture to share: under
-# `make test`'s --dist loadgroup each test is a unit of its own (a worker each), where every
-# other file stays whole on one worker (its module fixtures launch once), as --dist loadfile.
-_SPREAD = ("test_benchmarks_smoke.py",)
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(_LONG_FIRST)}
     items.sort(key=lambda it: rank.get(it.path.name, len(_LONG_FIRST)))  # stable: the rest keeps its order
-    for it in items:
-        group = it.nodeid if it.path.name in _SPREAD else it.nodeid.split("::")[0]
-        it.add_marker(pytest.mark.xdist_group(group))
