@@ -197,7 +197,8 @@ class GradReducer:
         self._ready = [0] * len(self.buckets)
         self._seen: set[int] = set()
         self._work: list[Any] = [None] * len(self.buckets)
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook)  # type: ignore[no-untyped-call]
+                         for p in self.params]
         self._accumulated: set[int] = set()
         self.enabled = True
         """False during the accumulation backwards of a step (DDP's ``no_sync``): hooks only

@@ -257,7 +257,7 @@ def reduce_scatter(
     n = world_size(group)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     chunks = list(inputs) if not isinstance(inputs, torch.Tensor) else list(
-        inputs.reshape(-1).split(output.numel())
+        inputs.reshape(-1).split(output.numel())  # type: ignore[no-untyped-call]
     )
     if len(chunks) != n:
         raise ValueError(f"reduce_scatter: {len(chunks)} input chunks for {n} ranks")

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException  # what a failed DCP read raises
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -53,6 +53,8 @@ from torch.distributed.checkpoint.planner_helpers import (
     _create_read_item_for_byteio,
     create_read_items_for_chunk_list,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from .dcp_pieces import METADATA, Box, MissingRegion, Piece, Target
 
@@ -143,7 +145,8 @@ class _LoadPlanner(DefaultLoadPlanner):
             items += read_items(label, t, self.metadata)
         for key in self.blob_keys:
             if key in self.metadata.state_dict_metadata:
-                items.append(_create_read_item_for_byteio(MetadataIndex(key), 0, MetadataIndex(key), 0, 0))
+                items.append(_create_read_item_for_byteio(  # type: ignore[no-untyped-call]
+                    MetadataIndex(key), 0, MetadataIndex(key), 0, 0))
         return LoadPlan(items)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -163,7 +166,7 @@ def save(folder: str | Path, pieces: Sequence[Piece], *, blobs: Mapping[str, Any
     state.update(blobs)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(folder), sync_files=True),
+        dcp_save(state, storage_writer=FileSystemWriter(str(folder), sync_files=True),
                  planner=_SavePlanner([(k, t.detach(), b) for k, t, b in pieces], blobs),
                  process_group=group if world > 1 else None, no_dist=world == 1)
 
@@ -176,12 +179,12 @@ def load(folder: str | Path, targets: Mapping[str, Target], *, blobs: Sequence[s
     planner = _LoadPlanner(targets, blobs)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to")
-        dcp.load({k: t.tensor for k, t in targets.items()},
-                 storage_reader=dcp.FileSystemReader(str(folder)), planner=planner,
+        dcp_load({k: t.tensor for k, t in targets.items()},
+                 storage_reader=FileSystemReader(str(folder)), planner=planner,
                  process_group=group if world > 1 else None, no_dist=world == 1)
     return planner.blobs
 
 
 def read_metadata(folder: str | Path) -> Metadata:
     """The checkpoint's keys, whole sizes and chunks (this process reads ``.metadata``)."""
-    return dcp.FileSystemReader(str(folder)).read_metadata()
+    return FileSystemReader(str(folder)).read_metadata()

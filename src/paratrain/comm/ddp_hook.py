@@ -39,7 +39,7 @@ warm Q keyed by parameter name in ``state.state_dict()``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -82,7 +82,7 @@ class _Pending:
             done: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
             done.set_result(self.finish())
             return done
-        return self.work.get_future().then(lambda _f: self.finish())
+        return cast("torch.futures.Future[list[torch.Tensor]]", self.work.get_future().then(lambda _f: self.finish()))
 
 
 def _split_mean(flat: torch.Tensor, named: Named, world: int) -> list[torch.Tensor]:
@@ -308,7 +308,7 @@ def _hook(state: CompressionHookState, bucket: Any) -> torch.futures.Future[torc
     if state.plain:
         buf.div_(world)
         fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-        return fut.then(lambda f: f.value()[0])
+        return cast("torch.futures.Future[torch.Tensor]", fut.then(lambda f: f.value()[0]))
     params = bucket.parameters()
     names = [state.name_of(p) for p in params]
     if state._seen.intersection(names):
@@ -337,7 +337,7 @@ def _hook(state: CompressionHookState, bucket: Any) -> torch.futures.Future[torc
 # postponed (string) annotations would fail.
 _hook.__annotations__ = {
     "state": CompressionHookState,
-    "bucket": dist.GradBucket,
+    "bucket": dist.GradBucket,  # type: ignore[attr-defined]  # torch does not re-export it
     "return": torch.futures.Future[torch.Tensor],
 }
 

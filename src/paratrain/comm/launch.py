@@ -136,7 +136,7 @@ def _logs_specs(job: JobConfig, log_dir: str, capture: _Capture) -> Any:
     tracebacks to ``worker-<rank>.log`` and print one line saying what happened."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
-    class _Specs(DefaultLogsSpecs):  # type: ignore[misc]
+    class _Specs(DefaultLogsSpecs):
         def __init__(self) -> None:
             super().__init__(log_dir=log_dir)
             self.error_files: dict[int, str] = {}

@@ -18,7 +18,7 @@ then sum). Bytes booked in ``counter`` are what this rank sends:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ def _plain(named: Named, group: Any, world: int, counter: CommCounter | None
         done.set_result(split())
         return done
     count_op(counter, "all_reduce", flat.numel() * flat.element_size())
-    return dist.all_reduce(flat, group=group, async_op=True).get_future().then(split)
+    return cast("torch.futures.Future[list[torch.Tensor]]", dist.all_reduce(flat, group=group, async_op=True).get_future().then(split))
 
 
 def launch_powersgd(
@@ -80,7 +80,7 @@ def launch_powersgd(
         dist.all_reduce(q, group=group, async_op=True).get_future().wait()
         return q
 
-    return first.then(after_first).then(lambda _f: rnd.finish(world, out))
+    return cast("torch.futures.Future[list[torch.Tensor]]", first.then(after_first).then(lambda _f: rnd.finish(world, out)))
 
 
 def allreduce_powersgd(
@@ -108,8 +108,8 @@ def powersgd_bucket_hook(
     buf: torch.Tensor = bucket.buffer()
     if not state.active():  # DDP's own arithmetic: divide, then sum the whole bucket
         buf.div_(world_size(group))
-        return dist.all_reduce(buf, group=group, async_op=True).get_future().then(
-            lambda f: f.value()[0])
+        return cast("torch.futures.Future[torch.Tensor]", dist.all_reduce(buf, group=group, async_op=True).get_future().then(
+            lambda f: f.value()[0]))
     grads = bucket.gradients()
     fut = launch_powersgd(state, list(zip(names, grads, strict=True)), group=group,
                           counter=counter, out=grads)

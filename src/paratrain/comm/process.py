@@ -80,14 +80,14 @@ def join_process_group(job: Any) -> WorkerContext:
         # point at dead processes. Every group agrees on a fresh key prefix (an attempt
         # number is not enough across machines: comm.hosts.group_prefix).
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        base = dist.TCPStore(
+        base = dist.TCPStore(  # type: ignore[attr-defined]  # not re-exported by torch
             os.environ["MASTER_ADDR"],
             int(os.environ["MASTER_PORT"]),
             world_size,
             is_master=(not agent_store and rank == 0),
             timeout=timeout,
         )
-        store = dist.PrefixStore(group_prefix(base, rank=rank, world_size=world_size,
+        store = dist.PrefixStore(group_prefix(base, rank=rank, world_size=world_size,  # type: ignore[attr-defined]
                                               timeout=timeout), base)
         if backend == "gloo":  # peers on other machines must reach this one
             ifname = gloo_interface(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
@@ -105,8 +105,8 @@ def join_process_group(job: Any) -> WorkerContext:
             **kwargs,
         )
     else:
-        store = dist.PrefixStore("paratrain/", dist.distributed_c10d._get_default_store())
-    control = dist.PrefixStore("control/", store)
+        store = dist.PrefixStore("paratrain/", dist.distributed_c10d._get_default_store())  # type: ignore[attr-defined]
+    control = dist.PrefixStore("control/", store)  # type: ignore[attr-defined]
     return WorkerContext(
         rank=rank,
         world_size=world_size,

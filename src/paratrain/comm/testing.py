@@ -110,7 +110,7 @@ def _child(
     try:
         # Unpickled after apply(): fn may live in a module only the parent's path has.
         fn, args, workers = loads(payload)
-        store = dist.TCPStore(
+        store = dist.TCPStore(  # type: ignore[attr-defined]
             "127.0.0.1", port, world_size, is_master=(rank == 0),
             timeout=timedelta(seconds=timeout_s),
         )

@@ -23,7 +23,8 @@ def decompress(c: Any) -> torch.Tensor:
     if c.method == "None":
         if c.values.numel() != n:
             raise CompressionError(f"None record holds {c.values.numel()} values, expected {n}")
-        return c.values.to(c.dtype).reshape(c.shape)
+        dense: torch.Tensor = c.values.to(c.dtype).reshape(c.shape)
+        return dense
     if c.method in ("TopK", "Threshold", "RandomK"):
         if c.indices is None or c.indices.numel() != c.values.numel():
             raise CompressionError(f"{c.method} record needs one index per value")

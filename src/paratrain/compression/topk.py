@@ -59,8 +59,8 @@ def _exact_among(mag: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _np_magnitudes(v: np.ndarray) -> np.ndarray:
-    m = np.abs(v)
-    return np.nan_to_num(m, copy=False, nan=np.inf, posinf=np.inf)
+    m: np.ndarray = np.nan_to_num(np.abs(v), copy=False, nan=np.inf, posinf=np.inf)
+    return m
 
 
 def _np_exact_among(mag: np.ndarray, k: int) -> np.ndarray:
@@ -89,7 +89,8 @@ def _topk_numpy(xn: np.ndarray, k: int) -> np.ndarray:
         if math.isfinite(thr) and thr > 0.0:
             cand = abs_above_numpy(xn, thr)
             if cand.size >= k:
-                return cand[_np_exact_among(_np_magnitudes(xn[cand]), k)]
+                chosen: np.ndarray = cand[_np_exact_among(_np_magnitudes(xn[cand]), k)]
+                return chosen
     return _np_exact_among(_np_magnitudes(xn), k)
 
 

@@ -82,7 +82,7 @@ def _sparse_encoding(n: int, count: int) -> tuple[int, int]:
 
 def wire_nbytes(c: Any) -> int:
     """Exact ``len(to_bytes(c))`` without serialising."""
-    n, w = c.numel, _ITEMSIZE[c.dtype]
+    n, w = int(c.numel), _ITEMSIZE[c.dtype]
     head = _header_nbytes(len(c.shape))
     if c.method == "None":
         return head + n * w
@@ -92,7 +92,7 @@ def wire_nbytes(c: Any) -> int:
     if c.method == "RandomK":
         return head + _RANDOMK.size + int(c.values.numel()) * w
     if c.method == "Quantization":
-        return head + _QUANT.size + (n * c.bits + 7) // 8
+        return head + _QUANT.size + (n * int(c.bits) + 7) // 8
     raise CompressionError(f"unknown method {c.method!r}")
 
 
@@ -102,7 +102,7 @@ def information_minimum(c: Any) -> int:
     None: n*w; TopK/Threshold: count*w + min(4*count, ceil(n/8)); RandomK: k*w;
     Quantization: ceil(n*bits/8).
     """
-    n, w = c.numel, _ITEMSIZE[c.dtype]
+    n, w = int(c.numel), _ITEMSIZE[c.dtype]
     if c.method == "None":
         return n * w
     if c.method in ("TopK", "Threshold"):
@@ -111,7 +111,7 @@ def information_minimum(c: Any) -> int:
     if c.method == "RandomK":
         return int(c.values.numel()) * w
     if c.method == "Quantization":
-        return (n * c.bits + 7) // 8
+        return (n * int(c.bits) + 7) // 8
     raise CompressionError(f"unknown method {c.method!r}")
 
 

@@ -109,11 +109,11 @@ MAX_JOB_BYTES = 1 << 20  # 1 MiB
 MAX_JOB_DEPTH = 64  # tables/arrays inside one another (a real job file needs < 10)
 
 
-class _JobYamlError(yaml.YAMLError):
+class _JobYamlError(yaml.YAMLError):  # type: ignore[misc]  # PyYAML ships no types
     """A YAML construct a job file may not use (aliases, absurd nesting)."""
 
 
-class _JobYamlComposer(yaml.composer.Composer):
+class _JobYamlComposer(yaml.composer.Composer):  # type: ignore[misc]
     """A YAML composer that refuses aliases (``*name``: the "billion laughs" bomb
     expands a few lines into 10^9 references) and nesting deeper than MAX_JOB_DEPTH,
     both while composing, before any Python object is built."""
@@ -141,14 +141,12 @@ try:  # libyaml's event parser: about 5x faster than the pure-Python one on a 1 
     from yaml.cyaml import CParser as _CParser
 except ImportError:  # pragma: no cover - PyYAML built without libyaml
 
-    class _JobYamlLoader(_JobYamlComposer, yaml.SafeLoader):
+    class _JobYamlLoader(_JobYamlComposer, yaml.SafeLoader):  # type: ignore[misc]
         """``yaml.SafeLoader`` composed by :class:`_JobYamlComposer`."""
 
 else:
 
-    class _JobYamlLoader(  # type: ignore[no-redef]
-        _JobYamlComposer, _CParser, yaml.constructor.SafeConstructor, yaml.resolver.Resolver
-    ):
+    class _JobYamlLoader(_JobYamlComposer, _CParser, yaml.constructor.SafeConstructor, yaml.resolver.Resolver):  # type: ignore[no-redef,misc]  # noqa: E501
         """``yaml.SafeLoader``'s constructor and resolver over libyaml's events,
         composed by :class:`_JobYamlComposer`."""
 

@@ -48,7 +48,7 @@ def owners(parts: IndexList, n: int) -> np.ndarray:
 def _proportional(counts: np.ndarray, m: int) -> np.ndarray:
     """``m`` items split in proportion to ``counts`` (largest remainder, ties to the lower index)."""
     quota = counts / counts.sum() * m
-    base = np.floor(quota).astype(np.int64)
+    base: np.ndarray = np.floor(quota).astype(np.int64)
     rest = m - int(base.sum())
     order = np.lexsort((np.arange(len(counts)), -(quota - base)))
     base[order[:rest]] += 1

@@ -165,7 +165,7 @@ class _Gather(Dataset[Any]):
         self.dataset, self.fetch, self.collate = dataset, fetch, collate
         self.seed, self.rank = seed, rank
 
-    def __getitem__(self, key: tuple[int, int, np.ndarray]) -> Any:  # type: ignore[override]
+    def __getitem__(self, key: tuple[int, int, np.ndarray]) -> Any:
         epoch, b, idx = key
         if get_worker_info() is not None:
             _seed_all(batch_seed(self.seed, epoch, b, self.rank))

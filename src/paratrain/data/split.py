@@ -75,7 +75,8 @@ def _approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState
             missing -= take
             if missing == 0:
                 break
-    return out.astype(int)
+    result: np.ndarray = out.astype(int)
+    return result
 
 
 def stratified_split(y: Any, *, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -48,12 +48,12 @@ def _without_compiler_import() -> Iterator[None]:
     if fn is None or getattr(fn, "__dynamo_disable", None) is not None:
         yield
         return
-    fn.__dynamo_disable = fn  # type: ignore[attr-defined]
+    fn.__dynamo_disable = fn
     try:
         yield
     finally:
         with contextlib.suppress(AttributeError):
-            del fn.__dynamo_disable  # type: ignore[attr-defined]
+            del fn.__dynamo_disable
 
 
 def check_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> None:

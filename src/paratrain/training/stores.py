@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
-from ..comm.dcp_pieces import METADATA
+from ..comm.dcp_pieces import METADATA, Piece
 from ..comm.groups import side_group
 from ..config import ConfigError
 from ..files import DCP_FOLDER, newest_checkpoint, safe_rmtree, step_folders
@@ -186,10 +186,10 @@ class RankStore:
         if pending is not None:
             pending.result()
 
-    def _stage_pieces(self, pieces: list[S.Piece]) -> list[S.Piece]:
+    def _stage_pieces(self, pieces: list[Piece]) -> list[Piece]:
         """A CPU copy of every piece, into the buffers of the last save where they fit (no
         allocation and page faults per save)."""
-        out: list[S.Piece] = []
+        out: list[Piece] = []
         kept: dict[tuple[str, Any], torch.Tensor] = {}
         for fqn, t, box in pieces:
             key = (fqn, box.offsets if box is not None else None)  # a key's pieces: one buffer each
@@ -203,7 +203,7 @@ class RankStore:
         self._buffers = kept
         return out
 
-    def _write(self, step: int, pieces: list[S.Piece], meta: dict[str, Any],
+    def _write(self, step: int, pieces: list[Piece], meta: dict[str, Any],
                engine: dict[str, Any]) -> None:
         """Write one staged checkpoint (the save thread; collective over the side group)."""
         group = self._side

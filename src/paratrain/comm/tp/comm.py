@@ -271,12 +271,14 @@ class TPComm:
             return out
         if self.pattern == "AllGather":
             g = self._gather_padded(t.unsqueeze(0), 0, None).wait()
-            return g.sum(0)
+            summed: torch.Tensor = g.sum(0)
+            return summed
         if self.pattern == "ReduceScatter":
             flat = t.reshape(-1)
             sizes = _ceil_sizes(flat.numel(), self.size)
             part = self._reduce_scatter_padded(flat, 0, sizes).wait()
-            return self._gather_padded(part, 0, sizes).wait().view_as(t)
+            whole: torch.Tensor = self._gather_padded(part, 0, sizes).wait().view_as(t)
+            return whole
         if self.pattern == "PointToPoint":
             return self._ring_all_reduce(t)
         return self._hier_all_reduce(t)
