@@ -201,11 +201,17 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from .config import ConfigError
     from .training.export import export_model
 
-    out = args.out or f"{Path(args.run).resolve().name}.safetensors"
+    hf = args.format == "hf"  # a from_pretrained folder (paratrain.training.export_hf)
+    out = args.out or f"{Path(args.run).resolve().name}{'-hf' if hf else '.safetensors'}"
     try:
         if args.out is None and Path(out).exists():
             raise ConfigError([("--out", f"{out} exists; name the file to write with --out")])
-        path = export_model(args.run, out, client=args.client)
+        if hf:
+            from .training.export_hf import export_hf
+
+            path = export_hf(args.run, out, client=args.client)
+        else:
+            path = export_model(args.run, out, client=args.client)
     except ConfigError as e:
         _print_problems(_problems(e, args.run))
         return EXIT_USAGE
@@ -260,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run", help="the run folder (runs/<name>)")
     e.add_argument("--out", help="model.safetensors or model.pt (default: ./<run name>.safetensors)")
     e.add_argument("--client", type=int, help="Federated: this client's model with its personal parts")
+    e.add_argument("--format", choices=["state_dict", "hf"], default="state_dict",
+                   help="hf: a Hugging Face transformers model as the folder from_pretrained "
+                        "reads (config.json, model.safetensors; --out names the folder)")
     e.add_argument("-q", "--quiet", action="store_true")
     e.set_defaults(fn=_cmd_export)
 

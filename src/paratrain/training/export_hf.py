@@ -1,0 +1,82 @@
+"""The trained model in the Hugging Face Hub's format: ``paratrain export RUN --format hf --out DIR``.
+
+For a run whose model is a transformers ``PreTrainedModel`` (``[model] name = "hf"``, or a
+factory returning one, or a user's module wrapping exactly one that holds every parameter),
+``DIR`` gets what ``model.save_pretrained`` writes: ``config.json``, ``model.safetensors``
+under transformers' own names (a tied head stored once, as transformers stores it) and
+``generation_config.json`` where the model has one; ``AutoModelForCausalLM.from_pretrained(DIR)``
+loads it.
+
+The weights are those of :func:`paratrain.training.export.load_model` -- the one whole
+state_dict every strategy's run assembles (tensor-parallel shards gathered, pipeline stages
+and ModelParallel parts merged, ZeRO-3 shards gathered, the Federated global model) -- loaded
+strictly into the model rebuilt from the run's ``job.json`` (its task's training set gives the
+vocabulary), so the config written is the one the run trained.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..config import ConfigError, one_line
+from .export import load_model
+
+__all__ = ["export_hf"]
+
+
+def export_hf(run_dir: str | Path, out: str | Path, *, client: int | None = None) -> Path:
+    """Write the run's model to the folder ``out`` as ``save_pretrained`` does (see the
+    module docstring); ``client``: a Federated client's model. Returns ``out``."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError([("--out", f"{out} is a file: --format hf writes a folder")])
+    state = load_model(run_dir, client=client)  # first: an unfinished run says so
+    model = _rebuilt(Path(run_dir))
+    model.load_state_dict(state, strict=True)
+    hf = _pretrained(model)
+    out.mkdir(parents=True, exist_ok=True)
+    hf.save_pretrained(out)
+    return out
+
+
+def _rebuilt(run: Path) -> nn.Module:
+    """The run's model as its task builds it from the run's ``job.json`` (untrained)."""
+    from ..config.job import load_job
+    from ..task import resolve_task
+
+    job_file = run / "job.json"
+    if not job_file.is_file():
+        raise ConfigError([("run", f"{run} holds no job.json: --format hf rebuilds the model "
+                                   "from the job the run trained")])
+    job = load_job(job_file)
+    task = resolve_task(job)
+    try:
+        train, _ = task.datasets(job.run.seed)
+        return task.build_model(job.model, train)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the job's own code: one line, no traceback
+        raise ConfigError([("model", one_line(f"rebuilding the run's model for --format hf "
+                                               f"failed: {type(e).__name__}: {e}"))]) from None
+
+
+def _pretrained(model: nn.Module) -> Any:
+    """``model`` itself when it is a transformers ``PreTrainedModel``, else the one such
+    submodule holding all of its parameters; otherwise a ConfigError naming --format."""
+    tf = sys.modules.get("transformers")  # built by transformers -> already imported
+    if tf is not None:
+        if isinstance(model, tf.PreTrainedModel):
+            return model
+        total = sum(p.numel() for p in model.parameters())
+        inner = [m for m in model.modules() if isinstance(m, tf.PreTrainedModel)
+                 and sum(p.numel() for p in m.parameters()) == total]
+        if inner:
+            return inner[0]
+    raise ConfigError([("--format", f"hf writes a Hugging Face transformers model, and this run's "
+                                    f"model is a {type(model).__name__}, not a transformers "
+                                    "PreTrainedModel: export it without --format hf (one "
+                                    "state_dict as .safetensors or .pt)")])
