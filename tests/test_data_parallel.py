@@ -188,7 +188,7 @@ def test_a_checkpoint_of_the_earlier_per_process_format_is_a_clear_error(tmp_pat
 
 
 def test_error_feedback_is_dropped_under_decentralized(tmp_path: Path) -> None:
-    from paratrain.executors.shared.compressor import build_compressor
+    from paratrain.executors.shared.replicas import build_compressor
 
     doc = {"method": "ClippedCompression", "clip_value": 1.0,
            "base_strategy": {"method": "ErrorFeedback", "error_compensation": True,

@@ -20,7 +20,8 @@ JSON-able report; :func:`render` turns it into text. The report lists:
 
 Pure: no process is started, nothing is written. Every user error is a ConfigError.
 
-The shapes are :mod:`.shapes`'s (:class:`torch.fx.passes.shape_prop.ShapeProp`).
+The shapes are :class:`torch.fx.passes.shape_prop.ShapeProp`'s over one training batch of
+``train.batch_size`` rows (read back by :mod:`paratrain.graph.sizes`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -36,7 +38,6 @@ from ..config import ConfigError
 from ..graph.render import render  # re-exported: the report's text
 from ..graph.sizes import count_elements, shape_info, tensor_metas
 from ..graph.trace import module_of, trace
-from .shapes import propagate
 
 __all__ = ["explain", "explain_file", "render"]
 
@@ -81,7 +82,7 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
     example = example_args(None, train) if train is not None else None
     gm = trace(model, leaves, example)
     resolved = resolve(model, job)  # patterns ("class:BatchNorm2d") as the modules they match
-    shape_note = propagate(gm, job, train) if shapes and train is not None else None
+    shape_note = _propagate(gm, job, train) if shapes and train is not None else None
     view = spec_for(job).graph(Traced(job, model, gm, train, example, resolved.table))
     modules = dict(model.named_modules())
     rows = []
@@ -112,6 +113,26 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
     if shape_note is not None:
         report["shapes_unavailable"] = shape_note
     return report
+
+
+def _propagate(gm: fx.GraphModule, job: Any, train: Any) -> str | None:
+    """ShapeProp over one training batch (``meta['tensor_meta']`` on every node); the reason
+    when it could not run: shapes are extra information only, left out then."""
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    from ..task import fetch_batch, model_args
+
+    try:
+        rows = max(1, min(int(job.train.batch_size), len(train)))
+        batch = fetch_batch(train, torch.arange(rows))
+        args, kwargs = model_args(None, batch)
+        if kwargs:  # ShapeProp feeds placeholders positionally only
+            return "the model takes keyword arguments (a dict batch): shapes left out"
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*args)
+    except Exception as e:  # noqa: BLE001 - shapes are extra information only
+        return (f"{type(e).__name__}: {e}".splitlines() or [""])[0]
+    return None
 
 
 def _execution_order(gm: fx.GraphModule, modules: dict[str, nn.Module]) -> list[tuple[str, str, fx.Node]]:

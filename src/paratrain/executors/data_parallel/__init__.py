@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config.job import JobConfig
-from ..shared.rows import check_replica_rows
+from ..shared.replicas import check_replica_rows
 from ..spec import ExecutorSpec, GraphView, Traced
 from .runner import run, shard_indices, shard_layout, train_replica, validate
 

@@ -63,7 +63,7 @@ from ...training.loop import DataPlan, LocalEngine, Trainer, run_loop, summary_f
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
 from ..entry import worker_entry
-from ..shared.compressor import build_compressor
+from ..shared.replicas import build_compressor
 from ..shared.zero import ZeroEngine
 from ..shared.zero_plan import check_shard
 from .aggregation import Aggregator, build_aggregator

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config.job import JobConfig
-from ..shared.rows import check_replica_rows
+from ..shared.replicas import check_replica_rows
 from ..spec import ExecutorSpec, GraphView, Traced
 from .ignored import ignores
 from .runner import dry_run, mesh_lines, mesh_plan, run, validate

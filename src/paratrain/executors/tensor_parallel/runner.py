@@ -110,7 +110,7 @@ def _dp_options(job: JobConfig, dp: int) -> dict[str, Any]:
     ``broadcast_buffers``."""
     if dp == 1:
         return {}
-    from ..shared.compressor import build_compressor
+    from ..shared.replicas import build_compressor
 
     return {"compressor": build_compressor(job),
             "broadcast_buffers": bool(getattr(job.strategy, "broadcast_buffers", True))}

@@ -1,14 +1,18 @@
-"""The job's gradient compressor (``[compression]``), as DataParallel replicas and a
-tensor-parallel mesh's dp columns build it: :func:`build_compressor`."""
+"""What data-parallel replicas share (DataParallel's, and a tensor-parallel mesh's dp
+columns): the job's gradient compressor (:func:`build_compressor`, ``[compression]``) and the
+rows a step of replicas takes from the training set (:func:`check_replica_rows`, their
+``ExecutorSpec.check_data``)."""
 
 from __future__ import annotations
 
 import warnings
 from typing import Any
 
+from ...config import ConfigError
 from ...config.job import JobConfig
+from ...data.loader import is_stream
 
-__all__ = ["build_compressor"]
+__all__ = ["build_compressor", "check_replica_rows"]
 
 
 def _without_error_feedback(strategy: Any) -> Any:
@@ -41,3 +45,18 @@ def build_compressor(job: JobConfig, aggregation: Any = None, *, warn: bool = Tr
             )
         strategy = stripped
     return Compressor(strategy, seed=job.run.seed)
+
+
+def check_replica_rows(job: JobConfig, bundle: Any) -> None:
+    """ConfigError unless replicas x ``train.batch_size`` rows fit in ``bundle.train`` (a
+    stream's rows are not counted: :func:`paratrain.task.preflight_task`)."""
+    if is_stream(bundle.train):
+        return
+    s: Any = job.strategy
+    rows = len(bundle.train)
+    replicas = int(s.num_replicas) if s.type == "DataParallel" else 1
+    need = replicas * job.train.batch_size
+    if rows < need:
+        raise ConfigError([("strategy.num_replicas" if replicas > 1 else "train.batch_size", (
+            f"{replicas} replica(s) x train.batch_size {job.train.batch_size} = {need} rows per step, "
+            f"but the training set has {rows} rows; lower num_replicas or batch_size"))])
