@@ -222,8 +222,27 @@ def parse(
     """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise CompressionError(f"expected bytes, got {type(data).__name__}")
-    limit = DEFAULT_MAX_NUMEL if max_numel is None else max_numel
     r = _Reader(data)
+    method, shape, dtype, n = _parse_header(r, DEFAULT_MAX_NUMEL if max_numel is None else max_numel)
+    if expect_shape is not None and tuple(expect_shape) != shape:
+        raise CompressionError(f"payload shape {shape} != expected {tuple(expect_shape)}")
+    if expect_dtype is not None and expect_dtype != dtype:
+        raise CompressionError(f"payload dtype {dtype} != expected {expect_dtype}")
+    if method == "None":
+        out = _fields("None", shape, dtype, r.tensor(n, dtype, "values"))
+    elif method in ("TopK", "Threshold"):
+        out = _parse_sparse(r, method, shape, dtype, n)
+    elif method == "RandomK":
+        out = _parse_randomk(r, shape, dtype, n)
+    else:
+        out = _parse_quantized(r, shape, dtype, n)
+    if r.remaining():
+        raise CompressionError(f"{r.remaining()} trailing bytes after the payload")
+    return out
+
+
+def _parse_header(r: _Reader, limit: int) -> tuple[str, tuple[int, ...], torch.dtype, int]:
+    """The common header: method, shape, dtype and element count, each validated."""
     magic, version, method_code, dtype_code, ndim = r.unpack(_HEAD, "header")
     if magic != MAGIC:
         raise CompressionError(f"bad magic {magic!r}: not a paratrain compressed tensor")
@@ -237,86 +256,83 @@ def parse(
         raise CompressionError(f"unknown dtype code {dtype_code}")
     if ndim > MAX_NDIM:
         raise CompressionError(f"tensor rank {ndim} exceeds {MAX_NDIM}")
-    method, dtype = _METHODS[method_code], _DTYPES[dtype_code]
     shape = tuple(int(d) for d in struct.unpack(f"<{ndim}Q", r.take(8 * ndim, "shape")))
     n = 1
     for d in shape:
         n *= d
         if n > limit or d > limit:
             raise CompressionError(f"declared shape {shape} exceeds max_numel={limit}")
-    if expect_shape is not None and tuple(expect_shape) != shape:
-        raise CompressionError(f"payload shape {shape} != expected {tuple(expect_shape)}")
-    if expect_dtype is not None and expect_dtype != dtype:
-        raise CompressionError(f"payload dtype {dtype} != expected {expect_dtype}")
-    w = _ITEMSIZE[dtype]
+    return _METHODS[method_code], shape, _DTYPES[dtype_code], n
 
-    if method == "None":
-        values = r.tensor(n, dtype, "values")
-        out = _fields("None", shape, dtype, values)
-    elif method in ("TopK", "Threshold"):
-        enc, count = r.unpack(_SPARSE, "sparse header")
-        assert isinstance(enc, int) and isinstance(count, int)
-        if count > n:
-            raise CompressionError(f"count {count} exceeds the tensor's {n} elements")
-        if enc == _ENC_BITMAP:
-            raw = r.take((n + 7) // 8, "bitmap")
-            bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")
-            if bits[n:].any():
-                raise CompressionError("bitmap has bits set beyond the tensor's length")
-            idx = torch.from_numpy(np.flatnonzero(bits[:n]).astype(np.int64))
-            if idx.numel() != count:
-                raise CompressionError(
-                    f"bitmap marks {idx.numel()} positions but count says {count}"
-                )
-        elif enc in (_ENC_U32, _ENC_U64):
-            if enc == _ENC_U32:
-                idx = r.tensor(count, torch.int32, "indices").to(torch.int64) & 0xFFFFFFFF
-            else:
-                idx = r.tensor(count, torch.int64, "indices")
-            _check_indices(idx, n)
-        else:
-            raise CompressionError(f"unknown sparse encoding {enc}")
-        values = r.tensor(count, dtype, "values")
-        out = _fields(method, shape, dtype, values, indices=idx)
-    elif method == "RandomK":
-        seed, k = r.unpack(_RANDOMK, "RandomK header")
-        assert isinstance(seed, int) and isinstance(k, int)
-        if k > n:
-            raise CompressionError(f"RandomK k={k} exceeds the tensor's {n} elements")
-        if seed >= 1 << 63:
-            raise CompressionError(f"RandomK seed {seed} out of range")
-        # Length first: never spend work re-deriving positions for a truncated payload.
-        if r.remaining() != k * w:
+
+def _parse_sparse(r: _Reader, method: str, shape: tuple[int, ...], dtype: torch.dtype,
+                  n: int) -> dict[str, Any]:
+    enc, count = r.unpack(_SPARSE, "sparse header")
+    assert isinstance(enc, int) and isinstance(count, int)
+    if count > n:
+        raise CompressionError(f"count {count} exceeds the tensor's {n} elements")
+    if enc == _ENC_BITMAP:
+        raw = r.take((n + 7) // 8, "bitmap")
+        bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")
+        if bits[n:].any():
+            raise CompressionError("bitmap has bits set beyond the tensor's length")
+        idx = torch.from_numpy(np.flatnonzero(bits[:n]).astype(np.int64))
+        if idx.numel() != count:
             raise CompressionError(
-                f"RandomK payload has {r.remaining()} value bytes, expected {k * w}"
+                f"bitmap marks {idx.numel()} positions but count says {count}"
             )
-        values = r.tensor(k, dtype, "values")
-        idx = randomk_positions(n, k, seed)
-        out = _fields("RandomK", shape, dtype, values, indices=idx, seed=seed, k=k)
+    elif enc in (_ENC_U32, _ENC_U64):
+        if enc == _ENC_U32:
+            idx = r.tensor(count, torch.int32, "indices").to(torch.int64) & 0xFFFFFFFF
+        else:
+            idx = r.tensor(count, torch.int64, "indices")
+        _check_indices(idx, n)
     else:
-        qbits, flags, lo, scale = r.unpack(_QUANT, "quantization header")
-        assert isinstance(qbits, int) and isinstance(flags, int)
-        assert isinstance(lo, float) and isinstance(scale, float)
-        bits_: int = qbits
-        if not 1 <= bits_ <= 32:
-            raise CompressionError(f"quantization bits {bits_} not in 1..32")
-        if flags & ~1:
-            raise CompressionError(f"unknown quantization flags {flags:#x}")
-        if not (math.isfinite(lo) and math.isfinite(scale)) or scale < 0:
-            raise CompressionError(f"invalid quantization parameters lo={lo}, scale={scale}")
-        top = lo + scale * ((1 << bits_) - 1)
-        fmax = torch.finfo(dtype).max * (1 + torch.finfo(dtype).eps)
-        if not math.isfinite(top) or max(abs(lo), abs(top)) > fmax:
-            raise CompressionError(f"quantization range [{lo}, {top}] overflows {dtype}")
-        nbytes = (n * bits_ + 7) // 8
-        packed = r.tensor(nbytes, torch.uint8, "quantized codes")
-        spare = nbytes * 8 - n * bits_
-        if spare and int(packed[-1]) >> (8 - spare):
-            raise CompressionError("padding bits of the last quantized byte are not zero")
-        out = _fields(
-            "Quantization", shape, dtype, packed, bits=bits_, offset=lo, scale=scale,
-            stochastic=bool(flags & 1),
+        raise CompressionError(f"unknown sparse encoding {enc}")
+    values = r.tensor(count, dtype, "values")
+    return _fields(method, shape, dtype, values, indices=idx)
+
+
+def _parse_randomk(r: _Reader, shape: tuple[int, ...], dtype: torch.dtype, n: int) -> dict[str, Any]:
+    seed, k = r.unpack(_RANDOMK, "RandomK header")
+    assert isinstance(seed, int) and isinstance(k, int)
+    if k > n:
+        raise CompressionError(f"RandomK k={k} exceeds the tensor's {n} elements")
+    if seed >= 1 << 63:
+        raise CompressionError(f"RandomK seed {seed} out of range")
+    # Length first: never spend work re-deriving positions for a truncated payload.
+    w = _ITEMSIZE[dtype]
+    if r.remaining() != k * w:
+        raise CompressionError(
+            f"RandomK payload has {r.remaining()} value bytes, expected {k * w}"
         )
-    if r.remaining():
-        raise CompressionError(f"{r.remaining()} trailing bytes after the payload")
-    return out
+    values = r.tensor(k, dtype, "values")
+    idx = randomk_positions(n, k, seed)
+    return _fields("RandomK", shape, dtype, values, indices=idx, seed=seed, k=k)
+
+
+def _parse_quantized(r: _Reader, shape: tuple[int, ...], dtype: torch.dtype,
+                     n: int) -> dict[str, Any]:
+    qbits, flags, lo, scale = r.unpack(_QUANT, "quantization header")
+    assert isinstance(qbits, int) and isinstance(flags, int)
+    assert isinstance(lo, float) and isinstance(scale, float)
+    bits_: int = qbits
+    if not 1 <= bits_ <= 32:
+        raise CompressionError(f"quantization bits {bits_} not in 1..32")
+    if flags & ~1:
+        raise CompressionError(f"unknown quantization flags {flags:#x}")
+    if not (math.isfinite(lo) and math.isfinite(scale)) or scale < 0:
+        raise CompressionError(f"invalid quantization parameters lo={lo}, scale={scale}")
+    top = lo + scale * ((1 << bits_) - 1)
+    fmax = torch.finfo(dtype).max * (1 + torch.finfo(dtype).eps)
+    if not math.isfinite(top) or max(abs(lo), abs(top)) > fmax:
+        raise CompressionError(f"quantization range [{lo}, {top}] overflows {dtype}")
+    nbytes = (n * bits_ + 7) // 8
+    packed = r.tensor(nbytes, torch.uint8, "quantized codes")
+    spare = nbytes * 8 - n * bits_
+    if spare and int(packed[-1]) >> (8 - spare):
+        raise CompressionError("padding bits of the last quantized byte are not zero")
+    return _fields(
+        "Quantization", shape, dtype, packed, bits=bits_, offset=lo, scale=scale,
+        stochastic=bool(flags & 1),
+    )
