@@ -113,6 +113,37 @@ class TensorParallelModule(DenseState, ModuleReport, nn.Module):
         self.dense_param_bytes = param_bytes(iter(dense_params))
         self.coordinator = TensorParallelism(config, self.comm.rank, self.comm.size)
         self._sequence_modules: list[nn.Module] = []
+        self.module = self._convert(model, config, tp)
+        for name, mod in self.module.named_modules():
+            if isinstance(getattr(mod, "state", None), RegionState):
+                mod.tp_path = name  # named in run-time layout errors (.sequence)
+        # whole-model calls (keyword arguments, non-tensor outputs) for models that are not
+        # an nn.Sequential of tensor-to-tensor children
+        self.free_form = not isinstance(self.module, nn.Sequential) and bool(self.sharding)
+        self._plan()
+        self._record_partitions()
+        self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
+        # False: a recomputed segment reads its forward collectives' outputs back from a tape
+        # (no extra traffic); True: it runs them again, storing only the segment inputs (the
+        # policy before the tape, kept to measure what it saves; :mod:`.memory`)
+        self.recompute_collectives = False
+        self.last_peak_activation_bytes: int | None = None
+        # 2-D: the data-parallel gradient average (and buffer broadcast) over the DP group;
+        # the compressor's residuals are keyed by this module's parameter names.
+        self.grad_sync: GradSync | None = None
+        if groups.dp is not None:
+            self.grad_sync = GradSync(
+                list(self.named_parameters()), group=groups.dp.group,
+                bucket_bytes=config.fusion_threshold_bytes, compressor=compressor,
+                buffers=list(self.module.buffers()) if broadcast_buffers else [])
+        if not self.needs_sync and config.gradient_accumulation is False:
+            warnings.warn("gradient_accumulation has no effect: this layout has no gradient "
+                          "synchronisation (pure tensor parallel, no sequence parallel, 1 replica)",
+                          stacklevel=2)
+
+    def _convert(self, model: nn.Module, config: TensorParallelismConfig, tp: int) -> nn.Module:
+        """The model with its recognised layers swapped for their parallel forms (none for
+        BatchWise or one rank); refuses a layout with nothing to shard."""
         if tp > 1 and not self.batch_split:
             if not (config.column_parallel or config.row_parallel):
                 raise ConfigError([("tensor_parallel", "tensor_parallel_size > 1 but column_parallel "
@@ -133,42 +164,18 @@ class TensorParallelModule(DenseState, ModuleReport, nn.Module):
         elif config.plan and tp > 1:
             raise ConfigError([("tensor_parallel.plan", "BatchWise shards no weights: the plan would be "
                                                         "ignored")])
-        self.module = model
-        for name, mod in model.named_modules():
-            if isinstance(getattr(mod, "state", None), RegionState):
-                mod.tp_path = name  # named in run-time layout errors (.sequence)
-        # whole-model calls (keyword arguments, non-tensor outputs) for models that are not
-        # an nn.Sequential of tensor-to-tensor children
-        self.free_form = not isinstance(model, nn.Sequential) and bool(self.sharding)
-        self._plan()
+        return model
+
+    def _record_partitions(self) -> None:
+        """Tell the coordinator how each parallel linear's weight is split."""
+        kinds = ((ColumnParallelLinear, "ColumnWise"), (RowParallelLinear, "RowWise"),
+                 (GridLinear, "BlockWise"))
         for name, mod in self.module.named_modules():
-            if isinstance(mod, ColumnParallelLinear):
-                self.coordinator.partition_tensor(name + ".weight", (mod.in_features, mod.out_features),
-                                                  "ColumnWise")
-            elif isinstance(mod, RowParallelLinear):
-                self.coordinator.partition_tensor(name + ".weight", (mod.in_features, mod.out_features),
-                                                  "RowWise")
-            elif isinstance(mod, GridLinear):
-                self.coordinator.partition_tensor(name + ".weight", (mod.in_features, mod.out_features),
-                                                  "BlockWise")
-        self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
-        # False: a recomputed segment reads its forward collectives' outputs back from a tape
-        # (no extra traffic); True: it runs them again, storing only the segment inputs (the
-        # policy before the tape, kept to measure what it saves; :mod:`.memory`)
-        self.recompute_collectives = False
-        self.last_peak_activation_bytes: int | None = None
-        # 2-D: the data-parallel gradient average (and buffer broadcast) over the DP group;
-        # the compressor's residuals are keyed by this module's parameter names.
-        self.grad_sync: GradSync | None = None
-        if groups.dp is not None:
-            self.grad_sync = GradSync(
-                list(self.named_parameters()), group=groups.dp.group,
-                bucket_bytes=config.fusion_threshold_bytes, compressor=compressor,
-                buffers=list(self.module.buffers()) if broadcast_buffers else [])
-        if not self.needs_sync and config.gradient_accumulation is False:
-            warnings.warn("gradient_accumulation has no effect: this layout has no gradient "
-                          "synchronisation (pure tensor parallel, no sequence parallel, 1 replica)",
-                          stacklevel=2)
+            for cls, kind in kinds:
+                if isinstance(mod, cls):
+                    self.coordinator.partition_tensor(name + ".weight",
+                                                      (mod.in_features, mod.out_features), kind)
+                    break
 
     # -- structure ------------------------------------------------------------------------
     def _plan(self) -> None:
