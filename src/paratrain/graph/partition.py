@@ -197,21 +197,8 @@ def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> C
     """Split ``gm`` by ``claims`` (module path -> rank); see the module docstring."""
     owner = node_owners(gm, claims, default)
     part_of = _parts(gm, owner)
-    calls: dict[int, list[str]] = {}
     exported = gm.meta.get(CAPTURE) == "export"
-    for n in gm.graph.nodes:
-        if n.op == "call_module" and not exported:
-            calls.setdefault(part_of[n.name], []).append(str(n.target))
-        elif exported and n.name in part_of:
-            # an exported graph's nodes are operations: a part lists the modules whose
-            # forwards they ran in (innermost; a dropout module export.py put there: its
-            # module), in order
-            mod = module_of(n)
-            if mod and mod.rpartition(".")[2].startswith("_mode_op"):
-                mod = mod.rpartition(".")[0]
-            got = calls.setdefault(part_of[n.name], [])
-            if mod and mod not in got and not mod.startswith("_"):
-                got.append(mod)
+    calls = _module_calls(gm, part_of, exported)
     rank_of_part = {part_of[name]: owner[name] for name in part_of}
 
     def callback(node: fx.Node) -> int:
@@ -260,6 +247,42 @@ def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> C
         loss_rank = rank_of_part[max(producing)]
     else:
         loss_rank = next((rank_of_value[v] for v in out_values if rank_of_value[v] is not None), default) or 0
+    transfers = _transfers(parts, out_values, rank_of_value, loss_rank)
+    parts.sort(key=lambda p: p.index)  # our numbering: a topological order of the parts
+    return Cut(tuple(parts), tuple(attrs), tuple(inputs), output,
+               tuple(str(v) for v in out_values), loss_rank, producer, rank_of_value,
+               tuple(transfers), owner,
+               tuple(m for k in sorted(calls) for m in calls[k]) if exported else
+               tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_module"),
+               capture="export" if exported else "fx", in_spec=gm.meta.get(IN_SPEC),
+               out_spec=gm.meta.get(OUT_SPEC),
+               input_defaults={n.name: n.args[0] for n in gm.graph.nodes
+                               if n.op == "placeholder" and n.args})
+
+
+def _module_calls(gm: fx.GraphModule, part_of: Mapping[str, int], exported: bool) -> dict[int, list[str]]:
+    """Part -> the modules it calls, in order."""
+    calls: dict[int, list[str]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and not exported:
+            calls.setdefault(part_of[n.name], []).append(str(n.target))
+        elif exported and n.name in part_of:
+            # an exported graph's nodes are operations: a part lists the modules whose
+            # forwards they ran in (innermost; a dropout module export.py put there: its
+            # module), in order
+            mod = module_of(n)
+            if mod and mod.rpartition(".")[2].startswith("_mode_op"):
+                mod = mod.rpartition(".")[0]
+            got = calls.setdefault(part_of[n.name], [])
+            if mod and mod not in got and not mod.startswith("_"):
+                got.append(mod)
+    return calls
+
+
+def _transfers(parts: list[Part], out_values: list[str], rank_of_value: Mapping[str, int | None],
+               loss_rank: int) -> list[Transfer]:
+    """Each value a part (or the loss) reads from another rank, once per destination, in
+    the order the parts read them."""
     transfers: list[Transfer] = []
     seen: set[tuple[str, int]] = set()
 
@@ -275,16 +298,7 @@ def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> C
             need(v, p.rank)
     for v in out_values:
         need(v, loss_rank)
-    parts.sort(key=lambda p: p.index)  # our numbering: a topological order of the parts
-    return Cut(tuple(parts), tuple(attrs), tuple(inputs), output,
-               tuple(str(v) for v in out_values), loss_rank, producer, rank_of_value,
-               tuple(transfers), owner,
-               tuple(m for k in sorted(calls) for m in calls[k]) if exported else
-               tuple(str(n.target) for n in gm.graph.nodes if n.op == "call_module"),
-               capture="export" if exported else "fx", in_spec=gm.meta.get(IN_SPEC),
-               out_spec=gm.meta.get(OUT_SPEC),
-               input_defaults={n.name: n.args[0] for n in gm.graph.nodes
-                               if n.op == "placeholder" and n.args})
+    return transfers
 
 
 class _ValueName(str):
