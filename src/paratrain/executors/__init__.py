@@ -20,7 +20,7 @@ from .plugins import import_plugins
 from .spec import ExecutorSpec, GraphView, Traced
 
 __all__ = ["ExecutorSpec", "GraphView", "Traced", "STRATEGIES", "TENSOR_PARALLEL", "spec_for",
-           "executor_name", "is_tensor_parallel", "import_plugins", "register_coordinator",
+           "executor_name", "import_plugins", "register_coordinator",
            "registered_coordinators", "worker_preload"]
 
 TENSOR_PARALLEL = "TensorParallel"
@@ -90,9 +90,3 @@ def worker_preload(job: JobConfig) -> list[str]:
     data = () if job.data.factory is not None else _DATA_MODULES.get(str(job.data.name), ())
     model = () if job.model.factory is not None else _MODEL_MODULES.get(str(job.model.name), ())
     return ["paratrain.executors.entry", _PACKAGES[name], "paratrain.comm.dcp", "torch._dynamo", *data, *model]
-
-
-def is_tensor_parallel(job: JobConfig) -> bool:
-    """A Local or DataParallel job with ``tensor_parallel_size > 1``."""
-    return executor_name(job) == TENSOR_PARALLEL
-
