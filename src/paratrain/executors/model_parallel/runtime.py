@@ -160,10 +160,6 @@ class StageRuntime(Routing, Inference):
         is called with ``self.feed(micro_batch)``); the batch's unweighted loss on the loss
         part's rank (None elsewhere). See the module docstring; ``schedule_name=None`` runs
         the sequential order (Direct/DataStore)."""
-        from ...training.stepping import autocast
-
-        loss_fn = loss_fn or cross_entropy
-        c, tr = self.cut, self.transport
         rows = batch_rows(batch)
         sizes = micro_batch_sizes(rows, micro_batch_size or rows)
         bounds = [0]
@@ -174,113 +170,46 @@ class StageRuntime(Routing, Inference):
         micro = [rows_of(batch, bounds[i] + own[i][0], bounds[i] + own[i][1])
                  for i in range(len(sizes))]
         self._inputs: dict[int, dict[str, Any]] = {}  # micro -> graph input -> value
-        in_batch = storages(batch)
         self._sizes = sizes
         order = [a for a in self.actions(len(sizes), schedule_name) if own[a[1]][1] > own[a[1]][0]]
-        stats = StepStats()
+        run = _StepRun(self, step=step, micro=micro, own=own, rows=rows, precision=precision,
+                       loss_fn=loss_fn or cross_entropy, weight=weight, in_batch=storages(batch),
+                       split=schedule_name in SPLIT_BACKWARD)
+        self._outs_ref = run.outs
         t_start = time.perf_counter()
-        # Parameters other ranks read: send once per step; receive the ones I read.
-        # (a replicated holder's primary sends; every replica of a reader receives)
-        for t in self.out_transfers:
-            if self._is_attr(t.value) and self.replica == 0:
-                for k, dst in enumerate(self.replicas.of(t.dst)):
-                    tr.send(self.attrs[t.value].detach(), dst=dst, key=("act", 0, slot_of(t.index, 0, k)), step=step)
-        remote_attrs = {v: detached_leaf(tr.recv(src=self.replicas.of(t.src)[0],
-                                         key=("act", 0, slot_of(t.index, 0, self.replica)),
-                                         step=step).to(self.device))
-                        for v, t in self.in_transfers.items() if self._is_attr(v)}
+        run.remote_attrs = self._exchange_attrs(step)
         needs = [self._recv_specs(kind, i, s) for kind, i, s in order]
-        post = getattr(tr, "post", None)
-        got: dict[tuple[int, str], Any] = {}  # (micro, value) -> what my parts read
-        outs: dict[tuple[int, int], tuple[Any, ...]] = {}  # (micro, part) -> its outputs
-        self._outs_ref = outs
-        loss_terms: dict[int, torch.Tensor] = {}
-        left: dict[tuple[int, str], int] = {}  # readers here still to run B
-        held: dict[tuple[int, int], int] = {}
-        # ZBH1: B computes input gradients only; W (the weight pass) runs what B left
-        split = schedule_name in SPLIT_BACKWARD
-        leaves: dict[tuple[int, int], list[torch.Tensor]] = {}  # (micro, part) -> its inputs
-        deferred: dict[tuple[int, int], Deferred] = {}
-        live = 0
-        loss_total: float | None = None
+        post = getattr(self.transport, "post", None)
         for j, (kind, i, s) in enumerate(order):
             if post is not None:
                 # Post the next receives now so their payloads arrive while we compute.
                 for ahead in needs[j + 1: j + 1 + RECV_LOOKAHEAD]:
                     for src, key, n in ahead:
                         post(src=src, key=key, step=step, rows=n)
-            part = self.parts[s]
-            if kind == "F":
-                args = [self._fetch(i, v, micro[i], remote_attrs, got, left, step, sizes[i])
-                        for v in self.reads[s]]
-                t0 = time.perf_counter()
-                meter = SavedBytes(self._param_ptrs | in_batch)
-                with torch.autograd.graph.saved_tensors_hooks(meter.pack, unpack_saved), \
-                        autocast(precision, self.device):
-                    result = as_tuple(self.modules[s](*args[: len(part.inputs)]), len(part.outputs))
-                    if s == self.loss_part:
-                        env = dict(zip(self.reads[s], args, strict=True))
-                        env.update(zip(part.outputs, result, strict=True))
-                        out = model_output(c, env)
-                        mine = own[i][1] - own[i][0]
-                        mean = loss_fn(out, micro[i])
-                        loss_terms[i] = mean * (weight * mine / rows)
-                t1 = time.perf_counter()
-                stats.compute_s += t1 - t0
-                stats.trace.append(("F", i, s, t0, t1))
-                if s == self.loss_part:
-                    loss_total = (loss_total or 0.0) + float(mean.detach()) * mine / rows
-                outs[(i, s)] = result
-                for v, val in zip(part.outputs, result, strict=True):
-                    for t in self.out_transfers:
-                        if t.value == v:
-                            check_tensor(v, val, t.dst)
-                            self._send_rows(val.detach(), "act", i, t, step, to_src=False)
-                for a in args:
-                    if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None:
-                        meter.pack(a)
-                for val in result:
-                    if isinstance(val, torch.Tensor):
-                        meter.pack(val)
-                held[(i, s)] = meter.bytes
-                if split:  # the activations this part received or read from my other parts
-                    leaves[(i, s)] = [a for v, a in zip(self.reads[s], args, strict=True)
-                                      if c.producer[v][0] == "part" and isinstance(a, torch.Tensor)
-                                      and a.requires_grad and a.grad_fn is None]
-                live += meter.bytes
-                stats.peak_activation_bytes = max(stats.peak_activation_bytes, live)
-            elif kind == "W":
-                t0 = time.perf_counter()
-                deferred.pop((i, s)).run()
-                t1 = time.perf_counter()
-                stats.compute_s += t1 - t0
-                stats.trace.append(("W", i, s, t0, t1))
-                live -= held.pop((i, s))
-            else:
-                result = outs.pop((i, s))
-                tensors: list[torch.Tensor] = []
-                grads: list[torch.Tensor | None] = []
-                if s == self.loss_part:
-                    tensors.append(loss_terms.pop(i))
-                    grads.append(None)
-                for v, val in zip(part.outputs, result, strict=True):
-                    g = self._output_grad(i, v, val, got, step, sizes[i])
-                    if g is not None and isinstance(val, torch.Tensor) and val.requires_grad:
-                        tensors.append(val)
-                        grads.append(g)
-                t0 = time.perf_counter()
-                if split:
-                    deferred[(i, s)] = backward_inputs(tensors, grads, leaves.pop((i, s)))
-                elif tensors:
-                    torch.autograd.backward(tensors, grad_tensors=grads)
-                t1 = time.perf_counter()
-                stats.compute_s += t1 - t0
-                stats.trace.append(("B", i, s, t0, t1))
-                for v in set(self.reads[s]):
-                    self._release(i, v, got, left, step, sizes[i])
-                if not split:
-                    live -= held.pop((i, s))
-        # Gradients of the parameters I read from other ranks go back to their holders.
+            {"F": run.forward, "W": run.weights, "B": run.backward}[kind](i, s)
+        self._return_attr_grads(run.remote_attrs, step)
+        self.transport.flush()
+        run.stats.step_s = time.perf_counter() - t_start
+        self.stats = run.stats
+        return run.loss_total
+
+    def _exchange_attrs(self, step: int) -> dict[str, torch.Tensor]:
+        """Parameters other ranks read: sent once per step; the ones I read, received (a
+        replicated holder's primary sends; every replica of a reader receives)."""
+        tr = self.transport
+        for t in self.out_transfers:
+            if self._is_attr(t.value) and self.replica == 0:
+                for k, dst in enumerate(self.replicas.of(t.dst)):
+                    tr.send(self.attrs[t.value].detach(), dst=dst, key=("act", 0, slot_of(t.index, 0, k)), step=step)
+        return {v: detached_leaf(tr.recv(src=self.replicas.of(t.src)[0],
+                                         key=("act", 0, slot_of(t.index, 0, self.replica)),
+                                         step=step).to(self.device))
+                for v, t in self.in_transfers.items() if self._is_attr(v)}
+
+    def _return_attr_grads(self, remote_attrs: dict[str, torch.Tensor], step: int) -> None:
+        """Gradients of the parameters I read from other ranks go back to their holders;
+        mine come back from every reader and add up."""
+        tr = self.transport
         for v, leaf in remote_attrs.items():
             t = self.in_transfers[v]
             g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
@@ -292,10 +221,6 @@ class StageRuntime(Routing, Inference):
                     param = self.attrs[t.value]
                     if param.requires_grad:
                         param.grad = g.to(param.dtype) if param.grad is None else param.grad + g
-        tr.flush()
-        stats.step_s = time.perf_counter() - t_start
-        self.stats = stats
-        return loss_total
 
     def _fetch(self, i: int, v: str, mb: Any, remote_attrs: dict[str, Any],
                got: dict[tuple[int, str], Any], left: dict[tuple[int, str], int], step: int,
@@ -373,3 +298,105 @@ class StageRuntime(Routing, Inference):
 
     def recv_metric(self, *, src: int, step: int, slot: int = 0) -> torch.Tensor:
         return self.transport.recv(src=src, key=("metric", slot, 0), step=step)
+
+
+class _StepRun:
+    """One :meth:`StageRuntime.run_batch`'s state: what my parts read and produced per
+    micro-batch, the activation bytes held, and the F / B / W actions of the schedule.
+    ZBH1 (``split``): B computes input gradients only; W (the weight pass) runs what B left."""
+
+    def __init__(self, rt: Any, *, step: int, micro: list[Any], own: list[tuple[int, int]],
+                 rows: int, precision: str, loss_fn: LossFn, weight: float, in_batch: set[int],
+                 split: bool) -> None:
+        self.rt, self.step, self.micro, self.own, self.rows = rt, step, micro, own, rows
+        self.precision, self.loss_fn, self.weight, self.in_batch = precision, loss_fn, weight, in_batch
+        self.split = split
+        self.remote_attrs: dict[str, torch.Tensor] = {}
+        self.got: dict[tuple[int, str], Any] = {}  # (micro, value) -> what my parts read
+        self.outs: dict[tuple[int, int], tuple[Any, ...]] = {}  # (micro, part) -> its outputs
+        self.loss_terms: dict[int, torch.Tensor] = {}
+        self.left: dict[tuple[int, str], int] = {}  # readers here still to run B
+        self.held: dict[tuple[int, int], int] = {}
+        self.leaves: dict[tuple[int, int], list[torch.Tensor]] = {}  # (micro, part) -> its inputs
+        self.deferred: dict[tuple[int, int], Deferred] = {}
+        self.live = 0
+        self.loss_total: float | None = None
+        self.stats = StepStats()
+
+    def forward(self, i: int, s: int) -> None:
+        from ...training.stepping import autocast
+
+        rt, part = self.rt, self.rt.parts[s]
+        sizes = rt._sizes
+        args = [rt._fetch(i, v, self.micro[i], self.remote_attrs, self.got, self.left, self.step,
+                          sizes[i]) for v in rt.reads[s]]
+        t0 = time.perf_counter()
+        meter = SavedBytes(rt._param_ptrs | self.in_batch)
+        mine = self.own[i][1] - self.own[i][0]
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, unpack_saved), \
+                autocast(self.precision, rt.device):
+            result = as_tuple(rt.modules[s](*args[: len(part.inputs)]), len(part.outputs))
+            if s == rt.loss_part:
+                env = dict(zip(rt.reads[s], args, strict=True))
+                env.update(zip(part.outputs, result, strict=True))
+                mean = self.loss_fn(model_output(rt.cut, env), self.micro[i])
+                self.loss_terms[i] = mean * (self.weight * mine / self.rows)
+        t1 = time.perf_counter()
+        self.stats.compute_s += t1 - t0
+        self.stats.trace.append(("F", i, s, t0, t1))
+        if s == rt.loss_part:
+            self.loss_total = (self.loss_total or 0.0) + float(mean.detach()) * mine / self.rows
+        self.outs[(i, s)] = result
+        for v, val in zip(part.outputs, result, strict=True):
+            for t in rt.out_transfers:
+                if t.value == v:
+                    check_tensor(v, val, t.dst)
+                    rt._send_rows(val.detach(), "act", i, t, self.step, to_src=False)
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None:
+                meter.pack(a)
+        for val in result:
+            if isinstance(val, torch.Tensor):
+                meter.pack(val)
+        self.held[(i, s)] = meter.bytes
+        if self.split:  # the activations this part received or read from my other parts
+            self.leaves[(i, s)] = [a for v, a in zip(rt.reads[s], args, strict=True)
+                                   if rt.cut.producer[v][0] == "part" and isinstance(a, torch.Tensor)
+                                   and a.requires_grad and a.grad_fn is None]
+        self.live += meter.bytes
+        self.stats.peak_activation_bytes = max(self.stats.peak_activation_bytes, self.live)
+
+    def weights(self, i: int, s: int) -> None:
+        t0 = time.perf_counter()
+        self.deferred.pop((i, s)).run()
+        t1 = time.perf_counter()
+        self.stats.compute_s += t1 - t0
+        self.stats.trace.append(("W", i, s, t0, t1))
+        self.live -= self.held.pop((i, s))
+
+    def backward(self, i: int, s: int) -> None:
+        rt, part = self.rt, self.rt.parts[s]
+        size = rt._sizes[i]
+        result = self.outs.pop((i, s))
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if s == rt.loss_part:
+            tensors.append(self.loss_terms.pop(i))
+            grads.append(None)
+        for v, val in zip(part.outputs, result, strict=True):
+            g = rt._output_grad(i, v, val, self.got, self.step, size)
+            if g is not None and isinstance(val, torch.Tensor) and val.requires_grad:
+                tensors.append(val)
+                grads.append(g)
+        t0 = time.perf_counter()
+        if self.split:
+            self.deferred[(i, s)] = backward_inputs(tensors, grads, self.leaves.pop((i, s)))
+        elif tensors:
+            torch.autograd.backward(tensors, grad_tensors=grads)
+        t1 = time.perf_counter()
+        self.stats.compute_s += t1 - t0
+        self.stats.trace.append(("B", i, s, t0, t1))
+        for v in set(rt.reads[s]):
+            rt._release(i, v, self.got, self.left, self.step, size)
+        if not self.split:
+            self.live -= self.held.pop((i, s))
