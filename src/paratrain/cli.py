@@ -89,7 +89,12 @@ def _cmd_graph(args: argparse.Namespace) -> int:
     from .explain import explain_file, render
 
     try:
-        report = explain_file(args.job)
+        report = explain_file(args.job, edges=args.out is not None)
+        if args.out is not None:  # the picture instead (paratrain.graph.draw)
+            from .graph.draw import draw
+
+            print(draw(report, args.out))
+            return EXIT_OK
     except ConfigError as e:
         _print_problems(_problems(e, args.job))
         return EXIT_USAGE
@@ -259,6 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "parameters, strategies, workers, values crossing workers")
     g.add_argument("job")
     g.add_argument("--json", action="store_true", help="the report as JSON")
+    g.add_argument("--out", help="draw it to this file instead (.svg, .png or .pdf): nodes "
+                                 "coloured by worker, values crossing workers on the arrows")
     g.set_defaults(fn=_cmd_graph)
 
     e = sub.add_parser("export", help="write a finished run's model as one state_dict under the "

@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..config import ConfigError
+from ..graph.edges import node_edges
 from ..graph.render import render  # re-exported: the report's text
 from ..graph.sizes import count_elements, shape_info, tensor_metas
 from ..graph.trace import module_of, trace
@@ -64,9 +65,12 @@ def _build(job: Any) -> tuple[nn.Module, Any]:
     return model, train
 
 
-def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) -> dict[str, Any]:
+def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True,
+            edges: bool = False) -> dict[str, Any]:
     """The report of ``job``'s graph (see the module docstring). ``model``: the job's model
-    already built (else built here); the job's ``run.imports`` must already be imported."""
+    already built (else built here); the job's ``run.imports`` must already be imported.
+    ``edges``: also the data flow between the nodes (``edges``, :func:`..graph.edges.node_edges`)
+    that ``paratrain graph --out`` draws."""
     from ..executors import Traced, spec_for
     from ..subgraphs import check_pairings, check_paths, resolve
     from ..task.steps import example_args
@@ -112,6 +116,8 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True) ->
     }
     if shape_note is not None:
         report["shapes_unavailable"] = shape_note
+    if edges:
+        report["edges"] = node_edges(gm, [r["node"] for r in rows])
     return report
 
 
@@ -188,7 +194,7 @@ def _subgraphs(modules: dict[str, nn.Module], resolved: Any, root: Any, view: An
     return groups
 
 
-def explain_file(path: str | Path, *, shapes: bool = True) -> dict[str, Any]:
+def explain_file(path: str | Path, *, shapes: bool = True, edges: bool = False) -> dict[str, Any]:
     """Load the job file (and its ``run.imports``, relative to its folder); its report."""
     from ..config.job import load_job
     from ..executors import import_plugins
@@ -200,7 +206,7 @@ def explain_file(path: str | Path, *, shapes: bool = True) -> dict[str, Any]:
         raise
     except Exception as e:  # noqa: BLE001 - the job's own code: one line, no traceback
         raise ConfigError([("run.imports", f"importing failed: {type(e).__name__}: {e}")]) from None
-    report = explain(job, shapes=shapes)
+    report = explain(job, shapes=shapes, edges=edges)
     report["job"] = str(path)
     return report
 

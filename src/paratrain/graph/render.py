@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["render"]
+__all__ = ["render", "shape_text", "value_text"]
 
 
 def _n(x: int) -> str:
@@ -24,12 +24,22 @@ def _table(header: list[str], rows: list[list[str]], right: set[int]) -> list[st
     return [line(header), *(line(r) for r in rows)]
 
 
-def _shape_text(shape: Any) -> str:
+def shape_text(shape: Any) -> str:
+    """``[32, 128]`` (several outputs: each, comma-separated; none: empty)."""
     if shape is None:
         return ""
     if shape and isinstance(shape[0], list):
-        return ", ".join(_shape_text(s) for s in shape)
+        return ", ".join(shape_text(s) for s in shape)
     return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def value_text(t: Mapping[str, Any], model: str) -> str:
+    """A value crossing workers as the tables name it: the module or node computing it."""
+    if t.get("attr"):
+        return f"parameter {t['attr']}"
+    if t.get("op") == "call_module":
+        return str(t["in_module"])
+    return f"{t['node']} (in {t.get('in_module') or model}.forward)"
 
 
 def render(report: Mapping[str, Any]) -> str:
@@ -106,15 +116,9 @@ def _placement(report: Mapping[str, Any]) -> list[str]:
     if report["transfers"]:
         rows = []
         for t in report["transfers"]:
-            if t.get("attr"):
-                by = f"parameter {t['attr']}"
-            elif t.get("op") == "call_module":
-                by = str(t["in_module"])
-            else:
-                by = f"{t['node']} (in {t.get('in_module') or report['model']}.forward)"
             ends = [" + ".join(t.get(f"{e}_replicas") or [t[e]]) for e in ("from", "to")]
-            rows.append([*ends, by,
-                         _shape_text(t.get("shape")) + (f" {t['dtype']}" if t.get("dtype") else ""),
+            rows.append([*ends, value_text(t, report["model"]),
+                         shape_text(t.get("shape")) + (f" {t['dtype']}" if t.get("dtype") else ""),
                          _n(t["bytes"]) if t.get("bytes") is not None else ""])
         out += _table(["from", "to", "value (the node computing it)", "shape", "bytes"], rows, {4})
     else:
