@@ -17,19 +17,28 @@ it does not read them. :func:`newest_checkpoint` finds the newest complete one, 
 only (nothing is loaded): the stores resume from it, and the launcher names it when it
 restarts a group ("restarted from round 4"), so a resume never silently starts fresh
 while a checkpoint exists.
+
+Every file a run writes goes through :func:`write_atomic` (:func:`write_bytes` /
+:func:`write_text` / :func:`write_json` on top): a temp file in the same folder, fsynced,
+``os.replace``d into place, and the folder fsynced, so a crash or a power cut leaves the
+old file or the new one whole, never a torn or empty one.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = ["inside", "safe_rmtree", "safe_unlink", "FoundCheckpoint", "newest_checkpoint",
-           "DCP_FOLDER", "step_folders"]
+           "DCP_FOLDER", "step_folders", "write_atomic", "write_bytes", "write_text",
+           "write_json", "fsync_folder"]
 
 DCP_FOLDER = "step-{:09d}"  # one torch.distributed.checkpoint folder of the one loop's stores
 
@@ -59,6 +68,59 @@ def safe_unlink(path: str | Path, root: str | Path) -> None:
     if p.is_dir() and not p.is_symlink():
         raise RuntimeError(f"refusing to unlink {p}: it is a folder")
     safe_rmtree(p, root)
+
+
+def fsync_folder(folder: str | Path) -> None:
+    """fsync a folder, so that a rename or a new entry in it survives a power cut (a file
+    system that cannot open or sync a folder, as on Windows, is left to its own order)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # EINVAL/EBADF: this file system does not sync folders; nothing to wait for
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | Path, fill: Callable[[Path], object], *, durable: bool = True) -> Path:
+    """Write ``path`` whole or not at all: ``fill(tmp)`` writes a temp file beside it
+    (``.<name>.<pid>.<random>.tmp``, the folder's own permissions as ``open`` gives them),
+    which is fsynced, ``os.replace``d onto ``path``, and the folder fsynced. On any error the
+    temp file is removed and ``path`` keeps its old content. ``durable=False`` skips both
+    fsyncs, for values that are consumed at once and never outlive the run (ModelParallel's
+    activations in a DataStore): a reader still sees nothing or the whole file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        fill(tmp)
+        if durable:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_folder(path.parent)
+    return path
+
+
+def write_bytes(path: str | Path, data: bytes, *, durable: bool = True) -> Path:
+    """:func:`write_atomic` of ``data``."""
+    return write_atomic(path, lambda tmp: tmp.write_bytes(data), durable=durable)
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """:func:`write_atomic` of ``text`` in UTF-8."""
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | Path, doc: Any, **dumps: Any) -> Path:
+    """:func:`write_atomic` of ``json.dumps(doc, **dumps)``."""
+    return write_text(path, json.dumps(doc, **dumps))
 
 
 _LOCAL = re.compile(r"^ckpt-(\d{9})\.pt$")

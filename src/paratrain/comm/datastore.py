@@ -18,15 +18,15 @@ running when its input is produced: the file waits for it.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..files import write_atomic
 
 __all__ = ["DataStore", "DataStoreTransport", "open_session"]
 
@@ -53,18 +53,11 @@ class DataStore:
         return self.root / f"{key}.pt"
 
     def put(self, key: str, tensor: torch.Tensor) -> Path:
-        """Publish ``tensor`` under ``key`` atomically (temp file + ``os.replace``)."""
+        """Publish ``tensor`` under ``key`` atomically (:func:`paratrain.files.write_atomic`)."""
         dest = self.path(key)
         t = tensor.detach().cpu().contiguous().clone()
-        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=self.root)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(t, f)
-            os.replace(tmp, dest)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        # not durable: a value is consumed at once and never outlives the launch
+        write_atomic(dest, lambda tmp: torch.save(t, tmp), durable=False)
         self.bytes_written += t.numel() * t.element_size()
         return dest
 

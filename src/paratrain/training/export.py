@@ -21,8 +21,6 @@ is what Hugging Face and timm read.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -31,6 +29,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
+from ..files import write_atomic
 
 __all__ = ["MODEL_FILE", "whole_state", "tied_names", "complete_state", "save_model",
            "load_model", "read_model", "export_model", "client_model_file"]
@@ -81,25 +80,15 @@ def complete_state(
 
 def save_model(run_dir: str | Path, state: Mapping[str, torch.Tensor], *,
                name: str = MODEL_FILE) -> Path:
-    """Write ``state`` to ``run_dir/name`` atomically (temp file, fsync, rename)."""
+    """Write ``state`` to ``run_dir/name`` atomically (:func:`paratrain.files.write_atomic`)."""
     from safetensors.torch import save_file
 
     path = Path(run_dir) / name
     # safetensors refuses tensors sharing memory: each name gets its own contiguous copy
     flat = {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        # safetensors sorts names; the metadata keeps the model's own order
-        save_file(flat, tmp, metadata={"format": "pt", "producer": "paratrain",
-                                       "order": json.dumps(list(flat))})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    # safetensors sorts names; the metadata keeps the model's own order
+    meta = {"format": "pt", "producer": "paratrain", "order": json.dumps(list(flat))}
+    return write_atomic(path, lambda tmp: save_file(flat, str(tmp), metadata=meta))
 
 
 def load_model(run_dir: str | Path, *, client: int | None = None) -> dict[str, torch.Tensor]:
@@ -172,12 +161,4 @@ def export_model(run_dir: str | Path, out: str | Path, *, client: int | None = N
         raise ConfigError([("--out", f"{out.parent} is not a folder")])
     if out.suffix == ".safetensors":
         return save_model(out.parent, state, name=out.name)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    return write_atomic(out, lambda tmp: torch.save(state, tmp))

@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ..files import inside as _inside
-from ..files import safe_rmtree, safe_unlink
+from ..files import safe_rmtree, safe_unlink, write_text
 
 if TYPE_CHECKING:  # the config (pydantic) is imported where an error is raised: a process
     # that only reads metrics (report.png's drawer) does not load it
@@ -313,13 +313,10 @@ def prepare_run_dir(job: JobConfig, *, resume: bool, overwrite: bool = False) ->
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    """:func:`paratrain.files.write_text`, a failure said as a disk error naming the file."""
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        write_text(path, text)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         raise disk_error(path, e) from None
 
 

@@ -52,7 +52,15 @@ from ..comm import collectives as C
 from ..comm.dcp_pieces import METADATA, Piece
 from ..comm.groups import side_group
 from ..config import ConfigError
-from ..files import DCP_FOLDER, newest_checkpoint, safe_rmtree, step_folders
+from ..files import (
+    DCP_FOLDER,
+    fsync_folder,
+    newest_checkpoint,
+    safe_rmtree,
+    step_folders,
+    write_bytes,
+    write_json,
+)
 from . import dcp_state as S
 from .checkpoint import MIN_KEEP
 from .faults import maybe_kill_in_save
@@ -232,15 +240,16 @@ class RankStore:
                                    group=g) if not self._shared else b""
             if self._leader:
                 if md and not (tmp / METADATA).exists():
-                    _write_atomic(tmp / METADATA, md)
-                _write_atomic(tmp / LAYOUT_FILE, json.dumps(
-                    {"kind": self.prefix, "step": step, **self.layout, "world": self.world}).encode())
+                    write_bytes(tmp / METADATA, md)
+                write_json(tmp / LAYOUT_FILE, {"kind": self.prefix, "step": step, **self.layout,
+                                               "world": self.world})
             C.barrier(g)
             maybe_kill_in_save(final)
             if self._leader:
                 if final.exists():
                     safe_rmtree(final, self.root)
                 os.replace(tmp, final)
+                fsync_folder(self.root)  # the rename itself survives a power cut
                 for old in step_folders(self.root)[:-MIN_KEEP]:
                     safe_rmtree(old, self.root)
         except (OSError, _failed_dcp()) as e:  # DCP wraps a failed write (a full disk)
@@ -432,12 +441,6 @@ def _stage(obj: Any) -> Any:
     if isinstance(obj, (int, float, str, bytes, bool, type(None))):
         return obj
     return copy.deepcopy(obj)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def _shape(doc: dict[str, Any]) -> str:

@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from ...files import write_atomic, write_bytes
 
 __all__ = ["member_path", "state_digest", "seed_of", "copy_atomic", "CheckpointWriter"]
 
@@ -58,15 +58,9 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
 
 
 def copy_atomic(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` (:func:`paratrain.files.write_atomic`)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
-    os.close(fd)
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(dst, lambda tmp: shutil.copyfile(src, tmp))
 
 
 class CheckpointWriter:
@@ -74,7 +68,8 @@ class CheckpointWriter:
 
     ``save`` serialises the state into memory at once (later training cannot change
     what is written) and hands the bytes to one writer thread, which writes a temp file
-    in the target folder, fsyncs it and ``os.replace``s it into place — the same
+    in the target folder, fsyncs it and ``os.replace``s it into place
+    (:func:`paratrain.files.write_atomic`) — the same
     guarantees as :func:`paratrain.training.checkpoint.save_checkpoint`, overlapped with
     the next member's training. ``flush`` waits for every pending file and re-raises a
     write error; a worker flushes before reporting its generation, so a population
@@ -90,16 +85,7 @@ class CheckpointWriter:
     @staticmethod
     def _write(path: Path, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_bytes(path, data)
 
     def save(self, path: Path, state: dict[str, Any]) -> None:
         buf = io.BytesIO()

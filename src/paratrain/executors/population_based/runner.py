@@ -51,7 +51,6 @@ member, its fitness and the hyperparameter schedule that produced its weights.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -63,6 +62,7 @@ from ...comm.context import WorkerContext, default_workers
 from ...comm.pbt_ops import broadcast_json, gather_json
 from ...config import ConfigError
 from ...config.job import JobConfig
+from ...files import write_json, write_text
 from ...training import MetricsWriter, checkpoint, prepare_run_dir, resolve_device, write_summary
 from ...training.faults import maybe_kill
 from ...training.lifecycle import Lifecycle, engine_state
@@ -140,12 +140,6 @@ def _prune_members(run_dir: Path, *, keep_from: int) -> None:
             safe_rmtree(d, run_dir)
 
 
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
     """One worker process: train this rank's members every generation (module docstring).
     A generation is a unit of the run's one lifecycle (:class:`~paratrain.training.lifecycle.Lifecycle`):
@@ -193,7 +187,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         if pop is None:
             pop = PopulationState.initial(job.search_space, size=size, seed=job.run.seed)
         token = uuid.uuid4().hex
-        (run_dir / _TOKEN).write_text(token, encoding="utf-8")
+        write_text(run_dir / _TOKEN, token)
     done = int(found[1]["step"]) if found is not None else 0
     life.begin(done, resume=resume, found=found is not None, metrics=metrics)
     with life:
@@ -294,7 +288,7 @@ def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRun
         # lineage first, the population checkpoint (collective) last, so a crash in between
         # reruns this generation on resume (metrics are truncated back to the checkpoint)
         t = time.perf_counter()
-        _write_text(run_dir / "lineage.json", json.dumps(lineage_json(pop, metric=metric, mode=mode), indent=1))
+        write_json(run_dir / "lineage.json", lineage_json(pop, metric=metric, mode=mode), indent=1)
         done = pop.generation
         life.end_unit(done, last=done == generations)
         if opts.keep_generations is not None:
@@ -309,8 +303,7 @@ def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRun
     if not main:
         return None
     assert pop is not None
-    _write_text(run_dir / "lineage.json",
-                json.dumps(lineage_json(pop, metric=metric, mode=mode), indent=1))
+    write_json(run_dir / "lineage.json", lineage_json(pop, metric=metric, mode=mode), indent=1)
     summary = population_summary(job, pop, run_dir, ctx.world_size, started, timing, per_rank,
                        metric=metric, mode=mode, task=runner.task,
                        reference=runner.reference_metrics())

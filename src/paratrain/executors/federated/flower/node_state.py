@@ -6,7 +6,7 @@ own state (personal parts, error-feedback residuals, SCAFFOLD's ``c_i``) would s
 and the resumed run would differ from an uninterrupted one. So a node given a folder
 (``--node-config 'state-dir="/var/lib/paratrain"'``) also writes its state blob after each
 round it trains, as ``<state-dir>/<job name>/<lineage>/partition-<p>-of-<n>/round-<k>.bin``:
-the state *entering* round ``k`` (0-based), written atomically (temp file, rename).
+the state *entering* round ``k`` (0-based), written atomically (:func:`paratrain.files.write_atomic`).
 
 - ``lineage``: an id the server draws when the run folder is created and keeps across
   resumes (``flower.json`` in the run folder), so a new run of the same name never reads an
@@ -22,12 +22,10 @@ The node's disk is the node's own: the state never travels to the server. Withou
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from pathlib import Path
 
-from ....files import safe_rmtree
+from ....files import safe_rmtree, write_bytes
 
 __all__ = ["NodeStateFiles"]
 
@@ -70,16 +68,7 @@ class NodeStateFiles:
                 if other.is_dir() and other.name != self.lineage:
                     safe_rmtree(other, self.job_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".round-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self._path(entering))
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_bytes(self._path(entering), blob)
         rounds = self._rounds()
         base = [k for k in rounds if k <= keep_from]
         keep = {k for k in rounds if keep_from < k <= entering} | set(base[-1:])

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ....config import ConfigError
 from ....config.job import JobConfig
-from ....files import step_folders
+from ....files import step_folders, write_json
 from ....training import report, write_summary
 from ....training.lifecycle import Lifecycle
 from ....training.rundir import MetricsWriter, RunFolder
@@ -85,7 +85,7 @@ def _lineage(run_dir: Path) -> str:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     lineage = uuid.uuid4().hex[:16]
-    path.write_text(json.dumps({"lineage": lineage}))
+    write_json(path, {"lineage": lineage})
     return lineage
 
 
