@@ -20,6 +20,7 @@ from pydantic import (
     Field,
     SerializationInfo,
     SerializerFunctionWrapHandler,
+    TypeAdapter,
     ValidationError,
     ValidatorFunctionWrapHandler,
     model_serializer,
@@ -28,6 +29,7 @@ from pydantic import (
 
 __all__ = [
     "load_document",
+    "Codec",
     "Contract",
     "ConfigError",
     "Count",
@@ -189,6 +191,29 @@ def load_document(validate: Callable[[Any], T], doc: str | bytes | dict[str, Any
         return validate(doc)
     except ValidationError as e:
         raise format_validation_error(e) from None
+
+
+class Codec:
+    """Load, dump and schema of one tagged union of contracts (a pydantic ``TypeAdapter``):
+    ``load`` takes JSON text, a dict or an already built contract."""
+
+    def __init__(self, union: Any) -> None:
+        self._adapter: TypeAdapter[Any] = TypeAdapter(union)
+
+    def load(self, doc: str | bytes | dict[str, Any] | Contract) -> Any:
+        """Validate from JSON text or a dict; raises ConfigError."""
+        if isinstance(doc, Contract):
+            return doc
+        return load_document(self._adapter.validate_python, doc)
+
+    def dump(self, value: Any) -> dict[str, Any]:
+        """The JSON-compatible dict (extensions only when set)."""
+        out: dict[str, Any] = self._adapter.dump_python(value, mode="json")
+        return out
+
+    def schema(self) -> dict[str, Any]:
+        out: dict[str, Any] = self._adapter.json_schema()
+        return out
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)\s*$")

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, TypeAdapter, field_validator
+from pydantic import Field, field_validator
 
-from ._base import Contract, Count, load_document, register_tags
+from ._base import Codec, Contract, Count, register_tags
 
 __all__ = [
     "NoCompression", "TopK", "RandomK", "Threshold", "Quantization", "ErrorFeedback",
@@ -150,21 +150,7 @@ register_tags(
      "PowerSGD"]
 )
 
-_ADAPTER: TypeAdapter[Any] = TypeAdapter(CompressionStrategy)
-
-
-def load_compression(doc: str | bytes | dict[str, Any] | Contract) -> Any:
-    """Validate a CompressionStrategy from JSON text or a dict; raises ConfigError."""
-    if isinstance(doc, Contract):
-        return doc
-    return load_document(_ADAPTER.validate_python, doc)
-
-
-def dump_compression(strategy: Any) -> dict[str, Any]:
-    out: dict[str, Any] = _ADAPTER.dump_python(strategy, mode="json")
-    return out
-
-
-def compression_schema() -> dict[str, Any]:
-    schema: dict[str, Any] = _ADAPTER.json_schema()
-    return schema
+_CODEC = Codec(CompressionStrategy)
+load_compression = _CODEC.load  # a CompressionStrategy from JSON text or a dict
+dump_compression = _CODEC.dump
+compression_schema = _CODEC.schema

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, JsonValue, TypeAdapter, model_validator
+from pydantic import Field, JsonValue, model_validator
 
 from ._base import (
+    Codec,
     Contract,
     Fraction,
     PositiveCount,
-    load_document,
     register_tags,
 )
 from .federated_aggregation import FederatedAggregation
@@ -329,22 +329,7 @@ register_tags(
     ]
 )
 
-_ADAPTER: TypeAdapter[Any] = TypeAdapter(TrainingStrategy)
-
-
-def load_strategy(doc: str | bytes | dict[str, Any] | Contract) -> Any:
-    """Validate a TrainingStrategy from JSON text or a dict; raises ConfigError."""
-    if isinstance(doc, Contract):
-        return doc
-    return load_document(_ADAPTER.validate_python, doc)
-
-
-def dump_strategy(strategy: Any) -> dict[str, Any]:
-    """The JSON-compatible dict of a TrainingStrategy (extensions only when set)."""
-    out: dict[str, Any] = _ADAPTER.dump_python(strategy, mode="json")
-    return out
-
-
-def strategy_schema() -> dict[str, Any]:
-    schema: dict[str, Any] = _ADAPTER.json_schema()
-    return schema
+_CODEC = Codec(TrainingStrategy)
+load_strategy = _CODEC.load  # a TrainingStrategy from JSON text or a dict
+dump_strategy = _CODEC.dump
+strategy_schema = _CODEC.schema
