@@ -1,5 +1,6 @@
 """``paratrain export RUN --format hf --out DIR`` (paratrain.training.export_hf): a tensor-parallel
-GPT-2 run (2 ranks) and a ZeRO-3 Llama run (2 replicas) exported through the CLI load with
+GPT-2 run (2 ranks), a ZeRO-3 Llama run (2 replicas), a 1F1B pipeline GPT-2 (2 stages, the tied
+head on the second) and a Federated Llama (FedAvg of 2 clients) exported through the CLI load with
 ``AutoModelForCausalLM.from_pretrained(DIR)`` and score the run's reported test loss on its
 test data (rtol 1e-5); a corrupted weight in the folder scores otherwise; a model that is not
 a transformers model is refused naming --format."""
@@ -27,12 +28,24 @@ CASES: dict[str, dict[str, Any]] = {
     "llama-zero3": {"model": {"factory": "hf_factories:llama", "hidden": 32},
                     "strategy": {"type": "DataParallel", "num_replicas": 2, "shard": "parameters",
                                  "aggregation": {"method": "AllReduce"}}},
+    "gpt2-pipeline": {"model": GPT2, "strategy": {
+        "type": "ModelParallel",
+        "communication": {"protocol": "Pipeline", "micro_batch_size": 4, "schedule": "1F1B"},
+        "partitions": [{"node_ids": ["transformer.h.1", "transformer.ln_f", "lm_head"],
+                        "target": {"WorkerId": "worker-1"}}]}},
+    # one round, each client's data as one batch: a FedAvg of two AdamW steps
+    "llama-federated": {"model": {"factory": "hf_factories:llama", "hidden": 32},
+                        "strategy": {"type": "Federated", "num_clients": 2, "rounds": 1,
+                                     "aggregation": {"method": "FedAvg"},
+                                     "client_selection": {"method": "All"}},
+                        "federated": {"local_epochs": 1, "batch_size": None},
+                        "run": {"num_workers": 2}, "train": {"optimizer": {"name": "adamw", "lr": 3e-3}}},
 }
 
 
-def _doc(tmp: Path, name: str, **extra: Any) -> dict[str, Any]:
+def _doc(tmp: Path, name: str, *, run: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     # a small slice of the corpus (hf_factories.tiny_text) and 3 steps: the run is start-up
-    return {"run": {"name": name, "seed": 1, "output_dir": str(tmp)},
+    return {"run": {"name": name, "seed": 1, "output_dir": str(tmp), **(run or {})},
             "task": {"name": "language_model", "block_size": 16},
             "data": {"factory": "hf_factories:tiny_text"},
             "train": {"batch_size": 8, "max_steps": 3, "eval_every": 3,
@@ -51,7 +64,9 @@ def _test_loss(model: Any, doc: dict[str, Any]) -> float:
 def test_from_pretrained_scores_the_runs_test_loss(tmp_path: Path, case: str) -> None:
     doc = _doc(tmp_path, case, **CASES[case])
     summary = paratrain.fit(doc)
-    assert summary.get("tensor_parallel_size") == 2 or summary.get("shard") == "parameters"
+    assert summary["strategy"] == {"gpt2-tp2": "TensorParallel", "llama-zero3": "DataParallel",
+                                   "gpt2-pipeline": "ModelParallel", "llama-federated": "Federated"}[case]
+    assert summary.get("tensor_parallel_size", 2) == 2 and summary.get("shard", "parameters") == "parameters"
     out = tmp_path / "hf"
     assert cli.main(["export", summary["run_dir"], "--format", "hf", "--out", str(out), "-q"]) == 0
     assert {"config.json", "model.safetensors", "generation_config.json"} <= {p.name for p in out.iterdir()}
