@@ -8,6 +8,8 @@ job's ``[task]`` section (:mod:`.builtin`), a user's comes from ``[task] factory
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from ..config import ConfigError, one_line
@@ -62,6 +64,17 @@ def is_default(job: JobConfig) -> bool:
             and job.data.name not in REGRESSION_DATASETS and job.data.name not in CORPORA)
 
 
+@contextlib.contextmanager
+def _failure_names(field: str, what: str, *, keep_config_errors: bool = True) -> Iterator[None]:
+    """A user's task or model failing inside: one ConfigError line naming ``field``."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - a user's code: one line naming the field
+        if keep_config_errors and isinstance(e, ConfigError):
+            raise
+        raise ConfigError([(field, one_line(f"{what}: {type(e).__name__}: {e}"))]) from None
+
+
 def preflight_task(job: JobConfig, *, task: Any = None, datasets: Any = None,
                    model: Any = None) -> Any:
     """What ``paratrain validate`` checks for a non-default task before a run: the task
@@ -80,7 +93,7 @@ def preflight_task(job: JobConfig, *, task: Any = None, datasets: Any = None,
 
     task = task if task is not None else resolve_task(job)
     field = "task.factory" if job.task.factory is not None else "data"
-    try:
+    with _failure_names(field, "loading the task's datasets failed"):
         train, test = datasets if datasets is not None else task.datasets(job.run.seed)
         n_train, n_test = (len(head(d, 2)) if is_stream(d) else len(d) for d in (train, test))
         if is_stream(train):
@@ -88,38 +101,21 @@ def preflight_task(job: JobConfig, *, task: Any = None, datasets: Any = None,
         if n_train < 1 or n_test < 1:
             raise ConfigError([(field, f"the task's datasets are empty (train {n_train}, "
                                        f"test {n_test} examples)")])
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a user's task: one line naming the field
-        raise ConfigError([(field, one_line(f"loading the task's datasets failed: "
-                                             f"{type(e).__name__}: {e}"))]) from None
-    try:
+    with _failure_names("model", "building the model failed"):
         model = model if model is not None else task.build_model(job.model, train)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise ConfigError([("model", one_line(f"building the model failed: "
-                                               f"{type(e).__name__}: {e}"))]) from None
-    try:
+    # the items do not collate: name the data
+    with _failure_names(field, "two training examples do not make a batch (items may be tensors, "
+                        "tuples, dicts or any nesting of them, or the task gives a collate_fn)",
+                        keep_config_errors=False):
         collate = getattr(task, "collate_fn", None)
         batch = (stream_batch(train, 2, collate) if is_stream(train) else
                  fetch_batch(train, torch.arange(min(2, n_train)), collate=collate))
-    except Exception as e:  # noqa: BLE001 - the items do not collate: name the data
-        raise ConfigError([(field, one_line(
-            f"two training examples do not make a batch (items may be tensors, tuples, dicts "
-            f"or any nesting of them, or the task gives a collate_fn): {type(e).__name__}: {e}"
-        ))]) from None
     was_training = model.training
     try:
         model.eval()
-        with torch.no_grad():
-            loss = task.loss(call_model(task, model, batch), batch)
-        value = float(loss)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise ConfigError([("model", one_line(f"the model or the task's loss fails on two "
-                                               f"training examples: {type(e).__name__}: {e}"))]) from None
+        with torch.no_grad(), _failure_names(
+                "model", "the model or the task's loss fails on two training examples"):
+            value = float(task.loss(call_model(task, model, batch), batch))
     finally:
         model.train(was_training)
     if not math.isfinite(value):
