@@ -100,3 +100,23 @@ def test_a_model_not_from_transformers_is_refused_naming_format(
     err = capsys.readouterr().err
     assert "--format" in err and "transformers" in err and "Sequential" in err, err
     assert not out.exists()
+
+
+def test_a_wrapper_around_one_transformers_model_exports_that_model() -> None:
+    from torch import nn
+
+    from paratrain.config import ConfigError
+    from paratrain.training.export_hf import _pretrained
+
+    cfg = transformers.GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2)
+
+    class Wrapper(nn.Module):
+        def __init__(self, extra: bool) -> None:
+            super().__init__()
+            self.hf = transformers.GPT2LMHeadModel(cfg)
+            self.scale = nn.Parameter(torch.ones(1)) if extra else None
+
+    inner = Wrapper(extra=False)
+    assert _pretrained(inner) is inner.hf
+    with pytest.raises(ConfigError, match="--format"):  # a parameter outside the HF model
+        _pretrained(Wrapper(extra=True))
