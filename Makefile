@@ -11,7 +11,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,flower,bench]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,flower,bench,tensorboard,mlflow,wandb]'
 	touch $(STAMP)
 
 # The bench extra (Flower's simulation runtime: flwr[simulation], Ray, for benchmarks/federated.py's

@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _doc(tmp: Path, name: str) -> dict[str, Any]:
     return {
-        "run": {"name": name, "seed": 5, "output_dir": str(tmp), "checkpoint_every": 5},
+        # log_every past the run: no training-curve records, test_rundir counts the lines of
+        # metrics.jsonl's evaluation records
+        "run": {"name": name, "seed": 5, "output_dir": str(tmp), "checkpoint_every": 5, "log_every": 100},
         "model": {"name": "mlp", "hidden": [32]},
         "train": {"epochs": 1, "batch_size": 32, "max_steps": 20, "eval_every": 5,
                   "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}},

@@ -19,6 +19,7 @@ from paratrain.config import ConfigError
 from paratrain.config.job import load_job
 from paratrain.dispatch import execute
 from paratrain.executors import register_coordinator, registered_coordinators
+from paratrain.training import read_metrics
 from paratrain.training.store_reading import latest_folder, read_rank_state
 from paratrain.training.stores import LocalStore
 
@@ -42,8 +43,7 @@ def test_local_trains_digits_and_writes_run_folder(tmp_path: Path) -> None:
         assert (run_dir / f).is_file(), f
     assert json.loads((run_dir / "summary.json").read_text())["test_accuracy"] == summary["test_accuracy"]
     assert json.loads((run_dir / "job.json").read_text())["strategy"] == {"type": "Local"}
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in records] == [1, 2, 3]
+    assert [r["epoch"] for r in read_metrics(run_dir)] == [1, 2, 3]  # the evaluation records
     assert latest_folder(run_dir / "checkpoints") is not None
 
 
@@ -90,8 +90,10 @@ def test_resume_after_kill_is_bit_identical(tmp_path: Path) -> None:
     assert resumed["steps"] == full["steps"]
     assert resumed["parameters_sha256"] == full["parameters_sha256"]
     # metrics read as if the run had never stopped
-    steps = [json.loads(x)["step"] for x in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == sorted(set(steps))
+    records = read_metrics(tmp_path / "killed", train=True)
+    for kind in ("train", None):  # the training curve's records and the evaluation records
+        steps = [r["step"] for r in records if r.get("kind") == kind]
+        assert steps and steps == sorted(set(steps)), kind
 
 
 def test_non_vacuity_different_resume_point_state_matters(tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ unpartitioned Local model on the same 16-row batches:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 
 from _workers_mesh import pipeline_job, pipeline_runs
 from paratrain.comm.testing import run_distributed
+from paratrain.training import read_metrics
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -48,7 +48,7 @@ def _params(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _losses(path: Path) -> list[float]:
-    return [json.loads(x)["train_loss"] for x in (path / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [r["train_loss"] for r in read_metrics(path)]  # the evaluation records
 
 
 def assert_matches(ref_dir: Path, run_dir: Path, steps: int = 4) -> None:

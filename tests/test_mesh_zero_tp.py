@@ -25,6 +25,7 @@ import torch
 
 from _workers_mesh import LEVELS, OPTIMIZERS, first_batch, mesh_job, mesh_worker
 from paratrain.comm.testing import run_distributed
+from paratrain.training import read_metrics
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -124,8 +125,7 @@ def _params(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _losses(path: Path) -> list[float]:
-    rows = [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return [r["train_loss"] for r in rows]  # eval_every = 1: the step's loss
+    return [r["train_loss"] for r in read_metrics(path)]  # eval_every = 1: the step's loss
 
 
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))

@@ -17,6 +17,7 @@ from paratrain.config.job import JobConfig
 from paratrain.dispatch import execute
 from paratrain.executors.model_parallel.runner import FAULT_ENV
 from paratrain.files import step_folders
+from paratrain.training import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -55,7 +56,7 @@ def test_datastore_job_matches_local(datastore: dict[str, Any], local: dict[str,
     assert out["test_accuracy"] == local["test_accuracy"]
     run = Path(out["run_dir"])
     assert json.loads((run / "summary.json").read_text())["test_loss"] == out["test_loss"]
-    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [4, 8]
+    assert [r["step"] for r in read_metrics(run)] == [4, 8]
     assert json.loads((step_folders(run / "checkpoints")[-1] / "layout.json").read_text())["kind"] == "mp"
     assert not list((run / "datastore").rglob("*.pt")), "every exchanged file was consumed"
 
@@ -78,8 +79,7 @@ def test_sigkill_elastic_restart_then_resume_pipeline(tmp_path: Path, local: dic
     assert out["restart_count"] == 1 and out["resumed_from_step"] == 4 and out["steps"] == 8
     assert out["schedule"] == "1F1B" and [s["worker"] for s in out["stages"]] == ["first", "second"]
     assert out["test_loss"] == pytest.approx(local["test_loss"], rel=1e-5)
-    lines = (Path(out["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [4, 8]
+    assert [r["step"] for r in read_metrics(out["run_dir"])] == [4, 8]
     # Pipeline statistics: p = 2 stages, m = 3 micro-batches of a full batch.
     assert out["bubble_theory_modelled"] == pytest.approx(1 / 4)
     assert 0.0 <= out["bubble_fraction_measured"] < 1.0
@@ -102,8 +102,7 @@ def test_sigkill_elastic_restart_then_resume_pipeline(tmp_path: Path, local: dic
     assert more["resumed_from_step"] == 8 and more["steps"] == 12 and more["restart_count"] == 0
     local12 = execute(_job(tmp_path, "local12", {"type": "Local"}, 12))
     assert more["test_loss"] == pytest.approx(local12["test_loss"], rel=1e-5)
-    lines = (Path(more["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [4, 8, 12]
+    assert [r["step"] for r in read_metrics(more["run_dir"])] == [4, 8, 12]
 
 
 def test_job_errors_before_launch(tmp_path: Path) -> None:

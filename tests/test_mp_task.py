@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from paratrain.comm.context import WorkerContext, default_workers
 from paratrain.comm.testing import run_distributed
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
+from paratrain.training import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -278,8 +278,7 @@ def test_kill_and_elastic_restart_is_bit_identical(tmp_path: Path, monkeypatch: 
     assert killed["test_loss"] == whole["test_loss"]
     # the restarted run replayed the same evaluations (the last stage's losses, rank 0's log)
     def records(s: dict[str, Any]) -> list[tuple[int, float, float]]:
-        lines = (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()
-        return [(r["step"], r["train_loss"], r["test_mse"]) for r in map(json.loads, lines)]
+        return [(r["step"], r["train_loss"], r["test_mse"]) for r in read_metrics(s["run_dir"])]
     assert [r[0] for r in records(whole)] == [3, 6]
     assert records(killed) == records(whole)
     assert all(r[1] > 0 for r in records(whole)), "rank 0 logs the last stage's training loss"

@@ -24,6 +24,7 @@ from paratrain.config.job import load_job
 from paratrain.dispatch import execute
 from paratrain.executors.data_parallel import runner as data_parallel
 from paratrain.files import step_folders
+from paratrain.training import read_metrics
 from paratrain.training.rundir import LOCK_NAME, holds_run, run_dir_of, safe_rmtree
 from paratrain.training.stores import LocalStore
 
@@ -114,7 +115,7 @@ def test_finished_run_survives_a_failing_and_a_plain_fresh_run(tmp_path: Path) -
     second = paratrain.fit(_doc(tmp_path, steps=7), overwrite=True)
     assert second["steps"] == 7 and first["steps"] == 10
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 7
-    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [7]
+    assert [r["step"] for r in read_metrics(run_dir)] == [7]
     assert [p.name for p in step_folders(run_dir / "checkpoints")] == ["step-000000005", "step-000000007"]
 
 

@@ -69,7 +69,9 @@ def test_report_plots_the_metrics_a_language_model_and_a_classifier_record(tmp_p
             assert got == want, got
             for ax in fig.axes:
                 assert ax.get_ylabel() == ax.get_title()
-                assert all(len(line.get_xdata()) == 2 for line in ax.get_lines())  # 2 evaluations
+                for line in ax.get_lines():  # 2 evaluations; the training curve at every step
+                    steps = 2 if line.get_label() != "train_loss" else (4 if run == lm else 20)
+                    assert len(line.get_xdata()) == steps, line.get_label()
         finally:
             plt.close(fig)
 

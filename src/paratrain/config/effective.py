@@ -210,6 +210,7 @@ _BUDGET_REASONS: dict[str, dict[str, str]] = {
         "train.eval_every": "the global model is evaluated after every round",
         "train.max_steps": "the budget is strategy.rounds rounds",
         "train.batch_size": "clients train with federated.batch_size",
+        "run.log_every": "Federated logs one record per round",
     },
     "PopulationBased": {
         "train.epochs": "a generation's budget is population.steps_per_generation or "
@@ -220,6 +221,7 @@ _BUDGET_REASONS: dict[str, dict[str, str]] = {
         "run.checkpoint_every": "PopulationBased checkpoints every generation (members "
                                 "move between workers through those files; a signal "
                                 "stops the run at the next generation's end)",
+        "run.log_every": "PopulationBased logs one record per member per generation",
     },
 }
 

@@ -92,6 +92,26 @@ class RunConfig(_Section):
     generations under PopulationBased) with the position, loss, steps/s and ETA; ``0`` or
     ``"off"`` prints none (and no progress bar on a terminal either)."""
 
+    log_every: Count = 0
+    """The training curve: a record every N optimizer steps (``"kind": "train"`` in
+    metrics.jsonl, and the trackers of ``loggers``) with the mean training loss over those
+    steps, the learning rate, steps/s, samples/s, the step time and memory; 0 = about 100
+    over a run (``max(1, total_steps // 100)``). Federated and PopulationBased log per round
+    and per generation instead."""
+    loggers: list[str] = []
+    """Experiment trackers written beside metrics.jsonl by the process that logs it, each
+    through its own library: ``"tensorboard"`` (``<run>/tensorboard``), ``"mlflow"`` (a
+    local file store, ``<run>/mlruns``), ``"wandb"`` (offline, ``<run>/wandb``); nothing is
+    sent over a network. Install their extras: ``pip install 'paratrain[tensorboard]'`` etc."""
+
+    @field_validator("loggers")
+    @classmethod
+    def _known_installed_loggers(cls, v: list[str]) -> list[str]:
+        from .loggers import check_loggers  # the names and their libraries
+
+        check_loggers(v)  # ValueError names the logger and the extra to install
+        return v
+
     @field_validator("checkpoint_every")
     @classmethod
     def _steps_or_duration(cls, v: int | str) -> int | str:

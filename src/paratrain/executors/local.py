@@ -100,7 +100,7 @@ def _train(
         trainer=trainer, plan=plan, task=task, store=LocalStore(run_dir / "checkpoints"),
         label="Local", metrics=MetricsWriter(run_dir), resume=resume, prepare=folder.prepare,
         eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every,
-        progress_every=job.run.progress_every, started=started,
+        progress_every=job.run.progress_every, log_every=job.run.log_every, started=started,
         layout={"strategy": "Local", "replicas": 1},
     )
     # metrics.jsonl is complete: a drawer process (the CLI's) draws while the summary is made

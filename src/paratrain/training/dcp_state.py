@@ -122,7 +122,7 @@ def flatten(state: Mapping[str, Any]) -> tuple[list[Piece], dict[str, Any], dict
     pieces = unique
     engine = dict(state.get("engine") or {})
     meta = {k: state.get(k) for k in ("step", "epoch", "batch", "scheduler", "rng", "losses",
-                                       "loader", "optimizer_type", "layout")}
+                                       "curve", "loader", "optimizer_type", "layout")}
     meta.update(param_groups=opt["param_groups"], model=model_desc, optim=optim_desc,
                 param_names=pnames, engine_keys=sorted(k for k, v in engine.items() if v))
     return pieces, meta, engine
@@ -175,6 +175,7 @@ def rebuild(meta: Mapping[str, Any]) -> tuple[dict[str, Target], Any]:
                               for key, v in st.items()} for i, st in meta["optim"].items()}
         return {**{k: meta[k] for k in ("step", "epoch", "batch", "scheduler", "rng", "losses",
                                          "loader", "optimizer_type", "layout")},
+                "curve": meta.get("curve"),  # absent from checkpoints written before it
                 "model": model, "optimizer": {"state": opt_state, "param_groups": meta["param_groups"]},
                 "names": [d[1] for d in meta["model"]], "param_names": meta["param_names"]}
 

@@ -125,10 +125,12 @@ class Lifecycle:
 
     def finish(self, done: int) -> None:
         """The run ends after ``done`` units: saved unless that checkpoint exists, and written
-        before this returns."""
+        before this returns; the experiment trackers are closed."""
         if self.last_saved != done:
             self.save(done)
         self.wait()
+        if self.metrics is not None:
+            self.metrics.close()  # the trackers' runs are complete with the run
 
 
 def engine_state(done: int, engine: dict[str, Any], model: dict[str, Any] | None = None) -> dict[str, Any]:

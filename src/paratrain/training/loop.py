@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from . import checkpoint
+from .curve import TrainCurve, log_every_of
 from .interrupt import agree
 from .lifecycle import Lifecycle
 from .plan import DataPlan, Position, epoch_permutation, feed_of
@@ -216,7 +217,7 @@ def run_loop(
     check_state: Callable[[dict[str, Any], Any], None] | None = None,
     layout: dict[str, Any] | None = None,
     reposition: Callable[[dict[str, Any], Position], Position] | None = None,
-    progress_every: int | str | None = None,
+    progress_every: int | str | None = None, log_every: int = 0,
 ) -> LoopResult:
     """Train ``plan`` with ``trainer`` from the position ``store`` resumes (``resume``) or
     from the start; evaluate, log, checkpoint; return the position and the final metrics
@@ -233,7 +234,9 @@ def run_loop(
     by the examples walked, from the layouts' ``"replicas"``). An engine may define
     ``model_names()`` (its keys -> the model's names) and ``model_shards()`` (its keys that
     hold part of a model tensor -> their shard spec, :mod:`.reshard`). ``progress_every``:
-    ``run.progress_every`` (:mod:`.progress`; shown by the process that logs metrics)."""
+    ``run.progress_every`` (:mod:`.progress`; shown by the process that logs metrics).
+    ``log_every``: ``run.log_every``, a training-curve record every that many steps (0:
+    about 100 over the run; :mod:`.curve`)."""
     from .stores import Held  # torch.distributed.checkpoint: a federated client's step needs none
 
     started = time.perf_counter() if started is None else started
@@ -247,6 +250,7 @@ def run_loop(
     shards = getattr(eng, "model_shards", None)  # keys holding part of a model tensor -> spec
     shards = shards() if callable(shards) else None
     found = store.load(Held(model, opt, names, shards, layout)) if resume else None
+    curve = TrainCurve(log_every_of(log_every, plan.total_steps), device=getattr(eng, "device", None))
     feed = feed_of(plan, task)
     if found is not None:
         source, state = found
@@ -275,6 +279,7 @@ def run_loop(
                         "layout": dict(state.get("layout") or {}), "resharded": resharded,
                         **({"onto": dict(layout or {}), "reset": list(state["reset"])} if resharded else {})}
         losses = [float(v) for v in state.get("losses", [])]
+        curve.load_state_dict(state.get("curve"))
         if not resharded:  # a stream's loader position (same layout only)
             feed.load_state_dict(state.get("loader") or {})
     if prepare is not None:
@@ -294,7 +299,7 @@ def run_loop(
             "model": model.state_dict(), **trainer.state_dict(), "rng": rng_state(),
             "engine": eng.state_dict(), "step": pos.step, "epoch": pos.epoch, "batch": pos.batch,
             "loader": feed.state_dict(),
-            "losses": list(losses), "optimizer_type": type(opt).__name__,
+            "losses": list(losses), "curve": curve.state_dict(), "optimizer_type": type(opt).__name__,
             "names": saved_names, "param_names": saved_params, "layout": dict(layout or {}),
             **saved_shards,
         }
@@ -338,6 +343,7 @@ def run_loop(
                         if ran_out:
                             break
                     losses.append(last_loss := trainer.step(batches))
+                    curve.add(last_loss, sum(batch_size_of(b) for b in batches))
                     extra = eng.after_step()
                     pos.step += 1
                     pos.batch = stop
@@ -349,6 +355,11 @@ def run_loop(
                         if pos.batch == bpe:
                             pos.epoch, pos.batch = pos.epoch + 1, 0
                         end_of_epoch = pos.batch == 0
+                    if curve.due(pos.step):
+                        rec = curve.record(pos.step, pos.epoch, opt.param_groups[0]["lr"],
+                                           eng.mean_over_ranks)
+                        if metrics is not None:
+                            metrics.log(rec)
                     if (ce and pos.step % ce == 0) or (not ce and end_of_epoch):
                         ev = log_eval()
                         if ev is not None:

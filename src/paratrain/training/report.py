@@ -121,15 +121,18 @@ def curves_figure(run_dir: str | Path, *, x_key: str = "step", title: str | None
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    records = [r for r in read_metrics(run_dir) if x_key in r]
+    records = [r for r in read_metrics(run_dir, train=True) if x_key in r]
     spec = panels(records) or [("loss", [])]  # a run with no records yet: one empty loss panel
+    # the training curve (every run.log_every steps) draws train_loss where the run has one,
+    # rather than the evaluation records' mean since the previous evaluation
+    curve = [r for r in records if r.get("kind") == "train"]
     ncols = min(len(spec), 3)
     nrows = math.ceil(len(spec) / ncols)
     fig, grid = plt.subplots(nrows, ncols, figsize=(5 * ncols, 4 * nrows), squeeze=False)
     axes = [ax for row in grid for ax in row]
     for ax, (metric, keys) in zip(axes, spec, strict=False):
         for key in keys:
-            pts = [(r[x_key], r[key]) for r in records
+            pts = [(r[x_key], r[key]) for r in (curve if key == "train_loss" and curve else records)
                    if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)]
             xs, ys = zip(*pts, strict=True)
             ax.plot(xs, ys, label=key, marker="." if len(pts) < 50 else None)

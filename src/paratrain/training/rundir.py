@@ -327,14 +327,18 @@ def _clean(v: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON record per line to ``metrics.jsonl``.
+    """Appends one JSON record per line to ``metrics.jsonl``, and hands each record to the
+    run's experiment trackers (``run.loggers`` of the folder's job.json:
+    :mod:`.loggers`), opened on the first record and closed by :meth:`close` (or at exit).
 
     ``truncate_after(key, value)`` drops records past a resume point so a resumed run's
-    file reads as if it had never stopped.
+    file reads as if it had never stopped (and the trackers continue their runs after it).
     """
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
+        self._trackers: Any = None  # loggers.Trackers, or False when the job lists none
+        self._resume_after: float | None = None
 
     def log(self, record: dict[str, Any]) -> None:
         try:
@@ -342,10 +346,41 @@ class MetricsWriter:
                 f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
         except OSError as e:
             raise disk_error(self.path, e) from None
+        trackers = self._fanout()
+        if trackers:
+            trackers.log(record)
+
+    def close(self) -> None:
+        """The trackers' runs are written and closed (a later record opens them again)."""
+        if self._trackers:
+            self._trackers.close()
+
+    def _fanout(self) -> Any:
+        """The run's trackers (:class:`.loggers.Trackers`), or False when it lists none."""
+        if self._trackers is None:
+            job = self.path.parent / "job.json"
+            names = (json.loads(job.read_text(encoding="utf-8")).get("run", {}).get("loggers")
+                     if job.exists() else None)
+            self._trackers = False
+            if names:
+                import atexit
+
+                from .loggers import Trackers
+
+                self._trackers = Trackers(self.path.parent, list(names),
+                                          lambda: read_metrics(self.path.parent, train=True))
+                if self._resume_after is not None:
+                    self._trackers.resumed(self._resume_after)
+                atexit.register(self.close)  # an interrupted run's trackers are written too
+        return self._trackers
 
     def truncate_after(self, key: str, value: float) -> None:
         """Keep the records with ``key <= value`` (a resume point); the file is rewritten,
-        without a torn last line a killed run left (named in a warning)."""
+        without a torn last line a killed run left (named in a warning). The trackers
+        continue after ``value``."""
+        self._resume_after = value
+        if self._trackers:
+            self._trackers.resumed(value)
         if not self.path.exists():
             return
         records, torn = _parse_metrics(self.path)
@@ -383,13 +418,17 @@ def _parse_metrics(path: Path) -> tuple[list[dict[str, Any]], int | None]:
     return out, None
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+def read_metrics(run_dir: str | Path, *, train: bool = False) -> list[dict[str, Any]]:
     """The records of ``<run_dir>/metrics.jsonl`` (none when it does not exist); a torn
-    last line is left out, a damaged line before it is a ConfigError naming file and line."""
+    last line is left out, a damaged line before it is a ConfigError naming file and line.
+    The training curve's records (``"kind": "train"``, every ``run.log_every`` steps:
+    :mod:`.curve`) only with ``train=True``: the others are the evaluation records (and a
+    strategy's per-step ones) that readers have always found here."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return _parse_metrics(path)[0]
+    records = _parse_metrics(path)[0]
+    return records if train else [r for r in records if r.get("kind") != "train"]
 
 
 def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> None:

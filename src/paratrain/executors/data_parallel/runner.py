@@ -216,7 +216,7 @@ def train_replica(
             label=f"DataParallel x{ctx.world_size}",
             metrics=MetricsWriter(run_dir) if ctx.is_main else None, resume=resume, prepare=prepare,
             eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every,
-            progress_every=job.run.progress_every, rank=ctx.rank,
+            progress_every=job.run.progress_every, log_every=job.run.log_every, rank=ctx.rank,
             restart_count=ctx.restart_count, started=started, group=ctx.group,
             layout={"strategy": "DataParallel", "replicas": ctx.world_size, "shard": strategy.shard},
         )

@@ -5,15 +5,12 @@ server's final global state on every rank, the digest of every client's personal
 from __future__ import annotations
 
 import hashlib
-import resource
 from pathlib import Path
 from typing import Any
 
+from ...training.curve import peak_rss_mb
+
 __all__ = ["peak_rss_mb", "save_client_models", "personal_digest", "run_summary", "round_record"]
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def save_client_models(run_dir: Path, model: Any, personal: Any, global_state: Any) -> None:

@@ -250,7 +250,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         metrics=metrics, resume=resume, check_state=check_state, eval_every=t.eval_every,
         prepare=(lambda: _prepare_resumed(ctx, job)) if resume else None,
         checkpoint_every=job.run.checkpoint_every,
-        progress_every=job.run.progress_every, rank=ctx.rank,
+        progress_every=job.run.progress_every, log_every=job.run.log_every, rank=ctx.rank,
         restart_count=ctx.restart_count, started=started, group=ctx.group, layout=layout,
     )
     engine.record_held(opt)  # what a rank holds between steps

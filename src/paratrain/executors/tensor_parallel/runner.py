@@ -209,7 +209,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             trainer=trainer, plan=plan, task=task, store=store, label=label,
             metrics=MetricsWriter(run_dir) if ctx.is_main else None, resume=resuming,
             prepare=prepare, eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every,
-            progress_every=job.run.progress_every,
+            progress_every=job.run.progress_every, log_every=job.run.log_every,
             rank=ctx.rank, restart_count=ctx.restart_count, started=started, group=ctx.group,
             layout={"strategy": "TensorParallel", "tp": tp, "dp": dp, "replicas": dp,
                     **({"shard": shard} if zero is not None else {})})

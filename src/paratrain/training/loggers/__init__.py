@@ -1,0 +1,170 @@
+"""Experiment trackers beside ``metrics.jsonl`` (``run.loggers``): one fan-out, one small
+module per tracker, each writing through its own library into the run folder.
+
+Every record the run logs to ``metrics.jsonl`` goes to the trackers too, written by the
+process that writes that file (rank 0, the Federated coordinator, the PopulationBased
+driver): :class:`~..rundir.MetricsWriter` holds the fan-out (:class:`Trackers`). A record's
+step is its ``step`` (an optimizer step), ``round`` (Federated) or ``generation``
+(PopulationBased, whose per-member records are named ``member_<m>/<key>``); a training-curve
+record's keys are named ``train/<key>`` (``train/loss``, ``train/lr``, ``train/steps_per_s``,
+...), every other record's keys as they are (``test_loss``, ``epsilon``, ...). Numbers only;
+the job is each tracker's run config (params).
+
+Resume. Each tracker's run id is kept in ``<run>/trackers.json``; a resumed run continues
+that tracker run and logs no step twice: TensorBoard purges the events after the resume
+point (``purge_step``) and logs them again; MLflow and W&B, which cannot take a logged
+point back, say the last step their run holds (MLflow's metric history, W&B's offline run
+files) and are given only later steps: those up to the resume point from metrics.jsonl
+(W&B writes asynchronously, so a SIGKILLed session's last points may never have reached
+its file), then the resumed run's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from ...files import write_json
+
+__all__ = ["Tracker", "Trackers", "STEP_KEYS", "tracked_values", "flat_config"]
+
+STEP_KEYS = ("step", "round", "generation")  # a record's step, by strategy
+_NOT_VALUES = frozenset({*STEP_KEYS, "kind", "member"})
+STATE_FILE = "trackers.json"
+
+
+class Tracker(Protocol):
+    """One experiment tracker's run (its own module: tensorboard, mlflow_tracker, wandb_tracker)."""
+
+    def held_through(self) -> float | None:
+        """The last step the tracker run holds from earlier sessions (a resumed run's), or
+        None where the tracker drops what a killed session wrote past the resume point
+        itself (TensorBoard's ``purge_step``)."""
+
+    def log(self, step: int, values: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def tracked_values(record: dict[str, Any]) -> tuple[int, dict[str, float]] | None:
+    """A metrics record's step and its numbers as a tracker names them (None: no step)."""
+    key = next((k for k in STEP_KEYS if isinstance(record.get(k), int | float)), None)
+    if key is None:
+        return None
+    prefix = "train/" if record.get("kind") == "train" else ""
+    if "member" in record:
+        prefix = f"member_{record['member']}/"
+    out: dict[str, float] = {}
+    for k, v in record.items():
+        if k in _NOT_VALUES or isinstance(v, bool) or not isinstance(v, int | float):
+            continue
+        if math.isfinite(float(v)):
+            name = k.removeprefix("train_") if prefix == "train/" else k
+            out[prefix + name] = float(v)
+    return int(record[key]), out
+
+
+def flat_config(job: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, str]]:
+    """The job as ``section.field = value`` pairs (MLflow's params)."""
+    for k, v in job.items():
+        if isinstance(v, dict) and v:
+            yield from flat_config(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", json.dumps(v) if not isinstance(v, str) else v
+
+
+class Trackers:
+    """The fan-out: the trackers of ``names`` for the run folder ``run_dir`` (``records``:
+    its metrics.jsonl records, training curve included), opened on the first record (``resume_after``: the step a resumed run continues after, None for a fresh
+    run), closed by :meth:`close`."""
+
+    def __init__(self, run_dir: Path, names: list[str],
+                 records: Callable[[], list[dict[str, Any]]]) -> None:
+        self.run_dir, self.names, self.records = Path(run_dir), list(names), records
+        self.resume_after: float | None = None
+        self._open: dict[str, Tracker] | None = None
+        self._state: dict[str, Any] = {}
+        self._floor: dict[str, float] = {}
+        self._started = False
+
+    def resumed(self, after: float) -> None:
+        """The run continues after step ``after`` of its tracker runs."""
+        self.resume_after = after
+
+    def log(self, record: dict[str, Any]) -> None:
+        got = tracked_values(record)
+        if got is None or not got[1]:
+            return
+        step, values = got
+        for name, tracker in self._trackers().items():
+            if step > self._floor.get(name, -math.inf):
+                tracker.log(step, values)
+
+    def close(self) -> None:
+        for tracker in (self._open or {}).values():
+            tracker.close()
+        self._open = None
+
+    def _trackers(self) -> dict[str, Tracker]:
+        if self._open is None:
+            first = not self._started  # a later opening (after close) continues this session
+            self._started = True
+            if first:
+                self._state = self._load_state()
+            job = self._job()
+            self._open = {name: self._start(name, job, self.resume_after if first else None)
+                          for name in self.names}
+            if first and self.resume_after is not None:
+                self._catch_up(self.resume_after)
+        return self._open
+
+    def _catch_up(self, after: float) -> None:
+        """A resumed session: each tracker run that holds steps of the killed session logs
+        none of them again (``_floor``), and is given the steps up to the resume point it
+        lacks (a killed session's last writes may never have reached its files) from
+        ``metrics.jsonl``, which holds them all."""
+        records = None
+        for name, tracker in (self._open or {}).items():
+            held = tracker.held_through()
+            if held is None:
+                continue
+            self._floor[name] = held
+            if held < after:
+                records = self.records() if records is None else records
+                for rec in records:
+                    got = tracked_values(rec)
+                    if got is not None and got[1] and held < got[0] <= after:
+                        tracker.log(*got)
+
+    def _start(self, name: str, job: dict[str, Any], resume_after: float | None) -> Tracker:
+        own = self._state.setdefault(name, {})
+        if name == "tensorboard":
+            from .tensorboard import TensorBoardTracker
+
+            return TensorBoardTracker(self.run_dir, job, resume_after)
+        if name == "mlflow":
+            from .mlflow_tracker import MLflowTracker
+
+            tracker: Tracker = MLflowTracker(self.run_dir, job, own)
+        else:
+            from .wandb_tracker import WandbTracker
+
+            tracker = WandbTracker(self.run_dir, job, own)
+        self._save_state()  # the run id, before anything is logged to it
+        return tracker
+
+    def _job(self) -> dict[str, Any]:
+        path = self.run_dir / "job.json"
+        return dict(json.loads(path.read_text(encoding="utf-8"))) if path.exists() else {}
+
+    def _load_state(self) -> dict[str, Any]:
+        path = self.run_dir / STATE_FILE
+        if self.resume_after is None or not path.exists():
+            return {}
+        return dict(json.loads(path.read_text(encoding="utf-8")))
+
+    def _save_state(self) -> None:
+        write_json(self.run_dir / STATE_FILE, self._state, indent=1)
