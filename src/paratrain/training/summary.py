@@ -3,23 +3,33 @@ wall time, parameter count and the parameters' digest."""
 
 from __future__ import annotations
 
+import hashlib
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["parameters_digest", "summary_fields"]
+__all__ = ["parameters_digest", "tensor_bytes", "summary_fields"]
 
 
-def parameters_digest(model: nn.Module) -> str:
-    """SHA-256 over the raw bytes of every parameter and buffer, in state_dict order."""
-    import hashlib
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's raw bytes (on the CPU, in row-major order), for digests."""
+    return bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
+
+def parameters_digest(state: nn.Module | Mapping[str, torch.Tensor]) -> str:
+    """A summary's ``parameters_sha256``, with one meaning under every strategy: SHA-256
+    over each name and the raw bytes of its whole (unsharded) tensor, in the model's
+    ``state_dict`` order (every parameter and buffer; a tied tensor under each of its
+    names). ``state``: the model, or the state_dict the run saves as ``model.safetensors``
+    (a sharded strategy's gathered model), so a Local run and any other that end with equal
+    parameters report the same digest."""
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
+    for name, t in (state.state_dict() if isinstance(state, nn.Module) else state).items():
         h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(tensor_bytes(t))
     return h.hexdigest()
 
 

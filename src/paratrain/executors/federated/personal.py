@@ -41,6 +41,7 @@ from ...comm.federated_ops import store_delete, store_get_json, store_set_json
 from ...models.state import load_unique_state_dict, unique_state_dict
 from ...task.steps import DEFAULT_EVAL_BATCH, call_model, fetch_batch
 from ...training.stepping import autocast
+from ...training.summary import tensor_bytes
 from .flat import broadcast_state
 
 __all__ = ["PersonalState", "client_name", "eval_sums", "combine", "score_clients", "ClientEvaluator",
@@ -89,7 +90,7 @@ class PersonalState:
         h.update(client_name(client).encode())
         for k, t in self.of(client).items():
             h.update(k.encode())
-            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(tensor_bytes(t))
         return h
 
     def digest(self) -> str:

@@ -50,15 +50,12 @@ attempt (fault-injection for tests and demos, as for DataParallel).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import re
 import time
 import warnings
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from ...comm import collectives as C
 from ...comm.buckets import bucket_bytes_of
@@ -73,6 +70,7 @@ from ...training import (
     build_optimizer,
     checkpoint,
     epoch_permutation,
+    parameters_digest,
     prepare_run_dir,
     read_metrics,
     report,
@@ -86,7 +84,7 @@ from ...training.stores import RankStore
 from .engine import PipelineEngine, StageModel, pipeline_stats
 from .replicas import replicas_for
 from .runtime import StageRuntime, held_attrs, segment_modules
-from .state import gather_parts, layout_of, state_digest
+from .state import gather_parts, layout_of
 from .tp_stages import (
     TPPipelineEngine,
     dense_own,
@@ -255,20 +253,16 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     )
     engine.record_held(opt)  # what a rank holds between steps
     engine.unshard()  # ZeRO-3 in a stage: whole parameters for the digest and the export
-    # parameters_sha256: sha256 over the per-rank digests of each rank's node tensors.
     own = dict(sorted(stage.node_state({a.name: a.target for a in plan.cut.attrs}).items()))
     if tp_groups is not None:  # the stage's dense tensors (every rank of the TP row: the same)
         own = dense_own(stage, own, tp_groups)
         tp_groups.tp.close()
-    mine = torch.frombuffer(bytearray(state_digest(own)), dtype=torch.uint8)
-    digests, stage_totals = [mine], [engine.totals]
+    stage_totals = [engine.totals]
     step = result.position.step
     if ctx.rank != 0:
-        rt.send_metric(mine, dst=0, step=step, slot=2)
         rt.send_metric(engine.totals, dst=0, step=step, slot=3)
     else:
         for r in range(1, ctx.world_size):
-            digests.append(rt.recv_metric(src=r, step=step, slot=2))
             stage_totals.append(rt.recv_metric(src=r, step=step, slot=3).double())
     parts = gather_parts(rt, own, rank=ctx.rank, world=ctx.world_size, step=step)
     transport.flush()
@@ -276,6 +270,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         transport.close()
     if ctx.rank != 0 or result.final is None:
         return None
+    whole = complete_state(parts, names, ties)  # every worker's part, one model
     records = [r for r in read_metrics(run_dir) if r.get("train_loss") is not None]
     step_times = engine.step_times
     summary: dict[str, Any] = {
@@ -302,13 +297,13 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         **pipeline_stats(stage_totals, plan, micro_batches=(
             math.ceil(t.batch_size / proto.micro_batch_size) if pipeline else None),
             schedule=proto.schedule if pipeline else "1F1B"),
-        "parameters_sha256": hashlib.sha256(b"".join(d.numpy().tobytes() for d in digests)).hexdigest(),
+        "parameters_sha256": parameters_digest(whole),  # a Local run's, on equal parameters
         "restart_count": ctx.restart_count,
         "resumed_from_step": store.loaded_step,
     }
     summary["wall_time_s"] = round(time.perf_counter() - started, 3)
     summary["provenance"] = report.provenance(summary, configured=("micro_batch_size", "workers"))
-    save_model(run_dir, complete_state(parts, names, ties))  # every worker's part, one model
+    save_model(run_dir, whole)
     write_summary(run_dir, summary)
     report.plot_curves(run_dir, title=f"{job.run.name} (ModelParallel/{proto.protocol})")
     return summary

@@ -1,6 +1,6 @@
 """This rank's state by the model's names: the run's layout (for checkpoints resumable on
-another placement), the parameters' digest, and every rank's parts gathered on rank 0 for
-the exported model."""
+another placement), and every rank's parts gathered on rank 0 for the exported model (and
+its ``parameters_sha256``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["layout_of", "state_digest", "gather_parts"]
+__all__ = ["layout_of", "gather_parts"]
 
 
 def layout_of(plan: Any, replicas: Any, world: int, shards: dict[str, str] | None = None) -> dict[str, Any]:
@@ -22,14 +22,6 @@ def layout_of(plan: Any, replicas: Any, world: int, shards: dict[str, str] | Non
     sharded = {p: v for p, v in sorted((shards or {}).items()) if v != "none"}
     digest = hashlib.sha256(json.dumps([where, groups, *([sharded] if sharded else [])]).encode()).hexdigest()[:16]
     return {"strategy": "ModelParallel", "world": world, "placement": digest}
-
-
-def state_digest(state: dict[str, torch.Tensor]) -> bytes:
-    h = hashlib.sha256()
-    for name in state:
-        h.update(name.encode())
-        h.update(state[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.digest()
 
 
 def gather_parts(rt: Any, own: dict[str, torch.Tensor], *, rank: int, world: int,

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ...files import write_atomic, write_bytes
+from ...training.summary import tensor_bytes
 
 __all__ = ["member_path", "state_digest", "seed_of", "copy_atomic", "CheckpointWriter"]
 
@@ -36,10 +37,6 @@ def seed_of(*parts: int) -> int:
     return int.from_bytes(h.digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return bytes(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
 def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """SHA-256 of the raw bytes of the model's state and the optimizer's per-parameter
     state (momentum buffers, moments, steps), excluding param-group hyperparameters."""
@@ -47,13 +44,13 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
     for name, t in model.state_dict().items():
         h.update(name.encode())
         h.update(str(t.dtype).encode())
-        h.update(_tensor_bytes(t))
+        h.update(tensor_bytes(t))
     state = optimizer.state_dict()["state"]
     for k in sorted(state):
         for name in sorted(state[k]):
             v = state[k][name]
             h.update(f"{k}.{name}".encode())
-            h.update(_tensor_bytes(v) if isinstance(v, torch.Tensor) else repr(v).encode())
+            h.update(tensor_bytes(v) if isinstance(v, torch.Tensor) else repr(v).encode())
     return h.hexdigest()
 
 

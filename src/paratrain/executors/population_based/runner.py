@@ -63,7 +63,14 @@ from ...comm.pbt_ops import broadcast_json, gather_json
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...files import write_json, write_text
-from ...training import MetricsWriter, checkpoint, prepare_run_dir, resolve_device, write_summary
+from ...training import (
+    MetricsWriter,
+    checkpoint,
+    parameters_digest,
+    prepare_run_dir,
+    resolve_device,
+    write_summary,
+)
 from ...training.faults import maybe_kill
 from ...training.lifecycle import Lifecycle, engine_state
 from ...training.rundir import RunFolder, run_dir_of, safe_rmtree
@@ -308,19 +315,20 @@ def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRun
                        metric=metric, mode=mode, task=runner.task,
                        reference=runner.reference_metrics())
     summary["restarts"] = ctx.restart_count
-    _save_best_model(run_dir, pop, int(summary["best_member"]))
+    summary["parameters_sha256"] = _save_best_model(run_dir, pop, int(summary["best_member"]))
     write_summary(run_dir, summary)
     plot_population(run_dir / "lineage.json", run_dir / "report.png", space=job.search_space,
                     title=f"{job.run.name} (PopulationBased)")
     return summary
 
 
-def _save_best_model(run_dir: Path, pop: PopulationState, best: int) -> None:
+def _save_best_model(run_dir: Path, pop: PopulationState, best: int) -> str:
     """``model.safetensors``: the best member's model at the end of the last generation
-    (built with its ``best_hparams``' model settings)."""
+    (built with its ``best_hparams``' model settings); returns its ``parameters_sha256``."""
     from ...training.export import save_model
     from .member_state import member_path
 
     generation = len(pop.history) - 1
     state = checkpoint.load_checkpoint(member_path(run_dir, generation, best))
     save_model(run_dir, state["model"])
+    return parameters_digest(state["model"])

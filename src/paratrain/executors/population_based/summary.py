@@ -48,7 +48,7 @@ def population_summary(
         "test_loss": m.get("loss"),
         **{f"test_{k}": v for k, v in m.items() if k not in NOT_TEST},
         **reference,
-        "parameters_sha256": last["digests"][best]["end"] if "digests" in last else None,
+        "parameters_sha256": None,  # the best member's saved model's (the runner's)
         "copies": sum(len(r["copies"]) for r in pop.history),
         "member_steps": sum(int(m["steps"]) for r in pop.history for m in r["metrics"] if m),
         "failures": sum(1 for r in pop.history for e in r["errors"] if e),

@@ -54,6 +54,7 @@ from ...training import (
     MetricsWriter,
     build_optimizer,
     epoch_permutation,
+    parameters_digest,
     prepare_run_dir,
     report,
     seed_everything,
@@ -266,7 +267,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         **({"compression": sync.compressor.stats.as_dict()}
            if sync is not None and sync.compressor is not None else {}),
         "dense_model": str(run_dir / MODEL_FILE),
-        "parameters_sha256": _digest(dense),
+        "parameters_sha256": parameters_digest(dense),
     }
     summary["provenance"] = report.provenance(
         summary, configured=("tensor_parallel_size", "data_parallel_size", "world_size"))
@@ -287,16 +288,6 @@ def _with_tied_names(tpm: Any, dense: dict[str, torch.Tensor]) -> dict[str, torc
         elif name not in out and first[id(p)] in out:
             out[name] = out[first[id(p)]]
     return out
-
-
-def _digest(state: dict[str, torch.Tensor]) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, t in state.items():
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _dry_module(job: JobConfig) -> Any:
