@@ -26,7 +26,6 @@ __all__ = [
     "bucket_bytes_of",
     "make_buckets",
     "all_reduce_buckets",
-    "all_reduce_mean",
     "broadcast_tensors",
     "GradReducer",
 ]
@@ -115,20 +114,6 @@ def all_reduce_buckets(
             flat.div_(n)
         _unflatten_into(flat, members)
     return len(pending)
-
-
-def all_reduce_mean(
-    tensors: Iterable[torch.Tensor],
-    *,
-    group: Any = None,
-    bucket_size_mb: float = DEFAULT_BUCKET_MB,
-    counter: CommCounter | None = None,
-) -> None:
-    """Element-wise mean over ranks, in place, through bucketed all-reduce."""
-    all_reduce_buckets(
-        list(tensors), group=group, bucket_bytes=bucket_bytes_of(bucket_size_mb),
-        average=True, counter=counter,
-    )
 
 
 def broadcast_tensors(

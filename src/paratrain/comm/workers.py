@@ -13,18 +13,13 @@ from typing import Any
 from ..config import ConfigError
 from .context import WorkerInfo
 
-__all__ = ["resolve_target", "resolve_rank", "workers_with_tags", "target_label"]
+__all__ = ["resolve_target", "resolve_rank", "workers_with_tags"]
 
 
 def _fields(target: Any) -> tuple[str | None, str | None]:
     if isinstance(target, dict):
         return target.get("WorkerId"), target.get("Tag")
     return getattr(target, "WorkerId", None), getattr(target, "Tag", None)
-
-
-def target_label(target: Any) -> str:
-    wid, tag = _fields(target)
-    return f"WorkerId {wid!r}" if wid is not None else f"Tag {tag!r}"
 
 
 def resolve_target(target: Any, workers: Sequence[WorkerInfo], *, field: str = "target") -> WorkerInfo:

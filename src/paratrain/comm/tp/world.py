@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["broadcast_int", "broadcast_module_", "world_barrier", "world_mean"]
+__all__ = ["broadcast_module_", "world_barrier", "world_mean"]
 
 
 def world_barrier() -> None:
@@ -25,16 +25,6 @@ def world_mean(values: Sequence[float], device: torch.device | None = None) -> l
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()
-
-
-def broadcast_int(value: int | None, src: int = 0, device: torch.device | None = None) -> int | None:
-    """Rank ``src``'s integer (``None`` travels as -1) on every rank."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([-1 if value is None else value], dtype=torch.int64, device=device)
-    dist.broadcast(t, src=src)
-    v = int(t.item())
-    return None if v < 0 else v
 
 
 def broadcast_module_(module: torch.nn.Module, src: int = 0) -> None:
