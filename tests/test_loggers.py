@@ -119,3 +119,37 @@ def test_wandb_offline(run_dir: Path) -> None:
     assert {r["_step"]: r["test_loss"] for r in rows if "test_loss" in r} == pytest.approx(evals)
     assert all("train/lr" in r and "train/memory_mb" in r for r in rows if "train/loss" in r)
     assert config["run"]["name"] == "tracked" and config["train"]["batch_size"] == 32
+
+
+def _scalars(run: Path) -> Any:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    return acc
+
+
+def test_federated_per_round_with_epsilon_and_population_per_member(tmp_path: Path) -> None:
+    from _workers_federated import fed_job
+    from paratrain.executors.federated import run_in_process
+    from paratrain.executors.population_based import runner as population
+    from test_pbt_task import regression_job
+
+    fed = fed_job(tmp_path, "fed", K=6, rounds=2, local_epochs=1, dp={"clip": 0.5, "noise_multiplier": 0.3})
+    fed = fed.model_copy(update={"run": fed.run.model_copy(update={"loggers": ["tensorboard"]})})
+    s = run_in_process(fed)
+    acc = _scalars(Path(s["run_dir"]))
+    rounds = {r["round"]: r for r in read_metrics(s["run_dir"])}
+    for tag in ("test_loss", "test_accuracy", "epsilon", "train_loss"):
+        assert {e.step: e.value for e in acc.Scalars(tag)} == pytest.approx(
+            {n: r[tag] for n, r in rounds.items()}, rel=1e-6), tag
+    assert sorted(rounds) == [1, 2]
+
+    pbt = regression_job(tmp_path, "pbt")
+    pbt = pbt.model_copy(update={"run": pbt.run.model_copy(update={"loggers": ["tensorboard"]})})
+    s = population.run(pbt)
+    acc = _scalars(Path(s["run_dir"]))
+    for r in read_metrics(s["run_dir"]):
+        m, g = r["member"], r["generation"]
+        assert {e.step: e.value for e in acc.Scalars(f"member_{m}/test_mse")}[g] == pytest.approx(r["test_mse"])
+        assert {e.step: e.value for e in acc.Scalars(f"member_{m}/hparams/lr")}[g] == pytest.approx(r["hparams"]["lr"])

@@ -5,7 +5,8 @@ Every record the run logs to ``metrics.jsonl`` goes to the trackers too, written
 process that writes that file (rank 0, the Federated coordinator, the PopulationBased
 driver): :class:`~..rundir.MetricsWriter` holds the fan-out (:class:`Trackers`). A record's
 step is its ``step`` (an optimizer step), ``round`` (Federated) or ``generation``
-(PopulationBased, whose per-member records are named ``member_<m>/<key>``); a training-curve
+(PopulationBased, whose per-member records are named ``member_<m>/<key>``, its
+hyperparameters ``member_<m>/hparams/<name>``); a training-curve
 record's keys are named ``train/<key>`` (``train/loss``, ``train/lr``, ``train/steps_per_s``,
 ...), every other record's keys as they are (``test_loss``, ``epsilon``, ...). Numbers only;
 the job is each tracker's run config (params).
@@ -59,11 +60,13 @@ def tracked_values(record: dict[str, Any]) -> tuple[int, dict[str, float]] | Non
         prefix = f"member_{record['member']}/"
     out: dict[str, float] = {}
     for k, v in record.items():
-        if k in _NOT_VALUES or isinstance(v, bool) or not isinstance(v, int | float):
+        if k in _NOT_VALUES:
             continue
-        if math.isfinite(float(v)):
-            name = k.removeprefix("train_") if prefix == "train/" else k
-            out[prefix + name] = float(v)
+        name = k.removeprefix("train_") if prefix == "train/" else k
+        # one level of a record's dicts (a PopulationBased member's hparams): <key>/<name>
+        for sub, x in (v.items() if isinstance(v, dict) else [("", v)]):
+            if isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(float(x)):
+                out[prefix + name + (f"/{sub}" if sub else "")] = float(x)
     return int(record[key]), out
 
 
