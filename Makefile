@@ -12,7 +12,16 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,flower,bench,tensorboard,mlflow,wandb]'
+	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/timm timm==1.0.31 torchvision==0.29.1
 	touch $(STAMP)
+
+# timm (and torchvision, which it imports) go into $(VENV)/timm, a folder on no sys.path, not into
+# the venv: once torchvision is importable, transformers imports it, and PyPI's torchvision wheel
+# cannot load its _C beside the CPU torch ("operator torchvision::nms does not exist"), which breaks
+# `import transformers.modeling_utils`. Only tests/tensor_parallel/test_timm_real.py's ranks import
+# timm from there (tests/_real_timm.py defines the two torchvision operators first). --no-deps:
+# timm's own dependencies (huggingface_hub, safetensors, pyyaml) come with the hf extra;
+# --upgrade: a changed pin replaces the folder's copy rather than warning and keeping it.
 
 # The bench extra (Flower's simulation runtime: flwr[simulation], Ray, for benchmarks/federated.py's
 # Flower arm) goes into the same venv, so that the suite's smoke run of that arm runs in CI: its

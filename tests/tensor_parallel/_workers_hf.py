@@ -1,5 +1,6 @@
 """Rank functions for the tests of tensor parallelism on modules paratrain did not write:
-tiny HF Llama / GPT-2 built from config, and a copy of timm's ``Attention`` / ``Mlp``.
+tiny HF Llama / GPT-2 built from config (timm's own ViT: _workers_timm.py, which uses the
+forward/backward and comparison helpers here).
 
 Each check compares, on every rank, the logits and the (gathered) parameter gradients of
 the parallel model with the dense one's, and with torch's ``parallelize_module`` given the
@@ -14,12 +15,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from paratrain.comm.context import WorkerContext
 from paratrain.config import ConfigError, TensorParallelismConfig
 from paratrain.tensor_parallel import parallelize
-from paratrain.tensor_parallel.foreign import register_block
 
 B, S, VOCAB = 2, 8, 65
 
@@ -64,97 +63,11 @@ def gpt2(seed: int = 0) -> nn.Module:
     return GPT2LMHeadModel(cfg).eval()
 
 
-# -- a faithful copy of timm's Attention and Mlp (timm.layers, 1.0.31): timm imports
-# torchvision, whose PyPI wheel does not import next to the CPU torch on this machine; and
-# once torchvision is installed, transformers imports it and fails the same way ----------
-class Attention(nn.Module):
-    def __init__(self, dim: int, num_heads: int = 8, qkv_bias: bool = False, qk_norm: bool = False,
-                 attn_drop: float = 0.0, proj_drop: float = 0.0) -> None:
-        super().__init__()
-        assert dim % num_heads == 0, "dim should be divisible by num_heads"
-        self.num_heads = num_heads
-        self.head_dim = dim // num_heads
-        self.scale = self.head_dim ** -0.5
-        self.fused_attn = True
-        self.qkv = nn.Linear(dim, dim * 3, bias=qkv_bias)
-        self.q_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
-        self.k_norm = nn.LayerNorm(self.head_dim) if qk_norm else nn.Identity()
-        self.attn_drop = nn.Dropout(attn_drop)
-        self.norm = nn.Identity()
-        self.proj = nn.Linear(dim, dim)
-        self.proj_drop = nn.Dropout(proj_drop)
-
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                is_causal: bool = False) -> torch.Tensor:  # timm 1.0.31's signature
-        b, n, c = x.shape
-        qkv = self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused_attn:
-            x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                               dropout_p=self.attn_drop.p if self.training else 0.0,
-                                               is_causal=is_causal)
-        else:
-            q = q * self.scale
-            attn = q @ k.transpose(-2, -1)
-            if is_causal:  # timm's resolve_self_attn_mask + maybe_add_mask
-                attn = attn.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
-            if attn_mask is not None:
-                attn = attn.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
-                    else attn + attn_mask
-            attn = attn.softmax(dim=-1)
-            attn = self.attn_drop(attn)
-            x = attn @ v
-        x = x.transpose(1, 2).reshape(b, n, c)
-        x = self.norm(x)
-        x = self.proj(x)
-        return self.proj_drop(x)
-
-
-class Mlp(nn.Module):
-    def __init__(self, in_features: int, hidden_features: int, drop: float = 0.0) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(in_features, hidden_features)
-        self.act = nn.GELU()
-        self.drop1 = nn.Dropout(drop)
-        self.norm = nn.Identity()
-        self.fc2 = nn.Linear(hidden_features, in_features)
-        self.drop2 = nn.Dropout(drop)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.norm(self.drop1(self.act(self.fc1(x))))))
-
-
-# the copy stands for timm's classes, which paratrain recognises by name when timm is there
-register_block(Attention, "fused_qkv_attention")
-register_block(Mlp, "mlp")
-
-
-class ViTBlock(nn.Module):
-    """timm's ``Block`` (pre-norm): ``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
-
-    def __init__(self, dim: int = 32, heads: int = 4, qk_norm: bool = True) -> None:
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads, qkv_bias=True, qk_norm=qk_norm)
-        self.mlp = Mlp(dim, 2 * dim)
-
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None,
-                is_causal: bool = False) -> torch.Tensor:  # timm 1.0.31: Block passes both on
-        x = x + self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)
-        return x + self.mlp(self.norm2(x))
-
-
-def vit(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(12, 32), ViTBlock(), ViTBlock(), nn.LayerNorm(32), nn.Linear(32, 5))
-
-
 # -- forward / backward on a model, dense or parallel -------------------------------------
 def _inputs(kind: str) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
-    if kind == "vit":
-        return torch.randn(B, S, 12, generator=g)
+    if kind == "tokens":  # timm's Mlp on vit_tiny's width
+        return torch.randn(B, S, 192, generator=g)
     if kind == "timm":
         return torch.randn(B, 3, 32, 32, generator=g)
     return torch.randint(0, VOCAB, (B, S), generator=g)
@@ -174,7 +87,7 @@ def _run(model: nn.Module, kind: str) -> tuple[torch.Tensor, dict[str, torch.Ten
 
 
 def _dense(kind: str, **kw: Any) -> nn.Module:
-    return {"llama": llama, "mistral": mistral, "gpt2": gpt2, "vit": vit}[kind](**kw)
+    return {"llama": llama, "mistral": mistral, "gpt2": gpt2}[kind](**kw)
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -306,21 +219,6 @@ def hf_suite(ctx: WorkerContext, kind: str, model_kw: dict[str, Any], full: bool
     return res
 
 
-def vit_suite(ctx: WorkerContext) -> dict[str, Any]:
-    tp = ctx.world_size
-    dense = vit()
-    ref = _run(copy.deepcopy(dense), "vit")
-    ours, tpm = _ours(dense, "vit", tp, memory_optimization="None")
-    names, shards = _shard_names(tpm)
-    # a plan on the nn.Sequential's own Linears (the embedding colwise with its output
-    # gathered, the head split here), the first block kept whole, the second by the rules
-    plan = {"0": "colwise_gather_output", "4": {"style": "rowwise", "input": "replicate"}, "1": "replicate"}
-    planned, ptpm = _ours(dense, "vit", tp, memory_optimization="None", plan=plan)
-    return {"auto": _compare(ref, ours), "sharding": tpm.sharding, "names": names, "shards": shards,
-            "pieces": _pieces_match(tpm, names, shards, dense.state_dict()),
-            "plan": _compare(ref, planned), "plan_layout": ptpm.layout()}
-
-
 def _pieces_match(tpm: Any, names: dict[str, str], shards: dict[str, Any],
                   want: dict[str, torch.Tensor]) -> float:
     """Max difference between each sharded tensor this rank holds and the piece of the dense
@@ -352,29 +250,3 @@ def errors(kind: str, tp: int, **cfg: Any) -> str:
         return str(e)
     return ""
 
-
-
-def timm_call_suite(ctx: WorkerContext) -> dict[str, Any]:
-    """A ViT block under tensor parallel ``world_size`` called as timm 1.0.31's ``Block``
-    calls it (``attn_mask`` per head or broadcast, boolean or float; ``is_causal``), fused
-    and unfused attention, against the dense block."""
-    tp = ctx.world_size
-    out: dict[str, Any] = {}
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(B, S, 32, generator=g)
-    mask = torch.rand(B, 4, S, S, generator=g) > 0.3
-    mask[..., 0] = True  # every query keeps one key
-    calls = {"causal": {"is_causal": True}, "mask": {"attn_mask": mask},
-             "float_mask": {"attn_mask": torch.randn(B, 1, S, S, generator=g)}}
-    for fused in (True, False):
-        dense = vit()
-        dense[1].attn.fused_attn = fused
-        tpm = parallelize(copy.deepcopy(dense), TensorParallelismConfig.model_validate(
-            {"tensor_parallel_size": tp, "memory_optimization": "None"}))
-        tpm.train(False)
-        with torch.no_grad():
-            for k, kw in calls.items():
-                out[f"{k}_{'fused' if fused else 'unfused'}"] = _diff(tpm.module[1](x, **kw), dense[1](x, **kw))
-    with torch.no_grad():  # non-vacuity: each call changes the dense block's output
-        out["moves"] = min(_diff(dense[1](x, **kw), dense[1](x)) for kw in calls.values())
-    return out
