@@ -153,3 +153,21 @@ def test_federated_per_round_with_epsilon_and_population_per_member(tmp_path: Pa
         m, g = r["member"], r["generation"]
         assert {e.step: e.value for e in acc.Scalars(f"member_{m}/test_mse")}[g] == pytest.approx(r["test_mse"])
         assert {e.step: e.value for e in acc.Scalars(f"member_{m}/hparams/lr")}[g] == pytest.approx(r["hparams"]["lr"])
+
+
+def test_data_parallel_one_writer(tmp_path: Path) -> None:
+    """Two DataParallel ranks (each curve point a collective mean over the replicas, at
+    logging steps only): one event file, rank 0's, holding metrics.jsonl's curve."""
+    from paratrain.config import load_job
+    from paratrain.executors.data_parallel import runner as dp
+
+    doc: dict[str, Any] = load_job(ROOT / "examples" / "data_parallel_digits.toml").to_json_dict()
+    doc["run"].update(name="dp", output_dir=str(tmp_path), log_every=3, loggers=["tensorboard"],
+                      progress_every="off")
+    doc["train"].update(epochs=1, max_steps=12, eval_every=6)
+    s = dp.run(load_job(doc))
+    run = Path(s["run_dir"])
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    curve = {r["step"]: r["train_loss"] for r in read_metrics(run, train=True) if r.get("kind") == "train"}
+    assert sorted(curve) == [3, 6, 9, 12]
+    assert {e.step: e.value for e in _scalars(run).Scalars("train/loss")} == pytest.approx(curve, rel=1e-6)
