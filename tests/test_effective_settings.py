@@ -169,9 +169,9 @@ def test_train_budget_and_cadence_ignored_by_round_and_generation_strategies(
     strategy: dict[str, Any],
 ) -> None:
     doc = {"strategy": strategy, "train": {"epochs": 3, "eval_every": 5, "max_steps": 7},
-           "run": {"checkpoint_every": 4}}
+           "run": {"checkpoint_every": 4, "log_every": 2}}
     got = _ignored(doc)
-    for field in ("train.epochs", "train.eval_every", "train.max_steps"):
+    for field in ("train.epochs", "train.eval_every", "train.max_steps", "run.log_every"):
         assert field in got, (field, got)
     assert "train.batch_size" not in got  # left at its default
     # Federated checkpoints every N rounds (or a wall time); a PBT generation is its unit
