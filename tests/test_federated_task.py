@@ -27,7 +27,7 @@ from paratrain.executors.federated.state import fed_store
 from paratrain.task import evaluate, resolve_task
 from paratrain.training import build_optimizer, read_metrics, seed_everything
 from paratrain.training.faults import FAULT_ENV
-from paratrain.training.loop import DataPlan, LocalEngine, Trainer, run_loop
+from paratrain.training.loop import DataPlan, LocalEngine, LoopRun, Trainer, run_loop
 from paratrain.training.stepping import build_scheduler
 from paratrain.training.store_reading import read_rank_state
 from paratrain.training.stores import LocalStore
@@ -155,7 +155,8 @@ def test_one_client_step_is_the_loops_step(tmp_path: Path, precision: str) -> No
         trainer = Trainer(LocalEngine(ref, task, test, device=torch.device("cpu"), precision=precision),
                           opt, t, plan.total_steps, scheduler=build_scheduler(opt, t, plan.total_steps))
         store = LocalStore(tmp_path / f"local-{accumulation}-{id(order_of)}")
-        run_loop(trainer=trainer, plan=plan, task=task, store=store, label="ref", metrics=None, resume=False)
+        run_loop(LoopRun(trainer=trainer, plan=plan, task=task, store=store, label="ref", metrics=None,
+                         resume=False))
         return {k: v.detach().clone() for k, v in ref.state_dict().items()}
 
     gen = client_generator(0, 0, 0)

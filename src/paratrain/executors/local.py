@@ -33,7 +33,7 @@ from ..training import (
     write_summary,
 )
 from ..training.gcfreeze import resume_collections
-from ..training.loop import DataPlan, LocalEngine, Trainer, run_loop, summary_fields
+from ..training.loop import DataPlan, LocalEngine, LoopRun, Trainer, run_loop, summary_fields
 from ..training.rundir import RunFolder
 from ..training.stores import LocalStore, warm
 from .spec import ExecutorSpec
@@ -96,13 +96,10 @@ def _train(
     trainer = Trainer(engine, opt, t, plan.total_steps)
     if not resume:  # the checkpoint's import overlaps the first steps (a resume loads at once)
         warm()
-    result = run_loop(
+    result = run_loop(LoopRun(
         trainer=trainer, plan=plan, task=task, store=LocalStore(run_dir / "checkpoints"),
         label="Local", metrics=MetricsWriter(run_dir), resume=resume, prepare=folder.prepare,
-        eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every,
-        progress_every=job.run.progress_every, log_every=job.run.log_every, started=started,
-        layout={"strategy": "Local", "replicas": 1},
-    )
+        started=started, layout={"strategy": "Local", "replicas": 1}, **LoopRun.settings(job)))
     # metrics.jsonl is complete: a drawer process (the CLI's) draws while the summary is made
     drawing = report.draw_report(run_dir, title=f"{job.run.name} (Local)")
     summary: dict[str, Any] = {

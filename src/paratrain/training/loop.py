@@ -57,7 +57,7 @@ from .summary import parameters_digest, summary_fields
 
 __all__ = [
     "resolve_device", "epoch_permutation", "parameters_digest", "Engine", "LocalEngine",
-    "Trainer", "DataPlan", "Position", "LoopResult", "run_loop", "batch_size_of", "summary_fields",
+    "Trainer", "DataPlan", "Position", "LoopResult", "LoopRun", "run_loop", "batch_size_of", "summary_fields",
 ]
 
 Batch = Any  # a pytree of tensors (paratrain.task.steps): a tuple, a dict, a tensor, ...
@@ -209,178 +209,247 @@ class LoopResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run_loop(
-    *, trainer: Trainer, plan: DataPlan, task: Any, store: Any, label: str,
-    metrics: MetricsWriter | None, resume: bool, prepare: Callable[[], object] | None = None,
-    eval_every: int = 0, checkpoint_every: int | str = 0,
-    rank: int = 0, restart_count: int = 0, started: float | None = None, group: Any = None,
-    check_state: Callable[[dict[str, Any], Any], None] | None = None,
-    layout: dict[str, Any] | None = None,
-    reposition: Callable[[dict[str, Any], Position], Position] | None = None,
-    progress_every: int | str | None = None, log_every: int = 0,
-) -> LoopResult:
-    """Train ``plan`` with ``trainer`` from the position ``store`` resumes (``resume``) or
-    from the start; evaluate, log, checkpoint; return the position and the final metrics
-    (on the logging process). ``store`` has ``load() -> (source, state) | None`` and
-    ``save(step, state)`` (collective where the strategy has several processes);
-    ``prepare()`` runs after a resumed state was checked and loaded, before anything is
-    written; ``check_state(state, source)`` raises when the state is not this job's.
-    ``group``: the processes that run this loop together (None: one process); they agree
-    on stopping (a signal) and on a time-based checkpoint at the steps
-    :class:`~.interrupt.Agreement` picks. ``layout``: this
-    run's processes and placement, saved with every checkpoint; a store that resumes a
-    checkpoint of another layout gives it by the model's names (:mod:`.reshard`), and
-    ``reposition(old_layout, position)`` moves the data position onto this layout (default:
-    by the examples walked, from the layouts' ``"replicas"``). An engine may define
-    ``model_names()`` (its keys -> the model's names) and ``model_shards()`` (its keys that
-    hold part of a model tensor -> their shard spec, :mod:`.reshard`). ``progress_every``:
-    ``run.progress_every`` (:mod:`.progress`; shown by the process that logs metrics).
-    ``log_every``: ``run.log_every``, a training-curve record every that many steps (0:
-    about 100 over the run; :mod:`.curve`)."""
-    from .stores import Held  # torch.distributed.checkpoint: a federated client's step needs none
+@dataclass(frozen=True)
+class LoopRun:
+    """What :func:`run_loop` trains, and how.
 
-    started = time.perf_counter() if started is None else started
-    eng, opt = trainer.engine, trainer.optimizer
-    model = eng.model
-    pos = Position()
-    losses: list[float] = []
-    resumed_from: dict[str, Any] | None = None  # the summary says what a resume started from
-    names = getattr(eng, "model_names", None)  # this process's keys -> the model's names
-    names = names() if callable(names) else None
-    shards = getattr(eng, "model_shards", None)  # keys holding part of a model tensor -> spec
-    shards = shards() if callable(shards) else None
-    found = store.load(Held(model, opt, names, shards, layout)) if resume else None
-    curve = TrainCurve(log_every_of(log_every, plan.total_steps), device=getattr(eng, "device", None))
-    feed = feed_of(plan, task)
-    if found is not None:
-        source, state = found
+    ``store`` has ``load() -> (source, state) | None`` and ``save(step, state)`` (collective
+    where the strategy has several processes); ``prepare()`` runs after a resumed state was
+    checked and loaded, before anything is written; ``check_state(state, source)`` raises
+    when the state is not this job's. ``group``: the processes that run this loop together
+    (None: one process); they agree on stopping (a signal) and on a time-based checkpoint
+    at the steps :class:`~.interrupt.Agreement` picks. ``layout``: this run's processes and
+    placement, saved with every checkpoint; a store that resumes a checkpoint of another
+    layout gives it by the model's names (:mod:`.reshard`), and ``reposition(old_layout,
+    position)`` moves the data position onto this layout (default: by the examples walked,
+    from the layouts' ``"replicas"``). ``progress_every``: ``run.progress_every``
+    (:mod:`.progress`; shown by the process that logs metrics). ``log_every``:
+    ``run.log_every``, a training-curve record every that many steps (0: about 100 over the
+    run; :mod:`.curve`)."""
+
+    trainer: Trainer
+    plan: DataPlan
+    task: Any
+    store: Any
+    label: str
+    metrics: MetricsWriter | None
+    resume: bool
+    prepare: Callable[[], object] | None = None
+    eval_every: int = 0
+    checkpoint_every: int | str = 0
+    rank: int = 0
+    restart_count: int = 0
+    started: float | None = None
+    group: Any = None
+    check_state: Callable[[dict[str, Any], Any], None] | None = None
+    layout: dict[str, Any] | None = None
+    reposition: Callable[[dict[str, Any], Position], Position] | None = None
+    progress_every: int | str | None = None
+    log_every: int = 0
+
+    @staticmethod
+    def settings(job: Any) -> dict[str, Any]:
+        """The job's cadences (``train.eval_every``, ``run.checkpoint_every``,
+        ``run.progress_every``, ``run.log_every``), as LoopRun's fields."""
+        return {"eval_every": job.train.eval_every, "checkpoint_every": job.run.checkpoint_every,
+                "progress_every": job.run.progress_every, "log_every": job.run.log_every}
+
+
+def run_loop(run: LoopRun) -> LoopResult:
+    """Train ``run.plan`` with ``run.trainer`` from the position ``run.store`` resumes
+    (``run.resume``) or from the start; evaluate, log, checkpoint; return the position and
+    the final metrics (on the logging process). An engine may define ``model_names()`` (its
+    keys -> the model's names) and ``model_shards()`` (its keys that hold part of a model
+    tensor -> their shard spec, :mod:`.reshard`)."""
+    return _Loop(run).run()
+
+
+class _Loop:
+    """One :func:`run_loop`: its position, the losses since the last evaluation, the
+    training curve and the evaluations made."""
+
+    def __init__(self, run: LoopRun) -> None:
+        self.run_ = run
+        self.started = time.perf_counter() if run.started is None else run.started
+        self.eng, self.opt = run.trainer.engine, run.trainer.optimizer
+        self.model = self.eng.model
+        self.pos = Position()
+        self.losses: list[float] = []
+        self.resumed_from: dict[str, Any] | None = None  # the summary says what a resume started from
+        names = getattr(self.eng, "model_names", None)  # this process's keys -> the model's names
+        self.names = names() if callable(names) else None
+        shards = getattr(self.eng, "model_shards", None)  # keys holding part of a model tensor -> spec
+        self.shards = shards() if callable(shards) else None
+        self.curve = TrainCurve(log_every_of(run.log_every, run.plan.total_steps),
+                                device=getattr(self.eng, "device", None))
+        self.feed = feed_of(run.plan, run.task)
+        self.evaluated: set[int] = set()
+        self.results: dict[int, dict[str, float]] = {}
+
+    def run(self) -> LoopResult:
+        # torch.distributed.checkpoint, imported here: a federated client's step needs none
+        from .stores import Held
+
+        r = self.run_
+        found = (r.store.load(Held(self.model, self.opt, self.names, self.shards, r.layout))
+                 if r.resume else None)
+        if found is not None:
+            self._resume(*found)
+        if r.prepare is not None:
+            r.prepare()
+        start_step = self.pos.step
+        self._saved_names()
+        life = Lifecycle(store=r.store, unit="step", total=r.plan.total_steps, label=r.label,
+                         state=self._state, checkpoint_every=r.checkpoint_every, group=r.group,
+                         rank=r.rank, restart_count=r.restart_count, metrics=r.metrics,
+                         progress_every=r.progress_every)
+        life.begin(self.pos.step, resume=r.resume, found=found is not None)
+        self.model.train()
+        try:
+            with life:
+                self._train(life)
+        finally:
+            self.feed.close()
+        pos = self.pos
+        if self.losses or (pos.step not in self.evaluated and (pos.step > start_step or found is None)):
+            self._log_eval()
+        life.finish(pos.step)
+        if pos.step not in self.evaluated:
+            ev = self.eng.evaluate()
+            if ev is not None:
+                self.results[pos.step] = ev
+        final = self.results.get(pos.step)
+        return LoopResult(pos, final, self._best(final), start_step,
+                          {"resumed_from": self.resumed_from} if self.resumed_from else {})
+
+    def _resume(self, source: Any, state: dict[str, Any]) -> None:
+        r, model = self.run_, self.model
         resharded = bool(state.get("resharded"))  # written on another layout, read by names
         if not resharded:
-            (check_state or (lambda s, src: checkpoint.check_resume_state(model, opt, s, source=src)))(state, source)
+            (r.check_state or (lambda s, src: checkpoint.check_resume_state(model, self.opt, s, source=src)))(
+                state, source)
         model.load_state_dict(state["model"])
-        trainer.load_state_dict(state)
+        r.trainer.load_state_dict(state)
         if state["rng"] is not None:
             set_rng_state(state["rng"])
-        eng.load_state_dict(state.get("engine", {}))
-        pos = Position(int(state["step"]), int(state["epoch"]), int(state["batch"]))
+        self.eng.load_state_dict(state.get("engine", {}))
+        self.pos = Position(int(state["step"]), int(state["epoch"]), int(state["batch"]))
         if resharded:
-            old = found[1].get("layout") or {}
-            again = 0 if reposition is not None else repeated_batches(
-                old, layout or {}, batch=pos.batch, per_epoch=plan.batches_per_epoch)
-            pos = (reposition(old, pos) if reposition is not None else Position(pos.step, *by_examples(
-                old, layout or {}, epoch=pos.epoch, batch=pos.batch, per_epoch=plan.batches_per_epoch)))
-            if again and rank == 0:
-                warnings.warn(ReshardWarning(
-                    f"resumed on {int((layout or {}).get('replicas', 1))} data replica(s) from "
-                    f"{int(old.get('replicas', 1))}: each continues at batch {pos.batch} of epoch {pos.epoch}, "
-                    f"so {again} batch(es) of train.batch_size rows the old replicas had trained on "
-                    "are trained on again (the position is rounded down to whole batches)"), stacklevel=2)
-        resumed_from = {"checkpoint": Path(source).name, "step": int(state["step"]),
-                        "layout": dict(state.get("layout") or {}), "resharded": resharded,
-                        **({"onto": dict(layout or {}), "reset": list(state["reset"])} if resharded else {})}
-        losses = [float(v) for v in state.get("losses", [])]
-        curve.load_state_dict(state.get("curve"))
+            self._reposition(state.get("layout") or {})
+        self.resumed_from = {
+            "checkpoint": Path(source).name, "step": int(state["step"]),
+            "layout": dict(state.get("layout") or {}), "resharded": resharded,
+            **({"onto": dict(r.layout or {}), "reset": list(state["reset"])} if resharded else {})}
+        self.losses = [float(v) for v in state.get("losses", [])]
+        self.curve.load_state_dict(state.get("curve"))
         if not resharded:  # a stream's loader position (same layout only)
-            feed.load_state_dict(state.get("loader") or {})
-    if prepare is not None:
-        prepare()
-    start_step = pos.step
+            self.feed.load_state_dict(state.get("loader") or {})
 
-    # the model's name of each saved tensor and optimizer parameter: resumable on another layout
-    saved_names = [names.get(k, k) if names else k for k in model.state_dict()]
-    saved_params = param_names(model, opt, names)
-    saved_shards = ({"shards": [shards.get(k) for k in model.state_dict()],
-                     "param_shards": [shards.get(k) for k in param_keys(model, opt)]}
-                    if shards else {})
+    def _reposition(self, old: dict[str, Any]) -> None:
+        """A checkpoint of another layout: the data position on this one."""
+        r, pos, per_epoch = self.run_, self.pos, self.run_.plan.batches_per_epoch
+        layout = r.layout or {}
+        again = 0 if r.reposition is not None else repeated_batches(
+            old, layout, batch=pos.batch, per_epoch=per_epoch)
+        self.pos = (r.reposition(old, pos) if r.reposition is not None else Position(pos.step, *by_examples(
+            old, layout, epoch=pos.epoch, batch=pos.batch, per_epoch=per_epoch)))
+        if again and r.rank == 0:
+            warnings.warn(ReshardWarning(
+                f"resumed on {int(layout.get('replicas', 1))} data replica(s) from "
+                f"{int(old.get('replicas', 1))}: each continues at batch {self.pos.batch} of epoch "
+                f"{self.pos.epoch}, so {again} batch(es) of train.batch_size rows the old replicas had "
+                "trained on are trained on again (the position is rounded down to whole batches)"),
+                stacklevel=3)
 
-    def loop_state(done: int) -> dict[str, Any]:
+    def _saved_names(self) -> None:
+        """The model's name of each saved tensor and optimizer parameter: resumable on
+        another layout."""
+        names, shards, model, opt = self.names, self.shards, self.model, self.opt
+        self.saved_names = [names.get(k, k) if names else k for k in model.state_dict()]
+        self.saved_params = param_names(model, opt, names)
+        self.saved_shards = ({"shards": [shards.get(k) for k in model.state_dict()],
+                              "param_shards": [shards.get(k) for k in param_keys(model, opt)]}
+                             if shards else {})
+
+    def _state(self, done: int) -> dict[str, Any]:
+        pos = self.pos
         assert done == pos.step
         return {
-            "model": model.state_dict(), **trainer.state_dict(), "rng": rng_state(),
-            "engine": eng.state_dict(), "step": pos.step, "epoch": pos.epoch, "batch": pos.batch,
-            "loader": feed.state_dict(),
-            "losses": list(losses), "curve": curve.state_dict(), "optimizer_type": type(opt).__name__,
-            "names": saved_names, "param_names": saved_params, "layout": dict(layout or {}),
-            **saved_shards,
+            "model": self.model.state_dict(), **self.run_.trainer.state_dict(), "rng": rng_state(),
+            "engine": self.eng.state_dict(), "step": pos.step, "epoch": pos.epoch, "batch": pos.batch,
+            "loader": self.feed.state_dict(),
+            "losses": list(self.losses), "curve": self.curve.state_dict(),
+            "optimizer_type": type(self.opt).__name__,
+            "names": self.saved_names, "param_names": self.saved_params,
+            "layout": dict(self.run_.layout or {}), **self.saved_shards,
         }
 
-    fit = task.fitness_metric
-    evaluated: set[int] = set()
-    results: dict[int, dict[str, float]] = {}
-
-    def log_eval() -> dict[str, float] | None:
-        mean_loss = eng.mean_over_ranks(sum(losses) / max(len(losses), 1))
-        losses.clear()
+    def _log_eval(self) -> dict[str, float] | None:
+        eng, pos, metrics = self.eng, self.pos, self.run_.metrics
+        mean_loss = eng.mean_over_ranks(sum(self.losses) / max(len(self.losses), 1))
+        self.losses.clear()
         ev = eng.evaluate()
-        evaluated.add(pos.step)
+        self.evaluated.add(pos.step)
         if ev is not None:
-            results[pos.step] = ev
+            self.results[pos.step] = ev
         if metrics is not None and ev is not None:
             metrics.log({"step": pos.step, "epoch": pos.epoch, "train_loss": mean_loss,
                          **{f"test_{k}": v for k, v in ev.items()}, **eng.log_extras(),
-                         "time_s": time.perf_counter() - started})
+                         "time_s": time.perf_counter() - self.started})
         return ev
 
-    total = plan.total_steps
-    bpe, acc = plan.batches_per_epoch, plan.accumulation
-    ce = eval_every
-    life = Lifecycle(store=store, unit="step", total=total, label=label, state=loop_state,
-                     checkpoint_every=checkpoint_every, group=group, rank=rank,
-                     restart_count=restart_count, metrics=metrics, progress_every=progress_every)
-    life.begin(pos.step, resume=resume, found=found is not None)
-    model.train()
-    try:
-        with life:
-            life.show(pos.step)
-            ran_out = False
-            while pos.step < total and pos.epoch < plan.epochs and not ran_out:
-                source = feed.batches(pos.epoch, pos.batch)
-                while pos.batch < bpe and pos.step < total:
-                    stop = min(pos.batch + acc, bpe)
-                    batches = list(itertools.islice(source, stop - pos.batch))
-                    if plan.stream:  # a finite stream: every rank stops when one runs out
-                        ran_out = agree(len(batches) < stop - pos.batch, False, group)[0]
-                        if ran_out:
-                            break
-                    losses.append(last_loss := trainer.step(batches))
-                    curve.add(last_loss, sum(batch_size_of(b) for b in batches))
-                    extra = eng.after_step()
-                    pos.step += 1
-                    pos.batch = stop
-                    if extra and metrics is not None:
-                        metrics.log({"step": pos.step, **extra})
-                    if plan.stream:  # one epoch, its batch the stream position: ends with the run
-                        end_of_epoch = pos.step == total
-                    else:
-                        if pos.batch == bpe:
-                            pos.epoch, pos.batch = pos.epoch + 1, 0
-                        end_of_epoch = pos.batch == 0
-                    if curve.due(pos.step):
-                        rec = curve.record(pos.step, pos.epoch, opt.param_groups[0]["lr"],
-                                           eng.mean_over_ranks)
-                        if metrics is not None:
-                            metrics.log(rec)
-                    if (ce and pos.step % ce == 0) or (not ce and end_of_epoch):
-                        ev = log_eval()
-                        if ev is not None:
-                            life.show(pos.step, info=f"test_{fit} {ev.get(fit, float('nan')):.4g}")
-                    life.show(pos.step, loss=last_loss, lr=opt.param_groups[0]["lr"])
-                    life.end_unit(pos.step, boundary=end_of_epoch)
-                    if end_of_epoch:
+    def _train(self, life: Lifecycle) -> None:
+        plan, pos = self.run_.plan, self.pos
+        total, bpe, acc = plan.total_steps, plan.batches_per_epoch, plan.accumulation
+        life.show(pos.step)
+        ran_out = False
+        while pos.step < total and pos.epoch < plan.epochs and not ran_out:
+            source = self.feed.batches(pos.epoch, pos.batch)
+            while pos.batch < bpe and pos.step < total:
+                stop = min(pos.batch + acc, bpe)
+                batches = list(itertools.islice(source, stop - pos.batch))
+                if plan.stream:  # a finite stream: every rank stops when one runs out
+                    ran_out = agree(len(batches) < stop - pos.batch, False, self.run_.group)[0]
+                    if ran_out:
                         break
-    finally:
-        feed.close()
-    if losses or (pos.step not in evaluated and (pos.step > start_step or found is None)):
-        log_eval()
-    life.finish(pos.step)
-    if pos.step not in evaluated:
-        ev = eng.evaluate()
-        if ev is not None:
-            results[pos.step] = ev
-    final = results.get(pos.step)
-    best: float | None = None
-    if metrics is not None and final is not None:
+                if self._step(batches, stop, life):
+                    break
+
+    def _step(self, batches: list[Any], stop: int, life: Lifecycle) -> bool:
+        """One optimizer step and what follows it (curve, evaluation, progress, the unit's
+        end); True at the end of an epoch."""
+        r, pos, eng, metrics = self.run_, self.pos, self.eng, self.run_.metrics
+        plan, ce, fit = r.plan, r.eval_every, r.task.fitness_metric
+        self.losses.append(last_loss := r.trainer.step(batches))
+        self.curve.add(last_loss, sum(batch_size_of(b) for b in batches))
+        extra = eng.after_step()
+        pos.step += 1
+        pos.batch = stop
+        if extra and metrics is not None:
+            metrics.log({"step": pos.step, **extra})
+        if plan.stream:  # one epoch, its batch the stream position: ends with the run
+            end_of_epoch = pos.step == plan.total_steps
+        else:
+            if pos.batch == plan.batches_per_epoch:
+                pos.epoch, pos.batch = pos.epoch + 1, 0
+            end_of_epoch = pos.batch == 0
+        if self.curve.due(pos.step):
+            rec = self.curve.record(pos.step, pos.epoch, self.opt.param_groups[0]["lr"], eng.mean_over_ranks)
+            if metrics is not None:
+                metrics.log(rec)
+        if (ce and pos.step % ce == 0) or (not ce and end_of_epoch):
+            ev = self._log_eval()
+            if ev is not None:
+                life.show(pos.step, info=f"test_{fit} {ev.get(fit, float('nan')):.4g}")
+        life.show(pos.step, loss=last_loss, lr=self.opt.param_groups[0]["lr"])
+        life.end_unit(pos.step, boundary=end_of_epoch)
+        return end_of_epoch
+
+    def _best(self, final: dict[str, float] | None) -> float | None:
+        metrics, task = self.run_.metrics, self.run_.task
+        if metrics is None or final is None:
+            return None
+        fit = task.fitness_metric
         pick = max if task.fitness_mode == "max" else min
         records = [r for r in read_metrics(metrics.path.parent) if r.get(f"test_{fit}") is not None]
-        best = pick((float(r[f"test_{fit}"]) for r in records), default=final.get(fit))
-    return LoopResult(pos, final, best, start_step, {"resumed_from": resumed_from} if resumed_from else {})
+        return pick((float(r[f"test_{fit}"]) for r in records), default=final.get(fit))

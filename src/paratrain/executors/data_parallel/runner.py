@@ -59,7 +59,7 @@ from ...training import (
     write_summary,
 )
 from ...training.faults import FAULT_ENV
-from ...training.loop import DataPlan, LocalEngine, Trainer, run_loop, summary_fields
+from ...training.loop import DataPlan, LocalEngine, LoopRun, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
 from ..entry import worker_entry
@@ -211,15 +211,13 @@ def train_replica(
         _barrier(ctx)
 
     try:
-        result = run_loop(
+        result = run_loop(LoopRun(
             trainer=trainer, plan=plan, task=task, store=_store(ctx, run_dir, strategy.shard),
             label=f"DataParallel x{ctx.world_size}",
             metrics=MetricsWriter(run_dir) if ctx.is_main else None, resume=resume, prepare=prepare,
-            eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every,
-            progress_every=job.run.progress_every, log_every=job.run.log_every, rank=ctx.rank,
-            restart_count=ctx.restart_count, started=started, group=ctx.group,
+            rank=ctx.rank, restart_count=ctx.restart_count, started=started, group=ctx.group,
             layout={"strategy": "DataParallel", "replicas": ctx.world_size, "shard": strategy.shard},
-        )
+            **LoopRun.settings(job)))
     finally:
         agg.close()
         if zero is not None:

@@ -78,7 +78,7 @@ from ...training import (
 )
 from ...training.export import complete_state, save_model, tied_names
 from ...training.faults import FAULT_ENV
-from ...training.loop import DataPlan, Trainer, run_loop, summary_fields
+from ...training.loop import DataPlan, LoopRun, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
 from .engine import PipelineEngine, StageModel, pipeline_stats
@@ -243,14 +243,12 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                 f"checkpoints) and cannot be resumed; start the run without --resume"))])
         checkpoint.check_resume_state(engine.model, opt, state, source=source)
 
-    result = run_loop(
+    result = run_loop(LoopRun(
         trainer=trainer, plan=data, task=task, store=store, label="ModelParallel",
-        metrics=metrics, resume=resume, check_state=check_state, eval_every=t.eval_every,
-        prepare=(lambda: _prepare_resumed(ctx, job)) if resume else None,
-        checkpoint_every=job.run.checkpoint_every,
-        progress_every=job.run.progress_every, log_every=job.run.log_every, rank=ctx.rank,
+        metrics=metrics, resume=resume, check_state=check_state,
+        prepare=(lambda: _prepare_resumed(ctx, job)) if resume else None, rank=ctx.rank,
         restart_count=ctx.restart_count, started=started, group=ctx.group, layout=layout,
-    )
+        **LoopRun.settings(job)))
     engine.record_held(opt)  # what a rank holds between steps
     engine.unshard()  # ZeRO-3 in a stage: whole parameters for the digest and the export
     own = dict(sorted(stage.node_state({a.name: a.target for a in plan.cut.attrs}).items()))

@@ -60,7 +60,7 @@ from ...training import (
     seed_everything,
     write_summary,
 )
-from ...training.loop import DataPlan, Trainer, run_loop, summary_fields
+from ...training.loop import DataPlan, LoopRun, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
 from ..entry import worker_entry
@@ -206,14 +206,13 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     label = f"TensorParallel x{tp}" + (f" x DataParallel x{dp}" if dp > 1 else "") + (
         f" (ZeRO shard = {shard} over dp)" if zero is not None else "")
     try:
-        result = run_loop(
+        result = run_loop(LoopRun(
             trainer=trainer, plan=plan, task=task, store=store, label=label,
             metrics=MetricsWriter(run_dir) if ctx.is_main else None, resume=resuming,
-            prepare=prepare, eval_every=t.eval_every, checkpoint_every=job.run.checkpoint_every,
-            progress_every=job.run.progress_every, log_every=job.run.log_every,
-            rank=ctx.rank, restart_count=ctx.restart_count, started=started, group=ctx.group,
-            layout={"strategy": "TensorParallel", "tp": tp, "dp": dp, "replicas": dp,
-                    **({"shard": shard} if zero is not None else {})})
+            prepare=prepare, rank=ctx.rank, restart_count=ctx.restart_count, started=started,
+            group=ctx.group, layout={"strategy": "TensorParallel", "tp": tp, "dp": dp, "replicas": dp,
+                                     **({"shard": shard} if zero is not None else {})},
+            **LoopRun.settings(job)))
         held = zero.held_bytes(opt) if zero is not None else None  # measured before gathering
         if zero is not None:
             zero.gather_all()  # ZeRO-3: the whole TP shards again (collective over dp)
