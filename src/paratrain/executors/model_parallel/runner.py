@@ -54,8 +54,9 @@ import math
 import re
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ...comm import collectives as C
 from ...comm.buckets import bucket_bytes_of
@@ -164,6 +165,58 @@ def _stage_setting(job: JobConfig, path: str | None, name: str, default: Any) ->
     return getattr(sub, name, default)
 
 
+def _place(ctx: WorkerContext, job: JobConfig, model: Any, task: Any, train: Any) -> tuple[Any, ...]:
+    """The model cut into parts and placed on the ranks: ``(model, plan, logical replicas,
+    this rank's replicas, TP groups or None, this rank's replica group or None)``; with
+    tensor parallelism (pipeline x TP, :mod:`.tp_stages`) the sharded model is cut."""
+    tp = tp_size_of(job)
+    tp_groups = None
+    if tp > 1:
+        n_logical = ctx.world_size // tp
+        model, tp_groups, leaves = shard_model(job, model)
+        plan = plan_for(job, model, ctx.workers[:n_logical], example_args(task, train), leaves=leaves)
+        logical = replicas_for(job, plan, n_logical, ctx.workers[:n_logical])
+        replicas = lane_replicas(logical, n_logical, tp, ctx.rank)
+    else:
+        plan = plan_for(job, model, ctx.workers, example_args(task, train))
+        logical = replicas = replicas_for(job, plan, ctx.world_size, ctx.workers)
+    replica_group = None
+    for ranks in replica_groups(logical, tp):  # with tp 1: each replicated stage's ranks
+        group = new_group(ranks)  # every rank creates every group, in one order
+        if ctx.rank in ranks:
+            replica_group = group
+    return model, plan, logical, replicas, tp_groups, replica_group
+
+
+def _state_check(model: Any, opt: Any) -> Callable[[dict[str, Any], Any], None]:
+    """A resumed state's check: the one loop's layout, this model and optimizer."""
+    def check_state(state: dict[str, Any], source: Any) -> None:
+        if "model" not in state:  # the per-node layout of versions before the one loop
+            raise ConfigError([("run.name", (
+                f"{source} was written by an earlier paratrain (per-node ModelParallel "
+                f"checkpoints) and cannot be resumed; start the run without --resume"))])
+        checkpoint.check_resume_state(model, opt, state, source=source)
+    return check_state
+
+
+def _data_plan(ctx: WorkerContext, job: JobConfig, train: Any) -> DataPlan:
+    """Every rank walks the same batches (the loss part's rank reads the targets); a
+    pipeline whose micro-batch is the whole batch is warned about (no overlap)."""
+    t, proto = job.train, getattr(job.strategy, "communication", None)
+    proto = cast(Any, proto)
+    if proto.protocol == "Pipeline" and ctx.rank == 0 and proto.micro_batch_size >= t.batch_size:
+        warnings.warn(
+            f"strategy.communication.micro_batch_size ({proto.micro_batch_size}) >= train.batch_size "
+            f"({t.batch_size}): one micro-batch per batch, so the stages do not overlap",
+            stacklevel=3,
+        )
+    n, seed = len(train), job.run.seed
+    return DataPlan(dataset=train, order=lambda e: epoch_permutation(n, seed=seed, epoch=e),
+                    examples_per_epoch=n, batch_size=t.batch_size, accumulation=t.grad_accumulation,
+                    epochs=t.epochs, max_steps=t.max_steps, device=ctx.device,
+                    loader=LoaderOptions.of(job.data, seed))
+
+
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
     """Train this rank's segments through the one loop; rank 0 logs metrics and returns
     the summary."""
@@ -173,25 +226,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     num_parameters = sum(p.numel() for p in model.parameters())
     names, ties = list(model.state_dict()), tied_names(model)  # for the exported model
     tp = tp_size_of(job)
-    tp_groups = None
-    if tp > 1:  # pipeline (x replicated stages) x tensor parallel (.tp_stages): cut the sharded model
-        n_logical = ctx.world_size // tp
-        model, tp_groups, leaves = shard_model(job, model)
-        plan = plan_for(job, model, ctx.workers[:n_logical], example_args(task, train), leaves=leaves)
-        logical = replicas_for(job, plan, n_logical, ctx.workers[:n_logical])
-        replicas = lane_replicas(logical, n_logical, tp, ctx.rank)
-    else:
-        plan = plan_for(job, model, ctx.workers, example_args(task, train))
-        logical = replicas = replicas_for(job, plan, ctx.world_size, ctx.workers)
-    dp_groups = replica_groups(logical, tp)  # with tp 1: each replicated stage's ranks
+    model, plan, logical, replicas, tp_groups, replica_group = _place(ctx, job, model, task, train)
     stage_rank, _ = replicas.logical(ctx.rank)
-    replica_group = None
-    for ranks in dp_groups:
-        group = new_group(ranks)  # every rank creates every group, in one order
-        if ctx.rank in ranks:
-            replica_group = group
-    strategy: Any = job.strategy
-    proto: Any = strategy.communication
+    proto: Any = getattr(job.strategy, "communication", None)
     pipeline = proto.protocol == "Pipeline"
     modules = segment_modules(model, plan, stage_rank)
     attrs = held_attrs(model, plan, stage_rank)
@@ -202,24 +239,14 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                       replicas=replicas, physical_rank=ctx.rank,
                       feed=lambda batch: model_args(task, batch))
     t = job.train
-    if pipeline and ctx.rank == 0 and proto.micro_batch_size >= t.batch_size:
-        warnings.warn(
-            f"strategy.communication.micro_batch_size ({proto.micro_batch_size}) >= train.batch_size "
-            f"({t.batch_size}): one micro-batch per batch, so the stages do not overlap",
-            stacklevel=2,
-        )
-    n = len(train)
-    seed = job.run.seed
-    data = DataPlan(dataset=train, order=lambda e: epoch_permutation(n, seed=seed, epoch=e),
-                    examples_per_epoch=n, batch_size=t.batch_size, accumulation=t.grad_accumulation,
-                    epochs=t.epochs, max_steps=t.max_steps, device=ctx.device,
-                    loader=LoaderOptions.of(job.data, seed))
+    data = _data_plan(ctx, job, train)
+    where = replicas.paths.get(stage_rank)
     engine_kw: dict[str, Any] = dict(
         precision=t.precision, micro_batch_size=proto.micro_batch_size if pipeline else None,
         schedule_name=proto.schedule if pipeline else None, replica_group=replica_group,
-        broadcast_buffers=bool(_stage_setting(job, replicas.paths.get(stage_rank), "broadcast_buffers", True)),
+        broadcast_buffers=bool(_stage_setting(job, where, "broadcast_buffers", True)),
         bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb),
-        shard=str(_stage_setting(job, replicas.paths.get(stage_rank), "shard", "none")), where=replicas.paths.get(stage_rank, ""))
+        shard=str(_stage_setting(job, where, "shard", "none")), where=where or "")
     engine: PipelineEngine = (
         PipelineEngine(ctx, rt, stage, task, test, **engine_kw) if tp_groups is None else
         TPPipelineEngine(dataclasses.replace(ctx, rank=stage_rank), rt, stage, task, test,
@@ -236,16 +263,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                       reshard=True)
     metrics = MetricsWriter(run_dir) if ctx.rank == 0 else None
 
-    def check_state(state: dict[str, Any], source: Any) -> None:
-        if "model" not in state:  # the per-node layout of versions before the one loop
-            raise ConfigError([("run.name", (
-                f"{source} was written by an earlier paratrain (per-node ModelParallel "
-                f"checkpoints) and cannot be resumed; start the run without --resume"))])
-        checkpoint.check_resume_state(engine.model, opt, state, source=source)
-
     result = run_loop(LoopRun(
         trainer=trainer, plan=data, task=task, store=store, label="ModelParallel",
-        metrics=metrics, resume=resume, check_state=check_state,
+        metrics=metrics, resume=resume, check_state=_state_check(engine.model, opt),
         prepare=(lambda: _prepare_resumed(ctx, job)) if resume else None, rank=ctx.rank,
         restart_count=ctx.restart_count, started=started, group=ctx.group, layout=layout,
         **LoopRun.settings(job)))
@@ -269,6 +289,24 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     if ctx.rank != 0 or result.final is None:
         return None
     whole = complete_state(parts, names, ties)  # every worker's part, one model
+    summary = _summary(ctx, job, run_dir, result, engine, plan, logical, stage_totals, whole,
+                       task=task, train=train, test=test, started=started,
+                       num_parameters=num_parameters, resumed_from_step=store.loaded_step)
+    save_model(run_dir, whole)
+    write_summary(run_dir, summary)
+    report.plot_curves(run_dir, title=f"{job.run.name} (ModelParallel/{summary['protocol']})")
+    return summary
+
+
+def _summary(ctx: WorkerContext, job: JobConfig, run_dir: Path, result: Any, engine: PipelineEngine,
+             plan: Any, logical: Any, stage_totals: list[Any], whole: dict[str, Any], *, task: Any,
+             train: Any, test: Any, started: float, num_parameters: int,
+             resumed_from_step: int | None) -> dict[str, Any]:
+    """Rank 0's summary of the run: the stages, the pipeline's figures, the digest."""
+    proto: Any = job.strategy.communication  # type: ignore[union-attr]
+    pipeline = proto.protocol == "Pipeline"
+    t = job.train
+    tp = tp_size_of(job)
     records = [r for r in read_metrics(run_dir) if r.get("train_loss") is not None]
     step_times = engine.step_times
     summary: dict[str, Any] = {
@@ -297,11 +335,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
             schedule=proto.schedule if pipeline else "1F1B"),
         "parameters_sha256": parameters_digest(whole),  # a Local run's, on equal parameters
         "restart_count": ctx.restart_count,
-        "resumed_from_step": store.loaded_step,
+        "resumed_from_step": resumed_from_step,
     }
     summary["wall_time_s"] = round(time.perf_counter() - started, 3)
     summary["provenance"] = report.provenance(summary, configured=("micro_batch_size", "workers"))
-    save_model(run_dir, whole)
-    write_summary(run_dir, summary)
-    report.plot_curves(run_dir, title=f"{job.run.name} (ModelParallel/{proto.protocol})")
     return summary
