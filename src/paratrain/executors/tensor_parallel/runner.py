@@ -144,10 +144,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     """Entry of every tensor-parallel process (rank 0 returns the summary)."""
     started = time.perf_counter()
     cfg, tp, dp = layout(job)
-    if ctx.world_size != tp * dp:
-        raise ConfigError([("tensor_parallel.tensor_parallel_size",
-                            f"tensor_parallel_size {tp} x {dp} replica(s) needs {tp * dp} processes "
-                            f"but the process group has {ctx.world_size}")])
+    _check_world(ctx, tp, dp)
     cfg = _tp_config(job, cfg)
     seed = job.run.seed
     seed_everything(seed)
@@ -165,29 +162,13 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
                              fusion_threshold_bytes=cfg.fusion_threshold_bytes)
     shard = _shard_of(job)
     t = job.train
-    zero: MeshZeroEngine | None = None
-    if shard == "none":
-        tpm = parallelize(model, cfg, groups, **_dp_options(job, dp))
-    else:  # ZeRO over the dp column: no whole-gradient DP sync in the module
-        tpm = parallelize(model, cfg, dataclasses.replace(groups, dp=None))
-        zero = MeshZeroEngine(tpm, task, test, groups=groups, device=device, is_main=ctx.is_main,
-                              world_group=ctx.group, precision=t.precision, level=shard,
-                              units=getattr(job.strategy, "shard_unit", None),
-                              micro_batches=cfg.micro_batches,
-                              broadcast_buffers=bool(getattr(job.strategy, "broadcast_buffers", True)),
-                              counter=CommCounter(), bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb))
+    tpm, zero = _parallelize(ctx, job, cfg, model, groups, task, test, shard=shard, dp=dp)
     opt = build_optimizer((zero.model if zero is not None else tpm).parameters(), job.train.optimizer)
     sync = tpm.grad_sync
 
     run_dir = run_dir_of(job)
     resuming = resume or ctx.restart_count > 0
-    d_index = groups.tp_index
-    plan = DataPlan.build(dataset=train,
-                          order=lambda e: dp_order(n_rows, dp=dp, replica=d_index, seed=seed, epoch=e),
-                          examples_per_epoch=n_rows if dp == 1 else n_rows // dp,
-                          batch_size=t.batch_size, accumulation=t.grad_accumulation,
-                          epochs=t.epochs, max_steps=t.max_steps, device=device,
-                          loader=LoaderOptions.of(job.data, seed), shard=(d_index, dp))
+    plan = _data_plan(job, train, n_rows, dp=dp, replica=groups.tp_index, device=device)
     engine: TensorParallelEngine | MeshZeroEngine = zero if zero is not None else TensorParallelEngine(
         tpm, task, test, device=device, precision=t.precision, micro_batches=cfg.micro_batches,
         is_main=ctx.is_main, backend=ctx.backend)
@@ -228,9 +209,61 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     num_parameters = sum(v.numel() for k, v in dense.items() if k not in buffers)
     dense = _with_tied_names(tpm, dense)
     dense = {**{k: dense[k] for k in dense_order if k in dense}, **dense}  # in the model's order
-    from ...training.export import MODEL_FILE, save_model
+    from ...training.export import save_model
 
     save_model(run_dir, dense)  # dense, under the model's own names (tied ones too)
+    summary = _summary(ctx, job, result, groups, stats, sync, dense, task=task, train=train,
+                       test=test, started=started, shard=shard if zero is not None else None,
+                       held=held, num_parameters=num_parameters)
+    write_summary(run_dir, summary)
+    report.plot_curves(run_dir, title=f"{job.run.name} (tensor parallel x{tp}, dp x{dp})")
+    return summary
+
+
+def _check_world(ctx: WorkerContext, tp: int, dp: int) -> None:
+    if ctx.world_size != tp * dp:
+        raise ConfigError([("tensor_parallel.tensor_parallel_size",
+                            f"tensor_parallel_size {tp} x {dp} replica(s) needs {tp * dp} processes "
+                            f"but the process group has {ctx.world_size}")])
+
+
+def _data_plan(job: JobConfig, train: Any, n_rows: int, *, dp: int, replica: int,
+               device: torch.device) -> DataPlan:
+    """This replica's batches: the TP ranks of one replica read the same rows."""
+    t, seed = job.train, job.run.seed
+    return DataPlan.build(dataset=train,
+                          order=lambda e: dp_order(n_rows, dp=dp, replica=replica, seed=seed, epoch=e),
+                          examples_per_epoch=n_rows if dp == 1 else n_rows // dp,
+                          batch_size=t.batch_size, accumulation=t.grad_accumulation,
+                          epochs=t.epochs, max_steps=t.max_steps, device=device,
+                          loader=LoaderOptions.of(job.data, seed), shard=(replica, dp))
+
+
+def _parallelize(ctx: WorkerContext, job: JobConfig, cfg: Any, model: Any, groups: Any, task: Any,
+                 test: Any, *, shard: str, dp: int) -> tuple[Any, MeshZeroEngine | None]:
+    """The tensor-parallel module, and with ZeRO over the dp column (no whole-gradient DP
+    sync in the module then) its engine."""
+    if shard == "none":
+        return parallelize(model, cfg, groups, **_dp_options(job, dp)), None
+    tpm = parallelize(model, cfg, dataclasses.replace(groups, dp=None))
+    zero = MeshZeroEngine(tpm, task, test, groups=groups, device=ctx.device, is_main=ctx.is_main,
+                          world_group=ctx.group, precision=job.train.precision, level=shard,
+                          units=getattr(job.strategy, "shard_unit", None),
+                          micro_batches=cfg.micro_batches,
+                          broadcast_buffers=bool(getattr(job.strategy, "broadcast_buffers", True)),
+                          counter=CommCounter(), bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb))
+    return tpm, zero
+
+
+def _summary(ctx: WorkerContext, job: JobConfig, result: Any, groups: Any, stats: dict[str, Any],
+             sync: Any, dense: dict[str, torch.Tensor], *, task: Any, train: Any, test: Any,
+             started: float, shard: str | None, held: Any, num_parameters: int) -> dict[str, Any]:
+    """Rank 0's summary: the mesh, the counted collectives, the digest of the dense model."""
+    from ...training.export import MODEL_FILE
+
+    _, tp, dp = layout(job)
+    run_dir = run_dir_of(job)
+    zero = shard is not None
     steps = max(result.position.step, 1)
     fields = summary_fields(result, task, train=train, test=test, model=None, started=started)
     wall = fields.pop("wall_time_s")
@@ -240,7 +273,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         "data_parallel_size": dp,
         "world_size": ctx.world_size,
         "mesh": groups.mesh.describe() if groups.mesh is not None else None,
-        **({"shard": shard, "held_bytes": held} if zero is not None else {}),
+        **({"shard": shard, "held_bytes": held} if zero else {}),
         "backend": ctx.backend,
         "run_dir": str(run_dir),
         **fields,
@@ -270,8 +303,6 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     }
     summary["provenance"] = report.provenance(
         summary, configured=("tensor_parallel_size", "data_parallel_size", "world_size"))
-    write_summary(run_dir, summary)
-    report.plot_curves(run_dir, title=f"{job.run.name} (tensor parallel x{tp}, dp x{dp})")
     return summary
 
 
