@@ -14,7 +14,6 @@ LIMIT = 80
 STILL_LONG: dict[str, int] = {
     "executors/population_based/runner.py::_work": 119,
     "executors/population_based/member.py::run": 118,
-    "executors/data_parallel/runner.py::train_replica": 116,
     "graph/owners.py::node_owners": 81,
 }
 

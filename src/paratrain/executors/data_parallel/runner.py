@@ -179,21 +179,7 @@ def train_replica(
                         bucket_bytes=bucket_bytes)
     local = local_parameter_names(model, job)  # Local subgraphs: never combined
     t = job.train
-    zero: ZeroEngine | None = None
-    if strategy.shard != "none":  # ZeRO: the optimizer steps this rank's pieces (.zero)
-        zero = ZeroEngine(model, task, test, ctx=ctx, precision=t.precision, level=strategy.shard,
-                          units=strategy.shard_unit, local=local, counter=counter,
-                          buffers=_shared_buffers(model, job, strategy), bucket_bytes=bucket_bytes)
-        opt = build_optimizer(zero.model.parameters(), job.train.optimizer)
-        agg: Aggregator = Aggregator(model, group=ctx.group, counter=counter, local=local)
-    else:
-        opt = build_optimizer(model.parameters(), job.train.optimizer)
-        agg = build_aggregator(
-            strategy.aggregation, model,
-            group=ctx.group, counter=counter, bucket_bytes=bucket_bytes,
-            compressor=build_compressor(job, strategy.aggregation, warn=ctx.is_main),
-            gamma=job.comm.gossip_step, local=local, buffers=_shared_buffers(model, job, strategy),
-        )
+    zero, opt, agg = _aggregation(ctx, job, strategy, model, task, test, counter, local)
     run_dir = run_dir_of(job)
     plan = DataPlan.build(
         dataset=train, order=lambda e: shard_indices(n_rows, world=ctx.world_size, rank=ctx.rank,
@@ -226,6 +212,46 @@ def train_replica(
     if zero is not None:
         zero.gather_all()  # ZeRO-3: the whole model for the summary, the export and the caller
 
+    summary = _summary(ctx, job, strategy, result, model, engine, agg, zero, held, counter,
+                       task=task, train=train, test=test, started=started, local=local)
+    if ctx.is_main:
+        from ...training.export import save_model, whole_state
+
+        # replica 0's model (every replica's under AllReduce; [subgraphs] Local layers: rank 0's)
+        save_model(run_dir, whole_state(model))
+        write_summary(run_dir, summary)
+        if plot:  # never raises: a failed plot is a warning (report.never_fails)
+            report.plot_curves(run_dir, title=f"{job.run.name} (DataParallel x{ctx.world_size})")
+    return model, summary
+
+
+def _aggregation(ctx: WorkerContext, job: JobConfig, strategy: Any, model: nn.Module, task: Any,
+                 test: Any, counter: Any, local: Any) -> tuple[ZeroEngine | None, Any, Aggregator]:
+    """ZeRO's engine (its optimizer steps this rank's pieces, :mod:`..shared.zero`) or the
+    configured aggregation, and the optimizer over what this rank steps."""
+    bucket_bytes = B.bucket_bytes_of(job.comm.bucket_size_mb)
+    if strategy.shard != "none":
+        zero = ZeroEngine(model, task, test, ctx=ctx, precision=job.train.precision, level=strategy.shard,
+                          units=strategy.shard_unit, local=local, counter=counter,
+                          buffers=_shared_buffers(model, job, strategy), bucket_bytes=bucket_bytes)
+        opt = build_optimizer(zero.model.parameters(), job.train.optimizer)
+        return zero, opt, Aggregator(model, group=ctx.group, counter=counter, local=local)
+    opt = build_optimizer(model.parameters(), job.train.optimizer)
+    agg = build_aggregator(
+        strategy.aggregation, model,
+        group=ctx.group, counter=counter, bucket_bytes=bucket_bytes,
+        compressor=build_compressor(job, strategy.aggregation, warn=ctx.is_main),
+        gamma=job.comm.gossip_step, local=local, buffers=_shared_buffers(model, job, strategy),
+    )
+    return None, opt, agg
+
+
+def _summary(ctx: WorkerContext, job: JobConfig, strategy: Any, result: Any, model: nn.Module,
+             engine: Any, agg: Any, zero: Any, held: Any, counter: Any, *, task: Any, train: Any,
+             test: Any, started: float, local: Any) -> dict[str, Any]:
+    """The run's summary (every rank makes it: the by-rank digests and the parameter
+    server's bytes are collectives)."""
+    run_dir = run_dir_of(job)
     step = result.position.step
     bytes_total = C.CommCounter(bytes=dict(counter.bytes)).total_bytes
     steps_this_run = max(step, 1)
@@ -259,15 +285,7 @@ def train_replica(
         sb = torch.tensor([float(getattr(agg, "server_bytes", 0))], dtype=torch.float64, device=ctx.device)
         C.broadcast_(sb, src=0, group=ctx.group)
         summary["server_bytes_per_step"] = float(sb.item()) / steps_this_run
-    if ctx.is_main:
-        from ...training.export import save_model, whole_state
-
-        # replica 0's model (every replica's under AllReduce; [subgraphs] Local layers: rank 0's)
-        save_model(run_dir, whole_state(model))
-        write_summary(run_dir, summary)
-        if plot:  # never raises: a failed plot is a warning (report.never_fails)
-            report.plot_curves(run_dir, title=f"{job.run.name} (DataParallel x{ctx.world_size})")
-    return model, summary
+    return summary
 
 
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
