@@ -1,7 +1,5 @@
 """No function in ``src/paratrain`` is over 80 lines (an AST scan: ``def`` line to last line,
-docstring included). The few still over it are listed with their length today: the list can
-only shrink (a listed function that grows, or a new long one, fails), and a listed function
-brought under the limit must leave the list."""
+docstring included): a longer one is split along its concepts."""
 
 from __future__ import annotations
 
@@ -10,12 +8,6 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "paratrain"
 LIMIT = 80
-# module path (relative to src/paratrain) :: function -> its length when listed; to be split
-STILL_LONG: dict[str, int] = {
-    "executors/population_based/runner.py::_work": 119,
-    "executors/population_based/member.py::run": 118,
-    "graph/owners.py::node_owners": 81,
-}
 
 
 def long_functions(root: Path = SRC, limit: int = LIMIT) -> dict[str, int]:
@@ -29,14 +21,9 @@ def long_functions(root: Path = SRC, limit: int = LIMIT) -> dict[str, int]:
     return out
 
 
-def test_no_function_is_over_80_lines_but_the_listed_ones_which_only_shrink() -> None:
+def test_no_function_is_over_80_lines() -> None:
     found = long_functions()
-    new = {k: v for k, v in found.items() if k not in STILL_LONG}
-    assert not new, f"functions over {LIMIT} lines: split them along concepts: {new}"
-    grown = {k: (v, STILL_LONG[k]) for k, v in found.items() if k in STILL_LONG and v > STILL_LONG[k]}
-    assert not grown, f"listed long functions grew (now, listed): {grown}"
-    done = sorted(set(STILL_LONG) - set(found))
-    assert not done, f"now under {LIMIT} lines: remove from STILL_LONG: {done}"
+    assert not found, f"functions over {LIMIT} lines: split them along concepts: {found}"
 
 
 def test_the_scan_finds_a_long_function(tmp_path: Path) -> None:

@@ -55,6 +55,23 @@ def attr_module(target: str) -> str:
     return target.rpartition(".")[0]
 
 
+def _follow_fields_and_consumers(nodes: list[fx.Node], owner: dict[str, int]) -> None:
+    """A field taken out of a leaf's tuple / ModelOutput (``out[0]``,
+    ``out.last_hidden_state``) runs where the leaf ran: what crosses is then the tensor, not
+    the structure. Then a node all of whose consumers agree runs with them (reverse order)."""
+    for n in nodes:
+        if (n.name not in owner and n.op == "call_function" and n.target in _FIELD_OPS
+                and isinstance(n.args[0], fx.Node) and n.args[0].name in owner):
+            owner[n.name] = owner[n.args[0].name]
+    for n in reversed(nodes):
+        if n.name in owner:
+            continue
+        users = [u for u in n.users if u.op != "output"]
+        got = {owner.get(u.name) for u in users}
+        if users and len(got) == 1 and None not in got and len(users) == len(n.users):
+            owner[n.name] = got.pop()  # type: ignore[assignment]
+
+
 def node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) -> dict[str, int]:
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     owner: dict[str, int] = {}
@@ -95,20 +112,7 @@ def node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) -> 
                     owner[n.name] = r
                 elif mod and home(n, mod):
                     owner[n.name] = default
-    # A field taken out of a leaf's tuple / ModelOutput (``out[0]``, ``out.last_hidden_state``)
-    # runs where the leaf ran: what crosses is then the tensor, not the structure.
-    for n in nodes:
-        if (n.name not in owner and n.op == "call_function" and n.target in _FIELD_OPS
-                and isinstance(n.args[0], fx.Node) and n.args[0].name in owner):
-            owner[n.name] = owner[n.args[0].name]
-    # Follow the data for the rest: consumers first (reverse order), then inputs.
-    for n in reversed(nodes):
-        if n.name in owner:
-            continue
-        users = [u for u in n.users if u.op != "output"]
-        got = {owner.get(u.name) for u in users}
-        if users and len(got) == 1 and None not in got and len(users) == len(n.users):
-            owner[n.name] = got.pop()  # type: ignore[assignment]
+    _follow_fields_and_consumers(nodes, owner)
     index = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     # A value computed from the batch alone (labels shifted for a loss, a causal mask) may
     # run anywhere: it does not pull the nodes that read it. Read on one rank, it runs there;

@@ -193,6 +193,50 @@ class MemberRunner:
             checkpoint.check_resume_state(model, opt, checkpoint.load_checkpoint(path), source=path)
             return
 
+    def _restore(self, member: int, generation: int, source: int | None, d: Any,
+                 parts: dict[str, Any], total: int, model_key: str) -> tuple[Any, Any, Any, float]:
+        """The member's model, optimizer and scheduler for this generation, and when they
+        were ready: kept in memory when it continues itself, else built and loaded from
+        ``source``'s file of the previous generation."""
+        live = self._live.pop(member, None)
+        if (live is not None and source == member and live.generation == generation - 1
+                and live.model_key == model_key):
+            # Not replaced: continue from the state in memory, byte-identical to the
+            # file saved at the end of the previous generation (no reload needed).
+            return live.model, live.opt, live.scheduler, time.perf_counter()
+        model, opt, scheduler = self._build(member, d, parts["model"], parts["optimizer"], total)
+        ready = time.perf_counter()
+        if source is not None:
+            state = checkpoint.load_checkpoint(member_path(self.run_dir, generation - 1, source))
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            if "scheduler" in state:
+                scheduler.load_state_dict(state["scheduler"])
+        return model, opt, scheduler, ready
+
+    def _train(self, member: int, generation: int, d: Any, trainer: Trainer, *, steps: int,
+               batch_size: int) -> list[float]:
+        """``steps`` optimizer steps on the member's own seeded order; each step's loss."""
+        seed, n, t = self.job.run.seed, len(d.train), self.job.train
+        g = torch.Generator().manual_seed(seed_of(seed, member, generation))
+        torch.manual_seed(seed_of(seed, member, generation, 1))  # dropout etc.
+        fail_at = steps // 2 if member in injected_faults().fail_members else -1
+        losses: list[float] = []
+        trainer.engine.model.train()
+        perm, pos = torch.randperm(n, generator=g), 0
+        for step in range(steps):
+            if step == fail_at:
+                raise RuntimeError(f"injected failure of member {member} (PARATRAIN_FAULTS fail_members)")
+            batches = []
+            for _ in range(t.grad_accumulation):
+                if pos >= n:
+                    perm, pos = torch.randperm(n, generator=g), 0
+                batches.append(fetch_batch(d.train, perm[pos : pos + batch_size], self.device,
+                                           collate=getattr(d.task, "collate_fn", None)))
+                pos += batch_size
+            losses.append(trainer.step(batches))
+        return losses
+
     def run(self, member: int, generation: int, hparams: dict[str, Any], source: int | None,
             lost: str | None = None) -> dict[str, Any]:
         """Train ``member`` for one generation; never raises for a member's own failure.
@@ -211,7 +255,6 @@ class MemberRunner:
                             f"its first failure, in {lost}")
             return out
         path = member_path(self.run_dir, generation, member)
-        seed = self.job.run.seed
         t = self.job.train
         try:
             parts = self._split(hparams)
@@ -223,55 +266,21 @@ class MemberRunner:
             steps = self.steps_for(n, bs)
             total = int(self.job.strategy.generations) * steps  # type: ignore[union-attr]
             factor = self._schedule(total)
-            live = self._live.pop(member, None)
             model_key = json.dumps(parts["model"], sort_keys=True)
-            if (live is not None and source == member and live.generation == generation - 1
-                    and live.model_key == model_key):
-                # Not replaced: continue from the state in memory, byte-identical to the
-                # file saved at the end of the previous generation (no reload needed).
-                model, opt, scheduler = live.model, live.opt, live.scheduler
-                t_setup = time.perf_counter()
-            else:
-                model, opt, scheduler = self._build(member, d, parts["model"], parts["optimizer"], total)
-                t_setup = time.perf_counter()
-                if source is not None:
-                    state = checkpoint.load_checkpoint(member_path(self.run_dir, generation - 1, source))
-                    model.load_state_dict(state["model"])
-                    opt.load_state_dict(state["optimizer"])
-                    if "scheduler" in state:
-                        scheduler.load_state_dict(state["scheduler"])
+            model, opt, scheduler, t_setup = self._restore(member, generation, source, d, parts,
+                                                           total, model_key)
             out["setup_s"] = t_setup - t_data
             if "dropout" in parts["dropout"]:
                 set_dropout(model, float(parts["dropout"]["dropout"]))
             self._apply(opt, scheduler, parts["optimizer"], factor)
-            applied = {k: (list(v) if isinstance(v, tuple) else v)
-                       for k, v in opt.param_groups[0].items() if k not in ("params", "initial_lr")}
-            applied["lr"] = scheduler.base_lrs[0]  # the hyperparameter; lr_now: this step's
-            applied["lr_now"] = opt.param_groups[0]["lr"]
-            out["applied"] = applied
+            out["applied"] = _applied(opt, scheduler)
             out["start_digest"] = state_digest(model, opt)
             t1 = time.perf_counter()
             out["load_s"] = t1 - t_setup
 
             engine = LocalEngine(model, d.task, d.test, device=self.device, precision=t.precision)
             trainer = Trainer(engine, opt, t, total, scheduler=scheduler)
-            g = torch.Generator().manual_seed(seed_of(seed, member, generation))
-            torch.manual_seed(seed_of(seed, member, generation, 1))  # dropout etc.
-            fail_at = steps // 2 if member in injected_faults().fail_members else -1
-            losses: list[float] = []
-            model.train()
-            perm, pos = torch.randperm(n, generator=g), 0
-            for step in range(steps):
-                if step == fail_at:
-                    raise RuntimeError(f"injected failure of member {member} (PARATRAIN_FAULTS fail_members)")
-                batches = []
-                for _ in range(t.grad_accumulation):
-                    if pos >= n:
-                        perm, pos = torch.randperm(n, generator=g), 0
-                    batches.append(fetch_batch(d.train, perm[pos : pos + bs], self.device,
-                                               collate=getattr(d.task, "collate_fn", None)))
-                    pos += bs
-                losses.append(trainer.step(batches))
+            losses = self._train(member, generation, d, trainer, steps=steps, batch_size=bs)
             t2 = time.perf_counter()
             out["train_s"] = t2 - t1
             ev = engine.evaluate() or {}
@@ -285,12 +294,8 @@ class MemberRunner:
                 names = [*ev, *TRAIN_METRICS]
                 raise ConfigError([("population.metric", unknown_metric(self.metric, d.task, names))])
             out["end_digest"] = state_digest(model, opt)
-            self.writer.save(path, {
-                "model": model.state_dict(), "optimizer": opt.state_dict(),
-                "scheduler": scheduler.state_dict(), "member": member,
-                "generation": generation, "hparams": json.dumps(hparams),
-                "digest": out["end_digest"],
-            })
+            self.writer.save(path, _member_state(model, opt, scheduler, member, generation, hparams,
+                                                 out["end_digest"]))
             out["save_s"] = time.perf_counter() - t3
             out["has_state"] = True
             self._live[member] = _Live(generation, model_key, model, opt, scheduler)
@@ -311,3 +316,21 @@ class MemberRunner:
                     copy_atomic(src, path)
                     out["has_state"] = True
         return out
+
+
+def _applied(opt: Any, scheduler: Any) -> dict[str, Any]:
+    """The optimizer settings a member trains with (``lr`` the hyperparameter, ``lr_now``
+    this step's)."""
+    applied = {k: (list(v) if isinstance(v, tuple) else v)
+               for k, v in opt.param_groups[0].items() if k not in ("params", "initial_lr")}
+    applied["lr"] = scheduler.base_lrs[0]
+    applied["lr_now"] = opt.param_groups[0]["lr"]
+    return applied
+
+
+def _member_state(model: Any, opt: Any, scheduler: Any, member: int, generation: int,
+                  hparams: dict[str, Any], digest: str) -> dict[str, Any]:
+    """What a member's file holds at the end of a generation."""
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(),
+            "scheduler": scheduler.state_dict(), "member": member, "generation": generation,
+            "hparams": json.dumps(hparams), "digest": digest}

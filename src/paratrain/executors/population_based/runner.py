@@ -233,20 +233,8 @@ def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRun
             shared_checked = True
         if plan["done"]:
             break
-        g = int(plan["generation"])
-        lost = plan["lost"]
-        results = [runner.run(i, g, plan["hparams"][i], plan["sources"][i],
-                              lost.get(str(plan["sources"][i]))) for i in mine]
-        for r in results:
-            r["rank"] = ctx.rank
-        t = time.perf_counter()
-        runner.writer.flush()  # this rank's member files are on disk before it reports
-        flush_s = time.perf_counter() - t
-        if ctx.rank != 0:  # PARATRAIN_FAULT_KILL=RANK:G: dies having trained generation G-1
-            maybe_kill(rank=ctx.rank, step=g + 1, restart_count=ctx.restart_count)
-        t = time.perf_counter()
-        gathered = gather_json({"results": results, "flush_s": flush_s}, group=ctx.group)
-        timing["comm_s"] += time.perf_counter() - t
+        g, lost = int(plan["generation"]), plan["lost"]
+        gathered = _train_mine(ctx, runner, plan, mine, timing)
         if gathered is None:
             done = g + 1
             life.end_unit(done, last=done == generations)
@@ -255,18 +243,7 @@ def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRun
         by_member = {r["member"]: r for part in gathered for r in part["results"]}
         ordered = [by_member[i] for i in range(size)]
         t = time.perf_counter()
-        record = pop.advance(
-            [r["fitness"] for r in ordered], mode=mode, space=job.search_space,
-            exploit_strategy=strategy.exploit,  # type: ignore[union-attr]
-            explore_strategy=strategy.explore,  # type: ignore[union-attr]
-            evolve_now=opts.evolve and g < generations - 1, frozen=frozen,
-            errors=[r["error"] for r in ordered],
-            metrics=[r["metrics"] for r in ordered],
-        )
-        record["digests"] = [{"start": r["start_digest"], "end": r["end_digest"]} for r in ordered]
-        record["applied"] = [r["applied"] for r in ordered]
-        record["lost"] = lost_after(ordered, lost, g)
-        warn_first_failures(pop, ordered, record["lost"], evolve=opts.evolve)
+        record = _advance(job, pop, ordered, lost, g, mode=mode, frozen=frozen)
         t_evolve = time.perf_counter()
         timing["evolve_s"] += t_evolve - t
         loads = [float(part["flush_s"]) for part in gathered]
@@ -279,19 +256,7 @@ def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRun
         best_f = record["fitness"][best_i]
         best_f = f"{best_f:.4g}" if isinstance(best_f, int | float) else best_f  # None: all failed
         life.show(pop.generation, info=f"best {metric} {best_f} (member {best_i})")
-        copied = {c["recipient"]: c["donor"] for c in record["copies"]}
-        for r in ordered:
-            m = r["metrics"] or {}
-            metrics.log({
-                "generation": g, "member": r["member"], "rank": r["rank"], "fitness": r["fitness"],
-                **{f"test_{k}": v for k, v in m.items() if k not in NOT_TEST},
-                "train_loss": m.get("train_loss"), "hparams": record["hparams"][r["member"]],
-                "source": r["source"], "error": r["error"],
-                "copied_from": copied.get(r["member"]),
-                "time_s": round(time.perf_counter() - started, 4),
-                "member_timing_s": {k.removesuffix("_s"): round(r[k], 5) for k in
-                                    ("data_s", "setup_s", "load_s", "train_s", "eval_s", "save_s")},
-            })
+        _log_members(metrics, ordered, record, g, started)
         # lineage first, the population checkpoint (collective) last, so a crash in between
         # reruns this generation on resume (metrics are truncated back to the checkpoint)
         t = time.perf_counter()
@@ -310,16 +275,81 @@ def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRun
     if not main:
         return None
     assert pop is not None
+    return _finish(ctx, job, runner, pop, started, timing, per_rank)
+
+
+def _train_mine(ctx: WorkerContext, runner: MemberRunner, plan: dict[str, Any], mine: list[int],
+                timing: dict[str, float]) -> list[dict[str, Any]] | None:
+    """This rank trains its members for the plan's generation; rank 0 gets every rank's
+    results (None elsewhere)."""
+    g, lost = int(plan["generation"]), plan["lost"]
+    results = [runner.run(i, g, plan["hparams"][i], plan["sources"][i],
+                          lost.get(str(plan["sources"][i]))) for i in mine]
+    for r in results:
+        r["rank"] = ctx.rank
+    t = time.perf_counter()
+    runner.writer.flush()  # this rank's member files are on disk before it reports
+    flush_s = time.perf_counter() - t
+    if ctx.rank != 0:  # PARATRAIN_FAULT_KILL=RANK:G: dies having trained generation G-1
+        maybe_kill(rank=ctx.rank, step=g + 1, restart_count=ctx.restart_count)
+    t = time.perf_counter()
+    gathered = gather_json({"results": results, "flush_s": flush_s}, group=ctx.group)
+    timing["comm_s"] += time.perf_counter() - t
+    return gathered
+
+
+def _finish(ctx: WorkerContext, job: JobConfig, runner: MemberRunner, pop: PopulationState,
+            started: float, timing: dict[str, float], per_rank: list[dict[str, float]]) -> dict[str, Any]:
+    """Rank 0: the lineage, the summary, the best member's model and the report."""
+    run_dir, metric, mode = run_dir_of(job), runner.metric, runner.mode
     write_json(run_dir / "lineage.json", lineage_json(pop, metric=metric, mode=mode), indent=1)
     summary = population_summary(job, pop, run_dir, ctx.world_size, started, timing, per_rank,
-                       metric=metric, mode=mode, task=runner.task,
-                       reference=runner.reference_metrics())
+                                 metric=metric, mode=mode, task=runner.task,
+                                 reference=runner.reference_metrics())
     summary["restarts"] = ctx.restart_count
     summary["parameters_sha256"] = _save_best_model(run_dir, pop, int(summary["best_member"]))
     write_summary(run_dir, summary)
     plot_population(run_dir / "lineage.json", run_dir / "report.png", space=job.search_space,
                     title=f"{job.run.name} (PopulationBased)")
     return summary
+
+
+def _advance(job: JobConfig, pop: PopulationState, ordered: list[dict[str, Any]],
+             lost: dict[str, Any], g: int, *, mode: str, frozen: list[str]) -> dict[str, Any]:
+    """Rank 0: the population after generation ``g`` (exploit, explore), its record with
+    each member's digests, what was applied and which members' files are lost."""
+    strategy: Any = job.strategy
+    opts = job.population
+    record = pop.advance(
+        [r["fitness"] for r in ordered], mode=mode, space=job.search_space,
+        exploit_strategy=strategy.exploit, explore_strategy=strategy.explore,
+        evolve_now=opts.evolve and g < strategy.generations - 1, frozen=frozen,
+        errors=[r["error"] for r in ordered],
+        metrics=[r["metrics"] for r in ordered],
+    )
+    record["digests"] = [{"start": r["start_digest"], "end": r["end_digest"]} for r in ordered]
+    record["applied"] = [r["applied"] for r in ordered]
+    record["lost"] = lost_after(ordered, lost, g)
+    warn_first_failures(pop, ordered, record["lost"], evolve=opts.evolve)
+    return record
+
+
+def _log_members(metrics: MetricsWriter, ordered: list[dict[str, Any]], record: dict[str, Any],
+                 g: int, started: float) -> None:
+    """One metrics record per member of generation ``g``."""
+    copied = {c["recipient"]: c["donor"] for c in record["copies"]}
+    for r in ordered:
+        m = r["metrics"] or {}
+        metrics.log({
+            "generation": g, "member": r["member"], "rank": r["rank"], "fitness": r["fitness"],
+            **{f"test_{k}": v for k, v in m.items() if k not in NOT_TEST},
+            "train_loss": m.get("train_loss"), "hparams": record["hparams"][r["member"]],
+            "source": r["source"], "error": r["error"],
+            "copied_from": copied.get(r["member"]),
+            "time_s": round(time.perf_counter() - started, 4),
+            "member_timing_s": {k.removesuffix("_s"): round(r[k], 5) for k in
+                                ("data_s", "setup_s", "load_s", "train_s", "eval_s", "save_s")},
+        })
 
 
 def _save_best_model(run_dir: Path, pop: PopulationState, best: int) -> str:
