@@ -156,6 +156,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, help="rounds (default 4; --smoke 2)")
     ap.add_argument("--clients", type=int, help="clients (default 100; --smoke 4)")
     ap.add_argument("--smoke", action="store_true", help="4 clients, 2 rounds: every arm, quickly")
+    ap.add_argument("--quick", action="store_true", help="make bench's size: the default (100 clients, 4 rounds)")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--secure", action="store_true")
     ap.add_argument("--drop", type=int, default=0, help="--secure: also a run where this many nodes "
