@@ -1,4 +1,4 @@
-"""A Custom coordinator for tests/test_kill_resume_matrix.py, loaded through ``run.imports``.
+"""A Custom coordinator for tests/training/test_kill_resume_matrix.py, loaded through ``run.imports``.
 
 It trains the job's model through paratrain's own loop: a Local run of the same job in
 ``<run folder>/inner`` (the pattern of ``examples/custom_ensemble.py``), told about

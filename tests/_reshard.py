@@ -1,5 +1,5 @@
 """A run through ``paratrain.fit`` that also returns the reshard warnings it gave
-(tests/test_training_reshard*.py)."""
+(tests/training/test_training_reshard*.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_dp_task.py (module-level, importable by spawned ranks)."""
+"""Worker functions for tests/executors/data_parallel/test_dp_task.py (module-level, importable by spawned ranks)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Worker for tests/test_mp_schedules.py: one ModelParallel pipeline step per case on real
+"""Worker for tests/executors/model_parallel/test_mp_schedules.py: one ModelParallel pipeline step per case on real
 gloo ranks, every schedule (GPipe, 1F1B, Interleaved1F1B, ZBH1).
 
 :class:`SkipTied`: an embedding, ``n`` blocks and a head whose logits read the embedding's

@@ -1,4 +1,4 @@
-"""Worker for tests/test_pipeline_vs_torch.py: paratrain's pipeline schedules and
+"""Worker for tests/executors/model_parallel/test_pipeline_vs_torch.py: paratrain's pipeline schedules and
 ``torch.distributed.pipelining``'s on the same stages, in the same gloo processes.
 
 The model is the token MLP of ``benchmarks/model_parallel.py`` (``Embedding`` then

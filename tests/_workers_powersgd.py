@@ -1,4 +1,4 @@
-"""Worker for tests/test_compression_powersgd.py: PowerSGD on 2 real gloo ranks against
+"""Worker for tests/compression/test_compression_powersgd.py: PowerSGD on 2 real gloo ranks against
 torch's ``powerSGD_hook`` (run by paratrain.comm.testing.run_distributed)."""
 
 from __future__ import annotations

@@ -11,7 +11,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-sys.path.insert(0, str(Path(__file__).parent))
+# tests/ mirrors src/ (tests/<package>/test_<module>.py); the shared worker modules live in
+# tests/ itself. Every test folder goes on sys.path, so a test module named in a job file
+# ("test_tp_task:tiny_lm_data") or imported by another folder's test resolves anywhere.
+TEST_DIRS = [str(Path(__file__).parent),
+             *sorted(str(d) for d in Path(__file__).parent.rglob("*") if d.is_dir() and any(d.glob("test_*.py")))]
+sys.path[:0] = TEST_DIRS
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
@@ -39,7 +44,7 @@ def _one_worker_server_for_the_session() -> None:
     from paratrain.comm.forkserver import warm
 
     old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *([old] if old else [])])
+    os.environ["PYTHONPATH"] = os.pathsep.join([*TEST_DIRS, *([old] if old else [])])
     try:
         warm(["paratrain.executors.entry", "paratrain.executors.data_parallel",
               "paratrain.executors.tensor_parallel", "paratrain.executors.model_parallel",

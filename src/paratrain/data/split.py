@@ -6,7 +6,7 @@ Why not call scikit-learn: importing ``sklearn.model_selection`` (it pulls in Sc
 server, each Flower ClientApp process, each torchrun rank) while the split itself takes
 microseconds. The functions here are the *same* splits as
 ``sklearn.model_selection.train_test_split(x, y, test_size=f, random_state=seed,
-stratify=y_or_None)``, index for index (``tests/test_data_split.py`` checks them against
+stratify=y_or_None)``, index for index (``tests/data/test_data_split.py`` checks them against
 scikit-learn itself over many seeds, fractions and label mixes), so every run splits its data
 as earlier versions of paratrain did:
 
