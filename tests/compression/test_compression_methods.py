@@ -22,7 +22,7 @@ from paratrain.compression import (
     unpack_codes,
 )
 from paratrain.compression.base import EncodeContext
-from paratrain.compression.quantization import QuantizationCodec
+from paratrain.compression.codecs import QuantizationCodec
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 

@@ -1,4 +1,5 @@
-"""Cache-blocked CPU kernels shared by the methods (same results as the plain torch path).
+"""Which entries the sparse methods keep (TopK, Threshold, RandomK) and the cache-blocked
+CPU kernels they share (same results as the plain torch path).
 
 On a CPU, the cost of compressing a large gradient is memory traffic: every eager torch
 op reads and writes the whole tensor, and every fresh temporary pays page faults. These
@@ -10,12 +11,11 @@ byte is read from memory once. Tensors on other devices, or dtypes numpy lacks
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import torch.nn.functional as F
-
-__all__ = ["BLOCK", "numpy_view", "abs_above_indices", "abs_above_numpy", "scatter_dense",
-           "randomk_positions"]
 
 BLOCK = 1 << 16
 # Tests switch this off to check that both paths give the same results.
@@ -87,3 +87,134 @@ def randomk_positions(n: int, k: int, seed: int) -> torch.Tensor:
     idx = rng.choice(n, size=k, replace=False, shuffle=False).astype(np.int64, copy=False)
     idx.sort()
     return torch.from_numpy(idx)
+
+
+# Below this many elements a direct exact selection is as fast as sampling.
+_FAST_MIN_NUMEL = 1 << 15
+# Sample size for the magnitude estimate and the expected-rank floor it needs to be useful.
+_SAMPLE = 1 << 14
+_MIN_EXPECTED_RANK = 16
+
+
+def _magnitudes(x: torch.Tensor) -> torch.Tensor:
+    """|x| as float32 (or float64) with NaN mapped to +inf (largest magnitude)."""
+    m = x.abs()
+    if m.dtype in (torch.float16, torch.bfloat16):
+        m = m.float()
+    return torch.nan_to_num_(m, nan=math.inf, posinf=math.inf)
+
+
+def _exact_among(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions (ascending) of the k largest entries of ``mag``; ties -> lower position."""
+    n = mag.numel()
+    if k >= n:
+        return torch.arange(n, device=mag.device)
+    if k == 0:
+        return torch.empty(0, dtype=torch.long, device=mag.device)
+    kth = torch.kthvalue(mag, n - k + 1).values
+    sel = mag > kth
+    need = k - int(sel.sum())
+    if need > 0:
+        eq = torch.nonzero(mag == kth).squeeze(1)[:need]
+        sel[eq] = True
+    return torch.nonzero(sel).squeeze(1)
+
+
+def _np_magnitudes(v: np.ndarray) -> np.ndarray:
+    m: np.ndarray = np.nan_to_num(np.abs(v), copy=False, nan=np.inf, posinf=np.inf)
+    return m
+
+
+def _np_exact_among(mag: np.ndarray, k: int) -> np.ndarray:
+    """numpy twin of :func:`_exact_among` (``np.partition`` is an O(n) introselect)."""
+    n = mag.size
+    if k >= n:
+        return np.arange(n, dtype=np.int64)
+    if k <= 0:
+        return np.empty(0, dtype=np.int64)
+    kth = np.partition(mag, n - k)[n - k]
+    sel = mag > kth
+    need = k - int(np.count_nonzero(sel))
+    if need > 0:
+        sel[np.flatnonzero(mag == kth)[:need]] = True
+    return np.flatnonzero(sel)
+
+
+def _topk_numpy(xn: np.ndarray, k: int) -> np.ndarray:
+    n = xn.size
+    expected_rank = k * _SAMPLE / n
+    if n >= _FAST_MIN_NUMEL and expected_rank >= _MIN_EXPECTED_RANK:
+        pos = np.random.default_rng(n).integers(0, n, _SAMPLE)
+        sample = _np_magnitudes(xn[pos])
+        r = min(_SAMPLE, math.ceil(expected_rank + 4.0 * math.sqrt(expected_rank) + 2))
+        thr = float(np.partition(sample, _SAMPLE - r)[_SAMPLE - r])
+        if math.isfinite(thr) and thr > 0.0:
+            cand = abs_above_numpy(xn, thr)
+            if cand.size >= k:
+                chosen: np.ndarray = cand[_np_exact_among(_np_magnitudes(xn[cand]), k)]
+                return chosen
+    return _np_exact_among(_np_magnitudes(xn), k)
+
+
+def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """Flat indices (ascending, int64) of the ``min(k, n)`` largest |flat| entries.
+
+    Exact, but without a full ``torch.topk`` on large tensors, as in Deep Gradient
+    Compression (Lin et al., ICLR 2018, §3 "sampling to reduce top-k selection time"):
+    estimate the k-th magnitude from a random sample of |x|, keep every entry above the
+    estimate in one cache-blocked pass (:func:`abs_above_indices`), then correct the count
+    by an exact selection among those few candidates. The estimate is biased slightly low
+    so that it almost always over-selects; if it still under-selects, the exact path runs.
+    """
+    n = flat.numel()
+    if k >= n:
+        return torch.arange(n, device=flat.device)
+    if k <= 0:
+        return torch.empty(0, dtype=torch.long, device=flat.device)
+    xn = numpy_view(flat)
+    if xn is not None:
+        return torch.from_numpy(_topk_numpy(xn, k))
+    expected_rank = k * _SAMPLE / n
+    if n >= _FAST_MIN_NUMEL and expected_rank >= _MIN_EXPECTED_RANK:
+        # A fixed generator: the sample only affects speed, never the result.
+        g = torch.Generator(device="cpu")
+        g.manual_seed(n)
+        pos = torch.randint(n, (_SAMPLE,), generator=g).to(flat.device)
+        sample = _magnitudes(flat[pos])
+        # Rank with a 4-sigma margin (binomial) so the candidate set covers the top k.
+        r = min(_SAMPLE, math.ceil(expected_rank + 4.0 * math.sqrt(expected_rank) + 2))
+        thr = float(torch.kthvalue(sample, _SAMPLE - r + 1).values)
+        if math.isfinite(thr) and thr > 0.0:
+            # The candidates are exactly {|x| > thr}: an upper set of magnitudes, so when
+            # it holds >= k entries it contains the top k with the same tie-breaking.
+            cand = abs_above_indices(flat, thr)
+            if cand.numel() >= k:
+                return cand[_exact_among(_magnitudes(flat[cand]), k)]
+    return _exact_among(_magnitudes(flat), k)
+
+
+_INT_VIEW = {
+    torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+}
+
+
+def representable_floor(t: float, dtype: torch.dtype) -> float:
+    """The largest value of ``dtype`` that is <= t (t >= 0).
+
+    Kernels compare in the input's precision, so the threshold is first rounded *down*
+    to it: no value of that dtype lies in (floor(t), t], hence |x| > floor(t) is exactly
+    |x| > t for every x of that dtype.
+    """
+    if dtype not in _INT_VIEW:
+        return t
+    td = torch.tensor([t], dtype=torch.float64).to(dtype)
+    if float(td) > t:
+        td = (td.view(_INT_VIEW[dtype]) - 1).view(dtype)
+    return float(td)
+
+
+def threshold_indices(flat: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Ascending int64 indices of the entries with |x| > threshold (and NaN entries)."""
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.long, device=flat.device)
+    return abs_above_indices(flat, representable_floor(threshold, flat.dtype))

@@ -30,21 +30,9 @@ from typing import Any, Protocol
 import torch
 
 from ._kernels import scatter_dense
-from .decode import decompress
 from .errors import SUPPORTED_DTYPES, CompressionError
+from .quant_kernels import dequantize_packed
 from .wire import parse, to_bytes, wire_nbytes
-
-__all__ = [
-    "CompressionError",
-    "CompressedTensor",
-    "Codec",
-    "EncodeContext",
-    "SUPPORTED_DTYPES",
-    "derive_seed",
-    "check_input",
-    "scatter_dense",
-    "from_bytes",
-]
 
 
 def derive_seed(seed: int, step: int, key: str, salt: str = "") -> int:
@@ -69,6 +57,25 @@ def check_input(tensor: Any) -> torch.Tensor:
     if tensor.is_sparse:
         raise CompressionError("sparse tensors are not supported; pass a dense tensor")
     return tensor.detach().reshape(-1)
+
+
+def decompress(c: Any) -> torch.Tensor:
+    """D(c): the dense tensor of ``c.shape`` and ``c.dtype`` by the record's (leaf) method
+    (may share memory with ``c``). Reads only the record's fields, so the same function
+    decodes what any rank's codec stack produced (DESIGN §3)."""
+    n = c.numel
+    if c.method == "None":
+        if c.values.numel() != n:
+            raise CompressionError(f"None record holds {c.values.numel()} values, expected {n}")
+        dense: torch.Tensor = c.values.to(c.dtype).reshape(c.shape)
+        return dense
+    if c.method in ("TopK", "Threshold", "RandomK"):
+        if c.indices is None or c.indices.numel() != c.values.numel():
+            raise CompressionError(f"{c.method} record needs one index per value")
+        return scatter_dense(n, c.indices, c.values, c.dtype).reshape(c.shape)
+    if c.method == "Quantization":
+        return dequantize_packed(c.values, n, c.offset, c.scale, c.bits, c.dtype).reshape(c.shape)
+    raise CompressionError(f"unknown method {c.method!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -143,9 +150,9 @@ class CompressedTensor:
 class EncodeContext:
     """What a codec may know about the call: the key, the step and the base seed.
 
-    ``generator(salt)`` returns a CPU generator seeded by (seed, step, key, salt), so
-    every random draw is reproducible from those three values alone (no RNG state needs
-    checkpointing for an exact resume).
+    Every random draw is seeded by ``derived_seed(salt)`` = (seed, step, key, salt), so it
+    is reproducible from those three values alone (no RNG state needs checkpointing for
+    an exact resume).
     """
 
     __slots__ = ("key", "step", "seed")
@@ -157,11 +164,6 @@ class EncodeContext:
 
     def derived_seed(self, salt: str) -> int:
         return derive_seed(self.seed, self.step, self.key, salt)
-
-    def generator(self, salt: str, device: torch.device | str = "cpu") -> torch.Generator:
-        g = torch.Generator(device=device)
-        g.manual_seed(self.derived_seed(salt))
-        return g
 
 
 class Codec(Protocol):

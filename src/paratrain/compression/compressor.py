@@ -22,96 +22,13 @@ from typing import Any
 
 import torch
 
-from ..config.compression import (
-    ClippedCompression,
-    ErrorFeedback,
-    NoCompression,
-    PowerSGD,
-    Quantization,
-    RandomK,
-    Threshold,
-    TopK,
-    dump_compression,
-    load_compression,
-)
-from .base import (
-    Codec,
-    CompressedTensor,
-    CompressionError,
-    EncodeContext,
-    check_input,
-)
-from .clipped import ClippedCodec
-from .decode import decompress
-from .error_feedback import ErrorFeedbackCodec
-from .none import NoneCodec
+from ..config.compression import dump_compression, load_compression
+from .base import Codec, CompressedTensor, EncodeContext, check_input, decompress
+from .codecs import ErrorFeedbackCodec, PowerSGDCodec, build_codec, leaf_method
+from .errors import CompressionError
 from .powersgd import PowerSGDState
-from .quantization import QuantizationCodec
-from .randomk import RandomKCodec
-from .threshold import ThresholdCodec
-from .topk import TopKCodec
-
-__all__ = ["Compressor", "CompressionStats", "PowerSGDCodec", "build_codec", "decompress",
-           "leaf_method"]
 
 STATE_VERSION = 1
-
-
-def build_codec(strategy: Any, *, stochastic_rounding: bool = True) -> Codec:
-    """The codec tree for a CompressionStrategy (contract object, dict or JSON).
-
-    Quantization rounds stochastically unless its ``rounding`` field says
-    ``"deterministic"`` or ``stochastic_rounding=False`` turns it off for the whole tree."""
-    s = load_compression(strategy)
-    if isinstance(s, NoCompression):
-        return NoneCodec()
-    if isinstance(s, TopK):
-        return TopKCodec(s.k)
-    if isinstance(s, RandomK):
-        return RandomKCodec(s.k)
-    if isinstance(s, Threshold):
-        return ThresholdCodec(s.threshold)
-    if isinstance(s, Quantization):
-        return QuantizationCodec(s.bits, stochastic=stochastic_rounding and s.rounding == "stochastic")
-    if isinstance(s, ErrorFeedback):
-        base = build_codec(s.base_strategy, stochastic_rounding=stochastic_rounding)
-        return ErrorFeedbackCodec(base, s.error_compensation)
-    if isinstance(s, ClippedCompression):
-        base = build_codec(s.base_strategy, stochastic_rounding=stochastic_rounding)
-        return ClippedCodec(base, s.clip_value)
-    if isinstance(s, PowerSGD):
-        return PowerSGDCodec(PowerSGDState.from_strategy(s))
-    raise CompressionError(f"unknown compression strategy {s!r}")
-
-
-def leaf_method(strategy: Any) -> str:
-    """The method that ends up on the wire (wrappers removed), e.g. ``"TopK"``."""
-    s = load_compression(strategy)
-    while isinstance(s, ErrorFeedback | ClippedCompression):
-        s = s.base_strategy
-    return str(s.method)
-
-
-class PowerSGDCodec:
-    """PowerSGD inside a :class:`Compressor`: not a per-tensor codec (its two all-reduces
-    sit in the middle of the compression), so ``encode`` refuses; the state (residuals,
-    warm Q, step) is :class:`~paratrain.compression.powersgd.PowerSGDState`, which the
-    all-reduce paths in ``comm/`` drive."""
-
-    def __init__(self, state: PowerSGDState) -> None:
-        self.state = state
-
-    def encode(self, flat: torch.Tensor, shape: tuple[int, ...], ctx: EncodeContext) -> CompressedTensor:
-        raise CompressionError(
-            "PowerSGD is not a per-tensor codec: it runs inside an all-reduce (DataParallel "
-            "with AllReduce aggregation, or paratrain.comm.ddp_hook); ParameterServer, "
-            "Decentralized and Federated exchanges cannot use it")
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.state.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.state.load_state_dict(state)
 
 
 @dataclass

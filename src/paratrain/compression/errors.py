@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CompressionError", "SUPPORTED_DTYPES"]
-
 
 class CompressionError(ValueError):
     """A compression input, state or wire payload that cannot be processed.

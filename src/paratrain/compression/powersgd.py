@@ -45,11 +45,6 @@ import torch
 
 from .errors import CompressionError
 
-__all__ = [
-    "PowerSGDState", "PowerSGDRound", "orthogonalize", "orthogonalize_gram_schmidt",
-    "should_compress", "matrix_shape", "wire_numel",
-]
-
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -198,15 +193,6 @@ class PowerSGDRound:
             orthogonalize(q, state.epsilon)
         for mat, q, p in zip(self.ms, self.qs, self.ps, strict=True):
             torch.bmm(mat, q, out=p)
-
-    @property
-    def wire_numel(self) -> int:
-        """Values this rank puts on the wire in the two all-reduces."""
-        return self.first.numel() + self.q_flat.numel()
-
-    @property
-    def original_numel(self) -> int:
-        return sum(t.numel() for _, t in self.named)
 
     def second(self) -> torch.Tensor:
         """After ``first`` was summed over ranks: orthogonalise each P, compute Q = M^T P_hat."""

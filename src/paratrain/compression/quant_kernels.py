@@ -1,7 +1,11 @@
-"""Quantization maths, pure tensor functions: bit-packing of integer codes (any width
-1..32, LSB first), min-max quantization with counter-based stochastic rounding, and the
-inverse. Used by :class:`~paratrain.compression.quantization.QuantizationCodec` to
-encode and by :mod:`paratrain.compression.decode` to decode; imports no record type.
+"""Quantization maths, pure tensor functions: bit-packing of integer codes, min-max
+quantization with counter-based stochastic rounding (the algebra:
+:class:`~paratrain.compression.codecs.QuantizationCodec`), and the inverse.
+
+Codes are **bit-packed** little-endian, least significant bit first: code i occupies
+bits [i*b, (i+1)*b) of the payload, so n codes take exactly ceil(n*b/8) bytes
+(4 bits: two codes per byte). Packing works on groups of 8/gcd(b, 8) codes that fill
+b/gcd(b, 8) whole bytes, with one vectorised shift-or per (code, byte) overlap.
 """
 
 from __future__ import annotations
@@ -13,9 +17,6 @@ import torch
 
 from ._kernels import BLOCK, numpy_view
 from .errors import CompressionError
-
-__all__ = ["pack_codes", "unpack_codes", "packed_nbytes", "quantize_packed", "dequantize",
-           "dequantize_packed"]
 
 
 def packed_nbytes(n: int, bits: int) -> int:

@@ -39,16 +39,6 @@ import torch
 from ._kernels import randomk_positions
 from .errors import CompressionError
 
-__all__ = [
-    "WIRE_VERSION",
-    "DEFAULT_MAX_NUMEL",
-    "MAX_NDIM",
-    "to_bytes",
-    "parse",
-    "wire_nbytes",
-    "information_minimum",
-]
-
 WIRE_VERSION = 1
 MAGIC = b"PT"
 MAX_NDIM = 16
@@ -180,7 +170,7 @@ class _Reader:
         self.pos += nbytes
         return out
 
-    def unpack(self, st: struct.Struct, what: str) -> tuple[object, ...]:
+    def unpack(self, st: struct.Struct, what: str) -> tuple[Any, ...]:
         return st.unpack(self.take(st.size, what))
 
     def tensor(self, count: int, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -248,8 +238,6 @@ def _parse_header(r: _Reader, limit: int) -> tuple[str, tuple[int, ...], torch.d
         raise CompressionError(f"bad magic {magic!r}: not a paratrain compressed tensor")
     if version != WIRE_VERSION:
         raise CompressionError(f"unsupported wire version {version} (this build reads 1)")
-    assert isinstance(method_code, int) and isinstance(dtype_code, int)
-    assert isinstance(ndim, int)
     if method_code >= len(_METHODS):
         raise CompressionError(f"unknown method code {method_code}")
     if dtype_code >= len(_DTYPES):
@@ -268,7 +256,6 @@ def _parse_header(r: _Reader, limit: int) -> tuple[str, tuple[int, ...], torch.d
 def _parse_sparse(r: _Reader, method: str, shape: tuple[int, ...], dtype: torch.dtype,
                   n: int) -> dict[str, Any]:
     enc, count = r.unpack(_SPARSE, "sparse header")
-    assert isinstance(enc, int) and isinstance(count, int)
     if count > n:
         raise CompressionError(f"count {count} exceeds the tensor's {n} elements")
     if enc == _ENC_BITMAP:
@@ -295,7 +282,6 @@ def _parse_sparse(r: _Reader, method: str, shape: tuple[int, ...], dtype: torch.
 
 def _parse_randomk(r: _Reader, shape: tuple[int, ...], dtype: torch.dtype, n: int) -> dict[str, Any]:
     seed, k = r.unpack(_RANDOMK, "RandomK header")
-    assert isinstance(seed, int) and isinstance(k, int)
     if k > n:
         raise CompressionError(f"RandomK k={k} exceeds the tensor's {n} elements")
     if seed >= 1 << 63:
@@ -314,25 +300,22 @@ def _parse_randomk(r: _Reader, shape: tuple[int, ...], dtype: torch.dtype, n: in
 def _parse_quantized(r: _Reader, shape: tuple[int, ...], dtype: torch.dtype,
                      n: int) -> dict[str, Any]:
     qbits, flags, lo, scale = r.unpack(_QUANT, "quantization header")
-    assert isinstance(qbits, int) and isinstance(flags, int)
-    assert isinstance(lo, float) and isinstance(scale, float)
-    bits_: int = qbits
-    if not 1 <= bits_ <= 32:
-        raise CompressionError(f"quantization bits {bits_} not in 1..32")
+    if not 1 <= qbits <= 32:
+        raise CompressionError(f"quantization bits {qbits} not in 1..32")
     if flags & ~1:
         raise CompressionError(f"unknown quantization flags {flags:#x}")
     if not (math.isfinite(lo) and math.isfinite(scale)) or scale < 0:
         raise CompressionError(f"invalid quantization parameters lo={lo}, scale={scale}")
-    top = lo + scale * ((1 << bits_) - 1)
+    top = lo + scale * ((1 << qbits) - 1)
     fmax = torch.finfo(dtype).max * (1 + torch.finfo(dtype).eps)
     if not math.isfinite(top) or max(abs(lo), abs(top)) > fmax:
         raise CompressionError(f"quantization range [{lo}, {top}] overflows {dtype}")
-    nbytes = (n * bits_ + 7) // 8
+    nbytes = (n * qbits + 7) // 8
     packed = r.tensor(nbytes, torch.uint8, "quantized codes")
-    spare = nbytes * 8 - n * bits_
+    spare = nbytes * 8 - n * qbits
     if spare and int(packed[-1]) >> (8 - spare):
         raise CompressionError("padding bits of the last quantized byte are not zero")
     return _fields(
-        "Quantization", shape, dtype, packed, bits=bits_, offset=lo, scale=scale,
+        "Quantization", shape, dtype, packed, bits=qbits, offset=lo, scale=scale,
         stochastic=bool(flags & 1),
     )
