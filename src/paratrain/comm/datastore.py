@@ -181,6 +181,9 @@ class DataStoreTransport:
     def flush(self) -> None:
         """Writes are synchronous; nothing is pending."""
 
+    def abort(self) -> None:
+        """Close after an error: the session folder stays (the next launch removes it)."""
+
     def close(self) -> None:
         """Rank 0 removes the session directory once it is empty (every value consumed).
 

@@ -199,3 +199,9 @@ class P2PTransport:
         # Receives posted ahead but never consumed only happen when a step was aborted
         # by an error; the process group's teardown cancels them.
         self._posted.clear()
+
+    def abort(self) -> None:
+        """Close after an error: pending sends are dropped, not waited for (a peer that
+        failed never receives them); the process group's teardown cancels them."""
+        self._pending.clear()
+        self._posted.clear()

@@ -1,39 +1,15 @@
 """Capture a model torch.fx cannot trace with ``torch.export`` (non-strict), as a graph the
-partitioner cuts like an fx one.
-
-``torch.fx.symbolic_trace`` runs ``forward`` on proxies, so Python that inspects values or
-builds objects (a Hugging Face model's mask helpers, its ``ModelOutput``, its cache) fails;
-transformers removed its own fx tracer in 2025. ``torch.export.export(model, args, kwargs,
-strict=False)`` runs ``forward`` on fake tensors instead and records the ATen operations
-it reaches (Python control flow is resolved while tracing): every node is a
-``call_function`` whose ``meta["nn_module_stack"]`` names the modules whose ``forward`` it
-ran in, so a claim on ``model.layers.1`` places exactly that layer's operations, as
-``torch.distributed.pipelining``'s ``pipeline(split_spec=...)`` cuts at module boundaries
-of an exported graph.
-
-:func:`export_graph` returns ``ep.module()`` (parameters read by ``get_attr`` under their
-``state_dict`` names, the model's own tensors: nothing is copied) made ready to cut:
-
-- the leading (batch) dimension of every input is dynamic (``Dim.AUTO``), so the parts run
-  on micro-batches of any row count, an uneven last one included;
-- the pytree codegen is replaced by a flat one: the graph's placeholders are the leaves of
-  ``(args, kwargs)`` and its output the leaves of the model's output; the two specs are kept
-  in ``gm.meta`` (``IN_SPEC``, ``OUT_SPEC``) so the runtime flattens a batch's arguments and
-  rebuilds the output (a ``ModelOutput`` with ``.logits``, a dict, a tuple);
-- export's input guards (``_guards_fn``) and metadata assertions are dropped (they check
-  the example's shapes, not the model's computation);
-- a ``SymInt`` (``x.size(0)`` and arithmetic on it) read by several operations is copied
-  once per reader, so each part computes its own from the batch: sizes never travel;
-- a Hugging Face config's ``use_cache`` is turned off before capture: training never reads
-  the key/value cache, and a ``DynamicCache`` in the output is no pytree of tensors;
-- the model is captured in training mode, which export bakes in: each dropout
-  (``aten.dropout(x, p, train=True)``, attention's ``dropout_p``) becomes a small module at
-  the path of the module it ran in (so it is placed with it) that drops only while its part
-  is in training mode: evaluation (``part.eval()``) runs without dropout, as ``model.eval()``.
-
-:func:`canonical_ties` (both capture paths) renames every ``get_attr`` of a tied tensor to
-its first name in the model (``lm_head.weight`` -> ``model.embed_tokens.weight``), so a
-tie is one value held by one worker, read by the others (the partitioner's ``Attr``).
+partitioner cuts like an fx one (a Hugging Face model: fx fails on Python that inspects
+values; transformers removed its own fx tracer in 2025). Export runs ``forward`` on fake
+tensors and records ATen operations, each with ``meta["nn_module_stack"]``, so a claim on
+``model.layers.1`` places exactly that layer's operations (as torch's ``pipeline(split_spec=)``
+cuts an exported graph). :func:`export_graph` makes ``ep.module()`` ready to cut: dimension 0
+of every input dynamic (micro-batches of any size); a flat codegen whose placeholders are the
+leaves of ``(args, kwargs)``, the pytree specs kept in ``gm.meta`` (``IN_SPEC``, ``OUT_SPEC``)
+to rebuild a ``ModelOutput``; export's guards and shape assertions dropped; each ``SymInt``
+copied per reader (sizes never travel); ``use_cache`` off; each training-mode dropout a small
+module following its part's mode. :func:`canonical_ties` names a tied tensor by its first
+name, so a tie is one value held by one worker.
 """
 
 from __future__ import annotations
@@ -110,17 +86,25 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     return gm
 
 
+#: the loggers export reports a failure on (and the graph it had); the failure itself is
+#: reported as one ConfigError line (trace.py)
+_EXPORT_LOGGERS = ("torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes")
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Export logs the graph it had and a warning when it fails; the failure is reported
-    as one ConfigError line (trace.py), so its logging and prints are held back."""
-    before = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
+    """Export's own failure logs and its partial graph (printed to stderr) held back, only
+    while it runs: its loggers' levels raised, then restored."""
+    loggers = [logging.getLogger(name) for name in _EXPORT_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
     try:
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             yield
     finally:
-        logging.disable(before)
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def _is_size(n: fx.Node) -> bool:

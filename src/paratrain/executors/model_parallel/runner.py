@@ -1,60 +1,24 @@
-"""ModelParallel: the model's nodes placed on workers; activations/gradients move by protocol.
+"""ModelParallel's launch and one rank's run (DESIGN §4, docs/model-parallel.md).
 
-DESIGN §4. Every worker builds the same seeded model, traces it with torch.fx (or captures
-it with torch.export where fx cannot: a Hugging Face model; :mod:`paratrain.graph.export`) and keeps
-the parts its :class:`~.plan.Plan` assigns it (partitions by ``WorkerId``/``Tag`` over
-module paths; uncovered modules on rank 0): any topology, with every tensor that crosses
-a cut sent point-to-point to the rank that reads it. Per batch of ``B`` rows:
-
-- ``Direct``: one forward in part order, each crossing value sent to its readers, then
-  the backward in reverse with each value's gradient coming back; a rank may own several
-  non-adjacent parts.
-- ``Pipeline{micro_batch_size}``: each rank owns one part (a stage); the batch is cut
-  into micro-batches of ``micro_batch_size`` rows (last smaller) run with GPipe (Huang et
-  al. 2019), 1F1B/PipeDream-Flush (Narayanan et al. 2021), Interleaved1F1B (each rank
-  owns ``virtual_stages`` chunks placed round-robin, Narayanan et al. 2021) or ZBH1 (the
-  backward split into input and weight gradients, Qi et al. 2024); the extension field
-  ``schedule`` picks one (default ``"1F1B"``; :mod:`.schedule`).
-- ``DataStore{path}``: as Direct, but every activation/gradient is a file in a shared
-  directory (``path``, default ``<run dir>/datastore``): written atomically, consumed
-  once, polled with a timeout.
-
-What is trained is the job's :class:`~paratrain.task.Task` (classification by default,
-regression, the ``gpt`` language model whose nodes ``embed``/``block<i>``/``ln_f``/``head``
-are placed like any others, or a user's ``task.factory``). Every rank builds the task's
-datasets and the same seeded model and walks the same batches (``epoch_permutation``);
-each part reads the model's arguments on the micro-batch (``task.steps.model_args``: a
-dict batch as ``model(**batch)``, a tuple as ``model(batch[0])``), the last computes ``task.loss`` on micro-batch ``i``
-(``n_i`` of the batch's ``B`` rows) weighted ``w n_i / B`` (``w``: the batch's share of the
-optimizer step under ``train.grad_accumulation``), so loss and every parameter gradient
-equal the unpartitioned model's on the same batch (:class:`~.engine.PipelineEngine`).
-
-Each rank trains through the one loop (:func:`paratrain.training.loop.run_loop`) with its
-own optimizer and lr scheduler over its own parameters (element-wise optimizers, so this
-equals one optimizer over the whole model); ``train.grad_clip_norm`` clips by the norm of
-the *whole* model's gradient (each stage's sum of squares, all-reduced); ``precision =
-"bf16"`` autocasts each stage's forward and the last stage's loss. Evaluation runs the
-forward pipeline over the test set; the last stage sums the task's ``eval_batch`` and
-sends the finalized metrics to rank 0, which logs them (and the last stage's training
-loss). A parameter read by nodes on several ranks (the ``gpt`` head reads the token
-embedding's weight) stays one tensor on the rank that holds it: readers receive it once
-per step and send its gradient back (:mod:`.runtime`).
-
-Checkpoints are per rank (``checkpoints/rank<r>/ckpt-<step>.pt``: this rank's stage
-tensors, optimizer, lr scheduler, RNG, position); ``--resume`` (or an elastic restart)
-restarts every rank from the newest step that all ranks saved and can read.
-``PARATRAIN_FAULT_KILL=RANK:STEP`` makes that rank SIGKILL itself after STEP on the first
-attempt (fault-injection for tests and demos, as for DataParallel).
+Every worker builds the same seeded task model, places and cuts it (:mod:`.validation`,
+:mod:`.plan`), keeps its parts (:class:`~.engine.StageModel`) and trains them through the
+one loop (:func:`paratrain.training.loop.run_loop`) with its own optimizer, over a
+transport: ``P2PTransport`` (Direct, Pipeline) or a ``DataStore`` folder. Checkpoints are
+per rank and resumable on another placement by the model's names (:mod:`.state`); rank 0
+gathers every rank's tensors for the exported model and writes the summary.
+``PARATRAIN_FAULT_KILL=RANK:STEP`` (:data:`FAULT_ENV`) makes that rank SIGKILL itself after
+STEP on the first attempt (fault injection for tests and demos).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -111,10 +75,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
         folder.prepare_launch()
         summary = launch(job, nprocs=num_workers(job) * tp_size_of(job), resume=resume, entry=worker_entry,
                          target=worker_main)
-    if summary is None:  # under torchrun on a rank other than 0
-        return {}
-    result: dict[str, Any] = summary
-    return result
+    return summary or {}  # None: under torchrun on a rank other than 0
 
 
 def _prepare(ctx: WorkerContext, job: JobConfig, resume: bool) -> Path:
@@ -141,9 +102,12 @@ def _prepare_resumed(ctx: WorkerContext, job: JobConfig) -> None:
     C.barrier(ctx.group)
 
 
-def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Any:
-    strategy: Any = job.strategy
-    proto: Any = strategy.communication
+@contextlib.contextmanager
+def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Iterator[Any]:
+    """The rank's transport, closed when the block ends; after an error aborted instead (its
+    close flushes pending sends, which wait forever on a peer that failed)."""
+    proto: Any = job.strategy.communication  # type: ignore[union-attr]
+    transport: Any
     if proto.protocol == "DataStore":
         from ...comm.datastore import DataStoreTransport, open_session
 
@@ -152,10 +116,17 @@ def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Any:
         store = open_session(root, rank=ctx.rank, control=ctx.store, namespace=namespace,
                              run_dir=run_dir, generation=ctx.restart_count,
                              timeout_s=job.comm.timeout_s)
-        return DataStoreTransport(store, ctx.rank)
-    from ...comm.p2p import P2PTransport
+        transport = DataStoreTransport(store, ctx.rank)
+    else:
+        from ...comm.p2p import P2PTransport
 
-    return P2PTransport(ctx.group, device=ctx.device)
+        transport = P2PTransport(ctx.group, device=ctx.device)
+    try:
+        yield transport
+    except BaseException:
+        transport.abort()
+        raise
+    transport.close()
 
 
 def _stage_setting(job: JobConfig, path: str | None, name: str, default: Any) -> Any:
@@ -165,15 +136,18 @@ def _stage_setting(job: JobConfig, path: str | None, name: str, default: Any) ->
     return getattr(sub, name, default)
 
 
-def _place(ctx: WorkerContext, job: JobConfig, model: Any, task: Any, train: Any) -> tuple[Any, ...]:
+def _place(ctx: WorkerContext, job: JobConfig, model: Any, task: Any, train: Any,
+           closing: contextlib.ExitStack) -> tuple[Any, ...]:
     """The model cut into parts and placed on the ranks: ``(model, plan, logical replicas,
     this rank's replicas, TP groups or None, this rank's replica group or None)``; with
-    tensor parallelism (pipeline x TP, :mod:`.tp_stages`) the sharded model is cut."""
+    tensor parallelism (pipeline x TP, :mod:`.tp_stages`) the sharded model is cut, its TP
+    groups closed with ``closing``."""
     tp = tp_size_of(job)
     tp_groups = None
     if tp > 1:
         n_logical = ctx.world_size // tp
         model, tp_groups, leaves = shard_model(job, model)
+        closing.callback(tp_groups.tp.close)
         plan = plan_for(job, model, ctx.workers[:n_logical], example_args(task, train), leaves=leaves)
         logical = replicas_for(job, plan, n_logical, ctx.workers[:n_logical])
         replicas = lane_replicas(logical, n_logical, tp, ctx.rank)
@@ -217,6 +191,24 @@ def _data_plan(ctx: WorkerContext, job: JobConfig, train: Any) -> DataPlan:
                     loader=LoaderOptions.of(job.data, seed))
 
 
+def _engine(ctx: WorkerContext, job: JobConfig, rt: StageRuntime, stage: StageModel, task: Any,
+            test: Any, replicas: Any, replica_group: Any, tp_groups: Any) -> PipelineEngine:
+    """The rank's engine: its stage's schedule, replica sync (and ZeRO), TP where sharded."""
+    proto: Any = job.strategy.communication  # type: ignore[union-attr]
+    pipeline = proto.protocol == "Pipeline"
+    where = replicas.paths.get(rt.rank)
+    kw: dict[str, Any] = dict(
+        precision=job.train.precision, micro_batch_size=proto.micro_batch_size if pipeline else None,
+        schedule_name=proto.schedule if pipeline else None, replica_group=replica_group,
+        broadcast_buffers=bool(_stage_setting(job, where, "broadcast_buffers", True)),
+        bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb),
+        shard=str(_stage_setting(job, where, "shard", "none")), where=where or "")
+    if tp_groups is None:
+        return PipelineEngine(ctx, rt, stage, task, test, **kw)
+    return TPPipelineEngine(dataclasses.replace(ctx, rank=rt.rank), rt, stage, task, test,
+                            groups=tp_groups, **kw)
+
+
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
     """Train this rank's segments through the one loop; rank 0 logs metrics and returns
     the summary."""
@@ -226,66 +218,50 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     num_parameters = sum(p.numel() for p in model.parameters())
     names, ties = list(model.state_dict()), tied_names(model)  # for the exported model
     tp = tp_size_of(job)
-    model, plan, logical, replicas, tp_groups, replica_group = _place(ctx, job, model, task, train)
-    stage_rank, _ = replicas.logical(ctx.rank)
-    proto: Any = getattr(job.strategy, "communication", None)
-    pipeline = proto.protocol == "Pipeline"
-    modules = segment_modules(model, plan, stage_rank)
-    attrs = held_attrs(model, plan, stage_rank)
-    del model  # nodes other ranks own are freed; this rank keeps its parts only
-    stage = StageModel(modules, attrs, plan.segments_of(stage_rank)).to(ctx.device)
-    transport = _transport(ctx, job, run_dir)
-    rt = StageRuntime(plan, stage_rank, modules, transport, device=ctx.device, attrs=attrs,
-                      replicas=replicas, physical_rank=ctx.rank,
-                      feed=lambda batch: model_args(task, batch))
-    t = job.train
-    data = _data_plan(ctx, job, train)
-    where = replicas.paths.get(stage_rank)
-    engine_kw: dict[str, Any] = dict(
-        precision=t.precision, micro_batch_size=proto.micro_batch_size if pipeline else None,
-        schedule_name=proto.schedule if pipeline else None, replica_group=replica_group,
-        broadcast_buffers=bool(_stage_setting(job, where, "broadcast_buffers", True)),
-        bucket_bytes=bucket_bytes_of(job.comm.bucket_size_mb),
-        shard=str(_stage_setting(job, where, "shard", "none")), where=where or "")
-    engine: PipelineEngine = (
-        PipelineEngine(ctx, rt, stage, task, test, **engine_kw) if tp_groups is None else
-        TPPipelineEngine(dataclasses.replace(ctx, rank=stage_rank), rt, stage, task, test,
-                         groups=tp_groups, **engine_kw))
-    # this rank's optimizer steps what the engine holds: its stage, or a ZeRO replica's rows
-    opt = build_optimizer(engine.model.parameters(), job.train.optimizer)
-    trainer = Trainer(engine, opt, t, data.total_steps)
-    # the same on every rank: a lane's replica map is its own, the mesh is everyone's
-    shards = {p: str(_stage_setting(job, p, "shard", "none")) for p in logical.paths.values()}
-    layout = (layout_of(plan, replicas, ctx.world_size, shards) if tp == 1 else
-              {**layout_of(plan, logical, ctx.world_size, shards), "tp": tp})
-    store = RankStore(run_dir, "mp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
-                      layout=layout, layout_field="strategy.partitions", device=ctx.device,
-                      reshard=True)
-    metrics = MetricsWriter(run_dir) if ctx.rank == 0 else None
-
-    result = run_loop(LoopRun(
-        trainer=trainer, plan=data, task=task, store=store, label="ModelParallel",
-        metrics=metrics, resume=resume, check_state=_state_check(engine.model, opt),
-        prepare=(lambda: _prepare_resumed(ctx, job)) if resume else None, rank=ctx.rank,
-        restart_count=ctx.restart_count, started=started, group=ctx.group, layout=layout,
-        **LoopRun.settings(job)))
-    engine.record_held(opt)  # what a rank holds between steps
-    engine.unshard()  # ZeRO-3 in a stage: whole parameters for the digest and the export
-    own = dict(sorted(stage.node_state({a.name: a.target for a in plan.cut.attrs}).items()))
-    if tp_groups is not None:  # the stage's dense tensors (every rank of the TP row: the same)
-        own = dense_own(stage, own, tp_groups)
-        tp_groups.tp.close()
-    stage_totals = [engine.totals]
-    step = result.position.step
-    if ctx.rank != 0:
-        rt.send_metric(engine.totals, dst=0, step=step, slot=3)
-    else:
-        for r in range(1, ctx.world_size):
-            stage_totals.append(rt.recv_metric(src=r, step=step, slot=3).double())
-    parts = gather_parts(rt, own, rank=ctx.rank, world=ctx.world_size, step=step)
-    transport.flush()
-    if hasattr(transport, "close"):
-        transport.close()
+    with contextlib.ExitStack() as closing:  # the TP groups and the transport, on every path
+        model, plan, logical, replicas, tp_groups, replica_group = _place(
+            ctx, job, model, task, train, closing)
+        stage_rank, _ = replicas.logical(ctx.rank)
+        modules = segment_modules(model, plan, stage_rank)
+        attrs = held_attrs(model, plan, stage_rank)
+        del model  # nodes other ranks own are freed; this rank keeps its parts only
+        stage = StageModel(modules, attrs, plan.segments_of(stage_rank)).to(ctx.device)
+        transport = closing.enter_context(_transport(ctx, job, run_dir))
+        rt = StageRuntime(plan, stage_rank, modules, transport, device=ctx.device, attrs=attrs,
+                          replicas=replicas, physical_rank=ctx.rank,
+                          feed=lambda batch: model_args(task, batch))
+        data = _data_plan(ctx, job, train)
+        engine = _engine(ctx, job, rt, stage, task, test, replicas, replica_group, tp_groups)
+        # this rank's optimizer steps what the engine holds: its stage, or a ZeRO replica's rows
+        opt = build_optimizer(engine.model.parameters(), job.train.optimizer)
+        # the same on every rank: a lane's replica map is its own, the mesh is everyone's
+        shards = {p: str(_stage_setting(job, p, "shard", "none")) for p in logical.paths.values()}
+        layout = (layout_of(plan, replicas, ctx.world_size, shards) if tp == 1 else
+                  {**layout_of(plan, logical, ctx.world_size, shards), "tp": tp})
+        store = RankStore(run_dir, "mp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
+                          layout=layout, layout_field="strategy.partitions", device=ctx.device,
+                          reshard=True)
+        result = run_loop(LoopRun(
+            trainer=Trainer(engine, opt, job.train, data.total_steps), plan=data, task=task,
+            store=store, label="ModelParallel",
+            metrics=MetricsWriter(run_dir) if ctx.rank == 0 else None, resume=resume,
+            check_state=_state_check(engine.model, opt),
+            prepare=(lambda: _prepare_resumed(ctx, job)) if resume else None, rank=ctx.rank,
+            restart_count=ctx.restart_count, started=started, group=ctx.group, layout=layout,
+            **LoopRun.settings(job)))
+        engine.record_held(opt)  # what a rank holds between steps
+        engine.unshard()  # ZeRO-3 in a stage: whole parameters for the digest and the export
+        own = dict(sorted(stage.node_state({a.name: a.target for a in plan.cut.attrs}).items()))
+        if tp_groups is not None:  # the stage's dense tensors (every rank of the TP row: the same)
+            own = dense_own(stage, own, tp_groups)
+        stage_totals = [engine.totals]
+        step = result.position.step
+        if ctx.rank != 0:
+            rt.send_metric(engine.totals, dst=0, step=step, slot=3)
+        else:
+            for r in range(1, ctx.world_size):
+                stage_totals.append(rt.recv_metric(src=r, step=step, slot=3).double())
+        parts = gather_parts(rt, own, rank=ctx.rank, world=ctx.world_size, step=step)
     if ctx.rank != 0 or result.final is None:
         return None
     whole = complete_state(parts, names, ties)  # every worker's part, one model

@@ -2,38 +2,39 @@
 
 The model is cut into parts ``P_0 .. P_{k-1}`` in topological order
 (:mod:`paratrain.graph.partition`); part ``P_p`` is an fx GraphModule taking the values
-``inputs(p)`` (the batch's model input, outputs of other parts, parameters read by
+``inputs(p)`` (the model's arguments on the batch, outputs of other parts, parameters read by
 ``get_attr``) and returning ``outputs(p)``. For micro-batch ``i`` of a ``B``-row batch:
 
-- ``F(i, p)``: gather ``inputs(p)``: the model's arguments on the micro-batch's rows
-  (every rank reads the batch; ``feed(batch) -> (args, kwargs)``, :mod:`.feed`), a value another rank produced (received: transfer ``t``, key
-  ``("act", i, t)``, marked ``requires_grad``), or one this rank produced (detached and
-  marked, so each part's backward stays its own); run ``P_p``; send each output to every
-  rank that reads it. On the part that completes the model's output (the *loss part*), form
-  ``L_i = w * loss(out_i, batch_i) * n_i / B`` (``loss`` the task's mean loss of the
+- ``F(i, p)``: gather ``inputs(p)``: the model's arguments on the micro-batch's rows (every
+  rank reads the batch, :mod:`.feed`), a value another rank produced (received: transfer
+  ``t``, key ``("act", i, t)``) or one this rank produced (detached, so each part's backward
+  stays its own); run ``P_p``; send each output to every rank that reads it. The loss part
+  forms ``L_i = w * loss(out_i, batch_i) * n_i / B`` (``loss`` the task's mean over the
   ``n_i`` rows, ``w`` the batch's weight in its optimizer step).
-- ``B(i, p)``: backpropagate ``L_i`` and, for each output ``v``, the sum of ``dL/dv`` over
-  all its readers (received ``("grad", i, t)`` from other ranks, accumulated locally from
-  this rank's own later parts) through ``P_p``; send ``dL/d(input)`` of each received input
-  back to its producer once this rank's last reader of it has run its backward.
-- ``W(i, p)`` (ZBH1 only): ``B`` computed the input gradients only; ``W`` adds the
-  weight gradients (:mod:`.backward_split`), and the activations are released after it.
+- ``B(i, p)``: backpropagate ``L_i`` and, for each output ``v``, the sum of ``dL/dv`` over all
+  its readers (received ``("grad", i, t)``, or accumulated from my later parts) through
+  ``P_p``; send ``dL/d(input)`` back to its producer once my last reader of it has run.
+- ``W(i, p)`` (ZBH1 only): ``B`` computed the input gradients only; ``W`` adds the weight
+  gradients (:mod:`.backward_split`).
 - a parameter held on one rank and read on another (a tie across workers) is sent once per
-  step before the first micro-batch and its gradient, summed over the micro-batches, comes
-  back after the last: it stays one tensor, stepped by the rank that holds it.
+  step and its gradient, summed over the micro-batches, comes back after the last.
 
-Since ``sum_i L_i = w * loss(batch)`` for a loss that is a mean over rows, and gradients
-add over readers and micro-batches, the loss and every parameter gradient equal those of
-the unpartitioned model on the same batch (up to float summation order).
+Since ``sum_i L_i = w * loss(batch)`` for a loss that is a mean over rows, and gradients add
+over readers and micro-batches, the loss and every parameter gradient equal those of the
+unpartitioned model on the same batch (up to float summation order). Orders come from
+:mod:`.schedule` (GPipe, 1F1B, Interleaved1F1B, ZBH1) or the sequential order of
+Direct/DataStore. The transport is duck-typed (``send``/``recv``/``flush``, optionally
+``post``): :class:`paratrain.comm.p2p.P2PTransport` or ``DataStoreTransport``.
 
-Orders come from GPipe (Huang et al. 2019), 1F1B/PipeDream-Flush (Narayanan et al.
-2021) or ZBH1 (Qi et al. 2024) for pipelines (one part per rank; part index = stage),
-Interleaved1F1B (parts ``r, r + p, ..`` on rank ``r``), or the sequential order for
-Direct/DataStore (forwards by part, backwards reversed). The transport is duck-typed
-(``send``/``recv``/``flush``, optionally ``post``): :class:`paratrain.comm.p2p.P2PTransport`
-or :class:`paratrain.comm.datastore.DataStoreTransport`. The runtime records what it ran
-(``trace``), time computing, and the peak bytes of activations held for backward. Its
-forward pass for evaluation (whole batch, no gradients) is :mod:`.inference`'s.
+Why not ``torch.distributed.pipelining``: its stages are a linear chain (stage ``k`` feeds
+``k + 1`` only; its ``pipeline()`` split expects a sequential model) with one schedule class
+per order, while a cut here is any topology: a value may skip stages or go back to a rank's
+earlier part, a rank may own several non-adjacent parts (Direct/DataStore), two towers may
+join, a stage may be replicated over rows (:mod:`.replicas`) or tensor-parallel, and a tie
+across workers stays one tensor. Where both run the same thing they agree:
+``tests/executors/model_parallel/test_pipeline_vs_torch.py`` checks 1F1B, GPipe,
+Interleaved1F1B and ZBH1 against torch's schedules on the same stages (equal losses and
+gradients).
 """
 
 from __future__ import annotations

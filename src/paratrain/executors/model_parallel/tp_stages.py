@@ -119,7 +119,11 @@ def shard_model(job: JobConfig, model: nn.Module) -> tuple[nn.Module, TPGroups, 
     groups = build_tp_groups(cfg.tensor_parallel_size, pattern=cfg.communication_pattern.value,
                              async_op=cfg.async_communication,
                              fusion_threshold_bytes=cfg.fusion_threshold_bytes)
-    tpm = parallelize(model, cfg, dataclasses.replace(groups, dp=None))
+    try:
+        tpm = parallelize(model, cfg, dataclasses.replace(groups, dp=None))
+    except BaseException:
+        groups.tp.close()
+        raise
     inner: nn.Module = tpm.module  # type: ignore[assignment]
     # (a packed q|k|v projection is one leaf: its parts share one fused f)
     leaves = tuple(n for n, m in inner.named_modules()
