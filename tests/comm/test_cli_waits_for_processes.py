@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_data_parallel_torchrun import JOB, _env
 
 from paratrain.training.faults import FAULT_ENV
-from test_data_parallel_torchrun import JOB, _env
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
 

@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_effective_settings import DP, FED, MP, PBT
 
 from paratrain.cli import main
 from paratrain.config.job import load_job
 from paratrain.dispatch import effective_settings
 from paratrain.executors.tensor_parallel.ignored import probe_tp
-from test_effective_settings import DP, FED, MP, PBT
 
 LM = {"task": {"name": "language_model", "block_size": 16},
       "data": {"factory": "test_tp_task:tiny_lm_data"},

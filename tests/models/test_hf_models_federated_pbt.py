@@ -8,10 +8,10 @@ import math
 from pathlib import Path
 
 import pytest
+from test_hf_models import FACTORIES, VOCAB, _job, _test_losses
 
 import paratrain
 from test_api_fit import FEDERATED  # 2 clients, 2 FedAvg rounds, iid
-from test_hf_models import FACTORIES, VOCAB, _job, _test_losses
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]

@@ -130,10 +130,11 @@ def _scalars(run: Path) -> Any:
 
 
 def test_federated_per_round_with_epsilon_and_population_per_member(tmp_path: Path) -> None:
+    from test_pbt_task import regression_job
+
     from _workers_federated import fed_job
     from paratrain.executors.federated import run_in_process
     from paratrain.executors.population_based import runner as population
-    from test_pbt_task import regression_job
 
     fed = fed_job(tmp_path, "fed", K=6, rounds=2, local_epochs=1, dp={"clip": 0.5, "noise_multiplier": 0.3})
     fed = fed.model_copy(update={"run": fed.run.model_copy(update={"loggers": ["tensorboard"]})})

@@ -9,11 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
+from test_checkpoint import _doc, killed_run
 
 import paratrain
 from paratrain.config import ConfigError
 from paratrain.training.rundir import MetricsWriter, read_metrics
-from test_checkpoint import _doc, killed_run
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -171,8 +171,9 @@ def test_the_commands_local_run_draws_through_its_drawer_and_leaves_no_process(t
     """`paratrain run` (its own process) on a Local job: report.png is drawn by the drawer
     process, the same file the run draws in process (paratrain.fit, main(argv)), and no
     process of the command's session is left when it returns."""
-    from paratrain.cli import main
     from test_cli_waits_for_processes import _alive_in_session
+
+    from paratrain.cli import main
 
     job = tmp_path / "lm.toml"
     job.write_text(_LOCAL_JOB.format(out=tmp_path / "cmd"))

@@ -165,11 +165,12 @@ def tp_dp_buffers(ctx: WorkerContext, broadcast: bool) -> list[list[float]]:
     from collections import OrderedDict
     from types import SimpleNamespace
 
+    from test_mp_replica_sync import Tracker
+
     from paratrain.comm.tp.groups import build_tp_groups
     from paratrain.config import TensorParallelismConfig
     from paratrain.executors.tensor_parallel.engine import TensorParallelEngine
     from paratrain.tensor_parallel import parallelize
-    from test_mp_replica_sync import Tracker
 
     torch.manual_seed(0)
     dense = nn.Sequential(OrderedDict(fc0=nn.Linear(16, 30), act=nn.GELU(), fc1=nn.Linear(30, 12),

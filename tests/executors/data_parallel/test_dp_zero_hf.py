@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
+from test_mesh_pipeline_tp_hf import _job
 
 import paratrain
 from _workers_dp_zero import zero_cases
 from paratrain.comm.testing import run_distributed
-from test_mesh_pipeline_tp_hf import _job
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

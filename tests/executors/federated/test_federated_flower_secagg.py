@@ -35,11 +35,11 @@ pytest.importorskip("flwr", reason="the flower extra is not installed (pip insta
 
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from test_federated_flower import APP, _job, _local, _metrics, _write  # noqa: E402
 
 from _flower_federation import LocalFederation  # noqa: E402
 from _flower_pki import write_local_pki  # noqa: E402
 from paratrain.training.faults import DROP_AT_ENV  # noqa: E402
-from test_federated_flower import APP, _job, _local, _metrics, _write  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 TOLERANCE = 3 * 16 / 2**22 * 1.05  # 3 nodes x one quantization step

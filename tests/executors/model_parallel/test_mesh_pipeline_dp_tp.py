@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 import torch
+from test_mesh_pipeline_tp import _params, assert_matches
 
 from _workers_mesh3d import job_3d, runs_3d
 from paratrain.comm.testing import run_distributed
-from test_mesh_pipeline_tp import _params, assert_matches
 
 pytestmark = [pytest.mark.timeout(400)]
 

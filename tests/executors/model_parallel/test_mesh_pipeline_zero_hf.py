@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_mesh_pipeline_tp_hf import _job
 
 import paratrain
-from test_mesh_pipeline_tp_hf import _job
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_mesh_pipeline_tp import assert_matches
 
 from _workers_mp_interleaved_dp import job_il, runs_il
 from paratrain.comm.testing import run_distributed
-from test_mesh_pipeline_tp import assert_matches
 
 pytestmark = [pytest.mark.timeout(300)]
 

@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
+from test_population import lineage, make_job
 
 from paratrain.executors.population_based import runner as population
 from paratrain.training.faults import FAULTS_ENV
-from test_population import lineage, make_job
 
 pytestmark = pytest.mark.timeout(300)
 
