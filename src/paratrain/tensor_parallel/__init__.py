@@ -1,32 +1,22 @@
-"""Tensor parallelism: partition arithmetic, column/row parallel layers, ``parallelize``.
+"""Tensor parallelism (DESIGN §4; Shoeybi et al. 2019, Megatron-LM): partition arithmetic
+(:mod:`.partition`), column/row-parallel layers (:mod:`.layers`, their autograd operators in
+:mod:`.autograd`, every collective a :mod:`paratrain.comm.tp` call) and ``parallelize``
+(:mod:`.module`), which converts a model by the rules of :mod:`.rules` (:mod:`.foreign` for HF
+and timm blocks, :mod:`.plan` for ``[tensor_parallel.plan]``), walked by :mod:`.converter`.
 
-See DESIGN §4 and Shoeybi et al. 2019 (Megatron-LM). All collectives live in
-:mod:`paratrain.comm.tp` (the autograd operators that call them in :mod:`.autograd`);
-``parallelize`` (:mod:`.parallelize`) converts a model with the rules of :mod:`.rules` and
-:mod:`.attention_spec`, walked by :mod:`.converter`, into a :mod:`.module`
-``TensorParallelModule``. What each TensorParallelismConfig field does:
-
-- ``tensor_parallel_size``: ranks per TP group (must divide the world; the rest is DP).
-- ``partitioning_strategy``: how pairs are split (``partition_tensor`` arithmetic; see
-  :mod:`.parallelize`): column-first, row-first, batch split, sequence split, custom sizes,
-  and for BlockWise with ``tp = g^2`` a 2-D grid of every weight (:mod:`.grid`).
-- ``column_parallel`` / ``row_parallel``: which Linear kinds are created (both = pairs).
-- ``communication_pattern``: the collective that carries the TP reductions (and the
-  sequence-parallel layout for ReduceScatter).
-- ``async_communication``: the column layer's input-gradient collective is started
-  asynchronously and overlapped with the weight-gradient matmul; gradient buckets are
-  all in flight at once.
-- ``fusion_threshold_bytes``: q/k/v share one input-gradient collective and small
-  gradient reductions are packed into flat buffers up to this size.
-- ``gradient_accumulation``: sync once per step over ``micro_batches`` (else per
-  micro-batch).
-- ``memory_optimization``: activation checkpointing every 4/2/1 blocks, Extreme also
-  offloads saved tensors to host memory; the recomputation reads the forward collectives'
-  outputs back from a tape, so no level communicates more than None (:mod:`.memory`).
-- ``mixed_precision``: bf16 matmuls, fp32 master weights, gradients and reductions.
+Why these layers and not torch's DTensor + ``parallelize_module``: on 2 gloo CPU ranks
+(``benchmarks/tensor_parallel.py``, RESULTS.md) a training step takes 0.57x (4-layer MLP) and
+0.79x (transformer block) of torch's documented default's time, with 4 collectives per block
+step to its 6, at the default ``memory_optimization`` (whose recomputation reads the forward
+collectives back from a tape, :mod:`.memory`, which DTensor cannot); and a few things DTensor
+does not give: modules written by others (HF, timm) sharded only where their forward provably
+survives, per-rank Custom sizes, the 2-D BlockWise grid, BatchWise, every collective counted
+through ``TPComm`` (its PointToPoint / Hierarchical patterns), and checkpoints keyed by the dense
+model's names with shard specs (resume on another size, bit for bit on the same one). The same
+weights give torch's ColwiseParallel / RowwiseParallel outputs and gradients (within 1e-5):
+``tests/tensor_parallel/test_tensor_parallel_dist.py::test_parity_with_torch_tensor_parallel_styles``.
 """
 
-from .attention_spec import AttentionSpec, is_attention
 from .grid import GridLinear
 from .layers import (
     ColumnParallelLinear,
@@ -36,8 +26,7 @@ from .layers import (
     SelfAttention,
 )
 from .memory import ActivationMeter
-from .module import TensorParallelModule
-from .parallelize import parallelize
+from .module import TensorParallelModule, parallelize
 from .partition import (
     TensorParallelism,
     TensorPartition,
@@ -47,8 +36,8 @@ from .partition import (
     partition_shape,
     register_custom_partitioner,
     split_sizes,
-    validate_world,
 )
+from .rules import AttentionSpec
 
 __all__ = [
     "ActivationMeter",
@@ -65,10 +54,8 @@ __all__ = [
     "calculate_memory_savings",
     "calculate_optimal_tensor_config",
     "estimate_communication_overhead",
-    "is_attention",
     "parallelize",
     "partition_shape",
     "register_custom_partitioner",
     "split_sizes",
-    "validate_world",
 ]

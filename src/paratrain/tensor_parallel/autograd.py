@@ -1,38 +1,15 @@
-"""The autograd operators of tensor parallelism: Megatron-LM's region operators and the
-column/row-parallel linear layers as single autograd Functions.
+"""The autograd operators of tensor parallelism: Megatron-LM's conjugate region operators
+(Shoeybi et al. 2019: f = identity forward / all-reduce backward before a column-parallel
+layer, g its conjugate after a row-parallel one) and their sequence-parallel forms
+(Korthikanti et al. 2022, §4.2.2: f an all-gather, g a reduce-scatter along the sequence dim).
 
-References: Shoeybi et al. 2019, "Megatron-LM" (the f/g conjugate operators: f = identity
-forward / all-reduce backward before a column-parallel layer, g = all-reduce forward /
-identity backward after a row-parallel one); Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models" (sequence parallelism: g becomes a
-reduce-scatter along the sequence dimension and f an all-gather, conjugate in backward).
-
-Forward / backward collective of each operator (``comm`` a
-:class:`~paratrain.comm.tp.comm.TPComm`, whose pattern carries out every sum):
-
-- ``copy_to_region`` (f): identity / sum-all-reduce of the gradient.
-- ``reduce_from_region`` (g): sum-all-reduce / identity.
-- ``gather_from_region``: all-gather along ``dim`` / keep the own slice of the gradient.
-- ``scatter_to_region``: keep the own slice / all-gather of the gradient.
-- ``seq_gather`` (sequence-parallel f): all-gather along the sequence dim / reduce-scatter.
-- ``seq_reduce_scatter`` (sequence-parallel g): reduce-scatter / all-gather.
-- ``fused_copy_to_region`` / ``fused_seq_gather``: one f (or one sequence all-gather) for n
-  consumers of the same input; their gradients are summed locally, then ONE all-reduce
-  (reduce-scatter) instead of n.
-- ``column_linear`` / ``row_linear``: ``Y_i = f(X) W_i^T + b_i`` and ``Z = g(sum_i X_i
-  W_i^T) + b`` in one Function each, so the backward collective of the input gradient
-  overlaps the weight-gradient matmul (see :class:`_ColumnLinear` for the modes).
-
-Every *forward* collective goes through :func:`.memory.taped`: inside a checkpointed segment
-its output is kept on the segment's tape and read back when backward recomputes the
-segment, so recomputation never communicates again (Korthikanti et al. 2022, §5; see
-:mod:`.memory`). A row layer's partial matmul runs inside the taped call, so a replay skips
-it too; a column layer's product is taped at the selective levels (Low, Medium), whose
-recomputation re-runs only norms, activations and the attention core.
-
-Reductions run in fp32 (half-precision partials are upcast before they travel). These
-Functions call only ``TPComm`` methods: every torch.distributed call stays in
-:mod:`paratrain.comm`. Each is the identity (or a plain matmul) on a group of size 1.
+``column_linear`` / ``row_linear`` are one Function each, so the backward collective of the
+input gradient overlaps the weight-gradient matmul; the ``fused_*`` operators give n consumers
+of one input ONE backward collective of their summed gradients. Every forward collective goes
+through :func:`.memory.taped`, so a recomputed segment reads its output back instead of
+communicating again (a row layer's partial matmul runs inside the taped call and is skipped
+too). Reductions run in fp32; only ``TPComm`` methods are called (every torch.distributed call
+stays in :mod:`paratrain.comm`); each operator is the identity on a group of size 1.
 """
 
 from __future__ import annotations
@@ -49,24 +26,10 @@ from paratrain.comm.tp.comm import TPComm
 
 from .memory import keeps_matmuls, taped
 
-__all__ = [
-    "column_linear",
-    "copy_to_region",
-    "fused_copy_to_region",
-    "fused_seq_gather",
-    "gather_from_region",
-    "reduce_from_region",
-    "row_linear",
-    "scatter_to_region",
-    "seq_gather",
-    "seq_reduce_scatter",
-]
-
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
     """Reductions run in fp32: half-precision partial sums are upcast before they travel."""
     return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
-
 
 
 class _CopyToRegion(Function):
@@ -80,18 +43,6 @@ class _CopyToRegion(Function):
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         return ctx.comm.all_reduce(_fp32(g.contiguous())), None
-
-
-class _ReduceFromRegion(Function):
-    """g: sum-all-reduce forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: TPComm) -> torch.Tensor:
-        return taped(lambda: comm.all_reduce(_fp32(x.contiguous())))
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return g, None
 
 
 class _GatherFromRegion(Function):
@@ -118,32 +69,6 @@ class _ScatterToRegion(Function):
         ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
         r = comm.rank
         return x.narrow(dim, sum(sizes[:r]), sizes[r]).contiguous()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return ctx.comm.all_gather(g.contiguous(), ctx.dim, ctx.sizes).wait(), None, None, None
-
-
-class _SeqGather(Function):
-    """Sequence parallel f: all-gather along the sequence dim forward, reduce-scatter back."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
-        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
-        return taped(lambda: comm.all_gather(x.contiguous(), dim, sizes).wait())
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return ctx.comm.reduce_scatter(_fp32(g.contiguous()), ctx.dim, ctx.sizes).wait(), None, None, None
-
-
-class _SeqReduceScatter(Function):
-    """Sequence parallel g: reduce-scatter along the sequence dim forward, all-gather back."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
-        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
-        return taped(lambda: comm.reduce_scatter(_fp32(x.contiguous()), dim, sizes).wait())
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
@@ -194,24 +119,12 @@ def copy_to_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
     return x if comm.size == 1 else _CopyToRegion.apply(x, comm)
 
 
-def reduce_from_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
-    return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
-
-
 def gather_from_region(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
     return x if comm.size == 1 else _GatherFromRegion.apply(x, comm, dim, sizes)
 
 
 def scatter_to_region(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
     return x if comm.size == 1 else _ScatterToRegion.apply(x, comm, dim, sizes)
-
-
-def seq_gather(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
-    return x if comm.size == 1 else _SeqGather.apply(x, comm, dim, sizes)
-
-
-def seq_reduce_scatter(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
-    return x if comm.size == 1 else _SeqReduceScatter.apply(x, comm, dim, sizes)
 
 
 def fused_copy_to_region(x: torch.Tensor, comm: TPComm, n: int) -> tuple[torch.Tensor, ...]:

@@ -1,35 +1,16 @@
-"""The walk that swaps a dense model's modules for their tensor-parallel versions.
-
-:class:`Converter` visits every module (see :mod:`.parallelize` for the rules and
-``partitioning_strategy``):
-
-- attention blocks (per :func:`~.attention_spec.attention_spec`) become
-  :class:`~.layers.ParallelSelfAttention`, and every eligible ``nn.TransformerEncoderLayer``
-  (per :func:`~.rules.encoder_problem`) a :class:`~.layers.ParallelEncoderLayer`;
-- in every ``nn.Sequential``, two plain Linears with only element-wise modules between
-  them are an MLP pair: column-then-row (Megatron: f before, g after; with the
-  ``ReduceScatter`` pattern the sequence-parallel all-gather / reduce-scatter instead, with
-  ``AllGather`` a gathered column output re-split by the row layer), or row-then-column
-  (RowWise, Dynamic when ``out <= in``: split input, all-reduced row output, all-gathered
-  column output); Custom takes the hidden split from the registered partitioner;
-- with a 2-D grid (BlockWise, ``tp = g^2``) every run of plain Linears becomes
-  :class:`~.grid.GridLinear` blocks;
-- with only ``column_parallel`` (``row_parallel``), lone Linears become column-parallel
-  with gathered output (row-parallel with split input); otherwise they stay replicated
-  (a Linear subclass with a warning).
-
-Before these rules, the ``[tensor_parallel.plan]`` entries (:mod:`.plan`) decide the modules
-they match, and blocks written by others (HF Llama / Mistral / GPT-2 attention and MLPs, timm's
-``Attention`` and ``Mlp``: :mod:`.foreign`) are sharded in place where no plan entry reaches
-into them.
-
-``Converter.units`` counts the parallel units made (zero means nothing could be sharded);
-``Converter.notes`` says, per module path, what the plan or a block rule did to it.
+"""The walk that swaps a dense model's modules for their tensor-parallel versions (the rules
+are :func:`~.module.parallelize`'s): ``[tensor_parallel.plan]`` entries first (:mod:`.plan`),
+then blocks written by others (:mod:`.foreign`) where no entry reaches into them, attention
+(:mod:`.rules`), encoder layers, and in every ``nn.Sequential`` the MLP pairs (or 2-D grid
+runs, or lone Linears with only one of ``column_parallel`` / ``row_parallel``).
+``Converter.units`` counts the parallel units made, ``Converter.notes`` says per module path
+what a plan entry or a block rule did to it.
 """
 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 from torch import nn
 
@@ -37,7 +18,6 @@ from paratrain.comm.tp.comm import TPComm
 from paratrain.comm.tp.grid import GridComms
 from paratrain.config import ConfigError, TensorParallelismConfig
 
-from .attention_spec import TP_ATTENTION_PROTOCOL, AttentionSpec, AttentionView, attention_spec
 from .foreign import block_kind, shard_block
 from .grid import GridLinear
 from .layers import (
@@ -49,9 +29,16 @@ from .layers import (
 )
 from .partition import partition_shape
 from .plan import WALKED, Plan
-from .rules import encoder_problem, is_elementwise, is_plain_linear, module_where
-
-__all__ = ["Converter"]
+from .rules import (
+    TP_ATTENTION_PROTOCOL,
+    AttentionSpec,
+    AttentionView,
+    attention_spec,
+    encoder_problem,
+    is_elementwise,
+    is_plain_linear,
+    module_where,
+)
 
 
 class Converter:
@@ -205,61 +192,64 @@ class Converter:
         self.units += 1
         return linears[-1] + 1
 
+    def _pair(self, first: nn.Linear, second: nn.Linear, name: str) -> tuple[nn.Module, nn.Module]:
+        """An MLP pair: column-then-row (Megatron: f before, g after; the sequence-parallel
+        all-gather / reduce-scatter with ReduceScatter; with AllGather a gathered column output
+        re-split by the row layer), or row-then-column (split input, all-reduced row output,
+        all-gathered column output)."""
+        kw: dict[str, Any] = {"comm": self.comm, "state": self.state}
+        seq_mode = self.mode == "seq"
+        if self._row_first(first):
+            if seq_mode:
+                raise ConfigError([("tensor_parallel.partitioning_strategy",
+                                    f"{name}: row-first pairs ({self.strategy}) "
+                                    "do not combine with the sequence-parallel layout")])
+            return (RowParallelLinear.from_dense(first, mode="reduce", input_is_parallel=False, **kw),
+                    ColumnParallelLinear.from_dense(second, mode="copy", gather_output=True, **kw))
+        sizes = self._custom_sizes(name + ".weight", first)
+        return (ColumnParallelLinear.from_dense(first, mode="seq" if seq_mode else "copy",
+                                                gather_output=self.mode == "gather", sizes=sizes, **kw),
+                RowParallelLinear.from_dense(second, mode="seq" if seq_mode else "reduce",
+                                             input_is_parallel=self.mode != "gather", sizes=sizes, **kw))
+
+    def _lone(self, m: nn.Linear) -> nn.Module | None:
+        """A Linear outside a pair: sharded only when one of column/row parallel is off."""
+        kw: dict[str, Any] = {"comm": self.comm, "state": self.state}
+        if self.col and not self.row:
+            return ColumnParallelLinear.from_dense(m, mode="copy", gather_output=True, **kw)
+        if self.row and not self.col:
+            return RowParallelLinear.from_dense(m, mode="reduce", input_is_parallel=False, **kw)
+        return None
+
     def _sequential(self, seq: nn.Sequential, prefix: str) -> None:
         names = list(seq._modules.keys())
         mods = [seq._modules[n] for n in names]
-        seq_mode = self.mode == "seq"
-        kw = {"comm": self.comm, "state": self.state}
+        planned = [bool(self.plan) and self.plan.entry_for(prefix + n) is not None for n in names]
         i = 0
-        planned_here = [self.plan and self.plan.entry_for(prefix + n) is not None for n in names]
         while i < len(mods):
-            m = mods[i]
-            if planned_here[i]:
-                seq._modules[names[i]] = self._planned(m, prefix + names[i])  # type: ignore[assignment]
-                i += 1
-                continue
-            if is_plain_linear(m) and self.grid is not None:
+            m, name = mods[i], names[i]
+            if planned[i]:
+                seq._modules[name] = self._planned(m, prefix + name)  # type: ignore[assignment]
+            elif is_plain_linear(m) and self.grid is not None:
                 i = self._grid_run(seq, names, i)
                 continue
-            if is_plain_linear(m):
+            elif is_plain_linear(m):
                 j = i + 1
                 while j < len(mods) and is_elementwise(mods[j]):
                     j += 1
-                nxt = mods[j] if j < len(mods) and not planned_here[j] else None
+                nxt = mods[j] if j < len(mods) and not planned[j] else None
                 if self.col and self.row and is_plain_linear(nxt):
-                    if self._row_first(m):
-                        if seq_mode:
-                            raise ConfigError([("tensor_parallel.partitioning_strategy",
-                                                f"{prefix}{names[i]}: row-first pairs ({self.strategy}) "
-                                                "do not combine with the sequence-parallel layout")])
-                        # scatter the input, reduce the row output, gather the column output
-                        seq._modules[names[i]] = RowParallelLinear.from_dense(
-                            m, mode="reduce", input_is_parallel=False, **kw)  # type: ignore[arg-type]
-                        seq._modules[names[j]] = ColumnParallelLinear.from_dense(
-                            nxt, mode="copy", gather_output=True, **kw)  # type: ignore[arg-type]
-                    else:
-                        sizes = self._custom_sizes(prefix + names[i] + ".weight", m)
-                        seq._modules[names[i]] = ColumnParallelLinear.from_dense(
-                            m, mode="seq" if seq_mode else "copy",
-                            gather_output=self.mode == "gather", sizes=sizes, **kw)  # type: ignore[arg-type]
-                        seq._modules[names[j]] = RowParallelLinear.from_dense(
-                            nxt, mode="seq" if seq_mode else "reduce",
-                            input_is_parallel=self.mode != "gather", sizes=sizes, **kw)  # type: ignore[arg-type]
+                    seq._modules[name], seq._modules[names[j]] = self._pair(m, nxt, prefix + name)
                     self.units += 1
                     i = j + 1
                     continue
-                if self.col and not self.row:
-                    seq._modules[names[i]] = ColumnParallelLinear.from_dense(
-                        m, mode="copy", gather_output=True, **kw)  # type: ignore[arg-type]
+                if (lone := self._lone(m)) is not None:
+                    seq._modules[name] = lone
                     self.units += 1
-                elif self.row and not self.col:
-                    seq._modules[names[i]] = RowParallelLinear.from_dense(
-                        m, mode="reduce", input_is_parallel=False, **kw)  # type: ignore[arg-type]
-                    self.units += 1
-            elif (new := self._special(m, prefix + names[i] + ".")) is not None:
-                seq._modules[names[i]] = new
+            elif (new := self._special(m, prefix + name + ".")) is not None:
+                seq._modules[name] = new
             elif isinstance(m, nn.Sequential):
-                self._sequential(m, prefix + names[i] + ".")
+                self._sequential(m, prefix + name + ".")
             elif next(m.children(), None) is not None or isinstance(m, nn.Linear):
-                self.convert(m, prefix + names[i] + ".")
+                self.convert(m, prefix + name + ".")
             i += 1

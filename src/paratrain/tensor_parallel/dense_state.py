@@ -1,18 +1,8 @@
-"""The dense model's view of a tensor-parallel model: its names and its whole tensors.
-
-:class:`DenseState` (a mixin of :class:`~.module.TensorParallelModule`, which supplies
-``module``, the converted model, and ``comm``, the tensor-parallel group):
-
-- ``gather_full`` / ``dense_state_dict`` all-gather each shard along its shard dim (a 2-D grid
-  block along both grid dims) into the dense model's keys (collective over TP);
-- ``load_dense_state_dict`` keeps this rank's shard of each tensor of a full state dict;
-- ``to_dense_names`` / ``_from_dense_names`` map paratrain's layers back to the names the
-  dense model gave them: an encoder layer's q/k/v/o are ``self_attn.in_proj_*`` /
-  ``out_proj.*``, an opted-in attention's projections keep their own names, and packed parts
-  (``[q | k | v]``) are one dense tensor (:mod:`.shards`).
-
-Checkpoints and ``paratrain export`` use these names, so a run resumes on another size and
-exports one state_dict that loads into the dense model.
+"""The dense model's view of a tensor-parallel model (a mixin of
+:class:`~.module.TensorParallelModule`, which supplies ``module`` and ``comm``): whole tensors
+gathered from the shards (a 2-D grid block along both grid dims) under the names the dense
+model gave them (an encoder layer's q/k/v/o are ``self_attn.in_proj_*`` / ``out_proj.*``,
+packed parts one dense tensor, :mod:`.shards`), as ``paratrain export`` writes them.
 """
 
 from __future__ import annotations
@@ -22,15 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .grid import grid_steps, narrow_to_shard
+from .grid import grid_steps
 from .layers import ParallelEncoderLayer
-from .shards import pack_dense, renames, unpack_dense
-
-__all__ = ["DenseState", "persistent_buffers"]
+from .shards import pack_dense, renames
 
 
 class DenseState:
-    """The dense state of a converted model (see the module docstring)."""
+    """The dense state of a converted model."""
 
     module: nn.Module
     comm: Any
@@ -58,23 +46,6 @@ class DenseState:
                 out[dense] = out.pop(local)
         return pack_dense(self.module, out)
 
-    def _from_dense_names(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = unpack_dense(self.module, state)
-        for pre in self._mha_prefixes():
-            a = pre + "self_attn."
-            for kind in ("weight", "bias"):
-                packed = out.pop(f"{a}in_proj_{kind}", None)
-                if packed is not None:
-                    for c, t in zip("qkv", packed.chunk(3), strict=True):
-                        out[f"{a}{c}.{kind}"] = t
-                o = out.pop(f"{a}out_proj.{kind}", None)
-                if o is not None:
-                    out[f"{a}o.{kind}"] = o
-        for local, (dense, index) in renames(self.module).items():
-            if index is None and local != dense and dense in out:
-                out[local] = out.pop(dense)
-        return out
-
     def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Gather per-parameter shards (e.g. gradients, keyed like ``module``'s parameters)
         into full tensors under the dense model's names (collective over TP)."""
@@ -96,23 +67,6 @@ class DenseState:
         tensors = {n: p.detach() for n, p in self.module.named_parameters()}
         tensors.update({n: b.detach() for n, b in persistent_buffers(self.module)})
         return self.gather_full(tensors)
-
-    def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a full state dict, keeping this rank's shard of each sharded parameter."""
-        state = self._from_dense_names(state)
-        with torch.no_grad():
-            for name, p in self.module.named_parameters():
-                src = state[name]
-                steps = grid_steps(p)
-                if steps is not None:
-                    src = narrow_to_shard(src, steps)
-                elif hasattr(p, "tp_shard_dim"):
-                    sizes = p.tp_sizes  # type: ignore[attr-defined]
-                    r = self.comm.rank
-                    src = src.narrow(p.tp_shard_dim, sum(sizes[:r]), sizes[r])
-                p.copy_(src)
-            for name, b in persistent_buffers(self.module):
-                b.copy_(state[name])
 
 
 def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -1,41 +1,19 @@
-"""Blocks written by others that ``parallelize`` shards without a plan.
+"""Blocks written by others that ``parallelize`` shards without a plan (the table is in
+docs/tensor-parallel.md; Megatron's layout, Shoeybi et al. 2019 §3, as HF's own
+``base_model_tp_plan``).
 
-A block is recognised by its class (or a base class) *and* by its ``forward`` being that
-class's own: a subclass that overrides ``forward`` may compute something else, so it is a
-ConfigError naming its path (keep it whole with ``[tensor_parallel.plan] "<path>" =
-"replicate"``, or shard it by a plan); so is a recognised block with submodules, parameters
-or buffers its known forward does not have. Recognised, with what each rank keeps (``p`` ranks,
-Megatron's layout, Shoeybi et al. 2019 §3; HF's own ``base_model_tp_plan``):
-
-- ``llama_attention`` (HF ``LlamaAttention``, ``MistralAttention``): ``q_proj``/``k_proj``/
-  ``v_proj`` colwise by whole heads, ``o_proj`` rowwise. Grouped-query attention (Ainslie et
-  al. 2023): rank ``r`` keeps query heads ``[rH/p, (r+1)H/p)`` and kv heads ``[rK/p,
-  (r+1)K/p)``, exactly the kv heads its query heads read (query head ``h`` reads kv head
-  ``h // (H/K)``), so ``num_key_value_heads`` must divide by ``p``. The module's forward runs
-  unchanged on the shard: it reshapes with ``-1`` heads of ``head_dim`` and repeats kv by
-  ``num_key_value_groups = H/K`` (the same ratio on a shard); rotary embeddings act per head.
-  Only the ``eager`` and ``sdpa`` attention implementations are accepted (both read nothing
-  but those two attributes); any other is a ConfigError.
-- ``gated_mlp`` (HF ``LlamaMLP``, ``MistralMLP``: ``down(act(gate(x)) * up(x))``): gate/up
-  colwise, down rowwise; the activation must be element-wise.
-- ``gpt2_attention`` (HF ``GPT2Attention``, self-attention only): the packed ``c_attn``
-  Conv1D (``[q | k | v]``) cut part by part
-  (:class:`~.foreign_layers.PackedColumnParallel`), ``c_proj`` rowwise; the module's
-  ``split_size``, ``num_heads`` and ``embed_dim`` become the local ones (its forward splits
-  ``c_attn``'s output by ``split_size`` and reshapes with ``-1`` heads). A cross-attention
-  layer (``q_attn``) is a ConfigError.
-- ``conv1d_mlp`` (HF ``GPT2MLP``): ``c_fc`` colwise, ``c_proj`` rowwise (Conv1D).
-- ``fused_qkv_attention`` (timm ``Attention``): replaced by
-  :class:`~.foreign_layers.ParallelFusedQKVAttention` (timm reshapes the context to the
-  input width, which a shard lacks); ``q_norm``/``k_norm`` must act per head (Identity or a
-  norm over ``head_dim``), ``norm`` must be Identity.
-- ``mlp`` (timm ``Mlp``: ``drop2(fc2(norm(drop1(act(fc1(x))))))``): fc1 colwise, fc2
-  rowwise, ``norm`` Identity.
-
-The transformers classes are looked up by module and name (no import of transformers);
-timm's by ``timm.layers`` / ``timm.models.vision_transformer`` names. :func:`register_block`
-declares another class to have one of these structures and forwards (e.g. a copy of timm's
-``Attention``): the caller's promise, as the opt-in of :mod:`.attention_spec`.
+A block is recognised by its class (or a base class; transformers' by module and name, with
+no import of transformers) *and* by its ``forward`` being that class's own: a subclass that
+overrides ``forward`` may compute something else, so it is a ConfigError naming its path, and
+so is a recognised block with submodules, parameters or buffers its known forward does not
+have. The sharded block's forward runs unchanged on the shard wherever it reshapes with ``-1``
+heads (HF's Llama / Mistral / GPT-2): its head-count attributes become the local ones. In
+grouped-query attention (Ainslie et al. 2023) rank ``r`` keeps query heads ``[rH/p, (r+1)H/p)``
+and kv heads ``[rK/p, (r+1)K/p)``, exactly the kv heads its query heads read (head ``h`` reads
+``h // (H/K)``), so ``num_key_value_heads`` must divide by ``p``; only the ``eager`` and ``sdpa``
+attention implementations are known to read nothing else. timm's ``Attention`` is replaced
+(:class:`~.foreign_layers.ParallelFusedQKVAttention`). :func:`register_block` declares another
+class to have one of these structures and forwards: the caller's promise.
 """
 
 from __future__ import annotations
@@ -56,8 +34,6 @@ from .foreign_layers import (
 )
 from .layers import ColumnParallelLinear, RegionState, RowParallelLinear
 from .rules import foreign_tensors, is_elementwise, is_plain_linear, module_where
-
-__all__ = ["KINDS", "KNOWN", "block_kind", "register_block", "shard_block"]
 
 KINDS = ("llama_attention", "gated_mlp", "gpt2_attention", "conv1d_mlp", "fused_qkv_attention", "mlp")
 
@@ -184,8 +160,8 @@ def shard_block(kind: str, m: nn.Module, path: str, comm: TPComm,
         _heads(path, m, "num_key_value_heads", kv, p)
         _heads(path, m, "num_attention_heads", heads, p)
         for name, lin in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-            setattr(m, name, ColumnParallelLinear.from_dense(lin, **kw))  # type: ignore[arg-type]
-        m.o_proj = RowParallelLinear.from_dense(o, **kw)  # type: ignore[arg-type]
+            setattr(m, name, ColumnParallelLinear.from_dense(lin, **kw))
+        m.o_proj = RowParallelLinear.from_dense(o, **kw)
         _local(m, ("num_heads", "num_attention_heads", "num_key_value_heads"), p)
         return m, (f"q_proj/k_proj/v_proj colwise, o_proj rowwise: {heads} heads -> {heads // p}, "
                    f"{kv} kv heads -> {kv // p} per rank")
@@ -194,9 +170,9 @@ def shard_block(kind: str, m: nn.Module, path: str, comm: TPComm,
         _only(path, m, [gate, up, down])
         _children(path, m, {"gate_proj", "up_proj", "down_proj", "act_fn"})
         _elementwise(path, m, "act_fn")
-        m.gate_proj = ColumnParallelLinear.from_dense(gate, **kw)  # type: ignore[arg-type]
-        m.up_proj = ColumnParallelLinear.from_dense(up, **kw)  # type: ignore[arg-type]
-        m.down_proj = RowParallelLinear.from_dense(down, **kw)  # type: ignore[arg-type]
+        m.gate_proj = ColumnParallelLinear.from_dense(gate, **kw)
+        m.up_proj = ColumnParallelLinear.from_dense(up, **kw)
+        m.down_proj = RowParallelLinear.from_dense(down, **kw)
         return m, "gate_proj/up_proj colwise, down_proj rowwise"
     if kind == "gpt2_attention":
         if getattr(m, "is_cross_attention", False) or hasattr(m, "q_attn"):
@@ -209,7 +185,7 @@ def shard_block(kind: str, m: nn.Module, path: str, comm: TPComm,
         heads, hd = int(m.num_heads), int(m.head_dim)  # type: ignore[arg-type]
         _heads(path, m, "num_attention_heads", heads, p)
         m.c_attn = PackedColumnParallel(c_attn, 3, unit=hd, **kw)
-        m.c_proj = RowParallelConv1D.from_conv1d(c_proj, **kw)
+        m.c_proj = RowParallelConv1D.from_dense(c_proj, **kw)
         _local(m, ("split_size", "num_heads", "embed_dim"), p)
         return m, (f"c_attn packed colwise (q|k|v by heads, Conv1D), c_proj rowwise: {heads} heads -> "
                    f"{heads // p} per rank")
@@ -218,8 +194,8 @@ def shard_block(kind: str, m: nn.Module, path: str, comm: TPComm,
         _only(path, m, [c_fc, c_proj])
         _children(path, m, {"c_fc", "c_proj", "act", "dropout"})
         _elementwise(path, m, "act")
-        m.c_fc = ColumnParallelConv1D.from_conv1d(c_fc, **kw)
-        m.c_proj = RowParallelConv1D.from_conv1d(c_proj, **kw)
+        m.c_fc = ColumnParallelConv1D.from_dense(c_fc, **kw)
+        m.c_proj = RowParallelConv1D.from_dense(c_proj, **kw)
         return m, "c_fc colwise, c_proj rowwise (Conv1D)"
     if kind == "fused_qkv_attention":
         qkv, proj = _linears(path, m, ("qkv", "proj"))
@@ -244,7 +220,7 @@ def shard_block(kind: str, m: nn.Module, path: str, comm: TPComm,
         _identity(path, m, "norm")
         _children(path, m, {"fc1", "act", "drop1", "norm", "fc2", "drop2"})
         _only(path, m, [fc1, fc2])
-        m.fc1 = ColumnParallelLinear.from_dense(fc1, **kw)  # type: ignore[arg-type]
-        m.fc2 = RowParallelLinear.from_dense(fc2, **kw)  # type: ignore[arg-type]
+        m.fc1 = ColumnParallelLinear.from_dense(fc1, **kw)
+        m.fc2 = RowParallelLinear.from_dense(fc2, **kw)
         return m, "fc1 colwise, fc2 rowwise"
     raise ValueError(f"unknown block kind {kind!r}")

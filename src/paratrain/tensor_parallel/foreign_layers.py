@@ -1,30 +1,17 @@
 """Parallel layers for modules written by others: GPT-2's ``Conv1D``, packed (fused)
 projections, and timm's fused-``qkv`` attention.
 
-- ``Conv1D`` (``transformers.pytorch_utils``) computes ``y = x W + b`` with ``W`` stored
-  ``[in, out]``: the transpose of ``nn.Linear``'s ``[out, in]``. :class:`ColumnParallelConv1D`
-  keeps ``W[:, cols_i]`` (sharded along dim 1, the stored layout kept, so checkpoints use the
-  model's own shapes) and :class:`RowParallelConv1D` keeps ``W[rows_i, :]`` (dim 0); both run
-  the Megatron column/row functions of :mod:`.autograd` on ``W^T``, so the algebra is that of
-  :class:`~.layers.ColumnParallelLinear` / :class:`~.layers.RowParallelLinear` (Shoeybi et al.
-  2019, §3).
-- A *packed* projection (GPT-2's ``c_attn``, timm's ``qkv``: ``[q | k | v]`` along the output
-  features; a fused ``gate_up``) must not be cut into contiguous chunks: rank ``i``'s chunk would
-  hold all of q and part of k. :class:`PackedColumnParallel` cuts each of the ``n`` parts into
-  its own column shard (children ``q``/``k``/``v``, or ``p0``, ``p1``...) and concatenates them,
-  so rank ``i`` computes ``[q_i | k_i | v_i]``: the packed layout of its own heads. One
-  collective serves the parts' input gradient (the fused f of :func:`.autograd.fused_copy_to_region`).
-- :class:`ParallelFusedQKVAttention` is timm's ``Attention.forward`` (``qkv`` reshaped to
-  ``[B, N, 3, heads, head_dim]``, optional per-head ``q_norm``/``k_norm``, scaled dot-product
-  attention, ``proj``) with ``heads / p`` local heads: timm reshapes the context to the input's
-  width ``C``, which a shard does not have, so its forward cannot run on a shard unchanged.
-  The per-head norms' parameters are replicated and each rank's heads give part of their
-  gradient, so they enter through Megatron's f (gradient summed over the ranks).
+A ``Conv1D`` computes ``x W + b`` with ``W`` stored ``[in, out]``; its column/row-parallel forms
+keep that layout (checkpoints use the model's own shapes) and run the Megatron functions on
+``W^T``. A *packed* projection (``[q | k | v]`` along the output features: GPT-2's ``c_attn``,
+timm's ``qkv``) must not be cut into contiguous chunks (rank 0's would hold all of q and part
+of k): :class:`PackedColumnParallel` shards each part on its own, so rank ``i`` computes
+``[q_i | k_i | v_i]``, the packed layout of its own heads, with one fused f for the parts.
+timm's ``Attention`` reshapes its context to the input's width, which a shard lacks, so
+:class:`ParallelFusedQKVAttention` re-implements its forward on ``heads / p`` local heads.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import nn
@@ -38,13 +25,9 @@ from .layers import (
     ColumnParallelLinear,
     RegionState,
     RowParallelLinear,
-    _check_sizes,
-    _mark,
+    _dense_tensors,
     refuse_sequence_shards,
 )
-
-__all__ = ["ColumnParallelConv1D", "PackedColumnParallel", "ParallelFusedQKVAttention", "RowParallelConv1D",
-           "conv1d_shape", "is_conv1d"]
 
 
 def is_conv1d(m: nn.Module | None) -> bool:
@@ -60,83 +43,16 @@ def is_conv1d(m: nn.Module | None) -> bool:
     return False
 
 
-def conv1d_shape(m: nn.Module) -> tuple[int, int]:
-    """``(in, out)`` of a Conv1D: its weight is stored ``[in, out]``."""
-    w: torch.Tensor = m.weight  # type: ignore[assignment]
-    return int(w.shape[0]), int(w.shape[1])
-
-
 class ColumnParallelConv1D(ColumnParallelLinear):
     """``Y_i = f(X) W[:, cols_i] + b[cols_i]``: a Conv1D's output columns (weight sharded on dim 1)."""
 
-    def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
-                 bias: bool = True, mode: str = "copy", gather_output: bool = False,
-                 sizes: list[int] | None = None) -> None:
-        super().__init__(in_features, out_features, comm=comm, state=state, bias=bias, mode=mode,
-                         gather_output=gather_output, sizes=sizes)
-        self.weight = nn.Parameter(torch.empty(in_features, self.out_sizes[comm.rank]))
-        _mark(self.weight, 1, self.out_sizes)
-
-    @classmethod
-    def from_conv1d(cls, conv: nn.Module, *, comm: TPComm, state: RegionState, mode: str = "copy",
-                    gather_output: bool = False, sizes: list[int] | None = None) -> ColumnParallelConv1D:
-        n_in, n_out = conv1d_shape(conv)
-        m = cls(n_in, n_out, comm=comm, state=state, mode=mode, gather_output=gather_output, sizes=sizes)
-        s, n = m.shard_offset, m.out_sizes[comm.rank]
-        w: torch.Tensor = conv.weight  # type: ignore[assignment]
-        b: torch.Tensor = conv.bias  # type: ignore[assignment]
-        with torch.no_grad():
-            m.weight.copy_(w[:, s: s + n])
-            assert m.bias is not None
-            m.bias.copy_(b[s: s + n])
-        return m.to(w.device)
-
-    def forward(self, x: torch.Tensor, *, input_done: bool = False) -> torch.Tensor:
-        return ColumnParallelLinear.forward(_Transposed(self), x, input_done=input_done)  # type: ignore[arg-type]
+    conv1d = True
 
 
 class RowParallelConv1D(RowParallelLinear):
     """``Z = g(sum_i X_i W[rows_i, :]) + b``: a Conv1D's input rows (weight sharded on dim 0)."""
 
-    def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
-                 bias: bool = True, mode: str = "reduce", input_is_parallel: bool = True,
-                 sizes: list[int] | None = None) -> None:
-        super().__init__(in_features, out_features, comm=comm, state=state, bias=bias, mode=mode,
-                         input_is_parallel=input_is_parallel, sizes=sizes)
-        self.weight = nn.Parameter(torch.empty(self.in_sizes[comm.rank], out_features))
-        _mark(self.weight, 0, self.in_sizes)
-
-    @classmethod
-    def from_conv1d(cls, conv: nn.Module, *, comm: TPComm, state: RegionState, mode: str = "reduce",
-                    input_is_parallel: bool = True) -> RowParallelConv1D:
-        n_in, n_out = conv1d_shape(conv)
-        m = cls(n_in, n_out, comm=comm, state=state, mode=mode, input_is_parallel=input_is_parallel)
-        s, n = m.shard_offset, m.in_sizes[comm.rank]
-        w: torch.Tensor = conv.weight  # type: ignore[assignment]
-        b: torch.Tensor = conv.bias  # type: ignore[assignment]
-        with torch.no_grad():
-            m.weight.copy_(w[s: s + n])
-            assert m.bias is not None
-            m.bias.copy_(b)
-        return m.to(w.device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return RowParallelLinear.forward(_Transposed(self), x)  # type: ignore[arg-type]
-
-
-class _Transposed:
-    """A Conv1D layer seen as the Linear layer it is: ``weight`` read as ``W^T`` (a view, so
-    the weight gradient flows back to the ``[in, out]`` parameter), every other attribute its own."""
-
-    def __init__(self, layer: nn.Module) -> None:
-        self._layer = layer
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self._layer.weight.t()  # type: ignore[operator]
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._layer, name)
+    conv1d = True
 
 
 _PART_NAMES = {3: ("q", "k", "v")}
@@ -156,7 +72,9 @@ class PackedColumnParallel(nn.Module):
         self.conv1d = is_conv1d(dense)
         self.parts = int(parts)
         self.comm, self.gather_output = comm, gather_output
-        n_in, n_out = conv1d_shape(dense) if self.conv1d else (int(dense.in_features), int(dense.out_features))  # type: ignore[arg-type]
+        layer_cls = ColumnParallelConv1D if self.conv1d else ColumnParallelLinear
+        w, b = _dense_tensors(dense, self.conv1d)
+        n_out, n_in = int(w.shape[0]), int(w.shape[1])
         if n_out % self.parts:
             raise ValueError(f"{n_out} output features do not split into {self.parts} packed parts")
         width = n_out // self.parts
@@ -166,26 +84,10 @@ class PackedColumnParallel(nn.Module):
         self.in_features, self.out_features = n_in, n_out
         self.fused_dim = 1 if self.conv1d else 0
         self.names = _PART_NAMES.get(self.parts, tuple(f"p{c}" for c in range(self.parts)))
-        sizes = _check_sizes(None, width, comm.size)
-        w: torch.Tensor = dense.weight  # type: ignore[assignment]
-        b: torch.Tensor | None = dense.bias  # type: ignore[assignment]
         for c, name in enumerate(self.names):
             cols = slice(c * width, (c + 1) * width)
-            layer: ColumnParallelLinear
-            if self.conv1d:
-                layer = ColumnParallelConv1D(n_in, width, comm=comm, state=state, sizes=sizes)
-                piece_w = w[:, cols]
-                s, n = layer.shard_offset, layer.out_sizes[comm.rank]
-                with torch.no_grad():
-                    layer.weight.copy_(piece_w[:, s: s + n])
-            else:
-                layer = ColumnParallelLinear(n_in, width, comm=comm, state=state, bias=b is not None, sizes=sizes)
-                s, n = layer.shard_offset, layer.out_sizes[comm.rank]
-                with torch.no_grad():
-                    layer.weight.copy_(w[cols][s: s + n])
-            with torch.no_grad():
-                if layer.bias is not None and b is not None:
-                    layer.bias.copy_(b[cols][s: s + n])
+            layer = layer_cls(n_in, width, comm=comm, state=state, bias=b is not None)
+            layer.load_dense(w[cols], b[cols] if b is not None else None)
             self.add_module(name, layer.to(w.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,30 +1,17 @@
 """``BlockWise`` with a perfect-square TP size: 2-D (grid) tensor-parallel linear layers.
 
-A run of ``Linear`` layers (with element-wise modules between them) becomes a 2-D region
-on the ``g x g`` grid of :mod:`paratrain.comm.tp.grid` (rank ``(i, j)``, row group
-``R_i``, column group ``C_j``): the first layer keeps its block of the replicated input,
-every layer keeps ``W[out_j, in_i]`` (1/g^2 of the weight, the ``BlockWise`` partition of
-``partition_tensor``) and ``b_j``, element-wise modules act on blocks, and the last layer
-all-gathers its output. Each sharded parameter carries ``tp_grid``: the (comm, dim, sizes)
-gathers that rebuild the full tensor, in order.
-
-Inside a 2-D region an activation ``X [B, F]`` is held as blocks ``X_ij = X[B_i, F_j]``:
-batch rows split over grid rows, features over grid columns (ceil-sized chunks). A
-``Linear`` ``Y = X W^T + b`` with ``W [out, in]`` keeps ``W_ij = W[out_j, in_i]`` on rank
-``(i, j)`` (1/g^2 of the weight) and ``b_j`` (replicated on ``C_j``). Per layer
-(Xu et al. 2021, "An Efficient 2D Method for Training Super-Large Deep Learning Models",
-after SUMMA, van de Geijn & Watts 1997; we gather whole panels in one all-gather instead
-of ``g`` broadcast steps: the same bytes in fewer calls):
-
-- forward: ``X_i: = all_gather_{R_i}(X_ij)`` along features, ``W_j: = all_gather_{C_j}(W_ij)``
-  along ``in``; ``Y_ij = X_i: W_j:^T + b_j`` (already in the block layout of the output);
-- backward: ``dX_ij = reduce_scatter_{R_i}(dY_ij W_j:)`` (the sum over ``j``),
-  ``dW_ij = reduce_scatter_{C_j}(dY_ij^T X_i:)`` (the sum over the row blocks ``i``),
-  ``db_j = all_reduce_{C_j}(sum_rows dY_ij)``.
-
-Entering the region keeps the rank's block of a replicated input (backward: all-gather
-of the gradient blocks); leaving it all-gathers the blocks (backward: keep the own
-block): the existing scatter/gather region operators, once per grid dimension.
+On the ``g x g`` grid of :mod:`paratrain.comm.tp.grid` (rank ``(i, j)``, row group ``R_i``,
+column group ``C_j``) a run of Linears (element-wise modules between them) holds every
+activation ``X [B, F]`` as blocks ``X_ij = X[B_i, F_j]`` and every ``Y = X W^T + b`` keeps
+``W_ij = W[out_j, in_i]`` (1/g^2 of the weight, ``partition_tensor``'s BlockWise) and ``b_j``
+(Xu et al. 2021, "An Efficient 2D Method for Training Super-Large Deep Learning Models", after
+SUMMA; whole panels in one all-gather instead of ``g`` broadcast steps: the same bytes in
+fewer calls). Forward: ``X_i: = all_gather_{R_i}(X_ij)``, ``W_j: = all_gather_{C_j}(W_ij)``,
+``Y_ij = X_i: W_j:^T + b_j``; backward: ``dX_ij = reduce_scatter_{R_i}(dY_ij W_j:)``,
+``dW_ij = reduce_scatter_{C_j}(dY_ij^T X_i:)``, ``db_j = all_reduce_{C_j}(sum_rows dY_ij)``.
+The first layer keeps its block of the replicated input, the last all-gathers its output (the
+scatter/gather region operators, once per grid dim). Each sharded parameter carries
+``tp_grid``: the (comm, dim, sizes) gathers that rebuild the full tensor, in order.
 """
 
 from __future__ import annotations
@@ -40,9 +27,6 @@ from paratrain.comm.tp.grid import GridComms, grid_sizes
 from .autograd import _fp32, _mm, _rows, _wgrad, gather_from_region, scatter_to_region
 from .layers import RegionState
 from .memory import taped
-
-__all__ = ["GridLinear", "grid_enter", "grid_exit", "grid_linear", "grid_steps", "narrow_to_shard",
-           "replicas_of"]
 
 
 class _GridLinear(Function):
@@ -77,27 +61,6 @@ class _GridLinear(Function):
         hw = grid.col.reduce_scatter(_fp32(_wgrad(gy, xf, cdt)), 1, ctx.in_sizes, async_op=True)
         gb = grid.col.all_reduce(_fp32(_rows(gy).sum(0))) if ctx.has_bias else None
         return hx.wait(), hw.wait(), gb, None, None, None
-
-
-def grid_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, grid: GridComms,
-                in_sizes: list[int], compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One 2-D linear layer on block ``x`` with weight block ``w = W[out_j, in_i]``."""
-    out: torch.Tensor = _GridLinear.apply(x, w, b, grid, in_sizes, compute_dtype)
-    return out
-
-
-def grid_enter(x: torch.Tensor, grid: GridComms, feature_sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
-    """Keep block ``X[B_i, F_j]`` of a replicated ``x``; returns it and the row split."""
-    rows = grid_sizes(x.shape[0], grid.g)
-    blk = scatter_to_region(x, grid.col, 0, rows)
-    return scatter_to_region(blk, grid.row, -1, feature_sizes), rows
-
-
-def grid_exit(y: torch.Tensor, grid: GridComms, feature_sizes: list[int], rows: list[int]) -> torch.Tensor:
-    """All-gather the blocks into the replicated ``Y`` (features, then rows)."""
-    full_features = gather_from_region(y, grid.row, -1, feature_sizes)
-    return gather_from_region(full_features, grid.col, 0, rows)
-
 
 
 def grid_steps(p: nn.Parameter) -> list[tuple[Any, int, list[int]]] | None:
@@ -145,12 +108,16 @@ class GridLinear(nn.Module):
         return m.to(linear.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.enter:
-            x, self.state.grid_rows = grid_enter(x, self.grid, self.in_sizes)
-        y = grid_linear(x, self.weight, self.bias, self.grid, self.in_sizes,
-                        self.state.compute_dtype)
-        if self.leave:
-            y = grid_exit(y, self.grid, self.out_sizes, self.state.grid_rows)
+        grid, state = self.grid, self.state
+        if self.enter:  # keep block X[B_i, F_j] of the replicated input
+            state.grid_rows = grid_sizes(x.shape[0], grid.g)
+            rows = scatter_to_region(x, grid.col, 0, state.grid_rows)
+            x = scatter_to_region(rows, grid.row, -1, self.in_sizes)
+        y: torch.Tensor = _GridLinear.apply(x, self.weight, self.bias, grid, self.in_sizes,
+                                            state.compute_dtype)
+        if self.leave:  # all-gather the blocks: features, then rows
+            y = gather_from_region(y, grid.row, -1, self.out_sizes)
+            y = gather_from_region(y, grid.col, 0, state.grid_rows)
         return y
 
     def extra_repr(self) -> str:

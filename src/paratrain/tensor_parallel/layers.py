@@ -1,31 +1,21 @@
 """Megatron-style tensor-parallel layers (Shoeybi et al. 2019, §3; Korthikanti et al. 2022).
 
-With ``p`` ranks and a dense ``Linear`` computing ``Y = X A + b`` (``A = weight.T``, shape
-``[in, out]``):
-
-- :class:`ColumnParallelLinear` keeps ``A_i``, the rank's ceil-sized block of output columns
-  (partition ``ColumnWise`` of ``[in, out]``): ``Y_i = f(X) A_i + b_i``. ``f`` is identity
-  forward and a sum of ``dX`` over the ranks backward. With ``gather_output`` the ``Y_i`` are
-  all-gathered into ``Y`` (backward: keep the own slice).
-- :class:`RowParallelLinear` keeps ``A_i``, the block of input rows (``RowWise``):
-  ``Z = g(sum_i X_i A_i) + b``; ``g`` sums forward and is identity backward; the bias is
-  added once, after the reduction. Without ``input_is_parallel`` the full ``X`` is split
-  first (backward: all-gather of ``dX_i``).
-- In sequence-parallel mode ("seq", the ReduceScatter pattern) activations outside the
-  pair are sharded along the sequence dim: ``f`` becomes an all-gather (backward
-  reduce-scatter) and ``g`` a reduce-scatter (backward all-gather).
-- :class:`ParallelSelfAttention` splits heads: q/k/v are column-parallel (each rank owns
-  ``heads/p`` heads), the output projection is row-parallel. When the input is at most
-  ``fusion_threshold_bytes``, q/k/v share one ``f`` (one collective instead of three).
-
-The autograd operators are in :mod:`.autograd`; their collectives are
-:class:`paratrain.comm.tp.comm.TPComm` calls.
+With ``p`` ranks and a dense ``Y = X A + b`` (``A = weight.T``, ``[in, out]``):
+:class:`ColumnParallelLinear` keeps ``A_i``, the rank's ceil-sized block of output columns,
+``Y_i = f(X) A_i + b_i`` (``gather_output``: the ``Y_i`` all-gathered); :class:`RowParallelLinear`
+keeps the block of input rows, ``Z = g(sum_i X_i A_i) + b`` with the bias added once, after
+the reduction (without ``input_is_parallel`` the full ``X`` is split first). In sequence-
+parallel mode ("seq") the activations outside the pair are sharded along the sequence dim:
+``f`` becomes an all-gather, ``g`` a reduce-scatter. :class:`ParallelSelfAttention` splits
+the heads (q/k/v column-parallel, o row-parallel); when the input fits
+``fusion_threshold_bytes`` q/k/v share one ``f``. The operators are in :mod:`.autograd`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Self
 
 import torch
 from torch import nn
@@ -42,16 +32,6 @@ from .autograd import (
     scatter_to_region,
 )
 from .partition import split_sizes
-
-__all__ = [
-    "RegionState",
-    "refuse_sequence_shards",
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "SelfAttention",
-    "ParallelSelfAttention",
-    "ParallelEncoderLayer",
-]
 
 
 @dataclass
@@ -105,12 +85,20 @@ def _check_sizes(sizes: list[int] | None, n: int, p: int) -> list[int]:
     return sizes
 
 
+def _dense_tensors(m: nn.Module, conv1d: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A dense layer's weight as ``[out, in]`` (a Conv1D's ``[in, out]`` transposed) and bias."""
+    w: torch.Tensor = m.weight  # type: ignore[assignment]
+    return (w.t() if conv1d else w), m.bias  # type: ignore[return-value]
+
+
 def _mode_dims(state: RegionState) -> tuple[int, list[int] | None]:
     return state.seq_dim, (state.seq_sizes or None)
 
 
 class ColumnParallelLinear(nn.Module):
     """``Y_i = f(X) A_i + b_i``; ``mode`` is "copy" (Megatron f) or "seq" (sequence parallel)."""
+
+    conv1d = False  # GPT-2's Conv1D (.foreign_layers): its weight is stored [in, out]
 
     def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
                  bias: bool = True, mode: str = "copy", gather_output: bool = False,
@@ -120,9 +108,11 @@ class ColumnParallelLinear(nn.Module):
         self.comm, self.state, self.mode, self.gather_output = comm, state, mode, gather_output
         self.out_sizes = _check_sizes(sizes, out_features, comm.size)
         local = self.out_sizes[comm.rank]
-        self.weight = nn.Parameter(torch.empty(local, in_features))
+        # a Conv1D keeps its [in, out] layout: the shard is W[:, cols_i], on dim 1
+        shape, dim = ((in_features, local), 1) if self.conv1d else ((local, in_features), 0)
+        self.weight = nn.Parameter(torch.empty(*shape))
         self.bias = nn.Parameter(torch.zeros(local)) if bias else None
-        _mark(self.weight, 0, self.out_sizes)
+        _mark(self.weight, dim, self.out_sizes)
         if self.bias is not None:
             _mark(self.bias, 0, self.out_sizes)
 
@@ -130,18 +120,27 @@ class ColumnParallelLinear(nn.Module):
     def shard_offset(self) -> int:
         return sum(self.out_sizes[: self.comm.rank])
 
+    def linear_weight(self) -> torch.Tensor:
+        """The shard as ``nn.Linear`` lays it out, ``[out, in]`` (a view of a Conv1D's)."""
+        return self.weight.t() if self.conv1d else self.weight
+
     @classmethod
-    def from_dense(cls, linear: nn.Linear, *, comm: TPComm, state: RegionState,
+    def from_dense(cls, dense: nn.Module, *, comm: TPComm, state: RegionState,
                    mode: str = "copy", gather_output: bool = False,
-                   sizes: list[int] | None = None) -> ColumnParallelLinear:
-        m = cls(linear.in_features, linear.out_features, comm=comm, state=state,
-                bias=linear.bias is not None, mode=mode, gather_output=gather_output, sizes=sizes)
-        s, n = m.shard_offset, m.out_sizes[comm.rank]
+                   sizes: list[int] | None = None) -> Self:
+        w, b = _dense_tensors(dense, cls.conv1d)
+        m = cls(int(w.shape[1]), int(w.shape[0]), comm=comm, state=state, bias=b is not None,
+                mode=mode, gather_output=gather_output, sizes=sizes)
+        m.load_dense(w, b)
+        return m.to(w.device)
+
+    def load_dense(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        """Keep this rank's rows of a dense ``[out, in]`` weight and of its bias."""
+        s, n = self.shard_offset, self.out_sizes[self.comm.rank]
         with torch.no_grad():
-            m.weight.copy_(linear.weight[s: s + n])
-            if m.bias is not None and linear.bias is not None:
-                m.bias.copy_(linear.bias[s: s + n])
-        return m.to(linear.weight.device)
+            self.linear_weight().copy_(w[s: s + n])
+            if self.bias is not None and b is not None:
+                self.bias.copy_(b[s: s + n])
 
     def forward(self, x: torch.Tensor, *, input_done: bool = False) -> torch.Tensor:
         dim, sizes = _mode_dims(self.state)
@@ -153,7 +152,7 @@ class ColumnParallelLinear(nn.Module):
             raise RuntimeError(f"tensor_parallel.plan: {where} takes sequence shards (input = \"sequence\") "
                                "but no module before it split the sequence (give the first sequence "
                                "entry input = \"replicate\")")
-        y = column_linear(x, self.weight, self.bias, self.comm, mode=mode, dim=dim, sizes=sizes,
+        y = column_linear(x, self.linear_weight(), self.bias, self.comm, mode=mode, dim=dim, sizes=sizes,
                           compute_dtype=self.state.compute_dtype)
         if self.gather_output:
             y = gather_from_region(y, self.comm, y.dim() - 1, self.out_sizes)
@@ -174,6 +173,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """``Z = g(sum_i X_i A_i) + b``; ``mode`` is "reduce" (Megatron g) or "seq"."""
 
+    conv1d = False
+
     def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
                  bias: bool = True, mode: str = "reduce", input_is_parallel: bool = True,
                  sizes: list[int] | None = None) -> None:
@@ -183,33 +184,37 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.in_sizes = _check_sizes(sizes, in_features, comm.size)
         local = self.in_sizes[comm.rank]
-        self.weight = nn.Parameter(torch.empty(out_features, local))
+        shape, dim = ((local, out_features), 0) if self.conv1d else ((out_features, local), 1)
+        self.weight = nn.Parameter(torch.empty(*shape))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        _mark(self.weight, 1, self.in_sizes)
+        _mark(self.weight, dim, self.in_sizes)
 
     @property
     def shard_offset(self) -> int:
         return sum(self.in_sizes[: self.comm.rank])
 
+    def linear_weight(self) -> torch.Tensor:
+        return self.weight.t() if self.conv1d else self.weight
+
     @classmethod
-    def from_dense(cls, linear: nn.Linear, *, comm: TPComm, state: RegionState,
+    def from_dense(cls, dense: nn.Module, *, comm: TPComm, state: RegionState,
                    mode: str = "reduce", input_is_parallel: bool = True,
-                   sizes: list[int] | None = None) -> RowParallelLinear:
-        m = cls(linear.in_features, linear.out_features, comm=comm, state=state,
-                bias=linear.bias is not None, mode=mode, input_is_parallel=input_is_parallel,
-                sizes=sizes)
+                   sizes: list[int] | None = None) -> Self:
+        w, b = _dense_tensors(dense, cls.conv1d)
+        m = cls(int(w.shape[1]), int(w.shape[0]), comm=comm, state=state, bias=b is not None,
+                mode=mode, input_is_parallel=input_is_parallel, sizes=sizes)
         s, n = m.shard_offset, m.in_sizes[comm.rank]
         with torch.no_grad():
-            m.weight.copy_(linear.weight[:, s: s + n])
-            if m.bias is not None and linear.bias is not None:
-                m.bias.copy_(linear.bias)
-        return m.to(linear.weight.device)
+            m.linear_weight().copy_(w[:, s: s + n])
+            if m.bias is not None and b is not None:
+                m.bias.copy_(b)
+        return m.to(w.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_region(x, self.comm, x.dim() - 1, self.in_sizes)
         dim, sizes = _mode_dims(self.state)
-        y = row_linear(x, self.weight, self.bias, self.comm, mode=self.mode, dim=dim,
+        y = row_linear(x, self.linear_weight(), self.bias, self.comm, mode=self.mode, dim=dim,
                        sizes=sizes, compute_dtype=self.state.compute_dtype)
         if self.mode == "seq":
             self.state.in_sequence = True  # reduce-scattered: sequence shards from here
@@ -246,8 +251,6 @@ class ParallelSelfAttention(nn.Module):
         self.dense_names: dict[str, str] = {}  # q/k/v/o -> their names in the dense module
         col_mode = "seq" if mode == "seq" else "copy"
         q, k, v, o = (getattr(dense, n) for n in "qkvo")
-        assert isinstance(q, nn.Linear) and isinstance(k, nn.Linear)
-        assert isinstance(v, nn.Linear) and isinstance(o, nn.Linear)
         self.q = ColumnParallelLinear.from_dense(q, comm=comm, state=state, mode=col_mode)
         self.k = ColumnParallelLinear.from_dense(k, comm=comm, state=state, mode=col_mode)
         self.v = ColumnParallelLinear.from_dense(v, comm=comm, state=state, mode=col_mode)

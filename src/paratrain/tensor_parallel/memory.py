@@ -1,55 +1,17 @@
 """Activation memory: recomputation levels, the tape of collective outputs, and a meter of
 the bytes saved for backward.
 
-``memory_optimization`` maps to activation checkpointing of consecutive *blocks* (a block
-starts at a tensor-parallel unit and runs to the next; a model that is not an
-``nn.Sequential`` of paratrain's blocks, e.g. HF's, is one segment at every level):
-
-=========  ==========================================  ======================================
-level      stored for backward                         recomputed in backward
-=========  ==========================================  ======================================
-None       every activation                            nothing
-Low        segment inputs (every 4 blocks), the        norms, activations, the attention
-           outputs of the forward collectives and of   core, dropout, residual adds: the
-           the sharded (column) matmuls                cheap ops (selective recomputation)
-Medium     as Low, segments of 2 blocks (the default)  as Low
-High       segment inputs (every block) and the        all the local maths, the column
-           outputs of the forward collectives          matmuls too
-Extreme    as High, on host memory while it waits      as High
-=========  ==========================================  ======================================
-
-Checkpointing is Chen et al. 2016 ("Training Deep Nets with Sublinear Memory Cost"); Extreme
-moves every saved tensor to host memory while it waits (``save_on_cpu`` style), which on an
-accelerator takes the saved activations off the device (on a CPU it is High).
-
-No level recomputes communication. Every collective run in a segment's forward (the row
-layer's all-reduce or reduce-scatter, the sequence all-gathers, the gathers of an output,
-the 2-D panels) writes its output on the segment's :class:`CollectiveTape`; when backward
-recomputes the segment, the same collectives, reached in the same order, read their outputs
-back from the tape instead of communicating again. This is the split of Korthikanti et al.
-2022 ("Reducing Activation Recomputation in Large Transformer Models", §5, selective
-activation recomputation): recompute what is cheap to recompute, store what is expensive,
-and a collective's output is the most expensive of all, since it costs the network and every
-rank's time. Every level therefore moves exactly the bytes of ``None`` per step
-(``CommStats.replayed`` counts the collectives the tape saved). A row layer's partial matmul
-runs inside its taped collective, so a replay skips it as well. Low and Medium tape the
-column layers' products too, so their recomputation is Korthikanti's selective set (for a
-transformer layer: the layer norms, GELU, the attention scores and softmax, dropout); High
-and Extreme keep only the collectives' outputs (for a transformer layer two ``[b, s, h]``
-tensors, the attention's and the MLP's row outputs) and recompute the column matmuls as
-well: the least memory, the most compute. (``TensorParallelModule.recompute_collectives =
-True`` is the policy before the tape, which ran the forward collectives again and stored
-only segment inputs: kept to measure what the tape saves.)
-
-A tape entry whose tensor was changed in place after the collective (its version counter
-moved) is not trusted: that collective runs again, as does any collective reached after
-the tape has been used up (a second backward through a retained graph). Ranks run the same
-code, so they make the same choice and the collectives stay matched.
-
-:class:`ActivationMeter` measures what a level costs: through ``saved_tensors_hooks`` it
-tracks the bytes of distinct non-parameter tensors held for backward on the compute
-device, live, including the tensors re-created by recomputation during backward and the
-tensors held on collective tapes, and keeps the peak.
+``memory_optimization`` checkpoints segments of 4 / 2 / 1 / 1 blocks (Low / Medium / High /
+Extreme; a block runs from one tensor-parallel unit to the next; the table is in
+docs/tensor-parallel.md; Chen et al. 2016). Extreme also moves saved tensors to host memory.
+No level recomputes communication: every collective of a segment's forward writes its output
+on the segment's :class:`CollectiveTape`, and the recomputation in backward, reaching the same
+collectives in the same order, reads them back (Korthikanti et al. 2022, §5: a collective's
+output is the most expensive thing to recompute), so every level moves None's bytes. Low and
+Medium also tape the sharded matmuls' outputs (selective recomputation: only norms,
+activations, the attention core and dropout are re-run). An entry changed in place since it
+was recorded, or a call past the end of the tape, runs the collective instead; every rank
+runs the same code, so every rank makes the same choice and the collectives stay matched.
 """
 
 from __future__ import annotations
@@ -60,9 +22,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-
-__all__ = ["SEGMENT_BLOCKS", "SELECTIVE", "ActivationMeter", "CollectiveTape", "activation_hooks", "keeps_matmuls",
-           "measure", "taped"]
 
 # memory_optimization -> blocks per checkpoint segment (0 = no checkpointing)
 SEGMENT_BLOCKS = {"None": 0, "Low": 4, "Medium": 2, "High": 1, "Extreme": 1}
@@ -78,7 +37,8 @@ class _Saved:
 
 
 class ActivationMeter:
-    """Live and peak bytes of activations saved for backward (device-resident only)."""
+    """Live and peak bytes of the distinct non-parameter tensors saved for backward on the
+    compute device (those re-created by recomputation and held on tapes included)."""
 
     def __init__(self) -> None:
         self.live = 0
@@ -112,11 +72,8 @@ _ACTIVE: list[ActivationMeter] = []
 
 @contextmanager
 def activation_hooks(*, offload: bool, params: set[int] | None = None) -> Iterator[None]:
-    """Saved-tensor hooks: count into the active meter (if any) and offload when asked.
-
-    Parameters (by data pointer in ``params``) are not activations and are not counted
-    or moved.
-    """
+    """Saved-tensor hooks: count into the active meter (if any) and offload when asked;
+    parameters (by data pointer in ``params``) are neither counted nor moved."""
     meter = _ACTIVE[-1] if _ACTIVE else None
     params = params or set()
 
@@ -136,11 +93,8 @@ def activation_hooks(*, offload: bool, params: set[int] | None = None) -> Iterat
 
 @contextmanager
 def measure(*, params: set[int] | None = None, offload: bool = False) -> Iterator[ActivationMeter]:
-    """Activate a meter for everything run (forward and backward) inside the block.
-
-    Hooks are pushed here too, so tensors saved while recomputing checkpointed segments
-    during backward are counted as well.
-    """
+    """Meter everything run inside the block, forward and backward (the recomputation
+    of checkpointed segments included)."""
     meter = ActivationMeter()
     _ACTIVE.append(meter)
     try:
@@ -169,15 +123,9 @@ def _box(t: torch.Tensor, offload: bool, meter: ActivationMeter | None) -> _Save
 
 
 class CollectiveTape:
-    """The outputs of one checkpointed segment's forward collectives, in call order.
-
-    The segment's first run *records* (each collective runs and its output is kept, as an
-    alias that shares the version counter); every later run (the recomputation in backward)
-    *replays*: the ``i``-th collective it reaches returns the ``i``-th recorded output, which
-    is released from the tape as it is handed over (the recomputed graph holds it from then
-    on). An entry changed in place since it was recorded, or a call past the end of the tape,
-    runs the collective instead (see the module docstring).
-    """
+    """The outputs of one checkpointed segment's forward collectives, in call order: the
+    first run records them, every later run (the recomputation) gets the ``i``-th output back
+    at its ``i``-th collective, released from the tape as it is handed over."""
 
     def __init__(self, *, offload: bool = False, keep_matmuls: bool = False,
                  on_replay: Callable[[], None] | None = None) -> None:

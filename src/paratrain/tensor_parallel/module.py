@@ -1,28 +1,23 @@
-"""``TensorParallelModule``: a converted model and everything a run does with it.
+"""``parallelize`` and :class:`TensorParallelModule`: a converted model and what a run does with it.
 
-- ``forward``: the model's children in order, with activation checkpointing of every 4/2/1
-  blocks per ``memory_optimization`` (Extreme also offloads saved tensors, :mod:`.memory`;
-  the recomputation reads the forward collectives' outputs back from a tape instead of
-  communicating again, so every level moves None's bytes),
-  bf16 autocast per ``mixed_precision``, and the sequence-parallel region: its first
-  parallel child gets the own sequence shard of its input (``scatter_to_region``: keep the
-  slice forward, all-gather backward), its last one's output is all-gathered
-  (``gather_from_region``: all-gather forward, keep the slice backward). BatchWise runs the
-  whole model on the own batch slice the same way (dim 0).
-- ``sync_gradients``: the replicated parameters inside the sequence-parallel region (and
-  those of a plan's ``sequence`` modules, :mod:`.sequence`) are summed over TP, and in 2-D runs gradients averaged over DP by the one data-parallel
-  gradient sync (:class:`~paratrain.comm.grad_sync.GradSync`: buckets of
-  ``fusion_threshold_bytes``, a parameter no replica used keeps ``grad = None``, compressed
-  with a ``compressor``; ``grad_sync.before_forward`` broadcasts the buffers as DDP does).
-- dense state (:class:`~.dense_state.DenseState`): ``gather_full`` / ``dense_state_dict``
-  all-gather the shards into the dense model's keys, ``load_dense_state_dict`` keeps the own
-  shard of a full state dict.
-- ``layout`` / ``statistics`` (:class:`~.report.ModuleReport`): what tensor parallelism did
-  to each module, and the real counters of :class:`~paratrain.comm.stats.CommStats` plus the
-  parameter memory of this rank.
-
-The conversion itself is :class:`~.converter.Converter`; the entry point
-:func:`~.parallelize.parallelize`.
+``parallelize`` shards a full, identically initialised copy of the model on every rank (the
+weights are sliced from it, so the result computes the same function; the rules are in
+:mod:`.rules`, the walk in :mod:`.converter`, the user's view in docs/tensor-parallel.md).
+``partitioning_strategy``: ColumnWise = column-then-row pairs (Megatron, one reduction per
+direction); RowWise = row-then-column (split input, all-reduced row output, all-gathered
+column output: two collectives per direction); Dynamic = per pair by the first weight's shape
+(column-first when out > in, as ``partition_tensor``); SequenceWise = the sequence-parallel
+layout; BatchWise = no weight sharding: each TP rank runs the whole model on its slice of the
+batch, outputs all-gathered, gradients summed over the group; BlockWise = 2-D tensor
+parallelism when tp = g^2 (:mod:`.grid`), else ColumnWise; Custom = column-first pairs split as
+the function registered with ``register_custom_partitioner`` says. Attention heads are always
+split evenly. ``communication_pattern``: AllReduce / PointToPoint / Hierarchical carry the
+Megatron f/g reductions; AllGather gathers the column outputs and the row layer re-splits them;
+ReduceScatter is sequence parallelism between the first and the last parallel child of the
+root Sequential (dim 1 of ``[B, S, E]`` inputs, dim 0 of ``[B, F]``): the replicated
+parameters in that region see only their shard's tokens, so their gradients are summed over
+TP in :meth:`TensorParallelModule.sync_gradients` (as are a plan's ``sequence`` modules'), which
+also averages over DP in 2-D runs (:class:`~paratrain.comm.grad_sync.GradSync`).
 """
 
 from __future__ import annotations
@@ -42,7 +37,7 @@ from paratrain.comm.grad_sync import GradSync
 from paratrain.comm.stats import CommStats
 from paratrain.comm.tp.comm import TPComm
 from paratrain.comm.tp.grid import GridComms, build_grid
-from paratrain.comm.tp.groups import TPGroups
+from paratrain.comm.tp.groups import TPGroups, build_tp_groups
 from paratrain.config import ConfigError, TensorParallelismConfig
 
 from . import memory
@@ -60,8 +55,6 @@ from .layers import (
 from .partition import TensorParallelism, split_sizes
 from .report import ModuleReport, param_bytes
 
-__all__ = ["TensorParallelModule"]
-
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention, ParallelEncoderLayer,
              GridLinear)
 
@@ -71,14 +64,7 @@ def _has_parallel(m: nn.Module) -> bool:
 
 
 class TensorParallelModule(DenseState, ModuleReport, nn.Module):
-    """A dense model turned tensor-parallel, with the behaviour every config field asks for.
-
-    ``forward`` runs the model (with activation checkpointing per ``memory_optimization``,
-    bf16 autocast per ``mixed_precision``, the sequence-parallel region per
-    ``communication_pattern``); ``sync_gradients`` does the gradient reductions the layout
-    needs (sequence-parallel replicated parameters over TP, and DP averaging in 2-D runs),
-    coalesced per ``fusion_threshold_bytes``; ``statistics`` reports real counters.
-    """
+    """A dense model turned tensor-parallel, with the behaviour every config field asks for."""
 
     def __init__(self, model: nn.Module, config: TensorParallelismConfig, groups: TPGroups, *,
                  compressor: Any = None, broadcast_buffers: bool = True) -> None:
@@ -109,8 +95,7 @@ class TensorParallelModule(DenseState, ModuleReport, nn.Module):
                                     "parallel)")])
             self.grid = build_grid(groups.tp)  # collective: every rank builds every sub-group
         self.state = RegionState(compute_dtype=torch.bfloat16 if config.mixed_precision else None)
-        dense_params = list(model.parameters())
-        self.dense_param_bytes = param_bytes(iter(dense_params))
+        self.dense_param_bytes = param_bytes(model.parameters())
         self.coordinator = TensorParallelism(config, self.comm.rank, self.comm.size)
         self._sequence_modules: list[nn.Module] = []
         self.module = self._convert(model, config, tp)
@@ -195,12 +180,8 @@ class TensorParallelModule(DenseState, ModuleReport, nn.Module):
                 starts.append(i)
         self.blocks = [list(range(a, b)) for a, b in zip(starts, starts[1:] + [len(kids)], strict=True)]
         k = memory.SEGMENT_BLOCKS[self.config.memory_optimization.value]
-        self.segments: list[list[int]] = []
-        if k == 0:
-            self.segments = []
-        else:
-            for s in range(0, len(self.blocks), k):
-                self.segments.append([i for b in self.blocks[s: s + k] for i in b])
+        self.segments = [[i for b in self.blocks[s: s + k] for i in b]
+                         for s in range(0, len(self.blocks), k)] if k else []
         par = [i for i, c in enumerate(kids) if _has_parallel(c)]
         self.seq_region = (par[0], par[-1]) if (self.seq and par) else None
         if self.batch_split:
@@ -253,18 +234,23 @@ class TensorParallelModule(DenseState, ModuleReport, nn.Module):
             return self._forward_call(args, kwargs)
         return self._forward_tensor(args[0])
 
+    def _contexts(self, device_type: str) -> tuple[Any, Any]:
+        """bf16 autocast per ``mixed_precision``; saved-tensor hooks for Extreme's offload or
+        an active activation meter."""
+        offload = self.config.memory_optimization.value == "Extreme"
+        hooks = (memory.activation_hooks(offload=True, params=self._param_ptrs)
+                 if offload or memory._ACTIVE else nullcontext())
+        amp = (torch.autocast(device_type=device_type, dtype=torch.bfloat16)
+               if self.config.mixed_precision else nullcontext())
+        return amp, hooks
+
     def _forward_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.seq_region is not None:
             what = "BatchWise" if self.batch_split else "sequence parallelism (ReduceScatter)"
             raise ConfigError([("tensor_parallel", f"{what} splits one tensor input; this model is called "
                                                    "with keyword arguments or several inputs")])
-        mp = self.config.mixed_precision
-        offload = self.config.memory_optimization.value == "Extreme"
-        hooks = (memory.activation_hooks(offload=True, params=self._param_ptrs)
-                 if offload or memory._ACTIVE else nullcontext())
         first = next((t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)), None)
-        dev = first.device.type if first is not None else "cpu"
-        amp = torch.autocast(device_type=dev, dtype=torch.bfloat16) if mp else nullcontext()
+        amp, hooks = self._contexts(first.device.type if first is not None else "cpu")
         def call(*a: Any, **k: Any) -> Any:
             self.state.in_sequence = False  # a plan's sequence region starts inside (.sequence)
             return self.module(*a, **k)
@@ -274,16 +260,12 @@ class TensorParallelModule(DenseState, ModuleReport, nn.Module):
                 out = checkpoint(self._taped(call), *args, use_reentrant=False, **kwargs)
             else:
                 out = call(*args, **kwargs)
-        if mp:
+        if self.config.mixed_precision:
             out = tree_map_only(torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, out)
         return out
 
     def _forward_tensor(self, x: torch.Tensor) -> torch.Tensor:
-        mp = self.config.mixed_precision
-        offload = self.config.memory_optimization.value == "Extreme"
-        hooks = (memory.activation_hooks(offload=True, params=self._param_ptrs)
-                 if offload or memory._ACTIVE else nullcontext())
-        amp = torch.autocast(device_type=x.device.type, dtype=torch.bfloat16) if mp else nullcontext()
+        amp, hooks = self._contexts(x.device.type)
         self.state.in_sequence = False
         with amp, hooks:
             if not self.segments or not (self.training and torch.is_grad_enabled()):
@@ -299,7 +281,7 @@ class TensorParallelModule(DenseState, ModuleReport, nn.Module):
                         out = self._run(seg, out)  # nothing to recompute for (e.g. a flatten)
                     else:
                         out = checkpoint(self._seg_fn(seg), out, dummy, use_reentrant=True)
-        return out.float() if mp and out.is_floating_point() else out
+        return out.float() if self.config.mixed_precision and out.is_floating_point() else out
 
     def _seg_fn(self, seg: list[int]) -> Any:
         def fn(x: torch.Tensor, _dummy: torch.Tensor) -> torch.Tensor:
@@ -346,3 +328,27 @@ def _grad(p: nn.Parameter) -> torch.Tensor:
     if p.grad is None:
         p.grad = torch.zeros_like(p)
     return p.grad
+
+
+def parallelize(model: nn.Module, config: TensorParallelismConfig | dict[str, Any],
+                group: TPGroups | TPComm | None = None, *, compressor: Any = None,
+                broadcast_buffers: bool = True) -> TensorParallelModule:
+    """Shard ``model`` (a full, identically initialised copy on every rank) per ``config``.
+
+    ``group``: the :class:`TPGroups` from :func:`paratrain.comm.tp.groups.build_tp_groups`, a
+    bare :class:`TPComm` (pure TP), or ``None`` to build the groups now (collective).
+    With data-parallel replicas, ``compressor`` compresses their gradient average and
+    ``broadcast_buffers`` (DDP's) makes their buffers the first replica's every step.
+    """
+    cfg = config if isinstance(config, TensorParallelismConfig) else TensorParallelismConfig.model_validate(config)
+    if group is None:
+        try:
+            group = build_tp_groups(
+                cfg.tensor_parallel_size, pattern=cfg.communication_pattern.value,
+                async_op=cfg.async_communication, fusion_threshold_bytes=cfg.fusion_threshold_bytes)
+        except ValueError as e:
+            raise ConfigError([("tensor_parallel.tensor_parallel_size", str(e))]) from None
+    if isinstance(group, TPComm):
+        group = TPGroups(group, None, group.size, 1, 0)
+    return TensorParallelModule(model, cfg, group, compressor=compressor,
+                                broadcast_buffers=broadcast_buffers)

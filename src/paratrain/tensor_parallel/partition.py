@@ -24,20 +24,6 @@ from dataclasses import dataclass, field
 from paratrain.config import ConfigError, TensorParallelismConfig
 from paratrain.config.tensor_parallel import TensorPartitioningStrategy
 
-__all__ = [
-    "TensorPartition",
-    "CustomPartitioner",
-    "register_custom_partitioner",
-    "registered_custom_partitioner",
-    "validate_world",
-    "split_sizes",
-    "partition_shape",
-    "TensorParallelism",
-    "calculate_optimal_tensor_config",
-    "estimate_communication_overhead",
-    "calculate_memory_savings",
-]
-
 
 @dataclass(frozen=True)
 class TensorPartition:
@@ -101,21 +87,13 @@ def split_sizes(n: int, parts: int) -> list[int]:
     return [max(0, min(per, n - p * per)) for p in range(parts)]
 
 
-_MIN_DIMS = {
-    TensorPartitioningStrategy.ColumnWise: (2, "Column-wise partitioning requires at least 2D tensor"),
-    TensorPartitioningStrategy.RowWise: (2, "Row-wise partitioning requires at least 2D tensor"),
-    TensorPartitioningStrategy.BatchWise: (1, "Batch-wise partitioning requires at least 1D tensor"),
-    TensorPartitioningStrategy.SequenceWise: (2, "Sequence-wise partitioning requires at least 2D tensor"),
+# strategy -> (the axis cut, counted from the end when negative; the dims it needs; its name)
+_AXES = {
+    TensorPartitioningStrategy.ColumnWise: (-1, 2, "Column-wise"),
+    TensorPartitioningStrategy.RowWise: (-2, 2, "Row-wise"),
+    TensorPartitioningStrategy.BatchWise: (0, 1, "Batch-wise"),
+    TensorPartitioningStrategy.SequenceWise: (1, 2, "Sequence-wise"),
 }
-
-
-def _axis(strategy: TensorPartitioningStrategy, ndim: int) -> int:
-    return {
-        TensorPartitioningStrategy.ColumnWise: ndim - 1,
-        TensorPartitioningStrategy.RowWise: ndim - 2,
-        TensorPartitioningStrategy.BatchWise: 0,
-        TensorPartitioningStrategy.SequenceWise: 1,
-    }[strategy]
 
 
 def _split_axis(name: str, shape: tuple[int, ...], axis: int, tp: int, world: int,
@@ -183,10 +161,10 @@ def partition_shape(
                         pid, pid % world_size, name,
                         (min(rpb, rows - r0), min(cpb, cols - c0)), (r0, c0), True))
             return blocks
-    need, msg = _MIN_DIMS[strategy]
+    axis, need, what = _AXES[strategy]
     if nd < need:
-        raise ValueError(f"{name}: {msg} (got shape {shape})")
-    return _split_axis(name, shape, _axis(strategy, nd), tp, world_size,
+        raise ValueError(f"{name}: {what} partitioning requires at least {need}D tensor (got shape {shape})")
+    return _split_axis(name, shape, axis % nd, tp, world_size,
                        strategy is not TensorPartitioningStrategy.BatchWise)
 
 

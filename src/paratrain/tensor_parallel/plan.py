@@ -1,29 +1,14 @@
 """``[tensor_parallel.plan]``: module-path patterns -> styles, applied before the built-in rules.
 
-A pattern is matched against the paths of ``model.named_modules()`` component by component
-(split at ``.``; ``*`` and ``?`` match within one component, as ``fnmatch`` on each atom in
-torch's ``parallelize_module``): ``"model.layers.*.self_attn.q_proj"`` matches every layer's
-q projection, not ``model.layers.0.mlp.q_proj.x``. The first pattern (in the table's order)
-that matches a module decides its style (:class:`~paratrain.config.tensor_parallel.PlanEntry`):
-
-- ``colwise`` (``nn.Linear`` or GPT-2's Conv1D): :class:`~.layers.ColumnParallelLinear` /
-  :class:`~.foreign_layers.ColumnParallelConv1D`, output sharded on the last dim (``output =
-  "replicate"``: all-gathered);
-- ``rowwise``: :class:`~.layers.RowParallelLinear` / :class:`~.foreign_layers.RowParallelConv1D`,
-  output summed over the ranks (``input = "replicate"``: the full input is split first);
-- ``packed_colwise``: :class:`~.foreign_layers.PackedColumnParallel` with ``parts`` parts;
-- ``replicate``: the module is kept whole, and nothing inside it is sharded;
-- ``sequence`` / ``prepare_input`` (:mod:`.sequence`): the module is kept, hooked to change
-  the layout of its input or output along the sequence dim, and its children are walked on
-  (their own entries and the block rules apply); a ``sequence`` module's parameters not
-  sharded below it have their gradients summed over the ranks. ``colwise`` with ``input =
-  "sequence"`` and ``rowwise`` with ``output = "sequence"`` are the layers at the edges of a
-  sequence region (Megatron's all-gather / reduce-scatter pair).
-
-A module whose subtree a pattern reaches is not converted by the built-in block rules
-(:mod:`.foreign`): the plan governs it. A plan is the user's statement of the layout, as in
-torch: it is not proved equivalent (e.g. a colwise q projection needs a forward that reshapes
-with ``-1`` heads, as HF's do). A pattern that matches no module is a ConfigError naming it.
+A pattern matches the paths of ``model.named_modules()`` component by component (``*`` and
+``?`` within one component, as torch's ``parallelize_module``); the first pattern in the
+table's order that matches a module decides its style (its ``PlanEntry``): ``colwise`` / ``rowwise`` / ``packed_colwise`` make the parallel
+layers of :mod:`.layers` and :mod:`.foreign_layers` of a plain ``nn.Linear`` or GPT-2 Conv1D,
+``replicate`` keeps the module whole with nothing inside it sharded, ``sequence`` /
+``prepare_input`` keep it, hooked to change the layout of its input or output
+(:mod:`.sequence`), and walk on into its children. A module whose subtree a pattern reaches
+is left to the plan by the block rules of :mod:`.foreign`. As in torch, a plan is the user's
+statement of the layout, not proved equivalent; a pattern matching no module is a ConfigError.
 """
 
 from __future__ import annotations
@@ -41,8 +26,6 @@ from .foreign_layers import ColumnParallelConv1D, PackedColumnParallel, RowParal
 from .layers import ColumnParallelLinear, RegionState, RowParallelLinear
 from .rules import is_plain_linear, module_where
 from .sequence import install
-
-__all__ = ["Plan", "matches", "WALKED"]
 
 # styles that keep the module and walk on into its children
 WALKED = ("sequence", "prepare_input")
@@ -113,16 +96,16 @@ class Plan:
             gather = entry.output_layout == "replicate"
             seq = entry.input_layout == "sequence"
             kw["mode"] = "seq" if seq else "copy"
-            new: nn.Module = (ColumnParallelConv1D.from_conv1d(m, gather_output=gather, **kw) if conv
-                              else ColumnParallelLinear.from_dense(m, gather_output=gather, **kw))  # type: ignore[arg-type]
+            new = (ColumnParallelConv1D if conv else ColumnParallelLinear).from_dense(
+                m, gather_output=gather, **kw)
             return new, "colwise" + (", input sequence-gathered" if seq else "") + (
                 ", output replicated" if gather else "")
         split = entry.input_layout == "replicate"
         seq = entry.output_layout == "sequence"
         kw["mode"] = "seq" if seq else "reduce"
-        new = (RowParallelConv1D.from_conv1d(m, input_is_parallel=not split, **kw) if conv
-               else RowParallelLinear.from_dense(m, input_is_parallel=not split, **kw))  # type: ignore[arg-type]
-        return new, "rowwise" + (", input split here" if split else "") + (
+        row = (RowParallelConv1D if conv else RowParallelLinear).from_dense(
+            m, input_is_parallel=not split, **kw)
+        return row, "rowwise" + (", input split here" if split else "") + (
             ", output reduce-scattered to sequence shards" if seq else "")
 
     def check_used(self, model_paths: list[str]) -> None:

@@ -1,14 +1,7 @@
-"""What a tensor-parallel model reports about itself: its layout and its statistics.
-
-:class:`ModuleReport` (a mixin of :class:`~.module.TensorParallelModule`, which supplies the
-converted ``module``, the TP group ``comm`` and its ``stats``, the ``pattern``, the
-``sharding`` notes of the conversion, the ``coordinator`` and the memory figures):
-
-- ``layout``: what tensor parallelism did to each module it touched, ``(path, how)`` in
-  model order (``paratrain validate`` / ``graph`` print it);
-- ``statistics``: the real counters of :class:`~paratrain.comm.stats.CommStats` plus the
-  parameter memory of this rank (local, dense, replicated; the fraction of the dense model's
-  it holds and the ideal one).
+"""What a tensor-parallel model reports about itself (a mixin of
+:class:`~.module.TensorParallelModule`): ``layout``, what tensor parallelism did to each module
+(``paratrain validate`` / ``graph`` print it), and ``statistics``, the counters of
+:class:`~paratrain.comm.stats.CommStats` plus this rank's parameter memory.
 """
 
 from __future__ import annotations
@@ -28,8 +21,6 @@ from .layers import (
     RowParallelLinear,
 )
 from .partition import TensorParallelism
-
-__all__ = ["ModuleReport", "describe_layer", "param_bytes"]
 
 
 def param_bytes(params: Iterator[nn.Parameter]) -> int:
@@ -54,7 +45,7 @@ def describe_layer(m: nn.Module) -> str | None:
 
 
 class ModuleReport:
-    """The layout and statistics of a converted model (see the module docstring)."""
+    """The layout and statistics of a converted model."""
 
     module: nn.Module
     comm: Any

@@ -1,30 +1,24 @@
 """Which modules ``parallelize`` may shard: the checks that keep the converted model's
-function equal to the dense one's.
-
-- :func:`is_plain_linear`: an ``nn.Linear`` computing ``x W^T + b`` (``forward`` not
-  overridden, no parameters besides ``weight``/``bias``, no children); only these are
-  sharded (column-, row-parallel or grid), a Linear subclass stays replicated.
-- :func:`is_elementwise`: one of :data:`ELEMENTWISE` with its own ``forward`` untouched;
-  only these may sit between the two Linears of an MLP pair (they act on shards).
-- :func:`encoder_problem`: why an ``nn.TransformerEncoderLayer`` cannot become a
-  :class:`~paratrain.tensor_parallel.layers.ParallelEncoderLayer` (overridden methods,
-  not batch-first, no packed in_proj, bias_kv / zero_attn, attention dropout, extra
-  parameters), or ``None`` when it can.
-- :func:`foreign_tensors` and :func:`module_where` support those checks and the
-  ConfigErrors that name a module by its path.
-
-The attention opt-in protocol is in :mod:`.attention_spec`; the walk that applies these
-rules in :mod:`.converter`.
+function equal to the dense one's. Only plain ``nn.Linear`` layers (``forward`` not
+overridden, ``weight``/``bias`` only) are sharded, with only :data:`ELEMENTWISE` modules
+between the two of a pair; a batch-first ``nn.TransformerEncoderLayer`` is converted unless
+:func:`encoder_problem` names a feature it would lose. Attention is split by heads only where
+that provably keeps its forward: paratrain's own ``SelfAttention``, or a module that opts in
+with ``__paratrain_tp_attention__(self)`` returning an :class:`AttentionSpec` (``None``: kept
+replicated); any other module with q/k/v/o Linears and ``num_heads`` is a ConfigError naming
+its path and how to opt in (:func:`attention_spec`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TypeGuard
 
 from torch import nn
 
-__all__ = ["ELEMENTWISE", "encoder_problem", "foreign_tensors", "is_elementwise", "is_plain_linear",
-           "module_where"]
+from paratrain.config import ConfigError
+
+from .layers import SelfAttention
 
 ELEMENTWISE: tuple[type[nn.Module], ...] = (
     nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Dropout, nn.Identity, nn.LeakyReLU,
@@ -85,3 +79,85 @@ def encoder_problem(m: nn.TransformerEncoderLayer) -> str | None:
     if extra:
         return f"it holds parameters or buffers outside the standard layer: {', '.join(extra)}"
     return None
+
+
+TP_ATTENTION_PROTOCOL = "__paratrain_tp_attention__"
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a module returns from ``__paratrain_tp_attention__()`` to have its heads split:
+    its four projections, its head count and whether it masks future positions. It
+    promises ``forward(x) == o(SelfAttention.attend(q(x), k(x), v(x), num_heads, causal))``
+    and that q/k/v/o hold all of the module's parameters and buffers."""
+
+    q: nn.Linear
+    k: nn.Linear
+    v: nn.Linear
+    o: nn.Linear
+    num_heads: int
+    causal: bool = False
+
+
+def _looks_like_attention(m: nn.Module) -> bool:
+    return hasattr(m, "num_heads") and all(isinstance(getattr(m, n, None), nn.Linear) for n in "qkvo")
+
+
+def _is_own_attention(m: nn.Module) -> bool:
+    t = type(m)
+    return (isinstance(m, SelfAttention) and t.forward is SelfAttention.forward
+            and getattr(t, "attend", None) is SelfAttention.attend)
+
+
+def _opt_in_hint() -> str:
+    return (f"define {TP_ATTENTION_PROTOCOL}(self) on the class returning "
+            "paratrain.tensor_parallel.AttentionSpec(q, k, v, o, num_heads, causal) if its forward "
+            "is o(SelfAttention.attend(q(x), k(x), v(x), num_heads, causal)), use paratrain's "
+            "SelfAttention, or return None from it to keep the module replicated")
+
+
+def attention_spec(m: nn.Module, path: str = "") -> AttentionSpec | None:
+    """The :class:`AttentionSpec` ``parallelize`` splits ``m`` by, or ``None`` to leave ``m``
+    alone (see the module docstring). A ConfigError naming ``path`` when ``m`` looks like
+    attention but is not provably equivalent, or when an opt-in spec is inconsistent."""
+    field = "model"
+    opt_in = getattr(type(m), TP_ATTENTION_PROTOCOL, None)
+    if opt_in is not None:
+        spec = getattr(m, TP_ATTENTION_PROTOCOL)()
+        if spec is None:
+            return None
+        if not isinstance(spec, AttentionSpec):
+            raise ConfigError([(field, f"{module_where(path, m)}: {TP_ATTENTION_PROTOCOL}() must return "
+                                       f"an AttentionSpec or None (got {type(spec).__name__})")])
+        bad = [n for n in "qkvo" if not is_plain_linear(getattr(spec, n))]
+        if bad:
+            raise ConfigError([(field, f"{module_where(path, m)}: AttentionSpec.{bad[0]} must be a plain "
+                                       "nn.Linear")])
+    elif _is_own_attention(m):
+        spec = AttentionSpec(m.q, m.k, m.v, m.o, int(m.num_heads),  # type: ignore[arg-type]
+                             bool(m.causal))
+    elif _looks_like_attention(m):
+        raise ConfigError([(field, f"{module_where(path, m)} looks like self-attention (q/k/v/o Linears "
+                                   "and num_heads) but is not paratrain's SelfAttention, so "
+                                   "parallelize cannot prove that splitting its heads keeps its "
+                                   "forward (a causal flag, extra parameters, another scaling would "
+                                   f"be lost) and does not replace it. To shard it, {_opt_in_hint()}")])
+    else:
+        return None
+    extra = foreign_tensors(m, [spec.q, spec.k, spec.v, spec.o])
+    if extra:
+        raise ConfigError([(field, f"{module_where(path, m)}: {', '.join(extra)} "
+                                   f"{'is' if len(extra) == 1 else 'are'} not part of q/k/v/o and "
+                                   "would be lost by splitting the heads; keep the module replicated "
+                                   f"(return None from {TP_ATTENTION_PROTOCOL}) or move "
+                                   f"{'it' if len(extra) == 1 else 'them'} out of the attention")])
+    return spec
+
+
+class AttentionView(nn.Module):
+    """The spec's projections under the names ParallelSelfAttention reads."""
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = spec.q, spec.k, spec.v, spec.o
+        self.num_heads, self.causal = int(spec.num_heads), bool(spec.causal)

@@ -1,36 +1,17 @@
 """Sequence parallelism on modules paratrain did not write: the plan's ``sequence`` and
 ``prepare_input`` styles (torch's ``SequenceParallel`` and ``PrepareModuleInput``).
 
-Megatron's sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation
-in Large Transformer Models", §4.2.2): between the tensor-parallel regions of a transformer
-layer, the activations (layer norms, residual adds, dropout) are split along the sequence
-dim, so each of the ``p`` ranks holds and computes ``1/p`` of them. Layouts of an activation
-``X`` of shape ``[B, S, ...]`` (the sequence dim is 1, torch's default ``sequence_dim``):
-
-- replicate -> sequence (:func:`to_sequence`): rank ``r`` keeps ``X[:, S_r]`` (no traffic);
-  the gradient is all-gathered back (each rank's shard computation gives the complete
-  gradient of its own tokens);
-- sequence -> replicate (:func:`to_replicate`): all-gather forward; backward keeps this
-  rank's slice of the gradient. The consumer of a replicated activation makes its gradient
-  complete on every rank: a replicated module by construction, a column-parallel layer by
-  its own ``f`` (the all-reduce of its input gradient), as everywhere in paratrain;
-- a column-parallel layer with ``input = "sequence"`` all-gathers and reduce-scatters its
-  input gradient (``_SeqGather``), a row-parallel one with ``output = "sequence"``
-  reduce-scatters its partial sums (``_SeqReduceScatter``): one collective each way instead
-  of the all-reduce, Megatron's ``g``/``g-bar`` pair.
-
-A module under the ``sequence`` style sees only its shard's tokens, so the gradients of its
-replicated parameters are partial sums: they are summed over the ranks after backward
-(:meth:`~.module.TensorParallelModule.sync_gradients`), as the ReduceScatter layout does for
-paratrain's own models. This is right for token-wise modules (norms, dropout, element-wise
-maths, embeddings of token ids); a module that mixes tokens (attention) must receive the
-whole sequence (``prepare_input`` with ``desired_input = "replicate"``).
-
-:class:`~.layers.RegionState` carries where the sequence was split (``seq_dim``,
-``seq_sizes``: uneven lengths allowed) and whether the activations are split now
-(``in_sequence``): a column-parallel layer that takes a replicated input refuses sequence
-shards at run time (it would attend or project over its shard's tokens only, a silently
-different function), naming the module and the plan entry to add.
+Megatron's sequence parallelism (Korthikanti et al. 2022, §4.2.2) splits the activations
+between the tensor-parallel regions (norms, residual adds, dropout) along the sequence dim
+(dim 1 of ``[B, S, ...]``, torch's default). replicate -> sequence keeps this rank's slice
+(backward: all-gather of the gradient, each shard's computation giving the complete gradient
+of its own tokens); sequence -> replicate all-gathers (backward: keep the own slice, the
+consumer making the gradient complete: a replicated module by construction, a column layer by
+its ``f``). A ``sequence`` module sees only its shard's tokens, so its replicated parameters'
+gradients are summed over the ranks after backward: right for token-wise modules; one that
+mixes tokens (attention) must get the whole sequence (``prepare_input``). ``RegionState``
+records the split (uneven lengths allowed) and whether the activations are split now, so a
+column layer taking a replicated input refuses sequence shards at run time.
 """
 
 from __future__ import annotations
@@ -45,8 +26,6 @@ from paratrain.comm.tp.comm import TPComm
 from .autograd import gather_from_region, scatter_to_region
 from .layers import RegionState
 from .partition import split_sizes
-
-__all__ = ["SEQ_DIM", "to_sequence", "to_replicate", "install"]
 
 SEQ_DIM = 1
 

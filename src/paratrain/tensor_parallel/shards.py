@@ -1,26 +1,14 @@
 """Where each tensor of a tensor-parallel rank lies in the dense model: its name there and
-its shard spec, so that its checkpoints resume on another tensor-parallel size (or as a
-Local / DataParallel run) by the model's own names (:mod:`paratrain.training.reshard`).
-
-A spec is ``{"shape": the dense tensor's shape, "slices": [[dim, start, length], ...]}``:
-
-- a column-parallel weight or bias (``tp_shard_dim = 0``) is one slice of rows, a
-  row-parallel weight (``tp_shard_dim = 1``) one slice of columns, with the layer's split
-  sizes (uneven ``Custom`` sizes and empty trailing shards included);
-- a 2-D grid block (``tp_grid``) is one slice per grid dimension;
-- an encoder layer's q/k/v were cut from the fused ``self_attn.in_proj_weight`` /
-  ``in_proj_bias`` (rows ``[c E, (c + 1) E)`` for q, k, v): their shard is the matching
-  rows of the fused tensor, and o is ``self_attn.out_proj``;
-- an opted-in attention module's q/k/v/o go back to the names its spec read them from
-  (``ParallelSelfAttention.dense_names``, recorded by the converter);
-- a packed projection's parts (:class:`~.foreign_layers.PackedColumnParallel`: GPT-2's
-  ``c_attn.q``/``.k``/``.v``, timm's ``qkv.q``...) are part ``c`` of the dense ``c_attn.weight``
-  (packed along dim 0 of an ``nn.Linear`` weight, dim 1 of a Conv1D weight, dim 0 of a bias):
-  their shard is their columns' slice shifted by ``c`` part widths (:func:`packed_dims`);
-- everything else (layer norms, replicated Linears, BatchWise) is whole: no spec.
-
-No vocabulary-parallel embedding or padded shard exists in this converter (uneven splits
-are ceil-sized chunks, never padding), so every spec covers real elements only.
+its shard spec ``{"shape": the dense shape, "slices": [[dim, start, length], ...]}``, so that
+checkpoints resume on another tensor-parallel size (or as a Local / DataParallel run) by the
+model's own names (:mod:`paratrain.training.reshard`). A column/row shard is one slice along
+``tp_shard_dim`` with the layer's split sizes (uneven Custom sizes and empty trailing shards
+included; never padding, so every spec covers real elements only), a 2-D grid block one slice
+per grid dim. An encoder layer's q/k/v are rows ``[c E, (c + 1) E)`` of ``self_attn.in_proj_*``
+and its o is ``out_proj``; an opted-in attention's q/k/v/o keep the names its spec read them
+from (``ParallelSelfAttention.dense_names``); a packed projection's part ``c`` (GPT-2's
+``c_attn.q``...) is its columns' slice shifted by ``c`` part widths along the packed dim
+(:func:`packed_dims`). Everything else is whole: no spec.
 """
 
 from __future__ import annotations
@@ -33,8 +21,6 @@ from torch import nn
 from .foreign_layers import PackedColumnParallel
 from .grid import grid_steps
 from .layers import ParallelEncoderLayer, ParallelSelfAttention
-
-__all__ = ["dense_names_and_shards", "pack_dense", "packed_dims", "renames", "shard_spec", "unpack_dense"]
 
 Spec = dict[str, Any]
 
@@ -87,21 +73,11 @@ def pack_dense(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
-def unpack_dense(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A dense state's packed tensors cut into the parts' (full) tensors (inverse of
-    :func:`pack_dense`)."""
-    out = dict(state)
-    dims = packed_dims(module)
-    for local, (dense, index) in renames(module).items():
-        if local in dims and index is not None and dense in state:
-            dim, parts = dims[local]
-            out[local] = state[dense].chunk(parts, dim=dim)[index]
-            out.pop(dense, None)
-    return out
-
-
-def _spec(p: nn.Parameter, rank: int) -> Spec | None:
-    """Where this rank's ``p`` lies in the dense tensor (None: it is the whole tensor)."""
+def shard_spec(p: torch.Tensor, rank: int) -> Spec | None:
+    """Where this rank's ``p`` (a tensor-parallel parameter; ``rank``: its index in the TP
+    group) lies in the dense tensor; None for a tensor held whole."""
+    if not isinstance(p, nn.Parameter):
+        return None
     steps = grid_steps(p)
     cuts: list[tuple[int, int, list[int]]]
     if steps is not None:
@@ -116,12 +92,6 @@ def _spec(p: nn.Parameter, rank: int) -> Spec | None:
         shape[dim] = sum(sizes)
         slices.append([dim, sum(sizes[:r]), sizes[r]])
     return {"shape": shape, "slices": slices}
-
-
-def shard_spec(p: torch.Tensor, rank: int) -> Spec | None:
-    """Where this rank's ``p`` (a tensor-parallel parameter; ``rank``: its index in the TP
-    group) lies in the dense tensor; None for a tensor held whole."""
-    return _spec(p, rank) if isinstance(p, nn.Parameter) else None
 
 
 def _fused(spec: Spec | None, p: nn.Parameter, index: int, dim: int = 0, parts: int = 3) -> Spec:
@@ -156,7 +126,7 @@ def dense_names_and_shards(tpm: nn.Module, *, prefix: str = "module.",
         p = params.get(local)
         if p is None:
             continue
-        spec = _spec(p, rank)
+        spec = shard_spec(p, rank)
         if index is not None:
             spec = _fused(spec, p, index, *dims.get(local, (0, 3)))
         if spec is not None:
