@@ -54,9 +54,8 @@ def _held(params: list[torch.Tensor], optimizer: torch.optim.Optimizer, extra: l
 
 
 def worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    from paratrain.comm.collectives import CommCounter
+    from paratrain.comm.collectives import CommCounter, broadcast_module_
     from paratrain.comm.tp.groups import build_tp_groups
-    from paratrain.comm.tp.world import broadcast_module_
     from paratrain.config import load_job
     from paratrain.executors.tensor_parallel.engine import TensorParallelEngine
     from paratrain.executors.tensor_parallel.runner import dp_order

@@ -75,9 +75,8 @@ def mesh_grads(ctx: WorkerContext, tmp: str, levels: list[str], micro_batches: i
     """One forward/backward/sync of step 0 at each ZeRO level on the dp x tp mesh: every
     owned piece's gradient with its dense name and composed shard spec, the global squared
     norm the engine clips by, and the rank's mesh coordinates."""
-    from paratrain.comm.collectives import CommCounter
+    from paratrain.comm.collectives import CommCounter, broadcast_module_
     from paratrain.comm.tp.groups import build_tp_groups
-    from paratrain.comm.tp.world import broadcast_module_
     from paratrain.executors.tensor_parallel.zero import MeshZeroEngine
     from paratrain.tensor_parallel import parallelize
     from paratrain.training import seed_everything

@@ -27,7 +27,7 @@ def crashing_mlp(
 
 def json_ops_worker(ctx: Any) -> dict[str, Any]:
     """Exercise gather_json / broadcast_json on real ranks."""
-    from paratrain.comm.pbt_ops import broadcast_json, gather_json
+    from paratrain.comm.collectives import broadcast_json, gather_json
 
     doc = {"rank": ctx.rank, "payload": "x" * (10 + 1000 * ctx.rank), "f": [0.5, None]}
     gathered = gather_json(doc, group=ctx.group)

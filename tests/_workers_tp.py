@@ -407,13 +407,13 @@ def suite_2(ctx: WorkerContext) -> dict[str, Any]:
                                                              fusion_threshold_bytes=0)
     out["parity"]["encoder/AllReduce/High"] = parity("encoder", "AllReduce", tp,
                                                      memory_optimization="High")
-    from paratrain.comm.tp import comm as tp_comm
+    from paratrain.comm import collectives as C
 
-    saved = dict(tp_comm._FLAT)  # the fallbacks for backends without flat collectives
-    tp_comm._FLAT.update({("all_gather", "gloo"): False, ("reduce_scatter", "gloo"): False})
+    saved = dict(C._FLAT)  # the fallbacks for backends without flat collectives
+    C._FLAT.update({("all_gather", "gloo"): False, ("reduce_scatter", "gloo"): False})
     out["parity"]["encoder/ReduceScatter/fallback"] = parity("encoder", "ReduceScatter", tp)
-    tp_comm._FLAT.clear()
-    tp_comm._FLAT.update(saved)
+    C._FLAT.clear()
+    C._FLAT.update(saved)
     for kind in ["mlp", "attn"]:
         out["dtensor"][kind] = dtensor_parity(kind, tp)
     out["wrong"] = wrong_variant(tp)

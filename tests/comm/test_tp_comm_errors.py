@@ -1,12 +1,12 @@
 """Issue 20 item 6: a real error of a tensor-parallel collective reaches the caller.
 
-``comm/tp/comm.py`` used to catch any RuntimeError of the flat all-gather/reduce-scatter,
-flip a process-wide flag to the list fallback and retry there: a wrong-shaped call then
-"succeeded" on one rank (its slice of an all-reduce happened to fit) and failed with an
-unrelated copy error on the other, and every later call of the process took the
-fallback. Now whether a backend has the flat form is decided once by a known-good probe,
-so the native error is raised on every rank and the fast path stays in use. Two gloo
-ranks on 127.0.0.1.
+The tensor-parallel collectives used to catch any RuntimeError of the flat all-gather or
+reduce-scatter, flip a process-wide flag to the list fallback and retry there: a wrong-shaped
+call then "succeeded" on one rank (its slice of an all-reduce happened to fit) and failed with
+an unrelated copy error on the other, and every later call of the process took the fallback.
+Now whether a backend has the flat form is decided once by a known-good probe
+(``comm/collectives.py``, for every caller), so the native error is raised on every rank and
+the fast path stays in use. Two gloo ranks on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -29,21 +29,21 @@ def _attempt(fn: Any) -> str:
 
 
 def wrong_shapes(ctx: WorkerContext) -> dict[str, Any]:
-    from paratrain.comm.tp import comm as tp_comm
+    from paratrain.comm import collectives as C
 
     group = ctx.group
     # reduce-scatter of 7 elements into 3 per rank (needs 6): a caller's bug
-    bad_rs = _attempt(lambda: tp_comm._reduce_scatter_flat(torch.empty(3), torch.ones(7), group, False))
+    bad_rs = _attempt(lambda: C.reduce_scatter_flat(torch.empty(3), torch.ones(7), group, False))
     # all-gather of 3 elements per rank into 8 (needs 6)
-    bad_ag = _attempt(lambda: tp_comm._all_gather_flat(torch.empty(8), torch.ones(3), group, False))
+    bad_ag = _attempt(lambda: C.all_gather_flat(torch.empty(8), torch.ones(3), group, False))
     # the group still works, on the flat (native) path
     out = torch.empty(2)
-    tp_comm._reduce_scatter_flat(out, torch.arange(4.0) + ctx.rank, group, False)
+    C.reduce_scatter_flat(out, torch.arange(4.0) + ctx.rank, group, False)
     gathered = torch.empty(4)
-    tp_comm._all_gather_flat(gathered, torch.full((2,), float(ctx.rank)), group, False)
+    C.all_gather_flat(gathered, torch.full((2,), float(ctx.rank)), group, False)
     backend = str(dist.get_backend(group))
     return {"bad_rs": bad_rs, "bad_ag": bad_ag, "rs": out.tolist(), "ag": gathered.tolist(),
-            "flat": {op: tp_comm._FLAT.get((op, backend)) for op in ("all_gather", "reduce_scatter")}}
+            "flat": {op: C._FLAT.get((op, backend)) for op in ("all_gather", "reduce_scatter")}}
 
 
 def test_a_wrong_shaped_collective_raises_on_every_rank_and_the_fast_path_stays() -> None:

@@ -1,14 +1,19 @@
-"""Bucketed collectives on torch.distributed: bucketing, bucketed all-reduce and
-broadcast, and :class:`GradReducer`, the all-reduce overlapped with the backward pass.
+"""Bucketed collectives: bucketing, bucketed all-reduce and broadcast, and
+:class:`GradReducer`, the all-reduce overlapped with the backward pass.
 
 Bucketed all-reduce (the DDP reducer's idea, Li et al. 2020, "PyTorch Distributed:
-Experiences on Accelerating Data Parallel Training", VLDB): the gradients are grouped in
-order into buckets of at most ``bucket_bytes`` (same dtype and device), each bucket is
-flattened into one contiguous buffer, all-reduced once (SUM), scaled by ``1/world``
-and copied back. A tensor larger than the bucket gets a bucket of its own. Fewer, larger
-messages amortise the per-collective latency; the result is the element-wise mean
+Experiences on Accelerating Data Parallel Training", VLDB): the tensors are grouped in order
+into buckets of at most ``bucket_bytes`` (one dtype and device each; a larger tensor alone),
+each flattened, all-reduced once (SUM), scaled by ``1/world`` and copied back, so
+``g_i <- (1/n) sum_r g_i^(r)`` with fewer, larger messages.
 
-    g_i  <-  (1/n) * sum_r g_i^(r)        for every tensor i.
+Why not torch ``DistributedDataParallel``: DDP wraps a module and reduces during its one
+autograd pass, while our callers hand over parameter lists whose gradients come from pipeline
+micro-batches, a tensor-parallel step or a stage's replica sub-group; the mean is the same
+sum-then-divide as ZeRO's reduce-scatter and the compressed exchange, whichever the job picks;
+and the used-parameter flags ride with the last buckets, so a parameter no rank used keeps
+``grad = None`` without DDP's ``find_unused_parameters`` graph traversal every step.
+tests/comm/test_buckets_vs_ddp.py checks the means against DDP's, bit for bit on 2 ranks.
 """
 
 from __future__ import annotations
@@ -19,16 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import CommCounter, count_op, nbytes_of, start_used_mask, world_size
-
-__all__ = [
-    "DEFAULT_BUCKET_MB",
-    "bucket_bytes_of",
-    "make_buckets",
-    "all_reduce_buckets",
-    "broadcast_tensors",
-    "GradReducer",
-]
+from .collectives import CommCounter, broadcast_, count_op, nbytes_of, start_used_mask, world_size
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -116,10 +112,9 @@ def all_reduce_buckets(
     return len(pending)
 
 
-def broadcast_tensors(
-    tensors: Iterable[torch.Tensor], *, src: int = 0, group: Any = None,
-    bucket_bytes: int = int(DEFAULT_BUCKET_MB * 1024 * 1024), counter: CommCounter | None = None,
-) -> None:
+def broadcast_tensors(tensors: Iterable[torch.Tensor], *, src: int = 0, group: Any = None,
+                      bucket_bytes: int = int(DEFAULT_BUCKET_MB * 1024 * 1024),
+                      counter: CommCounter | None = None) -> None:
     """In place: every rank's tensors become ``src``'s, bucketed like all-reduce."""
     ts = list(tensors)
     if world_size(group) == 1 or not ts:
@@ -128,26 +123,21 @@ def broadcast_tensors(
         members = [ts[i] for i in idx]
         flat = _flatten(members)
         count_op(counter, "broadcast", nbytes_of(flat))
-        dist.broadcast(flat, src=src, group=group)
+        broadcast_(flat, src=src, group=group)
         _unflatten_into(flat, members)
 
 
 class GradReducer:
     """Bucketed gradient all-reduce that overlaps the backward pass (as torch DDP does).
 
-    Parameters are bucketed in *reverse* registration order (gradients become ready
-    roughly from the last layer back) into buckets of at most ``bucket_bytes`` (the
-    first one capped at ``first_bucket_bytes``, 1 MiB as in DDP). A
-    post-accumulate-grad hook copies each gradient into its bucket's flat buffer; when a
-    bucket is full its all-reduce (SUM) starts asynchronously while autograd keeps
-    computing earlier layers. :meth:`finish` launches any bucket whose parameters got no
-    gradient (zeros), waits, divides by the world size and writes the means back into
-    ``p.grad``. Result: ``p.grad <- (1/n) sum_r p.grad^(r)``, identical to
-    :func:`all_reduce_buckets`, for every parameter some rank used; a parameter no rank
-    used this step gets ``p.grad = None`` (:func:`used_mask`, as DDP with
-    ``find_unused_parameters=True``). ``grad_views=True`` leaves each ``p.grad`` as a view of
-    its bucket (DDP's ``gradient_as_bucket_view``): zeroing gradients in place
-    (``zero_grad(set_to_none=False)``) then saves both copies per step.
+    Parameters are bucketed in *reverse* registration order (gradients become ready roughly
+    from the last layer back), the first bucket capped at ``first_bucket_bytes`` (1 MiB, as
+    DDP). A post-accumulate-grad hook copies each gradient into its bucket; a full bucket's
+    all-reduce (SUM) starts at once, while autograd computes earlier layers. :meth:`finish`
+    launches the rest (zeros for gradients not produced), waits, divides by the world size and
+    writes the means back: :func:`all_reduce_buckets`'s result, and ``grad = None`` where no
+    rank used a parameter. ``grad_views=True`` leaves each ``p.grad`` a view of its bucket
+    (DDP's ``gradient_as_bucket_view``), saving both copies with ``zero_grad(set_to_none=False)``.
     """
 
     def __init__(

@@ -1,31 +1,20 @@
-"""Collectives on torch.distributed: the communication counter, the small wrappers
-(barrier, broadcast, all-reduce, min of ints, text all-gather), the used-parameter mask,
-variable-size all-gather, reduce-scatter / all-gather-into-tensor with fallbacks for ops a
-backend lacks, and the consensus distance of replicas.
+"""Every collective outside tensor parallelism's patterns, over a process group passed in
+(``None`` = the default group; one process when torch.distributed is not initialised, then
+each call returns its input): the one barrier, the one tensor broadcast, the one byte
+count (:func:`nbytes_of`, booked in a :class:`CommCounter`), JSON and text documents, the
+used-parameter mask, variable-size all-gather, and reduce-scatter / all-gather-into-tensor.
 
-Bucketed all-reduce and the overlapped gradient reducer live in
-:mod:`paratrain.comm.buckets`; point-to-point byte and tensor messages in
-:mod:`paratrain.comm.messages`.
-
-Which parameters some rank used (:func:`used_mask`, DDP's ``find_unused_parameters``
-rule): one small MAX all-reduce of one flag per parameter. A parameter no rank produced
-a gradient for keeps ``grad = None`` (the optimizer skips it: no momentum, no weight
-decay); one that some rank used is averaged, ranks that did not use it adding zeros.
-
-Variable-size all-gather: sizes first (one int64 all-gather), then payloads padded to
-the largest size, trimmed on arrival; used for compressed (sparse) gradients whose byte
-length differs between ranks.
-
-Fallbacks: ``reduce_scatter`` = all-reduce of the concatenation, keep own chunk (also
-handles uneven chunks); ``all_gather_into_tensor`` = list all-gather + concatenation.
-They are used when the backend raises for the native op, or when ``fallback=True``.
-
-Every function takes the process group explicitly (``None`` = the default group) and
-records what it moved in an optional :class:`CommCounter`.
+Whether a backend has the flat ``reduce_scatter`` / ``all_gather_into_tensor`` (older gloo
+has neither) is decided once per process by a call of known-good shapes (:func:`_has_flat`),
+never by a failing real call, so a real error of a collective (wrong shapes, a dead peer)
+always reaches the caller; without them, an all-reduce and a slice (uneven chunks too), or a
+list all-gather. Nothing arriving over the network is unpickled; a length is checked against
+a limit before anything is allocated for it.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,28 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "CommCounter",
-    "count_op",
-    "nbytes_of",
-    "all_gather_variable",
-    "all_min_ints",
-    "all_gather_text",
-    "broadcast_bytes",
-    "rank_of",
-    "barrier",
-    "broadcast_",
-    "all_reduce_",
-    "used_mask",
-    "start_used_mask",
-    "reduce_scatter",
-    "all_gather_into_tensor",
-    "world_size",
-    "consensus_distance",
-    "comm_device",
-]
-
-_UNSUPPORTED: set[tuple[str, str]] = set()  # (backend, op) seen to raise "unsupported"
+MAX_JSON_BYTES = 64 * 1024 * 1024
 
 
 @dataclass
@@ -72,18 +40,15 @@ class CommCounter:
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
 
-    def reset(self) -> None:
-        self.calls.clear()
-        self.bytes.clear()
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"calls": dict(self.calls), "bytes": dict(self.bytes), "total_bytes": self.total_bytes}
-
 
 def count_op(counter: CommCounter | None, op: str, nbytes: int) -> None:
     """Book one ``op`` of ``nbytes`` in ``counter`` (nothing when it is None)."""
     if counter is not None:
         counter.add(op, nbytes)
+
+
+def nbytes_of(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def comm_device(group: Any = None) -> torch.device:
@@ -102,6 +67,11 @@ def rank_of(group: Any = None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+def global_rank(group: Any, rank: int) -> int:
+    """The global rank of ``group``'s rank ``rank`` (what point-to-point ops and ``src`` take)."""
+    return dist.get_global_rank(group, rank) if group is not None else rank
+
+
 def barrier(group: Any = None) -> None:
     """Wait for every rank of ``group`` (no-op for one process)."""
     if world_size(group) > 1:
@@ -110,27 +80,53 @@ def barrier(group: Any = None) -> None:
 
 def broadcast_(tensor: torch.Tensor, *, src: int = 0, group: Any = None,
                counter: CommCounter | None = None) -> torch.Tensor:
-    """In place: ``tensor`` becomes ``src``'s (no-op for one process); returns it."""
-    if world_size(group) > 1:
-        count_op(counter, "broadcast", nbytes_of(tensor))
+    """In place: ``tensor`` becomes global rank ``src``'s (no-op for one process); returns
+    it. ``counter`` books ``broadcast_delivered`` on the source (the bytes times the ranks
+    that receive them) and ``broadcast_received`` on a receiver."""
+    n = world_size(group)
+    if n > 1:
         dist.broadcast(tensor, src=src, group=group)
+        if dist.get_rank() == src:
+            count_op(counter, "broadcast_delivered", nbytes_of(tensor) * (n - 1))
+        else:
+            count_op(counter, "broadcast_received", nbytes_of(tensor))
     return tensor
 
 
-def broadcast_bytes(data: bytes | None, *, src: int = 0, group: Any = None) -> bytes:
+def broadcast_module_(module: torch.nn.Module, src: int = 0) -> None:
+    """Every rank's ``module`` becomes rank ``src``'s (in place), so that the shards cut
+    from it fit together whatever randomness a model factory used."""
+    if world_size() > 1:
+        with torch.no_grad():
+            for t in list(module.state_dict().values()):
+                broadcast_(t, src=src)
+
+
+def broadcast_bytes(data: bytes | None, *, src: int = 0, group: Any = None,
+                    max_bytes: int = 1 << 40) -> bytes:
     """``src``'s ``data`` on every rank of ``group`` (others pass None): the length, then
     the bytes (a copy in one process)."""
     if world_size(group) == 1:
         return bytes(data or b"")
     mine = rank_of(group) == src
     n = torch.tensor([len(data or b"") if mine else 0], dtype=torch.int64, device=comm_device(group))
-    dist.broadcast(n, src=src, group=group)
+    broadcast_(n, src=global_rank(group, src), group=group)
+    if not 0 <= int(n.item()) <= max_bytes:
+        raise ValueError(f"broadcast_bytes: a message of {int(n.item())} bytes is outside [0, {max_bytes}]")
     buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).clone() if mine and data
            else torch.zeros(int(n.item()), dtype=torch.uint8))
     buf = buf.to(comm_device(group))
     if buf.numel():
-        dist.broadcast(buf, src=src, group=group)
+        broadcast_(buf, src=global_rank(group, src), group=group)
     return bytes(buf.cpu().numpy().tobytes())
+
+
+def broadcast_json(obj: Any, *, group: Any, src: int = 0, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """``src``'s JSON document on every rank (others pass anything, e.g. ``None``)."""
+    if world_size(group) == 1:
+        return obj
+    data = json.dumps(obj, allow_nan=True).encode("utf-8") if rank_of(group) == src else None
+    return json.loads(broadcast_bytes(data, src=src, group=group, max_bytes=max_bytes).decode("utf-8"))
 
 
 def all_reduce_(tensor: torch.Tensor, *, group: Any = None, op: str = "sum",
@@ -148,14 +144,19 @@ def all_reduce_(tensor: torch.Tensor, *, group: Any = None, op: str = "sum",
 def all_min_ints(values: Sequence[int], *, group: Any = None) -> list[int]:
     """Element-wise minimum of ``values`` (int64) over the ranks of ``group``; a copy in
     one process. Negate an entry to get its maximum in the same collective."""
-    if world_size(group) == 1:
-        return [int(v) for v in values]
     t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=comm_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return [int(v) for v in t.tolist()]
+    return [int(v) for v in all_reduce_(t, group=group, op="min").tolist()]
 
 
-def all_gather_text(text: str, *, group: Any = None) -> list[str]:
+def world_mean(values: Sequence[float], device: torch.device | None = None) -> list[float]:
+    """Mean of ``values`` over all ranks (one float64 all-reduce); a copy in one process."""
+    if world_size() == 1:
+        return list(values)
+    t = all_reduce_(torch.tensor(list(values), dtype=torch.float64, device=device))
+    return (t / world_size()).tolist()
+
+
+def all_gather_text(text: str, *, group: Any = None, max_bytes: int = 1 << 24) -> list[str]:
     """Every rank's ``text`` (UTF-8), by rank; ``[text]`` in one process."""
     if world_size(group) == 1:
         return [text]
@@ -163,7 +164,16 @@ def all_gather_text(text: str, *, group: Any = None) -> list[str]:
     payload = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
                else torch.zeros(0, dtype=torch.uint8)).to(comm_device(group))
     return [bytes(t.cpu().tolist()).decode("utf-8", errors="replace")
-            for t in all_gather_variable(payload, group=group, max_numel=1 << 24)]
+            for t in all_gather_variable(payload, group=group, max_numel=max_bytes)]
+
+
+def gather_json(obj: Any, *, group: Any, dst: int = 0, max_bytes: int = MAX_JSON_BYTES) -> list[Any] | None:
+    """Every rank's JSON document on rank ``dst`` of ``group`` (rank order); ``None``
+    elsewhere. An oversize document fails on every rank together (the lengths travel first)."""
+    if world_size(group) == 1:
+        return [obj]
+    texts = all_gather_text(json.dumps(obj, allow_nan=True), group=group, max_bytes=max_bytes)
+    return [json.loads(t) for t in texts] if rank_of(group) == dst else None
 
 
 def start_used_mask(
@@ -184,26 +194,17 @@ def start_used_mask(
 
 
 def used_mask(local: Sequence[bool], *, group: Any = None, counter: CommCounter | None = None) -> list[bool]:
-    """For each entry, whether any rank of ``group`` passed True (one uint8 MAX all-reduce)."""
+    """For each entry, whether any rank of ``group`` passed True (one uint8 MAX all-reduce:
+    DDP's ``find_unused_parameters`` rule, a parameter no rank used keeps ``grad = None``)."""
     return list(start_used_mask(local, group=group, counter=counter)())
 
 
-def nbytes_of(t: torch.Tensor) -> int:
-    """Bytes of ``t``'s elements."""
-    return t.numel() * t.element_size()
-
-
-def all_gather_variable(
-    payload: torch.Tensor,
-    *,
-    group: Any = None,
-    counter: CommCounter | None = None,
-    max_numel: int = 1 << 31,
-) -> list[torch.Tensor]:
+def all_gather_variable(payload: torch.Tensor, *, group: Any = None, counter: CommCounter | None = None,
+                        max_numel: int = 1 << 31) -> list[torch.Tensor]:
     """Gather a 1-D tensor whose length differs by rank; returns one tensor per rank.
 
     Two collectives: the lengths (int64), then the payloads padded to the longest.
-    A length above ``max_numel`` is rejected before anything is allocated.
+    A length above ``max_numel`` is rejected on every rank before anything is allocated.
     """
     if payload.dim() != 1:
         raise ValueError(f"all_gather_variable needs a 1-D tensor (got shape {tuple(payload.shape)})")
@@ -216,9 +217,8 @@ def all_gather_variable(
     lengths = [int(s.item()) for s in sizes]
     bad = [ln for ln in lengths if not 0 <= ln <= max_numel]
     if bad:
-        raise ValueError(f"all_gather_variable: peer announced {bad[0]} elements (limit {max_numel})")
-    longest = max(lengths)
-    padded = torch.zeros(longest, dtype=payload.dtype, device=payload.device)
+        raise ValueError(f"all_gather_variable: a rank announced {bad[0]} elements, outside [0, {max_numel}]")
+    padded = torch.zeros(max(lengths), dtype=payload.dtype, device=payload.device)
     padded[: payload.numel()] = payload
     out = [torch.empty_like(padded) for _ in range(n)]
     count_op(counter, "all_gather", nbytes_of(padded) + 8)
@@ -226,36 +226,74 @@ def all_gather_variable(
     return [o[:ln] for o, ln in zip(out, lengths, strict=True)]
 
 
-def _backend(group: Any) -> str:
+# Newer torch names the flat collectives ``*_single``, older ones ``*_tensor``.
+_AG = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+_RS = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
+_FLAT_FNS = {"all_gather": _AG, "reduce_scatter": _RS}
+_FLAT: dict[tuple[str, str], bool] = {}  # (op, backend) -> whether the backend has the flat op
+_UNSUPPORTED = ("does not support", "not supported", "not implemented", "unsupported")
+
+
+def _probe_flat(op: str, like: torch.Tensor, group: Any) -> bool:
+    """Whether ``group``'s backend implements the flat ``op``: one call with one element
+    per rank; only a "not supported" answer means no (any other error is raised). Every
+    rank reaches it at the same collective (its first use of ``op``), so it is matched."""
+    fn = _FLAT_FNS[op]
+    if fn is None:
+        return False
+    p = dist.get_world_size(group)
+    small = torch.zeros(1 if op == "all_gather" else p, dtype=like.dtype, device=like.device)
+    out = torch.empty(p if op == "all_gather" else 1, dtype=like.dtype, device=like.device)
     try:
-        return str(dist.get_backend(group))
-    except Exception:  # noqa: BLE001
-        return "unknown"
+        fn(out, small, group=group)
+    except NotImplementedError:
+        return False
+    except RuntimeError as e:
+        if any(w in str(e).lower() for w in _UNSUPPORTED):
+            return False
+        raise
+    return True
 
 
-def _native_failed(e: Exception) -> bool:
-    text = str(e).lower()
-    return any(s in text for s in ("not supported", "unsupported", "does not support", "not implemented"))
+def _has_flat(op: str, like: torch.Tensor, group: Any) -> bool:
+    key = (op, str(dist.get_backend(group)))
+    if key not in _FLAT:
+        _FLAT[key] = _probe_flat(op, like, group)
+    return _FLAT[key]
 
 
-def reduce_scatter(
-    output: torch.Tensor,
-    inputs: torch.Tensor | Sequence[torch.Tensor],
-    *,
-    group: Any = None,
-    average: bool = False,
-    fallback: bool | None = None,
-    counter: CommCounter | None = None,
-) -> torch.Tensor:
+def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """``out`` = concatenation of every rank's ``x`` along dim 0 (the work when ``async_op``)."""
+    if _has_flat("all_gather", x, group):
+        return _AG(out, x, group=group, async_op=async_op)  # type: ignore[misc]
+    return dist.all_gather(list(out.chunk(dist.get_world_size(group))), x, group=group, async_op=async_op)
+
+
+def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
+    """``out`` = this rank's chunk (dim 0) of the sum of every rank's ``inp``."""
+    if _has_flat("reduce_scatter", inp, group):
+        return _RS(out, inp, group=group, async_op=async_op)  # type: ignore[misc]
+    full = inp.clone()
+    dist.all_reduce(full, group=group)
+    out.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+    return None
+
+
+def _flat_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1) if t.is_contiguous() else t.contiguous().reshape(-1)
+
+
+def reduce_scatter(output: torch.Tensor, inputs: torch.Tensor | Sequence[torch.Tensor], *,
+                   group: Any = None, average: bool = False, fallback: bool | None = None,
+                   counter: CommCounter | None = None) -> torch.Tensor:
     """``output`` <- chunk ``rank`` of the sum (or mean) over ranks of ``inputs``.
 
     ``inputs`` is a flat tensor of ``world * output.numel()`` elements or a list with one
     chunk per rank (chunks may differ in size; ``output`` matches this rank's chunk).
-    Fallback (gloo before it had the op, or uneven chunks): all-reduce the concatenation
-    and copy out this rank's slice (bytes moved: the whole concatenation).
+    Fallback (``fallback=True``, a backend without the flat op, or uneven chunks):
+    all-reduce the concatenation and copy out this rank's slice (bytes moved: all of it).
     """
-    n = world_size(group)
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    n, rank = world_size(group), rank_of(group)
     chunks = list(inputs) if not isinstance(inputs, torch.Tensor) else list(
         inputs.reshape(-1).split(output.numel())  # type: ignore[no-untyped-call]
     )
@@ -268,30 +306,19 @@ def reduce_scatter(
     if n == 1:
         output.copy_(chunks[0].view_as(output))
         return output
-    even = all(c.numel() == output.numel() for c in chunks)
-    use_fallback = fallback if fallback is not None else (
-        not even or (_backend(group), "reduce_scatter") in _UNSUPPORTED
-    )
-    if not use_fallback:
-        try:
-            flat = torch.cat([c.reshape(-1) for c in chunks])
-            out_flat = output.reshape(-1) if output.is_contiguous() else output.contiguous().reshape(-1)
-            count_op(counter, "reduce_scatter", nbytes_of(flat))
-            dist.reduce_scatter_tensor(out_flat, flat, group=group)
-            if out_flat.data_ptr() != output.data_ptr():
-                output.copy_(out_flat.view_as(output))
-            if average:
-                output.div_(n)
-            return output
-        except (RuntimeError, NotImplementedError) as e:
-            if not _native_failed(e):
-                raise
-            _UNSUPPORTED.add((_backend(group), "reduce_scatter"))
     flat = torch.cat([c.reshape(-1) for c in chunks])
-    count_op(counter, "reduce_scatter_fallback", nbytes_of(flat))
-    dist.all_reduce(flat, group=group)
-    start = sum(c.numel() for c in chunks[:rank])
-    output.copy_(flat[start : start + output.numel()].view_as(output))
+    even = all(c.numel() == output.numel() for c in chunks)
+    if even and not fallback and _has_flat("reduce_scatter", flat, group):
+        out_flat = _flat_view(output)
+        count_op(counter, "reduce_scatter", nbytes_of(flat))
+        _RS(out_flat, flat, group=group)  # type: ignore[misc]
+        if out_flat.data_ptr() != output.data_ptr():
+            output.copy_(out_flat.view_as(output))
+    else:
+        count_op(counter, "reduce_scatter_fallback", nbytes_of(flat))
+        dist.all_reduce(flat, group=group)
+        start = sum(c.numel() for c in chunks[:rank])
+        output.copy_(flat[start : start + output.numel()].view_as(output))
     if average:
         output.div_(n)
     return output
@@ -305,7 +332,8 @@ def all_gather_into_tensor(
     fallback: bool | None = None,
     counter: CommCounter | None = None,
 ) -> torch.Tensor:
-    """``output`` (``world * input.numel()`` elements) <- the ranks' inputs, concatenated."""
+    """``output`` (``world * input.numel()`` elements) <- the ranks' inputs, concatenated
+    (``fallback=True`` or a backend without the flat op: a list all-gather)."""
     n = world_size(group)
     if output.numel() != n * input.numel():
         raise ValueError(
@@ -314,31 +342,24 @@ def all_gather_into_tensor(
     if n == 1:
         output.copy_(input.reshape(output.shape))
         return output
-    use_fallback = fallback if fallback is not None else (_backend(group), "all_gather") in _UNSUPPORTED
-    if not use_fallback:
-        try:
-            out_flat = output.reshape(-1) if output.is_contiguous() else output.contiguous().reshape(-1)
-            count_op(counter, "all_gather_into_tensor", nbytes_of(input))
-            dist.all_gather_into_tensor(out_flat, input.contiguous().reshape(-1), group=group)
-            if out_flat.data_ptr() != output.data_ptr():
-                output.copy_(out_flat.view_as(output))
-            return output
-        except (RuntimeError, NotImplementedError) as e:
-            if not _native_failed(e):
-                raise
-            _UNSUPPORTED.add((_backend(group), "all_gather"))
-    parts = [torch.empty_like(input.reshape(-1)) for _ in range(n)]
+    x = input.contiguous().reshape(-1)
+    if not fallback and _has_flat("all_gather", x, group):
+        out_flat = _flat_view(output)
+        count_op(counter, "all_gather_into_tensor", nbytes_of(input))
+        _AG(out_flat, x, group=group)  # type: ignore[misc]
+        if out_flat.data_ptr() != output.data_ptr():
+            output.copy_(out_flat.view_as(output))
+        return output
+    parts = [torch.empty_like(x) for _ in range(n)]
     count_op(counter, "all_gather_fallback", nbytes_of(input))
-    dist.all_gather(parts, input.contiguous().reshape(-1), group=group)
+    dist.all_gather(parts, x, group=group)
     output.copy_(torch.cat(parts).view_as(output))
     return output
 
 
 def consensus_distance(flat: torch.Tensor, *, group: Any = None, counter: CommCounter | None = None) -> float:
-    """max_{i,j} ||x_i - x_j||_2 over ranks for this rank's flat parameter vector ``flat``.
-
-    One all-gather of the vectors; every rank returns the same value.
-    """
+    """max_{i,j} ||x_i - x_j||_2 over ranks for this rank's flat parameter vector ``flat``
+    (one all-gather of the vectors; every rank returns the same value)."""
     n = world_size(group)
     if n == 1:
         return 0.0

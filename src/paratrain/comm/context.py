@@ -7,8 +7,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["WorkerInfo", "WorkerContext", "default_workers"]
-
 
 @dataclass(frozen=True)
 class WorkerInfo:
@@ -33,11 +31,8 @@ def default_workers(world_size: int, specs: list[Any] | None = None) -> list[Wor
 
 @dataclass
 class WorkerContext:
-    """Passed to every worker entry point.
-
-    ``group`` is the default process group (``None`` when running as one process);
-    ``store`` the rendezvous key-value store used as the control plane (``None`` alone).
-    """
+    """Passed to every worker entry point: ``group`` is the default process group and
+    ``store`` the rendezvous store used as the control plane (both ``None`` in one process)."""
 
     rank: int
     world_size: int

@@ -1,18 +1,13 @@
 """A shared-directory tensor store: ModelParallel's ``DataStore`` protocol.
 
-Stages hand activations and gradients to each other through files in a directory that
-every worker can see (a local or network file system), so a consumer need not be
-running when its input is produced: the file waits for it.
-
-- **Atomic writes**: a value is written to a hidden temp file in the same directory and
-  published with ``os.replace``; a reader sees either nothing or the whole file.
-- **Safe serialization**: ``torch.save`` of one tensor, read back with
-  ``torch.load(weights_only=True)`` (no arbitrary pickle) after a size check.
-- **Bounded polling**: :meth:`DataStore.get` polls with exponential back-off (2 ms up to
-  50 ms) and raises ``TimeoutError`` naming the key and path after ``timeout_s``.
-- **Cleanup**: a consumed value is deleted (``take``); every launch works in a fresh
-  session sub-directory agreed through the rendezvous store, and rank 0 removes the
-  sessions of earlier launches, so a stale file from a crashed run is never read.
+Stages hand activations and gradients to each other through files in a directory every worker
+can see, so a consumer need not be running when its input is produced. A value is written
+atomically (:func:`paratrain.files.write_atomic`), saved with ``torch.save`` and read back with
+``torch.load(weights_only=True)`` after a size check; :meth:`DataStore.get` polls with
+exponential back-off (2 ms up to 50 ms) and raises ``TimeoutError`` naming the key and path
+after ``timeout_s``; a consumed value is deleted. Every launch works in a fresh session
+directory agreed through the rendezvous store, and rank 0 removes earlier launches' sessions,
+so a stale file from a crashed run is never read.
 """
 
 from __future__ import annotations
@@ -27,8 +22,6 @@ from typing import Any
 import torch
 
 from ..files import write_atomic
-
-__all__ = ["DataStore", "DataStoreTransport", "open_session"]
 
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}$")
 _SESSION_PREFIX = "session-"
@@ -61,9 +54,6 @@ class DataStore:
         self.bytes_written += t.numel() * t.element_size()
         return dest
 
-    def exists(self, key: str) -> bool:
-        return self.path(key).exists()
-
     def get(self, key: str, *, timeout_s: float | None = None, delete: bool = False) -> torch.Tensor:
         """Wait (bounded) for ``key`` and load it; ``delete=True`` removes it after reading."""
         p = self.path(key)
@@ -92,31 +82,18 @@ class DataStore:
         """``get`` and delete (each value is consumed exactly once)."""
         return self.get(key, timeout_s=timeout_s, delete=True)
 
-    def delete(self, key: str) -> None:
-        self.path(key).unlink(missing_ok=True)
-
     def keys(self) -> list[str]:
         return sorted(p.name[:-3] for p in self.root.glob("*.pt") if not p.name.startswith("."))
-
-    def clear(self) -> None:
-        """Remove every value (and leftover temp file) in this store."""
-        for p in self.root.iterdir():
-            if p.is_file() and (p.name.endswith(".pt") or p.name.startswith(".")):
-                p.unlink(missing_ok=True)
 
 
 def open_session(root: str | Path, *, rank: int, control: Any = None, generation: int = 0,
                  timeout_s: float = 300.0, namespace: str = "run",
                  run_dir: str | Path | None = None) -> DataStore:
-    """A DataStore in a fresh per-launch session directory ``<root>/<namespace>.session-<id>``.
-
-    Rank 0 names the session and publishes the name on the rendezvous ``control`` store
-    (``None`` = single process); it also deletes earlier sessions of the same
-    ``namespace``, leaving other runs sharing ``root`` alone. With ``run_dir`` the
-    namespace also carries a digest of that resolved run folder: two runs of one
-    ``run.name`` in different ``run.output_dir`` sharing one DataStore path are different
-    runs, and neither deletes the other's live session.
-    """
+    """A DataStore in a fresh per-launch session directory ``<root>/<namespace>.session-<id>``,
+    named by rank 0 on the rendezvous ``control`` store (``None``: one process), which also
+    deletes earlier sessions of ``namespace``. With ``run_dir`` the namespace carries a digest
+    of that run folder, so two runs of one ``run.name`` in different ``run.output_dir`` sharing
+    one DataStore path never delete each other's live session."""
     if not re.fullmatch(r"[A-Za-z0-9_\-]{1,100}", namespace):
         raise ValueError(f"invalid datastore namespace {namespace!r}")
     if run_dir is not None:
@@ -185,11 +162,8 @@ class DataStoreTransport:
         """Close after an error: the session folder stays (the next launch removes it)."""
 
     def close(self) -> None:
-        """Rank 0 removes the session directory once it is empty (every value consumed).
-
-        Only rank 0 does, after its last receive: another rank removing a momentarily
-        empty directory could race a peer's pending write.
-        """
+        """Rank 0 removes the session directory once it is empty (every value consumed), after
+        its last receive: another rank could race a peer's pending write."""
         if self.rank != 0:
             return
         try:

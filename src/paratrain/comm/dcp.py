@@ -1,23 +1,15 @@
 """torch.distributed.checkpoint (DCP) for pieces of tensors: each process writes what it
 holds and reads back only the slices it holds now.
 
-A checkpoint is one DCP folder (``.metadata`` + ``__<rank>_0.distcp`` files) of flat
-keys. A tensor a process holds whole is saved as one chunk; a *piece* of a larger tensor
-(a tensor-parallel shard, a ZeRO row range, a q/k/v third of a fused ``in_proj_weight``)
-is saved as the chunk ``Box(shape, offsets)`` of that tensor: DCP's metadata then records
-the whole tensor's size and where every chunk lies, which is what lets another layout read
-the same tensor cut differently. Replicas of one chunk (the same key and offsets on several
-processes) are written once (DCP's deduplication, by the lowest rank). Non-tensor values
-(``blobs``) are DCP byte items, read back with ``torch.load(weights_only=True)``.
-
-Reading (:func:`load`): each target is a tensor this process fills, the box it is of the
-whole tensor, and the keys to take it from, in order of preference; the chunks of those
-keys that overlap it are read (the first key holding a region wins; a region no key covers
-is an error naming it). DCP's ``create_read_items_for_chunk_list`` computes the overlaps,
-so a process reads its slice and nothing else: a rank of a 2-way shard reads half of a
-4-way-sharded tensor's chunks, never the whole tensor.
-
-Everything collective here runs over ``group`` (None: one process, DCP's ``no_dist``).
+A checkpoint is one DCP folder of flat keys. A tensor held whole is one chunk; a *piece* (a
+tensor-parallel shard, a ZeRO row range, a q/k/v third of a fused ``in_proj_weight``) is the
+chunk ``Box(shape, offsets)`` of its tensor, so DCP's metadata records the whole size and
+where every chunk lies, and another layout reads the same tensor cut differently. Replicas of
+one chunk are written once (DCP's deduplication, lowest rank). Non-tensor ``blobs`` are DCP
+byte items, read back with ``torch.load(weights_only=True)``. :func:`load` fills each target
+from the chunks of its keys (in order of preference) that overlap it, computed by DCP's
+``create_read_items_for_chunk_list``: a process reads its slice and nothing else; a region no
+key covers is an error naming it. Collective over ``group`` (None: DCP's ``no_dist``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""What a :mod:`paratrain.comm.dcp` checkpoint is made of, without importing
-torch.distributed.checkpoint: a piece's place in the whole tensor (:class:`Box`), a tensor to
-fill (:class:`Target`), a saved piece (:data:`Piece`).
-
-Apart so that code describing checkpoints (``training.dcp_state``, ``training.stores``)
-imports in milliseconds: torch.distributed.checkpoint imports DTensor and its operator
-table (about 0.7 s of a Local run's start on 2 cores), which a run needs only when it
-first saves or resumes (``training.stores.warm`` starts that import in the background).
+"""What a :mod:`paratrain.comm.dcp` checkpoint is made of (:class:`Box`, :class:`Target`,
+:data:`Piece`), apart so that code describing checkpoints imports in milliseconds:
+torch.distributed.checkpoint imports DTensor and its operator table (about 0.7 s of a Local
+run's start on 2 cores), needed only when a run first saves or resumes.
 """
 
 from __future__ import annotations
@@ -13,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-__all__ = ["METADATA", "Box", "Target", "Piece", "MissingRegion"]
 
 METADATA = ".metadata"  # the file DCP's FileSystemWriter writes last, on the coordinator
 

@@ -1,39 +1,21 @@
 """Compressed gradient exchange over torch.distributed, and a DDP communication hook.
 
-``allreduce_compressed(compressor, named, group=...)`` returns, on every rank, the mean
-over ranks of D(C_r(g_r)) for each named tensor, where C_r is rank r's compressor (its
-own error-feedback residual per name). Which collective carries it depends on the
-method that ends up on the wire (wrappers removed):
+``allreduce_compressed(compressor, named, group=...)`` returns on every rank the mean over
+ranks of D(C_r(g_r)) for each named tensor (C_r: rank r's compressor, its error-feedback
+residual per name). The collective follows the method on the wire: ``None`` (dense) and
+``RandomK`` (the same k positions on every rank, from seed, step and name: values only) are
+one **all-reduce**; ``TopK`` (rank-specific positions) one **all-gather** of fixed-size
+values and int32/int64 indices, scatter-added (Aji & Heafield 2017; Lin et al. 2018);
+``Threshold`` / ``Quantization`` all-gather their serialised records (lengths first), parsed
+with strict shape and dtype checks; ``PowerSGD`` is :mod:`paratrain.comm.powersgd`.
 
-* ``None``: the (clipped / error-compensated) dense tensors, fused into one flat buffer,
-  are summed by **all-reduce**.
-* ``RandomK``: every rank draws the same k positions from (seed, step, name), so only
-  the k values per tensor are summed by **all-reduce** (no indices travel).
-* ``TopK``: each rank keeps exactly min(k, n) entries per tensor, at rank-specific
-  positions; values and int32/int64 indices of fixed size travel in one **all-gather**
-  (one byte buffer per rank) and each rank scatter-adds the world's entries (Aji &
-  Heafield 2017; Lin et al. 2018).
-* ``Threshold`` / ``Quantization``: rank-specific counts or scales; each rank's records
-  are serialised to the wire format, their lengths are all-gathered, then the padded
-  byte payloads are **all-gathered** and parsed with strict validation (shapes and dtypes
-  must match the local tensors).
-
-``ddp_hook(strategy, model=..., process_group=None, seed=0)`` wraps this as a
-``DistributedDataParallel`` communication hook (PyTorch's ``register_comm_hook``): it
-keys state by **parameter name** (not bucket index), so residuals survive bucket
-rebuilds and can be checkpointed with ``state.state_dict()``. The step that seeds
-RandomK and stochastic rounding advances automatically when a parameter is seen a
-second time (one step per backward pass, identical on every rank), or explicitly with
-``state.step()``. ``state.state_dict()`` records which names were already exchanged at
-the current step, so a hook loaded in fresh processes advances before its first
-exchange and a resumed run repeats the uninterrupted run's draws exactly. Compression runs in the hook; the collective is launched
-asynchronously and the returned future writes the means into the bucket when it
-completes, so communication overlaps the rest of the backward pass. A plain ``{"method":"None"}`` strategy takes DDP's own path: divide the
-bucket by the world size and all-reduce it, so gradients equal DDP without a hook.
-Works on gloo and NCCL (collective buffers live on the gradients' device).
-``{"method":"PowerSGD",...}`` runs :mod:`paratrain.comm.powersgd` instead (two all-reduces
-per bucket, P then Q; a plain all-reduce before its ``start_step``), its residuals and
-warm Q keyed by parameter name in ``state.state_dict()``.
+``ddp_hook(strategy, model=...)`` wraps it as a ``register_comm_hook`` hook keyed by
+**parameter name**, not bucket index, so residuals survive bucket rebuilds and are
+checkpointed by ``state.state_dict()``, which also records the names exchanged at the
+current step: a resumed run repeats the uninterrupted run's draws. The step advances when a
+name is seen a second time (one step per backward pass). The collective is launched
+asynchronously and overlaps the rest of the backward pass; ``{"method":"None"}`` takes DDP's
+own path (divide the bucket by the world size, all-reduce), so gradients equal DDP's.
 """
 
 from __future__ import annotations
@@ -46,12 +28,8 @@ import torch.distributed as dist
 
 from ..compression import CompressedTensor, Compressor
 from ..config.compression import NoCompression, load_compression
-
-__all__ = ["allreduce_compressed", "ddp_hook", "CompressionHookState"]
-
-
-def _world(group: Any) -> int:
-    return dist.get_world_size(group) if dist.is_initialized() else 1
+from .collectives import nbytes_of, world_size
+from .powersgd import allreduce_powersgd, mean_bucket, powersgd_bucket_hook
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -135,7 +113,7 @@ def _launch_topk(compressor: Compressor, named: Named, group: Any, world: int) -
     ).to(idx_dtype)
     vals = torch.cat([c.values.to(acc) for c in recs])
     # One all-gather of [values | indices] as bytes (every rank sends the same count).
-    nv = vals.numel() * vals.element_size()
+    nv = nbytes_of(vals)
     payload = torch.cat([vals.view(torch.uint8), idx.view(torch.uint8)])
     if world > 1:
         gathered = [torch.empty_like(payload) for _ in range(world)]
@@ -195,13 +173,13 @@ def _launch_bytes(compressor: Compressor, named: Named, group: Any, world: int) 
 
 
 def _wire(world: int, t: torch.Tensor) -> int:
-    return t.numel() * t.element_size() if world > 1 else 0
+    return nbytes_of(t) if world > 1 else 0
 
 
 def _launch(compressor: Compressor, named: Named, group: Any) -> _Pending:
     if not named:
         return _Pending(None, list)
-    world = _world(group)
+    world = world_size(group)
     method = compressor.method
     if method == "None":
         return _launch_dense(compressor, named, group, world)
@@ -212,28 +190,16 @@ def _launch(compressor: Compressor, named: Named, group: Any) -> _Pending:
     return _launch_bytes(compressor, named, group, world)
 
 
-def allreduce_compressed(
-    compressor: Compressor,
-    named: Sequence[tuple[str, torch.Tensor]],
-    *,
-    group: Any = None,
-    counter: Any = None,
-) -> list[torch.Tensor]:
-    """Mean over ranks of D(C_r(t_r)) for each ``(name, tensor)``; same order as ``named``.
-
-    Every rank must pass the same names, shapes and dtypes in the same order, with
-    compressors built from the same strategy and seed at the same step. ``group=None``
-    uses the default group (or works alone when torch.distributed is not initialised).
-    Compression runs on the caller's thread; the result is the mean in each tensor's
-    dtype (accumulated in float32 for float16/bfloat16). ``counter`` (a
-    :class:`~paratrain.comm.collectives.CommCounter`) books the bytes this rank sent.
-    """
+def allreduce_compressed(compressor: Compressor, named: Sequence[tuple[str, torch.Tensor]], *,
+                         group: Any = None, counter: Any = None) -> list[torch.Tensor]:
+    """Mean over ranks of D(C_r(t_r)) for each ``(name, tensor)``, in ``named``'s order and
+    each tensor's dtype (accumulated in float32 for float16/bfloat16). Every rank passes the
+    same names, shapes and dtypes, with compressors of one strategy and seed at one step;
+    ``counter`` books the bytes this rank sent."""
     if compressor.powersgd is not None:
-        from .powersgd import allreduce_powersgd
-
         named = list(named)
         state = compressor.powersgd
-        if named and _world(group) > 1:
+        if named and world_size(group) > 1:
             size = named[0][1].element_size()
             compressor.stats.record(size * sum(t.numel() for _, t in named),
                                     size * state.wire_numel([tuple(t.shape) for _, t in named]))
@@ -247,15 +213,8 @@ def allreduce_compressed(
 class CompressionHookState:
     """State of the DDP hook: the Compressor, the group and parameter names."""
 
-    def __init__(
-        self,
-        strategy: Any,
-        *,
-        model: torch.nn.Module | None = None,
-        process_group: Any = None,
-        seed: int = 0,
-        stochastic_rounding: bool = True,
-    ) -> None:
+    def __init__(self, strategy: Any, *, model: torch.nn.Module | None = None, process_group: Any = None,
+                 seed: int = 0, stochastic_rounding: bool = True) -> None:
         self.strategy = load_compression(strategy)
         self.compressor = Compressor(
             self.strategy, seed=seed, stochastic_rounding=stochastic_rounding
@@ -268,7 +227,6 @@ class CompressionHookState:
             self._names = {id(p): n for n, p in inner.named_parameters()}
         self._auto_names = model is None
         self._seen: set[str] = set()
-        self.buckets_seen = 0
 
     def name_of(self, param: torch.Tensor) -> str:
         name = self._names.get(id(param))
@@ -285,11 +243,9 @@ class CompressionHookState:
         return self.compressor.step()
 
     def state_dict(self) -> dict[str, Any]:
-        """The compressor's state plus the parameter names already exchanged at its
-        current step (``seen``, sorted). The step advances lazily, when the next
-        backward pass meets a name again, so after ``k`` backward passes the counter
-        still holds the step the last one used; ``seen`` tells the loaded hook that
-        this step is spent and the next backward pass must advance first."""
+        """The compressor's state plus the names already exchanged at its current step
+        (``seen``): the step advances lazily, when the next backward pass meets a name
+        again, so ``seen`` tells a loaded hook to advance before its first exchange."""
         return {"compressor": self.compressor.state_dict(), "seen": sorted(self._seen)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -302,21 +258,15 @@ def _hook(state: CompressionHookState, bucket: Any) -> torch.futures.Future[torc
     """Compress this bucket's gradients by parameter name and launch the exchange
     asynchronously; the returned future writes the means into the bucket buffer."""
     group = state.process_group
-    world = _world(group)
     buf: torch.Tensor = bucket.buffer()
-    state.buckets_seen += 1
     if state.plain:
-        buf.div_(world)
-        fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
-        return cast("torch.futures.Future[torch.Tensor]", fut.then(lambda f: f.value()[0]))
+        return mean_bucket(buf, group)
     params = bucket.parameters()
     names = [state.name_of(p) for p in params]
     if state._seen.intersection(names):
         state.step()
     state._seen.update(names)
     if state.compressor.powersgd is not None:
-        from .powersgd import powersgd_bucket_hook
-
         return powersgd_bucket_hook(state.compressor.powersgd, bucket, names, group)
     grads = bucket.gradients()
     pending = _launch(state.compressor, list(zip(names, grads, strict=True)), group)
@@ -350,12 +300,9 @@ def ddp_hook(
     seed: int = 0,
     stochastic_rounding: bool = True,
 ) -> tuple[CompressionHookState, Callable[[CompressionHookState, Any], torch.futures.Future[torch.Tensor]]]:
-    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
-
-    Pass ``model`` (the DDP module or the module it wraps) so residuals are keyed by
-    parameter name; without it, names are assigned in first-seen order. Every rank must
-    use the same strategy and seed.
-    """
+    """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``; with ``model`` (the
+    DDP module or the one it wraps) residuals are keyed by parameter name, without it by
+    first-seen order. Every rank uses the same strategy and seed."""
     state = CompressionHookState(
         strategy, model=model, process_group=process_group, seed=seed,
         stochastic_rounding=stochastic_rounding,

@@ -1,41 +1,18 @@
 """Worker processes that start in milliseconds: a forkserver that has imported torch once.
 
-``import torch`` costs about 3 s of CPU in every process ``spawn`` starts, so a 4-rank
-launch on 2 cores spent ~6 s importing before any work. :func:`context` returns the
-``multiprocessing`` *forkserver* context with torch (and the caller's worker entry module,
-``preload``) preloaded: the server is one single-threaded process started on the first launch; every
-worker after that is a ``fork()`` of it, with torch already imported and no thread pool
-yet created (torch's intra-op threads start lazily, in the child), so forking is safe.
-
-A forked worker inherits the *server's* state from when it started, not its parent's
-current one. :class:`ParentState` carries what ``spawn`` would have given it, and
-:meth:`ParentState.apply` restores it first thing in the child:
-
-- ``os.environ`` (the parent's, with the launcher's per-rank keys on top),
-- the working directory and ``sys.path`` (a plugin or test module imported by name),
-- file descriptors 1 and 2: the parent's *current* stdout/stderr travel to the child
-  over the forkserver's socket (``multiprocessing.reduction.DupFd``), so a worker's
-  output goes where a spawned one's would (a terminal, a pipe, pytest's capture).
-
-Everything a worker needs to unpickle is passed as bytes and loaded *after*
-``apply()`` (see :func:`dumps` / :func:`loads`), so a function from a module on the
-parent's ``sys.path`` only is found.
-
-The server (and multiprocessing's resource tracker, which it starts) are children of the
-process that launched; Python leaves them to notice its exit and end on their own, which
-takes the server a torch-sized interpreter shutdown (1-2 s) *after* ``paratrain run`` has
-returned, so a script that starts the next job or removes the run folder at once raced
-it. :func:`stop` ends both and reaps them; the first :func:`context` call registers it
-to run at interpreter exit, so a process that launched workers exits only after every
-process it started has ended. (The server is kept between launches of one process:
-starting it again costs the torch import this module exists to save.)
-
-:func:`warm` starts the server *now*, without waiting for it: a launching process calls it
-before its own checks (``paratrain.dispatch.execute``), so the server imports torch and
-what the workers will need (their executor's modules, the data's libraries) on the second
-core while this process checks the job. A job that fails its checks then starts no worker;
-the server is stopped with the process (:func:`stop`). Without it the server starts at the
-first launch, after the checks, and a 2-worker job waited for both in turn.
+``import torch`` costs about 3 s of CPU in every process ``spawn`` starts (a 4-rank launch on
+2 cores spent ~6 s importing). :func:`context` is the ``multiprocessing`` *forkserver* context
+with torch and the caller's ``preload`` imported by one single-threaded server; every worker
+is a ``fork()`` of it, before any torch thread pool exists (those start lazily, in the child).
+A forked worker inherits the *server's* state, not its parent's: :class:`ParentState` carries
+what ``spawn`` would have given it (``os.environ`` with the launcher's per-rank keys on top,
+the working directory, ``sys.path``, and the parent's *current* stdout/stderr, passed over the
+forkserver's socket as ``DupFd``), restored by :meth:`ParentState.apply` before anything is
+unpickled (:func:`dumps` / :func:`loads`), so a function from a module on the parent's path
+only is found. :func:`stop`, registered at exit, ends the server and the resource tracker
+and reaps them: left alone they ended 1-2 s *after* ``paratrain run`` returned, racing a
+script's next job. :func:`warm` starts the server early (``paratrain.dispatch.execute``), so
+it imports on the second core while this process checks the job.
 """
 
 from __future__ import annotations
@@ -55,8 +32,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-__all__ = ["PRELOAD", "ParentState", "context", "warm", "stop", "dumps", "loads"]
 
 # Imported once by the server, inherited by every worker (with the caller's ``preload``).
 PRELOAD = ["torch", "torch.distributed", "numpy"]
@@ -108,14 +83,10 @@ def _reap(pid: int, timeout_s: float) -> None:
 
 def stop(timeout_s: float = 10.0) -> None:
     """End the forkserver and the resource tracker this process started, and wait until
-    both have exited (a no-op when neither runs; the next :func:`context` launch starts a
-    fresh server). The server is SIGKILLed: its workers have ended (the launcher joins
-    them, and a worker is a process of its own, not the server's) and it holds no state,
-    so nothing is lost and its 1-2 s interpreter shutdown is skipped. The tracker gets
-    EOF, its normal way to end (it then frees what workers leaked), within ``timeout_s``.
-
-    Uses the two singletons of CPython's ``multiprocessing`` (their ``_stop`` methods are
-    what CPython's own tests call); on an implementation without them this does nothing."""
+    both have exited (a no-op when neither runs). The server is SIGKILLed: it holds no state
+    and its workers have ended, so its 1-2 s interpreter shutdown is skipped. The tracker
+    gets EOF, its normal way to end, within ``timeout_s``. Uses CPython's ``multiprocessing``
+    singletons (their ``_stop`` methods are what CPython's own tests call)."""
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     lock = getattr(server, "_lock", None)
     if lock is not None:
@@ -140,11 +111,9 @@ def stop(timeout_s: float = 10.0) -> None:
 
 
 def _stop_at_exit() -> None:
-    """:func:`stop` at interpreter exit, after freeing this process's named semaphores (the
-    locks of queues and events it made): multiprocessing's own exit function frees them
-    first thing (its finalizers of priority >= 0), but it runs after this one, and the
-    tracker :func:`stop` closes frees every semaphore still registered -- so the later
-    ``sem_unlink`` found none and printed a ``FileNotFoundError`` traceback at exit."""
+    """:func:`stop` at interpreter exit, after freeing this process's named semaphores:
+    multiprocessing's own exit function (which runs after this one) found them freed by the
+    tracker :func:`stop` closes and printed a ``FileNotFoundError`` traceback."""
     with contextlib.suppress(Exception):
         multiprocessing.util._run_finalizers(0)  # type: ignore[attr-defined]
     stop()

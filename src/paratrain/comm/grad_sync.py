@@ -1,34 +1,19 @@
 """The one data-parallel gradient sync: :class:`GradSync`, over a process group passed in.
 
 DataParallel (AllReduce), the data-parallel side of tensor parallel x DataParallel and the
-replicated pipeline stage all combine their replicas' gradients here, so the rules below
-hold for each of them in one place (and a ZeRO reduce-scatter would go here too):
-
-* **Bucketed all-reduce** (:mod:`paratrain.comm.buckets`): ``overlap=True`` launches the
-  buckets from the backward pass (:class:`~paratrain.comm.buckets.GradReducer`, torch DDP's
-  reducer, gradients left as bucket views); ``overlap=False`` reduces after the backward
-  passes, in buckets of at most ``bucket_bytes``, for callers whose backward is not one
-  autograd pass (pipeline micro-batches, a tensor-parallel step's micro-batches). The result
-  is the mean over the group (``average=True``) or the sum (a replicated stage, whose
-  replicas' losses are already weighted by their rows).
-* **Unused parameters** (torch DDP's ``find_unused_parameters=True`` rule): a parameter
-  no rank produced a gradient for keeps ``grad = None``, so the optimizer skips it (no
-  momentum, no weight decay); one some rank used is combined with zeros from the others.
-  Without this rule, a data-dependent branch taken on one replica only makes the replicas
-  hand the collective different tensors (a wrong sum, or a hang).
-* **Compressed exchange** (``compressor``): the mean of ``D(C_r(g_r))`` through
-  :func:`~paratrain.comm.ddp_hook.allreduce_compressed` (the exchange the DDP hook runs),
-  for the parameters some rank used; its error-feedback residuals are :meth:`state_dict`.
-  PowerSGD is an all-reduce of P then of Q (:mod:`paratrain.comm.powersgd`), not an
-  all-gather of payloads; before its ``start_step`` a plain mean all-reduce.
-* **Buffer broadcast** (torch DDP's ``broadcast_buffers=True``): before the first forward
-  of every step the buffers (BatchNorm running statistics, ...) become those of the
-  group's first rank, so replicas normalise with the same statistics instead of drifting
-  apart; the step's later forwards (gradient accumulation) keep their own, as under DDP's
-  ``no_sync``.
-
-``group=None`` is the default group, or one process when torch.distributed is not
-initialised (then nothing is exchanged).
+replicated pipeline stage combine their replicas' gradients here, under one set of rules:
+a **bucketed all-reduce** (:mod:`paratrain.comm.buckets`; ``overlap=True`` launches the
+buckets from the backward pass, ``overlap=False`` reduces after it, for callers whose
+backward is not one autograd pass) of the mean (``average=True``) or the sum (a replicated
+stage, whose losses are already weighted by their rows); **unused parameters** as torch DDP's
+``find_unused_parameters=True``: one no rank produced a gradient for keeps ``grad = None``
+(the optimizer skips it), one some rank used is combined with zeros from the others, so a
+branch taken on one replica only never hands the collective different tensors (a wrong sum,
+or a hang); a **compressed exchange** (``compressor``, :mod:`paratrain.comm.ddp_hook`) whose
+error-feedback residuals are :meth:`GradSync.state_dict`; and a **buffer broadcast** before
+the first forward of every step (DDP's ``broadcast_buffers=True``: BatchNorm statistics
+become the group's first rank's; the step's later forwards keep their own, as under
+``no_sync``).
 """
 
 from __future__ import annotations
@@ -37,25 +22,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .buckets import DEFAULT_BUCKET_MB, GradReducer, all_reduce_buckets, broadcast_tensors
-from .collectives import CommCounter, used_mask, world_size
-
-__all__ = ["GradSync", "drop_unused"]
+from .collectives import CommCounter, global_rank, used_mask, world_size
 
 
-def _first_rank(group: Any) -> int:
-    """The global rank of ``group``'s rank 0 (what torch's ``broadcast(src=...)`` takes)."""
-    if group is None or not dist.is_initialized():
-        return 0
-    return int(dist.get_global_rank(group, 0))
-
-
-def drop_unused(
-    named: Sequence[tuple[str, torch.nn.Parameter]], *, group: Any = None,
-    counter: CommCounter | None = None,
-) -> list[tuple[str, torch.nn.Parameter]]:
+def drop_unused(named: Sequence[tuple[str, torch.nn.Parameter]], *, group: Any = None,
+                counter: CommCounter | None = None) -> list[tuple[str, torch.nn.Parameter]]:
     """The unused-parameter rule for exchanges that send only what was used: the
     parameters some rank of ``group`` produced a gradient for (one flag each, a MAX
     all-reduce); every other one gets ``grad = None``."""
@@ -101,7 +74,7 @@ class GradSync:
         self.compressor = compressor
         self.counter = counter if counter is not None else CommCounter()
         self.buffers = list(buffers)
-        self._src = _first_rank(group) if self.n > 1 else 0
+        self._src = int(global_rank(group, 0)) if self.n > 1 else 0
         self._step_open = False  # a forward of this step already ran (buffers broadcast)
         self.reducer: GradReducer | None = None
         if overlap and compressor is None and self.n > 1 and self.named:

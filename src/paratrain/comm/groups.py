@@ -1,29 +1,19 @@
 """Process groups and gossip topologies.
 
-Topologies for decentralized averaging (D-PSGD, Lian et al. 2017, "Can Decentralized
-Algorithms Outperform Centralized Algorithms?", NeurIPS):
-
-* ``ring``: rank i talks to i-1 and i+1 (mod n);
-* ``torus``: ranks on an r x c grid (r = the largest divisor of n with r <= sqrt(n);
-  a prime n gives 1 x n, i.e. a ring), each talks to its 4 wrap-around neighbours;
-* ``complete``: everyone talks to everyone.
-
-Mixing matrix: Metropolis-Hastings weights ``W_ij = 1 / (1 + max(d_i, d_j))`` for each
-edge, ``W_ii = 1 - sum_j W_ij``: symmetric and doubly stochastic for any graph, so
+Gossip topologies (D-PSGD, Lian et al. 2017, "Can Decentralized Algorithms Outperform
+Centralized Algorithms?", NeurIPS): ``ring`` (i talks to i-1 and i+1 mod n), ``torus`` (an
+r x c grid, r the largest divisor of n with r <= sqrt(n), 4 wrap-around neighbours; a prime n
+is a ring) and ``complete``. Mixing matrix: Metropolis-Hastings weights ``W_ij = 1 / (1 +
+max(d_i, d_j))`` per edge, ``W_ii = 1 - sum_j W_ij``: symmetric and doubly stochastic, so
 gossip ``x_i <- sum_j W_ij x_j`` preserves the average and contracts to consensus on a
-connected graph. On ``complete`` it is exactly the mean (W = 11^T / n).
+connected graph (on ``complete`` it is exactly the mean).
 
-Two-level (``Hierarchical``) groups follow the real topology, not a block size: ranks on
-the same host form one local group (:func:`hierarchy_from_hosts` over the labels of
-:func:`host_labels`). A rank's label is its host name (``socket.gethostname()``), gathered
-from every rank; under torchrun (``LOCAL_WORLD_SIZE`` set) it is the host name plus the
-node index (``GROUP_RANK``, or ``rank // LOCAL_WORLD_SIZE`` when that is not set), so one
-launcher's ranks form one group even when several launchers share a host — and a test can
-ask for ``LOCAL_WORLD_SIZE = 2`` nodes on one machine. When every rank shares one host and
-``LOCAL_WORLD_SIZE`` is unset (or equals the world size) the topology is **flat**: there is
-one local group holding every rank, so a Hierarchical reduction is a reduce to that
-group's leader followed by a broadcast, with no leaders' all-reduce
-(:func:`describe_hierarchy` says ``"flat (1 host)"``).
+Two-level (``Hierarchical``) groups follow the real topology: ranks whose :func:`host_label`
+is equal form one local group (:func:`hierarchy_from_hosts`). A label is the host name, plus
+under torchrun (``LOCAL_WORLD_SIZE`` set) the node index (``GROUP_RANK``, or ``rank //
+LOCAL_WORLD_SIZE``), so one launcher's ranks form one group even when launchers share a host.
+All ranks on one host without ``LOCAL_WORLD_SIZE`` is **flat**: one local group, a reduce to
+its leader and a broadcast (:func:`describe_hierarchy` says ``"flat (1 host)"``).
 """
 
 from __future__ import annotations
@@ -38,22 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
-from .collectives import CommCounter
-
-__all__ = [
-    "TOPOLOGIES",
-    "grid_shape",
-    "neighbors",
-    "mixing_weights",
-    "gossip_average",
-    "new_group",
-    "side_group",
-    "subgroups",
-    "hierarchy_from_hosts",
-    "host_label",
-    "host_labels",
-    "describe_hierarchy",
-]
+from .collectives import CommCounter, count_op, global_rank, nbytes_of
 
 TOPOLOGIES = ("ring", "torus", "complete")
 
@@ -103,18 +78,10 @@ def mixing_weights(topology: str, n: int) -> torch.Tensor:
     return w
 
 
-def gossip_average(
-    tensors: Sequence[torch.Tensor],
-    *,
-    topology: str,
-    group: Any = None,
-    counter: CommCounter | None = None,
-) -> None:
-    """One gossip round, in place: ``x_i <- sum_j W_ij x_j`` over the topology.
-
-    The tensors are flattened into one buffer; each rank sends it to every neighbour and
-    receives theirs (``batch_isend_irecv``), so each rank moves ``deg * bytes``.
-    """
+def gossip_average(tensors: Sequence[torch.Tensor], *, topology: str, group: Any = None,
+                   counter: CommCounter | None = None) -> None:
+    """One gossip round, in place: ``x_i <- sum_j W_ij x_j``; the tensors flattened into one
+    buffer sent to every neighbour (``batch_isend_irecv``): ``deg * bytes`` per rank."""
     if not dist.is_initialized() or not tensors:
         return
     n = dist.get_world_size(group)
@@ -127,13 +94,12 @@ def gossip_average(
     bufs = {j: torch.empty_like(flat) for j in nb}
     ops = []
     for j in nb:
-        peer = dist.get_global_rank(group, j) if group is not None else j
+        peer = global_rank(group, j)
         ops.append(dist.P2POp(dist.isend, flat, peer, group=group))
         ops.append(dist.P2POp(dist.irecv, bufs[j], peer, group=group))
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-    if counter is not None:
-        counter.add("gossip_send", flat.numel() * flat.element_size() * len(nb))
+    count_op(counter, "gossip_send", nbytes_of(flat) * len(nb))
     mixed = flat * float(w[rank])
     for j in nb:
         mixed.add_(bufs[j], alpha=float(w[j]))
@@ -151,12 +117,10 @@ def new_group(ranks: Sequence[int], *, backend: str | None = None) -> Any:
 
 def side_group(group: Any = None) -> Any:
     """A gloo group of ``group``'s ranks (None: every rank) for collectives made from another
-    thread while ``group`` carries the training's (an asynchronous checkpoint's writes: two
-    threads must never interleave collectives on one group). Collective over ``group``'s
-    ranks. For the whole world it is named by torch's group counter, as every group all
-    ranks create (a hash of the ranks would collide with another group of the same ranks
-    made with ``use_local_synchronization``, and that creation hangs); a subgroup's members
-    alone call it, named by that hash."""
+    thread (an asynchronous checkpoint's writes: two threads must never interleave collectives
+    on one group). The whole world's is named by torch's group counter (a hash of the ranks
+    would collide with a ``use_local_synchronization`` group of the same ranks, and hang); a
+    subgroup's, which its members alone create, by that hash."""
     whole = group is None or group == dist.group.WORLD
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
     if whole:  # every rank calls it: torch's counter names it alike on every rank
@@ -184,8 +148,7 @@ def subgroups(size: int, *, backend: str | None = None) -> tuple[Any, list[list[
 
 
 def hierarchy_from_hosts(hosts: Sequence[str]) -> list[list[int]]:
-    """Local groups of ranks ``0..len(hosts)-1``: the ranks whose labels are equal, ranks
-    ascending inside a group, groups ordered by their lowest rank.
+    """The ranks with equal labels, ascending, groups by lowest rank:
 
     >>> hierarchy_from_hosts(["a", "a", "b", "b", "a"])
     [[0, 1, 4], [2, 3]]

@@ -1,22 +1,17 @@
 """What a process group needs when its workers live on several machines.
 
-**Which address gloo listens on.** By default gloo binds the address this host's name
-resolves to. On many machines ``/etc/hosts`` maps the hostname to ``127.0.0.1`` or
-``127.0.1.1``: peers on other hosts are then told to connect to *their own* loopback and
-the group never forms ("Gloo connectFullMesh failed ... Connection refused").
-:func:`gloo_interface` picks the interface that routes to ``MASTER_ADDR`` in exactly that
-case (``GLOO_SOCKET_IFNAME``, when set, always wins).
+**Which address gloo listens on.** gloo binds the address this host's name resolves to; where
+``/etc/hosts`` maps it to ``127.0.0.1`` or ``127.0.1.1``, peers on other hosts are told to
+connect to their own loopback ("Gloo connectFullMesh failed ... Connection refused").
+:func:`gloo_interface` picks the interface that routes to ``MASTER_ADDR`` in exactly that case
+(``GLOO_SOCKET_IFNAME``, when set, always wins).
 
-**Which keys belong to this group.** The elastic agent on node 0 keeps one TCPStore for
-every restart attempt, so the keys of a dead group (gloo's peer addresses, the control
-plane's messages) are still there when the next group meets. A per-attempt key prefix
-is not enough across machines: when a whole node dies and is started again, its new
-agent counts attempts from 0 while the surviving node's agent is at attempt 1, and the
-two halves would meet under different prefixes (or the new node would read the dead
-group's addresses). :func:`group_prefix` lets the group agree on a fresh prefix instead:
-rank 0 publishes a new random id; every other rank answers under that id with its own
-random token and waits until rank 0 has echoed that token back, so an id left by a dead
-rank 0 is never taken for the current one.
+**Which keys belong to this group.** Node 0's elastic agent keeps one TCPStore across restart
+attempts, so a dead group's keys are still there when the next one meets, and a per-attempt
+prefix fails across machines (a node started again counts attempts from 0 while the survivor
+is at 1). :func:`group_prefix` agrees on a fresh prefix instead: rank 0 publishes a random id;
+every other rank answers under it with a random token and waits until rank 0 echoes it back,
+so an id left by a dead rank 0 is never taken for the current one.
 """
 
 from __future__ import annotations
@@ -28,8 +23,6 @@ import time
 import uuid
 from datetime import timedelta
 from typing import Any
-
-__all__ = ["address_towards", "rendezvous_host", "gloo_interface", "group_prefix"]
 
 _ROOT = "paratrain/group"
 _POLL_S = 0.02
@@ -74,13 +67,10 @@ def address_towards(host: str, port: int) -> str | None:
 
 
 def rendezvous_host(host: str, port: int) -> tuple[str | None, bool | None]:
-    """For a multi-node c10d rendezvous at ``host``: (this machine's address as the
-    other machines reach it, True when this machine hosts the rendezvous), None where
-    torch's own answer stands. torch finds both from this machine's name, which fails
-    where the name resolves to loopback: every node then takes the endpoint for another
-    machine's, none hosts the store, and all time out connecting. Only then, and only for
-    an endpoint that is not loopback (several nodes on one box share it; torch lets the
-    first one host), the answer comes from the route to ``host`` instead."""
+    """For a multi-node c10d rendezvous at ``host``: (this machine's address as the others
+    reach it, True when it hosts the rendezvous), None where torch's own answer stands. torch
+    asks this machine's name, which fails where it resolves to loopback (no node hosts the
+    store, all time out); only then, and for a non-loopback endpoint, the route decides."""
     if _is_loopback(host) or not _is_loopback(socket.gethostname()):
         return None, None
     local = address_towards(host, port)

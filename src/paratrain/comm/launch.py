@@ -1,28 +1,15 @@
 """Start the worker processes of a job: torch's elastic launcher, or torchrun's environment.
 
-``launch(job, nprocs=N, entry=..., target=...)`` runs the caller's ``entry`` (the executors
-pass :func:`paratrain.executors.entry.worker_entry`, ``comm`` imports nothing above it) as
-``entry(job_json, resume, target, parent)`` in N processes through
-:func:`torch.distributed.launcher.api.elastic_launch` (the engine inside ``torchrun``)
-with the rendezvous of :func:`paratrain.comm.rendezvous.launch_config`
-(``nproc_per_node=N``, ``max_restarts=job.run.max_restarts``, ``start_method="forkserver"``: workers fork from a server that imported torch once,
-see :mod:`paratrain.comm.forkserver`).
-With the executors' entry, every process joins the default process group
-(:mod:`paratrain.comm.process`), builds a :class:`~paratrain.comm.context.WorkerContext`
-and calls ``target(ctx, job, resume)`` (the strategy's ``worker_main``). After a worker failure the elastic agent restarts the
-whole group; ``TORCHELASTIC_RESTART_COUNT > 0`` makes every rank resume from its last
-checkpoint, and one line says so (``worker 1 died (SIGKILL); restarted from step 40``).
-
-Under ``torchrun`` (``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` already set) nothing is
-launched: the entry runs in this process.
-
-Errors: torch's own launcher logging (tracebacks of failed workers, "terminating
-process" notices) is kept off the console. A worker's exception reaches the caller as
-:class:`~paratrain.comm.worker_errors.WorkerError` carrying the root-cause rank and
-message, with the traceback in ``runs/<name>/worker-<rank>.log`` (a
-:class:`~paratrain.config.ConfigError` raised in a worker is re-raised as a
-``ConfigError`` with the same problems; see :mod:`paratrain.comm.worker_errors`);
-SIGINT/SIGTERM during a launch is a ``KeyboardInterrupt``.
+``launch(job, nprocs=N, entry=..., target=...)`` runs ``entry(job_json, resume, target,
+parent)`` in N processes through :func:`torch.distributed.launcher.api.elastic_launch` (the
+engine inside ``torchrun``), with the rendezvous of :func:`paratrain.comm.rendezvous.launch_config`
+and workers forked from :mod:`paratrain.comm.forkserver`; under ``torchrun`` (``RANK``,
+``WORLD_SIZE`` and ``MASTER_ADDR`` set) the entry runs in this process. After a worker failure
+the elastic agent restarts the whole group, every rank resumes from its last checkpoint and
+one line says so (``worker 1 died (SIGKILL); restarted from step 40``). torch's launcher
+logging is kept off the console; a worker's exception reaches the caller as a
+:class:`~paratrain.comm.worker_errors.WorkerError` (or its ``ConfigError``, re-raised), the
+traceback in ``runs/<name>/worker-<rank>.log``; SIGINT/SIGTERM is a ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
@@ -53,8 +40,6 @@ from .worker_errors import (
     root_failure,
     write_failure_logs,
 )
-
-__all__ = ["launch"]
 
 
 class _Capture(logging.Handler):
@@ -182,39 +167,22 @@ def _logs_specs(job: JobConfig, log_dir: str, capture: _Capture) -> Any:
     return _Specs()
 
 
-def launch(
-    job: JobConfig,
-    *,
-    nprocs: int,
-    entry: Callable[..., Any],
-    target: str | Callable[..., Any],
-    resume: bool = False,
-    check_world_size: bool = True,
-) -> Any:
+def launch(job: JobConfig, *, nprocs: int, entry: Callable[..., Any], target: str | Callable[..., Any],
+           resume: bool = False, check_world_size: bool = True) -> Any:
     """Run ``job`` on ``nprocs`` worker processes in all; return global rank 0's result
-    (``None`` on a node that does not host rank 0).
-
-    ``entry`` is the module-level function every process runs, called as
-    ``entry(job_json, resume, target, parent)`` (``parent``: this process's
-    :class:`~paratrain.comm.forkserver.ParentState`, ``None`` under torchrun); ``target``
-    is what it runs (the executor's worker function, or a ``"module:function"`` string for
-    a module on this process's ``sys.path`` only). Under torchrun the entry runs in this
-    process and the returned value is this rank's result; ``check_world_size`` then
-    requires ``WORLD_SIZE == nprocs`` (an error otherwise).
-    """
+    (``None`` on a node without rank 0). Every process runs the module-level ``entry(job_json,
+    resume, target, parent)`` (``parent``: this process's
+    :class:`~paratrain.comm.forkserver.ParentState`, ``None`` under torchrun); ``target`` is
+    the worker function or a ``"module:function"`` on this process's ``sys.path``. Under
+    torchrun the entry runs here and returns this rank's result; ``check_world_size`` then
+    requires ``WORLD_SIZE == nprocs``."""
     job_json = job.to_json_dict()
     if in_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if check_world_size and world != nprocs:
-            raise ConfigError(
-                [
-                    (
-                        "strategy",
-                        f"this job needs {nprocs} worker processes but torchrun started "
-                        f"WORLD_SIZE={world}; set --nnodes x --nproc-per-node to {nprocs}",
-                    )
-                ]
-            )
+            raise ConfigError([("strategy", f"this job needs {nprocs} worker processes but torchrun "
+                                             f"started WORLD_SIZE={world}; set --nnodes x "
+                                             f"--nproc-per-node to {nprocs}")])
         return entry(job_json, resume, target, None)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException

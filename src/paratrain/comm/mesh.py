@@ -1,31 +1,20 @@
 """A device mesh of named dimensions over the ranks of a run: :class:`Mesh`.
 
 Parallelisms compose on one mesh (torchtitan's ``dp x tp``, Megatron's rank order): the
-world of ``prod(sizes)`` ranks is laid out row-major over ``dims``, outermost first, so the
-last dimension varies fastest. With ``dims = ("dp", "tp")`` and sizes ``(D, T)``::
-
-    rank = dp * T + tp            (tp = rank % T, dp = rank // T)
-
-the ``tp`` group of a rank is the ``T`` consecutive ranks of its row (the ranks that hold
-the shards of one model replica: tensor-parallel collectives stay on the fastest links, as
-Megatron places them), its ``dp`` group the ``D`` ranks of its column (one per replica,
-holding the *same* tensor-parallel shard: the data-parallel gradient mean, or ZeRO's
-reduce-scatter / all-gather of that shard, runs there). The same rule lays out
-``("pp", "tp")``: ``rank = stage * T + tp``.
-
-:class:`Mesh` is pure arithmetic (no process group): ``paratrain graph`` and ``validate``
-show it, and :func:`paratrain.comm.tp.groups.build_tp_groups` builds one process group per
-row and per column of it (every rank creates every group, in the same order, as
-``torch.distributed.new_group`` requires; the same groups
-``torch.distributed.device_mesh.init_device_mesh`` would make for this shape).
+world of ``prod(sizes)`` ranks is laid out row-major over ``dims``, outermost first. With
+``dims = ("dp", "tp")`` and sizes ``(D, T)``, ``rank = dp * T + tp``: a ``tp`` group is the
+``T`` consecutive ranks of a row (one replica's shards, on the fastest links, as Megatron
+places them), a ``dp`` group the ``D`` ranks of a column (the same shard of every replica: the
+data-parallel mean or ZeRO's collectives run there); ``("pp", "tp")`` likewise. Pure
+arithmetic: ``paratrain graph`` and ``validate`` show it, and
+:func:`paratrain.comm.tp.groups.build_tp_groups` makes one process group per row and column
+(the groups ``torch.distributed.device_mesh.init_device_mesh`` would make for this shape).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-
-__all__ = ["Mesh"]
 
 
 @dataclass(frozen=True)
@@ -55,21 +44,12 @@ class Mesh:
     def _stride(self, axis: int) -> int:
         return math.prod(self.sizes[axis + 1:])
 
-    def size(self, dim: str) -> int:
-        return int(self.sizes[self._axis(dim)])
-
     def coords(self, rank: int) -> dict[str, int]:
         """``rank``'s index along every dimension."""
         if not 0 <= rank < self.world:
             raise ValueError(f"Mesh: rank {rank} outside a world of {self.world}")
         return {d: (rank // self._stride(i)) % s for i, (d, s) in enumerate(zip(self.dims, self.sizes,
                                                                                  strict=True))}
-
-    def rank_of(self, **coords: int) -> int:
-        """The rank at ``coords`` (every dimension named)."""
-        if set(coords) != set(self.dims):
-            raise ValueError(f"Mesh.rank_of: give every dimension {self.dims} (got {sorted(coords)})")
-        return sum(int(coords[d]) * self._stride(i) for i, d in enumerate(self.dims))
 
     def groups(self, dim: str) -> list[list[int]]:
         """Every group along ``dim``: the ranks that differ only in their ``dim`` index, in
@@ -81,10 +61,6 @@ class Mesh:
             if (r // stride) % n == 0:
                 out.append([r + k * stride for k in range(n)])
         return out
-
-    def group_of(self, dim: str, rank: int) -> list[int]:
-        """The ranks of ``rank``'s group along ``dim``."""
-        return next(g for g in self.groups(dim) if rank in g)
 
     def formula(self) -> str:
         """The rank layout as a formula, e.g. ``rank = dp*2 + tp``."""
@@ -105,7 +81,3 @@ class Mesh:
     def of(**sizes: int) -> Mesh:
         """``Mesh.of(dp=2, tp=2)``: dimensions in the order given, outermost first."""
         return Mesh(tuple(sizes), tuple(int(s) for s in sizes.values()))
-
-    def text(self, sep: str = " x ") -> str:
-        return sep.join(f"{d} {s}" for d, s in zip(self.dims, self.sizes, strict=True))
-

@@ -1,11 +1,8 @@
 """Point-to-point messages on torch.distributed: tensors of a known shape, byte strings
-with or without a length header, one tensor to many ranks, a sum of tensors from many
-ranks, and a pairwise byte exchange among peers.
-
-Lengths are checked against a limit before anything is allocated; nothing is unpickled.
-Ranks are ranks of the group passed (``None`` = the default group); they are translated
-to global ranks for the point-to-point calls. (The pipeline's activation transport with
-shape headers is :mod:`paratrain.comm.p2p`.)
+with or without a length header, one tensor to many ranks, a sum of tensors from many ranks,
+and a pairwise byte exchange among peers. Lengths are checked against a limit before anything
+is allocated; nothing is unpickled. Ranks are ranks of the group passed (``None``: the default
+group). The pipeline's activation transport is :mod:`paratrain.comm.p2p`.
 """
 
 from __future__ import annotations
@@ -16,17 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import CommCounter, comm_device, count_op, nbytes_of
-
-__all__ = [
-    "send_bytes",
-    "recv_bytes",
-    "send_tensor",
-    "recv_tensor",
-    "send_to_many",
-    "recv_sum_",
-    "exchange_bytes",
-]
+from .collectives import CommCounter, comm_device, count_op, global_rank, nbytes_of
 
 
 def send_tensor(t: torch.Tensor, *, dst: int, group: Any = None, counter: CommCounter | None = None) -> None:
@@ -36,10 +23,8 @@ def send_tensor(t: torch.Tensor, *, dst: int, group: Any = None, counter: CommCo
     dist.send(t, dst=dst, group=group)
 
 
-def recv_tensor(
-    shape: Sequence[int], *, dtype: torch.dtype, src: int, group: Any = None,
-    device: torch.device | str = "cpu", out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def recv_tensor(shape: Sequence[int], *, dtype: torch.dtype, src: int, group: Any = None,
+                device: torch.device | str = "cpu", out: torch.Tensor | None = None) -> torch.Tensor:
     """Blocking receive into ``out`` (or a new tensor of ``shape``/``dtype``)."""
     buf = out if out is not None else torch.empty(tuple(shape), dtype=dtype, device=device)
     dist.recv(buf, src=src, group=group)
@@ -48,13 +33,9 @@ def recv_tensor(
 
 def send_bytes(data: bytes | torch.Tensor, *, dst: int, group: Any = None,
                counter: CommCounter | None = None, header: bool = True) -> None:
-    """Send a byte string (``bytes`` or a tensor, sent as its raw bytes) to ``dst``.
-
-    ``header=True``: an int64 length header, then the uint8 payload (receive with
-    :func:`recv_bytes`). ``header=False``: the payload alone, for a receiver that learnt
-    the length another way (a control message) and passes ``recv_bytes(nbytes=...)``.
-    An empty payload sends only the header (nothing at all without one).
-    """
+    """Send a byte string (``bytes`` or a tensor's raw bytes) to ``dst``: an int64 length
+    header, then the uint8 payload; ``header=False`` the payload alone, for a receiver that
+    learnt the length another way (``recv_bytes(nbytes=...)``). Empty: the header only."""
     dev = comm_device(group)
     if isinstance(data, bytes | bytearray):
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
@@ -71,11 +52,8 @@ def send_bytes(data: bytes | torch.Tensor, *, dst: int, group: Any = None,
 
 def recv_bytes(*, src: int, group: Any = None, max_bytes: int = 1 << 32, nbytes: int | None = None,
                counter: CommCounter | None = None) -> bytes:
-    """Receive what :func:`send_bytes` sent; a length above ``max_bytes`` is an error.
-
-    ``nbytes`` given: the sender used ``header=False`` and this many bytes follow.
-    ``counter`` books them under ``recv``.
-    """
+    """Receive what :func:`send_bytes` sent (``nbytes``: sent with ``header=False``); a length
+    above ``max_bytes`` is an error. ``counter`` books the bytes under ``recv``."""
     dev = comm_device(group)
     if nbytes is None:
         head = torch.empty(1, dtype=torch.int64, device=dev)
@@ -91,16 +69,11 @@ def recv_bytes(*, src: int, group: Any = None, max_bytes: int = 1 << 32, nbytes:
     return bytes(buf.cpu().numpy().tobytes())
 
 
-def _peer(group: Any, j: int) -> int:
-    """The global rank of ``group``'s rank ``j`` (point-to-point ops address global ranks)."""
-    return dist.get_global_rank(group, j) if group is not None else j
-
-
 def send_to_many(t: torch.Tensor, *, dsts: Iterable[int], group: Any = None,
                  counter: CommCounter | None = None) -> None:
     """Send ``t`` to every rank of ``group`` in ``dsts`` at once (asynchronous sends, then wait)."""
     t = t.contiguous()
-    works = [(d, dist.isend(t, dst=_peer(group, d), group=group)) for d in dsts]
+    works = [(d, dist.isend(t, dst=global_rank(group, d), group=group)) for d in dsts]
     for _, w in works:
         if w is not None:
             w.wait()
@@ -108,13 +81,10 @@ def send_to_many(t: torch.Tensor, *, dsts: Iterable[int], group: Any = None,
 
 
 def recv_sum_(total: torch.Tensor, *, srcs: Iterable[int], group: Any = None) -> int:
-    """``total += t_s`` for a tensor of ``total``'s shape from each rank ``s`` in ``srcs``.
-
-    All receives are posted at once; they are added in the order of ``srcs`` (so the
-    sum is the same whatever order they arrive in). Returns the bytes received.
-    """
+    """``total += t_s`` for a tensor of ``total``'s shape from each rank ``s`` in ``srcs``, posted
+    at once and added in ``srcs`` order (whatever order they arrive in); returns the bytes."""
     bufs = [(s, torch.empty_like(total)) for s in srcs]
-    works = [dist.irecv(b, src=_peer(group, s), group=group) for s, b in bufs]
+    works = [dist.irecv(b, src=global_rank(group, s), group=group) for s, b in bufs]
     for w, (_, b) in zip(works, bufs, strict=True):
         if w is not None:
             w.wait()
@@ -124,12 +94,9 @@ def recv_sum_(total: torch.Tensor, *, srcs: Iterable[int], group: Any = None) ->
 
 def exchange_bytes(payload: torch.Tensor, *, peers: Sequence[int], group: Any = None,
                    max_bytes: int = 1 << 32) -> dict[int, bytes]:
-    """Send the uint8 ``payload`` to every rank in ``peers`` and receive theirs.
-
-    Every peer must call it with this rank among its ``peers``. Lengths travel first
-    (int64, checked against ``max_bytes`` before anything is allocated), then the
-    payloads, each round as one batch of point-to-point operations.
-    """
+    """Send the uint8 ``payload`` to every rank in ``peers`` (each calls it with this rank among
+    its own) and receive theirs: the int64 lengths first, checked against ``max_bytes``, then
+    the payloads, each round one batch of point-to-point operations."""
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise TypeError("exchange_bytes expects a 1-d uint8 tensor")
     if not peers:
@@ -140,8 +107,8 @@ def exchange_bytes(payload: torch.Tensor, *, peers: Sequence[int], group: Any = 
     lens = {j: torch.empty(1, dtype=torch.int64, device=dev) for j in peers}
     ops = []
     for j in peers:
-        ops += [dist.P2POp(dist.isend, length, _peer(group, j), group=group),
-                dist.P2POp(dist.irecv, lens[j], _peer(group, j), group=group)]
+        ops += [dist.P2POp(dist.isend, length, global_rank(group, j), group=group),
+                dist.P2POp(dist.irecv, lens[j], global_rank(group, j), group=group)]
     for wk in dist.batch_isend_irecv(ops):
         wk.wait()
     bufs = {}
@@ -153,9 +120,9 @@ def exchange_bytes(payload: torch.Tensor, *, peers: Sequence[int], group: Any = 
     ops = []
     for j in peers:
         if wire.numel():
-            ops.append(dist.P2POp(dist.isend, wire, _peer(group, j), group=group))
+            ops.append(dist.P2POp(dist.isend, wire, global_rank(group, j), group=group))
         if bufs[j].numel():
-            ops.append(dist.P2POp(dist.irecv, bufs[j], _peer(group, j), group=group))
+            ops.append(dist.P2POp(dist.irecv, bufs[j], global_rank(group, j), group=group))
     if ops:
         for wk in dist.batch_isend_irecv(ops):
             wk.wait()

@@ -24,9 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..compression.powersgd import PowerSGDRound, PowerSGDState
-from .collectives import CommCounter, count_op, world_size
-
-__all__ = ["allreduce_powersgd", "launch_powersgd", "powersgd_bucket_hook"]
+from .collectives import CommCounter, count_op, nbytes_of, world_size
 
 Named = Sequence[tuple[str, torch.Tensor]]
 
@@ -46,7 +44,7 @@ def _plain(named: Named, group: Any, world: int, counter: CommCounter | None
         done: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         done.set_result(split())
         return done
-    count_op(counter, "all_reduce", flat.numel() * flat.element_size())
+    count_op(counter, "all_reduce", nbytes_of(flat))
     return cast("torch.futures.Future[list[torch.Tensor]]", dist.all_reduce(flat, group=group, async_op=True).get_future().then(split))
 
 
@@ -70,12 +68,12 @@ def launch_powersgd(
         fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
         fut.set_result(rnd.finish(1, out))
         return fut
-    count_op(counter, "all_reduce", rnd.first.numel() * rnd.first.element_size())
+    count_op(counter, "all_reduce", nbytes_of(rnd.first))
     first = dist.all_reduce(rnd.first, group=group, async_op=True).get_future()
 
     def after_first(_f: Any) -> torch.Tensor:
         q = rnd.second()
-        count_op(counter, "all_reduce", q.numel() * q.element_size())
+        count_op(counter, "all_reduce", nbytes_of(q))
         # Blocking inside the callback, as torch's hook does: the chain stays one future.
         dist.all_reduce(q, group=group, async_op=True).get_future().wait()
         return q
@@ -91,12 +89,19 @@ def allreduce_powersgd(
     if not named or world == 1 or not state.active():
         return launch_powersgd(state, named, group=group, counter=counter).wait()
     rnd = state.begin(named)
-    count_op(counter, "all_reduce", rnd.first.numel() * rnd.first.element_size())
+    count_op(counter, "all_reduce", nbytes_of(rnd.first))
     dist.all_reduce(rnd.first, group=group)
     q = rnd.second()
-    count_op(counter, "all_reduce", q.numel() * q.element_size())
+    count_op(counter, "all_reduce", nbytes_of(q))
     dist.all_reduce(q, group=group)
     return rnd.finish(world)
+
+
+def mean_bucket(buf: torch.Tensor, group: Any) -> torch.futures.Future[torch.Tensor]:
+    """A DDP bucket's mean with DDP's own arithmetic: divide by the world size, then sum."""
+    buf.div_(world_size(group))
+    fut = dist.all_reduce(buf, group=group, async_op=True).get_future()
+    return cast("torch.futures.Future[torch.Tensor]", fut.then(lambda f: f.value()[0]))
 
 
 def powersgd_bucket_hook(
@@ -106,10 +111,8 @@ def powersgd_bucket_hook(
     bucket gradient): the means are written back into the bucket buffer. A bucket is one
     exchange (one fresh-Q seed draw, as torch's hook per bucket)."""
     buf: torch.Tensor = bucket.buffer()
-    if not state.active():  # DDP's own arithmetic: divide, then sum the whole bucket
-        buf.div_(world_size(group))
-        return cast("torch.futures.Future[torch.Tensor]", dist.all_reduce(buf, group=group, async_op=True).get_future().then(
-            lambda f: f.value()[0]))
+    if not state.active():
+        return mean_bucket(buf, group)
     grads = bucket.gradients()
     fut = launch_powersgd(state, list(zip(names, grads, strict=True)), group=group,
                           counter=counter, out=grads)

@@ -1,13 +1,9 @@
 """The process-group lifecycle of one worker process (the only place that joins and
-leaves the default group).
-
-:func:`join_process_group` reads the environment a launcher set (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``, and torch elastic's
-``TORCHELASTIC_RESTART_COUNT`` / ``TORCHELASTIC_USE_AGENT_STORE``), picks the device and
-backend, joins the default process group through a TCPStore and returns the
-:class:`~paratrain.comm.context.WorkerContext`. :func:`leave_process_group` destroys the
-group; :func:`process_group` does both around a ``with`` block (and leaves only a group it
-joined itself).
+leaves the default group): :func:`join_process_group` reads the launcher's environment
+(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``, torch elastic's
+``TORCHELASTIC_*``), picks the device and backend, joins through a TCPStore and returns the
+:class:`~paratrain.comm.context.WorkerContext`; :func:`process_group` joins and leaves
+around a ``with`` block (leaving only a group it joined itself).
 """
 
 from __future__ import annotations
@@ -27,8 +23,6 @@ import torch.distributed as dist
 from ..config import ConfigError
 from .context import WorkerContext, default_workers
 from .hosts import gloo_interface, group_prefix
-
-__all__ = ["resolve_device", "join_process_group", "leave_process_group", "process_group", "exit_process"]
 
 
 def resolve_device(requested: str, local_rank: int) -> torch.device:
@@ -57,11 +51,8 @@ def _backend(job: Any, device: torch.device) -> str:
 
 
 def join_process_group(job: Any) -> WorkerContext:
-    """Join the default process group from the environment; return the WorkerContext.
-
-    When a group already exists (a caller joined it) it is reused, with the control
-    plane under its default store.
-    """
+    """Join the default process group from the environment; return the WorkerContext. A group
+    a caller already joined is reused, the control plane under its default store."""
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -81,59 +72,37 @@ def join_process_group(job: Any) -> WorkerContext:
         # number is not enough across machines: comm.hosts.group_prefix).
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         base = dist.TCPStore(  # type: ignore[attr-defined]  # not re-exported by torch
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            world_size,
-            is_master=(not agent_store and rank == 0),
-            timeout=timeout,
-        )
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+            is_master=(not agent_store and rank == 0), timeout=timeout)
         store = dist.PrefixStore(group_prefix(base, rank=rank, world_size=world_size,  # type: ignore[attr-defined]
                                               timeout=timeout), base)
         if backend == "gloo":  # peers on other machines must reach this one
             ifname = gloo_interface(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
             if ifname is not None:
                 os.environ["GLOO_SOCKET_IFNAME"] = ifname
-        kwargs: dict[str, Any] = {}
-        if device.type == "cuda":
-            kwargs["device_id"] = device
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-            **kwargs,
-        )
+        kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout, **kwargs)
     else:
         store = dist.PrefixStore("paratrain/", dist.distributed_c10d._get_default_store())  # type: ignore[attr-defined]
     control = dist.PrefixStore("control/", store)  # type: ignore[attr-defined]
-    return WorkerContext(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        device=device,
-        backend=backend,
-        group=dist.group.WORLD,
-        store=control,
-        workers=default_workers(world_size, list(job.workers)),
-        restart_count=restart_count,
-    )
+    return WorkerContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
+                         backend=backend, group=dist.group.WORLD, store=control,
+                         workers=default_workers(world_size, list(job.workers)),
+                         restart_count=restart_count)
 
 
 def leave_process_group(*, synchronize: bool = True) -> None:
     """Destroy the default process group (and its subgroups); best effort.
 
-    ``synchronize`` (every rank is leaving normally): a barrier first. Why: a finished
-    worker was sometimes aborted at exit ("terminate called without an active exception",
-    exit -6; the elastic agent takes that for a failure). gdb shows the mechanism: gloo's
-    ``pt_gloo_runloop`` thread drops a completed work object after the caller has moved
-    on; if the work holds the last reference to a tensor whose Python object Python has
-    already let go (torch then keeps that object alive from C++), the thread must take
-    the GIL to free it, and a thread taking the GIL during interpreter finalization is
-    ended by ``pthread_exit``, whose forced unwind through torch's noexcept frames calls
-    ``std::terminate``. The barrier narrows the window (measured in a stress loop under
-    load: 5 of 120 processes aborted without it, 2 of 340 with it); it does not close
-    it: :func:`exit_process` does, by not finalizing. After an error no barrier is attempted: the others may never reach it."""
+    ``synchronize`` (every rank is leaving normally): a barrier first. A finished worker was
+    sometimes aborted at exit (exit -6, which the elastic agent takes for a failure): gloo's
+    ``pt_gloo_runloop`` thread drops a completed work holding the last reference to a tensor
+    and takes the GIL to free it during interpreter finalization, where ``pthread_exit`` ends
+    it and the unwind through torch's noexcept frames calls ``std::terminate`` (seen in gdb).
+    The barrier narrows the window (under load: 5 of 120 processes aborted without it, 2 of
+    340 with it); :func:`exit_process` closes it. No barrier after an error: the others may
+    never reach it."""
     if dist.is_initialized():
         try:
             if synchronize and dist.get_world_size() > 1:
@@ -148,17 +117,11 @@ def leave_process_group(*, synchronize: bool = True) -> None:
 
 def exit_process(code: int) -> NoReturn:
     """End this process with ``code`` as a finished worker should, without interpreter
-    finalization: non-daemon threads joined, the ``atexit`` functions run (logging's flush
-    among them), stdout and stderr flushed, then ``os._exit``; what
-    :mod:`multiprocessing` does at the end of every child it starts.
-
-    Why: the exit abort :func:`leave_process_group` describes happens only while Python
-    finalizes (a gloo thread taking the GIL then is ended by ``pthread_exit``, and the
-    unwind through torch's noexcept frames calls ``std::terminate``). A process that never
-    finalizes cannot hit it, whatever gloo's threads still hold; the barrier alone only
-    narrowed the window. ``python -m paratrain.worker`` (the torchrun entry) ends here;
-    workers forked by :mod:`paratrain.comm.forkserver` already end through multiprocessing.
-    Every file paratrain writes is closed by a ``with`` block before this point."""
+    finalization (the exit abort :func:`leave_process_group` describes happens only then):
+    non-daemon threads joined, the ``atexit`` functions run, stdout and stderr flushed, then
+    ``os._exit``, as :mod:`multiprocessing` ends every child it starts. ``python -m
+    paratrain.worker`` (the torchrun entry) ends here; every file paratrain writes is closed
+    by a ``with`` block before this point."""
     try:
         shutdown = getattr(threading, "_shutdown", None)
         if shutdown is not None:

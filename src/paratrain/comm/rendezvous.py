@@ -1,18 +1,12 @@
 """Where the worker processes meet: torchrun detection and the rendezvous of a launch.
 
-:func:`launch_config` builds torch's ``LaunchConfig`` for one node: on a single node a
-c10d rendezvous on ``127.0.0.1`` port 0 (the store binds a port the kernel picks, so no
-other process can take it first). Multi-node: ``PARATRAIN_NNODES``,
-``PARATRAIN_NODE_RANK`` and ``PARATRAIN_RDZV_ENDPOINT`` (set by ``paratrain run
---nnodes/--node-rank/--rdzv-endpoint``, checked by :func:`check_nodes`, whose errors name
-those flags) configure the rendezvous the way ``torchrun`` does: with a node rank the
-``static`` backend (node rank fixed, the endpoint is the master address), without one
-the ``c10d`` backend on the endpoint (this machine's address toward the endpoint and
-whether it is the endpoint's machine are worked out here, not from the host name:
-:func:`paratrain.comm.hosts.rendezvous_host`).
-
-:func:`in_torchrun`: ``RANK``, ``WORLD_SIZE`` and ``MASTER_ADDR`` are already set, so
-nothing is to be launched.
+:func:`launch_config` builds torch's ``LaunchConfig`` for this node: on one node a c10d
+rendezvous on ``127.0.0.1`` port 0 (the kernel picks the port as the store binds it, so no
+other process can take it first). Across nodes, ``PARATRAIN_NNODES``, ``PARATRAIN_NODE_RANK``
+and ``PARATRAIN_RDZV_ENDPOINT`` (``paratrain run --nnodes/--node-rank/--rdzv-endpoint``,
+checked by :func:`check_nodes`, whose errors name the flags) configure it as ``torchrun``
+does: with a node rank the ``static`` backend, without one ``c10d`` on the endpoint (this
+machine's address from the route to it: :func:`paratrain.comm.hosts.rendezvous_host`).
 """
 
 from __future__ import annotations
@@ -24,15 +18,6 @@ from typing import Any
 from ..config import ConfigError
 from ..config.job import JobConfig
 from .hosts import rendezvous_host
-
-__all__ = [
-    "in_torchrun",
-    "launch_config",
-    "check_nodes",
-    "ENV_NNODES",
-    "ENV_NODE_RANK",
-    "ENV_RDZV_ENDPOINT",
-]
 
 ENV_NNODES = "PARATRAIN_NNODES"
 ENV_NODE_RANK = "PARATRAIN_NODE_RANK"
@@ -74,11 +59,8 @@ def check_nodes(nnodes: int | None, node_rank: int | None, endpoint: str | None)
 
 
 def launch_config(job: JobConfig, *, nprocs: int) -> Any:
-    """The :class:`LaunchConfig` for ``job`` on this node (reads the PARATRAIN_* env vars).
-
-    ``nprocs`` is the whole job's process count; each of the ``PARATRAIN_NNODES`` nodes
-    runs ``nprocs / nnodes`` of them.
-    """
+    """The :class:`LaunchConfig` for ``job`` on this node (from the PARATRAIN_* variables):
+    each of the ``PARATRAIN_NNODES`` nodes runs ``nprocs / nnodes`` of the job's processes."""
     from torch.distributed.launcher.api import LaunchConfig
 
     if nprocs < 1:
@@ -119,16 +101,7 @@ def launch_config(job: JobConfig, *, nprocs: int) -> Any:
     if nnodes > 1:
         # Every node must agree on the run id; derive it from the job, not a random value.
         run_id = os.environ.get("PARATRAIN_RUN_ID") or f"paratrain-{job.run.name}"
-    return LaunchConfig(
-        min_nodes=nnodes,
-        max_nodes=nnodes,
-        nproc_per_node=nprocs // nnodes,
-        run_id=run_id,
-        rdzv_backend=backend,
-        rdzv_endpoint=endpoint,
-        rdzv_configs=rdzv_configs,
-        max_restarts=job.run.max_restarts,
-        monitor_interval=0.1,
-        start_method="forkserver",
-        local_addr=local_addr,
-    )
+    return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nprocs // nnodes,
+                        run_id=run_id, rdzv_backend=backend, rdzv_endpoint=endpoint,
+                        rdzv_configs=rdzv_configs, max_restarts=job.run.max_restarts,
+                        monitor_interval=0.1, start_method="forkserver", local_addr=local_addr)

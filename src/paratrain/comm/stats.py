@@ -1,19 +1,13 @@
 """Counters and handles of the tensor-parallel collectives.
 
-:class:`CommStats` counts every torch.distributed call by type, at the call, with two byte
-figures: ``payload_bytes_measured``, the sizes of the tensors this rank hands to the calls
-(the input of an all-reduce or reduce, the shard of an all-gather, the full input of a
-reduce-scatter, the chunk of a send, the tensor of a broadcast it is the source of; receive
-buffers are not counted), and ``bytes_sent_modelled``, what this rank puts on the wire under
-the ring cost model (all_reduce 2(p-1)/p n, all_gather / reduce_scatter (p-1)/p n of the
-full tensor, broadcast / reduce (p-1)/p n, send n), since the backend's own algorithm is not
-visible from here. Point-to-point sends are the one case where both are the same measured
-count. Also the time spent waiting on communication, the compute time the layers book, and
-``replayed``: forward collectives that a recomputation in backward did not run again, their
-outputs read back from the segment's tape (``paratrain.tensor_parallel.memory``).
-
-:class:`Handle` is an in-flight (or already finished) collective; ``wait()`` returns its
-result and books the time spent waiting as communication time.
+:class:`CommStats` counts every call by type, at the call, with two byte figures:
+``payload_bytes_measured``, the sizes of the tensors this rank hands over (receive buffers
+not counted), and ``bytes_sent_modelled``, what it puts on the wire under the ring cost model
+(all_reduce 2(p-1)/p n; all_gather, reduce_scatter, broadcast, reduce (p-1)/p n; send n), as
+the backend's own algorithm is not visible from here. Also the time spent waiting, the
+compute time the layers book, and ``replayed``: forward collectives a recomputation read back
+from its tape (``paratrain.tensor_parallel.memory``) instead of running. :class:`Handle` is an
+in-flight (or finished) collective; ``wait()`` returns its result and books the wait.
 """
 
 from __future__ import annotations
@@ -24,8 +18,6 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
-
-__all__ = ["CommStats", "Handle"]
 
 
 class CommStats:
@@ -79,11 +71,6 @@ class CommStats:
     def total_bytes(self) -> int:
         """Ring-model bytes sent (modelled)."""
         return sum(self.bytes.values())
-
-    @property
-    def total_payload_bytes(self) -> int:
-        """Bytes of the tensors handed to the calls (measured)."""
-        return sum(self.payload.values())
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

@@ -1,11 +1,8 @@
-"""Run a function on N real gloo ranks on 127.0.0.1 (for tests and benchmarks).
-
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (forked from a
-server that imported torch once: :mod:`paratrain.comm.forkserver`), joins them
-into one gloo process group through a TCPStore on a free port, calls
-``fn(ctx, *args)`` in each with a :class:`WorkerContext`, and returns the per-rank
-results (in rank order). A failure on any rank raises ``RuntimeError`` carrying that
-rank's traceback. ``fn`` must be importable (a module-level function).
+"""Run a function on N real gloo ranks on 127.0.0.1 (for tests and benchmarks):
+``run_distributed(fn, world_size, *args)`` forks the ranks from :mod:`paratrain.comm.forkserver`,
+joins them into one gloo group through a TCPStore on a free port, calls ``fn(ctx, *args)``
+(``fn`` module-level) and returns the results by rank; a failed rank raises ``RuntimeError``
+with its traceback.
 """
 
 from __future__ import annotations
@@ -27,8 +24,6 @@ from .context import WorkerContext, default_workers
 from .forkserver import ParentState, dumps, loads
 from .forkserver import context as forkserver_context
 from .process import leave_process_group
-
-__all__ = ["free_port", "run_distributed"]
 
 
 def _numpy_globals() -> list[Any]:
@@ -53,16 +48,10 @@ def _ephemeral_low() -> int:
 
 
 def free_port() -> int:
-    """A TCP port that is free now, for a server another process will bind later.
-
-    The port is picked *below* the ephemeral range: the kernel never hands those out by
-    itself (``bind(("", 0))``, or the local end of any outgoing connection), so between
-    this call and the caller's bind no unrelated socket can take it. (A port from
-    ``bind(0)`` is an ephemeral one: released, it is the kernel's to give to the next
-    ``connect()`` or ``bind(0)`` anywhere on the machine, e.g. a gloo pair of another job,
-    and the server later fails to bind, or peers reach the wrong process.) Chosen with the
-    OS's randomness, not ``random`` (seeded runs would all pick the same port).
-    """
+    """A TCP port that is free now, for a server another process will bind later: *below* the
+    ephemeral range, which the kernel never hands out by itself, so no unrelated socket (a
+    ``bind(0)`` or the local end of a connection, e.g. another job's gloo pair) takes it before
+    the caller binds. Drawn with the OS's randomness (seeded runs would share ``random``'s)."""
     import secrets
 
     high = _ephemeral_low()
@@ -95,15 +84,8 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def _child(
-    rank: int,
-    world_size: int,
-    port: int,
-    parent: ParentState,
-    payload: bytes,
-    results: Any,
-    timeout_s: float,
-) -> None:
+def _child(rank: int, world_size: int, port: int, parent: ParentState, payload: bytes, results: Any,
+           timeout_s: float) -> None:
     parent.apply()
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -137,27 +119,16 @@ def _child(
         leave_process_group(synchronize=ok)  # a barrier first when every rank got here
 
 
-def run_distributed(
-    fn: Callable[..., Any],
-    world_size: int,
-    *args: Any,
-    timeout_s: float = 120.0,
-    workers: list[Any] | None = None,
-) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
+                    workers: list[Any] | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` on ``world_size`` gloo ranks; return results by rank."""
     ctx = forkserver_context()
     results = ctx.Queue()
     port = free_port()
     parent = ParentState()
     payload = dumps((fn, args, workers))
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(r, world_size, port, parent, payload, results, timeout_s),
-            daemon=False,
-        )
-        for r in range(world_size)
-    ]
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, parent, payload, results, timeout_s),
+                         daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, Any] = {}

@@ -1,13 +1,8 @@
-"""Failures of worker processes: :class:`WorkerError`, the per-worker logs, and the
-root cause of a failed attempt.
-
-After a launch fails, every failure of the attempt is collected from the workers' error
-files (what they raised) and the exit codes the elastic agent saw (a signal leaves no
-error file); the root cause is the one most likely to be the cause (raised beats killed
-beats fallout such as a closed connection or the agent's own SIGTERM, then the
-earliest). Tracebacks go to ``<output_dir>/<name>/worker-<rank>.log``; the caller gets a
-:class:`WorkerError` naming the rank and message, or the worker's
-:class:`~paratrain.config.ConfigError` re-raised with the same problems.
+"""Failures of worker processes: :class:`WorkerError`, the per-worker logs, and the root
+cause of a failed attempt, chosen from the workers' error files and the exit codes the
+elastic agent saw (a signal leaves no error file): raised beats killed beats fallout (a closed
+connection, the agent's own SIGTERM), then the earliest. Tracebacks go to
+``<output_dir>/<name>/worker-<rank>.log``.
 """
 
 from __future__ import annotations
@@ -24,42 +19,17 @@ from typing import Any
 from ..config import ConfigError
 from ..config.job import JobConfig
 
-__all__ = [
-    "WorkerError",
-    "Failure",
-    "append_worker_log",
-    "worker_log_path",
-    "attempt_failures",
-    "root_failure",
-    "write_failure_logs",
-    "raise_config_error",
-    "reraise_worker_failure",
-    "STOP_SIGNALS",
-    "FALLOUT_GRACE_S",
-    "is_fallout",
-]
-
 # Signals the elastic agent itself sends to stop surviving workers: a worker that died
 # of one of these is fallout, not a cause.
 STOP_SIGNALS = {"SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"}
 
 
 class WorkerError(RuntimeError):
-    """A worker process failed; ``rank`` and ``message`` name the root cause.
+    """A worker process failed; ``rank`` and ``message`` name the root cause, ``signal`` the
+    signal that killed it (``"SIGKILL"``), ``log`` the ``worker-<rank>.log`` with its traceback."""
 
-    ``signal`` is the signal that killed it (``"SIGKILL"``), if any; ``log`` the
-    ``worker-<rank>.log`` holding its traceback, if one was written.
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        message: str,
-        *,
-        detail: str = "",
-        log: Path | None = None,
-        signal: str | None = None,
-    ) -> None:
+    def __init__(self, rank: int, message: str, *, detail: str = "", log: Path | None = None,
+                 signal: str | None = None) -> None:
         self.rank = rank
         self.message = message
         self.detail = detail
@@ -78,17 +48,10 @@ class WorkerError(RuntimeError):
         return text
 
 
-# ------------------------------------------------------------------ worker logs
-
-
-def worker_log_path(job: JobConfig, rank: int) -> Path:
-    """``<output_dir>/<name>/worker-<rank>.log``."""
-    return Path(job.run.output_dir) / job.run.name / f"worker-{rank}.log"
-
-
 def append_worker_log(job: JobConfig, rank: int, text: str) -> Path | None:
-    """Append one dated entry to worker ``rank``'s log; the path, or None if unwritable."""
-    path = worker_log_path(job, rank)
+    """Append one dated entry to ``<output_dir>/<name>/worker-<rank>.log``; the path, or None
+    if unwritable."""
+    path = Path(job.run.output_dir) / job.run.name / f"worker-{rank}.log"
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,16 +62,11 @@ def append_worker_log(job: JobConfig, rank: int, text: str) -> Path | None:
     return path
 
 
-# ------------------------------------------------------------------ failures
-
-
 _SECONDARY = re.compile(
     r"Connection closed by peer|Connection reset|DistBackendError|Broken pipe|"
     r"timed out|Signal \d+|SIGTERM|SignalException|To enable traceback",
     re.IGNORECASE,
 )
-
-
 _NO_REPORT = "exited without an error report, code"
 
 
@@ -127,7 +85,7 @@ class Failure:
             return 2 if self.signal in STOP_SIGNALS else 1
         if self.message.startswith(_NO_REPORT):
             return 1
-        return 2 if _SECONDARY.search(self.message) else 0
+        return 2 if is_fallout(self.message) else 0
 
 
 def _message(data: Any) -> tuple[str, str, int]:

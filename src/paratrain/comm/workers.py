@@ -13,8 +13,6 @@ from typing import Any
 from ..config import ConfigError
 from .context import WorkerInfo
 
-__all__ = ["resolve_target", "resolve_rank", "workers_with_tags"]
-
 
 def _fields(target: Any) -> tuple[str | None, str | None]:
     if isinstance(target, dict):

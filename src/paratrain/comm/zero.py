@@ -1,23 +1,15 @@
 """Flat-buffer collectives of ZeRO (Rajbhandari et al. 2020): :class:`FlatShard`.
 
-A group of tensors (one sharding unit's parameters) is cut along dimension 0, as torch
-FSDP2's ``Shard(0)``: tensor ``i`` of ``d_i`` rows (``w_i`` elements per row) gives every
-rank ``c_i = ceil(d_i / N)`` rows; rank ``r`` owns rows ``[r c_i, min((r+1) c_i, d_i))``
-(possibly none: the last ranks of a short tensor). Because each piece is a row range, a
-checkpoint records it as the shard spec ``{"shape": ..., "slices": [[0, start, length]]}``
-of :mod:`paratrain.training.reshard`, so a sharded run resumes on any world by name.
-
-Rank ``r``'s *flat shard* is the concatenation over ``i`` of its ``c_i`` rows (padded with
-zeros past ``d_i``), ``S = sum_i c_i w_i`` elements. The whole group travels as one flat
-buffer of ``N S`` elements laid out ``[rank 0's shard | rank 1's | ...]``:
-
-* :meth:`FlatShard.gather` -- one ``all_gather_into_tensor`` of the flat shards, then each
-  tensor's rows copied out (``view(N, S)[:, off_i : off_i + c_i w_i]``, the padding dropped);
-* :meth:`FlatShard.reduce_scatter` -- each gradient packed (zero-padded) into the same
-  layout, one ``reduce_scatter`` of the SUM, then divided by ``N``: the mean on every backend
-  (gloo has no AVG op; pytorch#162338: FSDP2 on gloo sums where it should average).
-
-Held bytes of a rank are ``S`` per flat buffer: ``numel / N`` plus the padding rows.
+A sharding unit's tensors are cut along dimension 0, as torch FSDP2's ``Shard(0)``: tensor
+``i`` of ``d_i`` rows (``w_i`` elements a row) gives every rank ``c_i = ceil(d_i / N)`` rows;
+rank ``r`` owns rows ``[r c_i, min((r+1) c_i, d_i))`` (possibly none), recorded in a
+checkpoint as the shard spec ``{"shape": ..., "slices": [[0, start, length]]}`` of
+:mod:`paratrain.training.reshard`, so a sharded run resumes on any world. Rank ``r``'s *flat
+shard* concatenates its ``c_i`` rows (zero-padded past ``d_i``), ``S = sum_i c_i w_i``
+elements; the unit travels as one buffer of ``N S`` laid out ``[rank 0's | rank 1's | ...]``:
+:meth:`FlatShard.gather` is one ``all_gather_into_tensor``, :meth:`FlatShard.reduce_scatter`
+one ``reduce_scatter`` of the SUM divided by ``N``: the mean on every backend (gloo has no
+AVG op; pytorch#162338: FSDP2 on gloo sums where it should average).
 """
 
 from __future__ import annotations
@@ -30,8 +22,6 @@ from typing import Any
 import torch
 
 from .collectives import CommCounter, all_gather_into_tensor, reduce_scatter
-
-__all__ = ["FlatShard", "Piece"]
 
 
 @dataclass(frozen=True)

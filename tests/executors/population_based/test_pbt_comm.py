@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from _workers_pbt import json_ops_worker
-from paratrain.comm.pbt_ops import broadcast_json, gather_json
+from paratrain.comm.collectives import broadcast_json, gather_json
 from paratrain.comm.testing import run_distributed
 
 

@@ -1,11 +1,15 @@
-"""Communication for tensor parallelism (the only place its collectives run).
+"""Communication for tensor parallelism: :class:`~.comm.TPComm` (one process group's
+collectives under a communication pattern), :func:`~.groups.build_tp_groups` (the TP and DP
+groups of the ``dp x tp`` mesh) and :mod:`.grid` (the row and column groups of a 2-D grid);
+counters in :mod:`paratrain.comm.stats`, the autograd operators that call them in
+:mod:`paratrain.tensor_parallel.autograd`.
 
-- :mod:`.comm`: :class:`~.comm.TPComm`, one process group's collectives under a
-  communication pattern (AllReduce, AllGather, ReduceScatter, PointToPoint, Hierarchical).
-- :mod:`.groups`: :func:`~.groups.build_tp_groups`, the TP and DP sub-groups of a run.
-- :mod:`.grid`: the row and column groups of a 2-D (``g x g``) TP grid.
-- :mod:`.world`: world-level barrier, mean and broadcasts for the TP executor.
-
-Counters and handles are in :mod:`paratrain.comm.stats`; the autograd operators that call
-these collectives are in :mod:`paratrain.tensor_parallel.autograd`.
+Why not DTensor: its redistributions run the backend's own collectives, with no choice of
+how, while a job picks one of five patterns here (a ``PointToPoint`` ring, a ``Hierarchical``
+reduction over the real hosts, ...); every call is counted where it is made (payload bytes
+measured, ring-model bytes, waiting time) for the run's summary; per-rank lengths may differ
+(padded to the longest); and on gloo a reduce-scatter is an all-reduce and a slice, twice the
+traffic (pytorch#118911), which those counts show rather than hide. ``dtensor_parity`` in
+tests/_workers_tp.py (run by tests/tensor_parallel/test_tensor_parallel_dist.py) checks the
+layers against ``torch.distributed.tensor.parallel``'s Colwise/RowwiseParallel.
 """

@@ -1,27 +1,15 @@
 """``TPComm``: the collectives of one tensor-parallel process group, each carried out with
 one communication pattern and counted in a :class:`~paratrain.comm.stats.CommStats`.
 
-A *pattern* (``TensorCommunicationPattern``) decides how the sum-all-reduce of the TP
-region is carried out; every pattern gives the same numbers (up to float summation order):
-
-- ``AllReduce``: one ``all_reduce``.
-- ``AllGather``: ``all_gather`` of the partials, then a local sum in rank order.
-- ``ReduceScatter``: ``reduce_scatter`` + ``all_gather`` (and the layers keep activations
-  sequence-sharded between blocks, see ``tensor_parallel.layers``).
-- ``PointToPoint``: a ring all-reduce made of ``isend``/``irecv`` (reduce-scatter ring then
-  all-gather ring, 2(p-1) steps).
-- ``Hierarchical``: the TP group's ranks on one host form a node (the real topology, see
-  :func:`paratrain.comm.groups.hierarchy_from_hosts`; ``LOCAL_WORLD_SIZE`` under torchrun);
-  ``reduce`` to the node leader, ``all_reduce`` among leaders, ``broadcast`` back inside the
-  node. On one host without ``LOCAL_WORLD_SIZE`` the layout is flat: one node, so a reduce
-  and a broadcast (``TPComm.hierarchy`` says ``"flat (1 host)"``).
-
-Besides the all-reduce, ``TPComm`` offers all-gather and reduce-scatter along any dim with
-per-rank lengths that may differ (padded to the longest), a broadcast, and a coalesced
-in-place all-reduce of many gradients (packed up to ``fusion_threshold_bytes``). Every call
-records its kind, payload and ring-model bytes at the call (see :mod:`paratrain.comm.stats`).
-The autograd operators that call these live in :mod:`paratrain.tensor_parallel.autograd`;
-the groups are built by :func:`paratrain.comm.tp.groups.build_tp_groups`.
+The pattern decides how the TP region's sum-all-reduce runs (the numbers agree up to float
+summation order): ``AllReduce`` one ``all_reduce``; ``AllGather`` an ``all_gather`` of the
+partials summed locally in rank order; ``ReduceScatter`` a ``reduce_scatter`` then an
+``all_gather`` (the layers keep activations sequence-sharded between blocks); ``PointToPoint``
+a ring of ``isend``/``irecv`` (reduce-scatter ring, then all-gather ring: 2(p-1) steps);
+``Hierarchical`` a ``reduce`` to the host's leader, an ``all_reduce`` among leaders and a
+``broadcast`` back (:func:`paratrain.comm.groups.hierarchy_from_hosts`; on one host without
+``LOCAL_WORLD_SIZE`` one node: ``TPComm.hierarchy`` says ``"flat (1 host)"``). All-gather and
+reduce-scatter take per-rank lengths that may differ (padded to the longest).
 """
 
 from __future__ import annotations
@@ -35,74 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collectives import all_gather_flat, nbytes_of, reduce_scatter_flat
 from ..stats import CommStats, Handle
 
-__all__ = ["PATTERNS", "TPComm"]
-
 PATTERNS = ("AllReduce", "AllGather", "ReduceScatter", "PointToPoint", "Hierarchical")
-
-
-# Newer torch names these ``*_single``; older ones ``*_tensor``; a torch without either
-# name, or a backend that lacks the flat form (older gloo has no reduce_scatter), uses the
-# list all-gather / all-reduce + slice fallbacks below.
-_AG = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
-_RS = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
-_FLAT_FNS = {"all_gather": _AG, "reduce_scatter": _RS}
-# (op, backend) -> whether that backend has the flat collective: decided once per process,
-# by a call of known-good shapes (:func:`_probe_flat`), never by a failing real call, so a
-# real error of a collective (wrong shapes, a dead peer, a timeout) always reaches the caller.
-_FLAT: dict[tuple[str, str], bool] = {}
-_UNSUPPORTED = ("does not support", "not supported", "not implemented", "unsupported")
-
-
-def _probe_flat(op: str, like: torch.Tensor, group: Any) -> bool:
-    """Whether ``group``'s backend implements the flat ``op``: one call with one element
-    per rank; only a "not supported" answer means no (any other error is raised). Every
-    rank reaches it at the same collective (its first use of ``op``), so it is matched."""
-    fn = _FLAT_FNS[op]
-    if fn is None:
-        return False
-    p = dist.get_world_size(group)
-    small = torch.zeros(1 if op == "all_gather" else p, dtype=like.dtype, device=like.device)
-    out = torch.empty(p if op == "all_gather" else 1, dtype=like.dtype, device=like.device)
-    try:
-        fn(out, small, group=group)
-    except NotImplementedError:
-        return False
-    except RuntimeError as e:
-        if any(w in str(e).lower() for w in _UNSUPPORTED):
-            return False
-        raise
-    return True
-
-
-def _has_flat(op: str, like: torch.Tensor, group: Any) -> bool:
-    key = (op, str(dist.get_backend(group)))
-    if key not in _FLAT:
-        _FLAT[key] = _probe_flat(op, like, group)
-    return _FLAT[key]
-
-
-def _all_gather_flat(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool) -> Any:
-    """``out`` = concatenation of every rank's ``x`` along dim 0."""
-    if _has_flat("all_gather", x, group):
-        return _AG(out, x, group=group, async_op=async_op)  # type: ignore[misc]
-    parts = list(out.chunk(dist.get_world_size(group)))
-    return dist.all_gather(parts, x, group=group, async_op=async_op)
-
-
-def _reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool) -> Any:
-    """``out`` = this rank's chunk (dim 0) of the sum of every rank's ``inp``."""
-    if _has_flat("reduce_scatter", inp, group):
-        return _RS(out, inp, group=group, async_op=async_op)  # type: ignore[misc]
-    full = inp.clone()
-    dist.all_reduce(full, group=group)
-    out.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
-    return None
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 @dataclass
@@ -144,12 +68,12 @@ class TPComm:
         return out
 
     def _native_all_reduce(self, t: torch.Tensor, group: Any, p: int, async_op: bool = False) -> Any:
-        wire = 2 * (p - 1) / p * _nbytes(t)
+        wire = 2 * (p - 1) / p * nbytes_of(t)
         if async_op:
-            self.stats.record("all_reduce", wire, payload_bytes=_nbytes(t))
+            self.stats.record("all_reduce", wire, payload_bytes=nbytes_of(t))
             self.stats.launched_async()
             return dist.all_reduce(t, group=group, async_op=True)
-        return self._timed("all_reduce", wire, lambda: dist.all_reduce(t, group=group), _nbytes(t))
+        return self._timed("all_reduce", wire, lambda: dist.all_reduce(t, group=group), nbytes_of(t))
 
     def _gather_padded(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None,
                        async_op: bool = False) -> Handle:
@@ -164,25 +88,25 @@ class TPComm:
             x = torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
         x = x.contiguous()
         out = x.new_empty((p * m, *x.shape[1:]))
-        wire = (p - 1) * _nbytes(x)
+        wire = (p - 1) * nbytes_of(x)
 
         def finish() -> torch.Tensor:
             parts = [out[i * m: i * m + sizes[i]] for i in range(p)]
             return torch.cat(parts).movedim(0, dim).contiguous()
 
         if async_op:
-            self.stats.record("all_gather", wire, payload_bytes=_nbytes(x))
+            self.stats.record("all_gather", wire, payload_bytes=nbytes_of(x))
             self.stats.launched_async()
-            work = _all_gather_flat(out, x, self.group, True)
+            work = all_gather_flat(out, x, self.group, True)
             return Handle(self.stats, work=work, finish=finish)
-        self._timed("all_gather", wire, lambda: _all_gather_flat(out, x, self.group, False), _nbytes(x))
+        self._timed("all_gather", wire, lambda: all_gather_flat(out, x, self.group, False), nbytes_of(x))
         return Handle(self.stats, finish=finish)
 
     def _reduce_scatter_padded(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None,
                                async_op: bool = False) -> Handle:
         p = self.size
         n = t.shape[dim]
-        sizes = list(sizes) if sizes is not None else _ceil_sizes(n, p)
+        sizes = list(sizes) if sizes is not None else ceil_sizes(n, p)
         if sum(sizes) != n:
             raise ValueError(f"reduce_scatter sizes {sizes} do not add up to {n}")
         m = max(sizes)
@@ -196,25 +120,25 @@ class TPComm:
             start += s
         inp = torch.cat(chunks).contiguous()
         out = inp.new_empty((m, *inp.shape[1:]))
-        wire = (p - 1) * _nbytes(out)
+        wire = (p - 1) * nbytes_of(out)
         mine = sizes[self.rank]
 
         def finish() -> torch.Tensor:
             return out[:mine].movedim(0, dim).contiguous()
 
         if async_op:
-            self.stats.record("reduce_scatter", wire, payload_bytes=_nbytes(inp))
+            self.stats.record("reduce_scatter", wire, payload_bytes=nbytes_of(inp))
             self.stats.launched_async()
-            work = _reduce_scatter_flat(out, inp, self.group, True)
+            work = reduce_scatter_flat(out, inp, self.group, True)
             return Handle(self.stats, work=work, finish=finish)
         self._timed("reduce_scatter", wire,
-                    lambda: _reduce_scatter_flat(out, inp, self.group, False), _nbytes(inp))
+                    lambda: reduce_scatter_flat(out, inp, self.group, False), nbytes_of(inp))
         return Handle(self.stats, finish=finish)
 
     def _ring_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         p, r = self.size, self.rank
         flat = t.reshape(-1).clone()
-        sizes = _ceil_sizes(flat.numel(), p)
+        sizes = ceil_sizes(flat.numel(), p)
         starts = [sum(sizes[:i]) for i in range(p)]
         chunk = [flat[starts[i]: starts[i] + sizes[i]] for i in range(p)]
         right, left = self.ranks[(r + 1) % p], self.ranks[(r - 1) % p]
@@ -232,8 +156,8 @@ class TPComm:
                     w.wait()
             dt = time.perf_counter() - t0
             if chunk[send_i].numel():
-                self.stats.record("send", _nbytes(chunk[send_i]), dt,
-                                  payload_bytes=_nbytes(chunk[send_i]))
+                self.stats.record("send", nbytes_of(chunk[send_i]), dt,
+                                  payload_bytes=nbytes_of(chunk[send_i]))
             if buf.numel():
                 self.stats.record("recv", 0)
             if accumulate:
@@ -253,15 +177,15 @@ class TPComm:
         out = t.clone()
         q = len(h.intra_ranks)
         if q > 1:
-            self._timed("reduce", (q - 1) / q * _nbytes(out),
-                        lambda: dist.reduce(out, dst=h.leader, group=h.intra), _nbytes(out))
+            self._timed("reduce", (q - 1) / q * nbytes_of(out),
+                        lambda: dist.reduce(out, dst=h.leader, group=h.intra), nbytes_of(out))
         if h.inter is not None:
             n_lead = dist.get_world_size(h.inter)
             self._native_all_reduce(out, h.inter, n_lead)
         if q > 1:
-            self._timed("broadcast", (q - 1) / q * _nbytes(out),
+            self._timed("broadcast", (q - 1) / q * nbytes_of(out),
                         lambda: dist.broadcast(out, src=h.leader, group=h.intra),
-                        _nbytes(out) if self.global_rank == h.leader else 0)
+                        nbytes_of(out) if self.global_rank == h.leader else 0)
         return out
 
     def _all_reduce_now(self, t: torch.Tensor) -> torch.Tensor:
@@ -275,7 +199,7 @@ class TPComm:
             return summed
         if self.pattern == "ReduceScatter":
             flat = t.reshape(-1)
-            sizes = _ceil_sizes(flat.numel(), self.size)
+            sizes = ceil_sizes(flat.numel(), self.size)
             part = self._reduce_scatter_padded(flat, 0, sizes).wait()
             whole: torch.Tensor = self._gather_padded(part, 0, sizes).wait().view_as(t)
             return whole
@@ -320,18 +244,15 @@ class TPComm:
     def broadcast_(self, t: torch.Tensor, src_index: int = 0) -> torch.Tensor:
         """In-place broadcast from the member at group index ``src_index``."""
         if self.size > 1:
-            self._timed("broadcast", (self.size - 1) / self.size * _nbytes(t),
+            self._timed("broadcast", (self.size - 1) / self.size * nbytes_of(t),
                         lambda: dist.broadcast(t, src=self.ranks[src_index], group=self.group),
-                        _nbytes(t) if self.rank == src_index else 0)
+                        nbytes_of(t) if self.rank == src_index else 0)
         return t
 
     def all_reduce_coalesced_(self, tensors: Sequence[torch.Tensor], *, average: bool = False) -> int:
-        """Sum (or average) ``tensors`` in place over the group with native all-reduces.
-
-        Tensors smaller than ``fusion_threshold_bytes`` are packed into flat buffers of at
-        most that size (one collective per buffer); larger ones go alone. With
-        ``async_op`` all buckets are in flight at once. Returns the number of collectives.
-        """
+        """Sum (or average) ``tensors`` in place with native all-reduces, those smaller than
+        ``fusion_threshold_bytes`` packed into buffers of at most that size, all in flight at
+        once with ``async_op``. Returns the number of collectives."""
         if self.size == 1 or not tensors:
             return 0
         thr = self.fusion_threshold_bytes
@@ -339,7 +260,7 @@ class TPComm:
         cur: list[torch.Tensor] = []
         cur_bytes = 0
         for t in tensors:
-            b = _nbytes(t)
+            b = nbytes_of(t)
             if b >= thr or thr == 0:
                 buckets.append([t])
                 continue
@@ -376,6 +297,7 @@ class TPComm:
             self._pool = None
 
 
-def _ceil_sizes(n: int, p: int) -> list[int]:
+def ceil_sizes(n: int, p: int) -> list[int]:
+    """Ceil-sized chunk lengths of ``n`` over ``p`` slots (zeros at the end)."""
     per = -(-n // p) if n else 0
     return [max(0, min(per, n - i * per)) for i in range(p)]

@@ -16,6 +16,7 @@ import math
 import torch.distributed as dist
 
 from .comm import TPComm
+from .comm import ceil_sizes as grid_sizes
 
 __all__ = ["GridComms", "build_grid", "grid_sizes"]
 
@@ -37,19 +38,10 @@ class GridComms:
         return self.row.rank
 
 
-def grid_sizes(n: int, g: int) -> list[int]:
-    """Ceil-sized chunk lengths of ``n`` over ``g`` grid slots (zeros at the end)."""
-    per = -(-n // g) if n else 0
-    return [max(0, min(per, n - k * per)) for k in range(g)]
-
-
 def build_grid(tp: TPComm) -> GridComms:
-    """Row and column groups of every TP group (collective over the world when a process
-    group is initialised: every rank creates every sub-group, in the same order).
-
-    TP groups are the consecutive rank blocks of :func:`~.groups.build_tp_groups`. Without
-    a process group (a dry run), the comms have no group and only their indices matter.
-    """
+    """Row and column groups of every TP group (the consecutive rank blocks of
+    :func:`~.groups.build_tp_groups`): collective, every rank creates every sub-group in one
+    order. Without a process group (a dry run) only the comms' indices matter."""
     p = tp.size
     g = math.isqrt(p)
     if g * g != p:

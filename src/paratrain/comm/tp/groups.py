@@ -21,8 +21,6 @@ from ..mesh import Mesh
 from ..stats import CommStats
 from .comm import TPComm, _Hier
 
-__all__ = ["TPGroups", "build_tp_groups"]
-
 
 @dataclass
 class TPGroups:

@@ -50,7 +50,7 @@ from torch import nn
 
 from ...comm.mesh import Mesh
 from ...comm.tp.groups import TPGroups, build_tp_groups
-from ...comm.tp.world import broadcast_module_
+from ...comm.collectives import broadcast_module_
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...tensor_parallel.grid import replicas_of

@@ -5,7 +5,7 @@
 synchronous "ready" point):
 
 1. rank 0 broadcasts the plan — every member's hyperparameters and *source* (the member
-   whose end-of-``g−1`` checkpoint it starts from) — as JSON (:mod:`paratrain.comm.pbt_ops`);
+   whose end-of-``g−1`` checkpoint it starts from) — as JSON (:mod:`paratrain.comm.collectives`);
 2. every rank trains its members for the budget (``population.steps_per_generation`` or
    ``epochs_per_generation``, default one epoch), evaluates the fitness
    (``population.metric`` on the held-out set, ``mode`` max/min) and writes each member's
@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from ...comm.context import WorkerContext, default_workers
-from ...comm.pbt_ops import broadcast_json, gather_json
+from ...comm.collectives import broadcast_json, gather_json
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...files import write_json, write_text

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ...comm.tp.world import world_mean
+from ...comm.collectives import world_mean
 from ...task.steps import call_model
 from ...tensor_parallel import TensorParallelModule
 from ...tensor_parallel.grid import replicas_of

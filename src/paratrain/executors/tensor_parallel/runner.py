@@ -37,12 +37,11 @@ from typing import Any
 import torch
 
 from ...comm.buckets import bucket_bytes_of
-from ...comm.collectives import CommCounter
+from ...comm.collectives import CommCounter, barrier, broadcast_module_
 from ...comm.context import WorkerContext
 from ...comm.launch import launch
 from ...comm.rendezvous import in_torchrun
 from ...comm.tp.groups import build_tp_groups
-from ...comm.tp.world import broadcast_module_, world_barrier
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import DataParallel, Local
@@ -182,7 +181,7 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     def prepare() -> None:
         if ctx.is_main:
             prepare_run_dir(job, resume=resuming)
-        world_barrier()
+        barrier()
 
     label = f"TensorParallel x{tp}" + (f" x DataParallel x{dp}" if dp > 1 else "") + (
         f" (ZeRO shard = {shard} over dp)" if zero is not None else "")
