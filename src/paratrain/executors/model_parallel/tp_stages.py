@@ -48,9 +48,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...comm.collectives import broadcast_module_
 from ...comm.mesh import Mesh
 from ...comm.tp.groups import TPGroups, build_tp_groups
-from ...comm.collectives import broadcast_module_
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...tensor_parallel.grid import replicas_of

@@ -58,8 +58,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ...comm.context import WorkerContext, default_workers
 from ...comm.collectives import broadcast_json, gather_json
+from ...comm.context import WorkerContext, default_workers
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...files import write_json, write_text
