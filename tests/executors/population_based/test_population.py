@@ -153,6 +153,36 @@ def test_resume_continues_to_same_result(tmp_path: Path) -> None:
     assert lineage(other)["generations"][-1]["fitness"] != after["generations"][-1]["fitness"]
 
 
+@pytest.mark.slow
+def test_keep_one_generation_falls_back_to_the_older_checkpoint(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """keep_generations = 1 prunes the member files the older checkpoint's generation
+    started from; they live in the population checkpoint too, so a damaged newest
+    checkpoint falls back to the older one and the run ends as the uninterrupted one did
+    (2 workers: members restored on both ranks, then copied across them)."""
+    job = make_job(tmp_path, "keep1", run__num_workers=2, population={"steps_per_generation": 6,
+                                                                       "keep_generations": 1})
+    full = population.run(job)
+    run_dir = Path(full["run_dir"])
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("gen-*")) == ["gen-000002"]
+    newest = ckpts / "step-000000003" / "__0_0.distcp"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    (run_dir / "summary.json").unlink()
+    before = lineage(full)
+    capfd.readouterr()
+    resumed = population.run(job, resume=True)
+    err = capfd.readouterr().err
+    assert "falling back to step 2" in err, err[-3000:]
+    assert lineage(resumed)["generations"] == before["generations"]
+    for key in ("best_member", "best_fitness", "best_schedule", "parameters_sha256", "final_fitness"):
+        assert resumed[key] == full[key]
+    assert before["generations"][1]["copies"]  # non-vacuous: generation 2 starts from copies
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["generation"], r["member"]) for r in records] == [(g, m) for g in range(3) for m in range(4)]
+
+
 def test_every_member_failing_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"fail_members": [0, 1, 2, 3]}))
     job = make_job(tmp_path, "allfail",

@@ -1,49 +1,31 @@
 """One PBT member for one generation: restore, apply hyperparameters, train, evaluate, save.
 
-What a member trains is the job's :class:`~paratrain.task.Task` (classification by
-default; regression, the language model or a user's task): its model
-(``task.build_model``, with the member's model keywords), its data (``task.datasets``),
-its loss and its metrics. Each optimizer step is the one loop's
-:class:`~paratrain.training.loop.Trainer` over a
-:class:`~paratrain.training.loop.LocalEngine`, so every ``[train]`` option holds as under
-Local: ``grad_accumulation`` batches per step (weights ``n_i / N``), ``grad_clip_norm``,
-``precision = "bf16"`` (autocast; fp32 parameters and optimizer state),
-``optimizer.weight_decay`` and ``lr_schedule``/``warmup_steps``. The schedule runs over the
-member's *whole* life, ``T = strategy.generations x`` (this generation's steps per
-generation) optimizer steps; its state (the step count) travels in the member checkpoint,
-so a copied member continues the donor's schedule. The member's ``lr`` hyperparameter is
-the schedule's *base* learning rate: after a restore it replaces the scheduler's base
-(``base_lrs``) and the group's current ``lr`` becomes ``lr x f(step)``, so an explored
-``lr`` is never undone by the next ``scheduler.step()``.
-
-A member's state at the end of generation ``g`` lives in
-``checkpoints/gen-<g>/member-<i>.pt`` (model, optimizer and lr-scheduler ``state_dict``,
-written atomically). At generation ``g + 1`` member ``i`` loads the file of its *source*:
-itself, or the donor it copied in exploit. The copy is therefore byte-identical to the
-donor at that moment, whatever process trains either of them. The member's own
-hyperparameters are applied *after* ``optimizer.load_state_dict`` — which restores the
-donor's param-group values — so explored values are never lost (a bug class seen in
-other PBT systems).
-
-Every random draw of a member's generation is seeded by ``(seed, member, generation)``
-(data order, dropout), so results do not depend on which worker runs the member, on the
-number of workers, or on whether the run was resumed. A generation's batches: a fresh
-permutation of the training set (seeded so) walked in batches of ``batch_size``, a new
-permutation when it runs out; each optimizer step takes the next ``grad_accumulation``
-batches.
-
-Which hyperparameters a member can carry, its fitness metric and the job checks are in
-:mod:`.hyperparams`; member files, digests and seeds in :mod:`.member_state`.
+A member trains the job's :class:`~paratrain.task.Task` (its model built with the member's
+model keywords, its data, loss and metrics) through the one loop's
+:class:`~paratrain.training.loop.Trainer` over a :class:`~paratrain.training.loop.LocalEngine`,
+so every ``[train]`` option holds as under Local. The lr schedule runs over the member's
+whole life (``strategy.generations x`` steps per generation) and its state travels with the
+member, so a copy continues the donor's schedule. At generation ``g + 1`` member ``i``
+starts from the end-of-``g`` state of its *source* (itself, or the donor it copied in
+exploit): byte-identical to it, whatever process trains either. The member's own
+hyperparameters are applied *after* ``optimizer.load_state_dict`` -- which restores the
+donor's param-group values -- and its ``lr`` replaces the scheduler's base (``base_lrs``),
+so explored values are never lost (a bug class seen in other PBT systems). Every random
+draw of a member's generation (data order, dropout) is seeded by ``(seed, member,
+generation)``: results depend neither on the worker, nor on the number of workers, nor on
+a resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -56,25 +38,26 @@ from ...training.faults import injected_faults
 from ...training.loop import LocalEngine, Trainer
 from ...training.stepping import lr_factor
 from .hyperparams import TRAIN_METRICS, fitness_of, unknown_metric
-from .member_state import CheckpointWriter, copy_atomic, member_path, seed_of, state_digest
-
-__all__ = ["MemberRunner"]
+from .member_state import CheckpointWriter, member_path, seed_of, state_digest
 
 
-class _Data:
-    """One data variant: the task that built it and its (train, test) datasets."""
+class _Data(NamedTuple):
+    """One data variant: the task that built it and its datasets."""
 
-    def __init__(self, task: Task, train: Any, test: Any) -> None:
-        self.task, self.train, self.test = task, train, test
+    task: Task
+    train: Any
+    test: Any
 
 
+@dataclass
 class _Live:
     """A member's state in memory at the end of a generation (no reload needed)."""
 
-    def __init__(self, generation: int, model_key: str, model: nn.Module,
-                 opt: torch.optim.Optimizer, scheduler: Any) -> None:
-        self.generation, self.model_key = generation, model_key
-        self.model, self.opt, self.scheduler = model, opt, scheduler
+    generation: int
+    model_key: str
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    scheduler: Any
 
 
 def set_dropout(model: nn.Module, p: float) -> None:
@@ -87,19 +70,18 @@ def set_dropout(model: nn.Module, p: float) -> None:
 
 
 class MemberRunner:
-    """Trains members on one worker; caches the task's datasets by their keyword arguments."""
+    """Trains members on one worker; caches the task's datasets by their keyword arguments.
+    ``states``: each of its members' state at the end of its last generation, the dict its
+    file holds (what the population checkpoint saves of this worker)."""
 
-    def __init__(self, job: JobConfig, run_dir: Path, roles: dict[str, str], device: torch.device,
-                 task: Task | None = None) -> None:
-        self.job = job
-        self.run_dir = run_dir
-        self.roles = roles
-        self.device = device
-        self.task: Task = task if task is not None else resolve_task(job)
+    def __init__(self, job: JobConfig, run_dir: Path, roles: dict[str, str], device: torch.device) -> None:
+        self.job, self.run_dir, self.roles, self.device = job, run_dir, roles, device
+        self.task: Task = resolve_task(job)
         self.metric, self.mode = fitness_of(job, self.task)
         self._data: dict[str, _Data] = {}
         self.writer = CheckpointWriter()
         self._live: dict[int, _Live] = {}
+        self.states: dict[int, dict[str, Any]] = {}
 
     def preload(self) -> None:
         """Load the dataset now when no data keyword is searched (keeps it out of timings)."""
@@ -178,20 +160,29 @@ class MemberRunner:
             group["initial_lr"] = scheduler.base_lrs[i]
             group["lr"] = scheduler.base_lrs[i] * factor(scheduler.last_epoch)
 
-    def check_resume(self, generation: int, hparams: list[dict[str, Any]]) -> None:
-        """On resume, before the run folder changes: a ConfigError when the first member
-        file of ``generation`` (``hparams``: that generation's, per member) does not fit the
-        model and optimizer this job builds for that member (another model or optimizer
-        than the run's), naming what differs; nothing is loaded."""
-        for member, hp in enumerate(hparams):
-            path = member_path(self.run_dir, generation, member)
-            if not path.exists():  # a member that failed without state
-                continue
-            parts = self._split(hp)
+    def check_resume(self, states: dict[int, dict[str, Any]], hparams: list[dict[str, Any]],
+                     folder: Path) -> None:
+        """On resume, before the run folder changes: a ConfigError naming what differs when
+        the first member state of population checkpoint ``folder`` (``hparams``: that
+        generation's, per member) does not fit the model and optimizer this job builds for
+        that member (another model or optimizer than the run's)."""
+        for member in sorted(states)[:1]:
+            parts = self._split(hparams[member])
             model, opt, _ = self._build(member, self.data(parts["data"]), parts["model"],
                                         parts["optimizer"], 1)
-            checkpoint.check_resume_state(model, opt, checkpoint.load_checkpoint(path), source=path)
-            return
+            checkpoint.check_resume_state(model, opt, states[member], source=f"{folder} (member {member})")
+
+    def restore(self, states: dict[int, dict[str, Any]], generation: int) -> None:
+        """On resume: this worker's member files of ``generation`` written again from the
+        population checkpoint (``keep_generations`` may have pruned them, and a fallback to
+        the older checkpoint needs the generation before the newest)."""
+        for member, state in states.items():
+            self._save(member, member_path(self.run_dir, generation, member), state)
+        self.writer.flush()
+
+    def _save(self, member: int, path: Path, state: dict[str, Any]) -> None:
+        self.writer.save(path, state)
+        self.states[member] = state
 
     def _restore(self, member: int, generation: int, source: int | None, d: Any,
                  parts: dict[str, Any], total: int, model_key: str) -> tuple[Any, Any, Any, float]:
@@ -250,6 +241,7 @@ class MemberRunner:
             "applied": None, "data_s": 0.0, "setup_s": 0.0, "load_s": 0.0, "train_s": 0.0, "eval_s": 0.0,
             "save_s": 0.0, "has_state": False,
         }
+        self.states.pop(member, None)  # until this generation gives it a state
         if source is not None and lost is not None:
             out["error"] = (f"no state to continue from: member {source} has had none since "
                             f"its first failure, in {lost}")
@@ -262,8 +254,7 @@ class MemberRunner:
             t_data = time.perf_counter()
             out["data_s"] = t_data - t0
             bs = int(parts["batch"].get("batch_size", t.batch_size))
-            n = len(d.train)
-            steps = self.steps_for(n, bs)
+            steps = self.steps_for(len(d.train), bs)
             total = int(self.job.strategy.generations) * steps  # type: ignore[union-attr]
             factor = self._schedule(total)
             model_key = json.dumps(parts["model"], sort_keys=True)
@@ -294,8 +285,8 @@ class MemberRunner:
                 names = [*ev, *TRAIN_METRICS]
                 raise ConfigError([("population.metric", unknown_metric(self.metric, d.task, names))])
             out["end_digest"] = state_digest(model, opt)
-            self.writer.save(path, _member_state(model, opt, scheduler, member, generation, hparams,
-                                                 out["end_digest"]))
+            self._save(member, path, _member_state(model, opt, scheduler, member, generation, hparams,
+                                                   out["end_digest"]))
             out["save_s"] = time.perf_counter() - t3
             out["has_state"] = True
             self._live[member] = _Live(generation, model_key, model, opt, scheduler)
@@ -309,11 +300,11 @@ class MemberRunner:
         except Exception as e:  # noqa: BLE001 - a failing member gets the worst fitness
             out["error"] = f"{type(e).__name__}: {e}"
             out["fitness"] = None
-            # Keep the state it started from so the population stays complete on disk.
-            if source is not None:
-                src = member_path(self.run_dir, generation - 1, source)
-                if src.exists():
-                    copy_atomic(src, path)
+            # keep the state it started from (its source's, if any): the population stays whole
+            with contextlib.suppress(OSError, checkpoint.CheckpointError):
+                if source is not None:
+                    self._save(member, path, checkpoint.load_checkpoint(
+                        member_path(self.run_dir, generation - 1, source)))
                     out["has_state"] = True
         return out
 

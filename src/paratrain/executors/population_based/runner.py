@@ -1,52 +1,25 @@
 """PopulationBased: population-based training (Jaderberg et al. 2017) over worker processes.
 
-``population_size`` members are spread round-robin over the worker processes (member
-``i`` on rank ``i mod W``). Each generation ``g`` (Algorithm 1 of the paper, with a
-synchronous "ready" point):
+``population_size`` members are spread round-robin over the worker processes (member ``i``
+on rank ``i mod W``). Each generation ``g`` (Algorithm 1 of the paper, with a synchronous
+"ready" point): rank 0 broadcasts the plan -- every member's hyperparameters and *source*
+(the member whose end-of-``g-1`` state it starts from) -- as JSON (:mod:`paratrain.comm.collectives`);
+every rank trains its members for the budget, evaluates their fitness and writes each
+member's file ``checkpoints/gen-<g>/member-<i>.pt`` (:mod:`.member`; a failing member reports
+no fitness and the generation goes on, :mod:`.failures`); rank 0 gathers the results, records
+the generation, runs exploit/explore (:mod:`.pbt`) and writes ``lineage.json``; then the run's
+one lifecycle checkpoints the generation (``checkpoints/step-<g>/``, kind ``pbt``): the
+population on process 0 and, under ``engine/rank<r>`` ``members``, the state of every member
+process ``r`` trained. ``--resume`` (an elastic restart, another number of workers, a fallback
+to the older checkpoint) writes the member files it needs again from that checkpoint and ends
+with the same result as an uninterrupted run: all randomness is a function of the seed, the
+member and the generation, and the population's generator travels in its checkpoint. So
+``population.keep_generations`` only prunes older ``gen-*`` folders, never what a resume needs.
 
-1. rank 0 broadcasts the plan — every member's hyperparameters and *source* (the member
-   whose end-of-``g−1`` checkpoint it starts from) — as JSON (:mod:`paratrain.comm.collectives`);
-2. every rank trains its members for the budget (``population.steps_per_generation`` or
-   ``epochs_per_generation``, default one epoch), evaluates the fitness
-   (``population.metric`` on the held-out set, ``mode`` max/min) and writes each member's
-   checkpoint atomically (:mod:`paratrain.executors.population_based.member_state`); a failing member reports
-   no fitness (worst) and the generation goes on (one that never saved a state reports
-   its first failure in every later generation it cannot run: :mod:`.failures`);
-3. results are gathered to rank 0, which records the generation and, unless it was the
-   last, runs exploit/explore (:mod:`paratrain.executors.population_based.pbt`), writes
-   ``lineage.json``, and the run's one lifecycle checkpoints the population state (a
-   generation is its unit: ``checkpoints/step-<g>/``, kind ``pbt``, the population on
-   process 0; :class:`~paratrain.training.lifecycle.Lifecycle`).
-
-A generation where every member fails is an error. ``--resume`` (or an elastic restart,
-or a resume on another number of workers) continues from the newest population checkpoint and ends with the same result as an
-uninterrupted run: all randomness is a function of the seed, the member and the
-generation, and the population's generator travels in its checkpoint.
-
-Options (``[population]``): the budget, ``metric``/``mode``, ``evolve = false`` (the same
-population and budget as independent runs: random search, the baseline PBT is measured
-against), ``keep_generations`` (prune older member checkpoints). Failing members are injected from
-the environment, never the job (``PARATRAIN_FAULTS``, :mod:`paratrain.training.faults`). A member that was not replaced continues from its state in memory, which is
-byte-identical to its file; member files are written on a background thread and flushed
-before a rank reports, so a population checkpoint never names a file that is not on disk.
-
-Any :class:`~paratrain.task.Task` trains (``[task]``: classification by default,
-regression, the language model, a user's task); the fitness is ``population.metric``
-(default the task's fitness metric and mode; :mod:`.member`), every member record and the
-summary report ``test_<metric>`` for every metric of the task (the summary's for the best
-member) and the task's reference metrics (``bigram_test_loss``).
-``PARATRAIN_FAULT_KILL=0:G`` SIGKILLs rank 0 right after the population checkpoint of
-``G`` generations is on disk (first attempt only): a real stop for ``--resume`` tests;
-``R:G`` with ``R > 0`` SIGKILLs rank R after it trained its members of generation ``G - 1``,
-before it reports them (the restarted group runs that generation again).
-
-Across machines (torchrun) ``run.output_dir`` must be a filesystem all workers share,
-since members move between ranks as files; every rank checks this at start.
-
-Outputs: ``metrics.jsonl`` (one record per member per generation), ``lineage.json``
-(hyperparameters, fitness, sources and copies per generation), ``report.png``
-(hyperparameter schedules and fitness per member) and ``summary.json`` naming the best
-member, its fitness and the hyperparameter schedule that produced its weights.
+Members move between ranks as files, so across machines (torchrun) ``run.output_dir`` must be
+a filesystem all workers share; every rank checks this at start. ``PARATRAIN_FAULT_KILL=0:G``
+SIGKILLs rank 0 right after the checkpoint of ``G`` generations is on disk; ``R:G`` with
+``R > 0`` SIGKILLs rank R after it trained generation ``G - 1``, before it reports it.
 """
 
 from __future__ import annotations
@@ -58,7 +31,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ...comm.collectives import broadcast_json, gather_json
+from ...comm.collectives import barrier, broadcast_json, gather_json
 from ...comm.context import WorkerContext, default_workers
 from ...config import ConfigError
 from ...config.job import JobConfig
@@ -81,8 +54,6 @@ from .member import MemberRunner
 from .pbt import PopulationState, lineage_json
 from .report import plot_population
 from .summary import NOT_TEST, population_summary
-
-__all__ = ["run", "worker_main", "num_workers"]
 
 _TOKEN = ".pbt-run-token"
 
@@ -136,8 +107,8 @@ def _check_shared(run_dir: Path, token: str, rank: int) -> None:
 
 
 def _prune_members(run_dir: Path, *, keep_from: int) -> None:
-    """Delete member checkpoints of generations before ``keep_from`` (after the
-    population checkpoint that no longer needs them is on disk)."""
+    """Delete the member files of generations before ``keep_from`` (a resume takes the
+    members from the population checkpoint)."""
     for d in (run_dir / "checkpoints").glob("gen-*"):
         try:
             g = int(d.name.removeprefix("gen-"))
@@ -154,13 +125,11 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     next generation boundary, once that checkpoint is on disk, on every rank together."""
     started = time.perf_counter()
     size: int = job.strategy.population_size  # type: ignore[union-attr]
-    generations: int = job.strategy.generations  # type: ignore[union-attr]
     roles = validate_job(job)
     runner = MemberRunner(job, run_dir_of(job), roles, ctx.device)
     if ctx.rank == 0 and runner.metric in ("loss", "train_loss") and runner.mode == "max":
         warnings.warn(f"population.metric={runner.metric!r} with mode='max' selects the highest "
                       "loss; set mode='min'", stacklevel=2)
-    frozen = sorted(k for k in job.search_space if roles.get(k) == "model")
     main = ctx.rank == 0
     run_dir = run_dir_of(job)
     pop: PopulationState | None = None
@@ -168,27 +137,34 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     metrics: MetricsWriter | None = None
 
     def population_state(done: int) -> dict[str, Any]:
-        return engine_state(done, {"population": pop.state_dict()} if pop is not None else {})
+        engine: dict[str, Any] = {"members": {str(i): s for i, s in runner.states.items()}}
+        if pop is not None:
+            engine["population"] = pop.state_dict()
+        return engine_state(done, engine)
 
-    # every generation is checkpointed (members move between ranks as files each generation)
     life = Lifecycle(
         store=RankStore(run_dir, "pbt", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
                         layout={"strategy": "PopulationBased"}, layout_field="run.num_workers",
                         reshard="engines"),
-        unit="generation", total=generations, label="PopulationBased", state=population_state,
+        unit="generation", total=job.strategy.generations,  # type: ignore[union-attr]
+        label="PopulationBased", state=population_state,
         group=ctx.group if ctx.world_size > 1 else None, rank=ctx.rank, restart_count=ctx.restart_count,
         record_offset=-1, progress_every=job.run.progress_every, show=None if main else False)
     found = life.load() if resume else None
+    engines = _engines(found)
+    # the members this rank trains now, from whichever process saved them
+    restored = None if found is None else {int(i): s for e in engines for i, s in
+                                            (e.get("members") or {}).items()
+                                            if int(i) % ctx.world_size == ctx.rank}
     if main:
         if found is not None:
-            engines = found[1]["engines"] if found[1].get("resharded") else [found[1]["engine"]]
             pop = PopulationState.from_state_dict(engines[0]["population"])
             if pop.size != size:
                 raise ConfigError([("strategy.population_size", (
                     f"{run_dir} holds a population of {pop.size}, not {size}; resume with the "
                     "same job or start a fresh run"))])
-            if pop.history:
-                runner.check_resume(pop.generation - 1, pop.history[-1]["hparams"])
+            if pop.history and restored:
+                runner.check_resume(restored, pop.history[-1]["hparams"], found[0])
         prepare_run_dir(job, resume=resume)  # job.json: only once the resume was checked
         metrics = MetricsWriter(run_dir)
         if pop is None:
@@ -198,18 +174,24 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     done = int(found[1]["step"]) if found is not None else 0
     life.begin(done, resume=resume, found=found is not None, metrics=metrics)
     with life:
-        return _work(ctx, job, life, runner, pop, token, metrics, started=started, frozen=frozen,
-                     done=done)
+        return _work(ctx, job, life, runner, pop, token, metrics, started=started, done=done,
+                     restored=restored)
+
+
+def _engines(found: tuple[Any, dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The engine states of a population checkpoint, one per process that wrote it (on
+    the same layout: this process's own)."""
+    if found is None:
+        return []
+    return list(found[1]["engines"]) if found[1].get("resharded") else [found[1]["engine"]]
 
 
 def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRunner,
           pop: PopulationState | None, token: str, metrics: MetricsWriter | None, *,
-          started: float, frozen: list[str], done: int) -> dict[str, Any] | None:
-    strategy = job.strategy
-    size: int = strategy.population_size  # type: ignore[union-attr]
-    generations: int = strategy.generations  # type: ignore[union-attr]
-    opts = job.population
-    metric, mode = runner.metric, runner.mode
+          started: float, done: int, restored: dict[int, dict[str, Any]] | None) -> dict[str, Any] | None:
+    size: int = job.strategy.population_size  # type: ignore[union-attr]
+    generations: int = job.strategy.generations  # type: ignore[union-attr]
+    keep = job.population.keep_generations
     main = ctx.rank == 0
     run_dir = run_dir_of(job)
     timing = {"evolve_s": 0.0, "persist_s": 0.0, "comm_s": 0.0}
@@ -217,55 +199,26 @@ def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRun
     runner.preload()
     per_rank: list[dict[str, float]] = []
     loop_started = time.perf_counter()
-    shared_checked = False
     life.show(done)
-
-    while True:
-        plan = None
-        if pop is not None:
-            plan = {"generation": pop.generation, "hparams": pop.hparams, "sources": pop.sources,
-                    "done": pop.generation >= generations, "token": token, "lost": lost_before(pop)}
-        t = time.perf_counter()
-        plan = broadcast_json(plan, group=ctx.group)
-        timing["comm_s"] += time.perf_counter() - t
-        if not shared_checked:
-            _check_shared(run_dir, plan["token"], ctx.rank)
-            shared_checked = True
-        if plan["done"]:
-            break
-        g, lost = int(plan["generation"]), plan["lost"]
+    plan = _plan(ctx, pop, token, generations, timing)  # rank 0 sends it once its checks passed
+    _check_shared(run_dir, plan["token"], ctx.rank)
+    if restored is not None:  # every rank's files of the checkpoint, before any member reads one
+        runner.restore(restored, done - 1)
+        barrier(ctx.group)
+    while not plan["done"]:
+        g = int(plan["generation"])
         gathered = _train_mine(ctx, runner, plan, mine, timing)
-        if gathered is None:
-            done = g + 1
-            life.end_unit(done, last=done == generations)
-            continue
-        assert pop is not None and metrics is not None
-        by_member = {r["member"]: r for part in gathered for r in part["results"]}
-        ordered = [by_member[i] for i in range(size)]
+        if gathered is not None:
+            assert pop is not None and metrics is not None
+            per_rank.append(_record(job, life, runner, pop, gathered, plan["lost"], metrics, timing,
+                                    started=started))
         t = time.perf_counter()
-        record = _advance(job, pop, ordered, lost, g, mode=mode, frozen=frozen)
-        t_evolve = time.perf_counter()
-        timing["evolve_s"] += t_evolve - t
-        loads = [float(part["flush_s"]) for part in gathered]
-        for r in ordered:
-            # restore (rebuild + load + apply) and save: what a persistent loop would not do
-            loads[r["rank"]] += r["setup_s"] + r["load_s"] + r["save_s"]
-        per_rank.append({"checkpoint_s": max(loads), "train_s": sum(r["train_s"] for r in ordered),
-                         "eval_s": sum(r["eval_s"] for r in ordered)})
-        best_i = pop.best(mode)
-        best_f = record["fitness"][best_i]
-        best_f = f"{best_f:.4g}" if isinstance(best_f, int | float) else best_f  # None: all failed
-        life.show(pop.generation, info=f"best {metric} {best_f} (member {best_i})")
-        _log_members(metrics, ordered, record, g, started)
-        # lineage first, the population checkpoint (collective) last, so a crash in between
-        # reruns this generation on resume (metrics are truncated back to the checkpoint)
-        t = time.perf_counter()
-        write_json(run_dir / "lineage.json", lineage_json(pop, metric=metric, mode=mode), indent=1)
-        done = pop.generation
+        done = g + 1
         life.end_unit(done, last=done == generations)
-        if opts.keep_generations is not None:
-            _prune_members(run_dir, keep_from=done - opts.keep_generations)
+        if main and keep is not None:
+            _prune_members(run_dir, keep_from=done - keep)
         timing["persist_s"] += time.perf_counter() - t
+        plan = _plan(ctx, pop, token, generations, timing)
 
     t = time.perf_counter()
     runner.writer.flush()
@@ -276,6 +229,49 @@ def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRun
         return None
     assert pop is not None
     return _finish(ctx, job, runner, pop, started, timing, per_rank)
+
+
+def _plan(ctx: WorkerContext, pop: PopulationState | None, token: str, generations: int,
+          timing: dict[str, float]) -> dict[str, Any]:
+    """Rank 0's plan of the next generation, on every rank (``done``: none is left)."""
+    plan = None
+    if pop is not None:
+        plan = {"generation": pop.generation, "hparams": pop.hparams, "sources": pop.sources,
+                "done": pop.generation >= generations, "token": token, "lost": lost_before(pop)}
+    t = time.perf_counter()
+    plan = broadcast_json(plan, group=ctx.group)
+    timing["comm_s"] += time.perf_counter() - t
+    return dict(plan)
+
+
+def _record(job: JobConfig, life: Lifecycle, runner: MemberRunner, pop: PopulationState,
+            gathered: list[dict[str, Any]], lost: dict[str, Any], metrics: MetricsWriter,
+            timing: dict[str, float], *, started: float) -> dict[str, float]:
+    """Rank 0 after a generation: the population advanced, the progress shown, the members
+    logged and ``lineage.json`` written; returns the generation's times."""
+    g = pop.generation
+    by_member = {r["member"]: r for part in gathered for r in part["results"]}
+    ordered = [by_member[i] for i in range(pop.size)]
+    t = time.perf_counter()
+    record = _advance(job, runner, pop, ordered, lost)
+    timing["evolve_s"] += time.perf_counter() - t
+    loads = [float(part["flush_s"]) for part in gathered]
+    for r in ordered:
+        # restore (rebuild + load + apply) and save: what a persistent loop would not do
+        loads[r["rank"]] += r["setup_s"] + r["load_s"] + r["save_s"]
+    best_i = pop.best(runner.mode)
+    best_f = record["fitness"][best_i]
+    best_f = f"{best_f:.4g}" if isinstance(best_f, int | float) else best_f  # None: all failed
+    life.show(pop.generation, info=f"best {runner.metric} {best_f} (member {best_i})")
+    _log_members(metrics, ordered, record, g, started)
+    # lineage first, the population checkpoint (collective) last, so a crash in between
+    # reruns this generation on resume (metrics are truncated back to the checkpoint)
+    t = time.perf_counter()
+    write_json(run_dir_of(job) / "lineage.json", lineage_json(pop, metric=runner.metric, mode=runner.mode),
+               indent=1)
+    timing["persist_s"] += time.perf_counter() - t
+    return {"checkpoint_s": max(loads), "train_s": sum(r["train_s"] for r in ordered),
+            "eval_s": sum(r["eval_s"] for r in ordered)}
 
 
 def _train_mine(ctx: WorkerContext, runner: MemberRunner, plan: dict[str, Any], mine: list[int],
@@ -314,16 +310,18 @@ def _finish(ctx: WorkerContext, job: JobConfig, runner: MemberRunner, pop: Popul
     return summary
 
 
-def _advance(job: JobConfig, pop: PopulationState, ordered: list[dict[str, Any]],
-             lost: dict[str, Any], g: int, *, mode: str, frozen: list[str]) -> dict[str, Any]:
-    """Rank 0: the population after generation ``g`` (exploit, explore), its record with
+def _advance(job: JobConfig, runner: MemberRunner, pop: PopulationState,
+             ordered: list[dict[str, Any]], lost: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0: the population after its generation (exploit, explore), its record with
     each member's digests, what was applied and which members' files are lost."""
     strategy: Any = job.strategy
     opts = job.population
+    g = pop.generation
     record = pop.advance(
-        [r["fitness"] for r in ordered], mode=mode, space=job.search_space,
+        [r["fitness"] for r in ordered], mode=runner.mode, space=job.search_space,
         exploit_strategy=strategy.exploit, explore_strategy=strategy.explore,
-        evolve_now=opts.evolve and g < strategy.generations - 1, frozen=frozen,
+        evolve_now=opts.evolve and g < strategy.generations - 1,
+        frozen=sorted(k for k in job.search_space if runner.roles.get(k) == "model"),
         errors=[r["error"] for r in ordered],
         metrics=[r["metrics"] for r in ordered],
     )
