@@ -219,7 +219,9 @@ def test_bytes_per_round_at_message_level(group: dict[str, Any]) -> None:
 def test_server_killed_and_restarted_resumes(group: dict[str, Any]) -> None:
     summary, local = group["summary"]["resume"], group["local"]["resume"]
     assert 1 <= summary["resumed_from_round"] < 3 and group["killed_after"] < 3
-    assert [r["round"] for r in _metrics(group["run_dir"]["resume"])] == [1, 2, 3]
+    rows = _metrics(group["run_dir"]["resume"])
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert summary["clients_failed_total"] == 0, [r.get("failures") for r in rows]  # else not comparable
     assert summary["parameters_sha256"] == local["parameters_sha256"]
     _same_model(group["run_dir"]["resume"], Path(local["run_dir"]))
     # SCAFFOLD's equality with the local path, round by round, across the server's restart
