@@ -1,13 +1,9 @@
-"""ModelParallel: the model's nodes placed on worker processes, pipelined (DESIGN §5).
+"""ModelParallel: the model's nodes placed on worker processes, pipelined (DESIGN §4-5).
 
-- :mod:`.plan`: which nodes run on which stage (a pure function of the job);
-- :mod:`.schedule`: GPipe / 1F1B / Interleaved1F1B / ZBH1 micro-batch orders (pure);
-- :mod:`.backward_split`: a backward split into input (B) and weight (W) gradients (ZBH1);
-- :mod:`.runtime`: one stage's forward/backward with point-to-point activations;
-- :mod:`.engine`: the stage's part of the one training loop (engine, checkpoints, stats);
-- :mod:`.validation`: a job's worker count and placement, checked before any launch;
-- :mod:`.runner`: launch and a rank's run (``worker_main``);
-- :mod:`.graph_view`: what ``paratrain graph`` shows of the placement (``SPEC.graph``).
+:mod:`.plan` places and cuts the model, :mod:`.schedule` orders the micro-batches,
+:mod:`.runtime` runs one rank's parts, :mod:`.engine` is its part of the one training loop,
+:mod:`.validation` checks a job before any launch, :mod:`.runner` launches and runs a rank,
+:mod:`.graph_view` is what ``paratrain graph`` shows of the placement.
 """
 
 from __future__ import annotations

@@ -24,12 +24,12 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from ...graph.partition import Cut
 from .plan import Plan
-from .values import fill_output
 
 __all__ = ["Transport", "Feed", "first_field", "batch_rows", "rows_of", "model_inputs",
            "model_output", "storages", "segment_modules", "held_attrs"]
@@ -105,7 +105,7 @@ def _kwarg_order(spec: Any) -> list[str] | None:
 
 def model_output(cut: Cut, env: dict[str, Any]) -> Any:
     """The model's output from the values in ``env`` (rebuilt as the model returns it)."""
-    out = fill_output(cut.output, env)
+    out = fx.node.map_aggregate(cut.output, lambda a: env[a] if isinstance(a, str) and a in env else a)
     if cut.out_spec is not None:
         return pytree.tree_unflatten(list(out) if isinstance(out, tuple | list) else [out],
                                      cut.out_spec)

@@ -1,27 +1,69 @@
-"""What ``paratrain graph`` shows of a ModelParallel job (``SPEC.graph``,
-:class:`PlacementView`): each node's worker and part (:func:`.validation.plan_for`), the
-workers of each subgraph (every replica of a replicated stage: :func:`.replicas.replicas_for`),
-the values that cross workers, named by the node of the *traced* graph that computes them
-(:func:`.origin.cut_origin`), with their shapes and bytes, the parameters each worker holds
-and, with tensor parallelism, the pipeline x TP mesh (:func:`.tp_stages.mesh_report`).
+"""What ``paratrain graph`` shows of a ModelParallel job (``SPEC.graph``): each node's worker
+and part, the workers of each subgraph (every replica of a replicated stage), the values that
+cross workers with their shapes and bytes, named by the node of the *traced* graph computing
+them (:func:`cut_origin`), the parameters each worker holds and, with tensor parallelism, the
+pipeline x TP mesh.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+import torch.fx as fx
 
 from ...comm.context import default_workers
+from ...graph.partition import cut
 from ...graph.sizes import count_elements, shape_info, tensor_at, tensor_metas
 from ...graph.trace import module_of
 from ..spec import GraphView, Traced
-from .origin import cut_origin
 from .replicas import replicas_for
 from .tp_stages import mesh_report
 from .validation import num_workers, plan_for
 
-__all__ = ["PlacementView"]
+_ORIG = "paratrain_explain_node"  # fx node meta key: the node's name in the traced graph
+
+
+def _output_nodes(module: fx.GraphModule, count: int) -> list[fx.Node | None]:
+    """The nodes a part's submodule returns, in the order of its top-level outputs."""
+    out = next(n for n in module.graph.nodes if n.op == "output")
+    arg = out.args[0]
+    items = list(arg) if isinstance(arg, list | tuple) and (count > 1 or len(arg) == 1) else [arg]
+    return [a if isinstance(a, fx.Node) else None for a in items]
+
+
+def cut_origin(gm: fx.GraphModule, plan: Any) -> tuple[dict[str, str], dict[str, int]]:
+    """``plan.cut``'s top-level value names -> the traced graph's node computing each (``add_1``,
+    not ``split_module``'s ``getitem_k``), and each traced node -> the index of its part.
+
+    The cut is made again over ``gm`` with every node tagged by its name (fx copies node meta
+    into the parts); used only when it has the plan's parts exactly (else the plan's names)."""
+    for n in gm.graph.nodes:
+        n.meta[_ORIG] = n.name
+    try:
+        mine = cut(gm, plan.claims, default=0)
+    except Exception as e:  # noqa: BLE001 - the report then shows the plan's own names
+        logging.getLogger(__name__).info("graph: values named as the plan names them: %r", e)
+        return {}, {}
+    same = [(p.index, p.rank, p.inputs, p.outputs) for p in mine.parts] == [
+        (p.index, p.rank, p.inputs, p.outputs) for p in plan.cut.parts]
+    if not same:
+        return {}, {}
+    names: dict[str, str] = {}
+    part_of: dict[str, int] = {}
+    for p in mine.parts:
+        for n in p.module.graph.nodes:
+            if n.op not in ("placeholder", "output") and n.meta.get(_ORIG):
+                part_of.setdefault(str(n.meta[_ORIG]), p.index)
+        for value, node in zip(p.outputs, _output_nodes(p.module, len(p.outputs)), strict=False):
+            if node is not None and node.meta.get(_ORIG):
+                names[value] = str(node.meta[_ORIG])
+    by_target = {str(n.target): n.name for n in gm.graph.nodes if n.op == "get_attr"}
+    for a in mine.attrs:
+        if a.target in by_target:
+            names[a.name] = by_target[a.target]
+    return names, part_of
 
 
 class PlacementView(GraphView):
@@ -36,7 +78,7 @@ class PlacementView(GraphView):
         self.plan = plan_for(job, traced.model, self.workers, traced.example)
         self.replicas = replicas_for(job, self.plan, len(self.workers), self.workers)
         self.worker_id = {int(w.rank): str(w.id) for w in self.workers}
-        self.origin, self.node_part = cut_origin(job, traced.gm, self.plan, self.workers)
+        self.origin, self.node_part = cut_origin(traced.gm, self.plan)
         self.part_of: dict[str, int] = {}  # called module -> part index
         for p in self.plan.cut.parts:
             for m in p.nodes:

@@ -4,7 +4,7 @@ Every worker builds the same seeded task model, places and cuts it (:mod:`.valid
 :mod:`.plan`), keeps its parts (:class:`~.engine.StageModel`) and trains them through the
 one loop (:func:`paratrain.training.loop.run_loop`) with its own optimizer, over a
 transport: ``P2PTransport`` (Direct, Pipeline) or a ``DataStore`` folder. Checkpoints are
-per rank and resumable on another placement by the model's names (:mod:`.state`); rank 0
+per rank and resumable on another placement by the model's names (:func:`layout_of`); rank 0
 gathers every rank's tensors for the exported model and writes the summary.
 ``PARATRAIN_FAULT_KILL=RANK:STEP`` (:data:`FAULT_ENV`) makes that rank SIGKILL itself after
 STEP on the first attempt (fault injection for tests and demos).
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import math
 import re
 import time
@@ -21,6 +23,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
+
+import torch
 
 from ...comm import collectives as C
 from ...comm.buckets import bucket_bytes_of
@@ -49,7 +53,6 @@ from ...training.stores import RankStore
 from .engine import PipelineEngine, StageModel, pipeline_stats
 from .replicas import replicas_for
 from .runtime import StageRuntime, held_attrs, segment_modules
-from .state import gather_parts, layout_of
 from .tp_stages import (
     TPPipelineEngine,
     dense_own,
@@ -160,6 +163,31 @@ def _place(ctx: WorkerContext, job: JobConfig, model: Any, task: Any, train: Any
         if ctx.rank in ranks:
             replica_group = group
     return model, plan, logical, replicas, tp_groups, replica_group
+
+
+def layout_of(plan: Any, replicas: Any, world: int, shards: dict[str, str] | None = None) -> dict[str, Any]:
+    """The run's processes and placement (a checkpoint of another one is resumed by the
+    model's names): the worker count and a digest of which nodes each rank runs (and, where
+    a replicated stage is ZeRO-sharded, its ``shard``: its ranks hold rows then)."""
+    where = [[s.index, s.rank, list(s.nodes)] for s in plan.segments]
+    groups = {str(r): list(g) for r, g in sorted(replicas.groups.items())}
+    sharded = {p: v for p, v in sorted((shards or {}).items()) if v != "none"}
+    digest = hashlib.sha256(json.dumps([where, groups, *([sharded] if sharded else [])]).encode()).hexdigest()[:16]
+    return {"strategy": "ModelParallel", "world": world, "placement": digest}
+
+
+def gather_parts(rt: Any, own: dict[str, torch.Tensor], *, rank: int, world: int,
+                  step: int) -> list[dict[str, torch.Tensor]]:
+    """Every rank's model tensors (by the model's names) on rank 0, in rank order (a
+    replicated stage's replicas hold the same names and values: the first is kept)."""
+    from safetensors.torch import load, save
+
+    if rank != 0:
+        blob = save({k: v.detach().cpu().contiguous().clone() for k, v in own.items()})
+        rt.send_metric(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=0, step=step, slot=4)
+        return []
+    return [own] + [load(bytes(rt.recv_metric(src=r, step=step, slot=4).cpu().numpy().tobytes()))
+                    for r in range(1, world)]
 
 
 def _state_check(model: Any, opt: Any) -> Callable[[dict[str, Any], Any], None]:

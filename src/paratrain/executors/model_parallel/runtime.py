@@ -40,6 +40,8 @@ gradients).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,30 +61,85 @@ from .feed import (
     segment_modules,
     storages,
 )
-from .inference import Inference
 from .plan import Plan
-from .replicas import Replicas, row_bounds
-from .routing import Routing
+from .replicas import Replicas, pieces, row_bounds
 from .schedule import SPLIT_BACKWARD, VIRTUAL, Action, micro_batch_sizes, schedule, sequential
-from .values import (
-    LossFn,
-    SavedBytes,
-    StepStats,
-    as_tuple,
-    check_tensor,
-    cross_entropy,
-    detached_leaf,
-    slot_of,
-    unpack_saved,
-)
 
-__all__ = ["Transport", "segment_modules", "held_attrs", "StepStats", "StageRuntime"]
+__all__ = ["Transport", "segment_modules", "held_attrs", "StageRuntime"]
 
 #: How many actions ahead a stage posts its receives (transports with ``post``).
 RECV_LOOKAHEAD = 2
+#: ``loss_fn(output, batch) -> scalar``: the mean loss of a (micro-)batch (a Task's ``loss``).
+LossFn = Callable[[Any, Sequence[torch.Tensor]], torch.Tensor]
 
 
-class StageRuntime(Routing, Inference):
+def slot_of(t: int, j: int = 0, k: int = 0) -> int:
+    """Message slot of transfer ``t`` between sender replica ``j`` and receiver replica ``k``."""
+    return t * 64 + j * 8 + k
+
+
+@dataclass
+class StepStats:
+    """What one call ran: its wall time, compute time and activation peak."""
+
+    step_s: float = 0.0
+    compute_s: float = 0.0
+    peak_activation_bytes: int = 0
+    trace: list[tuple[str, int, int, float, float]] = field(default_factory=list)
+
+    @property
+    def order(self) -> list[Action]:
+        return [(k, i, s) for k, i, s, _, _ in self.trace]  # type: ignore[misc]
+
+
+class SavedBytes:
+    """Counts distinct non-parameter storages saved for backward (a pack hook)."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude = exclude
+        self.seen: set[int] = set()
+        self.bytes = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.seen and ptr not in self.exclude:
+            self.seen.add(ptr)
+            self.bytes += storage.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def cross_entropy(out: torch.Tensor, batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    return nn.functional.cross_entropy(out, batch[1])
+
+
+def as_tuple(out: Any, n: int) -> tuple[Any, ...]:
+    return tuple(out) if n > 1 else (out,)
+
+
+def detached_leaf(t: Any) -> Any:
+    """A detached copy that records its own gradient (floating tensors only)."""
+    if isinstance(t, torch.Tensor):
+        d = t.detach()
+        if d.is_floating_point():
+            d.requires_grad_(True)
+        return d
+    return t
+
+
+def check_tensor(value: str, val: Any, dst: int) -> None:
+    if not isinstance(val, torch.Tensor):
+        raise TypeError(
+            f"model-parallel value {value!r} ({type(val).__name__}) is read on rank {dst} but "
+            f"is not a tensor; only tensors travel between workers: place the nodes that make "
+            f"and read it on one worker")
+
+
+class StageRuntime:
     """Runs this rank's parts of the model for a train step or a forward pass."""
 
     def __init__(self, plan: Plan, rank: int, modules: dict[int, nn.Module],
@@ -95,18 +152,16 @@ class StageRuntime(Routing, Inference):
         self.device = device or torch.device("cpu")
         self.rank = rank  # the stage's rank in the plan (a replica's primary)
         self.replicas = replicas or Replicas()
-        self.physical = rank if physical_rank is None else physical_rank
-        self.replica = self.replicas.of(rank).index(self.physical)
+        self.replica = self.replicas.of(rank).index(rank if physical_rank is None else physical_rank)
         self.num_replicas = self.replicas.count(rank)
         self.modules = modules
-        self.transport = transport
+        self.transport: Any = transport
         self.attrs = dict(attrs or {})
         self.stats = StepStats()
         c = self.cut
         self.parts: dict[int, Part] = {p.index: p for p in c.parts_of(rank)}
         producing = [c.producer[v][1] for v in c.output_values if c.producer[v][0] == "part"]
         self.loss_part = max(producing) if producing else None
-        self.last = self.loss_part if self.loss_part is not None else -1
         # the values each of my parts reads (the loss part also reads the model's output)
         self.reads: dict[int, list[str]] = {}
         for idx, p in self.parts.items():
@@ -122,6 +177,7 @@ class StageRuntime(Routing, Inference):
         self._param_ptrs = {p.untyped_storage().data_ptr()
                             for m in modules.values() for p in m.parameters()}
         self._param_ptrs |= {t.untyped_storage().data_ptr() for t in self.attrs.values()}
+        self._sizes: list[int] = []
 
     # ------------------------------------------------------------------ orders
     def actions(self, num_micro: int, schedule_name: str | None) -> list[Action]:
@@ -224,8 +280,7 @@ class StageRuntime(Routing, Inference):
                         param.grad = g.to(param.dtype) if param.grad is None else param.grad + g
 
     def _fetch(self, i: int, v: str, mb: Any, remote_attrs: dict[str, Any],
-               got: dict[tuple[int, str], Any], left: dict[tuple[int, str], int], step: int,
-               rows: int) -> Any:
+               got: dict[tuple[int, str], Any], left: dict[tuple[int, str], int], step: int) -> Any:
         """The value ``v`` for micro-batch ``i`` as my part reads it (see F in the docstring)."""
         kind, producer = self.cut.producer[v]
         if kind == "input":  # every rank reads the batch: the model's arguments on it
@@ -237,17 +292,14 @@ class StageRuntime(Routing, Inference):
         if (i, v) not in got:
             if producer in self.parts:
                 prod = self.parts[producer]
-                got[(i, v)] = detached_leaf(self._peek(i, producer)[prod.outputs.index(v)])
+                got[(i, v)] = detached_leaf(self._outs_ref[(i, producer)][prod.outputs.index(v)])
             else:
                 got[(i, v)] = detached_leaf(self._recv_rows("act", i, self.in_transfers[v], step, from_src=True))
             left[(i, v)] = self.readers_here[v]
         return got[(i, v)]
 
-    def _peek(self, i: int, part: int) -> tuple[Any, ...]:
-        return self._outs_ref[(i, part)]
-
     def _release(self, i: int, v: str, got: dict[tuple[int, str], Any],
-                 left: dict[tuple[int, str], int], step: int, rows: int) -> None:
+                 left: dict[tuple[int, str], int], step: int) -> None:
         """After a reader's backward: when it was my last reader of a received value,
         send its gradient back to the producer."""
         if (i, v) not in left:
@@ -265,7 +317,7 @@ class StageRuntime(Routing, Inference):
         self._send_rows(g, "grad", i, t, step, to_src=True)
 
     def _output_grad(self, i: int, v: str, val: Any, got: dict[tuple[int, str], Any],
-                     step: int, rows: int) -> torch.Tensor | None:
+                     step: int) -> torch.Tensor | None:
         """``dL/dv``: my later parts' share plus every other reading rank's."""
         total: torch.Tensor | None = None
         read_here = (i, v) in got
@@ -281,17 +333,7 @@ class StageRuntime(Routing, Inference):
             total = torch.zeros_like(val)
         return total
 
-    # ------------------------------------------------------------------ parameters, metrics
-    def parameters(self) -> list[nn.Parameter]:
-        seen: set[int] = set()
-        out: list[nn.Parameter] = []
-        for s in sorted(self.modules):
-            for p in self.modules[s].parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
-
+    # ------------------------------------------------------------------ metrics
     def send_metric(self, values: torch.Tensor, *, dst: int, step: int, slot: int = 0) -> None:
         """Send a small metrics tensor (e.g. the loss) to ``dst``; ``slot`` separates kinds."""
         self.transport.send(values, dst=dst, key=("metric", slot, 0), step=step)
@@ -299,6 +341,101 @@ class StageRuntime(Routing, Inference):
 
     def recv_metric(self, *, src: int, step: int, slot: int = 0) -> torch.Tensor:
         return self.transport.recv(src=src, key=("metric", slot, 0), step=step)
+
+    # ------------------------------------------------------------------ rows across replicas
+    def _links(self, i: int, t: Any, *, mine_is_src: bool) -> list[tuple[int, int, int, int]]:
+        """``(peer physical rank, slot, start, stop)`` of each piece of transfer ``t`` for
+        micro-batch ``i`` that this replica sends (``mine_is_src``) or receives, rows
+        relative to this replica's own rows."""
+        n = self._sizes[i]
+        rs, rd = self.replicas.count(t.src), self.replicas.count(t.dst)
+        me = self.replica
+        base = row_bounds(n, self.num_replicas)[me][0]
+        out = []
+        for j, k, lo, hi in pieces(n, rs, rd):
+            if mine_is_src and j == me:
+                out.append((self.replicas.of(t.dst)[k], slot_of(t.index, j, k), lo - base, hi - base))
+            elif not mine_is_src and k == me:
+                out.append((self.replicas.of(t.src)[j], slot_of(t.index, j, k), lo - base, hi - base))
+        return out
+
+    def _send_rows(self, val: torch.Tensor, kind: str, i: int, t: Any, step: int, *, to_src: bool) -> None:
+        """Send ``val`` (this replica's rows of a value of transfer ``t``) cut into the rows
+        each peer replica holds: activations to ``t.dst``'s replicas, gradients back to
+        ``t.src``'s. Cutting by rows needs one row per example: a value of another leading
+        size (an exported model's rotary table, shape ``(1, T, d)``) crossing into or out of
+        a replicated stage is a ValueError naming it."""
+        if self.replicas.count(t.src) > 1 or self.replicas.count(t.dst) > 1:
+            lo, hi = row_bounds(self._sizes[i], self.num_replicas)[self.replica]
+            if val.dim() == 0 or val.shape[0] != hi - lo:
+                raise ValueError(
+                    f"model-parallel value {t.value!r} of shape {tuple(val.shape)} crosses into or "
+                    f"out of a replicated stage but is not one row per example ({hi - lo} rows "
+                    f"here): a replicated stage cuts what it reads and sends by rows; do not "
+                    f"replicate that stage, or place the nodes that make and read it together")
+        for peer, slot, lo, hi in self._links(i, t, mine_is_src=not to_src):
+            self.transport.send(val[lo:hi], dst=peer, key=(kind, i, slot), step=step, rows=hi - lo)
+
+    def _recv_rows(self, kind: str, i: int, t: Any, step: int, *, from_src: bool) -> torch.Tensor:
+        parts = [self.transport.recv(src=peer, key=(kind, i, slot), step=step, rows=hi - lo)
+                 for peer, slot, lo, hi in self._links(i, t, mine_is_src=not from_src)]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device)
+
+    def _recv_specs(self, kind: str, i: int, s: int) -> list[tuple[int, tuple[str, int, int], int]]:
+        """``(src, key, rows)`` of the messages action ``(kind, i, s)`` waits for."""
+        out: list[tuple[int, tuple[str, int, int], int]] = []
+        if kind == "F":
+            for v in self.reads[s]:
+                t = self.in_transfers.get(v)
+                if t is not None and not self._is_attr(v):
+                    out += [(peer, ("act", i, slot), hi - lo)
+                            for peer, slot, lo, hi in self._links(i, t, mine_is_src=False)]
+        elif kind == "B":  # a W waits for nothing
+            for v in self.parts[s].outputs:
+                for t in self.out_transfers:
+                    if t.value == v:
+                        out += [(peer, ("grad", i, slot), hi - lo)
+                                for peer, slot, lo, hi in self._links(i, t, mine_is_src=True)]
+        return out
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def forward(self, *args: Any, step: int, precision: str = "fp32", **kwargs: Any) -> Any:
+        """Evaluation: the placed model called as ``model(*args, **kwargs)`` on a whole batch,
+        each stage's primary replica running its parts in order (``("eval", 0, slot)`` keys);
+        the output on the loss part's rank (None elsewhere)."""
+        from ...training.stepping import autocast
+
+        c, tr = self.cut, self.transport
+        if self.replica > 0:
+            return None  # evaluation runs on each stage's primary replica
+        prim = self.replicas.of
+        rows = batch_rows((args, kwargs))
+        env: dict[str, Any] = model_inputs(c, args, kwargs)
+        env.update(self.attrs)
+        for t in self.out_transfers:
+            if self._is_attr(t.value):
+                tr.send(self.attrs[t.value], dst=prim(t.dst)[0], key=("eval", 0, slot_of(t.index)), step=step)
+        result: Any = None
+        for s in sorted(self.parts):
+            part = self.parts[s]
+            for v in self.reads[s]:
+                if v not in env:
+                    t = self.in_transfers[v]
+                    n = None if self._is_attr(v) else rows
+                    env[v] = tr.recv(src=prim(t.src)[0], key=("eval", 0, slot_of(t.index)), step=step,
+                                     rows=n).to(self.device)
+            with autocast(precision, self.device):
+                outs = as_tuple(self.modules[s](*[env[v] for v in part.inputs]), len(part.outputs))
+            env.update(zip(part.outputs, outs, strict=True))
+            for v, val in zip(part.outputs, outs, strict=True):
+                for t in self.out_transfers:
+                    if t.value == v:
+                        tr.send(val, dst=prim(t.dst)[0], key=("eval", 0, slot_of(t.index)), step=step, rows=rows)
+            if s == self.loss_part:
+                result = model_output(c, env)
+        tr.flush()
+        return result
 
 
 class _StepRun:
@@ -328,13 +465,12 @@ class _StepRun:
         from ...training.stepping import autocast
 
         rt, part = self.rt, self.rt.parts[s]
-        sizes = rt._sizes
-        args = [rt._fetch(i, v, self.micro[i], self.remote_attrs, self.got, self.left, self.step,
-                          sizes[i]) for v in rt.reads[s]]
+        args = [rt._fetch(i, v, self.micro[i], self.remote_attrs, self.got, self.left, self.step)
+                for v in rt.reads[s]]
         t0 = time.perf_counter()
         meter = SavedBytes(rt._param_ptrs | self.in_batch)
         mine = self.own[i][1] - self.own[i][0]
-        with torch.autograd.graph.saved_tensors_hooks(meter.pack, unpack_saved), \
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack), \
                 autocast(self.precision, rt.device):
             result = as_tuple(rt.modules[s](*args[: len(part.inputs)]), len(part.outputs))
             if s == rt.loss_part:
@@ -377,7 +513,6 @@ class _StepRun:
 
     def backward(self, i: int, s: int) -> None:
         rt, part = self.rt, self.rt.parts[s]
-        size = rt._sizes[i]
         result = self.outs.pop((i, s))
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
@@ -385,7 +520,7 @@ class _StepRun:
             tensors.append(self.loss_terms.pop(i))
             grads.append(None)
         for v, val in zip(part.outputs, result, strict=True):
-            g = rt._output_grad(i, v, val, self.got, self.step, size)
+            g = rt._output_grad(i, v, val, self.got, self.step)
             if g is not None and isinstance(val, torch.Tensor) and val.requires_grad:
                 tensors.append(val)
                 grads.append(g)
@@ -398,6 +533,6 @@ class _StepRun:
         self.stats.compute_s += t1 - t0
         self.stats.trace.append(("B", i, s, t0, t1))
         for v in set(rt.reads[s]):
-            rt._release(i, v, self.got, self.left, self.step, size)
+            rt._release(i, v, self.got, self.left, self.step)
         if not self.split:
             self.live -= self.held.pop((i, s))
