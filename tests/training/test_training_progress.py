@@ -135,7 +135,8 @@ def test_the_setting_parses_and_names_the_field() -> None:
     assert parse_progress_every("off") is None and parse_progress_every(0) is None
     assert parse_progress_every("2m") == (0, 120.0) and parse_progress_every(50) == (50, None)
     assert isinstance(progress_bar(enabled=None, every="1s"), LineProgress)  # pytest: no terminal
-    assert not isinstance(progress_bar(enabled=False, every="1s"), LineProgress)
+    off = progress_bar(enabled=False, every="1s")  # lines with no cadence: it never writes
+    assert isinstance(off, LineProgress) and off.steps == 0 and off.seconds is None
     with pytest.raises(ConfigError, match=r"run\.progress_every: .*'off'"):
         load_job({"run": {"progress_every": "soon"}})
 

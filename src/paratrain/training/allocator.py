@@ -1,20 +1,12 @@
 """glibc's heap settings for a training process (:func:`keep_freed_memory`).
 
-A CPU training step allocates and frees the same activation and gradient buffers every
-step. glibc returns freed memory at the top of its heap to the system once more than
-``M_TRIM_THRESHOLD`` is free (by default twice the dynamic mmap threshold, a few MB), and
-serves a large request with a fresh ``mmap`` (above ``M_MMAP_THRESHOLD``, at most 32 MB);
-either way the next step's buffers are new pages, and the kernel zero-fills every one of
-them on first touch. Measured on the GPT demo (300 steps, one thread, ``benchmarks/RESULTS.md``,
-session of 2026-12-03): 6.7-8.1 s of system time in a 34 s run with glibc's defaults, 0.5 s
-with freed memory kept (trim threshold 256 MB, mmap threshold 64 MB), for 7% more peak RSS.
-
-So a process that trains and then exits (a Local run from the CLI, every worker) keeps up to
-256 MB of freed memory for reuse and maps only requests over 64 MB apart. Nothing is changed
-where the environment already tunes the heap (``GLIBC_TUNABLES`` naming ``glibc.malloc``, or
-``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_MMAP_THRESHOLD_``), with
-``PARATRAIN_KEEP_FREED_MEMORY=0``, off glibc, or in a process paratrain does not own
-(``paratrain.fit`` runs in the caller's: a ``mallopt`` setting cannot be undone).
+A CPU training step frees and allocates the same buffers every step. With glibc's defaults
+freed memory past a few MB is returned to the system and large requests get a fresh
+``mmap``, so every step's buffers are new pages the kernel zero-fills. Measured on the GPT
+demo (300 steps, one thread, 2026-12-03): 6.7-8.1 s of system time in a 34 s run by
+default, 0.5 s keeping up to 256 MB freed (mmap above 64 MB), for 7% more peak RSS.
+Unchanged where the environment tunes the heap (``GLIBC_TUNABLES``, ``MALLOC_*_``), with
+``PARATRAIN_KEEP_FREED_MEMORY=0``, off glibc, or in a process paratrain does not own.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
-"""Checks before a resume, and reading a ``torch.save`` checkpoint file.
+"""Checks before a resume, and reading one ``torch.save`` checkpoint file.
 
-Every strategy checkpoints through the run lifecycle's torch.distributed.checkpoint
-folders (:mod:`.stores`); what remains here is shared by them: :data:`MIN_KEEP` (how many
-checkpoints are kept), :func:`check_model_state` / :func:`check_optimizer_state`, which name
-what differs when a resumed job's model or optimizer does not match the checkpoint before
-anything is loaded, and :func:`load_checkpoint`, which reads one ``torch.save`` file (a
-PopulationBased member's weights, ``checkpoints/gen-<g>/member-<i>.pt``) with
-``weights_only=True`` -- tensors, containers and plain numbers, never arbitrary pickled
-objects -- and raises :class:`CheckpointError` naming the file and what is wrong when it
-is empty, truncated or garbage.
+:func:`check_model_state` / :func:`check_optimizer_state` name what differs when a resumed
+job's model or optimizer does not fit the checkpoint, before anything is loaded.
+:func:`load_checkpoint` reads a PopulationBased member's file with ``weights_only=True``
+and raises :class:`CheckpointError` naming it when it is empty, truncated or garbage.
 """
 
 from __future__ import annotations
@@ -38,8 +33,7 @@ class CheckpointError(RuntimeError):
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load one checkpoint. A missing file raises FileNotFoundError; one that cannot be
-    loaded raises :class:`CheckpointError` naming it and saying what is wrong."""
+    """Load one checkpoint file (FileNotFoundError when missing, else :class:`CheckpointError`)."""
     path = Path(path)
     size = path.stat().st_size
     if size == 0:
@@ -109,8 +103,7 @@ def check_resume_state(
     module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any], *,
     source: str | Path,
 ) -> None:
-    """Both checks a resume makes before loading ``state`` (a checkpoint with ``model``,
-    ``optimizer`` and optionally ``optimizer_type``): a ConfigError names what differs."""
+    """Both checks a resume makes before loading ``state``."""
     check_model_state(module, state["model"], source=source)
     check_optimizer_state(optimizer, state["optimizer"], source=source,
                           saved_type=state.get("optimizer_type"))

@@ -1,16 +1,9 @@
-"""The training curve: a ``"kind": "train"`` record every ``run.log_every`` optimizer steps.
-
-Each record holds the mean training loss over the steps since the previous one, the
-learning rate of the last step, the rate (``steps_per_s``, ``samples_per_s``), the mean
-``step_time_s`` and the process's memory (``memory_mb``: the peak CUDA allocation on a GPU,
-else the peak resident set). The losses are the floats the step already returns
-(:meth:`.loop.Trainer.step`), so the window adds no host synchronisation per step; the
-mean over the processes that compute losses is taken at a logging step only (a collective
-every process of the loop joins: :meth:`TrainCurve.record`).
-
-The window is checkpointed (:meth:`TrainCurve.state_dict`): a resumed run logs the same
-losses at the same steps as the run that never stopped. Evaluation records are unchanged;
-:func:`.rundir.read_metrics` leaves training records out unless asked for them.
+"""The training curve: a ``"kind": "train"`` record every ``run.log_every`` optimizer steps:
+the mean training loss since the previous one, the last lr, ``steps_per_s``,
+``samples_per_s``, ``step_time_s`` and ``memory_mb`` (peak CUDA allocation, else peak RSS).
+The losses are floats the step already returns (no host synchronisation per step); the mean
+over processes is taken at a logging step only. The window is checkpointed, so a resumed
+run logs the same losses at the same steps.
 """
 
 from __future__ import annotations
@@ -38,8 +31,7 @@ def peak_rss_mb() -> float:
 
 
 def memory_mb(device: torch.device | None) -> float:
-    """The peak memory of this process's training: CUDA's peak allocation on a GPU, else
-    the peak resident set."""
+    """The peak memory of this process's training: CUDA's peak allocation, else the peak RSS."""
     if device is not None and device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return peak_rss_mb()
@@ -60,8 +52,7 @@ class TrainCurve:
         self.samples += samples
 
     def due(self, step: int) -> bool:
-        """A record is due after ``step`` (a multiple of ``every``: ``log_every`` past the
-        run's length logs none)."""
+        """A record is due after ``step`` (a multiple of ``every``)."""
         return bool(self.losses) and step % self.every == 0
 
     def record(self, step: int, epoch: int, lr: float,

@@ -1,25 +1,17 @@
 """The one loop's checkpoint as torch.distributed.checkpoint keys, by the model's own names.
 
-Keys (each a DCP tensor whose metadata records the whole tensor's size and the chunks
-saved of it, :mod:`paratrain.comm.dcp`):
+- ``model/<name>``: model tensor ``name``, whole or as the pieces the processes hold
+  (shard specs of :mod:`.reshard` as DCP chunks);
+- ``optim/<name>/<key>``: parameter ``name``'s optimizer state, cut like the parameter
+  where it has its shape;
+- ``rank<r>/...``: process ``r``'s own copy, where processes hold different values or do
+  not share a file system;
+- ``meta/rank<r>`` (bytes): position, scheduler, RNG, losses, loader, optimizer groups and
+  the description of what was saved; ``engine/rank<r>`` (bytes): the strategy's own state.
 
-- ``model/<name>``: the model tensor ``name`` (``named_parameters()`` / buffers), whole
-  or as the pieces the processes hold (tensor-parallel shards, ZeRO rows, a fused q/k/v's
-  thirds: the shard specs of :mod:`.reshard`, as DCP chunks);
-- ``optim/<name>/<key>``: the optimizer state of parameter ``name`` (Adam's ``exp_avg``,
-  ``exp_avg_sq``, ``step``), cut like the parameter where it has the parameter's shape;
-- ``rank<r>/model/<name>``, ``rank<r>/optim/...``: process ``r``'s own copy, where the
-  processes holding a tensor hold different values (Local subgraph layers, Decentralized
-  replicas) or do not share one file system (each host keeps what its processes need);
-- ``meta/rank<r>`` (bytes): process ``r``'s position, lr scheduler, RNG, losses since the
-  last evaluation, loader position, optimizer groups and the description of what it saved
-  (its keys, their names, shapes, dtypes, chunks); ``engine/rank<r>`` (bytes): the
-  strategy's own per-process state (compressor residuals, aggregator counters).
-
-:func:`flatten` turns a process's loop state into pieces and blobs; :func:`rebuild` reads
-it back on the same layout (the process's own keys, exactly what it wrote: bit-identical);
-:func:`reshard_targets` describes what a process of *another* layout holds now, by names,
-so that it reads only its slices.
+:func:`flatten` turns a loop state into pieces and blobs; :func:`rebuild` reads it back on
+the same layout (bit-identical); :func:`reshard_targets` reads what a process of *another*
+layout holds now, by names.
 """
 
 from __future__ import annotations
@@ -33,6 +25,7 @@ from torch import nn
 
 from ..comm.dcp_pieces import Box, Piece, Target
 from .reshard import param_keys
+from .summary import tensor_bytes
 
 __all__ = ["box_of", "flatten", "digests", "privatize", "rebuild", "reshard_targets",
            "meta_key", "engine_key", "sources", "unranked"]
@@ -47,8 +40,7 @@ def engine_key(rank: int) -> str:
 
 
 def box_of(spec: Mapping[str, Any] | None) -> Box | None:
-    """The DCP chunk of a shard spec (``{"shape", "slices": [[dim, start, length], ...]}``;
-    slices on one dim compose, as successive ``narrow``s do)."""
+    """The DCP chunk of a shard spec (slices on one dim compose, as ``narrow``s do)."""
     if spec is None:
         return None
     offsets = [0] * len(spec["shape"])
@@ -80,9 +72,7 @@ def _piece_shape(spec: Mapping[str, Any]) -> tuple[int, ...]:
 
 
 def flatten(state: Mapping[str, Any]) -> tuple[list[Piece], dict[str, Any], dict[str, Any]]:
-    """``(pieces, meta, engine)`` of one process's loop state (the dict ``run_loop``
-    saves: ``model``, ``optimizer``, ``names``, ``param_names``, optional ``shards`` /
-    ``param_shards``, the position and the rest)."""
+    """``(pieces, meta, engine)`` of one process's loop state (the dict ``run_loop`` saves)."""
     keys = list(state["model"])
     names = state.get("names") or keys
     shards = state.get("shards") or [None] * len(keys)
@@ -113,13 +103,10 @@ def flatten(state: Mapping[str, Any]) -> tuple[list[Piece], dict[str, Any], dict
                 d[key] = ["v", v]
         optim_desc[int(i)] = d
     # one key and chunk once: q, k and v of a fused tensor each carry Adam's ``step``
-    seen: set[tuple[str, tuple[int, ...] | None]] = set()
-    unique: list[Piece] = []
+    unique: dict[tuple[str, tuple[int, ...] | None], Piece] = {}
     for fqn, t, box in pieces:
-        if (fqn, box.offsets if box is not None else None) not in seen:
-            seen.add((fqn, box.offsets if box is not None else None))
-            unique.append((fqn, t, box))
-    pieces = unique
+        unique.setdefault((fqn, box.offsets if box is not None else None), (fqn, t, box))
+    pieces = list(unique.values())
     engine = dict(state.get("engine") or {})
     meta = {k: state.get(k) for k in ("step", "epoch", "batch", "scheduler", "rng", "losses",
                                        "curve", "loader", "optimizer_type", "layout")}
@@ -130,12 +117,8 @@ def flatten(state: Mapping[str, Any]) -> tuple[list[Piece], dict[str, Any], dict
 
 def digests(pieces: Sequence[Piece]) -> dict[str, str]:
     """A digest of every whole tensor's bytes (pieces are each one process's own)."""
-    out: dict[str, str] = {}
-    for fqn, t, box in pieces:
-        if box is None:
-            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            out[fqn] = hashlib.blake2b(data, digest_size=12).hexdigest()
-    return out
+    return {fqn: hashlib.blake2b(tensor_bytes(t), digest_size=12).hexdigest()
+            for fqn, t, box in pieces if box is None}
 
 
 def privatize(pieces: list[Piece], meta: dict[str, Any], private: set[str] | None,
@@ -154,8 +137,8 @@ def privatize(pieces: list[Piece], meta: dict[str, Any], private: set[str] | Non
 
 
 def rebuild(meta: Mapping[str, Any]) -> tuple[dict[str, Target], Any]:
-    """Targets for exactly what a process wrote (same layout), and a function that turns
-    them, once filled, into its loop state."""
+    """Targets for exactly what a process wrote (same layout), and the function that turns
+    them, filled, into its loop state."""
     targets: dict[str, Target] = {}
     empties: dict[str, torch.Tensor] = {}
     for k, _, shape, dtype, fqn, box in meta["model"]:
@@ -197,11 +180,9 @@ def reshard_targets(md: Any, metas: Sequence[Mapping[str, Any]], *, module: nn.M
                     optimizer: torch.optim.Optimizer, names: Mapping[str, str] | None,
                     shards: Mapping[str, Mapping[str, Any]] | None,
                     ) -> tuple[dict[str, Target], list[str], list[str], Any]:
-    """What this process holds now, by model names, read from a checkpoint of another
-    layout (``md``: its DCP metadata; ``metas``: every old process's ``meta``). Returns
-    ``(targets, missing, wrong, build)``: the names the checkpoint lacks and those of
-    another shape (nothing is read then), and ``build(groups)`` giving the model and
-    optimizer state in this process's own keys."""
+    """What this process holds now, by model names, from a checkpoint of another layout
+    (``md``: its DCP metadata; ``metas``: every old process's ``meta``): ``(targets,
+    missing, wrong, build)``, ``build(groups)`` giving the state in this process's keys."""
     shards = shards or {}
     present = md.state_dict_metadata
     old_world = len(metas)

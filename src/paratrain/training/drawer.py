@@ -1,16 +1,15 @@
-"""The drawer process of the ``paratrain`` command's Local run (:func:`paratrain.training.report.start_drawer`).
+"""The drawer process of the ``paratrain`` command's Local run (:func:`.report.start_drawer`).
 
-``python -m paratrain.training.drawer``: imports matplotlib at once, then reads one JSON
-request a line from stdin (``{"run_dir", "x_key", "title"}``), draws that run's
-``report.png`` with :func:`paratrain.training.report.plot_curves`'s code and answers one
-JSON line on stdout: ``{"path": ...}`` or ``{"error": "Type: message"}``. It ends at the end
-of its input (the run closed it, or exited). SIGINT is ignored: Ctrl-C is the run's to
-handle. Anything else it would print goes to stderr; stdout carries only the answers.
+It imports matplotlib at once, then reads one JSON request a line from stdin (``{"run_dir",
+"x_key", "title"}``), draws that run's ``report.png`` and answers one JSON line on stdout:
+``{"path": ...}`` or ``{"error": "Type: message"}``, until its input ends. SIGINT is
+ignored (Ctrl-C is the run's); anything else it prints goes to stderr.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -25,8 +24,8 @@ def main() -> None:
 
     try:
         report._import_matplotlib()
-    except Exception:  # noqa: BLE001 - met again, and answered, at the request
-        pass
+    except Exception as e:  # noqa: BLE001 - met again, and answered, at the request
+        logging.getLogger(__name__).debug("importing matplotlib failed: %r", e)
     for line in sys.stdin:
         try:
             req = json.loads(line)

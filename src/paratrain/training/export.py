@@ -1,21 +1,10 @@
 """The trained model out: one state_dict under the model's own names, from every strategy.
 
-At the end of a run the logging process writes ``runs/<name>/model.safetensors``: every
-entry of the whole model's ``state_dict()`` (parameters and buffers) by its
-``named_parameters()``/``named_buffers()`` name, whatever the strategy cut it into --
-DataParallel replica 0, the tensor-parallel shards gathered back to dense, the
-ModelParallel parts of every worker, the Federated global model, the best PBT member.
-Tied parameters appear under each of their names (safetensors stores no aliases, so each
-name holds its own copy; ``load_state_dict`` writes the same values into the one tensor).
-:func:`load_model` reads it back and ``model.load_state_dict(state, strict=True)`` loads it
-into a fresh ``task.build_model(...)``; ``paratrain export RUN --out FILE`` writes it as
-``.safetensors`` or as a ``torch.save`` ``.pt``. A run that has not finished (interrupted,
-or still going) gives the model of its newest complete checkpoint (a
-torch.distributed.checkpoint folder, read whole by the model's names), with a warning
-naming the step.
-
-Why safetensors: the file holds tensors and nothing else (no pickle), loads lazily and
-is what Hugging Face and timm read.
+At the end of a run the logging process writes ``runs/<name>/model.safetensors``: the whole
+model's ``state_dict()`` by its own names, whatever the strategy cut it into (tied
+parameters under each name: safetensors stores no aliases). :func:`load_model` reads it
+back (an unfinished run: its newest checkpoint, with a warning); ``paratrain export``
+writes it as ``.safetensors`` or ``.pt``. Safetensors: tensors only, no pickle.
 """
 
 from __future__ import annotations
@@ -60,9 +49,8 @@ def tied_names(module: nn.Module) -> list[list[str]]:
 def complete_state(
     pieces: Iterable[Mapping[str, torch.Tensor]], names: list[str], ties: list[list[str]],
 ) -> dict[str, torch.Tensor]:
-    """The whole state_dict in ``names`` order from ``pieces`` (e.g. each worker's part;
-    a name found twice keeps the first), a tied name filled from its group. Raises
-    RuntimeError naming what no piece holds."""
+    """The whole state_dict in ``names`` order from ``pieces`` (each worker's part; the first
+    wins), a tied name filled from its group; RuntimeError naming what no piece holds."""
     found: dict[str, torch.Tensor] = {}
     for piece in pieces:
         for k, v in piece.items():
@@ -92,9 +80,8 @@ def save_model(run_dir: str | Path, state: Mapping[str, torch.Tensor], *,
 
 
 def load_model(run_dir: str | Path, *, client: int | None = None) -> dict[str, torch.Tensor]:
-    """The trained model of the run in ``run_dir`` as one state_dict (CPU tensors) under the
-    model's own names; ``client``: a Federated client's model with its personal parts.
-    A run that has not finished is a ConfigError saying to resume it first."""
+    """The run's trained model as one state_dict (CPU tensors) by the model's names;
+    ``client``: a Federated client's model with its personal parts."""
     run = Path(run_dir)
     name = MODEL_FILE if client is None else client_model_file(client)
     path = run / name
@@ -133,10 +120,8 @@ def read_model(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def _from_checkpoint(run: Path) -> dict[str, torch.Tensor] | None:
-    """An unfinished run's model (interrupted, or still running): its newest complete
-    checkpoint merged by the model's names, with a warning saying which step; None when
-    the run has none that holds a model (PopulationBased's holds the population: its best
-    member's model is written at the end), or only an earlier version's file."""
+    """An unfinished run's model: its newest complete checkpoint, with a warning naming it;
+    None without one that holds a model (PopulationBased's holds the population)."""
     from ..files import newest_checkpoint
     from .store_reading import read_named_model
 
@@ -151,8 +136,7 @@ def _from_checkpoint(run: Path) -> dict[str, torch.Tensor] | None:
 
 
 def export_model(run_dir: str | Path, out: str | Path, *, client: int | None = None) -> Path:
-    """Write the run's model to ``out``: ``.safetensors`` or ``.pt`` (``torch.save`` of
-    the state_dict; ``torch.load(out, weights_only=True)`` reads it)."""
+    """Write the run's model to ``out``: ``.safetensors`` or ``.pt`` (``torch.save``)."""
     out = Path(out)
     state = load_model(run_dir, client=client)
     if out.suffix not in (".safetensors", ".pt", ".pth"):

@@ -1,17 +1,10 @@
 """The trained model in the Hugging Face Hub's format: ``paratrain export RUN --format hf --out DIR``.
 
-For a run whose model is a transformers ``PreTrainedModel`` (``[model] name = "hf"``, or a
-factory returning one, or a user's module wrapping exactly one that holds every parameter),
-``DIR`` gets what ``model.save_pretrained`` writes: ``config.json``, ``model.safetensors``
-under transformers' own names (a tied head stored once, as transformers stores it) and
-``generation_config.json`` where the model has one; ``AutoModelForCausalLM.from_pretrained(DIR)``
-loads it.
-
-The weights are those of :func:`paratrain.training.export.load_model` -- the one whole
-state_dict every strategy's run assembles (tensor-parallel shards gathered, pipeline stages
-and ModelParallel parts merged, ZeRO-3 shards gathered, the Federated global model) -- loaded
-strictly into the model rebuilt from the run's ``job.json`` (its task's training set gives the
-vocabulary), so the config written is the one the run trained.
+For a run whose model is (or wraps exactly one holding every parameter) a transformers
+``PreTrainedModel``, ``DIR`` gets what ``save_pretrained`` writes, so
+``AutoModelForCausalLM.from_pretrained(DIR)`` loads it. The weights are
+:func:`.export.load_model`'s, loaded strictly into the model rebuilt from the run's
+``job.json``, so the config written is the one the run trained.
 """
 
 from __future__ import annotations
@@ -29,8 +22,7 @@ __all__ = ["export_hf"]
 
 
 def export_hf(run_dir: str | Path, out: str | Path, *, client: int | None = None) -> Path:
-    """Write the run's model to the folder ``out`` as ``save_pretrained`` does (see the
-    module docstring); ``client``: a Federated client's model. Returns ``out``."""
+    """Write the run's model (``client``: a Federated client's) to the folder ``out``."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ConfigError([("--out", f"{out} is a file: --format hf writes a folder")])
@@ -65,8 +57,7 @@ def _rebuilt(run: Path) -> nn.Module:
 
 
 def _pretrained(model: nn.Module) -> Any:
-    """``model`` itself when it is a transformers ``PreTrainedModel``, else the one such
-    submodule holding all of its parameters; otherwise a ConfigError naming --format."""
+    """``model`` or its submodule holding every parameter that is a ``PreTrainedModel``."""
     tf = sys.modules.get("transformers")  # built by transformers -> already imported
     if tf is not None:
         if isinstance(model, tf.PreTrainedModel):

@@ -1,28 +1,15 @@
-"""Fault injection for tests, demos and robustness studies — outside the job schema.
+"""Fault injection for tests, demos and robustness studies, from the environment (never
+the job file; worker processes inherit it):
 
-A job file says what to train; it never carries faults. Faults come from the environment,
-which worker processes inherit:
-
-* ``PARATRAIN_FAULT_KILL=RANK:STEP`` makes that rank SIGKILL itself right after optimizer
-  step STEP on the first attempt only (``restart_count == 0``), so the elastic agent's
-  restart and the resume-from-checkpoint path are exercised by a real process death.
-* ``PARATRAIN_FAULT_KILL_IN_SAVE=NAME`` makes the process writing checkpoint NAME
-  (e.g. ``step-000000010``) SIGKILL itself after the temp folder is written, before it is
-  renamed into place (first attempt only): a crash in the middle of a save -- the
-  asynchronous save's thread kills its process while training goes on.
-* ``PARATRAIN_FLOWER_SECAGG_DROP_AT=STAGE`` makes a Flower node's ClientApp SIGKILL itself when
-  a SecAgg+ message of that stage arrives (``unmask``: a dropout after masking).
-* ``PARATRAIN_FAULTS`` holds a JSON object with any of
-
-  - ``fail_clients``: federated client indices whose local training raises;
-  - ``byzantine_clients`` / ``byzantine_scale``: clients whose update is multiplied by the
-    scale (robust-aggregation studies; -10 = "sign-flipped x10");
-  - ``corrupt_clients``: clients that send an update with a wrong shape (the server must
-    reject it);
-  - ``fail_members``: PopulationBased member indices whose training raises halfway.
-
-:func:`inject_faults` sets ``PARATRAIN_FAULTS`` for the duration of a ``with`` block (the
-test-only hook); :func:`injected_faults` reads it, naming the variable on any bad value.
+* ``PARATRAIN_FAULT_KILL=RANK:STEP``: that rank SIGKILLs itself after step STEP (first
+  attempt only), so the restart and resume paths meet a real process death;
+* ``PARATRAIN_FAULT_KILL_IN_SAVE=NAME``: the process writing checkpoint NAME (e.g.
+  ``step-000000010``) SIGKILLs itself before the temp folder is renamed (first attempt);
+* ``PARATRAIN_FLOWER_SECAGG_DROP_AT=STAGE``: a Flower ClientApp dies at that SecAgg+ stage;
+* ``PARATRAIN_FAULTS``: a JSON object with ``fail_clients``, ``byzantine_clients`` /
+  ``byzantine_scale`` (updates multiplied by it), ``corrupt_clients`` (a wrong shape) and
+  ``fail_members`` (PopulationBased members that raise halfway); :func:`inject_faults`
+  sets it for a ``with`` block.
 """
 
 from __future__ import annotations
@@ -95,8 +82,7 @@ def injected_faults() -> Faults:
 
 @contextmanager
 def inject_faults(**faults: Any) -> Iterator[None]:
-    """Test-only hook: inject ``faults`` (the keys above) into runs started inside the block,
-    including their worker processes (they inherit the environment)."""
+    """Inject ``faults`` (the keys above) into runs started inside the block (test-only)."""
     parse_faults(json.dumps(faults))  # fail early on a typo
     old = os.environ.get(FAULTS_ENV)
     os.environ[FAULTS_ENV] = json.dumps(faults)
@@ -110,10 +96,8 @@ def inject_faults(**faults: Any) -> Iterator[None]:
 
 
 def maybe_kill(*, rank: int, step: int, restart_count: int, before: Any = None) -> None:
-    """SIGKILL this process after ``step`` when ``PARATRAIN_FAULT_KILL`` names it;
-    ``before()`` runs first (the lifecycle waits for its checkpoint writes in flight, so
-    the fault is a crash *after* the step, with the saves before it landed: a crash during
-    an asynchronous save is ``PARATRAIN_FAULT_KILL_IN_SAVE``'s)."""
+    """SIGKILL this process after ``step`` when ``PARATRAIN_FAULT_KILL`` names it; ``before()``
+    runs first (the lifecycle lands its saves in flight: a crash *after* the step)."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec or restart_count > 0:
         return
@@ -125,8 +109,7 @@ def maybe_kill(*, rank: int, step: int, restart_count: int, before: Any = None) 
 
 
 def maybe_kill_in_save(path: str | os.PathLike[str]) -> None:
-    """SIGKILL this process when it is saving the checkpoint file named by
-    ``PARATRAIN_FAULT_KILL_IN_SAVE`` (not after an elastic restart)."""
+    """SIGKILL this process when saving the checkpoint ``PARATRAIN_FAULT_KILL_IN_SAVE`` names."""
     name = os.environ.get(KILL_IN_SAVE_ENV, "")
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
     if name and os.path.basename(path) == name and first_attempt:

@@ -1,27 +1,16 @@
 """Keep the cyclic garbage collector's full passes off a training step's critical path.
 
-After ``import torch`` a process holds a few hundred thousand Python objects (modules,
-functions, type objects) that live until exit. A generation-2 collection walks all of
-them: measured at 90-100 ms on this project's 2-core CI machine, about 30 forward passes
-of a pipeline stage. In a multi-process job that pause makes one rank a straggler and
-every other rank waits for it (a pipeline bubble, a late all-reduce). ``gc.freeze()``
-moves every object alive now into a permanent generation that collections skip, so a
-later full pass only walks what the training loop itself allocates. Nothing is leaked:
-frozen objects are the ones that were going to live for the whole run anyway, and
-reference counting still frees everything acyclic as usual.
+After ``import torch`` a process holds a few hundred thousand objects that live until exit;
+a generation-2 collection walks them all (90-100 ms on this project's 2-core CI machine,
+about 30 pipeline-stage forwards), making one rank a straggler every other rank waits for.
+``gc.freeze()`` moves everything alive now into a permanent generation that collections
+skip; nothing leaks (reference counting still frees everything acyclic).
 
-The ``paratrain`` command's own process (one job, then exit) goes further
-(:func:`own_process`, issue 34): its start-up -- the config, torch, the checks, the
-model, the optimizer's import of ``torch._dynamo`` -- made five or six full passes over
-an ever larger heap (0.56 s of CPU for the GPT demo, about a tenth of a 30-step run), and
-the interpreter's last collection at exit walked everything once more (0.8-1 s of CPU with
-the finalizers it triggers). There the collector is paused from the start until the run
-trains (:func:`resume_collections`: what start-up built is frozen, the collector runs
-again), and everything is frozen before the interpreter exits (:func:`freeze_for_exit`).
-What start-up leaves as cyclic garbage (import-time frames and tracebacks, about 1 MB for
-the GPT demo) is then kept until exit; an object preflight built only to check it (its
-model) is watched (:func:`watch_garbage`), and a cycle that still holds one is collected
-before the freeze, so a large model is never kept twice.
+The ``paratrain`` command's own process (:func:`own_process`, issue 34) also pauses the
+collector from the start until the run trains (start-up made five or six full passes over
+a growing heap: 0.56 s of CPU for the GPT demo) and freezes everything before exit (the
+last collection cost 0.8-1 s). An object built only to be checked (preflight's model) is
+watched (:func:`watch_garbage`) so a cycle holding it is collected before the freeze.
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """Interrupts keep progress: SIGINT/SIGTERM end a run at the next step boundary, after a
-checkpoint, and a time-based checkpoint cadence (``run.checkpoint_every = "10m"``).
+checkpoint; and the time-based checkpoint cadence (``run.checkpoint_every = "10m"``).
 
-Why not let ``KeyboardInterrupt`` fly: the default cadence is once per epoch (139 k steps
-on a token file), so Ctrl-C after 80 of 120 steps used to leave nothing to resume. Here
-the first SIGINT or SIGTERM only sets a flag (:class:`StopFlag`); the loop finishes the
-step it is in, writes a checkpoint and raises :class:`Interrupted` (a KeyboardInterrupt:
-the CLI exits 130 and ``--resume`` continues bit-identically). A second signal while that
-checkpoint is written is the user insisting: it raises at once -- unless it comes within
-:data:`ECHO_S` seconds of the first. Ctrl-C reaches every process of the terminal's group,
-the launcher included, and torch's elastic agent then stops its workers with the same
-signal: a worker sees one Ctrl-C twice, milliseconds apart, and must not take the echo for
-insistence (it would stop mid-step, with no checkpoint).
+The first SIGINT or SIGTERM only sets a flag (:class:`StopFlag`); the loop finishes its
+step, writes a checkpoint and raises :class:`Interrupted` (a KeyboardInterrupt: exit 130,
+``--resume`` continues bit-identically). A second signal raises at once, unless it comes
+within :data:`ECHO_S` of the first: Ctrl-C reaches the launcher too, whose elastic agent
+forwards it, so a worker sees one Ctrl-C twice.
 
-Several processes must stop at the **same** step (their checkpoint is one collective
-save), but a signal reaches them at different moments. :func:`agree` therefore takes the
-maximum of each rank's flags over the group (one small all-reduce): a rank that saw the
-signal makes every rank stop, and a time cadence that is due on one rank's clock makes
-every rank save. One process (``group=None``) needs no message.
-
-Not after every step: :class:`Agreement` says at which steps the group agrees, so a step
-without a check makes no collective beyond its own. Every check also agrees on the next
-one: each rank proposes how many steps fit in :data:`AGREE_S` seconds at its measured step
-time, at most twice the last interval, and the group takes the smallest proposal (the same
-all-reduce carries it), so every rank checks at the same steps and a stop or a due time
-cadence is acted on within about ``AGREE_S`` of wall time (the first checks come after
-steps 1, 2, 4, ...: a slow first step never makes the interval long).
+Several processes must stop at the same step (their checkpoint is one collective save):
+:func:`agree` takes the maximum of each rank's flags over the group (one all-reduce).
+:class:`Agreement` says at which steps: each check also agrees on the next one, the
+smallest rank's proposal of how many steps fit in :data:`AGREE_S` seconds (at most twice
+the last interval), so a stop or a due time cadence is acted on within about ``AGREE_S``.
 """
 
 from __future__ import annotations
@@ -72,9 +59,8 @@ class StopFlag:
 
 @contextmanager
 def stop_on_signals() -> Iterator[StopFlag]:
-    """Within the block, the first SIGINT/SIGTERM sets the returned flag; a second one
-    raises KeyboardInterrupt at once. The previous handlers are restored on exit. Off the
-    main thread (where Python cannot install handlers) the flag never sets."""
+    """Within the block, the first SIGINT/SIGTERM sets the returned flag; a second one raises
+    KeyboardInterrupt. Off the main thread (no handlers there) the flag never sets."""
     flag = StopFlag()
     if threading.current_thread() is not threading.main_thread():
         yield flag
@@ -99,8 +85,8 @@ def stop_on_signals() -> Iterator[StopFlag]:
 
 
 class Cadence:
-    """When to checkpoint: every ``steps`` steps, at each epoch's end (``steps == 0`` and
-    no time), or every ``seconds`` of wall time (measured from the start or the last save)."""
+    """When to checkpoint: every ``steps`` steps, at each epoch's end (``steps == 0``), or
+    every ``seconds`` of wall time since the start or the last save."""
 
     def __init__(self, every: int | str) -> None:
         self.steps, self.seconds = parse_every(every)
@@ -128,9 +114,8 @@ def agree(stop: bool, time_due: bool, group: Any) -> tuple[bool, bool]:
 
 
 class Agreement:
-    """When the processes of ``group`` agree on stopping and on a time cadence (see the
-    module docstring): :meth:`check` after every unit returns ``(stop, time_due)``, the same
-    on every rank; between agreed checks it returns ``(False, False)`` without a message."""
+    """When ``group`` agrees (module docstring): :meth:`check` after every unit returns
+    ``(stop, time_due)``, the same on every rank; ``(False, False)`` between checks."""
 
     def __init__(self, group: Any, *, every_s: float = AGREE_S) -> None:
         self.group, self.every_s = group, every_s

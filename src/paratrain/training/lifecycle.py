@@ -1,25 +1,12 @@
 """One run's lifecycle around its units of work, for every strategy.
 
-A unit is what a strategy counts: an optimizer step (:func:`.loop.run_loop`: Local,
-DataParallel, tensor parallel, ModelParallel, Custom), a Federated round, a PopulationBased
-generation. Around each, the run does the same things, here and nowhere else:
-
-- **resume**: the newest readable checkpoint of the run's one store (:mod:`.stores`,
-  torch.distributed.checkpoint folders ``checkpoints/step-<n>/``: ``n`` counts units), then
-  ``metrics.jsonl`` cut back to it (:meth:`Lifecycle.begin`);
-- **progress** on the logging process, stopped in ``finally`` (:mod:`.progress`);
-- **interrupts keep progress** (:mod:`.interrupt`): the first SIGINT/SIGTERM lets the unit in
-  progress finish; every process agrees on stopping at the same unit (within about
-  :data:`~.interrupt.AGREE_S` seconds: :class:`~.interrupt.Agreement`), saves the same
-  checkpoint and raises :class:`~.interrupt.Interrupted` (exit 130; ``--resume`` continues);
-- **cadence**: ``run.checkpoint_every`` units (0: at each epoch's end; a strategy without
-  epochs has a boundary after every unit) or a span of wall time (``"10m"``, due on any
-  process's clock); always at the end;
-- **fault hooks** for the tests (``PARATRAIN_FAULT_KILL=RANK:N`` SIGKILLs after unit ``N``).
-
-What is saved is the strategy's: ``state(done)`` returns this process's state (the dict
-:class:`~.stores.RankStore` writes: ``model`` under the model's names, ``engine`` for the
-strategy's own state -- Federated's server and clients, the PBT population).
+A unit is what a strategy counts: an optimizer step (:func:`.loop.run_loop`), a Federated
+round, a PopulationBased generation. Around each the run does the same things, here and
+nowhere else: resume from the newest readable checkpoint of its store (:mod:`.stores`) and
+cut ``metrics.jsonl`` back to it; show progress (:mod:`.progress`); let SIGINT/SIGTERM
+finish the unit, save the same checkpoint on every process and raise
+:class:`~.interrupt.Interrupted`; checkpoint at the cadence ``run.checkpoint_every`` (units
+or wall time) and at the end; run the fault hooks of the tests (:mod:`.faults`).
 """
 
 from __future__ import annotations
@@ -61,12 +48,9 @@ class Lifecycle:
         self._task: Any = None
         self._stack = ExitStack()
 
-    # -- resume ---------------------------------------------------------------------------
-
-    def load(self, held: Any = None) -> tuple[Any, dict[str, Any]] | None:
+    def load(self) -> tuple[Any, dict[str, Any]] | None:
         """The newest readable checkpoint (collective), or None."""
-        found: tuple[Any, dict[str, Any]] | None = (self.store.load(held) if held is not None
-                                                    else self.store.load())
+        found: tuple[Any, dict[str, Any]] | None = self.store.load()
         return found
 
     def begin(self, done: int, *, resume: bool, found: bool, metrics: MetricsWriter | None = None) -> None:
@@ -77,8 +61,6 @@ class Lifecycle:
         if resume and self.metrics is not None:
             self.metrics.truncate_after(self.unit, done + self.record_offset)
         self.last_saved = done if found else None
-
-    # -- the units ------------------------------------------------------------------------
 
     def __enter__(self) -> Lifecycle:
         self.flag = self._stack.enter_context(stop_on_signals())
@@ -99,8 +81,7 @@ class Lifecycle:
 
     def end_unit(self, done: int, *, boundary: bool = True, last: bool = False) -> None:
         """After unit ``done`` (collective): save when the cadence says so (``boundary``: an
-        epoch ended; ``last``: the run's last unit), when a signal asks to stop (then raise
-        :class:`Interrupted`), and run the fault hook."""
+        epoch ended; ``last``: the run's last unit) or a signal stops the run (then raise)."""
         halt, due = self.agreement.check(done, self.flag.requested, self.cadence.time_due())
         if self.cadence.step_due(done, boundary) or due or last or (halt and self.last_saved != done):
             self.save(done)
@@ -110,22 +91,20 @@ class Lifecycle:
             raise Interrupted(self.flag.signame or "a signal to another worker", done, self.unit)
 
     def save(self, done: int) -> None:
-        """Checkpoint after ``done`` units (collective; asynchronous where the store is:
-        :meth:`wait` for it)."""
+        """Checkpoint after ``done`` units (collective; asynchronous: :meth:`wait` for it)."""
         start = getattr(self.store, "start_save", self.store.save)
         start(done, self.state(done))
         self.last_saved = done
         self.cadence.saved()
 
     def wait(self) -> None:
-        """The last save is written (a store without asynchronous saves has nothing to wait for)."""
+        """The last save is written."""
         wait = getattr(self.store, "wait", None)
         if wait is not None:
             wait()
 
     def finish(self, done: int) -> None:
-        """The run ends after ``done`` units: saved unless that checkpoint exists, and written
-        before this returns; the experiment trackers are closed."""
+        """The run ends after ``done`` units: saved (unless it was) and written; trackers closed."""
         if self.last_saved != done:
             self.save(done)
         self.wait()
@@ -134,8 +113,7 @@ class Lifecycle:
 
 
 def engine_state(done: int, engine: dict[str, Any], model: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The store's state of a strategy whose state is its engine's (Federated, PopulationBased):
-    no optimizer, scheduler, loader or RNG of the loop's; ``model`` by the model's names."""
+    """The store's state of a strategy whose state is its engine's (Federated, PopulationBased)."""
     return {"model": dict(model or {}), "engine": engine, "step": done, "epoch": 0, "batch": 0,
             "rng": None, "losses": [], "loader": None, "scheduler": None, "optimizer_type": None,
             "layout": {}}

@@ -1,28 +1,13 @@
 """The one training loop. Every strategy trains through it; an executor supplies only an
-:class:`Engine` (what is its own: how a batch's gradients are computed and combined, how
-the model is evaluated, which extra state it checkpoints) and the order of its data.
+:class:`Engine` (how a batch's gradients are computed and combined, how the model is
+evaluated, which extra state it checkpoints) and its data (:class:`~.plan.DataPlan`).
 
-Order. Epoch ``e``'s example order is ``epoch_permutation(N, seed, e)``, a pure function
-(:mod:`.plan`, with :class:`DataPlan`, this process's data). One process (Local, tensor parallel, every pipeline stage) walks it in batches of
-``train.batch_size``; DataParallel replica ``r`` of ``n`` takes ``perm[: (N // n) * n][r::n]``,
-which is what ``torch.utils.data.DistributedSampler(ds, n, r, shuffle=False,
-drop_last=True)`` yields over a dataset indexed through ``perm`` (docs/data.md shows it).
-
-Position. ``(step, epoch, batch)``: optimizer steps done, the epoch, and the next batch of
-that epoch. An optimizer step takes the next ``train.grad_accumulation`` batches of the
-epoch (fewer at its end) -- :class:`Trainer`. ``train.max_steps`` caps the steps.
-
-Cadence. Evaluate every ``train.eval_every`` steps (0: at each epoch's end). The step is the
-unit of the run's lifecycle (:class:`~.lifecycle.Lifecycle`, which Federated's rounds and
-PopulationBased's generations share): checkpoint every ``run.checkpoint_every`` steps or
-span of wall time (0: at each epoch's end), at the end, and when SIGINT/SIGTERM stops the
-run (the step in progress finishes, every process saves the same step,
-:class:`~.interrupt.Interrupted` is raised).
-
-Resume. A checkpoint holds the model, optimizer, lr scheduler, RNG states, the position,
-the training losses since the last evaluation and the engine's own state (aggregator,
-compressor residuals, ...): a run restarted from it takes exactly the steps the
-uninterrupted run takes, so its final parameters are bit-identical (tested per strategy).
+Position ``(step, epoch, batch)``: optimizer steps done, the epoch, and the next batch of
+that epoch; a step takes the next ``train.grad_accumulation`` batches (:class:`Trainer`).
+Evaluate every ``train.eval_every`` steps (0: at each epoch's end); checkpoints, signals
+and progress are the :class:`~.lifecycle.Lifecycle`'s. A checkpoint holds the model,
+optimizer, scheduler, RNG states, position, losses since the last evaluation and the
+engine's state, so a resumed run's final parameters are bit-identical (tested per strategy).
 """
 
 from __future__ import annotations
@@ -82,16 +67,15 @@ def batch_size_of(batch: Batch) -> int:
 
 
 class Engine(Protocol):
-    """What an executor supplies to the loop (one per process)."""
+    """What an executor supplies to the loop (one per process); :class:`LocalEngine` is the
+    base every strategy's engine overrides."""
 
-    model: nn.Module
-    """This process's module: the parameters its optimizer steps."""
+    model: nn.Module  # this process's module: the parameters its optimizer steps
     zero_grad_set_to_none: bool
 
     def forward_backward(self, batch: Batch, *, weight: float, last: bool) -> float:
-        """Backpropagate ``weight * loss(batch)`` into this process's ``.grad``s; returns the
-        batch's (unweighted) loss where this process knows it (else 0.0). ``last``: the
-        last batch of this optimizer step (a strategy may exchange gradients during it)."""
+        """Backpropagate ``weight * loss(batch)``; return the unweighted loss where known
+        (else 0.0). ``last``: the step's last batch (a strategy may exchange gradients)."""
 
     def sync(self) -> None:
         """Combine gradients across processes (after the step's last backward)."""
@@ -100,7 +84,7 @@ class Engine(Protocol):
         """The squared L2 norm of the whole model's gradient (every process, same value)."""
 
     def after_step(self) -> dict[str, float]:
-        """After the optimizer step; per-step metrics to log (e.g. consensus distance)."""
+        """Per-step metrics to log after the optimizer step (e.g. consensus distance)."""
 
     def evaluate(self) -> dict[str, float] | None:
         """The task's test metrics on the logging process (None on the others)."""
@@ -111,15 +95,13 @@ class Engine(Protocol):
     def log_extras(self) -> dict[str, Any]:
         """Extra fields of every evaluation record (e.g. ``comm_bytes``)."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """The strategy's own state to checkpoint."""
+    def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class LocalEngine:
-    """One process: forward under the job's precision, the task's loss, backward. The base
-    of every engine (a strategy overrides what is its own)."""
+    """One process: forward under the job's precision, the task's loss, backward."""
 
     zero_grad_set_to_none = True
 
@@ -167,7 +149,7 @@ class LocalEngine:
 
 class Trainer:
     """One optimizer step from a list of batches (:mod:`.stepping`): accumulate, sync,
-    clip, step, schedule. Also the federated client's and the PBT member's local step."""
+    clip, step, schedule (also the federated client's and the PBT member's step)."""
 
     def __init__(self, engine: Engine, optimizer: torch.optim.Optimizer, train: Any,
                  total_steps: int, *, scheduler: Any = None) -> None:
@@ -213,19 +195,12 @@ class LoopResult:
 class LoopRun:
     """What :func:`run_loop` trains, and how.
 
-    ``store`` has ``load() -> (source, state) | None`` and ``save(step, state)`` (collective
-    where the strategy has several processes); ``prepare()`` runs after a resumed state was
+    ``store``: a :class:`~.stores.RankStore`; ``prepare()`` runs after a resumed state was
     checked and loaded, before anything is written; ``check_state(state, source)`` raises
     when the state is not this job's. ``group``: the processes that run this loop together
-    (None: one process); they agree on stopping (a signal) and on a time-based checkpoint
-    at the steps :class:`~.interrupt.Agreement` picks. ``layout``: this run's processes and
-    placement, saved with every checkpoint; a store that resumes a checkpoint of another
-    layout gives it by the model's names (:mod:`.reshard`), and ``reposition(old_layout,
-    position)`` moves the data position onto this layout (default: by the examples walked,
-    from the layouts' ``"replicas"``). ``progress_every``: ``run.progress_every``
-    (:mod:`.progress`; shown by the process that logs metrics). ``log_every``:
-    ``run.log_every``, a training-curve record every that many steps (0: about 100 over the
-    run; :mod:`.curve`)."""
+    (None: one process). ``layout``: this run's processes and placement, saved with every
+    checkpoint; ``reposition(old_layout, position)`` moves the data position onto this
+    layout (default: by the examples walked, :func:`.reshard.by_examples`)."""
 
     trainer: Trainer
     plan: DataPlan
@@ -249,24 +224,21 @@ class LoopRun:
 
     @staticmethod
     def settings(job: Any) -> dict[str, Any]:
-        """The job's cadences (``train.eval_every``, ``run.checkpoint_every``,
-        ``run.progress_every``, ``run.log_every``), as LoopRun's fields."""
+        """The job's cadences, as LoopRun's fields."""
         return {"eval_every": job.train.eval_every, "checkpoint_every": job.run.checkpoint_every,
                 "progress_every": job.run.progress_every, "log_every": job.run.log_every}
 
 
 def run_loop(run: LoopRun) -> LoopResult:
-    """Train ``run.plan`` with ``run.trainer`` from the position ``run.store`` resumes
-    (``run.resume``) or from the start; evaluate, log, checkpoint; return the position and
-    the final metrics (on the logging process). An engine may define ``model_names()`` (its
-    keys -> the model's names) and ``model_shards()`` (its keys that hold part of a model
-    tensor -> their shard spec, :mod:`.reshard`)."""
+    """Train ``run.plan`` from the position ``run.store`` resumes (``run.resume``) or from the
+    start; evaluate, log, checkpoint; return the position and the final metrics (on the
+    logging process). An engine may define ``model_names()`` (its keys -> the model's
+    names) and ``model_shards()`` (its keys holding part of a tensor -> shard spec, :mod:`.reshard`)."""
     return _Loop(run).run()
 
 
 class _Loop:
-    """One :func:`run_loop`: its position, the losses since the last evaluation, the
-    training curve and the evaluations made."""
+    """One :func:`run_loop`."""
 
     def __init__(self, run: LoopRun) -> None:
         self.run_ = run
@@ -276,9 +248,9 @@ class _Loop:
         self.pos = Position()
         self.losses: list[float] = []
         self.resumed_from: dict[str, Any] | None = None  # the summary says what a resume started from
-        names = getattr(self.eng, "model_names", None)  # this process's keys -> the model's names
+        names = getattr(self.eng, "model_names", None)
         self.names = names() if callable(names) else None
-        shards = getattr(self.eng, "model_shards", None)  # keys holding part of a model tensor -> spec
+        shards = getattr(self.eng, "model_shards", None)
         self.shards = shards() if callable(shards) else None
         self.curve = TrainCurve(log_every_of(run.log_every, run.plan.total_steps),
                                 device=getattr(self.eng, "device", None))
@@ -362,8 +334,7 @@ class _Loop:
                 stacklevel=3)
 
     def _saved_names(self) -> None:
-        """The model's name of each saved tensor and optimizer parameter: resumable on
-        another layout."""
+        """The model's name of each saved tensor and optimizer parameter (for another layout)."""
         names, shards, model, opt = self.names, self.shards, self.model, self.opt
         self.saved_names = [names.get(k, k) if names else k for k in model.state_dict()]
         self.saved_params = param_names(model, opt, names)
@@ -416,8 +387,7 @@ class _Loop:
                     break
 
     def _step(self, batches: list[Any], stop: int, life: Lifecycle) -> bool:
-        """One optimizer step and what follows it (curve, evaluation, progress, the unit's
-        end); True at the end of an epoch."""
+        """One optimizer step and what follows it; True at the end of an epoch."""
         r, pos, eng, metrics = self.run_, self.pos, self.eng, self.run_.metrics
         plan, ce, fit = r.plan, r.eval_every, r.task.fitness_metric
         self.losses.append(last_loss := r.trainer.step(batches))

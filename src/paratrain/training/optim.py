@@ -38,12 +38,9 @@ def build_optimizer(
 
 @contextlib.contextmanager
 def _without_compiler_import() -> Iterator[None]:
-    """``Optimizer.add_param_group`` is wrapped in ``torch._disable_dynamo``, whose first
-    call imports ``torch._dynamo`` (about 1.3 s of CPU). A check that builds an optimizer
-    only to see it accept its options and throws it away needs no compiler: for the block,
-    the wrapper finds its cached target already set (the plain method), as after a first
-    call; it is unset again afterwards, so the next optimizer takes torch's usual path.
-    A torch without that wrapper is left alone."""
+    """``Optimizer.add_param_group`` is wrapped in ``torch._disable_dynamo``, whose first call
+    imports ``torch._dynamo`` (about 1.3 s of CPU). For the block the wrapper finds its cached
+    target set (the plain method), as after a first call; unset again afterwards."""
     fn = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
     if fn is None or getattr(fn, "__dynamo_disable", None) is not None:
         yield
@@ -58,7 +55,6 @@ def _without_compiler_import() -> Iterator[None]:
 
 def check_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> None:
     """Build ``spec``'s optimizer over ``params`` and discard it (ConfigError as
-    :func:`build_optimizer`), without importing torch's compiler: a launching process that
-    only checks the job (its workers train) never pays for it."""
+    :func:`build_optimizer`), without importing torch's compiler."""
     with _without_compiler_import():
         build_optimizer(params, spec)

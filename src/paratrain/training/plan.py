@@ -1,11 +1,8 @@
-"""This process's data for the one loop: which examples each epoch walks, in which
-batches, through which loader (:class:`DataPlan`), and the loop's position in it
-(:class:`Position`).
-
-Order. Epoch ``e``'s example order is ``epoch_permutation(N, seed, e)``, a pure function:
-``torch.randperm(N, generator=torch.Generator().manual_seed(seed * 1_000_003 + e))``; every
-rank computes the same one, and a resumed run replays it exactly. A stream (an
-``IterableDataset``) has no order: each rank reads its share (:mod:`paratrain.data.stream`).
+"""This process's data for the one loop (:class:`DataPlan`) and the loop's position in it
+(:class:`Position`). Epoch ``e``'s order is :func:`epoch_permutation`, the same on every
+rank; DataParallel replica ``r`` of ``n`` takes ``perm[: (N // n) * n][r::n]`` (what
+``DistributedSampler(shuffle=False, drop_last=True)`` yields over ``perm``). A stream has
+no order: each rank reads its share (:mod:`paratrain.data.stream`).
 """
 
 from __future__ import annotations
@@ -25,21 +22,16 @@ __all__ = ["epoch_permutation", "DataPlan", "Position", "feed_of"]
 
 
 def epoch_permutation(n: int, *, seed: int, epoch: int) -> torch.Tensor:
-    """A fresh permutation of ``range(n)`` per epoch, a pure function of (seed, epoch):
-    every rank computes the same one, and a resumed run replays it exactly."""
+    """A fresh permutation of ``range(n)`` per epoch, a pure function of (seed, epoch)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     return torch.randperm(n, generator=g)
 
 
 @dataclass(frozen=True)
 class DataPlan:
-    """This process's data: ``order(epoch)`` gives the dataset indices it walks that epoch
-    (all of the same length every epoch), in batches of ``batch_size``, read through torch's
-    DataLoader with ``loader``'s workers (:mod:`paratrain.data.loader`).
-
-    A stream (an ``IterableDataset``) has no order: rank ``shard[0]`` of ``shard[1]`` reads
-    its share of it (:mod:`paratrain.data.stream`) as one "epoch" of ``max_steps`` steps
-    (:meth:`build`)."""
+    """``order(epoch)``: the dataset indices this process walks that epoch, in batches of
+    ``batch_size``; a stream is read by rank ``shard[0]`` of ``shard[1]`` as one "epoch" of
+    ``max_steps`` steps."""
 
     dataset: Any
     order: Callable[[int], torch.Tensor]
@@ -57,9 +49,7 @@ class DataPlan:
               batch_size: int, accumulation: int, epochs: int, max_steps: int | None,
               device: torch.device | None = None, loader: LoaderOptions = IN_PROCESS,
               shard: tuple[int, int] = (0, 1)) -> DataPlan:
-        """The plan; for a stream, ``max_steps`` steps of ``accumulation`` batches in one
-        epoch (``order`` and ``examples_per_epoch`` unused; ConfigError without
-        ``train.max_steps``)."""
+        """The plan; a stream needs ``train.max_steps``."""
         if is_stream(dataset):
             if max_steps is None:
                 raise ConfigError([("train.max_steps", "the training data is a stream (an "
@@ -78,12 +68,8 @@ class DataPlan:
         return math.ceil(self.examples_per_epoch / self.batch_size)
 
     @property
-    def steps_per_epoch(self) -> int:
-        return math.ceil(self.batches_per_epoch / self.accumulation)
-
-    @property
     def total_steps(self) -> int:
-        total = self.epochs * self.steps_per_epoch
+        total = self.epochs * math.ceil(self.batches_per_epoch / self.accumulation)
         return total if self.max_steps is None else min(total, self.max_steps)
 
 
@@ -95,8 +81,7 @@ class Position:
 
 
 def feed_of(plan: DataPlan, task: Any) -> Feed:
-    """Where the loop reads ``plan``'s batches: a DataLoader over the loop's order, or a
-    stream's StatefulDataLoader; the task's ``collate_fn`` collates items."""
+    """Where the loop reads ``plan``'s batches (the task's ``collate_fn`` collates items)."""
     from ..task.steps import fetch_batch, to_device
 
     collate = getattr(task, "collate_fn", None)

@@ -1,20 +1,11 @@
 """Progress of a run: a rich bar on a terminal, a log line every ``run.progress_every``
-otherwise.
-
-On a terminal (``sys.stderr.isatty()``) the bar redraws in place. Anywhere else -- CI, a
-notebook (Jupyter's stderr is no terminal), ``2> run.log`` -- a redrawing bar would print
-nothing until the run ends, or garble the log; there :class:`LineProgress` writes one plain
-line to stderr every span of wall time (``"30s"``, the default) or every N steps::
+otherwise (CI, a notebook, ``2> run.log``: a redrawing bar would garble them)::
 
     [Local] step 120/1000 (12%) train_loss 0.4321 lr 0.003 test_accuracy 0.912 | 8.31 steps/s | ETA 1m46s
 
-``train_loss`` is the mean training loss over the steps since the previous line, ``lr`` the
-learning rate of the last step (where the loop knows it), then the last evaluation; ``steps/s`` the
-rate since this process started (a resumed run counts only the steps it took itself);
-``ETA = (total - done) / rate``. The run's end writes no line of its own (the summary
-follows; a run shorter than one span prints none, so its stderr stays as it was). Only the logging
-process (rank 0) shows progress: the callers pass ``enabled=False`` elsewhere.
-``run.progress_every = 0`` or ``"off"`` shows nothing, on a terminal too.
+``train_loss`` is the mean over the steps since the previous line, ``steps/s`` the rate
+since this process started. Only the logging process shows progress; ``0`` or ``"off"``
+shows nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ if TYPE_CHECKING:  # rich is imported for a bar on a terminal only (its import: 
 
     console: Console
 
-__all__ = ["progress_bar", "console", "LineProgress", "NoProgress", "parse_progress_every"]
+__all__ = ["progress_bar", "console", "LineProgress", "parse_progress_every"]
 
 TaskID = NewType("TaskID", int)  # rich.progress.TaskID's kind
 
@@ -54,8 +45,7 @@ def __getattr__(name: str) -> Any:
 
 
 def parse_progress_every(every: int | str | None) -> tuple[int, float | None] | None:
-    """``run.progress_every`` as ``(steps, seconds)`` (one of them set), None when off
-    (``0``, ``"off"``). ``None`` is the default, 30 s."""
+    """``run.progress_every`` as ``(steps, seconds)``, None when off; default 30 s."""
     if every is None:
         return 0, 30.0
     if every == "off" or every == 0:
@@ -74,13 +64,9 @@ def _duration(seconds: float) -> str:
 
 
 class LineProgress:
-    """The subset of :class:`rich.progress.Progress` the training loops use (``add_task``,
-    ``update``, ``start``, ``stop``, a context manager), written as plain lines: one when
-    ``steps`` more steps were done or ``seconds`` passed since the previous line (checked at
-    each update). ``update(..., loss=x)`` adds a training
-    loss to the next line's mean; ``info`` (the evaluation metric) is printed as given;
-    ``unit`` (an ``add_task`` field: ``"step"``, ``"round"``, ``"generation"``) names the
-    count."""
+    """The calls of :class:`rich.progress.Progress` the loops use, as plain lines: one when
+    ``steps`` more steps were done or ``seconds`` passed (neither: none). ``update(...,
+    loss=x)`` adds to the next line's mean; ``unit`` (an ``add_task`` field) names the count."""
 
     def __init__(self, *, steps: int = 0, seconds: float | None = None, stream: TextIO | None = None,
                  clock: Any = time.monotonic) -> None:
@@ -151,43 +137,17 @@ class LineProgress:
         t["last_t"], t["last_done"], t["losses"] = now, done, []
 
 
-class NoProgress:
-    """No progress shown (another rank's, or ``run.progress_every`` off): the calls of
-    :class:`LineProgress`, doing nothing."""
-
-    def __enter__(self) -> NoProgress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def start(self) -> None:
-        pass
-
-    def stop(self) -> None:
-        pass
-
-    def add_task(self, description: str, total: float | None = None, completed: float = 0,
-                 **fields: Any) -> TaskID:
-        return TaskID(0)
-
-    def update(self, task_id: TaskID, **fields: Any) -> None:
-        pass
-
-
 def progress_bar(*, enabled: bool | None = None,
-                 every: int | str | None = None) -> Progress | LineProgress | NoProgress:
-    """The progress display of this process. ``enabled=False``: none (another rank's);
-    ``None``: a rich bar when stderr is a terminal, else a :class:`LineProgress` by
-    ``every`` (``run.progress_every``); ``True``: the rich bar. ``every`` off (0, "off")
-    shows nothing (:class:`NoProgress`). All take ``add_task(..., unit=...)`` and
-    ``update(..., loss=...)``."""
+                 every: int | str | None = None) -> Progress | LineProgress:
+    """This process's progress: ``enabled=False`` none (another rank's; a
+    :class:`LineProgress` that never writes), ``None`` a rich bar on a terminal else lines
+    every ``every`` (``run.progress_every``; off: none), ``True`` the rich bar."""
     cadence = parse_progress_every(every)
     if enabled is None and cadence is not None and not sys.stderr.isatty():
         return LineProgress(steps=cadence[0], seconds=cadence[1])
     show = bool(sys.stderr.isatty() if enabled is None else enabled) and cadence is not None
     if not show:
-        return NoProgress()
+        return LineProgress()
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,

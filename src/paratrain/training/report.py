@@ -1,21 +1,18 @@
-"""``report.png``: the loss and the task's own metrics (accuracy; perplexity and bits per
-token; mse and r2) as metrics.jsonl records them (matplotlib, Agg), and the provenance map of a run summary (which figures were measured, which modelled).
+"""``report.png``: the loss and the task's own metrics as metrics.jsonl records them
+(matplotlib, Agg), and the provenance map of a run summary.
 
-Where it is drawn. matplotlib's import is most of the plot's cost (about 0.45 s of CPU,
-then 0.25 s to draw). A run imports it ahead of the end: in a background thread as the run
-starts (:func:`import_in_background`), or -- the ``paratrain`` command's own Local run --
-in a drawer process started with the command (:func:`start_drawer`), which imports it on
-the core the command's single-threaded start-up leaves idle and draws ``report.png`` when
-asked (:func:`draw_report`) while the run writes its model and summary. Either way the file
-is the same, drawn by the same code (:func:`plot_curves`), and a failure warns and never
-raises (:func:`never_fails`); a drawer that cannot start or dies leaves the plot to this
-process."""
+matplotlib's import is most of the plot's cost (about 0.45 s of CPU, then 0.25 s to draw),
+so a run imports it ahead of the end: in a background thread (:func:`import_in_background`)
+or, for the ``paratrain`` command's Local run, in a drawer process started with the command
+(:func:`start_drawer`) that draws while the run writes its model. Either way the file is
+drawn by :func:`plot_curves`'s code, and a failure warns and never raises."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
+import logging
 import math
 import os
 import re
@@ -34,14 +31,14 @@ from .rundir import read_metrics
 __all__ = ["plot_curves", "curves_figure", "panels", "never_fails", "provenance", "import_in_background",
            "start_drawer", "draw_report", "Drawing", "MEASURED", "MODELLED", "CONFIGURED"]
 
+log = logging.getLogger(__name__)
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
 def never_fails(fn: Callable[_P, _R]) -> Callable[_P, _R | None]:
-    """A plot is a by-product of a finished run: if drawing it fails (matplotlib missing,
-    a full disk, odd metrics) warn once naming the cause and return None, never raise and
-    never stay silent."""
+    """A plot is a by-product of a finished run: a failure to draw it warns naming the cause
+    and returns None."""
 
     @functools.wraps(fn)
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R | None:
@@ -63,13 +60,8 @@ def _import_matplotlib() -> None:
 
 
 def import_in_background() -> threading.Thread:
-    """Import matplotlib (about 0.5 s of CPU, most of ``report.png``'s cost) in a daemon
-    thread, so that the plot at the end of a run does not wait for it: called when a run
-    starts, it overlaps the import with the data loading and the first steps (torch's
-    kernels release the GIL; a run's one intra-op thread leaves a core for it). Python's
-    import lock makes :func:`plot_curves` wait for an import still in progress; a failed
-    import is left for :func:`plot_curves` to report. With a drawer process running
-    (:func:`start_drawer`) the thread imports nothing: the drawer draws."""
+    """Import matplotlib in a daemon thread as a run starts (nothing with a drawer process);
+    a failure is met again, and warned, by :func:`plot_curves`."""
     target = _quiet(_import_matplotlib) if _drawer["proc"] is None else (lambda: None)
     thread = threading.Thread(target=target, name="paratrain-matplotlib", daemon=True)
     thread.start()
@@ -78,8 +70,10 @@ def import_in_background() -> threading.Thread:
 
 def _quiet(fn: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
-        with contextlib.suppress(Exception):
+        try:
             fn()
+        except Exception as e:  # noqa: BLE001 - plot_curves meets it again and warns
+            log.debug("background import of matplotlib failed: %r", e)
     return run
 
 
@@ -90,13 +84,9 @@ _LOG_SCALE = frozenset({"perplexity"})
 
 
 def panels(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
-    """The panels of ``report.png`` as ``(title, keys)``, from the keys the records carry:
-    ``loss`` (``train_loss``, ``test_loss``) first, then one panel per other evaluation
-    metric the task logged, in the order they first appear -- ``test_<m>`` with a federated
-    run's ``personal_test_<m>`` (mean over clients) and ``personal_test_<m>_min`` beside it:
-    ``accuracy`` for classification, ``perplexity`` and ``bits_per_token`` for a language
-    model, ``mse`` and ``r2`` for regression. A key that holds no number is left out, so no
-    panel is empty (``loss`` included: without a loss there is no loss panel)."""
+    """The panels of ``report.png`` as ``(title, keys)``: ``loss`` first, then one per other
+    evaluation metric in the order they first appear (``test_<m>``, with a federated run's
+    ``personal_test_<m>`` and ``personal_test_<m>_min`` beside it). No panel is empty."""
     out: dict[str, list[str]] = {}
     for r in records:
         for key, value in r.items():
@@ -115,8 +105,8 @@ def panels(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
 
 
 def curves_figure(run_dir: str | Path, *, x_key: str = "step", title: str | None = None) -> Any:
-    """The figure of ``report.png`` (a matplotlib Figure; the caller closes it): one panel
-    per :func:`panels` entry, each key of the panel one curve against ``x_key``."""
+    """The figure of ``report.png`` (the caller closes it): each key of each :func:`panels`
+    entry one curve against ``x_key``."""
     _import_matplotlib()
     import matplotlib.pyplot as plt
 
@@ -169,10 +159,7 @@ def _draw(run_dir: str | Path, x_key: str, title: str | None) -> Path:
 
 @never_fails
 def plot_curves(run_dir: str | Path, *, x_key: str = "step", title: str | None = None) -> Path:
-    """``run_dir/report.png``: the loss and every evaluation metric the run's
-    ``metrics.jsonl`` records (:func:`panels`) against ``x_key``.
-
-    Failures warn (see :func:`never_fails`) and return None."""
+    """``run_dir/report.png`` from the run's ``metrics.jsonl`` (failures warn, return None)."""
     return _draw(run_dir, x_key, title)
 
 
@@ -183,12 +170,9 @@ _DRAW_TIMEOUT_S = 300.0  # a drawer that has not answered by then is stopped; th
 
 
 def start_drawer() -> bool:
-    """Start the drawer process (``python -m paratrain.training.drawer``), which imports
-    matplotlib at once and then waits for :func:`draw_report`. For a process that runs one
-    Local run and exits (the ``paratrain`` command): called before torch is imported, the
-    import runs on the core the command's start-up leaves idle. The drawer ignores SIGINT
-    (this process handles Ctrl-C), ends when this process closes its stdin or exits, and is
-    reaped at exit. False when it could not be started (the plot is then drawn here)."""
+    """Start the drawer process (:mod:`.drawer`), which imports matplotlib at once on the
+    core the command's start-up leaves idle, then waits for :func:`draw_report`. False when
+    it could not be started (the plot is then drawn here)."""
     if _drawer["proc"] is not None:
         return True
     import atexit
@@ -199,7 +183,8 @@ def start_drawer() -> bool:
     try:
         proc = subprocess.Popen([sys.executable, "-m", "paratrain.training.drawer"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=env, process_group=0)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as e:
+        log.debug("no drawer process (the plot is drawn in this one): %r", e)
         return False
     _drawer["proc"] = proc
     atexit.register(_stop_drawer)
@@ -223,8 +208,7 @@ def _stop_drawer() -> None:
 
 
 class Drawing:
-    """``report.png`` being drawn (:func:`draw_report`); :meth:`wait` returns its path, or
-    None when drawing failed (warned, as :func:`plot_curves` warns)."""
+    """``report.png`` being drawn; :meth:`wait` returns its path (None: failed, warned)."""
 
     def __init__(self, run_dir: str | Path, x_key: str, title: str | None, proc: Any) -> None:
         self.run_dir, self.x_key, self.title, self.proc = run_dir, x_key, title, proc
@@ -235,7 +219,8 @@ class Drawing:
             return plot_curves(self.run_dir, x_key=self.x_key, title=self.title)
         reply = _read_reply(proc)
         _stop_drawer()
-        if reply is None:  # the drawer died or hung: drawn here
+        if reply is None:
+            log.debug("the drawer process died or hung: the plot is drawn here")
             return plot_curves(self.run_dir, x_key=self.x_key, title=self.title)
         if "error" in reply:
             warnings.warn(f"paratrain: could not draw the report plot (plot_curves): {reply['error']}",
@@ -264,17 +249,16 @@ def _read_reply(proc: Any) -> dict[str, Any] | None:
 
 
 def draw_report(run_dir: str | Path, *, x_key: str = "step", title: str | None = None) -> Drawing:
-    """Start drawing ``run_dir/report.png`` (as :func:`plot_curves`, from the run's
-    ``metrics.jsonl``, which must be complete): by the drawer process when one runs
-    (:func:`start_drawer`; it draws while this process goes on), else here when
-    :meth:`Drawing.wait` is called."""
+    """Start drawing ``run_dir/report.png`` from the complete ``metrics.jsonl``: by the
+    drawer process when one runs, else here at :meth:`Drawing.wait`."""
     proc = _drawer["proc"]
     if proc is not None:
         request = json.dumps({"run_dir": str(run_dir), "x_key": x_key, "title": title}) + "\n"
         try:
             proc.stdin.write(request.encode())
             proc.stdin.flush()
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
+            log.debug("the drawer process is gone (the plot is drawn here): %r", e)
             _stop_drawer()
             proc = None
     return Drawing(run_dir, x_key, title, proc)
@@ -300,12 +284,9 @@ def provenance(summary: Mapping[str, Any], *, modelled: Iterable[str] = (),
                configured: Iterable[str] = ()) -> dict[str, str]:
     """``{key: "measured" | "modelled" | "configured"}`` for every top-level figure of ``summary``.
 
-    A key ending in ``_measured`` / ``_modelled`` says it itself; keys named in ``modelled``
-    come from a formula (a cost model, a theory bound); keys in ``configured`` echo the job
-    file (sizes it asked for). Every other numeric field (or container of numbers) is
-    something the run counted or timed: measured. Strings, booleans and ``None`` are not
-    figures and get no entry. A key whose suffix contradicts the list it is in is a
-    ValueError."""
+    A key ending in ``_measured`` / ``_modelled`` says it itself; ``modelled`` keys come
+    from a formula, ``configured`` ones echo the job file; every other number (or container
+    of numbers) was measured. A suffix contradicting its list is a ValueError."""
     mod, conf = set(modelled), set(configured)
     out: dict[str, str] = {}
     for k, v in summary.items():

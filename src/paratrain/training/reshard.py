@@ -1,30 +1,17 @@
-"""Resume on another world: a checkpoint by the model's own names, laid out anew.
+"""Resume on another layout: a checkpoint by the model's own names, laid out anew.
 
-Every checkpoint of the one loop records each process's tensors under their names in the
-*model* (an engine's ``model_names()`` maps its keys to them), the optimizer state under
-the names of its parameters (:func:`param_names`, in ``param_groups`` order), and the
-run's ``layout`` (strategy, processes, placement). A resume whose layout differs
-(DataParallel on 2 replicas -> 4 or 1, a pipeline on 3 workers -> 2 or another
-placement, tensor parallel -> Local) has each new process read, by those names, the
-tensors it holds now (:mod:`.stores`, :mod:`.dcp_state`, stored as
-torch.distributed.checkpoint chunks).
+Every checkpoint records each process's tensors under their names in the *model* (an
+engine's ``model_names()``), the optimizer state under its parameters' names
+(:func:`param_names`) and the run's ``layout``; a resume on another layout has each new
+process read, by those names, what it holds now (:mod:`.stores`, :mod:`.dcp_state`). What
+cannot be carried over is reset with one :class:`ReshardWarning`; the data continues after
+the examples the old replicas had walked (:func:`by_examples`).
 
-What cannot be carried over is reset, with one :class:`ReshardWarning` naming it: the
-engine's own state (compressor residuals, aggregator counters are per process), tensors the
-old processes held with different values (they take process 0's), the RNG of a process
-that did not exist before (it takes process 0's: the ranks of a tensor-parallel group must
-draw alike), and the training losses since the last evaluation. The data continues at the
-batch that follows the examples the old data replicas had walked (:func:`by_examples`).
-
-Shards. A process that holds only part of a model tensor (a tensor-parallel shard, ZeRO's
-rows) describes it by a *shard spec* (an engine's ``model_shards()``): ``{"shape": the
-model tensor's shape, "slices": [[dim, start, length], ...]}``, where this tensor lies in it
-(a column shard of a fused ``in_proj_weight`` is one slice of rows of it; successive slices
-compose as successive ``narrow``s). The store saves it as that chunk of the whole tensor
-(:func:`.dcp_state.box_of`); optimizer state tensors of the parameter's shape (Adam's
-moments) are cut like the parameter, the others (``step``) are whole. Every loaded tensor
-must have the shape the process holds now, else a ConfigError names it: nothing is loaded
-into a wrong place. :func:`take` cuts a spec's piece out of a whole tensor.
+A process holding part of a model tensor describes it by a *shard spec* (an engine's
+``model_shards()``): ``{"shape": the whole tensor's shape, "slices": [[dim, start,
+length], ...]}`` (successive slices compose as successive ``narrow``s). Optimizer state of
+the parameter's shape is cut like the parameter; every loaded tensor must have the shape
+the process holds, else a ConfigError names it.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """The run folder ``<output_dir>/<name>/``: job.json, metrics.jsonl, checkpoints/, summary.json.
 
-Safety rules (nothing here deletes what the user did not ask to delete):
-
-* the run folder is always ``output_dir / name`` with ``name`` one path component, and
-  every deletion goes through :func:`safe_rmtree` / :func:`safe_unlink`
-  (:mod:`paratrain.files`, re-exported here), which refuse a path outside the given root;
-* a fresh run into a folder that already holds a run refuses (``overwrite`` replaces
-  it, ``resume`` continues it) — see :class:`RunFolder`;
-* a run holds an OS lock (``fcntl.flock`` on ``<run>/.lock``) for as long as its
-  launching process lives, so a second run of the same name fails at once naming the
-  holder's pid. Worker processes it spawns see the claim through the environment
-  (:data:`HELD_ENV`) and never take the lock themselves;
-* a write that fails (full disk, unwritable ``output_dir``) is a ConfigError naming the path.
+Nothing here deletes what the user did not ask to delete: the folder is always
+``output_dir / name`` with ``name`` one path component, every deletion goes through
+:func:`safe_rmtree` (which refuses a path outside the root), a fresh run into a folder that
+holds a run refuses without ``overwrite``, and the launching process holds ``fcntl.flock``
+on ``<run>/.lock`` (its workers see the claim through :data:`HELD_ENV`). A failed write is
+a ConfigError naming the path.
 """
 
 from __future__ import annotations
@@ -41,12 +35,9 @@ __all__ = [
 ]
 
 LOCK_NAME = ".lock"
-# os.pathsep-separated resolved run folders claimed by this process or the process that
-# launched it (inherited by spawned workers).
+# the run folders claimed by this process or the one that launched it (os.pathsep-separated)
 HELD_ENV = "PARATRAIN_HELD_RUN_DIRS"
-# Entries of a run folder that do not make it "hold a run": the lock, the resolved config
-# (written before training starts) and empty folders.
-_NOT_RESULTS = {LOCK_NAME, "job.json"}
+_NOT_RESULTS = {LOCK_NAME, "job.json"}  # written before training: they do not make a run
 _WORKER_LOG = re.compile(r"^worker-\d+\.log$")
 
 # resolved run folder -> [lock fd, claim count] for the claims this process holds
@@ -60,8 +51,7 @@ def _config_error(problems: list[tuple[str, str]]) -> ConfigError:
 
 
 def disk_error(path: str | Path, err: OSError, what: str = "write") -> ConfigError:
-    """A ConfigError naming ``path`` for a failed filesystem operation (full disk, no
-    permission, a file where a folder should be)."""
+    """A ConfigError naming ``path`` for a failed filesystem operation."""
     reason = err.strerror or type(err).__name__
     return _config_error([("run.output_dir", f"cannot {what} {path}: {reason}")])
 
@@ -87,9 +77,8 @@ def run_dir_of(job: JobConfig) -> Path:
 
 
 def holds_run(d: str | Path) -> bool:
-    """True when folder ``d`` holds anything a run produced: any file other than the
-    lock, job.json and ``worker-<rank>.log`` tracebacks at its top (empty folders do not
-    count), so an attempt that failed before producing anything can simply be re-run."""
+    """True when folder ``d`` holds a file other than the lock, job.json and
+    ``worker-<rank>.log`` at its top: an attempt that produced nothing can simply be re-run."""
     d = Path(d)
     if not d.is_dir():
         return False
@@ -101,10 +90,8 @@ def holds_run(d: str | Path) -> bool:
 
 
 def _drop_inherited_locks() -> None:
-    """In a forked child (a DataLoader worker, a drawer): close the inherited lock fds. A
-    ``flock`` belongs to the open file, so a child holding it would keep the folder locked
-    after its parent died (SIGKILL) until the child noticed; the child still sees the claim
-    through :data:`HELD_ENV`."""
+    """In a forked child: close the inherited lock fds (a ``flock`` belongs to the open file,
+    so a child would keep the folder locked after its parent died)."""
     for fd, _count in _HELD.values():
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -124,9 +111,8 @@ def _is_held(d: Path) -> bool:
 
 
 def _owns_run_folder() -> bool:
-    """Whether this process is the one that claims the run folder: not under torchrun
-    (or torchrun's rank 0), and not a ``--node-rank`` other than 0 (that node's peers'
-    folder belongs to node 0, possibly on a shared filesystem)."""
+    """Whether this process claims the run folder: torchrun's rank 0, or not under torchrun
+    and node 0 (``--node-rank``)."""
     if all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
         return os.environ["RANK"] == "0"
     return os.environ.get("PARATRAIN_NODE_RANK", "0") in ("", "0")
@@ -199,14 +185,12 @@ def _refuse_message(d: Path) -> str:
             "replace it or --resume (resume=True) to continue it")
 
 
-# Strategies whose checkpoints are the one loop's, by the model's names: each resumes the
-# others' (another layout, .reshard); tensor parallel runs under Local or DataParallel.
+# the one loop's strategies: each resumes the others' checkpoints (.reshard)
 _RESHARDABLE = frozenset({"Local", "DataParallel", "ModelParallel"})
 
 
 def _check_resumable(d: Path, job: JobConfig) -> None:
-    """On resume: the folder's job.json must name the same strategy type (or two of
-    :data:`_RESHARDABLE`)."""
+    """On resume: the folder's job.json names the same strategy type (or two of :data:`_RESHARDABLE`)."""
     try:
         old = json.loads((d / "job.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -239,14 +223,10 @@ def _make(d: Path, job: JobConfig) -> None:
 class RunFolder:
     """The launching process's claim on ``runs/<name>/`` (a context manager).
 
-    ``__enter__`` takes the folder's lock and checks the rules (a fresh run into a folder
-    that holds a run needs ``overwrite``; ``resume`` needs the same strategy type);
-    nothing is deleted or written yet apart from the lock file, so a caller can still
-    load and check a checkpoint. :meth:`prepare` then clears the folder (fresh runs),
-    creates it and writes job.json; a launcher of worker processes calls
-    :meth:`prepare_launch` instead, which on resume leaves that to the workers' check.
-    ``__exit__`` releases the lock (so does the death of the process). Under torchrun only rank 0 claims; elsewhere it is a no-op and the
-    workers' :func:`prepare_run_dir` apply the rules.
+    ``__enter__`` takes the lock and checks the rules (a fresh run into a folder that holds
+    a run needs ``overwrite``; ``resume`` the same strategy type); nothing else is written
+    yet, so a caller can still check a checkpoint. :meth:`prepare` then clears (fresh runs),
+    creates and writes job.json. Under torchrun only rank 0 claims.
     """
 
     def __init__(self, job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> None:
@@ -289,20 +269,15 @@ class RunFolder:
         return self.path
 
     def prepare_launch(self) -> Path:
-        """What a launcher calls before it starts worker processes: a fresh run is
-        prepared at once (:meth:`prepare`); a resume changes nothing in the folder, since
-        the workers check the checkpoint against the job, and their
-        :func:`prepare_run_dir` writes job.json only once that check has passed (a refused
-        ``--resume`` leaves job.json as it was)."""
+        """Before a launcher starts workers: a fresh run is prepared now; a resume is left to
+        the workers, whose :func:`prepare_run_dir` writes job.json once their check passed."""
         return self.path if self.resume else self.prepare()
 
 
 def prepare_run_dir(job: JobConfig, *, resume: bool, overwrite: bool = False) -> Path:
-    """Create the run folder and write job.json (what a worker or an in-process runner
-    calls; on resume only after the checkpoint was checked against the job). Inside a claimed folder (:class:`RunFolder`, held by this process or the
-    one that launched it) it only creates and writes. Unclaimed (a worker function called
-    directly) it applies the same rule as a claim: a fresh run into a folder that holds
-    a run is refused unless ``overwrite``; leftovers with no results are cleared."""
+    """Create the run folder and write job.json (a worker or an in-process runner; on resume
+    only after the checkpoint was checked). Unclaimed (no :class:`RunFolder`), a fresh run
+    into a folder that holds a run is refused unless ``overwrite``, as a claim would."""
     d = run_dir_of(job)
     if not _is_held(d) and not resume:
         if holds_run(d) and not overwrite:
@@ -327,13 +302,8 @@ def _clean(v: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON record per line to ``metrics.jsonl``, and hands each record to the
-    run's experiment trackers (``run.loggers`` of the folder's job.json:
-    :mod:`.loggers`), opened on the first record and closed by :meth:`close` (or at exit).
-
-    ``truncate_after(key, value)`` drops records past a resume point so a resumed run's
-    file reads as if it had never stopped (and the trackers continue their runs after it).
-    """
+    """Appends one JSON record per line to ``metrics.jsonl`` and hands each to the run's
+    experiment trackers (``run.loggers`` of job.json, :mod:`.loggers`)."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -375,9 +345,8 @@ class MetricsWriter:
         return self._trackers
 
     def truncate_after(self, key: str, value: float) -> None:
-        """Keep the records with ``key <= value`` (a resume point); the file is rewritten,
-        without a torn last line a killed run left (named in a warning). The trackers
-        continue after ``value``."""
+        """Keep the records with ``key <= value`` (a resume point), without a torn last line a
+        killed run left (warned); the trackers continue after ``value``."""
         self._resume_after = value
         if self._trackers:
             self._trackers.resumed(value)
@@ -392,11 +361,8 @@ class MetricsWriter:
 
 
 def _parse_metrics(path: Path) -> tuple[list[dict[str, Any]], int | None]:
-    """The records of ``path`` and the number of a torn last line (None: none).
-
-    A run killed while appending leaves a partial last line: it is dropped (the record it
-    was writing is lost, as the step it belongs to is redone on resume). An unreadable
-    line before the last is damage no crash explains: a ConfigError names file and line."""
+    """The records of ``path`` and the number of a torn last line (None: none; a killed run's
+    partial line, redone on resume). A bad line before the last is a ConfigError."""
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError as e:
@@ -419,11 +385,8 @@ def _parse_metrics(path: Path) -> tuple[list[dict[str, Any]], int | None]:
 
 
 def read_metrics(run_dir: str | Path, *, train: bool = False) -> list[dict[str, Any]]:
-    """The records of ``<run_dir>/metrics.jsonl`` (none when it does not exist); a torn
-    last line is left out, a damaged line before it is a ConfigError naming file and line.
-    The training curve's records (``"kind": "train"``, every ``run.log_every`` steps:
-    :mod:`.curve`) only with ``train=True``: the others are the evaluation records (and a
-    strategy's per-step ones) that readers have always found here."""
+    """The records of ``<run_dir>/metrics.jsonl`` ([] when absent; a torn last line left
+    out); the training curve's (``"kind": "train"``, :mod:`.curve`) only with ``train=True``."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []

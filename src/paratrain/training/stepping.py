@@ -1,31 +1,17 @@
 """One optimizer step, the same under every strategy: accumulation, precision, clipping,
-the learning-rate schedule.
-
-A step of the one loop (:mod:`.loop`) takes ``train.grad_accumulation`` batches
-``b_1..b_k`` (``n_i`` examples each, ``N = sum n_i``) and runs
+the learning-rate schedule. A step of :mod:`.loop` over batches ``b_1..b_k`` (``n_i``
+examples each, ``N = sum n_i``) runs
 
     for i in 1..k:   engine.forward_backward(b_i, weight = n_i / N, last = (i == k))
     engine.sync()                                   # the strategy's own combination
     c = min(1, max_norm / (||g||_2 + 1e-6))         # only with train.grad_clip_norm
     g <- c * g;  optimizer.step();  scheduler.step()
 
-``forward_backward`` backpropagates ``weight * loss(b_i)``, so for a loss that is a mean over
-its batch the summed gradient is the gradient of the mean over all ``N`` examples: ``k``
-accumulated batches of ``b`` equal one batch of ``k * b`` (tested). ``||g||`` is the norm of
-the *whole* model's gradient: the engine's ``grad_sq_norm`` all-reduces it over tensor- and
-pipeline-parallel shards; the coefficient is torch's ``clip_grad_norm_`` formula.
-
-Precision: ``bf16`` wraps forward and loss in ``torch.autocast(device_type, bfloat16)``
-(:func:`autocast`); backward then runs in the forward's dtypes and the parameters,
-gradients and optimizer state stay fp32, as torch's AMP recipe for bf16 (no loss scaler:
-bf16 has fp32's exponent range).
-
-Schedule (:func:`lr_factor`): ``LambdaLR`` with, for optimizer step ``s`` (0-based),
-``W = warmup_steps`` and ``T`` = the run's optimizer steps,
-``f(s) = (s + 1) / W`` for ``s < W``, then with ``p = (s - W) / max(1, T - W)``:
-``constant`` 1, ``cosine`` ``(1 + cos(pi p)) / 2``, ``linear`` ``1 - p`` (clamped to
-``[0, 1]``), the shapes of Hugging Face's ``get_*_schedule_with_warmup``. The scheduler's
-``state_dict`` (its step count) is part of every checkpoint.
+so for a loss that is a mean over its batch, ``k`` accumulated batches of ``b`` equal one
+batch of ``k * b``. ``||g||`` is the whole model's norm (the engine all-reduces it over
+shards). ``bf16`` autocasts forward and loss; parameters, gradients and optimizer state
+stay fp32 (no loss scaler: bf16 has fp32's exponent range). The schedule
+(:func:`lr_factor`) has Hugging Face's ``get_*_schedule_with_warmup`` shapes.
 """
 
 from __future__ import annotations
@@ -42,7 +28,9 @@ __all__ = ["lr_factor", "build_scheduler", "autocast", "clip_coefficient", "clip
 
 
 def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int) -> float:
-    """The multiplier of the base learning rate at optimizer step ``step`` (0-based)."""
+    """The multiplier of the base learning rate at optimizer step ``step`` (0-based):
+    ``(s + 1) / W`` in warmup, then with ``p = (s - W) / max(1, T - W)`` constant 1,
+    cosine ``(1 + cos(pi p)) / 2`` or linear ``1 - p``."""
     if warmup_steps and step < warmup_steps:
         return (step + 1) / warmup_steps
     if kind == "constant":

@@ -1,41 +1,23 @@
 """Where the one loop keeps its checkpoints: torch.distributed.checkpoint folders.
 
-``checkpoints/step-<step>/`` is one DCP checkpoint of every process of the run (keys by
-the model's own names, :mod:`.dcp_state`) plus ``layout.json`` (which store wrote it, the
-step, the process count and the layout). Every process writes its part into
-``checkpoints/.step-<step>.tmp/``; when all have (DCP's finish writes ``.metadata``),
-the folder is renamed to ``step-<step>``: the rename is the commit, so a process killed
-mid-save leaves only a ``.tmp`` folder, which the next save removes. The two newest steps
-are kept.
+``checkpoints/step-<step>/`` is one DCP checkpoint of every process (keys by the model's
+names, :mod:`.dcp_state`) plus ``layout.json``. Every process writes into
+``.step-<step>.tmp/``; the rename to ``step-<step>`` is the commit, so a process killed
+mid-save leaves only a ``.tmp`` folder, which the next save removes. Two steps are kept.
 
-Resume (``load``, collective): the newest ``step-*`` folder; on the layout that wrote it
-each process reads back exactly the keys it wrote (bit-identical), on another layout each
-process reads the slices it holds now by the model's names (:func:`.dcp_state.reshard_targets`:
-no process reads the whole model unless it holds it) -- DataParallel 2 -> 4 or 1, tensor
-parallel <-> Local, a pipeline on other workers, ZeRO-3 4 -> 2 -> 1 -- and rank 0 warns
-naming what is reset. A folder that cannot be read (damaged ``.metadata`` or data file) on
-any process makes every process fall back to the next older one, with a warning.
-
-Several hosts without a shared file system: each host's processes write into their own
-``checkpoints/`` and every process keeps its own copy of what it holds
-(``rank<r>/...`` keys), so a host restarted alone resumes from its own disk.
-
-Federated and PopulationBased use the same store (kinds ``fed`` and ``pbt``, ``n`` counting
-rounds and generations): their state is their engine's (``engine/rank<r>``), and on another
-number of processes (``reshard="engines"``) every process reads every old process's engine
-state and keeps what it holds now.
-
-Checkpoints of the per-process ``torch.save`` format of earlier versions
-(``ckpt-<step>.pt``, ``<prefix>-rank<r>/`` with ``<prefix>-complete.json``) are not
-resumed: a ConfigError names the file and says so.
-
-A step folder read by one process (export, inspection, tests) is :mod:`.store_reading`'s.
+Resume: on the layout that wrote it each process reads back exactly its keys
+(bit-identical); on another layout each reads the slices it holds now by name
+(:func:`.dcp_state.reshard_targets`) and rank 0 warns naming what is reset. An unreadable
+folder on any process makes every process fall back to the next older one. Hosts without a
+shared file system each keep their own copy (``rank<r>/...`` keys). Federated and
+PopulationBased (kinds ``fed``, ``pbt``) store their engine's state (``engine/rank<r>``).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import secrets
 import threading
@@ -65,53 +47,78 @@ from . import dcp_state as S
 from .checkpoint import MIN_KEEP
 from .faults import maybe_kill_in_save
 from .reshard import ReshardWarning
-from .store_errors import Unreadable, load_reason, save_reason
 from .store_reading import LAYOUT_FILE, read_layout
 
-__all__ = ["Held", "LocalStore", "RankStore", "warm"]
+__all__ = ["Held", "LocalStore", "RankStore", "Unreadable", "warm"]
+
+log = logging.getLogger(__name__)
 
 
 def _dcp() -> ModuleType:
     """:mod:`paratrain.comm.dcp`, imported on first use: torch.distributed.checkpoint
-    imports DTensor and its operator table (~0.7 s), which a run needs only at its first
-    save or resume."""
+    imports DTensor and its operator table (~0.7 s), needed only at the first save or resume."""
     from ..comm import dcp
 
     return dcp
 
 
 def _failed_dcp() -> type[BaseException]:
-    """What a failed DCP read or write raises (for an ``except`` clause, evaluated only
-    when something was raised)."""
+    """What a failed DCP read or write raises (evaluated only once something was raised)."""
     return _dcp().CheckpointException  # type: ignore[no-any-return]
 
 
 def warm() -> None:
-    """Import torch.distributed.checkpoint in a background thread (a Local run calls this
-    as its loop starts, so the import overlaps the first steps instead of delaying the
-    first checkpoint). Best effort: a failure here is met again, and reported, by the
-    first real use.
+    """Import torch.distributed.checkpoint in a background thread, overlapping the first steps.
 
-    ``torch._dynamo`` first: the loop's first ``optimizer.step()`` imports it (torch.optim's
-    ``_disable_dynamo``) and its chain touches ``torch.distributed``; imported here before
-    DCP, the loop's thread only waits for it and the two threads never hold one another's
-    module locks (the cycle Python's import machinery would end with ``_DeadlockError``)."""
+    ``torch._dynamo`` first: the loop's first ``optimizer.step()`` imports it and its chain
+    touches ``torch.distributed``; imported here before DCP, the two threads never hold one
+    another's module locks (Python's import machinery would end that with ``_DeadlockError``)."""
 
     def load() -> None:
         try:
             import torch._dynamo  # noqa: F401
 
             _dcp()
-        except BaseException:  # noqa: BLE001 - the save's own import reports it
-            pass
+        except BaseException as e:  # noqa: BLE001 - met again, and raised, by the first save
+            log.debug("background import of torch.distributed.checkpoint failed: %r", e)
 
     threading.Thread(target=load, name="paratrain-dcp-import", daemon=True).start()
 
 
+class Unreadable(RuntimeError):
+    """A checkpoint folder that lacks part of what DCP wrote (every process raises it)."""
+
+
+def _failures(e: BaseException) -> dict[Any, Any]:
+    """A CheckpointException's failures by rank (``{}`` for anything else)."""
+    failures = getattr(e, "failures", None)
+    return failures if isinstance(failures, dict) else {}
+
+
+def save_reason(e: BaseException) -> str:
+    """Why a save failed, one line: the OS error (DCP gathers each process's)."""
+    if isinstance(e, OSError):
+        return str(e.strerror or e)
+    for failure in _failures(e).values():
+        err: Any = failure[0] if isinstance(failure, tuple) else failure
+        return str(err.strerror or err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+    return str(e)[:300]
+
+
+def load_reason(e: BaseException) -> str:
+    """Why a folder could not be read: what is missing or corrupt, one line."""
+    if isinstance(e, Unreadable):
+        return f"is not readable: it {e}"
+    for failure in _failures(e).values():
+        err: Any = failure[0] if isinstance(failure, tuple) else failure  # DCP's (exception, traceback)
+        first = (str(err).strip().splitlines() or [""])[-1]
+        return f"is not readable, truncated or corrupt: {type(err).__name__}: {first[:300]}"
+    return str(e)[:300]
+
+
 @dataclass(frozen=True)
 class Held:
-    """What this process holds, for a resume on another layout: its module and optimizer,
-    its keys' model names and the shard spec of its keys that are pieces."""
+    """What this process holds, for a resume on another layout."""
 
     module: nn.Module
     optimizer: torch.optim.Optimizer
@@ -175,11 +182,9 @@ class RankStore:
 
     def start_save(self, step: int, state: dict[str, Any]) -> None:
         """Checkpoint ``state`` as step ``step`` (collective), asynchronously: the state is
-        copied here (:func:`_stage`, the only cost to the step) and written by a thread over
-        a gloo group of its own (:func:`~paratrain.comm.groups.side_group`), while training
-        goes on. One save is in flight at a time: the next save, a load and :meth:`wait`
-        wait for it (and raise what it raised). The folder rename is the commit, so a
-        process killed mid-write leaves the previous checkpoint whole."""
+        copied here (the only cost to the step) and written by a thread over a gloo group of
+        its own (:func:`~paratrain.comm.groups.side_group`). One save is in flight at a time:
+        the next save, a load and :meth:`wait` wait for it (and raise what it raised)."""
         self.wait()
         self._probe()
         if self.world > 1 and self._side is None:
@@ -195,8 +200,7 @@ class RankStore:
             pending.result()
 
     def _stage_pieces(self, pieces: list[Piece]) -> list[Piece]:
-        """A CPU copy of every piece, into the buffers of the last save where they fit (no
-        allocation and page faults per save)."""
+        """A CPU copy of every piece, into the last save's buffers where they fit (no page faults)."""
         out: list[Piece] = []
         kept: dict[tuple[str, Any], torch.Tensor] = {}
         for fqn, t, box in pieces:
@@ -295,8 +299,7 @@ class RankStore:
         return None
 
     def _candidates(self) -> list[str]:
-        """Rank 0: the step folders to try, newest first; a ConfigError when the newest
-        checkpoint is one no loop store resumes."""
+        """Rank 0: the step folders to try, newest first (ConfigError: one no store resumes)."""
         if self.root.is_dir():
             self._remove_stale()
         found = newest_checkpoint(self.root.parent)
@@ -360,26 +363,21 @@ class RankStore:
         _dcp().load(folder, targets, group=self.group, world=self.world)
         first = metas[0]
         state = build(first["param_groups"])
-        reset = _reset(metas, self.rank, self.world)
+        reset = [*_reset(metas, self.rank, self.world), "the training losses since the last evaluation"]
         if self.rank == 0:
             warnings.warn(
                 f"resuming {folder} (layout {dict(first.get('layout') or {})}) on layout "
                 f"{dict(held.layout or self.layout)}: the model and optimizer state continue by name at step "
-                f"{first['step']}; reset: {'; '.join(reset + ['the training losses since the last evaluation'])}",
-                ReshardWarning, stacklevel=3)
+                f"{first['step']}; reset: {'; '.join(reset)}", ReshardWarning, stacklevel=3)
         rng = metas[self.rank]["rng"] if self.rank < old_world else first["rng"]
         return folder, {**state, "scheduler": first["scheduler"], "rng": rng, "engine": {},
                         "step": first["step"], "epoch": first["epoch"], "batch": first["batch"],
                         "losses": [], "optimizer_type": first.get("optimizer_type"),
-                        "layout": first.get("layout"), "resharded": True,
-                        "reset": reset + ["the training losses since the last evaluation"]}
-
+                        "layout": first.get("layout"), "resharded": True, "reset": reset}
 
     def _load_engines(self, folder: Path, doc: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
-        """Another layout of a strategy whose state is its engine's (``reshard="engines"``:
-        Federated's server on process 0 and each client's state on the process hosting it):
-        every process reads process 0's position and model and every old process's engine
-        state (``"engines"``), and keeps what it holds now."""
+        """Another layout of a strategy whose state is its engine's (``reshard="engines"``):
+        every process reads process 0's position and model and every old engine state."""
         old_world = int(doc.get("world", 1))
         keys = [S.meta_key(r) for r in range(old_world)] + [S.engine_key(r) for r in range(old_world)]
         blobs = _dcp().load(folder, {}, blobs=keys, group=self.group, world=self.world)
@@ -397,13 +395,11 @@ class LocalStore(RankStore):
     def __init__(self, directory: str | Path) -> None:
         super().__init__(Path(directory).parent, "local", rank=0, world=1, group=None,
                          layout={"strategy": "Local"}, layout_field="checkpoint", reshard=True)
-        self.directory = Path(directory)
 
 
 class _Pending:
-    """One checkpoint write on a thread of its own; :meth:`result` joins it and raises what
-    it raised. A daemon: a process that fails elsewhere does not hang on a write whose
-    peers are gone (its temp folder is removed by the next save)."""
+    """One checkpoint write on a daemon thread (a process failing elsewhere does not hang on a
+    write whose peers are gone); :meth:`result` joins it and raises what it raised."""
 
     def __init__(self, write: Any) -> None:
         self.error: BaseException | None = None
@@ -425,8 +421,7 @@ class _Pending:
 
 
 def _stage(obj: Any) -> Any:
-    """A copy of a checkpoint's nested state that training cannot change: tensors copied to
-    the CPU, containers rebuilt, everything else deep-copied."""
+    """A copy of a checkpoint's nested state that training cannot change (tensors on the CPU)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):  # a subclass (a state_dict's OrderedDict) keeps its type and attributes

@@ -20,12 +20,9 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def parameters_digest(state: nn.Module | Mapping[str, torch.Tensor]) -> str:
-    """A summary's ``parameters_sha256``, with one meaning under every strategy: SHA-256
-    over each name and the raw bytes of its whole (unsharded) tensor, in the model's
-    ``state_dict`` order (every parameter and buffer; a tied tensor under each of its
-    names). ``state``: the model, or the state_dict the run saves as ``model.safetensors``
-    (a sharded strategy's gathered model), so a Local run and any other that end with equal
-    parameters report the same digest."""
+    """A summary's ``parameters_sha256``, the same under every strategy: SHA-256 over each
+    name and the raw bytes of its whole tensor, in ``state_dict`` order (a tied tensor under
+    each name). ``state``: the model, or the gathered state_dict of ``model.safetensors``."""
     h = hashlib.sha256()
     for name, t in (state.state_dict() if isinstance(state, nn.Module) else state).items():
         h.update(name.encode())
@@ -35,11 +32,9 @@ def parameters_digest(state: nn.Module | Mapping[str, torch.Tensor]) -> str:
 
 def summary_fields(result: Any, task: Any, *, train: Any, test: Any, model: nn.Module | None,
                    started: float) -> dict[str, Any]:
-    """The summary keys every strategy reports (on the logging process): position,
-    ``test_<metric>`` for every metric of the task, ``best_test_<fitness>``, the task's
-    reference metrics (``bigram_test_loss``), what a resume started from (``resumed_from``:
-    the checkpoint, its step and layout, whether it was resharded), the wall time and, given
-    the whole model, its parameter count and digest."""
+    """The summary keys every strategy reports (on the logging process): position, test
+    metrics, best, reference metrics, ``resumed_from``, wall time and, given the whole model,
+    its parameter count and digest."""
     out: dict[str, Any] = {"steps": result.position.step, "epochs": result.position.epoch,
                            "task": str(getattr(task, "name", type(task).__name__))}
     if model is not None:

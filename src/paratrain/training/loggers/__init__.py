@@ -1,23 +1,12 @@
-"""Experiment trackers beside ``metrics.jsonl`` (``run.loggers``): one fan-out, one small
-module per tracker, each writing through its own library into the run folder.
+"""Experiment trackers beside ``metrics.jsonl`` (``run.loggers``): one fan-out
+(:class:`Trackers`, held by :class:`~..rundir.MetricsWriter`), one small module per tracker.
 
-Every record the run logs to ``metrics.jsonl`` goes to the trackers too, written by the
-process that writes that file (rank 0, the Federated coordinator, the PopulationBased
-driver): :class:`~..rundir.MetricsWriter` holds the fan-out (:class:`Trackers`). A record's
-step is its ``step`` (an optimizer step), ``round`` (Federated) or ``generation``
-(PopulationBased, whose per-member records are named ``member_<m>/<key>``, its
-hyperparameters ``member_<m>/hparams/<name>``); a training-curve
-record's keys are named ``train/<key>`` (``train/loss``, ``train/lr``, ``train/steps_per_s``,
-...), every other record's keys as they are (``test_loss``, ``epsilon``, ...). Numbers only;
-the job is each tracker's run config (params).
-
-Resume. Each tracker's run id is kept in ``<run>/trackers.json``; a resumed run continues
-that tracker run and logs no step twice: TensorBoard purges the events after the resume
-point (``purge_step``) and logs them again; MLflow and W&B, which cannot take a logged
-point back, say the last step their run holds (MLflow's metric history, W&B's offline run
-files) and are given only later steps: those up to the resume point from metrics.jsonl
-(W&B writes asynchronously, so a SIGKILLed session's last points may never have reached
-its file), then the resumed run's.
+A record's step is its ``step``, ``round`` or ``generation``; a training-curve record's keys
+are named ``train/<key>``, a PopulationBased member's ``member_<m>/<key>``. Numbers only;
+the job is each tracker's config. Each tracker's run id is kept in ``trackers.json``: a
+resumed run continues that tracker run and logs no step twice (TensorBoard purges the
+events after the resume point; MLflow and W&B, which cannot take a point back, say the last
+step they hold and get only later ones, those up to the resume point from metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -80,9 +69,8 @@ def flat_config(job: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, st
 
 
 class Trackers:
-    """The fan-out: the trackers of ``names`` for the run folder ``run_dir`` (``records``:
-    its metrics.jsonl records, training curve included), opened on the first record (``resume_after``: the step a resumed run continues after, None for a fresh
-    run), closed by :meth:`close`."""
+    """The trackers of ``names`` for the run folder ``run_dir`` (``records``: its
+    metrics.jsonl records), opened on the first record, closed by :meth:`close`."""
 
     def __init__(self, run_dir: Path, names: list[str],
                  records: Callable[[], list[dict[str, Any]]]) -> None:
@@ -125,10 +113,8 @@ class Trackers:
         return self._open
 
     def _catch_up(self, after: float) -> None:
-        """A resumed session: each tracker run that holds steps of the killed session logs
-        none of them again (``_floor``), and is given the steps up to the resume point it
-        lacks (a killed session's last writes may never have reached its files) from
-        ``metrics.jsonl``, which holds them all."""
+        """A resumed session: a tracker run logs no step it holds again (``_floor``) and gets
+        those up to the resume point it lacks from ``metrics.jsonl``."""
         records = None
         for name, tracker in (self._open or {}).items():
             held = tracker.held_through()

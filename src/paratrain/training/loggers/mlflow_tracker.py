@@ -18,9 +18,8 @@ _PARAM_CHARS = 6000  # MLflow's longest param value
 
 
 class MLflowTracker:
-    """One MLflow run in experiment ``paratrain`` of the run folder's own file store, named
-    after the run; the job's fields are its params. ``own`` (kept in ``trackers.json``)
-    holds the run id a resumed run continues."""
+    """One MLflow run in the run folder's file store, the job's fields its params; ``own``
+    (in ``trackers.json``) holds the id a resumed run continues."""
 
     def __init__(self, run_dir: Path, job: dict[str, Any], own: dict[str, Any]) -> None:
         # MLflow 3.x keeps the file store in maintenance mode behind this opt-out: it is the

@@ -12,9 +12,8 @@ FOLDER = "tensorboard"
 
 
 class TensorBoardTracker:
-    """Scalars by step; the job as a ``job`` text at step 0. A resumed run opens a writer
-    with ``purge_step`` = the resume point + 1: TensorBoard's readers drop the events a
-    killed run wrote after its checkpoint, and the resumed run writes those steps again."""
+    """Scalars by step, the job as text; a resumed run's ``purge_step`` drops the events a
+    killed run wrote after its checkpoint."""
 
     def __init__(self, run_dir: Path, job: dict[str, Any], resume_after: float | None) -> None:
         from torch.utils.tensorboard import SummaryWriter

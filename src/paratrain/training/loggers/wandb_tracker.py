@@ -16,10 +16,8 @@ _BLOCK = 32768  # the log's block size
 
 
 def wandb_records(path: Path) -> Iterator[Any]:
-    """The records of an offline ``.wandb`` file, W&B's own protobuf ``Record`` messages in
-    its LevelDB-style log: a 7-byte header (``:W&B``, magic, version), then 32 KiB blocks of
-    chunks, each with a 7-byte header (crc32, length, type: full, first, middle, last); a
-    block's tail shorter than a header is padding. A chunk a killed writer cut short ends it."""
+    """The protobuf ``Record``s of an offline ``.wandb`` file (a LevelDB-style log: a 7-byte
+    header, then 32 KiB blocks of chunks with 7-byte headers: crc32, length, type)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = path.read_bytes()
@@ -52,11 +50,8 @@ def history_steps(path: Path) -> Iterator[int]:
 
 
 class WandbTracker:
-    """One offline W&B run (``wandb sync <run>/wandb/offline-run-*`` uploads it), named after
-    the run, the job its config. ``own`` (kept in ``trackers.json``) holds the run id a
-    resumed run continues (``resume="allow"``: a new offline run file of the same id).
-    Nothing goes over a network: offline mode, and ``WANDB_MODE=offline`` for any W&B code
-    the process runs besides."""
+    """One offline W&B run (nothing goes over a network), named after the run; ``own`` (in
+    ``trackers.json``) holds the id a resumed run continues."""
 
     def __init__(self, run_dir: Path, job: dict[str, Any], own: dict[str, Any]) -> None:
         os.environ["WANDB_MODE"] = "offline"
