@@ -45,73 +45,52 @@ class _CopyToRegion(Function):
         return ctx.comm.all_reduce(_fp32(g.contiguous())), None
 
 
-class _GatherFromRegion(Function):
-    """All-gather along ``dim`` forward; keep this rank's slice of the gradient backward
-    (the consumer is replicated, so every rank holds the same full gradient)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
-        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
-        return taped(lambda: comm.all_gather(x, dim, sizes).wait())
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        r = ctx.comm.rank
-        start = sum(ctx.sizes[:r])
-        return g.narrow(ctx.dim, start, ctx.sizes[r]).contiguous(), None, None, None
+def _own_slice(t: torch.Tensor, rank: int, dim: int, sizes: list[int]) -> torch.Tensor:
+    return t.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()
 
 
-class _ScatterToRegion(Function):
-    """Keep this rank's slice forward; all-gather the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
-        ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
-        r = comm.rank
-        return x.narrow(dim, sum(sizes[:r]), sizes[r]).contiguous()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> Any:
-        return ctx.comm.all_gather(g.contiguous(), ctx.dim, ctx.sizes).wait(), None, None, None
-
-
-def _sum_fp32(grads: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The sum (fp32) of the consumers' gradients that exist."""
-    gs = [g for g in grads if g is not None]
-    total = _fp32(gs[0]).clone()
-    for g in gs[1:]:
-        total.add_(g)
-    return total
-
-
-class _FusedCopy(Function):
-    """n consumers of one replicated input share one f: the n partial input gradients are
-    summed locally and reduced with ONE collective instead of n."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, comm: TPComm, n: int) -> tuple[torch.Tensor, ...]:
-        ctx.comm = comm
-        return tuple(x.view_as(x) for _ in range(n))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        total = _sum_fp32(grads)
-        return ctx.comm.all_reduce(total), None, None
-
-
-class _FusedSeqGather(Function):
-    """One sequence all-gather feeding n consumers; one reduce-scatter of their summed grads."""
+class _GatherScatter(Function):
+    """``gather``: all-gather along ``dim`` forward, keep this rank's slice of the gradient
+    backward (the consumer is replicated, so every rank holds the same full gradient); else
+    the conjugate: keep the slice forward, all-gather the gradient backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int],
-                n: int) -> tuple[torch.Tensor, ...]:
+                gather: bool) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.sizes, ctx.gather = comm, dim, sizes, gather
+        if gather:
+            return taped(lambda: comm.all_gather(x, dim, sizes).wait())
+        return _own_slice(x, comm.rank, dim, sizes)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        if ctx.gather:
+            g = _own_slice(g, ctx.comm.rank, ctx.dim, ctx.sizes)
+        else:
+            g = ctx.comm.all_gather(g.contiguous(), ctx.dim, ctx.sizes).wait()
+        return g, None, None, None, None
+
+
+class _Fused(Function):
+    """n consumers of one input share one collective: f (identity forward; no ``sizes``) or
+    the sequence all-gather along ``dim``; their partial input gradients are summed locally
+    (in fp32) and reduced ONCE (all-reduce, or reduce-scatter) instead of n times."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, comm: TPComm, n: int, dim: int,
+                sizes: list[int] | None) -> tuple[torch.Tensor, ...]:
         ctx.comm, ctx.dim, ctx.sizes = comm, dim, sizes
-        full = taped(lambda: comm.all_gather(x.contiguous(), dim, sizes).wait())
+        full = x if sizes is None else taped(lambda: comm.all_gather(x.contiguous(), dim, sizes).wait())
         return tuple(full.view_as(full) for _ in range(n))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        total = _sum_fp32(grads)
+        gs = [g for g in grads if g is not None]
+        total = _fp32(gs[0]).clone()
+        for g in gs[1:]:
+            total.add_(g)
+        if ctx.sizes is None:
+            return ctx.comm.all_reduce(total), None, None, None, None
         return ctx.comm.reduce_scatter(total, ctx.dim, ctx.sizes).wait(), None, None, None, None
 
 
@@ -120,24 +99,24 @@ def copy_to_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
 
 
 def gather_from_region(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
-    return x if comm.size == 1 else _GatherFromRegion.apply(x, comm, dim, sizes)
+    return x if comm.size == 1 else _GatherScatter.apply(x, comm, dim, sizes, True)
 
 
 def scatter_to_region(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int]) -> torch.Tensor:
-    return x if comm.size == 1 else _ScatterToRegion.apply(x, comm, dim, sizes)
+    return x if comm.size == 1 else _GatherScatter.apply(x, comm, dim, sizes, False)
 
 
 def fused_copy_to_region(x: torch.Tensor, comm: TPComm, n: int) -> tuple[torch.Tensor, ...]:
     if comm.size == 1:
         return tuple(x for _ in range(n))
-    return tuple(_FusedCopy.apply(x, comm, n))
+    return tuple(_Fused.apply(x, comm, n, 0, None))
 
 
 def fused_seq_gather(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int],
                      n: int) -> tuple[torch.Tensor, ...]:
     if comm.size == 1:
         return tuple(x for _ in range(n))
-    return tuple(_FusedSeqGather.apply(x, comm, dim, sizes, n))
+    return tuple(_Fused.apply(x, comm, n, dim, sizes))
 
 
 # -- linear layers as single autograd functions (for compute/comm overlap) ----------------

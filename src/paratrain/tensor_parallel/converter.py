@@ -32,7 +32,6 @@ from .plan import WALKED, Plan
 from .rules import (
     TP_ATTENTION_PROTOCOL,
     AttentionSpec,
-    AttentionView,
     attention_spec,
     encoder_problem,
     is_elementwise,
@@ -78,8 +77,7 @@ class Converter:
 
     def _attention(self, spec: AttentionSpec, m: nn.Module) -> nn.Module:
         self.units += 1
-        new = ParallelSelfAttention(AttentionView(spec), comm=self.comm, state=self.state,
-                                    mode=self.mode)
+        new = ParallelSelfAttention(spec, comm=self.comm, state=self.state, mode=self.mode)
         # the names the projections had in ``m`` (an opt-in spec may read them elsewhere):
         # checkpoints and the dense state are keyed by the model's own names
         new.dense_names = {c: n for n, sub in m.named_modules() if n

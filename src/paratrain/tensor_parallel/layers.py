@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -239,9 +239,10 @@ class ParallelSelfAttention(nn.Module):
     (AllGather pattern) and o splits them again.
     """
 
-    def __init__(self, dense: nn.Module, *, comm: TPComm, state: RegionState, mode: str) -> None:
+    def __init__(self, dense: Any, *, comm: TPComm, state: RegionState, mode: str) -> None:
+        # dense: a SelfAttention or an AttentionSpec (q/k/v/o, num_heads, causal)
         super().__init__()
-        heads = int(dense.num_heads)  # type: ignore[arg-type]
+        heads = int(dense.num_heads)
         if heads % comm.size:
             raise ValueError(f"attention has {heads} heads, not divisible by "
                              f"tensor_parallel_size {comm.size}")

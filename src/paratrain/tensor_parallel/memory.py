@@ -43,8 +43,6 @@ class ActivationMeter:
     def __init__(self) -> None:
         self.live = 0
         self.peak = 0
-        self.offloaded_peak = 0
-        self._offloaded = 0
         self._refs: dict[tuple[int, int], int] = {}
 
     def _add(self, key: tuple[int, int], nbytes: int) -> None:
@@ -61,10 +59,6 @@ class ActivationMeter:
             self.live -= nbytes
         else:
             self._refs[key] = n
-
-    def _offload(self, nbytes: int, sign: int) -> None:
-        self._offloaded += sign * nbytes
-        self.offloaded_peak = max(self.offloaded_peak, self._offloaded)
 
 
 _ACTIVE: list[ActivationMeter] = []
@@ -106,16 +100,12 @@ def measure(*, params: set[int] | None = None, offload: bool = False) -> Iterato
 
 def _box(t: torch.Tensor, offload: bool, meter: ActivationMeter | None) -> _Saved:
     """Hold ``t`` as a saved activation: counted in ``meter`` while it is held, or moved to
-    host memory under offload (counted as offloaded)."""
-    nbytes = t.untyped_storage().nbytes()
+    host memory under offload."""
     if offload and t.device.type != "cpu":
-        box = _Saved(t.to("cpu", non_blocking=True), t.device)
-        if meter is not None:
-            meter._offload(nbytes, +1)
-            weakref.finalize(box, meter._offload, nbytes, -1)
-        return box
+        return _Saved(t.to("cpu", non_blocking=True), t.device)
     box = _Saved(t, t.device)
     if meter is not None:
+        nbytes = t.untyped_storage().nbytes()
         key = (t.untyped_storage().data_ptr(), nbytes)
         meter._add(key, nbytes)
         weakref.finalize(box, meter._drop, key, nbytes)

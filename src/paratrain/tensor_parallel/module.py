@@ -17,7 +17,9 @@ ReduceScatter is sequence parallelism between the first and the last parallel ch
 root Sequential (dim 1 of ``[B, S, E]`` inputs, dim 0 of ``[B, F]``): the replicated
 parameters in that region see only their shard's tokens, so their gradients are summed over
 TP in :meth:`TensorParallelModule.sync_gradients` (as are a plan's ``sequence`` modules'), which
-also averages over DP in 2-D runs (:class:`~paratrain.comm.grad_sync.GradSync`).
+also averages over DP in 2-D runs (:class:`~paratrain.comm.grad_sync.GradSync`). The module also
+reports its ``layout`` and ``statistics`` and gathers whole tensors under the dense model's
+names (``dense_state_dict``, :mod:`.shards`), as checkpoints and ``paratrain export`` use them.
 """
 
 from __future__ import annotations
@@ -43,8 +45,7 @@ from paratrain.config import ConfigError, TensorParallelismConfig
 from . import memory
 from .autograd import gather_from_region, scatter_to_region
 from .converter import Converter
-from .dense_state import DenseState
-from .grid import GridLinear
+from .grid import GridLinear, grid_steps
 from .layers import (
     ColumnParallelLinear,
     ParallelEncoderLayer,
@@ -53,7 +54,7 @@ from .layers import (
     RowParallelLinear,
 )
 from .partition import TensorParallelism, split_sizes
-from .report import ModuleReport, param_bytes
+from .shards import pack_dense, renames
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention, ParallelEncoderLayer,
              GridLinear)
@@ -63,7 +64,39 @@ def _has_parallel(m: nn.Module) -> bool:
     return any(isinstance(x, _PARALLEL) for x in m.modules())
 
 
-class TensorParallelModule(DenseState, ModuleReport, nn.Module):
+def param_bytes(params: Iterator[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def describe_layer(m: nn.Module) -> str | None:
+    """One line for one of paratrain's parallel layers (None for anything else)."""
+    if isinstance(m, ParallelSelfAttention):
+        return f"attention heads split ({m.local_heads} per rank): q/k/v colwise, o rowwise"
+    if isinstance(m, ParallelEncoderLayer):
+        return "encoder layer: attention heads split, linear1 colwise, linear2 rowwise"
+    if isinstance(m, GridLinear):
+        return "2-D grid block (BlockWise)"
+    if isinstance(m, ColumnParallelLinear):
+        return "colwise" + (", output gathered" if m.gather_output else "") + (
+            ", sequence parallel" if m.mode == "seq" else "")
+    if isinstance(m, RowParallelLinear):
+        return "rowwise" + ("" if m.input_is_parallel else ", input split here") + (
+            ", sequence parallel" if m.mode == "seq" else "")
+    return None
+
+
+def persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers ``state_dict`` holds: not those registered ``persistent=False`` (HF's
+    rotary ``inv_freq``, recomputed from the config)."""
+    out = []
+    for prefix, m in module.named_modules():
+        for name, b in m.named_buffers(recurse=False):
+            if b is not None and name not in m._non_persistent_buffers_set:
+                out.append((f"{prefix}.{name}" if prefix else name, b))
+    return out
+
+
+class TensorParallelModule(nn.Module):
     """A dense model turned tensor-parallel, with the behaviour every config field asks for."""
 
     def __init__(self, model: nn.Module, config: TensorParallelismConfig, groups: TPGroups, *,
@@ -322,6 +355,108 @@ class TensorParallelModule(DenseState, ModuleReport, nn.Module):
         if self.grad_sync is not None:
             n += self.grad_sync.sync()
         return n
+
+
+    # -- reports ---------------------------------------------------------------------------
+    def layout(self) -> list[tuple[str, str]]:
+        """What tensor parallelism did to each module it touched, as ``(path, how)`` in model
+        order: the plan's and the block rules' notes, then paratrain's own parallel layers
+        (``paratrain validate`` / ``graph`` print it)."""
+        if self.batch_split:
+            return [("<root>", "BatchWise: the whole model on each rank's slice of the batch")]
+        out = list(self.sharding)
+        noted = [p for p, _ in out]
+        for path, m in self.module.named_modules():
+            if any(path == n or path.startswith(n + ".") for n in noted):
+                continue
+            how = describe_layer(m)
+            if how is not None:
+                out.append((path or "<root>", how))
+                noted.append(path)
+        return out
+
+    def statistics(self) -> dict[str, Any]:
+        """The run's communication counters and this rank's parameter memory."""
+        snap = self.stats.snapshot()
+        params = list(self.module.parameters())
+        local = param_bytes(iter(params))
+        sharded = param_bytes(p for p in params if hasattr(p, "tp_shard_dim") or grid_steps(p))
+        replicated = local - sharded
+        dense_sharded = self.dense_param_bytes - replicated
+        tp = self.comm.size
+        snap.update({
+            "tensor_parallel_size": tp,
+            "communication_pattern": self.pattern,
+            "param_bytes_local": local,
+            "param_bytes_dense": self.dense_param_bytes,
+            "param_bytes_replicated": replicated,
+            "param_memory_fraction": local / self.dense_param_bytes if self.dense_param_bytes else 1.0,
+            "param_memory_ideal_fraction": ((dense_sharded / tp + replicated) / self.dense_param_bytes
+                                            if self.dense_param_bytes else 1.0),
+            "memory_saving": 1 - local / self.dense_param_bytes if self.dense_param_bytes else 0.0,
+            "total_partitions": self.coordinator.total_partitions,
+            "local_partitions": self.coordinator.local_partitions,
+            "peak_activation_bytes": self.last_peak_activation_bytes,
+            # the Rust TensorParallelismStatistics names, with real values
+            "communication_volume": snap["bytes_sent_modelled"],  # ring model, see CommStats
+            "communication_time": snap["communication_time_s"],
+            "computation_time": snap["computation_time_s"],
+            "efficiency_score": (snap["computation_time_s"]
+                                 / (snap["computation_time_s"] + snap["communication_time_s"])
+                                 if snap["computation_time_s"] + snap["communication_time_s"] > 0
+                                 else 0.0),
+            "memory_usage_per_device": {self.comm.global_rank: local},
+        })
+        if self.pattern == "Hierarchical":
+            # the two-level layout the topology gave, e.g. "flat (1 host)" (comm/groups.py)
+            snap["hierarchy"] = getattr(self.comm, "hierarchy", None) or "flat (1 rank)"
+        return snap
+
+    # -- the dense model's view: whole tensors under its names (collective over TP) ----------
+    def _mha_prefixes(self) -> list[str]:
+        return [n + "." if n else "" for n, m in self.module.named_modules()
+                if isinstance(m, ParallelEncoderLayer)]
+
+    def to_dense_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rename full (gathered) tensors to the dense model's keys: an encoder layer's
+        q/k/v/o go back into ``self_attn.in_proj_*`` / ``self_attn.out_proj.*``."""
+        out = dict(tensors)
+        for pre in self._mha_prefixes():
+            a = pre + "self_attn."
+            for kind in ("weight", "bias"):
+                parts = [out.pop(f"{a}{c}.{kind}", None) for c in "qkv"]
+                if all(t is not None for t in parts):
+                    out[f"{a}in_proj_{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
+                o = out.pop(f"{a}o.{kind}", None)
+                if o is not None:
+                    out[f"{a}out_proj.{kind}"] = o
+        # an opted-in attention's q/k/v/o under the names its module gave them
+        for local, (dense, index) in renames(self.module).items():
+            if index is None and local != dense and local in out:
+                out[dense] = out.pop(local)
+        return pack_dense(self.module, out)
+
+    def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Gather per-parameter shards (e.g. gradients, keyed like ``module``'s parameters)
+        into full tensors under the dense model's names (collective over TP)."""
+        params = dict(self.module.named_parameters())
+        out: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            p = params.get(name)
+            steps = grid_steps(p) if p is not None else None
+            if steps is not None:
+                for comm, dim, sizes in steps:
+                    t = comm.all_gather(t.contiguous(), dim, sizes).wait()
+            elif p is not None and hasattr(p, "tp_shard_dim") and self.comm.size > 1:
+                t = self.comm.all_gather(t.contiguous(), p.tp_shard_dim, p.tp_sizes).wait()  # type: ignore[attr-defined]
+            out[name] = t.detach().clone()
+        return self.to_dense_names(out)
+
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state dict with the dense model's keys (collective)."""
+        tensors = {n: p.detach() for n, p in self.module.named_parameters()}
+        tensors.update({n: b.detach() for n, b in persistent_buffers(self.module)})
+        return self.gather_full(tensors)
 
 
 def _grad(p: nn.Parameter) -> torch.Tensor:

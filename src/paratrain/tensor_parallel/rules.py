@@ -152,12 +152,3 @@ def attention_spec(m: nn.Module, path: str = "") -> AttentionSpec | None:
                                    f"(return None from {TP_ATTENTION_PROTOCOL}) or move "
                                    f"{'it' if len(extra) == 1 else 'them'} out of the attention")])
     return spec
-
-
-class AttentionView(nn.Module):
-    """The spec's projections under the names ParallelSelfAttention reads."""
-
-    def __init__(self, spec: AttentionSpec) -> None:
-        super().__init__()
-        self.q, self.k, self.v, self.o = spec.q, spec.k, spec.v, spec.o
-        self.num_heads, self.causal = int(spec.num_heads), bool(spec.causal)
