@@ -1,46 +1,18 @@
-"""Strategies on subgraphs (issue 15, part 3): the job's ``[subgraphs]`` table.
+"""Strategies on subgraphs (issue 15, part 3): the job's ``[subgraphs]`` table
+(docs/subgraphs.md).
 
-A job's ``[strategy]`` is the root's. ``[subgraphs."<path>"]`` sets the strategy of one
-module of the model, named by its path in ``model.named_modules()`` (``head``,
-``encoder.norm``); every table has the exact ``[strategy]`` shape. A key may also be a
-pattern that names many modules at once (:func:`resolve`):
-
-- a glob over the module paths, with :func:`fnmatch.fnmatchcase` semantics (``*`` matches
-  any characters, dots included; ``?``, ``[seq]``): ``"layer*.bn*"``, ``"*.norm"``;
-- ``"class:<Name>"``: every module whose class, or one of its base classes, is named
-  ``<Name>`` (a glob too): ``"class:BatchNorm2d"``, ``"class:BatchNorm*"``,
-  ``"class:LlamaRMSNorm"``. FedBN on a torchvision ResNet-18 (20 BatchNorm2d layers) is one
-  line: ``"class:BatchNorm2d" = { type = "Local" }`` under ``[subgraphs]``.
-
-A pattern stands for the explicit table of the modules it matches. An exact path beats any
-pattern; two patterns matching one module must give it the same strategy (else a
-ConfigError names both keys and the module); a pattern matching no module is a
-ConfigError naming the key; a matched module whose nearest matched or named ancestor already
-has the same strategy is left out (it inherits it), and so is a matched module holding no
-parameters or buffers (an activation a glob happens to match). Patterns select Local subgraphs
-(Federated, DataParallel); under ModelParallel a replicated stage is named by its path.
-Inheritance, over the explicit table:
+``[subgraphs."<path>"]`` sets the strategy of one module, by its path in
+``model.named_modules()``; a key may be a pattern naming many (a glob over the paths, or
+``"class:<Name>"``: every module whose class or a base class is named so), which stands
+for the explicit tables of the modules it matches (:func:`resolve`). Inheritance:
 
     effective_strategy(p) = subgraphs[p]                      if p is a key
                           = subgraphs[q]  for the longest key q that is a dotted prefix of p
                           = [strategy]                        otherwise
 
-A subgraph's strategy is paired with its parent's (the nearest ancestor key's, else the
-root's). The pairings honoured (:data:`SUPPORTED_PAIRINGS`):
-
-- root ``Federated`` + ``Local``: the subgraph is personal to each client (trained locally,
-  never sent, never aggregated, kept per client across rounds and in the checkpoint): FedPer
-  (Arivazhagan et al. 2019) when it is the head, FedBN (Li et al. 2021) when it is the
-  normalisation layers;
-- root ``DataParallel`` + ``Local``: not synchronised (its gradients are not averaged, each
-  replica keeps and checkpoints its own copy);
-- root ``ModelParallel`` + ``DataParallel{num_replicas}``: a replicated stage;
-- a strategy equal to its parent's: a no-op;
-- under ``Custom``, anything: the coordinator receives the whole job.
-
-Every other pairing is a :class:`~paratrain.config.ConfigError` naming ``subgraphs.<key>``
-and listing these. This module is pure (no process group): the executors call
-:func:`local_state_keys` / :func:`local_parameter_names` for what stays local.
+A subgraph's strategy is paired with its parent's; the pairings honoured are
+:data:`SUPPORTED_PAIRINGS`, a strategy equal to its parent's (a no-op) and anything under
+``Custom``. Every other is a ConfigError naming ``subgraphs.<key>``. Pure (no process group).
 """
 
 from __future__ import annotations
@@ -52,13 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import ConfigError
-
-__all__ = [
-    "SUPPORTED_PAIRINGS", "effective_strategy", "nearest_ancestor", "check_pairings",
-    "check_paths", "check_job", "local_paths", "local_state_keys", "local_parameter_names",
-    "local_buffer_names",
-    "pairings_text", "is_pattern", "resolve", "Resolved",
-]
 
 CLASS_PREFIX = "class:"
 

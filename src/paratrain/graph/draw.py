@@ -1,11 +1,7 @@
-"""The picture of a :func:`paratrain.explain.explain` report (``paratrain graph JOB --out FILE``).
-
-The nodes (the modules the forward runs) top to bottom in layers of the data flow
-(:mod:`.edges`), each box coloured by the worker that runs it (ModelParallel; one colour
-otherwise), a legend naming every worker with its rank and parameters; the edges on which a
-value crosses workers are drawn thick and labelled with the value (as ``paratrain graph``'s
-table names it) and its shape. Drawn with matplotlib (Agg, no display, no system binary); the
-file's suffix picks the format (``.svg``, ``.png``, ``.pdf``). SVG text stays text (searchable).
+"""The picture of a :func:`paratrain.explain.explain` report (``paratrain graph JOB --out FILE``):
+the nodes top to bottom in layers of the data flow (:mod:`.edges`), coloured by worker, the
+edges on which a value crosses workers thick and labelled. Drawn with matplotlib (Agg); the
+file's suffix picks the format; SVG text stays text.
 """
 
 from __future__ import annotations
@@ -17,8 +13,6 @@ from typing import Any
 from ..config import ConfigError
 from .edges import INPUT, OUTPUT
 from .render import shape_text, value_text
-
-__all__ = ["draw"]
 
 _PSEUDO = "#dddddd"  # the (input) and (output) boxes, and nodes no worker runs
 _CROSS = "#c0392b"

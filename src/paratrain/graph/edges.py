@@ -1,14 +1,8 @@
-"""The data flow between a report's nodes (``paratrain graph JOB --out FILE`` draws it).
-
-:func:`paratrain.explain.explain` lists the modules the forward runs; here the fx graph's
-edges are collapsed onto them: an edge ``from -> to`` when a value ``from`` computes reaches
-``to`` through nodes that are no listed module (functions such as ``add``, ``getitem``,
-module internals without tensors of their own). Such a node joining the values of two or
-more nodes (a residual ``add``, ``cat``; the model's inputs not counted) is a node of its own,
-named by its fx name: collapsed,
-each residual block would feed every later one. Each edge keeps the fx node names it passes
-through, so a value crossing workers (named by the node computing it) finds its edge. The
-model's inputs and output are the pseudo nodes ``(input)`` and ``(output)``.
+"""The data flow between a report's nodes (``paratrain graph JOB --out FILE`` draws it): an
+edge ``from -> to`` when a value ``from`` computes reaches ``to`` through nodes that are no
+listed module. Such a node joining the values of two or more nodes (a residual ``add``) is a
+node of its own, named by its fx name (collapsed, each residual block would feed every later
+one). Each edge keeps the fx names it passes, so a value crossing workers finds its edge.
 """
 
 from __future__ import annotations
@@ -18,8 +12,6 @@ from typing import Any
 import torch.fx as fx
 
 from .trace import module_of
-
-__all__ = ["INPUT", "OUTPUT", "node_edges"]
 
 INPUT, OUTPUT = "(input)", "(output)"
 

@@ -28,8 +28,6 @@ from torch.utils import _pytree as pytree
 
 from .export_leaves import as_call_modules, kept_whole
 
-__all__ = ["export_graph", "canonical_ties", "module_of", "IN_SPEC", "OUT_SPEC", "CAPTURE"]
-
 IN_SPEC, OUT_SPEC, CAPTURE = "paratrain_in_spec", "paratrain_out_spec", "paratrain_capture"
 
 _ASSERTS = {

@@ -1,23 +1,12 @@
-"""Modules kept whole (*leaves*) in a graph captured by ``torch.export``.
-
-``torch.fx`` keeps a leaf module as one ``call_module`` node; ``torch.export`` has no such
-notion: it records the ATen operations of every forward it runs. Inside a leaf that is
-wrong twice over: a leaf's forward may be what export cannot trace, and a tensor-parallel
-layer's forward runs collectives (which fake tensors cannot run) inside autograd Functions
-(whose own backward export would drop).
-
-So while exporting, each leaf's ``forward`` is replaced by one call of the opaque custom
-operator ``paratrain::leaf(xs, key)`` (:func:`kept_whole`). Export records it as one node
-and, to learn its output, calls its fake implementation: the leaf's ``meta_forward(*xs)``
-where the module defines one (a shape function that communicates nothing: the
-tensor-parallel layers), else the leaf's own ``forward`` on the fake inputs. Afterwards
-:func:`as_call_modules` turns every such node into ``call_module(<leaf path>)`` on the
-leaf itself, so the captured graph runs the leaf's real forward (its collectives, its
-autograd Functions) exactly as an fx-traced graph would, and the partitioner places it
-by its path like any other module.
-
-A leaf takes tensors as its positional arguments and returns one tensor; anything else is
-a ConfigError naming it.
+"""Modules kept whole (*leaves*) in a graph captured by ``torch.export``, which has no such
+notion: a leaf's forward may be what export cannot trace, and a tensor-parallel layer runs
+collectives (which fake tensors cannot) inside autograd Functions (whose backward export
+would drop). So while exporting, each leaf's ``forward`` is one call of the opaque custom op
+``paratrain::leaf(xs, key)`` (:func:`kept_whole`), whose fake implementation is the leaf's
+``meta_forward`` (a shape function: the TP layers) or its own forward; afterwards
+:func:`as_call_modules` turns each such node into ``call_module(<leaf path>)`` on the leaf
+itself, so the graph runs its real forward. A leaf takes tensors as positional arguments and
+returns one tensor; anything else is a ConfigError naming it.
 """
 
 from __future__ import annotations
@@ -31,8 +20,6 @@ import torch.fx as fx
 from torch import nn
 
 from ..config import ConfigError
-
-__all__ = ["kept_whole", "as_call_modules"]
 
 _ACTIVE: dict[int, tuple[str, nn.Module, Any]] = {}  # key -> (path, module, its own forward)
 

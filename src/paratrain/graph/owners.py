@@ -1,26 +1,14 @@
-"""Which rank runs each node of a traced graph: the owners :func:`.partition.cut` groups into parts.
+"""Which rank runs each node of a traced graph, from ``claims`` (module path -> rank).
 
-Input: the model's fx graph (:func:`paratrain.graph.trace.trace`) and ``claims``, a map
-from module paths (any node or subgraph of ``named_modules()``) to ranks. Each fx node
-gets an owner rank:
-
-- ``call_module`` / ``get_attr``: the rank of the *longest* claimed prefix of its module
-  path (a claim on ``block0`` covers ``block0.attn.q`` unless ``block0.attn`` is claimed
-  itself); a module no claim covers runs on ``default`` (rank 0, DESIGN §4).
-- any other op (``x + y`` in some ``forward``, ``torch.cat``, a reshape): the rank of the
-  innermost *claimed* module whose forward it was traced in; an op outside every claimed
-  module follows its data: the rank that consumes it when all its consumers agree (a
-  residual add at the root runs where the next block runs; a join's ``cat`` where the join
-  runs), else the rank of its latest-computed input.
-- in a graph captured by ``torch.export`` (:mod:`.export`: every node an operation), an
-  operation in an unclaimed module that holds parameters or has no claimed module inside
-  runs on ``default`` (an unclaimed module runs on rank 0, as under fx); a field of a leaf's
-  tuple (``getitem``) runs with the leaf.
-- a value computed from the batch alone (a causal mask, shifted labels) runs on every rank
-  that reads it, each computing its own copy, so it never travels (one that draws random
-  numbers runs once, where it is first read).
-- placeholders (the model's inputs, read from the batch) belong to no rank: every rank
-  reads the batch, so an input never travels.
+- ``call_module`` / ``get_attr``: the rank of the longest claimed prefix of its module path;
+  unclaimed: ``default`` (rank 0, DESIGN §4).
+- any other op: the rank of the innermost claimed module it was traced in; outside every
+  claimed module it follows its data (the rank all its consumers agree on, else that of its
+  latest-computed input). In an exported graph an op of an unclaimed module that holds
+  parameters or contains no claim runs on ``default``; a field of a leaf's tuple with the leaf.
+- a value computed from the batch alone (a causal mask) runs on every rank that reads it,
+  each computing its own copy (one that draws random numbers runs once, where first read).
+- placeholders belong to no rank: every rank reads the batch.
 """
 
 from __future__ import annotations
@@ -33,8 +21,6 @@ import torch.fx as fx
 
 from .export import CAPTURE
 from .trace import module_of
-
-__all__ = ["node_owners", "owner_of_path", "attr_module"]
 
 
 def owner_of_path(path: str, claims: Mapping[str, int]) -> int | None:

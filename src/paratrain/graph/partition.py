@@ -1,26 +1,13 @@
 """Cut a traced model into per-worker parts, with exactly the values that cross each cut.
 
-Input: the model's fx graph (:func:`paratrain.graph.trace.trace`) and ``claims``, a map
-from module paths (any node or subgraph of ``named_modules()``) to ranks. Each fx node
-gets an owner rank (:mod:`.owners`: the longest claimed prefix of a module's path, an
-op with its innermost claimed module or else its data, a value computed from the batch
-alone on every rank that reads it, placeholders on none; unclaimed modules on
-``default``, rank 0, DESIGN §4).
-
-Owners are then grouped into *parts* (:func:`_parts`): in graph order a node joins its
-rank's latest part unless that would close a cycle between parts (an input comes from a
-part that itself depends on it), and the parts are numbered in a topological order. So a
-rank owns several parts exactly when its nodes need another rank's output in between
-(``A -> B -> A``): fine for Direct and DataStore; a Pipeline needs one part per rank
-(checked by the ModelParallel plan). Two towers on two ranks joined on the second are two
-parts, not three.
-
-The cut itself is :func:`torch.fx.passes.split_module.split_module`: part ``k`` becomes
-``submod_k`` taking exactly the values it reads from other parts and returning exactly
-those other parts (or the model's output) read from it. Parameters read with ``get_attr``
-(a tied head reading the embedding's weight) are hoisted by ``split_module`` into the top
-graph: an :class:`Attr`, held by the rank that owns its module and sent to the parts that
-read it (its gradient sent back and accumulated: a tie across workers stays one tensor).
+Each node gets an owner rank (:mod:`.owners`). Nodes are grouped into *parts* (:func:`_parts`):
+in graph order a node joins its rank's latest part unless that would close a cycle between
+parts, and parts are numbered topologically, so a rank owns several parts exactly when its
+nodes need another rank's output in between (``A -> B -> A``). The cut itself is
+``torch.fx.passes.split_module``: part ``k`` becomes ``submod_k`` taking exactly the values it
+reads from other parts. Parameters read by ``get_attr`` (a tied head) are hoisted into the top
+graph as an :class:`Attr`, held by the rank owning its module and sent to the parts that read
+it (its gradient sent back: a tie across workers stays one tensor).
 """
 
 from __future__ import annotations
@@ -38,8 +25,6 @@ from torch.fx.passes.split_module import split_module
 from .export import CAPTURE, IN_SPEC, OUT_SPEC
 from .owners import attr_module, node_owners, owner_of_path
 from .trace import module_of
-
-__all__ = ["Part", "Attr", "Transfer", "Cut", "cut"]
 
 
 @dataclass(frozen=True)

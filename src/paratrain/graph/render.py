@@ -7,8 +7,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["render", "shape_text", "value_text"]
-
 
 def _n(x: int) -> str:
     return f"{x:,}"

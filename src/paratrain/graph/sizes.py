@@ -14,8 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["tensor_metas", "shape_info", "count_elements", "tensor_at"]
-
 
 def tensor_metas(meta: Any) -> list[Any]:
     """The TensorMetadata leaves of a ShapeProp result (a tensor, or tuples/dicts of them)."""

@@ -1,19 +1,12 @@
 """Trace any ``nn.Module`` into a torch.fx graph whose module nodes keep their names.
 
-``trace(model, leaves=...)`` runs :class:`torch.fx.Tracer` over ``model.forward``. torch's
-own layers (``torch.nn.*`` except containers) stay single ``call_module`` nodes; a user
-module is traced *into*, so its children appear by their qualified names, exactly as
-``model.named_modules()`` lists them (``encoder.layers.0.attn.q``). A module is kept whole
-(a *leaf*) when its path is in ``leaves`` (the job's ``model.leaf_modules``) or its class
-is decorated with :func:`leaf`: the way out for a forward fx cannot trace (Python control
-flow on a tensor's value, ``.item()``, data-dependent shapes).
-
-When fx fails and an example input is given (``example=(args, kwargs)``, a batch's model
-arguments), the model is captured with ``torch.export`` (non-strict) instead
-(:mod:`.export`: a Hugging Face model, whose forward fx cannot trace), its leaves kept whole
-there too (:mod:`.export_leaves`: e.g. the tensor-parallel layers of a sharded stage); a forward neither can
-capture is a :class:`~paratrain.config.ConfigError` at ``model`` naming the innermost module
-whose forward failed under fx, how to mark it a leaf, and export's own error.
+torch's own layers stay single ``call_module`` nodes; a user module is traced into, so its
+children appear by their ``named_modules()`` names. A module is kept whole (a *leaf*) when its
+path is in ``leaves`` (``model.leaf_modules``) or its class is decorated with :func:`leaf`.
+When fx fails and an example input is given, the model is captured with ``torch.export``
+instead (:mod:`.export`; a Hugging Face model); a forward neither can capture is a
+ConfigError at ``model`` naming the innermost module whose forward failed under fx, how to
+mark it a leaf, and export's own error.
 """
 
 from __future__ import annotations
@@ -25,9 +18,8 @@ import torch.fx as fx
 from torch import nn
 
 from ..config import ConfigError
-from .export import canonical_ties, export_graph, module_of
-
-__all__ = ["leaf", "trace", "module_of", "LEAF_ATTR"]
+from .export import canonical_ties, export_graph
+from .export import module_of as module_of
 
 LEAF_ATTR = "__paratrain_leaf__"
 _M = TypeVar("_M", bound=type)

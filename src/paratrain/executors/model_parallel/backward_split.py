@@ -1,28 +1,18 @@
-"""A stage's backward split in two (zero-bubble pipelines, Qi et al. 2024, §2): ``B``
-computes the gradients of the stage's *inputs* now (the previous stage waits for them);
-``W`` computes the gradients of its *weights* later (nobody waits for them).
+"""A stage's backward split in two (zero-bubble pipelines, Qi et al. 2024, §2): ``B`` computes
+the gradients of the stage's *inputs* now (the previous stage waits for them), ``W`` those of
+its *weights* later.
 
-For a part's outputs ``y`` with incoming gradients ``g``, the autograd graph from ``y``
-down to its inputs ``x`` (detached leaves) and weights ``w`` (every other leaf that
-requires grad: parameters, tied tensors received from another rank) is split at the
-*junctions*: nodes ``J`` on a path to some input whose next edge ``e`` leads (only) to
-weights, e.g. ``AddmmBackward`` of ``x @ w.T + b``.
-
-- ``B`` (:func:`backward_inputs`): ``torch.autograd.grad(y, x, g, retain_graph=True)``
-  (accumulated into ``x.grad``), with a pre-hook on each junction keeping ``dL/dJ``, the
-  gradient that reaches it: the engine runs only the edges toward ``x``, so no weight
-  gradient is computed.
-- ``W`` (:meth:`Deferred.run`): for each junction, the gradients it sends along its
-  weight-side edges ``e`` (one ``autograd.grad`` from ``dL/dJ``, asking for ``e`` only: each
-  junction is run apart, so a junction below another is never fed twice), summed per
-  edge; then one ``autograd.grad`` from those edges (and from outputs that reach no
-  input) to the weights, accumulated into ``.grad``. The subgraphs below the edges read
-  no input, so nothing is counted twice.
-
-Every weight gradient is the sum of the same node-local products as in one
-``backward()`` (the chain rule cut at ``J``), so ``B`` then ``W`` equals the full backward
-up to float summation order. Torch's ``stage_backward_input``/``stage_backward_weight``
-(torch.distributed.pipelining) split the same way.
+The autograd graph from a part's outputs ``y`` (incoming gradients ``g``) down to its inputs
+``x`` (detached leaves) and weights ``w`` (every other leaf that requires grad) is split at
+the *junctions*: nodes ``J`` on a path to some input whose next edge ``e`` leads only to
+weights (``AddmmBackward`` of ``x @ w.T + b``). ``B`` (:func:`backward_inputs`) is
+``autograd.grad(y, x, g)`` with a pre-hook on each junction keeping ``dL/dJ``: the engine runs
+only the edges toward ``x``. ``W`` (:meth:`Deferred.run`) sends each junction's ``dL/dJ``
+along its weight-side edges (each junction apart, so none is fed twice), then one
+``autograd.grad`` from those edges to the weights. Every weight gradient is the sum of the
+same node-local products as in one ``backward()`` (the chain rule cut at ``J``), so ``B``
+then ``W`` equals the full backward up to float summation order; torch's
+``stage_backward_input``/``stage_backward_weight`` split the same way.
 """
 
 from __future__ import annotations
@@ -33,8 +23,6 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
-
-__all__ = ["Deferred", "backward_inputs"]
 
 Edge = tuple[Node, int]
 

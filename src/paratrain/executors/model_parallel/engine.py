@@ -29,8 +29,6 @@ from .runtime import StageRuntime
 from .schedule import theoretical_bubble
 from .stage_zero import StageZero
 
-__all__ = ["StageModel", "PipelineEngine", "pipeline_stats"]
-
 DEFAULT_BUCKET_BYTES = bucket_bytes_of(DEFAULT_BUCKET_MB)
 
 

@@ -1,21 +1,12 @@
 """What goes into and comes out of the cut model: a batch's rows and the model's arguments,
 the graph's inputs and the model's output, and the tensors this rank holds.
 
-A batch is any pytree of tensors (a tuple, a dict of ``input_ids`` / ``attention_mask`` /
-``labels``, a ``ModelOutput``); every tensor leaf with a leading dimension is indexed by
-rows, so micro-batch ``i`` is rows ``[a_i, b_i)`` of each (:func:`rows_of`). A *feed*
-``batch -> (args, kwargs)`` says how a batch calls the model (the task's
-``paratrain.task.steps.model_args``; :func:`first_field` by default: ``model(batch[0])``).
-
-The cut graph's inputs (:attr:`Cut.inputs`) are then, by capture:
-
-- torch.fx: the forward's parameters, in order: positional arguments first, then keyword
-  arguments by name, then the parameter's default;
-- torch.export: the leaves of ``(args, kwargs)`` flattened as at capture (``Cut.in_spec``;
-  keyword arguments in the order the capture saw them).
-
-The model's output is the cut's output structure with each value filled in, and for an
-exported graph unflattened by ``Cut.out_spec`` (a ``ModelOutput`` with ``.logits`` again).
+A batch is any pytree of tensors; micro-batch ``i`` is rows ``[a_i, b_i)`` of every leaf with
+a leading dimension (:func:`rows_of`). A *feed* ``batch -> (args, kwargs)`` says how a batch
+calls the model (the task's ``model_args``; :func:`first_field` by default). The cut's inputs
+are the forward's parameters under torch.fx, the leaves of ``(args, kwargs)`` under
+torch.export (``Cut.in_spec``); the model's output is the cut's output structure filled in
+(under torch.export unflattened by ``Cut.out_spec``: a ``ModelOutput`` again).
 """
 
 from __future__ import annotations
@@ -30,9 +21,6 @@ from torch.utils import _pytree as pytree
 
 from ...graph.partition import Cut
 from .plan import Plan
-
-__all__ = ["Transport", "Feed", "first_field", "batch_rows", "rows_of", "model_inputs",
-           "model_output", "storages", "segment_modules", "held_attrs"]
 
 #: ``batch -> (args, kwargs)``: how a batch calls the model.
 Feed = Callable[[Any], tuple[tuple[Any, ...], dict[str, Any]]]

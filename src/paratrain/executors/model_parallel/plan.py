@@ -1,28 +1,14 @@
 """ModelParallel placement: which rank runs which node, and the model cut into parts.
 
-Any ``nn.Module`` is traced with torch.fx (:func:`paratrain.graph.trace`); its node ids are
-module qualified names, as ``named_modules()`` gives them. Each
-:class:`~paratrain.config.strategy.Partition` claims some nodes (a claim on a subgraph
-covers every module under it, unless a deeper module is claimed itself) and names a worker
-(``{"WorkerId": id}`` = exactly that worker, ``{"Tag": t}`` = the first worker by rank
-carrying ``t``). Modules no partition claims run on rank 0 (DESIGN §4). The traced graph is
-then cut into *parts* (:func:`paratrain.graph.partition.cut`): maximal groups of one rank's
-nodes that need no other rank's output in between, with exactly the tensors that cross
-each cut (a skip connection, a residual stream, two towers joining, an encoder output read
-by several later nodes: every one travels).
-
-``Direct`` and ``DataStore`` accept any placement (a rank may own several parts).
-``Pipeline`` with ``Interleaved1F1B`` needs ``v`` parts per rank placed round-robin
-(:func:`check_interleaved`); any other ``Pipeline`` needs one part per rank, so the parts form stages in a fixed order (GPipe,
-Huang et al. 2019; PipeDream-Flush/1F1B, Narayanan et al. 2021); a value may skip stages
-and is sent straight to the stage that reads it. A placement that makes a worker run twice
-in one micro-batch's forward (``A -> B -> A``) is a ConfigError naming the nodes.
-
-For a chain given only by names (``build_plan(["fc0", "act0", ...], ...)``: tests and
-tools that check a placement without a model) the nodes are stand-in identities in order.
-
-Every user error is a :class:`~paratrain.config.ConfigError` whose field path names the
-partition and whose message names the node or target at fault.
+The model is traced (:func:`paratrain.graph.trace`; node ids are module qualified names);
+each :class:`~paratrain.config.strategy.Partition` claims nodes (a claim on a subgraph covers
+every module under it unless a deeper one is claimed itself) for a worker (``WorkerId``, or
+the first worker carrying a ``Tag``); unclaimed modules run on rank 0 (DESIGN §4). The graph
+is then cut into *parts* (:func:`paratrain.graph.partition.cut`) with exactly the tensors
+that cross each cut. Direct and DataStore take any placement; ``Interleaved1F1B`` needs ``v``
+parts per rank placed round-robin; any other Pipeline one part per rank (a placement that
+runs a worker twice in one forward, ``A -> B -> A``, is a ConfigError naming the nodes).
+Every user error is a ConfigError whose field names the partition.
 """
 
 from __future__ import annotations
@@ -38,8 +24,6 @@ from ...comm.workers import resolve_rank
 from ...config import ConfigError
 from ...graph import trace
 from ...graph.partition import Cut, Part, cut
-
-__all__ = ["Plan", "build_plan", "check_interleaved", "resolve_target", "DEFAULT_RANK"]
 
 DEFAULT_RANK = 0
 

@@ -1,23 +1,12 @@
 """Replicated stages: a ``DataParallel{num_replicas}`` subgraph under ModelParallel.
 
-``[subgraphs.<path>] type = "DataParallel", num_replicas = R`` under a ModelParallel root
-replicates the stage that runs ``<path>``: the subgraph must cover whole parts of one worker
-(every module that worker runs, and nothing another worker runs). That worker and the
-first ``R - 1`` workers that own no part (in rank order) then run the same part, each on
-its share of every micro-batch's rows (:func:`row_bounds`, torch's ``tensor_split`` rule:
-the first ``n mod R`` replicas get one row more), and all-reduce (sum) the stage's
-gradients among themselves after the step's last backward. Each replica's loss is weighted
-by its rows (``n_ij / B``), so the sum over replicas of its gradients is the gradient of
-the whole micro-batch and the step equals the unreplicated (and the unpartitioned) model's:
-a bottleneck stage gets more workers (PipeDream's replicated stages, Narayanan et al. 2019).
-
-Values crossing into or out of a replicated stage are cut by rows: a sender holding rows
-``[a, b)`` sends each receiving replica ``[c, d)`` the rows ``[max(a, c), min(b, d))``, and
-gradients come back the same way (:func:`pieces`).
-
-``shard = "optimizer"``, ``"gradients"`` or ``"parameters"`` on the subgraph shards the
-stage's optimizer state (and gradients, and parameters between steps) over its replicas,
-ZeRO-1/2/3 (:mod:`.stage_zero`).
+The subgraph must cover whole parts of one worker; that worker and the first ``R - 1``
+workers that own no part run the same part, each on its share of every micro-batch's rows
+(:func:`row_bounds`, ``tensor_split``'s rule), and sum the stage's gradients after the step's
+last backward. Each replica's loss is weighted by its rows (``n_ij / B``), so the step equals
+the unreplicated model's (PipeDream's replicated stages, Narayanan et al. 2019). Values
+crossing into or out of a replicated stage are cut by rows: a sender holding ``[a, b)``
+sends a receiver holding ``[c, d)`` the rows ``[max(a, c), min(b, d))`` (:func:`pieces`).
 """
 
 from __future__ import annotations
@@ -28,8 +17,6 @@ from typing import Any
 
 from ...config import ConfigError
 from .plan import DEFAULT_RANK, Plan
-
-__all__ = ["Replicas", "replicas_for", "row_bounds", "pieces", "extra_workers", "MAX_REPLICAS"]
 
 MAX_REPLICAS = 8
 

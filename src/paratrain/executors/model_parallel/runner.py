@@ -46,7 +46,7 @@ from ...training import (
     write_summary,
 )
 from ...training.export import complete_state, save_model, tied_names
-from ...training.faults import FAULT_ENV
+from ...training.faults import FAULT_ENV as FAULT_ENV  # re-exported: tests inject faults by it
 from ...training.loop import DataPlan, LoopRun, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
@@ -63,8 +63,6 @@ from .tp_stages import (
     tp_size_of,
 )
 from .validation import num_workers, plan_for, task_model, validate
-
-__all__ = ["run", "worker_main", "FAULT_ENV"]
 
 
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:

@@ -54,18 +54,16 @@ from .feed import (
     Transport,
     batch_rows,
     first_field,
-    held_attrs,
     model_inputs,
     model_output,
     rows_of,
-    segment_modules,
     storages,
 )
+from .feed import held_attrs as held_attrs  # re-exported with segment_modules (tests, tools)
+from .feed import segment_modules as segment_modules
 from .plan import Plan
 from .replicas import Replicas, pieces, row_bounds
 from .schedule import SPLIT_BACKWARD, VIRTUAL, Action, micro_batch_sizes, schedule, sequential
-
-__all__ = ["Transport", "segment_modules", "held_attrs", "StageRuntime"]
 
 #: How many actions ahead a stage posts its receives (transports with ``post``).
 RECV_LOOKAHEAD = 2

@@ -1,42 +1,27 @@
 """Pipeline schedules as pure functions: the order of forward/backward micro-batch steps.
 
-An :data:`Action` is ``(kind, micro, segment)``: ``("F", i, s)`` runs segment ``s``'s
-forward on micro-batch ``i``; ``("B", i, s)`` its backward (the whole backward, or under a
-zero-bubble schedule only the input gradients); ``("W", i, s)`` the weight gradients that
-``B`` left for later. With ``p`` stages (ranks) and ``m`` micro-batches:
+An :data:`Action` ``(kind, micro, segment)``: ``F`` a forward, ``B`` the backward (under a
+zero-bubble schedule only the input gradients), ``W`` the weight gradients ``B`` left. With
+``p`` stages and ``m`` micro-batches:
 
-- **GPipe** (Huang et al. 2019): every stage runs ``F_0 .. F_{m-1}`` then
-  ``B_0 .. B_{m-1}``; a stage holds the activations of all ``m`` micro-batches.
-- **1F1B / PipeDream-Flush** (Narayanan et al. 2021, "Efficient Large-Scale Language
-  Model Training on GPU Clusters"): stage ``s`` runs ``w = min(p - s - 1, m)`` warm-up
-  forwards, then alternates one forward and one backward for ``m - w`` rounds, then
-  drains ``w`` backwards; it holds at most ``min(p - s, m)`` micro-batches at a time.
-- **Interleaved 1F1B** (Narayanan et al. 2021, §2.2): the model is cut into ``v p``
-  chunks and rank ``r`` owns chunks ``r, r + p, .., r + (v-1) p`` (segments in model
-  order, placed round-robin). Micro-batches go in groups of at least ``p`` (``max(1,
-  floor(m/p))`` groups, sizes as even as possible, larger first): a rank runs each group's
-  forwards chunk by chunk, backwards with the chunks reversed, after ``2(p - r - 1) +
-  (v - 1) g_0`` warm-up forwards (``g_0`` the first group's size), then 1F1B. With chunk
-  steps of ``1/v`` of a stage's, the bubble is ``(p - 1) / (v m + p - 1)`` for ``m >= p``
-  (Megatron-LM's order when ``p`` divides ``m``; the groups make it exact for any ``m >= p``).
-- **ZB-H1** (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.1): the backward is
-  split into ``B`` (gradients of the stage's inputs, what the previous stage waits for) and
-  ``W`` (gradients of the weights, which nobody waits for). Stage ``r`` runs 1F1B's
-  ``min(p - r, m)`` warm-up forwards, then per micro-batch ``i``: ``B_i``, ``W_{i-r}``
-  (the weight pass lags ``r`` micro-batches, so ``W`` fills what would be the cool-down
-  bubble), ``F_{i+p-r}``; the remaining ``W`` last. Every stage holds at most ``min(p, m)``
-  micro-batches (1F1B's peak, on its first stage). With ``F = B = W`` in time the bubble is
-  ``(p - 1) / (3 m + p - 1)`` for ``m >= p``: a third of 1F1B's ``3 (p - 1)`` idle units.
+- **GPipe** (Huang et al. 2019): all ``m`` forwards, then all backwards.
+- **1F1B / PipeDream-Flush** (Narayanan et al. 2021): stage ``s`` runs ``min(p - s - 1, m)``
+  warm-up forwards, then alternates one forward and one backward, then drains; it holds at
+  most ``min(p - s, m)`` micro-batches.
+- **Interleaved 1F1B** (Narayanan et al. 2021, §2.2): rank ``r`` owns chunks ``r, r + p, ..``
+  of ``v p``; micro-batches go in ``max(1, m // p)`` groups of at least ``p`` (larger first),
+  each group's forwards chunk by chunk (backwards reversed) after ``2(p - r - 1) + (v - 1) g_0``
+  warm-up forwards. Bubble ``(p - 1) / (v m + p - 1)`` for ``m >= p`` (Megatron's order when
+  ``p`` divides ``m``).
+- **ZB-H1** (Qi et al. 2024, §3.1): 1F1B's ``min(p - r, m)`` warm-up, then ``B_i, W_{i-r},
+  F_{i+p-r}``; the remaining ``W`` last. Peak ``min(p, m)`` micro-batches; with ``F = B = W``
+  the bubble is ``(p - 1) / (3 m + p - 1)`` for ``m >= p``.
 
-:func:`simulate` replays per-rank orders with fixed step costs and the data dependencies
-of a chain of segments ``F(i,s) <- F(i,s-1)``, ``B(i,s) <- B(i,s+1)``, ``B(i,s) <- F(i,s)``,
-``W(i,s) <- B(i,s)`` (a skip connection's dependency is implied by the chain); it detects
-deadlock and reports makespan, bubble and peak in-flight micro-batches. Whether orders
-deadlock does not depend on the costs: a rank blocks only on a step another rank has not
-run, so orders that replay here run on real ranks with blocking receives.
-
-:func:`sequential` is the unpipelined order of ``Direct``/``DataStore`` for a rank that
-may own several non-adjacent segments: forwards in segment order, backwards reversed.
+:func:`simulate` replays per-rank orders with step costs over the dependencies of a chain
+(``F(i,s) <- F(i,s-1)``, ``B(i,s) <- B(i,s+1), F(i,s)``, ``W(i,s) <- B(i,s)``) and detects
+deadlock, which does not depend on the costs: orders that replay here run on real ranks with
+blocking receives. :func:`sequential` is Direct/DataStore's order: forwards by segment,
+backwards reversed.
 """
 
 from __future__ import annotations
@@ -44,12 +29,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
-
-__all__ = [
-    "Action", "gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "schedule", "sequential",
-    "micro_batch_sizes", "theoretical_bubble", "SimResult", "simulate", "SCHEDULES",
-    "SPLIT_BACKWARD", "VIRTUAL",
-]
 
 Action = tuple[Literal["F", "B", "W"], int, int]
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "ZBH1")

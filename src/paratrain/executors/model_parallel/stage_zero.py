@@ -1,43 +1,17 @@
-"""ZeRO inside a replicated pipeline stage: ``[subgraphs.<path>] type = "DataParallel",
-num_replicas = R, shard = "optimizer" | "gradients" | "parameters"`` under ModelParallel
-(:class:`StageZero`).
-
-A replicated stage's ``R`` replicas each hold the whole stage and compute its gradients on
-their rows of every micro-batch (:mod:`.replicas`). With ``shard`` set, each replica steps
-only *its* rows of every stage parameter (dimension 0, :class:`~paratrain.comm.zero.FlatShard`,
-Rajbhandari et al. 2020), so the stage's optimizer state is ``1/R`` on every replica:
-
-* ``optimizer`` (ZeRO-1): the replicas' gradients are summed by the one gradient sync
-  (:class:`~paratrain.comm.grad_sync.GradSync`, the unused-parameter rule included), each
-  replica's optimizer steps its rows (views of the whole parameters), and the updated rows
-  are all-gathered: per parameter and fp32 Adam, ``4 + 4 + 8/R`` bytes;
-* ``gradients`` (ZeRO-2): the step's gradients are reduce-scattered (the sum) into each
-  replica's rows after the step's last backward and the whole ones dropped, then as ZeRO-1:
-  ``4 + 12/R`` bytes held between steps. The whole gradients still exist during the step:
-  a pipeline's micro-batches accumulate into them until its last backward (a reduce-scatter
-  per micro-batch would cost ``m`` collectives a step; DeepSpeed refuses ZeRO-2 with
-  pipelines for that reason), so the peak is ZeRO-1's; the traffic is a reduce-scatter
-  instead of an all-reduce.
-
-* ``parameters`` (ZeRO-3): between steps each replica holds only its rows of the
-  parameters too, ``16/R`` bytes; the whole parameters are all-gathered once at the step's
-  first forward, kept through every micro-batch's forward and backward (and ZBH1's weight
-  passes), and freed right after the reduce-scatter that follows the step's last backward,
-  so the optimizer steps rows only. This is what torch's pipelining does with an FSDP2
-  stage (``torch/distributed/pipelining/stage.py``: no resharding after a backward but the
-  last, ``perform_reduce_grad`` after it; torchtitan turns ``reshard_after_forward`` off
-  under pipelining): gathering per use instead would gather the stage ``2m`` times a step.
-  The peak *during* the step is therefore ZeRO-1's (whole parameters and gradients); what
-  ZeRO-3 saves is held between steps: during the optimizer's step, checkpoints and the
-  time between them. Evaluation and the run's end gather the parameters for as long as
-  they read them.
-
-The update equals the unsharded replicated stage's (element-wise optimizers: SGD with
-momentum, Adam, AdamW), and so the unpartitioned model's. Clipping counts each replica's
-rows once (they are disjoint: :meth:`StageZero.norm_pieces`). The checkpoint holds each
-replica's rows under the model's names with their row specs (composed after a
-tensor-parallel shard's own), so a run resumes on another world or placement by name
-(:mod:`paratrain.training.reshard`)."""
+"""ZeRO inside a replicated pipeline stage (:class:`StageZero`; docs/model-parallel.md):
+``shard = "optimizer" | "gradients" | "parameters"`` on a ``[subgraphs.<path>]``
+DataParallel under ModelParallel makes each of the stage's ``R`` replicas step only its rows
+of every parameter (dimension 0, :class:`~paratrain.comm.zero.FlatShard`, Rajbhandari et al.
+2020). ZeRO-1 sums gradients with the one gradient sync and all-gathers the updated rows;
+ZeRO-2 reduce-scatters the step's gradients after its last backward (not per micro-batch: a
+pipeline's micro-batches accumulate into the whole gradients, which DeepSpeed refuses ZeRO-2
+with pipelines over); ZeRO-3 also keeps only its rows between steps, gathering the whole
+parameters once at the step's first forward and freeing them after the last reduce-scatter
+(as torch pipelining does with an FSDP2 stage: gathering per use would cost ``2m`` gathers a
+step). So the peak during a step is ZeRO-1's; ZeRO-2/3 save what is held between steps. The
+update equals the unsharded stage's (element-wise optimizers); the checkpoint holds each
+replica's rows under the model's names with their row specs (resumable on another world).
+"""
 
 from __future__ import annotations
 
@@ -59,8 +33,6 @@ from ..shared.zero_shards import (
     keep_own_rows,
     shard_view,
 )
-
-__all__ = ["StageZero", "STAGE_LEVELS", "compose_spec"]
 
 STAGE_LEVELS = {"optimizer": 1, "gradients": 2, "parameters": 3}
 

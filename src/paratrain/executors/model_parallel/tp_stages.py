@@ -1,43 +1,16 @@
-"""Pipeline x tensor parallelism: ModelParallel with ``[tensor_parallel]`` inside each stage,
-and replicated stages on top of it (pp x dp x tp).
+"""Pipeline x tensor parallelism: ``[tensor_parallel]`` inside each ModelParallel stage, and
+replicated stages on top (pp x dp x tp; docs/composing.md).
 
-The job's ``W`` logical workers (its pipeline stages on ``worker-0 .. worker-{P-1}``, plus the
-extra workers its replicated stages take, ``[subgraphs.<path>] type = "DataParallel"``,
-:mod:`.replicas`) times ``T = tensor_parallel_size`` run ``W x T`` processes laid out as the
-mesh ``worker x tp`` (:class:`~paratrain.comm.mesh.Mesh`, ``rank = worker * T + tp``; named
-``pp x tp`` when no stage is replicated). Every rank builds the same model and shards it
-(:func:`paratrain.tensor_parallel.parallelize` over its mesh row, the worker's ``tp`` group);
-the plan then cuts the *sharded* model (the parallel layers traced as leaves), so each rank
-keeps its stage's TP shard.
-
-The ranks with one ``tp`` index ``j`` form a *lane*: a whole pipeline whose stage ``s`` runs on
-the physical ranks ``w*T + j`` for each logical worker ``w`` of that stage (one, or the stage's
-replicas: :func:`lane_replicas`). A lane runs the unchanged pipeline runtime and schedule (1F1B,
-GPipe, ...), its transfers going point-to-point between its own ranks (a replicated stage's
-replicas each take their rows of every micro-batch, as without TP); all lanes run the same
-order, so the TP collectives inside each stage pair up. Every schedule runs: GPipe, 1F1B,
-Interleaved1F1B (a lane's rank holds its chunks' shards) and ZBH1 (``Direct`` too); under ZBH1
-the W pass re-enters a tensor-parallel layer's backward, whose input-gradient all-reduce then
-runs a second time (the same sum; all lanes repeat it in the same order). What crosses a cut
-is what that rank holds: a replicated activation (each lane sends its copy) or, where a cut
-falls between a column- and a row-parallel layer, the lane's shard of it. The loss, computed
-on every lane's last stage, is the same on all of them; gradients are those of the
-unpartitioned model (the TP layers' own collectives make them so).
-
-A replicated stage's replicas that hold the same TP shard (one per replica, same ``j``: the
-mesh's *dp* groups, :func:`replica_groups`) sum that shard's gradients after the step's last
-backward (each replica's loss weighted by its rows), so every replica steps with the whole
-batch's gradient of its shard: data parallelism over the shard, as in Megatron's dp x tp x pp.
-
-Clipping by one global norm (:meth:`TPPipelineEngine.grad_sq_norm`): every rank of a stage's
-first replica adds ``||g||^2 / f`` per parameter, ``f`` the TP ranks holding the same tensor
-(1 for a shard, ``T`` for a replicated one), and one all-reduce over all ``W x T`` ranks sums
-it.
-
-Checkpoints: each TP shard is saved under the model's name with its place in the dense
-tensor (:func:`paratrain.tensor_parallel.shards.shard_spec`; replicas' identical pieces are
-written once); for the exported model each stage all-gathers its shards over its TP group into
-the dense tensors first.
+The job's ``W`` logical workers (stages plus the replicated stages' extra workers) times
+``T = tensor_parallel_size`` run on the mesh ``worker x tp`` (``rank = worker * T + tp``).
+Every rank shards the same model over its mesh row (:func:`shard_model`) and the plan cuts the
+*sharded* model (the parallel layers as leaves). The ranks of one tp index form a *lane*, a
+whole pipeline running the unchanged runtime and schedule within itself; all lanes run the
+same order, so each stage's TP collectives pair up (under ZBH1 the W pass repeats a TP
+layer's input-gradient all-reduce: the same sum, on every lane). A replicated stage's
+replicas holding the same shard (the mesh's dp groups) sum its gradients after the step's
+last backward. Clipping: each rank of a stage's first replica adds ``||g||^2 / f`` per
+parameter (``f`` the TP ranks holding the same tensor) and one all-reduce sums it.
 """
 
 from __future__ import annotations
@@ -57,9 +30,6 @@ from ...tensor_parallel.grid import replicas_of
 from ...training.stepping import local_grad_sq_norm
 from .engine import PipelineEngine, StageModel
 from .replicas import Replicas
-
-__all__ = ["tp_size_of", "lane_replicas", "replica_groups", "mesh_report", "shard_model", "TPPipelineEngine",
-           "dense_own", "check_job", "dry_shard"]
 
 
 def tp_size_of(job: JobConfig) -> int:

@@ -1,10 +1,7 @@
-"""Checking a ModelParallel job before any launch: how many worker processes it needs, the
-placement of its partitions on them (:class:`~.plan.Plan`), and what the placement must not
-do (a parameter split across workers, a non-tensor value crossing between them).
-
-:func:`validate` is what ``paratrain validate`` runs and what :func:`.runner.run` calls
-before it launches; every rank then plans the same way (:func:`plan_for`) on the same
-seeded model (:func:`task_model`).
+"""Checking a ModelParallel job before any launch (``paratrain validate``, :func:`.runner.run`):
+how many worker processes it needs, the placement of its partitions (:class:`~.plan.Plan`),
+and what a placement must not do (a parameter split across workers, a non-tensor value
+crossing between them). Every rank then plans the same way on the same seeded model.
 """
 
 from __future__ import annotations
@@ -25,9 +22,6 @@ from ...training import seed_everything
 from .plan import Plan, build_plan, check_interleaved
 from .replicas import extra_workers, replicas_for
 from .tp_stages import check_job, dry_shard, tp_size_of
-
-__all__ = ["check_worker_ids", "num_workers", "plan_for", "check_shared_parameters", "task_model",
-           "validate", "check_crossing_values"]
 
 
 def check_worker_ids(job: JobConfig) -> None:
