@@ -27,26 +27,13 @@ from pydantic import (
     model_validator,
 )
 
-__all__ = [
-    "load_document",
-    "Codec",
-    "Contract",
-    "ConfigError",
-    "Count",
-    "PositiveCount",
-    "Fraction",
-    "format_validation_error",
-    "unknown_keys",
-    "is_set",
-    "parse_every",
-]
-
 # usize in Rust: a non-negative JSON integer; floats, bools and strings are rejected.
 Count = Annotated[int, Field(ge=0, strict=True)]
 # A count where zero makes no sense (num_replicas, rounds, ...).
 PositiveCount = Annotated[int, Field(ge=1, strict=True)]
 # A fraction in (0, 1].
 Fraction = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
 class ConfigError(ValueError):
@@ -153,6 +140,13 @@ class Contract(BaseModel):
     )
     _extensions: ClassVar[frozenset[str]] = frozenset()
 
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        # pydantic names a union member in an error path by its tag (discriminated unions)
+        # or its class name (RemoteTarget): neither is a segment the user wrote.
+        tags = [f.default for n, f in cls.model_fields.items() if n in ("method", "type", "protocol")]
+        register_tags([cls.__name__, *(t for t in tags if isinstance(t, str))])
+
     @model_validator(mode="wrap")
     @classmethod
     def _note_unknown_keys(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
@@ -175,6 +169,27 @@ class Contract(BaseModel):
                 if name not in self.model_fields_set:
                     data.pop(name, None)
         return data
+
+
+class Section(BaseModel):
+    """A job-file section: unknown keys are refused (a misspelled option should not be
+    silently ignored)."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=describe_tags
+    )
+
+
+class OpenSection(BaseModel):
+    """A section whose unknown keys are kwargs for a user's factory."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="allow", use_attribute_docstrings=True, json_schema_extra=describe_tags
+    )
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
 
 
 T = TypeVar("T")

@@ -9,13 +9,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from ._base import Codec, Contract, Count, register_tags
-
-__all__ = [
-    "NoCompression", "TopK", "RandomK", "Threshold", "Quantization", "ErrorFeedback",
-    "ClippedCompression", "PowerSGD", "CompressionStrategy", "load_compression", "dump_compression",
-    "compression_schema",
-]
+from ._base import Codec, Contract, Count
 
 
 class NoCompression(Contract):
@@ -144,11 +138,6 @@ CompressionStrategy = Annotated[
 
 ErrorFeedback.model_rebuild()
 ClippedCompression.model_rebuild()
-
-register_tags(
-    ["None", "TopK", "RandomK", "Threshold", "Quantization", "ErrorFeedback", "ClippedCompression",
-     "PowerSGD"]
-)
 
 _CODEC = Codec(CompressionStrategy)
 load_compression = _CODEC.load  # a CompressionStrategy from JSON text or a dict

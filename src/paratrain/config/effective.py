@@ -1,46 +1,18 @@
-"""What a job will actually run with, and what it sets that the run ignores.
+"""What a job will actually run with, and what it sets that the run ignores: the one place
+that says which settings take effect.
 
 :func:`effective_settings` knows, from the job alone, which sections and fields each
-strategy reads; what only an executor's code can tell (the model it builds, a Custom
-coordinator's signature) is that executor's ``ExecutorSpec.ignores``, and
+strategy reads (the processes' settings: :func:`_process_settings`); what only an
+executor's code can tell (the model it builds, a Custom coordinator's signature) is that
+executor's ``ExecutorSpec.ignores`` (e.g. :mod:`paratrain.executors.tensor_parallel.ignored`,
+:mod:`paratrain.executors.custom`'s ``--resume``), and
 :func:`paratrain.dispatch.effective_settings` is the whole report: ``paratrain validate``
-prints its ``ignored`` list as warnings and ``paratrain run``
-(:func:`paratrain.dispatch.execute`) warns once per run, so a setting that does nothing is
-never accepted silently. This module is on the contract's floor and imports nothing above
-it. Only what the user set is reported: a field counts as set when it is in
-``model_fields_set`` (given explicitly) and differs from its default, so defaults never
-produce a warning, nor does a job dumped in full (e.g. ``runs/<name>/job.json``, where
-every field is explicit).
-
-What is ignored, by strategy (``Custom`` excepted: its coordinator receives the whole
-job, so every section is available to it and none is reported):
-
-- ``[compression]``: compresses a gradient or update exchange, so it is read by
-  DataParallel (its gradient exchange), Federated (client updates) and tensor parallelism
-  with DataParallel replicas; Local, ModelParallel and PopulationBased have nothing to
-  compress.
-- ``[tensor_parallel]``: read by Local/DataParallel with ``tensor_parallel_size > 1``;
-  size 1 runs no tensor parallelism, and ModelParallel/Federated/PopulationBased never do.
-  On a tensor-parallel run: ``BlockWise`` with a non-square size runs ``ColumnWise``;
-  ``memory_optimization`` and ``fusion_threshold_bytes`` without effect on the job's model
-  are the tensor-parallel executor's to report
-  (:mod:`paratrain.executors.tensor_parallel.ignored`).
-- ``train.epochs``/``eval_every``/``max_steps``/``batch_size``: Federated counts
-  ``strategy.rounds`` of ``[federated]`` local training and evaluates every round;
-  PopulationBased budgets by generation (``[population]``) and evaluates every generation.
-  ``run.checkpoint_every`` counts rounds under Federated (0: every round; or a wall time
-  such as ``"10m"``, checked between rounds); PopulationBased ignores it: members move
-  between workers through their files, so every generation is checkpointed.
-- ``[federated]`` outside Federated; ``[population]``/``[search_space]`` outside
-  PopulationBased.
-- ``run.max_restarts``/``num_workers``/``backend``, ``[[workers]]`` and ``[comm]`` where
-  the strategy's processes do not read them (:mod:`.effective_procs`).
-- ``--resume`` for a Custom coordinator that takes no ``resume`` keyword (the Custom
-  executor's spec: :mod:`paratrain.executors.custom`).
-- Krum ``num_malicious``/``to_keep`` beyond what the clients per round allow (the
-  aggregator clamps them; the effective values are given).
-- Keys inside ``[strategy]``/``[compression]``/``[tensor_parallel]`` that the contract
-  does not know (parsed leniently, serde style, and otherwise dropped).
+prints its ``ignored`` list as warnings and ``paratrain run`` warns once per run, so a
+setting that does nothing is never accepted silently. Only what the user set is reported
+(:func:`is_set`: given explicitly and not the default), so defaults never warn, nor does a
+job dumped in full (``job.json``). ``Custom`` reports nothing: its coordinator receives
+the whole job. Keys inside ``[strategy]``/``[compression]``/``[tensor_parallel]`` that the
+contract does not know (parsed leniently, serde style) are reported too.
 """
 
 from __future__ import annotations
@@ -84,11 +56,8 @@ class Effective:
     ignored: list[Ignored] = field(default_factory=list)
 
 
-_set = is_set  # re-exported as is_set: the executors' own rules (ExecutorSpec.ignores) use it
-
-
 def _set_fields(model: BaseModel) -> list[str]:
-    return sorted(n for n in model.model_fields_set if _set(model, n))
+    return sorted(n for n in model.model_fields_set if is_set(model, n))
 
 
 def _unknown(obj: Any, path: str, out: list[Ignored]) -> None:
@@ -120,8 +89,6 @@ def effective_settings(job: JobConfig, *, resume: bool = False) -> Effective:
     """The job's effective settings and the set-but-ignored ones that the job alone tells
     (the whole report, executors' rules included: :func:`paratrain.dispatch.effective_settings`).
     """
-    from .effective_procs import ignored_process_settings
-
     ignored: list[Ignored] = []
     kind = str(job.strategy.type)
     tp = job.tensor_parallel
@@ -138,7 +105,7 @@ def effective_settings(job: JobConfig, *, resume: bool = False) -> Effective:
     settings["tensor_parallel"] = _tensor_parallel(job, kind, tp_active, ignored)
     settings.update(_budget(job, kind, ignored))
     # run.*, [[workers]], [comm]: what the processes read
-    ignored += [Ignored(f, why) for f, why in ignored_process_settings(job, kind=kind, tp_active=tp_active)]
+    ignored += _process_settings(job, kind, tp_active)
     settings.update(_strategy_sections(job, kind, ignored))
     if isinstance(job.strategy, Federated) and isinstance(job.strategy.aggregation, Krum):
         krum = _krum(job.strategy, job.strategy.aggregation, ignored)
@@ -237,7 +204,7 @@ def _budget(job: JobConfig, kind: str, ignored: list[Ignored]) -> dict[str, Any]
                 "checkpoint_every": run.checkpoint_every}
     for path, why in reasons.items():
         section, name = path.split(".")
-        if _set(train if section == "train" else run, name):
+        if is_set(train if section == "train" else run, name):
             ignored.append(Ignored(path, why))
     # Federated: a count of rounds, or a wall time between rounds
     return {"train": None, "checkpoint_every": run.checkpoint_every if kind == "Federated" else None}
@@ -250,7 +217,7 @@ def _strategy_sections(job: JobConfig, kind: str, ignored: list[Ignored]) -> dic
     if not custom:
         for section, owner in (("federated", "Federated"), ("population", "PopulationBased"),
                                ("search_space", "PopulationBased")):
-            if _set(job, section) and kind != owner:
+            if is_set(job, section) and kind != owner:
                 value = getattr(job, section)
                 keys = sorted(value) if isinstance(value, dict) else _set_fields(value)
                 detail = f" (set: {', '.join(keys)})" if keys else ""
@@ -284,3 +251,58 @@ def _krum(s: Federated, agg: Krum, ignored: list[Ignored]) -> dict[str, int] | N
             f"to_keep = {keep_eff}): a weighted average of every update, no Krum "
             "filtering"))
     return {"clients_per_round": n, "num_malicious": f_eff, "to_keep": keep_eff}
+
+
+def _process_settings(job: JobConfig, kind: str, tp_active: bool) -> list[Ignored]:
+    """The process settings (``run.max_restarts``/``num_workers``/``backend``,
+    ``[[workers]]``, ``[comm]``) ``job`` sets that its processes do not read.
+
+    A run trains either in this process (Local without tensor parallelism: no elastic
+    agent, no process group, no placement) or on launched workers whose count each
+    strategy decides (ModelParallel, Federated, PopulationBased: ``run.num_workers``).
+    ``comm.bucket_size_mb`` is read by DataParallel's AllReduce without compression and a
+    ModelParallel replicated stage (the same gradient sync); ``comm.gossip_step`` by
+    DataParallel's Decentralized with compression (CHOCO-gossip)."""
+    if kind == "Custom":
+        return []
+    run, comm, s = job.run, job.comm, job.strategy
+    in_process = kind == "Local" and not tp_active
+    out: list[Ignored] = []
+    if in_process:
+        local = "a Local run trains in this one process"
+        for name, why in (
+            ("max_restarts", "there are no worker processes for an elastic agent to restart"),
+            ("num_workers", "it starts no worker processes"),
+            ("backend", "it joins no torch.distributed process group"),
+        ):
+            if is_set(run, name):
+                out.append(Ignored(f"run.{name}", f"{local}: {why}"))
+        if job.workers:
+            out.append(Ignored("workers", f"{local}: there is nothing to place on workers"))
+        if is_set(comm, "timeout_s"):
+            out.append(Ignored("comm.timeout_s", f"{local}: it has no process group, store "
+                                                 "or rendezvous to time out"))
+    elif is_set(run, "num_workers") and (kind == "DataParallel" or tp_active):
+        count = ("tensor_parallel_size x strategy.num_replicas (tensor parallelism)" if tp_active
+                 else "strategy.num_replicas")
+        out.append(Ignored("run.num_workers", f"{kind} starts {count} processes"))
+
+    method = getattr(getattr(s, "aggregation", None), "method", None)
+    dp = kind == "DataParallel" and not tp_active
+    compressed = job.compression is not None and job.compression.method != "None"
+    where = ("the tensor-parallel executor reduces gradients its own way" if tp_active
+             else f"{kind} has no DataParallel gradient exchange")
+    replicated = kind == "ModelParallel" and any(
+        getattr(sub, "type", None) == "DataParallel" for sub in (job.subgraphs or {}).values())
+    # the replicated stage's gradient sum is bucketed as DataParallel's AllReduce
+    buckets = (dp and method == "AllReduce" and not compressed) or replicated
+    if is_set(comm, "bucket_size_mb") and not buckets:
+        why = (f"only DataParallel's AllReduce without compression buckets gradients; this job "
+               f"runs {method}{' with compression' if compressed else ''}" if dp else where)
+        out.append(Ignored("comm.bucket_size_mb", why))
+    if is_set(comm, "gossip_step") and not (dp and method == "Decentralized" and compressed):
+        why = ("it applies to DataParallel's Decentralized aggregation with compression "
+               f"(CHOCO-gossip); this job runs {method}{' with compression' if compressed else ''}"
+               if dp else where)
+        out.append(Ignored("comm.gossip_step", why))
+    return out

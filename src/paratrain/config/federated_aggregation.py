@@ -11,15 +11,9 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from ._base import Contract, Count, register_tags
-
-__all__ = [
-    "FedAvg", "FedProx", "FedYogi", "FedAdam", "FedAdagrad", "FedAvgM", "FedMedian",
-    "FedTrimmedAvg", "Krum", "SCAFFOLD", "FedNova", "FederatedAggregation",
-]
+from ._base import Contract, Count, NonNegFloat
 
 PosFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
-NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 Decay = Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)]
 
 
@@ -122,10 +116,3 @@ FederatedAggregation = Annotated[
     | SCAFFOLD | FedNova,
     Field(discriminator="method"),
 ]
-
-register_tags(
-    [
-        "FedAvg", "FedProx", "FedYogi", "FedAdam", "FedAdagrad", "FedAvgM", "FedMedian",
-        "FedTrimmedAvg", "Krum", "SCAFFOLD", "FedNova",
-    ]
-)

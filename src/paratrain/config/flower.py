@@ -6,24 +6,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from ._base import PositiveCount, describe_tags
+from ._base import PositiveCount, Section
 
-__all__ = ["FlowerOptions", "SecureAggregation", "RUNTIMES", "SECURE_AGGREGATIONS", "secure_problems"]
-
-RUNTIMES = ("local", "flower")
 # aggregations that act on the clients' weighted mean update alone (all SecAgg+ reveals)
 SECURE_AGGREGATIONS = ("FedAvg", "FedProx", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad")
 
 
-class SecureAggregation(BaseModel):
+class SecureAggregation(Section):
     """Flower's SecAgg+ (``SecAggPlusWorkflow`` / ``secaggplus_mod``): the server sees only the
     sum of the nodes' masked, quantized updates."""
-
-    model_config = ConfigDict(
-        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=describe_tags
-    )
 
     num_shares: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
     """Shares each node's secret is split into (one per neighbour): an integer > 2, or a
@@ -59,11 +52,7 @@ class SecureAggregation(BaseModel):
         return self
 
 
-class FlowerOptions(BaseModel):
-    model_config = ConfigDict(
-        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=describe_tags
-    )
-
+class FlowerOptions(Section):
     round_timeout: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 600.0
     """Seconds the server waits for the replies of a round's SuperNodes; the clients of a
     node that has not answered by then are recorded as failed and the round goes on with

@@ -14,10 +14,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError, model_validator
 
-from ._base import (
-    ConfigError,
-    format_validation_error,
-)
+from ._base import ConfigError, Section, format_validation_error, one_line
 from .compression import CompressionStrategy
 from .search_space import ChoiceDim, IntDim, LogUniformDim, SearchDim, UniformDim  # re-exported
 from .sections import (  # re-exported: the sections are part of this module's API
@@ -32,7 +29,6 @@ from .sections import (  # re-exported: the sections are part of this module's A
     TaskSpec,
     TrainConfig,
     WorkerSpec,
-    _Section,
 )
 from .strategy import Local, TrainingStrategy
 from .tensor_parallel import TensorParallelismConfig
@@ -45,7 +41,7 @@ __all__ = [
 ]
 
 
-class JobConfig(_Section):
+class JobConfig(Section):
     run: RunConfig = RunConfig()
     """Run name, seed, output folder, restarts, device and backend."""
     model: ModelSpec = ModelSpec()
@@ -195,13 +191,13 @@ def parse_job_text(text: str, fmt: str) -> dict[str, Any]:
         what = "; ".join(str(x) for x in (e.context, e.problem) if x)
         mark = e.problem_mark or e.context_mark
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise ConfigError([("<file>", _first_line(f"cannot parse {fmt}: {what}{where}"))]) from None
+        raise ConfigError([("<file>", one_line(f"cannot parse {fmt}: {what}{where}"))]) from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, yaml.YAMLError) as e:
-        raise ConfigError([("<file>", _first_line(f"cannot parse {fmt}: {e}"))]) from None
+        raise ConfigError([("<file>", one_line(f"cannot parse {fmt}: {e}"))]) from None
     except RecursionError:
         raise ConfigError([("<file>", f"cannot parse {fmt}: document nested too deeply")]) from None
     except (ValueError, TypeError, OverflowError, MemoryError) as e:  # e.g. bad numbers
-        raise ConfigError([("<file>", _first_line(f"cannot parse {fmt}: {e}"))]) from None
+        raise ConfigError([("<file>", one_line(f"cannot parse {fmt}: {e}"))]) from None
     if doc is None:
         doc = {}
     if not isinstance(doc, dict):
@@ -210,11 +206,6 @@ def parse_job_text(text: str, fmt: str) -> dict[str, Any]:
     if problem is not None:
         raise ConfigError([("<file>", problem)])
     return doc
-
-
-def _first_line(msg: str, limit: int = 300) -> str:
-    line = (msg.splitlines() or [""])[0]
-    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def load_job(source: str | Path | dict[str, Any]) -> JobConfig:
@@ -240,19 +231,15 @@ def load_job(source: str | Path | dict[str, Any]) -> JobConfig:
         except FileNotFoundError:
             raise ConfigError([("<file>", f"job file not found: {path}")]) from None
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError([("<file>", _first_line(f"cannot read {path}: {e}"))]) from None
+            raise ConfigError([("<file>", one_line(f"cannot read {path}: {e}"))]) from None
         doc = parse_job_text(text, fmt)
     try:
-        return JobConfig.model_validate(doc)
-    except ValidationError as e:
-        err = e
+        try:
+            return JobConfig.model_validate(doc)
+        except ValidationError as e:
+            raise format_validation_error(e) from None
     except RecursionError:
         raise ConfigError([("<root>", "document nested too deeply")]) from None
-    try:
-        raised = format_validation_error(err)
-    except RecursionError:
-        raise ConfigError([("<root>", "document nested too deeply")]) from None
-    raise raised from None
 
 
 def job_schema() -> dict[str, Any]:

@@ -7,20 +7,14 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from ._base import PositiveCount, describe_tags
-
-__all__ = ["FederatedDP"]
+from ._base import PositiveCount, Section
 
 Positive = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 
 
-class FederatedDP(BaseModel):
-    model_config = ConfigDict(
-        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=describe_tags
-    )
-
+class FederatedDP(Section):
     clip: Annotated[float, Field(gt=0.0)] | None
     """L2 norm every client update is clipped to (the whole update, all floating tensors
     together); ``inf`` (TOML) or null (JSON) = no clipping, allowed only with

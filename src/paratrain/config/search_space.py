@@ -9,24 +9,24 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from ._base import register_tags
-from .sections import _Section
-
-__all__ = ["UniformDim", "LogUniformDim", "IntDim", "ChoiceDim", "SearchDim"]
+from ._base import Section, register_tags
 
 
-class UniformDim(_Section):
+class _Range(Section):
+    @model_validator(mode="after")
+    def _order(self) -> Any:
+        low, high = getattr(self, "low"), getattr(self, "high")  # noqa: B009 - the subclass's fields
+        if not low < high:
+            raise ValueError(f"low ({low}) must be < high ({high})")
+        return self
+
+
+class UniformDim(_Range):
     type: Literal["uniform"] = "uniform"
     low: float
     """Lower bound of the range."""
     high: float
     """Upper bound of the range (greater than low)."""
-
-    @model_validator(mode="after")
-    def _order(self) -> UniformDim:
-        if not self.low < self.high:
-            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
-        return self
 
 
 class LogUniformDim(UniformDim):
@@ -39,21 +39,15 @@ class LogUniformDim(UniformDim):
         return self
 
 
-class IntDim(_Section):
+class IntDim(_Range):
     type: Literal["int"] = "int"
     low: Annotated[int, Field(strict=True)]
     """Smallest integer drawn."""
     high: Annotated[int, Field(strict=True)]
     """Upper bound of the integers drawn (greater than low)."""
 
-    @model_validator(mode="after")
-    def _order(self) -> IntDim:
-        if not self.low < self.high:
-            raise ValueError(f"low ({self.low}) must be < high ({self.high})")
-        return self
 
-
-class ChoiceDim(_Section):
+class ChoiceDim(Section):
     type: Literal["choice"] = "choice"
     values: Annotated[list[Any], Field(min_length=1)]
     """The values to choose from (at least one)."""

@@ -10,48 +10,24 @@ kwargs. :class:`~paratrain.config.job.JobConfig` puts them together.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import importlib.util
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from ._base import Count, PositiveCount, describe_tags, parse_every
-from .flower import RUNTIMES, FlowerOptions
+from ._base import Count, OpenSection, PositiveCount, Section, parse_every
+from .flower import FlowerOptions
 from .privacy import FederatedDP
 
-__all__ = [
-    "RunConfig",
-    "ModelSpec",
-    "PartitionSpec",
-    "DataSpec",
-    "TaskSpec",
-    "OptimizerSpec",
-    "TrainConfig",
-    "WorkerSpec",
-    "CommConfig",
-    "FederatedOptions",
-    "PopulationOptions",
-]
+# logger name (run.loggers) -> (the module it imports, the paratrain extra that installs it)
+LOGGERS: dict[str, tuple[str, str]] = {
+    "tensorboard": ("tensorboard", "tensorboard"),
+    "mlflow": ("mlflow", "mlflow"),
+    "wandb": ("wandb", "wandb"),
+}
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(
-        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=describe_tags
-    )
-
-
-class _OpenSection(BaseModel):
-    """A section whose unknown keys are kwargs for a user's factory."""
-
-    model_config = ConfigDict(
-        frozen=True, extra="allow", use_attribute_docstrings=True, json_schema_extra=describe_tags
-    )
-
-    @property
-    def kwargs(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
-
-
-class RunConfig(_Section):
+class RunConfig(Section):
     name: str = "run"
     """The run's name: its folder is ``output_dir/name`` (one folder name, no '/')."""
     seed: Annotated[int, Field(ge=0, lt=2**32, strict=True)] = 0
@@ -107,9 +83,17 @@ class RunConfig(_Section):
     @field_validator("loggers")
     @classmethod
     def _known_installed_loggers(cls, v: list[str]) -> list[str]:
-        from .loggers import check_loggers  # the names and their libraries
-
-        check_loggers(v)  # ValueError names the logger and the extra to install
+        """Each logger known, listed once, and its library installed (else the extra)."""
+        for i, name in enumerate(v):
+            if name not in LOGGERS:
+                raise ValueError(f"unknown logger {name!r}; the loggers are "
+                                 f"{', '.join(repr(n) for n in LOGGERS)}")
+            if name in v[:i]:
+                raise ValueError(f"logger {name!r} is listed twice")
+            module, extra = LOGGERS[name]
+            if importlib.util.find_spec(module) is None:
+                raise ValueError(f"logger {name!r} needs the {module} library, which is not "
+                                 f"installed: pip install 'paratrain[{extra}]'")
         return v
 
     @field_validator("checkpoint_every")
@@ -128,7 +112,6 @@ class RunConfig(_Section):
                 raise ValueError(f"{e} (or 'off')") from None
         return v
 
-
     @field_validator("name")
     @classmethod
     def _one_folder_name(cls, v: str) -> str:
@@ -140,23 +123,32 @@ class RunConfig(_Section):
         return v
 
 
-def _name_or_factory(section: str, data: Any) -> Any:
-    """A given ``factory`` means the default ``name`` is not set (TOML has no null)."""
-    if isinstance(data, dict) and data.get("factory") is not None and "name" not in data:
-        return {**data, "name": None}
-    return data
+class _NameOrFactory(OpenSection):
+    """A built-in ``name`` or a user ``factory``, exactly one; a given ``factory`` replaces
+    the default name (TOML has no null)."""
+
+    _section: ClassVar[str]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _factory_drops_default_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("factory") is not None and "name" not in data:
+            return {**data, "name": None}
+        return data
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Any:
+        section, name, factory = self._section, self.__dict__["name"], self.__dict__["factory"]
+        if name is not None and factory is not None:
+            raise ValueError(f"set exactly one of {section}.name or {section}.factory, not both "
+                             f"(got name = {name!r}, factory = {factory!r})")
+        if name is None and factory is None:
+            raise ValueError(f"set one of {section}.name (a built-in) or {section}.factory "
+                             "('module:function')")
+        return self
 
 
-def _one_of_name_factory(section: str, name: str | None, factory: str | None) -> None:
-    if name is not None and factory is not None:
-        raise ValueError(f"set exactly one of {section}.name or {section}.factory, not both "
-                         f"(got name = {name!r}, factory = {factory!r})")
-    if name is None and factory is None:
-        raise ValueError(f"set one of {section}.name (a built-in) or {section}.factory "
-                         "('module:function')")
-
-
-class ModelSpec(_OpenSection):
+class ModelSpec(_NameOrFactory):
     """A zoo ``name`` (default ``"mlp"``) or a user ``factory``; a factory replaces the
     default name."""
 
@@ -171,18 +163,10 @@ class ModelSpec(_OpenSection):
     tracing into their forward: for a module whose forward fx cannot trace (control flow on
     a tensor's value). ModelParallel places a leaf whole."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _factory_drops_default_name(cls, data: Any) -> Any:
-        return _name_or_factory("model", data)
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> ModelSpec:
-        _one_of_name_factory("model", self.name, self.factory)
-        return self
+    _section: ClassVar[str] = "model"
 
 
-class PartitionSpec(_Section):
+class PartitionSpec(Section):
     """How federated clients split the training set."""
 
     method: Literal["iid", "shards", "dirichlet", "speaker"] = "iid"
@@ -203,7 +187,7 @@ class PartitionSpec(_Section):
     feature_shift (seeded by run.seed; paratrain.data.client_splits); 0 = no shift."""
 
 
-class DataSpec(_OpenSection):
+class DataSpec(_NameOrFactory):
     """A built-in dataset ``name`` (default ``"digits"``) or a user ``factory``; a
     factory replaces the default name."""
 
@@ -232,21 +216,17 @@ class DataSpec(_OpenSection):
     prefetch_factor: Annotated[int, Field(ge=1, le=64, strict=True)] | None = None
     """Batches each loader worker prepares ahead; None = torch's 2. Needs num_workers > 0."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _factory_drops_default_name(cls, data: Any) -> Any:
-        return _name_or_factory("data", data)
+    _section: ClassVar[str] = "data"
 
     @model_validator(mode="after")
-    def _exactly_one(self) -> DataSpec:
-        _one_of_name_factory("data", self.name, self.factory)
+    def _prefetch_needs_workers(self) -> DataSpec:
         if self.prefetch_factor is not None and self.num_workers == 0:
             raise ValueError("data.prefetch_factor needs data.num_workers > 0 (the training "
                              "process gathers its batches itself)")
         return self
 
 
-class TaskSpec(_OpenSection):
+class TaskSpec(_NameOrFactory):
     """What is trained (``paratrain.task``): a built-in task ``name`` (default
     ``"classification"``) or a user ``factory`` (``"module:function"`` returning a
     :class:`paratrain.Task`; the section's extra keys are its kwargs). A factory replaces
@@ -263,14 +243,10 @@ class TaskSpec(_OpenSection):
     """``language_model``: offset between the starts of consecutive examples; None = block_size
     (non-overlapping windows)."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _factory_drops_default_name(cls, data: Any) -> Any:
-        return _name_or_factory("task", data)
+    _section: ClassVar[str] = "task"
 
     @model_validator(mode="after")
-    def _exactly_one(self) -> TaskSpec:
-        _one_of_name_factory("task", self.name, self.factory)
+    def _builtin_takes_no_kwargs(self) -> TaskSpec:
         if self.factory is None and self.model_extra:
             key = sorted(self.model_extra)[0]
             raise ValueError(f"unknown key task.{key}: built-in tasks take name, block_size, "
@@ -278,7 +254,7 @@ class TaskSpec(_OpenSection):
         return self
 
 
-class OptimizerSpec(_OpenSection):
+class OptimizerSpec(OpenSection):
     name: Literal["sgd", "adam", "adamw"] = "sgd"
     """The optimizer: ``sgd``, ``adam`` or ``adamw`` (the table's other keys, e.g. momentum or
     weight_decay, are its arguments)."""
@@ -289,7 +265,7 @@ class OptimizerSpec(_OpenSection):
     optimizer; None = the optimizer's default (0 for sgd/adam, 0.01 for adamw)."""
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     epochs: Count = 10
     """Passes over the training set."""
     batch_size: PositiveCount = 32
@@ -321,7 +297,7 @@ class TrainConfig(_Section):
     too); parameters, gradients and optimizer state stay fp32."""
 
 
-class WorkerSpec(_Section):
+class WorkerSpec(Section):
     id: str
     """The worker's id (unique), e.g. the target of a ModelParallel partition ``{WorkerId = ...}``.
     """
@@ -330,7 +306,7 @@ class WorkerSpec(_Section):
     ByCapability client selection."""
 
 
-class CommConfig(_Section):
+class CommConfig(Section):
     bucket_size_mb: Annotated[float, Field(gt=0.0)] = 25.0
     """AllReduce gradient bucket size in MiB (as torch DDP's bucket_cap_mb)."""
     timeout_s: Annotated[float, Field(gt=0.0)] = 300.0
@@ -340,7 +316,7 @@ class CommConfig(_Section):
     1.0 without compression, 0.5 with it."""
 
 
-class FederatedOptions(_Section):
+class FederatedOptions(Section):
     local_epochs: PositiveCount = 1
     """Epochs each selected client trains on its data per round."""
     batch_size: PositiveCount | None = 10
@@ -366,14 +342,13 @@ class FederatedOptions(_Section):
 
     @model_validator(mode="after")
     def _flower_only(self) -> FederatedOptions:
-        assert self.runtime in RUNTIMES
         if self.flower is not None and self.runtime != "flower":
             raise ValueError('[federated.flower] is read only with runtime = "flower" '
                              f"(runtime is {self.runtime!r})")
         return self
 
 
-class PopulationOptions(_Section):
+class PopulationOptions(Section):
     steps_per_generation: PositiveCount | None = None
     """Optimizer steps each member trains per generation (set this or epochs_per_generation)."""
     epochs_per_generation: PositiveCount | None = None

@@ -13,30 +13,8 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, JsonValue, model_validator
 
-from ._base import (
-    Codec,
-    Contract,
-    Fraction,
-    PositiveCount,
-    register_tags,
-)
+from ._base import Codec, Contract, Fraction, NonNegFloat, PositiveCount
 from .federated_aggregation import FederatedAggregation
-
-__all__ = [
-    "AllReduce", "ParameterServer", "Decentralized", "GradientAggregation",
-    "WorkerIdTarget", "TagTarget", "RemoteTarget", "Partition",
-    "DataStore", "Direct", "Pipeline", "CommunicationProtocol",
-    "AllClients", "RandomClients", "ByCapability", "ClientSelection",
-    "Truncation", "Binary", "ExploitStrategy", "Perturbation", "Resample",
-    "ExploreStrategy",
-    "Local", "DataParallel", "ModelParallel", "Federated", "PopulationBased", "Custom",
-    "TrainingStrategy", "load_strategy", "dump_strategy", "strategy_schema",
-    "DECENTRALIZED_TOPOLOGIES",
-]
-
-NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
-
-# ---------------------------------------------------------------- GradientAggregation
 
 DECENTRALIZED_TOPOLOGIES = ("ring", "torus", "complete")
 
@@ -67,8 +45,6 @@ GradientAggregation = Annotated[
     AllReduce | ParameterServer | Decentralized, Field(discriminator="method")
 ]
 
-# ---------------------------------------------------------------------- RemoteTarget
-
 
 class WorkerIdTarget(Contract):
     """``{"WorkerId": "<id>"}``: exactly the worker with this id."""
@@ -82,19 +58,6 @@ class TagTarget(Contract):
 
     Tag: str
     """A tag; the first worker (by rank) carrying it is the target."""
-
-
-def _target_tag(v: Any) -> str | None:
-    if isinstance(v, dict):
-        keys = [k for k in ("WorkerId", "Tag") if k in v]
-        if len(keys) == 1:
-            return keys[0]
-        return None
-    if isinstance(v, WorkerIdTarget):
-        return "WorkerId"
-    if isinstance(v, TagTarget):
-        return "Tag"
-    return None
 
 
 RemoteTarget = WorkerIdTarget | TagTarget
@@ -111,14 +74,12 @@ class Partition(Contract):
     def _one_target(cls, data: Any) -> Any:
         if isinstance(data, dict) and "target" in data:
             t = data["target"]
-            if isinstance(t, dict) and _target_tag(t) is None:
+            if isinstance(t, dict) and sum(k in t for k in ("WorkerId", "Tag")) != 1:
                 raise ValueError(
                     f"target must be exactly one of {{'WorkerId': ...}} or {{'Tag': ...}} (got {t!r})"
                 )
         return data
 
-
-# ------------------------------------------------------------- CommunicationProtocol
 
 
 def _no_pipeline_fields(data: Any) -> Any:
@@ -173,8 +134,6 @@ class Pipeline(Contract):
 
 CommunicationProtocol = Annotated[DataStore | Direct | Pipeline, Field(discriminator="protocol")]
 
-# ------------------------------------------------------------------- ClientSelection
-
 
 class AllClients(Contract):
     method: Literal["All"] = "All"
@@ -195,8 +154,6 @@ class ByCapability(Contract):
 ClientSelection = Annotated[
     AllClients | RandomClients | ByCapability, Field(discriminator="method")
 ]
-
-# ------------------------------------------------------------------ Exploit / Explore
 
 
 class Truncation(Contract):
@@ -229,8 +186,6 @@ class Resample(Contract):
 
 
 ExploreStrategy = Annotated[Perturbation | Resample, Field(discriminator="method")]
-
-# ------------------------------------------------------------------ TrainingStrategy
 
 
 class Local(Contract):
@@ -319,15 +274,6 @@ TrainingStrategy = Annotated[
     Local | DataParallel | ModelParallel | Federated | PopulationBased | Custom,
     Field(discriminator="type"),
 ]
-
-register_tags(
-    [
-        "Local", "DataParallel", "ModelParallel", "Federated", "PopulationBased", "Custom",
-        "AllReduce", "ParameterServer", "Decentralized", "DataStore", "Direct", "Pipeline",
-        "All", "Random", "ByCapability", "Truncation", "Binary",
-        "Perturbation", "Resample", "WorkerIdTarget", "TagTarget",
-    ]
-)
 
 _CODEC = Codec(TrainingStrategy)
 load_strategy = _CODEC.load  # a TrainingStrategy from JSON text or a dict

@@ -25,11 +25,6 @@ from pydantic import (
 
 from ._base import Contract, Count, PositiveCount, load_document
 
-__all__ = [
-    "TensorPartitioningStrategy", "TensorCommunicationPattern", "TensorMemoryOptimization",
-    "TensorParallelismConfig", "load_tensor_parallel", "dump_tensor_parallel", "PlanEntry", "PLAN_STYLES",
-]
-
 # style -> (input layout, output layout) it implies; HF's names are aliases with fixed layouts
 PLAN_STYLES: dict[str, tuple[str | None, str | None]] = {
     "colwise": ("replicate", "shard"),
