@@ -1,28 +1,16 @@
 """Python API: ``paratrain.fit(...)`` returns the same summary the CLI writes.
 
 What ``fit`` is given is what it trains, or a ConfigError naming ``data``/``model``/``task``
-says why not -- never a silent fallback to the job's (or the default) data:
-
-- ``data``: a built-in name or a ``[data]`` dict (as the job file), a
-  :class:`~paratrain.data.DataBundle`, ``(X, y)`` arrays (NumPy or tensors; split into
-  train/test by ``data.test_fraction``, seeded by ``run.seed``: stratified for class
-  labels, plain for ``task = "regression"`` -- the split a ``data.factory`` returning
-  ``(X, y)`` gets, so both runs train the same numbers), one ``torch.utils.data.Dataset``
-  (split likewise: a ``TensorDataset`` by rows, any other by ``random_split``), or a
-  ``(train, test)`` pair of Datasets, used as they are.
-- ``model``: a zoo name, a ``[model]`` dict or an ``nn.Module``; ``task``: a built-in name,
-  a ``[task]`` dict or a :class:`paratrain.Task` object.
-
-Instances under every strategy. The Local strategy (one process, no tensor parallelism)
-trains the objects themselves (the module given is the one trained). A strategy with
-worker processes (started by forkserver/spawn, so nothing is inherited) gets them
-pickled: ``fit`` writes each object to a temporary folder (``torch.save``), the job names
-them by the factories below (``model.factory = "paratrain.api:saved_model"``, ...) and
-every worker loads its own copy (the same initial parameters on every rank, member and
-client). An object must therefore pickle, and its class must be importable by name in a
-fresh process (defined in a module, not in ``__main__`` of a notebook); otherwise the
-error says so and names the field -- give a factory (``"module:function"``) instead. The
-folder is removed when ``fit`` returns.
+says why not (never a silent fallback to the job's data). ``data``: a built-in name or a
+``[data]`` dict, a :class:`~paratrain.data.DataBundle`, ``(X, y)`` arrays (split by
+``data.test_fraction``, seeded, as a ``data.factory``'s), one ``torch.utils.data.Dataset``
+(split likewise) or a ``(train, test)`` pair of Datasets; ``model``: a zoo name, a
+``[model]`` dict or an ``nn.Module``; ``task``: a built-in name, a ``[task]`` dict or a
+:class:`paratrain.Task`. Local (no tensor parallelism) trains the objects themselves; a
+strategy with worker processes gets them pickled into a temporary folder that the job names
+through the factories below (``model.factory = "paratrain.api:saved_model"``, ...), so an
+object must pickle and its class be importable in a fresh process (else the error names the
+field: give a factory instead).
 """
 
 from __future__ import annotations
@@ -43,8 +31,6 @@ from .config import ConfigError
 from .config.job import JobConfig, load_job
 from .data import DataBundle
 
-__all__ = ["fit", "saved_model", "saved_data", "saved_task", "OBJECTS_ENV"]
-
 OBJECTS_ENV = "PARATRAIN_FIT_OBJECTS"  # the folder of fit's pickled instances (workers read it)
 
 
@@ -54,9 +40,6 @@ def _section(value: Any) -> Any:
     if isinstance(value, dict):  # e.g. subgraphs={"head": Local()}
         return {k: _section(v) for k, v in value.items()}
     return value
-
-
-# ------------------------------------------------------------------------------ data given
 
 
 def _is_array(v: Any) -> bool:
@@ -139,9 +122,6 @@ def data_bundle(data: Any, cfg: JobConfig, *, regression: bool) -> DataBundle:
                                 f"Datasets (got {type(data).__name__})")])
 
 
-# ------------------------------------------------------------ instances for worker processes
-
-
 def _load(name: str) -> Any:
     folder = os.environ.get(OBJECTS_ENV)
     if not folder or not (Path(folder) / name).is_file():
@@ -189,7 +169,7 @@ def _saved(objects: dict[str, Any], strategy: str) -> Iterator[None]:
     before = os.environ.get(OBJECTS_ENV)
     try:
         for name, obj in objects.items():
-            cls = type(obj.task if isinstance(obj, _WithData) else obj)
+            cls = type(obj)
             if cls.__module__ == "__main__" and not hasattr(__import__("__main__"), "__file__"):
                 raise ConfigError([(name, f"{cls.__name__} is defined interactively (__main__): "
                                           f"the {strategy} workers cannot import it; define it in "
@@ -223,9 +203,6 @@ def _by_factories(doc: dict[str, Any], objects: dict[str, Any]) -> dict[str, Any
                 if k in spec.model_fields and k not in ("name", "factory")}
         out[name] = {**kept, "factory": f"paratrain.api:saved_{name}"}
     return out
-
-
-# -------------------------------------------------------------------------------------- fit
 
 
 def fit(

@@ -22,14 +22,11 @@ __all__ = ["main"]
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
-def _problems(err: ConfigError, path: str | None = None) -> list[str]:
-    prefix = f"{path}: " if path else ""
-    return [f"{prefix}{p}: {m}" if p else f"{prefix}{m}" for p, m in err.problems]
-
-
-def _print_problems(lines: list[str]) -> None:
-    for line in lines:
-        print(line, file=sys.stderr)
+def _usage(err: ConfigError, prefix: str) -> int:
+    """Each problem of ``err`` as one ``prefix field: message`` line on stderr; exit 2."""
+    for field, msg in err.problems:
+        print(f"{prefix}{field}: {msg}" if field else f"{prefix}{msg}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -46,37 +43,30 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         try:
             job = load_job(path)
             # plugins register coordinators and factories that the checks look at
-            try:
-                import_plugins(job.run.imports, base=Path(path).resolve().parent)
-            except ConfigError:
-                raise
-            except Exception as e:  # noqa: BLE001 - the job's own code: one line, no traceback
-                raise ConfigError([("run.imports", f"importing failed: {type(e).__name__}: {e}")]) from None
+            import_plugins(job.run.imports, base=Path(path).resolve().parent)
             warnings = [f"{path}: warning: {item}" for item in effective_settings(job).ignored]
             # every check `run` makes before training (paratrain.preflight)
             notes = preflight(job, job_dir=Path(path).resolve().parent, warn=False)
             warnings += [f"{path}: warning: {note}" for note in notes]
         except ConfigError as e:
-            _print_problems(_problems(e, path))
-            worst = EXIT_USAGE
+            worst = _usage(e, f"{path}: ")
         else:
-            _print_problems(warnings)
+            for line in warnings:
+                print(line, file=sys.stderr)
             if not args.quiet:
                 print(f"{path}: ok")
                 try:  # how the job runs, as its executor tells (runtime, TP layout, ZeRO shards...)
                     for line in spec_for(job).describe(job):
                         print(f"{path}: {line}")
                 except ConfigError as e:
-                    _print_problems(_problems(e, path))
-                    worst = EXIT_USAGE
+                    worst = _usage(e, f"{path}: ")
             if getattr(args, "explain", False):
                 from .explain import explain, render
 
                 try:
                     report = explain(job)
                 except ConfigError as e:
-                    _print_problems(_problems(e, path))
-                    worst = EXIT_USAGE
+                    worst = _usage(e, f"{path}: ")
                 else:
                     print(render({**report, "job": path}))
     return worst
@@ -96,8 +86,7 @@ def _cmd_graph(args: argparse.Namespace) -> int:
             print(draw(report, args.out))
             return EXIT_OK
     except ConfigError as e:
-        _print_problems(_problems(e, args.job))
-        return EXIT_USAGE
+        return _usage(e, f"{args.job}: ")
     print(json.dumps(report, indent=2) if args.json else render(report))
     return EXIT_OK
 
@@ -132,8 +121,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         job = load_job(args.job)
     except ConfigError as e:
-        _print_problems(_problems(e, args.job))
-        return EXIT_USAGE
+        return _usage(e, f"{args.job}: ")
     if getattr(args, "whole_process", False) and _trains_here(job):
         from .training.report import start_drawer
 
@@ -150,16 +138,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         check_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
     except ConfigError as e:
-        _print_problems([f"error: {line}" for line in _problems(e)])
-        return EXIT_USAGE
+        return _usage(e, "error: ")
     # Workers import the job's plugins (run.imports) relative to the job file's folder.
     os.environ.setdefault("PARATRAIN_JOB_DIR", str(Path(args.job).resolve().parent))
-    if args.nnodes is not None:
-        os.environ["PARATRAIN_NNODES"] = str(args.nnodes)
-    if args.node_rank is not None:
-        os.environ["PARATRAIN_NODE_RANK"] = str(args.node_rank)
-    if args.rdzv_endpoint is not None:
-        os.environ["PARATRAIN_RDZV_ENDPOINT"] = args.rdzv_endpoint
+    for var, value in (("PARATRAIN_NNODES", args.nnodes), ("PARATRAIN_NODE_RANK", args.node_rank),
+                       ("PARATRAIN_RDZV_ENDPOINT", args.rdzv_endpoint)):
+        if value is not None:
+            os.environ[var] = str(value)
     from .training.allocator import keep_freed_memory
 
     keep_freed_memory()  # this process trains (Local) and exits: no page refaults per step
@@ -167,8 +152,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         summary = execute(job, resume=args.resume, overwrite=args.overwrite,
                           job_dir=Path(args.job).resolve().parent)
     except ConfigError as e:
-        _print_problems(_problems(e, args.job))
-        return EXIT_USAGE
+        return _usage(e, f"{args.job}: ")
     except KeyboardInterrupt:
         print("interrupted; continue with --resume", file=sys.stderr)
         return 130
@@ -218,8 +202,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         else:
             path = export_model(args.run, out, client=args.client)
     except ConfigError as e:
-        _print_problems(_problems(e, args.run))
-        return EXIT_USAGE
+        return _usage(e, f"{args.run}: ")
     if not args.quiet:
         print(path)
     return EXIT_OK

@@ -1,11 +1,6 @@
-"""Running a job: every check, then the executor's spec (``execute``).
-
-A floor above the executors: :func:`execute` runs :func:`paratrain.preflight.preflight`,
-warns about the settings the run ignores, and calls ``run`` of the job's
-:class:`~paratrain.executors.spec.ExecutorSpec` (:func:`paratrain.executors.spec_for`:
-by strategy type, with tensor parallelism on top). The CLI, :func:`paratrain.fit` and
-``python -m paratrain.worker`` all run jobs through it.
-"""
+"""Running a job (the CLI, :func:`paratrain.fit` and ``python -m paratrain.worker`` all do it
+through :func:`execute`): every check, the ignored-settings warnings, then ``run`` of the job's
+:class:`~paratrain.executors.spec.ExecutorSpec`."""
 
 from __future__ import annotations
 
@@ -20,23 +15,17 @@ from .config.effective import Effective
 from .config.job import JobConfig
 from .executors import spec_for, worker_preload
 
-__all__ = ["execute", "effective_settings"]
-
 
 def execute(
     job: JobConfig, *, resume: bool = False, overwrite: bool = False, job_dir: Path | None = None,
     instances: Any = None,
 ) -> dict[str, Any]:
-    """Run ``job`` under its strategy and return the summary. Never falls back to Local.
-
-    A fresh run into a run folder that already holds a run is refused unless
-    ``overwrite`` (replace it) or ``resume`` (continue it).
-
-    ``job_dir`` (the job file's folder) anchors relative ``run.imports`` paths.
-    ``instances`` (:class:`paratrain.preflight.Instances`, from :func:`paratrain.fit`) are
-    checked as the specs they replace are, then trained by the (Local) executor.
-    Settings the run ignores (:func:`effective_settings`) are warned about once, by the
-    launching process (rank 0 under torchrun)."""
+    """Run ``job`` under its strategy and return the summary; never falls back to Local. A
+    fresh run into a folder holding a run is refused unless ``overwrite`` or ``resume``.
+    ``job_dir`` anchors relative ``run.imports``; ``instances``
+    (:class:`paratrain.preflight.Instances`, from :func:`paratrain.fit`) are checked as the
+    specs they replace, then trained by the Local executor. Ignored settings are warned
+    about once, by the launching process (rank 0 under torchrun)."""
     launcher = os.environ.get("RANK", "0") == "0"
     preload = worker_preload(job) if instances is None else []
     if preload:

@@ -1,27 +1,14 @@
-"""A run folder's files on the bottom floor: deleting only inside a given root
-(:func:`safe_rmtree` / :func:`safe_unlink`), and which checkpoint a run folder resumes
-from (:func:`newest_checkpoint`).
+"""A run folder's files on the bottom floor, used by every floor that writes or deletes.
 
-Every deletion paratrain makes goes through these (run folders, checkpoints, DataStore
-sessions), and each refuses a path that is not strictly inside the root it is given. They
-sit on the bottom floor, beside :mod:`paratrain.config`, so that every floor that deletes
-(``comm``'s DataStore, ``training``'s run folder, the executors) uses the same check.
-
-Checkpoints in ``<run>/checkpoints/``: the run lifecycle's torch.distributed.checkpoint
-folders ``step-<n>/`` of every strategy (their ``layout.json`` names the store, ``kind``:
-``local``, ``dp``, ``tp``, ``mp``, ``fed`` -- ``n`` counts rounds --, ``pbt`` -- ``n``
-counts generations). Earlier versions' files (``ckpt-<step>.pt``, a Federated server's
-``ckpt-<round>.pt``, ``population-<generation>.pt``, the per-process folders
-``<prefix>-rank<r>/`` + ``<prefix>-complete.json``) are recognised so that a resume can say
-it does not read them. :func:`newest_checkpoint` finds the newest complete one, by names
-only (nothing is loaded): the stores resume from it, and the launcher names it when it
-restarts a group ("restarted from round 4"), so a resume never silently starts fresh
-while a checkpoint exists.
-
-Every file a run writes goes through :func:`write_atomic` (:func:`write_bytes` /
-:func:`write_text` / :func:`write_json` on top): a temp file in the same folder, fsynced,
-``os.replace``d into place, and the folder fsynced, so a crash or a power cut leaves the
-old file or the new one whole, never a torn or empty one.
+Deleting only strictly inside a given root (:func:`safe_rmtree` / :func:`safe_unlink`; any
+other path is a bug and raises). Writing whole or not at all (:func:`write_atomic`: a temp
+file beside, fsynced, ``os.replace``d, the folder fsynced), so a crash or a power cut leaves
+the old file or the new one, never a torn one. Which checkpoint a run resumes from
+(:func:`newest_checkpoint`, by names only): the stores' DCP folders
+``checkpoints/step-<n>/`` (``layout.json`` names the store's ``kind``; ``n`` counts rounds
+for ``fed``, generations for ``pbt``), and earlier versions' files (``ckpt-<step>.pt``,
+``population-<generation>.pt``, ``<prefix>-rank<r>/`` with ``<prefix>-complete.json``),
+recognised so that a resume says it does not read them and never silently starts fresh.
 """
 
 from __future__ import annotations
@@ -35,10 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-__all__ = ["inside", "safe_rmtree", "safe_unlink", "FoundCheckpoint", "newest_checkpoint",
-           "DCP_FOLDER", "step_folders", "write_atomic", "write_bytes", "write_text",
-           "write_json", "fsync_folder"]
 
 DCP_FOLDER = "step-{:09d}"  # one torch.distributed.checkpoint folder of the one loop's stores
 

@@ -1,12 +1,8 @@
 """One worker process: ``python -m paratrain.worker JOB [--resume]`` (under torchrun).
 
-What each launched process runs is :func:`paratrain.executors.entry.worker_entry`
-(re-exported here): the executors hand it to :func:`paratrain.comm.launch.launch` with their
-worker function.
-
-As a command it loads the job file and dispatches it through
-:func:`paratrain.dispatch.execute`; the executor's ``launch`` sees torchrun's
-environment and runs in-process, so the same job file runs across machines::
+It loads the job file and runs it through :func:`paratrain.dispatch.execute`; the
+executor's ``launch`` sees torchrun's environment and runs in-process, so the same job file
+runs across machines::
 
     torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d \\
         --rdzv-endpoint=HOST:PORT -m paratrain.worker job.toml
@@ -23,23 +19,6 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
-
-from .comm.process import join_process_group, resolve_device
-from .executors.entry import worker_entry
-
-__all__ = ["worker_entry", "build_context", "resolve_device", "main"]
-
-# Kept under its old name: the WorkerContext of this process, from the environment.
-build_context = join_process_group
-
-
-def _write_log(job: Any, text: str) -> Path | None:
-    """Append ``text`` to ``runs/<name>/worker-<RANK>.log``; the path, or None."""
-    from .comm.worker_errors import append_worker_log
-
-    rank = int(os.environ.get("RANK", "0") or 0)
-    return append_worker_log(job, rank, text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("job", help="job file (.toml, .json, .yaml)")
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
     args = parser.parse_args(argv)
-    from .comm.worker_errors import WorkerError
+    from .comm.worker_errors import WorkerError, append_worker_log
     from .config import ConfigError
     from .config.job import load_job
     from .dispatch import execute
@@ -74,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e.summary()}", file=sys.stderr)
             return 1
         line = f"{type(e).__name__}: {e}".splitlines()[0]
-        log = _write_log(job, traceback.format_exc()) if job is not None else None
         rank = os.environ.get("RANK", "0")
+        log = append_worker_log(job, int(rank or 0), traceback.format_exc()) if job is not None else None
         where = f" (worker {rank}; traceback in {log})" if log is not None else ""
         print(f"error: {line}{where}", file=sys.stderr)
         return 1

@@ -1,12 +1,7 @@
 """How each strategy runs: one package (or module) per executor, each exporting its
-:class:`~paratrain.executors.spec.ExecutorSpec` as ``SPEC``.
-
-:func:`spec_for` is the job's spec: by strategy type, except that a Local or DataParallel
-job with ``tensor_parallel_size > 1`` runs on the tensor-parallel executor. Strategy
-packages are imported on first lookup, so a strategy's dependencies load only when a job
-uses it. Running a job (checks, warnings, the spec's ``run``) is
-:func:`paratrain.dispatch.execute`, a floor above. The floors above reach the executors
-through this module's names only (the registry, the plugins' import, the specs).
+:class:`~paratrain.executors.spec.ExecutorSpec` as ``SPEC``, imported on first lookup (a
+strategy's dependencies load only when a job uses it). The floors above reach the executors
+through this module's names only; running a job is :func:`paratrain.dispatch.execute`.
 """
 
 from __future__ import annotations
@@ -72,13 +67,10 @@ def spec_for(job: JobConfig) -> ExecutorSpec:
 
 def worker_preload(job: JobConfig) -> list[str]:
     """Modules every launched worker of ``job`` imports, for the forkserver to import once
-    (:func:`paratrain.comm.forkserver.warm`): the executor's package and entry, the
-    checkpoint store's torch.distributed.checkpoint (imported on first use, not by the
-    packages), torch's compiler front end (``torch.optim`` imports it on the first
-    optimizer built) and the data set's libraries. Empty for a job that runs in this process, or under torchrun.
-    A hint only: computed from the job alone, before any check, importing nothing. (A
-    ``[model] factory``'s module is not named: the server imports before it has the job's
-    working directory, and an import that raises anything but ImportError would end it.)"""
+    (:func:`paratrain.comm.forkserver.warm`); empty for a job that runs in this process or
+    under torchrun. A hint from the job alone, importing nothing. (A ``[model] factory``'s
+    module is left out: the server imports before it has the job's working directory, and an
+    import that raises anything but ImportError would end it.)"""
     from ..comm.rendezvous import in_torchrun
 
     try:

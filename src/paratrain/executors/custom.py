@@ -1,15 +1,9 @@
 """Custom: user coordinators registered by name (``@register_coordinator("name")``).
 
-A coordinator is ``fn(job: JobConfig, config: JSON) -> dict`` (the summary). It receives
-the whole job, so every section (``[task]``, ``[compression]``, ``[tensor_parallel]``,
-``[train]``, ``[federated]``, ...) is the coordinator's to use: any task runs under Custom
-(preflight checks that the task builds, as for every strategy). One that declares a ``resume`` keyword
-(``fn(job, config, *, resume=False)``, or ``**kwargs``) is told about ``--resume``; one
-without it is called as before (and ``--resume`` is reported as ignored). A job whose
-strategy is ``{"type":"Custom","coordinator":name,"config":...}`` runs it; modules listed
-in ``run.imports`` are imported first so their decorators register. An unknown name is
-an error listing the registered ones; there is no fallback to Local. (Importing
-``run.imports`` is :mod:`.plugins`'s.)
+A coordinator is ``fn(job: JobConfig, config: JSON) -> dict`` (the summary), given the whole
+job, so every section is its to use. One that declares a ``resume`` keyword (or ``**kwargs``)
+is told about ``--resume``; for one without it ``--resume`` is reported as ignored. An
+unknown name is an error listing the registered ones; there is no fallback to Local.
 """
 
 from __future__ import annotations
@@ -23,9 +17,6 @@ from ..config import ConfigError
 from ..config.effective import Effective, Ignored
 from ..config.job import JobConfig
 from .spec import ExecutorSpec
-
-__all__ = ["SPEC", "register_coordinator", "registered_coordinators", "coordinator",
-           "accepts_resume", "run"]
 
 Coordinator = Callable[..., dict[str, Any]]
 _REGISTRY: dict[str, Coordinator] = {}
@@ -45,11 +36,6 @@ def register_coordinator(name: str) -> Callable[[Coordinator], Coordinator]:
 
 def registered_coordinators() -> list[str]:
     return sorted(_REGISTRY)
-
-
-def coordinator(name: str) -> Coordinator | None:
-    """The coordinator registered as ``name`` (None if there is none)."""
-    return _REGISTRY.get(name)
 
 
 def accepts_resume(fn: Coordinator) -> bool:
@@ -90,7 +76,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
 
 def _ignores(job: JobConfig, *, resume: bool = False, probe: bool = True) -> Effective:
     """``--resume`` for a coordinator that takes no ``resume`` keyword (it runs fresh)."""
-    fn = coordinator(str(getattr(job.strategy, "coordinator", "")))
+    fn = _REGISTRY.get(str(getattr(job.strategy, "coordinator", "")))
     if not resume or fn is None or accepts_resume(fn):
         return Effective(settings={})
     name = getattr(job.strategy, "coordinator", None)

@@ -1,13 +1,6 @@
-"""What every launched worker process runs: :func:`worker_entry`.
-
-The executors pass it to :func:`paratrain.comm.launch.launch` with their own worker function
-(``launch(job, nprocs=n, entry=worker_entry, target=worker_main)``), so ``comm`` is told
-what to run instead of importing a floor above it by name. It must be a module-level
-function (the forkserver pickles it by reference; :mod:`paratrain.comm.forkserver`
-preloads its module). It imports the job's plugins, joins the default process group
-through :func:`paratrain.comm.process.process_group` and calls
-``target(ctx, job, resume)``. A restart by the elastic agent
-(``TORCHELASTIC_RESTART_COUNT > 0``) resumes from the last checkpoint.
+"""What every launched worker process runs: :func:`worker_entry`, which the executors hand
+to :func:`paratrain.comm.launch.launch` with their worker function (so ``comm`` imports no
+floor above it). Module-level: the forkserver pickles it by reference.
 """
 
 from __future__ import annotations
@@ -25,8 +18,6 @@ import torch
 
 from ..comm.process import process_group
 
-__all__ = ["worker_entry"]
-
 
 def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
     """``target`` itself, or the function a ``"module:function"`` string names (a test's
@@ -42,10 +33,9 @@ def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
 def worker_entry(
     job_json: dict[str, Any], resume: bool, target: str | Callable[..., Any], parent: Any = None
 ) -> Any:
-    """Entry point of every worker process (see module docstring). ``parent`` is the
-    launching process's :class:`~paratrain.comm.forkserver.ParentState` (a forkserver
-    child takes its environment, directory, import path and stdio first); ``None`` under
-    torchrun."""
+    """Import the job's plugins, join the process group and call ``target(ctx, job, resume)``;
+    a restart by the elastic agent resumes. ``parent``: the launching process's
+    :class:`~paratrain.comm.forkserver.ParentState` (``None`` under torchrun)."""
     if parent is not None:
         parent.apply()
     from ..config.job import JobConfig

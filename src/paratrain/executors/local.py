@@ -1,14 +1,7 @@
-"""Local: one process, the plain seeded training loop (the default strategy).
-
-Data order is a pure function of (seed, epoch) and checkpoints hold the model,
-optimizer, RNG states and the position (epoch, batch), so ``--resume`` after an
-interruption ends with bit-identical parameters.
-
-What is trained is the job's :class:`~paratrain.task.Task` (``[task]``; classification by
-default): its datasets, model, loss and metrics. A batch is gathered by index
-(:func:`paratrain.task.fetch_batch`) in the order of ``epoch_permutation``; the summary
-reports ``test_<metric>`` for every metric of the task, ``best_test_<fitness metric>``, and
-the task's reference metrics (e.g. ``bigram_test_loss``).
+"""Local: one process, the plain seeded training loop over the job's
+:class:`~paratrain.task.Task` (the default strategy). Data order is a pure function of (seed,
+epoch) and checkpoints hold the model, optimizer, RNG states and the position, so ``--resume``
+after an interruption ends with bit-identical parameters.
 """
 
 from __future__ import annotations
@@ -38,8 +31,6 @@ from ..training.rundir import RunFolder
 from ..training.stores import LocalStore, warm
 from .spec import ExecutorSpec
 
-__all__ = ["SPEC", "run"]
-
 
 def run(
     job: JobConfig, *, resume: bool = False, overwrite: bool = False,
@@ -55,12 +46,7 @@ def run(
     seed_everything(seed)
     device = resolve_device(job.run.device)
     the_task = task if task is not None else resolve_task(job)
-    train: Any
-    test: Any
-    if data is not None:
-        train, test = data.train, data.test
-    else:
-        train, test = the_task.datasets(seed)
+    train, test = (data.train, data.test) if data is not None else the_task.datasets(seed)
     if model is not None:
         net = model
     elif data is not None:

@@ -1,12 +1,6 @@
-"""What an executor declares about itself: one :class:`ExecutorSpec` per strategy package.
-
-Each strategy package exports ``SPEC`` (``paratrain.executors.local.SPEC``,
-``paratrain.executors.data_parallel.SPEC``, ...). The floors above the executors (dispatch,
-preflight, the ignored-settings report, ``paratrain validate`` and ``paratrain graph``) find
-a job's spec through :func:`paratrain.executors.spec_for` and read it, instead of importing
-a strategy's modules; an executor states here, next to its code, how many processes it
-starts, what it checks before a run, what it ignores and what it adds to the reports.
-"""
+"""What an executor declares about itself: one :class:`ExecutorSpec` per strategy package
+(its ``SPEC``): how many processes it starts, what it checks before a run, what it ignores
+and what it adds to the reports."""
 
 from __future__ import annotations
 
@@ -16,8 +10,6 @@ from typing import Any
 
 from ..config.effective import Effective
 from ..config.job import JobConfig
-
-__all__ = ["ExecutorSpec", "GraphView", "Traced", "in_process", "capped_workers"]
 
 
 def in_process(job: JobConfig) -> tuple[int, str]:
@@ -48,11 +40,9 @@ class Traced:
 
 
 class GraphView:
-    """What an executor adds to ``paratrain graph``'s report of a :class:`Traced` model.
-    :func:`paratrain.explain.explain` asks it, in order, for each node row's extra keys
-    (:meth:`node`), each subgraph's (:meth:`group`), then the report's own sections
-    (:meth:`sections`). This base adds no keys and the sections ``sections()`` returns
-    (none without it); an executor that places nodes subclasses it."""
+    """What an executor adds to ``paratrain graph``'s report of a :class:`Traced` model: keys
+    for each node row (:meth:`node`) and each subgraph (:meth:`group`), then sections of its
+    own. This base adds the sections ``sections()`` returns; one that places nodes subclasses it."""
 
     def __init__(self, sections: Callable[[], dict[str, Any]] | None = None) -> None:
         self._sections = sections
@@ -67,7 +57,6 @@ class GraphView:
         return {}
 
     def sections(self) -> dict[str, Any]:
-        """The report's sections this executor adds (placement, mesh, shards, ...)."""
         return self._sections() if self._sections is not None else {}
 
 
@@ -81,34 +70,20 @@ def _plain_view(traced: Traced) -> GraphView:
 
 @dataclass(frozen=True)
 class ExecutorSpec:
-    """How one executor runs a job (see the module docstring).
+    """How one executor runs a job; the floors above read it through
+    :func:`paratrain.executors.spec_for` instead of importing a strategy's modules."""
 
-    - ``name``: the executor (a strategy type, or ``TensorParallel``);
-    - ``run(job, *, resume=False, overwrite=False) -> summary``;
-    - ``processes(job) -> (count, field)``: worker processes the job starts and the job
-      field that sets the number (preflight's process limit names it; a ConfigError when
-      the job names workers it does not have);
-    - ``notes(job) -> lines``: settings the executor adjusts rather than refuses (preflight
-      warns with them);
-    - ``validate(job)``: the executor's own checks before a run (a ConfigError naming the
-      field), or ``None``;
-    - ``check_data(job, bundle)``: checks of the job against its built data (``bundle``:
-      ``train``, ``test``, ``model``), made by preflight beside its other checks, or ``None``;
-    - ``ignores(job, resume=..., probe=...) -> Effective``: settings this executor ignores
-      beyond the rules :func:`paratrain.config.effective.effective_settings` knows from the
-      job alone (those that need the executor's code, e.g. the model it builds); its
-      ``settings`` update the report's;
-    - ``describe(job) -> lines``: what ``paratrain validate`` prints about how the job will
-      run (a ConfigError when that cannot be worked out);
-    - ``graph(traced) -> GraphView``: what ``paratrain graph`` adds for this executor.
-    """
-
-    name: str
-    run: Callable[..., dict[str, Any]]
+    name: str  # a strategy type, or TensorParallel
+    run: Callable[..., dict[str, Any]]  # run(job, *, resume=False, overwrite=False) -> summary
+    # (worker processes the job starts, the job field that sets that number): preflight's limit
     processes: Callable[[JobConfig], tuple[int, str]] = in_process
+    # settings the executor adjusts rather than refuses (preflight warns with these lines)
     notes: Callable[[JobConfig], list[str]] = _no_lines
-    validate: Callable[[JobConfig], Any] | None = None
+    validate: Callable[[JobConfig], Any] | None = None  # own checks: a ConfigError naming the field
+    # checks against the built data (bundle: train, test, model), beside preflight's own
     check_data: Callable[[JobConfig, Any], None] | None = None
+    # ignores(job, resume=..., probe=...): settings ignored beyond the rules the job alone tells
+    # (paratrain.config.effective), those needing the executor's code (e.g. the model it builds)
     ignores: Callable[..., Effective] | None = None
-    describe: Callable[[JobConfig], list[str]] = _no_lines
-    graph: Callable[[Traced], GraphView] = _plain_view
+    describe: Callable[[JobConfig], list[str]] = _no_lines  # `paratrain validate`'s lines on it
+    graph: Callable[[Traced], GraphView] = _plain_view  # what `paratrain graph` adds

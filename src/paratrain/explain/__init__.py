@@ -1,27 +1,14 @@
 """What a job's model looks like as a graph: ``paratrain graph JOB`` (and ``validate --explain``).
 
-:func:`explain` builds the job's model as its executor does (the task's model, seeded),
-traces it (:func:`paratrain.graph.trace.trace` with ``model.leaf_modules``) and returns a
-JSON-able report; :func:`render` turns it into text. The report lists:
-
-- ``nodes``: the modules the forward runs, in execution order: every ``call_module`` of the
-  trace, plus each module traced *into* that holds parameters or buffers of its own (a
-  head computing ``F.linear(x, self.weight)``); each with its parameter count and its
-  effective strategy (``[strategy]``, or the nearest ``[subgraphs]`` key above it:
-  :func:`paratrain.subgraphs.effective_strategy`);
-- ``subgraphs``: the modules that have children, with their own strategy when the job sets
-  one;
-- what the job's executor adds (``ExecutorSpec.graph``, a
-  :class:`~paratrain.executors.spec.GraphView`): under ModelParallel each node's worker and
-  part, every value that crosses workers with its shape and bytes for one batch of
-  ``train.batch_size`` training rows, the parameters each worker holds
-  (:mod:`paratrain.executors.model_parallel.graph_view`); Federated's runtime; ZeRO's
-  shards; tensor parallelism's sharded modules and mesh.
-
-Pure: no process is started, nothing is written. Every user error is a ConfigError.
-
-The shapes are :class:`torch.fx.passes.shape_prop.ShapeProp`'s over one training batch of
-``train.batch_size`` rows (read back by :mod:`paratrain.graph.sizes`).
+:func:`explain` builds the job's model as its executor does (seeded), traces it
+(:func:`paratrain.graph.trace.trace` with ``model.leaf_modules``) and returns a JSON-able
+report (:func:`render`: its text): ``nodes``, the modules the forward runs in execution order
+(every ``call_module``, and each module traced into that holds tensors of its own), each with
+its parameter count, effective strategy and output shape (ShapeProp over one training batch);
+``subgraphs``, the modules that have children; then what the job's executor adds
+(``ExecutorSpec.graph``: ModelParallel's workers and the values crossing them, ZeRO's shards,
+tensor parallelism's mesh, ...). Pure: no process starts, nothing is written; every user error
+is a ConfigError.
 """
 
 from __future__ import annotations
@@ -200,12 +187,7 @@ def explain_file(path: str | Path, *, shapes: bool = True, edges: bool = False) 
     from ..executors import import_plugins
 
     job = load_job(path)
-    try:
-        import_plugins(list(job.run.imports), base=Path(path).resolve().parent)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the job's own code: one line, no traceback
-        raise ConfigError([("run.imports", f"importing failed: {type(e).__name__}: {e}")]) from None
+    import_plugins(list(job.run.imports), base=Path(path).resolve().parent)
     report = explain(job, shapes=shapes, edges=edges)
     report["job"] = str(path)
     return report

@@ -1,10 +1,6 @@
-"""Dense multi-head self-attention (:class:`SelfAttention`), the layer the zoo's models use.
-
-It lives with the models, below :mod:`paratrain.tensor_parallel` (which re-exports it from
-:mod:`~paratrain.tensor_parallel.layers`): a model is built without importing the
-collectives, and ``parallelize`` replaces this layer by
-:class:`~paratrain.tensor_parallel.layers.ParallelSelfAttention`, which computes its heads
-with the same :meth:`SelfAttention.attend`.
+"""Dense multi-head self-attention (:class:`SelfAttention`), the layer the zoo's models use,
+below :mod:`paratrain.tensor_parallel` (a model builds without the collectives), whose
+``ParallelSelfAttention`` computes its heads with the same :meth:`SelfAttention.attend`.
 """
 
 from __future__ import annotations
@@ -14,8 +10,6 @@ import math
 import torch
 import torch.fx
 from torch import nn
-
-__all__ = ["SelfAttention"]
 
 
 def _inv_scale(head_dim: int) -> float:

@@ -1,28 +1,14 @@
-"""``gpt``: a small decoder-only transformer in the nanoGPT style, as named nodes.
+"""``gpt``: a small decoder-only transformer in the nanoGPT style, as named nodes: ``embed``
+(:class:`TokenPositionEmbedding`), ``block0`` .. ``block{n_layer-1}`` (:class:`Block`, pre-norm,
+paratrain's causal :class:`~paratrain.models.attention.SelfAttention` and an ``fc -> GELU ->
+proj`` MLP, the layers tensor parallelism splits), ``ln_f`` and ``head`` (:class:`LMHead`).
+Token ids ``[B, T]`` in, logits ``[B, T, V]`` out; GPT-2's initialisation (normal(0, 0.02),
+residual projections ``0.02 / sqrt(2 n_layer)``, zero biases).
 
-``gpt(input_shape=(T,), num_classes=V, n_layer=4, n_head=4, n_embd=128, block_size=T,
-dropout=0.0, tie_weights=True)`` is an ``nn.Sequential`` of
-
-- ``embed``: :class:`TokenPositionEmbedding` (token + learned position embedding, dropout),
-- ``block0`` .. ``block{n_layer-1}``: :class:`Block`, pre-norm
-  ``x = x + drop(attn(ln1(x))); x = x + mlp(ln2(x))`` where ``attn`` is paratrain's causal
-  :class:`~paratrain.models.attention.SelfAttention` (``q``/``k``/``v``/``o`` and
-  ``num_heads``: ``parallelize`` splits its heads) and ``mlp`` an ``nn.Sequential``
-  ``fc -> GELU -> proj -> Dropout`` (a Linear pair: column- then row-parallel),
-- ``ln_f``: the final ``LayerNorm``,
-- ``head``: :class:`LMHead`, logits ``x @ W.T`` over the vocabulary, no bias.
-
-Input: token ids ``[B, T]`` (int64, ``T <= block_size``); output: logits ``[B, T, V]``.
-Weights are initialised as in GPT-2 / nanoGPT: normal(0, 0.02), residual projections
-(``attn.o`` and ``mlp.proj``) with std ``0.02 / sqrt(2 n_layer)``, zero biases.
-
-**Tied head.** With ``tie_weights`` the head's weight *is* the token embedding's Parameter
-(one tensor; ``parameters()`` lists it once, ``state_dict()`` under both names). A tie is
-shared memory; under ModelParallel the head reads it as an attribute, so it stays one
-tensor on the embedding's rank, sent to the head's rank once per step with its gradient
-coming back (:mod:`paratrain.executors.model_parallel.runtime`). Federated exchanges
-the tied tensor once (:mod:`paratrain.models.state`). Tensor parallelism keeps the head (not
-an ``nn.Linear``) and the embedding replicated, so the tie holds.
+With ``tie_weights`` the head's weight *is* the token embedding's Parameter: one tensor, listed
+once by ``parameters()`` and twice by ``state_dict()``. ModelParallel sends it to the head's
+rank once a step (:mod:`paratrain.executors.model_parallel.runtime`), Federated exchanges it
+once (:mod:`paratrain.models.state`), tensor parallelism keeps both replicated.
 """
 
 from __future__ import annotations
@@ -36,8 +22,6 @@ from torch import nn
 
 from ..config import ConfigError
 from .attention import SelfAttention
-
-__all__ = ["gpt", "TokenPositionEmbedding", "Block", "LMHead"]
 
 
 def _check_length(t: int, block_size: int) -> None:

@@ -1,20 +1,10 @@
 """Hugging Face causal language models built from a config, no download: ``[model] name = "hf"``.
 
-``architecture`` is a transformers ``model_type`` (``llama``, ``gpt2``, ``mistral``,
-``qwen2``, ...); every other key of the section is a field of that architecture's config
-(``hidden_size``, ``num_hidden_layers``, ``num_key_value_heads``, GPT-2's ``n_embd``, ...).
-The model is ``AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture,
-vocab_size=V, **keys))``: randomly initialised (seeded by ``run.seed`` like every model),
-with the data's vocabulary ``V`` (the task's ``num_classes``). It is the raw transformers
-module -- no wrapper: the built-in tasks read its ``.logits`` and the strategies shard and
-place it by its own module names (``model.layers.0.self_attn.q_proj``, ``transformer.h.1``).
-
-Two defaults differ from a bare ``from_config`` because a config made for a 50 k-token
-vocabulary does not fit a small one: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``
-outside ``[0, V)`` are unset (transformers warns otherwise), and the context
-(``max_position_embeddings``, GPT-2's ``n_positions``) must hold ``block_size`` tokens or the
-build fails naming it. transformers is the optional ``hf`` extra (``pip install
-'paratrain[hf]'``); it is imported only when a job asks for this model.
+``AutoModelForCausalLM.from_config(AutoConfig.for_model(architecture, **keys))`` with the
+data's vocabulary (the task's ``num_classes``), seeded like every model: the raw transformers
+module, which the strategies shard and place by its own module names. Token ids outside the
+small vocabulary are unset, and the context must hold ``block_size`` tokens or the build fails
+naming it. transformers is the optional ``hf`` extra, imported only when a job asks for it.
 """
 
 from __future__ import annotations
@@ -24,8 +14,6 @@ from typing import Any
 from torch import nn
 
 from ..config import ConfigError
-
-__all__ = ["hf_causal_lm"]
 
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 

@@ -1,11 +1,6 @@
-"""A model's state without aliases: one entry per distinct tensor.
-
-A tied weight (GPT's head sharing the token embedding) appears in ``state_dict()`` under
-two names that are one tensor. Code that treats the state as independent tensors -- a
-federated update, an aggregate, a compressed exchange -- must see it once, or the two names
-could be given different values and the last one written would win. ``unique_state_dict``
-keeps the first name of each tensor (``state_dict`` order); ``load_unique_state_dict``
-copies such a state back in place, which fills every alias.
+"""A model's state without aliases: one entry per distinct tensor. A tied weight is two
+``state_dict()`` names for one tensor; a federated update, an aggregate or a compressed
+exchange must see it once, or the two names could get different values.
 """
 
 from __future__ import annotations
@@ -14,8 +9,6 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
-
-__all__ = ["unique_state_dict", "load_unique_state_dict"]
 
 
 def _key(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:

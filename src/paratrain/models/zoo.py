@@ -1,16 +1,8 @@
-"""Small models for 8x8 digits and similar inputs, each an ``nn.Sequential`` of named nodes.
-
-- ``mlp(hidden=[64], norm=None)``: flatten -> (fc_i, [norm_i,] act_i)* -> head; ``norm =
-  "batch"`` / ``"layer"`` puts a BatchNorm1d / LayerNorm after each hidden Linear (the
-  normalisation layers FedBN keeps local: ``[subgraphs.norm0]``, ...)
-- ``cnn(channels=[16, 32])``: unflatten to (1, 8, 8) -> conv/act/pool blocks -> head
-- ``transformer(d_model=32, heads=4, layers=2)``: rows of the image as a sequence of
-  tokens -> embed -> encoder blocks -> mean pool -> head
-- ``gpt(n_layer=4, n_head=4, n_embd=128, block_size, dropout=0.0, tie_weights=True)``: a
-  nanoGPT-style decoder-only transformer over token ids -> logits per position
-  (:mod:`paratrain.models.gpt`; embed -> block_i -> ln_f -> head)
-- ``hf(architecture, **config)``: a Hugging Face causal LM (``llama``, ``gpt2``, ...) built
-  from its config, no download (:mod:`paratrain.models.hf`; the ``hf`` extra)
+"""Small models for 8x8 digits and similar inputs, each an ``nn.Sequential`` of named nodes:
+``mlp`` (``norm = "batch"``/``"layer"`` after each hidden Linear: the layers FedBN keeps
+local), ``cnn``, ``transformer`` (the image's rows as tokens), ``gpt``
+(:mod:`paratrain.models.gpt`) and ``hf`` (:mod:`paratrain.models.hf`); and a user's
+``factory = "module:function"``.
 """
 
 from __future__ import annotations
@@ -29,8 +21,6 @@ from ..config import ConfigError
 from ..config.job import ModelSpec
 from .gpt import gpt
 from .hf import hf_causal_lm
-
-__all__ = ["MODELS", "build_model", "import_object", "call_factory", "MeanPool"]
 
 
 def import_object(ref: str, *, field: str) -> Any:

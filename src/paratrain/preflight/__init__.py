@@ -1,42 +1,16 @@
 """Everything a run checks before it trains, in one place (issue 13, "safe by default").
 
-:func:`preflight` is called by ``paratrain validate`` and by
-:func:`paratrain.dispatch.execute` before any executor runs, so ``validate`` accepts
-exactly the jobs ``run`` can start, and a job that cannot run fails before any worker
-process is spawned. It raises one :class:`~paratrain.config.ConfigError` listing every
-problem found, each naming its field:
-
-- ``run.imports`` import (module names or ``.py`` files next to the job file), and a
-  Custom ``strategy.coordinator`` is registered by them;
-- ``run.device``/``run.backend``: CUDA (and NCCL) only where CUDA is available;
-- processes: a job starts at most ``cpu_count() x 4`` worker processes on one machine
-  (:data:`PROCS_PER_CORE`; ``run.allow_oversubscribe = true`` lifts it), counted as each
-  executor's spec declares them: DataParallel replicas, ``tensor_parallel_size x replicas``,
-  ModelParallel workers, Federated/PopulationBased ``run.num_workers``;
-- the executor's own count (ModelParallel without ``[[workers]]`` and ``run.num_workers``:
-  the implicit workers are ``worker-0 .. worker-P`` for ``P`` partitions, one per partition
-  plus rank 0 for unclaimed nodes; a ``WorkerId`` beyond those names no worker, never a
-  larger world);
-- ``[task]``: its datasets and model build and the model runs on two training examples
-  (:func:`paratrain.task.preflight_task`);
-- the data and the model build with their kwargs (unknown ones name ``model.<kw>``;
-  negative or zero zoo widths name the field, e.g. ``model.hidden``), the model runs a
-  forward pass on two training rows, and the optimizer builds over its parameters with
-  its kwargs (``train.optimizer.<kw>``);
-- the executor's checks against the built data (``check_data`` of its spec: DataParallel
-  (and tensor-parallel) replicas x ``train.batch_size`` fit in the training set;
-  Federated clients no more than training rows, ``client_tags`` only for clients that
-  exist, client indices in range, a ``ByCapability`` selection some client can satisfy, a
-  partition that works);
-- ``[subgraphs]``: supported pairings and module paths of the built model
-  (:mod:`paratrain.subgraphs`);
-- the executor's own ``validate`` of its :class:`~paratrain.executors.spec.ExecutorSpec`
-  (ModelParallel placement, tensor parallel layout dry run, PopulationBased search space...).
-
-Settings that are adjusted rather than refused (the ``notes`` of the executor's spec:
-Federated ``run.num_workers`` above ``num_clients`` is capped; PopulationBased likewise at
-``population_size``) are returned as warning lines and, with ``warn=True``, issued as
-:class:`PreflightWarning`.
+:func:`preflight` is called by ``paratrain validate`` and by :func:`paratrain.dispatch.execute`
+before any executor runs, so ``validate`` accepts exactly the jobs ``run`` can start and a job
+that cannot run fails before any worker process is spawned. It raises one
+:class:`~paratrain.config.ConfigError` listing every problem, each naming its field: the
+``run.imports`` (and a Custom coordinator they register), ``run.device``/``run.backend``
+against CUDA, the worker processes the executor's spec declares (at most ``cpu_count() x``
+:data:`PROCS_PER_CORE` on one machine unless ``run.allow_oversubscribe``), the task, data,
+model and optimizer built with their kwargs and run on two training rows (:mod:`.build`),
+the spec's ``check_data`` against the built data, ``[subgraphs]`` pairings and paths, and
+the spec's own ``validate``. Settings adjusted rather than refused (the spec's ``notes``) are
+returned as warning lines and, with ``warn=True``, issued as :class:`PreflightWarning`.
 """
 
 from __future__ import annotations
@@ -51,9 +25,6 @@ from typing import Any
 from ..config import ConfigError
 from ..config.job import JobConfig
 from .build import _build
-
-__all__ = ["preflight", "process_count", "process_limit", "PreflightWarning", "PROCS_PER_CORE",
-           "Instances"]
 
 # Worker processes per CPU core a job may start without run.allow_oversubscribe: the
 # test suite runs 4 ranks on 2 cores; beyond a few per core, gloo ranks only fight for
@@ -112,9 +83,9 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True,
     if bundle is not None and pairings_ok:
         _stage(problems, _subgraph_paths, job, getattr(bundle, "model", None))
     if bundle is not None:
-        _stage(problems, _executor_data, job, bundle)
+        _stage(problems, _spec_check, job, "check_data", bundle)
         if strategy_ok and not problems:
-            _stage(problems, _executor_hook, job)
+            _stage(problems, _spec_check, job, "validate")
     # The checked model is garbage now; an import inside a stage (spec_for's executor
     # package) can leave cyclic garbage holding this frame, and the frame its locals: drop it
     # here, so that while `paratrain run` pauses collection (training.gcfreeze) it is freed.
@@ -123,18 +94,8 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True,
         for note in notes:
             warnings.warn(note, PreflightWarning, stacklevel=2)
     if problems:
-        raise ConfigError(_unique(problems))
+        raise ConfigError(list(dict.fromkeys(problems)))  # each problem once, in order
     return notes
-
-
-def _unique(problems: Problems) -> Problems:
-    seen: set[tuple[str, str]] = set()
-    out: Problems = []
-    for p in problems:
-        if p not in seen:
-            seen.add(p)
-            out.append(p)
-    return out
 
 
 def _stage(problems: Problems, fn: Any, *args: Any) -> Any:
@@ -214,15 +175,6 @@ def _processes(job: JobConfig, notes: list[str]) -> None:
             f"run.allow_oversubscribe = true"))])
 
 
-def _executor_data(job: JobConfig, bundle: Any) -> None:
-    """The executor's checks against the built data (``ExecutorSpec.check_data``), if any."""
-    from ..executors import spec_for
-
-    check = spec_for(job).check_data
-    if check is not None:
-        check(job, bundle)
-
-
 def _subgraph_pairings(job: JobConfig) -> None:
     """``[subgraphs]``: well-formed keys and supported pairings (paratrain.subgraphs)."""
     if job.subgraphs:
@@ -247,10 +199,11 @@ def _subgraph_paths(job: JobConfig, model: Any = None) -> None:
     check_paths(model, job)
 
 
-def _executor_hook(job: JobConfig) -> None:
-    """The strategy executor's own ``validate(job)``, when its spec has one."""
+def _spec_check(job: JobConfig, name: str, *args: Any) -> None:
+    """The executor spec's check ``name`` (``check_data`` against the built data, or its own
+    ``validate``), when it has one."""
     from ..executors import spec_for
 
-    check = spec_for(job).validate
+    check = getattr(spec_for(job), name)
     if check is not None:
-        check(job)
+        check(job, *args)

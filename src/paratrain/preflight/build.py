@@ -158,12 +158,9 @@ def _model(job: JobConfig, bundle: Any) -> Any:
 
 def _optimizer(job: JobConfig, model: Any) -> None:
     """The optimizer builds over ``model``'s parameters with its kwargs (each named)."""
-    from ..training.optim import check_optimizer
+    from ..training.optim import OPTIMIZERS, check_optimizer
 
     opt = job.train.optimizer
-    okw = {"lr": opt.lr, **opt.kwargs}
-    from ..training.optim import OPTIMIZERS
-
     unknown = _unknown_kwargs(OPTIMIZERS[opt.name], opt.kwargs, section="train.optimizer",
                               what=f"optimizer {opt.name!r}", skip=("params",))
     if unknown:
@@ -172,7 +169,8 @@ def _optimizer(job: JobConfig, model: Any) -> None:
         check_optimizer(model.parameters(), opt)
     except ConfigError as e:
         msg = e.problems[0][1]
-        raise ConfigError([(_field_of(msg, list(okw), "train.optimizer", _TORCH_OPT_WORDS), msg)]) from None
+        names = ["lr", *opt.kwargs]
+        raise ConfigError([(_field_of(msg, names, "train.optimizer", _TORCH_OPT_WORDS), msg)]) from None
 
 
 # How torch's optimizers name their arguments in ValueError messages.

@@ -1,41 +1,22 @@
 """How DataParallel replicas combine their work after each backward pass.
 
-* :class:`AllReduceAgg` — ``g <- (1/n) sum_r g_r`` through the one gradient sync
-  (:class:`~paratrain.comm.grad_sync.GradSync`, also used by tensor parallel x DataParallel
-  and the replicated pipeline stage). Uncompressed: bucketed all-reduce overlapped with
-  backward, so the result equals single-process SGD on the concatenated batch and torch
-  DDP. Compressed: everyone computes ``(1/n) sum_r D(C(g_r))`` (Seide et al. 2014; Lin et
-  al. 2018, "Deep Gradient Compression", with error feedback when configured) through
-  :func:`~paratrain.comm.ddp_hook.allreduce_compressed`, the exchange the DDP hook runs,
-  on the gradients' device: RandomK all-reduces the k values, TopK all-gathers values
-  and indices, Threshold and Quantization all-gather wire records.
-* :class:`ParameterServerAgg` — rank 0 is the server (Li et al. 2014, "Scaling
-  Distributed Machine Learning with the Parameter Server"): every other rank sends its
-  flat gradient (or ``C(g)``) point-to-point, the server averages with its own and sends
-  the dense mean back. The server moves ``2 (n-1) B`` bytes per step, a worker ``2 B``.
-* :class:`DecentralizedAgg` — no gradient exchange; after the local optimizer step each
-  replica gossips its parameters with its neighbours, ``x_i <- sum_j W_ij x_j``
-  (adapt-then-combine D-PSGD, Lian et al. 2017). With compression it runs CHOCO-gossip
-  (Koloskova et al. 2019): public copies ``x_hat``, ``q_i = C(x_i - x_hat_i)`` travels,
-  ``x_hat_j += D(q_j)``, ``x_i += gamma sum_j W_ij (x_hat_j - x_hat_i)``. The consensus
-  distance ``max_{i,j} ||x_i - x_j||`` is measured every step.
+* :class:`AllReduceAgg`: ``g <- (1/n) sum_r g_r`` through the one gradient sync
+  (:class:`~paratrain.comm.grad_sync.GradSync`: bucketed, overlapped with backward; equal to
+  torch DDP). Compressed, everyone computes ``(1/n) sum_r D(C(g_r))`` (Seide et al. 2014;
+  Lin et al. 2018, "Deep Gradient Compression", with error feedback when configured).
+* :class:`ParameterServerAgg`: rank 0 serves (Li et al. 2014): each worker sends its flat
+  gradient (or ``C(g)``), the server averages and sends the dense mean back; the server
+  moves ``2 (n-1) B`` bytes a step, a worker ``2 B``.
+* :class:`DecentralizedAgg`: after the local step each replica gossips its parameters,
+  ``x_i <- sum_j W_ij x_j`` (adapt-then-combine D-PSGD, Lian et al. 2017); compressed, it is
+  CHOCO-gossip (Koloskova et al. 2019): public copies ``x_hat``, ``q_i = C(x_i - x_hat_i)``
+  travels, ``x_hat_j += D(q_j)``, ``x_i += gamma sum_j W_ij (x_hat_j - x_hat_i)``.
 
-Local subgraphs (``[subgraphs.<path>] type = "Local"`` under DataParallel,
-:mod:`paratrain.subgraphs`): their parameters (``local``) are left out of ``named``, so no
-aggregation touches them: their gradients are this replica's own (``g_local <- g_r``), they
-are never gossiped, and each replica's optimizer moves its own copy.
-
-Unused parameters (DDP's ``find_unused_parameters=True`` rule, in every aggregation): a
-parameter no rank produced a gradient for this step keeps ``grad = None``, so the
-optimizer skips it (no momentum, no weight decay); one that some rank used is averaged
-as usual, the ranks that did not use it contributing zeros. Which is which travels as
-one flag per parameter (:func:`~paratrain.comm.collectives.used_mask`). Decentralized
-exchanges no gradients: each replica's optimizer already skips what it did not use.
-
-Buffers (``strategy.broadcast_buffers``, on by default as torch DDP's): under AllReduce and
-ParameterServer the replicas' buffers (BatchNorm running statistics, ...) become rank 0's
-before the first forward of every step (``buffers``, :class:`~paratrain.comm.grad_sync.GradSync`),
-so the replicas stay one model; Decentralized replicas keep their own, as their parameters.
+Local subgraphs' parameters are left out of ``named``: nothing combines them. A parameter no
+rank produced a gradient for keeps ``grad = None`` (DDP's ``find_unused_parameters``; one
+flag per parameter, :func:`~paratrain.comm.collectives.used_mask`); one some rank used is
+averaged with zeros from the others. Under AllReduce and ParameterServer the buffers become
+rank 0's before each step's first forward (``strategy.broadcast_buffers``, as DDP's).
 """
 
 from __future__ import annotations
@@ -51,16 +32,6 @@ from ...comm import collectives as C
 from ...comm import messages as M
 from ...comm.grad_sync import GradSync, drop_unused
 from ...comm.groups import gossip_average, mixing_weights, neighbors
-
-__all__ = [
-    "Aggregator",
-    "AllReduceAgg",
-    "ParameterServerAgg",
-    "DecentralizedAgg",
-    "build_aggregator",
-    "pack_records",
-    "unpack_records",
-]
 
 _LEN = struct.Struct("<Q")
 
@@ -90,21 +61,19 @@ def unpack_records(data: bytes, count: int) -> list[bytes]:
 
 
 class Aggregator:
-    """Hooks around one optimizer step; ``counter`` tallies the bytes this rank sent."""
+    """Hooks around one optimizer step; ``counter`` tallies the bytes this rank sent,
+    ``local`` names the parameters of Local subgraphs (never combined across replicas)."""
 
-    name = "base"
     zero_grad_set_to_none = True
 
-    def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter,
+    def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter, compressor: Any = None,
                  local: Collection[str] = (), buffers: Sequence[torch.Tensor] = ()) -> None:
-        self.model = model
+        self.model, self.group, self.counter, self.compressor = model, group, counter, compressor
         # the buffers rank 0 broadcasts before each step's first forward (empty: none)
         self.buffers = list(buffers)
-        self.group = group
-        self.counter = counter
-        # ``local``: parameter names of Local subgraphs, never combined across replicas
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in local]
         self.n = C.world_size(group)
+        self.rank = C.rank_of(group) if self.n > 1 else 0
 
     def begin_backward(self, *, last: bool) -> None:
         """Before each backward of a step; ``last``: the step's last one (the others only
@@ -119,10 +88,11 @@ class Aggregator:
         return {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {} if self.compressor is None else {"compressor": self.compressor.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        del state
+        if self.compressor is not None and "compressor" in state:
+            self.compressor.load_state_dict(state["compressor"])
 
     def close(self) -> None:
         pass
@@ -131,34 +101,22 @@ class Aggregator:
 def _decode(comp: Any, data: bytes, params: Sequence[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
     from ...compression import CompressedTensor
 
-    records = unpack_records(data, len(params))
-    out = []
-    for rec, (_, p) in zip(records, params, strict=True):
-        c = CompressedTensor.from_bytes(
-            rec, max_numel=p.numel(), expect_shape=tuple(p.shape), expect_dtype=p.dtype
-        )
-        out.append(comp.decompress(c).to(p.device))
-    return out
+    return [comp.decompress(CompressedTensor.from_bytes(rec, max_numel=p.numel(), expect_shape=tuple(p.shape),
+                                                        expect_dtype=p.dtype)).to(p.device)
+            for rec, (_, p) in zip(unpack_records(data, len(params)), params, strict=True)]
 
 
-def _encode(comp: Any, tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, int]:
-    """Compress each named tensor; returns (packed bytes, dense bytes it stands for)."""
-    recs = []
-    dense = 0
-    for name, t in tensors:
-        recs.append(comp.compress(name, t.detach().cpu()).to_bytes())
-        dense += t.numel() * t.element_size()
-    return pack_records(recs), dense
+def _encode(comp: Any, tensors: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """Each named tensor compressed, as packed wire records."""
+    return pack_records([comp.compress(name, t.detach().cpu()).to_bytes() for name, t in tensors])
 
 
 class AllReduceAgg(Aggregator):
-    name = "AllReduce"
-
     def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter,
                  bucket_bytes: int, compressor: Any = None, local: Collection[str] = (),
                  buffers: Sequence[torch.Tensor] = ()) -> None:
-        super().__init__(model, group=group, counter=counter, local=local, buffers=buffers)
-        self.compressor = compressor
+        super().__init__(model, group=group, counter=counter, compressor=compressor, local=local,
+                         buffers=buffers)
         self.sync = GradSync(self.named, group=group, bucket_bytes=bucket_bytes, overlap=True,
                              compressor=compressor, buffers=self.buffers, counter=counter)
         # Gradients zeroed in place keep their bucket views (see GradReducer).
@@ -185,15 +143,13 @@ def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
 
 
 class ParameterServerAgg(Aggregator):
-    name = "ParameterServer"
     server = 0
 
     def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter,
                  compressor: Any = None, local: Collection[str] = (),
                  buffers: Sequence[torch.Tensor] = ()) -> None:
-        super().__init__(model, group=group, counter=counter, local=local, buffers=buffers)
-        self.compressor = compressor
-        self.rank = C.rank_of(group) if self.n > 1 else 0
+        super().__init__(model, group=group, counter=counter, compressor=compressor, local=local,
+                         buffers=buffers)
         self.server_bytes = 0  # bytes through the server (in + out), cumulative
         # no gradients through it: the gradient sync's buffer broadcast only
         self.buffer_sync = GradSync((), group=group, buffers=self.buffers, counter=counter)
@@ -214,7 +170,7 @@ class ParameterServerAgg(Aggregator):
             if self.compressor is None:
                 M.send_tensor(flat, dst=self.server, group=self.group, counter=self.counter)
             else:
-                payload, _ = _encode(self.compressor, [(n, _grad_or_zeros(p)) for n, p in live])
+                payload = _encode(self.compressor, [(n, _grad_or_zeros(p)) for n, p in live])
                 M.send_bytes(payload, dst=self.server, group=self.group, counter=self.counter)
                 self.compressor.step()
             mean = M.recv_tensor(flat.shape, dtype=flat.dtype, src=self.server, group=self.group,
@@ -240,15 +196,11 @@ class ParameterServerAgg(Aggregator):
         _set_flat_grads(live, total)
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"server_bytes": self.server_bytes}
-        if self.compressor is not None:
-            out["compressor"] = self.compressor.state_dict()
-        return out
+        return {"server_bytes": self.server_bytes, **super().state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.server_bytes = int(state.get("server_bytes", 0))
-        if self.compressor is not None and "compressor" in state:
-            self.compressor.load_state_dict(state["compressor"])
+        super().load_state_dict(state)
 
 
 def _set_flat_grads(params: Sequence[tuple[str, nn.Parameter]], flat: torch.Tensor) -> None:
@@ -260,17 +212,13 @@ def _set_flat_grads(params: Sequence[tuple[str, nn.Parameter]], flat: torch.Tens
 
 
 class DecentralizedAgg(Aggregator):
-    name = "Decentralized"
-
     def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter, topology: str,
                  compressor: Any = None, gamma: float | None = None,
                  local: Collection[str] = ()) -> None:
-        super().__init__(model, group=group, counter=counter, local=local)
+        super().__init__(model, group=group, counter=counter, compressor=compressor, local=local)
         self.topology = topology
         neighbors(topology, max(self.n, 1))  # validates the name
-        self.compressor = compressor
         self.gamma = gamma if gamma is not None else (1.0 if compressor is None else 0.5)
-        self.rank = C.rank_of(group) if self.n > 1 else 0
         self.x_hat: dict[int, list[torch.Tensor]] | None = None
         if compressor is not None and self.n > 1:
             # Built after the initial broadcast: every replica (and so every public copy)
@@ -285,7 +233,7 @@ class DecentralizedAgg(Aggregator):
         assert self.x_hat is not None
         mine = self.x_hat[self.rank]
         diffs = [(n, p.detach() - h) for (n, p), h in zip(self.named, mine, strict=True)]
-        payload, _ = _encode(self.compressor, diffs)
+        payload = _encode(self.compressor, diffs)
         self.compressor.step()
         # Lengths, then payloads, with every neighbour at once.
         limit = 64 * sum(p.numel() * p.element_size() for p in params) + 4096
@@ -322,16 +270,13 @@ class DecentralizedAgg(Aggregator):
         return {"consensus_distance": distance}
 
     def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.compressor is not None:
-            out["compressor"] = self.compressor.state_dict()
-            if self.x_hat is not None:
-                out["x_hat"] = {str(j): list(v) for j, v in self.x_hat.items()}
+        out = super().state_dict()
+        if self.x_hat is not None:  # only with a compressor
+            out["x_hat"] = {str(j): list(v) for j, v in self.x_hat.items()}
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.compressor is not None and "compressor" in state:
-            self.compressor.load_state_dict(state["compressor"])
+        super().load_state_dict(state)
         if "x_hat" in state:
             self.x_hat = {int(j): [t.clone() for t in v] for j, v in state["x_hat"].items()}
 

@@ -1,7 +1,5 @@
-"""The DataParallel replica's engine: :class:`DataParallelEngine`, the task's
-forward/backward on this rank's batch with the :class:`~.aggregation.Aggregator` combining
-after it, for the one training loop (:func:`~.runner.train_replica` builds it; ZeRO's is
-:class:`~.zero.ZeroEngine`)."""
+"""The DataParallel replica's engine for the one training loop (ZeRO's is
+:class:`~paratrain.executors.shared.zero.ZeroEngine`)."""
 
 from __future__ import annotations
 
@@ -15,16 +13,6 @@ from ...comm.context import WorkerContext
 from ...training.loop import LocalEngine
 from ...training.stepping import local_grad_sq_norm
 from .aggregation import Aggregator
-
-__all__ = ["DataParallelEngine"]
-
-
-def _all_mean(values: list[float], ctx: WorkerContext) -> list[float]:
-    if ctx.world_size == 1:
-        return values
-    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
-    C.all_reduce_(t, group=ctx.group)
-    return (t / ctx.world_size).tolist()
 
 
 class DataParallelEngine(LocalEngine):
@@ -67,7 +55,11 @@ class DataParallelEngine(LocalEngine):
         return super().evaluate() if self.ctx.is_main else None
 
     def mean_over_ranks(self, value: float) -> float:
-        return _all_mean([value], self.ctx)[0]
+        if self.ctx.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        C.all_reduce_(t, group=self.ctx.group)
+        return float(t.item()) / self.ctx.world_size
 
     def log_extras(self) -> dict[str, Any]:
         out: dict[str, Any] = {"comm_bytes": self.counter.total_bytes}

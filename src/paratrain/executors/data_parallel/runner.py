@@ -1,31 +1,15 @@
 """DataParallel: ``num_replicas`` processes, one disjoint data shard each, gradients
-combined after every backward pass (DESIGN §4).
+combined after every backward pass (DESIGN §4; docs/data-parallel.md).
 
-Sharding: every epoch a fresh permutation of the training rows, a pure function of
-(seed, epoch) (the one Local uses) and so identical on every rank; replica ``r`` takes
-``perm[:S*n][r::n]`` with ``S = N // n`` (as torch's DistributedSampler; the ``N mod n``
-rows left over change each epoch). ``train.batch_size`` is per replica; a step of n
-replicas therefore sees the concatenation of n batches -- exactly the rows of Local's
-batch of ``n * batch_size`` at the same step -- and with ``AllReduce`` the update equals
-single-process SGD on that concatenated batch (equal batch sizes make the mean of means
-the global mean) and torch ``DistributedDataParallel``.
-
-Aggregations (:mod:`.aggregation`): ``AllReduce`` (bucketed, overlapped with
-backward), ``ParameterServer`` (rank 0 serves), ``Decentralized{ring|torus|complete}``
-(gossip averaging of parameters; consensus distance per step). ``[compression]``
-compresses what is exchanged. A ``Local`` subgraph (``[subgraphs.<path>] type = "Local"``)
-is not synchronised: its parameters start from rank 0's (the initial broadcast) and then
-take only this replica's gradients, so each rank trains and checkpoints its own copy (the
-rank's checkpoint below holds it); evaluation is rank 0's model, and the summary gives
-every rank's ``parameters_sha256_by_rank``.
-
-Faults: every rank writes its part of one torch.distributed.checkpoint folder
-``checkpoints/step-<step>/`` (model, optimizer, RNG, position, aggregator/compressor state;
-:class:`~paratrain.training.stores.RankStore`, prefix ``dp``), renamed from its temp name
-once every rank has written. A restart by the elastic agent (or ``--resume``) loads the
-newest complete one on every rank, so a run killed midway
-ends with the same parameters as an uninterrupted one. ``PARATRAIN_FAULT_KILL=RANK:STEP``
-makes that rank SIGKILL itself after STEP on the first attempt (tests and demos).
+Every epoch's permutation of the training rows is a pure function of (seed, epoch), the
+same on every rank; replica ``r`` takes ``perm[:S*n][r::n]`` with ``S = N // n`` (torch's
+DistributedSampler). ``train.batch_size`` is per replica, so a step of n replicas sees the
+rows of Local's batch of ``n * batch_size``, and with ``AllReduce`` the update equals
+single-process SGD on that batch (equal batch sizes make the mean of means the global mean)
+and torch ``DistributedDataParallel``. A ``Local`` subgraph starts from rank 0's parameters
+(the initial broadcast) and then takes only its replica's gradients. Every rank writes its
+part of one checkpoint folder (:class:`~paratrain.training.stores.RankStore`, prefix
+``dp``), so a run killed midway and resumed ends with an uninterrupted run's parameters.
 """
 
 from __future__ import annotations
@@ -58,7 +42,7 @@ from ...training import (
     seed_everything,
     write_summary,
 )
-from ...training.faults import FAULT_ENV
+from ...training.faults import FAULT_ENV as FAULT_ENV  # tests kill ranks through it
 from ...training.loop import DataPlan, LocalEngine, LoopRun, Trainer, run_loop, summary_fields
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
@@ -68,8 +52,6 @@ from ..shared.zero import ZeroEngine
 from ..shared.zero_plan import check_shard
 from .aggregation import Aggregator, build_aggregator
 from .engine import DataParallelEngine
-
-__all__ = ["run", "worker_main", "train_replica", "shard_indices", "validate", "FAULT_ENV"]
 
 
 def shard_indices(n: int, *, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
@@ -131,11 +113,6 @@ def _load_task(job: JobConfig) -> tuple[Any, Any, Any]:
     return _DATA_CACHE[key]  # type: ignore[no-any-return]
 
 
-def _barrier(ctx: WorkerContext) -> None:
-    if ctx.world_size > 1:
-        C.barrier(ctx.group)
-
-
 def _shared_buffers(model: nn.Module, job: JobConfig, strategy: DataParallel) -> list[torch.Tensor]:
     """The buffers rank 0 broadcasts before each step's first forward (``broadcast_buffers``,
     as torch DDP): all but those of Local subgraphs; none when it is off."""
@@ -194,7 +171,8 @@ def train_replica(
     def prepare() -> None:
         if ctx.is_main:
             prepare_run_dir(job, resume=resume)
-        _barrier(ctx)
+        if ctx.world_size > 1:
+            C.barrier(ctx.group)
 
     try:
         result = run_loop(LoopRun(
@@ -252,9 +230,7 @@ def _summary(ctx: WorkerContext, job: JobConfig, strategy: Any, result: Any, mod
     """The run's summary (every rank makes it: the by-rank digests and the parameter
     server's bytes are collectives)."""
     run_dir = run_dir_of(job)
-    step = result.position.step
-    bytes_total = C.CommCounter(bytes=dict(counter.bytes)).total_bytes
-    steps_this_run = max(step, 1)
+    steps_this_run = max(result.position.step, 1)
     summary: dict[str, Any] = {
         "strategy": "DataParallel",
         "aggregation": strategy.aggregation.method,
@@ -262,7 +238,7 @@ def _summary(ctx: WorkerContext, job: JobConfig, strategy: Any, result: Any, mod
         "backend": ctx.backend,
         "run_dir": str(run_dir),
         **summary_fields(result, task, train=train, test=test, model=model, started=started),
-        "comm_bytes_per_step": bytes_total / steps_this_run,
+        "comm_bytes_per_step": counter.total_bytes / steps_this_run,
         "restart_count": ctx.restart_count,
     }
     if zero is not None:
@@ -276,8 +252,8 @@ def _summary(ctx: WorkerContext, job: JobConfig, strategy: Any, result: Any, mod
         summary["parameters_sha256_by_rank"] = C.all_gather_text(summary["parameters_sha256"],
                                                                  group=ctx.group)
     if getattr(engine, "consensus", None):
-        summary["consensus_distance_first"] = engine.consensus[0]  # type: ignore[attr-defined]
-        summary["consensus_distance_last"] = engine.consensus[-1]  # type: ignore[attr-defined]
+        summary["consensus_distance_first"] = engine.consensus[0]
+        summary["consensus_distance_last"] = engine.consensus[-1]
     comp = getattr(agg, "compressor", None)
     if comp is not None:
         summary["compression"] = comp.stats.as_dict()

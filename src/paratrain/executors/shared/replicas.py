@@ -1,7 +1,5 @@
-"""What data-parallel replicas share (DataParallel's, and a tensor-parallel mesh's dp
-columns): the job's gradient compressor (:func:`build_compressor`, ``[compression]``) and the
-rows a step of replicas takes from the training set (:func:`check_replica_rows`, their
-``ExecutorSpec.check_data``)."""
+"""What data-parallel replicas share (DataParallel's, a tensor-parallel mesh's dp columns):
+the job's gradient compressor and the check that a step of replicas has its rows."""
 
 from __future__ import annotations
 
@@ -11,8 +9,6 @@ from typing import Any
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...data.loader import is_stream
-
-__all__ = ["build_compressor", "check_replica_rows"]
 
 
 def _without_error_feedback(strategy: Any) -> Any:

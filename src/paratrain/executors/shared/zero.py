@@ -1,39 +1,27 @@
-"""ZeRO for DataParallel (``strategy.shard``; Rajbhandari et al. 2020, "ZeRO: Memory
-Optimizations Toward Training Trillion Parameter Models"): :class:`ZeroEngine`.
+"""ZeRO (``strategy.shard``; Rajbhandari et al. 2020): :class:`ZeroEngine`, a replica that
+steps only its rows ``[r c, (r+1) c)`` of every parameter (:class:`~paratrain.comm.zero.FlatShard`),
+so its optimizer state is 1/N of the model's. Per parameter and fp32 Adam a rank holds
+``4 + 4 + 8/N`` bytes at ``optimizer`` (ZeRO-1: gradients all-reduced by
+:class:`~paratrain.comm.grad_sync.GradSync`, parameters all-gathered after the step),
+``4 + 12/N`` at ``gradients`` (ZeRO-2: each unit's gradients reduce-scattered once its backward
+is done, :class:`_PostBackward` on its inputs being FSDP2's trigger) and ``16/N`` at
+``parameters`` (ZeRO-3: a unit gathered before its forward and its backward, freed after each
+by resizing its storage to zero, so the tensors autograd saved see the re-gathered values:
+FSDP1's scheme). The update equals unsharded AllReduce's: the optimizers are element-wise, the
+mean is the same sum over N, clipping takes the global norm ``sum_r ||g_shard,r||^2`` and a
+parameter no rank used keeps ``grad = None``. Local layers, frozen and empty parameters stay
+whole. Every rank must call the same units in the same order (as under FSDP). The loop's
+``model`` is :class:`~.zero_shards.ShardView` (the pieces under the model's names with their
+row specs: checkpoints resume on any world); ``net`` is the model computed with.
 
-Each replica ``r`` of ``N`` keeps the full model only where the level says so and steps
-*its own shard* of every parameter (rows ``[r c, (r+1) c)`` of dimension 0,
-:class:`~paratrain.comm.zero.FlatShard`); the optimizer only ever sees those pieces, so its
-state is 1/N of the model's at every level. Per parameter and fp32 Adam (4 bytes of
-parameter, 4 of gradient, 8 of moments), the bytes a rank holds after a step are
-
-* ``optimizer`` (ZeRO-1): ``4 + 4 + 8/N`` -- gradients all-reduced as unsharded AllReduce
-  (:class:`~paratrain.comm.grad_sync.GradSync`: buckets overlapped with backward, the
-  unused-parameter rule), each rank steps its rows, then the parameters are all-gathered;
-* ``gradients`` (ZeRO-2): ``4 + 12/N`` -- each *unit*'s gradients (``shard_unit``, as
-  FSDP2's ``fully_shard``: each direct child by default) are reduce-scattered (the mean,
-  :meth:`FlatShard.reduce_scatter`) into the rank's gradient rows as soon as the unit's
-  backward is done (:class:`_PostBackward` on its inputs, FSDP2's trigger), summed over the
-  step's micro-batches, and the whole ones dropped; the root unit (parameters of no unit,
-  tied ones several units use) and units whose inputs need no gradient after the pass;
-* ``parameters`` (ZeRO-3): ``16/N`` (plus the unit being computed) -- also every unit's
-  parameters are all-gathered before its forward and freed after it, all-gathered again
-  when its backward starts (a multi-grad hook on its outputs) and freed after its
-  reduce-scatter; the root unit is gathered for the whole forward and backward. Freeing
-  resizes the parameter's storage to zero, so the tensors autograd saved see the
-  re-gathered values (FSDP1's scheme).
-
-The update equals unsharded AllReduce's: the optimizers are element-wise (SGD with momentum,
-Adam, AdamW), the gradient mean is the same sum divided by N, and clipping uses the global
-norm ``sum_r ||g_shard,r||^2`` (one all-reduce, :meth:`ZeroEngine.grad_sq_norm`). A parameter
-no rank used this step keeps ``grad = None`` on every rank's piece (one MAX all-reduce of
-flags), so the optimizer skips it. ``[subgraphs]`` Local layers and frozen parameters stay
-whole and local. Every rank must call the same units in the same order (as under FSDP).
-
-For the one loop the engine's ``model`` is :class:`~.zero_shards.ShardView`: the pieces (and the local
-tensors) under mangled keys, with :meth:`ZeroEngine.model_names` and
-:meth:`ZeroEngine.model_shards` (row specs), so checkpoints are by the model's names and
-resume on any world (:mod:`paratrain.training.reshard`); ``net`` is the model computed with.
+Why ours beside torch's FSDP2 (``fully_shard``): FSDP2 on gloo sums the reduce-scattered
+gradients where it should average (pytorch#162338; gloo has no AVG), so on CPU it does not
+equal AllReduce; ours divides the sum by N on every backend, keeps AllReduce's rules for Local
+subgraphs, tied weights shared by units and unused parameters, runs over a tensor-parallel
+mesh's dp column and a ModelParallel replicated stage, and checkpoints through the run's DCP
+stores by the model's names, so a run resumes at another level or world. The reference:
+tests/executors/data_parallel/test_dp_zero.py (every level equals unsharded AllReduce) with
+test_data_parallel.py (AllReduce equals torch DDP); benchmarks/zero.py times FSDP2 beside it.
 """
 
 from __future__ import annotations
@@ -52,11 +40,8 @@ from ...comm.zero import FlatShard
 from ...config import ConfigError
 from ...training.loop import LocalEngine
 from ...training.stepping import autocast, local_grad_sq_norm
-from .zero_plan import LEVELS, assign_units, resolve_units, shard_plan
+from .zero_plan import LEVELS, assign_units, resolve_units
 from .zero_shards import Unit, free_unit, gather_unit, held_bytes, keep_own_rows, shard_view
-
-__all__ = ["ZeroEngine", "resolve_units", "shard_plan", "LEVELS"]
-
 
 
 class _PostBackward(torch.autograd.Function):
@@ -109,19 +94,12 @@ class ZeroEngine(LocalEngine):
         self.model = shard_view(net, self.units)
         self._new_step = True
         self.hooks: list[Any] = []
-        if self.level == 3:
+        if self.level == 3:  # this rank's rows kept in u.shard, the whole parameters freed
             for u in self.units:
-                self._shard_parameters(u)
+                keep_own_rows(u, self.device)
+                free_unit(u)
         if self.level >= 2:
             self._install_hooks()
-
-    # ------------------------------------------------------------------ set-up
-
-    def _shard_parameters(self, u: Unit) -> None:
-        """ZeRO-3: keep this rank's rows in ``u.shard`` (the pieces become views of it) and
-        free the whole parameters (each first given its own storage to resize)."""
-        keep_own_rows(u, self.device)
-        self._free(u)
 
     def _install_hooks(self) -> None:
         for u in self.units:
@@ -132,13 +110,8 @@ class ZeroEngine(LocalEngine):
                 lambda _m, a, k, u=u: self._before_forward(u, a, k), with_kwargs=True))
             self.hooks.append(m.register_forward_hook(lambda _m, _a, out, u=u: self._after_forward(u, out)))
 
-    # ------------------------------------------------------------------ ZeRO-3 gather / free
-
     def _gather(self, u: Unit) -> None:
         gather_unit(u, group=self.group, counter=self.counter)
-
-    def _free(self, u: Unit) -> None:
-        free_unit(u)
 
     def _after_forward(self, u: Unit, out: Any) -> None:
         if not self.net.training or not torch.is_grad_enabled():
@@ -148,7 +121,7 @@ class ZeroEngine(LocalEngine):
             # (the hook lives with this forward's graph; its handle need not be kept)
             torch.autograd.graph.register_multi_grad_hook(outs, lambda _g, u=u: self._gather(u),
                                                           mode="any")
-        self._free(u)
+        free_unit(u)
 
     def _before_forward(self, u: Unit, args: Any, kwargs: Any) -> tuple[Any, Any]:
         """Gather the unit (ZeRO-3) and route its inputs through :class:`_PostBackward`, so
@@ -163,8 +136,7 @@ class ZeroEngine(LocalEngine):
             outs = _PostBackward.apply(lambda u=u: self._post_backward(u), *[flat[i] for i in idx])
             for i, t in zip(idx, outs, strict=True):
                 flat[i] = t
-        new_args, new_kwargs = tree_unflatten(flat, spec)
-        return new_args, new_kwargs
+        return tree_unflatten(flat, spec)
 
     def _post_backward(self, u: Unit) -> None:
         self._reduce_unit(u)
@@ -177,9 +149,7 @@ class ZeroEngine(LocalEngine):
 
     def free_all(self) -> None:
         for u in self.units:
-            self._free(u)
-
-    # ------------------------------------------------------------------ the step
+            free_unit(u)
 
     def _begin_step(self) -> None:
         self._new_step = False
@@ -234,7 +204,7 @@ class ZeroEngine(LocalEngine):
             u.grad.add_(part)
         for p in u.params:
             p.grad = None
-        self._free(u)
+        free_unit(u)
 
     def sync(self) -> None:
         """Point each piece's ``grad`` at this rank's rows of the mean gradient (None where
@@ -277,8 +247,6 @@ class ZeroEngine(LocalEngine):
                 flat = u.flat.pack_own(u.params, torch.empty(u.flat.numel, dtype=u.params[0].dtype,
                                                               device=self.device))
                 u.flat.gather(flat, [p.data for p in u.params], group=self.group, counter=self.counter)
-
-    # ------------------------------------------------------------------ the rest of the engine
 
     def evaluate(self) -> dict[str, float] | None:
         from ...task.steps import evaluate as evaluate_task

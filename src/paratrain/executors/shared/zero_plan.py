@@ -15,8 +15,6 @@ from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import DataParallel
 
-__all__ = ["LEVELS", "check_shard", "resolve_units", "assign_units", "shard_plan"]
-
 LEVELS = {"optimizer": 1, "gradients": 2, "parameters": 3}
 
 

@@ -1,8 +1,5 @@
-"""What a ZeRO replica holds (:mod:`.zero`): :class:`Unit`, one group of parameters
-gathered together with its :class:`~paratrain.comm.zero.FlatShard` layout and this rank's
-parameter and gradient rows, and :class:`ShardView`, this rank's pieces (and its local
-tensors) under mangled keys with their row specs -- what the loop checkpoints and the
-optimizer steps -- built by :func:`shard_view`."""
+"""What a ZeRO replica holds (:mod:`.zero`): :class:`Unit`, one group of parameters gathered
+together, and :class:`ShardView`, what the loop checkpoints and the optimizer steps."""
 
 from __future__ import annotations
 
@@ -14,8 +11,6 @@ import torch
 from torch import nn
 
 from ...comm.zero import FlatShard
-
-__all__ = ["Unit", "ShardView", "shard_view", "held_bytes", "keep_own_rows", "gather_unit", "free_unit"]
 
 
 @dataclass(eq=False)
