@@ -1,11 +1,6 @@
-"""The :class:`Compressor`: a CompressionStrategy turned into codecs plus per-key state.
-
-``Compressor(strategy, seed=0)`` builds the codec tree (wrappers around one leaf) from a
-contract object, a dict or JSON text. ``compress(key, tensor)`` returns the leaf's
-:class:`CompressedTensor`; ``decompress(c)`` rebuilds the dense tensor (any process can
-decode any record); ``roundtrip(key, tensor)`` does both and is what a training loop
-calls when it only needs D(C(g)). Keys name tensors stably (parameter names): residuals
-and RandomK/stochastic-rounding seeds are per key, and RandomK positions depend only on
+"""The :class:`Compressor`: a CompressionStrategy's codec tree (:func:`build_codec`) plus
+per-key state. Keys name tensors stably (parameter names): residuals and
+RandomK/stochastic-rounding seeds are per key, and RandomK positions depend only on
 (seed, step, key), so every rank draws the same ones.
 
 Statistics follow the Rust ``CompressionStats``: ``ratio`` = compressed / original bytes

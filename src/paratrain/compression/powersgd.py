@@ -13,30 +13,24 @@ subspace (power) iteration per training step::
     out   = P_hat Q^T                     = P_hat P_hat^T mean_w(M_w), identical on every rank
     e_w   = M_w - out                     error feedback (Karimireddy et al. 2019)
 
-Both collectives are **sums of same-shaped tensors**, so PowerSGD runs over all-reduce
-(no all-gather): per matrix ``r'(n + m)`` values travel instead of ``n m``. A tensor is
-compressed only when that saves a factor ``min_compression_rate`` (torch's rule:
-``n m > min_compression_rate * r'(n + m)``); 1-D tensors (biases, norms) and any tensor
-that fails the rule are averaged exactly, in the same first all-reduce as ``P``. Warm start
-keeps this step's ``Q`` as the next step's starting point (one power iteration per step
-accumulates into a good subspace); otherwise a fresh random ``Q`` is drawn every step.
+Both collectives are **sums of same-shaped tensors**, so PowerSGD runs over all-reduce:
+``r'(n + m)`` values per matrix instead of ``n m``, only where that saves a factor
+``min_compression_rate`` (:func:`should_compress`); 1-D tensors and the rest are averaged
+exactly, in the same first all-reduce as ``P``. Warm start keeps this step's ``Q`` as the
+next step's starting point; otherwise a fresh random ``Q`` is drawn every step.
 
 The maths mirrors ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` operation
-for operation (same ``bmm`` products, the same orthogonalisation and epsilon, random ``Q``
-from ``numpy.random.RandomState(seed).randint(1e9)`` -> ``torch.manual_seed`` -> ``randn``
-in shape-grouped order, one draw per exchange that needs fresh ``Q``), so a compressed
-matrix's result equals torch's bit for bit given the same inputs. Two deliberate
-differences: state is keyed by **tensor name**, not by DDP bucket index (resumable,
-immune to bucket rebuilds, so ``start_step`` may be 0 or 1); and tensors left
-uncompressed keep **no residual** (torch's bucket-wide error memory holds ``x_w - mean(x)``
-for them, which sums to zero over ranks, so it changes only float rounding).
-
-Everything here is pure tensor maths: :class:`PowerSGDRound` hands the transport the two
-buffers to all-reduce and turns the sums into the means.
+for operation (same ``bmm`` products, orthogonalisation and epsilon, random ``Q`` from
+``numpy.random.RandomState(seed).randint(1e9)`` -> ``torch.manual_seed`` -> ``randn`` in
+shape-grouped order), so a compressed matrix's result equals torch's bit for bit. State is
+keyed by **tensor name**, not by DDP bucket index (resumable, immune to bucket rebuilds),
+and uncompressed tensors keep no residual (docs/compression.md says why). Pure tensor
+maths: :class:`PowerSGDRound` hands the transport the two buffers to all-reduce.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,11 +82,7 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
     ``None`` for 0-d and 1-d tensors (never compressed)."""
     if len(shape) < 2:
         return None
-    n = int(shape[0])
-    m = 1
-    for d in shape[1:]:
-        m *= int(d)
-    return n, m
+    return int(shape[0]), math.prod(int(d) for d in shape[1:])
 
 
 def should_compress(n: int, m: int, rank: int, min_compression_rate: float) -> bool:
@@ -110,10 +100,7 @@ def wire_numel(shapes: Sequence[Sequence[int]], rank: int, min_compression_rate:
         if nm is not None and should_compress(*nm, rank, min_compression_rate):
             total += min(nm[0], nm[1], rank) * (nm[0] + nm[1])
         else:
-            n = 1
-            for d in shape:
-                n *= int(d)
-            total += n
+            total += math.prod(int(d) for d in shape)
     return total
 
 

@@ -57,10 +57,6 @@ _RANDOMK = struct.Struct("<QQ")
 _QUANT = struct.Struct("<BBdd")
 
 
-def _header_nbytes(ndim: int) -> int:
-    return _HEAD.size + 8 * ndim
-
-
 def _sparse_encoding(n: int, count: int) -> tuple[int, int]:
     """(encoding, bytes for the positions): the smaller of indices and a bitmap."""
     width = 4 if n <= (1 << 32) else 8
@@ -73,7 +69,7 @@ def _sparse_encoding(n: int, count: int) -> tuple[int, int]:
 def wire_nbytes(c: Any) -> int:
     """Exact ``len(to_bytes(c))`` without serialising."""
     n, w = int(c.numel), _ITEMSIZE[c.dtype]
-    head = _header_nbytes(len(c.shape))
+    head = _HEAD.size + 8 * len(c.shape)
     if c.method == "None":
         return head + n * w
     if c.method in ("TopK", "Threshold"):
