@@ -1,25 +1,10 @@
 """Per-client test splits and feature-shifted clients, for personalised federated evaluation.
 
-A federated client's *test split* follows its training partition
-(:mod:`.partition`), so a personalised model is scored on data like its own:
-
-- label partitions (``shards``, ``dirichlet``): for each class ``k``, the test examples of
-  class ``k`` (in a seeded order) are dealt to the clients in proportion to how many training
-  examples of class ``k`` each holds (largest-remainder rounding); a class no client trains on
-  is dealt evenly;
-- ``iid``: a seeded permutation of the test set cut into near-equal parts;
-- ``speaker``: a test example goes to the client holding its speaker's training examples;
-  speakers seen only in the test set are dealt round-robin in a seeded order.
-
-Every test example belongs to exactly one client (splits are disjoint and cover the test
-set; a client's may be empty), so summing the clients' evaluation sums scores every test
-example once.
-
-Feature shift (``data.partition.feature_shift = a > 0``, the feature-shift non-IID setting
-of FedBN, Li et al. 2021): client ``c`` draws ``s_c = exp(u_c)``, ``u_c ~ U(-a, a)`` and
-``o_c ~ U(-a, a)`` (seeded by ``run.seed``), and every input of its training partition and
-of its test split becomes ``s_c * x + o_c``. The label mix is the partition's; only the
-inputs' scale and offset differ between clients.
+A client's test split follows its training partition: each class's test examples dealt in
+proportion to the clients' training examples of it (``iid``: a seeded permutation;
+``speaker``: the client holding the speaker); disjoint and covering, so summed evaluation
+sums score every example once. Feature shift ``a`` (FedBN, Li et al. 2021): client ``c``'s
+inputs become ``exp(u_c) * x + o_c``, ``u_c, o_c ~ U(-a, a)`` seeded.
 """
 
 from __future__ import annotations
@@ -92,9 +77,8 @@ def feature_shifts(num_clients: int, amount: float, *, seed: int) -> tuple[np.nd
 
 
 def shift_features(dataset: Any, owner: np.ndarray, scales: np.ndarray, offsets: np.ndarray) -> TensorDataset:
-    """A copy of ``dataset`` whose example ``i`` has inputs ``s_c * x + o_c`` for its client
-    ``c = owner[i]`` (examples of no client unchanged); a ValueError unless the dataset is a
-    ``TensorDataset`` of floating-point inputs."""
+    """A copy of ``dataset`` with example ``i``'s inputs ``s_c * x + o_c``, ``c = owner[i]``
+    (none: unchanged); ValueError unless its inputs are floating-point tensors."""
     tensors = getattr(dataset, "tensors", None)
     if not isinstance(tensors, tuple) or not tensors or not tensors[0].is_floating_point():
         raise ValueError("feature_shift scales and offsets the inputs: it needs a dataset of "
@@ -111,8 +95,7 @@ def shift_features(dataset: Any, owner: np.ndarray, scales: np.ndarray, offsets:
 
 def client_datasets(train: Any, test: Any, parts: IndexList, spec: Any, *, seed: int,
                     ) -> tuple[Any, Any, IndexList]:
-    """``(train, test, test_splits)`` of the federated clients: the test splits above and,
-    with ``spec.feature_shift > 0``, both sets shifted per client."""
+    """``(train, test, test_splits)`` of the clients, shifted per client with ``feature_shift``."""
     splits = client_test_splits(train, test, parts, str(getattr(spec, "method", "iid")), seed=seed)
     amount = float(getattr(spec, "feature_shift", 0.0) or 0.0)
     if amount > 0:

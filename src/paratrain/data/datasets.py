@@ -1,11 +1,6 @@
-"""Datasets: ``digits`` (scikit-learn's bundled 8x8 digits, read and split without importing
-it: :mod:`.split`) and ``diabetes`` (its bundled regression set, 442 patients x 10 features,
-through ``load_diabetes``); nothing downloads.
-
-A user factory ``factory="module:function"`` is called with ``seed=`` and the section's
-extra keys and returns a :class:`DataBundle` or ``(X, y)`` arrays, which are split here
-(stratified class labels, or real-valued targets with ``regression=True``).
-The language-model corpus ``shakespeare`` lives in :mod:`paratrain.data.shakespeare`.
+"""Datasets by name (``digits``, ``diabetes``: scikit-learn's bundled sets; nothing
+downloads) and users' ``factory="module:function"`` returning a :class:`DataBundle` or
+``(X, y)`` arrays, split here.
 """
 
 from __future__ import annotations
@@ -28,10 +23,8 @@ __all__ = ["DataBundle", "DATASETS", "REGRESSION_DATASETS", "load_data", "split_
 
 @dataclass(frozen=True)
 class DataBundle:
-    """Train and test sets (float32 features, int64 labels) plus their shapes.
-
-    For a regression set (``diabetes``) the targets are float32 ``[n, k]`` and
-    ``num_classes`` is the number of target columns ``k`` (the model's outputs)."""
+    """Train and test sets (float32 features, int64 labels; a regression set's targets are
+    float32 ``[n, k]`` and ``num_classes`` is ``k``) plus their shapes."""
 
     train: TensorDataset
     test: TensorDataset
@@ -40,8 +33,7 @@ class DataBundle:
 
 
 def split_arrays(x: Any, y: Any, *, test_fraction: float, seed: int) -> DataBundle:
-    """Stratified, seeded train/test split of arrays into a DataBundle (unstratified when a
-    label has a single row); scikit-learn's ``train_test_split``, row for row (:mod:`.split`)."""
+    """Stratified (unless a label has one row), seeded split: ``train_test_split``'s (:mod:`.split`)."""
     x = np.asarray(x, dtype=np.float32)
     y = np.asarray(y)
     if x.ndim < 2 or len(x) != len(y):
@@ -69,8 +61,7 @@ def digits(*, seed: int, test_fraction: float = 0.25) -> DataBundle:
 
 def split_regression(x: Any, y: Any, *, test_fraction: float, seed: int,
                      standardize: bool = False) -> DataBundle:
-    """Seeded train/test split of real-valued targets (float32, ``[n, k]``); with
-    ``standardize`` features and targets are scaled by the *training* mean and std."""
+    """Seeded split of real-valued targets; ``standardize`` by the *training* mean and std."""
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64)
     y = y.reshape(len(y), -1) if y.ndim != 2 else y
@@ -93,9 +84,8 @@ def split_regression(x: Any, y: Any, *, test_fraction: float, seed: int,
 
 
 def diabetes(*, seed: int, test_fraction: float = 0.25) -> DataBundle:
-    """scikit-learn's diabetes regression set: 442 patients, 10 features, disease
-    progression after one year; features and target standardised with the training split's
-    mean and std (so predicting the mean scores r2 ~ 0 and mse ~ 1)."""
+    """scikit-learn's diabetes set (442 patients, 10 features), standardised by the training
+    split (predicting the mean scores r2 ~ 0 and mse ~ 1)."""
     from sklearn.datasets import load_diabetes
 
     d = load_diabetes()
@@ -111,8 +101,7 @@ CORPORA = frozenset({"shakespeare", "tokens"})  # tokens: a token file (paratrai
 
 
 def load_data(spec: DataSpec, *, seed: int, regression: bool = False) -> DataBundle:
-    """Load the dataset a job names; errors name the ``data`` field. ``regression``: a
-    factory's ``(X, y)`` pair has real-valued targets (split without stratifying)."""
+    """Load the dataset a job names (``regression``: a factory's ``(X, y)`` has real targets)."""
     if spec.factory is not None:
         from ..models.zoo import call_factory, import_object
 

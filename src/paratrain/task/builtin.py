@@ -1,42 +1,15 @@
-"""The built-in tasks (``[task] name = ...``): classification, regression, language_model.
-
-- ``classification`` (default): cross-entropy over class logits ``[B, C]`` and int64 labels;
-  metrics ``loss`` (mean cross-entropy) and ``accuracy``; fitness ``accuracy`` (max).
-- ``regression``: mean squared error of outputs ``[B, k]`` against float targets ``[B, k]``
-  (mean over every element); metrics ``loss`` = ``mse`` and ``r2`` (the coefficient of
-  determination per target column, averaged: scikit-learn's ``r2_score``), computed from the
-  sums ``sse_j``, ``sum y_j``, ``sum y_j^2`` and ``count``; fitness ``mse`` (min). Data: a
-  regression set (``diabetes``) or a ``data.factory``.
-- ``language_model``: next-token cross-entropy over blocks, logits ``[B, T, V]`` against
-  ids ``[B, T]``, averaged over every token; metrics ``loss`` (nats per token),
-  ``perplexity = exp(loss)`` and ``bits_per_token = loss / ln 2``; fitness ``loss`` (min).
-  Data: the ``shakespeare`` corpus (``task.block_size``, ``task.stride``; ``[data]
-  test_every``), a token file (``data.name = "tokens"``, :mod:`paratrain.data.tokens`) or
-  a ``data.factory`` returning ``(train, test)`` datasets of ``(x, y)`` id blocks.
-  Model: ``gpt`` or a ``model.factory``. The summary also reports
-  ``bigram_test_loss``: a bigram model (counts of consecutive pairs of the training ids,
-  add-``alpha`` smoothed, ``alpha = 1``) scored on the same test examples.
-
-Models written by others. Every built-in task reads the model's output through
-:func:`logits_of`: a tensor, or the ``.logits`` of a Hugging Face ``ModelOutput``, or a
-dict's ``"logits"``, or a tuple's first element -- so a raw ``GPT2LMHeadModel`` or
-``LlamaForCausalLM`` (called as ``model(x)``, returning ``CausalLMOutput``) trains under
-``language_model`` with no wrapper. The targets are ``batch[1]`` of a tuple batch, or
-``batch["labels"]`` of a dict batch (which the model gets as ``model(**batch)``).
-
-A model's own loss. When the batch is a dict holding ``"labels"`` and the output carries
-a non-None ``.loss`` (``"loss"`` of a dict output) -- a Hugging Face model given labels --
-that loss is the training loss, as the model defines it (e.g. a causal LM shifts the
-labels itself, ignores ``-100``). Evaluation then sums ``loss x rows`` per batch (and
-``count`` = rows), so the reported ``loss`` is the row-weighted mean of the model's own
-batch losses (exact for equal token counts per row); classification's accuracy is still
-counted from the logits against the labels.
+"""The built-in tasks (``[task] name = ...``): classification (cross-entropy, accuracy),
+regression (mse; r2 as scikit-learn's ``r2_score``, from sums) and language_model
+(next-token cross-entropy, perplexity, bits per token, a bigram reference); docs/
+tasks-and-models.md tells more. The output is read through :func:`logits_of`, so a raw
+Hugging Face model trains without a wrapper; when a dict batch holds ``"labels"`` and the
+output a ``.loss``, that is the model's own loss (evaluated as a row-weighted mean).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import numpy as np
@@ -350,20 +323,8 @@ class LanguageModelTask:
         return {"bigram_test_loss": bigram_loss(ids, test, self._vocab_size(train))}
 
 
-def _classification(job: JobConfig) -> ClassificationTask:
-    return ClassificationTask(job.data)
-
-
-def _regression(job: JobConfig) -> RegressionTask:
-    return RegressionTask(job.data)
-
-
-def _language_model(job: JobConfig) -> LanguageModelTask:
-    return LanguageModelTask(job.task, job.data)
-
-
-TASKS: dict[str, Any] = {
-    "classification": _classification,
-    "regression": _regression,
-    "language_model": _language_model,
+TASKS: dict[str, Callable[[JobConfig], Any]] = {  # task.name -> the task of a job
+    "classification": lambda job: ClassificationTask(job.data),
+    "regression": lambda job: RegressionTask(job.data),
+    "language_model": lambda job: LanguageModelTask(job.task, job.data),
 }

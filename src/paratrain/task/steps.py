@@ -1,21 +1,6 @@
-"""The task-generic loop pieces: gather a batch by indices, feed it to the model,
-evaluation (the optimizer step is the one loop's :class:`paratrain.training.loop.Trainer`).
-
-Batches are pytrees. A dataset item may be a tensor, a tuple, a dict (what Hugging Face
-collators give) or any nesting of them (:mod:`torch.utils._pytree`); a batch is the items
-at ``idx`` collated into one pytree of the same structure with stacked leaves:
-
-- a ``TensorDataset``: ``tuple(t[idx] for t in tensors)``, exactly what the
-  classification loop always did, so its parameters stay bit-identical;
-- a dataset with ``get_batch(indices)``: its answer, as it is (a list becomes a tuple);
-- otherwise ``collate([dataset[i] for i in idx])`` with ``collate`` the task's
-  ``collate_fn`` when it has one, else ``torch.utils.data.default_collate`` (a top-level
-  list becomes a tuple: ``default_collate`` turns tuple items into a list).
-
-How a batch feeds the model (:func:`model_args`): the task's ``model_inputs(batch)`` when
-it defines one, else a dict batch as keyword arguments (``model(**batch)``), a tuple or
-list batch by its first field (``model(batch[0])``), a tensor as itself. The task's
-``loss`` and ``eval_batch`` then get the model's output and the whole batch.
+"""The task-generic loop pieces: a batch by indices (a ``TensorDataset``'s ``t[idx]``, a
+dataset's ``get_batch``, else the items collated; a top-level list becomes a tuple), a
+batch into the model, evaluation.
 """
 
 from __future__ import annotations
@@ -51,9 +36,7 @@ def to_device(batch: Any, device: torch.device | None) -> Any:
 
 def fetch_batch(dataset: Dataset[Any], idx: torch.Tensor, device: torch.device | None = None, *,
                 collate: Callable[[list[Any]], Any] | None = None) -> Any:
-    """Examples ``idx`` of ``dataset`` as one batch (a pytree of stacked fields, see the
-    module docstring) on ``device``; ``collate``: the task's ``collate_fn`` (None:
-    ``default_collate``)."""
+    """Examples ``idx`` of ``dataset`` as one batch (module docstring) on ``device``."""
     if isinstance(dataset, TensorDataset):
         batch: Any = tuple(t[idx] for t in dataset.tensors)
     elif callable(getattr(dataset, "get_batch", None)):
@@ -65,8 +48,7 @@ def fetch_batch(dataset: Dataset[Any], idx: torch.Tensor, device: torch.device |
 
 
 def batch_rows(batch: Any) -> int:
-    """The examples in ``batch``: the leading size of its first tensor leaf (1 for a 0-dim
-    tensor or a batch without tensors)."""
+    """The leading size of ``batch``'s first tensor leaf (1 for a 0-dim tensor or none)."""
     for leaf in pytree.tree_leaves(batch):
         if isinstance(leaf, torch.Tensor):
             return int(leaf.shape[0]) if leaf.dim() > 0 else 1
@@ -75,10 +57,9 @@ def batch_rows(batch: Any) -> int:
 
 def model_args(task: Any, batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(args, kwargs)`` the model is called with on ``batch``: the task's
-    ``model_inputs(batch)`` when it has one (a dict: keyword arguments; a tuple: positional
-    ones; an ``(args_tuple, kwargs_dict)`` pair: both; anything else: one positional
-    argument), else ``model(**batch)`` for a dict batch, ``model(batch[0])`` for a tuple or
-    list, ``model(batch)`` for a tensor."""
+    ``model_inputs(batch)`` (a dict: keywords; a tuple: positional; an ``(args, kwargs)``
+    pair: both; else one argument), else ``model(**batch)`` for a dict,
+    ``model(batch[0])`` for a tuple or list, ``model(batch)`` for a tensor."""
     hook = getattr(task, "model_inputs", None)
     if callable(hook):
         got = hook(batch)
@@ -117,8 +98,8 @@ def call_model(task: Any, model: nn.Module | Callable[..., Any], batch: Any) -> 
 @torch.no_grad()
 def evaluate(model: nn.Module, task: Task, dataset: Dataset[Any], *,
              device: torch.device | None = None, batch_size: int | None = None) -> dict[str, float]:
-    """The task's metrics over ``dataset``, in order, from summed ``eval_batch`` results; an
-    iterable (stream) test set is read to its end in batches, so it must be finite."""
+    """The task's metrics over ``dataset`` from summed ``eval_batch`` results (a stream is
+    read to its end: it must be finite)."""
     bs = int(batch_size or getattr(task, "eval_batch_size", None) or DEFAULT_EVAL_BATCH)
     collate = getattr(task, "collate_fn", None)
     was_training = model.training

@@ -1,8 +1,6 @@
-"""The loop pieces every executor shares: seeding, optimizers,
-checkpoints, run folders, metrics, progress and reports.
-
-The names below are imported on first use (PEP 562): importing one light submodule
-(``paratrain.training.gcfreeze``, ``.allocator``) does not import torch and the loop."""
+"""The loop pieces every executor shares, imported on first use (PEP 562): importing a light
+submodule (``gcfreeze``, ``allocator``) does not import torch and the loop.
+"""
 
 from __future__ import annotations
 

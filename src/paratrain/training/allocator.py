@@ -1,12 +1,10 @@
 """glibc's heap settings for a training process (:func:`keep_freed_memory`).
 
-A CPU training step frees and allocates the same buffers every step. With glibc's defaults
-freed memory past a few MB is returned to the system and large requests get a fresh
-``mmap``, so every step's buffers are new pages the kernel zero-fills. Measured on the GPT
-demo (300 steps, one thread, 2026-12-03): 6.7-8.1 s of system time in a 34 s run by
-default, 0.5 s keeping up to 256 MB freed (mmap above 64 MB), for 7% more peak RSS.
-Unchanged where the environment tunes the heap (``GLIBC_TUNABLES``, ``MALLOC_*_``), with
-``PARATRAIN_KEEP_FREED_MEMORY=0``, off glibc, or in a process paratrain does not own.
+With glibc's defaults a CPU step's freed buffers go back to the system and come back as
+fresh pages the kernel zero-fills: on the GPT demo (2026-12-03) 6.7-8.1 s of system time in
+a 34 s run, 0.5 s keeping up to 256 MB freed (mmap above 64 MB), for 7% more peak RSS.
+Unchanged where the environment tunes the heap, with ``PARATRAIN_KEEP_FREED_MEMORY=0``,
+off glibc, or in a process paratrain does not own.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Checks before a resume, and reading one ``torch.save`` checkpoint file.
-
-:func:`check_model_state` / :func:`check_optimizer_state` name what differs when a resumed
-job's model or optimizer does not fit the checkpoint, before anything is loaded.
-:func:`load_checkpoint` reads a PopulationBased member's file with ``weights_only=True``
-and raises :class:`CheckpointError` naming it when it is empty, truncated or garbage.
+"""Checks before a resume (naming what differs before anything is loaded), and reading one
+``torch.save`` file with ``weights_only=True`` (:class:`CheckpointError` names a bad one).
 """
 
 from __future__ import annotations

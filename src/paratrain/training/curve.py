@@ -1,9 +1,6 @@
-"""The training curve: a ``"kind": "train"`` record every ``run.log_every`` optimizer steps:
-the mean training loss since the previous one, the last lr, ``steps_per_s``,
-``samples_per_s``, ``step_time_s`` and ``memory_mb`` (peak CUDA allocation, else peak RSS).
-The losses are floats the step already returns (no host synchronisation per step); the mean
-over processes is taken at a logging step only. The window is checkpointed, so a resumed
-run logs the same losses at the same steps.
+"""The training curve: a ``"kind": "train"`` record every ``run.log_every`` steps (mean loss,
+lr, rates, step time, peak memory), from floats the step already returns (no host
+synchronisation per step); the window is checkpointed, so a resume logs the same records.
 """
 
 from __future__ import annotations

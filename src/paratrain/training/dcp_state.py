@@ -1,17 +1,10 @@
-"""The one loop's checkpoint as torch.distributed.checkpoint keys, by the model's own names.
-
-- ``model/<name>``: model tensor ``name``, whole or as the pieces the processes hold
-  (shard specs of :mod:`.reshard` as DCP chunks);
-- ``optim/<name>/<key>``: parameter ``name``'s optimizer state, cut like the parameter
-  where it has its shape;
-- ``rank<r>/...``: process ``r``'s own copy, where processes hold different values or do
-  not share a file system;
-- ``meta/rank<r>`` (bytes): position, scheduler, RNG, losses, loader, optimizer groups and
-  the description of what was saved; ``engine/rank<r>`` (bytes): the strategy's own state.
-
-:func:`flatten` turns a loop state into pieces and blobs; :func:`rebuild` reads it back on
-the same layout (bit-identical); :func:`reshard_targets` reads what a process of *another*
-layout holds now, by names.
+"""The one loop's checkpoint as torch.distributed.checkpoint keys, by the model's own names:
+``model/<name>`` (whole, or the pieces processes hold as DCP chunks), ``optim/<name>/<key>``
+(cut like the parameter where it has its shape), ``rank<r>/...`` (process ``r``'s own copy:
+values that differ, or no shared file system), ``meta/rank<r>`` (position, scheduler, RNG,
+..., and what was saved) and ``engine/rank<r>`` (the strategy's own state). :func:`flatten`
+writes, :func:`rebuild` reads back on the same layout (bit-identical),
+:func:`reshard_targets` reads what a process of another layout holds now.
 """
 
 from __future__ import annotations

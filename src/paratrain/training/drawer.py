@@ -1,9 +1,6 @@
-"""The drawer process of the ``paratrain`` command's Local run (:func:`.report.start_drawer`).
-
-It imports matplotlib at once, then reads one JSON request a line from stdin (``{"run_dir",
-"x_key", "title"}``), draws that run's ``report.png`` and answers one JSON line on stdout:
-``{"path": ...}`` or ``{"error": "Type: message"}``, until its input ends. SIGINT is
-ignored (Ctrl-C is the run's); anything else it prints goes to stderr.
+"""The drawer process (:func:`.report.start_drawer`): imports matplotlib, then answers each
+JSON request line on stdin (``run_dir``, ``x_key``, ``title``) with ``{"path"}`` or
+``{"error"}`` on stdout, until its input ends. SIGINT is the run's; other output goes to stderr.
 """
 
 from __future__ import annotations

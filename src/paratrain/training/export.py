@@ -1,10 +1,6 @@
-"""The trained model out: one state_dict under the model's own names, from every strategy.
-
-At the end of a run the logging process writes ``runs/<name>/model.safetensors``: the whole
-model's ``state_dict()`` by its own names, whatever the strategy cut it into (tied
-parameters under each name: safetensors stores no aliases). :func:`load_model` reads it
-back (an unfinished run: its newest checkpoint, with a warning); ``paratrain export``
-writes it as ``.safetensors`` or ``.pt``. Safetensors: tensors only, no pickle.
+"""The trained model out: ``model.safetensors``, the whole ``state_dict()`` by the model's own
+names whatever the strategy cut it into (tied parameters under each name); :func:`load_model`
+reads it (an unfinished run: its newest checkpoint, with a warning). Safetensors: no pickle.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The trained model in the Hugging Face Hub's format: ``paratrain export RUN --format hf --out DIR``.
-
-For a run whose model is (or wraps exactly one holding every parameter) a transformers
-``PreTrainedModel``, ``DIR`` gets what ``save_pretrained`` writes, so
-``AutoModelForCausalLM.from_pretrained(DIR)`` loads it. The weights are
-:func:`.export.load_model`'s, loaded strictly into the model rebuilt from the run's
-``job.json``, so the config written is the one the run trained.
+"""``paratrain export RUN --format hf --out DIR``: what ``save_pretrained`` writes, for a run
+whose model is (or wraps one holding every parameter) a transformers ``PreTrainedModel``;
+the weights :func:`.export.load_model`'s, loaded into the model rebuilt from job.json.
 """
 
 from __future__ import annotations

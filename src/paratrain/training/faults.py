@@ -1,15 +1,9 @@
-"""Fault injection for tests, demos and robustness studies, from the environment (never
-the job file; worker processes inherit it):
-
-* ``PARATRAIN_FAULT_KILL=RANK:STEP``: that rank SIGKILLs itself after step STEP (first
-  attempt only), so the restart and resume paths meet a real process death;
-* ``PARATRAIN_FAULT_KILL_IN_SAVE=NAME``: the process writing checkpoint NAME (e.g.
-  ``step-000000010``) SIGKILLs itself before the temp folder is renamed (first attempt);
-* ``PARATRAIN_FLOWER_SECAGG_DROP_AT=STAGE``: a Flower ClientApp dies at that SecAgg+ stage;
-* ``PARATRAIN_FAULTS``: a JSON object with ``fail_clients``, ``byzantine_clients`` /
-  ``byzantine_scale`` (updates multiplied by it), ``corrupt_clients`` (a wrong shape) and
-  ``fail_members`` (PopulationBased members that raise halfway); :func:`inject_faults`
-  sets it for a ``with`` block.
+"""Fault injection for tests, demos and robustness studies, from the environment (never the
+job file): ``PARATRAIN_FAULT_KILL=RANK:STEP`` (SIGKILL after a step, first attempt only),
+``PARATRAIN_FAULT_KILL_IN_SAVE=NAME`` (SIGKILL before a checkpoint's rename),
+``PARATRAIN_FLOWER_SECAGG_DROP_AT=STAGE`` (a Flower ClientApp dies at that SecAgg+ stage)
+and ``PARATRAIN_FAULTS``, a JSON object with ``fail_clients``, ``byzantine_clients`` /
+``byzantine_scale``, ``corrupt_clients`` and ``fail_members`` (:func:`inject_faults`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Keep the cyclic garbage collector's full passes off a training step's critical path.
 
-After ``import torch`` a process holds a few hundred thousand objects that live until exit;
-a generation-2 collection walks them all (90-100 ms on this project's 2-core CI machine,
-about 30 pipeline-stage forwards), making one rank a straggler every other rank waits for.
-``gc.freeze()`` moves everything alive now into a permanent generation that collections
-skip; nothing leaks (reference counting still frees everything acyclic).
-
-The ``paratrain`` command's own process (:func:`own_process`, issue 34) also pauses the
-collector from the start until the run trains (start-up made five or six full passes over
-a growing heap: 0.56 s of CPU for the GPT demo) and freezes everything before exit (the
-last collection cost 0.8-1 s). An object built only to be checked (preflight's model) is
-watched (:func:`watch_garbage`) so a cycle holding it is collected before the freeze.
+A generation-2 collection walks the few hundred thousand objects alive after ``import
+torch`` (90-100 ms on the 2-core CI machine), making one rank a straggler the others wait
+for; ``gc.freeze()`` moves them into a generation collections skip (nothing leaks). The
+``paratrain`` command's own process also pauses the collector until the run trains and
+freezes everything before exit (issue 34: 0.56 s and 0.8-1 s of CPU for the GPT demo).
 """
 
 from __future__ import annotations

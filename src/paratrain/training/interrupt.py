@@ -1,17 +1,11 @@
-"""Interrupts keep progress: SIGINT/SIGTERM end a run at the next step boundary, after a
-checkpoint; and the time-based checkpoint cadence (``run.checkpoint_every = "10m"``).
+"""Interrupts keep progress, and the time-based checkpoint cadence.
 
-The first SIGINT or SIGTERM only sets a flag (:class:`StopFlag`); the loop finishes its
-step, writes a checkpoint and raises :class:`Interrupted` (a KeyboardInterrupt: exit 130,
-``--resume`` continues bit-identically). A second signal raises at once, unless it comes
-within :data:`ECHO_S` of the first: Ctrl-C reaches the launcher too, whose elastic agent
-forwards it, so a worker sees one Ctrl-C twice.
-
-Several processes must stop at the same step (their checkpoint is one collective save):
-:func:`agree` takes the maximum of each rank's flags over the group (one all-reduce).
-:class:`Agreement` says at which steps: each check also agrees on the next one, the
-smallest rank's proposal of how many steps fit in :data:`AGREE_S` seconds (at most twice
-the last interval), so a stop or a due time cadence is acted on within about ``AGREE_S``.
+The first SIGINT/SIGTERM only sets a flag (:class:`StopFlag`): the loop finishes its step,
+checkpoints and raises :class:`Interrupted` (exit 130; ``--resume`` continues). A second
+signal raises at once, unless within :data:`ECHO_S` of the first (the launcher's elastic
+agent forwards the same Ctrl-C). Processes stop at the same step: at the steps
+:class:`Agreement` picks (as many as fit in :data:`AGREE_S` seconds, at most twice the last
+interval) one all-reduce takes every rank's flags (:func:`agree`).
 """
 
 from __future__ import annotations

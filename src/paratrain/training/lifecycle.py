@@ -1,12 +1,7 @@
-"""One run's lifecycle around its units of work, for every strategy.
-
-A unit is what a strategy counts: an optimizer step (:func:`.loop.run_loop`), a Federated
-round, a PopulationBased generation. Around each the run does the same things, here and
-nowhere else: resume from the newest readable checkpoint of its store (:mod:`.stores`) and
-cut ``metrics.jsonl`` back to it; show progress (:mod:`.progress`); let SIGINT/SIGTERM
-finish the unit, save the same checkpoint on every process and raise
-:class:`~.interrupt.Interrupted`; checkpoint at the cadence ``run.checkpoint_every`` (units
-or wall time) and at the end; run the fault hooks of the tests (:mod:`.faults`).
+"""One run's lifecycle around its units (an optimizer step, a Federated round, a PBT
+generation), for every strategy: resume (and cut ``metrics.jsonl`` back), progress,
+SIGINT/SIGTERM finishing the unit with one checkpoint on every process, the
+``run.checkpoint_every`` cadence, the final save and the tests' fault hooks.
 """
 
 from __future__ import annotations

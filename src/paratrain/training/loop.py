@@ -1,13 +1,9 @@
 """The one training loop. Every strategy trains through it; an executor supplies only an
-:class:`Engine` (how a batch's gradients are computed and combined, how the model is
-evaluated, which extra state it checkpoints) and its data (:class:`~.plan.DataPlan`).
-
-Position ``(step, epoch, batch)``: optimizer steps done, the epoch, and the next batch of
-that epoch; a step takes the next ``train.grad_accumulation`` batches (:class:`Trainer`).
-Evaluate every ``train.eval_every`` steps (0: at each epoch's end); checkpoints, signals
-and progress are the :class:`~.lifecycle.Lifecycle`'s. A checkpoint holds the model,
-optimizer, scheduler, RNG states, position, losses since the last evaluation and the
-engine's state, so a resumed run's final parameters are bit-identical (tested per strategy).
+:class:`Engine` (its gradients, evaluation and own state) and its data (:mod:`.plan`).
+Position ``(step, epoch, batch)``; a step takes ``train.grad_accumulation`` batches
+(:class:`Trainer`); checkpoints, signals and progress are the :class:`~.lifecycle.Lifecycle`'s.
+A checkpoint holds everything a step depends on, so a resumed run's final parameters are
+bit-identical (tested per strategy).
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""This process's data for the one loop (:class:`DataPlan`) and the loop's position in it
-(:class:`Position`). Epoch ``e``'s order is :func:`epoch_permutation`, the same on every
-rank; DataParallel replica ``r`` of ``n`` takes ``perm[: (N // n) * n][r::n]`` (what
-``DistributedSampler(shuffle=False, drop_last=True)`` yields over ``perm``). A stream has
-no order: each rank reads its share (:mod:`paratrain.data.stream`).
+"""This process's data (:class:`DataPlan`) and the loop's position in it. Replica ``r`` of
+``n`` takes ``perm[: (N // n) * n][r::n]`` of :func:`epoch_permutation` (what
+``DistributedSampler(shuffle=False, drop_last=True)`` yields over ``perm``).
 """
 
 from __future__ import annotations

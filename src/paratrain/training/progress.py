@@ -1,11 +1,8 @@
-"""Progress of a run: a rich bar on a terminal, a log line every ``run.progress_every``
-otherwise (CI, a notebook, ``2> run.log``: a redrawing bar would garble them)::
+"""Progress of a run: a rich bar on a terminal, else a line every ``run.progress_every``::
 
     [Local] step 120/1000 (12%) train_loss 0.4321 lr 0.003 test_accuracy 0.912 | 8.31 steps/s | ETA 1m46s
 
-``train_loss`` is the mean over the steps since the previous line, ``steps/s`` the rate
-since this process started. Only the logging process shows progress; ``0`` or ``"off"``
-shows nothing.
+(the mean loss since the previous line; the rate since this process started).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""``report.png``: the loss and the task's own metrics as metrics.jsonl records them
-(matplotlib, Agg), and the provenance map of a run summary.
-
-matplotlib's import is most of the plot's cost (about 0.45 s of CPU, then 0.25 s to draw),
-so a run imports it ahead of the end: in a background thread (:func:`import_in_background`)
-or, for the ``paratrain`` command's Local run, in a drawer process started with the command
-(:func:`start_drawer`) that draws while the run writes its model. Either way the file is
-drawn by :func:`plot_curves`'s code, and a failure warns and never raises."""
+"""``report.png`` (matplotlib, Agg) from metrics.jsonl, and a summary's provenance map.
+matplotlib's import is most of the plot's cost (0.45 s of CPU), so a run imports it in a
+background thread or, for the ``paratrain`` command's Local run, in a drawer process that
+draws while the run writes its model. A failure warns, never raises.
+"""
 
 from __future__ import annotations
 

@@ -1,17 +1,12 @@
 """Resume on another layout: a checkpoint by the model's own names, laid out anew.
 
-Every checkpoint records each process's tensors under their names in the *model* (an
-engine's ``model_names()``), the optimizer state under its parameters' names
-(:func:`param_names`) and the run's ``layout``; a resume on another layout has each new
-process read, by those names, what it holds now (:mod:`.stores`, :mod:`.dcp_state`). What
-cannot be carried over is reset with one :class:`ReshardWarning`; the data continues after
-the examples the old replicas had walked (:func:`by_examples`).
-
-A process holding part of a model tensor describes it by a *shard spec* (an engine's
-``model_shards()``): ``{"shape": the whole tensor's shape, "slices": [[dim, start,
-length], ...]}`` (successive slices compose as successive ``narrow``s). Optimizer state of
-the parameter's shape is cut like the parameter; every loaded tensor must have the shape
-the process holds, else a ConfigError names it.
+A checkpoint records each process's tensors under their names in the model, the optimizer
+state under its parameters' names (:func:`param_names`) and the run's ``layout``; on another
+layout each process reads by name what it holds now (:mod:`.dcp_state`), what cannot carry
+over is reset with one :class:`ReshardWarning`, and the data continues after the examples
+the old replicas walked (:func:`by_examples`). A *shard spec* (an engine's
+``model_shards()``), ``{"shape": whole shape, "slices": [[dim, start, length], ...]}``,
+says which part of a model tensor a process holds (slices compose as ``narrow``s).
 """
 
 from __future__ import annotations

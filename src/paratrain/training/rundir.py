@@ -1,11 +1,8 @@
 """The run folder ``<output_dir>/<name>/``: job.json, metrics.jsonl, checkpoints/, summary.json.
 
-Nothing here deletes what the user did not ask to delete: the folder is always
-``output_dir / name`` with ``name`` one path component, every deletion goes through
-:func:`safe_rmtree` (which refuses a path outside the root), a fresh run into a folder that
-holds a run refuses without ``overwrite``, and the launching process holds ``fcntl.flock``
-on ``<run>/.lock`` (its workers see the claim through :data:`HELD_ENV`). A failed write is
-a ConfigError naming the path.
+The folder is ``output_dir / name`` (one component), every deletion goes through
+:func:`safe_rmtree`, a folder that holds a run needs ``overwrite``, and the launching
+process holds ``fcntl.flock`` on ``<run>/.lock`` (workers see it via :data:`HELD_ENV`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""A store's step folder read by one process, outside any run: no collective, no group.
-
-:mod:`.stores` writes ``checkpoints/step-<step>/`` (a torch.distributed.checkpoint folder
-plus :data:`LAYOUT_FILE`); here it is read back whole: :func:`read_layout` (its
-``layout.json``), :func:`read_named_model` (the whole model by the model's names, for
-``paratrain export``), :func:`read_rank_state` (one process's loop state, for inspection
-and tests) and :func:`latest_folder` (the newest complete step folder).
+"""A store's step folder read by one process outside any run (export, inspection, tests):
+no collective, no group.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Where the one loop keeps its checkpoints: torch.distributed.checkpoint folders.
 
-``checkpoints/step-<step>/`` is one DCP checkpoint of every process (keys by the model's
-names, :mod:`.dcp_state`) plus ``layout.json``. Every process writes into
-``.step-<step>.tmp/``; the rename to ``step-<step>`` is the commit, so a process killed
-mid-save leaves only a ``.tmp`` folder, which the next save removes. Two steps are kept.
-
-Resume: on the layout that wrote it each process reads back exactly its keys
-(bit-identical); on another layout each reads the slices it holds now by name
-(:func:`.dcp_state.reshard_targets`) and rank 0 warns naming what is reset. An unreadable
-folder on any process makes every process fall back to the next older one. Hosts without a
-shared file system each keep their own copy (``rank<r>/...`` keys). Federated and
-PopulationBased (kinds ``fed``, ``pbt``) store their engine's state (``engine/rank<r>``).
+``checkpoints/step-<step>/`` is one DCP checkpoint of every process (:mod:`.dcp_state`) plus
+``layout.json``, written into ``.step-<step>.tmp/`` and renamed: the rename is the commit (a
+killed save leaves only a ``.tmp``, removed by the next). Two steps are kept. On the same
+layout each process reads back exactly its keys (bit-identical); on another, the slices it
+holds now by name, and rank 0 warns naming what is reset. An unreadable folder on any
+process makes every process fall back to the next older one. Hosts without a shared file
+system keep their own copies (``rank<r>/...``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""How many intra-op threads a training process gives torch (``torch.set_num_threads``).
-
-``run.num_threads`` wins, then a positive ``OMP_NUM_THREADS``, then the cores this process
-may run on shared among this host's training processes (``LOCAL_WORLD_SIZE``): one process
-gets every core, as torch's default; ``n`` get ``cores // n`` each. A run's floating-point
-sums depend on the thread count, so a job that must be bit-identical across machines sets
-``run.num_threads``. (One thread, the earlier default, left an idle laptop's other cores
-unused: the GPT demo's step took 1.52x plain PyTorch's on 2 cores, issue 34.)
+"""How many intra-op threads a training process gives torch: ``run.num_threads``, else a
+positive ``OMP_NUM_THREADS``, else the cores this process may use shared among this host's
+training processes (``LOCAL_WORLD_SIZE``). Sums depend on the thread count: a job that must
+be bit-identical across machines sets ``run.num_threads``. (One thread, the old default,
+made the GPT demo's step 1.52x plain PyTorch's on 2 idle cores, issue 34.)
 """
 
 from __future__ import annotations

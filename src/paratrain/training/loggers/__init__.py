@@ -1,12 +1,8 @@
 """Experiment trackers beside ``metrics.jsonl`` (``run.loggers``): one fan-out
-(:class:`Trackers`, held by :class:`~..rundir.MetricsWriter`), one small module per tracker.
-
-A record's step is its ``step``, ``round`` or ``generation``; a training-curve record's keys
-are named ``train/<key>``, a PopulationBased member's ``member_<m>/<key>``. Numbers only;
-the job is each tracker's config. Each tracker's run id is kept in ``trackers.json``: a
-resumed run continues that tracker run and logs no step twice (TensorBoard purges the
-events after the resume point; MLflow and W&B, which cannot take a point back, say the last
-step they hold and get only later ones, those up to the resume point from metrics.jsonl).
+(:class:`Trackers`), one small module per tracker. Curve keys are ``train/<key>``, a PBT
+member's ``member_<m>/<key>``. A resumed run continues each tracker run (ids in
+``trackers.json``) and logs no step twice: TensorBoard purges after the resume point;
+MLflow and W&B say the last step they hold and get only later ones.
 """
 
 from __future__ import annotations
