@@ -47,15 +47,10 @@ def run_in_process(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
         workers=default_workers(1, list(job.workers)),
     )
     # One process on this host: its share of the cores (training.threads), as every run.
-    from ...training.threads import intra_op_threads
+    from ...training.threads import intra_op_threads, use_threads
 
-    threads = torch.get_num_threads()
-    if ctx.device.type == "cpu":
-        torch.set_num_threads(intra_op_threads(job))
-    try:
+    with use_threads(intra_op_threads(job) if ctx.device.type == "cpu" else torch.get_num_threads()):
         out = worker_main(ctx, job, resume)
-    finally:
-        torch.set_num_threads(threads)
     assert out is not None
     return out
 

@@ -13,8 +13,7 @@ from ...training.faults import FAULTS_ENV, injected_faults
 from .client import client_name
 from .drift import drift_problems
 from .privacy import dp_problems
-
-__all__ = ["check_job", "check_data", "client_tags"]
+from .selection import select_clients
 
 
 def check_job(job: JobConfig, *, world_size: int) -> None:
@@ -63,7 +62,6 @@ def check_data(job: JobConfig, bundle: Any) -> None:
     from ...config import one_line
     from ...data.partition import partition_dataset
     from . import num_workers
-    from .selection import select_clients
 
     s: Any = job.strategy
     rows = len(bundle.train)
@@ -80,10 +78,17 @@ def check_data(job: JobConfig, bundle: Any) -> None:
             client_datasets(bundle.train, bundle.test, parts, job.data.partition, seed=job.run.seed)
     except ValueError as e:
         raise ConfigError([("data.partition", one_line(str(e)))]) from None
-    if getattr(s.client_selection, "method", None) == "ByCapability":
-        ctx = WorkerContext(rank=0, world_size=world, workers=default_workers(world, list(job.workers)))
-        try:
-            select_clients(s.client_selection, num_clients=s.num_clients, round_idx=0,
-                           seed=job.run.seed, client_tags=client_tags(job, ctx))
-        except ValueError as e:
-            raise ConfigError([("strategy.client_selection.required_tags", str(e).split(": ", 1)[-1])]) from None
+    ctx = WorkerContext(rank=0, world_size=world, workers=default_workers(world, list(job.workers)))
+    check_selection(job, client_tags(job, ctx))
+
+
+def check_selection(job: JobConfig, tags: dict[int, list[str]]) -> None:
+    """A ``ByCapability`` selection no client can ever match: a ConfigError naming the tags."""
+    s: Any = job.strategy
+    if getattr(s.client_selection, "method", None) != "ByCapability":
+        return
+    try:
+        select_clients(s.client_selection, num_clients=s.num_clients, round_idx=0, seed=job.run.seed,
+                       client_tags=tags)
+    except ValueError as e:
+        raise ConfigError([("strategy.client_selection.required_tags", str(e).split(": ", 1)[-1])]) from None

@@ -1,32 +1,19 @@
 """Clients: local training on a client's own data, hosted many-per-worker.
 
-A worker process hosts the clients ``c`` with ``c % world_size == rank``. It keeps, per
-hosted client, only the client's example indices and (with stateful compression) its
-error-feedback residual; the *model* is one ``nn.Module`` per worker that is loaded
-with the round's global weights before each client trains, so memory does not grow
-with ``num_clients``.
+A worker process hosts the clients ``c`` with ``c % world_size == rank``: per client only
+its example indices and its state (codec residuals, personal parts, SCAFFOLD's ``c_i``);
+one shared ``nn.Module`` is loaded with the round's global weights before each client
+trains, so memory does not grow with ``num_clients``.
 
-Local training (McMahan et al. 2017, ClientUpdate) of the job's
-:class:`~paratrain.task.Task`, through the one loop's :class:`~paratrain.training.loop.Trainer`
-and a :class:`ClientEngine` (a ``LocalEngine``): ``E = local_epochs`` passes over the
-client's examples (its partition of the task's training set, gathered with
-``fetch_batch``), each in the order ``torch.randperm(n, generator)`` of a generator seeded
-by ``(seed, round, client)`` and carried across the epochs, in mini-batches of
-``B = federated.batch_size`` (``None`` = the client's whole dataset as one batch: with
-E = 1 this is FedSGD). A client optimizer step takes ``train.grad_accumulation`` batches
-of the epoch (fewer at its end), weighted by their sizes, clips to ``train.grad_clip_norm``,
-runs forward and loss under ``train.precision``; a fresh optimizer from the job's
-``[train.optimizer]`` (``weight_decay`` included) each round, at the round's learning rate
-``lr * f(round)`` (``lr_scale``, from the server's round schedule:
-:class:`~.server.RoundSchedule`). With FedProx the loss is
-``task.loss + (mu/2)*||w - w_global||^2`` (global weights detached). The client returns the
-delta ``D = w_local - w_global``, optionally compressed (error feedback keeps
-``e <- D + e - Dec(C(D + e))`` per client, here on the client). With Local subgraphs
-(FedPer / FedBN, :mod:`.personal`) the client loads ``(w_global, w_P^c)``, keeps its trained
-personal part ``w_P^c`` and ``D`` covers the global keys only. SCAFFOLD and FedNova's
-client parts (:mod:`.drift`): with SCAFFOLD the engine adds ``c - c_i`` to each step's
-gradient, the client updates its ``c_i`` (option II) and appends ``dc_i`` to its uplink; every
-status carries the client's local step count ``steps`` and, with FedNova, its normaliser ``norm``.
+Local training (McMahan et al. 2017, ClientUpdate) through the one loop's
+:class:`~paratrain.training.loop.Trainer`: ``E = local_epochs`` passes over the client's
+partition, each in the order ``torch.randperm(n, generator)`` of a generator seeded by
+``(seed, round, client)``, in mini-batches of ``B = federated.batch_size`` (``None``: the
+whole partition; with E = 1 FedSGD), under a fresh ``[train.optimizer]`` each round at
+``lr * f(round)`` (:class:`~.server.RoundSchedule`). FedProx adds ``(mu/2)*||w - w_global||^2``
+to the loss; SCAFFOLD adds ``c - c_i`` to each step's gradient (:mod:`.drift`). The client
+returns ``D = w_local - w_global`` (the global keys only, with Local subgraphs:
+:mod:`.personal`), optionally compressed with error feedback ``e <- D + e - Dec(C(D + e))``.
 """
 
 from __future__ import annotations
@@ -57,22 +44,14 @@ from .personal import PersonalState, client_name
 from .privacy import client_privatize
 from .wire import dense_headers, dense_payload, encode_update, flat_float32
 
-__all__ = ["ClientResult", "ClientHost", "ClientEngine", "FreshOptimizer", "client_generator",
-           "client_name", "client_seed", "local_train"]
-
-
-def client_seed(seed: int, round_idx: int, client: int) -> int:
-    """The seed of ``(seed, round, client)``'s generator (blake2b, stable everywhere)."""
-    h = hashlib.blake2b(f"fed|{seed}|{round_idx}|{client}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & ((1 << 63) - 1)
-
 
 def client_generator(seed: int, round_idx: int, client: int,
                      generator: torch.Generator | None = None) -> torch.Generator:
-    """A generator determined by ``(seed, round, client)``: ``generator`` reseeded (a new
-    one when None)."""
+    """A generator determined by ``(seed, round, client)`` (blake2b, stable everywhere):
+    ``generator`` reseeded (a new one when None)."""
+    h = hashlib.blake2b(f"fed|{seed}|{round_idx}|{client}".encode(), digest_size=8).digest()
     g = generator if generator is not None else torch.Generator()
-    g.manual_seed(client_seed(seed, round_idx, client))
+    g.manual_seed(int.from_bytes(h, "little") & ((1 << 63) - 1))
     return g
 
 
@@ -143,12 +122,10 @@ class ClientEngine(LocalEngine):
 
 
 class FreshOptimizer:
-    """One optimizer of the job's ``[train.optimizer]`` over a host's shared model, handed out
-    as a fresh one: :meth:`fresh` empties its state (momentum buffers, Adam's moments and
-    step counts) and puts every parameter group's options back as built, at the learning rate
-    ``lr * lr_scale`` -- what building a new optimizer with a constant ``LambdaLR`` of
-    ``lr_scale`` gives (``lr * lr_scale``, the scheduler's own product), without building
-    one per client and round."""
+    """One optimizer of the job's ``[train.optimizer]`` over a host's shared model:
+    :meth:`fresh` empties its state and puts every group's options back as built, at
+    ``lr * lr_scale`` -- what a new optimizer with a constant ``LambdaLR`` of ``lr_scale``
+    gives, without building one per client and round."""
 
     def __init__(self, params: Any, spec: Any) -> None:
         self.optimizer = build_optimizer(params, spec)
@@ -165,14 +142,11 @@ class FreshOptimizer:
 
 
 class _PlainSGD:
-    """A plain ``torch.optim.SGD`` (no momentum, weight decay, Nesterov or maximize; CPU
-    parameters, floats for options) stepped with the arithmetic of torch's own CPU
-    implementation -- ``p.add_(p.grad, alpha=-lr)`` for each parameter that has a gradient,
-    here one ``torch._foreach_add_`` (on CPU the same per-tensor ``add_``: bit-identical)
-    -- without ``Optimizer.step``'s per-call wrapper (profiler record, hooks, grad-mode
-    switch), which costs more than the arithmetic on a client's small model. A sparse
-    gradient or a global optimizer hook (``torch.optim.optimizer.register_optimizer_step_*_hook``)
-    takes torch's own step."""
+    """A plain CPU ``torch.optim.SGD`` (no momentum, weight decay, Nesterov or maximize)
+    stepped as torch's CPU implementation does (``p.add_(p.grad, alpha=-lr)``, here one
+    ``torch._foreach_add_``: bit-identical) without ``Optimizer.step``'s per-call wrapper,
+    which costs more than the arithmetic on a client's small model. A sparse gradient or a
+    global optimizer hook takes torch's own step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
@@ -256,19 +230,16 @@ def local_train(
     batch_size: int | None,
     lr_scale: float = 1.0,
     generator: torch.Generator,
-    device: torch.device | None = None,
-    optimizer: FreshOptimizer | None = None,
-    example_bytes: int | None = -1,
+    device: torch.device | None,
+    optimizer: FreshOptimizer,
+    example_bytes: int | None,
 ) -> tuple[float, int]:
     """Train ``engine.model`` (already loaded with ``global_state``) in place on examples
     ``indices`` of ``dataset``; returns (mean step loss, optimizer steps). ``train`` is the
-    job's ``[train]`` (optimizer, grad_accumulation, grad_clip_norm); ``optimizer``: a
-    :class:`FreshOptimizer` over ``engine.model`` to use (None: a new one); ``example_bytes``:
-    :func:`row_bytes` of ``dataset`` on ``device`` when known (-1: found here)."""
+    job's ``[train]``; ``example_bytes``: :func:`row_bytes` of ``dataset`` on ``device``."""
     model = engine.model
     # The round's learning rate, constant over the round's steps: lr * f(round).
-    fresh = optimizer if optimizer is not None else FreshOptimizer(model.parameters(), train.optimizer)
-    trainer = Trainer(engine, fresh.fresh(lr_scale), train, 0, scheduler=_ConstantLR())
+    trainer = Trainer(engine, optimizer.fresh(lr_scale), train, 0, scheduler=_ConstantLR())
     engine.anchor(global_state)
     n = int(indices.numel())
     bs = n if batch_size is None else min(batch_size, n)
@@ -278,9 +249,8 @@ def local_train(
     collate = getattr(engine.task, "collate_fn", None)
     # a TensorDataset already on the device: the epoch's examples gathered once, its batches
     # slices of them (the same rows in the same order as fetch_batch's per-batch gathers)
-    row = row_bytes(dataset, device) if example_bytes == -1 else example_bytes
-    whole = row is not None and n * row <= _GATHER_BYTES
-    if not all(m.training for m in getattr(engine, "modules", None) or model.modules()):  # train() sets every flag
+    whole = example_bytes is not None and n * example_bytes <= _GATHER_BYTES
+    if not all(m.training for m in engine.modules):  # train() sets every flag
         model.train()
     for _ in range(epochs):
         order = indices[torch.randperm(n, generator=generator)]
@@ -298,11 +268,10 @@ def local_train(
 
 
 class _DenseDelta:
-    """A dense float32 update ``local - global`` as the bytes :func:`encode_update` sends
-    (every tensor ``f32``), for one round's global state: the global vector and headers once;
-    then per client, where the model's tensors are contiguous float32 on CPU (a
-    little-endian host), one ``cat`` of them into a kept buffer and one in-place subtraction
-    (the same float32 differences), else :func:`flat_float32` and a subtraction."""
+    """A dense float32 update ``local - global`` as the bytes :func:`encode_update` sends,
+    for one round's global state: per client, where the model's tensors are contiguous
+    float32 on CPU (a little-endian host), one ``cat`` into a kept buffer and one in-place
+    subtraction (the same float32 differences), else :func:`flat_float32` and a subtraction."""
 
     def __init__(self, global_state: Mapping[str, Tensor], slots: Mapping[str, Tensor]) -> None:
         self.keys = list(global_state)
@@ -322,6 +291,48 @@ class _DenseDelta:
         torch.cat(self.views, out=self.buffer)
         self.buffer.sub_(self.before)
         return self.array.tobytes()
+
+
+def has_tensors(state: Any) -> bool:
+    """True when a (nested) state dict holds at least one tensor."""
+    if isinstance(state, Tensor):
+        return True
+    if isinstance(state, Mapping):
+        return any(has_tensors(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return any(has_tensors(v) for v in state)
+    return False
+
+
+class ClientCompressor:
+    """One client's update through the job's ``[compression]``: ``__call__(name, tensor) ->
+    bytes`` at ``step = round``, seeded by (job seed, client), so RandomK positions and
+    stochastic rounding are reproducible per client and round; ``commit()`` (once the whole
+    update was encoded) keeps the codec state (error-feedback residuals) in the hosting
+    worker's ``codec_state``, which its checkpoint saves."""
+
+    def __init__(self, strategy: Any, codec_state: dict[int, Any], *, seed: int, client: int,
+                 round_idx: int) -> None:
+        from ...compression import Compressor
+
+        self.codec_state = codec_state
+        self.client = client
+        self.round_idx = round_idx
+        h = hashlib.blake2b(f"fedcomp|{seed}|{client}".encode(), digest_size=8).digest()
+        self.comp = Compressor(strategy, seed=int.from_bytes(h, "little") & ((1 << 62) - 1))
+        state = codec_state.get(client)
+        if state:
+            self.comp.codec.load_state_dict(state)
+
+    def __call__(self, name: str, tensor: Tensor) -> bytes:
+        return self.comp.compress(name, tensor, step=self.round_idx).to_bytes()
+
+    def commit(self) -> None:
+        state = self.comp.codec.state_dict()
+        if has_tensors(state):
+            self.codec_state[self.client] = state
+        else:
+            self.codec_state.pop(self.client, None)
 
 
 class ClientHost:
@@ -374,11 +385,8 @@ class ClientHost:
         self.optimizer: FreshOptimizer | None = None  # built at the first client's training
         self.generator = torch.Generator()  # reseeded for every client (client_generator)
         self.example_bytes = row_bytes(dataset, self.device)
-        self.compressed = job.compression is not None and getattr(job.compression, "method", "None") != "None"
         self._global: tuple[list[tuple[Tensor, int]], _DenseDelta] | None = None
         self._dst = [t.detach() for t in self.slots.values()]  # aliases a load copies into
-
-    # ------------------------------------------------------------------ training
 
     def hosts(self, client: int) -> bool:
         return client % self.world_size == self.rank
@@ -499,17 +507,11 @@ class ClientHost:
             for t, v in zip(self._dst, src, strict=True):
                 t.copy_(v)
 
-    # --------------------------------------------------------------- compression
-
     def _compressor(self, client: int, round_idx: int) -> Any:
         if self.job.compression is None or getattr(self.job.compression, "method", "None") == "None":
             return None
-        from .compress import ClientCompressor
-
         return ClientCompressor(self.job.compression, self.codec_state, seed=self.job.run.seed,
                                 client=client, round_idx=round_idx)
-
-    # ---------------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
         """Per-client codec state (error-feedback residuals) and personal parts, keyed

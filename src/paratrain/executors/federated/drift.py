@@ -1,25 +1,14 @@
-"""The client parts of the drift-correcting extension methods, and what they add to a round.
+"""The client parts of the drift-correcting methods, and what they add to a round.
 
-SCAFFOLD (:mod:`.aggregation.scaffold`, Karimireddy et al. 2020): each client ``i`` keeps
-its control variate ``c_i`` on the worker that hosts it (:class:`ClientControls`, in that
-worker's checkpoint, moved with the client on a resume on another number of workers, like
-the error-feedback residuals). Per round:
-
-- down: the server's ``c`` (one float32 tensor per floating key of the global model), with
-  the global model (:func:`broadcast_control` on the local path);
-- on the client: ``c - c_i`` is added to every local gradient (:meth:`ClientEngine` in
-  :mod:`.client`, once per optimizer step, before clipping and the optimizer), then option II
-  ``c_i+ = c_i - c + (x - y_i)/(K*eta_l)``;
-- up: ``dc_i = c_i+ - c_i`` as extra float32 tensors named ``scaffold.dc/<key>`` after the
-  update's own in the same headers and payload (:func:`pack_control`; the server splits them
-  off, :func:`split_control`).
-
+SCAFFOLD (:mod:`.aggregation.scaffold`, Karimireddy et al. 2020): each client's control
+variate ``c_i`` lives on the worker hosting it (:class:`ClientControls`, in that worker's
+checkpoint). Per round the server's ``c`` goes down with the global model
+(:func:`broadcast_control`), the client adds ``c - c_i`` to every local gradient and
+sends ``dc_i = c_i+ - c_i`` as extra float32 tensors ``scaffold.dc/<key>`` after its
+update's own (:func:`pack_control`; the server splits them off, :func:`split_control`).
 FedNova (:mod:`.aggregation.fednova`, Wang et al. 2020): the client's status carries its
-local step count ``steps`` (tau_i) and normaliser ``norm`` (a_i, momentum-adjusted).
-
-Both need SGD as the client optimizer (SCAFFOLD: without momentum, whose option II
-estimate ``(x - y_i)/(K*eta_l)`` is the mean corrected gradient only for plain SGD);
-:func:`drift_problems` names anything else.
+step count ``steps`` and normaliser ``norm``. Both need SGD as the client optimizer
+(:func:`drift_problems` names anything else).
 """
 
 from __future__ import annotations
@@ -31,11 +20,8 @@ import torch
 from torch import Tensor
 
 from .aggregation import control_keys
-from .flat import broadcast_state
 from .personal import client_name
-
-__all__ = ["CONTROL_PREFIX", "ClientControls", "pack_control", "split_control", "control_reference",
-           "drift_problems", "uses_control", "broadcast_control", "optimizer_momentum"]
+from .wire import broadcast_state
 
 CONTROL_PREFIX = "scaffold.dc/"
 

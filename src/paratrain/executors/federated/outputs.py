@@ -1,16 +1,12 @@
-"""What a finished federated worker hands out: each hosted client's whole model, the
-server's final global state on every rank, the digest of every client's personal parts
-(the same on any number of workers) and the process's peak memory."""
+"""What both runtimes hand out: each round's record, the run's summary and folder, each
+hosted client's whole model and the digest of every client's personal parts (the same on
+any number of workers)."""
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
 from typing import Any
-
-from ...training.curve import peak_rss_mb
-
-__all__ = ["peak_rss_mb", "save_client_models", "personal_digest", "run_summary", "round_record"]
 
 
 def save_client_models(run_dir: Path, model: Any, personal: Any, global_state: Any) -> None:
@@ -71,7 +67,7 @@ def run_summary(*, job: Any, task: Any, server: Any, model: Any, run_dir: Path, 
         "wall_time_s": round(wall_s, 3),
         "parameters_sha256": parameters_digest(model),
         **final_per,
-        **server.privacy_summary(),  # [federated.dp]: epsilon, delta, why it stopped
+        **(server.privacy.summary() if server.privacy is not None else {}),  # [federated.dp]
     }
 
 
@@ -91,3 +87,15 @@ def round_record(server: Any, rec: dict[str, Any], ev: dict[str, Any], per: dict
     rec.update(per)
     rec.update(extra)
     return rec
+
+
+def write_run(run_dir: Path, model: Any, summary: dict[str, Any], *, configured: tuple[str, ...],
+              title: str) -> None:
+    """``summary.json`` (with its provenance), the global model ``model`` and ``report.png``."""
+    from ...training import report, write_summary
+    from ...training.export import save_model, whole_state
+
+    summary["provenance"] = report.provenance(summary, configured=configured)
+    save_model(run_dir, whole_state(model))
+    write_summary(run_dir, summary)
+    report.plot_curves(run_dir, x_key="round", title=title)

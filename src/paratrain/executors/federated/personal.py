@@ -1,30 +1,18 @@
 """Personal subgraphs of federated clients (FedPer, FedBN) and per-client evaluation.
 
-Under a root ``Federated`` strategy, a ``Local`` subgraph (:mod:`paratrain.subgraphs`) is
-personal to each client. With ``P`` its state keys (parameters *and* buffers, e.g. BatchNorm's
-running statistics) and ``G`` the others, the server's model is ``w_G`` alone and client ``c``
-holds ``w_P^c``. In round ``r`` a selected client loads ``(w_G, w_P^c)``, trains both locally
-(FedProx's proximal term covers ``G`` only), keeps its trained ``w_P^c`` and sends only
-``Delta_G^c = w_G^c - w_G``; the server aggregates those (FedAvg:
-``w_G <- w_G + sum_c n_c Delta_G^c / sum_c n_c``). So ``P`` is never broadcast, sent or
+A ``Local`` subgraph (:mod:`paratrain.subgraphs`) under a root ``Federated`` strategy is
+personal to each client. With ``P`` its state keys (parameters *and* buffers) and ``G`` the
+others, the server's model is ``w_G`` alone; client ``c`` loads ``(w_G, w_P^c)``, trains
+both, keeps its ``w_P^c`` and sends only ``Delta_G^c``. So ``P`` is never broadcast, sent or
 aggregated: FedPer (Arivazhagan et al. 2019) when ``P`` is the head, FedBN (Li et al. 2021)
-when ``P`` is the normalisation layers. ``w_P^c`` starts at the model's initial value (one
-seeded init for every client); it lives on the worker that hosts ``c`` (``c % world == rank``)
-and is part of that worker's checkpoint.
+when it is the normalisation layers. ``w_P^c`` starts at the model's initial value and
+lives in the checkpoint of the worker hosting ``c``.
 
-Per-client evaluation: client ``c`` is scored by the task on its test split ``T_c``
-(:mod:`paratrain.data.client_splits`: it follows the client's training partition) with the
-model ``(w_G, w_P^c)`` -- the global model when there is no ``P``. Reported:
-``personal_test_<m>`` = the mean over clients with a non-empty split of their metric ``m_c``,
-``personal_test_<m>_min`` = the worst client's, ``clients_evaluated``; with a ``P``,
-``test_<m>`` is the task's metric over the union of the splits (the whole test set) with
-every example scored by its own client's model. The splits' evaluation sums are exact sums,
-so the pooled figure is the same whichever worker scores which client.
-
-With ``P``, the evaluation after each round is collective: rank 0 broadcasts the new
-``w_G`` (counted in the workers' measured traffic, not in the round's
-``wire_bytes_down_measured``, which is the clients' download), every rank scores the
-clients it hosts and posts their sums in the store, rank 0 adds them up.
+Per-client evaluation scores client ``c`` on its test split ``T_c``
+(:mod:`paratrain.data.client_splits`) with ``(w_G, w_P^c)``: ``personal_test_<m>`` is the
+mean over clients with a non-empty split, ``personal_test_<m>_min`` the worst client's; with
+a ``P``, ``test_<m>`` pools every split, each example scored by its own client's model (exact
+sums, so the same whichever worker scores which client).
 """
 
 from __future__ import annotations
@@ -42,10 +30,7 @@ from ...models.state import load_unique_state_dict, unique_state_dict
 from ...task.steps import DEFAULT_EVAL_BATCH, call_model, fetch_batch
 from ...training.stepping import autocast
 from ...training.summary import tensor_bytes
-from .flat import broadcast_state
-
-__all__ = ["PersonalState", "client_name", "eval_sums", "combine", "score_clients", "ClientEvaluator",
-           "round_metrics"]
+from .wire import broadcast_state
 
 
 def client_name(c: int) -> str:

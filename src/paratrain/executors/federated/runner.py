@@ -1,45 +1,17 @@
-"""The round loop every worker process runs (rank 0 is also the server).
+"""The round loop every worker process runs (rank 0 is also the server; DESIGN §4).
 
-Per round ``r`` (DESIGN §4, Federated):
-
-1. rank 0 selects clients and publishes the plan ``{"clients": [...], "stop": bool}``
-   in the store (``fed/plan/r``);
-2. the global model is broadcast from rank 0 (one flat float32 tensor, plus one int64
-   tensor for integer buffers);
-3. every rank trains the selected clients it hosts, one after another on its single
-   model, publishes its status (``fed/status/r/rank``: per client ok, examples,
-   loss, error, tensor headers, byte counts) and sends the concatenated payloads to
-   rank 0 point-to-point;
-4. rank 0 decodes, validates and aggregates, evaluates on the test set and logs the round;
-5. every rank agrees on a stop (SIGINT/SIGTERM) and a due wall-time cadence; the round is
-   the unit of the run's one lifecycle (:class:`~paratrain.training.lifecycle.Lifecycle`):
-   when ``run.checkpoint_every`` (in rounds, 0: every round), that cadence, a stop or the
-   last round says so, every process writes its part of ``checkpoints/step-<r+1>/`` (the
-   server's state on rank 0, each rank's clients' codec state, personal parts and control
-   variates: :mod:`.state`, which also resumes on another number of workers). A stop then
-   ends the run (exit 130; ``--resume`` continues bit-identically). The lifecycle also runs
-   the fault hook: ``PARATRAIN_FAULT_KILL=RANK:ROUND`` (:mod:`~paratrain.training.faults`)
-   SIGKILLs that rank after that round.
-
-What is trained is the job's :class:`~paratrain.task.Task` (classification by default):
-the model from ``task.build_model``, the clients' data are their partitions
-(:func:`~paratrain.data.partition.partition_dataset`, e.g. ``speaker``: one speaking role
-per client) of the task's training set, the loss is the task's and the server evaluates
-with the task's metrics. The plan of round ``r`` also carries ``lr_scale = f(r)`` from the
-server's :class:`~.server.RoundSchedule` (``train.lr_schedule`` / ``warmup_steps`` over
-rounds). The summary reports ``test_<metric>`` for every metric of the task,
-``best_test_<fitness metric>`` and the task's reference metrics (``bigram_test_loss``).
-
-With Local subgraphs (``[subgraphs.<path>] type = "Local"``: FedPer / FedBN, :mod:`.personal`)
-the server's model lacks their keys, each client keeps its own part on the rank hosting it
-(in that rank's worker checkpoint, every round), and after each round every rank scores its
-clients on their own test splits (``personal_test_<metric>``; ``federated.evaluate_clients``
-does the same for the global model).
-
-A checkpoint is one collective write of every process, renamed into place when complete,
-so a resume (``--resume`` or an elastic restart after a killed worker) finds the server and
-every client of the same round and -- every random draw being a function of (seed, round,
-client) -- ends bit-identical to an uninterrupted run.
+Per round ``r``: rank 0 selects clients and publishes the plan ``{"clients", "stop",
+"lr_scale"}`` in the store (``fed/plan/r``); the global model (and SCAFFOLD's ``c``) is
+broadcast from rank 0 as flat tensors (:mod:`.wire`); every rank trains the selected clients
+it hosts on its one model, publishes their statuses (``fed/status/r/rank``) and sends their
+payloads to rank 0 point-to-point; rank 0 decodes, validates and aggregates
+(:class:`~.server.FederatedServer`), evaluates and logs the round. The round is the unit of
+the run's one :class:`~paratrain.training.lifecycle.Lifecycle` (checkpoint cadence, stops,
+``PARATRAIN_FAULT_KILL``); its checkpoint is one collective write of every process
+(:mod:`.state`), so a resume finds the server and every client of the same round and --
+every random draw being a function of (seed, round, client) -- ends bit-identical to an
+uninterrupted run. With Local subgraphs (FedPer / FedBN, :mod:`.personal`) each rank keeps
+its clients' personal parts and scores them after each round.
 """
 
 from __future__ import annotations
@@ -50,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ...comm.collectives import CommCounter
@@ -59,42 +32,23 @@ from ...comm.messages import recv_bytes, send_bytes
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...subgraphs import local_paths
-from ...training import MetricsWriter, prepare_run_dir, report, write_summary
+from ...training import MetricsWriter, prepare_run_dir
+from ...training.curve import peak_rss_mb
 from ...training.lifecycle import Lifecycle
 from ...training.rundir import run_dir_of
-from .checks import check_job, client_tags
+from .checks import check_job, check_selection, client_tags
 from .client import ClientHost
 from .drift import broadcast_control, uses_control
-from .flat import broadcast_state
 from .flower.side import Side, build_side, stateful
-from .outputs import peak_rss_mb, personal_digest, round_record, run_summary, save_client_models
+from .outputs import personal_digest, round_record, run_summary, save_client_models, write_run
 from .personal import ClientEvaluator, round_metrics
 from .privacy import build_server_privacy
 from .selection import select_clients
 from .server import FederatedServer, RoundSchedule
 from .state import fed_store, restore, round_state
-
-__all__ = ["worker_main", "check_job", "client_tags"]
-
+from .wire import broadcast_state
 
 _INVOCATIONS = 0
-
-
-class _Prefixed:
-    """Key prefixing over a store's ``set``/``get``/``delete_key``."""
-
-    def __init__(self, store: Any, prefix: str) -> None:
-        self.store, self.prefix = store, prefix
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self.store.set(self.prefix + key, value)
-
-    def get(self, key: str) -> bytes:
-        out: bytes = self.store.get(self.prefix + key)
-        return out
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self.store.delete_key(self.prefix + key))
 
 
 @dataclass
@@ -105,7 +59,7 @@ class _Worker:
     job: JobConfig
     data: Side  # the task, the model, the data, the server's template
     host: ClientHost  # this rank's clients
-    store: _Prefixed
+    store: Any  # the control plane: the rendezvous store's keys of this job, or an in-memory one
     comm_dev: torch.device
     tags: Any
     run_dir: Path
@@ -148,19 +102,15 @@ def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) ->
     # reading the first job's control keys.
     global _INVOCATIONS
     _INVOCATIONS += 1
-    store = _Prefixed(ctx.store if ctx.store is not None else LocalStore(), f"fed{_INVOCATIONS}/")
+    store = LocalStore() if ctx.store is None else dist.PrefixStore(  # type: ignore[attr-defined]
+        f"fed{_INVOCATIONS}", ctx.store)
     # NCCL moves only device tensors; gloo takes CPU tensors.
     comm_dev = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
     data = build_side(job, partition=rank, num_partitions=world, device=ctx.device)
     host, template = data.host, data.template
     assert host is not None  # build_side with a partition builds it
     tags = client_tags(job, ctx)
-    if getattr(strat.client_selection, "method", None) == "ByCapability":
-        try:  # fail before any round, naming the tags, when no client can ever match
-            select_clients(strat.client_selection, num_clients=strat.num_clients, round_idx=0,
-                           seed=job.run.seed, client_tags=tags)
-        except ValueError as e:
-            raise ConfigError([("strategy.client_selection.required_tags", str(e).split(": ", 1)[-1])]) from None
+    check_selection(job, tags)
 
     # Run folder: on resume nothing in it changes before the checkpoint was checked against
     # this job (every process, :func:`.state.restore`); then rank 0 creates (or keeps) it and
@@ -323,11 +273,7 @@ def _summary(w: _Worker) -> dict[str, Any] | None:
         summary.update(local_subgraphs=local_paths(job, model), personal_keys=d.personal_keys,
                        server_state_keys=sorted(server.global_state),
                        personal_sha256=personal_digest(workers))
-    summary["provenance"] = report.provenance(summary, configured=("num_clients", "num_workers"))
-    from ...training.export import save_model, whole_state
-
-    save_model(w.run_dir, whole_state(model))  # the global model
-    write_summary(w.run_dir, summary)
     strat: Any = job.strategy
-    report.plot_curves(w.run_dir, x_key="round", title=f"{job.run.name} (Federated, {strat.aggregation.method})")
+    write_run(w.run_dir, model, summary, configured=("num_clients", "num_workers"),
+              title=f"{job.run.name} (Federated, {strat.aggregation.method})")
     return summary

@@ -17,8 +17,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["select_clients", "round_generator", "num_random"]
-
 _ROUND_SALT = 0x5EED_F3D
 
 

@@ -1,38 +1,16 @@
 """The server side of a round: decode and validate updates, aggregate, evaluate.
 
-``FederatedServer.finish_round`` takes every selected client's status + payload (in
-client order), rejects malformed updates before any arithmetic (each becomes a
-recorded failure naming the client and tensor), and applies the job's aggregator to
-the successful ones, weighted by example counts. A round with no successful client
-leaves the global model unchanged and records why.
-
-Bytes, per round and in total: ``bytes_up_measured`` is the length of every selected
-client's encoded update (what a client would upload; the same whichever worker hosts it);
-``bytes_down_modelled`` is the model's size times the clients selected (what one device
-per client would download; in this simulation a worker's clients share one copy);
-``wire_bytes_down_measured`` / ``wire_bytes_up_measured`` are what went through the process
-group, counted at the transfer (comm/federated_ops.py): the model broadcast delivered to
-the other worker ranks and the update payloads this rank received. The server state — global model,
-aggregator state (server optimizer moments), round counter, the clients' learning-rate
-schedule position (:class:`RoundSchedule`), early-stop flag — is one checkpoint dict,
-which names its aggregation method: resuming it under another method (whose server
-optimizer state would silently start fresh) or another model is a ConfigError naming the
-field, before anything is loaded (:meth:`FederatedServer.check_state`).
-
-SCAFFOLD / FedNova (:mod:`.drift`): each status's ``steps`` (and FedNova's ``norm``) and,
-with SCAFFOLD, the ``scaffold.dc/<key>`` tensors after the update's own in its payload reach
-the aggregator's ``aggregate_round``; :meth:`FederatedServer.control` is the server's ``c``
-that every selected client receives with the global model.
-
-With ``[federated.dp]`` (:mod:`.privacy`, :meth:`FederatedServer.set_privacy`) the round's
-updates pass through :meth:`~.privacy.ServerPrivacy.privatize` (central: clipped, summed, noised)
-before the aggregator, every round is booked by the privacy accountant (``epsilon``/``delta`` in
-the record; its state in the checkpoint), and the server stops before a round that would pass
-``target_epsilon``.
-
-Evaluation is the task's (``eval_batch`` sums + ``finalize``) on the whole test set, under
-``train.precision``, after every round: the round's record carries ``test_<metric>`` for
-every metric of the task.
+``FederatedServer.finish_round`` takes every selected client's status + payload, rejects
+malformed updates before any arithmetic (each a recorded failure naming the client and
+tensor), passes them through ``[federated.dp]`` (:mod:`.privacy`: clipped, summed, noised,
+accounted) and applies the job's aggregator (SCAFFOLD's control deltas and FedNova's
+normalisers with them, :mod:`.drift`). A round with no successful client leaves the global
+model unchanged and records why. Bytes: ``bytes_up_measured`` is the length of every
+selected client's encoded update, ``bytes_down_modelled`` the model's size times the
+clients selected (one device per client), ``wire_bytes_*_measured`` what went through the
+process group (counted at the transfer). The server state is one checkpoint dict naming
+its aggregation method: resuming it under another method or model is a ConfigError
+naming the field, before anything is loaded (:meth:`FederatedServer.check_state`).
 """
 
 from __future__ import annotations
@@ -55,12 +33,6 @@ from .client import client_name
 from .drift import control_reference, split_control
 from .privacy import ServerPrivacy
 from .wire import decode_update
-
-__all__ = ["FederatedServer", "RoundOutcome", "RoundSchedule"]
-
-
-class RoundOutcome(dict[str, Any]):
-    """The per-round metrics record (a dict, logged to metrics.jsonl)."""
 
 
 class RoundSchedule:
@@ -87,6 +59,10 @@ class RoundSchedule:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.position = int(state["position"])
+
+
+# the server's running totals, in its checkpoint
+_COUNTERS = ("bytes_up", "bytes_down", "wire_bytes_down", "wire_bytes_up", "failures")
 
 
 @dataclass
@@ -125,19 +101,11 @@ class FederatedServer:
         if privacy is not None and not privacy.allows_next_round():
             self.stopped = True
 
-    def privacy_summary(self) -> dict[str, Any]:
-        """``epsilon``, ``delta`` and the DP settings for the run's summary ({} without DP)."""
-        return {} if self.privacy is None else self.privacy.summary()
-
     def control(self) -> dict[str, Tensor]:
         """SCAFFOLD's server control variate ``c`` (what each selected client needs with the
         global model, :meth:`~.client.ClientHost.train_one` ``control``); {} for other methods."""
         ctl = getattr(self.aggregator, "control", None)
         return ctl(self.global_state) if callable(ctl) else {}
-
-    @property
-    def model_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.global_state.values())
 
     def finish_round(
         self,
@@ -147,7 +115,7 @@ class FederatedServer:
         *,
         wire_bytes_down: int = 0,
         wire_bytes_up: int = 0,
-    ) -> RoundOutcome:
+    ) -> dict[str, Any]:
         """Aggregate one round; ``statuses[i]`` describes ``payloads[i]``; ``wire_bytes_*``
         are the round's process-group traffic as the transport counted it."""
         got = _Received()
@@ -156,13 +124,13 @@ class FederatedServer:
         for i in sorted(range(len(statuses)), key=lambda i: int(statuses[i]["client"])):
             self._receive(got, statuses[i], payloads[i], reference)
         updates, weights, failed = got.updates, got.weights, got.failed
-        down = self.model_nbytes * len(statuses)
+        down = sum(t.numel() * t.element_size() for t in self.global_state.values()) * len(statuses)
         self.bytes_up += got.up
         self.bytes_down += down
         self.wire_bytes_down += int(wire_bytes_down)
         self.wire_bytes_up += int(wire_bytes_up)
         self.failures += len(failed)
-        rec = RoundOutcome(
+        rec: dict[str, Any] = dict(
             round=round_idx + 1,
             clients_selected=len(statuses),
             clients_ok=len(updates),
@@ -242,11 +210,7 @@ class FederatedServer:
             "client_schedule": self.schedule.state_dict(),
             "stopped": self.stopped,
             "rounds_to_target": -1 if self.rounds_to_target is None else self.rounds_to_target,
-            "bytes_up": self.bytes_up,
-            "bytes_down": self.bytes_down,
-            "wire_bytes_down": self.wire_bytes_down,
-            "wire_bytes_up": self.wire_bytes_up,
-            "failures": self.failures,
+            **{k: getattr(self, k) for k in _COUNTERS},
             **({"privacy": self.privacy.state_dict()} if self.privacy is not None else {}),
             "saved_at": time.time(),
         }
@@ -286,10 +250,7 @@ class FederatedServer:
         self.stopped = bool(state.get("stopped", False))
         rtt = int(state.get("rounds_to_target", -1))
         self.rounds_to_target = None if rtt < 0 else rtt
-        self.bytes_up = int(state.get("bytes_up", 0))
-        self.bytes_down = int(state.get("bytes_down", 0))
-        self.wire_bytes_down = int(state.get("wire_bytes_down", 0))
-        self.wire_bytes_up = int(state.get("wire_bytes_up", 0))
-        self.failures = int(state.get("failures", 0))
+        for k in _COUNTERS:
+            setattr(self, k, int(state.get(k, 0)))
         if self.privacy is not None:
             self.privacy.load_state_dict(state["privacy"])

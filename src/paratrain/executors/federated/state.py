@@ -1,24 +1,13 @@
 """Federated's state in the run's one checkpoint format, and its lifecycle.
 
-A round is the unit of :class:`~paratrain.training.lifecycle.Lifecycle`: after ``r`` rounds
-``checkpoints/step-<r>/`` (:class:`~paratrain.training.stores.RankStore`, kind ``fed``) is
-one torch.distributed.checkpoint folder of every worker process:
-
-- ``model/<name>``: the global model (the server's, process 0), by the model's own names:
-  ``paratrain export`` reads an unfinished run's model from it;
-- ``engine/rank0``: the server's state without the model (round, aggregator and server
-  optimizer moments, the clients' learning-rate schedule position, byte counters, the
-  privacy accountant);
-- ``engine/rank<r>``: the state of the clients process ``r`` hosts, keyed ``client-<c>``
-  (error-feedback residuals, personal parts of Local subgraphs, SCAFFOLD's ``c_i``).
-
-The save is one collective write renamed into place, so a checkpoint always holds the
-server and every client of the same round. Resume on the same number of workers reads
-each process's own keys back (bit-identical). On another number (2 workers -> 3: the store's
-``reshard="engines"``), every process reads every old process's client state and keeps the
-clients it hosts now (client ``c`` on rank ``c % world``); the server's is unchanged.
-Flower's ServerApp writes the same format (one process, runtime ``flower``); its clients'
-state lives in the nodes' Flower contexts, so its checkpoints hold the server's alone.
+After ``r`` rounds ``checkpoints/step-<r>/`` (:class:`~paratrain.training.stores.RankStore`,
+kind ``fed``) is one torch.distributed.checkpoint folder of every worker process:
+``model/<name>`` the global model (process 0's, which ``paratrain export`` reads),
+``engine/rank0`` the server's other state, ``engine/rank<r>`` the state of the clients
+process ``r`` hosts, keyed ``client-<c>``. On another number of workers (``reshard="engines"``)
+every process reads every old process's client state and keeps the clients it hosts now.
+Flower's ServerApp writes the same format (one process); its clients' state lives on the
+nodes, so its checkpoints hold the server's alone.
 """
 
 from __future__ import annotations
@@ -31,8 +20,6 @@ from ...comm import collectives as C
 from ...config import ConfigError
 from ...training.lifecycle import engine_state
 from ...training.stores import RankStore
-
-__all__ = ["fed_store", "round_state", "restore"]
 
 
 def fed_store(run_dir: str | Path, *, rank: int, world: int, group: Any, runtime: str) -> RankStore:

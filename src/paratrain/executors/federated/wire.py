@@ -10,7 +10,9 @@ A client update ``Δ = w_client − w_global`` travels as a list of tensor heade
 server checks every header against the global model — the same key set, the same
 shapes, byte counts that add up to the payload — *before* any arithmetic, and rejects
 a bad update with :class:`MalformedUpdateError` naming the client and the tensor.
-Nothing is unpickled.
+Nothing is unpickled. The global model goes down as two flat vectors
+(:func:`broadcast_state`): the floating tensors as float32 and the integer ones (e.g.
+BatchNorm's ``num_batches_tracked``) as int64, in the state's key order.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ...comm.federated_ops import broadcast_
 from .aggregation import MalformedUpdateError
-
-__all__ = ["encode_update", "decode_update", "dense_headers", "dense_payload", "flat_float32"]
 
 
 def dense_headers(state: Mapping[str, Tensor]) -> list[dict[str, Any]]:
@@ -40,6 +41,31 @@ def flat_float32(tensors: Sequence[Tensor]) -> Tensor:
     if not tensors:
         return torch.zeros(0)
     return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+
+
+def broadcast_state(state: dict[str, Tensor], template: dict[str, Tensor], *,
+                    device: torch.device, group: Any, counter: Any = None) -> dict[str, Tensor]:
+    """Rank 0's ``state`` on every rank (the others pass anything keyed like ``template``, e.g.
+    ``template`` itself), cut like ``template``, moved through ``device`` (NCCL moves only
+    device tensors); ``counter`` books the bytes."""
+    fvec = flat_float32([t for t in state.values() if t.is_floating_point()]).to(device)
+    it = [t.reshape(-1).to(torch.int64) for t in state.values() if not t.is_floating_point()]
+    ivec = (torch.cat(it) if it else torch.zeros(0, dtype=torch.int64)).to(device)
+    broadcast_(fvec, src=0, group=group, counter=counter)
+    if ivec.numel():
+        broadcast_(ivec, src=0, group=group, counter=counter)
+    f, i = fvec.cpu(), ivec.cpu()
+    out: dict[str, Tensor] = {}
+    pf = pi = 0
+    for k, t in template.items():
+        n = t.numel()
+        if t.is_floating_point():
+            out[k] = f[pf : pf + n].reshape(t.shape).to(t.dtype).clone()
+            pf += n
+        else:
+            out[k] = i[pi : pi + n].reshape(t.shape).to(t.dtype).clone()
+            pi += n
+    return out
 
 
 def dense_payload(flat: Tensor) -> bytes:
@@ -79,9 +105,41 @@ def decode_update(
     reference: Mapping[str, Tensor],
 ) -> dict[str, Tensor]:
     """Parse and validate one client's update against the global model ``reference``."""
-    dense = _decode_dense(headers, payload, reference)
-    if dense is not None:
-        return dense
+    _check_headers(client, headers, payload, reference)
+    if [h["name"] for h in headers] == list(reference) and all(h["enc"] == "f32" for h in headers):
+        # the common update at once: its tensors are views of one float32 copy of the payload
+        arr = np.frombuffer(payload, dtype="<f4").astype(np.float32)
+        if bool(np.isfinite(arr).all()):  # (numpy's test: several times torch's on CPU)
+            flat = torch.from_numpy(arr)
+            dense: dict[str, Tensor] = {}
+            at = 0
+            for name, ref in reference.items():
+                dense[name] = flat[at : at + ref.numel()].reshape(ref.shape)
+                at += ref.numel()
+            return dense
+    view = memoryview(payload)
+    out: dict[str, Tensor] = {}
+    pos = 0
+    for h in headers:
+        name, nbytes = str(h["name"]), int(h["nbytes"])
+        chunk = view[pos : pos + nbytes]
+        pos += nbytes
+        shape = tuple(reference[name].shape)
+        if h["enc"] == "f32":
+            arr = np.frombuffer(chunk, dtype="<f4").astype(np.float32)
+            t = torch.from_numpy(arr).reshape(shape)
+        else:
+            t = _decode_compressed(client, name, bytes(chunk), shape)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise MalformedUpdateError(client, name, "contains NaN or infinity")
+        out[name] = t
+    return {name: out[name] for name in reference}
+
+
+def _check_headers(client: str, headers: Any, payload: bytes | memoryview,
+                   reference: Mapping[str, Tensor]) -> None:
+    """Every header names one tensor of ``reference`` once, with its shape, a known encoding
+    and a byte count (exact for ``f32``) that add up to the payload; else the error."""
     if not isinstance(headers, Sequence):
         raise MalformedUpdateError(client, "<headers>", "headers must be a list")
     seen: dict[str, Mapping[str, Any]] = {}
@@ -121,59 +179,6 @@ def decode_update(
         raise MalformedUpdateError(
             client, "<payload>", f"headers announce {total} bytes but {len(payload)} arrived"
         )
-    view = memoryview(payload)
-    out: dict[str, Tensor] = {}
-    pos = 0
-    for h in headers:
-        name, nbytes = str(h["name"]), int(h["nbytes"])
-        chunk = view[pos : pos + nbytes]
-        pos += nbytes
-        shape = tuple(reference[name].shape)
-        if h["enc"] == "f32":
-            arr = np.frombuffer(chunk, dtype="<f4").astype(np.float32)
-            t = torch.from_numpy(arr).reshape(shape)
-        else:
-            t = _decode_compressed(client, name, bytes(chunk), shape)
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise MalformedUpdateError(client, name, "contains NaN or infinity")
-        out[name] = t
-    return {name: out[name] for name in reference}
-
-
-def _decode_dense(headers: Any, payload: bytes | memoryview,
-                  reference: Mapping[str, Tensor]) -> dict[str, Tensor] | None:
-    """The common update at once: every tensor ``f32``, in ``reference``'s order with its
-    shape and byte count, the payload exactly their bytes, every value finite. Its tensors
-    are views of one float32 copy of the payload. None when anything differs: the checks of
-    :func:`decode_update` then name what (the values are the same either way)."""
-    if not isinstance(headers, list) or len(headers) != len(reference):
-        return None
-    sizes: list[tuple[str, int, tuple[int, ...]]] = []
-    total = 0
-    for h, (name, ref) in zip(headers, reference.items(), strict=True):
-        if not isinstance(h, dict) or h.get("name") != name or h.get("enc") != "f32":
-            return None
-        shape, nbytes = h.get("shape"), h.get("nbytes")
-        if (not isinstance(shape, list) or not all(isinstance(d, int) for d in shape)
-                or tuple(shape) != tuple(ref.shape)):
-            return None
-        numel = math.prod(shape)
-        if not isinstance(nbytes, int) or nbytes != 4 * numel:
-            return None
-        sizes.append((name, numel, tuple(shape)))
-        total += nbytes
-    if total != len(payload):
-        return None
-    arr = np.frombuffer(payload, dtype="<f4").astype(np.float32)
-    if not bool(np.isfinite(arr).all()):  # (numpy's test: several times torch's on CPU)
-        return None
-    flat = torch.from_numpy(arr)
-    out: dict[str, Tensor] = {}
-    pos = 0
-    for name, numel, shape in sizes:
-        out[name] = flat[pos : pos + numel].reshape(shape)
-        pos += numel
-    return out
 
 
 def _decode_compressed(client: str, name: str, data: bytes, shape: tuple[int, ...]) -> Tensor:

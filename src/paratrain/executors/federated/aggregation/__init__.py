@@ -1,33 +1,26 @@
 """Federated aggregators: pure maths on lists of client updates (model deltas) + weights.
 
-Every aggregator is an :class:`Aggregator` (``_common``): ``aggregate(global_state, updates,
-weights) -> new_global_state`` applies its ``step`` (``updates[i]`` is client i's delta
-``w_i − w_global`` by tensor name, ``weights[i]`` its example count) and ``state_dict()`` /
-``load_state_dict()`` hold its server state (optimizer moments, momentum buffer), which the
-round checkpoint stores. ``build_aggregator(spec)`` maps a contract ``FederatedAggregation``
-to one through :data:`AGGREGATORS` (method name -> class).
-
-Extension methods that need more of each client than its delta (SCAFFOLD: the control
-delta ``dc_i``; FedNova: the normaliser ``a_i``) override
-``aggregate_round(global_state, updates, weights, infos)``, ``infos[i]`` being client i's
-``{"steps", "norm", "control"}``; the server always calls ``aggregate_round``.
+Every aggregator is an :class:`Aggregator` (``_common``, the one ``aggregate`` signature);
+``build_aggregator(spec)`` maps a contract ``FederatedAggregation`` to one through
+:data:`AGGREGATORS` (method name -> class), the one registry.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ._adaptive import FedAdagradAggregator, FedAdamAggregator, FedYogiAggregator
 from ._common import Aggregator, MalformedUpdateError
-from .fedadagrad import FedAdagradAggregator
-from .fedadam import FedAdamAggregator
-from .fedavg import FedAvgAggregator, fedavg_step
-from .fedavgm import FedAvgMAggregator
-from .fedmedian import FedMedianAggregator, coordinate_median
+from .fedavg import (
+    FedAvgAggregator,
+    FedAvgMAggregator,
+    FedProxAggregator,
+    fedavg_step,
+    proximal_term,
+)
 from .fednova import FedNovaAggregator, fednova_norm
-from .fedprox import FedProxAggregator, proximal_term
-from .fedtrimmedavg import FedTrimmedAvgAggregator, trimmed_mean
-from .fedyogi import FedYogiAggregator
 from .krum import KrumAggregator, krum_select
+from .robust import FedMedianAggregator, FedTrimmedAvgAggregator, coordinate_median, trimmed_mean
 from .scaffold import ScaffoldAggregator, control_keys, scaffold_client_control
 
 __all__ = [

@@ -11,7 +11,9 @@ pseudo-gradient):
     w_{t+1} = w_t + η·m_t / (√v_t + τ)
 
 ``m_0 = 0`` and ``v_0 = τ²`` (the paper's ``v_{−1} ≥ τ²``); no bias correction, as
-in the paper. The moments are the server optimizer state (``state_dict``).
+in the paper. The moments are the server optimizer state (``state_dict``). Yogi's
+additive second moment grows or shrinks by at most ``(1 − β2)·Δ²`` per round, which keeps
+the effective server learning rate from collapsing.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ from torch import Tensor
 
 from ._common import Aggregator, Update
 from .fedavg import fedavg_step
-
-__all__ = ["AdaptiveServerOptimizer"]
 
 
 class AdaptiveServerOptimizer(Aggregator):
@@ -73,3 +73,30 @@ class AdaptiveServerOptimizer(Aggregator):
         self.t = int(state.get("t", 0))
         self.m = {k: v.to(torch.float64).clone() for k, v in dict(state.get("m", {})).items()}
         self.v = {k: v.to(torch.float64).clone() for k, v in dict(state.get("v", {})).items()}
+
+
+class FedAdamAggregator(AdaptiveServerOptimizer):
+    name = "FedAdam"
+
+    def second_moment(self, v: Tensor, d2: Tensor) -> Tensor:
+        return self.beta2 * v + (1.0 - self.beta2) * d2
+
+
+class FedYogiAggregator(AdaptiveServerOptimizer):
+    name = "FedYogi"
+
+    def second_moment(self, v: Tensor, d2: Tensor) -> Tensor:
+        return v - (1.0 - self.beta2) * d2 * torch.sign(v - d2)
+
+
+class FedAdagradAggregator(AdaptiveServerOptimizer):
+    """No first-moment decay by default (``β1 = 0``, so ``m_t = Δ_t``)."""
+
+    name = "FedAdagrad"
+    spec_fields = ("eta", "tau")
+
+    def __init__(self, *, eta: float, tau: float, beta1: float = 0.0) -> None:
+        super().__init__(eta=eta, beta1=beta1, beta2=0.0, tau=tau)
+
+    def second_moment(self, v: Tensor, d2: Tensor) -> Tensor:
+        return v + d2

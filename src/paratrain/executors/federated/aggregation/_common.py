@@ -1,14 +1,8 @@
 """What the federated aggregators share: the :class:`Aggregator` base (the one
-``aggregate`` signature, the stateless defaults) and the tensor helpers.
-
-An *update* is a mapping ``name -> tensor`` holding a client's model delta
-``Δ_i = w_i − w_global`` (same keys and shapes as the global model). Aggregators
-combine the updates of the clients of one round into the server step ``Δ`` and
-return the new global model ``w_global + step``.
-
-Arithmetic is done in float64 on stacked tensors ``U ∈ R^{n × *shape}`` and cast back
-to the global tensor's dtype, so results do not depend on accumulation order beyond
-the (sorted) client order and 0-d (scalar) tensors work like any other.
+``aggregate`` signature, the stateless defaults) and the tensor helpers. An *update* maps
+``name -> tensor``: a client's model delta ``Δ_i = w_i − w_global``. Arithmetic is in
+float64, cast back to the global tensor's dtype, so results do not depend on accumulation
+order beyond the (sorted) client order and 0-d tensors work like any other.
 """
 
 from __future__ import annotations
@@ -20,25 +14,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-__all__ = [
-    "Aggregator",
-    "Update",
-    "MalformedUpdateError",
-    "stack_key",
-    "apply_step",
-    "check_weights",
-    "linear_combination",
-    "update_names",
-]
-
 Update = Mapping[str, Tensor]
 
 
 class MalformedUpdateError(ValueError):
-    """A client update whose keys or shapes do not match the global model.
-
-    ``client`` is the client's id, ``tensor`` the offending tensor name.
-    """
+    """A client update whose keys or shapes do not match the global model (naming both)."""
 
     def __init__(self, client: str, tensor: str, message: str) -> None:
         self.client = client

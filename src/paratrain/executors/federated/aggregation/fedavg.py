@@ -1,20 +1,29 @@
 """FedAvg (McMahan et al. 2017, "Communication-Efficient Learning of Deep Networks
-from Decentralized Data").
+from Decentralized Data"): ``w ← w + Σ_i n_i Δ_i / Σ_i n_i`` with ``n_i`` the client's
+example count, i.e. the example-weighted mean of the client models.
 
-Server step: ``w ← w + Σ_i n_i Δ_i / Σ_i n_i`` with ``n_i`` the client's example
-count, i.e. the example-weighted mean of the client models.
+FedProx (Li et al. 2020, "Federated Optimization in Heterogeneous Networks"): client
+objective ``h_i(w) = F_i(w) + (μ/2)·‖w − w_global‖²`` with ``w_global`` detached (the
+round's starting global model); the server aggregates like FedAvg.
+
+FedAvgM (Hsu et al. 2019, "Measuring the Effects of Non-Identical Data Distribution for
+Federated Visual Classification"): server momentum, with ``Δ_t`` FedAvg's step,
+
+    v_t = β·v_{t−1} + Δ_t            (v_0 = 0)
+    w_{t+1} = w_t + η_s·v_t
+
+With ``β = 0`` and ``η_s = 1`` this is FedAvg. The buffer ``v`` is the server state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._common import Aggregator, Update, check_weights
-
-__all__ = ["fedavg_step", "FedAvgAggregator"]
+from ._common import Aggregator, Update, check_weights, linear_combination
 
 
 def fedavg_step(updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
@@ -39,12 +48,7 @@ def fedavg_step(updates: Sequence[Update], weights: Sequence[float]) -> dict[str
             out[name] = acc[pos : pos + t.numel()].reshape(t.shape) / total
             pos += t.numel()
         return out
-    for name in names:
-        acc = torch.zeros(updates[0][name].shape, dtype=torch.float64)
-        for u, wi in zip(updates, w.tolist(), strict=True):
-            acc.add_(u[name].detach(), alpha=wi)  # in float64: add_ promotes without a copy
-        out[name] = acc / total
-    return out
+    return {name: acc / total for name, acc in linear_combination(updates, w.tolist()).items()}
 
 
 def _as_vector(update: Update, names: list[str]) -> Tensor | None:
@@ -72,3 +76,58 @@ class FedAvgAggregator(Aggregator):
 
     def step(self, updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
         return fedavg_step(updates, weights)
+
+
+def proximal_term(params: Iterable[Tensor], global_params: Iterable[Tensor], mu: float) -> Tensor:
+    """``(μ/2)·Σ_k ‖w_k − w_global,k‖²`` (squared L2 norm; global weights detached)."""
+    total: Tensor | None = None
+    for p, g in zip(params, global_params, strict=True):
+        sq = (p - g.detach()).pow(2).sum()
+        total = sq if total is None else total + sq
+    if total is None:
+        return torch.zeros(())
+    return 0.5 * mu * total
+
+
+class FedProxAggregator(FedAvgAggregator):
+    """Server side of FedProx: example-weighted FedAvg. ``mu`` is used by the clients."""
+
+    name = "FedProx"
+    spec_fields = ("mu",)
+
+    def __init__(self, mu: float) -> None:
+        if mu < 0:
+            raise ValueError(f"FedProx mu must be >= 0 (got {mu})")
+        self.mu = float(mu)
+
+
+class FedAvgMAggregator(Aggregator):
+    name = "FedAvgM"
+    spec_fields = ("server_momentum", "server_lr")
+
+    def __init__(self, *, server_momentum: float = 0.9, server_lr: float = 1.0) -> None:
+        if not 0.0 <= server_momentum < 1.0:
+            raise ValueError(f"FedAvgM server_momentum must be in [0, 1) (got {server_momentum})")
+        if server_lr <= 0:
+            raise ValueError(f"FedAvgM server_lr must be > 0 (got {server_lr})")
+        self.momentum = float(server_momentum)
+        self.server_lr = float(server_lr)
+        self.buf: dict[str, Tensor] = {}
+
+    def step(self, updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
+        delta = fedavg_step(updates, weights)
+        step: dict[str, Tensor] = {}
+        for name, d in delta.items():
+            v = self.momentum * self.buf[name] + d if name in self.buf else d.clone()
+            self.buf[name] = v
+            step[name] = self.server_lr * v
+        return step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"momentum_buffer": {k: v.clone() for k, v in self.buf.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.buf = {
+            k: v.to(torch.float64).clone()
+            for k, v in dict(state.get("momentum_buffer", {})).items()
+        }

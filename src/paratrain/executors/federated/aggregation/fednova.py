@@ -28,8 +28,6 @@ from torch import Tensor
 
 from ._common import Aggregator, Update, apply_step, check_weights, linear_combination
 
-__all__ = ["FedNovaAggregator", "fednova_norm", "fednova_coefficients", "valid_norm"]
-
 
 def fednova_norm(steps: int, momentum: float = 0.0) -> float:
     """``a_i`` for ``steps`` local SGD steps with heavy-ball ``momentum`` (0: ``tau_i``)."""

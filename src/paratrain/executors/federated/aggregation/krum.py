@@ -19,8 +19,6 @@ from torch import Tensor
 from ._common import Aggregator, Update, stack_key, update_names
 from .fedavg import fedavg_step
 
-__all__ = ["pairwise_squared_distances", "krum_scores", "krum_select", "KrumAggregator"]
-
 
 def pairwise_squared_distances(x: Tensor) -> Tensor:
     """``d2[i, j] = Σ_k (x[i, k] − x[j, k])²`` for the rows of ``x`` (float64).

@@ -34,8 +34,6 @@ from torch import Tensor
 from ._common import Aggregator, Update, check_weights, linear_combination
 from .fedavg import fedavg_step
 
-__all__ = ["ScaffoldAggregator", "scaffold_client_control", "control_keys"]
-
 
 def control_keys(global_state: Mapping[str, Tensor]) -> list[str]:
     """The tensors that carry a control variate: the floating-point ones of the model."""

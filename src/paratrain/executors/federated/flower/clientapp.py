@@ -1,20 +1,12 @@
 """paratrain's Flower ClientApp (``paratrain.executors.federated.flower.clientapp:app``).
 
-Handlers (Flower's Message API). The node hosts the clients ``c`` with
-``c % num-partitions == partition-id`` (its ``--node-config``); every reply names the clients
-it answers for and the node's partition:
-
-- ``@app.train()``: the local path's client step (:func:`.node.train_clients`) for the
-  selected clients this node hosts; the reply carries each client's status (example count,
-  loss, tensor headers) and the encoded updates (compression codecs included) as bytes;
-- ``@app.evaluate()``: each hosted client's evaluation sums on its own test split, with its
-  personal parts (:func:`.node.score_node`).
-
-The node's clients' state lives in ``context.state["paratrain"]`` between messages of a run,
-and with a ``state-dir`` in the node_config also on the node's disk, where a message whose
-context is empty (the first of a resumed run) reads it back (:mod:`.node_state`).
-A wrong ``node_config`` or message is answered with a Flower error reply naming the problem
-(the server records the node's clients as failed)."""
+The node hosts the clients ``c`` with ``c % num-partitions == partition-id`` (its
+``--node-config``). ``@app.train()`` runs the local path's client step for the selected
+clients it hosts (:func:`.node.train_clients`), ``@app.evaluate()`` scores each hosted client
+on its own test split (:func:`.node.score_node`); every reply names the clients it answers
+for and the node's partition. The clients' state lives in ``context.state["paratrain"]``
+and, with a ``state-dir``, on the node's disk (:mod:`.node_state`). A wrong ``node_config``
+or message is answered with a Flower error reply naming the problem."""
 
 from __future__ import annotations
 
@@ -31,8 +23,6 @@ from flwr.compat.common.recorddict_compat import fitres_to_recorddict, recorddic
 from ....training.faults import maybe_drop_at
 from . import protocol as P
 from .node_state import NodeStateFiles
-
-__all__ = ["app"]
 
 
 def _secure(msg: Message, context: Context, call_next: Any) -> Message:

@@ -1,21 +1,14 @@
 """The server's view of the SuperNodes over Flower's ``Grid``: which node hosts which
 client, one train (or evaluate) message per node per round, the replies, and the bytes of
-every message.
+every message (the serialized size of its objects, Flower's ``deflate``; HTTP framing is
+not counted).
 
-Membership. Client ``c`` is hosted by the nodes whose ``partition-id`` is ``c % num-partitions``
-(their ``--node-config``), which each node states in every reply. Each round the server lists
-the connected nodes (``grid.get_node_ids()``) and sends the round's message (the global model
-and the selected clients) to every node that may host one of them: those it has not heard
-from yet, and those whose partition hosts a selected client; a node trains the selected
-clients it hosts. The round ends when every selected client has an answer (the first one
-counts: a SuperNode that restarted under a new node id takes its partition back while the old
-id still looks connected) or after ``[federated.flower] round_timeout``; a selected client
-without an answer by then (its node killed mid-round, or none connected, or one that failed)
-is a failed client of that round and the round goes on with the others, as on the local path.
-
-Bytes are measured at the Message level: the serialized size of every object of a message
-(Flower's ``deflate`` of the message, its records and arrays), summed over the messages the
-server pushes (down) and the replies it pulls (up); HTTP framing is not counted."""
+Client ``c`` is hosted by the nodes whose ``partition-id`` is ``c % num-partitions``, which
+each node states in every reply. A round's message goes to every connected node not heard
+from yet and to those whose partition hosts a selected client; the round ends when every
+selected client has an answer (the first counts: a restarted SuperNode takes its partition
+back while its old id still looks connected) or after ``round_timeout``, when a client
+without one is a failed client of that round."""
 
 from __future__ import annotations
 
@@ -33,8 +26,6 @@ from torch import Tensor
 from ....config import ConfigError
 from ..client import client_name
 from . import protocol as P
-
-__all__ = ["Federation", "message_nbytes"]
 
 log = logging.getLogger("paratrain.flower")
 POLL_S = 0.1  # seconds between pulls of the replies, at first (protocol.Backoff)

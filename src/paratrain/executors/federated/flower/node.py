@@ -1,30 +1,23 @@
 """A SuperNode's side of a round, without Flower: train the selected clients it hosts, or
-score them on their test splits. :mod:`.clientapp` wraps these in Flower's
-``@app.train()`` / ``@app.evaluate()`` handlers.
-
-Each Flower message runs in a fresh ``flwr-clientapp`` process, so every call rebuilds the
-job's model and data (:func:`~.side.build_side`, seeded as a worker of the local path does)
-and restores the node's clients' state — error-feedback residuals, personal parts (Local
-subgraphs), SCAFFOLD's ``c_i`` — from the blob the ClientApp keeps in Flower's
-``context.state`` (:meth:`ClientHost.state_dict`, so whatever state another federated feature
-adds to the host travels too). Training is :meth:`ClientHost.train_one`, the local path's
-client step, at one intra-op thread (as the local path's worker processes run)."""
+score them on their test splits (:mod:`.clientapp` wraps these). Each Flower message runs
+in a fresh process, so every call rebuilds the job's model and data
+(:func:`~.side.build_side`) and restores the node's clients' state from its blob
+(:meth:`ClientHost.state_dict`); it trains at one intra-op thread, as the local path's
+workers do."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from ....training.threads import use_threads
 from ..client import ClientHost
 from ..personal import score_clients
 from .side import Side, build_side, from_blob, job_from_json, stateful, tensor_blob
-
-__all__ = ["train_clients", "score_node", "NodeError"]
 
 
 class NodeError(RuntimeError):
@@ -42,16 +35,6 @@ def _check_global(template: Mapping[str, Tensor], got: Mapping[str, Tensor]) -> 
             raise NodeError(f"the server's {k} is {tuple(g.shape)} {g.dtype}, this node's {tuple(t.shape)} {t.dtype}")
         out[k] = g
     return out
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _node(job_json: str, partition: int, num_partitions: int, state: bytes | None,
@@ -74,7 +57,7 @@ def train_clients(job_json: str, *, round_idx: int, clients: list[int], lr_scale
     """Train those of the round's selected ``clients`` this node hosts for round ``round_idx``;
     returns their statuses (the local path's), the concatenated payloads and the node's new
     state blob (None when the job's clients keep no state)."""
-    with _one_thread():
+    with use_threads(1):
         side, host, glob = _node(job_json, partition, num_partitions, state, global_state)
         keep = stateful(side.job, side.personal_keys)
         kw: dict[str, Any] = {} if control is None else {"control": dict(control)}
@@ -93,7 +76,7 @@ def score_node(job_json: str, *, clients: list[int], global_state: Mapping[str, 
                partition: int, num_partitions: int, state: bytes | None) -> dict[int, dict[str, float]]:
     """The task's evaluation sums of each hosted client in ``clients`` on its own test split,
     with ``(w_G, w_P^c)`` (:func:`~paratrain.executors.federated.personal.score_clients`)."""
-    with _one_thread():
+    with use_threads(1):
         side, host, glob = _node(job_json, partition, num_partitions, state, global_state)
         mine = [c for c in clients if host.hosts(c)]
         return score_clients(side.model, host.personal, glob, mine, side.task, side.test_set, side.splits,

@@ -1,24 +1,15 @@
 """A SuperNode's clients' state on its own disk, so a restarted ServerApp resumes it.
 
-Flower keeps ``context.state`` per *run*: a ServerApp that is killed and started again with
-``resume = true`` is a new ``flwr run``, and every node's context starts empty. The clients'
-own state (personal parts, error-feedback residuals, SCAFFOLD's ``c_i``) would start afresh
-and the resumed run would differ from an uninterrupted one. So a node given a folder
-(``--node-config 'state-dir="/var/lib/paratrain"'``) also writes its state blob after each
-round it trains, as ``<state-dir>/<job name>/<lineage>/partition-<p>-of-<n>/round-<k>.bin``:
-the state *entering* round ``k`` (0-based), written atomically (:func:`paratrain.files.write_atomic`).
-
-- ``lineage``: an id the server draws when the run folder is created and keeps across
-  resumes (``flower.json`` in the run folder), so a new run of the same name never reads an
-  older run's files; the other lineages of that job name are removed at the first save.
-- A message whose ``context.state`` is empty reads the newest file with ``k <=`` the round it
-  needs (a node that trained in no round since has the same state).
-- The server says which checkpoint it could fall back to (``keep_from``: its oldest kept step);
-  the node keeps the newest file at or below it and every later one, and removes files of
-  rounds after the one it writes (a timeline the resume abandoned).
-
-The node's disk is the node's own: the state never travels to the server. Without
-``state-dir``, a resumed run's stateful clients start afresh (the summary says so)."""
+Flower keeps ``context.state`` per run, and a ServerApp restarted with ``resume = true`` is a
+new ``flwr run``: every node's context starts empty. So a node given a ``state-dir`` also
+writes its state blob after each round it trains, atomically, as
+``<state-dir>/<job name>/<lineage>/partition-<p>-of-<n>/round-<k>.bin`` (the state entering
+round ``k``). ``lineage`` is drawn when the run folder is created and kept across resumes
+(a new run of the same name never reads an older run's files; the other lineages are
+removed at the first save). A message with an empty context reads the newest file with
+``k <=`` the round it needs. The node keeps the newest file at or below the server's
+``keep_from`` (its oldest kept checkpoint) and every later one, and removes files of
+rounds after the one it writes (a timeline the resume abandoned)."""
 
 from __future__ import annotations
 
@@ -26,8 +17,6 @@ import re
 from pathlib import Path
 
 from ....files import safe_rmtree, write_bytes
-
-__all__ = ["NodeStateFiles"]
 
 _FILE = re.compile(r"round-(\d+)\.bin")
 _NAME = re.compile(r"[^A-Za-z0-9_.-]")

@@ -1,25 +1,17 @@
 """The names paratrain's ServerApp and ClientApp agree on (record keys, node_config keys,
 run_config keys). No Flower import here.
 
-A train message (server -> node): ``ConfigRecord "plan"`` {job (the job as JSON), round,
-clients (the selected clients this node hosts), lr_scale, lineage and keep_from (where a node
-with a ``state-dir`` keeps its clients' state: :mod:`.node_state`)} and ``ArrayRecord "global"`` (the
-server's model, every tensor in its dtype: exact); with SCAFFOLD also ``ArrayRecord
-"control"`` (the server's control variate ``c``). Its reply: ``ConfigRecord "result"``
-{statuses (JSON: the local path's per-client status, tensor headers included), payload (the
-clients' encoded updates, concatenated bytes), clients (those the node answers for: the
-selected ones it hosts), partition-id, num-partitions}. An evaluate message carries the plan
-(every client; round: the state it scores with is the one entering that round) and the model; its reply ``result`` {sums (JSON: each hosted client's
-evaluation sums), clients, partition-id, num-partitions}."""
+A train message carries ``ConfigRecord "plan"`` {job (as JSON), round, clients, lr_scale,
+lineage, keep_from (:mod:`.node_state`)}, ``ArrayRecord "global"`` (the server's model, exact
+dtypes) and with SCAFFOLD ``ArrayRecord "control"``; its reply ``ConfigRecord "result"``
+{statuses (the local path's, as JSON), payload (the concatenated encoded updates), clients,
+partition-id, num-partitions}. An evaluate message carries the plan and the model; its reply
+``result`` {sums (each hosted client's evaluation sums), clients, partition-id,
+num-partitions}."""
 
 from __future__ import annotations
 
 import time
-
-__all__ = ["PARTITION_ID", "NUM_PARTITIONS", "PLAN", "GLOBAL", "CONTROL", "RESULT", "STATE",
-           "JOB", "ROUND", "CLIENTS", "LR_SCALE", "KEYS", "STATUSES", "PAYLOAD", "SUMS", "HOST_STATE",
-           "RUN_JOB", "RUN_RESUME", "RUN_OVERWRITE", "RUN_WORKDIR", "STATE_DIR", "LINEAGE", "KEEP_FROM",
-           "RESUMED", "Backoff"]
 
 # node_config (flower-supernode --node-config 'partition-id=0 num-partitions=2')
 PARTITION_ID = "partition-id"

@@ -1,26 +1,16 @@
 """Secure aggregation on Flower's runtime through Flower's own SecAgg+ (Bell et al. 2020):
-``flwr.server.workflow.SecAggPlusWorkflow`` on the server and ``flwr.client.mod.secaggplus_mod``
-on every node. paratrain writes no cryptography.
+``SecAggPlusWorkflow`` on the server and ``secaggplus_mod`` on every node; paratrain writes
+no cryptography.
 
-A secure round. The workflow runs its four stages (setup, share keys, collect masked
-vectors, unmask) over the round's nodes; in the third, each node's paratrain train handler
-trains the selected clients it hosts (the local path's client step) and returns their
-example-weighted mean update ``u_j = sum_c n_c D_c / N_j`` with weight ``N_j = sum_c n_c``;
-``secaggplus_mod`` scales it by ``N_j / max_weight`` (quantized), clips to
-``[-clipping_range, clipping_range]``, quantizes to ``quantization_range`` levels and masks
-it. The server only ever unmasks the sum, ``sum_j N_j u_j / sum_j N_j`` = the clients'
-FedAvg mean update (to the fixed-point precision: Flower rounds stochastically to steps of
-``2 * clipping_range / quantization_range``, an error below one step per value and node, and
-the weights to ``max_weight / quantization_range``), and hands
-that one mean with weight ``sum_j N_j`` to the job's FederatedServer: FedAvg / FedProx /
-FedAvgM and the adaptive server optimizers (FedAdam, FedYogi, FedAdagrad) act on the mean
-update alone, so they compose; aggregators that need each update (FedMedian, FedTrimmedAvg,
-Krum, MultiKrum) do not, and neither do compressed updates (a ConfigError from validate).
-A node that drops after masking is survived while ``reconstruction_threshold`` of its
-neighbours answer the unmask stage (its mask is reconstructed from their shares).
-
-This module holds the server's part (the workflow over the Grid, a strategy that hands it the
-plan and captures the unmasked mean); :mod:`.clientapp` holds the node's."""
+In the workflow's masked-vector stage each node trains the selected clients it hosts and
+returns their example-weighted mean update ``u_j`` with weight ``N_j = sum_c n_c``;
+``secaggplus_mod`` scales, clips, quantizes and masks it. The server only unmasks
+``sum_j N_j u_j / sum_j N_j`` = the clients' FedAvg mean update (to the fixed-point
+precision of ``clipping_range / quantization_range``) and hands that one update of weight
+``sum_j N_j`` to the job's FederatedServer, so only aggregators that act on the mean update
+compose (validate refuses the others and compressed updates). A node that drops after
+masking is survived while ``reconstruction_threshold`` of its neighbours answer the unmask
+stage. This module holds the server's part; :mod:`.clientapp` the node's."""
 
 from __future__ import annotations
 
@@ -45,8 +35,6 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from torch import Tensor
 
 from . import protocol as P
-
-__all__ = ["secure_round", "CountingGrid"]
 
 
 class CountingGrid:

@@ -20,8 +20,6 @@ from ....config.flower import FlowerOptions
 from ....config.job import JobConfig, load_job
 from . import protocol as P
 
-__all__ = ["app", "load_flower_job"]
-
 app = ServerApp()
 
 

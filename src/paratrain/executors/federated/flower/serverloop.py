@@ -1,49 +1,34 @@
 """paratrain's federated round loop over Flower's Deployment Runtime (server side, no
 Flower import: the nodes are reached through a :class:`~.federation.Federation`).
 
-Per round ``r``: select clients (:func:`~..selection.select_clients`, seeded by
-``(seed, r)``), send each connected SuperNode the global model and the selected clients it
-hosts, collect the statuses and encoded updates (compression codecs included), and hand them
-to the local path's :class:`~..server.FederatedServer` (decoding, validation, every
-aggregator and server optimizer, the clients' round schedule). Then the server evaluates
-the global model on the task's test set (and, with ``federated.evaluate_clients`` or Local
-subgraphs, each node scores its clients on their own splits), logs the round to
-``metrics.jsonl`` (``wire_bytes_*_measured`` are the round's Message bytes) and checkpoints
-it (``run.checkpoint_every`` rounds; always the last) as ``checkpoints/step-<r+1>/`` —
-the server's whole state, in the local path's format (:mod:`..state`; a round is a unit of
-the run's one lifecycle). A restarted ServerApp with
-``resume = true`` continues from the newest checkpoint at the same round with the same
-server state; with every draw a function of ``(seed, round, client)``, a run whose server
-was killed and resumed ends bit-identical to an uninterrupted one. The run folder gets
-``summary.json``, ``model.safetensors`` and ``report.png`` exactly as a local run's.
-
-Clients' own state (personal parts, error-feedback residuals, SCAFFOLD's ``c_i``) lives on
-the nodes, in Flower's ``context.state``, which Flower keeps per run. A node started with a
-``state-dir`` in its node_config also keeps it on its own disk (:mod:`.node_state`; the run's
-lineage id is in ``flower.json`` of the run folder), so a resumed run (a new ``flwr run``)
-continues the clients' state too and ends bit-identical. A node without one starts its
-clients afresh after a server restart, and the summary says so (``resume_note``)."""
+Per round the loop selects clients as the local path does, sends the connected SuperNodes
+the global model, hands the replies to the local path's :class:`~..server.FederatedServer`,
+evaluates, logs the round (``wire_bytes_*_measured``: the round's Message bytes) and
+checkpoints the server's state in the local path's format (:mod:`..state`), so a restarted
+ServerApp with ``resume = true`` continues bit-identically. The clients' own state lives
+on the nodes, in Flower's per-run ``context.state`` and, with a ``state-dir``, on the
+node's disk (:mod:`.node_state`, under the run's lineage id in ``flower.json``); a node
+without one starts its clients afresh after a server restart (``resume_note``)."""
 
 from __future__ import annotations
 
 import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+import warnings
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
 
 from ....config import ConfigError
 from ....config.job import JobConfig
 from ....files import step_folders, write_json
-from ....training import report, write_summary
 from ....training.lifecycle import Lifecycle
 from ....training.rundir import MetricsWriter, RunFolder
+from ....training.threads import use_threads
 from ..client import client_name
-from ..outputs import round_record, run_summary
+from ..outputs import round_record, run_summary, write_run
 from ..personal import combine
 from ..privacy import build_server_privacy
 from ..selection import select_clients
@@ -52,26 +37,8 @@ from ..state import fed_store, restore, round_state
 from ..wire import encode_update
 from .side import Side, build_side, stateful
 
-__all__ = ["run_server", "Nodes"]
-
-
-class Nodes(Protocol):
-    """What the loop needs of the federation (:class:`~.federation.Federation`)."""
-
-    def train(self, round_idx: int, clients: Sequence[int], global_state: Mapping[str, Tensor],
-              lr_scale: float, control: Mapping[str, Tensor] | None,
-              ) -> tuple[list[dict[str, Any]], list[bytes | memoryview], int, int]: ...
-
-    lineage: str | None
-    keep_from: int
-    restored: set[int]
-
-    def evaluate(self, tag: str, clients: Sequence[int], global_state: Mapping[str, Tensor],
-                 entering: int = 0) -> tuple[dict[int, dict[str, float]], int, int]: ...
-
-    def train_secure(self, round_idx: int, clients: Sequence[int], global_state: Mapping[str, Tensor],
-                     lr_scale: float, max_weight: float,
-                     ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int, list[int]]: ...
+if TYPE_CHECKING:  # the loop itself imports no Flower
+    from .federation import Federation as Nodes
 
 
 def _lineage(run_dir: Path) -> str:
@@ -79,11 +46,13 @@ def _lineage(run_dir: Path) -> str:
     resumes; nodes keep their clients' state under it (:mod:`.node_state`)."""
     path = run_dir / "flower.json"
     try:
-        got = json.loads(path.read_text())["lineage"]
-        if isinstance(got, str) and got:
-            return got
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+        got = json.loads(path.read_text())["lineage"] if path.exists() else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        got = None
+        warnings.warn(f"{path} is unreadable ({e!r}): the nodes keep their clients' state under a new "
+                      "lineage (state kept under the old one is not resumed)", stacklevel=2)
+    if isinstance(got, str) and got:
+        return got
     lineage = uuid.uuid4().hex[:16]
     write_json(path, {"lineage": lineage})
     return lineage
@@ -116,9 +85,7 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
     started = time.perf_counter()
     strat: Any = job.strategy
     seed = job.run.seed
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the local path's server (one intra-op thread on CPU)
-    try:
+    with use_threads(1):  # as the local path's server (one intra-op thread on CPU)
         side = build_side(job)
         schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
         server = FederatedServer(strat.aggregation, side.template, schedule, num_clients=strat.num_clients)
@@ -166,11 +133,9 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
                     life.end_unit(r + 1, last=r + 1 == strat.rounds or server.stopped)
             life.finish(server.round)
             return _finish(side, server, nodes, run_dir, started, resumed_from=start if resume else None)
-    finally:
-        torch.set_num_threads(threads)
 
 
-def _secure_round(side: Side, server: FederatedServer, nodes: Any, r: int, clients: list[int],
+def _secure_round(side: Side, server: FederatedServer, nodes: Nodes, r: int, clients: list[int],
                   lr_scale: float) -> dict[str, Any]:
     """A SecAgg+ round: the unmasked mean update goes to the FederatedServer as one update of
     weight ``sum n_c`` (what FedAvg and the server optimizers reduce the clients' updates
@@ -224,10 +189,6 @@ def _finish(side: Side, server: FederatedServer, nodes: Nodes, run_dir: Any, sta
                     "variates) was in each node's Flower context of the interrupted run and no node "
                     "had it on disk (start the SuperNodes with --node-config state-dir=...): the "
                     "resumed run's clients started it afresh")
-    summary["provenance"] = report.provenance(summary, configured=("num_clients",))
-    from ....training.export import save_model, whole_state
-
-    save_model(run_dir, whole_state(model))
-    write_summary(run_dir, summary)
-    report.plot_curves(run_dir, x_key="round", title=f"{job.run.name} (Federated on Flower, {strat.aggregation.method})")
+    write_run(run_dir, model, summary, configured=("num_clients",),
+              title=f"{job.run.name} (Federated on Flower, {strat.aggregation.method})")
     return summary

@@ -1,14 +1,8 @@
-"""What the server, every node and every worker of the local path
-(:func:`paratrain.executors.federated.runner.worker_main`) build from the job: the seeded model, the task's
-data, the clients' partitions, per-client test splits and personal keys. Being the same
-function of ``(job, seed)`` on every process is what makes the two paths train the same
-clients identically (each client's randomness is a function of ``(seed, round, client)``).
-
-A node with ``partition-id = p`` of ``num-partitions = P`` hosts the clients
-``c`` with ``c % P == p``: the local path's rule for worker rank ``p`` of ``P`` workers, so
-``P = num_clients`` is one client per SuperNode.
-
-No Flower import here."""
+"""What the server, every node and every worker of the local path build from the job: the
+seeded model, the task's data, the clients' partitions, per-client test splits and personal
+keys, the same function of ``(job, seed)`` on every process (so the two paths train the same
+clients identically). Partition ``p`` of ``P`` hosts the clients ``c % P == p``, as worker
+rank ``p`` of ``P`` does. No Flower import here."""
 
 from __future__ import annotations
 
@@ -29,8 +23,6 @@ from ....task import resolve_task
 from ....training import seed_everything
 from ..client import ClientHost
 from ..drift import uses_control
-
-__all__ = ["Side", "build_side", "job_from_json", "stateful", "tensor_blob", "from_blob"]
 
 
 @dataclass

@@ -2,14 +2,20 @@
 DP-FedAvg (McMahan et al. 2018) with central or local noise, adaptive clipping (Andrew et
 al. 2021) and Opacus's RDP accountant. :mod:`.mechanism` holds the maths as pure
 functions (clip, noise, adaptive clip), :mod:`.accountant` the privacy spent, :mod:`.dp`
-the server's and clients' parts of a round, :mod:`.checks` the job's checks and
-``validate``'s description."""
+the server's and clients' parts of a round, the job's checks and ``validate``'s
+description."""
 
 from __future__ import annotations
 
 from .accountant import PrivacyAccountant, rdp_epsilon
-from .checks import dp_lines, dp_problems
-from .dp import ServerPrivacy, build_server_privacy, client_privatize, sample_rate
+from .dp import (
+           ServerPrivacy,
+           build_server_privacy,
+           client_privatize,
+           dp_lines,
+           dp_problems,
+           sample_rate,
+)
 
 __all__ = ["PrivacyAccountant", "rdp_epsilon", "dp_lines", "dp_problems", "ServerPrivacy",
            "build_server_privacy", "client_privatize", "sample_rate"]

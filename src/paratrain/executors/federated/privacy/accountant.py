@@ -20,8 +20,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["PrivacyAccountant", "rdp_epsilon", "last_round_within"]
-
 
 @functools.lru_cache(maxsize=64)
 def _rdp_one_round(z: float, q: float) -> Any:

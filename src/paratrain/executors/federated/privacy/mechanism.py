@@ -27,13 +27,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
-
-__all__ = ["dp_generator", "update_norm", "clip_update", "add_noise", "weighted_sum",
-           "adaptive_clip", "update_noise_multiplier"]
 
 
 def dp_generator(seed: int, round_idx: int, client: int | None = None, salt: str = "dp") -> torch.Generator:
@@ -73,19 +70,6 @@ def add_noise(total: Mapping[str, Tensor], std: float, generator: torch.Generato
         t = total[k]
         noise = torch.randn(t.shape, generator=generator, dtype=torch.float64) * float(std)
         out[k] = (t.to(torch.float64) + noise).to(t.dtype)
-    return out
-
-
-def weighted_sum(updates: Sequence[Mapping[str, Tensor]], weights: Sequence[float],
-                 keys: Iterable[str]) -> dict[str, Tensor]:
-    """``sum_i weights[i] * updates[i][k]`` per key, in float64, accumulated in the given
-    order (as :func:`~..aggregation.fedavg_step`, so equal weights give equal bits)."""
-    out: dict[str, Tensor] = {}
-    for k in keys:
-        acc = torch.zeros(updates[0][k].shape, dtype=torch.float64)
-        for u, w in zip(updates, weights, strict=True):
-            acc.add_(u[k].detach().to(torch.float64), alpha=float(w))
-        out[k] = acc
     return out
 
 
