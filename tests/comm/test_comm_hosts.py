@@ -1,4 +1,4 @@
-"""paratrain.comm.hosts: a group that forms on a store an earlier group used, with ranks
+"""paratrain.comm.rendezvous: a group that forms on a store an earlier group used, with ranks
 whose restart counts differ (a replaced machine counts from 0 while the survivor is at 1),
 still meets; gloo keeps its default interface unless it would be loopback for peers on
 other machines. (Across real network namespaces: tests/comm/test_two_hosts.py.)"""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from paratrain.comm.hosts import gloo_interface, group_prefix
+from paratrain.comm.rendezvous import gloo_interface, group_prefix
 from paratrain.comm.testing import free_port
 
 pytestmark = pytest.mark.timeout(300)
@@ -107,8 +107,7 @@ def test_the_rendezvous_machine_is_found_by_route_where_the_host_name_is_loopbac
     this machine's name resolves to loopback, torch took the endpoint for another machine
     on every node and nobody hosted the store; the endpoint's machine now hosts it and
     every node tells its peers the address on the route to it."""
-    from paratrain.comm.hosts import address_towards, rendezvous_host
-    from paratrain.comm.rendezvous import launch_config
+    from paratrain.comm.rendezvous import address_towards, launch_config, rendezvous_host
     from paratrain.config import load_job
 
     assert rendezvous_host("127.0.0.1", 29500) == (None, None)  # one box: torch's own rule

@@ -34,16 +34,14 @@ def bucket_bytes_of(bucket_size_mb: float) -> int:
     return max(1, int(bucket_size_mb * 1024 * 1024))
 
 
-def make_buckets(
-    tensors: Sequence[torch.Tensor], bucket_bytes: int, *, first_bucket_bytes: int | None = None,
-) -> list[list[int]]:
-    """Indices of ``tensors`` grouped in order into buckets of at most ``bucket_bytes``.
+DEFAULT_BUCKET_BYTES = bucket_bytes_of(DEFAULT_BUCKET_MB)
 
-    A bucket holds one dtype and one device; a tensor bigger than ``bucket_bytes`` sits
-    alone in its bucket. Every index appears exactly once, order preserved.
-    ``first_bucket_bytes`` caps the first bucket separately (DDP uses 1 MiB so that the
-    gradients ready first start travelling early).
-    """
+
+def make_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int, *,
+                 first_bucket_bytes: int | None = None) -> list[list[int]]:
+    """Indices of ``tensors`` grouped in order into buckets of at most ``bucket_bytes`` (one
+    dtype and device each; a larger tensor alone); ``first_bucket_bytes`` caps the first (DDP
+    uses 1 MiB, so that the gradients ready first start travelling early)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1 (got {bucket_bytes})")
     buckets: list[list[int]] = []
@@ -65,13 +63,13 @@ def make_buckets(
     return buckets
 
 
-def _flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:
+def flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:
     if len(ts) == 1:
         return ts[0].detach().reshape(-1).clone()
     return torch.cat([t.detach().reshape(-1) for t in ts])
 
 
-def _unflatten_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
+def unflatten_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
     offset = 0
     for t in ts:
         n = t.numel()
@@ -79,27 +77,18 @@ def _unflatten_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
         offset += n
 
 
-def all_reduce_buckets(
-    tensors: Sequence[torch.Tensor],
-    *,
-    group: Any = None,
-    bucket_bytes: int = int(DEFAULT_BUCKET_MB * 1024 * 1024),
-    average: bool = True,
-    counter: CommCounter | None = None,
-    async_op: bool = True,
-) -> int:
-    """In place: every tensor becomes the sum (``average=False``) or mean over ranks.
-
-    Buckets are launched asynchronously and waited in order, so the flatten of bucket
-    ``b+1`` overlaps the transfer of bucket ``b``. Returns the number of all-reduces.
-    """
+def all_reduce_buckets(tensors: Sequence[torch.Tensor], *, group: Any = None,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, average: bool = True,
+                       counter: CommCounter | None = None, async_op: bool = True) -> int:
+    """In place: every tensor becomes the mean (``average=False``: the sum) over ranks; the
+    flatten of bucket ``b+1`` overlaps the transfer of ``b``. Returns the all-reduces issued."""
     n = world_size(group)
     if n == 1 or not tensors:
         return 0
     pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
     for idx in make_buckets(tensors, bucket_bytes):
         members = [tensors[i] for i in idx]
-        flat = _flatten(members)
+        flat = flatten(members)
         count_op(counter, "all_reduce", nbytes_of(flat))
         work = dist.all_reduce(flat, group=group, async_op=async_op)
         pending.append((work, flat, members))
@@ -108,23 +97,22 @@ def all_reduce_buckets(
             work.wait()
         if average:
             flat.div_(n)
-        _unflatten_into(flat, members)
+        unflatten_into(flat, members)
     return len(pending)
 
 
 def broadcast_tensors(tensors: Iterable[torch.Tensor], *, src: int = 0, group: Any = None,
-                      bucket_bytes: int = int(DEFAULT_BUCKET_MB * 1024 * 1024),
-                      counter: CommCounter | None = None) -> None:
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES, counter: CommCounter | None = None) -> None:
     """In place: every rank's tensors become ``src``'s, bucketed like all-reduce."""
     ts = list(tensors)
     if world_size(group) == 1 or not ts:
         return
     for idx in make_buckets(ts, bucket_bytes):
         members = [ts[i] for i in idx]
-        flat = _flatten(members)
+        flat = flatten(members)
         count_op(counter, "broadcast", nbytes_of(flat))
         broadcast_(flat, src=src, group=group)
-        _unflatten_into(flat, members)
+        unflatten_into(flat, members)
 
 
 class GradReducer:
@@ -140,16 +128,9 @@ class GradReducer:
     (DDP's ``gradient_as_bucket_view``), saving both copies with ``zero_grad(set_to_none=False)``.
     """
 
-    def __init__(
-        self,
-        params: Sequence[torch.nn.Parameter],
-        *,
-        group: Any = None,
-        bucket_bytes: int = int(DEFAULT_BUCKET_MB * 1024 * 1024),
-        first_bucket_bytes: int | None = 1024 * 1024,
-        counter: CommCounter | None = None,
-        grad_views: bool = False,
-    ) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], *, group: Any = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, first_bucket_bytes: int | None = 1024 * 1024,
+                 counter: CommCounter | None = None, grad_views: bool = False) -> None:
         self.grad_views = grad_views
         self.params = [p for p in params if p.requires_grad]
         self.group = group
@@ -157,10 +138,8 @@ class GradReducer:
         self.n = world_size(group)
         order = list(reversed(self.params))
         first = None if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
-        self.buckets = [
-            [order[i] for i in idx]
-            for idx in make_buckets(order, bucket_bytes, first_bucket_bytes=first)
-        ]
+        self.buckets = [[order[i] for i in idx]
+                        for idx in make_buckets(order, bucket_bytes, first_bucket_bytes=first)]
         self._where: dict[int, tuple[int, int]] = {}
         self._flat: list[torch.Tensor] = []
         for b, members in enumerate(self.buckets):
@@ -219,20 +198,18 @@ class GradReducer:
         for b, members in enumerate(self.buckets):
             if self._work[b] is None:
                 # Some parameters produced no gradient (unused this step): their share is 0.
-                offset = 0
                 for p in members:
                     if id(p) not in self._seen:
-                        self._flat[b][offset : offset + p.numel()].zero_()
-                    offset += p.numel()
+                        off = self._where[id(p)][1]
+                        self._flat[b][off : off + p.numel()].zero_()
                 self._launch(b)
         used = {id(p) for p, u in zip(self.params, used_of(), strict=True) if u}
         for b, members in enumerate(self.buckets):
             self._work[b].wait()
             flat = self._flat[b].div_(self.n)
-            offset = 0
             for p in members:
-                k = p.numel()
-                view = flat[offset : offset + k].view_as(p)
+                off = self._where[id(p)][1]
+                view = flat[off : off + p.numel()].view_as(p)
                 if id(p) not in used:
                     # No rank produced a gradient: none it is (the optimizer skips it).
                     p.grad = None
@@ -246,7 +223,6 @@ class GradReducer:
                     p.grad = view.clone()
                 else:
                     p.grad.copy_(view)
-                offset += k
         self._ready = [0] * len(self.buckets)
         self._seen.clear()
         self._work = [None] * len(self.buckets)

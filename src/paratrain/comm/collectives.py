@@ -1,15 +1,11 @@
 """Every collective outside tensor parallelism's patterns, over a process group passed in
-(``None`` = the default group; one process when torch.distributed is not initialised, then
-each call returns its input): the one barrier, the one tensor broadcast, the one byte
-count (:func:`nbytes_of`, booked in a :class:`CommCounter`), JSON and text documents, the
-used-parameter mask, variable-size all-gather, and reduce-scatter / all-gather-into-tensor.
-
-Whether a backend has the flat ``reduce_scatter`` / ``all_gather_into_tensor`` (older gloo
-has neither) is decided once per process by a call of known-good shapes (:func:`_has_flat`),
-never by a failing real call, so a real error of a collective (wrong shapes, a dead peer)
-always reaches the caller; without them, an all-reduce and a slice (uneven chunks too), or a
-list all-gather. Nothing arriving over the network is unpickled; a length is checked against
-a limit before anything is allocated for it.
+(``None``: the default group; one process without torch.distributed, then each returns its
+input): the one barrier, tensor broadcast and byte count (:func:`nbytes_of`, booked in a
+:class:`CommCounter`), JSON and text documents, the used-parameter mask, variable-size
+all-gather, reduce-scatter and all-gather-into-tensor. Whether a backend has the flat
+reduce-scatter / all-gather (older gloo has neither) is probed once per process with known-good
+shapes (:func:`_has_flat`), never by a failing real call, so a real error (wrong shapes, a dead
+peer) reaches the caller. Nothing received is unpickled; a length is checked before allocating.
 """
 
 from __future__ import annotations
@@ -176,9 +172,7 @@ def gather_json(obj: Any, *, group: Any, dst: int = 0, max_bytes: int = MAX_JSON
     return [json.loads(t) for t in texts] if rank_of(group) == dst else None
 
 
-def start_used_mask(
-    local: Sequence[bool], *, group: Any = None, counter: CommCounter | None = None,
-) -> Any:
+def start_used_mask(local: Sequence[bool], *, group: Any = None, counter: CommCounter | None = None) -> Any:
     """Launch :func:`used_mask` asynchronously; call the result to get the flags."""
     flags = torch.tensor([1 if u else 0 for u in local], dtype=torch.uint8, device=comm_device(group))
     if world_size(group) == 1 or flags.numel() == 0:
@@ -201,11 +195,8 @@ def used_mask(local: Sequence[bool], *, group: Any = None, counter: CommCounter 
 
 def all_gather_variable(payload: torch.Tensor, *, group: Any = None, counter: CommCounter | None = None,
                         max_numel: int = 1 << 31) -> list[torch.Tensor]:
-    """Gather a 1-D tensor whose length differs by rank; returns one tensor per rank.
-
-    Two collectives: the lengths (int64), then the payloads padded to the longest.
-    A length above ``max_numel`` is rejected on every rank before anything is allocated.
-    """
+    """Every rank's 1-D tensor, whose length differs by rank: the lengths (int64), each checked
+    against ``max_numel`` on every rank, then the payloads padded to the longest."""
     if payload.dim() != 1:
         raise ValueError(f"all_gather_variable needs a 1-D tensor (got shape {tuple(payload.shape)})")
     n = world_size(group)
@@ -286,13 +277,10 @@ def _flat_view(t: torch.Tensor) -> torch.Tensor:
 def reduce_scatter(output: torch.Tensor, inputs: torch.Tensor | Sequence[torch.Tensor], *,
                    group: Any = None, average: bool = False, fallback: bool | None = None,
                    counter: CommCounter | None = None) -> torch.Tensor:
-    """``output`` <- chunk ``rank`` of the sum (or mean) over ranks of ``inputs``.
-
-    ``inputs`` is a flat tensor of ``world * output.numel()`` elements or a list with one
-    chunk per rank (chunks may differ in size; ``output`` matches this rank's chunk).
-    Fallback (``fallback=True``, a backend without the flat op, or uneven chunks):
-    all-reduce the concatenation and copy out this rank's slice (bytes moved: all of it).
-    """
+    """``output`` <- chunk ``rank`` of the sum (or mean) over ranks of ``inputs``: a flat
+    tensor of ``world * output.numel()`` elements or one chunk per rank (sizes may differ).
+    Fallback (``fallback=True``, no flat op, or uneven chunks): all-reduce the concatenation
+    and copy out this rank's slice."""
     n, rank = world_size(group), rank_of(group)
     chunks = list(inputs) if not isinstance(inputs, torch.Tensor) else list(
         inputs.reshape(-1).split(output.numel())  # type: ignore[no-untyped-call]
@@ -307,15 +295,15 @@ def reduce_scatter(output: torch.Tensor, inputs: torch.Tensor | Sequence[torch.T
         output.copy_(chunks[0].view_as(output))
         return output
     flat = torch.cat([c.reshape(-1) for c in chunks])
-    even = all(c.numel() == output.numel() for c in chunks)
-    if even and not fallback and _has_flat("reduce_scatter", flat, group):
+    native = (all(c.numel() == output.numel() for c in chunks) and not fallback
+              and _has_flat("reduce_scatter", flat, group))
+    count_op(counter, "reduce_scatter" if native else "reduce_scatter_fallback", nbytes_of(flat))
+    if native:
         out_flat = _flat_view(output)
-        count_op(counter, "reduce_scatter", nbytes_of(flat))
         _RS(out_flat, flat, group=group)  # type: ignore[misc]
         if out_flat.data_ptr() != output.data_ptr():
             output.copy_(out_flat.view_as(output))
     else:
-        count_op(counter, "reduce_scatter_fallback", nbytes_of(flat))
         dist.all_reduce(flat, group=group)
         start = sum(c.numel() for c in chunks[:rank])
         output.copy_(flat[start : start + output.numel()].view_as(output))
@@ -324,14 +312,8 @@ def reduce_scatter(output: torch.Tensor, inputs: torch.Tensor | Sequence[torch.T
     return output
 
 
-def all_gather_into_tensor(
-    output: torch.Tensor,
-    input: torch.Tensor,
-    *,
-    group: Any = None,
-    fallback: bool | None = None,
-    counter: CommCounter | None = None,
-) -> torch.Tensor:
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group: Any = None,
+                           fallback: bool | None = None, counter: CommCounter | None = None) -> torch.Tensor:
     """``output`` (``world * input.numel()`` elements) <- the ranks' inputs, concatenated
     (``fallback=True`` or a backend without the flat op: a list all-gather)."""
     n = world_size(group)
@@ -342,18 +324,15 @@ def all_gather_into_tensor(
     if n == 1:
         output.copy_(input.reshape(output.shape))
         return output
-    x = input.contiguous().reshape(-1)
-    if not fallback and _has_flat("all_gather", x, group):
-        out_flat = _flat_view(output)
-        count_op(counter, "all_gather_into_tensor", nbytes_of(input))
+    x, out_flat = input.contiguous().reshape(-1), _flat_view(output)
+    native = not fallback and _has_flat("all_gather", x, group)
+    count_op(counter, "all_gather_into_tensor" if native else "all_gather_fallback", nbytes_of(input))
+    if native:
         _AG(out_flat, x, group=group)  # type: ignore[misc]
-        if out_flat.data_ptr() != output.data_ptr():
-            output.copy_(out_flat.view_as(output))
-        return output
-    parts = [torch.empty_like(x) for _ in range(n)]
-    count_op(counter, "all_gather_fallback", nbytes_of(input))
-    dist.all_gather(parts, x, group=group)
-    output.copy_(torch.cat(parts).view_as(output))
+    else:
+        dist.all_gather(list(out_flat.chunk(n)), x, group=group)
+    if out_flat.data_ptr() != output.data_ptr():
+        output.copy_(out_flat.view_as(output))
     return output
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..files import write_atomic
+from .collectives import nbytes_of
 
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,200}$")
 _SESSION_PREFIX = "session-"
@@ -51,7 +52,7 @@ class DataStore:
         t = tensor.detach().cpu().contiguous().clone()
         # not durable: a value is consumed at once and never outlives the launch
         write_atomic(dest, lambda tmp: torch.save(t, tmp), durable=False)
-        self.bytes_written += t.numel() * t.element_size()
+        self.bytes_written += nbytes_of(t)
         return dest
 
     def get(self, key: str, *, timeout_s: float | None = None, delete: bool = False) -> torch.Tensor:
@@ -75,7 +76,7 @@ class DataStore:
             raise RuntimeError(f"datastore: {p} does not hold a tensor ({type(value).__name__})")
         if delete:
             p.unlink(missing_ok=True)
-        self.bytes_read += value.numel() * value.element_size()
+        self.bytes_read += nbytes_of(value)
         return value
 
     def take(self, key: str, *, timeout_s: float | None = None) -> torch.Tensor:
@@ -123,10 +124,8 @@ def open_session(root: str | Path, *, rank: int, control: Any = None, generation
 
 
 class DataStoreTransport:
-    """The runtime's transport over a :class:`DataStore`: one file per message.
-
-    Key ``s<step>-<kind>-m<micro>-g<segment>-<src>to<dst>``; the receiver deletes it.
-    """
+    """The runtime's transport over a :class:`DataStore`: one file per message, key
+    ``s<step>-<kind>-m<micro>-g<segment>-<src>to<dst>``, deleted by the receiver."""
 
     def __init__(self, store: DataStore, rank: int) -> None:
         self.store = store

@@ -1,15 +1,12 @@
 """torch.distributed.checkpoint (DCP) for pieces of tensors: each process writes what it
-holds and reads back only the slices it holds now.
-
-A checkpoint is one DCP folder of flat keys. A tensor held whole is one chunk; a *piece* (a
-tensor-parallel shard, a ZeRO row range, a q/k/v third of a fused ``in_proj_weight``) is the
-chunk ``Box(shape, offsets)`` of its tensor, so DCP's metadata records the whole size and
-where every chunk lies, and another layout reads the same tensor cut differently. Replicas of
-one chunk are written once (DCP's deduplication, lowest rank). Non-tensor ``blobs`` are DCP
-byte items, read back with ``torch.load(weights_only=True)``. :func:`load` fills each target
-from the chunks of its keys (in order of preference) that overlap it, computed by DCP's
+holds and reads back only the slices it holds now. A tensor held whole is one chunk; a piece
+(a tensor-parallel shard, a ZeRO row range, a third of a fused ``in_proj_weight``) is the chunk
+``Box(shape, offsets)`` of its tensor, so DCP's metadata records the whole size and every
+chunk, and another layout reads the tensor cut differently (DCP's
 ``create_read_items_for_chunk_list``: a process reads its slice and nothing else; a region no
-key covers is an error naming it. Collective over ``group`` (None: DCP's ``no_dist``).
+key covers is an error naming it). Replicas of a chunk are written once (lowest rank);
+``blobs`` are byte items read back with ``torch.load(weights_only=True)``. Collective over
+``group`` (None: DCP's ``no_dist``).
 """
 
 from __future__ import annotations

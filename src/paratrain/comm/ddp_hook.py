@@ -1,26 +1,24 @@
 """Compressed gradient exchange over torch.distributed, and a DDP communication hook.
 
-``allreduce_compressed(compressor, named, group=...)`` returns on every rank the mean over
-ranks of D(C_r(g_r)) for each named tensor (C_r: rank r's compressor, its error-feedback
-residual per name). The collective follows the method on the wire: ``None`` (dense) and
-``RandomK`` (the same k positions on every rank, from seed, step and name: values only) are
-one **all-reduce**; ``TopK`` (rank-specific positions) one **all-gather** of fixed-size
-values and int32/int64 indices, scatter-added (Aji & Heafield 2017; Lin et al. 2018);
-``Threshold`` / ``Quantization`` all-gather their serialised records (lengths first), parsed
-with strict shape and dtype checks; ``PowerSGD`` is :mod:`paratrain.comm.powersgd`.
-
-``ddp_hook(strategy, model=...)`` wraps it as a ``register_comm_hook`` hook keyed by
-**parameter name**, not bucket index, so residuals survive bucket rebuilds and are
-checkpointed by ``state.state_dict()``, which also records the names exchanged at the
-current step: a resumed run repeats the uninterrupted run's draws. The step advances when a
-name is seen a second time (one step per backward pass). The collective is launched
-asynchronously and overlaps the rest of the backward pass; ``{"method":"None"}`` takes DDP's
-own path (divide the bucket by the world size, all-reduce), so gradients equal DDP's.
+:func:`allreduce_compressed` returns on every rank the mean over ranks of D(C_r(g_r)) for
+each named tensor (C_r: rank r's compressor, its error-feedback residual per name), by the
+method on the wire: ``None`` and ``RandomK`` (the same k positions on every rank, from seed,
+step and name) one **all-reduce**; ``TopK`` one **all-gather** of fixed-size values and
+int32/int64 indices, scatter-added (Aji & Heafield 2017; Lin et al. 2018); ``Threshold`` /
+``Quantization`` all-gather their records (lengths first), parsed with strict shape and
+dtype checks; ``PowerSGD`` :mod:`paratrain.comm.powersgd`. :func:`ddp_hook` is a
+``register_comm_hook`` hook keyed by **parameter name**, not bucket index, so residuals
+survive bucket rebuilds and are checkpointed (``state.state_dict()``, with the names exchanged
+at the current step: a resumed run repeats the uninterrupted run's draws); the step advances
+when a name comes again. The collective overlaps the rest of the backward pass;
+``{"method":"None"}`` takes DDP's own path, so gradients equal DDP's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, cast
 
 import torch
@@ -28,7 +26,7 @@ import torch.distributed as dist
 
 from ..compression import CompressedTensor, Compressor
 from ..config.compression import NoCompression, load_compression
-from .collectives import nbytes_of, world_size
+from .collectives import count_op, nbytes_of, world_size
 from .powersgd import allreduce_powersgd, mean_bucket, powersgd_bucket_hook
 
 
@@ -40,15 +38,15 @@ Named = Sequence[tuple[str, torch.Tensor]]
 Finish = Callable[[], list[torch.Tensor]]
 
 
+@dataclass
 class _Pending:
     """A launched exchange: the collective's work handle (None when nothing is in
     flight) and the function that turns the received buffers into the means."""
 
-    def __init__(self, work: Any, finish: Finish, nbytes: int = 0, op: str = "all_reduce") -> None:
-        self.work = work
-        self.finish = finish
-        self.nbytes = nbytes  # what this rank put on the wire (0 alone)
-        self.op = op
+    work: Any
+    finish: Finish
+    nbytes: int = 0  # what this rank put on the wire (0 alone)
+    op: str = "all_reduce"
 
     def wait(self) -> list[torch.Tensor]:
         if self.work is not None:
@@ -64,12 +62,8 @@ class _Pending:
 
 
 def _split_mean(flat: torch.Tensor, named: Named, world: int) -> list[torch.Tensor]:
-    out, off = [], 0
-    for _, t in named:
-        n = t.numel()
-        out.append(flat[off : off + n].div(world).to(t.dtype).reshape(t.shape))
-        off += n
-    return out
+    parts = torch.split(flat, [t.numel() for _, t in named])
+    return [p.div(world).to(t.dtype).reshape(t.shape) for p, (_, t) in zip(parts, named, strict=True)]
 
 
 def _launch_dense(compressor: Compressor, named: Named, group: Any, world: int) -> _Pending:
@@ -101,16 +95,11 @@ def _launch_topk(compressor: Compressor, named: Named, group: Any, world: int) -
     recs = [compressor.compress(k, t) for k, t in named]
     device = named[0][1].device
     acc = _acc_dtype(named[0][1].dtype)
-    total = sum(t.numel() for _, t in named)
-    offsets, off = [], 0
-    for _, t in named:
-        offsets.append(off)
-        off += t.numel()
+    *offsets, total = accumulate((t.numel() for _, t in named), initial=0)
     # Global positions in the concatenation of all tensors; int32 halves the index bytes.
     idx_dtype = torch.int32 if total < (1 << 31) else torch.int64
-    idx = torch.cat(
-        [c.indices.to(device) + o for c, o in zip(recs, offsets, strict=True) if c.indices is not None]
-    ).to(idx_dtype)
+    idx = torch.cat([c.indices.to(device) + o for c, o in zip(recs, offsets, strict=True)
+                     if c.indices is not None]).to(idx_dtype)
     vals = torch.cat([c.values.to(acc) for c in recs])
     # One all-gather of [values | indices] as bytes (every rank sends the same count).
     nv = nbytes_of(vals)
@@ -158,15 +147,11 @@ def _launch_bytes(compressor: Compressor, named: Named, group: Any, world: int) 
             pos = 0
             for j, ln in enumerate(lens.tolist()):
                 t = named[j][1]
-                c = CompressedTensor.from_bytes(
-                    data[pos : pos + ln], expect_shape=tuple(t.shape), expect_dtype=t.dtype,
-                    max_numel=t.numel(),
-                )
+                c = CompressedTensor.from_bytes(data[pos : pos + ln], expect_shape=tuple(t.shape),
+                                                expect_dtype=t.dtype, max_numel=t.numel())
                 pos += ln
                 sums[j] += c.decompress().reshape(-1).to(device=device, dtype=sums[j].dtype)
-        return [
-            s.div_(world).to(t.dtype).reshape(t.shape) for s, (_, t) in zip(sums, named, strict=True)
-        ]
+        return [s.div_(world).to(t.dtype).reshape(t.shape) for s, (_, t) in zip(sums, named, strict=True)]
 
     wire = _wire(world, lengths) + (_wire(world, padded) if world > 1 else 0)
     return _Pending(work, finish, wire, "all_gather")
@@ -179,15 +164,8 @@ def _wire(world: int, t: torch.Tensor) -> int:
 def _launch(compressor: Compressor, named: Named, group: Any) -> _Pending:
     if not named:
         return _Pending(None, list)
-    world = world_size(group)
-    method = compressor.method
-    if method == "None":
-        return _launch_dense(compressor, named, group, world)
-    if method == "RandomK":
-        return _launch_randomk(compressor, named, group, world)
-    if method == "TopK":
-        return _launch_topk(compressor, named, group, world)
-    return _launch_bytes(compressor, named, group, world)
+    launch = {"None": _launch_dense, "RandomK": _launch_randomk, "TopK": _launch_topk}
+    return launch.get(compressor.method, _launch_bytes)(compressor, named, group, world_size(group))
 
 
 def allreduce_compressed(compressor: Compressor, named: Sequence[tuple[str, torch.Tensor]], *,
@@ -205,8 +183,8 @@ def allreduce_compressed(compressor: Compressor, named: Sequence[tuple[str, torc
                                     size * state.wire_numel([tuple(t.shape) for _, t in named]))
         return allreduce_powersgd(state, named, group=group, counter=counter)
     pending = _launch(compressor, list(named), group)
-    if counter is not None and pending.nbytes:
-        counter.add(pending.op, pending.nbytes)
+    if pending.nbytes:
+        count_op(counter, pending.op, pending.nbytes)
     return pending.wait()
 
 
@@ -216,9 +194,7 @@ class CompressionHookState:
     def __init__(self, strategy: Any, *, model: torch.nn.Module | None = None, process_group: Any = None,
                  seed: int = 0, stochastic_rounding: bool = True) -> None:
         self.strategy = load_compression(strategy)
-        self.compressor = Compressor(
-            self.strategy, seed=seed, stochastic_rounding=stochastic_rounding
-        )
+        self.compressor = Compressor(self.strategy, seed=seed, stochastic_rounding=stochastic_rounding)
         self.process_group = process_group
         self.plain = isinstance(self.strategy, NoCompression)
         self._names: dict[int, str] = {}
@@ -274,15 +250,15 @@ def _hook(state: CompressionHookState, bucket: Any) -> torch.futures.Future[torc
     def write_back(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         off = 0
         for g, a in zip(grads, fut.value(), strict=True):
-            n = g.numel()
-            buf[off : off + n].copy_(a.reshape(-1))
-            off += n
+            buf[off : off + g.numel()].copy_(a.reshape(-1))
+            off += g.numel()
         return buf
 
     # The collective runs while autograd computes the next buckets' gradients.
     return pending.future().then(write_back)
 
 
+Hook = Callable[[CompressionHookState, Any], torch.futures.Future[torch.Tensor]]
 # DDP inspects the hook's annotations and compares them with the real objects, which
 # postponed (string) annotations would fail.
 _hook.__annotations__ = {
@@ -292,19 +268,10 @@ _hook.__annotations__ = {
 }
 
 
-def ddp_hook(
-    strategy: Any,
-    *,
-    model: torch.nn.Module | None = None,
-    process_group: Any = None,
-    seed: int = 0,
-    stochastic_rounding: bool = True,
-) -> tuple[CompressionHookState, Callable[[CompressionHookState, Any], torch.futures.Future[torch.Tensor]]]:
+def ddp_hook(strategy: Any, *, model: torch.nn.Module | None = None, process_group: Any = None,
+             seed: int = 0, stochastic_rounding: bool = True) -> tuple[CompressionHookState, Hook]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``; with ``model`` (the
     DDP module or the one it wraps) residuals are keyed by parameter name, without it by
     first-seen order. Every rank uses the same strategy and seed."""
-    state = CompressionHookState(
-        strategy, model=model, process_group=process_group, seed=seed,
-        stochastic_rounding=stochastic_rounding,
-    )
-    return state, _hook
+    return CompressionHookState(strategy, model=model, process_group=process_group, seed=seed,
+                                stochastic_rounding=stochastic_rounding), _hook

@@ -46,9 +46,7 @@ _LAUNCHER_KEYS = frozenset({
 
 def context(preload: Sequence[str] = ()) -> Any:
     """The forkserver context, its server preloading :data:`PRELOAD` and ``preload`` (the
-    module of the function the workers run, given by the caller: ``comm`` names no module
-    above it; set before the server's first start, a server already running keeps what it
-    has)."""
+    workers' entry module, named by the caller; a server already running keeps its own)."""
     global _STOP_AT_EXIT
     if not _STOP_AT_EXIT:
         atexit.register(_stop_at_exit)  # runs before multiprocessing's own exit function (LIFO)
@@ -82,11 +80,9 @@ def _reap(pid: int, timeout_s: float) -> None:
 
 
 def stop(timeout_s: float = 10.0) -> None:
-    """End the forkserver and the resource tracker this process started, and wait until
-    both have exited (a no-op when neither runs). The server is SIGKILLed: it holds no state
-    and its workers have ended, so its 1-2 s interpreter shutdown is skipped. The tracker
-    gets EOF, its normal way to end, within ``timeout_s``. Uses CPython's ``multiprocessing``
-    singletons (their ``_stop`` methods are what CPython's own tests call)."""
+    """End the forkserver (SIGKILL: it holds no state, so its 1-2 s interpreter shutdown is
+    skipped) and the resource tracker (EOF, its normal end) this process started, and reap
+    both within ``timeout_s``; through CPython's ``multiprocessing`` singletons."""
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     lock = getattr(server, "_lock", None)
     if lock is not None:
@@ -157,10 +153,8 @@ class ParentState:
     def apply(self) -> None:
         """In the child: take the parent's environment (keeping the launcher's per-rank
         keys), directory, import path and stdout/stderr."""
-        launcher = {
-            k: v for k, v in os.environ.items()
-            if k in _LAUNCHER_KEYS or k.startswith("TORCHELASTIC_")
-        }
+        launcher = {k: v for k, v in os.environ.items()
+                    if k in _LAUNCHER_KEYS or k.startswith("TORCHELASTIC_")}
         os.environ.clear()
         os.environ.update(self.environ)
         os.environ.update(launcher)

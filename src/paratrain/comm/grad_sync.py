@@ -1,19 +1,13 @@
-"""The one data-parallel gradient sync: :class:`GradSync`, over a process group passed in.
-
-DataParallel (AllReduce), the data-parallel side of tensor parallel x DataParallel and the
-replicated pipeline stage combine their replicas' gradients here, under one set of rules:
-a **bucketed all-reduce** (:mod:`paratrain.comm.buckets`; ``overlap=True`` launches the
-buckets from the backward pass, ``overlap=False`` reduces after it, for callers whose
-backward is not one autograd pass) of the mean (``average=True``) or the sum (a replicated
-stage, whose losses are already weighted by their rows); **unused parameters** as torch DDP's
-``find_unused_parameters=True``: one no rank produced a gradient for keeps ``grad = None``
-(the optimizer skips it), one some rank used is combined with zeros from the others, so a
-branch taken on one replica only never hands the collective different tensors (a wrong sum,
-or a hang); a **compressed exchange** (``compressor``, :mod:`paratrain.comm.ddp_hook`) whose
-error-feedback residuals are :meth:`GradSync.state_dict`; and a **buffer broadcast** before
-the first forward of every step (DDP's ``broadcast_buffers=True``: BatchNorm statistics
-become the group's first rank's; the step's later forwards keep their own, as under
-``no_sync``).
+"""The one data-parallel gradient sync, :class:`GradSync`: DataParallel (AllReduce), the
+data-parallel side of tensor parallel x DataParallel and the replicated pipeline stage
+combine their replicas' gradients here, by one set of rules: a bucketed all-reduce
+(:mod:`paratrain.comm.buckets`, overlapped with the backward pass or after it) of the mean,
+or of the sum for a replicated stage whose losses are already weighted by their rows; torch
+DDP's ``find_unused_parameters`` rule (a parameter no rank produced a gradient for keeps
+``grad = None``, one some rank used is combined with zeros, so a branch taken on one replica
+never hands the collective different tensors: a wrong sum, or a hang); a compressed exchange
+(:mod:`paratrain.comm.ddp_hook`); and DDP's ``broadcast_buffers`` before each step's first
+forward (BatchNorm statistics become the group's first rank's).
 """
 
 from __future__ import annotations
@@ -23,15 +17,14 @@ from typing import Any
 
 import torch
 
-from .buckets import DEFAULT_BUCKET_MB, GradReducer, all_reduce_buckets, broadcast_tensors
+from .buckets import DEFAULT_BUCKET_BYTES, GradReducer, all_reduce_buckets, broadcast_tensors
 from .collectives import CommCounter, global_rank, used_mask, world_size
 
 
 def drop_unused(named: Sequence[tuple[str, torch.nn.Parameter]], *, group: Any = None,
                 counter: CommCounter | None = None) -> list[tuple[str, torch.nn.Parameter]]:
-    """The unused-parameter rule for exchanges that send only what was used: the
-    parameters some rank of ``group`` produced a gradient for (one flag each, a MAX
-    all-reduce); every other one gets ``grad = None``."""
+    """The parameters some rank of ``group`` produced a gradient for (one MAX all-reduce of
+    flags); every other one gets ``grad = None``."""
     used = used_mask([p.grad is not None for _, p in named], group=group, counter=counter)
     live = []
     for (n, p), u in zip(named, used, strict=True):
@@ -43,27 +36,15 @@ def drop_unused(named: Sequence[tuple[str, torch.nn.Parameter]], *, group: Any =
 
 
 class GradSync:
-    """Combine the replicas' gradients (and broadcast their buffers) over ``group``.
+    """Combine the replicas' gradients over ``group``: :meth:`before_forward` before each
+    forward of a step (``last``: its last), :meth:`sync` after the last backward. ``params``:
+    ``(name, parameter)`` pairs in one order on every rank (the names key the compressor's
+    residuals); ``buffers``: what :meth:`before_forward` broadcasts."""
 
-    Call :meth:`before_forward` before each forward/backward of a step (``last``: the
-    step's last one) and :meth:`sync` after the step's last backward, before the optimizer
-    step. ``params``: ``(name, parameter)`` pairs in the same order on every rank (the names
-    key the compressor's residuals); ``buffers``: the tensors :meth:`before_forward`
-    broadcasts (empty: none).
-    """
-
-    def __init__(
-        self,
-        params: Sequence[tuple[str, torch.nn.Parameter]],
-        *,
-        group: Any = None,
-        bucket_bytes: int = int(DEFAULT_BUCKET_MB * 1024 * 1024),
-        overlap: bool = False,
-        average: bool = True,
-        compressor: Any = None,
-        buffers: Sequence[torch.Tensor] = (),
-        counter: CommCounter | None = None,
-    ) -> None:
+    def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], *, group: Any = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = False, average: bool = True,
+                 compressor: Any = None, buffers: Sequence[torch.Tensor] = (),
+                 counter: CommCounter | None = None) -> None:
         if compressor is not None and not average:
             raise ValueError("GradSync: a compressed exchange averages (average=False is a sum)")
         self.named = [(n, p) for n, p in params if p.requires_grad]

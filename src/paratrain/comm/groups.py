@@ -1,19 +1,14 @@
 """Process groups and gossip topologies.
 
-Gossip topologies (D-PSGD, Lian et al. 2017, "Can Decentralized Algorithms Outperform
-Centralized Algorithms?", NeurIPS): ``ring`` (i talks to i-1 and i+1 mod n), ``torus`` (an
-r x c grid, r the largest divisor of n with r <= sqrt(n), 4 wrap-around neighbours; a prime n
-is a ring) and ``complete``. Mixing matrix: Metropolis-Hastings weights ``W_ij = 1 / (1 +
-max(d_i, d_j))`` per edge, ``W_ii = 1 - sum_j W_ij``: symmetric and doubly stochastic, so
-gossip ``x_i <- sum_j W_ij x_j`` preserves the average and contracts to consensus on a
-connected graph (on ``complete`` it is exactly the mean).
-
-Two-level (``Hierarchical``) groups follow the real topology: ranks whose :func:`host_label`
-is equal form one local group (:func:`hierarchy_from_hosts`). A label is the host name, plus
-under torchrun (``LOCAL_WORLD_SIZE`` set) the node index (``GROUP_RANK``, or ``rank //
-LOCAL_WORLD_SIZE``), so one launcher's ranks form one group even when launchers share a host.
-All ranks on one host without ``LOCAL_WORLD_SIZE`` is **flat**: one local group, a reduce to
-its leader and a broadcast (:func:`describe_hierarchy` says ``"flat (1 host)"``).
+Gossip (D-PSGD, Lian et al. 2017, NeurIPS): ``ring``, ``torus`` (an r x c grid, r the largest
+divisor of n with r <= sqrt(n), 4 wrap-around neighbours) and ``complete``, mixed with
+Metropolis-Hastings weights ``W_ij = 1 / (1 + max(d_i, d_j))``, ``W_ii = 1 - sum_j W_ij``:
+symmetric and doubly stochastic, so ``x_i <- sum_j W_ij x_j`` keeps the average and contracts
+to consensus on a connected graph (exactly the mean on ``complete``). Two-level groups follow
+the real topology: ranks with equal :func:`host_label` (the host name, plus under torchrun the
+node: ``GROUP_RANK``, or ``rank // LOCAL_WORLD_SIZE``) form a local group; without
+``LOCAL_WORLD_SIZE`` one host is **flat**: one group, a reduce to its leader and a broadcast
+(:func:`describe_hierarchy` says ``"flat (1 host)"``).
 """
 
 from __future__ import annotations
@@ -28,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+from .buckets import unflatten_into
 from .collectives import CommCounter, count_op, global_rank, nbytes_of
 
 TOPOLOGIES = ("ring", "torus", "complete")
@@ -44,10 +40,8 @@ def grid_shape(n: int) -> tuple[int, int]:
 def neighbors(topology: str, n: int) -> list[list[int]]:
     """Sorted neighbour ranks (self excluded) of every rank for ``topology``."""
     if topology not in TOPOLOGIES:
-        raise ConfigError(
-            [("strategy.aggregation.topology",
-              f"unknown topology {topology!r}; valid: {', '.join(TOPOLOGIES)}")]
-        )
+        raise ConfigError([("strategy.aggregation.topology",
+                            f"unknown topology {topology!r}; valid: {', '.join(TOPOLOGIES)}")])
     out: list[set[int]] = [set() for _ in range(n)]
     if topology == "complete":
         for i in range(n):
@@ -59,11 +53,8 @@ def neighbors(topology: str, n: int) -> list[list[int]]:
         rows, cols = grid_shape(n)
         for i in range(n):
             r, c = divmod(i, cols)
-            cand = {
-                ((r - 1) % rows) * cols + c, ((r + 1) % rows) * cols + c,
-                r * cols + (c - 1) % cols, r * cols + (c + 1) % cols,
-            }
-            out[i] = cand - {i}
+            out[i] = {((r - 1) % rows) * cols + c, ((r + 1) % rows) * cols + c,
+                      r * cols + (c - 1) % cols, r * cols + (c + 1) % cols} - {i}
     return [sorted(s) for s in out]
 
 
@@ -103,11 +94,7 @@ def gossip_average(tensors: Sequence[torch.Tensor], *, topology: str, group: Any
     mixed = flat * float(w[rank])
     for j in nb:
         mixed.add_(bufs[j], alpha=float(w[j]))
-    offset = 0
-    for t in tensors:
-        k = t.numel()
-        t.detach().copy_(mixed[offset : offset + k].view_as(t))
-        offset += k
+    unflatten_into(mixed, [t.detach() for t in tensors])
 
 
 def new_group(ranks: Sequence[int], *, backend: str | None = None) -> Any:
@@ -142,9 +129,6 @@ def subgroups(size: int, *, backend: str | None = None) -> tuple[Any, list[list[
         if rank in ranks:
             mine = g
     return mine, layout
-
-
-# -- two-level groups from the real topology ---------------------------------------------
 
 
 def hierarchy_from_hosts(hosts: Sequence[str]) -> list[list[int]]:

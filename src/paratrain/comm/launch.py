@@ -1,15 +1,13 @@
 """Start the worker processes of a job: torch's elastic launcher, or torchrun's environment.
 
-``launch(job, nprocs=N, entry=..., target=...)`` runs ``entry(job_json, resume, target,
-parent)`` in N processes through :func:`torch.distributed.launcher.api.elastic_launch` (the
-engine inside ``torchrun``), with the rendezvous of :func:`paratrain.comm.rendezvous.launch_config`
-and workers forked from :mod:`paratrain.comm.forkserver`; under ``torchrun`` (``RANK``,
-``WORLD_SIZE`` and ``MASTER_ADDR`` set) the entry runs in this process. After a worker failure
-the elastic agent restarts the whole group, every rank resumes from its last checkpoint and
+:func:`launch` runs the entry in N processes through ``elastic_launch`` (the engine inside
+``torchrun``) with the rendezvous of :mod:`paratrain.comm.rendezvous` and workers forked from
+:mod:`paratrain.comm.forkserver`; under ``torchrun`` the entry runs in this process. After a
+worker failure the agent restarts the group, every rank resumes from its last checkpoint and
 one line says so (``worker 1 died (SIGKILL); restarted from step 40``). torch's launcher
-logging is kept off the console; a worker's exception reaches the caller as a
-:class:`~paratrain.comm.worker_errors.WorkerError` (or its ``ConfigError``, re-raised), the
-traceback in ``runs/<name>/worker-<rank>.log``; SIGINT/SIGTERM is a ``KeyboardInterrupt``.
+logging stays off the console; a worker's exception reaches the caller as a
+:class:`~paratrain.comm.worker_errors.WorkerError` (or its ``ConfigError``), the traceback in
+``runs/<name>/worker-<rank>.log``; SIGINT/SIGTERM is a ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
@@ -135,9 +133,7 @@ def _logs_specs(job: JobConfig, log_dir: str, capture: _Capture) -> Any:
             dest = super().reify(envs)
             self.attempt = attempt
             self.error_files = dict(dest.error_files)
-            self.ranks = {
-                local: int(env.get("RANK", local)) for local, env in envs.items()
-            }
+            self.ranks = {local: int(env.get("RANK", local)) for local, env in envs.items()}
             return dest
 
         def restarted(self, attempt: int) -> None:

@@ -1,14 +1,10 @@
-"""A device mesh of named dimensions over the ranks of a run: :class:`Mesh`.
-
-Parallelisms compose on one mesh (torchtitan's ``dp x tp``, Megatron's rank order): the
-world of ``prod(sizes)`` ranks is laid out row-major over ``dims``, outermost first. With
-``dims = ("dp", "tp")`` and sizes ``(D, T)``, ``rank = dp * T + tp``: a ``tp`` group is the
-``T`` consecutive ranks of a row (one replica's shards, on the fastest links, as Megatron
-places them), a ``dp`` group the ``D`` ranks of a column (the same shard of every replica: the
-data-parallel mean or ZeRO's collectives run there); ``("pp", "tp")`` likewise. Pure
-arithmetic: ``paratrain graph`` and ``validate`` show it, and
-:func:`paratrain.comm.tp.groups.build_tp_groups` makes one process group per row and column
-(the groups ``torch.distributed.device_mesh.init_device_mesh`` would make for this shape).
+"""A device mesh of named dimensions over the ranks of a run: :class:`Mesh`, pure
+arithmetic. Ranks are laid out row-major over ``dims``, outermost first (torchtitan's
+``dp x tp``, Megatron's order): with sizes ``(D, T)``, ``rank = dp * T + tp``, so a ``tp``
+group is a row of ``T`` consecutive ranks (one replica's shards, on the fastest links) and a
+``dp`` group a column (the same shard of every replica: the data-parallel mean or ZeRO's
+collectives); ``("pp", "tp")`` likewise. :func:`paratrain.comm.tp.groups.build_tp_groups`
+makes one process group per row and column, the groups ``init_device_mesh`` would make.
 """
 
 from __future__ import annotations

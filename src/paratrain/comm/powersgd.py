@@ -1,18 +1,10 @@
-"""PowerSGD over torch.distributed: two all-reduces per exchange, and its DDP hook.
-
-The maths is :mod:`paratrain.compression.powersgd` (pure tensors); this module carries
-it. One exchange of named gradients on every rank of ``group``:
-
-1. ``first = [uncompressed values | P = M Q]`` -> **all-reduce** (SUM), asynchronous;
-2. ``Q = M^T orthogonalize(P)`` -> **all-reduce** (SUM);
-3. means: uncompressed ``/ W``, compressed ``P_hat (Q / W)^T``; residuals and warm Q
-   updated in the state.
-
-torch's ``powerSGD_hook`` issues three all-reduces per bucket (uncompressed, P, Q); the
-uncompressed values ride with P here, same bytes, one latency fewer. Before the state's
-``start_step`` the exchange is a plain mean all-reduce (DDP's own arithmetic: divide,
-then sum). Bytes booked in ``counter`` are what this rank sends:
-``itemsize * (sum r'(n+m) + uncompressed numel)`` per step.
+"""PowerSGD over torch.distributed (the maths: :mod:`paratrain.compression.powersgd`): one
+exchange all-reduces (SUM) ``[uncompressed values | P = M Q]``, asynchronously, then
+``Q = M^T orthogonalize(P)``; the means are the uncompressed ``/ W`` and ``P_hat (Q / W)^T``,
+residuals and warm Q kept in the state. torch's ``powerSGD_hook`` issues three all-reduces
+per bucket (uncompressed, P, Q): the uncompressed values ride with P here, same bytes, one
+latency fewer. Before ``start_step`` a plain mean all-reduce (DDP's arithmetic: divide, then
+sum). ``counter`` books ``itemsize * (sum r'(n+m) + uncompressed numel)`` per step.
 """
 
 from __future__ import annotations
@@ -34,11 +26,8 @@ def _plain(named: Named, group: Any, world: int, counter: CommCounter | None
     flat = torch.cat([t.detach().reshape(-1) for _, t in named]).div_(world)
 
     def split(_f: Any = None) -> list[torch.Tensor]:
-        out, off = [], 0
-        for _, t in named:
-            out.append(flat[off : off + t.numel()].view(t.shape))
-            off += t.numel()
-        return out
+        parts = torch.split(flat, [t.numel() for _, t in named])
+        return [p.view(t.shape) for p, (_, t) in zip(parts, named, strict=True)]
 
     if world == 1:
         done: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
@@ -48,10 +37,8 @@ def _plain(named: Named, group: Any, world: int, counter: CommCounter | None
     return cast("torch.futures.Future[list[torch.Tensor]]", dist.all_reduce(flat, group=group, async_op=True).get_future().then(split))
 
 
-def launch_powersgd(
-    state: PowerSGDState, named: Named, *, group: Any = None, counter: CommCounter | None = None,
-    out: Sequence[torch.Tensor] | None = None,
-) -> torch.futures.Future[list[torch.Tensor]]:
+def launch_powersgd(state: PowerSGDState, named: Named, *, group: Any = None, counter: CommCounter | None = None,
+                    out: Sequence[torch.Tensor] | None = None) -> torch.futures.Future[list[torch.Tensor]]:
     """Start one exchange; the future's value is each tensor's mean (approximation) in
     ``named`` order, written into ``out`` when given. Every rank passes the same names,
     shapes and order."""
@@ -81,9 +68,8 @@ def launch_powersgd(
     return cast("torch.futures.Future[list[torch.Tensor]]", first.then(after_first).then(lambda _f: rnd.finish(world, out)))
 
 
-def allreduce_powersgd(
-    state: PowerSGDState, named: Named, *, group: Any = None, counter: CommCounter | None = None,
-) -> list[torch.Tensor]:
+def allreduce_powersgd(state: PowerSGDState, named: Named, *, group: Any = None,
+                       counter: CommCounter | None = None) -> list[torch.Tensor]:
     """:func:`launch_powersgd`, blocking, on the caller's thread (no future callbacks)."""
     world = world_size(group)
     if not named or world == 1 or not state.active():
@@ -104,9 +90,8 @@ def mean_bucket(buf: torch.Tensor, group: Any) -> torch.futures.Future[torch.Ten
     return cast("torch.futures.Future[torch.Tensor]", fut.then(lambda f: f.value()[0]))
 
 
-def powersgd_bucket_hook(
-    state: PowerSGDState, bucket: Any, names: list[str], group: Any, counter: CommCounter | None = None,
-) -> torch.futures.Future[torch.Tensor]:
+def powersgd_bucket_hook(state: PowerSGDState, bucket: Any, names: list[str], group: Any,
+                         counter: CommCounter | None = None) -> torch.futures.Future[torch.Tensor]:
     """One DDP bucket (``dist.GradBucket``) through PowerSGD, keyed by ``names`` (one per
     bucket gradient): the means are written back into the bucket buffer. A bucket is one
     exchange (one fresh-Q seed draw, as torch's hook per bucket)."""

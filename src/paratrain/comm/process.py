@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 from .context import WorkerContext, default_workers
-from .hosts import gloo_interface, group_prefix
+from .rendezvous import gloo_interface, group_prefix
 
 
 def resolve_device(requested: str, local_rank: int) -> torch.device:
@@ -69,7 +69,7 @@ def join_process_group(job: Any) -> WorkerContext:
         # The elastic agent shares one TCPStore across restart attempts, so keys written
         # by an earlier group (gloo's peer addresses) would be read by the next one and
         # point at dead processes. Every group agrees on a fresh key prefix (an attempt
-        # number is not enough across machines: comm.hosts.group_prefix).
+        # number is not enough across machines: comm.rendezvous.group_prefix).
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         base = dist.TCPStore(  # type: ignore[attr-defined]  # not re-exported by torch
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,

@@ -21,9 +21,7 @@ from typing import Any
 
 
 class CommStats:
-    """Real counters, kept at each torch.distributed call: calls by type, the payload bytes
-    this rank handed to them (measured), the bytes it sends under the ring model (modelled),
-    comm and compute time."""
+    """The counters of the module docstring, kept at each call (thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -62,15 +60,6 @@ class CommStats:
     def add_compute_time(self, seconds: float) -> None:
         with self._lock:
             self.compute_time_s += seconds
-
-    @property
-    def total_collectives(self) -> int:
-        return sum(self.counts.values())
-
-    @property
-    def total_bytes(self) -> int:
-        """Ring-model bytes sent (modelled)."""
-        return sum(self.bytes.values())
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

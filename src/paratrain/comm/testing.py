@@ -76,11 +76,9 @@ def _bindable(port: int) -> bool:
                 if family == socket.AF_INET6:
                     s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 s.bind((host, port))
-        except OSError as e:
-            if family == socket.AF_INET6 and e.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL):
-                # no IPv6 on this machine
-                continue
-            return False
+        except OSError as e:  # (on IPv6 an EAFNOSUPPORT or EADDRNOTAVAIL: no IPv6 here)
+            if not (family == socket.AF_INET6 and e.errno in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL)):
+                return False
     return True
 
 
@@ -92,19 +90,12 @@ def _child(rank: int, world_size: int, port: int, parent: ParentState, payload: 
     try:
         # Unpickled after apply(): fn may live in a module only the parent's path has.
         fn, args, workers = loads(payload)
-        store = dist.TCPStore(  # type: ignore[attr-defined]
-            "127.0.0.1", port, world_size, is_master=(rank == 0),
-            timeout=timedelta(seconds=timeout_s),
-        )
-        dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
-        ctx = WorkerContext(
-            rank=rank, world_size=world_size, local_rank=rank, backend="gloo",
-            group=dist.group.WORLD, store=store,
-            workers=default_workers(world_size, workers),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=(rank == 0),  # type: ignore[attr-defined]
+                              timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        ctx = WorkerContext(rank=rank, world_size=world_size, local_rank=rank, backend="gloo",
+                            group=dist.group.WORLD, store=store, workers=default_workers(world_size, workers))
         out = fn(ctx, *args)
         # Tensors put on a multiprocessing queue travel as shared-memory handles that
         # die with this process; serialise the result to bytes instead.

@@ -88,19 +88,6 @@ class Failure:
         return 2 if is_fallout(self.message) else 0
 
 
-def _message(data: Any) -> tuple[str, str, int]:
-    """(message, traceback, timestamp) from an elastic error-file record."""
-    msg = data.get("message", "") if isinstance(data, dict) else data
-    tb = ""
-    ts = int(data.get("timestamp", 0) or 0) if isinstance(data, dict) else 0
-    if isinstance(msg, dict):
-        extra = msg.get("extraInfo") or {}
-        tb = str(extra.get("py_callstack", ""))
-        ts = int(extra.get("timestamp", ts) or ts)
-        msg = msg.get("message", "")
-    return str(msg), tb, ts
-
-
 def _signal_name(exitcode: int | None) -> str | None:
     if exitcode is None or exitcode >= 0:
         return None
@@ -111,17 +98,22 @@ def _signal_name(exitcode: int | None) -> str | None:
 
 
 def _read_error_file(path: Path, rank: int) -> Failure | None:
+    """Message, traceback and timestamp from an elastic error-file record."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    msg, tb, ts = _message(data)
-    return Failure(rank, msg, tb, ts) if msg else None
+    msg = data.get("message", "") if isinstance(data, dict) else data
+    tb, ts = "", int(data.get("timestamp", 0) or 0) if isinstance(data, dict) else 0
+    if isinstance(msg, dict):
+        extra = msg.get("extraInfo") or {}
+        tb = str(extra.get("py_callstack", ""))
+        ts = int(extra.get("timestamp", ts) or ts)
+        msg = msg.get("message", "")
+    return Failure(rank, str(msg), tb, ts) if str(msg) else None
 
 
-def attempt_failures(
-    error_files: dict[int, str], ranks: dict[int, int], exits: dict[int, int]
-) -> list[Failure]:
+def attempt_failures(error_files: dict[int, str], ranks: dict[int, int], exits: dict[int, int]) -> list[Failure]:
     """Every failure of one attempt on this node: the workers' error files (what they
     raised) and the exit codes the agent saw (signals leave no error file)."""
     out: dict[int, Failure] = {}

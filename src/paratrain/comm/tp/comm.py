@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..buckets import flatten, unflatten_into
 from ..collectives import all_gather_flat, nbytes_of, reduce_scatter_flat
 from ..stats import CommStats, Handle
 
@@ -39,10 +40,8 @@ class _Hier:
 
 
 class TPComm:
-    """Collectives over one process group, carried out with one communication pattern.
-
-    ``group=None`` with ``size == 1`` is the single-process case: every op is the identity.
-    """
+    """Collectives over one process group with one communication pattern (``group=None``,
+    ``size == 1``: one process, every op the identity)."""
 
     def __init__(self, group: Any, ranks: Sequence[int], *, rank: int, pattern: str = "AllReduce",
                  async_op: bool = True, fusion_threshold_bytes: int = 0,
@@ -67,13 +66,18 @@ class TPComm:
         self.stats.record(kind, wire, time.perf_counter() - t0, payload_bytes=payload)
         return out
 
-    def _native_all_reduce(self, t: torch.Tensor, group: Any, p: int, async_op: bool = False) -> Any:
-        wire = 2 * (p - 1) / p * nbytes_of(t)
+    def _call(self, kind: str, wire: float, payload: int, fn: Callable[[bool], Any], async_op: bool) -> Any:
+        """``fn(async_op)`` recorded: the work when launched asynchronously (its wait is booked
+        by the :class:`Handle`), else timed here."""
         if async_op:
-            self.stats.record("all_reduce", wire, payload_bytes=nbytes_of(t))
+            self.stats.record(kind, wire, payload_bytes=payload)
             self.stats.launched_async()
-            return dist.all_reduce(t, group=group, async_op=True)
-        return self._timed("all_reduce", wire, lambda: dist.all_reduce(t, group=group), nbytes_of(t))
+            return fn(True)
+        return self._timed(kind, wire, lambda: fn(False), payload)
+
+    def _native_all_reduce(self, t: torch.Tensor, group: Any, p: int, async_op: bool = False) -> Any:
+        return self._call("all_reduce", 2 * (p - 1) / p * nbytes_of(t), nbytes_of(t),
+                          lambda a: dist.all_reduce(t, group=group, async_op=a), async_op)
 
     def _gather_padded(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None,
                        async_op: bool = False) -> Handle:
@@ -88,19 +92,14 @@ class TPComm:
             x = torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
         x = x.contiguous()
         out = x.new_empty((p * m, *x.shape[1:]))
-        wire = (p - 1) * nbytes_of(x)
 
         def finish() -> torch.Tensor:
             parts = [out[i * m: i * m + sizes[i]] for i in range(p)]
             return torch.cat(parts).movedim(0, dim).contiguous()
 
-        if async_op:
-            self.stats.record("all_gather", wire, payload_bytes=nbytes_of(x))
-            self.stats.launched_async()
-            work = all_gather_flat(out, x, self.group, True)
-            return Handle(self.stats, work=work, finish=finish)
-        self._timed("all_gather", wire, lambda: all_gather_flat(out, x, self.group, False), nbytes_of(x))
-        return Handle(self.stats, finish=finish)
+        work = self._call("all_gather", (p - 1) * nbytes_of(x), nbytes_of(x),
+                          lambda a: all_gather_flat(out, x, self.group, a), async_op)
+        return Handle(self.stats, work=work if async_op else None, finish=finish)
 
     def _reduce_scatter_padded(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None,
                                async_op: bool = False) -> Handle:
@@ -120,20 +119,14 @@ class TPComm:
             start += s
         inp = torch.cat(chunks).contiguous()
         out = inp.new_empty((m, *inp.shape[1:]))
-        wire = (p - 1) * nbytes_of(out)
         mine = sizes[self.rank]
 
         def finish() -> torch.Tensor:
             return out[:mine].movedim(0, dim).contiguous()
 
-        if async_op:
-            self.stats.record("reduce_scatter", wire, payload_bytes=nbytes_of(inp))
-            self.stats.launched_async()
-            work = reduce_scatter_flat(out, inp, self.group, True)
-            return Handle(self.stats, work=work, finish=finish)
-        self._timed("reduce_scatter", wire,
-                    lambda: reduce_scatter_flat(out, inp, self.group, False), nbytes_of(inp))
-        return Handle(self.stats, finish=finish)
+        work = self._call("reduce_scatter", (p - 1) * nbytes_of(out), nbytes_of(inp),
+                          lambda a: reduce_scatter_flat(out, inp, self.group, a), async_op)
+        return Handle(self.stats, work=work if async_op else None, finish=finish)
 
     def _ring_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         p, r = self.size, self.rank
@@ -273,8 +266,7 @@ class TPComm:
             buckets.append(cur)
         pending: list[tuple[list[torch.Tensor], torch.Tensor, Any]] = []
         for bucket in buckets:
-            flat = (bucket[0].reshape(-1).clone() if len(bucket) == 1
-                    else torch.cat([t.reshape(-1) for t in bucket]))
+            flat = flatten(bucket)
             work = self._native_all_reduce(flat, self.group, self.size, async_op=self.async_op)
             pending.append((bucket, flat, work))
         t0 = time.perf_counter()
@@ -283,10 +275,7 @@ class TPComm:
                 work.wait()
             if average:
                 flat.div_(self.size)
-            off = 0
-            for t in bucket:
-                t.copy_(flat[off: off + t.numel()].view_as(t))
-                off += t.numel()
+            unflatten_into(flat, bucket)
         if self.async_op:
             self.stats.add_comm_time(time.perf_counter() - t0)
         return len(buckets)

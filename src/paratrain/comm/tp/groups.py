@@ -36,10 +36,8 @@ class TPGroups:
 
 def build_tp_groups(tp_size: int, *, pattern: str = "AllReduce", async_op: bool = True,
                     fusion_threshold_bytes: int = 0, stats: CommStats | None = None) -> TPGroups:
-    """Create the TP (and DP, hierarchical) sub-groups. Collective: every rank calls it.
-
-    Without an initialised process group this returns single-process comms.
-    """
+    """Create the TP (and DP, hierarchical) sub-groups (collective); without an initialised
+    process group, single-process comms."""
     stats = stats if stats is not None else CommStats()
     if not dist.is_available() or not dist.is_initialized():
         if tp_size != 1:
