@@ -119,7 +119,6 @@ def fused_seq_gather(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int],
     return tuple(_Fused.apply(x, comm, n, dim, sizes))
 
 
-# -- linear layers as single autograd functions (for compute/comm overlap) ----------------
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype | None) -> torch.Tensor:
@@ -149,15 +148,11 @@ def _wgrad(g: torch.Tensor, x: torch.Tensor, cdt: torch.dtype | None) -> torch.T
 
 
 class _ColumnLinear(Function):
-    """Y_i = f(X) W_i^T + b_i, W_i the rank's block of output rows.
-
-    ``mode``: "copy" = Megatron f (input replicated; dX = sum_i dY_i W_i all-reduced in
-    backward, started asynchronously and overlapped with dW_i = dY_i^T X when async);
-    "seq" = X sequence-sharded: all-gathered forward; only the shard is kept for backward
-    (Korthikanti et al. 2022, §4.2.2), re-gathered there while dX_i = dY_i W_i is computed,
-    then dX reduce-scattered while dW_i is computed; "none" = the input's collective is
-    done outside (fused region).
-    """
+    """Y_i = f(X) W_i^T + b_i, W_i the rank's block of output rows. ``mode``: "copy" = Megatron
+    f (dX = sum_i dY_i W_i all-reduced in backward, overlapped with dW_i = dY_i^T X when async);
+    "seq" = X sequence-sharded, all-gathered forward, only the shard kept for backward
+    (Korthikanti et al. 2022, §4.2.2) and re-gathered there while dX_i = dY_i W_i is computed,
+    dX then reduce-scattered while dW_i is; "none" = the input's collective is done outside."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, comm: TPComm,
@@ -217,12 +212,9 @@ class _ColumnLinear(Function):
 
 
 class _RowLinear(Function):
-    """Z = g(sum_i X_i W_i^T) + b, X_i the rank's slice of input features.
-
-    ``mode``: "reduce" = Megatron g (all-reduce of the partial sums forward, identity back);
-    "seq" = reduce-scatter along the sequence dim forward (bias added to the shard),
-    all-gather of the gradient backward.
-    """
+    """Z = g(sum_i X_i W_i^T) + b, X_i the rank's slice of input features. ``mode``: "reduce"
+    = Megatron g (all-reduce forward, identity back); "seq" = reduce-scatter along the sequence
+    dim forward (bias added to the shard), all-gather of the gradient backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, comm: TPComm,

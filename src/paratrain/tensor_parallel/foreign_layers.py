@@ -61,10 +61,8 @@ _PART_NAMES = {3: ("q", "k", "v")}
 class PackedColumnParallel(nn.Module):
     """A projection whose output features are ``n`` equal parts (``[q | k | v]``), column-
     parallel part by part: rank ``i`` computes ``[part_0 cols_i | ... | part_{n-1} cols_i]``.
-
-    ``fused_dim`` is where the parts are packed in the dense weight (0 for ``nn.Linear``'s
-    ``[out, in]``, 1 for Conv1D's ``[in, out]``; the bias packs on dim 0): the checkpoint
-    keeps the dense name and layout (:mod:`.shards`)."""
+    ``fused_dim``: where the parts are packed in the dense weight (0 for ``nn.Linear``, 1 for
+    Conv1D; the bias on 0), so checkpoints keep the dense name and layout (:mod:`.shards`)."""
 
     def __init__(self, dense: nn.Module, parts: int, *, comm: TPComm, state: RegionState,
                  gather_output: bool = False, unit: int = 1) -> None:

@@ -43,7 +43,7 @@ class RegionState:
     seq_sizes: list[int] = field(default_factory=list)
     compute_dtype: torch.dtype | None = None
     grid_rows: list[int] = field(default_factory=list)  # batch split over grid rows (2-D)
-    # the activations are split along seq_dim now (a plan's sequence region, .sequence)
+    # the activations are split along seq_dim now (a plan's sequence region, .plan)
     in_sequence: bool = False
 
 
@@ -95,10 +95,31 @@ def _mode_dims(state: RegionState) -> tuple[int, list[int] | None]:
     return state.seq_dim, (state.seq_sizes or None)
 
 
-class ColumnParallelLinear(nn.Module):
-    """``Y_i = f(X) A_i + b_i``; ``mode`` is "copy" (Megatron f) or "seq" (sequence parallel)."""
+class _Sharded(nn.Module):
+    """What the column and row layers share: building from a dense layer, and a Conv1D's
+    ``[in, out]`` weight layout kept (``conv1d``: GPT-2's, :mod:`.foreign_layers`)."""
 
-    conv1d = False  # GPT-2's Conv1D (.foreign_layers): its weight is stored [in, out]
+    conv1d = False
+    weight: nn.Parameter
+
+    def linear_weight(self) -> torch.Tensor:
+        """The shard as ``nn.Linear`` lays it out, ``[out, in]`` (a view of a Conv1D's)."""
+        return self.weight.t() if self.conv1d else self.weight
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, *, comm: TPComm, state: RegionState, **kw: Any) -> Self:
+        w, b = _dense_tensors(dense, cls.conv1d)
+        m = cls(int(w.shape[1]), int(w.shape[0]), comm=comm, state=state, bias=b is not None, **kw)
+        m.load_dense(w, b)
+        return m.to(w.device)
+
+    def load_dense(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        """Keep this rank's shard of a dense ``[out, in]`` weight and of its bias."""
+        raise NotImplementedError
+
+
+class ColumnParallelLinear(_Sharded):
+    """``Y_i = f(X) A_i + b_i``; ``mode`` is "copy" (Megatron f) or "seq" (sequence parallel)."""
 
     def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
                  bias: bool = True, mode: str = "copy", gather_output: bool = False,
@@ -120,22 +141,7 @@ class ColumnParallelLinear(nn.Module):
     def shard_offset(self) -> int:
         return sum(self.out_sizes[: self.comm.rank])
 
-    def linear_weight(self) -> torch.Tensor:
-        """The shard as ``nn.Linear`` lays it out, ``[out, in]`` (a view of a Conv1D's)."""
-        return self.weight.t() if self.conv1d else self.weight
-
-    @classmethod
-    def from_dense(cls, dense: nn.Module, *, comm: TPComm, state: RegionState,
-                   mode: str = "copy", gather_output: bool = False,
-                   sizes: list[int] | None = None) -> Self:
-        w, b = _dense_tensors(dense, cls.conv1d)
-        m = cls(int(w.shape[1]), int(w.shape[0]), comm=comm, state=state, bias=b is not None,
-                mode=mode, gather_output=gather_output, sizes=sizes)
-        m.load_dense(w, b)
-        return m.to(w.device)
-
     def load_dense(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
-        """Keep this rank's rows of a dense ``[out, in]`` weight and of its bias."""
         s, n = self.shard_offset, self.out_sizes[self.comm.rank]
         with torch.no_grad():
             self.linear_weight().copy_(w[s: s + n])
@@ -170,10 +176,8 @@ class ColumnParallelLinear(nn.Module):
                 f"mode={self.mode}, gather_output={self.gather_output}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Sharded):
     """``Z = g(sum_i X_i A_i) + b``; ``mode`` is "reduce" (Megatron g) or "seq"."""
-
-    conv1d = False
 
     def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
                  bias: bool = True, mode: str = "reduce", input_is_parallel: bool = True,
@@ -193,22 +197,12 @@ class RowParallelLinear(nn.Module):
     def shard_offset(self) -> int:
         return sum(self.in_sizes[: self.comm.rank])
 
-    def linear_weight(self) -> torch.Tensor:
-        return self.weight.t() if self.conv1d else self.weight
-
-    @classmethod
-    def from_dense(cls, dense: nn.Module, *, comm: TPComm, state: RegionState,
-                   mode: str = "reduce", input_is_parallel: bool = True,
-                   sizes: list[int] | None = None) -> Self:
-        w, b = _dense_tensors(dense, cls.conv1d)
-        m = cls(int(w.shape[1]), int(w.shape[0]), comm=comm, state=state, bias=b is not None,
-                mode=mode, input_is_parallel=input_is_parallel, sizes=sizes)
-        s, n = m.shard_offset, m.in_sizes[comm.rank]
+    def load_dense(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
+        s, n = self.shard_offset, self.in_sizes[self.comm.rank]
         with torch.no_grad():
-            m.linear_weight().copy_(w[:, s: s + n])
-            if m.bias is not None and b is not None:
-                m.bias.copy_(b)
-        return m.to(w.device)
+            self.linear_weight().copy_(w[:, s: s + n])
+            if self.bias is not None and b is not None:
+                self.bias.copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -231,13 +225,10 @@ class RowParallelLinear(nn.Module):
 
 
 class ParallelSelfAttention(nn.Module):
-    """Heads split over the TP ranks: q/k/v column-parallel, o row-parallel.
-
-    pattern "copy": one f per projection, or one fused f when the input fits the fusion
-    threshold; "seq": the sequence-sharded input is all-gathered (fused: once) and the
-    output reduce-scattered; "gather": the per-rank attention outputs are all-gathered
-    (AllGather pattern) and o splits them again.
-    """
+    """Heads split over the TP ranks: q/k/v column-parallel, o row-parallel. ``mode`` "copy":
+    one f per projection (one fused f when the input fits the fusion threshold); "seq": the
+    sequence shards all-gathered (fused: once), the output reduce-scattered; "gather"
+    (AllGather): the attention outputs all-gathered and o splits them again."""
 
     def __init__(self, dense: Any, *, comm: TPComm, state: RegionState, mode: str) -> None:
         # dense: a SelfAttention or an AttentionSpec (q/k/v/o, num_heads, causal)
@@ -287,12 +278,9 @@ class ParallelSelfAttention(nn.Module):
 
 
 class ParallelEncoderLayer(nn.Module):
-    """``nn.TransformerEncoderLayer`` (batch_first) with parallel attention and MLP.
-
-    Same computation as the dense layer: post-norm ``x = LN1(x + SA(x)); x = LN2(x + FF(x))``
-    or pre-norm ``x = x + SA(LN1(x)); x = x + FF(LN2(x))``, ``FF = W2 act(W1 x)``; the
-    layer norms are replicated (and, under sequence parallelism, see only their shard).
-    """
+    """``nn.TransformerEncoderLayer`` (batch_first) with parallel attention and MLP, the same
+    computation: post-norm ``x = LN1(x + SA(x)); x = LN2(x + FF(x))`` or pre-norm ``x = x +
+    SA(LN1(x)); x = x + FF(LN2(x))``, ``FF = W2 act(W1 x)``; the layer norms replicated."""
 
     def __init__(self, dense: nn.TransformerEncoderLayer, *, comm: TPComm, state: RegionState,
                  mode: str) -> None:

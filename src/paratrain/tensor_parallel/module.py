@@ -134,7 +134,7 @@ class TensorParallelModule(nn.Module):
         self.module = self._convert(model, config, tp)
         for name, mod in self.module.named_modules():
             if isinstance(getattr(mod, "state", None), RegionState):
-                mod.tp_path = name  # named in run-time layout errors (.sequence)
+                mod.tp_path = name  # named in run-time layout errors (.plan)
         # whole-model calls (keyword arguments, non-tensor outputs) for models that are not
         # an nn.Sequential of tensor-to-tensor children
         self.free_form = not isinstance(self.module, nn.Sequential) and bool(self.sharding)
@@ -195,7 +195,6 @@ class TensorParallelModule(nn.Module):
                                                       (mod.in_features, mod.out_features), kind)
                     break
 
-    # -- structure ------------------------------------------------------------------------
     def _plan(self) -> None:
         """Blocks (checkpoint units), segments, and the sequence-parallel region."""
         m = self.module
@@ -223,7 +222,7 @@ class TensorParallelModule(nn.Module):
             raise ConfigError([("tensor_parallel.communication_pattern",
                                 "ReduceScatter (sequence parallel) needs an nn.Sequential model")])
         self._sp_params: list[nn.Parameter] = []
-        # a plan's sequence modules see their shard's tokens only (.sequence): their
+        # a plan's sequence modules see their shard's tokens only (.plan): their
         # replicated parameters' gradients are partial sums
         seen: set[int] = set()
         for sm in self._sequence_modules:
@@ -240,7 +239,6 @@ class TensorParallelModule(nn.Module):
     def needs_sync(self) -> bool:
         return bool(self._sp_params) or self.groups.dp is not None
 
-    # -- forward ---------------------------------------------------------------------------
     def _run(self, idx: list[int], x: torch.Tensor) -> torch.Tensor:
         region = self.seq_region
         # a recomputed segment may start inside the region, its input already split
@@ -285,7 +283,7 @@ class TensorParallelModule(nn.Module):
         first = next((t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)), None)
         amp, hooks = self._contexts(first.device.type if first is not None else "cpu")
         def call(*a: Any, **k: Any) -> Any:
-            self.state.in_sequence = False  # a plan's sequence region starts inside (.sequence)
+            self.state.in_sequence = False  # a plan's sequence region starts inside (.plan)
             return self.module(*a, **k)
 
         with amp, hooks:
@@ -345,7 +343,6 @@ class TensorParallelModule(nn.Module):
             yield meter
         self.last_peak_activation_bytes = meter.peak
 
-    # -- gradients -------------------------------------------------------------------------
     def sync_gradients(self) -> int:
         """Reduce gradients the layout needs; returns the number of collectives issued."""
         n = 0
@@ -357,7 +354,6 @@ class TensorParallelModule(nn.Module):
         return n
 
 
-    # -- reports ---------------------------------------------------------------------------
     def layout(self) -> list[tuple[str, str]]:
         """What tensor parallelism did to each module it touched, as ``(path, how)`` in model
         order: the plan's and the block rules' notes, then paratrain's own parallel layers
@@ -412,7 +408,6 @@ class TensorParallelModule(nn.Module):
             snap["hierarchy"] = getattr(self.comm, "hierarchy", None) or "flat (1 rank)"
         return snap
 
-    # -- the dense model's view: whole tensors under its names (collective over TP) ----------
     def _mha_prefixes(self) -> list[str]:
         return [n + "." if n else "" for n, m in self.module.named_modules()
                 if isinstance(m, ParallelEncoderLayer)]
@@ -469,12 +464,10 @@ def parallelize(model: nn.Module, config: TensorParallelismConfig | dict[str, An
                 group: TPGroups | TPComm | None = None, *, compressor: Any = None,
                 broadcast_buffers: bool = True) -> TensorParallelModule:
     """Shard ``model`` (a full, identically initialised copy on every rank) per ``config``.
-
-    ``group``: the :class:`TPGroups` from :func:`paratrain.comm.tp.groups.build_tp_groups`, a
-    bare :class:`TPComm` (pure TP), or ``None`` to build the groups now (collective).
-    With data-parallel replicas, ``compressor`` compresses their gradient average and
-    ``broadcast_buffers`` (DDP's) makes their buffers the first replica's every step.
-    """
+    ``group``: the :class:`TPGroups` of ``build_tp_groups``, a bare :class:`TPComm` (pure TP),
+    or ``None`` to build the groups now (collective). With data-parallel replicas,
+    ``compressor`` compresses their gradient average and ``broadcast_buffers`` (DDP's) makes
+    their buffers the first replica's every step."""
     cfg = config if isinstance(config, TensorParallelismConfig) else TensorParallelismConfig.model_validate(config)
     if group is None:
         try:

@@ -1,18 +1,14 @@
-"""Partition arithmetic for tensor parallelism (rust-behaviour.md §3.5-3.6, DESIGN §4).
+"""Partition arithmetic for tensor parallelism (rust-behaviour.md §3.5-3.6, DESIGN §4); pure
+arithmetic, no process group.
 
 A tensor of shape ``s`` is cut along one dimension ``d`` into ``tp`` ceil-sized chunks:
 ``per = ceil(s[d] / tp)``, chunk ``p`` covers ``[p*per, min((p+1)*per, s[d]))`` and lives on
-rank ``p mod world_size``; chunks that would start past the end are dropped (so a tensor
-may have fewer than ``tp`` partitions, and the missing ids are always the trailing ones).
-
-The dimension depends on the strategy: ColumnWise = last, RowWise = second-to-last,
-BatchWise = 0 (the only one that needs no communication), SequenceWise = 1, Dynamic =
-ColumnWise when the last dim is strictly larger than the second-to-last, RowWise
-otherwise, BatchWise below 2-D; BlockWise = a g x g grid (g = sqrt(tp)) of 2-D tensors
-when tp is a perfect square, else ColumnWise; Custom = a user function registered with
-:func:`register_custom_partitioner`.
-
-This module is pure arithmetic: no torch.distributed, no process group.
+rank ``p mod world_size``; chunks that would start past the end are dropped (the missing ids
+are always the trailing ones). ``d``: ColumnWise = last, RowWise = second-to-last, BatchWise =
+0 (the only one needing no communication), SequenceWise = 1, Dynamic = ColumnWise when the
+last dim is strictly larger than the second-to-last, else RowWise (BatchWise below 2-D);
+BlockWise = a g x g grid of 2-D tensors when tp = g^2, else ColumnWise; Custom = the function
+registered with :func:`register_custom_partitioner`.
 """
 
 from __future__ import annotations
@@ -49,17 +45,10 @@ _CUSTOM: list[CustomPartitioner] = []
 
 
 def register_custom_partitioner(fn: CustomPartitioner) -> CustomPartitioner:
-    """Register the function used by ``TensorPartitioningStrategy.Custom`` (decorator).
-
-    ``fn(name, shape, tp, world_size)`` returns the partitions; a later registration
-    replaces an earlier one.
-    """
+    """Register ``fn(name, shape, tp, world_size) -> partitions`` as the Custom strategy
+    (a decorator; a later registration replaces an earlier one)."""
     _CUSTOM[:] = [fn]
     return fn
-
-
-def registered_custom_partitioner() -> CustomPartitioner | None:
-    return _CUSTOM[0] if _CUSTOM else None
 
 
 def validate_world(tp: int, world_size: int) -> None:
@@ -77,10 +66,8 @@ def validate_world(tp: int, world_size: int) -> None:
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
-    """Ceil-sized chunk lengths of ``n`` over ``parts`` slots, zeros at the end.
-
-    ``split_sizes(5, 4) == [2, 2, 1, 0]``; always ``parts`` entries summing to ``n``.
-    """
+    """Ceil-sized chunk lengths of ``n`` over ``parts`` slots, zeros at the end:
+    ``split_sizes(5, 4) == [2, 2, 1, 0]``."""
     if parts < 1:
         raise ValueError(f"parts must be >= 1 (got {parts})")
     per = -(-n // parts) if n else 0
@@ -127,13 +114,12 @@ def partition_shape(
     strategy = TensorPartitioningStrategy(strategy)
     nd = len(shape)
     if strategy is TensorPartitioningStrategy.Custom:
-        fn = registered_custom_partitioner()
-        if fn is None:
+        if not _CUSTOM:
             raise ValueError(
                 "partitioning_strategy Custom needs a function registered with "
                 "paratrain.tensor_parallel.register_custom_partitioner"
             )
-        return list(fn(name, shape, tp, world_size))
+        return list(_CUSTOM[0](name, shape, tp, world_size))
     if strategy is TensorPartitioningStrategy.Dynamic:
         if nd >= 2:
             strategy = (TensorPartitioningStrategy.ColumnWise if shape[-1] > shape[-2]
