@@ -1,14 +1,10 @@
 """Federated strategy (DESIGN §4): a server (rank 0) and ``num_clients`` logical clients
-hosted many-per-worker, with every aggregation, selection, non-IID partitioning,
-compressed updates, faults and resume. Trains any :class:`~paratrain.task.Task`:
-each client through the one loop's ``Trainer`` over its partition of
-the task's training set (``speaker``: one speaking role per client, LEAF Shakespeare), the
-server evaluates with the task's metrics.
-
-``run(job)`` starts ``job.run.num_workers`` processes (default ``min(2, num_clients)``)
-through the elastic launcher, or runs in this process when that is 1.
+hosted many-per-worker, training any :class:`~paratrain.task.Task` on the clients'
+partitions of its training set. ``run(job)`` starts ``job.run.num_workers`` processes
+(default ``min(2, num_clients)``) through the elastic launcher, or runs in this process when
+that is 1; ``[federated] runtime = "flower"`` runs on Flower's deployment runtime
+(:mod:`.flower`).
 """
-
 from __future__ import annotations
 
 from typing import Any

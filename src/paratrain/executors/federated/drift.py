@@ -1,12 +1,12 @@
 """The client parts of the drift-correcting methods, and what they add to a round.
 
-SCAFFOLD (:mod:`.aggregation.scaffold`, Karimireddy et al. 2020): each client's control
+SCAFFOLD (:mod:`.aggregation.drift`, Karimireddy et al. 2020): each client's control
 variate ``c_i`` lives on the worker hosting it (:class:`ClientControls`, in that worker's
 checkpoint). Per round the server's ``c`` goes down with the global model
 (:func:`broadcast_control`), the client adds ``c - c_i`` to every local gradient and
 sends ``dc_i = c_i+ - c_i`` as extra float32 tensors ``scaffold.dc/<key>`` after its
 update's own (:func:`pack_control`; the server splits them off, :func:`split_control`).
-FedNova (:mod:`.aggregation.fednova`, Wang et al. 2020): the client's status carries its
+FedNova (:mod:`.aggregation.drift`, Wang et al. 2020): the client's status carries its
 step count ``steps`` and normaliser ``norm``. Both need SGD as the client optimizer
 (:func:`drift_problems` names anything else).
 """

@@ -167,7 +167,6 @@ def _round(w: _Worker, r: int) -> bool:
         plan = store_get_json(w.store, f"fed/plan/{r}")
     if plan["stop"]:
         return False
-    # Global model down (and SCAFFOLD's server control variate c with it).
     sent_before = traffic.bytes.get("broadcast_delivered", 0)
     received = broadcast_state(w.data.template if server is None else server.global_state, w.data.template,
                                device=w.comm_dev, group=w.ctx.group, counter=traffic)
@@ -176,7 +175,6 @@ def _round(w: _Worker, r: int) -> bool:
     wire_down = traffic.bytes.get("broadcast_delivered", 0) - sent_before
     w.global_state = server.global_state if server is not None else received
     dev_state = {k: v.to(w.ctx.device) for k, v in w.global_state.items()}
-    # Local training of the selected clients this rank hosts.
     lr_scale = float(plan.get("lr_scale", 1.0))
     results = [host.train_one(c, r, dev_state, lr_scale, control=control)
                for c in plan["clients"] if host.hosts(c)]

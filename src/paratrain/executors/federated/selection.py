@@ -1,14 +1,10 @@
-"""Client selection per round (DESIGN §4, Federated).
-
-- ``All``: every client, in index order.
-- ``Random{fraction}``: ``k = max(1, ⌈fraction·num_clients⌉)`` distinct clients drawn
-  without replacement from a generator seeded by ``(seed, round)`` alone, so every
-  process (and a resumed run) draws the same set; returned sorted.
-- ``ByCapability{required_tags}``: the clients whose tags include every required tag
-  (a client's tags are its own ``[federated.client_tags]`` plus its hosting worker's);
-  no match is a :class:`ValueError` naming the tags.
+"""Client selection per round (DESIGN §4): ``All`` (every client), ``Random{fraction}``
+(``k = max(1, ⌈fraction·num_clients⌉)`` distinct clients drawn from a generator seeded by
+``(seed, round)`` alone, so every process and a resumed run draw the same set) or
+``ByCapability{required_tags}`` (the clients whose own ``[federated.client_tags]`` plus their
+hosting worker's tags include every required tag; none is a ValueError naming the tags);
+returned sorted.
 """
-
 from __future__ import annotations
 
 import math

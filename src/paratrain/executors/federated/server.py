@@ -28,7 +28,7 @@ from ...models.state import load_unique_state_dict
 from ...training.checkpoint import check_model_state
 from ...training.stepping import autocast, lr_factor
 from .aggregation import Aggregator, MalformedUpdateError, build_aggregator
-from .aggregation.fednova import valid_norm
+from .aggregation.drift import valid_norm
 from .client import client_name
 from .drift import control_reference, split_control
 from .privacy import ServerPrivacy

@@ -1,7 +1,7 @@
 """The wire form of one client's update, and its strict decoding on the server.
 
-A client update ``Δ = w_client − w_global`` travels as a list of tensor headers
-(in the worker's JSON status message) plus one byte payload (over point-to-point):
+A client update ``Δ = w_client − w_global`` travels as tensor headers (in the JSON
+status) plus one byte payload (point-to-point):
 
     header = {"name": str, "shape": [int, ...], "enc": "f32" | "ct", "nbytes": int}
 

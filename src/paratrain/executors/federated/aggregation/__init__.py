@@ -11,6 +11,13 @@ from typing import Any
 
 from ._adaptive import FedAdagradAggregator, FedAdamAggregator, FedYogiAggregator
 from ._common import Aggregator, MalformedUpdateError
+from .drift import (
+    FedNovaAggregator,
+    ScaffoldAggregator,
+    control_keys,
+    fednova_norm,
+    scaffold_client_control,
+)
 from .fedavg import (
     FedAvgAggregator,
     FedAvgMAggregator,
@@ -18,10 +25,8 @@ from .fedavg import (
     fedavg_step,
     proximal_term,
 )
-from .fednova import FedNovaAggregator, fednova_norm
 from .krum import KrumAggregator, krum_select
 from .robust import FedMedianAggregator, FedTrimmedAvgAggregator, coordinate_median, trimmed_mean
-from .scaffold import ScaffoldAggregator, control_keys, scaffold_client_control
 
 __all__ = [
     "Aggregator", "AGGREGATORS", "build_aggregator", "MalformedUpdateError",

@@ -25,6 +25,7 @@ def describe_runtime(job: Any) -> str | None:
         return ("Flower's Deployment Runtime: `flwr run` paratrain's app (examples/federated_flower) "
                 "against a SuperLink; SuperNode partition-id p of num-partitions P hosts the clients "
                 "c % P == p")
-    n = int(min(job.run.num_workers or 2, strat.num_clients))
-    return f"the local path: `paratrain run`, {n} worker process(es) over torch.distributed"
+    from .. import num_workers
+
+    return f"the local path: `paratrain run`, {num_workers(job)} worker process(es) over torch.distributed"
 

@@ -24,7 +24,7 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from torch import Tensor
 
 from ....config import ConfigError
-from ..client import client_name
+from ..client import ClientResult, client_name
 from . import protocol as P
 
 log = logging.getLogger("paratrain.flower")
@@ -144,8 +144,8 @@ class Federation:
                 continue
             why = (f"no SuperNode hosting {client_name(c)} replied within round_timeout "
                    f"{self.opts.round_timeout:g} s")
-            statuses.append({"client": c, "ok": False, "n": 0, "loss": None, "headers": [], "nbytes": 0,
-                             "error": why + (f" ({'; '.join(errors)})" if errors else "")})
+            why += f" ({'; '.join(errors)})" if errors else ""
+            statuses.append(ClientResult(c, False, error=why).status())
             payloads.append(b"")
         return statuses, payloads, down, up
 
@@ -184,6 +184,6 @@ class Federation:
             if st is None or (mean is None and st.get("ok")):
                 why = ("secure aggregation halted (too few nodes answered a SecAgg+ stage)" if mean is None
                        else f"no SuperNode hosting {client_name(c)} answered the secure round")
-                st = {"client": int(c), "ok": False, "n": 0, "loss": None, "headers": [], "nbytes": 0, "error": why}
+                st = ClientResult(int(c), False, error=why).status()
             statuses.append(st)
         return mean, statuses, down, up, answered

@@ -1,32 +1,26 @@
-"""DP-FedAvg on the federated round: the server's and the clients' parts.
+"""DP-FedAvg on the federated round (the maths: :mod:`.mechanism`): the server's and the
+clients' parts, the job's checks and ``validate``'s description.
 
-Central mode (McMahan et al. 2018), in :meth:`ServerPrivacy.privatize`: every decoded
-update ``D_k`` is clipped to ``S``; with ``w_k = min(n_k, c)`` (``c = weight_cap``) the
-server releases
+Central mode (:meth:`ServerPrivacy.privatize`): the server clips every decoded update to
+``S`` and releases, with ``w_k = min(n_k, c)`` (``c = weight_cap``: one client moves the sum
+by at most ``S c``),
 
     D = (sum_k w_k clip(D_k, S) + N(0, (z_D S c)^2 I)) / (q W),   W = sum_all min(n_k, c),
 
-(``w_k / c <= 1``: one client moves the sum by at most ``S c``) and hands ``D`` to the
-aggregator as the round's only update (FedAvg applies it, FedAvgM/FedAdam/... take it as
-their pseudo-gradient; robust aggregators need the single updates and are refused,
+as the round's only update (FedAvg applies it, the server optimizers take it as their
+pseudo-gradient; robust aggregators need the single updates and are refused,
 :func:`dp_problems`). Failed clients count as absent; the denominator never changes. With
 ``z = 0``, ``S = inf``, ``c >= max n_k`` and every client selected this is FedAvg's
 example-weighted mean, bit for bit. Integer buffers are not released (their step is 0).
+Local mode (:func:`client_privatize`): each client sends ``clip(D_k, S) + N(0, (z S)^2 I)``
+drawn from ``(seed, round, client)``. Central mode with a fixed clip also clips on the
+client (before compressing); the guarantee rests on the server's clip of the decoded update.
 
-Local mode, in :func:`client_privatize`: each client sends ``clip(D_k, S) + N(0, (z S)^2 I)``
-drawn from ``(seed, round, client)``, and the server aggregates as usual. Central mode
-with a fixed clip also clips on the client (before compressing: error feedback then
-carries a clipped update's residual); the guarantee rests on the server's clip of the
-*decoded* update, whatever the codec did.
-
-Accounting, every round (:class:`~.accountant.PrivacyAccountant`): central: the sampled
-Gaussian mechanism of multiplier ``z`` at ``q`` = the expected fraction of clients per
-round (``Random``: ``k / N``; ``All``: 1; ``ByCapability``: 1 over the fixed set of clients
-its tags select, whose weights alone make ``W``). Local: the server knows who
-took part, so there is no amplification by sampling: ``q = 1``, a bound for a client
-selected every round. Compression is post-processing of what is accounted.
+Accounting (:class:`~.mechanism.PrivacyAccountant`): central, the sampled Gaussian
+mechanism at ``q`` = the expected fraction of clients per round (``ByCapability``: 1 over its
+fixed set of clients, whose weights alone make ``W``); local, ``q = 1`` (the server knows who
+took part). Compression is post-processing of what is accounted.
 """
-
 from __future__ import annotations
 
 import math
@@ -39,8 +33,16 @@ from torch import Tensor
 
 from ..aggregation._common import linear_combination
 from ..selection import num_random, select_clients
-from .accountant import PrivacyAccountant, last_round_within, rdp_epsilon
-from .mechanism import adaptive_clip, add_noise, clip_update, dp_generator, update_noise_multiplier
+from .mechanism import (
+    PrivacyAccountant,
+    adaptive_clip,
+    add_noise,
+    clip_update,
+    dp_generator,
+    last_round_within,
+    rdp_epsilon,
+    update_noise_multiplier,
+)
 
 # server steps that take the round's mean update: the noised mean serves them
 CENTRAL_AGGREGATIONS = ("FedAvg", "FedProx", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad")
@@ -78,8 +80,6 @@ class ServerPrivacy:
         self.accountant = PrivacyAccountant(spec.delta)
         self.target = spec.target_epsilon
         self.stop_note: str | None = None
-
-    # ------------------------------------------------------------------ round
 
     def privatize(self, round_idx: int, global_state: Mapping[str, Tensor],
                   updates: Sequence[Mapping[str, Tensor]], weights: Sequence[float],
@@ -151,8 +151,6 @@ class ServerPrivacy:
         if self.stop_note is not None:
             out["dp_stopped"] = self.stop_note
         return out
-
-    # ----------------------------------------------------------- checkpoint
 
     def state_dict(self) -> dict[str, Any]:
         return {"mode": self.mode, "clip": -1.0 if self.clip is None else self.clip,
