@@ -1,8 +1,5 @@
 """Tensor parallelism (Megatron-style) as an executor: Local or DataParallel jobs with
-``tensor_parallel_size > 1`` (DESIGN §6). The sharding itself is :mod:`paratrain.tensor_parallel`.
-
-- :mod:`.runner`: launch, the TP(×DP) grid set-up and its part of the one training loop.
-"""
+``tensor_parallel_size > 1`` (DESIGN §6); the sharding itself is :mod:`paratrain.tensor_parallel`."""
 
 from __future__ import annotations
 
@@ -12,7 +9,7 @@ from ...config.job import JobConfig
 from ..shared.replicas import check_replica_rows
 from ..spec import ExecutorSpec, GraphView, Traced
 from .ignored import ignores
-from .runner import dry_run, mesh_lines, mesh_plan, run, validate
+from .runner import dry_run, mesh_lines, mesh_plan, run
 
 __all__ = ["SPEC", "run"]
 
@@ -51,5 +48,5 @@ def _graph(traced: Traced) -> GraphView:
     return GraphView(sections)
 
 
-SPEC = ExecutorSpec(name="TensorParallel", run=run, processes=_processes, validate=validate,
+SPEC = ExecutorSpec(name="TensorParallel", run=run, processes=_processes, validate=dry_run,
                     check_data=check_replica_rows, ignores=ignores, describe=_describe, graph=_graph)

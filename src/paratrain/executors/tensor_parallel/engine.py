@@ -1,20 +1,14 @@
 """The tensor-parallel (x data-parallel) part of the one loop: :class:`TensorParallelEngine`.
 
-A batch (every rank of a TP group sees the same one) runs through the
-:class:`~paratrain.tensor_parallel.TensorParallelModule` in ``tensor_parallel.micro_batches``
-chunks, each backpropagating ``weight * (n_chunk / n) * loss(chunk)``. The layout's gradient
-reductions (sequence-parallel replicated parameters over TP, the DP average, compressed
-when ``[compression]`` is set) run once per optimizer step in :meth:`sync`, or after every
-micro-batch with ``gradient_accumulation = false`` (summed, as DDP without ``no_sync``).
-
-``grad_sq_norm`` is the squared norm of the *whole* model's gradient, the same on every
-rank: a parameter held by ``f`` of the ``tp`` ranks of a group (``f = 1`` for a column/row
-shard, ``g`` for a 2-D grid bias, ``tp`` for a replicated parameter, whose gradient is the
-same on every TP rank after the sync) adds ``||g||^2 / f`` to a sum all-reduced over the TP
-group, except replicated parameters, which every rank adds locally once. The DP replicas
-are already in sync, so no DP reduction is needed.
-
-Evaluation runs on every rank (the forward has TP collectives); rank 0 returns the metrics.
+A batch (the same on every rank of a TP group) runs in ``tensor_parallel.micro_batches``
+chunks, each backpropagating ``weight * (n_chunk / n) * loss(chunk)``; the layout's gradient
+reductions run once per optimizer step in :meth:`sync`, or after every micro-batch with
+``gradient_accumulation = false`` (summed, as DDP without ``no_sync``). ``grad_sq_norm`` is the
+whole model's, the same on every rank: a parameter held by ``f`` of the ``tp`` ranks of a group
+(1 for a column/row shard, ``g`` for a 2-D grid bias) adds ``||g||^2 / f`` to a sum all-reduced
+over TP; a replicated one (the same gradient on every TP rank after the sync) is added locally
+once; the DP replicas are already in sync. Evaluation runs on every rank (the forward has TP
+collectives); rank 0 returns the metrics.
 """
 
 from __future__ import annotations
@@ -31,8 +25,6 @@ from ...tensor_parallel.grid import replicas_of
 from ...tensor_parallel.shards import dense_names_and_shards
 from ...training.loop import Batch, LocalEngine, batch_size_of
 from ...training.stepping import autocast
-
-__all__ = ["TensorParallelEngine"]
 
 
 def _split(batch: Batch, parts: int) -> list[Batch]:
@@ -67,7 +59,6 @@ class TensorParallelEngine(LocalEngine):
         self._used = [False] * len(self._params)
         self._names, self._shards = dense_names_and_shards(model, rank=model.comm.rank)
 
-    # -- gradients -------------------------------------------------------------------------
     def forward_backward(self, batch: Batch, *, weight: float, last: bool) -> float:
         if self.grad_sync is not None:
             self.grad_sync.before_forward(last=last)  # the step's first: DDP's buffer broadcast
@@ -127,7 +118,6 @@ class TensorParallelEngine(LocalEngine):
             sharded = self.tpm.comm.all_reduce(sharded)  # collective over the TP group
         return float((sharded + replicated).item())
 
-    # -- evaluation and logging ------------------------------------------------------------
     def evaluate(self) -> dict[str, float] | None:
         ev = super().evaluate()  # every rank: the forward has TP collectives
         return ev if self.is_main else None
@@ -141,10 +131,8 @@ class TensorParallelEngine(LocalEngine):
                 "payload_bytes_measured": st["payload_bytes_measured"],
                 "bytes_sent_modelled": st["bytes_sent_modelled"]}
 
-    # -- state -----------------------------------------------------------------------------
     def model_names(self) -> dict[str, str]:
-        """This rank's keys -> the dense model's names (checkpoints resume on another
-        tensor-parallel size, or as a Local / DataParallel run)."""
+        """This rank's keys -> the dense model's names."""
         return self._names
 
     def model_shards(self) -> dict[str, dict[str, Any]]:

@@ -1,24 +1,20 @@
 """What the tensor-parallel executor ignores that only its model can tell (its spec's
-``ignores``): ``memory_optimization`` levels and ``fusion_threshold_bytes``.
-
-Both are judged on the job's model as rank 0 would shard it (:func:`probe_tp`, built here
-without processes, through the job's Task): a ``memory_optimization`` level that
-checkpoints the same segments as another level on this model (and ``Extreme`` without an
-accelerator, whose offload does nothing) is reported; so is ``fusion_threshold_bytes`` when
-the model has no attention (no q/k/v fusion) and the layout reduces no gradients over the TP
-or DP group. The rules that need only the job are :mod:`paratrain.config.effective`'s.
+``ignores``), judged on the job's model as rank 0 would shard it (:func:`probe_tp`): a
+``memory_optimization`` level that checkpoints the same segments as another level on this model
+(and ``Extreme``'s offload without an accelerator), and ``fusion_threshold_bytes`` when the model
+has no attention (no q/k/v fusion) and the layout reduces no gradients over the TP or DP group.
+The rules that need only the job are :mod:`paratrain.config.effective`'s.
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from ...config.effective import Effective, Ignored, is_set
 from ...config.job import JobConfig
-
-__all__ = ["TPProbe", "probe_tp", "ignores"]
 
 _LEVELS = ("None", "Low", "Medium", "High", "Extreme")
 
@@ -34,38 +30,28 @@ class TPProbe:
 
 
 def probe_tp(job: JobConfig) -> TPProbe | None:
-    """Build the job's model through its Task (``[task]``, classification by default) and
-    shard it as rank 0 would, without processes (the same construction as the
-    tensor-parallel dry run). ``None`` when it cannot be built: that error is reported by
-    preflight (``paratrain validate`` and ``run``), which makes the same construction."""
+    """The job's model sharded as rank 0 would, without processes (the tensor-parallel dry
+    run's construction); ``None`` when that fails: preflight (``paratrain validate`` and
+    ``run``) makes the same construction and reports the error."""
     try:
         import torch
 
-        from ...comm.tp.comm import TPComm
-        from ...comm.tp.groups import TPGroups
-        from ...task import resolve_task
-        from ...tensor_parallel import TensorParallelModule
         from ...tensor_parallel.layers import ParallelSelfAttention
+        from .runner import dry_module
 
-        cfg = job.tensor_parallel
-        assert cfg is not None
-        tp = cfg.tensor_parallel_size
-        task = resolve_task(job)  # the job's Task builds the model, as the run does
-        train, _ = task.datasets(job.run.seed)
-        model = task.build_model(job.model, train)
-        comm = TPComm(None, list(range(tp)), rank=0, pattern=cfg.communication_pattern.value)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            tpm = TensorParallelModule(model, cfg, TPGroups(comm, None, tp, 1, 0))
+            tpm = dry_module(job)
         device = job.run.device
-        accel = device == "cuda" or (device == "auto" and torch.cuda.is_available())
         return TPProbe(
             blocks=len(tpm.blocks),
             attention=any(isinstance(m, ParallelSelfAttention) for m in tpm.modules()),
             tp_grad_sync=bool(tpm._sp_params),
-            accelerator=accel,
+            accelerator=device == "cuda" or (device == "auto" and torch.cuda.is_available()),
         )
-    except Exception:  # noqa: BLE001 - any failure here is reported by the real checks
+    except Exception as e:  # noqa: BLE001 - any failure here is reported by the real checks
+        logging.getLogger(__name__).info("tensor_parallel: the model could not be sharded to judge "
+                                         "memory_optimization / fusion_threshold_bytes: %r", e)
         return None
 
 

@@ -1,30 +1,16 @@
 """Tensor parallelism as a job: ``[tensor_parallel] tensor_parallel_size = tp`` with a
-Local strategy (``tp`` processes) or DataParallel (``tp x num_replicas`` processes, 2-D).
+Local strategy (``tp`` processes) or DataParallel (``tp x num_replicas``, 2-D; ZeRO over the
+dp column with ``shard``, :mod:`.zero`).
 
-Layout: ranks ``[d*tp, (d+1)*tp)`` form tensor-parallel group ``d`` (= data-parallel
-replica ``d``); every rank builds the same seeded full model of the job's Task
-(``task.build_model``) and keeps its shard (:func:`paratrain.tensor_parallel.parallelize`).
-Training is the one loop (:func:`paratrain.training.loop.run_loop`) with a
-:class:`~.engine.TensorParallelEngine`: any Task, and every ``[train]`` option (lr schedule
-and warmup, clipping by the whole model's gradient norm, accumulation, bf16, weight decay).
-Each epoch the training rows are permuted by (seed, epoch); with one replica the TP group
-walks the whole permutation, replica ``d`` of ``dp`` takes ``perm[: (N // dp) * dp][d::dp]``
-(DataParallel's shard); the ranks of one TP group see the same batches, each split in
-``tensor_parallel.micro_batches`` chunks (DP gradients averaged once per step with
-``gradient_accumulation``, per micro-batch otherwise). ``train.precision = "bf16"`` runs the
-parallel layers' matmuls in bf16 as ``tensor_parallel.mixed_precision`` does.
-
-Checkpoints (:class:`~paratrain.training.stores.RankStore`, prefix ``tp``): one
-torch.distributed.checkpoint folder ``checkpoints/step-<step>/`` of every rank's shard,
-optimizer and lr-scheduler state, compression residuals, RNG and position, with
-``layout.json`` (``{"kind": "tp", "step", "tp", "dp", "world"}``). ``--resume`` or an
-elastic restart loads the newest complete one everywhere. Each tensor is saved
-with its dense model name and shard spec (:mod:`paratrain.tensor_parallel.shards`), so a
-run resumes on another ``tensor_parallel_size`` or replica count, as a Local or
-DataParallel run (``tensor_parallel_size = 1``), and from theirs. At the end the full
-model is gathered and rank 0 writes ``model.pt`` (the dense state dict, loadable into the
-unsharded model, tied weights under each name) and ``summary.json`` with the task's test
-metrics and the tensor-parallel statistics.
+Ranks ``[d*tp, (d+1)*tp)`` form tensor-parallel group ``d`` (data-parallel replica ``d``);
+every rank builds the same seeded full model of the job's Task and keeps its shard
+(:func:`paratrain.tensor_parallel.parallelize`), then runs the one loop with a
+:class:`~.engine.TensorParallelEngine`. The ranks of a TP group read the same batches:
+replica ``d`` of ``dp`` takes DataParallel's shard of each epoch's permutation. Checkpoints
+(``RankStore``, prefix ``tp``) name every tensor by the dense model's name with its shard spec
+(:mod:`paratrain.tensor_parallel.shards`), so a run resumes on another size, or as a Local /
+DataParallel run, and from theirs; at the end rank 0 writes the gathered dense ``model.pt``
+(tied weights under each name) and ``summary.json``.
 """
 
 from __future__ import annotations
@@ -66,8 +52,6 @@ from ..entry import worker_entry
 from .engine import TensorParallelEngine
 from .zero import MeshZeroEngine, mesh_units
 
-__all__ = ["run", "validate", "worker_main", "layout", "dry_run", "dp_order", "mesh_plan", "mesh_lines"]
-
 
 def layout(job: JobConfig) -> tuple[TensorParallelismConfig, int, int]:
     """(config, tp, dp) of a tensor-parallel job; ConfigError when they cannot run."""
@@ -103,11 +87,8 @@ def _shard_of(job: JobConfig) -> str:
 
 
 def _dp_options(job: JobConfig, dp: int) -> dict[str, Any]:
-    """The data-parallel side of a 2-D job for :func:`parallelize`: with ``[compression]`` its
-    gradient average runs compressed (each rank compresses its shard's gradients, keyed by
-    parameter name, the same on every replica of a TP index: DataParallel's compressed
-    AllReduce on the DP group; residuals per rank, in its checkpoint); the strategy's
-    ``broadcast_buffers``."""
+    """The data-parallel side of a 2-D job for :func:`parallelize`: its compressor (each rank
+    compresses its shard's gradients on the DP group) and the strategy's ``broadcast_buffers``."""
     if dp == 1:
         return {}
     from ..shared.replicas import build_compressor
@@ -319,7 +300,7 @@ def _with_tied_names(tpm: Any, dense: dict[str, torch.Tensor]) -> dict[str, torc
     return out
 
 
-def _dry_module(job: JobConfig) -> Any:
+def dry_module(job: JobConfig) -> Any:
     """The job's model sharded as rank 0 would, without processes or collectives."""
     from ...comm.tp.comm import TPComm
     from ...comm.tp.groups import TPGroups
@@ -341,12 +322,10 @@ def _dry_module(job: JobConfig) -> Any:
 
 
 def dry_run(job: JobConfig) -> list[tuple[str, str]]:
-    """Shard the job's model as rank 0 would, without processes or collectives, so layout
-    errors (heads not divisible, BlockWise on a square size, nothing to shard, a ZeRO
-    ``shard_unit`` matching nothing...) surface before anything is launched; returns what
-    was sharded and how (``TensorParallelModule.layout``: what ``paratrain validate`` and
-    ``graph`` print)."""
-    tpm = _dry_module(job)
+    """Shard the job's model as rank 0 would, so layout errors (heads not divisible, nothing
+    to shard, a ZeRO ``shard_unit`` matching nothing...) surface before anything is launched;
+    returns what was sharded and how (``paratrain validate`` and ``graph`` print it)."""
+    tpm = dry_module(job)
     shard = _shard_of(job)
     if shard not in ("none", "optimizer"):
         mesh_units(tpm, getattr(job.strategy, "shard_unit", None))  # ConfigError: no such unit
@@ -354,10 +333,8 @@ def dry_run(job: JobConfig) -> list[tuple[str, str]]:
 
 
 def mesh_plan(job: JobConfig) -> dict[str, Any]:
-    """The mesh of a tensor-parallel job (``paratrain graph`` / ``validate --explain``): the
-    ``dp x tp`` shape, the rank formula and the groups (:class:`~paratrain.comm.mesh.Mesh`),
-    and for a ZeRO job what rank 0 holds of its TP shard (the units, its elements, and the
-    fp32 Adam bytes by the ZeRO formula over the dp replicas)."""
+    """The ``dp x tp`` mesh of a job (``paratrain graph`` / ``validate --explain``) and, with
+    ZeRO, what rank 0 holds of its TP shard (units, elements, fp32 Adam bytes)."""
     from ...comm.mesh import Mesh
     from ..shared.zero_plan import shard_plan
 
@@ -365,7 +342,7 @@ def mesh_plan(job: JobConfig) -> dict[str, Any]:
     out: dict[str, Any] = {**Mesh.of(dp=dp, tp=tp).describe()}
     shard = _shard_of(job)
     if shard != "none":
-        tpm = _dry_module(job)
+        tpm = dry_module(job)
         units = mesh_units(tpm, getattr(job.strategy, "shard_unit", None)) if shard != "optimizer" else None
         out["zero"] = f"ZeRO (shard = {shard}) over dp on each TP shard"
         out["shard"] = shard_plan(tpm, level=shard, units=units, local=set(), world=dp)
@@ -386,11 +363,6 @@ def mesh_lines(job: JobConfig) -> list[str]:
                      f"tp rank 0's shard: {units}; about {z['adam_fp32_bytes_per_rank']} bytes a rank "
                      "for fp32 Adam")
     return lines
-
-
-def validate(job: JobConfig) -> None:
-    """``paratrain validate``: the layout checks ``run`` does before launching."""
-    dry_run(job)
 
 
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:

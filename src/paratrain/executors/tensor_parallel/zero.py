@@ -1,32 +1,19 @@
 """ZeRO x tensor parallelism on one ``dp x tp`` mesh: :class:`MeshZeroEngine`.
 
-A DataParallel job with ``shard = "optimizer" | "gradients" | "parameters"`` and
-``[tensor_parallel] tensor_parallel_size = T`` runs ``D x T`` processes laid out as the mesh
-``dp x tp`` (:class:`~paratrain.comm.mesh.Mesh`, ``rank = dp*T + tp``). Each rank first
-holds its tensor-parallel shard of the model (:func:`paratrain.tensor_parallel.parallelize`:
-column/row layers, replicated embeddings and norms); ZeRO (Rajbhandari et al. 2020,
-:class:`~paratrain.executors.shared.zero.ZeroEngine`) then runs over the *dp* column
-of the mesh on those tensors: the ``D`` ranks of a column hold the same TP shard, and each
-keeps rows ``[d c, (d+1) c)`` of dimension 0 of every tensor of it (``c = ceil(rows / D)``).
-Nothing in the TP group changes: its collectives carry activations, exactly as without ZeRO.
-
-Gradients. Per tensor ``W`` of the TP shard the ZeRO mean over dp is a linear map of the
-column's gradients, and the tensor-parallel sums (replicated parameters inside a sequence-
-parallel or BatchWise region, summed over the TP group) are linear maps along the other
-mesh axis, so they commute: the TP sum runs on the rows each rank owns after ZeRO's mean
-(:meth:`MeshZeroEngine.sync`), one coalesced all-reduce over the TP group.
-
-Clipping by one global norm over the composition (pytorch#180346, accelerate#4219: a norm
-taken over one group only, or counting replicas twice, is wrong): every rank adds, for each
-row block it owns, ``||g_rows||^2 / f`` where ``f`` is how many ranks of the TP group hold
-the same TP tensor (1 for a column/row shard, ``T`` for a replicated parameter,
-:func:`~paratrain.tensor_parallel.grid.replicas_of`), and one all-reduce over the *whole* mesh sums it:
-``sum_tp sum_dp ||g_rows||^2 / f = sum_tp ||g_tp_shard||^2 / f = ||g_model||^2``.
-
-Checkpoints name every piece by the dense model's name with the composed shard spec: the
-TP spec's slices with ZeRO's rows ``[start, start + length)`` of the TP tensor moved into
-them (:func:`compose_spec`, :mod:`paratrain.training.reshard`'s spec), so the pieces of all ``D x T`` ranks
-assemble the dense tensors and a same-world resume continues bit for bit.
+A DataParallel job with ``shard`` and ``tensor_parallel_size = T`` runs ``D x T`` processes
+(:class:`~paratrain.comm.mesh.Mesh`, ``rank = dp*T + tp``). Each rank holds its tensor-parallel
+shard of the model; ZeRO (Rajbhandari et al. 2020, :class:`~paratrain.executors.shared.zero.
+ZeroEngine`) runs over the *dp* column on those tensors, each of the ``D`` ranks keeping rows
+``[d c, (d+1) c)`` of dim 0 of every tensor (``c = ceil(rows / D)``); the TP group's
+collectives still carry activations only. The ZeRO mean over dp and the TP sums of replicated
+parameters (sequence-parallel or BatchWise regions) are linear maps along the two mesh axes,
+so they commute: the TP sum runs on the owned rows after ZeRO's mean. The global gradient
+norm (pytorch#180346, accelerate#4219: a norm over one group only, or counting replicas twice,
+is wrong): every rank adds ``||g_rows||^2 / f`` per owned row block, ``f`` the ranks of the TP
+group holding the same tensor (:func:`~paratrain.tensor_parallel.grid.replicas_of`), and one
+all-reduce over the whole mesh sums it to ``||g_model||^2``. Checkpoints name every piece by the
+dense model's name with the TP spec's slices and ZeRO's rows composed (:func:`compose_spec`),
+so the pieces of all ``D x T`` ranks assemble the dense tensors.
 """
 
 from __future__ import annotations
@@ -48,12 +35,10 @@ from ..shared.zero import ZeroEngine, resolve_units
 from ..shared.zero_shards import ShardView
 from .engine import _split
 
-__all__ = ["MeshZeroEngine", "mesh_units"]
-
 
 @dataclass
 class _Column:
-    """The dp column of the mesh as ZeroEngine sees its world (rank = the dp index)."""
+    """The dp column of the mesh as ZeroEngine's world (rank = the dp index)."""
 
     rank: int
     world_size: int
@@ -63,9 +48,7 @@ class _Column:
 
 
 def mesh_units(tpm: TensorParallelModule, patterns: Sequence[str] | None) -> list[str]:
-    """The ZeRO units as paths of ``tpm`` (``module.<path>``): ``shard_unit`` patterns (or
-    each direct child) resolved on the model, as in DataParallel (ConfigError for a pattern
-    matching nothing)."""
+    """The ZeRO units as paths of ``tpm`` (``module.<path>``), resolved as in DataParallel."""
     return [f"module.{p}" for p in resolve_units(tpm.module, patterns)]
 
 
@@ -123,11 +106,9 @@ class MeshZeroEngine(ZeroEngine):
             if spec is not None:
                 self._specs[k] = spec
 
-    # -- the step ------------------------------------------------------------------------
     def forward_backward(self, batch: Batch, *, weight: float, last: bool) -> float:
         """The batch in ``tensor_parallel.micro_batches`` chunks, each backpropagating
-        ``weight * (n_chunk / n) * loss(chunk)`` (ZeRO-2/3 reduce-scatter each chunk's
-        gradients into the owned rows, summed; ZeRO-1 all-reduces once, after the last)."""
+        ``weight * (n_chunk / n) * loss(chunk)``."""
         n = batch_size_of(batch)
         chunks = [c for c in _split(batch, self.micro_batches) if batch_size_of(c) > 0] or [batch]
         total = 0.0
@@ -138,9 +119,7 @@ class MeshZeroEngine(ZeroEngine):
         return total
 
     def sync(self) -> None:
-        """ZeRO's mean over dp into the owned rows, then the tensor-parallel sums of the
-        replicated parameters of a sequence-parallel (or BatchWise) region over the TP group,
-        on those rows (both linear: they commute)."""
+        """ZeRO's mean over dp into the owned rows, then the TP sums on those rows."""
         super().sync()
         grads = [p.grad for p in self._sp_pieces if p.grad is not None]
         if grads:
@@ -155,7 +134,6 @@ class MeshZeroEngine(ZeroEngine):
         C.all_reduce_(t, group=self.world_group, counter=self.counter)
         return float(t.item())
 
-    # -- evaluation, logging and state -----------------------------------------------------
     def evaluate(self) -> dict[str, float] | None:
         """Every rank evaluates (the forward runs TP collectives); rank 0's metrics."""
         from ...task.steps import evaluate as evaluate_task
