@@ -1,7 +1,7 @@
-"""executors/population_based/failures.py: a member that fails in generation 0 has no state
-to continue from; under ``population.evolve = false`` every later generation reports its
-first error (with the member), not a missing-file error that hides it; rank 0 warns at the
-first failure and the summary lists it."""
+"""PopulationBased failures (executors/population_based/summary.py): a member that fails in
+generation 0 has no state to continue from; under ``population.evolve = false`` every later
+generation reports its first error (with the member), not a missing-file error that hides
+it; rank 0 warns at the first failure and the summary lists it."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""PopulationBased: PBT (Jaderberg et al. 2017) over members trained on worker processes.
-
-- :mod:`.pbt`: the pure, seeded maths (search space, exploit/explore, population state);
-- :mod:`.hyperparams`: hyperparameter roles, the fitness metric, the job's checks;
-- :mod:`.member_state`: member files, digests, seeds, the background checkpoint writer;
-- :mod:`.member`: one member's training, through the one training loop;
-- :mod:`.report`: lineage and the population's summary;
-- :mod:`.runner`: launch, the exploit/explore rounds, checkpoints.
-"""
+"""PopulationBased: PBT (Jaderberg et al. 2017) over members trained on worker processes
+(:mod:`.runner`; the pure maths in :mod:`.pbt`, one member's generation in :mod:`.member`)."""
 
 from __future__ import annotations
 
@@ -16,8 +9,6 @@ from ...config.job import JobConfig
 from ..spec import ExecutorSpec, capped_workers
 from .hyperparams import validate_job
 from .runner import num_workers, run
-
-__all__ = ["SPEC", "run"]
 
 
 def _processes(job: JobConfig) -> tuple[int, str]:

@@ -1,20 +1,12 @@
 """What a PBT member can be: the roles of its hyperparameters, the metric it is ranked
 by, and the checks of a PopulationBased job that need the model and data factories.
 
-Hyperparameter roles (:func:`hyperparameter_roles`): ``batch_size``; any key of the
-optimizer's param groups (``lr``, ``momentum``, ``weight_decay``, ``betas``...); any
-keyword of the model builder/factory; any keyword of the dataset builder/factory (built-in
-tasks). Model keywords may change parameter shapes, so explore leaves them alone (they are
-sampled at the start and inherited on exploit) -- except ``dropout`` (role ``dropout``),
-which changes no shape: it is explored like the optimizer's values and applied to the
-member's model as the ``p`` of every ``nn.Dropout`` in it, each generation (the model is
-built and its weights carried on, as Ray Tune's PBT re-applies a mutated config).
-
-Fitness: ``population.metric`` (default the task's ``fitness_metric``, mode the task's
-``fitness_mode`` unless ``population.mode`` is set, :func:`fitness_of`), a metric of the
-task's evaluation on its test set or ``train_loss`` (the mean loss of the generation's
-steps). Every member record reports the task's metrics (``test_<metric>`` in
-``metrics.jsonl``).
+Roles (:func:`hyperparameter_roles`): ``batch_size``; any key of the optimizer's param
+groups; any keyword of the model or dataset builder/factory. Model keywords may change
+parameter shapes, so explore leaves them alone (sampled at the start, inherited on exploit)
+-- except ``dropout``, which changes no shape: it is explored like the optimizer's values
+and set as the ``p`` of every ``nn.Dropout`` of the member's model each generation (as Ray
+Tune's PBT re-applies a mutated config).
 """
 
 from __future__ import annotations
@@ -32,10 +24,7 @@ from ...models.zoo import MODELS, import_object
 from ...task import resolve_task
 from ...training import build_optimizer
 from ...training.faults import FAULTS_ENV, injected_faults
-from .pbt.space import validate_space
-
-__all__ = ["TRAIN_METRICS", "hyperparameter_roles", "task_metrics", "fitness_of", "validate_job",
-           "unknown_metric"]
+from .pbt import validate_space
 
 TRAIN_METRICS = ("train_loss",)
 """Metrics a member reports besides the task's test metrics (mean loss of its steps)."""
@@ -83,10 +72,6 @@ def hyperparameter_roles(job: JobConfig) -> tuple[dict[str, str], str | None]:
     return roles, ("model" if m_open else "data" if d_open else None)
 
 
-def _task_name(task: Any) -> str:
-    return str(getattr(task, "name", type(task).__name__))
-
-
 def task_metrics(task: Any) -> list[str] | None:
     """The metrics a member can be ranked by: the task's evaluation metrics (the keys its
     ``finalize`` returns, read from ``finalize`` of empty sums) and ``train_loss``; None when
@@ -98,8 +83,12 @@ def task_metrics(task: Any) -> list[str] | None:
     return [*keys, *(m for m in TRAIN_METRICS if m not in keys)]
 
 
+def task_name(task: Any) -> str:
+    return str(getattr(task, "name", type(task).__name__))
+
+
 def unknown_metric(metric: str, task: Any, names: list[str]) -> str:
-    return (f"{metric!r} is not a metric of the {_task_name(task)} task; valid: "
+    return (f"{metric!r} is not a metric of the {task_name(task)} task; valid: "
             f"{', '.join(names)}")
 
 

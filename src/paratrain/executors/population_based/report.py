@@ -1,10 +1,9 @@
-"""``report.png`` of a PBT run: fitness and hyperparameter schedules per member.
+"""``report.png`` of a PBT run: fitness and hyperparameter schedules per member (Agg backend).
 
-One panel for the fitness of every member slot per generation and one per
-hyperparameter (log axis for ``log_uniform`` dims; ``choice`` values plotted by their
-index in the list). Exploit copies are drawn as dotted segments from the donor's value
-to the recipient's next value, failed members as crosses on the fitness axis; the ancestry of the best final member (the schedule
-that produced its weights) is drawn in black. Matplotlib with the Agg backend.
+One panel for the fitness of every member slot per generation and one per hyperparameter
+(log axis for ``log_uniform`` dims; ``choice`` values plotted by their index in the list).
+Exploit copies are dotted segments from the donor's value to the recipient's next value,
+failed members crosses on the fitness axis, the ancestry of the best final member black.
 """
 
 from __future__ import annotations
@@ -17,10 +16,7 @@ from typing import Any
 
 from ...config.job import ChoiceDim, LogUniformDim
 from ...training.report import never_fails
-from .pbt import ancestry
-from .pbt.evolve import score
-
-__all__ = ["plot_population"]
+from .pbt import ancestry, score
 
 
 def _numeric(dim: Any, value: Any) -> float:

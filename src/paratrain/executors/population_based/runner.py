@@ -6,7 +6,7 @@ on rank ``i mod W``). Each generation ``g`` (Algorithm 1 of the paper, with a sy
 (the member whose end-of-``g-1`` state it starts from) -- as JSON (:mod:`paratrain.comm.collectives`);
 every rank trains its members for the budget, evaluates their fitness and writes each
 member's file ``checkpoints/gen-<g>/member-<i>.pt`` (:mod:`.member`; a failing member reports
-no fitness and the generation goes on, :mod:`.failures`); rank 0 gathers the results, records
+no fitness and the generation goes on, :mod:`.summary`); rank 0 gathers the results, records
 the generation, runs exploit/explore (:mod:`.pbt`) and writes ``lineage.json``; then the run's
 one lifecycle checkpoints the generation (``checkpoints/step-<g>/``, kind ``pbt``): the
 population on process 0 and, under ``engine/rank<r>`` ``members``, the state of every member
@@ -48,12 +48,11 @@ from ...training.faults import maybe_kill
 from ...training.lifecycle import Lifecycle, engine_state
 from ...training.rundir import RunFolder, run_dir_of, safe_rmtree
 from ...training.stores import RankStore
-from .failures import lost_after, lost_before, warn_first_failures
 from .hyperparams import validate_job
 from .member import MemberRunner
 from .pbt import PopulationState, lineage_json
 from .report import plot_population
-from .summary import NOT_TEST, population_summary
+from .summary import NOT_TEST, lost_after, lost_before, population_summary, warn_first_failures
 
 _TOKEN = ".pbt-run-token"
 
@@ -68,29 +67,22 @@ def num_workers(job: JobConfig) -> int:
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Run the population on :func:`num_workers` processes; return the summary (this
     launching process holds the run folder's lock)."""
-    validate_job(job)
-    with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
-        folder.prepare_launch()
-        return _run(job, resume=resume)
-
-
-def _run(job: JobConfig, *, resume: bool) -> dict[str, Any]:
-    nprocs = num_workers(job)
     from ...comm.launch import launch
     from ...comm.rendezvous import in_torchrun
     from ..entry import worker_entry
 
-    if nprocs == 1 and not in_torchrun():
-        ctx = WorkerContext(rank=0, world_size=1, workers=default_workers(1, list(job.workers)))
-        ctx.device = resolve_device(job.run.device)
-        out = worker_main(ctx, job, resume)
-    else:
-        out = launch(job, nprocs=nprocs, resume=resume, check_world_size=False,
-                     entry=worker_entry, target=worker_main)
-    if out is None:  # under torchrun on a rank other than 0
-        return {}
-    summary: dict[str, Any] = out
-    return summary
+    validate_job(job)
+    nprocs = num_workers(job)
+    with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
+        folder.prepare_launch()
+        if nprocs == 1 and not in_torchrun():
+            ctx = WorkerContext(rank=0, world_size=1, workers=default_workers(1, list(job.workers)))
+            ctx.device = resolve_device(job.run.device)
+            out = worker_main(ctx, job, resume)
+        else:
+            out = launch(job, nprocs=nprocs, resume=resume, check_world_size=False,
+                         entry=worker_entry, target=worker_main)
+    return out or {}  # {}: under torchrun on a rank other than 0
 
 
 def _check_shared(run_dir: Path, token: str, rank: int) -> None:
