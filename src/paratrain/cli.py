@@ -156,15 +156,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted; continue with --resume", file=sys.stderr)
         return 130
-    except WorkerError as e:
-        # One line; the worker's traceback is in runs/<name>/worker-<rank>.log.
-        if os.environ.get("PARATRAIN_DEBUG"):
-            raise
-        print(f"error: {e.summary()}", file=sys.stderr)
-        return EXIT_FAIL
     except Exception as e:  # noqa: BLE001 - one clear line, not a traceback
         if os.environ.get("PARATRAIN_DEBUG"):
             raise
+        if isinstance(e, WorkerError):  # its traceback is in runs/<name>/worker-<rank>.log
+            print(f"error: {e.summary()}", file=sys.stderr)
+            return EXIT_FAIL
         print(f"error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
         print("(set PARATRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
         return EXIT_FAIL

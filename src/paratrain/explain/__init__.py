@@ -152,15 +152,10 @@ def _execution_order(gm: fx.GraphModule, modules: dict[str, nn.Module]) -> list[
 def _strategy_of(path: str, resolved: Any, root: Any) -> dict[str, Any]:
     """The effective strategy at ``path`` and where it comes from (``strategy`` or the
     ``[subgraphs]`` key of the nearest ancestor that has one)."""
-    from ..subgraphs import effective_strategy
+    from ..subgraphs import effective_strategy, nearest_ancestor
 
-    subs = resolved.table
-    key = path if path in subs else None
-    probe = path
-    while key is None and "." in probe:
-        probe = probe.rpartition(".")[0]
-        key = probe if probe in subs else None
-    return {"strategy": _type(effective_strategy(path, subs, root)),
+    key = path if path in resolved.table else nearest_ancestor(path, resolved.table)
+    return {"strategy": _type(effective_strategy(path, resolved.table, root)),
             "strategy_from": f"subgraphs.{resolved.origin[key]}" if key else "strategy"}
 
 

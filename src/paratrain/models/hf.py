@@ -18,20 +18,15 @@ from ..config import ConfigError
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def _transformers() -> Any:
-    try:
-        import transformers
-    except ImportError:
-        raise ConfigError([("model.name", "'hf' needs the transformers package: pip install "
-                                          "'paratrain[hf]'")]) from None
-    return transformers
-
-
 def hf_causal_lm(input_shape: tuple[int, ...], num_classes: int, *,
                  architecture: str | None = None, **config: Any) -> nn.Module:
     """A randomly initialised ``AutoModelForCausalLM`` of ``architecture`` with vocabulary
     ``num_classes`` over blocks of ``input_shape[0]`` token ids (see the module docstring)."""
-    tf = _transformers()
+    try:
+        import transformers as tf
+    except ImportError:
+        raise ConfigError([("model.name", "'hf' needs the transformers package: pip install "
+                                          "'paratrain[hf]'")]) from None
     if not architecture:
         raise ConfigError([("model.architecture", "'hf' needs architecture = a transformers "
                                                   "model_type, e.g. 'llama' or 'gpt2'")])
