@@ -116,17 +116,13 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], *, src: int = 0, group: A
 
 
 class GradReducer:
-    """Bucketed gradient all-reduce that overlaps the backward pass (as torch DDP does).
-
-    Parameters are bucketed in *reverse* registration order (gradients become ready roughly
-    from the last layer back), the first bucket capped at ``first_bucket_bytes`` (1 MiB, as
-    DDP). A post-accumulate-grad hook copies each gradient into its bucket; a full bucket's
-    all-reduce (SUM) starts at once, while autograd computes earlier layers. :meth:`finish`
-    launches the rest (zeros for gradients not produced), waits, divides by the world size and
-    writes the means back: :func:`all_reduce_buckets`'s result, and ``grad = None`` where no
-    rank used a parameter. ``grad_views=True`` leaves each ``p.grad`` a view of its bucket
-    (DDP's ``gradient_as_bucket_view``), saving both copies with ``zero_grad(set_to_none=False)``.
-    """
+    """Bucketed gradient all-reduce overlapping the backward pass, as torch DDP: buckets in
+    *reverse* registration order (gradients become ready from the last layer back), the first
+    capped at ``first_bucket_bytes``; a post-accumulate-grad hook copies each gradient into its
+    bucket, whose all-reduce (SUM) starts once full. :meth:`finish` launches the rest (zeros
+    for gradients not produced), waits and writes the means back (``grad = None`` where no rank
+    used a parameter). ``grad_views=True``: each ``p.grad`` a view of its bucket (DDP's
+    ``gradient_as_bucket_view``), no copies with ``zero_grad(set_to_none=False)``."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], *, group: Any = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, first_bucket_bytes: int | None = 1024 * 1024,

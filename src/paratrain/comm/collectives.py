@@ -1,11 +1,9 @@
-"""Every collective outside tensor parallelism's patterns, over a process group passed in
-(``None``: the default group; one process without torch.distributed, then each returns its
-input): the one barrier, tensor broadcast and byte count (:func:`nbytes_of`, booked in a
-:class:`CommCounter`), JSON and text documents, the used-parameter mask, variable-size
-all-gather, reduce-scatter and all-gather-into-tensor. Whether a backend has the flat
-reduce-scatter / all-gather (older gloo has neither) is probed once per process with known-good
-shapes (:func:`_has_flat`), never by a failing real call, so a real error (wrong shapes, a dead
-peer) reaches the caller. Nothing received is unpickled; a length is checked before allocating.
+"""Every collective outside tensor parallelism's patterns, over a group passed in (``None``: the
+default group; without torch.distributed one process, each call returning its input): the one
+barrier, tensor broadcast and byte count (:func:`nbytes_of`, booked in a :class:`CommCounter`).
+Whether a backend has the flat reduce-scatter / all-gather (older gloo has not) is probed once
+with known-good shapes (:func:`_has_flat`), never by a failing real call, so a real error (wrong
+shapes, a dead peer) reaches the caller. Nothing received is unpickled; lengths are checked first.
 """
 
 from __future__ import annotations
@@ -226,9 +224,8 @@ _UNSUPPORTED = ("does not support", "not supported", "not implemented", "unsuppo
 
 
 def _probe_flat(op: str, like: torch.Tensor, group: Any) -> bool:
-    """Whether ``group``'s backend implements the flat ``op``: one call with one element
-    per rank; only a "not supported" answer means no (any other error is raised). Every
-    rank reaches it at the same collective (its first use of ``op``), so it is matched."""
+    """Whether ``group``'s backend has the flat ``op``: one call of one element per rank (every
+    rank's first use of ``op``, so it is matched); only "not supported" means no."""
     fn = _FLAT_FNS[op]
     if fn is None:
         return False

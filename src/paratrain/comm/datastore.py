@@ -1,13 +1,10 @@
-"""A shared-directory tensor store: ModelParallel's ``DataStore`` protocol.
-
-Stages hand activations and gradients to each other through files in a directory every worker
-can see, so a consumer need not be running when its input is produced. A value is written
-atomically (:func:`paratrain.files.write_atomic`), saved with ``torch.save`` and read back with
-``torch.load(weights_only=True)`` after a size check; :meth:`DataStore.get` polls with
-exponential back-off (2 ms up to 50 ms) and raises ``TimeoutError`` naming the key and path
-after ``timeout_s``; a consumed value is deleted. Every launch works in a fresh session
-directory agreed through the rendezvous store, and rank 0 removes earlier launches' sessions,
-so a stale file from a crashed run is never read.
+"""A shared-directory tensor store: ModelParallel's ``DataStore`` protocol. Stages hand
+activations and gradients over as files every worker can see, so a consumer need not be
+running when its input is produced: written atomically, ``torch.load(weights_only=True)``
+after a size check, polled with back-off (2 ms up to 50 ms) up to ``timeout_s`` (a
+``TimeoutError`` names key and path), deleted once consumed. Every launch works in a fresh
+session directory agreed through the rendezvous store; rank 0 removes earlier launches'
+sessions, so a stale file from a crashed run is never read.
 """
 
 from __future__ import annotations
@@ -90,11 +87,10 @@ class DataStore:
 def open_session(root: str | Path, *, rank: int, control: Any = None, generation: int = 0,
                  timeout_s: float = 300.0, namespace: str = "run",
                  run_dir: str | Path | None = None) -> DataStore:
-    """A DataStore in a fresh per-launch session directory ``<root>/<namespace>.session-<id>``,
-    named by rank 0 on the rendezvous ``control`` store (``None``: one process), which also
-    deletes earlier sessions of ``namespace``. With ``run_dir`` the namespace carries a digest
-    of that run folder, so two runs of one ``run.name`` in different ``run.output_dir`` sharing
-    one DataStore path never delete each other's live session."""
+    """A DataStore in a fresh session directory ``<root>/<namespace>.session-<id>``, named by
+    rank 0 on the ``control`` store (``None``: one process), which deletes earlier sessions of
+    ``namespace``; with ``run_dir`` a digest of that run folder joins the namespace, so runs of
+    one ``run.name`` in different ``run.output_dir`` never delete each other's live session."""
     if not re.fullmatch(r"[A-Za-z0-9_\-]{1,100}", namespace):
         raise ValueError(f"invalid datastore namespace {namespace!r}")
     if run_dir is not None:

@@ -147,10 +147,9 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 def save(folder: str | Path, pieces: Sequence[Piece], *, blobs: Mapping[str, Any], group: Any,
          world: int) -> None:
-    """Write ``pieces`` (``(key, tensor, box)``; box None: the whole tensor; one key may
-    have several pieces on one process, e.g. q, k and v of one fused tensor) and the
-    non-tensor ``blobs`` of every process of ``group`` into DCP folder ``folder``
-    (collective; ``world == 1``: this process alone)."""
+    """Write every process's ``pieces`` (``(key, tensor, box)``, box None: the whole tensor;
+    one key may have several, e.g. q, k and v of a fused tensor) and ``blobs`` into DCP
+    folder ``folder`` (collective over ``group``; ``world == 1``: this process alone)."""
     state: dict[str, Any] = {f"{k}@{i}": t.detach() for i, (k, t, _) in enumerate(pieces)}
     state.update(blobs)
     with warnings.catch_warnings():

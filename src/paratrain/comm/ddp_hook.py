@@ -1,17 +1,14 @@
-"""Compressed gradient exchange over torch.distributed, and a DDP communication hook.
+"""Compressed gradient exchange, and a DDP communication hook.
 
-:func:`allreduce_compressed` returns on every rank the mean over ranks of D(C_r(g_r)) for
-each named tensor (C_r: rank r's compressor, its error-feedback residual per name), by the
-method on the wire: ``None`` and ``RandomK`` (the same k positions on every rank, from seed,
-step and name) one **all-reduce**; ``TopK`` one **all-gather** of fixed-size values and
-int32/int64 indices, scatter-added (Aji & Heafield 2017; Lin et al. 2018); ``Threshold`` /
-``Quantization`` all-gather their records (lengths first), parsed with strict shape and
-dtype checks; ``PowerSGD`` :mod:`paratrain.comm.powersgd`. :func:`ddp_hook` is a
-``register_comm_hook`` hook keyed by **parameter name**, not bucket index, so residuals
-survive bucket rebuilds and are checkpointed (``state.state_dict()``, with the names exchanged
-at the current step: a resumed run repeats the uninterrupted run's draws); the step advances
-when a name comes again. The collective overlaps the rest of the backward pass;
-``{"method":"None"}`` takes DDP's own path, so gradients equal DDP's.
+:func:`allreduce_compressed`: on every rank the mean over ranks of D(C_r(g_r)) per named
+tensor (C_r: rank r's compressor, an error-feedback residual per name). ``None`` and
+``RandomK`` (the same k positions on every rank, from seed, step and name) are one
+**all-reduce**; ``TopK`` one **all-gather** of values and int32/int64 indices, scatter-added
+(Aji & Heafield 2017; Lin et al. 2018); ``Threshold`` / ``Quantization`` all-gather their
+records (lengths first), parsed with strict checks; ``PowerSGD``: :mod:`paratrain.comm.powersgd`.
+:func:`ddp_hook` keys state by **parameter name**, not bucket index, so residuals survive bucket
+rebuilds and are checkpointed with the names exchanged at the current step (a resumed run
+repeats the uninterrupted one's draws); ``{"method":"None"}`` takes DDP's own path.
 """
 
 from __future__ import annotations

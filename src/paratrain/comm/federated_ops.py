@@ -48,9 +48,8 @@ def store_get_json(store: Any, key: str) -> Any:
 
 
 def store_delete(store: Any, key: str) -> None:
-    """Drop a control message that was read (a missing key is no error). Best effort: the
-    keys are per round, so one left behind costs store memory, never a wrong read; a store
-    that fails to delete is logged and the run goes on."""
+    """Drop a control message that was read; best effort (a key left behind costs store memory,
+    never a wrong read: the keys are per round), a failure logged."""
     try:
         store.delete_key(key)
     except Exception as e:  # noqa: BLE001 - whatever the store raised, the key only stays

@@ -1,18 +1,14 @@
 """Worker processes that start in milliseconds: a forkserver that has imported torch once.
 
 ``import torch`` costs about 3 s of CPU in every process ``spawn`` starts (a 4-rank launch on
-2 cores spent ~6 s importing). :func:`context` is the ``multiprocessing`` *forkserver* context
-with torch and the caller's ``preload`` imported by one single-threaded server; every worker
-is a ``fork()`` of it, before any torch thread pool exists (those start lazily, in the child).
-A forked worker inherits the *server's* state, not its parent's: :class:`ParentState` carries
-what ``spawn`` would have given it (``os.environ`` with the launcher's per-rank keys on top,
-the working directory, ``sys.path``, and the parent's *current* stdout/stderr, passed over the
-forkserver's socket as ``DupFd``), restored by :meth:`ParentState.apply` before anything is
-unpickled (:func:`dumps` / :func:`loads`), so a function from a module on the parent's path
-only is found. :func:`stop`, registered at exit, ends the server and the resource tracker
-and reaps them: left alone they ended 1-2 s *after* ``paratrain run`` returned, racing a
-script's next job. :func:`warm` starts the server early (``paratrain.dispatch.execute``), so
-it imports on the second core while this process checks the job.
+2 cores spent ~6 s importing). :func:`context` is the *forkserver* context whose one
+single-threaded server imported torch and the caller's ``preload``; workers are ``fork()``s of
+it, before any torch thread pool exists. A forked worker inherits the *server's* state, so
+:class:`ParentState` carries what ``spawn`` would give (environment with the launcher's keys on
+top, working directory, ``sys.path``, the parent's *current* stdout/stderr as ``DupFd``),
+restored by :meth:`ParentState.apply` before anything is unpickled (:func:`loads`). :func:`stop`
+(at exit) ends and reaps the server and the resource tracker, which otherwise outlived
+``paratrain run`` by 1-2 s; :func:`warm` starts the server while this process checks the job.
 """
 
 from __future__ import annotations
@@ -59,9 +55,8 @@ _STOP_AT_EXIT = False
 
 
 def warm(preload: Sequence[str] = ()) -> None:
-    """Start the forkserver (preloading :data:`PRELOAD` and ``preload``) and return at once;
-    a no-op when it already runs. A name that fails to import is skipped by the server
-    (``multiprocessing.forkserver`` ignores ImportError), so ``preload`` is a hint."""
+    """Start the forkserver now, without waiting (a no-op when it runs); ``preload`` is a hint:
+    the server skips a name that fails to import."""
     context(preload)
     multiprocessing.forkserver.ensure_running()
 

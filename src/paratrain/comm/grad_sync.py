@@ -1,13 +1,10 @@
-"""The one data-parallel gradient sync, :class:`GradSync`: DataParallel (AllReduce), the
-data-parallel side of tensor parallel x DataParallel and the replicated pipeline stage
-combine their replicas' gradients here, by one set of rules: a bucketed all-reduce
-(:mod:`paratrain.comm.buckets`, overlapped with the backward pass or after it) of the mean,
-or of the sum for a replicated stage whose losses are already weighted by their rows; torch
-DDP's ``find_unused_parameters`` rule (a parameter no rank produced a gradient for keeps
-``grad = None``, one some rank used is combined with zeros, so a branch taken on one replica
-never hands the collective different tensors: a wrong sum, or a hang); a compressed exchange
-(:mod:`paratrain.comm.ddp_hook`); and DDP's ``broadcast_buffers`` before each step's first
-forward (BatchNorm statistics become the group's first rank's).
+"""The one data-parallel gradient sync, :class:`GradSync` (DataParallel's AllReduce, TP x
+DataParallel's dp side, the replicated pipeline stage): a bucketed all-reduce
+(:mod:`paratrain.comm.buckets`) of the mean, or of the sum for a replicated stage whose losses
+are already weighted by rows; DDP's ``find_unused_parameters`` rule (a parameter no rank used
+keeps ``grad = None``, others are combined with zeros, so a branch taken on one replica never
+hands the collective different tensors: a wrong sum, or a hang); a compressed exchange
+(:mod:`paratrain.comm.ddp_hook`); DDP's ``broadcast_buffers`` before each step's first forward.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Process groups and gossip topologies.
 
-Gossip (D-PSGD, Lian et al. 2017, NeurIPS): ``ring``, ``torus`` (an r x c grid, r the largest
-divisor of n with r <= sqrt(n), 4 wrap-around neighbours) and ``complete``, mixed with
-Metropolis-Hastings weights ``W_ij = 1 / (1 + max(d_i, d_j))``, ``W_ii = 1 - sum_j W_ij``:
-symmetric and doubly stochastic, so ``x_i <- sum_j W_ij x_j`` keeps the average and contracts
-to consensus on a connected graph (exactly the mean on ``complete``). Two-level groups follow
-the real topology: ranks with equal :func:`host_label` (the host name, plus under torchrun the
-node: ``GROUP_RANK``, or ``rank // LOCAL_WORLD_SIZE``) form a local group; without
-``LOCAL_WORLD_SIZE`` one host is **flat**: one group, a reduce to its leader and a broadcast
-(:func:`describe_hierarchy` says ``"flat (1 host)"``).
+Gossip (D-PSGD, Lian et al. 2017): ``ring``, ``torus`` (r x c, r the largest divisor of n with
+r <= sqrt(n)) and ``complete``, mixed with Metropolis-Hastings weights ``W_ij = 1 / (1 +
+max(d_i, d_j))``, ``W_ii = 1 - sum_j W_ij``: doubly stochastic, so ``x_i <- sum_j W_ij x_j``
+keeps the average and contracts to consensus on a connected graph. Two-level groups follow
+the real topology: ranks with equal :func:`host_label` (host name, plus the torchrun node:
+``GROUP_RANK`` or ``rank // LOCAL_WORLD_SIZE``) form a local group; one host without
+``LOCAL_WORLD_SIZE`` is **flat** (:func:`describe_hierarchy`: ``"flat (1 host)"``).
 """
 
 from __future__ import annotations

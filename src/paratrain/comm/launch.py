@@ -1,11 +1,9 @@
-"""Start the worker processes of a job: torch's elastic launcher, or torchrun's environment.
-
-:func:`launch` runs the entry in N processes through ``elastic_launch`` (the engine inside
-``torchrun``) with the rendezvous of :mod:`paratrain.comm.rendezvous` and workers forked from
-:mod:`paratrain.comm.forkserver`; under ``torchrun`` the entry runs in this process. After a
-worker failure the agent restarts the group, every rank resumes from its last checkpoint and
-one line says so (``worker 1 died (SIGKILL); restarted from step 40``). torch's launcher
-logging stays off the console; a worker's exception reaches the caller as a
+"""Start the worker processes of a job: :func:`launch` runs the entry in N processes through
+torch's ``elastic_launch`` (the engine inside ``torchrun``; workers forked from
+:mod:`paratrain.comm.forkserver`), or in this process under ``torchrun``. After a failure the
+agent restarts the group, every rank resumes from its last checkpoint and one line says so
+(``worker 1 died (SIGKILL); restarted from step 40``). torch's launcher logging stays off the
+console; a worker's exception reaches the caller as a
 :class:`~paratrain.comm.worker_errors.WorkerError` (or its ``ConfigError``), the traceback in
 ``runs/<name>/worker-<rank>.log``; SIGINT/SIGTERM is a ``KeyboardInterrupt``.
 """
@@ -28,16 +26,10 @@ from typing import Any
 from ..config import ConfigError
 from ..config.job import JobConfig
 from ..files import newest_checkpoint
+from . import worker_errors as W
 from .forkserver import ParentState
 from .forkserver import context as forkserver_context
 from .rendezvous import in_torchrun, launch_config
-from .worker_errors import (
-    attempt_failures,
-    raise_config_error,
-    reraise_worker_failure,
-    root_failure,
-    write_failure_logs,
-)
 
 
 class _Capture(logging.Handler):
@@ -50,12 +42,8 @@ class _Capture(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         args = record.args
-        if (
-            isinstance(record.msg, str)
-            and record.msg.startswith("failed (exitcode")
-            and isinstance(args, tuple)
-            and len(args) >= 2
-        ):
+        if (isinstance(record.msg, str) and record.msg.startswith("failed (exitcode")
+                and isinstance(args, tuple) and len(args) >= 2):
             try:
                 self.exits[int(str(args[1]))] = int(str(args[0]))
             except (TypeError, ValueError):
@@ -114,9 +102,8 @@ def _restore_signal_handlers() -> Iterator[None]:
 
 
 def _logs_specs(job: JobConfig, log_dir: str, capture: _Capture) -> Any:
-    """Torch's default per-attempt layout under ``log_dir`` (error files only; output
-    stays on the console), plus: before each restart, write the failed attempt's
-    tracebacks to ``worker-<rank>.log`` and print one line saying what happened."""
+    """Torch's per-attempt error files under ``log_dir``; before each restart, the failed
+    attempt's tracebacks go to ``worker-<rank>.log`` and one line says what happened."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
 
     class _Specs(DefaultLogsSpecs):
@@ -137,18 +124,18 @@ def _logs_specs(job: JobConfig, log_dir: str, capture: _Capture) -> Any:
             return dest
 
         def restarted(self, attempt: int) -> None:
-            failures = attempt_failures(self.error_files, self.ranks, dict(capture.exits))
+            failures = W.attempt_failures(self.error_files, self.ranks, dict(capture.exits))
             capture.exits.clear()
-            logs = write_failure_logs(job, failures, self.attempt)
+            logs = W.write_failure_logs(job, failures, self.attempt)
             # what the stores resume from: the newest complete checkpoint of any layout
             found = newest_checkpoint(Path(job.run.output_dir) / job.run.name)
             strategy = getattr(job.strategy, "type", None)
             where = found.where_in(strategy) if found is not None else "the start"
-            root = root_failure(failures)
+            root = W.root_failure(failures)
             if root is not None and root.weight() == 0:
                 # A bad job fails the same way on every attempt: stop instead of restarting
                 # (this ends the elastic agent's run; the previous workers are stopped).
-                raise_config_error(root)
+                W.raise_config_error(root)
             if root is None:
                 line = f"a worker on another node failed; restarted from {where}"
             elif root.signal is not None:
@@ -200,8 +187,8 @@ def launch(job: JobConfig, *, nprocs: int, entry: Callable[..., Any], target: st
             try:
                 results = elastic_launch(config, entry)(job_json, resume, target, ParentState())
             except ChildFailedError as e:
-                reraise_worker_failure(e, job, specs.attempt)
-                raise  # unreachable: reraise_worker_failure always raises
+                W.reraise_worker_failure(e, job, specs.attempt)
+                raise  # unreachable: W.reraise_worker_failure always raises
             except SignalException as e:
                 raise KeyboardInterrupt(f"{e.sigval.name} received") from None
     finally:

@@ -1,10 +1,8 @@
-"""A device mesh of named dimensions over the ranks of a run: :class:`Mesh`, pure
-arithmetic. Ranks are laid out row-major over ``dims``, outermost first (torchtitan's
-``dp x tp``, Megatron's order): with sizes ``(D, T)``, ``rank = dp * T + tp``, so a ``tp``
-group is a row of ``T`` consecutive ranks (one replica's shards, on the fastest links) and a
-``dp`` group a column (the same shard of every replica: the data-parallel mean or ZeRO's
-collectives); ``("pp", "tp")`` likewise. :func:`paratrain.comm.tp.groups.build_tp_groups`
-makes one process group per row and column, the groups ``init_device_mesh`` would make.
+"""A device mesh of named dimensions over a run's ranks (:class:`Mesh`, pure arithmetic), laid
+out row-major, outermost first (torchtitan's ``dp x tp``, Megatron's order): ``rank = dp * T +
+tp``, so a ``tp`` group is a row of ``T`` consecutive ranks (one replica's shards, on the fastest
+links) and a ``dp`` group a column (one shard of every replica: the data-parallel mean, ZeRO);
+``("pp", "tp")`` likewise; the groups ``init_device_mesh`` would make for this shape.
 """
 
 from __future__ import annotations

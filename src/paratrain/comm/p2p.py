@@ -1,16 +1,14 @@
 """Point-to-point tensor transport with shape headers (activations forward, grads back).
 
 A message is a 12-element int64 header ``[MAGIC, dtype code, ndim, d_0 .. d_{ndim-1}, 0 ...]``
-on tag ``2t`` and the contiguous payload on tag ``2t + 1``, ``t = code(kind) + 4 * (segment +
-8192 * micro)`` (gloo delivers one ``(src, tag)`` in order, so keys are reused step after
-step). With the micro-batch's row count on both sides the header goes once per ``(peer, kind,
-segment, rows)`` channel and is cached, as torch's pipelining after its shape inference. The
-receiver validates a header before allocating (known dtype, ``ndim <= 8``, non-negative dims,
-at most ``max_elements``); nothing is unpickled. Sends are ``isend``s kept alive until
-:meth:`P2PTransport.flush`, which keeps GPipe/1F1B orders deadlock-free with blocking
-receives. Receives can be posted ahead (:meth:`P2PTransport.post`): gloo moves a payload only
-once its receive is posted, so a late receive waits for the sender's progress thread (on 2
-busy cores, with 256 KiB activations: 3.4 ms median, against 0.016 ms posted ahead).
+on tag ``2t`` and the payload on ``2t + 1``, ``t = code(kind) + 4 * (segment + 8192 * micro)``
+(gloo keeps one ``(src, tag)`` in order, so keys are reused every step). With the row count on
+both sides a channel's header goes once, as torch's pipelining after its shape inference. A
+header is validated before allocating; nothing is unpickled. Sends are ``isend``s kept alive
+until :meth:`P2PTransport.flush` (GPipe/1F1B orders stay deadlock-free with blocking receives).
+Receives can be posted ahead (:meth:`P2PTransport.post`): gloo moves a payload once its receive
+is posted, so a late one waits for the sender's progress thread (2 busy cores, 256 KiB: 3.4 ms
+median, 0.016 ms posted ahead).
 """
 
 from __future__ import annotations
@@ -113,10 +111,9 @@ class P2PTransport:
             if channel is not None:
                 self._shapes[channel] = meta
         elif self._shapes[channel] != meta:
-            raise RuntimeError(
-                f"p2p: {key[0]} to rank {dst} for segment {key[2]} with {rows} rows changed from "
-                f"{self._shapes[channel]} to {meta}; stage outputs must have a fixed shape per row count"
-            )
+            raise RuntimeError(f"p2p: {key[0]} to rank {dst} for segment {key[2]} with {rows} rows changed "
+                               f"from {self._shapes[channel]} to {meta}; stage outputs must have a fixed "
+                               "shape per row count")
         bufs.append((payload, 2 * tag + 1))
         for buf, t in bufs:
             work = dist.isend(buf, dst, group=self.group, tag=t)

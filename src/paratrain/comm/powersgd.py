@@ -1,10 +1,9 @@
-"""PowerSGD over torch.distributed (the maths: :mod:`paratrain.compression.powersgd`): one
-exchange all-reduces (SUM) ``[uncompressed values | P = M Q]``, asynchronously, then
-``Q = M^T orthogonalize(P)``; the means are the uncompressed ``/ W`` and ``P_hat (Q / W)^T``,
-residuals and warm Q kept in the state. torch's ``powerSGD_hook`` issues three all-reduces
-per bucket (uncompressed, P, Q): the uncompressed values ride with P here, same bytes, one
-latency fewer. Before ``start_step`` a plain mean all-reduce (DDP's arithmetic: divide, then
-sum). ``counter`` books ``itemsize * (sum r'(n+m) + uncompressed numel)`` per step.
+"""PowerSGD over torch.distributed (the maths: :mod:`paratrain.compression.powersgd`): an
+exchange all-reduces (SUM) ``[uncompressed values | P = M Q]``, asynchronously, then ``Q = M^T
+orthogonalize(P)``; the means are the uncompressed ``/ W`` and ``P_hat (Q / W)^T``. torch's
+``powerSGD_hook`` all-reduces three times per bucket: the uncompressed values ride with P here,
+same bytes, one latency fewer. Before ``start_step`` a plain mean all-reduce (DDP's arithmetic:
+divide, then sum). ``counter`` books ``itemsize * (sum r'(n+m) + uncompressed numel)`` a step.
 """
 
 from __future__ import annotations

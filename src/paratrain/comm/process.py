@@ -1,9 +1,6 @@
-"""The process-group lifecycle of one worker process (the only place that joins and
-leaves the default group): :func:`join_process_group` reads the launcher's environment
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``, torch elastic's
-``TORCHELASTIC_*``), picks the device and backend, joins through a TCPStore and returns the
-:class:`~paratrain.comm.context.WorkerContext`; :func:`process_group` joins and leaves
-around a ``with`` block (leaving only a group it joined itself).
+"""The process-group lifecycle of one worker (the only place that joins and leaves the
+default group): :func:`join_process_group` from the launcher's environment, returning the
+:class:`~paratrain.comm.context.WorkerContext`; :func:`process_group` around a ``with`` block.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
-"""Where the worker processes meet: torchrun detection, the rendezvous of a launch, and what
-a process group needs when its workers live on several machines.
+"""Where the worker processes meet, on one machine or several.
 
-:func:`launch_config` builds torch's ``LaunchConfig`` for this node: on one node a c10d
-rendezvous on ``127.0.0.1`` port 0 (the kernel picks the port as the store binds it, so no
-other process can take it first). Across nodes, ``PARATRAIN_NNODES``, ``PARATRAIN_NODE_RANK``
-and ``PARATRAIN_RDZV_ENDPOINT`` (``paratrain run --nnodes/--node-rank/--rdzv-endpoint``,
-checked by :func:`check_nodes`, whose errors name the flags) configure it as ``torchrun``
-does: with a node rank the ``static`` backend, without one ``c10d`` on the endpoint.
-
-gloo binds the address this host's name resolves to; where ``/etc/hosts`` maps it to
-loopback, peers are told to connect to their own ("Gloo connectFullMesh failed ...
-Connection refused"): :func:`gloo_interface` then picks the interface that routes to
-``MASTER_ADDR`` (``GLOO_SOCKET_IFNAME``, when set, wins), and :func:`rendezvous_host` this
-machine's address from the route to the endpoint. Node 0's elastic agent keeps one TCPStore
-across restarts, so a dead group's keys are still there, and a per-attempt prefix fails
-across machines (a restarted node counts attempts from 0): :func:`group_prefix` agrees on a
-fresh prefix instead, rank 0's random id echoed back to each rank's random token, so an id
-left by a dead rank 0 is never taken for the current one.
+:func:`launch_config` is torch's ``LaunchConfig`` for this node: alone, a c10d rendezvous on
+``127.0.0.1`` port 0 (the kernel picks the port as the store binds it, so no other process
+takes it first); across nodes, ``--nnodes/--node-rank/--rdzv-endpoint`` (``PARATRAIN_*``,
+checked by :func:`check_nodes`, whose errors name the flags), as ``torchrun``: with a node rank
+the ``static`` backend, without one ``c10d``. Where this host's name resolves to loopback,
+peers would be told to connect to their own ("Gloo connectFullMesh failed"):
+:func:`gloo_interface` and :func:`rendezvous_host` then take the route to the master. Node 0's
+agent keeps one TCPStore across restarts, and attempt numbers differ across machines, so
+:func:`group_prefix` agrees on a fresh key prefix per group: rank 0's random id echoed back to
+each rank's random token, never an id a dead rank 0 left.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""Counters and handles of the tensor-parallel collectives.
-
-:class:`CommStats` counts every call by type, at the call, with two byte figures:
-``payload_bytes_measured``, the sizes of the tensors this rank hands over (receive buffers
-not counted), and ``bytes_sent_modelled``, what it puts on the wire under the ring cost model
-(all_reduce 2(p-1)/p n; all_gather, reduce_scatter, broadcast, reduce (p-1)/p n; send n), as
-the backend's own algorithm is not visible from here. Also the time spent waiting, the
-compute time the layers book, and ``replayed``: forward collectives a recomputation read back
-from its tape (``paratrain.tensor_parallel.memory``) instead of running. :class:`Handle` is an
-in-flight (or finished) collective; ``wait()`` returns its result and books the wait.
+"""Counters and handles of the tensor-parallel collectives. :class:`CommStats` counts every
+call by type, at the call: ``payload_bytes_measured`` (the tensors this rank hands over) and
+``bytes_sent_modelled`` (the ring cost model: all_reduce 2(p-1)/p n; all_gather,
+reduce_scatter, broadcast, reduce (p-1)/p n; send n: the backend's algorithm is not visible
+from here), the time spent waiting, the compute time the layers book, and ``replayed``
+collectives a recomputation read back from its tape instead. :class:`Handle` is an in-flight
+collective; ``wait()`` returns its result and books the wait.
 """
 
 from __future__ import annotations

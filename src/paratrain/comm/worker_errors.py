@@ -1,8 +1,6 @@
-"""Failures of worker processes: :class:`WorkerError`, the per-worker logs, and the root
-cause of a failed attempt, chosen from the workers' error files and the exit codes the
-elastic agent saw (a signal leaves no error file): raised beats killed beats fallout (a closed
-connection, the agent's own SIGTERM), then the earliest. Tracebacks go to
-``<output_dir>/<name>/worker-<rank>.log``.
+"""Failures of worker processes: :class:`WorkerError`, the ``worker-<rank>.log`` files, and a
+failed attempt's root cause from the error files and exit codes (a signal leaves no file):
+raised beats killed beats fallout (a closed connection, the agent's SIGTERM), then earliest.
 """
 
 from __future__ import annotations
@@ -146,9 +144,8 @@ def is_fallout(message: str) -> bool:
 
 
 def root_failure(failures: list[Failure]) -> Failure | None:
-    """The failure most likely to be the cause: raised beats killed beats fallout, then
-    the earliest. (The agent reports the first process it saw exit, which is often a
-    peer that died of "connection closed" after the real culprit.)"""
+    """The failure most likely the cause (the agent reports the first process it saw exit,
+    often a peer that died of "connection closed" after the real culprit)."""
     if not failures:
         return None
     return min(failures, key=lambda f: (f.weight(), f.timestamp, f.rank))

@@ -1,15 +1,13 @@
 """Flat-buffer collectives of ZeRO (Rajbhandari et al. 2020): :class:`FlatShard`.
 
-A sharding unit's tensors are cut along dimension 0, as torch FSDP2's ``Shard(0)``: tensor
-``i`` of ``d_i`` rows (``w_i`` elements a row) gives every rank ``c_i = ceil(d_i / N)`` rows;
-rank ``r`` owns rows ``[r c_i, min((r+1) c_i, d_i))`` (possibly none), recorded in a
-checkpoint as the shard spec ``{"shape": ..., "slices": [[0, start, length]]}`` of
-:mod:`paratrain.training.reshard`, so a sharded run resumes on any world. Rank ``r``'s *flat
-shard* concatenates its ``c_i`` rows (zero-padded past ``d_i``), ``S = sum_i c_i w_i``
-elements; the unit travels as one buffer of ``N S`` laid out ``[rank 0's | rank 1's | ...]``:
-:meth:`FlatShard.gather` is one ``all_gather_into_tensor``, :meth:`FlatShard.reduce_scatter`
-one ``reduce_scatter`` of the SUM divided by ``N``: the mean on every backend (gloo has no
-AVG op; pytorch#162338: FSDP2 on gloo sums where it should average).
+A unit's tensors are cut along dimension 0, as torch FSDP2's ``Shard(0)``: of tensor ``i``'s
+``d_i`` rows (``w_i`` elements each) rank ``r`` owns ``[r c_i, min((r+1) c_i, d_i))``, ``c_i =
+ceil(d_i / N)`` (possibly none), the shard spec ``{"shape": ..., "slices": [[0, start,
+length]]}`` of :mod:`paratrain.training.reshard`, so a sharded run resumes on any world. Its
+*flat shard* concatenates those rows zero-padded to ``c_i``, ``S = sum_i c_i w_i`` elements;
+the unit travels as one ``N S`` buffer, ``[rank 0's | rank 1's | ...]``: one
+``all_gather_into_tensor``, or one ``reduce_scatter`` of the SUM divided by ``N``, the mean on
+every backend (gloo has no AVG; pytorch#162338: FSDP2 on gloo sums where it should average).
 """
 
 from __future__ import annotations
@@ -113,9 +111,8 @@ class FlatShard:
     def reduce_scatter(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor, *,
                        group: Any = None, counter: CommCounter | None = None,
                        average: bool = True) -> torch.Tensor:
-        """``out`` (this rank's ``S`` elements) <- the mean over ranks of ``tensors``
-        (None: this rank contributes zeros), one reduce-scatter of the sum divided by N
-        (``average=False``: the sum, for a replicated pipeline stage whose replicas' losses
-        are already weighted by their rows)."""
+        """``out`` (this rank's ``S`` elements) <- the mean over ranks of ``tensors`` (None:
+        zeros), one reduce-scatter of the sum divided by N (``average=False``: the sum, for a
+        replicated stage whose losses are already weighted by their rows)."""
         buf = self._pack_all(tensors, out)
         return reduce_scatter(out, buf, group=group, average=average, counter=counter)

@@ -1,8 +1,5 @@
-"""Communication for tensor parallelism: :class:`~.comm.TPComm` (one process group's
-collectives under a communication pattern), :func:`~.groups.build_tp_groups` (the TP and DP
-groups of the ``dp x tp`` mesh) and :mod:`.grid` (the row and column groups of a 2-D grid);
-counters in :mod:`paratrain.comm.stats`, the autograd operators that call them in
-:mod:`paratrain.tensor_parallel.autograd`.
+"""Communication for tensor parallelism: :class:`~.comm.TPComm` (a group's collectives under
+a pattern) on the groups of :mod:`.groups` (the ``dp x tp`` mesh) and :mod:`.grid` (2-D).
 
 Why not DTensor: its redistributions run the backend's own collectives, with no choice of
 how, while a job picks one of five patterns here (a ``PointToPoint`` ring, a ``Hierarchical``

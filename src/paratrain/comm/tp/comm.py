@@ -1,14 +1,10 @@
-"""``TPComm``: the collectives of one tensor-parallel process group, each carried out with
-one communication pattern and counted in a :class:`~paratrain.comm.stats.CommStats`.
-
-The pattern decides how the TP region's sum-all-reduce runs (the numbers agree up to float
-summation order): ``AllReduce`` one ``all_reduce``; ``AllGather`` an ``all_gather`` of the
-partials summed locally in rank order; ``ReduceScatter`` a ``reduce_scatter`` then an
-``all_gather`` (the layers keep activations sequence-sharded between blocks); ``PointToPoint``
-a ring of ``isend``/``irecv`` (reduce-scatter ring, then all-gather ring: 2(p-1) steps);
-``Hierarchical`` a ``reduce`` to the host's leader, an ``all_reduce`` among leaders and a
-``broadcast`` back (:func:`paratrain.comm.groups.hierarchy_from_hosts`; on one host without
-``LOCAL_WORLD_SIZE`` one node: ``TPComm.hierarchy`` says ``"flat (1 host)"``). All-gather and
+"""``TPComm``: the collectives of one tensor-parallel group under one communication pattern,
+counted in a :class:`~paratrain.comm.stats.CommStats`. The sum-all-reduce (equal up to float
+summation order): ``AllReduce`` one ``all_reduce``; ``AllGather`` gathered partials summed in
+rank order; ``ReduceScatter`` a ``reduce_scatter`` then ``all_gather`` (activations stay
+sequence-sharded between blocks); ``PointToPoint`` an ``isend``/``irecv`` ring, 2(p-1) steps;
+``Hierarchical`` a ``reduce`` to the host's leader, an ``all_reduce`` among leaders, a
+``broadcast`` back (one host without ``LOCAL_WORLD_SIZE``: ``"flat (1 host)"``). All-gather and
 reduce-scatter take per-rank lengths that may differ (padded to the longest).
 """
 
@@ -131,9 +127,7 @@ class TPComm:
     def _ring_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         p, r = self.size, self.rank
         flat = t.reshape(-1).clone()
-        sizes = ceil_sizes(flat.numel(), p)
-        starts = [sum(sizes[:i]) for i in range(p)]
-        chunk = [flat[starts[i]: starts[i] + sizes[i]] for i in range(p)]
+        chunk = list(torch.split(flat, ceil_sizes(flat.numel(), p)))
         right, left = self.ranks[(r + 1) % p], self.ranks[(r - 1) % p]
 
         def exchange(send_i: int, recv_i: int, accumulate: bool) -> None:
@@ -187,15 +181,12 @@ class TPComm:
             self._native_all_reduce(out, self.group, self.size)
             return out
         if self.pattern == "AllGather":
-            g = self._gather_padded(t.unsqueeze(0), 0, None).wait()
-            summed: torch.Tensor = g.sum(0)
-            return summed
+            return torch.sum(self._gather_padded(t.unsqueeze(0), 0, None).wait(), 0)
         if self.pattern == "ReduceScatter":
             flat = t.reshape(-1)
             sizes = ceil_sizes(flat.numel(), self.size)
             part = self._reduce_scatter_padded(flat, 0, sizes).wait()
-            whole: torch.Tensor = self._gather_padded(part, 0, sizes).wait().view_as(t)
-            return whole
+            return torch.reshape(self._gather_padded(part, 0, sizes).wait(), t.shape)
         if self.pattern == "PointToPoint":
             return self._ring_all_reduce(t)
         return self._hier_all_reduce(t)
@@ -243,9 +234,8 @@ class TPComm:
         return t
 
     def all_reduce_coalesced_(self, tensors: Sequence[torch.Tensor], *, average: bool = False) -> int:
-        """Sum (or average) ``tensors`` in place with native all-reduces, those smaller than
-        ``fusion_threshold_bytes`` packed into buffers of at most that size, all in flight at
-        once with ``async_op``. Returns the number of collectives."""
+        """Sum (or average) ``tensors`` in place, those under ``fusion_threshold_bytes`` packed
+        into buffers of at most that size; returns the number of all-reduces."""
         if self.size == 1 or not tensors:
             return 0
         thr = self.fusion_threshold_bytes

@@ -1,12 +1,7 @@
-"""The process groups of 2-D tensor parallelism (``BlockWise`` with ``tp = g^2``).
-
-With ``tp = g^2`` ranks in a TP group, TP-local index ``t = i g + j`` sits at grid row
-``i`` and grid column ``j``; its row group is ``R_i = {(i, *)}`` and its column group
-``C_j = {(*, j)}`` (group-local index ``j`` in ``R_i``, ``i`` in ``C_j``).
-:func:`build_grid` creates every row and column group (a collective over the world) and
-returns this rank's pair as :class:`GridComms`; :func:`grid_sizes` is the ceil-sized split
-of a dimension over ``g`` grid slots. The 2-D linear layer and the region entry/exit that
-run collectives on these groups are in :mod:`paratrain.tensor_parallel.grid`.
+"""The process groups of 2-D tensor parallelism (``BlockWise``, ``tp = g^2``): TP-local index
+``t = i g + j`` sits at grid row ``i`` and column ``j``, in row group ``R_i = {(i, *)}`` (index
+``j``) and column group ``C_j = {(*, j)}`` (index ``i``). The layers that run collectives on
+them are in :mod:`paratrain.tensor_parallel.grid`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The tensor-parallel and data-parallel sub-groups of a run (:func:`build_tp_groups`).
-
-Layout of groups (torchtitan / Megatron convention): the mesh ``dp x tp``
-(:class:`~paratrain.comm.mesh.Mesh`, ``rank = dp*tp_size + tp``): with ``tp`` tensor-parallel
-ranks and ``dp = world / tp`` data-parallel replicas, the TP group of rank r is the ``tp``
-consecutive ranks ``[r//tp*tp, r//tp*tp + tp)`` (a row of the mesh) and its DP group the
-ranks ``r % tp + k*tp`` (a column). Under the
-``Hierarchical`` pattern each TP group is also cut into per-host nodes with a leaders'
-group (see :mod:`paratrain.comm.groups` and :class:`paratrain.comm.tp.comm.TPComm`).
+"""The tensor-parallel and data-parallel sub-groups of a run (:func:`build_tp_groups`): the
+rows and columns of the ``dp x tp`` :class:`~paratrain.comm.mesh.Mesh` (``rank = dp*tp_size +
+tp``, torchtitan's and Megatron's order); under the ``Hierarchical`` pattern each TP group is
+also cut into per-host nodes with a leaders' group (:mod:`paratrain.comm.groups`).
 """
 
 from __future__ import annotations
