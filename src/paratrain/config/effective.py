@@ -213,19 +213,16 @@ def _budget(job: JobConfig, kind: str, ignored: list[Ignored]) -> dict[str, Any]
 def _strategy_sections(job: JobConfig, kind: str, ignored: list[Ignored]) -> dict[str, Any]:
     """``[federated]``, ``[population]``, ``[search_space]``: read by their own strategy
     (and a Custom coordinator, which receives the whole job) only."""
-    custom = kind == "Custom"
-    if not custom:
-        for section, owner in (("federated", "Federated"), ("population", "PopulationBased"),
-                               ("search_space", "PopulationBased")):
-            if is_set(job, section) and kind != owner:
-                value = getattr(job, section)
-                keys = sorted(value) if isinstance(value, dict) else _set_fields(value)
-                detail = f" (set: {', '.join(keys)})" if keys else ""
-                ignored.append(Ignored(section, f"only the {owner} strategy reads it{detail}"))
-    out: dict[str, Any] = {section: (getattr(job, section).model_dump(mode="json")
-                                     if kind == owner or custom else None)
-                           for section, owner in (("federated", "Federated"), ("population", "PopulationBased"))}
-    out["search_space"] = sorted(job.search_space) if kind == "PopulationBased" or custom else None
+    out: dict[str, Any] = {}
+    for section, owner in (("federated", "Federated"), ("population", "PopulationBased"),
+                           ("search_space", "PopulationBased")):
+        value = getattr(job, section)
+        keys = sorted(value) if isinstance(value, dict) else _set_fields(value)
+        if kind not in (owner, "Custom") and is_set(job, section):
+            detail = f" (set: {', '.join(keys)})" if keys else ""
+            ignored.append(Ignored(section, f"only the {owner} strategy reads it{detail}"))
+        used = kind in (owner, "Custom")
+        out[section] = (keys if isinstance(value, dict) else value.model_dump(mode="json")) if used else None
     return out
 
 

@@ -16,18 +16,22 @@ from pydantic import ValidationError, model_validator
 
 from ._base import ConfigError, Section, format_validation_error, one_line
 from .compression import CompressionStrategy
-from .search_space import ChoiceDim, IntDim, LogUniformDim, SearchDim, UniformDim  # re-exported
 from .sections import (  # re-exported: the sections are part of this module's API
+    ChoiceDim,
     CommConfig,
     DataSpec,
     FederatedOptions,
+    IntDim,
+    LogUniformDim,
     ModelSpec,
     OptimizerSpec,
     PartitionSpec,
     PopulationOptions,
     RunConfig,
+    SearchDim,
     TaskSpec,
     TrainConfig,
+    UniformDim,
     WorkerSpec,
 )
 from .strategy import Local, TrainingStrategy

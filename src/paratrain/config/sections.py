@@ -1,7 +1,6 @@
 """The sections of a job file (``[run]``, ``[model]``, ``[data]``, ``[task]``, ``[train]``,
-``[[workers]]``, ``[comm]``, ``[federated]``, ``[population]``), each a frozen pydantic
-model whose field docstrings are the schema's descriptions. ``[search_space]`` is in
-:mod:`paratrain.config.search_space`.
+``[[workers]]``, ``[comm]``, ``[federated]``, ``[population]``, ``[search_space]``), each a
+frozen pydantic model whose field docstrings are the schema's descriptions.
 
 Sections reject unknown keys (a misspelled option should not be silently ignored);
 ``[model]``, ``[data]``, ``[task]`` and ``[train.optimizer]`` pass extra keys through as
@@ -15,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from ._base import Count, OpenSection, PositiveCount, Section, parse_every
+from ._base import Count, OpenSection, PositiveCount, Section, parse_every, register_tags
 from .flower import FlowerOptions
 from .privacy import FederatedDP
 
@@ -370,3 +369,52 @@ class PopulationOptions(Section):
         if self.steps_per_generation is not None and self.epochs_per_generation is not None:
             raise ValueError("set steps_per_generation or epochs_per_generation, not both")
         return self
+
+
+# [search_space]: the hyperparameters PopulationBased (and random search) draws, one
+# dimension per name, tagged by "type".
+class _Range(Section):
+    @model_validator(mode="after")
+    def _order(self) -> Any:
+        low, high = getattr(self, "low"), getattr(self, "high")  # noqa: B009 - the subclass's fields
+        if not low < high:
+            raise ValueError(f"low ({low}) must be < high ({high})")
+        return self
+
+
+class UniformDim(_Range):
+    type: Literal["uniform"] = "uniform"
+    low: float
+    """Lower bound of the range."""
+    high: float
+    """Upper bound of the range (greater than low)."""
+
+
+class LogUniformDim(UniformDim):
+    type: Literal["log_uniform"] = "log_uniform"  # type: ignore[assignment]
+
+    @model_validator(mode="after")
+    def _positive(self) -> LogUniformDim:
+        if self.low <= 0:
+            raise ValueError(f"log_uniform needs low > 0 (got {self.low})")
+        return self
+
+
+class IntDim(_Range):
+    type: Literal["int"] = "int"
+    low: Annotated[int, Field(strict=True)]
+    """Smallest integer drawn."""
+    high: Annotated[int, Field(strict=True)]
+    """Upper bound of the integers drawn (greater than low)."""
+
+
+class ChoiceDim(Section):
+    type: Literal["choice"] = "choice"
+    values: Annotated[list[Any], Field(min_length=1)]
+    """The values to choose from (at least one)."""
+
+
+SearchDim = Annotated[
+    UniformDim | LogUniformDim | IntDim | ChoiceDim, Field(discriminator="type")
+]
+register_tags(["uniform", "log_uniform", "int", "choice"])
