@@ -216,16 +216,12 @@ def fit(
     overwrite: bool = False,
     **sections: Any,
 ) -> dict[str, Any]:
-    """Train and return the run summary.
+    """Train and return the run summary, with every check and warning ``paratrain run`` makes.
 
     ``job`` is a JobConfig, a dict, or a job-file path; keyword sections (``train=``,
-    ``run=``, ``compression=``, ``tensor_parallel=``, ``workers=``, ...) override it.
-    ``model``, ``data`` and ``task`` are specs or instances (module docstring: what each
-    may be, and how instances reach the processes of a multi-process strategy). The run
-    makes every check and warning ``paratrain run`` makes. A run folder that already
-    holds a run is never replaced implicitly: pass ``overwrite=True`` to replace it or
-    ``resume=True`` to continue it. ``subgraphs={"head": {"type": "Local"}}`` is the job
-    file's ``[subgraphs]`` table (strategies on modules of the model, :mod:`paratrain.subgraphs`).
+    ``run=``, ``subgraphs=``, ...) override it. ``model``, ``data`` and ``task`` are specs or
+    instances (module docstring). A run folder that already holds a run is never replaced
+    implicitly: pass ``overwrite=True`` to replace it or ``resume=True`` to continue it.
 
     >>> summary = paratrain.fit(model="mlp", data="digits", train={"epochs": 3})
     >>> summary = paratrain.fit(model=my_net, data=(X, y), strategy={"type": "DataParallel", ...})

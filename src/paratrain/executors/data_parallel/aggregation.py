@@ -12,11 +12,8 @@
   CHOCO-gossip (Koloskova et al. 2019): public copies ``x_hat``, ``q_i = C(x_i - x_hat_i)``
   travels, ``x_hat_j += D(q_j)``, ``x_i += gamma sum_j W_ij (x_hat_j - x_hat_i)``.
 
-Local subgraphs' parameters are left out of ``named``: nothing combines them. A parameter no
-rank produced a gradient for keeps ``grad = None`` (DDP's ``find_unused_parameters``; one
-flag per parameter, :func:`~paratrain.comm.collectives.used_mask`); one some rank used is
-averaged with zeros from the others. Under AllReduce and ParameterServer the buffers become
-rank 0's before each step's first forward (``strategy.broadcast_buffers``, as DDP's).
+Local subgraphs' parameters are left out of ``named``; unused parameters and buffers follow
+DDP's rules (docs/data-parallel.md; :func:`~paratrain.comm.collectives.used_mask`).
 """
 
 from __future__ import annotations
