@@ -167,11 +167,10 @@ def _matches(key: str, name: str, module: Any) -> bool:
 
 
 def resolve(model: Any, job: Any) -> Resolved:
-    """The explicit table of ``job.subgraphs`` over ``model`` (module docstring): exact keys
-    as given, each pattern replaced by the modules it matches (an exact key wins; patterns
-    agreeing on a module are one entry; a matched module that would only inherit its
-    nearest ancestor's equal strategy is left out). ConfigError naming ``subgraphs.<key>``
-    for a pattern that matches nothing and for two patterns that disagree on a module."""
+    """The explicit table of ``job.subgraphs`` over ``model``: each pattern replaced by the
+    modules it matches (an exact key wins; a module that would only inherit its nearest
+    ancestor's equal strategy is left out); a ConfigError naming ``subgraphs.<key>`` for a
+    pattern that matches nothing and for two patterns that disagree on a module."""
     subs: Mapping[str, Any] = job.subgraphs
     table = {k: v for k, v in subs.items() if not is_pattern(k)}
     origin = {k: k for k in table}
@@ -228,10 +227,8 @@ def _suggest(key: str, names: list[str]) -> str:
 
 
 def local_paths(job: Any, model: Any = None) -> list[str]:
-    """The keys whose ``Local`` strategy keeps a part of the model out of synchronisation:
-    ``Local`` keys (not no-ops) under a root ``Federated`` or ``DataParallel``. With
-    ``model``, module paths (patterns resolved: :func:`resolve`); without, the keys as
-    written."""
+    """The ``Local`` keys (not no-ops) under a root ``Federated`` or ``DataParallel``: module
+    paths with ``model`` (patterns resolved), else the keys as written."""
     if _type(job.strategy) not in ("Federated", "DataParallel"):
         return []
     subs: Mapping[str, Any] = job.subgraphs if model is None else resolve(model, job).table
@@ -270,28 +267,25 @@ def check_paths(model: Any, job: Any) -> None:
     if problems:
         raise ConfigError(problems)
     local = local_paths(job, model)
-
-    def where(key: str) -> tuple[str, str]:
+    entries = model.state_dict(keep_vars=True) if local else {}
+    groups: dict[int, list[str]] = {}  # a tensor's id -> its names (a tie: several)
+    for name, t in entries.items():
+        groups.setdefault(id(t), []).append(name)
+    for key in local:
         src = origin.get(key, key)
-        return _field(src), (f"module {key!r}: " if src != key else "")
-    if not problems and local:
-        entries = model.state_dict(keep_vars=True)
-        groups: dict[int, list[str]] = {}
-        for name, t in entries.items():
-            groups.setdefault(id(t), []).append(name)
-        for key in local:
-            if not any(_under(n, [key]) for n in entries):
-                problems.append((where(key)[0], f"module {key!r} holds no parameters or buffers: "
-                                                "a Local subgraph would keep nothing"))
-                continue
-            for aliases in groups.values():
-                inside = [n for n in aliases if _under(n, local)]
-                outside = [n for n in aliases if not _under(n, local)]
-                if any(_under(n, [key]) for n in inside) and outside:
-                    problems.append((where(key)[0], (
-                        f"{where(key)[1]}{inside[0]} is tied to {outside[0]} (one tensor), which is outside the "
-                        "Local subgraphs: it cannot be both local and shared; untie it (e.g. "
-                        "model.tie_weights = false) or make both modules Local")))
+        what = f"module {key!r}: " if src != key else ""
+        if not any(_under(n, [key]) for n in entries):
+            problems.append((_field(src), f"module {key!r} holds no parameters or buffers: "
+                                          "a Local subgraph would keep nothing"))
+            continue
+        for aliases in groups.values():
+            inside = [n for n in aliases if _under(n, local)]
+            outside = [n for n in aliases if not _under(n, local)]
+            if any(_under(n, [key]) for n in inside) and outside:
+                problems.append((_field(src), (
+                    f"{what}{inside[0]} is tied to {outside[0]} (one tensor), which is outside the "
+                    "Local subgraphs: it cannot be both local and shared; untie it (e.g. "
+                    "model.tie_weights = false) or make both modules Local")))
     if problems:
         raise ConfigError(problems)
 
@@ -303,24 +297,26 @@ def check_job(job: Any, model: Any = None) -> None:
         check_paths(model, job)
 
 
-def local_state_keys(model: Any, job: Any) -> list[str]:
-    """The ``unique_state_dict`` keys (parameters and buffers, a tied tensor once) inside the
-    job's Local subgraphs, in state-dict order; validates the job's paths first."""
-    from .models.state import unique_state_dict
-
+def _checked_local(model: Any, job: Any) -> list[str]:
+    """The Local subgraphs' module paths, the job's paths validated first."""
     if not local_paths(job):
         return []
     check_paths(model, job)
-    paths = local_paths(job, model)
-    return [k for k in unique_state_dict(model) if _under(k, paths)]
+    return local_paths(job, model)
+
+
+def local_state_keys(model: Any, job: Any) -> list[str]:
+    """The ``unique_state_dict`` keys (a tied tensor once) inside the job's Local subgraphs,
+    in state-dict order."""
+    from .models.state import unique_state_dict
+
+    paths = _checked_local(model, job)
+    return [k for k in unique_state_dict(model) if _under(k, paths)] if paths else []
 
 
 def local_parameter_names(model: Any, job: Any) -> set[str]:
     """The ``named_parameters`` names inside the job's Local subgraphs."""
-    if not local_paths(job):
-        return set()
-    check_paths(model, job)
-    paths = local_paths(job, model)
+    paths = _checked_local(model, job)
     return {n for n, _ in model.named_parameters() if _under(n, paths)}
 
 

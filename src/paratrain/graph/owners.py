@@ -61,11 +61,8 @@ def _follow_fields_and_consumers(nodes: list[fx.Node], owner: dict[str, int]) ->
 def node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) -> dict[str, int]:
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     owner: dict[str, int] = {}
-    # An exported graph has no call_module nodes: a tensor operation in an unclaimed module
-    # with no claimed module inside it (a Linear, an Embedding, a whole unclaimed decoder
-    # layer; or any module holding its own parameters) runs on ``default``, as an unclaimed
-    # module does under fx; operations of a module that contains claims (the model's own
-    # forward: masks, position ids) follow their data.
+    # exported (no call_module nodes): an op of an unclaimed module runs on ``default`` as
+    # the module would under fx, unless the module contains claims (then it follows its data)
     exported = gm.meta.get(CAPTURE) == "export"
     holders = _holders(gm) if exported else set()
 
@@ -100,10 +97,7 @@ def node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) -> 
                     owner[n.name] = default
     _follow_fields_and_consumers(nodes, owner)
     index = {n.name: i for i, n in enumerate(gm.graph.nodes)}
-    # A value computed from the batch alone (labels shifted for a loss, a causal mask) may
-    # run anywhere: it does not pull the nodes that read it. Read on one rank, it runs there;
-    # read on several, each of those ranks computes its own copy (nothing travels), unless it
-    # draws random numbers (one draw, sent: it runs where it is first read).
+    # a value computed from the batch alone runs where it is read (module docstring)
     free: set[str] = set()
     for n in nodes:
         if n.name not in owner and n.op == "call_function" and all(

@@ -40,9 +40,8 @@ class Part:
     qualnames: dict[str, str] = field(default_factory=dict)  # module path in ``module`` -> in the model
 
     def original_name(self, name: str) -> str:
-        """A parameter/buffer name of ``module`` as the model names it: the longest module
-        path of ``qualnames`` it starts with, renamed (a leaf module's own submodules are
-        not listed: ``back_gate.fc.weight`` is ``back.gate`` + ``.fc.weight``)."""
+        """A tensor name of ``module`` as the model names it: its longest module path in
+        ``qualnames`` renamed (``back_gate.fc.weight`` is ``back.gate`` + ``.fc.weight``)."""
         parts = name.split(".")
         for i in range(len(parts) - 1, 0, -1):
             head = ".".join(parts[:i])
@@ -113,17 +112,10 @@ class Cut:
                 seen.append(p.rank)
         return seen
 
-    def transfer(self, value: str, dst: int) -> Transfer:
-        return next(t for t in self.transfers if t.value == value and t.dst == dst)
-
 
 def _parts(gm: fx.GraphModule, owner: Mapping[str, int]) -> dict[str, int]:
-    """Group nodes into parts: fx node name -> part id, ids in a topological order.
-
-    In graph order, a node joins its rank's latest part unless one of its inputs comes
-    from another part that (transitively) depends on that part (joining would make a
-    cycle); then it starts a new part of its rank. Parameters read by ``get_attr`` are
-    hoisted out of the parts (sent once per step) and join none."""
+    """Group nodes into parts (module docstring): fx node name -> part id, ids in a
+    topological order; ``get_attr`` reads are hoisted out of the parts and join none."""
     part_of: dict[str, int] = {}
     rank_of: list[int] = []
     deps: list[set[int]] = []  # direct dependencies of each part

@@ -27,11 +27,6 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 Edge = tuple[Node, int]
 
 
-def _leaf_node(t: torch.Tensor) -> Node:
-    """A leaf's gradient accumulator (created on first use)."""
-    return get_gradient_edge(t).node
-
-
 def _is_leaf_node(node: Node) -> bool:
     """An ``AccumulateGrad`` node: it ends at a leaf tensor (``.variable``)."""
     return hasattr(node, "variable")
@@ -106,12 +101,10 @@ class Deferred:
 
 def _linear_side(node: Node, incoming: Sequence[torch.Tensor | None],
                  edges: Sequence[Edge]) -> list[torch.Tensor] | None:
-    """What ``AddmmBackward0`` of ``F.linear(x, w, b) = addmm(b, x, w.t())`` sends along its
-    weight-side edges, computed as autograd's formulas do (``mm_mat2_backward``, and the
-    bias's ``sum_to`` of the engine), so the W pass needs no engine call per Linear (each
-    call walks the whole graph below it). None (the generic path) for any other node or
-    shape of the case: ``alpha`` or ``beta`` not 1, ``mat1`` not the input side, a bias
-    edge that is not the bias leaf itself."""
+    """What ``AddmmBackward0`` of ``F.linear(x, w, b)`` sends along its weight-side edges, by
+    autograd's own formulas (``mm_mat2_backward``, the bias's ``sum_to``), so the W pass needs
+    no engine call per Linear (each walks the whole graph below it). None (the generic path)
+    for any other node or case (``alpha``/``beta`` not 1, a bias edge not the leaf itself)."""
     if type(node).__name__ != "AddmmBackward0" or len(incoming) != 1 or incoming[0] is None:
         return None
     n: Any = node
@@ -162,12 +155,10 @@ def _add(at: dict[Any, torch.Tensor], e: Any, g: torch.Tensor, fresh: set[Any] |
 
 
 def _accumulate(w: torch.Tensor, g: torch.Tensor, *, owned: bool = False, inplace: bool = False) -> None:
-    """``w.grad += g``; a first gradient is kept as is when ``owned`` (no other leaf got
-    the same tensor from this call: autograd hands ``a + b``'s gradient to both), else
-    copied, as ``AccumulateGrad`` steals or clones. ``inplace`` (a weight's gradient over
-    micro-batches): added into the existing ``.grad`` as ``AccumulateGrad`` does, not
-    into a new tensor each time (a fresh weight-sized buffer per micro-batch costs an
-    allocation, and its pages' first touch, every W pass)."""
+    """``w.grad += g`` as ``AccumulateGrad`` does: a first gradient kept when ``owned`` (no
+    other leaf got the same tensor: autograd hands ``a + b``'s to both), else copied;
+    ``inplace``: added into the existing ``.grad`` (a fresh weight-sized buffer per
+    micro-batch costs an allocation and its pages' first touch every W pass)."""
     if w.grad is not None:
         if inplace and w.grad.dtype == g.dtype and w.grad.stride() == g.stride() and not w.grad.requires_grad:
             with torch.no_grad():
@@ -233,7 +224,7 @@ def backward_inputs(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     ``.grad`` (a ``None`` grad: ones, for a scalar loss) and return the weight pass."""
     gs = [torch.ones_like(t) if g is None else g for t, g in zip(outputs, grads, strict=True)]
     edges = [get_gradient_edge(t) for t in outputs]
-    input_nodes = {_leaf_node(x) for x in inputs}
+    input_nodes = {get_gradient_edge(x).node for x in inputs}
     to_input, to_weight = _reach([e.node for e in edges], input_nodes)
     deferred = Deferred()
     for e, g in zip(edges, gs, strict=True):
@@ -250,7 +241,7 @@ def backward_inputs(outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
             deferred.junctions.append((n, slot, side))
             handles.append(n.register_prehook(
                 lambda grad_outputs, slot=slot: slot.extend(grad_outputs)))  # type: ignore[misc]
-    wanted = [x for x in inputs if to_input.get(_leaf_node(x), False)]
+    wanted = [x for x in inputs if to_input.get(get_gradient_edge(x).node, False)]
     try:
         if wanted:
             got = torch.autograd.grad(list(outputs), wanted, grad_outputs=gs, retain_graph=True,

@@ -1,8 +1,6 @@
-"""One ModelParallel rank's part of the one training loop: its segments as a module
-(:class:`StageModel`), the engine that runs its micro-batch schedule, evaluates and hands
-rank 0 the last stage's loss and metrics (:class:`PipelineEngine`), its per-rank
-checkpoints (:class:`RankDirStore`), and the run's pipeline statistics from every rank's
-step totals (:func:`pipeline_stats`).
+"""One ModelParallel rank's part of the one training loop: its parts as a module
+(:class:`StageModel`), the engine that runs its micro-batch schedule and evaluates
+(:class:`PipelineEngine`), and the run's pipeline statistics (:func:`pipeline_stats`).
 """
 
 from __future__ import annotations
@@ -76,29 +74,21 @@ class StageModel(nn.Module):
         return out
 
     def node_state(self, targets: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
-        """This rank's model tensors by their qualified names in the model (the same names
-        whatever the placement; a tensor read by two parts once; ``targets``: a held
-        value's name -> the model attribute it reads, as for :meth:`model_names`)."""
+        """This rank's model tensors by their names in the model (:meth:`model_names`: the
+        same whatever the placement; a tensor read by two parts once)."""
+        names = self.model_names(targets)
         out: dict[str, torch.Tensor] = {}
-        for i, m in self.segments.items():
-            part = self._parts.get(int(i))
-            for k, v in m.state_dict().items():
-                out.setdefault(part.original_name(k) if part is not None else k, v)
-        out.update({(targets or {}).get(k, k): v for k, v in self.held.state_dict().items()})
+        for k, v in self.state_dict().items():
+            if k in names:
+                out.setdefault(names[k], v)
         return out
 
 
 class PipelineEngine(LocalEngine):
-    """One rank's part of the one loop: the micro-batch schedule over its stages.
-
-    ``forward_backward(batch, weight=w)`` runs this rank's actions of the schedule over the
-    batch (GPipe / 1F1B for ``Pipeline``, the sequential order otherwise) with the task's
-    loss on the last stage, weighted ``w n_i / B`` per micro-batch; it returns the batch's
-    loss on the last stage's rank (0.0 elsewhere). ``grad_sq_norm`` all-reduces the stages'
-    sums of squares; ``evaluate`` runs the forward pipeline over the test set, the last
-    stage sums ``task.eval_batch`` and sends the finalized metrics to rank 0 (the logging
-    process; None on the others); ``mean_over_ranks`` hands rank 0 the last stage's
-    training loss. Also keeps the step timing and per-rank totals the summary reports."""
+    """One rank's part of the one loop: its actions of the schedule per batch (the batch's
+    loss on the last stage's rank, 0.0 elsewhere), the global gradient norm (the stages' sums
+    of squares all-reduced), and evaluation and the training loss handed to rank 0 (the
+    logging process) by the last stage; keeps the per-rank totals the summary reports."""
 
     def __init__(self, ctx: WorkerContext, rt: StageRuntime, model: StageModel, task: Any,
                  test: Any, *, precision: str, micro_batch_size: int | None,
@@ -115,12 +105,10 @@ class PipelineEngine(LocalEngine):
                      if replica_group is not None and shard != "none" else None)
         if self.zero is not None:
             self.model = self.zero.view
-        # A replicated stage sums its replicas' gradients (each holds its rows' share of
-        # every micro-batch, weighted n_ij / B), so every replica steps with the whole
-        # batch's gradient: the one gradient sync, after the step's last backward (a
-        # parameter no replica used keeps grad None; one used by some replicas only, e.g.
-        # behind a data-dependent branch, is summed with zeros from the others). Under
-        # ZeRO-2 the sum is StageZero's reduce-scatter and GradSync only broadcasts buffers.
+        # A replicated stage sums its replicas' gradients (each its rows' share, weighted
+        # n_ij / B) after the step's last backward (a parameter used by some replicas only
+        # is summed with zeros from the others). Under ZeRO-2/3 the sum is StageZero's
+        # reduce-scatter and GradSync only broadcasts buffers.
         summed = list(model.named_parameters()) if self.zero is None or self.zero.level == 1 else []
         self.replica_sync = (GradSync(
             summed, group=replica_group, bucket_bytes=bucket_bytes,
@@ -155,9 +143,9 @@ class PipelineEngine(LocalEngine):
         return own if self.zero is None else self.zero.shards(own)
 
     def norm_pieces(self) -> list[tuple[torch.Tensor, nn.Parameter]]:
-        """``(tensor with a grad, the stage parameter it is part of)`` whose squared norms sum
-        to this rank's share of the whole model's: a replicated stage's first replica only,
-        or every ZeRO replica's own rows (disjoint)."""
+        """``(tensor with a grad, its stage parameter)`` whose squared norms sum to this rank's
+        share of the model's: a replicated stage's first replica only, or each ZeRO replica's
+        own rows."""
         if self.zero is not None:
             return [(piece, p) for piece, p, _ in self.zero.pieces()]
         return [(p, p) for p in self.model.parameters()] if self.rt.replica == 0 else []
@@ -211,8 +199,8 @@ class PipelineEngine(LocalEngine):
         return {}
 
     def record_held(self, optimizer: torch.optim.Optimizer) -> None:
-        """Bytes of the stage's parameters, gradients and optimizer state this rank holds now
-        (measured from its tensors, each storage once) into :attr:`totals`."""
+        """Bytes of the stage's parameters, gradients and optimizer state held now (each
+        storage once) into :attr:`totals`."""
         if self.zero is not None:
             held = self.zero.held_bytes(optimizer)
         else:
@@ -285,15 +273,11 @@ class PipelineEngine(LocalEngine):
 
 def pipeline_stats(totals: list[torch.Tensor], plan: Plan, *, micro_batches: int | None,
                    schedule: str = "1F1B") -> dict[str, Any]:
-    """Per-rank time split and the run's bubble fraction from each rank's step totals.
-
-    ``bubble_fraction_measured = 1 - C_max / T``: ``C_max`` the busiest rank's forward/backward
-    compute and ``T`` the longest rank's train-step time, summed over the run (GPipe's and
-    Megatron's bubble, the time the pipeline's bottleneck stage stands idle). For a
-    Pipeline, ``bubble_theory_modelled`` is the ``schedule``'s ideal for ``p`` ranks and ``m``
-    micro-batches of a full batch with equal stages and free communication
-    (:func:`.schedule.theoretical_bubble`: ``(p - 1) / (m + p - 1)`` for GPipe and 1F1B).
-    """
+    """Per-rank time split and the run's bubble from each rank's step totals:
+    ``bubble_fraction_measured = 1 - C_max / T`` (``C_max`` the busiest rank's compute, ``T``
+    the longest rank's step time, over the run: the bottleneck stage's idle time, as GPipe and
+    Megatron count it); for a Pipeline ``bubble_theory_modelled``, the ``schedule``'s ideal
+    (:func:`.schedule.theoretical_bubble`)."""
     steps = max(float(totals[0][5]), 1.0)
     step_s = max(float(t[0]) for t in totals)
     busiest = max(float(t[1]) for t in totals)

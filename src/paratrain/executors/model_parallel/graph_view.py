@@ -34,11 +34,9 @@ def _output_nodes(module: fx.GraphModule, count: int) -> list[fx.Node | None]:
 
 
 def cut_origin(gm: fx.GraphModule, plan: Any) -> tuple[dict[str, str], dict[str, int]]:
-    """``plan.cut``'s top-level value names -> the traced graph's node computing each (``add_1``,
-    not ``split_module``'s ``getitem_k``), and each traced node -> the index of its part.
-
-    The cut is made again over ``gm`` with every node tagged by its name (fx copies node meta
-    into the parts); used only when it has the plan's parts exactly (else the plan's names)."""
+    """``plan.cut``'s value names -> the traced graph's node computing each (``add_1``, not
+    ``getitem_k``), and each traced node -> its part: the cut made again over ``gm`` with its
+    nodes tagged (fx copies node meta into the parts), used only if its parts are the plan's."""
     for n in gm.graph.nodes:
         n.meta[_ORIG] = n.name
     try:

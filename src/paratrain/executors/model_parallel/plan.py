@@ -30,10 +30,8 @@ DEFAULT_RANK = 0
 
 @dataclass(frozen=True)
 class Plan:
-    """The placement of every module and the model cut into parts (in topological order).
-
-    ``segments`` are the parts (``index``, ``rank``, ``nodes``: the modules each calls);
-    ``owner`` maps every module the forward calls to its rank."""
+    """The placement of every module (``owner``: module -> rank) and the model cut into parts
+    (``segments``, in topological order)."""
 
     nodes: tuple[str, ...]
     owner: dict[str, int]
@@ -62,18 +60,7 @@ class Plan:
 
     def is_contiguous(self) -> bool:
         """True when every rank owns exactly one part (a pipeline)."""
-        ranks = [p.rank for p in self.cut.parts]
-        return len(ranks) == len(set(ranks))
-
-
-def resolve_target(target: Any, workers: Sequence[Any], *, field: str = "target") -> int:
-    """Rank of the worker ``target`` names (``paratrain.comm.workers``); a ConfigError at
-    ``field`` listing the registered ids (or tags) when no worker answers to it."""
-    return resolve_rank(target, workers, field=field)
-
-
-def _chain(names: Sequence[str]) -> nn.Module:
-    return nn.Sequential(OrderedDict((n, nn.Identity()) for n in names))
+        return len(self.cut.ranks()) == len(self.cut.parts)
 
 
 def _claims(model: nn.Module, called: Sequence[str], ran: set[str], partitions: Sequence[Any],
@@ -91,7 +78,7 @@ def _claims(model: nn.Module, called: Sequence[str], ran: set[str], partitions: 
         if not part.node_ids:
             problems.append((f"{where}.node_ids", f"partition {i} is empty: it claims no node"))
         try:
-            rank: int | None = resolve_target(part.target, workers, field=f"{where}.target")
+            rank: int | None = resolve_rank(part.target, workers, field=f"{where}.target")
         except ConfigError as e:
             problems.extend(e.problems)
             rank = None
@@ -125,26 +112,17 @@ def _claims(model: nn.Module, called: Sequence[str], ran: set[str], partitions: 
     return claims
 
 
-def build_plan(
-    model: nn.Module | Sequence[str],
-    partitions: Sequence[Any],
-    workers: Sequence[Any],
-    *,
-    contiguous: bool = False,
-    field: str = "strategy.partitions",
-    leaves: Sequence[str] = (),
-    example: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
-) -> Plan:
-    """Place ``model``'s nodes by ``partitions`` on ``workers``; cut it into parts.
-
-    ``contiguous=True`` (Pipeline) additionally requires one part per rank. ``leaves``:
-    module paths traced as one node (the job's ``model.leaf_modules``). All problems found
-    are reported together in one ConfigError. ``example``: a batch's model arguments
-    ``(args, kwargs)``, with which a model fx cannot trace is captured by ``torch.export``
-    (:mod:`paratrain.graph.export`; its parts list the modules whose operations they run).
-    """
+def build_plan(model: nn.Module | Sequence[str], partitions: Sequence[Any], workers: Sequence[Any],
+               *, contiguous: bool = False, field: str = "strategy.partitions",
+               leaves: Sequence[str] = (),
+               example: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> Plan:
+    """Place ``model``'s nodes by ``partitions`` on ``workers`` and cut it into parts; every
+    problem in one ConfigError. ``contiguous`` (Pipeline): one part per rank. ``leaves``:
+    module paths traced as one node. ``example``: a batch's ``(args, kwargs)``, with which a
+    model fx cannot trace is captured by ``torch.export``. A chain of names (tools, tests)
+    stands for identities in order."""
     if not isinstance(model, nn.Module):
-        model = _chain(list(model))
+        model = nn.Sequential(OrderedDict((n, nn.Identity()) for n in model))
     if not partitions:
         raise ConfigError([(field, "model-parallel training with no partitions: "
                                    "nothing says where any node runs")])
@@ -197,11 +175,9 @@ def build_plan(
 
 def check_interleaved(plan: Plan, workers: Sequence[Any], virtual_stages: int | None,
                       *, field: str = "strategy.partitions") -> int:
-    """The chunks per rank ``v`` of an ``Interleaved1F1B`` placement (Narayanan et al. 2021,
-    §2.2): the cut has ``v p`` parts over ``p`` ranks and part ``k`` runs on the rank of part
-    ``k mod p`` (the user's partitions list them round-robin, e.g. ``a b a b`` for two
-    workers, two chunks each). A ConfigError naming each rank's parts otherwise, or when
-    ``virtual_stages`` is given and differs."""
+    """The chunks per rank ``v`` of an ``Interleaved1F1B`` placement: ``v p`` parts over ``p``
+    ranks, part ``k`` on the rank of part ``k mod p``; else a ConfigError naming each rank's
+    parts (also when ``virtual_stages`` is given and differs)."""
     ranks = [part.rank for part in plan.segments]
     p = len(plan.ranks())
     total = len(ranks)

@@ -80,9 +80,8 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
 
 
 def _prepare(ctx: WorkerContext, job: JobConfig, resume: bool) -> Path:
-    """Fresh run: rank 0 creates (or clears) the run folder; the others wait for it. On
-    resume nothing is written yet: :func:`_prepare_resumed` writes job.json once the
-    checkpoint was checked against this job (a refused resume changes nothing)."""
+    """Fresh run: rank 0 creates (or clears) the run folder, the others wait. On resume
+    nothing is written until the checkpoint passed its check (:func:`_prepare_resumed`)."""
     if resume:
         return run_dir_of(job)
     key = "paratrain/model_parallel/run_dir_ready"
@@ -164,9 +163,8 @@ def _place(ctx: WorkerContext, job: JobConfig, model: Any, task: Any, train: Any
 
 
 def layout_of(plan: Any, replicas: Any, world: int, shards: dict[str, str] | None = None) -> dict[str, Any]:
-    """The run's processes and placement (a checkpoint of another one is resumed by the
-    model's names): the worker count and a digest of which nodes each rank runs (and, where
-    a replicated stage is ZeRO-sharded, its ``shard``: its ranks hold rows then)."""
+    """The run's processes and a digest of its placement (and of ZeRO-sharded stages); a
+    checkpoint of another layout is resumed by the model's names."""
     where = [[s.index, s.rank, list(s.nodes)] for s in plan.segments]
     groups = {str(r): list(g) for r, g in sorted(replicas.groups.items())}
     sharded = {p: v for p, v in sorted((shards or {}).items()) if v != "none"}

@@ -177,7 +177,6 @@ class StageRuntime:
         self._param_ptrs |= {t.untyped_storage().data_ptr() for t in self.attrs.values()}
         self._sizes: list[int] = []
 
-    # ------------------------------------------------------------------ orders
     def actions(self, num_micro: int, schedule_name: str | None) -> list[Action]:
         """This rank's order: a pipeline schedule (one part per rank) or sequential."""
         mine = sorted(self.parts)
@@ -199,7 +198,6 @@ class StageRuntime:
     def _is_attr(self, v: str) -> bool:
         return self.cut.producer[v][0] == "attr"
 
-    # ------------------------------------------------------------------ training
     def train_step(self, x: torch.Tensor, y: torch.Tensor, *, step: int,
                    micro_batch_size: int | None = None,
                    schedule_name: str | None = None) -> float | None:
@@ -211,10 +209,9 @@ class StageRuntime:
                   micro_batch_size: int | None = None, schedule_name: str | None = None,
                   loss_fn: LossFn | None = None, weight: float = 1.0,
                   precision: str = "fp32") -> float | None:
-        """One forward/backward over ``batch`` (any pytree of row-major tensors; the model
-        is called with ``self.feed(micro_batch)``); the batch's unweighted loss on the loss
-        part's rank (None elsewhere). See the module docstring; ``schedule_name=None`` runs
-        the sequential order (Direct/DataStore)."""
+        """One forward/backward over ``batch`` (any pytree of row-major tensors, the model
+        called with ``self.feed(micro_batch)``; module docstring); the batch's unweighted
+        loss on the loss part's rank (None elsewhere). ``schedule_name=None``: sequential."""
         rows = batch_rows(batch)
         sizes = micro_batch_sizes(rows, micro_batch_size or rows)
         bounds = [0]
@@ -224,13 +221,11 @@ class StageRuntime:
         own = [row_bounds(n, self.num_replicas)[self.replica] for n in sizes]
         micro = [rows_of(batch, bounds[i] + own[i][0], bounds[i] + own[i][1])
                  for i in range(len(sizes))]
-        self._inputs: dict[int, dict[str, Any]] = {}  # micro -> graph input -> value
         self._sizes = sizes
         order = [a for a in self.actions(len(sizes), schedule_name) if own[a[1]][1] > own[a[1]][0]]
         run = _StepRun(self, step=step, micro=micro, own=own, rows=rows, precision=precision,
                        loss_fn=loss_fn or cross_entropy, weight=weight, in_batch=storages(batch),
                        split=schedule_name in SPLIT_BACKWARD)
-        self._outs_ref = run.outs
         t_start = time.perf_counter()
         run.remote_attrs = self._exchange_attrs(step)
         needs = [self._recv_specs(kind, i, s) for kind, i, s in order]
@@ -277,61 +272,6 @@ class StageRuntime:
                     if param.requires_grad:
                         param.grad = g.to(param.dtype) if param.grad is None else param.grad + g
 
-    def _fetch(self, i: int, v: str, mb: Any, remote_attrs: dict[str, Any],
-               got: dict[tuple[int, str], Any], left: dict[tuple[int, str], int], step: int) -> Any:
-        """The value ``v`` for micro-batch ``i`` as my part reads it (see F in the docstring)."""
-        kind, producer = self.cut.producer[v]
-        if kind == "input":  # every rank reads the batch: the model's arguments on it
-            if i not in self._inputs:
-                self._inputs[i] = model_inputs(self.cut, *self.feed(mb))
-            return self._inputs[i][v]
-        if kind == "attr":
-            return self.attrs[v] if v in self.attrs else remote_attrs[v]
-        if (i, v) not in got:
-            if producer in self.parts:
-                prod = self.parts[producer]
-                got[(i, v)] = detached_leaf(self._outs_ref[(i, producer)][prod.outputs.index(v)])
-            else:
-                got[(i, v)] = detached_leaf(self._recv_rows("act", i, self.in_transfers[v], step, from_src=True))
-            left[(i, v)] = self.readers_here[v]
-        return got[(i, v)]
-
-    def _release(self, i: int, v: str, got: dict[tuple[int, str], Any],
-                 left: dict[tuple[int, str], int], step: int) -> None:
-        """After a reader's backward: when it was my last reader of a received value,
-        send its gradient back to the producer."""
-        if (i, v) not in left:
-            return
-        left[(i, v)] -= 1
-        if left[(i, v)] > 0:
-            return
-        del left[(i, v)]
-        kind, producer = self.cut.producer[v]
-        if producer in self.parts:
-            return  # my own part's output: its backward reads got[(i, v)].grad
-        t = self.in_transfers[v]
-        leaf = got.pop((i, v))
-        g = leaf.grad if isinstance(leaf, torch.Tensor) and leaf.grad is not None else torch.zeros_like(leaf)
-        self._send_rows(g, "grad", i, t, step, to_src=True)
-
-    def _output_grad(self, i: int, v: str, val: Any, got: dict[tuple[int, str], Any],
-                     step: int) -> torch.Tensor | None:
-        """``dL/dv``: my later parts' share plus every other reading rank's."""
-        total: torch.Tensor | None = None
-        read_here = (i, v) in got
-        mine = got.pop((i, v), None)
-        if isinstance(mine, torch.Tensor) and mine.grad is not None:
-            total = mine.grad
-        for t in self.out_transfers:
-            if t.value == v:
-                g = self._recv_rows("grad", i, t, step, from_src=False)
-                total = g if total is None else total + g
-        if total is None and isinstance(val, torch.Tensor) and (
-                read_here or any(t.value == v for t in self.out_transfers)):
-            total = torch.zeros_like(val)
-        return total
-
-    # ------------------------------------------------------------------ metrics
     def send_metric(self, values: torch.Tensor, *, dst: int, step: int, slot: int = 0) -> None:
         """Send a small metrics tensor (e.g. the loss) to ``dst``; ``slot`` separates kinds."""
         self.transport.send(values, dst=dst, key=("metric", slot, 0), step=step)
@@ -340,7 +280,6 @@ class StageRuntime:
     def recv_metric(self, *, src: int, step: int, slot: int = 0) -> torch.Tensor:
         return self.transport.recv(src=src, key=("metric", slot, 0), step=step)
 
-    # ------------------------------------------------------------------ rows across replicas
     def _links(self, i: int, t: Any, *, mine_is_src: bool) -> list[tuple[int, int, int, int]]:
         """``(peer physical rank, slot, start, stop)`` of each piece of transfer ``t`` for
         micro-batch ``i`` that this replica sends (``mine_is_src``) or receives, rows
@@ -396,7 +335,6 @@ class StageRuntime:
                                 for peer, slot, lo, hi in self._links(i, t, mine_is_src=True)]
         return out
 
-    # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def forward(self, *args: Any, step: int, precision: str = "fp32", **kwargs: Any) -> Any:
         """Evaluation: the placed model called as ``model(*args, **kwargs)`` on a whole batch,
@@ -437,9 +375,8 @@ class StageRuntime:
 
 
 class _StepRun:
-    """One :meth:`StageRuntime.run_batch`'s state: what my parts read and produced per
-    micro-batch, the activation bytes held, and the F / B / W actions of the schedule.
-    ZBH1 (``split``): B computes input gradients only; W (the weight pass) runs what B left."""
+    """One :meth:`StageRuntime.run_batch`'s state (what my parts read and produced per
+    micro-batch, the activation bytes held) and its F / B / W actions (``split``: ZBH1)."""
 
     def __init__(self, rt: Any, *, step: int, micro: list[Any], own: list[tuple[int, int]],
                  rows: int, precision: str, loss_fn: LossFn, weight: float, in_batch: set[int],
@@ -448,6 +385,7 @@ class _StepRun:
         self.precision, self.loss_fn, self.weight, self.in_batch = precision, loss_fn, weight, in_batch
         self.split = split
         self.remote_attrs: dict[str, torch.Tensor] = {}
+        self.inputs: dict[int, dict[str, Any]] = {}  # micro -> graph input -> value
         self.got: dict[tuple[int, str], Any] = {}  # (micro, value) -> what my parts read
         self.outs: dict[tuple[int, int], tuple[Any, ...]] = {}  # (micro, part) -> its outputs
         self.loss_terms: dict[int, torch.Tensor] = {}
@@ -459,12 +397,65 @@ class _StepRun:
         self.loss_total: float | None = None
         self.stats = StepStats()
 
+    def _timed(self, kind: str, i: int, s: int, t0: float) -> None:
+        t1 = time.perf_counter()
+        self.stats.compute_s += t1 - t0
+        self.stats.trace.append((kind, i, s, t0, t1))
+
+    def fetch(self, i: int, v: str) -> Any:
+        """The value ``v`` for micro-batch ``i`` as my part reads it (F in the module docstring)."""
+        rt = self.rt
+        kind, producer = rt.cut.producer[v]
+        if kind == "input":  # every rank reads the batch: the model's arguments on it
+            if i not in self.inputs:
+                self.inputs[i] = model_inputs(rt.cut, *rt.feed(self.micro[i]))
+            return self.inputs[i][v]
+        if kind == "attr":
+            return rt.attrs[v] if v in rt.attrs else self.remote_attrs[v]
+        if (i, v) not in self.got:
+            if producer in rt.parts:
+                out = self.outs[(i, producer)][rt.parts[producer].outputs.index(v)]
+            else:
+                out = rt._recv_rows("act", i, rt.in_transfers[v], self.step, from_src=True)
+            self.got[(i, v)] = detached_leaf(out)
+            self.left[(i, v)] = rt.readers_here[v]
+        return self.got[(i, v)]
+
+    def release(self, i: int, v: str) -> None:
+        """After a reader's backward: when it was my last reader of a received value, its
+        gradient goes back to the producer (my own part's output: its backward reads it)."""
+        if (i, v) not in self.left:
+            return
+        self.left[(i, v)] -= 1
+        if self.left[(i, v)] > 0:
+            return
+        del self.left[(i, v)]
+        if self.rt.cut.producer[v][1] in self.rt.parts:
+            return
+        leaf = self.got.pop((i, v))
+        g = leaf.grad if isinstance(leaf, torch.Tensor) and leaf.grad is not None else torch.zeros_like(leaf)
+        self.rt._send_rows(g, "grad", i, self.rt.in_transfers[v], self.step, to_src=True)
+
+    def output_grad(self, i: int, v: str, val: Any) -> torch.Tensor | None:
+        """``dL/dv``: my later parts' share plus every other reading rank's."""
+        total: torch.Tensor | None = None
+        read_here = (i, v) in self.got
+        mine = self.got.pop((i, v), None)
+        if isinstance(mine, torch.Tensor) and mine.grad is not None:
+            total = mine.grad
+        sent = [t for t in self.rt.out_transfers if t.value == v]
+        for t in sent:
+            g = self.rt._recv_rows("grad", i, t, self.step, from_src=False)
+            total = g if total is None else total + g
+        if total is None and isinstance(val, torch.Tensor) and (read_here or sent):
+            total = torch.zeros_like(val)
+        return total
+
     def forward(self, i: int, s: int) -> None:
         from ...training.stepping import autocast
 
         rt, part = self.rt, self.rt.parts[s]
-        args = [rt._fetch(i, v, self.micro[i], self.remote_attrs, self.got, self.left, self.step)
-                for v in rt.reads[s]]
+        args = [self.fetch(i, v) for v in rt.reads[s]]
         t0 = time.perf_counter()
         meter = SavedBytes(rt._param_ptrs | self.in_batch)
         mine = self.own[i][1] - self.own[i][0]
@@ -476,9 +467,7 @@ class _StepRun:
                 env.update(zip(part.outputs, result, strict=True))
                 mean = self.loss_fn(model_output(rt.cut, env), self.micro[i])
                 self.loss_terms[i] = mean * (self.weight * mine / self.rows)
-        t1 = time.perf_counter()
-        self.stats.compute_s += t1 - t0
-        self.stats.trace.append(("F", i, s, t0, t1))
+        self._timed("F", i, s, t0)
         if s == rt.loss_part:
             self.loss_total = (self.loss_total or 0.0) + float(mean.detach()) * mine / self.rows
         self.outs[(i, s)] = result
@@ -504,9 +493,7 @@ class _StepRun:
     def weights(self, i: int, s: int) -> None:
         t0 = time.perf_counter()
         self.deferred.pop((i, s)).run()
-        t1 = time.perf_counter()
-        self.stats.compute_s += t1 - t0
-        self.stats.trace.append(("W", i, s, t0, t1))
+        self._timed("W", i, s, t0)
         self.live -= self.held.pop((i, s))
 
     def backward(self, i: int, s: int) -> None:
@@ -518,7 +505,7 @@ class _StepRun:
             tensors.append(self.loss_terms.pop(i))
             grads.append(None)
         for v, val in zip(part.outputs, result, strict=True):
-            g = rt._output_grad(i, v, val, self.got, self.step)
+            g = self.output_grad(i, v, val)
             if g is not None and isinstance(val, torch.Tensor) and val.requires_grad:
                 tensors.append(val)
                 grads.append(g)
@@ -527,10 +514,8 @@ class _StepRun:
             self.deferred[(i, s)] = backward_inputs(tensors, grads, self.leaves.pop((i, s)))
         elif tensors:
             torch.autograd.backward(tensors, grad_tensors=grads)
-        t1 = time.perf_counter()
-        self.stats.compute_s += t1 - t0
-        self.stats.trace.append(("B", i, s, t0, t1))
+        self._timed("B", i, s, t0)
         for v in set(rt.reads[s]):
-            rt._release(i, v, self.got, self.left, self.step)
+            self.release(i, v)
         if not self.split:
             self.live -= self.held.pop((i, s))

@@ -187,15 +187,11 @@ def _deps(action: Action, last: int) -> list[Action]:
 
 def simulate(orders: Sequence[Sequence[Action]], *, t_f: float = 1.0, t_b: float = 1.0,
              t_w: float = 1.0, costs: Mapping[Action, float] | None = None) -> SimResult:
-    """Run per-rank action orders (rank ``r`` = ``orders[r]``) over segments ``0..P-1``.
-
-    Each rank executes its list in order; an action starts when the rank is free and its
-    dependencies (module docstring) have finished (communication is free). An action
-    takes ``t_f``, ``t_b`` or ``t_w``, or its own time from ``costs`` (e.g. measured, to
-    replay a real step). A micro-batch is in flight on a rank from its ``F`` to its ``W``
-    (its ``B`` when the orders have no ``W``). Raises ``RuntimeError`` on deadlock (no rank
-    can make progress), on a duplicate step or a segment split over ranks, or on a step
-    that depends on one no rank runs.
+    """Replay per-rank action orders (rank ``r`` = ``orders[r]``) over segments ``0..P-1``: an
+    action starts when its rank is free and its dependencies (module docstring) are done,
+    taking ``t_f``/``t_b``/``t_w`` or its ``costs`` entry (measured, to replay a real step);
+    a micro-batch is in flight from its ``F`` to its ``W`` (or ``B``). A ``RuntimeError`` on
+    deadlock, a duplicate step, a segment split over ranks or a step no rank runs.
     """
     p = len(orders)
     where: dict[int, int] = {}

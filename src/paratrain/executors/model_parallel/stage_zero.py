@@ -84,8 +84,7 @@ class StageZero:
                     yield piece, p, fp.start
 
     def begin(self, counter: C.CommCounter | None = None) -> None:
-        """Before a step's first forward: the whole gradients of the last step are dropped
-        (the optimizer only knows the pieces); ZeRO-3 gathers the whole parameters."""
+        """Before a step's first forward: last step's whole gradients dropped; ZeRO-3 gathers."""
         if self._new_step:
             self._new_step = False
             for p in self.params:
@@ -95,8 +94,7 @@ class StageZero:
             self.unshard(counter)
 
     def unshard(self, counter: C.CommCounter | None = None) -> None:
-        """ZeRO-3: every replica's rows all-gathered into the whole parameters (collective
-        over the replicas; a no-op where they are whole)."""
+        """ZeRO-3: the replicas' rows all-gathered into the whole parameters (collective)."""
         for u in self.units:
             gather_unit(u, group=self.group, counter=counter)
 
@@ -130,8 +128,7 @@ class StageZero:
     @torch.no_grad()
     def gather(self, counter: C.CommCounter | None = None) -> None:
         """ZeRO-1/2: every replica's rows all-gathered into the whole parameters (after each
-        step and after a resume loaded this replica's rows); ZeRO-3 keeps its rows only
-        until the next step's :meth:`begin` (its pieces are views of ``u.shard``)."""
+        step and a resume); ZeRO-3 keeps its rows until the next :meth:`begin`."""
         if self.level == 3:
             return
         for u in self.units:

@@ -165,10 +165,9 @@ class TPPipelineEngine(PipelineEngine):
 
 
 def dense_own(stage: StageModel, own: dict[str, torch.Tensor], groups: TPGroups) -> dict[str, torch.Tensor]:
-    """This stage's tensors by name (``own``, :meth:`StageModel.node_state`) with every TP
-    shard all-gathered over the stage's TP group (in name order: every rank of the row
-    holds the same names) into the dense tensor, a packed projection's parts concatenated
-    under its dense name."""
+    """``own`` (:meth:`StageModel.node_state`) with every TP shard all-gathered over the
+    stage's TP group (in name order, the same on every rank of the row) into its dense
+    tensor, a packed projection's parts concatenated under its dense name."""
     shards: dict[str, nn.Parameter] = {}
     for i, m in stage.segments.items():
         part = stage._parts.get(int(i))

@@ -7,6 +7,7 @@ crossing between them). Every rank then plans the same way on the same seeded mo
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,24 +25,27 @@ from .replicas import extra_workers, replicas_for
 from .tp_stages import check_job, dry_shard, tp_size_of
 
 
+def _worker_numbers(strategy: Any) -> Iterator[tuple[int, str, int]]:
+    """``(partition index, id, k)`` of each partition targeting ``worker-<k>``."""
+    for i, part in enumerate(getattr(strategy, "partitions", [])):
+        if isinstance(part.target, WorkerIdTarget):
+            m = re.fullmatch(r"worker-(\d+)", part.target.WorkerId)
+            if m:
+                yield i, part.target.WorkerId, int(m.group(1))
+
+
 def check_worker_ids(job: JobConfig) -> None:
     """Without ``[[workers]]`` and ``run.num_workers`` the workers are ``worker-0 ..
     worker-P`` for ``P`` partitions: a ConfigError for each ``WorkerId`` beyond those (an
     implicit world is never made larger by a typo)."""
-    s: Any = job.strategy
     if job.workers or job.run.num_workers is not None:
         return
-    top = len(s.partitions)  # implicit workers: worker-0 .. worker-<top>
-    problems: list[tuple[str, str]] = []
-    for i, part in enumerate(s.partitions):
-        if not isinstance(part.target, WorkerIdTarget):
-            continue
-        m = re.fullmatch(r"worker-(\d+)", part.target.WorkerId)
-        if m and int(m.group(1)) > top:
-            problems.append((f"strategy.partitions[{i}].target.WorkerId", (
-                f"no worker {part.target.WorkerId!r}: without [[workers]] or run.num_workers this "
-                f"job's workers are worker-0..worker-{top} (one per partition, plus rank 0 for the "
-                f"nodes no partition claims); declare the workers in [[workers]]")))
+    top = len(job.strategy.partitions)  # type: ignore[union-attr]
+    problems = [(f"strategy.partitions[{i}].target.WorkerId", (
+        f"no worker {wid!r}: without [[workers]] or run.num_workers this job's workers are "
+        f"worker-0..worker-{top} (one per partition, plus rank 0 for the nodes no partition "
+        f"claims); declare the workers in [[workers]]"))
+        for i, wid, k in _worker_numbers(job.strategy) if k > top]
     if problems:
         raise ConfigError(problems)
 
@@ -53,15 +57,8 @@ def num_workers(job: JobConfig) -> int:
         return len(job.workers)
     if job.run.num_workers is not None:
         return job.run.num_workers
-    highest = 0
-    strategy: Any = job.strategy
-    extra = extra_workers(job)
-    for part in getattr(strategy, "partitions", []):
-        if isinstance(part.target, WorkerIdTarget):
-            m = re.fullmatch(r"worker-(\d+)", part.target.WorkerId)
-            if m:
-                highest = max(highest, int(m.group(1)))
-    return highest + 1 + extra
+    highest = max((k for _, _, k in _worker_numbers(job.strategy)), default=0)
+    return highest + 1 + extra_workers(job)
 
 
 def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any],
@@ -87,11 +84,9 @@ def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any],
 
 
 def check_shared_parameters(model: nn.Module, plan: Plan) -> None:
-    """A ConfigError when one Parameter sits inside *leaf modules* placed on different
-    ranks (two modules holding the same tensor, each called as one node): each rank would
-    step its own copy. A tie read through an attribute (the ``gpt`` head reading the token
-    embedding's weight) is fine: the tensor stays on the rank that holds it, and readers on
-    other ranks receive it and send its gradient back (:mod:`.runtime`)."""
+    """A ConfigError when one Parameter sits inside leaf modules placed on different ranks
+    (each rank would step its own copy). A tie read through an attribute (the ``gpt`` head
+    reading the embedding's weight) is fine: readers receive it (:mod:`.runtime`)."""
     owners: dict[int, tuple[str, str]] = {}
     for node in plan.nodes:
         for pname, param in model.get_submodule(node).named_parameters(remove_duplicate=False):
@@ -134,10 +129,9 @@ def validate(job: JobConfig) -> Plan:
 @torch.no_grad()
 def check_crossing_values(plan: Plan, model: nn.Module, train: Any, workers: list[Any],
                           task: Any = None) -> None:
-    """Run the parts once on two training examples (the ``task``'s model arguments on them,
-    :func:`example_args`), in part order, and refuse a value that would cross workers but
-    is not a tensor (an int from ``x.size(1)``, a tuple): only tensors travel. The
-    ConfigError names the value, the worker that makes it and the one that reads it."""
+    """Run the parts once on two training examples and refuse a value that would cross
+    workers but is not a tensor (an int from ``x.size(1)``): a ConfigError naming the value,
+    the worker that makes it and the one that reads it."""
     from .feed import model_inputs
 
     example = example_args(task, train)
