@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import CommCounter, broadcast_, count_op, nbytes_of, start_used_mask, world_size
+from .collectives import CommCounter, broadcast_, count_op, nbytes_of, world_size
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -122,7 +122,12 @@ class GradReducer:
     bucket, whose all-reduce (SUM) starts once full. :meth:`finish` launches the rest (zeros
     for gradients not produced), waits and writes the means back (``grad = None`` where no rank
     used a parameter). ``grad_views=True``: each ``p.grad`` a view of its bucket (DDP's
-    ``gradient_as_bucket_view``), no copies with ``zero_grad(set_to_none=False)``."""
+    ``gradient_as_bucket_view``), no copies with ``zero_grad(set_to_none=False)``.
+
+    Which parameters some rank used travels in the buckets themselves: each bucket ends with
+    one flag per member (1 where this rank produced its gradient), summed with the gradients,
+    so the rule costs no collective of its own (DDP's ``find_unused_parameters=True`` all-reduces
+    a separate bitmap every step)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], *, group: Any = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, first_bucket_bytes: int | None = 1024 * 1024,
@@ -138,12 +143,15 @@ class GradReducer:
                         for idx in make_buckets(order, bucket_bytes, first_bucket_bytes=first)]
         self._where: dict[int, tuple[int, int]] = {}
         self._flat: list[torch.Tensor] = []
+        self._flags: list[torch.Tensor] = []  # each bucket's tail: its members' used flags
         for b, members in enumerate(self.buckets):
             offset = 0
             for p in members:
                 self._where[id(p)] = (b, offset)
                 offset += p.numel()
-            self._flat.append(torch.zeros(offset, dtype=members[0].dtype, device=members[0].device))
+            flat = torch.zeros(offset + len(members), dtype=members[0].dtype, device=members[0].device)
+            self._flat.append(flat)
+            self._flags.append(flat[offset:])
         self._ready = [0] * len(self.buckets)
         self._seen: set[int] = set()
         self._work: list[Any] = [None] * len(self.buckets)
@@ -171,6 +179,7 @@ class GradReducer:
             slot.copy_(p.grad.reshape(-1))
         self._ready[b] += 1
         if self._ready[b] == len(self.buckets[b]):
+            self._flags[b].fill_(1)
             self._launch(b)
 
     def _launch(self, b: int) -> None:
@@ -188,25 +197,24 @@ class GradReducer:
             if id(p) in self._accumulated and id(p) not in self._seen:
                 self._hook(p)
         self._accumulated.clear()
-        # Which parameters some rank used, travelling with the last buckets.
-        used_of = start_used_mask([id(p) in self._seen for p in self.params], group=self.group,
-                                  counter=self.counter)
         for b, members in enumerate(self.buckets):
             if self._work[b] is None:
                 # Some parameters produced no gradient (unused this step): their share is 0.
-                for p in members:
-                    if id(p) not in self._seen:
+                for i, p in enumerate(members):
+                    seen = id(p) in self._seen
+                    if not seen:
                         off = self._where[id(p)][1]
                         self._flat[b][off : off + p.numel()].zero_()
+                    self._flags[b][i] = 1 if seen else 0
                 self._launch(b)
-        used = {id(p) for p, u in zip(self.params, used_of(), strict=True) if u}
         for b, members in enumerate(self.buckets):
             self._work[b].wait()
             flat = self._flat[b].div_(self.n)
-            for p in members:
+            used = (self._flags[b] > 0).tolist()
+            for i, p in enumerate(members):
                 off = self._where[id(p)][1]
                 view = flat[off : off + p.numel()].view_as(p)
-                if id(p) not in used:
+                if not used[i]:
                     # No rank produced a gradient: none it is (the optimizer skips it).
                     p.grad = None
                 elif self.grad_views:

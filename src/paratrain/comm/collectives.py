@@ -170,25 +170,15 @@ def gather_json(obj: Any, *, group: Any, dst: int = 0, max_bytes: int = MAX_JSON
     return [json.loads(t) for t in texts] if rank_of(group) == dst else None
 
 
-def start_used_mask(local: Sequence[bool], *, group: Any = None, counter: CommCounter | None = None) -> Any:
-    """Launch :func:`used_mask` asynchronously; call the result to get the flags."""
-    flags = torch.tensor([1 if u else 0 for u in local], dtype=torch.uint8, device=comm_device(group))
-    if world_size(group) == 1 or flags.numel() == 0:
-        return lambda: [bool(u) for u in local]
-    count_op(counter, "used_mask", nbytes_of(flags))
-    work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, async_op=True)
-
-    def wait() -> list[bool]:
-        work.wait()
-        return [bool(v) for v in flags.tolist()]
-
-    return wait
-
-
 def used_mask(local: Sequence[bool], *, group: Any = None, counter: CommCounter | None = None) -> list[bool]:
     """For each entry, whether any rank of ``group`` passed True (one uint8 MAX all-reduce:
     DDP's ``find_unused_parameters`` rule, a parameter no rank used keeps ``grad = None``)."""
-    return list(start_used_mask(local, group=group, counter=counter)())
+    flags = torch.tensor([1 if u else 0 for u in local], dtype=torch.uint8, device=comm_device(group))
+    if world_size(group) == 1 or flags.numel() == 0:
+        return [bool(u) for u in local]
+    count_op(counter, "used_mask", nbytes_of(flags))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return [bool(v) for v in flags.tolist()]
 
 
 def all_gather_variable(payload: torch.Tensor, *, group: Any = None, counter: CommCounter | None = None,
