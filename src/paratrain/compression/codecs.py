@@ -50,7 +50,14 @@ class NoneCodec(_Stateless):
         return CompressedTensor("None", shape, flat.dtype, flat.clone())
 
 
-class TopKCodec(_Stateless):
+class _KeepK(_Stateless):
+    def __init__(self, k: int) -> None:
+        if k < 0:
+            raise ValueError(f"{type(self).__name__.removesuffix('Codec')}.k must be >= 0, got {k}")
+        self.k = k
+
+
+class TopKCodec(_KeepK):
     """``{"method":"TopK","k":k}``: keep the ``min(k, n)`` entries of largest magnitude.
 
     Per tensor, C(x)_i = x_i if i is among the k largest |x_i|, else 0, so
@@ -60,11 +67,6 @@ class TopKCodec(_Stateless):
     ``torch.topk``. Kept indices are returned in ascending order (:func:`topk_indices`).
     """
 
-    def __init__(self, k: int) -> None:
-        if k < 0:
-            raise ValueError(f"TopK.k must be >= 0, got {k}")
-        self.k = k
-
     def encode(
         self, flat: torch.Tensor, shape: tuple[int, ...], ctx: EncodeContext
     ) -> CompressedTensor:
@@ -72,7 +74,7 @@ class TopKCodec(_Stateless):
         return CompressedTensor("TopK", shape, flat.dtype, flat[idx], idx)
 
 
-class RandomKCodec(_Stateless):
+class RandomKCodec(_KeepK):
     """``{"method":"RandomK","k":k}``: keep ``min(k, n)`` uniformly random positions.
 
     C(x)_i = x_i for i in S, else 0, where S is a uniform random k-subset of {0..n-1} drawn
@@ -87,11 +89,6 @@ class RandomKCodec(_Stateless):
     shuffle otherwise: both uniform k-subsets), on the CPU, so every rank and every device
     type draws the same positions.
     """
-
-    def __init__(self, k: int) -> None:
-        if k < 0:
-            raise ValueError(f"RandomK.k must be >= 0, got {k}")
-        self.k = k
 
     def encode(
         self, flat: torch.Tensor, shape: tuple[int, ...], ctx: EncodeContext

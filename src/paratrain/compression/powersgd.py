@@ -240,12 +240,10 @@ class PowerSGDState:
         self.warm_start = bool(warm_start)
         self.error_feedback = bool(error_feedback)
         self.epsilon = float(epsilon)
-        self.seed = int(seed)
         self.step = 0
         self.residuals: dict[str, torch.Tensor] = {}
         self.q_memory: dict[str, torch.Tensor] = {}
-        self.draws = 0
-        self._rng = np.random.RandomState(self.seed)
+        self.reseed(seed)
 
     @classmethod
     def from_strategy(cls, strategy: Any, *, seed: int = 0) -> PowerSGDState:
