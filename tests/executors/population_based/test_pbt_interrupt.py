@@ -17,7 +17,7 @@ import pytest
 from _interrupting import start_cli, wait_until
 from paratrain.config import load_job
 from paratrain.dispatch import execute
-from paratrain.executors.population_based.member_state import member_path
+from paratrain.executors.population_based.member import member_path
 from paratrain.training import read_metrics
 from paratrain.training.store_reading import latest_folder
 

@@ -13,7 +13,7 @@ import torch
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig, load_job
 from paratrain.executors.population_based import runner as population
-from paratrain.executors.population_based.member_state import member_path, state_digest
+from paratrain.executors.population_based.member import member_path, state_digest
 from paratrain.files import step_folders
 from paratrain.models import build_model
 from paratrain.training import build_optimizer, checkpoint

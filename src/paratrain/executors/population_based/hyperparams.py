@@ -45,6 +45,13 @@ def _kwargs_of(fn: Callable[..., Any], fixed: set[str]) -> tuple[set[str], bool]
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
+def _builder(spec: Any, section: str, registry: Any) -> Callable[..., Any]:
+    """The ``[model]``/``[data]`` section's factory, or its built-in builder by name."""
+    if spec.factory is not None:
+        return import_object(spec.factory, field=f"{section}.factory")
+    return registry.get(str(spec.name), lambda: None)
+
+
 def hyperparameter_roles(job: JobConfig) -> tuple[dict[str, str], str | None]:
     """``{name: role}`` for every hyperparameter a member can carry, and the role
     (``model``/``data``) whose factory accepts any keyword (``**kwargs``), if any.
@@ -55,16 +62,8 @@ def hyperparameter_roles(job: JobConfig) -> tuple[dict[str, str], str | None]:
         if k != "params":
             roles.setdefault(k, "optimizer")
     roles["batch_size"] = "batch"
-    if job.model.factory is not None:
-        m_fn = import_object(job.model.factory, field="model.factory")
-    else:
-        m_fn = MODELS.get(str(job.model.name), lambda: None)
-    m_names, m_open = _kwargs_of(m_fn, _MODEL_FIXED)
-    if job.data.factory is not None:
-        d_fn = import_object(job.data.factory, field="data.factory")
-    else:
-        d_fn = DATASETS.get(str(job.data.name), lambda: None)
-    d_names, d_open = _kwargs_of(d_fn, _DATA_FIXED)
+    m_names, m_open = _kwargs_of(_builder(job.model, "model", MODELS), _MODEL_FIXED)
+    d_names, d_open = _kwargs_of(_builder(job.data, "data", DATASETS), _DATA_FIXED)
     for k in sorted(m_names | set(job.model.kwargs)):
         roles.setdefault(k, "dropout" if k == "dropout" else "model")
     for k in sorted(d_names | set(job.data.kwargs)):

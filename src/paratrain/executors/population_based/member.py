@@ -12,13 +12,17 @@ hyperparameters are applied *after* ``optimizer.load_state_dict`` -- which resto
 donor's param-group values -- and its ``lr`` replaces the scheduler's base (``base_lrs``),
 so explored values are never lost (a bug class seen in other PBT systems). Every random
 draw of a member's generation (data order, dropout) is seeded by ``(seed, member,
-generation)``: results depend neither on the worker, nor on the number of workers, nor on
-a resume.
+generation)`` (:func:`seed_of`): results depend neither on the worker, nor on the number of
+workers, nor on a resume. :func:`state_digest` hashes the raw bytes of the model's and
+optimizer's state (not the param-group hyperparameters), so a copy can be checked
+byte-identical to its donor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
 import math
 import time
@@ -32,13 +36,70 @@ from torch import nn
 
 from ...config import ConfigError
 from ...config.job import DataSpec, JobConfig, ModelSpec
+from ...files import write_bytes
 from ...task import Task, fetch_batch, resolve_task
 from ...training import build_optimizer, checkpoint
 from ...training.faults import injected_faults
 from ...training.loop import LocalEngine, Trainer
 from ...training.stepping import lr_factor
+from ...training.summary import tensor_bytes
 from .hyperparams import TRAIN_METRICS, fitness_of, unknown_metric
-from .member_state import CheckpointWriter, member_path, seed_of, state_digest
+
+
+def member_path(run_dir: str | Path, generation: int, member: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"gen-{generation:06d}" / f"member-{member:04d}.pt"
+
+
+def seed_of(*parts: int) -> int:
+    """A 63-bit seed from integers (stable across processes and Python versions)."""
+    h = hashlib.blake2b(",".join(str(int(p)) for p in parts).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """SHA-256 of the raw bytes of the model's state and the optimizer's per-parameter
+    state (momentum buffers, moments, steps), excluding param-group hyperparameters."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(tensor_bytes(t))
+    state = optimizer.state_dict()["state"]
+    for k in sorted(state):
+        for name in sorted(state[k]):
+            v = state[k][name]
+            h.update(f"{k}.{name}".encode())
+            h.update(tensor_bytes(v) if isinstance(v, torch.Tensor) else repr(v).encode())
+    return h.hexdigest()
+
+
+class CheckpointWriter:
+    """Member files written atomically (:func:`paratrain.files.write_atomic`) on one
+    background thread, overlapped with the next member's training. ``save`` serialises the
+    state at once (later training cannot change what is written); ``flush`` waits for every
+    pending file and re-raises a write error: a worker flushes before it reports its
+    generation, so no rank reads a member file that is not on disk."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pbt-ckpt")
+        self._pending: list[Future[None]] = []
+
+    @staticmethod
+    def _write(path: Path, data: bytes) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes(path, data)
+
+    def save(self, path: Path, state: dict[str, Any]) -> None:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        self._pending.append(self._pool.submit(self._write, Path(path), buf.getvalue()))
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
 
 
 class _Data(NamedTuple):

@@ -72,9 +72,7 @@ def sample_dim(dim: Dim, gen: torch.Generator) -> Any:
         return _clamp(dim.low + uniform01(gen) * (dim.high - dim.low), dim.low, dim.high)
     if isinstance(dim, IntDim):
         return dim.low + randint(dim.high - dim.low + 1, gen)
-    if isinstance(dim, ChoiceDim):
-        return dim.values[randint(len(dim.values), gen)]
-    raise TypeError(f"unknown search dimension {dim!r}")
+    return dim.values[randint(len(dim.values), gen)]
 
 
 def sample_space(space: Space, gen: torch.Generator) -> dict[str, Any]:
@@ -129,23 +127,18 @@ _POSITIVE = {"lr", "batch_size"}  # > 0 over the whole range
 
 
 def validate_space(space: Space, *, known: Iterable[str], open_names: bool = False) -> None:
-    """Reject an empty space, unknown names and impossible ranges (ConfigError).
-
-    ``known`` lists the hyperparameters a member can carry; ``open_names`` accepts any
-    name (a factory that takes ``**kwargs``).
-    """
+    """Reject an empty space, unknown names and impossible ranges (ConfigError). ``known``:
+    the hyperparameters a member can carry; ``open_names``: any name (a ``**kwargs`` factory)."""
     problems: list[tuple[str, str]] = []
     if not space:
-        problems.append(
-            ("search_space", "empty: PopulationBased needs at least one hyperparameter to search")
-        )
+        problems.append(("search_space",
+                         "empty: PopulationBased needs at least one hyperparameter to search"))
     known_set = set(known)
     for name in sorted(space):
         dim, path = space[name], f"search_space.{name}"
         if not open_names and name not in known_set:
-            problems.append(
-                (path, f"unknown hyperparameter {name!r}; valid: {', '.join(sorted(known_set))}")
-            )
+            problems.append((path, f"unknown hyperparameter {name!r}; valid: "
+                                   f"{', '.join(sorted(known_set))}"))
             continue
         if name in _INTEGER:
             ok = isinstance(dim, IntDim) or (
@@ -162,6 +155,11 @@ def validate_space(space: Space, *, known: Iterable[str], open_names: bool = Fal
                 problems.append((path, f"{name} must be > 0 (got {bad[0]!r})"))
     if problems:
         raise ConfigError(problems)
+
+
+def best_of(fitness: Sequence[float | None], mode: str) -> int:
+    """Index of the best fitness (lowest index on ties)."""
+    return max(range(len(fitness)), key=lambda i: (score(fitness[i], mode), -i))
 
 
 def _clamp(x: float, lo: float, hi: float) -> float:
@@ -194,36 +192,28 @@ def score(value: float | None, mode: str = "max") -> float:
 
 
 def truncation_cutoff(n: int, fraction: float) -> int:
-    """``clamp(ceil(n·fraction), 1, ⌊n/2⌋)``; 0 when ``n < 2`` (nobody to copy from).
-
-    A tiny tolerance keeps float error from bumping exact products (0.3·10) up by one.
-    """
+    """``clamp(ceil(n·fraction), 1, ⌊n/2⌋)``; 0 when ``n < 2`` (nobody to copy from). A tiny
+    tolerance keeps float error from bumping exact products (0.3·10) up by one."""
     if n < 2:
         return 0
     c = math.ceil(n * fraction - _EPS) if fraction == fraction else 1
     return max(1, min(c, n // 2))
 
 
-def _ranking(scores: Sequence[float]) -> list[int]:
-    return sorted(range(len(scores)), key=lambda i: (-scores[i], i))
-
-
-def exploit_truncation(
-    scores: Sequence[float], fraction: float, gen: torch.Generator
-) -> list[tuple[int, int]]:
+def exploit_truncation(scores: Sequence[float], fraction: float,
+                       gen: torch.Generator) -> list[tuple[int, int]]:
     """``(recipient, donor)`` pairs for Truncation, recipients worst-first."""
     n = len(scores)
     c = truncation_cutoff(n, fraction)
     if c == 0:
         return []
-    order = _ranking(scores)
+    order = sorted(range(n), key=lambda i: (-scores[i], i))
     top, bottom = order[:c], order[n - c :][::-1]
     return [(r, top[randint(c, gen)]) for r in bottom]
 
 
-def exploit_binary(
-    scores: Sequence[float], threshold: float, gen: torch.Generator
-) -> list[tuple[int, int]]:
+def exploit_binary(scores: Sequence[float], threshold: float,
+                   gen: torch.Generator) -> list[tuple[int, int]]:
     """``(recipient, donor)`` pairs for Binary: ``i`` copies random ``j ≠ i`` if ``s_j − s_i > threshold``."""
     n = len(scores)
     if n < 2:
@@ -238,18 +228,10 @@ def exploit_binary(
     return pairs
 
 
-def explore(
-    hparams: dict[str, Any],
-    space: Space,
-    strategy: Perturbation | Resample,
-    gen: torch.Generator,
-    *,
-    frozen: Iterable[str] = (),
-) -> dict[str, Any]:
-    """New hyperparameters from ``hparams``; names in ``frozen`` are kept as they are.
-
-    Names are visited in sorted order so the draws do not depend on dict order.
-    """
+def explore(hparams: dict[str, Any], space: Space, strategy: Perturbation | Resample,
+            gen: torch.Generator, *, frozen: Iterable[str] = ()) -> dict[str, Any]:
+    """New hyperparameters from ``hparams``; names in ``frozen`` are kept as they are. Names
+    are visited in sorted order so the draws do not depend on dict order."""
     keep = set(frozen)
     out = dict(hparams)
     for name in sorted(space):
@@ -262,22 +244,13 @@ def explore(
     return out
 
 
-def evolve(
-    hparams: Sequence[dict[str, Any]],
-    scores: Sequence[float],
-    *,
-    space: Space,
-    exploit_strategy: Truncation | Binary,
-    explore_strategy: Perturbation | Resample,
-    gen: torch.Generator,
-    frozen: Iterable[str] = (),
-) -> tuple[list[dict[str, Any]], list[int], list[Copy]]:
-    """One exploit/explore step.
-
-    Returns ``(new_hparams, sources, copies)``: ``sources[i]`` is the member whose state
-    (end of this generation) member ``i`` starts the next generation from (``i`` itself
-    unless it copied), ``copies`` the exploit events in the order they were drawn.
-    """
+def evolve(hparams: Sequence[dict[str, Any]], scores: Sequence[float], *, space: Space,
+           exploit_strategy: Truncation | Binary, explore_strategy: Perturbation | Resample,
+           gen: torch.Generator, frozen: Iterable[str] = ()
+           ) -> tuple[list[dict[str, Any]], list[int], list[Copy]]:
+    """One exploit/explore step: ``(new_hparams, sources, copies)``; ``sources[i]`` is the
+    member whose state (end of this generation) member ``i`` starts the next generation from
+    (``i`` itself unless it copied), ``copies`` the exploit events in the order drawn."""
     if len(hparams) != len(scores):
         raise ValueError(f"{len(hparams)} members but {len(scores)} scores")
     frozen = tuple(frozen)
@@ -317,32 +290,20 @@ class PopulationState:
         hparams = [sample_space(space, g) for _ in range(size)]
         return cls(size=size, seed=seed, hparams=hparams, sources=[None] * size, gen=g)
 
-    def advance(
-        self,
-        fitness: Sequence[float | None],
-        *,
-        mode: str,
-        space: Space,
-        exploit_strategy: Truncation | Binary,
-        explore_strategy: Perturbation | Resample,
-        evolve_now: bool = True,
-        frozen: Iterable[str] = (),
-        errors: Sequence[str | None] | None = None,
-        metrics: Sequence[dict[str, Any] | None] | None = None,
-    ) -> dict[str, Any]:
+    def advance(self, fitness: Sequence[float | None], *, mode: str, space: Space,
+                exploit_strategy: Truncation | Binary, explore_strategy: Perturbation | Resample,
+                evolve_now: bool = True, frozen: Iterable[str] = (),
+                errors: Sequence[str | None] | None = None,
+                metrics: Sequence[dict[str, Any] | None] | None = None) -> dict[str, Any]:
         """Record generation ``self.generation`` and prepare the next; returns its record.
-
-        Raises ``RuntimeError`` when every member failed (no fitness to evolve on).
-        """
+        Raises ``RuntimeError`` when every member failed (no fitness to evolve on)."""
         if len(fitness) != self.size:
             raise ValueError(f"expected {self.size} fitness values, got {len(fitness)}")
         scores = [score(f, mode) for f in fitness]
         if all(s == float("-inf") for s in scores):
             first = next((e for e in (errors or []) if e), "no fitness reported")
-            raise RuntimeError(
-                f"generation {self.generation}: every member failed, so there is no fitness "
-                f"to evolve on (first failure: {first})"
-            )
+            raise RuntimeError(f"generation {self.generation}: every member failed, so there is "
+                               f"no fitness to evolve on (first failure: {first})")
         record: dict[str, Any] = {
             "generation": self.generation,
             "hparams": [dict(h) for h in self.hparams],
@@ -353,10 +314,9 @@ class PopulationState:
             "copies": [],
         }
         if evolve_now:
-            new, sources, copies = evolve(
-                self.hparams, scores, space=space, exploit_strategy=exploit_strategy,
-                explore_strategy=explore_strategy, gen=self.gen, frozen=frozen,
-            )
+            new, sources, copies = evolve(self.hparams, scores, space=space,
+                                          exploit_strategy=exploit_strategy,
+                                          explore_strategy=explore_strategy, gen=self.gen, frozen=frozen)
             record["copies"] = [asdict(c) for c in copies]
             self.hparams = new
             self.sources = list(sources)
@@ -367,12 +327,10 @@ class PopulationState:
         return record
 
     def best(self, mode: str = "max") -> int:
-        """Index of the best member of the last recorded generation (lowest index on ties)."""
+        """The best member of the last recorded generation (:func:`best_of`)."""
         if not self.history:
             raise ValueError("no generation recorded yet")
-        fit = self.history[-1]["fitness"]
-        scores = [score(f, mode) for f in fit]
-        return max(range(len(scores)), key=lambda i: (scores[i], -i))
+        return best_of(self.history[-1]["fitness"], mode)
 
     def state_dict(self) -> dict[str, Any]:
         doc = {

@@ -16,7 +16,7 @@ from typing import Any
 
 from ...config.job import ChoiceDim, LogUniformDim
 from ...training.report import never_fails
-from .pbt import ancestry, score
+from .pbt import ancestry, best_of
 
 
 def _numeric(dim: Any, value: Any) -> float:
@@ -50,10 +50,7 @@ def plot_population(
     gens = [r["generation"] for r in history]
     cmap = plt.get_cmap("tab10" if n <= 10 else "viridis")
     colour = [cmap(i % 10 if n <= 10 else i / max(n - 1, 1)) for i in range(n)]
-    best = None
-    if history:
-        scores = [score(f, doc.get("mode", "max")) for f in history[-1]["fitness"]]
-        best = max(range(n), key=lambda i: (scores[i], -i))
+    best = best_of(history[-1]["fitness"], doc.get("mode", "max")) if history else None
     trace = ancestry(history, best) if best is not None else []
 
     def series(ax: Any, values: list[list[float]], label: str, log: bool = False) -> None:

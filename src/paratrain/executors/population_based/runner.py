@@ -1,25 +1,20 @@
 """PopulationBased: population-based training (Jaderberg et al. 2017) over worker processes.
 
-``population_size`` members are spread round-robin over the worker processes (member ``i``
-on rank ``i mod W``). Each generation ``g`` (Algorithm 1 of the paper, with a synchronous
-"ready" point): rank 0 broadcasts the plan -- every member's hyperparameters and *source*
-(the member whose end-of-``g-1`` state it starts from) -- as JSON (:mod:`paratrain.comm.collectives`);
-every rank trains its members for the budget, evaluates their fitness and writes each
-member's file ``checkpoints/gen-<g>/member-<i>.pt`` (:mod:`.member`; a failing member reports
-no fitness and the generation goes on, :mod:`.summary`); rank 0 gathers the results, records
-the generation, runs exploit/explore (:mod:`.pbt`) and writes ``lineage.json``; then the run's
-one lifecycle checkpoints the generation (``checkpoints/step-<g>/``, kind ``pbt``): the
-population on process 0 and, under ``engine/rank<r>`` ``members``, the state of every member
-process ``r`` trained. ``--resume`` (an elastic restart, another number of workers, a fallback
-to the older checkpoint) writes the member files it needs again from that checkpoint and ends
-with the same result as an uninterrupted run: all randomness is a function of the seed, the
-member and the generation, and the population's generator travels in its checkpoint. So
-``population.keep_generations`` only prunes older ``gen-*`` folders, never what a resume needs.
-
-Members move between ranks as files, so across machines (torchrun) ``run.output_dir`` must be
-a filesystem all workers share; every rank checks this at start. ``PARATRAIN_FAULT_KILL=0:G``
-SIGKILLs rank 0 right after the checkpoint of ``G`` generations is on disk; ``R:G`` with
-``R > 0`` SIGKILLs rank R after it trained generation ``G - 1``, before it reports it.
+Member ``i`` trains on rank ``i mod W``. Each generation (Algorithm 1 of the paper, with a
+synchronous "ready" point): rank 0 broadcasts the plan (every member's hyperparameters and
+*source*: the member whose end-of-previous-generation state it starts from); every rank
+trains its members (:mod:`.member`) and writes each one's file
+``checkpoints/gen-<g>/member-<i>.pt``, through which members move between ranks (so across
+machines ``run.output_dir`` must be shared: every rank checks); rank 0 gathers the results
+(a failing member has no fitness, :mod:`.summary`), runs exploit/explore (:mod:`.pbt`) and
+writes ``lineage.json``; then the run's lifecycle checkpoints the generation
+(``checkpoints/step-<g>/``, kind ``pbt``): the population on process 0 and, as ``members``
+of ``engine/rank<r>``, every member process ``r`` trained. ``--resume`` (also an elastic
+restart, another number of workers, a fallback to the older checkpoint) writes the member
+files again from it and ends as an uninterrupted run would: all randomness is a function of
+the seed, the member and the generation. ``population.keep_generations`` only prunes older
+``gen-*`` folders. ``PARATRAIN_FAULT_KILL=0:G`` SIGKILLs rank 0 once the checkpoint of ``G``
+generations is on disk; ``R:G`` (``R > 0``) rank R after it trained generation ``G - 1``.
 """
 
 from __future__ import annotations
@@ -49,7 +44,7 @@ from ...training.lifecycle import Lifecycle, engine_state
 from ...training.rundir import RunFolder, run_dir_of, safe_rmtree
 from ...training.stores import RankStore
 from .hyperparams import validate_job
-from .member import MemberRunner
+from .member import MemberRunner, member_path
 from .pbt import PopulationState, lineage_json
 from .report import plot_population
 from .summary import NOT_TEST, lost_after, lost_before, population_summary, warn_first_failures
@@ -111,10 +106,9 @@ def _prune_members(run_dir: Path, *, keep_from: int) -> None:
 
 
 def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, Any] | None:
-    """One worker process: train this rank's members every generation (module docstring).
-    A generation is a unit of the run's one lifecycle (:class:`~paratrain.training.lifecycle.Lifecycle`):
-    the population is checkpointed after each one, and SIGINT/SIGTERM stop the run at the
-    next generation boundary, once that checkpoint is on disk, on every rank together."""
+    """One worker process: this rank's members every generation, a unit of the run's
+    :class:`~paratrain.training.lifecycle.Lifecycle` (SIGINT/SIGTERM stop at the next
+    generation boundary, once its checkpoint is on disk, on every rank together)."""
     started = time.perf_counter()
     size: int = job.strategy.population_size  # type: ignore[union-attr]
     roles = validate_job(job)
@@ -239,13 +233,24 @@ def _plan(ctx: WorkerContext, pop: PopulationState | None, token: str, generatio
 def _record(job: JobConfig, life: Lifecycle, runner: MemberRunner, pop: PopulationState,
             gathered: list[dict[str, Any]], lost: dict[str, Any], metrics: MetricsWriter,
             timing: dict[str, float], *, started: float) -> dict[str, float]:
-    """Rank 0 after a generation: the population advanced, the progress shown, the members
-    logged and ``lineage.json`` written; returns the generation's times."""
-    g = pop.generation
+    """Rank 0 after a generation: the population advanced (exploit, explore; its record with
+    each member's digests, what was applied and which members' files are lost), the progress
+    shown, the members logged and ``lineage.json`` written; returns the generation's times."""
+    strategy: Any = job.strategy
+    g, evolve = pop.generation, job.population.evolve
     by_member = {r["member"]: r for part in gathered for r in part["results"]}
     ordered = [by_member[i] for i in range(pop.size)]
     t = time.perf_counter()
-    record = _advance(job, runner, pop, ordered, lost)
+    record = pop.advance(
+        [r["fitness"] for r in ordered], mode=runner.mode, space=job.search_space,
+        exploit_strategy=strategy.exploit, explore_strategy=strategy.explore,
+        evolve_now=evolve and g < strategy.generations - 1,
+        frozen=sorted(k for k in job.search_space if runner.roles.get(k) == "model"),
+        errors=[r["error"] for r in ordered], metrics=[r["metrics"] for r in ordered])
+    record["digests"] = [{"start": r["start_digest"], "end": r["end_digest"]} for r in ordered]
+    record["applied"] = [r["applied"] for r in ordered]
+    record["lost"] = lost_after(ordered, lost, g)
+    warn_first_failures(pop, ordered, record["lost"], evolve=evolve)
     timing["evolve_s"] += time.perf_counter() - t
     loads = [float(part["flush_s"]) for part in gathered]
     for r in ordered:
@@ -289,39 +294,22 @@ def _train_mine(ctx: WorkerContext, runner: MemberRunner, plan: dict[str, Any], 
 def _finish(ctx: WorkerContext, job: JobConfig, runner: MemberRunner, pop: PopulationState,
             started: float, timing: dict[str, float], per_rank: list[dict[str, float]]) -> dict[str, Any]:
     """Rank 0: the lineage, the summary, the best member's model and the report."""
+    from ...training.export import save_model
+
     run_dir, metric, mode = run_dir_of(job), runner.metric, runner.mode
     write_json(run_dir / "lineage.json", lineage_json(pop, metric=metric, mode=mode), indent=1)
     summary = population_summary(job, pop, run_dir, ctx.world_size, started, timing, per_rank,
                                  metric=metric, mode=mode, task=runner.task,
                                  reference=runner.reference_metrics())
     summary["restarts"] = ctx.restart_count
-    summary["parameters_sha256"] = _save_best_model(run_dir, pop, int(summary["best_member"]))
+    # model.safetensors: the best member's model at the end of the last generation
+    best = checkpoint.load_checkpoint(member_path(run_dir, len(pop.history) - 1, int(summary["best_member"])))
+    save_model(run_dir, best["model"])
+    summary["parameters_sha256"] = parameters_digest(best["model"])
     write_summary(run_dir, summary)
     plot_population(run_dir / "lineage.json", run_dir / "report.png", space=job.search_space,
                     title=f"{job.run.name} (PopulationBased)")
     return summary
-
-
-def _advance(job: JobConfig, runner: MemberRunner, pop: PopulationState,
-             ordered: list[dict[str, Any]], lost: dict[str, Any]) -> dict[str, Any]:
-    """Rank 0: the population after its generation (exploit, explore), its record with
-    each member's digests, what was applied and which members' files are lost."""
-    strategy: Any = job.strategy
-    opts = job.population
-    g = pop.generation
-    record = pop.advance(
-        [r["fitness"] for r in ordered], mode=runner.mode, space=job.search_space,
-        exploit_strategy=strategy.exploit, explore_strategy=strategy.explore,
-        evolve_now=opts.evolve and g < strategy.generations - 1,
-        frozen=sorted(k for k in job.search_space if runner.roles.get(k) == "model"),
-        errors=[r["error"] for r in ordered],
-        metrics=[r["metrics"] for r in ordered],
-    )
-    record["digests"] = [{"start": r["start_digest"], "end": r["end_digest"]} for r in ordered]
-    record["applied"] = [r["applied"] for r in ordered]
-    record["lost"] = lost_after(ordered, lost, g)
-    warn_first_failures(pop, ordered, record["lost"], evolve=opts.evolve)
-    return record
 
 
 def _log_members(metrics: MetricsWriter, ordered: list[dict[str, Any]], record: dict[str, Any],
@@ -340,15 +328,3 @@ def _log_members(metrics: MetricsWriter, ordered: list[dict[str, Any]], record: 
             "member_timing_s": {k.removesuffix("_s"): round(r[k], 5) for k in
                                 ("data_s", "setup_s", "load_s", "train_s", "eval_s", "save_s")},
         })
-
-
-def _save_best_model(run_dir: Path, pop: PopulationState, best: int) -> str:
-    """``model.safetensors``: the best member's model at the end of the last generation
-    (built with its ``best_hparams``' model settings); returns its ``parameters_sha256``."""
-    from ...training.export import save_model
-    from .member_state import member_path
-
-    generation = len(pop.history) - 1
-    state = checkpoint.load_checkpoint(member_path(run_dir, generation, best))
-    save_model(run_dir, state["model"])
-    return parameters_digest(state["model"])

@@ -1,15 +1,11 @@
 """PopulationBased's failures and ``summary.json``.
 
 A member that fails before it ever saved a state (in generation 0, or sourced from such a
-member) has nothing to continue from. Under ``population.evolve = false`` (or when exploit
-does not replace it) it stays failed; every later generation then reports *its first
-failure* instead of a missing-file error that hides it. The population record of a
-generation carries ``lost`` (member -> that first failure), so a resume knows it too; rank 0
-warns at each member's first failure and the summary lists them (``first_failures``).
-
-The summary: the best member (its fitness, hyperparameters and the schedule that produced its
-weights), the population's final fitness, copies, failures and this process's timing of the
-generation loop.
+member) has nothing to continue from: every later generation it cannot run reports *its first
+failure*, not a missing-file error that hides it. A generation's record carries ``lost``
+(member -> that first failure), so a resume knows it too; rank 0 warns at each member's first
+failure and the summary lists them (``first_failures``) beside the best member, its
+hyperparameters and schedule, the final fitness, copies and this process's timing.
 """
 
 from __future__ import annotations
@@ -25,9 +21,8 @@ from .pbt import PopulationState, ancestry
 
 
 def lost_before(pop: PopulationState) -> dict[str, str]:
-    """Members with no state file after the last recorded generation (str(member) -> the
-    failure that left them so, "generation <g>: <error>"); a member sourced from one of them
-    has nothing to load and fails naming that first failure."""
+    """Members with no state after the last recorded generation (str(member) -> the failure
+    that left them so, "generation <g>: <error>")."""
     return dict(pop.history[-1].get("lost", {})) if pop.history else {}
 
 
@@ -68,11 +63,9 @@ def first_failures(pop: PopulationState) -> dict[str, str]:
 NOT_TEST = frozenset({"train_loss", "steps", "batch_size"})  # member metrics not of the test set
 
 
-def population_summary(
-    job: JobConfig, pop: PopulationState, run_dir: Path, world: int, started: float,
-    timing: dict[str, float], per_rank: list[dict[str, float]], *, metric: str, mode: str,
-    task: Any, reference: dict[str, float],
-) -> dict[str, Any]:
+def population_summary(job: JobConfig, pop: PopulationState, run_dir: Path, world: int,
+                       started: float, timing: dict[str, float], per_rank: list[dict[str, float]], *,
+                       metric: str, mode: str, task: Any, reference: dict[str, float]) -> dict[str, Any]:
     opts = job.population
     last = pop.history[-1]
     best = pop.best(mode)
