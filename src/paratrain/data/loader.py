@@ -72,8 +72,7 @@ def dataset_rows(dataset: Any) -> int:
 
 
 def batch_seed(seed: int, epoch: int, batch: int, rank: int = 0) -> int:
-    """The seed of batch ``batch`` of epoch ``epoch`` of data shard ``rank`` (a DataParallel
-    replica: replicas draw different augmentations) in a loader process (63 bits)."""
+    """The seed of batch ``batch`` of epoch ``epoch`` of data shard ``rank`` (63 bits)."""
     s = ((int(seed) * 1_000_003 + int(epoch)) * 1_000_033 + int(batch)) * 65_537 + int(rank)
     return s % (2**63 - 1)
 

@@ -109,8 +109,7 @@ def partition_dirichlet(
 
 
 def partition_speaker(speakers: Any, num_clients: int, *, seed: int) -> IndexList:
-    """Whole speaking roles per client: the distinct ``speakers`` in a seeded order, dealt
-    round-robin (role ``j`` of that order -> client ``j mod num_clients``)."""
+    """Whole speaking roles per client: the distinct speakers in a seeded order, round-robin."""
     sp = _labels(speakers)
     _check(len(sp), num_clients)
     roles, inverse = np.unique(sp, return_inverse=True)

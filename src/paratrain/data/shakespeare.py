@@ -142,8 +142,7 @@ def _encode(parts: list[tuple[str, list[tuple[int, str]]]], vocab: tuple[str, ..
 
 
 def load_corpus(test_every: int = 8) -> Corpus:
-    """Read, strip, split and encode the plays (cached per process: every dataset of one
-    process shares the same two tensors)."""
+    """Read, strip, split and encode the plays (cached: one process's datasets share the tensors)."""
     if isinstance(test_every, bool) or not isinstance(test_every, int) or test_every < 2:
         raise ConfigError([("data.test_every", f"must be an integer >= 2 (got {test_every!r})")])
     return _load_corpus(test_every)

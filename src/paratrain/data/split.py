@@ -61,8 +61,7 @@ def _approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState
 
 
 def stratified_split(y: Any, *, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(train, test)`` row indices of a seeded split keeping each label's share on both
-    sides; ConfigError when a label has one row or a side fewer rows than labels."""
+    """``(train, test)`` row indices keeping each label's share on both sides (ConfigError: too few)."""
     y = np.asarray(y)
     n_train, n_test = split_sizes(len(y), test_fraction)
     classes, codes, counts = np.unique(y, return_inverse=True, return_counts=True)

@@ -116,8 +116,7 @@ def _splitmix64(z: int) -> int:
 
 
 class RandomBlocks(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
-    """An endless stream of blocks; item ``j`` starts at ``splitmix64(seed * 2**32 + j) mod
-    (n - block_size)`` (modulo bias below n / 2**64)."""
+    """Endless blocks; item ``j`` starts at ``splitmix64(seed * 2**32 + j) mod (n - block_size)``."""
 
     def __init__(self, file: TokenFile, *, block_size: int, vocab_size: int, seed: int) -> None:
         _fits(file, block_size, "task.block_size", "the training range")

@@ -30,8 +30,7 @@ __all__ = ["ClassificationTask", "RegressionTask", "LanguageModelTask", "bigram_
 
 
 def logits_of(output: Any) -> torch.Tensor:
-    """The logits (or predictions) in a model's output: the tensor itself, the ``.logits``
-    of a Hugging Face ``ModelOutput``, a dict's ``"logits"``, a tuple's first element."""
+    """The logits in a model's output: a tensor, ``.logits``, a dict's ``"logits"``, a tuple's first."""
     if isinstance(output, torch.Tensor):
         return output
     logits = getattr(output, "logits", None)
@@ -61,8 +60,7 @@ def targets_of(batch: Any) -> torch.Tensor:
 
 
 def own_loss(output: Any, batch: Any) -> torch.Tensor | None:
-    """The model's own loss (see the module docstring): its ``.loss`` (a dict output's
-    ``"loss"``) when the batch is a dict holding ``"labels"``; None otherwise."""
+    """The model's own ``.loss`` when a dict batch holds ``"labels"`` (module docstring), else None."""
     if not (isinstance(batch, Mapping) and "labels" in batch):
         return None
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)

@@ -98,8 +98,7 @@ def call_model(task: Any, model: nn.Module | Callable[..., Any], batch: Any) -> 
 @torch.no_grad()
 def evaluate(model: nn.Module, task: Task, dataset: Dataset[Any], *,
              device: torch.device | None = None, batch_size: int | None = None) -> dict[str, float]:
-    """The task's metrics over ``dataset`` from summed ``eval_batch`` results (a stream is
-    read to its end: it must be finite)."""
+    """The task's metrics over ``dataset`` from summed ``eval_batch`` results (a stream must end)."""
     bs = int(batch_size or getattr(task, "eval_batch_size", None) or DEFAULT_EVAL_BATCH)
     collate = getattr(task, "collate_fn", None)
     was_training = model.training

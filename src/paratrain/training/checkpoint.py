@@ -53,8 +53,7 @@ def check_model_state(
     module: torch.nn.Module | Mapping[str, Any], state: Mapping[str, Any], *, source: str | Path,
     field: str = "model",
 ) -> None:
-    """A ConfigError naming every tensor whose name or shape differs between ``state``
-    (from checkpoint ``source``) and ``module`` (or its state dict); nothing is loaded."""
+    """A ConfigError naming every tensor whose name or shape differs; nothing is loaded."""
     own = module.state_dict() if isinstance(module, torch.nn.Module) else module
     problems: list[str] = []
     for k, v in own.items():

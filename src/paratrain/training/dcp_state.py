@@ -130,8 +130,7 @@ def privatize(pieces: list[Piece], meta: dict[str, Any], private: set[str] | Non
 
 
 def rebuild(meta: Mapping[str, Any]) -> tuple[dict[str, Target], Any]:
-    """Targets for exactly what a process wrote (same layout), and the function that turns
-    them, filled, into its loop state."""
+    """Targets for exactly what a process wrote, and the function giving its loop state."""
     targets: dict[str, Target] = {}
     empties: dict[str, torch.Tensor] = {}
     for k, _, shape, dtype, fqn, box in meta["model"]:

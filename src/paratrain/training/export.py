@@ -76,8 +76,7 @@ def save_model(run_dir: str | Path, state: Mapping[str, torch.Tensor], *,
 
 
 def load_model(run_dir: str | Path, *, client: int | None = None) -> dict[str, torch.Tensor]:
-    """The run's trained model as one state_dict (CPU tensors) by the model's names;
-    ``client``: a Federated client's model with its personal parts."""
+    """The run's model as one state_dict (``client``: a Federated client's, personal parts too)."""
     run = Path(run_dir)
     name = MODEL_FILE if client is None else client_model_file(client)
     path = run / name
@@ -98,8 +97,7 @@ def load_model(run_dir: str | Path, *, client: int | None = None) -> dict[str, t
 
 
 def read_model(path: str | Path) -> dict[str, torch.Tensor]:
-    """A ``.safetensors`` file :func:`save_model` wrote, in the model's ``state_dict``
-    order (safetensors itself sorts names)."""
+    """A ``.safetensors`` file :func:`save_model` wrote, in the model's ``state_dict`` order."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 

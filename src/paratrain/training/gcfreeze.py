@@ -28,9 +28,7 @@ def freeze_startup_objects() -> int:
 
 
 def own_process(*, pause: bool) -> None:
-    """This process runs one job and exits (the ``paratrain`` command, not
-    ``paratrain.fit`` in a user's process): ``pause`` stops cyclic collection until
-    :func:`resume_collections` (the run's start-up); :func:`freeze_for_exit` then applies."""
+    """This process runs one job and exits; ``pause`` collections until :func:`resume_collections`."""
     _state["owned"] = True
     if pause and gc.isenabled():
         gc.disable()
@@ -38,8 +36,7 @@ def own_process(*, pause: bool) -> None:
 
 
 def watch_garbage(obj: Any) -> None:
-    """``obj`` is garbage once its builder returns (preflight's model): while collection
-    is paused, :func:`resume_collections` collects first if a reference cycle still holds it."""
+    """``obj`` is garbage once its builder returns: a cycle holding it is collected before the freeze."""
     if _state["paused"]:
         try:
             _watched.append(weakref.ref(obj))
@@ -48,8 +45,7 @@ def watch_garbage(obj: Any) -> None:
 
 
 def resume_collections() -> None:
-    """End of the start-up pause (no-op without one): freeze what start-up built (after a
-    full collection only when a watched object is still alive), then collect again."""
+    """End of the start-up pause: freeze what start-up built, then collect again."""
     if not _state["paused"]:
         return
     _state["paused"] = False
@@ -61,8 +57,6 @@ def resume_collections() -> None:
 
 
 def freeze_for_exit() -> None:
-    """In a process :func:`own_process` claimed: freeze everything before the interpreter
-    exits, so its last collection does not walk the whole heap (everything is freed with
-    the process). Elsewhere a no-op."""
+    """In a process :func:`own_process` claimed: freeze everything before the interpreter exits."""
     if _state["owned"]:
         gc.freeze()

@@ -31,8 +31,7 @@ MAX_INTERVAL = 1024  # and at least every this many units
 
 
 class Interrupted(KeyboardInterrupt):
-    """A run stopped by SIGINT/SIGTERM after writing its checkpoint at ``step`` (a
-    ``unit``: Federated counts rounds, PopulationBased generations)."""
+    """A run stopped by SIGINT/SIGTERM after writing its checkpoint at ``step`` (of ``unit``)."""
 
     def __init__(self, signame: str, step: int, unit: str = "step") -> None:
         self.signame, self.step = signame, step
@@ -99,8 +98,7 @@ class Cadence:
 
 
 def agree(stop: bool, time_due: bool, group: Any) -> tuple[bool, bool]:
-    """``(stop, time_due)`` true on every rank of ``group`` when true on any (None: one
-    process, the local values)."""
+    """``(stop, time_due)`` true on every rank of ``group`` when true on any."""
     if group is None:
         return stop, time_due
     lo_stop, lo_due = C.all_min_ints([-int(stop), -int(time_due)], group=group)

@@ -20,8 +20,7 @@ __all__ = ["Lifecycle", "engine_state"]
 
 
 class Lifecycle:
-    """The lifecycle of one process of a run (every process of ``group`` makes the same
-    calls in the same order: :meth:`end_unit` and the saves are collective)."""
+    """One process's lifecycle (every process of ``group`` makes the same calls in the same order)."""
 
     def __init__(self, *, store: Any, unit: str, total: int, label: str, state: Callable[[int], dict[str, Any]],
                  checkpoint_every: int | str = 0, group: Any = None, rank: int = 0,
@@ -49,8 +48,7 @@ class Lifecycle:
         return found
 
     def begin(self, done: int, *, resume: bool, found: bool, metrics: MetricsWriter | None = None) -> None:
-        """The run continues after ``done`` units (``resume``: asked for; ``found``: from a
-        checkpoint): the metrics of later units are cut (they are taken again)."""
+        """The run continues after ``done`` units: later units' metrics are cut (taken again)."""
         if metrics is not None:
             self.metrics = metrics
         if resume and self.metrics is not None:

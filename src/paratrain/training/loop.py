@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,7 +37,7 @@ from .stepping import (
 from .summary import parameters_digest, summary_fields
 
 __all__ = [
-    "resolve_device", "epoch_permutation", "parameters_digest", "Engine", "LocalEngine",
+    "resolve_device", "epoch_permutation", "parameters_digest", "LocalEngine",
     "Trainer", "DataPlan", "Position", "LoopResult", "LoopRun", "run_loop", "batch_size_of", "summary_fields",
 ]
 
@@ -62,51 +62,20 @@ def batch_size_of(batch: Batch) -> int:
     return batch_rows(batch)
 
 
-class Engine(Protocol):
-    """What an executor supplies to the loop (one per process); :class:`LocalEngine` is the
-    base every strategy's engine overrides."""
-
-    model: nn.Module  # this process's module: the parameters its optimizer steps
-    zero_grad_set_to_none: bool
-
-    def forward_backward(self, batch: Batch, *, weight: float, last: bool) -> float:
-        """Backpropagate ``weight * loss(batch)``; return the unweighted loss where known
-        (else 0.0). ``last``: the step's last batch (a strategy may exchange gradients)."""
-
-    def sync(self) -> None:
-        """Combine gradients across processes (after the step's last backward)."""
-
-    def grad_sq_norm(self) -> float:
-        """The squared L2 norm of the whole model's gradient (every process, same value)."""
-
-    def after_step(self) -> dict[str, float]:
-        """Per-step metrics to log after the optimizer step (e.g. consensus distance)."""
-
-    def evaluate(self) -> dict[str, float] | None:
-        """The task's test metrics on the logging process (None on the others)."""
-
-    def mean_over_ranks(self, value: float) -> float:
-        """``value`` averaged over the processes that compute training losses."""
-
-    def log_extras(self) -> dict[str, Any]:
-        """Extra fields of every evaluation record (e.g. ``comm_bytes``)."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
 class LocalEngine:
-    """One process: forward under the job's precision, the task's loss, backward."""
+    """What an executor supplies to the loop (one per process), the base of every strategy's
+    engine: here one process's forward under the job's precision, the task's loss, backward."""
 
     zero_grad_set_to_none = True
 
     def __init__(self, model: nn.Module, task: Any, test: Any, *, device: torch.device,
                  precision: str = "fp32") -> None:
-        self.model, self.task, self.test = model, task, test
+        self.model, self.task, self.test = model, task, test  # model: what the optimizer steps
         self.device, self.precision = device, precision
 
     def forward_backward(self, batch: Batch, *, weight: float, last: bool) -> float:
+        """Backpropagate ``weight * loss(batch)``; return the unweighted loss where known
+        (else 0.0). ``last``: the step's last batch (a strategy may exchange gradients)."""
         from ..task.steps import call_model
 
         del last
@@ -116,27 +85,33 @@ class LocalEngine:
         return float(loss.detach())
 
     def sync(self) -> None:
-        pass
+        """Combine gradients across processes (after the step's last backward)."""
 
     def grad_sq_norm(self) -> float:
+        """The squared L2 norm of the whole model's gradient (every process, same value)."""
         return float(local_grad_sq_norm(self.model.parameters()))
 
     def after_step(self) -> dict[str, float]:
+        """Per-step metrics to log after the optimizer step (e.g. consensus distance)."""
         return {}
 
     def evaluate(self) -> dict[str, float] | None:
+        """The task's test metrics on the logging process (None on the others)."""
         from ..task.steps import evaluate as evaluate_task
 
         with autocast(self.precision, self.device):
             return evaluate_task(self.model, self.task, self.test, device=self.device)
 
     def mean_over_ranks(self, value: float) -> float:
+        """``value`` averaged over the processes that compute training losses."""
         return value
 
     def log_extras(self) -> dict[str, Any]:
+        """Extra fields of every evaluation record (e.g. ``comm_bytes``)."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:
+        """The strategy's own state, checkpointed."""
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -147,7 +122,7 @@ class Trainer:
     """One optimizer step from a list of batches (:mod:`.stepping`): accumulate, sync,
     clip, step, schedule (also the federated client's and the PBT member's step)."""
 
-    def __init__(self, engine: Engine, optimizer: torch.optim.Optimizer, train: Any,
+    def __init__(self, engine: LocalEngine, optimizer: torch.optim.Optimizer, train: Any,
                  total_steps: int, *, scheduler: Any = None) -> None:
         self.engine, self.optimizer = engine, optimizer
         self.clip = train.grad_clip_norm
@@ -183,7 +158,6 @@ class LoopResult:
     position: Position
     final: dict[str, float] | None
     best: float | None
-    started_at_step: int
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -234,8 +208,6 @@ def run_loop(run: LoopRun) -> LoopResult:
 
 
 class _Loop:
-    """One :func:`run_loop`."""
-
     def __init__(self, run: LoopRun) -> None:
         self.run_ = run
         self.started = time.perf_counter() if run.started is None else run.started
@@ -287,7 +259,7 @@ class _Loop:
             if ev is not None:
                 self.results[pos.step] = ev
         final = self.results.get(pos.step)
-        return LoopResult(pos, final, self._best(final), start_step,
+        return LoopResult(pos, final, self._best(final),
                           {"resumed_from": self.resumed_from} if self.resumed_from else {})
 
     def _resume(self, source: Any, state: dict[str, Any]) -> None:

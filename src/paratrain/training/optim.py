@@ -54,7 +54,6 @@ def _without_compiler_import() -> Iterator[None]:
 
 
 def check_optimizer(params: Iterable[Any], spec: OptimizerSpec) -> None:
-    """Build ``spec``'s optimizer over ``params`` and discard it (ConfigError as
-    :func:`build_optimizer`), without importing torch's compiler."""
+    """Build ``spec``'s optimizer over ``params`` and discard it, without importing torch's compiler."""
     with _without_compiler_import():
         build_optimizer(params, spec)

@@ -71,13 +71,6 @@ class LineProgress:
         self.stream, self.clock = stream, clock
         self.tasks: dict[TaskID, dict[str, Any]] = {}
 
-    def __enter__(self) -> LineProgress:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     def start(self) -> None:
         pass
 

@@ -34,8 +34,7 @@ _R = TypeVar("_R")
 
 
 def never_fails(fn: Callable[_P, _R]) -> Callable[_P, _R | None]:
-    """A plot is a by-product of a finished run: a failure to draw it warns naming the cause
-    and returns None."""
+    """A plot is a by-product: a failure to draw it warns naming the cause and returns None."""
 
     @functools.wraps(fn)
     def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R | None:
@@ -102,8 +101,7 @@ def panels(records: Iterable[Mapping[str, Any]]) -> list[tuple[str, list[str]]]:
 
 
 def curves_figure(run_dir: str | Path, *, x_key: str = "step", title: str | None = None) -> Any:
-    """The figure of ``report.png`` (the caller closes it): each key of each :func:`panels`
-    entry one curve against ``x_key``."""
+    """The figure of ``report.png`` (the caller closes it): each :func:`panels` key against ``x_key``."""
     _import_matplotlib()
     import matplotlib.pyplot as plt
 

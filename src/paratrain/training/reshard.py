@@ -41,8 +41,7 @@ def param_keys(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]
 
 def param_names(module: nn.Module, optimizer: torch.optim.Optimizer,
                 names: Mapping[str, str] | None = None) -> list[str]:
-    """The model names of ``optimizer``'s parameters in ``param_groups`` order
-    (``names`` maps ``module``'s own names to the model's; identity when None)."""
+    """The model names of ``optimizer``'s parameters in ``param_groups`` order (``names``: own -> model's)."""
     return [names.get(k, k) if names is not None else k for k in param_keys(module, optimizer)]
 
 

@@ -87,8 +87,7 @@ def holds_run(d: str | Path) -> bool:
 
 
 def _drop_inherited_locks() -> None:
-    """In a forked child: close the inherited lock fds (a ``flock`` belongs to the open file,
-    so a child would keep the folder locked after its parent died)."""
+    """In a forked child: close the inherited lock fds (a ``flock`` belongs to the open file)."""
     for fd, _count in _HELD.values():
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -108,8 +107,7 @@ def _is_held(d: Path) -> bool:
 
 
 def _owns_run_folder() -> bool:
-    """Whether this process claims the run folder: torchrun's rank 0, or not under torchrun
-    and node 0 (``--node-rank``)."""
+    """Whether this process claims the run folder: torchrun's rank 0, or node 0 without torchrun."""
     if all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
         return os.environ["RANK"] == "0"
     return os.environ.get("PARATRAIN_NODE_RANK", "0") in ("", "0")
@@ -257,8 +255,7 @@ class RunFolder:
             _release(self.path)
 
     def prepare(self) -> Path:
-        """Clear (fresh run), create the folder and write job.json; returns the folder.
-        On resume call it only once the checkpoint was checked against the job."""
+        """Clear (fresh run), create the folder and write job.json (on resume: once checked)."""
         if self.owner:
             if not self.resume:
                 _clear(self.path, Path(self.job.run.output_dir))
@@ -299,8 +296,7 @@ def _clean(v: Any) -> Any:
 
 
 class MetricsWriter:
-    """Appends one JSON record per line to ``metrics.jsonl`` and hands each to the run's
-    experiment trackers (``run.loggers`` of job.json, :mod:`.loggers`)."""
+    """Appends one JSON record per line to ``metrics.jsonl``, each also to the run's trackers."""
 
     def __init__(self, run_dir: str | Path) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"

@@ -29,8 +29,7 @@ def read_layout(folder: Path) -> dict[str, Any] | None:
 
 
 def read_named_model(folder: str | Path) -> dict[str, torch.Tensor]:
-    """The whole model of checkpoint ``folder`` by the model's names (one process; for
-    export: this reads every tensor)."""
+    """The whole model of checkpoint ``folder`` by the model's names (every tensor: for export)."""
     from ..comm import dcp  # torch.distributed.checkpoint: only when a folder is read
 
     folder = Path(folder)
@@ -54,8 +53,7 @@ def read_named_model(folder: str | Path) -> dict[str, torch.Tensor]:
 
 
 def read_rank_state(folder: str | Path, rank: int = 0) -> dict[str, Any]:
-    """Process ``rank``'s loop state as it saved it into checkpoint ``folder`` (one
-    process reads it: for inspection and tests), the dict ``run_loop`` saves."""
+    """Process ``rank``'s loop state as saved into checkpoint ``folder`` (inspection, tests)."""
     from ..comm import dcp
 
     blobs = dcp.load(folder, {}, blobs=[S.meta_key(rank), S.engine_key(rank)], group=None, world=1)

@@ -51,8 +51,7 @@ log = logging.getLogger(__name__)
 
 
 def _dcp() -> ModuleType:
-    """:mod:`paratrain.comm.dcp`, imported on first use: torch.distributed.checkpoint
-    imports DTensor and its operator table (~0.7 s), needed only at the first save or resume."""
+    """torch.distributed.checkpoint imports DTensor (~0.7 s): only at the first save or resume."""
     from ..comm import dcp
 
     return dcp
@@ -124,8 +123,7 @@ class Held:
 
 
 class RankStore:
-    """The checkpoints of ``world`` processes (rank ``rank`` of ``group``; ``prefix`` names
-    the strategy: ``dp``, ``tp``, ``mp``, ``local``). ``save`` and ``load`` are collective."""
+    """The checkpoints of ``world`` processes (``prefix``: ``dp``, ``tp``, ``mp``, ...); collective."""
 
     def __init__(self, run_dir: str | Path, prefix: str, *, rank: int, world: int, group: Any,
                  layout: dict[str, Any], layout_field: str,
@@ -140,8 +138,6 @@ class RankStore:
         self._side: Any = None  # the save thread's gloo group (several processes)
         self._pending: _Pending | None = None  # the save in flight
         self._buffers: dict[tuple[str, Any], torch.Tensor] = {}  # the last save's staged copies
-
-    # -- where ----------------------------------------------------------------------------
 
     def _g(self) -> Any:
         return self.group if self.world > 1 else None
@@ -168,8 +164,6 @@ class RankStore:
     def _remove_stale(self) -> None:
         for p in self.root.glob(".step-*.tmp"):
             safe_rmtree(p, self.root)
-
-    # -- save -----------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Checkpoint ``state`` as step ``step`` (collective); written when this returns."""
@@ -257,8 +251,6 @@ class RankStore:
                                 f"{save_reason(e)}")]) from None
         C.barrier(g)
 
-    # -- load -----------------------------------------------------------------------------
-
     def load(self, held: Held | None = None) -> tuple[Path, dict[str, Any]] | None:
         """``(folder, state)`` of the newest readable checkpoint (None: there is none);
         ``state`` is this process's loop state, with ``"resharded": True`` when it was
@@ -338,7 +330,8 @@ class RankStore:
         if not self.reshard:
             shape = ", ".join(f"{k}={v}" for k, v in self.layout.items())
             raise ConfigError([(self.layout_field, (
-                f"the newest checkpoint in {self.root}, {folder.name} ({_shape(doc)}), was written "
+                f"the newest checkpoint in {self.root}, {folder.name} "
+                f"({', '.join(f'{k}={v}' for k, v in doc.items() if k not in ('step', 'kind'))}), was written "
                 f"with another layout than this job's ({shape}); resume with the original "
                 "settings or start without --resume"))])
         if self.reshard == "engines":
@@ -372,8 +365,7 @@ class RankStore:
                         "layout": first.get("layout"), "resharded": True, "reset": reset}
 
     def _load_engines(self, folder: Path, doc: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
-        """Another layout of a strategy whose state is its engine's (``reshard="engines"``):
-        every process reads process 0's position and model and every old engine state."""
+        """Another layout of an engine-state strategy: process 0's position and model, every engine."""
         old_world = int(doc.get("world", 1))
         keys = [S.meta_key(r) for r in range(old_world)] + [S.engine_key(r) for r in range(old_world)]
         blobs = _dcp().load(folder, {}, blobs=keys, group=self.group, world=self.world)
@@ -432,10 +424,6 @@ def _stage(obj: Any) -> Any:
     if isinstance(obj, (int, float, str, bytes, bool, type(None))):
         return obj
     return copy.deepcopy(obj)
-
-
-def _shape(doc: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in doc.items() if k not in ("step", "kind"))
 
 
 def _agree(missing: list[str], wrong: list[str], saved_groups: int, optimizer: torch.optim.Optimizer,

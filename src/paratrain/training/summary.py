@@ -32,9 +32,7 @@ def parameters_digest(state: nn.Module | Mapping[str, torch.Tensor]) -> str:
 
 def summary_fields(result: Any, task: Any, *, train: Any, test: Any, model: nn.Module | None,
                    started: float) -> dict[str, Any]:
-    """The summary keys every strategy reports (on the logging process): position, test
-    metrics, best, reference metrics, ``resumed_from``, wall time and, given the whole model,
-    its parameter count and digest."""
+    """The summary keys every strategy reports (on the logging process)."""
     out: dict[str, Any] = {"steps": result.position.step, "epochs": result.position.epoch,
                            "task": str(getattr(task, "name", type(task).__name__))}
     if model is not None:

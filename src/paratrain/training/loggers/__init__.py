@@ -26,9 +26,7 @@ class Tracker(Protocol):
     """One experiment tracker's run (its own module: tensorboard, mlflow_tracker, wandb_tracker)."""
 
     def held_through(self) -> float | None:
-        """The last step the tracker run holds from earlier sessions (a resumed run's), or
-        None where the tracker drops what a killed session wrote past the resume point
-        itself (TensorBoard's ``purge_step``)."""
+        """The last step the tracker run holds from earlier sessions (None: it purges them itself)."""
 
     def log(self, step: int, values: dict[str, float]) -> None: ...
 
