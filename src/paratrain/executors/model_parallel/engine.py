@@ -31,10 +31,9 @@ DEFAULT_BUCKET_BYTES = bucket_bytes_of(DEFAULT_BUCKET_MB)
 
 
 class StageModel(nn.Module):
-    """This rank's parts as one module (what its optimizer steps and its checkpoint holds),
-    plus the parameters it holds for ``get_attr`` reads (``attrs``; a parameter already in
-    a part is registered once). A rank that owns nothing keeps one empty placeholder
-    parameter, so that its optimizer and scheduler exist like every other rank's."""
+    """This rank's parts as one module (what its optimizer steps and checkpoint holds), plus
+    the tensors it holds for ``get_attr`` reads; a rank owning no parameter keeps an empty
+    placeholder, so its optimizer and scheduler exist like every other rank's."""
 
     def __init__(self, modules: dict[int, nn.Module],
                  attrs: dict[str, torch.Tensor] | None = None,
@@ -53,7 +52,6 @@ class StageModel(nn.Module):
                 self.held.register_parameter(name, t)
             else:
                 self.held.register_buffer(name, t)
-        # a rank whose parts hold no parameter (e.g. only a flatten) gets the placeholder too
         empty = not any(True for m in modules.values() for _ in m.parameters()) and not list(
             self.held.parameters())
         self.placeholder = nn.Parameter(torch.zeros(0)) if empty else None

@@ -1,37 +1,33 @@
 """The per-rank ModelParallel runtime: run this rank's parts of the cut graph over a transport.
 
 The model is cut into parts ``P_0 .. P_{k-1}`` in topological order
-(:mod:`paratrain.graph.partition`); part ``P_p`` is an fx GraphModule taking the values
-``inputs(p)`` (the model's arguments on the batch, outputs of other parts, parameters read by
-``get_attr``) and returning ``outputs(p)``. For micro-batch ``i`` of a ``B``-row batch:
+(:mod:`paratrain.graph.partition`); ``P_p`` takes the values ``inputs(p)`` (the model's
+arguments, other parts' outputs, parameters read by ``get_attr``) and returns ``outputs(p)``.
+For micro-batch ``i`` of a ``B``-row batch:
 
-- ``F(i, p)``: gather ``inputs(p)``: the model's arguments on the micro-batch's rows (every
-  rank reads the batch, :mod:`.feed`), a value another rank produced (received: transfer
-  ``t``, key ``("act", i, t)``) or one this rank produced (detached, so each part's backward
-  stays its own); run ``P_p``; send each output to every rank that reads it. The loss part
-  forms ``L_i = w * loss(out_i, batch_i) * n_i / B`` (``loss`` the task's mean over the
-  ``n_i`` rows, ``w`` the batch's weight in its optimizer step).
-- ``B(i, p)``: backpropagate ``L_i`` and, for each output ``v``, the sum of ``dL/dv`` over all
-  its readers (received ``("grad", i, t)``, or accumulated from my later parts) through
-  ``P_p``; send ``dL/d(input)`` back to its producer once my last reader of it has run.
-- ``W(i, p)`` (ZBH1 only): ``B`` computed the input gradients only; ``W`` adds the weight
-  gradients (:mod:`.backward_split`).
-- a parameter held on one rank and read on another (a tie across workers) is sent once per
-  step and its gradient, summed over the micro-batches, comes back after the last.
+- ``F(i, p)``: gather ``inputs(p)`` (the model's arguments on the micro-batch's rows: every
+  rank reads the batch; a value received from another rank, key ``("act", i, t)``; or one of
+  my parts' outputs, detached so each part's backward stays its own), run ``P_p``, send each
+  output to every rank that reads it. The loss part forms ``L_i = w * loss(out_i, batch_i) *
+  n_i / B`` (``loss`` the task's mean over the ``n_i`` rows, ``w`` the batch's weight).
+- ``B(i, p)``: backpropagate ``L_i`` and, for each output, the sum of ``dL/dv`` over all its
+  readers (received ``("grad", i, t)``, or from my later parts) through ``P_p``; send
+  ``dL/d(input)`` back once my last reader of that input has run.
+- ``W(i, p)`` (ZBH1): the weight gradients ``B`` left (:mod:`.backward_split`).
+- a parameter read on another rank than its holder's (a tie across workers) is sent once per
+  step; its gradient, summed over the micro-batches, comes back after the last.
 
 Since ``sum_i L_i = w * loss(batch)`` for a loss that is a mean over rows, and gradients add
-over readers and micro-batches, the loss and every parameter gradient equal those of the
-unpartitioned model on the same batch (up to float summation order). Orders come from
-:mod:`.schedule` (GPipe, 1F1B, Interleaved1F1B, ZBH1) or the sequential order of
-Direct/DataStore. The transport is duck-typed (``send``/``recv``/``flush``, optionally
-``post``): :class:`paratrain.comm.p2p.P2PTransport` or ``DataStoreTransport``.
+over readers and micro-batches, the loss and every gradient equal the unpartitioned model's
+(up to float summation order). Orders come from :mod:`.schedule`. The transport is duck-typed
+(``send``/``recv``/``flush``, optionally ``post``): ``P2PTransport`` or ``DataStoreTransport``.
 
 Why not ``torch.distributed.pipelining``: its stages are a linear chain (stage ``k`` feeds
-``k + 1`` only; its ``pipeline()`` split expects a sequential model) with one schedule class
-per order, while a cut here is any topology: a value may skip stages or go back to a rank's
-earlier part, a rank may own several non-adjacent parts (Direct/DataStore), two towers may
-join, a stage may be replicated over rows (:mod:`.replicas`) or tensor-parallel, and a tie
-across workers stays one tensor. Where both run the same thing they agree:
+``k + 1`` only; ``pipeline()`` splits a sequential model) with one schedule class per order,
+while a cut here is any topology: a value may skip stages or go back to a rank's earlier part,
+a rank may own several non-adjacent parts (Direct/DataStore), two towers may join, a stage may
+be replicated over rows (:mod:`.replicas`) or tensor-parallel, and a tie across workers stays
+one tensor. Where both run the same thing they agree:
 ``tests/executors/model_parallel/test_pipeline_vs_torch.py`` checks 1F1B, GPipe,
 Interleaved1F1B and ZBH1 against torch's schedules on the same stages (equal losses and
 gradients).
