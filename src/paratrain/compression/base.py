@@ -30,7 +30,8 @@ from typing import Any, Protocol
 import torch
 
 from ._kernels import scatter_dense
-from .errors import SUPPORTED_DTYPES, CompressionError
+from .errors import SUPPORTED_DTYPES
+from .errors import CompressionError as CompressionError  # re-exported: executors.federated.wire
 from .quant_kernels import dequantize_packed
 from .wire import parse, to_bytes, wire_nbytes
 
