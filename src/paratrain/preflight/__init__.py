@@ -81,7 +81,7 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True,
     pairings_ok = _stage(problems, _subgraph_pairings, job)
     bundle = _stage(problems, _build, job, instances) if imported else None
     if bundle is not None and pairings_ok:
-        _stage(problems, _subgraph_paths, job, getattr(bundle, "model", None))
+        _stage(problems, _subgraph_paths, job, bundle.model)
     if bundle is not None:
         _stage(problems, _spec_check, job, "check_data", bundle)
         if strategy_ok and not problems:
@@ -183,20 +183,13 @@ def _subgraph_pairings(job: JobConfig) -> None:
         check_pairings(job)
 
 
-def _subgraph_paths(job: JobConfig, model: Any = None) -> None:
-    """``[subgraphs]``: every key a module path of the job's model (``model`` when the
-    build stage has it, else built as the executors build it), Local subgraphs holding
-    state and sharing no tied tensor with the rest."""
-    if not job.subgraphs:
-        return
-    from ..subgraphs import check_paths
-    from ..task import resolve_task
+def _subgraph_paths(job: JobConfig, model: Any) -> None:
+    """``[subgraphs]``: every key a module path of the job's model (the build stage's), Local
+    subgraphs holding state and sharing no tied tensor with the rest."""
+    if job.subgraphs:
+        from ..subgraphs import check_paths
 
-    if model is None:
-        task = resolve_task(job)
-        train, _ = task.datasets(job.run.seed)
-        model = task.build_model(job.model, train)
-    check_paths(model, job)
+        check_paths(model, job)
 
 
 def _spec_check(job: JobConfig, name: str, *args: Any) -> None:

@@ -77,8 +77,9 @@ def _field_of(message: str, names: list[str], section: str, aliases: dict[str, s
 
 def _build(job: JobConfig, instances: Instances | None = None) -> Any:
     """Load the data, build the model with its kwargs, run it on two rows, build the
-    optimizer with its kwargs; the data bundle (with ``instances``, or another task than
-    the default: the datasets and the model, as ``train``/``test``/``model``)."""
+    optimizer with its kwargs; what was built: ``train``, ``test`` and ``model``."""
+    from types import SimpleNamespace
+
     import torch
     from torch.utils.data import TensorDataset
 
@@ -113,7 +114,7 @@ def _build(job: JobConfig, instances: Instances | None = None) -> Any:
     if not isinstance(bundle.train, TensorDataset):  # paratrain.fit's own Datasets (its saved_data)
         checked = preflight_task(job, datasets=(bundle.train, bundle.test), model=model)
         _optimizer(job, checked.model)
-        return bundle
+        return checked
     kwargs = job.model.kwargs
     x, _ = bundle.train.tensors
     try:
@@ -125,7 +126,7 @@ def _build(job: JobConfig, instances: Instances | None = None) -> Any:
                         f"{type(e).__name__}: {e}")
         raise ConfigError([(_field_of(msg, list(kwargs), "model"), msg)]) from None
     _optimizer(job, model)
-    return bundle
+    return SimpleNamespace(train=bundle.train, test=bundle.test, model=model)
 
 
 def _model(job: JobConfig, bundle: Any) -> Any:
