@@ -52,10 +52,8 @@ def run_in_process(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
 
 
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Run a federated job and return its summary (also in runs/<name>/summary.json).
-
-    Data and model are built here first; this (launching) process holds the run
-    folder's lock while the workers run."""
+    """Run a federated job and return its summary (also in runs/<name>/summary.json); this
+    (launching) process builds data and model first and holds the run folder's lock."""
     from ...comm.launch import launch
     from ...comm.rendezvous import in_torchrun
     from ...config import ConfigError

@@ -34,10 +34,9 @@ def personal_digest(workers: list[dict[str, Any]]) -> str:
 
 def run_summary(*, job: Any, task: Any, server: Any, model: Any, run_dir: Path, final: dict[str, Any],
                 final_per: dict[str, Any], train_set: Any, test_set: Any, wall_s: float) -> dict[str, Any]:
-    """The summary both runtimes report (worker processes, :mod:`.runner`; Flower,
-    :mod:`.flower.serverloop`): the job, the server's counters, the final and best test
-    metrics (best over the rounds logged in ``metrics.jsonl``), the task's reference metrics
-    and the global model's digest. ``model`` holds the global model."""
+    """The summary both runtimes report: the job, the server's counters, the final and best
+    test metrics (over ``metrics.jsonl``), the task's reference metrics and the digest of the
+    global model ``model``."""
     from ...training import parameters_digest, read_metrics
 
     strat = job.strategy

@@ -216,10 +216,9 @@ class FederatedServer:
         }
 
     def check_state(self, state: Mapping[str, Any], *, source: Any) -> None:
-        """A ConfigError when checkpoint ``state`` (from file ``source``) was written with
-        another aggregation method or model than this server's; nothing is loaded.
-        (A checkpoint that predates the method's name is judged by its server optimizer
-        state's fields.)"""
+        """A ConfigError when checkpoint ``state`` (from ``source``) was written with another
+        aggregation method (or, before it was named, server optimizer state), DP setting or
+        model than this server's; nothing is loaded."""
         saved = state.get("aggregation")
         agg_state = state.get("aggregator", {})
         fields = set(agg_state) if isinstance(agg_state, Mapping) else set()

@@ -79,10 +79,8 @@ def dense_payload(flat: Tensor) -> bytes:
 def encode_update(
     delta: Mapping[str, Tensor], *, compress: Any = None
 ) -> tuple[list[dict[str, Any]], bytes]:
-    """Headers and payload for ``delta``.
-
-    ``compress(name, tensor) -> bytes`` (a compressed wire record) is used for
-    floating tensors when given; otherwise every tensor goes as float32.
+    """Headers and payload for ``delta``: floating tensors through ``compress(name, tensor) ->
+    bytes`` (a compressed wire record) when given, every other tensor as float32.
     """
     headers: list[dict[str, Any]] = []
     chunks: list[bytes] = []

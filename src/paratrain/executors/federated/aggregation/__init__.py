@@ -9,24 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._adaptive import FedAdagradAggregator, FedAdamAggregator, FedYogiAggregator
+from . import _adaptive, drift, fedavg, robust
 from ._common import Aggregator, MalformedUpdateError
-from .drift import (
-    FedNovaAggregator,
-    ScaffoldAggregator,
-    control_keys,
-    fednova_norm,
-    scaffold_client_control,
-)
-from .fedavg import (
-    FedAvgAggregator,
-    FedAvgMAggregator,
-    FedProxAggregator,
-    fedavg_step,
-    proximal_term,
-)
+from .drift import control_keys, fednova_norm, scaffold_client_control
+from .fedavg import fedavg_step, proximal_term
 from .krum import KrumAggregator, krum_select
-from .robust import FedMedianAggregator, FedTrimmedAvgAggregator, coordinate_median, trimmed_mean
+from .robust import coordinate_median, trimmed_mean
 
 __all__ = [
     "Aggregator", "AGGREGATORS", "build_aggregator", "MalformedUpdateError",
@@ -36,9 +24,10 @@ __all__ = [
 
 #: method name (the contract's ``method``) -> aggregator class
 AGGREGATORS: dict[str, type[Aggregator]] = {cls.name: cls for cls in (
-    FedAvgAggregator, FedProxAggregator, FedYogiAggregator, FedAdamAggregator,
-    FedAdagradAggregator, FedAvgMAggregator, FedMedianAggregator, FedTrimmedAvgAggregator,
-    KrumAggregator, ScaffoldAggregator, FedNovaAggregator,
+    fedavg.FedAvgAggregator, fedavg.FedProxAggregator, _adaptive.FedYogiAggregator,
+    _adaptive.FedAdamAggregator, _adaptive.FedAdagradAggregator, fedavg.FedAvgMAggregator,
+    robust.FedMedianAggregator, robust.FedTrimmedAvgAggregator, KrumAggregator,
+    drift.ScaffoldAggregator, drift.FedNovaAggregator,
 )}
 
 

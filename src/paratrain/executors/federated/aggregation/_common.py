@@ -27,12 +27,10 @@ class MalformedUpdateError(ValueError):
 
 
 class Aggregator(ABC):
-    """A server aggregator: ``aggregate(global_state, updates, weights) -> new_global_state``
-    applies the method's :meth:`step` (``updates[i]`` is client i's delta by tensor name,
-    ``weights[i]`` its example count); ``state_dict`` / ``load_state_dict`` hold its server
-    state (none unless a subclass keeps some). ``aggregate_round`` also takes each client's
-    round info (``infos[i]``: ``{"steps", "norm", "control"}``), which only SCAFFOLD and
-    FedNova read; the server always calls it."""
+    """A server aggregator: ``aggregate`` applies the method's :meth:`step` (``weights[i]``:
+    client i's example count); ``state_dict`` holds its server state. The server calls
+    ``aggregate_round``, which also takes each client's ``{"steps", "norm", "control"}``
+    (SCAFFOLD and FedNova read them)."""
 
     name: ClassVar[str]
     #: the contract's fields (``config.federated_aggregation``) the constructor takes by name
@@ -103,10 +101,8 @@ def linear_combination(states: Sequence[Mapping[str, Tensor]], coefs: Sequence[f
 
 
 def apply_step(global_state: Mapping[str, Tensor], step: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """``w_new[k] = w_global[k] + step[k]`` cast to each global tensor's dtype.
-
-    Integer buffers (e.g. counters) are rounded to the nearest integer.
-    """
+    """``w_new[k] = w_global[k] + step[k]`` cast to each global tensor's dtype (integer
+    buffers rounded to the nearest integer)."""
     out: dict[str, Tensor] = {}
     for name, g in global_state.items():
         new = g.detach().to(torch.float64) + step[name]

@@ -27,11 +27,8 @@ from ._common import Aggregator, Update, check_weights, linear_combination
 
 
 def fedavg_step(updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
-    """The example-weighted mean of the updates, per key, in float64.
-
-    Accumulated update by update in the given order (one float64 buffer per key, no
-    stacked copy), so memory stays flat in the number of clients.
-    """
+    """The example-weighted mean of the updates, per key, in float64, accumulated update by
+    update in the given order (no stacked copy: memory flat in the number of clients)."""
     n = len(updates)
     w = check_weights(weights, n)
     total = float(w.sum())
