@@ -1,8 +1,6 @@
-"""Tensor parallelism (DESIGN §4; Shoeybi et al. 2019, Megatron-LM): partition arithmetic
-(:mod:`.partition`), column/row-parallel layers (:mod:`.layers`, their autograd operators in
-:mod:`.autograd`, every collective a :mod:`paratrain.comm.tp` call) and ``parallelize``
-(:mod:`.module`), which converts a model by the rules of :mod:`.rules` (:mod:`.foreign` for HF
-and timm blocks, :mod:`.plan` for ``[tensor_parallel.plan]``), walked by :mod:`.converter`.
+"""Tensor parallelism (DESIGN §4; Shoeybi et al. 2019, Megatron-LM): column/row-parallel
+layers (:mod:`.layers`, :mod:`.autograd`) and ``parallelize`` (:mod:`.module`), which converts
+a model by the rules of :mod:`.rules`, :mod:`.foreign` (HF, timm) and :mod:`.plan`.
 
 Why these layers and not torch's DTensor + ``parallelize_module``: on 2 gloo CPU ranks
 (``benchmarks/tensor_parallel.py``, RESULTS.md) a training step takes 0.57x (4-layer MLP) and

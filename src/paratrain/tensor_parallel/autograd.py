@@ -8,8 +8,7 @@ input gradient overlaps the weight-gradient matmul; the ``fused_*`` operators gi
 of one input ONE backward collective of their summed gradients. Every forward collective goes
 through :func:`.memory.taped`, so a recomputed segment reads its output back instead of
 communicating again (a row layer's partial matmul runs inside the taped call and is skipped
-too). Reductions run in fp32; only ``TPComm`` methods are called (every torch.distributed call
-stays in :mod:`paratrain.comm`); each operator is the identity on a group of size 1.
+too). Reductions run in fp32; only ``TPComm`` methods are called.
 """
 
 from __future__ import annotations

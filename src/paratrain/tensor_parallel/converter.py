@@ -1,10 +1,7 @@
-"""The walk that swaps a dense model's modules for their tensor-parallel versions (the rules
-are :func:`~.module.parallelize`'s): ``[tensor_parallel.plan]`` entries first (:mod:`.plan`),
-then blocks written by others (:mod:`.foreign`) where no entry reaches into them, attention
-(:mod:`.rules`), encoder layers, and in every ``nn.Sequential`` the MLP pairs (or 2-D grid
-runs, or lone Linears with only one of ``column_parallel`` / ``row_parallel``).
-``Converter.units`` counts the parallel units made, ``Converter.notes`` says per module path
-what a plan entry or a block rule did to it.
+"""The walk that swaps a dense model's modules for their tensor-parallel versions: plan
+entries first (:mod:`.plan`), then blocks written by others (:mod:`.foreign`) where no entry
+reaches into them, attention (:mod:`.rules`), encoder layers, and in every ``nn.Sequential``
+the MLP pairs (or 2-D grid runs, or lone Linears with only one of column / row parallel).
 """
 
 from __future__ import annotations
@@ -114,14 +111,8 @@ class Converter:
             return self._encoder(m, prefix)
         return None
 
-    def _warn_replicated(self, m: nn.Module, prefix: str) -> None:
-        if isinstance(m, nn.Linear) and not is_plain_linear(m):
-            warnings.warn(f"parallelize: {module_where(prefix, m)} is an nn.Linear subclass with its own "
-                          "forward or extra parameters; it stays replicated (not sharded)",
-                          UserWarning, stacklevel=4)
-
     def convert(self, m: nn.Module, prefix: str = "") -> nn.Module:
-        planned = self._planned(m, prefix.rstrip(".")) if self.plan else None
+        planned = self._planned(m, prefix.rstrip(".")) if self.plan.entries else None
         if planned is not None:
             return planned
         new = self._special(m, prefix)
@@ -130,7 +121,10 @@ class Converter:
         if isinstance(m, nn.Sequential):
             self._sequential(m, prefix)
             return m
-        self._warn_replicated(m, prefix)
+        if isinstance(m, nn.Linear) and not is_plain_linear(m):
+            warnings.warn(f"parallelize: {module_where(prefix, m)} is an nn.Linear subclass with its own "
+                          "forward or extra parameters; it stays replicated (not sharded)",
+                          UserWarning, stacklevel=3)
         if getattr(type(m), TP_ATTENTION_PROTOCOL, None) is not None:
             return m  # opted out: kept whole
         for name, child in list(m.named_children()):
@@ -138,8 +132,7 @@ class Converter:
         return m
 
     def _row_first(self, first: nn.Linear) -> bool:
-        """RowWise pairs start with the row-parallel layer; Dynamic picks per pair by the
-        [in, out] shape of the first weight (ColumnWise when out > in, as partition_tensor)."""
+        """RowWise pairs start with the row layer; Dynamic ones when not out > in."""
         if self.strategy == "RowWise":
             return True
         if self.strategy == "Dynamic":
@@ -191,10 +184,9 @@ class Converter:
         return linears[-1] + 1
 
     def _pair(self, first: nn.Linear, second: nn.Linear, name: str) -> tuple[nn.Module, nn.Module]:
-        """An MLP pair: column-then-row (Megatron: f before, g after; the sequence-parallel
-        all-gather / reduce-scatter with ReduceScatter; with AllGather a gathered column output
-        re-split by the row layer), or row-then-column (split input, all-reduced row output,
-        all-gathered column output)."""
+        """An MLP pair: column-then-row (Megatron's f and g, their sequence-parallel forms, or
+        with AllGather a gathered column output re-split by the row layer), or row-then-column
+        (split input, all-reduced row output, all-gathered column output)."""
         kw: dict[str, Any] = {"comm": self.comm, "state": self.state}
         seq_mode = self.mode == "seq"
         if self._row_first(first):
@@ -222,7 +214,7 @@ class Converter:
     def _sequential(self, seq: nn.Sequential, prefix: str) -> None:
         names = list(seq._modules.keys())
         mods = [seq._modules[n] for n in names]
-        planned = [bool(self.plan) and self.plan.entry_for(prefix + n) is not None for n in names]
+        planned = [bool(self.plan.entries) and self.plan.entry_for(prefix + n) is not None for n in names]
         i = 0
         while i < len(mods):
             m, name = mods[i], names[i]

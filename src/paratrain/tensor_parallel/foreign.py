@@ -1,19 +1,14 @@
 """Blocks written by others that ``parallelize`` shards without a plan (the table is in
-docs/tensor-parallel.md; Megatron's layout, Shoeybi et al. 2019 §3, as HF's own
-``base_model_tp_plan``).
+docs/tensor-parallel.md; Megatron's layout, as HF's own ``base_model_tp_plan``).
 
-A block is recognised by its class (or a base class; transformers' by module and name, with
-no import of transformers) *and* by its ``forward`` being that class's own: a subclass that
-overrides ``forward`` may compute something else, so it is a ConfigError naming its path, and
-so is a recognised block with submodules, parameters or buffers its known forward does not
-have. The sharded block's forward runs unchanged on the shard wherever it reshapes with ``-1``
-heads (HF's Llama / Mistral / GPT-2): its head-count attributes become the local ones. In
-grouped-query attention (Ainslie et al. 2023) rank ``r`` keeps query heads ``[rH/p, (r+1)H/p)``
-and kv heads ``[rK/p, (r+1)K/p)``, exactly the kv heads its query heads read (head ``h`` reads
-``h // (H/K)``), so ``num_key_value_heads`` must divide by ``p``; only the ``eager`` and ``sdpa``
-attention implementations are known to read nothing else. timm's ``Attention`` is replaced
-(:class:`~.foreign_layers.ParallelFusedQKVAttention`). :func:`register_block` declares another
-class to have one of these structures and forwards: the caller's promise.
+A block is recognised by its class (transformers' by module and name, without importing it)
+*and* by its ``forward`` being that class's own: an overriding subclass may compute something
+else, so it is a ConfigError naming its path, as is a block with submodules, parameters or
+buffers its known forward lacks. HF's forwards run unchanged on the shard (they reshape with
+``-1`` heads; the head counts become the local ones): in grouped-query attention rank ``r``
+keeps query heads ``[rH/p, (r+1)H/p)`` and kv heads ``[rK/p, (r+1)K/p)``, exactly those its
+query heads read (``h // (H/K)``), and only the ``eager`` / ``sdpa`` implementations are known
+to read nothing else. :func:`register_block` declares another class to be one of these blocks.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
-"""Parallel layers for modules written by others: GPT-2's ``Conv1D``, packed (fused)
-projections, and timm's fused-``qkv`` attention.
-
-A ``Conv1D`` computes ``x W + b`` with ``W`` stored ``[in, out]``; its column/row-parallel forms
-keep that layout (checkpoints use the model's own shapes) and run the Megatron functions on
-``W^T``. A *packed* projection (``[q | k | v]`` along the output features: GPT-2's ``c_attn``,
-timm's ``qkv``) must not be cut into contiguous chunks (rank 0's would hold all of q and part
-of k): :class:`PackedColumnParallel` shards each part on its own, so rank ``i`` computes
-``[q_i | k_i | v_i]``, the packed layout of its own heads, with one fused f for the parts.
-timm's ``Attention`` reshapes its context to the input's width, which a shard lacks, so
-:class:`ParallelFusedQKVAttention` re-implements its forward on ``heads / p`` local heads.
+"""Parallel layers for modules written by others. A GPT-2 ``Conv1D`` computes ``x W + b`` with
+``W`` stored ``[in, out]``; its column/row-parallel forms keep that layout (checkpoints use the
+model's own shapes) and run the Megatron functions on ``W^T``. A *packed* projection
+(``[q | k | v]`` along the output features: GPT-2's ``c_attn``, timm's ``qkv``) must not be cut
+into contiguous chunks (rank 0's would hold all of q and part of k): :class:`PackedColumnParallel`
+shards each part on its own, so rank ``i`` computes ``[q_i | k_i | v_i]``, the packed layout of
+its own heads, with one fused f for the parts. timm's ``Attention`` reshapes its context to the
+input's width, which a shard lacks, so :class:`ParallelFusedQKVAttention` re-implements its
+forward on ``heads / p`` local heads.
 """
 
 from __future__ import annotations
@@ -65,11 +63,11 @@ class PackedColumnParallel(nn.Module):
     Conv1D; the bias on 0), so checkpoints keep the dense name and layout (:mod:`.shards`)."""
 
     def __init__(self, dense: nn.Module, parts: int, *, comm: TPComm, state: RegionState,
-                 gather_output: bool = False, unit: int = 1) -> None:
+                 unit: int = 1) -> None:
         super().__init__()
         self.conv1d = is_conv1d(dense)
         self.parts = int(parts)
-        self.comm, self.gather_output = comm, gather_output
+        self.comm = comm
         layer_cls = ColumnParallelConv1D if self.conv1d else ColumnParallelLinear
         w, b = _dense_tensors(dense, self.conv1d)
         n_out, n_in = int(w.shape[0]), int(w.shape[1])
@@ -92,11 +90,7 @@ class PackedColumnParallel(nn.Module):
         layers = [getattr(self, n) for n in self.names]
         refuse_sequence_shards(layers[0].state, self)
         xs = fused_copy_to_region(x, self.comm, self.parts)
-        y = torch.cat([lay(xi, input_done=True) for lay, xi in zip(layers, xs, strict=True)], dim=-1)
-        if self.gather_output and self.comm.size > 1:
-            raise ValueError("a packed column layer's output stays sharded (gathering it would "
-                             "interleave the parts)")
-        return y
+        return torch.cat([lay(xi, input_done=True) for lay, xi in zip(layers, xs, strict=True)], dim=-1)
 
     def meta_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The output's shape, communicating nothing (see ``ColumnParallelLinear.meta_forward``)."""
@@ -108,9 +102,8 @@ class PackedColumnParallel(nn.Module):
 
 
 class ParallelFusedQKVAttention(nn.Module):
-    """timm's ``Attention`` on ``heads / p`` local heads (see the module docstring):
-    ``qkv`` packed-column-parallel, ``proj`` row-parallel, ``q_norm`` / ``k_norm`` (per head)
-    and the dropouts kept as they are."""
+    """timm's ``Attention`` on ``heads / p`` local heads: ``qkv`` packed-column-parallel,
+    ``proj`` row-parallel, the per-head ``q_norm`` / ``k_norm`` and the dropouts kept."""
 
     def __init__(self, dense: nn.Module, *, comm: TPComm, state: RegionState) -> None:
         super().__init__()
@@ -131,9 +124,8 @@ class ParallelFusedQKVAttention(nn.Module):
         self.proj_drop: nn.Module = dense.proj_drop  # type: ignore[assignment]
 
     def _per_head(self, norm: nn.Module, t: torch.Tensor) -> torch.Tensor:
-        """``norm`` (replicated, acting per head) on this rank's heads; its parameters enter
-        through Megatron's f (identity forward, gradient summed over the ranks), since each
-        rank's heads give only part of their gradient."""
+        """``norm`` (replicated) on this rank's heads; its parameters enter through Megatron's f,
+        since each rank's heads give only part of their gradient."""
         params = dict(norm.named_parameters())
         if not params or self.comm.size == 1:
             return norm(t)

@@ -9,9 +9,8 @@ SUMMA; whole panels in one all-gather instead of ``g`` broadcast steps: the same
 fewer calls). Forward: ``X_i: = all_gather_{R_i}(X_ij)``, ``W_j: = all_gather_{C_j}(W_ij)``,
 ``Y_ij = X_i: W_j:^T + b_j``; backward: ``dX_ij = reduce_scatter_{R_i}(dY_ij W_j:)``,
 ``dW_ij = reduce_scatter_{C_j}(dY_ij^T X_i:)``, ``db_j = all_reduce_{C_j}(sum_rows dY_ij)``.
-The first layer keeps its block of the replicated input, the last all-gathers its output (the
-scatter/gather region operators, once per grid dim). Each sharded parameter carries
-``tp_grid``: the (comm, dim, sizes) gathers that rebuild the full tensor, in order.
+The first layer keeps its block of the replicated input, the last all-gathers its output.
+Each sharded parameter carries ``tp_grid``: the (comm, dim, sizes) gathers that rebuild it.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Megatron-style tensor-parallel layers (Shoeybi et al. 2019, §3; Korthikanti et al. 2022).
-
-With ``p`` ranks and a dense ``Y = X A + b`` (``A = weight.T``, ``[in, out]``):
-:class:`ColumnParallelLinear` keeps ``A_i``, the rank's ceil-sized block of output columns,
-``Y_i = f(X) A_i + b_i`` (``gather_output``: the ``Y_i`` all-gathered); :class:`RowParallelLinear`
-keeps the block of input rows, ``Z = g(sum_i X_i A_i) + b`` with the bias added once, after
-the reduction (without ``input_is_parallel`` the full ``X`` is split first). In sequence-
-parallel mode ("seq") the activations outside the pair are sharded along the sequence dim:
-``f`` becomes an all-gather, ``g`` a reduce-scatter. :class:`ParallelSelfAttention` splits
-the heads (q/k/v column-parallel, o row-parallel); when the input fits
-``fusion_threshold_bytes`` q/k/v share one ``f``. The operators are in :mod:`.autograd`.
+With ``p`` ranks and a dense ``Y = X A + b`` (``A = weight.T``, ``[in, out]``),
+:class:`ColumnParallelLinear` keeps ``A_i``, the rank's ceil-sized block of output columns:
+``Y_i = f(X) A_i + b_i``; :class:`RowParallelLinear` the block of input rows: ``Z = g(sum_i X_i
+A_i) + b``, the bias added once, after the reduction. In sequence-parallel mode ("seq") the
+activations outside the pair are sharded along the sequence dim: ``f`` becomes an all-gather,
+``g`` a reduce-scatter. :class:`ParallelSelfAttention` splits the heads.
 """
 
 from __future__ import annotations
@@ -100,7 +96,27 @@ class _Sharded(nn.Module):
     ``[in, out]`` weight layout kept (``conv1d``: GPT-2's, :mod:`.foreign_layers`)."""
 
     conv1d = False
-    weight: nn.Parameter
+
+    def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
+                 bias: bool, mode: str, sizes: list[int] | None, column: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.comm, self.state, self.mode = comm, state, mode
+        self.shard_sizes = _check_sizes(sizes, out_features if column else in_features, comm.size)
+        local = self.shard_sizes[comm.rank]
+        # [out, in] with the sharded dim cut; a Conv1D keeps its [in, out] layout, transposed
+        shape, dim = ([local, in_features], 0) if column else ([out_features, local], 1)
+        if self.conv1d:
+            shape, dim = shape[::-1], 1 - dim
+        self.weight = nn.Parameter(torch.empty(*shape))
+        self.bias = nn.Parameter(torch.zeros(local if column else out_features)) if bias else None
+        _mark(self.weight, dim, self.shard_sizes)
+        if column and self.bias is not None:
+            _mark(self.bias, 0, self.shard_sizes)
+
+    @property
+    def shard_offset(self) -> int:
+        return sum(self.shard_sizes[: self.comm.rank])
 
     def linear_weight(self) -> torch.Tensor:
         """The shard as ``nn.Linear`` lays it out, ``[out, in]`` (a view of a Conv1D's)."""
@@ -124,22 +140,10 @@ class ColumnParallelLinear(_Sharded):
     def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
                  bias: bool = True, mode: str = "copy", gather_output: bool = False,
                  sizes: list[int] | None = None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.comm, self.state, self.mode, self.gather_output = comm, state, mode, gather_output
-        self.out_sizes = _check_sizes(sizes, out_features, comm.size)
-        local = self.out_sizes[comm.rank]
-        # a Conv1D keeps its [in, out] layout: the shard is W[:, cols_i], on dim 1
-        shape, dim = ((in_features, local), 1) if self.conv1d else ((local, in_features), 0)
-        self.weight = nn.Parameter(torch.empty(*shape))
-        self.bias = nn.Parameter(torch.zeros(local)) if bias else None
-        _mark(self.weight, dim, self.out_sizes)
-        if self.bias is not None:
-            _mark(self.bias, 0, self.out_sizes)
-
-    @property
-    def shard_offset(self) -> int:
-        return sum(self.out_sizes[: self.comm.rank])
+        super().__init__(in_features, out_features, comm=comm, state=state, bias=bias, mode=mode,
+                         sizes=sizes, column=True)
+        self.gather_output = gather_output
+        self.out_sizes = self.shard_sizes
 
     def load_dense(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
         s, n = self.shard_offset, self.out_sizes[self.comm.rank]
@@ -182,20 +186,10 @@ class RowParallelLinear(_Sharded):
     def __init__(self, in_features: int, out_features: int, *, comm: TPComm, state: RegionState,
                  bias: bool = True, mode: str = "reduce", input_is_parallel: bool = True,
                  sizes: list[int] | None = None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.comm, self.state, self.mode = comm, state, mode
+        super().__init__(in_features, out_features, comm=comm, state=state, bias=bias, mode=mode,
+                         sizes=sizes, column=False)
         self.input_is_parallel = input_is_parallel
-        self.in_sizes = _check_sizes(sizes, in_features, comm.size)
-        local = self.in_sizes[comm.rank]
-        shape, dim = ((local, out_features), 0) if self.conv1d else ((out_features, local), 1)
-        self.weight = nn.Parameter(torch.empty(*shape))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        _mark(self.weight, dim, self.in_sizes)
-
-    @property
-    def shard_offset(self) -> int:
-        return sum(self.in_sizes[: self.comm.rank])
+        self.in_sizes = self.shard_sizes
 
     def load_dense(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
         s, n = self.shard_offset, self.in_sizes[self.comm.rank]

@@ -1,17 +1,14 @@
 """Activation memory: recomputation levels, the tape of collective outputs, and a meter of
-the bytes saved for backward.
-
-``memory_optimization`` checkpoints segments of 4 / 2 / 1 / 1 blocks (Low / Medium / High /
-Extreme; a block runs from one tensor-parallel unit to the next; the table is in
-docs/tensor-parallel.md; Chen et al. 2016). Extreme also moves saved tensors to host memory.
-No level recomputes communication: every collective of a segment's forward writes its output
-on the segment's :class:`CollectiveTape`, and the recomputation in backward, reaching the same
-collectives in the same order, reads them back (Korthikanti et al. 2022, §5: a collective's
-output is the most expensive thing to recompute), so every level moves None's bytes. Low and
-Medium also tape the sharded matmuls' outputs (selective recomputation: only norms,
-activations, the attention core and dropout are re-run). An entry changed in place since it
-was recorded, or a call past the end of the tape, runs the collective instead; every rank
-runs the same code, so every rank makes the same choice and the collectives stay matched.
+the bytes saved for backward. ``memory_optimization`` checkpoints segments of 4 / 2 / 1 / 1
+blocks (Low / Medium / High / Extreme, Chen et al. 2016; Extreme also moves saved tensors to
+host memory; the table is in docs/tensor-parallel.md). No level recomputes communication:
+every collective of a segment's forward writes its output on the segment's
+:class:`CollectiveTape`, and the recomputation, reaching the same collectives in the same
+order, reads them back (Korthikanti et al. 2022, §5: a collective's output is the most
+expensive thing to recompute), so every level moves None's bytes. Low and Medium also tape the
+sharded matmuls' outputs (selective: only norms, activations, the attention core and dropout
+are re-run). An entry changed in place since it was recorded, or a call past the end of the
+tape, runs the collective instead; every rank makes the same choice, so collectives match.
 """
 
 from __future__ import annotations
@@ -177,10 +174,8 @@ def keeps_matmuls() -> bool:
 
 
 def taped(collective: Callable[[], Any], *, matmul: bool = False) -> Any:
-    """Run a forward collective (returning a tensor or a tuple of tensors) through the
-    innermost active tape, if any: recorded on a segment's first run, read back instead of
-    run when the segment is recomputed. ``matmul``: a sharded layer's local product, taped
-    only by a tape that keeps matmuls (the selective levels), else simply run."""
+    """Run a forward collective (a tensor or a tuple of them) through the innermost active tape,
+    if any. ``matmul``: a sharded layer's local product, taped only at the selective levels."""
     if not _TAPES:
         return collective()
     tape, replay = _TAPES[-1]

@@ -1,9 +1,7 @@
 """``parallelize`` and :class:`TensorParallelModule`: a converted model and what a run does with it.
 
 ``parallelize`` shards a full, identically initialised copy of the model on every rank (the
-weights are sliced from it, so the result computes the same function; the rules are in
-:mod:`.rules`, the walk in :mod:`.converter`, the user's view in docs/tensor-parallel.md).
-``partitioning_strategy``: ColumnWise = column-then-row pairs (Megatron, one reduction per
+weights are sliced from it, so the result computes the same function). ``partitioning_strategy``: ColumnWise = column-then-row pairs (Megatron, one reduction per
 direction); RowWise = row-then-column (split input, all-reduced row output, all-gathered
 column output: two collectives per direction); Dynamic = per pair by the first weight's shape
 (column-first when out > in, as ``partition_tensor``); SequenceWise = the sequence-parallel
@@ -17,9 +15,8 @@ ReduceScatter is sequence parallelism between the first and the last parallel ch
 root Sequential (dim 1 of ``[B, S, E]`` inputs, dim 0 of ``[B, F]``): the replicated
 parameters in that region see only their shard's tokens, so their gradients are summed over
 TP in :meth:`TensorParallelModule.sync_gradients` (as are a plan's ``sequence`` modules'), which
-also averages over DP in 2-D runs (:class:`~paratrain.comm.grad_sync.GradSync`). The module also
-reports its ``layout`` and ``statistics`` and gathers whole tensors under the dense model's
-names (``dense_state_dict``, :mod:`.shards`), as checkpoints and ``paratrain export`` use them.
+also averages over DP in 2-D runs (:class:`~paratrain.comm.grad_sync.GradSync`). The module
+reports its ``layout`` and ``statistics`` and gathers whole tensors under the dense names.
 """
 
 from __future__ import annotations
@@ -113,8 +110,6 @@ class TensorParallelModule(nn.Module):
         self.pattern = config.communication_pattern.value
         strategy = config.partitioning_strategy.value
         self.seq = (self.pattern == "ReduceScatter" or strategy == "SequenceWise") and tp > 1
-        # BatchWise: weights stay whole, the batch is split over the TP ranks (no weight
-        # communication; gradients summed over the group in sync_gradients)
         self.batch_split = strategy == "BatchWise" and tp > 1
         if self.batch_split:
             self.seq = False
@@ -141,9 +136,8 @@ class TensorParallelModule(nn.Module):
         self._plan()
         self._record_partitions()
         self._param_ptrs = {p.data_ptr() for p in self.module.parameters()}
-        # False: a recomputed segment reads its forward collectives' outputs back from a tape
-        # (no extra traffic); True: it runs them again, storing only the segment inputs (the
-        # policy before the tape, kept to measure what it saves; :mod:`.memory`)
+        # True: a recomputed segment runs its forward collectives again instead of reading them
+        # from its tape (the policy before the tape, kept to measure what the tape saves)
         self.recompute_collectives = False
         self.last_peak_activation_bytes: int | None = None
         # 2-D: the data-parallel gradient average (and buffer broadcast) over the DP group;
@@ -257,10 +251,9 @@ class TensorParallelModule(nn.Module):
         return x
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward. A tensor-to-tensor call of a model built of paratrain's blocks
-        runs the block plan (segments, sequence region); any other call (keyword arguments,
-        a model whose outputs are not tensors, e.g. HF's ``ModelOutput``) runs the whole model,
-        checkpointed as one segment (non-reentrant, so any output structure keeps its graph)."""
+        """A tensor-to-tensor call of a model of paratrain's blocks runs the block plan; any
+        other call (keyword arguments, HF's ``ModelOutput``...) runs the whole model, checkpointed
+        as one segment (non-reentrant, so any output structure keeps its graph)."""
         if self.free_form or kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor):
             return self._forward_call(args, kwargs)
         return self._forward_tensor(args[0])
@@ -311,19 +304,15 @@ class TensorParallelModule(nn.Module):
                     if not trains and not out.requires_grad:
                         out = self._run(seg, out)  # nothing to recompute for (e.g. a flatten)
                     else:
-                        out = checkpoint(self._seg_fn(seg), out, dummy, use_reentrant=True)
+                        out = checkpoint(self._taped(self._segment(seg)), out, dummy, use_reentrant=True)
         return out.float() if self.config.mixed_precision and out.is_floating_point() else out
 
-    def _seg_fn(self, seg: list[int]) -> Any:
-        def fn(x: torch.Tensor, _dummy: torch.Tensor) -> torch.Tensor:
-            return self._run(seg, x)
-        return self._taped(fn)
+    def _segment(self, seg: list[int]) -> Any:
+        return lambda x, _dummy: self._run(seg, x)
 
     def _taped(self, fn: Any) -> Any:
-        """``fn`` (one checkpointed segment) with its own tape of collective outputs: the
-        recomputation in backward reads them back instead of communicating again
-        (:class:`.memory.CollectiveTape`; offloaded to host under Extreme).
-        ``recompute_collectives`` runs them again instead."""
+        """``fn`` (one checkpointed segment) with its own tape of collective outputs (offloaded
+        to host under Extreme); ``recompute_collectives`` runs them again instead."""
         if self.recompute_collectives:
             return fn
         level = self.config.memory_optimization.value
@@ -356,8 +345,7 @@ class TensorParallelModule(nn.Module):
 
     def layout(self) -> list[tuple[str, str]]:
         """What tensor parallelism did to each module it touched, as ``(path, how)`` in model
-        order: the plan's and the block rules' notes, then paratrain's own parallel layers
-        (``paratrain validate`` / ``graph`` print it)."""
+        order (``paratrain validate`` / ``graph`` print it)."""
         if self.batch_split:
             return [("<root>", "BatchWise: the whole model on each rank's slice of the batch")]
         out = list(self.sharding)
@@ -408,15 +396,12 @@ class TensorParallelModule(nn.Module):
             snap["hierarchy"] = getattr(self.comm, "hierarchy", None) or "flat (1 rank)"
         return snap
 
-    def _mha_prefixes(self) -> list[str]:
-        return [n + "." if n else "" for n, m in self.module.named_modules()
-                if isinstance(m, ParallelEncoderLayer)]
-
     def to_dense_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rename full (gathered) tensors to the dense model's keys: an encoder layer's
         q/k/v/o go back into ``self_attn.in_proj_*`` / ``self_attn.out_proj.*``."""
         out = dict(tensors)
-        for pre in self._mha_prefixes():
+        for pre in [n + "." if n else "" for n, m in self.module.named_modules()
+                    if isinstance(m, ParallelEncoderLayer)]:
             a = pre + "self_attn."
             for kind in ("weight", "bias"):
                 parts = [out.pop(f"{a}{c}.{kind}", None) for c in "qkv"]

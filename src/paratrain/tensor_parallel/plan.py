@@ -1,15 +1,11 @@
 """``[tensor_parallel.plan]``: module-path patterns -> styles, applied before the built-in rules.
 
 A pattern matches the paths of ``model.named_modules()`` component by component (``*`` and
-``?`` within one component, as torch's ``parallelize_module``); the first pattern in the
-table's order that matches a module decides its style (its ``PlanEntry``): ``colwise`` /
-``rowwise`` / ``packed_colwise`` make the parallel layers of :mod:`.layers` and
-:mod:`.foreign_layers` of a plain ``nn.Linear`` or GPT-2 Conv1D, ``replicate`` keeps the module
-whole with nothing inside it sharded, ``sequence`` / ``prepare_input`` (torch's
-``SequenceParallel`` / ``PrepareModuleInput``) keep it, hooked to change the layout of its
-input or output, and walk on into its children. A module whose subtree a pattern reaches is
-left to the plan by the block rules of :mod:`.foreign`. As in torch, a plan is the user's
-statement of the layout, not proved equivalent; a pattern matching no module is a ConfigError.
+``?`` within one, as torch's ``parallelize_module``); the first matching pattern decides the
+module's style (the styles are in docs/tensor-parallel.md). ``sequence`` / ``prepare_input``
+(torch's ``SequenceParallel`` / ``PrepareModuleInput``) keep the module, hooked to change the
+layout of its input or output, and walk on into its children. As in torch, a plan is the
+user's statement of the layout, not proved equivalent.
 
 Sequence parallelism (Korthikanti et al. 2022, §4.2.2) splits the activations between the
 tensor-parallel regions (norms, residual adds, dropout) along the sequence dim (dim 1 of
@@ -66,9 +62,6 @@ class Plan:
         self.comm, self.state = comm, state
         self.used: set[str] = set()
         self.sequence_modules: list[nn.Module] = []  # their parameters' gradients are summed
-
-    def __bool__(self) -> bool:
-        return bool(self.entries)
 
     def entry_for(self, path: str) -> tuple[str, PlanEntry] | None:
         for pattern, entry in self.entries.items():

@@ -48,13 +48,10 @@ def is_elementwise(m: nn.Module | None) -> bool:
     return any(isinstance(m, base) and type(m).forward is base.forward for base in ELEMENTWISE)
 
 
-_ENCODER_METHODS = ("forward", "_sa_block", "_ff_block")
-
-
 def encoder_problem(m: nn.TransformerEncoderLayer) -> str | None:
     """Why ``m`` cannot become a ParallelEncoderLayer computing the same function, if so."""
     t = type(m)
-    changed = [f for f in _ENCODER_METHODS if getattr(t, f) is not getattr(nn.TransformerEncoderLayer, f)]
+    changed = [f for f in ("forward", "_sa_block", "_ff_block") if getattr(t, f) is not getattr(nn.TransformerEncoderLayer, f)]
     if changed:
         return f"{t.__qualname__} overrides {', '.join(changed)}"
     a = m.self_attn
@@ -86,10 +83,9 @@ TP_ATTENTION_PROTOCOL = "__paratrain_tp_attention__"
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What a module returns from ``__paratrain_tp_attention__()`` to have its heads split:
-    its four projections, its head count and whether it masks future positions. It
-    promises ``forward(x) == o(SelfAttention.attend(q(x), k(x), v(x), num_heads, causal))``
-    and that q/k/v/o hold all of the module's parameters and buffers."""
+    """What a module returns from ``__paratrain_tp_attention__()`` to have its heads split, a
+    promise: ``forward(x) == o(SelfAttention.attend(q(x), k(x), v(x), num_heads, causal))``
+    and q/k/v/o hold all of the module's parameters and buffers."""
 
     q: nn.Linear
     k: nn.Linear

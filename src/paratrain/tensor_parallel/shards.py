@@ -1,7 +1,7 @@
 """Where each tensor of a tensor-parallel rank lies in the dense model: its name there and
 its shard spec ``{"shape": the dense shape, "slices": [[dim, start, length], ...]}``, so that
-checkpoints resume on another tensor-parallel size (or as a Local / DataParallel run) by the
-model's own names (:mod:`paratrain.training.reshard`). A column/row shard is one slice along
+checkpoints resume on another size by the model's own names (:mod:`paratrain.training.reshard`).
+A column/row shard is one slice along
 ``tp_shard_dim`` with the layer's split sizes (uneven Custom sizes and empty trailing shards
 included; never padding, so every spec covers real elements only), a 2-D grid block one slice
 per grid dim. An encoder layer's q/k/v are rows ``[c E, (c + 1) E)`` of ``self_attn.in_proj_*``
@@ -108,8 +108,7 @@ def _fused(spec: Spec | None, p: nn.Parameter, index: int, dim: int = 0, parts: 
     return {"shape": shape, "slices": slices}
 
 
-def dense_names_and_shards(tpm: nn.Module, *, prefix: str = "module.",
-                           rank: int = 0) -> tuple[dict[str, str], dict[str, Spec]]:
+def dense_names_and_shards(tpm: nn.Module, *, rank: int = 0) -> tuple[dict[str, str], dict[str, Spec]]:
     """For every ``state_dict`` key of ``tpm`` (a TensorParallelModule, whose model is
     ``tpm.module``): its name in the dense model, and the shard spec of the keys that hold
     part of a dense tensor (``rank``: this rank's index in its TP group)."""
@@ -120,7 +119,7 @@ def dense_names_and_shards(tpm: nn.Module, *, prefix: str = "module.",
     names: dict[str, str] = {}
     shards: dict[str, Spec] = {}
     for key in tpm.state_dict():
-        local = key.removeprefix(prefix)
+        local = key.removeprefix("module.")
         dense, index = renamed.get(local, (local, None))
         names[key] = dense
         p = params.get(local)

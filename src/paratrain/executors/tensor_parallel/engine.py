@@ -4,11 +4,9 @@ A batch (the same on every rank of a TP group) runs in ``tensor_parallel.micro_b
 chunks, each backpropagating ``weight * (n_chunk / n) * loss(chunk)``; the layout's gradient
 reductions run once per optimizer step in :meth:`sync`, or after every micro-batch with
 ``gradient_accumulation = false`` (summed, as DDP without ``no_sync``). ``grad_sq_norm`` is the
-whole model's, the same on every rank: a parameter held by ``f`` of the ``tp`` ranks of a group
-(1 for a column/row shard, ``g`` for a 2-D grid bias) adds ``||g||^2 / f`` to a sum all-reduced
-over TP; a replicated one (the same gradient on every TP rank after the sync) is added locally
-once; the DP replicas are already in sync. Evaluation runs on every rank (the forward has TP
-collectives); rank 0 returns the metrics.
+whole model's on every rank: a parameter held by ``f`` of the ``tp`` ranks of a group (1 for a
+column/row shard, ``g`` for a 2-D grid bias) adds ``||g||^2 / f`` to a sum all-reduced over TP;
+a replicated one (the same on every TP rank after the sync) is added locally once.
 """
 
 from __future__ import annotations

@@ -16,8 +16,6 @@ from typing import Any
 from ...config.effective import Effective, Ignored, is_set
 from ...config.job import JobConfig
 
-_LEVELS = ("None", "Low", "Medium", "High", "Extreme")
-
 
 @dataclass(frozen=True)
 class TPProbe:
@@ -65,7 +63,7 @@ def _memory_equivalents(level: str, probe: TPProbe) -> tuple[list[str], str]:
         k = seg[lv]
         return (min(k, probe.blocks) if k else 0, lv == "Extreme" and probe.accelerator, lv in SELECTIVE)
 
-    same = [lv for lv in _LEVELS if lv != level and effect(lv) == effect(level)]
+    same = [lv for lv in seg if lv != level and effect(lv) == effect(level)]
     k = seg[level]
     if k == 0:
         why = "no activation checkpointing"

@@ -2,15 +2,12 @@
 Local strategy (``tp`` processes) or DataParallel (``tp x num_replicas``, 2-D; ZeRO over the
 dp column with ``shard``, :mod:`.zero`).
 
-Ranks ``[d*tp, (d+1)*tp)`` form tensor-parallel group ``d`` (data-parallel replica ``d``);
-every rank builds the same seeded full model of the job's Task and keeps its shard
-(:func:`paratrain.tensor_parallel.parallelize`), then runs the one loop with a
-:class:`~.engine.TensorParallelEngine`. The ranks of a TP group read the same batches:
-replica ``d`` of ``dp`` takes DataParallel's shard of each epoch's permutation. Checkpoints
-(``RankStore``, prefix ``tp``) name every tensor by the dense model's name with its shard spec
-(:mod:`paratrain.tensor_parallel.shards`), so a run resumes on another size, or as a Local /
-DataParallel run, and from theirs; at the end rank 0 writes the gathered dense ``model.pt``
-(tied weights under each name) and ``summary.json``.
+Ranks ``[d*tp, (d+1)*tp)`` form tensor-parallel group ``d`` (data-parallel replica ``d``,
+which reads DataParallel's shard of each epoch's permutation); every rank builds the same
+seeded full model and keeps its shard, then runs the one loop. Checkpoints (``RankStore``,
+prefix ``tp``) name every tensor by the dense model's name with its shard spec, so a run
+resumes on another size, or as a Local / DataParallel run, and from theirs; at the end rank 0
+writes the gathered dense ``model.pt`` (tied weights under each name) and ``summary.json``.
 """
 
 from __future__ import annotations
@@ -84,17 +81,6 @@ def layout(job: JobConfig) -> tuple[TensorParallelismConfig, int, int]:
 def _shard_of(job: JobConfig) -> str:
     """The DataParallel strategy's ZeRO level (``"none"`` for Local or unsharded)."""
     return str(getattr(job.strategy, "shard", "none"))
-
-
-def _dp_options(job: JobConfig, dp: int) -> dict[str, Any]:
-    """The data-parallel side of a 2-D job for :func:`parallelize`: its compressor (each rank
-    compresses its shard's gradients on the DP group) and the strategy's ``broadcast_buffers``."""
-    if dp == 1:
-        return {}
-    from ..shared.replicas import build_compressor
-
-    return {"compressor": build_compressor(job),
-            "broadcast_buffers": bool(getattr(job.strategy, "broadcast_buffers", True))}
 
 
 def _load_task(job: JobConfig) -> tuple[Task, Any, Any]:
@@ -224,7 +210,13 @@ def _parallelize(ctx: WorkerContext, job: JobConfig, cfg: Any, model: Any, group
     """The tensor-parallel module, and with ZeRO over the dp column (no whole-gradient DP
     sync in the module then) its engine."""
     if shard == "none":
-        return parallelize(model, cfg, groups, **_dp_options(job, dp)), None
+        opts: dict[str, Any] = {}
+        if dp > 1:  # its compressor (each rank compresses its shard's gradients), DDP's buffers
+            from ..shared.replicas import build_compressor
+
+            opts = {"compressor": build_compressor(job),
+                    "broadcast_buffers": bool(getattr(job.strategy, "broadcast_buffers", True))}
+        return parallelize(model, cfg, groups, **opts), None
     tpm = parallelize(model, cfg, dataclasses.replace(groups, dp=None))
     zero = MeshZeroEngine(tpm, task, test, groups=groups, device=ctx.device, is_main=ctx.is_main,
                           world_group=ctx.group, precision=job.train.precision, level=shard,
@@ -287,9 +279,8 @@ def _summary(ctx: WorkerContext, job: JobConfig, result: Any, groups: Any, stats
 
 
 def _with_tied_names(tpm: Any, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``dense`` plus every other name of a shared (tied) parameter, so that it loads into
-    the dense model (``named_parameters`` lists a tied tensor once, ``state_dict`` under
-    each name). Tied parameters are replicated, so the gathered tensor is the tensor."""
+    """``dense`` plus every other name of a tied (so replicated) parameter, as ``state_dict``
+    lists it under each name and ``named_parameters`` once."""
     first: dict[int, str] = {}
     out = dict(dense)
     for name, p in tpm.module.named_parameters(remove_duplicate=False):

@@ -10,10 +10,9 @@ parameters (sequence-parallel or BatchWise regions) are linear maps along the tw
 so they commute: the TP sum runs on the owned rows after ZeRO's mean. The global gradient
 norm (pytorch#180346, accelerate#4219: a norm over one group only, or counting replicas twice,
 is wrong): every rank adds ``||g_rows||^2 / f`` per owned row block, ``f`` the ranks of the TP
-group holding the same tensor (:func:`~paratrain.tensor_parallel.grid.replicas_of`), and one
-all-reduce over the whole mesh sums it to ``||g_model||^2``. Checkpoints name every piece by the
-dense model's name with the TP spec's slices and ZeRO's rows composed (:func:`compose_spec`),
-so the pieces of all ``D x T`` ranks assemble the dense tensors.
+group holding the same tensor, and one all-reduce over the whole mesh sums it to
+``||g_model||^2``. Checkpoint pieces carry the TP spec with ZeRO's rows composed
+(:func:`compose_spec`).
 """
 
 from __future__ import annotations
