@@ -52,3 +52,17 @@ def test_odd_names_stay_inside_the_state_dir(tmp_path: Path) -> None:
         f = NodeStateFiles(tmp_path / "s", job, lineage, 0, 1)
         f.save(1, b"s", keep_from=0)
         assert (tmp_path / "s").resolve() in f.dir.resolve().parents and f.load(1) == b"s"
+
+
+def test_a_killed_servers_late_save_changes_nothing(tmp_path: Path) -> None:
+    """The server was killed while a node trained its round 3 and resumed (attempt 1); that
+    message finishes after the resumed run saved the state entering round 5: it must not
+    remove it (a later resume at 5 would read round 4's state)."""
+    f = NodeStateFiles(tmp_path, "job", "aa", 0, 2)
+    f.save(3, b"3", keep_from=0)
+    f.save(4, b"4", keep_from=2, attempt=1)
+    f.save(5, b"5", keep_from=2, attempt=1)
+    f.save(4, b"old 4", keep_from=2, attempt=0)  # the killed server's message, late
+    assert _rounds(f) == [3, 4, 5] and f.load(5) == b"5" and f.load(4) == b"4"
+    f.save(4, b"again 4", keep_from=2, attempt=2)  # a second resume, at 4: its timeline wins
+    assert _rounds(f) == [3, 4] and f.load(9) == b"again 4"

@@ -85,7 +85,7 @@ def _keep(context: Context, plan: Any, p: int, n: int, state: bytes | None) -> N
     context.state[P.STATE] = ConfigRecord({P.HOST_STATE: state, P.ROUND: entering})
     files = _files(context, plan, p, n)
     if files is not None:
-        files.save(entering, state, int(plan.get(P.KEEP_FROM, 0)))
+        files.save(entering, state, int(plan.get(P.KEEP_FROM, 0)), int(plan.get(P.ATTEMPT, 0)))
 
 
 @app.train()

@@ -46,10 +46,12 @@ class Federation:
         # lineage and the oldest checkpoint the server could resume from; set by the round loop
         self.lineage: str | None = None
         self.keep_from = 0
+        self.attempt = 0  # the server's resumes (flower.json): older attempts' saves are dropped
         self.restored: set[int] = set()  # partitions whose state came back from their disk
 
     def _where(self) -> dict[str, Any]:
-        return {} if self.lineage is None else {P.LINEAGE: self.lineage, P.KEEP_FROM: int(self.keep_from)}
+        return {} if self.lineage is None else {P.LINEAGE: self.lineage, P.KEEP_FROM: int(self.keep_from),
+                                               P.ATTEMPT: int(self.attempt)}
 
     def live(self) -> list[int]:
         """The connected node ids, once at least ``min_nodes`` are (waiting up to ``node_timeout``)."""

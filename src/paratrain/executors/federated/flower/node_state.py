@@ -9,14 +9,17 @@ round ``k``). ``lineage`` is drawn when the run folder is created and kept acros
 removed at the first save). A message with an empty context reads the newest file with
 ``k <=`` the round it needs. The node keeps the newest file at or below the server's
 ``keep_from`` (its oldest kept checkpoint) and every later one, and removes files of
-rounds after the one it writes (a timeline the resume abandoned)."""
+rounds after the one it writes (a timeline the resume abandoned). Each resume of the server
+is a new ``attempt`` (``flower.json``): a save from an older attempt than the folder has seen
+(a killed server's message still running on the node) changes nothing, so it cannot remove
+the resumed run's newer files."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from ....files import safe_rmtree, write_bytes
+from ....files import safe_rmtree, write_bytes, write_text
 
 _FILE = re.compile(r"round-(\d+)\.bin")
 _NAME = re.compile(r"[^A-Za-z0-9_.-]")
@@ -50,13 +53,19 @@ class NodeStateFiles:
         got = [k for k in self._rounds() if k <= entering]
         return self._path(got[-1]).read_bytes() if got else None
 
-    def save(self, entering: int, blob: bytes, keep_from: int) -> None:
+    def save(self, entering: int, blob: bytes, keep_from: int, attempt: int = 0) -> None:
         """Write the state entering round ``entering``; prune (module docstring)."""
         if self.job_dir.is_dir():  # an older run of this name: superseded
             for other in self.job_dir.iterdir():
                 if other.is_dir() and other.name != self.lineage:
                     safe_rmtree(other, self.job_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        mark = self.dir / "attempt"
+        seen = int(mark.read_text()) if mark.exists() else 0
+        if attempt < seen:  # a message of a server that was since resumed
+            return
+        if attempt > seen:
+            write_text(mark, str(attempt))
         write_bytes(self._path(entering), blob)
         rounds = self._rounds()
         base = [k for k in rounds if k <= keep_from]

@@ -24,7 +24,7 @@ PLAN, GLOBAL, CONTROL, RESULT, STATE = "plan", "global", "control", "result", "p
 # keys of the records
 JOB, ROUND, CLIENTS, LR_SCALE, KEYS = "job", "round", "clients", "lr_scale", "keys"
 STATUSES, PAYLOAD, SUMS, HOST_STATE = "statuses", "payload", "sums", "host"
-LINEAGE, KEEP_FROM, RESUMED = "lineage", "keep_from", "resumed"  # RESUMED (reply): state from disk
+LINEAGE, KEEP_FROM, ATTEMPT, RESUMED = "lineage", "keep_from", "attempt", "resumed"  # RESUMED (reply): state from disk
 
 # run_config ([tool.flwr.app.config] of the app, flwr run --run-config 'job="..."')
 RUN_JOB, RUN_RESUME, RUN_OVERWRITE, RUN_WORKDIR = "job", "resume", "overwrite", "workdir"

@@ -41,21 +41,22 @@ if TYPE_CHECKING:  # the loop itself imports no Flower
     from .federation import Federation as Nodes
 
 
-def _lineage(run_dir: Path) -> str:
-    """The run's lineage id (``flower.json``): drawn when the run folder is new, kept across
-    resumes; nodes keep their clients' state under it (:mod:`.node_state`)."""
+def _lineage(run_dir: Path) -> tuple[str, int]:
+    """The run's lineage id and attempt (``flower.json``): the lineage drawn when the run folder
+    is new and kept across resumes, nodes keeping their clients' state under it; the attempt
+    counts this folder's resumes (:mod:`.node_state`)."""
     path = run_dir / "flower.json"
     try:
-        got = json.loads(path.read_text())["lineage"] if path.exists() else None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        got = None
+        doc = json.loads(path.read_text()) if path.exists() else {}
+        got, attempt = doc.get("lineage"), int(doc.get("attempt", 0)) + 1
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        got, attempt = None, 0
         warnings.warn(f"{path} is unreadable ({e!r}): the nodes keep their clients' state under a new "
                       "lineage (state kept under the old one is not resumed)", stacklevel=2)
-    if isinstance(got, str) and got:
-        return got
-    lineage = uuid.uuid4().hex[:16]
-    write_json(path, {"lineage": lineage})
-    return lineage
+    if not (isinstance(got, str) and got):
+        got, attempt = uuid.uuid4().hex[:16], 0
+    write_json(path, {"lineage": got, "attempt": attempt})
+    return got, attempt
 
 
 def _oldest_kept(run_dir: Path, default: int) -> int:
@@ -100,7 +101,7 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
             found = life.load() if resume else None
             start = restore(found, server, None, rank=0, world=1, group=None)
             folder.prepare()
-            nodes.lineage = _lineage(run_dir)
+            nodes.lineage, nodes.attempt = _lineage(run_dir)
             metrics = MetricsWriter(run_dir)
             life.begin(start, resume=resume, found=found is not None, metrics=metrics)
             flower_opts = job.federated.flower
