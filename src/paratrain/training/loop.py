@@ -1,5 +1,5 @@
 """The one training loop. Every strategy trains through it; an executor supplies only an
-:class:`Engine` (its gradients, evaluation and own state) and its data (:mod:`.plan`).
+engine (a :class:`LocalEngine`: its gradients, evaluation and own state) and its data (:mod:`.plan`).
 Position ``(step, epoch, batch)``; a step takes ``train.grad_accumulation`` batches
 (:class:`Trainer`); checkpoints, signals and progress are the :class:`~.lifecycle.Lifecycle`'s.
 A checkpoint holds everything a step depends on, so a resumed run's final parameters are
@@ -286,7 +286,6 @@ class _Loop:
             self.feed.load_state_dict(state.get("loader") or {})
 
     def _reposition(self, old: dict[str, Any]) -> None:
-        """A checkpoint of another layout: the data position on this one."""
         r, pos, per_epoch = self.run_, self.pos, self.run_.plan.batches_per_epoch
         layout = r.layout or {}
         again = 0 if r.reposition is not None else repeated_batches(

@@ -26,7 +26,6 @@ TaskID = NewType("TaskID", int)  # rich.progress.TaskID's kind
 
 
 def _console() -> Console:
-    """rich's console on stderr (``console``), made on first use."""
     made = globals().get("console")
     if made is None:
         from rich.console import Console

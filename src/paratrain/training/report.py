@@ -58,19 +58,18 @@ def _import_matplotlib() -> None:
 def import_in_background() -> threading.Thread:
     """Import matplotlib in a daemon thread as a run starts (nothing with a drawer process);
     a failure is met again, and warned, by :func:`plot_curves`."""
-    target = _quiet(_import_matplotlib) if _drawer["proc"] is None else (lambda: None)
-    thread = threading.Thread(target=target, name="paratrain-matplotlib", daemon=True)
-    thread.start()
-    return thread
+    drawer = _drawer["proc"] is not None
 
-
-def _quiet(fn: Callable[[], None]) -> Callable[[], None]:
     def run() -> None:
         try:
-            fn()
+            if not drawer:
+                _import_matplotlib()
         except Exception as e:  # noqa: BLE001 - plot_curves meets it again and warns
             log.debug("background import of matplotlib failed: %r", e)
-    return run
+
+    thread = threading.Thread(target=run, name="paratrain-matplotlib", daemon=True)
+    thread.start()
+    return thread
 
 
 _TEST = re.compile(r"^(?:personal_)?test_(?P<metric>.+?)(?:_min)?$")

@@ -19,7 +19,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ..files import inside as _inside
-from ..files import safe_rmtree, safe_unlink, write_text
+from ..files import safe_rmtree, write_text
 
 if TYPE_CHECKING:  # the config (pydantic) is imported where an error is raised: a process
     # that only reads metrics (report.png's drawer) does not load it
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the config (pydantic) is imported where an error is raised:
     from ..config.job import JobConfig
 
 __all__ = [
-    "run_dir_of", "prepare_run_dir", "RunFolder", "holds_run", "safe_rmtree", "safe_unlink",
+    "run_dir_of", "prepare_run_dir", "RunFolder", "holds_run", "safe_rmtree",
     "disk_error", "MetricsWriter", "read_metrics", "write_summary", "LOCK_NAME", "HELD_ENV",
 ]
 
@@ -53,23 +53,15 @@ def disk_error(path: str | Path, err: OSError, what: str = "write") -> ConfigErr
     return _config_error([("run.output_dir", f"cannot {what} {path}: {reason}")])
 
 
-def _name_problem(name: str) -> str | None:
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-        return (f"must be one folder name inside run.output_dir (no '/', '\\', '..', "
-                f"not empty; got {name!r})")
-    return None
-
-
 def run_dir_of(job: JobConfig) -> Path:
     """``output_dir / name``; a ConfigError if that is not a folder inside output_dir."""
-    name = job.run.name
-    problem = _name_problem(name)
-    root = Path(job.run.output_dir)
+    name, root = job.run.name, Path(job.run.output_dir)
     d = root / name
-    if problem is None and not _inside(d, root):
-        problem = f"the run folder {d} is not inside run.output_dir {root}"
-    if problem is not None:
-        raise _config_error([("run.name", problem)])
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise _config_error([("run.name", f"must be one folder name inside run.output_dir (no "
+                                          f"'/', '\\', '..', not empty; got {name!r})")])
+    if not _inside(d, root):
+        raise _config_error([("run.name", f"the run folder {d} is not inside run.output_dir {root}")])
     return d
 
 
@@ -199,7 +191,6 @@ def _check_resumable(d: Path, job: JobConfig) -> None:
 
 
 def _clear(d: Path, root: Path) -> None:
-    """Delete everything in run folder ``d`` but its lock (``d`` must lie in ``root``)."""
     if not d.is_dir():
         return
     for child in d.iterdir():
@@ -319,7 +310,6 @@ class MetricsWriter:
             self._trackers.close()
 
     def _fanout(self) -> Any:
-        """The run's trackers (:class:`.loggers.Trackers`), or False when it lists none."""
         if self._trackers is None:
             job = self.path.parent / "job.json"
             names = (json.loads(job.read_text(encoding="utf-8")).get("run", {}).get("loggers")
