@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,10 +69,11 @@ def _flat(model: torch.nn.Module) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().tolist()
 
 
-def ddp_reference(ctx: WorkerContext, job: JobConfig, *, sync: bool = True) -> list[float]:
-    """torch DistributedDataParallel on the same shards, same seed, same optimizer; with
-    ``sync=False`` the same replicas without DDP: each trains its shard alone (the
-    known-wrong variant the parity tests must tell apart)."""
+def ddp_reference(ctx: WorkerContext, job: JobConfig, *, sync: bool = True,
+                  optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> list[float]:
+    """torch DistributedDataParallel on the same shards, same seed, same optimizer (or
+    ``optimizer(ddp.parameters())``); with ``sync=False`` the same replicas without DDP: each
+    trains its shard alone (the known-wrong variant the parity tests must tell apart)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from paratrain.data import load_data
@@ -84,7 +86,8 @@ def ddp_reference(ctx: WorkerContext, job: JobConfig, *, sync: bool = True) -> l
     x, y = bundle.train.tensors
     model = build_model(job.model, input_shape=bundle.input_shape, num_classes=bundle.num_classes)
     ddp = DDP(model) if sync else model
-    opt = build_optimizer(ddp.parameters(), job.train.optimizer)
+    params = ddp.parameters()
+    opt = build_optimizer(params, job.train.optimizer) if optimizer is None else optimizer(params)
     idx = shard_indices(len(y), world=ctx.world_size, rank=ctx.rank, seed=job.run.seed, epoch=0)
     bs = job.train.batch_size
     for b in range(job.train.max_steps or 1):

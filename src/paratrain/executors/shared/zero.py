@@ -21,7 +21,9 @@ subgraphs, tied weights shared by units and unused parameters, runs over a tenso
 mesh's dp column and a ModelParallel replicated stage, and checkpoints through the run's DCP
 stores by the model's names, so a run resumes at another level or world. The reference:
 tests/executors/data_parallel/test_dp_zero.py (every level equals unsharded AllReduce) with
-test_data_parallel.py (AllReduce equals torch DDP); benchmarks/zero.py times FSDP2 beside it.
+test_data_parallel.py (AllReduce equals torch DDP);
+tests/executors/shared/test_zero_vs_torch.py holds every level to torch's DDP +
+ZeroRedundancyOptimizer directly (bit for bit); benchmarks/zero.py times FSDP2 beside it.
 """
 
 from __future__ import annotations
