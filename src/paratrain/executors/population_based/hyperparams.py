@@ -38,10 +38,8 @@ def _kwargs_of(fn: Callable[..., Any], fixed: set[str]) -> tuple[set[str], bool]
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return set(), True
-    names = {
-        p.name for p in params
-        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in fixed
-    }
+    names = {p.name for p in params
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in fixed}
     return names, any(p.kind is p.VAR_KEYWORD for p in params)
 
 

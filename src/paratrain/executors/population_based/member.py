@@ -1,21 +1,17 @@
 """One PBT member for one generation: restore, apply hyperparameters, train, evaluate, save.
 
 A member trains the job's :class:`~paratrain.task.Task` (its model built with the member's
-model keywords, its data, loss and metrics) through the one loop's
-:class:`~paratrain.training.loop.Trainer` over a :class:`~paratrain.training.loop.LocalEngine`,
-so every ``[train]`` option holds as under Local. The lr schedule runs over the member's
-whole life (``strategy.generations x`` steps per generation) and its state travels with the
-member, so a copy continues the donor's schedule. At generation ``g + 1`` member ``i``
-starts from the end-of-``g`` state of its *source* (itself, or the donor it copied in
-exploit): byte-identical to it, whatever process trains either. The member's own
-hyperparameters are applied *after* ``optimizer.load_state_dict`` -- which restores the
-donor's param-group values -- and its ``lr`` replaces the scheduler's base (``base_lrs``),
-so explored values are never lost (a bug class seen in other PBT systems). Every random
-draw of a member's generation (data order, dropout) is seeded by ``(seed, member,
-generation)`` (:func:`seed_of`): results depend neither on the worker, nor on the number of
-workers, nor on a resume. :func:`state_digest` hashes the raw bytes of the model's and
-optimizer's state (not the param-group hyperparameters), so a copy can be checked
-byte-identical to its donor.
+model keywords) through the one loop's :class:`~paratrain.training.loop.Trainer` over a
+:class:`~paratrain.training.loop.LocalEngine`, so every ``[train]`` option holds as under
+Local; its lr schedule runs over its whole life (``generations x`` its steps per generation).
+At generation ``g + 1`` member ``i`` starts from the end-of-``g`` state of its *source*
+(itself, or the donor it copied): byte-identical to it (:func:`state_digest`), whatever
+process trains either. Its own hyperparameters are applied *after*
+``optimizer.load_state_dict``, which restores the donor's param-group values, and its ``lr``
+replaces the scheduler's base (``base_lrs``): explored values are never lost (a bug class
+seen in other PBT systems). Every draw of its generation (data order, dropout) is seeded by
+``(seed, member, generation)`` (:func:`seed_of`): no result depends on the worker, the
+number of workers or a resume.
 """
 
 from __future__ import annotations
@@ -27,6 +23,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -81,8 +78,6 @@ class CheckpointWriter:
     generation, so no rank reads a member file that is not on disk."""
 
     def __init__(self) -> None:
-        from concurrent.futures import Future, ThreadPoolExecutor
-
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pbt-ckpt")
         self._pending: list[Future[None]] = []
 
@@ -223,10 +218,9 @@ class MemberRunner:
 
     def check_resume(self, states: dict[int, dict[str, Any]], hparams: list[dict[str, Any]],
                      folder: Path) -> None:
-        """On resume, before the run folder changes: a ConfigError naming what differs when
-        the first member state of population checkpoint ``folder`` (``hparams``: that
-        generation's, per member) does not fit the model and optimizer this job builds for
-        that member (another model or optimizer than the run's)."""
+        """On resume, before the run folder changes: a ConfigError naming what differs when the
+        first member state of checkpoint ``folder`` does not fit the model and optimizer this
+        job builds for that member (``hparams``: that generation's, per member)."""
         for member in sorted(states)[:1]:
             parts = self._split(hparams[member])
             model, opt, _ = self._build(member, self.data(parts["data"]), parts["model"],
@@ -247,14 +241,12 @@ class MemberRunner:
 
     def _restore(self, member: int, generation: int, source: int | None, d: Any,
                  parts: dict[str, Any], total: int, model_key: str) -> tuple[Any, Any, Any, float]:
-        """The member's model, optimizer and scheduler for this generation, and when they
-        were ready: kept in memory when it continues itself, else built and loaded from
-        ``source``'s file of the previous generation."""
+        """The member's model, optimizer and scheduler for this generation, and when they were
+        ready: built and loaded from ``source``'s file of the previous generation, or, when
+        it continues itself, kept in memory (byte-identical to that file: no reload)."""
         live = self._live.pop(member, None)
         if (live is not None and source == member and live.generation == generation - 1
                 and live.model_key == model_key):
-            # Not replaced: continue from the state in memory, byte-identical to the
-            # file saved at the end of the previous generation (no reload needed).
             return live.model, live.opt, live.scheduler, time.perf_counter()
         model, opt, scheduler = self._build(member, d, parts["model"], parts["optimizer"], total)
         ready = time.perf_counter()
@@ -371,8 +363,7 @@ class MemberRunner:
 
 
 def _applied(opt: Any, scheduler: Any) -> dict[str, Any]:
-    """The optimizer settings a member trains with (``lr`` the hyperparameter, ``lr_now``
-    this step's)."""
+    """The optimizer settings a member trains with (``lr`` its hyperparameter, ``lr_now`` the step's)."""
     applied = {k: (list(v) if isinstance(v, tuple) else v)
                for k, v in opt.param_groups[0].items() if k not in ("params", "initial_lr")}
     applied["lr"] = scheduler.base_lrs[0]

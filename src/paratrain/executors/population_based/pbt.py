@@ -333,10 +333,8 @@ class PopulationState:
         return best_of(self.history[-1]["fitness"], mode)
 
     def state_dict(self) -> dict[str, Any]:
-        doc = {
-            "size": self.size, "seed": self.seed, "generation": self.generation,
-            "hparams": self.hparams, "sources": self.sources, "history": self.history,
-        }
+        doc = {"size": self.size, "seed": self.seed, "generation": self.generation,
+               "hparams": self.hparams, "sources": self.sources, "history": self.history}
         # JSON text: exact round trip of floats and of arbitrary choice values.
         return {"json": json.dumps(doc), "generator": self.gen.get_state()}
 
@@ -351,11 +349,8 @@ class PopulationState:
 
 
 def ancestry(history: Sequence[dict[str, Any]], member: int) -> list[dict[str, Any]]:
-    """The schedule that produced ``member``'s final weights, oldest first.
-
-    One entry per generation: which member slot trained those weights then, with which
-    hyperparameters, and its fitness. Walks ``sources`` backwards from the last record.
-    """
+    """The schedule that produced ``member``'s final weights, oldest first: per generation
+    the member slot that trained them, its hyperparameters and fitness (``sources`` walked back)."""
     out: list[dict[str, Any]] = []
     m: int | None = member
     for rec in reversed(history):

@@ -97,11 +97,7 @@ def _prune_members(run_dir: Path, *, keep_from: int) -> None:
     """Delete the member files of generations before ``keep_from`` (a resume takes the
     members from the population checkpoint)."""
     for d in (run_dir / "checkpoints").glob("gen-*"):
-        try:
-            g = int(d.name.removeprefix("gen-"))
-        except ValueError:
-            continue
-        if g < keep_from:
+        if d.name[4:].isdigit() and int(d.name[4:]) < keep_from:
             safe_rmtree(d, run_dir)
 
 
@@ -111,13 +107,11 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     generation boundary, once its checkpoint is on disk, on every rank together)."""
     started = time.perf_counter()
     size: int = job.strategy.population_size  # type: ignore[union-attr]
-    roles = validate_job(job)
-    runner = MemberRunner(job, run_dir_of(job), roles, ctx.device)
-    if ctx.rank == 0 and runner.metric in ("loss", "train_loss") and runner.mode == "max":
+    main, run_dir = ctx.rank == 0, run_dir_of(job)
+    runner = MemberRunner(job, run_dir, validate_job(job), ctx.device)
+    if main and runner.metric in ("loss", "train_loss") and runner.mode == "max":
         warnings.warn(f"population.metric={runner.metric!r} with mode='max' selects the highest "
                       "loss; set mode='min'", stacklevel=2)
-    main = ctx.rank == 0
-    run_dir = run_dir_of(job)
     pop: PopulationState | None = None
     token = ""
     metrics: MetricsWriter | None = None
@@ -137,7 +131,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
         group=ctx.group if ctx.world_size > 1 else None, rank=ctx.rank, restart_count=ctx.restart_count,
         record_offset=-1, progress_every=job.run.progress_every, show=None if main else False)
     found = life.load() if resume else None
-    engines = _engines(found)
+    engines: list[dict[str, Any]] = []  # one per process that saved it (same layout: this one's)
+    if found is not None:
+        engines = found[1]["engines"] if found[1].get("resharded") else [found[1]["engine"]]
     # the members this rank trains now, from whichever process saved them
     restored = None if found is None else {int(i): s for e in engines for i, s in
                                             (e.get("members") or {}).items()
@@ -162,14 +158,6 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     with life:
         return _work(ctx, job, life, runner, pop, token, metrics, started=started, done=done,
                      restored=restored)
-
-
-def _engines(found: tuple[Any, dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """The engine states of a population checkpoint, one per process that wrote it (on
-    the same layout: this process's own)."""
-    if found is None:
-        return []
-    return list(found[1]["engines"]) if found[1].get("resharded") else [found[1]["engine"]]
 
 
 def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRunner,
@@ -273,8 +261,7 @@ def _record(job: JobConfig, life: Lifecycle, runner: MemberRunner, pop: Populati
 
 def _train_mine(ctx: WorkerContext, runner: MemberRunner, plan: dict[str, Any], mine: list[int],
                 timing: dict[str, float]) -> list[dict[str, Any]] | None:
-    """This rank trains its members for the plan's generation; rank 0 gets every rank's
-    results (None elsewhere)."""
+    """This rank's members trained for the plan's generation; every rank's results on rank 0."""
     g, lost = int(plan["generation"]), plan["lost"]
     results = [runner.run(i, g, plan["hparams"][i], plan["sources"][i],
                           lost.get(str(plan["sources"][i]))) for i in mine]

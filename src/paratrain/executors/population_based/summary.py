@@ -39,10 +39,10 @@ def lost_after(ordered: list[dict[str, Any]], lost: dict[str, str], g: int) -> d
 def warn_first_failures(pop: PopulationState, ordered: list[dict[str, Any]],
                          lost: dict[str, str], *, evolve: bool) -> None:
     """Rank 0 warns once per member, at its first failure, with the member's message."""
-    failed_before = {i for rec in pop.history[:-1] for i, e in enumerate(rec["errors"]) if e}
+    failed_before = first_failures(pop.history[:-1])
     for r in ordered:
         i = r["member"]
-        if r["error"] and i not in failed_before:
+        if r["error"] and str(i) not in failed_before:
             stays = (" It has no state to continue from; with population.evolve = false it is "
                      "never replaced and fails every later generation."
                      if str(i) in lost and not evolve else "")
@@ -50,10 +50,10 @@ def warn_first_failures(pop: PopulationState, ordered: list[dict[str, Any]],
                           f"{r['error']}.{stays}", RuntimeWarning, stacklevel=2)
 
 
-def first_failures(pop: PopulationState) -> dict[str, str]:
+def first_failures(history: list[dict[str, Any]]) -> dict[str, str]:
     """Each member that ever failed -> its first failure ("generation <g>: <error>")."""
     out: dict[str, str] = {}
-    for rec in pop.history:
+    for rec in history:
         for i, e in enumerate(rec["errors"]):
             if e and str(i) not in out:
                 out[str(i)] = f"generation {rec['generation']}: {e}"
@@ -66,7 +66,6 @@ NOT_TEST = frozenset({"train_loss", "steps", "batch_size"})  # member metrics no
 def population_summary(job: JobConfig, pop: PopulationState, run_dir: Path, world: int,
                        started: float, timing: dict[str, float], per_rank: list[dict[str, float]], *,
                        metric: str, mode: str, task: Any, reference: dict[str, float]) -> dict[str, Any]:
-    opts = job.population
     last = pop.history[-1]
     best = pop.best(mode)
     m = last["metrics"][best] or {}
@@ -82,7 +81,7 @@ def population_summary(job: JobConfig, pop: PopulationState, run_dir: Path, worl
         "task": task_name(task),
         "metric": metric,
         "mode": mode,
-        "evolve": opts.evolve,
+        "evolve": job.population.evolve,
         "best_member": best,
         "best_fitness": last["fitness"][best],
         "best_hparams": last["hparams"][best],
@@ -96,7 +95,7 @@ def population_summary(job: JobConfig, pop: PopulationState, run_dir: Path, worl
         "copies": sum(len(r["copies"]) for r in pop.history),
         "member_steps": sum(int(m["steps"]) for r in pop.history for m in r["metrics"] if m),
         "failures": sum(1 for r in pop.history for e in r["errors"] if e),
-        "first_failures": first_failures(pop),
+        "first_failures": first_failures(pop.history),
         "wall_time_s": round(wall, 3),
         # This process's share only (a resumed run times the generations it ran).
         "timing": {
