@@ -98,14 +98,8 @@ def _split_axis(name: str, shape: tuple[int, ...], axis: int, tp: int, world: in
     return out
 
 
-def partition_shape(
-    name: str,
-    shape: Sequence[int],
-    strategy: TensorPartitioningStrategy | str,
-    *,
-    tp: int,
-    world_size: int,
-) -> list[TensorPartition]:
+def partition_shape(name: str, shape: Sequence[int], strategy: TensorPartitioningStrategy | str, *,
+                    tp: int, world_size: int) -> list[TensorPartition]:
     """The partitions of a tensor of ``shape`` (pure function; see the module docstring)."""
     shape = tuple(int(x) for x in shape)
     if any(x < 0 for x in shape):
@@ -115,10 +109,8 @@ def partition_shape(
     nd = len(shape)
     if strategy is TensorPartitioningStrategy.Custom:
         if not _CUSTOM:
-            raise ValueError(
-                "partitioning_strategy Custom needs a function registered with "
-                "paratrain.tensor_parallel.register_custom_partitioner"
-            )
+            raise ValueError("partitioning_strategy Custom needs a function registered with "
+                             "paratrain.tensor_parallel.register_custom_partitioner")
         return list(_CUSTOM[0](name, shape, tp, world_size))
     if strategy is TensorPartitioningStrategy.Dynamic:
         if nd >= 2:
@@ -168,15 +160,11 @@ class TensorParallelism:
         self._partitions: dict[str, list[TensorPartition]] = {}
         self._local: dict[str, list[int]] = {}
 
-    def partition_tensor(
-        self, name: str, shape: Sequence[int],
-        strategy: TensorPartitioningStrategy | str | None = None,
-    ) -> list[TensorPartition]:
+    def partition_tensor(self, name: str, shape: Sequence[int],
+                         strategy: TensorPartitioningStrategy | str | None = None) -> list[TensorPartition]:
         """Partition ``shape`` and record it under ``name`` (replacing earlier entries)."""
-        parts = partition_shape(
-            name, shape, strategy or self.config.partitioning_strategy,
-            tp=self.config.tensor_parallel_size, world_size=self.world_size,
-        )
+        parts = partition_shape(name, shape, strategy or self.config.partitioning_strategy,
+                                tp=self.config.tensor_parallel_size, world_size=self.world_size)
         self._partitions[name] = parts
         self._local[name] = [i for i, p in enumerate(parts) if p.device_rank == self.global_rank]
         return parts

@@ -252,9 +252,8 @@ def _summary(ctx: WorkerContext, job: JobConfig, result: Any, groups: Any, stats
         "num_parameters": num_parameters,
         "communication_pattern": stats["communication_pattern"],
         **({"hierarchy": stats["hierarchy"]} if "hierarchy" in stats else {}),
-        # counted at each torch.distributed call (comm/stats.py CommStats): the calls and
-        # the bytes of the tensors this rank handed to them are measured; the bytes it puts
-        # on the wire follow the ring cost model (the backend's algorithm is not visible)
+        # counted at each torch.distributed call (CommStats): calls and handed bytes measured,
+        # wire bytes by the ring cost model (the backend's algorithm is not visible)
         "collectives_measured": stats["collectives"],
         "collectives_per_step_measured": stats["total_collectives"] / steps,
         "payload_bytes_per_step_measured": stats["payload_bytes_measured"] / steps,
