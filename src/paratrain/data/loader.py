@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
-__all__ = ["LoaderOptions", "IN_PROCESS", "Feed", "MapFeed", "batch_seed", "seed_worker", "is_stream",
-           "dataset_rows", "shutdown_workers"]
+__all__ = ["LoaderOptions", "IN_PROCESS", "Feed", "MapFeed", "batch_seed", "seed_everything",
+           "seed_worker", "is_stream", "dataset_rows", "shutdown_workers"]
 
 Fetch = Callable[..., Any]
 
@@ -77,10 +77,11 @@ def batch_seed(seed: int, epoch: int, batch: int, rank: int = 0) -> int:
     return s % (2**63 - 1)
 
 
-def _seed_all(s: int) -> None:
-    torch.manual_seed(s)
-    random.seed(s)
-    np.random.seed(s % 2**32)
+def seed_everything(seed: int) -> None:
+    """Seed torch's, Python's and NumPy's global generators."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
 
 
 def seed_worker(worker_id: int) -> None:
@@ -146,7 +147,7 @@ class _Gather(Dataset[Any]):
     def __getitem__(self, key: tuple[int, int, np.ndarray]) -> Any:
         epoch, b, idx = key
         if get_worker_info() is not None:
-            _seed_all(batch_seed(self.seed, epoch, b, self.rank))
+            seed_everything(batch_seed(self.seed, epoch, b, self.rank))
         return self.fetch(self.dataset, torch.from_numpy(np.asarray(idx)), None,
                           collate=self.collate)
 

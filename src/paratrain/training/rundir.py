@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import math
 import os
 import re
@@ -180,7 +181,8 @@ def _check_resumable(d: Path, job: JobConfig) -> None:
     """On resume: the folder's job.json names the same strategy type (or two of :data:`_RESHARDABLE`)."""
     try:
         old = json.loads((d / "job.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError) as e:  # nothing to compare with: the checkpoint's check decides
+        logging.getLogger(__name__).debug("%s: no readable job.json to compare: %r", d, e)
         return
     old_type = (old.get("strategy") or {}).get("type") if isinstance(old, dict) else None
     new_type = getattr(job.strategy, "type", None)

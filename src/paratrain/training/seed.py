@@ -8,13 +8,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..data.loader import seed_everything
+
 __all__ = ["seed_everything", "rng_state", "set_rng_state"]
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def rng_state() -> dict[str, Any]:

@@ -5,6 +5,7 @@ no collective, no group.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ def read_layout(folder: Path) -> dict[str, Any] | None:
     """``layout.json`` of a step folder (None: unreadable)."""
     try:
         doc = json.loads((folder / LAYOUT_FILE).read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError) as e:  # a step folder that is not one (yet): skipped
+        logging.getLogger(__name__).debug("%s: no readable %s: %r", folder, LAYOUT_FILE, e)
         return None
     return doc if isinstance(doc, dict) else None
 
