@@ -157,11 +157,6 @@ def validate_space(space: Space, *, known: Iterable[str], open_names: bool = Fal
         raise ConfigError(problems)
 
 
-def best_of(fitness: Sequence[float | None], mode: str) -> int:
-    """Index of the best fitness (lowest index on ties)."""
-    return max(range(len(fitness)), key=lambda i: (score(fitness[i], mode), -i))
-
-
 def _clamp(x: float, lo: float, hi: float) -> float:
     return min(max(x, lo), hi)
 
@@ -189,6 +184,11 @@ def score(value: float | None, mode: str = "max") -> float:
     if mode == "min":
         return -float(value)
     raise ValueError(f"mode must be 'max' or 'min' (got {mode!r})")
+
+
+def best_of(fitness: Sequence[float | None], mode: str) -> int:
+    """Index of the best fitness (lowest index on ties)."""
+    return max(range(len(fitness)), key=lambda i: (score(fitness[i], mode), -i))
 
 
 def truncation_cutoff(n: int, fraction: float) -> int:
