@@ -362,7 +362,8 @@ class PopulationOptions(Section):
     evolve: bool = True
     """False = random search: the same population and budget without exploit/explore."""
     keep_generations: PositiveCount | None = None
-    """Keep the member checkpoints of only the newest N generations; None = all."""
+    """Keep the member files (gen-*/member-*.pt) of only the newest N generations; None = all. Resume
+    never needs them: the checkpoint holds every member."""
 
     @model_validator(mode="after")
     def _one_budget(self) -> PopulationOptions:
