@@ -85,6 +85,8 @@ class LineProgress:
 
     def update(self, task_id: TaskID, *, completed: float | None = None, loss: float | None = None,
                info: str | None = None, lr: float | None = None, **_: Any) -> None:
+        if not self.steps and self.seconds is None:  # no cadence: nothing is shown, nothing kept
+            return
         t = self.tasks[task_id]
         if lr is not None:
             t["lr"] = float(lr)
