@@ -137,7 +137,7 @@ def _replicas(ctx: WorkerContext, case: dict[str, Any], strategy: Any, plan: Any
     if not subs:
         return Replicas(), None
     job = SimpleNamespace(strategy=strategy, subgraphs=subs)
-    replicas = replicas_for(job, plan, ctx.world_size, ctx.workers)
+    replicas = replicas_for(job, plan, ctx.world_size)
     mine = None
     for r in sorted(replicas.groups):
         g = new_group(list(replicas.groups[r]))

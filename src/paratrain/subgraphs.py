@@ -237,7 +237,8 @@ def local_paths(job: Any, model: Any = None) -> list[str]:
                                                                        subs, job.strategy)) != "Local")
 
 
-def _under(name: str, paths: Iterable[str]) -> bool:
+def under(name: str, paths: Iterable[str]) -> bool:
+    """``name`` is one of the module ``paths`` or inside one."""
     return any(name == p or name.startswith(p + ".") for p in paths)
 
 
@@ -274,14 +275,14 @@ def check_paths(model: Any, job: Any) -> None:
     for key in local:
         src = origin.get(key, key)
         what = f"module {key!r}: " if src != key else ""
-        if not any(_under(n, [key]) for n in entries):
+        if not any(under(n, [key]) for n in entries):
             problems.append((_field(src), f"module {key!r} holds no parameters or buffers: "
                                           "a Local subgraph would keep nothing"))
             continue
         for aliases in groups.values():
-            inside = [n for n in aliases if _under(n, local)]
-            outside = [n for n in aliases if not _under(n, local)]
-            if any(_under(n, [key]) for n in inside) and outside:
+            inside = [n for n in aliases if under(n, local)]
+            outside = [n for n in aliases if not under(n, local)]
+            if any(under(n, [key]) for n in inside) and outside:
                 problems.append((_field(src), (
                     f"{what}{inside[0]} is tied to {outside[0]} (one tensor), which is outside the "
                     "Local subgraphs: it cannot be both local and shared; untie it (e.g. "
@@ -311,17 +312,17 @@ def local_state_keys(model: Any, job: Any) -> list[str]:
     from .models.state import unique_state_dict
 
     paths = _checked_local(model, job)
-    return [k for k in unique_state_dict(model) if _under(k, paths)] if paths else []
+    return [k for k in unique_state_dict(model) if under(k, paths)] if paths else []
 
 
 def local_parameter_names(model: Any, job: Any) -> set[str]:
     """The ``named_parameters`` names inside the job's Local subgraphs."""
     paths = _checked_local(model, job)
-    return {n for n, _ in model.named_parameters() if _under(n, paths)}
+    return {n for n, _ in model.named_parameters() if under(n, paths)}
 
 
 def local_buffer_names(model: Any, job: Any) -> set[str]:
     """The ``named_buffers`` names inside the job's Local subgraphs (never broadcast: a
     replica's own statistics, as its own parameters)."""
     paths = local_paths(job, model) if local_paths(job) else []
-    return {n for n, _ in model.named_buffers() if _under(n, paths)} if paths else set()
+    return {n for n, _ in model.named_buffers() if under(n, paths)} if paths else set()

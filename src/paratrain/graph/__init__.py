@@ -1,5 +1,5 @@
-"""The model as a graph: torch.fx tracing (:mod:`.trace`), each node's rank (:mod:`.owners`)
-and the graph cut into per-worker parts (:mod:`.partition`)."""
+"""The model as a graph: torch.fx tracing (:mod:`.trace`; :mod:`.export` where fx fails) and
+the graph cut into per-worker parts, each node on its rank (:mod:`.partition`)."""
 
 from .trace import leaf, module_of, trace
 

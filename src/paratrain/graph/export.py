@@ -10,6 +10,15 @@ to rebuild a ``ModelOutput``; export's guards and shape assertions dropped; each
 copied per reader (sizes never travel); ``use_cache`` off; each training-mode dropout a small
 module following its part's mode. :func:`canonical_ties` names a tied tensor by its first
 name, so a tie is one value held by one worker.
+
+Export has no *leaves* (modules kept whole): a leaf's forward may be what export cannot trace,
+and a tensor-parallel layer runs collectives (which fake tensors cannot) inside autograd
+Functions (whose backward export would drop). So while exporting, each leaf's ``forward`` is
+one call of the opaque custom op ``paratrain::leaf(xs, key)`` (:func:`kept_whole`), whose fake
+implementation is the leaf's ``meta_forward`` (a shape function: the TP layers) or its own
+forward; :func:`as_call_modules` then turns each such node into ``call_module(<leaf path>)``
+on the leaf itself, so the graph runs its real forward. A leaf takes tensors as positional
+arguments and returns one tensor; anything else is a ConfigError naming it.
 """
 
 from __future__ import annotations
@@ -26,7 +35,79 @@ import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .export_leaves import as_call_modules, kept_whole
+from ..config import ConfigError
+
+_ACTIVE: dict[int, tuple[str, nn.Module, Any]] = {}  # key -> (path, module, its own forward)
+
+
+@torch.library.custom_op("paratrain::leaf", mutates_args=())
+def _leaf(xs: list[torch.Tensor], key: int) -> torch.Tensor:
+    """Never run: every node calling it becomes a ``call_module`` (:func:`as_call_modules`)."""
+    raise RuntimeError("paratrain::leaf only stands for a leaf module while torch.export traces")
+
+
+@_leaf.register_fake
+def _leaf_fake(xs: list[torch.Tensor], key: int) -> torch.Tensor:
+    path, module, forward = _ACTIVE[key]
+    meta = getattr(module, "meta_forward", None)
+    out = meta(*xs) if callable(meta) else forward(*xs)
+    if not isinstance(out, torch.Tensor):
+        raise ConfigError([("model.leaf_modules", (
+            f"{path!r} ({type(module).__name__}) returns {type(out).__name__}; a module kept whole "
+            "in a graph captured by torch.export must return one tensor"))])
+    # a fresh tensor: the op's output may not alias its inputs
+    return out.clone() if any(out is x for x in xs) else out
+
+
+def _stand_in(key: int, path: str, module: nn.Module) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+            got = ", ".join([type(a).__name__ for a in args] + [f"{k}=" for k in kwargs])
+            raise ConfigError([("model.leaf_modules", (
+                f"{path!r} ({type(module).__name__}) is called with ({got}); a module kept whole in "
+                "a graph captured by torch.export takes tensors as positional arguments only"))])
+        out: torch.Tensor = torch.ops.paratrain.leaf.default(list(args), key)
+        return out
+
+    return forward
+
+
+@contextlib.contextmanager
+def kept_whole(model: nn.Module, leaves: Sequence[str]) -> Iterator[None]:
+    """While inside, each module of ``model`` at a path in ``leaves`` traces as one
+    ``paratrain::leaf`` node (module docstring)."""
+    _ACTIVE.clear()
+    for key, path in enumerate(leaves):
+        m = model.get_submodule(path)
+        _ACTIVE[key] = (path, m, m.forward)
+        m.forward = _stand_in(key, path, m)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for _path, m, _ in _ACTIVE.values():
+            if "forward" in vars(m):
+                del m.forward
+        # _ACTIVE stays filled until as_call_modules has read the paths
+
+
+def as_call_modules(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Every ``paratrain::leaf`` node of ``gm`` (captured inside :func:`kept_whole`) as a
+    ``call_module`` of the leaf itself, attached to ``gm`` at its path."""
+    op = torch.ops.paratrain.leaf.default
+    try:
+        for n in list(gm.graph.nodes):
+            if n.op != "call_function" or n.target is not op:
+                continue
+            path = _ACTIVE[int(n.args[1])][0]
+            gm.add_submodule(path, model.get_submodule(path))
+            with gm.graph.inserting_before(n):
+                new = gm.graph.call_module(path, tuple(n.args[0]))
+            new.meta = dict(n.meta)
+            n.replace_all_uses_with(new)
+            gm.graph.erase_node(n)
+    finally:
+        _ACTIVE.clear()
+
 
 IN_SPEC, OUT_SPEC, CAPTURE = "paratrain_in_spec", "paratrain_out_spec", "paratrain_capture"
 
@@ -55,7 +136,7 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                  leaves: Sequence[str] = ()) -> fx.GraphModule:
     """``model`` captured by ``torch.export`` on the example ``(args, kwargs)`` (see the
     module docstring), the modules at ``leaves`` kept whole as ``call_module`` nodes
-    (:mod:`.export_leaves`). Raises whatever export raises."""
+    (:func:`kept_whole`). Raises whatever export raises."""
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False  # type: ignore[union-attr]
@@ -124,28 +205,19 @@ def _copy_sizes_per_reader(graph: fx.Graph) -> None:
 
 
 class ModeDropout(nn.Module):
-    """``aten.dropout(x, p, train)`` with ``train`` the module's own mode."""
+    """``aten.dropout(x, p, train)`` (``attention``: ``aten.scaled_dot_product_attention``
+    with ``dropout_p = p``) with dropout only in the module's training mode."""
 
-    def __init__(self, p: float) -> None:
+    def __init__(self, p: float, attention: bool = False) -> None:
         super().__init__()
-        self.p = p
+        self.p, self.attention = p, attention
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten.dropout.default(x, self.p, self.training)
-
-
-class ModeAttention(nn.Module):
-    """``aten.scaled_dot_product_attention`` with ``dropout_p`` only in training mode."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                attn_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
-        kwargs["dropout_p"] = self.p if self.training else 0.0
-        out: torch.Tensor = torch.ops.aten.scaled_dot_product_attention.default(q, k, v, attn_mask, **kwargs)
-        return out
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.attention:
+            kwargs["dropout_p"] = self.p if self.training else 0.0
+            out: torch.Tensor = torch.ops.aten.scaled_dot_product_attention.default(*args, **kwargs)
+            return out
+        return torch.ops.aten.dropout.default(args[0], self.p, self.training)
 
 
 def _dropouts_follow_mode(gm: fx.GraphModule) -> None:
@@ -164,7 +236,7 @@ def _dropouts_follow_mode(gm: fx.GraphModule) -> None:
             kwargs.update(zip(("is_causal", "scale", "enable_gqa"), n.args[5:], strict=False))
             if not p:
                 continue
-            module = ModeAttention(float(p))
+            module = ModeDropout(float(p), attention=True)
         else:
             continue
         where = module_of(n)

@@ -86,8 +86,8 @@ def test_exported_dropout_follows_the_parts_mode() -> None:
 
     from paratrain.comm.context import default_workers
     from paratrain.config.strategy import Partition
-    from paratrain.executors.model_parallel.feed import model_inputs, model_output
     from paratrain.executors.model_parallel.plan import build_plan
+    from paratrain.executors.model_parallel.runtime import model_inputs, model_output
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=24, n_positions=8, n_embd=16, n_layer=2, n_head=2,

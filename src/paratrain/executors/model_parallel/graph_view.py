@@ -17,9 +17,10 @@ from ...comm.context import default_workers
 from ...graph.partition import cut
 from ...graph.sizes import count_elements, shape_info, tensor_at, tensor_metas
 from ...graph.trace import module_of
+from ...subgraphs import under
 from ..spec import GraphView, Traced
 from .replicas import replicas_for
-from .tp_stages import mesh_report
+from .tp_stages import mesh_report, tp_size_of
 from .validation import num_workers, plan_for
 
 _ORIG = "paratrain_explain_node"  # fx node meta key: the node's name in the traced graph
@@ -74,13 +75,9 @@ class PlacementView(GraphView):
         # one worker a stage: a pipeline x TP job's stages run on tp processes each (tp_stages)
         self.workers = default_workers(num_workers(job), list(job.workers))
         self.plan = plan_for(job, traced.model, self.workers, traced.example)
-        self.replicas = replicas_for(job, self.plan, len(self.workers), self.workers)
+        self.replicas = replicas_for(job, self.plan, len(self.workers))
         self.worker_id = {int(w.rank): str(w.id) for w in self.workers}
         self.origin, self.node_part = cut_origin(traced.gm, self.plan)
-        self.part_of: dict[str, int] = {}  # called module -> part index
-        for p in self.plan.cut.parts:
-            for m in p.nodes:
-                self.part_of.setdefault(m, p.index)
         self.held: dict[int, int] = {}  # parameter id -> rank
         self.node_of = {n.name: n for n in traced.gm.graph.nodes}
 
@@ -104,7 +101,7 @@ class PlacementView(GraphView):
                 out["replicas"] = self._replicas_of(int(rank))
             for t in tensors:
                 self.held.setdefault(id(t), int(rank))
-        part = self.part_of.get(path) if how == "leaf" else next(
+        part = next((p.index for p in cut.parts if path in p.nodes), None) if how == "leaf" else next(
             (self.node_part[m.name] for m in nodes if m.name in self.node_part and module_of(m) == path), None)
         if part is not None:
             out["part"] = part
@@ -117,8 +114,7 @@ class PlacementView(GraphView):
         shard = str(getattr(subs[path], "shard", "none")) if path in subs else "none"
         if shard != "none":
             out["shard"] = shard
-        inside = sorted({r["rank"] for r in rows if "rank" in r
-                         and (r["node"] == path or r["node"].startswith(path + "."))})
+        inside = sorted({r["rank"] for r in rows if "rank" in r and under(r["node"], [path])})
         out["workers"] = [w for r in inside for w in self._replicas_of(r)]
         return out
 
@@ -126,7 +122,7 @@ class PlacementView(GraphView):
         """The mesh (with TP), the protocol, the transfers and the parameters per worker."""
         job, train = self.traced.job, self.traced.train
         report: dict[str, Any] = {}
-        tp_size = job.tensor_parallel.tensor_parallel_size if job.tensor_parallel is not None else 1
+        tp_size = tp_size_of(job)
         if tp_size > 1:  # pipeline (x replicas) x TP: the mesh (tp_stages)
             report["mesh"] = self._mesh(tp_size)
         strategy: Any = job.strategy

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -26,6 +26,7 @@ from ...graph import trace
 from ...graph.partition import Cut, Part, cut
 
 DEFAULT_RANK = 0
+FIELD = "strategy.partitions"
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class Plan:
     nodes: tuple[str, ...]
     owner: dict[str, int]
     cut: Cut
-    claims: dict[str, int] = field(default_factory=dict)  # claimed module path -> rank
+    claims: dict[str, int]  # claimed module path -> rank
 
     @property
     def segments(self) -> tuple[Part, ...]:
@@ -49,10 +50,6 @@ class Plan:
     def segments_of(self, rank: int) -> list[Part]:
         return self.cut.parts_of(rank)
 
-    def ranks(self) -> list[int]:
-        """Ranks that own at least one part, in order of first appearance."""
-        return self.cut.ranks()
-
     @property
     def last_rank(self) -> int:
         """The rank that holds the model's output (computes the loss)."""
@@ -64,7 +61,7 @@ class Plan:
 
 
 def _claims(model: nn.Module, called: Sequence[str], ran: set[str], partitions: Sequence[Any],
-            workers: Sequence[Any], field: str) -> dict[str, int]:
+            workers: Sequence[Any]) -> dict[str, int]:
     """Validate the partitions against the model's modules; module path -> rank."""
     problems: list[tuple[str, str]] = []
     modules = [n for n, _ in model.named_modules() if n]
@@ -74,7 +71,7 @@ def _claims(model: nn.Module, called: Sequence[str], ran: set[str], partitions: 
     claimed: dict[str, int] = {}
     claims: dict[str, int] = {}
     for i, part in enumerate(partitions):
-        where = f"{field}[{i}]"
+        where = f"{FIELD}[{i}]"
         if not part.node_ids:
             problems.append((f"{where}.node_ids", f"partition {i} is empty: it claims no node"))
         try:
@@ -113,8 +110,7 @@ def _claims(model: nn.Module, called: Sequence[str], ran: set[str], partitions: 
 
 
 def build_plan(model: nn.Module | Sequence[str], partitions: Sequence[Any], workers: Sequence[Any],
-               *, contiguous: bool = False, field: str = "strategy.partitions",
-               leaves: Sequence[str] = (),
+               *, contiguous: bool = False, leaves: Sequence[str] = (),
                example: tuple[tuple[Any, ...], dict[str, Any]] | None = None) -> Plan:
     """Place ``model``'s nodes by ``partitions`` on ``workers`` and cut it into parts; every
     problem in one ConfigError. ``contiguous`` (Pipeline): one part per rank. ``leaves``:
@@ -124,7 +120,7 @@ def build_plan(model: nn.Module | Sequence[str], partitions: Sequence[Any], work
     if not isinstance(model, nn.Module):
         model = nn.Sequential(OrderedDict((n, nn.Identity()) for n in model))
     if not partitions:
-        raise ConfigError([(field, "model-parallel training with no partitions: "
+        raise ConfigError([(FIELD, "model-parallel training with no partitions: "
                                    "nothing says where any node runs")])
     gm = trace(model, leaves, example)
     called = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
@@ -134,20 +130,16 @@ def build_plan(model: nn.Module | Sequence[str], partitions: Sequence[Any], work
     for n in gm.graph.nodes:
         for v in (n.meta.get("nn_module_stack") or {}).values():
             ran.add(str(v[0] if isinstance(v, tuple) else v))
-    claims = _claims(model, called, ran, partitions, workers, field)
+    claims = _claims(model, called, ran, partitions, workers)
     c = cut(gm, claims, default=DEFAULT_RANK)
-    owner = {m: c.owner[n.name] for n in gm.graph.nodes if n.op == "call_module"
-             for m in [str(n.target)]}
-    if c.capture == "export":
-        called = list(c.call_order)
-        owner = {}
-        for p in c.parts:
-            for m in p.nodes:
-                owner.setdefault(m, p.rank)
-    plan = Plan(tuple(called), owner, c, dict(claims))
+    owner: dict[str, int] = {}  # a module's rank: its path's under fx, its first part's exported
+    for p in c.parts:
+        for m in p.nodes:
+            owner.setdefault(m, p.rank)
+    plan = Plan(c.call_order, owner, c, dict(claims))
     if contiguous and not plan.is_contiguous():
         problems: list[tuple[str, str]] = []
-        for rank in plan.ranks():
+        for rank in plan.cut.ranks():
             segs = plan.segments_of(rank)
             if len(segs) > 1:
                 wid = next((str(w.id) for w in workers if int(w.rank) == rank), f"rank {rank}")
@@ -164,7 +156,7 @@ def build_plan(model: nn.Module | Sequence[str], partitions: Sequence[Any], work
                     via = (f"; its later nodes read the output of {made} (rank {src}), which runs "
                            f"after its earlier ones: a cycle between workers in one "
                            f"micro-batch's forward")
-                problems.append((field, f"Pipeline needs each worker's nodes to be one contiguous "
+                problems.append((FIELD, f"Pipeline needs each worker's nodes to be one contiguous "
                                         f"run, but worker {wid!r} (rank {rank}) owns "
                                         f"{len(segs)} separate runs: {runs}{why}{via} (runs "
                                         f"placed round-robin are chunks for schedule = "
@@ -173,22 +165,21 @@ def build_plan(model: nn.Module | Sequence[str], partitions: Sequence[Any], work
     return plan
 
 
-def check_interleaved(plan: Plan, workers: Sequence[Any], virtual_stages: int | None,
-                      *, field: str = "strategy.partitions") -> int:
+def check_interleaved(plan: Plan, workers: Sequence[Any], virtual_stages: int | None) -> int:
     """The chunks per rank ``v`` of an ``Interleaved1F1B`` placement: ``v p`` parts over ``p``
     ranks, part ``k`` on the rank of part ``k mod p``; else a ConfigError naming each rank's
     parts (also when ``virtual_stages`` is given and differs)."""
     ranks = [part.rank for part in plan.segments]
-    p = len(plan.ranks())
+    p = len(plan.cut.ranks())
     total = len(ranks)
     names = {int(w.rank): str(w.id) for w in workers}
 
     def runs() -> str:
         return "; ".join(f"{names.get(r, f'rank {r}')}: parts {[k for k, q in enumerate(ranks) if q == r]}"
-                         for r in plan.ranks())
+                         for r in plan.cut.ranks())
 
     if total % p or any(ranks[k] != ranks[k % p] for k in range(total)):
-        raise ConfigError([(field, (
+        raise ConfigError([(FIELD, (
             f"Interleaved1F1B needs the model cut into virtual_stages x {p} workers parts placed "
             f"round-robin (part k on the worker of part k mod {p}), but the partitions make "
             f"{total} parts: {runs()}; list each worker's chunks in turn (e.g. four partitions "

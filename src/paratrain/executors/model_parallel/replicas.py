@@ -11,11 +11,11 @@ sends a receiver holding ``[c, d)`` the rows ``[max(a, c), min(b, d))`` (:func:`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import ConfigError
+from ...subgraphs import under
 from .plan import DEFAULT_RANK, Plan
 
 MAX_REPLICAS = 8
@@ -74,26 +74,22 @@ def extra_workers(job: Any) -> int:
                if getattr(s, "type", None) == "DataParallel")
 
 
-def replicas_for(job: Any, plan: Plan, world: int, workers: Sequence[Any]) -> Replicas:
+def replicas_for(job: Any, plan: Plan, world: int) -> Replicas:
     """The replica groups the job's DataParallel subgraphs ask for (ConfigErrors name the
     ``subgraphs.<path>`` at fault)."""
     subs = {k: v for k, v in (getattr(job, "subgraphs", None) or {}).items()
             if getattr(v, "type", None) == "DataParallel"}
     if not subs:
         return Replicas()
-    used = set(plan.ranks())
+    used = set(plan.cut.ranks())
     spare = [r for r in range(world) if r not in used]
     groups: dict[int, tuple[int, ...]] = {}
     paths: dict[int, str] = {}
     problems: list[tuple[str, str]] = []
-
-    def under(node: str, path: str) -> bool:
-        return node == path or node.startswith(path + ".")
-
     for path, strat in subs.items():
         where = f"subgraphs.{path}"
         r = int(strat.num_replicas)
-        inside = [c for c in plan.claims if under(c, path)]
+        inside = [c for c in plan.claims if under(c, [path])]
         ranks = {plan.claims[c] for c in inside}
         if not inside or len(ranks) != 1:
             problems.append((where, (
@@ -102,7 +98,7 @@ def replicas_for(job: Any, plan: Plan, world: int, workers: Sequence[Any]) -> Re
                    f"the modules under {path!r} are claimed for ranks {sorted(ranks)}"))))
             continue
         rank = ranks.pop()
-        outside = [c for c, r in plan.claims.items() if r == rank and not under(c, path)]
+        outside = [c for c, r in plan.claims.items() if r == rank and not under(c, [path])]
         if outside or rank == DEFAULT_RANK or not plan.segments_of(rank):
             why = (f"rank {rank} also runs {outside[0]!r}, outside {path!r}" if outside else
                    f"rank {rank} also runs every module no partition claims" if rank == DEFAULT_RANK
@@ -133,5 +129,4 @@ def replicas_for(job: Any, plan: Plan, world: int, workers: Sequence[Any]) -> Re
         spare = spare[r - 1:]
     if problems:
         raise ConfigError(problems)
-    del workers
     return Replicas(groups, paths)

@@ -131,7 +131,7 @@ def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Iterator[An
 
 def _stage_setting(job: JobConfig, path: str | None, name: str, default: Any) -> Any:
     """A replicated stage's ``name`` on its ``[subgraphs.<path>]`` DataParallel
-    (``broadcast_buffers``; ``shard``: ZeRO inside the stage, :mod:`.stage_zero`)."""
+    (``broadcast_buffers``; ``shard``: ZeRO inside the stage, :class:`.engine.StageZero`)."""
     sub = (getattr(job, "subgraphs", None) or {}).get(path) if path is not None else None
     return getattr(sub, name, default)
 
@@ -149,11 +149,11 @@ def _place(ctx: WorkerContext, job: JobConfig, model: Any, task: Any, train: Any
         model, tp_groups, leaves = shard_model(job, model)
         closing.callback(tp_groups.tp.close)
         plan = plan_for(job, model, ctx.workers[:n_logical], example_args(task, train), leaves=leaves)
-        logical = replicas_for(job, plan, n_logical, ctx.workers[:n_logical])
+        logical = replicas_for(job, plan, n_logical)
         replicas = lane_replicas(logical, n_logical, tp, ctx.rank)
     else:
         plan = plan_for(job, model, ctx.workers, example_args(task, train))
-        logical = replicas = replicas_for(job, plan, ctx.world_size, ctx.workers)
+        logical = replicas = replicas_for(job, plan, ctx.world_size)
     replica_group = None
     for ranks in replica_groups(logical, tp):  # with tp 1: each replicated stage's ranks
         group = new_group(ranks)  # every rank creates every group, in one order
@@ -173,7 +173,7 @@ def layout_of(plan: Any, replicas: Any, world: int, shards: dict[str, str] | Non
 
 
 def gather_parts(rt: Any, own: dict[str, torch.Tensor], *, rank: int, world: int,
-                  step: int) -> list[dict[str, torch.Tensor]]:
+                 step: int) -> list[dict[str, torch.Tensor]]:
     """Every rank's model tensors (by the model's names) on rank 0, in rank order (a
     replicated stage's replicas hold the same names and values: the first is kept)."""
     from safetensors.torch import load, save

@@ -22,41 +22,36 @@ over readers and micro-batches, the loss and every gradient equal the unpartitio
 (up to float summation order). Orders come from :mod:`.schedule`. The transport is duck-typed
 (``send``/``recv``/``flush``, optionally ``post``): ``P2PTransport`` or ``DataStoreTransport``.
 
+A batch is any pytree of tensors (micro-batch ``i``: rows ``[a_i, b_i)`` of every leaf with a
+leading dimension); a *feed* ``batch -> (args, kwargs)`` says how it calls the model (the
+task's ``model_args``). The graph's inputs are the forward's parameters under torch.fx, the
+leaves of ``(args, kwargs)`` under torch.export (``Cut.in_spec``, whose ``Cut.out_spec``
+rebuilds the output: a ``ModelOutput`` again).
+
 Why not ``torch.distributed.pipelining``: its stages are a linear chain (stage ``k`` feeds
-``k + 1`` only; ``pipeline()`` splits a sequential model) with one schedule class per order,
-while a cut here is any topology: a value may skip stages or go back to a rank's earlier part,
-a rank may own several non-adjacent parts (Direct/DataStore), two towers may join, a stage may
-be replicated over rows (:mod:`.replicas`) or tensor-parallel, and a tie across workers stays
-one tensor. Where both run the same thing they agree:
-``tests/executors/model_parallel/test_pipeline_vs_torch.py`` checks 1F1B, GPipe,
-Interleaved1F1B and ZBH1 against torch's schedules on the same stages (equal losses and
-gradients).
+``k + 1`` only), while a cut here is any topology: a value may skip stages or go back to a
+rank's earlier part, two towers may join, a stage may be replicated over rows
+(:mod:`.replicas`) or tensor-parallel, and a tie across workers stays one tensor. Where both
+run the same thing they agree (``tests/executors/model_parallel/test_pipeline_vs_torch.py``:
+1F1B, GPipe, Interleaved1F1B and ZBH1, equal losses and gradients).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 
-from ...graph.partition import Part
+from ...graph.partition import Cut, Part
 from .backward_split import Deferred, backward_inputs
-from .feed import (
-    Feed,
-    Transport,
-    batch_rows,
-    first_field,
-    model_inputs,
-    model_output,
-    rows_of,
-    storages,
-)
-from .feed import held_attrs as held_attrs  # re-exported with segment_modules (tests, tools)
-from .feed import segment_modules as segment_modules
 from .plan import Plan
 from .replicas import Replicas, pieces, row_bounds
 from .schedule import SPLIT_BACKWARD, VIRTUAL, Action, micro_batch_sizes, schedule, sequential
@@ -70,6 +65,95 @@ LossFn = Callable[[Any, Sequence[torch.Tensor]], torch.Tensor]
 def slot_of(t: int, j: int = 0, k: int = 0) -> int:
     """Message slot of transfer ``t`` between sender replica ``j`` and receiver replica ``k``."""
     return t * 64 + j * 8 + k
+
+
+#: ``batch -> (args, kwargs)``: how a batch calls the model.
+Feed = Callable[[Any], tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+class Transport(Protocol):
+    def send(self, tensor: torch.Tensor, *, dst: int, key: tuple[str, int, int], step: int = 0,
+             rows: int | None = None) -> None: ...
+    def recv(self, *, src: int, key: tuple[str, int, int], step: int = 0,
+             rows: int | None = None) -> torch.Tensor: ...
+    def flush(self) -> None: ...
+
+
+def first_field(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The default feed: ``model(batch[0])`` (a bare tensor: ``model(batch)``)."""
+    return ((batch[0],) if isinstance(batch, tuple | list) else (batch,)), {}
+
+
+def batch_rows(tree: Any) -> int:
+    """The leading size of the first tensor leaf with one (1 when there is none)."""
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return 1
+
+
+def rows_of(tree: Any, lo: int, hi: int) -> Any:
+    """Rows ``[lo, hi)`` of every tensor leaf with a leading dimension."""
+    return pytree.tree_map(
+        lambda t: t[lo:hi] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, tree)
+
+
+def storages(tree: Any) -> set[int]:
+    """Storage addresses of the tensor leaves (the batch is not an activation)."""
+    return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(tree)
+            if isinstance(t, torch.Tensor)}
+
+
+def model_inputs(cut: Cut, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Each graph input's value for a model call ``(args, kwargs)`` (module docstring)."""
+    if cut.capture == "export":
+        order = _kwarg_order(cut.in_spec)
+        if order is not None and set(order) == set(kwargs):
+            kwargs = {k: kwargs[k] for k in order}
+        leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+        if len(leaves) != len(cut.inputs):
+            raise ValueError(
+                f"the model was captured with {len(cut.inputs)} input tensors "
+                f"({', '.join(cut.inputs)}) but this batch calls it with {len(leaves)}: batches "
+                f"must have the structure of the one it was captured on")
+        return dict(zip(cut.inputs, leaves, strict=True))
+    out: dict[str, Any] = {}
+    for i, name in enumerate(cut.inputs):
+        if i < len(args):
+            out[name] = args[i]
+        elif name in kwargs:
+            out[name] = kwargs[name]
+        else:
+            out[name] = cut.input_defaults.get(name)
+    return out
+
+
+def _kwarg_order(spec: Any) -> list[str] | None:
+    children = spec.children() if callable(getattr(spec, "children", None)) else None
+    if not children or len(children) != 2:
+        return None
+    context = getattr(children[1], "context", None)
+    return list(context) if isinstance(context, list | tuple) else None
+
+
+def model_output(cut: Cut, env: dict[str, Any]) -> Any:
+    """The model's output from the values in ``env`` (rebuilt as the model returns it)."""
+    out = fx.node.map_aggregate(cut.output, lambda a: env[a] if isinstance(a, str) and a in env else a)
+    if cut.out_spec is not None:
+        return pytree.tree_unflatten(list(out) if isinstance(out, tuple | list) else [out],
+                                     cut.out_spec)
+    return out
+
+
+def segment_modules(model: nn.Module, plan: Plan, rank: int) -> dict[int, nn.Module]:
+    """This rank's parts as modules (fx GraphModules sharing the model's parameters)."""
+    del model  # the parts were cut from it and hold its modules
+    return {p.index: p.module for p in plan.segments_of(rank)}
+
+
+def held_attrs(model: nn.Module, plan: Plan, rank: int) -> dict[str, torch.Tensor]:
+    """Parameters/buffers read by ``get_attr`` that ``rank`` holds: value name -> tensor."""
+    return {a.name: a.value(model) for a in plan.cut.attrs if a.rank == rank}
 
 
 @dataclass
@@ -142,7 +226,7 @@ class StageRuntime:
                  replicas: Replicas | None = None, physical_rank: int | None = None,
                  feed: Feed | None = None) -> None:
         self.plan, self.cut = plan, plan.cut
-        self.feed = feed or first_field  # how a batch calls the model (feed.py)
+        self.feed = feed or first_field
         self.device = device or torch.device("cpu")
         self.rank = rank  # the stage's rank in the plan (a replica's primary)
         self.replicas = replicas or Replicas()
@@ -162,10 +246,7 @@ class StageRuntime:
             extra = [v for v in c.output_values if v not in p.outputs and v not in p.inputs] \
                 if idx == self.loss_part else []
             self.reads[idx] = list(p.inputs) + extra
-        self.readers_here: dict[str, int] = {}
-        for vals in self.reads.values():
-            for v in set(vals):
-                self.readers_here[v] = self.readers_here.get(v, 0) + 1
+        self.readers_here = Counter(v for vals in self.reads.values() for v in set(vals))
         self.out_transfers = [t for t in c.transfers if t.src == rank]
         self.in_transfers = {t.value: t for t in c.transfers if t.dst == rank}
         self._param_ptrs = {p.untyped_storage().data_ptr()
@@ -181,7 +262,7 @@ class StageRuntime:
         if schedule_name is None:
             return sequential(mine, num_micro)
         if schedule_name in VIRTUAL:  # parts r, r + p, ..: chunks placed round-robin
-            p = len(self.plan.ranks())
+            p = len(self.plan.cut.ranks())
             v = self.plan.num_segments // p
             if mine != list(range(mine[0], mine[0] + v * p, p)):
                 raise ValueError(f"rank {self.rank} owns parts {mine}; {schedule_name} needs "
@@ -210,9 +291,7 @@ class StageRuntime:
         loss on the loss part's rank (None elsewhere). ``schedule_name=None``: sequential."""
         rows = batch_rows(batch)
         sizes = micro_batch_sizes(rows, micro_batch_size or rows)
-        bounds = [0]
-        for n in sizes:
-            bounds.append(bounds[-1] + n)
+        bounds = [0, *itertools.accumulate(sizes)]
         # this replica's rows of each micro-batch (all of them when the stage is not replicated)
         own = [row_bounds(n, self.num_replicas)[self.replica] for n in sizes]
         micro = [rows_of(batch, bounds[i] + own[i][0], bounds[i] + own[i][1])

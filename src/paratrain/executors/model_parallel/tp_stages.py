@@ -48,15 +48,11 @@ def check_job(job: JobConfig) -> None:
             "together; tensor-parallel stages run collectives: use Pipeline or Direct"))])
 
 
-def _extras(logical: Replicas) -> set[int]:
-    return {w for g in logical.groups.values() for w in g[1:]}
-
-
 def lane_replicas(logical: Replicas, workers: int, tp: int, rank: int) -> Replicas:
     """This rank's lane: stage ``s`` (a logical worker of the plan) runs on the physical ranks
     ``w*tp + (rank % tp)`` for each logical worker ``w`` of ``logical.of(s)`` (its replicas)."""
     j = rank % tp
-    extra = _extras(logical)
+    extra = {w for g in logical.groups.values() for w in g[1:]}  # the replicas' own workers
     return Replicas({s: tuple(w * tp + j for w in logical.of(s)) for s in range(workers) if s not in extra},
                     dict(logical.paths))
 
@@ -146,22 +142,6 @@ class TPPipelineEngine(PipelineEngine):
 
     def stage_shards(self) -> dict[str, Any]:
         return dict(self._shards)
-
-    def _to_rank0(self, payload: torch.Tensor | None) -> torch.Tensor | None:
-        """As the base, within this rank's lane (its stage 0 and last stage)."""
-        self._msgs += 1
-        if self.last_rank == 0:
-            return payload
-        if self.rt.replica != 0:  # a stage's other replicas: its first one speaks for it
-            return None
-        prim = self.rt.replicas.of
-        if self.ctx.rank == self.last_rank:
-            assert payload is not None
-            self.rt.send_metric(payload, dst=prim(0)[0], step=self._msgs, slot=1)
-            return payload
-        if self.ctx.rank == 0:
-            return self.rt.recv_metric(src=prim(self.last_rank)[0], step=self._msgs, slot=1)
-        return None
 
 
 def dense_own(stage: StageModel, own: dict[str, torch.Tensor], groups: TPGroups) -> dict[str, torch.Tensor]:

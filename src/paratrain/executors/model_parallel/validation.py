@@ -121,7 +121,7 @@ def validate(job: JobConfig) -> Plan:
     plan = plan_for(job, model, workers, example)
     if tp_size_of(job) > 1:
         dry_shard(job, task.build_model(job.model, train))  # sharding errors before a launch
-    replicas_for(job, plan, n, workers)
+    replicas_for(job, plan, n)
     check_crossing_values(plan, model, train, workers, task)
     return plan
 
@@ -132,7 +132,7 @@ def check_crossing_values(plan: Plan, model: nn.Module, train: Any, workers: lis
     """Run the parts once on two training examples and refuse a value that would cross
     workers but is not a tensor (an int from ``x.size(1)``): a ConfigError naming the value,
     the worker that makes it and the one that reads it."""
-    from .feed import model_inputs
+    from .runtime import model_inputs
 
     example = example_args(task, train)
     if example is None:
