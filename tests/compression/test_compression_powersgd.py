@@ -11,7 +11,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as tp
 
 from _workers_powersgd import START, STEPS, dp_job_runs, scenarios
-from paratrain.comm.powersgd import allreduce_powersgd
+from paratrain.comm.ddp_hook import allreduce_powersgd
 from paratrain.comm.testing import run_distributed
 from paratrain.compression import CompressionError, Compressor
 from paratrain.compression.powersgd import (

@@ -64,9 +64,7 @@ def make_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int, *,
 
 
 def flatten(ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    if len(ts) == 1:
-        return ts[0].detach().reshape(-1).clone()
-    return torch.cat([t.detach().reshape(-1) for t in ts])
+    return torch.cat([t.detach().reshape(-1) for t in ts])  # a copy, even of one tensor
 
 
 def unflatten_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
@@ -79,7 +77,7 @@ def unflatten_into(flat: torch.Tensor, ts: Sequence[torch.Tensor]) -> None:
 
 def all_reduce_buckets(tensors: Sequence[torch.Tensor], *, group: Any = None,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, average: bool = True,
-                       counter: CommCounter | None = None, async_op: bool = True) -> int:
+                       counter: CommCounter | None = None) -> int:
     """In place: every tensor becomes the mean (``average=False``: the sum) over ranks; the
     flatten of bucket ``b+1`` overlaps the transfer of ``b``. Returns the all-reduces issued."""
     n = world_size(group)
@@ -90,11 +88,9 @@ def all_reduce_buckets(tensors: Sequence[torch.Tensor], *, group: Any = None,
         members = [tensors[i] for i in idx]
         flat = flatten(members)
         count_op(counter, "all_reduce", nbytes_of(flat))
-        work = dist.all_reduce(flat, group=group, async_op=async_op)
-        pending.append((work, flat, members))
+        pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, members))
     for work, flat, members in pending:
-        if work is not None:
-            work.wait()
+        work.wait()
         if average:
             flat.div_(n)
         unflatten_into(flat, members)

@@ -213,15 +213,22 @@ _FLAT: dict[tuple[str, str], bool] = {}  # (op, backend) -> whether the backend 
 _UNSUPPORTED = ("does not support", "not supported", "not implemented", "unsupported")
 
 
-def _probe_flat(op: str, like: torch.Tensor, group: Any) -> bool:
-    """Whether ``group``'s backend has the flat ``op``: one call of one element per rank (every
-    rank's first use of ``op``, so it is matched); only "not supported" means no."""
-    fn = _FLAT_FNS[op]
+def _has_flat(op: str, like: torch.Tensor, group: Any) -> bool:
+    """Whether ``group``'s backend has the flat ``op``, probed once per backend: one call of one
+    element per rank (every rank's first use of ``op``, so it is matched); only "not supported"
+    means no."""
+    key = (op, str(dist.get_backend(group)))
+    if key not in _FLAT:
+        _FLAT[key] = _probe_flat(_FLAT_FNS[op], op == "all_gather", like, group)
+    return _FLAT[key]
+
+
+def _probe_flat(fn: Any, gather: bool, like: torch.Tensor, group: Any) -> bool:
     if fn is None:
         return False
     p = dist.get_world_size(group)
-    small = torch.zeros(1 if op == "all_gather" else p, dtype=like.dtype, device=like.device)
-    out = torch.empty(p if op == "all_gather" else 1, dtype=like.dtype, device=like.device)
+    small = torch.zeros(1 if gather else p, dtype=like.dtype, device=like.device)
+    out = torch.empty(p if gather else 1, dtype=like.dtype, device=like.device)
     try:
         fn(out, small, group=group)
     except NotImplementedError:
@@ -231,13 +238,6 @@ def _probe_flat(op: str, like: torch.Tensor, group: Any) -> bool:
             return False
         raise
     return True
-
-
-def _has_flat(op: str, like: torch.Tensor, group: Any) -> bool:
-    key = (op, str(dist.get_backend(group)))
-    if key not in _FLAT:
-        _FLAT[key] = _probe_flat(op, like, group)
-    return _FLAT[key]
 
 
 def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool = False) -> Any:

@@ -20,13 +20,8 @@ class WorkerInfo:
 def default_workers(world_size: int, specs: list[Any] | None = None) -> list[WorkerInfo]:
     """Workers from the job's ``[[workers]]`` table (by rank), padded with defaults."""
     specs = list(specs or [])
-    out: list[WorkerInfo] = []
-    for rank in range(world_size):
-        if rank < len(specs):
-            out.append(WorkerInfo(rank, specs[rank].id, tuple(specs[rank].tags)))
-        else:
-            out.append(WorkerInfo(rank, f"worker-{rank}"))
-    return out
+    return [WorkerInfo(r, specs[r].id, tuple(specs[r].tags)) if r < len(specs)
+            else WorkerInfo(r, f"worker-{r}") for r in range(world_size)]
 
 
 @dataclass

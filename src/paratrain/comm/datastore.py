@@ -36,7 +36,6 @@ class DataStore:
         self.max_bytes = max_bytes
         self.wait_s = 0.0
         self.bytes_written = 0
-        self.bytes_read = 0
 
     def path(self, key: str) -> Path:
         if not _KEY.match(key) or ".." in key:
@@ -73,7 +72,6 @@ class DataStore:
             raise RuntimeError(f"datastore: {p} does not hold a tensor ({type(value).__name__})")
         if delete:
             p.unlink(missing_ok=True)
-        self.bytes_read += nbytes_of(value)
         return value
 
     def take(self, key: str, *, timeout_s: float | None = None) -> torch.Tensor:

@@ -6,7 +6,7 @@ single-threaded server imported torch and the caller's ``preload``; workers are 
 it, before any torch thread pool exists. A forked worker inherits the *server's* state, so
 :class:`ParentState` carries what ``spawn`` would give (environment with the launcher's keys on
 top, working directory, ``sys.path``, the parent's *current* stdout/stderr as ``DupFd``),
-restored by :meth:`ParentState.apply` before anything is unpickled (:func:`loads`). :func:`stop`
+restored by :meth:`ParentState.apply` before anything is unpickled. :func:`stop`
 (at exit) ends and reaps the server and the resource tracker, which otherwise outlived
 ``paratrain run`` by 1-2 s; :func:`warm` starts the server while this process checks the job.
 """
@@ -21,7 +21,6 @@ import multiprocessing.reduction as reduction
 import multiprocessing.resource_tracker
 import multiprocessing.util
 import os
-import pickle
 import signal
 import sys
 import time
@@ -161,11 +160,3 @@ class ParentState:
                 os.dup2(fd, target)
                 os.close(fd)
 
-
-def dumps(obj: Any) -> bytes:
-    """Pickle ``obj`` in the parent, to be loaded by :func:`loads` after ``apply()``."""
-    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def loads(data: bytes) -> Any:
-    return pickle.loads(data)  # noqa: S301 - bytes our own parent process pickled

@@ -108,10 +108,7 @@ def side_group(group: Any = None) -> Any:
     subgroup's, which its members alone create, by that hash."""
     whole = group is None or group == dist.group.WORLD
     ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    if whole:  # every rank calls it: torch's counter names it alike on every rank
-        return dist.new_group(ranks=ranks, backend="gloo")
-    # a subgroup's members alone call it; its name is a hash of its ranks (use_local_synchronization)
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=not whole)
 
 
 def subgroups(size: int, *, backend: str | None = None) -> tuple[Any, list[list[int]]]:
@@ -151,7 +148,7 @@ def host_label(rank: int, env: Mapping[str, str] | None = None, hostname: str | 
     try:
         size = int(local)
     except ValueError:
-        raise ConfigError([("LOCAL_WORLD_SIZE", f"must be a positive integer (got {local!r})")]) from None
+        size = 0
     if size < 1:
         raise ConfigError([("LOCAL_WORLD_SIZE", f"must be a positive integer (got {local!r})")])
     node = env.get("GROUP_RANK", "")

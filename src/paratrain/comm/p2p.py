@@ -167,10 +167,10 @@ class P2PTransport:
         self._pending.clear()
 
     def close(self) -> None:
-        self.flush()
         # Receives posted ahead but never consumed only happen when a step was aborted
         # by an error; the process group's teardown cancels them.
-        self._posted.clear()
+        self.flush()
+        self.abort()
 
     def abort(self) -> None:
         """Close after an error: pending sends are dropped, not waited for (a peer that

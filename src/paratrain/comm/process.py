@@ -22,10 +22,11 @@ from .context import WorkerContext, default_workers
 from .rendezvous import gloo_interface, group_prefix
 
 
-def resolve_device(requested: str, local_rank: int) -> torch.device:
-    """``auto`` = CUDA when available (one GPU per local rank, round robin), else CPU."""
+def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
+    """``run.device``: ``auto`` = CUDA when available (one GPU per local rank, round robin),
+    else CPU; the one device rule of every strategy (one process: local rank 0)."""
     if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError([("run.device", "cuda requested but torch.cuda.is_available() is False")])
+        raise ConfigError([("run.device", "'cuda' requested but CUDA is not available")])
     if requested in ("auto", "cuda") and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")

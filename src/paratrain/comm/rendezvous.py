@@ -203,10 +203,9 @@ def launch_config(job: JobConfig, *, nprocs: int) -> Any:
             local_addr, is_host = rendezvous_host(host, int(port))
             if is_host:
                 rdzv_configs["is_host"] = True
-    run_id = os.environ.get("PARATRAIN_RUN_ID") or f"{job.run.name}-{uuid.uuid4().hex[:8]}"
-    if nnodes > 1:
-        # Every node must agree on the run id; derive it from the job, not a random value.
-        run_id = os.environ.get("PARATRAIN_RUN_ID") or f"paratrain-{job.run.name}"
+    # Every node must agree on the run id: across nodes it comes from the job, not at random.
+    default_id = f"paratrain-{job.run.name}" if nnodes > 1 else f"{job.run.name}-{uuid.uuid4().hex[:8]}"
+    run_id = os.environ.get("PARATRAIN_RUN_ID") or default_id
     return LaunchConfig(min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nprocs // nnodes,
                         run_id=run_id, rdzv_backend=backend, rdzv_endpoint=endpoint,
                         rdzv_configs=rdzv_configs, max_restarts=job.run.max_restarts,

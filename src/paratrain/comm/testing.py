@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .context import WorkerContext, default_workers
-from .forkserver import ParentState, dumps, loads
+from .forkserver import ParentState
 from .forkserver import context as forkserver_context
 from .process import leave_process_group
 
@@ -89,7 +90,7 @@ def _child(rank: int, world_size: int, port: int, parent: ParentState, payload: 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         # Unpickled after apply(): fn may live in a module only the parent's path has.
-        fn, args, workers = loads(payload)
+        fn, args, workers = pickle.loads(payload)  # noqa: S301 - what our parent pickled
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=(rank == 0),  # type: ignore[attr-defined]
                               timeout=timeout)
@@ -117,7 +118,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     results = ctx.Queue()
     port = free_port()
     parent = ParentState()
-    payload = dumps((fn, args, workers))
+    payload = pickle.dumps((fn, args, workers), protocol=pickle.HIGHEST_PROTOCOL)
     procs = [ctx.Process(target=_child, args=(r, world_size, port, parent, payload, results, timeout_s),
                          daemon=False) for r in range(world_size)]
     for p in procs:

@@ -151,19 +151,16 @@ def root_failure(failures: list[Failure]) -> Failure | None:
     return min(failures, key=lambda f: (f.weight(), f.timestamp, f.rank))
 
 
-def _failure_log_text(f: Failure, attempt: int) -> str:
-    head = f"attempt {attempt}: "
-    if f.signal is not None and not f.traceback:
-        return head + f"killed by {f.signal} (no traceback: the process did not get to raise)"
-    return head + (f.traceback or f.message)
-
-
 def write_failure_logs(job: JobConfig, failures: list[Failure], attempt: int) -> dict[int, Path]:
     logs: dict[int, Path] = {}
     for f in failures:
         if f.weight() == 2 and not f.traceback:
             continue  # stopped by the agent: nothing to say
-        path = append_worker_log(job, f.rank, _failure_log_text(f, attempt))
+        if f.signal is not None and not f.traceback:
+            text = f"killed by {f.signal} (no traceback: the process did not get to raise)"
+        else:
+            text = f.traceback or f.message
+        path = append_worker_log(job, f.rank, f"attempt {attempt}: {text}")
         if path is not None:
             logs[f.rank] = path
     return logs

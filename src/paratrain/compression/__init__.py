@@ -4,7 +4,7 @@ The methods (DESIGN §4) are the codecs of :mod:`.codecs`: the leaves ``None``, 
 ``RandomK``, ``Threshold``, ``Quantization`` and the wrappers ``ErrorFeedback`` and
 ``ClippedCompression``, composable to any depth. ``PowerSGD`` (:mod:`.powersgd`) is not a
 per-tensor codec: its two all-reduces (P, then Q) sit inside the compression, so
-``paratrain.comm.powersgd`` drives its :class:`PowerSGDState` (``Compressor.powersgd``)
+``paratrain.comm.ddp_hook`` drives its :class:`PowerSGDState` (``Compressor.powersgd``)
 and ``Compressor.compress`` refuses it. Inputs: float32, float16, bfloat16 and float64
 tensors of any shape (empty included), on any device. RandomK positions and
 stochastic-rounding noise derive from (seed, step, key) only, so every rank with the same

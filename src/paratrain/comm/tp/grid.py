@@ -7,6 +7,7 @@ them are in :mod:`paratrain.tensor_parallel.grid`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
@@ -16,11 +17,13 @@ from .comm import ceil_sizes as grid_sizes
 __all__ = ["GridComms", "build_grid", "grid_sizes"]
 
 
+@dataclass
 class GridComms:
     """The row and column communicators of this rank's grid position."""
 
-    def __init__(self, row: TPComm, col: TPComm, g: int) -> None:
-        self.row, self.col, self.g = row, col, g
+    row: TPComm
+    col: TPComm
+    g: int
 
     @property
     def i(self) -> int:
@@ -51,18 +54,11 @@ def build_grid(tp: TPComm) -> GridComms:
     base = tp.ranks[0]
     if tp.ranks != list(range(base, base + p)) or world % p:
         raise ValueError(f"TP group {tp.ranks} is not a consecutive block of the world ({world})")
-    row: TPComm | None = None
-    col: TPComm | None = None
+    mine: list[TPComm] = []  # this rank's row, then its column
     for start in range(0, world, p):
-        for r in range(g):
-            ranks = [start + r * g + c for c in range(g)]
+        rows = [[start + r * g + c for c in range(g)] for r in range(g)]
+        for ranks in [*rows, *(list(col) for col in zip(*rows, strict=True))]:
             grp = dist.new_group(ranks)
             if me in ranks:
-                row = TPComm(grp, ranks, rank=me, async_op=True, stats=tp.stats)
-        for c in range(g):
-            ranks = [start + r * g + c for r in range(g)]
-            grp = dist.new_group(ranks)
-            if me in ranks:
-                col = TPComm(grp, ranks, rank=me, async_op=True, stats=tp.stats)
-    assert row is not None and col is not None
-    return GridComms(row, col, g)
+                mine.append(TPComm(grp, ranks, rank=me, async_op=True, stats=tp.stats))
+    return GridComms(mine[0], mine[1], g)
