@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..comm.process import resolve_device
 from . import checkpoint
 from .curve import TrainCurve, log_every_of
 from .interrupt import agree
@@ -42,17 +43,6 @@ __all__ = [
 ]
 
 Batch = Any  # a pytree of tensors (paratrain.task.steps): a tuple, a dict, a tensor, ...
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` = CUDA when available, else CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        from ..config import ConfigError
-
-        raise ConfigError([("run.device", "'cuda' requested but CUDA is not available")])
-    return torch.device(name)
 
 
 def batch_size_of(batch: Batch) -> int:
