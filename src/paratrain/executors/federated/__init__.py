@@ -57,10 +57,9 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     from ...comm.launch import launch
     from ...comm.rendezvous import in_torchrun
     from ...config import ConfigError
-    from ...data.partition import partition_dataset
-    from ...task import resolve_task
     from ...training.rundir import RunFolder
     from ..entry import worker_entry
+    from .flower.side import build_side
 
     if job.federated.runtime == "flower":  # the SuperLink starts its ServerApp (.flower)
         raise ConfigError([("federated.runtime", (
@@ -70,14 +69,7 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
             '"local" to run it here'))])
     n = num_workers(job)
     if not in_torchrun():  # fail before the run folder changes
-        task = resolve_task(job)
-        train, _ = task.datasets(job.run.seed)
-        task.build_model(job.model, train)
-        strat: Any = job.strategy
-        try:
-            partition_dataset(train, strat.num_clients, job.data.partition, seed=job.run.seed)
-        except ValueError as e:
-            raise ConfigError([("data.partition", str(e))]) from None
+        build_side(job)
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         folder.prepare_launch()
         if n == 1:

@@ -57,10 +57,6 @@ def drift_problems(job: Any) -> list[tuple[str, str]]:
         out.append(("train.optimizer", (
             f"{method}: nesterov and dampening are not supported (FedNova's a_i is the heavy-ball "
             "form)")))
-    if method == "SCAFFOLD" and getattr(job.federated, "dp", None) is not None:
-        out.append(("federated.dp", (
-            "SCAFFOLD with differential privacy is not supported: each client's control delta "
-            "dc_i carries its update (x - y_i)/(K*lr) un-clipped and un-noised")))
     return out
 
 

@@ -32,20 +32,27 @@ def personal_digest(workers: list[dict[str, Any]]) -> str:
     return hashlib.sha256("".join(per[c] for c in order).encode()).hexdigest()
 
 
-def run_summary(*, job: Any, task: Any, server: Any, model: Any, run_dir: Path, final: dict[str, Any],
-                final_per: dict[str, Any], train_set: Any, test_set: Any, wall_s: float) -> dict[str, Any]:
-    """The summary both runtimes report: the job, the server's counters, the final and best
-    test metrics (over ``metrics.jsonl``), the task's reference metrics and the digest of the
-    global model ``model``."""
-    from ...training import parameters_digest, read_metrics
+def finish_run(side: Any, server: Any, run_dir: Path, *, final: dict[str, Any], final_per: dict[str, Any],
+               wall_s: float, initial: dict[str, Any], head: dict[str, Any], extra: dict[str, Any],
+               configured: tuple[str, ...], label: str) -> dict[str, Any]:
+    """Both runtimes' end: the global model (personal keys at ``initial``, what a new client
+    starts from) loaded into ``side.model`` and saved, ``summary.json`` (``head``, the job,
+    the server's counters, the final and best test metrics over ``metrics.jsonl``, the task's
+    reference metrics, the model's digest, ``extra``) and ``report.png``; returns the summary."""
+    from ...models.state import load_unique_state_dict
+    from ...training import parameters_digest, read_metrics, report, write_summary
+    from ...training.export import save_model, whole_state
 
+    job, task, model = side.job, side.task, side.model
+    load_unique_state_dict(model, {**server.global_state, **initial})
     strat = job.strategy
     fit = str(task.fitness_metric)
     records = [rec for rec in read_metrics(run_dir) if rec.get(f"test_{fit}") is not None]
     pick = max if task.fitness_mode == "max" else min
     best = pick((float(rec[f"test_{fit}"]) for rec in records), default=final.get(fit))
     reference = getattr(task, "reference_metrics", None)
-    return {
+    summary = {
+        **head,
         "strategy": "Federated",
         "run_dir": str(run_dir),
         "aggregation": strat.aggregation.method,
@@ -56,7 +63,7 @@ def run_summary(*, job: Any, task: Any, server: Any, model: Any, run_dir: Path, 
         "task": str(getattr(task, "name", type(task).__name__)),
         **{f"test_{k}": v for k, v in final.items()},
         f"best_test_{fit}": best,
-        **(reference(train_set, test_set) if callable(reference) else {}),
+        **(reference(side.train_set, side.test_set) if callable(reference) else {}),
         "clients_failed_total": server.failures,
         "bytes_up_measured": server.bytes_up,
         "bytes_down_modelled": server.bytes_down,
@@ -67,14 +74,20 @@ def run_summary(*, job: Any, task: Any, server: Any, model: Any, run_dir: Path, 
         "parameters_sha256": parameters_digest(model),
         **final_per,
         **(server.privacy.summary() if server.privacy is not None else {}),  # [federated.dp]
+        **extra,
     }
+    summary["provenance"] = report.provenance(summary, configured=configured)
+    save_model(run_dir, whole_state(model))
+    write_summary(run_dir, summary)
+    report.plot_curves(run_dir, x_key="round", title=f"{job.run.name} ({label}, {strat.aggregation.method})")
+    return summary
 
 
-def round_record(server: Any, rec: dict[str, Any], ev: dict[str, Any], per: dict[str, Any], *,
+def round_record(server: Any, metrics: Any, rec: dict[str, Any], ev: dict[str, Any], per: dict[str, Any], *,
                  target: float | None, lr_scale: float, **extra: Any) -> dict[str, Any]:
-    """Round ``rec`` (``server.finish_round``'s) with the test metrics ``ev``, the clients'
-    own ``per`` and ``extra``; notes the accuracy for ``federated.target_accuracy`` (a task
-    without an accuracy metric is a ConfigError naming it). Both runtimes log this."""
+    """Log round ``rec`` (``server.finish_round``'s) to ``metrics`` with the test metrics
+    ``ev``, the clients' own ``per`` and ``extra``; notes the accuracy for
+    ``federated.target_accuracy`` (a task without an accuracy metric is a ConfigError naming it)."""
     from ...config import ConfigError
 
     if target is not None and "accuracy" not in ev:
@@ -85,16 +98,5 @@ def round_record(server: Any, rec: dict[str, Any], ev: dict[str, Any], per: dict
     rec.update({f"test_{k}": v for k, v in ev.items()})
     rec.update(per)
     rec.update(extra)
+    metrics.log(dict(rec))
     return rec
-
-
-def write_run(run_dir: Path, model: Any, summary: dict[str, Any], *, configured: tuple[str, ...],
-              title: str) -> None:
-    """``summary.json`` (with its provenance), the global model ``model`` and ``report.png``."""
-    from ...training import report, write_summary
-    from ...training.export import save_model, whole_state
-
-    summary["provenance"] = report.provenance(summary, configured=configured)
-    save_model(run_dir, whole_state(model))
-    write_summary(run_dir, summary)
-    report.plot_curves(run_dir, x_key="round", title=title)

@@ -1,17 +1,13 @@
 """The round loop every worker process runs (rank 0 is also the server; DESIGN §4).
 
-Per round ``r``: rank 0 selects clients and publishes the plan ``{"clients", "stop",
-"lr_scale"}`` in the store (``fed/plan/r``); the global model (and SCAFFOLD's ``c``) is
-broadcast from rank 0 as flat tensors (:mod:`.wire`); every rank trains the selected clients
-it hosts on its one model, publishes their statuses (``fed/status/r/rank``) and sends their
-payloads to rank 0 point-to-point; rank 0 decodes, validates and aggregates
-(:class:`~.server.FederatedServer`), evaluates and logs the round. The round is the unit of
-the run's one :class:`~paratrain.training.lifecycle.Lifecycle` (checkpoint cadence, stops,
-``PARATRAIN_FAULT_KILL``); its checkpoint is one collective write of every process
-(:mod:`.state`), so a resume finds the server and every client of the same round and --
-every random draw being a function of (seed, round, client) -- ends bit-identical to an
-uninterrupted run. With Local subgraphs (FedPer / FedBN, :mod:`.personal`) each rank keeps
-its clients' personal parts and scores them after each round.
+Per round ``r``: rank 0 publishes the plan ``{"clients", "stop", "lr_scale"}`` in the store
+(``fed/plan/r``); the global model (and SCAFFOLD's ``c``) is broadcast as flat tensors
+(:mod:`.wire`); every rank trains the selected clients it hosts, publishes their statuses
+(``fed/status/r/rank``) and sends their payloads to rank 0 point-to-point; rank 0
+aggregates (:class:`~.server.FederatedServer`), evaluates and logs the round. The round is
+the unit of the run's :class:`~paratrain.training.lifecycle.Lifecycle`; its checkpoint
+holds the server and every client of the same round (:mod:`.state`), and every random draw
+is a function of (seed, round, client), so a resume ends bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -40,13 +36,13 @@ from .checks import check_job, check_selection, client_tags
 from .client import ClientHost
 from .drift import broadcast_control, uses_control
 from .flower.side import Side, build_side, stateful
-from .outputs import personal_digest, round_record, run_summary, save_client_models, write_run
+from .outputs import finish_run, personal_digest, round_record, save_client_models
 from .personal import ClientEvaluator, round_metrics
 from .privacy import build_server_privacy
 from .selection import select_clients
 from .server import FederatedServer, RoundSchedule
 from .state import fed_store, restore, round_state
-from .wire import broadcast_state
+from .wire import broadcast_state, split_payload
 
 _INVOCATIONS = 0
 
@@ -196,10 +192,8 @@ def _round(w: _Worker, r: int) -> bool:
     d = w.data
     ev, per = round_metrics(server, w.evaluator, str(r), w.data.template, d.model, d.task, d.test_set,
                             w.ctx.device, w.job.train.precision)
-    round_record(server, rec, ev, per, target=w.job.federated.target_accuracy, lr_scale=lr_scale,
+    round_record(server, w.metrics, rec, ev, per, target=w.job.federated.target_accuracy, lr_scale=lr_scale,
                  round_time_s=time.perf_counter() - t_round, time_s=time.perf_counter() - w.started)
-    assert w.metrics is not None
-    w.metrics.log(dict(rec))
     fit = str(d.task.fitness_metric)
     w.life.show(r + 1, loss=rec.get("train_loss"),
                 info=f"test_{fit} {ev.get(fit, float('nan')):.4g} ok {rec['clients_ok']}/{rec['clients_selected']}")
@@ -217,12 +211,8 @@ def _collect(w: _Worker, r: int, statuses: list[dict[str, Any]], payloads: list[
         store_delete(w.store, key)
         buf = recv_bytes(src=src, group=w.ctx.group, nbytes=int(doc["nbytes"]), max_bytes=1 << 34,
                          counter=w.traffic)
-        pos = 0
-        for st in doc["results"]:
-            nb = int(st.get("nbytes", 0))
-            all_st.append(st)
-            all_pl.append(memoryview(buf)[pos : pos + nb])
-            pos += nb
+        all_st.extend(doc["results"])
+        all_pl.extend(split_payload(doc["results"], buf))
     return all_st, all_pl
 
 
@@ -244,7 +234,7 @@ def _summary(w: _Worker) -> dict[str, Any] | None:
     if w.evaluator is not None and d.personal_keys:  # collective: every rank scores its clients
         final_eval = w.evaluator.run("final", w.global_state if server is None else server.global_state,
                                      w.data.template)
-    if host.personal is not None and d.personal_keys:  # each hosted client's whole model
+    if host.personal is not None:  # each hosted client's whole model
         save_client_models(w.run_dir, model, host.personal, broadcast_state(
             server.global_state if server is not None else w.data.template, w.data.template, device=w.comm_dev,
             group=ctx.group))
@@ -257,21 +247,12 @@ def _summary(w: _Worker) -> dict[str, Any] | None:
     final, final_per = (final_eval if final_eval is not None else
                         round_metrics(server, w.evaluator, "final", w.data.template, model, d.task, d.test_set,
                                       ctx.device, job.train.precision))
-    wall = time.perf_counter() - w.started
-    if host.personal is not None:  # the global model's personal keys: their initial value,
-        from ...models.state import load_unique_state_dict  # what a new client starts from
-
-        whole = {**server.global_state, **host.personal.initial}
-        load_unique_state_dict(model, {k: v.to(ctx.device) for k, v in whole.items()})
-    summary = run_summary(job=job, task=d.task, server=server, model=model, run_dir=w.run_dir, final=final,
-                          final_per=final_per, train_set=d.train_set, test_set=d.test_set, wall_s=wall)
-    summary.update(num_workers=ctx.world_size, client_updates_this_run=sum(x["client_updates"] for x in workers),
-                   workers=workers)
+    extra: dict[str, Any] = dict(num_workers=ctx.world_size,
+                                 client_updates_this_run=sum(x["client_updates"] for x in workers), workers=workers)
     if d.personal_keys:  # FedPer / FedBN: what never left the clients
-        summary.update(local_subgraphs=local_paths(job, model), personal_keys=d.personal_keys,
-                       server_state_keys=sorted(server.global_state),
-                       personal_sha256=personal_digest(workers))
-    strat: Any = job.strategy
-    write_run(w.run_dir, model, summary, configured=("num_clients", "num_workers"),
-              title=f"{job.run.name} (Federated, {strat.aggregation.method})")
-    return summary
+        extra.update(local_subgraphs=local_paths(job, model), personal_keys=d.personal_keys,
+                     server_state_keys=sorted(server.global_state), personal_sha256=personal_digest(workers))
+    return finish_run(d, server, w.run_dir, final=final, final_per=final_per,
+                      wall_s=time.perf_counter() - w.started,
+                      initial=host.personal.initial if host.personal is not None else {}, head={}, extra=extra,
+                      configured=("num_clients", "num_workers"), label="Federated")

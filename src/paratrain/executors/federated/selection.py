@@ -13,20 +13,17 @@ from typing import Any
 
 import torch
 
-_ROUND_SALT = 0x5EED_F3D
 
-
-def round_generator(seed: int, round_idx: int, salt: int = _ROUND_SALT) -> torch.Generator:
-    """A CPU generator determined by ``(seed, round_idx, salt)`` only."""
+def round_generator(seed: int, round_idx: int) -> torch.Generator:
+    """A CPU generator determined by ``(seed, round_idx)`` only."""
     g = torch.Generator()
-    g.manual_seed((int(seed) * 1_000_003 + int(round_idx) * 7_919 + salt) % (2**63 - 1))
+    g.manual_seed((int(seed) * 1_000_003 + int(round_idx) * 7_919 + 0x5EED_F3D) % (2**63 - 1))
     return g
 
 
 def num_random(fraction: float, num_clients: int) -> int:
-    """``max(1, ⌈fraction·num_clients⌉)`` clamped to ``num_clients``."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"client_selection.fraction must be in (0, 1] (got {fraction})")
+    """``max(1, ⌈fraction·num_clients⌉)`` clamped to ``num_clients`` (the job's
+    ``fraction`` is in (0, 1]: config checks it)."""
     # round() guards against 0.1*30 = 3.0000000000000004 -> 4.
     k = math.ceil(round(fraction * num_clients, 9))
     return min(num_clients, max(1, k))
@@ -41,8 +38,6 @@ def select_clients(
     client_tags: Mapping[int, Sequence[str]] | None = None,
 ) -> list[int]:
     """The sorted client indices taking part in round ``round_idx``."""
-    if num_clients < 1:
-        raise ValueError(f"num_clients must be >= 1 (got {num_clients})")
     method = getattr(spec, "method", None)
     if method == "All":
         return list(range(num_clients))

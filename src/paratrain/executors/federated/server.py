@@ -1,16 +1,10 @@
 """The server side of a round: decode and validate updates, aggregate, evaluate.
 
-``FederatedServer.finish_round`` takes every selected client's status + payload, rejects
-malformed updates before any arithmetic (each a recorded failure naming the client and
-tensor), passes them through ``[federated.dp]`` (:mod:`.privacy`: clipped, summed, noised,
-accounted) and applies the job's aggregator (SCAFFOLD's control deltas and FedNova's
-normalisers with them, :mod:`.drift`). A round with no successful client leaves the global
-model unchanged and records why. Bytes: ``bytes_up_measured`` is the length of every
-selected client's encoded update, ``bytes_down_modelled`` the model's size times the
-clients selected (one device per client), ``wire_bytes_*_measured`` what went through the
-process group (counted at the transfer). The server state is one checkpoint dict naming
-its aggregation method: resuming it under another method or model is a ConfigError
-naming the field, before anything is loaded (:meth:`FederatedServer.check_state`).
+``FederatedServer.finish_round`` rejects malformed updates before any arithmetic (each a
+recorded failure naming the client and tensor), passes the rest through ``[federated.dp]``
+(:mod:`.privacy`) and the job's aggregator. Bytes: ``bytes_up_measured`` is the length of
+every selected client's encoded update, ``bytes_down_modelled`` the model's size times the
+clients selected, ``wire_bytes_*_measured`` what the transport counted.
 """
 
 from __future__ import annotations
@@ -36,11 +30,9 @@ from .wire import decode_update
 
 
 class RoundSchedule:
-    """The clients' learning rate over *rounds*: in round ``r`` (0-based) every selected
-    client trains at ``lr * f(r)``, ``f`` being :func:`~paratrain.training.stepping.lr_factor`
-    with ``T = strategy.rounds`` and ``train.warmup_steps`` counted in rounds (constant over
-    the client's steps within a round). ``position`` is the next round's index; it is part
-    of the server checkpoint and advances once per finished round."""
+    """The clients' learning rate over *rounds*: in round ``r`` every selected client trains
+    at ``lr * lr_factor(r)`` (``T = strategy.rounds``, ``train.warmup_steps`` in rounds);
+    ``position``, the next round's index, is in the server checkpoint."""
 
     def __init__(self, kind: str = "constant", warmup: int = 0, total: int = 1) -> None:
         self.kind, self.warmup, self.total = str(kind), int(warmup), int(total)
@@ -49,9 +41,6 @@ class RoundSchedule:
     def factor(self) -> float:
         return lr_factor(self.position, kind=self.kind, warmup_steps=self.warmup,
                          total_steps=self.total)
-
-    def step(self) -> None:
-        self.position += 1
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position, "kind": self.kind, "warmup_rounds": self.warmup,
@@ -75,6 +64,11 @@ class _Received:
     failed: list[dict[str, Any]] = field(default_factory=list)
     infos: list[dict[str, Any]] = field(default_factory=list)  # per successful client: steps, norm, control (dc_i)
     up: int = 0  # the payloads' bytes, every selected client's
+
+
+def mean_loss(losses: Sequence[tuple[float, float]]) -> float:
+    """The clients' training losses ``(loss, n)`` weighted by their example counts."""
+    return sum(v * n for v, n in losses) / sum(n for _, n in losses)
 
 
 class FederatedServer:
@@ -148,14 +142,14 @@ class FederatedServer:
         if updates:
             self.global_state = self.aggregator.aggregate_round(self.global_state, updates, weights, got.infos)
             if got.losses:
-                rec["train_loss"] = sum(v * n for v, n in got.losses) / sum(n for _, n in got.losses)
+                rec["train_loss"] = mean_loss(got.losses)
         else:
             rec["note"] = (
                 f"round {round_idx + 1}: no successful client out of {len(statuses)} "
                 "selected; global model unchanged"
             )
         self.round = round_idx + 1
-        self.schedule.step()
+        self.schedule.position += 1
         if self.privacy is not None:  # every round is booked, whatever came back
             rec.update(self.privacy.account(round_idx))
             self.stopped = self.stopped or not self.privacy.allows_next_round()

@@ -76,6 +76,16 @@ def dense_payload(flat: Tensor) -> bytes:
     return arr.tobytes() if sys.byteorder == "little" else arr.astype("<f4").tobytes()
 
 
+def split_payload(statuses: Sequence[Mapping[str, Any]], payload: bytes | memoryview) -> list[memoryview]:
+    """The concatenated payloads of ``statuses`` cut at each one's ``nbytes``."""
+    view, out, pos = memoryview(payload), [], 0
+    for st in statuses:
+        nb = int(st.get("nbytes", 0))
+        out.append(view[pos : pos + nb])
+        pos += nb
+    return out
+
+
 def encode_update(
     delta: Mapping[str, Tensor], *, compress: Any = None
 ) -> tuple[list[dict[str, Any]], bytes]:

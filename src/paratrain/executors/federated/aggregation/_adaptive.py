@@ -36,10 +36,6 @@ class AdaptiveServerOptimizer(Aggregator):
     spec_fields: ClassVar[tuple[str, ...]] = ("eta", "beta1", "beta2", "tau")
 
     def __init__(self, *, eta: float, beta1: float, beta2: float, tau: float) -> None:
-        if eta <= 0 or tau <= 0:
-            raise ValueError(f"{self.name}: eta and tau must be > 0 (got eta={eta}, tau={tau})")
-        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-            raise ValueError(f"{self.name}: betas must be in [0, 1) (got {beta1}, {beta2})")
         self.eta, self.beta1, self.beta2, self.tau = float(eta), float(beta1), float(beta2), float(tau)
         self.m: dict[str, Tensor] = {}
         self.v: dict[str, Tensor] = {}

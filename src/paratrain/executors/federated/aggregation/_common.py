@@ -33,7 +33,7 @@ class Aggregator(ABC):
     (SCAFFOLD and FedNova read them)."""
 
     name: ClassVar[str]
-    #: the contract's fields (``config.federated_aggregation``) the constructor takes by name
+    #: the contract's fields (``config.federated_aggregation``, which checks their ranges) the constructor takes
     spec_fields: ClassVar[tuple[str, ...]] = ()
     #: each client's uplink carries its control delta dc_i (SCAFFOLD; the server decodes it)
     sends_control: ClassVar[bool] = False

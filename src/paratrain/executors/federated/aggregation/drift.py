@@ -88,10 +88,6 @@ class ScaffoldAggregator(Aggregator):
     sends_control = True
 
     def __init__(self, *, server_lr: float = 1.0, num_clients: int) -> None:
-        if not server_lr > 0:
-            raise ValueError(f"SCAFFOLD server_lr must be > 0 (got {server_lr})")
-        if num_clients < 1:
-            raise ValueError(f"SCAFFOLD needs the number of clients N >= 1 (got {num_clients})")
         self.server_lr = float(server_lr)
         self.num_clients = int(num_clients)
         self.c: dict[str, Tensor] = {}

@@ -93,8 +93,6 @@ class FedProxAggregator(FedAvgAggregator):
     spec_fields = ("mu",)
 
     def __init__(self, mu: float) -> None:
-        if mu < 0:
-            raise ValueError(f"FedProx mu must be >= 0 (got {mu})")
         self.mu = float(mu)
 
 
@@ -103,10 +101,6 @@ class FedAvgMAggregator(Aggregator):
     spec_fields = ("server_momentum", "server_lr")
 
     def __init__(self, *, server_momentum: float = 0.9, server_lr: float = 1.0) -> None:
-        if not 0.0 <= server_momentum < 1.0:
-            raise ValueError(f"FedAvgM server_momentum must be in [0, 1) (got {server_momentum})")
-        if server_lr <= 0:
-            raise ValueError(f"FedAvgM server_lr must be > 0 (got {server_lr})")
         self.momentum = float(server_momentum)
         self.server_lr = float(server_lr)
         self.buf: dict[str, Tensor] = {}

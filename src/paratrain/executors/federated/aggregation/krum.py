@@ -72,8 +72,6 @@ class KrumAggregator(Aggregator):
     spec_fields = ("num_malicious", "to_keep")
 
     def __init__(self, *, num_malicious: int = 0, to_keep: int = 0) -> None:
-        if num_malicious < 0 or to_keep < 0:
-            raise ValueError(f"Krum counts must be >= 0 (got {num_malicious}, {to_keep})")
         self.num_malicious = int(num_malicious)
         self.to_keep = int(to_keep)
         self.last_selected: list[int] = []

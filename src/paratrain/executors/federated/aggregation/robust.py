@@ -55,8 +55,6 @@ class FedTrimmedAvgAggregator(Aggregator):
     spec_fields = ("beta",)
 
     def __init__(self, beta: float = 0.2) -> None:
-        if not 0.0 <= beta < 0.5:
-            raise ValueError(f"FedTrimmedAvg beta must be in [0, 0.5) (got {beta})")
         self.beta = float(beta)
 
     def step(self, updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ....config import ConfigError
 from ..client import ClientResult, client_name
+from ..wire import split_payload
 from . import protocol as P
 
 log = logging.getLogger("paratrain.flower")
@@ -131,25 +132,15 @@ class Federation:
             rec: Any = rep.content.config_records[P.RESULT]
             if rec.get(P.RESUMED):
                 self.restored.add(int(rec[P.PARTITION_ID]))
-            data = memoryview(bytes(rec[P.PAYLOAD]))
-            pos = 0
-            for st in json.loads(str(rec[P.STATUSES])):
-                nb = int(st.get("nbytes", 0))
-                got.setdefault(int(st["client"]), (st, data[pos : pos + nb]))  # the first answer counts
-                pos += nb
-        statuses: list[dict[str, Any]] = []
-        payloads: list[bytes | memoryview] = []
+            statuses = json.loads(str(rec[P.STATUSES]))
+            for st, pl in zip(statuses, split_payload(statuses, bytes(rec[P.PAYLOAD])), strict=True):
+                got.setdefault(int(st["client"]), (st, pl))  # the first answer counts
+        tail = f" ({'; '.join(errors)})" if errors else ""
         for c in clients:
-            if c in got:
-                statuses.append(got[c][0])
-                payloads.append(got[c][1])
-                continue
-            why = (f"no SuperNode hosting {client_name(c)} replied within round_timeout "
-                   f"{self.opts.round_timeout:g} s")
-            why += f" ({'; '.join(errors)})" if errors else ""
-            statuses.append(ClientResult(c, False, error=why).status())
-            payloads.append(b"")
-        return statuses, payloads, down, up
+            if c not in got:
+                got[c] = (ClientResult(c, False, error=f"no SuperNode hosting {client_name(c)} replied within "
+                                       f"round_timeout {self.opts.round_timeout:g} s{tail}").status(), b"")
+        return [got[c][0] for c in clients], [got[c][1] for c in clients], down, up
 
     def evaluate(self, tag: str, clients: Sequence[int], global_state: Mapping[str, Tensor],
                  entering: int = 0) -> tuple[dict[int, dict[str, float]], int, int]:

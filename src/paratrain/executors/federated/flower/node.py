@@ -59,17 +59,9 @@ def train_clients(job_json: str, *, round_idx: int, clients: list[int], lr_scale
     state blob (None when the job's clients keep no state)."""
     with use_threads(1):
         side, host, glob = _node(job_json, partition, num_partitions, state, global_state)
-        keep = stateful(side.job, side.personal_keys)
-        kw: dict[str, Any] = {} if control is None else {"control": dict(control)}
-        statuses: list[dict[str, Any]] = []
-        payloads: list[bytes] = []
-        for c in clients:
-            if not host.hosts(c):  # another node's
-                continue
-            res = host.train_one(c, round_idx, glob, lr_scale, **kw)
-            statuses.append(res.status())
-            payloads.append(res.payload)
-        return statuses, b"".join(payloads), (tensor_blob(host.state_dict()) if keep else None)
+        results = [host.train_one(c, round_idx, glob, lr_scale, control=control) for c in clients if host.hosts(c)]
+        blob = tensor_blob(host.state_dict()) if stateful(side.job, side.personal_keys) else None
+        return [res.status() for res in results], b"".join(res.payload for res in results), blob
 
 
 def score_node(job_json: str, *, clients: list[int], global_state: Mapping[str, Tensor],
@@ -90,13 +82,11 @@ def node_mean(statuses: list[dict[str, Any]], payload: bytes, template: Mapping[
     order, and ``N = sum_c n_c`` (0 and zeros when none succeeded). A client whose update
     fails the server's checks is marked failed in its status (the server never sees it alone)."""
     from ..aggregation import MalformedUpdateError
-    from ..wire import decode_update
+    from ..wire import decode_update, split_payload
 
     acc = {k: torch.zeros(t.shape, dtype=torch.float64) for k, t in template.items()}
-    n_all, pos = 0, 0
-    for st in statuses:
-        nb = int(st.get("nbytes", 0))
-        chunk, pos = payload[pos : pos + nb], pos + nb
+    n_all = 0
+    for st, chunk in zip(statuses, split_payload(statuses, payload), strict=True):
         if not st.get("ok"):
             continue
         try:

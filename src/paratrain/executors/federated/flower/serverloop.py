@@ -28,11 +28,11 @@ from ....training.lifecycle import Lifecycle
 from ....training.rundir import MetricsWriter, RunFolder
 from ....training.threads import use_threads
 from ..client import client_name
-from ..outputs import round_record, run_summary, write_run
+from ..outputs import finish_run, round_record
 from ..personal import combine
 from ..privacy import build_server_privacy
 from ..selection import select_clients
-from ..server import FederatedServer, RoundSchedule
+from ..server import FederatedServer, RoundSchedule, mean_loss
 from ..state import fed_store, restore, round_state
 from ..wire import encode_update
 from .side import Side, build_side, stateful
@@ -127,10 +127,9 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
                                                                    control or None)
                         rec = server.finish_round(r, statuses, payloads, wire_bytes_down=down, wire_bytes_up=up)
                     ev, per = _evaluate(side, server, nodes, str(r), r + 1)
-                    round_record(server, rec, ev, per, target=target, lr_scale=lr_scale,
+                    round_record(server, metrics, rec, ev, per, target=target, lr_scale=lr_scale,
                                  runtime="flower", round_time_s=time.perf_counter() - t_round,
                                  time_s=time.perf_counter() - started)
-                    metrics.log(dict(rec))
                     life.end_unit(r + 1, last=r + 1 == strat.rounds or server.stopped)
             life.finish(server.round)
             return _finish(side, server, nodes, run_dir, started, resumed_from=start if resume else None)
@@ -154,42 +153,34 @@ def _secure_round(side: Side, server: FederatedServer, nodes: Nodes, r: int, cli
                     "nbytes": len(payload)})
         payloads.append(payload)
     rec = server.finish_round(r, one, payloads, wire_bytes_down=down, wire_bytes_up=up)
-    losses = [(float(st["loss"]), int(st["n"])) for st in ok if st.get("loss") is not None]
+    losses = [(float(st["loss"]), float(st["n"])) for st in ok if st.get("loss") is not None]
     rec.update(clients_selected=len(clients), clients_ok=len(ok) if mean is not None else 0,
                secure_aggregation="SecAgg+", bytes_up_measured=up,
                secagg_nodes_per_stage=answered)  # setup, share keys, masked vectors, unmask
     if losses:
-        rec["train_loss"] = sum(v * n for v, n in losses) / sum(n for _, n in losses)
+        rec["train_loss"] = mean_loss(losses)
     return rec
 
 
 def _finish(side: Side, server: FederatedServer, nodes: Nodes, run_dir: Any, started: float,
             resumed_from: int | None) -> dict[str, Any]:
-    job, task, model = side.job, side.task, side.model
-    strat: Any = job.strategy
+    from ....models.state import unique_state_dict
+
     final, final_per = _evaluate(side, server, nodes, "final", server.round)
-    from ....models.state import load_unique_state_dict
-
-    whole = dict(server.global_state)
-    if side.personal_keys:  # the global model's personal keys: their initial value
-        from ....models.state import unique_state_dict
-
-        own = unique_state_dict(model)
-        whole.update({k: own[k].detach().cpu().clone() for k in side.personal_keys})
-    load_unique_state_dict(model, whole)
-    summary = {"runtime": "flower", **run_summary(
-        job=job, task=task, server=server, model=model, run_dir=run_dir, final=final, final_per=final_per,
-        train_set=side.train_set, test_set=side.test_set, wall_s=time.perf_counter() - started)}
+    own = unique_state_dict(side.model)  # the server never trains: its personal keys are their initial value
+    extra: dict[str, Any] = {}
     if resumed_from is not None:
-        summary["resumed_from_round"] = resumed_from
-        if resumed_from > 0 and stateful(job, side.personal_keys):
-            summary["client_state_restored_partitions"] = sorted(nodes.restored)
+        extra["resumed_from_round"] = resumed_from
+        if resumed_from > 0 and stateful(side.job, side.personal_keys):
+            extra["client_state_restored_partitions"] = sorted(nodes.restored)
             if not nodes.restored:
-                summary["resume_note"] = (
+                extra["resume_note"] = (
                     "the clients' own state (personal parts, error-feedback residuals, control "
                     "variates) was in each node's Flower context of the interrupted run and no node "
                     "had it on disk (start the SuperNodes with --node-config state-dir=...): the "
                     "resumed run's clients started it afresh")
-    write_run(run_dir, model, summary, configured=("num_clients",),
-              title=f"{job.run.name} (Federated on Flower, {strat.aggregation.method})")
-    return summary
+    return finish_run(side, server, run_dir, final=final, final_per=final_per,
+                      wall_s=time.perf_counter() - started,
+                      initial={k: own[k] for k in side.personal_keys},
+                      head={"runtime": "flower"}, extra=extra, configured=("num_clients",),
+                      label="Federated on Flower")

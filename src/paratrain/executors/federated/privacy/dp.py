@@ -1,25 +1,17 @@
-"""DP-FedAvg on the federated round (the maths: :mod:`.mechanism`): the server's and the
-clients' parts, the job's checks and ``validate``'s description.
+"""DP-FedAvg on the federated round (the maths: :mod:`.mechanism`; the user's view:
+docs/federated.md): the server's and the clients' parts, the job's checks and
+``validate``'s description.
 
-Central mode (:meth:`ServerPrivacy.privatize`): the server clips every decoded update to
-``S`` and releases, with ``w_k = min(n_k, c)`` (``c = weight_cap``: one client moves the sum
-by at most ``S c``),
+Central mode (:meth:`ServerPrivacy.privatize`) releases, with ``w_k = min(n_k, c)``
+(``c = weight_cap``: one client moves the sum by at most ``S c``),
 
     D = (sum_k w_k clip(D_k, S) + N(0, (z_D S c)^2 I)) / (q W),   W = sum_all min(n_k, c),
 
-as the round's only update (FedAvg applies it, the server optimizers take it as their
-pseudo-gradient; robust aggregators need the single updates and are refused,
-:func:`dp_problems`). Failed clients count as absent; the denominator never changes. With
-``z = 0``, ``S = inf``, ``c >= max n_k`` and every client selected this is FedAvg's
-example-weighted mean, bit for bit. Integer buffers are not released (their step is 0).
-Local mode (:func:`client_privatize`): each client sends ``clip(D_k, S) + N(0, (z S)^2 I)``
-drawn from ``(seed, round, client)``. Central mode with a fixed clip also clips on the
-client (before compressing); the guarantee rests on the server's clip of the decoded update.
-
-Accounting (:class:`~.mechanism.PrivacyAccountant`): central, the sampled Gaussian
-mechanism at ``q`` = the expected fraction of clients per round (``ByCapability``: 1 over its
-fixed set of clients, whose weights alone make ``W``); local, ``q = 1`` (the server knows who
-took part). Compression is post-processing of what is accounted.
+as the round's only update; failed clients count as absent, the denominator never changes.
+With ``z = 0``, ``S = inf``, ``c >= max n_k`` and every client selected this is FedAvg's
+example-weighted mean, bit for bit. Local mode (:func:`client_privatize`): each client sends
+``clip(D_k, S) + N(0, (z S)^2 I)`` drawn from ``(seed, round, client)``; the server knows who
+took part, so it is accounted at ``q = 1``.
 """
 from __future__ import annotations
 
