@@ -30,11 +30,6 @@ class Mesh:
     def world(self) -> int:
         return math.prod(self.sizes)
 
-    def _axis(self, dim: str) -> int:
-        if dim not in self.dims:
-            raise ValueError(f"Mesh: no dimension {dim!r} (dims: {', '.join(self.dims)})")
-        return self.dims.index(dim)
-
     def _stride(self, axis: int) -> int:
         return math.prod(self.sizes[axis + 1:])
 
@@ -48,7 +43,9 @@ class Mesh:
     def groups(self, dim: str) -> list[list[int]]:
         """Every group along ``dim``: the ranks that differ only in their ``dim`` index, in
         order of the other coordinates (so rank ``r`` lies in ``groups(dim)[k]`` for one k)."""
-        axis = self._axis(dim)
+        if dim not in self.dims:
+            raise ValueError(f"Mesh: no dimension {dim!r} (dims: {', '.join(self.dims)})")
+        axis = self.dims.index(dim)
         stride, n = self._stride(axis), self.sizes[axis]
         out: list[list[int]] = []
         for r in range(self.world):

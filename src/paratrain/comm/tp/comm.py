@@ -55,7 +55,6 @@ class TPComm:
         self.hierarchy = hier.layout if hier is not None else None
         self._pool: ThreadPoolExecutor | None = None
 
-    # -- primitive calls (each records itself) ------------------------------------------
     def _timed(self, kind: str, wire: float, fn: Callable[[], Any], payload: int = 0) -> Any:
         t0 = time.perf_counter()
         out = fn()
@@ -83,10 +82,7 @@ class TPComm:
         if sizes[self.rank] != t.shape[dim]:
             raise ValueError(f"rank {self.rank}: local length {t.shape[dim]} != {sizes[self.rank]}")
         m = max(sizes)
-        x = t.movedim(dim, 0)
-        if x.shape[0] < m:
-            x = torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
-        x = x.contiguous()
+        x = _pad_rows(t.movedim(dim, 0), m).contiguous()
         out = x.new_empty((p * m, *x.shape[1:]))
 
         def finish() -> torch.Tensor:
@@ -105,15 +101,7 @@ class TPComm:
         if sum(sizes) != n:
             raise ValueError(f"reduce_scatter sizes {sizes} do not add up to {n}")
         m = max(sizes)
-        x = t.movedim(dim, 0)
-        chunks, start = [], 0
-        for s in sizes:
-            c = x[start:start + s]
-            if s < m:
-                c = torch.cat([c, c.new_zeros((m - s, *c.shape[1:]))])
-            chunks.append(c)
-            start += s
-        inp = torch.cat(chunks).contiguous()
+        inp = torch.cat([_pad_rows(c, m) for c in torch.split(t.movedim(dim, 0), sizes)]).contiguous()
         out = inp.new_empty((m, *inp.shape[1:]))
         mine = sizes[self.rank]
 
@@ -191,7 +179,6 @@ class TPComm:
             return self._ring_all_reduce(t)
         return self._hier_all_reduce(t)
 
-    # -- public API -------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the group with this comm's pattern (out of place)."""
         if self.size == 1:
@@ -274,6 +261,11 @@ class TPComm:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _pad_rows(x: torch.Tensor, m: int) -> torch.Tensor:
+    """``x`` with zero rows appended up to ``m`` rows (dim 0)."""
+    return x if x.shape[0] >= m else torch.cat([x, x.new_zeros((m - x.shape[0], *x.shape[1:]))])
 
 
 def ceil_sizes(n: int, p: int) -> list[int]:
