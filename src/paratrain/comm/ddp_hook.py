@@ -103,8 +103,8 @@ def mean_bucket(buf: torch.Tensor, group: Any) -> torch.futures.Future[torch.Ten
     return cast("torch.futures.Future[torch.Tensor]", fut.then(lambda f: f.value()[0]))
 
 
-def powersgd_bucket_hook(state: PowerSGDState, bucket: Any, names: list[str], group: Any,
-                         counter: CommCounter | None = None) -> torch.futures.Future[torch.Tensor]:
+def powersgd_bucket_hook(state: PowerSGDState, bucket: Any, names: list[str], group: Any
+                         ) -> torch.futures.Future[torch.Tensor]:
     """One DDP bucket (``dist.GradBucket``) through PowerSGD, keyed by ``names`` (one per
     bucket gradient): the means are written back into the bucket buffer. A bucket is one
     exchange (one fresh-Q seed draw, as torch's hook per bucket)."""
@@ -112,8 +112,7 @@ def powersgd_bucket_hook(state: PowerSGDState, bucket: Any, names: list[str], gr
     if not state.active():
         return mean_bucket(buf, group)
     grads = bucket.gradients()
-    fut = launch_powersgd(state, list(zip(names, grads, strict=True)), group=group,
-                          counter=counter, out=grads)
+    fut = launch_powersgd(state, list(zip(names, grads, strict=True)), group=group, out=grads)
     return fut.then(lambda _f: buf)
 
 

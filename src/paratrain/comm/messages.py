@@ -24,9 +24,9 @@ def send_tensor(t: torch.Tensor, *, dst: int, group: Any = None, counter: CommCo
 
 
 def recv_tensor(shape: Sequence[int], *, dtype: torch.dtype, src: int, group: Any = None,
-                device: torch.device | str = "cpu", out: torch.Tensor | None = None) -> torch.Tensor:
-    """Blocking receive into ``out`` (or a new tensor of ``shape``/``dtype``)."""
-    buf = out if out is not None else torch.empty(tuple(shape), dtype=dtype, device=device)
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """Blocking receive of a new tensor of ``shape``/``dtype``."""
+    buf = torch.empty(tuple(shape), dtype=dtype, device=device)
     dist.recv(buf, src=src, group=group)
     return buf
 
