@@ -3,11 +3,11 @@
 Each node's rank comes from ``claims`` (module path -> rank, :func:`node_owners`):
 
 - ``call_module`` / ``get_attr``: the rank of the longest claimed prefix of its module path;
-  unclaimed: ``default`` (rank 0, DESIGN §4).
+  unclaimed: :data:`DEFAULT_RANK` (rank 0, DESIGN §4).
 - any other op: the rank of the innermost claimed module it was traced in; outside every
   claimed module it follows its data (the rank all its consumers agree on, else that of its
   latest-computed input). In an exported graph an op of an unclaimed module that holds
-  parameters or contains no claim runs on ``default``; a field of a leaf's tuple with the leaf.
+  parameters or contains no claim runs on rank 0; a field of a leaf's tuple with the leaf.
 - a value computed from the batch alone (a causal mask) runs on every rank that reads it,
   each computing its own copy (one that draws random numbers runs once, where first read).
 - placeholders belong to no rank: every rank reads the batch.
@@ -36,6 +36,8 @@ from torch.fx.passes.split_module import split_module
 
 from .export import CAPTURE, IN_SPEC, OUT_SPEC
 from .trace import module_of
+
+DEFAULT_RANK = 0  # the rank of what no claim covers
 
 
 def owner_of_path(path: str, claims: Mapping[str, int]) -> int | None:
@@ -73,10 +75,10 @@ def _follow_fields_and_consumers(nodes: list[fx.Node], owner: dict[str, int]) ->
             owner[n.name] = got.pop()  # type: ignore[assignment]
 
 
-def node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) -> dict[str, int]:
+def node_owners(gm: fx.GraphModule, claims: Mapping[str, int]) -> dict[str, int]:
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     owner: dict[str, int] = {}
-    # exported (no call_module nodes): an op of an unclaimed module runs on ``default`` as
+    # exported (no call_module nodes): an op of an unclaimed module runs on rank 0 as
     # the module would under fx, unless the module contains claims (then it follows its data)
     exported = gm.meta.get(CAPTURE) == "export"
     holders = _holders(gm) if exported else set()
@@ -89,11 +91,11 @@ def node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) -> 
     for n in nodes:
         if n.op == "call_module":
             r = owner_of_path(str(n.target), claims)
-            owner[n.name] = default if r is None else r
+            owner[n.name] = DEFAULT_RANK if r is None else r
         elif n.op == "get_attr":
             r = owner_of_path(attr_module(str(n.target)), claims)
             if r is not None or attr_module(str(n.target)):
-                owner[n.name] = default if r is None else r
+                owner[n.name] = DEFAULT_RANK if r is None else r
         else:
             stack = n.meta.get("nn_module_stack") or {}
             for v in reversed(list(stack.values())):
@@ -109,7 +111,7 @@ def node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) -> 
                 if r is not None:
                     owner[n.name] = r
                 elif mod and home(n, mod):
-                    owner[n.name] = default
+                    owner[n.name] = DEFAULT_RANK
     _follow_fields_and_consumers(nodes, owner)
     index = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     # a value computed from the batch alone runs where it is read (module docstring)
@@ -126,11 +128,11 @@ def node_owners(gm: fx.GraphModule, claims: Mapping[str, int], default: int) -> 
             owner[n.name] = owner[max(ins, key=lambda a: index[a.name]).name]
         else:
             users = [u for u in n.users if u.name in owner]
-            owner[n.name] = owner[users[0].name] if users else default
+            owner[n.name] = owner[users[0].name] if users else DEFAULT_RANK
     for n in reversed(nodes):
         if n.name in free:
             users = sorted((u for u in n.users if u.name in owner), key=lambda u: index[u.name])
-            owner[n.name] = owner[users[0].name] if users else default
+            owner[n.name] = owner[users[0].name] if users else DEFAULT_RANK
             if _pure(n):
                 for dup in _copy_per_rank(gm.graph, n, users, owner):
                     index[dup] = index[n.name]
@@ -303,9 +305,9 @@ def _constant(gm: fx.GraphModule, target: str) -> torch.Tensor | None:
     return t if isinstance(t, torch.Tensor) else None
 
 
-def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> Cut:
+def cut(gm: fx.GraphModule, claims: Mapping[str, int]) -> Cut:
     """Split ``gm`` by ``claims`` (module path -> rank); see the module docstring."""
-    owner = node_owners(gm, claims, default)
+    owner = node_owners(gm, claims)
     part_of = _parts(gm, owner)
     exported = gm.meta.get(CAPTURE) == "export"
     calls = _module_calls(gm, part_of, exported)
@@ -334,7 +336,7 @@ def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> C
         elif n.op == "get_attr":
             target = str(n.target)
             r = owner.get(n.name, owner_of_path(attr_module(target), claims))
-            attrs.append(Attr(n.name, target, default if r is None else r, _constant(gm, target)))
+            attrs.append(Attr(n.name, target, DEFAULT_RANK if r is None else r, _constant(gm, target)))
             producer[n.name], rank_of_value[n.name] = ("attr", -1), attrs[-1].rank
         elif n.op == "call_module":
             k = int(str(n.target).rpartition("_")[2])
@@ -356,7 +358,7 @@ def cut(gm: fx.GraphModule, claims: Mapping[str, int], *, default: int = 0) -> C
     if producing:
         loss_rank = rank_of_part[max(producing)]
     else:
-        loss_rank = next((rank_of_value[v] for v in out_values if rank_of_value[v] is not None), default) or 0
+        loss_rank = next((rank_of_value[v] for v in out_values if rank_of_value[v] is not None), DEFAULT_RANK) or 0
     transfers = _transfers(parts, out_values, rank_of_value, loss_rank)
     parts.sort(key=lambda p: p.index)  # our numbering: a topological order of the parts
     return Cut(tuple(parts), tuple(attrs), tuple(inputs), output,

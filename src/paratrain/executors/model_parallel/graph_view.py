@@ -41,7 +41,7 @@ def cut_origin(gm: fx.GraphModule, plan: Any) -> tuple[dict[str, str], dict[str,
     for n in gm.graph.nodes:
         n.meta[_ORIG] = n.name
     try:
-        mine = cut(gm, plan.claims, default=0)
+        mine = cut(gm, plan.claims)
     except Exception as e:  # noqa: BLE001 - the report then shows the plan's own names
         logging.getLogger(__name__).info("graph: values named as the plan names them: %r", e)
         return {}, {}

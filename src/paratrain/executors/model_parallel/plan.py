@@ -23,9 +23,8 @@ from torch import nn
 from ...comm.workers import resolve_rank
 from ...config import ConfigError
 from ...graph import trace
-from ...graph.partition import Cut, Part, cut
+from ...graph.partition import DEFAULT_RANK, Cut, Part, cut
 
-DEFAULT_RANK = 0
 FIELD = "strategy.partitions"
 
 
@@ -131,7 +130,7 @@ def build_plan(model: nn.Module | Sequence[str], partitions: Sequence[Any], work
         for v in (n.meta.get("nn_module_stack") or {}).values():
             ran.add(str(v[0] if isinstance(v, tuple) else v))
     claims = _claims(model, called, ran, partitions, workers)
-    c = cut(gm, claims, default=DEFAULT_RANK)
+    c = cut(gm, claims)
     owner: dict[str, int] = {}  # a module's rank: its path's under fx, its first part's exported
     for p in c.parts:
         for m in p.nodes:

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import ConfigError
+from ...graph.partition import DEFAULT_RANK
 from ...subgraphs import under
-from .plan import DEFAULT_RANK, Plan
+from .plan import Plan
 
 MAX_REPLICAS = 8
 

@@ -121,15 +121,12 @@ def zb_h1(stage: int, num_stages: int, num_micro: int) -> list[Action]:
 def schedule(name: str, stage: int, num_stages: int, num_micro: int,
              virtual_stages: int = 1) -> list[Action]:
     """The named schedule for rank ``stage`` (its position among the pipeline's ranks)."""
-    if name == "GPipe":
-        return gpipe(stage, num_stages, num_micro)
-    if name == "1F1B":
-        return one_f_one_b(stage, num_stages, num_micro)
     if name == "Interleaved1F1B":
         return interleaved_1f1b(stage, num_stages, num_micro, virtual_stages)
-    if name == "ZBH1":
-        return zb_h1(stage, num_stages, num_micro)
-    raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    orders = {"GPipe": gpipe, "1F1B": one_f_one_b, "ZBH1": zb_h1}
+    if name not in orders:
+        raise ValueError(f"unknown pipeline schedule {name!r}; valid: {', '.join(SCHEDULES)}")
+    return orders[name](stage, num_stages, num_micro)
 
 
 def sequential(segments: Sequence[int], num_micro: int = 1) -> list[Action]:
