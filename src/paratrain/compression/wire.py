@@ -134,15 +134,12 @@ def to_bytes(c: Any) -> bytes:
             parts.append(np.packbits(mask, bitorder="little").tobytes())
         else:
             parts.append(_raw(idx.to(torch.int32 if enc == _ENC_U32 else torch.int64)))
-        parts.append(_raw(c.values.to(c.dtype)))
     elif c.method == "RandomK":
         parts.append(_RANDOMK.pack(c.seed, int(c.values.numel())))
-        parts.append(_raw(c.values.to(c.dtype)))
     elif c.method == "Quantization":
         parts.append(_QUANT.pack(c.bits, 1 if c.stochastic else 0, c.offset, c.scale))
-        parts.append(_raw(c.values))
-    else:
-        parts.append(_raw(c.values.to(c.dtype)))
+    # Quantization's values are its packed uint8 codes; every other method's are at c.dtype.
+    parts.append(_raw(c.values if c.method == "Quantization" else c.values.to(c.dtype)))
     return b"".join(parts)
 
 
