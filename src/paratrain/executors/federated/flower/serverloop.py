@@ -1,14 +1,12 @@
 """paratrain's federated round loop over Flower's Deployment Runtime (server side, no
 Flower import: the nodes are reached through a :class:`~.federation.Federation`).
 
-Per round the loop selects clients as the local path does, sends the connected SuperNodes
-the global model, hands the replies to the local path's :class:`~..server.FederatedServer`,
-evaluates, logs the round (``wire_bytes_*_measured``: the round's Message bytes) and
-checkpoints the server's state in the local path's format (:mod:`..state`), so a restarted
-ServerApp with ``resume = true`` continues bit-identically. The clients' own state lives
-on the nodes, in Flower's per-run ``context.state`` and, with a ``state-dir``, on the
-node's disk (:mod:`.node_state`, under the run's lineage id in ``flower.json``); a node
-without one starts its clients afresh after a server restart (``resume_note``)."""
+Per round the loop selects clients as the local path does, hands the nodes' replies to the
+local path's :class:`~..server.FederatedServer` (``wire_bytes_*_measured``: the round's
+Message bytes) and checkpoints in the local path's format (:mod:`..state`), so a restarted
+ServerApp with ``resume = true`` continues bit-identically. The clients' own state lives on
+the nodes (:mod:`.node_state`); a node without a ``state-dir`` starts its clients afresh
+after a server restart (``resume_note``)."""
 
 from __future__ import annotations
 
