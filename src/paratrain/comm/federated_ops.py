@@ -11,9 +11,11 @@ import json
 import logging
 from typing import Any
 
+import torch.distributed as dist
+
 from .collectives import MAX_JSON_BYTES, barrier, broadcast_
 
-__all__ = ["LocalStore", "store_set_json", "store_get_json", "store_delete", "broadcast_", "barrier"]
+__all__ = ["LocalStore", "job_store", "store_set_json", "store_get_json", "store_delete", "broadcast_", "barrier"]
 
 
 class LocalStore:
@@ -32,6 +34,12 @@ class LocalStore:
 
     def delete_key(self, key: str) -> bool:
         return self._d.pop(key, None) is not None
+
+
+def job_store(store: Any, prefix: str) -> Any:
+    """``store``'s keys under ``prefix`` (torch's ``PrefixStore``); a :class:`LocalStore` when
+    the job runs as one process (``store`` None)."""
+    return LocalStore() if store is None else dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
 
 
 def store_set_json(store: Any, key: str, obj: Any) -> None:

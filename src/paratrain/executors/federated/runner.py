@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from ...comm.collectives import CommCounter
 from ...comm.context import WorkerContext
-from ...comm.federated_ops import LocalStore, barrier, store_delete, store_get_json, store_set_json
+from ...comm.federated_ops import barrier, job_store, store_delete, store_get_json, store_set_json
 from ...comm.messages import recv_bytes, send_bytes
 from ...config import ConfigError
 from ...config.job import JobConfig
@@ -98,8 +97,7 @@ def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) ->
     # reading the first job's control keys.
     global _INVOCATIONS
     _INVOCATIONS += 1
-    store = LocalStore() if ctx.store is None else dist.PrefixStore(  # type: ignore[attr-defined]
-        f"fed{_INVOCATIONS}", ctx.store)
+    store = job_store(ctx.store, f"fed{_INVOCATIONS}")
     # NCCL moves only device tensors; gloo takes CPU tensors.
     comm_dev = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
     data = build_side(job, partition=rank, num_partitions=world, device=ctx.device)
