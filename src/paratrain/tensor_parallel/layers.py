@@ -170,7 +170,7 @@ class ColumnParallelLinear(_Sharded):
 
     def meta_forward(self, x: torch.Tensor) -> torch.Tensor:
         """An empty output of the right shape, communicating nothing: how ``torch.export``
-        learns this layer's output while keeping it whole (``paratrain.graph.export_leaves``)."""
+        learns this layer's output while keeping it whole (``paratrain.graph.export``)."""
         _no_sequence_shards(self, self.mode)
         return x.new_empty((*x.shape[:-1], self.out_features if self.gather_output
                             else self.out_sizes[self.comm.rank]))
