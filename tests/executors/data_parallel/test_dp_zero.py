@@ -55,7 +55,10 @@ def test_held_bytes_match_the_zero_formulas(runs: list[dict[str, Any]]) -> None:
             assert abs(held["total"] - want) <= 0.1 * want, (lvl, held, want)
             # non-vacuity: what the level shards is held at 1/N, what it keeps is whole
             assert held["optimizer"] <= 8 * n_params / WORLD + 64
-            assert held["gradients"] == (4 * n_params if lvl == "optimizer" else 4 * n_params // WORLD)
+            if lvl == "optimizer":  # whole, in the reducer's buckets: + one used flag per tensor
+                assert 4 * n_params < held["gradients"] <= 4 * n_params + 4 * 8, held
+            else:
+                assert held["gradients"] == 4 * n_params // WORLD
             assert held["parameters"] == (4 * n_params // WORLD if lvl == "parameters" else 4 * n_params)
 
 
