@@ -6,7 +6,10 @@ chunk, and another layout reads the tensor cut differently (DCP's
 ``create_read_items_for_chunk_list``: a process reads its slice and nothing else; a region no
 key covers is an error naming it). Replicas of a chunk are written once (lowest rank);
 ``blobs`` are byte items read back with ``torch.load(weights_only=True)``. Collective over
-``group`` (None: DCP's ``no_dist``).
+``group`` (None: DCP's ``no_dist``). Why a layer over DCP and not DTensor state dicts: a
+DTensor placement cannot say "rows 96-191 of a flattened ZeRO unit" or "the second third of a
+fused ``in_proj_weight``", so each piece is described by DCP's own chunk metadata directly;
+torch's DCP then reads our folders by the model's names (tests/training/test_dcp_checkpoint.py).
 """
 
 from __future__ import annotations
