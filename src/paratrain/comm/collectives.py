@@ -4,11 +4,14 @@ barrier, tensor broadcast and byte count (:func:`nbytes_of`, booked in a :class:
 Whether a backend has the flat reduce-scatter / all-gather (older gloo has not) is probed once
 with known-good shapes (:func:`_has_flat`), never by a failing real call, so a real error (wrong
 shapes, a dead peer) reaches the caller. Nothing received is unpickled; lengths are checked first.
+The control plane: small JSON documents (Federated's round plans, client status) in the
+rendezvous store, or a :class:`LocalStore` in one process, so the same loop runs in-process.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -335,3 +338,49 @@ def consensus_distance(flat: torch.Tensor, *, group: Any = None, counter: CommCo
     dist.all_gather(parts, flat, group=group)
     stacked = torch.stack(parts).double()
     return float(torch.cdist(stacked, stacked).max())
+
+
+class LocalStore:
+    """An in-process key-value store with the TCPStore ``set``/``get`` surface."""
+
+    def __init__(self) -> None:
+        self._d: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._d[key] = value.encode() if isinstance(value, str) else bytes(value)
+
+    def get(self, key: str) -> bytes:
+        if key not in self._d:
+            raise KeyError(f"control key {key!r} was never set (single-process store)")
+        return self._d[key]
+
+    def delete_key(self, key: str) -> bool:
+        return self._d.pop(key, None) is not None
+
+
+def job_store(store: Any, prefix: str) -> Any:
+    """``store``'s keys under ``prefix`` (torch's ``PrefixStore``); a :class:`LocalStore` when
+    the job runs as one process (``store`` None)."""
+    return LocalStore() if store is None else dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
+
+
+def store_set_json(store: Any, key: str, obj: Any) -> None:
+    store.set(key, json.dumps(obj, separators=(",", ":")))
+
+
+def store_get_json(store: Any, key: str) -> Any:
+    """Wait for ``key`` (TCPStore ``get`` blocks up to the store timeout) and parse it."""
+    raw = store.get(key)
+    if len(raw) > MAX_JSON_BYTES:
+        raise ValueError(f"control message {key!r} is {len(raw)} bytes (limit {MAX_JSON_BYTES})")
+    return json.loads(bytes(raw).decode("utf-8"))
+
+
+def store_delete(store: Any, key: str) -> None:
+    """Drop a control message that was read; best effort (a key left behind costs store memory,
+    never a wrong read: the keys are per round), a failure logged."""
+    try:
+        store.delete_key(key)
+    except Exception as e:  # noqa: BLE001 - whatever the store raised, the key only stays
+        logging.getLogger(__name__).warning("control key %r left in the store: %s: %s",
+                                            key, type(e).__name__, e)

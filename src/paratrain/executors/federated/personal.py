@@ -18,19 +18,17 @@ sums, so the same whichever worker scores which client).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from ...comm.federated_ops import store_delete, store_get_json, store_set_json
 from ...models.state import load_unique_state_dict, unique_state_dict
 from ...task.steps import DEFAULT_EVAL_BATCH, call_model, fetch_batch
 from ...training.stepping import autocast
 from ...training.summary import tensor_bytes
-from .wire import broadcast_state
 
 
 def client_name(c: int) -> str:
@@ -128,10 +126,11 @@ def combine(task: Any, sums: Mapping[int, Mapping[str, float]]) -> tuple[dict[st
     return task.finalize(pooled), out
 
 
-def score_clients(model: nn.Module, personal: PersonalState | None, global_state: Mapping[str, Tensor],
-                  clients: Sequence[int], task: Any, dataset: Any, splits: Sequence[np.ndarray], *,
-                  device: torch.device | None, precision: str) -> dict[int, dict[str, float]]:
-    """Each client's evaluation sums on its split, with ``(w_G, w_P^c)`` loaded into ``model``."""
+def score_clients(side: Any, personal: PersonalState | None, global_state: Mapping[str, Tensor],
+                  clients: Sequence[int], *, device: torch.device | None) -> dict[int, dict[str, float]]:
+    """Each client's evaluation sums on its split of ``side.test_set``, with ``(w_G, w_P^c)``
+    loaded into ``side.model``."""
+    model, splits = side.model, side.splits
     out: dict[int, dict[str, float]] = {}
     dev_global = {k: v.to(device) for k, v in global_state.items()} if device is not None else dict(global_state)
     if personal is None:
@@ -141,57 +140,21 @@ def score_clients(model: nn.Module, personal: PersonalState | None, global_state
             continue
         if personal is not None:
             load_unique_state_dict(model, {**dev_global, **personal.of(c)})
-        out[c] = eval_sums(model, task, dataset, splits[c], device=device, precision=precision)
+        out[c] = eval_sums(model, side.task, side.test_set, splits[c], device=device,
+                           precision=side.job.train.precision)
     return out
 
 
-class ClientEvaluator:
-    """Per-client evaluation after a round (see the module docstring); :meth:`run` is called
-    by every rank when there are personal parts (collective), else by rank 0 alone."""
-
-    def __init__(self, *, model: nn.Module, personal: PersonalState | None, task: Any, dataset: Any,
-                 splits: Sequence[np.ndarray], hosted: Sequence[int], num_clients: int,
-                 device: torch.device, comm_device: torch.device, precision: str, rank: int,
-                 world: int, group: Any, store: Any, counter: Any) -> None:
-        self.model, self.personal, self.task, self.dataset = model, personal, task, dataset
-        self.splits, self.hosted, self.num_clients = list(splits), list(hosted), int(num_clients)
-        self.device, self.comm_device, self.precision = device, comm_device, precision
-        self.rank, self.world, self.group, self.store, self.counter = rank, world, group, store, counter
-
-    def run(self, tag: str, global_state: Mapping[str, Tensor], template: dict[str, Tensor],
-            ) -> tuple[dict[str, float], dict[str, Any]] | None:
-        """Rank 0: ``(pooled metrics, personal summary)``; other ranks: None. ``global_state``
-        is rank 0's ``w_G`` (the others pass anything: they receive it)."""
-        if self.personal is None:  # one global model: rank 0 scores every client
-            sums = score_clients(self.model, None, global_state, range(self.num_clients), self.task,
-                                 self.dataset, self.splits, device=self.device, precision=self.precision)
-            return combine(self.task, sums)
-        got = broadcast_state(dict(global_state) if self.rank == 0 else template, template,
-                              device=self.comm_device, group=self.group, counter=self.counter)
-        state = dict(global_state) if self.rank == 0 else got
-        sums = score_clients(self.model, self.personal, state, self.hosted, self.task, self.dataset,
-                             self.splits, device=self.device, precision=self.precision)
-        if self.rank != 0:
-            store_set_json(self.store, f"fed/eval/{tag}/{self.rank}", {str(c): s for c, s in sums.items()})
-            return None
-        for src in range(1, self.world):
-            key = f"fed/eval/{tag}/{src}"
-            sums.update({int(c): s for c, s in store_get_json(self.store, key).items()})
-            store_delete(self.store, key)
-        return combine(self.task, dict(sorted(sums.items())))
-
-
-def round_metrics(server: Any, evaluator: ClientEvaluator | None, tag: str, template: dict[str, Tensor],
-                  model: nn.Module, task: Any, test_set: Any, device: torch.device,
-                  precision: str) -> tuple[dict[str, float], dict[str, Any]]:
-    """Rank 0's test metrics after a round and the per-client summary: with personal parts
-    the pooled score of the clients' own models (a collective the other ranks join through
-    :meth:`ClientEvaluator.run`), else the global model's on the test set (and, with
-    ``federated.evaluate_clients``, on each client's split)."""
-    if evaluator is not None and evaluator.personal is not None:
-        out = evaluator.run(tag, server.global_state, template)
-        assert out is not None
-        return out
-    ev: dict[str, float] = server.evaluate(model, task, test_set, device=device, precision=precision)
-    per = evaluator.run(tag, server.global_state, template) if evaluator is not None else None
-    return ev, (per[1] if per is not None else {})
+def round_metrics(side: Any, server: Any, client_sums: Callable[[], Mapping[int, Mapping[str, float]]],
+                  device: torch.device) -> tuple[dict[str, float], dict[str, Any]]:
+    """Both runtimes' test metrics after a round and the per-client summary: with personal
+    parts the pooled score of the clients' own models, else the global model's on the test
+    set; with per-client evaluation, :func:`combine` of ``client_sums()`` (each scored
+    client's sums, in client order)."""
+    ev: dict[str, float] = {}
+    if not side.personal_keys:
+        ev = server.evaluate(side.model, side.task, side.test_set, device=device, precision=side.job.train.precision)
+    if not side.per_client:
+        return ev, {}
+    pooled, per = combine(side.task, client_sums())
+    return (pooled if side.personal_keys else ev), per

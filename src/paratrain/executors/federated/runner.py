@@ -18,11 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
-from ...comm.collectives import CommCounter
+from ...comm.collectives import (
+    CommCounter,
+    barrier,
+    job_store,
+    store_delete,
+    store_get_json,
+    store_set_json,
+)
 from ...comm.context import WorkerContext
-from ...comm.federated_ops import barrier, job_store, store_delete, store_get_json, store_set_json
 from ...comm.messages import recv_bytes, send_bytes
 from ...config import ConfigError
 from ...config.job import JobConfig
@@ -36,7 +41,7 @@ from .client import ClientHost
 from .drift import broadcast_control, uses_control
 from .flower.side import Side, build_side, stateful
 from .outputs import finish_run, personal_digest, round_record, save_client_models
-from .personal import ClientEvaluator, round_metrics
+from .personal import round_metrics, score_clients
 from .privacy import build_server_privacy
 from .selection import select_clients
 from .server import FederatedServer, RoundSchedule
@@ -61,9 +66,7 @@ class _Worker:
     server: FederatedServer | None
     metrics: MetricsWriter | None
     life: Lifecycle
-    evaluator: ClientEvaluator | None
     traffic: CommCounter  # this rank's process-group bytes, booked by the transport
-    global_state: dict[str, Tensor]  # the latest global model this rank received
     started: float
 
 
@@ -133,15 +136,9 @@ def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) ->
     life.begin(start, resume=resume, found=found is not None, metrics=metrics)
     barrier(group)  # the run folder is ready before any rank writes
 
-    traffic = CommCounter()
-    evaluator = None if not data.per_client else ClientEvaluator(
-        model=data.model, personal=host.personal, task=data.task, dataset=data.test_set, splits=data.splits,
-        hosted=host.hosted, num_clients=strat.num_clients, device=ctx.device, comm_device=comm_dev,
-        precision=job.train.precision, rank=rank, world=world, group=group, store=store, counter=traffic)
     return _Worker(ctx=ctx, job=job, data=data, host=host, store=store, comm_dev=comm_dev, tags=tags,
-                   run_dir=Path(run_dir), server=server, metrics=metrics, life=life, evaluator=evaluator,
-                   traffic=traffic, started=started,
-                   global_state=dict(template) if server is None else dict(server.global_state)), start
+                   run_dir=Path(run_dir), server=server, metrics=metrics, life=life, traffic=CommCounter(),
+                   started=started), start
 
 
 def _round(w: _Worker, r: int) -> bool:
@@ -167,8 +164,8 @@ def _round(w: _Worker, r: int) -> bool:
     control = (broadcast_control(server, w.data.template, group=w.ctx.group, device=w.comm_dev, counter=traffic)
                if uses_control(strat.aggregation) else None)
     wire_down = traffic.bytes.get("broadcast_delivered", 0) - sent_before
-    w.global_state = server.global_state if server is not None else received
-    dev_state = {k: v.to(w.ctx.device) for k, v in w.global_state.items()}
+    glob = server.global_state if server is not None else received
+    dev_state = {k: v.to(w.ctx.device) for k, v in glob.items()}
     lr_scale = float(plan.get("lr_scale", 1.0))
     results = [host.train_one(c, r, dev_state, lr_scale, control=control)
                for c in plan["clients"] if host.hosts(c)]
@@ -179,8 +176,7 @@ def _round(w: _Worker, r: int) -> bool:
         data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload
                 else torch.zeros(0, dtype=torch.uint8))
         send_bytes(data, dst=0, group=w.ctx.group, counter=traffic, header=False)
-        if w.evaluator is not None and w.data.personal_keys:  # collective: score my clients
-            w.evaluator.run(str(r), w.global_state, w.data.template)
+        _evaluate(w, str(r))
         return True
     recv_before = traffic.bytes.get("recv", 0)
     all_st, all_pl = _collect(w, r, statuses, [res.payload for res in results])
@@ -188,8 +184,7 @@ def _round(w: _Worker, r: int) -> bool:
     rec = server.finish_round(r, all_st, all_pl, wire_bytes_down=wire_down,
                               wire_bytes_up=traffic.bytes.get("recv", 0) - recv_before)
     d = w.data
-    ev, per = round_metrics(server, w.evaluator, str(r), w.data.template, d.model, d.task, d.test_set,
-                            w.ctx.device, w.job.train.precision)
+    ev, per = _evaluate(w, str(r))
     round_record(server, w.metrics, rec, ev, per, target=w.job.federated.target_accuracy, lr_scale=lr_scale,
                  round_time_s=time.perf_counter() - t_round, time_s=time.perf_counter() - w.started)
     fit = str(d.task.fitness_metric)
@@ -214,6 +209,37 @@ def _collect(w: _Worker, r: int, statuses: list[dict[str, Any]], payloads: list[
     return all_st, all_pl
 
 
+def _evaluate(w: _Worker, tag: str) -> tuple[dict[str, float], dict[str, Any]]:
+    """Rank 0: :func:`.personal.round_metrics` of the global model; with personal parts every
+    rank scores the clients it hosts (a collective: the others join it, their result empty)."""
+    if w.server is not None:
+        return round_metrics(w.data, w.server, lambda: _client_sums(w, tag), w.ctx.device)
+    if w.data.personal_keys:
+        _client_sums(w, tag)
+    return {}, {}
+
+
+def _client_sums(w: _Worker, tag: str) -> dict[int, dict[str, float]]:
+    """Each client's evaluation sums on its own split (rank 0: every client's, in client
+    order): without personal parts rank 0 scores them all with the global model; with them
+    every rank scores its own clients with ``(w_G, w_P^c)`` (``w_G`` broadcast) and rank 0
+    gathers the others' sums through the store."""
+    d, ctx, host = w.data, w.ctx, w.host
+    glob = w.server.global_state if w.server is not None else d.template
+    if host.personal is None:
+        return score_clients(d, None, glob, range(len(d.partitions)), device=ctx.device)
+    got = broadcast_state(glob, d.template, device=w.comm_dev, group=ctx.group, counter=w.traffic)
+    sums = score_clients(d, host.personal, glob if w.server is not None else got, host.hosted, device=ctx.device)
+    if w.server is None:
+        store_set_json(w.store, f"fed/eval/{tag}/{ctx.rank}", {str(c): s for c, s in sums.items()})
+        return {}
+    for src in range(1, ctx.world_size):
+        key = f"fed/eval/{tag}/{src}"
+        sums.update({int(c): s for c, s in store_get_json(w.store, key).items()})
+        store_delete(w.store, key)
+    return dict(sorted(sums.items()))
+
+
 def _summary(w: _Worker) -> dict[str, Any] | None:
     """After the last round: every rank's statistics, the final evaluation and each hosted
     client's model (collectives); rank 0 writes the model and the summary and returns it."""
@@ -228,10 +254,7 @@ def _summary(w: _Worker) -> dict[str, Any] | None:
     if host.personal is not None:
         stats["personal_sha256"] = host.personal.digest()
         stats["personal_clients_sha256"] = host.personal.client_digests()
-    final_eval = None
-    if w.evaluator is not None and d.personal_keys:  # collective: every rank scores its clients
-        final_eval = w.evaluator.run("final", w.global_state if server is None else server.global_state,
-                                     w.data.template)
+    final, final_per = _evaluate(w, "final")
     if host.personal is not None:  # each hosted client's whole model
         save_client_models(w.run_dir, model, host.personal, broadcast_state(
             server.global_state if server is not None else w.data.template, w.data.template, device=w.comm_dev,
@@ -242,9 +265,6 @@ def _summary(w: _Worker) -> dict[str, Any] | None:
         return None
     workers = [stats] + [store_get_json(w.store, f"fed/final/{src}") for src in range(1, ctx.world_size)]
     barrier(ctx.group)
-    final, final_per = (final_eval if final_eval is not None else
-                        round_metrics(server, w.evaluator, "final", w.data.template, model, d.task, d.test_set,
-                                      ctx.device, job.train.precision))
     extra: dict[str, Any] = dict(num_workers=ctx.world_size,
                                  client_updates_this_run=sum(x["client_updates"] for x in workers), workers=workers)
     if d.personal_keys:  # FedPer / FedBN: what never left the clients

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...comm.federated_ops import broadcast_
+from ...comm.collectives import broadcast_
 from .aggregation import MalformedUpdateError
 
 
