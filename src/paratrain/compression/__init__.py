@@ -40,29 +40,13 @@ from ._kernels import randomk_positions, topk_indices
 from .base import CompressedTensor, EncodeContext, decompress, derive_seed, from_bytes
 from .codecs import build_codec, leaf_method
 from .compressor import CompressionStats, Compressor
-from .errors import CompressionError
 from .powersgd import PowerSGDState
 from .quant_kernels import pack_codes, packed_nbytes, unpack_codes
-from .wire import information_minimum, to_bytes, wire_nbytes
+from .wire import CompressionError, information_minimum, to_bytes, wire_nbytes
 
 __all__ = [
-    "Compressor",
-    "CompressedTensor",
-    "CompressionError",
-    "CompressionStats",
-    "PowerSGDState",
-    "EncodeContext",
-    "build_codec",
-    "decompress",
-    "derive_seed",
-    "leaf_method",
-    "from_bytes",
-    "to_bytes",
-    "wire_nbytes",
-    "information_minimum",
-    "pack_codes",
-    "unpack_codes",
-    "packed_nbytes",
-    "randomk_positions",
-    "topk_indices",
+    "Compressor", "CompressedTensor", "CompressionError", "CompressionStats", "PowerSGDState",
+    "EncodeContext", "build_codec", "decompress", "derive_seed", "leaf_method", "from_bytes",
+    "to_bytes", "wire_nbytes", "information_minimum", "pack_codes", "unpack_codes",
+    "packed_nbytes", "randomk_positions", "topk_indices",
 ]

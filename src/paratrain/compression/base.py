@@ -30,10 +30,9 @@ from typing import Any, Protocol
 import torch
 
 from ._kernels import scatter_dense
-from .errors import SUPPORTED_DTYPES
-from .errors import CompressionError as CompressionError  # re-exported: executors.federated.wire
 from .quant_kernels import dequantize_packed
-from .wire import parse, to_bytes, wire_nbytes
+from .wire import SUPPORTED_DTYPES, parse, to_bytes, wire_nbytes
+from .wire import CompressionError as CompressionError  # re-exported: executors.federated.wire
 
 
 def derive_seed(seed: int, step: int, key: str, salt: str = "") -> int:

@@ -27,9 +27,9 @@ from ..config.compression import (
 )
 from ._kernels import randomk_positions, threshold_indices, topk_indices
 from .base import Codec, CompressedTensor, EncodeContext, decompress
-from .errors import CompressionError
 from .powersgd import PowerSGDState
 from .quant_kernels import quantize_packed
+from .wire import CompressionError
 
 
 class _Stateless:

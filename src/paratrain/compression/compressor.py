@@ -20,8 +20,8 @@ import torch
 from ..config.compression import dump_compression, load_compression
 from .base import Codec, CompressedTensor, EncodeContext, check_input, decompress
 from .codecs import ErrorFeedbackCodec, PowerSGDCodec, build_codec, leaf_method
-from .errors import CompressionError
 from .powersgd import PowerSGDState
+from .wire import CompressionError
 
 STATE_VERSION = 1
 
@@ -87,7 +87,6 @@ class Compressor:
         self.stats = CompressionStats()
         self.key_stats: dict[str, CompressionStats] = {}
 
-    # -- steps ----------------------------------------------------------------------
     @property
     def current_step(self) -> int:
         return self._step
@@ -99,7 +98,6 @@ class Compressor:
             self.powersgd.advance()
         return self._step
 
-    # -- compression ----------------------------------------------------------------
     def compress(self, key: str, tensor: torch.Tensor, *, step: int | None = None) -> CompressedTensor:
         """C(tensor) for the tensor named ``key`` at ``step`` (default: the counter)."""
         flat = check_input(tensor)
@@ -128,7 +126,6 @@ class Compressor:
             codec = getattr(codec, "base", None)
         return None
 
-    # -- statistics -----------------------------------------------------------------
     def reset_stats(self) -> None:
         self.stats = CompressionStats()
         self.key_stats = {}
@@ -139,7 +136,6 @@ class Compressor:
         out["per_key"] = {k: v.as_dict() for k, v in self.key_stats.items()}
         return out
 
-    # -- state ----------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly: step, seed, residuals, statistics.
 

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CompressionError
+from .wire import CompressionError
 
 _HALF = (torch.float16, torch.bfloat16)
 

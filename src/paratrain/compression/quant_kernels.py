@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ._kernels import BLOCK, numpy_view
-from .errors import CompressionError
+from .wire import CompressionError
 
 
 def packed_nbytes(n: int, bits: int) -> int:

@@ -37,8 +37,17 @@ import numpy as np
 import torch
 
 from ._kernels import randomk_positions
-from .errors import CompressionError
 
+
+class CompressionError(ValueError):
+    """A compression input, state or wire payload that cannot be processed: malformed,
+    truncated or hostile payloads (never a crash, a hang or an unbounded allocation),
+    unsupported dtypes, state that does not match the tensors it is applied to."""
+
+
+# the dtypes compression accepts, in the order of their wire codes
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16,
+                                             torch.float64)
 WIRE_VERSION = 1
 MAGIC = b"PT"
 MAX_NDIM = 16
@@ -46,7 +55,7 @@ DEFAULT_MAX_NUMEL = (1 << 31) - 1
 
 _METHODS = ["None", "TopK", "RandomK", "Threshold", "Quantization"]
 _METHOD_CODE = {m: i for i, m in enumerate(_METHODS)}
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+_DTYPES = SUPPORTED_DTYPES
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 _ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8}
 
