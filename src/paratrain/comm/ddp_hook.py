@@ -22,77 +22,49 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from ..compression import CompressedTensor, Compressor
-from ..compression.powersgd import PowerSGDRound, PowerSGDState
+from ..compression.powersgd import PowerSGDState
 from ..config.compression import NoCompression, load_compression
 from .collectives import CommCounter, count_op, nbytes_of, world_size
 
+_T = TypeVar("_T")
 
-def done_future(value: list[torch.Tensor]) -> torch.futures.Future[list[torch.Tensor]]:
+
+def done_future(value: _T) -> torch.futures.Future[_T]:
     """A future already holding ``value`` (nothing to wait for)."""
-    fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+    fut: torch.futures.Future[_T] = torch.futures.Future()
     fut.set_result(value)
     return fut
 
 
-def _plain(named: Named, group: Any, world: int, counter: CommCounter | None
-           ) -> torch.futures.Future[list[torch.Tensor]]:
-    flat = torch.cat([t.detach().reshape(-1) for _, t in named]).div_(world)
-
-    def split(_f: Any = None) -> list[torch.Tensor]:
-        parts = torch.split(flat, [t.numel() for _, t in named])
-        return [p.view(t.shape) for p, (_, t) in zip(parts, named, strict=True)]
-
-    if world == 1:
-        return done_future(split())
-    count_op(counter, "all_reduce", nbytes_of(flat))
-    return cast("torch.futures.Future[list[torch.Tensor]]", dist.all_reduce(flat, group=group, async_op=True).get_future().then(split))
-
-
-def launch_powersgd(state: PowerSGDState, named: Named, *, group: Any = None, counter: CommCounter | None = None,
-                    out: Sequence[torch.Tensor] | None = None) -> torch.futures.Future[list[torch.Tensor]]:
-    """Start one exchange; the future's value is each tensor's mean (approximation) in
-    ``named`` order, written into ``out`` when given. Every rank passes the same names,
-    shapes and order."""
-    world = world_size(group)
-    if not named:
-        return done_future([])
-    if not state.active():
-        return _plain(named, group, world, counter)  # (the DDP hook reduces its bucket itself)
-    rnd: PowerSGDRound = state.begin(named)
-    if world == 1:
-        rnd.second()
-        return done_future(rnd.finish(1, out))
-    count_op(counter, "all_reduce", nbytes_of(rnd.first))
-    first = dist.all_reduce(rnd.first, group=group, async_op=True).get_future()
-
-    def after_first(_f: Any) -> torch.Tensor:
-        q = rnd.second()
-        count_op(counter, "all_reduce", nbytes_of(q))
-        # Blocking inside the callback, as torch's hook does: the chain stays one future.
-        dist.all_reduce(q, group=group, async_op=True).get_future().wait()
-        return q
-
-    return cast("torch.futures.Future[list[torch.Tensor]]", first.then(after_first).then(lambda _f: rnd.finish(world, out)))
-
-
 def allreduce_powersgd(state: PowerSGDState, named: Named, *, group: Any = None,
                        counter: CommCounter | None = None) -> list[torch.Tensor]:
-    """:func:`launch_powersgd`, blocking, on the caller's thread (no future callbacks)."""
+    """One exchange on the caller's thread: each tensor's mean (approximation) in ``named``
+    order; before ``start_step`` the plain mean. Every rank passes the same names, shapes
+    and order."""
     world = world_size(group)
-    if not named or world == 1 or not state.active():
-        return launch_powersgd(state, named, group=group, counter=counter).wait()
+    if not named:
+        return []
+    if not state.active():
+        flat = torch.cat([t.detach().reshape(-1) for _, t in named]).div_(world)
+        if world > 1:
+            count_op(counter, "all_reduce", nbytes_of(flat))
+            dist.all_reduce(flat, group=group)
+        parts = torch.split(flat, [t.numel() for _, t in named])
+        return [p.view(t.shape) for p, (_, t) in zip(parts, named, strict=True)]
     rnd = state.begin(named)
-    count_op(counter, "all_reduce", nbytes_of(rnd.first))
-    dist.all_reduce(rnd.first, group=group)
+    if world > 1:
+        count_op(counter, "all_reduce", nbytes_of(rnd.first))
+        dist.all_reduce(rnd.first, group=group)
     q = rnd.second()
-    count_op(counter, "all_reduce", nbytes_of(q))
-    dist.all_reduce(q, group=group)
+    if world > 1:
+        count_op(counter, "all_reduce", nbytes_of(q))
+        dist.all_reduce(q, group=group)
     return rnd.finish(world)
 
 
@@ -106,14 +78,28 @@ def mean_bucket(buf: torch.Tensor, group: Any) -> torch.futures.Future[torch.Ten
 def powersgd_bucket_hook(state: PowerSGDState, bucket: Any, names: list[str], group: Any
                          ) -> torch.futures.Future[torch.Tensor]:
     """One DDP bucket (``dist.GradBucket``) through PowerSGD, keyed by ``names`` (one per
-    bucket gradient): the means are written back into the bucket buffer. A bucket is one
-    exchange (one fresh-Q seed draw, as torch's hook per bucket)."""
+    bucket gradient): the means are written into the bucket's gradient views, as torch's
+    hook does. A bucket is one exchange (one fresh-Q seed draw, as torch's hook per bucket)."""
     buf: torch.Tensor = bucket.buffer()
     if not state.active():
         return mean_bucket(buf, group)
     grads = bucket.gradients()
-    fut = launch_powersgd(state, list(zip(names, grads, strict=True)), group=group, out=grads)
-    return fut.then(lambda _f: buf)
+    world = world_size(group)
+    rnd = state.begin(list(zip(names, grads, strict=True)))
+    if world == 1:
+        rnd.second()
+        rnd.finish(1, grads)
+        return done_future(buf)
+    first = dist.all_reduce(rnd.first, group=group, async_op=True).get_future()
+
+    def after_first(_f: Any) -> torch.Tensor:
+        q = rnd.second()
+        # Blocking inside the callback, as torch's hook does: the chain stays one future.
+        dist.all_reduce(q, group=group, async_op=True).get_future().wait()
+        rnd.finish(world, grads)
+        return buf
+
+    return cast("torch.futures.Future[torch.Tensor]", first.then(after_first))
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
