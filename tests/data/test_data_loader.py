@@ -29,7 +29,7 @@ import paratrain
 from _interrupting import start_cli, wait_until
 from paratrain.config import ConfigError, load_job
 from paratrain.training.faults import FAULT_ENV
-from paratrain.training.store_reading import latest_folder, read_rank_state
+from paratrain.training.stores import latest_folder, read_rank_state
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]

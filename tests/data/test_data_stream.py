@@ -27,8 +27,7 @@ from _data_tasks import Stream
 from paratrain.config import ConfigError
 from paratrain.data.loader import LoaderOptions
 from paratrain.data.stream import StreamFeed
-from paratrain.training.store_reading import latest_folder, read_rank_state
-from paratrain.training.stores import LocalStore
+from paratrain.training.stores import LocalStore, latest_folder, read_rank_state
 
 pytestmark = [pytest.mark.timeout(300)]
 DP = {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}}

@@ -20,8 +20,7 @@ from paratrain.config.job import load_job
 from paratrain.dispatch import execute
 from paratrain.executors import register_coordinator, registered_coordinators
 from paratrain.training import read_metrics
-from paratrain.training.store_reading import latest_folder, read_rank_state
-from paratrain.training.stores import LocalStore
+from paratrain.training.stores import LocalStore, latest_folder, read_rank_state
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -31,8 +31,7 @@ from paratrain.tensor_parallel import AttentionSpec, TensorParallelModule
 from paratrain.tensor_parallel.shards import dense_names_and_shards
 from paratrain.training.dcp_state import engine_key, flatten, meta_key
 from paratrain.training.reshard import ReshardWarning, param_keys
-from paratrain.training.store_reading import latest_folder, read_rank_state
-from paratrain.training.stores import Held, LocalStore
+from paratrain.training.stores import Held, LocalStore, latest_folder, read_rank_state
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -117,7 +117,7 @@ def _from_checkpoint(run: Path) -> dict[str, torch.Tensor] | None:
     """An unfinished run's model: its newest complete checkpoint, with a warning naming it;
     None without one that holds a model (PopulationBased's holds the population)."""
     from ..files import newest_checkpoint
-    from .store_reading import read_named_model
+    from .stores import read_named_model
 
     found = newest_checkpoint(run)
     if found is None or not found.path.is_dir() or found.kind == "pbt":

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
-from ..comm.dcp_pieces import METADATA, Piece
+from ..comm.dcp_pieces import METADATA, Piece, Target
 from ..comm.groups import side_group
 from ..config import ConfigError
 from ..files import (
@@ -43,11 +43,9 @@ from . import dcp_state as S
 from .checkpoint import MIN_KEEP
 from .faults import maybe_kill_in_save
 from .reshard import ReshardWarning
-from .store_reading import LAYOUT_FILE, read_layout
-
-__all__ = ["Held", "LocalStore", "RankStore", "Unreadable", "warm"]
 
 log = logging.getLogger(__name__)
+LAYOUT_FILE = "layout.json"
 
 
 def _dcp() -> ModuleType:
@@ -78,6 +76,16 @@ def warm() -> None:
             log.debug("background import of torch.distributed.checkpoint failed: %r", e)
 
     threading.Thread(target=load, name="paratrain-dcp-import", daemon=True).start()
+
+
+def read_layout(folder: Path) -> dict[str, Any] | None:
+    """``layout.json`` of a step folder (None: unreadable)."""
+    try:
+        doc = json.loads((folder / LAYOUT_FILE).read_text())
+    except (OSError, ValueError) as e:  # a step folder that is not one (yet): skipped
+        log.debug("%s: no readable %s: %r", folder, LAYOUT_FILE, e)
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 class Unreadable(RuntimeError):
@@ -462,3 +470,46 @@ def _reset(metas: list[dict[str, Any]], rank: int, world: int) -> list[str]:
         reset.append(f"the random state of processes {len(metas)}..{max(world, rank + 1) - 1} "
                      "(they did not exist: they take process 0's)")
     return reset
+
+
+def read_named_model(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The whole model of checkpoint ``folder`` by the model's names (every tensor: for export)."""
+    dcp = _dcp()
+    folder = Path(folder)
+    md = dcp.read_metadata(folder)
+    doc = json.loads((folder / LAYOUT_FILE).read_text())
+    old_world = int(doc.get("world", 1))
+    names: dict[str, Any] = {}
+    for f, m in md.state_dict_metadata.items():
+        g = S.unranked(f)
+        if g.startswith("model/") and isinstance(m, dcp.TensorStorageMetadata):
+            names.setdefault(g.removeprefix("model/"), m)
+    metas = dcp.load(folder, {}, blobs=[S.meta_key(0)], group=None, world=1)
+    order = [d[1] for d in metas[S.meta_key(0)]["model"]]
+    targets: dict[str, Target] = {}
+    for n, m in names.items():
+        srcs = tuple(x for x in S.sources("model", n, old_world) if x in md.state_dict_metadata)
+        targets[n] = Target(torch.empty(tuple(m.size), dtype=m.properties.dtype), None, srcs)
+    dcp.load(folder, targets, group=None, world=1)
+    ranked = [n for n in order if n in targets] + sorted(n for n in targets if n not in order)
+    return {n: targets[n].tensor for n in ranked}
+
+
+def read_rank_state(folder: str | Path, rank: int = 0) -> dict[str, Any]:
+    """Process ``rank``'s loop state as saved into checkpoint ``folder`` (inspection, tests)."""
+    dcp = _dcp()
+    blobs = dcp.load(folder, {}, blobs=[S.meta_key(rank), S.engine_key(rank)], group=None, world=1)
+    if S.meta_key(rank) not in blobs:
+        raise ConfigError([("checkpoint", f"{folder} holds no process {rank}")])
+    meta = blobs[S.meta_key(rank)]
+    targets, build = S.rebuild(meta)
+    dcp.load(folder, targets, group=None, world=1)
+    return {**build(), "engine": blobs.get(S.engine_key(rank), {}),
+            "shards": [None if d[5] is None else {"shape": d[5][0], "offsets": d[5][1]}
+                       for d in meta["model"]]}
+
+
+def latest_folder(checkpoints: str | Path) -> Path | None:
+    """The newest complete step folder in ``checkpoints`` (None: there is none)."""
+    found = step_folders(checkpoints)
+    return found[-1] if found else None

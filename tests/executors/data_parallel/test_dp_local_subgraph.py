@@ -21,7 +21,7 @@ import torch
 from paratrain.comm.dcp import read_metadata
 from paratrain.comm.testing import run_distributed
 from paratrain.files import step_folders
-from paratrain.training.store_reading import read_rank_state
+from paratrain.training.stores import read_rank_state
 
 pytestmark = pytest.mark.timeout(300)
 

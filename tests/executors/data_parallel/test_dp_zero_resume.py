@@ -83,7 +83,7 @@ def test_held_bytes_at_four_ranks(runs: dict[str, Any]) -> None:
 def test_checkpoints_hold_pieces_with_row_specs(runs: dict[str, Any]) -> None:
     """The DCP checkpoint records each rank's rows as a chunk of the whole tensor."""
     from paratrain.comm.dcp import read_metadata
-    from paratrain.training.store_reading import latest_folder, read_rank_state
+    from paratrain.training.stores import latest_folder, read_rank_state
 
     folder = latest_folder(Path(runs["tmp"]) / "full" / "checkpoints")
     assert folder is not None

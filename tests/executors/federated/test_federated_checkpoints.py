@@ -19,7 +19,7 @@ from paratrain.config import load_job
 from paratrain.dispatch import execute
 from paratrain.files import step_folders
 from paratrain.training import read_metrics
-from paratrain.training.store_reading import read_rank_state
+from paratrain.training.stores import read_rank_state
 
 pytestmark = pytest.mark.timeout(400)
 

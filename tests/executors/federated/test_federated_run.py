@@ -18,7 +18,7 @@ from paratrain.executors.federated.wire import decode_update, encode_update
 from paratrain.models import build_model
 from paratrain.training import parameters_digest, read_metrics, seed_everything
 from paratrain.training.faults import FAULT_ENV, inject_faults
-from paratrain.training.store_reading import read_rank_state
+from paratrain.training.stores import read_rank_state
 
 DENSE_MODEL_BYTES = 4 * (64 * 64 + 64 + 64 * 10 + 10)
 

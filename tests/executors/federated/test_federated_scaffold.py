@@ -25,7 +25,7 @@ from paratrain.models.state import unique_state_dict
 from paratrain.task import resolve_task
 from paratrain.task.steps import call_model, fetch_batch
 from paratrain.training import seed_everything
-from paratrain.training.store_reading import read_rank_state
+from paratrain.training.stores import read_rank_state
 
 pytestmark = pytest.mark.timeout(120)
 

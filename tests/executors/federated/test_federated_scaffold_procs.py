@@ -17,7 +17,7 @@ import torch
 from _workers_federated import fed_job
 from paratrain.executors.federated import run, run_in_process
 from paratrain.training.faults import FAULT_ENV
-from paratrain.training.store_reading import read_rank_state
+from paratrain.training.stores import read_rank_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -29,8 +29,7 @@ from paratrain.training import build_optimizer, read_metrics, seed_everything
 from paratrain.training.faults import FAULT_ENV
 from paratrain.training.loop import DataPlan, LocalEngine, LoopRun, Trainer, run_loop
 from paratrain.training.stepping import build_scheduler
-from paratrain.training.store_reading import read_rank_state
-from paratrain.training.stores import LocalStore
+from paratrain.training.stores import LocalStore, read_rank_state
 
 TINY_GPT = {"name": "gpt", "n_layer": 2, "n_embd": 32, "n_head": 2}
 

@@ -29,7 +29,7 @@ from paratrain.data.client_splits import client_test_splits, feature_shifts, own
 from paratrain.data.partition import partition_shards
 from paratrain.executors.federated.state import fed_store
 from paratrain.training import read_metrics
-from paratrain.training.store_reading import latest_folder, read_named_model, read_rank_state
+from paratrain.training.stores import latest_folder, read_named_model, read_rank_state
 
 pytestmark = pytest.mark.timeout(300)
 

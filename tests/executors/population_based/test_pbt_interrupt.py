@@ -19,7 +19,7 @@ from paratrain.config import load_job
 from paratrain.dispatch import execute
 from paratrain.executors.population_based.member import member_path
 from paratrain.training import read_metrics
-from paratrain.training.store_reading import latest_folder
+from paratrain.training.stores import latest_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 

@@ -26,7 +26,7 @@ from paratrain.executors.population_based.member import MemberRunner, seed_of
 from paratrain.files import step_folders
 from paratrain.task import fetch_batch, resolve_task
 from paratrain.training import build_optimizer
-from paratrain.training.store_reading import read_rank_state
+from paratrain.training.stores import read_rank_state
 
 HERE = Path(__file__).resolve().parent
 
