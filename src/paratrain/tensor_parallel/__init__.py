@@ -38,22 +38,9 @@ from .partition import (
 from .rules import AttentionSpec
 
 __all__ = [
-    "ActivationMeter",
-    "AttentionSpec",
-    "ColumnParallelLinear",
-    "GridLinear",
-    "ParallelSelfAttention",
-    "RegionState",
-    "RowParallelLinear",
-    "SelfAttention",
-    "TensorParallelModule",
-    "TensorParallelism",
-    "TensorPartition",
-    "calculate_memory_savings",
-    "calculate_optimal_tensor_config",
-    "estimate_communication_overhead",
-    "parallelize",
-    "partition_shape",
-    "register_custom_partitioner",
-    "split_sizes",
+    "ActivationMeter", "AttentionSpec", "ColumnParallelLinear", "GridLinear",
+    "ParallelSelfAttention", "RegionState", "RowParallelLinear", "SelfAttention",
+    "TensorParallelModule", "TensorParallelism", "TensorPartition", "calculate_memory_savings",
+    "calculate_optimal_tensor_config", "estimate_communication_overhead", "parallelize",
+    "partition_shape", "register_custom_partitioner", "split_sizes",
 ]

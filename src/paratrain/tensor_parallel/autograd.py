@@ -4,7 +4,7 @@ layer, g its conjugate after a row-parallel one) and their sequence-parallel for
 (Korthikanti et al. 2022, §4.2.2: f an all-gather, g a reduce-scatter along the sequence dim).
 
 ``column_linear`` / ``row_linear`` are one Function each, so the backward collective of the
-input gradient overlaps the weight-gradient matmul; the ``fused_*`` operators give n consumers
+input gradient overlaps the weight-gradient matmul; :func:`fused_region` gives n consumers
 of one input ONE backward collective of their summed gradients. Every forward collective goes
 through :func:`.memory.taped`, so a recomputed segment reads its output back instead of
 communicating again (a row layer's partial matmul runs inside the taped call and is skipped
@@ -105,19 +105,12 @@ def scatter_to_region(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int])
     return x if comm.size == 1 else _GatherScatter.apply(x, comm, dim, sizes, False)
 
 
-def fused_copy_to_region(x: torch.Tensor, comm: TPComm, n: int) -> tuple[torch.Tensor, ...]:
-    if comm.size == 1:
-        return tuple(x for _ in range(n))
-    return tuple(_Fused.apply(x, comm, n, 0, None))
-
-
-def fused_seq_gather(x: torch.Tensor, comm: TPComm, dim: int, sizes: list[int],
-                     n: int) -> tuple[torch.Tensor, ...]:
+def fused_region(x: torch.Tensor, comm: TPComm, n: int, dim: int = 0,
+                 sizes: list[int] | None = None) -> tuple[torch.Tensor, ...]:
+    """``x`` for ``n`` consumers through one f, or (``sizes``) one sequence all-gather."""
     if comm.size == 1:
         return tuple(x for _ in range(n))
     return tuple(_Fused.apply(x, comm, n, dim, sizes))
-
-
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, cdt: torch.dtype | None) -> torch.Tensor:

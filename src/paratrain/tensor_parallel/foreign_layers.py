@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from paratrain.comm.tp.comm import TPComm
 
-from .autograd import copy_to_region, fused_copy_to_region
+from .autograd import copy_to_region, fused_region
 from .layers import (
     ColumnParallelLinear,
     RegionState,
@@ -89,7 +89,7 @@ class PackedColumnParallel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layers = [getattr(self, n) for n in self.names]
         refuse_sequence_shards(layers[0].state, self)
-        xs = fused_copy_to_region(x, self.comm, self.parts)
+        xs = fused_region(x, self.comm, self.parts)
         return torch.cat([lay(xi, input_done=True) for lay, xi in zip(layers, xs, strict=True)], dim=-1)
 
     def meta_forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,7 @@ from paratrain.comm.tp.comm import TPComm
 from ..models.attention import SelfAttention
 from .autograd import (
     column_linear,
-    fused_copy_to_region,
-    fused_seq_gather,
+    fused_region,
     gather_from_region,
     row_linear,
     scatter_to_region,
@@ -101,7 +100,7 @@ class _Sharded(nn.Module):
                  bias: bool, mode: str, sizes: list[int] | None, column: bool) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.comm, self.state, self.mode = comm, state, mode
+        self.comm, self.state, self.mode, self.column = comm, state, mode, column
         self.shard_sizes = _check_sizes(sizes, out_features if column else in_features, comm.size)
         local = self.shard_sizes[comm.rank]
         # [out, in] with the sharded dim cut; a Conv1D keeps its [in, out] layout, transposed
@@ -130,8 +129,13 @@ class _Sharded(nn.Module):
         return m.to(w.device)
 
     def load_dense(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
-        """Keep this rank's shard of a dense ``[out, in]`` weight and of its bias."""
-        raise NotImplementedError
+        """Keep this rank's shard of a dense ``[out, in]`` weight and of its bias (a row
+        layer's bias whole: it is added once, after the reduction)."""
+        s, n = self.shard_offset, self.shard_sizes[self.comm.rank]
+        with torch.no_grad():
+            self.linear_weight().copy_(w[s: s + n] if self.column else w[:, s: s + n])
+            if self.bias is not None and b is not None:
+                self.bias.copy_(b[s: s + n] if self.column else b)
 
 
 class ColumnParallelLinear(_Sharded):
@@ -144,13 +148,6 @@ class ColumnParallelLinear(_Sharded):
                          sizes=sizes, column=True)
         self.gather_output = gather_output
         self.out_sizes = self.shard_sizes
-
-    def load_dense(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
-        s, n = self.shard_offset, self.out_sizes[self.comm.rank]
-        with torch.no_grad():
-            self.linear_weight().copy_(w[s: s + n])
-            if self.bias is not None and b is not None:
-                self.bias.copy_(b[s: s + n])
 
     def forward(self, x: torch.Tensor, *, input_done: bool = False) -> torch.Tensor:
         dim, sizes = _mode_dims(self.state)
@@ -190,13 +187,6 @@ class RowParallelLinear(_Sharded):
                          sizes=sizes, column=False)
         self.input_is_parallel = input_is_parallel
         self.in_sizes = self.shard_sizes
-
-    def load_dense(self, w: torch.Tensor, b: torch.Tensor | None) -> None:
-        s, n = self.shard_offset, self.in_sizes[self.comm.rank]
-        with torch.no_grad():
-            self.linear_weight().copy_(w[:, s: s + n])
-            if self.bias is not None and b is not None:
-                self.bias.copy_(b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -257,9 +247,9 @@ class ParallelSelfAttention(nn.Module):
         if fuse and self.mode == "seq":
             dim, sizes = _mode_dims(self.state)
             assert sizes is not None
-            xq, xk, xv = fused_seq_gather(x, self.comm, dim, sizes, 3)
+            xq, xk, xv = fused_region(x, self.comm, 3, dim, sizes)
         elif fuse:
-            xq, xk, xv = fused_copy_to_region(x, self.comm, 3)
+            xq, xk, xv = fused_region(x, self.comm, 3)
         else:
             xq = xk = xv = x
         q = self.q(xq, input_done=fuse)

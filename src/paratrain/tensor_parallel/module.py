@@ -51,7 +51,7 @@ from .layers import (
     RowParallelLinear,
 )
 from .partition import TensorParallelism, split_sizes
-from .shards import pack_dense, renames
+from .shards import pack_dense
 
 _PARALLEL = (ColumnParallelLinear, RowParallelLinear, ParallelSelfAttention, ParallelEncoderLayer,
              GridLinear)
@@ -304,11 +304,9 @@ class TensorParallelModule(nn.Module):
                     if not trains and not out.requires_grad:
                         out = self._run(seg, out)  # nothing to recompute for (e.g. a flatten)
                     else:
-                        out = checkpoint(self._taped(self._segment(seg)), out, dummy, use_reentrant=True)
+                        out = checkpoint(self._taped(lambda x, _dummy, seg=seg: self._run(seg, x)),
+                                         out, dummy, use_reentrant=True)
         return out.float() if self.config.mixed_precision and out.is_floating_point() else out
-
-    def _segment(self, seg: list[int]) -> Any:
-        return lambda x, _dummy: self._run(seg, x)
 
     def _taped(self, fn: Any) -> Any:
         """``fn`` (one checkpointed segment) with its own tape of collective outputs (offloaded
@@ -341,7 +339,6 @@ class TensorParallelModule(nn.Module):
         if self.grad_sync is not None:
             n += self.grad_sync.sync()
         return n
-
 
     def layout(self) -> list[tuple[str, str]]:
         """What tensor parallelism did to each module it touched, as ``(path, how)`` in model
@@ -397,24 +394,8 @@ class TensorParallelModule(nn.Module):
         return snap
 
     def to_dense_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Rename full (gathered) tensors to the dense model's keys: an encoder layer's
-        q/k/v/o go back into ``self_attn.in_proj_*`` / ``self_attn.out_proj.*``."""
-        out = dict(tensors)
-        for pre in [n + "." if n else "" for n, m in self.module.named_modules()
-                    if isinstance(m, ParallelEncoderLayer)]:
-            a = pre + "self_attn."
-            for kind in ("weight", "bias"):
-                parts = [out.pop(f"{a}{c}.{kind}", None) for c in "qkv"]
-                if all(t is not None for t in parts):
-                    out[f"{a}in_proj_{kind}"] = torch.cat(parts)  # type: ignore[arg-type]
-                o = out.pop(f"{a}o.{kind}", None)
-                if o is not None:
-                    out[f"{a}out_proj.{kind}"] = o
-        # an opted-in attention's q/k/v/o under the names its module gave them
-        for local, (dense, index) in renames(self.module).items():
-            if index is None and local != dense and local in out:
-                out[dense] = out.pop(local)
-        return pack_dense(self.module, out)
+        """Rename full (gathered) tensors to the dense model's keys (:func:`.shards.pack_dense`)."""
+        return pack_dense(self.module, tensors)
 
     def gather_full(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Gather per-parameter shards (e.g. gradients, keyed like ``module``'s parameters)

@@ -60,15 +60,20 @@ def packed_dims(module: nn.Module) -> dict[str, tuple[int, int]]:
 
 
 def pack_dense(module: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Full per-part tensors of packed projections concatenated under the dense names."""
+    """Full (gathered) tensors under the dense model's names: the parts of an encoder layer's
+    in_proj or of a packed projection concatenated, opted-in attention projections renamed."""
     out = dict(tensors)
     dims = packed_dims(module)
     groups: dict[str, list[tuple[int, str]]] = {}
     for local, (dense, index) in renames(module).items():
-        if local in dims and local in out and index is not None:
+        if local not in out:
+            continue
+        if index is not None:
             groups.setdefault(dense, []).append((index, local))
+        elif local != dense:
+            out[dense] = out.pop(local)
     for dense, parts in groups.items():
-        dim = dims[parts[0][1]][0]
+        dim = dims.get(parts[0][1], (0, 0))[0]
         out[dense] = torch.cat([out.pop(local) for _, local in sorted(parts)], dim=dim)
     return out
 
