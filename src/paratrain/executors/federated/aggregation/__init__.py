@@ -16,11 +16,9 @@ from .fedavg import fedavg_step, proximal_term
 from .krum import KrumAggregator, krum_select
 from .robust import coordinate_median, trimmed_mean
 
-__all__ = [
-    "Aggregator", "AGGREGATORS", "build_aggregator", "MalformedUpdateError",
-    "fedavg_step", "coordinate_median", "trimmed_mean", "krum_select", "proximal_term",
-    "fednova_norm", "scaffold_client_control", "control_keys",
-]
+__all__ = ["Aggregator", "AGGREGATORS", "build_aggregator", "MalformedUpdateError", "fedavg_step",
+           "coordinate_median", "trimmed_mean", "krum_select", "proximal_term", "fednova_norm",
+           "scaffold_client_control", "control_keys"]
 
 #: method name (the contract's ``method``) -> aggregator class
 AGGREGATORS: dict[str, type[Aggregator]] = {cls.name: cls for cls in (

@@ -10,11 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["SERVER_APP", "CLIENT_APP", "describe_runtime"]
-
-SERVER_APP = "paratrain.executors.federated.flower.serverapp:app"
-CLIENT_APP = "paratrain.executors.federated.flower.clientapp:app"
-
 
 def describe_runtime(job: Any) -> str | None:
     """Which path a Federated job runs on (``paratrain validate`` / ``graph``); None otherwise."""

@@ -29,7 +29,6 @@ from ..wire import split_payload
 from . import protocol as P
 
 log = logging.getLogger("paratrain.flower")
-POLL_S = 0.1  # seconds between pulls of the replies, at first (protocol.Backoff)
 
 
 def message_nbytes(msg: Message) -> int:
@@ -65,7 +64,7 @@ class Federation:
                 raise ConfigError([("federated.flower.min_nodes", (
                     f"{len(live)} SuperNode(s) connected after {self.opts.node_timeout:g} s; the job "
                     f"needs {self.opts.min_nodes}"))])
-            time.sleep(POLL_S)
+            time.sleep(P.POLL_S)
 
     def targets(self, clients: Sequence[int]) -> list[int]:
         """The connected nodes that may host one of ``clients``."""
@@ -78,27 +77,19 @@ class Federation:
 
     def exchange(self, msgs: list[Message], clients: set[int]) -> list[Message]:
         """Push ``msgs``; pull replies until every one of ``clients`` is answered for (or every
-        message is) or ``round_timeout`` passed (Flower's ``send_and_receive`` waits 3 s
-        between pulls and for every message)."""
-        pending = {i for i in self.grid.push_messages(msgs) if i}
-        deadline = time.monotonic() + float(self.opts.round_timeout)
-        out: list[Message] = []
+        message is) or ``round_timeout`` passed."""
         left = set(clients)
-        backoff = P.Backoff(POLL_S)
-        while pending and left:
-            got = list(self.grid.pull_messages(list(pending)))
+
+        def answered(got: list[Message]) -> bool:
             for m in got:
-                pending.discard(m.metadata.reply_to_message_id)
-                out.append(m)
                 if not m.has_error():
                     rec: Any = m.content.config_records[P.RESULT]
                     self.partition[int(m.metadata.src_node_id)] = (int(rec[P.PARTITION_ID]),
                                                                    int(rec[P.NUM_PARTITIONS]))
                     left.difference_update(int(c) for c in rec[P.CLIENTS])
-            if not pending or not left or time.monotonic() > deadline:
-                break
-            backoff.sleep(bool(got))
-        return out
+            return not left
+
+        return P.push_and_pull(self.grid, msgs, float(self.opts.round_timeout), answered)
 
     def _send(self, kind: str, clients: Sequence[int], plan: dict[str, Any], global_state: Mapping[str, Tensor],
               control: Mapping[str, Tensor] | None, group: str) -> tuple[list[Message], int, int, list[str]]:
@@ -169,7 +160,7 @@ class Federation:
                 P.CLIENTS: json.dumps([int(c) for c in clients]), P.KEYS: json.dumps(list(global_state)),
                 **self._where()}
         mean, got, down, up, answered = secure_round(self.grid, nodes, plan, global_state, self.opts, max_weight,
-                                           message_nbytes, POLL_S)
+                                                     message_nbytes)
         by_client = {int(st["client"]): st for st in got}
         statuses = []
         for c in clients:

@@ -71,8 +71,7 @@ def score_node(job_json: str, *, clients: list[int], global_state: Mapping[str, 
     with use_threads(1):
         side, host, glob = _node(job_json, partition, num_partitions, state, global_state)
         mine = [c for c in clients if host.hosts(c)]
-        return score_clients(side.model, host.personal, glob, mine, side.task, side.test_set, side.splits,
-                             device=torch.device("cpu"), precision=side.job.train.precision)
+        return score_clients(side, host.personal, glob, mine, device=torch.device("cpu"))
 
 
 def node_mean(statuses: list[dict[str, Any]], payload: bytes, template: Mapping[str, Tensor],

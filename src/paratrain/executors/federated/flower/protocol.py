@@ -12,6 +12,8 @@ num-partitions}."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 # node_config (flower-supernode --node-config 'partition-id=0 num-partitions=2')
 PARTITION_ID = "partition-id"
@@ -30,6 +32,9 @@ LINEAGE, KEEP_FROM, ATTEMPT, RESUMED = "lineage", "keep_from", "attempt", "resum
 RUN_JOB, RUN_RESUME, RUN_OVERWRITE, RUN_WORKDIR = "job", "resume", "overwrite", "workdir"
 
 
+POLL_S = 0.1  # seconds between pulls of the replies, at first (Backoff)
+
+
 class Backoff:
     """The wait between two pulls of a message's replies: ``first`` seconds after a pull
     that brought something (the others are likely near), growing 1.5x per empty pull up to
@@ -39,9 +44,29 @@ class Backoff:
     at once on one federation held the load near 7. (Flower's own ``send_and_receive``
     waits 3 s between pulls.)"""
 
-    def __init__(self, first: float = 0.1, most: float = 1.0) -> None:
+    def __init__(self, first: float = POLL_S, most: float = 1.0) -> None:
         self.first, self.most, self.wait = first, most, first
 
     def sleep(self, got: bool) -> None:
         self.wait = self.first if got else min(self.wait * 1.5, self.most)
         time.sleep(self.wait)
+
+
+def push_and_pull(grid: Any, msgs: list[Any], timeout: float | None,
+                  enough: Callable[[list[Any]], bool] = lambda got: False) -> list[Any]:
+    """Push ``msgs`` through Flower's ``grid`` and pull their replies (:class:`Backoff`) until
+    every message is answered, ``enough(replies of one pull)`` or ``timeout`` seconds passed
+    (None: no limit)."""
+    pending = {i for i in grid.push_messages(msgs) if i}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    out: list[Any] = []
+    backoff = Backoff()
+    while pending:
+        got = list(grid.pull_messages(list(pending)))
+        for m in got:
+            pending.discard(m.metadata.reply_to_message_id)
+        out.extend(got)
+        if not pending or enough(got) or (deadline is not None and time.monotonic() > deadline):
+            break
+        backoff.sleep(bool(got))
+    return out

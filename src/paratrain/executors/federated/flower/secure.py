@@ -15,7 +15,6 @@ stage. This module holds the server's part; :mod:`.clientapp` the node's."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,11 +37,12 @@ from . import protocol as P
 
 
 class CountingGrid:
-    """The Grid the workflow talks through: Message bytes counted, replies polled every
-    ``poll_s`` (Flower's ``send_and_receive`` waits 3 s between pulls)."""
+    """The Grid the workflow talks through: Message bytes counted (``count``), replies
+    polled as a plain round's (:func:`.protocol.push_and_pull`; Flower's ``send_and_receive``
+    waits 3 s between pulls)."""
 
-    def __init__(self, grid: Any, poll_s: float, count: Any) -> None:
-        self.grid, self.poll_s, self.count = grid, poll_s, count
+    def __init__(self, grid: Any, count: Any) -> None:
+        self.grid, self.count = grid, count
         self.down = self.up = 0
         self.answered: list[int] = []  # nodes answering each SecAgg+ stage without an error
 
@@ -52,19 +52,8 @@ class CountingGrid:
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
         msgs = list(messages)
         self.down += sum(self.count(m) for m in msgs)
-        pending = {i for i in self.grid.push_messages(msgs) if i}
-        deadline = None if timeout is None else time.monotonic() + timeout
-        out: list[Message] = []
-        backoff = P.Backoff(self.poll_s)
-        while pending:
-            got = list(self.grid.pull_messages(list(pending)))
-            for m in got:
-                pending.discard(m.metadata.reply_to_message_id)
-                self.up += self.count(m)
-            out.extend(got)
-            if not pending or (deadline is not None and time.monotonic() > deadline):
-                break
-            backoff.sleep(bool(got))
+        out = P.push_and_pull(self.grid, msgs, timeout)
+        self.up += sum(self.count(m) for m in out)
         self.answered.append(sum(not m.has_error() for m in out))
         return out
 
@@ -105,12 +94,11 @@ def _count(v: float) -> int | float:
 
 
 def secure_round(grid: Any, nodes: Sequence[int], plan: Mapping[str, Any], global_state: Mapping[str, Tensor],
-                 opts: Any, max_weight: float, count: Any, poll_s: float,
-                 ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int, list[int]]:
+                 opts: Any, max_weight: float, count: Any) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int, list[int]]:
     """One SecAgg+ round over ``nodes``: ``(the unmasked mean update or None, the clients'
     statuses the nodes reported, bytes down, bytes up, nodes answering each stage)``."""
     sa = opts.secure_aggregation
-    counting = CountingGrid(grid, poll_s, count)
+    counting = CountingGrid(grid, count)
     run_id = int(grid.run.run_id)
     proxies = [GridClientProxy(int(n), counting, run_id) for n in nodes]  # type: ignore[arg-type]
     arrays = [t.detach().cpu().numpy() for t in global_state.values()]

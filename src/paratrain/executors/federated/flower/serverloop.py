@@ -27,7 +27,7 @@ from ....training.rundir import MetricsWriter, RunFolder
 from ....training.threads import use_threads
 from ..client import client_name
 from ..outputs import finish_run, round_record
-from ..personal import combine
+from ..personal import round_metrics
 from ..privacy import build_server_privacy
 from ..selection import select_clients
 from ..server import FederatedServer, RoundSchedule, mean_loss
@@ -65,18 +65,12 @@ def _oldest_kept(run_dir: Path, default: int) -> int:
 
 def _evaluate(side: Side, server: FederatedServer, nodes: Nodes, tag: str,
               entering: int) -> tuple[dict[str, float], dict[str, Any]]:
-    """The round's test metrics and the per-client summary, as the local path's ``round_metrics``."""
-    strat: Any = side.job.strategy
-    ev: dict[str, float] = {}
-    if not side.personal_keys:
-        ev = server.evaluate(side.model, side.task, side.test_set, device=torch.device("cpu"),
-                             precision=side.job.train.precision)
-    if not side.per_client:
-        return ev, {}
-    sums, _, _ = nodes.evaluate(tag, range(strat.num_clients), server.global_state, entering)
-    sums = {c: s for c, s in sums.items() if len(side.splits[c])}
-    pooled, per = combine(side.task, sums)
-    return (pooled if side.personal_keys else ev), per
+    """:func:`..personal.round_metrics`, the clients scored by their nodes."""
+    def client_sums() -> dict[int, dict[str, float]]:
+        sums, _, _ = nodes.evaluate(tag, range(len(side.partitions)), server.global_state, entering)
+        return {c: s for c, s in sums.items() if len(side.splits[c])}
+
+    return round_metrics(side, server, client_sums, torch.device("cpu"))
 
 
 def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:

@@ -7,15 +7,8 @@ description."""
 
 from __future__ import annotations
 
-from .dp import (
-           ServerPrivacy,
-           build_server_privacy,
-           client_privatize,
-           dp_lines,
-           dp_problems,
-           sample_rate,
-)
+from .dp import ServerPrivacy, build_server_privacy, client_privatize, dp_lines, dp_problems
 from .mechanism import PrivacyAccountant, rdp_epsilon
 
 __all__ = ["PrivacyAccountant", "rdp_epsilon", "dp_lines", "dp_problems", "ServerPrivacy",
-           "build_server_privacy", "client_privatize", "sample_rate"]
+           "build_server_privacy", "client_privatize"]
