@@ -98,7 +98,7 @@ def bench_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     loss_fn = nn.functional.cross_entropy
 
     from paratrain.config import load_job
-    from paratrain.executors.data_parallel.engine import DataParallelEngine
+    from paratrain.executors.data_parallel.aggregation import DataParallelEngine
     from paratrain.training.loop import Trainer
 
     ours = _model(0)

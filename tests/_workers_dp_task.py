@@ -46,8 +46,7 @@ def grads_of(model: torch.nn.Module) -> list[list[float]]:
 def dp_loss_and_grads(ctx: WorkerContext, doc: dict[str, Any], batch_rows: int, wrong: bool) -> dict[str, Any]:
     """One DataParallel backward of this rank's share of a ``batch_rows`` batch (rank r takes
     rows r*b..(r+1)*b), AllReduce-combined by the DataParallel engine; the loss averaged."""
-    from paratrain.executors.data_parallel.aggregation import build_aggregator
-    from paratrain.executors.data_parallel.engine import DataParallelEngine
+    from paratrain.executors.data_parallel.aggregation import DataParallelEngine, build_aggregator
 
     task, model, batch, test = task_model_batch(doc, batch_rows, wrong=wrong)
     b = batch_rows // ctx.world_size

@@ -130,7 +130,7 @@ def _replicas(ctx: WorkerContext, case: dict[str, Any], strategy: Any, plan: Any
 
     from paratrain.comm.groups import new_group
     from paratrain.config.strategy import load_strategy as strat
-    from paratrain.executors.model_parallel.replicas import Replicas, replicas_for
+    from paratrain.executors.model_parallel.plan import Replicas, replicas_for
 
     subs = {k: strat({"type": "DataParallel", "num_replicas": r, "aggregation": {"method": "AllReduce"}})
             for k, r in (case.get("replicas") or {}).items()}

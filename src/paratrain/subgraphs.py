@@ -291,13 +291,6 @@ def check_paths(model: Any, job: Any) -> None:
         raise ConfigError(problems)
 
 
-def check_job(job: Any, model: Any = None) -> None:
-    """Every check: pairings, then (with ``model``) the module paths."""
-    check_pairings(job)
-    if model is not None:
-        check_paths(model, job)
-
-
 def _checked_local(model: Any, job: Any) -> list[str]:
     """The Local subgraphs' module paths, the job's paths validated first."""
     if not local_paths(job):

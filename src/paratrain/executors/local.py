@@ -54,9 +54,10 @@ def run(
     else:
         net = the_task.build_model(job.model, train)
     if job.subgraphs:  # [subgraphs] keys against the model trained here (instances included)
-        from ..subgraphs import check_job
+        from ..subgraphs import check_pairings, check_paths
 
-        check_job(job, net)
+        check_pairings(job)
+        check_paths(net, job)
     net.to(device)
     opt = build_optimizer(net.parameters(), job.train.optimizer)  # imports torch._dynamo
     resume_collections()  # the CLI's start-up is over (training.gcfreeze)

@@ -165,16 +165,13 @@ def export_graph(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     return gm
 
 
-#: the loggers export reports a failure on (and the graph it had); the failure itself is
-#: reported as one ConfigError line (trace.py)
-_EXPORT_LOGGERS = ("torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes")
-
-
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Export's own failure logs and its partial graph (printed to stderr) held back, only
-    while it runs: its loggers' levels raised, then restored."""
-    loggers = [logging.getLogger(name) for name in _EXPORT_LOGGERS]
+    while it runs (the failure is one ConfigError line, trace.py): its loggers' levels
+    raised, then restored."""
+    loggers = [logging.getLogger(name) for name in
+               ("torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL + 1)
@@ -186,16 +183,12 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _is_size(n: fx.Node) -> bool:
-    val = n.meta.get("val")
-    return n.op == "call_function" and isinstance(val, torch.SymInt | torch.SymBool | torch.SymFloat | int)
-
-
 def _copy_sizes_per_reader(graph: fx.Graph) -> None:
     """Give every reader of a size value its own copy (latest first, so a copied size's own
     size inputs are copied again for each copy): then each size follows its one reader."""
     for n in reversed(list(graph.nodes)):
-        if not _is_size(n) or len(n.users) < 2:
+        size = isinstance(n.meta.get("val"), torch.SymInt | torch.SymBool | torch.SymFloat | int)
+        if n.op != "call_function" or not size or len(n.users) < 2:
             continue
         for user in list(n.users)[1:]:
             with graph.inserting_after(n):

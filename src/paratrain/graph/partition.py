@@ -81,7 +81,7 @@ def node_owners(gm: fx.GraphModule, claims: Mapping[str, int]) -> dict[str, int]
     # exported (no call_module nodes): an op of an unclaimed module runs on rank 0 as
     # the module would under fx, unless the module contains claims (then it follows its data)
     exported = gm.meta.get(CAPTURE) == "export"
-    holders = _holders(gm) if exported else set()
+    holders = {name for name, m in gm.named_modules() if name and (m._parameters or m._buffers)}
 
     def home(n: fx.Node, mod: str) -> bool:
         if not exported or mod.startswith("_") or not isinstance(n.meta.get("val"), torch.Tensor):
@@ -159,11 +159,6 @@ def _copy_per_rank(graph: fx.Graph, n: fx.Node, users: list[fx.Node], owner: dic
             if owner[u.name] == r:
                 u.replace_input_with(n, dup)
     return made
-
-
-def _holders(gm: fx.GraphModule) -> set[str]:
-    return {name for name, m in gm.named_modules()
-            if name and (m._parameters or m._buffers)}
 
 
 @dataclass(frozen=True)

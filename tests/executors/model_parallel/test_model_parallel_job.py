@@ -1,8 +1,8 @@
 """ModelParallel through the full job path (``execute`` -> ``comm.launch`` -> worker_main):
 DataStore training equals Local training; a Pipeline job whose rank is SIGKILLed midway
 is restarted by the elastic agent from the per-rank checkpoints and ends where the
-uninterrupted run ends; ``resume=True`` then continues it further. (Six worker-process
-starts in all: the test-time budget.)"""
+uninterrupted run ends; ``resume=True`` then continues it further; a worker raising mid-step
+ends the CLI's run with its error. (Eight worker-process starts in all: the test-time budget.)"""
 
 from __future__ import annotations
 
@@ -116,3 +116,55 @@ def test_job_errors_before_launch(tmp_path: Path) -> None:
         execute(_job(tmp_path, "bad", unknown, 2))
     assert {p for p, _ in info.value.problems} == {"strategy.partitions[0].node_ids",
                                                    "strategy.partitions[0].target.Tag"}
+
+
+_BOOM = '''
+from collections import OrderedDict
+
+from torch import nn
+
+from paratrain.graph import leaf
+
+
+@leaf
+class Boom(nn.Module):
+    """Raises in its third training forward: one micro-batch into the second step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+            if self.calls == 3:
+                raise RuntimeError("boom: a worker failed mid-step")
+        return x
+
+
+def build(input_shape, num_classes):
+    return nn.Sequential(OrderedDict(flat=nn.Flatten(), fc0=nn.Linear(input_shape[-1], 16),
+                                     boom=Boom(), head=nn.Linear(16, num_classes)))
+'''
+
+
+def test_a_worker_raising_mid_step_ends_the_run_with_its_error(tmp_path: Path) -> None:
+    """The failing rank aborts its transport instead of flushing sends no peer will take
+    (runner._transport), so the CLI ends promptly with the worker's error: no hang."""
+    import subprocess
+    import sys
+
+    (tmp_path / "boom_model.py").write_text(_BOOM)
+    job = _job(tmp_path, "boom", {
+        "type": "ModelParallel", "partitions": [{"node_ids": ["boom", "head"], "target": {"WorkerId": "worker-1"}}],
+        "communication": {"protocol": "Pipeline", "schedule": "1F1B", "micro_batch_size": 12}}, 4)
+    doc = job.to_json_dict()
+    doc["model"] = {"factory": "boom_model:build"}
+    doc["run"]["imports"] = [str(tmp_path / "boom_model.py")]
+    path = tmp_path / "boom.json"
+    path.write_text(json.dumps(doc))
+    # a hang is this timeout (about 25 s on a quiet machine; the comm timeout is 300 s)
+    out = subprocess.run([sys.executable, "-m", "paratrain.cli", "run", str(path), "-q"],
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode != 0
+    assert "RuntimeError: boom: a worker failed mid-step (worker 1;" in out.stderr

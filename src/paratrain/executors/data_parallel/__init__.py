@@ -1,6 +1,6 @@
 """DataParallel: replicas on disjoint shards, gradients combined every step (DESIGN §4):
-:mod:`.runner` launches and sets up a replica, :mod:`.engine` is its step, :mod:`.aggregation`
-combines (AllReduce, ParameterServer, Decentralized gossip); ZeRO (``strategy.shard``) is
+:mod:`.runner` launches and sets up a replica, :mod:`.aggregation` is its step and combines
+(AllReduce, ParameterServer, Decentralized gossip); ZeRO (``strategy.shard``) is
 :mod:`paratrain.executors.shared.zero`, shared with tensor and model parallelism."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _graph(traced: Traced) -> GraphView:
 
     def sections() -> dict[str, Any]:
         from ...subgraphs import local_parameter_names
-        from ..shared.zero_plan import shard_plan
+        from ..shared.zero import shard_plan
 
         return {"shard": shard_plan(traced.model, level=s.shard, units=s.shard_unit, world=s.num_replicas,
                                     local=local_parameter_names(traced.model, traced.job))}

@@ -1,4 +1,6 @@
-"""How DataParallel replicas combine their work after each backward pass.
+"""A DataParallel replica's step (:class:`DataParallelEngine`; ZeRO's is
+:class:`~paratrain.executors.shared.zero.ZeroEngine`) and how the replicas combine their work
+after each backward pass.
 
 * :class:`AllReduceAgg`: ``g <- (1/n) sum_r g_r`` through the one gradient sync
   (:class:`~paratrain.comm.grad_sync.GradSync`: bucketed, overlapped with backward; equal to
@@ -27,8 +29,11 @@ from torch import nn
 
 from ...comm import collectives as C
 from ...comm import messages as M
+from ...comm.context import WorkerContext
 from ...comm.grad_sync import GradSync, drop_unused
 from ...comm.groups import gossip_average, mixing_weights, neighbors
+from ...training.loop import LocalEngine
+from ...training.stepping import local_grad_sq_norm
 
 _LEN = struct.Struct("<Q")
 
@@ -59,26 +64,29 @@ def unpack_records(data: bytes, count: int) -> list[bytes]:
 
 class Aggregator:
     """Hooks around one optimizer step; ``counter`` tallies the bytes this rank sent,
-    ``local`` names the parameters of Local subgraphs (never combined across replicas)."""
+    ``local`` names the parameters of Local subgraphs (never combined across replicas),
+    ``buffers`` are broadcast from rank 0 before each step's first forward by ``sync``, the
+    one gradient sync (which exchanges no gradients but :class:`AllReduceAgg`'s)."""
 
     zero_grad_set_to_none = True
 
     def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter, compressor: Any = None,
                  local: Collection[str] = (), buffers: Sequence[torch.Tensor] = ()) -> None:
         self.model, self.group, self.counter, self.compressor = model, group, counter, compressor
-        # the buffers rank 0 broadcasts before each step's first forward (empty: none)
         self.buffers = list(buffers)
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and n not in local]
         self.n = C.world_size(group)
         self.rank = C.rank_of(group) if self.n > 1 else 0
+        self.sync = GradSync((), group=group, buffers=self.buffers, counter=counter)
 
     def begin_backward(self, *, last: bool) -> None:
         """Before each backward of a step; ``last``: the step's last one (the others only
         accumulate into ``.grad``, under ``train.grad_accumulation``)."""
-        del last
+        self.sync.before_forward(last=last)
 
     def sync_gradients(self) -> None:
         """After the step's last backward, before the optimizer step."""
+        self.sync.sync()
 
     def after_step(self) -> dict[str, float]:
         """After the optimizer step; returns per-step metrics."""
@@ -92,7 +100,7 @@ class Aggregator:
             self.compressor.load_state_dict(state["compressor"])
 
     def close(self) -> None:
-        pass
+        self.sync.close()
 
 
 def _decode(comp: Any, data: bytes, params: Sequence[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
@@ -119,21 +127,6 @@ class AllReduceAgg(Aggregator):
         # Gradients zeroed in place keep their bucket views (see GradReducer).
         self.zero_grad_set_to_none = self.sync.zero_grad_set_to_none
 
-    def begin_backward(self, *, last: bool) -> None:
-        self.sync.before_forward(last=last)
-
-    def sync_gradients(self) -> None:
-        self.sync.sync()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.sync.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sync.load_state_dict(state)
-
-    def close(self) -> None:
-        self.sync.close()
-
 
 def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
@@ -148,14 +141,9 @@ class ParameterServerAgg(Aggregator):
         super().__init__(model, group=group, counter=counter, compressor=compressor, local=local,
                          buffers=buffers)
         self.server_bytes = 0  # bytes through the server (in + out), cumulative
-        # no gradients through it: the gradient sync's buffer broadcast only
-        self.buffer_sync = GradSync((), group=group, buffers=self.buffers, counter=counter)
-
-    def begin_backward(self, *, last: bool) -> None:
-        self.buffer_sync.before_forward(last=last)
 
     def sync_gradients(self) -> None:
-        self.buffer_sync.sync()
+        super().sync_gradients()  # the buffers' step closed
         if self.n == 1:
             return
         live = drop_unused(self.named, group=self.group, counter=self.counter)
@@ -297,3 +285,66 @@ def build_aggregator(
         return DecentralizedAgg(model, group=group, counter=counter, topology=aggregation.topology,
                                 compressor=compressor, gamma=gamma, local=local)
     raise ValueError(f"unknown aggregation {method!r}; valid: AllReduce, ParameterServer, Decentralized")
+
+
+class DataParallelEngine(LocalEngine):
+    """A replica: the task's forward/backward on this rank's batch, then the aggregator
+    combines (``sync``). Under ``grad_accumulation`` the bucketed AllReduce hooks stay
+    quiet until the step's last backward (DDP's ``no_sync``), so one exchange per step."""
+
+    def __init__(self, model: nn.Module, task: Any, test: Any, *, ctx: WorkerContext,
+                 precision: str, agg: Aggregator, counter: C.CommCounter,
+                 local: set[str] | None = None) -> None:
+        super().__init__(model, task, test, device=ctx.device, precision=precision)
+        self.ctx, self.agg, self.counter = ctx, agg, counter
+        self.local = local or set()  # parameter names of Local subgraphs
+        self.zero_grad_set_to_none = agg.zero_grad_set_to_none
+        self.consensus: list[float] = []
+
+    def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:
+        self.agg.begin_backward(last=last)
+        return super().forward_backward(batch, weight=weight, last=last)
+
+    def sync(self) -> None:
+        self.agg.sync_gradients()
+
+    def grad_sq_norm(self) -> float:
+        """With Local subgraphs, ``||g_shared||^2 + mean_r ||g_local,r||^2`` (the same on every
+        rank, so clipping keeps the shared parameters equal); else the base norm."""
+        if not self.local:
+            return super().grad_sq_norm()
+        named = list(self.model.named_parameters())
+        shared = float(local_grad_sq_norm(p for n, p in named if n not in self.local))
+        return shared + self.mean_over_ranks(float(local_grad_sq_norm(p for n, p in named if n in self.local)))
+
+    def after_step(self) -> dict[str, float]:
+        extra = self.agg.after_step()
+        if "consensus_distance" in extra:
+            self.consensus.append(extra["consensus_distance"])
+        return extra
+
+    def evaluate(self) -> dict[str, float] | None:
+        return super().evaluate() if self.ctx.is_main else None
+
+    def mean_over_ranks(self, value: float) -> float:
+        if self.ctx.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        C.all_reduce_(t, group=self.ctx.group)
+        return float(t.item()) / self.ctx.world_size
+
+    def log_extras(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"comm_bytes": self.counter.total_bytes}
+        if self.consensus:
+            out["consensus_distance"] = self.consensus[-1]
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"aggregator": self.agg.state_dict(), "comm": dict(self.counter.bytes)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            return
+        self.agg.load_state_dict(state["aggregator"])
+        for k, v in state["comm"].items():
+            self.counter.bytes[k] = int(v)

@@ -48,10 +48,8 @@ from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
 from ..entry import worker_entry
 from ..shared.replicas import build_compressor
-from ..shared.zero import ZeroEngine
-from ..shared.zero_plan import check_shard
-from .aggregation import Aggregator, build_aggregator
-from .engine import DataParallelEngine
+from ..shared.zero import ZeroEngine, check_shard
+from .aggregation import Aggregator, DataParallelEngine, build_aggregator
 
 
 def shard_indices(n: int, *, world: int, rank: int, seed: int, epoch: int) -> torch.Tensor:
@@ -85,7 +83,7 @@ def shard_layout(job: JobConfig) -> list[str]:
     s = validate(job)
     if s.shard == "none":
         return []
-    from ..shared.zero_plan import shard_plan
+    from ..shared.zero import shard_plan
 
     task, train, _ = _load_task(job)
     model = task.build_model(job.model, train)

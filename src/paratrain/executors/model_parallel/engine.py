@@ -1,7 +1,5 @@
-"""One ModelParallel rank's part of the one training loop: its parts as a module
-(:class:`StageModel`), ZeRO inside a replicated stage (:class:`StageZero`), the engine that
-runs its micro-batch schedule and evaluates (:class:`PipelineEngine`), and the run's pipeline
-statistics (:func:`pipeline_stats`).
+"""One ModelParallel rank's part of the one training loop (:class:`PipelineEngine`), its parts
+as one module (:class:`StageModel`) and ZeRO inside a replicated stage (:class:`StageZero`).
 
 ``shard = "optimizer" | "gradients" | "parameters"`` on a ``[subgraphs.<path>]`` DataParallel
 makes each of the stage's ``R`` replicas step only its rows of every parameter (dimension 0,
@@ -35,7 +33,8 @@ from ...graph.partition import Part
 from ...task.steps import DEFAULT_EVAL_BATCH, fetch_batch
 from ...training.loop import LocalEngine
 from ...training.stepping import local_grad_sq_norm
-from ..shared.zero_shards import (
+from ..shared.zero import (
+    LEVELS,
     ShardView,
     Unit,
     free_unit,
@@ -101,9 +100,6 @@ class StageModel(nn.Module):
         return out
 
 
-STAGE_LEVELS = {"optimizer": 1, "gradients": 2, "parameters": 3}
-
-
 def compose_spec(outer: dict[str, Any] | None, inner: dict[str, Any] | None) -> dict[str, Any] | None:
     """The spec of ``inner``'s piece of a tensor that is itself ``outer``'s piece of the model's
     tensor (slices compose as successive ``narrow``s, :mod:`paratrain.training.reshard`)."""
@@ -118,7 +114,7 @@ class StageZero:
 
     def __init__(self, stage: nn.Module, *, level: str, group: Any, where: str,
                  device: torch.device) -> None:
-        self.level = STAGE_LEVELS[level]
+        self.level = LEVELS[level]
         self.group, self.device = group, device
         self.world, rank = C.world_size(group), C.rank_of(group)
         # an empty parameter (a stage that owns none keeps an empty placeholder) has no rows
@@ -218,9 +214,7 @@ class StageZero:
         return out
 
     def held_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Bytes this replica holds for the stage now (:func:`held_bytes`): the parameters
-        (whole, or ZeRO-3's rows), the gradients (whole, or its rows), the optimizer state of
-        its rows."""
+        """Bytes this replica holds for the stage now (:func:`held_bytes`; rows where sharded)."""
         return held_bytes([*self.params, *(u.shard for u in self.units if u.shard is not None)],
                           optimizer, grads=[u.grad for u in self.units])
 
@@ -237,11 +231,9 @@ class PipelineEngine(LocalEngine):
                  broadcast_buffers: bool = True, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  shard: str = "none", where: str = "") -> None:
         super().__init__(model, task, test, device=ctx.device, precision=precision)
-        self.ctx, self.rt = ctx, rt
-        self.stage = model
-        # the process group of this stage's replicas (None: the stage is not replicated)
-        self.replica_group = replica_group
-        # ZeRO over the replicas (StageZero): the optimizer steps this replica's rows
+        self.ctx, self.rt, self.stage = ctx, rt, model
+        self.replica_group = replica_group  # None: the stage is not replicated
+        # ZeRO over the replicas: the optimizer steps this replica's rows
         self.zero = (StageZero(model, level=shard, group=replica_group, where=where, device=ctx.device)
                      if replica_group is not None and shard != "none" else None)
         if self.zero is not None:
@@ -257,9 +249,8 @@ class PipelineEngine(LocalEngine):
             if replica_group is not None else None)
         self.micro_batch_size, self.schedule_name = micro_batch_size, schedule_name
         self.last_rank = rt.plan.last_rank
-        self._calls = 0  # forward_backward calls (unique message steps for DataStore)
-        self._evals = 0
-        self._msgs = 0
+        # message steps (unique for DataStore): forward_backward calls, evaluations, metrics
+        self._calls = self._evals = self._msgs = 0
         self._step_started: float | None = None
         self.step_times: list[float] = []
         # step, compute and blocked-in-recv seconds, peak activation bytes, bytes sent, steps,
@@ -268,9 +259,7 @@ class PipelineEngine(LocalEngine):
 
     def model_names(self) -> dict[str, str]:
         """The stage's keys -> the model's names (checkpoints resumable on another placement)."""
-        stage = self.stage
-        assert isinstance(stage, StageModel)
-        names = stage.model_names({a.name: a.target for a in self.rt.cut.attrs})
+        names = self.stage.model_names({a.name: a.target for a in self.rt.cut.attrs})
         return names if self.zero is None else self.zero.names(names)
 
     def stage_shards(self) -> dict[str, Any]:
@@ -339,25 +328,20 @@ class PipelineEngine(LocalEngine):
         return {}
 
     def record_held(self, optimizer: torch.optim.Optimizer) -> None:
-        """Bytes of the stage's parameters, gradients and optimizer state held now (each
-        storage once) into :attr:`totals`."""
-        if self.zero is not None:
-            held = self.zero.held_bytes(optimizer)
-        else:
-            held = held_bytes(self.stage.parameters(), optimizer)
+        """:meth:`StageZero.held_bytes` or the stage's into :attr:`totals`."""
+        held = (self.zero.held_bytes(optimizer) if self.zero is not None
+                else held_bytes(self.stage.parameters(), optimizer))
         self.totals[6:9] = torch.tensor([held["parameters"], held["gradients"], held["optimizer"]],
                                         dtype=torch.float64)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """After a resume loaded this replica's rows: the whole stage parameters gathered
-        (ZeRO-3: at the next step's first forward)."""
+        """After a resume loaded this replica's rows: :meth:`StageZero.gather`."""
         del state
         if self.zero is not None:
             self.zero.gather()
 
     def unshard(self) -> None:
-        """The stage's whole parameters (ZeRO-3 gathers them: every replica calls this),
-        e.g. before the run's end reads them."""
+        """The stage's whole parameters (ZeRO-3 gathers them: every replica calls this)."""
         if self.zero is not None:
             self.zero.unshard(self._counter())
 

@@ -19,7 +19,7 @@ from ...graph.sizes import count_elements, shape_info, tensor_at, tensor_metas
 from ...graph.trace import module_of
 from ...subgraphs import under
 from ..spec import GraphView, Traced
-from .replicas import replicas_for
+from .plan import replicas_for
 from .tp_stages import mesh_report, tp_size_of
 from .validation import num_workers, plan_for
 

@@ -51,7 +51,7 @@ from ...training.loop import DataPlan, LoopRun, Trainer, run_loop, summary_field
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
 from .engine import PipelineEngine, StageModel, pipeline_stats
-from .replicas import replicas_for
+from .plan import replicas_for
 from .runtime import StageRuntime, held_attrs, segment_modules
 from .tp_stages import (
     TPPipelineEngine,

@@ -23,15 +23,14 @@ over readers and micro-batches, the loss and every gradient equal the unpartitio
 (``send``/``recv``/``flush``, optionally ``post``): ``P2PTransport`` or ``DataStoreTransport``.
 
 A batch is any pytree of tensors (micro-batch ``i``: rows ``[a_i, b_i)`` of every leaf with a
-leading dimension); a *feed* ``batch -> (args, kwargs)`` says how it calls the model (the
-task's ``model_args``). The graph's inputs are the forward's parameters under torch.fx, the
-leaves of ``(args, kwargs)`` under torch.export (``Cut.in_spec``, whose ``Cut.out_spec``
-rebuilds the output: a ``ModelOutput`` again).
+leading dimension), a *feed* (the task's ``model_args``) how it calls the model. The graph's
+inputs are the forward's parameters under torch.fx, the leaves of ``(args, kwargs)`` under
+torch.export (``Cut.in_spec``; ``Cut.out_spec`` rebuilds the output, a ``ModelOutput``).
 
 Why not ``torch.distributed.pipelining``: its stages are a linear chain (stage ``k`` feeds
 ``k + 1`` only), while a cut here is any topology: a value may skip stages or go back to a
 rank's earlier part, two towers may join, a stage may be replicated over rows
-(:mod:`.replicas`) or tensor-parallel, and a tie across workers stays one tensor. Where both
+(:func:`.plan.replicas_for`) or tensor-parallel, and a tie across workers stays one tensor. Where both
 run the same thing they agree (``tests/executors/model_parallel/test_pipeline_vs_torch.py``:
 1F1B, GPipe, Interleaved1F1B and ZBH1, equal losses and gradients).
 """
@@ -43,7 +42,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -51,9 +50,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ...graph.partition import Cut, Part
+from ...training.stepping import autocast
 from .backward_split import Deferred, backward_inputs
-from .plan import Plan
-from .replicas import Replicas, pieces, row_bounds
+from .plan import Plan, Replicas, pieces, row_bounds
 from .schedule import SPLIT_BACKWARD, VIRTUAL, Action, micro_batch_sizes, schedule, sequential
 
 #: How many actions ahead a stage posts its receives (transports with ``post``).
@@ -69,14 +68,6 @@ def slot_of(t: int, j: int = 0, k: int = 0) -> int:
 
 #: ``batch -> (args, kwargs)``: how a batch calls the model.
 Feed = Callable[[Any], tuple[tuple[Any, ...], dict[str, Any]]]
-
-
-class Transport(Protocol):
-    def send(self, tensor: torch.Tensor, *, dst: int, key: tuple[str, int, int], step: int = 0,
-             rows: int | None = None) -> None: ...
-    def recv(self, *, src: int, key: tuple[str, int, int], step: int = 0,
-             rows: int | None = None) -> torch.Tensor: ...
-    def flush(self) -> None: ...
 
 
 def first_field(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -209,19 +200,11 @@ def detached_leaf(t: Any) -> Any:
     return t
 
 
-def check_tensor(value: str, val: Any, dst: int) -> None:
-    if not isinstance(val, torch.Tensor):
-        raise TypeError(
-            f"model-parallel value {value!r} ({type(val).__name__}) is read on rank {dst} but "
-            f"is not a tensor; only tensors travel between workers: place the nodes that make "
-            f"and read it on one worker")
-
-
 class StageRuntime:
     """Runs this rank's parts of the model for a train step or a forward pass."""
 
     def __init__(self, plan: Plan, rank: int, modules: dict[int, nn.Module],
-                 transport: Transport, *, device: torch.device | None = None,
+                 transport: Any, *, device: torch.device | None = None,
                  attrs: dict[str, torch.Tensor] | None = None,
                  replicas: Replicas | None = None, physical_rank: int | None = None,
                  feed: Feed | None = None) -> None:
@@ -233,7 +216,7 @@ class StageRuntime:
         self.replica = self.replicas.of(rank).index(rank if physical_rank is None else physical_rank)
         self.num_replicas = self.replicas.count(rank)
         self.modules = modules
-        self.transport: Any = transport
+        self.transport = transport
         self.attrs = dict(attrs or {})
         self.stats = StepStats()
         c = self.cut
@@ -415,8 +398,6 @@ class StageRuntime:
         """Evaluation: the placed model called as ``model(*args, **kwargs)`` on a whole batch,
         each stage's primary replica running its parts in order (``("eval", 0, slot)`` keys);
         the output on the loss part's rank (None elsewhere)."""
-        from ...training.stepping import autocast
-
         c, tr = self.cut, self.transport
         if self.replica > 0:
             return None  # evaluation runs on each stage's primary replica
@@ -527,8 +508,6 @@ class _StepRun:
         return total
 
     def forward(self, i: int, s: int) -> None:
-        from ...training.stepping import autocast
-
         rt, part = self.rt, self.rt.parts[s]
         args = [self.fetch(i, v) for v in rt.reads[s]]
         t0 = time.perf_counter()
@@ -549,7 +528,11 @@ class _StepRun:
         for v, val in zip(part.outputs, result, strict=True):
             for t in rt.out_transfers:
                 if t.value == v:
-                    check_tensor(v, val, t.dst)
+                    if not isinstance(val, torch.Tensor):
+                        raise TypeError(
+                            f"model-parallel value {v!r} ({type(val).__name__}) is read on rank {t.dst} "
+                            f"but is not a tensor; only tensors travel between workers: place the "
+                            f"nodes that make and read it on one worker")
                     rt._send_rows(val.detach(), "act", i, t, self.step, to_src=False)
         for a in args:
             if isinstance(a, torch.Tensor) and a.requires_grad and a.grad_fn is None:

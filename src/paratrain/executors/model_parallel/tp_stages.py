@@ -29,7 +29,7 @@ from ...config.job import JobConfig
 from ...tensor_parallel.grid import replicas_of
 from ...training.stepping import local_grad_sq_norm
 from .engine import PipelineEngine, StageModel
-from .replicas import Replicas
+from .plan import Replicas
 
 
 def tp_size_of(job: JobConfig) -> int:

@@ -20,8 +20,7 @@ from ...config.strategy import WorkerIdTarget
 from ...task import resolve_task
 from ...task.steps import example_args
 from ...training import seed_everything
-from .plan import Plan, build_plan, check_interleaved
-from .replicas import extra_workers, replicas_for
+from .plan import Plan, build_plan, check_interleaved, replicas_for
 from .tp_stages import check_job, dry_shard, tp_size_of
 
 
@@ -52,13 +51,15 @@ def check_worker_ids(job: JobConfig) -> None:
 
 def num_workers(job: JobConfig) -> int:
     """Processes a ModelParallel job needs: ``[[workers]]`` count, else ``run.num_workers``,
-    else one more than the highest ``worker-<k>`` a partition targets (at least 1)."""
+    else one more than the highest ``worker-<k>`` a partition targets (at least 1) plus the
+    workers the replicated stages add beyond their primaries."""
     if job.workers:
         return len(job.workers)
     if job.run.num_workers is not None:
         return job.run.num_workers
     highest = max((k for _, _, k in _worker_numbers(job.strategy)), default=0)
-    return highest + 1 + extra_workers(job)
+    return highest + 1 + sum(int(s.num_replicas) - 1 for s in job.subgraphs.values()
+                             if s.type == "DataParallel")
 
 
 def plan_for(job: JobConfig, model: torch.nn.Module, workers: list[Any],

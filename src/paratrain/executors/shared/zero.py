@@ -7,12 +7,14 @@ so its optimizer state is 1/N of the model's. Per parameter and fp32 Adam a rank
 is done, :class:`_PostBackward` on its inputs being FSDP2's trigger) and ``16/N`` at
 ``parameters`` (ZeRO-3: a unit gathered before its forward and its backward, freed after each
 by resizing its storage to zero, so the tensors autograd saved see the re-gathered values:
-FSDP1's scheme). The update equals unsharded AllReduce's: the optimizers are element-wise, the
-mean is the same sum over N, clipping takes the global norm ``sum_r ||g_shard,r||^2`` and a
-parameter no rank used keeps ``grad = None``. Local layers, frozen and empty parameters stay
-whole. Every rank must call the same units in the same order (as under FSDP). The loop's
-``model`` is :class:`~.zero_shards.ShardView` (the pieces under the model's names with their
-row specs: checkpoints resume on any world); ``net`` is the model computed with.
+FSDP1's scheme); the units are ``shard_unit``'s modules (FSDP2's ``fully_shard`` per block;
+:func:`shard_plan`, what ``paratrain graph`` / ``validate`` show, needs no process group). The
+update equals unsharded AllReduce's: the optimizers are element-wise, the mean is the same sum
+over N, clipping takes the global norm ``sum_r ||g_shard,r||^2`` and a parameter no rank used
+keeps ``grad = None``. Local layers, frozen and empty parameters stay whole. Every rank must
+call the same units in the same order (as under FSDP). The loop's ``model`` is
+:class:`ShardView` (the pieces under the model's names with their row specs: checkpoints
+resume on any world); ``net`` is the model computed with.
 
 Why ours beside torch's FSDP2 (``fully_shard``): FSDP2 on gloo sums the reduce-scattered
 gradients where it should average (pytorch#162338; gloo has no AVG), so on CPU it does not
@@ -28,7 +30,9 @@ ZeroRedundancyOptimizer directly (bit for bit); benchmarks/zero.py times FSDP2 b
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import fnmatch
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,10 +44,216 @@ from ...comm.context import WorkerContext
 from ...comm.grad_sync import GradSync
 from ...comm.zero import FlatShard
 from ...config import ConfigError
+from ...config.job import JobConfig
+from ...config.strategy import DataParallel
+from ...task.steps import call_model
+from ...task.steps import evaluate as evaluate_task
 from ...training.loop import LocalEngine
 from ...training.stepping import autocast, local_grad_sq_norm
-from .zero_plan import LEVELS, assign_units, resolve_units
-from .zero_shards import Unit, free_unit, gather_unit, held_bytes, keep_own_rows, shard_view
+
+LEVELS = {"optimizer": 1, "gradients": 2, "parameters": 3}
+
+
+def check_shard(job: JobConfig, s: DataParallel) -> None:
+    """ZeRO (``strategy.shard``) shards what AllReduce would all-reduce: uncompressed only."""
+    if s.shard == "none":
+        if s.shard_unit is not None:
+            raise ConfigError([("strategy.shard_unit", "is the unit of shard = \"gradients\" or "
+                                "\"parameters\" (this job does not shard)")])
+        return
+    if s.aggregation.method != "AllReduce":
+        raise ConfigError([("strategy.shard", (
+            f"shard = {s.shard!r} shards AllReduce's exchange; aggregation "
+            f"{s.aggregation.method} has none (use AllReduce, or shard = \"none\")"))])
+    if job.compression is not None and job.compression.method != "None":
+        raise ConfigError([("strategy.shard", (
+            f"shard = {s.shard!r} with [compression] {job.compression.method} is not supported: "
+            "a compressed exchange all-reduces (or all-gathers) whole gradients and keeps whole "
+            "error-feedback residuals per rank, which sharding would not shrink; drop one of them"))])
+    if s.shard_unit is not None and s.shard == "optimizer":
+        raise ConfigError([("strategy.shard_unit", (
+            "is the unit of shard = \"gradients\" / \"parameters\" (reduce-scattered, and "
+            "gathered, unit by unit); shard = \"optimizer\" all-reduces whole gradients"))])
+
+
+def resolve_units(net: nn.Module, patterns: Sequence[str] | None) -> list[str]:
+    """The module paths gathered as units: those matching a glob of ``patterns`` or whose
+    class name is one (None: each direct child); ConfigError for a pattern matching none."""
+    if patterns is None:
+        return [n for n, _ in net.named_children()]
+    out: list[str] = []
+    for pat in patterns:
+        hits = [n for n, m in net.named_modules() if n and (fnmatch.fnmatchcase(n, pat)
+                                                              or type(m).__name__ == pat)]
+        if not hits:
+            raise ConfigError([("strategy.shard_unit", (
+                f"{pat!r} matches no module path or class name of the model (children: "
+                f"{', '.join(n for n, _ in net.named_children())})"))])
+        out += [h for h in hits if h not in out]
+    return out
+
+
+def assign_units(net: nn.Module, paths: Sequence[str], shared: Sequence[tuple[str, nn.Parameter]]
+            ) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
+    """Each shared parameter to the deepest unit holding it when the units holding it are
+    nested; to the root (``""``, last) when none or several sibling units use it (a tie)."""
+    holders: dict[int, list[str]] = {}
+    for path in paths:
+        for _, p in net.get_submodule(path).named_parameters(remove_duplicate=False):
+            if path not in holders.setdefault(id(p), []):
+                holders[id(p)].append(path)
+    groups: dict[str, list[tuple[str, nn.Parameter]]] = {path: [] for path in paths}
+    groups[""] = []
+    for n, p in shared:
+        hs = sorted(holders.get(id(p), []), key=len)
+        nested = all(hs[-1] == h or hs[-1].startswith(h + ".") for h in hs)
+        groups[hs[-1] if hs and nested else ""].append((n, p))
+    return [(path, named) for path, named in groups.items() if named]
+
+
+def shard_plan(net: nn.Module, *, level: str, units: Sequence[str] | None, local: set[str],
+               world: int) -> dict[str, Any]:
+    """What ``shard = level`` on ``world`` replicas shards, without processes (``paratrain
+    graph`` / ``validate``): each unit's parameters and elements, the elements of one rank's
+    shard (rank 0's, the largest), the parameters kept whole, and the bytes a rank holds
+    for fp32 Adam by the ZeRO formula."""
+    shared = [(n, p) for n, p in net.named_parameters() if p.requires_grad and n not in local]
+    paths = resolve_units(net, units) if LEVELS[level] >= 2 else []
+    out: dict[str, Any] = {"level": level, "zero_stage": LEVELS[level], "replicas": world, "units": []}
+    for path, named in assign_units(net, paths, shared):
+        flat = FlatShard([p.shape for _, p in named], world=world, rank=0)
+        out["units"].append({"unit": path or "(root)", "parameters": [n for n, _ in named],
+                             "elements": sum(p.numel() for _, p in named),
+                             "elements_per_rank": flat.numel})
+    out["whole"] = sorted(n for n, p in net.named_parameters() if n in local or not p.requires_grad)
+    n_shared = sum(p.numel() for _, p in shared)
+    per = {1: 8 + 8 / world, 2: 4 + 12 / world, 3: 16 / world}[LEVELS[level]]
+    out["adam_fp32_bytes_per_rank"] = int(per * n_shared + 16 * sum(
+        p.numel() for n, p in net.named_parameters() if n in local))
+    return out
+
+
+@dataclass(eq=False)
+class Unit:
+    """One gathered group: its parameters, their shard layout and this rank's shards."""
+
+    path: str  # "" = the root unit
+    named: list[tuple[str, nn.Parameter]]
+    flat: FlatShard
+    shard: torch.Tensor | None = None  # ZeRO-3: this rank's parameter rows (S elements)
+    grad: torch.Tensor | None = None  # ZeRO-2/3: this rank's gradient rows, summed over micro-batches
+    used: list[bool] = field(default_factory=list)
+    pieces: list[nn.Parameter | None] = field(default_factory=list)
+    gathered: bool = True
+    reduced: bool = False  # reduce-scattered during this backward pass
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named]
+
+
+class ShardView(nn.Module):
+    """What the loop checkpoints and the optimizer steps: this rank's pieces of the
+    sharded parameters, the local parameters and the other state, under mangled keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: dict[str, str] = {}
+        self.specs: dict[str, dict[str, Any]] = {}
+
+    def add(self, name: str, t: torch.Tensor, *, spec: dict[str, Any] | None = None,
+            param: bool = True) -> None:
+        key = name.replace(".", "/")
+        self.names[key] = name
+        if spec is not None:
+            self.specs[key] = spec
+        if param:
+            self.register_parameter(key, t if isinstance(t, nn.Parameter) else nn.Parameter(t))
+        else:
+            self.register_buffer(key, t.detach())
+
+
+def shard_view(net: nn.Module, units: Sequence[Unit]) -> ShardView:
+    """The :class:`ShardView` of ``net``: each unit's pieces (its ``pieces`` set here;
+    ZeRO-1/2: rows of the whole parameter), a Local subgraph's parameters and the rest
+    (buffers, frozen parameters) whole; a tied tensor once, under its first name."""
+    view = ShardView()
+    mine = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
+    for u in units:
+        u.pieces = [None] * len(u.named)
+        u.used = [False] * len(u.named)
+    seen: set[int] = set()
+    for name, t in net.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue  # a tied name: the tensor is under its first name
+        seen.add(id(t))
+        if id(t) in mine:
+            u, i = mine[id(t)]
+            piece = u.flat.pieces[i]
+            if piece.length:  # ZeRO-1/2: rows of the whole parameter (ZeRO-3 re-points them)
+                u.pieces[i] = nn.Parameter(t.data[piece.start : piece.start + piece.length])
+                view.add(name, u.pieces[i], spec=piece.spec)  # type: ignore[arg-type]
+        elif isinstance(t, nn.Parameter) and t.requires_grad:
+            view.add(name, t)  # a Local subgraph's parameter: this replica's own
+        else:
+            view.add(name, t, param=False)  # buffers, frozen parameters
+    return view
+
+
+def keep_own_rows(u: Unit, device: torch.device) -> None:
+    """ZeRO-3: this rank's rows into ``u.shard`` (its pieces become views of it) and every
+    parameter given its own storage, so that :func:`free_unit` frees no other tensor's."""
+    u.shard = u.flat.pack_own(u.params, torch.empty(u.flat.numel, dtype=u.params[0].dtype, device=device))
+    for i, piece in enumerate(u.pieces):
+        if piece is not None:
+            piece.data = u.flat.view(u.shard, i)
+    for p in u.params:
+        p.data = p.data.clone()
+
+
+@torch.no_grad()
+def gather_unit(u: Unit, *, group: Any, counter: Any = None) -> None:
+    """ZeRO-3: every rank's rows all-gathered into the unit's whole parameters (their storage
+    re-grown first; collective, a no-op where they are whole)."""
+    if u.gathered or u.shard is None:
+        return
+    for p in u.params:
+        p.data.untyped_storage().resize_(p.numel() * p.element_size())
+    u.flat.gather(u.shard, [p.data for p in u.params], group=group, counter=counter)
+    u.gathered = True
+
+
+def free_unit(u: Unit) -> None:
+    """ZeRO-3: the unit's whole parameters freed (storage resized to nothing, so tensors
+    autograd saved see the values gathered again later); its rows stay in ``u.shard``."""
+    if u.gathered and u.shard is not None:
+        for p in u.params:
+            p.data.untyped_storage().resize_(0)
+        u.gathered = False
+
+
+def held_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer, *,
+               grads: Iterable[torch.Tensor | None] = ()) -> dict[str, int]:
+    """Bytes of ``params``, their gradients (and ``grads``) and ``optimizer``'s state
+    tensors, each storage counted once (a ZeRO-1 piece's grad is a view of the whole)."""
+    seen: set[int] = set()
+
+    def size(ts: Iterable[Any]) -> int:
+        total = 0
+        for t in ts:
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                if st.nbytes() and st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    total += st.nbytes()
+        return total
+
+    params = list(params)
+    p_bytes = size(params)
+    g_bytes = size([*(p.grad for p in params), *grads])
+    s_bytes = size(v for st in optimizer.state.values() for v in st.values())
+    return {"parameters": p_bytes, "gradients": g_bytes, "optimizer": s_bytes,
+            "total": p_bytes + g_bytes + s_bytes}
 
 
 class _PostBackward(torch.autograd.Function):
@@ -135,14 +345,10 @@ class ZeroEngine(LocalEngine):
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if idx:  # a unit whose inputs need no gradient is reduced after the backward pass
-            outs = _PostBackward.apply(lambda u=u: self._post_backward(u), *[flat[i] for i in idx])
+            outs = _PostBackward.apply(lambda u=u: self._reduce_unit(u), *[flat[i] for i in idx])
             for i, t in zip(idx, outs, strict=True):
                 flat[i] = t
         return tree_unflatten(flat, spec)
-
-    def _post_backward(self, u: Unit) -> None:
-        self._reduce_unit(u)
-        u.reduced = True
 
     def gather_all(self) -> None:
         """ZeRO-3: every parameter whole (collective; e.g. before evaluation or export)."""
@@ -170,8 +376,6 @@ class ZeroEngine(LocalEngine):
                 p.grad = None
 
     def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:
-        from ...task.steps import call_model
-
         if self._new_step:
             self._begin_step()
         self.sync_.before_forward(last=last)
@@ -207,6 +411,7 @@ class ZeroEngine(LocalEngine):
         for p in u.params:
             p.grad = None
         free_unit(u)
+        u.reduced = True
 
     def sync(self) -> None:
         """Point each piece's ``grad`` at this rank's rows of the mean gradient (None where
@@ -251,8 +456,6 @@ class ZeroEngine(LocalEngine):
                 u.flat.gather(flat, [p.data for p in u.params], group=self.group, counter=self.counter)
 
     def evaluate(self) -> dict[str, float] | None:
-        from ...task.steps import evaluate as evaluate_task
-
         self.gather_all()  # collective: every rank, before rank 0 evaluates
         try:
             if not self.ctx.is_main:

@@ -65,7 +65,7 @@ def layout(job: JobConfig) -> tuple[TensorParallelismConfig, int, int]:
                                 f"(got {s.aggregation.method!r})")])
         dp = s.num_replicas
         if s.shard != "none":  # ZeRO over the dp column of the mesh (.zero): AllReduce, uncompressed
-            from ..shared.zero_plan import check_shard
+            from ..shared.zero import check_shard
 
             check_shard(job, s)
     else:
@@ -326,7 +326,7 @@ def mesh_plan(job: JobConfig) -> dict[str, Any]:
     """The ``dp x tp`` mesh of a job (``paratrain graph`` / ``validate --explain``) and, with
     ZeRO, what rank 0 holds of its TP shard (units, elements, fp32 Adam bytes)."""
     from ...comm.mesh import Mesh
-    from ..shared.zero_plan import shard_plan
+    from ..shared.zero import shard_plan
 
     _, tp, dp = layout(job)
     out: dict[str, Any] = {**Mesh.of(dp=dp, tp=tp).describe()}

@@ -30,8 +30,7 @@ from ...tensor_parallel.grid import replicas_of
 from ...tensor_parallel.shards import dense_names_and_shards
 from ...training.loop import Batch, batch_size_of
 from ...training.stepping import autocast
-from ..shared.zero import ZeroEngine, resolve_units
-from ..shared.zero_shards import ShardView
+from ..shared.zero import ShardView, ZeroEngine, resolve_units
 from .engine import _split
 
 
