@@ -17,8 +17,6 @@ from torch.utils.data import TensorDataset
 
 from .partition import partition_labels
 
-__all__ = ["client_test_splits", "feature_shifts", "shift_features", "owners", "client_datasets"]
-
 IndexList = list[np.ndarray]
 
 

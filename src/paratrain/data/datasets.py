@@ -17,9 +17,6 @@ from ..config import ConfigError
 from ..config.job import DataSpec
 from .split import digits_arrays, shuffle_split, stratified_split
 
-__all__ = ["DataBundle", "DATASETS", "REGRESSION_DATASETS", "load_data", "split_arrays",
-           "split_regression", "CORPORA"]
-
 
 @dataclass(frozen=True)
 class DataBundle:

@@ -21,9 +21,6 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, get_worker_info
 
-__all__ = ["LoaderOptions", "IN_PROCESS", "Feed", "MapFeed", "batch_seed", "seed_everything",
-           "seed_worker", "is_stream", "dataset_rows", "shutdown_workers"]
-
 Fetch = Callable[..., Any]
 
 

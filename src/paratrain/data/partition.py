@@ -13,9 +13,6 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["partition_iid", "partition_shards", "partition_dirichlet", "partition_speaker",
-           "partition_indices", "partition_labels", "partition_dataset"]
-
 IndexList = list[np.ndarray]
 
 

@@ -20,9 +20,6 @@ from torch.utils.data import Dataset
 
 from ..config import ConfigError
 
-__all__ = ["UNK", "Corpus", "CharBlocks", "play_files", "plain_text", "load_corpus",
-           "shakespeare"]
-
 UNK = "\ufffd"  # the unknown character (replacement character), always the last id
 
 _HEADING = re.compile(r"^#+\s*")

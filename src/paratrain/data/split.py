@@ -17,8 +17,6 @@ import numpy as np
 
 from ..config import ConfigError
 
-__all__ = ["split_sizes", "shuffle_split", "stratified_split", "digits_arrays"]
-
 
 def split_sizes(n: int, test_fraction: float) -> tuple[int, int]:
     """``(n_train, n_test)`` for ``n`` rows; ConfigError when a side would be empty."""

@@ -16,9 +16,6 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from .loader import IN_PROCESS, Feed, LoaderOptions, _identity
 
-__all__ = ["ShardedStream", "StreamFeed", "head", "stream_batch", "stream_batches",
-           "check_stream_job", "STREAM_STRATEGIES"]
-
 STREAM_STRATEGIES = ("Local", "DataParallel")  # the one loop's, sharded by data replica
 
 

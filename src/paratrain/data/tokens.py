@@ -17,8 +17,6 @@ from torch.utils.data import Dataset, IterableDataset
 
 from ..config import ConfigError
 
-__all__ = ["DTYPES", "TokenFile", "TokenBlocks", "RandomBlocks", "token_datasets"]
-
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _KEYS = {"path", "dtype", "sampling", "test_path", "vocab_size"}
 _CHUNK = 1 << 24  # ids per chunk when scanning for the largest id (32-64 MB of page cache)

@@ -25,9 +25,6 @@ from ..data.stream import head
 from ..models import build_model
 from .steps import fetch_batch
 
-__all__ = ["ClassificationTask", "RegressionTask", "LanguageModelTask", "bigram_loss", "TASKS",
-           "logits_of", "targets_of", "own_loss"]
-
 
 def logits_of(output: Any) -> torch.Tensor:
     """The logits in a model's output: a tensor, ``.logits``, a dict's ``"logits"``, a tuple's first."""

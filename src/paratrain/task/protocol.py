@@ -11,8 +11,6 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-__all__ = ["Task"]
-
 
 @runtime_checkable
 class Task(Protocol):

@@ -17,9 +17,6 @@ from ..data.loader import is_stream
 from ..data.stream import stream_batches
 from .protocol import Task
 
-__all__ = ["fetch_batch", "to_device", "batch_rows", "model_args", "example_args", "call_model",
-           "evaluate", "DEFAULT_EVAL_BATCH"]
-
 DEFAULT_EVAL_BATCH = 1024
 
 

@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import checkpoint, report
-    from .loop import epoch_permutation, parameters_digest, resolve_device
+    from .loop import resolve_device
     from .optim import build_optimizer
+    from .plan import epoch_permutation
     from .progress import progress_bar
     from .rundir import MetricsWriter, prepare_run_dir, read_metrics, write_summary
     from .seed import rng_state, seed_everything, set_rng_state
+    from .summary import parameters_digest
 
 __all__ = [
     "checkpoint", "report", "epoch_permutation", "resolve_device", "parameters_digest", "build_optimizer", "progress_bar", "MetricsWriter",
@@ -24,7 +26,7 @@ __all__ = [
 # name -> the submodule that defines it (None: the name is the submodule)
 _WHERE: dict[str, str | None] = {
     "checkpoint": None, "report": None,
-    "epoch_permutation": "loop", "parameters_digest": "loop", "resolve_device": "loop",
+    "epoch_permutation": "plan", "parameters_digest": "summary", "resolve_device": "loop",
     "build_optimizer": "optim", "progress_bar": "progress",
     "MetricsWriter": "rundir", "prepare_run_dir": "rundir", "read_metrics": "rundir",
     "write_summary": "rundir",

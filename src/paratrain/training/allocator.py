@@ -14,8 +14,6 @@ import ctypes.util
 import os
 import sys
 
-__all__ = ["keep_freed_memory", "TRIM_THRESHOLD", "MMAP_THRESHOLD", "ENV"]
-
 TRIM_THRESHOLD = 256 * 1024 * 1024
 MMAP_THRESHOLD = 64 * 1024 * 1024
 ENV = "PARATRAIN_KEEP_FREED_MEMORY"

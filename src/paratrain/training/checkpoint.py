@@ -12,11 +12,6 @@ import torch
 
 from ..config import ConfigError
 
-__all__ = [
-    "CheckpointError", "check_resume_state", "load_checkpoint", "check_model_state",
-    "check_optimizer_state", "MIN_KEEP",
-]
-
 MIN_KEEP = 2  # the stores keep this many: a corrupt newest checkpoint has an older fallback
 
 

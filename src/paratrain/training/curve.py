@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["TRAIN_KIND", "TrainCurve", "log_every_of", "peak_rss_mb", "memory_mb"]
-
 TRAIN_KIND = "train"  # the "kind" of a training-curve record in metrics.jsonl
 
 

@@ -20,9 +20,6 @@ from ..comm.dcp_pieces import Box, Piece, Target
 from .reshard import param_keys
 from .summary import tensor_bytes
 
-__all__ = ["box_of", "flatten", "digests", "privatize", "rebuild", "reshard_targets",
-           "meta_key", "engine_key", "sources", "unranked"]
-
 
 def meta_key(rank: int) -> str:
     return f"meta/rank{rank}"

@@ -16,9 +16,6 @@ from torch import nn
 from ..config import ConfigError
 from ..files import write_atomic
 
-__all__ = ["MODEL_FILE", "whole_state", "tied_names", "complete_state", "save_model",
-           "load_model", "read_model", "export_model", "client_model_file"]
-
 MODEL_FILE = "model.safetensors"
 
 

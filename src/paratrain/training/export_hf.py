@@ -11,10 +11,8 @@ from typing import Any
 
 from torch import nn
 
-from ..config import ConfigError, one_line
+from ..config import ConfigError
 from .export import load_model
-
-__all__ = ["export_hf"]
 
 
 def export_hf(run_dir: str | Path, out: str | Path, *, client: int | None = None) -> Path:
@@ -34,22 +32,14 @@ def export_hf(run_dir: str | Path, out: str | Path, *, client: int | None = None
 def _rebuilt(run: Path) -> nn.Module:
     """The run's model as its task builds it from the run's ``job.json`` (untrained)."""
     from ..config.job import load_job
-    from ..task import resolve_task
+    from ..task import job_model
 
     job_file = run / "job.json"
     if not job_file.is_file():
         raise ConfigError([("run", f"{run} holds no job.json: --format hf rebuilds the model "
                                    "from the job the run trained")])
-    job = load_job(job_file)
-    task = resolve_task(job)
-    try:
-        train, _ = task.datasets(job.run.seed)
-        return task.build_model(job.model, train)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the job's own code: one line, no traceback
-        raise ConfigError([("model", one_line(f"rebuilding the run's model for --format hf "
-                                               f"failed: {type(e).__name__}: {e}"))]) from None
+    model: nn.Module = job_model(load_job(job_file), "rebuilding the run's model for --format hf failed")[3]
+    return model
 
 
 def _pretrained(model: nn.Module) -> Any:

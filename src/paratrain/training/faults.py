@@ -18,9 +18,6 @@ from typing import Any
 
 from ..config import ConfigError
 
-__all__ = ["FAULT_ENV", "FAULTS_ENV", "KILL_IN_SAVE_ENV", "DROP_AT_ENV", "Faults", "injected_faults",
-           "inject_faults", "maybe_kill", "maybe_kill_in_save", "maybe_drop_at"]
-
 FAULT_ENV = "PARATRAIN_FAULT_KILL"
 FAULTS_ENV = "PARATRAIN_FAULTS"
 KILL_IN_SAVE_ENV = "PARATRAIN_FAULT_KILL_IN_SAVE"

@@ -13,9 +13,6 @@ import gc
 import weakref
 from typing import Any
 
-__all__ = ["freeze_startup_objects", "own_process", "watch_garbage", "resume_collections",
-           "freeze_for_exit"]
-
 _state = {"owned": False, "paused": False}
 _watched: list[weakref.ref[Any]] = []
 

@@ -21,9 +21,6 @@ from typing import Any
 from ..comm import collectives as C
 from ..config import parse_every
 
-__all__ = ["Interrupted", "StopFlag", "stop_on_signals", "Cadence", "parse_every", "agree", "Agreement",
-           "ECHO_S", "AGREE_S"]
-
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 ECHO_S = 2.0  # a repeat signal this soon after the first is the launcher forwarding it
 AGREE_S = 0.25  # a group agrees on signals and time cadence at least this often (wall time)

@@ -16,8 +16,6 @@ from .interrupt import Agreement, Cadence, Interrupted, StopFlag, stop_on_signal
 from .progress import progress_bar
 from .rundir import MetricsWriter
 
-__all__ = ["Lifecycle", "engine_state"]
-
 
 class Lifecycle:
     """One process's lifecycle (every process of ``group`` makes the same calls in the same order)."""

@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.process import resolve_device
+from ..comm.process import resolve_device as resolve_device
 from . import checkpoint
 from .curve import TrainCurve, log_every_of
 from .interrupt import agree
 from .lifecycle import Lifecycle
-from .plan import DataPlan, Position, epoch_permutation, feed_of
+from .plan import DataPlan, Position, feed_of
 from .reshard import ReshardWarning, by_examples, param_keys, param_names, repeated_batches
 from .rundir import MetricsWriter, read_metrics
 from .seed import rng_state, set_rng_state
@@ -35,12 +35,7 @@ from .stepping import (
     clip_gradients_,
     local_grad_sq_norm,
 )
-from .summary import parameters_digest, summary_fields
-
-__all__ = [
-    "resolve_device", "epoch_permutation", "parameters_digest", "LocalEngine",
-    "Trainer", "DataPlan", "Position", "LoopResult", "LoopRun", "run_loop", "batch_size_of", "summary_fields",
-]
+from .summary import summary_fields as summary_fields
 
 Batch = Any  # a pytree of tensors (paratrain.task.steps): a tuple, a dict, a tensor, ...
 

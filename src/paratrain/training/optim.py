@@ -11,8 +11,6 @@ import torch
 from ..config import ConfigError
 from ..config.job import OptimizerSpec
 
-__all__ = ["OPTIMIZERS", "build_optimizer", "check_optimizer"]
-
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adam": torch.optim.Adam,

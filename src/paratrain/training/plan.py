@@ -16,8 +16,6 @@ import torch
 from ..config import ConfigError
 from ..data.loader import IN_PROCESS, Feed, LoaderOptions, MapFeed, is_stream
 
-__all__ = ["epoch_permutation", "DataPlan", "Position", "feed_of"]
-
 
 def epoch_permutation(n: int, *, seed: int, epoch: int) -> torch.Tensor:
     """A fresh permutation of ``range(n)`` per epoch, a pure function of (seed, epoch)."""

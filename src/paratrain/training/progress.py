@@ -20,8 +20,6 @@ if TYPE_CHECKING:  # rich is imported for a bar on a terminal only (its import: 
 
     console: Console
 
-__all__ = ["progress_bar", "console", "LineProgress", "parse_progress_every"]
-
 TaskID = NewType("TaskID", int)  # rich.progress.TaskID's kind
 
 

@@ -25,9 +25,6 @@ from typing import Any, ParamSpec, TypeVar
 
 from .rundir import read_metrics
 
-__all__ = ["plot_curves", "curves_figure", "panels", "never_fails", "provenance", "import_in_background",
-           "start_drawer", "draw_report", "Drawing", "MEASURED", "MODELLED", "CONFIGURED"]
-
 log = logging.getLogger(__name__)
 _P = ParamSpec("_P")
 _R = TypeVar("_R")

@@ -17,8 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["param_names", "param_keys", "take", "by_examples", "repeated_batches", "ReshardWarning"]
-
 Spec = Mapping[str, Any]  # {"shape": [...], "slices": [[dim, start, length], ...]}
 
 

@@ -27,11 +27,6 @@ if TYPE_CHECKING:  # the config (pydantic) is imported where an error is raised:
     from ..config import ConfigError
     from ..config.job import JobConfig
 
-__all__ = [
-    "run_dir_of", "prepare_run_dir", "RunFolder", "holds_run", "safe_rmtree",
-    "disk_error", "MetricsWriter", "read_metrics", "write_summary", "LOCK_NAME", "HELD_ENV",
-]
-
 LOCK_NAME = ".lock"
 # the run folders claimed by this process or the one that launched it (os.pathsep-separated)
 HELD_ENV = "PARATRAIN_HELD_RUN_DIRS"

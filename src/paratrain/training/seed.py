@@ -8,9 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data.loader import seed_everything
-
-__all__ = ["seed_everything", "rng_state", "set_rng_state"]
+from ..data.loader import seed_everything as seed_everything
 
 
 def rng_state() -> dict[str, Any]:

@@ -23,9 +23,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["lr_factor", "build_scheduler", "autocast", "clip_coefficient", "clip_gradients_",
-           "local_grad_sq_norm"]
-
 
 def lr_factor(step: int, *, kind: str, warmup_steps: int, total_steps: int) -> float:
     """The multiplier of the base learning rate at optimizer step ``step`` (0-based):

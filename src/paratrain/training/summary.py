@@ -11,8 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["parameters_digest", "tensor_bytes", "summary_fields"]
-
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """A tensor's raw bytes (on the CPU, in row-major order), for digests."""

@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["available_cores", "intra_op_threads", "use_threads"]
-
 
 def available_cores() -> int:
     """The CPUs this process may run on (its affinity mask, else ``os.cpu_count()``)."""

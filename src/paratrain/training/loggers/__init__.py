@@ -15,8 +15,6 @@ from typing import Any, Protocol
 
 from ...files import write_json
 
-__all__ = ["Tracker", "Trackers", "STEP_KEYS", "tracked_values", "flat_config"]
-
 STEP_KEYS = ("step", "round", "generation")  # a record's step, by strategy
 _NOT_VALUES = frozenset({*STEP_KEYS, "kind", "member"})
 STATE_FILE = "trackers.json"

@@ -9,8 +9,6 @@ from typing import Any
 
 from . import flat_config
 
-__all__ = ["MLflowTracker", "FOLDER", "EXPERIMENT"]
-
 FOLDER = "mlruns"
 EXPERIMENT = "paratrain"
 _BATCH = 100  # MLflow's log_batch takes at most 100 params (and 1000 metrics) per call

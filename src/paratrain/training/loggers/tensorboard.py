@@ -6,8 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TensorBoardTracker", "FOLDER"]
-
 FOLDER = "tensorboard"
 
 

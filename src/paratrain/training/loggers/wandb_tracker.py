@@ -9,8 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WandbTracker", "PROJECT", "wandb_records", "history_steps"]
-
 PROJECT = "paratrain"
 _BLOCK = 32768  # the log's block size
 
