@@ -1,17 +1,9 @@
 """What a job will actually run with, and what it sets that the run ignores: the one place
-that says which settings take effect.
-
-:func:`effective_settings` knows, from the job alone, which sections and fields each
-strategy reads (the processes' settings: :func:`_process_settings`); what only an
-executor's code can tell (the model it builds, a Custom coordinator's signature) is that
-executor's ``ExecutorSpec.ignores`` (e.g. :mod:`paratrain.executors.tensor_parallel.ignored`,
-:mod:`paratrain.executors.custom`'s ``--resume``), and
-:func:`paratrain.dispatch.effective_settings` is the whole report: ``paratrain validate``
-prints its ``ignored`` list as warnings and ``paratrain run`` warns once per run, so a
-setting that does nothing is never accepted silently. Only what the user set is reported
-(:func:`is_set`: given explicitly and not the default), so defaults never warn, nor does a
-job dumped in full (``job.json``). ``Custom`` reports nothing: its coordinator receives
-the whole job. Keys inside ``[strategy]``/``[compression]``/``[tensor_parallel]`` that the
+that says which settings take effect, from the job alone (what only an executor's code can
+tell is its ``ExecutorSpec.ignores``; :func:`paratrain.dispatch.effective_settings` is the whole
+report, which ``paratrain validate`` and ``run`` print as warnings). Only what the user set is
+reported (:func:`is_set`: given and not the default), so defaults never warn, nor does a job
+dumped in full. ``Custom`` reports nothing: its coordinator receives the whole job. Keys the
 contract does not know (parsed leniently, serde style) are reported too.
 """
 

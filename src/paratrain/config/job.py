@@ -1,8 +1,6 @@
-"""JobConfig: one validated job file (TOML, JSON or YAML), DESIGN §5.
-
-The sections are :mod:`.sections` (re-exported here). The embedded ``[strategy]``, ``[compression]`` and ``[tensor_parallel]`` tables are the
-contract shapes and follow its serde-like rules.
-"""
+"""JobConfig: one validated job file (TOML, JSON or YAML), DESIGN §5. The sections are
+:mod:`.sections` (re-exported here); ``[strategy]``, ``[compression]`` and ``[tensor_parallel]``
+are the contract shapes and follow its serde-like rules."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""The sections of a job file (``[run]``, ``[model]``, ``[data]``, ``[task]``, ``[train]``,
-``[[workers]]``, ``[comm]``, ``[federated]``, ``[population]``, ``[search_space]``), each a
-frozen pydantic model whose field docstrings are the schema's descriptions.
-
-Sections reject unknown keys (a misspelled option should not be silently ignored);
-``[model]``, ``[data]``, ``[task]`` and ``[train.optimizer]`` pass extra keys through as
-kwargs. :class:`~paratrain.config.job.JobConfig` puts them together.
-"""
+"""The sections of a job file, each a frozen pydantic model whose field docstrings are the
+schema's descriptions. Unknown keys are refused, except in ``[model]``, ``[data]``, ``[task]``
+and ``[train.optimizer]``, which pass them through as kwargs."""
 
 from __future__ import annotations
 
@@ -56,23 +51,19 @@ class RunConfig(Section):
     """A job may start at most 4 worker processes per CPU core (paratrain.preflight); true lifts
     that limit (e.g. processes that mostly wait on I/O or another machine)."""
     num_threads: PositiveCount | None = None
-    """torch intra-op threads of each training process (the Local run, every CPU worker); None =
-    ``OMP_NUM_THREADS`` when set, else the available cores shared among the host's training
-    processes (paratrain.training.threads). Set it for sums, and so parameters, that are
-    bit-identical from machine to machine."""
-
+    """torch intra-op threads of each training process; None = ``OMP_NUM_THREADS`` when set,
+    else the host's cores shared among its training processes. Set it for sums, and so
+    parameters, that are bit-identical from machine to machine."""
     progress_every: Count | str = "30s"
     """Progress when stderr is not a terminal (CI, a notebook, a log file): a line every span
     of wall time (``"30s"``, ``"5m"``) or every N optimizer steps (rounds under Federated,
     generations under PopulationBased) with the position, loss, steps/s and ETA; ``0`` or
     ``"off"`` prints none (and no progress bar on a terminal either)."""
-
     log_every: Count = 0
     """The training curve: a record every N optimizer steps (``"kind": "train"`` in
-    metrics.jsonl, and the trackers of ``loggers``) with the mean training loss over those
-    steps, the learning rate, steps/s, samples/s, the step time and memory; 0 = about 100
-    over a run (``max(1, total_steps // 100)``). Federated and PopulationBased log per round
-    and per generation instead."""
+    metrics.jsonl and the ``loggers``: mean loss, learning rate, steps/s, samples/s, step time,
+    memory); 0 = about 100 over a run. Federated and PopulationBased log per round and per
+    generation instead."""
     loggers: list[str] = []
     """Experiment trackers written beside metrics.jsonl by the process that logs it, each
     through its own library: ``"tensorboard"`` (``<run>/tensorboard``), ``"mlflow"`` (a
@@ -202,13 +193,10 @@ class DataSpec(_NameOrFactory):
     partition: PartitionSpec = PartitionSpec()
     """The federated clients' split of the training set: iid, shards, dirichlet or speaker."""
     num_workers: Annotated[int, Field(ge=0, le=64, strict=True)] = 0
-    """Loader processes that gather the training batches (torch's DataLoader workers, forked
-    by each training process, ``prefetch_factor`` batches ahead each); 0 = in the training
-    process (paratrain.data.loader). The order, and so the result for a deterministic
-    dataset, is the same for every value; a worker reseeds torch, random and numpy per batch
-    from (run.seed, epoch, batch, replica). Strategies training through the one loop (Local,
-    DataParallel, tensor parallel, ModelParallel) use it; Federated and PopulationBased
-    gather their clients' and members' batches in process."""
+    """Loader processes that gather the training batches (torch's DataLoader workers); 0 = in
+    the training process. The order, and so the result for a deterministic dataset, is the
+    same for every value: a worker reseeds torch, random and numpy per batch from (run.seed,
+    epoch, batch, replica). Federated and PopulationBased gather their batches in process."""
     pin_memory: bool = False
     """Copy batches to the GPU through pinned (page-locked) memory; only with run.device on
     CUDA (ignored on CPU)."""
@@ -226,10 +214,8 @@ class DataSpec(_NameOrFactory):
 
 
 class TaskSpec(_NameOrFactory):
-    """What is trained (``paratrain.task``): a built-in task ``name`` (default
-    ``"classification"``) or a user ``factory`` (``"module:function"`` returning a
-    :class:`paratrain.Task`; the section's extra keys are its kwargs). A factory replaces
-    the default name; built-in tasks take no extra keys."""
+    """What is trained: a built-in task ``name`` (default ``"classification"``) or a user
+    ``factory``, which replaces the default name; built-in tasks take no extra keys."""
 
     name: Literal["classification", "regression", "language_model"] | None = "classification"
     """A built-in task: ``classification``, ``regression`` or ``language_model``."""
@@ -278,10 +264,9 @@ class TrainConfig(Section):
     """Stop after this many optimizer steps; None = run all epochs."""
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     """The learning rate over the run's optimizer steps (after ``warmup_steps``): ``constant``,
-    ``cosine`` (half a cosine down to 0) or ``linear`` (a straight line down to 0), as a torch
-    ``LambdaLR`` stepped once per optimizer step. Under Federated it runs over *rounds*: every
-    client trains round ``r`` at ``lr * f(r)`` with ``T = strategy.rounds`` (constant within the
-    round); its position is part of the server checkpoint."""
+    ``cosine`` (half a cosine down to 0) or ``linear`` (a straight line down to 0). Under
+    Federated it runs over rounds: every client trains round ``r`` at ``lr * f(r)`` with ``T =
+    strategy.rounds``."""
     warmup_steps: Count = 0
     """Optimizer steps of linear warm-up from lr/warmup_steps up to lr, before the schedule (under
     Federated: rounds of warm-up)."""

@@ -1,10 +1,6 @@
-"""TrainingStrategy and every type it references, in the JSON shapes of DESIGN §3.
-
-``TrainingStrategy`` is internally tagged by ``"type"``; GradientAggregation,
-FederatedAggregation, ClientSelection, ExploitStrategy and ExploreStrategy by
-``"method"``; CommunicationProtocol by ``"protocol"``; RemoteTarget is externally
-tagged (``{"WorkerId": "w0"}`` / ``{"Tag": "gpu"}``). FederatedAggregation and its
-methods live in :mod:`paratrain.config.federated_aggregation`.
+"""TrainingStrategy and every type it references, in the JSON shapes of DESIGN §3: tagged by
+``"type"``, the aggregations, selections and PBT steps by ``"method"``, CommunicationProtocol
+by ``"protocol"``; RemoteTarget is externally tagged (``{"WorkerId": "w0"}`` / ``{"Tag": ...}``).
 """
 
 from __future__ import annotations
@@ -79,7 +75,6 @@ class Partition(Contract):
                     f"target must be exactly one of {{'WorkerId': ...}} or {{'Tag': ...}} (got {t!r})"
                 )
         return data
-
 
 
 def _no_pipeline_fields(data: Any) -> Any:
@@ -205,9 +200,7 @@ class DataParallel(Contract):
     broadcast_buffers: Annotated[bool, Field(strict=True)] = True
     """Extension (torch DDP's ``broadcast_buffers``): before each step's first forward the
     replicas' buffers (BatchNorm running statistics, ...) become the first replica's, so they
-    stay one model. AllReduce and ParameterServer (also tensor parallel x DataParallel and a
-    replicated stage); Decentralized replicas keep their own. false = each keeps its own."""
-
+    stay one model; Decentralized replicas keep their own. false = each keeps its own."""
     shard: Literal["none", "optimizer", "gradients", "parameters"] = "none"
     """Extension (ZeRO, Rajbhandari et al. 2020; AllReduce only): what each replica keeps only
     its 1/N shard of. ``none``: everything replicated (DDP). ``optimizer`` (ZeRO-1): the
@@ -217,9 +210,8 @@ class DataParallel(Contract):
     shard_unit: list[str] | None = None
     """Extension (``shard = "gradients"`` or ``"parameters"``): the modules reduce-scattered
     (and, for ``parameters``, gathered) as one unit, as torch FSDP2's ``fully_shard`` per
-    block: module-path globs (``"blocks.*"``) or class names (``"Block"``). Default: each
-    direct child of the model. Parameters of no unit (and tied ones used by several units)
-    form the root unit, gathered for the whole step and reduced after the backward pass."""
+    block: module-path globs (``"blocks.*"``) or class names (``"Block"``); default: each direct
+    child of the model. Parameters of no unit (or of several) form the root unit."""
 
     _extensions: ClassVar[frozenset[str]] = frozenset({"broadcast_buffers", "shard", "shard_unit"})
 

@@ -1,11 +1,7 @@
-"""TensorParallelismConfig with its three enums and the Rust ``Default`` values.
-
-Missing keys take the defaults (the Rust form requires all keys; lenient on purpose).
-The enums serialise as plain strings, e.g. ``"ColumnWise"``.
-
-``plan`` (an extension) maps module-path patterns to styles in the vocabulary of torch's
-``torch.distributed.tensor.parallel`` and HF's ``base_model_tp_plan`` (:class:`PlanEntry`);
-it is applied by :mod:`paratrain.tensor_parallel.plan`.
+"""TensorParallelismConfig with its three enums and the Rust ``Default`` values (missing keys
+take the defaults: the Rust form requires all keys; lenient on purpose). ``plan`` (an extension)
+maps module-path patterns to styles in the vocabulary of torch's ``parallelize_module`` and HF's
+``base_model_tp_plan`` (:class:`PlanEntry`, applied by :mod:`paratrain.tensor_parallel.plan`).
 """
 
 from __future__ import annotations
@@ -51,25 +47,18 @@ _LAYOUTS_ALLOWED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 class PlanEntry(BaseModel):
     """One ``[tensor_parallel.plan]`` entry: a style and the layouts around the module.
 
-    ``"colwise"``: an ``nn.Linear`` / Conv1D keeps a block of output features (torch's
-    ``ColwiseParallel``); its output stays sharded on the last dim (``output = "shard"``) or is
-    all-gathered (``output = "replicate"``, HF's ``colwise_gather_output``). ``"rowwise"``: a
-    block of input features, partial outputs summed (``RowwiseParallel``, output replicated);
-    its input is already sharded (``input = "shard"``) or the full input is split first
-    (``input = "replicate"``, HF's ``rowwise_split_input``). ``"packed_colwise"``: ``parts``
-    equal packed outputs (``[q | k | v]``, ``[gate | up]``), each cut colwise. ``"replicate"``:
-    kept whole, and nothing inside it is sharded (not even a recognised block).
-
-    Sequence parallelism (Korthikanti et al. 2022, torch's ``SequenceParallel``): the layout
-    ``"sequence"`` is an activation split along its sequence dim (dim 1 of ``[B, S, ...]``).
-    ``"sequence"``: the module runs on sequence shards, its own parameters replicated with their
-    gradients summed over the ranks (it sees only its shard's tokens); ``input = "replicate"``
-    splits its input first, ``output = "replicate"`` all-gathers its output. ``colwise`` takes
-    ``input = "sequence"`` (all-gathered first, gradients reduce-scattered) and ``rowwise``
-    ``output = "sequence"`` (reduce-scattered instead of all-reduced). ``"prepare_input"``
-    (torch's ``PrepareModuleInput``): the module's first tensor argument goes from ``input``
-    to ``desired_input`` (``"replicate"`` <-> ``"sequence"``); its children keep their own
-    entries."""
+    ``"colwise"`` (torch's ``ColwiseParallel``): a Linear / Conv1D keeps a block of output
+    features, its output sharded (``output = "shard"``) or all-gathered (``"replicate"``).
+    ``"rowwise"`` (``RowwiseParallel``): a block of input features, partial outputs summed; its
+    input already sharded (``input = "shard"``) or split first (``"replicate"``).
+    ``"packed_colwise"``: ``parts`` equal packed outputs (``[q | k | v]``), each cut colwise.
+    ``"replicate"``: kept whole, nothing inside it sharded. The layout ``"sequence"`` is an
+    activation split along dim 1 of ``[B, S, ...]`` (Korthikanti et al. 2022): the style
+    ``"sequence"`` (torch's ``SequenceParallel``) runs the module on sequence shards, its
+    parameters' gradients summed over the ranks; ``colwise`` takes ``input = "sequence"`` and
+    ``rowwise`` ``output = "sequence"`` (reduce-scattered). ``"prepare_input"`` (torch's
+    ``PrepareModuleInput``): the module's first tensor argument goes from ``input`` to
+    ``desired_input``; its children keep their own entries."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
     style: str

@@ -1,22 +1,18 @@
 """``parallelize`` and :class:`TensorParallelModule`: a converted model and what a run does with it.
 
 ``parallelize`` shards a full, identically initialised copy of the model on every rank (the
-weights are sliced from it, so the result computes the same function). ``partitioning_strategy``: ColumnWise = column-then-row pairs (Megatron, one reduction per
-direction); RowWise = row-then-column (split input, all-reduced row output, all-gathered
-column output: two collectives per direction); Dynamic = per pair by the first weight's shape
-(column-first when out > in, as ``partition_tensor``); SequenceWise = the sequence-parallel
-layout; BatchWise = no weight sharding: each TP rank runs the whole model on its slice of the
-batch, outputs all-gathered, gradients summed over the group; BlockWise = 2-D tensor
-parallelism when tp = g^2 (:mod:`.grid`), else ColumnWise; Custom = column-first pairs split as
-the function registered with ``register_custom_partitioner`` says. Attention heads are always
-split evenly. ``communication_pattern``: AllReduce / PointToPoint / Hierarchical carry the
-Megatron f/g reductions; AllGather gathers the column outputs and the row layer re-splits them;
-ReduceScatter is sequence parallelism between the first and the last parallel child of the
-root Sequential (dim 1 of ``[B, S, E]`` inputs, dim 0 of ``[B, F]``): the replicated
-parameters in that region see only their shard's tokens, so their gradients are summed over
-TP in :meth:`TensorParallelModule.sync_gradients` (as are a plan's ``sequence`` modules'), which
-also averages over DP in 2-D runs (:class:`~paratrain.comm.grad_sync.GradSync`). The module
-reports its ``layout`` and ``statistics`` and gathers whole tensors under the dense names.
+weights are sliced from it, so the result computes the same function). ``partitioning_strategy``:
+ColumnWise = column-then-row pairs (Megatron, one reduction per direction); RowWise =
+row-then-column (split input, all-reduced row output, all-gathered column output); Dynamic = per
+pair by the first weight's shape (column-first when out > in); SequenceWise = sequence parallel;
+BatchWise = no weight sharding, each TP rank runs the whole model on its slice of the batch
+(outputs all-gathered, gradients summed); BlockWise = 2-D when tp = g^2 (:mod:`.grid`), else
+ColumnWise; Custom = column-first pairs split by ``register_custom_partitioner``'s function.
+``communication_pattern``: AllReduce / PointToPoint / Hierarchical carry the Megatron f/g
+reductions; AllGather gathers the column outputs for the row layer to re-split; ReduceScatter is
+sequence parallelism between the first and last parallel child of the root Sequential (dim 1 of
+``[B, S, E]``, dim 0 of ``[B, F]``), whose replicated parameters' gradients (as a plan's
+``sequence`` modules') :meth:`TensorParallelModule.sync_gradients` sums over TP.
 """
 
 from __future__ import annotations

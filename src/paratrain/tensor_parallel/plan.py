@@ -1,23 +1,16 @@
 """``[tensor_parallel.plan]``: module-path patterns -> styles, applied before the built-in rules.
 
-A pattern matches the paths of ``model.named_modules()`` component by component (``*`` and
-``?`` within one, as torch's ``parallelize_module``); the first matching pattern decides the
-module's style (the styles are in docs/tensor-parallel.md). ``sequence`` / ``prepare_input``
-(torch's ``SequenceParallel`` / ``PrepareModuleInput``) keep the module, hooked to change the
-layout of its input or output, and walk on into its children. As in torch, a plan is the
-user's statement of the layout, not proved equivalent.
-
-Sequence parallelism (Korthikanti et al. 2022, §4.2.2) splits the activations between the
-tensor-parallel regions (norms, residual adds, dropout) along the sequence dim (dim 1 of
-``[B, S, ...]``, torch's default). replicate -> sequence keeps this rank's slice (backward:
-all-gather of the gradient, each shard's computation giving the complete gradient of its own
-tokens); sequence -> replicate all-gathers (backward: keep the own slice, the consumer making
-the gradient complete: a replicated module by construction, a column layer by its ``f``). A
-``sequence`` module sees only its shard's tokens, so its replicated parameters' gradients are
-summed over the ranks after backward: right for token-wise modules; one that mixes tokens
-(attention) must get the whole sequence (``prepare_input``). ``RegionState`` records the split
-(uneven lengths allowed) and whether the activations are split now, so a column layer taking
-a replicated input refuses sequence shards at run time.
+A pattern matches ``model.named_modules()`` paths component by component (``*`` and ``?``
+within one, as torch's ``parallelize_module``); the first match decides (the styles are in
+docs/tensor-parallel.md). As in torch, a plan is the user's statement of the layout, not proved
+equivalent. Sequence parallelism (Korthikanti et al. 2022, §4.2.2) splits the activations
+between the tensor-parallel regions along dim 1 of ``[B, S, ...]``: replicate -> sequence keeps
+this rank's slice (backward: all-gather of the gradient, each shard's computation giving the
+complete gradient of its own tokens); sequence -> replicate all-gathers (backward: keep the own
+slice, the consumer making the gradient complete). A ``sequence`` module sees only its shard's
+tokens, so its replicated parameters' gradients are summed over the ranks: right for token-wise
+modules; one that mixes tokens (attention) must get the whole sequence (``prepare_input``).
+``RegionState`` records the split, so a layer taking a replicated input refuses shards.
 """
 
 from __future__ import annotations
