@@ -132,8 +132,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         job = job.model_copy(update={"run": job.run.model_copy(update={"progress_every": "off"})})
     # Multi-node launch options travel to comm.launch through the environment, the
     # same way torchrun passes its own settings; checked first, so an error names the flag.
+    from .comm.launch import WorkerError
     from .comm.rendezvous import check_nodes
-    from .comm.worker_errors import WorkerError
 
     try:
         check_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)

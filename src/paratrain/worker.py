@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("job", help="job file (.toml, .json, .yaml)")
     parser.add_argument("--resume", action="store_true", help="resume from the last checkpoint")
     args = parser.parse_args(argv)
-    from .comm.worker_errors import WorkerError, append_worker_log
+    from .comm.launch import WorkerError, append_worker_log
     from .config import ConfigError
     from .config.job import load_job
     from .dispatch import execute

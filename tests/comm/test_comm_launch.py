@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from paratrain.comm.launch import launch
-from paratrain.comm.worker_errors import WorkerError, reraise_worker_failure
+from paratrain.comm.launch import WorkerError, launch, reraise_worker_failure
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
 from paratrain.executors.entry import worker_entry
@@ -108,7 +107,7 @@ def test_a_killed_worker_is_the_cause_not_the_peer_that_lost_it(
 ) -> None:
     """Rank 1 is SIGKILLed (no error file, exit -9); rank 0 then raises "connection
     reset" (an error file written first). The kill is the cause."""
-    from paratrain.comm.worker_errors import attempt_failures, root_failure
+    from paratrain.comm.launch import attempt_failures, root_failure
 
     _record(monkeypatch, tmp_path / "0" / "error.json",
             RuntimeError("[pair.cc:537] Read error [127.0.0.1]:53955: Connection reset by peer"))

@@ -66,7 +66,7 @@ def worker_entry(
             resume = bool(resume) or ctx.restart_count > 0
             return _resolve(target)(ctx, job, resume)
     except Exception as e:
-        from ..comm.worker_errors import FALLOUT_GRACE_S, is_fallout
+        from ..comm.launch import FALLOUT_GRACE_S, is_fallout
 
         if parent is not None and is_fallout(str(e)):
             # A collective failed because a peer vanished (SIGKILL, OOM): the agent reports

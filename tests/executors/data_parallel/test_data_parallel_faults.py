@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from paratrain.comm.worker_errors import WorkerError
+from paratrain.comm.launch import WorkerError
 from paratrain.config import load_job
 from paratrain.config.job import JobConfig
 from paratrain.executors import local

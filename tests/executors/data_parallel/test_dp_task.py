@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from _workers_dp_task import dp_cases_world_and_pairs, grads_of, task_model_batch
+from paratrain.comm.launch import WorkerError
 from paratrain.comm.testing import run_distributed
-from paratrain.comm.worker_errors import WorkerError
 from paratrain.config import load_job
 from paratrain.executors import local
 from paratrain.executors.data_parallel import runner as dp
