@@ -3,18 +3,16 @@
 :func:`allreduce_compressed`: on every rank the mean over ranks of D(C_r(g_r)) per named
 tensor (C_r: rank r's compressor, an error-feedback residual per name). ``None`` and
 ``RandomK`` (the same k positions on every rank, from seed, step and name) are one
-**all-reduce**; ``TopK`` one **all-gather** of values and int32/int64 indices, scatter-added
+all-reduce; ``TopK`` one all-gather of values and int32/int64 indices, scatter-added
 (Aji & Heafield 2017; Lin et al. 2018); ``Threshold`` / ``Quantization`` all-gather their
-records (lengths first), parsed with strict checks. ``PowerSGD`` (the maths:
-:mod:`paratrain.compression.powersgd`): an exchange all-reduces (SUM) ``[uncompressed values |
-P = M Q]``, asynchronously, then ``Q = M^T orthogonalize(P)``; the means are the uncompressed
-``/ W`` and ``P_hat (Q / W)^T``. torch's ``powerSGD_hook`` all-reduces three times per bucket:
-the uncompressed values ride with P here, same bytes, one latency fewer. Before ``start_step``
-a plain mean all-reduce (DDP's arithmetic: divide, then sum); ``counter`` books ``itemsize *
-(sum r'(n+m) + uncompressed numel)`` a step.
-:func:`ddp_hook` keys state by **parameter name**, not bucket index, so residuals survive bucket
-rebuilds and are checkpointed with the names exchanged at the current step (a resumed run
-repeats the uninterrupted one's draws); ``{"method":"None"}`` takes DDP's own path.
+records (lengths first), parsed with strict checks. ``PowerSGD``
+(:mod:`paratrain.compression.powersgd`) all-reduces ``[uncompressed values | P = M Q]``, then
+``Q = M^T orthogonalize(P)``: torch's ``powerSGD_hook`` all-reduces three times per bucket;
+here the uncompressed values ride with P (same bytes, one latency fewer). Before
+``start_step`` a plain mean (DDP's arithmetic: divide, then sum). :func:`ddp_hook` keys state
+by parameter name, not bucket index, so residuals survive bucket rebuilds and are checkpointed
+with the names exchanged at the current step (a resumed run repeats the uninterrupted one's
+draws); ``{"method":"None"}`` takes DDP's own path.
 """
 
 from __future__ import annotations
@@ -117,7 +115,7 @@ class _Pending:
 
     work: Any
     finish: Finish
-    nbytes: int = 0  # what this rank put on the wire (0 alone)
+    nbytes: int = 0  # what this rank puts on the wire
     op: str = "all_reduce"
 
     def wait(self) -> list[torch.Tensor]:
@@ -140,7 +138,7 @@ def _launch_dense(compressor: Compressor, named: Named, group: Any, world: int) 
     dense = [compressor.roundtrip(k, t).reshape(-1) for k, t in named]
     flat = torch.cat([d.to(_acc_dtype(d.dtype)) for d in dense])
     work = dist.all_reduce(flat, group=group, async_op=True) if world > 1 else None
-    return _Pending(work, lambda: _split_mean(flat, named, world), _wire(world, flat))
+    return _Pending(work, lambda: _split_mean(flat, named, world), nbytes_of(flat))
 
 
 def _launch_randomk(compressor: Compressor, named: Named, group: Any, world: int) -> _Pending:
@@ -158,7 +156,7 @@ def _launch_randomk(compressor: Compressor, named: Named, group: Any, world: int
             out.append(dense.div_(world).to(t.dtype).reshape(t.shape))
         return out
 
-    return _Pending(work, finish, _wire(world, vals))
+    return _Pending(work, finish, nbytes_of(vals))
 
 
 def _launch_topk(compressor: Compressor, named: Named, group: Any, world: int) -> _Pending:
@@ -188,7 +186,7 @@ def _launch_topk(compressor: Compressor, named: Named, group: Any, world: int) -
             flat.index_add_(0, i.to(torch.int64), v)
         return _split_mean(flat, named, world)
 
-    return _Pending(work, finish, _wire(world, payload), "all_gather")
+    return _Pending(work, finish, nbytes_of(payload), "all_gather")
 
 
 def _launch_bytes(compressor: Compressor, named: Named, group: Any, world: int) -> _Pending:
@@ -196,7 +194,7 @@ def _launch_bytes(compressor: Compressor, named: Named, group: Any, world: int) 
     blobs = [compressor.compress(k, t).to_bytes() for k, t in named]
     lengths = torch.tensor([len(b) for b in blobs], dtype=torch.int64, device=device)
     payload = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).to(device)
-    work = None
+    work, wire = None, 0
     if world > 1:
         # Record sizes differ per rank (Threshold counts): exchange them first (blocking),
         # then all-gather the payloads padded to the largest.
@@ -207,6 +205,7 @@ def _launch_bytes(compressor: Compressor, named: Named, group: Any, world: int) 
         padded[: payload.numel()] = payload
         gathered = [torch.empty_like(padded) for _ in range(world)]
         work = dist.all_gather(gathered, padded, group=group, async_op=True)
+        wire = nbytes_of(lengths) + nbytes_of(padded)
     else:
         all_lengths, gathered = [lengths], [payload]
 
@@ -223,12 +222,7 @@ def _launch_bytes(compressor: Compressor, named: Named, group: Any, world: int) 
                 sums[j] += c.decompress().reshape(-1).to(device=device, dtype=sums[j].dtype)
         return [s.div_(world).to(t.dtype).reshape(t.shape) for s, (_, t) in zip(sums, named, strict=True)]
 
-    wire = _wire(world, lengths) + (_wire(world, padded) if world > 1 else 0)
     return _Pending(work, finish, wire, "all_gather")
-
-
-def _wire(world: int, t: torch.Tensor) -> int:
-    return nbytes_of(t) if world > 1 else 0
 
 
 def _launch(compressor: Compressor, named: Named, group: Any) -> _Pending:
@@ -253,7 +247,7 @@ def allreduce_compressed(compressor: Compressor, named: Sequence[tuple[str, torc
                                     size * state.wire_numel([tuple(t.shape) for _, t in named]))
         return allreduce_powersgd(state, named, group=group, counter=counter)
     pending = _launch(compressor, list(named), group)
-    if pending.nbytes:
+    if pending.work is not None:
         count_op(counter, pending.op, pending.nbytes)
     return pending.wait()
 
