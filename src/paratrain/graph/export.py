@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..config import ConfigError
+from .sizes import tensor_at
 
 _ACTIVE: dict[int, tuple[str, nn.Module, Any]] = {}  # key -> (path, module, its own forward)
 
@@ -271,16 +272,8 @@ def canonical_ties(gm: fx.GraphModule, model: nn.Module) -> None:
             except AttributeError:
                 continue
         canon = first.get(id(t))
-        if canon is not None and canon != n.target and _holds(gm, canon, t):
+        if canon is not None and canon != n.target and tensor_at(gm, canon) is t:
             n.target = canon
             changed = True
     if changed:
         gm.recompile()
-
-
-def _holds(gm: fx.GraphModule, name: str, t: torch.Tensor) -> bool:
-    mod, _, attr = name.rpartition(".")
-    try:
-        return getattr(gm.get_submodule(mod), attr) is t
-    except AttributeError:
-        return False

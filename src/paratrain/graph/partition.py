@@ -308,15 +308,13 @@ def cut(gm: fx.GraphModule, claims: Mapping[str, int]) -> Cut:
     calls = _module_calls(gm, part_of, exported)
     rank_of_part = {part_of[name]: owner[name] for name in part_of}
 
-    def callback(node: fx.Node) -> int:
-        # get_attr nodes are hoisted into the top graph by split_module (any id will do)
-        return part_of.get(node.name, 0)
-
     qualname_map: dict[str, str] = {}
-    # keep_original_order=False: split_module orders the parts by their dependencies (with
-    # True it emits them by first node, which fails when a part begins before another it
-    # reads from, e.g. a tower's add that the join's worker runs).
-    split = split_module(gm, gm, callback, qualname_map=qualname_map, keep_original_order=False)
+    # get_attr nodes are hoisted into the top graph (any part id will do). keep_original_order
+    # =False: split_module orders the parts by their dependencies (with True it emits them by
+    # first node, which fails when a part begins before another it reads from, e.g. a tower's
+    # add that the join's worker runs).
+    split = split_module(gm, gm, lambda node: part_of.get(node.name, 0), qualname_map=qualname_map,
+                         keep_original_order=False)
     top = split.graph
     producer: dict[str, tuple[str, int]] = {}
     rank_of_value: dict[str, int | None] = {}

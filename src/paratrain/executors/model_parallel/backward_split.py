@@ -33,8 +33,7 @@ def _is_leaf_node(node: Node) -> bool:
 
 
 def _variable(node: Node) -> torch.Tensor:
-    t: torch.Tensor = node.variable  # type: ignore[attr-defined]
-    return t
+    return node.variable  # type: ignore[attr-defined,no-any-return]
 
 
 @dataclass

@@ -132,8 +132,7 @@ def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Iterator[An
 def _stage_setting(job: JobConfig, path: str | None, name: str, default: Any) -> Any:
     """A replicated stage's ``name`` on its ``[subgraphs.<path>]`` DataParallel
     (``broadcast_buffers``; ``shard``: ZeRO inside the stage, :class:`.engine.StageZero`)."""
-    sub = (getattr(job, "subgraphs", None) or {}).get(path) if path is not None else None
-    return getattr(sub, name, default)
+    return getattr(job.subgraphs.get(path) if path is not None else None, name, default)
 
 
 def _place(ctx: WorkerContext, job: JobConfig, model: Any, task: Any, train: Any,
@@ -200,8 +199,7 @@ def _state_check(model: Any, opt: Any) -> Callable[[dict[str, Any], Any], None]:
 def _data_plan(ctx: WorkerContext, job: JobConfig, train: Any) -> DataPlan:
     """Every rank walks the same batches (the loss part's rank reads the targets); a
     pipeline whose micro-batch is the whole batch is warned about (no overlap)."""
-    t, proto = job.train, getattr(job.strategy, "communication", None)
-    proto = cast(Any, proto)
+    t, proto = job.train, cast(Any, job.strategy).communication
     if proto.protocol == "Pipeline" and ctx.rank == 0 and proto.micro_batch_size >= t.batch_size:
         warnings.warn(
             f"strategy.communication.micro_batch_size ({proto.micro_batch_size}) >= train.batch_size "

@@ -16,11 +16,12 @@ parameter (``f`` the TP ranks holding the same tensor) and one all-reduce sums i
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from ...comm import collectives as C
 from ...comm.collectives import broadcast_module_
 from ...comm.mesh import Mesh
 from ...comm.tp.groups import TPGroups, build_tp_groups
@@ -39,10 +40,7 @@ def tp_size_of(job: JobConfig) -> int:
 
 def check_job(job: JobConfig) -> None:
     """What pipeline x TP does not run: DataStore."""
-    if tp_size_of(job) <= 1:
-        return
-    proto = getattr(getattr(job.strategy, "communication", None), "protocol", None)
-    if proto == "DataStore":
+    if tp_size_of(job) > 1 and cast(Any, job.strategy).communication.protocol == "DataStore":
         raise ConfigError([("strategy.communication.protocol", (
             "DataStore passes activations through files between stages that need not be online "
             "together; tensor-parallel stages run collectives: use Pipeline or Direct"))])
@@ -135,8 +133,6 @@ class TPPipelineEngine(PipelineEngine):
         total = torch.zeros((), dtype=torch.float64)
         for t, p in self.norm_pieces():  # a TP-replicated tensor counts once over its TP group
             total += local_grad_sq_norm([t]) / replicas_of(p, self.tp)
-        from ...comm import collectives as C
-
         C.all_reduce_(total, group=self.ctx.group)
         return float(total)
 
