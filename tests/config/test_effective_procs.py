@@ -17,7 +17,7 @@ from test_effective_settings import DP, FED, MP, PBT
 from paratrain.cli import main
 from paratrain.config.job import load_job
 from paratrain.dispatch import effective_settings
-from paratrain.executors.tensor_parallel.ignored import probe_tp
+from paratrain.executors.tensor_parallel import probe_tp
 
 LM = {"task": {"name": "language_model", "block_size": 16},
       "data": {"factory": "test_tp_task:tiny_lm_data"},

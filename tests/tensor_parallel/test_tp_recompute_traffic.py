@@ -120,7 +120,7 @@ def test_tape_replays_in_order_and_falls_back_to_the_collective() -> None:
 def test_validate_tells_selective_levels_from_high() -> None:
     # one checkpoint block: every level checkpoints one-block segments, but Low and Medium keep
     # the sharded matmuls' outputs (selective) and High does not, so only Low equals Medium
-    from paratrain.executors.tensor_parallel.ignored import TPProbe, _memory_equivalents
+    from paratrain.executors.tensor_parallel import TPProbe, _memory_equivalents
 
     probe = TPProbe(blocks=1, attention=True, tp_grad_sync=False, accelerator=False)
     assert _memory_equivalents("Medium", probe)[0] == ["Low"]
