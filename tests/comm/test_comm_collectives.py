@@ -9,10 +9,9 @@ from hypothesis import strategies as st
 
 from _workers_dp import comm_checks
 from paratrain.comm.buckets import make_buckets
-from paratrain.comm.context import WorkerInfo
+from paratrain.comm.context import WorkerInfo, resolve_rank, resolve_target, workers_with_tags
 from paratrain.comm.groups import TOPOLOGIES, grid_shape, mixing_weights, neighbors
 from paratrain.comm.testing import run_distributed
-from paratrain.comm.workers import resolve_rank, resolve_target, workers_with_tags
 from paratrain.config import ConfigError
 from paratrain.executors.data_parallel.aggregation import pack_records, unpack_records
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import nn
 
-from ...comm.workers import resolve_rank
+from ...comm.context import resolve_rank
 from ...config import ConfigError
 from ...graph import trace
 from ...graph.partition import DEFAULT_RANK, Cut, Part, cut
