@@ -81,6 +81,27 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
+def rng_state() -> dict[str, Any]:
+    """Python, NumPy and torch RNG states as tensors/ints only (weights_only-safe), so a
+    resumed run draws the same numbers."""
+    py = random.getstate()
+    np_state: Any = np.random.get_state()
+    return {
+        "python_version": int(py[0]),
+        "python_state": torch.tensor(py[1], dtype=torch.int64),
+        "numpy_keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+        "numpy_pos": int(np_state[2]),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate((state["python_version"], tuple(int(v) for v in state["python_state"]), None))
+    keys = state["numpy_keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, int(state["numpy_pos"]), 0, 0.0))
+    torch.set_rng_state(state["torch"])
+
+
 def seed_worker(worker_id: int) -> None:
     """``worker_init_fn`` of every loader process: ``random`` and ``numpy`` seeded from the
     worker's torch seed (from the run's), SIGINT ignored, death with the parent (``prctl``)."""

@@ -8,38 +8,35 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ..comm.process import resolve_device
+    from ..data.loader import seed_everything
     from . import checkpoint, report
-    from .loop import resolve_device
     from .optim import build_optimizer
     from .plan import epoch_permutation
     from .progress import progress_bar
     from .rundir import MetricsWriter, prepare_run_dir, read_metrics, write_summary
-    from .seed import rng_state, seed_everything, set_rng_state
     from .summary import parameters_digest
 
 __all__ = [
-    "checkpoint", "report", "epoch_permutation", "resolve_device", "parameters_digest", "build_optimizer", "progress_bar", "MetricsWriter",
-    "prepare_run_dir", "read_metrics", "write_summary", "rng_state", "seed_everything",
-    "set_rng_state",
+    "checkpoint", "report", "epoch_permutation", "resolve_device", "parameters_digest",
+    "build_optimizer", "progress_bar", "MetricsWriter", "prepare_run_dir", "read_metrics",
+    "write_summary", "seed_everything",
 ]
 
-# name -> the submodule that defines it (None: the name is the submodule)
-_WHERE: dict[str, str | None] = {
-    "checkpoint": None, "report": None,
-    "epoch_permutation": "plan", "parameters_digest": "summary", "resolve_device": "loop",
-    "build_optimizer": "optim", "progress_bar": "progress",
-    "MetricsWriter": "rundir", "prepare_run_dir": "rundir", "read_metrics": "rundir",
-    "write_summary": "rundir",
-    "rng_state": "seed", "seed_everything": "seed", "set_rng_state": "seed",
+# name -> the module that defines it (relative to this package)
+_WHERE = {
+    "checkpoint": ".checkpoint", "report": ".report", "epoch_permutation": ".plan",
+    "resolve_device": "..comm.process", "parameters_digest": ".summary", "build_optimizer": ".optim",
+    "progress_bar": ".progress", "MetricsWriter": ".rundir", "prepare_run_dir": ".rundir",
+    "read_metrics": ".rundir", "write_summary": ".rundir", "seed_everything": "..data.loader",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    where = _WHERE[name]
-    module = importlib.import_module(f"{__name__}.{where or name}")
-    value = module if where is None else getattr(module, name)
+    module = importlib.import_module(_WHERE[name], __name__)
+    value = module if _WHERE[name] == f".{name}" else getattr(module, name)
     globals()[name] = value
     return value
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.process import resolve_device as resolve_device
+from ..data.loader import rng_state, set_rng_state
 from . import checkpoint
 from .curve import TrainCurve, log_every_of
 from .interrupt import agree
@@ -27,7 +27,6 @@ from .lifecycle import Lifecycle
 from .plan import DataPlan, Position, feed_of
 from .reshard import ReshardWarning, by_examples, param_keys, param_names, repeated_batches
 from .rundir import MetricsWriter, read_metrics
-from .seed import rng_state, set_rng_state
 from .stepping import (
     autocast,
     build_scheduler,

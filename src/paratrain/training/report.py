@@ -14,6 +14,7 @@ import math
 import os
 import re
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -161,7 +162,7 @@ _DRAW_TIMEOUT_S = 300.0  # a drawer that has not answered by then is stopped; th
 
 
 def start_drawer() -> bool:
-    """Start the drawer process (:mod:`.drawer`), which imports matplotlib at once on the
+    """Start the drawer process (:func:`_drawer_main`), which imports matplotlib at once on the
     core the command's start-up leaves idle, then waits for :func:`draw_report`. False when
     it could not be started (the plot is then drawn here)."""
     if _drawer["proc"] is not None:
@@ -172,7 +173,7 @@ def start_drawer() -> bool:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "paratrain.training.drawer"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "paratrain.training.report"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, env=env, process_group=0)
     except (OSError, ValueError) as e:
         log.debug("no drawer process (the plot is drawn in this one): %r", e)
@@ -239,6 +240,29 @@ def _read_reply(proc: Any) -> dict[str, Any] | None:
     return reply if isinstance(reply, dict) and ("path" in reply or "error" in reply) else None
 
 
+def _drawer_main() -> None:
+    """The drawer process: imports matplotlib, then answers each JSON request line on stdin
+    (``run_dir``, ``x_key``, ``title``) with ``{"path"}`` or ``{"error"}`` on stdout, until
+    its input ends. SIGINT is the run's; other output goes to stderr."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    answers = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    os.dup2(2, 1)  # whatever a library prints goes where this process's errors go
+    sys.stdout = sys.stderr
+    try:
+        _import_matplotlib()
+    except Exception as e:  # noqa: BLE001 - met again, and answered, at the request
+        log.debug("importing matplotlib failed: %r", e)
+    for line in sys.stdin:
+        try:
+            req = json.loads(line)
+            path = _draw(req["run_dir"], str(req.get("x_key") or "step"), req.get("title"))
+            answer = {"path": str(path)}
+        except Exception as e:  # noqa: BLE001 - the run warns with it
+            answer = {"error": f"{type(e).__name__}: {e}"}
+        answers.write(json.dumps(answer) + "\n")
+        answers.flush()
+
+
 def draw_report(run_dir: str | Path, *, x_key: str = "step", title: str | None = None) -> Drawing:
     """Start drawing ``run_dir/report.png`` from the complete ``metrics.jsonl``: by the
     drawer process when one runs, else here at :meth:`Drawing.wait`."""
@@ -294,3 +318,7 @@ def provenance(summary: Mapping[str, Any], *, modelled: Iterable[str] = (),
         elif _is_figure(v):
             out[k] = MEASURED
     return out
+
+
+if __name__ == "__main__":
+    _drawer_main()
