@@ -20,7 +20,7 @@ from .steps import batch_rows, call_model, evaluate, fetch_batch, model_args, to
 
 __all__ = [
     "Task", "TASKS", "ClassificationTask", "RegressionTask", "LanguageModelTask", "bigram_loss",
-    "resolve_task", "check_task", "is_default", "preflight_task", "evaluate",
+    "resolve_task", "check_task", "is_default", "job_model", "preflight_task", "evaluate",
     "fetch_batch", "to_device", "batch_rows", "model_args", "call_model",
 ]
 
@@ -70,6 +70,15 @@ def _failure_names(field: str, what: str, *, keep_config_errors: bool = True) ->
         if keep_config_errors and isinstance(e, ConfigError):
             raise
         raise ConfigError([(field, one_line(f"{what}: {type(e).__name__}: {e}"))]) from None
+
+
+def job_model(job: JobConfig, what: str = "building the model failed") -> tuple[Task, Any, Any, Any]:
+    """The job's task, its (train, test) datasets and its model, as the executors build them;
+    the job's own code failing in them is one ConfigError line naming ``model`` (``what: ...``)."""
+    task = resolve_task(job)
+    with _failure_names("model", what):
+        train, test = task.datasets(job.run.seed)
+        return task, train, test, task.build_model(job.model, train)
 
 
 def preflight_task(job: JobConfig, *, task: Any = None, datasets: Any = None,
