@@ -16,17 +16,15 @@ __all__ = ["SPEC", "run", "run_in_process", "worker_main", "num_workers"]
 
 
 def worker_main(ctx: Any, job: JobConfig, resume: bool) -> dict[str, Any] | None:
-    """The round loop of one worker process (:func:`.runner.worker_main`), imported when
-    called: a Flower ClientApp process imports this package for its handlers' light parts
-    (SecAgg+'s key stages) and needs torch only when it trains."""
+    """:func:`.runner.worker_main`, imported when called: a Flower ClientApp imports this
+    package for its light parts (SecAgg+'s key stages) and needs torch only to train."""
     from .runner import worker_main as main
 
     return main(ctx, job, resume)
 
 
 def num_workers(job: JobConfig) -> int:
-    """``run.num_workers`` (default 2), never more than ``num_clients``: a worker without
-    a client has nothing to do (``paratrain.preflight`` warns when it caps)."""
+    """``run.num_workers`` (default 2), at most ``num_clients`` (preflight warns when it caps)."""
     strat: Any = job.strategy
     return int(min(job.run.num_workers or 2, strat.num_clients))
 
@@ -42,7 +40,6 @@ def run_in_process(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
         rank=0, world_size=1, device=resolve_device(job.run.device),
         workers=default_workers(1, list(job.workers)),
     )
-    # One process on this host: its share of the cores (training.threads), as every run.
     from ...training.threads import intra_op_threads, use_threads
 
     with use_threads(intra_op_threads(job) if ctx.device.type == "cpu" else torch.get_num_threads()):
@@ -52,8 +49,8 @@ def run_in_process(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
 
 
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Run a federated job and return its summary (also in runs/<name>/summary.json); this
-    (launching) process builds data and model first and holds the run folder's lock."""
+    """Run a federated job and return its summary; this (launching) process builds data and
+    model first and holds the run folder's lock."""
     from ...comm.launch import launch
     from ...comm.rendezvous import in_torchrun
     from ...config import ConfigError
@@ -91,16 +88,14 @@ def _notes(job: JobConfig) -> list[str]:
 
 
 def _check_data(job: JobConfig, bundle: Any) -> None:
-    """:func:`.checks.check_data`, imported when preflight calls it (a Flower ClientApp
-    imports this package for its light parts only)."""
+    """:func:`.checks.check_data`, imported when called (see :func:`worker_main`)."""
     from .checks import check_data
 
     check_data(job, bundle)
 
 
 def _describe(job: JobConfig) -> list[str]:
-    """``paratrain validate``'s lines: which path runs the rounds, what ``[federated.dp]`` puts
-    in effect."""
+    """``paratrain validate``'s lines: which path runs the rounds, ``[federated.dp]``'s effect."""
     from .flower import describe_runtime
     from .privacy import dp_lines
 

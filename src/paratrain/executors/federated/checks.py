@@ -54,8 +54,8 @@ def client_tags(job: JobConfig, ctx: WorkerContext) -> dict[int, list[str]]:
 
 
 def check_data(job: JobConfig, bundle: Any) -> None:
-    """Preflight's checks against the built data: a row for every client, :func:`check_job`,
-    a partition (and per-client splits) that works, a satisfiable ``ByCapability``."""
+    """Preflight's checks against the built data: a row per client, :func:`check_job`, the
+    partition and per-client splits, a satisfiable ``ByCapability``."""
     from ...comm.context import default_workers
     from ...config import one_line
     from ...data.partition import partition_dataset

@@ -1,19 +1,14 @@
 """Clients: local training on a client's own data, hosted many-per-worker.
 
-A worker process hosts the clients ``c`` with ``c % world_size == rank``: per client only
-its example indices and its state (codec residuals, personal parts, SCAFFOLD's ``c_i``);
-one shared ``nn.Module`` is loaded with the round's global weights before each client
-trains, so memory does not grow with ``num_clients``.
-
-Local training (McMahan et al. 2017, ClientUpdate) through the one loop's
-:class:`~paratrain.training.loop.Trainer`: ``E = local_epochs`` passes over the client's
-partition, each in the order ``torch.randperm(n, generator)`` of a generator seeded by
-``(seed, round, client)``, in mini-batches of ``B = federated.batch_size`` (``None``: the
-whole partition; with E = 1 FedSGD), under a fresh ``[train.optimizer]`` each round at
-``lr * f(round)`` (:class:`~.server.RoundSchedule`). FedProx adds ``(mu/2)*||w - w_global||^2``
-to the loss; SCAFFOLD adds ``c - c_i`` to each step's gradient (:mod:`.drift`). The client
-returns ``D = w_local - w_global`` (the global keys only, with Local subgraphs:
-:mod:`.personal`), optionally compressed with error feedback ``e <- D + e - Dec(C(D + e))``.
+A worker hosts the clients ``c % world_size == rank``, keeping per client only its example
+indices and state (codec residuals, personal parts, SCAFFOLD's ``c_i``); one shared model is
+loaded with the round's global weights before each client trains, so memory does not grow
+with ``num_clients``. ClientUpdate (McMahan et al. 2017) through the loop's
+:class:`~paratrain.training.loop.Trainer`: ``local_epochs`` passes over the partition, each
+in the order of a generator seeded by ``(seed, round, client)``, in mini-batches of
+``federated.batch_size`` (``None``: the whole partition), under a fresh optimizer at ``lr *
+f(round)``. The client returns ``D = w_local - w_global`` (the global keys only), optionally
+compressed with error feedback ``e <- D + e - Dec(C(D + e))``.
 """
 
 from __future__ import annotations
@@ -42,17 +37,14 @@ from .aggregation import fednova_norm, proximal_term, scaffold_client_control
 from .drift import ClientControls, optimizer_momentum, pack_control, uses_control
 from .personal import PersonalState, client_name
 from .privacy import client_privatize
+from .privacy.mechanism import dp_generator
 from .wire import dense_headers, dense_payload, encode_update, flat_float32
 
 
 def client_generator(seed: int, round_idx: int, client: int,
                      generator: torch.Generator | None = None) -> torch.Generator:
-    """A generator determined by ``(seed, round, client)`` (blake2b, stable everywhere):
-    ``generator`` reseeded (a new one when None)."""
-    h = hashlib.blake2b(f"fed|{seed}|{round_idx}|{client}".encode(), digest_size=8).digest()
-    g = generator if generator is not None else torch.Generator()
-    g.manual_seed(int.from_bytes(h, "little") & ((1 << 63) - 1))
-    return g
+    """The generator of a client's training order in a round (``generator`` reseeded)."""
+    return dp_generator(seed, round_idx, client, salt="fed", generator=generator)
 
 
 @dataclass
@@ -122,10 +114,9 @@ class ClientEngine(LocalEngine):
 
 
 class FreshOptimizer:
-    """One optimizer of the job's ``[train.optimizer]`` over a host's shared model:
-    :meth:`fresh` empties its state and puts every group's options back as built, at
-    ``lr * lr_scale`` -- what a new optimizer with a constant ``LambdaLR`` of ``lr_scale``
-    gives, without building one per client and round."""
+    """The job's ``[train.optimizer]`` over a host's shared model: :meth:`fresh` empties its
+    state and restores every group's options at ``lr * lr_scale``, as a new optimizer would
+    be, without building one per client and round."""
 
     def __init__(self, params: Any, spec: Any) -> None:
         self.optimizer = build_optimizer(params, spec)
@@ -196,8 +187,7 @@ class _PlainSGD:
 
 
 class _ConstantLR:
-    """The scheduler of a client's round: its learning rate is constant (set by
-    :meth:`FreshOptimizer.fresh`), so a step changes nothing."""
+    """A client's round's scheduler: :meth:`FreshOptimizer.fresh` set its constant rate."""
 
     def step(self) -> None:
         pass
@@ -210,8 +200,7 @@ _GATHER_BYTES = 64 << 20  # a client's epoch gathered at once up to this size, e
 
 
 def row_bytes(dataset: Any, device: torch.device | None) -> int | None:
-    """The bytes of one example of a ``TensorDataset`` whose tensors are on ``device``
-    already (None for any other dataset): such a client's epoch can be gathered at once."""
+    """The bytes of one example of a ``TensorDataset`` already on ``device`` (else None)."""
     if not isinstance(dataset, TensorDataset) or not dataset.tensors:
         return None
     if any(device is not None and t.device != device for t in dataset.tensors):
@@ -219,26 +208,14 @@ def row_bytes(dataset: Any, device: torch.device | None) -> int | None:
     return sum(t[:1].numel() * t.element_size() for t in dataset.tensors)
 
 
-def local_train(
-    engine: ClientEngine,
-    global_state: Mapping[str, Tensor],
-    dataset: Any,
-    indices: Tensor,
-    *,
-    train: Any,
-    epochs: int,
-    batch_size: int | None,
-    lr_scale: float = 1.0,
-    generator: torch.Generator,
-    device: torch.device | None,
-    optimizer: FreshOptimizer,
-    example_bytes: int | None,
-) -> tuple[float, int]:
-    """Train ``engine.model`` (already loaded with ``global_state``) in place on examples
-    ``indices`` of ``dataset``; returns (mean step loss, optimizer steps). ``train`` is the
-    job's ``[train]``; ``example_bytes``: :func:`row_bytes` of ``dataset`` on ``device``."""
+def local_train(engine: ClientEngine, global_state: Mapping[str, Tensor], dataset: Any, indices: Tensor, *,
+                train: Any, epochs: int, batch_size: int | None, lr_scale: float = 1.0, generator: torch.Generator,
+                device: torch.device | None, optimizer: FreshOptimizer, example_bytes: int | None,
+                ) -> tuple[float, int]:
+    """Train ``engine.model`` (loaded with ``global_state``) in place on examples ``indices``
+    of ``dataset``; returns (mean step loss, optimizer steps). ``example_bytes``:
+    :func:`row_bytes`."""
     model = engine.model
-    # The round's learning rate, constant over the round's steps: lr * f(round).
     trainer = Trainer(engine, optimizer.fresh(lr_scale), train, 0, scheduler=_ConstantLR())
     engine.anchor(global_state)
     n = int(indices.numel())
@@ -268,10 +245,9 @@ def local_train(
 
 
 class _DenseDelta:
-    """A dense float32 update ``local - global`` as the bytes :func:`encode_update` sends,
-    for one round's global state: per client, where the model's tensors are contiguous
-    float32 on CPU (a little-endian host), one ``cat`` into a kept buffer and one in-place
-    subtraction (the same float32 differences), else :func:`flat_float32` and a subtraction."""
+    """A dense float32 update ``local - global`` as the bytes :func:`encode_update` sends:
+    with contiguous float32 CPU tensors (little-endian host) one ``cat`` into a kept buffer
+    and one in-place subtraction per client (the same float32 differences)."""
 
     def __init__(self, global_state: Mapping[str, Tensor], slots: Mapping[str, Tensor]) -> None:
         self.keys = list(global_state)
@@ -294,7 +270,6 @@ class _DenseDelta:
 
 
 def has_tensors(state: Any) -> bool:
-    """True when a (nested) state dict holds at least one tensor."""
     if isinstance(state, Tensor):
         return True
     if isinstance(state, Mapping):
@@ -305,11 +280,9 @@ def has_tensors(state: Any) -> bool:
 
 
 class ClientCompressor:
-    """One client's update through the job's ``[compression]``: ``__call__(name, tensor) ->
-    bytes`` at ``step = round``, seeded by (job seed, client), so RandomK positions and
-    stochastic rounding are reproducible per client and round; ``commit()`` (once the whole
-    update was encoded) keeps the codec state (error-feedback residuals) in the hosting
-    worker's ``codec_state``, which its checkpoint saves."""
+    """One client's update through the job's ``[compression]`` at ``step = round``, seeded by
+    (job seed, client) so that random codecs are reproducible; ``commit()`` keeps the codec
+    state (error-feedback residuals) in the host's ``codec_state`` (its checkpoint)."""
 
     def __init__(self, strategy: Any, codec_state: dict[int, Any], *, seed: int, client: int,
                  round_idx: int) -> None:
@@ -338,49 +311,27 @@ class ClientCompressor:
 class ClientHost:
     """The clients one worker process hosts and the single model they share."""
 
-    def __init__(
-        self,
-        job: JobConfig,
-        *,
-        rank: int,
-        world_size: int,
-        model: nn.Module,
-        task: Any,
-        dataset: Any,
-        partitions: list[np.ndarray],
-        device: torch.device | None = None,
-        personal_keys: Sequence[str] = (),
-    ) -> None:
+    def __init__(self, job: JobConfig, *, rank: int, world_size: int, model: nn.Module, task: Any,
+                 dataset: Any, partitions: list[np.ndarray], device: torch.device | None = None,
+                 personal_keys: Sequence[str] = ()) -> None:
         strat: Any = job.strategy
-        self.job = job
-        self.rank = rank
-        self.world_size = world_size
-        self.model = model
+        self.job, self.rank, self.world_size, self.model = job, rank, world_size, model
         self.device = device or torch.device("cpu")
-        self.task, self.dataset = task, dataset
+        self.dataset = dataset
         self.hosted = [c for c in range(strat.num_clients) if c % world_size == rank]
-        # Only indices per client: the data itself is shared and never copied up front.
-        self.indices: dict[int, Tensor] = {
-            c: torch.from_numpy(partitions[c].astype(np.int64)) for c in self.hosted
-        }
-        self.mu = float(getattr(strat.aggregation, "mu", 0.0) or 0.0)
+        # only indices per client: the data is shared, never copied up front
+        self.indices = {c: torch.from_numpy(partitions[c].astype(np.int64)) for c in self.hosted}
         self.engine = ClientEngine(model, task, device=self.device, precision=job.train.precision,
-                                   mu=self.mu)
-        faults = injected_faults()  # test/demo hook, never in the job (training.faults)
-        self.fail = set(faults.fail_clients)
-        self.byzantine = set(faults.byzantine_clients)
-        self.byzantine_scale = faults.byzantine_scale
-        self.corrupt = set(faults.corrupt_clients)
+                                   mu=float(getattr(strat.aggregation, "mu", 0.0) or 0.0))
+        self.faults = injected_faults()  # test/demo hook, never in the job (training.faults)
         self.codec_state: dict[int, dict[str, Any]] = {}
-        # each hosted client's personal part (Local subgraphs), None without any
         self.personal = PersonalState(model, personal_keys, self.hosted) if personal_keys else None
         self.method = str(getattr(strat.aggregation, "method", ""))
         self.controls = ClientControls() if uses_control(strat.aggregation) else None  # SCAFFOLD c_i
         self.trained = 0
         self.dp = job.federated.dp  # [federated.dp]: clip (and local noise) before compressing
-        # The shared model's tensors (one entry per distinct tensor), read and written in place
-        # for every client: the model keeps its tensors while the host lives (it is on its
-        # device before the host is built, and loads are copies).
+        # the shared model's distinct tensors, read and written in place for every client (the
+        # model keeps them while the host lives: loads are copies)
         self.slots = unique_state_dict(model, keep_vars=True)
         self.optimizer: FreshOptimizer | None = None  # built at the first client's training
         self.generator = torch.Generator()  # reseeded for every client (client_generator)
@@ -393,15 +344,14 @@ class ClientHost:
 
     def train_one(self, client: int, round_idx: int, global_state: Mapping[str, Tensor],
                   lr_scale: float = 1.0, *, control: Mapping[str, Tensor] | None = None) -> ClientResult:
-        """Train ``client`` for one round from ``global_state`` at learning rate
-        ``lr * lr_scale``; never raises. ``control``: SCAFFOLD's server control variate ``c``
-        of this round (required with SCAFFOLD, ignored otherwise)."""
+        """Train ``client`` for one round from ``global_state`` at ``lr * lr_scale``; never
+        raises. ``control``: SCAFFOLD's server control variate ``c`` (required with it)."""
         if not self.hosts(client):
             raise ValueError(f"{client_name(client)} is not hosted by rank {self.rank}")
         idx = self.indices[client]
         n = int(idx.numel())
         try:
-            if client in self.fail:
+            if client in self.faults.fail_clients:
                 raise RuntimeError(f"injected failure in {client_name(client)} (PARATRAIN_FAULTS fail_clients)")
             if n == 0:
                 raise RuntimeError(f"{client_name(client)} has no training examples")
@@ -421,10 +371,9 @@ class ClientHost:
                 raise FloatingPointError(f"{client_name(client)}: local loss is {loss}")
             local = {k: t.detach() for k, t in self.slots.items()}
             comp = self._compressor(client, round_idx)
-            if (comp is None and self.dp is None and client not in self.byzantine
-                    and client not in self.corrupt):
-                # the dense float32 update as one vector: the same bytes and headers as
-                # encode_update of the per-tensor deltas, without a tensor per key
+            if (comp is None and self.dp is None and client not in self.faults.byzantine_clients
+                    and client not in self.faults.corrupt_clients):
+                # the same bytes and headers as encode_update, without a tensor per key
                 dense = self._dense(global_state)
                 headers, payload = [dict(h) for h in dense.headers], dense.payload(local)
             else:
@@ -464,16 +413,16 @@ class ClientHost:
         if self.dp is not None:  # DP-FedAvg's client part (.privacy.dp)
             delta = client_privatize(self.dp, delta, seed=self.job.run.seed, round_idx=round_idx, client=client,
                                      floating=[k for k, g in global_state.items() if g.is_floating_point()])
-        if client in self.byzantine:
-            delta = {k: v * self.byzantine_scale for k, v in delta.items()}
-        if client in self.corrupt:
+        if client in self.faults.byzantine_clients:
+            delta = {k: v * self.faults.byzantine_scale for k, v in delta.items()}
+        if client in self.faults.corrupt_clients:
             first = next(iter(delta))
             delta[first] = delta[first].reshape(-1)[:-1].clone()
         return encode_update(delta, compress=comp)
 
     def _dense(self, global_state: Mapping[str, Tensor]) -> _DenseDelta:
-        """The dense update's encoder against ``global_state``, kept while the same tensors,
-        unchanged (their version counters), come back: built once per round."""
+        """The dense update's encoder, kept while the same unchanged tensors (their version
+        counters) come back: built once per round."""
         try:
             key = [(t, t._version) for t in global_state.values()]
         except RuntimeError:  # an inference tensor has no version counter: nothing is kept
@@ -496,7 +445,7 @@ class ClientHost:
         return c_i
 
     def _load(self, global_state: Mapping[str, Tensor]) -> None:
-        """Copy the global weights into the shared model in place (cheaper than load_state_dict)."""
+        """Copy the global weights into the shared model in place (cheaper than loading)."""
         if global_state.keys() != self.slots.keys():
             load_unique_state_dict(self.model, global_state)  # the KeyError naming the differences
         # a tied weight is one entry; copy_ per tensor (one call on CPU)
@@ -514,8 +463,7 @@ class ClientHost:
                                 client=client, round_idx=round_idx)
 
     def state_dict(self) -> dict[str, Any]:
-        """Per-client codec state (error-feedback residuals) and personal parts, keyed
-        ``client-<c>``."""
+        """Per-client codec state, personal parts and control variates, keyed ``client-<c>``."""
         out: dict[str, Any] = {"codec": {client_name(c): s for c, s in self.codec_state.items() if s}}
         if self.personal is not None:
             out["personal"] = self.personal.state_dict()

@@ -1,14 +1,10 @@
-"""The client parts of the drift-correcting methods, and what they add to a round.
+"""The client parts of the drift-correcting methods (:mod:`.aggregation.drift`).
 
-SCAFFOLD (:mod:`.aggregation.drift`, Karimireddy et al. 2020): each client's control
-variate ``c_i`` lives on the worker hosting it (:class:`ClientControls`, in that worker's
-checkpoint). Per round the server's ``c`` goes down with the global model
-(:func:`broadcast_control`), the client adds ``c - c_i`` to every local gradient and
-sends ``dc_i = c_i+ - c_i`` as extra float32 tensors ``scaffold.dc/<key>`` after its
-update's own (:func:`pack_control`; the server splits them off, :func:`split_control`).
-FedNova (:mod:`.aggregation.drift`, Wang et al. 2020): the client's status carries its
-step count ``steps`` and normaliser ``norm``. Both need SGD as the client optimizer
-(:func:`drift_problems` names anything else).
+SCAFFOLD: each client's ``c_i`` lives on its hosting worker (:class:`ClientControls`, in that
+worker's checkpoint); the server's ``c`` goes down with the model (:func:`broadcast_control`)
+and ``dc_i`` goes up as float32 tensors ``scaffold.dc/<key>`` after the update's own
+(:func:`pack_control`, :func:`split_control`). FedNova: the status carries ``steps`` and
+``norm``. Both need SGD as the client optimizer (:func:`drift_problems`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""What both runtimes hand out: each round's record, the run's summary and folder, each
-hosted client's whole model and the digest of every client's personal parts (the same on
-any number of workers)."""
+"""What both runtimes hand out: each round's record, the run's summary and model, each
+client's whole model and the digest of every client's personal parts."""
 
 from __future__ import annotations
 
@@ -10,8 +9,8 @@ from typing import Any
 
 
 def save_client_models(run_dir: Path, model: Any, personal: Any, global_state: Any) -> None:
-    """``model-client<c>.safetensors`` for every client this worker hosts: the global
-    parts with the client's own personal parts (``paratrain export RUN --client c``)."""
+    """``model-client<c>.safetensors`` for every client this worker hosts: the global parts
+    with the client's personal parts (``paratrain export RUN --client c``)."""
     import copy
 
     from ...models.state import load_unique_state_dict
@@ -25,8 +24,7 @@ def save_client_models(run_dir: Path, model: Any, personal: Any, global_state: A
 
 
 def personal_digest(workers: list[dict[str, Any]]) -> str:
-    """SHA-256 of every client's personal-part digest in client order: the same on any
-    number of workers (a resume on another layout keeps it)."""
+    """SHA-256 of every client's personal-part digest in client order (any worker layout)."""
     per = {c: d for w in workers for c, d in dict(w.get("personal_clients_sha256", {})).items()}
     order = sorted(per, key=lambda name: int(name.removeprefix("client-")))
     return hashlib.sha256("".join(per[c] for c in order).encode()).hexdigest()
@@ -35,10 +33,8 @@ def personal_digest(workers: list[dict[str, Any]]) -> str:
 def finish_run(side: Any, server: Any, run_dir: Path, *, final: dict[str, Any], final_per: dict[str, Any],
                wall_s: float, initial: dict[str, Any], head: dict[str, Any], extra: dict[str, Any],
                configured: tuple[str, ...], label: str) -> dict[str, Any]:
-    """Both runtimes' end: the global model (personal keys at ``initial``, what a new client
-    starts from) loaded into ``side.model`` and saved, ``summary.json`` (``head``, the job,
-    the server's counters, the final and best test metrics over ``metrics.jsonl``, the task's
-    reference metrics, the model's digest, ``extra``) and ``report.png``; returns the summary."""
+    """Both runtimes' end: the global model (personal keys at ``initial``, a new client's start)
+    saved, ``summary.json`` and ``report.png`` written; returns the summary."""
     from ...models.state import load_unique_state_dict
     from ...training import parameters_digest, read_metrics, report, write_summary
     from ...training.export import save_model, whole_state
@@ -85,9 +81,8 @@ def finish_run(side: Any, server: Any, run_dir: Path, *, final: dict[str, Any], 
 
 def round_record(server: Any, metrics: Any, rec: dict[str, Any], ev: dict[str, Any], per: dict[str, Any], *,
                  target: float | None, lr_scale: float, **extra: Any) -> dict[str, Any]:
-    """Log round ``rec`` (``server.finish_round``'s) to ``metrics`` with the test metrics
-    ``ev``, the clients' own ``per`` and ``extra``; notes the accuracy for
-    ``federated.target_accuracy`` (a task without an accuracy metric is a ConfigError naming it)."""
+    """Log round ``rec`` with the test metrics ``ev``, the clients' ``per`` and ``extra``; notes
+    the accuracy for ``federated.target_accuracy`` (a ConfigError when the task has none)."""
     from ...config import ConfigError
 
     if target is not None and "accuracy" not in ev:

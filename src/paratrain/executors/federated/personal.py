@@ -1,18 +1,14 @@
 """Personal subgraphs of federated clients (FedPer, FedBN) and per-client evaluation.
 
-A ``Local`` subgraph (:mod:`paratrain.subgraphs`) under a root ``Federated`` strategy is
-personal to each client. With ``P`` its state keys (parameters *and* buffers) and ``G`` the
-others, the server's model is ``w_G`` alone; client ``c`` loads ``(w_G, w_P^c)``, trains
-both, keeps its ``w_P^c`` and sends only ``Delta_G^c``. So ``P`` is never broadcast, sent or
-aggregated: FedPer (Arivazhagan et al. 2019) when ``P`` is the head, FedBN (Li et al. 2021)
-when it is the normalisation layers. ``w_P^c`` starts at the model's initial value and
-lives in the checkpoint of the worker hosting ``c``.
+A ``Local`` subgraph under a root ``Federated`` strategy is personal to each client: with
+``P`` its state keys (parameters and buffers), the server's model is ``w_G`` alone; client
+``c`` loads ``(w_G, w_P^c)``, trains both, keeps ``w_P^c`` (in its worker's checkpoint) and
+sends only ``Delta_G^c``. FedPer (Arivazhagan et al. 2019) when ``P`` is the head, FedBN (Li
+et al. 2021) when it is the normalisation layers.
 
-Per-client evaluation scores client ``c`` on its test split ``T_c``
-(:mod:`paratrain.data.client_splits`) with ``(w_G, w_P^c)``: ``personal_test_<m>`` is the
-mean over clients with a non-empty split, ``personal_test_<m>_min`` the worst client's; with
-a ``P``, ``test_<m>`` pools every split, each example scored by its own client's model (exact
-sums, so the same whichever worker scores which client).
+Per-client evaluation scores client ``c`` on its test split with ``(w_G, w_P^c)``:
+``personal_test_<m>`` is the mean over clients with a non-empty split, ``..._min`` the worst;
+with a ``P``, ``test_<m>`` pools every split (exact sums: the same on any worker layout).
 """
 
 from __future__ import annotations
@@ -111,7 +107,7 @@ def eval_sums(model: nn.Module, task: Any, dataset: Any, idx: np.ndarray, *,
 
 
 def combine(task: Any, sums: Mapping[int, Mapping[str, float]]) -> tuple[dict[str, float], dict[str, Any]]:
-    """``(pooled metrics over every split, personal_test_* summary)`` from per-client sums."""
+    """``(pooled metrics over every split, personal_test_* summary)`` of per-client sums."""
     pooled: dict[str, float] = {}
     for s in sums.values():
         for k, v in s.items():
@@ -147,10 +143,9 @@ def score_clients(side: Any, personal: PersonalState | None, global_state: Mappi
 
 def round_metrics(side: Any, server: Any, client_sums: Callable[[], Mapping[int, Mapping[str, float]]],
                   device: torch.device) -> tuple[dict[str, float], dict[str, Any]]:
-    """Both runtimes' test metrics after a round and the per-client summary: with personal
-    parts the pooled score of the clients' own models, else the global model's on the test
-    set; with per-client evaluation, :func:`combine` of ``client_sums()`` (each scored
-    client's sums, in client order)."""
+    """Both runtimes' test metrics after a round (with personal parts the pooled score of the
+    clients' own models, else the global model's) and :func:`combine`'s per-client summary
+    of ``client_sums()`` (each scored client's sums, in client order)."""
     ev: dict[str, float] = {}
     if not side.personal_keys:
         ev = server.evaluate(side.model, side.task, side.test_set, device=device, precision=side.job.train.precision)

@@ -1,13 +1,11 @@
 """The round loop every worker process runs (rank 0 is also the server; DESIGN §4).
 
-Per round ``r``: rank 0 publishes the plan ``{"clients", "stop", "lr_scale"}`` in the store
-(``fed/plan/r``); the global model (and SCAFFOLD's ``c``) is broadcast as flat tensors
-(:mod:`.wire`); every rank trains the selected clients it hosts, publishes their statuses
-(``fed/status/r/rank``) and sends their payloads to rank 0 point-to-point; rank 0
-aggregates (:class:`~.server.FederatedServer`), evaluates and logs the round. The round is
-the unit of the run's :class:`~paratrain.training.lifecycle.Lifecycle`; its checkpoint
-holds the server and every client of the same round (:mod:`.state`), and every random draw
-is a function of (seed, round, client), so a resume ends bit-identical to an uninterrupted run.
+Per round rank 0 publishes the plan ``{"clients", "stop", "lr_scale"}`` in the store; the
+global model (and SCAFFOLD's ``c``) is broadcast as flat tensors (:mod:`.wire`); every rank
+trains its selected clients and sends their statuses (store) and payloads (point-to-point)
+to rank 0, which aggregates, evaluates and logs. A round is the unit of the run's
+:class:`~paratrain.training.lifecycle.Lifecycle`, and every random draw is a function of
+(seed, round, client), so a resume ends bit-identical to an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -95,9 +93,8 @@ def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) ->
         raise ConfigError([("strategy.type", f"federated executor got {getattr(strat, 'type', None)!r}")])
     check_job(job, world_size=ctx.world_size)
     rank, world, group = ctx.rank, ctx.world_size, ctx.group
-    # Every rank calls worker_main the same number of times, so this counter agrees
-    # across ranks and keeps a second job in the same processes (and store) from
-    # reading the first job's control keys.
+    # the same on every rank (each calls worker_main as often): a second job in the same
+    # processes (and store) does not read the first one's control keys
     global _INVOCATIONS
     _INVOCATIONS += 1
     store = job_store(ctx.store, f"fed{_INVOCATIONS}")
@@ -108,10 +105,8 @@ def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) ->
     assert host is not None  # build_side with a partition builds it
     tags = client_tags(job, ctx)
     check_selection(job, tags)
-
-    # Run folder: on resume nothing in it changes before the checkpoint was checked against
-    # this job (every process, :func:`.state.restore`); then rank 0 creates (or keeps) it and
-    # writes job.json, before anyone writes (the barrier below).
+    # on resume the run folder changes only after every process checked the checkpoint
+    # (.state.restore); then rank 0 prepares it before anyone writes (the barrier below)
     run_dir = run_dir_of(job)
     server: FederatedServer | None = None
     metrics: MetricsWriter | None = None
@@ -119,8 +114,6 @@ def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) ->
         schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
         server = FederatedServer(strat.aggregation, template, schedule, num_clients=strat.num_clients)
         server.set_privacy(build_server_privacy(job, [len(p) for p in data.partitions], tags))  # [federated.dp]
-    # Codec state (error-feedback residuals), personal parts and SCAFFOLD's c_i of this
-    # rank's clients travel in the checkpoint
     kept = host if stateful(job, data.personal_keys) else None
     g = group if world > 1 else None
     life = Lifecycle(
@@ -134,17 +127,14 @@ def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) ->
         run_dir = prepare_run_dir(job, resume=resume)
         metrics = MetricsWriter(run_dir)
     life.begin(start, resume=resume, found=found is not None, metrics=metrics)
-    barrier(group)  # the run folder is ready before any rank writes
-
+    barrier(group)
     return _Worker(ctx=ctx, job=job, data=data, host=host, store=store, comm_dev=comm_dev, tags=tags,
                    run_dir=Path(run_dir), server=server, metrics=metrics, life=life, traffic=CommCounter(),
                    started=started), start
 
 
 def _round(w: _Worker, r: int) -> bool:
-    """Round ``r`` on this rank: the plan, the global model down, the hosted clients'
-    training, their updates up and (rank 0) the aggregation and the round's record.
-    False when the plan says stop (the round does not run)."""
+    """Round ``r`` on this rank (module docstring); False when the plan says stop."""
     t_round = time.perf_counter()
     strat: Any = w.job.strategy
     server, host, traffic = w.server, w.host, w.traffic
@@ -195,8 +185,7 @@ def _round(w: _Worker, r: int) -> bool:
 
 def _collect(w: _Worker, r: int, statuses: list[dict[str, Any]], payloads: list[bytes | memoryview],
              ) -> tuple[list[dict[str, Any]], list[bytes | memoryview]]:
-    """Rank 0: its own clients' statuses and payloads, then every other rank's (its status
-    from the store, its payloads point-to-point), in rank order."""
+    """Rank 0: its own clients' statuses and payloads, then every other rank's, in rank order."""
     all_st, all_pl = list(statuses), list(payloads)
     for src in range(1, w.ctx.world_size):
         key = f"fed/status/{r}/{src}"
@@ -220,10 +209,9 @@ def _evaluate(w: _Worker, tag: str) -> tuple[dict[str, float], dict[str, Any]]:
 
 
 def _client_sums(w: _Worker, tag: str) -> dict[int, dict[str, float]]:
-    """Each client's evaluation sums on its own split (rank 0: every client's, in client
-    order): without personal parts rank 0 scores them all with the global model; with them
-    every rank scores its own clients with ``(w_G, w_P^c)`` (``w_G`` broadcast) and rank 0
-    gathers the others' sums through the store."""
+    """Each client's evaluation sums on its own split, in client order (rank 0): without personal
+    parts rank 0 scores every client; with them every rank scores its own (``w_G`` broadcast)
+    and rank 0 gathers the others' sums through the store."""
     d, ctx, host = w.data, w.ctx, w.host
     glob = w.server.global_state if w.server is not None else d.template
     if host.personal is None:
@@ -242,7 +230,7 @@ def _client_sums(w: _Worker, tag: str) -> dict[int, dict[str, float]]:
 
 def _summary(w: _Worker) -> dict[str, Any] | None:
     """After the last round: every rank's statistics, the final evaluation and each hosted
-    client's model (collectives); rank 0 writes the model and the summary and returns it."""
+    client's model (collectives); rank 0 returns the summary."""
     ctx, job, d, server, traffic = w.ctx, w.job, w.data, w.server, w.traffic
     host, model = w.host, d.model
     stats: dict[str, Any] = {

@@ -1,9 +1,7 @@
-"""Client selection per round (DESIGN §4): ``All`` (every client), ``Random{fraction}``
-(``k = max(1, ⌈fraction·num_clients⌉)`` distinct clients drawn from a generator seeded by
-``(seed, round)`` alone, so every process and a resumed run draw the same set) or
-``ByCapability{required_tags}`` (the clients whose own ``[federated.client_tags]`` plus their
-hosting worker's tags include every required tag; none is a ValueError naming the tags);
-returned sorted.
+"""Client selection per round (DESIGN §4), sorted: ``All``, ``Random{fraction}`` (``k``
+distinct clients from a generator of ``(seed, round)`` alone: every process and a resumed
+run draw the same set) or ``ByCapability{required_tags}`` (the clients whose own and hosting
+worker's tags include every required tag).
 """
 from __future__ import annotations
 
@@ -22,21 +20,14 @@ def round_generator(seed: int, round_idx: int) -> torch.Generator:
 
 
 def num_random(fraction: float, num_clients: int) -> int:
-    """``max(1, ⌈fraction·num_clients⌉)`` clamped to ``num_clients`` (the job's
-    ``fraction`` is in (0, 1]: config checks it)."""
+    """``max(1, ceil(fraction * num_clients))``, at most ``num_clients``."""
     # round() guards against 0.1*30 = 3.0000000000000004 -> 4.
     k = math.ceil(round(fraction * num_clients, 9))
     return min(num_clients, max(1, k))
 
 
-def select_clients(
-    spec: Any,
-    *,
-    num_clients: int,
-    round_idx: int,
-    seed: int,
-    client_tags: Mapping[int, Sequence[str]] | None = None,
-) -> list[int]:
+def select_clients(spec: Any, *, num_clients: int, round_idx: int, seed: int,
+                   client_tags: Mapping[int, Sequence[str]] | None = None) -> list[int]:
     """The sorted client indices taking part in round ``round_idx``."""
     method = getattr(spec, "method", None)
     if method == "All":
@@ -50,9 +41,7 @@ def select_clients(
         tags = client_tags or {}
         chosen = [c for c in range(num_clients) if required <= set(tags.get(c, ()))]
         if not chosen:
-            raise ValueError(
-                "client_selection.required_tags: no client carries all of the tags "
-                f"{sorted(required)} (set [federated.client_tags] or [[workers]] tags)"
-            )
+            raise ValueError("client_selection.required_tags: no client carries all of the tags "
+                             f"{sorted(required)} (set [federated.client_tags] or [[workers]] tags)")
         return chosen
     raise ValueError(f"unknown client_selection method {method!r}; valid: All, Random, ByCapability")

@@ -1,10 +1,8 @@
 """The server side of a round: decode and validate updates, aggregate, evaluate.
 
-``FederatedServer.finish_round`` rejects malformed updates before any arithmetic (each a
-recorded failure naming the client and tensor), passes the rest through ``[federated.dp]``
-(:mod:`.privacy`) and the job's aggregator. Bytes: ``bytes_up_measured`` is the length of
-every selected client's encoded update, ``bytes_down_modelled`` the model's size times the
-clients selected, ``wire_bytes_*_measured`` what the transport counted.
+``bytes_up_measured`` is the length of every selected client's encoded update,
+``bytes_down_modelled`` the model's size times the clients selected, ``wire_bytes_*_measured``
+what the transport counted.
 """
 
 from __future__ import annotations
@@ -30,9 +28,8 @@ from .wire import decode_update
 
 
 class RoundSchedule:
-    """The clients' learning rate over *rounds*: in round ``r`` every selected client trains
-    at ``lr * lr_factor(r)`` (``T = strategy.rounds``, ``train.warmup_steps`` in rounds);
-    ``position``, the next round's index, is in the server checkpoint."""
+    """The clients' learning rate over rounds: round ``r`` trains at ``lr * lr_factor(r)``
+    (``train.warmup_steps`` in rounds); ``position``, the next round, is checkpointed."""
 
     def __init__(self, kind: str = "constant", warmup: int = 0, total: int = 1) -> None:
         self.kind, self.warmup, self.total = str(kind), int(warmup), int(total)
@@ -56,7 +53,7 @@ _COUNTERS = ("bytes_up", "bytes_down", "wire_bytes_down", "wire_bytes_up", "fail
 
 @dataclass
 class _Received:
-    """One round's client results, in client order (:meth:`FederatedServer.finish_round`)."""
+    """One round's client results, in client order."""
 
     updates: list[dict[str, Tensor]] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
@@ -67,7 +64,7 @@ class _Received:
 
 
 def mean_loss(losses: Sequence[tuple[float, float]]) -> float:
-    """The clients' training losses ``(loss, n)`` weighted by their example counts."""
+    """The mean of the clients' training losses ``(loss, n)`` weighted by ``n``."""
     return sum(v * n for v, n in losses) / sum(n for _, n in losses)
 
 
@@ -89,29 +86,23 @@ class FederatedServer:
         self.privacy: ServerPrivacy | None = None  # [federated.dp]: set_privacy
 
     def set_privacy(self, privacy: ServerPrivacy | None) -> None:
-        """Run under ``[federated.dp]`` (before loading a checkpoint); a budget that does
-        not allow even the first round stops the server at once."""
+        """Run under ``[federated.dp]`` (before loading a checkpoint); a budget too small for
+        one round stops the server at once."""
         self.privacy = privacy
         if privacy is not None and not privacy.allows_next_round():
             self.stopped = True
 
     def control(self) -> dict[str, Tensor]:
-        """SCAFFOLD's server control variate ``c`` (what each selected client needs with the
-        global model, :meth:`~.client.ClientHost.train_one` ``control``); {} for other methods."""
+        """SCAFFOLD's server control variate ``c`` (sent with the model); {} otherwise."""
         ctl = getattr(self.aggregator, "control", None)
         return ctl(self.global_state) if callable(ctl) else {}
 
-    def finish_round(
-        self,
-        round_idx: int,
-        statuses: Sequence[Mapping[str, Any]],
-        payloads: Sequence[bytes | memoryview],
-        *,
-        wire_bytes_down: int = 0,
-        wire_bytes_up: int = 0,
-    ) -> dict[str, Any]:
-        """Aggregate one round; ``statuses[i]`` describes ``payloads[i]``; ``wire_bytes_*``
-        are the round's process-group traffic as the transport counted it."""
+    def finish_round(self, round_idx: int, statuses: Sequence[Mapping[str, Any]],
+                     payloads: Sequence[bytes | memoryview], *, wire_bytes_down: int = 0,
+                     wire_bytes_up: int = 0) -> dict[str, Any]:
+        """Aggregate one round (``statuses[i]`` describes ``payloads[i]``): malformed updates
+        are rejected before any arithmetic (recorded failures naming client and tensor), the
+        rest go through ``[federated.dp]`` and the aggregator."""
         got = _Received()
         reference = ({**self.global_state, **control_reference(self.global_state)}
                      if self.aggregator.sends_control else self.global_state)
@@ -125,15 +116,9 @@ class FederatedServer:
         self.wire_bytes_up += int(wire_bytes_up)
         self.failures += len(failed)
         rec: dict[str, Any] = dict(
-            round=round_idx + 1,
-            clients_selected=len(statuses),
-            clients_ok=len(updates),
-            clients_failed=len(failed),
-            bytes_up_measured=got.up,
-            bytes_down_modelled=down,
-            wire_bytes_down_measured=int(wire_bytes_down),
-            wire_bytes_up_measured=int(wire_bytes_up),
-        )
+            round=round_idx + 1, clients_selected=len(statuses), clients_ok=len(updates),
+            clients_failed=len(failed), bytes_up_measured=got.up, bytes_down_modelled=down,
+            wire_bytes_down_measured=int(wire_bytes_down), wire_bytes_up_measured=int(wire_bytes_up))
         if failed:
             rec["failures"] = failed
         if updates and self.privacy is not None:  # [federated.dp]: clip, sum, noise (.privacy)
@@ -144,10 +129,8 @@ class FederatedServer:
             if got.losses:
                 rec["train_loss"] = mean_loss(got.losses)
         else:
-            rec["note"] = (
-                f"round {round_idx + 1}: no successful client out of {len(statuses)} "
-                "selected; global model unchanged"
-            )
+            rec["note"] = (f"round {round_idx + 1}: no successful client out of {len(statuses)} "
+                           "selected; global model unchanged")
         self.round = round_idx + 1
         self.schedule.position += 1
         if self.privacy is not None:  # every round is booked, whatever came back
@@ -158,14 +141,13 @@ class FederatedServer:
     def _receive(self, got: _Received, st: Mapping[str, Any], payload: bytes | memoryview,
                  reference: Mapping[str, Tensor]) -> None:
         """Book one client's status and payload in ``got``: its update decoded against
-        ``reference`` (the model's tensors, SCAFFOLD's control deltas after them), or why it failed."""
+        ``reference`` (with SCAFFOLD's control deltas), or why it failed."""
         cid = client_name(int(st["client"]))
         got.up += len(payload)
         if not st.get("ok"):
             got.failed.append({"client": cid, "error": str(st.get("error"))})
             return
         try:
-            # decode_update checks keys, shapes, byte counts and finiteness.
             upd, ctrl = split_control(decode_update(cid, st.get("headers", []), payload, reference))
             n = int(st["n"])
             if n <= 0:
@@ -197,12 +179,9 @@ class FederatedServer:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "round": self.round,
-            "model": {k: v.clone() for k, v in self.global_state.items()},
-            "aggregation": self.method,
-            "aggregator": self.aggregator.state_dict(),
-            "client_schedule": self.schedule.state_dict(),
-            "stopped": self.stopped,
+            "round": self.round, "model": {k: v.clone() for k, v in self.global_state.items()},
+            "aggregation": self.method, "aggregator": self.aggregator.state_dict(),
+            "client_schedule": self.schedule.state_dict(), "stopped": self.stopped,
             "rounds_to_target": -1 if self.rounds_to_target is None else self.rounds_to_target,
             **{k: getattr(self, k) for k in _COUNTERS},
             **({"privacy": self.privacy.state_dict()} if self.privacy is not None else {}),
@@ -211,8 +190,7 @@ class FederatedServer:
 
     def check_state(self, state: Mapping[str, Any], *, source: Any) -> None:
         """A ConfigError when checkpoint ``state`` (from ``source``) was written with another
-        aggregation method (or, before it was named, server optimizer state), DP setting or
-        model than this server's; nothing is loaded."""
+        aggregation method (older checkpoints: server state fields), DP setting or model."""
         saved = state.get("aggregation")
         agg_state = state.get("aggregator", {})
         fields = set(agg_state) if isinstance(agg_state, Mapping) else set()

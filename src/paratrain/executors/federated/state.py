@@ -1,13 +1,10 @@
-"""Federated's state in the run's one checkpoint format, and its lifecycle.
+"""Federated's state in the run's one checkpoint format.
 
-After ``r`` rounds ``checkpoints/step-<r>/`` (:class:`~paratrain.training.stores.RankStore`,
-kind ``fed``) is one torch.distributed.checkpoint folder of every worker process:
-``model/<name>`` the global model (process 0's, which ``paratrain export`` reads),
-``engine/rank0`` the server's other state, ``engine/rank<r>`` the state of the clients
-process ``r`` hosts, keyed ``client-<c>``. On another number of workers (``reshard="engines"``)
-every process reads every old process's client state and keeps the clients it hosts now.
-Flower's ServerApp writes the same format (one process); its clients' state lives on the
-nodes, so its checkpoints hold the server's alone.
+``checkpoints/step-<r>/`` (:class:`~paratrain.training.stores.RankStore`, kind ``fed``) holds
+``model/<name>`` (the global model, process 0's), ``engine/rank0`` the server's other state
+and ``engine/rank<r>`` the state of the clients process ``r`` hosts, keyed ``client-<c>``; on
+another number of workers every process keeps the clients it hosts now. Flower's ServerApp
+writes the same format, the server's state alone (its clients' lives on the nodes).
 """
 
 from __future__ import annotations
@@ -23,15 +20,15 @@ from ...training.stores import RankStore
 
 
 def fed_store(run_dir: str | Path, *, rank: int, world: int, group: Any, runtime: str) -> RankStore:
-    """The run's checkpoint store (kind ``fed``; ``runtime`` in the layout)."""
+    """The run's checkpoint store (kind ``fed``)."""
     return RankStore(run_dir, "fed", rank=rank, world=world, group=group,
                      layout={"strategy": "Federated", "runtime": runtime},
                      layout_field="run.num_workers", reshard="engines")
 
 
 def round_state(server: Any, host: Any, done: int) -> dict[str, Any]:
-    """This process's state after ``done`` rounds: the server's on process 0 (``server``
-    not None), the hosted clients' on every process (``host``; None: stateless clients)."""
+    """This process's state after ``done`` rounds: the server's (process 0) and the hosted
+    clients' (``host``; None: stateless clients)."""
     engine: dict[str, Any] = {}
     model: dict[str, Any] = {}
     if host is not None:
@@ -53,9 +50,9 @@ def _merged_clients(engines: list[dict[str, Any]]) -> dict[str, Any]:
 
 def restore(found: tuple[Any, dict[str, Any]] | None, server: Any, host: Any, *, rank: int,
             world: int, group: Any) -> int:
-    """Load a resumed checkpoint (``found``, from :meth:`RankStore.load`) into the server
-    (process 0) and the hosted clients; returns the rounds done (0 without one). A
-    checkpoint of another job is a ConfigError on every process, named by process 0."""
+    """Load a resumed checkpoint (``found``, :meth:`RankStore.load`'s) into the server and the
+    hosted clients; returns the rounds done. Another job's checkpoint is a ConfigError on
+    every process, named by process 0."""
     if found is None:
         return 0
     source, state = found

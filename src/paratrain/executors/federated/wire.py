@@ -1,18 +1,12 @@
 """The wire form of one client's update, and its strict decoding on the server.
 
-A client update ``Δ = w_client − w_global`` travels as tensor headers (in the JSON
-status) plus one byte payload (point-to-point):
-
-    header = {"name": str, "shape": [int, ...], "enc": "f32" | "ct", "nbytes": int}
-
-``f32`` is the raw little-endian float32 tensor (``nbytes = 4·numel``); ``ct`` is a
-:class:`paratrain.compression.base.CompressedTensor` wire record (``to_bytes``). The
-server checks every header against the global model — the same key set, the same
-shapes, byte counts that add up to the payload — *before* any arithmetic, and rejects
-a bad update with :class:`MalformedUpdateError` naming the client and the tensor.
-Nothing is unpickled. The global model goes down as two flat vectors
-(:func:`broadcast_state`): the floating tensors as float32 and the integer ones (e.g.
-BatchNorm's ``num_batches_tracked``) as int64, in the state's key order.
+An update ``D = w_client - w_global`` travels as headers ``{"name", "shape", "enc": "f32" |
+"ct", "nbytes"}`` (in the JSON status) plus one payload: ``f32`` raw little-endian float32,
+``ct`` a :class:`paratrain.compression.base.CompressedTensor` record. The server checks every
+header against the global model (the same keys and shapes, byte counts adding up to the
+payload) before any arithmetic, and rejects a bad update with :class:`MalformedUpdateError`
+naming the client and the tensor; nothing is unpickled. The global model goes down as two
+flat vectors (:func:`broadcast_state`): the floating tensors as float32, the others as int64.
 """
 
 from __future__ import annotations
@@ -86,12 +80,9 @@ def split_payload(statuses: Sequence[Mapping[str, Any]], payload: bytes | memory
     return out
 
 
-def encode_update(
-    delta: Mapping[str, Tensor], *, compress: Any = None
-) -> tuple[list[dict[str, Any]], bytes]:
+def encode_update(delta: Mapping[str, Tensor], *, compress: Any = None) -> tuple[list[dict[str, Any]], bytes]:
     """Headers and payload for ``delta``: floating tensors through ``compress(name, tensor) ->
-    bytes`` (a compressed wire record) when given, every other tensor as float32.
-    """
+    bytes`` (a compressed wire record) when given, every other tensor as float32."""
     headers: list[dict[str, Any]] = []
     chunks: list[bytes] = []
     for name, t in delta.items():
@@ -106,12 +97,8 @@ def encode_update(
     return headers, b"".join(chunks)
 
 
-def decode_update(
-    client: str,
-    headers: Sequence[Mapping[str, Any]],
-    payload: bytes | memoryview,
-    reference: Mapping[str, Tensor],
-) -> dict[str, Tensor]:
+def decode_update(client: str, headers: Sequence[Mapping[str, Any]], payload: bytes | memoryview,
+                  reference: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Parse and validate one client's update against the global model ``reference``."""
     _check_headers(client, headers, payload, reference)
     if [h["name"] for h in headers] == list(reference) and all(h["enc"] == "f32" for h in headers):
@@ -177,16 +164,12 @@ def _check_headers(client: str, headers: Any, payload: bytes | memoryview,
         enc = h.get("enc")
         if enc == "f32":
             if nbytes != 4 * math.prod(shape):
-                raise MalformedUpdateError(
-                    client, name, f"{nbytes} bytes for a float32 tensor of shape {tuple(shape)}"
-                )
+                raise MalformedUpdateError(client, name, f"{nbytes} bytes for a float32 tensor of shape {tuple(shape)}")
         elif enc != "ct":
             raise MalformedUpdateError(client, name, f"unknown encoding {enc!r}")
         total += nbytes
     if total != len(payload):
-        raise MalformedUpdateError(
-            client, "<payload>", f"headers announce {total} bytes but {len(payload)} arrived"
-        )
+        raise MalformedUpdateError(client, "<payload>", f"headers announce {total} bytes but {len(payload)} arrived")
 
 
 def _decode_compressed(client: str, name: str, data: bytes, shape: tuple[int, ...]) -> Tensor:

@@ -1,19 +1,14 @@
-"""Adaptive server optimizers of Reddi et al. 2021 ("Adaptive Federated Optimization",
-ICLR 2021, Algorithm 2).
+"""Adaptive server optimizers (Reddi et al. 2021, "Adaptive Federated Optimization",
+Algorithm 2) on the example-weighted mean client delta ``D_t``:
 
-With the example-weighted mean client delta ``Δ_t = Σ n_i Δ_i / Σ n_i`` (the negated
-pseudo-gradient):
+    m_t = b1 m_{t-1} + (1 - b1) D_t
+    v_t = v_{t-1} + D_t^2                                (FedAdagrad)
+    v_t = b2 v_{t-1} + (1 - b2) D_t^2                    (FedAdam)
+    v_t = v_{t-1} - (1 - b2) D_t^2 sign(v_{t-1} - D_t^2)   (FedYogi)
+    w_{t+1} = w_t + eta m_t / (sqrt(v_t) + tau)
 
-    m_t = β1·m_{t−1} + (1 − β1)·Δ_t
-    v_t = v_{t−1} + Δ_t²                                   (FedAdagrad)
-    v_t = β2·v_{t−1} + (1 − β2)·Δ_t²                        (FedAdam)
-    v_t = v_{t−1} − (1 − β2)·Δ_t²·sign(v_{t−1} − Δ_t²)      (FedYogi)
-    w_{t+1} = w_t + η·m_t / (√v_t + τ)
-
-``m_0 = 0`` and ``v_0 = τ²`` (the paper's ``v_{−1} ≥ τ²``); no bias correction, as
-in the paper. The moments are the server optimizer state (``state_dict``). Yogi's
-additive second moment grows or shrinks by at most ``(1 − β2)·Δ²`` per round, which keeps
-the effective server learning rate from collapsing.
+``m_0 = 0``, ``v_0 = tau^2``, no bias correction (as in the paper); ``m``, ``v`` are the
+server state.
 """
 
 from __future__ import annotations
@@ -30,7 +25,6 @@ from .fedavg import fedavg_step
 
 
 class AdaptiveServerOptimizer(Aggregator):
-    """Base class; subclasses define :meth:`second_moment`."""
 
     name = "Adaptive"
     spec_fields: ClassVar[tuple[str, ...]] = ("eta", "beta1", "beta2", "tau")
@@ -86,8 +80,6 @@ class FedYogiAggregator(AdaptiveServerOptimizer):
 
 
 class FedAdagradAggregator(AdaptiveServerOptimizer):
-    """No first-moment decay by default (``β1 = 0``, so ``m_t = Δ_t``)."""
-
     name = "FedAdagrad"
     spec_fields = ("eta", "tau")
 

@@ -1,8 +1,6 @@
-"""What the federated aggregators share: the :class:`Aggregator` base (the one
-``aggregate`` signature, the stateless defaults) and the tensor helpers. An *update* maps
-``name -> tensor``: a client's model delta ``Δ_i = w_i − w_global``. Arithmetic is in
-float64, cast back to the global tensor's dtype, so results do not depend on accumulation
-order beyond the (sorted) client order and 0-d tensors work like any other.
+"""What the federated aggregators share: the :class:`Aggregator` base and the tensor helpers.
+An update maps ``name -> tensor``, a client's ``D_i = w_i - w_global``; arithmetic is in
+float64, cast back to the global tensor's dtype (the result depends only on client order).
 """
 
 from __future__ import annotations
@@ -28,9 +26,8 @@ class MalformedUpdateError(ValueError):
 
 class Aggregator(ABC):
     """A server aggregator: ``aggregate`` applies the method's :meth:`step` (``weights[i]``:
-    client i's example count); ``state_dict`` holds its server state. The server calls
-    ``aggregate_round``, which also takes each client's ``{"steps", "norm", "control"}``
-    (SCAFFOLD and FedNova read them)."""
+    client i's example count); ``aggregate_round`` also takes each client's ``{"steps",
+    "norm", "control"}`` (SCAFFOLD, FedNova); ``state_dict`` holds the server state."""
 
     name: ClassVar[str]
     #: the contract's fields (``config.federated_aggregation``, which checks their ranges) the constructor takes
@@ -70,7 +67,7 @@ def update_names(updates: Sequence[Update]) -> list[str]:
 
 
 def check_weights(weights: Sequence[float], n: int) -> Tensor:
-    """Weights as a float64 vector; they must be finite, >= 0, with a positive sum."""
+    """Weights as a float64 vector: finite, >= 0, with a positive sum."""
     if len(weights) != n:
         raise ValueError(f"{n} updates but {len(weights)} weights")
     w = torch.tensor([float(x) for x in weights], dtype=torch.float64)
@@ -89,8 +86,7 @@ def stack_key(updates: Sequence[Update], name: str) -> Tensor:
 
 
 def linear_combination(states: Sequence[Mapping[str, Tensor]], coefs: Sequence[float]) -> dict[str, Tensor]:
-    """``Σ_i coefs[i] · states[i][k]`` per key of ``states[0]``, accumulated in float64 in the
-    given order (no stacked copy)."""
+    """``sum_i coefs[i] states[i][k]`` per key, accumulated in float64 in order (no stacked copy)."""
     out: dict[str, Tensor] = {}
     for name, first in states[0].items():
         acc = torch.zeros(first.shape, dtype=torch.float64)
@@ -101,8 +97,7 @@ def linear_combination(states: Sequence[Mapping[str, Tensor]], coefs: Sequence[f
 
 
 def apply_step(global_state: Mapping[str, Tensor], step: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """``w_new[k] = w_global[k] + step[k]`` cast to each global tensor's dtype (integer
-    buffers rounded to the nearest integer)."""
+    """``w_global[k] + step[k]`` in each global tensor's dtype (integer buffers rounded)."""
     out: dict[str, Tensor] = {}
     for name, g in global_state.items():
         new = g.detach().to(torch.float64) + step[name]

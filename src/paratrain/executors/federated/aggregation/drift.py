@@ -1,44 +1,17 @@
-"""SCAFFOLD (Karimireddy et al. 2020, "SCAFFOLD: Stochastic Controlled Averaging for
-Federated Learning"), option II control variates.
+"""SCAFFOLD (Karimireddy et al. 2020), option II control variates, and FedNova (Wang et
+al. 2020, normalised averaging). ``p_i = n_i / sum_S n_j`` weighs by example count, as
+every paratrain aggregator (the papers' uniform means when the counts are equal).
 
-Server state ``x`` (the global model) and ``c`` (the server control variate, zero at first);
-client ``i`` keeps its own ``c_i`` (zero at first). In a round the selected clients ``S``
-receive ``(x, c)`` and each
+SCAFFOLD: the selected clients ``S`` receive ``(x, c)``; each runs K local SGD steps
+``y <- y - eta_l (g_i(y) + c - c_i)`` from ``y = x``, sets ``c_i+ = c_i - c + (x - y_i) / (K
+eta_l)`` and sends ``dy_i = y_i - x``, ``dc_i = c_i+ - c_i``. The server applies ``x <- x +
+eta_g sum_i p_i dy_i`` and ``c <- c + (|S| / N) sum_i p_i dc_i`` (``N`` clients; ``c`` starts
+at zero and is kept in the global tensors' dtype, so every client receives the same ``c``).
 
-    runs K local SGD steps   y <- y - eta_l * (g_i(y) + c - c_i)        (from y = x)
-    c_i+ = c_i - c + (x - y_i) / (K * eta_l)                            (option II)
-    sends  dy_i = y_i - x   and   dc_i = c_i+ - c_i,   keeps c_i <- c_i+
-
-and the server applies
-
-    x <- x + eta_g * sum_i p_i dy_i
-    c <- c + (|S| / N) * sum_i p_i dc_i
-
-with ``N`` the number of clients. The paper's means are uniform; here, as in every
-paratrain aggregator (and Flower's niid_bench), ``p_i = n_i / sum_S n_j`` weighs by example
-count — the paper's algorithm exactly when the clients hold equal counts. With ``c = 0``
-and ``eta_g = 1`` the first round is FedAvg's.
-
-``c`` is kept in the global tensors' dtype (float32; the arithmetic is float64) so what
-the clients receive is exactly the server's state, whichever worker hosts them.
-
-FedNova (Wang et al. 2020, "Tackling the Objective Inconsistency Problem in
-Heterogeneous Federated Optimization"): normalised averaging.
-
-Client ``i`` runs ``tau_i`` local steps (its own count: more data, more steps) and reports
-its normaliser ``a_i``: ``a_i = tau_i`` for plain SGD, and for SGD with heavy-ball momentum
-``rho`` (the paper's momentum form)
-
-    a_i = [tau_i - rho * (1 - rho^tau_i) / (1 - rho)] / (1 - rho).
-
-The server normalises every delta and rescales by the effective step count:
-
-    d_i     = (x - y_i) / a_i
-    tau_eff = sum_i p_i a_i                 (= sum_i p_i tau_i for plain SGD)
-    x      <- x - tau_eff * sum_i p_i d_i   = x + sum_i (p_i tau_eff / a_i) dy_i
-
-with ``p_i = n_i / sum_S n_j`` (the selected clients' example shares) and ``dy_i = y_i - x``.
-With equal ``a_i`` the coefficients are ``p_i``: FedAvg. Stateless on the server.
+FedNova: client ``i`` reports its normaliser ``a_i`` (``tau_i`` local steps; with heavy-ball
+momentum ``rho``, ``a_i = [tau_i - rho (1 - rho^tau_i) / (1 - rho)] / (1 - rho)``); the server
+applies ``x <- x + sum_i (p_i tau_eff / a_i) dy_i`` with ``tau_eff = sum_i p_i a_i`` (FedAvg
+when every ``a_i`` is equal). Stateless on the server.
 """
 
 from __future__ import annotations
@@ -59,17 +32,10 @@ def control_keys(global_state: Mapping[str, Tensor]) -> list[str]:
     return [k for k, v in global_state.items() if v.is_floating_point()]
 
 
-def scaffold_client_control(
-    c_i: Mapping[str, Tensor],
-    c: Mapping[str, Tensor],
-    x: Mapping[str, Tensor],
-    y: Mapping[str, Tensor],
-    *,
-    steps: int,
-    lr: float,
-) -> dict[str, Tensor]:
-    """Option II: ``c_i+ = c_i - c + (x - y) / (K * eta_l)`` per key of ``c``, in float64,
-    returned in ``c_i``'s dtype. ``steps`` = K local steps, ``lr`` = eta_l."""
+def scaffold_client_control(c_i: Mapping[str, Tensor], c: Mapping[str, Tensor], x: Mapping[str, Tensor],
+                            y: Mapping[str, Tensor], *, steps: int, lr: float) -> dict[str, Tensor]:
+    """Option II: ``c_i+ = c_i - c + (x - y) / (K eta_l)`` per key of ``c`` (``K = steps``,
+    ``eta_l = lr``), in float64, returned in ``c``'s dtype."""
     if steps <= 0 or not lr > 0:
         raise ValueError(f"SCAFFOLD control update needs K > 0 and eta_l > 0 (got {steps}, {lr})")
     scale = 1.0 / (float(steps) * float(lr))
@@ -99,8 +65,7 @@ class ScaffoldAggregator(Aggregator):
         return cls(server_lr=spec.server_lr, num_clients=num_clients)
 
     def control(self, global_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """The server control variate ``c`` (zeros before the first round), one tensor per
-        floating key of the model, in its dtype: what every selected client receives."""
+        """The server control variate ``c`` (zeros at first), one per floating model tensor."""
         if not self.c:
             self.c = {k: torch.zeros_like(global_state[k]) for k in control_keys(global_state)}
         return self.c

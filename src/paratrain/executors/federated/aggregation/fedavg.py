@@ -1,18 +1,7 @@
-"""FedAvg (McMahan et al. 2017, "Communication-Efficient Learning of Deep Networks
-from Decentralized Data"): ``w ← w + Σ_i n_i Δ_i / Σ_i n_i`` with ``n_i`` the client's
-example count, i.e. the example-weighted mean of the client models.
-
-FedProx (Li et al. 2020, "Federated Optimization in Heterogeneous Networks"): client
-objective ``h_i(w) = F_i(w) + (μ/2)·‖w − w_global‖²`` with ``w_global`` detached (the
-round's starting global model); the server aggregates like FedAvg.
-
-FedAvgM (Hsu et al. 2019, "Measuring the Effects of Non-Identical Data Distribution for
-Federated Visual Classification"): server momentum, with ``Δ_t`` FedAvg's step,
-
-    v_t = β·v_{t−1} + Δ_t            (v_0 = 0)
-    w_{t+1} = w_t + η_s·v_t
-
-With ``β = 0`` and ``η_s = 1`` this is FedAvg. The buffer ``v`` is the server state.
+"""FedAvg (McMahan et al. 2017): ``w <- w + sum_i n_i D_i / sum_i n_i`` (``n_i`` the client's
+example count). FedProx (Li et al. 2020): each client adds ``(mu/2) ||w - w_global||^2`` to
+its loss; the server is FedAvg's. FedAvgM (Hsu et al. 2019): server momentum on FedAvg's
+step ``D_t``, ``v_t = beta v_{t-1} + D_t`` (``v_0 = 0``), ``w <- w + eta_s v_t``.
 """
 
 from __future__ import annotations
@@ -27,8 +16,8 @@ from ._common import Aggregator, Update, check_weights, linear_combination
 
 
 def fedavg_step(updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
-    """The example-weighted mean of the updates, per key, in float64, accumulated update by
-    update in the given order (no stacked copy: memory flat in the number of clients)."""
+    """The example-weighted mean of the updates per key, in float64, accumulated update by
+    update in order (memory flat in the number of clients)."""
     n = len(updates)
     w = check_weights(weights, n)
     total = float(w.sum())
@@ -49,9 +38,8 @@ def fedavg_step(updates: Sequence[Update], weights: Sequence[float]) -> dict[str
 
 
 def _as_vector(update: Update, names: list[str]) -> Tensor | None:
-    """``update``'s tensors (``names`` in order) as one vector without a copy, where they are
-    consecutive contiguous views of one CPU buffer of one dtype (what the server's one-pass
-    decoding gives); None otherwise. Each element is added as it would be tensor by tensor."""
+    """``update``'s tensors (``names`` in order) as one vector without a copy where they are
+    consecutive views of one CPU buffer (the server's one-pass decoding), else None."""
     first = update[names[0]] if names and names[0] in update else None
     if first is None or first.device.type != "cpu" or len(update) != len(names):
         return None
@@ -76,7 +64,7 @@ class FedAvgAggregator(Aggregator):
 
 
 def proximal_term(params: Iterable[Tensor], global_params: Iterable[Tensor], mu: float) -> Tensor:
-    """``(μ/2)·Σ_k ‖w_k − w_global,k‖²`` (squared L2 norm; global weights detached)."""
+    """``(mu/2) sum_k ||w_k - w_global,k||^2`` (global weights detached)."""
     total: Tensor | None = None
     for p, g in zip(params, global_params, strict=True):
         sq = (p - g.detach()).pow(2).sum()
@@ -87,13 +75,9 @@ def proximal_term(params: Iterable[Tensor], global_params: Iterable[Tensor], mu:
 
 
 class FedProxAggregator(FedAvgAggregator):
-    """Server side of FedProx: example-weighted FedAvg. ``mu`` is used by the clients."""
+    """FedAvg's server (``mu`` acts on the clients' loss)."""
 
     name = "FedProx"
-    spec_fields = ("mu",)
-
-    def __init__(self, mu: float) -> None:
-        self.mu = float(mu)
 
 
 class FedAvgMAggregator(Aggregator):

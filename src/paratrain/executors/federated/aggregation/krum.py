@@ -1,12 +1,7 @@
-"""Krum and Multi-Krum (Blanchard et al. 2017, "Machine Learning with Adversaries:
-Byzantine Tolerant Gradient Descent").
-
-Each update is flattened to a vector ``x_i``. With ``f`` = ``num_malicious`` and
-``m = max(1, n − f − 2)``, the score of client ``i`` is the sum of squared distances
-to its ``m`` nearest other clients: ``s(i) = Σ_{j ∈ N_m(i)} ‖x_i − x_j‖²``.
-``to_keep = 0`` (Krum): the step is the single update with the lowest score.
-``to_keep = k > 0`` (Multi-Krum): the ``k`` lowest-scoring updates are averaged,
-weighted by their example counts. Ties are broken by the lowest client index.
+"""Krum and Multi-Krum (Blanchard et al. 2017). With ``f = num_malicious`` and ``m = max(1, n
+- f - 2)``, client ``i``'s score is ``s(i) = sum_{j in N_m(i)} ||x_i - x_j||^2`` over its ``m``
+nearest others. Krum (``to_keep = 0``) steps by the lowest-scoring update, Multi-Krum by the
+example-weighted mean of the ``to_keep`` lowest; ties go to the lowest client index.
 """
 
 from __future__ import annotations
@@ -21,15 +16,9 @@ from .fedavg import fedavg_step
 
 
 def pairwise_squared_distances(x: Tensor) -> Tensor:
-    """``d2[i, j] = Σ_k (x[i, k] − x[j, k])²`` for the rows of ``x`` (float64).
-
-    Squared distances are summed directly — never a square root squared back
-    (``sqrt(d)² ≠ d`` in floating point, which would break exact ties in either
-    direction) nor the ``‖a‖² + ‖b‖² − 2ab`` matmul shortcut. Only the upper
-    triangle is computed and mirrored, so ``d2`` is exactly symmetric; for
-    integer-valued updates (below 2**53 after squaring) every entry is exact.
-    Memory is one ``(n, d)`` temporary per row, not ``(n, n, d)``.
-    """
+    """``d2[i, j] = sum_k (x[i, k] - x[j, k])^2`` (float64), summed directly: a squared square
+    root or the ``|a|^2 + |b|^2 - 2ab`` shortcut would break exact ties. The upper triangle
+    is mirrored (exactly symmetric); one ``(n, d)`` temporary per row."""
     n = x.shape[0]
     d2 = torch.zeros(n, n, dtype=x.dtype)
     for i in range(n - 1):
@@ -57,10 +46,8 @@ def krum_scores(vectors: Tensor, num_malicious: int) -> Tensor:
 
 
 def krum_select(vectors: Tensor, num_malicious: int, to_keep: int) -> list[int]:
-    """Indices chosen by Krum (``to_keep = 0``: one) or Multi-Krum (``to_keep`` lowest).
-
-    A stable sort makes the lowest index win ties.
-    """
+    """Indices chosen by Krum (``to_keep = 0``: one) or Multi-Krum (``to_keep`` lowest); a
+    stable sort makes the lowest index win ties."""
     scores = krum_scores(vectors, num_malicious)
     order = torch.sort(scores, stable=True).indices.tolist()
     k = 1 if to_keep == 0 else min(to_keep, len(order))
@@ -74,11 +61,9 @@ class KrumAggregator(Aggregator):
     def __init__(self, *, num_malicious: int = 0, to_keep: int = 0) -> None:
         self.num_malicious = int(num_malicious)
         self.to_keep = int(to_keep)
-        self.last_selected: list[int] = []
 
     def step(self, updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
         names = update_names(updates)
         flat = torch.cat([stack_key(updates, k).reshape(len(updates), -1) for k in names], dim=1)
         chosen = krum_select(flat, self.num_malicious, self.to_keep)
-        self.last_selected = chosen
         return fedavg_step([updates[i] for i in chosen], [weights[i] for i in chosen])

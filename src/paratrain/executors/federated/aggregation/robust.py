@@ -1,13 +1,7 @@
-"""Coordinate-wise robust aggregators (Yin et al. 2018, "Byzantine-Robust Distributed
-Learning: Towards Optimal Statistical Rates"). Both are unweighted: example counts are
-ignored so that a client cannot buy influence by claiming many examples.
-
-FedMedian: for each coordinate ``j``, ``step_j = median_i Δ_{i,j}``; with an even count the
-mean of the two middle values (as ``numpy.median`` does).
-
-FedTrimmedAvg: for each coordinate, sort the ``n`` client values, drop ``c = int(β·n)`` from
-each end and average the remaining ``n − 2c`` (``0 ≤ β < 0.5``, so at least one value is
-left). ``β·n < 1`` cuts nothing (plain unweighted mean).
+"""Coordinate-wise robust aggregators (Yin et al. 2018), unweighted so that a client cannot
+buy influence by claiming many examples. FedMedian: per coordinate the median of the client
+values (even count: the mean of the two middle ones). FedTrimmedAvg: per coordinate the
+mean after dropping ``int(beta n)`` values from each end (``0 <= beta < 0.5``).
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Federated on Flower's Deployment Runtime (``[federated] runtime = "flower"``): paratrain's
-ServerApp (:mod:`.serverapp`, ``@app.main()`` drives paratrain's own round loop over the
-``Grid``: :mod:`.serverloop`, :mod:`.federation`) and ClientApp (:mod:`.clientapp`:
-``@app.train()`` / ``@app.evaluate()`` run the local path's client step on the node's own
-partition, :mod:`.node`). Only :mod:`.serverapp`, :mod:`.clientapp` and :mod:`.federation`
-import ``flwr`` (the ``flower`` extra); importing this package does not.
-Start a federation and run the app: examples/federated_flower/README.md."""
+ServerApp (:mod:`.serverapp`, driving paratrain's own round loop, :mod:`.serverloop`) and
+ClientApp (:mod:`.clientapp`, the local path's client step on the node's partition,
+:mod:`.node`). Only :mod:`.serverapp`, :mod:`.clientapp`, :mod:`.federation` and
+:mod:`.secure` import ``flwr`` (the ``flower`` extra). How to run: examples/federated_flower.
+"""
 
 from __future__ import annotations
 

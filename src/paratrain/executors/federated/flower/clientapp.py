@@ -1,12 +1,11 @@
 """paratrain's Flower ClientApp (``paratrain.executors.federated.flower.clientapp:app``).
 
-The node hosts the clients ``c`` with ``c % num-partitions == partition-id`` (its
-``--node-config``). ``@app.train()`` runs the local path's client step for the selected
-clients it hosts (:func:`.node.train_clients`), ``@app.evaluate()`` scores each hosted client
-on its own test split (:func:`.node.score_node`); every reply names the clients it answers
-for and the node's partition. The clients' state lives in ``context.state["paratrain"]``
-and, with a ``state-dir``, on the node's disk (:mod:`.node_state`). A wrong ``node_config``
-or message is answered with a Flower error reply naming the problem."""
+The node hosts the clients ``c % num-partitions == partition-id`` (its ``--node-config``):
+``@app.train()`` runs the local path's client step for them (:func:`.node.train_clients`),
+``@app.evaluate()`` scores them on their test splits (:func:`.node.score_node`). Their state
+lives in ``context.state`` and, with a ``state-dir``, on the node's disk (:mod:`.node_state`).
+A wrong ``node_config`` or message gets a Flower error reply naming the problem.
+"""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ from .node_state import NodeStateFiles
 
 
 def _secure(msg: Message, context: Context, call_next: Any) -> Message:
-    """Flower's ``secaggplus_mod`` for the SecAgg+ messages of a secure round (they carry its
-    configs record); every other message goes straight to its handler."""
+    """Flower's ``secaggplus_mod`` for a secure round's SecAgg+ messages, else the handler."""
     if msg.metadata.message_type == "train" and SECAGG_CONFIGS in msg.content.config_records:
         stage = str(msg.content.config_records[SECAGG_CONFIGS].get("stage", ""))
         maybe_drop_at(stage)  # fault injection (tests): this node drops out at that stage
@@ -65,8 +63,8 @@ def _files(context: Context, plan: Any, p: int, n: int) -> NodeStateFiles | None
 
 
 def _state(context: Context, plan: Any, p: int, n: int) -> tuple[bytes | None, bool]:
-    """The node's clients' state entering ``plan``'s round: this run's context, else the
-    node's disk (second: whether it came from there)."""
+    """The node's clients' state entering ``plan``'s round: from this run's context, else the
+    node's disk (and whether it came from there)."""
     rec = context.state.config_records.get(P.STATE)
     blob = rec.get(P.HOST_STATE) if rec is not None else None
     if isinstance(blob, bytes):
@@ -77,8 +75,7 @@ def _state(context: Context, plan: Any, p: int, n: int) -> tuple[bytes | None, b
 
 
 def _keep(context: Context, plan: Any, p: int, n: int, state: bytes | None) -> None:
-    """After training round ``plan[round]``: the state entering the next one, in the context
-    and (with a state-dir) on disk."""
+    """Keep the state entering the round after ``plan``'s in the context and (state-dir) on disk."""
     if state is None:
         return
     entering = int(plan[P.ROUND]) + 1
@@ -126,8 +123,8 @@ def evaluate(msg: Message, context: Context) -> Message:
 
 
 def _train_secure(msg: Message, context: Context) -> Message:
-    """SecAgg+: train the hosted clients, return their weighted mean update and weight as the
-    legacy FitRes ``secaggplus_mod`` masks (the statuses travel without the updates)."""
+    """SecAgg+: the hosted clients' weighted mean update and weight as the legacy FitRes
+    ``secaggplus_mod`` masks (the statuses travel without the updates)."""
     from flwr.common import parameters_to_ndarrays
 
     from .node import train_secure

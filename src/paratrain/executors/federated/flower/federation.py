@@ -1,14 +1,11 @@
-"""The server's view of the SuperNodes over Flower's ``Grid``: which node hosts which
-client, one train (or evaluate) message per node per round, the replies, and the bytes of
-every message (the serialized size of its objects, Flower's ``deflate``; HTTP framing is
-not counted).
-
-Client ``c`` is hosted by the nodes whose ``partition-id`` is ``c % num-partitions``, which
-each node states in every reply. A round's message goes to every connected node not heard
-from yet and to those whose partition hosts a selected client; the round ends when every
-selected client has an answer (the first counts: a restarted SuperNode takes its partition
-back while its old id still looks connected) or after ``round_timeout``, when a client
-without one is a failed client of that round."""
+"""The server's view of the SuperNodes over Flower's ``Grid``: which node hosts which client,
+one message per node per round, the replies, and every message's bytes (its serialized
+objects, Flower's ``deflate``; HTTP framing not counted). Client ``c`` is hosted by the nodes
+whose ``partition-id`` is ``c % num-partitions`` (stated in every reply). A round's message
+goes to every connected node not heard from yet and to those hosting a selected client; the
+round ends when every selected client has an answer (the first counts: a restarted SuperNode
+takes its partition back while its old id still looks connected) or after ``round_timeout``.
+"""
 
 from __future__ import annotations
 
@@ -42,8 +39,7 @@ class Federation:
     def __init__(self, grid: Grid, job_json: str, opts: Any) -> None:
         self.grid, self.job_json, self.opts = grid, job_json, opts
         self.partition: dict[int, tuple[int, int]] = {}  # node id -> (partition-id, num-partitions)
-        # where nodes with a state-dir keep their clients' state (.node_state): the run's
-        # lineage and the oldest checkpoint the server could resume from; set by the round loop
+        # where nodes with a state-dir keep their clients' state (.node_state); set by the round loop
         self.lineage: str | None = None
         self.keep_from = 0
         self.attempt = 0  # the server's resumes (flower.json): older attempts' saves are dropped
@@ -114,8 +110,8 @@ class Federation:
     def train(self, round_idx: int, clients: Sequence[int], global_state: Mapping[str, Tensor],
               lr_scale: float, control: Mapping[str, Tensor] | None,
               ) -> tuple[list[dict[str, Any]], list[bytes | memoryview], int, int]:
-        """One round's training: every selected client's status and payload (a failed one for
-        each client no node answered for), and the bytes down and up."""
+        """One round's training: every selected client's status and payload (failed where no
+        node answered for it), and the bytes down and up."""
         plan = {P.JOB: self.job_json, P.ROUND: int(round_idx), P.LR_SCALE: float(lr_scale), **self._where()}
         replies, down, up, errors = self._send("train", clients, plan, global_state, control, f"train-{round_idx}")
         got: dict[int, tuple[dict[str, Any], bytes | memoryview]] = {}
@@ -135,8 +131,8 @@ class Federation:
 
     def evaluate(self, tag: str, clients: Sequence[int], global_state: Mapping[str, Tensor],
                  entering: int = 0) -> tuple[dict[int, dict[str, float]], int, int]:
-        """Each client's evaluation sums on its own test split (its node scores it, with its
-        clients' state entering round ``entering``)."""
+        """Each client's evaluation sums on its own test split, scored by its node with the
+        clients' state entering round ``entering``."""
         plan = {P.JOB: self.job_json, P.ROUND: int(entering), **self._where()}
         replies, down, up, _ = self._send("evaluate", clients, plan, global_state, None, f"evaluate-{tag}")
         sums: dict[int, dict[str, float]] = {}
@@ -149,10 +145,9 @@ class Federation:
     def train_secure(self, round_idx: int, clients: Sequence[int], global_state: Mapping[str, Tensor],
                      lr_scale: float, max_weight: float,
                      ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int, list[int]]:
-        """A secure round (Flower's SecAgg+, :mod:`.secure`) over the nodes hosting ``clients``:
-        the unmasked mean update (None when the protocol halted), every client's status (a
-        failed one for clients no node reported), the bytes down and up, and how many nodes
-        answered each of the protocol's stages."""
+        """A SecAgg+ round (:mod:`.secure`) over the nodes hosting ``clients``: the unmasked
+        mean update (None when the protocol halted), every client's status, the bytes down and
+        up, and how many nodes answered each stage."""
         from .secure import secure_round
 
         nodes = self.targets(clients)

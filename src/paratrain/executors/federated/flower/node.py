@@ -1,9 +1,7 @@
-"""A SuperNode's side of a round, without Flower: train the selected clients it hosts, or
-score them on their test splits (:mod:`.clientapp` wraps these). Each Flower message runs
-in a fresh process, so every call rebuilds the job's model and data
-(:func:`~.side.build_side`) and restores the node's clients' state from its blob
-(:meth:`ClientHost.state_dict`); it trains at one intra-op thread, as the local path's
-workers do."""
+"""A SuperNode's side of a round, without Flower (:mod:`.clientapp` wraps it). Each message
+runs in a fresh process, so every call rebuilds the job's model and data and restores the
+node's clients' state from its blob; it trains at one intra-op thread, as local workers do.
+"""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ def _check_global(template: Mapping[str, Tensor], got: Mapping[str, Tensor]) -> 
 
 def _node(job_json: str, partition: int, num_partitions: int, state: bytes | None,
           global_state: Mapping[str, Tensor]) -> tuple[Side, ClientHost, dict[str, Tensor]]:
-    """The job's side for this node's partition, its clients' state restored, and the
-    server's model checked against the job's."""
+    """The job's side for this partition, its clients' state restored, the server's model checked."""
     job = job_from_json(job_json)
     side = build_side(job, partition=partition, num_partitions=num_partitions)
     host = side.host
@@ -54,9 +51,8 @@ def train_clients(job_json: str, *, round_idx: int, clients: list[int], lr_scale
                   global_state: Mapping[str, Tensor], control: Mapping[str, Tensor] | None,
                   partition: int, num_partitions: int, state: bytes | None,
                   ) -> tuple[list[dict[str, Any]], bytes, bytes | None]:
-    """Train those of the round's selected ``clients`` this node hosts for round ``round_idx``;
-    returns their statuses (the local path's), the concatenated payloads and the node's new
-    state blob (None when the job's clients keep no state)."""
+    """Train the selected ``clients`` this node hosts; returns their statuses, the concatenated
+    payloads and the node's new state blob (None when the clients keep no state)."""
     with use_threads(1):
         side, host, glob = _node(job_json, partition, num_partitions, state, global_state)
         results = [host.train_one(c, round_idx, glob, lr_scale, control=control) for c in clients if host.hosts(c)]
@@ -66,8 +62,7 @@ def train_clients(job_json: str, *, round_idx: int, clients: list[int], lr_scale
 
 def score_node(job_json: str, *, clients: list[int], global_state: Mapping[str, Tensor],
                partition: int, num_partitions: int, state: bytes | None) -> dict[int, dict[str, float]]:
-    """The task's evaluation sums of each hosted client in ``clients`` on its own test split,
-    with ``(w_G, w_P^c)`` (:func:`~paratrain.executors.federated.personal.score_clients`)."""
+    """Each hosted client's evaluation sums on its own test split (:func:`..personal.score_clients`)."""
     with use_threads(1):
         side, host, glob = _node(job_json, partition, num_partitions, state, global_state)
         mine = [c for c in clients if host.hosts(c)]
@@ -76,10 +71,9 @@ def score_node(job_json: str, *, clients: list[int], global_state: Mapping[str, 
 
 def node_mean(statuses: list[dict[str, Any]], payload: bytes, template: Mapping[str, Tensor],
               ) -> tuple[list[Any], int]:
-    """Secure rounds: the example-weighted mean ``u = sum_c n_c D_c / N`` of this node's
-    successful clients' (float32, uncompressed) updates as numpy arrays in the model's key
-    order, and ``N = sum_c n_c`` (0 and zeros when none succeeded). A client whose update
-    fails the server's checks is marked failed in its status (the server never sees it alone)."""
+    """Secure rounds: ``u = sum_c n_c D_c / N`` over this node's successful clients (numpy, the
+    model's key order) and ``N = sum_c n_c``; a client whose update fails the server's checks
+    is marked failed here (the server never sees it alone)."""
     from ..aggregation import MalformedUpdateError
     from ..wire import decode_update, split_payload
 
@@ -106,9 +100,8 @@ def node_mean(statuses: list[dict[str, Any]], payload: bytes, template: Mapping[
 def train_secure(job_json: str, *, round_idx: int, clients: list[int], lr_scale: float, keys: list[str],
                  arrays: list[Any], partition: int, num_partitions: int, state: bytes | None,
                  ) -> tuple[list[dict[str, Any]], list[Any], int, bytes | None]:
-    """A secure round's client step: the server's model comes as arrays in the order of
-    ``keys`` (checked against the job's model); returns the statuses, the node's mean update,
-    its weight and its new state blob."""
+    """A secure round's client step (the model as arrays in the order of ``keys``): the
+    statuses, the node's mean update, its weight and its new state blob."""
     if len(arrays) != len(keys):
         raise NodeError(f"the server sent {len(arrays)} arrays for {len(keys)} keys")
     glob = {k: torch.from_numpy(np.array(a, copy=True)) for k, a in zip(keys, arrays, strict=True)}

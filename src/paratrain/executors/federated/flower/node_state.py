@@ -1,18 +1,15 @@
 """A SuperNode's clients' state on its own disk, so a restarted ServerApp resumes it.
 
-Flower keeps ``context.state`` per run, and a ServerApp restarted with ``resume = true`` is a
-new ``flwr run``: every node's context starts empty. So a node given a ``state-dir`` also
-writes its state blob after each round it trains, atomically, as
-``<state-dir>/<job name>/<lineage>/partition-<p>-of-<n>/round-<k>.bin`` (the state entering
-round ``k``). ``lineage`` is drawn when the run folder is created and kept across resumes
-(a new run of the same name never reads an older run's files; the other lineages are
-removed at the first save). A message with an empty context reads the newest file with
-``k <=`` the round it needs. The node keeps the newest file at or below the server's
-``keep_from`` (its oldest kept checkpoint) and every later one, and removes files of
-rounds after the one it writes (a timeline the resume abandoned). Each resume of the server
-is a new ``attempt`` (``flower.json``): a save from an older attempt than the folder has seen
-(a killed server's message still running on the node) changes nothing, so it cannot remove
-the resumed run's newer files."""
+A restarted ServerApp is a new ``flwr run`` whose nodes' ``context.state`` starts empty, so a
+node given a ``state-dir`` writes its state blob after each round, atomically, as
+``<state-dir>/<job name>/<lineage>/partition-<p>-of-<n>/round-<k>.bin`` (entering round
+``k``), and an empty context reads the newest file with ``k <=`` the round it needs. The
+lineage (drawn with the run folder) keeps a new run of the same name off older files, which
+the first save removes. A save keeps the newest file at or below ``keep_from`` (the server's
+oldest checkpoint) and every later one, and removes rounds after its own (an abandoned
+timeline); a save of an older server ``attempt`` than the folder has seen (a killed server's
+message still running) changes nothing.
+"""
 
 from __future__ import annotations
 

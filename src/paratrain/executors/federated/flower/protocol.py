@@ -1,13 +1,11 @@
-"""The names paratrain's ServerApp and ClientApp agree on (record keys, node_config keys,
-run_config keys). No Flower import here.
+"""The names paratrain's ServerApp and ClientApp agree on (record, node_config and
+run_config keys) and how the server waits for replies. No Flower import here.
 
-A train message carries ``ConfigRecord "plan"`` {job (as JSON), round, clients, lr_scale,
-lineage, keep_from (:mod:`.node_state`)}, ``ArrayRecord "global"`` (the server's model, exact
-dtypes) and with SCAFFOLD ``ArrayRecord "control"``; its reply ``ConfigRecord "result"``
-{statuses (the local path's, as JSON), payload (the concatenated encoded updates), clients,
-partition-id, num-partitions}. An evaluate message carries the plan and the model; its reply
-``result`` {sums (each hosted client's evaluation sums), clients, partition-id,
-num-partitions}."""
+A train message carries ``ConfigRecord "plan"`` {job (JSON), round, clients, lr_scale,
+lineage, keep_from, attempt}, ``ArrayRecord "global"`` and with SCAFFOLD ``"control"``; its
+reply ``"result"`` {statuses (JSON), payload, clients, partition-id, num-partitions}. An
+evaluate reply carries ``sums`` (each hosted client's evaluation sums) instead.
+"""
 
 from __future__ import annotations
 

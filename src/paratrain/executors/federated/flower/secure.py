@@ -1,16 +1,11 @@
 """Secure aggregation on Flower's runtime through Flower's own SecAgg+ (Bell et al. 2020):
-``SecAggPlusWorkflow`` on the server and ``secaggplus_mod`` on every node; paratrain writes
-no cryptography.
-
-In the workflow's masked-vector stage each node trains the selected clients it hosts and
-returns their example-weighted mean update ``u_j`` with weight ``N_j = sum_c n_c``;
-``secaggplus_mod`` scales, clips, quantizes and masks it. The server only unmasks
-``sum_j N_j u_j / sum_j N_j`` = the clients' FedAvg mean update (to the fixed-point
-precision of ``clipping_range / quantization_range``) and hands that one update of weight
-``sum_j N_j`` to the job's FederatedServer, so only aggregators that act on the mean update
-compose (validate refuses the others and compressed updates). A node that drops after
-masking is survived while ``reconstruction_threshold`` of its neighbours answer the unmask
-stage. This module holds the server's part; :mod:`.clientapp` the node's."""
+``SecAggPlusWorkflow`` on the server, ``secaggplus_mod`` on every node; paratrain writes no
+cryptography. Each node returns its clients' example-weighted mean update ``u_j`` with weight
+``N_j = sum_c n_c``, which the mod masks; the server unmasks only ``sum_j N_j u_j / sum_j
+N_j``, the FedAvg mean (to the fixed-point precision of ``clipping_range /
+quantization_range``), and hands it to the FederatedServer as one update of weight ``sum_j
+N_j``, so only aggregators acting on the mean compose. This module is the server's part.
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""paratrain's Flower ServerApp (``paratrain.executors.federated.flower.serverapp:app``).
-
-``@app.main()`` reads the job file named by the run config (``flwr run APP FEDERATION
---run-config 'job="/path/job.toml"'``; ``resume = true`` continues the run folder's newest
-checkpoint, ``overwrite = true`` replaces a finished run, ``workdir`` anchors a relative
-``run.output_dir``, default the job file's folder), checks it (the federated checks of ``paratrain validate``)
-and drives paratrain's own round loop (:func:`.serverloop.run_server`) over Flower's ``Grid``
-(:class:`.federation.Federation`). The job must say ``[federated] runtime = "flower"``."""
+"""paratrain's Flower ServerApp (``paratrain.executors.federated.flower.serverapp:app``):
+``@app.main()`` loads the job named by the run config (``flwr run APP FEDERATION --run-config
+'job="/path/job.toml"'``, with ``resume``, ``overwrite`` and ``workdir``), which must say
+``[federated] runtime = "flower"``, and drives :func:`.serverloop.run_server` over the Grid.
+"""
 
 from __future__ import annotations
 

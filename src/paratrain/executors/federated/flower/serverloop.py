@@ -1,12 +1,9 @@
 """paratrain's federated round loop over Flower's Deployment Runtime (server side, no
-Flower import: the nodes are reached through a :class:`~.federation.Federation`).
-
-Per round the loop selects clients as the local path does, hands the nodes' replies to the
-local path's :class:`~..server.FederatedServer` (``wire_bytes_*_measured``: the round's
-Message bytes) and checkpoints in the local path's format (:mod:`..state`), so a restarted
-ServerApp with ``resume = true`` continues bit-identically. The clients' own state lives on
-the nodes (:mod:`.node_state`); a node without a ``state-dir`` starts its clients afresh
-after a server restart (``resume_note``)."""
+Flower import: the nodes are reached through a :class:`~.federation.Federation`). It selects
+clients, aggregates (:class:`~..server.FederatedServer`) and checkpoints as the local path
+does, so a restarted ServerApp with ``resume = true`` continues bit-identically; the clients'
+state lives on the nodes (:mod:`.node_state`).
+"""
 
 from __future__ import annotations
 
@@ -40,9 +37,8 @@ if TYPE_CHECKING:  # the loop itself imports no Flower
 
 
 def _lineage(run_dir: Path) -> tuple[str, int]:
-    """The run's lineage id and attempt (``flower.json``): the lineage drawn when the run folder
-    is new and kept across resumes, nodes keeping their clients' state under it; the attempt
-    counts this folder's resumes (:mod:`.node_state`)."""
+    """The run's lineage id (drawn with the run folder, kept across resumes) and attempt (its
+    resumes), in ``flower.json`` (:mod:`.node_state`)."""
     path = run_dir / "flower.json"
     try:
         doc = json.loads(path.read_text()) if path.exists() else {}
@@ -130,8 +126,7 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
 def _secure_round(side: Side, server: FederatedServer, nodes: Nodes, r: int, clients: list[int],
                   lr_scale: float) -> dict[str, Any]:
     """A SecAgg+ round: the unmasked mean update goes to the FederatedServer as one update of
-    weight ``sum n_c`` (what FedAvg and the server optimizers reduce the clients' updates
-    to); the round's record then counts the clients themselves."""
+    weight ``sum n_c``; the round's record then counts the clients themselves."""
     max_weight = float(sum(len(side.partitions[c]) for c in clients)) or 1.0
     mean, statuses, down, up, answered = nodes.train_secure(r, clients, server.global_state, lr_scale, max_weight)
     ok = [st for st in statuses if st.get("ok")]

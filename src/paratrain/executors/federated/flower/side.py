@@ -1,8 +1,6 @@
-"""What the server, every node and every worker of the local path build from the job: the
-seeded model, the task's data, the clients' partitions, per-client test splits and personal
-keys, the same function of ``(job, seed)`` on every process (so the two paths train the same
-clients identically). Partition ``p`` of ``P`` hosts the clients ``c % P == p``, as worker
-rank ``p`` of ``P`` does. No Flower import here."""
+"""What the server, every node and every local worker build from the job (model, data,
+partitions, per-client splits, personal keys): the same function of ``(job, seed)`` on every
+process, so both runtimes train the same clients identically. No Flower import here."""
 
 from __future__ import annotations
 
@@ -55,15 +53,15 @@ def job_from_json(text: str) -> JobConfig:
 
 def stateful(job: JobConfig, personal_keys: list[str]) -> bool:
     """Clients carry state between rounds (personal parts, error-feedback residuals, SCAFFOLD's
-    control variates): the node keeps it in ``context.state``."""
+    control variates)."""
     comp = job.compression is not None and getattr(job.compression, "method", "None") != "None"
     return bool(personal_keys) or uses_control(getattr(job.strategy, "aggregation", None)) or comp
 
 
 def build_side(job: JobConfig, *, partition: int | None = None, num_partitions: int = 1,
                device: torch.device | None = None) -> Side:
-    """Build the job's model and data as a worker does; with ``partition`` also the
-    :class:`ClientHost` of the clients that partition hosts."""
+    """Build the job's model and data; with ``partition`` also the :class:`ClientHost` of the
+    clients ``c % num_partitions == partition``."""
     strat: Any = job.strategy
     if getattr(strat, "type", None) != "Federated":
         raise ConfigError([("strategy.type", f"the Flower app runs Federated jobs, not {getattr(strat, 'type', None)!r}")])

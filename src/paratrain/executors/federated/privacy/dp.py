@@ -1,17 +1,11 @@
-"""DP-FedAvg on the federated round (the maths: :mod:`.mechanism`; the user's view:
-docs/federated.md): the server's and the clients' parts, the job's checks and
-``validate``'s description.
+"""DP-FedAvg on the federated round (the maths: :mod:`.mechanism`): the server's and the
+clients' parts, the job's checks and ``validate``'s description.
 
-Central mode (:meth:`ServerPrivacy.privatize`) releases, with ``w_k = min(n_k, c)``
-(``c = weight_cap``: one client moves the sum by at most ``S c``),
-
-    D = (sum_k w_k clip(D_k, S) + N(0, (z_D S c)^2 I)) / (q W),   W = sum_all min(n_k, c),
-
-as the round's only update; failed clients count as absent, the denominator never changes.
-With ``z = 0``, ``S = inf``, ``c >= max n_k`` and every client selected this is FedAvg's
-example-weighted mean, bit for bit. Local mode (:func:`client_privatize`): each client sends
-``clip(D_k, S) + N(0, (z S)^2 I)`` drawn from ``(seed, round, client)``; the server knows who
-took part, so it is accounted at ``q = 1``.
+Central mode (:meth:`ServerPrivacy.privatize`) releases, with ``w_k = min(n_k, c)`` (``c =
+weight_cap``), ``D = (sum_k w_k clip(D_k, S) + N(0, (z_D S c)^2 I)) / (q W)``, ``W = sum_all
+min(n_k, c)``, as the round's only update; with ``z = 0``, ``S = inf``, ``c >= max n_k`` and
+every client selected this is FedAvg bit for bit. Local mode (:func:`client_privatize`): each
+client sends ``clip(D_k, S) + N(0, (z S)^2 I)``, accounted at ``q = 1``.
 """
 from __future__ import annotations
 
@@ -41,9 +35,8 @@ CENTRAL_AGGREGATIONS = ("FedAvg", "FedProx", "FedAvgM", "FedAdam", "FedYogi", "F
 
 
 def sample_rate(strategy: Any, mode: str = "central") -> float:
-    """The expected fraction of clients per round: ``Random``: ``k / N`` (``k`` as
-    selection draws); ``All``, ``ByCapability`` (the same clients every round) and local
-    mode (no amplification against the server): 1."""
+    """The expected fraction of clients per round: ``k / N`` for ``Random``, else 1 (the same
+    clients every round; local mode: no amplification against the server)."""
     sel = strategy.client_selection
     if mode == "local" or getattr(sel, "method", None) != "Random":
         return 1.0
@@ -106,8 +99,7 @@ class ServerPrivacy:
         return [step], [1.0], rec
 
     def account(self, round_idx: int) -> dict[str, Any]:
-        """Book round ``round_idx`` (0-based); the record's ``epsilon``/``delta``; when the
-        next round would pass ``target_epsilon``, ``stop_note`` says so."""
+        """Book round ``round_idx``; the record's ``epsilon``, ``delta`` (and ``dp_stop``)."""
         self.accountant.step(self.z, self.q)
         rec: dict[str, Any] = {"epsilon": self.accountant.epsilon(), "delta": self.accountant.delta}
         if not self.allows_next_round():
@@ -115,8 +107,7 @@ class ServerPrivacy:
         return rec
 
     def allows_next_round(self) -> bool:
-        """False (and ``stop_note`` set, printed once) when one more round would spend
-        more than ``target_epsilon``."""
+        """False (``stop_note`` set and printed once) when one more round would pass ``target_epsilon``."""
         if self.target is None:
             return True
         nxt = self.accountant.epsilon_after(self.z, self.q)
@@ -156,11 +147,9 @@ class ServerPrivacy:
 
 def build_server_privacy(job: Any, client_sizes: Sequence[int] | None = None,
                          client_tags: Mapping[int, Sequence[str]] | None = None) -> ServerPrivacy | None:
-    """The job's :class:`ServerPrivacy` (None without ``[federated.dp]``). ``W`` sums
-    ``min(n_k, weight_cap)`` over the clients that can take part: every client, or under
-    ``ByCapability`` the fixed set its tags select (``client_tags``, as selection reads
-    them; each of them takes part every round). ``client_sizes`` (every client's example
-    count) are needed for ``weight_cap > 1``."""
+    """The job's :class:`ServerPrivacy` (None without ``[federated.dp]``); ``W`` sums ``min(n_k,
+    weight_cap)`` over the clients that can take part (under ``ByCapability`` the set
+    ``client_tags`` select). ``client_sizes`` are needed for ``weight_cap > 1``."""
     spec = job.federated.dp
     if spec is None:
         return None

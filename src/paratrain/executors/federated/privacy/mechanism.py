@@ -1,39 +1,21 @@
 """The Gaussian mechanism of DP-FedAvg as pure functions on client updates, and its accounting.
 
-McMahan, Ramage, Talwar, Zhang 2018, "Learning Differentially Private Recurrent Language
-Models" (Algorithm 1, fixed-denominator estimator): each update ``D_k`` is clipped to L2
-norm ``S`` over all its floating tensors together,
+McMahan, Ramage, Talwar, Zhang 2018 (Algorithm 1, fixed-denominator estimator): each update
+``D_k`` is clipped over all its floating tensors, ``clip(D, S) = D * min(1, S / ||D||)``; the
+server adds ``N(0, (z S)^2 I)`` to ``sum_k w_k clip(D_k, S)`` (``w_k <= 1``) and divides by the
+*expected* total weight ``q W``, never the realised one (which depends on who took part).
 
-    clip(D, S) = D * min(1, S / ||D||),
+Adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy 2021): with ``b_k = 1[||D_k|| <= S]``
+and ``b = (sum_k b_k + N(0, sigma_b^2)) / (q N)``, ``S <- S * exp(-eta (b - gamma))`` follows
+the ``gamma`` quantile of the norms. The count costs privacy too: updates noised at ``z_D``
+with ``z^-2 = z_D^-2 + (2 sigma_b)^-2`` make a round of multiplier ``z`` (their Theorem 1).
 
-the server forms ``sum_k w_k clip(D_k, S)`` (``w_k <= 1``, so one client changes the sum by
-at most ``S`` in L2), adds ``N(0, (z S)^2 I)`` and divides by the *expected* total weight
-``q W`` (``q`` the sampling rate, ``W = sum over all clients of w_k``), never by the
-realised one (which would depend on who took part).
-
-Adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy 2021, "Differentially Private
-Learning with Adaptive Clipping"): with ``b_k = 1[||D_k|| <= S]`` and the noised fraction
-``b = (sum_k b_k + N(0, sigma_b^2)) / (q N)``, the clip follows the ``gamma`` quantile of
-the update norms geometrically, ``S <- S * exp(-eta (b - gamma))``. Releasing the count
-costs privacy too: with the updates noised at multiplier ``z_D`` the round is a Gaussian
-mechanism of multiplier ``z`` where ``z^-2 = z_D^-2 + (2 sigma_b)^-2`` (their Theorem 1),
-so :func:`update_noise_multiplier` gives the ``z_D`` that keeps the configured ``z``.
-
-Every draw comes from :func:`dp_generator` seeded by ``(seed, round[, client])``, so a
-resumed run draws the same noise.
-
-The privacy spent (:class:`PrivacyAccountant`, over Opacus's RDP accountant): each round
-is one sampled Gaussian mechanism of noise multiplier ``z`` and sampling rate
-``q`` (Mironov 2017, "Renyi Differential Privacy"; Mironov, Talwar, Zhang 2019, "Renyi
-Differential Privacy of the Sampled Gaussian Mechanism"): the RDP of the rounds adds up
-over the orders ``alpha`` of :class:`opacus.accountants.RDPAccountant` and converts to the
-smallest ``epsilon`` for the configured ``delta``. ``z = 0`` releases the updates
-unnoised: ``epsilon = inf``.
-
-The analysis assumes Poisson sampling of the clients at rate ``q``; paratrain's
-``Random`` selection draws exactly ``k = q N`` clients without replacement, the same
-approximation DP-FedAvg's implementations make (McMahan et al. 2018 account their
-fixed-size samples this way too).
+Accounting (:class:`PrivacyAccountant`, Opacus's RDP accountant; Mironov 2017, Mironov,
+Talwar, Zhang 2019): each round is one sampled Gaussian mechanism ``(z, q)``; the RDP adds
+up over the orders and converts to the smallest ``epsilon`` at ``delta`` (``z = 0``: inf).
+Poisson sampling is assumed while ``Random`` draws exactly ``q N`` clients, the approximation
+DP-FedAvg's implementations make. Every draw comes from :func:`dp_generator` seeded by
+``(seed, round[, client])``, so a resumed run draws the same noise.
 """
 
 from __future__ import annotations
@@ -49,11 +31,13 @@ import torch
 from torch import Tensor
 
 
-def dp_generator(seed: int, round_idx: int, client: int | None = None, salt: str = "dp") -> torch.Generator:
-    """A CPU generator determined by ``(salt, seed, round[, client])`` (blake2b)."""
+def dp_generator(seed: int, round_idx: int, client: int | None = None, salt: str = "dp",
+                 generator: torch.Generator | None = None) -> torch.Generator:
+    """A CPU generator determined by ``(salt, seed, round[, client])`` (blake2b, stable
+    everywhere): ``generator`` reseeded (a new one when None)."""
     tag = f"{salt}|{seed}|{round_idx}" + ("" if client is None else f"|{client}")
     h = hashlib.blake2b(tag.encode(), digest_size=8).digest()
-    g = torch.Generator()
+    g = generator if generator is not None else torch.Generator()
     g.manual_seed(int.from_bytes(h, "little") & ((1 << 63) - 1))
     return g
 
@@ -67,8 +51,7 @@ def update_norm(update: Mapping[str, Tensor]) -> float:
 
 
 def clip_update(update: Mapping[str, Tensor], clip: float | None) -> tuple[dict[str, Tensor], float]:
-    """``(D * min(1, clip / ||D||), ||D||)``; ``clip`` None or inf, or ``||D|| <= clip``,
-    returns the tensors unchanged (the same objects: no rounding)."""
+    """``(D * min(1, clip / ||D||), ||D||)``; the same tensors when nothing is clipped."""
     norm = update_norm(update)
     if clip is None or math.isinf(clip) or norm <= clip:
         return dict(update), norm
@@ -77,8 +60,7 @@ def clip_update(update: Mapping[str, Tensor], clip: float | None) -> tuple[dict[
 
 
 def add_noise(total: Mapping[str, Tensor], std: float, generator: torch.Generator) -> dict[str, Tensor]:
-    """``total + N(0, std^2 I)``, drawn key by key in sorted order from ``generator``
-    (float64 draws, cast to each tensor's dtype); ``std = 0`` returns ``total`` as is."""
+    """``total + N(0, std^2 I)``, float64 draws key by key in sorted order, cast back."""
     if std == 0.0:
         return dict(total)
     out = dict(total)
@@ -100,10 +82,8 @@ def adaptive_clip(clip: float, unclipped: int, expected_clients: float, *, targe
 
 
 def update_noise_multiplier(z: float, count_stddev: float | None) -> float:
-    """``z_D = (z^-2 - (2 sigma_b)^-2)^(-1/2)``: the updates' noise multiplier that makes a
-    round with adaptive clipping a Gaussian mechanism of multiplier ``z`` (``z`` itself
-    without adaptive clipping, ``count_stddev`` None). A ValueError when ``2 sigma_b <= z``
-    (the count alone would spend the whole budget)."""
+    """``z_D = (z^-2 - (2 sigma_b)^-2)^(-1/2)`` (``z`` without adaptive clipping); a ValueError
+    when ``2 sigma_b <= z``."""
     if count_stddev is None or z == 0.0:
         return z
     if 2.0 * count_stddev <= z:
@@ -125,10 +105,8 @@ def _rdp_one_round(z: float, q: float) -> Any:
 
 
 def rdp_epsilon(history: Sequence[Sequence[float]], delta: float) -> float:
-    """``epsilon`` at ``delta`` after the rounds ``history`` = ``[(z, q, rounds), ...]``:
-    ``RDPAccountant.get_epsilon``'s computation (the RDP of ``n`` rounds is ``n`` times one
-    round's, summed over the history, converted by Opacus's ``get_privacy_spent``), with one
-    round's RDP cached; 0 for no rounds, inf when a round had no noise."""
+    """``epsilon`` at ``delta`` after ``history = [(z, q, rounds), ...]``, computed as
+    ``RDPAccountant.get_epsilon`` with one round's RDP cached; inf when a round had no noise."""
     if not history:
         return 0.0
     if any(float(z) == 0.0 for z, _, _ in history):
