@@ -26,15 +26,13 @@ import torch.distributed as dist
 
 from .collectives import CommCounter, broadcast_, count_op, nbytes_of, world_size
 
-DEFAULT_BUCKET_MB = 25.0
-
 
 def bucket_bytes_of(bucket_size_mb: float) -> int:
     """``bucket_size_mb`` in bytes; MB means MiB, as in torch DDP's ``bucket_cap_mb``."""
     return max(1, int(bucket_size_mb * 1024 * 1024))
 
 
-DEFAULT_BUCKET_BYTES = bucket_bytes_of(DEFAULT_BUCKET_MB)
+DEFAULT_BUCKET_BYTES = bucket_bytes_of(25.0)  # torch DDP's default bucket_cap_mb
 
 
 def make_buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int, *,

@@ -1,14 +1,9 @@
 """Worker processes that start in milliseconds: a forkserver that has imported torch once.
 
 ``import torch`` costs about 3 s of CPU in every process ``spawn`` starts (a 4-rank launch on
-2 cores spent ~6 s importing). :func:`context` is the *forkserver* context whose one
-single-threaded server imported torch and the caller's ``preload``; workers are ``fork()``s of
-it, before any torch thread pool exists. A forked worker inherits the *server's* state, so
-:class:`ParentState` carries what ``spawn`` would give (environment with the launcher's keys on
-top, working directory, ``sys.path``, the parent's *current* stdout/stderr as ``DupFd``),
-restored by :meth:`ParentState.apply` before anything is unpickled. :func:`stop`
-(at exit) ends and reaps the server and the resource tracker, which otherwise outlived
-``paratrain run`` by 1-2 s; :func:`warm` starts the server while this process checks the job.
+2 cores spent ~6 s importing). :func:`context`'s one single-threaded server imports torch and
+the caller's ``preload``; workers are ``fork()``s of it, before any torch thread pool exists,
+and inherit the *server's* state, so :class:`ParentState` carries what ``spawn`` would give.
 """
 
 from __future__ import annotations
@@ -54,8 +49,8 @@ _STOP_AT_EXIT = False
 
 
 def warm(preload: Sequence[str] = ()) -> None:
-    """Start the forkserver now, without waiting (a no-op when it runs); ``preload`` is a hint:
-    the server skips a name that fails to import."""
+    """Start the forkserver now (while this process checks the job), without waiting; a no-op
+    when it runs. ``preload`` is a hint: the server skips a name that fails to import."""
     context(preload)
     multiprocessing.forkserver.ensure_running()
 
@@ -75,8 +70,9 @@ def _reap(pid: int, timeout_s: float) -> None:
 
 def stop(timeout_s: float = 10.0) -> None:
     """End the forkserver (SIGKILL: it holds no state, so its 1-2 s interpreter shutdown is
-    skipped) and the resource tracker (EOF, its normal end) this process started, and reap
-    both within ``timeout_s``; through CPython's ``multiprocessing`` singletons."""
+    skipped) and the resource tracker (EOF, its normal end) this process started, which
+    otherwise outlived ``paratrain run`` by 1-2 s, and reap both within ``timeout_s``; through
+    CPython's ``multiprocessing`` singletons."""
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     lock = getattr(server, "_lock", None)
     if lock is not None:
@@ -137,7 +133,8 @@ def _inherit(fd: int) -> _InheritFd | None:
 
 @dataclass
 class ParentState:
-    """What a spawned child would inherit from its parent *now* (see module docstring)."""
+    """What a spawned child would inherit from its parent *now*: environment, working directory,
+    ``sys.path``, the current stdout/stderr (as ``DupFd``)."""
 
     environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
     cwd: str = field(default_factory=os.getcwd)
@@ -145,8 +142,8 @@ class ParentState:
     stdio: tuple[Any, Any] = field(default_factory=lambda: (_inherit(1), _inherit(2)))
 
     def apply(self) -> None:
-        """In the child: take the parent's environment (keeping the launcher's per-rank
-        keys), directory, import path and stdout/stderr."""
+        """In the child, before anything is unpickled: take them (keeping the launcher's
+        per-rank environment keys)."""
         launcher = {k: v for k, v in os.environ.items()
                     if k in _LAUNCHER_KEYS or k.startswith("TORCHELASTIC_")}
         os.environ.clear()

@@ -53,19 +53,12 @@ class Mesh:
                 out.append([r + k * stride for k in range(n)])
         return out
 
-    def formula(self) -> str:
-        """The rank layout as a formula, e.g. ``rank = dp*2 + tp``."""
-        terms = []
-        for i, d in enumerate(self.dims):
-            stride = self._stride(i)
-            terms.append(d if stride == 1 else f"{d}*{stride}")
-        return "rank = " + " + ".join(terms)
-
     def describe(self) -> dict[str, object]:
         """What ``paratrain graph`` / ``validate --explain`` show: the shape, the rank
-        formula and every dimension's groups."""
+        formula (``rank = dp*2 + tp``) and every dimension's groups."""
+        terms = [d if self._stride(i) == 1 else f"{d}*{self._stride(i)}" for i, d in enumerate(self.dims)]
         return {"dims": list(self.dims), "sizes": [int(s) for s in self.sizes],
-                "layout": self.formula(),
+                "layout": "rank = " + " + ".join(terms),
                 "groups": {d: self.groups(d) for d in self.dims}}
 
     @staticmethod

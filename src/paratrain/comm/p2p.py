@@ -91,7 +91,6 @@ class P2PTransport:
         # (peer, kind, segment, rows) -> (dtype, shape) agreed by the first header.
         self._shapes: dict[tuple[int, str, int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
         self.bytes_sent = 0
-        self.bytes_received = 0
         self.wait_s = 0.0  # time spent blocked in recv (idle, not compute)
         self.posted_count = 0  # receives posted ahead with :meth:`post`
 
@@ -157,7 +156,6 @@ class P2PTransport:
             payload = torch.empty(shape, dtype=dtype, device=self.device)
             dist.recv(payload, src, group=self.group, tag=2 * tag + 1)
         self.wait_s += time.perf_counter() - t0
-        self.bytes_received += nbytes_of(payload)
         return payload
 
     def flush(self) -> None:
@@ -167,13 +165,12 @@ class P2PTransport:
         self._pending.clear()
 
     def close(self) -> None:
-        # Receives posted ahead but never consumed only happen when a step was aborted
-        # by an error; the process group's teardown cancels them.
         self.flush()
         self.abort()
 
     def abort(self) -> None:
         """Close after an error: pending sends are dropped, not waited for (a peer that
-        failed never receives them); the process group's teardown cancels them."""
+        failed never receives them), as are receives posted ahead and never consumed; the
+        process group's teardown cancels them."""
         self._pending.clear()
         self._posted.clear()

@@ -1,15 +1,8 @@
-"""Where the worker processes meet, on one machine or several.
-
-:func:`launch_config` is torch's ``LaunchConfig`` for this node: alone, a c10d rendezvous on
-``127.0.0.1`` port 0 (the kernel picks the port as the store binds it, so no other process
-takes it first); across nodes, ``--nnodes/--node-rank/--rdzv-endpoint`` (``PARATRAIN_*``,
-checked by :func:`check_nodes`, whose errors name the flags), as ``torchrun``: with a node rank
-the ``static`` backend, without one ``c10d``. Where this host's name resolves to loopback,
-peers would be told to connect to their own ("Gloo connectFullMesh failed"):
-:func:`gloo_interface` and :func:`rendezvous_host` then take the route to the master. Node 0's
-agent keeps one TCPStore across restarts, and attempt numbers differ across machines, so
-:func:`group_prefix` agrees on a fresh key prefix per group: rank 0's random id echoed back to
-each rank's random token, never an id a dead rank 0 left.
+"""Where the worker processes meet, on one machine or several: :func:`launch_config` (alone, a
+c10d rendezvous on ``127.0.0.1`` port 0; across nodes, ``--nnodes/--node-rank/--rdzv-endpoint``
+as ``torchrun``), :func:`gloo_interface` and :func:`rendezvous_host` where this host's name
+resolves to loopback (peers would be told to connect to their own: "Gloo connectFullMesh
+failed"), and :func:`group_prefix`, a fresh store key prefix per process group.
 """
 
 from __future__ import annotations
@@ -99,7 +92,10 @@ def gloo_interface(master_addr: str, master_port: int) -> str | None:
 
 def group_prefix(store: Any, *, rank: int, world_size: int, timeout: timedelta) -> str:
     """A key prefix (``paratrain/group/<id>/``) the ranks of the group forming now agree on and
-    no earlier group used (collective; TimeoutError naming the rank after ``timeout``)."""
+    no earlier group used (collective; TimeoutError naming the rank after ``timeout``). Node
+    0's agent keeps one TCPStore across restarts and attempt numbers differ across machines,
+    so rank 0's random id is echoed back to each rank's random token: never an id a dead rank
+    0 left."""
     deadline = time.monotonic() + timeout.total_seconds()
     if rank == 0:
         gid = uuid.uuid4().hex

@@ -1,9 +1,4 @@
-"""Run a function on N real gloo ranks on 127.0.0.1 (for tests and benchmarks):
-``run_distributed(fn, world_size, *args)`` forks the ranks from :mod:`paratrain.comm.forkserver`,
-joins them into one gloo group through a TCPStore on a free port, calls ``fn(ctx, *args)``
-(``fn`` module-level) and returns the results by rank; a failed rank raises ``RuntimeError``
-with its traceback.
-"""
+"""Run a function on N real gloo ranks on 127.0.0.1, for tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -113,7 +108,9 @@ def _child(rank: int, world_size: int, port: int, parent: ParentState, payload: 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
                     workers: list[Any] | None = None) -> list[Any]:
-    """Run ``fn(ctx, *args)`` on ``world_size`` gloo ranks; return results by rank."""
+    """Run ``fn(ctx, *args)`` (``fn`` module-level) on ``world_size`` gloo ranks forked from
+    :mod:`paratrain.comm.forkserver`, joined through a TCPStore on a free port; return the
+    results by rank. A failed rank raises ``RuntimeError`` with its traceback."""
     ctx = forkserver_context()
     results = ctx.Queue()
     port = free_port()
