@@ -1,4 +1,4 @@
-"""``paratrain graph JOB --out FILE`` (paratrain.graph.draw over paratrain.graph.edges): the
+"""``paratrain graph JOB --out FILE`` (paratrain.graph.draw): the
 model's nodes coloured by worker with the values crossing workers on the arrows, drawn by
 matplotlib; without --out the command prints as before."""
 

@@ -1,4 +1,4 @@
-"""Leaves kept whole in a graph captured by torch.export (paratrain.graph.export).
+"""Leaves kept whole in a graph captured by torch.export (paratrain.graph.trace.export_graph).
 
 - a model fx cannot trace, with ``leaf_modules``: the leaf is one ``call_module`` node (its
   own operations are not in the graph), the graph computes the model's output and

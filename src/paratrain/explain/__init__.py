@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..config import ConfigError
-from ..graph.edges import node_edges
+from ..graph.draw import node_edges
 from ..graph.render import render  # re-exported: the report's text
 from ..graph.sizes import count_elements, shape_info, tensor_metas
 from ..graph.trace import module_of, trace
@@ -56,7 +56,7 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True,
             edges: bool = False) -> dict[str, Any]:
     """The report of ``job``'s graph (see the module docstring). ``model``: the job's model
     already built (else built here); the job's ``run.imports`` must already be imported.
-    ``edges``: also the data flow between the nodes (``edges``, :func:`..graph.edges.node_edges`)
+    ``edges``: also the data flow between the nodes (``edges``, :func:`..graph.draw.node_edges`)
     that ``paratrain graph --out`` draws."""
     from ..executors import Traced, spec_for
     from ..subgraphs import check_pairings, check_paths, resolve

@@ -1,4 +1,4 @@
-"""The model as a graph: torch.fx tracing (:mod:`.trace`; :mod:`.export` where fx fails) and
+"""The model as a graph: torch.fx tracing, torch.export where fx fails (:mod:`.trace`), and
 the graph cut into per-worker parts, each node on its rank (:mod:`.partition`)."""
 
 from .trace import leaf, module_of, trace

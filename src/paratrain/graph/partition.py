@@ -34,8 +34,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
-from .export import CAPTURE, IN_SPEC, OUT_SPEC
-from .trace import module_of
+from .trace import CAPTURE, IN_SPEC, OUT_SPEC, module_of
 
 DEFAULT_RANK = 0  # the rank of what no claim covers
 
@@ -229,7 +228,7 @@ class Cut:
     transfers: tuple[Transfer, ...]
     owner: dict[str, int] = field(default_factory=dict)  # fx node name -> rank
     call_order: tuple[str, ...] = ()  # module ids in execution order
-    capture: str = "fx"  # "fx" (symbolic_trace) or "export" (torch.export, graph.export)
+    capture: str = "fx"  # "fx" (symbolic_trace) or "export" (torch.export, trace.export_graph)
     # export: the pytree specs of the model's (args, kwargs) and output (None: fx, whose
     # placeholders are forward's parameters and whose output structure is ``output``)
     in_spec: Any = None
@@ -373,7 +372,7 @@ def _module_calls(gm: fx.GraphModule, part_of: Mapping[str, int], exported: bool
             calls.setdefault(part_of[n.name], []).append(str(n.target))
         elif exported and n.name in part_of:
             # an exported graph's nodes are operations: a part lists the modules whose
-            # forwards they ran in (innermost; a dropout module export.py put there: its
+            # forwards they ran in (innermost; a dropout module export_graph put there: its
             # module), in order
             mod = module_of(n)
             if mod and mod.rpartition(".")[2].startswith("_mode_op"):

@@ -167,7 +167,7 @@ class ColumnParallelLinear(_Sharded):
 
     def meta_forward(self, x: torch.Tensor) -> torch.Tensor:
         """An empty output of the right shape, communicating nothing: how ``torch.export``
-        learns this layer's output while keeping it whole (``paratrain.graph.export``)."""
+        learns this layer's output while keeping it whole (``paratrain.graph.trace.export_graph``)."""
         _no_sequence_shards(self, self.mode)
         return x.new_empty((*x.shape[:-1], self.out_features if self.gather_output
                             else self.out_sizes[self.comm.rank]))

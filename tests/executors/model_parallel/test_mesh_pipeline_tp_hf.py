@@ -5,7 +5,7 @@ pipeline stages x 2-way TP on 4 gloo processes (rank = stage*2 + tp).
 
 transformers' forward cannot be traced by torch.fx, so each rank captures its sharded model
 with torch.export, the tensor-parallel layers kept whole as ``call_module`` nodes
-(paratrain.graph.export), and cuts it at the decoder layers the job names. Against
+(paratrain.graph.trace.export_graph), and cuts it at the decoder layers the job names. Against
 the unpartitioned Local run on the same batches, with clipping active (one global norm over
 all 4 processes): the same test loss and parameters (rtol 1e-5); non-vacuity: the stages
 really hold tensor-parallel shards.

@@ -168,3 +168,35 @@ def test_a_worker_raising_mid_step_ends_the_run_with_its_error(tmp_path: Path) -
                          capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert out.returncode != 0
     assert "RuntimeError: boom: a worker failed mid-step (worker 1;" in out.stderr
+
+
+def test_an_error_aborts_the_transport_and_a_clean_exit_closes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() flushes pending sends, which wait forever on a peer that failed: after an
+    error the runner's transport is aborted instead (no process needed to see which)."""
+    from types import SimpleNamespace
+
+    import paratrain.comm.p2p as p2p
+    from paratrain.executors.model_parallel import runner
+
+    calls: list[str] = []
+
+    class Recording:
+        def __init__(self, group: Any, device: Any = None) -> None:
+            pass
+
+        def close(self) -> None:
+            calls.append("close")
+
+        def abort(self) -> None:
+            calls.append("abort")
+
+    monkeypatch.setattr(p2p, "P2PTransport", Recording)
+    job = _job(tmp_path, "t", {"type": "ModelParallel", "partitions": SPLIT,
+                               "communication": {"protocol": "Direct"}}, 1)
+    ctx: Any = SimpleNamespace(group=None, device=None)
+    with pytest.raises(RuntimeError, match="mid-step"), runner._transport(ctx, job, tmp_path):
+        raise RuntimeError("mid-step")
+    with runner._transport(ctx, job, tmp_path):
+        pass
+    assert calls == ["abort", "close"]
