@@ -1,4 +1,4 @@
-"""Interrupts keep progress (paratrain.training.interrupt): SIGINT/SIGTERM stop a run at a
+"""Interrupts keep progress (paratrain.training.lifecycle): SIGINT/SIGTERM stop a run at a
 step boundary after a checkpoint (exit 130), ``--resume`` continues to the parameters of
 an uninterrupted run, bit for bit; ``run.checkpoint_every`` also takes a wall time."""
 
@@ -19,7 +19,7 @@ import paratrain
 from paratrain.config import ConfigError, parse_every
 from paratrain.config.job import load_job
 from paratrain.files import step_folders
-from paratrain.training.interrupt import Cadence, agree, stop_on_signals
+from paratrain.training.lifecycle import Cadence, agree, stop_on_signals
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -136,7 +136,7 @@ def test_the_launchers_echo_of_one_interrupt_is_not_insistence(monkeypatch: pyte
     """Ctrl-C reaches a worker twice: from the terminal (its process group) and, milliseconds
     later, from the elastic agent stopping its workers with the same signal. That echo must
     not stop the step before its checkpoint; a repeat after ECHO_S is the user insisting."""
-    from paratrain.training import interrupt
+    from paratrain.training import lifecycle as interrupt
 
     with stop_on_signals() as flag:
         os.kill(os.getpid(), signal.SIGINT)
@@ -155,7 +155,7 @@ def _agreeing_ranks(ctx: Any, stop_at: int, every_s: float) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from paratrain.training import interrupt
+    from paratrain.training import lifecycle as interrupt
 
     calls = []
     real = interrupt.C.all_min_ints

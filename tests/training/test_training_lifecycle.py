@@ -11,8 +11,7 @@ from typing import Any
 
 import pytest
 
-from paratrain.training.interrupt import Interrupted
-from paratrain.training.lifecycle import Lifecycle
+from paratrain.training.lifecycle import Interrupted, Lifecycle
 from paratrain.training.rundir import MetricsWriter, read_metrics
 
 

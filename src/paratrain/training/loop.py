@@ -22,8 +22,7 @@ from torch import nn
 from ..data.loader import rng_state, set_rng_state
 from . import checkpoint
 from .curve import TrainCurve, log_every_of
-from .interrupt import agree
-from .lifecycle import Lifecycle
+from .lifecycle import Lifecycle, agree
 from .plan import DataPlan, Position, feed_of
 from .reshard import ReshardWarning, by_examples, param_keys, param_names, repeated_batches
 from .rundir import MetricsWriter, read_metrics
