@@ -20,8 +20,7 @@ from typing import Any
 import torch
 from torch.autograd import Function
 
-from paratrain.comm.stats import Handle
-from paratrain.comm.tp.comm import TPComm
+from paratrain.comm.tp.comm import Handle, TPComm
 
 from .memory import keeps_matmuls, taped
 

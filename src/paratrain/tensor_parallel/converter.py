@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from paratrain.comm.tp.comm import TPComm
-from paratrain.comm.tp.grid import GridComms
+from paratrain.comm.tp.groups import GridComms
 from paratrain.config import ConfigError, TensorParallelismConfig
 
 from .foreign import block_kind, shard_block

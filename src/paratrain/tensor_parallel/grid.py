@@ -1,6 +1,6 @@
 """``BlockWise`` with a perfect-square TP size: 2-D (grid) tensor-parallel linear layers.
 
-On the ``g x g`` grid of :mod:`paratrain.comm.tp.grid` (rank ``(i, j)``, row group ``R_i``,
+On the ``g x g`` grid of :mod:`paratrain.comm.tp.groups` (rank ``(i, j)``, row group ``R_i``,
 column group ``C_j``) a run of Linears (element-wise modules between them) holds every
 activation ``X [B, F]`` as blocks ``X_ij = X[B_i, F_j]`` and every ``Y = X W^T + b`` keeps
 ``W_ij = W[out_j, in_i]`` (1/g^2 of the weight, ``partition_tensor``'s BlockWise) and ``b_j``
@@ -21,7 +21,8 @@ import torch
 from torch import nn
 from torch.autograd import Function
 
-from paratrain.comm.tp.grid import GridComms, grid_sizes
+from paratrain.comm.tp.comm import ceil_sizes as grid_sizes
+from paratrain.comm.tp.groups import GridComms
 
 from .autograd import _fp32, _mm, _rows, _wgrad, gather_from_region, scatter_to_region
 from .layers import RegionState

@@ -92,7 +92,7 @@ def _mode_dims(state: RegionState) -> tuple[int, list[int] | None]:
 
 class _Sharded(nn.Module):
     """What the column and row layers share: building from a dense layer, and a Conv1D's
-    ``[in, out]`` weight layout kept (``conv1d``: GPT-2's, :mod:`.foreign_layers`)."""
+    ``[in, out]`` weight layout kept (``conv1d``: GPT-2's, :mod:`.foreign`)."""
 
     conv1d = False
 

@@ -29,10 +29,8 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.checkpoint import checkpoint
 
 from paratrain.comm.grad_sync import GradSync
-from paratrain.comm.stats import CommStats
-from paratrain.comm.tp.comm import TPComm
-from paratrain.comm.tp.grid import GridComms, build_grid
-from paratrain.comm.tp.groups import TPGroups, build_tp_groups
+from paratrain.comm.tp.comm import CommStats, TPComm
+from paratrain.comm.tp.groups import GridComms, TPGroups, build_grid, build_tp_groups
 from paratrain.config import ConfigError, TensorParallelismConfig
 
 from . import memory

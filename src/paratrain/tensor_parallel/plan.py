@@ -26,7 +26,7 @@ from paratrain.config import ConfigError
 from paratrain.config.tensor_parallel import PlanEntry
 
 from .autograd import gather_from_region, scatter_to_region
-from .foreign_layers import ColumnParallelConv1D, PackedColumnParallel, RowParallelConv1D, is_conv1d
+from .foreign import ColumnParallelConv1D, PackedColumnParallel, RowParallelConv1D, is_conv1d
 from .layers import ColumnParallelLinear, RegionState, RowParallelLinear
 from .partition import split_sizes
 from .rules import is_plain_linear, module_where

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .foreign_layers import PackedColumnParallel
+from .foreign import PackedColumnParallel
 from .grid import grid_steps
 from .layers import ParallelEncoderLayer, ParallelSelfAttention
 

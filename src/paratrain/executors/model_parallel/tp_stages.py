@@ -74,7 +74,7 @@ def shard_model(job: JobConfig, model: nn.Module) -> tuple[nn.Module, TPGroups, 
     """The model sharded over this rank's mesh row (collective over the world), its groups
     and the paths of the modules tensor parallelism placed (traced as leaves)."""
     from ...tensor_parallel import parallelize
-    from ...tensor_parallel.foreign_layers import PackedColumnParallel
+    from ...tensor_parallel.foreign import PackedColumnParallel
     from ...tensor_parallel.module import _PARALLEL
 
     cfg = job.tensor_parallel
