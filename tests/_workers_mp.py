@@ -49,7 +49,7 @@ def reference(case: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> tuple[f
 
 def _transport(ctx: WorkerContext, case: dict[str, Any], protocol: Any) -> Any:
     if protocol.protocol == "DataStore":
-        from paratrain.comm.datastore import DataStoreTransport, open_session
+        from paratrain.comm.p2p import DataStoreTransport, open_session
 
         store = open_session(f"{case['datastore_dir']}/case{case['index']}", rank=ctx.rank,
                              control=ctx.store,

@@ -173,7 +173,7 @@ def run_cases(ctx: WorkerContext, cases: list[dict[str, Any]]) -> list[dict[str,
         model = build(case)
         plan = build_plan(model, strategy.partitions, ctx.workers, contiguous=pipeline)
         if proto.protocol == "DataStore":
-            from paratrain.comm.datastore import DataStoreTransport, open_session
+            from paratrain.comm.p2p import DataStoreTransport, open_session
 
             store = open_session(f"{case['datastore_dir']}/case{index}", rank=ctx.rank,
                                  control=ctx.store, generation=index, timeout_s=60)

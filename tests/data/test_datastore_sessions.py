@@ -1,4 +1,4 @@
-"""comm/datastore.py sessions: two runs of one ``run.name`` in different ``run.output_dir``
+"""comm/p2p.py DataStore sessions: two runs of one ``run.name`` in different ``run.output_dir``
 that share one DataStore path are different runs; a launch removes only its own run's
 earlier sessions, never the other run's live one."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from paratrain.comm.datastore import open_session
+from paratrain.comm.p2p import open_session
 from paratrain.config.job import JobConfig
 from paratrain.dispatch import execute
 

@@ -13,8 +13,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from paratrain.comm.context import WorkerInfo, default_workers
-from paratrain.comm.datastore import DataStore, DataStoreTransport, open_session
-from paratrain.comm.p2p import _header, _parse_header, message_tag
+from paratrain.comm.p2p import (
+    DataStore,
+    DataStoreTransport,
+    _header,
+    _parse_header,
+    message_tag,
+    open_session,
+)
 from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig
 from paratrain.config.strategy import Partition

@@ -109,7 +109,7 @@ def _transport(ctx: WorkerContext, job: JobConfig, run_dir: Path) -> Iterator[An
     proto: Any = job.strategy.communication  # type: ignore[union-attr]
     transport: Any
     if proto.protocol == "DataStore":
-        from ...comm.datastore import DataStoreTransport, open_session
+        from ...comm.p2p import DataStoreTransport, open_session
 
         root = Path(proto.path) if proto.path else run_dir / "datastore"
         namespace = re.sub(r"[^A-Za-z0-9_\-]", "_", job.run.name)[:100] or "run"
