@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.comm.context import WorkerContext
-from paratrain.comm.stats import CommStats
+from paratrain.comm.tp.comm import CommStats
 from paratrain.comm.tp.groups import build_tp_groups
 from paratrain.config import ConfigError, TensorParallelismConfig
 from paratrain.tensor_parallel import SelfAttention, TensorParallelModule, parallelize

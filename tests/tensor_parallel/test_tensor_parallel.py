@@ -228,7 +228,7 @@ def test_grid_blocks_tile_every_weight_and_match_partition_tensor(g: int, out_f:
     the [in, out] shape: in-blocks by grid row, out-blocks by grid column) when no block
     is empty."""
     from paratrain.comm.tp.comm import TPComm
-    from paratrain.comm.tp.grid import build_grid
+    from paratrain.comm.tp.groups import build_grid
     from paratrain.tensor_parallel import GridLinear, RegionState
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
 """Communication for tensor parallelism: :class:`~.comm.TPComm` (a group's collectives under
-a pattern) on the groups of :mod:`.groups` (the ``dp x tp`` mesh) and :mod:`.grid` (2-D).
+a pattern) on the groups of :mod:`.groups` (the ``dp x tp`` mesh, the 2-D grid).
 
 Why not DTensor: its redistributions run the backend's own collectives, with no choice of
 how, while a job picks one of five patterns here (a ``PointToPoint`` ring, a ``Hierarchical``

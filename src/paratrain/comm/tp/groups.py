@@ -1,11 +1,16 @@
 """The tensor-parallel and data-parallel sub-groups of a run (:func:`build_tp_groups`): the
 rows and columns of the ``dp x tp`` :class:`~paratrain.comm.mesh.Mesh` (``rank = dp*tp_size +
 tp``, torchtitan's and Megatron's order); under the ``Hierarchical`` pattern each TP group is
-also cut into per-host nodes with a leaders' group (:mod:`paratrain.comm.groups`).
+also cut into per-host nodes with a leaders' group (:mod:`paratrain.comm.groups`). The groups
+of 2-D tensor parallelism (``BlockWise``, ``tp = g^2``, :func:`build_grid`): TP-local index
+``t = i g + j`` sits at grid row ``i`` and column ``j``, in row group ``R_i = {(i, *)}`` (index
+``j``) and column group ``C_j = {(*, j)}`` (index ``i``); the layers that run collectives on
+them are in :mod:`paratrain.tensor_parallel.grid`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,8 +18,7 @@ import torch.distributed as dist
 
 from ..groups import describe_hierarchy, hierarchy_from_hosts, host_labels
 from ..mesh import Mesh
-from ..stats import CommStats
-from .comm import TPComm, _Hier
+from .comm import CommStats, TPComm, _Hier
 
 
 @dataclass
@@ -78,3 +82,50 @@ def build_tp_groups(tp_size: int, *, pattern: str = "AllReduce", async_op: bool 
             dp = TPComm(grp, ranks, rank=rank, pattern="AllReduce", async_op=async_op,
                         fusion_threshold_bytes=fusion_threshold_bytes, stats=stats)
     return TPGroups(tp, dp, tp_size, dp_size, mesh.coords(rank)["dp"], mesh)
+
+
+@dataclass
+class GridComms:
+    """The row and column communicators of this rank's grid position."""
+
+    row: TPComm
+    col: TPComm
+    g: int
+
+    @property
+    def i(self) -> int:
+        """Grid row (the index in the column group)."""
+        return self.col.rank
+
+    @property
+    def j(self) -> int:
+        """Grid column (the index in the row group)."""
+        return self.row.rank
+
+
+def build_grid(tp: TPComm) -> GridComms:
+    """Row and column groups of every TP group (the consecutive rank blocks of
+    :func:`~.groups.build_tp_groups`): collective, every rank creates every sub-group in one
+    order. Without a process group (a dry run) only the comms' indices matter."""
+    p = tp.size
+    g = math.isqrt(p)
+    if g * g != p:
+        raise ValueError(f"a 2-D grid needs a perfect-square TP size (got {p})")
+    i, j = divmod(tp.rank, g)
+    me = tp.global_rank
+    if tp.group is None or not dist.is_initialized():
+        return GridComms(TPComm(None, [tp.ranks[i * g + c] for c in range(g)], rank=me, stats=tp.stats),
+                         TPComm(None, [tp.ranks[r * g + j] for r in range(g)], rank=me, stats=tp.stats),
+                         g)
+    world = dist.get_world_size()
+    base = tp.ranks[0]
+    if tp.ranks != list(range(base, base + p)) or world % p:
+        raise ValueError(f"TP group {tp.ranks} is not a consecutive block of the world ({world})")
+    mine: list[TPComm] = []  # this rank's row, then its column
+    for start in range(0, world, p):
+        rows = [[start + r * g + c for c in range(g)] for r in range(g)]
+        for ranks in [*rows, *(list(col) for col in zip(*rows, strict=True))]:
+            grp = dist.new_group(ranks)
+            if me in ranks:
+                mine.append(TPComm(grp, ranks, rank=me, async_op=True, stats=tp.stats))
+    return GridComms(mine[0], mine[1], g)
