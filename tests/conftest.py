@@ -66,6 +66,14 @@ _LONG_FIRST = ("test_federated_flower_secagg.py", "test_federated_flower.py",
                "test_kill_resume_matrix.py", "test_two_hosts.py")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist 3.8's loadfile reorders files by test count (--loadscope-reorder is on by default),
+    # which put the few-test long files above last: a clean-clone run ended with test_two_hosts.py
+    # alone. Off, files go out in the order pytest_collection_modifyitems gives.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(_LONG_FIRST)}
     items.sort(key=lambda it: rank.get(it.path.name, len(_LONG_FIRST)))  # stable: the rest keeps its order
