@@ -87,8 +87,10 @@ def trace(model: nn.Module, leaves: Iterable[str] = (),
     known = dict(model.named_modules())
     bad = sorted(p for p in wanted if p not in known or not p)
     if bad:
+        names = [n for n in known if n]
         raise ConfigError([("model.leaf_modules", f"{', '.join(map(repr, bad))} is not a module "
-                            f"of this model; its modules are: {_list(known)}")])
+                            f"of this model; its modules are: {', '.join(names[:40])}"
+                            + (" ..." if len(names) > 40 else ""))])
     tracer = _Tracer(wanted)
     try:
         graph = tracer.trace(model)
@@ -127,11 +129,6 @@ def _outermost(model: nn.Module, wanted: set[str]) -> list[str]:
                 name.startswith(o + ".") for o in out):
             out.append(name)
     return out
-
-
-def _list(known: dict[str, nn.Module]) -> str:
-    names = [n for n in known if n]
-    return ", ".join(names[:40]) + (" ..." if len(names) > 40 else "")
 
 
 _ACTIVE: dict[int, tuple[str, nn.Module, Any]] = {}  # key -> (path, module, its own forward)

@@ -63,13 +63,6 @@ def one_f_one_b(stage: int, num_stages: int, num_micro: int) -> list[Action]:
     return out
 
 
-def _groups(num_micro: int, num_stages: int) -> list[int]:
-    """Micro-batch group sizes: ``max(1, m // p)`` groups, each ``>= min(p, m)``, larger first."""
-    k = max(1, num_micro // num_stages)
-    base, rest = divmod(num_micro, k)
-    return [base + 1] * rest + [base] * (k - rest)
-
-
 def interleaved_1f1b(stage: int, num_stages: int, num_micro: int, virtual_stages: int) -> list[Action]:
     """Rank ``stage``'s interleaved order over its segments ``stage + c p`` (module docstring)."""
     _check(stage, num_stages, num_micro)
@@ -78,7 +71,9 @@ def interleaved_1f1b(stage: int, num_stages: int, num_micro: int, virtual_stages
     if virtual_stages == 1:
         return one_f_one_b(stage, num_stages, num_micro)
     p, v = num_stages, virtual_stages
-    sizes = _groups(num_micro, p)
+    groups = max(1, num_micro // p)  # each of at least min(p, m) micro-batches, larger first
+    base, rest = divmod(num_micro, groups)
+    sizes = [base + 1] * rest + [base] * (groups - rest)
 
     def steps(backward: bool) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
