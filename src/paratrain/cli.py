@@ -185,16 +185,14 @@ def _trains_here(job: Any) -> bool:
 def _cmd_export(args: argparse.Namespace) -> int:
     """Write a finished run's model (one state_dict under the model's own names) to --out."""
     from .config import ConfigError
-    from .training.export import export_model
+    from .training.export import export_hf, export_model
 
-    hf = args.format == "hf"  # a from_pretrained folder (paratrain.training.export_hf)
+    hf = args.format == "hf"  # a from_pretrained folder (paratrain.training.export.export_hf)
     out = args.out or f"{Path(args.run).resolve().name}{'-hf' if hf else '.safetensors'}"
     try:
         if args.out is None and Path(out).exists():
             raise ConfigError([("--out", f"{out} exists; name the file to write with --out")])
         if hf:
-            from .training.export_hf import export_hf
-
             path = export_hf(args.run, out, client=args.client)
         else:
             path = export_model(args.run, out, client=args.client)

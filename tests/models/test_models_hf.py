@@ -10,7 +10,7 @@ import torch
 
 import paratrain
 from paratrain.config import ConfigError
-from paratrain.models.hf import hf_causal_lm
+from paratrain.models.zoo import hf_causal_lm
 
 transformers = pytest.importorskip("transformers")
 

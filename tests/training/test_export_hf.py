@@ -1,4 +1,4 @@
-"""``paratrain export RUN --format hf --out DIR`` (paratrain.training.export_hf): a tensor-parallel
+"""``paratrain export RUN --format hf --out DIR`` (paratrain.training.export.export_hf): a tensor-parallel
 GPT-2 run (2 ranks), a ZeRO-3 Llama run (2 replicas), a 1F1B pipeline GPT-2 (2 stages, the tied
 head on the second) and a Federated Llama (FedAvg of 2 clients) exported through the CLI load with
 ``AutoModelForCausalLM.from_pretrained(DIR)`` and score the run's reported test loss on its
@@ -106,7 +106,7 @@ def test_a_wrapper_around_one_transformers_model_exports_that_model() -> None:
     from torch import nn
 
     from paratrain.config import ConfigError
-    from paratrain.training.export_hf import _pretrained
+    from paratrain.training.export import _pretrained
 
     cfg = transformers.GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2)
 

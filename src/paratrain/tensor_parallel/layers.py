@@ -18,7 +18,7 @@ from torch import nn
 
 from paratrain.comm.tp.comm import TPComm
 
-from ..models.attention import SelfAttention
+from ..models.gpt import SelfAttention
 from .autograd import (
     column_linear,
     fused_region,

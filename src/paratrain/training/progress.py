@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -18,24 +19,14 @@ if TYPE_CHECKING:  # rich is imported for a bar on a terminal only (its import: 
     from rich.console import Console
     from rich.progress import Progress
 
-    console: Console
-
 TaskID = NewType("TaskID", int)  # rich.progress.TaskID's kind
 
 
+@functools.cache
 def _console() -> Console:
-    made = globals().get("console")
-    if made is None:
-        from rich.console import Console
+    from rich.console import Console
 
-        made = globals()["console"] = Console(stderr=True)
-    return made
-
-
-def __getattr__(name: str) -> Any:
-    if name == "console":
-        return _console()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return Console(stderr=True)
 
 
 def parse_progress_every(every: int | str | None) -> tuple[int, float | None] | None:
