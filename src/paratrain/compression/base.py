@@ -13,9 +13,7 @@ method                  ``values``                                    ``indices`
 ======================  ============================================  ===============
 ``None``                all ``n`` values at ``dtype``                 ``None``
 ``TopK``/``Threshold``  kept values at ``dtype``, ascending index     int64 ascending
-``RandomK``             ``k`` values at ``dtype``, ascending index    int64 ascending,
-                                                                      re-derived from
-                                                                      ``seed`` on decode
+``RandomK``             ``k`` values at ``dtype``, ascending index    re-derived from ``seed``
 ``Quantization``        ``ceil(n*bits/8)`` uint8 bit-packed codes     ``None``
 ======================  ============================================  ===============
 """
@@ -36,11 +34,8 @@ from .wire import CompressionError as CompressionError  # re-exported: executors
 
 
 def derive_seed(seed: int, step: int, key: str, salt: str = "") -> int:
-    """A 63-bit seed from (seed, step, key): identical on every rank and every platform.
-
-    blake2b is used (not Python's ``hash``, which is salted per process) so that ranks
-    which never talk agree on RandomK positions and on stochastic-rounding noise.
-    """
+    """A 63-bit seed from (seed, step, key), identical on every rank and platform: blake2b,
+    not Python's per-process salted ``hash``, so ranks that never talk draw alike."""
     h = hashlib.blake2b(f"{salt}|{seed}|{step}|{key}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
@@ -80,12 +75,9 @@ def decompress(c: Any) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class CompressedTensor:
-    """One tensor after a leaf compression method (see the module docstring for fields).
-
-    ``bits``, ``offset`` (the minimum) and ``scale`` are used by Quantization; ``seed`` and
-    ``k`` by RandomK (the positions are ``randomk_positions(n, k, seed)``);
-    ``stochastic`` records the rounding mode (informational, not needed to decode).
-    """
+    """One tensor after a leaf method (module docstring): ``bits``, ``offset`` (the minimum)
+    and ``scale`` are Quantization's, ``seed`` and ``k`` RandomK's; ``stochastic`` records the
+    rounding mode (not needed to decode)."""
 
     method: str
     shape: tuple[int, ...]
@@ -148,12 +140,8 @@ class CompressedTensor:
 
 
 class EncodeContext:
-    """What a codec may know about the call: the key, the step and the base seed.
-
-    Every random draw is seeded by ``derived_seed(salt)`` = (seed, step, key, salt), so it
-    is reproducible from those three values alone (no RNG state needs checkpointing for
-    an exact resume).
-    """
+    """The key, step and base seed of a call: every random draw is seeded by
+    ``derived_seed(salt)``, so an exact resume needs no RNG state."""
 
     __slots__ = ("key", "step", "seed")
 
@@ -167,12 +155,8 @@ class EncodeContext:
 
 
 class Codec(Protocol):
-    """One compression method (a leaf) or a wrapper around another codec.
-
-    ``encode`` returns the record of the *leaf* method that encoded the (possibly
-    transformed) input. Stateful codecs (ErrorFeedback) keep their state per key and
-    expose it through ``state_dict``/``load_state_dict``; stateless ones return ``{}``.
-    """
+    """A leaf method or a wrapper around another codec: ``encode`` returns the record of the
+    leaf that encoded the (possibly transformed) input; stateless codecs' state is ``{}``."""
 
     def encode(self, flat: torch.Tensor, shape: tuple[int, ...], ctx: EncodeContext) -> CompressedTensor: ...
 

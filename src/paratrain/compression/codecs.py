@@ -188,11 +188,8 @@ class ErrorFeedbackCodec:
         self.residuals: dict[str, torch.Tensor] = {}
 
     def residual(self, key: str) -> torch.Tensor | None:
-        """The flat residual for ``key`` (``None`` before its first compression).
-
-        This is the live buffer, updated in place by the next compression of ``key``;
-        clone it to keep a snapshot.
-        """
+        """The flat residual for ``key`` (``None`` before its first compression): the live
+        buffer, updated in place by the next compression of ``key``."""
         return self.residuals.get(key)
 
     def encode(

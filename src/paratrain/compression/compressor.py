@@ -137,11 +137,8 @@ class Compressor:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly: step, seed, residuals, statistics.
-
-        Only tensors, ints, floats, strings and dicts: loadable with
-        ``torch.load(weights_only=True)``.
-        """
+        """Everything needed to continue exactly: step, seed, residuals, statistics (plain
+        types only: loadable with ``torch.load(weights_only=True)``)."""
         return {
             "version": STATE_VERSION,
             "strategy": dump_compression(self.strategy),

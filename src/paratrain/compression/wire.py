@@ -92,11 +92,8 @@ def wire_nbytes(c: Any) -> int:
 
 
 def information_minimum(c: Any) -> int:
-    """Bytes a header-free encoding needs (the benchmark's reference).
-
-    None: n*w; TopK/Threshold: count*w + min(4*count, ceil(n/8)); RandomK: k*w;
-    Quantization: ceil(n*bits/8).
-    """
+    """Bytes a header-free encoding needs (the benchmark's reference): None n*w; TopK /
+    Threshold count*w + min(4*count, ceil(n/8)); RandomK k*w; Quantization ceil(n*bits/8)."""
     n, w = int(c.numel), _ITEMSIZE[c.dtype]
     if c.method == "None":
         return n * w
@@ -205,13 +202,9 @@ def parse(
     expect_shape: tuple[int, ...] | None = None,
     expect_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """Parse and validate a payload written by :func:`to_bytes` (CPU tensors out): the
-    fields of its :class:`~paratrain.compression.base.CompressedTensor`, which
-    ``CompressedTensor.from_bytes`` / :func:`paratrain.compression.from_bytes` build.
-
-    ``max_numel`` bounds the declared element count (default 2^31 - 1);
-    ``expect_shape``/``expect_dtype`` reject a payload for a different tensor.
-    """
+    """The fields of the :class:`~paratrain.compression.base.CompressedTensor` a payload of
+    :func:`to_bytes` holds (CPU tensors), validated; ``max_numel`` bounds the declared element
+    count (default 2^31 - 1), ``expect_shape``/``expect_dtype`` reject another tensor's."""
     if not isinstance(data, bytes | bytearray | memoryview):
         raise CompressionError(f"expected bytes, got {type(data).__name__}")
     r = _Reader(data)

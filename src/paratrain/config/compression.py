@@ -1,7 +1,5 @@
-"""CompressionStrategy: the seven methods, tagged by ``"method"``, nested by ``base_strategy``.
-
-The Rust enum has no serde form; this is ours in the same style as the strategy enums.
-"""
+"""CompressionStrategy: the methods, tagged by ``"method"``, nested by ``base_strategy`` (the
+Rust enum has no serde form; this is ours in the same style as the strategy enums)."""
 
 from __future__ import annotations
 
@@ -24,10 +22,7 @@ def _k_sends_something(k: int) -> int:
 
 
 class TopK(Contract):
-    """Keep the ``k`` entries of largest magnitude per tensor (k >= n keeps all).
-
-    ``k = 0`` is an error: it would keep no entry, so nothing would ever be sent.
-    """
+    """Keep the ``k`` entries of largest magnitude per tensor (k >= n keeps all)."""
 
     method: Literal["TopK"] = "TopK"
     k: Count
@@ -37,10 +32,7 @@ class TopK(Contract):
 
 
 class RandomK(Contract):
-    """Keep ``k`` positions drawn from a generator seeded by (seed, step, key).
-
-    ``k = 0`` is an error, as for TopK: no position would ever be sent.
-    """
+    """Keep ``k`` positions drawn from a generator seeded by (seed, step, key)."""
 
     method: Literal["RandomK"] = "RandomK"
     k: Count
@@ -58,11 +50,7 @@ class Threshold(Contract):
 
 
 class Quantization(Contract):
-    """Per-tensor min-max uniform quantization to ``bits`` (1..32), bit-packed.
-
-    Extension ``rounding``: ``"stochastic"`` (the default: unbiased, E[D(C(x))] = x) or
-    ``"deterministic"`` (round to nearest: biased, but error at most half a step).
-    """
+    """Per-tensor min-max uniform quantization to ``bits`` (1..32), bit-packed."""
 
     method: Literal["Quantization"] = "Quantization"
     bits: Annotated[int, Field(ge=1, le=32, strict=True)]
