@@ -209,8 +209,7 @@ class GradReducer:
                 off = self._where[id(p)][1]
                 view = flat[off : off + p.numel()].view_as(p)
                 if not used[i]:
-                    # No rank produced a gradient: none it is (the optimizer skips it).
-                    p.grad = None
+                    p.grad = None  # the optimizer skips it
                 elif self.grad_views:
                     # p.grad becomes a view of the bucket: with zero_grad(set_to_none=False)
                     # autograd accumulates straight into the bucket next step (no copies),

@@ -1,5 +1,4 @@
 """The pipeline's two transports of activations (forward) and gradients (back).
-
 :class:`P2PTransport`: a message is a 12-element int64 header ``[MAGIC, dtype code, ndim, d_0 ..
 d_{ndim-1}, 0 ...]`` on tag ``2t`` and the payload on ``2t + 1``, ``t = code(kind) + 4 *
 (segment + 8192 * micro)`` (gloo keeps one ``(src, tag)`` in order, so keys are reused every
@@ -8,14 +7,13 @@ after its shape inference. A header is validated before allocating; nothing is u
 are ``isend``s kept alive until :meth:`P2PTransport.flush` (GPipe/1F1B orders stay
 deadlock-free with blocking receives). Receives can be posted ahead (:meth:`P2PTransport.post`):
 gloo moves a payload once its receive is posted, so a late one waits for the sender's progress
-thread (2 busy cores, 256 KiB: 3.4 ms median, 0.016 ms posted ahead).
-
-:class:`DataStore` (ModelParallel's ``DataStore`` protocol): stages hand tensors over as files
-every worker can see, so a consumer need not be running when its input is produced: written
-atomically, ``torch.load(weights_only=True)`` after a size check, polled with back-off (2 ms up
-to 50 ms) up to ``timeout_s`` (a ``TimeoutError`` names key and path), deleted once consumed.
-Every launch works in a fresh session directory agreed through the rendezvous store; rank 0
-removes earlier launches' sessions, so a stale file from a crashed run is never read.
+thread (2 busy cores, 256 KiB: 3.4 ms median, 0.016 ms posted ahead). :class:`DataStore`
+(ModelParallel's ``DataStore`` protocol): stages hand tensors over as files every worker can
+see, so a consumer need not be running when its input is produced: written atomically,
+``torch.load(weights_only=True)`` after a size check, polled with back-off (2 ms up to 50 ms)
+up to ``timeout_s`` (a ``TimeoutError`` names key and path), deleted once consumed. Every launch
+works in a fresh session directory agreed through the rendezvous store; rank 0 removes earlier
+launches' sessions, so a stale file from a crashed run is never read.
 """
 
 from __future__ import annotations

@@ -64,10 +64,8 @@ def join_process_group(job: Any) -> WorkerContext:
     timeout = timedelta(seconds=job.comm.timeout_s)
     store: Any
     if not dist.is_initialized():
-        # The elastic agent shares one TCPStore across restart attempts, so keys written
-        # by an earlier group (gloo's peer addresses) would be read by the next one and
-        # point at dead processes. Every group agrees on a fresh key prefix (an attempt
-        # number is not enough across machines: comm.rendezvous.group_prefix).
+        # The agent's one TCPStore outlives restart attempts: an earlier group's keys (gloo's
+        # peer addresses of dead processes) must not be read, hence a fresh prefix.
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         base = dist.TCPStore(  # type: ignore[attr-defined]  # not re-exported by torch
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
