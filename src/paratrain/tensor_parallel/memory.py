@@ -1,14 +1,12 @@
-"""Activation memory: recomputation levels, the tape of collective outputs, and a meter of
-the bytes saved for backward. ``memory_optimization`` checkpoints segments of 4 / 2 / 1 / 1
-blocks (Low / Medium / High / Extreme, Chen et al. 2016; Extreme also moves saved tensors to
-host memory; the table is in docs/tensor-parallel.md). No level recomputes communication:
-every collective of a segment's forward writes its output on the segment's
-:class:`CollectiveTape`, and the recomputation, reaching the same collectives in the same
-order, reads them back (Korthikanti et al. 2022, §5: a collective's output is the most
-expensive thing to recompute), so every level moves None's bytes. Low and Medium also tape the
-sharded matmuls' outputs (selective: only norms, activations, the attention core and dropout
-are re-run). An entry changed in place since it was recorded, or a call past the end of the
-tape, runs the collective instead; every rank makes the same choice, so collectives match.
+"""Activation memory: recomputation levels, the tape of collective outputs, and a meter of the
+bytes saved for backward. ``memory_optimization`` checkpoints segments of 4 / 2 / 1 / 1 blocks
+(Low / Medium / High / Extreme, Chen et al. 2016; Extreme also moves saved tensors to host).
+No level recomputes communication: every collective of a segment's forward writes its output on
+the segment's :class:`CollectiveTape`, and the recomputation, reaching the same collectives in
+the same order, reads them back (Korthikanti et al. 2022, §5), so every level moves None's
+bytes. Low and Medium also tape the sharded matmuls' outputs (selective). An entry changed in
+place since it was recorded, or a call past the end of the tape, runs the collective instead;
+every rank makes the same choice, so collectives match.
 """
 
 from __future__ import annotations

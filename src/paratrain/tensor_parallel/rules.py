@@ -1,12 +1,10 @@
-"""Which modules ``parallelize`` may shard: the checks that keep the converted model's
-function equal to the dense one's. Only plain ``nn.Linear`` layers (``forward`` not
-overridden, ``weight``/``bias`` only) are sharded, with only :data:`ELEMENTWISE` modules
-between the two of a pair; a batch-first ``nn.TransformerEncoderLayer`` is converted unless
-:func:`encoder_problem` names a feature it would lose. Attention is split by heads only where
-that provably keeps its forward: paratrain's own ``SelfAttention``, or a module that opts in
-with ``__paratrain_tp_attention__(self)`` returning an :class:`AttentionSpec` (``None``: kept
-replicated); any other module with q/k/v/o Linears and ``num_heads`` is a ConfigError naming
-its path and how to opt in (:func:`attention_spec`).
+"""Which modules ``parallelize`` may shard: the checks that keep the converted model's function
+equal to the dense one's. Only plain ``nn.Linear`` layers are sharded, with only
+:data:`ELEMENTWISE` modules between the two of a pair; a batch-first
+``nn.TransformerEncoderLayer`` unless :func:`encoder_problem` names a feature it would lose.
+Attention is split by heads only where that provably keeps its forward: paratrain's own
+``SelfAttention``, or a module that opts in with ``__paratrain_tp_attention__(self)``; any other
+module with q/k/v/o Linears and ``num_heads`` is a ConfigError naming its path.
 """
 
 from __future__ import annotations

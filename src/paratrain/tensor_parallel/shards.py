@@ -1,14 +1,10 @@
-"""Where each tensor of a tensor-parallel rank lies in the dense model: its name there and
-its shard spec ``{"shape": the dense shape, "slices": [[dim, start, length], ...]}``, so that
-checkpoints resume on another size by the model's own names (:mod:`paratrain.training.reshard`).
-A column/row shard is one slice along
-``tp_shard_dim`` with the layer's split sizes (uneven Custom sizes and empty trailing shards
-included; never padding, so every spec covers real elements only), a 2-D grid block one slice
-per grid dim. An encoder layer's q/k/v are rows ``[c E, (c + 1) E)`` of ``self_attn.in_proj_*``
-and its o is ``out_proj``; an opted-in attention's q/k/v/o keep the names its spec read them
-from (``ParallelSelfAttention.dense_names``); a packed projection's part ``c`` (GPT-2's
-``c_attn.q``...) is its columns' slice shifted by ``c`` part widths along the packed dim
-(:func:`packed_dims`). Everything else is whole: no spec.
+"""Where each tensor of a tensor-parallel rank lies in the dense model: its name there and its
+shard spec ``{"shape": the dense shape, "slices": [[dim, start, length], ...]}``, so checkpoints
+resume on another size by the model's own names (:mod:`paratrain.training.reshard`). A
+column/row shard is one slice along ``tp_shard_dim`` with the layer's split sizes (never
+padding: every spec covers real elements only), a 2-D grid block one slice per grid dim; an
+encoder layer's q/k/v are rows ``[c E, (c + 1) E)`` of ``self_attn.in_proj_*``, a packed
+projection's part ``c`` its columns' slice shifted by ``c`` part widths (:func:`packed_dims`).
 """
 
 from __future__ import annotations

@@ -34,9 +34,8 @@ class TPProbe:
 
 
 def probe_tp(job: JobConfig) -> TPProbe | None:
-    """The job's model sharded as rank 0 would, without processes (the tensor-parallel dry
-    run's construction); ``None`` when that fails: preflight (``paratrain validate`` and
-    ``run``) makes the same construction and reports the error."""
+    """The job's model sharded as rank 0 would (the dry run's construction); ``None`` when
+    that fails: preflight makes the same construction and reports the error."""
     try:
         import torch
 

@@ -1,12 +1,11 @@
 """The tensor-parallel (x data-parallel) part of the one loop: :class:`TensorParallelEngine`.
 
-A batch (the same on every rank of a TP group) runs in ``tensor_parallel.micro_batches``
-chunks, each backpropagating ``weight * (n_chunk / n) * loss(chunk)``; the layout's gradient
-reductions run once per optimizer step in :meth:`sync`, or after every micro-batch with
-``gradient_accumulation = false`` (summed, as DDP without ``no_sync``). ``grad_sq_norm`` is the
-whole model's on every rank: a parameter held by ``f`` of the ``tp`` ranks of a group (1 for a
-column/row shard, ``g`` for a 2-D grid bias) adds ``||g||^2 / f`` to a sum all-reduced over TP;
-a replicated one (the same on every TP rank after the sync) is added locally once.
+A batch (the same on every rank of a TP group) runs in ``micro_batches`` chunks, each
+backpropagating ``weight * (n_chunk / n) * loss(chunk)``; the gradient reductions run once per
+step, or after every micro-batch with ``gradient_accumulation = false``. ``grad_sq_norm`` is the
+whole model's on every rank: a parameter held by ``f`` of the ``tp`` ranks (1 for a column/row
+shard, ``g`` for a 2-D grid bias) adds ``||g||^2 / f`` to a sum all-reduced over TP; a
+replicated one is added locally once.
 """
 
 from __future__ import annotations

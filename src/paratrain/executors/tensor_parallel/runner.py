@@ -1,14 +1,9 @@
-"""Tensor parallelism as a job: ``[tensor_parallel] tensor_parallel_size = tp`` with a
-Local strategy (``tp`` processes) or DataParallel (``tp x num_replicas``, 2-D; ZeRO over the
-dp column with ``shard``, :mod:`.zero`).
-
-Ranks ``[d*tp, (d+1)*tp)`` form tensor-parallel group ``d`` (data-parallel replica ``d``,
-which reads DataParallel's shard of each epoch's permutation); every rank builds the same
-seeded full model and keeps its shard, then runs the one loop. Checkpoints (``RankStore``,
-prefix ``tp``) name every tensor by the dense model's name with its shard spec, so a run
-resumes on another size, or as a Local / DataParallel run, and from theirs; at the end rank 0
-writes the gathered dense ``model.pt`` (tied weights under each name) and ``summary.json``.
-"""
+"""Tensor parallelism as a job: ``tensor_parallel_size = tp`` under Local (``tp`` processes) or
+DataParallel (``tp x num_replicas``; ZeRO over the dp column with ``shard``, :mod:`.zero`).
+Ranks ``[d*tp, (d+1)*tp)`` form TP group ``d``, data-parallel replica ``d``; every rank builds
+the same seeded full model and keeps its shard. Checkpoints name every tensor by the dense
+model's name with its shard spec, so a run resumes on another size, or as a Local /
+DataParallel run, and from theirs."""
 
 from __future__ import annotations
 
