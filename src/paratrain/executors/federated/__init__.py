@@ -1,9 +1,7 @@
 """Federated strategy (DESIGN §4): a server (rank 0) and ``num_clients`` logical clients
-hosted many-per-worker, training any :class:`~paratrain.task.Task` on the clients'
-partitions of its training set. ``run(job)`` starts ``job.run.num_workers`` processes
-(default ``min(2, num_clients)``) through the elastic launcher, or runs in this process when
-that is 1; ``[federated] runtime = "flower"`` runs on Flower's deployment runtime
-(:mod:`.flower`).
+hosted many-per-worker, training any :class:`~paratrain.task.Task` on partitions of its
+training set, in :func:`num_workers` processes (the elastic launcher; one: this process),
+or on Flower's deployment runtime (``[federated] runtime = "flower"``, :mod:`.flower`).
 """
 from __future__ import annotations
 
@@ -11,8 +9,6 @@ from typing import Any
 
 from ...config.job import JobConfig
 from ..spec import ExecutorSpec, GraphView, Traced, capped_workers
-
-__all__ = ["SPEC", "run", "run_in_process", "worker_main", "num_workers"]
 
 
 def worker_main(ctx: Any, job: JobConfig, resume: bool) -> dict[str, Any] | None:
@@ -36,10 +32,8 @@ def run_in_process(job: JobConfig, *, resume: bool = False) -> dict[str, Any]:
     from ...comm.context import WorkerContext, default_workers
     from ...training import resolve_device
 
-    ctx = WorkerContext(
-        rank=0, world_size=1, device=resolve_device(job.run.device),
-        workers=default_workers(1, list(job.workers)),
-    )
+    ctx = WorkerContext(rank=0, world_size=1, device=resolve_device(job.run.device),
+                        workers=default_workers(1, list(job.workers)))
     from ...training.threads import intra_op_threads, use_threads
 
     with use_threads(intra_op_threads(job) if ctx.device.type == "cpu" else torch.get_num_threads()):

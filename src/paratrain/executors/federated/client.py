@@ -61,10 +61,8 @@ class ClientResult:
     info: dict[str, Any] = field(default_factory=dict)  # "steps"; FedNova: "norm"
 
     def status(self) -> dict[str, Any]:
-        return {
-            "client": self.client, "ok": self.ok, "n": self.num_examples, "loss": self.loss,
-            "error": self.error, "headers": self.headers, "nbytes": len(self.payload), **self.info,
-        }
+        return {"client": self.client, "ok": self.ok, "n": self.num_examples, "loss": self.loss,
+                "error": self.error, "headers": self.headers, "nbytes": len(self.payload), **self.info}
 
 
 class ClientEngine(LocalEngine):
@@ -134,10 +132,9 @@ class FreshOptimizer:
 
 class _PlainSGD:
     """A plain CPU ``torch.optim.SGD`` (no momentum, weight decay, Nesterov or maximize)
-    stepped as torch's CPU implementation does (``p.add_(p.grad, alpha=-lr)``, here one
-    ``torch._foreach_add_``: bit-identical) without ``Optimizer.step``'s per-call wrapper,
-    which costs more than the arithmetic on a client's small model. A sparse gradient or a
-    global optimizer hook takes torch's own step."""
+    stepped as torch does (``p.add_(p.grad, alpha=-lr)``, one ``_foreach_add_``: bit-identical)
+    without ``Optimizer.step``'s wrapper, which costs more than a small model's arithmetic.
+    A sparse gradient or a global optimizer hook takes torch's own step."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
@@ -213,8 +210,7 @@ def local_train(engine: ClientEngine, global_state: Mapping[str, Tensor], datase
                 device: torch.device | None, optimizer: FreshOptimizer, example_bytes: int | None,
                 ) -> tuple[float, int]:
     """Train ``engine.model`` (loaded with ``global_state``) in place on examples ``indices``
-    of ``dataset``; returns (mean step loss, optimizer steps). ``example_bytes``:
-    :func:`row_bytes`."""
+    of ``dataset``; returns (mean step loss, optimizer steps)."""
     model = engine.model
     trainer = Trainer(engine, optimizer.fresh(lr_scale), train, 0, scheduler=_ConstantLR())
     engine.anchor(global_state)
@@ -279,35 +275,6 @@ def has_tensors(state: Any) -> bool:
     return False
 
 
-class ClientCompressor:
-    """One client's update through the job's ``[compression]`` at ``step = round``, seeded by
-    (job seed, client) so that random codecs are reproducible; ``commit()`` keeps the codec
-    state (error-feedback residuals) in the host's ``codec_state`` (its checkpoint)."""
-
-    def __init__(self, strategy: Any, codec_state: dict[int, Any], *, seed: int, client: int,
-                 round_idx: int) -> None:
-        from ...compression import Compressor
-
-        self.codec_state = codec_state
-        self.client = client
-        self.round_idx = round_idx
-        h = hashlib.blake2b(f"fedcomp|{seed}|{client}".encode(), digest_size=8).digest()
-        self.comp = Compressor(strategy, seed=int.from_bytes(h, "little") & ((1 << 62) - 1))
-        state = codec_state.get(client)
-        if state:
-            self.comp.codec.load_state_dict(state)
-
-    def __call__(self, name: str, tensor: Tensor) -> bytes:
-        return self.comp.compress(name, tensor, step=self.round_idx).to_bytes()
-
-    def commit(self) -> None:
-        state = self.comp.codec.state_dict()
-        if has_tensors(state):
-            self.codec_state[self.client] = state
-        else:
-            self.codec_state.pop(self.client, None)
-
-
 class ClientHost:
     """The clients one worker process hosts and the single model they share."""
 
@@ -361,16 +328,14 @@ class ClientHost:
             if self.optimizer is None:
                 self.optimizer = FreshOptimizer(self.model.parameters(), self.job.train.optimizer)
             loss, steps = local_train(
-                self.engine, global_state, self.dataset, idx, train=self.job.train,
-                epochs=opts.local_epochs, batch_size=opts.batch_size, lr_scale=lr_scale,
+                self.engine, global_state, self.dataset, idx, train=self.job.train, epochs=opts.local_epochs,
+                batch_size=opts.batch_size, lr_scale=lr_scale, device=self.device, optimizer=self.optimizer,
                 generator=client_generator(self.job.run.seed, round_idx, client, self.generator),
-                device=self.device,
-                optimizer=self.optimizer, example_bytes=self.example_bytes,
-            )
+                example_bytes=self.example_bytes)
             if not math.isfinite(loss):
                 raise FloatingPointError(f"{client_name(client)}: local loss is {loss}")
             local = {k: t.detach() for k, t in self.slots.items()}
-            comp = self._compressor(client, round_idx)
+            comp = self._compressor(client)
             if (comp is None and self.dp is None and client not in self.faults.byzantine_clients
                     and client not in self.faults.corrupt_clients):
                 # the same bytes and headers as encode_update, without a tensor per key
@@ -389,8 +354,12 @@ class ClientHost:
                 dc = {k: (new[k].double() - c_i[k].double()).float() for k in new}
                 more_h, more_p = encode_update(pack_control(dc))
                 headers, payload = headers + more_h, payload + more_p
-            if comp is not None:
-                comp.commit()
+            if comp is not None:  # its codec state (error-feedback residuals), checkpointed
+                state = comp.codec.state_dict()
+                if has_tensors(state):
+                    self.codec_state[client] = state
+                else:
+                    self.codec_state.pop(client, None)
             if c_i is not None and self.controls is not None:
                 self.controls.keep(client, new)
             if self.personal is not None:
@@ -406,10 +375,7 @@ class ClientHost:
     def _encode(self, client: int, round_idx: int, global_state: Mapping[str, Tensor],
                 local: Mapping[str, Tensor], comp: Any) -> tuple[list[dict[str, Any]], bytes]:
         """The update ``local - global`` per tensor through DP, the fault hooks and the codec."""
-        delta = {
-            k: (local[k].float() - g.detach().float()).cpu()
-            for k, g in global_state.items()
-        }
+        delta = {k: (local[k].float() - g.detach().float()).cpu() for k, g in global_state.items()}
         if self.dp is not None:  # DP-FedAvg's client part (.privacy.dp)
             delta = client_privatize(self.dp, delta, seed=self.job.run.seed, round_idx=round_idx, client=client,
                                      floating=[k for k, g in global_state.items() if g.is_floating_point()])
@@ -418,11 +384,11 @@ class ClientHost:
         if client in self.faults.corrupt_clients:
             first = next(iter(delta))
             delta[first] = delta[first].reshape(-1)[:-1].clone()
-        return encode_update(delta, compress=comp)
+        return encode_update(delta, compress=None if comp is None else (
+            lambda name, t: comp.compress(name, t, step=round_idx).to_bytes()))
 
     def _dense(self, global_state: Mapping[str, Tensor]) -> _DenseDelta:
-        """The dense update's encoder, kept while the same unchanged tensors (their version
-        counters) come back: built once per round."""
+        """The dense update's encoder, kept while the same unchanged tensors come back."""
         try:
             key = [(t, t._version) for t in global_state.values()]
         except RuntimeError:  # an inference tensor has no version counter: nothing is kept
@@ -456,11 +422,18 @@ class ClientHost:
             for t, v in zip(self._dst, src, strict=True):
                 t.copy_(v)
 
-    def _compressor(self, client: int, round_idx: int) -> Any:
+    def _compressor(self, client: int) -> Any:
+        """The job's ``[compression]`` for ``client`` (None without one), seeded by (job seed,
+        client) so that random codecs are reproducible, its codec state loaded."""
         if self.job.compression is None or getattr(self.job.compression, "method", "None") == "None":
             return None
-        return ClientCompressor(self.job.compression, self.codec_state, seed=self.job.run.seed,
-                                client=client, round_idx=round_idx)
+        from ...compression import Compressor
+
+        h = hashlib.blake2b(f"fedcomp|{self.job.run.seed}|{client}".encode(), digest_size=8).digest()
+        comp = Compressor(self.job.compression, seed=int.from_bytes(h, "little") & ((1 << 62) - 1))
+        if self.codec_state.get(client):
+            comp.codec.load_state_dict(self.codec_state[client])
+        return comp
 
     def state_dict(self) -> dict[str, Any]:
         """Per-client codec state, personal parts and control variates, keyed ``client-<c>``."""

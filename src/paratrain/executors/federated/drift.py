@@ -74,8 +74,8 @@ def split_control(decoded: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dic
 
 
 class ClientControls:
-    """Each hosted client's SCAFFOLD control variate ``c_i`` (CPU, the model's dtype; a
-    client that has not trained yet holds zeros). ``state_dict`` is keyed ``client-<c>``."""
+    """Each hosted client's SCAFFOLD control variate ``c_i`` (CPU, the model's dtype; zeros
+    before the client's first round)."""
 
     def __init__(self) -> None:
         self.of_client: dict[int, dict[str, Tensor]] = {}
@@ -101,8 +101,8 @@ class ClientControls:
 
 def broadcast_control(server: Any, template: Mapping[str, Tensor], *, group: Any, device: torch.device,
                       counter: Any = None) -> dict[str, Tensor]:
-    """The server's ``c`` on every rank (rank 0 holds ``server``), cut like ``template``'s
-    floating tensors; every rank, rank 0 included, uses the broadcast copy."""
+    """The server's ``c`` on every rank (rank 0 holds ``server``; every rank, rank 0 included,
+    uses the broadcast copy)."""
     keys = control_keys(template)
     src = server.control() if server is not None else {k: template[k] for k in keys}
     return broadcast_state({k: src[k] for k in keys}, {k: template[k] for k in keys}, device=device,

@@ -7,6 +7,8 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+from ...config import ConfigError
+
 
 def save_client_models(run_dir: Path, model: Any, personal: Any, global_state: Any) -> None:
     """``model-client<c>.safetensors`` for every client this worker hosts: the global parts
@@ -83,8 +85,6 @@ def round_record(server: Any, metrics: Any, rec: dict[str, Any], ev: dict[str, A
                  target: float | None, lr_scale: float, **extra: Any) -> dict[str, Any]:
     """Log round ``rec`` with the test metrics ``ev``, the clients' ``per`` and ``extra``; notes
     the accuracy for ``federated.target_accuracy`` (a ConfigError when the task has none)."""
-    from ...config import ConfigError
-
     if target is not None and "accuracy" not in ev:
         raise ConfigError([("federated.target_accuracy", (
             f"the task's metrics ({', '.join(sorted(ev))}) have no accuracy"))])

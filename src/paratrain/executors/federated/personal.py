@@ -95,8 +95,7 @@ def eval_sums(model: nn.Module, task: Any, dataset: Any, idx: np.ndarray, *,
     sums: dict[str, float] = {}
     try:
         for a in range(0, len(order), bs):
-            batch = fetch_batch(dataset, order[a : a + bs], device,
-                                collate=getattr(task, "collate_fn", None))
+            batch = fetch_batch(dataset, order[a : a + bs], device, collate=getattr(task, "collate_fn", None))
             with autocast(precision, device):
                 out = call_model(task, model, batch)
             for k, v in task.eval_batch(out, batch).items():

@@ -86,8 +86,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
 
 
 def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) -> tuple[_Worker, int]:
-    """Check the job, load the data, build the server (rank 0) and the lifecycle, restore a
-    checkpoint and prepare the run folder; returns the worker and the first round to run."""
+    """Check the job, build the data, the server (rank 0) and the lifecycle, restore; returns
+    the worker and the first round to run."""
     strat: Any = job.strategy
     if getattr(strat, "type", None) != "Federated":
         raise ConfigError([("strategy.type", f"federated executor got {getattr(strat, 'type', None)!r}")])

@@ -12,13 +12,6 @@ from typing import Any
 import torch
 
 
-def round_generator(seed: int, round_idx: int) -> torch.Generator:
-    """A CPU generator determined by ``(seed, round_idx)`` only."""
-    g = torch.Generator()
-    g.manual_seed((int(seed) * 1_000_003 + int(round_idx) * 7_919 + 0x5EED_F3D) % (2**63 - 1))
-    return g
-
-
 def num_random(fraction: float, num_clients: int) -> int:
     """``max(1, ceil(fraction * num_clients))``, at most ``num_clients``."""
     # round() guards against 0.1*30 = 3.0000000000000004 -> 4.
@@ -34,7 +27,9 @@ def select_clients(spec: Any, *, num_clients: int, round_idx: int, seed: int,
         return list(range(num_clients))
     if method == "Random":
         k = num_random(float(spec.fraction), num_clients)
-        perm = torch.randperm(num_clients, generator=round_generator(seed, round_idx))
+        g = torch.Generator()  # a function of (seed, round) alone
+        g.manual_seed((int(seed) * 1_000_003 + int(round_idx) * 7_919 + 0x5EED_F3D) % (2**63 - 1))
+        perm = torch.randperm(num_clients, generator=g)
         return sorted(int(i) for i in perm[:k])
     if method == "ByCapability":
         required = set(spec.required_tags)

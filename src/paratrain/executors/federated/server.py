@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ...config import ConfigError
 from ...models.state import load_unique_state_dict
+from ...task.steps import evaluate as evaluate_task
 from ...training.checkpoint import check_model_state
 from ...training.stepping import autocast, lr_factor
 from .aggregation import Aggregator, MalformedUpdateError, build_aggregator
@@ -78,11 +79,7 @@ class FederatedServer:
         self.round = 0
         self.stopped = False
         self.rounds_to_target: int | None = None
-        self.bytes_up = 0  # measured: encoded update lengths
-        self.bytes_down = 0  # modelled: model bytes x clients selected
-        self.wire_bytes_down = 0  # measured at the broadcast
-        self.wire_bytes_up = 0  # measured at the point-to-point receives
-        self.failures = 0
+        self.bytes_up = self.bytes_down = self.wire_bytes_down = self.wire_bytes_up = self.failures = 0
         self.privacy: ServerPrivacy | None = None  # [federated.dp]: set_privacy
 
     def set_privacy(self, privacy: ServerPrivacy | None) -> None:
@@ -166,8 +163,6 @@ class FederatedServer:
     def evaluate(self, model: nn.Module, task: Any, test: Any, device: torch.device | None = None,
                  precision: str = "fp32") -> dict[str, float]:
         """The task's metrics of the global model on ``test`` (loaded into ``model``)."""
-        from ...task.steps import evaluate as evaluate_task
-
         load_unique_state_dict(model, self.global_state)
         with autocast(precision, device):
             return evaluate_task(model, task, test, device=device)

@@ -40,14 +40,6 @@ def round_state(server: Any, host: Any, done: int) -> dict[str, Any]:
     return engine_state(done, engine, model)
 
 
-def _merged_clients(engines: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, dict[str, Any]] = {"codec": {}, "personal": {}, "control": {}}
-    for eng in engines:
-        for part, entries in dict(eng.get("clients") or {}).items():
-            out.setdefault(part, {}).update(dict(entries))
-    return out
-
-
 def restore(found: tuple[Any, dict[str, Any]] | None, server: Any, host: Any, *, rank: int,
             world: int, group: Any) -> int:
     """Load a resumed checkpoint (``found``, :meth:`RankStore.load`'s) into the server and the
@@ -73,9 +65,11 @@ def restore(found: tuple[Any, dict[str, Any]] | None, server: Any, host: Any, *,
                                                group=group).decode())
     if problem:
         raise ConfigError([tuple(p) for p in problem])
-    if host is not None:
-        clients = _merged_clients(engines)
-        host.load_state_dict({part: {n: s for n, s in entries.items()
-                                     if host.hosts(int(str(n).removeprefix("client-")))}
-                              for part, entries in clients.items()})
+    if host is not None:  # every old process's clients (resharded), those hosted here kept
+        clients: dict[str, dict[str, Any]] = {}
+        for eng in engines:
+            for part, entries in dict(eng.get("clients") or {}).items():
+                clients.setdefault(part, {}).update(
+                    {n: s for n, s in dict(entries).items() if host.hosts(int(str(n).removeprefix("client-")))})
+        host.load_state_dict(clients)
     return int(state["step"])

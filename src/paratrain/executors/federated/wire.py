@@ -39,9 +39,8 @@ def flat_float32(tensors: Sequence[Tensor]) -> Tensor:
 
 def broadcast_state(state: dict[str, Tensor], template: dict[str, Tensor], *,
                     device: torch.device, group: Any, counter: Any = None) -> dict[str, Tensor]:
-    """Rank 0's ``state`` on every rank (the others pass anything keyed like ``template``, e.g.
-    ``template`` itself), cut like ``template``, moved through ``device`` (NCCL moves only
-    device tensors); ``counter`` books the bytes."""
+    """Rank 0's ``state`` on every rank (the others pass ``template``), cut like ``template``,
+    moved through ``device`` (NCCL moves only device tensors)."""
     fvec = flat_float32([t for t in state.values() if t.is_floating_point()]).to(device)
     it = [t.reshape(-1).to(torch.int64) for t in state.values() if not t.is_floating_point()]
     ivec = (torch.cat(it) if it else torch.zeros(0, dtype=torch.int64)).to(device)
@@ -64,8 +63,7 @@ def broadcast_state(state: dict[str, Tensor], template: dict[str, Tensor], *,
 
 def dense_payload(flat: Tensor) -> bytes:
     """A float32 vector as the little-endian bytes :func:`encode_update` sends for ``f32``
-    tensors: the concatenation of the tensors' payloads when ``flat`` is
-    :func:`flat_float32` of them."""
+    tensors (their payloads concatenated, for :func:`flat_float32` of them)."""
     arr = flat.detach().to(torch.float32).contiguous().cpu().numpy()
     return arr.tobytes() if sys.byteorder == "little" else arr.astype("<f4").tobytes()
 

@@ -1,8 +1,5 @@
-"""Federated aggregators: pure maths on lists of client updates (model deltas) + weights.
-
-Every aggregator is an :class:`Aggregator` (``_common``, the one ``aggregate`` signature);
-``build_aggregator(spec)`` maps a contract ``FederatedAggregation`` to one through
-:data:`AGGREGATORS` (method name -> class), the one registry.
+"""Federated aggregators: pure maths on client updates (model deltas) and weights, each an
+:class:`Aggregator`; :data:`AGGREGATORS` (method name -> class) is the one registry.
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ AGGREGATORS: dict[str, type[Aggregator]] = {cls.name: cls for cls in (
 
 
 def build_aggregator(spec: Any, *, num_clients: int | None = None) -> Aggregator:
-    """The aggregator for a contract ``FederatedAggregation`` value (``num_clients``: the
-    job's N, which SCAFFOLD's server control variate needs)."""
+    """The aggregator for a ``FederatedAggregation`` value (SCAFFOLD needs ``num_clients``)."""
     method = getattr(spec, "method", None)
     cls = AGGREGATORS.get(method) if isinstance(method, str) else None
     if cls is None:

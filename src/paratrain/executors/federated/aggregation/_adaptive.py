@@ -26,7 +26,6 @@ from .fedavg import fedavg_step
 
 class AdaptiveServerOptimizer(Aggregator):
 
-    name = "Adaptive"
     spec_fields: ClassVar[tuple[str, ...]] = ("eta", "beta1", "beta2", "tau")
 
     def __init__(self, *, eta: float, beta1: float, beta2: float, tau: float) -> None:

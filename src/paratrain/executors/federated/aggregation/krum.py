@@ -35,8 +35,7 @@ def krum_scores(vectors: Tensor, num_malicious: int) -> Tensor:
         raise ValueError("Krum over zero updates")
     x = vectors.to(torch.float64)
     d2 = pairwise_squared_distances(x)
-    m = max(1, n - num_malicious - 2)
-    m = min(m, n - 1)
+    m = min(max(1, n - num_malicious - 2), n - 1)
     if m == 0:
         return torch.zeros(n, dtype=torch.float64)
     eye = torch.eye(n, dtype=torch.bool)

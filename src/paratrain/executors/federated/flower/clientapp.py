@@ -48,10 +48,6 @@ def _partition(context: Context) -> tuple[int, int]:
     return p, n
 
 
-def _whoami(p: int, n: int) -> dict[str, int]:
-    return {P.PARTITION_ID: p, P.NUM_PARTITIONS: n}
-
-
 def _files(context: Context, plan: Any, p: int, n: int) -> NodeStateFiles | None:
     root = context.node_config.get(P.STATE_DIR)
     if not root or P.LINEAGE not in plan:
@@ -103,7 +99,7 @@ def train(msg: Message, context: Context) -> Message:
         state=before)
     _keep(context, plan, p, n, state)
     reply = ConfigRecord({P.STATUSES: json.dumps(statuses), P.PAYLOAD: payload, P.RESUMED: resumed,
-                          P.CLIENTS: [int(st["client"]) for st in statuses], **_whoami(p, n)})
+                          P.CLIENTS: [int(st["client"]) for st in statuses], P.PARTITION_ID: p, P.NUM_PARTITIONS: n})
     return Message(RecordDict({P.RESULT: reply}), reply_to=msg)
 
 
@@ -118,7 +114,7 @@ def evaluate(msg: Message, context: Context) -> Message:
                       partition=p, num_partitions=n, state=_state(context, plan, p, n)[0])
     hosted = [int(c) for c in plan[P.CLIENTS] if int(c) % n == p]
     reply = ConfigRecord({P.SUMS: json.dumps({str(c): s for c, s in sums.items()}), P.CLIENTS: hosted,
-                          **_whoami(p, n)})
+                          P.PARTITION_ID: p, P.NUM_PARTITIONS: n})
     return Message(RecordDict({P.RESULT: reply}), reply_to=msg)
 
 
@@ -139,5 +135,5 @@ def _train_secure(msg: Message, context: Context) -> Message:
         num_partitions=n, state=_state(context, plan, p, n)[0])
     _keep(context, plan, p, n, state)
     res = FitRes(Status(code=Code.OK, message="Success"), ndarrays_to_parameters(mean), int(weight),
-                 {P.STATUSES: json.dumps(statuses), **_whoami(p, n)})
+                 {P.STATUSES: json.dumps(statuses), P.PARTITION_ID: p, P.NUM_PARTITIONS: n})
     return Message(fitres_to_recorddict(res, keep_input=True), reply_to=msg)

@@ -34,13 +34,10 @@ POLL_S = 0.1  # seconds between pulls of the replies, at first (Backoff)
 
 
 class Backoff:
-    """The wait between two pulls of a message's replies: ``first`` seconds after a pull
-    that brought something (the others are likely near), growing 1.5x per empty pull up to
-    ``most``. Why not a fixed 0.1 s: every pull is a request the SuperLink serves, and a
-    ServerApp waiting out a round of ClientApp processes (seconds each: one process per
-    message, importing torch) spent the machine's CPU asking; measured on 2 cores, six runs
-    at once on one federation held the load near 7. (Flower's own ``send_and_receive``
-    waits 3 s between pulls.)"""
+    """The wait between two pulls of replies: ``first`` seconds after a pull that brought
+    something, growing 1.5x per empty pull up to ``most``. Not a fixed 0.1 s: every pull is a
+    request the SuperLink serves, and waiting out a round of ClientApp processes (seconds
+    each) that way held the load of six runs on one 2-core federation near 7."""
 
     def __init__(self, first: float = POLL_S, most: float = 1.0) -> None:
         self.first, self.most, self.wait = first, most, first
@@ -52,9 +49,8 @@ class Backoff:
 
 def push_and_pull(grid: Any, msgs: list[Any], timeout: float | None,
                   enough: Callable[[list[Any]], bool] = lambda got: False) -> list[Any]:
-    """Push ``msgs`` through Flower's ``grid`` and pull their replies (:class:`Backoff`) until
-    every message is answered, ``enough(replies of one pull)`` or ``timeout`` seconds passed
-    (None: no limit)."""
+    """Push ``msgs`` through Flower's ``grid``; pull replies until every message is answered,
+    ``enough(one pull's replies)`` or ``timeout`` seconds (None: no limit) passed."""
     pending = {i for i in grid.push_messages(msgs) if i}
     deadline = None if timeout is None else time.monotonic() + timeout
     out: list[Any] = []

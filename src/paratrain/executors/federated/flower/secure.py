@@ -32,9 +32,8 @@ from . import protocol as P
 
 
 class CountingGrid:
-    """The Grid the workflow talks through: Message bytes counted (``count``), replies
-    polled as a plain round's (:func:`.protocol.push_and_pull`; Flower's ``send_and_receive``
-    waits 3 s between pulls)."""
+    """The Grid the workflow talks through: bytes counted, replies polled as a plain round's
+    (:func:`.protocol.push_and_pull`, not ``send_and_receive``'s 3 s waits)."""
 
     def __init__(self, grid: Any, count: Any) -> None:
         self.grid, self.count = grid, count
@@ -89,7 +88,8 @@ def _count(v: float) -> int | float:
 
 
 def secure_round(grid: Any, nodes: Sequence[int], plan: Mapping[str, Any], global_state: Mapping[str, Tensor],
-                 opts: Any, max_weight: float, count: Any) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int, list[int]]:
+                 opts: Any, max_weight: float, count: Any,
+                 ) -> tuple[dict[str, Tensor] | None, list[dict[str, Any]], int, int, list[int]]:
     """One SecAgg+ round over ``nodes``: ``(the unmasked mean update or None, the clients'
     statuses the nodes reported, bytes down, bytes up, nodes answering each stage)``."""
     sa = opts.secure_aggregation

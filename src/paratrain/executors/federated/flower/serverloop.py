@@ -73,7 +73,6 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
     """Run ``job`` over ``nodes``; returns the summary (also in ``runs/<name>/summary.json``)."""
     started = time.perf_counter()
     strat: Any = job.strategy
-    seed = job.run.seed
     with use_threads(1):  # as the local path's server (one intra-op thread on CPU)
         side = build_side(job)
         schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
@@ -92,9 +91,7 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
             nodes.lineage, nodes.attempt = _lineage(run_dir)
             metrics = MetricsWriter(run_dir)
             life.begin(start, resume=resume, found=found is not None, metrics=metrics)
-            flower_opts = job.federated.flower
-            secure = flower_opts is not None and flower_opts.secure_aggregation is not None
-            target = job.federated.target_accuracy
+            secure = getattr(job.federated.flower, "secure_aggregation", None) is not None
             with life:
                 for r in range(start, strat.rounds):
                     if server.stopped:
@@ -102,7 +99,7 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
                     t_round = time.perf_counter()
                     try:
                         clients = select_clients(strat.client_selection, num_clients=strat.num_clients,
-                                                 round_idx=r, seed=seed, client_tags=tags)
+                                                 round_idx=r, seed=job.run.seed, client_tags=tags)
                     except ValueError as e:
                         raise ConfigError([("strategy.client_selection", str(e))]) from None
                     nodes.keep_from = _oldest_kept(run_dir, r)
@@ -115,7 +112,7 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
                                                                    control or None)
                         rec = server.finish_round(r, statuses, payloads, wire_bytes_down=down, wire_bytes_up=up)
                     ev, per = _evaluate(side, server, nodes, str(r), r + 1)
-                    round_record(server, metrics, rec, ev, per, target=target, lr_scale=lr_scale,
+                    round_record(server, metrics, rec, ev, per, target=job.federated.target_accuracy, lr_scale=lr_scale,
                                  runtime="flower", round_time_s=time.perf_counter() - t_round,
                                  time_s=time.perf_counter() - started)
                     life.end_unit(r + 1, last=r + 1 == strat.rounds or server.stopped)

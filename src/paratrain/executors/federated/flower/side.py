@@ -5,6 +5,7 @@ process, so both runtimes train the same clients identically. No Flower import h
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +47,6 @@ class Side:
 
 def job_from_json(text: str) -> JobConfig:
     """The job the server sent (its ``to_json_dict``), validated again on this node."""
-    import json
-
     return load_job(json.loads(text))
 
 

@@ -1,9 +1,6 @@
-"""Client-level differential privacy for the Federated strategy (``[federated.dp]``):
-DP-FedAvg (McMahan et al. 2018) with central or local noise, adaptive clipping (Andrew et
-al. 2021) and Opacus's RDP accountant. :mod:`.mechanism` holds the maths as pure
-functions (clip, noise, adaptive clip) and the privacy spent, :mod:`.dp`
-the server's and clients' parts of a round, the job's checks and ``validate``'s
-description."""
+"""Client-level differential privacy for the Federated strategy (``[federated.dp]``): the
+maths and the privacy spent (:mod:`.mechanism`), the round's server and client parts, the
+job's checks and ``validate``'s description (:mod:`.dp`)."""
 
 from __future__ import annotations
 

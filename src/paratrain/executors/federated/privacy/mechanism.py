@@ -44,10 +44,7 @@ def dp_generator(seed: int, round_idx: int, client: int | None = None, salt: str
 
 def update_norm(update: Mapping[str, Tensor]) -> float:
     """``||D||_2`` over every tensor of the update together (in float64)."""
-    sq = 0.0
-    for t in update.values():
-        sq += float(t.detach().to(torch.float64).square().sum())
-    return math.sqrt(sq)
+    return math.sqrt(sum(float(t.detach().to(torch.float64).square().sum()) for t in update.values()))
 
 
 def clip_update(update: Mapping[str, Tensor], clip: float | None) -> tuple[dict[str, Tensor], float]:
@@ -61,9 +58,9 @@ def clip_update(update: Mapping[str, Tensor], clip: float | None) -> tuple[dict[
 
 def add_noise(total: Mapping[str, Tensor], std: float, generator: torch.Generator) -> dict[str, Tensor]:
     """``total + N(0, std^2 I)``, float64 draws key by key in sorted order, cast back."""
-    if std == 0.0:
-        return dict(total)
     out = dict(total)
+    if std == 0.0:
+        return out
     for k in sorted(total):
         t = total[k]
         noise = torch.randn(t.shape, generator=generator, dtype=torch.float64) * float(std)
