@@ -1,12 +1,10 @@
 """Which entries the sparse methods keep (TopK, Threshold, RandomK) and the cache-blocked
 CPU kernels they share (same results as the plain torch path).
 
-On a CPU, the cost of compressing a large gradient is memory traffic: every eager torch
-op reads and writes the whole tensor, and every fresh temporary pays page faults. These
-kernels walk the tensor in blocks of ``BLOCK`` elements (256 KiB of float32, resident in
-L2), reuse one small scratch buffer, and use numpy's ufuncs with ``out=`` so each input
-byte is read from memory once. Tensors on other devices, or dtypes numpy lacks
-(bfloat16), take the plain torch path.
+On a CPU the cost is memory traffic (every eager torch op reads and writes the whole tensor,
+every temporary pays page faults), so these kernels walk the tensor in blocks of ``BLOCK``
+elements (256 KiB of float32, in L2) with one reused scratch buffer and numpy ufuncs with
+``out=``: each input byte is read once. Other devices and bfloat16 take the torch path.
 """
 
 from __future__ import annotations

@@ -18,13 +18,10 @@ w = bytes per value at the dtype):
 * Quantization: ``u8 bits, u8 flags (bit 0: stochastic), f64 lo, f64 scale`` then
   ``ceil(n*bits/8)`` bytes of bit-packed codes.
 
-The payload therefore stays within a few dozen header bytes of the information minimum
-(:func:`information_minimum`). :func:`from_bytes` validates everything before it
-allocates anything sized by the payload: magic, version, codes, rank, every dimension
-and their product against ``max_numel``, the exact total length (truncation and
-trailing bytes are errors), index ranges and strict ordering, bitmap population and
-padding, bit widths, finite and non-negative quantization parameters. Every failure is
-a :class:`CompressionError`; nothing is unpickled or evaluated.
+The payload stays within a few dozen header bytes of :func:`information_minimum`.
+:func:`parse` validates every field, the exact length, index order and padding before it
+allocates anything sized by the payload; every failure is a :class:`CompressionError`, and
+nothing is unpickled or evaluated.
 """
 
 from __future__ import annotations

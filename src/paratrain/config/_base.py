@@ -37,11 +37,8 @@ NonNegFloat = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 
 
 class ConfigError(ValueError):
-    """Bad user input in a strategy, compression, tensor-parallel or job document.
-
-    ``problems`` holds one ``(field_path, message)`` pair per problem; ``str(err)``
-    prints one line per problem, each starting with its field path.
-    """
+    """Bad user input in a job or contract document: ``problems`` holds one ``(field_path,
+    message)`` pair per problem; ``str(err)`` prints one line each, field path first."""
 
     def __init__(self, problems: Iterable[tuple[str, str]]) -> None:
         self.problems: list[tuple[str, str]] = list(problems)
@@ -129,11 +126,8 @@ def describe_tags(schema: dict[str, Any], cls: type) -> None:
 
 
 class Contract(BaseModel):
-    """Frozen, serde-like model; extension fields are dumped only when set.
-
-    Unknown keys are ignored (as serde does) but remembered: :func:`unknown_keys` lists
-    them, so ``paratrain validate`` can report them as ignored.
-    """
+    """Frozen, serde-like model; extension fields are dumped only when set. Unknown keys are
+    ignored (as serde does) but remembered (:func:`unknown_keys`), for ``paratrain validate``."""
 
     model_config = ConfigDict(
         frozen=True, extra="ignore", use_attribute_docstrings=True, json_schema_extra=describe_tags

@@ -1,9 +1,5 @@
-"""FederatedAggregation: how the Federated strategy's server combines the client updates
-(FedAvg, FedProx, the adaptive server optimizers, robust aggregators, SCAFFOLD, FedNova),
-in the JSON shapes of DESIGN §3, internally tagged by ``"method"``.
-
-:class:`~paratrain.config.strategy.Federated` holds one as its ``aggregation``.
-"""
+"""FederatedAggregation: how the Federated strategy's server combines the client updates, in
+the JSON shapes of DESIGN §3, internally tagged by ``"method"``."""
 
 from __future__ import annotations
 

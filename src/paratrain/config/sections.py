@@ -172,9 +172,8 @@ class PartitionSpec(Section):
     """``dirichlet``: each client ends with at least this many examples (moved one at a time from
     the largest client); min_size x clients > examples is an error."""
     feature_shift: Annotated[float, Field(ge=0.0, le=5.0, allow_inf_nan=False)] = 0.0
-    """Feature-shift non-IID (FedBN's setting): client c's inputs, in its training partition and
-    its test split, become s_c * x + o_c with ln s_c and o_c drawn from U(-a, a) for a =
-    feature_shift (seeded by run.seed; paratrain.data.client_splits); 0 = no shift."""
+    """Feature-shift non-IID (FedBN's setting): client c's inputs (training and test) become
+    s_c * x + o_c with ln s_c and o_c drawn from U(-a, a), a = feature_shift; 0 = no shift."""
 
 
 class DataSpec(_NameOrFactory):
@@ -319,8 +318,7 @@ class FederatedOptions(Section):
     runtime: Literal["local", "flower"] = "local"
     """Where the rounds run: ``local`` = worker processes of one torch.distributed job
     (``paratrain run``); ``flower`` = Flower's Deployment Runtime (a SuperLink and one
-    SuperNode per site; paratrain's ServerApp/ClientApp started with ``flwr run``, see
-    examples/federated_flower). ``paratrain run`` refuses a ``flower`` job."""
+    SuperNode per site, started with ``flwr run``; ``paratrain run`` refuses it)."""
     flower: FlowerOptions | None = None
     """Timeouts and node counts of the Flower runtime (``runtime = "flower"`` only)."""
 

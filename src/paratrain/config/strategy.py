@@ -203,10 +203,10 @@ class DataParallel(Contract):
     stay one model; Decentralized replicas keep their own. false = each keeps its own."""
     shard: Literal["none", "optimizer", "gradients", "parameters"] = "none"
     """Extension (ZeRO, Rajbhandari et al. 2020; AllReduce only): what each replica keeps only
-    its 1/N shard of. ``none``: everything replicated (DDP). ``optimizer`` (ZeRO-1): the
-    optimizer state. ``gradients`` (ZeRO-2): also the gradients (reduce-scattered).
-    ``parameters`` (ZeRO-3): also the parameters, all-gathered per ``shard_unit`` for its
-    forward and again for its backward, freed after. Parameters equal unsharded AllReduce's."""
+    its 1/N shard of. ``none``: nothing (DDP); ``optimizer`` (ZeRO-1): the optimizer state;
+    ``gradients`` (ZeRO-2): also the gradients; ``parameters`` (ZeRO-3): also the parameters,
+    all-gathered per ``shard_unit`` for its forward and backward. Parameters equal unsharded
+    AllReduce's."""
     shard_unit: list[str] | None = None
     """Extension (``shard = "gradients"`` or ``"parameters"``): the modules reduce-scattered
     (and, for ``parameters``, gathered) as one unit, as torch FSDP2's ``fully_shard`` per
