@@ -1,22 +1,16 @@
 """Blocks written by others that ``parallelize`` shards without a plan (the table is in
-docs/tensor-parallel.md; Megatron's layout, as HF's own ``base_model_tp_plan``), and their
-parallel layers.
+docs/tensor-parallel.md; Megatron's layout, as HF's ``base_model_tp_plan``), and their layers.
 
 A block is recognised by its class (transformers' by module and name, without importing it)
-*and* by its ``forward`` being that class's own: an overriding subclass may compute something
-else, so it is a ConfigError naming its path, as is a block with submodules, parameters or
-buffers its known forward lacks. HF's forwards run unchanged on the shard (they reshape with
-``-1`` heads; the head counts become the local ones): in grouped-query attention rank ``r``
-keeps query heads ``[rH/p, (r+1)H/p)`` and kv heads ``[rK/p, (r+1)K/p)``, exactly those its
-query heads read (``h // (H/K)``), and only the ``eager`` / ``sdpa`` implementations are known
-to read nothing else. :func:`register_block` declares another class to be one of these blocks.
-
-A GPT-2 ``Conv1D`` computes ``x W + b`` with ``W`` stored ``[in, out]``; its parallel forms keep
-that layout (checkpoints use the model's own shapes). A *packed* projection (``[q | k | v]``
-along the output features: GPT-2's ``c_attn``, timm's ``qkv``) must not be cut into contiguous
-chunks (rank 0's would hold all of q and part of k): :class:`PackedColumnParallel` shards each
-part on its own, so rank ``i`` computes ``[q_i | k_i | v_i]``, the packed layout of its own
-heads. timm's ``Attention`` reshapes its context to the input's width, which a shard lacks, so
+*and* by its ``forward`` being that class's own (an overriding subclass, or extra submodules,
+parameters or buffers, are a ConfigError naming its path). HF's forwards run unchanged on the
+shard (they reshape with ``-1`` heads; the head counts become the local ones): in grouped-query
+attention rank ``r`` keeps query heads ``[rH/p, (r+1)H/p)`` and kv heads ``[rK/p, (r+1)K/p)``,
+exactly those its query heads read, and only ``eager`` / ``sdpa`` are known to read nothing
+else. A GPT-2 ``Conv1D`` (``x W + b``, ``W`` stored ``[in, out]``) keeps its layout. A packed
+projection (``[q | k | v]``: GPT-2's ``c_attn``, timm's ``qkv``) is cut part by part
+(:class:`PackedColumnParallel`), so rank ``i`` computes ``[q_i | k_i | v_i]``. timm's
+``Attention`` reshapes its context to the input's width, which a shard lacks, so
 :class:`ParallelFusedQKVAttention` re-implements its forward on ``heads / p`` local heads.
 """
 

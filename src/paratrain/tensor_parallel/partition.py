@@ -1,14 +1,10 @@
-"""Partition arithmetic for tensor parallelism (rust-behaviour.md §3.5-3.6, DESIGN §4); pure
-arithmetic, no process group.
-
-A tensor of shape ``s`` is cut along one dimension ``d`` into ``tp`` ceil-sized chunks:
-``per = ceil(s[d] / tp)``, chunk ``p`` covers ``[p*per, min((p+1)*per, s[d]))`` and lives on
-rank ``p mod world_size``; chunks that would start past the end are dropped (the missing ids
-are always the trailing ones). ``d``: ColumnWise = last, RowWise = second-to-last, BatchWise =
-0 (the only one needing no communication), SequenceWise = 1, Dynamic = ColumnWise when the
-last dim is strictly larger than the second-to-last, else RowWise (BatchWise below 2-D);
-BlockWise = a g x g grid of 2-D tensors when tp = g^2, else ColumnWise; Custom = the function
-registered with :func:`register_custom_partitioner`.
+"""Partition arithmetic for tensor parallelism (rust-behaviour.md §3.5-3.6, DESIGN §4), no
+process group. A tensor of shape ``s`` is cut along dim ``d`` into ``tp`` ceil-sized chunks
+(``per = ceil(s[d] / tp)``, chunk ``p`` covers ``[p*per, min((p+1)*per, s[d]))`` on rank ``p mod
+world_size``; chunks past the end are dropped). ``d``: ColumnWise = last, RowWise =
+second-to-last, BatchWise = 0 (no communication), SequenceWise = 1, Dynamic = ColumnWise when
+the last dim is strictly larger than the second-to-last, else RowWise (BatchWise below 2-D);
+BlockWise = a g x g grid when tp = g^2, else ColumnWise; Custom = the registered function.
 """
 
 from __future__ import annotations
