@@ -38,6 +38,7 @@ from ..shared.zero import (
     ShardView,
     Unit,
     free_unit,
+    gather_rows,
     gather_unit,
     held_bytes,
     keep_own_rows,
@@ -188,16 +189,11 @@ class StageZero:
                     maybe.grad = u.flat.view(u.grad, i) if live else None
         self.reshard()  # ZeRO-3: the optimizer steps the rows only
 
-    @torch.no_grad()
     def gather(self, counter: C.CommCounter | None = None) -> None:
-        """ZeRO-1/2: every replica's rows all-gathered into the whole parameters (after each
-        step and a resume); ZeRO-3 keeps its rows until the next :meth:`begin`."""
-        if self.level == 3:
-            return
-        for u in self.units:
-            flat = u.flat.pack_own(u.params, torch.empty(u.flat.numel, dtype=u.params[0].dtype,
-                                                          device=self.device))
-            u.flat.gather(flat, [p.data for p in u.params], group=self.group, counter=counter)
+        """ZeRO-1/2: :func:`gather_rows` (after each step and a resume); ZeRO-3 keeps its rows
+        until the next :meth:`begin`."""
+        if self.level < 3:
+            gather_rows(self.units, group=self.group, counter=counter, device=self.device)
 
     def names(self, stage_names: dict[str, str]) -> dict[str, str]:
         """The view's keys -> the model's names (``stage_names``: the stage's keys -> them)."""

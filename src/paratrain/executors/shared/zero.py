@@ -232,6 +232,15 @@ def free_unit(u: Unit) -> None:
         u.gathered = False
 
 
+@torch.no_grad()
+def gather_rows(units: Sequence[Unit], *, group: Any, counter: Any, device: torch.device) -> None:
+    """ZeRO-1/2, after a step and a resume: every rank's rows all-gathered into the units'
+    whole parameters (collective)."""
+    for u in units:
+        flat = u.flat.pack_own(u.params, torch.empty(u.flat.numel, dtype=u.params[0].dtype, device=device))
+        u.flat.gather(flat, [p.data for p in u.params], group=group, counter=counter)
+
+
 def held_bytes(params: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer, *,
                grads: Iterable[torch.Tensor | None] = ()) -> dict[str, int]:
     """Bytes of ``params``, their gradients (and ``grads``) and ``optimizer``'s state
@@ -445,15 +454,8 @@ class ZeroEngine(LocalEngine):
     def after_step(self) -> dict[str, float]:
         """ZeRO-1/2: every rank's updated rows all-gathered into the whole parameters."""
         if self.level < 3:
-            self._all_gather_parameters()
+            gather_rows(self.units, group=self.group, counter=self.counter, device=self.device)
         return {}
-
-    def _all_gather_parameters(self) -> None:
-        with torch.no_grad():
-            for u in self.units:
-                flat = u.flat.pack_own(u.params, torch.empty(u.flat.numel, dtype=u.params[0].dtype,
-                                                              device=self.device))
-                u.flat.gather(flat, [p.data for p in u.params], group=self.group, counter=self.counter)
 
     def evaluate(self) -> dict[str, float] | None:
         self.gather_all()  # collective: every rank, before rank 0 evaluates
@@ -500,7 +502,7 @@ class ZeroEngine(LocalEngine):
         for k, v in (state or {}).get("comm", {}).items():
             self.counter.bytes[k] = int(v)
         if self.level < 3:
-            self._all_gather_parameters()
+            gather_rows(self.units, group=self.group, counter=self.counter, device=self.device)
 
     def close(self) -> None:
         for h in self.hooks:
