@@ -2,34 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .api import fit
     from .task.protocol import Task
+    from .training.export import load_model
 
 __all__ = ["fit", "load_model", "Task", "__version__"]
 __version__ = "0.1.0"
 
-
-def fit(*args: Any, **kwargs: Any) -> dict[str, Any]:
-    """Train and return the summary dict (see :func:`paratrain.api.fit`)."""
-    from .api import fit as _fit
-
-    return _fit(*args, **kwargs)
-
-
-def load_model(run_dir: Any, *, client: int | None = None) -> dict[str, Any]:
-    """The trained model of a finished run as one state_dict under the model's own names
-    (see :func:`paratrain.training.export.load_model`): ``model.load_state_dict(state)``."""
-    from .training.export import load_model as _load
-
-    return _load(run_dir, client=client)
+# imported on first use, so that `import paratrain` stays light
+_LAZY = {"fit": ".api", "load_model": ".training.export", "Task": ".task.protocol"}
 
 
 def __getattr__(name: str) -> Any:
-    """``paratrain.Task`` (the task protocol, :mod:`paratrain.task`), imported on first use."""
-    if name == "Task":
-        from .task.protocol import Task
-
-        return Task
+    """``paratrain.fit`` (:func:`paratrain.api.fit`), ``paratrain.load_model``
+    (:func:`paratrain.training.export.load_model`) and ``paratrain.Task`` (the task protocol)."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module 'paratrain' has no attribute {name!r}")

@@ -1,16 +1,11 @@
 """Python API: ``paratrain.fit(...)`` returns the same summary the CLI writes.
 
 What ``fit`` is given is what it trains, or a ConfigError naming ``data``/``model``/``task``
-says why not (never a silent fallback to the job's data). ``data``: a built-in name or a
-``[data]`` dict, a :class:`~paratrain.data.DataBundle`, ``(X, y)`` arrays (split by
-``data.test_fraction``, seeded, as a ``data.factory``'s), one ``torch.utils.data.Dataset``
-(split likewise) or a ``(train, test)`` pair of Datasets; ``model``: a zoo name, a
-``[model]`` dict or an ``nn.Module``; ``task``: a built-in name, a ``[task]`` dict or a
-:class:`paratrain.Task`. Local (no tensor parallelism) trains the objects themselves; a
-strategy with worker processes gets them pickled into a temporary folder that the job names
-through the factories below (``model.factory = "paratrain.api:saved_model"``, ...), so an
-object must pickle and its class be importable in a fresh process (else the error names the
-field: give a factory instead).
+says why not (never a silent fallback to the job's data; the forms: docs/running.md). Local
+(no tensor parallelism) trains the objects themselves; a strategy with worker processes gets
+them pickled into a temporary folder that the job names through the factories below
+(``model.factory = "paratrain.api:saved_model"``, ...), so an object must pickle and its
+class be importable in a fresh process (else the error names the field).
 """
 
 from __future__ import annotations
@@ -49,10 +44,8 @@ def _is_array(v: Any) -> bool:
 
 
 def _shapes(train: Dataset[Any]) -> tuple[tuple[int, ...], int]:
-    """``(input_shape, num_classes)`` of a training set, as far as it tells them: a
-    ``TensorDataset`` of (features, targets) by its tensors, a language-model set by its
-    ``vocab_size``; else the first item's first field's shape and 0 classes (a model or
-    task instance builds the model)."""
+    """``(input_shape, num_classes)`` of a training set as far as it tells them (0 classes:
+    a model or task instance builds the model)."""
     vocab = getattr(train, "vocab_size", None)
     if isinstance(train, TensorDataset) and len(train.tensors) == 2:
         x, y = train.tensors
@@ -74,7 +67,7 @@ def _pair_bundle(train: Dataset[Any], test: Dataset[Any]) -> DataBundle:
 
 def _split_dataset(ds: Dataset[Any], *, fraction: float, seed: int) -> DataBundle:
     """``ds`` split into train and test (``fraction`` of it, at least one example each),
-    seeded: a ``TensorDataset`` by rows (it stays one), any other by ``random_split``."""
+    seeded; a ``TensorDataset`` stays one."""
     n = len(ds)  # type: ignore[arg-type]
     if n < 2:
         raise ConfigError([("data", f"the Dataset has {n} examples: a train/test split needs two")])
@@ -163,8 +156,8 @@ def saved_task(**_: Any) -> Any:
 
 @contextlib.contextmanager
 def _saved(objects: dict[str, Any], strategy: str) -> Iterator[None]:
-    """Pickle ``objects`` (``"model"``/``"data"``/``"task"``) for the workers (module
-    docstring); the folder and the environment key are removed on exit."""
+    """Pickle ``objects`` (``"model"``/``"data"``/``"task"``) for the workers; the folder and
+    the environment key are removed on exit."""
     folder = tempfile.mkdtemp(prefix="paratrain-fit-")
     before = os.environ.get(OBJECTS_ENV)
     try:

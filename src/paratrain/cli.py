@@ -264,13 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line ``argv`` (None: ``sys.argv``, the ``paratrain`` command itself).
-
-    Without ``argv`` this process is the command's own: it exits when the command returns,
-    so the cyclic garbage collector stays off a run's start-up and nothing is collected at
-    exit (:mod:`paratrain.training.gcfreeze`), and a Local run's report.png is drawn by a
-    drawer process started now (:func:`paratrain.training.report.start_drawer`). Called
-    with ``argv`` (tests, scripts) it leaves the caller's process as it was."""
+    """The command line ``argv`` (None: ``sys.argv``, the ``paratrain`` command itself, whose
+    process exits when the command returns: the garbage collector stays off a run's start-up
+    and exit (:mod:`paratrain.training.gcfreeze`) and a Local run's report.png is drawn by a
+    drawer process). Called with ``argv`` (tests, scripts) it leaves the process as it was."""
     args = build_parser().parse_args(argv)
     args.whole_process = argv is None
     if argv is None:

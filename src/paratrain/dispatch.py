@@ -20,18 +20,15 @@ def execute(
     job: JobConfig, *, resume: bool = False, overwrite: bool = False, job_dir: Path | None = None,
     instances: Any = None,
 ) -> dict[str, Any]:
-    """Run ``job`` under its strategy and return the summary; never falls back to Local. A
-    fresh run into a folder holding a run is refused unless ``overwrite`` or ``resume``.
-    ``job_dir`` anchors relative ``run.imports``; ``instances``
-    (:class:`paratrain.preflight.Instances`, from :func:`paratrain.fit`) are checked as the
-    specs they replace, then trained by the Local executor. Ignored settings are warned
-    about once, by the launching process (rank 0 under torchrun)."""
+    """Run ``job`` under its strategy and return the summary; never falls back to Local.
+    ``job_dir`` anchors relative ``run.imports``; ``instances`` (from :func:`paratrain.fit`)
+    are checked as the specs they replace, then trained by the Local executor. Ignored
+    settings are warned about once, by the launching process (rank 0 under torchrun)."""
     launcher = os.environ.get("RANK", "0") == "0"
     preload = worker_preload(job) if instances is None else []
     if preload:
-        # The workers' forkserver imports torch and their modules on the other core while
-        # this process runs the checks (a failed check starts no worker; the server is
-        # stopped at exit): a launch no longer waits for the two imports in turn.
+        # the workers' forkserver imports torch and their modules on the other core while
+        # this process runs the checks: a launch no longer waits for the two in turn
         from .comm.forkserver import warm
 
         warm(preload)
@@ -40,15 +37,12 @@ def execute(
     from .training.gcfreeze import resume_collections
     from .training.threads import intra_op_threads, use_threads
 
-    # Every check before training, the same `paratrain validate` makes (imports the
-    # plugins too); errors here come before any worker process is spawned.
-    preflight(job, job_dir=job_dir, warn=launcher, instances=instances)
+    preflight(job, job_dir=job_dir, warn=launcher, instances=instances)  # as `paratrain validate`
     spec = spec_for(job)
     if launcher:
         for item in effective_settings(job, resume=resume).ignored:
             warnings.warn(str(item), _job_rules.IgnoredSettingWarning, stacklevel=2)
-    # A Local run trains here: with the job's intra-op thread count (training.threads: the
-    # cores unless set), the caller's put back after. Launched workers set theirs in their entry.
+    # a Local run trains here, with the job's intra-op thread count (the caller's put back after)
     threads = use_threads(intra_op_threads(job)) if spec.name == "Local" else contextlib.nullcontext()
     if spec.name == "Local":
         report.import_in_background()  # report.png's matplotlib, off the end of the run

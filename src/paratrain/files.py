@@ -1,12 +1,10 @@
 """A run folder's files on the bottom floor, used by every floor that writes or deletes.
 
-Deleting only strictly inside a given root (:func:`safe_rmtree` / :func:`safe_unlink`; any
-other path is a bug and raises). Writing whole or not at all (:func:`write_atomic`: a temp
-file beside, fsynced, ``os.replace``d, the folder fsynced), so a crash or a power cut leaves
+Deleting only strictly inside a given root (:func:`safe_rmtree`; any other path is a bug and
+raises). Writing whole or not at all (:func:`write_atomic`), so a crash or a power cut leaves
 the old file or the new one, never a torn one. Which checkpoint a run resumes from
-(:func:`newest_checkpoint`, by names only): the stores' DCP folders
-``checkpoints/step-<n>/`` (``layout.json`` names the store's ``kind``; ``n`` counts rounds
-for ``fed``, generations for ``pbt``), and earlier versions' files (``ckpt-<step>.pt``,
+(:func:`newest_checkpoint`, by names only): the stores' DCP folders ``checkpoints/step-<n>/``
+(``layout.json`` names the store's ``kind``), and earlier versions' files (``ckpt-<step>.pt``,
 ``population-<generation>.pt``, ``<prefix>-rank<r>/`` with ``<prefix>-complete.json``),
 recognised so that a resume says it does not read them and never silently starts fresh.
 """
@@ -45,14 +43,6 @@ def safe_rmtree(path: str | Path, root: str | Path) -> None:
         shutil.rmtree(p)
 
 
-def safe_unlink(path: str | Path, root: str | Path) -> None:
-    """Delete one file only if it lies strictly inside ``root``."""
-    p = Path(path)
-    if p.is_dir() and not p.is_symlink():
-        raise RuntimeError(f"refusing to unlink {p}: it is a folder")
-    safe_rmtree(p, root)
-
-
 def fsync_folder(folder: str | Path) -> None:
     """fsync a folder, so that a rename or a new entry in it survives a power cut (a file
     system that cannot open or sync a folder, as on Windows, is left to its own order)."""
@@ -69,12 +59,10 @@ def fsync_folder(folder: str | Path) -> None:
 
 
 def write_atomic(path: str | Path, fill: Callable[[Path], object], *, durable: bool = True) -> Path:
-    """Write ``path`` whole or not at all: ``fill(tmp)`` writes a temp file beside it
-    (``.<name>.<pid>.<random>.tmp``, the folder's own permissions as ``open`` gives them),
-    which is fsynced, ``os.replace``d onto ``path``, and the folder fsynced. On any error the
-    temp file is removed and ``path`` keeps its old content. ``durable=False`` skips both
-    fsyncs, for values that are consumed at once and never outlive the run (ModelParallel's
-    activations in a DataStore): a reader still sees nothing or the whole file."""
+    """Write ``path`` whole or not at all: ``fill(tmp)`` writes a temp file beside it, which
+    is fsynced, ``os.replace``d onto ``path``, and the folder fsynced; on any error the temp
+    file is removed. ``durable=False`` skips both fsyncs, for values consumed at once that
+    never outlive the run (ModelParallel's activations): a reader still sees all or nothing."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
@@ -92,17 +80,14 @@ def write_atomic(path: str | Path, fill: Callable[[Path], object], *, durable: b
 
 
 def write_bytes(path: str | Path, data: bytes, *, durable: bool = True) -> Path:
-    """:func:`write_atomic` of ``data``."""
     return write_atomic(path, lambda tmp: tmp.write_bytes(data), durable=durable)
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    """:func:`write_atomic` of ``text`` in UTF-8."""
     return write_bytes(path, text.encode("utf-8"))
 
 
 def write_json(path: str | Path, doc: Any, **dumps: Any) -> Path:
-    """:func:`write_atomic` of ``json.dumps(doc, **dumps)``."""
     return write_text(path, json.dumps(doc, **dumps))
 
 
@@ -132,9 +117,9 @@ def _step_doc(folder: Path) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class FoundCheckpoint:
-    """A complete checkpoint of one layout: ``kind`` is ``"local"``, ``"population"`` or a
-    per-process folder prefix (``"dp"``, ``"tp"``, ``"mp"``); ``path`` the file (the marker
-    of a per-process layout, whose contents are ``doc``)."""
+    """A complete checkpoint: ``kind`` is ``"local"``, ``"population"``, a per-process
+    prefix (``"dp"``, ...) or a DCP store's kind; ``path`` the file, marker or folder
+    (``doc``: the marker's or ``layout.json``'s contents)."""
 
     kind: str
     step: int
@@ -143,8 +128,7 @@ class FoundCheckpoint:
 
     @property
     def where(self) -> str:
-        """``step 40`` in the run's own unit (Federated counts rounds, PopulationBased
-        generations)."""
+        """``step 40`` in the run's own unit (Federated rounds, PopulationBased generations)."""
         return f"{_UNITS.get(self.kind, 'step')} {self.step}"
 
     def where_in(self, strategy: str | None) -> str:

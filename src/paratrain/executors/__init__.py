@@ -11,12 +11,11 @@ import importlib
 from ..config import ConfigError
 from ..config.job import JobConfig
 from .custom import register_coordinator, registered_coordinators
-from .plugins import import_plugins
-from .spec import ExecutorSpec, GraphView, Traced
+from .plugins import import_plugins, keywords
+from .spec import ExecutorSpec, Traced
 
-__all__ = ["ExecutorSpec", "GraphView", "Traced", "STRATEGIES", "TENSOR_PARALLEL", "spec_for",
-           "executor_name", "import_plugins", "register_coordinator",
-           "registered_coordinators", "worker_preload"]
+__all__ = ["Traced", "import_plugins", "keywords", "register_coordinator",  # re-exported
+           "registered_coordinators"]
 
 TENSOR_PARALLEL = "TensorParallel"
 
@@ -67,10 +66,9 @@ def spec_for(job: JobConfig) -> ExecutorSpec:
 
 def worker_preload(job: JobConfig) -> list[str]:
     """Modules every launched worker of ``job`` imports, for the forkserver to import once
-    (:func:`paratrain.comm.forkserver.warm`); empty for a job that runs in this process or
-    under torchrun. A hint from the job alone, importing nothing. (A ``[model] factory``'s
-    module is left out: the server imports before it has the job's working directory, and an
-    import that raises anything but ImportError would end it.)"""
+    (:func:`paratrain.comm.forkserver.warm`); none for a job run in this process or under
+    torchrun. A factory's module is left out: the server imports before it has the job's
+    working directory, and an import raising anything but ImportError would end it."""
     from ..comm.rendezvous import in_torchrun
 
     try:

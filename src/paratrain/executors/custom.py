@@ -8,7 +8,6 @@ unknown name is an error listing the registered ones; there is no fallback to Lo
 
 from __future__ import annotations
 
-import inspect
 import json
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from ..config import ConfigError
 from ..config.effective import Effective, Ignored
 from ..config.job import JobConfig
+from .plugins import keywords
 from .spec import ExecutorSpec
 
 Coordinator = Callable[..., dict[str, Any]]
@@ -23,7 +23,6 @@ _REGISTRY: dict[str, Coordinator] = {}
 
 
 def register_coordinator(name: str) -> Callable[[Coordinator], Coordinator]:
-    """Decorator registering ``fn`` as the coordinator called ``name``."""
     if not name or not isinstance(name, str):
         raise ValueError(f"coordinator name must be a non-empty string (got {name!r})")
 
@@ -40,21 +39,12 @@ def registered_coordinators() -> list[str]:
 
 def accepts_resume(fn: Coordinator) -> bool:
     """Whether ``fn`` takes a ``resume`` keyword (by name or through ``**kwargs``)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(
-        p.kind is inspect.Parameter.VAR_KEYWORD
-        or (p.name == "resume" and p.kind in (inspect.Parameter.KEYWORD_ONLY,
-                                               inspect.Parameter.POSITIONAL_OR_KEYWORD))
-        for p in params
-    )
+    sig = keywords(fn)
+    return sig is not None and (sig[1] or "resume" in sig[0])
 
 
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Call the job's coordinator while this process holds the job's run folder (a
-    fresh run clears it first, only with ``overwrite`` if it holds a previous run)."""
+    """Call the job's coordinator while this process holds the job's run folder."""
     from ..training.rundir import RunFolder
 
     name = getattr(job.strategy, "coordinator", None)

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from ..config import ConfigError
 
@@ -43,6 +46,18 @@ def import_plugins(refs: list[str], *, base: Path | None = None) -> None:
             raise
         except Exception as e:  # noqa: BLE001 - the job's own code: one line, no traceback
             raise ConfigError([(field, _plugin_failure(ref, e))]) from None
+
+
+def keywords(fn: Any, skip: Iterable[str] = ()) -> tuple[list[str], bool] | None:
+    """The keywords ``fn`` takes (in order, less ``skip``) and whether it takes ``**kwargs``;
+    None when it has no signature to read (a builtin or C callable)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+             and p.name not in skip]
+    return names, any(p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _import_file(ref: str, base: Path | None, field: str) -> None:

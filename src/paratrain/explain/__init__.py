@@ -1,14 +1,11 @@
 """What a job's model looks like as a graph: ``paratrain graph JOB`` (and ``validate --explain``).
 
-:func:`explain` builds the job's model as its executor does (seeded), traces it
-(:func:`paratrain.graph.trace.trace` with ``model.leaf_modules``) and returns a JSON-able
-report (:func:`render`: its text): ``nodes``, the modules the forward runs in execution order
-(every ``call_module``, and each module traced into that holds tensors of its own), each with
-its parameter count, effective strategy and output shape (ShapeProp over one training batch);
-``subgraphs``, the modules that have children; then what the job's executor adds
-(``ExecutorSpec.graph``: ModelParallel's workers and the values crossing them, ZeRO's shards,
-tensor parallelism's mesh, ...). Pure: no process starts, nothing is written; every user error
-is a ConfigError.
+:func:`explain` builds the job's model as its executor does (seeded), traces it with
+``model.leaf_modules`` and returns a JSON-able report (:func:`render`: its text): ``nodes``,
+the modules the forward runs in execution order, each with its parameter count, effective
+strategy and output shape (ShapeProp over one training batch); ``subgraphs``, the modules
+that have children; then what the job's executor adds (``ExecutorSpec.graph``). Pure: no
+process starts, nothing is written; every user error is a ConfigError.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..config import ConfigError
 from ..graph.draw import node_edges
 from ..graph.render import render  # re-exported: the report's text
 from ..graph.sizes import count_elements, shape_info, tensor_metas
@@ -36,19 +32,11 @@ def _type(strategy: Any) -> str:
 
 def _build(job: Any) -> tuple[nn.Module, Any]:
     """The job's model and training set, as the executors build them (seeded)."""
-    from ..task import resolve_task
+    from ..task import job_model
     from ..training import seed_everything
 
     seed_everything(job.run.seed)
-    task = resolve_task(job)
-    try:
-        train, _ = task.datasets(job.run.seed)
-        model = task.build_model(job.model, train)
-    except ConfigError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the job's own code: one line, no traceback
-        first = (f"{type(e).__name__}: {e}".splitlines() or [""])[0]
-        raise ConfigError([("model", f"building the model failed: {first}")]) from None
+    _, train, _, model = job_model(job)
     return model, train
 
 

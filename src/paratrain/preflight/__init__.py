@@ -2,15 +2,11 @@
 
 :func:`preflight` is called by ``paratrain validate`` and by :func:`paratrain.dispatch.execute`
 before any executor runs, so ``validate`` accepts exactly the jobs ``run`` can start and a job
-that cannot run fails before any worker process is spawned. It raises one
-:class:`~paratrain.config.ConfigError` listing every problem, each naming its field: the
-``run.imports`` (and a Custom coordinator they register), ``run.device``/``run.backend``
-against CUDA, the worker processes the executor's spec declares (at most ``cpu_count() x``
-:data:`PROCS_PER_CORE` on one machine unless ``run.allow_oversubscribe``), the task, data,
-model and optimizer built with their kwargs and run on two training rows (:mod:`.build`),
-the spec's ``check_data`` against the built data, ``[subgraphs]`` pairings and paths, and
-the spec's own ``validate``. Settings adjusted rather than refused (the spec's ``notes``) are
-returned as warning lines and, with ``warn=True``, issued as :class:`PreflightWarning`.
+that cannot run fails before any worker process is spawned: ``run.imports`` (and a Custom
+coordinator they register), ``run.device``/``run.backend`` against CUDA, the worker processes
+the executor's spec declares, the task, data, model and optimizer built and run on two
+training rows (:mod:`.build`), ``[subgraphs]``, and the spec's ``check_data`` and
+``validate``.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ from typing import Any
 
 from ..config import ConfigError
 from ..config.job import JobConfig
+from ..subgraphs import check_pairings, check_paths
 from .build import _build
 
 # Worker processes per CPU core a job may start without run.allow_oversubscribe: the
@@ -65,12 +62,11 @@ def process_count(job: JobConfig) -> tuple[int, str]:
 
 def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True,
               instances: Instances | None = None) -> list[str]:
-    """Check ``job`` as ``run`` would before training; ConfigError listing every problem.
-
-    ``job_dir`` is the job file's folder (relative ``run.imports``); ``instances`` what
-    :func:`paratrain.fit` trains instead of the job's model/data/task specs. Returns the
-    warning lines (``field: message``); with ``warn`` each is also issued as a
-    PreflightWarning."""
+    """Check ``job`` as ``run`` would before training: one ConfigError listing every problem,
+    each naming its field. ``job_dir`` is the job file's folder (relative ``run.imports``);
+    ``instances`` what :func:`paratrain.fit` trains instead of the job's specs. Returns the
+    settings the spec adjusts rather than refuses (its ``notes``) as warning lines; with
+    ``warn`` each is also issued as a PreflightWarning."""
     problems: Problems = []
     notes: list[str] = []
     imported = _stage(problems, _imports, job, job_dir)
@@ -78,10 +74,10 @@ def preflight(job: JobConfig, *, job_dir: Path | None = None, warn: bool = True,
     strategy_ok = _stage(problems, _processes, job, notes)
     if imported:
         _stage(problems, _coordinator, job)
-    pairings_ok = _stage(problems, _subgraph_pairings, job)
+    pairings_ok = _stage(problems, check_pairings, job)
     bundle = _stage(problems, _build, job, instances) if imported else None
     if bundle is not None and pairings_ok:
-        _stage(problems, _subgraph_paths, job, bundle.model)
+        _stage(problems, check_paths, bundle.model, job)
     if bundle is not None:
         _stage(problems, _spec_check, job, "check_data", bundle)
         if strategy_ok and not problems:
@@ -107,9 +103,6 @@ def _stage(problems: Problems, fn: Any, *args: Any) -> Any:
         problems.extend(e.problems)
         return None
     return True if out is None else out
-
-
-# ----------------------------------------------------------------------- checks
 
 
 def _imports(job: JobConfig, job_dir: Path | None) -> None:
@@ -173,23 +166,6 @@ def _processes(job: JobConfig, notes: list[str]) -> None:
             f"the job would start {here} worker processes on this machine{per}, more than it can "
             f"take: {os.cpu_count() or 1} CPU cores x {PROCS_PER_CORE} = {limit}; lower it or set "
             f"run.allow_oversubscribe = true"))])
-
-
-def _subgraph_pairings(job: JobConfig) -> None:
-    """``[subgraphs]``: well-formed keys and supported pairings (paratrain.subgraphs)."""
-    if job.subgraphs:
-        from ..subgraphs import check_pairings
-
-        check_pairings(job)
-
-
-def _subgraph_paths(job: JobConfig, model: Any) -> None:
-    """``[subgraphs]``: every key a module path of the job's model (the build stage's), Local
-    subgraphs holding state and sharing no tied tensor with the rest."""
-    if job.subgraphs:
-        from ..subgraphs import check_paths
-
-        check_paths(model, job)
 
 
 def _spec_check(job: JobConfig, name: str, *args: Any) -> None:

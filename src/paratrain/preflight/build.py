@@ -4,11 +4,11 @@ on two training rows, and the optimizer builds over its parameters with its kwar
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING, Any
 
 from ..config import ConfigError, one_line
 from ..config.job import JobConfig
+from ..executors import keywords
 
 if TYPE_CHECKING:
     from . import Instances
@@ -50,15 +50,10 @@ def _zoo_sizes(name: str, kwargs: dict[str, Any]) -> Problems:
 def _unknown_kwargs(fn: Any, kwargs: dict[str, Any], *, section: str, what: str,
                     skip: tuple[str, ...] = ()) -> Problems:
     """``section.<kw>`` for each kwarg ``fn`` cannot take (nothing when it has **kwargs)."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
+    sig = keywords(fn, skip)
+    if sig is None or sig[1]:
         return []
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return []
-    valid = [n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                         inspect.Parameter.KEYWORD_ONLY)
-             and n not in skip]
+    valid = sig[0]
     return [(f"{section}.{kw}", f"{what} takes no option {kw!r}; valid: {', '.join(valid) or '(none)'}")
             for kw in kwargs if kw not in valid]
 

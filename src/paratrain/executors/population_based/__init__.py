@@ -11,10 +11,6 @@ from .hyperparams import validate_job
 from .runner import num_workers, run
 
 
-def _processes(job: JobConfig) -> tuple[int, str]:
-    return num_workers(job), "run.num_workers"
-
-
 def _notes(job: JobConfig) -> list[str]:
     """``run.num_workers`` above ``population_size`` is capped (:func:`.runner.num_workers`)."""
     s: Any = job.strategy
@@ -22,5 +18,5 @@ def _notes(job: JobConfig) -> list[str]:
     return capped_workers(job, size, f"a population of {size}")
 
 
-SPEC = ExecutorSpec(name="PopulationBased", run=run, processes=_processes, notes=_notes,
-                    validate=validate_job)
+SPEC = ExecutorSpec(name="PopulationBased", run=run, notes=_notes, validate=validate_job,
+                    processes=lambda job: (num_workers(job), "run.num_workers"))

@@ -1,17 +1,12 @@
-"""What a PBT member can be: the roles of its hyperparameters, the metric it is ranked
-by, and the checks of a PopulationBased job that need the model and data factories.
-
-Roles (:func:`hyperparameter_roles`): ``batch_size``; any key of the optimizer's param
-groups; any keyword of the model or dataset builder/factory. Model keywords may change
-parameter shapes, so explore leaves them alone (sampled at the start, inherited on exploit)
--- except ``dropout``, which changes no shape: it is explored like the optimizer's values
-and set as the ``p`` of every ``nn.Dropout`` of the member's model each generation (as Ray
-Tune's PBT re-applies a mutated config).
+"""What a PBT member can be: the roles of its hyperparameters (:func:`hyperparameter_roles`),
+the metric it is ranked by, and the PopulationBased checks that need the factories. Model
+keywords may change parameter shapes, so explore leaves them alone (sampled at the start,
+inherited on exploit) -- except ``dropout``, explored like the optimizer's values and set as
+the ``p`` of every ``nn.Dropout`` each generation (as Ray Tune's PBT re-applies a config).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -24,47 +19,35 @@ from ...models.zoo import MODELS, import_object
 from ...task import resolve_task
 from ...training import build_optimizer
 from ...training.faults import FAULTS_ENV, injected_faults
+from ..plugins import keywords
 from .pbt import validate_space
 
-TRAIN_METRICS = ("train_loss",)
-"""Metrics a member reports besides the task's test metrics (mean loss of its steps)."""
+TRAIN_METRICS = ("train_loss",)  # besides the task's test metrics: the mean loss of its steps
 _DATA_FIXED = {"seed", "test_fraction"}
 _MODEL_FIXED = {"input_shape", "num_classes"}
 
 
-def _kwargs_of(fn: Callable[..., Any], fixed: set[str]) -> tuple[set[str], bool]:
-    """Keyword names ``fn`` accepts (minus ``fixed``) and whether it takes ``**kwargs``."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return set(), True
-    names = {p.name for p in params
-             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in fixed}
-    return names, any(p.kind is p.VAR_KEYWORD for p in params)
-
-
 def _builder(spec: Any, section: str, registry: Any) -> Callable[..., Any]:
-    """The ``[model]``/``[data]`` section's factory, or its built-in builder by name."""
     if spec.factory is not None:
         return import_object(spec.factory, field=f"{section}.factory")
     return registry.get(str(spec.name), lambda: None)
 
 
 def hyperparameter_roles(job: JobConfig) -> tuple[dict[str, str], str | None]:
-    """``{name: role}`` for every hyperparameter a member can carry, and the role
-    (``model``/``data``) whose factory accepts any keyword (``**kwargs``), if any.
-    Roles: ``batch``, ``optimizer``, ``model``, ``data``, ``dropout``."""
+    """``{name: role}`` (``batch``, ``optimizer`` for any key of the optimizer's param groups,
+    ``model``, ``data``, ``dropout``) for every hyperparameter a member can carry, and the
+    role (``model``/``data``) whose builder takes ``**kwargs``, if any."""
     roles: dict[str, str] = {}
     probe = build_optimizer([torch.zeros(1, requires_grad=True)], job.train.optimizer)
     for k in probe.param_groups[0]:
         if k != "params":
             roles.setdefault(k, "optimizer")
     roles["batch_size"] = "batch"
-    m_names, m_open = _kwargs_of(_builder(job.model, "model", MODELS), _MODEL_FIXED)
-    d_names, d_open = _kwargs_of(_builder(job.data, "data", DATASETS), _DATA_FIXED)
-    for k in sorted(m_names | set(job.model.kwargs)):
+    m_names, m_open = keywords(_builder(job.model, "model", MODELS), _MODEL_FIXED) or ([], True)
+    d_names, d_open = keywords(_builder(job.data, "data", DATASETS), _DATA_FIXED) or ([], True)
+    for k in sorted({*m_names, *job.model.kwargs}):
         roles.setdefault(k, "dropout" if k == "dropout" else "model")
-    for k in sorted(d_names | set(job.data.kwargs)):
+    for k in sorted({*d_names, *job.data.kwargs}):
         roles.setdefault(k, "data")
     return roles, ("model" if m_open else "data" if d_open else None)
 

@@ -1,17 +1,13 @@
 """One PBT member for one generation: restore, apply hyperparameters, train, evaluate, save.
 
-A member trains the job's :class:`~paratrain.task.Task` (its model built with the member's
-model keywords) through the one loop's :class:`~paratrain.training.loop.Trainer` over a
-:class:`~paratrain.training.loop.LocalEngine`, so every ``[train]`` option holds as under
-Local; its lr schedule runs over its whole life (``generations x`` its steps per generation).
-At generation ``g + 1`` member ``i`` starts from the end-of-``g`` state of its *source*
-(itself, or the donor it copied): byte-identical to it (:func:`state_digest`), whatever
-process trains either. Its own hyperparameters are applied *after*
-``optimizer.load_state_dict``, which restores the donor's param-group values, and its ``lr``
-replaces the scheduler's base (``base_lrs``): explored values are never lost (a bug class
-seen in other PBT systems). Every draw of its generation (data order, dropout) is seeded by
-``(seed, member, generation)`` (:func:`seed_of`): no result depends on the worker, the
-number of workers or a resume.
+A member trains the job's Task through the one loop's ``Trainer`` over a ``LocalEngine``,
+so every ``[train]`` option holds as under Local; its lr schedule spans its whole life
+(``generations x`` its steps per generation). It starts generation ``g + 1`` byte-identical
+(:func:`state_digest`) to the end-of-``g`` state of its source, whatever process trains
+either. Its hyperparameters are applied *after* ``optimizer.load_state_dict`` (which restores
+the donor's values) and its ``lr`` replaces the scheduler's ``base_lrs``: explored values are
+never lost (a bug class seen in other PBT systems). Every draw of its generation is seeded by
+``(seed, member, generation)`` (:func:`seed_of`): no result depends on the worker count.
 """
 
 from __future__ import annotations
@@ -71,11 +67,10 @@ def state_digest(model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
 
 
 class CheckpointWriter:
-    """Member files written atomically (:func:`paratrain.files.write_atomic`) on one
-    background thread, overlapped with the next member's training. ``save`` serialises the
-    state at once (later training cannot change what is written); ``flush`` waits for every
-    pending file and re-raises a write error: a worker flushes before it reports its
-    generation, so no rank reads a member file that is not on disk."""
+    """Member files written atomically on one background thread, overlapped with the next
+    member's training. ``save`` serialises at once (later training cannot change what is
+    written); ``flush`` waits and re-raises a write error: a worker flushes before it reports
+    its generation, so no rank reads a member file that is not on disk."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pbt-ckpt")
@@ -98,8 +93,6 @@ class CheckpointWriter:
 
 
 class _Data(NamedTuple):
-    """One data variant: the task that built it and its datasets."""
-
     task: Task
     train: Any
     test: Any
@@ -140,7 +133,7 @@ class MemberRunner:
         self.states: dict[int, dict[str, Any]] = {}
 
     def preload(self) -> None:
-        """Load the dataset now when no data keyword is searched (keeps it out of timings)."""
+        """The dataset loaded now when no data keyword is searched (out of the timings)."""
         if not any(self.roles.get(k) == "data" for k in self.job.search_space):
             self.data({})
 
@@ -173,7 +166,6 @@ class MemberRunner:
         return {str(k): float(v) for k, v in ref(d.train, d.test).items()}
 
     def steps_for(self, n_train: int, batch_size: int) -> int:
-        """Optimizer steps of one generation (``grad_accumulation`` batches each)."""
         opts = self.job.population
         if opts.steps_per_generation is not None:
             return opts.steps_per_generation
@@ -241,9 +233,9 @@ class MemberRunner:
 
     def _restore(self, member: int, generation: int, source: int | None, d: Any,
                  parts: dict[str, Any], total: int, model_key: str) -> tuple[Any, Any, Any, float]:
-        """The member's model, optimizer and scheduler for this generation, and when they were
-        ready: built and loaded from ``source``'s file of the previous generation, or, when
-        it continues itself, kept in memory (byte-identical to that file: no reload)."""
+        """The member's model, optimizer and scheduler, and when they were ready: loaded from
+        ``source``'s file of the previous generation, or kept in memory when it continues
+        itself (byte-identical to that file)."""
         live = self._live.pop(member, None)
         if (live is not None and source == member and live.generation == generation - 1
                 and live.model_key == model_key):
@@ -352,7 +344,6 @@ class MemberRunner:
             raise  # bad input is everyone's problem, not a member failure
         except Exception as e:  # noqa: BLE001 - a failing member gets the worst fitness
             out["error"] = f"{type(e).__name__}: {e}"
-            out["fitness"] = None
             # keep the state it started from (its source's, if any): the population stays whole
             with contextlib.suppress(OSError, checkpoint.CheckpointError):
                 if source is not None:
@@ -373,7 +364,6 @@ def _applied(opt: Any, scheduler: Any) -> dict[str, Any]:
 
 def _member_state(model: Any, opt: Any, scheduler: Any, member: int, generation: int,
                   hparams: dict[str, Any], digest: str) -> dict[str, Any]:
-    """What a member's file holds at the end of a generation."""
     return {"model": model.state_dict(), "optimizer": opt.state_dict(),
             "scheduler": scheduler.state_dict(), "member": member, "generation": generation,
             "hparams": json.dumps(hparams), "digest": digest}

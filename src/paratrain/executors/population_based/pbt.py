@@ -1,36 +1,19 @@
 """Population-based training maths (Jaderberg et al. 2017, "Population Based Training of
 Neural Networks", arXiv:1711.09846): pure, seeded, no I/O.
 
-A search space maps a hyperparameter name to one of the ``[search_space]`` dimensions of the
-job file (:mod:`paratrain.config.job`): ``uniform(low, high)``: ``x = low + u·(high − low)``,
-``u ~ U[0, 1)``; ``log_uniform(low, high)``: ``x = exp(log low + u·(log high − log low))``;
-``int(low, high)``: an integer in ``[low, high]`` (both inclusive), uniform;
-``choice(values)``: one of ``values``, uniform.
+``[search_space]`` dimensions (:mod:`paratrain.config.job`), ``u ~ U[0, 1)``:
+``uniform(low, high)``: ``low + u·(high − low)``; ``log_uniform(low, high)``:
+``exp(log low + u·(log high − log low))``; ``int(low, high)``: uniform over ``[low, high]``
+(inclusive); ``choice(values)``: one of ``values``, uniform.
 
-After each generation every member ``i`` has a score ``s_i`` (higher is better; a failed
-member scores ``−inf``); exploit and explore (§3-4):
-
-- **Truncation{fraction}**: rank by score; ``c = clamp(ceil(n·fraction), 1, ⌊n/2⌋)``;
-  each of the bottom ``c`` copies (weights, optimizer state, hyperparameters) a member
-  drawn uniformly from the top ``c``. With ``n < 2`` nothing happens.
-- **Binary{threshold}** (the paper's "binary tournament"): each member ``i`` draws
-  another member ``j ≠ i`` uniformly and copies it when ``s_j − s_i > threshold``.
-  Decisions use the scores and states of the generation that just ended, so a donor
-  that is itself replaced this generation still gives what it had (its checkpoint).
-- **Perturbation{factor}** (§4, :func:`perturb_dim`) / **Resample** (:func:`sample_dim`):
-  applied only to members that copied, to the hyperparameters they received.
-
-Ties in ranking break by member index (stable), and every draw comes from the population's
-own ``torch.Generator``, so results depend only on the scores and the generator state.
-
-:class:`PopulationState` is the small explicit state object of DESIGN §9: everything rank 0
-needs to decide the next generation, with ``state_dict()`` / ``from_state_dict()`` (JSON text
-plus the generator's byte tensor, so it loads with ``torch.load(weights_only=True)``). At
-generation ``g`` member ``i`` starts from the end-of-``g-1`` state of ``sources[i]``
-(``None`` at ``g = 0``: fresh initialisation) with ``hparams[i]``;
-:meth:`PopulationState.advance` records the generation in ``history`` and runs
-exploit/explore. :func:`ancestry` walks the sources back from a final member: the
-hyperparameter schedule that produced its weights.
+After each generation member ``i`` scores ``s_i`` (higher is better, a failed member
+``−inf``); exploit (§3) is **Truncation** (the bottom ``c`` copy a member drawn from the top
+``c``, :func:`truncation_cutoff`) or **Binary** (:func:`exploit_binary`); explore (§4),
+**Perturbation** (:func:`perturb_dim`) or **Resample** (:func:`sample_dim`), applies only to
+members that copied, to the hyperparameters they received. Decisions use the scores and
+states of the generation that just ended (a donor replaced this generation still gives what
+it had); ties break by member index and every draw comes from the population's own
+``torch.Generator``. :class:`PopulationState` is DESIGN §9's explicit state of rank 0.
 """
 
 from __future__ import annotations
@@ -52,19 +35,15 @@ Space = Mapping[str, Dim]
 
 
 def uniform01(gen: torch.Generator) -> float:
-    """One draw ``u ~ U[0, 1)`` from ``gen`` (float64)."""
     return float(torch.rand((), generator=gen, dtype=torch.float64))
 
 
 def randint(n: int, gen: torch.Generator) -> int:
-    """One draw uniform over ``{0, ..., n-1}`` from ``gen``."""
-    if n < 1:
-        raise ValueError(f"randint needs n >= 1 (got {n})")
     return int(torch.randint(n, (), generator=gen))
 
 
 def sample_dim(dim: Dim, gen: torch.Generator) -> Any:
-    """Draw one value of ``dim`` (see the module docstring for the distributions)."""
+    """One value of ``dim`` (the module docstring's distributions)."""
     if isinstance(dim, LogUniformDim):  # before UniformDim: it is a subclass
         lo, hi = math.log(dim.low), math.log(dim.high)
         return _clamp(math.exp(lo + uniform01(gen) * (hi - lo)), dim.low, dim.high)
@@ -251,8 +230,6 @@ def evolve(hparams: Sequence[dict[str, Any]], scores: Sequence[float], *, space:
     """One exploit/explore step: ``(new_hparams, sources, copies)``; ``sources[i]`` is the
     member whose state (end of this generation) member ``i`` starts the next generation from
     (``i`` itself unless it copied), ``copies`` the exploit events in the order drawn."""
-    if len(hparams) != len(scores):
-        raise ValueError(f"{len(hparams)} members but {len(scores)} scores")
     frozen = tuple(frozen)
     new = [dict(h) for h in hparams]
     sources = list(range(len(hparams)))
@@ -271,7 +248,8 @@ def evolve(hparams: Sequence[dict[str, Any]], scores: Sequence[float], *, space:
 
 @dataclass
 class PopulationState:
-    """Population bookkeeping owned by rank 0; see the module docstring."""
+    """Rank 0's population: at generation ``generation`` member ``i`` starts from the
+    end-of-previous-generation state of ``sources[i]`` (``None``: fresh) with ``hparams[i]``."""
 
     size: int
     seed: int
@@ -284,8 +262,6 @@ class PopulationState:
     @classmethod
     def initial(cls, space: Space, *, size: int, seed: int) -> PopulationState:
         """Draw ``size`` members from ``space`` with a generator seeded by ``seed``."""
-        if size < 1:
-            raise ValueError(f"population_size must be >= 1 (got {size})")
         g = torch.Generator().manual_seed(int(seed) & 0xFFFF_FFFF_FFFF)
         hparams = [sample_space(space, g) for _ in range(size)]
         return cls(size=size, seed=seed, hparams=hparams, sources=[None] * size, gen=g)
@@ -297,8 +273,6 @@ class PopulationState:
                 metrics: Sequence[dict[str, Any] | None] | None = None) -> dict[str, Any]:
         """Record generation ``self.generation`` and prepare the next; returns its record.
         Raises ``RuntimeError`` when every member failed (no fitness to evolve on)."""
-        if len(fitness) != self.size:
-            raise ValueError(f"expected {self.size} fitness values, got {len(fitness)}")
         scores = [score(f, mode) for f in fitness]
         if all(s == float("-inf") for s in scores):
             first = next((e for e in (errors or []) if e), "no fitness reported")
@@ -328,14 +302,13 @@ class PopulationState:
 
     def best(self, mode: str = "max") -> int:
         """The best member of the last recorded generation (:func:`best_of`)."""
-        if not self.history:
-            raise ValueError("no generation recorded yet")
         return best_of(self.history[-1]["fitness"], mode)
 
     def state_dict(self) -> dict[str, Any]:
         doc = {"size": self.size, "seed": self.seed, "generation": self.generation,
                "hparams": self.hparams, "sources": self.sources, "history": self.history}
-        # JSON text: exact round trip of floats and of arbitrary choice values.
+        # JSON text (exact round trip of floats and choice values) and the generator's byte
+        # tensor: it loads with torch.load(weights_only=True)
         return {"json": json.dumps(doc), "generator": self.gen.get_state()}
 
     @classmethod
@@ -367,7 +340,6 @@ def ancestry(history: Sequence[dict[str, Any]], member: int) -> list[dict[str, A
 
 
 def lineage_json(state: PopulationState, *, metric: str, mode: str) -> dict[str, Any]:
-    """The lineage document written to ``lineage.json``."""
     return {
         "population_size": state.size, "metric": metric, "mode": mode,
         "generations": state.history,

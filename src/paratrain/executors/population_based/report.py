@@ -1,9 +1,7 @@
-"""``report.png`` of a PBT run: fitness and hyperparameter schedules per member (Agg backend).
-
-One panel for the fitness of every member slot per generation and one per hyperparameter
-(log axis for ``log_uniform`` dims; ``choice`` values plotted by their index in the list).
-Exploit copies are dotted segments from the donor's value to the recipient's next value,
-failed members crosses on the fitness axis, the ancestry of the best final member black.
+"""``report.png`` of a PBT run: one panel for every member's fitness per generation and one
+per hyperparameter (log axis for ``log_uniform``, ``choice`` values by index). Exploit copies
+are dotted segments from donor to recipient, failed members crosses, the best final member's
+ancestry black.
 """
 
 from __future__ import annotations

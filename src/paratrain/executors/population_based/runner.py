@@ -2,19 +2,14 @@
 
 Member ``i`` trains on rank ``i mod W``. Each generation (Algorithm 1 of the paper, with a
 synchronous "ready" point): rank 0 broadcasts the plan (every member's hyperparameters and
-*source*: the member whose end-of-previous-generation state it starts from); every rank
-trains its members (:mod:`.member`) and writes each one's file
-``checkpoints/gen-<g>/member-<i>.pt``, through which members move between ranks (so across
-machines ``run.output_dir`` must be shared: every rank checks); rank 0 gathers the results
-(a failing member has no fitness, :mod:`.summary`), runs exploit/explore (:mod:`.pbt`) and
-writes ``lineage.json``; then the run's lifecycle checkpoints the generation
-(``checkpoints/step-<g>/``, kind ``pbt``): the population on process 0 and, as ``members``
-of ``engine/rank<r>``, every member process ``r`` trained. ``--resume`` (also an elastic
-restart, another number of workers, a fallback to the older checkpoint) writes the member
-files again from it and ends as an uninterrupted run would: all randomness is a function of
-the seed, the member and the generation. ``population.keep_generations`` only prunes older
-``gen-*`` folders. ``PARATRAIN_FAULT_KILL=0:G`` SIGKILLs rank 0 once the checkpoint of ``G``
-generations is on disk; ``R:G`` (``R > 0``) rank R after it trained generation ``G - 1``.
+*source*); every rank trains its members (:mod:`.member`) and writes each one's file
+``checkpoints/gen-<g>/member-<i>.pt``, through which members move between ranks (so
+``run.output_dir`` must be shared: every rank checks); rank 0 gathers the results, runs
+exploit/explore (:mod:`.pbt`) and writes ``lineage.json``; then the run's lifecycle
+checkpoints the generation (kind ``pbt``: the population on process 0, each process's
+members as ``engine/rank<r>``). A resume, on any number of workers, writes the member files
+again from it and ends as an uninterrupted run would: all randomness is a function of the
+seed, the member and the generation.
 """
 
 from __future__ import annotations
@@ -60,8 +55,7 @@ def num_workers(job: JobConfig) -> int:
 
 
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Run the population on :func:`num_workers` processes; return the summary (this
-    launching process holds the run folder's lock)."""
+    """Run the population on :func:`num_workers` processes; return the summary."""
     from ...comm.launch import launch
     from ...comm.rendezvous import in_torchrun
     from ..entry import worker_entry
@@ -94,8 +88,8 @@ def _check_shared(run_dir: Path, token: str, rank: int) -> None:
 
 
 def _prune_members(run_dir: Path, *, keep_from: int) -> None:
-    """Delete the member files of generations before ``keep_from`` (a resume takes the
-    members from the population checkpoint)."""
+    """Delete the member files of generations before ``keep_from`` (a resume writes them
+    again from the population checkpoint)."""
     for d in (run_dir / "checkpoints").glob("gen-*"):
         if d.name[4:].isdigit() and int(d.name[4:]) < keep_from:
             safe_rmtree(d, run_dir)
@@ -221,9 +215,8 @@ def _plan(ctx: WorkerContext, pop: PopulationState | None, token: str, generatio
 def _record(job: JobConfig, life: Lifecycle, runner: MemberRunner, pop: PopulationState,
             gathered: list[dict[str, Any]], lost: dict[str, Any], metrics: MetricsWriter,
             timing: dict[str, float], *, started: float) -> dict[str, float]:
-    """Rank 0 after a generation: the population advanced (exploit, explore; its record with
-    each member's digests, what was applied and which members' files are lost), the progress
-    shown, the members logged and ``lineage.json`` written; returns the generation's times."""
+    """Rank 0 after a generation: the population advanced, the progress shown, the members
+    logged and ``lineage.json`` written; returns the generation's times."""
     strategy: Any = job.strategy
     g, evolve = pop.generation, job.population.evolve
     by_member = {r["member"]: r for part in gathered for r in part["results"]}
@@ -301,7 +294,6 @@ def _finish(ctx: WorkerContext, job: JobConfig, runner: MemberRunner, pop: Popul
 
 def _log_members(metrics: MetricsWriter, ordered: list[dict[str, Any]], record: dict[str, Any],
                  g: int, started: float) -> None:
-    """One metrics record per member of generation ``g``."""
     copied = {c["recipient"]: c["donor"] for c in record["copies"]}
     for r in ordered:
         m = r["metrics"] or {}

@@ -2,10 +2,8 @@
 
 A member that fails before it ever saved a state (in generation 0, or sourced from such a
 member) has nothing to continue from: every later generation it cannot run reports *its first
-failure*, not a missing-file error that hides it. A generation's record carries ``lost``
-(member -> that first failure), so a resume knows it too; rank 0 warns at each member's first
-failure and the summary lists them (``first_failures``) beside the best member, its
-hyperparameters and schedule, the final fitness, copies and this process's timing.
+failure* (a generation's record carries them as ``lost``, so a resume knows them too), not a
+missing-file error that hides it.
 """
 
 from __future__ import annotations
