@@ -1,6 +1,6 @@
 """Issue 21 item 2: streams (``IterableDataset``) train through torchdata's
 StatefulDataLoader, sharded over ranks and loader workers, counting steps, resumable
-(paratrain.data.stream).
+(paratrain.data.loader).
 
 * sharding: two ranks read disjoint items that together are the stream's first items, in
   the same batches for 0 and 2 loader workers; a loader's ``state_dict`` restores the
@@ -25,8 +25,7 @@ import torch
 import paratrain
 from _data_tasks import Stream
 from paratrain.config import ConfigError
-from paratrain.data.loader import LoaderOptions
-from paratrain.data.stream import StreamFeed
+from paratrain.data.loader import LoaderOptions, StreamFeed
 from paratrain.training.stores import LocalStore, latest_folder, read_rank_state
 
 pytestmark = [pytest.mark.timeout(300)]

@@ -12,8 +12,7 @@ from typing import Any
 
 from ..config import ConfigError, one_line
 from ..config.job import JobConfig
-from ..data.loader import is_stream
-from ..data.stream import check_stream_job, head, stream_batch
+from ..data.loader import check_stream_job, head, is_stream, stream_batch
 from .builtin import TASKS, ClassificationTask, LanguageModelTask, RegressionTask, bigram_loss
 from .protocol import Task
 from .steps import batch_rows, call_model, evaluate, fetch_batch, model_args, to_device

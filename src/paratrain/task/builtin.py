@@ -20,8 +20,7 @@ from torch.utils.data import Dataset, TensorDataset
 from ..config import ConfigError
 from ..config.job import DataSpec, JobConfig, ModelSpec, TaskSpec
 from ..data.datasets import CORPORA, REGRESSION_DATASETS, DataBundle, load_data
-from ..data.loader import is_stream
-from ..data.stream import head
+from ..data.loader import head, is_stream
 from ..models import build_model
 from .steps import fetch_batch
 

@@ -13,8 +13,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from ..data.loader import is_stream
-from ..data.stream import stream_batches
+from ..data.loader import is_stream, stream_batches
 from .protocol import Task
 
 DEFAULT_EVAL_BATCH = 1024

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError
-from ..data.loader import IN_PROCESS, Feed, LoaderOptions, MapFeed, is_stream
+from ..data.loader import IN_PROCESS, Feed, LoaderOptions, MapFeed, StreamFeed, is_stream
 
 
 def epoch_permutation(n: int, *, seed: int, epoch: int) -> torch.Tensor:
@@ -83,8 +83,6 @@ def feed_of(plan: DataPlan, task: Any) -> Feed:
     collate = getattr(task, "collate_fn", None)
     move = functools.partial(to_device, device=plan.device)
     if plan.stream:
-        from ..data.stream import StreamFeed
-
         return StreamFeed(plan.dataset, batch_size=plan.batch_size, rank=plan.shard[0],
                           world=plan.shard[1], to_device=move, collate=collate,
                           options=plan.loader, device=plan.device)
