@@ -61,12 +61,6 @@ class GradSync:
                                        bucket_bytes=self.bucket_bytes, counter=self.counter,
                                        grad_views=True)
 
-    @property
-    def zero_grad_set_to_none(self) -> bool:
-        """Whether the optimizer may drop gradients (``zero_grad(set_to_none=True)``): not
-        while they are views of the overlapped reducer's buckets, zeroed in place."""
-        return self.reducer is None
-
     def before_forward(self, *, last: bool = True) -> None:
         """Before each forward of a step: the step's first broadcasts the buffers; the
         overlapped buckets launch during the step's ``last`` backward only (DDP's ``no_sync``)."""

@@ -49,8 +49,6 @@ class LocalEngine:
     """What an executor supplies to the loop (one per process), the base of every strategy's
     engine: here one process's forward under the job's precision, the task's loss, backward."""
 
-    zero_grad_set_to_none = True
-
     def __init__(self, model: nn.Module, task: Any, test: Any, *, device: torch.device,
                  precision: str = "fp32") -> None:
         self.model, self.task, self.test = model, task, test  # model: what the optimizer steps
@@ -114,7 +112,7 @@ class Trainer:
     def step(self, batches: Sequence[Batch]) -> float:
         """One optimizer step over ``batches``; returns their size-weighted mean loss."""
         eng = self.engine
-        self.optimizer.zero_grad(set_to_none=eng.zero_grad_set_to_none)
+        self.optimizer.zero_grad(set_to_none=True)
         sizes = [batch_size_of(b) for b in batches]
         total = sum(sizes)
         loss = 0.0

@@ -68,8 +68,6 @@ class Aggregator:
     ``buffers`` are broadcast from rank 0 before each step's first forward by ``sync``, the
     one gradient sync (which exchanges no gradients but :class:`AllReduceAgg`'s)."""
 
-    zero_grad_set_to_none = True
-
     def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter, compressor: Any = None,
                  local: Collection[str] = (), buffers: Sequence[torch.Tensor] = ()) -> None:
         self.model, self.group, self.counter, self.compressor = model, group, counter, compressor
@@ -124,8 +122,6 @@ class AllReduceAgg(Aggregator):
                          buffers=buffers)
         self.sync = GradSync(self.named, group=group, bucket_bytes=bucket_bytes, overlap=True,
                              compressor=compressor, buffers=self.buffers, counter=counter)
-        # Gradients zeroed in place keep their bucket views (see GradReducer).
-        self.zero_grad_set_to_none = self.sync.zero_grad_set_to_none
 
 
 def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
@@ -298,7 +294,6 @@ class DataParallelEngine(LocalEngine):
         super().__init__(model, task, test, device=ctx.device, precision=precision)
         self.ctx, self.agg, self.counter = ctx, agg, counter
         self.local = local or set()  # parameter names of Local subgraphs
-        self.zero_grad_set_to_none = agg.zero_grad_set_to_none
         self.consensus: list[float] = []
 
     def forward_backward(self, batch: Any, *, weight: float, last: bool) -> float:

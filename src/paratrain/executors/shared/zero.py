@@ -285,8 +285,6 @@ class ZeroEngine(LocalEngine):
     """A DataParallel replica at ZeRO ``level`` (module doc); ``local``: Local-subgraph
     parameter names (never combined), ``buffers``: broadcast before each step's first forward."""
 
-    zero_grad_set_to_none = True
-
     def __init__(self, net: nn.Module, task: Any, test: Any, *, ctx: WorkerContext, precision: str,
                  level: str, units: Sequence[str] | None, local: set[str],
                  buffers: Sequence[torch.Tensor], counter: C.CommCounter, bucket_bytes: int) -> None:
@@ -370,16 +368,12 @@ class ZeroEngine(LocalEngine):
 
     def _begin_step(self) -> None:
         self._new_step = False
-        keep = self.level == 1 and not self.sync_.zero_grad_set_to_none  # bucket views: zero in place
         for u in self.units:
             u.used = [False] * len(u.named)
             if u.grad is not None:
                 u.grad.zero_()
             for p in u.params:
-                if keep and p.grad is not None:
-                    p.grad.detach().zero_()
-                else:
-                    p.grad = None
+                p.grad = None
         for n, p in self.net.named_parameters():
             if n in self.local:
                 p.grad = None
