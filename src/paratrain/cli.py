@@ -12,21 +12,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # imported where used: `paratrain run` pauses the collector before (main)
-    from .config import ConfigError
+# the rest is imported where used: `paratrain run` pauses the collector before (main)
+from .worker import failed, usage
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
-
-
-def _usage(err: ConfigError, prefix: str) -> int:
-    """Each problem of ``err`` as one ``prefix field: message`` line on stderr; exit 2."""
-    for field, msg in err.problems:
-        print(f"{prefix}{field}: {msg}" if field else f"{prefix}{msg}", file=sys.stderr)
-    return EXIT_USAGE
+EXIT_OK = 0
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
@@ -49,7 +42,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
             notes = preflight(job, job_dir=Path(path).resolve().parent, warn=False)
             warnings += [f"{path}: warning: {note}" for note in notes]
         except ConfigError as e:
-            worst = _usage(e, f"{path}: ")
+            worst = usage(e, f"{path}: ")
         else:
             for line in warnings:
                 print(line, file=sys.stderr)
@@ -59,14 +52,14 @@ def _cmd_validate(args: argparse.Namespace) -> int:
                     for line in spec_for(job).describe(job):
                         print(f"{path}: {line}")
                 except ConfigError as e:
-                    worst = _usage(e, f"{path}: ")
+                    worst = usage(e, f"{path}: ")
             if getattr(args, "explain", False):
                 from .explain import explain, render
 
                 try:
                     report = explain(job)
                 except ConfigError as e:
-                    worst = _usage(e, f"{path}: ")
+                    worst = usage(e, f"{path}: ")
                 else:
                     print(render({**report, "job": path}))
     return worst
@@ -86,7 +79,7 @@ def _cmd_graph(args: argparse.Namespace) -> int:
             print(draw(report, args.out))
             return EXIT_OK
     except ConfigError as e:
-        return _usage(e, f"{args.job}: ")
+        return usage(e, f"{args.job}: ")
     print(json.dumps(report, indent=2) if args.json else render(report))
     return EXIT_OK
 
@@ -121,7 +114,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         job = load_job(args.job)
     except ConfigError as e:
-        return _usage(e, f"{args.job}: ")
+        return usage(e, f"{args.job}: ")
     if getattr(args, "whole_process", False) and _trains_here(job):
         from .training.report import start_drawer
 
@@ -132,13 +125,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         job = job.model_copy(update={"run": job.run.model_copy(update={"progress_every": "off"})})
     # Multi-node launch options travel to comm.launch through the environment, the
     # same way torchrun passes its own settings; checked first, so an error names the flag.
-    from .comm.launch import WorkerError
     from .comm.rendezvous import check_nodes
 
     try:
         check_nodes(args.nnodes, args.node_rank, args.rdzv_endpoint)
     except ConfigError as e:
-        return _usage(e, "error: ")
+        return usage(e, "error: ")
     # Workers import the job's plugins (run.imports) relative to the job file's folder.
     os.environ.setdefault("PARATRAIN_JOB_DIR", str(Path(args.job).resolve().parent))
     for var, value in (("PARATRAIN_NNODES", args.nnodes), ("PARATRAIN_NODE_RANK", args.node_rank),
@@ -151,20 +143,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     try:
         summary = execute(job, resume=args.resume, overwrite=args.overwrite,
                           job_dir=Path(args.job).resolve().parent)
-    except ConfigError as e:
-        return _usage(e, f"{args.job}: ")
-    except KeyboardInterrupt:
-        print("interrupted; continue with --resume", file=sys.stderr)
-        return 130
-    except Exception as e:  # noqa: BLE001 - one clear line, not a traceback
-        if os.environ.get("PARATRAIN_DEBUG"):
-            raise
-        if isinstance(e, WorkerError):  # its traceback is in runs/<name>/worker-<rank>.log
-            print(f"error: {e.summary()}", file=sys.stderr)
-            return EXIT_FAIL
-        print(f"error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
-        print("(set PARATRAIN_DEBUG=1 for the traceback)", file=sys.stderr)
-        return EXIT_FAIL
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - one clear line, not a traceback
+        return failed(e, f"{args.job}: ")
     if not args.quiet:
         _final_table(summary)
         print(f"run folder: {summary.get('run_dir', '')}")
@@ -197,7 +177,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         else:
             path = export_model(args.run, out, client=args.client)
     except ConfigError as e:
-        return _usage(e, f"{args.run}: ")
+        return usage(e, f"{args.run}: ")
     if not args.quiet:
         print(path)
     return EXIT_OK
