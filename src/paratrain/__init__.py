@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .api import fit
-    from .task.protocol import Task
+    from .task.steps import Task
     from .training.export import load_model
 
 __all__ = ["fit", "load_model", "Task", "__version__"]
 __version__ = "0.1.0"
 
 # imported on first use, so that `import paratrain` stays light
-_LAZY = {"fit": ".api", "load_model": ".training.export", "Task": ".task.protocol"}
+_LAZY = {"fit": ".api", "load_model": ".training.export", "Task": ".task.steps"}
 
 
 def __getattr__(name: str) -> Any:

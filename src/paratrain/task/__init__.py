@@ -14,8 +14,7 @@ from ..config import ConfigError, one_line
 from ..config.job import JobConfig
 from ..data.loader import check_stream_job, head, is_stream, stream_batch
 from .builtin import TASKS, ClassificationTask, LanguageModelTask, RegressionTask, bigram_loss
-from .protocol import Task
-from .steps import batch_rows, call_model, evaluate, fetch_batch, model_args, to_device
+from .steps import Task, batch_rows, call_model, evaluate, fetch_batch, model_args, to_device
 
 __all__ = [
     "Task", "TASKS", "ClassificationTask", "RegressionTask", "LanguageModelTask", "bigram_loss",

@@ -318,9 +318,8 @@ class MetricsWriter:
                 from .loggers import Trackers
 
                 self._trackers = Trackers(self.path.parent, list(names),
-                                          lambda: read_metrics(self.path.parent, train=True))
-                if self._resume_after is not None:
-                    self._trackers.resumed(self._resume_after)
+                                          lambda: read_metrics(self.path.parent, train=True),
+                                          self._resume_after)
                 atexit.register(self.close)  # an interrupted run's trackers are written too
         return self._trackers
 
@@ -329,7 +328,7 @@ class MetricsWriter:
         killed run left (warned); the trackers continue after ``value``."""
         self._resume_after = value
         if self._trackers:
-            self._trackers.resumed(value)
+            self._trackers.resume_after = value
         if not self.path.exists():
             return
         records, torn = _parse_metrics(self.path)

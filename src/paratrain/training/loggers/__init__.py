@@ -62,20 +62,17 @@ def flat_config(job: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, st
 
 class Trackers:
     """The trackers of ``names`` for the run folder ``run_dir`` (``records``: its
-    metrics.jsonl records), opened on the first record, closed by :meth:`close`."""
+    metrics.jsonl records), opened on the first record, closed by :meth:`close`;
+    ``resume_after``: the run continues after that step of its tracker runs."""
 
-    def __init__(self, run_dir: Path, names: list[str],
-                 records: Callable[[], list[dict[str, Any]]]) -> None:
+    def __init__(self, run_dir: Path, names: list[str], records: Callable[[], list[dict[str, Any]]],
+                 resume_after: float | None = None) -> None:
         self.run_dir, self.names, self.records = Path(run_dir), list(names), records
-        self.resume_after: float | None = None
+        self.resume_after = resume_after
         self._open: dict[str, Tracker] | None = None
         self._state: dict[str, Any] = {}
         self._floor: dict[str, float] = {}
         self._started = False
-
-    def resumed(self, after: float) -> None:
-        """The run continues after step ``after`` of its tracker runs."""
-        self.resume_after = after
 
     def log(self, record: dict[str, Any]) -> None:
         got = tracked_values(record)
