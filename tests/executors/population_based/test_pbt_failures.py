@@ -1,4 +1,4 @@
-"""PopulationBased failures (executors/population_based/summary.py): a member that fails in
+"""PopulationBased failures (executors/population_based/runner.py): a member that fails in
 generation 0 has no state to continue from; under ``population.evolve = false`` every later
 generation reports its first error (with the member), not a missing-file error that hides
 it; rank 0 warns at the first failure and the summary lists it."""
