@@ -12,22 +12,12 @@ seed draws the same ones and a resumed run repeats the draws of the original.
 
 Usage::
 
-    from paratrain.compression import Compressor, CompressedTensor
-
-    comp = Compressor({"method": "ErrorFeedback", "error_compensation": True,
-                       "base_strategy": {"method": "TopK", "k": 100}}, seed=0)
-    for step, batch in enumerate(loader):
-        ...
-        for name, p in model.named_parameters():
-            c = comp.compress(name, p.grad)          # CompressedTensor (leaf method's record)
-            wire = c.to_bytes()                      # versioned, compact bytes
-            c2 = CompressedTensor.from_bytes(wire)   # strict: CompressionError on bad input
-            p.grad.copy_(comp.decompress(c2))        # D(c), same shape and dtype
-            # or simply: p.grad.copy_(comp.roundtrip(name, p.grad))
-        comp.step()                                  # new RandomK positions / rounding noise
-    ckpt["compressor"] = comp.state_dict()           # residuals, step, seed, stats
-    comp.load_state_dict(ckpt["compressor"])         # continue exactly
-    comp.stats.ratio, comp.stats.savings, comp.key_stats["fc0.weight"].compressed_bytes
+    comp = Compressor({"method": "TopK", "k": 100}, seed=0)
+    c = comp.compress("fc0.weight", grad)           # the leaf method's CompressedTensor
+    c2 = CompressedTensor.from_bytes(c.to_bytes())  # strict: CompressionError on bad bytes
+    grad.copy_(comp.decompress(c2))                 # D(c); comp.roundtrip(key, t) does both
+    comp.step()                                     # new RandomK positions / rounding noise
+    comp.load_state_dict(comp.state_dict())         # residuals, step, seed, stats: exact resume
 
 The DDP comm hook and ``allreduce_compressed`` live in ``paratrain.comm.ddp_hook`` (the
 only package that calls torch.distributed); this package never calls torch.distributed

@@ -9,7 +9,6 @@ e.g. ``ErrorFeedback(ClippedCompression(TopK))``. Each class states its algebra.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -52,9 +51,7 @@ class NoneCodec(_Stateless):
 
 class _KeepK(_Stateless):
     def __init__(self, k: int) -> None:
-        if k < 0:
-            raise ValueError(f"{type(self).__name__.removesuffix('Codec')}.k must be >= 0, got {k}")
-        self.k = k
+        self.k = k  # >= 1: the contract (config.compression) refuses less
 
 
 class TopKCodec(_KeepK):
@@ -111,9 +108,7 @@ class ThresholdCodec(_Stateless):
     """
 
     def __init__(self, threshold: float) -> None:
-        if not math.isfinite(threshold) or threshold < 0:
-            raise ValueError(f"Threshold.threshold must be finite and >= 0, got {threshold}")
-        self.threshold = float(threshold)
+        self.threshold = float(threshold)  # finite, >= 0 (the contract)
 
     def encode(
         self, flat: torch.Tensor, shape: tuple[int, ...], ctx: EncodeContext
@@ -247,9 +242,7 @@ class ClippedCodec:
     """
 
     def __init__(self, base: Codec, clip_value: float) -> None:
-        if not math.isfinite(clip_value) or clip_value <= 0:
-            raise ValueError(f"clip_value must be finite and > 0, got {clip_value}")
-        self.base = base
+        self.base = base  # clip_value: finite, > 0 (the contract)
         self.clip_value = float(clip_value)
 
     def encode(

@@ -253,8 +253,6 @@ def quantize_packed(
     CPU fast path (:class:`_CounterNoise`), a torch generator on other devices and for
     bfloat16.
     """
-    if not 1 <= bits <= 32:
-        raise CompressionError(f"Quantization.bits must be in 1..32, got {bits}")
     n = flat.numel()
     if n == 0:
         return torch.zeros(0, dtype=torch.uint8, device=flat.device), 0.0, 0.0

@@ -72,20 +72,18 @@ def _sparse_encoding(n: int, count: int) -> tuple[int, int]:
     return (_ENC_U32 if width == 4 else _ENC_U64), count * width
 
 
+# the bytes each method's record adds between the common header and its payload
+_METHOD_HEAD = {"None": 0, "TopK": _SPARSE.size, "Threshold": _SPARSE.size,
+                "RandomK": _RANDOMK.size, "Quantization": _QUANT.size}
+
+
 def wire_nbytes(c: Any) -> int:
     """Exact ``len(to_bytes(c))`` without serialising."""
-    n, w = int(c.numel), _ITEMSIZE[c.dtype]
-    head = _HEAD.size + 8 * len(c.shape)
-    if c.method == "None":
-        return head + n * w
+    head = _HEAD.size + 8 * len(c.shape) + _METHOD_HEAD.get(c.method, 0)
     if c.method in ("TopK", "Threshold"):
         count = int(c.values.numel())
-        return head + _SPARSE.size + _sparse_encoding(n, count)[1] + count * w
-    if c.method == "RandomK":
-        return head + _RANDOMK.size + int(c.values.numel()) * w
-    if c.method == "Quantization":
-        return head + _QUANT.size + (n * int(c.bits) + 7) // 8
-    raise CompressionError(f"unknown method {c.method!r}")
+        return head + _sparse_encoding(int(c.numel), count)[1] + count * _ITEMSIZE[c.dtype]
+    return head + information_minimum(c)
 
 
 def information_minimum(c: Any) -> int:

@@ -25,7 +25,7 @@ from ...config.job import JobConfig
 from ...config.strategy import DataParallel, Local
 from ...config.tensor_parallel import TensorParallelismConfig
 from ...data.loader import LoaderOptions, dataset_rows, is_stream
-from ...task import Task, resolve_task
+from ...task import job_model
 from ...tensor_parallel import parallelize
 from ...training import (
     MetricsWriter,
@@ -78,12 +78,6 @@ def _shard_of(job: JobConfig) -> str:
     return str(getattr(job.strategy, "shard", "none"))
 
 
-def _load_task(job: JobConfig) -> tuple[Task, Any, Any]:
-    task = resolve_task(job)
-    train, test = task.datasets(job.run.seed)
-    return task, train, test
-
-
 def _tp_config(job: JobConfig, cfg: TensorParallelismConfig) -> TensorParallelismConfig:
     """``train.precision = "bf16"`` runs the parallel layers' matmuls in bf16 (forward and
     backward, with fp32 reductions): the tensor-parallel form of autocast's nn.Linear."""
@@ -110,11 +104,10 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     seed = job.run.seed
     seed_everything(seed)
     device = ctx.device
-    task, train, test = _load_task(job)
+    task, train, test, model = job_model(job)
     n_rows = dataset_rows(train)  # 0 for a stream (its plan counts steps)
     if not is_stream(train) and n_rows // dp == 0:
         raise ConfigError([("strategy.num_replicas", f"{dp} replicas but only {n_rows} training rows")])
-    model = task.build_model(job.model, train)
     model.to(device)
     broadcast_module_(model)  # one full model everywhere, then each rank keeps its shard
     dense_order = list(model.state_dict())  # the model's own order (conversion renames)
@@ -292,11 +285,10 @@ def dry_module(job: JobConfig) -> Any:
     from ...tensor_parallel import TensorParallelModule
 
     cfg, tp, dp = layout(job)
-    task, train, _ = _load_task(job)
+    _, train, _, model = job_model(job)
     if not is_stream(train) and len(train) < dp:
         raise ConfigError([("strategy.num_replicas",
                             f"{dp} replicas but only {len(train)} training rows")])
-    model = task.build_model(job.model, train)
     comm = TPComm(None, list(range(tp)), rank=0, pattern=cfg.communication_pattern.value)
     try:
         return TensorParallelModule(model, cfg, TPGroups(comm, None, tp, dp, 0))
