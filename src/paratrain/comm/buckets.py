@@ -1,11 +1,8 @@
-"""Bucketed collectives: bucketing, bucketed all-reduce and broadcast, and
-:class:`GradReducer`, the all-reduce overlapped with the backward pass.
-
-Bucketed all-reduce (the DDP reducer's idea, Li et al. 2020, "PyTorch Distributed:
+"""Bucketed collectives (the DDP reducer's idea, Li et al. 2020, "PyTorch Distributed:
 Experiences on Accelerating Data Parallel Training", VLDB): the tensors are grouped in order
-into buckets of at most ``bucket_bytes`` (one dtype and device each; a larger tensor alone),
-each flattened, all-reduced once (SUM), scaled by ``1/world`` and copied back, so
-``g_i <- (1/n) sum_r g_i^(r)`` with fewer, larger messages.
+into buckets of at most ``bucket_bytes``, each flattened, all-reduced once (SUM), scaled by
+``1/world`` and copied back, so ``g_i <- (1/n) sum_r g_i^(r)`` with fewer, larger messages;
+:class:`GradReducer` overlaps the all-reduce with the backward pass.
 
 Why not torch ``DistributedDataParallel``: DDP wraps a module and reduces during its one
 autograd pass, while our callers hand over parameter lists whose gradients come from pipeline

@@ -1,11 +1,8 @@
 """Every collective outside tensor parallelism's patterns, over a group passed in (``None``: the
-default group; without torch.distributed one process, each call returning its input): the one
-barrier, tensor broadcast and byte count (:func:`nbytes_of`, booked in a :class:`CommCounter`).
-Whether a backend has the flat reduce-scatter / all-gather (older gloo has not) is probed once
-with known-good shapes (:func:`_has_flat`), never by a failing real call, so a real error (wrong
-shapes, a dead peer) reaches the caller. Nothing received is unpickled; lengths are checked first.
-The control plane: small JSON documents (Federated's round plans, client status) in the
-rendezvous store, or a :class:`LocalStore` in one process, so the same loop runs in-process.
+default group; without torch.distributed one process, each call returning its input), their
+byte count (:func:`nbytes_of`, booked in a :class:`CommCounter`), and the control plane: small
+JSON documents (Federated's round plans) in the rendezvous store, or a :class:`LocalStore` in
+one process. Nothing received is unpickled; lengths are checked first.
 """
 
 from __future__ import annotations
@@ -209,51 +206,45 @@ def all_gather_variable(payload: torch.Tensor, *, group: Any = None, counter: Co
 
 
 # Newer torch names the flat collectives ``*_single``, older ones ``*_tensor``.
-_AG = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
-_RS = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
-_FLAT_FNS = {"all_gather": _AG, "reduce_scatter": _RS}
+_AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _FLAT: dict[tuple[str, str], bool] = {}  # (op, backend) -> whether the backend has the flat op
 _UNSUPPORTED = ("does not support", "not supported", "not implemented", "unsupported")
 
 
 def _has_flat(op: str, like: torch.Tensor, group: Any) -> bool:
-    """Whether ``group``'s backend has the flat ``op``, probed once per backend: one call of one
-    element per rank (every rank's first use of ``op``, so it is matched); only "not supported"
-    means no."""
+    """Whether ``group``'s backend has the flat ``op`` (older gloo has not), probed once per
+    backend by one call of one element per rank (every rank's first use of ``op``, so it is
+    matched), never by a failing real call, so that a real error (wrong shapes, a dead peer)
+    reaches the caller; only "not supported" means no."""
     key = (op, str(dist.get_backend(group)))
+    fn, gather = (_AG, True) if op == "all_gather" else (_RS, False)
     if key not in _FLAT:
-        _FLAT[key] = _probe_flat(_FLAT_FNS[op], op == "all_gather", like, group)
+        p = dist.get_world_size(group)
+        out = torch.empty(p if gather else 1, dtype=like.dtype, device=like.device)
+        try:
+            fn(out, torch.zeros(1 if gather else p, dtype=like.dtype, device=like.device), group=group)
+            _FLAT[key] = True
+        except NotImplementedError:
+            _FLAT[key] = False
+        except RuntimeError as e:
+            if not any(w in str(e).lower() for w in _UNSUPPORTED):
+                raise
+            _FLAT[key] = False
     return _FLAT[key]
-
-
-def _probe_flat(fn: Any, gather: bool, like: torch.Tensor, group: Any) -> bool:
-    if fn is None:
-        return False
-    p = dist.get_world_size(group)
-    small = torch.zeros(1 if gather else p, dtype=like.dtype, device=like.device)
-    out = torch.empty(p if gather else 1, dtype=like.dtype, device=like.device)
-    try:
-        fn(out, small, group=group)
-    except NotImplementedError:
-        return False
-    except RuntimeError as e:
-        if any(w in str(e).lower() for w in _UNSUPPORTED):
-            return False
-        raise
-    return True
 
 
 def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group: Any, async_op: bool = False) -> Any:
     """``out`` = concatenation of every rank's ``x`` along dim 0 (the work when ``async_op``)."""
     if _has_flat("all_gather", x, group):
-        return _AG(out, x, group=group, async_op=async_op)  # type: ignore[misc]
+        return _AG(out, x, group=group, async_op=async_op)
     return dist.all_gather(list(out.chunk(dist.get_world_size(group))), x, group=group, async_op=async_op)
 
 
 def reduce_scatter_flat(out: torch.Tensor, inp: torch.Tensor, group: Any, async_op: bool = False) -> Any:
     """``out`` = this rank's chunk (dim 0) of the sum of every rank's ``inp``."""
     if _has_flat("reduce_scatter", inp, group):
-        return _RS(out, inp, group=group, async_op=async_op)  # type: ignore[misc]
+        return _RS(out, inp, group=group, async_op=async_op)
     full = inp.clone()
     dist.all_reduce(full, group=group)
     out.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
@@ -290,7 +281,7 @@ def reduce_scatter(output: torch.Tensor, inputs: torch.Tensor | Sequence[torch.T
     count_op(counter, "reduce_scatter" if native else "reduce_scatter_fallback", nbytes_of(flat))
     if native:
         out_flat = _flat_view(output)
-        _RS(out_flat, flat, group=group)  # type: ignore[misc]
+        _RS(out_flat, flat, group=group)
         if out_flat.data_ptr() != output.data_ptr():
             output.copy_(out_flat.view_as(output))
     else:
@@ -318,7 +309,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, group: 
     native = not fallback and _has_flat("all_gather", x, group)
     count_op(counter, "all_gather_into_tensor" if native else "all_gather_fallback", nbytes_of(input))
     if native:
-        _AG(out_flat, x, group=group)  # type: ignore[misc]
+        _AG(out_flat, x, group=group)
     else:
         dist.all_gather(list(out_flat.chunk(n)), x, group=group)
     if out_flat.data_ptr() != output.data_ptr():

@@ -53,17 +53,12 @@ class WorkerContext:
         return self.workers[self.rank]
 
 
-def _fields(target: Any) -> tuple[str | None, str | None]:
-    if isinstance(target, dict):
-        return target.get("WorkerId"), target.get("Tag")
-    return getattr(target, "WorkerId", None), getattr(target, "Tag", None)
-
-
 def resolve_target(target: Any, workers: Sequence[WorkerInfo], *, field: str = "target") -> WorkerInfo:
     """The worker ``target`` names: ``WorkerId`` the worker whose id is exactly ``id``, ``Tag``
     the first worker (by rank) whose tags include ``tag``; an unknown one is a ConfigError
     listing the registered ids (or tags). ``field`` is the job path used in error messages."""
-    wid, tag = _fields(target)
+    wid, tag = (target.get(k) if isinstance(target, dict) else getattr(target, k, None)
+                for k in ("WorkerId", "Tag"))
     if (wid is None) == (tag is None):
         raise ConfigError([(field, f"target must be exactly one of WorkerId or Tag (got {target!r})")])
     if wid is not None:

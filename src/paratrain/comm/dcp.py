@@ -1,15 +1,11 @@
-"""torch.distributed.checkpoint (DCP) for pieces of tensors: each process writes what it
-holds and reads back only the slices it holds now. A tensor held whole is one chunk; a piece
-(a tensor-parallel shard, a ZeRO row range, a third of a fused ``in_proj_weight``) is the chunk
-``Box(shape, offsets)`` of its tensor, so DCP's metadata records the whole size and every
-chunk, and another layout reads the tensor cut differently (DCP's
-``create_read_items_for_chunk_list``: a process reads its slice and nothing else; a region no
-key covers is an error naming it). Replicas of a chunk are written once (lowest rank);
-``blobs`` are byte items read back with ``torch.load(weights_only=True)``. Collective over
-``group`` (None: DCP's ``no_dist``). Why a layer over DCP and not DTensor state dicts: a
-DTensor placement cannot say "rows 96-191 of a flattened ZeRO unit" or "the second third of a
-fused ``in_proj_weight``", so each piece is described by DCP's own chunk metadata directly;
-torch's DCP then reads our folders by the model's names (tests/training/test_dcp_checkpoint.py).
+"""torch.distributed.checkpoint (DCP) for pieces of tensors: each process writes what it holds
+and reads back only the slices it holds now. A piece (a tensor-parallel shard, a ZeRO row range,
+a third of a fused ``in_proj_weight``) is the chunk ``Box(shape, offsets)`` of its tensor, so
+another layout reads the tensor cut differently (a region no key covers is an error naming it);
+replicas of a chunk are written once (lowest rank). Why not DTensor state dicts: a placement
+cannot say "rows 96-191 of a flattened ZeRO unit" or "the second third of a fused
+``in_proj_weight``"; described by DCP's own chunk metadata, our folders still load in torch's
+DCP by the model's names (tests/training/test_dcp_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -85,11 +81,6 @@ class _SavePlanner(DefaultSavePlanner):
         return self.blobs[index.fqn] if index.fqn in self.blobs else self.by_index[index]
 
 
-def _overlaps(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
-    return all(a.offsets[d] < b.offsets[d] + b.sizes[d] and b.offsets[d] < a.offsets[d] + a.sizes[d]
-               for d in range(len(a.offsets)))
-
-
 def _common(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> int:
     return math.prod(max(0, min(a.offsets[d] + a.sizes[d], b.offsets[d] + b.sizes[d])
                          - max(a.offsets[d], b.offsets[d])) for d in range(len(a.offsets)))
@@ -110,7 +101,7 @@ def read_items(label: str, target: Target, md: Metadata) -> list[ReadItem]:
             raise MissingRegion(f"{fqn} is {tuple(md_.size)} in the checkpoint; this process's "
                                 f"tensor is a piece of one of {tuple(whole)}")
         for ch in md_.chunks:
-            if _overlaps(ch, want) and not any(_overlaps(ch, c) for _, _, c in chosen):
+            if _common(ch, want) and not any(_common(ch, c) for _, _, c in chosen):
                 chosen.append((fqn, md_, ch))
     covered = sum(_common(ch, want) for _, _, ch in chosen)
     if covered != math.prod(want.sizes):

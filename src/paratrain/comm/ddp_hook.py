@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..compression import CompressedTensor, Compressor
 from ..compression.powersgd import PowerSGDState
 from ..config.compression import NoCompression, load_compression
-from .collectives import CommCounter, count_op, nbytes_of, world_size
+from .collectives import CommCounter, all_reduce_, count_op, nbytes_of, world_size
 
 _T = TypeVar("_T")
 
@@ -50,19 +50,12 @@ def allreduce_powersgd(state: PowerSGDState, named: Named, *, group: Any = None,
         return []
     if not state.active():
         flat = torch.cat([t.detach().reshape(-1) for _, t in named]).div_(world)
-        if world > 1:
-            count_op(counter, "all_reduce", nbytes_of(flat))
-            dist.all_reduce(flat, group=group)
+        all_reduce_(flat, group=group, counter=counter)
         parts = torch.split(flat, [t.numel() for _, t in named])
         return [p.view(t.shape) for p, (_, t) in zip(parts, named, strict=True)]
     rnd = state.begin(named)
-    if world > 1:
-        count_op(counter, "all_reduce", nbytes_of(rnd.first))
-        dist.all_reduce(rnd.first, group=group)
-    q = rnd.second()
-    if world > 1:
-        count_op(counter, "all_reduce", nbytes_of(q))
-        dist.all_reduce(q, group=group)
+    all_reduce_(rnd.first, group=group, counter=counter)
+    all_reduce_(rnd.second(), group=group, counter=counter)
     return rnd.finish(world)
 
 

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from ..config import ConfigError
 from .buckets import unflatten_into
-from .collectives import CommCounter, count_op, global_rank, nbytes_of
+from .collectives import CommCounter, count_op, nbytes_of
+from .messages import batch_exchange
 
 TOPOLOGIES = ("ring", "torus", "complete")
 
@@ -81,13 +82,7 @@ def gossip_average(tensors: Sequence[torch.Tensor], *, topology: str, group: Any
     w = mixing_weights(topology, n)[rank]
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     bufs = {j: torch.empty_like(flat) for j in nb}
-    ops = []
-    for j in nb:
-        peer = global_rank(group, j)
-        ops.append(dist.P2POp(dist.isend, flat, peer, group=group))
-        ops.append(dist.P2POp(dist.irecv, bufs[j], peer, group=group))
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    batch_exchange(dict.fromkeys(nb, flat), bufs, group=group)
     count_op(counter, "gossip_send", nbytes_of(flat) * len(nb))
     mixed = flat * float(w[rank])
     for j in nb:

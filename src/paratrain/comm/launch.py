@@ -5,9 +5,7 @@ agent restarts the group, every rank resumes from its last checkpoint and one li
 (``worker 1 died (SIGKILL); restarted from step 40``). torch's launcher logging stays off the
 console; a worker's exception reaches the caller as a :class:`WorkerError` (or its
 ``ConfigError``), the traceback in ``runs/<name>/worker-<rank>.log``; SIGINT/SIGTERM is a
-``KeyboardInterrupt``. A failed attempt's root cause comes from the error files and exit codes
-(a signal leaves no file): raised beats killed beats fallout (a closed connection, the agent's
-SIGTERM), then earliest.
+``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
@@ -56,12 +54,10 @@ class WorkerError(RuntimeError):
     def summary(self) -> str:
         """One line for the user: what happened, on which worker, where the traceback is."""
         if self.signal:
-            text = f"worker {self.rank} died ({self.signal}); continue with --resume"
-        else:
-            first = (self.message.strip().splitlines() or ["failed"])[0]
-            text = f"{first} (worker {self.rank}"
-            text += f"; traceback in {self.log})" if self.log is not None else ")"
-        return text
+            return f"worker {self.rank} died ({self.signal}); continue with --resume"
+        first = (self.message.strip().splitlines() or ["failed"])[0]
+        where = f"; traceback in {self.log}" if self.log is not None else ""
+        return f"{first} (worker {self.rank}{where})"
 
 
 def append_worker_log(job: JobConfig, rank: int, text: str) -> Path | None:
@@ -131,7 +127,7 @@ def _read_error_file(path: Path, rank: int) -> Failure | None:
 
 def attempt_failures(error_files: dict[int, str], ranks: dict[int, int], exits: dict[int, int]) -> list[Failure]:
     """Every failure of one attempt on this node: the workers' error files (what they
-    raised) and the exit codes the agent saw (signals leave no error file)."""
+    raised) and the exit codes the agent saw (a signal leaves no error file)."""
     out: dict[int, Failure] = {}
     for local, path in error_files.items():
         rank = ranks.get(local, local)
@@ -162,8 +158,9 @@ def is_fallout(message: str) -> bool:
 
 
 def root_failure(failures: list[Failure]) -> Failure | None:
-    """The failure most likely the cause (the agent reports the first process it saw exit,
-    often a peer that died of "connection closed" after the real culprit)."""
+    """The failure most likely the cause: raised beats killed beats fallout, then earliest (the
+    agent reports the first process it saw exit, often a peer that died of "connection closed"
+    after the real culprit)."""
     if not failures:
         return None
     return min(failures, key=lambda f: (f.weight(), f.timestamp, f.rank))

@@ -7,7 +7,7 @@ group). The pipeline's activation transport is :mod:`paratrain.comm.p2p`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -92,11 +92,24 @@ def recv_sum_(total: torch.Tensor, *, srcs: Iterable[int], group: Any = None) ->
     return len(bufs) * nbytes_of(total)
 
 
+def batch_exchange(sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor], *,
+                   group: Any = None) -> None:
+    """Send ``sends[j]`` to and receive ``recvs[j]`` from rank ``j`` of ``group``, all in one
+    batch of point-to-point operations (an empty tensor stays home), and wait for them."""
+    ops = [dist.P2POp(dist.isend, t, global_rank(group, j), group=group) for j, t in sends.items()
+           if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, global_rank(group, j), group=group) for j, t in recvs.items()
+            if t.numel()]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
 def exchange_bytes(payload: torch.Tensor, *, peers: Sequence[int], group: Any = None,
                    max_bytes: int = 1 << 32) -> dict[int, bytes]:
     """Send the uint8 ``payload`` to every rank in ``peers`` (each calls it with this rank among
     its own) and receive theirs: the int64 lengths first, checked against ``max_bytes``, then
-    the payloads, each round one batch of point-to-point operations."""
+    the payloads, each round one :func:`batch_exchange`."""
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise TypeError("exchange_bytes expects a 1-d uint8 tensor")
     if not peers:
@@ -105,25 +118,12 @@ def exchange_bytes(payload: torch.Tensor, *, peers: Sequence[int], group: Any = 
     wire = payload.to(dev)
     length = torch.tensor([wire.numel()], dtype=torch.int64, device=dev)
     lens = {j: torch.empty(1, dtype=torch.int64, device=dev) for j in peers}
-    ops = []
-    for j in peers:
-        ops += [dist.P2POp(dist.isend, length, global_rank(group, j), group=group),
-                dist.P2POp(dist.irecv, lens[j], global_rank(group, j), group=group)]
-    for wk in dist.batch_isend_irecv(ops):
-        wk.wait()
+    batch_exchange(dict.fromkeys(peers, length), lens, group=group)
     bufs = {}
     for j in peers:
         k = int(lens[j].item())
         if not 0 <= k <= max_bytes:
             raise ValueError(f"exchange_bytes: peer {j} announced {k} bytes (limit {max_bytes})")
         bufs[j] = torch.empty(k, dtype=torch.uint8, device=dev)
-    ops = []
-    for j in peers:
-        if wire.numel():
-            ops.append(dist.P2POp(dist.isend, wire, global_rank(group, j), group=group))
-        if bufs[j].numel():
-            ops.append(dist.P2POp(dist.irecv, bufs[j], global_rank(group, j), group=group))
-    if ops:
-        for wk in dist.batch_isend_irecv(ops):
-            wk.wait()
+    batch_exchange(dict.fromkeys(peers, wire), bufs, group=group)
     return {j: bytes(b.cpu().numpy().tobytes()) for j, b in bufs.items()}

@@ -2,18 +2,14 @@
 :class:`P2PTransport`: a message is a 12-element int64 header ``[MAGIC, dtype code, ndim, d_0 ..
 d_{ndim-1}, 0 ...]`` on tag ``2t`` and the payload on ``2t + 1``, ``t = code(kind) + 4 *
 (segment + 8192 * micro)`` (gloo keeps one ``(src, tag)`` in order, so keys are reused every
-step). With the row count on both sides a channel's header goes once, as torch's pipelining
-after its shape inference. A header is validated before allocating; nothing is unpickled. Sends
-are ``isend``s kept alive until :meth:`P2PTransport.flush` (GPipe/1F1B orders stay
-deadlock-free with blocking receives). Receives can be posted ahead (:meth:`P2PTransport.post`):
-gloo moves a payload once its receive is posted, so a late one waits for the sender's progress
-thread (2 busy cores, 256 KiB: 3.4 ms median, 0.016 ms posted ahead). :class:`DataStore`
-(ModelParallel's ``DataStore`` protocol): stages hand tensors over as files every worker can
-see, so a consumer need not be running when its input is produced: written atomically,
-``torch.load(weights_only=True)`` after a size check, polled with back-off (2 ms up to 50 ms)
-up to ``timeout_s`` (a ``TimeoutError`` names key and path), deleted once consumed. Every launch
-works in a fresh session directory agreed through the rendezvous store; rank 0 removes earlier
-launches' sessions, so a stale file from a crashed run is never read.
+step); with the row count on both sides a channel's header goes once, as torch's pipelining
+after its shape inference. Sends are ``isend``s kept until :meth:`~P2PTransport.flush`
+(GPipe/1F1B orders stay deadlock-free with blocking receives). Receives posted ahead
+(:meth:`~P2PTransport.post`) matter: gloo moves a payload once its receive is posted (2 busy
+cores, 256 KiB: 3.4 ms median late, 0.016 ms posted ahead). :class:`DataStore`: stages hand
+tensors over as files every worker sees, so a consumer need not be running when its input is
+produced; each launch works in a fresh session directory (:func:`open_session`), so a stale
+file from a crashed run is never read.
 """
 
 from __future__ import annotations
@@ -216,8 +212,8 @@ class DataStore:
         self.bytes_written += nbytes_of(t)
         return dest
 
-    def get(self, key: str, *, timeout_s: float | None = None, delete: bool = False) -> torch.Tensor:
-        """Wait (bounded) for ``key`` and load it; ``delete=True`` removes it after reading."""
+    def get(self, key: str, *, timeout_s: float | None = None) -> torch.Tensor:
+        """Wait (bounded, polled with back-off) for ``key`` and load it."""
         p = self.path(key)
         limit = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
@@ -235,13 +231,13 @@ class DataStore:
         value = torch.load(p, map_location="cpu", weights_only=True)
         if not isinstance(value, torch.Tensor):
             raise RuntimeError(f"datastore: {p} does not hold a tensor ({type(value).__name__})")
-        if delete:
-            p.unlink(missing_ok=True)
         return value
 
     def take(self, key: str, *, timeout_s: float | None = None) -> torch.Tensor:
         """``get`` and delete (each value is consumed exactly once)."""
-        return self.get(key, timeout_s=timeout_s, delete=True)
+        value = self.get(key, timeout_s=timeout_s)
+        self.path(key).unlink(missing_ok=True)
+        return value
 
     def keys(self) -> list[str]:
         return sorted(p.name[:-3] for p in self.root.glob("*.pt") if not p.name.startswith("."))

@@ -127,12 +127,9 @@ ENV_RDZV_ENDPOINT = "PARATRAIN_RDZV_ENDPOINT"
 # The command-line flag behind each variable: errors name what the user typed.
 _FLAG = {ENV_NNODES: "--nnodes", ENV_NODE_RANK: "--node-rank", ENV_RDZV_ENDPOINT: "--rdzv-endpoint"}
 
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
-
-
 def in_torchrun() -> bool:
     """True when torchrun (or any launcher) already set RANK, WORLD_SIZE and MASTER_ADDR."""
-    return all(v in os.environ for v in _TORCHRUN_VARS)
+    return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def _int_env(name: str, default: int | None) -> int | None:

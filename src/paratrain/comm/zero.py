@@ -87,8 +87,12 @@ class FlatShard:
                 cols[j, : part.shape[0]].copy_(part)
         return buf.view(-1)
 
-    def unpack_all(self, full: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
-        """Each ``outs[i]`` <- tensor ``i`` from the gathered ``N S`` buffer ``full``."""
+    def gather(self, flat: torch.Tensor, outs: Sequence[torch.Tensor], *, group: Any = None,
+               counter: CommCounter | None = None) -> None:
+        """Every rank's flat shard gathered (one collective) and copied out into ``outs``
+        (the whole tensors, in place)."""
+        full = torch.empty(self.world * self.numel, dtype=flat.dtype, device=flat.device)
+        all_gather_into_tensor(full, flat, group=group, counter=counter)
         grid = full.view(self.world, self.numel)
         for p, out in zip(self.pieces, outs, strict=True):
             if p.row == 0:
@@ -99,14 +103,6 @@ class FlatShard:
                 if n:
                     rows[j * p.chunk : j * p.chunk + n].copy_(
                         grid[j, p.offset : p.offset + n * p.row].view(n, p.row))
-
-    def gather(self, flat: torch.Tensor, outs: Sequence[torch.Tensor], *, group: Any = None,
-               counter: CommCounter | None = None) -> None:
-        """Every rank's flat shard gathered (one collective) and copied out into ``outs``
-        (the whole tensors, in place)."""
-        full = torch.empty(self.world * self.numel, dtype=flat.dtype, device=flat.device)
-        all_gather_into_tensor(full, flat, group=group, counter=counter)
-        self.unpack_all(full, outs)
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor, *,
                        group: Any = None, counter: CommCounter | None = None,

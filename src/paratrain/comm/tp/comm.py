@@ -3,14 +3,12 @@ The sum-all-reduce (equal up to float summation order): ``AllReduce`` one ``all_
 ``AllGather`` gathered partials summed in rank order; ``ReduceScatter`` a ``reduce_scatter``
 then ``all_gather`` (activations stay sequence-sharded between blocks); ``PointToPoint`` an
 ``isend``/``irecv`` ring, 2(p-1) steps; ``Hierarchical`` a ``reduce`` to the host's leader, an
-``all_reduce`` among leaders, a ``broadcast`` back (one host without ``LOCAL_WORLD_SIZE``:
-``"flat (1 host)"``). All-gather and reduce-scatter take per-rank lengths that may differ
-(padded to the longest). :class:`CommStats` counts every call by type, at the call:
-``payload_bytes_measured`` (the tensors this rank hands over) and ``bytes_sent_modelled`` (the
-ring cost model: all_reduce 2(p-1)/p n; all_gather, reduce_scatter, broadcast, reduce (p-1)/p
-n; send n: the backend's algorithm is not visible from here), the time spent waiting, the
-compute time the layers book, and ``replayed`` collectives a recomputation read back from its
-tape instead. :class:`Handle` is an in-flight collective; ``wait()`` books the wait.
+``all_reduce`` among leaders, a ``broadcast`` back. :class:`CommStats` counts every call by
+type, at the call: ``payload_bytes_measured`` (the tensors this rank hands over) and
+``bytes_sent_modelled`` (the ring cost model: all_reduce 2(p-1)/p n; all_gather,
+reduce_scatter, broadcast, reduce (p-1)/p n; send n: the backend's algorithm is not visible
+from here), the time spent waiting, the compute time the layers book, and ``replayed``
+collectives a recomputation read back from its tape instead.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ import torch.distributed as dist
 
 from ..buckets import flatten, unflatten_into
 from ..collectives import all_gather_flat, nbytes_of, reduce_scatter_flat
+from ..messages import batch_exchange
 
 PATTERNS = ("AllReduce", "AllGather", "ReduceScatter", "PointToPoint", "Hierarchical")
 
@@ -202,19 +201,11 @@ class TPComm:
         p, r = self.size, self.rank
         flat = t.reshape(-1).clone()
         chunk = list(torch.split(flat, ceil_sizes(flat.numel(), p)))
-        right, left = self.ranks[(r + 1) % p], self.ranks[(r - 1) % p]
 
         def exchange(send_i: int, recv_i: int, accumulate: bool) -> None:
             buf = torch.empty_like(chunk[recv_i])
             t0 = time.perf_counter()
-            ops = []
-            if chunk[send_i].numel():
-                ops.append(dist.P2POp(dist.isend, chunk[send_i].contiguous(), right, self.group))
-            if buf.numel():
-                ops.append(dist.P2POp(dist.irecv, buf, left, self.group))
-            if ops:
-                for w in dist.batch_isend_irecv(ops):
-                    w.wait()
+            batch_exchange({(r + 1) % p: chunk[send_i].contiguous()}, {(r - 1) % p: buf}, group=self.group)
             dt = time.perf_counter() - t0
             if chunk[send_i].numel():
                 self.stats.record("send", nbytes_of(chunk[send_i]), dt,
