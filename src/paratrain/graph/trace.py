@@ -357,15 +357,9 @@ def canonical_ties(gm: fx.GraphModule, model: nn.Module) -> None:
     for n in gm.graph.nodes:
         if n.op != "get_attr":
             continue
-        try:
-            t = gm.get_parameter(str(n.target))
-        except AttributeError:
-            try:
-                t = gm.get_buffer(str(n.target))
-            except AttributeError:
-                continue
-        canon = first.get(id(t))
-        if canon is not None and canon != n.target and tensor_at(gm, canon) is t:
+        held = tensor_at(gm, str(n.target))
+        canon = None if held is None else first.get(id(held))
+        if canon is not None and canon != n.target and tensor_at(gm, canon) is held:
             n.target = canon
             changed = True
     if changed:

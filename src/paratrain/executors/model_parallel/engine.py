@@ -138,7 +138,6 @@ class StageZero:
         if self.level == 3:
             for u in self.units:
                 keep_own_rows(u, device)
-            self.reshard()
 
     def pieces(self) -> Iterator[tuple[nn.Parameter, nn.Parameter, int]]:
         """``(piece, whole parameter, first row)`` of every row range this replica steps."""

@@ -1,14 +1,11 @@
 """ModelParallel placement: which rank runs which node, and the model cut into parts.
 
-The model is traced (:func:`paratrain.graph.trace`; node ids are module qualified names);
-each :class:`~paratrain.config.strategy.Partition` claims nodes (a claim on a subgraph covers
-every module under it unless a deeper one is claimed itself) for a worker (``WorkerId``, or
-the first worker carrying a ``Tag``); unclaimed modules run on rank 0 (DESIGN §4). The graph
-is then cut into *parts* (:func:`paratrain.graph.partition.cut`) with exactly the tensors
-that cross each cut. Direct and DataStore take any placement; ``Interleaved1F1B`` needs ``v``
-parts per rank placed round-robin; any other Pipeline one part per rank (a placement that
-runs a worker twice in one forward, ``A -> B -> A``, is a ConfigError naming the nodes).
-Every user error is a ConfigError whose field names the partition.
+Each :class:`~paratrain.config.strategy.Partition` claims module paths of the traced model
+(:func:`paratrain.graph.trace`) for a worker; unclaimed modules run on rank 0 (DESIGN §4;
+docs/model-parallel.md); the graph is then cut into *parts* (:func:`paratrain.graph.partition.cut`).
+Direct and DataStore take any placement; ``Interleaved1F1B`` needs ``v`` parts per rank placed
+round-robin; any other Pipeline one part per rank. Every user error is a ConfigError whose
+field names the partition.
 
 A ``DataParallel{num_replicas}`` subgraph replicates a stage (:func:`replicas_for`): it must
 cover whole parts of one worker; that worker and the first ``R - 1`` workers that own no part

@@ -19,20 +19,14 @@ For micro-batch ``i`` of a ``B``-row batch:
 
 Since ``sum_i L_i = w * loss(batch)`` for a loss that is a mean over rows, and gradients add
 over readers and micro-batches, the loss and every gradient equal the unpartitioned model's
-(up to float summation order). Orders come from :mod:`.schedule`. The transport is duck-typed
-(``send``/``recv``/``flush``, optionally ``post``): ``P2PTransport`` or ``DataStoreTransport``.
+(up to float summation order). Orders come from :mod:`.schedule`. A batch is any pytree of
+tensors (micro-batch ``i``: rows ``[a_i, b_i)`` of every leaf with a leading dimension), a
+*feed* (the task's ``model_args``) how it calls the model.
 
-A batch is any pytree of tensors (micro-batch ``i``: rows ``[a_i, b_i)`` of every leaf with a
-leading dimension), a *feed* (the task's ``model_args``) how it calls the model. The graph's
-inputs are the forward's parameters under torch.fx, the leaves of ``(args, kwargs)`` under
-torch.export (``Cut.in_spec``; ``Cut.out_spec`` rebuilds the output, a ``ModelOutput``).
-
-Why not ``torch.distributed.pipelining``: its stages are a linear chain (stage ``k`` feeds
-``k + 1`` only), while a cut here is any topology: a value may skip stages or go back to a
-rank's earlier part, two towers may join, a stage may be replicated over rows
-(:func:`.plan.replicas_for`) or tensor-parallel, and a tie across workers stays one tensor. Where both
-run the same thing they agree (``tests/executors/model_parallel/test_pipeline_vs_torch.py``:
-1F1B, GPipe, Interleaved1F1B and ZBH1, equal losses and gradients).
+Why not ``torch.distributed.pipelining``: its stages are a linear chain, while a cut here is
+any topology (a value may skip stages or go back to a rank's earlier part, towers may join, a
+stage may be replicated or tensor-parallel, a tie across workers stays one tensor). Where both
+run the same thing they agree (``tests/executors/model_parallel/test_pipeline_vs_torch.py``).
 """
 
 from __future__ import annotations
@@ -96,7 +90,8 @@ def storages(tree: Any) -> set[int]:
 
 
 def model_inputs(cut: Cut, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Each graph input's value for a model call ``(args, kwargs)`` (module docstring)."""
+    """Each graph input's value for a model call ``(args, kwargs)``: the forward's parameters
+    under torch.fx, the leaves of ``(args, kwargs)`` under torch.export (``Cut.in_spec``)."""
     if cut.capture == "export":
         order = _kwarg_order(cut.in_spec)
         if order is not None and set(order) == set(kwargs):

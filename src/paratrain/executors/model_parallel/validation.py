@@ -17,7 +17,7 @@ from ...comm.context import default_workers
 from ...config import ConfigError
 from ...config.job import JobConfig
 from ...config.strategy import WorkerIdTarget
-from ...task import resolve_task
+from ...task import job_model
 from ...task.steps import example_args
 from ...training import seed_everything
 from .plan import Plan, build_plan, check_interleaved, replicas_for
@@ -103,11 +103,9 @@ def check_shared_parameters(model: nn.Module, plan: Plan) -> None:
 
 
 def task_model(job: JobConfig) -> tuple[Any, Any, Any, nn.Module]:
-    """The job's task, its (train, test) datasets and its model (seeded as every rank)."""
+    """:func:`paratrain.task.job_model`, seeded as every rank builds it."""
     seed_everything(job.run.seed)
-    task = resolve_task(job)
-    train, test = task.datasets(job.run.seed)
-    return task, train, test, task.build_model(job.model, train)
+    return job_model(job)
 
 
 def validate(job: JobConfig) -> Plan:

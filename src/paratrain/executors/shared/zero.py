@@ -1,31 +1,23 @@
 """ZeRO (``strategy.shard``; Rajbhandari et al. 2020): :class:`ZeroEngine`, a replica that
-steps only its rows ``[r c, (r+1) c)`` of every parameter (:class:`~paratrain.comm.zero.FlatShard`),
-so its optimizer state is 1/N of the model's. Per parameter and fp32 Adam a rank holds
-``4 + 4 + 8/N`` bytes at ``optimizer`` (ZeRO-1: gradients all-reduced by
-:class:`~paratrain.comm.grad_sync.GradSync`, parameters all-gathered after the step),
-``4 + 12/N`` at ``gradients`` (ZeRO-2: each unit's gradients reduce-scattered once its backward
-is done, :class:`_PostBackward` on its inputs being FSDP2's trigger) and ``16/N`` at
-``parameters`` (ZeRO-3: a unit gathered before its forward and its backward, freed after each
-by resizing its storage to zero, so the tensors autograd saved see the re-gathered values:
-FSDP1's scheme); the units are ``shard_unit``'s modules (FSDP2's ``fully_shard`` per block;
-:func:`shard_plan`, what ``paratrain graph`` / ``validate`` show, needs no process group). The
-update equals unsharded AllReduce's: the optimizers are element-wise, the mean is the same sum
-over N, clipping takes the global norm ``sum_r ||g_shard,r||^2`` and a parameter no rank used
-keeps ``grad = None``. Local layers, frozen and empty parameters stay whole. Every rank must
-call the same units in the same order (as under FSDP). The loop's ``model`` is
-:class:`ShardView` (the pieces under the model's names with their row specs: checkpoints
-resume on any world); ``net`` is the model computed with.
+steps only its rows ``[r c, (r+1) c)`` of every parameter (:class:`~paratrain.comm.zero.FlatShard`).
+Per parameter and fp32 Adam a rank holds ``4 + 4 + 8/N`` bytes at ``optimizer`` (ZeRO-1:
+gradients all-reduced by :class:`~paratrain.comm.grad_sync.GradSync`, parameters all-gathered
+after the step), ``4 + 12/N`` at ``gradients`` (ZeRO-2: each unit's gradients reduce-scattered
+once its backward is done, :class:`_PostBackward` on its inputs being FSDP2's trigger) and
+``16/N`` at ``parameters`` (ZeRO-3: a unit gathered before its forward and its backward, freed
+after each by resizing its storage to zero, so the tensors autograd saved see the re-gathered
+values: FSDP1's scheme); the units are ``shard_unit``'s modules (:func:`shard_plan` shows them
+without a process group). The update equals unsharded AllReduce's: the optimizers are
+element-wise, clipping takes the global norm ``sum_r ||g_shard,r||^2`` and a parameter no rank
+used keeps ``grad = None``. Local layers, frozen and empty parameters stay whole; every rank
+calls the same units in the same order (as under FSDP). The loop's ``model`` is
+:class:`ShardView` (checkpoints resume on any world); ``net`` is the model computed with.
 
-Why ours beside torch's FSDP2 (``fully_shard``): FSDP2 on gloo sums the reduce-scattered
-gradients where it should average (pytorch#162338; gloo has no AVG), so on CPU it does not
-equal AllReduce; ours divides the sum by N on every backend, keeps AllReduce's rules for Local
-subgraphs, tied weights shared by units and unused parameters, runs over a tensor-parallel
-mesh's dp column and a ModelParallel replicated stage, and checkpoints through the run's DCP
-stores by the model's names, so a run resumes at another level or world. The reference:
-tests/executors/data_parallel/test_dp_zero.py (every level equals unsharded AllReduce) with
-test_data_parallel.py (AllReduce equals torch DDP);
-tests/executors/shared/test_zero_vs_torch.py holds every level to torch's DDP +
-ZeroRedundancyOptimizer directly (bit for bit); benchmarks/zero.py times FSDP2 beside it.
+Why not torch's FSDP2: on gloo it sums the reduce-scattered gradients where it should average
+(pytorch#162338), so on CPU it does not equal AllReduce; ours also keeps AllReduce's rules for
+Local subgraphs, ties and unused parameters, and runs over a tensor-parallel mesh's dp column
+and a ModelParallel replicated stage. tests/executors/shared/test_zero_vs_torch.py holds every
+level to torch's DDP + ZeroRedundancyOptimizer bit for bit; benchmarks/zero.py times FSDP2.
 """
 
 from __future__ import annotations
@@ -201,14 +193,15 @@ def shard_view(net: nn.Module, units: Sequence[Unit]) -> ShardView:
 
 
 def keep_own_rows(u: Unit, device: torch.device) -> None:
-    """ZeRO-3: this rank's rows into ``u.shard`` (its pieces become views of it) and every
-    parameter given its own storage, so that :func:`free_unit` frees no other tensor's."""
+    """ZeRO-3: this rank's rows into ``u.shard`` (its pieces become views of it), then the
+    whole parameters freed, each given its own storage first so that no other tensor's is."""
     u.shard = u.flat.pack_own(u.params, torch.empty(u.flat.numel, dtype=u.params[0].dtype, device=device))
     for i, piece in enumerate(u.pieces):
         if piece is not None:
             piece.data = u.flat.view(u.shard, i)
     for p in u.params:
         p.data = p.data.clone()
+    free_unit(u)
 
 
 @torch.no_grad()
@@ -313,10 +306,9 @@ class ZeroEngine(LocalEngine):
         self.model = shard_view(net, self.units)
         self._new_step = True
         self.hooks: list[Any] = []
-        if self.level == 3:  # this rank's rows kept in u.shard, the whole parameters freed
+        if self.level == 3:
             for u in self.units:
                 keep_own_rows(u, self.device)
-                free_unit(u)
         if self.level >= 2:
             self._install_hooks()
 
