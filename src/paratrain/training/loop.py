@@ -3,12 +3,15 @@ engine (a :class:`LocalEngine`: its gradients, evaluation and own state) and its
 Position ``(step, epoch, batch)``; a step takes ``train.grad_accumulation`` batches
 (:class:`Trainer`); checkpoints, signals and progress are the :class:`~.lifecycle.Lifecycle`'s.
 A checkpoint holds everything a step depends on, so a resumed run's final parameters are
-bit-identical (tested per strategy).
+bit-identical (tested per strategy). The training curve (:class:`TrainCurve`) is a ``"kind":
+"train"`` record every ``run.log_every`` steps from floats the step already returns (no host
+synchronisation per step); its window is checkpointed, so a resume logs the same records.
 """
 
 from __future__ import annotations
 
 import itertools
+import resource
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -21,7 +24,6 @@ from torch import nn
 
 from ..data.loader import rng_state, set_rng_state
 from . import checkpoint
-from .curve import TrainCurve, log_every_of
 from .lifecycle import Lifecycle, agree
 from .plan import DataPlan, Position, feed_of
 from .reshard import ReshardWarning, by_examples, param_keys, param_names, repeated_batches
@@ -43,6 +45,63 @@ def batch_size_of(batch: Batch) -> int:
     from ..task.steps import batch_rows
 
     return batch_rows(batch)
+
+
+def log_every_of(setting: int, total_steps: int) -> int:
+    """``run.log_every``, 0 resolved to about 100 records over the run."""
+    return int(setting) if setting else max(1, int(total_steps) // 100)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set (MiB; Linux's ``ru_maxrss`` counts KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def memory_mb(device: torch.device | None) -> float:
+    """The peak memory of this process's training: CUDA's peak allocation, else the peak RSS."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return peak_rss_mb()
+
+
+class TrainCurve:
+    """The window of steps since the last training record, and that record."""
+
+    def __init__(self, every: int, *, device: torch.device | None = None) -> None:
+        self.every, self.device = every, device
+        self.losses: list[float] = []
+        self.samples = 0
+        self._since = time.perf_counter()
+
+    def add(self, loss: float, samples: int) -> None:
+        """One optimizer step's loss (a float the step already returned) and its rows."""
+        self.losses.append(loss)
+        self.samples += samples
+
+    def due(self, step: int) -> bool:
+        """A record is due after ``step`` (a multiple of ``every``)."""
+        return bool(self.losses) and step % self.every == 0
+
+    def record(self, step: int, epoch: int, lr: float,
+               mean_over_ranks: Callable[[float], float]) -> dict[str, Any]:
+        """The record after ``step`` (collective: ``mean_over_ranks``); the window restarts."""
+        now = time.perf_counter()
+        n, took = len(self.losses), max(now - self._since, 1e-9)
+        loss = mean_over_ranks(sum(self.losses) / n)
+        rec = {"kind": "train", "step": step, "epoch": epoch, "train_loss": loss, "lr": lr,
+               "steps_per_s": n / took, "samples_per_s": self.samples / took,
+               "step_time_s": took / n, "memory_mb": memory_mb(self.device)}
+        self.losses, self.samples, self._since = [], 0, now
+        return rec
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": list(self.losses), "samples": self.samples}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        state = state or {}
+        self.losses = [float(v) for v in state.get("losses", [])]
+        self.samples = int(state.get("samples", 0))
+        self._since = time.perf_counter()
 
 
 class LocalEngine:

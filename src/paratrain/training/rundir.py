@@ -365,7 +365,7 @@ def _parse_metrics(path: Path) -> tuple[list[dict[str, Any]], int | None]:
 
 def read_metrics(run_dir: str | Path, *, train: bool = False) -> list[dict[str, Any]]:
     """The records of ``<run_dir>/metrics.jsonl`` ([] when absent; a torn last line left
-    out); the training curve's (``"kind": "train"``, :mod:`.curve`) only with ``train=True``."""
+    out); the training curve's (``"kind": "train"``, :mod:`.loop`) only with ``train=True``."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
