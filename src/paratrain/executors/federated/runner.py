@@ -38,19 +38,12 @@ from .checks import check_job, check_selection, client_tags
 from .client import ClientHost
 from .drift import broadcast_control, uses_control
 from .flower.side import Side, build_side, stateful
+from .outputs import finish_run, personal_digest, round_record, save_client_models
 from .personal import round_metrics, score_clients
 from .privacy import build_server_privacy
 from .selection import select_clients
 from .server import FederatedServer, RoundSchedule
-from .state import (
-    fed_store,
-    finish_run,
-    personal_digest,
-    restore,
-    round_record,
-    round_state,
-    save_client_models,
-)
+from .state import fed_store, restore, round_state
 from .wire import broadcast_state, split_payload
 
 _INVOCATIONS = 0
