@@ -13,7 +13,7 @@ import torch
 from paratrain.config.job import IntDim, UniformDim
 from paratrain.config.strategy import Perturbation
 from paratrain.executors.federated.aggregation import krum_select
-from paratrain.executors.federated.aggregation.krum import (
+from paratrain.executors.federated.aggregation.robust import (
     krum_scores,
     pairwise_squared_distances,
 )

@@ -37,7 +37,7 @@ from paratrain.executors.federated.aggregation import (
     proximal_term,
     trimmed_mean,
 )
-from paratrain.executors.federated.aggregation.krum import krum_scores
+from paratrain.executors.federated.aggregation.robust import krum_scores
 from paratrain.executors.federated.selection import num_random, select_clients
 
 

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _adaptive, drift, fedavg, robust
+from . import drift, fedavg, robust
 from ._common import Aggregator, MalformedUpdateError
 from .drift import control_keys, fednova_norm, scaffold_client_control
 from .fedavg import fedavg_step, proximal_term
-from .krum import KrumAggregator, krum_select
-from .robust import coordinate_median, trimmed_mean
+from .robust import coordinate_median, krum_select, trimmed_mean
 
 __all__ = ["Aggregator", "AGGREGATORS", "build_aggregator", "MalformedUpdateError", "fedavg_step",
            "coordinate_median", "trimmed_mean", "krum_select", "proximal_term", "fednova_norm",
@@ -19,9 +18,9 @@ __all__ = ["Aggregator", "AGGREGATORS", "build_aggregator", "MalformedUpdateErro
 
 #: method name (the contract's ``method``) -> aggregator class
 AGGREGATORS: dict[str, type[Aggregator]] = {cls.name: cls for cls in (
-    fedavg.FedAvgAggregator, fedavg.FedProxAggregator, _adaptive.FedYogiAggregator,
-    _adaptive.FedAdamAggregator, _adaptive.FedAdagradAggregator, fedavg.FedAvgMAggregator,
-    robust.FedMedianAggregator, robust.FedTrimmedAvgAggregator, KrumAggregator,
+    fedavg.FedAvgAggregator, fedavg.FedProxAggregator, fedavg.FedYogiAggregator,
+    fedavg.FedAdamAggregator, fedavg.FedAdagradAggregator, fedavg.FedAvgMAggregator,
+    robust.FedMedianAggregator, robust.FedTrimmedAvgAggregator, robust.KrumAggregator,
     drift.ScaffoldAggregator, drift.FedNovaAggregator,
 )}
 
