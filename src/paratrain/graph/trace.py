@@ -3,30 +3,23 @@
 torch's own layers stay single ``call_module`` nodes; a user module is traced into, so its
 children appear by their ``named_modules()`` names. A module is kept whole (a *leaf*) when its
 path is in ``leaves`` (``model.leaf_modules``) or its class is decorated with :func:`leaf`.
-A forward neither fx nor ``torch.export`` can capture is a ConfigError at ``model`` naming the
-innermost module whose forward failed under fx, how to mark it a leaf, and export's own error.
 
 When fx fails and an example input is given, the model is captured with ``torch.export``
-(non-strict) as a graph the partitioner cuts like an fx one (a Hugging Face model: fx fails on
-Python that inspects values; transformers removed its own fx tracer in 2025). Export runs ``forward`` on fake
-tensors and records ATen operations, each with ``meta["nn_module_stack"]``, so a claim on
-``model.layers.1`` places exactly that layer's operations (as torch's ``pipeline(split_spec=)``
-cuts an exported graph). :func:`export_graph` makes ``ep.module()`` ready to cut: dimension 0
-of every input dynamic (micro-batches of any size); a flat codegen whose placeholders are the
-leaves of ``(args, kwargs)``, the pytree specs kept in ``gm.meta`` (``IN_SPEC``, ``OUT_SPEC``)
-to rebuild a ``ModelOutput``; export's guards and shape assertions dropped; each ``SymInt``
-copied per reader (sizes never travel); ``use_cache`` off; each training-mode dropout a small
-module following its part's mode. :func:`canonical_ties` names a tied tensor by its first
-name, so a tie is one value held by one worker.
+(non-strict; docs/model-parallel.md): ATen operations, each with ``meta["nn_module_stack"]``,
+so a claim on ``model.layers.1`` places exactly that layer's operations (as torch's
+``pipeline(split_spec=)`` cuts an exported graph). :func:`export_graph` makes ``ep.module()``
+ready to cut: dimension 0 of every input dynamic; a flat codegen whose placeholders are the
+leaves of ``(args, kwargs)``, the pytree specs kept in ``gm.meta`` (``IN_SPEC``, ``OUT_SPEC``);
+export's guards and shape assertions dropped; each ``SymInt`` copied per reader (sizes never
+travel); ``use_cache`` off; each training-mode dropout a small module following its part's
+mode. :func:`canonical_ties` names a tied tensor by its first name, so a tie is one value.
 
-Export has no *leaves* (modules kept whole): a leaf's forward may be what export cannot trace,
-and a tensor-parallel layer runs collectives (which fake tensors cannot) inside autograd
-Functions (whose backward export would drop). So while exporting, each leaf's ``forward`` is
-one call of the opaque custom op ``paratrain::leaf(xs, key)`` (:func:`kept_whole`), whose fake
-implementation is the leaf's ``meta_forward`` (a shape function: the TP layers) or its own
-forward; :func:`as_call_modules` then turns each such node into ``call_module(<leaf path>)``
-on the leaf itself, so the graph runs its real forward. A leaf takes tensors as positional
-arguments and returns one tensor; anything else is a ConfigError naming it.
+Export has no leaves: a leaf's forward may be what export cannot trace, and a tensor-parallel
+layer runs collectives (which fake tensors cannot) inside autograd Functions (whose backward
+export would drop). So while exporting, each leaf's ``forward`` is one call of the opaque
+custom op ``paratrain::leaf(xs, key)`` (:func:`kept_whole`), whose fake implementation is the
+leaf's ``meta_forward`` (a shape function: the TP layers) or its own forward;
+:func:`as_call_modules` then makes each such node a ``call_module`` of the leaf itself.
 """
 
 from __future__ import annotations

@@ -130,13 +130,7 @@ def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
 
 class ParameterServerAgg(Aggregator):
     server = 0
-
-    def __init__(self, model: nn.Module, *, group: Any, counter: C.CommCounter,
-                 compressor: Any = None, local: Collection[str] = (),
-                 buffers: Sequence[torch.Tensor] = ()) -> None:
-        super().__init__(model, group=group, counter=counter, compressor=compressor, local=local,
-                         buffers=buffers)
-        self.server_bytes = 0  # bytes through the server (in + out), cumulative
+    server_bytes = 0  # bytes through the server (in + out), cumulative
 
     def sync_gradients(self) -> None:
         super().sync_gradients()  # the buffers' step closed

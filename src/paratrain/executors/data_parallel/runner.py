@@ -1,15 +1,14 @@
 """DataParallel: ``num_replicas`` processes, one disjoint data shard each, gradients
 combined after every backward pass (DESIGN §4; docs/data-parallel.md).
 
-Every epoch's permutation of the training rows is a pure function of (seed, epoch), the
-same on every rank; replica ``r`` takes ``perm[:S*n][r::n]`` with ``S = N // n`` (torch's
-DistributedSampler). ``train.batch_size`` is per replica, so a step of n replicas sees the
-rows of Local's batch of ``n * batch_size``, and with ``AllReduce`` the update equals
-single-process SGD on that batch (equal batch sizes make the mean of means the global mean)
-and torch ``DistributedDataParallel``. A ``Local`` subgraph starts from rank 0's parameters
-(the initial broadcast) and then takes only its replica's gradients. Every rank writes its
-part of one checkpoint folder (:class:`~paratrain.training.stores.RankStore`, prefix
-``dp``), so a run killed midway and resumed ends with an uninterrupted run's parameters.
+Replica ``r`` takes ``perm[:S*n][r::n]`` of every epoch's permutation, ``S = N // n`` (torch's
+DistributedSampler; docs/data.md). ``train.batch_size`` is per replica, so a step of n
+replicas sees the rows of Local's batch of ``n * batch_size``, and with ``AllReduce`` the
+update equals single-process SGD on that batch (equal batch sizes make the mean of means the
+global mean) and torch ``DistributedDataParallel``. A ``Local`` subgraph starts from rank 0's
+parameters (the initial broadcast) and then takes only its replica's gradients. Every rank
+writes its part of one checkpoint folder (prefix ``dp``), so a run killed midway and resumed
+ends with an uninterrupted run's parameters.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """One ModelParallel rank's part of the one training loop (:class:`PipelineEngine`), its parts
-as one module (:class:`StageModel`) and ZeRO inside a replicated stage (:class:`StageZero`).
-
-``shard = "optimizer" | "gradients" | "parameters"`` on a ``[subgraphs.<path>]`` DataParallel
-makes each of the stage's ``R`` replicas step only its rows of every parameter (dimension 0,
-:class:`~paratrain.comm.zero.FlatShard`; Rajbhandari et al. 2020). ZeRO-1 sums gradients with
-the one gradient sync and all-gathers the updated rows; ZeRO-2 reduce-scatters the step's
-gradients after its last backward (not per micro-batch: they accumulate into the whole
-gradients, which is why DeepSpeed refuses ZeRO-2 with pipelines); ZeRO-3 also keeps only its
-rows between steps, gathering once at the step's first forward (as torch pipelining does with
-an FSDP2 stage: per use would cost ``2m`` gathers a step). So ZeRO-2/3 save what is held
-between steps, not the peak. The update equals the unsharded stage's (element-wise
-optimizers); a checkpoint holds each replica's rows under the model's names with their specs.
+as one module (:class:`StageModel`) and ZeRO inside a replicated stage (:class:`StageZero`,
+``shard`` on a ``[subgraphs.<path>]`` DataParallel: each of the stage's replicas steps only
+its rows of every parameter, the exchange once per step after its last backward, ZeRO-3
+gathering once at the step's first forward; docs/model-parallel.md says why). The update
+equals the unsharded stage's (element-wise optimizers); a checkpoint holds each replica's rows
+under the model's names with their specs.
 """
 
 from __future__ import annotations
