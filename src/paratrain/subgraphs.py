@@ -44,7 +44,8 @@ def pairings_text() -> str:
             "its parent's (a no-op); anything under Custom (the coordinator's to use)")
 
 
-def _type(strategy: Any) -> str:
+def strategy_type(strategy: Any) -> str:
+    """A strategy's ``type`` (``Local``, ``Federated``, ...)."""
     return str(getattr(strategy, "type", strategy))
 
 
@@ -103,7 +104,7 @@ def check_pairings(job: Any) -> None:
     problems: list[tuple[str, str]] = []
     for key in sorted(subs):
         bad = _key_problem(key)
-        if bad is None and is_pattern(key) and _type(job.strategy) == "ModelParallel":
+        if bad is None and is_pattern(key) and strategy_type(job.strategy) == "ModelParallel":
             bad = (f"{key!r} is a pattern; under ModelParallel a replicated stage is named by its "
                    "module path (patterns select Local subgraphs under Federated or DataParallel)")
         if bad is not None:
@@ -127,20 +128,21 @@ def _pairing_problems(subs: Mapping[str, Any], root: Any, tp: bool,
         parent = subs[anc] if anc is not None else root
         if sub == parent:
             continue  # same strategy as the parent: a no-op
-        if _type(root) == "Custom":
+        if strategy_type(root) == "Custom":
             continue  # the coordinator receives the whole job, [subgraphs] included
         where = f"subgraph {anc!r}" if anc is not None else "[strategy]"
-        if _type(sub) == _type(parent):
+        if strategy_type(sub) == strategy_type(parent):
             problems.append((name, (
-                f"{what}{_type(sub)} differs from its parent's ({where}) in its fields; a subgraph "
+                f"{what}{strategy_type(sub)} differs from its parent's ({where}) in its fields; a subgraph "
                 f"with its parent's type is a no-op only when equal to it. {pairings_text()}")))
             continue
-        if anc is not None or (_type(root), _type(sub)) not in {(r, s) for r, s, _ in SUPPORTED_PAIRINGS}:
+        pair = (strategy_type(root), strategy_type(sub))
+        if anc is not None or pair not in {(r, s) for r, s, _ in SUPPORTED_PAIRINGS}:
             problems.append((name, (
-                f"{what}{_type(sub)} under {_type(parent)} ({where}) is not supported. "
+                f"{what}{strategy_type(sub)} under {strategy_type(parent)} ({where}) is not supported. "
                 f"{pairings_text()}")))
             continue
-        if tp and _type(root) == "DataParallel":
+        if tp and strategy_type(root) == "DataParallel":
             problems.append((name, (
                 f"{what}a Local subgraph under DataParallel is not supported with "
                 "tensor_parallel_size > 1 (the tensor-parallel executor synchronises every "
@@ -229,12 +231,11 @@ def _suggest(key: str, names: list[str]) -> str:
 def local_paths(job: Any, model: Any = None) -> list[str]:
     """The ``Local`` keys (not no-ops) under a root ``Federated`` or ``DataParallel``: module
     paths with ``model`` (patterns resolved), else the keys as written."""
-    if _type(job.strategy) not in ("Federated", "DataParallel"):
+    if strategy_type(job.strategy) not in ("Federated", "DataParallel"):
         return []
     subs: Mapping[str, Any] = job.subgraphs if model is None else resolve(model, job).table
-    return sorted(k for k, s in subs.items()
-                  if _type(s) == "Local" and _type(effective_strategy(nearest_ancestor(k, subs) or "",
-                                                                       subs, job.strategy)) != "Local")
+    return sorted(k for k, s in subs.items() if strategy_type(s) == "Local" and strategy_type(
+        effective_strategy(nearest_ancestor(k, subs) or "", subs, job.strategy)) != "Local")
 
 
 def under(name: str, paths: Iterable[str]) -> bool:

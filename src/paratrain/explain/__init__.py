@@ -22,12 +22,9 @@ from ..graph.draw import node_edges
 from ..graph.render import render  # re-exported: the report's text
 from ..graph.sizes import count_elements, shape_info, tensor_metas
 from ..graph.trace import module_of, trace
+from ..subgraphs import strategy_type
 
 __all__ = ["explain", "explain_file", "render"]
-
-
-def _type(strategy: Any) -> str:
-    return str(getattr(strategy, "type", strategy))
 
 
 def _build(job: Any) -> tuple[nn.Module, Any]:
@@ -82,9 +79,9 @@ def explain(job: Any, model: nn.Module | None = None, *, shapes: bool = True,
     report: dict[str, Any] = {
         "model": type(model).__name__,
         "parameters": count_elements(list(model.parameters())),
-        "strategy": _type(job.strategy),
+        "strategy": strategy_type(job.strategy),
         "leaf_modules": list(leaves),
-        "subgraph_strategies": {k: _type(v) for k, v in sorted(resolved.table.items())},
+        "subgraph_strategies": {k: strategy_type(v) for k, v in sorted(resolved.table.items())},
         "nodes": rows,
         "subgraphs": _subgraphs(modules, resolved, job.strategy, view, rows),
         **view.sections(),
@@ -143,7 +140,7 @@ def _strategy_of(path: str, resolved: Any, root: Any) -> dict[str, Any]:
     from ..subgraphs import effective_strategy, nearest_ancestor
 
     key = path if path in resolved.table else nearest_ancestor(path, resolved.table)
-    return {"strategy": _type(effective_strategy(path, resolved.table, root)),
+    return {"strategy": strategy_type(effective_strategy(path, resolved.table, root)),
             "strategy_from": f"subgraphs.{resolved.origin[key]}" if key else "strategy"}
 
 
@@ -158,7 +155,7 @@ def _subgraphs(modules: dict[str, nn.Module], resolved: Any, root: Any, view: An
                              "parameters": count_elements(list(mod.parameters())),
                              **_strategy_of(path, resolved, root)}
         if path in resolved.table:
-            g["own_strategy"] = _type(resolved.table[path])
+            g["own_strategy"] = strategy_type(resolved.table[path])
         g.update(view.group(path, rows))
         groups.append(g)
     return groups
