@@ -25,8 +25,13 @@ import torch
 
 from paratrain.comm.testing import run_distributed
 from paratrain.config import load_job
-from paratrain.data.client_splits import client_test_splits, feature_shifts, owners, shift_features
-from paratrain.data.partition import partition_shards
+from paratrain.data.partition import (
+    client_test_splits,
+    feature_shifts,
+    owners,
+    partition_shards,
+    shift_features,
+)
 from paratrain.executors.federated.state import fed_store
 from paratrain.training import read_metrics
 from paratrain.training.stores import latest_folder, read_named_model, read_rank_state

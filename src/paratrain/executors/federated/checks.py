@@ -71,7 +71,7 @@ def check_data(job: JobConfig, bundle: Any) -> None:
     try:
         parts = partition_dataset(bundle.train, s.num_clients, job.data.partition, seed=job.run.seed)
         if job.data.partition.feature_shift > 0 or job.subgraphs or job.federated.evaluate_clients:
-            from ...data.client_splits import client_datasets  # per-client test splits, shifts
+            from ...data.partition import client_datasets  # per-client test splits, shifts
 
             client_datasets(bundle.train, bundle.test, parts, job.data.partition, seed=job.run.seed)
     except ValueError as e:

@@ -14,8 +14,7 @@ from torch import Tensor, nn
 
 from ....config import ConfigError
 from ....config.job import JobConfig, load_job
-from ....data.client_splits import client_datasets
-from ....data.partition import partition_dataset
+from ....data.partition import client_datasets, partition_dataset
 from ....models.state import unique_state_dict
 from ....subgraphs import local_state_keys
 from ....task import resolve_task
