@@ -24,9 +24,8 @@ class Box:
 
 @dataclass(frozen=True)
 class Target:
-    """A tensor to fill from the checkpoint: ``tensor`` (this process's piece), ``box``
-    (None: it is the whole tensor) and ``sources``, the checkpoint keys to read it from,
-    most preferred first."""
+    """A tensor to fill from the checkpoint: ``tensor`` (this process's piece), ``box`` (None: it is
+    the whole tensor) and ``sources``, the checkpoint keys to read it from, most preferred first."""
 
     tensor: torch.Tensor
     box: Box | None

@@ -42,9 +42,8 @@ def done_future(value: _T) -> torch.futures.Future[_T]:
 
 def allreduce_powersgd(state: PowerSGDState, named: Named, *, group: Any = None,
                        counter: CommCounter | None = None) -> list[torch.Tensor]:
-    """One exchange on the caller's thread: each tensor's mean (approximation) in ``named``
-    order; before ``start_step`` the plain mean. Every rank passes the same names, shapes
-    and order."""
+    """One exchange on the caller's thread: each tensor's mean (approximation) in ``named`` order;
+    before ``start_step`` the plain mean. Every rank passes the same names, shapes and order."""
     world = world_size(group)
     if not named:
         return []

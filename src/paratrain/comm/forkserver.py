@@ -23,9 +23,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# Imported once by the server, inherited by every worker (with the caller's ``preload``).
-PRELOAD = ["torch", "torch.distributed", "numpy"]
-
 # The per-rank environment torch's elastic agent sets in each worker (on top of ours).
 _LAUNCHER_KEYS = frozenset({
     "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -35,13 +32,13 @@ _LAUNCHER_KEYS = frozenset({
 
 
 def context(preload: Sequence[str] = ()) -> Any:
-    """The forkserver context, its server preloading :data:`PRELOAD` and ``preload`` (the
+    """The forkserver context, its server preloading torch, NumPy and ``preload`` (the
     workers' entry module, named by the caller; a server already running keeps its own)."""
     global _STOP_AT_EXIT
     if not _STOP_AT_EXIT:
         atexit.register(_stop_at_exit)  # runs before multiprocessing's own exit function (LIFO)
         _STOP_AT_EXIT = True
-    multiprocessing.set_forkserver_preload([*PRELOAD, *preload])
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "numpy", *preload])
     return multiprocessing.get_context("forkserver")
 
 

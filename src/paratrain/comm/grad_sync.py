@@ -1,8 +1,7 @@
 """The one data-parallel gradient sync, :class:`GradSync` (DataParallel's AllReduce, TP x
-DataParallel's dp side, the replicated pipeline stage), with DDP's ``find_unused_parameters``
-rule: a parameter no rank used keeps ``grad = None``, others are combined with zeros, so a
-branch taken on one replica never hands the collective different tensors (a wrong sum, or a
-hang).
+DataParallel's dp side, the replicated pipeline stage), with DDP's ``find_unused_parameters`` rule:
+a parameter no rank used keeps ``grad = None``, others are combined with zeros, so a branch taken on
+one replica never hands the collective different tensors (a wrong sum, or a hang).
 """
 
 from __future__ import annotations
@@ -31,13 +30,12 @@ def drop_unused(named: Sequence[tuple[str, torch.nn.Parameter]], *, group: Any =
 
 
 class GradSync:
-    """Combine the replicas' gradients over ``group``: a bucketed all-reduce of the mean (or
-    the sum, ``average=False``, for a replicated stage whose losses are already weighted by
-    rows), or a compressed exchange (:mod:`paratrain.comm.ddp_hook`). :meth:`before_forward`
-    before each forward of a step (``last``: its last), :meth:`sync` after the last backward.
-    ``params``: ``(name, parameter)`` pairs in one order on every rank (the names key the
-    compressor's residuals); ``buffers``: what :meth:`before_forward` broadcasts (DDP's
-    ``broadcast_buffers``)."""
+    """Combine the replicas' gradients over ``group``: a bucketed all-reduce of the mean (or the
+    sum, ``average=False``, for a replicated stage whose losses are already weighted by rows), or a
+    compressed exchange (:mod:`paratrain.comm.ddp_hook`). :meth:`before_forward` before each forward
+    of a step (``last``: its last), :meth:`sync` after the last backward. ``params``: ``(name,
+    parameter)`` pairs in one order on every rank (the names key the compressor's residuals);
+    ``buffers``: what :meth:`before_forward` broadcasts (DDP's ``broadcast_buffers``)."""
 
     def __init__(self, params: Sequence[tuple[str, torch.nn.Parameter]], *, group: Any = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = False, average: bool = True,

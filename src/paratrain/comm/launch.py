@@ -1,11 +1,10 @@
-"""Start the worker processes of a job: :func:`launch` runs the entry in N processes through
-torch's ``elastic_launch`` (the engine inside ``torchrun``; workers forked from
-:mod:`paratrain.comm.forkserver`), or in this process under ``torchrun``. After a failure the
-agent restarts the group, every rank resumes from its last checkpoint and one line says so
-(``worker 1 died (SIGKILL); restarted from step 40``). torch's launcher logging stays off the
-console; a worker's exception reaches the caller as a :class:`WorkerError` (or its
-``ConfigError``), the traceback in ``runs/<name>/worker-<rank>.log``; SIGINT/SIGTERM is a
-``KeyboardInterrupt``.
+"""Start the worker processes of a job: :func:`launch` runs the entry in N processes through torch's
+``elastic_launch`` (the engine inside ``torchrun``; workers forked from
+:mod:`paratrain.comm.forkserver`), or in this process under ``torchrun``. After a failure the agent
+restarts the group, every rank resumes from its last checkpoint and one line says so (``worker 1
+died (SIGKILL); restarted from step 40``). torch's launcher logging stays off the console; a
+worker's exception reaches the caller as a :class:`WorkerError` (or its ``ConfigError``), the
+traceback in ``runs/<name>/worker-<rank>.log``; SIGINT/SIGTERM is a ``KeyboardInterrupt``.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ..config import ConfigError
 from ..config.job import JobConfig
@@ -216,7 +215,7 @@ def raise_config_error(root: Failure, err: Exception | None = None) -> None:
         raise ConfigError(problems) from err
 
 
-def reraise_worker_failure(err: Exception, job: JobConfig | None = None, attempt: int = 0) -> None:
+def reraise_worker_failure(err: Exception, job: JobConfig | None = None, attempt: int = 0) -> NoReturn:
     files, ranks, exits = _agent_failures(err)
     failures = attempt_failures(files, ranks, exits)
     logs = write_failure_logs(job, failures, attempt) if job is not None else {}
@@ -240,10 +239,8 @@ class _Capture(logging.Handler):
         args = record.args
         if (isinstance(record.msg, str) and record.msg.startswith("failed (exitcode")
                 and isinstance(args, tuple) and len(args) >= 2):
-            try:
+            with contextlib.suppress(TypeError, ValueError):
                 self.exits[int(str(args[1]))] = int(str(args[0]))
-            except (TypeError, ValueError):
-                pass
 
 
 _TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
@@ -347,13 +344,12 @@ def _logs_specs(job: JobConfig, log_dir: str, capture: _Capture) -> Any:
 
 def launch(job: JobConfig, *, nprocs: int, entry: Callable[..., Any], target: str | Callable[..., Any],
            resume: bool = False, check_world_size: bool = True) -> Any:
-    """Run ``job`` on ``nprocs`` worker processes in all; return global rank 0's result
-    (``None`` on a node without rank 0). Every process runs the module-level ``entry(job_json,
-    resume, target, parent)`` (``parent``: this process's
-    :class:`~paratrain.comm.forkserver.ParentState`, ``None`` under torchrun); ``target`` is
-    the worker function or a ``"module:function"`` on this process's ``sys.path``. Under
-    torchrun the entry runs here and returns this rank's result; ``check_world_size`` then
-    requires ``WORLD_SIZE == nprocs``."""
+    """Run ``job`` on ``nprocs`` worker processes in all; return global rank 0's result (``None`` on
+    a node without rank 0). Every process runs the module-level ``entry(job_json, resume, target,
+    parent)`` (``parent``: this process's :class:`~paratrain.comm.forkserver.ParentState`, ``None``
+    under torchrun); ``target`` is the worker function or a ``"module:function"`` on this process's
+    ``sys.path``. Under torchrun the entry runs here and returns this rank's result;
+    ``check_world_size`` then requires ``WORLD_SIZE == nprocs``."""
     job_json = job.to_json_dict()
     if in_torchrun():
         world = int(os.environ["WORLD_SIZE"])
@@ -383,11 +379,8 @@ def launch(job: JobConfig, *, nprocs: int, entry: Callable[..., Any], target: st
                 results = elastic_launch(config, entry)(job_json, resume, target, ParentState())
             except ChildFailedError as e:
                 reraise_worker_failure(e, job, specs.attempt)
-                raise  # unreachable: reraise_worker_failure always raises
             except SignalException as e:
                 raise KeyboardInterrupt(f"{e.sigval.name} received") from None
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
-    if not results:
-        return None
-    return results.get(0)
+    return results.get(0) if results else None

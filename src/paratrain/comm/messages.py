@@ -38,10 +38,8 @@ def send_bytes(data: bytes | torch.Tensor, *, dst: int, group: Any = None,
     learnt the length another way (``recv_bytes(nbytes=...)``). Empty: the header only."""
     dev = comm_device(group)
     if isinstance(data, bytes | bytearray):
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    else:
-        payload = data.reshape(-1).view(torch.uint8) if data.dtype != torch.uint8 else data.reshape(-1)
-    payload = payload.to(dev)
+        data = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    payload = data.reshape(-1).view(torch.uint8).to(dev)
     if header:
         dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=dev), dst=dst, group=group)
     if payload.numel():

@@ -10,7 +10,7 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -100,15 +100,11 @@ def leave_process_group(*, synchronize: bool = True) -> None:
     340 with it); :func:`exit_process` closes it. No barrier after an error: the others may
     never reach it."""
     if dist.is_initialized():
-        try:
+        with suppress(Exception):  # best effort on the way out
             if synchronize and dist.get_world_size() > 1:
                 dist.barrier()
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
-        try:
+        with suppress(Exception):
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
 
 
 def exit_process(code: int) -> NoReturn:
@@ -125,10 +121,8 @@ def exit_process(code: int) -> NoReturn:
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with suppress(Exception):  # a closed or broken stream: nothing to keep
                 stream.flush()
-            except Exception:  # noqa: BLE001 - a closed or broken stream: nothing to keep
-                pass
         os._exit(code)
 
 

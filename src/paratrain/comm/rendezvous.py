@@ -91,11 +91,10 @@ def gloo_interface(master_addr: str, master_port: int) -> str | None:
 
 
 def group_prefix(store: Any, *, rank: int, world_size: int, timeout: timedelta) -> str:
-    """A key prefix (``paratrain/group/<id>/``) the ranks of the group forming now agree on and
-    no earlier group used (collective; TimeoutError naming the rank after ``timeout``). Node
-    0's agent keeps one TCPStore across restarts and attempt numbers differ across machines,
-    so rank 0's random id is echoed back to each rank's random token: never an id a dead rank
-    0 left."""
+    """A key prefix (``paratrain/group/<id>/``) the ranks of the group forming now agree on and no
+    earlier group used (collective; TimeoutError naming the rank after ``timeout``). Node 0's agent
+    keeps one TCPStore across restarts and attempt numbers differ across machines, so rank 0's
+    random id is echoed back to each rank's random token: never an id a dead rank 0 left."""
     deadline = time.monotonic() + timeout.total_seconds()
     if rank == 0:
         gid = uuid.uuid4().hex

@@ -7,6 +7,7 @@ import io
 import os
 import pickle
 import queue
+import secrets
 import socket
 import traceback
 from collections.abc import Callable
@@ -34,23 +35,16 @@ def _numpy_globals() -> list[Any]:
             *(type(np.dtype(k)) for k in kinds)]
 
 
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux: ip_local_port_range)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 49152  # the IANA dynamic range (macOS, BSD)
-
-
 def free_port() -> int:
     """A TCP port that is free now, for a server another process will bind later: *below* the
     ephemeral range, which the kernel never hands out by itself, so no unrelated socket (a
     ``bind(0)`` or the local end of a connection, e.g. another job's gloo pair) takes it before
     the caller binds. Drawn with the OS's randomness (seeded runs would share ``random``'s)."""
-    import secrets
-
-    high = _ephemeral_low()
+    try:  # where the ephemeral range starts (Linux)
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            high = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        high = 49152  # the IANA dynamic range (macOS, BSD)
     low = max(1024, min(20000, high - 1000))
     for _ in range(200):
         port = low + secrets.randbelow(high - low)

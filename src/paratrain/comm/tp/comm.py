@@ -1,14 +1,13 @@
-"""``TPComm``: the collectives of one tensor-parallel group under one communication pattern.
-The sum-all-reduce (equal up to float summation order): ``AllReduce`` one ``all_reduce``;
-``AllGather`` gathered partials summed in rank order; ``ReduceScatter`` a ``reduce_scatter``
-then ``all_gather`` (activations stay sequence-sharded between blocks); ``PointToPoint`` an
-``isend``/``irecv`` ring, 2(p-1) steps; ``Hierarchical`` a ``reduce`` to the host's leader, an
-``all_reduce`` among leaders, a ``broadcast`` back. :class:`CommStats` counts every call by
-type, at the call: ``payload_bytes_measured`` (the tensors this rank hands over) and
-``bytes_sent_modelled`` (the ring cost model: all_reduce 2(p-1)/p n; all_gather,
-reduce_scatter, broadcast, reduce (p-1)/p n; send n: the backend's algorithm is not visible
-from here), the time spent waiting, the compute time the layers book, and ``replayed``
-collectives a recomputation read back from its tape instead.
+"""``TPComm``: the collectives of one tensor-parallel group under one communication pattern. The
+sum-all-reduce (equal up to float summation order): ``AllReduce`` one ``all_reduce``; ``AllGather``
+gathered partials summed in rank order; ``ReduceScatter`` a ``reduce_scatter`` then ``all_gather``
+(activations stay sequence-sharded between blocks); ``PointToPoint`` an ``isend``/``irecv`` ring,
+2(p-1) steps; ``Hierarchical`` a ``reduce`` to the host's leader, an ``all_reduce`` among leaders, a
+``broadcast`` back. :class:`CommStats` counts every call by type, at the call:
+``payload_bytes_measured`` (the tensors this rank hands over) and ``bytes_sent_modelled`` (the ring
+cost model: all_reduce 2(p-1)/p n; all_gather, reduce_scatter, broadcast, reduce (p-1)/p n; send n:
+the backend's algorithm is not visible from here), the time spent waiting, the compute time the
+layers book, and ``replayed`` collectives a recomputation read back from its tape instead.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """The tensor-parallel and data-parallel sub-groups of a run (:func:`build_tp_groups`): the
-rows and columns of the ``dp x tp`` :class:`~paratrain.comm.mesh.Mesh` (``rank = dp*tp_size +
-tp``, torchtitan's and Megatron's order); under the ``Hierarchical`` pattern each TP group is
-also cut into per-host nodes with a leaders' group (:mod:`paratrain.comm.groups`). The groups
-of 2-D tensor parallelism (``BlockWise``, ``tp = g^2``, :func:`build_grid`): TP-local index
-``t = i g + j`` sits at grid row ``i`` and column ``j``, in row group ``R_i = {(i, *)}`` (index
-``j``) and column group ``C_j = {(*, j)}`` (index ``i``); the layers that run collectives on
-them are in :mod:`paratrain.tensor_parallel.grid`.
+rows and columns of the ``dp x tp`` :class:`~paratrain.comm.mesh.Mesh`; under the
+``Hierarchical`` pattern each TP group is also cut into per-host nodes with a leaders' group
+(:mod:`paratrain.comm.groups`). The groups of 2-D tensor parallelism (``BlockWise``, ``tp =
+g^2``, :func:`build_grid`): TP-local index ``t = i g + j`` sits at grid row ``i`` and column
+``j``, in row group ``R_i = {(i, *)}`` (index ``j``) and column group ``C_j = {(*, j)}`` (index
+``i``); the layers that run collectives on them are in :mod:`paratrain.tensor_parallel.grid`.
 """
 
 from __future__ import annotations
