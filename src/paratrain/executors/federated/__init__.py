@@ -70,10 +70,6 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     return out
 
 
-def _processes(job: JobConfig) -> tuple[int, str]:
-    return num_workers(job), "run.num_workers"
-
-
 def _notes(job: JobConfig) -> list[str]:
     """``run.num_workers`` above ``num_clients`` is capped (:func:`num_workers`)."""
     strat: Any = job.strategy
@@ -88,21 +84,27 @@ def _check_data(job: JobConfig, bundle: Any) -> None:
     check_data(job, bundle)
 
 
+def _runtime(job: JobConfig) -> str:
+    """Which path runs the rounds (``[federated] runtime``)."""
+    if job.federated.runtime == "flower":
+        return ("Flower's Deployment Runtime: `flwr run` paratrain's app (examples/federated_flower) "
+                "against a SuperLink; SuperNode partition-id p of num-partitions P hosts the clients "
+                "c % P == p")
+    return f"the local path: `paratrain run`, {num_workers(job)} worker process(es) over torch.distributed"
+
+
 def _describe(job: JobConfig) -> list[str]:
     """``paratrain validate``'s lines: which path runs the rounds, ``[federated.dp]``'s effect."""
-    from .flower import describe_runtime
     from .privacy import dp_lines
 
-    return [f"runs on {describe_runtime(job)}", *dp_lines(job)]
+    return [f"runs on {_runtime(job)}", *dp_lines(job)]
 
 
 def _graph(traced: Traced) -> GraphView:
-    """``paratrain graph``'s ``runtime``: which path runs the rounds ([federated] runtime)."""
-    from .flower import describe_runtime
-
-    return GraphView(lambda: {"runtime": describe_runtime(traced.job)})
+    """``paratrain graph``'s ``runtime``: which path runs the rounds."""
+    return GraphView(lambda: {"runtime": _runtime(traced.job)})
 
 
 # any Task: clients train through training.loop.Trainer
-SPEC = ExecutorSpec(name="Federated", run=run, processes=_processes, notes=_notes, check_data=_check_data,
-                    describe=_describe, graph=_graph)
+SPEC = ExecutorSpec(name="Federated", run=run, processes=lambda job: (num_workers(job), "run.num_workers"),
+                    notes=_notes, check_data=_check_data, describe=_describe, graph=_graph)

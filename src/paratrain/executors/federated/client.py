@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.data import TensorDataset
 
 from ...config.job import JobConfig
@@ -265,16 +266,6 @@ class _DenseDelta:
         return self.array.tobytes()
 
 
-def has_tensors(state: Any) -> bool:
-    if isinstance(state, Tensor):
-        return True
-    if isinstance(state, Mapping):
-        return any(has_tensors(v) for v in state.values())
-    if isinstance(state, list | tuple):
-        return any(has_tensors(v) for v in state)
-    return False
-
-
 class ClientHost:
     """The clients one worker process hosts and the single model they share."""
 
@@ -356,7 +347,7 @@ class ClientHost:
                 headers, payload = headers + more_h, payload + more_p
             if comp is not None:  # its codec state (error-feedback residuals), checkpointed
                 state = comp.codec.state_dict()
-                if has_tensors(state):
+                if any(isinstance(t, Tensor) for t in tree_leaves(state)):
                     self.codec_state[client] = state
                 else:
                     self.codec_state.pop(client, None)
@@ -376,7 +367,7 @@ class ClientHost:
                 local: Mapping[str, Tensor], comp: Any) -> tuple[list[dict[str, Any]], bytes]:
         """The update ``local - global`` per tensor through DP, the fault hooks and the codec."""
         delta = {k: (local[k].float() - g.detach().float()).cpu() for k, g in global_state.items()}
-        if self.dp is not None:  # DP-FedAvg's client part (.privacy.dp)
+        if self.dp is not None:  # DP-FedAvg's client part (.privacy)
             delta = client_privatize(self.dp, delta, seed=self.job.run.seed, round_idx=round_idx, client=client,
                                      floating=[k for k, g in global_state.items() if g.is_floating_point()])
         if client in self.faults.byzantine_clients:

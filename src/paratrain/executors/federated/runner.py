@@ -10,6 +10,7 @@ to rank 0, which aggregates, evaluates and logs. A round is the unit of the run'
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,12 +39,11 @@ from .checks import check_job, check_selection, client_tags
 from .client import ClientHost
 from .drift import broadcast_control, uses_control
 from .flower.side import Side, build_side, stateful
-from .outputs import finish_run, personal_digest, round_record, save_client_models
 from .personal import round_metrics, score_clients
 from .privacy import build_server_privacy
 from .selection import select_clients
 from .server import FederatedServer, RoundSchedule
-from .state import fed_store, restore, round_state
+from .state import fed_store, finish_run, restore, round_record, round_state
 from .wire import broadcast_state, split_payload
 
 _INVOCATIONS = 0
@@ -262,3 +262,25 @@ def _summary(w: _Worker) -> dict[str, Any] | None:
                       wall_s=time.perf_counter() - w.started,
                       initial=host.personal.initial if host.personal is not None else {}, head={}, extra=extra,
                       configured=("num_clients", "num_workers"), label="Federated")
+
+
+def save_client_models(run_dir: Path, model: Any, personal: Any, global_state: Any) -> None:
+    """``model-client<c>.safetensors`` for every client this worker hosts: the global parts
+    with the client's personal parts (``paratrain export RUN --client c``)."""
+    import copy
+
+    from ...models.state import load_unique_state_dict
+    from ...training.export import client_model_file, save_model, whole_state
+
+    scratch = copy.deepcopy(model).cpu()  # `model` stays the global one for the summary
+    for c in personal.hosted:
+        load_unique_state_dict(scratch, {**{k: v.cpu() for k, v in global_state.items()},
+                                         **personal.of(c)})
+        save_model(run_dir, whole_state(scratch), name=client_model_file(c))
+
+
+def personal_digest(workers: list[dict[str, Any]]) -> str:
+    """SHA-256 of every client's personal-part digest in client order (any worker layout)."""
+    per = {c: d for w in workers for c, d in dict(w.get("personal_clients_sha256", {})).items()}
+    order = sorted(per, key=lambda name: int(name.removeprefix("client-")))
+    return hashlib.sha256("".join(per[c] for c in order).encode()).hexdigest()

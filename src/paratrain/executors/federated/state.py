@@ -1,4 +1,5 @@
-"""Federated's state in the run's one checkpoint format.
+"""What both runtimes keep in the run folder: Federated's state in the run's one checkpoint
+format, each round's record, the run's summary and model.
 
 ``checkpoints/step-<r>/`` (:class:`~paratrain.training.stores.RankStore`, kind ``fed``) holds
 ``model/<name>`` (the global model, process 0's), ``engine/rank0`` the server's other state
@@ -73,3 +74,68 @@ def restore(found: tuple[Any, dict[str, Any]] | None, server: Any, host: Any, *,
                     {n: s for n, s in dict(entries).items() if host.hosts(int(str(n).removeprefix("client-")))})
         host.load_state_dict(clients)
     return int(state["step"])
+
+
+def finish_run(side: Any, server: Any, run_dir: Path, *, final: dict[str, Any], final_per: dict[str, Any],
+               wall_s: float, initial: dict[str, Any], head: dict[str, Any], extra: dict[str, Any],
+               configured: tuple[str, ...], label: str) -> dict[str, Any]:
+    """Both runtimes' end: the global model (personal keys at ``initial``, a new client's start)
+    saved, ``summary.json`` and ``report.png`` written; returns the summary."""
+    from ...models.state import load_unique_state_dict
+    from ...training import parameters_digest, read_metrics, report, write_summary
+    from ...training.export import save_model, whole_state
+
+    job, task, model = side.job, side.task, side.model
+    load_unique_state_dict(model, {**server.global_state, **initial})
+    strat = job.strategy
+    fit = str(task.fitness_metric)
+    records = [rec for rec in read_metrics(run_dir) if rec.get(f"test_{fit}") is not None]
+    pick = max if task.fitness_mode == "max" else min
+    best = pick((float(rec[f"test_{fit}"]) for rec in records), default=final.get(fit))
+    reference = getattr(task, "reference_metrics", None)
+    summary = {
+        **head,
+        "strategy": "Federated",
+        "run_dir": str(run_dir),
+        "aggregation": strat.aggregation.method,
+        "client_selection": strat.client_selection.method,
+        "num_clients": strat.num_clients,
+        "rounds": server.round,
+        "rounds_to_target": server.rounds_to_target,
+        "task": str(getattr(task, "name", type(task).__name__)),
+        **{f"test_{k}": v for k, v in final.items()},
+        f"best_test_{fit}": best,
+        **(reference(side.train_set, side.test_set) if callable(reference) else {}),
+        "clients_failed_total": server.failures,
+        "bytes_up_measured": server.bytes_up,
+        "bytes_down_modelled": server.bytes_down,
+        "wire_bytes_down_measured": server.wire_bytes_down,
+        "wire_bytes_up_measured": server.wire_bytes_up,
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "wall_time_s": round(wall_s, 3),
+        "parameters_sha256": parameters_digest(model),
+        **final_per,
+        **(server.privacy.summary() if server.privacy is not None else {}),  # [federated.dp]
+        **extra,
+    }
+    summary["provenance"] = report.provenance(summary, configured=configured)
+    save_model(run_dir, whole_state(model))
+    write_summary(run_dir, summary)
+    report.plot_curves(run_dir, x_key="round", title=f"{job.run.name} ({label}, {strat.aggregation.method})")
+    return summary
+
+
+def round_record(server: Any, metrics: Any, rec: dict[str, Any], ev: dict[str, Any], per: dict[str, Any], *,
+                 target: float | None, lr_scale: float, **extra: Any) -> dict[str, Any]:
+    """Log round ``rec`` with the test metrics ``ev``, the clients' ``per`` and ``extra``; notes
+    the accuracy for ``federated.target_accuracy`` (a ConfigError when the task has none)."""
+    if target is not None and "accuracy" not in ev:
+        raise ConfigError([("federated.target_accuracy", (
+            f"the task's metrics ({', '.join(sorted(ev))}) have no accuracy"))])
+    server.note_accuracy(ev.get("accuracy"), target)
+    rec["lr_scale"] = lr_scale
+    rec.update({f"test_{k}": v for k, v in ev.items()})
+    rec.update(per)
+    rec.update(extra)
+    metrics.log(dict(rec))
+    return rec

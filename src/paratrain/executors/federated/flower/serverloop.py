@@ -23,12 +23,11 @@ from ....training.lifecycle import Lifecycle
 from ....training.rundir import MetricsWriter, RunFolder
 from ....training.threads import use_threads
 from ..client import client_name
-from ..outputs import finish_run, round_record
 from ..personal import round_metrics
 from ..privacy import build_server_privacy
 from ..selection import select_clients
 from ..server import FederatedServer, RoundSchedule, mean_loss
-from ..state import fed_store, restore, round_state
+from ..state import fed_store, finish_run, restore, round_record, round_state
 from ..wire import encode_update
 from .side import Side, build_side, stateful
 
