@@ -21,8 +21,7 @@ from paratrain.config import ConfigError
 from paratrain.config.job import JobConfig, load_job
 from paratrain.data.shakespeare import CharBlocks, load_corpus
 from paratrain.executors.population_based import runner as population
-from paratrain.executors.population_based.hyperparams import validate_job
-from paratrain.executors.population_based.member import MemberRunner, seed_of
+from paratrain.executors.population_based.member import MemberRunner, seed_of, validate_job
 from paratrain.files import step_folders
 from paratrain.task import fetch_batch, resolve_task
 from paratrain.training import build_optimizer

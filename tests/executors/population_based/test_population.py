@@ -234,7 +234,7 @@ def test_validation_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="search_space.momentum: momentum=-0.5 is invalid"):
         population.run(make_job(tmp_path, "v7", search_space={"momentum": {"type": "uniform", "low": -0.5, "high": 0.5}}))
     # Model-factory keywords are hyperparameters too (mlp takes dropout, activation).
-    from paratrain.executors.population_based.hyperparams import validate_job
+    from paratrain.executors.population_based.member import validate_job
 
     roles = validate_job(make_job(tmp_path, "v6", search_space={
         "dropout": {"type": "uniform", "low": 0.0, "high": 0.5},
@@ -287,8 +287,7 @@ def test_min_mode_and_resume_mismatch(tmp_path: Path) -> None:
 def test_member_restore_applies_own_hyperparameters_after_loading(tmp_path: Path) -> None:
     """The bug class this guards against: ``optimizer.load_state_dict`` restores the
     donor's param-group values, silently undoing the explored hyperparameters."""
-    from paratrain.executors.population_based.hyperparams import validate_job
-    from paratrain.executors.population_based.member import MemberRunner
+    from paratrain.executors.population_based.member import MemberRunner, validate_job
 
     job = make_job(tmp_path, "restore", population={"steps_per_generation": 4})
     run_dir = tmp_path / "restore"

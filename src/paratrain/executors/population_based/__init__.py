@@ -7,7 +7,7 @@ from typing import Any
 
 from ...config.job import JobConfig
 from ..spec import ExecutorSpec, capped_workers
-from .hyperparams import validate_job
+from .member import validate_job
 from .runner import num_workers, run
 
 

@@ -40,8 +40,7 @@ from ...training.faults import maybe_kill
 from ...training.lifecycle import Lifecycle, engine_state
 from ...training.rundir import RunFolder, run_dir_of, safe_rmtree
 from ...training.stores import RankStore
-from .hyperparams import task_name, validate_job
-from .member import MemberRunner, member_path
+from .member import MemberRunner, member_path, task_name, validate_job
 from .pbt import PopulationState, ancestry, lineage_json
 from .report import plot_population
 
@@ -202,11 +201,13 @@ def _work(ctx: WorkerContext, job: JobConfig, life: Lifecycle, runner: MemberRun
 
 def _plan(ctx: WorkerContext, pop: PopulationState | None, token: str, generations: int,
           timing: dict[str, float]) -> dict[str, Any]:
-    """Rank 0's plan of the next generation, on every rank (``done``: none is left)."""
+    """Rank 0's plan of the next generation, on every rank (``done``: none is left; ``lost``:
+    the members with no state, str(member) -> "generation <g>: <error>" that left them so)."""
     plan = None
     if pop is not None:
+        lost = dict(pop.history[-1].get("lost", {})) if pop.history else {}
         plan = {"generation": pop.generation, "hparams": pop.hparams, "sources": pop.sources,
-                "done": pop.generation >= generations, "token": token, "lost": lost_before(pop)}
+                "done": pop.generation >= generations, "token": token, "lost": lost}
     t = time.perf_counter()
     plan = broadcast_json(plan, group=ctx.group)
     timing["comm_s"] += time.perf_counter() - t
@@ -310,14 +311,8 @@ def _log_members(metrics: MetricsWriter, ordered: list[dict[str, Any]], record: 
         })
 
 
-def lost_before(pop: PopulationState) -> dict[str, str]:
-    """Members with no state after the last recorded generation (str(member) -> the failure
-    that left them so, "generation <g>: <error>")."""
-    return dict(pop.history[-1].get("lost", {})) if pop.history else {}
-
-
 def lost_after(ordered: list[dict[str, Any]], lost: dict[str, str], g: int) -> dict[str, str]:
-    """:func:`lost_before` after generation ``g``: a member that ends it without state keeps its
+    """The plan's ``lost`` after generation ``g``: a member that ends it without state keeps its
     source's first failure, or its own error when its source had state (or none)."""
     out: dict[str, str] = {}
     for r in ordered:
@@ -375,7 +370,8 @@ def population_summary(job: JobConfig, pop: PopulationState, run_dir: Path, worl
         "best_member": best,
         "best_fitness": last["fitness"][best],
         "best_hparams": last["hparams"][best],
-        "best_hparams_text": " ".join(f"{k}={_fmt(v)}" for k, v in sorted(last["hparams"][best].items())),
+        "best_hparams_text": " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                      for k, v in sorted(last["hparams"][best].items())),
         "best_schedule": ancestry(pop.history, best),
         "final_fitness": last["fitness"],
         "test_loss": m.get("loss"),
@@ -401,7 +397,3 @@ def population_summary(job: JobConfig, pop: PopulationState, run_dir: Path, worl
             "overhead_fraction": round(overhead / timing["loop_s"], 5) if timing["loop_s"] > 0 else None,
         },
     }
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
