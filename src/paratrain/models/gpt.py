@@ -8,9 +8,7 @@ below :mod:`paratrain.tensor_parallel` (a model builds without the collectives),
 ``ParallelSelfAttention`` computes its heads with the same :meth:`SelfAttention.attend`.
 
 With ``tie_weights`` the head's weight *is* the token embedding's Parameter: one tensor, listed
-once by ``parameters()`` and twice by ``state_dict()``. ModelParallel sends it to the head's
-rank once a step (:mod:`paratrain.executors.model_parallel.runtime`), Federated exchanges it
-once (:mod:`paratrain.models.state`), tensor parallelism keeps both replicated.
+once by ``parameters()`` and twice by ``state_dict()`` (every strategy moves it once).
 """
 
 from __future__ import annotations
@@ -44,12 +42,9 @@ torch.fx.wrap("_inv_scale")
 
 
 class SelfAttention(nn.Module):
-    """Dense multi-head self-attention with separate q/k/v/o projections ([B, S, E] -> same).
-
-    ``parallelize`` recognises any module with ``q``, ``k``, ``v``, ``o`` Linears and a
-    ``num_heads`` attribute and replaces it with
-    :class:`~paratrain.tensor_parallel.layers.ParallelSelfAttention`.
-    """
+    """Dense multi-head self-attention with separate q/k/v/o projections ([B, S, E] -> same),
+    which ``parallelize`` replaces with its ``ParallelSelfAttention`` (any module with ``q``,
+    ``k``, ``v``, ``o`` Linears and ``num_heads``)."""
 
     def __init__(self, embed_dim: int, num_heads: int, *, bias: bool = True, causal: bool = False) -> None:
         super().__init__()

@@ -44,12 +44,10 @@ def import_object(ref: str, *, field: str) -> Any:
 
 def call_factory(fn: Any, ref: str, *, field: str, offered: dict[str, Any],
                  kwargs: dict[str, Any]) -> Any:
-    """``fn(**offered', **kwargs)``: a user factory called with the documented keywords
-    ``offered`` it accepts (all of them when it takes ``**kwargs``; the rest are left out, so
-    a factory may take any subset) and the section's own ``kwargs`` (always passed). A
-    keyword it requires that is neither, or a section key it does not take, is a
-    ConfigError naming ``field``, the factory and the keyword (not a TypeError from
-    inside)."""
+    """``fn(**offered, **kwargs)``: a user factory gets the documented keywords ``offered`` it
+    accepts (all with ``**kwargs``: a factory may take any subset) and the section's own
+    ``kwargs`` (always); a keyword it requires that is neither, or a section key it does not
+    take, is a ConfigError naming ``field``, the factory and the keyword (not a TypeError)."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a builtin or C callable: no signature to read
