@@ -19,12 +19,10 @@ import torch.fx as fx
 from torch import nn
 
 from ..graph.draw import node_edges
-from ..graph.render import render  # re-exported: the report's text
+from ..graph.render import render as render  # re-exported: the report's text
 from ..graph.sizes import count_elements, shape_info, tensor_metas
 from ..graph.trace import module_of, trace
 from ..subgraphs import strategy_type
-
-__all__ = ["explain", "explain_file", "render"]
 
 
 def _build(job: Any) -> tuple[nn.Module, Any]:
