@@ -76,12 +76,15 @@ def dp_cases_world_and_pairs(ctx: WorkerContext, cases: list[tuple[dict[str, Any
     (only the pair holding global rank 0: ``train_replica`` broadcasts from global rank 0)."""
     from dataclasses import replace
 
-    from paratrain.comm.groups import subgroups
+    import torch.distributed as dist
+
     from paratrain.executors.data_parallel.runner import train_replica
 
     whole = dp_cases(ctx, cases)
-    mine, layout = subgroups(2)
+    layout = [[0, 1], [2, 3]]
+    groups = [dist.new_group(ranks) for ranks in layout]  # every rank creates every group
     pair = next(ranks for ranks in layout if ctx.rank in ranks)
+    mine = groups[layout.index(pair)]
     sub = replace(ctx, rank=pair.index(ctx.rank), world_size=2, group=mine)
     pairs = dp_cases(sub, pair_cases)
     summary = train_replica(sub, load_job(job), False, plot=False)[1] if 0 in pair else None

@@ -106,21 +106,6 @@ def side_group(group: Any = None) -> Any:
     return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=not whole)
 
 
-def subgroups(size: int, *, backend: str | None = None) -> tuple[Any, list[list[int]]]:
-    """Split the world into consecutive groups of ``size`` ranks; returns (mine, all)."""
-    n = dist.get_world_size()
-    if size < 1 or n % size:
-        raise ValueError(f"world size {n} is not a multiple of group size {size}")
-    layout = [list(range(s, s + size)) for s in range(0, n, size)]
-    mine = None
-    rank = dist.get_rank()
-    for ranks in layout:
-        g = dist.new_group(ranks=ranks, backend=backend)
-        if rank in ranks:
-            mine = g
-    return mine, layout
-
-
 def hierarchy_from_hosts(hosts: Sequence[str]) -> list[list[int]]:
     """The ranks with equal labels, ascending, groups by lowest rank:
 

@@ -158,10 +158,12 @@ class TPComm:
         return self._call("all_reduce", 2 * (p - 1) / p * nbytes_of(t), nbytes_of(t),
                           lambda a: dist.all_reduce(t, group=group, async_op=a), async_op)
 
-    def _gather_padded(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None,
-                       async_op: bool = False) -> Handle:
+    def all_gather(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None = None,
+                   *, async_op: bool = False) -> Handle:
         """All-gather along ``dim``; ``sizes`` are the per-rank lengths (may differ)."""
-        p = self.size
+        if self.size == 1:
+            return Handle(self.stats, result=t)
+        p, async_op = self.size, async_op and self.async_op
         sizes = list(sizes) if sizes is not None else [t.shape[dim]] * p
         if sizes[self.rank] != t.shape[dim]:
             raise ValueError(f"rank {self.rank}: local length {t.shape[dim]} != {sizes[self.rank]}")
@@ -177,9 +179,12 @@ class TPComm:
                           lambda a: all_gather_flat(out, x, self.group, a), async_op)
         return Handle(self.stats, work=work if async_op else None, finish=finish)
 
-    def _reduce_scatter_padded(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None,
-                               async_op: bool = False) -> Handle:
-        p = self.size
+    def reduce_scatter(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None = None,
+                       *, async_op: bool = False) -> Handle:
+        """Reduce-scatter (sum) along ``dim`` into chunks of ``sizes`` (default: ceil-sized)."""
+        if self.size == 1:
+            return Handle(self.stats, result=t)
+        p, async_op = self.size, async_op and self.async_op
         n = t.shape[dim]
         sizes = list(sizes) if sizes is not None else ceil_sizes(n, p)
         if sum(sizes) != n:
@@ -248,12 +253,12 @@ class TPComm:
             self._native_all_reduce(out, self.group, self.size)
             return out
         if self.pattern == "AllGather":
-            return torch.sum(self._gather_padded(t.unsqueeze(0), 0, None).wait(), 0)
+            return torch.sum(self.all_gather(t.unsqueeze(0), 0).wait(), 0)
         if self.pattern == "ReduceScatter":
             flat = t.reshape(-1)
             sizes = ceil_sizes(flat.numel(), self.size)
-            part = self._reduce_scatter_padded(flat, 0, sizes).wait()
-            return torch.reshape(self._gather_padded(part, 0, sizes).wait(), t.shape)
+            part = self.reduce_scatter(flat, 0, sizes).wait()
+            return torch.reshape(self.all_gather(part, 0, sizes).wait(), t.shape)
         if self.pattern == "PointToPoint":
             return self._ring_all_reduce(t)
         return self._hier_all_reduce(t)
@@ -272,18 +277,6 @@ class TPComm:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp-comm")
         self.stats.launched_async()
         return Handle(self.stats, future=self._pool.submit(self.all_reduce, t))
-
-    def all_gather(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None = None,
-                   *, async_op: bool = False) -> Handle:
-        if self.size == 1:
-            return Handle(self.stats, result=t)
-        return self._gather_padded(t, dim, sizes, async_op=async_op and self.async_op)
-
-    def reduce_scatter(self, t: torch.Tensor, dim: int, sizes: Sequence[int] | None = None,
-                       *, async_op: bool = False) -> Handle:
-        if self.size == 1:
-            return Handle(self.stats, result=t)
-        return self._reduce_scatter_padded(t, dim, sizes, async_op=async_op and self.async_op)
 
     def broadcast_(self, t: torch.Tensor, src_index: int = 0) -> torch.Tensor:
         """In-place broadcast from the member at group index ``src_index``."""
