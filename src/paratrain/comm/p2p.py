@@ -317,5 +317,5 @@ class DataStoreTransport:
         its last receive: another rank could race a peer's pending write."""
         if self.rank != 0:
             return
-        with contextlib.suppress(OSError):  # not empty: a value was never consumed
+        with contextlib.suppress(OSError):  # not empty (a value never consumed): it stays
             self.store.root.rmdir()
