@@ -210,7 +210,6 @@ class DecentralizedAgg(Aggregator):
         diffs = [(n, p.detach() - h) for (n, p), h in zip(self.named, mine, strict=True)]
         payload = _encode(self.compressor, diffs)
         self.compressor.step()
-        # Lengths, then payloads, with every neighbour at once.
         limit = 64 * sum(p.numel() * p.element_size() for p in params) + 4096
         received = M.exchange_bytes(payload, peers=nb, group=self.group, max_bytes=limit)
         self.counter.add("gossip_send", len(nb) * (payload.numel() + 8))

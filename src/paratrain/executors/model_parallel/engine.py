@@ -69,9 +69,6 @@ class StageModel(nn.Module):
             self.held.parameters())
         self.placeholder = nn.Parameter(torch.zeros(0)) if empty else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - not called
-        raise RuntimeError("a StageModel runs through its StageRuntime")
-
     def model_names(self, targets: dict[str, str] | None = None) -> dict[str, str]:
         """This module's ``state_dict`` keys -> the tensors' names in the model (``targets``:
         a held value's name -> the model attribute it reads)."""
@@ -222,7 +219,6 @@ class PipelineEngine(LocalEngine):
         super().__init__(model, task, test, device=ctx.device, precision=precision)
         self.ctx, self.rt, self.stage = ctx, rt, model
         self.replica_group = replica_group  # None: the stage is not replicated
-        # ZeRO over the replicas: the optimizer steps this replica's rows
         self.zero = (StageZero(model, level=shard, group=replica_group, where=where, device=ctx.device)
                      if replica_group is not None and shard != "none" else None)
         if self.zero is not None:

@@ -83,12 +83,6 @@ def rows_of(tree: Any, lo: int, hi: int) -> Any:
         lambda t: t[lo:hi] if isinstance(t, torch.Tensor) and t.dim() > 0 else t, tree)
 
 
-def storages(tree: Any) -> set[int]:
-    """Storage addresses of the tensor leaves (the batch is not an activation)."""
-    return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(tree)
-            if isinstance(t, torch.Tensor)}
-
-
 def model_inputs(cut: Cut, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
     """Each graph input's value for a model call ``(args, kwargs)``: the forward's parameters
     under torch.fx, the leaves of ``(args, kwargs)`` under torch.export (``Cut.in_spec``)."""
@@ -276,8 +270,10 @@ class StageRuntime:
                  for i in range(len(sizes))]
         self._sizes = sizes
         order = [a for a in self.actions(len(sizes), schedule_name) if own[a[1]][1] > own[a[1]][0]]
+        in_batch = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(batch)
+                    if isinstance(t, torch.Tensor)}  # the batch's storages are no activations
         run = _StepRun(self, step=step, micro=micro, own=own, rows=rows, precision=precision,
-                       loss_fn=loss_fn or cross_entropy, weight=weight, in_batch=storages(batch),
+                       loss_fn=loss_fn or cross_entropy, weight=weight, in_batch=in_batch,
                        split=schedule_name in SPLIT_BACKWARD)
         t_start = time.perf_counter()
         run.remote_attrs = self._exchange_attrs(step)

@@ -381,16 +381,13 @@ class ZeroEngine(LocalEngine):
             loss = self.task.loss(call_model(self.task, self.net, batch), batch)
         (loss * weight).backward() if weight != 1.0 else loss.backward()
         if self.level >= 2:
-            self._reduce_scatter()
+            # the units not reduced during the backward (the root, units whose inputs need no
+            # gradient), in the units' order (the same on every rank)
+            for u in self.units:
+                if not u.reduced:
+                    self._reduce_unit(u)
+                u.reduced = False
         return float(loss.detach())
-
-    def _reduce_scatter(self) -> None:
-        """ZeRO-2/3, after each backward pass: the units not yet reduced during it (the root,
-        units whose inputs need no gradient), in the units' order (the same on every rank)."""
-        for u in self.units:
-            if not u.reduced:
-                self._reduce_unit(u)
-            u.reduced = False
 
     def _reduce_unit(self, u: Unit) -> None:
         """The unit's gradient mean into this rank's gradient rows (summed over the step's
