@@ -139,16 +139,14 @@ class CompressedTensor:
         return decompress(self)
 
 
+@dataclass(slots=True)
 class EncodeContext:
     """The key, step and base seed of a call: every random draw is seeded by
     ``derived_seed(salt)``, so an exact resume needs no RNG state."""
 
-    __slots__ = ("key", "step", "seed")
-
-    def __init__(self, key: str, step: int, seed: int) -> None:
-        self.key = key
-        self.step = step
-        self.seed = seed
+    key: str
+    step: int
+    seed: int
 
     def derived_seed(self, salt: str) -> int:
         return derive_seed(self.seed, self.step, self.key, salt)

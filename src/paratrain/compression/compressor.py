@@ -1,12 +1,9 @@
 """The :class:`Compressor`: a CompressionStrategy's codec tree (:func:`build_codec`) plus
 per-key state. Keys name tensors stably (parameter names): residuals and
 RandomK/stochastic-rounding seeds are per key, and RandomK positions depend only on
-(seed, step, key), so every rank draws the same ones.
-
-Statistics follow the Rust ``CompressionStats``: ``ratio`` = compressed / original bytes
-(byte-weighted, 1.0 before anything was recorded), ``savings`` = 100 (1 - ratio)
-percent, best/worst per-call ratios; original bytes count the input at its own dtype,
-compressed bytes are the exact wire size (header included).
+(seed, step, key), so every rank draws the same ones. Statistics follow the Rust
+``CompressionStats`` (:class:`CompressionStats`): original bytes count the input at its own
+dtype, compressed bytes the exact wire size (header included).
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ STATE_VERSION = 1
 
 @dataclass
 class CompressionStats:
-    """Byte counts of the compressions recorded so far (see the module docstring)."""
+    """Byte counts of the compressions recorded so far (byte-weighted), best/worst per call."""
 
     count: int = 0
     original_bytes: int = 0

@@ -52,8 +52,7 @@ DEFAULT_MAX_NUMEL = (1 << 31) - 1
 
 _METHODS = ["None", "TopK", "RandomK", "Threshold", "Quantization"]
 _METHOD_CODE = {m: i for i, m in enumerate(_METHODS)}
-_DTYPES = SUPPORTED_DTYPES
-_DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_DTYPE_CODE = {d: i for i, d in enumerate(SUPPORTED_DTYPES)}
 _ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.float64: 8}
 
 _ENC_U32, _ENC_BITMAP, _ENC_U64 = 0, 1, 2
@@ -230,7 +229,7 @@ def _parse_header(r: _Reader, limit: int) -> tuple[str, tuple[int, ...], torch.d
         raise CompressionError(f"unsupported wire version {version} (this build reads 1)")
     if method_code >= len(_METHODS):
         raise CompressionError(f"unknown method code {method_code}")
-    if dtype_code >= len(_DTYPES):
+    if dtype_code >= len(SUPPORTED_DTYPES):
         raise CompressionError(f"unknown dtype code {dtype_code}")
     if ndim > MAX_NDIM:
         raise CompressionError(f"tensor rank {ndim} exceeds {MAX_NDIM}")
@@ -240,7 +239,7 @@ def _parse_header(r: _Reader, limit: int) -> tuple[str, tuple[int, ...], torch.d
         n *= d
         if n > limit or d > limit:
             raise CompressionError(f"declared shape {shape} exceeds max_numel={limit}")
-    return _METHODS[method_code], shape, _DTYPES[dtype_code], n
+    return _METHODS[method_code], shape, SUPPORTED_DTYPES[dtype_code], n
 
 
 def _parse_sparse(r: _Reader, method: str, shape: tuple[int, ...], dtype: torch.dtype,

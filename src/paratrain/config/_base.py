@@ -125,13 +125,15 @@ def describe_tags(schema: dict[str, Any], cls: type) -> None:
             prop["description"] = f"{name} = {prop['const']!r} selects {cls.__name__}."
 
 
+_FROZEN_DOCUMENTED = ConfigDict(frozen=True, use_attribute_docstrings=True,
+                                json_schema_extra=describe_tags)
+
+
 class Contract(BaseModel):
     """Frozen, serde-like model; extension fields are dumped only when set. Unknown keys are
     ignored (as serde does) but remembered (:func:`unknown_keys`), for ``paratrain validate``."""
 
-    model_config = ConfigDict(
-        frozen=True, extra="ignore", use_attribute_docstrings=True, json_schema_extra=describe_tags
-    )
+    model_config = ConfigDict(extra="ignore", **_FROZEN_DOCUMENTED)
     _extensions: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
@@ -169,17 +171,13 @@ class Section(BaseModel):
     """A job-file section: unknown keys are refused (a misspelled option should not be
     silently ignored)."""
 
-    model_config = ConfigDict(
-        frozen=True, extra="forbid", use_attribute_docstrings=True, json_schema_extra=describe_tags
-    )
+    model_config = ConfigDict(extra="forbid", **_FROZEN_DOCUMENTED)
 
 
 class OpenSection(BaseModel):
     """A section whose unknown keys are kwargs for a user's factory."""
 
-    model_config = ConfigDict(
-        frozen=True, extra="allow", use_attribute_docstrings=True, json_schema_extra=describe_tags
-    )
+    model_config = ConfigDict(extra="allow", **_FROZEN_DOCUMENTED)
 
     @property
     def kwargs(self) -> dict[str, Any]:

@@ -244,14 +244,8 @@ def _krum(s: Federated, agg: Krum, ignored: list[Ignored]) -> dict[str, int] | N
 
 def _process_settings(job: JobConfig, kind: str, tp_active: bool) -> list[Ignored]:
     """The process settings (``run.max_restarts``/``num_workers``/``backend``,
-    ``[[workers]]``, ``[comm]``) ``job`` sets that its processes do not read.
-
-    A run trains either in this process (Local without tensor parallelism: no elastic
-    agent, no process group, no placement) or on launched workers whose count each
-    strategy decides (ModelParallel, Federated, PopulationBased: ``run.num_workers``).
-    ``comm.bucket_size_mb`` is read by DataParallel's AllReduce without compression and a
-    ModelParallel replicated stage (the same gradient sync); ``comm.gossip_step`` by
-    DataParallel's Decentralized with compression (CHOCO-gossip)."""
+    ``[[workers]]``, ``[comm]``) ``job`` sets that its processes do not read (Local without
+    tensor parallelism trains in this process; the reasons are the messages below)."""
     if kind == "Custom":
         return []
     run, comm, s = job.run, job.comm, job.strategy

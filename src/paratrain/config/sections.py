@@ -13,12 +13,8 @@ from ._base import Count, OpenSection, PositiveCount, Section, parse_every, regi
 from .flower import FlowerOptions
 from .privacy import FederatedDP
 
-# logger name (run.loggers) -> (the module it imports, the paratrain extra that installs it)
-LOGGERS: dict[str, tuple[str, str]] = {
-    "tensorboard": ("tensorboard", "tensorboard"),
-    "mlflow": ("mlflow", "mlflow"),
-    "wandb": ("wandb", "wandb"),
-}
+# run.loggers: each name is also the module it imports and the paratrain extra that installs it
+LOGGERS = ("tensorboard", "mlflow", "wandb")
 
 
 class RunConfig(Section):
@@ -80,10 +76,9 @@ class RunConfig(Section):
                                  f"{', '.join(repr(n) for n in LOGGERS)}")
             if name in v[:i]:
                 raise ValueError(f"logger {name!r} is listed twice")
-            module, extra = LOGGERS[name]
-            if importlib.util.find_spec(module) is None:
-                raise ValueError(f"logger {name!r} needs the {module} library, which is not "
-                                 f"installed: pip install 'paratrain[{extra}]'")
+            if importlib.util.find_spec(name) is None:
+                raise ValueError(f"logger {name!r} needs the {name} library, which is not "
+                                 f"installed: pip install 'paratrain[{name}]'")
         return v
 
     @field_validator("checkpoint_every")

@@ -10,8 +10,6 @@ from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     field_validator,
@@ -19,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from ._base import Contract, Count, PositiveCount, load_document
+from ._base import Codec, Contract, Count, PositiveCount, Section
 
 # style -> (input layout, output layout) it implies; HF's names are aliases with fixed layouts
 PLAN_STYLES: dict[str, tuple[str | None, str | None]] = {
@@ -44,7 +42,7 @@ _LAYOUTS_ALLOWED: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
-class PlanEntry(BaseModel):
+class PlanEntry(Section):
     """One ``[tensor_parallel.plan]`` entry: a style and the layouts around the module.
 
     ``"colwise"`` (torch's ``ColwiseParallel``): a Linear / Conv1D keeps a block of output
@@ -60,7 +58,6 @@ class PlanEntry(BaseModel):
     ``PrepareModuleInput``): the module's first tensor argument goes from ``input`` to
     ``desired_input``; its children keep their own entries."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
     style: str
     """colwise, rowwise, colwise_gather_output, rowwise_split_input, packed_colwise, replicate,
     sequence or prepare_input."""
@@ -203,13 +200,6 @@ class TensorParallelismConfig(Contract):
         return v
 
 
-def load_tensor_parallel(doc: str | bytes | dict[str, Any] | TensorParallelismConfig) -> TensorParallelismConfig:
-    """Validate a TensorParallelismConfig from JSON text or a dict; raises ConfigError."""
-    if isinstance(doc, TensorParallelismConfig):
-        return doc
-    return load_document(TensorParallelismConfig.model_validate, doc)
-
-
-def dump_tensor_parallel(config: TensorParallelismConfig) -> dict[str, Any]:
-    """All ten keys (the Rust form requires every one)."""
-    return config.model_dump(mode="json")
+_CODEC = Codec(TensorParallelismConfig)
+load_tensor_parallel = _CODEC.load  # a TensorParallelismConfig from JSON text or a dict
+dump_tensor_parallel = _CODEC.dump  # the ten Rust keys, and the extensions that are set

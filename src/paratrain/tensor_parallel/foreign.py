@@ -1,17 +1,12 @@
-"""Blocks written by others that ``parallelize`` shards without a plan (the table is in
-docs/tensor-parallel.md; Megatron's layout, as HF's ``base_model_tp_plan``), and their layers.
-
-A block is recognised by its class (transformers' by module and name, without importing it)
-*and* by its ``forward`` being that class's own (an overriding subclass, or extra submodules,
-parameters or buffers, are a ConfigError naming its path). HF's forwards run unchanged on the
-shard (they reshape with ``-1`` heads; the head counts become the local ones): in grouped-query
-attention rank ``r`` keeps query heads ``[rH/p, (r+1)H/p)`` and kv heads ``[rK/p, (r+1)K/p)``,
-exactly those its query heads read, and only ``eager`` / ``sdpa`` are known to read nothing
-else. A GPT-2 ``Conv1D`` (``x W + b``, ``W`` stored ``[in, out]``) keeps its layout. A packed
-projection (``[q | k | v]``: GPT-2's ``c_attn``, timm's ``qkv``) is cut part by part
-(:class:`PackedColumnParallel`), so rank ``i`` computes ``[q_i | k_i | v_i]``. timm's
-``Attention`` reshapes its context to the input's width, which a shard lacks, so
-:class:`ParallelFusedQKVAttention` re-implements its forward on ``heads / p`` local heads.
+"""Blocks written by others that ``parallelize`` shards without a plan (recognised by class
+and own ``forward``: :func:`block_kind`; the table is in docs/tensor-parallel.md), and their
+layers. HF's forwards run unchanged on the shard (they reshape with ``-1`` heads; the head
+counts become the local ones): in grouped-query attention rank ``r`` keeps query heads
+``[rH/p, (r+1)H/p)`` and kv heads ``[rK/p, (r+1)K/p)``, exactly those its query heads read,
+and only ``eager`` / ``sdpa`` are known to read nothing else. A packed projection (``[q | k |
+v]``: GPT-2's ``c_attn``, timm's ``qkv``) is cut part by part (:class:`PackedColumnParallel`),
+so rank ``i`` computes ``[q_i | k_i | v_i]``. timm's ``Attention`` reshapes its context to the
+input's width, which a shard lacks: :class:`ParallelFusedQKVAttention` runs it on local heads.
 """
 
 from __future__ import annotations

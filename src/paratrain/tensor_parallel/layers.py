@@ -237,24 +237,17 @@ class ParallelSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # must be the same decision on every rank: size the FULL input from its shape
         # (a rank's sequence shard may be empty)
-        if self.mode == "seq":
-            dim, sizes = _mode_dims(self.state)
+        seq = self.mode == "seq"
+        dim, sizes = _mode_dims(self.state) if seq else (0, None)
+        if seq:
             per_token = math.prod(x.shape[:dim] + x.shape[dim + 1:])
             full_bytes = per_token * sum(sizes or [0]) * x.element_size()
         else:
             full_bytes = x.numel() * x.element_size()
         fuse = self.comm.size > 1 and 0 < full_bytes <= self.comm.fusion_threshold_bytes
-        if fuse and self.mode == "seq":
-            dim, sizes = _mode_dims(self.state)
-            assert sizes is not None
-            xq, xk, xv = fused_region(x, self.comm, 3, dim, sizes)
-        elif fuse:
-            xq, xk, xv = fused_region(x, self.comm, 3)
-        else:
-            xq = xk = xv = x
-        q = self.q(xq, input_done=fuse)
-        k = self.k(xk, input_done=fuse)
-        v = self.v(xv, input_done=fuse)
+        # fused: one f, or (sequence parallel: sizes) one all-gather, for the three projections
+        xq, xk, xv = fused_region(x, self.comm, 3, dim, sizes) if fuse else (x, x, x)
+        q, k, v = (lin(xi, input_done=fuse) for lin, xi in ((self.q, xq), (self.k, xk), (self.v, xv)))
         ctx = SelfAttention.attend(q, k, v, self.local_heads, self.causal)
         if self.mode == "gather":
             ctx = gather_from_region(ctx, self.comm, ctx.dim() - 1, self.q.out_sizes)

@@ -103,10 +103,9 @@ class TensorParallelModule(nn.Module):
                                 f"{tp} does not match the TP group size {groups.tp_size}")])
         self.pattern = config.communication_pattern.value
         strategy = config.partitioning_strategy.value
-        self.seq = (self.pattern == "ReduceScatter" or strategy == "SequenceWise") and tp > 1
         self.batch_split = strategy == "BatchWise" and tp > 1
-        if self.batch_split:
-            self.seq = False
+        self.seq = ((self.pattern == "ReduceScatter" or strategy == "SequenceWise") and tp > 1
+                    and not self.batch_split)
         self.grid: GridComms | None = None
         if strategy == "BlockWise" and tp > 1 and math.isqrt(tp) ** 2 == tp:
             if self.seq:
@@ -359,6 +358,7 @@ class TensorParallelModule(nn.Module):
         replicated = local - sharded
         dense_sharded = self.dense_param_bytes - replicated
         tp = self.comm.size
+        compute, communicate = snap["computation_time_s"], snap["communication_time_s"]
         snap.update({
             "tensor_parallel_size": tp,
             "communication_pattern": self.pattern,
@@ -374,12 +374,9 @@ class TensorParallelModule(nn.Module):
             "peak_activation_bytes": self.last_peak_activation_bytes,
             # the Rust TensorParallelismStatistics names, with real values
             "communication_volume": snap["bytes_sent_modelled"],  # ring model, see CommStats
-            "communication_time": snap["communication_time_s"],
-            "computation_time": snap["computation_time_s"],
-            "efficiency_score": (snap["computation_time_s"]
-                                 / (snap["computation_time_s"] + snap["communication_time_s"])
-                                 if snap["computation_time_s"] + snap["communication_time_s"] > 0
-                                 else 0.0),
+            "communication_time": communicate,
+            "computation_time": compute,
+            "efficiency_score": compute / (compute + communicate) if compute + communicate > 0 else 0.0,
             "memory_usage_per_device": {self.comm.global_rank: local},
         })
         if self.pattern == "Hierarchical":

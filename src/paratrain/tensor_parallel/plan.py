@@ -1,16 +1,15 @@
 """``[tensor_parallel.plan]``: module-path patterns -> styles, applied before the built-in rules.
 
 A pattern matches ``model.named_modules()`` paths component by component (``*`` and ``?``
-within one, as torch's ``parallelize_module``); the first match decides (the styles are in
-docs/tensor-parallel.md). As in torch, a plan is the user's statement of the layout, not proved
-equivalent. Sequence parallelism (Korthikanti et al. 2022, §4.2.2) splits the activations
-between the tensor-parallel regions along dim 1 of ``[B, S, ...]``: replicate -> sequence keeps
-this rank's slice (backward: all-gather of the gradient, each shard's computation giving the
-complete gradient of its own tokens); sequence -> replicate all-gathers (backward: keep the own
-slice, the consumer making the gradient complete). A ``sequence`` module sees only its shard's
-tokens, so its replicated parameters' gradients are summed over the ranks: right for token-wise
-modules; one that mixes tokens (attention) must get the whole sequence (``prepare_input``).
-``RegionState`` records the split, so a layer taking a replicated input refuses shards.
+within one); the first match decides (docs/tensor-parallel.md). Sequence parallelism
+(Korthikanti et al. 2022, §4.2.2) splits the activations between the tensor-parallel regions
+along dim 1 of ``[B, S, ...]``: replicate -> sequence keeps this rank's slice (backward:
+all-gather of the gradient, each shard's computation giving the complete gradient of its own
+tokens); sequence -> replicate all-gathers (backward: keep the own slice, the consumer making
+the gradient complete). A ``sequence`` module sees only its shard's tokens, so its replicated
+parameters' gradients are summed over the ranks: right for token-wise modules; one that mixes
+tokens (attention) must get the whole sequence (``prepare_input``). ``RegionState`` records the
+split, so a layer taking a replicated input refuses shards.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Tensor parallelism (Megatron-style) as an executor: Local or DataParallel jobs with
 ``tensor_parallel_size > 1`` (DESIGN §6); the sharding itself is :mod:`paratrain.tensor_parallel`.
-
-What the executor ignores that only its model can tell (the spec's ``ignores``) is judged on the
-job's model as rank 0 would shard it (:func:`probe_tp`): a ``memory_optimization`` level that
-checkpoints the same segments as another level on this model (and ``Extreme``'s offload without
-an accelerator), and ``fusion_threshold_bytes`` when the model has no attention (no q/k/v
-fusion) and the layout reduces no gradients over the TP or DP group. The rules that need only
-the job are :mod:`paratrain.config.effective`'s.
+What it ignores that only the sharded model tells is :func:`ignores`' (the rules that need only
+the job are :mod:`paratrain.config.effective`'s).
 """
 
 from __future__ import annotations

@@ -78,14 +78,6 @@ def _shard_of(job: JobConfig) -> str:
     return str(getattr(job.strategy, "shard", "none"))
 
 
-def _tp_config(job: JobConfig, cfg: TensorParallelismConfig) -> TensorParallelismConfig:
-    """``train.precision = "bf16"`` runs the parallel layers' matmuls in bf16 (forward and
-    backward, with fp32 reductions): the tensor-parallel form of autocast's nn.Linear."""
-    if job.train.precision == "bf16" and not cfg.mixed_precision:
-        return cfg.model_copy(update={"mixed_precision": True})
-    return cfg
-
-
 def dp_order(n: int, *, dp: int, replica: int, seed: int, epoch: int) -> torch.Tensor:
     """Replica ``replica``'s rows of ``epoch``: ``perm[: (n // dp) * dp][replica::dp]``
     (DataParallel's shard, the one loop's rule); the whole permutation for one replica."""
@@ -100,7 +92,8 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     started = time.perf_counter()
     cfg, tp, dp = layout(job)
     _check_world(ctx, tp, dp)
-    cfg = _tp_config(job, cfg)
+    if job.train.precision == "bf16":  # bf16 matmuls in the parallel layers: TP's autocast
+        cfg = cfg.model_copy(update={"mixed_precision": True})
     seed = job.run.seed
     seed_everything(seed)
     device = ctx.device
