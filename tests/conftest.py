@@ -49,7 +49,7 @@ def _one_worker_server_for_the_session() -> None:
         warm(["paratrain.executors.entry", "paratrain.executors.data_parallel",
               "paratrain.executors.tensor_parallel", "paratrain.executors.model_parallel",
               "paratrain.executors.federated", "paratrain.executors.population_based",
-              "paratrain.comm.dcp", "torch._dynamo", "paratrain.data.split", "sklearn.datasets",
+              "paratrain.comm.dcp", "torch._dynamo", "paratrain.data.datasets", "sklearn.datasets",
               "transformers.modeling_utils", "_forkserver_frozen"])
     finally:
         if old is None:

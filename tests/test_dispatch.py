@@ -77,7 +77,7 @@ def test_a_multiprocess_job_starts_the_warm_forkserver_before_its_checks(tmp_pat
 
     dp = _probe(tmp_path, {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}})
     assert dp["server"] is True
-    for name in ("paratrain.executors.data_parallel", "torch._dynamo", "paratrain.data.split"):
+    for name in ("paratrain.executors.data_parallel", "torch._dynamo", "paratrain.data.datasets"):
         assert name in str(dp["cmdline"])
     assert dp["dynamo_here"] is False
     assert not (Path(str(tmp_path)) / "warm").exists()
@@ -95,7 +95,7 @@ def test_worker_preload_is_empty_in_process_and_under_torchrun(monkeypatch: obje
     lm = load_job({"strategy": {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}},
                    "task": {"name": "language_model"}, "data": {"name": "shakespeare"}})
     assert worker_preload(lm)[:2] == ["paratrain.executors.entry", "paratrain.executors.data_parallel"]
-    assert "paratrain.data.shakespeare" in worker_preload(lm) and "paratrain.data.split" not in worker_preload(lm)
+    assert "paratrain.data.shakespeare" in worker_preload(lm) and "paratrain.data.datasets" not in worker_preload(lm)
     hf = load_job({**lm.model_dump(mode="json"), "model": {"name": "hf", "architecture": "llama"}})
     assert "transformers.modeling_utils" in worker_preload(hf)  # the ranks' 3-7 s import, once
     assert "transformers.modeling_utils" not in worker_preload(lm)

@@ -1,5 +1,5 @@
 """paratrain's train/test splits and its digits reader equal scikit-learn's, row for row
-(:mod:`paratrain.data.split` does not import scikit-learn; these tests do, as the reference):
+(:mod:`paratrain.data.datasets` does not import scikit-learn; these tests do, as the reference):
 ``train_test_split(x, y, test_size=f, random_state=seed, stratify=y or None)`` over seeds,
 fractions, label counts and mixes (ties in the per-class shares included), and
 ``load_digits()``'s arrays; sizes that leave a side empty, or a stratified side with fewer rows
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from sklearn.model_selection import train_test_split
 
 from paratrain.config import ConfigError
-from paratrain.data.split import digits_arrays, shuffle_split, stratified_split
+from paratrain.data.datasets import digits_arrays, shuffle_split, stratified_split
 
 
 def _reference(n: int, y: np.ndarray | None, f: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

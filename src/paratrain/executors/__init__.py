@@ -34,7 +34,7 @@ STRATEGIES = tuple(k for k in _PACKAGES if k != TENSOR_PARALLEL)
 _IN_PROCESS = ("Local", "Custom")
 # What loading a built-in data set imports (paratrain.data), for the workers' forkserver.
 _DATA_MODULES: dict[str, tuple[str, ...]] = {
-    "digits": ("paratrain.data.split",),  # read and split without scikit-learn
+    "digits": ("paratrain.data.datasets",),  # read and split without scikit-learn
     "diabetes": ("sklearn.datasets",),
     "shakespeare": ("paratrain.data.shakespeare",),
 }
