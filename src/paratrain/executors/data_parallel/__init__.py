@@ -1,7 +1,5 @@
-"""DataParallel: replicas on disjoint shards, gradients combined every step (DESIGN §4):
-:mod:`.runner` launches and sets up a replica, :mod:`.aggregation` is its step and combines
-(AllReduce, ParameterServer, Decentralized gossip); ZeRO (``strategy.shard``) is
-:mod:`paratrain.executors.shared.zero`, shared with tensor and model parallelism."""
+"""DataParallel: replicas on disjoint shards, gradients combined every step (DESIGN §4;
+:mod:`.aggregation`); ZeRO (``strategy.shard``) is :mod:`paratrain.executors.shared.zero`."""
 
 from __future__ import annotations
 

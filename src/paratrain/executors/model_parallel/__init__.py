@@ -1,8 +1,5 @@
-"""ModelParallel: the model's nodes placed on worker processes, pipelined (DESIGN §4-5):
-:mod:`.plan` places and cuts the model, :mod:`.schedule` orders the micro-batches,
-:mod:`.runtime` runs one rank's parts, :mod:`.engine` is its part of the one training loop,
-:mod:`.validation` checks a job before any launch, :mod:`.runner` launches and runs a rank,
-:mod:`.graph_view` is what ``paratrain graph`` shows of the placement."""
+"""ModelParallel: the model's nodes placed on worker processes, pipelined (DESIGN §4-5; its
+modules: docs/layout.md)."""
 
 from __future__ import annotations
 

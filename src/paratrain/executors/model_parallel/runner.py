@@ -6,8 +6,6 @@ one loop (:func:`paratrain.training.loop.run_loop`) with its own optimizer, over
 transport: ``P2PTransport`` (Direct, Pipeline) or a ``DataStore`` folder. Checkpoints are
 per rank and resumable on another placement by the model's names (:func:`layout_of`); rank 0
 gathers every rank's tensors for the exported model and writes the summary.
-``PARATRAIN_FAULT_KILL=RANK:STEP`` (:data:`FAULT_ENV`) makes that rank SIGKILL itself after
-STEP on the first attempt (fault injection for tests and demos).
 """
 
 from __future__ import annotations
