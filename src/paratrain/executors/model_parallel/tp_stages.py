@@ -120,14 +120,11 @@ class TPPipelineEngine(PipelineEngine):
         super().__init__(*args, **kwargs)
         self.groups = groups
         self.tp = groups.tp_size
-        self._shards: dict[str, Any] = {}
         from ...tensor_parallel.shards import shard_spec
 
-        stage = self.stage
-        for key, t in stage.state_dict(keep_vars=True).items():
-            spec = shard_spec(t, groups.tp.rank) if isinstance(t, nn.Parameter) else None
-            if spec is not None:
-                self._shards[key] = spec
+        self._shards: dict[str, Any] = {
+            k: spec for k, t in self.stage.state_dict(keep_vars=True).items()
+            if isinstance(t, nn.Parameter) and (spec := shard_spec(t, groups.tp.rank)) is not None}
 
     def grad_sq_norm(self) -> float:
         total = torch.zeros((), dtype=torch.float64)
