@@ -10,12 +10,12 @@ import importlib
 
 from ..config import ConfigError
 from ..config.job import JobConfig
-from .custom import register_coordinator, registered_coordinators
+from .custom import coordinator, register_coordinator, registered_coordinators
 from .plugins import import_plugins, keywords
 from .spec import ExecutorSpec, Traced
 
-__all__ = ["Traced", "import_plugins", "keywords", "register_coordinator",  # re-exported
-           "registered_coordinators"]
+__all__ = ["Traced", "coordinator", "import_plugins", "keywords",  # re-exported
+           "register_coordinator", "registered_coordinators"]
 
 TENSOR_PARALLEL = "TensorParallel"
 

@@ -37,6 +37,16 @@ def registered_coordinators() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def coordinator(job: JobConfig) -> Coordinator:
+    """The job's registered coordinator; a ConfigError listing the registered ones."""
+    name = getattr(job.strategy, "coordinator", None)
+    if name not in _REGISTRY:
+        hint = (", ".join(registered_coordinators())
+                or "none registered (list the module that registers it in run.imports)")
+        raise ConfigError([("strategy.coordinator", f"no coordinator named {name!r}; registered: {hint}")])
+    return _REGISTRY[name]
+
+
 def accepts_resume(fn: Coordinator) -> bool:
     """Whether ``fn`` takes a ``resume`` keyword (by name or through ``**kwargs``)."""
     sig = keywords(fn)
@@ -47,20 +57,15 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     """Call the job's coordinator while this process holds the job's run folder."""
     from ..training.rundir import RunFolder
 
-    name = getattr(job.strategy, "coordinator", None)
-    if name not in _REGISTRY:
-        known = ", ".join(registered_coordinators()) or "none registered"
-        raise ConfigError(
-            [("strategy.coordinator", f"no coordinator named {name!r}; registered: {known}")]
-        )
+    fn = coordinator(job)
     # A coordinator receives a plain JSON copy: it cannot mutate the frozen job.
     config = json.loads(json.dumps(getattr(job.strategy, "config", None)))
-    fn = _REGISTRY[name]
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         folder.prepare()
         summary = fn(job, config, resume=resume) if accepts_resume(fn) else fn(job, config)
     if not isinstance(summary, dict):
-        raise TypeError(f"coordinator {name!r} must return a dict summary (got {type(summary).__name__})")
+        raise TypeError(f"coordinator {job.strategy.coordinator!r} must return a dict summary "
+                        f"(got {type(summary).__name__})")
     return summary
 
 

@@ -112,15 +112,10 @@ def _imports(job: JobConfig, job_dir: Path | None) -> None:
 
 
 def _coordinator(job: JobConfig) -> None:
-    s: Any = job.strategy
-    if getattr(s, "type", None) != "Custom":
-        return
-    from ..executors import registered_coordinators
+    from ..executors import coordinator
 
-    known = registered_coordinators()
-    if s.coordinator not in known:
-        hint = ", ".join(known) or "none registered (list the module that registers it in run.imports)"
-        raise ConfigError([("strategy.coordinator", f"no coordinator named {s.coordinator!r}; registered: {hint}")])
+    if getattr(job.strategy, "type", None) == "Custom":
+        coordinator(job)
 
 
 def _cuda() -> bool:
