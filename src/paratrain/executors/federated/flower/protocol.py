@@ -30,21 +30,7 @@ LINEAGE, KEEP_FROM, ATTEMPT, RESUMED = "lineage", "keep_from", "attempt", "resum
 RUN_JOB, RUN_RESUME, RUN_OVERWRITE, RUN_WORKDIR = "job", "resume", "overwrite", "workdir"
 
 
-POLL_S = 0.1  # seconds between pulls of the replies, at first (Backoff)
-
-
-class Backoff:
-    """The wait between two pulls of replies: ``first`` seconds after a pull that brought
-    something, growing 1.5x per empty pull up to ``most``. Not a fixed 0.1 s: every pull is a
-    request the SuperLink serves, and waiting out a round of ClientApp processes (seconds
-    each) that way held the load of six runs on one 2-core federation near 7."""
-
-    def __init__(self, first: float = POLL_S, most: float = 1.0) -> None:
-        self.first, self.most, self.wait = first, most, first
-
-    def sleep(self, got: bool) -> None:
-        self.wait = self.first if got else min(self.wait * 1.5, self.most)
-        time.sleep(self.wait)
+POLL_S = 0.1  # seconds between pulls of the replies, at first (push_and_pull)
 
 
 def push_and_pull(grid: Any, msgs: list[Any], timeout: float | None,
@@ -54,7 +40,7 @@ def push_and_pull(grid: Any, msgs: list[Any], timeout: float | None,
     pending = {i for i in grid.push_messages(msgs) if i}
     deadline = None if timeout is None else time.monotonic() + timeout
     out: list[Any] = []
-    backoff = Backoff()
+    wait = POLL_S
     while pending:
         got = list(grid.pull_messages(list(pending)))
         for m in got:
@@ -62,5 +48,9 @@ def push_and_pull(grid: Any, msgs: list[Any], timeout: float | None,
         out.extend(got)
         if not pending or enough(got) or (deadline is not None and time.monotonic() > deadline):
             break
-        backoff.sleep(bool(got))
+        # POLL_S after a pull that brought something, 1.5x longer per empty pull up to 1 s, not
+        # a fixed 0.1 s: every pull is a request the SuperLink serves, and waiting out a round of
+        # ClientApp processes (seconds each) that way held the load of six runs on 2 cores near 7
+        wait = POLL_S if got else min(wait * 1.5, 1.0)
+        time.sleep(wait)
     return out
