@@ -1,14 +1,10 @@
 """Gradient compression: pure tensor maths, a compact wire format, per-key state.
 
-The methods (DESIGN §4) are the codecs of :mod:`.codecs`: the leaves ``None``, ``TopK``,
-``RandomK``, ``Threshold``, ``Quantization`` and the wrappers ``ErrorFeedback`` and
-``ClippedCompression``, composable to any depth. ``PowerSGD`` (:mod:`.powersgd`) is not a
-per-tensor codec: its two all-reduces (P, then Q) sit inside the compression, so
-``paratrain.comm.ddp_hook`` drives its :class:`PowerSGDState` (``Compressor.powersgd``)
-and ``Compressor.compress`` refuses it. Inputs: float32, float16, bfloat16 and float64
-tensors of any shape (empty included), on any device. RandomK positions and
-stochastic-rounding noise derive from (seed, step, key) only, so every rank with the same
-seed draws the same ones and a resumed run repeats the draws of the original.
+The methods (DESIGN §4) are the codecs of :mod:`.codecs` and ``PowerSGD`` (:mod:`.powersgd`,
+driven inside an all-reduce). Inputs: float32, float16, bfloat16 and float64 tensors of any
+shape (empty included), on any device. RandomK positions and stochastic-rounding noise derive
+from (seed, step, key) only, so every rank with the same seed draws the same ones and a
+resumed run repeats the draws of the original.
 
 Usage::
 

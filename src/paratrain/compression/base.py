@@ -1,10 +1,8 @@
 """The compressed-tensor record, the codec protocol and the helpers every method shares.
 
-A :class:`CompressedTensor` is what one *leaf* method (None, TopK, RandomK, Threshold,
-Quantization) produced for one tensor. Wrappers (ErrorFeedback, ClippedCompression)
-transform the input or keep state but never appear in the record: like the Rust
-``CompressionMetadata.strategy``, the record names the method that encoded the data, so
-any process can decode any record without knowing the wrapper stack.
+A :class:`CompressedTensor` is what one *leaf* method produced for one tensor; wrappers never
+appear in it (like the Rust ``CompressionMetadata.strategy``), so any process can decode any
+record without knowing the wrapper stack.
 
 Layout of the fields per method (``n = prod(shape)``):
 

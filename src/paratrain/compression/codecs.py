@@ -168,7 +168,7 @@ class ErrorFeedbackCodec:
 
     so nothing is lost, only delayed: sum_{t<=T} D(c_t) + e_T = sum_{t<=T} g_t (telescoping,
     e_0 = 0). With ``error_compensation=false`` the residual is still tracked
-    (e_t = g_t - D(B(g_t)), readable through :meth:`residual`) but not added back, so the
+    (e_t = g_t - D(B(g_t)), readable through ``Compressor.residual``) but not added back, so the
     output equals B's. (The Rust reference never reads the flag and updates e from g
     instead of p; this class implements the textbook algebra.)
 
@@ -180,12 +180,7 @@ class ErrorFeedbackCodec:
     def __init__(self, base: Codec, error_compensation: bool = True) -> None:
         self.base = base
         self.error_compensation = error_compensation
-        self.residuals: dict[str, torch.Tensor] = {}
-
-    def residual(self, key: str) -> torch.Tensor | None:
-        """The flat residual for ``key`` (``None`` before its first compression): the live
-        buffer, updated in place by the next compression of ``key``."""
-        return self.residuals.get(key)
+        self.residuals: dict[str, torch.Tensor] = {}  # key -> flat e, updated in place
 
     def encode(
         self, flat: torch.Tensor, shape: tuple[int, ...], ctx: EncodeContext

@@ -115,11 +115,12 @@ class Compressor:
         return self.decompress(self.compress(key, tensor, step=step))
 
     def residual(self, key: str) -> torch.Tensor | None:
-        """The outermost error-feedback residual for ``key`` (flat), if any."""
+        """The outermost error-feedback residual for ``key`` (flat; ``None`` before its first
+        compression): the live buffer, updated in place by the next compression of ``key``."""
         codec: Any = self.codec
         while codec is not None:
             if isinstance(codec, ErrorFeedbackCodec):
-                return codec.residual(key)
+                return codec.residuals.get(key)
             codec = getattr(codec, "base", None)
         return None
 

@@ -132,12 +132,9 @@ class PowerSGDRound:
             else:
                 self.plain.append(i)
         self.order = [i for members in groups.values() for i in members]
-        n_plain = sum(self.named[i][1].numel() for i in self.plain)
-        self.n_plain = n_plain
-        sizes = []
-        for i in self.order:
-            n, m = matrix_shape(self.named[i][1].shape)  # type: ignore[misc]
-            sizes.append((n, m, min(n, m, rank)))
+        self.n_plain = n_plain = sum(self.named[i][1].numel() for i in self.plain)
+        shapes = [shape for shape, members in groups.items() for _ in members]  # in self.order
+        sizes = [(n, m, min(n, m, rank)) for n, m in shapes]
         p_total = sum(n * r for n, _, r in sizes)
         q_total = sum(m * r for _, m, r in sizes)
         self.first = torch.empty(n_plain + p_total, dtype=dtype, device=device)

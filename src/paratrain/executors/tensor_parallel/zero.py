@@ -1,18 +1,16 @@
 """ZeRO x tensor parallelism on one ``dp x tp`` mesh: :class:`MeshZeroEngine`.
 
-A DataParallel job with ``shard`` and ``tensor_parallel_size = T`` runs ``D x T`` processes
-(:class:`~paratrain.comm.mesh.Mesh`, ``rank = dp*T + tp``). Each rank holds its tensor-parallel
-shard of the model; ZeRO (Rajbhandari et al. 2020, :class:`~paratrain.executors.shared.zero.
-ZeroEngine`) runs over the *dp* column on those tensors, each of the ``D`` ranks keeping rows
-``[d c, (d+1) c)`` of dim 0 of every tensor (``c = ceil(rows / D)``); the TP group's
-collectives still carry activations only. The ZeRO mean over dp and the TP sums of replicated
-parameters (sequence-parallel or BatchWise regions) are linear maps along the two mesh axes,
-so they commute: the TP sum runs on the owned rows after ZeRO's mean. The global gradient
-norm (pytorch#180346, accelerate#4219: a norm over one group only, or counting replicas twice,
-is wrong): every rank adds ``||g_rows||^2 / f`` per owned row block, ``f`` the ranks of the TP
-group holding the same tensor, and one all-reduce over the whole mesh sums it to
-``||g_model||^2``. Checkpoint pieces carry the TP spec with ZeRO's rows composed
-(:func:`compose_spec`).
+Each rank of a DataParallel job with ``shard`` (``D x T`` processes, :mod:`.runner`) holds its
+tensor-parallel shard of the model; ZeRO (Rajbhandari et al. 2020,
+:class:`~paratrain.executors.shared.zero.ZeroEngine`) runs over the *dp* column on those
+tensors, each of the ``D`` ranks keeping rows ``[d c, (d+1) c)`` of dim 0 of every tensor (``c =
+ceil(rows / D)``); the TP group's collectives still carry activations only. The ZeRO mean over
+dp and the TP sums of replicated parameters (sequence-parallel or BatchWise regions) are linear
+maps along the two mesh axes, so they commute: the TP sum runs on the owned rows after ZeRO's
+mean. The global gradient norm (pytorch#180346, accelerate#4219: a norm over one group only, or
+counting replicas twice, is wrong): every rank adds ``||g_rows||^2 / f`` per owned row block,
+``f`` the ranks of the TP group holding the same tensor, and one all-reduce over the whole mesh
+sums it to ``||g_model||^2``.
 """
 
 from __future__ import annotations
