@@ -261,8 +261,7 @@ def build_aggregator(
     local: Collection[str] = (), buffers: Sequence[torch.Tensor] = (),
 ) -> Aggregator:
     """The aggregator for a contract ``GradientAggregation`` (or its method name); ``local``
-    names the parameters of Local subgraphs, which it leaves alone; ``buffers`` are
-    broadcast from rank 0 before each step's first forward (AllReduce, ParameterServer)."""
+    and ``buffers`` as :class:`Aggregator`'s (Decentralized broadcasts no buffers)."""
     method = aggregation if isinstance(aggregation, str) else aggregation.method
     if method == "AllReduce":
         return AllReduceAgg(model, group=group, counter=counter, bucket_bytes=bucket_bytes,

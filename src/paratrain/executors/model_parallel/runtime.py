@@ -97,15 +97,8 @@ def model_inputs(cut: Cut, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dic
                 f"({', '.join(cut.inputs)}) but this batch calls it with {len(leaves)}: batches "
                 f"must have the structure of the one it was captured on")
         return dict(zip(cut.inputs, leaves, strict=True))
-    out: dict[str, Any] = {}
-    for i, name in enumerate(cut.inputs):
-        if i < len(args):
-            out[name] = args[i]
-        elif name in kwargs:
-            out[name] = kwargs[name]
-        else:
-            out[name] = cut.input_defaults.get(name)
-    return out
+    return {name: args[i] if i < len(args) else kwargs.get(name, cut.input_defaults.get(name))
+            for i, name in enumerate(cut.inputs)}
 
 
 def _kwarg_order(spec: Any) -> list[str] | None:
