@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
 from paratrain.executors.data_parallel.runner import shard_indices
-from paratrain.training.plan import epoch_permutation
+from paratrain.training.loop import epoch_permutation
 
 
 class _Len(torch.utils.data.Dataset[int]):

@@ -11,8 +11,8 @@ if TYPE_CHECKING:
     from ..comm.process import resolve_device
     from ..data.loader import seed_everything
     from . import checkpoint, report
+    from .loop import epoch_permutation
     from .optim import build_optimizer
-    from .plan import epoch_permutation
     from .progress import progress_bar
     from .rundir import MetricsWriter, prepare_run_dir, read_metrics, write_summary
     from .summary import parameters_digest
@@ -25,7 +25,7 @@ __all__ = [
 
 # name -> the module that defines it (relative to this package)
 _WHERE = {
-    "checkpoint": ".checkpoint", "report": ".report", "epoch_permutation": ".plan",
+    "checkpoint": ".checkpoint", "report": ".report", "epoch_permutation": ".loop",
     "resolve_device": "..comm.process", "parameters_digest": ".summary", "build_optimizer": ".optim",
     "progress_bar": ".progress", "MetricsWriter": ".rundir", "prepare_run_dir": ".rundir",
     "read_metrics": ".rundir", "write_summary": ".rundir", "seed_everything": "..data.loader",

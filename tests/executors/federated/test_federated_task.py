@@ -165,7 +165,7 @@ def test_one_client_step_is_the_loops_step(tmp_path: Path, precision: str) -> No
     # non-vacuity: another accumulation, or Local's own order, gives other weights
     other = local(lambda e: perms[e], accumulation=1)
     assert not all(torch.equal(client[k], other[k]) for k in client)
-    from paratrain.training.plan import epoch_permutation
+    from paratrain.training.loop import epoch_permutation
 
     own = local(lambda e: epoch_permutation(len(part), seed=0, epoch=e))
     assert not all(torch.allclose(client[k], own[k]) for k in client)
