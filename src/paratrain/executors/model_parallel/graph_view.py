@@ -163,12 +163,10 @@ class PlacementView(GraphView):
         if fxn is not None:
             entry["op"] = fxn.op
             entry["in_module"] = module_of(fxn) or ""
-            shape, dtype, nbytes = shape_info(tensor_metas(fxn.meta.get("tensor_meta")))
-            if kind_of == "attr" and shape is None and entry.get("attr"):
-                tensor = tensor_at(model, str(entry["attr"]))
-                if tensor is not None:
-                    shape, dtype = list(tensor.shape), str(tensor.dtype).removeprefix("torch.")
-                    nbytes = tensor.numel() * tensor.element_size()
+            metas = tensor_metas(fxn.meta.get("tensor_meta"))
+            if kind_of == "attr" and not metas and entry.get("attr"):  # a tensor has a meta's fields
+                metas = tensor_metas(tensor_at(model, str(entry["attr"])))
+            shape, dtype, nbytes = shape_info(metas)
             if shape is not None:
                 entry.update(shape=shape, dtype=dtype, bytes=nbytes)
         for end, rank in (("from", tr.src), ("to", tr.dst)):
