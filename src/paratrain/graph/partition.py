@@ -50,9 +50,6 @@ def owner_of_path(path: str, claims: Mapping[str, int]) -> int | None:
         probe = probe.rpartition(".")[0]
 
 
-_FIELD_OPS = (operator.getitem, getattr)
-
-
 def attr_module(target: str) -> str:
     return target.rpartition(".")[0]
 
@@ -62,7 +59,8 @@ def _follow_fields_and_consumers(nodes: list[fx.Node], owner: dict[str, int]) ->
     ``out.last_hidden_state``) runs where the leaf ran: what crosses is then the tensor, not
     the structure. Then a node all of whose consumers agree runs with them (reverse order)."""
     for n in nodes:
-        if (n.name not in owner and n.op == "call_function" and n.target in _FIELD_OPS
+        if (n.name not in owner and n.op == "call_function"
+                and n.target in (operator.getitem, getattr)
                 and isinstance(n.args[0], fx.Node) and n.args[0].name in owner):
             owner[n.name] = owner[n.args[0].name]
     for n in reversed(nodes):

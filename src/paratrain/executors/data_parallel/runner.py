@@ -144,8 +144,7 @@ def train_replica(
     task, train, test = _load_task(job)
     n_rows = dataset_rows(train)  # 0 for a stream (its plan counts steps)
     validate(job, num_train=None if is_stream(train) else n_rows)
-    model = task.build_model(job.model, train)
-    model.to(ctx.device)
+    model = task.build_model(job.model, train).to(ctx.device)
     counter = C.CommCounter()
     bucket_bytes = B.bucket_bytes_of(job.comm.bucket_size_mb)
     # Same seed gives the same init everywhere; the broadcast makes it true for any factory.

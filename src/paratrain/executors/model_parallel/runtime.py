@@ -214,9 +214,8 @@ class StageRuntime:
         self.readers_here = Counter(v for vals in self.reads.values() for v in set(vals))
         self.out_transfers = [t for t in c.transfers if t.src == rank]
         self.in_transfers = {t.value: t for t in c.transfers if t.dst == rank}
-        self._param_ptrs = {p.untyped_storage().data_ptr()
-                            for m in modules.values() for p in m.parameters()}
-        self._param_ptrs |= {t.untyped_storage().data_ptr() for t in self.attrs.values()}
+        held = [*(p for m in modules.values() for p in m.parameters()), *self.attrs.values()]
+        self._param_ptrs = {t.untyped_storage().data_ptr() for t in held}
         self._sizes: list[int] = []
 
     def actions(self, num_micro: int, schedule_name: str | None) -> list[Action]:
