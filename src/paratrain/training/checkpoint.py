@@ -64,13 +64,15 @@ def check_model_state(
             "resume with the original model, or start a fresh run with --overwrite"))])
 
 
-def check_optimizer_state(
-    optimizer: torch.optim.Optimizer, state: Mapping[str, Any], *, source: str | Path,
-    saved_type: str | None = None, field: str = "train.optimizer",
+def check_resume_state(
+    module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any], *,
+    source: str | Path,
 ) -> None:
-    """A ConfigError when ``state`` is another optimizer's (type, groups, parameters)."""
-    mine = type(optimizer).__name__
-    groups = state.get("param_groups") if isinstance(state, Mapping) else None
+    """Before loading ``state``: :func:`check_model_state`, then a ConfigError when its
+    optimizer state is another optimizer's (type, groups, parameters)."""
+    check_model_state(module, state["model"], source=source)
+    saved_type, mine = state.get("optimizer_type"), type(optimizer).__name__
+    groups = state["optimizer"].get("param_groups") if isinstance(state["optimizer"], Mapping) else None
     problem = None
     if saved_type is not None and saved_type != mine:
         problem = f"it holds a {saved_type} optimizer state; this job's optimizer is {mine}"
@@ -85,15 +87,5 @@ def check_optimizer_state(
         problem = (f"its optimizer has parameter groups of sizes {saved}; this job's has "
                    f"{[len(o['params']) for o in optimizer.param_groups]}")
     if problem is not None:
-        raise ConfigError([(field, f"checkpoint {source} does not fit: {problem}; resume with the "
-                                   "original optimizer, or start a fresh run with --overwrite")])
-
-
-def check_resume_state(
-    module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any], *,
-    source: str | Path,
-) -> None:
-    """Both checks a resume makes before loading ``state``."""
-    check_model_state(module, state["model"], source=source)
-    check_optimizer_state(optimizer, state["optimizer"], source=source,
-                          saved_type=state.get("optimizer_type"))
+        raise ConfigError([("train.optimizer", f"checkpoint {source} does not fit: {problem}; resume "
+                                               "with the original optimizer, or start a fresh run with --overwrite")])

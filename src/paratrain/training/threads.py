@@ -23,12 +23,6 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def local_processes() -> int:
-    """This host's training processes: ``LOCAL_WORLD_SIZE`` when set (and valid), else 1."""
-    raw = os.environ.get("LOCAL_WORLD_SIZE", "")
-    return int(raw) if raw.isdigit() and int(raw) > 0 else 1
-
-
 def intra_op_threads(job: Any, local: int | None = None) -> int:
     """The thread count of the module docstring (``local``: this host's processes)."""
     n = getattr(job.run, "num_threads", None)
@@ -37,7 +31,10 @@ def intra_op_threads(job: Any, local: int | None = None) -> int:
     raw = os.environ.get("OMP_NUM_THREADS", "")
     if raw.isdigit() and int(raw) > 0:
         return int(raw)
-    return max(1, available_cores() // (local if local is not None else local_processes()))
+    if local is None:  # LOCAL_WORLD_SIZE when set (and valid), else 1
+        raw = os.environ.get("LOCAL_WORLD_SIZE", "")
+        local = int(raw) if raw.isdigit() and int(raw) > 0 else 1
+    return max(1, available_cores() // local)
 
 
 @contextlib.contextmanager

@@ -1,8 +1,8 @@
 """Experiment trackers beside ``metrics.jsonl`` (``run.loggers``): one fan-out
-(:class:`Trackers`), one small module per tracker. Curve keys are ``train/<key>``, a PBT
-member's ``member_<m>/<key>``. A resumed run continues each tracker run (ids in
-``trackers.json``) and logs no step twice: TensorBoard purges after the resume point;
-MLflow and W&B say the last step they hold and get only later ones.
+(:class:`Trackers`), TensorBoard's here, MLflow's and W&B's in their own modules. Curve keys
+are ``train/<key>``, a PBT member's ``member_<m>/<key>``. A resumed run continues each
+tracker run (ids in ``trackers.json``) and logs no step twice: TensorBoard purges after the
+resume point; MLflow and W&B say the last step they hold and get only later ones.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ STATE_FILE = "trackers.json"
 
 
 class Tracker(Protocol):
-    """One experiment tracker's run (its own module: tensorboard, mlflow_tracker, wandb_tracker)."""
+    """One experiment tracker's run (:class:`TensorBoardTracker`, mlflow_tracker, wandb_tracker)."""
 
     def held_through(self) -> float | None:
         """The last step the tracker run holds from earlier sessions (None: it purges them itself)."""
@@ -58,6 +58,30 @@ def flat_config(job: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, st
             yield from flat_config(v, f"{prefix}{k}.")
         else:
             yield f"{prefix}{k}", json.dumps(v) if not isinstance(v, str) else v
+
+
+class TensorBoardTracker:
+    """Scalars by step, the job as text; a resumed run's ``purge_step`` drops the events a
+    killed run wrote after its checkpoint."""
+
+    def __init__(self, run_dir: Path, job: dict[str, Any], resume_after: float | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        purge = None if resume_after is None else int(resume_after) + 1
+        self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=purge)
+        if resume_after is None:
+            self.writer.add_text("job", "```\n" + json.dumps(job, indent=2) + "\n```", global_step=0)
+
+    def held_through(self) -> float | None:
+        return None  # purge_step drops what a killed session wrote after the resume point
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()  # a killed run keeps its curve up to the kill (purged on resume)
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class Trackers:
@@ -120,8 +144,6 @@ class Trackers:
     def _start(self, name: str, job: dict[str, Any], resume_after: float | None) -> Tracker:
         own = self._state.setdefault(name, {})
         if name == "tensorboard":
-            from .tensorboard import TensorBoardTracker
-
             return TensorBoardTracker(self.run_dir, job, resume_after)
         if name == "mlflow":
             from .mlflow_tracker import MLflowTracker
