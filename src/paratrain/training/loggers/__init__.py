@@ -1,5 +1,5 @@
 """Experiment trackers beside ``metrics.jsonl`` (``run.loggers``): one fan-out
-(:class:`Trackers`), TensorBoard's here, MLflow's and W&B's in their own modules. Curve keys
+(:class:`Trackers`), TensorBoard's and MLflow's here, W&B's in its own module. Curve keys
 are ``train/<key>``, a PBT member's ``member_<m>/<key>``. A resumed run continues each
 tracker run (ids in ``trackers.json``) and logs no step twice: TensorBoard purges after the
 resume point; MLflow and W&B say the last step they hold and get only later ones.
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -18,10 +20,13 @@ from ...files import write_json
 STEP_KEYS = ("step", "round", "generation")  # a record's step, by strategy
 _NOT_VALUES = frozenset({*STEP_KEYS, "kind", "member"})
 STATE_FILE = "trackers.json"
+EXPERIMENT = "paratrain"  # MLflow's experiment
+_BATCH = 100  # MLflow's log_batch takes at most 100 params (and 1000 metrics) per call
+_PARAM_CHARS = 6000  # MLflow's longest param value
 
 
 class Tracker(Protocol):
-    """One experiment tracker's run (:class:`TensorBoardTracker`, mlflow_tracker, wandb_tracker)."""
+    """One experiment tracker's run (TensorBoard, MLflow, W&B)."""
 
     def held_through(self) -> float | None:
         """The last step the tracker run holds from earlier sessions (None: it purges them itself)."""
@@ -82,6 +87,52 @@ class TensorBoardTracker:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class MLflowTracker:
+    """One MLflow run in the run folder's file store ``file:<run>/mlruns``, the job's fields
+    its params; ``own`` (in ``trackers.json``) holds the id a resumed run continues."""
+
+    def __init__(self, run_dir: Path, job: dict[str, Any], own: dict[str, Any]) -> None:
+        # MLflow 3.x keeps the file store in maintenance mode behind this opt-out: it is the
+        # store that needs nothing beyond mlflow-skinny and lives in the run folder
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=(Path(run_dir) / "mlruns").resolve().as_uri())
+        run_id = own.get("run_id")
+        if run_id is None:
+            exp = self.client.get_experiment_by_name(EXPERIMENT)
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(EXPERIMENT)
+            run = self.client.create_run(exp_id, run_name=Path(run_dir).name)
+            run_id = own["run_id"] = run.info.run_id
+            self._params(run_id, job)
+        else:
+            self.client.update_run(run_id, status="RUNNING")
+        self.run_id = run_id
+
+    def _params(self, run_id: str, job: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        params = [Param(k, v[:_PARAM_CHARS]) for k, v in flat_config(job)]
+        for i in range(0, len(params), _BATCH):
+            self.client.log_batch(run_id, params=params[i:i + _BATCH])
+
+    def held_through(self) -> float | None:
+        """The last step of any metric the run holds (MLflow writes each point as it is logged)."""
+        metrics = self.client.get_run(self.run_id).data.metrics
+        steps = [m.step for key in metrics for m in self.client.get_metric_history(self.run_id, key)]
+        return float(max(steps, default=-1))
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, step) for k, v in values.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
 
 
 class Trackers:
@@ -146,8 +197,6 @@ class Trackers:
         if name == "tensorboard":
             return TensorBoardTracker(self.run_dir, job, resume_after)
         if name == "mlflow":
-            from .mlflow_tracker import MLflowTracker
-
             tracker: Tracker = MLflowTracker(self.run_dir, job, own)
         else:
             from .wandb_tracker import WandbTracker
