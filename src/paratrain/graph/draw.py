@@ -31,10 +31,8 @@ def _owner(n: fx.Node, paths: set[str]) -> str | None:
         return INPUT
     if n.op == "output":
         return OUTPUT
-    if n.op == "get_attr":  # a tensor of a module: that module's node
-        owner = str(n.target).rpartition(".")[0]
-        return owner if owner in paths else None
-    path = module_of(n)
+    # a get_attr (a tensor of a module): that module's node
+    path = str(n.target).rpartition(".")[0] if n.op == "get_attr" else module_of(n)
     return path if path in paths else None
 
 

@@ -88,6 +88,7 @@ def trace(model: nn.Module, leaves: Iterable[str] = (),
     try:
         graph = tracer.trace(model)
     except Exception as e:  # noqa: BLE001 - any tracing failure becomes one clear error
+        also = ""
         if example is not None:
             try:
                 gm = export_graph(model, *example, leaves=_outermost(model, wanted))
@@ -97,8 +98,6 @@ def trace(model: nn.Module, leaves: Iterable[str] = (),
             else:
                 canonical_ties(gm, model)
                 return gm
-        else:
-            also = ""
         where = tracer.failed_in
         what = f"module {where!r} ({type(known[where]).__name__})" if where in known else (
             f"the model's own forward ({type(model).__name__})")

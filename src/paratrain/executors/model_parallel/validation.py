@@ -116,8 +116,7 @@ def validate(job: JobConfig) -> Plan:
     n = num_workers(job)
     task, train, _, model = task_model(job)
     workers = default_workers(n, list(job.workers))
-    example = example_args(task, train)
-    plan = plan_for(job, model, workers, example)
+    plan = plan_for(job, model, workers, example_args(task, train))
     if tp_size_of(job) > 1:
         dry_shard(job, task.build_model(job.model, train))  # sharding errors before a launch
     replicas_for(job, plan, n)
