@@ -290,11 +290,10 @@ def build_codec(strategy: Any, *, stochastic_rounding: bool = True) -> Codec:
         return ThresholdCodec(s.threshold)
     if isinstance(s, Quantization):
         return QuantizationCodec(s.bits, stochastic=stochastic_rounding and s.rounding == "stochastic")
-    if isinstance(s, ErrorFeedback):
+    if isinstance(s, ErrorFeedback | ClippedCompression):
         base = build_codec(s.base_strategy, stochastic_rounding=stochastic_rounding)
-        return ErrorFeedbackCodec(base, s.error_compensation)
-    if isinstance(s, ClippedCompression):
-        base = build_codec(s.base_strategy, stochastic_rounding=stochastic_rounding)
+        if isinstance(s, ErrorFeedback):
+            return ErrorFeedbackCodec(base, s.error_compensation)
         return ClippedCodec(base, s.clip_value)
     if isinstance(s, PowerSGD):
         return PowerSGDCodec(PowerSGDState.from_strategy(s))

@@ -39,8 +39,6 @@ import torch
 
 from .wire import CompressionError
 
-_HALF = (torch.float16, torch.bfloat16)
-
 
 def orthogonalize_gram_schmidt(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
     """In place: the columns of each ``(b, n, k)`` matrix become orthonormal (classical
@@ -70,7 +68,7 @@ def orthogonalize(matrices: torch.Tensor, epsilon: float = 0.0) -> None:
     if matrices.dim() != 3 or matrices.shape[2] > matrices.shape[1]:
         raise CompressionError(f"orthogonalize: expected (b, n, k) with k <= n, got {tuple(matrices.shape)}")
     b, _, k = matrices.shape
-    if k <= 2 or matrices.dtype in _HALF:
+    if k <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
         orthogonalize_gram_schmidt(matrices, epsilon)
     else:
         r = torch.empty(b, k, k, device=matrices.device, dtype=matrices.dtype)

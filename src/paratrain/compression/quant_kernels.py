@@ -296,9 +296,6 @@ def dequantize(
     return y if cdt == dtype else y.to(dtype)
 
 
-_FAST_BITS = (1, 2, 4, 8, 16)
-
-
 def dequantize_packed(
     packed: torch.Tensor, n: int, lo: float, scale: float, bits: int, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -313,7 +310,7 @@ def dequantize_packed(
             f"quantized payload has {packed.numel()} bytes, expected {packed_nbytes(n, bits)}"
         )
     probe = numpy_view(torch.empty(0, dtype=dtype)) if packed.device.type == "cpu" else None
-    if probe is None or bits not in _FAST_BITS or scale == 0.0 or n == 0:
+    if probe is None or bits not in (1, 2, 4, 8, 16) or scale == 0.0 or n == 0:
         return dequantize(unpack_codes(packed, n, bits), lo, scale, bits, dtype)
     cdt = np.float64 if bits > 16 or dtype == torch.float64 else np.float32
     raw = packed.contiguous().numpy()

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import re
 import weakref
-from collections.abc import Callable, Iterable
-from typing import Annotated, Any, ClassVar, TypeVar
+from collections.abc import Iterable
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     BaseModel,
@@ -184,34 +184,26 @@ class OpenSection(BaseModel):
         return dict(self.model_extra or {})
 
 
-T = TypeVar("T")
-
-
-def load_document(validate: Callable[[Any], T], doc: str | bytes | dict[str, Any]) -> T:
-    """Parse JSON text (or take a dict) and validate it; every failure is a ConfigError."""
-    if isinstance(doc, str | bytes):
-        try:
-            doc = json.loads(doc)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError([("<root>", f"not valid JSON: {e}")]) from None
-    try:
-        return validate(doc)
-    except ValidationError as e:
-        raise format_validation_error(e) from None
-
-
 class Codec:
-    """Load, dump and schema of one tagged union of contracts (a pydantic ``TypeAdapter``):
+    """Load, dump and schema of a contract or tagged union of them (a pydantic ``TypeAdapter``):
     ``load`` takes JSON text, a dict or an already built contract."""
 
     def __init__(self, union: Any) -> None:
         self._adapter: TypeAdapter[Any] = TypeAdapter(union)
 
     def load(self, doc: str | bytes | dict[str, Any] | Contract) -> Any:
-        """Validate from JSON text or a dict; raises ConfigError."""
+        """Validate from JSON text or a dict; every failure is a ConfigError."""
         if isinstance(doc, Contract):
             return doc
-        return load_document(self._adapter.validate_python, doc)
+        if isinstance(doc, str | bytes):
+            try:
+                doc = json.loads(doc)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError([("<root>", f"not valid JSON: {e}")]) from None
+        try:
+            return self._adapter.validate_python(doc)
+        except ValidationError as e:
+            raise format_validation_error(e) from None
 
     def dump(self, value: Any) -> dict[str, Any]:
         """The JSON-compatible dict (extensions only when set)."""

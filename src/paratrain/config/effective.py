@@ -13,8 +13,6 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
-
 from ._base import Contract, is_set, unknown_keys
 from .federated_aggregation import Krum
 from .strategy import Federated
@@ -46,10 +44,6 @@ class Effective:
 
     settings: dict[str, Any]
     ignored: list[Ignored] = field(default_factory=list)
-
-
-def _set_fields(model: BaseModel) -> list[str]:
-    return sorted(n for n in model.model_fields_set if is_set(model, n))
 
 
 def _unknown(obj: Any, path: str, out: list[Ignored]) -> None:
@@ -106,10 +100,8 @@ def effective_settings(job: JobConfig, *, resume: bool = False) -> Effective:
     _unknown(job.strategy, "strategy", ignored)
     for key, sub in sorted(job.subgraphs.items()):
         _unknown(sub, f"subgraphs.{key}", ignored)
-    if job.compression is not None:
-        _unknown(job.compression, "compression", ignored)
-    if job.tensor_parallel is not None:
-        _unknown(job.tensor_parallel, "tensor_parallel", ignored)
+    _unknown(job.compression, "compression", ignored)  # None: nothing
+    _unknown(job.tensor_parallel, "tensor_parallel", ignored)
     return Effective(settings=settings, ignored=ignored)
 
 
@@ -209,7 +201,8 @@ def _strategy_sections(job: JobConfig, kind: str, ignored: list[Ignored]) -> dic
     for section, owner in (("federated", "Federated"), ("population", "PopulationBased"),
                            ("search_space", "PopulationBased")):
         value = getattr(job, section)
-        keys = sorted(value) if isinstance(value, dict) else _set_fields(value)
+        keys = sorted(value if isinstance(value, dict) else
+                      (n for n in value.model_fields_set if is_set(value, n)))
         if kind not in (owner, "Custom") and is_set(job, section):
             detail = f" (set: {', '.join(keys)})" if keys else ""
             ignored.append(Ignored(section, f"only the {owner} strategy reads it{detail}"))

@@ -134,8 +134,7 @@ def _stash(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, c
 
 
 def _wgrad(g: torch.Tensor, x: torch.Tensor, cdt: torch.dtype | None) -> torch.Tensor:
-    g2, x2 = _rows(g), _rows(x)
-    return _mm(g2.t(), x2, cdt)
+    return _mm(_rows(g).t(), _rows(x), cdt)
 
 
 class _ColumnLinear(Function):

@@ -57,9 +57,6 @@ class RowParallelConv1D(RowParallelLinear):
     conv1d = True
 
 
-_PART_NAMES = {3: ("q", "k", "v")}
-
-
 class PackedColumnParallel(nn.Module):
     """A projection whose output features are ``n`` equal parts (``[q | k | v]``), column-
     parallel part by part: rank ``i`` computes ``[part_0 cols_i | ... | part_{n-1} cols_i]``.
@@ -83,7 +80,7 @@ class PackedColumnParallel(nn.Module):
                              f"tensor_parallel_size {comm.size}")
         self.in_features, self.out_features = n_in, n_out
         self.fused_dim = 1 if self.conv1d else 0
-        self.names = _PART_NAMES.get(self.parts, tuple(f"p{c}" for c in range(self.parts)))
+        self.names = ("q", "k", "v") if self.parts == 3 else tuple(f"p{c}" for c in range(self.parts))
         for c, name in enumerate(self.names):
             cols = slice(c * width, (c + 1) * width)
             layer = layer_cls(n_in, width, comm=comm, state=state, bias=b is not None)
@@ -309,8 +306,7 @@ def shard_block(kind: str, m: nn.Module, path: str, comm: TPComm,
         _only(path, m, [gate, up, down])
         _children(path, m, {"gate_proj", "up_proj", "down_proj", "act_fn"})
         _elementwise(path, m, "act_fn")
-        m.gate_proj = ColumnParallelLinear.from_dense(gate, **kw)
-        m.up_proj = ColumnParallelLinear.from_dense(up, **kw)
+        m.gate_proj, m.up_proj = (ColumnParallelLinear.from_dense(lin, **kw) for lin in (gate, up))
         m.down_proj = RowParallelLinear.from_dense(down, **kw)
         return m, "gate_proj/up_proj colwise, down_proj rowwise"
     if kind == "gpt2_attention":

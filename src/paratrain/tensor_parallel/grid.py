@@ -15,6 +15,7 @@ Each sharded parameter carries ``tp_grid``: the (comm, dim, sizes) gathers that 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -129,10 +130,7 @@ def replicas_of(p: nn.Parameter, tp: int) -> int:
     """How many ranks of a TP group of ``tp`` hold the same tensor as this rank's ``p``."""
     steps = grid_steps(p)
     if steps is not None:
-        blocks = 1
-        for _, _, sizes in steps:
-            blocks *= len(sizes)
-        return max(1, tp // blocks)
+        return max(1, tp // math.prod(len(sizes) for _, _, sizes in steps))
     if hasattr(p, "tp_shard_dim"):
         return 1
     return tp

@@ -225,11 +225,9 @@ class ParallelSelfAttention(nn.Module):
         self.local_heads = heads // comm.size
         self.causal = bool(getattr(dense, "causal", False))
         self.dense_names: dict[str, str] = {}  # q/k/v/o -> their names in the dense module
-        col_mode = "seq" if mode == "seq" else "copy"
+        col: dict[str, Any] = {"comm": comm, "state": state, "mode": "seq" if mode == "seq" else "copy"}
         q, k, v, o = (getattr(dense, n) for n in "qkvo")
-        self.q = ColumnParallelLinear.from_dense(q, comm=comm, state=state, mode=col_mode)
-        self.k = ColumnParallelLinear.from_dense(k, comm=comm, state=state, mode=col_mode)
-        self.v = ColumnParallelLinear.from_dense(v, comm=comm, state=state, mode=col_mode)
+        self.q, self.k, self.v = (ColumnParallelLinear.from_dense(t, **col) for t in (q, k, v))
         self.o = RowParallelLinear.from_dense(
             o, comm=comm, state=state, mode="seq" if mode == "seq" else "reduce",
             input_is_parallel=mode != "gather")
