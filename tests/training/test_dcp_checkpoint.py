@@ -1,5 +1,5 @@
 """The one loop's checkpoints are torch.distributed.checkpoint (DCP) folders keyed by the
-model's own names (training/stores.py, training/dcp_state.py, comm/dcp.py):
+model's own names (training/stores.py, comm/dcp.py):
 
 - on disk a step is DCP's ``.metadata`` + ``__<rank>_0.distcp`` files, and
   ``torch.distributed.checkpoint.load`` reads a parameter by its name directly;

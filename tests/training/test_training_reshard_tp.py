@@ -29,9 +29,16 @@ from paratrain.config import ConfigError, TensorParallelismConfig
 from paratrain.models.zoo import transformer
 from paratrain.tensor_parallel import AttentionSpec, TensorParallelModule
 from paratrain.tensor_parallel.shards import dense_names_and_shards
-from paratrain.training.dcp_state import engine_key, flatten, meta_key
 from paratrain.training.reshard import ReshardWarning, param_keys
-from paratrain.training.stores import Held, LocalStore, latest_folder, read_rank_state
+from paratrain.training.stores import (
+    Held,
+    LocalStore,
+    engine_key,
+    flatten,
+    latest_folder,
+    meta_key,
+    read_rank_state,
+)
 
 pytestmark = pytest.mark.timeout(600)
 

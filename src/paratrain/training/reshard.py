@@ -2,7 +2,7 @@
 
 A checkpoint records each process's tensors under their names in the model, the optimizer
 state under its parameters' names (:func:`param_names`) and the run's ``layout``; on another
-layout each process reads by name what it holds now (:mod:`.dcp_state`), what cannot carry
+layout each process reads by name what it holds now (:mod:`.stores`), what cannot carry
 over is reset with one :class:`ReshardWarning`, and the data continues after the examples
 the old replicas walked (:func:`by_examples`). A *shard spec* (an engine's
 ``model_shards()``), ``{"shape": whole shape, "slices": [[dim, start, length], ...]}``,
