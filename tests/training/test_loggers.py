@@ -18,7 +18,7 @@ import pytest
 
 from paratrain.training import read_metrics
 from paratrain.training.faults import FAULT_ENV
-from paratrain.training.loggers.wandb_tracker import wandb_records
+from paratrain.training.loggers import wandb_records
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("mlflow")
