@@ -145,13 +145,6 @@ def load_corpus(test_every: int = 8) -> Corpus:
     return _load_corpus(test_every)
 
 
-def _clear_cache() -> None:
-    _load_corpus.cache_clear()
-
-
-load_corpus.cache_clear = _clear_cache  # type: ignore[attr-defined]
-
-
 @functools.lru_cache(maxsize=2)
 def _load_corpus(test_every: int) -> Corpus:
     files = play_files()
@@ -178,6 +171,9 @@ def _load_corpus(test_every: int) -> Corpus:
         roles=tuple(sorted(role_id, key=role_id.__getitem__)),
         train_speeches=train_sp, test_speeches=test_sp,
     )
+
+
+load_corpus.cache_clear = _load_corpus.cache_clear  # type: ignore[attr-defined]
 
 
 class CharBlocks(Dataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -47,8 +47,7 @@ def resolve_task(job: JobConfig) -> Task:
         fn = import_object(spec.factory, field="task.factory")
         obj = call_factory(fn, spec.factory, field="task.factory", offered={}, kwargs=spec.kwargs)
         return check_task(obj, field="task.factory")
-    task: Task = TASKS[str(spec.name)](job)
-    return task
+    return TASKS[str(spec.name)](job)  # type: ignore[no-any-return]
 
 
 def is_default(job: JobConfig) -> bool:

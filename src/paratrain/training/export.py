@@ -124,10 +124,9 @@ def _from_checkpoint(run: Path) -> dict[str, torch.Tensor] | None:
     found = newest_checkpoint(run)
     if found is None or not found.path.is_dir() or found.kind == "pbt":
         return None
-    source = found.path
-    state = read_named_model(source)
+    state = read_named_model(found.path)
     warnings.warn(f"{run} has not finished: its model at {found.where} (the newest complete "
-                  f"checkpoint, {source})", RuntimeWarning, stacklevel=3)
+                  f"checkpoint, {found.path})", RuntimeWarning, stacklevel=3)
     return {k: v.detach().cpu() for k, v in state.items()}
 
 

@@ -54,6 +54,8 @@ from .summary import tensor_bytes
 
 log = logging.getLogger(__name__)
 LAYOUT_FILE = "layout.json"
+# the loop state a process's meta/rank<r> holds besides its tensors' descriptions (and "curve")
+_LOOP_KEYS = ("step", "epoch", "batch", "scheduler", "rng", "losses", "loader", "optimizer_type", "layout")
 
 
 def _dcp() -> ModuleType:
@@ -601,8 +603,7 @@ def flatten(state: Mapping[str, Any]) -> tuple[list[Piece], dict[str, Any], dict
         unique.setdefault((fqn, box.offsets if box is not None else None), (fqn, t, box))
     pieces = list(unique.values())
     engine = dict(state.get("engine") or {})
-    meta = {k: state.get(k) for k in ("step", "epoch", "batch", "scheduler", "rng", "losses",
-                                       "curve", "loader", "optimizer_type", "layout")}
+    meta = {k: state.get(k) for k in (*_LOOP_KEYS, "curve")}
     meta.update(param_groups=opt["param_groups"], model=model_desc, optim=optim_desc,
                 param_names=pnames, engine_keys=sorted(k for k, v in engine.items() if v))
     return pieces, meta, engine
@@ -648,8 +649,7 @@ def rebuild(meta: Mapping[str, Any]) -> tuple[dict[str, Target], Any]:
         model = {k: empties[k] if k in empties else targets[f"m:{k}"].tensor for k, *_ in meta["model"]}
         opt_state = {int(i): {key: targets[f"o:{i}:{key}"].tensor if v[0] == "t" else v[1]
                               for key, v in st.items()} for i, st in meta["optim"].items()}
-        return {**{k: meta[k] for k in ("step", "epoch", "batch", "scheduler", "rng", "losses",
-                                         "loader", "optimizer_type", "layout")},
+        return {**{k: meta[k] for k in _LOOP_KEYS},
                 "curve": meta.get("curve"),  # absent from checkpoints written before it
                 "model": model, "optimizer": {"state": opt_state, "param_groups": meta["param_groups"]},
                 "names": [d[1] for d in meta["model"]], "param_names": meta["param_names"]}

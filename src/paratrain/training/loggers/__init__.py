@@ -100,6 +100,7 @@ class MLflowTracker:
         # MLflow 3.x keeps the file store in maintenance mode behind this opt-out: it is the
         # store that needs nothing beyond mlflow-skinny and lives in the run folder
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=(Path(run_dir) / "mlruns").resolve().as_uri())
@@ -109,17 +110,12 @@ class MLflowTracker:
             exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(EXPERIMENT)
             run = self.client.create_run(exp_id, run_name=Path(run_dir).name)
             run_id = own["run_id"] = run.info.run_id
-            self._params(run_id, job)
+            params = [Param(k, v[:_PARAM_CHARS]) for k, v in flat_config(job)]
+            for i in range(0, len(params), _BATCH):
+                self.client.log_batch(run_id, params=params[i:i + _BATCH])
         else:
             self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
-
-    def _params(self, run_id: str, job: dict[str, Any]) -> None:
-        from mlflow.entities import Param
-
-        params = [Param(k, v[:_PARAM_CHARS]) for k, v in flat_config(job)]
-        for i in range(0, len(params), _BATCH):
-            self.client.log_batch(run_id, params=params[i:i + _BATCH])
 
     def held_through(self) -> float | None:
         """The last step of any metric the run holds (MLflow writes each point as it is logged)."""
