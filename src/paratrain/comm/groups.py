@@ -95,6 +95,21 @@ def new_group(ranks: Sequence[int], *, backend: str | None = None) -> Any:
     return dist.new_group(ranks=list(ranks), backend=backend)
 
 
+_ALONE: dict[int, Any] = {}
+
+
+def alone_group() -> Any:
+    """A group of this process alone (its collectives are no-ops; None without
+    torch.distributed), made once per process: a second local group of the same ranks would
+    share the first one's store keys."""
+    if not dist.is_initialized():
+        return None
+    rank = dist.get_rank()
+    if rank not in _ALONE:
+        _ALONE[rank] = dist.new_group(ranks=[rank], backend="gloo", use_local_synchronization=True)
+    return _ALONE[rank]
+
+
 def side_group(group: Any = None) -> Any:
     """A gloo group of ``group``'s ranks (None: every rank) for collectives made from another
     thread (an asynchronous checkpoint's writes: two threads must never interleave collectives

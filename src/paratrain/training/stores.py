@@ -158,7 +158,7 @@ class RankStore:
         self._buffers: dict[tuple[str, Any], torch.Tensor] = {}  # the last save's staged copies
 
     def _g(self) -> Any:
-        return self.group if self.world > 1 else None
+        return self.group  # world 1: None or a group of this process alone
 
     def _probe(self) -> None:
         """Which processes share a file system: each writes a file, each lists them."""
@@ -227,7 +227,7 @@ class RankStore:
                engine: dict[str, Any]) -> None:
         """Write one staged checkpoint (the save thread; collective over the side group)."""
         group = self._side
-        g = group if self.world > 1 else None
+        g = group if self.world > 1 else self.group
         private: set[str] | None = None  # None: every key is this process's own
         if self.world > 1 and self._shared:
             mine = digests(pieces)

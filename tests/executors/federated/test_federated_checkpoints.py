@@ -76,3 +76,21 @@ def test_sigint_checkpoints_the_round_in_progress_and_resume_is_bit_identical(tm
     assert resumed["client_updates_this_run"] == 4 * (30 - saved[0])
     ref = execute(load_job(_doc(tmp_path / "ref", rounds=30, every="1h", workers=2)))
     assert resumed["parameters_sha256"] == ref["parameters_sha256"]
+
+
+def test_stateless_clients_process_0_saves_alone_and_resume_is_exact(tmp_path: Path) -> None:
+    """FedAvg with stateless clients on 2 workers: the checkpoint is the server's, written by
+    process 0 without a collective (layout world 1, one data file); resumed it ends where the
+    straight run does."""
+    def doc(out: Path, rounds: int) -> dict[str, Any]:
+        return fed_job(out, "fed", K=4, rounds=rounds, num_workers=2, local_epochs=1, batch_size=16,
+                       hidden=32).to_json_dict()
+
+    straight = execute(load_job(doc(tmp_path / "a", 4)))
+    cut = execute(load_job(doc(tmp_path / "b", 2)))
+    newest = step_folders(Path(cut["run_dir"]) / "checkpoints")[-1]
+    assert json.loads((newest / "layout.json").read_text())["world"] == 1
+    assert sorted(p.name for p in newest.glob("*.distcp")) == ["__0_0.distcp"]
+    more = execute(load_job(doc(tmp_path / "b", 4)), resume=True)
+    assert more["client_updates_this_run"] == 2 * 4
+    assert more["parameters_sha256"] == straight["parameters_sha256"]

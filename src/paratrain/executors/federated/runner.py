@@ -43,7 +43,7 @@ from .personal import round_metrics, score_clients
 from .privacy import build_server_privacy
 from .selection import select_clients
 from .server import FederatedServer, RoundSchedule
-from .state import fed_store, finish_run, restore, round_record, round_state
+from .state import finish_run, local_store, restore, round_record, round_state
 from .wire import broadcast_state, split_payload
 
 _INVOCATIONS = 0
@@ -117,16 +117,16 @@ def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) ->
     kept = host if stateful(job, data.personal_keys) else None
     g = group if world > 1 else None
     life = Lifecycle(
-        store=fed_store(run_dir, rank=rank, world=world, group=group, runtime="local"), unit="round",
+        store=local_store(run_dir, rank=rank, world=world, group=group, stateful=kept is not None), unit="round",
         total=strat.rounds, label="Federated", state=lambda done: round_state(server, kept, done),
         checkpoint_every=job.run.checkpoint_every, group=g, rank=rank, restart_count=ctx.restart_count,
         progress_every=job.run.progress_every, show=None if rank == 0 else False)
-    found = life.load() if resume else None
-    start = restore(found, server, kept, rank=rank, world=world, group=g)
+    start, found = restore(life, server, kept, resume=resume, rank=rank, world=world, group=g,
+                           solo=kept is None)
     if rank == 0:
         run_dir = prepare_run_dir(job, resume=resume)
         metrics = MetricsWriter(run_dir)
-    life.begin(start, resume=resume, found=found is not None, metrics=metrics)
+    life.begin(start, resume=resume, found=found, metrics=metrics)
     barrier(group)
     return _Worker(ctx=ctx, job=job, data=data, host=host, store=store, comm_dev=comm_dev, tags=tags,
                    run_dir=Path(run_dir), server=server, metrics=metrics, life=life, traffic=CommCounter(),

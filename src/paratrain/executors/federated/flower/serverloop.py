@@ -84,12 +84,11 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
                              unit="round", total=strat.rounds, label="Federated (Flower)",
                              state=lambda done: round_state(server, None, done),
                              checkpoint_every=job.run.checkpoint_every, show=False)
-            found = life.load() if resume else None
-            start = restore(found, server, None, rank=0, world=1, group=None)
+            start, found = restore(life, server, None, resume=resume)
             folder.prepare()
             nodes.lineage, nodes.attempt = _lineage(run_dir)
             metrics = MetricsWriter(run_dir)
-            life.begin(start, resume=resume, found=found is not None, metrics=metrics)
+            life.begin(start, resume=resume, found=found, metrics=metrics)
             secure = getattr(job.federated.flower, "secure_aggregation", None) is not None
             with life:
                 for r in range(start, strat.rounds):
