@@ -43,7 +43,7 @@ peak of the summed PSS (proportional set size: shared pages split between the
 processes mapping them, so a sum does not double-count) -- the headline figure;
 ``peak_proc_rss_mb`` = the largest RSS of any one process in the tree. Prints one JSON
 object with the ratios paratrain/peer (throughput ratio > 1 and memory ratio < 1 favour
-paratrain). ``--quick`` (``make bench``): 100 clients, 4 rounds (1 warm-up + 3 timed);
+paratrain). ``--quick`` (``make bench``): 100 clients, 6 rounds (1 warm-up + 5 timed), 3 repeats;
 ``--smoke``: 10 clients, 2 rounds, every arm that can run (seconds; Flower's Ray start adds
 some). ``--repeat N`` runs every arm N times, interleaved, and reports medians and the median
 of the paired ratios (a shared machine's load changes between arms); ``--checkpoint-every C``
@@ -429,7 +429,8 @@ def _flwr_version() -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     size = ap.add_mutually_exclusive_group()
-    size.add_argument("--quick", action="store_true", help="100 clients, 4 rounds (3 timed): make bench")
+    size.add_argument("--quick", action="store_true",
+                      help="100 clients, 6 rounds (5 timed), every arm 3 times: make bench")
     size.add_argument("--smoke", action="store_true",
                       help="10 clients, 2 rounds (1 timed): every arm that can run, in seconds (Flower's "
                            "simulation starts Ray: about 10 s more)")
@@ -447,7 +448,9 @@ def main() -> None:
                     help="also a paratrain arm importing paratrain from DIR (another checkout's src: "
                          "a paired before/after); repeatable")
     args = ap.parse_args()
-    rounds = args.rounds or (2 if args.smoke else 4 if args.quick else 6)
+    rounds = args.rounds or (2 if args.smoke else 6)
+    if args.quick and args.repeat == 1:  # paired medians: one pair read anywhere in 0.8-1.3
+        args.repeat = 3
     sizes = tuple(args.clients or ((10,) if args.smoke else (100,) if args.quick else (100, 1000)))
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]
     flwr_version = _flwr_version() if "flwr" in systems else None
