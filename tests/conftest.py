@@ -64,7 +64,7 @@ def _one_worker_server_for_the_session() -> None:
 # (--dist loadfile) in collection order: started last, they ran alone while the other workers
 # idled. Started first (longest-first keeps the last file short), the rest runs beside them.
 _LONG_FIRST = ("test_benchmarks_smoke.py", "test_federated_flower.py", "test_kill_resume_matrix.py",
-               "test_federated_flower_secagg.py", "test_mp_hf_job.py", "test_two_hosts.py",
+               "test_federated_flower_secagg.py", "test_federated_flower_faults.py", "test_mp_hf_job.py", "test_two_hosts.py",
                "test_model_parallel_job.py", "test_api_fit.py", "test_federated_scaffold_procs.py",
                "test_training_reshard_tp.py", "test_mp_graph_job.py", "test_worker_errors.py",
                "test_federated_reshard.py", "test_mesh_pipeline_tp_hf.py", "test_resume_fallback.py")
