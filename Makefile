@@ -11,7 +11,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,flower,bench,tensorboard,mlflow,wandb]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[dev,hf,flower,bench,tensorboard,mlflow,wandb,ft]'
 	$(BIN)/pip install -q --no-deps --upgrade --target $(VENV)/timm timm==1.0.31 torchvision==0.29.1
 	touch $(STAMP)
 
