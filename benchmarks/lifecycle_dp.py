@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,11 +89,12 @@ def timed(cmd: list[str], env: dict[str, str] | None = None,
 
 def paired(ours_cmd: list[str], peer_cmd: list[str], repeats: int, env: dict[str, str],
            cpu: tuple[list[float], list[float]] | None = None,
-           warm: bool = True, peer_out: list[str] | None = None) -> tuple[list[float], list[float]]:
+           warm: bool = True, peer_out: list[str] | None = None,
+           after_ours: Callable[[], None] | None = None) -> tuple[list[float], list[float]]:
     """Wall seconds of both commands, ``repeats`` times, back to back in alternating order,
     after one uncounted run of each (the page cache; ``warm=False``: none); ``cpu``: lists
     that get their CPU seconds (:func:`timed`); ``peer_out``: gets the peer's stdout of
-    each counted run."""
+    each counted run; ``after_ours``: called after each counted run of ours (its files)."""
     if warm:
         timed(ours_cmd, env)
         timed(peer_cmd, env)
@@ -108,6 +110,8 @@ def paired(ours_cmd: list[str], peer_cmd: list[str], repeats: int, env: dict[str
             acc.append(wall)
             if cmd is peer_cmd and peer_out is not None:
                 peer_out.append(stdout)
+            if cmd is ours_cmd and after_ours is not None:
+                after_ours()
     return ours, peer
 
 
