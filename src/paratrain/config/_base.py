@@ -67,6 +67,7 @@ def _loc_to_path(loc: tuple[int | str, ...], prefix: str = "") -> str:
 
 
 _UNION_NOISE: set[str] = set()
+_NAMED = re.compile(r"([a-z_]+(?:\.[a-z_]+)*): (.+)", re.DOTALL)
 
 
 def register_tags(tags: Iterable[str]) -> None:
@@ -87,6 +88,8 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> ConfigErr
                 msg = f"missing tag field {tag!r}"
         elif e["type"] == "missing":
             msg = "missing required field"
+        elif path == "<root>" and (named := _NAMED.match(msg)):
+            path, msg = named.group(1), named.group(2)  # a whole-job check naming its field
         elif "input" in e and e["type"] != "value_error":
             value = e["input"]
             if not isinstance(value, dict | list) or len(repr(value)) < 80:

@@ -93,6 +93,7 @@ def effective_settings(job: JobConfig, *, resume: bool = False) -> Effective:
     # run.*, [[workers]], [comm]: what the processes read
     ignored += _process_settings(job, kind, tp_active)
     settings.update(_strategy_sections(job, kind, ignored))
+    settings["fault_tolerance"] = _fault_tolerance(job, ignored)
     if isinstance(job.strategy, Federated) and isinstance(job.strategy.aggregation, Krum):
         krum = _krum(job.strategy, job.strategy.aggregation, ignored)
         if krum is not None:
@@ -208,6 +209,25 @@ def _strategy_sections(job: JobConfig, kind: str, ignored: list[Ignored]) -> dic
             ignored.append(Ignored(section, f"only the {owner} strategy reads it{detail}"))
         used = kind in (owner, "Custom")
         out[section] = (keys if isinstance(value, dict) else value.model_dump(mode="json")) if used else None
+    return out
+
+
+def _fault_tolerance(job: JobConfig, ignored: list[Ignored]) -> dict[str, Any] | None:
+    """``[fault_tolerance]`` (JobConfig refuses it off DataParallel AllReduce): the timings of
+    the Lighthouse paratrain starts are not sent to another one, which has its own."""
+    ft = job.fault_tolerance
+    if ft is None:
+        return None
+    out = ft.model_dump(mode="json")
+    if ft.lighthouse != "start":
+        for name in ("join_timeout_s", "heartbeat_timeout_s"):
+            if is_set(ft, name):
+                ignored.append(Ignored(f"fault_tolerance.{name}", f"set on the Lighthouse "
+                                       f"paratrain starts; {ft.lighthouse} runs with its own"))
+            out[name] = None
+    if is_set(job.comm, "bucket_size_mb"):
+        ignored.append(Ignored("comm.bucket_size_mb", "under [fault_tolerance] a step's "
+                               "gradients travel as one flat all-reduce through torchft's Manager"))
     return out
 
 

@@ -18,6 +18,7 @@ from .sections import (  # re-exported: the sections are part of this module's A
     ChoiceDim,
     CommConfig,
     DataSpec,
+    FaultTolerance,
     FederatedOptions,
     IntDim,
     LogUniformDim,
@@ -37,7 +38,7 @@ from .tensor_parallel import TensorParallelismConfig
 
 __all__ = [
     "RunConfig", "ModelSpec", "PartitionSpec", "DataSpec", "TaskSpec", "OptimizerSpec", "TrainConfig",
-    "WorkerSpec", "CommConfig", "FederatedOptions", "PopulationOptions", "UniformDim",
+    "WorkerSpec", "CommConfig", "FaultTolerance", "FederatedOptions", "PopulationOptions", "UniformDim",
     "LogUniformDim", "IntDim", "ChoiceDim", "SearchDim", "JobConfig", "load_job",
     "parse_job_text", "job_schema",
 ]
@@ -65,6 +66,9 @@ class JobConfig(Section):
     """Worker ids and tags, by rank (default ``worker-<rank>``, no tags)."""
     comm: CommConfig = CommConfig()
     """Communication settings: gradient buckets, timeouts, gossip step."""
+    fault_tolerance: FaultTolerance | None = None
+    """DataParallel (AllReduce) on torchft: replica groups that die are dropped from a step
+    and heal from a live peer, the others go on; None = off."""
     federated: FederatedOptions = FederatedOptions()
     """Federated local training: epochs, batch size, client tags, target accuracy."""
     population: PopulationOptions = PopulationOptions()
@@ -95,10 +99,36 @@ class JobConfig(Section):
                                  f"(DataParallel with aggregation AllReduce); {where} exchanges "
                                  "per-replica payloads, use TopK, RandomK, Threshold or Quantization")
         # model/data: exactly one of name or factory is checked by ModelSpec/DataSpec
+        problem = _fault_tolerance_problem(self)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     def to_json_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+def _fault_tolerance_problem(job: JobConfig) -> str | None:
+    """``[fault_tolerance]`` runs whole-model replicas that exchange a plain gradient mean:
+    DataParallel AllReduce only (``field: message``, or None)."""
+    ft, s = job.fault_tolerance, job.strategy
+    if ft is None:
+        return None
+    agg = getattr(getattr(s, "aggregation", None), "method", None)
+    tp = job.tensor_parallel is not None and job.tensor_parallel.tensor_parallel_size > 1
+    why = (f"strategy.type is {s.type}" if s.type != "DataParallel" else
+           f"strategy.aggregation is {agg}" if agg != "AllReduce" else
+           f"strategy.shard is {s.shard!r} (ZeRO)" if getattr(s, "shard", "none") != "none" else
+           "[compression] is set" if job.compression is not None and job.compression.method != "None" else
+           "[tensor_parallel] is set" if tp else "[subgraphs] is set" if job.subgraphs else None)
+    if why is not None:
+        return (f"fault_tolerance: runs DataParallel with aggregation AllReduce only (whole "
+                f"replicas, uncompressed, no ZeRO, subgraphs or tensor parallelism); {why}")
+    n = int(getattr(s, "num_replicas", 1))
+    if ft.min_replicas > n:
+        return (f"fault_tolerance.min_replicas: {ft.min_replicas} is more than the "
+                f"{n} replica group(s) of strategy.num_replicas: no quorum could form")
+    return None
 
 
 # Hostile-input bounds (issue 13 item 6): a job file is small and shallow, so anything

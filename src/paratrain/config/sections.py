@@ -294,6 +294,46 @@ class CommConfig(Section):
     1.0 without compression, 0.5 with it."""
 
 
+class FaultTolerance(Section):
+    """Per-step fault tolerance of DataParallel on torchft (docs/data-parallel.md): one
+    replica group (process) per replica, each step's gradients averaged over the groups in
+    that step's quorum; a group that dies is restarted alone and heals from a live peer."""
+
+    min_replicas: PositiveCount = 1
+    """Replica groups a step needs: a quorum waits for at least this many (at most
+    ``strategy.num_replicas``), and a step with fewer is not committed."""
+    quorum_timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 60.0
+    """How long a group waits for a quorum of ``min_replicas`` before the run fails."""
+    join_timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
+    """How long the Lighthouse paratrain starts waits for the other groups once the
+    membership changed (``lighthouse = "start"`` only; another Lighthouse has its own)."""
+    heartbeat_timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 5.0
+    """A group silent this long is dropped from the next quorum (``lighthouse = "start"``
+    only)."""
+    lighthouse: str = "start"
+    """``"start"``: paratrain runs a torchft Lighthouse on 127.0.0.1 for the run and stops it
+    at the end; else the ``host:port`` of a running one."""
+    replay: bool = False
+    """Train a dead group's lost samples again on the survivors: not implemented (only
+    ``false``, torchft's semantics: a step averages over the groups alive for it)."""
+
+    @field_validator("lighthouse")
+    @classmethod
+    def _start_or_address(cls, v: str) -> str:
+        host, sep, port = v.rpartition(":")
+        if v != "start" and not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ValueError(f'must be "start" or a host:port address (got {v!r})')
+        return v
+
+    @field_validator("replay")
+    @classmethod
+    def _no_replay(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("replay = true (training the lost samples again) is not implemented; "
+                             "a step averages over the replica groups alive for it")
+        return v
+
+
 class FederatedOptions(Section):
     local_epochs: PositiveCount = 1
     """Epochs each selected client trains on its data per round."""

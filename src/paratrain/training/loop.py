@@ -257,6 +257,12 @@ class Trainer:
 
     def step(self, batches: Sequence[Batch]) -> float:
         """One optimizer step over ``batches``; returns their size-weighted mean loss."""
+        loss = self.gradients(batches)
+        self.apply()
+        return loss
+
+    def gradients(self, batches: Sequence[Batch]) -> float:
+        """The step's combined gradients in ``.grad`` (accumulated, synced); its loss."""
         eng = self.engine
         self.optimizer.zero_grad(set_to_none=True)
         sizes = [batch_size_of(b) for b in batches]
@@ -266,11 +272,15 @@ class Trainer:
             w = n / total
             loss += w * eng.forward_backward(b, weight=w, last=i == len(batches) - 1)
         eng.sync()
+        return loss
+
+    def apply(self) -> None:
+        """Clip, step the optimizer and the schedule with the gradients in ``.grad``."""
         if self.clip is not None:
-            clip_gradients_(eng.model.parameters(), clip_coefficient(eng.grad_sq_norm(), self.clip))
+            clip_gradients_(self.engine.model.parameters(),
+                            clip_coefficient(self.engine.grad_sq_norm(), self.clip))
         self.optimizer.step()
         self.scheduler.step()
-        return loss
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
@@ -366,6 +376,9 @@ class _Loop:
             r.prepare()
         start_step = self.pos.step
         self._saved_names()
+        bind = getattr(r.store, "bind_state", None)  # a store that hands the live state to peers
+        if bind is not None:
+            bind(lambda: self._state(self.pos.step))
         life = Lifecycle(store=r.store, unit="step", total=r.plan.total_steps, label=r.label,
                          state=self._state, checkpoint_every=r.checkpoint_every, group=r.group,
                          rank=r.rank, restart_count=r.restart_count, metrics=r.metrics,

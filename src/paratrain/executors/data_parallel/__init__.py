@@ -11,6 +11,15 @@ from ..spec import ExecutorSpec, GraphView, Traced
 from .runner import run, shard_layout, validate
 
 
+def _run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Plain DataParallel, or replica groups on torchft under ``[fault_tolerance]``."""
+    if job.fault_tolerance is None:
+        return run(job, resume=resume, overwrite=overwrite)
+    from .fault_tolerance import run as run_fault_tolerant
+
+    return run_fault_tolerant(job, resume=resume, overwrite=overwrite)
+
+
 def _processes(job: JobConfig) -> tuple[int, str]:
     strategy: Any = job.strategy
     return int(strategy.num_replicas), "strategy.num_replicas"
@@ -33,5 +42,5 @@ def _graph(traced: Traced) -> GraphView:
 
 
 # describe: `paratrain validate`'s line on what ZeRO shards (none without strategy.shard)
-SPEC = ExecutorSpec(name="DataParallel", run=run, processes=_processes, validate=validate,
+SPEC = ExecutorSpec(name="DataParallel", run=_run, processes=_processes, validate=validate,
                     check_data=check_replica_rows, describe=shard_layout, graph=_graph)

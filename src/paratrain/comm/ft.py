@@ -1,0 +1,217 @@
+"""Replica groups on torchft (``[fault_tolerance]``): a :class:`Lighthouse` that forms each
+step's quorum, one :class:`ReplicaGroup` (torchft's ``Manager`` over a reconfigurable gloo
+group) per process, and :func:`supervise`, which restarts only the process that died.
+
+A step of a replica group: :meth:`ReplicaGroup.begin` joins the step's quorum (synchronous:
+a group behind the others' step receives a live peer's state here, through the Manager's
+checkpoint transport); :meth:`ReplicaGroup.mean_` averages a tensor over the groups of that
+quorum, ``x <- (1/q) sum_{g in quorum} x_g``; :meth:`ReplicaGroup.commit` says whether every
+group of the quorum completed the step (then it counts, else the step is taken again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.connection
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .forkserver import context as forkserver_context
+
+
+class QuorumTimeout(RuntimeError):
+    """No quorum of ``min_replicas`` groups formed in ``quorum_timeout_s``: fatal, as a
+    restart would wait for the same missing groups."""
+
+
+class FellBehind(RuntimeError):
+    """This group's step was not committed while its peers' was: it must heal from a peer,
+    which a running loop cannot take mid-step, so the process ends and is restarted."""
+
+
+def _quiet() -> None:
+    """torchft's Rust side logs every quorum at INFO unless ``RUST_LOG`` says otherwise."""
+    if not os.environ.get("PARATRAIN_DEBUG"):
+        os.environ.setdefault("RUST_LOG", "warn")
+
+
+@contextlib.contextmanager
+def lighthouse(*, min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float) -> Iterator[str]:
+    """A torchft Lighthouse on 127.0.0.1 for the block; yields its address."""
+    from torchft.coordination import LighthouseServer
+
+    _quiet()
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas,
+                              join_timeout_ms=int(join_timeout_s * 1000),
+                              heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
+    try:
+        # the server advertises the host name; the groups reach it on the loopback address
+        yield "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+    finally:
+        server.shutdown()
+
+
+@contextlib.contextmanager
+def start_line() -> Iterator[str]:
+    """A store for the block where the first attempts of the groups meet (:meth:`ReplicaGroup.start`),
+    so that a run's first quorum has every group; yields its ``host:port``."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    try:
+        yield f"127.0.0.1:{store.port}"
+    finally:
+        del store
+
+
+class ReplicaGroup:
+    """This process as one replica group of one process (module docstring). ``state()`` is
+    what a healing peer receives, ``load(state)`` takes a peer's state (both called by the
+    Manager during :meth:`begin`)."""
+
+    def __init__(self, *, replica: int, lighthouse: str, min_replicas: int, quorum_timeout_s: float,
+                 timeout_s: float, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        _quiet()
+        self.min_replicas, self.quorum_timeout_s = min_replicas, quorum_timeout_s
+        timeout = timedelta(seconds=timeout_s)
+        # the Manager's own store (one process: this group's only rank)
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=state,
+            min_replica_size=min_replicas, use_async_quorum=False, init_sync=False,
+            timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            connect_timeout=timeout, rank=0, world_size=1, store_addr="127.0.0.1",
+            store_port=self._store.port, lighthouse_addr=lighthouse, replica_id=f"replica_{replica}")
+        self._open = False  # a quorum joined whose step is not committed yet
+
+    def start(self, line: str, *, replica: int, groups: int, wait: bool) -> None:
+        """Mark this group at the start line; ``wait`` (a first attempt): until all ``groups`` are."""
+        host, _, port = line.rpartition(":")
+        store = dist.TCPStore(host, int(port), is_master=False,  # type: ignore[attr-defined]
+                              timeout=timedelta(seconds=self.quorum_timeout_s))
+        store.set(f"ready/{replica}", "1")
+        if wait:
+            try:
+                store.wait([f"ready/{g}" for g in range(groups)])
+            except RuntimeError as e:  # torch's store timeout (DistStoreError)
+                raise QuorumTimeout(f"not every one of the {groups} replica groups started within "
+                                    f"fault_tolerance.quorum_timeout_s = {self.quorum_timeout_s:g} s "
+                                    f"({str(e).splitlines()[0]})") from None
+
+    @property
+    def step(self) -> int:
+        """The steps committed (equal on every group of a quorum)."""
+        return int(self.manager.current_step())
+
+    def set_step(self, step: int) -> None:
+        """Continue after ``step`` (a checkpoint's)."""
+        self.manager.load_state_dict({"step": step, "batches_committed": 0})
+
+    def begin(self) -> None:
+        """Join the next step's quorum (no-op when joined); a peer's state is loaded here."""
+        if self._open:
+            return
+        began = time.monotonic()
+        try:
+            self.manager.start_quorum()
+        except TimeoutError:
+            raise QuorumTimeout(f"no quorum of fault_tolerance.min_replicas = {self.min_replicas} "
+                                f"replica group(s) within fault_tolerance.quorum_timeout_s = "
+                                f"{self.quorum_timeout_s:g} s (waited {time.monotonic() - began:.1f} s)") from None
+        self._open = True
+
+    @property
+    def participants(self) -> int:
+        """The groups of this step's quorum."""
+        return int(self.manager.num_participants())
+
+    def mean_(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` averaged in place over this step's quorum (an error marks the step
+        uncommittable instead of raising)."""
+        self.manager.allreduce(flat).wait()
+        return flat
+
+    def commit(self) -> bool:
+        """Whether the step counts: every group of the quorum completed it."""
+        self._open = False
+        return bool(self.manager.should_commit())
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _stop(procs: dict[int, Any], grace_s: float = 5.0) -> None:
+    """SIGTERM every process still running, SIGKILL what outlives ``grace_s``; reap all."""
+    for p in procs.values():
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs.values():
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _exit_name(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(-code).name
+    return f"exit code {code}"
+
+
+def supervise(target: Callable[..., None], args: Callable[[int, int], Sequence[Any]], *, groups: int,
+              max_restarts: int, fatal: Callable[[int, int], BaseException | None],
+              preload: Sequence[str] = (), on_restart: Callable[[int, str], None] | None = None) -> list[int]:
+    """Run ``target(*args(group, restart_count))`` in one process per group and restart a
+    group whose process fails, alone, at most ``max_restarts`` times each; the others run on
+    (also past a group out of restarts). A group that ended (exit 0) is done: once one is,
+    none is restarted (the run ended). ``fatal(group, exit_code)`` names a failure no restart
+    mends (raised after every process is stopped), as is every group failing. Returns each
+    group's restart count once every process ended."""
+    ctx = forkserver_context(list(preload))
+    restarts = [0] * groups
+    procs: dict[int, Any] = {}
+
+    def start(g: int) -> None:
+        procs[g] = ctx.Process(target=target, args=tuple(args(g, restarts[g])), name=f"paratrain-ft-{g}")
+        procs[g].start()
+
+    for g in range(groups):
+        start(g)
+    done: set[int] = set()
+    lost: dict[int, str] = {}  # groups out of restarts (or failed after the run ended)
+    try:
+        while len(done) + len(lost) < groups:
+            running = {p.sentinel: g for g, p in procs.items() if g not in done and g not in lost}
+            for sentinel in multiprocessing.connection.wait(list(running)):
+                g = running[sentinel]
+                procs[g].join()
+                code = procs[g].exitcode
+                error = fatal(g, code) if code else None
+                if error is not None:
+                    raise error
+                if code == 0:
+                    done.add(g)
+                elif done or restarts[g] >= max_restarts:  # the others go on without it
+                    lost[g] = _exit_name(code)
+                else:
+                    restarts[g] += 1
+                    if on_restart is not None:
+                        on_restart(g, _exit_name(code))
+                    start(g)
+    finally:
+        _stop(procs)
+    if not done:
+        raise RuntimeError("every replica group failed (run.max_restarts = "
+                           f"{max_restarts}): " + ", ".join(f"group {g} {why}" for g, why in sorted(lost.items())))
+    return restarts
+

@@ -1,0 +1,323 @@
+"""DataParallel under ``[fault_tolerance]``: one replica group (one process) per replica on
+torchft (:mod:`paratrain.comm.ft`), restarted alone when it dies (docs/data-parallel.md).
+
+Replica ``g`` of ``n`` walks shard ``g`` of every epoch (as plain DataParallel). Step ``k``
+averages the gradients of the groups in step ``k``'s quorum ``Q_k``:
+``g_k = (1/|Q_k|) sum_{r in Q_k} g_r``; with every group alive this is plain DataParallel's
+AllReduce. What a failure costs: the shards of the groups missing from ``Q_k`` for step ``k``
+are not trained (torchft's semantics; ``replay`` is not implemented). A step that fails midway
+(a peer died inside its all-reduce) is not committed and the survivors take it again on the
+same batches, so they lose nothing. A restarted group rejoins at the next quorum and heals
+from a live peer's state (model, optimizer, schedule, RNG, loop position: the loop's
+checkpoint state, sent by torchft's checkpoint transport), not from disk; it then walks its
+own shard from that position. Replica group 0 writes the checkpoints, metrics and summary;
+every group writes ``replica-<g>.json`` (its digest and restarts) when it ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...comm import ft
+from ...comm.forkserver import ParentState
+from ...comm.launch import WorkerError, append_worker_log
+from ...comm.process import resolve_device
+from ...comm.rendezvous import in_torchrun
+from ...config import ConfigError
+from ...config.job import JobConfig
+from ...data.loader import LoaderOptions, dataset_rows, is_stream
+from ...training import (
+    MetricsWriter,
+    build_optimizer,
+    prepare_run_dir,
+    report,
+    seed_everything,
+    write_summary,
+)
+from ...training.loop import DataPlan, LocalEngine, LoopRun, Trainer, run_loop, summary_fields
+from ...training.rundir import RunFolder, run_dir_of
+from ...training.stores import RankStore
+from ...training.threads import intra_op_threads
+from .runner import _load_task, shard_indices, validate
+
+MAX_TRIES = 10  # a step not committed this many times in a row fails the group
+FATAL_EXIT = 3  # a group's exit code for a failure no restart mends (ConfigError, no quorum)
+
+
+class FaultTolerantEngine(LocalEngine):
+    """A replica group's step: its gradients averaged over the step's quorum (one flat
+    all-reduce with one used-flag per parameter: a parameter no group used keeps
+    ``grad = None``, as DataParallel's AllReduce)."""
+
+    def __init__(self, model: Any, task: Any, test: Any, *, device: torch.device, precision: str,
+                 group: ft.ReplicaGroup, evaluates: bool) -> None:
+        super().__init__(model, task, test, device=device, precision=precision)
+        self.group, self.evaluates = group, evaluates
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def sync(self) -> None:
+        ps = self.params
+        used = torch.tensor([float(p.grad is not None) for p in ps], device=self.device)
+        flat = torch.cat([*(p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=self.device)
+                            for p in ps), used])
+        self.group.mean_(flat)
+        offset = 0
+        for i, p in enumerate(ps):
+            k = p.numel()
+            p.grad = flat[offset:offset + k].view_as(p).clone() if float(flat[-len(ps) + i]) > 0 else None
+            offset += k
+
+    def evaluate(self) -> dict[str, float] | None:
+        return super().evaluate() if self.evaluates else None
+
+
+class FaultTolerantTrainer(Trainer):
+    """A step is committed by every group of its quorum, or taken again (same batches, new
+    quorum); the optimizer and the schedule step only when it is."""
+
+    def __init__(self, engine: FaultTolerantEngine, optimizer: Any, train: Any, total_steps: int,
+                 groups: int) -> None:
+        super().__init__(engine, optimizer, train, total_steps)
+        self.group, self.groups = engine.group, groups
+        self.short = 0  # committed steps with fewer groups than the job's (this process's)
+
+    def step(self, batches: Any) -> float:
+        for _ in range(MAX_TRIES):
+            self.group.begin()
+            loss = self.gradients(batches)
+            if self.group.commit():
+                self.short += self.group.participants < self.groups
+                self.apply()
+                return loss
+        raise RuntimeError(f"a step was not committed in {MAX_TRIES} tries")
+
+
+class HealingStore:
+    """The loop's store for a replica group: loading joins the first quorum (after the disk
+    checkpoint, on resume or restart) and returns a live peer's state when this group was
+    behind; ``disk`` (group 0 only) writes checkpoints."""
+
+    def __init__(self, disk: RankStore, *, writes: bool, resume: bool, ended: Any = None) -> None:
+        self.disk, self.writes, self.resume, self.ended = disk, writes, resume, ended
+        self.start: Any = None  # the start line (ReplicaGroup.start), before the first quorum
+        self.group: ft.ReplicaGroup | None = None
+        self._state: Any = None  # the loop's live state (bound once it runs)
+        self.received: dict[str, Any] | None = None
+
+    def bind_state(self, state: Any) -> None:
+        self._state = state
+
+    def live(self) -> dict[str, Any]:
+        """What a healing peer receives."""
+        if self._state is None:
+            raise RuntimeError("this replica group's loop has not started")
+        return dict(self._state())
+
+    def take(self, state: dict[str, Any]) -> None:
+        """A peer's state (torchft heals this group): only when joining."""
+        if self._state is not None:
+            raise ft.FellBehind("this replica group's step was not committed while its peers' was")
+        self.received = state
+
+    def load(self, held: Any = None) -> tuple[Path, dict[str, Any]] | None:
+        assert self.group is not None
+        found = self.disk.load(held) if self.resume else None
+        if found is not None:
+            self.group.set_step(int(found[1]["step"]))
+        if self.start is not None:
+            self.start()  # the first attempts meet: the first quorum has every group
+        self.group.begin()
+        if self.received is not None:
+            state, self.received = {**self.received, "loader": {}}, None
+            return Path("a live peer"), state
+        if self.ended is not None and self.ended():
+            raise RunEnded  # restarted, no peer to heal from: the others finished the run
+        return found
+
+    def start_save(self, step: int, state: dict[str, Any]) -> None:
+        if self.writes:
+            self.disk.start_save(step, state)
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        self.start_save(step, state)
+        self.wait()
+
+    def wait(self) -> None:
+        self.disk.wait()
+
+
+class RunEnded(Exception):
+    """A restarted group found the run finished by its peers: nothing left to train."""
+
+
+def _ended(run_dir: Path) -> bool:
+    return any(run_dir.glob("replica-*.json"))
+
+
+def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: str, resume: bool,
+                restart_count: int) -> None:
+    """Train replica group ``replica`` through the one loop (module docstring)."""
+    started, s, fto = time.perf_counter(), validate(job), job.fault_tolerance
+    assert fto is not None
+    n, seed, t, run_dir = s.num_replicas, job.run.seed, job.train, run_dir_of(job)
+    seed_everything(seed)
+    task, train, test = _load_task(job)
+    if is_stream(train):
+        raise ConfigError([("fault_tolerance", "a stream (an IterableDataset) has no position a "
+                                               "healing replica group could take from a peer")])
+    rows, device = dataset_rows(train), resolve_device(job.run.device)
+    model = task.build_model(job.model, train).to(device)
+    opt = build_optimizer(model.parameters(), t.optimizer)
+    disk = RankStore(run_dir, "dp", rank=0, world=1, group=None, layout={"replicas": n, "shard": "none"},
+                     layout_field="strategy.num_replicas", device=device, reshard=True)
+    store = HealingStore(disk, writes=replica == 0, resume=resume,
+                         ended=(lambda: _ended(run_dir)) if restart_count else None)
+    group = store.group = ft.ReplicaGroup(
+        replica=replica, lighthouse=lighthouse, min_replicas=fto.min_replicas,
+        quorum_timeout_s=fto.quorum_timeout_s, timeout_s=job.comm.timeout_s, state=store.live, load=store.take)
+    store.start = lambda: group.start(start_line, replica=replica, groups=n, wait=not restart_count)
+    try:
+        plan = DataPlan.build(
+            dataset=train, order=lambda e: shard_indices(rows, world=n, rank=replica, seed=seed, epoch=e),
+            examples_per_epoch=rows // n, batch_size=t.batch_size, accumulation=t.grad_accumulation,
+            epochs=t.epochs, max_steps=t.max_steps, device=device, loader=LoaderOptions.of(job.data, seed),
+            shard=(replica, n))
+        engine = FaultTolerantEngine(model, task, test, device=device, precision=t.precision, group=group,
+                                     evaluates=replica == 0)
+        result = run_loop(LoopRun(
+            trainer=(trainer := FaultTolerantTrainer(engine, opt, t, plan.total_steps, n)), plan=plan, task=task, store=store,
+            label=f"DataParallel x{n} (fault-tolerant)", metrics=MetricsWriter(run_dir) if replica == 0 else None,
+            resume=True, prepare=_prepare(job, replica, resume), rank=replica,
+            restart_count=restart_count, started=started,
+            layout={"strategy": "DataParallel", "replicas": n, "shard": "none"}, **LoopRun.settings(job)))
+    finally:
+        group.close()
+    summary = {"strategy": "DataParallel", "aggregation": "AllReduce", "num_replicas": n, "backend": "gloo",
+               "run_dir": str(run_dir), **summary_fields(result, task, train=train, test=test, model=model,
+                                                         started=started), "restart_count": restart_count}
+    if replica == 0:
+        from ...training.export import save_model, whole_state
+
+        save_model(run_dir, whole_state(model))
+        write_summary(run_dir, summary)
+        report.plot_curves(run_dir, title=f"{job.run.name} (DataParallel x{n}, fault-tolerant)")
+    (run_dir / f"replica-{replica}.json").write_text(json.dumps(
+        {"replica": replica, "parameters_sha256": summary["parameters_sha256"], "steps": summary["steps"],
+         "restart_count": restart_count, "resumed_from": summary.get("resumed_from"),
+         "steps_short_of_groups": trainer.short}))
+
+
+def _prepare(job: JobConfig, replica: int, resume: bool) -> Any:
+    """After the first quorum: group 0 makes the run folder (job.json)."""
+    def prepare() -> None:
+        if replica == 0:
+            prepare_run_dir(job, resume=resume)
+    return prepare
+
+
+def _error_file(run_dir: Path, replica: int) -> Path:
+    return run_dir / f".replica-{replica}-error.json"
+
+
+def group_main(job_json: dict[str, Any], resume: bool, replica: int, lighthouse: str, start_line: str,
+               restart_count: int, parent: ParentState) -> None:
+    """Entry of a replica group's process (module-level: the forkserver pickles it by name).
+    Exit 0 when done, :data:`FATAL_EXIT` for what no restart mends (its error in a file the
+    supervisor reads), 1 for anything else (restarted)."""
+    from ...comm.process import exit_process
+
+    parent.apply()
+    if not os.environ.get("PARATRAIN_DEBUG"):  # torchft's per-quorum warnings (no NCCL here)
+        logging.getLogger("torchft").setLevel(logging.ERROR)
+    job = JobConfig.model_validate(job_json)
+    if job.run.imports:
+        from ..plugins import import_plugins
+
+        import_plugins(list(job.run.imports))
+    torch.set_num_threads(intra_op_threads(job, local=int(getattr(job.strategy, "num_replicas", 1))))
+    code, run_dir = 0, run_dir_of(job)
+    try:
+        train_group(job, replica=replica, lighthouse=lighthouse, start_line=start_line, resume=resume,
+                    restart_count=restart_count)
+    except RunEnded:
+        pass
+    except Exception as e:  # noqa: BLE001 - the supervisor reads the exit code and this record
+        append_worker_log(job, replica, f"replica group {replica}, attempt {restart_count}: {traceback.format_exc()}")
+        fatal = isinstance(e, ConfigError | ft.QuorumTimeout)
+        code = FATAL_EXIT if fatal else 1
+        if fatal:
+            problems = e.problems if isinstance(e, ConfigError) else [["", str(e)]]
+            _error_file(run_dir, replica).write_text(json.dumps(
+                {"config": isinstance(e, ConfigError), "problems": problems}))
+    exit_process(code)
+
+
+def _fatal(run_dir: Path) -> Any:
+    """The supervisor's reading of a group's failure: its ConfigError or WorkerError."""
+    def fatal(replica: int, code: int) -> BaseException | None:
+        path = _error_file(run_dir, replica)
+        if code != FATAL_EXIT or not path.exists():
+            return None
+        doc = json.loads(path.read_text())
+        problems = [(str(f), str(m)) for f, m in doc["problems"]]
+        if doc["config"]:
+            return ConfigError(problems)
+        return WorkerError(replica, problems[0][1], log=run_dir / f"worker-{replica}.log")
+    return fatal
+
+
+def _restarted(replica: int, why: str) -> None:
+    print(f"replica group {replica} died ({why}); restarted alone, it heals from a live peer",
+          file=sys.stderr, flush=True)
+
+
+def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+    """Start the Lighthouse (``lighthouse = "start"``) and one process per replica group,
+    restart a group that dies (``run.max_restarts`` times each), return group 0's summary
+    with each group's restarts and digest once every process ended."""
+    s, fto = validate(job), job.fault_tolerance
+    assert fto is not None
+    if in_torchrun():
+        raise ConfigError([("fault_tolerance", "paratrain run starts the replica groups itself "
+                                               "(one process each); run the job without torchrun")])
+    task, train, _ = _load_task(job)
+    validate(job, num_train=None if is_stream(train) else len(train))
+    task.build_model(job.model, train)
+    n, job_json = s.num_replicas, job.to_json_dict()
+    with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
+        folder.prepare_launch()
+        run_dir = folder.path
+        for old in [*run_dir.glob("replica-*.json"), *run_dir.glob(".replica-*-error.json")]:
+            old.unlink()
+        with _lighthouse(fto) as address, ft.start_line() as line:
+            restarts = ft.supervise(
+                group_main, lambda g, r: (job_json, resume or r > 0, g, address, line, r, ParentState()),
+                groups=n, max_restarts=job.run.max_restarts, fatal=_fatal(run_dir), preload=[__name__],
+                on_restart=_restarted)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ends = [run_dir / f"replica-{g}.json" for g in range(n)]
+    summary["fault_tolerance"] = {
+        "restarts": restarts, "min_replicas": fto.min_replicas,
+        "parameters_sha256_by_replica": [json.loads(p.read_text())["parameters_sha256"] if p.exists() else None
+                                         for p in ends]}
+    write_summary(run_dir, summary)
+    return dict(summary)
+
+
+def _lighthouse(fto: Any) -> Any:
+    """The Lighthouse paratrain starts, or the address of the one the job names."""
+    if fto.lighthouse == "start":
+        return ft.lighthouse(min_replicas=fto.min_replicas, join_timeout_s=fto.join_timeout_s,
+                             heartbeat_timeout_s=fto.heartbeat_timeout_s)
+    address = fto.lighthouse if "://" in fto.lighthouse else f"http://{fto.lighthouse}"
+    return contextlib.nullcontext(address)

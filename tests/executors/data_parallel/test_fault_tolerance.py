@@ -1,0 +1,126 @@
+"""DataParallel under ``[fault_tolerance]`` (torchft), in torchft's own style: replica groups
+(one process each) on gloo with a real Lighthouse on 127.0.0.1, a group SIGKILLed at a chosen
+step (``PARATRAIN_FAULT_KILL``, first attempt only):
+
+* with every group alive the parameters equal plain DataParallel's, bit for bit;
+* a group killed mid-run is restarted alone (the other's restart count stays 0), heals from
+  the live peer (not from its disk checkpoint, which is older) and every group ends with the
+  same parameters;
+* with ``min_replicas`` more than the groups alive, the quorum timeout fails the run with a
+  clear error within ``quorum_timeout_s`` plus slack, not a hang;
+* a bad ``[fault_tolerance]`` is a ConfigError naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from paratrain.comm.launch import WorkerError
+from paratrain.config import ConfigError, load_job
+from paratrain.config.effective import effective_settings
+from paratrain.executors.data_parallel import fault_tolerance as ft
+from paratrain.executors.data_parallel import runner as dp
+
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def _job(tmp: Path, name: str, *, ft_table: dict[str, Any] | None = None, **run: Any) -> Any:
+    doc: dict[str, Any] = {
+        "run": {"name": name, "output_dir": str(tmp), "seed": 3, "progress_every": "off", **run},
+        "model": {"name": "mlp", "hidden": [32]}, "data": {"name": "digits"},
+        "train": {"epochs": 1, "batch_size": 16, "max_steps": 24, "eval_every": 0,
+                  "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9}},
+        "strategy": {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "AllReduce"}},
+    }
+    if ft_table is not None:
+        doc["fault_tolerance"] = {"quorum_timeout_s": 60, "join_timeout_s": 0.5,
+                                  "heartbeat_timeout_s": 2.0, **ft_table}
+    return load_job(doc)
+
+
+def test_every_group_alive_equals_plain_data_parallel(tmp_path: Path) -> None:
+    plain = dp.run(_job(tmp_path, "plain"))
+    tolerant = ft.run(_job(tmp_path, "ft", ft_table={}))
+    assert tolerant["steps"] == plain["steps"] == 24
+    assert tolerant["fault_tolerance"]["restarts"] == [0, 0]
+    assert tolerant["fault_tolerance"]["parameters_sha256_by_replica"] == [plain["parameters_sha256"]] * 2
+    assert tolerant["parameters_sha256"] == plain["parameters_sha256"]
+
+
+def test_killed_group_restarts_alone_and_heals_from_a_live_peer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # group 1 dies after step 9; its disk checkpoint is step 8's (group 0 writes every 4);
+    # min_replicas = 2: group 0 waits at step 10's quorum for the restarted group
+    monkeypatch.setenv(dp.FAULT_ENV, "1:9")
+    job = _job(tmp_path, "kill", ft_table={"min_replicas": 2}, max_restarts=1, checkpoint_every=4)
+    summary = ft.run(job)
+    run_dir = Path(summary["run_dir"])
+    assert summary["steps"] == 24 and summary["restart_count"] == 0
+    assert summary["fault_tolerance"]["restarts"] == [0, 1]  # the other group was not restarted
+    digests = summary["fault_tolerance"]["parameters_sha256_by_replica"]
+    assert digests == [summary["parameters_sha256"]] * 2  # every replica's state equal
+    healed = json.loads((run_dir / "replica-1.json").read_text())
+    assert healed["restart_count"] == 1 and healed["steps"] == 24
+    # healed from the live peer's step 9, past the step-8 checkpoint it had read from disk
+    assert healed["resumed_from"]["checkpoint"] == "a live peer"
+    assert healed["resumed_from"]["step"] == 9
+    survivor = json.loads((run_dir / "replica-0.json").read_text())
+    assert survivor["restart_count"] == 0 and survivor["resumed_from"] is None
+    assert survivor["steps_short_of_groups"] == 0  # no step committed without group 1
+
+
+def test_survivor_goes_on_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # min_replicas = 1 and no restart: group 1's shard of steps 4..24 is never trained,
+    # those steps average over group 0 alone
+    monkeypatch.setenv(dp.FAULT_ENV, "1:3")
+    summary = ft.run(_job(tmp_path, "alone", ft_table={"min_replicas": 1}, max_restarts=0))
+    assert summary["steps"] == 24 and summary["fault_tolerance"]["restarts"] == [0, 0]
+    assert summary["fault_tolerance"]["parameters_sha256_by_replica"] == [summary["parameters_sha256"], None]
+    survivor = json.loads((Path(summary["run_dir"]) / "replica-0.json").read_text())
+    assert survivor["steps_short_of_groups"] == 24 - 3
+
+
+def test_quorum_timeout_fails_in_bounded_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # min_replicas = 2 and group 1 dies with no restart: group 0 can never form a quorum
+    monkeypatch.setenv(dp.FAULT_ENV, "1:3")
+    job = _job(tmp_path, "timeout", ft_table={"min_replicas": 2, "quorum_timeout_s": 3}, max_restarts=0)
+    began = time.monotonic()
+    with pytest.raises(WorkerError, match="quorum_timeout_s = 3 s") as err:
+        ft.run(job)
+    waited = float(err.value.message.rsplit("waited ", 1)[1].split(" s")[0])
+    assert 2.5 <= waited <= 3 + 2  # the timeout fired when due, not later
+    assert time.monotonic() - began < 120  # start-up included: no hang
+
+
+@pytest.mark.parametrize(("table", "strategy", "field"), [
+    ({}, {"type": "Local"}, "fault_tolerance"),
+    ({}, {"type": "DataParallel", "num_replicas": 2, "aggregation": {"method": "ParameterServer"}},
+     "fault_tolerance"),
+    ({"min_replicas": 3}, None, "fault_tolerance.min_replicas"),
+    ({"min_replicas": 0}, None, "fault_tolerance.min_replicas"),
+    ({"lighthouse": "nowhere"}, None, "fault_tolerance.lighthouse"),
+    ({"replay": True}, None, "fault_tolerance.replay"),
+    ({"quorum_timeout_s": 0}, None, "fault_tolerance.quorum_timeout_s"),
+])
+def test_bad_fault_tolerance_names_the_field(tmp_path: Path, table: dict[str, Any],
+                                             strategy: dict[str, Any] | None, field: str) -> None:
+    doc = _job(tmp_path, "bad").to_json_dict()
+    doc["fault_tolerance"] = table
+    if strategy is not None:
+        doc["strategy"] = strategy
+    with pytest.raises(ConfigError) as err:
+        load_job(doc)
+    assert [p for p, _ in err.value.problems] == [field]
+
+
+def test_another_lighthouse_keeps_its_own_timings(tmp_path: Path) -> None:
+    job = _job(tmp_path, "external", ft_table={"lighthouse": "10.0.0.7:29510"})
+    eff = effective_settings(job)
+    assert eff.settings["fault_tolerance"]["lighthouse"] == "10.0.0.7:29510"
+    assert {i.field for i in eff.ignored} >= {"fault_tolerance.join_timeout_s",
+                                              "fault_tolerance.heartbeat_timeout_s"}
