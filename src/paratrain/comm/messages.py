@@ -7,6 +7,8 @@ group). The pipeline's activation transport is :mod:`paratrain.comm.p2p`.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -125,3 +127,92 @@ def exchange_bytes(payload: torch.Tensor, *, peers: Sequence[int], group: Any = 
         bufs[j] = torch.empty(k, dtype=torch.uint8, device=dev)
     batch_exchange(dict.fromkeys(peers, wire), bufs, group=group)
     return {j: bytes(b.cpu().numpy().tobytes()) for j, b in bufs.items()}
+
+
+class PendingSends:
+    """:func:`send_bytes` without waiting: each message's header and payload posted as
+    asynchronous sends, kept (with their tensors) until :meth:`wait`. A sender that must not
+    block on a busy receiver (a server handing work to its workers) posts and moves on."""
+
+    def __init__(self, group: Any = None, counter: CommCounter | None = None) -> None:
+        self.group, self.counter = group, counter
+        self.works: list[tuple[Any, torch.Tensor]] = []
+
+    def post(self, data: bytes, *, dst: int) -> None:
+        dev = comm_device(self.group)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if data else None
+        head = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        peer = global_rank(self.group, dst)
+        for t in (head, payload):
+            if t is not None:
+                self.works.append((dist.isend(t, dst=peer, group=self.group), t))
+        count_op(self.counter, "send", 8 + len(data))
+        self.works = [(w, t) for w, t in self.works if w is not None and not w.is_completed()]
+
+    def wait(self) -> None:
+        for w, _ in self.works:
+            w.wait()
+        self.works = []
+
+
+class AnySource:
+    """Receive what :func:`send_bytes` (header on) sent, from whichever rank of ``group`` sends
+    first, in the order they come: a thread posts one receive from any source for each message
+    announced by :meth:`expect` (gloo's receive makes progress only inside ``wait``, so a poll
+    would never see one), then takes the payload from that sender (a rank sends its header
+    before its payload, so they cannot mix). The thread is the group's only receiver meanwhile."""
+
+    def __init__(self, group: Any = None, *, max_bytes: int = 1 << 32, counter: CommCounter | None = None) -> None:
+        self.group, self.max_bytes, self.counter = group, max_bytes, counter
+        self.got: queue.Queue[tuple[int, bytes] | BaseException] = queue.Queue()
+        self.expected, self.closed = 0, False
+        self.cv = threading.Condition()
+        self.thread: threading.Thread | None = None
+
+    def expect(self, n: int = 1) -> None:
+        """``n`` more messages will come."""
+        with self.cv:
+            self.expected += n
+            self.cv.notify()
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._receive, name="paratrain-any-source", daemon=True)
+            self.thread.start()
+
+    def _receive(self) -> None:
+        head = torch.empty(1, dtype=torch.int64, device=comm_device(self.group))
+        while True:
+            with self.cv:
+                while not self.expected and not self.closed:
+                    self.cv.wait()
+                if not self.expected:
+                    return
+                self.expected -= 1
+            try:
+                work = dist.irecv(head, src=None, group=self.group)
+                assert work is not None  # (this rank is in the group)
+                work.wait()
+                src = int(work._source_rank())
+                self.got.put((src, recv_bytes(src=global_rank(self.group, src), group=self.group,
+                                              nbytes=int(head.item()), max_bytes=self.max_bytes,
+                                              counter=self.counter)))
+            except BaseException as e:  # noqa: BLE001 - handed to the taker, who raises it
+                self.got.put(e)
+                return
+
+    def take(self, *, block: bool) -> tuple[int, bytes] | None:
+        """``(sender's group rank, bytes)``; None when ``block`` is off and nothing has come."""
+        try:
+            item = self.got.get(block=block)
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop the thread (after the messages expected have come)."""
+        with self.cv:
+            self.closed = True
+            self.cv.notify()
+        if self.thread is not None:
+            self.thread.join()

@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
-from ._base import Contract, Count, NonNegFloat
+from ._base import Contract, Count, NonNegFloat, PositiveCount
 
 PosFloat = Annotated[float, Field(gt=0.0, allow_inf_nan=False)]
 Decay = Annotated[float, Field(ge=0.0, lt=1.0, allow_inf_nan=False)]
@@ -107,8 +107,26 @@ class FedNova(Contract):
     method: Literal["FedNova"] = "FedNova"
 
 
+class FedBuff(Contract):
+    """Extension: FedBuff (Nguyen et al. 2022, "Federated Learning with Buffered Asynchronous
+    Aggregation", AISTATS, Alg. 1): ``concurrency`` clients train at once, each from the
+    server version current when it started; whenever ``buffer_size`` updates have arrived the
+    server steps ``w <- w + eta * sum_k g(s_k) n_k D_k / sum_k n_k`` (``s_k`` the versions
+    elapsed since client k's start) and a finished client's slot goes to the next client."""
+
+    method: Literal["FedBuff"] = "FedBuff"
+    buffer_size: PositiveCount
+    """K: client updates per server step (at most concurrency)."""
+    concurrency: PositiveCount
+    """Clients training at once (at most the clients client_selection picks per draw)."""
+    staleness: Literal["sqrt", "constant"] = "sqrt"
+    """Staleness weight g(s): "sqrt" = 1/sqrt(1+s) (the paper's), "constant" = 1."""
+    eta: PosFloat = 1.0
+    """Server learning rate eta_g on the buffered step."""
+
+
 FederatedAggregation = Annotated[
     FedAvg | FedProx | FedYogi | FedAdam | FedAdagrad | FedAvgM | FedMedian | FedTrimmedAvg | Krum
-    | SCAFFOLD | FedNova,
+    | SCAFFOLD | FedNova | FedBuff,
     Field(discriminator="method"),
 ]

@@ -10,6 +10,7 @@ from ...config import ConfigError
 from ...config.flower import secure_problems
 from ...config.job import JobConfig
 from ...training.faults import FAULTS_ENV, injected_faults
+from .buffered import fedbuff_problems
 from .client import client_name
 from .drift import drift_problems
 from .privacy import dp_problems
@@ -81,12 +82,15 @@ def check_data(job: JobConfig, bundle: Any) -> None:
 
 
 def check_selection(job: JobConfig, tags: dict[int, list[str]]) -> None:
-    """A ``ByCapability`` selection no client can ever match: a ConfigError naming the tags."""
+    """A ``ByCapability`` selection no client can ever match: a ConfigError naming the tags;
+    FedBuff's options that cannot work with the job (:func:`.buffered.fedbuff_problems`)."""
     s: Any = job.strategy
-    if getattr(s.client_selection, "method", None) != "ByCapability":
-        return
-    try:
-        select_clients(s.client_selection, num_clients=s.num_clients, round_idx=0, seed=job.run.seed,
-                       client_tags=tags)
-    except ValueError as e:
-        raise ConfigError([("strategy.client_selection.required_tags", str(e).split(": ", 1)[-1])]) from None
+    if getattr(s.client_selection, "method", None) == "ByCapability":
+        try:
+            select_clients(s.client_selection, num_clients=s.num_clients, round_idx=0, seed=job.run.seed,
+                           client_tags=tags)
+        except ValueError as e:
+            raise ConfigError([("strategy.client_selection.required_tags", str(e).split(": ", 1)[-1])]) from None
+    problems = fedbuff_problems(job, tags)
+    if problems:
+        raise ConfigError(problems)

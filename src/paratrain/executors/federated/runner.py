@@ -35,6 +35,8 @@ from ...training import MetricsWriter, prepare_run_dir
 from ...training.lifecycle import Lifecycle
 from ...training.loop import peak_rss_mb
 from ...training.rundir import run_dir_of
+from .asynchronous import run_buffered
+from .buffered import Buffered, is_buffered
 from .checks import check_job, check_selection, client_tags
 from .client import ClientHost
 from .drift import broadcast_control, uses_control
@@ -76,7 +78,9 @@ def worker_main(ctx: WorkerContext, job: JobConfig, resume: bool) -> dict[str, A
     done = start
     with w.life:
         w.life.show(start)
-        for r in range(start, strat.rounds):
+        if is_buffered(job):  # FedBuff: versions as updates arrive (.asynchronous)
+            done = run_buffered(w, start, _evaluate)
+        for r in range(start, start if is_buffered(job) else strat.rounds):
             if not _round(w, r):
                 break
             done = r + 1
@@ -114,12 +118,13 @@ def _set_up(ctx: WorkerContext, job: JobConfig, resume: bool, started: float) ->
         schedule = RoundSchedule(job.train.lr_schedule, job.train.warmup_steps, strat.rounds)
         server = FederatedServer(strat.aggregation, template, schedule, num_clients=strat.num_clients)
         server.set_privacy(build_server_privacy(job, [len(p) for p in data.partitions], tags))  # [federated.dp]
+        server.buffered = Buffered(job, tags) if is_buffered(job) else None
     kept = host if stateful(job, data.personal_keys) else None
     g = group if world > 1 else None
     life = Lifecycle(
         store=local_store(run_dir, rank=rank, world=world, group=group, stateful=kept is not None), unit="round",
         total=strat.rounds, label="Federated", state=lambda done: round_state(server, kept, done),
-        checkpoint_every=job.run.checkpoint_every, group=g, rank=rank, restart_count=ctx.restart_count,
+        checkpoint_every=job.run.checkpoint_every, group=None if is_buffered(job) else g, rank=rank, restart_count=ctx.restart_count,
         progress_every=job.run.progress_every, show=None if rank == 0 else False)
     start, found = restore(life, server, kept, resume=resume, rank=rank, world=world, group=g,
                            solo=kept is None)

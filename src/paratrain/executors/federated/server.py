@@ -81,6 +81,7 @@ class FederatedServer:
         self.rounds_to_target: int | None = None
         self.bytes_up = self.bytes_down = self.wire_bytes_down = self.wire_bytes_up = self.failures = 0
         self.privacy: ServerPrivacy | None = None  # [federated.dp]: set_privacy
+        self.buffered: Any = None  # FedBuff's buffer and clients in flight (.buffered.Buffered)
 
     def set_privacy(self, privacy: ServerPrivacy | None) -> None:
         """Run under ``[federated.dp]`` (before loading a checkpoint); a budget too small for
@@ -154,7 +155,8 @@ class FederatedServer:
         except MalformedUpdateError as e:
             got.failed.append({"client": cid, "error": f"rejected update: {e}"})
             return
-        got.infos.append({"steps": st.get("steps"), "norm": st.get("norm"), "control": ctrl})
+        got.infos.append({"steps": st.get("steps"), "norm": st.get("norm"), "control": ctrl,
+                          "staleness": st.get("staleness")})  # FedBuff's (.buffered)
         got.updates.append(upd)
         got.weights.append(float(n))
         if st.get("loss") is not None:
@@ -180,6 +182,7 @@ class FederatedServer:
             "rounds_to_target": -1 if self.rounds_to_target is None else self.rounds_to_target,
             **{k: getattr(self, k) for k in _COUNTERS},
             **({"privacy": self.privacy.state_dict()} if self.privacy is not None else {}),
+            **({"buffered": self.buffered.state_dict()} if self.buffered is not None else {}),
             "saved_at": time.time(),
         }
 
@@ -220,3 +223,5 @@ class FederatedServer:
             setattr(self, k, int(state.get(k, 0)))
         if self.privacy is not None:
             self.privacy.load_state_dict(state["privacy"])
+        if self.buffered is not None:
+            self.buffered.load_state_dict(state["buffered"])

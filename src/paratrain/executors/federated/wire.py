@@ -11,6 +11,7 @@ flat vectors (:func:`broadcast_state`): the floating tensors as float32, the oth
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from collections.abc import Mapping, Sequence
@@ -181,3 +182,17 @@ def _decode_compressed(client: str, name: str, data: bytes, shape: tuple[int, ..
     if tuple(t.shape) != shape:
         raise MalformedUpdateError(client, name, f"decoded shape {tuple(t.shape)} != {shape}")
     return t.to(torch.float32)
+
+
+def frame(doc: Mapping[str, Any], payload: bytes | memoryview = b"") -> bytes:
+    """One message: an 8-byte little-endian length, the JSON ``doc``, then ``payload``."""
+    head = json.dumps(doc).encode()
+    return len(head).to_bytes(8, "little") + head + bytes(payload)
+
+
+def unframe(data: bytes) -> tuple[dict[str, Any], memoryview]:
+    """:func:`frame`'s ``(doc, payload)``; a ValueError when the length does not fit."""
+    n = int.from_bytes(data[:8], "little")
+    if len(data) < 8 or n > len(data) - 8:
+        raise ValueError(f"message of {len(data)} bytes announces a {n}-byte header")
+    return json.loads(data[8 : 8 + n]), memoryview(data)[8 + n :]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import drift, fedavg, robust
+from . import drift, fedavg, fedbuff, robust
 from ._common import Aggregator, MalformedUpdateError
 from .drift import control_keys, fednova_norm, scaffold_client_control
 from .fedavg import fedavg_step, proximal_term
@@ -21,7 +21,7 @@ AGGREGATORS: dict[str, type[Aggregator]] = {cls.name: cls for cls in (
     fedavg.FedAvgAggregator, fedavg.FedProxAggregator, fedavg.FedYogiAggregator,
     fedavg.FedAdamAggregator, fedavg.FedAdagradAggregator, fedavg.FedAvgMAggregator,
     robust.FedMedianAggregator, robust.FedTrimmedAvgAggregator, robust.KrumAggregator,
-    drift.ScaffoldAggregator, drift.FedNovaAggregator,
+    drift.ScaffoldAggregator, drift.FedNovaAggregator, fedbuff.FedBuffAggregator,
 )}
 
 

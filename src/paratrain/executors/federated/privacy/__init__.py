@@ -193,10 +193,10 @@ UNPRIVATISED = {"SCAFFOLD": "its control-variate change dc_i", "FedNova": "its l
 def dp_problems(job: Any) -> list[tuple[str, str]]:
     """Why this job's ``[federated.dp]`` cannot run (empty when it can)."""
     spec = job.federated.dp
-    if spec is None:
+    method = str(getattr(job.strategy.aggregation, "method", ""))
+    if spec is None or method == "FedBuff":  # FedBuff refuses [federated.dp] (.buffered.fedbuff_problems)
         return []
     out: list[tuple[str, str]] = []
-    method = str(getattr(job.strategy.aggregation, "method", ""))
     if method in UNPRIVATISED:
         out.append(("strategy.aggregation.method", (
             f"{method} sends {UNPRIVATISED[method]} next to each update, which [federated.dp] "

@@ -1,0 +1,161 @@
+"""FedBuff on the local runtime (rules: :mod:`.buffered`): rank 0 is the server and trains
+the clients it hosts itself when it dispatches them; it hands every other client to its
+hosting rank as one message (the base model, unless that rank already holds that version),
+posted without waiting, and takes the replies as they come, from whichever rank answers
+first (:class:`~paratrain.comm.messages.AnySource`). Each pass takes the updates at hand
+(blocking only when none is), books them in dispatch order, steps whenever the buffer is
+full, then refills the free slots. A worker trains its dispatches in the order they came.
+
+Only rank 0 keeps the lifecycle (one version = one "round": evaluated, logged, checkpointed):
+the workers keep no state. At the end, and on SIGINT/SIGTERM, rank 0 sends every worker a
+stop after the dispatches it owes and takes the replies still due (their updates unused:
+the clients in flight are in the checkpoint, dispatched again on resume).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...comm.messages import AnySource, PendingSends, recv_bytes, send_bytes
+from ...training.lifecycle import Interrupted
+from .buffered import Buffered, Flight, slow_client
+from .state import round_record
+from .wire import decode_update, dense_headers, encode_update, frame, unframe
+
+_MAX_BYTES = 1 << 34
+
+
+def train(w: Any, doc: dict[str, Any], model: dict[str, torch.Tensor]) -> tuple[dict[str, Any], bytes]:
+    """One dispatched client's update (its status and payload); a slow client
+    (:data:`.buffered.SLOW_ENV`) trains the same update over as many times as its factor."""
+    c, slow = int(doc["client"]), slow_client()
+    reps = slow[1] if slow is not None and slow[0] == c else 1
+    state = {k: v.to(w.ctx.device) for k, v in model.items()}
+    for _ in range(reps):
+        res = w.host.train_one(c, int(doc["draw"]), state, float(doc["lr_scale"]))
+    w.host.trained -= reps - 1  # one update
+    return res.status(), res.payload
+
+
+class _Server:
+    """Rank 0's loop (module docstring)."""
+
+    def __init__(self, w: Any, evaluate: Callable[[Any, str], Any]) -> None:
+        self.w, self.evaluate = w, evaluate
+        self.server, self.world = w.server, w.ctx.world_size
+        self.buf: Buffered = w.server.buffered
+        self.sends = PendingSends(w.ctx.group, w.traffic)
+        self.inbox = AnySource(w.ctx.group, max_bytes=_MAX_BYTES, counter=w.traffic)
+        self.at_hand: list[tuple[int, dict[str, Any], bytes | memoryview]] = []  # rank 0's own clients' updates
+        self.owed = 0  # replies the workers owe
+        self.holds: dict[int, int] = {}  # rank -> the model version it holds
+
+    def dispatch(self, flights: list[Flight]) -> None:
+        for f in flights:
+            doc = {"seq": f.seq, "client": f.client, "draw": f.draw, "lr_scale": f.lr_scale, "version": f.base}
+            model, rank = self.buf.bases[f.base], f.client % self.world
+            if rank == 0:
+                self.at_hand.append((f.seq, *train(self.w, doc, model)))
+                continue
+            doc["model"] = self.holds.get(rank) != f.base
+            self.holds[rank] = f.base
+            self.sends.post(frame(doc, encode_update(model)[1] if doc["model"] else b""), dst=rank)
+            self.inbox.expect()
+            self.owed += 1
+
+    def collect(self) -> list[tuple[int, dict[str, Any], bytes | memoryview]]:
+        """The updates at hand, waiting for one only when none is, in dispatch order."""
+        got, self.at_hand = self.at_hand, []
+        while self.owed:
+            one = self.inbox.take(block=not got)
+            if one is None:
+                break
+            self.owed -= 1
+            doc, payload = unframe(one[1])
+            got.append((int(doc["seq"]), doc["status"], payload))
+        return sorted(got, key=lambda g: g[0])
+
+    def run(self, start: int) -> int:
+        """Versions until ``strategy.rounds`` (or the target accuracy); returns the versions done."""
+        server, buf, rounds = self.server, self.buf, self.w.job.strategy.rounds
+        done = start
+        if done >= rounds or server.stopped:
+            return done
+        # resumed: the clients in flight again, from their bases; their updates come before a refill
+        self.dispatch(sorted(buf.flights.values(), key=lambda f: f.seq)
+                      or buf.fill(server.round, server.global_state, server.schedule.factor()))
+        while True:
+            for seq, status, payload in self.collect():
+                if buf.arrive(seq, status, payload, server.round):
+                    done = self.step()
+                    if done >= rounds or server.stopped:
+                        return done
+            self.dispatch(buf.fill(server.round, server.global_state, server.schedule.factor()))
+
+    def step(self) -> int:
+        """Apply the full buffer as the next version: logged, evaluated, maybe checkpointed."""
+        w, server = self.w, self.server
+        before = w.traffic.bytes.get("recv", 0)
+        statuses, payloads = self.buf.take()
+        version, lr_scale = server.round, server.schedule.factor()
+        rec = server.finish_round(version, statuses, payloads, wire_bytes_up=w.traffic.bytes.get("recv", 0) - before)
+        rec["buffer"] = [{k: st.get(k) for k in ("client", "seq", "base_version", "staleness", "staleness_weight")}
+                         for st in statuses]
+        rec["staleness_max"] = max(int(st["staleness"]) for st in statuses)
+        ev, per = self.evaluate(w, str(version))
+        round_record(server, w.metrics, rec, ev, per, target=w.job.federated.target_accuracy,
+                     lr_scale=lr_scale, time_s=time.perf_counter() - w.started, in_flight=len(self.buf.flights))
+        fit = str(w.data.task.fitness_metric)
+        done = version + 1
+        w.life.show(done, loss=rec.get("train_loss"), info=f"test_{fit} {ev.get(fit, float('nan')):.4g} "
+                                                           f"staleness<={rec['staleness_max']}")
+        w.life.end_unit(done, last=done == w.job.strategy.rounds)
+        return done
+
+    def finish(self, interrupted: str | None = None) -> None:
+        """Stop every worker after what it was sent; take the replies still owed."""
+        for rank in range(1, self.world):
+            self.sends.post(frame({"stop": True, "interrupted": interrupted, "version": self.server.round}), dst=rank)
+        while self.owed:
+            self.inbox.take(block=True)
+            self.owed -= 1
+        self.inbox.close()
+        self.sends.wait()
+
+
+def run_buffered(w: Any, start: int, evaluate: Callable[[Any, str], Any]) -> int:
+    """This rank's part of a FedBuff run from version ``start``; returns the versions done
+    (rank 0's count; a worker returns ``start``)."""
+    if w.server is None:
+        _work(w)
+        return start
+    loop = _Server(w, evaluate)
+    try:
+        done = loop.run(start)
+    except Interrupted as e:
+        loop.finish(interrupted=e.signame)
+        raise
+    loop.finish()
+    return done
+
+
+def _work(w: Any) -> None:
+    """A worker: train each dispatch in turn and send its update to rank 0, until a stop."""
+    headers = dense_headers(w.data.template)
+    model: dict[str, torch.Tensor] = {}
+    while True:
+        doc, payload = unframe(recv_bytes(src=0, group=w.ctx.group, max_bytes=_MAX_BYTES, counter=w.traffic))
+        if doc.get("stop"):
+            if doc.get("interrupted"):
+                raise Interrupted(str(doc["interrupted"]), int(doc["version"]), "round")
+            return
+        if doc["model"]:
+            got = decode_update("server", headers, payload, w.data.template)
+            model = {k: got[k].to(t.dtype) for k, t in w.data.template.items()}
+        status, update = train(w, doc, model)
+        send_bytes(frame({"seq": doc["seq"], "status": status}, update), dst=0, group=w.ctx.group,
+                   counter=w.traffic)
