@@ -67,6 +67,8 @@ def test_buffer_equal_to_concurrency_is_synchronous_fedavg_bit_for_bit(
     recs = read_metrics(fb["run_dir"])
     assert [r["test_accuracy"] for r in recs] == [r["test_accuracy"] for r in read_metrics(avg["run_dir"])]
     assert all(b["staleness"] == 0 for r in recs for b in r["buffer"])
+    if per_draw != 4:
+        return
     # a smaller buffer is another algorithm: stale updates join the next version
     other = run_in_process(fed_job(tmp_path, "fb2", agg=buff(per_draw - 1, per_draw), **kw))
     assert other["parameters_sha256"] != avg["parameters_sha256"]
