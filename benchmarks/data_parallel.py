@@ -264,8 +264,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="seconds: every code path, 2 repeats")
     args = parser.parse_args()
     cfg = ({"steps": 2, "repeats": 2, "batch": 16, "bw_repeats": 2} if args.smoke else
-           {"steps": 8, "repeats": 5, "batch": 64, "bw_repeats": 5} if args.quick else
-           {"steps": 20, "repeats": 9, "batch": 64, "bw_repeats": 15})
+           {"steps": 20, "repeats": 9, "batch": 64, "bw_repeats": 5} if args.quick else
+           {"steps": 40, "repeats": 15, "batch": 64, "bw_repeats": 15})
     from paratrain.comm.testing import run_distributed
 
     t0 = time.perf_counter()
