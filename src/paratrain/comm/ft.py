@@ -45,9 +45,9 @@ def _quiet() -> None:
 @contextlib.contextmanager
 def lighthouse(*, min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float) -> Iterator[str]:
     """A torchft Lighthouse on 127.0.0.1 for the block; yields its address."""
+    _quiet()  # before torchft's import, which sets up its logger
     from torchft.coordination import LighthouseServer
 
-    _quiet()
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas,
                               join_timeout_ms=int(join_timeout_s * 1000),
                               heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
@@ -76,10 +76,10 @@ class ReplicaGroup:
 
     def __init__(self, *, replica: int, lighthouse: str, min_replicas: int, quorum_timeout_s: float,
                  timeout_s: float, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+        _quiet()  # before torchft's import, which sets up its logger
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
-        _quiet()
         self.min_replicas, self.quorum_timeout_s = min_replicas, quorum_timeout_s
         timeout = timedelta(seconds=timeout_s)
         # the Manager's own store (one process: this group's only rank)

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,7 @@ class HealingStore:
         self.group: ft.ReplicaGroup | None = None
         self._state: Any = None  # the loop's live state (bound once it runs)
         self.received: dict[str, Any] | None = None
+        self.healed_at: float | None = None
 
     def bind_state(self, state: Any) -> None:
         self._state = state
@@ -139,6 +141,7 @@ class HealingStore:
         self.group.begin()
         if self.received is not None:
             state, self.received = {**self.received, "loader": {}}, None
+            self.healed_at = time.time()  # wall clock: the supervisor's restart times are too
             return Path("a live peer"), state
         if self.ended is not None and self.ended():
             raise RunEnded  # restarted, no peer to heal from: the others finished the run
@@ -214,7 +217,7 @@ def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: st
     (run_dir / f"replica-{replica}.json").write_text(json.dumps(
         {"replica": replica, "parameters_sha256": summary["parameters_sha256"], "steps": summary["steps"],
          "restart_count": restart_count, "resumed_from": summary.get("resumed_from"),
-         "steps_short_of_groups": trainer.short}))
+         "steps_short_of_groups": trainer.short, "healed_at": store.healed_at}))
 
 
 def _prepare(job: JobConfig, replica: int, resume: bool) -> Any:
@@ -239,6 +242,8 @@ def group_main(job_json: dict[str, Any], resume: bool, replica: int, lighthouse:
     parent.apply()
     if not os.environ.get("PARATRAIN_DEBUG"):  # torchft's per-quorum warnings (no NCCL here)
         logging.getLogger("torchft").setLevel(logging.ERROR)
+        # a healing group reads the peer's tensors from a read-only HTTP body, once
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
     job = JobConfig.model_validate(job_json)
     if job.run.imports:
         from ..plugins import import_plugins
@@ -276,9 +281,13 @@ def _fatal(run_dir: Path) -> Any:
     return fatal
 
 
-def _restarted(replica: int, why: str) -> None:
-    print(f"replica group {replica} died ({why}); restarted alone, it heals from a live peer",
-          file=sys.stderr, flush=True)
+def _restarted(times: dict[str, list[float]]) -> Any:
+    """One line per restart; ``times``: each group's restart times (wall clock)."""
+    def restarted(replica: int, why: str) -> None:
+        times.setdefault(str(replica), []).append(time.time())
+        print(f"replica group {replica} died ({why}); restarted alone, it heals from a live peer",
+              file=sys.stderr, flush=True)
+    return restarted
 
 
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
@@ -299,15 +308,16 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
         run_dir = folder.path
         for old in [*run_dir.glob("replica-*.json"), *run_dir.glob(".replica-*-error.json")]:
             old.unlink()
+        restarted_at: dict[str, list[float]] = {}
         with _lighthouse(fto) as address, ft.start_line() as line:
             restarts = ft.supervise(
                 group_main, lambda g, r: (job_json, resume or r > 0, g, address, line, r, ParentState()),
                 groups=n, max_restarts=job.run.max_restarts, fatal=_fatal(run_dir), preload=[__name__],
-                on_restart=_restarted)
+                on_restart=_restarted(restarted_at))
     summary = json.loads((run_dir / "summary.json").read_text())
     ends = [run_dir / f"replica-{g}.json" for g in range(n)]
     summary["fault_tolerance"] = {
-        "restarts": restarts, "min_replicas": fto.min_replicas,
+        "restarts": restarts, "min_replicas": fto.min_replicas, "restarted_at": restarted_at,
         "parameters_sha256_by_replica": [json.loads(p.read_text())["parameters_sha256"] if p.exists() else None
                                          for p in ends]}
     write_summary(run_dir, summary)
