@@ -124,7 +124,6 @@ def test_cut_and_killed_runs_resume_bit_identically(tmp_path: Path) -> None:
     (buff(4, 3), {}, "strategy.aggregation.buffer_size", "concurrency = 3"),
     (buff(2, 5), {}, "strategy.aggregation.concurrency", "draws 4 of the 4"),
     (buff(1, 3), {"sel": {"method": "Random", "fraction": 0.5}}, "strategy.aggregation.concurrency", "draws 2"),
-    (buff(1, 2), {"runtime": "flower"}, "federated.runtime", "local runtime only"),
     (buff(1, 2), {"compression": {"method": "TopK", "k": 10}}, "compression", "codec state"),
     (buff(1, 2), {"dp": {"clip": 1.0, "noise_multiplier": 0.1}}, "federated.dp", "synchronous"),
 ])

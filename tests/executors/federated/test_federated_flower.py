@@ -53,6 +53,9 @@ AGGREGATIONS = {
     "FedAdam+DP-central": {"method": "FedAdam", "eta": 0.05},
     "FedNova": {"method": "FedNova"},  # normalised local steps: each client's tau_i travels up
     "DP-local": {"method": "FedAvg"},  # + [federated.dp] mode local: clip and seeded noise on the nodes
+    # asynchronous: one message per client, pushed and pulled as replies come (one in flight: the
+    # order is the local path's, so the model is too)
+    "FedBuff": {"method": "FedBuff", "buffer_size": 1, "concurrency": 1},
 }
 # SCAFFOLD (c down with the model, each c_i in its node's context.state) is the resumed run's
 SCAFFOLD = {"method": "SCAFFOLD"}

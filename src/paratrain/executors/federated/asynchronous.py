@@ -14,7 +14,6 @@ the clients in flight are in the checkpoint, dispatched again on resume).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,8 +21,7 @@ import torch
 
 from ...comm.messages import AnySource, PendingSends, recv_bytes, send_bytes
 from ...training.lifecycle import Interrupted
-from .buffered import Buffered, Flight, slow_client
-from .state import round_record
+from .buffered import BufferedLoop, Flight, slow_client
 from .wire import decode_update, dense_headers, encode_update, frame, unframe
 
 _MAX_BYTES = 1 << 34
@@ -41,13 +39,14 @@ def train(w: Any, doc: dict[str, Any], model: dict[str, torch.Tensor]) -> tuple[
     return res.status(), res.payload
 
 
-class _Server:
+class _Server(BufferedLoop):
     """Rank 0's loop (module docstring)."""
 
     def __init__(self, w: Any, evaluate: Callable[[Any, str], Any]) -> None:
-        self.w, self.evaluate = w, evaluate
-        self.server, self.world = w.server, w.ctx.world_size
-        self.buf: Buffered = w.server.buffered
+        super().__init__(w.server, w.job, w.life, w.metrics, lambda tag: evaluate(w, tag), w.started,
+                         str(w.data.task.fitness_metric))
+        self.w, self.world = w, w.ctx.world_size
+        self.counted = (0, 0)  # the transport's bytes sent and received at the last version
         self.sends = PendingSends(w.ctx.group, w.traffic)
         self.inbox = AnySource(w.ctx.group, max_bytes=_MAX_BYTES, counter=w.traffic)
         self.at_hand: list[tuple[int, dict[str, Any], bytes | memoryview]] = []  # rank 0's own clients' updates
@@ -79,42 +78,11 @@ class _Server:
             got.append((int(doc["seq"]), doc["status"], payload))
         return sorted(got, key=lambda g: g[0])
 
-    def run(self, start: int) -> int:
-        """Versions until ``strategy.rounds`` (or the target accuracy); returns the versions done."""
-        server, buf, rounds = self.server, self.buf, self.w.job.strategy.rounds
-        done = start
-        if done >= rounds or server.stopped:
-            return done
-        # resumed: the clients in flight again, from their bases; their updates come before a refill
-        self.dispatch(sorted(buf.flights.values(), key=lambda f: f.seq)
-                      or buf.fill(server.round, server.global_state, server.schedule.factor()))
-        while True:
-            for seq, status, payload in self.collect():
-                if buf.arrive(seq, status, payload, server.round):
-                    done = self.step()
-                    if done >= rounds or server.stopped:
-                        return done
-            self.dispatch(buf.fill(server.round, server.global_state, server.schedule.factor()))
-
-    def step(self) -> int:
-        """Apply the full buffer as the next version: logged, evaluated, maybe checkpointed."""
-        w, server = self.w, self.server
-        before = w.traffic.bytes.get("recv", 0)
-        statuses, payloads = self.buf.take()
-        version, lr_scale = server.round, server.schedule.factor()
-        rec = server.finish_round(version, statuses, payloads, wire_bytes_up=w.traffic.bytes.get("recv", 0) - before)
-        rec["buffer"] = [{k: st.get(k) for k in ("client", "seq", "base_version", "staleness", "staleness_weight")}
-                         for st in statuses]
-        rec["staleness_max"] = max(int(st["staleness"]) for st in statuses)
-        ev, per = self.evaluate(w, str(version))
-        round_record(server, w.metrics, rec, ev, per, target=w.job.federated.target_accuracy,
-                     lr_scale=lr_scale, time_s=time.perf_counter() - w.started, in_flight=len(self.buf.flights))
-        fit = str(w.data.task.fitness_metric)
-        done = version + 1
-        w.life.show(done, loss=rec.get("train_loss"), info=f"test_{fit} {ev.get(fit, float('nan')):.4g} "
-                                                           f"staleness<={rec['staleness_max']}")
-        w.life.end_unit(done, last=done == w.job.strategy.rounds)
-        return done
+    def wire(self) -> tuple[int, int]:
+        sent, got = self.w.traffic.bytes.get("send", 0), self.w.traffic.bytes.get("recv", 0)
+        down, up = sent - self.counted[0], got - self.counted[1]
+        self.counted = (sent, got)
+        return down, up
 
     def finish(self, interrupted: str | None = None) -> None:
         """Stop every worker after what it was sent; take the replies still owed."""

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ from ...config import ConfigError
 from ...config.job import JobConfig
 from .aggregation.fedbuff import staleness_weight
 from .selection import select_clients
+from .state import round_record
 
 #: test/benchmark fault injection, never in the job: ``CLIENT:FACTOR`` makes that client train
 #: its update FACTOR times over (the same update, FACTOR times the work: a slow device)
@@ -68,8 +70,6 @@ def fedbuff_problems(job: JobConfig, tags: Mapping[int, Any]) -> list[tuple[str,
     if agg.buffer_size > agg.concurrency:
         out.append(("strategy.aggregation.buffer_size", (
             f"{agg.buffer_size} updates per step but only concurrency = {agg.concurrency} clients in flight")))
-    if job.federated.runtime != "local":
-        out.append(("federated.runtime", 'FedBuff runs on the local runtime only (runtime = "local")'))
     why = {"federated.dp": job.federated.dp is not None and "its privacy is accounted per synchronous round",
            "compression": job.compression is not None and getattr(job.compression, "method", "None") != "None"
            and "a compressed client keeps a codec state between its updates",
@@ -161,3 +161,66 @@ class Buffered:
         self.buffer = [(st, bytes(pays[str(i)].numpy().tobytes()) if str(i) in pays else b"")
                        for i, st in enumerate(json.loads(state["statuses"]))]
         self.bases = {int(v): dict(m) for v, m in dict(state.get("bases") or {}).items()}
+
+
+Arrival = tuple[int, dict[str, Any], "bytes | memoryview"]  # (dispatch number, status, payload)
+
+
+class BufferedLoop:
+    """A runtime's FedBuff server loop: the runtime's :meth:`dispatch` (start clients) and
+    :meth:`collect` (the updates at hand, waiting for one only when none is, in dispatch order)
+    around the rules above; every version is logged, evaluated and checkpointed as a round."""
+
+    def __init__(self, server: Any, job: JobConfig, life: Any, metrics: Any,
+                 evaluate: Callable[[str], tuple[dict[str, float], dict[str, Any]]], started: float,
+                 fitness: str, **extra: Any) -> None:
+        self.server, self.job, self.life, self.metrics, self.evaluate = server, job, life, metrics, evaluate
+        self.buf: Buffered = server.buffered
+        self.started, self.fitness, self.extra = started, fitness, extra
+
+    def dispatch(self, flights: list[Flight]) -> None:
+        raise NotImplementedError
+
+    def collect(self) -> list[Arrival]:
+        raise NotImplementedError
+
+    def wire(self) -> tuple[int, int]:
+        """The bytes the transport moved down and up since the last call."""
+        raise NotImplementedError
+
+    def run(self, start: int) -> int:
+        """Versions until ``strategy.rounds`` (or the target accuracy); returns the versions done."""
+        server, buf, rounds = self.server, self.buf, self.job.strategy.rounds  # type: ignore[union-attr]
+        done = start
+        if done >= rounds or server.stopped:
+            return done
+        # resumed: the clients in flight again, from their bases; their updates come before a refill
+        self.dispatch(sorted(buf.flights.values(), key=lambda f: f.seq)
+                      or buf.fill(server.round, server.global_state, server.schedule.factor()))
+        while True:
+            for seq, status, payload in self.collect():
+                if buf.arrive(seq, status, payload, server.round):
+                    done = self.step()
+                    if done >= rounds or server.stopped:
+                        return done
+            self.dispatch(buf.fill(server.round, server.global_state, server.schedule.factor()))
+
+    def step(self) -> int:
+        """Apply the full buffer as the next version: logged, evaluated, maybe checkpointed."""
+        server = self.server
+        statuses, payloads = self.buf.take()
+        version, lr_scale = server.round, server.schedule.factor()
+        down, up = self.wire()
+        rec = server.finish_round(version, statuses, payloads, wire_bytes_down=down, wire_bytes_up=up)
+        rec["buffer"] = [{k: st.get(k) for k in ("client", "seq", "base_version", "staleness", "staleness_weight")}
+                         for st in statuses]
+        rec["staleness_max"] = max(int(st["staleness"]) for st in statuses)
+        ev, per = self.evaluate(str(version))
+        round_record(server, self.metrics, rec, ev, per, target=self.job.federated.target_accuracy,
+                     lr_scale=lr_scale, time_s=time.perf_counter() - self.started,
+                     in_flight=len(self.buf.flights), **self.extra)
+        done = version + 1
+        self.life.show(done, loss=rec.get("train_loss"), info=f"test_{self.fitness} "
+                       f"{ev.get(self.fitness, float('nan')):.4g} staleness<={rec['staleness_max']}")
+        self.life.end_unit(done, last=done == self.job.strategy.rounds)  # type: ignore[union-attr]
+        return done

@@ -129,6 +129,34 @@ class Federation:
                                        f"round_timeout {self.opts.round_timeout:g} s{tail}").status(), b"")
         return [got[c][0] for c in clients], [got[c][1] for c in clients], down, up
 
+    def dispatch(self, flight: Any, model: Mapping[str, Tensor]) -> tuple[list[str], int]:
+        """FedBuff (:mod:`..buffered`): push one client's training from ``model`` to the nodes
+        that may host it, without waiting; returns the message ids and the bytes down."""
+        plan = {P.JOB: self.job_json, P.ROUND: int(flight.draw), P.LR_SCALE: float(flight.lr_scale),
+                P.CLIENTS: [int(flight.client)], **self._where()}
+        arrays = ArrayRecord(torch_state_dict=dict(model))
+        msgs = [Message(RecordDict({P.PLAN: ConfigRecord(plan), P.GLOBAL: arrays}), dst_node_id=node,
+                        message_type="train", group_id=f"fedbuff-{flight.seq}") for node in self.targets([flight.client])]
+        return [i for i in self.grid.push_messages(msgs) if i], sum(message_nbytes(m) for m in msgs)
+
+    def pull(self, ids: Sequence[str]) -> list[tuple[str, dict[str, Any] | None, bytes, int]]:
+        """The replies come for message ``ids``: ``(id, the client's status or None, its
+        payload, the reply's bytes)``; a node's partition is noted from its reply."""
+        out: list[tuple[str, dict[str, Any] | None, bytes, int]] = []
+        for m in self.grid.pull_messages(list(ids)):
+            st: dict[str, Any] | None = None
+            pl = b""
+            if not m.has_error():
+                rec: Any = m.content.config_records[P.RESULT]
+                self.partition[int(m.metadata.src_node_id)] = (int(rec[P.PARTITION_ID]), int(rec[P.NUM_PARTITIONS]))
+                statuses = json.loads(str(rec[P.STATUSES]))
+                if statuses:  # one client per FedBuff message
+                    st, pl = statuses[0], bytes(rec[P.PAYLOAD])
+            else:
+                log.warning("SuperNode %s: %s", m.metadata.src_node_id, m.error.reason)
+            out.append((m.metadata.reply_to_message_id, st, pl, message_nbytes(m)))
+        return out
+
     def evaluate(self, tag: str, clients: Sequence[int], global_state: Mapping[str, Tensor],
                  entering: int = 0) -> tuple[dict[int, dict[str, float]], int, int]:
         """Each client's evaluation sums on its own test split, scored by its node with the

@@ -22,13 +22,15 @@ from ....files import step_folders, write_json
 from ....training.lifecycle import Lifecycle
 from ....training.rundir import MetricsWriter, RunFolder
 from ....training.threads import use_threads
-from ..client import client_name
+from ..buffered import Arrival, Buffered, BufferedLoop, Flight, is_buffered
+from ..client import ClientResult, client_name
 from ..personal import round_metrics
 from ..privacy import build_server_privacy
 from ..selection import select_clients
 from ..server import FederatedServer, RoundSchedule, mean_loss
 from ..state import fed_store, finish_run, restore, round_record, round_state
 from ..wire import encode_update
+from . import protocol as P
 from .side import Side, build_side, stateful
 
 if TYPE_CHECKING:  # the loop itself imports no Flower
@@ -78,6 +80,7 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
         server = FederatedServer(strat.aggregation, side.template, schedule, num_clients=strat.num_clients)
         tags = {c: sorted(job.federated.client_tags.get(client_name(c), [])) for c in range(strat.num_clients)}
         server.set_privacy(build_server_privacy(job, [len(p) for p in side.partitions], tags))  # [federated.dp]
+        server.buffered = Buffered(job, tags) if is_buffered(job) else None
         with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
             run_dir = folder.path
             life = Lifecycle(store=fed_store(run_dir, rank=0, world=1, group=None, runtime="flower"),
@@ -91,7 +94,10 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
             life.begin(start, resume=resume, found=found, metrics=metrics)
             secure = getattr(job.federated.flower, "secure_aggregation", None) is not None
             with life:
-                for r in range(start, strat.rounds):
+                if server.buffered is not None:  # FedBuff: versions as replies come
+                    _FlowerBuffered(server, job, life, metrics, lambda tag: _evaluate(side, server, nodes, tag, server.round),
+                                    started, str(side.task.fitness_metric), nodes).run(start)
+                for r in range(start, start if server.buffered is not None else strat.rounds):
                     if server.stopped:
                         break
                     t_round = time.perf_counter()
@@ -116,6 +122,56 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
                     life.end_unit(r + 1, last=r + 1 == strat.rounds or server.stopped)
             life.finish(server.round)
             return _finish(side, server, nodes, run_dir, started, resumed_from=start if resume else None)
+
+
+class _FlowerBuffered(BufferedLoop):
+    """FedBuff over the Grid (:mod:`..buffered`): one train message per dispatched client, to
+    the nodes that may host it, pushed without waiting; the replies pulled as they come (the
+    hosting node's counts). A client whose node has not answered within ``round_timeout`` is a
+    failed update (it still fills its place in the buffer)."""
+
+    def __init__(self, *args: Any) -> None:
+        *base, self.nodes = args
+        super().__init__(*base, runtime="flower")
+        self.owner: dict[str, int] = {}  # message id -> dispatch number (until its reply comes)
+        self.waiting: dict[int, tuple[set[str], float]] = {}  # dispatch -> (messages unanswered, deadline)
+        self.bytes = [0, 0]  # down, up since the last version
+
+    def dispatch(self, flights: list[Flight]) -> None:
+        timeout = float(self.nodes.opts.round_timeout)
+        for f in flights:
+            ids, down = self.nodes.dispatch(f, self.buf.bases[f.base])
+            self.bytes[0] += down
+            self.owner.update(dict.fromkeys(ids, f.seq))
+            self.waiting[f.seq] = (set(ids), time.monotonic() + timeout)
+
+    def collect(self) -> list[Arrival]:
+        wait = P.POLL_S
+        while True:
+            got: list[Arrival] = []
+            for mid, st, pl, nbytes in self.nodes.pull(list(self.owner)):
+                seq = self.owner.pop(mid, None)
+                self.bytes[1] += nbytes
+                if seq in self.waiting:
+                    self.waiting[seq][0].discard(mid)
+                    if st is not None:
+                        got.append((seq, st, pl))
+                        del self.waiting[seq]
+            now = time.monotonic()
+            for seq, (ids, deadline) in list(self.waiting.items()):
+                if not ids or now > deadline:  # every node answered without it, or too late
+                    c = self.buf.flights[seq].client
+                    got.append((seq, ClientResult(c, False, error=f"no SuperNode hosting {client_name(c)} "
+                                                  f"replied within round_timeout").status(), b""))
+                    del self.waiting[seq]
+            if got:
+                return sorted(got, key=lambda g: g[0])
+            time.sleep(wait)  # as push_and_pull: back off while nothing comes
+            wait = min(wait * 1.5, 1.0)
+
+    def wire(self) -> tuple[int, int]:
+        (down, up), self.bytes = self.bytes, [0, 0]
+        return down, up
 
 
 def _secure_round(side: Side, server: FederatedServer, nodes: Nodes, r: int, clients: list[int],
