@@ -14,6 +14,8 @@ step (``PARATRAIN_FAULT_KILL``, first attempt only):
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,45 @@ def test_survivor_goes_on_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert summary["fault_tolerance"]["parameters_sha256_by_replica"] == [summary["parameters_sha256"], None]
     survivor = json.loads((Path(summary["run_dir"]) / "replica-0.json").read_text())
     assert survivor["steps_short_of_groups"] == 24 - 3
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_group_sigkilled_mid_step_from_outside(tmp_path: Path) -> None:
+    # a real SIGKILL at no chosen point (inside a step, an all-reduce or a quorum): the
+    # survivor's step in flight is not committed and is taken again; the group restarts alone
+    import multiprocessing.forkserver
+    import threading
+
+    job = _job(tmp_path, "outside", ft_table={"min_replicas": 1}, max_restarts=1, log_every=10)
+    doc = job.to_json_dict()
+    doc["train"].update(max_steps=400, epochs=100)
+    result: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: result.update(ft.run(load_job(doc))))
+    runner.start()
+    metrics = tmp_path / "outside" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and '"kind": "train"' in metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the run's own output: training has begun
+    server = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    groups = _children(server)
+    assert len(groups) == 2
+    os.kill(max(groups), signal.SIGKILL)
+    runner.join(180)
+    assert result["steps"] == 400
+    assert sorted(result["fault_tolerance"]["restarts"]) == [0, 1]
+    assert result["fault_tolerance"]["parameters_sha256_by_replica"] == [result["parameters_sha256"]] * 2
 
 
 def test_quorum_timeout_fails_in_bounded_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

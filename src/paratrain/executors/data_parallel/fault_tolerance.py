@@ -73,9 +73,9 @@ class FaultTolerantEngine(LocalEngine):
                             for p in ps), used])
         self.group.mean_(flat)
         offset = 0
-        for i, p in enumerate(ps):
+        for p, flag in zip(ps, flat[-len(ps):].tolist(), strict=True):
             k = p.numel()
-            p.grad = flat[offset:offset + k].view_as(p).clone() if float(flat[-len(ps) + i]) > 0 else None
+            p.grad = flat[offset:offset + k].view_as(p).clone() if flag > 0 else None
             offset += k
 
     def evaluate(self) -> dict[str, float] | None:
