@@ -23,7 +23,7 @@ from paratrain.dispatch import execute
 from paratrain.executors.federated import run, run_in_process
 from paratrain.executors.federated.aggregation import fedavg_step
 from paratrain.executors.federated.aggregation.fedbuff import FedBuffAggregator, staleness_weight
-from paratrain.executors.federated.buffered import SLOW_ENV
+from paratrain.executors.federated.client import SLOW_ENV
 from paratrain.files import step_folders
 from paratrain.training import read_metrics
 from paratrain.training.faults import FAULT_ENV

@@ -21,21 +21,16 @@ import torch
 
 from ...comm.messages import AnySource, PendingSends, recv_bytes, send_bytes
 from ...training.lifecycle import Interrupted
-from .buffered import BufferedLoop, Flight, slow_client
+from .buffered import BufferedLoop, Flight
 from .wire import decode_update, dense_headers, encode_update, frame, unframe
 
 _MAX_BYTES = 1 << 34
 
 
 def train(w: Any, doc: dict[str, Any], model: dict[str, torch.Tensor]) -> tuple[dict[str, Any], bytes]:
-    """One dispatched client's update (its status and payload); a slow client
-    (:data:`.buffered.SLOW_ENV`) trains the same update over as many times as its factor."""
-    c, slow = int(doc["client"]), slow_client()
-    reps = slow[1] if slow is not None and slow[0] == c else 1
-    state = {k: v.to(w.ctx.device) for k, v in model.items()}
-    for _ in range(reps):
-        res = w.host.train_one(c, int(doc["draw"]), state, float(doc["lr_scale"]))
-    w.host.trained -= reps - 1  # one update
+    """One dispatched client's update: its status and payload."""
+    res = w.host.train_one(int(doc["client"]), int(doc["draw"]), {k: v.to(w.ctx.device) for k, v in model.items()},
+                           float(doc["lr_scale"]))
     return res.status(), res.payload
 
 

@@ -20,7 +20,6 @@ resumed server dispatches the same clients from the same models again.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -29,26 +28,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...config import ConfigError
 from ...config.job import JobConfig
 from .aggregation.fedbuff import staleness_weight
 from .selection import select_clients
 from .state import round_record
-
-#: test/benchmark fault injection, never in the job: ``CLIENT:FACTOR`` makes that client train
-#: its update FACTOR times over (the same update, FACTOR times the work: a slow device)
-SLOW_ENV = "PARATRAIN_FAULT_SLOW_CLIENT"
-
-
-def slow_client() -> tuple[int, int] | None:
-    """``(client, factor)`` from :data:`SLOW_ENV` (None when unset); a bad value names it."""
-    text = os.environ.get(SLOW_ENV, "").strip()
-    if not text:
-        return None
-    c, _, f = text.partition(":")
-    if not (c.isdigit() and f.isdigit() and int(f) >= 1):
-        raise ConfigError([(SLOW_ENV, f"expected CLIENT:FACTOR, two integers, FACTOR >= 1 (got {text!r})")])
-    return int(c), int(f)
 
 
 def is_buffered(job: JobConfig) -> bool:
@@ -75,9 +58,6 @@ def fedbuff_problems(job: JobConfig, tags: Mapping[int, Any]) -> list[tuple[str,
            and "a compressed client keeps a codec state between its updates",
            "subgraphs": bool(job.subgraphs) and "a client's personal parts are state it keeps between updates"}
     out += [(k, f"not supported with FedBuff: {v} (FedBuff's clients are stateless)") for k, v in why.items() if v]
-    slow = slow_client()
-    if slow is not None and not 0 <= slow[0] < s.num_clients:
-        out.append((SLOW_ENV, f"client {slow[0]} outside [0, {s.num_clients})"))
     return out
 
 

@@ -11,7 +11,7 @@ from ...config.flower import secure_problems
 from ...config.job import JobConfig
 from ...training.faults import FAULTS_ENV, injected_faults
 from .buffered import fedbuff_problems
-from .client import client_name
+from .client import SLOW_ENV, client_name, slow_client
 from .drift import drift_problems
 from .privacy import dp_problems
 from .selection import select_clients
@@ -27,6 +27,9 @@ def check_job(job: JobConfig, *, world_size: int) -> None:
         bad = sorted(c for c in getattr(faults, field) if not 0 <= c < k)
         if bad:
             problems.append((f"{FAULTS_ENV}.{field}", f"client indices {bad} outside [0, {k})"))
+    slow = slow_client()  # a test/benchmark injection (.client.SLOW_ENV)
+    if slow is not None and not 0 <= slow[0] < k:
+        problems.append((SLOW_ENV, f"client {slow[0]} outside [0, {k})"))
     for name in job.federated.client_tags:
         c = name.removeprefix("client-")
         if not name.startswith("client-") or not c.isdigit() or int(c) >= k:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.data import TensorDataset
 
+from ...config import ConfigError
 from ...config.job import JobConfig
 from ...models.state import load_unique_state_dict, unique_state_dict
 from ...task.steps import call_model, fetch_batch
@@ -40,6 +42,21 @@ from .personal import PersonalState, client_name
 from .privacy import client_privatize
 from .privacy.mechanism import dp_generator
 from .wire import dense_headers, dense_payload, encode_update, flat_float32
+
+#: test/benchmark fault injection, never in the job: ``CLIENT:FACTOR`` makes that client train
+#: its update FACTOR times over (the same update, FACTOR times the work: a slow device)
+SLOW_ENV = "PARATRAIN_FAULT_SLOW_CLIENT"
+
+
+def slow_client() -> tuple[int, int] | None:
+    """``(client, factor)`` from :data:`SLOW_ENV` (None when unset); a bad value names it."""
+    text = os.environ.get(SLOW_ENV, "").strip()
+    if not text:
+        return None
+    c, _, f = text.partition(":")
+    if not (c.isdigit() and f.isdigit() and int(f) >= 1):
+        raise ConfigError([(SLOW_ENV, f"expected CLIENT:FACTOR, two integers, FACTOR >= 1 (got {text!r})")])
+    return int(c), int(f)
 
 
 def client_generator(seed: int, round_idx: int, client: int,
@@ -282,6 +299,7 @@ class ClientHost:
         self.engine = ClientEngine(model, task, device=self.device, precision=job.train.precision,
                                    mu=float(getattr(strat.aggregation, "mu", 0.0) or 0.0))
         self.faults = injected_faults()  # test/demo hook, never in the job (training.faults)
+        self.slow = slow_client()  # likewise (SLOW_ENV)
         self.codec_state: dict[int, dict[str, Any]] = {}
         self.personal = PersonalState(model, personal_keys, self.hosted) if personal_keys else None
         self.method = str(getattr(strat.aggregation, "method", ""))
@@ -303,7 +321,16 @@ class ClientHost:
     def train_one(self, client: int, round_idx: int, global_state: Mapping[str, Tensor],
                   lr_scale: float = 1.0, *, control: Mapping[str, Tensor] | None = None) -> ClientResult:
         """Train ``client`` for one round from ``global_state`` at ``lr * lr_scale``; never
-        raises. ``control``: SCAFFOLD's server control variate ``c`` (required with it)."""
+        raises. ``control``: SCAFFOLD's server control variate ``c`` (required with it). A slow
+        client (:data:`SLOW_ENV`) trains FACTOR times over (a stateless client: the same update)."""
+        reps = self.slow[1] if self.slow is not None and self.slow[0] == client else 1
+        for _ in range(reps):
+            res = self._train_once(client, round_idx, global_state, lr_scale, control)
+        self.trained -= reps - 1  # one update
+        return res
+
+    def _train_once(self, client: int, round_idx: int, global_state: Mapping[str, Tensor], lr_scale: float,
+                    control: Mapping[str, Tensor] | None) -> ClientResult:
         if not self.hosts(client):
             raise ValueError(f"{client_name(client)} is not hosted by rank {self.rank}")
         idx = self.indices[client]
