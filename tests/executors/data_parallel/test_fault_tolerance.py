@@ -45,8 +45,13 @@ def _job(tmp: Path, name: str, *, ft_table: dict[str, Any] | None = None, **run:
     return load_job(doc)
 
 
-def test_every_group_alive_equals_plain_data_parallel(tmp_path: Path) -> None:
-    plain = dp.run(_job(tmp_path, "plain"))
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Plain DataParallel's summary of the job (no [fault_tolerance])."""
+    return dp.run(_job(tmp_path_factory.mktemp("plain"), "plain"))
+
+
+def test_every_group_alive_equals_plain_data_parallel(tmp_path: Path, plain: dict[str, Any]) -> None:
     tolerant = ft.run(_job(tmp_path, "ft", ft_table={}))
     assert tolerant["steps"] == plain["steps"] == 24
     assert tolerant["fault_tolerance"]["restarts"] == [0, 0]
@@ -126,16 +131,24 @@ def test_group_sigkilled_mid_step_from_outside(tmp_path: Path) -> None:
     assert result["fault_tolerance"]["parameters_sha256_by_replica"] == [result["parameters_sha256"]] * 2
 
 
-def test_quorum_timeout_fails_in_bounded_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # min_replicas = 2 and group 1 dies with no restart: group 0 can never form a quorum
+def test_quorum_timeout_fails_in_bounded_time_then_resume_is_exact(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plain: dict[str, Any]) -> None:
+    # min_replicas = 2 and group 1 dies after step 3 with no restart: group 0 can never form
+    # a quorum again; group 0 checkpointed step 2
     monkeypatch.setenv(dp.FAULT_ENV, "1:3")
-    job = _job(tmp_path, "timeout", ft_table={"min_replicas": 2, "quorum_timeout_s": 3}, max_restarts=0)
+    table = {"min_replicas": 2, "quorum_timeout_s": 3}
+    job = _job(tmp_path, "timeout", ft_table=table, max_restarts=0, checkpoint_every=2)
     began = time.monotonic()
     with pytest.raises(WorkerError, match="quorum_timeout_s = 3 s") as err:
         ft.run(job)
     waited = float(err.value.message.rsplit("waited ", 1)[1].split(" s")[0])
     assert 2.5 <= waited <= 3 + 2  # the timeout fired when due, not later
     assert time.monotonic() - began < 120  # start-up included: no hang
+    # --resume: every group reads group 0's checkpoint and the run ends as an uninterrupted one
+    monkeypatch.delenv(dp.FAULT_ENV)
+    resumed = ft.run(job, resume=True)
+    assert resumed["resumed_from"]["checkpoint"] == "step-000000002"
+    assert resumed["fault_tolerance"]["parameters_sha256_by_replica"] == [plain["parameters_sha256"]] * 2
 
 
 @pytest.mark.parametrize(("table", "strategy", "field"), [
