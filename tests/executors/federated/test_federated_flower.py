@@ -7,7 +7,9 @@ paratrain's app started with ``flwr run`` (examples/federated_flower).
   head kept per client in context.state (FedPer's personal parts; the clients' personal scores
   come from ``@app.evaluate``), FedAdam (adaptive) with central client-level DP (the server
   clips each update and noises the sum), FedNova and client-level DP in local mode (each
-  update clipped and noised on its node; the same epsilon either way), and SCAFFOLD (the server's c
+  update clipped and noised on its node; the same epsilon either way), FedBuff (asynchronous:
+  one message per client pushed and its reply pulled as it comes; one client in flight, so the
+  order is fixed), and SCAFFOLD (the server's c
   travels with the model, each client's c_i stays in its node's context.state; checked on the
   resumed run below): both paths train each client with the same
   seeded generator of (seed, round, client) at one intra-op thread and aggregate with the same
@@ -19,7 +21,7 @@ paratrain's app started with ``flwr run`` (examples/federated_flower).
 - bytes per round measured at the Message level are in metrics.jsonl.
 
 (A SuperNode killed mid-round: test_federated_flower_faults.py, on a federation of its own so
-that the two files run side by side.) One federation serves every test (module fixture); the six runs of the first group share it
+that the two files run side by side.) One federation serves every test (module fixture); the seven runs of the first group share it
 at the same time. (A SuperNode runs one ClientApp process per message, one message at a time,
 each importing torch: the group's cost is its message count, so features share runs.) Every process started is ended (with what Flower spawned) in a finally.
 """
@@ -139,8 +141,8 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def group(fed: LocalFederation, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Six runs at once on the federation: the five equality jobs, and a SCAFFOLD run over
-    three rounds whose ServerApp is killed after round 1 and resumed by a second ``flwr run``
+    """Seven runs at once on the federation: the six equality jobs (FedBuff one of them), and a
+    SCAFFOLD run over three rounds whose ServerApp is killed after round 1 and resumed by a second ``flwr run``
     (the server's ``c`` comes back from its checkpoint, each client's ``c_i`` from its node's
     ``state-dir``)."""
     tmp = tmp_path_factory.mktemp("flower_runs")
