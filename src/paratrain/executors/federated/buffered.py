@@ -81,16 +81,10 @@ class Buffered:
         self.select = lambda q: select_clients(s.client_selection, num_clients=s.num_clients, round_idx=q,
                                                seed=job.run.seed, client_tags=tags)
         self.per = len(self.select(0))  # clients per draw, the same for every draw
-        self.draws: dict[int, list[int]] = {}
         self.cursor = self.seq = 0
         self.flights: dict[int, Flight] = {}
         self.buffer: list[tuple[dict[str, Any], bytes]] = []
         self.bases: dict[int, dict[str, Tensor]] = {}  # the models the clients in flight started from
-
-    def _draw(self, q: int) -> list[int]:
-        if q not in self.draws:
-            self.draws = {q: self.select(q)}  # one draw at a time is read
-        return self.draws[q]
 
     def fill(self, version: int, model: dict[str, Tensor], lr_scale: float) -> list[Flight]:
         """Dispatch the next clients into the free slots at ``version`` (``model``)."""
@@ -98,7 +92,7 @@ class Buffered:
         new: list[Flight] = []
         while len(self.flights) < self.concurrency:  # a draw holds >= concurrency clients: it ends
             q, i = divmod(self.cursor, self.per)
-            c = self._draw(q)[i]
+            c = self.select(q)[i]  # (a permutation of num_clients: cheap beside a client's training)
             self.cursor += 1
             if c in busy:
                 continue
