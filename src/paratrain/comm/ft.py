@@ -139,6 +139,11 @@ class ReplicaGroup:
         self.manager.allreduce(flat).wait()
         return flat
 
+    def sum_(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` summed in place over this step's quorum (errors as :meth:`mean_`)."""
+        self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+        return flat
+
     def commit(self) -> bool:
         """Whether the step counts: every group of the quorum completed it."""
         self._open = False
@@ -170,10 +175,11 @@ def _exit_name(code: int | None) -> str:
 
 def supervise(target: Callable[..., None], args: Callable[[int, int], Sequence[Any]], *, groups: int,
               max_restarts: int, fatal: Callable[[int, int], BaseException | None],
-              preload: Sequence[str] = (), on_restart: Callable[[int, str], None] | None = None) -> list[int]:
+              preload: Sequence[str] = (), on_restart: Callable[[int, str], None] | None = None,
+              on_lost: Callable[[int], None] | None = None) -> list[int]:
     """Run ``target(*args(group, restart_count))`` in one process per group and restart a
     group whose process fails, alone, at most ``max_restarts`` times each; the others run on
-    (also past a group out of restarts). A group that ended (exit 0) is done: once one is,
+    (also past a group out of restarts: ``on_lost(group)``). A group that ended (exit 0) is done: once one is,
     none is restarted (the run ended). ``fatal(group, exit_code)`` names a failure no restart
     mends (raised after every process is stopped), as is every group failing. Returns each
     group's restart count once every process ended."""
@@ -203,6 +209,8 @@ def supervise(target: Callable[..., None], args: Callable[[int, int], Sequence[A
                     done.add(g)
                 elif done or restarts[g] >= max_restarts:  # the others go on without it
                     lost[g] = _exit_name(code)
+                    if on_lost is not None:
+                        on_lost(g)
                 else:
                     restarts[g] += 1
                     if on_restart is not None:

@@ -314,8 +314,9 @@ class FaultTolerance(Section):
     """``"start"``: paratrain runs a torchft Lighthouse on 127.0.0.1 for the run and stops it
     at the end; else the ``host:port`` of a running one."""
     replay: bool = False
-    """Train a dead group's lost samples again on the survivors: not implemented (only
-    ``false``, torchft's semantics: a step averages over the groups alive for it)."""
+    """Train the batches of the groups missing from a step again on the survivors, so that
+    every step averages all ``num_replicas`` shards (as a run without the failure); false:
+    torchft's semantics, a step averages the shards of the groups alive for it."""
 
     @field_validator("lighthouse")
     @classmethod
@@ -323,14 +324,6 @@ class FaultTolerance(Section):
         host, sep, port = v.rpartition(":")
         if v != "start" and not (sep and host and port.isdigit() and 0 < int(port) < 65536):
             raise ValueError(f'must be "start" or a host:port address (got {v!r})')
-        return v
-
-    @field_validator("replay")
-    @classmethod
-    def _no_replay(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("replay = true (training the lost samples again) is not implemented; "
-                             "a step averages over the replica groups alive for it")
         return v
 
 

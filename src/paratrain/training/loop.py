@@ -263,15 +263,19 @@ class Trainer:
 
     def gradients(self, batches: Sequence[Batch]) -> float:
         """The step's combined gradients in ``.grad`` (accumulated, synced); its loss."""
-        eng = self.engine
         self.optimizer.zero_grad(set_to_none=True)
+        loss = self.accumulate(batches)
+        self.engine.sync()
+        return loss
+
+    def accumulate(self, batches: Sequence[Batch]) -> float:
+        """Add ``sum_b (n_b / N) grad loss(b)`` to ``.grad``; return that weighted mean loss."""
         sizes = [batch_size_of(b) for b in batches]
         total = sum(sizes)
         loss = 0.0
         for i, (b, n) in enumerate(zip(batches, sizes, strict=True)):
             w = n / total
-            loss += w * eng.forward_backward(b, weight=w, last=i == len(batches) - 1)
-        eng.sync()
+            loss += w * self.engine.forward_backward(b, weight=w, last=i == len(batches) - 1)
         return loss
 
     def apply(self) -> None:
@@ -378,7 +382,7 @@ class _Loop:
         self._saved_names()
         bind = getattr(r.store, "bind_state", None)  # a store that hands the live state to peers
         if bind is not None:
-            bind(lambda: self._state(self.pos.step))
+            bind(lambda: self._state(self.pos.step), self.pos)
         life = Lifecycle(store=r.store, unit="step", total=r.plan.total_steps, label=r.label,
                          state=self._state, checkpoint_every=r.checkpoint_every, group=r.group,
                          rank=r.rank, restart_count=r.restart_count, metrics=r.metrics,

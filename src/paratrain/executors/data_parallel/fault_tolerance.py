@@ -5,18 +5,24 @@ Replica ``g`` of ``n`` walks shard ``g`` of every epoch (as plain DataParallel).
 averages the gradients of the groups in step ``k``'s quorum ``Q_k``:
 ``g_k = (1/|Q_k|) sum_{r in Q_k} g_r``; with every group alive this is plain DataParallel's
 AllReduce. What a failure costs: the shards of the groups missing from ``Q_k`` for step ``k``
-are not trained (torchft's semantics; ``replay`` is not implemented). A step that fails midway
-(a peer died inside its all-reduce) is not committed and the survivors take it again on the
-same batches, so they lose nothing. A restarted group rejoins at the next quorum and heals
-from a live peer's state (model, optimizer, schedule, RNG, loop position: the loop's
-checkpoint state, sent by torchft's checkpoint transport), not from disk; it then walks its
-own shard from that position. Replica group 0 writes the checkpoints, metrics and summary;
-every group writes ``replica-<g>.json`` (its digest and restarts) when it ends.
+are not trained (torchft's semantics), unless ``replay``: then the groups of ``Q_k`` also
+train the missing groups' batches of step ``k`` and ``g_k = (1/n) sum_{r < n} g_r``, the
+failure-free step (up to the order of the sums). A step that fails midway (a peer died inside
+its all-reduce) is not committed and the survivors take it again on the same batches, so they
+lose nothing. A restarted group rejoins at the next quorum and heals from a live peer's state
+(model, optimizer, schedule, RNG, loop position: the loop's checkpoint state, sent by
+torchft's checkpoint transport), not from disk; it then walks its own shard from that
+position. Replica group 0 writes the checkpoints and metrics; the model and summary are
+written by group 0, or by the first group after those lost for good; every group writes
+``replica-<g>.json`` (its digest and restarts) when it ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import itertools
 import json
 import logging
 import os
@@ -45,7 +51,15 @@ from ...training import (
     seed_everything,
     write_summary,
 )
-from ...training.loop import DataPlan, LocalEngine, LoopRun, Trainer, run_loop, summary_fields
+from ...training.loop import (
+    DataPlan,
+    LocalEngine,
+    LoopRun,
+    Trainer,
+    feed_of,
+    run_loop,
+    summary_fields,
+)
 from ...training.rundir import RunFolder, run_dir_of
 from ...training.stores import RankStore
 from ...training.threads import intra_op_threads
@@ -61,17 +75,21 @@ class FaultTolerantEngine(LocalEngine):
     ``grad = None``, as DataParallel's AllReduce)."""
 
     def __init__(self, model: Any, task: Any, test: Any, *, device: torch.device, precision: str,
-                 group: ft.ReplicaGroup, evaluates: bool) -> None:
+                 group: ft.ReplicaGroup, evaluates: Any) -> None:
         super().__init__(model, task, test, device=device, precision=precision)
         self.group, self.evaluates = group, evaluates
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.divisor: int | None = None  # replay: a sum over the quorum divided by this
 
     def sync(self) -> None:
         ps = self.params
         used = torch.tensor([float(p.grad is not None) for p in ps], device=self.device)
         flat = torch.cat([*(p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=self.device)
                             for p in ps), used])
-        self.group.mean_(flat)
+        if self.divisor is None:
+            self.group.mean_(flat)
+        else:
+            self.group.sum_(flat)[:-len(ps)] /= self.divisor
         offset = 0
         for p, flag in zip(ps, flat[-len(ps):].tolist(), strict=True):
             k = p.numel()
@@ -79,28 +97,46 @@ class FaultTolerantEngine(LocalEngine):
             offset += k
 
     def evaluate(self) -> dict[str, float] | None:
-        return super().evaluate() if self.evaluates else None
+        return super().evaluate() if self.evaluates() else None
 
 
 class FaultTolerantTrainer(Trainer):
     """A step is committed by every group of its quorum, or taken again (same batches, new
-    quorum); the optimizer and the schedule step only when it is."""
+    quorum); the optimizer and the schedule step only when it is. ``replay(m)``: replica
+    ``m``'s batches of this step; with it the groups of a quorum of ``q`` train the missing
+    groups' batches too (the ``k``-th missing one falls to the ``(k mod q)``-th group alive)
+    and the step's gradient is ``(1/n) sum_{r < n} g_r``, every shard's."""
 
     def __init__(self, engine: FaultTolerantEngine, optimizer: Any, train: Any, total_steps: int,
-                 groups: int) -> None:
+                 groups: int, replica: int, replay: Any = None) -> None:
         super().__init__(engine, optimizer, train, total_steps)
-        self.group, self.groups = engine.group, groups
+        self.group, self.groups, self.replica, self.replay = engine.group, groups, replica, replay
+        engine.divisor = groups if replay is not None else None
         self.short = 0  # committed steps with fewer groups than the job's (this process's)
 
     def step(self, batches: Any) -> float:
         for _ in range(MAX_TRIES):
             self.group.begin()
-            loss = self.gradients(batches)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.accumulate(batches)
+            for m in self._taken_over() if self.replay is not None else ():
+                self.accumulate(self.replay(m))
+            self.engine.sync()
             if self.group.commit():
                 self.short += self.group.participants < self.groups
                 self.apply()
                 return loss
         raise RuntimeError(f"a step was not committed in {MAX_TRIES} tries")
+
+    def _taken_over(self) -> list[int]:
+        """The missing groups whose batches this group trains (one sum says who is here)."""
+        here = torch.zeros(self.groups)
+        here[self.replica] = 1.0
+        self.group.sum_(here)  # an error leaves this group alone here: the step is not committed
+        live = [r for r in range(self.groups) if here[r] > 0.5]
+        gone = [r for r in range(self.groups) if r not in live]
+        j = live.index(self.replica) if self.replica in live else 0
+        return [m for k, m in enumerate(gone) if k % len(live) == j]
 
 
 class HealingStore:
@@ -113,11 +149,12 @@ class HealingStore:
         self.start: Any = None  # the start line (ReplicaGroup.start), before the first quorum
         self.group: ft.ReplicaGroup | None = None
         self._state: Any = None  # the loop's live state (bound once it runs)
+        self.position: Any = None  # the loop's position (bound with it)
         self.received: dict[str, Any] | None = None
         self.healed_at: float | None = None
 
-    def bind_state(self, state: Any) -> None:
-        self._state = state
+    def bind_state(self, state: Any, position: Any) -> None:
+        self._state, self.position = state, position
 
     def live(self) -> dict[str, Any]:
         """What a healing peer receives."""
@@ -167,6 +204,16 @@ def _ended(run_dir: Path) -> bool:
     return any(run_dir.glob("replica-*.json"))
 
 
+def _lost(run_dir: Path, replica: int) -> Path:
+    return run_dir / f".replica-{replica}-lost"
+
+
+def _reports(run_dir: Path, replica: int) -> bool:
+    """This group evaluates and writes the model and the summary: every group before it is
+    lost for good (group 0 unless it is)."""
+    return all(_lost(run_dir, g).exists() for g in range(replica))
+
+
 def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: str, resume: bool,
                 restart_count: int) -> None:
     """Train replica group ``replica`` through the one loop (module docstring)."""
@@ -196,9 +243,11 @@ def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: st
             epochs=t.epochs, max_steps=t.max_steps, device=device, loader=LoaderOptions.of(job.data, seed),
             shard=(replica, n))
         engine = FaultTolerantEngine(model, task, test, device=device, precision=t.precision, group=group,
-                                     evaluates=replica == 0)
+                                     evaluates=lambda: _reports(run_dir, replica))
         result = run_loop(LoopRun(
-            trainer=(trainer := FaultTolerantTrainer(engine, opt, t, plan.total_steps, n)), plan=plan, task=task, store=store,
+            trainer=(trainer := FaultTolerantTrainer(engine, opt, t, plan.total_steps, n, replica, replay=(
+                _replayer(plan, task, store, rows=rows, groups=n, seed=seed) if fto.replay else None))),
+            plan=plan, task=task, store=store,
             label=f"DataParallel x{n} (fault-tolerant)", metrics=MetricsWriter(run_dir) if replica == 0 else None,
             resume=True, prepare=_prepare(job, replica, resume), rank=replica,
             restart_count=restart_count, started=started,
@@ -208,7 +257,7 @@ def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: st
     summary = {"strategy": "DataParallel", "aggregation": "AllReduce", "num_replicas": n, "backend": "gloo",
                "run_dir": str(run_dir), **summary_fields(result, task, train=train, test=test, model=model,
                                                          started=started), "restart_count": restart_count}
-    if replica == 0:
+    if _reports(run_dir, replica):
         from ...training.export import save_model, whole_state
 
         save_model(run_dir, whole_state(model))
@@ -218,6 +267,22 @@ def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: st
         {"replica": replica, "parameters_sha256": summary["parameters_sha256"], "steps": summary["steps"],
          "restart_count": restart_count, "resumed_from": summary.get("resumed_from"),
          "steps_short_of_groups": trainer.short, "healed_at": store.healed_at}))
+
+
+def _replayer(plan: DataPlan, task: Any, store: HealingStore, *, rows: int, groups: int, seed: int) -> Any:
+    """``replay(m)``: replica ``m``'s batches of the step at the loop's position, from its
+    shard as its own loop reads it (same order, same per-replica seeding), in this process."""
+    feeds: dict[int, Any] = {}
+
+    def replay(m: int) -> list[Any]:
+        if m not in feeds:
+            order = functools.partial(shard_indices, rows, world=groups, rank=m, seed=seed)
+            feeds[m] = feed_of(dataclasses.replace(plan, order=lambda e: order(epoch=e), shard=(m, groups),
+                                                   loader=dataclasses.replace(plan.loader, num_workers=0)), task)
+        pos = store.position
+        stop = min(pos.batch + plan.accumulation, plan.batches_per_epoch)
+        return list(itertools.islice(feeds[m].batches(pos.epoch, pos.batch), stop - pos.batch))
+    return replay
 
 
 def _prepare(job: JobConfig, replica: int, resume: bool) -> Any:
@@ -292,7 +357,7 @@ def _restarted(times: dict[str, list[float]]) -> Any:
 
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Start the Lighthouse (``lighthouse = "start"``) and one process per replica group,
-    restart a group that dies (``run.max_restarts`` times each), return group 0's summary
+    restart a group that dies (``run.max_restarts`` times each), return the summary
     with each group's restarts and digest once every process ended."""
     s, fto = validate(job), job.fault_tolerance
     assert fto is not None
@@ -306,14 +371,14 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         folder.prepare_launch()
         run_dir = folder.path
-        for old in [*run_dir.glob("replica-*.json"), *run_dir.glob(".replica-*-error.json")]:
+        for old in [*run_dir.glob("replica-*.json"), *run_dir.glob(".replica-*")]:
             old.unlink()
         restarted_at: dict[str, list[float]] = {}
         with _lighthouse(fto) as address, ft.start_line() as line:
             restarts = ft.supervise(
                 group_main, lambda g, r: (job_json, resume or r > 0, g, address, line, r, ParentState()),
                 groups=n, max_restarts=job.run.max_restarts, fatal=_fatal(run_dir), preload=[__name__],
-                on_restart=_restarted(restarted_at))
+                on_restart=_restarted(restarted_at), on_lost=lambda g: _lost(run_dir, g).touch())
     summary = json.loads((run_dir / "summary.json").read_text())
     ends = [run_dir / f"replica-{g}.json" for g in range(n)]
     summary["fault_tolerance"] = {
