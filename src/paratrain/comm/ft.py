@@ -81,7 +81,7 @@ class ReplicaGroup:
         from torchft.process_group import ProcessGroupGloo
 
         self.min_replicas, self.quorum_timeout_s = min_replicas, quorum_timeout_s
-        timeout = timedelta(seconds=timeout_s)
+        self.timeout = timeout = timedelta(seconds=timeout_s)
         # the Manager's own store (one process: this group's only rank)
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
         self.manager = Manager(
@@ -96,14 +96,14 @@ class ReplicaGroup:
         """Mark this group at the start line; ``wait`` (a first attempt): until all ``groups`` are."""
         host, _, port = line.rpartition(":")
         store = dist.TCPStore(host, int(port), is_master=False,  # type: ignore[attr-defined]
-                              timeout=timedelta(seconds=self.quorum_timeout_s))
+                              timeout=self.timeout)
         store.set(f"ready/{replica}", "1")
         if wait:
             try:
                 store.wait([f"ready/{g}" for g in range(groups)])
             except RuntimeError as e:  # torch's store timeout (DistStoreError)
                 raise QuorumTimeout(f"not every one of the {groups} replica groups started within "
-                                    f"fault_tolerance.quorum_timeout_s = {self.quorum_timeout_s:g} s "
+                                    f"comm.timeout_s = {self.timeout.total_seconds():g} s "
                                     f"({str(e).splitlines()[0]})") from None
 
     @property

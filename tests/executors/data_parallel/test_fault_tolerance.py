@@ -128,7 +128,7 @@ def _children(pid: int) -> list[int]:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid:
+        if int(fields[1]) == pid and fields[0] != "Z":  # a child not yet reaped is no group
             out.append(int(stat.parent.name))
     return out
 
