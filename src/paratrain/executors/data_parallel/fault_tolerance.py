@@ -379,6 +379,9 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
                 group_main, lambda g, r: (job_json, resume or r > 0, g, address, line, r, ParentState()),
                 groups=n, max_restarts=job.run.max_restarts, fatal=_fatal(run_dir), preload=[__name__],
                 on_restart=_restarted(restarted_at), on_lost=lambda g: _lost(run_dir, g).touch())
+    if not (run_dir / "summary.json").exists():  # group 0 died after the others had ended
+        raise RuntimeError(f"no replica group wrote the summary: group 0 failed after the others had "
+                           f"ended (restarts {restarts}); the last checkpoint is in {run_dir / 'checkpoints'}")
     summary = json.loads((run_dir / "summary.json").read_text())
     ends = [run_dir / f"replica-{g}.json" for g in range(n)]
     summary["fault_tolerance"] = {
