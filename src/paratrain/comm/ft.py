@@ -173,10 +173,10 @@ def _exit_name(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def supervise(target: Callable[..., None], args: Callable[[int, int], Sequence[Any]], *, groups: int,
+def supervise(target: Callable[..., None], args: Callable[[int, int], Sequence[Any]], *, groups: Sequence[int],
               max_restarts: int, fatal: Callable[[int, int], BaseException | None],
               preload: Sequence[str] = (), on_restart: Callable[[int, str], None] | None = None,
-              on_lost: Callable[[int], None] | None = None) -> list[int]:
+              on_lost: Callable[[int], None] | None = None) -> dict[int, int]:
     """Run ``target(*args(group, restart_count))`` in one process per group and restart a
     group whose process fails, alone, at most ``max_restarts`` times each; the others run on
     (also past a group out of restarts: ``on_lost(group)``). A group that ended (exit 0) is done: once one is,
@@ -184,19 +184,19 @@ def supervise(target: Callable[..., None], args: Callable[[int, int], Sequence[A
     mends (raised after every process is stopped), as is every group failing. Returns each
     group's restart count once every process ended."""
     ctx = forkserver_context(list(preload))
-    restarts = [0] * groups
+    restarts = dict.fromkeys(groups, 0)
     procs: dict[int, Any] = {}
 
     def start(g: int) -> None:
         procs[g] = ctx.Process(target=target, args=tuple(args(g, restarts[g])), name=f"paratrain-ft-{g}")
         procs[g].start()
 
-    for g in range(groups):
+    for g in groups:
         start(g)
     done: set[int] = set()
     lost: dict[int, str] = {}  # groups out of restarts (or failed after the run ended)
     try:
-        while len(done) + len(lost) < groups:
+        while len(done) + len(lost) < len(groups):
             running = {p.sentinel: g for g, p in procs.items() if g not in done and g not in lost}
             for sentinel in multiprocessing.connection.wait(list(running)):
                 g = running[sentinel]

@@ -128,6 +128,9 @@ def _fault_tolerance_problem(job: JobConfig) -> str | None:
     if ft.min_replicas > n:
         return (f"fault_tolerance.min_replicas: {ft.min_replicas} is more than the "
                 f"{n} replica group(s) of strategy.num_replicas: no quorum could form")
+    if ft.groups is not None and not ft.min_replicas <= ft.groups <= n:
+        return (f"fault_tolerance.groups: {ft.groups} groups started must be at least min_replicas = "
+                f"{ft.min_replicas} and at most strategy.num_replicas = {n}")
     return None
 
 

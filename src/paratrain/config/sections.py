@@ -313,6 +313,10 @@ class FaultTolerance(Section):
     lighthouse: str = "start"
     """``"start"``: paratrain runs a torchft Lighthouse on 127.0.0.1 for the run and stops it
     at the end; else the ``host:port`` of a running one."""
+    groups: PositiveCount | None = None
+    """Replica groups ``paratrain run`` starts (``0 .. groups - 1``; None = every one of
+    ``strategy.num_replicas``); the others can join the running job later
+    (``paratrain.executors.data_parallel.fault_tolerance.join_group``)."""
     replay: bool = False
     """Train the batches of the groups missing from a step again on the survivors, so that
     every step averages all ``num_replicas`` shards (as a run without the failure); false:

@@ -120,6 +120,42 @@ def test_replay_trains_the_lost_shards_again(tmp_path: Path, monkeypatch: pytest
         torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-6)
 
 
+def _training_began(run_dir: Path) -> None:
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 120
+    while not (metrics.exists() and '"kind": "train"' in metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # polling the run's own output
+
+
+def test_elastic_a_group_joins_and_one_leaves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 3 shards, 2 groups started; group 2 joins once training logged; group 1 leaves for good
+    # after step 30; min_replicas = 2 holds group 0 at step 31 until group 2 is in. With
+    # replay the groups alive train the absent shards: the 3-replica failure-free parameters
+    import threading
+
+    doc = _job(tmp_path, "elastic", ft_table={"min_replicas": 2, "groups": 2, "replay": True},
+               max_restarts=0, log_every=10).to_json_dict()
+    doc["strategy"]["num_replicas"] = 3
+    doc["train"].update(max_steps=48, epochs=100)
+    job = load_job(doc)
+    plain_doc = {**doc, "run": {**doc["run"], "name": "plain3"}}
+    del plain_doc["fault_tolerance"]
+    want = _params(dp.run(load_job(plain_doc))["run_dir"])
+    monkeypatch.setenv(dp.FAULT_ENV, "1:30")
+    result: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: result.update(ft.run(job)))
+    runner.start()
+    _training_began(tmp_path / "elastic")
+    joined = ft.join_group(job, 2)
+    runner.join(180)
+    assert joined is not None and joined["steps"] == 48
+    assert joined["resumed_from"]["checkpoint"] == "a live peer" and 10 <= joined["resumed_from"]["step"] <= 30
+    assert result["steps"] == 48 and result["fault_tolerance"]["restarts"] == [0, 0, 0]
+    got = _params(result["run_dir"])
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-6)
+    assert joined["parameters_sha256"] == result["parameters_sha256"]
+
+
 def _children(pid: int) -> list[int]:
     """The processes whose parent is ``pid`` (from /proc)."""
     out = []
@@ -145,10 +181,7 @@ def test_group_sigkilled_mid_step_from_outside(tmp_path: Path) -> None:
     result: dict[str, Any] = {}
     runner = threading.Thread(target=lambda: result.update(ft.run(load_job(doc))))
     runner.start()
-    metrics = tmp_path / "outside" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and '"kind": "train"' in metrics.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)  # polling the run's own output: training has begun
+    _training_began(tmp_path / "outside")
     server = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
     groups = _children(server)
     assert len(groups) == 2
@@ -187,6 +220,7 @@ def test_quorum_timeout_fails_in_bounded_time_then_resume_is_exact(
     ({"min_replicas": 0}, None, "fault_tolerance.min_replicas"),
     ({"lighthouse": "nowhere"}, None, "fault_tolerance.lighthouse"),
     ({"quorum_timeout_s": 0}, None, "fault_tolerance.quorum_timeout_s"),
+    ({"groups": 3}, None, "fault_tolerance.groups"),
 ])
 def test_bad_fault_tolerance_names_the_field(tmp_path: Path, table: dict[str, Any],
                                              strategy: dict[str, Any] | None, field: str) -> None:

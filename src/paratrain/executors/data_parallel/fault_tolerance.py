@@ -214,9 +214,10 @@ def _reports(run_dir: Path, replica: int) -> bool:
     return all(_lost(run_dir, g).exists() for g in range(replica))
 
 
-def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: str, resume: bool,
+def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: str | None, resume: bool,
                 restart_count: int) -> None:
-    """Train replica group ``replica`` through the one loop (module docstring)."""
+    """Train replica group ``replica`` through the one loop (module docstring); ``start_line``
+    None: it joins a running job (as a restarted group does: no waiting for the others)."""
     started, s, fto = time.perf_counter(), validate(job), job.fault_tolerance
     assert fto is not None
     n, seed, t, run_dir = s.num_replicas, job.run.seed, job.train, run_dir_of(job)
@@ -231,11 +232,13 @@ def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: st
     disk = RankStore(run_dir, "dp", rank=0, world=1, group=None, layout={"replicas": n, "shard": "none"},
                      layout_field="strategy.num_replicas", device=device, reshard=True)
     store = HealingStore(disk, writes=replica == 0, resume=resume,
-                         ended=(lambda: _ended(run_dir)) if restart_count else None)
+                         ended=(lambda: _ended(run_dir)) if restart_count or start_line is None else None)
     group = store.group = ft.ReplicaGroup(
         replica=replica, lighthouse=lighthouse, min_replicas=fto.min_replicas,
         quorum_timeout_s=fto.quorum_timeout_s, timeout_s=job.comm.timeout_s, state=store.live, load=store.take)
-    store.start = lambda: group.start(start_line, replica=replica, groups=n, wait=not restart_count)
+    if start_line is not None:
+        store.start = lambda: group.start(start_line, replica=replica, groups=fto.groups or n,
+                                          wait=not restart_count)
     try:
         plan = DataPlan.build(
             dataset=train, order=lambda e: shard_indices(rows, world=n, rank=replica, seed=seed, epoch=e),
@@ -297,7 +300,7 @@ def _error_file(run_dir: Path, replica: int) -> Path:
     return run_dir / f".replica-{replica}-error.json"
 
 
-def group_main(job_json: dict[str, Any], resume: bool, replica: int, lighthouse: str, start_line: str,
+def group_main(job_json: dict[str, Any], resume: bool, replica: int, lighthouse: str, start_line: str | None,
                restart_count: int, parent: ParentState) -> None:
     """Entry of a replica group's process (module-level: the forkserver pickles it by name).
     Exit 0 when done, :data:`FATAL_EXIT` for what no restart mends (its error in a file the
@@ -375,10 +378,12 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
             old.unlink()
         restarted_at: dict[str, list[float]] = {}
         with _lighthouse(fto) as address, ft.start_line() as line:
-            restarts = ft.supervise(
+            _lighthouse_file(run_dir).write_text(address)  # where a group joining later reaches it
+            started = ft.supervise(
                 group_main, lambda g, r: (job_json, resume or r > 0, g, address, line, r, ParentState()),
-                groups=n, max_restarts=job.run.max_restarts, fatal=_fatal(run_dir), preload=[__name__],
-                on_restart=_restarted(restarted_at), on_lost=lambda g: _lost(run_dir, g).touch())
+                groups=range(fto.groups or n), max_restarts=job.run.max_restarts, fatal=_fatal(run_dir),
+                preload=[__name__], on_restart=_restarted(restarted_at), on_lost=lambda g: _lost(run_dir, g).touch())
+    restarts = [started.get(g, 0) for g in range(n)]
     if not (run_dir / "summary.json").exists():  # group 0 died after the others had ended
         raise RuntimeError(f"no replica group wrote the summary: group 0 failed after the others had "
                            f"ended (restarts {restarts}); the last checkpoint is in {run_dir / 'checkpoints'}")
@@ -390,6 +395,29 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
                                          for p in ends]}
     write_summary(run_dir, summary)
     return dict(summary)
+
+
+def _lighthouse_file(run_dir: Path) -> Path:
+    return run_dir / ".replica-lighthouse"
+
+
+def join_group(job: JobConfig, replica: int) -> dict[str, Any] | None:
+    """Run replica group ``replica`` of the running fault-tolerant ``job`` (one its ``paratrain
+    run`` did not start, ``fault_tolerance.groups``, or one that left) in a process of its own
+    until the job ends: it heals from a live peer at its first quorum and walks its own shard
+    from there. Returns its ``replica-<g>.json`` record (None: the job had ended)."""
+    s = validate(job)
+    if job.fault_tolerance is None or not 0 <= replica < s.num_replicas:
+        raise ConfigError([("strategy.num_replicas", f"replica group {replica} is not one of a fault-tolerant "
+                                                     f"job's {s.num_replicas} groups")])
+    run_dir = run_dir_of(job)
+    if not _lighthouse_file(run_dir).exists():
+        raise ConfigError([("run.name", f"no fault-tolerant run is going on in {run_dir}")])
+    address, job_json = _lighthouse_file(run_dir).read_text(), job.to_json_dict()
+    ft.supervise(group_main, lambda g, r: (job_json, True, g, address, None, r, ParentState()), groups=[replica],
+                 max_restarts=job.run.max_restarts, fatal=_fatal(run_dir), preload=[__name__])
+    record = run_dir / f"replica-{replica}.json"
+    return dict(json.loads(record.read_text())) if record.exists() else None
 
 
 def _lighthouse(fto: Any) -> Any:
