@@ -1,15 +1,19 @@
-"""FedBuff on the local runtime (rules: :mod:`.buffered`): rank 0 is the server and trains
-the clients it hosts itself when it dispatches them; it hands every other client to its
-hosting rank as one message (the base model, unless that rank already holds that version),
-posted without waiting, and takes the replies as they come, from whichever rank answers
-first (:class:`~paratrain.comm.messages.AnySource`). Each pass takes the updates at hand
-(blocking only when none is), books them in dispatch order, steps whenever the buffer is
-full, then refills the free slots. A worker trains its dispatches in the order they came.
+"""FedBuff on the local runtime (rules: :mod:`.buffered`). One process: rank 0 is the server
+and trains every client it dispatches, in dispatch order, before it collects. Several: rank 0
+is only the server, ranks ``1..world-1`` train; the dispatched clients wait in one queue, and
+each training rank holds one client at a time: the oldest queued client goes to a free rank
+as one message (the base model, unless that rank already holds that version), posted without
+waiting, and a rank that replies (:class:`~paratrain.comm.messages.AnySource`) is handed the
+next queued client at once. A slow client thus occupies one rank and delays no other client
+(any rank trains any client: FedBuff's clients are stateless, every rank holds every client's
+partition). A client waiting in the queue is already in flight: its base is the version at
+its dispatch. Each pass of the loop takes the updates at hand (blocking only when none is),
+books them in dispatch order, steps whenever the buffer is full, then refills the free slots.
 
 Only rank 0 keeps the lifecycle (one version = one "round": evaluated, logged, checkpointed):
 the workers keep no state. At the end, and on SIGINT/SIGTERM, rank 0 sends every worker a
-stop after the dispatches it owes and takes the replies still due (their updates unused:
-the clients in flight are in the checkpoint, dispatched again on resume).
+stop after the client it holds and takes the replies still due (their updates unused: the
+clients in flight, queued or training, are in the checkpoint, dispatched again on resume).
 """
 
 from __future__ import annotations
@@ -44,17 +48,26 @@ class _Server(BufferedLoop):
         self.counted = (0, 0)  # the transport's bytes sent and received at the last version
         self.sends = PendingSends(w.ctx.group, w.traffic)
         self.inbox = AnySource(w.ctx.group, max_bytes=_MAX_BYTES, counter=w.traffic)
-        self.at_hand: list[tuple[int, dict[str, Any], bytes | memoryview]] = []  # rank 0's own clients' updates
+        self.at_hand: list[tuple[int, dict[str, Any], bytes | memoryview]] = []  # rank 0's own updates
+        self.queue: list[Flight] = []  # dispatched clients no rank holds yet, oldest first
+        self.free = list(range(1, self.world)) or [0]  # the training ranks holding no client
         self.owed = 0  # replies the workers owe
         self.holds: dict[int, int] = {}  # rank -> the model version it holds
 
     def dispatch(self, flights: list[Flight]) -> None:
-        for f in flights:
+        self.queue += flights
+        self.hand()
+
+    def hand(self) -> None:
+        """The queued clients to the free ranks (one process: trained here, all of them)."""
+        while self.queue and self.free:
+            f = self.queue.pop(0)
             doc = {"seq": f.seq, "client": f.client, "draw": f.draw, "lr_scale": f.lr_scale, "version": f.base}
-            model, rank = self.buf.bases[f.base], f.client % self.world
+            model, rank = self.buf.bases[f.base], self.free[0]
             if rank == 0:
                 self.at_hand.append((f.seq, *train(self.w, doc, model)))
                 continue
+            self.free.pop(0)
             doc["model"] = self.holds.get(rank) != f.base
             self.holds[rank] = f.base
             self.sends.post(frame(doc, encode_update(model)[1] if doc["model"] else b""), dst=rank)
@@ -62,13 +75,16 @@ class _Server(BufferedLoop):
             self.owed += 1
 
     def collect(self) -> list[tuple[int, dict[str, Any], bytes | memoryview]]:
-        """The updates at hand, waiting for one only when none is, in dispatch order."""
+        """The updates at hand, waiting for one only when none is, in dispatch order; a rank
+        that replies gets the next queued client before its update is booked."""
         got, self.at_hand = self.at_hand, []
         while self.owed:
             one = self.inbox.take(block=not got)
             if one is None:
                 break
             self.owed -= 1
+            self.free.append(one[0])
+            self.hand()
             doc, payload = unframe(one[1])
             got.append((int(doc["seq"]), doc["status"], payload))
         return sorted(got, key=lambda g: g[0])
@@ -80,7 +96,7 @@ class _Server(BufferedLoop):
         return down, up
 
     def finish(self, interrupted: str | None = None) -> None:
-        """Stop every worker after what it was sent; take the replies still owed."""
+        """Stop every worker after the client it holds; take the replies still owed."""
         for rank in range(1, self.world):
             self.sends.post(frame({"stop": True, "interrupted": interrupted, "version": self.server.round}), dst=rank)
         while self.owed:

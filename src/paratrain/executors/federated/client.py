@@ -1,7 +1,7 @@
 """Clients: local training on a client's own data, hosted many-per-worker.
 
-A worker hosts the clients ``c % world_size == rank``, keeping per client only its example
-indices and state (codec residuals, personal parts, SCAFFOLD's ``c_i``); one shared model is
+A worker hosts the clients ``c % world_size == rank`` (FedBuff's stateless clients: any
+client, whichever rank is free), keeping per client only its example indices and state (codec residuals, personal parts, SCAFFOLD's ``c_i``); one shared model is
 loaded with the round's global weights before each client trains, so memory does not grow
 with ``num_clients``. ClientUpdate (McMahan et al. 2017) through the loop's
 :class:`~paratrain.training.loop.Trainer`: ``local_epochs`` passes over the partition, each
@@ -294,15 +294,17 @@ class ClientHost:
         self.device = device or torch.device("cpu")
         self.dataset = dataset
         self.hosted = [c for c in range(strat.num_clients) if c % world_size == rank]
-        # only indices per client: the data is shared, never copied up front
-        self.indices = {c: torch.from_numpy(partitions[c].astype(np.int64)) for c in self.hosted}
+        self.method = str(getattr(strat.aggregation, "method", ""))
+        # only indices per client: the data is shared, never copied up front; FedBuff's clients
+        # are stateless and trained by whichever rank is free: every client's
+        trains = range(strat.num_clients) if self.method == "FedBuff" else self.hosted
+        self.indices = {c: torch.from_numpy(partitions[c].astype(np.int64)) for c in trains}
         self.engine = ClientEngine(model, task, device=self.device, precision=job.train.precision,
                                    mu=float(getattr(strat.aggregation, "mu", 0.0) or 0.0))
         self.faults = injected_faults()  # test/demo hook, never in the job (training.faults)
         self.slow = slow_client()  # likewise (SLOW_ENV)
         self.codec_state: dict[int, dict[str, Any]] = {}
         self.personal = PersonalState(model, personal_keys, self.hosted) if personal_keys else None
-        self.method = str(getattr(strat.aggregation, "method", ""))
         self.controls = ClientControls() if uses_control(strat.aggregation) else None  # SCAFFOLD c_i
         self.trained = 0
         self.dp = job.federated.dp  # [federated.dp]: clip (and local noise) before compressing
@@ -331,7 +333,7 @@ class ClientHost:
 
     def _train_once(self, client: int, round_idx: int, global_state: Mapping[str, Tensor], lr_scale: float,
                     control: Mapping[str, Tensor] | None) -> ClientResult:
-        if not self.hosts(client):
+        if client not in self.indices:
             raise ValueError(f"{client_name(client)} is not hosted by rank {self.rank}")
         idx = self.indices[client]
         n = int(idx.numel())
