@@ -76,10 +76,11 @@ def test_buffer_equal_to_concurrency_is_synchronous_fedavg_bit_for_bit(
 
 def test_a_slow_client_does_not_hold_the_server_back_and_counts_less_when_late(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three processes: rank 0 serves, ranks 1 and 2 train one client at a time, whichever
-    client is next; client 1, made 5x slower, holds one rank while the other trains clients
-    0 and 2 in turn. Versions go on from clients 0 and 2 while client 1 trains; its update,
-    started at version 0, is applied later at weight 1/sqrt(1+s) < 1."""
+    """Three processes: ranks 1 and 2 train one client at a time, whichever client is next
+    (rank 0 one still queued when no update is at hand); client 1, made 5x slower, holds one
+    rank while the others train clients 0 and 2. Versions go on from clients 0 and 2 while
+    client 1 trains; its update, started at version 0, is applied later at weight
+    1/sqrt(1+s) < 1."""
     monkeypatch.setenv(SLOW_ENV, "1:5")
     out = run(fed_job(tmp_path, "slow", K=3, rounds=30, num_workers=3, agg=buff(2, 3), **SMALL))
     recs = read_metrics(out["run_dir"])
@@ -89,9 +90,9 @@ def test_a_slow_client_does_not_hold_the_server_back_and_counts_less_when_late(
     late = next(b for b in recs[first]["buffer"] if b["client"] == 1)
     assert late["base_version"] == 0 and late["staleness"] == first >= 1
     assert late["staleness_weight"] == 1 / math.sqrt(1 + first) < 1
-    assert all({b["client"] for b in r["buffer"]} == {0, 2} for r in recs[:first])
+    assert all({b["client"] for b in r["buffer"]} <= {0, 2} for r in recs[:first])
     ups = [w["client_updates"] for w in out["workers"]]
-    assert ups[0] == 0 and min(ups[1:]) >= 1 and out["num_workers"] == 3  # the server trains none
+    assert min(ups[1:]) >= 1 and out["num_workers"] == 3
 
 
 def _doc(out: Path, rounds: int) -> dict[str, Any]:
@@ -125,6 +126,7 @@ def test_killed_server_process_restarts_and_ends_equal_to_one_process(
     assert out["parameters_sha256"] == ref["parameters_sha256"]
     assert [r["round"] for r in read_metrics(out["run_dir"])] == [1, 2, 3, 4, 5]
     assert out["client_updates_this_run"] < ref["client_updates_this_run"]  # only versions 3-5 again
+    # one client in flight: handed to rank 1 at once, never queued for rank 0
     assert [w["client_updates"] for w in out["workers"]] == [0, out["client_updates_this_run"]]
 
 

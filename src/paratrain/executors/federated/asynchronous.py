@@ -1,14 +1,15 @@
 """FedBuff on the local runtime (rules: :mod:`.buffered`). One process: rank 0 is the server
-and trains every client it dispatches, in dispatch order, before it collects. Several: rank 0
-is only the server, ranks ``1..world-1`` train; the dispatched clients wait in one queue, and
-each training rank holds one client at a time: the oldest queued client goes to a free rank
-as one message (the base model, unless that rank already holds that version), posted without
-waiting, and a rank that replies (:class:`~paratrain.comm.messages.AnySource`) is handed the
-next queued client at once. A slow client thus occupies one rank and delays no other client
-(any rank trains any client: FedBuff's clients are stateless, every rank holds every client's
-partition). A client waiting in the queue is already in flight: its base is the version at
-its dispatch. Each pass of the loop takes the updates at hand (blocking only when none is),
-books them in dispatch order, steps whenever the buffer is full, then refills the free slots.
+and trains every client it dispatches, in dispatch order, before it collects. Several: the
+dispatched clients wait in one queue on rank 0 and each other rank holds one client at a
+time: the oldest queued client goes to a free rank as one message (the base model, unless
+that rank already holds that version), posted without waiting, and a rank that replies
+(:class:`~paratrain.comm.messages.AnySource`) is handed the next queued client at once. So a
+slow client holds one rank and delays no other client (any rank trains any client: FedBuff's
+clients are stateless, every rank holds every client's partition). Rank 0 trains the oldest
+queued client itself only when no update is at hand (instead of waiting; the replies that
+come meanwhile wait for it). A queued client is already in flight: its base is the version
+at its dispatch. Each pass of the loop takes the updates at hand, books them in dispatch
+order, steps whenever the buffer is full, then refills the free slots.
 
 Only rank 0 keeps the lifecycle (one version = one "round": evaluated, logged, checkpointed):
 the workers keep no state. At the end, and on SIGINT/SIGTERM, rank 0 sends every worker a
@@ -38,6 +39,10 @@ def train(w: Any, doc: dict[str, Any], model: dict[str, torch.Tensor]) -> tuple[
     return res.status(), res.payload
 
 
+def _doc(f: Flight) -> dict[str, Any]:
+    return {"seq": f.seq, "client": f.client, "draw": f.draw, "lr_scale": f.lr_scale, "version": f.base}
+
+
 class _Server(BufferedLoop):
     """Rank 0's loop (module docstring)."""
 
@@ -58,30 +63,36 @@ class _Server(BufferedLoop):
         self.queue += flights
         self.hand()
 
+    def here(self, f: Flight) -> tuple[int, dict[str, Any], bytes | memoryview]:
+        """Train queued client ``f`` on rank 0: its dispatch number, status and payload."""
+        return (f.seq, *train(self.w, _doc(f), self.buf.bases[f.base]))
+
     def hand(self) -> None:
         """The queued clients to the free ranks (one process: trained here, all of them)."""
         while self.queue and self.free:
-            f = self.queue.pop(0)
-            doc = {"seq": f.seq, "client": f.client, "draw": f.draw, "lr_scale": f.lr_scale, "version": f.base}
-            model, rank = self.buf.bases[f.base], self.free[0]
+            f, rank = self.queue.pop(0), self.free[0]
             if rank == 0:
-                self.at_hand.append((f.seq, *train(self.w, doc, model)))
+                self.at_hand.append(self.here(f))
                 continue
             self.free.pop(0)
-            doc["model"] = self.holds.get(rank) != f.base
+            doc = {**_doc(f), "model": self.holds.get(rank) != f.base}
             self.holds[rank] = f.base
-            self.sends.post(frame(doc, encode_update(model)[1] if doc["model"] else b""), dst=rank)
+            self.sends.post(frame(doc, encode_update(self.buf.bases[f.base])[1] if doc["model"] else b""), dst=rank)
             self.inbox.expect()
             self.owed += 1
 
     def collect(self) -> list[tuple[int, dict[str, Any], bytes | memoryview]]:
-        """The updates at hand, waiting for one only when none is, in dispatch order; a rank
-        that replies gets the next queued client before its update is booked."""
+        """The updates at hand, in dispatch order; with none, rank 0 trains the oldest queued
+        client, or waits for a reply when none is queued. A rank that replies gets the next
+        queued client before its update is booked."""
         got, self.at_hand = self.at_hand, []
         while self.owed:
-            one = self.inbox.take(block=not got)
+            one = self.inbox.take(block=not (got or self.queue))
             if one is None:
-                break
+                if got:
+                    break
+                got.append(self.here(self.queue.pop(0)))
+                continue
             self.owed -= 1
             self.free.append(one[0])
             self.hand()
