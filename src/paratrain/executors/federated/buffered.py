@@ -189,9 +189,10 @@ class BufferedLoop:
         rec["buffer"] = [{k: st.get(k) for k in ("client", "seq", "base_version", "staleness", "staleness_weight")}
                          for st in statuses]
         rec["staleness_max"] = max(int(st["staleness"]) for st in statuses)
+        t_eval = time.perf_counter()
         ev, per = self.evaluate(str(version))
         round_record(server, self.metrics, rec, ev, per, target=self.job.federated.target_accuracy,
-                     lr_scale=lr_scale, time_s=time.perf_counter() - self.started,
+                     lr_scale=lr_scale, eval_s=time.perf_counter() - t_eval, time_s=time.perf_counter() - self.started,
                      in_flight=len(self.buf.flights), **self.extra)
         done = version + 1
         self.life.show(done, loss=rec.get("train_loss"), info=f"test_{self.fitness} "

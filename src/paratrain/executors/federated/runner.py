@@ -179,9 +179,11 @@ def _round(w: _Worker, r: int) -> bool:
     rec = server.finish_round(r, all_st, all_pl, wire_bytes_down=wire_down,
                               wire_bytes_up=traffic.bytes.get("recv", 0) - recv_before)
     d = w.data
+    t_eval = time.perf_counter()
     ev, per = _evaluate(w, str(r))
     round_record(server, w.metrics, rec, ev, per, target=w.job.federated.target_accuracy, lr_scale=lr_scale,
-                 round_time_s=time.perf_counter() - t_round, time_s=time.perf_counter() - w.started)
+                 eval_s=time.perf_counter() - t_eval, round_time_s=time.perf_counter() - t_round,
+                 time_s=time.perf_counter() - w.started)
     fit = str(d.task.fitness_metric)
     w.life.show(r + 1, loss=rec.get("train_loss"),
                 info=f"test_{fit} {ev.get(fit, float('nan')):.4g} ok {rec['clients_ok']}/{rec['clients_selected']}")
