@@ -16,12 +16,13 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Host", "cannot_create", "make_hosts", "remove_hosts", "remove_stale"]
+__all__ = ["Host", "cannot_create", "make_hosts", "remove_hosts", "remove_stale", "skip_without"]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -40,6 +41,17 @@ def cannot_create() -> str | None:
         return f"`ip netns add` failed: {made.stderr.strip() or made.returncode}"
     _ip("netns", "delete", probe, check=False)
     return None
+
+
+def skip_without(test: str) -> None:
+    """Skip the calling test module (``test``, its name), saying why on stderr, where
+    namespaces cannot be made."""
+    why = cannot_create()
+    if why is not None:
+        import pytest
+
+        print(f"{test}: skipped: {why}", file=sys.stderr)
+        pytest.skip(f"two hosts need network namespaces: {why}", allow_module_level=True)
 
 
 @dataclass(frozen=True)

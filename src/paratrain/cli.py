@@ -133,6 +133,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return usage(e, "error: ")
     # Workers import the job's plugins (run.imports) relative to the job file's folder.
     os.environ.setdefault("PARATRAIN_JOB_DIR", str(Path(args.job).resolve().parent))
+    if args.join_group is not None:
+        return _join(job, args)
     for var, value in (("PARATRAIN_NNODES", args.nnodes), ("PARATRAIN_NODE_RANK", args.node_rank),
                        ("PARATRAIN_RDZV_ENDPOINT", args.rdzv_endpoint)):
         if value is not None:
@@ -148,6 +150,22 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not args.quiet:
         _final_table(summary)
         print(f"run folder: {summary.get('run_dir', '')}")
+    return EXIT_OK
+
+
+def _join(job: Any, args: argparse.Namespace) -> int:
+    """``--join-group G``: replica group G of the running fault-tolerant job, until it ends."""
+    from .config import ConfigError
+    from .executors import join_group
+
+    try:
+        record = join_group(job, args.join_group)
+    except ConfigError as e:
+        return usage(e, f"{args.job}: ")
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - one clear line, not a traceback
+        return failed(e, f"{args.job}: ")
+    if not args.quiet:
+        print(json.dumps(record) if record is not None else "the run had ended")
     return EXIT_OK
 
 
@@ -207,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--nnodes", type=int, help="number of machines (multi-node launch)")
     r.add_argument("--node-rank", type=int, help="this machine's rank among --nnodes")
     r.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (rank-0 machine)")
+    r.add_argument("--join-group", type=int, metavar="G",
+                   help="[fault_tolerance]: run replica group G against the running job (its "
+                        "Lighthouse: the job's `lighthouse`, or the one in the run folder)")
     r.add_argument("-q", "--quiet", action="store_true",
                    help="no summary table, and no progress unless the job sets run.progress_every")
     r.set_defaults(fn=_cmd_run)

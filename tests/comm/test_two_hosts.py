@@ -27,10 +27,7 @@ import _netns
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
-_WHY_NOT = _netns.cannot_create()
-if _WHY_NOT is not None:
-    print(f"test_two_hosts: skipped: {_WHY_NOT}", file=sys.stderr)
-    pytest.skip(f"two hosts need network namespaces: {_WHY_NOT}", allow_module_level=True)
+_netns.skip_without("test_two_hosts")
 
 BIN = Path(sys.executable).parent
 TIMEOUT = 300

@@ -15,6 +15,7 @@ import contextlib
 import multiprocessing.connection
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -43,19 +44,49 @@ def _quiet() -> None:
 
 
 @contextlib.contextmanager
-def lighthouse(*, min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float) -> Iterator[str]:
-    """A torchft Lighthouse on 127.0.0.1 for the block; yields its address."""
+def lighthouse(*, min_replicas: int, join_timeout_s: float, heartbeat_timeout_s: float,
+               listen: str | None = None) -> Iterator[str]:
+    """A torchft Lighthouse for the block, on ``listen`` (``host:port``, reached from other
+    hosts) or 127.0.0.1; yields its address."""
     _quiet()  # before torchft's import, which sets up its logger
     from torchft.coordination import LighthouseServer
 
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas,
+    server = LighthouseServer(bind=listen or "127.0.0.1:0", min_replicas=min_replicas,
                               join_timeout_ms=int(join_timeout_s * 1000),
                               heartbeat_timeout_ms=int(heartbeat_timeout_s * 1000))
     try:
-        # the server advertises the host name; the groups reach it on the loopback address
-        yield "http://127.0.0.1:" + server.address().rsplit(":", 1)[1]
+        # the server advertises the host name; the groups reach it on the address it listens on
+        host = listen.rpartition(":")[0] if listen else "127.0.0.1"
+        yield f"http://{host}:" + server.address().rsplit(":", 1)[1]
     finally:
         server.shutdown()
+
+
+def own_address(lighthouse: str) -> str:
+    """This host's address as the Lighthouse and the other groups reach it: 127.0.0.1 with a
+    Lighthouse on loopback, else the address on the route to it (gloo is told its interface
+    where the host name resolves to loopback, :func:`~.rendezvous.gloo_interface`)."""
+    from .rendezvous import _is_loopback, address_towards, gloo_interface
+
+    host, _, port = lighthouse.split("://")[-1].rpartition(":")
+    if _is_loopback(host):
+        return "127.0.0.1"
+    ifname = gloo_interface(host, int(port))
+    if ifname is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+    return address_towards(host, int(port)) or socket.gethostname()
+
+
+def _transport(host: str, timeout: timedelta) -> Any:
+    """torchft's checkpoint transport (a healing peer reads the state over HTTP), at ``host``
+    instead of the host name (which may resolve to loopback)."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Transport(HTTPTransport):  # type: ignore[misc]
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return Transport(timeout=timeout, num_chunks=0)
 
 
 @contextlib.contextmanager
@@ -80,16 +111,18 @@ class ReplicaGroup:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
-        self.min_replicas, self.quorum_timeout_s = min_replicas, quorum_timeout_s
+        self.replica, self.min_replicas, self.quorum_timeout_s = replica, min_replicas, quorum_timeout_s
         self.timeout = timeout = timedelta(seconds=timeout_s)
+        host = own_address(lighthouse)  # the other groups reach this one's store, server and state here
         # the Manager's own store (one process: this group's only rank)
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=state,
             min_replica_size=min_replicas, use_async_quorum=False, init_sync=False,
             timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_s),
-            connect_timeout=timeout, rank=0, world_size=1, store_addr="127.0.0.1",
-            store_port=self._store.port, lighthouse_addr=lighthouse, replica_id=f"replica_{replica}")
+            connect_timeout=timeout, rank=0, world_size=1, store_addr=host, hostname=host,
+            store_port=self._store.port, lighthouse_addr=lighthouse, replica_id=f"replica_{replica}",
+            checkpoint_transport=_transport(host, timeout))
         self._open = False  # a quorum joined whose step is not committed yet
 
     def start(self, line: str, *, replica: int, groups: int, wait: bool) -> None:

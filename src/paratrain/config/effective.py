@@ -220,7 +220,7 @@ def _fault_tolerance(job: JobConfig, ignored: list[Ignored]) -> dict[str, Any] |
         return None
     out = ft.model_dump(mode="json")
     if ft.lighthouse != "start":
-        for name in ("join_timeout_s", "heartbeat_timeout_s"):
+        for name in ("join_timeout_s", "heartbeat_timeout_s", "listen"):
             if is_set(ft, name):
                 ignored.append(Ignored(f"fault_tolerance.{name}", f"set on the Lighthouse "
                                        f"paratrain starts; {ft.lighthouse} runs with its own"))

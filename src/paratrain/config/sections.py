@@ -313,21 +313,26 @@ class FaultTolerance(Section):
     lighthouse: str = "start"
     """``"start"``: paratrain runs a torchft Lighthouse on 127.0.0.1 for the run and stops it
     at the end; else the ``host:port`` of a running one."""
+    listen: str | None = None
+    """``lighthouse = "start"`` only: the ``host:port`` of this machine the Lighthouse listens
+    on, reached from the other hosts, whose jobs name it as their ``lighthouse`` (groups on
+    several hosts); None: 127.0.0.1 and a free port (this host's groups only)."""
     groups: PositiveCount | None = None
     """Replica groups ``paratrain run`` starts (``0 .. groups - 1``; None = every one of
     ``strategy.num_replicas``); the others can join the running job later
-    (``paratrain.executors.data_parallel.fault_tolerance.join_group``)."""
+    (``paratrain run job.toml --join-group G``)."""
     replay: bool = False
     """Train the batches of the groups missing from a step again on the survivors, so that
     every step averages all ``num_replicas`` shards (as a run without the failure); false:
     torchft's semantics, a step averages the shards of the groups alive for it."""
 
-    @field_validator("lighthouse")
+    @field_validator("lighthouse", "listen")
     @classmethod
-    def _start_or_address(cls, v: str) -> str:
-        host, sep, port = v.rpartition(":")
-        if v != "start" and not (sep and host and port.isdigit() and 0 < int(port) < 65536):
-            raise ValueError(f'must be "start" or a host:port address (got {v!r})')
+    def _start_or_address(cls, v: str | None, info: Any) -> str | None:
+        host, sep, port = (v or "").rpartition(":")
+        if v is not None and (v != "start" or info.field_name != "lighthouse") and not (sep and host and port.isdigit() and 0 < int(port) < 65536):
+            start = '"start" or ' if info.field_name == "lighthouse" else ""
+            raise ValueError(f"must be {start}a host:port address (got {v!r})")
         return v
 
 

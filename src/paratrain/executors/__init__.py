@@ -7,6 +7,7 @@ through this module's names only; running a job is :func:`paratrain.dispatch.exe
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from ..config import ConfigError
 from ..config.job import JobConfig
@@ -62,6 +63,14 @@ def spec_for(job: JobConfig) -> ExecutorSpec:
     """The spec of the executor that runs ``job`` (:func:`executor_name`)."""
     spec: ExecutorSpec = importlib.import_module(_PACKAGES[executor_name(job)]).SPEC
     return spec
+
+
+def join_group(job: JobConfig, group: int) -> dict[str, Any] | None:
+    """``paratrain run --join-group G``: replica group ``group`` of the running fault-tolerant
+    (DataParallel) ``job``, until it ends (``data_parallel.fault_tolerance.join_group``)."""
+    result: dict[str, Any] | None = importlib.import_module(
+        "paratrain.executors.data_parallel.fault_tolerance").join_group(job, group)
+    return result
 
 
 def worker_preload(job: JobConfig) -> list[str]:

@@ -219,6 +219,7 @@ def test_quorum_timeout_fails_in_bounded_time_then_resume_is_exact(
     ({"min_replicas": 3}, None, "fault_tolerance.min_replicas"),
     ({"min_replicas": 0}, None, "fault_tolerance.min_replicas"),
     ({"lighthouse": "nowhere"}, None, "fault_tolerance.lighthouse"),
+    ({"listen": "start"}, None, "fault_tolerance.listen"),
     ({"quorum_timeout_s": 0}, None, "fault_tolerance.quorum_timeout_s"),
     ({"groups": 3}, None, "fault_tolerance.groups"),
 ])
@@ -239,3 +240,19 @@ def test_another_lighthouse_keeps_its_own_timings(tmp_path: Path) -> None:
     assert eff.settings["fault_tolerance"]["lighthouse"] == "10.0.0.7:29510"
     assert {i.field for i in eff.ignored} >= {"fault_tolerance.join_timeout_s",
                                               "fault_tolerance.heartbeat_timeout_s"}
+
+
+@pytest.mark.parametrize(("ft_table", "group", "field"), [
+    (None, "1", "fault_tolerance"),  # no [fault_tolerance] table
+    ({}, "2", "strategy.num_replicas"),  # groups 0 and 1 only
+    ({}, "1", "run.name"),  # no run going: no Lighthouse address in the run folder
+])
+def test_join_group_command_errors_name_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   ft_table: dict[str, Any] | None, group: str, field: str) -> None:
+    from paratrain.cli import main
+
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(_job(tmp_path, "join", ft_table=ft_table).to_json_dict()))
+    assert main(["run", str(path), "--join-group", group]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: {field}: " in err and "Traceback" not in err, err

@@ -80,6 +80,7 @@ class FaultTolerantEngine(LocalEngine):
         self.group, self.evaluates = group, evaluates
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.divisor: int | None = None  # replay: a sum over the quorum divided by this
+        self.groups = 0  # the last committed step's quorum (a change is logged)
 
     def sync(self) -> None:
         ps = self.params
@@ -95,6 +96,12 @@ class FaultTolerantEngine(LocalEngine):
             k = p.numel()
             p.grad = flat[offset:offset + k].view_as(p).clone() if flag > 0 else None
             offset += k
+
+    def after_step(self) -> dict[str, float]:
+        """``{"groups": q}`` (metrics) at the first step and when the quorum's size changed."""
+        q, last = self.group.participants, self.groups
+        self.groups = q
+        return {"groups": float(q)} if q != last else {}
 
     def evaluate(self) -> dict[str, float] | None:
         return super().evaluate() if self.evaluates() else None
@@ -179,6 +186,8 @@ class HealingStore:
         if self.received is not None:
             state, self.received = {**self.received, "loader": {}}, None
             self.healed_at = time.time()  # wall clock: the supervisor's restart times are too
+            print(f"replica group {self.group.replica} healed from a live peer at step {state['step']}",
+                  file=sys.stderr, flush=True)
             return Path("a live peer"), state
         if self.ended is not None and self.ended():
             raise RunEnded  # restarted, no peer to heal from: the others finished the run
@@ -308,8 +317,10 @@ def group_main(job_json: dict[str, Any], resume: bool, replica: int, lighthouse:
     from ...comm.process import exit_process
 
     parent.apply()
-    if not os.environ.get("PARATRAIN_DEBUG"):  # torchft's per-quorum warnings (no NCCL here)
-        logging.getLogger("torchft").setLevel(logging.ERROR)
+    if not os.environ.get("PARATRAIN_DEBUG"):
+        # torchft's per-quorum warnings (no NCCL here), and its traceback of a peer lost inside
+        # an all-reduce, which is handled (the step is not committed; a lost quorum is raised)
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)
         # a healing group reads the peer's tensors from a read-only HTTP body, once
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
     job = JobConfig.model_validate(job_json)
@@ -406,14 +417,22 @@ def join_group(job: JobConfig, replica: int) -> dict[str, Any] | None:
     run`` did not start, ``fault_tolerance.groups``, or one that left) in a process of its own
     until the job ends: it heals from a live peer at its first quorum and walks its own shard
     from there. Returns its ``replica-<g>.json`` record (None: the job had ended)."""
+    fto, run_dir = job.fault_tolerance, run_dir_of(job)
+    if fto is None:
+        raise ConfigError([("fault_tolerance", "the job has no [fault_tolerance] table: no replica group to join")])
     s = validate(job)
-    if job.fault_tolerance is None or not 0 <= replica < s.num_replicas:
-        raise ConfigError([("strategy.num_replicas", f"replica group {replica} is not one of a fault-tolerant "
-                                                     f"job's {s.num_replicas} groups")])
-    run_dir = run_dir_of(job)
-    if not _lighthouse_file(run_dir).exists():
-        raise ConfigError([("run.name", f"no fault-tolerant run is going on in {run_dir}")])
-    address, job_json = _lighthouse_file(run_dir).read_text(), job.to_json_dict()
+    if not 0 <= replica < s.num_replicas:
+        raise ConfigError([("strategy.num_replicas", f"replica group {replica} is not one of the job's "
+                                                     f"{s.num_replicas} groups (0 to {s.num_replicas - 1})")])
+    if fto.lighthouse != "start":  # the Lighthouse the job names (groups on several hosts)
+        address = _named(fto)
+        run_dir.mkdir(parents=True, exist_ok=True)  # this host's own folder
+    elif _lighthouse_file(run_dir).exists():
+        address = _lighthouse_file(run_dir).read_text()
+    else:
+        raise ConfigError([("run.name", f"no fault-tolerant run is going on in {run_dir} "
+                                        "(no Lighthouse address there)")])
+    job_json = job.to_json_dict()
     ft.supervise(group_main, lambda g, r: (job_json, True, g, address, None, r, ParentState()), groups=[replica],
                  max_restarts=job.run.max_restarts, fatal=_fatal(run_dir), preload=[__name__])
     record = run_dir / f"replica-{replica}.json"
@@ -424,6 +443,9 @@ def _lighthouse(fto: Any) -> Any:
     """The Lighthouse paratrain starts, or the address of the one the job names."""
     if fto.lighthouse == "start":
         return ft.lighthouse(min_replicas=fto.min_replicas, join_timeout_s=fto.join_timeout_s,
-                             heartbeat_timeout_s=fto.heartbeat_timeout_s)
-    address = fto.lighthouse if "://" in fto.lighthouse else f"http://{fto.lighthouse}"
-    return contextlib.nullcontext(address)
+                             heartbeat_timeout_s=fto.heartbeat_timeout_s, listen=fto.listen)
+    return contextlib.nullcontext(_named(fto))
+
+
+def _named(fto: Any) -> str:
+    return fto.lighthouse if "://" in fto.lighthouse else f"http://{fto.lighthouse}"
