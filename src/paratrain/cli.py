@@ -123,6 +123,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     if args.quiet and "progress_every" not in job.run.model_fields_set:  # -q: no progress either
         job = job.model_copy(update={"run": job.run.model_copy(update={"progress_every": "off"})})
+    clash = [f for f, v in (("--resume", args.resume), ("--overwrite", args.overwrite),
+                            ("--nnodes", args.nnodes), ("--node-rank", args.node_rank),
+                            ("--rdzv-endpoint", args.rdzv_endpoint)) if v]
+    if args.join_group is not None and clash:  # a joining group takes the running job as it is
+        return usage(ConfigError([("--join-group", f"cannot be used with {', '.join(clash)}")]), "error: ")
     # Multi-node launch options travel to comm.launch through the environment, the
     # same way torchrun passes its own settings; checked first, so an error names the flag.
     from .comm.rendezvous import check_nodes

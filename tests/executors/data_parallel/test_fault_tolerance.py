@@ -256,3 +256,15 @@ def test_join_group_command_errors_name_the_field(tmp_path: Path, capsys: pytest
     assert main(["run", str(path), "--join-group", group]) == 2
     err = capsys.readouterr().err
     assert f"{path}: {field}: " in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("flag", [["--resume"], ["--overwrite"], ["--nnodes", "2"]])
+def test_join_group_refuses_the_flags_of_a_run_of_its_own(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          flag: list[str]) -> None:
+    from paratrain.cli import main
+
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(_job(tmp_path, "join", ft_table={}).to_json_dict()))
+    assert main(["run", str(path), "--join-group", "1", *flag]) == 2
+    err = capsys.readouterr().err
+    assert f"--join-group: cannot be used with {flag[0]}" in err and "Traceback" not in err, err
