@@ -31,16 +31,16 @@ BENCH_STAMP := $(STAMP)
 demo: $(STAMP)
 	$(BIN)/paratrain run examples/gpt_shakespeare_local.toml --overwrite
 
-# Four pytest workers, whole files per worker (a file's module fixtures launch once; the long
-# files first, tests/conftest.py): most tests wait on worker processes, Flower's nodes or a
-# Lighthouse; three files at a time left the 2 cores idle about a fifth of the run (1,534
-# CPU-seconds in 950 s). --dist loadfile, not loadgroup: pytest 9.2 derives a node id from
-# its parts, so xdist 3.8's group suffix is lost and loadgroup spreads every test (a module
+# Three pytest workers, whole files per worker (a file's module fixtures launch once; the long
+# files first, tests/conftest.py): most tests wait on worker processes, so three files at a time
+# fill 2 cores (four, tried once on a clean clone, took 1,175 s in pytest: the Flower and SecAgg+
+# federations' set-up ran 367 s and 272 s against 232 s and 148 s at three, all at once).
+# --dist loadfile, not loadgroup: pytest 9.2 derives a node id from its parts, so xdist 3.8's group suffix is lost and loadgroup spreads every test (a module
 # fixture then ran once per worker: the SecAgg+ federations three times, about 14 minutes).
 # --durations: CI's log says where the time went.
 test: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 src tests
-	$(BIN)/python -m pytest -n 4 --dist loadfile --durations=25 tests
+	$(BIN)/python -m pytest -n 3 --dist loadfile --durations=25 tests
 
 # The floors that are mypy --strict clean, and stay so.
 STRICT := src/paratrain/config src/paratrain/comm src/paratrain/training src/paratrain/compression src/paratrain/data
