@@ -35,8 +35,9 @@ demo: $(STAMP)
 # files first, tests/conftest.py): most tests wait on worker processes, so three files at a time
 # fill 2 cores (four, tried once on a clean clone, took 1,175 s in pytest: the Flower and SecAgg+
 # federations' set-up ran 367 s and 272 s against 232 s and 148 s at three, all at once).
-# --dist loadfile, not loadgroup: pytest 9.2 derives a node id from its parts, so xdist 3.8's group suffix is lost and loadgroup spreads every test (a module
-# fixture then ran once per worker: the SecAgg+ federations three times, about 14 minutes).
+# --dist loadfile, not loadgroup: pytest 9.2 derives a node id from its parts, so xdist 3.8's
+# group suffix is lost and loadgroup spreads every test (a module fixture then ran once per
+# worker: the SecAgg+ federations three times, about 14 minutes).
 # --durations: CI's log says where the time went.
 test: $(STAMP)
 	$(BIN)/python -m compileall -q -j 0 src tests
