@@ -33,8 +33,8 @@ demo: $(STAMP)
 
 # Three pytest workers, whole files per worker (a file's module fixtures launch once; the long
 # files first, tests/conftest.py): most tests wait on worker processes, so three files at a time
-# fill 2 cores (four, tried once on a clean clone, took 1,175 s in pytest: the Flower and SecAgg+
-# federations' set-up ran 367 s and 272 s against 232 s and 148 s at three, all at once).
+# fill 2 cores (four, tried on a clean clone the same evening, took 1,175 s in pytest against
+# three's 1,152 s: the suite is CPU-bound, and more workers only slow each file).
 # --dist loadfile, not loadgroup: pytest 9.2 derives a node id from its parts, so xdist 3.8's
 # group suffix is lost and loadgroup spreads every test (a module fixture then ran once per
 # worker: the SecAgg+ federations three times, about 14 minutes).
