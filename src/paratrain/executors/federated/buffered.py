@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -140,7 +141,7 @@ class Buffered:
 Arrival = tuple[int, dict[str, Any], "bytes | memoryview"]  # (dispatch number, status, payload)
 
 
-class BufferedLoop:
+class BufferedLoop(ABC):
     """A runtime's FedBuff server loop: the runtime's :meth:`dispatch` (start clients) and
     :meth:`collect` (the updates at hand, waiting for one only when none is, in dispatch order)
     around the rules above; every version is logged, evaluated and checkpointed as a round."""
@@ -152,15 +153,17 @@ class BufferedLoop:
         self.buf: Buffered = server.buffered
         self.started, self.fitness, self.extra = started, fitness, extra
 
+    @abstractmethod
     def dispatch(self, flights: list[Flight]) -> None:
-        raise NotImplementedError
+        """Send ``flights`` to be trained (the runtime's transport)."""
 
+    @abstractmethod
     def collect(self) -> list[Arrival]:
-        raise NotImplementedError
+        """The updates at hand (blocking only when none is)."""
 
+    @abstractmethod
     def wire(self) -> tuple[int, int]:
         """The bytes the transport moved down and up since the last call."""
-        raise NotImplementedError
 
     def run(self, start: int) -> int:
         """Versions until ``strategy.rounds`` (or the target accuracy); returns the versions done."""
