@@ -305,9 +305,10 @@ class RankStore:
         return None
 
     def _candidates(self) -> list[str]:
-        """Rank 0: the step folders to try, newest first (ConfigError: one no store resumes)."""
-        if self.root.is_dir():
-            self._remove_stale()
+        """Rank 0: the step folders to try, newest first (ConfigError: one no store resumes).
+        A killed save's ``.tmp`` folder is left to the next save (:meth:`_write`): a reader,
+        such as a fault-tolerant replica group restarting or joining while group 0 writes,
+        must not remove the folder a live writer is filling."""
         found = newest_checkpoint(self.root.parent)
         if found is None:
             return []
