@@ -1,12 +1,15 @@
 """Replica groups on torchft (``[fault_tolerance]``): a :class:`Lighthouse` that forms each
 step's quorum, one :class:`ReplicaGroup` (torchft's ``Manager`` over a reconfigurable gloo
-group) per process, and :func:`supervise`, which restarts only the process that died.
+group) per process, and :func:`supervise`, which restarts only the group whose process died.
 
-A step of a replica group: :meth:`ReplicaGroup.begin` joins the step's quorum (synchronous:
-a group behind the others' step receives a live peer's state here, through the Manager's
-checkpoint transport); :meth:`ReplicaGroup.mean_` averages a tensor over the groups of that
-quorum, ``x <- (1/q) sum_{g in quorum} x_g``; :meth:`ReplicaGroup.commit` says whether every
-group of the quorum completed the step (then it counts, else the step is taken again).
+A replica group is one process or several (:class:`Member`: process ``i`` of ``k``, torchft's
+``group_rank`` / ``group_world_size``). A step of a replica group: :meth:`ReplicaGroup.begin`
+joins the step's quorum (synchronous: a group behind the others' step receives a live
+peer's state here, process ``i`` from process ``i`` of the peer, through the Manager's
+checkpoint transport); :meth:`ReplicaGroup.mean_` averages a tensor over process ``i`` of
+each group of that quorum, ``x_i <- (1/q) sum_{g in quorum} x_{g,i}``;
+:meth:`ReplicaGroup.commit` says whether every group of the quorum completed the step, every
+process of this group agreeing (then it counts, else the step is taken again).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -100,13 +104,30 @@ def start_line() -> Iterator[str]:
         del store
 
 
+@dataclass(frozen=True)
+class Member:
+    """One process of a replica group: ``rank`` of its ``size`` processes; ``port``: the
+    group's rendezvous store on 127.0.0.1, which :func:`supervise` keeps (None: a group of
+    one process, which needs none)."""
+
+    rank: int = 0
+    size: int = 1
+    port: int | None = None
+
+
 class ReplicaGroup:
-    """This process as one replica group of one process (module docstring). ``state()`` is
-    what a healing peer receives, ``load(state)`` takes a peer's state (both called by the
-    Manager during :meth:`begin`)."""
+    """This process as process ``member.rank`` of a replica group (module docstring): one
+    torchft ``Manager`` per process, the same ``replica_id`` across the group; the group's
+    process 0 runs its Manager server and store, whose port the others read from
+    ``control`` (the group's own store; a group of one needs none). Each process's
+    reconfigurable gloo group joins process ``rank`` of every group of the quorum, so
+    :meth:`mean_` averages a tensor over the same process of each group (torchft's HSDP).
+    ``state()`` is what the same process of a healing group receives, ``load(state)`` takes a
+    peer's state (both called by the Manager during :meth:`begin`)."""
 
     def __init__(self, *, replica: int, lighthouse: str, min_replicas: int, quorum_timeout_s: float,
-                 timeout_s: float, state: Callable[[], Any], load: Callable[[Any], None]) -> None:
+                 timeout_s: float, state: Callable[[], Any], load: Callable[[Any], None],
+                 member: Member = Member(), control: Any = None) -> None:
         _quiet()  # before torchft's import, which sets up its logger
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
@@ -114,14 +135,20 @@ class ReplicaGroup:
         self.replica, self.min_replicas, self.quorum_timeout_s = replica, min_replicas, quorum_timeout_s
         self.timeout = timeout = timedelta(seconds=timeout_s)
         host = own_address(lighthouse)  # the other groups reach this one's store, server and state here
-        # the Manager's own store (one process: this group's only rank)
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+        self._store: Any = None
+        if member.rank == 0:  # the Manager's store: a fresh one for each start of the group
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+            port = int(self._store.port)
+            if control is not None:
+                control.set("ft/store", str(port))
+        else:
+            port = int(control.get("ft/store"))  # waits for process 0 (the store's timeout)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load, state_dict=state,
             min_replica_size=min_replicas, use_async_quorum=False, init_sync=False,
             timeout=timeout, quorum_timeout=timedelta(seconds=quorum_timeout_s),
-            connect_timeout=timeout, rank=0, world_size=1, store_addr=host, hostname=host,
-            store_port=self._store.port, lighthouse_addr=lighthouse, replica_id=f"replica_{replica}",
+            connect_timeout=timeout, rank=member.rank, world_size=member.size, store_addr=host,
+            hostname=host, store_port=port, lighthouse_addr=lighthouse, replica_id=f"replica_{replica}",
             checkpoint_transport=_transport(host, timeout))
         self._open = False  # a quorum joined whose step is not committed yet
 
@@ -186,7 +213,7 @@ class ReplicaGroup:
         self.manager.shutdown(wait=False)
 
 
-def _stop(procs: dict[int, Any], grace_s: float = 5.0) -> None:
+def _stop(procs: dict[Any, Any], grace_s: float = 5.0) -> None:
     """SIGTERM every process still running, SIGKILL what outlives ``grace_s``; reap all."""
     for p in procs.values():
         if p.is_alive():
@@ -206,53 +233,78 @@ def _exit_name(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def _kill_group(procs: dict[tuple[int, int], Any], group: int) -> None:
+    """SIGKILL the processes of ``group`` still running and reap them: a group lives and
+    dies whole (its shards are one replica), and a process left waiting in a collective
+    with a dead group-mate would only time out."""
+    mine = [p for (g, _), p in procs.items() if g == group]
+    for p in mine:
+        if p.is_alive():
+            p.kill()
+    for p in mine:
+        p.join()
+
+
 def supervise(target: Callable[..., None], args: Callable[[int, int], Sequence[Any]], *, groups: Sequence[int],
-              max_restarts: int, fatal: Callable[[int, int], BaseException | None],
+              max_restarts: int, fatal: Callable[[int, int, int], BaseException | None],
               preload: Sequence[str] = (), on_restart: Callable[[int, str], None] | None = None,
-              on_lost: Callable[[int], None] | None = None) -> dict[int, int]:
-    """Run ``target(*args(group, restart_count))`` in one process per group and restart a
-    group whose process fails, alone, at most ``max_restarts`` times each; the others run on
-    (also past a group out of restarts: ``on_lost(group)``). A group that ended (exit 0) is done: once one is,
-    none is restarted (the run ended). ``fatal(group, exit_code)`` names a failure no restart
-    mends (raised after every process is stopped), as is every group failing. Returns each
-    group's restart count once every process ended."""
+              on_lost: Callable[[int], None] | None = None, processes: int = 1) -> dict[int, int]:
+    """Run ``target(*args(group, restart_count), member)`` in ``processes`` processes per group
+    (``member``: :class:`Member`) and restart a group one of whose processes fails, whole (its
+    other processes killed first, :func:`_kill_group`) and alone, at most ``max_restarts``
+    times each; the others run on (also past a group out of restarts: ``on_lost(group)``). A
+    group whose processes all ended (exit 0) is done: once one is, none is restarted (the run
+    ended). ``fatal(group, rank, exit_code)`` names a failure no restart mends (raised after
+    every process is stopped), as is every group failing. Returns each group's restart count
+    once every process ended."""
     ctx = forkserver_context(list(preload))
     restarts = dict.fromkeys(groups, 0)
-    procs: dict[int, Any] = {}
+    # a group of several processes meets at a store of its own, kept across its restarts
+    # (each start of the group takes a fresh key prefix there: rendezvous.group_prefix)
+    stores = {g: dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+              for g in groups} if processes > 1 else {}
+    procs: dict[tuple[int, int], Any] = {}
 
     def start(g: int) -> None:
-        procs[g] = ctx.Process(target=target, args=tuple(args(g, restarts[g])), name=f"paratrain-ft-{g}")
-        procs[g].start()
+        for i in range(processes):
+            member = Member(i, processes, int(stores[g].port) if stores else None)
+            procs[g, i] = ctx.Process(target=target, args=(*args(g, restarts[g]), member),
+                                      name=f"paratrain-ft-{g}" + (f".{i}" if processes > 1 else ""))
+            procs[g, i].start()
 
     for g in groups:
         start(g)
-    done: set[int] = set()
+    ended: dict[int, set[int]] = {g: set() for g in groups}  # a group's processes that exited 0
     lost: dict[int, str] = {}  # groups out of restarts (or failed after the run ended)
     try:
-        while len(done) + len(lost) < len(groups):
-            running = {p.sentinel: g for g, p in procs.items() if g not in done and g not in lost}
+        while len(lost) + sum(len(e) == processes for e in ended.values()) < len(groups):
+            running = {p.sentinel: (g, i, p) for (g, i), p in procs.items() if g not in lost and i not in ended[g]}
             for sentinel in multiprocessing.connection.wait(list(running)):
-                g = running[sentinel]
-                procs[g].join()
-                code = procs[g].exitcode
-                error = fatal(g, code) if code else None
+                g, i, p = running[sentinel]
+                if g in lost or procs[g, i] is not p:
+                    continue  # its group was restarted or given up in this round already
+                p.join()
+                if p.exitcode == 0:
+                    ended[g].add(i)
+                    continue
+                error = fatal(g, i, p.exitcode)
                 if error is not None:
                     raise error
-                if code == 0:
-                    done.add(g)
-                elif done or restarts[g] >= max_restarts:  # the others go on without it
-                    lost[g] = _exit_name(code)
+                _kill_group(procs, g)
+                why = _exit_name(p.exitcode) if processes == 1 else f"process {i} {_exit_name(p.exitcode)}"
+                if ended[g] or any(len(e) == processes for e in ended.values()) or restarts[g] >= max_restarts:
+                    lost[g] = why  # the others go on without it
                     if on_lost is not None:
                         on_lost(g)
                 else:
                     restarts[g] += 1
                     if on_restart is not None:
-                        on_restart(g, _exit_name(code))
+                        on_restart(g, why)
                     start(g)
     finally:
         _stop(procs)
-    if not done:
+        stores.clear()
+    if not any(len(e) == processes for e in ended.values()):
         raise RuntimeError("every replica group failed (run.max_restarts = "
                            f"{max_restarts}): " + ", ".join(f"group {g} {why}" for g, why in sorted(lost.items())))
     return restarts
-

@@ -225,7 +225,7 @@ def _fault_tolerance(job: JobConfig, ignored: list[Ignored]) -> dict[str, Any] |
                 ignored.append(Ignored(f"fault_tolerance.{name}", f"set on the Lighthouse "
                                        f"paratrain starts; {ft.lighthouse} runs with its own"))
             out[name] = None
-    if is_set(job.comm, "bucket_size_mb"):
+    if is_set(job.comm, "bucket_size_mb") and ft.processes_per_group == 1:  # ZeRO-1 in a group buckets
         ignored.append(Ignored("comm.bucket_size_mb", "under [fault_tolerance] a step's "
                                "gradients travel as one flat all-reduce through torchft's Manager"))
     return out

@@ -67,8 +67,9 @@ class JobConfig(Section):
     comm: CommConfig = CommConfig()
     """Communication settings: gradient buckets, timeouts, gossip step."""
     fault_tolerance: FaultTolerance | None = None
-    """DataParallel (AllReduce) on torchft: replica groups that die are dropped from a step
-    and heal from a live peer, the others go on; None = off."""
+    """DataParallel (AllReduce, or ZeRO within groups of several processes) on torchft:
+    replica groups that die are dropped from a step and heal from a live peer, the others go
+    on; None = off."""
     federated: FederatedOptions = FederatedOptions()
     """Federated local training: epochs, batch size, client tags, target accuracy."""
     population: PopulationOptions = PopulationOptions()
@@ -109,8 +110,9 @@ class JobConfig(Section):
 
 
 def _fault_tolerance_problem(job: JobConfig) -> str | None:
-    """``[fault_tolerance]`` runs whole-model replicas that exchange a plain gradient mean:
-    DataParallel AllReduce only (``field: message``, or None)."""
+    """``[fault_tolerance]`` runs replica groups that exchange a plain gradient mean:
+    DataParallel AllReduce only, whole replicas or, with ``processes_per_group`` > 1, ZeRO
+    shards within each group (``field: message``, or None)."""
     ft, s = job.fault_tolerance, job.strategy
     if ft is None:
         return None
@@ -118,19 +120,40 @@ def _fault_tolerance_problem(job: JobConfig) -> str | None:
     tp = job.tensor_parallel is not None and job.tensor_parallel.tensor_parallel_size > 1
     why = (f"strategy.type is {s.type}" if s.type != "DataParallel" else
            f"strategy.aggregation is {agg}" if agg != "AllReduce" else
-           f"strategy.shard is {s.shard!r} (ZeRO)" if getattr(s, "shard", "none") != "none" else
            "[compression] is set" if job.compression is not None and job.compression.method != "None" else
            "[tensor_parallel] is set" if tp else "[subgraphs] is set" if job.subgraphs else None)
     if why is not None:
-        return (f"fault_tolerance: runs DataParallel with aggregation AllReduce only (whole "
-                f"replicas, uncompressed, no ZeRO, subgraphs or tensor parallelism); {why}")
-    n = int(getattr(s, "num_replicas", 1))
-    if ft.min_replicas > n:
+        return (f"fault_tolerance: runs DataParallel with aggregation AllReduce only (replicas "
+                f"or ZeRO-sharded replica groups, uncompressed, no subgraphs or tensor parallelism); {why}")
+    return _group_problem(ft, int(getattr(s, "num_replicas", 1)), str(getattr(s, "shard", "none")))
+
+
+def _group_problem(ft: FaultTolerance, n: int, shard: str) -> str | None:
+    """The replica groups: ``n / processes_per_group`` of them, sharded (ZeRO) exactly when
+    they have several processes; ``min_replicas`` and ``groups`` count groups."""
+    k = ft.processes_per_group
+    if n % k:
+        return (f"fault_tolerance.processes_per_group: strategy.num_replicas = {n} processes do not "
+                f"split into replica groups of {k}: num_replicas must be a multiple of it")
+    if k > 1 and shard == "none":
+        return (f"fault_tolerance.processes_per_group: a replica group of {k} processes shards "
+                "among them by ZeRO: set strategy.shard (\"optimizer\", \"gradients\" or "
+                "\"parameters\"), or keep processes_per_group = 1 (one whole replica per group)")
+    if k == 1 and shard != "none":
+        return (f"fault_tolerance.processes_per_group: strategy.shard = {shard!r} (ZeRO) shards "
+                "within a replica group, and a group of 1 process has no one to shard with: set "
+                "processes_per_group >= 2 (a divisor of strategy.num_replicas)")
+    if k > 1 and ft.replay:
+        return ("fault_tolerance.replay: not supported with processes_per_group > 1 (a group "
+                "replaying a missing group's batches would need that group's shard layout too)")
+    groups = n // k
+    if ft.min_replicas > groups:
         return (f"fault_tolerance.min_replicas: {ft.min_replicas} is more than the "
-                f"{n} replica group(s) of strategy.num_replicas: no quorum could form")
-    if ft.groups is not None and not ft.min_replicas <= ft.groups <= n:
+                f"{groups} replica group(s) of strategy.num_replicas / processes_per_group: "
+                "no quorum could form")
+    if ft.groups is not None and not ft.min_replicas <= ft.groups <= groups:
         return (f"fault_tolerance.groups: {ft.groups} groups started must be at least min_replicas = "
-                f"{ft.min_replicas} and at most strategy.num_replicas = {n}")
+                f"{ft.min_replicas} and at most strategy.num_replicas / processes_per_group = {groups}")
     return None
 
 

@@ -295,13 +295,19 @@ class CommConfig(Section):
 
 
 class FaultTolerance(Section):
-    """Per-step fault tolerance of DataParallel on torchft (docs/data-parallel.md): one
-    replica group (process) per replica, each step's gradients averaged over the groups in
-    that step's quorum; a group that dies is restarted alone and heals from a live peer."""
+    """Per-step fault tolerance of DataParallel on torchft (docs/data-parallel.md): the
+    ``strategy.num_replicas`` processes form ``G = num_replicas / processes_per_group``
+    replica groups; step ``k``'s gradient is averaged over the groups in its quorum ``Q_k``,
+    ``g_k = (1/|Q_k|) sum_{h in Q_k} g_h``, ``g_h`` the mean of group ``h``'s processes. A
+    group of several processes shards by ZeRO (``strategy.shard``) among its processes: its
+    process ``i`` holds rows ``i`` of ``processes_per_group``, and averages them with process
+    ``i`` of the other groups (HSDP). A group that dies (any of its processes) is restarted
+    alone, whole, and each of its processes heals from the same process of a live group."""
 
     min_replicas: PositiveCount = 1
-    """Replica groups a step needs: a quorum waits for at least this many (at most
-    ``strategy.num_replicas``), and a step with fewer is not committed."""
+    """Replica groups a step needs: a quorum waits for at least this many (at most the
+    ``strategy.num_replicas / processes_per_group`` groups), and a step with fewer is not
+    committed."""
     quorum_timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 60.0
     """How long a group waits for a quorum of ``min_replicas`` before the run fails."""
     join_timeout_s: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
@@ -318,9 +324,14 @@ class FaultTolerance(Section):
     on, reached from the other hosts, whose jobs name it as their ``lighthouse`` (groups on
     several hosts); None: 127.0.0.1 and a free port (this host's groups only)."""
     groups: PositiveCount | None = None
-    """Replica groups ``paratrain run`` starts (``0 .. groups - 1``; None = every one of
-    ``strategy.num_replicas``); the others can join the running job later
+    """Replica groups ``paratrain run`` starts (``0 .. groups - 1``; None = every one of the
+    ``strategy.num_replicas / processes_per_group``); the others can join the running job later
     (``paratrain run job.toml --join-group G``)."""
+    processes_per_group: PositiveCount = 1
+    """Processes in each replica group (``strategy.num_replicas`` must be a multiple): 1 =
+    one whole replica per group; more = the group shards among its processes by
+    ``strategy.shard`` (ZeRO ``optimizer``, ``gradients`` or ``parameters``, required then),
+    and the groups replicate each other (torchft's HSDP layout)."""
     replay: bool = False
     """Train the batches of the groups missing from a step again on the survivors, so that
     every step averages all ``num_replicas`` shards (as a run without the failure); false:

@@ -8,7 +8,7 @@ from typing import Any
 from ...config.job import JobConfig
 from ..shared.replicas import check_replica_rows
 from ..spec import ExecutorSpec, GraphView, Traced
-from .runner import run, shard_layout, validate
+from .runner import run, shard_layout, validate, zero_world
 
 
 def _run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
@@ -35,7 +35,7 @@ def _graph(traced: Traced) -> GraphView:
         from ...subgraphs import local_parameter_names
         from ..shared.zero import shard_plan
 
-        return {"shard": shard_plan(traced.model, level=s.shard, units=s.shard_unit, world=s.num_replicas,
+        return {"shard": shard_plan(traced.model, level=s.shard, units=s.shard_unit, world=zero_world(traced.job),
                                     local=local_parameter_names(traced.model, traced.job))}
 
     return GraphView(sections)

@@ -1,19 +1,26 @@
-"""DataParallel under ``[fault_tolerance]``: one replica group (one process) per replica on
-torchft (:mod:`paratrain.comm.ft`), restarted alone when it dies (docs/data-parallel.md).
+"""DataParallel under ``[fault_tolerance]``: replica groups on torchft (:mod:`paratrain.comm.ft`),
+each restarted alone, whole, when one of its processes dies (docs/data-parallel.md).
 
-Replica ``g`` of ``n`` walks shard ``g`` of every epoch (as plain DataParallel). Step ``k``
-averages the gradients of the groups in step ``k``'s quorum ``Q_k``:
-``g_k = (1/|Q_k|) sum_{r in Q_k} g_r``; with every group alive this is plain DataParallel's
-AllReduce. What a failure costs: the shards of the groups missing from ``Q_k`` for step ``k``
-are not trained (torchft's semantics), unless ``replay``: then the groups of ``Q_k`` also
-train the missing groups' batches of step ``k`` and ``g_k = (1/n) sum_{r < n} g_r``, the
-failure-free step (up to the order of the sums). A step that fails midway (a peer died inside
+The ``n = strategy.num_replicas`` processes form ``G = n / k`` groups of ``k =
+fault_tolerance.processes_per_group``; process ``i`` of group ``g`` walks shard ``g k + i`` of
+every epoch (plain DataParallel's rank). Step ``t`` averages the gradients of the groups in
+step ``t``'s quorum ``Q_t``: ``g_t = (1/|Q_t|) sum_{h in Q_t} g_h``, ``g_h`` the mean over group
+``h``'s processes; with every group alive this is plain DataParallel's AllReduce (its mean over
+all ``n``). A group of one process holds the whole model (:class:`FaultTolerantEngine`); a group
+of ``k > 1`` shards by ZeRO among its processes, and process ``i`` averages its rows with
+process ``i`` of the other groups (:class:`FaultTolerantZeroEngine`, torchft's HSDP).
+
+What a failure costs: the shards of the groups missing from ``Q_t`` for step ``t`` are not
+trained (torchft's semantics), unless ``replay`` (groups of one process): then the groups of
+``Q_t`` also train the missing groups' batches of step ``t`` and ``g_t = (1/n) sum_{r < n}
+g_r``, the failure-free step (up to the order of the sums). A step that fails midway (a peer died inside
 its all-reduce) is not committed and the survivors take it again on the same batches, so they
 lose nothing. A restarted group rejoins at the next quorum and heals from a live peer's state
 (model, optimizer, schedule, RNG, loop position: the loop's checkpoint state, sent by
 torchft's checkpoint transport), not from disk; it then walks its own shard from that
-position. Replica group 0 writes the checkpoints and metrics; the model and summary are
-written by group 0, or by the first group after those lost for good; every group writes
+position (each process from the same process of the live group: its own rows). Replica
+group 0 writes the checkpoints (each of its processes its rows) and metrics; the model and
+summary are written by group 0, or by the first group after those lost for good; every group writes
 ``replica-<g>.json`` (its digest and restarts) when it ends.
 """
 
@@ -30,19 +37,25 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ...comm import buckets as B
+from ...comm import collectives as C
 from ...comm import ft
+from ...comm.context import WorkerContext
 from ...comm.forkserver import ParentState
 from ...comm.launch import WorkerError, append_worker_log
-from ...comm.process import resolve_device
+from ...comm.process import join_process_group, resolve_device
 from ...comm.rendezvous import in_torchrun
 from ...config import ConfigError
 from ...config.job import JobConfig
+from ...config.strategy import DataParallel
 from ...data.loader import LoaderOptions, dataset_rows, is_stream
+from ...task.steps import evaluate as evaluate_task
 from ...training import (
     MetricsWriter,
     build_optimizer,
@@ -61,50 +74,97 @@ from ...training.loop import (
     summary_fields,
 )
 from ...training.rundir import RunFolder, run_dir_of
+from ...training.stepping import autocast
 from ...training.stores import RankStore
 from ...training.threads import intra_op_threads
-from .runner import _load_task, shard_indices, validate
+from ..shared.zero import ZeroEngine
+from .runner import _load_task, _shared_buffers, shard_indices, shard_layout, validate
 
 MAX_TRIES = 10  # a step not committed this many times in a row fails the group
 FATAL_EXIT = 3  # a group's exit code for a failure no restart mends (ConfigError, no quorum)
 
 
+def mean_over_quorum(quorum: ft.ReplicaGroup, params: Sequence[torch.Tensor], *, device: torch.device,
+                     divisor: int | None = None) -> None:
+    """Each ``p.grad`` <- ``(1/|Q|) sum_{h in Q} p.grad_h`` over the step's quorum ``Q`` (one
+    flat all-reduce through the Manager, a used-flag per tensor appended: a tensor no group
+    used keeps ``grad = None``, as DataParallel's AllReduce); ``divisor`` (replay): the sum
+    over ``Q`` divided by it instead. ``params`` must be the same list on every group (the
+    whole model, or process ``i``'s ZeRO rows, the same on process ``i`` of every group)."""
+    used = torch.tensor([float(p.grad is not None) for p in params], device=device)
+    flat = torch.cat([*(p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=device)
+                        for p in params), used])
+    if divisor is None:
+        quorum.mean_(flat)
+    else:
+        quorum.sum_(flat)[:-len(params)] /= divisor
+    offset = 0
+    for p, flag in zip(params, flat[-len(params):].tolist(), strict=True):
+        k = p.numel()
+        p.grad = flat[offset:offset + k].view_as(p).clone() if flag > 0 else None
+        offset += k
+
+
+def _quorum_change(engine: Any) -> dict[str, float]:
+    """``{"groups": q}`` (metrics) at the first step and when the quorum's size changed."""
+    q, last = engine.quorum.participants, engine.groups
+    engine.groups = q
+    return {"groups": float(q)} if q != last else {}
+
+
 class FaultTolerantEngine(LocalEngine):
-    """A replica group's step: its gradients averaged over the step's quorum (one flat
-    all-reduce with one used-flag per parameter: a parameter no group used keeps
-    ``grad = None``, as DataParallel's AllReduce)."""
+    """A replica group's step (one process, the whole model): its gradients averaged over
+    the step's quorum (:func:`mean_over_quorum`)."""
 
     def __init__(self, model: Any, task: Any, test: Any, *, device: torch.device, precision: str,
-                 group: ft.ReplicaGroup, evaluates: Any) -> None:
+                 quorum: ft.ReplicaGroup, evaluates: Any) -> None:
         super().__init__(model, task, test, device=device, precision=precision)
-        self.group, self.evaluates = group, evaluates
+        self.quorum, self.evaluates = quorum, evaluates
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.divisor: int | None = None  # replay: a sum over the quorum divided by this
         self.groups = 0  # the last committed step's quorum (a change is logged)
 
     def sync(self) -> None:
-        ps = self.params
-        used = torch.tensor([float(p.grad is not None) for p in ps], device=self.device)
-        flat = torch.cat([*(p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), device=self.device)
-                            for p in ps), used])
-        if self.divisor is None:
-            self.group.mean_(flat)
-        else:
-            self.group.sum_(flat)[:-len(ps)] /= self.divisor
-        offset = 0
-        for p, flag in zip(ps, flat[-len(ps):].tolist(), strict=True):
-            k = p.numel()
-            p.grad = flat[offset:offset + k].view_as(p).clone() if flag > 0 else None
-            offset += k
+        mean_over_quorum(self.quorum, self.params, device=self.device, divisor=self.divisor)
 
     def after_step(self) -> dict[str, float]:
-        """``{"groups": q}`` (metrics) at the first step and when the quorum's size changed."""
-        q, last = self.group.participants, self.groups
-        self.groups = q
-        return {"groups": float(q)} if q != last else {}
+        return _quorum_change(self)
 
     def evaluate(self) -> dict[str, float] | None:
         return super().evaluate() if self.evaluates() else None
+
+
+class FaultTolerantZeroEngine(ZeroEngine):
+    """Process ``i`` of a replica group of ``k`` sharded by ZeRO (torchft's HSDP layout):
+    :class:`~..shared.zero.ZeroEngine` over the group's own processes leaves each process
+    its rows of the group's mean gradient, ``(1/k) sum_{j<k} g_{h,j}[rows i]``, which
+    :func:`mean_over_quorum` averages with process ``i`` of every group of the step's quorum:
+    ``(1/|Q|) sum_{h in Q} (1/k) sum_{j<k} g_{h,j}[rows i]``, rows ``i`` of the mean over the
+    quorum's ``|Q| k`` processes (plain DataParallel's mean with every group alive). The
+    parameters, gradients and optimizer state a process holds stay ZeRO's."""
+
+    def __init__(self, *args: Any, quorum: ft.ReplicaGroup, evaluates: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.quorum, self.evaluates = quorum, evaluates
+        self.divisor: int | None = None  # replay is refused with several processes a group
+        self.groups = 0
+
+    def sync(self) -> None:
+        super().sync()
+        mean_over_quorum(self.quorum, list(self.model.parameters()), device=self.device)
+
+    def after_step(self) -> dict[str, float]:
+        return {**super().after_step(), **_quorum_change(self)}
+
+    def evaluate(self) -> dict[str, float] | None:
+        self.gather_all()  # collective over the group's processes (ZeRO-3), whichever group reports
+        try:
+            if not (self.ctx.is_main and self.evaluates()):
+                return None
+            with autocast(self.precision, self.device):
+                return evaluate_task(self.net, self.task, self.test, device=self.device)
+        finally:
+            self.free_all()
 
 
 class FaultTolerantTrainer(Trainer):
@@ -114,10 +174,10 @@ class FaultTolerantTrainer(Trainer):
     groups' batches too (the ``k``-th missing one falls to the ``(k mod q)``-th group alive)
     and the step's gradient is ``(1/n) sum_{r < n} g_r``, every shard's."""
 
-    def __init__(self, engine: FaultTolerantEngine, optimizer: Any, train: Any, total_steps: int,
-                 groups: int, replica: int, replay: Any = None) -> None:
+    def __init__(self, engine: FaultTolerantEngine | FaultTolerantZeroEngine, optimizer: Any, train: Any,
+                 total_steps: int, groups: int, replica: int, replay: Any = None) -> None:
         super().__init__(engine, optimizer, train, total_steps)
-        self.group, self.groups, self.replica, self.replay = engine.group, groups, replica, replay
+        self.group, self.groups, self.replica, self.replay = engine.quorum, groups, replica, replay
         engine.divisor = groups if replay is not None else None
         self.short = 0  # committed steps with fewer groups than the job's (this process's)
 
@@ -151,8 +211,10 @@ class HealingStore:
     checkpoint, on resume or restart) and returns a live peer's state when this group was
     behind; ``disk`` (group 0 only) writes checkpoints."""
 
-    def __init__(self, disk: RankStore, *, writes: bool, resume: bool, ended: Any = None) -> None:
-        self.disk, self.writes, self.resume, self.ended = disk, writes, resume, ended
+    def __init__(self, disk: RankStore, *, writes: bool, resume: bool, ended: Any = None,
+                 agree: Any = bool) -> None:
+        # agree(flag): true on every process of the group when true on one (several processes)
+        self.disk, self.writes, self.resume, self.ended, self.agree = disk, writes, resume, ended, agree
         self.start: Any = None  # the start line (ReplicaGroup.start), before the first quorum
         self.group: ft.ReplicaGroup | None = None
         self._state: Any = None  # the loop's live state (bound once it runs)
@@ -189,7 +251,7 @@ class HealingStore:
             print(f"replica group {self.group.replica} healed from a live peer at step {state['step']}",
                   file=sys.stderr, flush=True)
             return Path("a live peer"), state
-        if self.ended is not None and self.ended():
+        if self.ended is not None and self.agree(self.ended()):
             raise RunEnded  # restarted, no peer to heal from: the others finished the run
         return found
 
@@ -224,51 +286,120 @@ def _reports(run_dir: Path, replica: int) -> bool:
 
 
 def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: str | None, resume: bool,
-                restart_count: int) -> None:
-    """Train replica group ``replica`` through the one loop (module docstring); ``start_line``
-    None: it joins a running job (as a restarted group does: no waiting for the others)."""
+                restart_count: int, member: ft.Member) -> None:
+    """Train process ``member.rank`` of replica group ``replica`` through the one loop (module
+    docstring): data shard ``replica * k + member.rank`` of ``num_replicas`` (plain
+    DataParallel's rank), ``k`` the group's processes; ``start_line`` None: it joins a running
+    job (as a restarted group does: no waiting for the others)."""
     started, s, fto = time.perf_counter(), validate(job), job.fault_tolerance
     assert fto is not None
-    n, seed, t, run_dir = s.num_replicas, job.run.seed, job.train, run_dir_of(job)
+    n, k, seed, t, run_dir = s.num_replicas, member.size, job.run.seed, job.train, run_dir_of(job)
+    ctx = _join(job, member, restart_count)
     seed_everything(seed)
     task, train, test = _load_task(job)
     if is_stream(train):
         raise ConfigError([("fault_tolerance", "a stream (an IterableDataset) has no position a "
                                                "healing replica group could take from a peer")])
-    rows, device = dataset_rows(train), resolve_device(job.run.device)
+    rows, device, shard = dataset_rows(train), ctx.device, replica * k + member.rank
     model = task.build_model(job.model, train).to(device)
-    opt = build_optimizer(model.parameters(), t.optimizer)
-    disk = RankStore(run_dir, "dp", rank=0, world=1, group=None, layout={"replicas": n, "shard": "none"},
-                     layout_field="strategy.num_replicas", device=device, reshard=True)
-    store = HealingStore(disk, writes=replica == 0, resume=resume,
-                         ended=(lambda: _ended(run_dir)) if restart_count or start_line is None else None)
+    store = _healing_store(job, ctx, replica=replica, resume=resume,
+                           restarted=bool(restart_count) or start_line is None)
     group = store.group = ft.ReplicaGroup(
-        replica=replica, lighthouse=lighthouse, min_replicas=fto.min_replicas,
-        quorum_timeout_s=fto.quorum_timeout_s, timeout_s=job.comm.timeout_s, state=store.live, load=store.take)
+        replica=replica, lighthouse=lighthouse, min_replicas=fto.min_replicas, quorum_timeout_s=fto.quorum_timeout_s,
+        timeout_s=job.comm.timeout_s, state=store.live, load=store.take, member=member, control=ctx.store)
     if start_line is not None:
-        store.start = lambda: group.start(start_line, replica=replica, groups=fto.groups or n,
+        store.start = lambda: group.start(start_line, replica=replica, groups=fto.groups or n // k,
                                           wait=not restart_count)
+    engine: Any = None
     try:
+        engine, opt = _engine(job, ctx, model, task, test, group, evaluates=lambda: _reports(run_dir, replica))
         plan = DataPlan.build(
-            dataset=train, order=lambda e: shard_indices(rows, world=n, rank=replica, seed=seed, epoch=e),
+            dataset=train, order=lambda e: shard_indices(rows, world=n, rank=shard, seed=seed, epoch=e),
             examples_per_epoch=rows // n, batch_size=t.batch_size, accumulation=t.grad_accumulation,
             epochs=t.epochs, max_steps=t.max_steps, device=device, loader=LoaderOptions.of(job.data, seed),
-            shard=(replica, n))
-        engine = FaultTolerantEngine(model, task, test, device=device, precision=t.precision, group=group,
-                                     evaluates=lambda: _reports(run_dir, replica))
+            shard=(shard, n))
         result = run_loop(LoopRun(
-            trainer=(trainer := FaultTolerantTrainer(engine, opt, t, plan.total_steps, n, replica, replay=(
+            trainer=(trainer := FaultTolerantTrainer(engine, opt, t, plan.total_steps, n // k, replica, replay=(
                 _replayer(plan, task, store, rows=rows, groups=n, seed=seed) if fto.replay else None))),
-            plan=plan, task=task, store=store,
-            label=f"DataParallel x{n} (fault-tolerant)", metrics=MetricsWriter(run_dir) if replica == 0 else None,
-            resume=True, prepare=_prepare(job, replica, resume), rank=replica,
-            restart_count=restart_count, started=started,
-            layout={"strategy": "DataParallel", "replicas": n, "shard": "none"}, **LoopRun.settings(job)))
+            plan=plan, task=task, store=store, label=f"DataParallel x{n} (fault-tolerant)",
+            metrics=MetricsWriter(run_dir) if shard == 0 else None, resume=True, prepare=_prepare(job, shard, resume),
+            rank=shard, restart_count=restart_count, started=started, group=ctx.group,
+            layout={"strategy": "DataParallel", "replicas": n, "shard": s.shard}, **LoopRun.settings(job)))
     finally:
         group.close()
+        if isinstance(engine, ZeroEngine):
+            engine.close()
+    _finish(job, ctx, replica, trainer, result, store, model=model, data=(task, train, test), started=started,
+            restart_count=restart_count)
+
+
+def _join(job: JobConfig, member: ft.Member, restart_count: int) -> WorkerContext:
+    """This process's place in its replica group: alone, or process ``member.rank`` of the
+    group's own default process group (ZeRO's collectives), met at the supervisor's store
+    under a fresh prefix for each start of the group."""
+    if member.size == 1:
+        return WorkerContext(rank=0, world_size=1, device=resolve_device(job.run.device))
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(member.port), "RANK": str(member.rank),
+        "WORLD_SIZE": str(member.size), "LOCAL_RANK": str(member.rank), "LOCAL_WORLD_SIZE": str(member.size),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the supervisor holds the store
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count)})
+    threads = torch.get_num_threads()  # joining sets one thread a process (as torchrun's workers)
+    ctx = join_process_group(job)
+    torch.set_num_threads(threads)
+    return ctx
+
+
+def _healing_store(job: JobConfig, ctx: WorkerContext, *, replica: int, resume: bool,
+                   restarted: bool) -> HealingStore:
+    """Group 0 writes the checkpoints, each of its processes its own rows (ZeRO) under the
+    model's names, so every group reads them back and a resume reshards as plain DataParallel's."""
+    s, run_dir = job.strategy, run_dir_of(job)
+    assert isinstance(s, DataParallel)
+    disk = RankStore(run_dir, "dp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
+                     layout={"replicas": s.num_replicas, "shard": s.shard}, layout_field="strategy.num_replicas",
+                     device=ctx.device, reshard=True)
+    agree: Any = bool
+    if ctx.world_size > 1:  # the processes of a group take the same way (each reads the run folder)
+        def agree(flag: bool) -> bool:
+            return C.all_min_ints([-int(flag)], group=ctx.group)[0] < 0
+    return HealingStore(disk, writes=replica == 0, resume=resume,
+                        ended=(lambda: _ended(run_dir)) if restarted else None, agree=agree)
+
+
+def _engine(job: JobConfig, ctx: WorkerContext, model: Any, task: Any, test: Any, quorum: ft.ReplicaGroup,
+            evaluates: Any) -> tuple[FaultTolerantEngine | FaultTolerantZeroEngine, Any]:
+    """The group's step (a whole replica, or ZeRO over the group's processes) and the
+    optimizer over what this process steps."""
+    s, t = job.strategy, job.train
+    assert isinstance(s, DataParallel)
+    if ctx.world_size == 1:
+        return (FaultTolerantEngine(model, task, test, device=ctx.device, precision=t.precision, quorum=quorum,
+                                    evaluates=evaluates), build_optimizer(model.parameters(), t.optimizer))
+    zero = FaultTolerantZeroEngine(
+        model, task, test, ctx=ctx, precision=t.precision, level=s.shard, units=s.shard_unit, local=set(),
+        buffers=_shared_buffers(model, job, s), counter=C.CommCounter(),
+        bucket_bytes=B.bucket_bytes_of(job.comm.bucket_size_mb), quorum=quorum, evaluates=evaluates)
+    return zero, build_optimizer(zero.model.parameters(), t.optimizer)
+
+
+def _finish(job: JobConfig, ctx: WorkerContext, replica: int, trainer: FaultTolerantTrainer, result: Any,
+            store: HealingStore, *, model: Any, data: tuple[Any, Any, Any], started: float,
+            restart_count: int) -> None:
+    """The group's records: ``replica-<g>.json`` (its digest, restarts, heal), and the model
+    and summary from the reporting group (its process 0)."""
+    engine, run_dir, (task, train, test) = trainer.engine, run_dir_of(job), data
+    zero: dict[str, Any] = {}
+    if isinstance(engine, ZeroEngine):
+        zero = {**engine.describe(), "held_bytes": engine.held_bytes(trainer.optimizer)}  # before gathering
+        engine.gather_all()  # ZeRO-3: the whole parameters (collective over the group)
+    n = job.strategy.num_replicas  # type: ignore[union-attr]
     summary = {"strategy": "DataParallel", "aggregation": "AllReduce", "num_replicas": n, "backend": "gloo",
-               "run_dir": str(run_dir), **summary_fields(result, task, train=train, test=test, model=model,
-                                                         started=started), "restart_count": restart_count}
+               "processes_per_group": ctx.world_size, "run_dir": str(run_dir), **zero,
+               **summary_fields(result, task, train=train, test=test, model=model, started=started),
+               "restart_count": restart_count}
+    if ctx.rank != 0:
+        return
     if _reports(run_dir, replica):
         from ...training.export import save_model, whole_state
 
@@ -297,21 +428,22 @@ def _replayer(plan: DataPlan, task: Any, store: HealingStore, *, rows: int, grou
     return replay
 
 
-def _prepare(job: JobConfig, replica: int, resume: bool) -> Any:
-    """After the first quorum: group 0 makes the run folder (job.json)."""
+def _prepare(job: JobConfig, shard: int, resume: bool) -> Any:
+    """After the first quorum: group 0's process 0 (shard 0) makes the run folder (job.json)."""
     def prepare() -> None:
-        if replica == 0:
+        if shard == 0:
             prepare_run_dir(job, resume=resume)
     return prepare
 
 
-def _error_file(run_dir: Path, replica: int) -> Path:
-    return run_dir / f".replica-{replica}-error.json"
+def _error_file(run_dir: Path, replica: int, rank: int = 0) -> Path:
+    """Where process ``rank`` of group ``replica`` leaves a failure no restart mends."""
+    return run_dir / (f".replica-{replica}-error.json" if rank == 0 else f".replica-{replica}.{rank}-error.json")
 
 
 def group_main(job_json: dict[str, Any], resume: bool, replica: int, lighthouse: str, start_line: str | None,
-               restart_count: int, parent: ParentState) -> None:
-    """Entry of a replica group's process (module-level: the forkserver pickles it by name).
+               restart_count: int, parent: ParentState, member: ft.Member) -> None:
+    """Entry of a replica group's process ``member`` (module-level: the forkserver pickles it by name).
     Exit 0 when done, :data:`FATAL_EXIT` for what no restart mends (its error in a file the
     supervisor reads), 1 for anything else (restarted)."""
     from ...comm.process import exit_process
@@ -332,24 +464,25 @@ def group_main(job_json: dict[str, Any], resume: bool, replica: int, lighthouse:
     code, run_dir = 0, run_dir_of(job)
     try:
         train_group(job, replica=replica, lighthouse=lighthouse, start_line=start_line, resume=resume,
-                    restart_count=restart_count)
+                    restart_count=restart_count, member=member)
     except RunEnded:
         pass
     except Exception as e:  # noqa: BLE001 - the supervisor reads the exit code and this record
-        append_worker_log(job, replica, f"replica group {replica}, attempt {restart_count}: {traceback.format_exc()}")
+        append_worker_log(job, replica, f"replica group {replica} (process {member.rank} of {member.size}), "
+                                        f"attempt {restart_count}: {traceback.format_exc()}")
         fatal = isinstance(e, ConfigError | ft.QuorumTimeout)
         code = FATAL_EXIT if fatal else 1
         if fatal:
             problems = e.problems if isinstance(e, ConfigError) else [["", str(e)]]
-            _error_file(run_dir, replica).write_text(json.dumps(
+            _error_file(run_dir, replica, member.rank).write_text(json.dumps(
                 {"config": isinstance(e, ConfigError), "problems": problems}))
     exit_process(code)
 
 
 def _fatal(run_dir: Path) -> Any:
     """The supervisor's reading of a group's failure: its ConfigError or WorkerError."""
-    def fatal(replica: int, code: int) -> BaseException | None:
-        path = _error_file(run_dir, replica)
+    def fatal(replica: int, rank: int, code: int) -> BaseException | None:
+        path = _error_file(run_dir, replica, rank)
         if code != FATAL_EXIT or not path.exists():
             return None
         doc = json.loads(path.read_text())
@@ -370,18 +503,21 @@ def _restarted(times: dict[str, list[float]]) -> Any:
 
 
 def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-    """Start the Lighthouse (``lighthouse = "start"``) and one process per replica group,
-    restart a group that dies (``run.max_restarts`` times each), return the summary
-    with each group's restarts and digest once every process ended."""
+    """Start the Lighthouse (``lighthouse = "start"``) and the ``processes_per_group``
+    processes of each replica group, restart a group that dies, whole (``run.max_restarts``
+    times each), return the summary with each group's restarts and digest once every
+    process ended."""
     s, fto = validate(job), job.fault_tolerance
     assert fto is not None
     if in_torchrun():
         raise ConfigError([("fault_tolerance", "paratrain run starts the replica groups itself "
-                                               "(one process each); run the job without torchrun")])
+                                               "(fault_tolerance.processes_per_group processes each); "
+                                               "run the job without torchrun")])
     task, train, _ = _load_task(job)
     validate(job, num_train=None if is_stream(train) else len(train))
     task.build_model(job.model, train)
-    n, job_json = s.num_replicas, job.to_json_dict()
+    shard_layout(job)  # ZeRO's units resolve on the model (ConfigError before any process starts)
+    n, k, job_json = s.num_replicas // fto.processes_per_group, fto.processes_per_group, job.to_json_dict()
     with RunFolder(job, resume=resume, overwrite=overwrite) as folder:
         folder.prepare_launch()
         run_dir = folder.path
@@ -393,7 +529,8 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
             started = ft.supervise(
                 group_main, lambda g, r: (job_json, resume or r > 0, g, address, line, r, ParentState()),
                 groups=range(fto.groups or n), max_restarts=job.run.max_restarts, fatal=_fatal(run_dir),
-                preload=[__name__], on_restart=_restarted(restarted_at), on_lost=lambda g: _lost(run_dir, g).touch())
+                preload=[__name__], on_restart=_restarted(restarted_at), on_lost=lambda g: _lost(run_dir, g).touch(),
+                processes=k)
     restarts = [started.get(g, 0) for g in range(n)]
     if not (run_dir / "summary.json").exists():  # group 0 died after the others had ended
         raise RuntimeError(f"no replica group wrote the summary: group 0 failed after the others had "
@@ -414,16 +551,17 @@ def _lighthouse_file(run_dir: Path) -> Path:
 
 def join_group(job: JobConfig, replica: int) -> dict[str, Any] | None:
     """Run replica group ``replica`` of the running fault-tolerant ``job`` (one its ``paratrain
-    run`` did not start, ``fault_tolerance.groups``, or one that left) in a process of its own
-    until the job ends: it heals from a live peer at its first quorum and walks its own shard
+    run`` did not start, ``fault_tolerance.groups``, or one that left) in processes of its own
+    (``processes_per_group``) until the job ends: it heals from a live peer at its first quorum and walks its own shard
     from there. Returns its ``replica-<g>.json`` record (None: the job had ended)."""
     fto, run_dir = job.fault_tolerance, run_dir_of(job)
     if fto is None:
         raise ConfigError([("fault_tolerance", "the job has no [fault_tolerance] table: no replica group to join")])
-    s = validate(job)
-    if not 0 <= replica < s.num_replicas:
+    k = fto.processes_per_group
+    n = validate(job).num_replicas // k
+    if not 0 <= replica < n:
         raise ConfigError([("strategy.num_replicas", f"replica group {replica} is not one of the job's "
-                                                     f"{s.num_replicas} groups (0 to {s.num_replicas - 1})")])
+                                                     f"{n} groups (0 to {n - 1})")])
     if fto.lighthouse != "start":  # the Lighthouse the job names (groups on several hosts)
         address = _named(fto)
         run_dir.mkdir(parents=True, exist_ok=True)  # this host's own folder
@@ -434,7 +572,7 @@ def join_group(job: JobConfig, replica: int) -> dict[str, Any] | None:
                                         "(no Lighthouse address there)")])
     job_json = job.to_json_dict()
     ft.supervise(group_main, lambda g, r: (job_json, True, g, address, None, r, ParentState()), groups=[replica],
-                 max_restarts=job.run.max_restarts, fatal=_fatal(run_dir), preload=[__name__])
+                 max_restarts=job.run.max_restarts, fatal=_fatal(run_dir), preload=[__name__], processes=k)
     record = run_dir / f"replica-{replica}.json"
     return dict(json.loads(record.read_text())) if record.exists() else None
 

@@ -76,6 +76,13 @@ def validate(job: JobConfig, *, num_train: int | None = None) -> DataParallel:
     return s
 
 
+def zero_world(job: JobConfig) -> int:
+    """The processes ZeRO shards over: every replica, or under ``[fault_tolerance]`` the
+    processes of one replica group (the groups replicate each other)."""
+    fto, s = job.fault_tolerance, validate(job)
+    return fto.processes_per_group if fto is not None else s.num_replicas
+
+
 def shard_layout(job: JobConfig) -> list[str]:
     """``paratrain validate``: what ``strategy.shard`` shards, from the model built as a
     replica would (a ``shard_unit`` matching no module is a ConfigError here, before a launch)."""
@@ -86,11 +93,13 @@ def shard_layout(job: JobConfig) -> list[str]:
 
     task, train, _ = _load_task(job)
     model = task.build_model(job.model, train)
+    world = zero_world(job)
     plan = shard_plan(model, level=s.shard, units=s.shard_unit, local=local_parameter_names(model, job),
-                      world=s.num_replicas)
+                      world=world)
     units = ", ".join(f"{u['unit']} ({u['elements_per_rank']} of {u['elements']})" for u in plan["units"])
     whole = f"; kept whole: {', '.join(plan['whole'])}" if plan["whole"] else ""
-    return [f"ZeRO-{plan['zero_stage']} (shard = {s.shard}) over {s.num_replicas} replicas, "
+    over = f"{world} replicas" if world == s.num_replicas else f"the {world} processes of each replica group"
+    return [f"ZeRO-{plan['zero_stage']} (shard = {s.shard}) over {over}, "
             f"elements a replica holds per unit: {units}{whole}; about "
             f"{plan['adam_fp32_bytes_per_rank']} bytes a replica for fp32 Adam"]
 
