@@ -66,7 +66,9 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]
 
     def get(shard: str) -> dict[str, Any]:
         if shard not in out:
-            out[shard] = _params(dp.run(_job(tmp_path_factory.mktemp("plain"), "plain", shard=shard))["run_dir"])
+            with pytest.MonkeyPatch.context() as mp:  # a test's injected kill is not the reference's
+                mp.delenv(dp.FAULT_ENV, raising=False)
+                out[shard] = _params(dp.run(_job(tmp_path_factory.mktemp("plain"), "plain", shard=shard))["run_dir"])
         return out[shard]
     return get  # type: ignore[return-value]
 
@@ -82,13 +84,14 @@ def test_every_group_alive_equals_plain_zero(tmp_path: Path, plain: Any, shard: 
     assert summary["held_bytes"]["optimizer"] == WHOLE // 2
 
 
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
 def test_killed_process_restarts_its_group_alone_and_heals_from_the_same_process(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plain: Any) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plain: Any, shard: str) -> None:
     # process 1 of group 1 (data shard 3) dies after step 9; group 0 checkpoints every 4 steps
     # (its step-8 checkpoint is what group 1 reads from disk); min_replicas = 2: group 0 waits
     # at step 10's quorum for group 1, so no step is committed without it
     monkeypatch.setenv(dp.FAULT_ENV, "3:9")
-    job = _job(tmp_path, "kill", shard="gradients", ft_table={"min_replicas": 2}, max_restarts=1,
+    job = _job(tmp_path, "kill", shard=shard, ft_table={"min_replicas": 2}, max_restarts=1,
                checkpoint_every=4)
     summary = ft.run(job)
     run_dir = Path(summary["run_dir"])
@@ -103,9 +106,9 @@ def test_killed_process_restarts_its_group_alone_and_heals_from_the_same_process
     assert survivor["steps_short_of_groups"] == 0
     # group 0's checkpoints hold each process's rows (2 processes), resumable on any layout
     layout = json.loads((run_dir / "checkpoints" / "step-000000024" / "layout.json").read_text())
-    assert (layout["world"], layout["replicas"], layout["shard"]) == (2, 4, "gradients")
+    assert (layout["world"], layout["replicas"], layout["shard"]) == (2, 4, shard)
     # both processes of group 1 healed their shard state (rows, momentum) from group 0's
-    _assert_same_model(_params(run_dir), plain("gradients"))
+    _assert_same_model(_params(run_dir), plain(shard))
 
 
 @pytest.mark.parametrize(("strategy", "table", "field"), [
