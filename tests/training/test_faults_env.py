@@ -10,11 +10,15 @@ from hypothesis import strategies as st
 
 from paratrain.config import ConfigError
 from paratrain.config.job import load_job
+from paratrain.training import faults
 from paratrain.training.faults import (
+    FAULT_ENV,
     FAULTS_ENV,
     Faults,
     inject_faults,
     injected_faults,
+    kill_points,
+    maybe_kill,
     parse_faults,
 )
 
@@ -52,3 +56,21 @@ def test_parse_never_raises_anything_but_config_error(text: str) -> None:
         parse_faults(text)
     except ConfigError:
         pass
+
+
+def test_fault_kill_names_several_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PARATRAIN_FAULT_KILL=RANK:STEP,RANK:STEP: each named process dies after its own step,
+    # on its first attempt only (os.kill recorded instead of sent)
+    assert kill_points("1:4") == {(1, 4)} and kill_points("0:5, 2:11") == {(0, 5), (2, 11)}
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setenv(FAULT_ENV, "0:5,2:11")
+    calls = [(0, 5, 0), (0, 11, 0), (2, 5, 0), (2, 11, 0), (1, 5, 0), (2, 11, 1)]  # (rank, step, restarts)
+    died = []
+    for rank, step, restarts in calls:
+        before = len(killed)
+        maybe_kill(rank=rank, step=step, restart_count=restarts)
+        if len(killed) > before:
+            died.append((rank, step, restarts))
+    assert died == [(0, 5, 0), (2, 11, 0)]
+    assert {sig for _, sig in killed} == {faults.signal.SIGKILL}

@@ -1,5 +1,6 @@
 """Fault injection for tests, demos and robustness studies, from the environment (never the
-job file): ``PARATRAIN_FAULT_KILL=RANK:STEP`` (SIGKILL after a step, first attempt only),
+job file): ``PARATRAIN_FAULT_KILL=RANK:STEP`` (SIGKILL after a step, first attempt only;
+``RANK:STEP,RANK:STEP`` kills several processes, each at its step),
 ``PARATRAIN_FAULT_KILL_IN_SAVE=NAME`` (SIGKILL before a checkpoint's rename),
 ``PARATRAIN_FLOWER_SECAGG_DROP_AT=STAGE`` (a Flower ClientApp dies at that SecAgg+ stage)
 and ``PARATRAIN_FAULTS``, a JSON object with ``fail_clients``, ``byzantine_clients`` /
@@ -86,14 +87,19 @@ def inject_faults(**faults: Any) -> Iterator[None]:
             os.environ[FAULTS_ENV] = old
 
 
+def kill_points(spec: str) -> set[tuple[int, int]]:
+    """The ``(rank, step)`` pairs of a ``PARATRAIN_FAULT_KILL`` value (``RANK:STEP``, comma-separated)."""
+    pairs = (item.strip().partition(":") for item in spec.split(","))
+    return {(int(rank), int(step)) for rank, _, step in pairs}
+
+
 def maybe_kill(*, rank: int, step: int, restart_count: int, before: Any = None) -> None:
     """SIGKILL this process after ``step`` when ``PARATRAIN_FAULT_KILL`` names it; ``before()``
     runs first (the lifecycle lands its saves in flight: a crash *after* the step)."""
     spec = os.environ.get(FAULT_ENV, "")
     if not spec or restart_count > 0:
         return
-    rank_s, _, step_s = spec.partition(":")
-    if int(rank_s) == rank and int(step_s) == step:
+    if (rank, step) in kill_points(spec):
         if before is not None:
             before()
         os.kill(os.getpid(), signal.SIGKILL)
