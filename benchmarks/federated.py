@@ -19,7 +19,8 @@ count, 2 worker processes / 2 CPUs.
   (``flwr.simulation.run_simulation``, Message API: ``ClientApp`` / ``ServerApp`` with
   ``flwr.serverapp.strategy.FedAvg``, ``fraction_train=1``, ``fraction_evaluate=0``,
   centralised evaluation on the test split through ``evaluate_fn`` as paratrain does),
-  Ray backend with ``num_cpus=2`` and ``client_resources={"num_cpus": 1}`` -> 2 actors.
+  Ray backend with ``num_cpus=2`` and ``client_resources={"num_cpus": 1}`` -> 2 actors (1 at
+  ``--smoke``: each actor process imports torch and Flower).
   Each ClientApp call builds the MLP, loads the global arrays, trains one epoch and
   returns its arrays with ``num-examples`` (the Flower tutorial idiom); the digits
   tensors and partition are cached per actor process, so no data loading is timed.
@@ -38,7 +39,8 @@ checkpoint, then r+1's broadcast, training, upload, aggregation and evaluation).
 
 Peak memory: every system runs in a fresh child process; the parent samples that
 child's whole process tree (the child, the worker ranks / Ray actors, and for Flower
-Ray's gcs_server, raylet and agents) from /proc every 50 ms. ``peak_tree_pss_mb`` = the
+Ray's gcs_server, raylet and agents) from /proc every 50 ms (1 s at ``--smoke``: a sample of
+Ray's tree costs about 10 ms of CPU). ``peak_tree_pss_mb`` = the
 peak of the summed PSS (proportional set size: shared pages split between the
 processes mapping them, so a sum does not double-count) -- the headline figure;
 ``peak_proc_rss_mb`` = the largest RSS of any one process in the tree. Prints one JSON
@@ -256,7 +258,7 @@ def flwr_train(msg: Any, context: Any) -> Any:
     return Message(content=content, reply_to=msg)
 
 
-def _child_flwr(k: int, rounds: int, **_: Any) -> dict[str, Any]:
+def _child_flwr(k: int, rounds: int, actors: int = 2, **_: Any) -> dict[str, Any]:
     from flwr.app import ArrayRecord, Context, MetricRecord
     from flwr.clientapp import ClientApp
     from flwr.serverapp import Grid, ServerApp
@@ -293,7 +295,7 @@ def _child_flwr(k: int, rounds: int, **_: Any) -> dict[str, Any]:
 
     run_simulation(server_app=server_app, client_app=client_app, num_supernodes=k,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                   "init_args": {"num_cpus": 2, "num_gpus": 0,
+                                   "init_args": {"num_cpus": actors, "num_gpus": 0,
                                                  "include_dashboard": False}})
     if len(_FLWR_LOG["round_times"]) != rounds:
         raise RuntimeError(f"Flower finished {len(_FLWR_LOG['round_times'])}/{rounds} rounds")
@@ -340,9 +342,9 @@ def _mem_kb(pid: int) -> tuple[int, int, str]:
     return pss, rss, name
 
 
-def _run_child(system: str, k: int, rounds: int, src: str | None = None,
+def _run_child(system: str, k: int, rounds: int, src: str | None = None, sample_s: float = 0.05,
                **opts: Any) -> dict[str, Any]:
-    """Run one system in a fresh process tree, sampling its memory every 50 ms. ``src``:
+    """Run one system in a fresh process tree, sampling its memory every ``sample_s``. ``src``:
     import paratrain from that source folder (another checkout's ``src``) instead of this
     one's; ``opts``: the system's options (paratrain: ``checkpoint_every``)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -369,7 +371,7 @@ def _run_child(system: str, k: int, rounds: int, src: str | None = None,
                 peak_pss = max(peak_pss, pss_sum)
                 if time.perf_counter() - t0 > 1800:
                     os.killpg(proc.pid, 9)
-                time.sleep(0.05)
+                time.sleep(sample_s)
         if proc.returncode != 0 or not res_path.exists():
             tail = log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{system} child exited {proc.returncode}:\n{tail}")
@@ -449,6 +451,8 @@ def main() -> None:
                          "a paired before/after); repeatable")
     args = ap.parse_args()
     rounds = args.rounds or (2 if args.smoke else 6)
+    sample_s = 1.0 if args.smoke else 0.05  # memory sampling period (a smoke run's peaks are not read)
+    flwr_actors = 1 if args.smoke else 2  # Ray's CPUs, one client actor each
     if args.quick and args.repeat == 1:  # paired medians: one pair read anywhere in 0.8-1.3
         args.repeat = 3
     sizes = tuple(args.clients or ((10,) if args.smoke else (100,) if args.quick else (100, 1000)))
@@ -469,12 +473,12 @@ def main() -> None:
                       "unless the arm says otherwise)",
         "provenance_note": "every figure here is measured in this run (timed or sampled); the "
                            "ratios are paratrain / peer of measured medians",
-        "memory": "peak_tree_pss_mb: peak over 50 ms samples of the summed PSS of the system's "
+        "memory": f"peak_tree_pss_mb: peak over {sample_s * 1000:g} ms samples of the summed PSS of the system's "
                   "whole process tree (fresh child per system); peak_proc_rss_mb: largest single "
                   "process RSS in that tree",
         "peers": {"naive": "per-client-model PyTorch loop on the same 2 processes, rank 0 "
                            "evaluating the averaged model on the test split each round",
-                  "flwr": "Flower run_simulation (Ray backend, 2 CPUs, 1 CPU per client actor), "
+                  "flwr": f"Flower run_simulation (Ray backend, {flwr_actors} CPUs, 1 CPU per client actor), "
                           "evaluate_fn on the test split each round"},
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "flwr": flwr_version},
         "loadavg_at_start_measured": [round(v, 2) for v in os.getloadavg()],
@@ -495,7 +499,7 @@ def main() -> None:
     if "naive" in systems:
         arms.append(("naive", "naive", {}))
     if flwr_version is not None:
-        arms.append(("flwr", "flwr", {}))
+        arms.append(("flwr", "flwr", {"actors": flwr_actors}))
     for k in sizes:
         reps: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in arms}
         errors: dict[str, str] = {}
@@ -505,7 +509,7 @@ def main() -> None:
                 if label in errors:
                     continue
                 try:
-                    reps[label].append(_run_child(system, k, rounds, **opts))
+                    reps[label].append(_run_child(system, k, rounds, sample_s=sample_s, **opts))
                 except RuntimeError as exc:
                     if system != "flwr":
                         raise
