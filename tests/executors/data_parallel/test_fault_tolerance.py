@@ -169,24 +169,31 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_group_sigkilled_mid_step_from_outside(tmp_path: Path) -> None:
-    # a real SIGKILL at no chosen point (inside a step, an all-reduce or a quorum): the
-    # survivor's step in flight is not committed and is taken again; the group restarts alone
+def run_killing_one_from_outside(doc: dict[str, Any], *, processes: int) -> dict[str, Any]:
+    """``ft.run`` of the job ``doc`` with its last started process (of the ``processes`` the
+    groups have in all) SIGKILLed once training logged: a real signal at no chosen point."""
     import multiprocessing.forkserver
     import threading
 
-    job = _job(tmp_path, "outside", ft_table={"min_replicas": 1}, max_restarts=1, log_every=10)
-    doc = job.to_json_dict()
-    doc["train"].update(max_steps=400, epochs=100)
     result: dict[str, Any] = {}
     runner = threading.Thread(target=lambda: result.update(ft.run(load_job(doc))))
     runner.start()
-    _training_began(tmp_path / "outside")
+    _training_began(Path(doc["run"]["output_dir"]) / doc["run"]["name"])
     server = multiprocessing.forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
-    groups = _children(server)
-    assert len(groups) == 2
-    os.kill(max(groups), signal.SIGKILL)
+    started = _children(server)
+    assert len(started) == processes
+    os.kill(max(started), signal.SIGKILL)
     runner.join(180)
+    return result
+
+
+def test_group_sigkilled_mid_step_from_outside(tmp_path: Path) -> None:
+    # a real SIGKILL at no chosen point (inside a step, an all-reduce or a quorum): the
+    # survivor's step in flight is not committed and is taken again; the group restarts alone
+    job = _job(tmp_path, "outside", ft_table={"min_replicas": 1}, max_restarts=1, log_every=10)
+    doc = job.to_json_dict()
+    doc["train"].update(max_steps=400, epochs=100)
+    result = run_killing_one_from_outside(doc, processes=2)
     assert result["steps"] == 400
     assert sorted(result["fault_tolerance"]["restarts"]) == [0, 1]
     assert result["fault_tolerance"]["parameters_sha256_by_replica"] == [result["parameters_sha256"]] * 2

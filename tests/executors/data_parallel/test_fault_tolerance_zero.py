@@ -10,6 +10,7 @@ a chosen step (``PARATRAIN_FAULT_KILL``, first attempt only):
   heals from the same process of group 0 at step 9 (past group 0's step-8 checkpoint on disk),
   and with ``min_replicas = 2`` no step is committed without it, so every group ends with the
   uninterrupted run's parameters;
+* a process SIGKILLed from outside at no chosen point: its group restarts alone and heals;
 * the group settings are ConfigErrors naming the field.
 """
 
@@ -21,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_fault_tolerance import assert_quorum_timeout
+from test_fault_tolerance import assert_quorum_timeout, run_killing_one_from_outside
 
 from paratrain.config import ConfigError, load_job
 from paratrain.executors.data_parallel import fault_tolerance as ft
@@ -109,6 +110,18 @@ def test_killed_process_restarts_its_group_alone_and_heals_from_the_same_process
     assert (layout["world"], layout["replicas"], layout["shard"]) == (2, 4, shard)
     # both processes of group 1 healed their shard state (rows, momentum) from group 0's
     _assert_same_model(_params(run_dir), plain(shard))
+
+
+def test_process_sigkilled_mid_step_from_outside(tmp_path: Path) -> None:
+    # a real SIGKILL of process 1 of group 1 (the last started) at no chosen point, inside a
+    # step's reduce-scatter, all-reduce or quorum: its group-mate is killed with it, group 0's
+    # step in flight is not committed and taken again, and group 1 restarts alone and heals
+    doc = _job(tmp_path, "outside", shard="parameters", ft_table={"min_replicas": 1}, max_restarts=1,
+               log_every=10).to_json_dict()
+    doc["train"].update(max_steps=300, epochs=100)
+    result = run_killing_one_from_outside(doc, processes=4)
+    assert result["steps"] == 300 and sorted(result["fault_tolerance"]["restarts"]) == [0, 1]
+    assert result["fault_tolerance"]["parameters_sha256_by_replica"] == [result["parameters_sha256"]] * 2
 
 
 @pytest.mark.parametrize(("strategy", "table", "field"), [
