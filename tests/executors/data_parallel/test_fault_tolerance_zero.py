@@ -11,6 +11,7 @@ a chosen step (``PARATRAIN_FAULT_KILL``, first attempt only):
   and with ``min_replicas = 2`` no step is committed without it, so every group ends with the
   uninterrupted run's parameters;
 * a process SIGKILLed from outside at no chosen point: its group restarts alone and heals;
+* a group of processes joins a running job (``groups = 1``, ``join_group``) and heals;
 * the group settings are ConfigErrors naming the field.
 """
 
@@ -22,7 +23,11 @@ from typing import Any
 
 import pytest
 import torch
-from test_fault_tolerance import assert_quorum_timeout, run_killing_one_from_outside
+from test_fault_tolerance import (
+    _training_began,
+    assert_quorum_timeout,
+    run_killing_one_from_outside,
+)
 
 from paratrain.config import ConfigError, load_job
 from paratrain.executors.data_parallel import fault_tolerance as ft
@@ -122,6 +127,25 @@ def test_process_sigkilled_mid_step_from_outside(tmp_path: Path) -> None:
     result = run_killing_one_from_outside(doc, processes=4)
     assert result["steps"] == 300 and sorted(result["fault_tolerance"]["restarts"]) == [0, 1]
     assert result["fault_tolerance"]["parameters_sha256_by_replica"] == [result["parameters_sha256"]] * 2
+
+
+def test_a_group_of_processes_joins_the_running_job(tmp_path: Path) -> None:
+    # groups = 1: paratrain run starts group 0 alone; group 1 (both its processes) joins once
+    # training logged, each process healing its rows from the same process of group 0
+    import threading
+
+    doc = _job(tmp_path, "elastic", shard="gradients", ft_table={"groups": 1}, log_every=10).to_json_dict()
+    doc["train"].update(max_steps=200, epochs=100)
+    job = load_job(doc)
+    result: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: result.update(ft.run(job)))
+    runner.start()
+    _training_began(tmp_path / "elastic")
+    joined = ft.join_group(job, 1)
+    runner.join(180)
+    assert joined is not None and joined["steps"] == 200
+    assert joined["resumed_from"]["checkpoint"] == "a live peer" and 10 <= joined["resumed_from"]["step"] < 200
+    assert result["steps"] == 200 and joined["parameters_sha256"] == result["parameters_sha256"]
 
 
 @pytest.mark.parametrize(("strategy", "table", "field"), [
