@@ -4,13 +4,14 @@ bytes per round, the job of ``benchmarks/federated.py``.
 Workload (``benchmarks/federated.py``'s): digits, MLP 64-64-10, IID split, ``--clients``
 clients (default 100) all selected every round, 1 local epoch, B = 10, SGD lr 0.1, FedAvg,
 checkpoint every round (the default), ``--rounds`` rounds (default 4: 1 warm-up + 3 timed).
-``--smoke``: 4 clients, 2 rounds (Flower's processes still take tens of seconds to start).
+``--smoke``: 4 clients, 2 rounds, 1 SuperNode (Flower's processes still take tens of seconds to
+start; each ClientApp process imports torch).
 
 * ``local``: ``paratrain run`` of the job (``runtime = "local"``), 2 worker processes over
   gloo (the default).
 * ``flower``: the same job (``runtime = "flower"``) with ``flwr run`` against a real
   ``flower-superlink --insecure`` and ``--nodes`` ``flower-supernode`` processes on 127.0.0.1
-  (default 2: partition p of 2 hosts clients c % 2 == p, as the 2 local workers do;
+  (default 2, ``--smoke`` 1: partition p of 2 hosts clients c % 2 == p, as the 2 local workers do;
   ``--nodes K`` = one SuperNode per client). Flower runs every message in a new
   ``flwr-clientapp`` process that imports torch and builds the job's data, which dominates
   a round of this small model.
@@ -155,15 +156,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, help="rounds (default 4; --smoke 2)")
     ap.add_argument("--clients", type=int, help="clients (default 100; --smoke 4)")
-    ap.add_argument("--smoke", action="store_true", help="4 clients, 2 rounds: every arm, quickly")
+    ap.add_argument("--smoke", action="store_true", help="4 clients, 2 rounds, 1 SuperNode: every arm, quickly")
     ap.add_argument("--quick", action="store_true", help="make bench's size: the default (100 clients, 4 rounds)")
-    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--nodes", type=int, help="SuperNodes (default 2; --smoke 1 without --secure)")
     ap.add_argument("--secure", action="store_true")
     ap.add_argument("--drop", type=int, default=0, help="--secure: also a run where this many nodes "
                     "drop out after masking (they exit on the unmask stage)")
     args = ap.parse_args()
     args.rounds = args.rounds or (2 if args.smoke else 4)
     args.clients = args.clients or (4 if args.smoke else 100)
+    # one SuperNode at --smoke: a ClientApp process each round, not one per node (SecAgg+ needs 2)
+    args.nodes = args.nodes or (1 if args.smoke and not args.secure else 2)
     if args.secure:
         secure(args)
         return
