@@ -98,10 +98,11 @@ def shard_layout(job: JobConfig) -> list[str]:
                       world=world)
     units = ", ".join(f"{u['unit']} ({u['elements_per_rank']} of {u['elements']})" for u in plan["units"])
     whole = f"; kept whole: {', '.join(plan['whole'])}" if plan["whole"] else ""
-    over = f"{world} replicas" if world == s.num_replicas else f"the {world} processes of each replica group"
+    over, who = ((f"{world} replicas", "a replica") if world == s.num_replicas
+                 else (f"the {world} processes of each replica group", "a process"))
     return [f"ZeRO-{plan['zero_stage']} (shard = {s.shard}) over {over}, "
-            f"elements a replica holds per unit: {units}{whole}; about "
-            f"{plan['adam_fp32_bytes_per_rank']} bytes a replica for fp32 Adam"]
+            f"elements {who} holds per unit: {units}{whole}; about "
+            f"{plan['adam_fp32_bytes_per_rank']} bytes {who} for fp32 Adam"]
 
 
 _DATA_CACHE: dict[str, Any] = {}
