@@ -109,9 +109,10 @@ def broadcast_tensors(tensors: Iterable[torch.Tensor], *, src: int = 0, group: A
 class GradReducer:
     """Bucketed gradient all-reduce overlapping the backward pass, as torch DDP: buckets in
     *reverse* registration order (gradients become ready from the last layer back), the first
-    capped at ``first_bucket_bytes``; a post-accumulate-grad hook copies each gradient into its
-    bucket, whose all-reduce (SUM) starts once full. :meth:`finish` launches the rest (zeros
-    for gradients not produced), waits and writes the means back (``grad = None`` where no rank
+    capped at ``first_bucket_bytes``; a post-accumulate-grad hook copies each gradient divided by
+    the world size into its bucket, whose all-reduce (SUM, so the mean) starts once full.
+    :meth:`finish` launches the rest (zeros for gradients not produced), waits and writes the
+    means back (``grad = None`` where no rank
     used a parameter). ``grad_views=True``: each ``p.grad`` a view of its bucket (DDP's
     ``gradient_as_bucket_view``: no copy back). The loop drops gradients between steps
     (``zero_grad(set_to_none=True)``), so each fresh gradient is copied into its slot once, as
@@ -131,6 +132,7 @@ class GradReducer:
         self.group = group
         self.counter = counter
         self.n = world_size(group)
+        self._scale = 1.0 / self.n
         order = list(reversed(self.params))
         first = None if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
         self.buckets = [[order[i] for i in idx]
@@ -169,8 +171,13 @@ class GradReducer:
         self._seen.add(id(p))
         b, offset = self._where[id(p)]
         slot = self._flat[b][offset : offset + p.numel()]
+        # Divided by the world size while copied into the bucket, as DDP's reducer (one pass
+        # over the gradient, not a copy and then a division of the reduced bucket); the sum
+        # of the slots is then the mean, bit for bit DDP's.
         if p.grad.data_ptr() != slot.data_ptr():  # not (yet) a view of the bucket
-            slot.copy_(p.grad.reshape(-1))
+            torch.mul(p.grad.reshape(-1), self._scale, out=slot)
+        else:
+            slot.mul_(self._scale)
         self._ready[b] += 1
         if self._ready[b] == len(self.buckets[b]):
             self._flags[b].fill_(1)
@@ -203,7 +210,7 @@ class GradReducer:
                 self._launch(b)
         for b, members in enumerate(self.buckets):
             self._work[b].wait()
-            flat = self._flat[b].div_(self.n)
+            flat = self._flat[b]  # already the mean: each slot was scaled by 1/n (_hook)
             used = (self._flags[b] > 0).tolist()
             for i, p in enumerate(members):
                 off = self._where[id(p)][1]
