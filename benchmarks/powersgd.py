@@ -1,8 +1,8 @@
 """PowerSGD benchmark: bytes, compress+decompress time and final loss against dense and
 torch's fp16 / bf16 / PowerSGD DDP hooks, on the char GPT of
 ``examples/gpt_shakespeare_dp.toml`` (2 layers, 64 wide), shortened. Prints one JSON object.
-``--quick``: 60 steps, 5 timing repeats; ``--smoke``: 4 steps, 1 repeat, one job (rank 1)
-(every code path).
+``--quick``: 60 steps, 5 timing repeats; ``--smoke``: 4 steps, 1 repeat, 128 test blocks, one
+job (rank 1) (every code path).
 
 Three parts:
 
@@ -14,7 +14,7 @@ Three parts:
   Thread CPU time, interleaved repeats (robust to the shared machine's other processes).
 * ``table`` (2 gloo ranks): the same training loop (``DistributedDataParallel``, AdamW
   lr 3e-3 wd 0.01 as the example, 16 blocks of 64 characters per rank per step, seeded
-  shards) for each hook; final test loss on the first 1,024 test blocks. ``bytes_per_step`` is
+  shards) for each hook; final test loss on the first 1,024 test blocks (128 at ``--smoke``). ``bytes_per_step`` is
   what one rank puts into all-reduces per compressed step: measured from torch's own
   PowerSGD statistics (``total_numel_after_compression``) and from our ``CommCounter``
   (GradSync, the DataParallel exchange, checked against the formula ``r'(n+m)`` per matrix
@@ -146,7 +146,7 @@ def time_hooks(ctx: Any, repeats: int) -> dict[str, Any]:
             "call_ms": med, "compress_decompress_ms": {k: max(v - med["dense"], 0.0) for k, v in med.items()}}
 
 
-def train_variant(ctx: Any, variant: str, steps: int, start: int) -> dict[str, Any]:
+def train_variant(ctx: Any, variant: str, steps: int, start: int, test_rows: int = TEST_ROWS) -> dict[str, Any]:
     """One training run of ``variant`` on 2 ranks (DDP); final test loss, bytes per step."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
@@ -207,8 +207,8 @@ def train_variant(ctx: Any, variant: str, steps: int, start: int) -> dict[str, A
     model.eval()
     nll, count = 0.0, 0
     with torch.no_grad():
-        for i in range(0, TEST_ROWS, 128):
-            rows = [test[j] for j in range(i, min(i + 128, TEST_ROWS))]
+        for i in range(0, test_rows, 128):
+            rows = [test[j] for j in range(i, min(i + 128, test_rows))]
             x, y = torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
             s = task.eval_batch(model(x), (x, y))
             nll, count = nll + s["nll_sum"], count + s["count"]
@@ -224,14 +224,15 @@ def train_variant(ctx: Any, variant: str, steps: int, start: int) -> dict[str, A
     return {"test_loss": nll / count, "bytes_per_step": per_step}
 
 
-def train_variants(ctx: Any, variants: list[str], steps: int, start: int) -> dict[str, Any]:
+def train_variants(ctx: Any, variants: list[str], steps: int, start: int,
+                   test_rows: int = TEST_ROWS) -> dict[str, Any]:
     """:func:`train_variant` for each of ``variants`` in turn, in the same 2 processes (the
     corpus is read and torch's DDP imports once); a variant that raises on every rank (a
     hook the backend lacks) is recorded as failed."""
     out: dict[str, Any] = {}
     for v in variants:
         try:
-            out[v] = train_variant(ctx, v, steps, start)
+            out[v] = train_variant(ctx, v, steps, start, test_rows)
         except (TypeError, RuntimeError) as e:  # DDP refuses torch's bf16 hook without CUDA 11+ / NCCL 2.10+ or XCCL
             out[v] = {"failed": str(e).splitlines()[:1]}
     return out
@@ -281,7 +282,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
-    ap.add_argument("--smoke", action="store_true", help="4 steps, 1 repeat, the rank-1 job only: "
+    ap.add_argument("--smoke", action="store_true", help="4 steps, 1 repeat, 128 test blocks, the rank-1 job only: "
                     "every code path")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--no-jobs", action="store_true", help="skip the paratrain run jobs")
@@ -307,7 +308,8 @@ def main() -> None:
         print(json.dumps(t, indent=1))
         return
     runnable = [v for v in VARIANTS if v not in t["failed"]]
-    trained = run_distributed(train_variants, 2, runnable, steps, start, timeout_s=1200)[0]
+    trained = run_distributed(train_variants, 2, runnable, steps, start, 128 if a.smoke else TEST_ROWS,
+                              timeout_s=1200)[0]
     table: dict[str, Any] = {v: {"failed": t["failed"][v]} if v in t["failed"] else trained[v] for v in VARIANTS}
     for v in runnable:
         print(f"{v}: {table[v]}", file=sys.stderr)
