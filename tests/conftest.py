@@ -68,7 +68,8 @@ _LONG_FIRST = ("test_benchmarks_smoke.py", "test_federated_flower.py", "test_kil
                "test_model_parallel_job.py", "test_api_fit.py", "test_federated_scaffold_procs.py",
                "test_training_reshard_tp.py", "test_mp_graph_job.py", "test_worker_errors.py",
                "test_federated_reshard.py", "test_mesh_pipeline_tp_hf.py", "test_resume_fallback.py",
-               "test_fault_tolerance.py", "test_fault_tolerance_membership.py", "test_fault_tolerance_two_hosts.py",
+               "test_fault_tolerance.py", "test_fault_tolerance_zero.py", "test_fault_tolerance_membership.py",
+               "test_fault_tolerance_two_hosts.py",
                "test_fedbuff.py")
 
 
