@@ -93,6 +93,9 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
             metrics = MetricsWriter(run_dir)
             life.begin(start, resume=resume, found=found, metrics=metrics)
             secure = getattr(job.federated.flower, "secure_aggregation", None) is not None
+            # the last round's scores, by the round entered: the final scores when no round followed
+            # (with per-client scores, a second asking would be one evaluate message per node)
+            scored: dict[int, tuple[dict[str, float], dict[str, Any]]] = {}
             with life:
                 if server.buffered is not None:  # FedBuff: versions as replies come
                     _FlowerBuffered(server, job, life, metrics, lambda tag: _evaluate(side, server, nodes, tag, server.round),
@@ -116,12 +119,14 @@ def run_server(nodes: Nodes, job: JobConfig, *, resume: bool = False, overwrite:
                                                                    control or None)
                         rec = server.finish_round(r, statuses, payloads, wire_bytes_down=down, wire_bytes_up=up)
                     ev, per = _evaluate(side, server, nodes, str(r), r + 1)
+                    scored = {r + 1: (ev, per)}  # scored as the clients entering round r + 1
                     round_record(server, metrics, rec, ev, per, target=job.federated.target_accuracy, lr_scale=lr_scale,
                                  runtime="flower", round_time_s=time.perf_counter() - t_round,
                                  time_s=time.perf_counter() - started)
                     life.end_unit(r + 1, last=r + 1 == strat.rounds or server.stopped)
             life.finish(server.round)
-            return _finish(side, server, nodes, run_dir, started, resumed_from=start if resume else None)
+            return _finish(side, server, nodes, run_dir, started, resumed_from=start if resume else None,
+                           scored=scored.get(server.round))
 
 
 class _FlowerBuffered(BufferedLoop):
@@ -201,10 +206,13 @@ def _secure_round(side: Side, server: FederatedServer, nodes: Nodes, r: int, cli
 
 
 def _finish(side: Side, server: FederatedServer, nodes: Nodes, run_dir: Any, started: float,
-            resumed_from: int | None) -> dict[str, Any]:
+            resumed_from: int | None,
+            scored: tuple[dict[str, float], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The run's end (:func:`..state.finish_run`); ``scored``: the scores of the model as it is
+    (the last round's), else it is scored again."""
     from ....models.state import unique_state_dict
 
-    final, final_per = _evaluate(side, server, nodes, "final", server.round)
+    final, final_per = scored if scored is not None else _evaluate(side, server, nodes, "final", server.round)
     own = unique_state_dict(side.model)  # the server never trains: its personal keys are their initial value
     extra: dict[str, Any] = {}
     if resumed_from is not None:
