@@ -3,13 +3,14 @@
 paratrain's app started with ``flwr run`` (examples/federated_flower).
 
 - the global model after R rounds equals the same job run the local way (``runtime = "local"``,
-  paratrain's in-process round loop) bit for bit, for FedAvg, FedMedian (robust) with a Local
+  paratrain's in-process round loop) bit for bit, for FedAvg with client-level DP in local mode
+  (each update clipped and noised on its node, with each round's seeded noise; the same epsilon
+  either way; the runs without DP are the noise-free path), FedMedian (robust) with a Local
   head kept per client in context.state (FedPer's personal parts; the clients' personal scores
   come from ``@app.evaluate``), FedAdam (adaptive) with central client-level DP (the server
-  clips each update and noises the sum), FedNova and client-level DP in local mode (each
-  update clipped and noised on its node; the same epsilon either way), FedBuff (asynchronous:
-  one message per client pushed and its reply pulled as it comes; one client in flight, so the
-  order is fixed), and SCAFFOLD (the server's c
+  clips each update and noises the sum), FedNova (one round: it keeps nothing from round to
+  round), FedBuff (asynchronous: one message per client pushed and its reply pulled as it
+  comes; one client in flight, so the order is fixed), and SCAFFOLD (the server's c
   travels with the model, each client's c_i stays in its node's context.state; checked on the
   resumed run below): both paths train each client with the same
   seeded generator of (seed, round, client) at one intra-op thread and aggregate with the same
@@ -21,9 +22,10 @@ paratrain's app started with ``flwr run`` (examples/federated_flower).
 - bytes per round measured at the Message level are in metrics.jsonl.
 
 (A SuperNode killed mid-round: test_federated_flower_faults.py, on a federation of its own so
-that the two files run side by side.) One federation serves every test (module fixture); the seven runs of the first group share it
+that the two files run side by side.) One federation serves every test (module fixture); the six runs of the group share it
 at the same time. (A SuperNode runs one ClientApp process per message, one message at a time,
-each importing torch: the group's cost is its message count, so features share runs.) Every process started is ended (with what Flower spawned) in a finally.
+each importing torch: the group's cost is its message count, so features share runs and a run
+whose feature keeps no state from round to round runs one round.) Every process started is ended (with what Flower spawned) in a finally.
 """
 
 from __future__ import annotations
@@ -48,19 +50,24 @@ from paratrain.dispatch import execute  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 APP = Path(__file__).resolve().parents[3] / "examples" / "federated_flower"
 AGGREGATIONS = {
-    "FedAvg": {"method": "FedAvg"},
+    # + [federated.dp] mode local: clip and seeded noise on the nodes (FedAvg's run: the DP run
+    # is FedAvg plus the noise, so a plain FedAvg run would cover nothing more)
+    "FedAvg+DP-local": {"method": "FedAvg"},
     # robust, + a Local head (FedPer): personal parts in context.state, scored by @app.evaluate
     "FedMedian+FedPer": {"method": "FedMedian"},
     # adaptive, with central client-level DP (the server clips, noises the sum, accounts)
     "FedAdam+DP-central": {"method": "FedAdam", "eta": 0.05},
     "FedNova": {"method": "FedNova"},  # normalised local steps: each client's tau_i travels up
-    "DP-local": {"method": "FedAvg"},  # + [federated.dp] mode local: clip and seeded noise on the nodes
     # asynchronous: one message per client, pushed and pulled as replies come (one in flight: the
     # order is the local path's, so the model is too)
     "FedBuff": {"method": "FedBuff", "buffer_size": 1, "concurrency": 1},
 }
 # SCAFFOLD (c down with the model, each c_i in its node's context.state) is the resumed run's
 SCAFFOLD = {"method": "SCAFFOLD"}
+# Rounds per run: 2 where a round depends on the last one beyond the model (FedPer's heads,
+# FedAdam's moments, DP's accounting and each round's noise, FedBuff's versions); FedNova keeps
+# nothing between rounds, so its second round would only repeat its first
+ROUNDS = {m: 2 for m in AGGREGATIONS} | {"FedNova": 1}
 # Timeouts far above a round's time: a round whose client misses round_timeout aggregates
 # fewer clients and no longer equals the local run. Under a loaded CI box a round of the
 # six-run group measured 162 s (each message starts a ClientApp process that imports torch),
@@ -141,16 +148,17 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def group(fed: LocalFederation, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Seven runs at once on the federation: the six equality jobs (FedBuff one of them), and a
+    """Six runs at once on the federation: the five equality jobs (FedBuff one of them), and a
     SCAFFOLD run over three rounds whose ServerApp is killed after round 1 and resumed by a second ``flwr run``
     (the server's ``c`` comes back from its checkpoint, each client's ``c_i`` from its node's
     ``state-dir``)."""
     tmp = tmp_path_factory.mktemp("flower_runs")
     out = tmp / "runs"
-    docs = {m: _job(out, f"fl_{m.lower().replace('+', '_')}", agg) for m, agg in AGGREGATIONS.items()}
+    docs = {m: _job(out, f"fl_{m.lower().replace('+', '_')}", agg, rounds=ROUNDS[m])
+            for m, agg in AGGREGATIONS.items()}
     docs["FedMedian+FedPer"]["subgraphs"] = {"head": {"type": "Local"}}
-    docs["DP-local"]["federated"]["dp"] = {"mode": "local", "clip": 0.5, "noise_multiplier": 0.3,
-                                           "delta": 1e-5}
+    docs["FedAvg+DP-local"]["federated"]["dp"] = {"mode": "local", "clip": 0.5, "noise_multiplier": 0.3,
+                                                  "delta": 1e-5}
     docs["FedAdam+DP-central"]["federated"]["dp"] = {"mode": "central", "clip": 0.5,
                                                      "noise_multiplier": 0.3, "delta": 1e-5}
     docs["resume"] = _job(out, "fl_resume", SCAFFOLD, rounds=3)
@@ -193,28 +201,28 @@ def _same_model(a: Path, b: Path) -> None:
 def test_flower_equals_local(group: dict[str, Any], method: str) -> None:
     key = method
     flower, local = group["summary"][key], group["local"][key]
-    assert flower["runtime"] == "flower" and flower["rounds"] == 2 and flower["clients_failed_total"] == 0
+    assert flower["runtime"] == "flower" and flower["rounds"] == ROUNDS[method] and flower["clients_failed_total"] == 0
     assert flower["parameters_sha256"] == local["parameters_sha256"]
     _same_model(group["run_dir"][key], Path(local["run_dir"]))
     _same_rounds(group["run_dir"][key], Path(local["run_dir"]))
     fl, lo = _metrics(group["run_dir"][key]), _metrics(Path(local["run_dir"]))
-    if method in ("DP-local", "FedAdam+DP-central"):  # the same noise, the same privacy spent
+    if method in ("FedAvg+DP-local", "FedAdam+DP-central"):  # the same noise, the same privacy spent
         assert flower["epsilon"] == local["epsilon"] > 0
-        assert flower["dp_mode"] == ("local" if method == "DP-local" else "central")
+        assert flower["dp_mode"] == ("local" if method == "FedAvg+DP-local" else "central")
     if method == "FedMedian+FedPer":  # every client scored with its own head, on its node
         assert flower["personal_test_accuracy"] == local["personal_test_accuracy"]
         assert [r["personal_test_accuracy"] for r in fl] == [r["personal_test_accuracy"] for r in lo]
 
 
 def test_bytes_per_round_at_message_level(group: dict[str, Any]) -> None:
-    rows = _metrics(group["run_dir"]["FedAvg"])
-    params = group["summary"]["FedAvg"]["num_parameters"]
+    rows = _metrics(group["run_dir"]["FedAvg+DP-local"])
+    params = group["summary"]["FedAvg+DP-local"]["num_parameters"]
     for r in rows:
         # two train messages down, each with the model's float32 tensors; two replies up,
         # each with its clients' encoded updates
         assert r["wire_bytes_down_measured"] >= 2 * 4 * params
         assert r["wire_bytes_up_measured"] >= r["bytes_up_measured"] == 4 * 4 * params
-    summary = group["summary"]["FedAvg"]
+    summary = group["summary"]["FedAvg+DP-local"]
     assert summary["wire_bytes_down_measured"] == sum(r["wire_bytes_down_measured"] for r in rows)
     assert summary["wire_bytes_up_measured"] == sum(r["wire_bytes_up_measured"] for r in rows)
 

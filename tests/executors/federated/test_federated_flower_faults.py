@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="the flower extra is not installed (pip install -e '.[flower]')")
 
-from test_federated_flower import AGGREGATIONS, APP, _job, _metrics, _wait, _write  # noqa: E402
+from test_federated_flower import APP, _job, _metrics, _wait, _write  # noqa: E402
 
 from _flower_federation import LocalFederation, _descendants  # noqa: E402
 
@@ -35,7 +35,7 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_supernode_killed_mid_round_then_rejoins(fed: LocalFederation, tmp_path: Path) -> None:
     # round_timeout: far above a round's time on a loaded 2-core machine (22 s alone, 162 s in
     # a loaded suite); round 2 ends when SuperLink answers the dead node's message (53 s).
-    doc = _job(tmp_path / "runs", "fl_kill", AGGREGATIONS["FedAvg"], rounds=3, round_timeout=600.0)
+    doc = _job(tmp_path / "runs", "fl_kill", {"method": "FedAvg"}, rounds=3, round_timeout=600.0)
     fed.run(APP, {"job": str(_write(tmp_path / "kill.json", doc))})
     run_dir = tmp_path / "runs" / "fl_kill"
     _wait(lambda: len(_metrics(run_dir)) >= 1, "round 1 of fl_kill", fed)
