@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -14,10 +17,12 @@ from paratrain.training import faults
 from paratrain.training.faults import (
     FAULT_ENV,
     FAULTS_ENV,
+    HOLD_RESTART_ENV,
     Faults,
     inject_faults,
     injected_faults,
     kill_points,
+    maybe_hold_restart,
     maybe_kill,
     parse_faults,
 )
@@ -74,3 +79,21 @@ def test_fault_kill_names_several_processes(monkeypatch: pytest.MonkeyPatch) -> 
             died.append((rank, step, restarts))
     assert died == [(0, 5, 0), (2, 11, 0)]
     assert {sig for _, sig in killed} == {faults.signal.SIGKILL}
+
+
+def test_hold_restart_waits_for_the_named_file_on_a_restart_only(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # PARATRAIN_FAULT_HOLD_RESTART=NAME: a restarted process waits for NAME in its run folder
+    # (a first attempt never waits; no file in time: TimeoutError naming it)
+    monkeypatch.setenv(HOLD_RESTART_ENV, "replica-1.json")
+    maybe_hold_restart(tmp_path, restart_count=0, timeout_s=0.01)  # no wait, no error
+    with pytest.raises(TimeoutError, match="replica-1.json"):
+        maybe_hold_restart(tmp_path, restart_count=1, timeout_s=0.2)
+    writer = threading.Timer(0.5, (tmp_path / "replica-1.json").touch)
+    began = time.monotonic()
+    writer.start()
+    maybe_hold_restart(tmp_path, restart_count=1, timeout_s=30)
+    assert time.monotonic() - began >= 0.45 and (tmp_path / "replica-1.json").exists()
+    monkeypatch.delenv(HOLD_RESTART_ENV)
+    (tmp_path / "replica-1.json").unlink()
+    maybe_hold_restart(tmp_path, restart_count=1, timeout_s=0.01)  # unset: no wait

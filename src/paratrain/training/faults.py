@@ -2,6 +2,8 @@
 job file): ``PARATRAIN_FAULT_KILL=RANK:STEP`` (SIGKILL after a step, first attempt only;
 ``RANK:STEP,RANK:STEP`` kills several processes, each at its step),
 ``PARATRAIN_FAULT_KILL_IN_SAVE=NAME`` (SIGKILL before a checkpoint's rename),
+``PARATRAIN_FAULT_HOLD_RESTART=NAME`` (a restarted process waits for the file NAME in its run
+folder: a fault-tolerant replica group's restart held until a peer's record exists),
 ``PARATRAIN_FLOWER_SECAGG_DROP_AT=STAGE`` (a Flower ClientApp dies at that SecAgg+ stage)
 and ``PARATRAIN_FAULTS``, a JSON object with ``fail_clients``, ``byzantine_clients`` /
 ``byzantine_scale``, ``corrupt_clients`` and ``fail_members`` (:func:`inject_faults`).
@@ -12,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError
@@ -23,6 +27,7 @@ FAULT_ENV = "PARATRAIN_FAULT_KILL"
 FAULTS_ENV = "PARATRAIN_FAULTS"
 KILL_IN_SAVE_ENV = "PARATRAIN_FAULT_KILL_IN_SAVE"
 DROP_AT_ENV = "PARATRAIN_FLOWER_SECAGG_DROP_AT"
+HOLD_RESTART_ENV = "PARATRAIN_FAULT_HOLD_RESTART"
 
 _INDEX_FIELDS = ("fail_clients", "byzantine_clients", "corrupt_clients", "fail_members")
 
@@ -103,6 +108,19 @@ def maybe_kill(*, rank: int, step: int, restart_count: int, before: Any = None) 
         if before is not None:
             before()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_hold_restart(folder: Path, *, restart_count: int, timeout_s: float = 120.0) -> None:
+    """A restarted process (``restart_count > 0``) waits until the file ``PARATRAIN_FAULT_HOLD_RESTART``
+    names exists in ``folder`` (TimeoutError after ``timeout_s``); a first attempt never waits."""
+    name = os.environ.get(HOLD_RESTART_ENV, "")
+    if not name or restart_count == 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    while not (folder / name).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{HOLD_RESTART_ENV}: no {folder / name} after {timeout_s:g} s")
+        time.sleep(0.05)
 
 
 def maybe_kill_in_save(path: str | os.PathLike[str]) -> None:

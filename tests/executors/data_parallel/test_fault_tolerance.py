@@ -6,6 +6,9 @@ step (``PARATRAIN_FAULT_KILL``, first attempt only):
 * a group killed mid-run is restarted alone (the other's restart count stays 0), heals from
   the live peer (not from its disk checkpoint, which is older) and every group ends with the
   same parameters;
+* group 0 restarted after its peers took the last step (held until they ended) finds the
+  run ended and exits cleanly; the group that took the last step writes the model, the
+  summary and the final checkpoint;
 * with ``min_replicas`` more than the groups alive, the quorum timeout fails the run with a
   clear error within ``quorum_timeout_s`` plus slack, not a hang;
 * a bad ``[fault_tolerance]`` is a ConfigError naming the field.
@@ -28,6 +31,8 @@ from paratrain.config import ConfigError, load_job
 from paratrain.config.effective import effective_settings
 from paratrain.executors.data_parallel import fault_tolerance as ft
 from paratrain.executors.data_parallel import runner as dp
+from paratrain.training.faults import HOLD_RESTART_ENV
+from paratrain.training.stores import read_rank_state
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -91,6 +96,30 @@ def test_survivor_goes_on_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert summary["fault_tolerance"]["parameters_sha256_by_replica"] == [summary["parameters_sha256"], None]
     survivor = json.loads((Path(summary["run_dir"]) / "replica-0.json").read_text())
     assert survivor["steps_short_of_groups"] == 24 - 3
+
+
+def test_group_0_restarted_after_its_peers_finished_leaves_the_records_to_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # group 0 dies after step 23 of 24 and is restarted, held (PARATRAIN_FAULT_HOLD_RESTART)
+    # until group 1, alone at step 24 (min_replicas = 1), has ended: group 1 took the last
+    # step, so it writes the model, the summary and the final checkpoint; the restarted group
+    # 0 finds the run ended (no peer to heal from) and exits cleanly, writing nothing
+    monkeypatch.setenv(dp.FAULT_ENV, "0:23")
+    monkeypatch.setenv(HOLD_RESTART_ENV, "replica-1.json")
+    summary = ft.run(_job(tmp_path, "late", ft_table={"min_replicas": 1}, max_restarts=1, checkpoint_every=8))
+    run_dir = Path(summary["run_dir"])
+    assert summary["steps"] == 24 and summary["fault_tolerance"]["restarts"] == [1, 0]
+    # the restart exited 0: no error logged, not given up as lost
+    assert not (run_dir / "worker-0.log").exists() and not (run_dir / ".replica-0-lost").exists()
+    last = json.loads((run_dir / "replica-1.json").read_text())
+    assert last["steps"] == 24 and last["steps_short_of_groups"] == 1 and last["restart_count"] == 0
+    assert summary["fault_tolerance"]["parameters_sha256_by_replica"] == [None, last["parameters_sha256"]]
+    assert summary["parameters_sha256"] == last["parameters_sha256"] and summary["restart_count"] == 0
+    final = read_rank_state(run_dir / "checkpoints" / "step-000000024", 0)  # group 1's state after step 24
+    assert final["step"] == 24
+    model = _params(run_dir)
+    assert model.keys() == final["model"].keys()
+    assert all(torch.equal(model[k], final["model"][k]) for k in model)
 
 
 def _params(run_dir: str | Path) -> dict[str, Any]:

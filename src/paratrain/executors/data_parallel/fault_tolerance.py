@@ -19,9 +19,12 @@ lose nothing. A restarted group rejoins at the next quorum and heals from a live
 (model, optimizer, schedule, RNG, loop position: the loop's checkpoint state, sent by
 torchft's checkpoint transport), not from disk; it then walks its own shard from that
 position (each process from the same process of the live group: its own rows). Replica
-group 0 writes the checkpoints (each of its processes its rows) and metrics; the model and
-summary are written by group 0, or by the first group after those lost for good; every group writes
-``replica-<g>.json`` (its digest and restarts) when it ends.
+group 0 writes the checkpoints during the run (each of its processes its rows) and metrics;
+the final checkpoint, the model and the summary are written by the lowest-numbered group of
+the quorum that committed the last step (:class:`Reporter`), so by exactly one group that
+took the last step; a restarted group that finds the run ended (its peers took the last step:
+no peer to heal from) exits cleanly. Every group that finished writes ``replica-<g>.json``
+(its digest and restarts) when it ends.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from ...training import (
     seed_everything,
     write_summary,
 )
+from ...training.faults import maybe_hold_restart
 from ...training.loop import (
     DataPlan,
     LocalEngine,
@@ -167,40 +171,76 @@ class FaultTolerantZeroEngine(ZeroEngine):
             self.free_all()
 
 
+class Reporter:
+    """Who writes the model, the summary and the final checkpoint: the lowest-numbered group of
+    the quorum that committed the run's last step (every group of it learns who is there from one
+    sum in that step, :class:`FaultTolerantTrainer`), so exactly one group that took the last
+    step, whichever groups were lost, restarted or are still restarting. Until then (evaluations
+    during the run), and in a run that takes no step (a finished run resumed): group 0, or the
+    first group after those lost for good. Checkpoints during the run are group 0's."""
+
+    def __init__(self, run_dir: Path, replica: int) -> None:
+        self.run_dir, self.replica = run_dir, replica
+        self.last: list[int] | None = None  # the groups that committed the run's last step
+
+    def __call__(self) -> bool:
+        """Whether this group evaluates for, and writes, the run's records."""
+        return _reports(self.run_dir, self.replica) if self.last is None else min(self.last) == self.replica
+
+    def checkpoints(self) -> bool:
+        """Whether this group writes the checkpoint now: group 0's cadence, the reporter's last step."""
+        return self.replica == 0 if self.last is None else self()
+
+    def finished(self, live: list[int]) -> None:
+        """The run's last step was committed by the groups ``live`` (a restarted group's first
+        quorum now finds the run ended, :func:`_ended`)."""
+        self.last = live
+        _ended_file(self.run_dir).touch()
+
+
 class FaultTolerantTrainer(Trainer):
     """A step is committed by every group of its quorum, or taken again (same batches, new
     quorum); the optimizer and the schedule step only when it is. ``replay(m)``: replica
     ``m``'s batches of this step; with it the groups of a quorum of ``q`` train the missing
     groups' batches too (the ``k``-th missing one falls to the ``(k mod q)``-th group alive)
-    and the step's gradient is ``(1/n) sum_{r < n} g_r``, every shard's."""
+    and the step's gradient is ``(1/n) sum_{r < n} g_r``, every shard's. The run's last step
+    (and every step with replay) sums who is here, which names the :class:`Reporter`."""
 
     def __init__(self, engine: FaultTolerantEngine | FaultTolerantZeroEngine, optimizer: Any, train: Any,
-                 total_steps: int, groups: int, replica: int, replay: Any = None) -> None:
+                 total_steps: int, groups: int, replica: int, *, reporter: Reporter, replay: Any = None) -> None:
         super().__init__(engine, optimizer, train, total_steps)
         self.group, self.groups, self.replica, self.replay = engine.quorum, groups, replica, replay
+        self.total, self.reporter = total_steps, reporter
         engine.divisor = groups if replay is not None else None
         self.short = 0  # committed steps with fewer groups than the job's (this process's)
 
     def step(self, batches: Any) -> float:
         for _ in range(MAX_TRIES):
             self.group.begin()
+            last = self.group.step + 1 >= self.total  # the same on every group of the quorum
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.accumulate(batches)
-            for m in self._taken_over() if self.replay is not None else ():
+            live = self._live() if self.replay is not None or last else []
+            for m in self._taken_over(live) if self.replay is not None else ():
                 self.accumulate(self.replay(m))
             self.engine.sync()
             if self.group.commit():
                 self.short += self.group.participants < self.groups
+                if last:
+                    self.reporter.finished(live)
                 self.apply()
                 return loss
         raise RuntimeError(f"a step was not committed in {MAX_TRIES} tries")
 
-    def _taken_over(self) -> list[int]:
-        """The missing groups whose batches this group trains (one sum says who is here)."""
+    def _live(self) -> list[int]:
+        """The groups of this step's quorum (one sum says who is here)."""
         here = torch.zeros(self.groups)
         here[self.replica] = 1.0
         self.group.sum_(here)  # an error leaves this group alone here: the step is not committed
-        live = [r for r in range(self.groups) if here[r] > 0.5]
+        return [r for r in range(self.groups) if here[r] > 0.5]
+
+    def _taken_over(self, live: list[int]) -> list[int]:
+        """The missing groups whose batches this group trains."""
         gone = [r for r in range(self.groups) if r not in live]
         j = live.index(self.replica) if self.replica in live else 0
         return [m for k, m in enumerate(gone) if k % len(live) == j]
@@ -209,9 +249,9 @@ class FaultTolerantTrainer(Trainer):
 class HealingStore:
     """The loop's store for a replica group: loading joins the first quorum (after the disk
     checkpoint, on resume or restart) and returns a live peer's state when this group was
-    behind; ``disk`` (group 0 only) writes checkpoints."""
+    behind; ``disk`` writes the checkpoints when ``writes()`` (:meth:`Reporter.checkpoints`)."""
 
-    def __init__(self, disk: RankStore, *, writes: bool, resume: bool, ended: Any = None,
+    def __init__(self, disk: RankStore, *, writes: Any, resume: bool, ended: Any = None,
                  agree: Any = bool) -> None:
         # agree(flag): true on every process of the group when true on one (several processes)
         self.disk, self.writes, self.resume, self.ended, self.agree = disk, writes, resume, ended, agree
@@ -256,7 +296,7 @@ class HealingStore:
         return found
 
     def start_save(self, step: int, state: dict[str, Any]) -> None:
-        if self.writes:
+        if self.writes():
             self.disk.start_save(step, state)
 
     def save(self, step: int, state: dict[str, Any]) -> None:
@@ -271,8 +311,13 @@ class RunEnded(Exception):
     """A restarted group found the run finished by its peers: nothing left to train."""
 
 
+def _ended_file(run_dir: Path) -> Path:
+    """Made by each group that committed the run's last step, as it did (:meth:`Reporter.finished`)."""
+    return run_dir / ".replica-ended"
+
+
 def _ended(run_dir: Path) -> bool:
-    return any(run_dir.glob("replica-*.json"))
+    return _ended_file(run_dir).exists() or any(run_dir.glob("replica-*.json"))
 
 
 def _lost(run_dir: Path, replica: int) -> Path:
@@ -280,8 +325,8 @@ def _lost(run_dir: Path, replica: int) -> Path:
 
 
 def _reports(run_dir: Path, replica: int) -> bool:
-    """This group evaluates and writes the model and the summary: every group before it is
-    lost for good (group 0 unless it is)."""
+    """Every group before this one is lost for good (group 0 unless it is): the
+    :class:`Reporter` until the run's last step is committed."""
     return all(_lost(run_dir, g).exists() for g in range(replica))
 
 
@@ -294,6 +339,7 @@ def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: st
     started, s, fto = time.perf_counter(), validate(job), job.fault_tolerance
     assert fto is not None
     n, k, seed, t, run_dir = s.num_replicas, member.size, job.run.seed, job.train, run_dir_of(job)
+    maybe_hold_restart(run_dir, restart_count=restart_count)  # tests only (PARATRAIN_FAULT_HOLD_RESTART)
     ctx = _join(job, member, restart_count)
     seed_everything(seed)
     task, train, test = _load_task(job)
@@ -302,7 +348,8 @@ def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: st
                                                "healing replica group could take from a peer")])
     rows, device, shard = dataset_rows(train), ctx.device, replica * k + member.rank
     model = task.build_model(job.model, train).to(device)
-    store = _healing_store(job, ctx, replica=replica, resume=resume,
+    reporter = Reporter(run_dir, replica)
+    store = _healing_store(job, ctx, replica=replica, resume=resume, writes=reporter.checkpoints,
                            restarted=bool(restart_count) or start_line is None)
     group = store.group = ft.ReplicaGroup(
         replica=replica, lighthouse=lighthouse, min_replicas=fto.min_replicas, quorum_timeout_s=fto.quorum_timeout_s,
@@ -312,7 +359,7 @@ def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: st
                                           wait=not restart_count)
     engine: Any = None
     try:
-        engine, opt = _engine(job, ctx, model, task, test, group, evaluates=lambda: _reports(run_dir, replica))
+        engine, opt = _engine(job, ctx, model, task, test, group, evaluates=reporter)
         plan = DataPlan.build(
             dataset=train, order=lambda e: shard_indices(rows, world=n, rank=shard, seed=seed, epoch=e),
             examples_per_epoch=rows // n, batch_size=t.batch_size, accumulation=t.grad_accumulation,
@@ -320,7 +367,8 @@ def train_group(job: JobConfig, *, replica: int, lighthouse: str, start_line: st
             shard=(shard, n))
         result = run_loop(LoopRun(
             trainer=(trainer := FaultTolerantTrainer(engine, opt, t, plan.total_steps, n // k, replica, replay=(
-                _replayer(plan, task, store, rows=rows, groups=n, seed=seed) if fto.replay else None))),
+                _replayer(plan, task, store, rows=rows, groups=n, seed=seed) if fto.replay else None),
+                reporter=reporter)),
             plan=plan, task=task, store=store, label=f"DataParallel x{n} (fault-tolerant)",
             metrics=MetricsWriter(run_dir) if shard == 0 else None, resume=True, prepare=_prepare(job, shard, resume),
             rank=shard, restart_count=restart_count, started=started, group=ctx.group,
@@ -350,10 +398,11 @@ def _join(job: JobConfig, member: ft.Member, restart_count: int) -> WorkerContex
     return ctx
 
 
-def _healing_store(job: JobConfig, ctx: WorkerContext, *, replica: int, resume: bool,
+def _healing_store(job: JobConfig, ctx: WorkerContext, *, replica: int, resume: bool, writes: Any,
                    restarted: bool) -> HealingStore:
-    """Group 0 writes the checkpoints, each of its processes its own rows (ZeRO) under the
-    model's names, so every group reads them back and a resume reshards as plain DataParallel's."""
+    """The group that ``writes()`` a checkpoint (:meth:`Reporter.checkpoints`) writes it, each of
+    its processes its own rows (ZeRO) under the model's names, so every group reads them back and
+    a resume reshards as plain DataParallel's."""
     s, run_dir = job.strategy, run_dir_of(job)
     assert isinstance(s, DataParallel)
     disk = RankStore(run_dir, "dp", rank=ctx.rank, world=ctx.world_size, group=ctx.group,
@@ -363,7 +412,7 @@ def _healing_store(job: JobConfig, ctx: WorkerContext, *, replica: int, resume: 
     if ctx.world_size > 1:  # the processes of a group take the same way (each reads the run folder)
         def agree(flag: bool) -> bool:
             return C.all_min_ints([-int(flag)], group=ctx.group)[0] < 0
-    return HealingStore(disk, writes=replica == 0, resume=resume,
+    return HealingStore(disk, writes=writes, resume=resume,
                         ended=(lambda: _ended(run_dir)) if restarted else None, agree=agree)
 
 
@@ -387,7 +436,7 @@ def _finish(job: JobConfig, ctx: WorkerContext, replica: int, trainer: FaultTole
             store: HealingStore, *, model: Any, data: tuple[Any, Any, Any], started: float,
             restart_count: int) -> None:
     """The group's records: ``replica-<g>.json`` (its digest, restarts, heal), and the model
-    and summary from the reporting group (its process 0)."""
+    and summary from the :class:`Reporter` (its process 0)."""
     engine, run_dir, (task, train, test) = trainer.engine, run_dir_of(job), data
     zero: dict[str, Any] = {}
     if isinstance(engine, ZeroEngine):
@@ -400,7 +449,7 @@ def _finish(job: JobConfig, ctx: WorkerContext, replica: int, trainer: FaultTole
                "restart_count": restart_count}
     if ctx.rank != 0:
         return
-    if _reports(run_dir, replica):
+    if trainer.reporter():
         from ...training.export import save_model, whole_state
 
         save_model(run_dir, whole_state(model))
@@ -532,9 +581,10 @@ def run(job: JobConfig, *, resume: bool = False, overwrite: bool = False) -> dic
                 preload=[__name__], on_restart=_restarted(restarted_at), on_lost=lambda g: _lost(run_dir, g).touch(),
                 processes=k)
     restarts = [started.get(g, 0) for g in range(n)]
-    if not (run_dir / "summary.json").exists():  # group 0 died after the others had ended
-        raise RuntimeError(f"no replica group wrote the summary: group 0 failed after the others had "
-                           f"ended (restarts {restarts}); the last checkpoint is in {run_dir / 'checkpoints'}")
+    if not (run_dir / "summary.json").exists():  # the Reporter died after the last step
+        raise RuntimeError(f"no replica group wrote the summary: the one to write it (the lowest-numbered "
+                           f"group of the last step's quorum) failed after that step (restarts {restarts}); "
+                           f"the last checkpoint is in {run_dir / 'checkpoints'}")
     summary = json.loads((run_dir / "summary.json").read_text())
     ends = [run_dir / f"replica-{g}.json" for g in range(n)]
     summary["fault_tolerance"] = {
