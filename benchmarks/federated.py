@@ -46,8 +46,8 @@ processes mapping them, so a sum does not double-count) -- the headline figure;
 ``peak_proc_rss_mb`` = the largest RSS of any one process in the tree. Prints one JSON
 object with the ratios paratrain/peer (throughput ratio > 1 and memory ratio < 1 favour
 paratrain). ``--quick`` (``make bench``): 100 clients, 6 rounds (1 warm-up + 5 timed), 3 repeats;
-``--smoke``: 10 clients, 2 rounds, every arm that can run (seconds; Flower's Ray start adds
-some). ``--repeat N`` runs every arm N times, interleaved, and reports medians and the median
+``--smoke``: 10 clients, 2 rounds, every arm that can run, 1 Ray actor, memory sampled every
+1 s (seconds; Flower's Ray start adds some). ``--repeat N`` runs every arm N times, interleaved, and reports medians and the median
 of the paired ratios (a shared machine's load changes between arms); ``--checkpoint-every C``
 adds a paratrain arm at ``run.checkpoint_every = C``; ``--compare-src DIR`` adds a paratrain
 arm importing paratrain from another checkout's ``src`` (a paired before/after).
@@ -434,8 +434,8 @@ def main() -> None:
     size.add_argument("--quick", action="store_true",
                       help="100 clients, 6 rounds (5 timed), every arm 3 times: make bench")
     size.add_argument("--smoke", action="store_true",
-                      help="10 clients, 2 rounds (1 timed): every arm that can run, in seconds (Flower's "
-                           "simulation starts Ray: about 10 s more)")
+                      help="10 clients, 2 rounds (1 timed), 1 Ray actor, memory sampled every 1 s: every "
+                           "arm that can run, in seconds (Flower's simulation starts Ray: about 10 s more)")
     ap.add_argument("--clients", type=int, nargs="+", help="client counts (default 100 1000)")
     ap.add_argument("--rounds", type=int, help="rounds per run (default 6; the first is not timed)")
     ap.add_argument("--systems", default="paratrain,naive,flwr",
