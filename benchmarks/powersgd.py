@@ -2,7 +2,7 @@
 torch's fp16 / bf16 / PowerSGD DDP hooks, on the char GPT of
 ``examples/gpt_shakespeare_dp.toml`` (2 layers, 64 wide), shortened. Prints one JSON object.
 ``--quick``: 60 steps, 5 timing repeats; ``--smoke``: 4 steps, 1 repeat, 128 test blocks, one
-job (rank 1) (every code path).
+job (rank 1) on one test play (every code path).
 
 Three parts:
 
@@ -239,12 +239,14 @@ def train_variants(ctx: Any, variants: list[str], steps: int, start: int,
 
 
 def run_jobs(steps: int, start: int, folder: Path, ranks: tuple[int, ...] = RANKS,
-             dense: bool = True) -> dict[str, Any]:
+             dense: bool = True, test_every: int = 8) -> dict[str, Any]:
     """``paratrain run`` of the example, dense (unless ``dense`` is false) and PowerSGD at
-    ``ranks`` (final test loss, and its gap to dense's)."""
+    ``ranks`` (final test loss, and its gap to dense's); ``test_every``: the corpus's test
+    plays (``[data] test_every``, the example's 8 by default)."""
     src = EXAMPLE.read_text()
     src = src.replace("max_steps = 1500", f"max_steps = {steps}").replace(
-        "eval_every = 500", f"eval_every = {steps}")
+        "eval_every = 500", f"eval_every = {steps}").replace(
+        'name = "shakespeare"', f'name = "shakespeare"\ntest_every = {test_every}')
     out: dict[str, Any] = {}
     exe = Path(sys.executable).parent / "paratrain"
     runs = [("dense", "")] if dense else []
@@ -282,7 +284,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
-    ap.add_argument("--smoke", action="store_true", help="4 steps, 1 repeat, 128 test blocks, the rank-1 job only: "
+    ap.add_argument("--smoke", action="store_true", help="4 steps, 1 repeat, 128 test blocks, the rank-1 job only on one test play: "
                     "every code path")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--no-jobs", action="store_true", help="skip the paratrain run jobs")
@@ -334,7 +336,9 @@ def main() -> None:
     }
     if not a.no_jobs:
         with tempfile.TemporaryDirectory() as d:
-            out["jobs"] = run_jobs(steps, start, Path(d), RANKS[:1] if a.smoke else RANKS, dense=not a.smoke)
+            # --smoke: one test play of 38 (the evaluations are most of a 4-step job)
+            out["jobs"] = run_jobs(steps, start, Path(d), RANKS[:1] if a.smoke else RANKS, dense=not a.smoke,
+                                   test_every=38 if a.smoke else 8)
     out["provenance"] = provenance(out, modelled=("bytes_formula",), configured=("steps", "start_step", "world", "params"))
     print(json.dumps(out, indent=1))
 
