@@ -45,7 +45,7 @@ peak of the summed PSS (proportional set size: shared pages split between the
 processes mapping them, so a sum does not double-count) -- the headline figure;
 ``peak_proc_rss_mb`` = the largest RSS of any one process in the tree. Prints one JSON
 object with the ratios paratrain/peer (throughput ratio > 1 and memory ratio < 1 favour
-paratrain). ``--quick`` (``make bench``): 100 clients, 6 rounds (1 warm-up + 5 timed), 3 repeats;
+paratrain). ``--quick`` (``make bench``): 100 and 1,000 clients (Flower at 100 only), 6 rounds (1 warm-up + 5 timed), 3 repeats;
 ``--smoke``: 10 clients, 2 rounds, every arm that can run, 1 Ray actor, memory sampled every
 1 s (seconds; Flower's Ray start adds some). ``--repeat N`` runs every arm N times, interleaved, and reports medians and the median
 of the paired ratios (a shared machine's load changes between arms); ``--checkpoint-every C``
@@ -428,11 +428,15 @@ def _flwr_version() -> str | None:
     return str(flwr.__version__)
 
 
+FLWR_QUICK_MAX_CLIENTS = 100
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
-                      help="100 clients, 6 rounds (5 timed), every arm 3 times: make bench")
+                      help="100 and 1,000 clients (Flower's simulation at 100 only), 6 rounds (5 timed), "
+                           "every arm 3 times: make bench")
     size.add_argument("--smoke", action="store_true",
                       help="10 clients, 2 rounds (1 timed), 1 Ray actor, memory sampled every 1 s: every "
                            "arm that can run, in seconds (Flower's simulation starts Ray: about 10 s more)")
@@ -455,7 +459,7 @@ def main() -> None:
     flwr_actors = 1 if args.smoke else 2  # Ray's CPUs, one client actor each
     if args.quick and args.repeat == 1:  # paired medians: one pair read anywhere in 0.8-1.3
         args.repeat = 3
-    sizes = tuple(args.clients or ((10,) if args.smoke else (100,) if args.quick else (100, 1000)))
+    sizes = tuple(args.clients or ((10,) if args.smoke else (100, 1000)))
     systems = [x.strip() for x in args.systems.split(",") if x.strip()]
     flwr_version = _flwr_version() if "flwr" in systems else None
     if "flwr" in systems and flwr_version is None:  # a comparison that silently vanishes rots
@@ -501,10 +505,13 @@ def main() -> None:
     if flwr_version is not None:
         arms.append(("flwr", "flwr", {"actors": flwr_actors}))
     for k in sizes:
-        reps: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in arms}
+        # --quick: Flower's simulation at 100 clients only (its in-memory LinkState is O(K^2) a
+        # round: minutes a round at 1,000); paratrain and the naive loop at both sizes
+        arms_k = [a for a in arms if a[1] != "flwr" or not args.quick or k <= FLWR_QUICK_MAX_CLIENTS]
+        reps: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in arms_k}
         errors: dict[str, str] = {}
         for rep in range(args.repeat):
-            order = arms if rep % 2 == 0 else arms[::-1]  # alternate: no arm always runs first
+            order = arms_k if rep % 2 == 0 else arms_k[::-1]  # alternate: no arm always runs first
             for label, system, opts in order:
                 if label in errors:
                     continue
@@ -517,7 +524,7 @@ def main() -> None:
         row: dict[str, Any] = {label: _merge(r) for label, r in reps.items() if r}
         row.update({label: {"error": e} for label, e in errors.items()})
         if "naive" in row:
-            for label, _, _ in arms:
+            for label, _, _ in arms_k:
                 if label.startswith("paratrain") and label in row:
                     key = "vs_naive" if label == "paratrain" else f"{label}_vs_naive"
                     row[key] = _ratios(row[label], row["naive"])
