@@ -149,6 +149,20 @@ def test_replay_trains_the_lost_shards_again(tmp_path: Path, monkeypatch: pytest
         torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-6)
 
 
+def run_and_join(job: Any, group: int, timeout_s: float = 180) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``ft.run(job)`` in a thread; once its training logged, replica group ``group`` joins
+    (``ft.join_group``); returns both summaries when the run ended."""
+    import threading
+
+    result: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: result.update(ft.run(job)))
+    runner.start()
+    _training_began(Path(job.run.output_dir) / job.run.name)
+    joined = ft.join_group(job, group)
+    runner.join(timeout_s)
+    return result, joined
+
+
 def _training_began(run_dir: Path) -> None:
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 120
     while not (metrics.exists() and '"kind": "train"' in metrics.read_text()) and time.monotonic() < deadline:
@@ -159,8 +173,6 @@ def test_elastic_a_group_joins_and_one_leaves(tmp_path: Path, monkeypatch: pytes
     # 3 shards, 2 groups started; group 2 joins once training logged; group 1 leaves for good
     # after step 30; min_replicas = 2 holds group 0 at step 31 until group 2 is in. With
     # replay the groups alive train the absent shards: the 3-replica failure-free parameters
-    import threading
-
     doc = _job(tmp_path, "elastic", ft_table={"min_replicas": 2, "groups": 2, "replay": True},
                max_restarts=0, log_every=10).to_json_dict()
     doc["strategy"]["num_replicas"] = 3
@@ -170,12 +182,7 @@ def test_elastic_a_group_joins_and_one_leaves(tmp_path: Path, monkeypatch: pytes
     del plain_doc["fault_tolerance"]
     want = _params(dp.run(load_job(plain_doc))["run_dir"])
     monkeypatch.setenv(dp.FAULT_ENV, "1:30")
-    result: dict[str, Any] = {}
-    runner = threading.Thread(target=lambda: result.update(ft.run(job)))
-    runner.start()
-    _training_began(tmp_path / "elastic")
-    joined = ft.join_group(job, 2)
-    runner.join(180)
+    result, joined = run_and_join(job, 2)
     assert joined is not None and joined["steps"] == 48
     assert joined["resumed_from"]["checkpoint"] == "a live peer" and 10 <= joined["resumed_from"]["step"] <= 30
     assert result["steps"] == 48 and result["fault_tolerance"]["restarts"] == [0, 0, 0]

@@ -19,7 +19,6 @@ import concurrent.futures
 import json
 import math
 import shutil
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from test_fault_tolerance import _job, _params, _training_began
+from test_fault_tolerance import _job, _params, run_and_join
 from torch.nn import functional as F
 from torch.utils import _pytree as pytree
 from torch.utils.data import TensorDataset
@@ -153,18 +152,6 @@ def test_the_reference_is_not_vacuous(tmp_path: Path, monkeypatch: pytest.Monkey
         _assert_close_to(got, want)
 
 
-def _joined(job: JobConfig, replica: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """``ft.run(job)``'s summary, and the record of group ``replica``, which joins the running
-    job once it logged training (``ft.join_group``)."""
-    result: dict[str, Any] = {}
-    runner = threading.Thread(target=lambda: result.update(ft.run(job)))
-    runner.start()
-    _training_began(Path(job.run.output_dir) / job.run.name)
-    record = ft.join_group(job, replica)
-    runner.join(300)
-    return result, record
-
-
 def _state_tensors(folder: Path) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """Group 0's position and its model and optimizer tensors in checkpoint ``folder``."""
     state = read_rank_state(folder, 0)
@@ -182,7 +169,7 @@ def test_a_checkpoint_after_a_membership_change_resumes_bit_identically(
     monkeypatch.setenv(dp.FAULT_ENV, "1:12")
     job = _membership_job(tmp_path / "a", "elastic", replicas=3, steps=36, max_restarts=0, checkpoint_every=12,
                           log_every=4, ft_table={"min_replicas": 2, "groups": 2, "replay": True})
-    a, joined = _joined(job, 2)
+    a, joined = run_and_join(job, 2, timeout_s=300)
     monkeypatch.delenv(dp.FAULT_ENV)
     assert a["steps"] == 36 and a["fault_tolerance"]["parameters_sha256_by_replica"][1] is None
     # group 2 came in by step 12: healed from a live peer, or read group 0's checkpoint of

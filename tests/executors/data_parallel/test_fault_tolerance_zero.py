@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import torch
 from test_fault_tolerance import (
-    _training_began,
     assert_quorum_timeout,
+    run_and_join,
     run_killing_one_from_outside,
 )
 
@@ -132,17 +132,9 @@ def test_process_sigkilled_mid_step_from_outside(tmp_path: Path) -> None:
 def test_a_group_of_processes_joins_the_running_job(tmp_path: Path) -> None:
     # groups = 1: paratrain run starts group 0 alone; group 1 (both its processes) joins once
     # training logged, each process healing its rows from the same process of group 0
-    import threading
-
     doc = _job(tmp_path, "elastic", shard="gradients", ft_table={"groups": 1}, log_every=10).to_json_dict()
     doc["train"].update(max_steps=200, epochs=100)
-    job = load_job(doc)
-    result: dict[str, Any] = {}
-    runner = threading.Thread(target=lambda: result.update(ft.run(job)))
-    runner.start()
-    _training_began(tmp_path / "elastic")
-    joined = ft.join_group(job, 1)
-    runner.join(180)
+    result, joined = run_and_join(load_job(doc), 1)
     assert joined is not None and joined["steps"] == 200
     assert joined["resumed_from"]["checkpoint"] == "a live peer" and 10 <= joined["resumed_from"]["step"] < 200
     assert result["steps"] == 200 and joined["parameters_sha256"] == result["parameters_sha256"]
