@@ -10,7 +10,6 @@ off glibc, or in a process paratrain does not own.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import sys
 
@@ -31,7 +30,9 @@ def keep_freed_memory() -> bool:
     if not sys.platform.startswith("linux") or _tuned_by_environment():
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # The process's own symbols (libc's among them): ctypes.util.find_library("c") would
+        # fork ``ldconfig -p`` in every process that trains
+        libc = ctypes.CDLL(None)
         if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
             return False  # musl and others: another allocator, other settings
         ok = libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
