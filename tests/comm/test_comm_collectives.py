@@ -60,8 +60,19 @@ def test_make_buckets_partition(specs: list[tuple[int, torch.dtype]], cap: int) 
     assert [i for b in buckets for i in b] == list(range(len(ts)))  # each once, in order
     for b in buckets:
         assert len({ts[i].dtype for i in b}) == 1
-        size = sum(ts[i].numel() * ts[i].element_size() for i in b)
-        assert size <= cap or len(b) == 1
+        # closed once full: without its last tensor a bucket held less than the cap
+        assert sum(ts[i].numel() * ts[i].element_size() for i in b[:-1]) < cap
+
+
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=30), st.integers(1, 800),
+       st.one_of(st.none(), st.integers(1, 400)))
+def test_make_buckets_equals_ddps_assignment(numels: list[int], cap: int, first: int | None) -> None:
+    """The buckets torch DDP's reducer builds from the same tensors and limits (its
+    ``compute_bucket_assignment_by_size``: the first limit for the first bucket, the cap after)."""
+    ts = [torch.zeros(n) for n in numels]
+    limits = [cap] if first is None else [first, cap]
+    ddp, _ = torch.distributed._compute_bucket_assignment_by_size(ts, limits, [False] * len(ts))
+    assert make_buckets(ts, cap, first_bucket_bytes=first) == [list(b) for b in ddp]
 
 
 @given(st.integers(1, 24), st.sampled_from(TOPOLOGIES))
