@@ -20,7 +20,8 @@ through ``comm/dcp.py``) against torch.distributed.checkpoint's own ``dcp.save``
   files loaded and joined, the half kept.
 
 Prints one JSON object (every figure measured here). ``--quick`` for a smaller model,
-``--smoke`` for the tiniest one (every code path, a few seconds).
+``--smoke`` for the tiniest one (every code path, a few seconds; its reshard readers share one
+fresh process, one after another).
 """
 
 from __future__ import annotations
@@ -122,29 +123,44 @@ def _read_torch_save(root: Path, h: int) -> int:
     return len(half)
 
 
-def _child(kind: str, root: Path, h: int) -> None:
+def _child(kinds: str, root: Path, h: int) -> None:
+    """Read the checkpoint as each of ``kinds`` (comma-separated; one unless ``--smoke``), in
+    turn, printing one JSON line each: the peak resident memory of the read over the
+    resident memory before it (between reads the peak is reset to the current value)."""
     torch.set_num_threads(1)
     import torch.distributed.checkpoint as _tdcp  # noqa: F401 - imports are not the read's memory
 
     import paratrain.comm.dcp  # noqa: F401
 
-    start = _rss_kb("VmRSS")
-    n = {"paratrain": _read_paratrain, "torch_dcp": _read_torch_dcp, "torch_save": _read_torch_save}[kind](root, h)
-    assert n > 0
-    print(json.dumps({"peak_over_start_mb": round((_rss_kb("VmHWM") - start) / 1024, 2)}))
+    for i, kind in enumerate(kinds.split(",")):
+        if i:  # Linux: "5" resets VmHWM to VmRSS
+            Path("/proc/self/clear_refs").write_text("5")
+        start = _rss_kb("VmRSS")
+        n = {"paratrain": _read_paratrain, "torch_dcp": _read_torch_dcp, "torch_save": _read_torch_save}[kind](root, h)
+        assert n > 0
+        print(json.dumps({"kind": kind, "peak_over_start_mb": round((_rss_kb("VmHWM") - start) / 1024, 2)}),
+              flush=True)
 
 
-def _peaks(root: Path, h: int, readers: int) -> dict[str, list[float]]:
-    """Every reader a fresh process; run side by side (memory, not time, is measured)."""
-    procs = [(kind, subprocess.Popen([sys.executable, __file__, "--child", kind, str(root), str(h)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-             for _ in range(readers) for kind in KINDS]
+def _peaks(root: Path, h: int, readers: int, one_process: bool = False) -> dict[str, list[float]]:
+    """Every reader a fresh process; run side by side (memory, not time, is measured).
+    ``one_process`` (``--smoke``): one fresh process reads as every kind in turn (the
+    readers' code paths, one interpreter's start-up instead of three; a later reader's
+    figure then counts memory its predecessors freed to the allocator but not the OS)."""
+    groups = [",".join(KINDS)] if one_process else list(KINDS)
+    procs = [subprocess.Popen([sys.executable, __file__, "--child", kinds, str(root), str(h)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(readers) for kinds in groups]
     out: dict[str, list[float]] = {k: [] for k in KINDS}
-    for kind, p in procs:
+    for p in procs:
         stdout, stderr = p.communicate(timeout=600)
         if p.returncode != 0:
-            raise RuntimeError(f"reader {kind} failed ({p.returncode}): {stderr[-2000:]}")
-        out[kind].append(float(json.loads(stdout.strip().splitlines()[-1])["peak_over_start_mb"]))
+            raise RuntimeError(f"reader {p.args[3]} failed ({p.returncode}): {stderr[-2000:]}")
+        for line in stdout.strip().splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                out[row["kind"]].append(float(row["peak_over_start_mb"]))
+    assert all(out.values()), out
     return out
 
 
@@ -224,8 +240,9 @@ def _same_layout(h: int, layers: int, repeats: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="hidden 1024, 3 repeats")
-    ap.add_argument("--smoke", action="store_true", help="hidden 64, 1 repeat: every code path")
-    ap.add_argument("--child", nargs=3, metavar=("KIND", "ROOT", "H"))
+    ap.add_argument("--smoke", action="store_true", help="hidden 64, 1 repeat, the 3 readers in one process: "
+                    "every code path")
+    ap.add_argument("--child", nargs=3, metavar=("KINDS", "ROOT", "H"))
     args = ap.parse_args()
     if args.child:
         _child(args.child[0], Path(args.child[1]), int(args.child[2]))
@@ -237,7 +254,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         _write(root, h, layers)
-        peaks = _peaks(root, h, readers)
+        peaks = _peaks(root, h, readers, one_process=args.smoke)
     best = {k: min(v) for k, v in peaks.items()}
     reshard: dict[str, Any] = {"whole_state_mb": round(whole_mb, 2),
                                **{f"{k}_peak_over_start_mb": v for k, v in best.items()}}
