@@ -2,7 +2,7 @@
 torch's fp16 / bf16 / PowerSGD DDP hooks, on the char GPT of
 ``examples/gpt_shakespeare_dp.toml`` (2 layers, 64 wide), shortened. Prints one JSON object.
 ``--quick``: 60 steps, 5 timing repeats; ``--smoke``: 4 steps, 1 repeat, 128 test blocks, one
-job (rank 1) on one test play (every code path).
+job (rank 1) on one test play, run in this process (every code path).
 
 Three parts:
 
@@ -239,10 +239,12 @@ def train_variants(ctx: Any, variants: list[str], steps: int, start: int,
 
 
 def run_jobs(steps: int, start: int, folder: Path, ranks: tuple[int, ...] = RANKS,
-             dense: bool = True, test_every: int = 8) -> dict[str, Any]:
+             dense: bool = True, test_every: int = 8, in_process: bool = False) -> dict[str, Any]:
     """``paratrain run`` of the example, dense (unless ``dense`` is false) and PowerSGD at
     ``ranks`` (final test loss, and its gap to dense's); ``test_every``: the corpus's test
-    plays (``[data] test_every``, the example's 8 by default)."""
+    plays (``[data] test_every``, the example's 8 by default); ``in_process`` (``--smoke``):
+    the command run in this process (``paratrain.cli.main``), whose warm forkserver forks the
+    workers, not as a new process importing torch and starting its own."""
     src = EXAMPLE.read_text()
     src = src.replace("max_steps = 1500", f"max_steps = {steps}").replace(
         "eval_every = 500", f"eval_every = {steps}").replace(
@@ -257,9 +259,16 @@ def run_jobs(steps: int, start: int, folder: Path, ranks: tuple[int, ...] = RANK
         path = folder / f"{name}.toml"
         path.write_text(text + extra)
         t0 = time.perf_counter()
-        proc = subprocess.run([str(exe), "run", str(path), "-q"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(f"paratrain run {path.name} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        if in_process:
+            from paratrain.cli import main as cli
+
+            code = cli(["run", str(path), "-q"])
+            if code != 0:
+                raise RuntimeError(f"paratrain run {path.name} returned {code}")
+        else:
+            proc = subprocess.run([str(exe), "run", str(path), "-q"], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"paratrain run {path.name} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
         summary = json.loads((folder / f"psgd_{name}" / "summary.json").read_text())
         out[name] = {"test_loss": _test_loss(summary), "wall_s": time.perf_counter() - t0}
     for r in ranks if dense else ():
@@ -338,7 +347,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             # --smoke: one test play of 38 (the evaluations are most of a 4-step job)
             out["jobs"] = run_jobs(steps, start, Path(d), RANKS[:1] if a.smoke else RANKS, dense=not a.smoke,
-                                   test_every=38 if a.smoke else 8)
+                                   test_every=38 if a.smoke else 8, in_process=a.smoke)
     out["provenance"] = provenance(out, modelled=("bytes_formula",), configured=("steps", "start_step", "world", "params"))
     print(json.dumps(out, indent=1))
 
