@@ -17,7 +17,8 @@ added. ``steps_per_s`` = steps / whole-process wall time; ``heal_s`` = from the 
 restart of replica 1 to its having a live peer's state; ``steps_short_of_groups``: steps
 replica 0 took alone (replica 1's shard of those steps is not trained). Medians over
 ``--repeats`` (default 3; ``--quick`` 1 of 400 steps; ``--smoke`` 1 of 16 steps), after one
-uncounted run (none at ``--smoke``).
+uncounted run (none at ``--smoke``, whose runs are ``paratrain.cli.main`` calls in the
+benchmark's own process: its one forkserver forks every run's workers).
 """
 
 from __future__ import annotations
@@ -44,8 +45,12 @@ join_timeout_s = 0.5
 """
 
 
-def run_arm(tmp: Path, name: str, steps: int, *, tolerant: bool, kill: int | None) -> dict[str, Any]:
-    """One ``paratrain run`` of the job: its wall time and summary (and replica 1's record)."""
+def run_arm(tmp: Path, name: str, steps: int, *, tolerant: bool, kill: int | None,
+            in_process: bool = False) -> dict[str, Any]:
+    """One ``paratrain run`` of the job: its wall time and summary (and replica 1's record);
+    ``in_process`` (``--smoke``): the command run in this process (``paratrain.cli.main``,
+    the environment set and put back around it), every arm's workers forked from this
+    process's one forkserver, not a new process importing torch and starting its own."""
     out = tmp / name
     text = JOB.format(out=out, steps=steps).replace('name = "lifecycle_dp"', f'name = "{name}"')
     text = text.replace("seed = 0", f"seed = 0\nmax_restarts = 1\ncheckpoint_every = {max(1, steps // 4)}")
@@ -56,11 +61,26 @@ def run_arm(tmp: Path, name: str, steps: int, *, tolerant: bool, kill: int | Non
     if kill is not None:
         env["PARATRAIN_FAULT_KILL"] = f"1:{kill}"
     t0 = time.perf_counter()
-    proc = subprocess.run([_bin("paratrain"), "run", str(job), "--overwrite", "-q"], capture_output=True,
-                          text=True, env=env)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    if in_process:
+        from paratrain.cli import main as cli
+
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(env)
+        try:
+            code = cli(["run", str(job), "--overwrite", "-q"])
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        wall = time.perf_counter() - t0
+        if code != 0:
+            raise SystemExit(f"{name} returned {code}")
+    else:
+        proc = subprocess.run([_bin("paratrain"), "run", str(job), "--overwrite", "-q"], capture_output=True,
+                              text=True, env=env)
+        wall = time.perf_counter() - t0
+        if proc.returncode != 0:
+            raise SystemExit(f"{name} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     run_dir = out / name
     summary = json.loads((run_dir / "summary.json").read_text())
     replica = run_dir / "replica-1.json"
@@ -77,6 +97,7 @@ def heal_s(arm: dict[str, Any]) -> float | None:
 
 
 def measure(tmp: Path, steps: int, repeats: int, *, warm: bool) -> dict[str, Any]:
+    """Every arm (``warm=False``, ``--smoke``: no uncounted run, every arm in this process)."""
     kill = 3 * steps // 8
     if warm:  # uncounted: the page cache and the first forkserver
         run_arm(tmp, "warm", steps, tolerant=True, kill=None)
@@ -89,7 +110,8 @@ def measure(tmp: Path, steps: int, repeats: int, *, warm: bool) -> dict[str, Any
         for arm, tolerant in order if rep % 2 == 0 else order[::-1]:
             for failing in (False, True):
                 key = f"{arm}{'_failure' if failing else '_clean'}"
-                r = run_arm(tmp, key, steps, tolerant=tolerant, kill=kill if failing else None)
+                r = run_arm(tmp, key, steps, tolerant=tolerant, kill=kill if failing else None,
+                            in_process=not warm)
                 assert r["summary"]["steps"] == steps
                 walls.setdefault(key, []).append(r["wall"])
                 digests[key] = r["summary"]["parameters_sha256"]
