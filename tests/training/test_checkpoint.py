@@ -4,10 +4,8 @@ it, touches nothing else, and the resumed run ends bit-identical to an uninterru
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +16,6 @@ from paratrain.files import step_folders
 from paratrain.training.faults import KILL_IN_SAVE_ENV
 
 pytestmark = pytest.mark.timeout(300)
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _doc(tmp: Path, name: str) -> dict[str, Any]:
@@ -33,13 +29,22 @@ def _doc(tmp: Path, name: str) -> dict[str, Any]:
     }
 
 
+def _fit_in_child(parent: Any, doc: dict[str, Any]) -> None:
+    parent.apply()  # this test's environment (with the fault), working directory and sys.path
+    paratrain.fit(doc)
+
+
 def killed_run(tmp: Path, name: str, in_save: str) -> Path:
-    """A real Local run (``_doc``) SIGKILLed while saving checkpoint file ``in_save``; its folder."""
-    job = tmp / f"{name}.json"
-    job.write_text(json.dumps(_doc(tmp, name)))
-    proc = subprocess.run([sys.executable, "-m", "paratrain.cli", "run", "-q", str(job)], cwd=ROOT,
-                          env={**os.environ, KILL_IN_SAVE_ENV: in_save}, timeout=240)
-    assert proc.returncode == -9  # a real SIGKILL, in the middle of writing that file
+    """A real Local run (``_doc``) SIGKILLed while saving checkpoint file ``in_save``; its folder.
+    The run is a child of the session's warm forkserver (what ``paratrain run`` does in its own
+    process, without a fresh interpreter importing torch: ~3 CPU-s)."""
+    from paratrain.comm.forkserver import ParentState, context
+
+    parent = ParentState(environ={**os.environ, KILL_IN_SAVE_ENV: in_save}, stdio=(None, None))
+    proc = context().Process(target=_fit_in_child, args=(parent, _doc(tmp, name)))
+    proc.start()
+    proc.join(240)
+    assert proc.exitcode == -signal.SIGKILL  # a real SIGKILL, in the middle of writing that file
     return tmp / name
 
 
