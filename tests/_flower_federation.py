@@ -164,20 +164,29 @@ class LocalFederation:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
 
-    def serverapp_pids(self) -> list[int]:
-        """The running ``flwr-serverapp`` processes the SuperLink spawned."""
-        sl = self.procs.get("superlink")
-        if sl is None:
+    def _app_pids(self, name: str, exe: bytes) -> list[int]:
+        """The running ``exe`` processes that process ``name`` spawned (through its SuperExec)."""
+        proc = self.procs.get(name)
+        if proc is None:
             return []
         out = []
-        for pid in _descendants(sl.pid):
+        for pid in _descendants(proc.pid):
             try:
                 cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if any(part.endswith(b"flwr-serverapp") for part in cmd[:2]):
+            if any(part.endswith(exe) for part in cmd[:2]):
                 out.append(pid)
         return out
+
+    def serverapp_pids(self) -> list[int]:
+        """The running ``flwr-serverapp`` processes the SuperLink spawned."""
+        return self._app_pids("superlink", b"flwr-serverapp")
+
+    def clientapp_pids(self, name: str) -> list[int]:
+        """The running ``flwr-clientapp`` processes SuperNode ``name`` (``"node<i>"``) spawned: one
+        per message it took (its SuperExec, a child too, is not one)."""
+        return self._app_pids(name, b"flwr-clientapp")
 
     def close(self) -> None:
         for name in list(self.procs):
