@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -81,16 +79,25 @@ def test_random_augmentation_is_drawn_per_batch_whatever_the_workers(tmp_path: P
     assert inproc["parameters_sha256"] != two["parameters_sha256"]
 
 
+def _fit_in_child(parent: Any, doc: dict[str, Any]) -> None:
+    parent.apply()  # the test's environment (with the fault), working directory and sys.path
+    paratrain.fit(doc)
+
+
 def test_kill_mid_epoch_with_workers_resumes_bit_identical(tmp_path: Path) -> None:
     doc = _augmented(tmp_path, "full", 2, epochs=3)
     doc["run"]["checkpoint_every"] = 5
     full = paratrain.fit(doc)  # 16 batches an epoch: step 23 is mid-epoch 2
     doc["run"]["name"] = "killed"
-    path = tmp_path / "killed.json"
-    path.write_text(json.dumps(doc))
-    env = {**os.environ, FAULT_ENV: "0:23", "PYTHONPATH": f"{TESTS}{os.pathsep}{ROOT / 'src'}"}
-    cmd = [sys.executable, "-m", "paratrain.cli", "run", "-q", str(path)]
-    assert subprocess.run(cmd, cwd=ROOT, env=env).returncode != 0  # SIGKILLed after step 23
+    # the run in a child of the session's warm forkserver (no fresh interpreter importing torch),
+    # with this process's environment plus the fault: SIGKILLed after step 23
+    from paratrain.comm.forkserver import ParentState, context
+
+    parent = ParentState(environ={**os.environ, FAULT_ENV: "0:23"}, stdio=(None, None))
+    proc = context().Process(target=_fit_in_child, args=(parent, doc))
+    proc.start()
+    proc.join(240)
+    assert proc.exitcode == -signal.SIGKILL
     saved = read_rank_state(latest_folder(tmp_path / "killed" / "checkpoints"))
     assert (saved["step"], saved["batch"]) == (20, 4)
     paratrain.fit(doc, resume=True)  # `paratrain run --resume`, in this process
