@@ -67,7 +67,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+if __name__ != "__main__":  # a measured child (it imports benchmarks.federated): the parent only
+    import torch  # starts the children and samples their memory, and imports no torch itself
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -419,13 +420,22 @@ def _merge(reps: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _flwr_version() -> str | None:
-    try:  # Flower's simulation needs the bench extra (flwr[simulation]: Ray)
-        import flwr
-        import ray  # noqa: F401
-    except ImportError:
+def _version(dist: str) -> str | None:
+    """``dist``'s installed version, or None: looked up, not imported (importing is the
+    measured children's work; flwr and Ray cost this process a second of CPU)."""
+    from importlib import metadata, util
+
+    if util.find_spec(dist) is None:
         return None
-    return str(flwr.__version__)
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _flwr_version() -> str | None:
+    """Flower's version when its simulation can run (the bench extra, flwr[simulation]: Ray)."""
+    return _version("flwr") if _version("ray") is not None else None
 
 
 FLWR_QUICK_MAX_CLIENTS = 100
@@ -484,14 +494,12 @@ def main() -> None:
                            "evaluating the averaged model on the test split each round",
                   "flwr": f"Flower run_simulation (Ray backend, {flwr_actors} CPUs, 1 CPU per client actor), "
                           "evaluate_fn on the test split each round"},
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "flwr": flwr_version},
+        "versions": {"python": sys.version.split()[0], "torch": _version("torch"), "flwr": flwr_version},
         "loadavg_at_start_measured": [round(v, 2) for v in os.getloadavg()],
         "results": {},
     }
     if flwr_version is not None:
-        import ray
-
-        out["versions"]["ray"] = ray.__version__
+        out["versions"]["ray"] = _version("ray")
     # arms: (label, system, options)
     arms: list[tuple[str, str, dict[str, Any]]] = []
     if "paratrain" in systems:
