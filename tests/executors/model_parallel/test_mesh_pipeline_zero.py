@@ -50,16 +50,26 @@ def staged(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"tmp": Path(tmp), "jobs": ranks[0]}
 
 
-def _equal_to_local(tmp: Path, name: str, optimizer: str) -> None:
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The unpartitioned Local run's folder for an optimizer, run once (``job_3d(mesh=False)``
+    depends on nothing else: schedule, shard and tp describe the mesh)."""
     from paratrain.executors.local import run as run_local
 
-    run_local(job_3d(str(tmp), f"local-{name}", mesh=False, optimizer=optimizer))
-    assert_matches(tmp / f"local-{name}", tmp / name)
+    tmp, done = tmp_path_factory.mktemp("local"), {}
+
+    def get(optimizer: str) -> Path:
+        if optimizer not in done:
+            run_local(job_3d(str(tmp), f"local-{optimizer}", mesh=False, optimizer=optimizer))
+            done[optimizer] = tmp / f"local-{optimizer}"
+        return done[optimizer]
+    return get
 
 
 @pytest.mark.parametrize("name", list(RUNS))
-def test_losses_and_parameters_equal_the_unpartitioned_model(staged: dict[str, Any], name: str) -> None:
-    _equal_to_local(staged["tmp"], name, RUNS[name]["optimizer"])
+def test_losses_and_parameters_equal_the_unpartitioned_model(
+        staged: dict[str, Any], local: Any, name: str) -> None:
+    assert_matches(local(RUNS[name]["optimizer"]), staged["tmp"] / name)
     assert staged["jobs"][name]["stages"][1]["replicas"] == ["worker-1", "worker-2"]
 
 
@@ -96,10 +106,10 @@ def test_resume_is_bit_identical_and_reshards(staged: dict[str, Any]) -> None:
         assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before), world
 
 
-def test_with_tensor_parallel_stages_equals_the_unpartitioned_model(tmp_path: Path) -> None:
+def test_with_tensor_parallel_stages_equals_the_unpartitioned_model(tmp_path: Path, local: Any) -> None:
     run_distributed(runs_3d, 6, str(tmp_path), [
         ("z3-tp", {"optimizer": "adamw", "schedule": "1F1B", "shard": "parameters"}, False)], timeout_s=300)
-    _equal_to_local(tmp_path, "z3-tp", "adamw")
+    assert_matches(local("adamw"), tmp_path / "z3-tp")
 
 
 @pytest.mark.parametrize(("extra", "field"), [({"shard": "gradients", "shard_unit": ["0"]},
