@@ -41,10 +41,22 @@ def _job(tmp: Path, name: str, factory: str, **extra: Any) -> dict[str, Any]:
             **extra}
 
 
+_LOCAL: dict[str, dict[str, Any]] = {}
+
+
+def local_run(tmp_path_factory: pytest.TempPathFactory, factory: str) -> dict[str, Any]:
+    """The unpartitioned Local run of ``_job(..., factory)``'s summary, run once per process:
+    this file and test_mesh_pipeline_zero_hf.py compare against the same run."""
+    if factory not in _LOCAL:
+        _LOCAL[factory] = paratrain.fit(_job(tmp_path_factory.mktemp("local"), "local", factory))
+    return _LOCAL[factory]
+
+
 @pytest.mark.parametrize("model", list(MODELS))
-def test_hf_pipeline_x_tp_equals_the_local_run(tmp_path: Path, model: str) -> None:
+def test_hf_pipeline_x_tp_equals_the_local_run(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, model: str) -> None:
     factory, stage2 = MODELS[model]
-    local = paratrain.fit(_job(tmp_path, "local", factory))
+    local = local_run(tmp_path_factory, factory)
     strategy = {"type": "ModelParallel",
                 "communication": {"protocol": "Pipeline", "micro_batch_size": 2, "schedule": "1F1B"},
                 "partitions": [{"node_ids": stage2, "target": {"WorkerId": "worker-1"}}]}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_mesh_pipeline_tp_hf import _job
+from test_mesh_pipeline_tp_hf import _job, local_run
 
 import paratrain
 
@@ -25,9 +25,10 @@ WORKERS = [{"id": "worker-0"}, {"id": "worker-1"}, {"id": "worker-2"}]
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])
-def test_hf_pipeline_with_a_zero3_stage_equals_the_local_run(tmp_path: Path, model: str) -> None:
+def test_hf_pipeline_with_a_zero3_stage_equals_the_local_run(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, model: str) -> None:
     factory = f"hf_factories:{model}"
-    local = paratrain.fit(_job(tmp_path, "local", factory))
+    local = local_run(tmp_path_factory, factory)  # shared with test_mesh_pipeline_tp_hf.py
     strategy = {"type": "ModelParallel",
                 "communication": {"protocol": "Pipeline", "micro_batch_size": 2, "schedule": "1F1B"},
                 "partitions": [{"node_ids": ["lm_head"], "target": {"WorkerId": "worker-1"}}]}
