@@ -143,22 +143,18 @@ class GradReducer:
         first = None if first_bucket_bytes is None else min(first_bucket_bytes, bucket_bytes)
         self.buckets = [[order[i] for i in idx]
                         for idx in make_buckets(order, bucket_bytes, first_bucket_bytes=first)]
-        self._where: dict[int, int] = {}  # id(p) -> its bucket
         self._flat: list[torch.Tensor] = []
         self._flags: list[torch.Tensor] = []  # each bucket's tail: its members' used flags
-        # p's slot of its bucket, shaped as p: made once, not sliced from the bucket at every
-        # hook and write-back (a step's Python cost is what separates this loop from DDP's C++)
-        self._slot: dict[int, torch.Tensor] = {}
+        # id(p) -> (its bucket, its slot there shaped as p): made once, not sliced from the bucket
+        # at every hook and write-back (a step's Python is what separates this loop from DDP's C++)
+        self._slot: dict[int, tuple[int, torch.Tensor]] = {}
         for b, members in enumerate(self.buckets):
-            offset = 0
-            for p in members:
-                self._where[id(p)] = b
-                offset += p.numel()
-            flat = torch.zeros(offset + len(members), dtype=members[0].dtype, device=members[0].device)
+            sizes = [p.numel() for p in members]
+            flat = torch.zeros(sum(sizes) + len(members), dtype=members[0].dtype, device=members[0].device)
             self._flat.append(flat)
-            self._flags.append(flat[offset:])
-            for p, slot in zip(members, torch.split(flat[:offset], [q.numel() for q in members]), strict=True):
-                self._slot[id(p)] = slot.view_as(p)
+            self._flags.append(flat[sum(sizes):])
+            for p, slot in zip(members, torch.split(flat[:sum(sizes)], sizes), strict=True):
+                self._slot[id(p)] = (b, slot.view_as(p))
         self._ready = [0] * len(self.buckets)
         self._seen: set[int] = set()
         self._work: list[Any] = [None] * len(self.buckets)
@@ -180,8 +176,7 @@ class GradReducer:
         if id(p) in self._seen:
             return
         self._seen.add(id(p))
-        b = self._where[id(p)]
-        slot = self._slot[id(p)]
+        b, slot = self._slot[id(p)]
         # Divided by the world size while copied into the bucket, as DDP's reducer (one pass
         # over the gradient, not a copy and then a division of the reduced bucket); the sum
         # of the slots is then the mean, bit for bit DDP's.
@@ -217,14 +212,14 @@ class GradReducer:
                 for i, p in enumerate(members):
                     seen = id(p) in self._seen
                     if not seen:
-                        self._slot[id(p)].zero_()
+                        self._slot[id(p)][1].zero_()
                     self._flags[b][i] = 1 if seen else 0
                 self._launch(b)
         for b, members in enumerate(self.buckets):
             self._work[b].wait()
             used = (self._flags[b] > 0).tolist()  # the slots are already the mean (_hook)
             for i, p in enumerate(members):
-                view = self._slot[id(p)]
+                view = self._slot[id(p)][1]
                 if not used[i]:
                     p.grad = None  # the optimizer skips it
                 elif self.grad_views:  # p.grad becomes a view of the bucket: no copy back
