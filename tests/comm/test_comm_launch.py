@@ -158,3 +158,31 @@ def test_resume_point_is_what_the_executors_resume_from(tmp_path: Path) -> None:
         (folder / "layout.json").write_text(json.dumps({"kind": kind, "step": 9, "world": 2}))
         got = newest_checkpoint(run)
         assert got is not None and got.where == f"{unit} 9" and got.path == folder
+
+
+def test_rendezvous_event_names_are_torchs_without_inspect_stack() -> None:
+    # torch's own get_method_name, from a fresh copy of its module (launch replaces the
+    # attribute in the loaded one): ours gives the same name at every depth, and past the
+    # outermost frame.
+    import importlib.util
+
+    from paratrain.comm.rendezvous import cheap_event_names, get_method_name
+
+    name = "torch.distributed.elastic.rendezvous.dynamic_rendezvous"
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.loader is not None
+    torch_s = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(torch_s)
+
+    def _record(fn: object, depth: int | None) -> str:
+        return fn() if depth is None else fn(depth)  # type: ignore[operator]
+
+    def next_rendezvous(fn: object, depth: int | None = None) -> str:
+        return _record(fn, depth)
+
+    for depth in (None, 0, 1, 3):
+        assert next_rendezvous(get_method_name, depth) == next_rendezvous(torch_s.get_method_name, depth)
+    assert next_rendezvous(get_method_name) == "next_rendezvous"
+    assert get_method_name(100_000) == torch_s.get_method_name(100_000) == "no_method_name"
+    cheap_event_names()
+    assert importlib.import_module(name).get_method_name is get_method_name

@@ -31,7 +31,7 @@ from ..config.job import JobConfig
 from ..files import newest_checkpoint
 from .forkserver import ParentState
 from .forkserver import context as forkserver_context
-from .rendezvous import in_torchrun, launch_config
+from .rendezvous import cheap_event_names, in_torchrun, launch_config
 
 # Signals the elastic agent itself sends to stop surviving workers: a worker that died
 # of one of these is fallout, not a cause.
@@ -364,6 +364,7 @@ def launch(job: JobConfig, *, nprocs: int, entry: Callable[..., Any], target: st
     from torch.distributed.launcher.api import elastic_launch
 
     config = launch_config(job, nprocs=nprocs)
+    cheap_event_names()
     if config.rdzv_backend == "c10d" and config.min_nodes > 1:
         # torch's c10d rendezvous shares one store across rounds by default, and node 0's
         # agent never tells a machine that joins a later round (one started again after

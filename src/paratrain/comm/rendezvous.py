@@ -2,7 +2,8 @@
 c10d rendezvous on ``127.0.0.1`` port 0; across nodes, ``--nnodes/--node-rank/--rdzv-endpoint``
 as ``torchrun``), :func:`gloo_interface` and :func:`rendezvous_host` where this host's name
 resolves to loopback (peers would be told to connect to their own: "Gloo connectFullMesh
-failed"), and :func:`group_prefix`, a fresh store key prefix per process group.
+failed"), :func:`group_prefix`, a fresh store key prefix per process group, and
+:func:`cheap_event_names` (torch's rendezvous without its ``inspect.stack()`` per event).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import sys
 import time
 import uuid
 from datetime import timedelta
@@ -19,6 +21,7 @@ from ..config import ConfigError
 from ..config.job import JobConfig
 
 _ROOT = "paratrain/group"
+_NO_NAME = "no_method_name"
 _POLL_S = 0.02
 
 
@@ -202,3 +205,27 @@ def launch_config(job: JobConfig, *, nprocs: int) -> Any:
                         run_id=run_id, rdzv_backend=backend, rdzv_endpoint=endpoint,
                         rdzv_configs=rdzv_configs, max_restarts=job.run.max_restarts,
                         monitor_interval=0.1, start_method="forkserver", local_addr=local_addr)
+
+
+def get_method_name(depth: int = 2) -> str:
+    """The name of the function ``depth`` frames above this one, ``"no_method_name"`` above the
+    outermost: what torch's ``dynamic_rendezvous.get_method_name`` returns, from
+    ``sys._getframe`` instead of ``inspect.stack()`` (tests/comm/test_comm_launch.py compares them)."""
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:
+        return _NO_NAME
+
+
+def cheap_event_names() -> None:
+    """Name torch's rendezvous events with :func:`get_method_name`. torch 2.13's dynamic rendezvous
+    names each event it records (several per rendezvous, each keep-alive and retry) with
+    ``inspect.stack()[2].function``, called twice: ``inspect.stack()`` reads the source of every
+    frame on the stack and maps each file to its module through ``sys.modules``. Under a test
+    runner or a notebook (a deep stack, thousands of modules) that was 18% of the CPU of a
+    sample of multi-process test files (py-spy), nearly all of the launcher's own. The names
+    are the same; idempotent."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    if getattr(dynamic_rendezvous, "get_method_name", None) is not None:
+        dynamic_rendezvous.get_method_name = get_method_name
