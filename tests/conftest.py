@@ -3,8 +3,10 @@ one torch thread per process (the CI machine has 2 cores), fixed hypothesis prof
 
 from __future__ import annotations
 
+import multiprocessing.forkserver
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,33 +31,65 @@ settings.register_profile(
 settings.load_profile("paratrain")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _one_worker_server_for_the_session() -> None:
-    """Start this pytest process's workers' forkserver once, preloading what the suite's
-    ranks import: the executors, torch's compiler front end, scikit-learn's data sets and,
-    where the ``hf`` extra is installed, transformers' model base (3-7 s of CPU in every rank
-    otherwise; a launch's own preload hint comes too late once a server runs, and the server
-    is kept for the whole session). A name that does not import is skipped by the server.
-    Last, ``_forkserver_frozen`` (this folder): matplotlib, then ``gc.freeze()`` of the
-    server's heap, so a worker's start-up collection skips it (about half of a 2-rank
-    launch's CPU otherwise). Python 3.11's forkserver ignores the parent's ``sys.path``: it
-    finds this folder through ``PYTHONPATH``, set while the server starts (a worker takes the
-    parent's current environment and path, paratrain.comm.forkserver.ParentState)."""
+# What the suite's ranks import, for the session's forkserver (see _warm_session_server).
+_SESSION_PRELOAD = ["paratrain.executors.entry", "paratrain.executors.data_parallel",
+                    "paratrain.executors.tensor_parallel", "paratrain.executors.model_parallel",
+                    "paratrain.executors.federated", "paratrain.executors.population_based",
+                    "paratrain.comm.dcp", "torch._dynamo", "paratrain.data.datasets", "sklearn.datasets",
+                    "transformers.modeling_utils", "_forkserver_frozen"]
+
+
+def _server_pid() -> int | None:
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    return getattr(server, "_forkserver_pid", None)
+
+
+def _warm_session_server() -> int | None:
+    """Start this pytest process's workers' forkserver, preloading what the suite's ranks
+    import: the executors, torch's compiler front end, scikit-learn's data sets and, where the
+    ``hf`` extra is installed, transformers' model base (3-7 s of CPU in every rank otherwise;
+    a launch's own preload hint comes too late once a server runs). A name that does not
+    import is skipped by the server. Last, ``_forkserver_frozen`` (this folder): matplotlib,
+    then ``gc.freeze()`` of the server's heap, so a worker's start-up collection skips it
+    (about half of a 2-rank launch's CPU otherwise). Python 3.11's forkserver ignores the
+    parent's ``sys.path``: it finds this folder through ``PYTHONPATH``, set while the server
+    starts (a worker takes the parent's current environment and path,
+    paratrain.comm.forkserver.ParentState). Returns the server's pid."""
     from paratrain.comm.forkserver import warm
 
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join([*TEST_DIRS, *([old] if old else [])])
     try:
-        warm(["paratrain.executors.entry", "paratrain.executors.data_parallel",
-              "paratrain.executors.tensor_parallel", "paratrain.executors.model_parallel",
-              "paratrain.executors.federated", "paratrain.executors.population_based",
-              "paratrain.comm.dcp", "torch._dynamo", "paratrain.data.datasets", "sklearn.datasets",
-              "transformers.modeling_utils", "_forkserver_frozen"])
+        warm(_SESSION_PRELOAD)
     finally:
         if old is None:
             del os.environ["PYTHONPATH"]
         else:
             os.environ["PYTHONPATH"] = old
+    return _server_pid()
+
+
+_SESSION_SERVER: list[int | None] = [None]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_worker_server_for_the_session() -> None:
+    _SESSION_SERVER[0] = _warm_session_server()
+
+
+@pytest.fixture(autouse=True)
+def _keep_the_session_server() -> Iterator[None]:
+    """After a test that stopped the session's forkserver (a test of ``forkserver.stop``, a
+    CLI run in this process): end whatever server it left and start the session's again. A
+    server started by a launch preloads only torch, and every rank this pytest process
+    launched afterwards imported the rest itself: a full run measured 5.5 s of imports per
+    rank, 114 ranks, after one such test."""
+    yield
+    if _SESSION_SERVER[0] is not None and _server_pid() != _SESSION_SERVER[0]:
+        from paratrain.comm.forkserver import stop
+
+        stop()
+        _SESSION_SERVER[0] = _warm_session_server()
 
 
 # Files whose tests hold one xdist worker for minutes (every benchmark's --smoke run; real Flower
