@@ -86,7 +86,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Without interpreter finalization (comm.process.exit_process: the gloo exit abort).
+    # One job a process, as the paratrain command: the collector paused until the run
+    # trains (training.gcfreeze); without interpreter finalization (comm.process.exit_process:
+    # the gloo exit abort).
+    from .training.gcfreeze import own_process
+
+    own_process(pause=True)  # before comm.process imports torch
     from .comm.process import exit_process
 
     exit_process(main())

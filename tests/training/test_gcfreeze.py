@@ -85,3 +85,28 @@ def test_main_called_with_argv_leaves_the_callers_collector_alone(capsys: object
     frozen = gc.get_freeze_count()
     assert main(["schema", "strategy"]) == 0
     assert gc.isenabled() and gc.get_freeze_count() == frozen
+
+
+FIRST_IMPORTS_SCRIPT = """
+import gc, json
+from paratrain.training.gcfreeze import first_imports
+
+out = {}
+with first_imports():
+    out["paused"] = not gc.isenabled()
+    import json.decoder  # noqa: F401
+out["enabled"], out["frozen"] = gc.isenabled(), gc.get_freeze_count()
+gc.unfreeze()
+with first_imports():  # the second time in a process: neither paused nor frozen again
+    out["paused_again"] = not gc.isenabled()
+out["frozen_again"] = gc.get_freeze_count()
+print(json.dumps(out))
+"""
+
+
+def test_first_imports_pauses_and_freezes_once_a_process() -> None:
+    out = subprocess.run([sys.executable, "-c", FIRST_IMPORTS_SCRIPT], capture_output=True, text=True,
+                         check=True, timeout=120)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["paused"] and r["enabled"] and r["frozen"] > 1000
+    assert not r["paused_again"] and r["frozen_again"] == 0  # a later message's garbage is not kept

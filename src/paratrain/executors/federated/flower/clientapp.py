@@ -20,6 +20,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.compat.common.recorddict_compat import fitres_to_recorddict, recorddict_to_fitins
 
 from ....training.faults import maybe_drop_at
+from ....training.gcfreeze import first_imports
 from . import protocol as P
 from .node_state import NodeStateFiles
 
@@ -83,7 +84,8 @@ def _keep(context: Context, plan: Any, p: int, n: int, state: bytes | None) -> N
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    from .node import train_clients
+    with first_imports():
+        from .node import train_clients
 
     if "fitins.parameters" in msg.content.array_records:  # a secure round's masked-vector stage
         return _train_secure(msg, context)
@@ -105,7 +107,8 @@ def train(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    from .node import score_node
+    with first_imports():
+        from .node import score_node
 
     p, n = _partition(context)
     plan: Any = msg.content.config_records[P.PLAN]

@@ -43,8 +43,11 @@ def load_flower_job(path: str, workdir: str = "") -> JobConfig:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    from .federation import Federation
-    from .serverloop import run_server
+    from ....training.gcfreeze import first_imports
+
+    with first_imports():
+        from .federation import Federation
+        from .serverloop import run_server
 
     cfg = context.run_config
     if not str(cfg.get(P.RUN_JOB, "")):
