@@ -5,6 +5,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
+
+
+def _result(script: str) -> dict[str, Any]:
+    """The JSON object the last line of ``python -c script`` printed."""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    r: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return r
+
 
 SCRIPT = """
 import gc, json, time
@@ -27,9 +36,7 @@ print(json.dumps({"before": before, "after": after, "frozen": frozen,
 
 
 def test_full_collection_skips_frozen_startup_objects() -> None:
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                         check=True, timeout=120)
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _result(SCRIPT)
     assert r["frozen"] == r["count"] > 50_000
     # A full pass over torch's import-time objects takes tens of ms; after the freeze it
     # walks only what came later (measured: ~20x less). Generous margin for a noisy host.
@@ -68,9 +75,7 @@ print(json.dumps(out))
 
 
 def test_the_commands_own_process_pauses_then_freezes_what_start_up_built() -> None:
-    out = subprocess.run([sys.executable, "-c", PAUSE_SCRIPT], capture_output=True, text=True,
-                         check=True, timeout=120)
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _result(PAUSE_SCRIPT)
     assert r["enabled_before"] and r["frozen_unowned"] == 0
     assert not r["enabled_paused"]
     assert r["alive_before_resume"] and not r["alive_after_resume"]  # a watched cycle is not kept
@@ -105,8 +110,6 @@ print(json.dumps(out))
 
 
 def test_first_imports_pauses_and_freezes_once_a_process() -> None:
-    out = subprocess.run([sys.executable, "-c", FIRST_IMPORTS_SCRIPT], capture_output=True, text=True,
-                         check=True, timeout=120)
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = _result(FIRST_IMPORTS_SCRIPT)
     assert r["paused"] and r["enabled"] and r["frozen"] > 1000
     assert not r["paused_again"] and r["frozen_again"] == 0  # a later message's garbage is not kept
