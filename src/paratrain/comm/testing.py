@@ -104,8 +104,10 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                     workers: list[Any] | None = None) -> list[Any]:
     """Run ``fn(ctx, *args)`` (``fn`` module-level) on ``world_size`` gloo ranks forked from
     :mod:`paratrain.comm.forkserver`, joined through a TCPStore on a free port; return the
-    results by rank. A failed rank raises ``RuntimeError`` with its traceback."""
-    ctx = forkserver_context()
+    results by rank. A failed rank raises ``RuntimeError`` with its traceback. The server
+    preloads torch's compiler front end, which every rank building a torch optimizer imports
+    (``Optimizer.__init__``'s ``_disable_dynamo``: 1.4 CPU-s a rank otherwise)."""
+    ctx = forkserver_context(["torch._dynamo"])
     results = ctx.Queue()
     port = free_port()
     parent = ParentState()
