@@ -36,7 +36,7 @@ _SESSION_PRELOAD = ["paratrain.executors.entry", "paratrain.executors.data_paral
                     "paratrain.executors.tensor_parallel", "paratrain.executors.model_parallel",
                     "paratrain.executors.federated", "paratrain.executors.population_based",
                     "paratrain.comm.dcp", "torch._dynamo", "paratrain.data.datasets", "sklearn.datasets",
-                    "transformers.modeling_utils", "_forkserver_frozen"]
+                    "transformers.modeling_utils", "_forkserver_preload"]
 
 
 def _server_pid() -> int | None:
@@ -49,9 +49,9 @@ def _warm_session_server() -> int | None:
     import: the executors, torch's compiler front end, scikit-learn's data sets and, where the
     ``hf`` extra is installed, transformers' model base (3-7 s of CPU in every rank otherwise;
     a launch's own preload hint comes too late once a server runs). A name that does not
-    import is skipped by the server. Last, ``_forkserver_frozen`` (this folder): matplotlib,
-    then ``gc.freeze()`` of the server's heap, so a worker's start-up collection skips it
-    (about half of a 2-rank launch's CPU otherwise). Python 3.11's forkserver ignores the
+    import is skipped by the server. Last, ``_forkserver_preload`` (this folder): matplotlib
+    and the Shakespeare corpus (paratrain's own last preload then freezes the server's heap).
+    Python 3.11's forkserver ignores the
     parent's ``sys.path``: it finds this folder through ``PYTHONPATH``, set while the server
     starts (a worker takes the parent's current environment and path,
     paratrain.comm.forkserver.ParentState). Returns the server's pid."""

@@ -70,3 +70,34 @@ def test_exit_with_a_live_lock_prints_no_traceback(tmp_path: Path) -> None:
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "child", out.stderr
     assert "Traceback" not in out.stderr and "leaked" not in out.stderr, out.stderr
+
+
+FROZEN_SCRIPT = """
+import gc, json, sys
+
+def child(q):
+    q.put({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count(), "torch": "torch" in sys.modules})
+
+if __name__ == "__main__":
+    from paratrain.comm.forkserver import context
+    ctx = context()
+    q = ctx.Queue()
+    p = ctx.Process(target=child, args=(q,))
+    p.start()
+    print(json.dumps(q.get(timeout=120)))
+    p.join()
+"""
+
+
+def test_a_worker_inherits_the_servers_frozen_heap_with_the_collector_on(tmp_path: Path) -> None:
+    """A fresh process's server (not the test session's): it froze what it imported (torch's
+    few hundred thousand objects), so a worker's start-up collection skips them."""
+    import json
+    import subprocess
+
+    script = tmp_path / "frozen_probe.py"
+    script.write_text(FROZEN_SCRIPT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True,
+                         timeout=180, cwd=tmp_path)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["enabled"] and r["torch"] and r["frozen"] > 100_000, r

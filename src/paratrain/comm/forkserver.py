@@ -33,12 +33,15 @@ _LAUNCHER_KEYS = frozenset({
 
 def context(preload: Sequence[str] = ()) -> Any:
     """The forkserver context, its server preloading torch, NumPy and ``preload`` (the
-    workers' entry module, named by the caller; a server already running keeps its own)."""
+    workers' entry module, named by the caller; a server already running keeps its own),
+    with the collector off while it imports and its heap frozen after (:mod:`.forkserver_gc`,
+    :mod:`.forkserver_frozen`)."""
     global _STOP_AT_EXIT
     if not _STOP_AT_EXIT:
         atexit.register(_stop_at_exit)  # runs before multiprocessing's own exit function (LIFO)
         _STOP_AT_EXIT = True
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "numpy", *preload])
+    multiprocessing.set_forkserver_preload([f"{__package__}.forkserver_gc", "torch", "torch.distributed", "numpy",
+                                            *preload, f"{__package__}.forkserver_frozen"])
     return multiprocessing.get_context("forkserver")
 
 
