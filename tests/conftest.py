@@ -51,10 +51,9 @@ def _warm_session_server() -> int | None:
     a launch's own preload hint comes too late once a server runs). A name that does not
     import is skipped by the server. Last, ``_forkserver_preload`` (this folder): matplotlib
     and the Shakespeare corpus (paratrain's own last preload then freezes the server's heap).
-    Python 3.11's forkserver ignores the
-    parent's ``sys.path``: it finds this folder through ``PYTHONPATH``, set while the server
-    starts (a worker takes the parent's current environment and path,
-    paratrain.comm.forkserver.ParentState). Returns the server's pid."""
+    Python 3.11's forkserver ignores the parent's ``sys.path``: it finds this folder through
+    ``PYTHONPATH``, set while the server starts (a worker takes the parent's current
+    environment and path, paratrain.comm.forkserver.ParentState). Returns the server's pid."""
     from paratrain.comm.forkserver import warm
 
     old = os.environ.get("PYTHONPATH")
@@ -79,8 +78,8 @@ def _one_worker_server_for_the_session() -> None:
 
 @pytest.fixture(autouse=True)
 def _keep_the_session_server() -> Iterator[None]:
-    """After a test that stopped the session's forkserver (a test of ``forkserver.stop``, a
-    CLI run in this process): end whatever server it left and start the session's again. A
+    """After a test that stopped the session's forkserver (the test of ``forkserver.stop``):
+    end whatever server it left and start the session's again. A
     server started by a launch preloads only torch, and every rank this pytest process
     launched afterwards imported the rest itself: a full run measured 5.5 s of imports per
     rank, 114 ranks, after one such test."""
