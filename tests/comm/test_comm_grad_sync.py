@@ -88,3 +88,42 @@ def test_used_parameters_combined_unused_left_none(results: list[dict[str, Any]]
 
 def test_after_the_backward_one_bucket_carries_gradients_and_flags(results: list[dict[str, Any]]) -> None:
     assert results[0]["after"]["issued"] == 1
+
+
+def _branches(net: nn.ModuleDict, rank: int) -> None:
+    """``a`` on both ranks, then ``c`` on rank 0 and ``b`` on rank 1: each rank's gradients
+    become ready in a different bucket order (buckets of one tensor each)."""
+    x = torch.full((2, 4), float(rank + 1))
+    h = net["a"](x)
+    (net["c"] if rank == 0 else net["b"])(h).square().sum().backward()
+
+
+def branch_order(ctx: WorkerContext) -> dict[str, torch.Tensor | None]:
+    from paratrain.comm.grad_sync import GradSync
+
+    net = _net()
+    sync = GradSync(list(net.named_parameters()), group=None, bucket_bytes=1, overlap=True)
+    assert sync.reducer is not None and len(sync.reducer.buckets) == 6
+    sync.before_forward(last=True)
+    _branches(net, ctx.rank)
+    sync.sync()
+    sync.close()
+    return {k: None if p.grad is None else p.grad.clone() for k, p in net.named_parameters()}
+
+
+def test_buckets_ready_in_a_different_order_on_each_rank_are_reduced_in_one_order() -> None:
+    """DDP's rule: buckets go out in index order on every rank, whatever order they fill in,
+    so ``b`` (rank 1's) and ``c`` (rank 0's) are never summed with each other (equal shapes,
+    so a mismatched pairing would pass silently with wrong means)."""
+    got = run_distributed(branch_order, 2)
+    mine = []
+    for rank in range(2):
+        net = _net()
+        _branches(net, rank)
+        mine.append({k: p.grad for k, p in net.named_parameters()})
+    for k in got[0]:
+        parts = [m[k] for m in mine if m[k] is not None]
+        want = sum(parts, torch.zeros_like(parts[0])) / 2
+        for r in got:
+            torch.testing.assert_close(r[k], want, msg=k)
+    assert mine[0]["b.weight"] is None and mine[1]["c.weight"] is None  # non-vacuity

@@ -125,6 +125,11 @@ class GradReducer:
     DDP's reducer does: zeroing the buckets and accumulating into them costs a memset and an add
     per step instead (~10% of an 8 MB MLP's step, benchmarks/data_parallel.py).
 
+    Buckets go out in index order on every rank, as DDP's reducer launches them, whatever order
+    their gradients become ready in: a branch taken on one rank only fills buckets in another
+    order there, and gloo pairs collectives by order (equal sizes would sum the wrong buckets
+    silently; tests/comm/test_comm_grad_sync.py).
+
     Which parameters some rank used travels in the buckets themselves: each bucket ends with
     one flag per member (1 where this rank produced its gradient), summed with the gradients,
     so the rule costs no collective of its own (DDP's ``find_unused_parameters=True`` all-reduces
@@ -156,6 +161,7 @@ class GradReducer:
             for p, slot in zip(members, torch.split(flat[:sum(sizes)], sizes), strict=True):
                 self._slot[id(p)] = (b, slot.view_as(p))
         self._ready = [0] * len(self.buckets)
+        self._next = 0  # the first bucket not launched: buckets go out in index order
         self._seen: set[int] = set()
         self._work: list[Any] = [None] * len(self.buckets)
         self._handles = [p.register_post_accumulate_grad_hook(self._hook)  # type: ignore[no-untyped-call]
@@ -187,9 +193,12 @@ class GradReducer:
         else:
             slot.mul_(self._scale)
         self._ready[b] += 1
-        if self._ready[b] == len(self.buckets[b]):
-            self._flags[b].fill_(1)
-            self._launch(b)
+        # Only in index order, as DDP's reducer: ranks whose gradients become ready in
+        # different orders (a branch taken on some) still pair the same buckets.
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next]):
+            self._flags[self._next].fill_(1)
+            self._launch(self._next)
+            self._next += 1
 
     def _launch(self, b: int) -> None:
         count_op(self.counter, "all_reduce", nbytes_of(self._flat[b]))
@@ -230,6 +239,7 @@ class GradReducer:
                 else:
                     p.grad.copy_(view)
         self._ready = [0] * len(self.buckets)
+        self._next = 0
         self._seen.clear()
         self._work = [None] * len(self.buckets)
 
