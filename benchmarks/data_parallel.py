@@ -7,14 +7,16 @@ processes on 127.0.0.1. Measured in the same run, interleaved repeat by repeat:
   torch ``DistributedDataParallel`` step), the two measured back to back per repeat, like for
   like: paratrain's whole step at its defaults as ``run_loop`` runs it (``Trainer.step`` over
   the DataParallel engine: zero_grad, forward, backward with the bucketed all-reduce
-  overlapped by ``GradSync``, the unused-parameter rule, the buffer broadcast, SGD step,
+  overlapped by ``GradSync``, summed in shared memory as both ranks share this host, the unused-parameter rule, the buffer broadcast, SGD step,
   scheduler; then ``after_step``, progress and the lifecycle's end of unit, where the ranks
   agree on signals and time cadence every ~0.25 s) against DDP at its documented
   best (``gradient_as_bucket_view=True``, ``broadcast_buffers=True`` as ours, the same
   ``BUCKET_MB`` buckets); the model is about 8 MB of fp32 parameters, so both cut it into several
   buckets and communication overlaps backward. Goal <= 1.0.
 * ``busbw_ratio`` = all-reduce bus bandwidth ``2 (n-1)/n * bytes / t`` over the
-  machine's memory-copy bandwidth (``dst.copy_(src)`` of the same buffer, bytes / t).
+  machine's memory-copy bandwidth (``dst.copy_(src)`` of the same buffer, bytes / t): gloo's
+  ``dist.all_reduce`` (what DDP uses) and paratrain's shared-memory reduction of one host
+  (``paratrain.comm.shm``, what the AllReduce step above uses on one host).
 * wire bytes per step per rank: dense all-reduce payload vs TopK 1% vs 8-bit
   quantization (exact wire sizes of the Compressor's records).
 
@@ -157,9 +159,12 @@ def bench_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     dense_bytes = 4 * params
 
     # All-reduce bus bandwidth vs memory-copy bandwidth on the same buffer.
+    from paratrain.comm.shm import HostArena
+
     buf = torch.randn(params)
     src, dst = torch.randn(params), torch.empty(params)
-    ar_t, cp_t = [], []
+    arena = HostArena.create([(params, torch.float32)], None)
+    ar_t, cp_t, shm_t = [], [], []
     for _ in range(cfg["bw_repeats"]):
         dist.barrier()
         t0 = time.perf_counter()
@@ -168,7 +173,15 @@ def bench_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         dst.copy_(src)
         cp_t.append(time.perf_counter() - t0)
+        if arena is not None:
+            dist.barrier()
+            t0 = time.perf_counter()
+            arena.all_reduce(0).wait()
+            shm_t.append(time.perf_counter() - t0)
+    if arena is not None:
+        arena.close()
     ar, cp = statistics.median(ar_t), statistics.median(cp_t)
+    shm = statistics.median(shm_t) if shm_t else float("nan")
     busbw = 2 * (n - 1) / n * dense_bytes / ar
     copy_bw = dense_bytes / cp
 
@@ -208,6 +221,7 @@ def bench_worker(ctx: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         "ddp_reps": ddp_t,
         "max_param_diff_vs_ddp": max_diff,
         "allreduce_s": ar,
+        "shm_allreduce_s": shm,
         "copy_s": cp,
         "busbw_GBps": busbw / 1e9,
         "copy_GBps": copy_bw / 1e9,
@@ -297,12 +311,15 @@ def main() -> None:
         "goal_step_time_ratio": 1.0,
         "peer": f"torch DDP(gradient_as_bucket_view=True, bucket_cap_mb={BUCKET_MB}), buffers broadcast (its default)",
         "ours": f"the step run_loop runs: Trainer.step over the DataParallel engine (AllReduce, {BUCKET_MB} MB "
-                "buckets), after_step, progress and the lifecycle's end of unit (the ranks' agreement)",
+                "buckets, summed in shared memory on one host), after_step, progress and the lifecycle's end of unit (the ranks' agreement)",
         "max_param_diff_vs_ddp": r0["max_param_diff_vs_ddp"],
         "allreduce_ms": round(r0["allreduce_s"] * 1e3, 3),
         "allreduce_busbw_GBps": round(r0["busbw_GBps"], 3),
         "memcpy_GBps": round(r0["copy_GBps"], 3),
         "busbw_ratio_vs_memcpy": round(r0["busbw_GBps"] / r0["copy_GBps"], 4),
+        "shm_allreduce_ms": round(r0["shm_allreduce_s"] * 1e3, 3),
+        "shm_busbw_ratio_vs_memcpy": round(r0["allreduce_s"] / r0["shm_allreduce_s"]
+                                           * r0["busbw_GBps"] / r0["copy_GBps"], 4),
         "wire_bytes_per_step": {k: int(v) for k, v in wire.items()},
         "wire_ratio_vs_dense": {k: round(v / wire["dense"], 5) for k, v in wire.items()},
         "exchange_payload_bytes_per_step_measured": {k: int(v) for k, v in r0["exchange_payload"].items()},
@@ -312,7 +329,7 @@ def main() -> None:
     # wire bytes are the exact sizes of the records sent; bus bandwidth converts a measured
     # all-reduce time with the ring factor 2(n-1)/n (NCCL's convention), so it is modelled
     out["provenance"] = provenance(
-        out, modelled=("allreduce_busbw_GBps",), mixed=("busbw_ratio_vs_memcpy",),
+        out, modelled=("allreduce_busbw_GBps",), mixed=("busbw_ratio_vs_memcpy", "shm_busbw_ratio_vs_memcpy"),
         configured=("processes", "params", "batch_per_rank", "repeats", "steps_per_repeat",
                     "goal_step_time_ratio"))
     print(json.dumps(out))

@@ -66,6 +66,17 @@ def global_rank(group: Any, rank: int) -> int:
     return dist.get_global_rank(group, rank) if group is not None else rank
 
 
+def side_group(group: Any = None) -> Any:
+    """A gloo group of ``group``'s ranks (None: every rank) for collectives made from another
+    thread (an asynchronous checkpoint's writes: two threads must never interleave collectives
+    on one group). The whole world's is named by torch's group counter (a hash of the ranks
+    would collide with a ``use_local_synchronization`` group of the same ranks, and hang); a
+    subgroup's, which its members alone create, by that hash."""
+    whole = group is None or group == dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=not whole)
+
+
 def barrier(group: Any = None) -> None:
     """Wait for every rank of ``group`` (no-op for one process)."""
     if world_size(group) > 1:

@@ -110,17 +110,6 @@ def alone_group() -> Any:
     return _ALONE[rank]
 
 
-def side_group(group: Any = None) -> Any:
-    """A gloo group of ``group``'s ranks (None: every rank) for collectives made from another
-    thread (an asynchronous checkpoint's writes: two threads must never interleave collectives
-    on one group). The whole world's is named by torch's group counter (a hash of the ranks
-    would collide with a ``use_local_synchronization`` group of the same ranks, and hang); a
-    subgroup's, which its members alone create, by that hash."""
-    whole = group is None or group == dist.group.WORLD
-    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=not whole)
-
-
 def hierarchy_from_hosts(hosts: Sequence[str]) -> list[list[int]]:
     """The ranks with equal labels, ascending, groups by lowest rank:
 

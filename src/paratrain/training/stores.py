@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from ..comm import collectives as C
+from ..comm.collectives import side_group
 from ..comm.dcp_pieces import METADATA, Box, Piece, Target
-from ..comm.groups import side_group
 from ..config import ConfigError
 from ..files import (
     DCP_FOLDER,
@@ -191,7 +191,7 @@ class RankStore:
     def start_save(self, step: int, state: dict[str, Any]) -> None:
         """Checkpoint ``state`` as step ``step`` (collective), asynchronously: the state is
         copied here (the only cost to the step) and written by a thread over a gloo group of
-        its own (:func:`~paratrain.comm.groups.side_group`). One save is in flight at a time:
+        its own (:func:`~paratrain.comm.collectives.side_group`). One save is in flight at a time:
         the next save, a load and :meth:`wait` wait for it (and raise what it raised)."""
         self.wait()
         self._probe()

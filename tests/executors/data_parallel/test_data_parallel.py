@@ -55,8 +55,10 @@ def _check_parity(results: list[dict[str, Any]], world: int, tmp: Path) -> None:
         assert torch.equal(_t(r["AllReduce"]["params"]), allreduce)
     # ...equal to single-process training on the concatenated batch,
     torch.testing.assert_close(allreduce, ref, rtol=1e-5, atol=1e-7)
-    # ...and to torch DistributedDataParallel (rtol 1e-5, atol 0).
-    torch.testing.assert_close(allreduce, _t(r0["DDP"]), rtol=1e-5, atol=0.0)
+    # ...and to torch DistributedDataParallel (rtol 1e-5; on one host our buckets are summed in
+    # shared memory in rank order, gloo's ring sums in another order: atol for the rounding of
+    # values near 0, bit for bit on 2 ranks, tests/comm/test_buckets_vs_ddp.py).
+    torch.testing.assert_close(allreduce, _t(r0["DDP"]), rtol=1e-5, atol=1e-7 if world > 2 else 0.0)
     torch.testing.assert_close(_t(r0["ParameterServer"]["params"]), allreduce, rtol=1e-5, atol=1e-7)
     for r in results:
         torch.testing.assert_close(_t(r["complete"]["params"]), allreduce, rtol=1e-5, atol=1e-7)

@@ -1,0 +1,214 @@
+"""All-reduce through shared memory among a group's processes on one host: :class:`HostArena`.
+
+Gloo moves every byte over TCP, loopback included: on a 2-core host an all-reduce of 8 MB
+between 2 processes takes about 7 ms, against about 1.5 ms to copy the buffer once
+(benchmarks/data_parallel.py, ``busbw_ratio_vs_memcpy``). The processes of one host can read
+each other's buffers instead, as DeepSpeed's, vLLM's and SGLang's CPU all-reduces do (and
+gloo's RFC pytorch/gloo#455, not in the gloo that torch 2.13 ships). The group maps one file
+of ``/dev/shm``, unlinked as soon as every rank has mapped it; rank ``r`` keeps its own
+gradient buckets in its slot there (:class:`~.buckets.GradReducer` writes them straight in),
+and a reduction of a bucket of ``n`` ranks' slots ``s_k`` is, with chunk ``c_r`` of it owned
+by rank ``r``:
+
+1. barrier (every rank's bucket is written);
+2. rank ``r``: ``t = s_0[c_r] + s_1[c_r] + ... + s_{n-1}[c_r]`` (in rank order; on 2 ranks
+   bit for bit gloo's ``a + b``), then ``s_k[c_r] <- t`` for every ``k``: only rank ``r``
+   touches chunk ``c_r``, so the ranks never read what another is writing;
+3. barrier (every slot holds every sum: a rank may write its slot again, at its next step).
+
+Each rank reads the bucket once and writes it once, where TCP copies it into and out of the
+kernel per hop. The barriers are one-element all-reduces on a side group of the same ranks
+(so they never interleave with the collectives of the thread that runs the model), issued
+by one worker thread in launch order; every rank launches the same buckets in the same order
+(:class:`~.buckets.GradReducer` launches in index order). Made only when every rank of the
+group maps the same file (one host, or hosts sharing ``/dev/shm``) and the file's pages are
+reserved (``posix_fallocate``: a full ``/dev/shm`` is a fallback to gloo, never a SIGBUS);
+``PARATRAIN_SHM=0`` keeps gloo, and so do subgroups (a tensor-parallel mesh's data-parallel
+columns). tests/comm/test_comm_shm.py holds it to ``dist.all_reduce``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import queue
+import threading
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .collectives import global_rank, rank_of, side_group, world_size
+
+SHM_DIR = "/dev/shm"
+_ALIGN = 64  # bytes: every region starts on a cache line
+
+
+def enabled() -> bool:
+    """Whether shared-memory reductions may be used (``PARATRAIN_SHM=0`` says no)."""
+    return os.environ.get("PARATRAIN_SHM", "1") != "0" and os.path.isdir(SHM_DIR)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def open_existing(path: str) -> int:
+    """Open the file another rank made (fails where that rank is on another host)."""
+    return os.open(path, os.O_RDWR)
+
+
+def _map_file(nbytes: int, group: Any) -> tuple[mmap.mmap, str] | None:
+    """One ``/dev/shm`` file of ``nbytes`` mapped by every rank of ``group`` (collective) and
+    its path, or None on every rank when any rank could not map it. The file is unlinked before this
+    returns: nothing is left behind, whatever becomes of the processes."""
+    rank = rank_of(group)
+    path: str | None = None
+    fd = -1
+    if rank == 0:
+        path = os.path.join(SHM_DIR, f"paratrain-{uuid.uuid4().hex}")
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.posix_fallocate(fd, 0, nbytes)  # reserve the pages now: no SIGBUS later
+        except OSError:
+            if fd >= 0:
+                os.close(fd)
+                fd = -1
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            path = None
+    box: list[Any] = [path]
+    dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
+    mm: mmap.mmap | None = None
+    if box[0] is not None:
+        try:
+            if rank != 0:
+                fd = open_existing(box[0])
+            if os.fstat(fd).st_size == nbytes:
+                mm = mmap.mmap(fd, nbytes)
+        except OSError:
+            mm = None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    ok = torch.tensor([1 if mm is not None else 0], dtype=torch.int32)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)  # every rank has opened it by now
+    if rank == 0 and path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    if int(ok.item()) == 1 and mm is not None:
+        return mm, str(box[0])
+    if mm is not None:
+        mm.close()
+    return None
+
+
+class _Work:
+    """A launched reduction: :meth:`wait` returns once it is done (re-raising its error)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise RuntimeError(f"shared-memory all-reduce failed: {self.error}") from self.error
+
+
+class HostArena:
+    """Buckets in shared memory and their reductions (module doc). :meth:`create` is
+    collective over ``group``; :meth:`slot` is this rank's view of a bucket (written by the
+    caller), :meth:`all_reduce` sums a bucket over the ranks in place, on the worker thread."""
+
+    def __init__(self, mm: mmap.mmap, path: str, group: Any, layout: list[tuple[int, int, torch.dtype]]) -> None:
+        self.group, self.n, self.rank = group, world_size(group), rank_of(group)
+        self.path = path  # unlinked: its name only
+        self._side = side_group(group)
+        raw = memoryview(mm)
+        # bucket b, rank k: bytes [offset_b + k * stride_b, + numel_b * itemsize_b), a storage of
+        # its own, so that a rank's tensors account for its slots only, not the whole mapping
+        self._slots: list[list[torch.Tensor]] = []
+        offset = 0
+        for numel, itemsize, dtype in layout:
+            stride = _aligned(numel * itemsize)
+            self._slots.append([torch.frombuffer(raw[offset + k * stride: offset + k * stride + numel * itemsize],
+                                                 dtype=dtype) for k in range(self.n)])
+            offset += self.n * stride
+        self._flag = torch.zeros(1)
+        self._queue: queue.SimpleQueue[tuple[int, _Work] | None] = queue.SimpleQueue()
+        self._failed: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="paratrain-shm-allreduce", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def create(cls, buckets: list[tuple[int, torch.dtype]], group: Any) -> HostArena | None:
+        """An arena for buckets of ``(numel, dtype)`` on every rank of ``group``, or None
+        (one rank, not enabled, or some rank cannot map the file): collective."""
+        n = world_size(group)
+        if n < 2 or not buckets or not enabled():  # the same on every rank: one environment
+            return None
+        if group is not None and group != dist.group.WORLD:
+            # A subgroup's side group is named by a hash of its ranks (side_group): a second
+            # one beside, say, a checkpoint writer's would collide; subgroups keep gloo.
+            return None
+        layout = [(numel, torch.empty(0, dtype=dtype).element_size(), dtype) for numel, dtype in buckets]
+        nbytes = sum(n * _aligned(numel * size) for numel, size, _ in layout)
+        mapped = _map_file(nbytes, group)
+        return None if mapped is None else cls(*mapped, group, layout)
+
+    def slot(self, b: int) -> torch.Tensor:
+        """This rank's bucket ``b`` (flat; zero at first)."""
+        return self._slots[b][self.rank]
+
+    def all_reduce(self, b: int) -> _Work:
+        """Start summing bucket ``b`` over the ranks into every rank's slot."""
+        work = _Work()
+        self._queue.put((b, work))
+        return work
+
+    def _barrier(self) -> None:
+        dist.all_reduce(self._flag, group=self._side)
+
+    def _reduce(self, b: int) -> None:
+        slots, n, r = self._slots[b], self.n, self.rank
+        size = slots[0].numel()
+        chunk = -(-size // n)
+        lo, hi = min(r * chunk, size), min((r + 1) * chunk, size)
+        self._barrier()
+        if hi > lo:
+            mine = slots[r][lo:hi]
+            if n == 2:  # element-wise, so writing over one of the terms is safe
+                torch.add(slots[0][lo:hi], slots[1][lo:hi], out=mine)
+            else:  # s_0 + s_1 + ... in rank order, then written over s_r's chunk
+                total = torch.add(slots[0][lo:hi], slots[1][lo:hi])
+                for k in range(2, n):
+                    total.add_(slots[k][lo:hi])
+                mine.copy_(total)
+            for k in range(n):
+                if k != r:
+                    slots[k][lo:hi].copy_(mine)
+        self._barrier()
+
+    def _serve(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            b, work = item
+            if self._failed is None:
+                try:
+                    self._reduce(b)
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                    self._failed = e
+            work.error = self._failed
+            work.done.set()
+
+    def close(self) -> None:
+        """Stop the worker thread (the mapping lives as long as the tensors viewing it)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+

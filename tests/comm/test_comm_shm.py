@@ -1,0 +1,104 @@
+"""comm/shm.HostArena on gloo ranks of one host, against torch's ``dist.all_reduce``.
+
+2 ranks: every bucket's sum equals gloo's bit for bit (fp32 of odd sizes, bf16), over several
+rounds of fresh data with the buckets launched back to back (the barriers keep a fast rank
+from writing its next round over what a slow one still reads). 3 ranks: every rank holds the
+same sums, equal to gloo's to float rounding (summed in rank order, gloo in ring order).
+``PARATRAIN_SHM=0`` or a rank that cannot open the file (another host) gives None on every
+rank, and GradReducer then uses gloo; no file is left in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from paratrain.comm.context import WorkerContext
+from paratrain.comm.testing import run_distributed
+
+pytestmark = pytest.mark.timeout(120)
+
+BUCKETS = [(1, torch.float32), (4097, torch.float32), (30_001, torch.float32), (513, torch.bfloat16)]
+
+
+def _data(rank: int, rnd: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rnd + 10 * rank + numel)
+    return torch.randn(numel, generator=g).to(dtype)
+
+
+def rounds(ctx: WorkerContext) -> dict[str, Any]:
+    from paratrain.comm.shm import HostArena
+
+    arena = HostArena.create(BUCKETS, None)
+    assert arena is not None
+    got, want = [], []
+    for rnd in range(4):
+        works = []
+        for b, (numel, dtype) in enumerate(BUCKETS):
+            arena.slot(b).copy_(_data(ctx.rank, rnd, numel, dtype))
+            works.append(arena.all_reduce(b))
+        for w in works:
+            w.wait()
+        for b, (numel, dtype) in enumerate(BUCKETS):
+            ref = _data(ctx.rank, rnd, numel, dtype)
+            dist.all_reduce(ref)
+            got.append(arena.slot(b).clone())
+            want.append(ref)
+    arena.close()
+    return {"got": got, "want": want}
+
+
+def test_two_ranks_equal_gloo_bit_for_bit_over_rounds() -> None:
+    res = run_distributed(rounds, 2)
+    for r in res:
+        for g, w in zip(r["got"], r["want"], strict=True):
+            assert torch.equal(g, w)
+    # non-vacuity: the sums are not one rank's own data
+    assert not torch.equal(res[0]["got"][2], _data(0, 0, 30_001, torch.float32))
+
+
+def test_three_ranks_hold_the_same_sums_close_to_gloo() -> None:
+    res = run_distributed(rounds, 3)
+    for i, g in enumerate(res[0]["got"]):
+        for r in res[1:]:
+            assert torch.equal(r["got"][i], g)
+        w = res[0]["want"][i]
+        tol = 2e-2 if g.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(g, w, rtol=tol, atol=tol)
+
+
+def fallbacks(ctx: WorkerContext) -> dict[str, Any]:
+    from paratrain.comm import shm
+    from paratrain.comm.buckets import GradReducer
+
+    made = shm.HostArena.create(BUCKETS, None)
+    assert made is not None
+    made.close()
+    os.environ["PARATRAIN_SHM"] = "0"
+    off = shm.HostArena.create(BUCKETS, None)
+    layer = torch.nn.Linear(3, 2)
+    reducer = GradReducer(list(layer.parameters()))
+    os.environ.pop("PARATRAIN_SHM")
+    layer(torch.full((1, 3), float(ctx.rank + 1))).sum().backward()
+    reducer.finish()
+    reducer.remove()
+    if ctx.rank == 1:  # as if rank 0's file were on another host
+        def missing(path: str) -> int:
+            raise FileNotFoundError(path)
+        shm.open_existing = missing
+    apart = shm.HostArena.create(BUCKETS, None)
+    return {"off": off is None, "gloo": reducer._arena is None, "grad": layer.weight.grad.clone(),
+            "apart": apart is None, "left": os.path.exists(made.path), "path": made.path}
+
+
+def test_disabled_or_apart_every_rank_falls_back_to_gloo_and_nothing_is_left() -> None:
+    res = run_distributed(fallbacks, 2)
+    for r in res:
+        assert r["off"] and r["gloo"] and r["apart"]
+        assert r["path"].startswith("/dev/shm/paratrain-") and not r["left"]
+        # the gloo path's mean of inputs 1 and 2
+        torch.testing.assert_close(r["grad"], torch.full((2, 3), 1.5))
