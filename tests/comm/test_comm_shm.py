@@ -4,8 +4,8 @@
 rounds of fresh data with the buckets launched back to back (the barriers keep a fast rank
 from writing its next round over what a slow one still reads). 3 ranks: every rank holds the
 same sums, equal to gloo's to float rounding (summed in rank order, gloo in ring order).
-``PARATRAIN_SHM=0`` or a rank that cannot open the file (another host) gives None on every
-rank, and GradReducer then uses gloo; no file is left in ``/dev/shm``.
+``PARATRAIN_SHM=0`` (on every rank or on one) or a rank that cannot open the file (another
+host) gives None on every rank, and GradReducer then uses gloo; no file is left in ``/dev/shm``.
 """
 
 from __future__ import annotations
@@ -83,6 +83,10 @@ def fallbacks(ctx: WorkerContext) -> dict[str, Any]:
     layer = torch.nn.Linear(3, 2)
     reducer = GradReducer(list(layer.parameters()))
     os.environ.pop("PARATRAIN_SHM")
+    if ctx.rank == 1:  # one rank's environment says no: no rank maps the file, none waits
+        os.environ["PARATRAIN_SHM"] = "0"
+    one_off = shm.HostArena.create(BUCKETS, None)
+    os.environ.pop("PARATRAIN_SHM", None)
     layer(torch.full((1, 3), float(ctx.rank + 1))).sum().backward()
     reducer.finish()
     reducer.remove()
@@ -91,7 +95,7 @@ def fallbacks(ctx: WorkerContext) -> dict[str, Any]:
             raise FileNotFoundError(path)
         shm.open_existing = missing
     apart = shm.HostArena.create(BUCKETS, None)
-    return {"off": off is None, "gloo": reducer._arena is None, "grad": layer.weight.grad.clone(),
+    return {"off": off is None and one_off is None, "gloo": reducer._arena is None, "grad": layer.weight.grad.clone(),
             "apart": apart is None, "left": os.path.exists(made.path), "path": made.path}
 
 

@@ -60,14 +60,14 @@ def open_existing(path: str) -> int:
     return os.open(path, os.O_RDWR)
 
 
-def _map_file(nbytes: int, group: Any) -> tuple[mmap.mmap, str] | None:
+def _map_file(nbytes: int, group: Any, wanted: bool) -> tuple[mmap.mmap, str] | None:
     """One ``/dev/shm`` file of ``nbytes`` mapped by every rank of ``group`` (collective) and
-    its path, or None on every rank when any rank could not map it. The file is unlinked before this
-    returns: nothing is left behind, whatever becomes of the processes."""
+    its path, or None on every rank when any rank could not map it or did not want to
+    (``wanted``: its own environment's say). The file is unlinked before this returns."""
     rank = rank_of(group)
     path: str | None = None
     fd = -1
-    if rank == 0:
+    if rank == 0 and wanted:
         path = os.path.join(SHM_DIR, f"paratrain-{uuid.uuid4().hex}")
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -82,7 +82,7 @@ def _map_file(nbytes: int, group: Any) -> tuple[mmap.mmap, str] | None:
     box: list[Any] = [path]
     dist.broadcast_object_list(box, src=global_rank(group, 0), group=group)
     mm: mmap.mmap | None = None
-    if box[0] is not None:
+    if box[0] is not None and wanted:
         try:
             if rank != 0:
                 fd = open_existing(box[0])
@@ -148,7 +148,7 @@ class HostArena:
         """An arena for buckets of ``(numel, dtype)`` on every rank of ``group``, or None
         (one rank, not enabled, or some rank cannot map the file): collective."""
         n = world_size(group)
-        if n < 2 or not buckets or not enabled():  # the same on every rank: one environment
+        if n < 2 or not buckets:
             return None
         if group is not None and group != dist.group.WORLD:
             # A subgroup's side group is named by a hash of its ranks (side_group): a second
@@ -156,7 +156,7 @@ class HostArena:
             return None
         layout = [(numel, torch.empty(0, dtype=dtype).element_size(), dtype) for numel, dtype in buckets]
         nbytes = sum(n * _aligned(numel * size) for numel, size, _ in layout)
-        mapped = _map_file(nbytes, group)
+        mapped = _map_file(nbytes, group, enabled())  # collective even where one rank says no
         return None if mapped is None else cls(*mapped, group, layout)
 
     def slot(self, b: int) -> torch.Tensor:
