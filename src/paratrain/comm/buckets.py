@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import CommCounter, broadcast_, count_op, nbytes_of, world_size
-from .shm import HostArena
+from .shm import MIN_BYTES, HostArena
 
 
 def bucket_bytes_of(bucket_size_mb: float) -> int:
@@ -154,14 +154,17 @@ class GradReducer:
         # id(p) -> (its bucket, its slot there shaped as p): made once, not sliced from the bucket
         # at every hook and write-back (a step's Python is what separates this loop from DDP's C++)
         self._slot: dict[int, tuple[int, torch.Tensor]] = {}
-        # On one host the buckets live in shared memory and are summed there (.shm: gloo's
-        # TCP loopback costs several memory copies of each bucket); else gloo's all-reduce.
-        self._arena = HostArena.create(
-            [(sum(p.numel() for p in m) + len(m), m[0].dtype) for m in self.buckets], group
-        ) if self.n > 1 and all(m[0].device.type == "cpu" for m in self.buckets) else None
+        # On one host the buckets above shm.MIN_BYTES live in shared memory and are summed there
+        # (.shm: gloo's TCP loopback costs several copies of each); the others go through gloo
+        sizes_of = [sum(p.numel() for p in m) + len(m) for m in self.buckets]
+        big = [b for b, m in enumerate(self.buckets)
+               if sizes_of[b] * m[0].element_size() > MIN_BYTES and m[0].device.type == "cpu"]
+        self._arena = HostArena.create([(sizes_of[b], self.buckets[b][0].dtype) for b in big],
+                                       group) if self.n > 1 else None
+        self._shared = {b: i for i, b in enumerate(big)} if self._arena is not None else {}
         for b, members in enumerate(self.buckets):
             sizes = [p.numel() for p in members]
-            flat = self._arena.slot(b) if self._arena is not None else torch.zeros(
+            flat = self._arena.slot(self._shared[b]) if self._arena is not None and b in self._shared else torch.zeros(
                 sum(sizes) + len(members), dtype=members[0].dtype, device=members[0].device)
             self._flat.append(flat)
             self._flags.append(flat[sum(sizes):])
@@ -209,8 +212,8 @@ class GradReducer:
 
     def _launch(self, b: int) -> None:
         count_op(self.counter, "all_reduce", nbytes_of(self._flat[b]))
-        self._work[b] = (self._arena.all_reduce(b) if self._arena is not None else
-                         dist.all_reduce(self._flat[b], group=self.group, async_op=True))
+        self._work[b] = (self._arena.all_reduce(self._shared[b]) if self._arena is not None and b in self._shared
+                         else dist.all_reduce(self._flat[b], group=self.group, async_op=True))
 
     def finish(self) -> None:
         """Complete the reduction of this step; ``p.grad`` holds the mean over ranks."""
