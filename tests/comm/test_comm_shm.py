@@ -78,16 +78,17 @@ def fallbacks(ctx: WorkerContext) -> dict[str, Any]:
     made = shm.HostArena.create(BUCKETS, None)
     assert made is not None
     made.close()
+    assert GradReducer(list(torch.nn.Linear(300, 300).parameters()))._arena is not None  # non-vacuity
     os.environ["PARATRAIN_SHM"] = "0"
     off = shm.HostArena.create(BUCKETS, None)
-    layer = torch.nn.Linear(3, 2)
+    layer = torch.nn.Linear(300, 300)  # a bucket over shm.MIN_BYTES: shared memory unless told no
     reducer = GradReducer(list(layer.parameters()))
     os.environ.pop("PARATRAIN_SHM")
     if ctx.rank == 1:  # one rank's environment says no: no rank maps the file, none waits
         os.environ["PARATRAIN_SHM"] = "0"
     one_off = shm.HostArena.create(BUCKETS, None)
     os.environ.pop("PARATRAIN_SHM", None)
-    layer(torch.full((1, 3), float(ctx.rank + 1))).sum().backward()
+    layer(torch.full((1, 300), float(ctx.rank + 1))).sum().backward()
     reducer.finish()
     reducer.remove()
     if ctx.rank == 1:  # as if rank 0's file were on another host
@@ -105,4 +106,4 @@ def test_disabled_or_apart_every_rank_falls_back_to_gloo_and_nothing_is_left() -
         assert r["off"] and r["gloo"] and r["apart"]
         assert r["path"].startswith("/dev/shm/paratrain-") and not r["left"]
         # the gloo path's mean of inputs 1 and 2
-        torch.testing.assert_close(r["grad"], torch.full((2, 3), 1.5))
+        torch.testing.assert_close(r["grad"], torch.full((300, 300), 1.5))
