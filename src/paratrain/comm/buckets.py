@@ -117,10 +117,10 @@ class GradReducer:
     """Bucketed gradient all-reduce overlapping the backward pass, as torch DDP: buckets in
     *reverse* registration order (gradients become ready from the last layer back), the first
     capped at ``first_bucket_bytes``; a post-accumulate-grad hook copies each gradient divided by
-    the world size into its bucket, whose all-reduce (SUM, so the mean) starts once full.
-    :meth:`finish` launches the rest (zeros for gradients not produced), waits and writes the
-    means back (``grad = None`` where no rank
-    used a parameter). ``grad_views=True``: each ``p.grad`` a view of its bucket (DDP's
+    the world size into its bucket, whose all-reduce (SUM, so the mean) starts once it and every
+    earlier bucket are full; :meth:`finish` launches the rest (zeros for gradients not
+    produced), waits and writes the means back (``grad = None`` where no rank used a
+    parameter). ``grad_views=True``: each ``p.grad`` a view of its bucket (DDP's
     ``gradient_as_bucket_view``: no copy back). The loop drops gradients between steps
     (``zero_grad(set_to_none=True)``), so each fresh gradient is copied into its slot once, as
     DDP's reducer does: zeroing the buckets and accumulating into them costs a memset and an add
