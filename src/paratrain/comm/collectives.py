@@ -286,7 +286,10 @@ def reduce_scatter(output: torch.Tensor, inputs: torch.Tensor | Sequence[torch.T
     if n == 1:
         output.copy_(chunks[0].view_as(output))
         return output
-    flat = torch.cat([c.reshape(-1) for c in chunks])
+    # a flat input is used as it is (the native op only reads it); chunks are concatenated
+    given = isinstance(inputs, torch.Tensor) and inputs.is_contiguous()
+    flat = inputs.reshape(-1) if isinstance(inputs, torch.Tensor) and given else torch.cat(
+        [c.reshape(-1) for c in chunks])
     native = (all(c.numel() == output.numel() for c in chunks) and not fallback
               and _has_flat("reduce_scatter", flat, group))
     count_op(counter, "reduce_scatter" if native else "reduce_scatter_fallback", nbytes_of(flat))
@@ -296,6 +299,7 @@ def reduce_scatter(output: torch.Tensor, inputs: torch.Tensor | Sequence[torch.T
         if out_flat.data_ptr() != output.data_ptr():
             output.copy_(out_flat.view_as(output))
     else:
+        flat = flat.clone() if given else flat  # the all-reduce is in place: not the caller's
         dist.all_reduce(flat, group=group)
         start = sum(c.numel() for c in chunks[:rank])
         output.copy_(flat[start : start + output.numel()].view_as(output))

@@ -76,15 +76,20 @@ class FlatShard:
 
     def _pack_all(self, tensors: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
         """The ``N S`` buffer of every rank's rows of ``tensors`` (None: zeros)."""
-        buf = torch.zeros(self.world, self.numel, dtype=like.dtype, device=like.device)
+        # every element written once: the rows, else zeros (padding, a None tensor)
+        buf = torch.empty(self.world, self.numel, dtype=like.dtype, device=like.device)
         for p, t in zip(self.pieces, tensors, strict=True):
-            if t is None or p.row == 0:
+            if p.row == 0:
+                continue
+            cols = buf[:, p.offset : p.offset + p.chunk * p.row].view(self.world, p.chunk, p.row)
+            if t is None:
+                cols.zero_()
                 continue
             rows = t.detach().reshape(p.shape[0], p.row)
-            cols = buf[:, p.offset : p.offset + p.chunk * p.row].view(self.world, p.chunk, p.row)
             for j in range(self.world):  # rank j's rows (the last ranks' may be short or none)
                 part = rows[j * p.chunk : (j + 1) * p.chunk]
                 cols[j, : part.shape[0]].copy_(part)
+                cols[j, part.shape[0]:].zero_()
         return buf.view(-1)
 
     def gather(self, flat: torch.Tensor, outs: Sequence[torch.Tensor], *, group: Any = None,
