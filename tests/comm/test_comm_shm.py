@@ -107,3 +107,43 @@ def test_disabled_or_apart_every_rank_falls_back_to_gloo_and_nothing_is_left() -
         assert r["path"].startswith("/dev/shm/paratrain-") and not r["left"]
         # the gloo path's mean of inputs 1 and 2
         torch.testing.assert_close(r["grad"], torch.full((300, 300), 1.5))
+
+
+SHAPES = [(300, 400), (7,), (301, 3)]  # uneven rows: padding in the last ranks' shards
+
+
+def _tensors(rank: int) -> list[torch.Tensor | None]:
+    g = torch.Generator().manual_seed(7 + rank)
+    return [torch.randn(*s, generator=g) for s in SHAPES[:2]] + [None]  # a None: zeros
+
+
+def flat_shard(ctx: WorkerContext) -> dict[str, Any]:
+    from paratrain.comm import shm
+    from paratrain.comm.collectives import reduce_scatter
+    from paratrain.comm.zero import FlatShard
+
+    fs = FlatShard(SHAPES, world=ctx.world_size, rank=ctx.rank)
+    mine = _tensors(ctx.rank)
+    like = torch.empty(0)
+    # gloo's reduce-scatter of the same packed buffer: the reference
+    want = reduce_scatter(torch.empty(fs.numel), fs._pack_all(mine, like), average=True)
+    got = fs.reduce_scatter(mine, torch.empty(fs.numel))
+    # gather: every rank's rows of one set of whole tensors, back into whole tensors
+    whole = [t if t is not None else torch.zeros(s) for t, s in zip(_tensors(0), SHAPES, strict=True)]
+    outs = [torch.empty(s) for s in SHAPES]
+    fs.gather(fs.pack_own(whole, torch.empty(fs.numel)), outs)
+    arena = shm.sync_arena(None, 4 * fs.world * fs.numel)
+    return {"got": got, "want": want, "gathered": all(torch.equal(a, b) for a, b in zip(outs, whole, strict=True)),
+            "shared": arena is not None and 4 * fs.world * fs.numel > shm.MIN_BYTES}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zero_flat_collectives_in_shared_memory_equal_gloo(world: int) -> None:
+    res = run_distributed(flat_shard, world)
+    for r in res:
+        assert r["shared"] and r["gathered"]
+        if world == 2:
+            assert torch.equal(r["got"], r["want"])
+        else:
+            torch.testing.assert_close(r["got"], r["want"], rtol=1e-6, atol=1e-6)
+    assert not torch.equal(res[0]["got"], res[1]["got"])  # non-vacuity: each rank its own rows

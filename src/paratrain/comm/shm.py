@@ -24,7 +24,9 @@ by one worker thread in launch order; every rank launches the same buckets in th
 group maps the same file (one host, or hosts sharing ``/dev/shm``) and the file's pages are
 reserved (``posix_fallocate``: a full ``/dev/shm`` is a fallback to gloo, never a SIGBUS);
 ``PARATRAIN_SHM=0`` keeps gloo, and so do subgroups (a tensor-parallel mesh's data-parallel
-columns). tests/comm/test_comm_shm.py holds it to ``dist.all_reduce``.
+columns). :class:`SyncArena` is the same idea for collectives made one at a time on the
+caller's thread (ZeRO's flat all-gather and reduce-scatter). tests/comm/test_comm_shm.py
+holds both to gloo's collectives.
 """
 
 from __future__ import annotations
@@ -216,3 +218,56 @@ class HostArena:
             self._queue.put(None)
             self._thread.join()
 
+
+
+class SyncArena:
+    """One slot of shared memory per rank of the default group for collectives made on the
+    caller's thread, one at a time (ZeRO's flat all-gather and reduce-scatter,
+    :class:`~.zero.FlatShard`): each rank writes its slot, a barrier, each reads what it
+    needs of every slot, a barrier (so that no rank writes its slot again while another still
+    reads it). The barriers are one-element all-reduces on the group itself, made in program
+    order with its other collectives. :func:`sync_arena` makes and grows it."""
+
+    def __init__(self, mm: mmap.mmap, group: Any, capacity: int) -> None:
+        self.group, self.n, self.rank, self.capacity = group, world_size(group), rank_of(group), capacity
+        raw = memoryview(mm)
+        self._slots = [torch.frombuffer(raw[k * capacity:(k + 1) * capacity], dtype=torch.uint8)
+                       for k in range(self.n)]
+        self._flag = torch.zeros(1)
+
+    def slots(self, numel: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every rank's slot, its first ``numel`` elements as ``dtype`` (rank order)."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        return [s[: numel * size].view(dtype) for s in self._slots]
+
+    def barrier(self) -> None:
+        dist.all_reduce(self._flag, group=self.group)
+
+
+_SYNC: dict[int, tuple[Any, SyncArena | None]] = {}
+
+
+def sync_arena(group: Any, nbytes: int) -> SyncArena | None:
+    """The default group's :class:`SyncArena` holding ``nbytes`` a slot, or None (a subgroup,
+    one rank, under :data:`MIN_BYTES`, not enabled or not mappable on some rank: gloo). Collective
+    when it makes or grows the arena: every rank calls it at the same collective with the same
+    ``nbytes``, so every rank decides alike."""
+    if group is not None and group != dist.group.WORLD:
+        return None
+    n = world_size(group)
+    if n < 2 or nbytes <= MIN_BYTES:
+        return None
+    world = dist.group.WORLD
+    key = id(world)
+    held = _SYNC.get(key)
+    if held is not None and held[0] is world:
+        arena = held[1]
+        if arena is None or arena.capacity >= nbytes:
+            return arena
+        capacity = max(_aligned(nbytes), 2 * arena.capacity)
+    else:
+        capacity = _aligned(nbytes)
+    mapped = _map_file(n * capacity, group, enabled())
+    made = None if mapped is None else SyncArena(mapped[0], group, capacity)
+    _SYNC[key] = (world, made)  # the group kept, so that its id is not another's
+    return made

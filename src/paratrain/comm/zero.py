@@ -19,7 +19,15 @@ from typing import Any
 
 import torch
 
-from .collectives import CommCounter, all_gather_into_tensor, reduce_scatter
+from .collectives import (
+    CommCounter,
+    all_gather_into_tensor,
+    count_op,
+    nbytes_of,
+    reduce_scatter,
+    world_size,
+)
+from .shm import SyncArena, sync_arena
 
 
 @dataclass(frozen=True)
@@ -74,10 +82,13 @@ class FlatShard:
                 self.view(out, p.index).copy_(t.detach()[p.start : p.start + p.length])
         return out
 
-    def _pack_all(self, tensors: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
-        """The ``N S`` buffer of every rank's rows of ``tensors`` (None: zeros)."""
+    def _pack_all(self, tensors: Sequence[torch.Tensor | None], like: torch.Tensor,
+                  into: torch.Tensor | None = None) -> torch.Tensor:
+        """The ``N S`` buffer (``into``'s storage, else a new one) of every rank's rows of
+        ``tensors`` (None: zeros)."""
         # every element written once: the rows, else zeros (padding, a None tensor)
-        buf = torch.empty(self.world, self.numel, dtype=like.dtype, device=like.device)
+        buf = (torch.empty(self.world, self.numel, dtype=like.dtype, device=like.device) if into is None
+               else into.view(self.world, self.numel))
         for p, t in zip(self.pieces, tensors, strict=True):
             if p.row == 0:
                 continue
@@ -95,10 +106,29 @@ class FlatShard:
     def gather(self, flat: torch.Tensor, outs: Sequence[torch.Tensor], *, group: Any = None,
                counter: CommCounter | None = None) -> None:
         """Every rank's flat shard gathered (one collective) and copied out into ``outs``
-        (the whole tensors, in place)."""
+        (the whole tensors, in place). On one host through shared memory (:mod:`.shm`): the
+        rows are copied out of the other ranks' slots."""
+        arena = self._arena(flat, group)
+        if arena is not None:
+            count_op(counter, "all_gather_into_tensor", nbytes_of(flat))
+            slots = arena.slots(self.numel, flat.dtype)
+            slots[self.rank].copy_(flat.reshape(-1))
+            arena.barrier()
+            self._copy_out(slots, outs)
+            arena.barrier()
+            return
         full = torch.empty(self.world * self.numel, dtype=flat.dtype, device=flat.device)
         all_gather_into_tensor(full, flat, group=group, counter=counter)
-        grid = full.view(self.world, self.numel)
+        self._copy_out(list(full.view(self.world, self.numel)), outs)
+
+    def _arena(self, like: torch.Tensor, group: Any) -> SyncArena | None:
+        """Shared memory for this collective, or None (gloo); the same answer on every rank."""
+        if like.device.type != "cpu" or not like.is_contiguous() or self.numel == 0 or world_size(group) != self.world:
+            return None
+        return sync_arena(group, self.world * self.numel * like.element_size())
+
+    def _copy_out(self, grid: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+        """Rank ``j``'s flat shard ``grid[j]``'s rows into the whole tensors ``outs``."""
         for p, out in zip(self.pieces, outs, strict=True):
             if p.row == 0:
                 continue
@@ -107,7 +137,7 @@ class FlatShard:
                 n = max(0, min(p.chunk, p.shape[0] - j * p.chunk))
                 if n:
                     rows[j * p.chunk : j * p.chunk + n].copy_(
-                        grid[j, p.offset : p.offset + n * p.row].view(n, p.row))
+                        grid[j][p.offset : p.offset + n * p.row].view(n, p.row))
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor | None], out: torch.Tensor, *,
                        group: Any = None, counter: CommCounter | None = None,
@@ -115,5 +145,22 @@ class FlatShard:
         """``out`` (this rank's ``S`` elements) <- the mean over ranks of ``tensors`` (None:
         zeros), one reduce-scatter of the sum divided by N (``average=False``: the sum, for a
         replicated stage whose losses are already weighted by their rows)."""
-        buf = self._pack_all(tensors, out)
-        return reduce_scatter(out, buf, group=group, average=average, counter=counter)
+        arena = self._arena(out, group)
+        if arena is None:
+            buf = self._pack_all(tensors, out)
+            return reduce_scatter(out, buf, group=group, average=average, counter=counter)
+        # On one host: every rank packs into its slot, then sums its own shard over the slots
+        # (rank order; on 2 ranks gloo's a + b), the same arithmetic as reduce_scatter's
+        slots = arena.slots(self.world * self.numel, out.dtype)
+        self._pack_all(tensors, out, into=slots[self.rank])
+        count_op(counter, "reduce_scatter", nbytes_of(slots[self.rank]))
+        lo, hi = self.rank * self.numel, (self.rank + 1) * self.numel
+        arena.barrier()
+        flat = out.view(-1)
+        torch.add(slots[0][lo:hi], slots[1][lo:hi], out=flat)
+        for k in range(2, self.world):
+            flat.add_(slots[k][lo:hi])
+        arena.barrier()
+        if average:
+            out.div_(self.world)
+        return out
