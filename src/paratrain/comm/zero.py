@@ -8,6 +8,8 @@ length]]}`` of :mod:`paratrain.training.reshard`, so a sharded run resumes on an
 the unit travels as one ``N S`` buffer, ``[rank 0's | rank 1's | ...]``: one
 ``all_gather_into_tensor``, or one ``reduce_scatter`` of the SUM divided by ``N``, the mean on
 every backend (gloo has no AVG; pytorch#162338: FSDP2 on gloo sums where it should average).
+On one host, for units over ``shm.MIN_BYTES``, both go through shared memory instead
+(:class:`~.shm.SyncArena`: each rank's buffer in its slot, read by the others).
 """
 
 from __future__ import annotations
