@@ -57,8 +57,10 @@ TOPK_EF = {"method": "ErrorFeedback", "error_compensation": True,
 # strategy -> (job sections, the kill spec, the checkpoint file whose save is killed)
 CASES: dict[str, tuple[dict[str, Any], str, str]] = {
     "Local": (_STEPS, "0:30", "step-000000040"),
-    "DataParallel": ({**_STEPS, "strategy": {"type": "DataParallel", "num_replicas": 2,
-                                             "aggregation": {"method": "AllReduce"}}},
+    # a model whose gradient bucket (~0.65 MB) is summed in shared memory (comm/shm.py)
+    "DataParallel": ({**_STEPS, "model": {"name": "mlp", "hidden": [512, 256]},
+                      "strategy": {"type": "DataParallel", "num_replicas": 2,
+                                   "aggregation": {"method": "AllReduce"}}},
                      "1:30", "step-000000040"),
     "ModelParallel": ({**_STEPS, "strategy": {"type": "ModelParallel", "partitions": MP_SPLIT,
                                               "communication": {"protocol": "Direct"}}},
