@@ -61,6 +61,18 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> None:
+    """``out <- parts[0] + parts[1] + ...`` in rank order (on 2 ranks gloo's ``a + b`` bit for
+    bit); ``out`` may be one of the parts."""
+    if len(parts) == 2:  # element-wise, so writing over one of the terms is safe
+        torch.add(parts[0], parts[1], out=out)
+        return
+    total = torch.add(parts[0], parts[1])
+    for part in parts[2:]:
+        total.add_(part)
+    out.copy_(total)
+
+
 def open_existing(path: str) -> int:
     """Open the file another rank made (fails where that rank is on another host)."""
     return os.open(path, os.O_RDWR)
@@ -186,13 +198,7 @@ class HostArena:
         self._barrier()
         if hi > lo:
             mine = slots[r][lo:hi]
-            if n == 2:  # element-wise, so writing over one of the terms is safe
-                torch.add(slots[0][lo:hi], slots[1][lo:hi], out=mine)
-            else:  # s_0 + s_1 + ... in rank order, then written over s_r's chunk
-                total = torch.add(slots[0][lo:hi], slots[1][lo:hi])
-                for k in range(2, n):
-                    total.add_(slots[k][lo:hi])
-                mine.copy_(total)
+            sum_in_rank_order([s[lo:hi] for s in slots], mine)
             for k in range(n):
                 if k != r:
                     slots[k][lo:hi].copy_(mine)

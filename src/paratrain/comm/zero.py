@@ -29,7 +29,7 @@ from .collectives import (
     reduce_scatter,
     world_size,
 )
-from .shm import SyncArena, sync_arena
+from .shm import SyncArena, sum_in_rank_order, sync_arena
 
 
 @dataclass(frozen=True)
@@ -158,10 +158,7 @@ class FlatShard:
         count_op(counter, "reduce_scatter", nbytes_of(slots[self.rank]))
         lo, hi = self.rank * self.numel, (self.rank + 1) * self.numel
         arena.barrier()
-        flat = out.view(-1)
-        torch.add(slots[0][lo:hi], slots[1][lo:hi], out=flat)
-        for k in range(2, self.world):
-            flat.add_(slots[k][lo:hi])
+        sum_in_rank_order([s[lo:hi] for s in slots], out.view(-1))
         arena.barrier()
         if average:
             out.div_(self.world)
