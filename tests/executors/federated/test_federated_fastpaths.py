@@ -22,7 +22,7 @@ from paratrain.executors.federated.client import (
     FreshOptimizer,
     client_generator,
 )
-from paratrain.executors.federated.wire import decode_update, encode_update
+from paratrain.executors.federated.wire import UpdateDecoder, decode_update, encode_update
 from paratrain.models.state import load_unique_state_dict, unique_state_dict
 from paratrain.task import resolve_task
 from paratrain.task.steps import fetch_batch
@@ -153,14 +153,20 @@ def test_decode_in_one_pass_equals_the_checked_decode() -> None:
 
 
 def test_fedavg_of_decoded_updates_adds_each_as_one_vector_with_the_same_sums() -> None:
-    from paratrain.executors.federated.aggregation.fedavg import _as_vector, fedavg_step
+    from paratrain.executors.federated.aggregation._common import FlatUpdate
+    from paratrain.executors.federated.aggregation.fedavg import fedavg_step
 
     torch.manual_seed(0)
     g = {"w": torch.zeros(33, 7), "b": torch.zeros(7), "e": torch.zeros(0), "n": torch.zeros((), dtype=torch.int64)}
-    ups = [decode_update("c", *_update(g), g) for _ in range(23)]
+    decode = UpdateDecoder(g)  # one round's: its updates share one layout
+    ups = [decode("c", *_update(g)) for _ in range(23)]
     weights = [float(i % 5 + 1) for i in range(23)]
-    assert all(_as_vector(u, list(g)) is not None for u in ups)
+    assert all(isinstance(u, FlatUpdate) and u.layout is decode.layout for u in ups)
     apart = [{k: v.clone() for k, v in u.items()} for u in ups]  # separate tensors: per key
-    assert _as_vector(apart[0], list(g)) is None
     a, b = fedavg_step(ups, weights), fedavg_step(apart, weights)
-    assert all(a[k].shape == g[k].shape and torch.equal(a[k], b[k]) for k in g)
+    assert all(a[k].shape == g[k].shape and a[k].dtype == torch.float64 and torch.equal(a[k], b[k]) for k in g)
+    # a mixed round (one update decoded against another layout) takes the per-key sums
+    h, p = _update(g)
+    mixed = fedavg_step([decode_update("c", h, p, g), *ups[1:]], weights)
+    flat = fedavg_step([decode("c", h, p), *ups[1:]], weights)
+    assert all(torch.equal(mixed[k], flat[k]) for k in g) and not torch.equal(mixed["w"], a["w"])

@@ -66,8 +66,10 @@ def pack_control(dc: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {CONTROL_PREFIX + k: v.detach().to("cpu", torch.float32) for k, v in dc.items()}
 
 
-def split_control(decoded: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+def split_control(decoded: Mapping[str, Tensor]) -> tuple[Mapping[str, Tensor], dict[str, Tensor]]:
     """A decoded uplink as (the model delta, the control delta by model key)."""
+    if not any(k.startswith(CONTROL_PREFIX) for k in decoded):  # no control: the update itself
+        return decoded, {}
     upd = {k: v for k, v in decoded.items() if not k.startswith(CONTROL_PREFIX)}
     ctrl = {k.removeprefix(CONTROL_PREFIX): v for k, v in decoded.items() if k.startswith(CONTROL_PREFIX)}
     return upd, ctrl

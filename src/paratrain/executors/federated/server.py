@@ -25,7 +25,7 @@ from .aggregation.drift import valid_norm
 from .client import client_name
 from .drift import control_reference, split_control
 from .privacy import ServerPrivacy
-from .wire import decode_update
+from .wire import UpdateDecoder
 
 
 class RoundSchedule:
@@ -56,7 +56,7 @@ _COUNTERS = ("bytes_up", "bytes_down", "wire_bytes_down", "wire_bytes_up", "fail
 class _Received:
     """One round's client results, in client order."""
 
-    updates: list[dict[str, Tensor]] = field(default_factory=list)
+    updates: list[Mapping[str, Tensor]] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
     losses: list[tuple[float, float]] = field(default_factory=list)
     failed: list[dict[str, Any]] = field(default_factory=list)
@@ -104,9 +104,11 @@ class FederatedServer:
         got = _Received()
         reference = ({**self.global_state, **control_reference(self.global_state)}
                      if self.aggregator.sends_control else self.global_state)
+        decode = UpdateDecoder(reference)
         for i in sorted(range(len(statuses)), key=lambda i: int(statuses[i]["client"])):
-            self._receive(got, statuses[i], payloads[i], reference)
-        updates, weights, failed = got.updates, got.weights, got.failed
+            self._receive(got, statuses[i], payloads[i], decode)
+        updates: Sequence[Mapping[str, Tensor]] = got.updates
+        weights, failed = got.weights, got.failed
         down = sum(t.numel() * t.element_size() for t in self.global_state.values()) * len(statuses)
         self.bytes_up += got.up
         self.bytes_down += down
@@ -137,16 +139,16 @@ class FederatedServer:
         return rec
 
     def _receive(self, got: _Received, st: Mapping[str, Any], payload: bytes | memoryview,
-                 reference: Mapping[str, Tensor]) -> None:
+                 decode: UpdateDecoder) -> None:
         """Book one client's status and payload in ``got``: its update decoded against
-        ``reference`` (with SCAFFOLD's control deltas), or why it failed."""
+        the round's reference (with SCAFFOLD's control deltas), or why it failed."""
         cid = client_name(int(st["client"]))
         got.up += len(payload)
         if not st.get("ok"):
             got.failed.append({"client": cid, "error": str(st.get("error"))})
             return
         try:
-            upd, ctrl = split_control(decode_update(cid, st.get("headers", []), payload, reference))
+            upd, ctrl = split_control(decode(cid, st.get("headers", []), payload))
             n = int(st["n"])
             if n <= 0:
                 raise MalformedUpdateError(cid, "<num_examples>", f"example count {n}")

@@ -6,7 +6,7 @@ float64, cast back to the global tensor's dtype (the result depends only on clie
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -57,6 +57,29 @@ class Aggregator(ABC):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         return None
+
+
+class FlatUpdate(Mapping[str, Tensor]):
+    """An update whose tensors are consecutive slices of one vector ``flat``, cut by
+    ``layout`` (name -> ``(start, stop, shape)``, in order): the server's decoding of a dense
+    payload. A tensor is a view made when read; FedAvg adds ``flat`` itself, one add per
+    client, with no per-tensor view (at 1,000 clients a round those views cost more than
+    the sums)."""
+
+    __slots__ = ("flat", "layout")
+
+    def __init__(self, flat: Tensor, layout: Mapping[str, tuple[int, int, tuple[int, ...]]]) -> None:
+        self.flat, self.layout = flat, layout
+
+    def __getitem__(self, name: str) -> Tensor:
+        a, b, shape = self.layout[name]
+        return self.flat[a:b].view(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout)
+
+    def __len__(self) -> int:
+        return len(self.layout)
 
 
 def update_names(updates: Sequence[Update]) -> list[str]:

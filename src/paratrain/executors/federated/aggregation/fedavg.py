@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ._common import Aggregator, Update, check_weights, linear_combination
+from ._common import Aggregator, FlatUpdate, Update, check_weights, linear_combination
 
 
 def fedavg_step(updates: Sequence[Update], weights: Sequence[float]) -> dict[str, Tensor]:
@@ -33,37 +33,15 @@ def fedavg_step(updates: Sequence[Update], weights: Sequence[float]) -> dict[str
     n = len(updates)
     w = check_weights(weights, n)
     total = float(w.sum())
-    out: dict[str, Tensor] = {}
-    names = list(updates[0])
-    flats = [_as_vector(u, names) for u in updates]
-    if names and all(f is not None for f in flats):  # one add per update (the same sums)
-        acc = torch.zeros(sum(updates[0][k].numel() for k in names), dtype=torch.float64)
-        for f, wi in zip(flats, w.tolist(), strict=True):
-            acc.add_(f, alpha=wi)  # type: ignore[arg-type]  # (none is None here)
-        pos = 0
-        for name in names:
-            t = updates[0][name]
-            out[name] = acc[pos : pos + t.numel()].reshape(t.shape) / total
-            pos += t.numel()
-        return out
+    first = updates[0]
+    if isinstance(first, FlatUpdate) and first.layout and all(
+            isinstance(u, FlatUpdate) and u.layout is first.layout for u in updates):
+        # one add per update, of its whole vector (the same sums as per key)
+        acc = torch.zeros(first.flat.numel(), dtype=torch.float64)
+        for u, wi in zip(updates, w.tolist(), strict=True):
+            acc.add_(u.flat, alpha=wi)  # type: ignore[attr-defined]  # (every one is flat here)
+        return {name: acc[a:b].view(shape) / total for name, (a, b, shape) in first.layout.items()}
     return {name: acc / total for name, acc in linear_combination(updates, w.tolist()).items()}
-
-
-def _as_vector(update: Update, names: list[str]) -> Tensor | None:
-    """``update``'s tensors (``names`` in order) as one vector without a copy where they are
-    consecutive views of one CPU buffer (the server's one-pass decoding), else None."""
-    first = update[names[0]] if names and names[0] in update else None
-    if first is None or first.device.type != "cpu" or len(update) != len(names):
-        return None
-    storage, pos = first.untyped_storage(), first.storage_offset()
-    for name in names:
-        t = update.get(name)
-        if (t is None or t.dtype != first.dtype or not t.is_contiguous() or t.requires_grad
-                or t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != pos):
-            return None
-        pos += t.numel()
-    size = pos - first.storage_offset()
-    return first.new_empty(0).set_(storage, first.storage_offset(), (size,), (1,))
 
 
 class FedAvgAggregator(Aggregator):
