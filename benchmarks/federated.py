@@ -45,7 +45,8 @@ peak of the summed PSS (proportional set size: shared pages split between the
 processes mapping them, so a sum does not double-count) -- the headline figure;
 ``peak_proc_rss_mb`` = the largest RSS of any one process in the tree. Prints one JSON
 object with the ratios paratrain/peer (throughput ratio > 1 and memory ratio < 1 favour
-paratrain). ``--quick`` (``make bench``): 100 and 1,000 clients (Flower at 100 only), 6 rounds (1 warm-up + 5 timed), 3 repeats;
+paratrain). ``--quick`` (``make bench``): 100 and 1,000 clients (Flower at 100 only), 11 rounds
+(1 warm-up + 10 timed: a round is a fraction of a second, its median over 5 was noisy), 3 repeats;
 ``--smoke``: 10 clients, 2 rounds, every arm that can run, 1 Ray actor, memory sampled every
 1 s (seconds; Flower's Ray start adds some). ``--repeat N`` runs every arm N times, interleaved, and reports medians and the median
 of the paired ratios (a shared machine's load changes between arms); ``--checkpoint-every C``
@@ -445,13 +446,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true",
-                      help="100 and 1,000 clients (Flower's simulation at 100 only), 6 rounds (5 timed), "
+                      help="100 and 1,000 clients (Flower's simulation at 100 only), 11 rounds (10 timed), "
                            "every arm 3 times: make bench")
     size.add_argument("--smoke", action="store_true",
                       help="10 clients, 2 rounds (1 timed), 1 Ray actor, memory sampled every 1 s: every "
                            "arm that can run, in seconds (Flower's simulation starts Ray: about 10 s more)")
     ap.add_argument("--clients", type=int, nargs="+", help="client counts (default 100 1000)")
-    ap.add_argument("--rounds", type=int, help="rounds per run (default 6; the first is not timed)")
+    ap.add_argument("--rounds", type=int, help="rounds per run (default 11; the first is not timed)")
     ap.add_argument("--systems", default="paratrain,naive,flwr",
                     help="comma-separated arms among paratrain, naive, flwr (flwr: when importable)")
     ap.add_argument("--repeat", type=int, default=1,
@@ -464,7 +465,7 @@ def main() -> None:
                     help="also a paratrain arm importing paratrain from DIR (another checkout's src: "
                          "a paired before/after); repeatable")
     args = ap.parse_args()
-    rounds = args.rounds or (2 if args.smoke else 6)
+    rounds = args.rounds or (2 if args.smoke else 11)
     sample_s = 1.0 if args.smoke else 0.05  # memory sampling period (a smoke run's peaks are not read)
     flwr_actors = 1 if args.smoke else 2  # Ray's CPUs, one client actor each
     if args.quick and args.repeat == 1:  # paired medians: one pair read anywhere in 0.8-1.3
