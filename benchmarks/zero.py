@@ -233,7 +233,7 @@ def main() -> None:
     args = ap.parse_args()
     from paratrain.comm.testing import run_distributed
 
-    cfg: dict[str, Any] = {"batch": 64, "steps": 4 if args.quick else 8, "repeats": 3 if args.quick else 7,
+    cfg: dict[str, Any] = {"batch": 64, "steps": 4 if args.quick else 8, "repeats": 9 if args.quick else 15,
                            "hidden": HIDDEN}
     rss_hidden, sizes = RSS_HIDDEN, (2, 4)
     if args.smoke:
