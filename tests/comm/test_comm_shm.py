@@ -30,25 +30,34 @@ def _data(rank: int, rnd: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(numel, generator=g).to(dtype)
 
 
+def _reduce_rounds(arena: Any, rank: int, group: Any, n: int, between: Any = None) -> tuple[list[Any], list[Any]]:
+    """``n`` rounds of fresh data through ``arena`` (every bucket launched, then ``between()``,
+    then waited for), each sum beside gloo's ``dist.all_reduce`` of the same data."""
+    got, want = [], []
+    for rnd in range(n):
+        works = []
+        for b, (numel, dtype) in enumerate(BUCKETS):
+            arena.slot(b).copy_(_data(rank, rnd, numel, dtype))
+            works.append(arena.all_reduce(b))
+        if between is not None:
+            between()
+        for w in works:
+            w.wait()
+        for b, (numel, dtype) in enumerate(BUCKETS):
+            ref = _data(rank, rnd, numel, dtype)
+            dist.all_reduce(ref, group=group)
+            got.append(arena.slot(b).clone())
+            want.append(ref)
+    arena.close()
+    return got, want
+
+
 def rounds(ctx: WorkerContext) -> dict[str, Any]:
     from paratrain.comm.shm import HostArena
 
     arena = HostArena.create(BUCKETS, None)
     assert arena is not None
-    got, want = [], []
-    for rnd in range(4):
-        works = []
-        for b, (numel, dtype) in enumerate(BUCKETS):
-            arena.slot(b).copy_(_data(ctx.rank, rnd, numel, dtype))
-            works.append(arena.all_reduce(b))
-        for w in works:
-            w.wait()
-        for b, (numel, dtype) in enumerate(BUCKETS):
-            ref = _data(ctx.rank, rnd, numel, dtype)
-            dist.all_reduce(ref)
-            got.append(arena.slot(b).clone())
-            want.append(ref)
-    arena.close()
+    got, want = _reduce_rounds(arena, ctx.rank, None, 4)
     return {"got": got, "want": want}
 
 
@@ -147,3 +156,37 @@ def test_zero_flat_collectives_in_shared_memory_equal_gloo(world: int) -> None:
         else:
             torch.testing.assert_close(r["got"], r["want"], rtol=1e-6, atol=1e-6)
     assert not torch.equal(res[0]["got"], res[1]["got"])  # non-vacuity: each rank its own rows
+
+
+def subgroups(ctx: WorkerContext) -> dict[str, Any]:
+    """A 2 x 2 mesh's columns {0, 2} and {1, 3}, each with an arena and a FlatShard, beside a
+    side group of the same ranks (a checkpoint writer's, named by their hash) in use."""
+    from paratrain.comm import shm
+    from paratrain.comm.collectives import reduce_scatter, side_group
+    from paratrain.comm.zero import FlatShard
+
+    columns = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mine = columns[ctx.rank % 2]
+    side = side_group(mine)
+    arena = shm.HostArena.create(BUCKETS, mine)
+    assert arena is not None
+    flag = torch.ones(1)
+    # the side group's traffic while the arena's runs
+    got, want = _reduce_rounds(arena, ctx.rank, mine, 3, lambda: dist.all_reduce(flag.fill_(1.0), group=side))
+    fs = FlatShard(SHAPES, world=2, rank=dist.get_rank(mine))
+    rows = _tensors(ctx.rank)
+    ref_rs = reduce_scatter(torch.empty(fs.numel), fs._pack_all(rows, torch.empty(0)), average=True, group=mine)
+    rs = fs.reduce_scatter(rows, torch.empty(fs.numel), group=mine)
+    return {"got": got, "want": want, "side": float(flag), "rs": rs, "ref_rs": ref_rs,
+            "sync": shm.sync_arena(mine, 4 * 2 * fs.numel) is not None}
+
+
+def test_subgroups_sum_in_shared_memory_beside_a_side_group_of_the_same_ranks() -> None:
+    res = run_distributed(subgroups, 4)
+    for r in res:
+        assert r["side"] == 2.0 and r["sync"]
+        assert all(torch.equal(g, w) for g, w in zip(r["got"], r["want"], strict=True))
+        assert torch.equal(r["rs"], r["ref_rs"])
+    # non-vacuity: each column sums its own ranks' data
+    assert not torch.equal(res[0]["got"][2], res[1]["got"][2])
+    assert torch.equal(res[0]["got"][2], res[2]["got"][2])

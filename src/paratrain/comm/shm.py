@@ -17,14 +17,15 @@ by rank ``r``:
 3. barrier (every slot holds every sum: a rank may write its slot again, at its next step).
 
 Each rank reads the bucket once and writes it once, where TCP copies it into and out of the
-kernel per hop. The barriers are one-element all-reduces on a side group of the same ranks
-(so they never interleave with the collectives of the thread that runs the model), issued
-by one worker thread in launch order; every rank launches the same buckets in the same order
+kernel per hop. The barriers are one-element all-reduces on a gloo backend of the same ranks made for the
+arena alone (:func:`private_gloo`: they never interleave with the collectives of the thread
+that runs the model, and no other group shares its name), issued by one worker thread in
+launch order; every rank launches the same buckets in the same order
 (:class:`~.buckets.GradReducer` launches in index order). Made only when every rank of the
 group maps the same file (one host, or hosts sharing ``/dev/shm``) and the file's pages are
 reserved (``posix_fallocate``: a full ``/dev/shm`` is a fallback to gloo, never a SIGBUS);
-``PARATRAIN_SHM=0`` keeps gloo, and so do subgroups (a tensor-parallel mesh's data-parallel
-columns). :class:`SyncArena` is the same idea for collectives made one at a time on the
+``PARATRAIN_SHM=0`` keeps gloo. Any group can have one: the default group or a subgroup (a
+tensor-parallel mesh's data-parallel columns, a pipeline stage's replicas). :class:`SyncArena` is the same idea for collectives made one at a time on the
 caller's thread (ZeRO's flat all-gather and reduce-scatter). tests/comm/test_comm_shm.py
 holds both to gloo's collectives.
 """
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .collectives import global_rank, rank_of, side_group, world_size
+from .collectives import global_rank, rank_of, world_size
 
 SHM_DIR = "/dev/shm"
 # Below this a bucket goes through gloo: a reduction here costs two barriers (one-element
@@ -123,6 +124,31 @@ def _map_file(nbytes: int, group: Any, wanted: bool) -> tuple[mmap.mmap, str] | 
     return None
 
 
+def _registered(group: Any) -> bool:
+    """Whether ``group`` is one of torch.distributed's own (a process group object of another
+    kind, e.g. a fault-tolerant replica group's, keeps its own collectives)."""
+    return group is None or group in dist.distributed_c10d._world.pg_map
+
+
+_PRIVATE: dict[tuple[int, ...], int] = {}  # rank set -> how many backends this process made for it
+
+
+def private_gloo(group: Any) -> Any:
+    """A gloo backend of ``group``'s ranks that no other group shares, for an arena's worker
+    thread: named in torch's default store by the ranks and by how many this process has made
+    for them (every member makes its arenas in the same order, as it makes its reducers). A
+    torch group cannot serve a subgroup here: one made by its members alone is named by a
+    hash of its ranks, which a second one of the same ranks (a checkpoint writer's side
+    group) would share, mixing their messages. It is not registered with torch.distributed:
+    its ``allreduce`` is called directly."""
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    made = _PRIVATE.get(ranks, 0)
+    _PRIVATE[ranks] = made + 1
+    store = dist.PrefixStore(f"paratrain-shm/{'-'.join(map(str, ranks))}/{made}/",
+                             dist.distributed_c10d._get_default_store())
+    return dist.ProcessGroupGloo(store, rank_of(group), len(ranks), dist.distributed_c10d.default_pg_timeout)
+
+
 class _Work:
     """A launched reduction: :meth:`wait` returns once it is done (re-raising its error)."""
 
@@ -144,7 +170,7 @@ class HostArena:
     def __init__(self, mm: mmap.mmap, path: str, group: Any, layout: list[tuple[int, int, torch.dtype]]) -> None:
         self.group, self.n, self.rank = group, world_size(group), rank_of(group)
         self.path = path  # unlinked: its name only
-        self._side = side_group(group)
+        self._side = private_gloo(group)
         raw = memoryview(mm)
         # bucket b, rank k: bytes [offset_b + k * stride_b, + numel_b * itemsize_b), a storage of
         # its own, so that a rank's tensors account for its slots only, not the whole mapping
@@ -166,11 +192,7 @@ class HostArena:
         """An arena for buckets of ``(numel, dtype)`` on every rank of ``group``, or None
         (one rank, not enabled, or some rank cannot map the file): collective."""
         n = world_size(group)
-        if n < 2 or not buckets:
-            return None
-        if group is not None and group != dist.group.WORLD:
-            # A subgroup's side group is named by a hash of its ranks (side_group): a second
-            # one beside, say, a checkpoint writer's would collide; subgroups keep gloo.
+        if n < 2 or not buckets or not _registered(group):
             return None
         layout = [(numel, torch.empty(0, dtype=dtype).element_size(), dtype) for numel, dtype in buckets]
         nbytes = sum(n * _aligned(numel * size) for numel, size, _ in layout)
@@ -188,7 +210,7 @@ class HostArena:
         return work
 
     def _barrier(self) -> None:
-        dist.all_reduce(self._flag, group=self._side)
+        self._side.allreduce([self._flag]).wait()
 
     def _reduce(self, b: int) -> None:
         slots, n, r = self._slots[b], self.n, self.rank
@@ -227,7 +249,7 @@ class HostArena:
 
 
 class SyncArena:
-    """One slot of shared memory per rank of the default group for collectives made on the
+    """One slot of shared memory per rank of a group for collectives made on the
     caller's thread, one at a time (ZeRO's flat all-gather and reduce-scatter,
     :class:`~.zero.FlatShard`): each rank writes its slot, a barrier, each reads what it
     needs of every slot, a barrier (so that no rank writes its slot again while another still
@@ -254,19 +276,17 @@ _SYNC: dict[int, tuple[Any, SyncArena | None]] = {}
 
 
 def sync_arena(group: Any, nbytes: int) -> SyncArena | None:
-    """The default group's :class:`SyncArena` holding ``nbytes`` a slot, or None (a subgroup,
-    one rank, under :data:`MIN_BYTES`, not enabled or not mappable on some rank: gloo). Collective
-    when it makes or grows the arena: every rank calls it at the same collective with the same
+    """``group``'s :class:`SyncArena` holding ``nbytes`` a slot, or None (one rank, under
+    :data:`MIN_BYTES`, not enabled or not mappable on some rank: gloo). Collective when it
+    makes or grows the arena: every rank calls it at the same collective with the same
     ``nbytes``, so every rank decides alike."""
-    if group is not None and group != dist.group.WORLD:
-        return None
     n = world_size(group)
-    if n < 2 or nbytes <= MIN_BYTES:
+    if n < 2 or nbytes <= MIN_BYTES or not _registered(group):
         return None
-    world = dist.group.WORLD
-    key = id(world)
+    owner = group if group is not None else dist.group.WORLD
+    key = id(owner)
     held = _SYNC.get(key)
-    if held is not None and held[0] is world:
+    if held is not None and held[0] is owner:
         arena = held[1]
         if arena is None or arena.capacity >= nbytes:
             return arena
@@ -275,5 +295,5 @@ def sync_arena(group: Any, nbytes: int) -> SyncArena | None:
         capacity = _aligned(nbytes)
     mapped = _map_file(n * capacity, group, enabled())
     made = None if mapped is None else SyncArena(mapped[0], group, capacity)
-    _SYNC[key] = (world, made)  # the group kept, so that its id is not another's
+    _SYNC[key] = (owner, made)  # the group kept, so that its id is not another's
     return made
