@@ -144,7 +144,7 @@ def private_gloo(group: Any) -> Any:
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     made = _PRIVATE.get(ranks, 0)
     _PRIVATE[ranks] = made + 1
-    store = dist.PrefixStore(f"paratrain-shm/{'-'.join(map(str, ranks))}/{made}/",
+    store = dist.PrefixStore(f"paratrain-shm/{'-'.join(map(str, ranks))}/{made}/",  # type: ignore[attr-defined]
                              dist.distributed_c10d._get_default_store())
     return dist.ProcessGroupGloo(store, rank_of(group), len(ranks), dist.distributed_c10d.default_pg_timeout)
 
