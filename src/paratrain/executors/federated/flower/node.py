@@ -75,15 +75,16 @@ def node_mean(statuses: list[dict[str, Any]], payload: bytes, template: Mapping[
     model's key order) and ``N = sum_c n_c``; a client whose update fails the server's checks
     is marked failed here (the server never sees it alone)."""
     from ..aggregation import MalformedUpdateError
-    from ..wire import decode_update, split_payload
+    from ..wire import UpdateDecoder, split_payload
 
+    decode = UpdateDecoder(template)  # the node's clients share one layout: made once
     acc = {k: torch.zeros(t.shape, dtype=torch.float64) for k, t in template.items()}
     n_all = 0
     for st, chunk in zip(statuses, split_payload(statuses, payload), strict=True):
         if not st.get("ok"):
             continue
         try:
-            upd = decode_update(f"client-{st['client']}", st.get("headers", []), chunk, template)
+            upd = decode(f"client-{st['client']}", st.get("headers", []), chunk)
         except MalformedUpdateError as e:
             st.update(ok=False, error=f"rejected update: {e}")
             continue
