@@ -17,17 +17,17 @@ by rank ``r``:
 3. barrier (every slot holds every sum: a rank may write its slot again, at its next step).
 
 Each rank reads the bucket once and writes it once, where TCP copies it into and out of the
-kernel per hop. The barriers are one-element all-reduces on a gloo backend of the same ranks made for the
-arena alone (:func:`private_gloo`: they never interleave with the collectives of the thread
-that runs the model, and no other group shares its name), issued by one worker thread in
-launch order; every rank launches the same buckets in the same order
+kernel per hop. The barriers are one-element all-reduces on a gloo backend of the same
+ranks made for the arena alone (:func:`private_gloo`: they never interleave with the
+collectives of the thread that runs the model, and no other group shares its name), issued
+by one worker thread in launch order; every rank launches the same buckets in the same order
 (:class:`~.buckets.GradReducer` launches in index order). Made only when every rank of the
 group maps the same file (one host, or hosts sharing ``/dev/shm``) and the file's pages are
 reserved (``posix_fallocate``: a full ``/dev/shm`` is a fallback to gloo, never a SIGBUS);
 ``PARATRAIN_SHM=0`` keeps gloo. Any group can have one: the default group or a subgroup (a
-tensor-parallel mesh's data-parallel columns, a pipeline stage's replicas). :class:`SyncArena` is the same idea for collectives made one at a time on the
-caller's thread (ZeRO's flat all-gather and reduce-scatter). tests/comm/test_comm_shm.py
-holds both to gloo's collectives.
+tensor-parallel mesh's data-parallel columns, a pipeline stage's replicas). :class:`SyncArena`
+is the same idea for collectives made one at a time on the caller's thread (ZeRO's flat
+all-gather and reduce-scatter). tests/comm/test_comm_shm.py holds both to gloo's collectives.
 """
 
 from __future__ import annotations

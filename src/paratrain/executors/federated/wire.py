@@ -22,8 +22,7 @@ import torch
 from torch import Tensor
 
 from ...comm.collectives import broadcast_
-from .aggregation import MalformedUpdateError
-from .aggregation._common import FlatUpdate
+from .aggregation import FlatUpdate, MalformedUpdateError
 
 
 def dense_headers(state: Mapping[str, Tensor]) -> list[dict[str, Any]]:

@@ -7,12 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from . import drift, fedavg, fedbuff, robust
-from ._common import Aggregator, MalformedUpdateError
+from ._common import Aggregator, FlatUpdate, MalformedUpdateError
 from .drift import control_keys, fednova_norm, scaffold_client_control
 from .fedavg import fedavg_step, proximal_term
 from .robust import coordinate_median, krum_select, trimmed_mean
 
-__all__ = ["Aggregator", "AGGREGATORS", "build_aggregator", "MalformedUpdateError", "fedavg_step",
+__all__ = ["Aggregator", "AGGREGATORS", "FlatUpdate", "build_aggregator", "MalformedUpdateError", "fedavg_step",
            "coordinate_median", "trimmed_mean", "krum_select", "proximal_term", "fednova_norm",
            "scaffold_client_control", "control_keys"]
 

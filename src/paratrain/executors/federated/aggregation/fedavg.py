@@ -34,12 +34,12 @@ def fedavg_step(updates: Sequence[Update], weights: Sequence[float]) -> dict[str
     w = check_weights(weights, n)
     total = float(w.sum())
     first = updates[0]
-    if isinstance(first, FlatUpdate) and first.layout and all(
-            isinstance(u, FlatUpdate) and u.layout is first.layout for u in updates):
+    flats = [u.flat for u in updates if isinstance(u, FlatUpdate) and u.layout is getattr(first, "layout", None)]
+    if isinstance(first, FlatUpdate) and first.layout and len(flats) == n:
         # one add per update, of its whole vector (the same sums as per key)
         acc = torch.zeros(first.flat.numel(), dtype=torch.float64)
-        for u, wi in zip(updates, w.tolist(), strict=True):
-            acc.add_(u.flat, alpha=wi)  # type: ignore[attr-defined]  # (every one is flat here)
+        for f, wi in zip(flats, w.tolist(), strict=True):
+            acc.add_(f, alpha=wi)
         return {name: acc[a:b].view(shape) / total for name, (a, b, shape) in first.layout.items()}
     return {name: acc / total for name, acc in linear_combination(updates, w.tolist()).items()}
 
